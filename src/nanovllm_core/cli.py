@@ -1,0 +1,161 @@
+"""Command line: ``nanovllm`` / ``python -m nanovllm_core.cli``.
+
+Prints each prompt and its completion; engine and sampling options mirror ``LLM`` and
+``SamplingParams``. Bad arguments end with exit status 2 and one line on stderr, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Sequence
+
+DEFAULT_PROMPT = "The capital of France is"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, status 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="nanovllm", description="Generate with the nano-vLLM engine on a LLaMA-family model.")
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None,
+                   help="Hugging Face repo id, local folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    m.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")
+    m.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="default: float32 on cpu, bfloat16 on cuda")
+    g = p.add_argument_group("prompts and sampling")
+    g.add_argument("--prompt", action="append", default=None,
+                   help=f"a prompt (repeat for several; default: {DEFAULT_PROMPT!r})")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=_positive_int, default=50, help="tokens to generate per prompt (default 50)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None, help="per-request random seed")
+    g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N", help="show the top-N log-probabilities per token")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    e = p.add_argument_group("engine")
+    e.add_argument("--priority", type=int, action="append", default=None,
+                   help="priority of each --prompt, in order (higher runs first)")
+    e.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="priority")
+    e.add_argument("--max-prefill-tokens", type=_positive_int, default=512,
+                   help="per-step token budget; longer prompts are prefilled in chunks (default 512)")
+    e.add_argument("--max-num-seqs", type=_positive_int, default=64)
+    e.add_argument("--max-model-len", type=_positive_int, default=None)
+    e.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default 16)")
+    e.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="size of the KV pool in blocks")
+    e.add_argument("--no-paged-attention", action="store_true", help="contiguous per-request KV cache, one request at a time")
+    e.add_argument("--no-flash-attn", action="store_true", help="explicit score-matrix attention instead of the fused kernel")
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--show-memory-stats", action="store_true", help="print KV block usage, waste, hit rate, preemptions")
+    return p
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """``LLM(...)`` keyword arguments from parsed CLI options (shared with the TUI)."""
+    return dict(
+        model=args.model, device=args.device, dtype=args.dtype,
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_prefill_tokens, max_model_len=args.max_model_len,
+        scheduling_policy=args.scheduling_policy, enable_prefix_caching=not args.no_prefix_caching,
+        paged=not args.no_paged_attention, attention_backend="math" if args.no_flash_attn else "flash",
+    )
+
+
+def sampling_params(args: argparse.Namespace):
+    from nanovllm_core.sampling_params import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop, max_tokens=args.max_tokens,
+        logprobs=args.logprobs, ignore_eos=args.ignore_eos,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    prompts = args.prompt or [DEFAULT_PROMPT]
+    if any(not p.strip() for p in prompts):
+        parser.error("--prompt must not be empty")
+    if args.priority is not None and len(args.priority) != len(prompts):
+        parser.error(f"got {len(args.priority)} --priority values for {len(prompts)} --prompt values; give one per prompt")
+    try:
+        params = sampling_params(args)
+    except ValueError as e:
+        parser.error(str(e))
+
+    from nanovllm_core.llm import LLM
+    from nanovllm_core.model.loader import ModelLoadError
+
+    try:
+        llm = LLM(**engine_kwargs(args))
+    except (ModelLoadError, ValueError) as e:
+        parser.error(str(e))
+    inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p for p in prompts]
+    start = time.perf_counter()
+    try:
+        outputs = llm.generate(inputs, params, priority=args.priority)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    elapsed = time.perf_counter() - start
+    tok = llm.tokenizer
+    for prompt, out in zip(prompts, outputs):
+        print(f"Prompt: {prompt!r}")
+        for c in out.outputs:
+            if c.finish_reason == "rejected":
+                print(f"  rejected: {out.error}")
+                continue
+            print(f"Completion: {c.text!r}")
+            ttft = out.metrics.time_to_first_token
+            print(f"  [{len(c.token_ids)} tokens, finish_reason={c.finish_reason}"
+                  + (f", stop_reason={c.stop_reason!r}" if c.stop_reason is not None else "")
+                  + (f", TTFT {ttft * 1000:.0f} ms" if ttft is not None else "") + "]")
+            if c.logprobs:
+                for token_id, entry in zip(c.token_ids, c.logprobs):
+                    cands = ", ".join(f"{tok.decode([t])!r} {lp.logprob:.2f}"
+                                      for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank))
+                    print(f"    {tok.decode([token_id])!r}: {cands}")
+        print()
+    total = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    print(f"{len(outputs)} prompt(s), {total} tokens in {elapsed:.2f} s ({total / max(elapsed, 1e-9):.1f} tokens/s) "
+          f"on {llm.engine.device.type}, {str(llm.engine.dtype).replace('torch.', '')}, model {llm.engine.model_name}")
+    if args.show_memory_stats:
+        print_memory_stats(llm.stats())
+    return 0
+
+
+def print_memory_stats(stats: dict) -> None:
+    mib = stats["kv_bytes_per_block"] / 2**20
+    print("KV cache memory:")
+    print(f"  blocks: {stats['kv_blocks_total']} x {stats['block_size']} tokens ({mib:.2f} MiB each, "
+          f"{stats['kv_bytes_total'] / 2**20:.0f} MiB in all)")
+    print(f"  in use now: {stats['kv_blocks_used']}, cached-free: {stats['kv_blocks_cached']}, "
+          f"free: {stats['kv_blocks_free'] - stats['kv_blocks_cached']}")
+    print(f"  slots allocated but unfilled: {stats['kv_slots_wasted']}")
+    print(f"  prefix cache: {stats['prefix_cache_hits']} of {stats['prefix_cache_queries']} prompt tokens hit "
+          f"({stats['prefix_cache_hit_rate']:.1%})")
+    print(f"  preemptions: {stats['num_preemptions']}, steps: {stats['steps']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""``EngineConfig``: the engine's knobs, with vLLM's names, checked once at construction."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+SCHEDULING_POLICIES = ("priority", "fcfs")
+ATTENTION_BACKENDS = ("flash", "math")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
+          "float": torch.float32}
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one engine.
+
+    Attributes:
+        model: what ``resolve_model`` accepts (None = the embedded default).
+        device: ``"cpu"`` or ``"cuda"`` (None: CUDA if available).
+        dtype: ``"float32"``, ``"float16"``, ``"bfloat16"`` (None: float32 on CPU, bfloat16 on CUDA).
+        block_size: tokens per KV block.
+        num_kv_blocks: size of the KV pool in blocks (None: from ``kv_cache_memory``).
+        kv_cache_memory: KV pool budget in bytes (None: a share of free memory, see ``default_kv_cache_memory``).
+        max_num_seqs: most sequences running at once.
+        max_num_batched_tokens: the per-step token budget (None: 512, or ``max_model_len``
+            when chunked prefill is off, since a whole prompt must then fit one step).
+        max_model_len: longest sequence, prompt + output, in tokens (None: the model's).
+        scheduling_policy: ``"priority"`` (higher ``priority`` first, then arrival) or ``"fcfs"``.
+        enable_prefix_caching: reuse cached full blocks of equal prefixes.
+        enable_chunked_prefill: split long prompts across steps within the token budget.
+        paged: False runs the contiguous, one-request-at-a-time baseline.
+        attention_backend: ``"flash"`` (fused kernel) or ``"math"`` (explicit score matrix).
+        seed: seeds torch's global generator for unseeded sampling (None: not seeded).
+    """
+
+    model: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    scheduling_policy: str = "priority"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    paged: bool = True
+    attention_backend: str = "flash"
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer")
+
+        for name in ("block_size", "num_kv_blocks", "kv_cache_memory", "max_num_seqs",
+                     "max_num_batched_tokens", "max_model_len"):
+            positive(name)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy={self.scheduling_policy!r} is unknown; use one of {', '.join(SCHEDULING_POLICIES)}"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend={self.attention_backend!r} is unknown; use one of {', '.join(ATTENTION_BACKENDS)}"
+            )
+        if self.device is not None and torch.device(self.device).type not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r} is not supported; use 'cpu' or 'cuda'")
+        if self.device is not None and torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but no CUDA GPU is available; use --device cpu")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is unknown; use float32, float16 or bfloat16")
+        if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
+                and self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(
+                f"with chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) so a whole prompt fits one step"
+            )
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype is not None:
+            return DTYPES[self.dtype]
+        if self.torch_device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+
+    def token_budget(self, max_model_len: int) -> int:
+        """The effective per-step token budget."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 512 if self.enable_chunked_prefill else max_model_len
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory now: free GPU memory on CUDA, ``MemAvailable`` on Linux, else a guess of 4 GiB."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
+
+
+def default_kv_cache_memory(device: torch.device) -> int:
+    """The default KV pool budget in bytes: half of free GPU memory, or an eighth of free RAM capped at 2 GiB on CPU.
+
+    The CPU cap keeps start-up quick (the pool is zero-filled) while holding tens of
+    thousands of tokens for a small model (SmolLM2-135M in float32: 45 KiB per token).
+    """
+    free = available_memory_bytes(device)
+    if device.type == "cuda":
+        return free // 2
+    return min(free // 8, 2 << 30)

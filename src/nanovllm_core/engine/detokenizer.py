@@ -1,0 +1,54 @@
+"""Incremental detokenization: the text each new token adds, without decoding everything again.
+
+A token is not always a whole character (byte-level BPE splits multi-byte characters over
+several tokens) and decoding a token alone can lose a leading space (SentencePiece). So the
+new text is found by decoding a short window twice, as vLLM does: the window up to the
+previous token and the window including the new one; their difference is the new text,
+held back while it ends in an incomplete character (U+FFFD).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nanovllm_core.engine.sequence import Sequence
+
+_WINDOW = 5  # tokens of left context for each decode
+
+
+def start_detokenizer(seq: Sequence) -> None:
+    """Point the window just before the first generated token (a few prompt tokens as context)."""
+    seq.read_offset = seq.num_prompt_tokens
+    seq.prefix_offset = max(seq.num_prompt_tokens - _WINDOW, 0)
+
+
+def detokenize_new_token(tokenizer: Any, seq: Sequence) -> str:
+    """Advance ``seq``'s window over its newest token; return the text it completes ("" if none yet).
+
+    Text pieces returned over a sequence's life concatenate to its output text.
+    """
+    ids = seq.token_ids
+    skip = seq.params.skip_special_tokens
+    prefix_text = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
+    full_text = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
+    if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+        seq.prefix_offset = seq.read_offset
+        seq.read_offset = len(ids)
+        return full_text[len(prefix_text):]
+    return ""
+
+
+def find_stop_string(seq: Sequence, new_text_len: int) -> tuple[str, int] | None:
+    """The first stop string that appears in the output text's newest part, and where it starts.
+
+    Only the last ``new_text_len + len(stop) - 1`` characters can hold a new match, so a stop
+    string spanning two tokens is found when its last piece arrives.
+    """
+    text = seq.output_text
+    best: tuple[str, int] | None = None
+    for stop in seq.params.stop:
+        start = max(0, len(text) - new_text_len - len(stop) + 1)
+        at = text.find(stop, start)
+        if at != -1 and (best is None or at < best[1]):
+            best = (stop, at)
+    return best

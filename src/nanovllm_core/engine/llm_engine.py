@@ -1,0 +1,560 @@
+"""The engine loop: schedule -> run -> sample -> update -> emit events.
+
+``LLMEngine`` is the lower-level API (vLLM's ``LLMEngine``): ``add_request``, ``step``,
+``abort_request``, ``has_unfinished_requests``. ``LLM.generate`` and the
+``EngineController`` thread drive it. One call of :meth:`LLMEngine.step` is one scheduler
+step: one forward pass over a mixed batch of prefill chunks and decodes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from nanovllm_core import events as ev
+from nanovllm_core.config import EngineConfig, default_kv_cache_memory
+from nanovllm_core.engine.block_manager import BlockManager
+from nanovllm_core.engine.detokenizer import detokenize_new_token, find_stop_string, start_detokenizer
+from nanovllm_core.engine.model_runner import ForwardResult, ModelRunner
+from nanovllm_core.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from nanovllm_core.engine.sequence import Sequence, SequenceStatus
+from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
+from nanovllm_core.model.loader import ProgressFn, ResolvedModel
+from nanovllm_core.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm_core.sampling.sampler import Sampler, SamplerOutput
+from nanovllm_core.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+@dataclass
+class Subscription:
+    """A listener and the detail it asked for.
+
+    ``topk``: candidates per sampled token (0 = none); ``blocks``: ``BlocksChanged`` each
+    step; ``xray``: ``LayerTrace`` events for the requests chosen with ``LLMEngine.xray_request``.
+    """
+
+    callback: Callable[[ev.Event], None]
+    topk: int = 0
+    blocks: bool = False
+    xray: bool = False
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    pending_siblings: list[Sequence] = field(default_factory=list)
+    error: str | None = None
+
+
+class LLMEngine:
+    """A paged-attention inference engine over one model.
+
+    Build it with :meth:`from_config` (loads the model) or directly from a loaded model.
+    Not thread-safe: one thread drives it (``EngineController`` does so for the app).
+    """
+
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, tokenizer: Any,
+                 resolved: ResolvedModel | None = None) -> None:
+        self.config = config
+        self.model = model
+        self.model_config: ModelConfig = model.config
+        self.tokenizer = tokenizer
+        self.resolved = resolved
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        bytes_per_block = self.model_config.kv_bytes_per_token(self.dtype) * config.block_size
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
+            num_blocks = max(1, budget // bytes_per_block)
+        self.bytes_per_block = bytes_per_block
+        paged = config.paged
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching and paged)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs if paged else 1,
+            token_budget=config.token_budget(self.max_model_len) if paged else self.max_model_len,
+            policy=config.scheduling_policy,
+            enable_chunked_prefill=config.enable_chunked_prefill and paged,
+        )
+        self.runner = ModelRunner(model, config.block_size, num_blocks, paged, config.attention_backend, self.max_model_len)
+        self.sampler = Sampler()
+        self.eos_token_ids = self._eos_ids()
+        self.requests: dict[str, _Request] = {}
+        self._subscribers: list[Subscription] = []
+        self._pending_outputs: list[RequestOutput] = []
+        self._seq_counter = itertools.count()
+        self._request_counter = itertools.count()
+        self.step_index = 0
+        self.total_prompt_tokens = 0
+        self.total_output_tokens = 0
+        self.fault_injector: Callable[[SchedulerOutput], None] | None = None  # tests: raise inside a step
+        self.xray = None  # set by nanovllm_core.educational.xray when a subscriber wants LayerTrace events
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: ProgressFn | None = None) -> "LLMEngine":
+        """Resolve and load the model named in ``config``, then build the engine.
+
+        Raises:
+            ModelLoadError: the model cannot be found or loaded (one-line message).
+        """
+        from nanovllm_core.model.loader import load_model
+
+        model, tokenizer, resolved = load_model(config.model, config.torch_device, config.torch_dtype,
+                                                max_model_len=config.max_model_len, progress=progress)
+        return cls(config, model, tokenizer, resolved)
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tok_eos is not None:
+            ids.add(int(tok_eos))
+        return tuple(sorted(ids))
+
+    @property
+    def model_name(self) -> str:
+        return self.resolved.name if self.resolved else "model"
+
+    # ------------------------------------------------------------------ events
+
+    def subscribe(self, callback: Callable[[ev.Event], None], topk: int = 5, xray: bool = False,
+                  blocks: bool = True) -> Subscription:
+        """Call ``callback(event)`` for every event from now on, at the declared level of detail.
+
+        Nothing a subscriber did not ask for is computed: top-k lists only if some
+        subscriber has ``topk > 0``, block snapshots only if some has ``blocks``, layer
+        traces only if some has ``xray``. The callback runs on the engine's thread and must
+        be quick (hand the event to a queue).
+        """
+        sub = Subscription(callback, topk=topk, blocks=blocks, xray=xray)
+        self._subscribers.append(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        if sub in self._subscribers:
+            self._subscribers.remove(sub)
+
+    def _emit(self, event: ev.Event) -> None:
+        for sub in list(self._subscribers):
+            sub.callback(event)
+
+    @property
+    def _topk_wanted(self) -> int:
+        return max((s.topk for s in self._subscribers), default=0)
+
+    @property
+    def _blocks_wanted(self) -> bool:
+        return any(s.blocks for s in self._subscribers)
+
+    # ------------------------------------------------------------------ requests
+
+    def _reject(self, request_id: str, prompt: Any, token_ids: list[int], reason: str) -> str:
+        out = RequestOutput(
+            request_id=request_id, prompt=prompt if isinstance(prompt, str) else None, prompt_token_ids=token_ids,
+            outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="rejected")],
+            finished=True, error=reason,
+        )
+        self._pending_outputs.append(out)
+        if self._subscribers:
+            self._emit(ev.RequestRejected(request_id=request_id, reason=reason))
+        return request_id
+
+    def new_request_id(self) -> str:
+        return str(next(self._request_counter))
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0,
+                    request_id: str | None = None) -> str:
+        """Queue a request; return its id.
+
+        A prompt the engine can never serve (empty, longer than ``max_model_len``, needing
+        more KV blocks than the whole pool, token ids outside the vocabulary) is *rejected*:
+        a ``RequestRejected`` event and, from the next :meth:`step`, a finished
+        ``RequestOutput`` with ``finish_reason="rejected"`` and ``error`` set.
+
+        Raises:
+            ValueError: ``params`` is not a SamplingParams, ``priority`` not an int, or the id is in use.
+        """
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, not {priority!r}")
+        request_id = str(request_id) if request_id is not None else self.new_request_id()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = list(prompt)
+        else:
+            return self._reject(request_id, None, [], "prompt must be a string or a list of token ids")
+        vocab = self.model_config.vocab_size
+        n_prompt = len(token_ids)
+        if n_prompt == 0:
+            return self._reject(request_id, text, token_ids, "the prompt is empty; give at least one token of text")
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            return self._reject(request_id, text, token_ids, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        if n_prompt >= self.max_model_len:
+            return self._reject(request_id, text, token_ids,
+                                f"the prompt has {n_prompt} tokens but max_model_len is {self.max_model_len}; "
+                                "shorten it or raise max_model_len")
+        limit = min(self.max_model_len, n_prompt + (params.max_tokens or self.max_model_len))
+        need = self.block_manager.blocks_needed(limit)
+        if need > self.block_manager.num_blocks:
+            return self._reject(request_id, text, token_ids,
+                                f"the request may need {need} KV blocks ({limit} tokens) but the pool has only "
+                                f"{self.block_manager.num_blocks}; raise num_kv_blocks or lower max_tokens")
+        if not self.scheduler.enable_chunked_prefill and n_prompt > self.scheduler.token_budget:
+            return self._reject(request_id, text, token_ids,
+                                f"the prompt has {n_prompt} tokens, more than the per-step budget "
+                                f"({self.scheduler.token_budget}) with chunked prefill off; enable chunked prefill")
+        req = _Request(request_id, text, token_ids, params)
+        now = time.perf_counter()
+        for i in range(params.n):
+            seq = Sequence(seq_id=next(self._seq_counter), request_id=request_id, token_ids=list(token_ids),
+                           num_prompt_tokens=n_prompt, params=params, prompt=text, index=i, priority=priority,
+                           eos_token_ids=() if params.ignore_eos else self.eos_token_ids)
+            seq.metrics.arrival_time = now
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            if params.logprobs is not None:
+                seq.logprobs = []
+            start_detokenizer(seq)
+            req.seqs.append(seq)
+        self.requests[request_id] = req
+        # Samples of one prompt share its blocks through the prefix cache: the siblings wait
+        # until the first sample's prompt is cached.
+        first, rest = req.seqs[0], req.seqs[1:]
+        if rest and self.block_manager.enable_prefix_caching:
+            req.pending_siblings = rest
+            rest = []
+        self.scheduler.add(first)
+        for seq in rest:
+            self.scheduler.add(seq)
+        self.total_prompt_tokens += n_prompt
+        if self._subscribers:
+            self._emit(ev.RequestAdded(
+                request_id=request_id, prompt=text, prompt_token_ids=tuple(token_ids),
+                prompt_pieces=tuple(self.token_pieces(token_ids)), priority=priority, max_tokens=params.max_tokens,
+                n=params.n, sampling=tuple(sorted(_non_default(params).items())),
+            ))
+        return request_id
+
+    def token_pieces(self, token_ids: list[int]) -> list[str]:
+        """The text of each token on its own (for showing tokenization)."""
+        return [self.tokenizer.decode([t]) for t in token_ids]
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now; its blocks are freed. Returns False if no such live request."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self._finish(seq, "abort", None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending_outputs)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; return outputs of the requests it touched (finished ones have ``finished=True``)."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        if not self.scheduler.has_unfinished():
+            return outputs
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        self.step_index = plan.step
+        for seq in plan.preempted:
+            self.runner.release(seq.seq_id)
+        if self._subscribers:
+            self._emit(self._step_planned_event(plan))
+        touched: dict[str, None] = {}
+        if plan.is_empty:
+            self.step_index = plan.step + 1
+            return outputs
+        now = time.perf_counter()
+        for s in plan.scheduled:
+            if s.seq.metrics.first_scheduled_time is None:
+                s.seq.metrics.first_scheduled_time = now
+        try:
+            if self.fault_injector is not None:
+                self.fault_injector(plan)
+            result = self.runner.run(plan.scheduled, tracer=self._tracer(plan))
+            sampled = self._sample(result)
+        except Exception as e:  # isolate: retry each sequence alone, finish those that still fail
+            self._emit(ev.EngineError(step=plan.step, message=f"{type(e).__name__}: {e}",
+                                      traceback=traceback.format_exc()))
+            for s in plan.scheduled:
+                if s.seq.is_finished:
+                    continue
+                try:
+                    result = self.runner.run([s])
+                    self._postprocess([s], result, self._sample(result), plan.step, touched)
+                except Exception as e2:
+                    self._emit(ev.EngineError(step=plan.step, message=f"{type(e2).__name__}: {e2}",
+                                              request_id=s.seq.request_id, traceback=traceback.format_exc()))
+                    self._finish(s.seq, "error", None, error=f"engine error: {type(e2).__name__}: {e2}")
+                    touched[s.seq.request_id] = None
+        else:
+            self._postprocess(plan.scheduled, result, sampled, plan.step, touched)
+        if self._subscribers:
+            self._emit_step_end(plan, time.perf_counter() - t0)
+        outputs.extend(self._outputs_for(touched))
+        return outputs
+
+    def _sample(self, result: ForwardResult) -> SamplerOutput:
+        seqs = [s.seq for s, _ in result.rows]
+        return self.sampler(result.logits, seqs, self._topk_wanted)
+
+    def _postprocess(self, scheduled: list[ScheduledSequence], result: ForwardResult, sampled: SamplerOutput,
+                     step: int, touched: dict[str, None]) -> None:
+        for s in scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(s.seq)
+            touched[s.seq.request_id] = None
+            if not s.seq.in_prefill and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens:
+                self._release_siblings(s.seq)
+        for row, (s, _) in enumerate(result.rows):
+            self._append_token(s.seq, sampled, row, step)
+
+    def _release_siblings(self, seq: Sequence) -> None:
+        req = self.requests.get(seq.request_id)
+        if req is not None and req.pending_siblings:
+            for sib in req.pending_siblings:
+                self.scheduler.add(sib)
+            req.pending_siblings = []
+
+    def _append_token(self, seq: Sequence, sampled: SamplerOutput, row: int, step: int) -> None:
+        token = sampled.token_ids[row]
+        seq.token_ids.append(token)
+        now = time.perf_counter()
+        m = seq.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            m.first_token_step = step
+        m.num_output_tokens = seq.num_output_tokens
+        self.total_output_tokens += 1
+        if sampled.chosen_logprobs is not None:
+            seq.cumulative_logprob += sampled.chosen_logprobs[row]
+            if seq.logprobs is not None:
+                entry = {tid: Logprob(lp, rank + 1) for rank, (tid, lp) in enumerate(sampled.top[row][: seq.params.logprobs])}
+                if token not in entry:
+                    rank = 1 + sum(1 for _, lp in sampled.top[row] if lp > sampled.chosen_logprobs[row])
+                    entry[token] = Logprob(sampled.chosen_logprobs[row], rank)
+                seq.logprobs.append(entry)
+        piece = detokenize_new_token(self.tokenizer, seq)
+        seq.output_text += piece
+        if self._subscribers:
+            top = ()
+            if sampled.top is not None and self._topk_wanted:
+                top = tuple(ev.TopToken(tid, self.tokenizer.decode([tid]), math.exp(lp))
+                            for tid, lp in sampled.top[row][: self._topk_wanted])
+            self._emit(ev.TokenSampled(
+                step=step, request_id=seq.request_id, seq_id=seq.seq_id, index=seq.index, token_id=token,
+                text=piece, position=seq.num_tokens - 1, num_output_tokens=seq.num_output_tokens, top=top,
+                logprob=sampled.chosen_logprobs[row] if sampled.chosen_logprobs is not None else None,
+                temperature=seq.params.temperature, greedy=seq.params.greedy,
+            ))
+        self._check_stop(seq, token, len(piece))
+
+    def _check_stop(self, seq: Sequence, token: int, new_text_len: int) -> None:
+        p = seq.params
+        n_out = seq.num_output_tokens
+        if n_out >= p.min_tokens:
+            if token in seq.eos_token_ids:
+                return self._finish(seq, "stop", None)
+            if token in p.stop_token_ids:
+                return self._finish(seq, "stop", token)
+            if p.stop:
+                hit = find_stop_string(seq, new_text_len)
+                if hit is not None:
+                    stop, at = hit
+                    seq.output_text = seq.output_text[: at + len(stop) if p.include_stop_str_in_output else at]
+                    return self._finish(seq, "stop", stop)
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return self._finish(seq, "length", None)
+        if seq.num_tokens >= self.max_model_len:
+            return self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None, error: str | None = None) -> None:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        seq.error = error
+        seq.metrics.finished_time = time.perf_counter()
+        seq.metrics.finished_step = self.step_index
+        self.scheduler.remove(seq)
+        self.runner.release(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+        req = self.requests.get(seq.request_id)
+        if req is not None and seq in req.pending_siblings:
+            req.pending_siblings.remove(seq)
+        if self._subscribers:
+            m = seq.metrics
+            e2e = m.finished_time - m.arrival_time
+            self._emit(ev.RequestFinished(
+                request_id=seq.request_id, step=self.step_index, index=seq.index, finish_reason=reason,
+                stop_reason=stop_reason, output_text=seq.output_text, output_token_ids=tuple(seq.output_token_ids),
+                num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+                ttft_s=m.time_to_first_token, tpot_s=m.time_per_output_token, e2e_s=e2e,
+                num_preemptions=m.num_preemptions, num_cached_prompt_tokens=m.num_cached_prompt_tokens, error=error,
+            ))
+        if req is not None and all(s.is_finished for s in req.seqs):
+            del self.requests[seq.request_id]
+            self._pending_outputs.append(self._request_output(req))
+
+    def _outputs_for(self, touched: dict[str, None]) -> list[RequestOutput]:
+        outs = self._pending_outputs
+        self._pending_outputs = []
+        done = {o.request_id for o in outs}
+        for rid in touched:
+            req = self.requests.get(rid)
+            if req is not None and rid not in done:
+                outs.append(self._request_output(req))
+        return outs
+
+    def _request_output(self, req: _Request) -> RequestOutput:
+        completions = [
+            CompletionOutput(index=s.index, text=s.output_text, token_ids=list(s.output_token_ids),
+                             finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                             cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                             logprobs=list(s.logprobs) if s.logprobs is not None else None)
+            for s in req.seqs
+        ]
+        errors = [s.error for s in req.seqs if s.error]
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
+                             outputs=completions, finished=all(s.is_finished for s in req.seqs),
+                             metrics=req.seqs[0].metrics, error=errors[0] if errors else None)
+
+    # ------------------------------------------------------------------ events of a step
+
+    def _tracer(self, plan: SchedulerOutput):
+        if self.xray is None or not any(s.xray for s in self._subscribers):
+            return None
+        return self.xray.tracer_for(plan)
+
+    def _queue_entry(self, seq: Sequence) -> ev.QueueEntry:
+        return ev.QueueEntry(request_id=seq.request_id, seq_id=seq.seq_id, index=seq.index, priority=seq.priority,
+                             status=seq.status.value, num_tokens=seq.num_tokens,
+                             num_computed_tokens=seq.num_computed_tokens, num_preemptions=seq.metrics.num_preemptions)
+
+    def _step_planned_event(self, plan: SchedulerOutput) -> ev.StepPlanned:
+        entries = tuple(
+            ev.ScheduledEntry(request_id=s.seq.request_id, seq_id=s.seq.seq_id, index=s.seq.index, kind=s.kind,
+                              num_tokens=s.num_new_tokens, start=s.start, prompt_len=s.seq.num_prompt_tokens,
+                              total_len=s.seq.num_tokens, num_cached_tokens=s.num_cached_tokens, samples=s.samples,
+                              priority=s.seq.priority)
+            for s in plan.scheduled
+        )
+        return ev.StepPlanned(
+            step=plan.step, token_budget=plan.token_budget, num_batched_tokens=plan.num_batched_tokens,
+            scheduled=entries, preempted=tuple(self._queue_entry(s) for s in plan.preempted),
+            admitted=tuple(s.request_id for s in plan.admitted),
+            waiting=tuple(self._queue_entry(s) for s in self.scheduler.waiting),
+            running=tuple(self._queue_entry(s) for s in self.scheduler.running),
+            max_num_seqs=self.scheduler.max_num_seqs,
+        )
+
+    def blocks_event(self, step: int) -> ev.BlocksChanged:
+        """A snapshot of the KV pool and every live block table."""
+        bm = self.block_manager
+        code = {"used": "u", "cached": "c", "free": "f"}
+        states = "".join(code[bm.block_state(b)] for b in range(bm.num_blocks))
+        tables = tuple(
+            ev.SeqBlocks(request_id=s.request_id, seq_id=s.seq_id, index=s.index, block_table=tuple(s.block_table),
+                         num_tokens=s.num_tokens, num_computed_tokens=s.num_computed_tokens)
+            for s in self.scheduler.running + self.scheduler.waiting if s.block_table
+        )
+        return ev.BlocksChanged(step=step, block_size=bm.block_size, bytes_per_block=self.bytes_per_block,
+                                states=states, ref_counts=tuple(b.ref_count for b in bm.blocks), tables=tables,
+                                prefix_cache_hit_rate=self.prefix_cache_hit_rate)
+
+    def _emit_step_end(self, plan: SchedulerOutput, wall: float) -> None:
+        if self._blocks_wanted:
+            self._emit(self.blocks_event(plan.step))
+        prefill = sum(s.num_new_tokens for s in plan.scheduled if s.kind == "prefill")
+        decode = plan.num_batched_tokens - prefill
+        bm = self.block_manager
+        wall = max(wall, 1e-9)
+        self._emit(ev.StepTimed(
+            step=plan.step, wall_time_s=wall, num_tokens=plan.num_batched_tokens, num_prefill_tokens=prefill,
+            num_decode_tokens=decode, prefill_tokens_per_s=prefill / wall, decode_tokens_per_s=decode / wall,
+            kv_bytes_used=bm.num_used_blocks * self.bytes_per_block,
+            kv_bytes_total=bm.num_blocks * self.bytes_per_block,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_blocks_used=bm.num_used_blocks, num_blocks_cached=bm.num_cached_free_blocks,
+            num_blocks_total=bm.num_blocks,
+        ))
+
+    # ------------------------------------------------------------------ statistics
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        bm = self.block_manager
+        return bm.prefix_cache_hits / bm.prefix_cache_queries if bm.prefix_cache_queries else 0.0
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the engine's life so far (blocks, prefix cache, preemptions, steps).
+
+        ``kv_slots_wasted``: slots allocated to live sequences but not (yet) filled;
+        ``kv_cache_usage``: used blocks / total (0..1).
+        """
+        bm = self.block_manager
+        live = self.scheduler.running + self.scheduler.waiting
+        allocated = sum(len(s.block_table) for s in live) * bm.block_size
+        filled = sum(min(s.num_tokens, len(s.block_table) * bm.block_size) for s in live)
+        return {
+            "steps": self.scheduler.step_index,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "kv_blocks_cached": bm.num_cached_free_blocks,
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_cache_usage": bm.num_used_blocks / bm.num_blocks,
+            "kv_slots_wasted": allocated - filled,
+            "kv_bytes_per_block": self.bytes_per_block,
+            "kv_bytes_total": bm.num_blocks * self.bytes_per_block,
+            "block_size": bm.block_size,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "total_prompt_tokens": self.total_prompt_tokens,
+            "total_output_tokens": self.total_output_tokens,
+        }
+
+
+def _non_default(params: SamplingParams) -> dict[str, Any]:
+    default = SamplingParams()
+    out = {}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "seed", "min_tokens", "ignore_eos", "logprobs", "n"):
+        value = getattr(params, name)
+        if value != getattr(default, name):
+            out[name] = value
+    if params.stop:
+        out["stop"] = tuple(params.stop)
+    return out

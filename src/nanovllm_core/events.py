@@ -1,0 +1,401 @@
+"""The event contract: typed, immutable records of everything the engine does.
+
+The TUI, the CLI teaching modes and trace files see the engine only through these. Each
+event is a frozen dataclass of plain values (ints, floats, strings, tuples, nested event
+parts), cheap to build, safe to hand to another thread, and serialisable to one JSON line
+with :func:`to_json` and back with :func:`from_json`.
+
+Events about one request carry ``request_id``; events about one engine step carry ``step``.
+Expensive events (``LayerTrace``, top-k lists, ``BlocksChanged``) are only built when a
+subscriber asked for them (see ``LLMEngine.subscribe``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _now() -> float:
+    return time.time()
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base of all events. ``time``: wall-clock seconds since the epoch when it was made."""
+
+    time: float = field(default_factory=_now, kw_only=True)
+
+    @property
+    def kind(self) -> str:
+        return type(self).__name__
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class RequestAdded(Event):
+    """A request entered the waiting queue.
+
+    ``prompt_pieces``: the tokenizer's piece for each prompt token (for the narrator);
+    ``sampling``: the request's non-default sampling settings.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    prompt_pieces: tuple[str, ...]
+    priority: int
+    max_tokens: int | None
+    n: int = 1
+    sampling: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestRejected(Event):
+    """A request was refused before running; ``reason`` says why and what to do."""
+
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RequestFinished(Event):
+    """A request's sample ended (one event per sample when ``n`` > 1; ``index`` says which).
+
+    ``finish_reason``: ``stop`` / ``length`` / ``abort`` / ``error``. Times in seconds.
+    """
+
+    request_id: str
+    step: int | None
+    index: int
+    finish_reason: str
+    stop_reason: str | int | None
+    output_text: str
+    output_token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    ttft_s: float | None
+    tpot_s: float | None
+    e2e_s: float | None
+    num_preemptions: int
+    num_cached_prompt_tokens: int
+    error: str | None = None
+
+
+# ------------------------------------------------------------------------------ steps
+
+
+@dataclass(frozen=True)
+class ScheduledEntry:
+    """One sequence in a step plan: ``kind`` ``prefill`` (a chunk) or ``decode``; token counts."""
+
+    request_id: str
+    seq_id: int
+    index: int
+    kind: str
+    num_tokens: int
+    start: int
+    prompt_len: int
+    total_len: int
+    num_cached_tokens: int
+    samples: bool
+    priority: int
+
+
+@dataclass(frozen=True)
+class QueueEntry:
+    """One sequence in the waiting or running queue at plan time."""
+
+    request_id: str
+    seq_id: int
+    index: int
+    priority: int
+    status: str
+    num_tokens: int
+    num_computed_tokens: int
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
+class StepPlanned(Event):
+    """The scheduler's plan for one step.
+
+    ``token_budget`` and ``num_batched_tokens`` in tokens; ``scheduled`` in batch order;
+    ``preempted`` / ``admitted``: request ids (with seq ids) that lost or got blocks this step;
+    ``waiting`` / ``running``: the queues after planning, in order.
+    """
+
+    step: int
+    token_budget: int
+    num_batched_tokens: int
+    scheduled: tuple[ScheduledEntry, ...]
+    preempted: tuple[QueueEntry, ...]
+    admitted: tuple[str, ...]
+    waiting: tuple[QueueEntry, ...]
+    running: tuple[QueueEntry, ...]
+    max_num_seqs: int
+
+
+@dataclass(frozen=True)
+class TopToken:
+    """A candidate next token: id, its text, its probability under the model (0..1)."""
+
+    token_id: int
+    text: str
+    prob: float
+
+
+@dataclass(frozen=True)
+class TokenSampled(Event):
+    """A sequence got a new token. ``text``: the text it completed (may be empty mid-character).
+
+    ``top``: the most likely candidates (only when a subscriber asked for ``topk``);
+    ``logprob``: log p of the chosen token under the model (None unless computed).
+    """
+
+    step: int
+    request_id: str
+    seq_id: int
+    index: int
+    token_id: int
+    text: str
+    position: int
+    num_output_tokens: int
+    top: tuple[TopToken, ...] = ()
+    logprob: float | None = None
+    temperature: float = 1.0
+    greedy: bool = True
+
+
+@dataclass(frozen=True)
+class SeqBlocks:
+    """A sequence's block table: physical block ids in logical order, and its token count."""
+
+    request_id: str
+    seq_id: int
+    index: int
+    block_table: tuple[int, ...]
+    num_tokens: int
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class BlocksChanged(Event):
+    """The KV pool after a step.
+
+    ``states``: one character per physical block, ``u`` used, ``c`` cached-free, ``f`` free;
+    ``ref_counts``: per block; ``tables``: every live sequence's block table.
+    ``block_size`` in tokens, ``bytes_per_block`` across all layers and K+V.
+    """
+
+    step: int
+    block_size: int
+    bytes_per_block: int
+    states: str
+    ref_counts: tuple[int, ...]
+    tables: tuple[SeqBlocks, ...]
+    prefix_cache_hit_rate: float = 0.0
+
+    def owners(self) -> dict[int, list[str]]:
+        """block id -> request ids whose tables hold it."""
+        result: dict[int, list[str]] = {}
+        for t in self.tables:
+            for b in t.block_table:
+                result.setdefault(b, []).append(t.request_id)
+        return result
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.states)
+
+
+@dataclass(frozen=True)
+class StepTimed(Event):
+    """How long a step took and what it processed.
+
+    ``wall_time_s`` seconds; token counts; throughputs in tokens/s over this step;
+    KV bytes used and total of the pool.
+    """
+
+    step: int
+    wall_time_s: float
+    num_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    kv_bytes_used: int
+    kv_bytes_total: int
+    num_running: int
+    num_waiting: int
+    num_blocks_used: int = 0
+    num_blocks_cached: int = 0
+    num_blocks_total: int = 0
+
+
+# ---------------------------------------------------------------------------- x-ray
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A named tensor seen during the forward pass: its shape and a few real values."""
+
+    name: str
+    shape: tuple[int, ...]
+    sample: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """One operation of a layer: its math, operand shapes, cost in FLOPs and bytes moved."""
+
+    name: str
+    math: str
+    shapes: str
+    flops: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class LayerTrace(Event):
+    """X-Ray: what one decoder layer did for one request in one step.
+
+    ``tensors``: named intermediate tensors (shapes as the model saw them, batch of 1);
+    ``ops``: the layer's operations; ``attention``: softmax weights ``[queries][keys]`` of
+    ``head`` when this is the chosen layer (else empty). Model facts for the GQA and KV
+    arithmetic ride along.
+    """
+
+    step: int
+    request_id: str
+    layer: int
+    num_layers: int
+    tensors: tuple[TensorInfo, ...]
+    ops: tuple[OpInfo, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    kv_bytes_per_token: int
+    head: int | None = None
+    attention: tuple[tuple[float, ...], ...] = ()
+    query_pieces: tuple[str, ...] = ()
+    key_pieces: tuple[str, ...] = ()
+
+
+# ---------------------------------------------------------------------- speculative
+
+
+@dataclass(frozen=True)
+class SpecDecodeStep(Event):
+    """One speculative verification for one sequence.
+
+    ``draft_tokens``: proposed ids; ``p``/``q``: target / draft probability of each;
+    ``accepted``: per draft token; ``bonus_token``: the token the target added (the
+    correction at the first rejection, or the extra one when all were accepted).
+    """
+
+    step: int
+    request_id: str
+    seq_id: int
+    proposer: str
+    draft_tokens: tuple[int, ...]
+    draft_texts: tuple[str, ...]
+    p: tuple[float, ...]
+    q: tuple[float, ...]
+    accepted: tuple[bool, ...]
+    bonus_token: int | None
+    bonus_text: str = ""
+
+
+# ------------------------------------------------------------------------ lifecycle
+
+
+@dataclass(frozen=True)
+class ModelLoading(Event):
+    """Loading progress: ``stage`` name, ``done`` of ``total`` units; ``ready`` on the last event."""
+
+    stage: str
+    done: int
+    total: int
+    message: str = ""
+    ready: bool = False
+    model_name: str = ""
+    device: str = ""
+    dtype: str = ""
+
+
+@dataclass(frozen=True)
+class EnginePaused(Event):
+    step: int
+
+
+@dataclass(frozen=True)
+class EngineResumed(Event):
+    step: int
+
+
+@dataclass(frozen=True)
+class EngineError(Event):
+    """A step (or a command) failed; ``request_id`` names the request that was finished because of it."""
+
+    step: int | None
+    message: str
+    request_id: str | None = None
+    traceback: str = ""
+
+
+# ----------------------------------------------------------------------------- JSON
+
+_PARTS = (ScheduledEntry, QueueEntry, TopToken, SeqBlocks, TensorInfo, OpInfo)
+EVENT_TYPES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (RequestAdded, RequestRejected, RequestFinished, StepPlanned, TokenSampled, BlocksChanged,
+                StepTimed, LayerTrace, SpecDecodeStep, ModelLoading, EnginePaused, EngineResumed, EngineError,
+                *_PARTS)
+}
+
+
+def _encode(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = {"type": type(value).__name__}
+        for f in dataclasses.fields(value):
+            out[f.name] = _encode(getattr(value, f.name))
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    if isinstance(value, float) and value != value:  # NaN is not JSON
+        return None
+    return value
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict) and "type" in value and value["type"] in EVENT_TYPES:
+        cls = EVENT_TYPES[value["type"]]
+        kwargs = {k: _decode(v) for k, v in value.items() if k != "type"}
+        return cls(**kwargs)
+    if isinstance(value, list):
+        return tuple(_decode(v) for v in value)
+    return value
+
+
+def to_json(event: Event) -> str:
+    """One JSON line (no newline) with a ``type`` field naming the event class."""
+    return json.dumps(_encode(event), ensure_ascii=False, separators=(",", ":"))
+
+
+def from_json(line: str) -> Event:
+    """Rebuild an event from :func:`to_json`'s output.
+
+    Raises:
+        ValueError: not JSON, or no known ``type``.
+    """
+    data = json.loads(line)
+    if not isinstance(data, dict) or data.get("type") not in EVENT_TYPES:
+        raise ValueError(f"not an engine event: {line[:80]!r}")
+    return _decode(data)

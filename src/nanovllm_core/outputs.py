@@ -1,0 +1,84 @@
+"""What ``LLM.generate`` returns: vLLM-shaped ``RequestOutput`` / ``CompletionOutput``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    """Timing and scheduling facts of one request.
+
+    Times are ``time.perf_counter()`` seconds; steps are engine step indices.
+    ``time_to_first_token`` (TTFT) = first_token_time - arrival_time;
+    ``time_per_output_token`` (TPOT) = (finished_time - first_token_time) / (output tokens - 1).
+    """
+
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    first_token_step: int | None = None
+    finished_step: int | None = None
+    num_preemptions: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        if self.finished_time is None or self.first_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+
+@dataclass
+class Logprob:
+    """One candidate token's log-probability and its rank (1 = most likely)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sample.
+
+    ``finish_reason``: ``"stop"`` (EOS, stop token or stop string), ``"length"`` (max_tokens or
+    max_model_len), ``"abort"``, ``"rejected"`` (never ran; see ``RequestOutput.error``), or
+    None while running. ``stop_reason``: the stop string or token id that ended it.
+    ``logprobs``: per generated token, a dict token_id -> Logprob (top-k plus the chosen one).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request: its prompt, its samples, its metrics.
+
+    ``error`` holds the one-line reason when the request was rejected or failed.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    error: str | None = None

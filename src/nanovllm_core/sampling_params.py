@@ -1,0 +1,111 @@
+"""``SamplingParams``: how one request chooses its tokens and when it stops.
+
+Field names and meanings are vLLM's (``vllm.SamplingParams``), so a script moves between the
+two by changing an import. Every value is checked at construction: a bad one raises
+``ValueError`` naming the field and the allowed range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding settings.
+
+    Attributes:
+        n: samples to generate from one prompt (they share the prompt's cached blocks).
+        temperature: softmax temperature; 0 means greedy (argmax).
+        top_p: keep the smallest set of most likely tokens whose probability sum reaches p (0 < p <= 1).
+        top_k: keep the k most likely tokens; 0 or -1 turns it off.
+        min_p: drop tokens whose probability is below ``min_p`` x the top token's (0 <= min_p <= 1).
+        repetition_penalty: >1 discourages tokens seen in prompt or output (positive logits
+            divided, negative multiplied), as in Keskar et al. 2019 (CTRL).
+        presence_penalty: subtracted once from the logit of every token already generated.
+        frequency_penalty: subtracted per occurrence of a token already generated.
+        seed: a per-request random generator; the same seed gives the same tokens whatever else runs.
+        max_tokens: the most tokens to generate (>= 1).
+        min_tokens: EOS and stop tokens are suppressed until this many tokens are generated.
+        stop: strings that end generation; the text ends before the stop string unless
+            ``include_stop_str_in_output``.
+        stop_token_ids: token ids that end generation (kept in the token ids).
+        ignore_eos: keep generating past the end-of-sequence token.
+        logprobs: return this many top log-probabilities per generated token (and the chosen one's).
+        skip_special_tokens: leave special tokens out of the decoded text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: {rule}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise bad("temperature", "must be >= 0 (0 means greedy)")
+        if not (0 < self.top_p <= 1):
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or (self.top_k < 0 and self.top_k != -1):
+            raise bad("top_k", "must be -1 or 0 (off) or a positive integer")
+        if not (0 <= self.min_p <= 1):
+            raise bad("min_p", "must be in [0, 1]")
+        if not self.repetition_penalty > 0:
+            raise bad("repetition_penalty", "must be > 0 (1 means off)")
+        if not (-2 <= self.presence_penalty <= 2):
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not (-2 <= self.frequency_penalty <= 2):
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1 (or None for 'up to max_model_len')")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"SamplingParams.stop contains {s!r}: every stop must be a non-empty string")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or t < 0:
+                raise ValueError(f"SamplingParams.stop_token_ids contains {t!r}: token ids are integers >= 0")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", "must be an integer in [0, 20]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "must be an integer or None")
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding takes the argmax (temperature ~ 0)."""
+        return self.temperature < _GREEDY_EPS
+
+    def clone(self, **changes) -> "SamplingParams":
+        """A copy with some fields changed (validated again)."""
+        values = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        values.update(changes)
+        return SamplingParams(**values)

@@ -1,0 +1,1 @@
+"""The nanovllm-tui app."""

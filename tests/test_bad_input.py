@@ -1,0 +1,86 @@
+"""Bad input is rejected with a clear reason; the rest of the batch finishes; no block leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanovllm_core import LLM, SamplingParams
+
+pytestmark = pytest.mark.real_model
+
+GOOD = "The capital of France is"
+
+
+def test_each_bad_prompt_is_rejected_while_the_batch_completes(make_llm):
+    llm = make_llm(num_kv_blocks=4, block_size=16, max_model_len=100)
+    too_long = "word " * 200
+    params = [SamplingParams(temperature=0, max_tokens=4)] * 4 + [SamplingParams(temperature=0, max_tokens=200)]
+    prompts = [GOOD, "", too_long, [999999], "Hello there"]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    reasons = [o.error for o in outs]
+    assert outs[0].outputs[0].finish_reason == "length" and outs[0].error is None
+    assert "empty" in reasons[1]
+    assert "max_model_len is 100" in reasons[2]
+    assert "outside the vocabulary" in reasons[3]
+    assert "KV blocks" in reasons[4] and "pool has only 4" in reasons[4]
+    for o in outs[1:]:
+        assert o.finished and o.outputs[0].finish_reason == "rejected"
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("max_tokens", 0, "max_tokens"),
+    ("temperature", -0.5, "temperature"),
+    ("top_p", 0.0, "top_p"),
+    ("top_k", -5, "top_k"),
+    ("n", 0, "n="),
+    ("stop", [3], "stop"),
+])
+def test_invalid_sampling_params_raise_value_error_naming_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+def test_unknown_policy_and_bad_engine_options_raise():
+    with pytest.raises(ValueError, match="scheduling_policy='lottery' is unknown"):
+        LLM(scheduling_policy="lottery")
+    with pytest.raises(ValueError, match="block_size=0"):
+        LLM(block_size=0)
+    with pytest.raises(ValueError, match="unknown LLM option"):
+        LLM(max_batch=3)
+
+
+def test_mismatched_priority_list(make_llm):
+    with pytest.raises(ValueError, match="2 priorities for 1 prompts"):
+        make_llm().generate([GOOD], priority=[1, 2])
+
+
+def test_abort_frees_blocks_and_reports_abort(make_engine):
+    engine = make_engine()
+    rid = engine.add_request(GOOD, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    other = engine.add_request("Hello", SamplingParams(temperature=0, max_tokens=3))
+    engine.step()
+    engine.step()
+    assert engine.block_manager.num_used_blocks > 0
+    assert engine.abort_request(rid)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished[rid].outputs[0].finish_reason == "abort"
+    assert finished[other].outputs[0].finish_reason == "length"
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_priority_requests_get_first_tokens_earlier(make_llm):
+    """With a pool too small for all at once, higher-priority requests reach their first token in earlier steps."""
+    llm = make_llm(num_kv_blocks=8, block_size=16, max_num_batched_tokens=64)
+    prompts = [f"Request number {i} asks about the weather in a city far away. " * 3 for i in range(6)]
+    priorities = [0, 0, 0, 10, 10, 10]  # the high ones arrive last
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                        priority=priorities, use_tqdm=False)
+    low = max(o.metrics.first_token_step for o, p in zip(outs, priorities) if p == 0)
+    high = max(o.metrics.first_token_step for o, p in zip(outs, priorities) if p == 10)
+    first_low = min(o.metrics.first_token_step for o, p in zip(outs, priorities) if p == 0)
+    assert high < first_low <= low

