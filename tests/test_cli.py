@@ -66,3 +66,25 @@ def test_bad_model_path_from_a_real_process_prints_no_traceback():
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("nanovllm: error: model path /no/such/dir does not exist; check the path "
                                    "(or omit --model for the embedded default)")
+
+
+@pytest.mark.real_model
+def test_trace_files_record_the_run(capsys, tmp_path):
+    import json
+
+    from nanovllm_core.tracing import read_jsonl
+
+    jsonl, chrome = tmp_path / "run.jsonl", tmp_path / "run.json"
+    code, out, _ = run_cli(capsys, "--prompt", "Hi", "--max-tokens", "3", "--num-kv-blocks", "32",
+                           "--trace", str(jsonl), "--trace-chrome", str(chrome))
+    assert code == 0
+    kinds = [type(e).__name__ for e in read_jsonl(jsonl)]
+    assert kinds.count("TokenSampled") == 3 and kinds[0] == "RequestAdded" and kinds[-1] == "StepTimed"
+    assert "RequestFinished" in kinds and "BlocksChanged" in kinds
+    names = [e["name"] for e in json.loads(chrome.read_text())["traceEvents"]]
+    assert "prefill chunk" in names and "finished (length)" in names
+
+
+def test_trace_to_unwritable_path_is_one_line(capsys):
+    code, _, err = run_cli(capsys, "--trace", "/no/such/dir/run.jsonl", "--num-kv-blocks", "8")
+    assert code == 2 and "cannot write the trace file" in err and len(err.strip().splitlines()) == 1

@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-flash-attn", action="store_true", help="explicit score-matrix attention instead of the fused kernel")
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--show-memory-stats", action="store_true", help="print KV block usage, waste, hit rate, preemptions")
+    t = p.add_argument_group("traces")
+    t.add_argument("--trace", metavar="FILE.jsonl", default=None,
+                   help="record every engine event as JSON lines (replay with nanovllm-tui --replay)")
+    t.add_argument("--trace-chrome", metavar="FILE.json", default=None,
+                   help="write a Chrome trace-event file (open in ui.perfetto.dev or chrome://tracing)")
     return p
 
 
@@ -110,6 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         llm = LLM(**engine_kwargs(args))
     except (ModelLoadError, ValueError) as e:
         parser.error(str(e))
+    try:
+        recorders = open_trace_recorders(llm, args)
+    except OSError as e:
+        parser.error(f"cannot write the trace file: {e}")
     inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p for p in prompts]
     start = time.perf_counter()
     try:
@@ -117,6 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    finally:
+        for r in recorders:
+            r.close()
     elapsed = time.perf_counter() - start
     tok = llm.tokenizer
     for prompt, out in zip(prompts, outputs):
@@ -142,6 +154,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.show_memory_stats:
         print_memory_stats(llm.stats())
     return 0
+
+
+def open_trace_recorders(llm, args: argparse.Namespace) -> list:
+    """Subscribe the ``--trace`` / ``--trace-chrome`` recorders to the engine; returns them (close when done).
+
+    Raises:
+        OSError: a trace file cannot be created.
+    """
+    from nanovllm_core.tracing import ChromeTraceRecorder, JsonlTraceWriter
+
+    recorders = []
+    if args.trace:
+        writer = JsonlTraceWriter(args.trace)
+        llm.engine.subscribe(writer, topk=5, blocks=True, xray=False)
+        recorders.append(writer)
+    if args.trace_chrome:
+        chrome = ChromeTraceRecorder(args.trace_chrome)
+        llm.engine.subscribe(chrome, topk=0, blocks=False)
+        recorders.append(chrome)
+    return recorders
 
 
 def print_memory_stats(stats: dict) -> None:

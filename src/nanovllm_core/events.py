@@ -64,10 +64,23 @@ class RequestRejected(Event):
 
 
 @dataclass(frozen=True)
-class RequestFinished(Event):
-    """A request's sample ended (one event per sample when ``n`` > 1; ``index`` says which).
+class SampleResult:
+    """How one of a request's ``n`` samples ended."""
 
-    ``finish_reason``: ``stop`` / ``length`` / ``abort`` / ``error``. Times in seconds.
+    index: int
+    finish_reason: str
+    stop_reason: str | int | None
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RequestFinished(Event):
+    """A request ended: once per request, when its last sample ends.
+
+    The top-level fields describe sample 0; ``samples`` lists every sample (``n`` > 1).
+    ``finish_reason``: ``stop`` / ``length`` / ``abort`` / ``error``. Times in seconds
+    (TTFT = first token - arrival; TPOT = mean time between later tokens; e2e = finish - arrival).
     """
 
     request_id: str
@@ -85,6 +98,7 @@ class RequestFinished(Event):
     num_preemptions: int
     num_cached_prompt_tokens: int
     error: str | None = None
+    samples: tuple[SampleResult, ...] = ()
 
 
 # ------------------------------------------------------------------------------ steps
@@ -352,7 +366,7 @@ class EngineError(Event):
 
 # ----------------------------------------------------------------------------- JSON
 
-_PARTS = (ScheduledEntry, QueueEntry, TopToken, SeqBlocks, TensorInfo, OpInfo)
+_PARTS = (SampleResult, ScheduledEntry, QueueEntry, TopToken, SeqBlocks, TensorInfo, OpInfo)
 EVENT_TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (RequestAdded, RequestRejected, RequestFinished, StepPlanned, TokenSampled, BlocksChanged,

@@ -103,7 +103,7 @@ class LLMEngine:
         self.total_prompt_tokens = 0
         self.total_output_tokens = 0
         self.fault_injector: Callable[[SchedulerOutput], None] | None = None  # tests: raise inside a step
-        self.xray = None  # set by nanovllm_core.educational.xray when a subscriber wants LayerTrace events
+        self.xray = None  # an XRayCapture, made when a subscriber first asks for LayerTrace events
         if config.seed is not None:
             torch.manual_seed(config.seed)
 
@@ -275,7 +275,21 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
+        """True while a request is queued or running, or a finished output has not been returned yet."""
         return bool(self.requests) or bool(self._pending_outputs)
+
+    def pop_finished_outputs(self) -> list[RequestOutput]:
+        """Outputs finished outside a step (rejections, aborts), returned once."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
+    def fail_running(self, reason: str) -> list[RequestOutput]:
+        """Finish every live request with ``finish_reason="error"`` (after an unrecoverable step failure)."""
+        for req in list(self.requests.values()):
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    self._finish(seq, "error", None, error=reason)
+        return self.pop_finished_outputs()
 
     # ------------------------------------------------------------------ the step
 
@@ -293,7 +307,6 @@ class LLMEngine:
             self._emit(self._step_planned_event(plan))
         touched: dict[str, None] = {}
         if plan.is_empty:
-            self.step_index = plan.step + 1
             return outputs
         now = time.perf_counter()
         for s in plan.scheduled:
@@ -411,19 +424,29 @@ class LLMEngine:
         req = self.requests.get(seq.request_id)
         if req is not None and seq in req.pending_siblings:
             req.pending_siblings.remove(seq)
-        if self._subscribers:
-            m = seq.metrics
-            e2e = m.finished_time - m.arrival_time
-            self._emit(ev.RequestFinished(
-                request_id=seq.request_id, step=self.step_index, index=seq.index, finish_reason=reason,
-                stop_reason=stop_reason, output_text=seq.output_text, output_token_ids=tuple(seq.output_token_ids),
-                num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-                ttft_s=m.time_to_first_token, tpot_s=m.time_per_output_token, e2e_s=e2e,
-                num_preemptions=m.num_preemptions, num_cached_prompt_tokens=m.num_cached_prompt_tokens, error=error,
-            ))
         if req is not None and all(s.is_finished for s in req.seqs):
             del self.requests[seq.request_id]
             self._pending_outputs.append(self._request_output(req))
+            if self._subscribers:
+                self._emit(self._finished_event(req))
+
+    def _finished_event(self, req: _Request) -> ev.RequestFinished:
+        """One event per request, when its last sample ends; top-level fields describe sample 0."""
+        first = req.seqs[0]
+        m = first.metrics
+        samples = tuple(
+            ev.SampleResult(index=s.index, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                            text=s.output_text, token_ids=tuple(s.output_token_ids))
+            for s in req.seqs
+        )
+        return ev.RequestFinished(
+            request_id=req.request_id, step=self.step_index, index=0, finish_reason=first.finish_reason,
+            stop_reason=first.stop_reason, output_text=first.output_text,
+            output_token_ids=tuple(first.output_token_ids), num_prompt_tokens=first.num_prompt_tokens,
+            num_output_tokens=first.num_output_tokens, ttft_s=m.time_to_first_token, tpot_s=m.time_per_output_token,
+            e2e_s=m.finished_time - m.arrival_time, num_preemptions=m.num_preemptions,
+            num_cached_prompt_tokens=m.num_cached_prompt_tokens, error=first.error, samples=samples,
+        )
 
     def _outputs_for(self, touched: dict[str, None]) -> list[RequestOutput]:
         outs = self._pending_outputs
@@ -451,9 +474,25 @@ class LLMEngine:
     # ------------------------------------------------------------------ events of a step
 
     def _tracer(self, plan: SchedulerOutput):
-        if self.xray is None or not any(s.xray for s in self._subscribers):
+        if not any(s.xray for s in self._subscribers):
             return None
+        if self.xray is None:
+            from nanovllm_core.educational.xray import XRayCapture
+
+            self.xray = XRayCapture(self)
         return self.xray.tracer_for(plan)
+
+    def select_xray(self, request_id: str | None, layer: int = 0, head: int = 0) -> None:
+        """Choose the request X-Ray traces (None: the first one in each step) and the heatmap's layer and head.
+
+        Raises:
+            ValueError: layer or head out of range.
+        """
+        from nanovllm_core.educational.xray import XRayCapture
+
+        if self.xray is None:
+            self.xray = XRayCapture(self)
+        self.xray.select(request_id, layer, head)
 
     def _queue_entry(self, seq: Sequence) -> ev.QueueEntry:
         return ev.QueueEntry(request_id=seq.request_id, seq_id=seq.seq_id, index=seq.index, priority=seq.priority,

@@ -73,6 +73,11 @@ class ModelRunner:
         self.use_flash_attn = paged and flash_attn_available(self.device, block_size)
         self._block_offsets = torch.arange(block_size, device=self.device)
 
+    @staticmethod
+    def batch_order(scheduled: list[ScheduledSequence]) -> list[ScheduledSequence]:
+        """The order of sequences in the flat batch: single-token decodes first (stable otherwise)."""
+        return sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+
     def release(self, seq_id: int) -> None:
         """Drop a finished or preempted sequence's contiguous cache (baseline mode)."""
         self.contiguous.pop(seq_id, None)
@@ -86,7 +91,7 @@ class ModelRunner:
         than the last one (speculative verification). Rows are returned in ``scheduled``
         order; within a sequence, in increasing index order.
         """
-        order = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first
+        order = self.batch_order(scheduled)
         if not self.paged:
             return self._run_contiguous(order, tracer, extra_rows)
         ids: list[int] = []

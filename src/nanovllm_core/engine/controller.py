@@ -1,0 +1,295 @@
+"""``EngineController``: the engine on its own thread, driven by a command queue.
+
+The app (and anything else interactive) never calls the engine directly. It sends commands
+(``submit``, ``pause``, ``resume``, ``step(n)``, ``abort``, ``shutdown``), which are
+thread-safe and return at once; the engine thread applies them *between* steps, so pausing
+and single-stepping act on step boundaries. Everything the engine does comes back as
+events (``nanovllm_core.events``) through ``subscribe``.
+
+The model loads on the engine thread, so a window can appear at once; commands sent while
+it loads are queued and run afterwards, and loading progress arrives as ``ModelLoading``
+events. A failing step becomes an ``EngineError`` event and the thread keeps serving.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from nanovllm_core import events as ev
+from nanovllm_core.engine.llm_engine import LLMEngine, Subscription
+from nanovllm_core.outputs import RequestOutput
+from nanovllm_core.sampling_params import SamplingParams
+
+STATES = ("loading", "running", "paused", "idle", "stopped", "failed")
+
+
+@dataclass
+class _Command:
+    name: str
+    args: tuple = ()
+
+
+class EngineController:
+    """Owns the engine thread.
+
+    Args:
+        model: what ``LLM`` accepts (None = the embedded default); loaded on the thread.
+        start_paused: begin paused (the app's tutorial and tests use it).
+        **llm_kwargs: engine settings (``EngineConfig`` fields: block_size, num_kv_blocks, ...).
+
+    ``state`` is one of ``loading``, ``running`` (stepping), ``paused``, ``idle`` (nothing to
+    do), ``stopped`` (after shutdown) or ``failed`` (the model did not load; ``load_error`` says why).
+    """
+
+    def __init__(self, model: str | None = None, *, start_paused: bool = False, _engine: LLMEngine | None = None,
+                 **llm_kwargs: Any) -> None:
+        self._engine: LLMEngine | None = _engine
+        self._model = model
+        self._llm_kwargs = llm_kwargs
+        self._commands: queue.Queue[_Command] = queue.Queue()
+        self._subscriptions: list[Subscription] = []
+        self._sub_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._paused = start_paused
+        self._steps_allowed = 0
+        self._stop = threading.Event()
+        self._state = "loading" if _engine is None else ("paused" if start_paused else "idle")
+        self.load_error: str | None = None
+        self.results: dict[str, RequestOutput] = {}
+        self._results_cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_llm(cls, llm: Any, start_paused: bool = False) -> "EngineController":
+        """Wrap an ``LLM`` that is already loaded (its engine moves to the controller's thread)."""
+        return cls(_engine=llm.engine, start_paused=start_paused)
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine, start_paused: bool = False) -> "EngineController":
+        return cls(_engine=engine, start_paused=start_paused)
+
+    # ------------------------------------------------------------------ public, thread-safe
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def engine(self) -> LLMEngine | None:
+        """The engine once loaded. Read-only use from other threads (its config, tokenizer)."""
+        return self._engine
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def subscribe(self, callback: Callable[[ev.Event], None], topk: int = 5, xray: bool = False,
+                  blocks: bool = True) -> Subscription:
+        """Receive every event (engine and controller) on the engine thread; see ``LLMEngine.subscribe``.
+
+        The returned subscription's ``topk``/``xray``/``blocks`` may be changed later (e.g. the
+        app turns ``xray`` on only while the X-Ray tab is visible).
+        """
+        sub = Subscription(callback, topk=topk, blocks=blocks, xray=xray)
+        with self._sub_lock:
+            self._subscriptions.append(sub)
+            if self._engine is not None:
+                self._engine._subscribers.append(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        with self._sub_lock:
+            if sub in self._subscriptions:
+                self._subscriptions.remove(sub)
+            if self._engine is not None:
+                self._engine.unsubscribe(sub)
+
+    def submit(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, priority: int = 0,
+               request_id: str | None = None) -> str:
+        """Queue a request; returns its id at once (it is added between steps, after loading)."""
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        self._commands.put(_Command("submit", (prompt, sampling_params, priority, rid)))
+        return rid
+
+    def pause(self) -> None:
+        """Stop stepping after the current step."""
+        self._commands.put(_Command("pause"))
+
+    def resume(self) -> None:
+        self._commands.put(_Command("resume"))
+
+    def step(self, n: int = 1) -> None:
+        """While paused, run exactly ``n`` engine steps (steps with nothing to do are not counted)."""
+        if n < 1:
+            raise ValueError(f"step(n) needs n >= 1, got {n}")
+        self._commands.put(_Command("step", (n,)))
+
+    def abort(self, request_id: str) -> None:
+        """Finish a request now with ``finish_reason="abort"``; its blocks are freed."""
+        self._commands.put(_Command("abort", (request_id,)))
+
+    def xray(self, request_id: str | None, layer: int = 0, head: int = 0) -> None:
+        """Choose which request X-Ray traces (None: whichever runs first in a step) and the heatmap's layer/head."""
+        self._commands.put(_Command("xray", (request_id, layer, head)))
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Run ``fn(engine)`` on the engine thread between steps (for rare reads that must be consistent)."""
+        self._commands.put(_Command("call", (fn,)))
+
+    def wait(self, request_id: str, timeout: float | None = None) -> RequestOutput | None:
+        """Block until a request has finished (or timeout); returns its output or None."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._results_cond:
+            while request_id not in self.results:
+                left = None if deadline is None else deadline - time.monotonic()
+                if (left is not None and left <= 0) or not self._thread.is_alive():
+                    return self.results.get(request_id)
+                self._results_cond.wait(timeout=0.05 if left is None else min(left, 0.05))
+            return self.results[request_id]
+
+    def shutdown(self, timeout: float = 1.0) -> bool:
+        """Stop the thread (after the step in progress); True if it ended within ``timeout`` seconds."""
+        self._stop.set()
+        self._commands.put(_Command("wake"))
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # ------------------------------------------------------------------ the thread
+
+    def _emit(self, event: ev.Event) -> None:
+        with self._sub_lock:
+            subs = list(self._subscriptions)
+        for sub in subs:
+            try:
+                sub.callback(event)
+            except Exception:  # a broken listener must not stop the engine
+                traceback.print_exc()
+
+    def _load(self) -> bool:
+        from nanovllm_core.config import EngineConfig
+
+        def progress(stage: str, done: int, total: int) -> None:
+            self._emit(ev.ModelLoading(stage=stage, done=done, total=total))
+
+        self._emit(ev.ModelLoading(stage="resolving model", done=0, total=1, message=str(self._model or "default")))
+        try:
+            config = EngineConfig(model=self._model, **self._llm_kwargs)
+            engine = LLMEngine.from_config(config, progress=progress)
+        except Exception as e:  # ModelLoadError and bad settings: one line, the thread stays up
+            self.load_error = str(e) if str(e) else type(e).__name__
+            self._state = "failed"
+            self._emit(ev.EngineError(step=None, message=f"model failed to load: {self.load_error}"))
+            return False
+        with self._sub_lock:
+            engine._subscribers.extend(self._subscriptions)
+            self._engine = engine
+        self._state = "paused" if self._paused else "idle"
+        self._emit(ev.ModelLoading(stage="ready", done=1, total=1, ready=True, model_name=engine.model_name,
+                                   device=str(engine.device), dtype=str(engine.dtype).replace("torch.", "")))
+        return True
+
+    def _run(self) -> None:
+        if self._engine is None and not self._load():
+            self._serve_failed()
+            return
+        engine = self._engine
+        while not self._stop.is_set():
+            busy = engine.has_unfinished_requests() and (not self._paused or self._steps_allowed > 0)
+            self._drain_commands(block=not busy)
+            if self._stop.is_set():
+                break
+            if engine.has_unfinished_requests() and (not self._paused or self._steps_allowed > 0):
+                self._state = "running" if not self._paused else "paused"
+                before = engine.scheduler.step_index
+                self._step(engine)
+                if self._paused and self._steps_allowed > 0 and engine.scheduler.step_index > before:
+                    self._steps_allowed -= 1  # only real scheduler steps count
+            elif not self._paused:
+                self._state = "idle"
+                if self._steps_allowed:
+                    self._steps_allowed = 0
+            else:
+                self._state = "paused"
+        self._state = "stopped"
+
+    def _serve_failed(self) -> None:
+        """The model did not load: answer commands with errors until shutdown."""
+        while not self._stop.is_set():
+            try:
+                cmd = self._commands.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if cmd.name == "submit":
+                rid = cmd.args[3]
+                self._emit(ev.RequestRejected(request_id=rid, reason=f"no model loaded: {self.load_error}"))
+        self._state = "stopped"
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: _Command) -> None:
+        engine = self._engine
+        try:
+            if cmd.name == "submit":
+                prompt, params, priority, rid = cmd.args
+                engine.add_request(prompt, params, priority, request_id=rid)
+            elif cmd.name == "pause":
+                if not self._paused:
+                    self._paused = True
+                    self._steps_allowed = 0
+                    self._state = "paused"
+                    self._emit(ev.EnginePaused(step=engine.scheduler.step_index))
+            elif cmd.name == "resume":
+                if self._paused:
+                    self._paused = False
+                    self._emit(ev.EngineResumed(step=engine.scheduler.step_index))
+            elif cmd.name == "step":
+                if self._paused:
+                    self._steps_allowed += cmd.args[0]
+            elif cmd.name == "abort":
+                if not engine.abort_request(cmd.args[0]):
+                    self._emit(ev.EngineError(step=None, request_id=cmd.args[0],
+                                              message=f"abort: no running or waiting request {cmd.args[0]!r}"))
+                self._collect(engine.pop_finished_outputs())
+            elif cmd.name == "xray":
+                engine.select_xray(*cmd.args)
+            elif cmd.name == "call":
+                cmd.args[0](engine)
+        except Exception as e:  # e.g. a bad request id or bad params: report, keep serving
+            self._emit(ev.EngineError(step=None, message=f"{cmd.name}: {type(e).__name__}: {e}",
+                                      request_id=cmd.args[3] if cmd.name == "submit" else None))
+            if cmd.name == "submit":
+                self._emit(ev.RequestRejected(request_id=cmd.args[3], reason=str(e)))
+
+    def _step(self, engine: LLMEngine) -> None:
+        try:
+            outputs = engine.step()
+        except Exception as e:
+            self._emit(ev.EngineError(step=engine.scheduler.step_index, message=f"{type(e).__name__}: {e}",
+                                      traceback=traceback.format_exc()))
+            outputs = engine.fail_running(f"engine error: {type(e).__name__}: {e}")
+        self._collect(outputs)
+
+    def _collect(self, outputs: list[RequestOutput]) -> None:
+        done = [o for o in outputs if o.finished]
+        if done:
+            with self._results_cond:
+                for o in done:
+                    self.results[o.request_id] = o
+                self._results_cond.notify_all()

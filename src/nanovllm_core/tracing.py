@@ -1,0 +1,157 @@
+"""Recording the event stream: JSON lines, and Chrome's trace-event format.
+
+- :class:`JsonlTraceWriter` writes every event as one JSON line (``events.to_json``); the
+  app's ``--replay`` plays such a file back without a model.
+- :func:`chrome_trace` turns events into the Trace Event Format that Perfetto
+  (ui.perfetto.dev) and ``chrome://tracing`` open: one track for engine steps and one per
+  request, showing when it queued, each prefill chunk, its decode run, preemptions and its end.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+from nanovllm_core import events as ev
+
+
+class JsonlTraceWriter:
+    """A subscriber that appends each event to a ``.jsonl`` file (use as ``engine.subscribe(writer, ...)``).
+
+    Raises:
+        OSError: the file cannot be created (checked at construction).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._f = open(self.path, "w", encoding="utf-8")
+        self.count = 0
+
+    def __call__(self, event: ev.Event) -> None:
+        self._f.write(ev.to_json(event) + "\n")
+        self.count += 1
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_jsonl(path: str | Path) -> list[ev.Event]:
+    """Events from a ``.jsonl`` trace.
+
+    Raises:
+        ValueError: a line is not an engine event (the message gives its line number).
+    """
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(ev.from_json(line))
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
+    return out
+
+
+class ChromeTraceRecorder:
+    """A subscriber that keeps events and writes a Chrome trace JSON file on :meth:`close`."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.open("w").close()  # fail early on a bad path
+        self.events: list[ev.Event] = []
+
+    def __call__(self, event: ev.Event) -> None:
+        if not isinstance(event, (ev.LayerTrace, ev.BlocksChanged)):
+            self.events.append(event)
+
+    def close(self) -> None:
+        self.path.write_text(json.dumps(chrome_trace(self.events)))
+
+
+def chrome_trace(events: Iterable[ev.Event]) -> dict:
+    """Build ``{"traceEvents": [...]}`` from engine events (times in microseconds from the first event).
+
+    Track 0 holds engine steps; track i (i >= 1) holds request number i in arrival order.
+    """
+    events = list(events)
+    if not events:
+        return {"traceEvents": [], "displayTimeUnit": "ms"}
+    t0 = min(e.time for e in events)
+
+    def us(t: float) -> float:
+        return round((t - t0) * 1e6, 1)
+
+    out: list[dict] = [
+        {"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "nano-vLLM engine"}},
+        {"name": "thread_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "engine steps"}},
+    ]
+    tracks: dict[str, int] = {}
+    plans: dict[int, ev.StepPlanned] = {}
+    step_end: dict[int, float] = {}
+    for e in events:
+        if isinstance(e, ev.StepPlanned):
+            plans[e.step] = e
+        elif isinstance(e, ev.StepTimed):
+            step_end[e.step] = e.time
+    # state per request: open span (name, start, args) to close when it changes
+    open_span: dict[str, tuple[str, float, dict]] = {}
+
+    def track(rid: str) -> int:
+        if rid not in tracks:
+            tracks[rid] = len(tracks) + 1
+            out.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tracks[rid], "args": {"name": f"request {rid}"}})
+        return tracks[rid]
+
+    def close(rid: str, at: float) -> None:
+        span = open_span.pop(rid, None)
+        if span is not None:
+            name, start, args = span
+            out.append({"name": name, "ph": "X", "pid": 1, "tid": track(rid), "ts": us(start),
+                        "dur": max(us(at) - us(start), 0.1), "args": args})
+
+    def open_(rid: str, name: str, at: float, args: dict) -> None:
+        close(rid, at)
+        open_span[rid] = (name, at, args)
+
+    for e in events:
+        if isinstance(e, ev.RequestAdded):
+            open_(e.request_id, "queued", e.time, {"prompt_tokens": len(e.prompt_token_ids), "priority": e.priority})
+        elif isinstance(e, ev.StepPlanned):
+            end = step_end.get(e.step, e.time)
+            if e.scheduled:
+                out.append({"name": f"step {e.step}", "ph": "X", "pid": 1, "tid": 0, "ts": us(e.time),
+                            "dur": max(us(end) - us(e.time), 0.1),
+                            "args": {"tokens": e.num_batched_tokens, "budget": e.token_budget,
+                                     "sequences": len(e.scheduled), "preempted": len(e.preempted)}})
+            for p in e.preempted:
+                close(p.request_id, e.time)
+                out.append({"name": "preempted", "ph": "i", "s": "t", "pid": 1, "tid": track(p.request_id), "ts": us(e.time)})
+                open_(p.request_id, "waiting (preempted)", e.time, {"preemptions": p.num_preemptions})
+            for s in e.scheduled:
+                if s.index != 0:
+                    continue
+                current = open_span.get(s.request_id)
+                if s.kind == "decode":
+                    if current is not None and current[0] == "decode":
+                        current[2]["tokens"] += 1
+                    else:
+                        open_(s.request_id, "decode", e.time, {"tokens": 1})
+                else:
+                    open_(s.request_id, "prefill chunk", e.time,
+                          {"tokens": s.num_tokens, "start": s.start, "cached": s.num_cached_tokens})
+                    close(s.request_id, end)
+        elif isinstance(e, ev.RequestFinished):
+            close(e.request_id, e.time)
+            out.append({"name": f"finished ({e.finish_reason})", "ph": "i", "s": "t", "pid": 1,
+                        "tid": track(e.request_id), "ts": us(e.time),
+                        "args": {"output_tokens": e.num_output_tokens, "ttft_s": e.ttft_s, "tpot_s": e.tpot_s}})
+        elif isinstance(e, ev.RequestRejected):
+            close(e.request_id, e.time)
+            out.append({"name": "rejected", "ph": "i", "s": "t", "pid": 1, "tid": track(e.request_id), "ts": us(e.time),
+                        "args": {"reason": e.reason}})
+    last = max(e.time for e in events)
+    for rid in list(open_span):
+        close(rid, last)
+    return {"traceEvents": out, "displayTimeUnit": "ms"}

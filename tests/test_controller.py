@@ -1,0 +1,167 @@
+"""EngineController: commands act on step boundaries, failures are contained, shutdown is prompt."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from nanovllm_core import SamplingParams
+from nanovllm_core import events as ev
+from nanovllm_core.engine.controller import EngineController
+
+pytestmark = pytest.mark.real_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+class Recorder:
+    """Collects events from the engine thread; ``wait_for`` polls until a condition holds."""
+
+    def __init__(self):
+        self.events: list[ev.Event] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, event):
+        with self.lock:
+            self.events.append(event)
+
+    def of(self, kind):
+        with self.lock:
+            return [e for e in self.events if isinstance(e, kind)]
+
+    def wait_for(self, cond, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if cond():
+                return True
+            time.sleep(0.02)
+        return False
+
+
+@pytest.fixture
+def controller(make_engine):
+    engines = []
+
+    def build(start_paused=False, **kw):
+        kw.setdefault("num_kv_blocks", 64)
+        c = EngineController.from_engine(make_engine(**kw), start_paused=start_paused)
+        engines.append(c)
+        rec = Recorder()
+        c.subscribe(rec, topk=3, blocks=True)
+        return c, rec
+
+    yield build
+    for c in engines:
+        c.shutdown(timeout=5)
+
+
+def test_paused_submit_runs_nothing_until_stepped(controller):
+    c, rec = controller(start_paused=True)
+    rid = c.submit("The capital of France is", GREEDY)
+    assert rec.wait_for(lambda: rec.of(ev.RequestAdded))
+    time.sleep(0.3)
+    assert rec.of(ev.StepPlanned) == [] and rec.of(ev.TokenSampled) == []
+    assert c.state == "paused"
+
+    c.step(1)
+    assert rec.wait_for(lambda: rec.of(ev.StepTimed))
+    time.sleep(0.3)  # nothing more may happen
+    plans, tokens = rec.of(ev.StepPlanned), rec.of(ev.TokenSampled)
+    assert len(plans) == 1 and plans[0].scheduled[0].kind == "prefill"
+    assert len(tokens) == 1 and tokens[0].step == plans[0].step and tokens[0].request_id == rid
+    assert len(tokens[0].top) == 3
+
+    c.resume()
+    out = c.wait(rid, timeout=30)
+    assert out is not None and len(out.outputs[0].token_ids) == 6
+    assert [t.token_id for t in rec.of(ev.TokenSampled)] == out.outputs[0].token_ids
+
+
+def test_abort_mid_decode_frees_its_blocks(controller):
+    c, rec = controller()
+    rid = c.submit("Tell me a long story about a dragon", SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+    assert rec.wait_for(lambda: len(rec.of(ev.TokenSampled)) >= 3)
+    c.abort(rid)
+    out = c.wait(rid, timeout=10)
+    assert out.outputs[0].finish_reason == "abort"
+    assert rec.wait_for(lambda: c.state == "idle")
+    assert c.engine.block_manager.num_used_blocks == 0
+    finished = rec.of(ev.RequestFinished)
+    assert len(finished) == 1 and finished[0].finish_reason == "abort"
+
+
+def test_shutdown_mid_generation_returns_within_a_second(controller):
+    c, rec = controller()
+    c.submit("Count from one to a thousand:", SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))
+    assert rec.wait_for(lambda: len(rec.of(ev.TokenSampled)) >= 2)
+    start = time.monotonic()
+    assert c.shutdown(timeout=1.0)
+    assert time.monotonic() - start < 1.0
+    assert not c.is_alive and c.state == "stopped"
+
+
+def test_injected_failure_becomes_engine_error_and_service_continues(controller):
+    c, rec = controller()
+    calls = {"n": 0}
+
+    def fail_once(plan):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected fault")
+
+    c.engine.fault_injector = fail_once
+    first = c.submit("The capital of France is", GREEDY)
+    out = c.wait(first, timeout=30)
+    errors = rec.of(ev.EngineError)
+    assert errors and "injected fault" in errors[0].message
+    assert out.outputs[0].finish_reason == "length"  # the retry alone succeeded
+    second = c.submit("Hello", GREEDY)
+    assert c.wait(second, timeout=30).outputs[0].finish_reason == "length"
+
+
+def test_failing_request_is_finished_with_a_reason(controller):
+    c, rec = controller()
+    c.engine.runner_run = c.engine.runner.run
+
+    def broken_for_one(scheduled, **kw):
+        if any(s.seq.request_id == "bad" for s in scheduled):
+            raise ValueError("cannot run this one")
+        return c.engine.runner_run(scheduled, **kw)
+
+    c.engine.runner.run = broken_for_one
+    bad = c.submit("This request breaks", GREEDY, request_id="bad")
+    good = c.submit("This one is fine", GREEDY)
+    assert c.wait(bad, timeout=30).outputs[0].finish_reason == "error"
+    assert "cannot run this one" in c.wait(bad).error
+    assert c.wait(good, timeout=30).outputs[0].finish_reason == "length"
+    assert c.engine.block_manager.num_used_blocks == 0
+
+
+def test_commands_sent_while_loading_run_after(tmp_path):
+    c = EngineController(num_kv_blocks=32)
+    rec = Recorder()
+    c.subscribe(rec, topk=0, blocks=False)
+    rid = c.submit("Hi", SamplingParams(temperature=0, max_tokens=2))
+    try:
+        out = c.wait(rid, timeout=120)
+        assert out is not None and out.finished
+        loading = rec.of(ev.ModelLoading)
+        assert loading[-1].ready and loading[-1].model_name == "SmolLM2-135M-Instruct"
+        assert rec.events.index(loading[-1]) < rec.events.index(rec.of(ev.RequestAdded)[0])
+    finally:
+        assert c.shutdown(timeout=5)
+
+
+def test_model_that_fails_to_load_reports_and_rejects():
+    c = EngineController(model="/no/such/model")
+    rec = Recorder()
+    c.subscribe(rec, topk=0, blocks=False)
+    try:
+        assert rec.wait_for(lambda: c.state == "failed", timeout=60)
+        assert "does not exist" in c.load_error
+        c.submit("Hello")
+        assert rec.wait_for(lambda: rec.of(ev.RequestRejected))
+    finally:
+        assert c.shutdown(timeout=2)

@@ -1,0 +1,151 @@
+"""The event contract: ordering invariants, X-Ray content, JSON round-trips, Chrome traces."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from nanovllm_core import SamplingParams
+from nanovllm_core import events as ev
+from nanovllm_core.tracing import chrome_trace
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = ["The capital of France is", "Hi", "A B C D E F G H I J K L M N O P Q R S T U V W X Y Z " * 2, ""]
+
+
+@pytest.fixture(scope="module")
+def recorded(make_llm):
+    """Events of a small run with preemption, chunking, a rejection and X-Ray on."""
+    llm = make_llm(num_kv_blocks=10, block_size=8, max_num_batched_tokens=24)
+    events: list[ev.Event] = []
+    llm.engine.subscribe(events.append, topk=5, blocks=True, xray=True)
+    llm.engine.select_xray(None, layer=2, head=4)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    return llm, events, outs
+
+
+def test_every_added_request_ends_exactly_once(recorded):
+    _, events, _ = recorded
+    added = [e.request_id for e in events if isinstance(e, ev.RequestAdded)]
+    ended = [e.request_id for e in events if isinstance(e, (ev.RequestFinished, ev.RequestRejected))]
+    rejected = [e.request_id for e in events if isinstance(e, ev.RequestRejected)]
+    assert len(rejected) == 1  # the empty prompt
+    assert sorted(ended) == sorted(added + rejected)
+    for rid in added:
+        assert ended.count(rid) == 1
+        first_added = next(i for i, e in enumerate(events) if isinstance(e, ev.RequestAdded) and e.request_id == rid)
+        first_end = next(i for i, e in enumerate(events) if isinstance(e, ev.RequestFinished) and e.request_id == rid)
+        assert first_added < first_end
+
+
+def test_step_indices_are_contiguous_and_timed(recorded):
+    _, events, _ = recorded
+    steps = [e.step for e in events if isinstance(e, ev.StepPlanned)]
+    assert steps == list(range(steps[0], steps[0] + len(steps)))
+    timed = {e.step for e in events if isinstance(e, ev.StepTimed)}
+    planned_nonempty = {e.step for e in events if isinstance(e, ev.StepPlanned) and e.scheduled}
+    assert planned_nonempty == timed
+    assert any(e.preempted for e in events if isinstance(e, ev.StepPlanned)), "the small pool should preempt"
+    assert all(e.num_batched_tokens <= e.token_budget for e in events if isinstance(e, ev.StepPlanned))
+
+
+def test_token_events_reproduce_each_output(recorded):
+    _, events, outs = recorded
+    for out in outs:
+        if out.error:
+            continue
+        tokens = [e.token_id for e in events if isinstance(e, ev.TokenSampled) and e.request_id == out.request_id]
+        assert tokens == out.outputs[0].token_ids
+        text = "".join(e.text for e in events if isinstance(e, ev.TokenSampled) and e.request_id == out.request_id)
+        assert text == out.outputs[0].text
+
+
+def test_blocks_snapshot_is_consistent(recorded):
+    _, events, _ = recorded
+    for e in events:
+        if isinstance(e, ev.BlocksChanged):
+            owners = e.owners()
+            for b, state in enumerate(e.states):
+                assert (state == "u") == (e.ref_counts[b] > 0)
+                assert len(owners.get(b, [])) == e.ref_counts[b]
+
+
+def test_xray_shapes_follow_the_model_config(recorded):
+    llm, events, _ = recorded
+    cfg = llm.engine.model_config
+    traces = [e for e in events if isinstance(e, ev.LayerTrace)]
+    assert traces
+    first_step = traces[0].step
+    layers = [t for t in traces if t.step == first_step]
+    assert [t.layer for t in layers] == list(range(cfg.num_hidden_layers))
+    t = layers[0]
+    tensors = {x.name: x.shape for x in t.tensors}
+    n = tensors["hidden_states"][1]
+    assert tensors["hidden_states"] == (1, n, cfg.hidden_size)
+    assert tensors["q"] == (1, cfg.num_attention_heads, n, cfg.head_dim) == (1, 9, n, 64)
+    assert tensors["k"] == (1, cfg.num_key_value_heads, n, cfg.head_dim) == (1, 3, n, 64)
+    assert tensors["gate"] == (1, n, cfg.intermediate_size)
+    assert t.kv_bytes_per_token == 2 * cfg.num_hidden_layers * 3 * 64 * 4
+    ops = {o.name: o for o in t.ops}
+    assert ops["attention_scores"].math.startswith("S = Q K^T / sqrt(64)")
+    assert ops["qkv_proj"].flops == 2 * n * 576 * (9 + 6) * 64
+
+
+def test_xray_attention_weights_sum_to_one(recorded):
+    _, events, _ = recorded
+    heat = [e for e in events if isinstance(e, ev.LayerTrace) and e.attention]
+    assert heat and all(h.layer == 2 and h.head == 4 for h in heat)
+    for h in heat:
+        for row in h.attention:
+            if len(row) == len(h.key_pieces) and h.key_pieces:  # the row holds all its keys
+                assert abs(sum(row) - 1.0) < 1e-3
+
+
+def test_every_event_type_round_trips_through_json(recorded):
+    _, events, _ = recorded
+    extra = [
+        ev.SpecDecodeStep(step=3, request_id="r", seq_id=1, proposer="ngram", draft_tokens=(5, 6), draft_texts=("a", "b"),
+                          p=(0.5, 0.1), q=(1.0, 1.0), accepted=(True, False), bonus_token=9, bonus_text="c"),
+        ev.ModelLoading(stage="converting GGUF", done=3, total=10),
+        ev.EnginePaused(step=4), ev.EngineResumed(step=4),
+        ev.EngineError(step=None, message="boom", request_id="x"),
+    ]
+    seen = set()
+    for e in events + extra:
+        back = ev.from_json(ev.to_json(e))
+        assert back == e, type(e).__name__
+        seen.add(type(e).__name__)
+    contract = {"RequestAdded", "RequestRejected", "RequestFinished", "StepPlanned", "TokenSampled", "BlocksChanged",
+                "StepTimed", "LayerTrace", "SpecDecodeStep", "ModelLoading", "EnginePaused", "EngineResumed",
+                "EngineError"}
+    assert contract <= seen
+
+
+def test_from_json_rejects_non_events():
+    with pytest.raises(ValueError, match="not an engine event"):
+        ev.from_json('{"type": "Nope"}')
+
+
+def test_chrome_trace_has_required_fields(recorded, tmp_path):
+    _, events, _ = recorded
+    trace = json.loads(json.dumps(chrome_trace(events)))
+    items = trace["traceEvents"]
+    assert items
+    for item in items:
+        assert {"name", "ph", "pid", "tid"} <= set(item)
+        if item["ph"] in ("X", "i"):
+            assert isinstance(item["ts"], (int, float))
+        if item["ph"] == "X":
+            assert item["dur"] > 0
+    names = {i["name"] for i in items}
+    assert {"queued", "prefill chunk", "decode", "preempted", "rejected"} <= names
+    assert any(n.startswith("finished") for n in names) and any(n.startswith("step ") for n in names)
+
+
+def test_events_are_frozen():
+    e = ev.EnginePaused(step=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        e.step = 2
