@@ -332,7 +332,10 @@ class SpecDecodeStep(Event):
 
 @dataclass(frozen=True)
 class ModelLoading(Event):
-    """Loading progress: ``stage`` name, ``done`` of ``total`` units; ``ready`` on the last event."""
+    """Loading progress: ``stage`` name, ``done`` of ``total`` units; ``ready`` on the last event.
+
+    The ready event carries the model's facts in ``model_info`` (see ``LLMEngine.model_info``).
+    """
 
     stage: str
     done: int
@@ -342,6 +345,10 @@ class ModelLoading(Event):
     model_name: str = ""
     device: str = ""
     dtype: str = ""
+    model_info: tuple[tuple[str, Any], ...] = ()
+
+    def info(self) -> dict[str, Any]:
+        return dict(self.model_info)
 
 
 @dataclass(frozen=True)

@@ -100,8 +100,11 @@ class EngineController:
         sub = Subscription(callback, topk=topk, blocks=blocks, xray=xray)
         with self._sub_lock:
             self._subscriptions.append(sub)
-            if self._engine is not None:
+            loaded = self._engine is not None
+            if loaded:
                 self._engine._subscribers.append(sub)
+        if loaded:  # a late subscriber still learns the model's facts, on the engine thread
+            self.call(lambda engine: sub.callback(self.ready_event(engine)))
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
@@ -191,9 +194,15 @@ class EngineController:
             engine._subscribers.extend(self._subscriptions)
             self._engine = engine
         self._state = "paused" if self._paused else "idle"
-        self._emit(ev.ModelLoading(stage="ready", done=1, total=1, ready=True, model_name=engine.model_name,
-                                   device=str(engine.device), dtype=str(engine.dtype).replace("torch.", "")))
+        self._emit(self.ready_event(engine))
         return True
+
+    @staticmethod
+    def ready_event(engine: LLMEngine) -> ev.ModelLoading:
+        """The final ``ModelLoading`` event, carrying ``engine.model_info()``."""
+        return ev.ModelLoading(stage="ready", done=1, total=1, ready=True, model_name=engine.model_name,
+                               device=str(engine.device), dtype=str(engine.dtype).replace("torch.", ""),
+                               model_info=tuple(sorted(engine.model_info().items())))
 
     def _run(self) -> None:
         if self._engine is None and not self._load():

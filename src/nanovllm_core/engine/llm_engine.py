@@ -133,6 +133,21 @@ class LLMEngine:
     def model_name(self) -> str:
         return self.resolved.name if self.resolved else "model"
 
+    def model_info(self) -> dict[str, Any]:
+        """Facts about the model and the KV pool, for headers and explanations (sizes in elements, tokens, bytes)."""
+        c = self.model_config
+        return {
+            "model_name": self.model_name, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+            "num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "num_heads": c.num_attention_heads, "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+            "vocab_size": c.vocab_size, "num_parameters": c.num_parameters(),
+            "kv_bytes_per_token": c.kv_bytes_per_token(self.dtype), "block_size": self.block_manager.block_size,
+            "num_kv_blocks": self.block_manager.num_blocks, "max_model_len": self.max_model_len,
+            "max_num_seqs": self.scheduler.max_num_seqs, "token_budget": self.scheduler.token_budget,
+            "scheduling_policy": self.scheduler.policy, "prefix_caching": self.block_manager.enable_prefix_caching,
+            "paged": self.config.paged, "attention_backend": self.config.attention_backend,
+        }
+
     # ------------------------------------------------------------------ events
 
     def subscribe(self, callback: Callable[[ev.Event], None], topk: int = 5, xray: bool = False,
