@@ -94,8 +94,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Put a sequence in the waiting queue, in policy order."""
         seq.status = SequenceStatus.WAITING if seq.metrics.num_preemptions == 0 else SequenceStatus.PREEMPTED
-        keys = [s.sort_key(self.policy) for s in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, seq.sort_key(self.policy)), seq)
+        bisect.insort_right(self.waiting, seq, key=lambda s: s.sort_key(self.policy))
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of whichever queue holds it and free its blocks (finish or abort)."""
