@@ -1,0 +1,74 @@
+"""What listening to the engine costs: throughput with no subscriber, a minimal one, and full detail.
+
+    python -m benchmarks.benchmark_events [--requests 16] [--max-tokens 32] [--repeats 3] [--quick]
+
+Each configuration runs the same greedy workload on the default model in the same process,
+interleaved over several repeats (the best run of each is kept, which removes most of the
+noise of a shared machine). Reported: output tokens/s and the difference to "none".
+
+- none: no subscriber; the engine builds no event at all.
+- minimal: one subscriber with ``topk=0, blocks=False`` (plans, tokens, timings only).
+- full: ``topk=5, blocks=True`` (what the app's dashboard and block map ask for).
+- xray: full plus X-Ray layer traces of one request per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from nanovllm_core import LLM, SamplingParams
+
+CONFIGS = {
+    "none": None,
+    "minimal": dict(topk=0, blocks=False, xray=False),
+    "full": dict(topk=5, blocks=True, xray=False),
+    "xray": dict(topk=5, blocks=True, xray=True),
+}
+
+
+def run_once(llm: LLM, prompts: list[str], params: SamplingParams, listen: dict | None) -> float:
+    sub = llm.engine.subscribe(lambda e: None, **listen) if listen is not None else None
+    try:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    finally:
+        if sub is not None:
+            llm.engine.unsubscribe(sub)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="a small smoke run")
+    ap.add_argument("--json", default=None, help="write the figures to this file")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.requests, args.max_tokens, args.repeats = 4, 4, 1
+    llm = LLM(num_kv_blocks=1024, progress=lambda *a: None)
+    prompts = [f"Write a short note number {i} about the sea and the sky." for i in range(args.requests)]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    run_once(llm, prompts[:2], SamplingParams(max_tokens=2), None)  # warm-up
+    best = {name: 0.0 for name in CONFIGS}
+    for _ in range(args.repeats):
+        for name, listen in CONFIGS.items():
+            best[name] = max(best[name], run_once(llm, prompts, params, listen))
+    base = best["none"]
+    print(f"{args.requests} requests x {args.max_tokens} tokens, best of {args.repeats}")
+    print(f"{'subscriber':<10} {'tokens/s':>10} {'vs none':>9}")
+    for name, tps in best.items():
+        print(f"{name:<10} {tps:>10.1f} {100 * (tps / base - 1):>+8.1f}%")
+    result = {"tokens_per_s": best, "relative_to_none": {k: v / base for k, v in best.items()}}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
