@@ -15,9 +15,11 @@ Per step, the model runner builds one :class:`PagedAttentionMetadata` for the wh
 batch; every layer reuses it:
 
 1. the new tokens' K/V are written to their slots (``slot_mapping``);
-2. decode tokens (one per sequence, put first in the batch) gather their blocks into a padded
-   ``[num_kv_heads, num_decodes, max_blocks * block_size, head_dim]`` and run one batched
-   attention, padding masked by an additive mask built once per step;
+2. decode tokens (one per sequence, put first in the batch, shortest context first) are
+   attended in groups of similar context length: each group gathers its blocks into a padded
+   ``[num_kv_heads, group_size, max_blocks * block_size, head_dim]`` and runs one batched
+   attention, the padding hidden by an additive mask built once per step. Grouping keeps the
+   padding (wasted reads) small when contexts differ a lot in length;
 3. each prefill chunk attends with a causal mask offset by the tokens already cached; a
    chunk that starts at position 0 has no cached context, so it attends over its own new
    K/V directly and gathers nothing.
@@ -132,15 +134,30 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes ``first .. first + num - 1`` of the flat batch, attended together.
+
+    ``blocks`` ``[num * max_blocks]`` (long): each member's block table padded with block 0
+    to the group's longest, rows concatenated (one gather serves the group);
+    ``mask`` ``[num, max_blocks * block_size]`` float: 0 on each member's context, -inf on
+    its padding (added to the scores).
+    """
+
+    first: int
+    num: int
+    blocks: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
 class PagedAttentionMetadata:
     """Everything attention needs about one step's flat batch of ``T`` tokens.
 
     - ``slot_mapping`` ``[T]``: where each new token's K/V is written.
-    - ``num_decodes``: the first ``num_decodes`` tokens are decodes, one per sequence.
-    - ``decode_blocks`` ``[num_decodes * max_blocks]``: each decode's block table padded
-      with block 0 to ``max_blocks``, rows concatenated (one gather serves them all).
-    - ``decode_mask`` ``[num_decodes, max_blocks * block_size]`` float: 0 on each decode's
-      context, -inf on padding (added to the scores; built once, used by every layer).
+    - ``num_decodes``: the first ``num_decodes`` tokens are decodes, one per sequence,
+      ordered by context length.
+    - ``decode_groups``: the decodes cut into groups of similar context length, so padding
+      each to its group's longest wastes little (see :class:`DecodeGroup`).
     - ``prefills``: the multi-token chunks after the decodes.
     - flash-attn fields (``cu_seqlens_q``, ``cu_seqlens_k``, ``block_tables``, maxima), filled
       only when that kernel is used.
@@ -148,8 +165,7 @@ class PagedAttentionMetadata:
 
     slot_mapping: torch.Tensor
     num_decodes: int
-    decode_blocks: torch.Tensor | None
-    decode_mask: torch.Tensor | None
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
@@ -192,14 +208,18 @@ class PagedAttention:
         return out
 
     def _decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
-        """The decodes' attention: q ``[num_decodes, num_heads, head_dim]`` -> same shape."""
-        meta = self.meta
-        kd, vd = self.cache.gather_blocks(layer_idx, meta.decode_blocks)
-        nkv, _, hd = kd.shape
-        d = q.shape[0]
-        kd = kd.view(nkv, d, -1, hd)
-        vd = vd.view(nkv, d, -1, hd)
-        return attend_decode_grouped(q, kd, vd, meta.decode_mask, self.backend)
+        """The decodes' attention, group by group: q ``[num_decodes, num_heads, head_dim]`` -> same shape."""
+        groups = self.meta.decode_groups
+        out = torch.empty_like(q) if len(groups) > 1 else None
+        for g in groups:
+            kd, vd = self.cache.gather_blocks(layer_idx, g.blocks)
+            nkv, _, hd = kd.shape
+            o = attend_decode_grouped(q[g.first:g.first + g.num], kd.view(nkv, g.num, -1, hd),
+                                      vd.view(nkv, g.num, -1, hd), g.mask, self.backend)
+            if out is None:
+                return o
+            out[g.first:g.first + g.num] = o
+        return out
 
     def _flash_attn(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:  # pragma: no cover - needs CUDA
         from flash_attn import flash_attn_varlen_func

@@ -26,12 +26,19 @@ from nanovllm_core.attention.ops import causal_mask
 from nanovllm_core.attention.paged import (
     PagedAttention,
     PagedAttentionMetadata,
+    DecodeGroup,
     PagedKVCache,
     PrefillChunk,
     flash_attn_available,
 )
 from nanovllm_core.engine.scheduler import ScheduledSequence
 from nanovllm_core.model.llama import LlamaForCausalLM
+
+# Decodes attended together (one gather, one attention call per layer). Groups of similar
+# context length pad little; measured on 2 CPU cores with 64 decodes of 16-384 tokens, one
+# group per 16 halves decode attention time against one group for all, and smaller groups
+# gain nothing more.
+DECODE_GROUP_SIZE = 16
 
 
 @dataclass
@@ -77,8 +84,9 @@ class ModelRunner:
 
     @staticmethod
     def batch_order(scheduled: list[ScheduledSequence]) -> list[ScheduledSequence]:
-        """The order of sequences in the flat batch: single-token decodes first (stable otherwise)."""
-        return sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+        """The order of sequences in the flat batch: single-token decodes first, shortest context
+        first (so :data:`DECODE_GROUP_SIZE` neighbours pad little), then the rest in plan order."""
+        return sorted(scheduled, key=lambda s: (0, s.start) if s.num_new_tokens == 1 else (1, 0))
 
     def release(self, seq_id: int) -> None:
         """Drop a finished or preempted sequence's contiguous cache (baseline mode)."""
@@ -140,19 +148,20 @@ class ModelRunner:
         num_dec = 0
         while num_dec < len(order) and order[num_dec].num_new_tokens == 1:
             num_dec += 1
-        decode_blocks = decode_mask = None
-        if num_dec:
-            ctx_lens = [s.start + 1 for s in order[:num_dec]]
-            width = -(-max(ctx_lens) // bs)  # blocks of the longest context
+        groups = []
+        for first in range(0, num_dec, DECODE_GROUP_SIZE):
+            members = order[first:min(first + DECODE_GROUP_SIZE, num_dec)]
+            ctx_lens = [s.start + 1 for s in members]
+            width = -(-max(ctx_lens) // bs)  # blocks of the group's longest context
             rows: list[int] = []
-            for s, ctx in zip(order, ctx_lens):
+            for s, ctx in zip(members, ctx_lens):
                 used = s.seq.block_table[: -(-ctx // bs)]
                 rows.extend(used)
                 rows.extend([0] * (width - len(used)))  # padding reads block 0; the mask hides it
-            decode_blocks = torch.tensor(rows, dtype=torch.long, device=dev)
+            mask = torch.zeros((len(members), width * bs), dtype=self.dtype, device=dev)
             lens = torch.tensor(ctx_lens, device=dev)
-            decode_mask = torch.zeros((num_dec, width * bs), dtype=self.dtype, device=dev)
-            decode_mask.masked_fill_(torch.arange(width * bs, device=dev)[None, :] >= lens[:, None], float("-inf"))
+            mask.masked_fill_(torch.arange(width * bs, device=dev)[None, :] >= lens[:, None], float("-inf"))
+            groups.append(DecodeGroup(first, len(members), torch.tensor(rows, dtype=torch.long, device=dev), mask))
         prefills = []
         token_start = num_dec
         for i, s in enumerate(order[num_dec:], start=num_dec):
@@ -164,7 +173,7 @@ class ModelRunner:
             prefills.append(PrefillChunk(token_start, s.num_new_tokens, s.start, table, mask, seq_index=i))
             token_start += s.num_new_tokens
         meta = PagedAttentionMetadata(slot_mapping=slot_mapping, num_decodes=num_dec,
-                                      decode_blocks=decode_blocks, decode_mask=decode_mask, prefills=prefills)
+                                      decode_groups=groups, prefills=prefills)
         if self.use_flash_attn:  # pragma: no cover - needs CUDA + flash-attn
             q_lens = [s.num_new_tokens for s in order]
             k_lens = [s.start + s.num_new_tokens for s in order]
