@@ -209,9 +209,11 @@ class Narrator:
             text = (f"Greedy decoding (temperature 0): at every step the single most likely token is taken, so the "
                     f"same prompt always gives the same text. It will generate {stop}.")
             return Commentary("sampling", f"Request {rid}: greedy", text, request_id=rid)
-        parts = [f"temperature {temperature:g} divides the logits by {temperature:g} before the softmax "
-                 + ("(sharper than the model's own distribution)" if temperature < 1 else
-                    "(the model's own distribution)" if temperature == 1 else "(flatter than the model's own)")]
+        if temperature == 1:
+            parts = ["temperature 1 keeps the model's own distribution"]
+        else:
+            parts = [f"temperature {temperature:g} divides the logits by {temperature:g} before the softmax, making the "
+                     f"distribution {'sharper' if temperature < 1 else 'flatter'} than the model's own"]
         if s.get("top_k", 0) > 0:
             parts.append(f"top-k {s['top_k']} keeps only the {s['top_k']} most likely tokens")
         if s.get("top_p", 1.0) < 1.0:
