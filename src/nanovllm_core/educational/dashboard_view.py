@@ -38,6 +38,11 @@ MAX_REQUEST_ROWS = 8
 BAR = 30  # progress bar width in cells
 
 
+def rate(tokens_per_s: float) -> str:
+    """Tokens/s with one decimal below 100 (a slow CPU step is not shown as 0), none above."""
+    return f"{tokens_per_s:,.1f}" if tokens_per_s < 100 else f"{tokens_per_s:,.0f}"
+
+
 @dataclass
 class _Request:
     prompt: str
@@ -106,6 +111,7 @@ class DashboardView:
             self.console.print(self.render())
 
     def subscribe(self, engine) -> Any:
+        """Subscribe to ``engine`` (an ``LLMEngine``) for top-5 predictions; block snapshots are not needed."""
         return engine.subscribe(self, topk=5, blocks=False, xray=False)
 
     # ------------------------------------------------------------------ events
@@ -260,11 +266,11 @@ class DashboardView:
         speed = Table.grid(padding=(0, 1))
         last = self.last_step
         if last is not None:
-            speed.add_row("Prefill", f"{last.prefill_tokens_per_s:,.0f} tok/s (last step)")
-            speed.add_row("Decode", f"{last.decode_tokens_per_s:,.0f} tok/s (last step)")
+            speed.add_row("Prefill", f"{rate(last.prefill_tokens_per_s)} tok/s (last step)")
+            speed.add_row("Decode", f"{rate(last.decode_tokens_per_s)} tok/s (last step)")
             elapsed = (self.ended or 0) - (self.started or 0)
             if elapsed > 0:
-                speed.add_row("Overall", f"{self.total_generated / elapsed:,.1f} tok/s ({elapsed:.2f} s)")
+                speed.add_row("Overall", f"{rate(self.total_generated / elapsed)} tok/s ({elapsed:.2f} s)")
             speed.add_row("Step time", f"{last.wall_time_s * 1000:.1f} ms")
         else:
             speed.add_row("Throughput", "no step yet")

@@ -38,7 +38,7 @@ ACTS: dict[str, tuple[str, str]] = {  # kind -> (label, style)
 def render_commentary(c: Commentary) -> RenderableType:
     """One entry: ``▌ ACT · title`` then the text indented, then its table if any."""
     label, style = ACTS.get(c.kind, (c.kind.upper(), "bold"))
-    head = Text("▌ ", style=style) + Text(label, style=style) + Text(f" · {c.title}")
+    head = Text.assemble(("▌ " + label, style), f" · {c.title}")
     parts: list[RenderableType] = [head, Indent(Text(c.text))]
     if c.table:
         chosen = None
@@ -70,6 +70,7 @@ class NarrateView:
             self.show(c)
 
     def show(self, c: Commentary) -> None:
+        """Print one entry (unless its kind is filtered out) and keep it in ``entries``."""
         if self.kinds is not None and c.kind not in self.kinds:
             return
         self.entries.append(c)

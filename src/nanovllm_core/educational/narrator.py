@@ -62,6 +62,7 @@ def human_bytes(n: float) -> str:
 
 
 def ms(seconds: float | None) -> str:
+    """Seconds as milliseconds with one decimal; ``"n/a"`` for None."""
     return "n/a" if seconds is None else f"{seconds * 1000:.1f} ms"
 
 

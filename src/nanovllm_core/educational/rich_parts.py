@@ -54,5 +54,5 @@ def topk_table(rows, chosen: str | None = None, title: str | None = None) -> Tab
         mark = ""
         if chosen is not None and label == chosen and not marked:
             mark, marked = " ← chosen", True
-        table.add_row(str(rank), Text(show_piece(label)), f"{p * 100:.2f}%", prob_bar(p) + Text(mark, style="bold"))
+        table.add_row(str(rank), Text(show_piece(label)), f"{p * 100:.2f}%", Text.assemble(prob_bar(p), (mark, "bold")))
     return table

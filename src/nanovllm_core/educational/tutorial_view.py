@@ -171,6 +171,7 @@ def run_tutorial(console: Console, stream: TextIO | None = None, progress_path: 
 
 
 def show_chapter(console: Console, ch: Chapter, model_info: dict[str, Any] | None) -> None:
+    """The chapter's heading, its paragraphs, and real numbers about the loaded model if known."""
     console.print(Rule(Text(f"Chapter {ch.number} of {len(CHAPTERS)}: {ch.title}", style="bold cyan"), align="left"))
     for p in ch.paragraphs:
         console.print(Indent(Text(p)))
@@ -181,6 +182,7 @@ def show_chapter(console: Console, ch: Chapter, model_info: dict[str, Any] | Non
 
 
 def run_demo_safely(console: Console, ch: Chapter, demo_runner: DemoRunner) -> None:
+    """Announce and run the chapter's demonstration; a failure is printed as one line, never raised."""
     demo = DEMOS[ch.demo]
     console.print(Text(f"Live demonstration: {demo.title}", style="bold magenta"))
     console.print(Indent(Text("Watch: " + demo.watch, style="magenta")))
@@ -208,10 +210,11 @@ def ask(console: Console, reader, ch: Chapter) -> int | None:
 
 
 def feedback(ch: Chapter, answer: int, right: bool) -> Text:
+    """Right or not, the right choice, and the quiz's explanation."""
     q = ch.quiz
     correct = f"{LETTERS[q.answer]}) {q.choices[q.answer]}"
     if right:
-        head = Text(f"Right: {correct}. ", style="bold green")
+        head = (f"Right: {correct}. ", "bold green")
     else:
-        head = Text(f"Not quite: you chose {LETTERS[answer]}; the answer is {correct}. ", style="bold red")
-    return head + Text(q.explanation)
+        head = (f"Not quite: you chose {LETTERS[answer]}; the answer is {correct}. ", "bold red")
+    return Text.assemble(head, q.explanation)

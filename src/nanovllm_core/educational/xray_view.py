@@ -38,10 +38,12 @@ def si(n: float, unit: str = "") -> str:
 
 
 def shape_str(shape: tuple[int, ...]) -> str:
+    """``(1, 9, 5, 64)`` -> ``"[1, 9, 5, 64]"``."""
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
 def values_str(sample: tuple[float, ...], n: int = 4) -> str:
+    """The first ``n`` sampled values, signed, 4 decimals, then an ellipsis."""
     return ", ".join(f"{v:+.4f}" for v in sample[:n]) + (", ..." if sample else "")
 
 
@@ -199,6 +201,7 @@ class XRayView:
         self.num_traced_steps = 0
 
     def subscribe(self) -> Any:
+        """Subscribe to the engine; the subscription's ``xray`` flag is then switched per step."""
         self.sub = self.engine.subscribe(self, topk=0, blocks=False, xray=False)
         return self.sub
 
@@ -254,6 +257,7 @@ class XRayView:
             self.console.print(group)
 
     def close(self) -> None:
+        """Print a step left unfinished and unsubscribe."""
         if self._traces:
             self._finish(None)
         if self.sub is not None:
