@@ -166,7 +166,12 @@ class TopToken:
 
 @dataclass(frozen=True)
 class TokenSampled(Event):
-    """A sequence got a new token. ``text``: the text it completed (may be empty mid-character).
+    """A sequence got a new token.
+
+    ``text``: the output text that became final with this token. It is empty while the token
+    ends mid-character, and characters that may begin a stop string are held back until the
+    next token shows they do not; the ``text`` of one sequence's events concatenates to its
+    final ``output_text`` (stop strings cut, multi-byte characters whole).
 
     ``top``: the most likely candidates (only when a subscriber asked for ``topk``);
     ``logprob``: log p of the chosen token under the model (None unless computed).
