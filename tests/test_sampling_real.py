@@ -34,7 +34,7 @@ def greedy(**kw) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def cases(make_engine):
-    """name -> (RequestOutput, the ``text`` of each TokenSampled event of its sample), all run in one batch."""
+    """name -> (RequestOutput, ``text`` and ``token_text`` of its TokenSampled events), all run in one batch."""
     engine = make_engine(num_kv_blocks=64)
     tok = engine.tokenizer
     yes_no = chat(tok, "Is the sky blue? Answer yes or no.")  # greedy: "No." then EOS
@@ -51,15 +51,21 @@ def cases(make_engine):
         "multibyte": (cat, greedy()),
     }
     pieces: dict[str, list[str]] = {}
-    engine.subscribe(lambda e: pieces.setdefault(e.request_id, []).append(e.text)
-                     if isinstance(e, ev.TokenSampled) else None, topk=0, blocks=False)
+    token_texts: dict[str, list[str]] = {}
+
+    def listen(e: ev.Event) -> None:
+        if isinstance(e, ev.TokenSampled):
+            pieces.setdefault(e.request_id, []).append(e.text)
+            token_texts.setdefault(e.request_id, []).append(e.token_text)
+
+    engine.subscribe(listen, topk=0, blocks=False)
     llm = LLM.from_engine(engine)
     outs = llm.generate([p for p, _ in requests.values()], [s for _, s in requests.values()], use_tqdm=False)
-    return {name: (out, pieces[out.request_id]) for name, out in zip(requests, outs)}
+    return {name: (out, pieces[out.request_id], token_texts[out.request_id]) for name, out in zip(requests, outs)}
 
 
 def test_a_stop_string_spanning_two_tokens_ends_the_text_before_it(cases, real_model):
-    out, _ = cases["stop_string_across_tokens"]
+    out, _, _ = cases["stop_string_across_tokens"]
     c = out.outputs[0]
     tok = real_model[1]
     assert not any("answer is" in tok.decode([t]) for t in c.token_ids)  # no single token holds it
@@ -108,18 +114,19 @@ def test_skip_special_tokens_false_keeps_their_text(cases):
 @pytest.mark.parametrize("name", ["stop_string_across_tokens", "stop_string_included", "stop_token", "one_token", "eos",
                                   "min_tokens", "ignore_eos", "special_tokens_shown", "multibyte"])
 def test_streamed_pieces_concatenate_to_the_final_text(cases, name):
-    out, pieces = cases[name]
+    out, pieces, _ = cases[name]
     assert len(pieces) == len(out.outputs[0].token_ids)  # one TokenSampled per token
     assert "".join(pieces) == out.outputs[0].text
 
 
 def test_streaming_holds_back_text_that_could_start_a_stop_string(cases):
-    out, pieces = cases["stop_string_across_tokens"]
+    out, pieces, token_texts = cases["stop_string_across_tokens"]
     assert not any("answer" in p for p in pieces)  # " answer" waited for " is" and was then cut
+    assert token_texts[-2:] == [" answer", " is"]  # while each token's own text is still shown
 
 
 def test_a_character_split_over_several_tokens_streams_whole(cases, real_model):
-    out, pieces = cases["multibyte"]
+    out, pieces, _ = cases["multibyte"]
     c = out.outputs[0]
     tok = real_model[1]
     assert any(ord(ch) > 0x2E80 for ch in c.text)  # a CJK character...

@@ -416,7 +416,7 @@ class LLMEngine:
                 text=released, position=seq.num_tokens - 1,
                 num_output_tokens=seq.num_output_tokens, top=top,
                 logprob=sampled.chosen_logprobs[row] if sampled.chosen_logprobs is not None else None,
-                temperature=seq.params.temperature, greedy=seq.params.greedy,
+                temperature=seq.params.temperature, greedy=seq.params.greedy, token_text=piece,
             ))
         if stop is not None:
             self._finish(seq, *stop)
