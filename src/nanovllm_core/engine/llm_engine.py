@@ -20,7 +20,13 @@ import torch
 from nanovllm_core import events as ev
 from nanovllm_core.config import EngineConfig, default_kv_cache_memory
 from nanovllm_core.engine.block_manager import BlockManager
-from nanovllm_core.engine.detokenizer import detokenize_new_token, find_stop_string, start_detokenizer
+from nanovllm_core.engine.detokenizer import (
+    detokenize_new_token,
+    find_stop_string,
+    release_text,
+    start_detokenizer,
+    streamed_text,
+)
 from nanovllm_core.engine.model_runner import ForwardResult, ModelRunner
 from nanovllm_core.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
@@ -199,10 +205,11 @@ class LLMEngine:
                     request_id: str | None = None) -> str:
         """Queue a request; return its id.
 
-        A prompt the engine can never serve (empty, longer than ``max_model_len``, needing
-        more KV blocks than the whole pool, token ids outside the vocabulary) is *rejected*:
-        a ``RequestRejected`` event and, from the next :meth:`step`, a finished
-        ``RequestOutput`` with ``finish_reason="rejected"`` and ``error`` set.
+        A request the engine can never serve (an empty prompt, one longer than
+        ``max_model_len`` or needing more KV blocks than the whole pool, prompt or
+        ``stop_token_ids`` outside the vocabulary) is *rejected*: a ``RequestRejected`` event
+        and, from the next :meth:`step`, a finished ``RequestOutput`` with
+        ``finish_reason="rejected"`` and ``error`` set.
 
         Raises:
             ValueError: ``params`` is not a SamplingParams, ``priority`` not an int, or the id is in use.
@@ -233,6 +240,10 @@ class LLMEngine:
             return self._reject(request_id, text, token_ids,
                                 f"the prompt has {n_prompt} tokens but max_model_len is {self.max_model_len}; "
                                 "shorten it or raise max_model_len")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            return self._reject(request_id, text, token_ids,
+                                f"stop_token_ids contains {bad[0]}, outside the vocabulary (0..{vocab - 1})")
         limit = min(self.max_model_len, n_prompt + (params.max_tokens or self.max_model_len))
         need = self.block_manager.blocks_needed(limit)
         if need > self.block_manager.num_blocks:
@@ -376,6 +387,7 @@ class LLMEngine:
             req.pending_siblings = []
 
     def _append_token(self, seq: Sequence, sampled: SamplerOutput, row: int, step: int) -> None:
+        """Add row ``row``'s sampled token to ``seq``: logprobs, text, the ``TokenSampled`` event, stop checks."""
         token = sampled.token_ids[row]
         seq.token_ids.append(token)
         now = time.perf_counter()
@@ -388,13 +400,12 @@ class LLMEngine:
         if sampled.chosen_logprobs is not None:
             seq.cumulative_logprob += sampled.chosen_logprobs[row]
             if seq.logprobs is not None:
-                entry = {tid: Logprob(lp, rank + 1) for rank, (tid, lp) in enumerate(sampled.top[row][: seq.params.logprobs])}
-                if token not in entry:
-                    rank = 1 + sum(1 for _, lp in sampled.top[row] if lp > sampled.chosen_logprobs[row])
-                    entry[token] = Logprob(sampled.chosen_logprobs[row], rank)
-                seq.logprobs.append(entry)
+                seq.logprobs.append(self._logprob_entry(seq, sampled, row))
+        text_len_before = len(seq.output_text)
         piece = detokenize_new_token(self.tokenizer, seq)
         seq.output_text += piece
+        stop = self._check_stop(seq, token, len(piece), text_len_before)
+        released = release_text(seq, finished=stop is not None)
         if self._subscribers:
             top = ()
             if sampled.top is not None and self._topk_wanted:
@@ -402,30 +413,57 @@ class LLMEngine:
                             for tid, lp in sampled.top[row][: self._topk_wanted])
             self._emit(ev.TokenSampled(
                 step=step, request_id=seq.request_id, seq_id=seq.seq_id, index=seq.index, token_id=token,
-                text=piece, position=seq.num_tokens - 1, num_output_tokens=seq.num_output_tokens, top=top,
+                text=released, position=seq.num_tokens - 1,
+                num_output_tokens=seq.num_output_tokens, top=top,
                 logprob=sampled.chosen_logprobs[row] if sampled.chosen_logprobs is not None else None,
-                temperature=seq.params.temperature, greedy=seq.params.greedy,
+                temperature=seq.params.temperature, greedy=seq.params.greedy, token_text=piece,
             ))
-        self._check_stop(seq, token, len(piece))
+        if stop is not None:
+            self._finish(seq, *stop)
 
-    def _check_stop(self, seq: Sequence, token: int, new_text_len: int) -> None:
+    def _logprob_entry(self, seq: Sequence, sampled: SamplerOutput, row: int) -> dict[int, Logprob]:
+        """vLLM's per-token logprobs: the top ``logprobs`` candidates plus the chosen token, with ranks."""
+        token = sampled.token_ids[row]
+        decode = self.tokenizer.decode
+        entry = {tid: Logprob(lp, rank + 1, decode([tid]))
+                 for rank, (tid, lp) in enumerate(sampled.top[row][: seq.params.logprobs])}
+        if token not in entry:
+            entry[token] = Logprob(sampled.chosen_logprobs[row], sampled.chosen_ranks[row], decode([token]))
+        return entry
+
+    def _check_stop(self, seq: Sequence, token: int, new_text_len: int,
+                    text_len_before: int) -> tuple[str, str | int | None] | None:
+        """Should ``seq`` stop after its newest token? Returns (finish_reason, stop_reason) or None.
+
+        Checked in vLLM's order: EOS, ``stop_token_ids`` and stop strings (none of them within
+        the first ``min_tokens`` tokens), then ``max_tokens`` and ``max_model_len``. A stop
+        token's own text and a stop string (with anything after it) are cut from
+        ``output_text`` unless ``include_stop_str_in_output`` (vLLM V1's detokenizer).
+        """
         p = seq.params
         n_out = seq.num_output_tokens
         if n_out >= p.min_tokens:
+            hit: tuple[str, str | int | None] | None = None
             if token in seq.eos_token_ids:
-                return self._finish(seq, "stop", None)
-            if token in p.stop_token_ids:
-                return self._finish(seq, "stop", token)
-            if p.stop:
-                hit = find_stop_string(seq, new_text_len)
-                if hit is not None:
-                    stop, at = hit
+                hit = ("stop", None)
+            elif token in p.stop_token_ids:
+                hit = ("stop", token)
+            if hit is not None:
+                if not p.include_stop_str_in_output:
+                    seq.output_text = seq.output_text[:text_len_before]
+                return hit
+            # vLLM looks for stop strings only in text after the first min_tokens tokens.
+            if p.stop and n_out > p.min_tokens:
+                found = find_stop_string(seq, new_text_len)
+                if found is not None:
+                    stop, at = found
                     seq.output_text = seq.output_text[: at + len(stop) if p.include_stop_str_in_output else at]
-                    return self._finish(seq, "stop", stop)
+                    return ("stop", stop)
         if p.max_tokens is not None and n_out >= p.max_tokens:
-            return self._finish(seq, "length", None)
+            return ("length", None)
         if seq.num_tokens >= self.max_model_len:
-            return self._finish(seq, "length", None)
+            return ("length", None)
+        return None
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None, error: str | None = None) -> None:
         seq.finish_reason = reason
@@ -439,6 +477,10 @@ class LLMEngine:
         req = self.requests.get(seq.request_id)
         if req is not None and seq in req.pending_siblings:
             req.pending_siblings.remove(seq)
+        elif req is not None and req.pending_siblings and reason != "abort":
+            # The first sample ended (an engine error) before its prompt was cached: the
+            # waiting samples must still run rather than be left behind.
+            self._release_siblings(seq)
         if req is not None and all(s.is_finished for s in req.seqs):
             del self.requests[seq.request_id]
             self._pending_outputs.append(self._request_output(req))
@@ -475,7 +517,8 @@ class LLMEngine:
 
     def _request_output(self, req: _Request) -> RequestOutput:
         completions = [
-            CompletionOutput(index=s.index, text=s.output_text, token_ids=list(s.output_token_ids),
+            CompletionOutput(index=s.index, text=s.output_text if s.is_finished else streamed_text(s),
+                             token_ids=list(s.output_token_ids),
                              finish_reason=s.finish_reason, stop_reason=s.stop_reason,
                              cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
                              logprobs=list(s.logprobs) if s.logprobs is not None else None)
