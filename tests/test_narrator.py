@@ -46,7 +46,7 @@ def timed(step, wall=0.05, tokens=3, blocks=1, total=8, cached=0, per_block=16 *
 
 def sampled(step, rid="0", token=7042, text=" Paris", n_out=1, greedy=True, temperature=1.0,
             top=((7042, " Paris", 0.7725), (260, " the", 0.0645), (4, " London", 0.0125))):
-    return ev.TokenSampled(step=step, request_id=rid, seq_id=int(rid), index=0, token_id=token, text=text,
+    return ev.TokenSampled(step=step, request_id=rid, seq_id=int(rid), index=0, token_id=token, text=text, token_text=text,
                            position=2 + n_out, num_output_tokens=n_out,
                            top=tuple(ev.TopToken(*t) for t in top), greedy=greedy, temperature=temperature)
 

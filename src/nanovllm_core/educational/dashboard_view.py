@@ -140,7 +140,7 @@ class DashboardView:
                 r.generated = event.num_output_tokens
                 r.text += event.text
             self.top, self.top_request = event.top, event.request_id
-            self.top_chosen = event.text
+            self.top_chosen = event.token_text
             self.focus = event.request_id if self.focus not in self._active() else self.focus
             redraw = self._due()
         elif isinstance(event, ev.RequestFinished):

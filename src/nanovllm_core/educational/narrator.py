@@ -436,7 +436,7 @@ class Narrator:
                 return []
         if state is not None:
             state.decode_told += 1
-        piece = show_piece(e.text) if e.text else f"(id {e.token_id}, part of a character)"
+        piece = show_piece(e.token_text) if e.token_text else f"(id {e.token_id}, part of a character)"
         table = tuple((t.text, t.prob) for t in e.top)
         which = "first token, from the prefill" if e.num_output_tokens == 1 else f"token #{e.num_output_tokens}"
         vocab = self.info.get("vocab_size")
