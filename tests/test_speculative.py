@@ -30,7 +30,7 @@ PROMPTS = [
 ]
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-PROPOSERS = ["ngram", "self:20", "target"]
+PROPOSERS = ["ngram", "self:26", "target"]
 
 
 # ---------------------------------------------------------------------------- no model
@@ -157,13 +157,14 @@ def test_greedy_output_is_identical_when_a_small_pool_forces_preemption(make_llm
 
 @pytest.mark.real_model
 def test_draft_equal_to_target_accepts_every_draft_at_temperature_0(make_llm, reference):
-    outs, stats, _ = generate(make_llm, speculative_model="target", num_speculative_tokens=4)
+    outs, stats, _ = generate(make_llm, prompts=PROMPTS[:1], speculative_model="target", num_speculative_tokens=4)
     assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0
     assert stats["spec_acceptance_rate"] == 1.0
-    # Per prompt: 1 token from the prefill, 4 drafts + 1 bonus twice, then 1 plain decode = 12 tokens
-    assert stats["spec_verifications"] == 2 * len(PROMPTS)
+    # 12 tokens: 1 from the prefill, twice 4 accepted drafts + 1 bonus, then 1 plain decode (no room for drafts)
+    assert stats["spec_verifications"] == 2
     assert stats["spec_mean_accepted_length"] == 5.0
-    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert stats["steps"] == 4
+    assert outs[0].outputs[0].token_ids == reference[0]
 
 
 @pytest.mark.real_model
@@ -218,7 +219,7 @@ def test_logprobs_are_reported_for_tokens_kept_by_verification(make_llm):
 @pytest.mark.real_model
 def test_seeded_sampling_with_speculation_is_reproducible(make_llm):
     params = SamplingParams(temperature=0.8, top_k=50, seed=7, max_tokens=8, ignore_eos=True)
-    runs = [generate(make_llm, prompts=PROMPTS[1:2], params=params, speculative_model="self:20",
+    runs = [generate(make_llm, prompts=PROMPTS[1:2], params=params, speculative_model="self:26",
                      num_speculative_tokens=3) for _ in range(2)]
     first, second = ([o.outputs[0].token_ids for o in outs] for outs, _, _ in runs)
     assert first == second and len(first[0]) == 8
@@ -234,9 +235,16 @@ def test_self_speculation_needs_fewer_layers_than_the_target(make_llm):
 
 @pytest.mark.real_model
 def test_a_draft_model_with_another_vocabulary_is_refused(make_llm, tmp_path, default_model_dir):
-    draft = save_tiny_llama(tmp_path / "small-vocab", default_model_dir, vocab_size=1000)
+    draft = save_tiny_llama(tmp_path / "small-vocab", default_model_dir, vocab_size=1000, max_position_embeddings=8192)
     with pytest.raises(ValueError, match="vocabulary of 1000 tokens but the target has 49152"):
         make_llm(speculative_model=str(draft))
+
+
+@pytest.mark.real_model
+def test_a_draft_model_with_a_shorter_context_is_refused(make_llm, tiny_llama_dir):
+    with pytest.raises(ValueError, match="draft model .*: max_model_len=8192 is longer than the model's context"):
+        make_llm(speculative_model=str(tiny_llama_dir))
+    make_llm(speculative_model=str(tiny_llama_dir), max_model_len=256)  # fine within the draft's context
 
 
 @pytest.mark.real_model

@@ -234,9 +234,11 @@ class Speculator:
     # ------------------------------------------------------------------ bookkeeping
 
     def computed_tokens(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` whose K/V is complete in every pool (the prefix-cache limit), see ``Proposer``."""
         return self.proposer.computed_tokens(seq)
 
     def release(self, seq_id: int) -> None:
+        """Forget a finished, aborted or preempted sequence's drafting state."""
         self.proposer.release(seq_id)
 
 
@@ -278,10 +280,13 @@ def load_draft_model(spec: str, target: LlamaForCausalLM, device: torch.device, 
     """
     if spec == "target":
         return target
-    from nanovllm_core.model.loader import load_model
+    from nanovllm_core.model.loader import ModelLoadError, load_model
 
-    draft, _tokenizer, _resolved = load_model(None if spec == "default" else spec, device, dtype,
-                                              max_model_len=max_model_len)
+    try:
+        draft, _tokenizer, _resolved = load_model(None if spec == "default" else spec, device, dtype,
+                                                  max_model_len=max_model_len)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"draft model {spec!r}: {e}") from None
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"the draft model {spec!r} has a vocabulary of {draft.config.vocab_size} tokens but the "
                          f"target has {target.config.vocab_size}; use a draft with the target's tokenizer")
