@@ -85,8 +85,7 @@ def measure(model, tokenizer, resolved, proposer: str, k: int, prompts: list[str
         plain_tokens_per_s=base.tokens_per_s, spec_tokens_per_s=fast.tokens_per_s,
         speedup=fast.tokens_per_s / max(base.tokens_per_s, 1e-9), acceptance_rate=s["spec_acceptance_rate"],
         alpha=alpha, mean_accepted_length=s["spec_mean_accepted_length"],
-        expected_length=expected_accepted_length(alpha, k), steps_plain=base.stats["steps"],
-        steps_spec=s["steps"],
+        expected_length=expected_accepted_length(alpha, k), steps_plain=base.steps, steps_spec=fast.steps,
         identical=[o.outputs[0].token_ids for o in fast.outputs] == [o.outputs[0].token_ids for o in base.outputs],
     )
 

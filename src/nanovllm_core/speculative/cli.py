@@ -65,11 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 @dataclass
 class TimedRun:
-    """One timed ``generate``: the outputs, wall seconds, generated tokens and the engine's stats."""
+    """One timed ``generate``: the outputs, wall seconds, generated tokens, engine steps it took, the engine's stats."""
 
     outputs: list
     seconds: float
     num_tokens: int
+    steps: int
     stats: dict
 
     @property
@@ -79,11 +80,13 @@ class TimedRun:
 
 def timed_generate(llm, prompts: list, params) -> TimedRun:
     """Generate and time it (seconds of wall clock, including scheduling and drafting)."""
+    steps_before = llm.stats()["steps"]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return TimedRun(outputs, seconds, num_tokens, llm.stats())
+    stats = llm.stats()
+    return TimedRun(outputs, seconds, num_tokens, stats["steps"] - steps_before, stats)
 
 
 def default_draft(target: str | None) -> str:
@@ -173,15 +176,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"Completion: {c.text!r}")
         same = c.token_ids == ref.outputs[0].token_ids
         note = "identical to the run without speculation" if same else "differs from the run without speculation"
-        if not params.greedy:
+        if not same and not params.greedy:
             note += " (expected when sampling: same distribution, other random draws)"
         print(f"  [{len(c.token_ids)} tokens, finish_reason={c.finish_reason}; {note}]\n")
     k = args.num_speculative_tokens
     print(f"Speculative decoding with draft {draft!r}, k={k}, target {spec.engine.model_name}:")
     for line in speculation_report(fast.stats, k):
         print(line)
-    print(f"  engine steps (target forward passes): {fast.stats['steps']} with speculation, "
-          f"{base.stats['steps']} without")
+    print(f"  engine steps (target forward passes): {fast.steps} with speculation, {base.steps} without")
     print(f"  speed: {fast.tokens_per_s:.1f} tokens/s with speculation ({fast.num_tokens} tokens in {fast.seconds:.2f} s), "
           f"{base.tokens_per_s:.1f} tokens/s without ({base.num_tokens} in {base.seconds:.2f} s): "
           f"speed-up {fast.tokens_per_s / max(base.tokens_per_s, 1e-9):.2f}x")
