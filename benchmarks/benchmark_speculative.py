@@ -32,7 +32,7 @@ from nanovllm_core.llm import LLM
 from nanovllm_core.model.loader import load_model
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.speculative.cli import pool_blocks, timed_generate
-from nanovllm_core.speculative.speculator import expected_accepted_length
+from nanovllm_core.speculative.metrics import expected_accepted_length
 
 PROSE = [
     "The future of AI is",

@@ -18,7 +18,7 @@ from nanovllm_core.engine.scheduler import Scheduler
 from nanovllm_core.engine.sequence import Sequence
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.speculative.ngram import propose_ngram
-from nanovllm_core.speculative.speculator import expected_accepted_length
+from nanovllm_core.speculative.metrics import expected_accepted_length
 from tests.conftest import save_tiny_llama
 
 SHARED = ("You are a careful assistant. Answer in one short sentence, and be precise about facts, "

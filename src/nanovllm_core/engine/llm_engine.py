@@ -29,15 +29,10 @@ from nanovllm_core.model.loader import ProgressFn, ResolvedModel
 from nanovllm_core.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm_core.sampling.sampler import Sampler, SamplerOutput
 from nanovllm_core.sampling_params import SamplingParams
-from nanovllm_core.speculative.proposer import parse_self_layers
+from nanovllm_core.speculative.metrics import SpecDecodeStats
+from nanovllm_core.speculative.proposer import build_proposer, load_draft_model, needs_draft_model, parse_self_layers
 from nanovllm_core.speculative.rejection_sampler import Verification
-from nanovllm_core.speculative.speculator import (
-    SpecDecodeStats,
-    Speculator,
-    build_speculator,
-    load_draft_model,
-    needs_draft_model,
-)
+from nanovllm_core.speculative.speculator import Speculator
 
 Prompt = str | list[int]
 
@@ -110,7 +105,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, config.block_size, num_blocks, paged, config.attention_backend, self.max_model_len)
         self.speculator: Speculator | None = (
-            build_speculator(spec, config.num_speculative_tokens, model, self.runner, draft) if spec else None
+            Speculator(build_proposer(spec, self.runner, draft), config.num_speculative_tokens) if spec else None
         )
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_ids()

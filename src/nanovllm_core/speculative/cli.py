@@ -101,7 +101,7 @@ def pool_blocks(num_tokens: list[int], max_tokens: int, k: int, block_size: int)
 
 def speculation_report(stats: dict, k: int) -> list[str]:
     """Lines describing the acceptance counters and the expected tokens per verification."""
-    from nanovllm_core.speculative.speculator import expected_accepted_length
+    from nanovllm_core.speculative.metrics import expected_accepted_length
 
     rate, alpha = stats["spec_acceptance_rate"], stats["spec_per_token_acceptance_rate"]
     return [

@@ -17,67 +17,15 @@ One engine step with speculation (the scheduler has already given each decoding 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from nanovllm_core.engine.model_runner import ForwardResult, ModelRunner
+from nanovllm_core.engine.model_runner import ForwardResult
 from nanovllm_core.engine.scheduler import ScheduledSequence
 from nanovllm_core.engine.sequence import Sequence
-from nanovllm_core.model.llama import LlamaForCausalLM
 from nanovllm_core.sampling.sampler import SamplerOutput, apply_penalties, filter_probs, row_tensors
 from nanovllm_core.speculative import rejection_sampler
-from nanovllm_core.speculative.proposer import Draft, Proposer, parse_self_layers
-
-
-def expected_accepted_length(alpha: float, k: int) -> float:
-    """Expected tokens per verification, ``(1 - alpha^(k+1)) / (1 - alpha)`` (Leviathan et al. 2023, eq. 1).
-
-    ``alpha``: the probability that one draft token is accepted (assumed the same for every
-    position); ``k``: drafts per step. Counts the accepted drafts plus the target's own token.
-    """
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-@dataclass
-class SpecDecodeStats:
-    """Counters over the engine's life.
-
-    ``num_verifications``: verifications with at least one draft token; ``num_draft_tokens``
-    and ``num_accepted_tokens`` over them; ``num_examined_tokens``: drafts up to and including
-    the first rejection (those after it were never judged).
-    """
-
-    num_verifications: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_examined_tokens: int = 0
-
-    def record(self, v: rejection_sampler.Verification) -> None:
-        self.num_verifications += 1
-        self.num_draft_tokens += v.num_draft_tokens
-        self.num_accepted_tokens += v.num_accepted
-        self.num_examined_tokens += min(v.num_accepted + 1, v.num_draft_tokens)
-
-    def as_dict(self) -> dict[str, float | int]:
-        """The ``spec_*`` entries of ``LLMEngine.stats()``.
-
-        ``spec_acceptance_rate``: accepted / drafted (vLLM's draft acceptance rate);
-        ``spec_per_token_acceptance_rate``: accepted / examined, the estimate of Leviathan's
-        alpha that the expected-length formula assumes; ``spec_mean_accepted_length``: tokens
-        generated per verification, the accepted drafts plus the target's own token.
-        """
-        v, d, a, e = self.num_verifications, self.num_draft_tokens, self.num_accepted_tokens, self.num_examined_tokens
-        return {
-            "spec_verifications": v,
-            "spec_draft_tokens": d,
-            "spec_accepted_tokens": a,
-            "spec_acceptance_rate": a / d if d else 0.0,
-            "spec_per_token_acceptance_rate": a / e if e else 0.0,
-            "spec_mean_accepted_length": (a + v) / v if v else 0.0,
-        }
+from nanovllm_core.speculative.metrics import SpecDecodeStats
+from nanovllm_core.speculative.proposer import Draft, Proposer
 
 
 class _Prefix:
@@ -240,54 +188,3 @@ class Speculator:
     def release(self, seq_id: int) -> None:
         """Forget a finished, aborted or preempted sequence's drafting state."""
         self.proposer.release(seq_id)
-
-
-def build_speculator(spec: str, k: int, target: LlamaForCausalLM, target_runner: ModelRunner,
-                     draft_model: LlamaForCausalLM | None) -> Speculator:
-    """The :class:`Speculator` a ``speculative_model`` setting asks for.
-
-    ``draft_model``: the loaded draft for ``"target"``, ``"default"`` or a path (see
-    :func:`load_draft_model`), None for ``"ngram"`` and ``"self:N"``.
-
-    Raises:
-        ValueError: ``"self:N"`` with N outside 1..num_layers-1.
-    """
-    from nanovllm_core.speculative.draft_model import DraftModelProposer
-    from nanovllm_core.speculative.ngram import NgramProposer
-
-    if spec == "ngram":
-        proposer: Proposer = NgramProposer()
-    elif spec.startswith("self:"):
-        proposer = DraftModelProposer.early_exit(target_runner, parse_self_layers(spec, target.config.num_hidden_layers))
-    else:
-        assert draft_model is not None
-        proposer = DraftModelProposer.for_model(draft_model, target_runner, name=spec)
-    return Speculator(proposer, k)
-
-
-def needs_draft_model(spec: str | None) -> bool:
-    """True when ``speculative_model`` names a model to run (not ``ngram`` or ``self:N``)."""
-    return spec is not None and spec != "ngram" and not spec.startswith("self:")
-
-
-def load_draft_model(spec: str, target: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
-                     max_model_len: int) -> LlamaForCausalLM:
-    """The draft model for ``spec``: the target itself (``"target"``), or loaded with the target's device and dtype.
-
-    Raises:
-        ModelLoadError: the draft cannot be found or loaded, or its context is shorter than ``max_model_len``.
-        ValueError: its vocabulary differs from the target's (draft tokens would mean other words).
-    """
-    if spec == "target":
-        return target
-    from nanovllm_core.model.loader import ModelLoadError, load_model
-
-    try:
-        draft, _tokenizer, _resolved = load_model(None if spec == "default" else spec, device, dtype,
-                                                  max_model_len=max_model_len)
-    except ModelLoadError as e:
-        raise ModelLoadError(f"draft model {spec!r}: {e}") from None
-    if draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"the draft model {spec!r} has a vocabulary of {draft.config.vocab_size} tokens but the "
-                         f"target has {target.config.vocab_size}; use a draft with the target's tokenizer")
-    return draft
