@@ -15,7 +15,7 @@ import torch
 
 from nanovllm_core import LLM, SamplingParams
 from nanovllm_core.speculative import rejection_sampler
-from nanovllm_core.speculative.rejection_sampler import verify_sampled
+from nanovllm_core.speculative.rejection_sampler import verify_greedy, verify_sampled
 from tests.conftest import save_tiny_llama
 
 
@@ -45,6 +45,15 @@ def chi_square_p_value(counts: Counter, probs: dict, total: int) -> float:
 
 
 # ---------------------------------------------------------------------------- the rejection sampler alone
+
+
+def test_greedy_verification_keeps_drafts_up_to_the_first_mismatch_then_the_targets_argmax():
+    probs = torch.full((4, 10), 0.1)
+    v = verify_greedy(draft=[5, 7, 9], target_argmax=[5, 7, 2, 4], target_probs=probs)
+    assert v.tokens == [5, 7, 2] and v.num_accepted == 2 and v.accepted == [True, True, False]
+    every = verify_greedy(draft=[5, 7], target_argmax=[5, 7, 4], target_probs=probs[:3])
+    assert every.tokens == [5, 7, 4]  # all accepted: the bonus token is the argmax after the last draft
+
 
 P = torch.tensor([[0.50, 0.25, 0.15, 0.10, 0.00],   # target at the draft's position
                   [0.10, 0.20, 0.30, 0.40, 0.00]])  # target after it (the bonus token's distribution)

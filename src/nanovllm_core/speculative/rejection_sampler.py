@@ -70,7 +70,8 @@ def verify_greedy(draft: list[int], target_argmax: list[int], target_probs: torc
     accepted = 0
     while accepted < n and draft[accepted] == target_argmax[accepted]:
         accepted += 1
-    p = target_probs[torch.arange(n), torch.tensor(draft, dtype=torch.long, device=target_probs.device)].tolist() if n else []
+    dev = target_probs.device
+    p = target_probs[torch.arange(n, device=dev), torch.tensor(draft, dtype=torch.long, device=dev)].tolist()
     return Verification(tokens=draft[:accepted] + [target_argmax[accepted]], num_accepted=accepted, p=p,
                         q=[1.0] * n, accepted=[i < accepted for i in range(n)])
 
