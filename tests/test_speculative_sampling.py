@@ -113,6 +113,13 @@ def tiny_vocab_llama(tmp_path_factory, default_model_dir):
 
 
 @pytest.fixture(scope="module")
+def other_tiny_vocab_llama(tmp_path_factory, default_model_dir):
+    """Another random LLaMA over the same 4 tokens (other weights): a draft model with its own KV pool."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-vocab-4-draft"), default_model_dir, seed=1, vocab_size=4,
+                           initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
 def exact_joint(tiny_vocab_llama) -> dict:
     """P(t1, t2, t3 | PROMPT) at temperature 1, from transformers' own forward passes."""
     from transformers import LlamaForCausalLM
@@ -131,17 +138,19 @@ def exact_joint(tiny_vocab_llama) -> dict:
     return joint
 
 
-def sample_three_tokens(model_dir) -> tuple[Counter, dict]:
+def sample_three_tokens(model_dir, draft="self:1") -> tuple[Counter, dict]:
     """NUM_SAMPLES completions of 3 tokens: t1 from the prefill, t2 always verified, t3 the bonus or a plain decode."""
-    llm = LLM(str(model_dir), device="cpu", dtype="float32", seed=1234, speculative_model="self:1",
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", seed=1234, speculative_model=draft,
               num_speculative_tokens=2, num_kv_blocks=NUM_SAMPLES, max_num_seqs=1024, max_num_batched_tokens=4096)
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
     outs = llm.generate([PROMPT] * NUM_SAMPLES, params, use_tqdm=False)
     return Counter(tuple(o.outputs[0].token_ids) for o in outs), llm.stats()
 
 
-def test_speculative_sampling_in_the_engine_matches_the_targets_distribution(tiny_vocab_llama, exact_joint):
-    counts, stats = sample_three_tokens(tiny_vocab_llama)
+@pytest.mark.parametrize("draft", ["self:1", "draft-model"])
+def test_speculative_sampling_in_the_engine_matches_the_targets_distribution(tiny_vocab_llama, other_tiny_vocab_llama,
+                                                                             exact_joint, draft):
+    counts, stats = sample_three_tokens(tiny_vocab_llama, str(other_tiny_vocab_llama) if draft == "draft-model" else draft)
     assert stats["spec_verifications"] == NUM_SAMPLES  # every t2 went through verification
     assert 0.2 < stats["spec_acceptance_rate"] < 0.9  # the draft is neither always right nor always wrong
     assert stats["kv_blocks_used"] == 0
