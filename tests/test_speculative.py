@@ -62,9 +62,8 @@ def test_expected_accepted_length_formula():
 
 
 def _decoding_seq(seq_id: int, prompt: int, outputs: int, max_tokens: int) -> Sequence:
-    seq = Sequence(seq_id=seq_id, request_id=str(seq_id), token_ids=[3] * (prompt + outputs), num_prompt_tokens=prompt,
-                   params=SamplingParams(max_tokens=max_tokens))
-    return seq
+    return Sequence(seq_id=seq_id, request_id=str(seq_id), token_ids=[3] * (prompt + outputs), num_prompt_tokens=prompt,
+                    params=SamplingParams(max_tokens=max_tokens))
 
 
 def test_scheduler_counts_draft_slots_against_budget_and_caps_them_by_max_tokens():
@@ -110,8 +109,8 @@ def test_bad_speculative_settings_raise_one_line(bad, message):
 
 # ---------------------------------------------------------------------------- real model
 
-def generate(make_llm, prompts=PROMPTS, params=GREEDY, check_blocks=True, **engine):
-    """Greedy tokens per prompt and the engine's stats; the pool's invariants hold after every step."""
+def generate(make_llm, prompts=PROMPTS, params=GREEDY, **engine):
+    """Outputs in prompt order, the engine's stats and the LLM; the pool's invariants are checked after every step."""
     llm = make_llm(**engine)
     eng = llm.engine
     ids = [eng.add_request(p, params) for p in prompts]
@@ -120,9 +119,7 @@ def generate(make_llm, prompts=PROMPTS, params=GREEDY, check_blocks=True, **engi
         for out in eng.step():
             if out.finished:
                 done[out.request_id] = out
-        if check_blocks:
-            live = eng.scheduler.running + eng.scheduler.waiting
-            eng.block_manager.check_invariants(live)
+        eng.block_manager.check_invariants(eng.scheduler.running + eng.scheduler.waiting)
     stats = llm.stats()
     assert stats["kv_blocks_used"] == 0, "a block is still held after every request finished"
     return [done[i] for i in ids], stats, llm
