@@ -35,6 +35,8 @@ def test_each_bad_prompt_is_rejected_while_the_batch_completes(make_llm):
     ("top_k", -5, "top_k"),
     ("n", 0, "n="),
     ("stop", [3], "stop"),
+    ("top_p", "0.5", "top_p='0.5' is invalid: must be a number"),
+    ("logprobs", 21, r"logprobs=21 is invalid: must be an integer in \[0, 20\]"),
 ])
 def test_invalid_sampling_params_raise_value_error_naming_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):

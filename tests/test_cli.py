@@ -8,6 +8,8 @@ import sys
 import pytest
 
 from nanovllm_core import cli
+from nanovllm_core.llm import LLM
+from nanovllm_core.sampling_params import SamplingParams
 
 
 def run_cli(capsys, *args):
@@ -51,6 +53,11 @@ def test_chat_flag_uses_chat_template(capsys):
     (["--model", "/does/not/exist"], "does not exist"),
     (["--scheduling-policy", "lottery"], "invalid choice"),
     (["--top-p", "0"], "top_p"),
+    (["--top-k", "-5"], "top_k"),
+    (["--min-p", "1.5"], "min_p"),
+    (["--repetition-penalty", "0"], "repetition_penalty"),
+    (["--logprobs", "50"], "logprobs"),
+    (["--stop", ""], "every stop must be a non-empty string"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, args, message):
     code, out, err = run_cli(capsys, *args)
@@ -88,3 +95,42 @@ def test_trace_files_record_the_run(capsys, tmp_path):
 def test_trace_to_unwritable_path_is_one_line(capsys):
     code, _, err = run_cli(capsys, "--trace", "/no/such/dir/run.jsonl", "--num-kv-blocks", "8")
     assert code == 2 and "cannot write the trace file" in err and len(err.strip().splitlines()) == 1
+
+
+def test_sampling_flags_map_to_sampling_params():
+    args = cli.build_parser().parse_args([
+        "--temperature", "0.7", "--top-k", "40", "--top-p", "0.9", "--min-p", "0.05", "--repetition-penalty", "1.2",
+        "--seed", "3", "--stop", "\n\n", "--stop", "END", "--logprobs", "4", "--max-tokens", "7", "--ignore-eos",
+    ])
+    assert cli.sampling_params(args) == SamplingParams(
+        temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.2, seed=3, stop=["\n\n", "END"],
+        logprobs=4, max_tokens=7, ignore_eos=True)
+
+
+@pytest.fixture
+def cli_on_shared_model(monkeypatch, make_engine):
+    """``cli.main`` with its ``LLM`` built over the session's already-loaded real model."""
+    from nanovllm_core import llm as llm_module
+
+    monkeypatch.setattr(llm_module, "LLM", lambda **kw: LLM.from_engine(make_engine(**kw)))
+
+
+@pytest.mark.real_model
+def test_stop_strings_and_logprobs_from_the_command_line(capsys, cli_on_shared_model):
+    code, out, err = run_cli(capsys, "--stop", "zzz", "--stop", "answer is", "--logprobs", "2", "--max-tokens", "12",
+                             "--num-kv-blocks", "64")
+    assert code == 0, err
+    assert "Completion: ' Paris.\\n\\nThe '" in out
+    assert "7 tokens, finish_reason=stop, stop_reason='answer is'" in out
+    logprob_lines = [line for line in out.splitlines() if line.startswith("    '")]
+    assert len(logprob_lines) == 7 and logprob_lines[0].startswith("    ' Paris': ' Paris' -0.")
+
+
+@pytest.mark.real_model
+def test_the_same_seed_gives_the_same_sampled_completion(capsys, cli_on_shared_model):
+    flags = ["--temperature", "1.0", "--top-k", "50", "--top-p", "0.95", "--min-p", "0.01",
+             "--repetition-penalty", "1.1", "--max-tokens", "5", "--num-kv-blocks", "64"]
+    runs = [run_cli(capsys, *flags, "--seed", "5") for _ in range(2)]  # unseeded runs would differ
+    completions = [next(line for line in out.splitlines() if line.startswith("Completion:")) for _, out, _ in runs]
+    assert all(code == 0 for code, _, _ in runs)
+    assert completions[0] == completions[1]

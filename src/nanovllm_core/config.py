@@ -35,6 +35,12 @@ class EngineConfig:
         paged: False runs the contiguous, one-request-at-a-time baseline.
         attention_backend: ``"flash"`` (fused kernel) or ``"math"`` (explicit score matrix).
         seed: seeds torch's global generator for unseeded sampling (None: not seeded).
+        speculative_model: speculative decoding's proposer (None: off). ``"ngram"`` (prompt
+            lookup), ``"self:N"`` (the target's first N layers as an early-exit draft),
+            ``"target"`` (the target model itself as the draft, with its own KV pool), or a
+            draft model (repo id, folder or ``.gguf``) with the target's vocabulary.
+        num_speculative_tokens: draft tokens proposed per step and sequence, k (None: 5 when
+            ``speculative_model`` is set).
     """
 
     model: str | None = None
@@ -52,6 +58,8 @@ class EngineConfig:
     paged: bool = True
     attention_backend: str = "flash"
     seed: int | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -60,7 +68,7 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer")
 
         for name in ("block_size", "num_kv_blocks", "kv_cache_memory", "max_num_seqs",
-                     "max_num_batched_tokens", "max_model_len"):
+                     "max_num_batched_tokens", "max_model_len", "num_speculative_tokens"):
             positive(name)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
@@ -82,6 +90,28 @@ class EngineConfig:
                 f"with chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) so a whole prompt fits one step"
             )
+
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        spec = self.speculative_model
+        if spec is None:
+            if self.num_speculative_tokens is not None:
+                raise ValueError("num_speculative_tokens is set but speculative_model is None; "
+                                 "choose a proposer, e.g. speculative_model='ngram'")
+            return
+        if not isinstance(spec, str) or not spec.strip():
+            raise ValueError(f"speculative_model={spec!r} is invalid: use 'ngram', 'self:N', 'target' or a model path")
+        if spec.startswith("self:"):
+            layers = spec[len("self:"):]
+            if not layers.isdigit() or int(layers) < 1:
+                raise ValueError(f"speculative_model={spec!r} is invalid: 'self:N' needs a layer count N >= 1, "
+                                 "e.g. 'self:8'")
+        if not self.paged:
+            raise ValueError("speculative decoding needs the paged engine; drop paged=False "
+                             "(or --no-paged-attention)")
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = 5
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -166,7 +166,14 @@ class TopToken:
 
 @dataclass(frozen=True)
 class TokenSampled(Event):
-    """A sequence got a new token. ``text``: the text it completed (may be empty mid-character).
+    """A sequence got a new token.
+
+    ``text``: the output text that became final with this token. It is empty while the token
+    ends mid-character, and characters that may begin a stop string are held back until the
+    next token shows they do not; the ``text`` of one sequence's events concatenates to its
+    final ``output_text`` (stop strings cut, multi-byte characters whole).
+    ``token_text``: what this token itself spelled, from the incremental detokenizer ("" while it
+    ends mid-character); never held back or cut, so it suits showing the token chosen.
 
     ``top``: the most likely candidates (only when a subscriber asked for ``topk``);
     ``logprob``: log p of the chosen token under the model (None unless computed).
@@ -184,6 +191,7 @@ class TokenSampled(Event):
     logprob: float | None = None
     temperature: float = 1.0
     greedy: bool = True
+    token_text: str = ""
 
 
 @dataclass(frozen=True)

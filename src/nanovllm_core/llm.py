@@ -45,7 +45,8 @@ class LLM:
             embedded default (SmolLM2-135M-Instruct).
         device, dtype, and every :class:`EngineConfig` field as keyword arguments
             (``block_size``, ``num_kv_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``,
-            ``scheduling_policy``, ``enable_prefix_caching``, ``paged``, ...).
+            ``scheduling_policy``, ``enable_prefix_caching``, ``paged``, ``speculative_model``,
+            ``num_speculative_tokens``, ...).
         progress: loading progress callback (default: a console bar while converting).
 
     Raises:

@@ -30,10 +30,13 @@ class SamplingParams:
         max_tokens: the most tokens to generate (>= 1).
         min_tokens: EOS and stop tokens are suppressed until this many tokens are generated.
         stop: strings that end generation; the text ends before the stop string unless
-            ``include_stop_str_in_output``.
-        stop_token_ids: token ids that end generation (kept in the token ids).
+            ``include_stop_str_in_output``; ``stop_reason`` is the string found.
+        stop_token_ids: token ids that end generation; the id stays in the output token ids,
+            its text is left out unless ``include_stop_str_in_output``; ``stop_reason`` is the id.
         ignore_eos: keep generating past the end-of-sequence token.
-        logprobs: return this many top log-probabilities per generated token (and the chosen one's).
+        include_stop_str_in_output: keep the stop string (or stop token's text) in the output text.
+        logprobs: per generated token, the log-probabilities of this many most likely tokens
+            (0 to 20) plus the chosen one's, with ranks, under the model's raw distribution.
         skip_special_tokens: leave special tokens out of the decoded text.
     """
 
@@ -66,9 +69,14 @@ class SamplingParams:
         def bad(name: str, rule: str) -> ValueError:
             return ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: {rule}")
 
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise bad(name, "must be a number")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+        if not self.temperature >= 0:
             raise bad("temperature", "must be >= 0 (0 means greedy)")
         if not (0 < self.top_p <= 1):
             raise bad("top_p", "must be in (0, 1]")

@@ -221,16 +221,19 @@ class BlockManager:
                     self.free_ids.append(block.block_id)
         del seq.block_hashes[num_tokens // bs:]
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
         """Register the hashes of ``seq``'s blocks that are full of computed tokens.
 
+        ``num_tokens`` (default ``num_computed_tokens``) lowers that limit, for K/V that is
+        not complete everywhere yet (a speculative draft model's pool lagging one token).
         A block whose content is already cached elsewhere (two sequences computed the same
         prefix in one step) stays unregistered; the first copy serves future hits.
         """
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        limit = seq.num_computed_tokens if num_tokens is None else min(num_tokens, seq.num_computed_tokens)
+        num_full = min(limit // bs, len(seq.block_table))
         hashes = self._hashes(seq, num_full)
         for i in range(num_full):
             block = self.blocks[seq.block_table[i]]

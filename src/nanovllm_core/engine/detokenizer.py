@@ -5,6 +5,9 @@ several tokens) and decoding a token alone can lose a leading space (SentencePie
 new text is found by decoding a short window twice, as vLLM does: the window up to the
 previous token and the window including the new one; their difference is the new text,
 held back while it ends in an incomplete character (U+FFFD).
+
+What is handed to listeners (``release_text``) also waits while the text's end could be the
+start of a stop string, so streamed pieces never show text that the stop string later cuts.
 """
 
 from __future__ import annotations
@@ -52,3 +55,27 @@ def find_stop_string(seq: Sequence, new_text_len: int) -> tuple[str, int] | None
         if at != -1 and (best is None or at < best[1]):
             best = (stop, at)
     return best
+
+
+def release_text(seq: Sequence, finished: bool) -> str:
+    """The part of ``seq.output_text`` that became final since the last call (for streaming).
+
+    While a request has stop strings (and does not keep them in its output), the last
+    ``max(len(stop)) - 1`` characters are held back: they might be the start of a stop
+    string that the next token completes and that will be cut. When the sequence finishes,
+    the rest is released. The pieces concatenate to the final ``output_text`` (vLLM V1's
+    ``stop_buffer_length``).
+    """
+    p = seq.params
+    hold = 0
+    if not finished and p.stop and not p.include_stop_str_in_output:
+        hold = max(len(s) for s in p.stop) - 1
+    end = max(seq.num_streamed_chars, len(seq.output_text) - hold)
+    piece = seq.output_text[seq.num_streamed_chars:end]
+    seq.num_streamed_chars = end
+    return piece
+
+
+def streamed_text(seq: Sequence) -> str:
+    """The output text released so far (what a streaming client has seen)."""
+    return seq.output_text[: seq.num_streamed_chars]

@@ -20,7 +20,13 @@ import torch
 from nanovllm_core import events as ev
 from nanovllm_core.config import EngineConfig, default_kv_cache_memory
 from nanovllm_core.engine.block_manager import BlockManager
-from nanovllm_core.engine.detokenizer import detokenize_new_token, find_stop_string, start_detokenizer
+from nanovllm_core.engine.detokenizer import (
+    detokenize_new_token,
+    find_stop_string,
+    release_text,
+    start_detokenizer,
+    streamed_text,
+)
 from nanovllm_core.engine.model_runner import ForwardResult, ModelRunner
 from nanovllm_core.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
@@ -29,6 +35,10 @@ from nanovllm_core.model.loader import ProgressFn, ResolvedModel
 from nanovllm_core.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm_core.sampling.sampler import Sampler, SamplerOutput
 from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.speculative.metrics import SpecDecodeStats
+from nanovllm_core.speculative.proposer import build_proposer, load_draft_model, needs_draft_model, parse_self_layers
+from nanovllm_core.speculative.rejection_sampler import Verification
+from nanovllm_core.speculative.speculator import Speculator
 
 Prompt = str | list[int]
 
@@ -75,12 +85,18 @@ class LLMEngine:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        spec = config.speculative_model
+        if spec is not None and spec.startswith("self:"):
+            parse_self_layers(spec, self.model_config.num_hidden_layers)  # fail before allocating anything
+        draft = load_draft_model(spec, model, self.device, self.dtype, self.max_model_len) if needs_draft_model(spec) else None
         bytes_per_block = self.model_config.kv_bytes_per_token(self.dtype) * config.block_size
+        # A draft model's pool has one block per target block: the memory budget pays for both.
+        draft_bytes_per_block = draft.config.kv_bytes_per_token(self.dtype) * config.block_size if draft else 0
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
             budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
-            num_blocks = max(1, budget // bytes_per_block)
+            num_blocks = max(1, budget // (bytes_per_block + draft_bytes_per_block))
         self.bytes_per_block = bytes_per_block
         paged = config.paged
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching and paged)
@@ -90,8 +106,13 @@ class LLMEngine:
             token_budget=config.token_budget(self.max_model_len) if paged else self.max_model_len,
             policy=config.scheduling_policy,
             enable_chunked_prefill=config.enable_chunked_prefill and paged,
+            num_speculative_tokens=config.num_speculative_tokens if spec else 0,
+            max_model_len=self.max_model_len,
         )
         self.runner = ModelRunner(model, config.block_size, num_blocks, paged, config.attention_backend, self.max_model_len)
+        self.speculator: Speculator | None = (
+            Speculator(build_proposer(spec, self.runner, draft), config.num_speculative_tokens) if spec else None
+        )
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_ids()
         self.requests: dict[str, _Request] = {}
@@ -199,10 +220,11 @@ class LLMEngine:
                     request_id: str | None = None) -> str:
         """Queue a request; return its id.
 
-        A prompt the engine can never serve (empty, longer than ``max_model_len``, needing
-        more KV blocks than the whole pool, token ids outside the vocabulary) is *rejected*:
-        a ``RequestRejected`` event and, from the next :meth:`step`, a finished
-        ``RequestOutput`` with ``finish_reason="rejected"`` and ``error`` set.
+        A request the engine can never serve (an empty prompt, one longer than
+        ``max_model_len`` or needing more KV blocks than the whole pool, prompt or
+        ``stop_token_ids`` outside the vocabulary) is *rejected*: a ``RequestRejected`` event
+        and, from the next :meth:`step`, a finished ``RequestOutput`` with
+        ``finish_reason="rejected"`` and ``error`` set.
 
         Raises:
             ValueError: ``params`` is not a SamplingParams, ``priority`` not an int, or the id is in use.
@@ -233,6 +255,10 @@ class LLMEngine:
             return self._reject(request_id, text, token_ids,
                                 f"the prompt has {n_prompt} tokens but max_model_len is {self.max_model_len}; "
                                 "shorten it or raise max_model_len")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            return self._reject(request_id, text, token_ids,
+                                f"stop_token_ids contains {bad[0]}, outside the vocabulary (0..{vocab - 1})")
         limit = min(self.max_model_len, n_prompt + (params.max_tokens or self.max_model_len))
         need = self.block_manager.blocks_needed(limit)
         if need > self.block_manager.num_blocks:
@@ -317,24 +343,39 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         self.step_index = plan.step
         for seq in plan.preempted:
-            self.runner.release(seq.seq_id)
-        if self._subscribers:
-            self._emit(self._step_planned_event(plan))
+            self._release(seq.seq_id)
         touched: dict[str, None] = {}
         if plan.is_empty:
+            if self._subscribers:
+                self._emit(self._step_planned_event(plan))
             return outputs
         now = time.perf_counter()
         for s in plan.scheduled:
             if s.seq.metrics.first_scheduled_time is None:
                 s.seq.metrics.first_scheduled_time = now
+        announced = False
         try:
+            if self.speculator is not None:
+                self.speculator.propose(plan.scheduled)  # drafts join the batch: the plan shows them
+                plan.num_batched_tokens = sum(s.num_new_tokens for s in plan.scheduled)
+            if self._subscribers:
+                self._emit(self._step_planned_event(plan))
+            announced = True
             if self.fault_injector is not None:
                 self.fault_injector(plan)
-            result = self.runner.run(plan.scheduled, tracer=self._tracer(plan))
+            extra_rows = self.speculator.extra_rows(plan.scheduled) if self.speculator else None
+            result = self.runner.run(plan.scheduled, tracer=self._tracer(plan), extra_rows=extra_rows)
+            result, verify_rows = Speculator.split(result) if self.speculator else (result, [])
             sampled = self._sample(result)
+            verified = self.speculator.verify(verify_rows) if verify_rows else []
         except Exception as e:  # isolate: retry each sequence alone, finish those that still fail
             self._emit(ev.EngineError(step=plan.step, message=f"{type(e).__name__}: {e}",
                                       traceback=traceback.format_exc()))
+            if self.speculator is not None:
+                self.speculator.discard(plan.scheduled)  # retry as plain decodes
+                plan.num_batched_tokens = sum(s.num_new_tokens for s in plan.scheduled)
+            if self._subscribers and not announced:
+                self._emit(self._step_planned_event(plan))
             for s in plan.scheduled:
                 if s.seq.is_finished:
                     continue
@@ -348,6 +389,8 @@ class LLMEngine:
                     touched[s.seq.request_id] = None
         else:
             self._postprocess(plan.scheduled, result, sampled, plan.step, touched)
+            for (s, logits), v in zip(verify_rows, verified):
+                self._apply_verification(s, logits, v, plan.step, touched)
         if self._subscribers:
             self._emit_step_end(plan, time.perf_counter() - t0)
         outputs.extend(self._outputs_for(touched))
@@ -359,14 +402,60 @@ class LLMEngine:
 
     def _postprocess(self, scheduled: list[ScheduledSequence], result: ForwardResult, sampled: SamplerOutput,
                      step: int, touched: dict[str, None]) -> None:
+        """Advance the plain (non-speculative) entries: computed tokens, prefix-cache hashes, sampled tokens."""
         for s in scheduled:
+            if s.spec_tokens:
+                continue  # see _apply_verification
             s.seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_full_blocks(s.seq)
+            self._cache_full_blocks(s.seq)
             touched[s.seq.request_id] = None
             if not s.seq.in_prefill and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens:
                 self._release_siblings(s.seq)
         for row, (s, _) in enumerate(result.rows):
             self._append_token(s.seq, sampled, row, step)
+
+    def _apply_verification(self, s: ScheduledSequence, logits: torch.Tensor, v: Verification, step: int,
+                            touched: dict[str, None]) -> None:
+        """Roll a speculating sequence back to what verification kept, then append the kept tokens.
+
+        The target computed K/V for the newest token and every draft; only the newest and
+        the accepted drafts stay computed. Rejected drafts leave ``token_ids``, blocks past
+        the kept tokens return to the pool, and only blocks of kept tokens get prefix-cache
+        hashes. The kept tokens go through the usual stop checks one by one, so an EOS, stop
+        string or ``max_tokens`` inside an accepted run ends the sequence there.
+        """
+        seq = s.seq
+        base = s.start + 1  # tokens before the drafts
+        del seq.token_ids[base + v.num_accepted:]  # drop the rejected drafts
+        seq.num_computed_tokens = base + v.num_accepted
+        self.block_manager.truncate(seq, seq.num_computed_tokens)
+        # The accepted run's K/V is valid even if a stop below cuts the run short: hash it now.
+        self._cache_full_blocks(seq)
+        del seq.token_ids[base:]  # the kept tokens are appended again below, with their stop checks
+        touched[seq.request_id] = None
+        if self._subscribers:
+            self._emit(ev.SpecDecodeStep(
+                step=step, request_id=seq.request_id, seq_id=seq.seq_id, proposer=self.speculator.name,
+                draft_tokens=tuple(s.spec_tokens), draft_texts=tuple(self.token_pieces(s.spec_tokens)),
+                p=tuple(v.p), q=tuple(v.q), accepted=tuple(v.accepted), bonus_token=v.tokens[-1],
+                bonus_text=self.tokenizer.decode([v.tokens[-1]]),
+            ))
+        out = Speculator.sampler_output(logits, v, max(self._topk_wanted, seq.params.logprobs or 0),
+                                        seq.params.logprobs is not None)
+        for row in range(len(v.tokens)):
+            self._append_token(seq, out, row, step)
+            if seq.is_finished:
+                break
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        limit = self.speculator.computed_tokens(seq) if self.speculator else None
+        self.block_manager.cache_full_blocks(seq, limit)
+
+    def _release(self, seq_id: int) -> None:
+        """Drop per-sequence state outside the block manager (contiguous cache, draft bookkeeping)."""
+        self.runner.release(seq_id)
+        if self.speculator is not None:
+            self.speculator.release(seq_id)
 
     def _release_siblings(self, seq: Sequence) -> None:
         req = self.requests.get(seq.request_id)
@@ -376,6 +465,7 @@ class LLMEngine:
             req.pending_siblings = []
 
     def _append_token(self, seq: Sequence, sampled: SamplerOutput, row: int, step: int) -> None:
+        """Add row ``row``'s sampled token to ``seq``: logprobs, text, the ``TokenSampled`` event, stop checks."""
         token = sampled.token_ids[row]
         seq.token_ids.append(token)
         now = time.perf_counter()
@@ -388,13 +478,12 @@ class LLMEngine:
         if sampled.chosen_logprobs is not None:
             seq.cumulative_logprob += sampled.chosen_logprobs[row]
             if seq.logprobs is not None:
-                entry = {tid: Logprob(lp, rank + 1) for rank, (tid, lp) in enumerate(sampled.top[row][: seq.params.logprobs])}
-                if token not in entry:
-                    rank = 1 + sum(1 for _, lp in sampled.top[row] if lp > sampled.chosen_logprobs[row])
-                    entry[token] = Logprob(sampled.chosen_logprobs[row], rank)
-                seq.logprobs.append(entry)
+                seq.logprobs.append(self._logprob_entry(seq, sampled, row))
+        text_len_before = len(seq.output_text)
         piece = detokenize_new_token(self.tokenizer, seq)
         seq.output_text += piece
+        stop = self._check_stop(seq, token, len(piece), text_len_before)
+        released = release_text(seq, finished=stop is not None)
         if self._subscribers:
             top = ()
             if sampled.top is not None and self._topk_wanted:
@@ -402,30 +491,57 @@ class LLMEngine:
                             for tid, lp in sampled.top[row][: self._topk_wanted])
             self._emit(ev.TokenSampled(
                 step=step, request_id=seq.request_id, seq_id=seq.seq_id, index=seq.index, token_id=token,
-                text=piece, position=seq.num_tokens - 1, num_output_tokens=seq.num_output_tokens, top=top,
+                text=released, position=seq.num_tokens - 1,
+                num_output_tokens=seq.num_output_tokens, top=top,
                 logprob=sampled.chosen_logprobs[row] if sampled.chosen_logprobs is not None else None,
-                temperature=seq.params.temperature, greedy=seq.params.greedy,
+                temperature=seq.params.temperature, greedy=seq.params.greedy, token_text=piece,
             ))
-        self._check_stop(seq, token, len(piece))
+        if stop is not None:
+            self._finish(seq, *stop)
 
-    def _check_stop(self, seq: Sequence, token: int, new_text_len: int) -> None:
+    def _logprob_entry(self, seq: Sequence, sampled: SamplerOutput, row: int) -> dict[int, Logprob]:
+        """vLLM's per-token logprobs: the top ``logprobs`` candidates plus the chosen token, with ranks."""
+        token = sampled.token_ids[row]
+        decode = self.tokenizer.decode
+        entry = {tid: Logprob(lp, rank + 1, decode([tid]))
+                 for rank, (tid, lp) in enumerate(sampled.top[row][: seq.params.logprobs])}
+        if token not in entry:
+            entry[token] = Logprob(sampled.chosen_logprobs[row], sampled.chosen_ranks[row], decode([token]))
+        return entry
+
+    def _check_stop(self, seq: Sequence, token: int, new_text_len: int,
+                    text_len_before: int) -> tuple[str, str | int | None] | None:
+        """Should ``seq`` stop after its newest token? Returns (finish_reason, stop_reason) or None.
+
+        Checked in vLLM's order: EOS, ``stop_token_ids`` and stop strings (none of them within
+        the first ``min_tokens`` tokens), then ``max_tokens`` and ``max_model_len``. A stop
+        token's own text and a stop string (with anything after it) are cut from
+        ``output_text`` unless ``include_stop_str_in_output`` (vLLM V1's detokenizer).
+        """
         p = seq.params
         n_out = seq.num_output_tokens
         if n_out >= p.min_tokens:
+            hit: tuple[str, str | int | None] | None = None
             if token in seq.eos_token_ids:
-                return self._finish(seq, "stop", None)
-            if token in p.stop_token_ids:
-                return self._finish(seq, "stop", token)
-            if p.stop:
-                hit = find_stop_string(seq, new_text_len)
-                if hit is not None:
-                    stop, at = hit
+                hit = ("stop", None)
+            elif token in p.stop_token_ids:
+                hit = ("stop", token)
+            if hit is not None:
+                if not p.include_stop_str_in_output:
+                    seq.output_text = seq.output_text[:text_len_before]
+                return hit
+            # vLLM looks for stop strings only in text after the first min_tokens tokens.
+            if p.stop and n_out > p.min_tokens:
+                found = find_stop_string(seq, new_text_len)
+                if found is not None:
+                    stop, at = found
                     seq.output_text = seq.output_text[: at + len(stop) if p.include_stop_str_in_output else at]
-                    return self._finish(seq, "stop", stop)
+                    return ("stop", stop)
         if p.max_tokens is not None and n_out >= p.max_tokens:
-            return self._finish(seq, "length", None)
+            return ("length", None)
         if seq.num_tokens >= self.max_model_len:
-            return self._finish(seq, "length", None)
+            return ("length", None)
+        return None
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None, error: str | None = None) -> None:
         seq.finish_reason = reason
@@ -434,11 +550,15 @@ class LLMEngine:
         seq.metrics.finished_time = time.perf_counter()
         seq.metrics.finished_step = self.step_index
         self.scheduler.remove(seq)
-        self.runner.release(seq.seq_id)
+        self._release(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         req = self.requests.get(seq.request_id)
         if req is not None and seq in req.pending_siblings:
             req.pending_siblings.remove(seq)
+        elif req is not None and req.pending_siblings and reason != "abort":
+            # The first sample ended (an engine error) before its prompt was cached: the
+            # waiting samples must still run rather than be left behind.
+            self._release_siblings(seq)
         if req is not None and all(s.is_finished for s in req.seqs):
             del self.requests[seq.request_id]
             self._pending_outputs.append(self._request_output(req))
@@ -475,7 +595,8 @@ class LLMEngine:
 
     def _request_output(self, req: _Request) -> RequestOutput:
         completions = [
-            CompletionOutput(index=s.index, text=s.output_text, token_ids=list(s.output_token_ids),
+            CompletionOutput(index=s.index, text=s.output_text if s.is_finished else streamed_text(s),
+                             token_ids=list(s.output_token_ids),
                              finish_reason=s.finish_reason, stop_reason=s.stop_reason,
                              cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
                              logprobs=list(s.logprobs) if s.logprobs is not None else None)
@@ -598,6 +719,9 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "total_prompt_tokens": self.total_prompt_tokens,
             "total_output_tokens": self.total_output_tokens,
+            "spec_proposer": self.speculator.name if self.speculator else None,
+            "spec_num_speculative_tokens": self.speculator.k if self.speculator else 0,
+            **(self.speculator.stats if self.speculator else SpecDecodeStats()).as_dict(),
         }
 
 

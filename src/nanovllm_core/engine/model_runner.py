@@ -65,10 +65,12 @@ class ModelRunner:
         paged: False uses one contiguous cache per sequence (the baseline).
         attention_backend: ``"flash"`` or ``"math"``.
         max_model_len: size of each contiguous cache.
+        kv_cache: a paged pool to share instead of allocating one (self-speculative drafting
+            writes its early layers into the target's pool).
     """
 
     def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int, paged: bool,
-                 attention_backend: str, max_model_len: int) -> None:
+                 attention_backend: str, max_model_len: int, kv_cache: PagedKVCache | None = None) -> None:
         self.model = model
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -77,9 +79,11 @@ class ModelRunner:
         self.backend = attention_backend
         self.max_model_len = max_model_len
         self.use_flash_attn = paged and flash_attn_available(self.device, block_size)
-        # flash-attn's paged kernel reads blocks-first pages; the gather path wants heads first.
-        self.kv_cache = (PagedKVCache(model.config, num_blocks, block_size, self.dtype, self.device,
-                                      heads_major=not self.use_flash_attn) if paged else None)
+        if kv_cache is None and paged:
+            # flash-attn's paged kernel reads blocks-first pages; the gather path wants heads first.
+            kv_cache = PagedKVCache(model.config, num_blocks, block_size, self.dtype, self.device,
+                                    heads_major=not self.use_flash_attn)
+        self.kv_cache = kv_cache
         self.contiguous: dict[int, ContiguousKVCache] = {}
 
     @staticmethod

@@ -13,6 +13,13 @@ arrival) gives up all its blocks and goes back to the front of the waiting queue
 the tokens it has generated; when readmitted it recomputes them (often from the prefix
 cache). Under the ``priority`` policy a waiting request may also preempt running ones of
 lower priority when blocks are short.
+
+Speculative decoding (``num_speculative_tokens`` = k > 0): a sequence in decode is planned
+with ``1 + k`` tokens (its newest token plus up to k draft slots), all counted against the
+token budget, with blocks reserved for them. Fewer drafts when the budget (after one token
+for every other running sequence), ``max_tokens`` or ``max_model_len`` leave less room, and
+none when the reservation would need a block that is not free: drafts never preempt or
+starve another sequence.
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ class ScheduledSequence:
     (a prompt chunk, or a recompute after preemption) or ``"decode"``; ``samples``: whether
     this step ends at its last token, so a new token is sampled; ``num_cached_tokens``:
     prompt tokens served from the prefix cache when it was admitted in this step.
+
+    Speculative decoding: ``num_spec_tokens`` draft slots are reserved (and counted in
+    ``num_new_tokens``); the engine then puts the proposed drafts in ``spec_tokens`` and sets
+    ``num_new_tokens = 1 + len(spec_tokens)`` before the forward pass.
     """
 
     seq: Sequence
@@ -40,6 +51,7 @@ class ScheduledSequence:
     samples: bool
     start: int  # num_computed_tokens before this step
     num_cached_tokens: int = 0
+    num_spec_tokens: int = 0
     spec_tokens: list[int] = field(default_factory=list)
 
 
@@ -73,10 +85,13 @@ class Scheduler:
         token_budget: tokens per step (``max_num_batched_tokens``).
         policy: ``"priority"`` or ``"fcfs"``.
         enable_chunked_prefill: when False, a prompt runs whole in one step or waits.
+        num_speculative_tokens: draft slots per decode, k (0 = no speculative decoding).
+        max_model_len: longest sequence in tokens (caps draft slots; None = no cap).
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, token_budget: int,
-                 policy: str = "priority", enable_chunked_prefill: bool = True) -> None:
+                 policy: str = "priority", enable_chunked_prefill: bool = True,
+                 num_speculative_tokens: int = 0, max_model_len: int | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
@@ -86,8 +101,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.step_index = 0
-        # Sequences held back from admission (e.g. n>1 siblings waiting for the first's prefill).
-        self.lookahead_tokens = 0  # extra slots reserved per decode (speculative decoding)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_model_len = max_model_len
 
     # ------------------------------------------------------------------ queues
 
@@ -139,21 +154,26 @@ class Scheduler:
         # 1. Running sequences, most important first: decodes and unfinished prefill chunks.
         if self.policy == "priority":
             self.running.sort(key=lambda s: s.sort_key("priority"))
-        for seq in list(self.running):
+        queue = list(self.running)
+        for i, seq in enumerate(queue):
             if seq.status is not SequenceStatus.RUNNING or budget <= 0:
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
-            extra = self.lookahead_tokens if not seq.in_prefill else 0
-            while not bm.can_allocate(seq, seq.num_computed_tokens + num_new + extra):
+            # Draft slots come out of what is left once every later running sequence has its one token.
+            later = sum(1 for other in queue[i + 1:] if other.status is SequenceStatus.RUNNING) if self.num_speculative_tokens else 0
+            num_spec = self._num_spec_tokens(seq, budget - num_new - later)
+            if num_spec and not bm.can_allocate(seq, seq.num_computed_tokens + num_new + num_spec):
+                num_spec = 0  # drafts only use free blocks; they never cost another sequence its blocks
+            while not bm.can_allocate(seq, seq.num_computed_tokens + num_new):
                 victim = self._victim()
                 budget += self._preempt(victim, plan, preempted)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            bm.allocate(seq, seq.num_computed_tokens + num_new + extra)
-            plan[seq.seq_id] = self._scheduled(seq, num_new)
-            budget -= num_new
+            bm.allocate(seq, seq.num_computed_tokens + num_new + num_spec)
+            plan[seq.seq_id] = self._scheduled(seq, num_new, num_spec=num_spec)
+            budget -= num_new + num_spec
 
         # 2. Waiting sequences, in policy order, unless this step already had to preempt.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -218,10 +238,27 @@ class Scheduler:
             self._preempt(victim, plan, preempted)
         return bm.can_allocate(seq, num_tokens, cached)
 
+    def _num_spec_tokens(self, seq: Sequence, budget_left: int) -> int:
+        """Draft slots for ``seq`` this step: k, or fewer where the budget or the request's limits leave less room.
+
+        Only a sequence with exactly one uncomputed token (its newest) speculates. The
+        verification pass runs positions ``num_tokens - 1 .. num_tokens - 1 + drafts``, all
+        below ``max_model_len``; drafts beyond ``max_tokens - 1`` more tokens could never be kept.
+        """
+        if not self.num_speculative_tokens or seq.num_uncomputed_tokens != 1:
+            return 0
+        room = [self.num_speculative_tokens, budget_left]
+        if self.max_model_len is not None:
+            room.append(self.max_model_len - seq.num_tokens)
+        if seq.params.max_tokens is not None:
+            room.append(seq.params.max_tokens - seq.num_output_tokens - 1)
+        return max(0, min(room))
+
     @staticmethod
-    def _scheduled(seq: Sequence, num_new: int, num_cached: int = 0) -> ScheduledSequence:
+    def _scheduled(seq: Sequence, num_new: int, num_cached: int = 0, num_spec: int = 0) -> ScheduledSequence:
         samples = seq.num_computed_tokens + num_new == seq.num_tokens
         kind = "decode" if (num_new == 1 and samples and seq.num_output_tokens > 0
                             and seq.num_computed_tokens == seq.num_tokens - 1) else "prefill"
-        return ScheduledSequence(seq=seq, num_new_tokens=num_new, kind=kind, samples=samples,
-                                 start=seq.num_computed_tokens, num_cached_tokens=num_cached)
+        return ScheduledSequence(seq=seq, num_new_tokens=num_new + num_spec, kind=kind, samples=samples,
+                                 start=seq.num_computed_tokens, num_cached_tokens=num_cached,
+                                 num_spec_tokens=num_spec)

@@ -72,6 +72,7 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     tokens_text: list[str] = field(default_factory=list)
+    num_streamed_chars: int = 0  # characters of output_text already handed to listeners
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,194 @@
+"""``python -m nanovllm_core.speculative.cli``: generate with speculative decoding and measure what it bought.
+
+Runs the prompts twice in one process on the same loaded target: without speculation, then
+with the chosen draft. Prints the completions, the draft's acceptance counters, the expected
+tokens per verification from the measured acceptance rate (Leviathan et al. 2023, eq. 1),
+and the measured speed-up. Bad arguments end with exit status 2 and one line on stderr.
+
+Example::
+
+    python -m nanovllm_core.speculative.cli --draft-model self:20 --prompt "The future of AI is" \\
+        --num-speculative-tokens 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+DEFAULT_PROMPT = "The future of AI is"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, status 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command's options (``--target-model``, ``--draft-model``, ``--num-speculative-tokens``, ...)."""
+    p = _Parser(prog="nanovllm-spec",
+                description="Speculative decoding with the nano-vLLM engine, compared with plain decoding.")
+    p.add_argument("--target-model", default=None,
+                   help="repo id, folder or .gguf of the target (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft-model", default=None,
+                   help="'self:N' (the target's first N layers), 'ngram' (prompt lookup), 'target', or a draft "
+                        "model's repo id/folder/.gguf with the target's tokenizer (default: the embedded model)")
+    p.add_argument("--num-speculative-tokens", type=_positive_int, default=5, help="draft tokens per step, k (default 5)")
+    p.add_argument("--prompt", action="append", default=None, help=f"a prompt (repeatable; default {DEFAULT_PROMPT!r})")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=_positive_int, default=48, help="tokens per prompt (default 48)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="per-request random seed")
+    p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens even past end-of-sequence")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    p.add_argument("--block-size", type=_positive_int, default=16)
+    p.add_argument("--num-kv-blocks", type=_positive_int, default=None,
+                   help="KV pool size in blocks (default: enough for the prompts)")
+    return p
+
+
+@dataclass
+class TimedRun:
+    """One timed ``generate``: the outputs, wall seconds, generated tokens, engine steps it took, the engine's stats."""
+
+    outputs: list
+    seconds: float
+    num_tokens: int
+    steps: int
+    stats: dict
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / max(self.seconds, 1e-9)
+
+
+def timed_generate(llm, prompts: list, params) -> TimedRun:
+    """Generate and time it (seconds of wall clock, including scheduling and drafting)."""
+    steps_before = llm.stats()["steps"]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    stats = llm.stats()
+    return TimedRun(outputs, seconds, num_tokens, stats["steps"] - steps_before, stats)
+
+
+def default_draft(target: str | None) -> str:
+    """The draft when none is named: the embedded model (the target itself when that is the target too)."""
+    return "target" if target is None else "default"
+
+
+def pool_blocks(num_tokens: list[int], max_tokens: int, k: int, block_size: int) -> int:
+    """KV blocks enough for every prompt at once, with room for its output and k draft slots."""
+    return sum(-(-(n + max_tokens + k + 1) // block_size) for n in num_tokens) + 2
+
+
+def speculation_report(stats: dict, k: int) -> list[str]:
+    """Lines describing the acceptance counters and the expected tokens per verification."""
+    from nanovllm_core.speculative.metrics import expected_accepted_length
+
+    rate, alpha = stats["spec_acceptance_rate"], stats["spec_per_token_acceptance_rate"]
+    return [
+        f"  draft tokens: {stats['spec_draft_tokens']}, accepted: {stats['spec_accepted_tokens']} "
+        f"(acceptance rate {rate:.1%}) over {stats['spec_verifications']} verifications",
+        f"  per-token acceptance rate alpha (accepted / drafts judged up to the first rejection): {alpha:.3f}",
+        f"  tokens per verification: measured {stats['spec_mean_accepted_length']:.2f}; "
+        f"expected E = (1 - a^(k+1)) / (1 - a) with k={k}: {expected_accepted_length(alpha, k):.2f} for a = alpha, "
+        f"{expected_accepted_length(rate, k):.2f} for a = acceptance rate",
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the prompts without and with speculation; print completions, acceptance and speed-up. Returns 0.
+
+    Raises:
+        SystemExit: status 2 with one line on stderr for bad arguments, a model that cannot
+            be loaded, or a draft that does not fit the target.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    prompts = args.prompt or [DEFAULT_PROMPT]
+    if any(not p.strip() for p in prompts):
+        parser.error("--prompt must not be empty")
+    draft = args.draft_model or default_draft(args.target_model)
+    from nanovllm_core.config import EngineConfig
+    from nanovllm_core.engine.llm_engine import LLMEngine
+    from nanovllm_core.llm import LLM, console_progress
+    from nanovllm_core.model.loader import ModelLoadError, load_model
+    from nanovllm_core.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+        base_cfg = EngineConfig(model=args.target_model, device=args.device, dtype=args.dtype,
+                                block_size=args.block_size)
+        EngineConfig(speculative_model=draft, num_speculative_tokens=args.num_speculative_tokens)  # check early
+        model, tokenizer, resolved = load_model(args.target_model, base_cfg.torch_device, base_cfg.torch_dtype,
+                                                progress=console_progress())
+    except (ModelLoadError, ValueError) as e:
+        parser.error(str(e))
+    if args.chat and not getattr(tokenizer, "chat_template", None):
+        parser.error("this model's tokenizer has no chat template; drop --chat")
+    inputs = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                             add_generation_prompt=True), add_special_tokens=False)
+              if args.chat else p for p in prompts]
+    lengths = [len(x) if isinstance(x, list) else len(tokenizer.encode(x)) for x in inputs]
+    blocks = args.num_kv_blocks or pool_blocks(lengths, args.max_tokens, args.num_speculative_tokens, args.block_size)
+    try:
+        plain = LLM.from_engine(LLMEngine(EngineConfig(**{**vars(base_cfg), "num_kv_blocks": blocks}),
+                                          model, tokenizer, resolved))
+        spec = LLM.from_engine(LLMEngine(EngineConfig(**{**vars(base_cfg), "num_kv_blocks": blocks,
+                                                         "speculative_model": draft,
+                                                         "num_speculative_tokens": args.num_speculative_tokens}),
+                                         model, tokenizer, resolved))
+    except (ModelLoadError, ValueError) as e:
+        parser.error(str(e))
+    plain.generate(inputs[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm up
+    try:
+        base = timed_generate(plain, inputs, params)
+        fast = timed_generate(spec, inputs, params)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+    for prompt, out, ref in zip(prompts, fast.outputs, base.outputs):
+        c = out.outputs[0]
+        print(f"Prompt: {prompt!r}")
+        if c.finish_reason == "rejected":
+            print(f"  rejected: {out.error}\n")
+            continue
+        print(f"Completion: {c.text!r}")
+        same = c.token_ids == ref.outputs[0].token_ids
+        note = "identical to the run without speculation" if same else "differs from the run without speculation"
+        if not same and not params.greedy:
+            note += " (expected when sampling: same distribution, other random draws)"
+        print(f"  [{len(c.token_ids)} tokens, finish_reason={c.finish_reason}; {note}]\n")
+    k = args.num_speculative_tokens
+    print(f"Speculative decoding with draft {draft!r}, k={k}, target {spec.engine.model_name}:")
+    for line in speculation_report(fast.stats, k):
+        print(line)
+    print(f"  engine steps (target forward passes): {fast.steps} with speculation, {base.steps} without")
+    print(f"  speed: {fast.tokens_per_s:.1f} tokens/s with speculation ({fast.num_tokens} tokens in {fast.seconds:.2f} s), "
+          f"{base.tokens_per_s:.1f} tokens/s without ({base.num_tokens} in {base.seconds:.2f} s): "
+          f"speed-up {fast.tokens_per_s / max(base.tokens_per_s, 1e-9):.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Speculative sampling keeps the target's distribution exactly, whatever the draft proposes.
+
+Leviathan et al. 2023 (Theorem 1): accepting a draft token with probability min(1, p/q) and
+resampling rejections from normalize(max(0, p - q)) emits tokens distributed as p. These
+tests draw many samples and compare the counts with p by a chi-square test (fixed seeds, so
+they are reproducible), and show that the same test catches a broken acceptance rule.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from nanovllm_core import LLM, SamplingParams
+from nanovllm_core.speculative import rejection_sampler
+from nanovllm_core.speculative.rejection_sampler import verify_greedy, verify_sampled
+from tests.conftest import save_tiny_llama
+
+
+def chi_square_p_value(counts: Counter, probs: dict, total: int) -> float:
+    """p-value of observed ``counts`` against cell probabilities ``probs`` (Pearson's chi-square).
+
+    Cells expected fewer than 5 times are pooled into one; an observation in a cell of
+    probability 0 gives 0.
+    """
+    if any(probs.get(cell, 0.0) == 0.0 for cell in counts):
+        return 0.0
+    stat, cells, pooled_obs, pooled_exp = 0.0, 0, 0, 0.0
+    for cell, p in probs.items():
+        expected = p * total
+        if expected < 5:
+            pooled_obs += counts.get(cell, 0)
+            pooled_exp += expected
+            continue
+        stat += (counts.get(cell, 0) - expected) ** 2 / expected
+        cells += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        cells += 1
+    df = max(cells - 1, 1)
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+# ---------------------------------------------------------------------------- the rejection sampler alone
+
+
+def test_greedy_verification_keeps_drafts_up_to_the_first_mismatch_then_the_targets_argmax():
+    probs = torch.full((4, 10), 0.1)
+    v = verify_greedy(draft=[5, 7, 9], target_argmax=[5, 7, 2, 4], target_probs=probs)
+    assert v.tokens == [5, 7, 2] and v.num_accepted == 2 and v.accepted == [True, True, False]
+    every = verify_greedy(draft=[5, 7], target_argmax=[5, 7, 4], target_probs=probs[:3])
+    assert every.tokens == [5, 7, 4]  # all accepted: the bonus token is the argmax after the last draft
+
+
+P = torch.tensor([[0.50, 0.25, 0.15, 0.10, 0.00],   # target at the draft's position
+                  [0.10, 0.20, 0.30, 0.40, 0.00]])  # target after it (the bonus token's distribution)
+Q = torch.tensor([[0.10, 0.10, 0.20, 0.30, 0.30]])  # draft: far from P, even proposing a token P rules out
+
+
+BROKEN_RULES = {
+    "always-accept": lambda u, p, q: torch.ones_like(u, dtype=torch.bool),
+    "accept-with-p-ignoring-q": lambda u, p, q: u < p,
+}
+
+
+def sample_verifications(draft_probs, n=5000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    firsts, bonuses = Counter(), Counter()
+    for _ in range(n):
+        if draft_probs is None:
+            draft = [1]  # a fixed guess, as prompt lookup makes
+        else:
+            draft = [int(torch.multinomial(draft_probs[0], 1, generator=g))]
+        v = verify_sampled(draft, P, draft_probs, g)
+        firsts[v.tokens[0]] += 1
+        if v.num_accepted == 1:
+            bonuses[v.tokens[1]] += 1
+    return firsts, bonuses
+
+
+def as_cells(row: torch.Tensor) -> dict:
+    return {i: float(p) for i, p in enumerate(row)}
+
+
+@pytest.mark.parametrize("draft_probs", [Q, None], ids=["sampled-draft", "point-mass-draft"])
+def test_kept_tokens_follow_the_target_distribution(draft_probs):
+    firsts, bonuses = sample_verifications(draft_probs)
+    assert chi_square_p_value(firsts, as_cells(P[0]), sum(firsts.values())) > 1e-3
+    assert chi_square_p_value(bonuses, as_cells(P[1]), sum(bonuses.values())) > 1e-3
+
+
+@pytest.mark.parametrize("rule", BROKEN_RULES)
+def test_the_chi_square_check_catches_a_broken_acceptance_rule(monkeypatch, rule):
+    monkeypatch.setattr(rejection_sampler, "accept_draft", BROKEN_RULES[rule])
+    firsts, _ = sample_verifications(Q)
+    assert chi_square_p_value(firsts, as_cells(P[0]), sum(firsts.values())) < 1e-6
+
+
+# ---------------------------------------------------------------------------- inside the engine
+
+PROMPT = [1, 3, 0]
+NUM_SAMPLES = 1500
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_llama(tmp_path_factory, default_model_dir):
+    """A 2-layer random LLaMA over 4 tokens, with weights large enough that its 1st layer alone predicts differently."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-vocab-4"), default_model_dir, vocab_size=4,
+                           initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def other_tiny_vocab_llama(tmp_path_factory, default_model_dir):
+    """Another random LLaMA over the same 4 tokens (other weights): a draft model with its own KV pool."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-vocab-4-draft"), default_model_dir, seed=1, vocab_size=4,
+                           initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def exact_joint(tiny_vocab_llama) -> dict:
+    """P(t1, t2, t3 | PROMPT) at temperature 1, from transformers' own forward passes."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(tiny_vocab_llama), torch_dtype=torch.float32).eval()
+
+    def next_probs(ids: list[int]) -> list[float]:
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0, -1].float().softmax(-1).tolist()
+
+    joint = {}
+    for t1, p1 in enumerate(next_probs(PROMPT)):
+        for t2, p2 in enumerate(next_probs(PROMPT + [t1])):
+            for t3, p3 in enumerate(next_probs(PROMPT + [t1, t2])):
+                joint[(t1, t2, t3)] = p1 * p2 * p3
+    return joint
+
+
+def sample_three_tokens(model_dir, draft="self:1") -> tuple[Counter, dict]:
+    """NUM_SAMPLES completions of 3 tokens: t1 from the prefill, t2 always verified, t3 the bonus or a plain decode."""
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", seed=1234, speculative_model=draft,
+              num_speculative_tokens=2, num_kv_blocks=NUM_SAMPLES, max_num_seqs=1024, max_num_batched_tokens=4096)
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+    outs = llm.generate([PROMPT] * NUM_SAMPLES, params, use_tqdm=False)
+    return Counter(tuple(o.outputs[0].token_ids) for o in outs), llm.stats()
+
+
+@pytest.mark.parametrize("draft", ["self:1", "draft-model"])
+def test_speculative_sampling_in_the_engine_matches_the_targets_distribution(tiny_vocab_llama, other_tiny_vocab_llama,
+                                                                             exact_joint, draft):
+    counts, stats = sample_three_tokens(tiny_vocab_llama, str(other_tiny_vocab_llama) if draft == "draft-model" else draft)
+    assert stats["spec_verifications"] == NUM_SAMPLES  # every t2 went through verification
+    assert 0.2 < stats["spec_acceptance_rate"] < 0.9  # the draft is neither always right nor always wrong
+    assert stats["kv_blocks_used"] == 0
+    assert chi_square_p_value(counts, exact_joint, NUM_SAMPLES) > 1e-3
+
+
+@pytest.mark.parametrize("rule", BROKEN_RULES)
+def test_the_engine_level_check_catches_a_broken_acceptance_rule(tiny_vocab_llama, exact_joint, monkeypatch, rule):
+    monkeypatch.setattr(rejection_sampler, "accept_draft", BROKEN_RULES[rule])
+    counts, _ = sample_three_tokens(tiny_vocab_llama)
+    assert chi_square_p_value(counts, exact_joint, NUM_SAMPLES) < 1e-6
