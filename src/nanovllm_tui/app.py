@@ -1,0 +1,302 @@
+"""``nanovllm-tui``: a full-screen window onto a running engine.
+
+The window appears at once; the model loads on the engine thread (``EngineController``)
+with its progress in the header, and prompts sent meanwhile wait in the queue. Everything
+shown comes from the engine's events, which the :class:`~nanovllm_tui.bridge.EngineBridge`
+hands to this (UI) thread at most once a frame; only the visible tab redraws.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, Callable, Iterable, Sequence
+
+from textual.app import App, ComposeResult
+from textual.widgets import Footer, TabbedContent, TabPane
+
+from nanovllm_core import events as ev
+from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_tui.bridge import EngineBridge
+from nanovllm_tui.commands import TABS, EngineCommands, app_bindings
+from nanovllm_tui.state import EngineState
+from nanovllm_tui.views.base import EngineView
+from nanovllm_tui.views.block_map import BlockMapView
+from nanovllm_tui.views.dashboard import DashboardView
+from nanovllm_tui.views.narrator import NarratorView
+from nanovllm_tui.views.tutorial import TutorialView
+from nanovllm_tui.views.xray import XRayView
+from nanovllm_tui.widgets.prompt_bar import PromptBar, PromptSettings
+from nanovllm_tui.widgets.status_header import StatusHeader
+
+VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
+                                      "tutorial": TutorialView, "blocks": BlockMapView}
+NARROW, SHORT = 100, 30  # below these sizes panels fold away (see app.tcss)
+
+
+class NanoVLLMApp(App):
+    """The app. Give it a ``controller`` (an ``EngineController`` or a ``ReplayController``), or a
+    ``make_controller`` that builds one once the window is up.
+
+    Args:
+        sampling: the base ``SamplingParams`` of prompts sent from the prompt bar (its
+            temperature and max tokens are replaced by the bar's).
+        settings: the prompt bar's starting priority, max tokens and temperature.
+        prompts: (prompt, priority) pairs to send at start.
+        fps: most screen updates per second from engine events.
+        tutorial_path: where tutorial progress is kept (None: the tutorial module's default).
+    """
+
+    CSS_PATH = "app.tcss"
+    TITLE = "nano-vLLM"
+    COMMANDS = App.COMMANDS | {EngineCommands}
+    BINDINGS = app_bindings()
+
+    def __init__(self, controller: Any = None, *, make_controller: Callable[[], Any] | None = None,
+                 sampling: SamplingParams | None = None, settings: PromptSettings | None = None,
+                 prompts: Iterable[tuple[str, int]] = (), fps: float = 20.0, tutorial_path: Any = None,
+                 recorders: Sequence[Any] = ()) -> None:
+        super().__init__()
+        if controller is None and make_controller is None:
+            raise ValueError("NanoVLLMApp needs a controller or make_controller")
+        self.controller = controller
+        self._make_controller = make_controller
+        self.sampling = sampling or SamplingParams(temperature=0.0)
+        self.settings = settings or PromptSettings()
+        self._initial_prompts = list(prompts)
+        self.tutorial_path = tutorial_path
+        self.recorders = list(recorders)
+        self.state = EngineState()
+        self.bridge = EngineBridge(self, fps=fps)
+        self.selected: str | None = None
+        self._flush_pending = False
+        self._stopped = False
+
+    # ------------------------------------------------------------------ layout
+
+    def compose(self) -> ComposeResult:
+        yield StatusHeader(id="header")
+        with TabbedContent(initial="dashboard", id="tabs"):
+            for i, (tab, title) in enumerate(TABS, 1):
+                with TabPane(f"{i} {title}", id=tab):
+                    yield VIEWS[tab](id=f"{tab}-view")
+        yield PromptBar(self.settings, id="prompt-bar")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        if self.controller is None:
+            self.controller = self._make_controller()
+        self.bridge.connect(self.controller, topk=5, xray=False, blocks=False)
+        for recorder in self.recorders:
+            self.controller.subscribe(recorder, topk=5, blocks=True)
+        self._adapt_to_size()
+        self._sync_paused()
+        self.query_one(PromptBar).focus_prompt()
+        self.set_interval(0.5, self._poll_engine_state)
+        for prompt, priority in self._initial_prompts:
+            self._submit(prompt, dataclasses.replace(self.settings, priority=priority))
+        self._redraw()
+
+    @property
+    def live(self) -> bool:
+        """False when replaying a trace."""
+        return getattr(self.controller, "live", True)
+
+    @property
+    def active_tab(self) -> str:
+        return self.query_one(TabbedContent).active or "dashboard"
+
+    def view(self, tab: str | None = None) -> EngineView:
+        return self.query_one(f"#{tab or self.active_tab}-view", EngineView)
+
+    def on_resize(self) -> None:
+        self._adapt_to_size()
+
+    def _adapt_to_size(self) -> None:
+        width, height = self.size
+        self.screen.set_class(width < NARROW, "-narrow")
+        self.screen.set_class(height < SHORT, "-short")
+
+    # ------------------------------------------------------------------ engine events
+
+    def on_engine_bridge_events_ready(self, message: EngineBridge.EventsReady) -> None:
+        delay = self.bridge.delay()
+        if delay <= 0:
+            self._flush()
+        elif not self._flush_pending:
+            self._flush_pending = True
+            self.set_timer(delay, self._flush)
+
+    def _flush(self) -> None:
+        """Fold everything the engine sent since the last frame into the state, then redraw."""
+        self._flush_pending = False
+        events = self.bridge.drain()
+        for event in events:
+            self.state.apply(event)
+            self._announce(event)
+            if isinstance(event, ev.ModelLoading) and event.ready:
+                self._sync_paused()
+        self.query_one(NarratorView).feed(events, self.state)
+        self._redraw()
+
+    def _announce(self, event: ev.Event) -> None:
+        """Notifications for what a person must not miss: refusals, errors, the model becoming ready."""
+        if isinstance(event, ev.RequestRejected):
+            self.notify(f"{event.request_id} was rejected: {event.reason}", severity="error", timeout=8, markup=False)
+        elif isinstance(event, ev.EngineError):
+            if event.step is None and event.message.startswith("model failed to load"):
+                self.notify(f"{event.message}. Try --model PATH, or --replay FILE.jsonl to watch a recording.",
+                            title="No model", severity="error", timeout=30, markup=False)
+            else:
+                self.notify(event.message, title="Engine error", severity="error", timeout=10, markup=False)
+        elif isinstance(event, ev.RequestFinished) and event.finish_reason == "abort":
+            self.notify(f"{event.request_id} aborted after {event.num_output_tokens} tokens; its blocks are free",
+                        markup=False)
+        elif isinstance(event, ev.ModelLoading) and event.ready and self.live:
+            self.notify(f"{event.model_name} is ready on {event.device} ({event.dtype})", markup=False)
+
+    def _sync_paused(self) -> None:
+        """A controller started paused says so only through its state (there is no event for it)."""
+        if self.controller.state == "paused":
+            self.state.paused = True
+
+    def _poll_engine_state(self) -> None:
+        """The engine going idle is not an event; look at the controller's state twice a second."""
+        if self.controller is not None and self.controller.state != self.state.engine_state:
+            self._redraw()
+
+    def _redraw(self) -> None:
+        if self.controller is not None and self.state.load_error is None:
+            self.state.engine_state = self.controller.state
+        self.query_one(StatusHeader).show(self.state, replay=not self.live)
+        self.view().update_view(self.state, self.selected)
+
+    # ------------------------------------------------------------------ tabs and selection
+
+    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        tab = event.pane.id or "dashboard"
+        self._set_detail(tab)
+        view = self.view(tab)
+        view.update_view(self.state, self.selected)
+        if self.focused is None or self.focused.id != "prompt":  # never pull focus out of a half-typed prompt
+            view.focus_main()
+
+    def _set_detail(self, tab: str) -> None:
+        """Ask the engine for X-Ray traces and block snapshots only while their tab is visible."""
+        self.bridge.want(xray=tab == "xray", blocks=tab == "blocks")
+        if tab == "xray":
+            xray = self.query_one(XRayView)
+            self.controller.xray(self.selected, xray.layer_index, xray.head_index)
+        if tab == "blocks" and self.live:
+            bridge = self.bridge  # a snapshot now, so a paused engine still shows its pool
+            self.controller.call(lambda engine: bridge(engine.blocks_event(engine.scheduler.step_index)))
+
+    def on_x_ray_view_choice(self, message: XRayView.Choice) -> None:
+        self.controller.xray(self.selected, message.layer, message.head)
+
+    def on_request_table_selected(self, message: Any) -> None:
+        self.select(message.request_id)
+
+    def select(self, request_id: str | None) -> None:
+        if request_id == self.selected:
+            return
+        self.selected = request_id
+        if self.active_tab == "xray":
+            xray = self.query_one(XRayView)
+            self.controller.xray(request_id, xray.layer_index, xray.head_index)
+        self._redraw()
+
+    # ------------------------------------------------------------------ actions (keys and command palette)
+
+    def action_show_tab(self, tab: str) -> None:
+        self.query_one(TabbedContent).active = tab
+
+    def action_focus_prompt(self) -> None:
+        self.query_one(PromptBar).focus_prompt()
+
+    def action_focus_view(self) -> None:
+        self.view().focus_main()
+
+    def action_toggle_pause(self) -> None:
+        # The header changes at once; the engine pauses at its next step boundary.
+        if self.state.paused:
+            self.controller.resume()
+            self.state.paused = False
+        else:
+            self.controller.pause()
+            self.state.paused = True
+        self._redraw()
+
+    def action_step(self) -> None:
+        if not self.state.paused:
+            self.notify("n runs one step while the engine is paused: press space to pause first.",
+                        severity="warning")
+            return
+        if not self.state.active_requests:
+            self.notify("Nothing to step: send a prompt first (it waits while paused).", severity="warning")
+            return
+        self.controller.step(1)
+
+    def action_abort(self) -> None:
+        req = self.state.requests.get(self.selected) if self.selected else None
+        if req is None:
+            self.notify("No request is selected: pick one in the Dashboard's table.", severity="warning")
+        elif not req.live:
+            self.notify(f"{req.request_id} is already {req.state}; nothing to abort.", severity="warning")
+        else:
+            self.controller.abort(req.request_id)
+
+    def action_select(self, delta: int) -> None:
+        ids = self.state.request_ids()
+        if not ids:
+            return
+        i = ids.index(self.selected) + delta if self.selected in ids else len(ids) - 1
+        self.select(ids[max(0, min(len(ids) - 1, i))])
+
+    async def action_quit(self) -> None:
+        self.stop_engine()
+        self.exit()
+
+    def on_unmount(self) -> None:
+        self.stop_engine()
+
+    def stop_engine(self) -> None:
+        """Stop the engine thread (within a second) and close trace files."""
+        if self._stopped or self.controller is None:
+            return
+        self._stopped = True
+        self.controller.shutdown(timeout=1.0)
+        for recorder in self.recorders:
+            recorder.close()
+
+    # ------------------------------------------------------------------ prompts
+
+    def on_prompt_bar_submitted(self, message: PromptBar.Submitted) -> None:
+        self._submit(message.prompt, message.settings)
+
+    def _submit(self, prompt: str, settings: PromptSettings) -> str | None:
+        try:
+            params = dataclasses.replace(self.sampling, max_tokens=settings.max_tokens,
+                                         temperature=settings.temperature)
+        except ValueError as e:
+            self.notify(f"Bad sampling settings: {e}", severity="error", markup=False)
+            return None
+        rid = self.controller.submit(prompt, params, settings.priority)
+        self.state.submitted(rid, prompt, settings.priority, settings.max_tokens)
+        if not self.state.ready and self.live:
+            self.notify(f"{rid} waits in the queue until the model has loaded.")
+        self.select(rid)
+        return rid
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``nanovllm-tui`` console script. Bad options end with status 2 and one line."""
+    from nanovllm_tui.options import build_app
+
+    app = build_app(argv)
+    app.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
