@@ -1,0 +1,667 @@
+"""The tutorial: twelve chapters on how a vLLM-class engine serves a prompt, each with a quiz.
+
+This module is the single source of the tutorial's content. The CLI (``nanovllm --tutorial``)
+and the Textual app's Tutorial tab both read :data:`CHAPTERS`, :data:`DEMOS`, :func:`grade`
+and :class:`TutorialProgress` from here, so a learner sees the same words and questions in both.
+
+The chapters follow the path of one request through the engine: text becomes token ids
+(tokenization), rows of a matrix (embedding), mixes with its context (self-attention), is
+read in one pass (prefill) whose keys and values are kept (KV cache), grows one token per
+step (decode) drawn from a distribution (sampling), in memory organised as pages
+(PagedAttention, Kwon et al. 2023), beside other requests (continuous batching, Yu et al.
+2022 "Orca"), reusing what others already computed (prefix caching), under a per-step
+budget with priorities (chunked prefill, Agrawal et al. 2023 "SARATHI"; preemption by
+recompute, Kwon et al. 2023 section 4.5), and finally several tokens per step
+(speculative decoding, Leviathan et al. 2023; Chen et al. 2023).
+
+Chapter text holds no numbers that claim to describe the loaded model: numbers about the
+model come from :func:`model_facts` (computed from ``LLMEngine.model_info()``) and from the
+live demonstrations, which run on the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nanovllm_core.sampling_params import SamplingParams
+
+LETTERS = "ABCD"
+
+
+@dataclass(frozen=True)
+class Quiz:
+    """A multiple-choice question: four ``choices`` shown as A-D, ``answer`` the right index (0..3)."""
+
+    question: str
+    choices: tuple[str, str, str, str]
+    answer: int
+    explanation: str
+
+
+@dataclass(frozen=True)
+class Chapter:
+    """One chapter: ``number`` 1..12, a stable ``key``, the explanation ``text`` (paragraphs
+    separated by blank lines), an optional live demonstration (``demo`` names an entry of
+    :data:`DEMOS`; ``demo_prompt`` is the prompt it sends) and its ``quiz``."""
+
+    number: int
+    key: str
+    title: str
+    text: str
+    demo: str | None
+    demo_prompt: str | None
+    quiz: Quiz
+
+    @property
+    def paragraphs(self) -> list[str]:
+        """The text split at blank lines, each paragraph on one line."""
+        return [" ".join(p.split()) for p in self.text.strip().split("\n\n") if p.strip()]
+
+
+@dataclass(frozen=True)
+class DemoRequest:
+    """One request a demonstration sends: the prompt, its sampling settings and priority."""
+
+    prompt: str
+    params: SamplingParams
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class Demo:
+    """A live demonstration on the engine.
+
+    Attributes:
+        key: the name chapters use in ``Chapter.demo``.
+        title: a short headline.
+        watch: one sentence telling the learner what to look at.
+        kinds: the narrator's ``Commentary.kind`` values worth showing for it (others are noise here).
+        max_tokens: tokens generated per request (short on purpose: demos run on a CPU).
+        xray: subscribe with ``xray=True`` (the embedding and attention demos need real layer values).
+        extra_prompts: requests sent besides the chapter's ``demo_prompt``, in order.
+        extra_max_tokens: ``max_tokens`` of each extra prompt (defaults to ``max_tokens``).
+        priorities: one per request (the chapter's prompt first); empty means all 0.
+        sequential: send each request only after the previous one finished (the prefix cache
+            needs the first request's blocks to be computed before the second arrives).
+        temperature, top_k, top_p, seed: sampling settings of every request.
+        engine: ``EngineConfig`` settings under which the effect shows on a fresh engine (the
+            CLI builds a small engine with them; an app whose engine has other settings runs
+            the requests as they are and the narrator reports what its settings produced).
+    """
+
+    key: str
+    title: str
+    watch: str
+    kinds: tuple[str, ...]
+    max_tokens: int = 4
+    xray: bool = False
+    extra_prompts: tuple[str, ...] = ()
+    extra_max_tokens: tuple[int, ...] = ()
+    priorities: tuple[int, ...] = ()
+    sequential: bool = False
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    engine: tuple[tuple[str, Any], ...] = ()
+
+    def requests(self, prompt: str) -> list[DemoRequest]:
+        """The requests to send, in order: ``prompt`` (the chapter's ``demo_prompt``) then the extras."""
+        prompts = (prompt, *self.extra_prompts)
+        budgets = (self.max_tokens, *self.extra_max_tokens)
+        budgets += (self.max_tokens,) * (len(prompts) - len(budgets))
+        priorities = self.priorities or (0,) * len(prompts)
+        return [
+            DemoRequest(p, SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                          seed=self.seed, max_tokens=n, ignore_eos=True), prio)
+            for p, n, prio in zip(prompts, budgets, priorities)
+        ]
+
+    def engine_settings(self) -> dict[str, Any]:
+        return dict(self.engine)
+
+
+# A long, plain prompt for the chunked-prefill demonstration (about a hundred tokens).
+_LONG_PROMPT = (
+    "A river begins as rain on a mountain. The water gathers in small streams, the streams join into "
+    "brooks, and the brooks meet in a valley where they become a river. The river carries sand and stones "
+    "down towards the plains, where it slows, bends and spreads out. Near the sea it splits into many "
+    "channels and drops the sand it carried, building a delta. Summarise this in one sentence:"
+)
+# Shared by the two prefix-caching requests: long enough to fill at least two 16-token blocks.
+_SHARED_PREFIX = (
+    "You are a patient teacher who answers in one short sentence, using plain words a child would "
+    "understand, and never more than twenty words. Question: "
+)
+
+DEMOS: dict[str, Demo] = {d.key: d for d in (
+    Demo("tokenization", "Your prompt as token ids",
+         "Each piece of text and the integer the model receives for it.",
+         kinds=("tokenization",), max_tokens=1),
+    Demo("embedding", "Token ids become vectors",
+         "The size of each token's vector and a few of its real values from layer 0's input.",
+         kinds=("embedding",), max_tokens=1, xray=True),
+    Demo("attention", "Attention inside one layer",
+         "The shapes of Q, K and V, the score matrix, and how 9 query heads read fewer KV heads.",
+         kinds=("embedding", "attention"), max_tokens=1, xray=True),
+    Demo("prefill", "The prompt in one forward pass",
+         "How many tokens one step processed at once, and how long it took.",
+         kinds=("prefill", "decode"), max_tokens=1),
+    Demo("kv_cache", "The cache grows one token at a time",
+         "The bytes the KV cache holds after each step, and the blocks behind them.",
+         kinds=("prefill", "kv_cache"), max_tokens=6),
+    Demo("decode", "One token per step",
+         "The five most likely next tokens at each step, and the one the engine took.",
+         kinds=("decode",), max_tokens=5),
+    Demo("sampling", "Temperature and top-k at work",
+         "Sampling at temperature 0.9 among the 20 best tokens: the chosen token is not always the top one.",
+         kinds=("sampling", "decode"), max_tokens=5, temperature=0.9, top_k=20, seed=7),
+    Demo("paged_attention", "Block tables",
+         "Which physical blocks each request received, and how many slots stay unfilled.",
+         kinds=("prefill", "kv_cache"), max_tokens=3,
+         extra_prompts=("Name three colours of the rainbow:",)),
+    Demo("continuous_batching", "Requests join as others leave",
+         "With room for two running requests, the third waits and joins the moment one finishes.",
+         kinds=("scheduler", "finished"), max_tokens=2,
+         extra_prompts=("The largest planet is", "Python is a"), extra_max_tokens=(6, 4),
+         engine=(("max_num_seqs", 2),)),
+    Demo("prefix_caching", "A shared prefix is computed once",
+         "The second request finds the shared opening already in the cache and skips its prefill.",
+         kinds=("prefix_cache", "prefill", "scheduler"), max_tokens=2, sequential=True,
+         extra_prompts=(_SHARED_PREFIX + "Why do leaves fall in autumn?",),
+         engine=(("block_size", 16),)),
+    Demo("chunked_prefill", "A long prompt in chunks, and an urgent request",
+         "The long low-priority prompt is read in chunks within the step budget; the high-priority "
+         "request goes first, and when blocks run short a lower-priority request is preempted.",
+         kinds=("scheduler", "chunked_prefill", "preemption", "prefill", "finished"), max_tokens=6,
+         extra_prompts=("Quick: the capital of Italy is",), extra_max_tokens=(6,), priorities=(0, 10),
+         engine=(("max_num_batched_tokens", 32), ("block_size", 8), ("num_kv_blocks", 16))),
+)}
+
+
+def _quiz(question: str, choices: tuple[str, str, str, str], answer: int, explanation: str) -> Quiz:
+    return Quiz(question, choices, answer, explanation)
+
+
+CHAPTERS: tuple[Chapter, ...] = (
+    Chapter(
+        1, "tokenization", "Tokenization: text becomes numbers",
+        """
+        A language model never sees letters. Before anything else, a tokenizer cuts the prompt into
+        pieces taken from a fixed vocabulary and replaces each piece by its number in that vocabulary,
+        its token id. LLaMA-family models use byte-pair encoding (BPE): frequent words are a single
+        piece, rare words are spelled out of several smaller pieces, and a leading space usually
+        belongs to the piece that follows it.
+
+        The list of ids is the real input. Its length, counted in tokens and not in characters, is
+        what costs compute in every layer and what occupies memory in the KV cache, so an engine
+        measures prompts, budgets and limits in tokens.
+
+        Chat models wrap a conversation in special tokens (the chat template) that mark who is
+        speaking; those are ids like any other.
+        """,
+        "tokenization", "The capital of France is",
+        _quiz("Why does an inference engine measure a prompt's length in tokens rather than characters?",
+              ("Tokens take less disk space than characters",
+               "Each token is one position the model computes and one entry it keeps in the KV cache",
+               "Python strings cannot hold more than a few thousand characters",
+               "Accelerators can only add integers"),
+              1,
+              "Every token id becomes one row of activations in each layer and one key/value pair per layer "
+              "in the cache. Compute time, memory and the scheduler's budget all scale with the number of "
+              "tokens; characters play no part once the text is tokenized."),
+    ),
+    Chapter(
+        2, "embedding", "Embedding: ids become vectors",
+        """
+        The first layer of the model is a table with one row per vocabulary entry, the embedding
+        matrix of shape [vocab_size, hidden_size]. Token id i simply selects row i: there is no
+        arithmetic, only a lookup. A prompt of N tokens becomes a matrix of shape [N, hidden_size],
+        the hidden states that every decoder layer reads and refines.
+
+        The values in the table were learned in training; tokens used in similar ways ended up with
+        similar rows. LLaMA adds no position vector here: position enters later, inside attention,
+        where rotary embeddings (RoPE) turn each query and key by an angle that depends on its position.
+
+        Many small models tie the embedding to the output: the same matrix, used the other way round,
+        turns the last hidden state back into one score per vocabulary entry.
+        """,
+        "embedding", "The capital of France is",
+        _quiz("What does the embedding step compute for token id 504?",
+              ("A dot product between 504 and every weight of the model",
+               "A softmax over the vocabulary",
+               "Nothing but a lookup: it takes row 504 of the embedding matrix",
+               "A fresh random vector for every request"),
+              2,
+              "The embedding is a table lookup. Row 504 of the [vocab_size, hidden_size] matrix is the vector "
+              "for token 504; the learning happened in training, not at inference time."),
+    ),
+    Chapter(
+        3, "self_attention", "Self-attention: tokens read each other",
+        """
+        In every layer each token produces three vectors by multiplying its hidden state with learned
+        matrices: a query Q (what it is looking for), a key K (what it offers) and a value V (what it
+        passes on). The scores S = Q K^T / sqrt(head_dim) say how well each query matches each key;
+        a softmax turns each row of scores into weights that sum to 1, and the output is those weights
+        times the values, O = P V.
+
+        The causal mask removes the scores of keys that come after the query, so a token only uses the
+        text before it, exactly as when it was generated. The work is split over several heads that
+        attend in parallel, each over its own slice of head_dim numbers.
+
+        Grouped-query attention (GQA) lets several query heads share one key/value head. The model
+        still asks as many questions, but it stores fewer keys and values per token, which shrinks the
+        KV cache by the ratio of query heads to KV heads.
+        """,
+        "attention", "The capital of France is",
+        _quiz("Why does a token's attention ignore the positions that come after it?",
+              ("Later tokens do not exist yet when a token is generated, so the model is trained without them (the causal mask)",
+               "To keep the score matrix square",
+               "Because softmax cannot handle more than a few keys",
+               "To halve the size of the KV cache"),
+              0,
+              "Generation writes text left to right: when a token is produced, nothing after it exists. Training "
+              "masks the future the same way, so at inference each token's scores cover only itself and earlier tokens."),
+    ),
+    Chapter(
+        4, "prefill", "Prefill: reading the prompt in one pass",
+        """
+        The first step for a new request is the prefill: all the prompt's tokens go through the model
+        together. Because the whole prompt is known, every position can be computed at once, as large
+        matrix multiplications of shape [N, hidden] by [hidden, ...]. That keeps the arithmetic units
+        busy: prefill is limited by compute, not by memory.
+
+        Prefill writes the keys and values of all N prompt tokens into the KV cache. Only the last
+        position's hidden state is turned into vocabulary scores, because only the token after the
+        prompt is being predicted; the others were given.
+
+        The time from a request's arrival to its first generated token is the time to first token
+        (TTFT). A long prompt makes a long prefill, which is why engines can split it into chunks
+        (chapter 11).
+        """,
+        "prefill", "The capital of France is",
+        _quiz("Prefilling a 200-token prompt, how many positions' vocabulary scores does the engine need "
+              "to choose the first new token?",
+              ("All 200", "Half of them, 100", "None: prefill does not produce a token", "Only the last position's"),
+              3,
+              "The next token follows the last prompt token, so only that position's hidden state goes through "
+              "the LM head. The other 199 positions still run through every layer, because their keys and values "
+              "are needed in the cache."),
+    ),
+    Chapter(
+        5, "kv_cache", "The KV cache: never compute a key twice",
+        """
+        A token's key and value in a given layer depend only on the tokens up to it, so once computed
+        they never change. The engine stores them in the KV cache. At each later step only the new
+        token's query, key and value are computed; its query is compared against all the cached keys.
+
+        Without the cache, generating the t-th token would mean running all t earlier tokens through
+        the model again, so the total work would grow with the square of the length. With it, each
+        step does one token's worth of projections.
+
+        The price is memory. One token needs 2 (K and V) x layers x KV heads x head_dim numbers, times
+        the bytes per number. For long sequences and many requests this cache, not the weights, is
+        what fills the accelerator, and managing it well is what the next chapters are about.
+        """,
+        "kv_cache", "Once upon a time",
+        _quiz("A model has 30 layers, 3 KV heads of head_dim 64, and stores float32 (4 bytes). How many "
+              "bytes of KV cache does one token take?",
+              ("11,520", "23,040", "46,080", "138,240"),
+              2,
+              "2 (K and V) x 30 layers x 3 KV heads x 64 x 4 bytes = 46,080 bytes. 11,520 counts numbers, not "
+              "bytes; 23,040 forgets that both K and V are kept; 138,240 would be the cost with 9 KV heads, "
+              "that is, without grouped-query attention."),
+    ),
+    Chapter(
+        6, "decode", "Decode: one token per step",
+        """
+        After the prefill, the request generates one token per engine step. The input of a decode step
+        is a single token: its hidden state passes through every layer, its query attends over the
+        cached keys, its key and value are appended, and the last layer's output becomes scores over
+        the vocabulary.
+
+        One token is very little arithmetic for the amount of weight data that must be read from
+        memory, so a lone decode step is limited by memory bandwidth. Serving many requests at once
+        fixes this: their decode tokens share one pass over the weights.
+
+        The time between successive tokens is the time per output token (TPOT, also inter-token
+        latency). Decoding stops at an end-of-sequence token, a stop string, or max_tokens.
+        """,
+        "decode", "The capital of France is",
+        _quiz("Why is a decode step for a single request limited by memory rather than arithmetic?",
+              ("It must read every weight of the model to compute just one token",
+               "It recomputes the whole prompt at every step",
+               "The softmax over the vocabulary needs more memory than the weights",
+               "Decode runs on the CPU while prefill runs on the accelerator"),
+              0,
+              "Each weight read from memory is used for one multiply-add per token in the batch. With one token, "
+              "loading the weights takes far longer than the arithmetic; batching many requests' decode tokens "
+              "reuses every loaded weight many times."),
+    ),
+    Chapter(
+        7, "sampling", "Sampling: choosing the next token",
+        """
+        The model's last layer gives one score (logit) per vocabulary entry; a softmax turns them into
+        probabilities. Greedy decoding takes the most likely token, which is deterministic and the
+        reference mode for testing.
+
+        Temperature divides the logits before the softmax: below 1 it sharpens the distribution towards
+        the favourite, above 1 it flattens it. Top-k keeps only the k most likely tokens; top-p (nucleus)
+        keeps the smallest set whose probabilities add up to p; min-p drops tokens far less likely than
+        the best. What survives is renormalised and one token is drawn from it. A seed makes the draw
+        repeatable.
+
+        Penalties (repetition, presence, frequency) lower the scores of tokens already used, to avoid
+        loops.
+        """,
+        "sampling", "My favourite fruit is",
+        _quiz("What does a temperature of 0.5 do to the next-token distribution?",
+              ("Halves every probability",
+               "Sharpens it: the likely tokens become even more likely",
+               "Flattens it: all tokens become about equally likely",
+               "Keeps only the best half of the vocabulary"),
+              1,
+              "Dividing the logits by 0.5 doubles the gaps between them, and the softmax turns bigger gaps into a "
+              "more peaked distribution. Temperatures above 1 shrink the gaps and flatten it."),
+    ),
+    Chapter(
+        8, "paged_attention", "PagedAttention: the cache in blocks",
+        """
+        Reserving one long contiguous region per request for its maximum length wastes most of it:
+        requests end early, and the space cannot be lent to others. PagedAttention (the vLLM paper)
+        borrows the idea of virtual memory pages. The cache is a pool of fixed-size blocks, each holding
+        the keys and values of block_size tokens.
+
+        Each request has a block table that maps its logical blocks (tokens 0..15, 16..31, ...) to
+        physical blocks anywhere in the pool. A new block is taken only when the last one is full, so a
+        request wastes at most the unfilled slots of its last block. The slot mapping tells the model
+        where to write each new token's key and value; the attention kernel follows the block table to
+        read them back.
+
+        Because blocks are shared by reference count, two requests can point at the same physical block,
+        which is what makes prefix caching and parallel samples cheap.
+        """,
+        "paged_attention", "The capital of France is",
+        _quiz("With block_size 16, a request holds 35 tokens. How many blocks does it use, and how many slots "
+              "are reserved but unfilled?",
+              ("2 blocks, 0 unfilled", "35 blocks, 0 unfilled", "3 blocks, 16 unfilled", "3 blocks, 13 unfilled"),
+              3,
+              "35 tokens need ceil(35 / 16) = 3 blocks = 48 slots, of which 48 - 35 = 13 wait for future tokens. "
+              "Blocks are taken on demand, so the waste is never more than one block per request."),
+    ),
+    Chapter(
+        9, "continuous_batching", "Continuous batching: scheduling every step",
+        """
+        A static batch starts together and ends together: a request that finishes early leaves its
+        place empty until the longest one is done. Continuous batching, introduced by Orca as
+        iteration-level scheduling, decides the batch again at every step.
+
+        Each step the scheduler first serves the running requests (a decode costs one token, an
+        unfinished prefill its next chunk), then admits waiting requests while three things last: the
+        token budget of the step, the limit on running requests (max_num_seqs), and free KV blocks.
+        Prefill chunks and decodes share one forward pass.
+
+        A request that finishes frees its place and its blocks at once, and the next waiting request
+        joins at the following step.
+        """,
+        "continuous_batching", "The capital of France is",
+        _quiz("In a running batch, one request finishes much earlier than the others. What happens at the "
+              "next step with continuous batching?",
+              ("The batch keeps the empty place until every request is done",
+               "All the other requests are restarted",
+               "A waiting request is admitted into the freed place",
+               "The engine pauses until a new batch can be formed"),
+              2,
+              "The scheduler re-plans every step. The finished request's blocks and place are released, and a "
+              "waiting request is admitted at once if the budget, max_num_seqs and the free blocks allow."),
+    ),
+    Chapter(
+        10, "prefix_caching", "Prefix caching: reuse what was computed",
+        """
+        Many requests start the same way: a system prompt, a few-shot example, an earlier turn of a
+        chat. Their keys and values for that shared opening are identical, so computing them again is
+        wasted work.
+
+        The block manager gives each full block a hash of its tokens chained with the hash of the block
+        before it, so equal hashes mean equal prefixes up to that point. When a new request arrives, its
+        prompt's full blocks are looked up; every hit is shared by reference count instead of being
+        computed, and the prefill starts after the cached part. Only full blocks are cached, and when the
+        whole prompt hits, its last token is still computed so there are scores to sample from.
+
+        A freed block keeps its hash in a least-recently-used list until its space is needed, so a
+        prefix can be reused even after the request that computed it has finished.
+        """,
+        "prefix_caching", _SHARED_PREFIX + "Why is the sky blue?",
+        _quiz("Two prompts share their first 40 tokens and the block size is 16. How many of the second "
+              "prompt's tokens can come from the prefix cache?",
+              ("32", "40", "16", "0, because the prompts differ"),
+              0,
+              "Only full blocks are cached: the first two blocks (tokens 0-31) are identical and hit. The third "
+              "block mixes shared and different tokens, so its hash differs and it is computed."),
+    ),
+    Chapter(
+        11, "chunked_prefill", "Chunked prefill, priority and preemption",
+        """
+        A very long prompt would take a whole step, or several steps' worth of time, during which
+        every other request waits for its next token. Chunked prefill (SARATHI) splits the prompt into
+        chunks that fit the per-step token budget; the running decodes go first and the chunk takes
+        what is left, so short requests keep flowing while the long one is read.
+
+        With the priority policy, waiting requests are admitted in order of priority, then arrival.
+        When KV blocks run out, the engine preempts: the running request with the lowest priority,
+        and the latest arrival among equals, gives back all its blocks and returns to the waiting
+        queue. It keeps the tokens it generated; when readmitted, their keys and values are recomputed,
+        often from the prefix cache. A high-priority request may also preempt lower-priority ones to
+        get in.
+
+        Preemption trades some recomputation for never running out of memory in the middle of a step.
+        """,
+        "chunked_prefill", _LONG_PROMPT,
+        _quiz("Under the priority policy, when KV blocks run out, which running request is preempted?",
+              ("The one that has generated the most tokens",
+               "The one that arrived first",
+               "A random one",
+               "The lowest-priority one, and among equals the latest to arrive"),
+              3,
+              "The victim is the least important running request: lowest priority first, then latest arrival. Its "
+              "blocks are freed, it goes back to the waiting queue with its generated tokens, and it recomputes "
+              "their keys and values when readmitted."),
+    ),
+    Chapter(
+        12, "speculative_decoding", "Speculative decoding: several tokens per step",
+        """
+        A decode step spends most of its time reading weights, and verifying several tokens costs
+        almost the same as producing one. Speculative decoding exploits this: a cheap proposer (a small
+        draft model, or an n-gram lookup in the text so far) guesses the next k tokens, and the target
+        model scores all of them in a single forward pass.
+
+        Each draft token x is accepted with probability min(1, p(x) / q(x)), where p is the target's
+        probability and q the draft's. At the first rejection the target samples a replacement from
+        the leftover distribution max(0, p - q), renormalised; if all k are accepted it adds one bonus
+        token of its own. This rule makes the output follow the target model's distribution exactly.
+
+        The speed-up depends on the acceptance rate: the fraction of draft tokens the target keeps.
+        """,
+        None, None,
+        _quiz("Why does speculative decoding not change the distribution of the generated text?",
+              ("Because the draft model is a copy of the target",
+               "Because the accept/reject rule with the residual resampling reproduces the target's distribution",
+               "Because rejected tokens are kept but marked",
+               "It does change it, slightly, in exchange for speed"),
+              1,
+              "Accepting x with probability min(1, p/q) and resampling rejections from max(0, p - q) is rejection "
+              "sampling: the combined result is distributed exactly as p, whatever the draft proposes. A poor "
+              "draft only lowers the acceptance rate, and so the speed-up."),
+    ),
+)
+
+
+def chapter(key: str) -> Chapter:
+    """The chapter with this ``key``.
+
+    Raises:
+        KeyError: no chapter has that key (the message lists the keys).
+    """
+    for c in CHAPTERS:
+        if c.key == key:
+            return c
+    raise KeyError(f"no tutorial chapter {key!r}; chapters: {', '.join(c.key for c in CHAPTERS)}")
+
+
+def grade(chapter: Chapter, choice: int | str) -> bool:
+    """True when ``choice`` is the quiz's right answer.
+
+    ``choice``: an index 0..3 or a letter ``"A"``..``"D"`` (any case, surrounding spaces ignored).
+
+    Raises:
+        ValueError: anything else (the message says what is accepted).
+    """
+    return choice_index(choice) == chapter.quiz.answer
+
+
+def choice_index(choice: int | str) -> int:
+    """0..3 from an index or a letter A-D.
+
+    Raises:
+        ValueError: not one of 0, 1, 2, 3, "A", "B", "C", "D" (any case).
+    """
+    if isinstance(choice, bool):
+        raise ValueError(f"answer must be 0-3 or A-D, not {choice!r}")
+    if isinstance(choice, int):
+        if 0 <= choice <= 3:
+            return choice
+    elif isinstance(choice, str):
+        letter = choice.strip().upper()
+        if len(letter) == 1 and letter in LETTERS:
+            return LETTERS.index(letter)
+    raise ValueError(f"answer must be 0-3 or A-D, not {choice!r}")
+
+
+def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
+    """Lines of real numbers about the loaded model for ``chapter`` (from ``LLMEngine.model_info()``).
+
+    Units: tokens, elements, bytes. Missing keys give fewer lines, never an error.
+    """
+    key = chapter.key
+    g = info.get
+    lines: list[str] = []
+    try:
+        if key == "tokenization" and g("vocab_size"):
+            lines.append(f"This model's vocabulary has {g('vocab_size'):,} entries (token ids 0..{g('vocab_size') - 1}).")
+        elif key == "embedding" and g("vocab_size") and g("hidden_size"):
+            lines.append(f"Its embedding matrix is [{g('vocab_size')}, {g('hidden_size')}]: each token becomes "
+                         f"{g('hidden_size')} numbers.")
+        elif key == "self_attention" and g("num_heads") and g("num_kv_heads"):
+            lines.append(f"It has {g('num_heads')} query heads sharing {g('num_kv_heads')} KV heads "
+                         f"({g('num_heads') // g('num_kv_heads')} to 1), head_dim {g('head_dim')}, in each of "
+                         f"{g('num_layers')} layers.")
+        elif key == "prefill" and g("token_budget"):
+            lines.append(f"This engine's token budget is {g('token_budget')} tokens per step; a longer prompt is "
+                         "prefilled in chunks.")
+        elif key == "kv_cache" and g("kv_bytes_per_token"):
+            per = g("kv_bytes_per_token")
+            lines.append(f"On this model in {g('dtype')}: 2 x {g('num_layers')} layers x {g('num_kv_heads')} KV heads x "
+                         f"{g('head_dim')} x {per // (2 * g('num_layers') * g('num_kv_heads') * g('head_dim'))} bytes "
+                         f"= {per:,} bytes per token; 1,000 tokens take {per * 1000 / 2**20:.1f} MiB.")
+        elif key == "paged_attention" and g("block_size"):
+            per = g("kv_bytes_per_token") or 0
+            lines.append(f"This engine's pool: {g('num_kv_blocks'):,} blocks of {g('block_size')} tokens, "
+                         f"{per * g('block_size'):,} bytes each.")
+        elif key == "continuous_batching" and g("max_num_seqs"):
+            lines.append(f"This engine runs at most {g('max_num_seqs')} requests at once within "
+                         f"{g('token_budget')} tokens per step.")
+        elif key == "prefix_caching" and g("block_size"):
+            state = "on" if g("prefix_caching") else "off"
+            lines.append(f"Prefix caching is {state} in this engine; blocks hold {g('block_size')} tokens.")
+        elif key == "chunked_prefill" and g("scheduling_policy"):
+            lines.append(f"This engine schedules by {g('scheduling_policy')} with a budget of "
+                         f"{g('token_budget')} tokens per step.")
+    except (TypeError, ValueError, ZeroDivisionError):
+        return lines
+    return lines
+
+
+def _default_path() -> Path:
+    from nanovllm_core.model.loader import cache_root
+
+    return cache_root() / "tutorial_progress.json"
+
+
+@dataclass
+class TutorialProgress:
+    """Where a learner is in the tutorial and what they answered, kept between launches.
+
+    ``current``: index into :data:`CHAPTERS`; ``answers``: chapter key -> last chosen index (0..3).
+    """
+
+    current: int = 0
+    answers: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def score(self) -> int:
+        """Number of chapters whose last answer is right."""
+        return sum(1 for c in CHAPTERS if self.answers.get(c.key) == c.quiz.answer)
+
+    @property
+    def answered(self) -> int:
+        """Number of chapters answered (right or wrong)."""
+        return sum(1 for c in CHAPTERS if c.key in self.answers)
+
+    def record(self, chapter: Chapter, choice: int | str) -> bool:
+        """Keep ``choice`` as this chapter's answer; return whether it is right.
+
+        Raises:
+            ValueError: ``choice`` is not 0-3 or A-D.
+        """
+        index = choice_index(choice)
+        self.answers[chapter.key] = index
+        return index == chapter.quiz.answer
+
+    @classmethod
+    def load(cls, path: Path | None = None) -> "TutorialProgress":
+        """Progress saved at ``path`` (default ``<cache_root()>/tutorial_progress.json``).
+
+        A missing, unreadable or malformed file gives a fresh progress (never an error); unknown
+        chapter keys and out-of-range answers are dropped.
+        """
+        path = Path(path) if path is not None else _default_path()
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return cls()
+        if not isinstance(data, dict):
+            return cls()
+        keys = {c.key for c in CHAPTERS}
+        raw = data.get("answers")
+        answers = {k: v for k, v in raw.items()
+                   if k in keys and isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 3} \
+            if isinstance(raw, dict) else {}
+        current = data.get("current")
+        if not isinstance(current, int) or isinstance(current, bool) or not 0 <= current < len(CHAPTERS):
+            current = 0
+        return cls(current=current, answers=answers)
+
+    def save(self, path: Path | None = None) -> None:
+        """Write the progress as JSON to ``path`` (default as in :meth:`load`), creating folders.
+
+        The file is replaced atomically, so a crash never leaves half a file.
+
+        Raises:
+            OSError: the file cannot be written.
+        """
+        path = Path(path) if path is not None else _default_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = json.dumps({"current": self.current, "answers": self.answers}, indent=1)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tutorial_progress.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(payload)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise

@@ -1,0 +1,268 @@
+"""The narrator on hand-made events: each entry tells the real numbers of the events it came from."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanovllm_core import events as ev
+from nanovllm_core.educational.narrator import Commentary, Narrator
+
+INFO = {"model_name": "m", "device": "cpu", "dtype": "float32", "num_layers": 30, "hidden_size": 576,
+        "num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "vocab_size": 49152, "num_parameters": 134_515_008,
+        "kv_bytes_per_token": 46080, "block_size": 16, "num_kv_blocks": 8, "max_num_seqs": 2,
+        "token_budget": 32, "scheduling_policy": "priority"}
+
+
+def added(rid="0", ids=(504, 3575, 314), pieces=("The", " capital", " is"), sampling=(("temperature", 0.0),), max_tokens=8, priority=0):
+    return ev.RequestAdded(request_id=rid, prompt="".join(pieces), prompt_token_ids=ids, prompt_pieces=pieces,
+                           priority=priority, max_tokens=max_tokens, sampling=sampling)
+
+
+def entry(rid="0", kind="prefill", num=3, start=0, prompt_len=3, total_len=3, cached=0, priority=0):
+    return ev.ScheduledEntry(request_id=rid, seq_id=int(rid), index=0, kind=kind, num_tokens=num, start=start,
+                             prompt_len=prompt_len, total_len=total_len, num_cached_tokens=cached, samples=True,
+                             priority=priority)
+
+
+def queued(rid, priority=0, num_tokens=3, preemptions=0):
+    return ev.QueueEntry(request_id=rid, seq_id=int(rid), index=0, priority=priority, status="waiting",
+                         num_tokens=num_tokens, num_computed_tokens=0, num_preemptions=preemptions)
+
+
+def planned(step, scheduled, waiting=(), running=None, preempted=(), admitted=None, budget=32, max_num_seqs=2):
+    running = running if running is not None else tuple(queued(s.request_id) for s in scheduled)
+    admitted = admitted if admitted is not None else tuple(s.request_id for s in scheduled if s.kind == "prefill")
+    return ev.StepPlanned(step=step, token_budget=budget, num_batched_tokens=sum(s.num_tokens for s in scheduled),
+                          scheduled=tuple(scheduled), preempted=tuple(preempted), admitted=tuple(admitted),
+                          waiting=tuple(waiting), running=tuple(running), max_num_seqs=max_num_seqs)
+
+
+def timed(step, wall=0.05, tokens=3, blocks=1, total=8, cached=0, per_block=16 * 46080):
+    return ev.StepTimed(step=step, wall_time_s=wall, num_tokens=tokens, num_prefill_tokens=tokens, num_decode_tokens=0,
+                        prefill_tokens_per_s=tokens / wall, decode_tokens_per_s=0.0, kv_bytes_used=blocks * per_block,
+                        kv_bytes_total=total * per_block, num_running=1, num_waiting=0, num_blocks_used=blocks,
+                        num_blocks_cached=cached, num_blocks_total=total)
+
+
+def sampled(step, rid="0", token=7042, text=" Paris", n_out=1, greedy=True, temperature=1.0,
+            top=((7042, " Paris", 0.7725), (260, " the", 0.0645), (4, " London", 0.0125))):
+    return ev.TokenSampled(step=step, request_id=rid, seq_id=int(rid), index=0, token_id=token, text=text,
+                           position=2 + n_out, num_output_tokens=n_out,
+                           top=tuple(ev.TopToken(*t) for t in top), greedy=greedy, temperature=temperature)
+
+
+def finished(rid="0", n_out=2, step=1):
+    return ev.RequestFinished(request_id=rid, step=step, index=0, finish_reason="length", stop_reason=None,
+                              output_text=" Paris.", output_token_ids=(7042, 30)[:n_out], num_prompt_tokens=3,
+                              num_output_tokens=n_out, ttft_s=0.05, tpot_s=0.02, e2e_s=0.07, num_preemptions=0,
+                              num_cached_prompt_tokens=0)
+
+
+def fresh(**kwargs) -> Narrator:
+    """A narrator that knows the model and has already introduced it."""
+    n = Narrator(INFO, **kwargs)
+    assert kinds(n.introduction()) == ["model"]
+    return n
+
+
+def feed_all(narrator, events) -> list[Commentary]:
+    out = []
+    for e in events:
+        out.extend(narrator.feed(e))
+    return out
+
+
+def kinds(entries):
+    return [c.kind for c in entries]
+
+
+def test_tokenization_lists_each_piece_with_its_id():
+    (tok, samp) = Narrator().feed(added())
+    assert tok.kind == "tokenization" and tok.request_id == "0"
+    assert "[The]=504 [ capital]=3575 [ is]=314" in tok.text
+    assert "Token ids: [504, 3575, 314]" in tok.text
+    assert samp.kind == "sampling" and "Greedy" in samp.text and "up to 8 tokens" in samp.text
+
+
+def test_sampling_entry_explains_temperature_top_k_and_top_p():
+    n = Narrator()
+    _, samp = n.feed(added(sampling=(("seed", 7), ("temperature", 0.5), ("top_k", 20), ("top_p", 0.9))))
+    assert "temperature 0.5" in samp.text and "sharper" in samp.text
+    assert "20 most likely" in samp.text and "add up to 0.9" in samp.text and "seed 7" in samp.text
+
+
+def test_model_entry_comes_first_from_the_ready_loading_event():
+    n = Narrator()
+    out = n.feed(ev.ModelLoading(stage="ready", done=1, total=1, ready=True, model_info=tuple(INFO.items())))
+    assert kinds(out) == ["model"]
+    assert "30 decoder layers" in out[0].text and "9 query heads sharing 3 KV heads" in out[0].text
+    assert "46,080 bytes" in out[0].text
+    assert n.feed(ev.EnginePaused(step=0)) == []  # told once
+
+
+def test_prefill_is_told_when_its_step_ends_with_the_step_time():
+    n = fresh()
+    n.feed(added())
+    assert n.feed(planned(0, [entry()])) == []  # one request alone: no scheduler entry
+    assert n.feed(sampled(0)) == []  # held until the step's time is known
+    out = n.feed(timed(0, wall=0.0421))
+    assert kinds(out) == ["embedding", "prefill", "decode", "kv_cache"]
+    prefill = out[1]
+    assert "All 3 prompt tokens" in prefill.text and "all 30 layers" in prefill.text
+    assert "42.1 ms" in prefill.text and "3 x 46,080 = 138,240 bytes" in prefill.text
+
+
+def test_embedding_shows_real_values_from_the_xray_trace():
+    n = fresh()
+    n.feed(added())
+    n.feed(planned(0, [entry()]))
+    trace = ev.LayerTrace(step=0, request_id="0", layer=0, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                          hidden_size=576, kv_bytes_per_token=46080, ops=(),
+                          tensors=(ev.TensorInfo("token_embeddings", (1, 3, 576), (0.0123, -0.4567, 0.5, 0.25)),
+                                   ev.TensorInfo("q", (1, 9, 3, 64), ()), ev.TensorInfo("k", (1, 3, 3, 64), ()),
+                                   ev.TensorInfo("scores", (1, 9, 3, 3), ())))
+    n.feed(trace)
+    out = n.feed(timed(0))
+    emb = next(c for c in out if c.kind == "embedding")
+    assert "[49152, 576]" in emb.text and "[1, 3, 576]" in emb.text
+    assert "+0.0123, -0.4567, +0.5000, +0.2500" in emb.text
+    att = next(c for c in out if c.kind == "attention")
+    assert "[1, 9, 3, 64]" in att.text and "3 per KV head" in att.text and "[1, 9, 3, 3]" in att.text
+
+
+def test_decode_entry_carries_the_top_k_table_and_the_chosen_token():
+    n = fresh()
+    n.feed(added())
+    n.feed(planned(0, [entry()]))
+    n.feed(sampled(0))
+    out = n.feed(timed(0))
+    dec = next(c for c in out if c.kind == "decode")
+    assert dec.table == ((" Paris", 0.7725), (" the", 0.0645), (" London", 0.0125))
+    assert "[ Paris] at 77.25%" in dec.text and "Greedy decoding takes it" in dec.text and "id 7042" in dec.text
+
+
+def test_a_sampled_token_is_placed_by_its_rank():
+    n = fresh()
+    n.feed(added())
+    n.feed(planned(0, [entry()]))
+    n.feed(sampled(0, token=260, text=" the", greedy=False, temperature=0.9))
+    dec = next(c for c in n.feed(timed(0)) if c.kind == "decode")
+    assert "temperature 0.9 drew [ the] (id 260), the 2nd most likely at 6.45%" in dec.text
+
+
+def test_kv_cache_bytes_are_blocks_times_bytes_per_block():
+    n = fresh()
+    n.feed(added())
+    n.feed(planned(0, [entry()]))
+    n.feed(ev.BlocksChanged(step=0, block_size=16, bytes_per_block=737280, states="uff", ref_counts=(1, 0, 0),
+                            tables=(ev.SeqBlocks("0", 0, 0, (0,), 4, 3),)))
+    kv = next(c for c in n.feed(timed(0, blocks=1, total=3, per_block=737280)) if c.kind == "kv_cache")
+    assert "1 block x 737,280 bytes = 737,280 bytes" in kv.text
+    assert "keeps 3 tokens in blocks [0] (13 slots still empty)" in kv.text
+
+
+def test_kv_cache_is_told_only_when_its_block_count_changes():
+    n = fresh()
+    n.feed(added())
+    feed_all(n, [planned(0, [entry()]), timed(0, blocks=1)])
+    out = feed_all(n, [planned(1, [entry(kind="decode", num=1, start=3, total_len=4)]), timed(1, blocks=1)])
+    assert "kv_cache" not in kinds(out)
+
+
+def test_waiting_request_is_explained_by_max_num_seqs():
+    n = fresh()
+    plan = planned(0, [entry("0"), entry("1")], waiting=[queued("2"), queued("3")], max_num_seqs=2)
+    (sched,) = n.feed(plan)
+    assert sched.kind == "scheduler"
+    assert "request 2 (max_num_seqs: 2 requests are already running)" in sched.text
+    assert "behind it, in priority order: 3" in sched.text
+
+
+def test_waiting_request_is_explained_by_the_token_budget():
+    plan = planned(0, [entry("0", num=32, prompt_len=40, total_len=40)], waiting=[queued("1")], max_num_seqs=4)
+    (sched,) = fresh().feed(plan)
+    assert "the step's token budget of 32 is used up" in sched.text
+
+
+def test_waiting_request_is_explained_by_missing_kv_blocks():
+    plan = planned(0, [entry("0")], waiting=[queued("1")], max_num_seqs=4)
+    (sched,) = fresh().feed(plan)
+    assert "not enough free KV blocks" in sched.text
+
+
+def test_preemption_names_the_victim_and_why_it_was_chosen():
+    plan = planned(5, [entry("0", kind="decode", num=1, start=9, total_len=10)],
+                   preempted=[queued("1", priority=0, num_tokens=12, preemptions=1)], waiting=[queued("1")],
+                   admitted=())
+    out = fresh().feed(plan)
+    assert kinds(out) == ["scheduler", "preemption"]
+    assert "this step had to preempt" in out[0].text
+    pre = out[1]
+    assert pre.request_id == "1" and "lowest-priority running request" in pre.text and "its 12 tokens" in pre.text
+
+
+def test_prefix_cache_hit_counts_the_reused_tokens():
+    plan = planned(3, [entry("1", num=8, start=32, prompt_len=40, total_len=40, cached=32)])
+    (hit,) = fresh().feed(plan)
+    assert hit.kind == "prefix_cache" and "first 32 of 40 tokens" in hit.text and "2 full blocks" in hit.text
+    assert "computes only 8 tokens" in hit.text
+
+
+def test_a_long_prompt_is_told_chunk_by_chunk():
+    n = fresh()
+    n.feed(added(ids=tuple(range(70)), pieces=tuple("x" * 70)))
+    feed_all(n, [planned(0, [entry(num=32, prompt_len=70, total_len=70)])])
+    out = n.feed(timed(0, tokens=32))
+    chunk = next(c for c in out if c.kind == "chunked_prefill")
+    assert "tokens 0..31 (32 tokens)" in chunk.text and "38 tokens remain" in chunk.text
+    n.feed(planned(2, [entry(num=6, start=64, prompt_len=70, total_len=70)], admitted=()))
+    last = next(c for c in n.feed(timed(2, tokens=6)) if c.kind == "chunked_prefill")
+    assert "last chunk" in last.text
+
+
+def test_steady_decode_steps_add_no_scheduler_entries():
+    n = fresh()
+    decodes = [entry("0", kind="decode", num=1), entry("1", kind="decode", num=1)]
+    first = n.feed(planned(4, decodes, admitted=()))
+    again = n.feed(planned(5, decodes, admitted=()))
+    assert kinds(first) == ["scheduler"] and again == []
+
+
+def test_decode_entries_are_capped_per_request_and_summed_up_at_the_end():
+    n = fresh(max_decode_steps_per_request=2)
+    n.feed(added())
+    told = []
+    for step in range(4):
+        told += feed_all(n, [planned(step, [entry(kind="decode", num=1)], admitted=()),
+                             sampled(step, n_out=step + 1), timed(step)])
+    assert kinds(told).count("decode") == 2
+    (end,) = n.feed(finished(n_out=4, step=4))
+    assert "2 of its tokens were not narrated one by one" in end.text
+    assert "TTFT" not in end.text and "Time to first token 50.0 ms" in end.text
+
+
+def test_rejection_and_engine_error_are_told_at_once():
+    n = Narrator()
+    (rej,) = n.feed(ev.RequestRejected(request_id="9", reason="the prompt is empty; give at least one token of text"))
+    assert rej.kind == "rejected" and "prompt is empty" in rej.text
+    (err,) = n.feed(ev.EngineError(step=None, message="RuntimeError: boom", request_id="9"))
+    assert err.kind == "error" and "boom" in err.text and "request 9" in err.text
+
+
+def test_speculative_step_counts_accepted_draft_tokens():
+    e = ev.SpecDecodeStep(step=3, request_id="0", seq_id=0, proposer="ngram", draft_tokens=(5, 6, 7),
+                          draft_texts=(" a", " b", " c"), p=(0.9, 0.2, 0.5), q=(1.0, 0.8, 1.0),
+                          accepted=(True, False, False), bonus_token=11, bonus_text=" d")
+    (spec,) = Narrator().feed(e)
+    assert spec.kind == "speculative" and "kept 1" in spec.text
+    assert "min(1, p/q) = 0.250" in spec.text and "2 tokens from one target pass" in spec.text
+    assert spec.table[0] == ("[ a] accepted", 0.9)
+
+
+def test_negative_cap_is_refused():
+    with pytest.raises(ValueError, match="max_decode_steps_per_request"):
+        Narrator(max_decode_steps_per_request=-1)
+
+
+def test_model_info_given_at_construction_is_told_before_the_first_event():
+    assert kinds(Narrator(INFO).feed(added())) == ["model", "tokenization", "sampling"]

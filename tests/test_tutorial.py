@@ -1,0 +1,130 @@
+"""The tutorial's content and progress: twelve chapters, one right answer each, progress kept on disk."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nanovllm_core.educational.tutorial import (CHAPTERS, DEMOS, TutorialProgress, chapter, choice_index, grade,
+                                                model_facts)
+
+ORDER = ["tokenization", "embedding", "self_attention", "prefill", "kv_cache", "decode", "sampling",
+         "paged_attention", "continuous_batching", "prefix_caching", "chunked_prefill", "speculative_decoding"]
+
+
+def test_twelve_chapters_in_the_order_of_a_request_through_the_engine():
+    assert [c.key for c in CHAPTERS] == ORDER
+    assert [c.number for c in CHAPTERS] == list(range(1, 13))
+
+
+@pytest.mark.parametrize("ch", CHAPTERS, ids=lambda c: c.key)
+def test_each_chapter_has_text_and_a_quiz_with_one_right_answer_in_range(ch):
+    assert len(ch.paragraphs) >= 2 and all(len(p) > 80 for p in ch.paragraphs)
+    q = ch.quiz
+    assert q.question.endswith("?")
+    assert len(q.choices) == 4 and len(set(q.choices)) == 4 and all(c.strip() for c in q.choices)
+    assert 0 <= q.answer <= 3
+    assert [grade(ch, i) for i in range(4)].count(True) == 1
+    assert len(q.explanation) > 40
+
+
+def test_right_answers_are_spread_over_a_to_d():
+    answers = [c.quiz.answer for c in CHAPTERS]
+    assert {answers.count(i) for i in range(4)} == {3}
+
+
+@pytest.mark.parametrize("ch", CHAPTERS, ids=lambda c: c.key)
+def test_a_demo_names_a_known_demonstration_and_has_a_prompt(ch):
+    assert (ch.demo is None) == (ch.demo_prompt is None)
+    if ch.demo is not None:
+        demo = DEMOS[ch.demo]
+        requests = demo.requests(ch.demo_prompt)
+        assert requests[0].prompt == ch.demo_prompt
+        assert len(requests) == 1 + len(demo.extra_prompts)
+        assert all(1 <= r.params.max_tokens <= 8 for r in requests)  # demos run on a CPU
+
+
+def test_demo_requests_carry_priorities_and_per_prompt_token_limits():
+    demo = DEMOS["chunked_prefill"]
+    reqs = demo.requests(chapter("chunked_prefill").demo_prompt)
+    assert [r.priority for r in reqs] == [0, 10]
+    batching = DEMOS["continuous_batching"].requests("x")
+    assert [r.params.max_tokens for r in batching] == [2, 6, 4]
+    assert DEMOS["chunked_prefill"].engine_settings()["max_num_batched_tokens"] == 32
+
+
+def test_the_prefix_caching_demo_prompts_share_a_long_opening_and_run_one_after_the_other():
+    reqs = DEMOS["prefix_caching"].requests(chapter("prefix_caching").demo_prompt)
+    a, b = reqs[0].prompt, reqs[1].prompt
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert common > 100 and DEMOS["prefix_caching"].sequential
+
+
+@pytest.mark.parametrize("choice,index", [(0, 0), (3, 3), ("A", 0), ("b", 1), (" C ", 2), ("d", 3)])
+def test_grade_accepts_an_index_or_a_letter(choice, index):
+    assert choice_index(choice) == index
+    ch = CHAPTERS[0]
+    assert grade(ch, choice) == (index == ch.quiz.answer)
+
+
+@pytest.mark.parametrize("bad", [4, -1, "E", "", "AB", True, 1.5, None])
+def test_grade_rejects_anything_else_with_a_clear_message(bad):
+    with pytest.raises(ValueError, match="answer must be 0-3 or A-D"):
+        grade(CHAPTERS[0], bad)
+
+
+def test_chapter_lookup_names_the_keys_when_unknown():
+    assert chapter("decode").number == 6
+    with pytest.raises(KeyError, match="tokenization"):
+        chapter("nope")
+
+
+def test_score_counts_the_last_answer_of_each_chapter():
+    p = TutorialProgress()
+    first, second = CHAPTERS[0], CHAPTERS[1]
+    wrong = (first.quiz.answer + 1) % 4
+    assert p.record(first, wrong) is False
+    assert p.score == 0 and p.answered == 1
+    assert p.record(first, "ABCD"[first.quiz.answer]) is True
+    assert p.record(second, second.quiz.answer) is True
+    assert p.score == 2 and p.answered == 2
+
+
+def test_progress_saves_and_loads(tmp_path):
+    path = tmp_path / "sub" / "progress.json"
+    p = TutorialProgress(current=5)
+    p.record(CHAPTERS[0], CHAPTERS[0].quiz.answer)
+    p.record(CHAPTERS[3], (CHAPTERS[3].quiz.answer + 1) % 4)
+    p.save(path)
+    back = TutorialProgress.load(path)
+    assert back == p and back.score == 1 and back.current == 5
+
+
+@pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"current": "x", "answers": 3}',
+                                     '{"current": 99, "answers": {"tokenization": 7, "nope": 1, "decode": 2}}'])
+def test_a_corrupt_progress_file_gives_a_fresh_or_cleaned_progress(tmp_path, content):
+    path = tmp_path / "progress.json"
+    path.write_text(content)
+    p = TutorialProgress.load(path)
+    assert p.current == 0
+    assert set(p.answers) <= {"decode"} and all(0 <= v <= 3 for v in p.answers.values())
+
+
+def test_a_missing_progress_file_gives_a_fresh_progress(tmp_path):
+    assert TutorialProgress.load(tmp_path / "none.json") == TutorialProgress()
+
+
+def test_the_default_progress_file_lives_in_the_cache_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    TutorialProgress(current=2).save()
+    path = tmp_path / "nanovllm" / "tutorial_progress.json"
+    assert json.loads(path.read_text())["current"] == 2
+    assert TutorialProgress.load().current == 2
+
+
+def test_model_facts_compute_from_the_model_info():
+    info = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "kv_bytes_per_token": 46080, "dtype": "float32"}
+    (line,) = model_facts(chapter("kv_cache"), info)
+    assert "46,080 bytes per token" in line and "x 4 bytes" in line
+    assert model_facts(chapter("kv_cache"), {}) == []
