@@ -12,10 +12,13 @@ import dataclasses
 import sys
 from typing import Any, Callable, Iterable, Sequence
 
+from textual import events
 from textual.app import App, ComposeResult
+from textual.geometry import Size
 from textual.widgets import Footer, TabbedContent, TabPane
 
 from nanovllm_core import events as ev
+from nanovllm_core.educational.narrator import Narrator
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_tui.bridge import EngineBridge
 from nanovllm_tui.commands import TABS, EngineCommands, app_bindings
@@ -32,6 +35,7 @@ from nanovllm_tui.widgets.status_header import StatusHeader
 VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
                                       "tutorial": TutorialView, "blocks": BlockMapView}
 NARROW, SHORT = 100, 30  # below these sizes panels fold away (see app.tcss)
+MAX_NARRATED_DECODES = 12  # per request; the narrator sums up the rest when it finishes
 
 
 class NanoVLLMApp(App):
@@ -67,7 +71,9 @@ class NanoVLLMApp(App):
         self.tutorial_path = tutorial_path
         self.recorders = list(recorders)
         self.state = EngineState()
+        self.narrator = Narrator(max_decode_steps_per_request=MAX_NARRATED_DECODES)
         self.bridge = EngineBridge(self, fps=fps)
+        self._demo_needs: tuple[bool, bool] = (False, False)  # (xray, blocks) for a running tutorial demo
         self.selected: str | None = None
         self._flush_pending = False
         self._stopped = False
@@ -79,7 +85,10 @@ class NanoVLLMApp(App):
         with TabbedContent(initial="dashboard", id="tabs"):
             for i, (tab, title) in enumerate(TABS, 1):
                 with TabPane(f"{i} {title}", id=tab):
-                    yield VIEWS[tab](id=f"{tab}-view")
+                    if tab == "tutorial":
+                        yield TutorialView(self.tutorial_path, id="tutorial-view")
+                    else:
+                        yield VIEWS[tab](id=f"{tab}-view")
         yield PromptBar(self.settings, id="prompt-bar")
         yield Footer()
 
@@ -109,11 +118,11 @@ class NanoVLLMApp(App):
     def view(self, tab: str | None = None) -> EngineView:
         return self.query_one(f"#{tab or self.active_tab}-view", EngineView)
 
-    def on_resize(self) -> None:
-        self._adapt_to_size()
+    def on_resize(self, event: events.Resize) -> None:
+        self._adapt_to_size(event.size)
 
-    def _adapt_to_size(self) -> None:
-        width, height = self.size
+    def _adapt_to_size(self, size: Size | None = None) -> None:
+        width, height = size or self.size
         self.screen.set_class(width < NARROW, "-narrow")
         self.screen.set_class(height < SHORT, "-short")
 
@@ -131,12 +140,19 @@ class NanoVLLMApp(App):
         """Fold everything the engine sent since the last frame into the state, then redraw."""
         self._flush_pending = False
         events = self.bridge.drain()
+        notes = []
+        tutorial = self.query_one(TutorialView)
         for event in events:
             self.state.apply(event)
             self._announce(event)
+            notes.extend(self.narrator.feed(event))
             if isinstance(event, ev.ModelLoading) and event.ready:
                 self._sync_paused()
-        self.query_one(NarratorView).feed(events, self.state)
+            elif isinstance(event, (ev.RequestFinished, ev.RequestRejected)):
+                tutorial.request_ended(event.request_id)
+        if notes:
+            self.query_one(NarratorView).add(notes)
+            tutorial.add(notes)
         self._redraw()
 
     def _announce(self, event: ev.Event) -> None:
@@ -182,14 +198,26 @@ class NanoVLLMApp(App):
             view.focus_main()
 
     def _set_detail(self, tab: str) -> None:
-        """Ask the engine for X-Ray traces and block snapshots only while their tab is visible."""
-        self.bridge.want(xray=tab == "xray", blocks=tab == "blocks")
+        """Ask the engine for X-Ray traces and block snapshots only while a tab or a demonstration shows them."""
+        demo_xray, demo_blocks = self._demo_needs
+        self.bridge.want(xray=tab == "xray" or demo_xray, blocks=tab in ("blocks", "narrator") or demo_blocks)
         if tab == "xray":
             xray = self.query_one(XRayView)
             self.controller.xray(self.selected, xray.layer_index, xray.head_index)
         if tab == "blocks" and self.live:
             bridge = self.bridge  # a snapshot now, so a paused engine still shows its pool
             self.controller.call(lambda engine: bridge(engine.blocks_event(engine.scheduler.step_index)))
+
+    def demo_started(self, demo: Any) -> None:
+        """A tutorial demonstration is about to send its requests: give the narrator the detail it needs."""
+        self._demo_needs = (demo.xray, True)
+        if demo.xray:
+            self.controller.xray(None, 0, 0)  # trace whichever request runs first: the demo's
+        self._set_detail(self.active_tab)
+
+    def demo_finished(self, demo: Any) -> None:
+        self._demo_needs = (False, False)
+        self._set_detail(self.active_tab)
 
     def on_x_ray_view_choice(self, message: XRayView.Choice) -> None:
         self.controller.xray(self.selected, message.layer, message.head)
@@ -281,8 +309,12 @@ class NanoVLLMApp(App):
         except ValueError as e:
             self.notify(f"Bad sampling settings: {e}", severity="error", markup=False)
             return None
-        rid = self.controller.submit(prompt, params, settings.priority)
-        self.state.submitted(rid, prompt, settings.priority, settings.max_tokens)
+        return self.submit_request(prompt, params, settings.priority)
+
+    def submit_request(self, prompt: str, params: SamplingParams, priority: int = 0) -> str:
+        """Send a prompt to the engine, show it in the table and select it; returns its request id."""
+        rid = self.controller.submit(prompt, params, priority)
+        self.state.submitted(rid, prompt, priority, params.max_tokens)
         if not self.state.ready and self.live:
             self.notify(f"{rid} waits in the queue until the model has loaded.")
         self.select(rid)

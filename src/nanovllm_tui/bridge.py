@@ -8,7 +8,8 @@ by calling :meth:`drain` no more often than ``fps`` times a second, so a flood o
 becomes one screen update per frame.
 
 High-rate snapshots are coalesced while they wait: only the newest ``BlocksChanged``
-(the whole KV pool) is kept, and only the newest step's ``LayerTrace`` events.
+(the whole KV pool) is kept, and only the newest step's ``LayerTrace`` events; what is
+kept stays in arrival order (the narrator reads a step's events in order).
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ class EngineBridge:
         self.target = target
         self.frame_s = 1.0 / fps
         self._lock = threading.Lock()
-        self._events: list[ev.Event] = []
-        self._blocks: ev.BlocksChanged | None = None
-        self._xray: list[ev.LayerTrace] = []
+        self._events: list[ev.Event | None] = []  # None: a snapshot superseded by a newer one
+        self._blocks_at: int | None = None
+        self._xray_at: list[int] = []
         self._posted = False
         self._last_drain = 0.0
-        self.received = 0  # events seen, dropped snapshots included
+        self.received = 0  # events seen, superseded snapshots included
         self.subscription: Any = None
 
     # ------------------------------------------------------------------ engine thread
@@ -52,14 +53,20 @@ class EngineBridge:
         """Take one event (engine thread). Never blocks on the UI."""
         with self._lock:
             self.received += 1
+            events = self._events
             if isinstance(event, ev.BlocksChanged):
-                self._blocks = event
+                if self._blocks_at is not None:
+                    events[self._blocks_at] = None
+                self._blocks_at = len(events)
             elif isinstance(event, ev.LayerTrace):
-                if self._xray and (self._xray[0].step, self._xray[0].request_id) != (event.step, event.request_id):
-                    self._xray = []
-                self._xray.append(event)
-            else:
-                self._events.append(event)
+                if self._xray_at:
+                    first = events[self._xray_at[0]]
+                    if (first.step, first.request_id) != (event.step, event.request_id):
+                        for i in self._xray_at:
+                            events[i] = None
+                        self._xray_at = []
+                self._xray_at.append(len(events))
+            events.append(event)
             post = not self._posted
             self._posted = True
         if post:
@@ -86,13 +93,10 @@ class EngineBridge:
         return max(0.0, self._last_drain + self.frame_s - time.monotonic())
 
     def drain(self) -> list[ev.Event]:
-        """Everything buffered since the last drain, snapshots last, in arrival order otherwise."""
+        """Everything buffered since the last drain, in arrival order, superseded snapshots left out."""
         with self._lock:
             events = self._events
-            if self._blocks is not None:
-                events.append(self._blocks)
-            events.extend(self._xray)
-            self._events, self._blocks, self._xray = [], None, []
+            self._events, self._blocks_at, self._xray_at = [], None, []
             self._posted = False
         self._last_drain = time.monotonic()
-        return events
+        return [e for e in events if e is not None]

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nanovllm_core import events as ev
-from nanovllm_core.tracing import read_jsonl
 
 NO_NEW_PROMPTS = "a replay plays a recorded trace and cannot run new prompts; start nanovllm-tui without --replay"
 
@@ -35,27 +34,27 @@ class ReplaySubscription:
 
 
 def load_trace(path: str | Path) -> list[ev.Event]:
-    """Events of a ``.jsonl`` trace (or ``.jsonl.gz``).
+    """Events of a ``.jsonl`` trace, or of a gzipped one (``.jsonl.gz``).
 
     Raises:
         OSError: the file cannot be read.
-        ValueError: a line is not an engine event, or the file holds no engine step.
+        ValueError: a line is not an engine event (its number is given), or the file holds no engine step.
     """
     path = Path(path)
-    if path.suffix == ".gz":
-        import tempfile
-
-        with gzip.open(path, "rt", encoding="utf-8") as f, tempfile.NamedTemporaryFile("w", suffix=".jsonl",
-                                                                                       delete=False) as tmp:
-            tmp.write(f.read())
-        try:
-            events = read_jsonl(tmp.name)
-        finally:
-            Path(tmp.name).unlink()
-    else:
-        events = read_jsonl(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    events = []
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        events.append(ev.from_json(line))
+                    except (ValueError, TypeError) as e:
+                        raise ValueError(f"line {n}: {e}") from None
+    except (EOFError, gzip.BadGzipFile, UnicodeDecodeError) as e:
+        raise ValueError(f"not a readable trace: {e}") from None
     if not any(isinstance(e, ev.StepPlanned) for e in events):
-        raise ValueError(f"{path}: no engine steps in this trace; record one with nanovllm --prompt ... --trace FILE")
+        raise ValueError("no engine steps in this trace; record one with nanovllm --prompt ... --trace FILE.jsonl")
     return events
 
 
