@@ -9,6 +9,7 @@ hands to this (UI) thread at most once a frame; only the visible tab redraws.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sys
 from typing import Any, Callable, Iterable, Sequence
 
@@ -20,7 +21,7 @@ from textual.widgets import Footer, TabbedContent, TabPane
 from nanovllm_core import events as ev
 from nanovllm_core.educational.narrator import Narrator
 from nanovllm_core.sampling_params import SamplingParams
-from nanovllm_tui.bridge import EngineBridge
+from nanovllm_tui.bridge import DEFAULT_FPS, EngineBridge
 from nanovllm_tui.commands import TABS, EngineCommands, app_bindings
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.views.base import EngineView
@@ -49,6 +50,9 @@ class NanoVLLMApp(App):
         prompts: (prompt, priority) pairs to send at start.
         fps: most screen updates per second from engine events.
         tutorial_path: where tutorial progress is kept (None: the tutorial module's default).
+        recorders: extra subscribers (trace writers) closed when the app quits.
+        freeze_gc: keep long-lived objects out of garbage collection (see ``_settle_memory``);
+            ``nanovllm-tui`` turns it on.
     """
 
     CSS_PATH = "app.tcss"
@@ -58,9 +62,10 @@ class NanoVLLMApp(App):
 
     def __init__(self, controller: Any = None, *, make_controller: Callable[[], Any] | None = None,
                  sampling: SamplingParams | None = None, settings: PromptSettings | None = None,
-                 prompts: Iterable[tuple[str, int]] = (), fps: float = 20.0, tutorial_path: Any = None,
-                 recorders: Sequence[Any] = ()) -> None:
+                 prompts: Iterable[tuple[str, int]] = (), fps: float = DEFAULT_FPS, tutorial_path: Any = None,
+                 recorders: Sequence[Any] = (), freeze_gc: bool = False) -> None:
         super().__init__()
+        self.freeze_gc = freeze_gc
         if controller is None and make_controller is None:
             raise ValueError("NanoVLLMApp needs a controller or make_controller")
         self.controller = controller
@@ -105,6 +110,15 @@ class NanoVLLMApp(App):
         for prompt, priority in self._initial_prompts:
             self._submit(prompt, dataclasses.replace(self.settings, priority=priority))
         self._redraw()
+        self._settle_memory()
+
+    def _settle_memory(self) -> None:
+        """With ``freeze_gc``: move what exists now (torch, the model, the tokenizer: ~10^5 objects)
+        out of the garbage collector's view. A full collection over them takes a few hundred ms,
+        a visible stall of the UI; the app's own short-lived objects are still collected as usual.
+        Off by default because frozen objects are never freed (fine for the one app of a process)."""
+        if self.freeze_gc:
+            gc.freeze()
 
     @property
     def live(self) -> bool:
@@ -148,12 +162,21 @@ class NanoVLLMApp(App):
             notes.extend(self.narrator.feed(event))
             if isinstance(event, ev.ModelLoading) and event.ready:
                 self._sync_paused()
+                self._settle_memory()
             elif isinstance(event, (ev.RequestFinished, ev.RequestRejected)):
                 tutorial.request_ended(event.request_id)
         if notes:
             self.query_one(NarratorView).add(notes)
             tutorial.add(notes)
-        self._redraw()
+        if self.selected not in self.state.requests and self.state.requests:
+            self.select(self._default_selection())
+        else:
+            self._redraw()
+
+    def _default_selection(self) -> str:
+        """With nothing (or a request no longer shown) selected: the newest live request, else the newest."""
+        live = [r.request_id for r in self.state.requests.values() if r.live]
+        return live[-1] if live else self.state.request_ids()[-1]
 
     def _announce(self, event: ev.Event) -> None:
         """Notifications for what a person must not miss: refusals, errors, the model becoming ready."""
@@ -178,8 +201,10 @@ class NanoVLLMApp(App):
 
     def _poll_engine_state(self) -> None:
         """The engine going idle is not an event; look at the controller's state twice a second."""
-        if self.controller is not None and self.controller.state != self.state.engine_state:
-            self._redraw()
+        if self.controller is not None and self.controller.state != self.state.engine_state \
+                and self.state.load_error is None:
+            self.state.engine_state = self.controller.state
+            self.query_one(StatusHeader).show(self.state, replay=not self.live)
 
     def _redraw(self) -> None:
         if self.controller is not None and self.state.load_error is None:

@@ -23,6 +23,8 @@ from textual.message_pump import MessagePump
 
 from nanovllm_core import events as ev
 
+DEFAULT_FPS = 10.0  # screen updates a second from engine events: smooth to read, cheap beside a busy engine
+
 
 class EngineBridge:
     """Buffers engine events for the UI thread.
@@ -35,7 +37,7 @@ class EngineBridge:
     class EventsReady(Message):
         """Events are waiting in the bridge; call ``drain`` (posted at most once per drain)."""
 
-    def __init__(self, target: MessagePump, fps: float = 20.0) -> None:
+    def __init__(self, target: MessagePump, fps: float = DEFAULT_FPS) -> None:
         self.target = target
         self.frame_s = 1.0 / fps
         self._lock = threading.Lock()

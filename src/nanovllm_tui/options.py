@@ -7,6 +7,7 @@ from typing import Sequence
 
 from nanovllm_core.cli import build_parser as build_engine_parser
 from nanovllm_core.cli import engine_kwargs, sampling_params
+from nanovllm_tui.bridge import DEFAULT_FPS
 
 DEFAULT_KV_BLOCKS = 512  # 8,192 tokens at block size 16: room to play, and a block map that fits a screen
 NOT_IN_APP = ("chat", "show_memory_stats")
@@ -23,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--replay", metavar="FILE.jsonl", default=None,
                    help="play a trace recorded with `nanovllm --trace FILE.jsonl` (no model is loaded)")
     a.add_argument("--paused", action="store_true", help="start with the engine (or the replay) paused")
-    a.add_argument("--fps", type=float, default=20.0, help="most screen updates per second from engine events")
+    a.add_argument("--fps", type=float, default=DEFAULT_FPS,
+                   help=f"most screen updates per second from engine events (default {DEFAULT_FPS:g})")
     return p
 
 
@@ -65,7 +67,7 @@ def build_app(argv: Sequence[str] | None = None):
     args = parse_args(argv)
     settings = PromptSettings(priority=0, max_tokens=args.max_tokens, temperature=args.temperature)
     prompts = list(zip(args.prompt or [], args.priority or [0] * len(args.prompt or [])))
-    common = dict(sampling=args.sampling, settings=settings, prompts=prompts, fps=args.fps)
+    common = dict(sampling=args.sampling, settings=settings, prompts=prompts, fps=args.fps, freeze_gc=True)
     if args.replay:
         from nanovllm_tui.replay import ReplayController
 

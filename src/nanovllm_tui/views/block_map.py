@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.widgets import Static
+from nanovllm_tui.widgets.live import LiveStatic
 
 from nanovllm_core import events as ev
 from nanovllm_tui.state import EngineState
@@ -32,15 +32,15 @@ def legend_text(blocks: ev.BlocksChanged, colors: dict[str, str]) -> Text:
         text.append(f" {rid}  ")
     if owners:
         text.append("\n")
-    text.append("██ full  ▄▄ partly filled  ╌╌ allocated, not yet written  ")
+    text.append("██ full  ▄▄ part-filled  ╌╌ allocated, empty  ")
     text.append("◆◆", style="bold")
-    text.append(" shared (ref count > 1)  ")
+    text.append(" shared (ref > 1)  ")
     text.append("░░", style=CACHED_COLOR)
     text.append(" cached-free  ")
     text.append("··", style=FREE_COLOR)
     text.append(" free  ")
     text.append("underlined", style="underline")
-    text.append(": the selected request")
+    text.append(": selected")
     return text
 
 
@@ -71,10 +71,10 @@ class BlockMapView(EngineView):
     """The KV pool as PagedAttention sees it, redrawn after every step while visible."""
 
     def compose(self) -> ComposeResult:
-        yield Static(id="blocks-summary")
-        yield Static(id="legend")
+        yield LiveStatic(id="blocks-summary")
+        yield LiveStatic(id="legend")
         yield BlockGrid(id="grid", classes="panel")
-        yield Static(id="block-table", classes="panel")
+        yield LiveStatic(id="block-table", classes="panel")
 
     def on_mount(self) -> None:
         self.query_one("#grid").border_title = "Physical KV blocks"
@@ -85,15 +85,15 @@ class BlockMapView(EngineView):
     def update_view(self, state: EngineState, selected: str | None) -> None:
         blocks = state.blocks
         if blocks is None:
-            self.query_one("#blocks-summary", Static).update(
+            self.query_one("#blocks-summary", LiveStatic).show_content(
                 Text("The block map appears after the next engine step (send a prompt, or press n while paused).",
                      style="dim"))
-            self.query_one("#legend", Static).update("")
-            self.query_one("#block-table", Static).update("")
+            self.query_one("#legend", LiveStatic).show_content("")
+            self.query_one("#block-table", LiveStatic).show_content("")
             self.query_one(BlockGrid).set_data(None, {}, None)
             return
         colors = request_colors(state.requests)
-        self.query_one("#blocks-summary", Static).update(summary_text(blocks))
-        self.query_one("#legend", Static).update(legend_text(blocks, colors))
+        self.query_one("#blocks-summary", LiveStatic).show_content(summary_text(blocks))
+        self.query_one("#legend", LiveStatic).show_content(legend_text(blocks, colors))
         self.query_one(BlockGrid).set_data(blocks, colors, selected)
-        self.query_one("#block-table", Static).update(block_table_text(blocks, selected, colors))
+        self.query_one("#block-table", LiveStatic).show_content(block_table_text(blocks, selected, colors))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.containers import Horizontal, VerticalScroll
-from textual.widgets import Static
+from textual.containers import Horizontal
+from nanovllm_tui.widgets.live import LiveStatic, tail
 
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.views.base import EngineView
@@ -47,40 +47,38 @@ class DashboardView(EngineView):
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="dash-top"):
-            yield Static(id="phase", classes="panel")
+            yield LiveStatic(id="phase", classes="panel")
             yield KVMemoryBar(id="kv", classes="panel")
             yield ThroughputPanel(id="throughput", classes="panel")
         yield RequestTable(id="requests")
         with Horizontal(id="dash-bottom"):
-            with VerticalScroll(id="output-scroll", classes="panel"):
-                yield Static(id="output")
+            yield LiveStatic(id="output", classes="panel")
             yield TopKBars(id="topk", classes="panel")
 
     def on_mount(self) -> None:
         self.query_one("#phase").border_title = "Engine"
         self.query_one("#kv").border_title = "KV cache memory"
         self.query_one("#throughput").border_title = "Throughput"
-        self.query_one("#output-scroll").border_title = "Selected request"
+        self.query_one("#output").border_title = "Selected request"
         self.query_one("#topk").border_title = "Top-k next tokens"
 
     def focus_main(self) -> None:
         self.query_one(RequestTable).focus()
 
     def update_view(self, state: EngineState, selected: str | None) -> None:
-        self.query_one("#phase", Static).update(phase_text(state))
+        self.query_one("#phase", LiveStatic).show_content(phase_text(state))
         self.query_one(KVMemoryBar).show(state)
         self.query_one(ThroughputPanel).show(state)
         self.query_one(RequestTable).sync(state, selected)
         req = state.requests.get(selected) if selected else None
-        scroll = self.query_one("#output-scroll", VerticalScroll)
+        output = self.query_one("#output", LiveStatic)
         topk = self.query_one(TopKBars)
         if req is None:
-            scroll.border_title = "Selected request"
-            self.query_one("#output", Static).update(
-                Text("Type a prompt below and press Enter; its text streams in here.", style="dim"))
+            output.border_title = "Selected request"
+            output.show_content(Text("Type a prompt below and press Enter; its text streams in here.", style="dim"))
             topk.show((), None)
             return
-        scroll.border_title = f"{req.request_id} · {req.state}"
+        output.border_title = f"{req.request_id} · {req.state}"
         text = Text()
         text.append(req.prompt, style="dim")
         text.append(req.text, style=f"bold {request_color(req.order)}")
@@ -88,7 +86,7 @@ class DashboardView(EngineView):
             text.append("▌", style="bold")
         if req.error:
             text.append(f"\n{req.error}", style="red")
-        self.query_one("#output", Static).update(text)
-        scroll.scroll_end(animate=False)
+        region = output.content_region  # show the end of the stream, as a terminal would
+        output.show_content(tail(text, region.width, region.height, self.app.console))
         label = f"token #{req.num_output}: {visible_piece(req.last_token)!s}" if req.num_output else ""
         topk.show(req.top, req.last_token_id, label)

@@ -12,12 +12,13 @@ from collections import deque
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.widgets import RichLog, Static
+from textual.widgets import RichLog
 
 from nanovllm_core.educational.narrator import Commentary
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.views.base import EngineView
 from nanovllm_tui.widgets.commentary import commentary_text
+from nanovllm_tui.widgets.live import LiveStatic
 
 MAX_PENDING = 400
 MAX_LINES = 3000
@@ -37,7 +38,7 @@ class NarratorView(EngineView):
         self._selected: str | None = None
 
     def compose(self) -> ComposeResult:
-        yield Static(id="narrator-title")
+        yield LiveStatic(id="narrator-title")
         yield RichLog(id="narration", wrap=True, max_lines=MAX_LINES, auto_scroll=True, classes="panel")
 
     def focus_main(self) -> None:
@@ -68,7 +69,7 @@ class NarratorView(EngineView):
                 log.write(commentary_text(note, min(width, 30)))
         self.pending.clear()
         who = f"request {selected} and the scheduler" if self.only_selected else "every request"
-        self.query_one("#narrator-title", Static).update(Text.assemble(
+        self.query_one("#narrator-title", LiveStatic).show_content(Text.assemble(
             ("Narrator ", "bold"), ("what the engine just did, told from its events · showing ", "dim"), who,
             ("  (f: toggle)", "dim")))
 

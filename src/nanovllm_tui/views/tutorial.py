@@ -24,6 +24,7 @@ from nanovllm_core.educational.narrator import Commentary
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.views.base import EngineView
 from nanovllm_tui.widgets.commentary import commentary_text
+from nanovllm_tui.widgets.live import LiveStatic
 
 MAX_DEMO_NOTES = 60
 
@@ -103,7 +104,7 @@ class TutorialView(EngineView):
         with Vertical(id="chapter-pane"):
             with VerticalScroll(id="chapter-scroll", classes="panel"):
                 yield Static(id="chapter-text")
-                yield Static(id="demo-log")
+                yield LiveStatic(id="demo-log")
             with Vertical(id="quiz", classes="panel"):
                 yield Static(id="question")
                 yield QuizChoices(id="choices")
@@ -172,9 +173,9 @@ class TutorialView(EngineView):
 
     def _show_demo(self) -> None:
         run = self.run
-        log = self.query_one("#demo-log", Static)
+        log = self.query_one("#demo-log", LiveStatic)
         if run is None or run.chapter is not self.chapter:
-            log.update("")
+            log.show_content("")
             return
         text = Text(f"\nDemonstration: requests {', '.join(run.request_ids)}", style="bold")
         if not run.done:
@@ -183,7 +184,7 @@ class TutorialView(EngineView):
         for note in run.notes[-MAX_DEMO_NOTES:]:
             text.append("\n\n")
             text.append_text(commentary_text(note))
-        log.update(text)
+        log.show_content(text)
 
     def _show_feedback(self) -> None:
         self.query_one("#feedback", Static).update(self.feedback or Text("A-D, or ↑/↓ and Enter, to answer.",

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rich.console import Group
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.reactive import reactive
-from textual.widgets import Static
+from nanovllm_tui.widgets.live import LiveStatic
 
 from nanovllm_core import events as ev
 from nanovllm_tui.state import EngineState
@@ -113,12 +112,12 @@ class XRayView(EngineView, can_focus=True):
         self._selected: str | None = None
 
     def compose(self) -> ComposeResult:
-        yield Static(id="xray-title")
+        yield LiveStatic(id="xray-title")
         with Horizontal():
             with VerticalScroll(id="xray-left", classes="panel"):
-                yield Static(id="pipeline")
+                yield LiveStatic(id="pipeline")
             with Vertical(id="xray-right"):
-                yield Static(id="gqa", classes="panel")
+                yield LiveStatic(id="gqa", classes="panel")
                 yield AttentionHeatmap(id="heatmap", classes="panel")
 
     def on_mount(self) -> None:
@@ -148,16 +147,16 @@ class XRayView(EngineView, can_focus=True):
         info = state.model_info
         self.num_layers = max(1, info.get("num_layers", 1))
         self.num_heads = max(1, info.get("num_heads", 1))
-        title = self.query_one("#xray-title", Static)
+        title = self.query_one("#xray-title", LiveStatic)
         trace = state.xray.get(self.layer_index)
         if trace is None:
-            title.update(Text.assemble(
+            title.show_content(Text.assemble(
                 ("X-Ray ", "bold"), f"layer {self.layer_index}/{self.num_layers - 1} (↑↓) · head {self.head_index}/"
                 f"{self.num_heads - 1} (←→)\n",
                 ("No trace yet. X-Ray records the selected request's next step while this tab is open: "
                  "send a prompt, or press n while paused.", "dim")))
-            self.query_one("#pipeline", Static).update("")
-            self.query_one("#gqa", Static).update("")
+            self.query_one("#pipeline", LiveStatic).show_content("")
+            self.query_one("#gqa", LiveStatic).show_content("")
             self.query_one(AttentionHeatmap).set_data((), (), ())
             return
         hidden = tensor(trace, "hidden_states")
@@ -166,13 +165,14 @@ class XRayView(EngineView, can_focus=True):
         ctx = k_cache.shape[2] if k_cache else 0
         kind = "decode" if new == 1 and ctx > 1 else "prefill"
         other = "" if selected in (None, trace.request_id) else f"  (traced: {trace.request_id}, not {selected})"
-        title.update(Text.assemble(
+        title.show_content(Text.assemble(
             ("X-Ray ", "bold"), ("request ", "dim"), (trace.request_id, "bold #4ea1ff"), f" · step {trace.step} · {kind}: ",
             (f"{new} new token{'s' if new != 1 else ''}", "bold"), f" over {ctx} in context · ",
             (f"layer {self.layer_index}/{trace.num_layers - 1}", "bold reverse"), " (↑↓) · ",
             (f"head {self.head_index}/{trace.num_heads - 1}", "bold reverse"), " (←→)", (other, "yellow")))
-        self.query_one("#pipeline", Static).update(Group(pipeline_text(trace), Text(""), tensors_text(trace)))
-        self.query_one("#gqa", Static).update(gqa_text(trace, self.head_index, info.get("block_size")))
+        self.query_one("#pipeline", LiveStatic).show_content(
+            Text.assemble(pipeline_text(trace), "\n\n", tensors_text(trace)))
+        self.query_one("#gqa", LiveStatic).show_content(gqa_text(trace, self.head_index, info.get("block_size")))
         heat = state.heat
         heatmap = self.query_one(AttentionHeatmap)
         if heat is None:

@@ -68,11 +68,14 @@ class BlockGrid(ScrollView, can_focus=True):
         self.block_size = 16
         self.owner_colors: dict[str, str] = {}
         self._styles: dict[tuple, Style] = {}
+        self._rows: dict[tuple, Strip] = {}  # rendered rows by content: most rows do not change between steps
 
     def set_data(self, blocks: ev.BlocksChanged | None, colors: dict[str, str], selected: str | None) -> None:
         self.cells = block_cells(blocks, selected) if blocks is not None else []
         self.block_size = blocks.block_size if blocks is not None else self.block_size
         self.owner_colors = colors
+        if len(self._rows) > 1024:
+            self._rows.clear()
         self._resize()
         self.refresh()
 
@@ -113,10 +116,15 @@ class BlockGrid(ScrollView, can_focus=True):
         start = row * per_row
         if start >= len(self.cells):
             return Strip.blank(self.size.width)
-        segments = [Segment(f"{start:>{LABEL - 1}} ", self._style("grey50"))]
-        for b in range(start, min(start + per_row, len(self.cells))):
-            text, style = self.glyphs(self.cells[b])
-            segments.append(Segment(text, style))
-            segments.append(Segment(" "))
-        strip = Strip(segments)
-        return strip.crop(scroll_x, scroll_x + self.size.width).extend_cell_length(self.size.width)
+        cells = tuple(self.cells[start:start + per_row])
+        key = (start, cells, scroll_x, self.size.width)
+        strip = self._rows.get(key)
+        if strip is None:
+            segments = [Segment(f"{start:>{LABEL - 1}} ", self._style("grey50"))]
+            for cell in cells:
+                text, style = self.glyphs(cell)
+                segments.append(Segment(text, style))
+                segments.append(Segment(" "))
+            strip = Strip(segments).crop(scroll_x, scroll_x + self.size.width).extend_cell_length(self.size.width)
+            self._rows[key] = strip
+        return strip

@@ -11,7 +11,7 @@ from textual.strip import Strip
 
 from nanovllm_tui.widgets.format import visible_piece
 
-LABEL = 12
+LABEL = 11
 CELL = 2
 SHADES = 16
 LOW, HIGH = Color.parse("#0d1b2a"), Color.parse("#ffd166")
@@ -40,7 +40,7 @@ class AttentionHeatmap(ScrollView):
         """``weights [queries][keys]`` (0..1); token pieces of both; position of the first key shown."""
         self.weights, self.queries, self.keys = tuple(weights), tuple(queries), tuple(keys)
         self.key_offset = key_offset
-        width = LABEL + CELL * max((len(r) for r in self.weights), default=0) + 24
+        width = LABEL + CELL * max((len(r) for r in self.weights), default=0) + 16
         self.virtual_size = Size(width, len(self.weights) + 1)
         self.refresh()
 
@@ -62,6 +62,6 @@ class AttentionHeatmap(ScrollView):
             if weights:
                 best = max(range(len(weights)), key=weights.__getitem__)
                 key = self.keys[best] if best < len(self.keys) else str(best)
-                segments.append(Segment(f" → {visible_piece(key)[:10]} {weights[best]:.2f}", self._note))
+                segments.append(Segment(f" →{visible_piece(key)[:8]} {weights[best]:.2f}", self._note))
         strip = Strip(segments)
         return strip.crop(scroll_x, scroll_x + self.size.width).extend_cell_length(self.size.width)

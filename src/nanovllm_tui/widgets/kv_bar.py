@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from rich.text import Text
-from textual.widgets import Static
 
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.widgets.format import fmt_bytes
+from nanovllm_tui.widgets.live import LiveStatic
 
 USED, CACHED, FREE = ("█", "#4ea1ff"), ("▒", "#2ec4d6"), ("░", "grey42")
 
 
-class KVMemoryBar(Static):
+class KVMemoryBar(LiveStatic):
     """``KV ███▒▒░░░░  12 used · 3 cached · 497 free of 512 blocks``, then the bytes.
 
     Cached-free blocks hold a finished prefix that a new prompt may reuse (prefix caching)
@@ -28,7 +28,7 @@ class KVMemoryBar(Static):
             total, used, cached = info.get("num_kv_blocks", 0), 0, 0
             bytes_total = total * info.get("block_size", 0) * info.get("kv_bytes_per_token", 0)
         else:
-            self.update(Text("KV cache: waiting for the model", style="dim"))
+            self.show_content(Text("KV cache: waiting for the model", style="dim"))
             return
         free = total - used - cached
         width = max(10, self.size.width - 10)
@@ -47,4 +47,4 @@ class KVMemoryBar(Static):
         text.append("  ")
         text.append(f"{FREE[0]} free {free}", style="grey62")
         text.append(f"\nof {total} blocks, {fmt_bytes(per_block)} each: {fmt_bytes(bytes_total)} in all", style="dim")
-        self.update(text)
+        self.show_content(text)

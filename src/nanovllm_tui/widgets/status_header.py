@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rich.text import Text
-from textual.widgets import Static
+from nanovllm_tui.widgets.live import LiveStatic
 
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.widgets.format import bar
@@ -14,7 +14,7 @@ STATE_STYLES = {
 }
 
 
-class StatusHeader(Static):
+class StatusHeader(LiveStatic):
     """One line: ``nano-vLLM │ model · device · dtype │ ● state · step N``.
 
     While the model loads it shows the loading stage and a progress bar instead.
@@ -46,4 +46,4 @@ class StatusHeader(Static):
                 text.append(f" · step {state.step}")
             active = len(state.active_requests)
             text.append(f" · {active} active request{'s' if active != 1 else ''}")
-        self.update(text)
+        self.show_content(text)

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 from rich.text import Text
-from textual.widgets import Static
 
 from nanovllm_core import events as ev
 from nanovllm_tui.widgets.format import bar, visible_piece
+from nanovllm_tui.widgets.live import LiveStatic
 
 
-class TopKBars(Static):
+class TopKBars(LiveStatic):
     """``Paris  87.3% ██████████ ◀ sampled`` for each candidate of the newest token."""
 
     def show(self, top: tuple[ev.TopToken, ...], sampled_id: int | None, label: str = "") -> None:
         if not top:
-            self.update(Text("Top-k next tokens appear here once the selected request samples a token.", style="dim"))
+            self.show_content(Text("Top-k next tokens appear here once the selected request samples a token.", style="dim"))
             return
         width = max(6, self.size.width - 24)
         text = Text(label + "\n" if label else "", style="bold")
@@ -27,4 +27,4 @@ class TopKBars(Static):
                 text.append(" ◀", style="bold green")
             text.append("\n")
         text.rstrip()
-        self.update(text)
+        self.show_content(text)
