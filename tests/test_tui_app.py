@@ -7,7 +7,7 @@ import threading
 import pytest
 from textual.widgets import Static, TabbedContent
 
-from nanovllm_tui.views.tutorial import TutorialView
+from nanovllm_tui.views.tutorial import QuizChoices, TutorialView
 from tests.tui_helpers import Notes, engine_app, replay_app, send_prompt, wait_until
 
 pytestmark = [pytest.mark.real_model, pytest.mark.anyio]
@@ -17,10 +17,6 @@ SIZE = (120, 40)
 @pytest.fixture
 def anyio_backend():
     return "asyncio"  # Textual runs on asyncio
-
-
-def engine_threads():
-    return [t for t in threading.enumerate() if t.name == "nanovllm-engine" and t.is_alive()]
 
 
 async def test_a_prompt_from_the_bar_streams_its_tokens_in(make_engine, tmp_path):
@@ -57,6 +53,10 @@ async def test_pause_then_n_runs_exactly_one_step(make_engine, tmp_path):
         await wait_until(pilot, lambda: app.state.step == 1)
         await pilot.pause(0.3)
         assert app.state.requests[rid].num_output == 2
+
+        await pilot.press("5")  # the block map asks a paused engine for its pool at once
+        await wait_until(pilot, lambda: app.state.blocks is not None, what="a block snapshot")
+        assert app.state.blocks.step == 1 and [t.request_id for t in app.state.blocks.tables] == [rid]
 
         await pilot.press("space")  # resume: it runs to the end
         await wait_until(pilot, lambda: app.state.requests[rid].state == "finished")
@@ -128,6 +128,7 @@ async def test_quiz_answers_are_graded_scored_and_kept_between_launches(tmp_path
     app = replay_app(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("escape", "4")
+        await wait_until(pilot, lambda: isinstance(app.focused, QuizChoices), what="the quiz to have the focus")
         tutorial = app.query_one(TutorialView)
         chapter = tutorial.chapter
         right = "ABCD"[chapter.quiz.answer]
@@ -153,6 +154,31 @@ async def test_q_quits_and_the_engine_thread_is_gone_within_a_second(make_engine
         await wait_until(pilot, lambda: app.state.ready)
         await send_prompt(pilot, "Count to ten:", max_tokens=100)
         await wait_until(pilot, lambda: app.controller.state == "running")
-        assert engine_threads()
+        assert app.controller.is_alive
         await pilot.press("escape", "q")
-    assert not app.controller.is_alive and not engine_threads()
+    assert not app.controller.is_alive and app.controller.state == "stopped"
+
+
+async def test_a_prompt_sent_while_the_model_loads_waits_and_then_runs(tiny_llama_dir, tmp_path, monkeypatch):
+    from nanovllm_core.engine.controller import EngineController
+    from nanovllm_core.engine.llm_engine import LLMEngine
+    from nanovllm_tui.app import NanoVLLMApp
+    from nanovllm_tui.starter import BackgroundController
+    from nanovllm_tui.widgets.prompt_bar import PromptSettings
+
+    loading = threading.Event()  # holds the model's loading until the prompt has been sent
+    load = LLMEngine.from_config.__func__
+    monkeypatch.setattr(LLMEngine, "from_config",
+                        classmethod(lambda cls, *a, **kw: loading.wait(30) and load(cls, *a, **kw)))
+    app = NanoVLLMApp(BackgroundController(lambda: EngineController(model=str(tiny_llama_dir), num_kv_blocks=32)),
+                      settings=PromptSettings(max_tokens=3), tutorial_path=tmp_path / "t.json")
+    notes = Notes()
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await send_prompt(pilot, "Hello there")  # the window is up, the model is not
+        rid = app.selected
+        assert app.state.requests[rid].state == "submitted" and app.state.phase == "loading"
+        assert notes.find("waits in the queue until the model has loaded")
+        assert "loading model" in str(app.query_one("#header").render())
+        loading.set()
+        await wait_until(pilot, lambda: app.state.requests[rid].state == "finished", what="the queued prompt")
+        assert app.state.ready and app.state.requests[rid].num_output == 3

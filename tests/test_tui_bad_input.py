@@ -8,6 +8,7 @@ from textual.widgets import TabbedContent
 from nanovllm_core.engine.controller import EngineController
 from nanovllm_tui.app import NanoVLLMApp
 from nanovllm_tui.options import parse_args
+from nanovllm_tui.starter import BackgroundController
 from tests.tui_helpers import TRACE, Notes, engine_app, replay_app, send_prompt, wait_until
 
 pytestmark = pytest.mark.anyio
@@ -83,7 +84,7 @@ async def test_an_engine_error_is_shown_and_the_next_prompt_still_runs(make_engi
 
 
 async def test_a_model_that_cannot_load_is_reported_and_the_app_stays_up(tmp_path):
-    app = NanoVLLMApp(make_controller=lambda: EngineController(model=str(tmp_path / "no-such-model")),
+    app = NanoVLLMApp(BackgroundController(lambda: EngineController(model=str(tmp_path / "no-such-model"))),
                       tutorial_path=tmp_path / "t.json")
     notes = Notes()
     async with app.run_test(size=SIZE, message_hook=notes) as pilot:
@@ -122,7 +123,7 @@ async def test_keys_that_cannot_act_now_say_why(tmp_path):
 
 
 async def test_abort_with_no_request_selected_says_so(tmp_path):
-    app = NanoVLLMApp(make_controller=lambda: EngineController(model=str(tmp_path / "none")),
+    app = NanoVLLMApp(BackgroundController(lambda: EngineController(model=str(tmp_path / "none"))),
                       tutorial_path=tmp_path / "t.json")
     notes = Notes()
     async with app.run_test(size=SIZE, message_hook=notes) as pilot:

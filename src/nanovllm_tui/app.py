@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import sys
-from typing import Any, Callable, Iterable, Sequence
+import time
+from typing import Any, Iterable, Sequence
 
 from textual import events
 from textual.app import App, ComposeResult
@@ -40,8 +41,8 @@ MAX_NARRATED_DECODES = 12  # per request; the narrator sums up the rest when it 
 
 
 class NanoVLLMApp(App):
-    """The app. Give it a ``controller`` (an ``EngineController`` or a ``ReplayController``), or a
-    ``make_controller`` that builds one once the window is up.
+    """The app, on a ``controller``: an ``EngineController``, a ``BackgroundController`` (one being
+    built behind the window, as ``nanovllm-tui`` does) or a ``ReplayController``.
 
     Args:
         sampling: the base ``SamplingParams`` of prompts sent from the prompt bar (its
@@ -60,16 +61,12 @@ class NanoVLLMApp(App):
     COMMANDS = App.COMMANDS | {EngineCommands}
     BINDINGS = app_bindings()
 
-    def __init__(self, controller: Any = None, *, make_controller: Callable[[], Any] | None = None,
-                 sampling: SamplingParams | None = None, settings: PromptSettings | None = None,
+    def __init__(self, controller: Any, *, sampling: SamplingParams | None = None, settings: PromptSettings | None = None,
                  prompts: Iterable[tuple[str, int]] = (), fps: float = DEFAULT_FPS, tutorial_path: Any = None,
                  recorders: Sequence[Any] = (), freeze_gc: bool = False) -> None:
         super().__init__()
         self.freeze_gc = freeze_gc
-        if controller is None and make_controller is None:
-            raise ValueError("NanoVLLMApp needs a controller or make_controller")
         self.controller = controller
-        self._make_controller = make_controller
         self.sampling = sampling or SamplingParams(temperature=0.0)
         self.settings = settings or PromptSettings()
         self._initial_prompts = list(prompts)
@@ -82,6 +79,7 @@ class NanoVLLMApp(App):
         self.selected: str | None = None
         self._flush_pending = False
         self._stopped = False
+        self._started = time.monotonic()
 
     # ------------------------------------------------------------------ layout
 
@@ -98,8 +96,6 @@ class NanoVLLMApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
-        if self.controller is None:
-            self.controller = self._make_controller()
         self.bridge.connect(self.controller, topk=5, xray=False, blocks=False)
         for recorder in self.recorders:
             self.controller.subscribe(recorder, topk=5, blocks=True)
@@ -111,6 +107,8 @@ class NanoVLLMApp(App):
             self._submit(prompt, dataclasses.replace(self.settings, priority=priority))
         self._redraw()
         self._settle_memory()
+        if hasattr(self.controller, "start"):
+            self.call_after_refresh(self.controller.start)
 
     def _settle_memory(self) -> None:
         """With ``freeze_gc``: move what exists now (torch, the model, the tokenizer: ~10^5 objects)
@@ -145,12 +143,12 @@ class NanoVLLMApp(App):
     def on_engine_bridge_events_ready(self, message: EngineBridge.EventsReady) -> None:
         delay = self.bridge.delay()
         if delay <= 0:
-            self._flush()
+            self._take_events()
         elif not self._flush_pending:
             self._flush_pending = True
-            self.set_timer(delay, self._flush)
+            self.set_timer(delay, self._take_events)
 
-    def _flush(self) -> None:
+    def _take_events(self) -> None:
         """Fold everything the engine sent since the last frame into the state, then redraw."""
         self._flush_pending = False
         events = self.bridge.drain()
@@ -200,16 +198,28 @@ class NanoVLLMApp(App):
             self.state.paused = True
 
     def _poll_engine_state(self) -> None:
-        """The engine going idle is not an event; look at the controller's state twice a second."""
-        if self.controller is not None and self.controller.state != self.state.engine_state \
-                and self.state.load_error is None:
-            self.state.engine_state = self.controller.state
-            self.query_one(StatusHeader).show(self.state, replay=not self.live)
+        """The engine going idle is not an event, nor is time passing while the model loads:
+        look at the controller twice a second."""
+        failed = self.controller.state == "failed" and self.state.load_error is None
+        if failed:  # subscribed after the failure was announced: tell it now
+            failure = ev.EngineError(step=None, message=f"model failed to load: {self.controller.load_error}")
+            self.state.apply(failure)
+            self._announce(failure)
+        loading = not self.state.ready and self.state.load_error is None
+        if failed or loading or self.controller.state != self.state.engine_state:
+            if self.state.load_error is None:
+                self.state.engine_state = self.controller.state
+            self._show_header()
+
+    def _show_header(self) -> None:
+        loading_s = time.monotonic() - self._started if not self.state.ready else None
+        self.query_one(StatusHeader).show(self.state, replay=not self.live, loading_s=loading_s,
+                                          compact=self.size.width < NARROW)
 
     def _redraw(self) -> None:
-        if self.controller is not None and self.state.load_error is None:
+        if self.state.load_error is None:
             self.state.engine_state = self.controller.state
-        self.query_one(StatusHeader).show(self.state, replay=not self.live)
+        self._show_header()
         self.view().update_view(self.state, self.selected)
 
     # ------------------------------------------------------------------ tabs and selection
@@ -231,7 +241,7 @@ class NanoVLLMApp(App):
             self.controller.xray(self.selected, xray.layer_index, xray.head_index)
         if tab == "blocks" and self.live:
             bridge = self.bridge  # a snapshot now, so a paused engine still shows its pool
-            self.controller.call(lambda engine: bridge(engine.blocks_event(engine.scheduler.step_index)))
+            self.controller.call(lambda engine: bridge(engine.blocks_event(engine.step_index)))
 
     def demo_started(self, demo: Any) -> None:
         """A tutorial demonstration is about to send its requests: give the narrator the detail it needs."""
@@ -315,7 +325,7 @@ class NanoVLLMApp(App):
 
     def stop_engine(self) -> None:
         """Stop the engine thread (within a second) and close trace files."""
-        if self._stopped or self.controller is None:
+        if self._stopped:
             return
         self._stopped = True
         self.controller.shutdown(timeout=1.0)

@@ -73,14 +73,19 @@ def build_app(argv: Sequence[str] | None = None):
 
         return NanoVLLMApp(ReplayController(args.replay_events, start_paused=args.paused), **common)
 
-    from nanovllm_core.engine.controller import EngineController
+    from nanovllm_tui.starter import BackgroundController
 
     kwargs = engine_kwargs(args)
     if kwargs.get("num_kv_blocks") is None:
         kwargs["num_kv_blocks"] = DEFAULT_KV_BLOCKS
+
+    def start_engine():  # on the starter's thread: torch is imported there, not before the window
+        from nanovllm_core.engine.controller import EngineController
+
+        return EngineController(start_paused=args.paused, **kwargs)
+
     recorders = open_recorders(args)
-    return NanoVLLMApp(make_controller=lambda: EngineController(start_paused=args.paused, **kwargs),
-                       recorders=recorders, **common)
+    return NanoVLLMApp(BackgroundController(start_engine), recorders=recorders, **common)
 
 
 def open_recorders(args: argparse.Namespace) -> list:

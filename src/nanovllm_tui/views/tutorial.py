@@ -90,10 +90,19 @@ class TutorialView(EngineView):
     def __init__(self, progress_path: Path | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.progress_path = progress_path
-        self.progress = tut.TutorialProgress.load(progress_path)
+        self._progress: tut.TutorialProgress | None = None
+        self._drawn = False
         self.feedback: Text | None = None
         self.run: DemoRun | None = None
         self._info: dict[str, Any] = {}
+
+    @property
+    def progress(self) -> tut.TutorialProgress:
+        """Saved progress, read when the tab is first shown (finding the default file imports the
+        model loader, and with it torch: not something to wait for before the window appears)."""
+        if self._progress is None:
+            self._progress = tut.TutorialProgress.load(self.progress_path)
+        return self._progress
 
     @property
     def chapter(self) -> tut.Chapter:
@@ -113,7 +122,6 @@ class TutorialView(EngineView):
     def on_mount(self) -> None:
         self.query_one("#chapter-list").border_title = "Chapters"
         self.query_one("#quiz").border_title = "Quiz"
-        self._show_chapter()
 
     def focus_main(self) -> None:
         self.query_one(QuizChoices).focus()
@@ -121,7 +129,11 @@ class TutorialView(EngineView):
     # ------------------------------------------------------------------ drawing
 
     def update_view(self, state: EngineState, selected: str | None) -> None:
-        if state.model_info != self._info:
+        if not self._drawn:
+            self._drawn = True
+            self._info = dict(state.model_info)
+            self._show_chapter()
+        elif state.model_info != self._info:
             self._info = dict(state.model_info)
             self._show_text()
         self._show_demo()
@@ -238,6 +250,8 @@ class TutorialView(EngineView):
         if self.run is not None and not self.run.finished:
             self.notify("The demonstration is still running.", severity="warning")
             return
+        if self.app.state.paused:
+            self.notify("The engine is paused: the demonstration's requests wait until you press space (or n).")
         self.run = DemoRun(demo, c, demo.requests(c.demo_prompt))
         self.app.demo_started(demo)
         self._send_next()
