@@ -1,9 +1,10 @@
-"""The bridge and the replay: engine-thread events reach the UI thread coalesced, in order, and only on request."""
+"""The bridge, the replay and the background starter: what stands between the engine thread and the UI."""
 
 from __future__ import annotations
 
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from nanovllm_core import events as ev
 from nanovllm_tui.bridge import EngineBridge
 from nanovllm_tui.replay import NO_NEW_PROMPTS, ReplayController, load_trace
+from nanovllm_tui.starter import BackgroundController
 
 TRACE = Path(__file__).parent / "data" / "tui_trace.jsonl.gz"
 
@@ -157,3 +159,56 @@ def test_a_file_that_is_not_a_trace_is_a_one_line_error(tmp_path):
     empty.write_text("")
     with pytest.raises(ValueError, match="no engine steps"):
         load_trace(empty)
+
+
+class FakeController:
+    """Records the commands it is given, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def subscribe(self, callback, topk=5, xray=False, blocks=True):
+        self.calls.append(("subscribe", topk, xray, blocks))
+        return types.SimpleNamespace(topk=topk, xray=xray, blocks=blocks)
+
+    def submit(self, prompt, params=None, priority=0, request_id=None):
+        self.calls.append(("submit", prompt, request_id))
+        return request_id
+
+    def pause(self):
+        self.calls.append(("pause",))
+
+    def shutdown(self, timeout=1.0):
+        self.calls.append(("shutdown",))
+        return True
+
+
+def test_commands_given_before_the_engine_exists_reach_it_in_order():
+    gate, fake = threading.Event(), FakeController()
+    starter = BackgroundController(lambda: gate.wait(5) and fake)
+    starter.start()
+    sub = starter.subscribe(lambda e: None, topk=5, xray=False, blocks=False)
+    rid = starter.submit("Hello")
+    starter.pause()
+    sub.xray = True  # changed while waiting: the real subscription is made with it
+    assert starter.state == "loading" and rid == "req-0" and fake.calls == []
+    gate.set()
+    assert Recorder().wait_for(lambda: starter.real is fake)
+    assert fake.calls == [("subscribe", 5, True, False), ("submit", "Hello", "req-0"), ("pause",)]
+    sub.blocks = True  # changed afterwards: forwarded
+    assert sub.real.blocks is True
+
+
+def test_an_engine_that_cannot_be_built_is_a_failed_load():
+    def broken():
+        raise RuntimeError("no such device")
+
+    starter = BackgroundController(broken)
+    rec = Recorder()
+    starter.subscribe(rec)
+    starter.start()
+    assert rec.wait_for(lambda: starter.state == "failed")
+    assert starter.load_error == "no such device"
+    assert [e.message for e in rec.events] == ["model failed to load: no such device"]
+    starter.submit("Hello")
+    assert isinstance(rec.events[-1], ev.RequestRejected)
