@@ -1,7 +1,8 @@
 """``nanovllm-tui``: a full-screen window onto a running engine.
 
-The window appears at once; the model loads on the engine thread (``EngineController``)
-with its progress in the header, and prompts sent meanwhile wait in the queue. Everything
+The window appears at once; torch and the engine are set up behind it (``BackgroundController``),
+the model loads on the engine thread with its progress in the header, and prompts sent
+meanwhile wait in the queue. Everything
 shown comes from the engine's events, which the :class:`~nanovllm_tui.bridge.EngineBridge`
 hands to this (UI) thread at most once a frame; only the visible tab redraws.
 """
@@ -88,27 +89,28 @@ class NanoVLLMApp(App):
         with TabbedContent(initial="dashboard", id="tabs"):
             for i, (tab, title) in enumerate(TABS, 1):
                 with TabPane(f"{i} {title}", id=tab):
-                    if tab == "tutorial":
-                        yield TutorialView(self.tutorial_path, id="tutorial-view")
-                    else:
-                        yield VIEWS[tab](id=f"{tab}-view")
+                    yield VIEWS[tab](id=f"{tab}-view")
         yield PromptBar(self.settings, id="prompt-bar")
         yield Footer()
 
     def on_mount(self) -> None:
+        self._adapt_to_size()
+        self.query_one(PromptBar).focus_prompt()
+        self.call_after_refresh(self._connect)  # once every tab's widgets are in place
+
+    def _connect(self) -> None:
+        """Listen to the engine, send the prompts given at start, and start the engine if it waits."""
         self.bridge.connect(self.controller, topk=5, xray=False, blocks=False)
         for recorder in self.recorders:
             self.controller.subscribe(recorder, topk=5, blocks=True)
-        self._adapt_to_size()
         self._sync_paused()
-        self.query_one(PromptBar).focus_prompt()
         self.set_interval(0.5, self._poll_engine_state)
         for prompt, priority in self._initial_prompts:
             self._submit(prompt, dataclasses.replace(self.settings, priority=priority))
         self._redraw()
         self._settle_memory()
         if hasattr(self.controller, "start"):
-            self.call_after_refresh(self.controller.start)
+            self.controller.start()
 
     def _settle_memory(self) -> None:
         """With ``freeze_gc``: move what exists now (torch, the model, the tokenizer: ~10^5 objects)

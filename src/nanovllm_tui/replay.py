@@ -13,7 +13,6 @@ from __future__ import annotations
 import gzip
 import itertools
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable

@@ -87,9 +87,8 @@ class TutorialView(EngineView):
         Binding("r", "run_demo", "Run demo"),
     ]
 
-    def __init__(self, progress_path: Path | None = None, **kwargs) -> None:
+    def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.progress_path = progress_path
         self._progress: tut.TutorialProgress | None = None
         self._drawn = False
         self.feedback: Text | None = None
@@ -103,6 +102,11 @@ class TutorialView(EngineView):
         if self._progress is None:
             self._progress = tut.TutorialProgress.load(self.progress_path)
         return self._progress
+
+    @property
+    def progress_path(self) -> Path | None:
+        """The app's ``tutorial_path`` (None: the tutorial module's default file)."""
+        return self.app.tutorial_path
 
     @property
     def chapter(self) -> tut.Chapter:
