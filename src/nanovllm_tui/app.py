@@ -79,6 +79,7 @@ class NanoVLLMApp(App):
         self._demo_needs: tuple[bool, bool] = (False, False)  # (xray, blocks) for a running tutorial demo
         self.selected: str | None = None
         self._flush_pending = False
+        self._mounted = False
         self._stopped = False
         self._started = time.monotonic()
 
@@ -94,20 +95,22 @@ class NanoVLLMApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
-        self._adapt_to_size()
-        self.query_one(PromptBar).focus_prompt()
-        self.call_after_refresh(self._connect)  # once every tab's widgets are in place
-
-    def _connect(self) -> None:
-        """Listen to the engine, send the prompts given at start, and start the engine if it waits."""
         self.bridge.connect(self.controller, topk=5, xray=False, blocks=False)
         for recorder in self.recorders:
             self.controller.subscribe(recorder, topk=5, blocks=True)
+        self._adapt_to_size()
+        self.query_one(PromptBar).focus_prompt()
+        self.call_after_refresh(self._start)
+
+    def _start(self) -> None:
+        """After the first paint, when every tab's widgets exist: take the events that waited in
+        the bridge, send the prompts given at start, and let a waiting engine start."""
+        self._mounted = True
         self._sync_paused()
         self.set_interval(0.5, self._poll_engine_state)
         for prompt, priority in self._initial_prompts:
             self._submit(prompt, dataclasses.replace(self.settings, priority=priority))
-        self._redraw()
+        self._take_events()
         self._settle_memory()
         if hasattr(self.controller, "start"):
             self.controller.start()
@@ -143,6 +146,8 @@ class NanoVLLMApp(App):
     # ------------------------------------------------------------------ engine events
 
     def on_engine_bridge_events_ready(self, message: EngineBridge.EventsReady) -> None:
+        if not self._mounted:  # they wait in the bridge; _start takes them
+            return
         delay = self.bridge.delay()
         if delay <= 0:
             self._take_events()
@@ -219,6 +224,8 @@ class NanoVLLMApp(App):
                                           compact=self.size.width < NARROW)
 
     def _redraw(self) -> None:
+        if not self._mounted:
+            return
         if self.state.load_error is None:
             self.state.engine_state = self.controller.state
         self._show_header()
