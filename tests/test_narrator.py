@@ -79,7 +79,7 @@ def kinds(entries):
 def test_tokenization_lists_each_piece_with_its_id():
     (tok, samp) = Narrator().feed(added())
     assert tok.kind == "tokenization" and tok.request_id == "0"
-    assert "[The]=504 [ capital]=3575 [ is]=314" in tok.text
+    assert "[The]=504 [␣capital]=3575 [␣is]=314" in tok.text
     assert "Token ids: [504, 3575, 314]" in tok.text
     assert samp.kind == "sampling" and "Greedy" in samp.text and "up to 8 tokens" in samp.text
 
@@ -138,7 +138,7 @@ def test_decode_entry_carries_the_top_k_table_and_the_chosen_token():
     out = n.feed(timed(0))
     dec = next(c for c in out if c.kind == "decode")
     assert dec.table == ((" Paris", 0.7725), (" the", 0.0645), (" London", 0.0125))
-    assert "[ Paris] at 77.25%" in dec.text and "Greedy decoding takes it" in dec.text and "id 7042" in dec.text
+    assert "[␣Paris] at 77.25%" in dec.text and "Greedy decoding takes it" in dec.text and "id 7042" in dec.text
 
 
 def test_a_sampled_token_is_placed_by_its_rank():
@@ -147,7 +147,7 @@ def test_a_sampled_token_is_placed_by_its_rank():
     n.feed(planned(0, [entry()]))
     n.feed(sampled(0, token=260, text=" the", greedy=False, temperature=0.9))
     dec = next(c for c in n.feed(timed(0)) if c.kind == "decode")
-    assert "temperature 0.9 drew [ the] (id 260), the 2nd most likely at 6.45%" in dec.text
+    assert "temperature 0.9 drew [␣the] (id 260), the 2nd most likely at 6.45%" in dec.text
 
 
 def test_kv_cache_bytes_are_blocks_times_bytes_per_block():
@@ -256,7 +256,7 @@ def test_speculative_step_counts_accepted_draft_tokens():
     (spec,) = Narrator().feed(e)
     assert spec.kind == "speculative" and "kept 1" in spec.text
     assert "min(1, p/q) = 0.250" in spec.text and "2 tokens from one target pass" in spec.text
-    assert spec.table[0] == ("[ a] accepted", 0.9)
+    assert spec.table[0] == ("[␣a] accepted", 0.9)
 
 
 def test_negative_cap_is_refused():

@@ -7,7 +7,7 @@ from textual.widgets import TabbedContent
 
 from nanovllm_core.engine.controller import EngineController
 from nanovllm_tui.app import NanoVLLMApp
-from nanovllm_tui.options import parse_args
+from nanovllm_tui.options import build_app, parse_args
 from nanovllm_tui.starter import BackgroundController
 from tests.tui_helpers import TRACE, Notes, engine_app, replay_app, send_prompt, wait_until
 
@@ -142,6 +142,7 @@ async def test_a_replay_refuses_new_prompts_with_a_notification(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--replay", "/no/such/trace.jsonl"], "cannot replay /no/such/trace.jsonl"),
     (["--chat"], "--chat is a nanovllm option and not available in the app"),
+    (["--tutorial"], "--tutorial is a nanovllm option and not available in the app (its tabs show the same"),
     (["--prompt", " "], "--prompt must not be empty"),
     (["--fps", "0"], "--fps must be between 1 and 60"),
     (["--temperature", "-1"], "temperature"),
@@ -156,3 +157,9 @@ def test_bad_options_end_with_one_line_and_status_2(capsys, argv, message):
 def test_a_good_replay_option_loads_the_trace():
     args = parse_args(["--replay", str(TRACE), "--paused"])
     assert args.paused and len(args.replay_events) > 100
+
+
+def test_teaching_options_of_the_cli_set_the_narrator_and_tutorial_tabs(tmp_path):
+    app = build_app(["--replay", str(TRACE), "--progress-file", str(tmp_path / "p.json"), "--narrate-steps", "3"])
+    assert app.tutorial_path == str(tmp_path / "p.json") and app.narrator.max_decode == 3
+    app.controller.shutdown()

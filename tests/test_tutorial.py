@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -128,3 +129,129 @@ def test_model_facts_compute_from_the_model_info():
     (line,) = model_facts(chapter("kv_cache"), info)
     assert "46,080 bytes per token" in line and "x 4 bytes" in line
     assert model_facts(chapter("kv_cache"), {}) == []
+
+
+# ------------------------------------------------------------------ the terminal tutorial (--tutorial)
+
+
+def script(letters: list[str]) -> str:
+    """Piped input: one answer line per chapter, then an empty line for Enter (none after the last)."""
+    return "\n\n".join(letters) + "\n"
+
+
+def run_tutorial_cli(capsys, monkeypatch, tmp_path, stdin: str, *extra: str):
+    from nanovllm_core import cli
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    code = cli.main(["--tutorial", "--no-demos", "--progress-file", str(tmp_path / "p.json"), *extra])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_piped_right_answers_score_twelve_of_twelve(capsys, monkeypatch, tmp_path):
+    letters = ["ABCD"[c.quiz.answer] for c in CHAPTERS]
+    code, out, _ = run_tutorial_cli(capsys, monkeypatch, tmp_path, script([x.lower() for x in letters]))
+    assert code == 0
+    assert "Final score: 12/12" in out and "Score: 7/7" in out
+    assert all(f"Chapter {c.number} of 12: {c.title}" in out for c in CHAPTERS)
+    saved = TutorialProgress.load(tmp_path / "p.json")
+    assert saved.score == 12 and saved.current == 0  # finished: the next launch starts over
+
+
+def test_a_wrong_answer_shows_the_right_one_and_the_explanation(capsys, monkeypatch, tmp_path):
+    first = CHAPTERS[0]
+    wrong = "ABCD"[(first.quiz.answer + 1) % 4]
+    code, out, _ = run_tutorial_cli(capsys, monkeypatch, tmp_path, wrong + "\n")
+    assert code == 0
+    flat = " ".join(out.split())
+    assert f"Not quite: you chose {wrong}; the answer is {'ABCD'[first.quiz.answer]})" in flat
+    assert " ".join(first.quiz.explanation.split()) in flat
+    assert "Score: 0/1" in flat and "Final score: 0/1" in flat
+
+
+def test_end_of_input_ends_with_the_score_so_far_and_resumes_next_time(capsys, monkeypatch, tmp_path):
+    letters = ["ABCD"[c.quiz.answer] for c in CHAPTERS[:3]]
+    letters[1] = "ABCD"[(CHAPTERS[1].quiz.answer + 2) % 4]
+    code, out, _ = run_tutorial_cli(capsys, monkeypatch, tmp_path, script(letters) + "\n")
+    assert code == 0 and "Final score: 2/3" in out and "Chapter 5 of 12" not in out
+    code, out, _ = run_tutorial_cli(capsys, monkeypatch, tmp_path, "")
+    assert "Resuming at chapter 4" in out and "Chapter 4 of 12" in out and "Final score: 0/0" in out
+
+
+def test_an_answer_outside_a_to_d_is_asked_again(capsys, monkeypatch, tmp_path):
+    right = "ABCD"[CHAPTERS[0].quiz.answer]
+    code, out, _ = run_tutorial_cli(capsys, monkeypatch, tmp_path, f"e\n\n42\n{right}\n")
+    assert out.count("Please answer with A, B, C or D") == 3
+    assert "Final score: 1/1" in out
+
+
+def test_q_quits_and_keeps_progress(capsys, monkeypatch, tmp_path):
+    code, out, _ = run_tutorial_cli(capsys, monkeypatch, tmp_path, "q\n", "--tutorial-chapter", "6")
+    assert code == 0 and "Chapter 6 of 12" in out and "Final score: 0/0" in out
+    assert TutorialProgress.load(tmp_path / "p.json").current == 5
+
+
+def test_an_unwritable_progress_file_is_reported_once_and_the_tutorial_goes_on(capsys, monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setattr("sys.stdin", io.StringIO(script(["a", "b"])))
+    from nanovllm_core import cli
+
+    code = cli.main(["--tutorial", "--no-demos", "--progress-file", str(blocker / "p.json")])
+    out = capsys.readouterr().out
+    assert code == 0 and out.count("progress cannot be saved") == 1 and "Final score:" in out
+
+
+# ------------------------------------------------------------------ live demonstrations on the real model
+
+
+@pytest.fixture(scope="module")
+def demos(real_model):
+    from nanovllm_core.educational.tutorial_demos import EngineDemos
+
+    return EngineDemos.from_loaded(*real_model)
+
+
+def demo_output(demos, key: str) -> str:
+    from rich.console import Console
+
+    buf = io.StringIO()
+    demos(chapter(key), Console(file=buf, width=120, highlight=False))
+    return buf.getvalue()
+
+
+@pytest.mark.real_model
+def test_tokenization_demo_prints_the_tokenizers_ids(demos, real_model):
+    text = demo_output(demos, "tokenization")
+    ids = real_model[1].encode(chapter("tokenization").demo_prompt)
+    assert f"Token ids: [{', '.join(map(str, ids))}]" in text
+    assert "DECODE" not in text  # only what the demo is about
+
+
+@pytest.mark.real_model
+def test_chunked_prefill_demo_shows_chunks_priority_and_a_preemption(demos):
+    text = demo_output(demos, "chunked_prefill")
+    assert "CHUNKED PREFILL · Request 0: prefill chunk 0.." in text
+    assert "PREEMPTION · Step" in text and "request 0 (priority 0) was preempted" in text
+    assert text.index("Request 1 finished") < text.index("Request 0 finished")  # priority 10 first
+
+
+@pytest.mark.real_model
+def test_prefix_caching_demo_reuses_two_full_blocks(demos):
+    text = demo_output(demos, "prefix_caching")
+    assert "PREFIX CACHE · Request 1: prefix cache hit, 32 tokens" in text
+
+
+@pytest.mark.real_model
+def test_the_tutorial_with_demos_answers_and_demonstrates(demos, tmp_path):
+    from rich.console import Console
+
+    from nanovllm_core.educational.tutorial_view import run_tutorial
+
+    buf = io.StringIO()
+    result = run_tutorial(Console(file=buf, width=100), io.StringIO("b\n"), progress_path=tmp_path / "p.json",
+                          start=0, demo_runner=demos, model_info=demos.load())
+    text = buf.getvalue()
+    assert result.asked == 1 and result.right == 1
+    assert "Live demonstration: Your prompt as token ids" in text and "Token ids: [" in text
+    assert "On this model: This model's vocabulary has 49,152 entries" in text

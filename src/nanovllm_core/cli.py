@@ -3,6 +3,11 @@
 Prints each prompt and its completion; engine and sampling options mirror ``LLM`` and
 ``SamplingParams``. Bad arguments end with exit status 2 and one line on stderr, never a
 traceback.
+
+Teaching modes (``nanovllm_core.educational``): ``--narrate`` tells each act of inference
+with the run's real numbers, ``--xray`` shows the tensors and math inside the layers,
+``--dashboard`` draws a live view while generating; they combine. ``--tutorial`` runs the
+twelve chapters and quizzes on their own (``--no-demos`` never loads the model).
 """
 
 from __future__ import annotations
@@ -27,6 +32,26 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _chapter_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a chapter number 1-12, got {text!r}") from None
+    if not 1 <= value <= 12:
+        raise argparse.ArgumentTypeError(f"expected a chapter number 1-12, got {value}")
     return value
 
 
@@ -66,6 +91,23 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-flash-attn", action="store_true", help="explicit score-matrix attention instead of the fused kernel")
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--show-memory-stats", action="store_true", help="print KV block usage, waste, hit rate, preemptions")
+    teach = p.add_argument_group("teaching modes")
+    teach.add_argument("--narrate", action="store_true",
+                       help="explain each act of inference (tokens, prefill, decode, KV cache, scheduler) with real values")
+    teach.add_argument("--narrate-steps", type=_non_negative_int, default=10, metavar="N",
+                       help="decode steps narrated one by one per prompt; the rest are summed up (0 = all; default 10)")
+    teach.add_argument("--xray", action="store_true",
+                       help="show tensor shapes and the math of every layer for each prompt's prefill and first decode")
+    teach.add_argument("--dashboard", action="store_true",
+                       help="a live view while generating (a final snapshot when output is not a terminal)")
+    teach.add_argument("--tutorial", action="store_true",
+                       help="twelve chapters with quizzes (A-D); answers are read line by line from a pipe")
+    teach.add_argument("--no-demos", action="store_true",
+                       help="tutorial without live demonstrations (the model is not loaded)")
+    teach.add_argument("--tutorial-chapter", type=_chapter_number, default=None, metavar="N",
+                       help="start the tutorial at chapter N (1-12; default: where you stopped last time)")
+    teach.add_argument("--progress-file", default=None, metavar="FILE.json",
+                       help="where tutorial progress is kept (default: ~/.cache/nanovllm/tutorial_progress.json)")
     t = p.add_argument_group("traces")
     t.add_argument("--trace", metavar="FILE.jsonl", default=None,
                    help="record every engine event as JSON lines (replay with nanovllm-tui --replay)")
@@ -100,6 +142,10 @@ def sampling_params(args: argparse.Namespace):
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.tutorial:
+        if args.narrate or args.xray or args.dashboard:
+            parser.error("--tutorial runs on its own; leave out --narrate, --xray and --dashboard")
+        return run_tutorial(args, parser)
     prompts = args.prompt or [DEFAULT_PROMPT]
     if any(not p.strip() for p in prompts):
         parser.error("--prompt must not be empty")
@@ -124,13 +170,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         parser.error(f"cannot write the trace file: {e}")
     inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p for p in prompts]
+    views = attach_teaching_views(llm, args)
     start = time.perf_counter()
     try:
-        outputs = llm.generate(inputs, params, priority=args.priority)
+        outputs = llm.generate(inputs, params, priority=args.priority, use_tqdm=views is None)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
     finally:
+        if views is not None:
+            views.close()
         for r in recorders:
             r.close()
     elapsed = time.perf_counter() - start
@@ -157,6 +206,51 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"on {llm.engine.device.type}, {str(llm.engine.dtype).replace('torch.', '')}, model {llm.engine.model_name}")
     if args.show_memory_stats:
         print_memory_stats(llm.stats())
+    return 0
+
+
+def teaching_console():
+    """The Rich console every teaching view prints through (one, so live output and prints interleave cleanly)."""
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def attach_teaching_views(llm, args: argparse.Namespace):
+    """Subscribe the ``--narrate`` / ``--xray`` / ``--dashboard`` views; None when none was asked for."""
+    if not (args.narrate or args.xray or args.dashboard):
+        return None
+    from nanovllm_core.educational.teaching import TeachingViews
+
+    return TeachingViews.attach(llm.engine, teaching_console(), narrate=args.narrate, xray=args.xray,
+                                dashboard=args.dashboard, narrate_steps=args.narrate_steps or None)
+
+
+def run_tutorial(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``--tutorial``: chapters and quizzes; demonstrations on the model unless ``--no-demos``."""
+    from pathlib import Path
+
+    from nanovllm_core.educational.tutorial_demos import EngineDemos
+    from nanovllm_core.educational.tutorial_view import run_tutorial as run
+    from nanovllm_core.model.loader import ModelLoadError
+
+    console = teaching_console()
+    demos, info = None, None
+    if not args.no_demos:
+        console.print("Loading the model for the live demonstrations (--no-demos skips them)...", style="dim")
+        demos = EngineDemos(args.model, args.device, args.dtype)
+        try:
+            info = demos.load()
+        except (ModelLoadError, ValueError) as e:
+            console.print(f"No live demonstrations: {e}", style="yellow")
+            demos = None
+    start = args.tutorial_chapter - 1 if args.tutorial_chapter else None
+    path = Path(args.progress_file) if args.progress_file else None
+    try:
+        run(console, sys.stdin, progress_path=path, start=start, demo_runner=demos, model_info=info)
+    except KeyboardInterrupt:
+        console.print("\ninterrupted")
+        return 130
     return 0
 
 

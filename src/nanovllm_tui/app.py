@@ -38,7 +38,6 @@ from nanovllm_tui.widgets.status_header import StatusHeader
 VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
                                       "tutorial": TutorialView, "blocks": BlockMapView}
 NARROW, SHORT = 100, 30  # below these sizes panels fold away (see app.tcss)
-MAX_NARRATED_DECODES = 12  # per request; the narrator sums up the rest when it finishes
 
 
 class NanoVLLMApp(App):
@@ -55,6 +54,8 @@ class NanoVLLMApp(App):
         recorders: extra subscribers (trace writers) closed when the app quits.
         freeze_gc: keep long-lived objects out of garbage collection (see ``_settle_memory``);
             ``nanovllm-tui`` turns it on.
+        narrate_steps: decode steps the narrator tells one by one per request (None: all);
+            the rest are summed up when the request finishes.
     """
 
     CSS_PATH = "app.tcss"
@@ -64,7 +65,7 @@ class NanoVLLMApp(App):
 
     def __init__(self, controller: Any, *, sampling: SamplingParams | None = None, settings: PromptSettings | None = None,
                  prompts: Iterable[tuple[str, int]] = (), fps: float = DEFAULT_FPS, tutorial_path: Any = None,
-                 recorders: Sequence[Any] = (), freeze_gc: bool = False) -> None:
+                 recorders: Sequence[Any] = (), freeze_gc: bool = False, narrate_steps: int | None = 10) -> None:
         super().__init__()
         self.freeze_gc = freeze_gc
         self.controller = controller
@@ -74,7 +75,7 @@ class NanoVLLMApp(App):
         self.tutorial_path = tutorial_path
         self.recorders = list(recorders)
         self.state = EngineState()
-        self.narrator = Narrator(max_decode_steps_per_request=MAX_NARRATED_DECODES)
+        self.narrator = Narrator(max_decode_steps_per_request=narrate_steps)
         self.bridge = EngineBridge(self, fps=fps)
         self._demo_needs: tuple[bool, bool] = (False, False)  # (xray, blocks) for a running tutorial demo
         self.selected: str | None = None

@@ -10,7 +10,8 @@ from nanovllm_core.cli import engine_kwargs, sampling_params
 from nanovllm_tui.bridge import DEFAULT_FPS
 
 DEFAULT_KV_BLOCKS = 512  # 8,192 tokens at block size 16: room to play, and a block map that fits a screen
-NOT_IN_APP = ("chat", "show_memory_stats")
+# nanovllm options with no meaning here: the app's tabs do what the teaching modes print.
+NOT_IN_APP = ("chat", "show_memory_stats", "narrate", "xray", "dashboard", "tutorial", "no_demos", "tutorial_chapter")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,7 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.prog = "nanovllm-tui"
     p.description = ("Watch the nano-vLLM engine serve your prompts: dashboard, X-Ray, narrator, tutorial and "
                      "block map. --prompt, --priority, --max-tokens and --temperature seed the prompt bar; the "
-                     "other sampling options apply to every prompt you send.")
+                     "other sampling options apply to every prompt you send; --narrate-steps and --progress-file "
+                     "set the Narrator and Tutorial tabs.")
     a = p.add_argument_group("app")
     a.add_argument("--replay", metavar="FILE.jsonl", default=None,
                    help="play a trace recorded with `nanovllm --trace FILE.jsonl` (no model is loaded)")
@@ -33,8 +35,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     for name in NOT_IN_APP:
-        if getattr(args, name):
-            parser.error(f"--{name.replace('_', '-')} is a nanovllm option and not available in the app")
+        if getattr(args, name, None):
+            parser.error(f"--{name.replace('_', '-')} is a nanovllm option and not available in the app "
+                         "(its tabs show the same: 1 Dashboard, 2 X-Ray, 3 Narrator, 4 Tutorial, 5 Block Map)")
     if args.prompt and any(not p.strip() for p in args.prompt):
         parser.error("--prompt must not be empty")
     if args.priority is not None and len(args.priority) != len(args.prompt or []):
@@ -67,7 +70,9 @@ def build_app(argv: Sequence[str] | None = None):
     args = parse_args(argv)
     settings = PromptSettings(priority=0, max_tokens=args.max_tokens, temperature=args.temperature)
     prompts = list(zip(args.prompt or [], args.priority or [0] * len(args.prompt or [])))
-    common = dict(sampling=args.sampling, settings=settings, prompts=prompts, fps=args.fps, freeze_gc=True)
+    common = dict(sampling=args.sampling, settings=settings, prompts=prompts, fps=args.fps, freeze_gc=True,
+                  tutorial_path=getattr(args, "progress_file", None),
+                  narrate_steps=getattr(args, "narrate_steps", 10) or None)
     if args.replay:
         from nanovllm_tui.replay import ReplayController
 

@@ -62,12 +62,14 @@ def human_bytes(n: float) -> str:
 
 
 def ms(seconds: float | None) -> str:
+    """Seconds as milliseconds with one decimal; ``"n/a"`` for None."""
     return "n/a" if seconds is None else f"{seconds * 1000:.1f} ms"
 
 
 def show_piece(text: str) -> str:
-    """A token's text made visible: spaces as they are, newlines and tabs escaped, inside brackets."""
-    return "[" + text.replace("\n", "\\n").replace("\t", "\\t") + "]"
+    """A token's text made visible inside brackets: a space as ``␣`` (so a piece never breaks at a line
+    wrap and a leading space shows), newlines and tabs escaped."""
+    return "[" + text.replace(" ", "␣").replace("\n", "\\n").replace("\t", "\\t") + "]"
 
 
 def plural(n: int, word: str) -> str:
@@ -190,7 +192,7 @@ class Narrator:
         vocab = self.info.get("vocab_size")
         text = (f"{source} becomes {plural(n, 'token')}: {pairs}{more}.\n"
                 f"Token ids: [{ids}{', ...' if n > shown else ''}]\n"
-                "The model only ever sees these integers"
+                "(␣ marks a space.) The model only ever sees these integers"
                 + (f", each an index into its vocabulary of {vocab:,} pieces." if vocab else ".")
                 + (" Special tokens such as the start marker count like any other." if n and self._looks_special(e)
                    else ""))
@@ -292,7 +294,7 @@ class Narrator:
 
     def _prefix_hit(self, plan: ev.StepPlanned, s: ev.ScheduledEntry) -> Commentary:
         bs = self.info.get("block_size")
-        blocks = f" ({s.num_cached_tokens // bs} full blocks shared by reference)" if bs else ""
+        blocks = f" ({plural(s.num_cached_tokens // bs, 'full block')} shared by reference)" if bs else ""
         again = " on its readmission after preemption" if s.total_len > s.prompt_len else ""
         text = (f"Request {s.request_id} found its first {s.num_cached_tokens} of {s.total_len} tokens already in the "
                 f"prefix cache{again}{blocks}. Their keys and values are reused, so this step computes only "
@@ -404,11 +406,12 @@ class Narrator:
             return [Commentary("prefill", f"Request {rid}: recompute of {s.num_tokens} tokens", text, request_id=rid,
                                step=plan.step)]
         if s.start == s.num_cached_tokens and end == s.total_len:
-            cached = (f" ({s.num_cached_tokens} came from the prefix cache, so only these {s.num_tokens} are computed)"
-                      if s.num_cached_tokens else "")
-            what = (f"All {s.num_tokens} prompt tokens{cached} go through {through} together in one forward pass, "
-                    f"as matrix multiplications over {s.num_tokens} rows at once." if s.num_tokens > 1 else
-                    f"The one prompt token{cached} goes through {through} in one forward pass.")
+            tokens = (f"The {plural(s.num_tokens, 'prompt token')} after the {s.num_cached_tokens} found in the prefix "
+                      "cache" if s.num_cached_tokens else f"All {s.num_tokens} prompt tokens" if s.num_tokens > 1
+                      else "The one prompt token")
+            what = (f"{tokens} go through {through} together in one forward pass, as matrix multiplications over "
+                    f"{s.num_tokens} rows at once." if s.num_tokens > 1 else
+                    f"{tokens} goes through {through} in one forward pass.")
             text = (f"{what}{timing}{kv} Only the last position's vocabulary scores are needed: they choose the first "
                     "new token.")
             return [Commentary("prefill", f"Request {rid}: prefill of {plural(s.num_tokens, 'token')} at once", text,
@@ -487,7 +490,7 @@ class Narrator:
             if len(blocks.tables) > MAX_TABLES_SHOWN:
                 text += f"; and {len(blocks.tables) - MAX_TABLES_SHOWN} more"
             text += "."
-        return [Commentary("kv_cache", f"KV cache: {human_bytes(t.kv_bytes_used)} in {t.num_blocks_used} blocks", text,
+        return [Commentary("kv_cache", f"KV cache: {human_bytes(t.kv_bytes_used)} in {plural(t.num_blocks_used, 'block')}", text,
                            step=t.step)]
 
     def _finished(self, e: ev.RequestFinished) -> Commentary:

@@ -135,8 +135,8 @@ _LONG_PROMPT = (
 )
 # Shared by the two prefix-caching requests: long enough to fill at least two 16-token blocks.
 _SHARED_PREFIX = (
-    "You are a patient teacher who answers in one short sentence, using plain words a child would "
-    "understand, and never more than twenty words. Question: "
+    "You are a patient teacher for curious children. You answer in one short sentence, using plain words "
+    "a child would understand, never more than twenty words, and you never use jargon. Question: "
 )
 
 DEMOS: dict[str, Demo] = {d.key: d for d in (
@@ -180,7 +180,7 @@ DEMOS: dict[str, Demo] = {d.key: d for d in (
          "request goes first, and when blocks run short a lower-priority request is preempted.",
          kinds=("scheduler", "chunked_prefill", "preemption", "prefill", "finished"), max_tokens=6,
          extra_prompts=("Quick: the capital of Italy is",), extra_max_tokens=(6,), priorities=(0, 10),
-         engine=(("max_num_batched_tokens", 32), ("block_size", 8), ("num_kv_blocks", 16))),
+         engine=(("max_num_batched_tokens", 32), ("block_size", 8), ("num_kv_blocks", 12))),
 )}
 
 

@@ -1,0 +1,290 @@
+"""``--dashboard``: a Rich live view of the engine while it generates.
+
+It shows the phase of the current step (prefill, decode or both), progress through the
+layers, each request's prefill and decode progress, the KV cache (blocks and bytes), tokens
+per second, the text being generated and the latest top predictions, all from the engine's
+events.
+
+Layer progress is shown only when it is measured: the engine's forward pass runs all layers
+in one call and reports nothing per layer, unless X-Ray capture is on (``--xray``), whose
+``LayerTrace`` events arrive layer by layer. Without them the dashboard shows step progress
+and says that layers are not measured.
+
+On a terminal the view is a ``rich.live.Live`` region redrawn as events arrive; anything
+else printed through the same console (the narrator, X-Ray) appears above it. When the
+console is not a terminal (a pipe, a log file) no frames are drawn: one static snapshot of
+the final state is printed by :meth:`DashboardView.stop`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from nanovllm_core import events as ev
+from nanovllm_core.educational.rich_parts import topk_table
+from nanovllm_core.educational.narrator import human_bytes
+
+MIN_REDRAW_S = 0.05  # token and layer events redraw at most this often; step ends always redraw
+MAX_REQUEST_ROWS = 8
+BAR = 30  # progress bar width in cells
+
+
+def rate(tokens_per_s: float) -> str:
+    """Tokens/s with one decimal below 100 (a slow CPU step is not shown as 0), none above."""
+    return f"{tokens_per_s:,.1f}" if tokens_per_s < 100 else f"{tokens_per_s:,.0f}"
+
+
+@dataclass
+class _Request:
+    prompt: str
+    prompt_len: int
+    max_tokens: int | None
+    state: str = "waiting"
+    computed: int = 0
+    generated: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+
+
+class DashboardView:
+    """The live dashboard. Call it with every event; :meth:`start` before generating, :meth:`stop` after.
+
+    Args:
+        console: the shared console (a terminal gets live frames; anything else one final snapshot).
+        model_info: ``LLMEngine.model_info()`` for the header, layer count and KV sizes.
+    """
+
+    def __init__(self, console: Console, model_info: dict[str, Any] | None = None) -> None:
+        self.console = console
+        self.info = dict(model_info or {})
+        self.requests: dict[str, _Request] = {}
+        self.phase = "idle"
+        self.step: int | None = None
+        self.num_steps = 0
+        self.layers_done = 0
+        self.layers_traced_now = False   # this step's layers are reported by X-Ray traces
+        self.layers_ever_traced = False
+        self.layer_request: str | None = None
+        self.kv: ev.StepTimed | None = None
+        self.peak_kv_bytes = 0
+        self.last_step: ev.StepTimed | None = None
+        self.top: tuple[ev.TopToken, ...] = ()
+        self.top_request: str | None = None
+        self.top_chosen: str | None = None
+        self.focus: str | None = None
+        self.started: float | None = None
+        self.ended: float | None = None
+        self._plan: ev.StepPlanned | None = None
+        self._live: Live | None = None
+        self._last_draw = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def live(self) -> bool:
+        return self._live is not None
+
+    def start(self) -> None:
+        """Begin live frames if the console is a terminal (else nothing until :meth:`stop`)."""
+        if self.console.is_terminal and self._live is None:
+            self._live = Live(self.render(), console=self.console, auto_refresh=False, transient=False)
+            self._live.start()
+
+    def stop(self) -> None:
+        """Draw the final state: the last live frame stays on screen, or a snapshot is printed."""
+        self.phase = "done" if self.requests and all(r.state == "finished" for r in self.requests.values()) \
+            else self.phase
+        if self._live is not None:
+            self._live.update(self.render(), refresh=True)
+            self._live.stop()
+            self._live = None
+        else:
+            self.console.print(self.render())
+
+    def subscribe(self, engine) -> Any:
+        """Subscribe to ``engine`` (an ``LLMEngine``) for top-5 predictions; block snapshots are not needed."""
+        return engine.subscribe(self, topk=5, blocks=False, xray=False)
+
+    # ------------------------------------------------------------------ events
+
+    def __call__(self, event: ev.Event) -> None:
+        redraw = False
+        if isinstance(event, ev.ModelLoading) and event.ready and event.model_info:
+            self.info.update(event.info())
+        elif isinstance(event, ev.RequestAdded):
+            self.requests[event.request_id] = _Request(event.prompt or "", len(event.prompt_token_ids),
+                                                       event.max_tokens)
+            self.focus = self.focus or event.request_id
+        elif isinstance(event, ev.RequestRejected):
+            self.requests[event.request_id] = _Request("", 0, 0, state="rejected")
+        elif isinstance(event, ev.StepPlanned):
+            self._planned(event)
+        elif isinstance(event, ev.LayerTrace):
+            if event.step == self.step:
+                self.layers_traced_now = self.layers_ever_traced = True
+                self.layers_done = event.layer + 1
+                self.layer_request = event.request_id
+                redraw = self._due()
+        elif isinstance(event, ev.TokenSampled):
+            r = self.requests.get(event.request_id)
+            if r is not None and event.index == 0:
+                r.generated = event.num_output_tokens
+                r.text += event.text
+            self.top, self.top_request = event.top, event.request_id
+            self.top_chosen = event.text
+            self.focus = event.request_id if self.focus not in self._active() else self.focus
+            redraw = self._due()
+        elif isinstance(event, ev.RequestFinished):
+            r = self.requests.get(event.request_id)
+            if r is not None:
+                r.state, r.finish_reason = "finished", event.finish_reason
+                r.generated, r.text = event.num_output_tokens, event.output_text
+        elif isinstance(event, ev.StepTimed):
+            self._timed(event)
+            redraw = True
+        if redraw and self._live is not None:
+            self._last_draw = time.perf_counter()
+            self._live.update(self.render(), refresh=True)
+
+    def _due(self) -> bool:
+        return time.perf_counter() - self._last_draw >= MIN_REDRAW_S
+
+    def _active(self) -> list[str]:
+        return [rid for rid, r in self.requests.items() if r.state == "running"]
+
+    def _planned(self, plan: ev.StepPlanned) -> None:
+        if not plan.scheduled:
+            return
+        self.started = self.started or time.perf_counter()
+        self._plan = plan
+        self.step = plan.step
+        kinds = {s.kind for s in plan.scheduled}
+        self.phase = "prefill + decode" if len(kinds) > 1 else kinds.pop()
+        self.layers_done = 0
+        self.layers_traced_now = False
+        for q in plan.preempted:
+            r = self.requests.get(q.request_id)
+            if r is not None:
+                r.state, r.computed = "preempted", 0
+        for s in plan.scheduled:
+            r = self.requests.get(s.request_id)
+            if r is not None and s.index == 0:
+                r.state = "running"
+
+    def _timed(self, t: ev.StepTimed) -> None:
+        self.num_steps += 1
+        self.kv = self.last_step = t
+        self.peak_kv_bytes = max(self.peak_kv_bytes, t.kv_bytes_used)
+        self.ended = time.perf_counter()
+        if self._plan is not None:
+            for s in self._plan.scheduled:
+                r = self.requests.get(s.request_id)
+                if r is not None and s.index == 0:
+                    r.computed = max(r.computed, min(s.start + s.num_tokens, r.prompt_len))
+        self._plan = None
+
+    # ------------------------------------------------------------------ drawing
+
+    @property
+    def total_generated(self) -> int:
+        return sum(r.generated for r in self.requests.values())
+
+    def render(self) -> RenderableType:
+        """The whole dashboard as one Rich renderable."""
+        i = self.info
+        header = Text.assemble(("Model: ", "bold"), str(i.get("model_name", "?")), "   ", ("Device: ", "bold"),
+                               str(i.get("device", "?")), "   ", ("Dtype: ", "bold"), str(i.get("dtype", "?")))
+        body: list[RenderableType] = [header, self._progress(), self._request_table(),
+                                      self._memory_and_speed(), self._text_panel()]
+        if self.top:
+            body.append(Panel(topk_table([(t.text, t.prob) for t in self.top], self.top_chosen),
+                              title=f"Top predictions (request {self.top_request}, latest token)", title_align="left"))
+        return Panel(Group(*body), title="nano-vLLM inference dashboard", border_style="cyan")
+
+    def _progress(self) -> Panel:
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(style="bold", width=9)
+        grid.add_column(width=BAR)
+        grid.add_column()
+        grid.add_row("Phase", Text(self.phase.upper(), style="bold yellow"),
+                      f"step {self.step if self.step is not None else '-'} ({self.num_steps} steps run)")
+        layers = self.info.get("num_layers")
+        if self.layers_traced_now and layers:
+            grid.add_row("Layers", ProgressBar(total=layers, completed=self.layers_done, width=BAR),
+                         f"{self.layers_done}/{layers} (X-Ray, request {self.layer_request})")
+        elif self.layers_ever_traced:
+            grid.add_row("Layers", Text("not traced in this step", style="dim"),
+                         Text("X-Ray traces chosen steps only", style="dim"))
+        else:
+            grid.add_row("Layers", Text(f"all {layers or '?'} in one call", style="dim"),
+                         Text("not measured per layer; --xray traces them", style="dim"))
+        prompt_total = sum(r.prompt_len for r in self.requests.values())
+        prompt_done = sum(r.computed for r in self.requests.values())
+        grid.add_row("Prefill", ProgressBar(total=max(prompt_total, 1), completed=prompt_done, width=BAR),
+                     f"{prompt_done}/{prompt_total} prompt tokens")
+        limits = [r.max_tokens for r in self.requests.values() if r.state != "rejected"]
+        total = sum(m for m in limits if m) if limits and all(limits) else None
+        gen = self.total_generated
+        grid.add_row("Decode", ProgressBar(total=total or max(gen, 1), completed=gen, width=BAR),
+                     f"Tokens generated: {gen}" + (f" of up to {total}" if total else ""))
+        return Panel(grid, title="Progress", title_align="left")
+
+    def _request_table(self) -> RenderableType:
+        if len(self.requests) <= 1:
+            return Text("")
+        table = Table(box=None, header_style="bold", padding=(0, 1))
+        for col in ("request", "state", "prefill", "decode", "text"):
+            table.add_column(col)
+        for rid, r in list(self.requests.items())[:MAX_REQUEST_ROWS]:
+            state = r.state + (f" ({r.finish_reason})" if r.finish_reason else "")
+            table.add_row(rid, state, f"{r.computed}/{r.prompt_len}",
+                          f"{r.generated}/{r.max_tokens if r.max_tokens else '?'}",
+                          Text(r.text[-40:].replace("\n", " "), overflow="ellipsis", no_wrap=True))
+        if len(self.requests) > MAX_REQUEST_ROWS:
+            table.add_row("...", f"{len(self.requests) - MAX_REQUEST_ROWS} more", "", "", "")
+        return Panel(table, title="Requests", title_align="left")
+
+    def _memory_and_speed(self) -> Table:
+        kv = self.kv
+        mem = Table.grid(padding=(0, 1))
+        if kv is not None and kv.num_blocks_total:
+            mem.add_row("KV cache", f"{human_bytes(kv.kv_bytes_used)} of {human_bytes(kv.kv_bytes_total)}")
+            mem.add_row("Peak", human_bytes(self.peak_kv_bytes))
+            mem.add_row("", ProgressBar(total=kv.num_blocks_total, completed=kv.num_blocks_used, width=24))
+            mem.add_row("Blocks", f"{kv.num_blocks_used}/{kv.num_blocks_total} used, {kv.num_blocks_cached} cached-free")
+        else:
+            mem.add_row("KV cache", "no step yet")
+        speed = Table.grid(padding=(0, 1))
+        last = self.last_step
+        if last is not None:
+            speed.add_row("Prefill", f"{rate(last.prefill_tokens_per_s)} tok/s (last step)")
+            speed.add_row("Decode", f"{rate(last.decode_tokens_per_s)} tok/s (last step)")
+            elapsed = (self.ended or 0) - (self.started or 0)
+            if elapsed > 0:
+                speed.add_row("Overall", f"{rate(self.total_generated / elapsed)} tok/s ({elapsed:.2f} s)")
+            speed.add_row("Step time", f"{last.wall_time_s * 1000:.1f} ms")
+        else:
+            speed.add_row("Throughput", "no step yet")
+        outer = Table.grid(expand=True, padding=(0, 1))
+        outer.add_column(ratio=1)
+        outer.add_column(ratio=1)
+        outer.add_row(Panel(mem, title="Memory", title_align="left"),
+                      Panel(speed, title="Throughput", title_align="left"))
+        return outer
+
+    def _text_panel(self) -> Panel:
+        r = self.requests.get(self.focus) if self.focus else None
+        if r is None:
+            return Panel(Text("waiting for a request", style="dim"), title="Generated text", title_align="left")
+        cursor = "█" if r.state != "finished" else ""
+        body = Text.assemble((r.prompt, "dim"), (r.text, "bold"), cursor)
+        return Panel(body, title=f"Generated text (request {self.focus})", title_align="left")

@@ -1,0 +1,86 @@
+"""``--narrate``: the narrator's commentary printed in the terminal with Rich, as the engine runs.
+
+Each :class:`~nanovllm_core.educational.narrator.Commentary` becomes a headline naming its
+act (tokenization, embedding, prefill, decode, ...), the explanation, and for decode steps a
+table of the top candidates with their probabilities as bars. Rich only; printed through the
+shared console, so it lands above a live dashboard when one is showing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.text import Text
+
+from nanovllm_core import events as ev
+from nanovllm_core.educational.narrator import Commentary, Narrator, show_piece
+from nanovllm_core.educational.rich_parts import Indent, topk_table
+
+ACTS: dict[str, tuple[str, str]] = {  # kind -> (label, style)
+    "model": ("THE MODEL", "bold white"),
+    "tokenization": ("ACT 1 · TOKENIZATION", "bold cyan"),
+    "sampling": ("SAMPLING SETTINGS", "magenta"),
+    "embedding": ("ACT 2 · EMBEDDING", "bold blue"),
+    "attention": ("ATTENTION", "blue"),
+    "prefill": ("ACT 3 · PREFILL", "bold green"),
+    "chunked_prefill": ("ACT 3 · CHUNKED PREFILL", "bold green"),
+    "decode": ("ACT 4 · DECODE", "bold yellow"),
+    "kv_cache": ("KV CACHE", "bold bright_blue"),
+    "scheduler": ("SCHEDULER", "bold bright_magenta"),
+    "preemption": ("PREEMPTION", "bold red"),
+    "prefix_cache": ("PREFIX CACHE", "bold bright_green"),
+    "speculative": ("SPECULATIVE DECODING", "bold bright_cyan"),
+    "finished": ("FINISHED", "bold white"),
+    "rejected": ("REJECTED", "bold red"),
+    "error": ("ENGINE ERROR", "bold red"),
+}
+def render_commentary(c: Commentary) -> RenderableType:
+    """One entry: ``▌ ACT · title`` then the text indented, then its table if any."""
+    label, style = ACTS.get(c.kind, (c.kind.upper(), "bold"))
+    head = Text.assemble(("▌ " + label, style), f" · {c.title}")
+    parts: list[RenderableType] = [head, Indent(Text(c.text))]
+    if c.table:
+        chosen = None
+        if c.kind == "decode":
+            chosen = next((label for label, _ in c.table if c.title.endswith(": " + show_piece(label))), None)
+        parts.append(Indent(topk_table(c.table, chosen)))
+    return Group(*parts, Text(""))
+
+
+class NarrateView:
+    """Feeds events to a :class:`Narrator` and prints each entry to ``console`` as it is complete.
+
+    Args:
+        console: where to print (the CLI's shared console).
+        model_info: ``LLMEngine.model_info()``, for the model entry and the numbers in the text.
+        max_decode_steps: decode entries per request (None: all), see ``Narrator``.
+        kinds: print only these kinds (None: all), e.g. a tutorial demonstration's.
+    """
+
+    def __init__(self, console: Console, model_info: dict[str, Any] | None = None,
+                 max_decode_steps: int | None = 10, kinds: tuple[str, ...] | None = None) -> None:
+        self.console = console
+        self.narrator = Narrator(model_info, max_decode_steps_per_request=max_decode_steps)
+        self.kinds = kinds
+        self.entries: list[Commentary] = []
+
+    def __call__(self, event: ev.Event) -> None:
+        for c in self.narrator.feed(event):
+            self.show(c)
+
+    def show(self, c: Commentary) -> None:
+        """Print one entry (unless its kind is filtered out) and keep it in ``entries``."""
+        if self.kinds is not None and c.kind not in self.kinds:
+            return
+        self.entries.append(c)
+        self.console.print(render_commentary(c))
+
+    def close(self) -> None:
+        """Print whatever an unfinished step left buffered."""
+        for c in self.narrator.flush():
+            self.show(c)
+
+    def subscribe(self, engine) -> Any:
+        """Subscribe to ``engine`` with the detail the narrator uses (top-5, block tables)."""
+        return engine.subscribe(self, topk=5, blocks=True, xray=False)

@@ -1,0 +1,97 @@
+"""The tutorial's live demonstrations, run on the real engine for the CLI's ``--tutorial``.
+
+The model is loaded once; each demonstration builds a fresh small engine over the same
+weights with the settings its :class:`~nanovllm_core.educational.tutorial.Demo` asks for
+(``Demo.engine``), sends its requests, and prints the narrator's entries of the kinds the
+demo is about. The attention demonstration also prints X-Ray's full view of layer 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+
+from nanovllm_core import events as ev
+from nanovllm_core.educational.narrate_view import NarrateView
+from nanovllm_core.educational.rich_parts import Indent
+from nanovllm_core.educational.tutorial import DEMOS, Chapter
+from nanovllm_core.educational.xray_view import render_layer_detail
+
+DEMO_KV_BLOCKS = 64  # a demo's pool when its settings do not size one: small and quick to allocate
+
+
+class EngineDemos:
+    """Loads the model on :meth:`load` and runs chapters' demonstrations (callable as a ``DemoRunner``).
+
+    Args:
+        model, device, dtype: as for ``LLM`` (None: the embedded default, the best device, its dtype).
+
+    Raises (from :meth:`load`):
+        ModelLoadError: the model cannot be loaded (one line).
+    """
+
+    def __init__(self, model: str | None = None, device: str | None = None, dtype: str | None = None) -> None:
+        self.model, self.device, self.dtype = model, device, dtype
+        self._loaded: tuple[Any, Any, Any] | None = None
+
+    @classmethod
+    def from_loaded(cls, model: Any, tokenizer: Any, resolved: Any, device: str | None = None,
+                    dtype: str | None = None) -> "EngineDemos":
+        """Demonstrations over a model already loaded (``load_model``'s result), e.g. shared by tests."""
+        self = cls(None, device, dtype)
+        self._loaded = (model, tokenizer, resolved)
+        return self
+
+    def load(self) -> dict[str, Any]:
+        """Load the weights (once) and return the model's facts (``LLMEngine.model_info()``)."""
+        if self._loaded is None:
+            from nanovllm_core.config import EngineConfig
+            from nanovllm_core.llm import console_progress
+            from nanovllm_core.model.loader import load_model
+
+            cfg = EngineConfig(model=self.model, device=self.device, dtype=self.dtype)
+            self._loaded = load_model(cfg.model, cfg.torch_device, cfg.torch_dtype, progress=console_progress())
+        return self.engine().model_info()
+
+    def engine(self, **settings: Any):
+        """A new engine over the loaded model with these ``EngineConfig`` settings."""
+        from nanovllm_core.config import EngineConfig
+        from nanovllm_core.engine.llm_engine import LLMEngine
+
+        if self._loaded is None:
+            self.load()
+        settings.setdefault("num_kv_blocks", DEMO_KV_BLOCKS)
+        model, tokenizer, resolved = self._loaded
+        config = EngineConfig(model=self.model, device=self.device, dtype=self.dtype, **settings)
+        return LLMEngine(config, model, tokenizer, resolved)
+
+    def __call__(self, chapter: Chapter, console: Console) -> None:
+        """Run ``chapter``'s demonstration and print what it shows."""
+        from nanovllm_core.llm import LLM
+
+        demo = DEMOS[chapter.demo]
+        engine = self.engine(**demo.engine_settings())
+        view = NarrateView(console, engine.model_info(), max_decode_steps=None, kinds=demo.kinds)
+        layer0: list[ev.LayerTrace] = []
+
+        def keep_layer0(e: ev.Event) -> None:
+            if isinstance(e, ev.LayerTrace) and e.layer == 0 and not layer0:
+                layer0.append(e)
+
+        engine.subscribe(view, topk=5, blocks=True, xray=demo.xray)
+        if demo.xray:
+            engine.select_xray(None, layer=0, head=0)
+            engine.subscribe(keep_layer0, topk=0, blocks=False, xray=True)
+        llm = LLM.from_engine(engine)
+        requests = demo.requests(chapter.demo_prompt)
+        if demo.sequential:
+            for r in requests:
+                llm.generate([r.prompt], r.params, priority=[r.priority], use_tqdm=False)
+        else:
+            llm.generate([r.prompt for r in requests], [r.params for r in requests],
+                         priority=[r.priority for r in requests], use_tqdm=False)
+        view.close()
+        if "attention" in demo.kinds and layer0:
+            console.print(Indent(render_layer_detail(layer0[0])))
+            console.print()

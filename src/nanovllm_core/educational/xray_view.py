@@ -1,0 +1,265 @@
+"""``--xray``: the tensors and the math inside each decoder layer, from the engine's ``LayerTrace`` events.
+
+For each prompt, two steps are traced: its prefill (the first chunk when it is chunked) and
+its first decode step. Layer 0 is shown in full: every operation with its math, the
+matrix-multiplication dimensions written out (``[1,9,5,64] @ [1,9,64,5] -> [1,9,5,5]``),
+FLOPs and bytes, the named tensors with their shapes and a few real values, grouped-query
+attention with the KV memory it saves against full multi-head attention, and layer 0's
+attention weights for head 0. The other layers get one compact line each with their own
+real values. Everything comes from the capture in ``educational/xray.py``; Rich only.
+
+The engine traces at most one request per step (see ``XRayCapture``), so when two prompts
+are prefilled in the same step only the first is traced; the output says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.rule import Rule
+from rich.table import Table
+from rich.text import Text
+
+from nanovllm_core import events as ev
+from nanovllm_core.educational.narrator import human_bytes, show_piece
+from nanovllm_core.educational.rich_parts import Indent
+
+HEATMAP_MAX = 10  # rows/columns of the attention-weight table
+
+
+def si(n: float, unit: str = "") -> str:
+    """``5_530_000`` -> ``"5.53 M"``: decimal prefixes, three significant digits."""
+    for prefix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {prefix}{unit}"
+    return f"{n:.0f} {unit}".rstrip()
+
+
+def shape_str(shape: tuple[int, ...]) -> str:
+    """``(1, 9, 5, 64)`` -> ``"[1, 9, 5, 64]"``."""
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def values_str(sample: tuple[float, ...], n: int = 4) -> str:
+    """The first ``n`` sampled values, signed, 4 decimals, then an ellipsis."""
+    return ", ".join(f"{v:+.4f}" for v in sample[:n]) + (", ..." if sample else "")
+
+
+def gqa_lines(t: ev.LayerTrace, num_layers: int, elem_bytes: int) -> list[str]:
+    """Grouped-query attention: the sharing, and the KV bytes per token against full multi-head attention."""
+    group = t.num_heads // max(1, t.num_kv_heads)
+    gqa = t.kv_bytes_per_token
+    mha = gqa * t.num_heads // max(1, t.num_kv_heads)
+    return [
+        f"GQA: {t.num_heads} query heads share {t.num_kv_heads} KV heads, {group} query heads per KV head "
+        f"(heads {', '.join(f'{k * group}-{k * group + group - 1}' for k in range(t.num_kv_heads))} read KV heads "
+        f"{', '.join(str(k) for k in range(t.num_kv_heads))}).",
+        f"KV cache per token: 2 (K,V) x {num_layers} layers x {t.num_kv_heads} KV heads x {t.head_dim} x "
+        f"{elem_bytes} bytes = {gqa:,} bytes; full multi-head attention would keep {t.num_heads} KV heads = "
+        f"{mha:,} bytes. GQA saves {mha - gqa:,} bytes per token ({group}x less), "
+        f"{human_bytes((mha - gqa) * 1000)} per 1,000 tokens.",
+    ]
+
+
+def render_layer_detail(t: ev.LayerTrace) -> RenderableType:
+    """Everything layer ``t.layer`` did: operations, tensors, GQA arithmetic, attention weights."""
+    tensors = {x.name: x for x in t.tensors}
+    elem = t.kv_bytes_per_token // max(1, 2 * t.num_layers * t.num_kv_heads * t.head_dim)
+    ops = Table(title=f"Layer {t.layer} of {t.num_layers}: operations (math, cost; then the dimensions)",
+                title_justify="left", box=None, header_style="bold", padding=(0, 1), show_header=False)
+    ops.add_column("op", style="bold", no_wrap=True)
+    ops.add_column("what")
+    for o in t.ops:
+        cost = f"{si(o.flops, 'FLOP')}, {human_bytes(o.bytes)}" if o.flops else human_bytes(o.bytes)
+        ops.add_row(o.name, Text.assemble(o.math, (f"   ({cost})", "dim"), "\n", (o.shapes, "cyan")))
+    tens = Table(title=f"Layer {t.layer}: tensors (shape as a batch of one; first values of the last token, "
+                       "head 0 where there are heads)", title_justify="left", box=None, header_style="bold",
+                 padding=(0, 1))
+    tens.add_column("tensor")
+    tens.add_column("shape")
+    tens.add_column("real values")
+    for name in ("token_embeddings", "hidden_states", "q", "k", "v", "k_cache", "scores", "probs", "attn_output",
+                 "gate", "up", "act", "mlp_output"):
+        x = tensors.get(name)
+        if x is not None:
+            tens.add_row(name, shape_str(x.shape), values_str(x.sample))
+    parts: list[RenderableType] = [ops, Text(""), tens, Text("")]
+    parts += [Text(line) for line in gqa_lines(t, t.num_layers, elem)]
+    q, k = tensors.get("q"), tensors.get("k_cache") or tensors.get("k")
+    if q is not None and k is not None:
+        n_new, ctx = q.shape[2], k.shape[2]
+        parts.append(Text(
+            f"Shapes: {n_new} new token{'s' if n_new != 1 else ''} query {ctx} key{'s' if ctx != 1 else ''} "
+            f"(this step's and the cached ones); each KV head is repeated {t.num_heads // max(1, t.num_kv_heads)}x "
+            f"to meet its query heads, which is why K^T appears as [1,{t.num_heads},{t.head_dim},{ctx}]."))
+    if t.attention:
+        parts += [Text(""), Text(f"Layer {t.layer}, head {t.head}: attention weights (rows: queries, columns: keys; "
+                                 "each row sums to 1 over all its keys)"), attention_table(t)]
+    return Group(*parts)
+
+
+def attention_table(t: ev.LayerTrace) -> Table:
+    """Softmax weights of head ``t.head``: one row per query token, one column per key (last ones if many)."""
+    rows = t.attention[-HEATMAP_MAX:]
+    n_keys = len(rows[-1]) if rows else 0
+    first_key = max(0, n_keys - HEATMAP_MAX)
+    keys = list(t.key_pieces)[-n_keys:] if t.key_pieces else [str(i) for i in range(n_keys)]
+    queries = list(t.query_pieces)[-len(rows):] if t.query_pieces else [str(i) for i in range(len(rows))]
+    table = Table(box=None, header_style="bold", padding=(0, 1))
+    table.add_column("query \\ key")
+    for piece in keys[first_key:]:
+        table.add_column(show_piece(piece), justify="right")
+    for piece, row in zip(queries, rows):
+        cells = []
+        for w in row[first_key:]:
+            style = "bold green" if w >= 0.5 else "green" if w >= 0.2 else "dim" if w < 0.05 else ""
+            cells.append(Text(f"{w:.2f}", style=style))
+        table.add_row(show_piece(piece), *cells)
+    return table
+
+
+def render_other_layers(traces: list[ev.LayerTrace]) -> Table:
+    """One compact line per layer: its real values at three points and its cost."""
+    table = Table(title="The other layers: same shapes and operations as above, their own weights and values "
+                        "(first two numbers of the last token)", title_justify="left", box=None,
+                  header_style="bold", padding=(0, 1),
+                  caption="self-weight: the last token's softmax weight on itself, head 0", caption_justify="left")
+    for col in ("layer", "hidden in", "attn_output", "mlp_output", "self-weight", "FLOPs"):
+        table.add_column(col, justify="right" if col in ("layer", "self-weight", "FLOPs") else "left", no_wrap=True)
+
+    def two(x: ev.TensorInfo | None) -> str:
+        return " ".join(f"{v:+.3f}" for v in x.sample[:2]) if x is not None else ""
+
+    for t in traces:
+        x = {i.name: i for i in t.tensors}
+        probs = x.get("probs")
+        table.add_row(str(t.layer), two(x.get("hidden_states")), two(x.get("attn_output")), two(x.get("mlp_output")),
+                      f"{probs.sample[-1]:.3f}" if probs and probs.sample else "", si(sum(o.flops for o in t.ops)))
+    return table
+
+
+def render_step(traces: list[ev.LayerTrace], entry: ev.ScheduledEntry | None = None,
+                wall_time_s: float | None = None, detail_layer: int = 0) -> RenderableType:
+    """A traced step: a header, ``detail_layer`` in full, one line per other layer, the totals."""
+    traces = sorted(traces, key=lambda t: t.layer)
+    first = traces[0]
+    q = next((x for x in first.tensors if x.name == "q"), None)
+    n_new = q.shape[2] if q else 0
+    if entry is None:
+        what = f"{n_new} new tokens"
+    elif entry.num_tokens == 1:
+        what = f"{entry.kind}, 1 new token at position {entry.start}"
+    else:
+        what = f"{entry.kind}, {entry.num_tokens} new tokens at positions {entry.start}..{entry.start + entry.num_tokens - 1}"
+    head = Rule(Text(f"X-RAY · request {first.request_id} · step {first.step} · {what}", style="bold cyan"),
+                align="left", style="cyan")
+    detail = next((t for t in traces if t.layer == detail_layer), first)
+    others = [t for t in traces if t is not detail]
+    flops = sum(o.flops for t in traces for o in t.ops)
+    moved = sum(o.bytes for t in traces for o in t.ops)
+    total = (f"All {len(traces)} layers: {si(flops, 'FLOP')} and about {human_bytes(moved)} moved for this "
+             f"request's tokens")
+    if wall_time_s is not None:
+        total += f"; the step took {wall_time_s * 1000:.1f} ms (with the X-Ray capture itself)"
+    parts: list[RenderableType] = [head, Indent(render_layer_detail(detail))]
+    if others:
+        parts += [Text(""), Indent(render_other_layers(others))]
+    parts += [Text(""), Indent(Text(total + ".")), Text("")]
+    return Group(*parts)
+
+
+@dataclass
+class _Target:
+    entry: ev.ScheduledEntry
+    skipped: list[str] = field(default_factory=list)
+
+
+class XRayView:
+    """Chooses which steps the engine traces and prints each traced step.
+
+    For every request: the step of its prefill (first chunk) and its first decode step. It
+    turns its own subscription's ``xray`` on only for those steps, so other steps run untraced.
+
+    Args:
+        console: where to print.
+        engine: the ``LLMEngine`` (for ``subscribe`` and ``select_xray``).
+        detail_layer: the layer shown in full (its attention weights too).
+        on_traced: called with each traced step's renderable instead of printing (tests, tutorial).
+    """
+
+    def __init__(self, console: Console, engine: Any, detail_layer: int = 0, on_traced=None) -> None:
+        self.console = console
+        self.engine = engine
+        self.detail_layer = detail_layer
+        self.on_traced = on_traced
+        self.sub = None
+        self._done: set[tuple[str, str]] = set()  # (request id, "prefill" | "decode") already traced
+        self._target: _Target | None = None
+        self._traces: list[ev.LayerTrace] = []
+        self.num_traced_steps = 0
+
+    def subscribe(self) -> Any:
+        """Subscribe to the engine; the subscription's ``xray`` flag is then switched per step."""
+        self.sub = self.engine.subscribe(self, topk=0, blocks=False, xray=False)
+        return self.sub
+
+    def __call__(self, event: ev.Event) -> None:
+        if isinstance(event, ev.StepPlanned):
+            self._plan(event)
+        elif isinstance(event, ev.LayerTrace):
+            if self._target is not None and event.request_id == self._target.entry.request_id:
+                self._traces.append(event)
+        elif isinstance(event, ev.StepTimed):
+            self._finish(event.wall_time_s)
+
+    def _plan(self, plan: ev.StepPlanned) -> None:
+        if self._traces:
+            self._finish(None)
+        wanted = []
+        for s in plan.scheduled:
+            if s.index != 0:
+                continue
+            phase = "decode" if s.kind == "decode" else "prefill"
+            first_chunk = s.kind == "decode" or s.start == s.num_cached_tokens
+            if first_chunk and (s.request_id, phase) not in self._done:
+                wanted.append((s, phase))
+        self._target = None
+        # Requests not seen yet first, then prefill (it shows more); a missed decode is traced at the next step.
+        seen = {rid for rid, _ in self._done}
+        wanted.sort(key=lambda w: (w[0].request_id in seen, w[1] != "prefill"))
+        if wanted:
+            s, phase = wanted[0]
+            self._target = _Target(s, [f"{w.request_id} ({p})" for w, p in wanted[1:]])
+            self._done.add((s.request_id, phase))
+            self.engine.select_xray(s.request_id, layer=self.detail_layer, head=0)
+        if self.sub is not None:
+            self.sub.xray = self._target is not None
+
+    def _finish(self, wall: float | None) -> None:
+        target, traces = self._target, self._traces
+        self._target, self._traces = None, []
+        if self.sub is not None:
+            self.sub.xray = False
+        if target is None or not traces:
+            return
+        self.num_traced_steps += 1
+        parts: list[RenderableType] = [render_step(traces, target.entry, wall, self.detail_layer)]
+        if target.skipped:
+            parts += [Indent(Text(
+                f"Not traced in this step: request {', '.join(target.skipped)}. The engine traces one request per "
+                "step; a missed decode is traced at that request's next step.", style="dim")), Text("")]
+        group = Group(*parts)
+        if self.on_traced is not None:
+            self.on_traced(group)
+        else:
+            self.console.print(group)
+
+    def close(self) -> None:
+        """Print a step left unfinished and unsubscribe."""
+        if self._traces:
+            self._finish(None)
+        if self.sub is not None:
+            self.engine.unsubscribe(self.sub)
+            self.sub = None

@@ -1,0 +1,249 @@
+"""The CLI's teaching modes on the real default model: what they print is what the engine computed.
+
+Rich output is captured with a ``Console(file=StringIO(), width=...)``; numbers printed are
+parsed back and checked against the tokenizer, the model config and a recomputation of the
+model's probabilities.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+import torch
+from rich.console import Console
+
+from nanovllm_core import SamplingParams, cli
+from nanovllm_core.educational.teaching import TeachingViews
+
+PROMPT = "The capital of France is"
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def console(width: int = 100, terminal: bool = False) -> tuple[Console, io.StringIO]:
+    buf = io.StringIO()
+    return Console(file=buf, width=width, force_terminal=terminal, color_system=None if not terminal else "standard",
+                   highlight=False), buf
+
+
+def run_views(llm, prompts, max_tokens=4, width=100, terminal=False, **modes):
+    con, buf = console(width, terminal)
+    views = TeachingViews.attach(llm.engine, con, **modes)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                            use_tqdm=False)
+    finally:
+        views.close()
+    return outs, buf.getvalue(), views
+
+
+def sections(text: str, marker: str) -> list[str]:
+    """The blocks of output that start with a line containing ``marker``."""
+    out, current = [], None
+    for line in text.splitlines():
+        if line.startswith("▌") or line.startswith("X-RAY"):
+            current = [line] if marker in line else None
+            if current is not None:
+                out.append(current)
+        elif current is not None:
+            current.append(line)
+    return ["\n".join(s) for s in out]
+
+
+def model_top5(engine, token_ids: list[int]) -> list[tuple[int, float]]:
+    """Recompute the next-token distribution for ``token_ids`` with one fresh prefill through the runner."""
+    from nanovllm_core.engine.scheduler import ScheduledSequence
+    from nanovllm_core.engine.sequence import Sequence
+
+    seq = Sequence(seq_id=10_000, request_id="check", token_ids=list(token_ids), num_prompt_tokens=len(token_ids),
+                   params=SamplingParams())
+    engine.block_manager.allocate(seq, len(token_ids))
+    try:
+        result = engine.runner.run([ScheduledSequence(seq, len(token_ids), "prefill", True, 0)])
+    finally:
+        engine.block_manager.free(seq)
+        engine.runner.release(seq.seq_id)
+    probs = torch.softmax(result.logits[0].float(), dim=-1)
+    values, ids = probs.topk(5)
+    return list(zip(ids.tolist(), values.tolist()))
+
+
+# ------------------------------------------------------------------------------ narrate
+
+
+@pytest.fixture(scope="module")
+def narrated(make_llm):
+    llm = make_llm(num_kv_blocks=32)
+    outs, text, _ = run_views(llm, [PROMPT], max_tokens=4, narrate=True, narrate_steps=None)
+    return llm, outs, text
+
+
+@pytest.mark.real_model
+def test_narrate_prints_the_tokenizers_ids_for_each_piece(narrated):
+    llm, _, text = narrated
+    ids = llm.tokenizer.encode(PROMPT)
+    (tok,) = sections(text, "TOKENIZATION")
+    printed = [int(x) for x in re.search(r"Token ids: \[([\d, ]+)\]", tok).group(1).split(", ")]
+    assert printed == ids
+    pairs = re.findall(r"\[([^\]]*)\]=(\d+)", tok.replace("\n", " "))
+    assert [int(i) for _, i in pairs] == ids
+    assert [p.replace("␣", " ") for p, _ in pairs] == [llm.tokenizer.decode([i]) for i in ids]
+
+
+@pytest.mark.real_model
+def test_narrate_top5_probabilities_agree_with_a_recomputation(narrated, make_engine):
+    llm, outs, text = narrated
+    prompt_ids = llm.tokenizer.encode(PROMPT)
+    generated = outs[0].outputs[0].token_ids
+    decodes = sections(text, "DECODE")
+    assert len(decodes) == len(generated) == 4
+    checker = make_engine(num_kv_blocks=16)
+    for k, block in enumerate(decodes):
+        rows = re.findall(r"^\s+(\d)\s+\[(.*?)\]\s+([\d.]+)%", block, flags=re.M)
+        assert [int(r[0]) for r in rows] == [1, 2, 3, 4, 5]
+        expected = model_top5(checker, prompt_ids + generated[:k])
+        for (_, piece, pct), (tid, p) in zip(rows, expected):
+            assert piece.replace("␣", " ").replace("\\n", "\n") == llm.tokenizer.decode([tid])
+            assert abs(float(pct) - 100 * p) < 0.02, (block, p)
+        assert "← chosen" in block.splitlines()[[i for i, l in enumerate(block.splitlines()) if "   1  [" in l][0]]
+
+
+@pytest.mark.real_model
+def test_narrate_tells_prefill_kv_cache_and_finish_with_real_numbers(narrated):
+    llm, outs, text = narrated
+    n = len(llm.tokenizer.encode(PROMPT))
+    (prefill,) = sections(text, "ACT 3 · PREFILL")
+    per_token = llm.engine.model_info()["kv_bytes_per_token"]
+    assert f"All {n} prompt tokens" in prefill and f"{n} x {per_token:,} = {n * per_token:,} bytes" in prefill
+    assert re.search(r"The step took [\d.]+ ms", prefill)
+    kv = sections(text, "KV CACHE")[0]
+    assert f"1 block x {llm.engine.bytes_per_block:,} bytes" in kv
+    (done,) = sections(text, "FINISHED")
+    assert repr(outs[0].outputs[0].text)[:20] in done.replace("\n", " ")
+
+
+# ------------------------------------------------------------------------------- x-ray
+
+
+@pytest.fixture(scope="module")
+def xrayed(make_llm):
+    llm = make_llm(num_kv_blocks=32)
+    outs, text, views = run_views(llm, [PROMPT, "Hi"], max_tokens=3, width=120, xray=True)
+    return llm, outs, text, views
+
+
+@pytest.mark.real_model
+def test_xray_shapes_equal_the_model_config(xrayed):
+    llm, _, text, _ = xrayed
+    c = llm.engine.model_config
+    n = len(llm.tokenizer.encode(PROMPT))
+    prefill = next(s for s in sections(text, "X-RAY") if "step 0 · prefill" in s)
+    shapes = {name: tuple(int(d) for d in dims.split(", "))
+              for name, dims in re.findall(r"^\s+(\w+)\s+\[(\d+(?:, \d+)+)\]", prefill, flags=re.M)}
+    assert shapes["hidden_states"] == (1, n, c.hidden_size)
+    assert shapes["q"] == (1, c.num_attention_heads, n, c.head_dim)
+    assert shapes["k"] == shapes["v"] == (1, c.num_key_value_heads, n, c.head_dim)
+    assert shapes["scores"] == shapes["probs"] == (1, c.num_attention_heads, n, n)
+    assert shapes["gate"] == shapes["up"] == (1, n, c.intermediate_size)
+    h, hd = c.num_attention_heads, c.head_dim
+    assert f"[1,{h},{n},{hd}] @ [1,{h},{hd},{n}] -> [1,{h},{n},{n}]" in prefill
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * hd * 4
+    assert f"= {per_token:,} bytes; full multi-head attention would keep {h} KV heads = " \
+           f"{per_token * h // c.num_key_value_heads:,} bytes" in prefill.replace("\n  ", " ")
+
+
+@pytest.mark.real_model
+def test_xray_traces_each_prompt_and_a_compact_line_per_other_layer(xrayed):
+    llm, _, text, views = xrayed
+    heads = [s.splitlines()[0] for s in sections(text, "X-RAY")]
+    assert any("request 0" in h and "prefill" in h for h in heads)
+    assert any("request 1" in h for h in heads)  # its prefill shared step 0, so its decode is traced
+    assert views.xray.num_traced_steps == len(heads) <= 4
+    first = sections(text, "X-RAY")[0]
+    layers = re.findall(r"^\s+(\d+)\s+[+-]\d", first, flags=re.M)
+    assert [int(x) for x in layers] == list(range(1, llm.engine.model_config.num_hidden_layers))
+
+
+@pytest.mark.real_model
+def test_xray_decode_step_reads_the_whole_context(xrayed):
+    llm, _, text, _ = xrayed
+    n = len(llm.tokenizer.encode(PROMPT))
+    decode = next(s for s in sections(text, "X-RAY") if re.match(r"X-RAY · request 0 · step \d+ · decode", s))
+    position = int(re.search(r"1 new token at position (\d+)", decode).group(1))
+    assert n <= position < n + 3
+    ctx = position + 1  # the new token's key joins the cached ones
+    assert re.search(rf"^\s+k_cache\s+\[1, 3, {ctx}, 64\]", decode, flags=re.M)
+    assert f"[1,9,1,64] @ [1,9,64,{ctx}] -> [1,9,1,{ctx}]" in decode
+
+
+# --------------------------------------------------------------------------- dashboard
+
+
+@pytest.mark.real_model
+def test_dashboard_snapshot_counts_the_tokens_generated(make_llm):
+    llm = make_llm(num_kv_blocks=32)
+    outs, text, _ = run_views(llm, [PROMPT, "Python is a"], max_tokens=3, dashboard=True)
+    assert text.count("nano-vLLM inference dashboard") == 1  # not a terminal: one final snapshot
+    total = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert int(re.search(r"Tokens generated: (\d+)", text).group(1)) == total == 6
+    assert "DONE" in text and "not measured per layer" in text
+    assert re.search(r"Blocks\s+0/32 used", text)
+
+
+@pytest.mark.real_model
+def test_all_three_modes_combine_in_reading_order(make_llm):
+    llm = make_llm(num_kv_blocks=32)
+    outs, text, _ = run_views(llm, [PROMPT], max_tokens=2, narrate=True, xray=True, dashboard=True)
+    prefill = text.index("ACT 3 · PREFILL")
+    xray = text.index("X-RAY · request 0 · step 0")
+    board = text.index("nano-vLLM inference dashboard")
+    assert prefill < xray < board
+    assert text.count("nano-vLLM inference dashboard") == 1 and board > text.rindex("▌ ")
+    assert "30/30 (X-Ray, request 0)" in text  # layer progress measured from the traces
+    assert int(re.search(r"Tokens generated: (\d+)", text).group(1)) == len(outs[0].outputs[0].token_ids)
+
+
+@pytest.mark.real_model
+def test_live_dashboard_keeps_narration_intact_above_it(make_llm):
+    llm = make_llm(num_kv_blocks=32)
+    outs, raw, views = run_views(llm, [PROMPT], max_tokens=2, terminal=True, narrate=True, dashboard=True)
+    assert views.dashboard is not None and not views.dashboard.live  # stopped at close
+    text = ANSI.sub("", raw)
+    ids = ", ".join(str(i) for i in llm.tokenizer.encode(PROMPT))
+    assert f"Token ids: [{ids}]" in text  # a whole narrator line, not cut by a frame
+    assert "\x1b[" in raw and text.count("nano-vLLM inference dashboard") >= 2  # live frames were drawn
+    last = text[text.rindex("nano-vLLM inference dashboard"):]
+    assert int(re.search(r"Tokens generated: (\d+)", last).group(1)) == len(outs[0].outputs[0].token_ids)
+
+
+# ----------------------------------------------------------------------- the command
+
+
+@pytest.mark.real_model
+def test_cli_runs_the_three_visual_modes_together(capsys):
+    code = cli.main(["--narrate", "--xray", "--dashboard", "--max-tokens", "2", "--num-kv-blocks", "32"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "ACT 1 · TOKENIZATION" in out and "X-RAY · request 0" in out and "nano-vLLM inference dashboard" in out
+    assert "Completion:" in out.split("nano-vLLM inference dashboard")[1]
+
+
+def run_cli(capsys, monkeypatch, stdin: str, *args):
+    monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    try:
+        code = cli.main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tutorial", "--narrate"], "--tutorial runs on its own"),
+    (["--narrate-steps", "-1"], "--narrate-steps: expected an integer >= 0"),
+    (["--tutorial", "--tutorial-chapter", "13"], "expected a chapter number 1-12"),
+])
+def test_bad_teaching_arguments_exit_2_with_one_line(capsys, monkeypatch, args, message):
+    code, _, err = run_cli(capsys, monkeypatch, "", *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err
