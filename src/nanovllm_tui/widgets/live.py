@@ -1,5 +1,6 @@
 """A Static for content that changes every frame: redraws only when the content changed, and
-asks for a new layout only when its line count did (a layout pass costs the whole screen)."""
+asks for a new layout only when its size follows its content and its line count changed (a
+layout pass costs the whole screen)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ class LiveStatic(Static):
                 and content.spans == self._shown.spans:
             return
         lines = content.plain.count("\n") if isinstance(content, Text) else -2
-        self.update(content, layout=lines != self._lines or lines == -2)
+        height = self.styles.height
+        sized_by_content = height is None or height.is_auto
+        self.update(content, layout=sized_by_content and (lines != self._lines or lines == -2))
         self._shown, self._lines = content, lines
 
 
