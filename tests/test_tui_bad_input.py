@@ -163,3 +163,16 @@ def test_teaching_options_of_the_cli_set_the_narrator_and_tutorial_tabs(tmp_path
     app = build_app(["--replay", str(TRACE), "--progress-file", str(tmp_path / "p.json"), "--narrate-steps", "3"])
     assert app.tutorial_path == str(tmp_path / "p.json") and app.narrator.max_decode == 3
     app.controller.shutdown()
+
+
+async def test_a_narrator_failure_is_reported_once_and_the_other_tabs_go_on(tmp_path):
+    app, notes = replay_app(tmp_path, start_paused=False), Notes()
+
+    def broken(event):
+        raise KeyError("surprise")
+
+    app.narrator.feed = broken
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.step is not None and app.state.step >= 2, what="two steps")
+        assert len(notes.find("The narrator could not describe", "warning")) == 1
+        await still_answers_keys(pilot)

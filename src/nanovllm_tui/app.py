@@ -82,6 +82,7 @@ class NanoVLLMApp(App):
         self._flush_pending = False
         self._mounted = False
         self._stopped = False
+        self._narrator_error_shown = False
         self._started = time.monotonic()
 
     # ------------------------------------------------------------------ layout
@@ -165,7 +166,10 @@ class NanoVLLMApp(App):
         for event in events:
             self.state.apply(event)
             self._announce(event)
-            notes.extend(self.narrator.feed(event))
+            try:
+                notes.extend(self.narrator.feed(event))
+            except Exception as e:  # commentary is not worth the window: say so, carry on
+                self._narrator_failed(event, e)
             if isinstance(event, ev.ModelLoading) and event.ready:
                 self._sync_paused()
                 self._settle_memory()
@@ -178,6 +182,12 @@ class NanoVLLMApp(App):
             self.select(self._default_selection())
         else:
             self._redraw()
+
+    def _narrator_failed(self, event: ev.Event, error: Exception) -> None:
+        if not self._narrator_error_shown:
+            self._narrator_error_shown = True
+            self.notify(f"The narrator could not describe a {event.kind} event ({type(error).__name__}: {error}); "
+                        "the other tabs are unaffected.", severity="warning", timeout=10, markup=False)
 
     def _default_selection(self) -> str:
         """With nothing (or a request no longer shown) selected: the newest live request, else the newest."""
