@@ -91,6 +91,7 @@ class TutorialView(EngineView):
         super().__init__(**kwargs)
         self._progress: tut.TutorialProgress | None = None
         self._drawn = False
+        self._notes_shown = 0
         self.feedback: Text | None = None
         self.run: DemoRun | None = None
         self._info: dict[str, Any] = {}
@@ -201,6 +202,10 @@ class TutorialView(EngineView):
             text.append("\n\n")
             text.append_text(commentary_text(note))
         log.show_content(text)
+        if len(run.notes) != self._notes_shown:  # new output: bring it into view
+            self._notes_shown = len(run.notes)
+            scroll = self.query_one("#chapter-scroll", VerticalScroll)
+            self.call_after_refresh(scroll.scroll_end, animate=False)  # once the new lines are laid out
 
     def _show_feedback(self) -> None:
         self.query_one("#feedback", Static).update(self.feedback or Text("A-D, or ↑/↓ and Enter, to answer.",
@@ -257,6 +262,7 @@ class TutorialView(EngineView):
         if self.app.state.paused:
             self.notify("The engine is paused: the demonstration's requests wait until you press space (or n).")
         self.run = DemoRun(demo, c, demo.requests(c.demo_prompt))
+        self._notes_shown = -1
         self.app.demo_started(demo)
         self._send_next()
         if not demo.sequential:
