@@ -55,8 +55,8 @@ async def test_a_prompt_longer_than_the_model_allows_is_rejected_with_the_reason
         await wait_until(pilot, lambda: app.state.ready)
         await send_prompt(pilot, "word " * 60)
         rid = app.selected
-        await wait_until(pilot, lambda: app.state.requests[rid].state == "rejected", what="the rejection")
-        assert notes.find(f"{rid} was rejected: the prompt has", "error")
+        await wait_until(pilot, lambda: notes.find(f"{rid} was rejected: the prompt has", "error"),
+                         what="the rejection's notification")
         assert "max_model_len is 32" in app.state.requests[rid].error
         await send_prompt(pilot, "Hi", max_tokens=2)  # the engine still serves
         await wait_until(pilot, lambda: app.state.requests[app.selected].state == "finished")
@@ -88,8 +88,9 @@ async def test_a_model_that_cannot_load_is_reported_and_the_app_stays_up(tmp_pat
                       tutorial_path=tmp_path / "t.json")
     notes = Notes()
     async with app.run_test(size=SIZE, message_hook=notes) as pilot:
-        await wait_until(pilot, lambda: app.state.phase == "failed", timeout=30, what="the load failure")
-        assert notes.find("model failed to load", "error")
+        await wait_until(pilot, lambda: notes.find("model failed to load", "error"), timeout=30,
+                         what="the load failure's notification")
+        assert app.state.phase == "failed"
         assert "does not exist" in str(app.query_one("#header").render())
         await send_prompt(pilot, "Hello")
         await wait_until(pilot, lambda: notes.find("was rejected: no model loaded"), what="the rejection")
@@ -173,6 +174,8 @@ async def test_a_narrator_failure_is_reported_once_and_the_other_tabs_go_on(tmp_
 
     app.narrator.feed = broken
     async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: notes.find("The narrator could not describe", "warning"))
         await wait_until(pilot, lambda: app.state.step is not None and app.state.step >= 2, what="two steps")
+        await pilot.pause()
         assert len(notes.find("The narrator could not describe", "warning")) == 1
         await still_answers_keys(pilot)

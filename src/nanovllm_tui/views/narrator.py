@@ -22,6 +22,7 @@ from nanovllm_tui.widgets.live import LiveStatic
 
 MAX_PENDING = 400
 MAX_LINES = 3000
+BAR_WIDTH = 20  # cells for a probability of 1 (fixed: the log's width is not known before its first layout)
 
 
 class NarratorView(EngineView):
@@ -63,10 +64,9 @@ class NarratorView(EngineView):
         if self.skipped:
             log.write(Text(f"… {self.skipped} earlier entries skipped while this tab was hidden", style="dim"))
             self.skipped = 0
-        width = max(10, log.scrollable_content_region.width - 30)
         for note in self.pending:
             if self._shows(note):
-                log.write(commentary_text(note, min(width, 30)))
+                log.write(commentary_text(note, BAR_WIDTH))
         self.pending.clear()
         who = f"request {selected} and the scheduler" if self.only_selected else "every request"
         self.query_one("#narrator-title", LiveStatic).show_content(Text.assemble(
