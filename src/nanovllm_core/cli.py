@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("traces")
     t.add_argument("--trace", metavar="FILE.jsonl", default=None,
                    help="record every engine event as JSON lines (replay with nanovllm-tui --replay)")
+    t.add_argument("--trace-xray", action="store_true",
+                   help="with --trace: also record X-Ray layer traces of each step (large: ~100 KB a step)")
     t.add_argument("--trace-chrome", metavar="FILE.json", default=None,
                    help="write a Chrome trace-event file (open in ui.perfetto.dev or chrome://tracing)")
     return p
@@ -149,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--prompt must not be empty")
     if args.priority is not None and len(args.priority) != len(prompts):
         parser.error(f"got {len(args.priority)} --priority values for {len(prompts)} --prompt values; give one per prompt")
+    if args.trace_xray and not args.trace:
+        parser.error("--trace-xray records into the --trace file; add --trace FILE.jsonl")
     try:
         params = sampling_params(args)
     except ValueError as e:
@@ -256,12 +260,14 @@ def open_trace_recorders(llm, args: argparse.Namespace) -> list:
     Raises:
         OSError: a trace file cannot be created.
     """
+    from nanovllm_core.engine.controller import EngineController
     from nanovllm_core.tracing import ChromeTraceRecorder, JsonlTraceWriter
 
     recorders = []
     if args.trace:
         writer = JsonlTraceWriter(args.trace)
-        llm.engine.subscribe(writer, topk=5, blocks=True, xray=False)
+        writer(EngineController.ready_event(llm.engine))  # a replay needs the model's facts first
+        llm.engine.subscribe(writer, topk=5, blocks=True, xray=args.trace_xray)
         recorders.append(writer)
     if args.trace_chrome:
         chrome = ChromeTraceRecorder(args.trace_chrome)
