@@ -200,7 +200,7 @@ class EngineState:
         req = self._request(e.request_id)
         req.text += e.text
         req.num_output = e.num_output_tokens
-        req.last_token, req.last_token_id = e.text, e.token_id
+        req.last_token, req.last_token_id = e.token_text, e.token_id
         if e.top:
             req.top = e.top
         if req.first_token_time is None:
