@@ -155,3 +155,17 @@ def test_the_same_seed_gives_the_same_sampled_completion(capsys, cli_on_shared_m
     completions = [next(line for line in out.splitlines() if line.startswith("Completion:")) for _, out, _ in runs]
     assert all(code == 0 for code, _, _ in runs)
     assert completions[0] == completions[1]
+
+
+@pytest.mark.real_model
+def test_speculative_flags_reach_the_engine(capsys):
+    code, out, err = run_cli(capsys, "--prompt", "one two three one two three one two", "--max-tokens", "6",
+                             "--num-kv-blocks", "64", "--speculative-model", "ngram", "--num-speculative-tokens", "3",
+                             "--show-memory-stats")
+    assert code == 0, err
+    assert "speculative (ngram, k=3):" in out and "draft tokens accepted" in out
+
+
+def test_bad_speculative_setting_is_one_line(capsys):
+    code, _, err = run_cli(capsys, "--speculative-model", "self:999", "--num-kv-blocks", "8")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "self:" in err

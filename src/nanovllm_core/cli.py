@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-flash-attn", action="store_true", help="explicit score-matrix attention instead of the fused kernel")
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--show-memory-stats", action="store_true", help="print KV block usage, waste, hit rate, preemptions")
+    e.add_argument("--speculative-model", default=None, metavar="PROPOSER",
+                   help="speculative decoding: 'ngram', 'self:N' (first N layers), 'target', or a draft model path/repo")
+    e.add_argument("--num-speculative-tokens", type=_positive_int, default=None, metavar="K",
+                   help="draft tokens per step with --speculative-model (default 5)")
     teach = p.add_argument_group("teaching modes")
     teach.add_argument("--narrate", action="store_true",
                        help="explain each act of inference (tokens, prefill, decode, KV cache, scheduler) with real values")
@@ -126,6 +130,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_prefill_tokens, max_model_len=args.max_model_len,
         scheduling_policy=args.scheduling_policy, enable_prefix_caching=not args.no_prefix_caching,
         paged=not args.no_paged_attention, attention_backend="math" if args.no_flash_attn else "flash",
+        speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens,
     )
 
 
@@ -287,6 +292,10 @@ def print_memory_stats(stats: dict) -> None:
     print(f"  prefix cache: {stats['prefix_cache_hits']} of {stats['prefix_cache_queries']} prompt tokens hit "
           f"({stats['prefix_cache_hit_rate']:.1%})")
     print(f"  preemptions: {stats['num_preemptions']}, steps: {stats['steps']}")
+    if stats.get("spec_proposer"):
+        print(f"  speculative ({stats['spec_proposer']}, k={stats['spec_num_speculative_tokens']}): "
+              f"{stats['spec_accepted_tokens']} of {stats['spec_draft_tokens']} draft tokens accepted "
+              f"({stats['spec_acceptance_rate']:.1%}), {stats['spec_mean_accepted_length']:.2f} tokens per verification")
 
 
 if __name__ == "__main__":
