@@ -85,11 +85,32 @@ def test_trace_files_record_the_run(capsys, tmp_path):
     code, out, _ = run_cli(capsys, "--prompt", "Hi", "--max-tokens", "3", "--num-kv-blocks", "32",
                            "--trace", str(jsonl), "--trace-chrome", str(chrome))
     assert code == 0
-    kinds = [type(e).__name__ for e in read_jsonl(jsonl)]
-    assert kinds.count("TokenSampled") == 3 and kinds[0] == "RequestAdded" and kinds[-1] == "StepTimed"
+    events = read_jsonl(jsonl)
+    kinds = [type(e).__name__ for e in events]
+    assert kinds.count("TokenSampled") == 3 and kinds[1] == "RequestAdded" and kinds[-1] == "StepTimed"
+    assert events[0].ready and events[0].info()["num_layers"] == 30  # the model's facts come first, for replays
+    assert "LayerTrace" not in kinds
     assert "RequestFinished" in kinds and "BlocksChanged" in kinds
     names = [e["name"] for e in json.loads(chrome.read_text())["traceEvents"]]
     assert "prefill chunk" in names and "finished (length)" in names
+
+
+@pytest.mark.real_model
+def test_trace_xray_adds_layer_traces_to_the_trace(capsys, tmp_path):
+    from nanovllm_core import events as ev
+    from nanovllm_core.tracing import read_jsonl
+
+    jsonl = tmp_path / "run.jsonl"
+    code, _, _ = run_cli(capsys, "--prompt", "Hi", "--max-tokens", "2", "--num-kv-blocks", "32",
+                         "--trace", str(jsonl), "--trace-xray")
+    assert code == 0
+    traces = [e for e in read_jsonl(jsonl) if isinstance(e, ev.LayerTrace)]
+    assert len(traces) == 2 * 30  # every layer of both steps
+
+
+def test_trace_xray_without_trace_is_one_line(capsys):
+    code, _, err = run_cli(capsys, "--trace-xray", "--num-kv-blocks", "8")
+    assert code == 2 and "add --trace FILE.jsonl" in err and len(err.strip().splitlines()) == 1
 
 
 def test_trace_to_unwritable_path_is_one_line(capsys):
@@ -134,3 +155,17 @@ def test_the_same_seed_gives_the_same_sampled_completion(capsys, cli_on_shared_m
     completions = [next(line for line in out.splitlines() if line.startswith("Completion:")) for _, out, _ in runs]
     assert all(code == 0 for code, _, _ in runs)
     assert completions[0] == completions[1]
+
+
+@pytest.mark.real_model
+def test_speculative_flags_reach_the_engine(capsys):
+    code, out, err = run_cli(capsys, "--prompt", "one two three one two three one two", "--max-tokens", "6",
+                             "--num-kv-blocks", "64", "--speculative-model", "ngram", "--num-speculative-tokens", "3",
+                             "--show-memory-stats")
+    assert code == 0, err
+    assert "speculative (ngram, k=3):" in out and "draft tokens accepted" in out
+
+
+def test_bad_speculative_setting_is_one_line(capsys):
+    code, _, err = run_cli(capsys, "--speculative-model", "self:999", "--num-kv-blocks", "8")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "self:" in err

@@ -2,14 +2,41 @@
 
 ``from nanovllm_core import LLM, SamplingParams`` gives the offline API; the names and
 semantics follow vLLM's, so the same script runs there with a changed import.
+
+The names below are imported on first use (PEP 562), so a light module such as
+``nanovllm_core.events`` can be imported without loading torch: the app shows its window
+first and loads torch and the model behind it.
 """
 
-from nanovllm_core.config import EngineConfig
-from nanovllm_core.llm import LLM
-from nanovllm_core.model.loader import ModelLoadError
-from nanovllm_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from nanovllm_core.sampling_params import SamplingParams
+from __future__ import annotations
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "EngineConfig",
-           "ModelLoadError"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "LLM": "nanovllm_core.llm",
+    "SamplingParams": "nanovllm_core.sampling_params",
+    "RequestOutput": "nanovllm_core.outputs",
+    "CompletionOutput": "nanovllm_core.outputs",
+    "RequestMetrics": "nanovllm_core.outputs",
+    "EngineConfig": "nanovllm_core.config",
+    "ModelLoadError": "nanovllm_core.model.loader",
+}
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nanovllm_core.config import EngineConfig
+    from nanovllm_core.llm import LLM
+    from nanovllm_core.model.loader import ModelLoadError
+    from nanovllm_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from nanovllm_core.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nanovllm_core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-flash-attn", action="store_true", help="explicit score-matrix attention instead of the fused kernel")
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--show-memory-stats", action="store_true", help="print KV block usage, waste, hit rate, preemptions")
+    e.add_argument("--speculative-model", default=None, metavar="PROPOSER",
+                   help="speculative decoding: 'ngram', 'self:N' (first N layers), 'target', or a draft model path/repo")
+    e.add_argument("--num-speculative-tokens", type=_positive_int, default=None, metavar="K",
+                   help="draft tokens per step with --speculative-model (default 5)")
     teach = p.add_argument_group("teaching modes")
     teach.add_argument("--narrate", action="store_true",
                        help="explain each act of inference (tokens, prefill, decode, KV cache, scheduler) with real values")
@@ -111,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("traces")
     t.add_argument("--trace", metavar="FILE.jsonl", default=None,
                    help="record every engine event as JSON lines (replay with nanovllm-tui --replay)")
+    t.add_argument("--trace-xray", action="store_true",
+                   help="with --trace: also record X-Ray layer traces of each step (large: ~100 KB a step)")
     t.add_argument("--trace-chrome", metavar="FILE.json", default=None,
                    help="write a Chrome trace-event file (open in ui.perfetto.dev or chrome://tracing)")
     return p
@@ -124,6 +130,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_prefill_tokens, max_model_len=args.max_model_len,
         scheduling_policy=args.scheduling_policy, enable_prefix_caching=not args.no_prefix_caching,
         paged=not args.no_paged_attention, attention_backend="math" if args.no_flash_attn else "flash",
+        speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens,
     )
 
 
@@ -149,6 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--prompt must not be empty")
     if args.priority is not None and len(args.priority) != len(prompts):
         parser.error(f"got {len(args.priority)} --priority values for {len(prompts)} --prompt values; give one per prompt")
+    if args.trace_xray and not args.trace:
+        parser.error("--trace-xray records into the --trace file; add --trace FILE.jsonl")
     try:
         params = sampling_params(args)
     except ValueError as e:
@@ -256,12 +265,14 @@ def open_trace_recorders(llm, args: argparse.Namespace) -> list:
     Raises:
         OSError: a trace file cannot be created.
     """
+    from nanovllm_core.engine.controller import EngineController
     from nanovllm_core.tracing import ChromeTraceRecorder, JsonlTraceWriter
 
     recorders = []
     if args.trace:
         writer = JsonlTraceWriter(args.trace)
-        llm.engine.subscribe(writer, topk=5, blocks=True, xray=False)
+        writer(EngineController.ready_event(llm.engine))  # a replay needs the model's facts first
+        llm.engine.subscribe(writer, topk=5, blocks=True, xray=args.trace_xray)
         recorders.append(writer)
     if args.trace_chrome:
         chrome = ChromeTraceRecorder(args.trace_chrome)
@@ -281,6 +292,10 @@ def print_memory_stats(stats: dict) -> None:
     print(f"  prefix cache: {stats['prefix_cache_hits']} of {stats['prefix_cache_queries']} prompt tokens hit "
           f"({stats['prefix_cache_hit_rate']:.1%})")
     print(f"  preemptions: {stats['num_preemptions']}, steps: {stats['steps']}")
+    if stats.get("spec_proposer"):
+        print(f"  speculative ({stats['spec_proposer']}, k={stats['spec_num_speculative_tokens']}): "
+              f"{stats['spec_accepted_tokens']} of {stats['spec_draft_tokens']} draft tokens accepted "
+              f"({stats['spec_acceptance_rate']:.1%}), {stats['spec_mean_accepted_length']:.2f} tokens per verification")
 
 
 if __name__ == "__main__":

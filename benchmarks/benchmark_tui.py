@@ -1,0 +1,187 @@
+"""What the app costs a busy engine, and how fast it answers a key while the engine runs flat out.
+
+    python benchmarks/benchmark_tui.py                 # 16 requests x 32 tokens, 3 rounds, the default model
+    python benchmarks/benchmark_tui.py --requests 32 --max-tokens 64 --threads 1 --json out.json
+
+One process, one engine (same weights, same KV pool), the same workload twice:
+
+- headless: the ``EngineController`` thread with no subscriber, nothing else running.
+- with the app: the same controller with ``nanovllm-tui``'s ``NanoVLLMApp`` attached (bridge,
+  state, every redraw), run headless by Textual (the compositor renders each frame; only the
+  write to a real terminal is skipped). Meanwhile a "person" presses a tab key every
+  ``--key-interval`` seconds, alternating Dashboard and Block Map (the two busiest tabs to
+  draw; the Block Map also asks the engine for block snapshots).
+
+Figures:
+
+- throughput: output tokens / wall time from the first submit to the last request finished
+  (greedy, ``ignore_eos``, every request generates exactly ``--max-tokens``). Each round runs
+  headless, the app watching the Dashboard (no keys), the app with key presses, headless
+  again; a round's ratios are app / the mean of its two headless runs, so drifting machine
+  load hits both sides, and the reported ratio is the median over rounds (target >= 0.90).
+- UI thread busy: the app thread's CPU time / wall time during a run.
+- key-to-screen latency: from posting the key press to the first frame the compositor
+  produces that shows the new tab (``App._display`` is wrapped to timestamp frames); p50 and
+  p95 over all presses (target p95 < 100 ms).
+
+Warm-up (one short request on each path) is outside the timed runs. The machine's other
+load shows up in both runs; compare the ratio, not the absolute numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+PROMPTS = ["The capital of France is", "Python is a programming language that", "Once upon a time",
+           "The largest planet in the solar system", "Water boils at", "A good breakfast includes",
+           "The theory of relativity says", "In the middle of the night"]
+
+
+def workload(n: int, max_tokens: int):
+    from nanovllm_core import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [(f"{PROMPTS[i % len(PROMPTS)]} (#{i})", params) for i in range(n)]
+
+
+def run_headless(engine, requests) -> float:
+    """Output tokens per second of the controller alone."""
+    from nanovllm_core import SamplingParams
+    from nanovllm_core.engine.controller import EngineController
+
+    controller = EngineController.from_engine(engine)
+    try:
+        controller.wait(controller.submit("Warm up", SamplingParams(max_tokens=2)), timeout=120)
+        start = time.perf_counter()
+        ids = [controller.submit(prompt, params) for prompt, params in requests]
+        outputs = [controller.wait(rid, timeout=3600) for rid in ids]
+        elapsed = time.perf_counter() - start
+    finally:
+        controller.shutdown(timeout=5)
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+
+
+async def run_with_app(engine, requests, key_interval: float | None, fps: float) -> tuple[float, list[float], float]:
+    """(output tokens per second, key-to-frame latencies in seconds, UI thread's CPU share) with the app attached."""
+    from textual import events
+    from textual.widgets import TabbedContent
+
+    from nanovllm_core import SamplingParams
+    from nanovllm_core.engine.controller import EngineController
+    from nanovllm_tui.app import NanoVLLMApp
+
+    controller = EngineController.from_engine(engine)
+    app = NanoVLLMApp(controller, fps=fps, tutorial_path=ROOT / ".benchmark_tutorial.json", freeze_gc=True)
+    display = app._display
+    latencies: list[float] = []
+    waiting: dict = {}  # the key press in flight: target tab, when it was sent, and an event to set
+
+    def timed_display(screen, renderable):
+        display(screen, renderable)
+        if renderable is not None and waiting and app.query_one(TabbedContent).active == waiting["tab"]:
+            latencies.append(time.perf_counter() - waiting["t0"])
+            waiting.pop("done").set()
+            waiting.clear()
+
+    app._display = timed_display
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("escape")
+        warm = app.submit_request("Warm up", SamplingParams(max_tokens=2))
+        while controller.wait(warm, timeout=0) is None:
+            await asyncio.sleep(0.05)
+        start, cpu0 = time.perf_counter(), time.thread_time()
+        ids = [app.submit_request(prompt, params) for prompt, params in requests]
+        tabs = ("blocks", "dashboard")
+        presses = 0
+        # Plain sleeps, and Key events posted to the app as a terminal driver does (Pilot's own
+        # waiting machinery would add its cost to the app's).
+        while not all(rid in controller.results for rid in ids):
+            if key_interval is None:  # just watching the Dashboard
+                await asyncio.sleep(0.05)
+                continue
+            target = tabs[presses % 2]
+            key = "5" if target == "blocks" else "1"
+            done = asyncio.Event()
+            waiting.update(tab=target, t0=time.perf_counter(), done=done)
+            app.post_message(events.Key(key, key))
+            await done.wait()
+            presses += 1
+            await asyncio.sleep(key_interval)
+        elapsed, ui_cpu = time.perf_counter() - start, time.thread_time() - cpu0
+        tokens = sum(len(controller.results[rid].outputs[0].token_ids) for rid in ids)
+        await pilot.press("q")
+    return tokens / elapsed, latencies, ui_cpu / elapsed
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3, help="repeat the four runs; ratios are medians over rounds")
+    p.add_argument("--num-kv-blocks", type=int, default=512)
+    p.add_argument("--key-interval", type=float, default=1.0, help="seconds between key presses")
+    p.add_argument("--fps", type=float, default=10.0, help="the app's default")
+    p.add_argument("--device", default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads for every run (default: torch's own choice)")
+    p.add_argument("--json", default=None, help="also write the figures to this file")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from nanovllm_core.config import EngineConfig
+    from nanovllm_core.engine.llm_engine import LLMEngine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = LLMEngine.from_config(EngineConfig(num_kv_blocks=args.num_kv_blocks, device=args.device))
+    requests = workload(args.requests, args.max_tokens)
+    print(f"{args.requests} requests x {args.max_tokens} tokens on {engine.device}, {engine.model_name}, "
+          f"{torch.get_num_threads()} torch threads")
+    rounds, latencies = [], []
+    for r in range(args.rounds):  # H W K H: each ratio against the headless runs just around it
+        before = run_headless(engine, requests)
+        watching, _, watch_cpu = asyncio.run(run_with_app(engine, requests, None, args.fps))
+        keyed, lat, keyed_cpu = asyncio.run(run_with_app(engine, requests, args.key_interval, args.fps))
+        after = run_headless(engine, requests)
+        headless = (before + after) / 2
+        latencies += lat
+        rounds.append(dict(headless=[before, after], watching=watching, keys=keyed, ratio_watching=watching / headless,
+                           ratio_keys=keyed / headless, ui_cpu_watching=watch_cpu, ui_cpu_keys=keyed_cpu))
+        print(f"round {r + 1}: headless {before:.1f} / {after:.1f}, watching {watching:.1f} "
+              f"({watching / headless:.1%}, UI thread busy {watch_cpu:.0%}), a key every {args.key_interval:g} s "
+              f"{keyed:.1f} ({keyed / headless:.1%}, UI busy {keyed_cpu:.0%}) output tokens/s")
+    ratio_w = statistics.median(r["ratio_watching"] for r in rounds)
+    ratio_k = statistics.median(r["ratio_keys"] for r in rounds)
+    p50, p95 = percentile(latencies, 0.5) * 1000, percentile(latencies, 0.95) * 1000
+    print(f"throughput with the app (median of {len(rounds)} rounds): {ratio_w:.1%} of headless while watching, "
+          f"{ratio_k:.1%} while switching tabs every {args.key_interval:g} s (target >= 90%)")
+    print(f"key -> screen: p50 {p50:.1f} ms, p95 {p95:.1f} ms over {len(latencies)} presses (target p95 < 100 ms)")
+    (ROOT / ".benchmark_tutorial.json").unlink(missing_ok=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "requests": args.requests, "max_tokens": args.max_tokens, "device": str(engine.device),
+            "torch_threads": torch.get_num_threads(), "fps": args.fps, "key_interval_s": args.key_interval,
+            "rounds": rounds, "ratio_watching": ratio_w, "ratio_keys": ratio_k,
+            "key_latency_ms": {"p50": p50, "p95": p95, "n": len(latencies),
+                               "mean": statistics.mean(latencies) * 1000},
+        }, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,389 @@
+"""``nanovllm-tui``: a full-screen window onto a running engine.
+
+The window appears at once; torch and the engine are set up behind it (``BackgroundController``),
+the model loads on the engine thread with its progress in the header, and prompts sent
+meanwhile wait in the queue. Everything
+shown comes from the engine's events, which the :class:`~nanovllm_tui.bridge.EngineBridge`
+hands to this (UI) thread at most once a frame; only the visible tab redraws.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import sys
+import time
+from typing import Any, Iterable, Sequence
+
+from textual import events
+from textual.app import App, ComposeResult
+from textual.geometry import Size
+from textual.widgets import Footer, TabbedContent, TabPane
+
+from nanovllm_core import events as ev
+from nanovllm_core.educational.narrator import Narrator
+from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_tui.bridge import DEFAULT_FPS, EngineBridge
+from nanovllm_tui.commands import TABS, EngineCommands, app_bindings
+from nanovllm_tui.state import EngineState
+from nanovllm_tui.views.base import EngineView
+from nanovllm_tui.views.block_map import BlockMapView
+from nanovllm_tui.views.dashboard import DashboardView
+from nanovllm_tui.views.narrator import NarratorView
+from nanovllm_tui.views.tutorial import TutorialView
+from nanovllm_tui.views.xray import XRayView
+from nanovllm_tui.widgets.prompt_bar import PromptBar, PromptSettings
+from nanovllm_tui.widgets.status_header import StatusHeader
+
+VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
+                                      "tutorial": TutorialView, "blocks": BlockMapView}
+NARROW, SHORT = 100, 30  # below these sizes panels fold away (see app.tcss)
+
+
+class NanoVLLMApp(App):
+    """The app, on a ``controller``: an ``EngineController``, a ``BackgroundController`` (one being
+    built behind the window, as ``nanovllm-tui`` does) or a ``ReplayController``.
+
+    Args:
+        sampling: the base ``SamplingParams`` of prompts sent from the prompt bar (its
+            temperature and max tokens are replaced by the bar's).
+        settings: the prompt bar's starting priority, max tokens and temperature.
+        prompts: (prompt, priority) pairs to send at start.
+        fps: most screen updates per second from engine events.
+        tutorial_path: where tutorial progress is kept (None: the tutorial module's default).
+        recorders: extra subscribers (trace writers) closed when the app quits.
+        freeze_gc: keep long-lived objects out of garbage collection (see ``_settle_memory``);
+            ``nanovllm-tui`` turns it on.
+        narrate_steps: decode steps the narrator tells one by one per request (None: all);
+            the rest are summed up when the request finishes.
+    """
+
+    CSS_PATH = "app.tcss"
+    TITLE = "nano-vLLM"
+    COMMANDS = App.COMMANDS | {EngineCommands}
+    BINDINGS = app_bindings()
+
+    def __init__(self, controller: Any, *, sampling: SamplingParams | None = None, settings: PromptSettings | None = None,
+                 prompts: Iterable[tuple[str, int]] = (), fps: float = DEFAULT_FPS, tutorial_path: Any = None,
+                 recorders: Sequence[Any] = (), freeze_gc: bool = False, narrate_steps: int | None = 10) -> None:
+        super().__init__()
+        self.freeze_gc = freeze_gc
+        self.controller = controller
+        self.sampling = sampling or SamplingParams(temperature=0.0)
+        self.settings = settings or PromptSettings()
+        self._initial_prompts = list(prompts)
+        self.tutorial_path = tutorial_path
+        self.recorders = list(recorders)
+        self.state = EngineState()
+        self.narrator = Narrator(max_decode_steps_per_request=narrate_steps)
+        self.bridge = EngineBridge(self, fps=fps)
+        self._demo_needs: tuple[bool, bool] = (False, False)  # (xray, blocks) for a running tutorial demo
+        self.selected: str | None = None
+        self._flush_pending = False
+        self._mounted = False
+        self._stopped = False
+        self._narrator_error_shown = False
+        self._started = time.monotonic()
+
+    # ------------------------------------------------------------------ layout
+
+    def compose(self) -> ComposeResult:
+        yield StatusHeader(id="header")
+        with TabbedContent(initial="dashboard", id="tabs"):
+            for i, (tab, title) in enumerate(TABS, 1):
+                with TabPane(f"{i} {title}", id=tab):
+                    yield VIEWS[tab](id=f"{tab}-view")
+        yield PromptBar(self.settings, id="prompt-bar")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.bridge.connect(self.controller, topk=5, xray=False, blocks=False)
+        for recorder in self.recorders:
+            self.controller.subscribe(recorder, topk=5, blocks=True)
+        self._adapt_to_size()
+        self.query_one(PromptBar).focus_prompt()
+        self.call_after_refresh(self._start)
+
+    def _start(self) -> None:
+        """After the first paint, when every tab's widgets exist: take the events that waited in
+        the bridge, send the prompts given at start, and let a waiting engine start."""
+        self._mounted = True
+        self._sync_paused()
+        self.set_interval(0.5, self._poll_engine_state)
+        for prompt, priority in self._initial_prompts:
+            self._submit(prompt, dataclasses.replace(self.settings, priority=priority))
+        self._take_events()
+        self._settle_memory()
+        if hasattr(self.controller, "start"):
+            self.controller.start()
+
+    def _settle_memory(self) -> None:
+        """With ``freeze_gc``: move what exists now (torch, the model, the tokenizer: ~10^5 objects)
+        out of the garbage collector's view. A full collection over them takes a few hundred ms,
+        a visible stall of the UI; the app's own short-lived objects are still collected as usual.
+        Off by default because frozen objects are never freed (fine for the one app of a process)."""
+        if self.freeze_gc:
+            gc.freeze()
+
+    @property
+    def live(self) -> bool:
+        """False when replaying a trace."""
+        return getattr(self.controller, "live", True)
+
+    @property
+    def active_tab(self) -> str:
+        return self.query_one(TabbedContent).active or "dashboard"
+
+    def view(self, tab: str | None = None) -> EngineView:
+        return self.query_one(f"#{tab or self.active_tab}-view", EngineView)
+
+    def on_resize(self, event: events.Resize) -> None:
+        self._adapt_to_size(event.size)
+
+    def _adapt_to_size(self, size: Size | None = None) -> None:
+        width, height = size or self.size
+        self.screen.set_class(width < NARROW, "-narrow")
+        self.screen.set_class(height < SHORT, "-short")
+
+    # ------------------------------------------------------------------ engine events
+
+    def on_engine_bridge_events_ready(self, message: EngineBridge.EventsReady) -> None:
+        if not self._mounted:  # they wait in the bridge; _start takes them
+            return
+        delay = self.bridge.delay()
+        if delay <= 0:
+            self._take_events()
+        elif not self._flush_pending:
+            self._flush_pending = True
+            self.set_timer(delay, self._take_events)
+
+    def _take_events(self) -> None:
+        """Fold everything the engine sent since the last frame into the state, then redraw."""
+        self._flush_pending = False
+        events = self.bridge.drain()
+        notes = []
+        tutorial = self.query_one(TutorialView)
+        for event in events:
+            self.state.apply(event)
+            self._announce(event)
+            try:
+                notes.extend(self.narrator.feed(event))
+            except Exception as e:  # commentary is not worth the window: say so, carry on
+                self._narrator_failed(event, e)
+            if isinstance(event, ev.ModelLoading) and event.ready:
+                self._sync_paused()
+                self._settle_memory()
+            elif isinstance(event, (ev.RequestFinished, ev.RequestRejected)):
+                tutorial.request_ended(event.request_id)
+        if notes:
+            self.query_one(NarratorView).add(notes)
+            tutorial.add(notes)
+        if self.selected not in self.state.requests and self.state.requests:
+            self.select(self._default_selection())
+        else:
+            self._redraw()
+
+    def _narrator_failed(self, event: ev.Event, error: Exception) -> None:
+        if not self._narrator_error_shown:
+            self._narrator_error_shown = True
+            self.notify(f"The narrator could not describe a {event.kind} event ({type(error).__name__}: {error}); "
+                        "the other tabs are unaffected.", severity="warning", timeout=10, markup=False)
+
+    def _default_selection(self) -> str:
+        """With nothing (or a request no longer shown) selected: the newest live request, else the newest."""
+        live = [r.request_id for r in self.state.requests.values() if r.live]
+        return live[-1] if live else self.state.request_ids()[-1]
+
+    def _announce(self, event: ev.Event) -> None:
+        """Notifications for what a person must not miss: refusals, errors, the model becoming ready."""
+        if isinstance(event, ev.RequestRejected):
+            self.notify(f"{event.request_id} was rejected: {event.reason}", severity="error", timeout=8, markup=False)
+        elif isinstance(event, ev.EngineError):
+            if event.step is None and event.message.startswith("model failed to load"):
+                self.notify(f"{event.message}. Try --model PATH, or --replay FILE.jsonl to watch a recording.",
+                            title="No model", severity="error", timeout=30, markup=False)
+            else:
+                self.notify(event.message, title="Engine error", severity="error", timeout=10, markup=False)
+        elif isinstance(event, ev.RequestFinished) and event.finish_reason == "abort":
+            self.notify(f"{event.request_id} aborted after {event.num_output_tokens} tokens; its blocks are free",
+                        markup=False)
+        elif isinstance(event, ev.ModelLoading) and event.ready and self.live:
+            self.notify(f"{event.model_name} is ready on {event.device} ({event.dtype})", markup=False)
+
+    def _sync_paused(self) -> None:
+        """A controller started paused says so only through its state (there is no event for it)."""
+        if self.controller.state == "paused":
+            self.state.paused = True
+
+    def _poll_engine_state(self) -> None:
+        """The engine going idle is not an event, nor is time passing while the model loads:
+        look at the controller twice a second."""
+        failed = self.controller.state == "failed" and self.state.load_error is None
+        if failed:  # subscribed after the failure was announced: tell it now
+            failure = ev.EngineError(step=None, message=f"model failed to load: {self.controller.load_error}")
+            self.state.apply(failure)
+            self._announce(failure)
+        loading = not self.state.ready and self.state.load_error is None
+        if failed or loading or self.controller.state != self.state.engine_state:
+            if self.state.load_error is None:
+                self.state.engine_state = self.controller.state
+            self._show_header()
+
+    def _show_header(self) -> None:
+        loading_s = time.monotonic() - self._started if not self.state.ready else None
+        self.query_one(StatusHeader).show(self.state, replay=not self.live, loading_s=loading_s,
+                                          compact=self.size.width < NARROW)
+
+    def _redraw(self) -> None:
+        if not self._mounted:
+            return
+        if self.state.load_error is None:
+            self.state.engine_state = self.controller.state
+        self._show_header()
+        self.view().update_view(self.state, self.selected)
+
+    # ------------------------------------------------------------------ tabs and selection
+
+    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        tab = event.pane.id or "dashboard"
+        self._set_detail(tab)
+        view = self.view(tab)
+        view.update_view(self.state, self.selected)
+        if self.focused is None or self.focused.id != "prompt":  # never pull focus out of a half-typed prompt
+            view.focus_main()
+
+    def _set_detail(self, tab: str) -> None:
+        """Ask the engine for X-Ray traces and block snapshots only while a tab or a demonstration shows them."""
+        demo_xray, demo_blocks = self._demo_needs
+        self.bridge.want(xray=tab == "xray" or demo_xray, blocks=tab in ("blocks", "narrator") or demo_blocks)
+        if tab == "xray":
+            xray = self.query_one(XRayView)
+            self.controller.xray(self.selected, xray.layer_index, xray.head_index)
+        if tab == "blocks" and self.live:
+            bridge = self.bridge  # a snapshot now, so a paused engine still shows its pool
+            self.controller.call(lambda engine: bridge(engine.blocks_event(engine.step_index)))
+
+    def demo_started(self, demo: Any) -> None:
+        """A tutorial demonstration is about to send its requests: give the narrator the detail it needs."""
+        self._demo_needs = (demo.xray, True)
+        if demo.xray:
+            self.controller.xray(None, 0, 0)  # trace whichever request runs first: the demo's
+        self._set_detail(self.active_tab)
+
+    def demo_finished(self, demo: Any) -> None:
+        self._demo_needs = (False, False)
+        self._set_detail(self.active_tab)
+
+    def on_x_ray_view_choice(self, message: XRayView.Choice) -> None:
+        self.controller.xray(self.selected, message.layer, message.head)
+
+    def on_request_table_selected(self, message: Any) -> None:
+        self.select(message.request_id)
+
+    def select(self, request_id: str | None) -> None:
+        if request_id == self.selected:
+            return
+        self.selected = request_id
+        if self.active_tab == "xray":
+            xray = self.query_one(XRayView)
+            self.controller.xray(request_id, xray.layer_index, xray.head_index)
+        self._redraw()
+
+    # ------------------------------------------------------------------ actions (keys and command palette)
+
+    def action_show_tab(self, tab: str) -> None:
+        self.query_one(TabbedContent).active = tab
+
+    def action_focus_prompt(self) -> None:
+        self.query_one(PromptBar).focus_prompt()
+
+    def action_focus_view(self) -> None:
+        self.view().focus_main()
+
+    def action_toggle_pause(self) -> None:
+        # The header changes at once; the engine pauses at its next step boundary.
+        if self.state.paused:
+            self.controller.resume()
+            self.state.paused = False
+        else:
+            self.controller.pause()
+            self.state.paused = True
+        self._redraw()
+
+    def action_step(self) -> None:
+        if not self.state.paused:
+            self.notify("n runs one step while the engine is paused: press space to pause first.",
+                        severity="warning")
+            return
+        if not self.state.active_requests:
+            self.notify("Nothing to step: send a prompt first (it waits while paused).", severity="warning")
+            return
+        self.controller.step(1)
+
+    def action_abort(self) -> None:
+        req = self.state.requests.get(self.selected) if self.selected else None
+        if req is None:
+            self.notify("No request is selected: pick one in the Dashboard's table.", severity="warning")
+        elif not req.live:
+            self.notify(f"{req.request_id} is already {req.state}; nothing to abort.", severity="warning")
+        else:
+            self.controller.abort(req.request_id)
+
+    def action_select(self, delta: int) -> None:
+        ids = self.state.request_ids()
+        if not ids:
+            return
+        i = ids.index(self.selected) + delta if self.selected in ids else len(ids) - 1
+        self.select(ids[max(0, min(len(ids) - 1, i))])
+
+    async def action_quit(self) -> None:
+        self.stop_engine()
+        self.exit()
+
+    def on_unmount(self) -> None:
+        self.stop_engine()
+
+    def stop_engine(self) -> None:
+        """Stop the engine thread (within a second) and close trace files."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.controller.shutdown(timeout=1.0)
+        for recorder in self.recorders:
+            recorder.close()
+
+    # ------------------------------------------------------------------ prompts
+
+    def on_prompt_bar_submitted(self, message: PromptBar.Submitted) -> None:
+        self._submit(message.prompt, message.settings)
+
+    def _submit(self, prompt: str, settings: PromptSettings) -> str | None:
+        try:
+            params = dataclasses.replace(self.sampling, max_tokens=settings.max_tokens,
+                                         temperature=settings.temperature)
+        except ValueError as e:
+            self.notify(f"Bad sampling settings: {e}", severity="error", markup=False)
+            return None
+        return self.submit_request(prompt, params, settings.priority)
+
+    def submit_request(self, prompt: str, params: SamplingParams, priority: int = 0) -> str:
+        """Send a prompt to the engine, show it in the table and select it; returns its request id."""
+        rid = self.controller.submit(prompt, params, priority)
+        self.state.submitted(rid, prompt, priority, params.max_tokens)
+        if not self.state.ready and self.live:
+            self.notify(f"{rid} waits in the queue until the model has loaded.")
+        self.select(rid)
+        return rid
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``nanovllm-tui`` console script. Bad options end with status 2 and one line."""
+    from nanovllm_tui.options import build_app
+
+    app = build_app(argv)
+    app.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

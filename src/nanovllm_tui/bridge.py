@@ -1,0 +1,104 @@
+"""The bridge: engine events (engine thread) -> the app (UI thread), at most once a frame.
+
+The engine calls :meth:`EngineBridge.__call__` on its own thread for every event. That
+call must be quick and must never touch a widget, so it only appends the event to a
+buffer and, when the buffer was empty, posts one :class:`EngineBridge.EventsReady`
+message with ``post_message`` (thread-safe, non-blocking). The app answers that message
+by calling :meth:`drain` no more often than ``fps`` times a second, so a flood of tokens
+becomes one screen update per frame.
+
+High-rate snapshots are coalesced while they wait: only the newest ``BlocksChanged``
+(the whole KV pool) is kept, and only the newest step's ``LayerTrace`` events; what is
+kept stays in arrival order (the narrator reads a step's events in order).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from textual.message import Message
+from textual.message_pump import MessagePump
+
+from nanovllm_core import events as ev
+
+DEFAULT_FPS = 10.0  # screen updates a second from engine events: smooth to read, cheap beside a busy engine
+
+
+class EngineBridge:
+    """Buffers engine events for the UI thread.
+
+    Args:
+        target: what receives ``EventsReady`` (the app).
+        fps: the most drains per second the app should do (frames per second).
+    """
+
+    class EventsReady(Message):
+        """Events are waiting in the bridge; call ``drain`` (posted at most once per drain)."""
+
+    def __init__(self, target: MessagePump, fps: float = DEFAULT_FPS) -> None:
+        self.target = target
+        self.frame_s = 1.0 / fps
+        self._lock = threading.Lock()
+        self._events: list[ev.Event | None] = []  # None: a snapshot superseded by a newer one
+        self._blocks_at: int | None = None
+        self._xray_at: list[int] = []
+        self._posted = False
+        self._last_drain = 0.0
+        self.received = 0  # events seen, superseded snapshots included
+        self.subscription: Any = None
+
+    # ------------------------------------------------------------------ engine thread
+
+    def __call__(self, event: ev.Event) -> None:
+        """Take one event (engine thread). Never blocks on the UI."""
+        with self._lock:
+            self.received += 1
+            events = self._events
+            if isinstance(event, ev.BlocksChanged):
+                if self._blocks_at is not None:
+                    events[self._blocks_at] = None
+                self._blocks_at = len(events)
+            elif isinstance(event, ev.LayerTrace):
+                if self._xray_at:
+                    first = events[self._xray_at[0]]
+                    if (first.step, first.request_id) != (event.step, event.request_id):
+                        for i in self._xray_at:
+                            events[i] = None
+                        self._xray_at = []
+                self._xray_at.append(len(events))
+            events.append(event)
+            post = not self._posted
+            self._posted = True
+        if post:
+            self.target.post_message(self.EventsReady())
+
+    # ------------------------------------------------------------------ UI thread
+
+    def connect(self, controller: Any, topk: int = 5, xray: bool = False, blocks: bool = False) -> None:
+        """Subscribe to ``controller`` at the given level of detail (change it later with :meth:`want`)."""
+        self.subscription = controller.subscribe(self, topk=topk, xray=xray, blocks=blocks)
+
+    def want(self, *, xray: bool | None = None, blocks: bool | None = None) -> None:
+        """Ask the engine for more or less detail (e.g. X-Ray only while its tab is visible)."""
+        sub = self.subscription
+        if sub is None:
+            return
+        if xray is not None:
+            sub.xray = xray
+        if blocks is not None:
+            sub.blocks = blocks
+
+    def delay(self) -> float:
+        """Seconds to wait before the next drain keeps to the frame rate (0: drain now)."""
+        return max(0.0, self._last_drain + self.frame_s - time.monotonic())
+
+    def drain(self) -> list[ev.Event]:
+        """Everything buffered since the last drain, in arrival order, superseded snapshots left out."""
+        with self._lock:
+            events = self._events
+            self._events, self._blocks_at, self._xray_at = [], None, []
+            self._posted = False
+        self._last_drain = time.monotonic()
+        return [e for e in events if e is not None]

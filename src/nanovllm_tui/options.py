@@ -1,0 +1,108 @@
+"""Command-line options of ``nanovllm-tui``: the engine options of ``nanovllm`` plus the app's own."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+from nanovllm_core.cli import build_parser as build_engine_parser
+from nanovllm_core.cli import engine_kwargs, sampling_params
+from nanovllm_tui.bridge import DEFAULT_FPS
+
+DEFAULT_KV_BLOCKS = 512  # 8,192 tokens at block size 16: room to play, and a block map that fits a screen
+# nanovllm options with no meaning here: the app's tabs do what the teaching modes print.
+NOT_IN_APP = ("chat", "show_memory_stats", "narrate", "xray", "dashboard", "tutorial", "no_demos", "tutorial_chapter")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``nanovllm``'s parser (model, sampling, engine, trace options) with the app's options added."""
+    p = build_engine_parser()
+    p.prog = "nanovllm-tui"
+    p.description = ("Watch the nano-vLLM engine serve your prompts: dashboard, X-Ray, narrator, tutorial and "
+                     "block map. --prompt, --priority, --max-tokens and --temperature seed the prompt bar; the "
+                     "other sampling options apply to every prompt you send; --narrate-steps and --progress-file "
+                     "set the Narrator and Tutorial tabs.")
+    a = p.add_argument_group("app")
+    a.add_argument("--replay", metavar="FILE.jsonl", default=None,
+                   help="play a trace recorded with `nanovllm --trace FILE.jsonl` (no model is loaded)")
+    a.add_argument("--paused", action="store_true", help="start with the engine (or the replay) paused")
+    a.add_argument("--fps", type=float, default=DEFAULT_FPS,
+                   help=f"most screen updates per second from engine events (default {DEFAULT_FPS:g})")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in NOT_IN_APP:
+        if getattr(args, name, None):
+            parser.error(f"--{name.replace('_', '-')} is a nanovllm option and not available in the app "
+                         "(its tabs show the same: 1 Dashboard, 2 X-Ray, 3 Narrator, 4 Tutorial, 5 Block Map)")
+    if args.prompt and any(not p.strip() for p in args.prompt):
+        parser.error("--prompt must not be empty")
+    if args.priority is not None and len(args.priority) != len(args.prompt or []):
+        parser.error(f"got {len(args.priority)} --priority values for {len(args.prompt or [])} --prompt values; "
+                     "give one per prompt")
+    if not 1 <= args.fps <= 60:
+        parser.error(f"--fps must be between 1 and 60, got {args.fps}")
+    try:
+        args.sampling = sampling_params(args)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.replay:
+        from nanovllm_tui.replay import load_trace
+
+        try:
+            args.replay_events = load_trace(args.replay)
+        except (OSError, ValueError) as e:
+            parser.error(f"cannot replay {args.replay}: {e}")
+    return args
+
+
+def build_app(argv: Sequence[str] | None = None):
+    """The app as the options describe it (the engine starts loading once the window is up).
+
+    Exits with status 2 and one line on bad options or an unreadable ``--replay`` file.
+    """
+    from nanovllm_tui.app import NanoVLLMApp
+    from nanovllm_tui.widgets.prompt_bar import PromptSettings
+
+    args = parse_args(argv)
+    settings = PromptSettings(priority=0, max_tokens=args.max_tokens, temperature=args.temperature)
+    prompts = list(zip(args.prompt or [], args.priority or [0] * len(args.prompt or [])))
+    common = dict(sampling=args.sampling, settings=settings, prompts=prompts, fps=args.fps, freeze_gc=True,
+                  tutorial_path=getattr(args, "progress_file", None),
+                  narrate_steps=getattr(args, "narrate_steps", 10) or None)
+    if args.replay:
+        from nanovllm_tui.replay import ReplayController
+
+        return NanoVLLMApp(ReplayController(args.replay_events, start_paused=args.paused), **common)
+
+    from nanovllm_tui.starter import BackgroundController
+
+    kwargs = engine_kwargs(args)
+    if kwargs.get("num_kv_blocks") is None:
+        kwargs["num_kv_blocks"] = DEFAULT_KV_BLOCKS
+
+    def start_engine():  # on the starter's thread: torch is imported there, not before the window
+        from nanovllm_core.engine.controller import EngineController
+
+        return EngineController(start_paused=args.paused, **kwargs)
+
+    recorders = open_recorders(args)
+    return NanoVLLMApp(BackgroundController(start_engine), recorders=recorders, **common)
+
+
+def open_recorders(args: argparse.Namespace) -> list:
+    """``--trace`` / ``--trace-chrome`` recorders for this session (closed when the app quits)."""
+    from nanovllm_core.tracing import ChromeTraceRecorder, JsonlTraceWriter
+
+    recorders = []
+    try:
+        if args.trace:
+            recorders.append(JsonlTraceWriter(args.trace))
+        if args.trace_chrome:
+            recorders.append(ChromeTraceRecorder(args.trace_chrome))
+    except OSError as e:
+        build_parser().error(f"cannot write the trace file: {e}")
+    return recorders

@@ -1,0 +1,244 @@
+"""``--replay FILE.jsonl``: play a recorded event trace as if an engine were running.
+
+:class:`ReplayController` has the ``EngineController`` commands the app uses, so the app
+cannot tell the difference: ``pause``, ``resume`` and ``step(n)`` act on the recorded step
+boundaries, and events reach subscribers from a thread of their own, at the pace they were
+recorded (each gap clamped to ``pace``). Commands that would change what happened
+(``submit``, ``abort``) are answered with the same events an engine uses to refuse them.
+Record a trace with ``nanovllm --prompt ... --trace run.jsonl``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from nanovllm_core import events as ev
+
+NO_NEW_PROMPTS = "a replay plays a recorded trace and cannot run new prompts; start nanovllm-tui without --replay"
+
+
+@dataclass
+class ReplaySubscription:
+    """A listener and the detail it asked for (a replay sends what was recorded regardless)."""
+
+    callback: Callable[[ev.Event], None]
+    topk: int = 5
+    blocks: bool = True
+    xray: bool = False
+
+
+def load_trace(path: str | Path) -> list[ev.Event]:
+    """Events of a ``.jsonl`` trace, or of a gzipped one (``.jsonl.gz``).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: a line is not an engine event (its number is given), or the file holds no engine step.
+    """
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    events = []
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        events.append(ev.from_json(line))
+                    except (ValueError, TypeError) as e:
+                        raise ValueError(f"line {n}: {e}") from None
+    except (EOFError, gzip.BadGzipFile, UnicodeDecodeError) as e:
+        raise ValueError(f"not a readable trace: {e}") from None
+    if not any(isinstance(e, ev.StepPlanned) for e in events):
+        raise ValueError("no engine steps in this trace; record one with nanovllm --prompt ... --trace FILE.jsonl")
+    return events
+
+
+def split_steps(events: list[ev.Event]) -> tuple[list[ev.Event], list[list[ev.Event]]]:
+    """(events before the first step, one list per step starting at its ``StepPlanned``).
+
+    Recorded pause/resume events are dropped: the replay has its own.
+    """
+    prologue: list[ev.Event] = []
+    steps: list[list[ev.Event]] = []
+    for e in events:
+        if isinstance(e, (ev.EnginePaused, ev.EngineResumed)):
+            continue
+        if isinstance(e, ev.StepPlanned):
+            steps.append([e])
+        elif steps:
+            steps[-1].append(e)
+        else:
+            prologue.append(e)
+    return prologue, steps
+
+
+class ReplayController:
+    """Plays recorded events through the ``EngineController`` interface.
+
+    Args:
+        events: a trace's events (see :func:`load_trace`).
+        start_paused: wait for ``resume`` or ``step`` before the first step.
+        pace: (shortest, longest) wait between steps in seconds while playing.
+
+    ``state``: ``running``, ``paused``, ``idle`` (the trace has ended) or ``stopped``.
+    """
+
+    live = False
+
+    def __init__(self, events: list[ev.Event], start_paused: bool = False,
+                 pace: tuple[float, float] = (0.05, 1.0)) -> None:
+        self._prologue, self._steps = split_steps(events)
+        self.pace = pace
+        self.load_error: str | None = None
+        self.engine = None
+        self._subs: list[ReplaySubscription] = []
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._paused = start_paused
+        self._allowed = 0
+        self._stop = False
+        self._next = 0
+        self._started = False
+        self._ids = itertools.count()
+        self._state = "paused" if start_paused else "running"
+        # Playing starts with the first subscriber, so no listener misses the beginning.
+        self._thread = threading.Thread(target=self._run, name="nanovllm-replay", daemon=True)
+
+    @classmethod
+    def from_file(cls, path: str | Path, **kwargs: Any) -> "ReplayController":
+        return cls(load_trace(path), **kwargs)
+
+    # ------------------------------------------------------------------ EngineController's interface
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def num_steps(self) -> int:
+        """Steps in the trace."""
+        return len(self._steps)
+
+    @property
+    def steps_played(self) -> int:
+        return self._next
+
+    def subscribe(self, callback: Callable[[ev.Event], None], topk: int = 5, xray: bool = False,
+                  blocks: bool = True) -> ReplaySubscription:
+        """Receive every recorded event from now on; the first subscriber starts the playing.
+
+        A later subscriber first gets the events before the first step (the model's facts).
+        """
+        sub = ReplaySubscription(callback, topk=topk, blocks=blocks, xray=xray)
+        with self._lock:
+            self._subs.append(sub)
+            first, self._started = not self._started, True
+        if first:
+            self._thread.start()
+        else:
+            for e in self._prologue:
+                callback(e)
+        return sub
+
+    def unsubscribe(self, sub: ReplaySubscription) -> None:
+        with self._lock:
+            if sub in self._subs:
+                self._subs.remove(sub)
+
+    def submit(self, prompt: Any, sampling_params: Any = None, priority: int = 0,
+               request_id: str | None = None) -> str:
+        """Refused: a ``RequestRejected`` event says why (nothing is silently dropped)."""
+        rid = request_id if request_id is not None else f"new-{next(self._ids)}"
+        self._emit([ev.RequestRejected(request_id=rid, reason=NO_NEW_PROMPTS)])
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        self._emit([ev.EngineError(step=None, request_id=request_id,
+                                   message=f"abort: {request_id!r} is part of a recording; a replay cannot change it")])
+
+    def xray(self, request_id: str | None, layer: int = 0, head: int = 0) -> None:
+        """No effect: the trace holds whatever X-Ray events were recorded."""
+
+    def call(self, fn: Callable[[Any], Any]) -> None:
+        """No effect: there is no engine to run ``fn`` on."""
+
+    def pause(self) -> None:
+        with self._cond:
+            if self._paused:
+                return
+            self._paused, self._allowed = True, 0
+            self._cond.notify_all()
+        self._emit([ev.EnginePaused(step=self._current_step())])
+
+    def resume(self) -> None:
+        with self._cond:
+            if not self._paused:
+                return
+            self._paused = False
+            self._cond.notify_all()
+        self._emit([ev.EngineResumed(step=self._current_step())])
+
+    def step(self, n: int = 1) -> None:
+        """While paused, play exactly ``n`` more recorded steps."""
+        if n < 1:
+            raise ValueError(f"step(n) needs n >= 1, got {n}")
+        with self._cond:
+            if self._paused:
+                self._allowed += n
+                self._cond.notify_all()
+
+    def shutdown(self, timeout: float = 1.0) -> bool:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._state = "stopped"
+        return not self._thread.is_alive()
+
+    # ------------------------------------------------------------------ the thread
+
+    def _current_step(self) -> int:
+        return self._steps[self._next - 1][0].step if self._next else 0
+
+    def _emit(self, events: list[ev.Event]) -> None:
+        with self._lock:
+            subs = list(self._subs)
+        for e in events:
+            for sub in subs:
+                sub.callback(e)
+
+    def _run(self) -> None:
+        self._emit(self._prologue)
+        while self._next < len(self._steps):
+            with self._cond:
+                while not self._stop and self._paused and self._allowed == 0:
+                    self._state = "paused"
+                    self._cond.wait()
+                if self._stop:
+                    break
+                if self._paused:
+                    self._allowed -= 1
+                self._state = "paused" if self._paused else "running"
+                group = self._steps[self._next]
+                self._next += 1
+            self._emit(group)
+            if self._next < len(self._steps):
+                gap = self._steps[self._next][0].time - group[0].time
+                with self._cond:
+                    if not self._paused and not self._stop:
+                        self._cond.wait(min(max(gap, self.pace[0]), self.pace[1]))
+        with self._cond:
+            if not self._stop:
+                self._state = "paused" if self._paused else "idle"
+            while not self._stop:
+                self._cond.wait()
+        self._state = "stopped"

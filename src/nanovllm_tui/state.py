@@ -1,0 +1,271 @@
+"""What the app knows about the engine: a fold of its events, kept on the UI thread.
+
+Every view draws from one :class:`EngineState`. It is plain Python (no Textual), so the
+rules it follows (how a request's state, prefill progress, TTFT and TPOT are derived from
+the event stream) can be tested on their own. Times come from the events' own ``time``
+fields, never from the clock, so a replayed trace always looks the same.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from nanovllm_core import events as ev
+
+HISTORY_STEPS = 120  # StepTimed records kept for sparklines
+RATE_WINDOW = 10  # steps averaged for the throughput figures
+MAX_FINISHED = 200  # finished requests kept in the table
+
+
+@dataclass
+class RequestView:
+    """One request as the app shows it.
+
+    ``state``: ``submitted`` (sent, the engine has not added it yet, e.g. while the model
+    loads), ``waiting``, ``running``, ``preempted``, ``finished`` or ``rejected``.
+    Token counts in tokens, times in seconds.
+    """
+
+    request_id: str
+    prompt: str
+    priority: int = 0
+    max_tokens: int | None = None
+    state: str = "submitted"
+    prompt_len: int | None = None
+    prompt_pieces: tuple[str, ...] = ()
+    prefilled: int = 0
+    num_cached: int = 0
+    num_output: int = 0
+    text: str = ""
+    top: tuple[ev.TopToken, ...] = ()
+    last_token: str = ""
+    last_token_id: int | None = None
+    added_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_ttft: float | None = None
+    finished_tpot: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    order: int = 0  # arrival number in this session (picks the request's colour)
+
+    @property
+    def live(self) -> bool:
+        """Still queued or running (abortable)."""
+        return self.state in ("submitted", "waiting", "running", "preempted")
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token, seconds: the engine's figure once finished, else from event times."""
+        if self.finished_ttft is not None:
+            return self.finished_ttft
+        if self.first_token_time is None or self.added_time is None:
+            return None
+        return self.first_token_time - self.added_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first, seconds (mean inter-token latency)."""
+        if self.finished_tpot is not None:
+            return self.finished_tpot
+        if self.num_output < 2 or self.first_token_time is None or self.last_token_time is None:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_output - 1)
+
+
+class EngineState:
+    """The engine as seen through its events; :meth:`apply` folds in one event.
+
+    ``model_info``: the ready event's facts (layers, heads, KV pool, ...); ``timings``: the
+    last ``HISTORY_STEPS`` StepTimed events; ``blocks``: the newest BlocksChanged;
+    ``xray``: layer index -> LayerTrace of the newest traced step; ``heat``: the newest
+    LayerTrace carrying attention weights.
+    """
+
+    def __init__(self) -> None:
+        self.model_info: dict[str, Any] = {}
+        self.model_name = ""
+        self.device = ""
+        self.dtype = ""
+        self.ready = False
+        self.loading: ev.ModelLoading | None = None
+        self.load_error: str | None = None
+        self.paused = False
+        self.engine_state = "loading"
+        self.step: int | None = None
+        self.plan: ev.StepPlanned | None = None
+        self.requests: dict[str, RequestView] = {}
+        self.timings: deque[ev.StepTimed] = deque(maxlen=HISTORY_STEPS)
+        self.blocks: ev.BlocksChanged | None = None
+        self.xray: dict[int, ev.LayerTrace] = {}
+        self.heat: ev.LayerTrace | None = None
+        self.last_error: ev.EngineError | None = None
+        self.num_events = 0
+        self._order = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+
+    def submitted(self, request_id: str, prompt: str, priority: int, max_tokens: int | None) -> RequestView:
+        """Record a prompt the app has just sent (before the engine has seen it)."""
+        req = RequestView(request_id, prompt, priority, max_tokens, order=next(self._order))
+        self.requests[request_id] = req
+        return req
+
+    def _request(self, request_id: str) -> RequestView:
+        req = self.requests.get(request_id)
+        if req is None:  # submitted elsewhere (a replay, the command line)
+            req = self.requests[request_id] = RequestView(request_id, "", order=next(self._order))
+        return req
+
+    def request_ids(self) -> list[str]:
+        return list(self.requests)
+
+    @property
+    def active_requests(self) -> list[RequestView]:
+        return [r for r in self.requests.values() if r.live]
+
+    # ------------------------------------------------------------------ folding
+
+    def apply(self, event: ev.Event) -> None:
+        """Fold one event in (unknown kinds are ignored)."""
+        self.num_events += 1
+        handler = getattr(self, f"_on_{type(event).__name__}", None)
+        if handler is not None:
+            handler(event)
+
+    def _on_ModelLoading(self, e: ev.ModelLoading) -> None:
+        self.loading = e
+        if e.ready:
+            self.ready = True
+            self.model_info = e.info()
+            self.model_name, self.device, self.dtype = e.model_name, e.device, e.dtype
+            if self.engine_state == "loading":
+                self.engine_state = "paused" if self.paused else "idle"
+
+    def _on_EngineError(self, e: ev.EngineError) -> None:
+        self.last_error = e
+        if e.step is None and e.message.startswith("model failed to load"):
+            self.load_error = e.message.split(": ", 1)[-1]
+            self.engine_state = "failed"
+
+    def _on_EnginePaused(self, e: ev.EnginePaused) -> None:
+        self.paused = True
+
+    def _on_EngineResumed(self, e: ev.EngineResumed) -> None:
+        self.paused = False
+
+    def _on_RequestAdded(self, e: ev.RequestAdded) -> None:
+        req = self._request(e.request_id)
+        req.prompt = e.prompt if e.prompt is not None else req.prompt
+        req.priority, req.max_tokens = e.priority, e.max_tokens
+        req.prompt_len, req.prompt_pieces = len(e.prompt_token_ids), e.prompt_pieces
+        req.added_time = e.time
+        if req.state == "submitted":
+            req.state = "waiting"
+
+    def _on_RequestRejected(self, e: ev.RequestRejected) -> None:
+        req = self._request(e.request_id)
+        req.state, req.error = "rejected", e.reason
+        self._prune()
+
+    def _on_StepPlanned(self, e: ev.StepPlanned) -> None:
+        self.step, self.plan = e.step, e
+        for q in e.waiting + e.running:
+            if q.index != 0 or q.request_id not in self.requests:
+                continue
+            req = self.requests[q.request_id]
+            req.state = q.status if q.status in ("waiting", "running", "preempted") else req.state
+            req.num_preemptions = q.num_preemptions
+            if req.prompt_len is not None:
+                req.prefilled = min(req.prompt_len, q.num_computed_tokens)
+        for s in e.scheduled:
+            if s.index != 0 or s.request_id not in self.requests:
+                continue
+            req = self.requests[s.request_id]
+            if s.kind == "prefill":
+                req.prefilled = min(s.prompt_len, s.start + s.num_tokens)
+                req.num_cached = max(req.num_cached, s.num_cached_tokens)
+        for q in e.preempted:
+            if q.index == 0 and q.request_id in self.requests:
+                req = self.requests[q.request_id]
+                req.state, req.prefilled, req.num_preemptions = "preempted", 0, q.num_preemptions
+
+    def _on_TokenSampled(self, e: ev.TokenSampled) -> None:
+        if e.index != 0:
+            return
+        req = self._request(e.request_id)
+        req.text += e.text
+        req.num_output = e.num_output_tokens
+        req.last_token, req.last_token_id = e.token_text, e.token_id
+        if e.top:
+            req.top = e.top
+        if req.first_token_time is None:
+            req.first_token_time = e.time
+        req.last_token_time = e.time
+        if req.prompt_len is not None:
+            req.prefilled = req.prompt_len
+
+    def _on_RequestFinished(self, e: ev.RequestFinished) -> None:
+        req = self._request(e.request_id)
+        req.state = "finished"
+        req.finish_reason, req.error = e.finish_reason, e.error
+        req.text, req.num_output = e.output_text, e.num_output_tokens
+        req.finished_ttft, req.finished_tpot = e.ttft_s, e.tpot_s
+        req.num_preemptions = e.num_preemptions
+        req.num_cached = max(req.num_cached, e.num_cached_prompt_tokens)
+        self._prune()
+
+    def _on_StepTimed(self, e: ev.StepTimed) -> None:
+        self.timings.append(e)
+
+    def _on_BlocksChanged(self, e: ev.BlocksChanged) -> None:
+        self.blocks = e
+
+    def _on_LayerTrace(self, e: ev.LayerTrace) -> None:
+        current = next(iter(self.xray.values()), None)
+        if current is not None and (current.step, current.request_id) != (e.step, e.request_id):
+            self.xray = {}
+        self.xray[e.layer] = e
+        if e.attention:
+            self.heat = e
+
+    def _prune(self) -> None:
+        done = [rid for rid, r in self.requests.items() if not r.live]
+        for rid in done[: max(0, len(done) - MAX_FINISHED)]:
+            del self.requests[rid]
+
+    # ------------------------------------------------------------------ derived figures
+
+    @property
+    def phase(self) -> str:
+        """``loading``, ``failed``, ``paused``, ``idle``, ``prefill``, ``decode`` or ``prefill+decode``.
+
+        The busy phases describe the newest step's batch: prefill chunks, decodes, or both.
+        """
+        if self.load_error is not None:
+            return "failed"
+        if not self.ready:
+            return "loading"
+        if self.paused:
+            return "paused"
+        if not self.active_requests or self.plan is None or not self.plan.scheduled:
+            return "idle"
+        kinds = {s.kind for s in self.plan.scheduled}
+        return "prefill+decode" if len(kinds) > 1 else kinds.pop()
+
+    def throughput(self) -> tuple[float, float]:
+        """(prefill, decode) tokens per second of engine time over the last ``RATE_WINDOW`` steps."""
+        recent = list(self.timings)[-RATE_WINDOW:]
+        wall = sum(t.wall_time_s for t in recent)
+        if wall <= 0:
+            return 0.0, 0.0
+        return sum(t.num_prefill_tokens for t in recent) / wall, sum(t.num_decode_tokens for t in recent) / wall
+
+    @property
+    def kv(self) -> ev.StepTimed | None:
+        """The newest step's KV figures (blocks used / cached / total, bytes)."""
+        return self.timings[-1] if self.timings else None

@@ -1,0 +1,99 @@
+"""Block Map: every physical KV block, who owns it, what is shared or cached, and one block table."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from nanovllm_tui.widgets.live import LiveStatic
+
+from nanovllm_core import events as ev
+from nanovllm_tui.state import EngineState
+from nanovllm_tui.views.base import EngineView
+from nanovllm_tui.widgets.block_grid import CACHED_COLOR, FREE_COLOR, BlockGrid
+from nanovllm_tui.widgets.format import request_colors
+
+
+def summary_text(blocks: ev.BlocksChanged) -> Text:
+    used, cached = blocks.states.count("u"), blocks.states.count("c")
+    shared = sum(1 for r in blocks.ref_counts if r > 1)
+    text = Text.assemble(
+        (f"{blocks.num_blocks} blocks", "bold"), f" × {blocks.block_size} tokens · ",
+        (f"{used} used", "bold"), f" ({shared} shared) · ", (f"{cached} cached-free", CACHED_COLOR), " · ",
+        (f"{blocks.num_blocks - used - cached} free", "grey62"),
+        f" · prefix-cache hit rate {blocks.prefix_cache_hit_rate:.0%} · after step {blocks.step}")
+    return text
+
+
+def legend_text(blocks: ev.BlocksChanged, colors: dict[str, str]) -> Text:
+    text = Text()
+    owners = list(dict.fromkeys(t.request_id for t in blocks.tables))
+    for rid in owners:
+        text.append("██", style=colors.get(rid, "white"))
+        text.append(f" {rid}  ")
+    if owners:
+        text.append("\n")
+    text.append("██ full  ▄▄ part-filled  ╌╌ allocated, empty  ")
+    text.append("◆◆", style="bold")
+    text.append(" shared (ref > 1)  ")
+    text.append("░░", style=CACHED_COLOR)
+    text.append(" cached-free  ")
+    text.append("··", style=FREE_COLOR)
+    text.append(" free  ")
+    text.append("underlined", style="underline")
+    text.append(": selected")
+    return text
+
+
+def block_table_text(blocks: ev.BlocksChanged, selected: str | None, colors: dict[str, str]) -> Text:
+    """The selected request's block table: logical block -> physical block, and slots filled."""
+    table = next((t for t in blocks.tables if t.request_id == selected and t.index == 0), None)
+    if table is None:
+        who = selected or "no request selected"
+        return Text(f"Block table of {who}: it holds no KV blocks now (waiting, finished, or not selected).",
+                    style="dim")
+    bs = blocks.block_size
+    color = colors.get(table.request_id, "white")
+    text = Text.assemble(("Block table ", "bold"), (table.request_id, f"bold {color}"),
+                         " (logical → physical, slots with KV):  ")
+    for i, b in enumerate(table.block_table):
+        filled = min(bs, max(0, table.num_computed_tokens - i * bs))
+        ref = blocks.ref_counts[b]
+        text.append(f"{i}→#{b}", style=f"bold {color}")
+        text.append(f" {filled}/{bs}" + (f" ref {ref}" if ref > 1 else "") + "  ")
+    allocated = len(table.block_table) * bs
+    unfilled = allocated - table.num_computed_tokens
+    text.append(f"\n{table.num_computed_tokens} of its {table.num_tokens} tokens have KV, in {len(table.block_table)} "
+                f"blocks = {allocated} slots: {unfilled} slot{'s' if unfilled != 1 else ''} allocated but unfilled")
+    return text
+
+
+class BlockMapView(EngineView):
+    """The KV pool as PagedAttention sees it, redrawn after every step while visible."""
+
+    def compose(self) -> ComposeResult:
+        yield LiveStatic(id="blocks-summary")
+        yield LiveStatic(id="legend")
+        yield BlockGrid(id="grid", classes="panel")
+        yield LiveStatic(id="block-table", classes="panel")
+
+    def on_mount(self) -> None:
+        self.query_one("#grid").border_title = "Physical KV blocks"
+
+    def focus_main(self) -> None:
+        self.query_one(BlockGrid).focus()
+
+    def update_view(self, state: EngineState, selected: str | None) -> None:
+        blocks = state.blocks
+        if blocks is None:
+            self.query_one("#blocks-summary", LiveStatic).show_content(
+                Text("The block map appears after the next engine step (send a prompt, or press n while paused).",
+                     style="dim"))
+            self.query_one("#legend", LiveStatic).show_content("")
+            self.query_one("#block-table", LiveStatic).show_content("")
+            self.query_one(BlockGrid).set_data(None, {}, None)
+            return
+        colors = request_colors(state.requests)
+        self.query_one("#blocks-summary", LiveStatic).show_content(summary_text(blocks))
+        self.query_one("#legend", LiveStatic).show_content(legend_text(blocks, colors))
+        self.query_one(BlockGrid).set_data(blocks, colors, selected)
+        self.query_one("#block-table", LiveStatic).show_content(block_table_text(blocks, selected, colors))

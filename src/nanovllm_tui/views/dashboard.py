@@ -1,0 +1,92 @@
+"""Dashboard: phase, requests, KV memory, throughput, and the selected request streaming in."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Horizontal
+from nanovllm_tui.widgets.live import LiveStatic, tail
+
+from nanovllm_tui.state import EngineState
+from nanovllm_tui.views.base import EngineView
+from nanovllm_tui.widgets.format import request_color, visible_piece
+from nanovllm_tui.widgets.kv_bar import KVMemoryBar
+from nanovllm_tui.widgets.request_table import RequestTable
+from nanovllm_tui.widgets.throughput import ThroughputPanel
+from nanovllm_tui.widgets.topk_bars import TopKBars
+
+PHASE_STYLES = {"prefill": "bold #f5a524", "decode": "bold #3ecf8e", "prefill+decode": "bold #4ea1ff",
+                "idle": "bold cyan", "paused": "bold yellow", "loading": "bold magenta", "failed": "bold red"}
+
+
+def phase_text(state: EngineState) -> Text:
+    """The phase, and what the newest step did with its token budget and queues."""
+    phase = state.phase
+    text = Text.assemble((phase.upper(), PHASE_STYLES.get(phase, "bold")))
+    plan = state.plan
+    if plan is None:
+        text.append("\nno step yet", style="dim")
+        return text
+    prefill = sum(1 for s in plan.scheduled if s.kind == "prefill")
+    decode = len(plan.scheduled) - prefill
+    if phase == "paused" and plan.scheduled:
+        text.append(f" after step {plan.step}", style="dim")
+    text.append(f"\nstep {plan.step}: ")
+    text.append(f"{plan.num_batched_tokens}/{plan.token_budget}", style="bold")
+    text.append(" tokens")
+    text.append(f"\n{prefill} prefill · {decode} decode")
+    preempted = sum(1 for q in plan.waiting if q.status == "preempted")
+    text.append(f"\n{len(plan.running)} running · {len(plan.waiting) - preempted} waiting")
+    if preempted:
+        text.append(f" · {preempted} preempted", style="bold red")
+    return text
+
+
+class DashboardView(EngineView):
+    """The engine at a glance. The request table's highlighted row is the selected request."""
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="dash-top"):
+            yield LiveStatic(id="phase", classes="panel")
+            yield KVMemoryBar(id="kv", classes="panel")
+            yield ThroughputPanel(id="throughput", classes="panel")
+        yield RequestTable(id="requests")
+        with Horizontal(id="dash-bottom"):
+            yield LiveStatic(id="output", classes="panel")
+            yield TopKBars(id="topk", classes="panel")
+
+    def on_mount(self) -> None:
+        self.query_one("#phase").border_title = "Engine"
+        self.query_one("#kv").border_title = "KV cache memory"
+        self.query_one("#throughput").border_title = "Throughput"
+        self.query_one("#output").border_title = "Selected request"
+        self.query_one("#topk").border_title = "Top-k next tokens"
+
+    def focus_main(self) -> None:
+        self.query_one(RequestTable).focus()
+
+    def update_view(self, state: EngineState, selected: str | None) -> None:
+        self.query_one("#phase", LiveStatic).show_content(phase_text(state))
+        self.query_one(KVMemoryBar).show(state)
+        self.query_one(ThroughputPanel).show(state)
+        self.query_one(RequestTable).sync(state, selected)
+        req = state.requests.get(selected) if selected else None
+        output = self.query_one("#output", LiveStatic)
+        topk = self.query_one(TopKBars)
+        if req is None:
+            output.border_title = "Selected request"
+            output.show_content(Text("Type a prompt below and press Enter; its text streams in here.", style="dim"))
+            topk.show((), None)
+            return
+        output.border_title = f"{req.request_id} · {req.state}"
+        text = Text()
+        text.append(req.prompt, style="dim")
+        text.append(req.text, style=f"bold {request_color(req.order)}")
+        if req.state == "running":
+            text.append("▌", style="bold")
+        if req.error:
+            text.append(f"\n{req.error}", style="red")
+        region = output.content_region  # show the end of the stream, as a terminal would
+        output.show_content(tail(text, region.width, region.height, self.app.console))
+        label = f"token #{req.num_output}: {visible_piece(req.last_token)!s}" if req.num_output else ""
+        topk.show(req.top, req.last_token_id, label)

@@ -1,0 +1,36 @@
+"""How one narrator entry (``Commentary``) looks on screen; shared by the Narrator and Tutorial tabs."""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+from nanovllm_core.educational.narrator import Commentary
+from nanovllm_tui.widgets.format import bar, visible_piece
+
+KIND_STYLES = {
+    "model": "bold magenta", "tokenization": "bold #f5a524", "embedding": "bold #c2d94c",
+    "attention": "bold #b06cf2", "prefill": "bold #4ea1ff", "decode": "bold #3ecf8e", "sampling": "bold #2ec4d6",
+    "kv_cache": "bold #8fa8ff", "scheduler": "bold yellow", "chunked_prefill": "bold #ff8a5b",
+    "preemption": "bold red", "prefix_cache": "bold #f37de0", "finished": "bold green", "rejected": "bold red",
+    "speculative": "bold #c2d94c", "error": "bold red",
+}
+
+
+def commentary_text(note: Commentary, bar_width: int = 20) -> Text:
+    """``▍ decode · step 4 · request 0 — title``, the explanation, then its table as bars."""
+    style = KIND_STYLES.get(note.kind, "bold")
+    text = Text("▍ ", style=style)
+    text.append(note.kind.replace("_", " "), style=style)
+    where = []
+    if note.step is not None:
+        where.append(f"step {note.step}")
+    if note.request_id is not None:
+        where.append(f"request {note.request_id}")
+    if where:
+        text.append(" · " + " · ".join(where), style="dim")
+    text.append(f" — {note.title}\n", style="bold")
+    text.append(note.text)
+    for label, prob in note.table:
+        text.append(f"\n   {visible_piece(label)[:14]:<14} {prob * 100:5.1f}% ")
+        text.append_text(bar(prob, bar_width, style.replace("bold ", "")))
+    return text

@@ -1,0 +1,69 @@
+"""Small text helpers shared by the widgets: units, bars, request colours."""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+# One colour per request, in arrival order (cycled). Shared by the request table and the block map.
+REQUEST_COLORS = ("#4ea1ff", "#f5a524", "#3ecf8e", "#e5484d", "#b06cf2", "#2ec4d6", "#f37de0", "#c2d94c",
+                  "#ff8a5b", "#8fa8ff")
+BAR_FULL, BAR_EMPTY = "█", "░"
+EIGHTHS = " ▏▎▍▌▋▊▉█"
+
+
+def request_color(index: int) -> str:
+    """The colour of the ``index``-th request of the session."""
+    return REQUEST_COLORS[index % len(REQUEST_COLORS)]
+
+
+def request_colors(requests: dict) -> dict[str, str]:
+    """request id -> colour, for ``EngineState.requests``."""
+    return {rid: request_color(r.order) for rid, r in requests.items()}
+
+
+def fmt_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def fmt_count(n: float) -> str:
+    """12345 -> '12.3k', 2.5e9 -> '2.5G' (for FLOPs and token rates)."""
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def fmt_ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def bar(fraction: float, width: int, style: str = "", empty_style: str = "dim") -> Text:
+    """A horizontal bar ``width`` cells wide, filled to ``fraction`` (0..1) with eighth-cell precision."""
+    fraction = min(max(fraction, 0.0), 1.0)
+    eighths = round(fraction * width * 8)
+    full, part = divmod(eighths, 8)
+    text = Text(BAR_FULL * full, style=style)
+    if part and full < width:
+        text.append(EIGHTHS[part], style=style)
+        full += 1
+    text.append(BAR_EMPTY * (width - full), style=empty_style)
+    return text
+
+
+def progress(done: int, total: int | None, width: int = 10, style: str = "") -> Text:
+    """``████░░ 12/20`` (``total`` None: just the count)."""
+    if not total:
+        return Text(f"{done}", style=style)
+    text = bar(done / total, width, style)
+    text.append(f" {done}/{total}")
+    return text
+
+
+def visible_piece(piece: str) -> str:
+    """A token piece made printable: spaces as '␣', newlines as '↵'."""
+    return piece.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥") or "∅"

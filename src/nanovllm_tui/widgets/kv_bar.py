@@ -1,0 +1,50 @@
+"""The KV cache memory bar: blocks used, cached-free and free, and their bytes."""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+from nanovllm_tui.state import EngineState
+from nanovllm_tui.widgets.format import fmt_bytes
+from nanovllm_tui.widgets.live import LiveStatic
+
+USED, CACHED, FREE = ("█", "#4ea1ff"), ("▒", "#2ec4d6"), ("░", "grey42")
+
+
+class KVMemoryBar(LiveStatic):
+    """``KV ███▒▒░░░░  12 used · 3 cached · 497 free of 512 blocks``, then the bytes.
+
+    Cached-free blocks hold a finished prefix that a new prompt may reuse (prefix caching)
+    until the pool needs them back.
+    """
+
+    def show(self, state: EngineState) -> None:
+        kv = state.kv
+        info = state.model_info
+        if kv is not None and kv.num_blocks_total:
+            total, used, cached = kv.num_blocks_total, kv.num_blocks_used, kv.num_blocks_cached
+            bytes_total = kv.kv_bytes_total
+        elif info:
+            total, used, cached = info.get("num_kv_blocks", 0), 0, 0
+            bytes_total = total * info.get("block_size", 0) * info.get("kv_bytes_per_token", 0)
+        else:
+            self.show_content(Text("KV cache: waiting for the model", style="dim"))
+            return
+        free = total - used - cached
+        width = max(10, self.size.width - 10)
+        cells = [round(used / total * width), round(cached / total * width)] if total else [0, 0]
+        if used and not cells[0]:
+            cells[0] = 1  # one used block must show
+        cells.append(max(0, width - sum(cells)))
+        text = Text("KV cache ", style="bold")
+        for (glyph, color), n in zip((USED, CACHED, FREE), cells):
+            text.append(glyph * n, style=color)
+        per_block = bytes_total / total if total else 0
+        text.append("\n")
+        text.append(f"{USED[0]} used {used}", style=USED[1])
+        text.append(f" ({fmt_bytes(used * per_block)})  ")
+        text.append(f"{CACHED[0]} cached-free {cached}", style=CACHED[1])
+        text.append("  ")
+        text.append(f"{FREE[0]} free {free}", style="grey62")
+        text.append(f"\nof {total} blocks, {fmt_bytes(per_block)} each: {fmt_bytes(bytes_total)} in all", style="dim")
+        self.show_content(text)

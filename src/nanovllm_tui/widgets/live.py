@@ -1,0 +1,39 @@
+"""A Static for content that changes every frame: redraws only when the content changed, and
+asks for a new layout only when its size follows its content and its line count changed (a
+layout pass costs the whole screen)."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+
+class LiveStatic(Static):
+    """``show(content)`` instead of ``update``: nothing happens when the content is unchanged."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._shown: object = None
+        self._lines = -1
+
+    def show_content(self, content) -> None:
+        if isinstance(content, str):
+            content = Text(content)
+        if isinstance(content, Text) and isinstance(self._shown, Text) and content == self._shown \
+                and content.spans == self._shown.spans:
+            return
+        lines = content.plain.count("\n") if isinstance(content, Text) else -2
+        height = self.styles.height
+        sized_by_content = height is None or height.is_auto
+        self.update(content, layout=sized_by_content and (lines != self._lines or lines == -2))
+        self._shown, self._lines = content, lines
+
+
+def tail(text: Text, width: int, height: int, console) -> Text:
+    """The last ``height`` lines of ``text`` wrapped at ``width`` cells (a terminal-like view of a stream)."""
+    if width <= 0 or height <= 0:
+        return text
+    lines = text.wrap(console, width)
+    if len(lines) <= height:
+        return text
+    return Text("\n").join(lines[-height:])

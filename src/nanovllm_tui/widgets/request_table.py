@@ -1,0 +1,141 @@
+"""One row per request: state, priority, prefill and decode progress, TTFT, TPOT.
+
+A Line API widget: each row is rendered once per change and kept as a ``Strip``, so a busy
+engine (every running row changes every step) costs one row render per changed row, not a
+redraw of the whole table. ↑/↓ (or a click) move the cursor; the cursor's row is the
+selected request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.style import Style
+from rich.text import Text
+from textual import events
+from textual.binding import Binding
+from textual.geometry import Size
+from textual.message import Message
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+
+from nanovllm_tui.state import EngineState, RequestView
+from nanovllm_tui.widgets.format import fmt_ms, progress, request_color
+
+STATE_STYLES = {"submitted": "magenta", "waiting": "yellow", "running": "green", "preempted": "bold red",
+                "finished": "dim", "rejected": "red"}
+COLUMNS = (("request", 9), ("state", 18), ("prio", 5), ("prefill (prompt)", 19), ("decode (output)", 19),
+           ("TTFT", 9), ("TPOT", 8), ("preempted", 10), ("cached", 7))
+CURSOR = Style(bgcolor="#264f78", bold=True)
+HEADER = Style(bold=True, color="#c0c0c0")
+
+
+def row_cells(req: RequestView) -> tuple[Text, ...]:
+    state = req.state
+    if state == "finished" and req.finish_reason:
+        state = f"finished ({req.finish_reason})"
+    return (
+        Text.assemble(("■ ", request_color(req.order)), req.request_id),
+        Text(state, style=STATE_STYLES.get(req.state, "")),
+        Text(str(req.priority)),
+        progress(req.prefilled, req.prompt_len, 8, "cyan") if req.prompt_len else Text("-"),
+        progress(req.num_output, req.max_tokens, 8, "green"),
+        Text(fmt_ms(req.ttft)),
+        Text(fmt_ms(req.tpot)),
+        Text(str(req.num_preemptions)),
+        Text(str(req.num_cached)),
+    )
+
+
+def join_cells(cells: tuple[Text, ...]) -> Text:
+    line = Text(" ")
+    for cell, (_, width) in zip(cells, COLUMNS):
+        cell = cell.copy()
+        cell.truncate(width - 1, pad=True)
+        line.append_text(cell)
+        line.append(" ")
+    return line
+
+
+class RequestTable(ScrollView, can_focus=True):
+    """The requests of this session, oldest first; the cursor row is the selected request."""
+
+    BINDINGS = [
+        Binding("up", "move(-1)", "Up", show=False),
+        Binding("down", "move(1)", "Down", show=False),
+        Binding("home", "move(-1000000)", "First", show=False),
+        Binding("end", "move(1000000)", "Last", show=False),
+    ]
+    DEFAULT_CSS = "RequestTable { height: 1fr; }"
+
+    @dataclass
+    class Selected(Message):
+        request_id: str
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.ids: list[str] = []
+        self.rows: dict[str, tuple[Text, ...]] = {}
+        self.cursor = -1  # no request selected
+        self._cache: dict[tuple, Strip] = {}
+
+    def sync(self, state: EngineState, selected: str | None) -> None:
+        """Take the rows from ``state.requests`` and the cursor from ``selected``; redraw if anything changed."""
+        rows = {rid: row_cells(req) for rid, req in state.requests.items()}
+        cursor = list(rows).index(selected) if selected in rows else -1
+        if rows == self.rows and cursor == self.cursor and list(rows) == self.ids:
+            return
+        self.ids, self.rows, self.cursor = list(rows), rows, cursor
+        self.virtual_size = Size(sum(w for _, w in COLUMNS) + 1, len(self.ids) + 1)
+        self._keep_cursor_visible()
+        if len(self._cache) > 4 * len(rows) + 64:
+            self._cache.clear()
+        self.refresh()
+
+    def _keep_cursor_visible(self) -> None:
+        if self.cursor < 0:
+            return
+        visible = max(1, self.scrollable_content_region.height - 1)
+        if self.cursor < self.scroll_y:
+            self.scroll_to(y=self.cursor, animate=False, immediate=True)
+        elif self.cursor >= self.scroll_y + visible:
+            self.scroll_to(y=self.cursor - visible + 1, animate=False, immediate=True)
+
+    def action_move(self, delta: int) -> None:
+        if self.ids:
+            start = self.cursor if self.cursor >= 0 else (-1 if delta > 0 else len(self.ids))
+            self._select(max(0, min(len(self.ids) - 1, start + delta)))
+
+    def on_click(self, event: events.Click) -> None:
+        row = int(self.scroll_y) + event.y - 1
+        if 0 <= row < len(self.ids):
+            self._select(row)
+
+    def _select(self, row: int) -> None:
+        self.cursor = row
+        self._keep_cursor_visible()
+        self.refresh()
+        self.post_message(self.Selected(self.ids[row]))
+
+    def render_line(self, y: int) -> Strip:
+        width = self.scrollable_content_region.width
+        scroll_x = int(self.scroll_x)
+        at_cursor = False
+        if y == 0:
+            cells = tuple(Text(name, style=HEADER) for name, _ in COLUMNS)
+            key: tuple = ("header", width, scroll_x)
+        else:
+            row = int(self.scroll_y) + y - 1
+            if not 0 <= row < len(self.ids):
+                return Strip.blank(width)
+            cells = self.rows[self.ids[row]]
+            at_cursor = row == self.cursor
+            key = (tuple(c.markup for c in cells), at_cursor, width, scroll_x)
+        strip = self._cache.get(key)
+        if strip is None:
+            segments = list(join_cells(cells).render(self.app.console))
+            strip = Strip(segments).crop(scroll_x, scroll_x + width).extend_cell_length(width)
+            if at_cursor:
+                strip = strip.apply_style(CURSOR)
+            self._cache[key] = strip
+        return strip

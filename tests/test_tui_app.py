@@ -1,0 +1,189 @@
+"""The app driven with keys, as a person would (Textual's Pilot), on the real engine."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from textual.widgets import Static, TabbedContent
+
+from nanovllm_tui.views.tutorial import QuizChoices, TutorialView
+from tests.tui_helpers import Notes, engine_app, replay_app, send_prompt, wait_until
+
+pytestmark = [pytest.mark.real_model, pytest.mark.anyio]
+SIZE = (120, 40)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"  # Textual runs on asyncio
+
+
+async def test_a_prompt_from_the_bar_streams_its_tokens_in(make_engine, tmp_path):
+    app = engine_app(make_engine, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the model's ready event")
+        await send_prompt(pilot, "The capital of France is", max_tokens=4)
+        rid = app.selected
+        await wait_until(pilot, lambda: app.state.requests[rid].state == "finished", what="the request to finish")
+        req = app.state.requests[rid]
+        assert req.num_output == 4 and req.text == app.controller.results[rid].outputs[0].text
+        assert req.ttft is not None and len(req.top) == 5
+        await pilot.pause()
+        shown = str(app.query_one("#output", Static).render())
+        assert "The capital of France is" + req.text in shown
+
+
+async def test_pause_then_n_runs_exactly_one_step(make_engine, tmp_path):
+    app = engine_app(make_engine, tmp_path, max_tokens=3)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.state.ready)
+        await pilot.press("escape", "space")
+        assert app.state.paused
+        await send_prompt(pilot, "Python is a")
+        rid = app.selected
+        await wait_until(pilot, lambda: app.state.requests[rid].state == "waiting", what="the request to be added")
+        await pilot.press("escape", "n")
+        await wait_until(pilot, lambda: app.state.step == 0, what="one step")
+        await pilot.pause(0.5)  # time enough for a second step, if one were (wrongly) taken
+        req = app.state.requests[rid]
+        assert app.state.step == 0 and req.num_output == 1 and req.prefilled == req.prompt_len
+
+        await pilot.press("n")
+        await wait_until(pilot, lambda: app.state.step == 1)
+        await pilot.pause(0.3)
+        assert app.state.requests[rid].num_output == 2
+
+        await pilot.press("5")  # the block map asks a paused engine for its pool at once
+        await wait_until(pilot, lambda: app.state.blocks is not None, what="a block snapshot")
+        assert app.state.blocks.step == 1 and [t.request_id for t in app.state.blocks.tables] == [rid]
+
+        await pilot.press("space")  # resume: it runs to the end
+        await wait_until(pilot, lambda: app.state.requests[rid].state == "finished")
+        assert app.state.requests[rid].num_output == 3 and not app.state.paused
+
+
+async def test_a_aborts_the_selected_request_and_frees_its_blocks(make_engine, tmp_path):
+    app = engine_app(make_engine, tmp_path)
+    notes = Notes()
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready)
+        await send_prompt(pilot, "Once upon a time", max_tokens=200)
+        rid = app.selected
+        await wait_until(pilot, lambda: app.state.requests[rid].num_output >= 1, what="a first token")
+        await pilot.press("escape", "a")
+        await wait_until(pilot, lambda: notes.find(f"{rid} aborted"), what="the abort's notification")
+        assert app.state.requests[rid].finish_reason == "abort" and app.state.requests[rid].num_output < 200
+        await wait_until(pilot, lambda: app.controller.state == "idle")
+        assert app.controller.engine.block_manager.num_used_blocks == 0
+
+
+async def test_number_keys_switch_every_tab_and_xray_is_traced_only_while_shown(make_engine, tmp_path):
+    app = engine_app(make_engine, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.state.ready)
+        await pilot.press("escape")
+        tabs = app.query_one(TabbedContent)
+        for key, tab in zip("12345", ("dashboard", "xray", "narrator", "tutorial", "blocks")):
+            await pilot.press(key)
+            await pilot.pause()
+            assert tabs.active == tab and app.query_one(f"#{tab}-view").display
+            assert app.bridge.subscription.xray == (tab == "xray")
+            assert app.bridge.subscription.blocks == (tab in ("blocks", "narrator"))
+        await pilot.press("2")
+        await send_prompt(pilot, "Hello", max_tokens=2)
+        rid = app.selected
+        await wait_until(pilot, lambda: app.state.requests[rid].state == "finished")
+        await pilot.pause(0.2)
+        assert sorted(app.state.xray) == list(range(30)) and {t.request_id for t in app.state.xray.values()} == {rid}
+        await pilot.press("escape", "down", "down")  # two layers down
+        assert app.query_one("#xray-view").layer_index == 2
+
+
+async def test_the_command_palette_offers_the_same_actions(make_engine, tmp_path):
+    app = engine_app(make_engine, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.state.ready)
+        await pilot.press("ctrl+p")
+        await pilot.press(*"Pause or resume")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.state.paused and app.controller.state == "paused", what="a pause")
+
+
+async def test_tutorial_demo_runs_on_the_engine_and_its_commentary_appears(make_engine, tmp_path):
+    app = engine_app(make_engine, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.state.ready)
+        await pilot.press("escape", "4", "r")  # chapter 1: tokenization
+        tutorial = app.query_one(TutorialView)
+        await wait_until(pilot, lambda: tutorial.run is not None and tutorial.run.finished, what="the demo")
+        kinds = {n.kind for n in tutorial.run.notes}
+        assert kinds == {"tokenization"}
+        assert "Token ids: [" in tutorial.run.notes[0].text
+
+
+async def test_quiz_answers_are_graded_scored_and_kept_between_launches(tmp_path):
+    app = replay_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("escape", "4")
+        await wait_until(pilot, lambda: isinstance(app.focused, QuizChoices), what="the quiz to have the focus")
+        tutorial = app.query_one(TutorialView)
+        chapter = tutorial.chapter
+        right = "ABCD"[chapter.quiz.answer]
+        await pilot.press(right.lower())
+        assert "Right" in str(app.query_one("#feedback", Static).render())
+        assert (tutorial.progress.score, tutorial.progress.answered) == (1, 1)
+
+        await pilot.press("right")  # next chapter; answer it wrongly with the arrows and Enter
+        wrong = (tutorial.chapter.quiz.answer + 1) % 4
+        await pilot.press("home", *["down"] * wrong, "enter")
+        assert "Not quite" in str(app.query_one("#feedback", Static).render())
+        assert (tutorial.progress.score, tutorial.progress.answered) == (1, 2)
+
+    again = replay_app(tmp_path)  # a second launch reads the saved progress
+    async with again.run_test(size=SIZE) as pilot:
+        tutorial = again.query_one(TutorialView)
+        assert (tutorial.progress.score, tutorial.progress.answered, tutorial.progress.current) == (1, 2, 1)
+
+
+async def test_q_quits_and_stops_the_engine_thread(make_engine, tmp_path):
+    app = engine_app(make_engine, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the model's ready event")
+        await send_prompt(pilot, "Count to ten:", max_tokens=100)
+        await wait_until(pilot, lambda: app.state.requests[app.selected].num_output >= 1, what="a first token")
+        assert app.controller.is_alive
+        await pilot.press("escape", "q")
+    # quit waits up to a second for the step in progress; on a loaded machine a step can take
+    # longer, and the thread then ends right after it (no timing is asserted here)
+    deadline = time.monotonic() + 30
+    while app.controller.is_alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not app.controller.is_alive and app.controller.state == "stopped" and app.return_code == 0
+
+
+async def test_a_prompt_sent_while_the_model_loads_waits_and_then_runs(tiny_llama_dir, tmp_path, monkeypatch):
+    from nanovllm_core.engine.controller import EngineController
+    from nanovllm_core.engine.llm_engine import LLMEngine
+    from nanovllm_tui.app import NanoVLLMApp
+    from nanovllm_tui.starter import BackgroundController
+    from nanovllm_tui.widgets.prompt_bar import PromptSettings
+
+    loading = threading.Event()  # holds the model's loading until the prompt has been sent
+    load = LLMEngine.from_config.__func__
+    monkeypatch.setattr(LLMEngine, "from_config",
+                        classmethod(lambda cls, *a, **kw: loading.wait(30) and load(cls, *a, **kw)))
+    app = NanoVLLMApp(BackgroundController(lambda: EngineController(model=str(tiny_llama_dir), num_kv_blocks=32)),
+                      settings=PromptSettings(max_tokens=3), tutorial_path=tmp_path / "t.json")
+    notes = Notes()
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await send_prompt(pilot, "Hello there")  # the window is up, the model is not
+        rid = app.selected
+        assert app.state.requests[rid].state == "submitted" and app.state.phase == "loading"
+        assert notes.find("waits in the queue until the model has loaded")
+        assert "loading model" in str(app.query_one("#header").render())
+        loading.set()
+        await wait_until(pilot, lambda: app.state.requests[rid].state == "finished", what="the queued prompt")
+        assert app.state.ready and app.state.requests[rid].num_output == 3

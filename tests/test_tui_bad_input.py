@@ -1,0 +1,181 @@
+"""Bad input and failures: each shows a notification (or the layout adapts) and the app stays up."""
+
+from __future__ import annotations
+
+import pytest
+from textual.widgets import TabbedContent
+
+from nanovllm_core.engine.controller import EngineController
+from nanovllm_tui.app import NanoVLLMApp
+from nanovllm_tui.options import build_app, parse_args
+from nanovllm_tui.starter import BackgroundController
+from tests.tui_helpers import TRACE, Notes, engine_app, replay_app, send_prompt, wait_until
+
+pytestmark = pytest.mark.anyio
+SIZE = (120, 40)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+async def still_answers_keys(pilot) -> None:
+    """The app is up: a number key still switches the tab."""
+    await pilot.press("escape", "5")
+    await pilot.pause()
+    assert pilot.app.query_one(TabbedContent).active == "blocks"
+
+
+async def test_empty_prompt_is_not_sent_and_says_why(tmp_path):
+    app, notes = replay_app(tmp_path), Notes()
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await pilot.pause()
+        recorded = set(app.state.requests)  # the replay's own requests
+        await send_prompt(pilot, "   ")
+        await pilot.pause()
+        assert notes.find("The prompt is empty", "warning") and set(app.state.requests) == recorded
+        await still_answers_keys(pilot)
+
+
+async def test_a_setting_that_is_not_a_number_is_not_sent(tmp_path):
+    app, notes = replay_app(tmp_path), Notes()
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await pilot.pause()
+        recorded = set(app.state.requests)
+        await send_prompt(pilot, "Hello", max_tokens="lots")
+        await pilot.pause()
+        assert notes.find("max tokens must be a whole number", "error") and set(app.state.requests) == recorded
+
+
+@pytest.mark.real_model
+async def test_a_prompt_longer_than_the_model_allows_is_rejected_with_the_reason(make_engine, tmp_path):
+    app, notes = engine_app(make_engine, tmp_path, max_model_len=32), Notes()
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready)
+        await send_prompt(pilot, "word " * 60)
+        rid = app.selected
+        await wait_until(pilot, lambda: notes.find(f"{rid} was rejected: the prompt has", "error"),
+                         what="the rejection's notification")
+        assert "max_model_len is 32" in app.state.requests[rid].error
+        await send_prompt(pilot, "Hi", max_tokens=2)  # the engine still serves
+        await wait_until(pilot, lambda: app.state.requests[app.selected].state == "finished")
+
+
+@pytest.mark.real_model
+async def test_an_engine_error_is_shown_and_the_next_prompt_still_runs(make_engine, tmp_path):
+    app, notes = engine_app(make_engine, tmp_path), Notes()
+    failures = []
+
+    def fail_once(plan):
+        if not failures:
+            failures.append(plan.step)
+            raise RuntimeError("injected failure")
+
+    app.controller.engine.fault_injector = fail_once
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready)
+        await send_prompt(pilot, "Hello", max_tokens=2)
+        await wait_until(pilot, lambda: notes.find("injected failure", "error"), what="the error notification")
+        await send_prompt(pilot, "The sky is", max_tokens=2)
+        rid = app.selected
+        await wait_until(pilot, lambda: app.state.requests[rid].state == "finished")
+        assert app.state.requests[rid].num_output == 2
+
+
+async def test_a_model_that_cannot_load_is_reported_and_the_app_stays_up(tmp_path):
+    app = NanoVLLMApp(BackgroundController(lambda: EngineController(model=str(tmp_path / "no-such-model"))),
+                      tutorial_path=tmp_path / "t.json")
+    notes = Notes()
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: notes.find("model failed to load", "error"), timeout=30,
+                         what="the load failure's notification")
+        assert app.state.phase == "failed"
+        assert "does not exist" in str(app.query_one("#header").render())
+        await send_prompt(pilot, "Hello")
+        await wait_until(pilot, lambda: notes.find("was rejected: no model loaded"), what="the rejection")
+        await still_answers_keys(pilot)
+
+
+async def test_a_60x20_terminal_folds_panels_away_and_keeps_working(tmp_path):
+    app = replay_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        app.controller.step(4)
+        await wait_until(pilot, lambda: app.state.step == 3)
+        await pilot.resize_terminal(60, 20)
+        await pilot.pause()
+        assert app.screen.has_class("-narrow") and app.screen.has_class("-short")
+        assert not app.query_one("#topk").display and not app.query_one("#throughput").display
+        for key in "12345":
+            await pilot.press("escape", key)
+            await pilot.pause()
+            assert app.query_one(f"#{app.query_one(TabbedContent).active}-view").region.height > 5
+        await pilot.resize_terminal(120, 40)
+        await pilot.pause()
+        assert not app.screen.has_class("-narrow")
+
+
+async def test_keys_that_cannot_act_now_say_why(tmp_path):
+    app, notes = replay_app(tmp_path, start_paused=False), Notes()
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await pilot.press("escape", "n", "a")
+        await wait_until(pilot, lambda: notes.find("a replay cannot change it", "error"))
+        assert notes.find("n runs one step while the engine is paused", "warning")
+
+
+async def test_abort_with_no_request_selected_says_so(tmp_path):
+    app = NanoVLLMApp(BackgroundController(lambda: EngineController(model=str(tmp_path / "none"))),
+                      tutorial_path=tmp_path / "t.json")
+    notes = Notes()
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await pilot.press("escape", "a")
+        await pilot.pause()
+        assert notes.find("No request is selected", "warning")
+
+
+async def test_a_replay_refuses_new_prompts_with_a_notification(tmp_path):
+    app, notes = replay_app(tmp_path), Notes()
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await send_prompt(pilot, "Hello")
+        await wait_until(pilot, lambda: notes.find("cannot run new prompts", "error"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--replay", "/no/such/trace.jsonl"], "cannot replay /no/such/trace.jsonl"),
+    (["--chat"], "--chat is a nanovllm option and not available in the app"),
+    (["--tutorial"], "--tutorial is a nanovllm option and not available in the app (its tabs show the same"),
+    (["--prompt", " "], "--prompt must not be empty"),
+    (["--fps", "0"], "--fps must be between 1 and 60"),
+    (["--temperature", "-1"], "temperature"),
+])
+def test_bad_options_end_with_one_line_and_status_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_a_good_replay_option_loads_the_trace():
+    args = parse_args(["--replay", str(TRACE), "--paused"])
+    assert args.paused and len(args.replay_events) > 100
+
+
+def test_teaching_options_of_the_cli_set_the_narrator_and_tutorial_tabs(tmp_path):
+    app = build_app(["--replay", str(TRACE), "--progress-file", str(tmp_path / "p.json"), "--narrate-steps", "3"])
+    assert app.tutorial_path == str(tmp_path / "p.json") and app.narrator.max_decode == 3
+    app.controller.shutdown()
+
+
+async def test_a_narrator_failure_is_reported_once_and_the_other_tabs_go_on(tmp_path):
+    app, notes = replay_app(tmp_path, start_paused=False), Notes()
+
+    def broken(event):
+        raise KeyError("surprise")
+
+    app.narrator.feed = broken
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: notes.find("The narrator could not describe", "warning"))
+        await wait_until(pilot, lambda: app.state.step is not None and app.state.step >= 2, what="two steps")
+        await pilot.pause()
+        assert len(notes.find("The narrator could not describe", "warning")) == 1
+        await still_answers_keys(pilot)

@@ -1,0 +1,94 @@
+"""EngineState: how the app reads a request's life and the engine's figures from the event stream."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nanovllm_core import events as ev
+from nanovllm_tui.replay import load_trace, split_steps
+from nanovllm_tui.state import EngineState
+
+TRACE = Path(__file__).parent / "data" / "tui_trace.jsonl.gz"
+
+
+@pytest.fixture(scope="module")
+def steps():
+    return split_steps(load_trace(TRACE))
+
+
+def fold(prologue, steps, n):
+    state = EngineState()
+    for e in prologue + [e for group in steps[:n] for e in group]:
+        state.apply(e)
+    return state
+
+
+def test_ready_event_gives_the_model_facts(steps):
+    state = fold(steps[0], steps[1], 0)
+    assert state.ready and state.model_name == "SmolLM2-135M-Instruct"
+    assert state.model_info["num_layers"] == 30 and state.model_info["num_kv_blocks"] == 12
+    assert state.phase == "idle"  # nothing has run yet
+
+
+def test_chunked_prefill_progress_follows_the_scheduled_chunks(steps):
+    prologue, groups = steps
+    after_first = fold(prologue, groups, 1)
+    req = after_first.requests["0"]
+    assert (req.prompt_len, req.prefilled, req.state) == (10, 2, "running")  # a 2-token chunk of 10
+    assert after_first.requests["1"].state == "waiting"
+    assert fold(prologue, groups, 2).requests["0"].prefilled == 9
+
+
+def test_prefix_cache_hit_is_counted_for_the_request(steps):
+    state = fold(*steps, 3)
+    assert state.requests["1"].num_cached == 8
+
+
+def test_tokens_stream_into_the_text_and_finish_with_the_engine_figures(steps):
+    prologue, groups = steps
+    state = fold(prologue, groups, len(groups))
+    finished = {e.request_id: e for g in groups for e in g if isinstance(e, ev.RequestFinished)}
+    for rid, req in state.requests.items():
+        assert req.state == "finished" and req.text == finished[rid].output_text
+        assert req.ttft == finished[rid].ttft_s and req.num_output == 6
+    assert state.phase == "idle" and not state.active_requests
+
+
+def test_phase_names_the_newest_batch(steps):
+    prologue, groups = steps
+    assert fold(prologue, groups, 1).phase == "prefill"
+    assert fold(prologue, groups, 3).phase == "prefill+decode"
+    assert fold(prologue, groups, 4).phase == "decode"
+
+
+def test_throughput_is_tokens_over_engine_time(steps):
+    prologue, groups = steps
+    state = fold(prologue, groups, 2)
+    timed = [e for g in groups[:2] for e in g if isinstance(e, ev.StepTimed)]
+    wall = sum(t.wall_time_s for t in timed)
+    prefill, decode = state.throughput()
+    assert prefill == pytest.approx(sum(t.num_prefill_tokens for t in timed) / wall)
+    assert decode == pytest.approx(1 / wall)  # one decode token in step 1
+
+
+def test_layer_traces_keep_only_the_newest_step(steps):
+    prologue, groups = steps
+    state = fold(prologue, groups, 2)
+    assert sorted(state.xray) == list(range(30)) and {t.step for t in state.xray.values()} == {1}
+    assert state.heat is not None and state.heat.attention
+
+
+def test_a_rejected_prompt_keeps_its_reason():
+    state = EngineState()
+    state.submitted("req-0", "", 0, 8)
+    state.apply(ev.RequestRejected(request_id="req-0", reason="the prompt is empty"))
+    assert state.requests["req-0"].state == "rejected" and state.requests["req-0"].error == "the prompt is empty"
+    assert not state.requests["req-0"].live
+
+
+def test_model_load_failure_is_the_failed_phase():
+    state = EngineState()
+    state.apply(ev.EngineError(step=None, message="model failed to load: model path /x does not exist"))
+    assert state.phase == "failed" and state.load_error == "model path /x does not exist"

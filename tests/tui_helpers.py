@@ -1,0 +1,65 @@
+"""Shared by the TUI tests: building the app on a real engine or a replay, waiting, and reading notifications."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from textual.notifications import Notify
+
+from nanovllm_core.engine.controller import EngineController
+from nanovllm_tui.app import NanoVLLMApp
+from nanovllm_tui.replay import ReplayController, load_trace
+from nanovllm_tui.widgets.prompt_bar import PromptSettings
+
+TRACE = Path(__file__).parent / "data" / "tui_trace.jsonl.gz"
+
+
+def engine_app(make_engine, tmp_path: Path, start_paused: bool = False, max_tokens: int = 4,
+               **engine_settings) -> NanoVLLMApp:
+    """The app on a real engine (the session's shared model, a small KV pool, short generations)."""
+    engine_settings.setdefault("num_kv_blocks", 64)
+    controller = EngineController.from_engine(make_engine(**engine_settings), start_paused=start_paused)
+    return NanoVLLMApp(controller, settings=PromptSettings(max_tokens=max_tokens),
+                       tutorial_path=tmp_path / "tutorial.json")
+
+
+def replay_app(tmp_path: Path, start_paused: bool = True, **kwargs) -> NanoVLLMApp:
+    """The app replaying ``tests/data/tui_trace.jsonl.gz`` (no model needed)."""
+    return NanoVLLMApp(ReplayController(load_trace(TRACE), start_paused=start_paused),
+                       tutorial_path=tmp_path / "tutorial.json", **kwargs)
+
+
+class Notes:
+    """A ``run_test(message_hook=...)`` hook keeping the notifications the app showed."""
+
+    def __init__(self):
+        self.items = []
+
+    def __call__(self, message):
+        if isinstance(message, Notify):
+            self.items.append(message.notification)
+
+    def find(self, text: str, severity: str | None = None):
+        return [n for n in self.items if text in n.message and (severity is None or n.severity == severity)]
+
+
+async def wait_until(pilot, condition, timeout: float = 60.0, what: str = "condition") -> None:
+    """Let the app run until ``condition()`` holds (the engine works on its own thread meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await pilot.pause(0.05)
+
+
+async def send_prompt(pilot, prompt: str, max_tokens: int | None = None, priority: int | None = None) -> None:
+    """Type into the prompt bar's fields and press Enter, as a person would."""
+    app = pilot.app
+    if max_tokens is not None:
+        app.query_one("#max-tokens").value = str(max_tokens)
+    if priority is not None:
+        app.query_one("#priority").value = str(priority)
+    app.query_one("#prompt").focus()
+    app.query_one("#prompt").value = prompt
+    await pilot.press("enter")
