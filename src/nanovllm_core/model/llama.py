@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from nanovllm_core.model.cpu_linear import linear
+
 if TYPE_CHECKING:  # pragma: no cover
     from nanovllm_core.model.tracer import LayerTracer
 
@@ -276,7 +278,7 @@ class LlamaAttention(nn.Module):
         tracer: "LayerTracer | None" = None,
     ) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         # Q and K heads are rotated together: one set of operations instead of two.
         qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = RotaryEmbedding.apply(qk, cos, sin)
@@ -285,7 +287,7 @@ class LlamaAttention(nn.Module):
         if tracer is not None:
             tracer.qkv(self.layer_idx, x, q, k, v)
         out = attn.forward(self.layer_idx, q, k, v)
-        out = self.o_proj(out.reshape(n, self.q_size))
+        out = linear(out.reshape(n, self.q_size), self.o_proj.weight, self.o_proj.bias)
         if tracer is not None:
             tracer.attention_output(self.layer_idx, out)
         return out
@@ -303,9 +305,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, tracer: "LayerTracer | None" = None) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]`` through ``[T, intermediate]``."""
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate, up = linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias).split(self.intermediate_size, dim=-1)
         act = nn.functional.silu(gate).mul_(up)  # in place: one [T, intermediate] buffer fewer
-        out = self.down_proj(act)
+        out = linear(act, self.down_proj.weight, self.down_proj.bias)
         if tracer is not None:
             tracer.mlp(self.layer_idx, x, gate, up, act, out)
         return out
@@ -375,7 +377,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[num_rows, hidden]`` -> logits ``[num_rows, vocab]`` in float32."""
-        return nn.functional.linear(hidden, self.lm_head_matrix).float()
+        return linear(hidden, self.lm_head_matrix).float()
 
     # ----------------------------------------------------------------------------- weights
 
