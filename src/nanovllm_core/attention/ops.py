@@ -106,28 +106,6 @@ def attend_decode_grouped(
     return out.transpose(0, 1).reshape(s, nh, hd)
 
 
-def attend_decode_batch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
-    backend: str = "flash",
-) -> torch.Tensor:
-    """Attention for a batch of decode tokens, one per sequence, over padded contexts stored sequence-first.
-
-    Args:
-        q: ``[num_seqs, num_heads, head_dim]``, each sequence's newest token.
-        k, v: ``[num_seqs, num_kv_heads, max_context_len, head_dim]``, padded per sequence.
-        mask: ``[num_seqs, 1, 1, max_context_len]`` bool, False on padding.
-
-    Returns:
-        ``[num_seqs, num_heads, head_dim]``. Same arithmetic as :func:`attend_decode_grouped`.
-    """
-    additive = torch.zeros(mask.shape[0], mask.shape[-1], dtype=q.dtype, device=q.device)
-    additive.masked_fill_(~mask[:, 0, 0, :], float("-inf"))
-    return attend_decode_grouped(q, k.transpose(0, 1), v.transpose(0, 1), additive, backend)
-
-
 def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, head: int) -> torch.Tensor:
     """Softmax attention weights of one query head, ``[num_queries, context_len]`` float32.
 
