@@ -100,6 +100,43 @@ def test_chunked_prefill_logits_match_whole_prefill(tmp_path):
     assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-4), (ours - ref).abs().max()
 
 
+@pytest.mark.parametrize("backend", ["flash", "math"])
+def test_mixed_step_with_many_decode_groups_matches_transformers(tmp_path, backend):
+    """One step of 40 decodes (several decode groups, contexts 1-60 tokens) and a prefill chunk that
+    continues a cached context: every row's logits equal transformers' on the whole sequence."""
+    from nanovllm_core.engine import model_runner
+
+    path = save_tiny_llama(tmp_path, seed=11)
+    model, _, _ = _load_without_tokenizer(path)
+    engine = LLMEngine(EngineConfig(num_kv_blocks=512, block_size=4, attention_backend=backend), model, _NoTokenizer())
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (int(n),), generator=gen).tolist()
+               for n in torch.randint(1, 60, (40,), generator=gen)]
+    assert len(prompts) > 2 * model_runner.DECODE_GROUP_SIZE
+    chunked = torch.randint(3, 200, (30,), generator=gen).tolist()
+    seqs = [Sequence(seq_id=i, request_id=str(i), token_ids=list(p), num_prompt_tokens=len(p),
+                     params=SamplingParams(temperature=0)) for i, p in enumerate(prompts + [chunked])]
+    first = []  # step 1: every prompt whole, and the first 10 tokens of the chunked one
+    for seq in seqs:
+        n = 10 if seq.seq_id == len(prompts) else seq.num_tokens
+        assert engine.block_manager.allocate(seq, n)
+        first.append(ScheduledSequence(seq=seq, num_new_tokens=n, kind="prefill", samples=False, start=0))
+    engine.runner.run(first)
+    step = []  # step 2: one new token for each prompt (decodes), the rest of the chunked prompt
+    for seq in seqs[:-1]:
+        seq.token_ids.append(7)
+        assert engine.block_manager.allocate(seq, seq.num_tokens)
+        step.append(ScheduledSequence(seq=seq, num_new_tokens=1, kind="decode", samples=True, start=seq.num_tokens - 1))
+    last = seqs[-1]
+    assert engine.block_manager.allocate(last, last.num_tokens)
+    step.append(ScheduledSequence(seq=last, num_new_tokens=20, kind="prefill", samples=True, start=10))
+    result = engine.runner.run(step)
+    for row, (s, _) in enumerate(result.rows):
+        ref = hf_logits(path, s.seq.token_ids)[-1]
+        assert torch.allclose(result.logits[row], ref, atol=1e-4, rtol=1e-4), (s.seq.seq_id, (result.logits[row] - ref).abs().max())
+    assert len(result.rows) == len(seqs)
+
+
 class _NoTokenizer:
     eos_token_id = 2
 

@@ -73,34 +73,37 @@ def attend_sequence(
     return out[0].transpose(0, 1)
 
 
-def attend_decode_batch(
+def attend_decode_grouped(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor,
     backend: str = "flash",
 ) -> torch.Tensor:
-    """Attention for a batch of decode tokens, one per sequence, over padded contexts.
+    """Attention for a batch of decode tokens, one per sequence, over padded contexts stored heads-first.
 
     Args:
         q: ``[num_seqs, num_heads, head_dim]``, each sequence's newest token.
-        k, v: ``[num_seqs, num_kv_heads, max_context_len, head_dim]``, padded per sequence.
-        mask: ``[num_seqs, 1, 1, max_context_len]`` bool, False on padding.
+        k, v: ``[num_kv_heads, num_seqs, max_context_len, head_dim]`` (the paged pool's
+            head-major gather, no copy needed to get here).
+        mask: ``[num_seqs, max_context_len]`` float, added to the scores: 0 on each
+            sequence's context, -inf on its padding.
+        backend: ``"flash"`` (fused SDPA) or ``"math"`` (explicit scores).
 
     Returns:
         ``[num_seqs, num_heads, head_dim]``.
     """
     s, nh, hd = q.shape
-    nkv = k.shape[1]
-    # The query heads that share a KV head become that head's "query positions".
-    qg = q.view(s, nkv, nh // nkv, hd)
+    nkv = k.shape[0]
+    # The query heads that share a KV head become that head's "query positions" (GQA without copying K/V).
+    qg = q.view(s, nkv, nh // nkv, hd).transpose(0, 1)  # [nkv, S, group, hd]
+    m = mask[None, :, None, :]
     if backend == "math":
-        scores = torch.matmul(qg, k.transpose(-1, -2)) * (hd ** -0.5)
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = torch.matmul(qg, k.transpose(-1, -2)) * (hd ** -0.5) + m
         out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
     else:
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
-    return out.reshape(s, nh, hd)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m.to(q.dtype))
+    return out.transpose(0, 1).reshape(s, nh, hd)
 
 
 def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, head: int) -> torch.Tensor:

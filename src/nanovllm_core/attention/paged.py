@@ -1,19 +1,28 @@
 """PagedAttention: the KV cache as a pool of fixed-size blocks, read through block tables.
 
 Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving with
-PagedAttention", section 4.1. The cache of each layer is ``[num_blocks, block_size,
-num_kv_heads, head_dim]``; a sequence's logical token ``i`` lives in physical block
+PagedAttention", section 4.1. A sequence's logical token ``i`` lives in physical block
 ``block_table[i // block_size]`` at offset ``i % block_size``, i.e. in *slot*
 ``block_table[i // block_size] * block_size + i % block_size``.
+
+Each layer's pool is stored head-major, ``[num_kv_heads, num_blocks, block_size, head_dim]``
+(vLLM's CPU backend also keeps heads outermost): one block of one head is a contiguous run
+of ``block_size * head_dim`` numbers, so gathering a sequence's blocks copies a few long
+runs instead of many short rows, and the gathered context is already in the
+``[heads, tokens, head_dim]`` order attention multiplies in.
 
 Per step, the model runner builds one :class:`PagedAttentionMetadata` for the whole flat
 batch; every layer reuses it:
 
 1. the new tokens' K/V are written to their slots (``slot_mapping``);
-2. decode tokens (one per sequence, put first in the batch) gather their contexts into a
-   padded ``[num_decodes, num_kv_heads, max_context, head_dim]`` and run one batched attention;
-3. each prefill chunk (or multi-token verification) gathers its sequence's context and
-   attends with a causal mask offset by the tokens already cached.
+2. decode tokens (one per sequence, put first in the batch, shortest context first) are
+   attended in groups of similar context length: each group gathers its blocks into a padded
+   ``[num_kv_heads, group_size, max_blocks * block_size, head_dim]`` and runs one batched
+   attention, the padding hidden by an additive mask built once per step. Grouping keeps the
+   padding (wasted reads) small when contexts differ a lot in length;
+3. each prefill chunk attends with a causal mask offset by the tokens already cached; a
+   chunk that starts at position 0 has no cached context, so it attends over its own new
+   K/V directly and gathers nothing.
 
 On CUDA with flash-attn installed and ``block_size`` a multiple of 256, flash-attn's
 varlen kernel reads the blocks in place instead (it needs pages of 256 tokens).
@@ -25,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanovllm_core.attention.ops import attend_decode_batch, attend_sequence
+from nanovllm_core.attention.ops import attend_decode_grouped, attend_sequence
 from nanovllm_core.model.llama import ModelConfig
 
 
@@ -41,21 +50,41 @@ def flash_attn_available(device: torch.device, block_size: int) -> bool:
 
 
 class PagedKVCache:
-    """The physical KV pool: per layer, K and V tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    """The physical KV pool of every layer.
 
-    Zero-initialised, so padded reads of never-written slots are finite (masked scores of
-    NaN would poison the softmax).
+    Storage per layer: K and V ``[num_kv_heads, num_blocks, block_size, head_dim]``
+    (``heads_major=True``, for the gather + SDPA path) or ``[num_blocks, block_size,
+    num_kv_heads, head_dim]`` (``heads_major=False``, the layout flash-attn's paged kernel
+    reads). Whatever the storage, three views name the same numbers:
+
+    - ``k[layer]``, ``v[layer]``: ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+    - ``k_slots[layer]``, ``v_slots[layer]``: ``[num_blocks * block_size, num_kv_heads, head_dim]``, by slot;
+    - ``k_by_head[layer]``, ``v_by_head[layer]``: ``[num_kv_heads, num_blocks, block_size, head_dim]``.
+
+    Zero-initialised, so padded reads of never-written slots are finite (a masked score of
+    NaN would still poison the softmax).
     """
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 heads_major: bool = True):
+        nkv, hd = cfg.num_key_value_heads, cfg.head_dim
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        # Flat slot views ``[num_blocks * block_size, num_kv_heads, head_dim]``; same storage.
-        self.k_slots = [t.view(-1, shape[2], shape[3]) for t in self.k]
-        self.v_slots = [t.view(-1, shape[2], shape[3]) for t in self.v]
+        self.heads_major = heads_major
+        shape = (nkv, num_blocks, block_size, hd) if heads_major else (num_blocks, block_size, nkv, hd)
+        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        if heads_major:
+            self.k_by_head, self.v_by_head = k, v
+            self.k = [t.permute(1, 2, 0, 3) for t in k]
+            self.v = [t.permute(1, 2, 0, 3) for t in v]
+        else:
+            self.k, self.v = k, v
+            self.k_by_head = [t.permute(2, 0, 1, 3) for t in k]
+            self.v_by_head = [t.permute(2, 0, 1, 3) for t in v]
+        # Slot views; same storage (a view of a permuted tensor, so writes land in the pool).
+        self.k_slots = [t.flatten(1, 2).transpose(0, 1) if heads_major else t.flatten(0, 1) for t in k]
+        self.v_slots = [t.flatten(1, 2).transpose(0, 1) if heads_major else t.flatten(0, 1) for t in v]
 
     @property
     def nbytes(self) -> int:
@@ -67,22 +96,57 @@ class PagedKVCache:
         """Bytes of one block across all layers, K and V."""
         return self.nbytes // self.num_blocks
 
+    def gather_blocks(self, layer_idx: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given physical blocks, ``[num_kv_heads, len(blocks) * block_size, head_dim]`` each.
+
+        ``blocks`` ``[n]`` (long): block ids in logical order (a block table, or several
+        tables concatenated). One copy per head of ``n`` contiguous runs.
+        """
+        nkv, _, bs, hd = self.k_by_head[layer_idx].shape
+        n = blocks.numel() * bs
+        k = self.k_by_head[layer_idx].index_select(1, blocks).view(nkv, n, hd)
+        v = self.v_by_head[layer_idx].index_select(1, blocks).view(nkv, n, hd)
+        return k, v
+
 
 @dataclass
 class PrefillChunk:
     """One sequence's multi-token slice of the flat batch.
 
     ``token_start``: index of its first token in the batch; ``num_tokens``: its length;
-    ``context_slots`` ``[context_len]``: slots of all its tokens so far, this chunk's included;
-    ``mask`` ``[num_tokens, context_len]``: causal mask offset by the cached tokens, or None
-    when the chunk is the whole context (a plain causal square).
+    ``start``: its first position (tokens already cached before it); ``block_table``
+    ``[num_blocks]`` (long): the blocks holding its context, this chunk's included (None when
+    ``start == 0``: the chunk attends over its own new K/V, nothing to gather);
+    ``mask`` ``[num_tokens, start + num_tokens]`` bool: causal mask offset by the cached
+    tokens, or None for a plain causal square (``start == 0``).
     """
 
     token_start: int
     num_tokens: int
-    context_slots: torch.Tensor
+    start: int
+    block_table: torch.Tensor | None
     mask: torch.Tensor | None
     seq_index: int = 0
+
+    @property
+    def context_len(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
+class DecodeGroup:
+    """Decodes ``first .. first + num - 1`` of the flat batch, attended together.
+
+    ``blocks`` ``[num * max_blocks]`` (long): each member's block table padded with block 0
+    to the group's longest, rows concatenated (one gather serves the group);
+    ``mask`` ``[num, max_blocks * block_size]`` float: 0 on each member's context, -inf on
+    its padding (added to the scores).
+    """
+
+    first: int
+    num: int
+    blocks: torch.Tensor
+    mask: torch.Tensor
 
 
 @dataclass
@@ -90,9 +154,10 @@ class PagedAttentionMetadata:
     """Everything attention needs about one step's flat batch of ``T`` tokens.
 
     - ``slot_mapping`` ``[T]``: where each new token's K/V is written.
-    - ``num_decodes``: the first ``num_decodes`` tokens are decodes, one per sequence.
-    - ``decode_slots`` ``[num_decodes, max_context]``: slots of each decode's context (padded with 0).
-    - ``decode_mask`` ``[num_decodes, 1, 1, max_context]``: False on padding.
+    - ``num_decodes``: the first ``num_decodes`` tokens are decodes, one per sequence,
+      ordered by context length.
+    - ``decode_groups``: the decodes cut into groups of similar context length, so padding
+      each to its group's longest wastes little (see :class:`DecodeGroup`).
     - ``prefills``: the multi-token chunks after the decodes.
     - flash-attn fields (``cu_seqlens_q``, ``cu_seqlens_k``, ``block_tables``, maxima), filled
       only when that kernel is used.
@@ -100,8 +165,7 @@ class PagedAttentionMetadata:
 
     slot_mapping: torch.Tensor
     num_decodes: int
-    decode_slots: torch.Tensor | None
-    decode_mask: torch.Tensor | None
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
@@ -121,26 +185,40 @@ class PagedAttention:
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[T, num_heads, head_dim]``, k/v ``[T, num_kv_heads, head_dim]`` -> ``[T, num_heads, head_dim]``."""
-        meta = self.meta
-        k_slots, v_slots = self.cache.k_slots[layer_idx], self.cache.v_slots[layer_idx]
-        k_slots.index_copy_(0, meta.slot_mapping, k)
-        v_slots.index_copy_(0, meta.slot_mapping, v)
+        meta, cache = self.meta, self.cache
+        cache.k_slots[layer_idx].index_copy_(0, meta.slot_mapping, k)
+        cache.v_slots[layer_idx].index_copy_(0, meta.slot_mapping, v)
         if self.use_flash_attn:
             return self._flash_attn(layer_idx, q)
-        out = torch.empty_like(q)
         d = meta.num_decodes
+        if d == q.shape[0]:  # decode-only step: no output buffer to fill piecewise
+            return self._decode(layer_idx, q)
+        out = torch.empty_like(q)
         if d:
-            s, ctx = meta.decode_slots.shape
-            nkv, hd = k.shape[1], k.shape[2]
-            idx = meta.decode_slots.reshape(-1)
-            kd = k_slots.index_select(0, idx).view(s, ctx, nkv, hd).transpose(1, 2)
-            vd = v_slots.index_select(0, idx).view(s, ctx, nkv, hd).transpose(1, 2)
-            out[:d] = attend_decode_batch(q[:d], kd, vd, meta.decode_mask, self.backend)
+            out[:d] = self._decode(layer_idx, q[:d])
         for chunk in meta.prefills:
             a, b = chunk.token_start, chunk.token_start + chunk.num_tokens
-            kc = k_slots.index_select(0, chunk.context_slots)
-            vc = v_slots.index_select(0, chunk.context_slots)
-            out[a:b] = attend_sequence(q[a:b], kc, vc, chunk.mask, self.backend)
+            if chunk.block_table is None:  # starts at position 0: its context is exactly its new K/V
+                out[a:b] = attend_sequence(q[a:b], k[a:b], v[a:b], None, self.backend)
+                continue
+            kc, vc = cache.gather_blocks(layer_idx, chunk.block_table)
+            ctx = chunk.context_len
+            out[a:b] = attend_sequence(q[a:b], kc[:, :ctx].transpose(0, 1), vc[:, :ctx].transpose(0, 1),
+                                       chunk.mask, self.backend)
+        return out
+
+    def _decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        """The decodes' attention, group by group: q ``[num_decodes, num_heads, head_dim]`` -> same shape."""
+        groups = self.meta.decode_groups
+        out = torch.empty_like(q) if len(groups) > 1 else None
+        for g in groups:
+            kd, vd = self.cache.gather_blocks(layer_idx, g.blocks)
+            nkv, _, hd = kd.shape
+            o = attend_decode_grouped(q[g.first:g.first + g.num], kd.view(nkv, g.num, -1, hd),
+                                      vd.view(nkv, g.num, -1, hd), g.mask, self.backend)
+            if out is None:
+                return o
+            out[g.first:g.first + g.num] = o
         return out
 
     def _flash_attn(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:  # pragma: no cover - needs CUDA

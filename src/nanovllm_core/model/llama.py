@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from nanovllm_core.model.cpu_linear import linear
+
 if TYPE_CHECKING:  # pragma: no cover
     from nanovllm_core.model.tracer import LayerTracer
 
@@ -157,6 +159,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[num_tokens, hidden]`` -> ``[num_tokens, hidden]``."""
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # PyTorch's fused kernel: the same arithmetic in one pass instead of six.
+            return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -217,7 +222,15 @@ class RotaryEmbedding(nn.Module):
         self.sin_cache = freqs.sin().to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions ``[num_tokens]`` -> (cos, sin), each ``[num_tokens, 1, head_dim // 2]``."""
+        """positions ``[num_tokens]`` -> (cos, sin), each ``[num_tokens, 1, head_dim]``.
+
+        ``cos`` is the angles' cosines written twice, ``(cos, cos)``; ``sin`` carries the
+        rotation's signs, ``(-sin, sin)``, so :meth:`apply` is two products and a sum. Built
+        once per step and shared by every layer.
+
+        Raises:
+            ValueError: a position is beyond the table (``max_model_len`` too large).
+        """
         if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
             raise ValueError(
                 f"position {int(positions.max())} is beyond the rotary table "
@@ -225,13 +238,17 @@ class RotaryEmbedding(nn.Module):
             )
         cos = self.cos_cache.index_select(0, positions).unsqueeze(1).to(dtype)
         sin = self.sin_cache.index_select(0, positions).unsqueeze(1).to(dtype)
-        return cos, sin
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x ``[num_tokens, heads, head_dim]`` by its positions' angles."""
+        """Rotate x ``[num_tokens, heads, head_dim]`` by its positions' angles (tables from :meth:`cos_sin`).
+
+        Each pair ``(x1, x2)`` = ``(x[i], x[i + head_dim/2])`` becomes
+        ``(x1 cos - x2 sin, x2 cos + x1 sin)``.
+        """
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return x * cos + torch.cat((x2, x1), dim=-1) * sin
 
 
 class LlamaAttention(nn.Module):
@@ -261,15 +278,16 @@ class LlamaAttention(nn.Module):
         tracer: "LayerTracer | None" = None,
     ) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = RotaryEmbedding.apply(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = RotaryEmbedding.apply(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        # Q and K heads are rotated together: one set of operations instead of two.
+        qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = RotaryEmbedding.apply(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         if tracer is not None:
             tracer.qkv(self.layer_idx, x, q, k, v)
         out = attn.forward(self.layer_idx, q, k, v)
-        out = self.o_proj(out.reshape(n, self.q_size))
+        out = linear(out.reshape(n, self.q_size), self.o_proj.weight, self.o_proj.bias)
         if tracer is not None:
             tracer.attention_output(self.layer_idx, out)
         return out
@@ -287,9 +305,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, tracer: "LayerTracer | None" = None) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]`` through ``[T, intermediate]``."""
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        act = nn.functional.silu(gate) * up
-        out = self.down_proj(act)
+        gate, up = linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias).split(self.intermediate_size, dim=-1)
+        act = nn.functional.silu(gate).mul_(up)  # in place: one [T, intermediate] buffer fewer
+        out = linear(act, self.down_proj.weight, self.down_proj.bias)
         if tracer is not None:
             tracer.mlp(self.layer_idx, x, gate, up, act, out)
         return out
@@ -359,7 +377,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[num_rows, hidden]`` -> logits ``[num_rows, vocab]`` in float32."""
-        return nn.functional.linear(hidden, self.lm_head_matrix).float()
+        return linear(hidden, self.lm_head_matrix).float()
 
     # ----------------------------------------------------------------------------- weights
 

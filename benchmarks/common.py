@@ -1,0 +1,262 @@
+"""What the benchmark programs share: the workload, statistics, the matmul peak, peak memory, table printing.
+
+A *workload* is N requests whose prompt and output lengths are drawn with a fixed seed.
+Prompts are real English text: ``corpus.txt`` tokenized once, each prompt a window of the
+drawn length starting at its own offset (all offsets distinct, so no two prompts share a
+first KV block and the prefix cache cannot make our engine look better than it is).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CORPUS = Path(__file__).with_name("corpus.txt")
+
+# name -> (prompt length range, output length range), in tokens, inclusive.
+WORKLOADS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
+    "default": ((16, 256), (16, 128)),
+    "chat": ((16, 64), (32, 256)),  # short prompts, long answers: the decode-heavy case
+}
+
+
+@dataclass
+class Workload:
+    """N requests: ``prompts[i]`` (token ids) must produce exactly ``output_lens[i]`` tokens."""
+
+    name: str
+    seed: int
+    prompt_range: tuple[int, int]
+    output_range: tuple[int, int]
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    def summary(self) -> dict[str, Any]:
+        """The workload as JSON-ready numbers (lengths in tokens)."""
+        return {
+            "name": self.name,
+            "num_requests": self.num_requests,
+            "seed": self.seed,
+            "prompt_tokens_range": list(self.prompt_range),
+            "output_tokens_range": list(self.output_range),
+            "total_prompt_tokens": self.prompt_tokens,
+            "total_output_tokens": self.output_tokens,
+        }
+
+
+def corpus_token_ids(tokenizer: Any) -> list[int]:
+    """Token ids of ``corpus.txt`` (no special tokens)."""
+    return tokenizer.encode(CORPUS.read_text(encoding="utf-8"), add_special_tokens=False)
+
+
+def make_workload(tokenizer: Any, name: str = "default", num_requests: int = 64, seed: int = 0,
+                  prompt_range: tuple[int, int] | None = None,
+                  output_range: tuple[int, int] | None = None) -> Workload:
+    """Draw a workload: lengths uniform in their ranges (inclusive), prompts cut from real text.
+
+    Raises:
+        ValueError: unknown workload name, empty ranges, or more requests than the corpus has offsets.
+    """
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; use one of {', '.join(WORKLOADS)}")
+    p_range, o_range = WORKLOADS[name]
+    p_range, o_range = prompt_range or p_range, output_range or o_range
+    if not (1 <= p_range[0] <= p_range[1]) or not (1 <= o_range[0] <= o_range[1]):
+        raise ValueError(f"length ranges must be 1 <= low <= high, got prompts {p_range}, outputs {o_range}")
+    stream = corpus_token_ids(tokenizer)
+    if num_requests > len(stream):
+        raise ValueError(f"at most {len(stream)} requests (one per corpus offset); got {num_requests}")
+    rng = random.Random(seed)
+    offsets = rng.sample(range(len(stream)), num_requests)
+    ring = stream * (p_range[1] // len(stream) + 2)  # a window may wrap around the end of the text
+    prompts, outputs = [], []
+    for off in offsets:
+        p = rng.randint(*p_range)
+        prompts.append(ring[off:off + p])
+        outputs.append(rng.randint(*o_range))
+    return Workload(name, seed, p_range, o_range, prompts, outputs)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation, or None for no values."""
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return None
+    k = (len(vals) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(vals) - 1)
+    return vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
+
+
+def gemm_peak_flops(n: int = 2048, repeats: int = 5) -> float:
+    """Measured float32 matrix-multiply peak in FLOP/s: best of ``repeats`` timed ``[n, n] @ [n, n]``.
+
+    Both matmul paths PyTorch offers on the CPU are timed, MKL's (``torch.mm``) and oneDNN's
+    with a pre-packed weight (the path our engine's linear layers take, see
+    ``nanovllm_core.model.cpu_linear``); the faster one is the peak. The best run (not the
+    mean) is taken, so that a moment of contention on a shared machine does not make every
+    roofline fraction look better than it is.
+    """
+    return max(gemm_peaks(n, repeats).values())
+
+
+def gemm_peaks(n: int = 2048, repeats: int = 5) -> dict[str, float]:
+    """FLOP/s of the best of ``repeats`` ``[n, n] @ [n, n]`` float32 products, per matmul path."""
+    from nanovllm_core.model import cpu_linear
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen)
+    b = torch.randn(n, n, generator=gen)
+    c = torch.empty(n, n)
+    paths = {"mkl": lambda: torch.mm(a, b, out=c)}
+    packed = cpu_linear.packed_weight(b)
+    if packed is not None:
+        paths["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+    peaks = {}
+    for name, run in paths.items():
+        run()  # warm-up (thread pool, buffers)
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - t)
+        peaks[name] = 2.0 * n ** 3 / best
+    return peaks
+
+
+class PeakRSS:
+    """Peak resident memory (bytes) of this process while the ``with`` block runs.
+
+    On Linux the kernel's high-water mark (``VmHWM``) is reset on entry through
+    ``/proc/self/clear_refs`` and read on exit; elsewhere a thread samples the RSS every 20 ms.
+    The figure includes everything resident: model weights, KV cache, the Python heap.
+    """
+
+    def __init__(self) -> None:
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def _status(field_name: str) -> int | None:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(field_name + ":"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+
+    @staticmethod
+    def _rss_now() -> int:
+        rss = PeakRSS._status("VmRSS")
+        if rss is not None:
+            return rss
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def __enter__(self) -> "PeakRSS":
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self._hwm = True
+        except OSError:
+            self._hwm = False
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        self.peak_bytes = self._rss_now()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak_bytes = max(self.peak_bytes, self._rss_now())
+
+    def __exit__(self, *exc) -> None:
+        if self._hwm:
+            self.peak_bytes = max(self.peak_bytes, self._status("VmHWM") or 0)
+        else:
+            self._stop.set()
+            self._thread.join()
+        self.peak_bytes = max(self.peak_bytes, self._rss_now())
+
+
+def default_model_dir() -> Path:
+    """The folder of the embedded default model (SmolLM2-135M-Instruct, converted from its GGUF once)."""
+    from nanovllm_core.model.loader import resolve_model
+
+    return Path(resolve_model(None).path)
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo, or the platform's guess."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def machine_summary() -> dict[str, Any]:
+    """Where the figures were measured: CPU, core count, torch threads, versions."""
+    import transformers
+
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    return {
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": "cpu",
+        "dtype": "float32",
+        "load_average_1_5_15_min": load,  # other processes share the cores when this exceeds ~1
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+    }
+
+
+def fmt(value: float | None, unit: str = "", digits: int = 3) -> str:
+    """A number for a table cell; ``-`` when missing."""
+    if value is None:
+        return "-"
+    return f"{value:.{digits}g}{unit}" if abs(value) < 1000 else f"{value:,.0f}{unit}"
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    """A plain fixed-width text table (first column left-aligned, the rest right-aligned)."""
+    cols = [headers] + rows
+    widths = [max(len(r[i]) for r in cols) for i in range(len(headers))]
+
+    def line(r: list[str]) -> str:
+        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
+        return "  ".join(cells)
+
+    return "\n".join([line(headers), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])

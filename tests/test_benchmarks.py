@@ -1,0 +1,79 @@
+"""The benchmark programs' quick modes run end to end and produce every figure, well-formed.
+
+Speed is never asserted here: the figures must exist, be finite and positive where they are
+rates or times, and keep the JSON shape the README documents. The experiments must also
+exercise what they claim to measure (the small pool does preempt, the cache does hit).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks import benchmark_advanced_scheduling, benchmark_comparison, benchmark_scheduler_unit
+
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_comparison_quick_writes_the_documented_json(tmp_path):
+    path = tmp_path / "cmp.json"
+    benchmark_comparison.main(["--quick", "--systems", "ours,hf-padded", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert set(data) >= {"workload", "systems", "gemm_peak_flops", "roofline_fraction", "speedup_vs_best_hf"}
+    assert set(data["systems"]) == {"ours", "hf-padded"}
+    for name, s in data["systems"].items():
+        for key in ("useful_tokens_per_s", "ttft_p50_s", "tpot_p50_s", "peak_rss_bytes", "roofline_fraction"):
+            assert positive(s[key]), (name, key, s[key])
+        assert s["ttft_p50_s"] <= s["ttft_p99_s"]
+    w = data["workload"]
+    assert w["num_requests"] == 4 and w["total_output_tokens"] > 0
+    assert positive(data["gemm_peak_flops"]) and positive(data["speedup_vs_best_hf"])
+    assert data["roofline_fraction"] == data["systems"]["ours"]["roofline_fraction"]
+    assert 0.0 <= data["systems"]["hf-padded"]["same_tokens_as_ours"] <= 1.0
+
+
+def test_comparison_rejects_an_unknown_system(capsys):
+    with pytest.raises(SystemExit) as e:
+        benchmark_comparison.main(["--quick", "--systems", "ours,vllm"])
+    assert e.value.code == 2
+    assert "unknown system(s) vllm" in capsys.readouterr().err
+
+
+def test_advanced_scheduling_quick_exercises_every_feature(tmp_path):
+    path = tmp_path / "sched.json"
+    benchmark_advanced_scheduling.main(["--all", "--quick", "--json", str(path)])
+    data = json.loads(path.read_text())
+    for policy in ("priority", "fcfs"):
+        assert positive(data["priority"][policy]["ttft_high_p50_s"])
+    assert data["priority"]["priority"]["num_preemptions"] > 0  # the urgent requests did preempt
+    small = data["preemption"]["pool holds ~1/3"]
+    assert small["num_preemptions"] > 0 and small["tokens_recomputed"] > 0
+    assert data["preemption"]["pool holds all"]["num_preemptions"] == 0
+    for mode in ("chunked", "one piece"):
+        assert positive(data["chunked_prefill"][mode]["decode_stall_max_s"])
+    assert data["chunked_prefill"]["chunked"]["token_budget"] < data["chunked_prefill"]["one piece"]["token_budget"]
+    assert data["prefix_caching"]["on"]["hit_rate"] > 0 and data["prefix_caching"]["off"]["hit_rate"] == 0
+
+
+def test_advanced_scheduling_needs_a_feature(capsys):
+    with pytest.raises(SystemExit) as e:
+        benchmark_advanced_scheduling.main(["--quick"])
+    assert e.value.code == 2
+    assert "choose --all" in capsys.readouterr().err
+
+
+def test_scheduler_unit_quick_measures_steps_and_step_cost(tmp_path):
+    path = tmp_path / "unit.json"
+    benchmark_scheduler_unit.main(["--quick", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert [q["num_requests"] for q in data["queue"]] == [10, 100]
+    for q in data["queue"]:
+        assert q["steps"] > 0 and positive(q["steps_per_s"])
+    assert [c["running"] for c in data["step_cost_vs_running"]] == [1, 8, 64]
+    assert all(positive(c["step_mean_s"]) for c in data["step_cost_vs_running"])
