@@ -1,6 +1,6 @@
 """What the app costs a busy engine, and how fast it answers a key while the engine runs flat out.
 
-    python benchmarks/benchmark_tui.py                 # 16 requests x 32 tokens, 3 rounds, the default model
+    python benchmarks/benchmark_tui.py                 # 32 requests x 64 tokens, 3 rounds, the default model
     python benchmarks/benchmark_tui.py --requests 32 --max-tokens 64 --threads 1 --json out.json
 
 One process, one engine (same weights, same KV pool), the same workload twice:
@@ -40,6 +40,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+from nanovllm_tui.bridge import DEFAULT_FPS  # noqa: E402  (after the path, for an uninstalled checkout)
 
 PROMPTS = ["The capital of France is", "Python is a programming language that", "Once upon a time",
            "The largest planet in the solar system", "Water boils at", "A good breakfast includes",
@@ -129,12 +131,13 @@ def percentile(values: list[float], q: float) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3, help="repeat the four runs; ratios are medians over rounds")
     p.add_argument("--num-kv-blocks", type=int, default=512)
     p.add_argument("--key-interval", type=float, default=1.0, help="seconds between key presses")
-    p.add_argument("--fps", type=float, default=10.0, help="the app's default")
+    p.add_argument("--fps", type=float, default=DEFAULT_FPS,
+                   help=f"the app's frames a second (default {DEFAULT_FPS:g}, the app's default on this machine)")
     p.add_argument("--device", default=None)
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for every run (default: torch's own choice)")

@@ -14,6 +14,7 @@ kept stays in arrival order (the narrator reads a step's events in order).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -23,7 +24,12 @@ from textual.message_pump import MessagePump
 
 from nanovllm_core import events as ev
 
-DEFAULT_FPS = 10.0  # screen updates a second from engine events: smooth to read, cheap beside a busy engine
+# Screen updates a second from engine events: smooth to read, cheap beside a busy engine. On a
+# machine of two cores or fewer every frame the UI thread draws is taken from the engine's
+# compute threads (and Python's lock), so it draws half as often there: measured on 2 cores
+# while watching the Dashboard, the UI thread's share of a core went from 12-13% at 10 frames
+# a second to 8-10% at 5 (benchmarks/benchmark_tui.py).
+DEFAULT_FPS = 10.0 if (os.cpu_count() or 1) > 2 else 5.0
 
 
 class EngineBridge:
