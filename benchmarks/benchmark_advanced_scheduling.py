@@ -26,7 +26,6 @@ two columns of one experiment, which ran one after the other in the same process
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
@@ -37,7 +36,7 @@ from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.sampling_params import SamplingParams
 
-from benchmarks.common import corpus_token_ids, fmt, machine_summary, percentile, table
+from benchmarks.common import corpus_token_ids, fmt, machine_summary, percentile, table, write_json
 
 FEATURES = ("priority", "preemption", "chunked_prefill", "prefix_caching")
 
@@ -285,9 +284,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         bench, show = RUNS[f]
         results[f] = bench(b)
         show(results[f])
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=2)
+    write_json(args.json, results)
     return results
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -57,6 +56,7 @@ from benchmarks.common import (
     make_workload,
     percentile,
     table,
+    write_json,
 )
 
 SYSTEMS = ("hf-sequential", "hf-padded", "hf-generate-batch", "ours")
@@ -390,9 +390,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     summary["gemm_peaks_flops_by_path"] = peaks
     summary["machine"]["load_average_at_start"] = load_at_start
     print(report(summary))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
+    write_json(args.json, summary)
     return summary
 
 

@@ -16,11 +16,12 @@ difference to "none" (the best run removes most of a shared machine's noise).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 from nanovllm_core import LLM, SamplingParams
+
+from benchmarks.common import write_json
 
 CONFIGS = {
     "none": None,
@@ -69,9 +70,7 @@ def main(argv=None) -> dict:
         print(f"{name:<10} {tps:>10.1f} {median[name]:>8.1f} {100 * (tps / base - 1):>+12.1f}%")
     result = {"tokens_per_s": best, "median_tokens_per_s": median,
               "relative_to_none": {k: v / base for k, v in best.items()}}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return result
 
 

@@ -20,7 +20,6 @@ milliseconds, so a planning cost of a few hundred microseconds is noise.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from typing import Any
@@ -30,7 +29,7 @@ from nanovllm_core.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
 from nanovllm_core.sampling_params import SamplingParams
 
-from benchmarks.common import fmt, percentile, table
+from benchmarks.common import fmt, percentile, table, write_json
 
 BLOCK_SIZE = 16
 
@@ -143,9 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 [[f"{c['running']:,}", fmt(c["step_p50_s"] * 1e3), fmt(c["step_mean_s"] * 1e3),
                   fmt(c["step_p99_s"] * 1e3), fmt(c["per_sequence_s"] * 1e6)] for c in costs]))
     result = {"queue": queue, "step_cost_vs_running": costs}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return result
 
 

@@ -8,6 +8,7 @@ first KV block and the prefix cache cannot make our engine look better than it i
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import threading
@@ -260,3 +261,9 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
         return "  ".join(cells)
 
     return "\n".join([line(headers), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])
+
+
+def write_json(path: str | None, data: Any) -> None:
+    """Write a benchmark's figures to ``path`` as indented JSON; nothing when ``path`` is None (no ``--json``)."""
+    if path:
+        Path(path).write_text(json.dumps(data, indent=2))

@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from benchmarks import benchmark_advanced_scheduling, benchmark_comparison, benchmark_scheduler_unit
+from benchmarks import benchmark_advanced_scheduling, benchmark_comparison, benchmark_events, benchmark_scheduler_unit
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
@@ -77,3 +77,13 @@ def test_scheduler_unit_quick_measures_steps_and_step_cost(tmp_path):
         assert q["steps"] > 0 and positive(q["steps_per_s"])
     assert [c["running"] for c in data["step_cost_vs_running"]] == [1, 8, 64]
     assert all(positive(c["step_mean_s"]) for c in data["step_cost_vs_running"])
+
+
+def test_events_quick_measures_every_subscriber_level(tmp_path):
+    path = tmp_path / "events.json"
+    benchmark_events.main(["--quick", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert set(data["tokens_per_s"]) == {"none", "minimal", "full", "xray"}
+    assert all(positive(v) for v in data["tokens_per_s"].values())
+    assert all(positive(v) for v in data["median_tokens_per_s"].values())
+    assert data["relative_to_none"]["none"] == 1.0
