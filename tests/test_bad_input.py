@@ -86,3 +86,23 @@ def test_priority_requests_get_first_tokens_earlier(make_llm):
     high = max(o.metrics.first_token_step for o, p in zip(outs, priorities) if p == 10)
     first_low = min(o.metrics.first_token_step for o, p in zip(outs, priorities) if p == 0)
     assert high < first_low <= low
+
+
+def test_a_kv_pool_larger_than_free_memory_is_refused_before_allocating(make_engine):
+    from nanovllm_core.config import available_memory_bytes
+    import torch
+
+    per_block = 30 * 2 * 3 * 64 * 4 * 16  # SmolLM2-135M, float32, 16-token blocks: layers x K/V x heads x dim x bytes x tokens
+    too_many = available_memory_bytes(torch.device("cpu")) // per_block + 1
+    with pytest.raises(ValueError, match=r"KV pool of \d+ blocks needs .* GiB .* lower num_kv_blocks"):
+        make_engine(num_kv_blocks=too_many)
+
+
+def test_cli_refuses_an_oversized_kv_pool_with_one_line(capsys):
+    from nanovllm_core import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--prompt", "Hi", "--max-tokens", "1", "--num-kv-blocks", str(10**9)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "lower num_kv_blocks" in err

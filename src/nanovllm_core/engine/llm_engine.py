@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from nanovllm_core import events as ev
-from nanovllm_core.config import EngineConfig, default_kv_cache_memory
+from nanovllm_core.config import EngineConfig, available_memory_bytes, default_kv_cache_memory
 from nanovllm_core.engine.block_manager import BlockManager
 from nanovllm_core.engine.detokenizer import (
     detokenize_new_token,
@@ -68,6 +68,22 @@ class _Request:
     error: str | None = None
 
 
+def check_kv_pool_fits(num_blocks: int, bytes_per_block: int, device: torch.device) -> None:
+    """Refuse a KV pool larger than 90% of the memory free now, before allocating any of it.
+
+    Without this check an oversized ``num_kv_blocks`` or ``kv_cache_memory`` gets the process
+    killed by the operating system with no message while the pool is zero-filled.
+
+    Raises:
+        ValueError: ``num_blocks * bytes_per_block`` (bytes) exceeds 90% of the free memory of ``device``.
+    """
+    need, free = num_blocks * bytes_per_block, available_memory_bytes(device)
+    if need > 0.9 * free:
+        raise ValueError(f"a KV pool of {num_blocks} blocks needs {need / 2**30:.1f} GiB "
+                         f"({bytes_per_block / 2**20:.2f} MiB a block) but only {free / 2**30:.1f} GiB of "
+                         f"{device.type} memory is free; lower num_kv_blocks (--num-kv-blocks) or kv_cache_memory")
+
+
 class LLMEngine:
     """A paged-attention inference engine over one model.
 
@@ -99,6 +115,8 @@ class LLMEngine:
             num_blocks = max(1, budget // (bytes_per_block + draft_bytes_per_block))
         self.bytes_per_block = bytes_per_block
         paged = config.paged
+        if paged:
+            check_kv_pool_fits(num_blocks, bytes_per_block + draft_bytes_per_block, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching and paged)
         self.scheduler = Scheduler(
             self.block_manager,
