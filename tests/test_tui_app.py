@@ -99,6 +99,17 @@ async def test_number_keys_switch_every_tab_and_xray_is_traced_only_while_shown(
         assert sorted(app.state.xray) == list(range(30)) and {t.request_id for t in app.state.xray.values()} == {rid}
         await pilot.press("escape", "down", "down")  # two layers down
         assert app.query_one("#xray-view").layer_index == 2
+        # A layer/head chosen while a request runs reaches the engine: pause, send, choose, step.
+        await pilot.press("space")
+        await wait_until(pilot, lambda: app.controller.state == "paused", what="a pause")
+        await send_prompt(pilot, "Hi", max_tokens=3)
+        rid2 = app.selected
+        await pilot.press("escape", "down", "right")  # layer 3, head 1
+        await pilot.pause(0.2)
+        await pilot.press("n")
+        await wait_until(pilot, lambda: app.state.heat is not None and app.state.heat.request_id == rid2,
+                         what="the step's heatmap")
+        assert (app.state.heat.layer, app.state.heat.head) == (3, 1)
 
 
 async def test_the_command_palette_offers_the_same_actions(make_engine, tmp_path):

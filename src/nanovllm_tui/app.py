@@ -274,7 +274,7 @@ class NanoVLLMApp(App):
         self._demo_needs = (False, False)
         self._set_detail(self.active_tab)
 
-    def on_x_ray_view_choice(self, message: XRayView.Choice) -> None:
+    def on_xray_view_choice(self, message: XRayView.Choice) -> None:
         self.controller.xray(self.selected, message.layer, message.head)
 
     def on_request_table_selected(self, message: Any) -> None:
