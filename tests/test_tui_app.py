@@ -79,6 +79,27 @@ async def test_a_aborts_the_selected_request_and_frees_its_blocks(make_engine, t
         assert app.controller.engine.block_manager.num_used_blocks == 0
 
 
+async def test_an_abort_while_paused_shows_the_freed_blocks_and_queues_at_once(make_engine, tmp_path):
+    from nanovllm_tui.views.dashboard import phase_text
+
+    app = engine_app(make_engine, tmp_path)
+    notes = Notes()
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready)
+        await send_prompt(pilot, "Once upon a time", max_tokens=200)
+        rid = app.selected
+        await wait_until(pilot, lambda: app.state.requests[rid].num_output >= 1, what="a first token")
+        await pilot.press("escape", "space")
+        await wait_until(pilot, lambda: app.state.paused, what="a pause")
+        await pilot.pause(0.3)
+        assert app.state.kv.num_blocks_used > 0 and "1 running" in phase_text(app.state).plain
+        await pilot.press("a")  # no step runs while paused: only the finish event can tell the view
+        await wait_until(pilot, lambda: notes.find(f"{rid} aborted"), what="the abort's notification")
+        assert app.state.kv.num_blocks_used == 0
+        assert app.state.kv.num_blocks_cached == app.controller.engine.block_manager.num_cached_free_blocks
+        assert "0 running · 0 waiting" in phase_text(app.state).plain
+
+
 async def test_number_keys_switch_every_tab_and_xray_is_traced_only_while_shown(make_engine, tmp_path):
     app = engine_app(make_engine, tmp_path)
     async with app.run_test(size=SIZE) as pilot:

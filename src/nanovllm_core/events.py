@@ -81,6 +81,9 @@ class RequestFinished(Event):
     The top-level fields describe sample 0; ``samples`` lists every sample (``n`` > 1).
     ``finish_reason``: ``stop`` / ``length`` / ``abort`` / ``error``. Times in seconds
     (TTFT = first token - arrival; TPOT = mean time between later tokens; e2e = finish - arrival).
+    ``kv_blocks_used`` / ``kv_blocks_cached``: the KV pool's used and cached-free blocks right
+    after this request's blocks were returned, so a view stays true after an abort between
+    steps (None in traces recorded before these fields existed).
     """
 
     request_id: str
@@ -99,6 +102,8 @@ class RequestFinished(Event):
     num_cached_prompt_tokens: int
     error: str | None = None
     samples: tuple[SampleResult, ...] = ()
+    kv_blocks_used: int | None = None
+    kv_blocks_cached: int | None = None
 
 
 # ------------------------------------------------------------------------------ steps

@@ -8,6 +8,8 @@ fields, never from the clock, so a replayed trace always looks the same.
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 from collections import deque
 from dataclasses import dataclass
@@ -103,6 +105,7 @@ class EngineState:
         self.blocks: ev.BlocksChanged | None = None
         self.xray: dict[int, ev.LayerTrace] = {}
         self.heat: ev.LayerTrace | None = None
+        self._kv_now: ev.StepTimed | None = None
         self.last_error: ev.EngineError | None = None
         self.num_events = 0
         self._order = itertools.count()
@@ -218,9 +221,17 @@ class EngineState:
         req.num_preemptions = e.num_preemptions
         req.num_cached = max(req.num_cached, e.num_cached_prompt_tokens)
         self._prune()
+        last = self.kv
+        if e.kv_blocks_used is not None and last is not None and last.num_blocks_total:
+            # Blocks came back outside a step (an abort) or after the step's figures: the pool now.
+            per_block = last.kv_bytes_total // last.num_blocks_total
+            self._kv_now = dataclasses.replace(last, num_blocks_used=e.kv_blocks_used,
+                                               num_blocks_cached=e.kv_blocks_cached or 0,
+                                               kv_bytes_used=e.kv_blocks_used * per_block)
 
     def _on_StepTimed(self, e: ev.StepTimed) -> None:
         self.timings.append(e)
+        self._kv_now = None
 
     def _on_BlocksChanged(self, e: ev.BlocksChanged) -> None:
         self.blocks = e
@@ -267,5 +278,14 @@ class EngineState:
 
     @property
     def kv(self) -> ev.StepTimed | None:
-        """The newest step's KV figures (blocks used / cached / total, bytes)."""
+        """The KV pool's newest figures (blocks used / cached / total, bytes): the newest step's,
+        updated by any request that finished after it."""
+        if self._kv_now is not None:
+            return self._kv_now
         return self.timings[-1] if self.timings else None
+
+    def queue_counts(self) -> tuple[int, int, int]:
+        """Requests (running, waiting, preempted) now, as the request table shows them."""
+        states = [r.state for r in self.requests.values()]
+        return (states.count("running"), states.count("waiting") + states.count("submitted"),
+                states.count("preempted"))

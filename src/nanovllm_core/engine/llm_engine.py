@@ -599,6 +599,8 @@ class LLMEngine:
             num_output_tokens=first.num_output_tokens, ttft_s=m.time_to_first_token, tpot_s=m.time_per_output_token,
             e2e_s=m.finished_time - m.arrival_time, num_preemptions=m.num_preemptions,
             num_cached_prompt_tokens=m.num_cached_prompt_tokens, error=first.error, samples=samples,
+            kv_blocks_used=self.block_manager.num_used_blocks,
+            kv_blocks_cached=self.block_manager.num_cached_free_blocks,
         )
 
     def _outputs_for(self, touched: dict[str, None]) -> list[RequestOutput]:

@@ -35,8 +35,8 @@ def phase_text(state: EngineState) -> Text:
     text.append(f"{plan.num_batched_tokens}/{plan.token_budget}", style="bold")
     text.append(" tokens")
     text.append(f"\n{prefill} prefill · {decode} decode")
-    preempted = sum(1 for q in plan.waiting if q.status == "preempted")
-    text.append(f"\n{len(plan.running)} running · {len(plan.waiting) - preempted} waiting")
+    running, waiting, preempted = state.queue_counts()  # now, not as of the newest step
+    text.append(f"\n{running} running · {waiting} waiting")
     if preempted:
         text.append(f" · {preempted} preempted", style="bold red")
     return text
