@@ -36,7 +36,7 @@ from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.sampling_params import SamplingParams
 
-from benchmarks.common import corpus_token_ids, fmt, machine_summary, percentile, table, write_json
+from benchmarks.common import check_json_path, corpus_token_ids, fmt, machine_summary, percentile, table, write_json
 
 FEATURES = ("priority", "preemption", "chunked_prefill", "prefix_caching")
 
@@ -275,6 +275,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="a small smoke run of each chosen experiment")
     ap.add_argument("--json", metavar="FILE", help="also write the figures to FILE as JSON")
     args = ap.parse_args(argv)
+    check_json_path(ap, args.json)
     chosen = [f for f in FEATURES if args.all or getattr(args, f)]
     if not chosen:
         ap.error("choose --all or at least one of " + ", ".join("--" + f.replace("_", "-") for f in FEATURES))

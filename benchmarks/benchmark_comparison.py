@@ -47,6 +47,7 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.common import (
+    check_json_path,
     PeakRSS,
     Workload,
     default_model_dir,
@@ -344,6 +345,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="torch intra-op threads for every system (default: torch's own choice, left as is)")
     ap.add_argument("--json", metavar="FILE", help="also write all figures to FILE as JSON")
     args = ap.parse_args(argv)
+    check_json_path(ap, args.json)
+    if args.hf_max_batch_tokens is not None and args.hf_max_batch_tokens < 1:
+        ap.error("--hf-max-batch-tokens must be at least 1")
     if args.threads is not None and args.threads < 1:
         ap.error("--threads must be at least 1")
     names = [s.strip() for s in args.systems.split(",") if s.strip()]

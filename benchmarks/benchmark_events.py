@@ -21,7 +21,7 @@ import time
 
 from nanovllm_core import LLM, SamplingParams
 
-from benchmarks.common import write_json
+from benchmarks.common import check_json_path, positive_int, write_json
 
 CONFIGS = {
     "none": None,
@@ -45,12 +45,13 @@ def run_once(llm: LLM, prompts: list[str], params: SamplingParams, listen: dict 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="a small smoke run")
+    ap.add_argument("--requests", type=positive_int, default=32)
+    ap.add_argument("--max-tokens", type=positive_int, default=64)
+    ap.add_argument("--repeats", type=positive_int, default=5)
+    ap.add_argument("--quick", action="store_true", help="a small smoke run (4 requests x 4 tokens, once; overrides the three above)")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
+    check_json_path(ap, args.json)
     if args.quick:
         args.requests, args.max_tokens, args.repeats = 4, 4, 1
     llm = LLM(num_kv_blocks=1024, enable_prefix_caching=False, progress=lambda *a: None)

@@ -29,7 +29,7 @@ from nanovllm_core.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
 from nanovllm_core.sampling_params import SamplingParams
 
-from benchmarks.common import fmt, percentile, table, write_json
+from benchmarks.common import check_json_path, fmt, percentile, table, write_json
 
 BLOCK_SIZE = 16
 
@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="small smoke run (10 and 100 requests; up to 64 running)")
     ap.add_argument("--json", metavar="FILE", help="also write the figures to FILE as JSON")
     args = ap.parse_args(argv)
+    check_json_path(ap, args.json)
     sizes = (10, 100) if args.quick else (100, 1_000, 10_000)
     running = (1, 8, 64) if args.quick else (1, 8, 64, 256, 1024)
     queue = [run_queue(n, num_blocks=2048) for n in sizes]

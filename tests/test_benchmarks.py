@@ -87,3 +87,20 @@ def test_events_quick_measures_every_subscriber_level(tmp_path):
     assert all(positive(v) for v in data["tokens_per_s"].values())
     assert all(positive(v) for v in data["median_tokens_per_s"].values())
     assert data["relative_to_none"]["none"] == 1.0
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    (benchmark_events, ["--requests", "0"], "argument --requests: expected an integer >= 1, got 0"),
+    (benchmark_events, ["--quick", "--repeats", "x"], "argument --repeats: expected an integer >= 1, got 'x'"),
+    (benchmark_events, ["--quick", "--json", "/nonexistent-dir/x.json"], "--json /nonexistent-dir/x.json: cannot write"),
+    (benchmark_comparison, ["--quick", "--json", "/nonexistent-dir/x.json"], "cannot write there"),
+    (benchmark_comparison, ["--quick", "--hf-max-batch-tokens", "-1"], "--hf-max-batch-tokens must be at least 1"),
+    (benchmark_scheduler_unit, ["--quick", "--json", "/nonexistent-dir/x.json"], "cannot write there"),
+    (benchmark_advanced_scheduling, ["--all", "--quick", "--json", "/"], "cannot write there"),
+])
+def test_bad_arguments_end_before_the_run_with_one_line(capsys, module, argv, message):
+    with pytest.raises(SystemExit) as e:
+        module.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
