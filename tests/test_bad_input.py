@@ -31,6 +31,7 @@ def test_each_bad_prompt_is_rejected_while_the_batch_completes(make_llm):
 @pytest.mark.parametrize("field,value,message", [
     ("max_tokens", 0, "max_tokens"),
     ("temperature", -0.5, "temperature"),
+    ("temperature", float("inf"), r"temperature=inf is invalid: must be a finite number >= 0"),
     ("top_p", 0.0, "top_p"),
     ("top_k", -5, "top_k"),
     ("n", 0, "n="),

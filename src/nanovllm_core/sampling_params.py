@@ -76,8 +76,8 @@ class SamplingParams:
                 raise bad(name, "must be a number")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if not self.temperature >= 0:
-            raise bad("temperature", "must be >= 0 (0 means greedy)")
+        if not 0 <= self.temperature < float("inf"):
+            raise bad("temperature", "must be a finite number >= 0 (0 means greedy)")
         if not (0 < self.top_p <= 1):
             raise bad("top_p", "must be in (0, 1]")
         if not isinstance(self.top_k, int) or (self.top_k < 0 and self.top_k != -1):

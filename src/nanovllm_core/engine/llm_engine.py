@@ -271,8 +271,9 @@ class LLMEngine:
             return self._reject(request_id, text, token_ids, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         if n_prompt >= self.max_model_len:
             return self._reject(request_id, text, token_ids,
-                                f"the prompt has {n_prompt} tokens but max_model_len is {self.max_model_len}; "
-                                "shorten it or raise max_model_len")
+                                f"the prompt has {n_prompt} tokens but max_model_len is {self.max_model_len}, "
+                                "which must also leave room for at least one output token; "
+                                "shorten the prompt or raise max_model_len")
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             return self._reject(request_id, text, token_ids,

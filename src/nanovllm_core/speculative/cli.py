@@ -104,6 +104,9 @@ def speculation_report(stats: dict, k: int) -> list[str]:
     from nanovllm_core.speculative.metrics import expected_accepted_length
 
     rate, alpha = stats["spec_acceptance_rate"], stats["spec_per_token_acceptance_rate"]
+    if not stats["spec_verifications"]:
+        return ["  no verification ran: the proposer drafted nothing for these prompts (an n-gram "
+                "proposer needs the text to repeat an earlier stretch of itself)"]
     return [
         f"  draft tokens: {stats['spec_draft_tokens']}, accepted: {stats['spec_accepted_tokens']} "
         f"(acceptance rate {rate:.1%}) over {stats['spec_verifications']} verifications",
