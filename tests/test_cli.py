@@ -169,3 +169,16 @@ def test_speculative_flags_reach_the_engine(capsys):
 def test_bad_speculative_setting_is_one_line(capsys):
     code, _, err = run_cli(capsys, "--speculative-model", "self:999", "--num-kv-blocks", "8")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "self:" in err
+
+
+def test_a_run_whose_every_prompt_is_rejected_exits_1_and_says_why(capsys):
+    long_prompt = "word " * 400
+    code, out, err = run_cli(capsys, "--prompt", long_prompt, "--max-model-len", "64", "--max-tokens", "2",
+                             "--num-kv-blocks", "16")
+    assert code == 1
+    assert "rejected: the prompt has" in out and "max_model_len is 64" in out
+    assert "... (2,000 characters)" in out  # a long prompt is not printed back whole
+    assert err.strip() == "nanovllm: every prompt was rejected (reasons above)"
+    code, out, _ = run_cli(capsys, "--prompt", long_prompt, "--prompt", "Hi", "--max-model-len", "64",
+                           "--max-tokens", "2", "--num-kv-blocks", "16")
+    assert code == 0 and "rejected:" in out and "Completion:" in out

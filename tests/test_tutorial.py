@@ -200,6 +200,7 @@ def test_an_unwritable_progress_file_is_reported_once_and_the_tutorial_goes_on(c
     code = cli.main(["--tutorial", "--no-demos", "--progress-file", str(blocker / "p.json")])
     out = capsys.readouterr().out
     assert code == 0 and out.count("progress cannot be saved") == 1 and "Final score:" in out
+    assert "Progress (not saved):" in out and "Saved progress" not in out
 
 
 # ------------------------------------------------------------------ live demonstrations on the real model

@@ -190,7 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.perf_counter() - start
     tok = llm.tokenizer
     for prompt, out in zip(prompts, outputs):
-        print(f"Prompt: {prompt!r}")
+        shown = prompt if len(prompt) <= 300 else f"{prompt[:300]}... ({len(prompt):,} characters)"
+        print(f"Prompt: {shown!r}")
         for c in out.outputs:
             if c.finish_reason == "rejected":
                 print(f"  rejected: {out.error}")
@@ -211,6 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"on {llm.engine.device.type}, {str(llm.engine.dtype).replace('torch.', '')}, model {llm.engine.model_name}")
     if args.show_memory_stats:
         print_memory_stats(llm.stats())
+    if all(c.finish_reason == "rejected" for o in outputs for c in o.outputs):
+        print("nanovllm: every prompt was rejected (reasons above)", file=sys.stderr)
+        return 1
     return 0
 
 

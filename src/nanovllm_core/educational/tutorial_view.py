@@ -165,7 +165,8 @@ def run_tutorial(console: Console, stream: TextIO | None = None, progress_path: 
             break
     console.print(Rule())
     console.print(Text(f"Final score: {result.right}/{result.asked}", style="bold green"))
-    console.print(Text(f"Saved progress: {progress.score} of {len(CHAPTERS)} chapters answered right "
+    kept = "Progress (not saved)" if save_error[0] else "Saved progress"
+    console.print(Text(f"{kept}: {progress.score} of {len(CHAPTERS)} chapters answered right "
                        f"({progress.answered} answered).", style="dim"))
     return result
 
