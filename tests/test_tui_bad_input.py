@@ -179,3 +179,16 @@ async def test_a_narrator_failure_is_reported_once_and_the_other_tabs_go_on(tmp_
         await pilot.pause()
         assert len(notes.find("The narrator could not describe", "warning")) == 1
         await still_answers_keys(pilot)
+
+
+async def test_a_60x20_terminal_keeps_chapter_text_above_an_answered_quiz(tmp_path):
+    app = replay_app(tmp_path)
+    async with app.run_test(size=(60, 20)) as pilot:
+        await pilot.pause(0.3)
+        await pilot.press("escape", "4")
+        await pilot.pause(0.2)
+        await pilot.press("a")  # answer: the feedback grows the quiz panel
+        await pilot.pause(0.3)
+        assert "-short" in app.screen.classes
+        assert app.query_one("#feedback").size.height > 0
+        assert app.query_one("#chapter-scroll").size.height >= 3
