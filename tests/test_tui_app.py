@@ -219,3 +219,22 @@ async def test_a_prompt_sent_while_the_model_loads_waits_and_then_runs(tiny_llam
         loading.set()
         await wait_until(pilot, lambda: app.state.requests[rid].state == "finished", what="the queued prompt")
         assert app.state.ready and app.state.requests[rid].num_output == 3
+
+
+@pytest.mark.parametrize("cores, expected", [(2, 10), (8, None)])
+async def test_on_two_cores_the_ui_thread_lowers_its_priority_after_the_engine_starts(
+        make_engine, tmp_path, monkeypatch, cores, expected):
+    import os
+    import threading
+
+    calls = []
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(os, "setpriority", lambda which, who, prio: calls.append((which, who, prio)))
+    app = engine_app(make_engine, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.state.ready)
+        ui_thread = threading.get_native_id()
+    if expected is None:
+        assert calls == []
+    else:
+        assert calls == [(os.PRIO_PROCESS, ui_thread, expected)]  # this thread only, not the process

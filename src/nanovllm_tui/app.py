@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import sys
+import threading
 import time
 from typing import Any, Iterable, Sequence
 
@@ -38,6 +40,20 @@ from nanovllm_tui.widgets.status_header import StatusHeader
 VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
                                       "tutorial": TutorialView, "blocks": BlockMapView}
 NARROW, SHORT = 100, 30  # below these sizes panels fold away (see app.tcss)
+
+
+def _yield_cores_to_the_engine() -> None:
+    """On two cores or fewer, lower the UI thread's scheduling priority (nice +10, this thread only).
+
+    The engine's compute threads then win a contended core, and the UI draws in the gaps;
+    threads started earlier (the engine's) keep their priority.
+    """
+    if (os.cpu_count() or 1) > 2 or not hasattr(os, "setpriority"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except OSError:
+        pass
 
 
 class NanoVLLMApp(App):
@@ -116,6 +132,7 @@ class NanoVLLMApp(App):
         self._settle_memory()
         if hasattr(self.controller, "start"):
             self.controller.start()
+        _yield_cores_to_the_engine()  # after the engine's threads exist: they keep their priority
 
     def _settle_memory(self) -> None:
         """With ``freeze_gc``: move what exists now (torch, the model, the tokenizer: ~10^5 objects)
