@@ -48,7 +48,8 @@ def _yield_cores_to_the_engine() -> None:
     The engine's compute threads then win a contended core, and the UI draws in the gaps;
     threads started earlier (the engine's) keep their priority.
     """
-    if (os.cpu_count() or 1) > 2 or not hasattr(os, "setpriority"):
+    # Linux only: there a thread id names one thread to setpriority; elsewhere it could name a process.
+    if (os.cpu_count() or 1) > 2 or not sys.platform.startswith("linux"):
         return
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
