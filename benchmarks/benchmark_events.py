@@ -21,7 +21,8 @@ import time
 
 from nanovllm_core import LLM, SamplingParams
 
-from benchmarks.common import check_json_path, positive_int, write_json
+from benchmarks.common import check_json_path, write_json
+from nanovllm_core.cli import positive_int
 
 CONFIGS = {
     "none": None,

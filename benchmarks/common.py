@@ -269,19 +269,6 @@ def write_json(path: str | None, data: Any) -> None:
         Path(path).write_text(json.dumps(data, indent=2))
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (a bad value becomes argparse's one-line usage error)."""
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
 def check_json_path(parser: Any, path: str | None) -> None:
     """Fail at once, with one line, when ``--json FILE`` could not be written after the run."""
     if not path:

@@ -90,8 +90,8 @@ def test_events_quick_measures_every_subscriber_level(tmp_path):
 
 
 @pytest.mark.parametrize("module, argv, message", [
-    (benchmark_events, ["--requests", "0"], "argument --requests: expected an integer >= 1, got 0"),
-    (benchmark_events, ["--quick", "--repeats", "x"], "argument --repeats: expected an integer >= 1, got 'x'"),
+    (benchmark_events, ["--requests", "0"], "argument --requests: expected a positive integer, got 0"),
+    (benchmark_events, ["--quick", "--repeats", "x"], "argument --repeats: expected a positive integer, got 'x'"),
     (benchmark_events, ["--quick", "--json", "/nonexistent-dir/x.json"], "--json /nonexistent-dir/x.json: cannot write"),
     (benchmark_comparison, ["--quick", "--json", "/nonexistent-dir/x.json"], "cannot write there"),
     (benchmark_comparison, ["--quick", "--hf-max-batch-tokens", "-1"], "--hf-max-batch-tokens must be at least 1"),

@@ -64,14 +64,20 @@ async def test_pause_then_n_runs_exactly_one_step(make_engine, tmp_path):
         assert app.state.requests[rid].num_output == 3 and not app.state.paused
 
 
+async def start_long_request(pilot, app) -> str:
+    """Send a 200-token request once the model is ready; return its id after its first token."""
+    await wait_until(pilot, lambda: app.state.ready)
+    await send_prompt(pilot, "Once upon a time", max_tokens=200)
+    rid = app.selected
+    await wait_until(pilot, lambda: app.state.requests[rid].num_output >= 1, what="a first token")
+    return rid
+
+
 async def test_a_aborts_the_selected_request_and_frees_its_blocks(make_engine, tmp_path):
     app = engine_app(make_engine, tmp_path)
     notes = Notes()
     async with app.run_test(size=SIZE, message_hook=notes) as pilot:
-        await wait_until(pilot, lambda: app.state.ready)
-        await send_prompt(pilot, "Once upon a time", max_tokens=200)
-        rid = app.selected
-        await wait_until(pilot, lambda: app.state.requests[rid].num_output >= 1, what="a first token")
+        rid = await start_long_request(pilot, app)
         await pilot.press("escape", "a")
         await wait_until(pilot, lambda: notes.find(f"{rid} aborted"), what="the abort's notification")
         assert app.state.requests[rid].finish_reason == "abort" and app.state.requests[rid].num_output < 200
@@ -85,10 +91,7 @@ async def test_an_abort_while_paused_shows_the_freed_blocks_and_queues_at_once(m
     app = engine_app(make_engine, tmp_path)
     notes = Notes()
     async with app.run_test(size=SIZE, message_hook=notes) as pilot:
-        await wait_until(pilot, lambda: app.state.ready)
-        await send_prompt(pilot, "Once upon a time", max_tokens=200)
-        rid = app.selected
-        await wait_until(pilot, lambda: app.state.requests[rid].num_output >= 1, what="a first token")
+        rid = await start_long_request(pilot, app)
         await pilot.press("escape", "space")
         await wait_until(pilot, lambda: app.state.paused, what="a pause")
         await pilot.pause(0.3)

@@ -25,7 +25,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse ``type``: an integer >= 1; anything else becomes argparse's one-line usage error (status 2).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or below 1.
+    """
     try:
         value = int(text)
     except ValueError:
@@ -67,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", default=None,
                    help=f"a prompt (repeat for several; default: {DEFAULT_PROMPT!r})")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    g.add_argument("--max-tokens", type=_positive_int, default=50, help="tokens to generate per prompt (default 50)")
+    g.add_argument("--max-tokens", type=positive_int, default=50, help="tokens to generate per prompt (default 50)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -81,19 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--priority", type=int, action="append", default=None,
                    help="priority of each --prompt, in order (higher runs first)")
     e.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="priority")
-    e.add_argument("--max-prefill-tokens", type=_positive_int, default=512,
+    e.add_argument("--max-prefill-tokens", type=positive_int, default=512,
                    help="per-step token budget; longer prompts are prefilled in chunks (default 512)")
-    e.add_argument("--max-num-seqs", type=_positive_int, default=64)
-    e.add_argument("--max-model-len", type=_positive_int, default=None)
-    e.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default 16)")
-    e.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="size of the KV pool in blocks")
+    e.add_argument("--max-num-seqs", type=positive_int, default=64)
+    e.add_argument("--max-model-len", type=positive_int, default=None)
+    e.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
+    e.add_argument("--num-kv-blocks", type=positive_int, default=None, help="size of the KV pool in blocks")
     e.add_argument("--no-paged-attention", action="store_true", help="contiguous per-request KV cache, one request at a time")
     e.add_argument("--no-flash-attn", action="store_true", help="explicit score-matrix attention instead of the fused kernel")
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--show-memory-stats", action="store_true", help="print KV block usage, waste, hit rate, preemptions")
     e.add_argument("--speculative-model", default=None, metavar="PROPOSER",
                    help="speculative decoding: 'ngram', 'self:N' (first N layers), 'target', or a draft model path/repo")
-    e.add_argument("--num-speculative-tokens", type=_positive_int, default=None, metavar="K",
+    e.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
                    help="draft tokens per step with --speculative-model (default 5)")
     teach = p.add_argument_group("teaching modes")
     teach.add_argument("--narrate", action="store_true",

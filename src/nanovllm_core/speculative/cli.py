@@ -19,22 +19,14 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from nanovllm_core.cli import positive_int
+
 DEFAULT_PROMPT = "The future of AI is"
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, status 2
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,10 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-model", default=None,
                    help="'self:N' (the target's first N layers), 'ngram' (prompt lookup), 'target', or a draft "
                         "model's repo id/folder/.gguf with the target's tokenizer (default: the embedded model)")
-    p.add_argument("--num-speculative-tokens", type=_positive_int, default=5, help="draft tokens per step, k (default 5)")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=5, help="draft tokens per step, k (default 5)")
     p.add_argument("--prompt", action="append", default=None, help=f"a prompt (repeatable; default {DEFAULT_PROMPT!r})")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    p.add_argument("--max-tokens", type=_positive_int, default=48, help="tokens per prompt (default 48)")
+    p.add_argument("--max-tokens", type=positive_int, default=48, help="tokens per prompt (default 48)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -57,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens even past end-of-sequence")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
-    p.add_argument("--block-size", type=_positive_int, default=16)
-    p.add_argument("--num-kv-blocks", type=_positive_int, default=None,
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--num-kv-blocks", type=positive_int, default=None,
                    help="KV pool size in blocks (default: enough for the prompts)")
     return p
 
