@@ -108,20 +108,15 @@ def percentile(values: list[float], q: float) -> float | None:
     return vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
 
 
-def gemm_peak_flops(n: int = 2048, repeats: int = 5) -> float:
-    """Measured float32 matrix-multiply peak in FLOP/s: best of ``repeats`` timed ``[n, n] @ [n, n]``.
-
-    Both matmul paths PyTorch offers on the CPU are timed, MKL's (``torch.mm``) and oneDNN's
-    with a pre-packed weight (the path our engine's linear layers take, see
-    ``nanovllm_core.model.cpu_linear``); the faster one is the peak. The best run (not the
-    mean) is taken, so that a moment of contention on a shared machine does not make every
-    roofline fraction look better than it is.
-    """
-    return max(gemm_peaks(n, repeats).values())
-
-
 def gemm_peaks(n: int = 2048, repeats: int = 5) -> dict[str, float]:
-    """FLOP/s of the best of ``repeats`` ``[n, n] @ [n, n]`` float32 products, per matmul path."""
+    """Measured float32 matrix-multiply FLOP/s per path: the best of ``repeats`` timed ``[n, n] @ [n, n]``.
+
+    Both matmul paths PyTorch offers on the CPU are timed, MKL's (``"mkl"``, ``torch.mm``) and
+    oneDNN's with a pre-packed weight (``"onednn"``, the path our engine's linear layers take,
+    see ``nanovllm_core.model.cpu_linear``); callers take the faster one as the peak. The best
+    run (not the mean) is taken, so that a moment of contention on a shared machine does not
+    make every roofline fraction look better than it is.
+    """
     from nanovllm_core.model import cpu_linear
 
     gen = torch.Generator().manual_seed(0)

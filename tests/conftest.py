@@ -80,3 +80,16 @@ def save_tiny_llama(path: Path, tokenizer_dir: Path | None = None, seed: int = 0
 def tiny_llama_dir(tmp_path_factory, default_model_dir) -> Path:
     """A tiny random LLaMA (GQA 4:2, tied embeddings) with the real tokenizer."""
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
+
+
+def run_main(main, capsys, *args: str) -> tuple[int, str, str]:
+    """Call a command's ``main(argv)`` as its console script would: (exit status, stdout, stderr).
+
+    An argparse error (``SystemExit``) gives its status instead of ending the test.
+    """
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err

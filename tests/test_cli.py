@@ -10,15 +10,11 @@ import pytest
 from nanovllm_core import cli
 from nanovllm_core.llm import LLM
 from nanovllm_core.sampling_params import SamplingParams
+from tests.conftest import run_main
 
 
 def run_cli(capsys, *args):
-    try:
-        code = cli.main(list(args))
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_main(cli.main, capsys, *args)
 
 
 @pytest.mark.real_model

@@ -10,17 +10,13 @@ from pathlib import Path
 import pytest
 
 from nanovllm_core.speculative import cli
+from tests.conftest import run_main
 
 REPEATING = "Count: one two three, one two three, one two three, one two"
 
 
 def run_cli(capsys, *args):
-    try:
-        code = cli.main(list(args))
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_main(cli.main, capsys, *args)
 
 
 @pytest.mark.real_model

@@ -16,6 +16,7 @@ from rich.console import Console
 
 from nanovllm_core import SamplingParams, cli
 from nanovllm_core.educational.teaching import TeachingViews
+from tests.conftest import run_main
 
 PROMPT = "The capital of France is"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -231,12 +232,7 @@ def test_cli_runs_the_three_visual_modes_together(capsys):
 
 def run_cli(capsys, monkeypatch, stdin: str, *args):
     monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
-    try:
-        code = cli.main(list(args))
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_main(cli.main, capsys, *args)
 
 
 @pytest.mark.parametrize("args,message", [

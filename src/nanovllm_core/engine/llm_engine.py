@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from nanovllm_core import events as ev
-from nanovllm_core.config import EngineConfig, available_memory_bytes, default_kv_cache_memory
+from nanovllm_core.config import EngineConfig, check_kv_pool_fits, default_kv_cache_memory
 from nanovllm_core.engine.block_manager import BlockManager
 from nanovllm_core.engine.detokenizer import (
     detokenize_new_token,
@@ -66,22 +66,6 @@ class _Request:
     seqs: list[Sequence] = field(default_factory=list)
     pending_siblings: list[Sequence] = field(default_factory=list)
     error: str | None = None
-
-
-def check_kv_pool_fits(num_blocks: int, bytes_per_block: int, device: torch.device) -> None:
-    """Refuse a KV pool larger than 90% of the memory free now, before allocating any of it.
-
-    Without this check an oversized ``num_kv_blocks`` or ``kv_cache_memory`` gets the process
-    killed by the operating system with no message while the pool is zero-filled.
-
-    Raises:
-        ValueError: ``num_blocks * bytes_per_block`` (bytes) exceeds 90% of the free memory of ``device``.
-    """
-    need, free = num_blocks * bytes_per_block, available_memory_bytes(device)
-    if need > 0.9 * free:
-        raise ValueError(f"a KV pool of {num_blocks} blocks needs {need / 2**30:.1f} GiB "
-                         f"({bytes_per_block / 2**20:.2f} MiB a block) but only {free / 2**30:.1f} GiB of "
-                         f"{device.type} memory is free; lower num_kv_blocks (--num-kv-blocks) or kv_cache_memory")
 
 
 class LLMEngine:
