@@ -180,8 +180,15 @@ class TokenSampled(Event):
     ``token_text``: what this token itself spelled, from the incremental detokenizer ("" while it
     ends mid-character); never held back or cut, so it suits showing the token chosen.
 
-    ``top``: the most likely candidates (only when a subscriber asked for ``topk``);
-    ``logprob``: log p of the chosen token under the model (None unless computed).
+    ``top``: the most likely candidates (only when a subscriber asked for ``topk``) of the
+    distribution the sampler chose from: after the logits processors (repetition, presence and
+    frequency penalties, the ``min_tokens`` ban on EOS and stop ids) and, when the request
+    samples, after temperature; under greedy decoding the chosen token is the first of ``top``.
+    ``model_top``: the model's own candidates before any processor, filled only when a
+    processor changed this row (so a view can show both, labelled);
+    ``logprob``: log p of the chosen token under the model (None unless computed);
+    ``speculative``: the token was kept by a speculative verification, in a forward pass
+    that ran the drafted tokens too (see :class:`SpecDecodeStep`).
     """
 
     step: int
@@ -197,6 +204,8 @@ class TokenSampled(Event):
     temperature: float = 1.0
     greedy: bool = True
     token_text: str = ""
+    model_top: tuple[TopToken, ...] = ()
+    speculative: bool = False
 
 
 @dataclass(frozen=True)
@@ -325,6 +334,11 @@ class SpecDecodeStep(Event):
     ``draft_tokens``: proposed ids; ``p``/``q``: target / draft probability of each;
     ``accepted``: per draft token; ``bonus_token``: the token the target added (the
     correction at the first rejection, or the extra one when all were accepted).
+    ``greedy``: the rule that decided: True = each draft is kept when it equals the target's
+    argmax (greedy requests); False = rejection sampling, kept with probability min(1, p/q)
+    (Leviathan et al. 2023, section 2.3). ``num_query_tokens``: tokens of this sequence that
+    the target ran in the verifying forward pass (the last kept token plus the drafts,
+    1 + k; 0 in traces recorded before this field existed).
     """
 
     step: int
@@ -338,6 +352,8 @@ class SpecDecodeStep(Event):
     accepted: tuple[bool, ...]
     bonus_token: int | None
     bonus_text: str = ""
+    greedy: bool = False
+    num_query_tokens: int = 0
 
 
 # ------------------------------------------------------------------------ lifecycle
