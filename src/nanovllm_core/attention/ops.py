@@ -4,6 +4,8 @@ Two backends compute the same thing:
 
 - ``"flash"``: PyTorch's fused ``scaled_dot_product_attention`` (on the CPU its flash
   kernel; on CUDA flash/memory-efficient kernels). The score matrix is never stored whole.
+  Each call is shaped so that a fused CUDA kernel accepts it (no mask with GQA), never
+  leaving SDPA to fall back to its math kernel.
 - ``"math"``: the textbook formula, ``softmax(Q @ K^T / sqrt(d) + mask) @ V``, which
   materialises the ``[heads, q_len, k_len]`` score matrix. Slower and larger, but it is
   the one to read, and the one the X-Ray view takes attention weights from.
@@ -67,9 +69,17 @@ def attend_sequence(
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(1, nkv, group * nq, -1)
         out = torch.matmul(probs, vh).view(1, nh, nq, hd)
     elif mask is None:
+        # A causal square: every fused kernel takes is_causal; flash (CUDA and CPU) also takes GQA.
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=nkv != nh)
     else:
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=nkv != nh)
+        # With a mask, CUDA's flash kernel refuses and the memory-efficient one refuses GQA
+        # (in released PyTorch), which would leave the math kernel (K/V copied per query head,
+        # the whole score matrix stored). So the query heads sharing a KV head become more
+        # query rows of that head, each repeating its position's mask row: plain multi-head
+        # attention with a mask, which the memory-efficient kernel runs.
+        group = nh // nkv
+        qg = qh.reshape(1, nkv, group * nq, hd)
+        out = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=mask.repeat(group, 1)).reshape(1, nh, nq, hd)
     return out[0].transpose(0, 1)
 
 
