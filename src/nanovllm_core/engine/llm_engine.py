@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from nanovllm_core import events as ev
+from nanovllm_core.attention.selector import DEFAULT_BLOCK_SIZE, default_block_size
 from nanovllm_core.config import EngineConfig, check_kv_pool_fits, default_kv_cache_memory
 from nanovllm_core.engine.block_manager import BlockManager
 from nanovllm_core.engine.detokenizer import (
@@ -89,9 +90,12 @@ class LLMEngine:
         if spec is not None and spec.startswith("self:"):
             parse_self_layers(spec, self.model_config.num_hidden_layers)  # fail before allocating anything
         draft = load_draft_model(spec, model, self.device, self.dtype, self.max_model_len) if needs_draft_model(spec) else None
-        bytes_per_block = self.model_config.kv_bytes_per_token(self.dtype) * config.block_size
+        block_size = config.block_size or (
+            default_block_size(self.device, self.dtype, self.model_config.head_dim, config.attention_backend)
+            if config.paged else DEFAULT_BLOCK_SIZE)
+        bytes_per_block = self.model_config.kv_bytes_per_token(self.dtype) * block_size
         # A draft model's pool has one block per target block: the memory budget pays for both.
-        draft_bytes_per_block = draft.config.kv_bytes_per_token(self.dtype) * config.block_size if draft else 0
+        draft_bytes_per_block = draft.config.kv_bytes_per_token(self.dtype) * block_size if draft else 0
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
@@ -101,7 +105,7 @@ class LLMEngine:
         paged = config.paged
         if paged:
             check_kv_pool_fits(num_blocks, bytes_per_block + draft_bytes_per_block, self.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching and paged)
+        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching and paged)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs if paged else 1,
@@ -111,7 +115,7 @@ class LLMEngine:
             num_speculative_tokens=config.num_speculative_tokens if spec else 0,
             max_model_len=self.max_model_len,
         )
-        self.runner = ModelRunner(model, config.block_size, num_blocks, paged, config.attention_backend, self.max_model_len)
+        self.runner = ModelRunner(model, block_size, num_blocks, paged, config.attention_backend, self.max_model_len)
         self.speculator: Speculator | None = (
             Speculator(build_proposer(spec, self.runner, draft), config.num_speculative_tokens) if spec else None
         )
@@ -168,7 +172,7 @@ class LLMEngine:
             "num_kv_blocks": self.block_manager.num_blocks, "max_model_len": self.max_model_len,
             "max_num_seqs": self.scheduler.max_num_seqs, "token_budget": self.scheduler.token_budget,
             "scheduling_policy": self.scheduler.policy, "prefix_caching": self.block_manager.enable_prefix_caching,
-            "paged": self.config.paged, "attention_backend": self.config.attention_backend,
+            "paged": self.config.paged, "attention_backend": self.runner.attention_kernel,
         }
 
     # ------------------------------------------------------------------ events
