@@ -201,3 +201,17 @@ def test_flash_attn_path_at_block_size_256_equals_the_contiguous_baseline(monkey
     stats = squeezed.stats()
     assert stats["prefix_cache_hits"] > 0 and stats["num_preemptions"] > 0
     assert any(max(c["q_lens"]) > 1 and max(c["k_lens"]) > 256 for c in fake_flash_attn.calls)
+
+
+@pytest.mark.parametrize("num_queries, start", [(1, 9), (5, 12)])
+def test_masked_attention_folded_equals_sdpa_with_gqa(num_queries, start):
+    # The form CUDA runs (no mask together with GQA), checked against SDPA's own GQA on the CPU.
+    from nanovllm_core.attention.ops import causal_mask, masked_attention_folded
+
+    gen = torch.Generator().manual_seed(0)
+    ctx = start + num_queries
+    q = torch.randn(1, 9, num_queries, 16, generator=gen)
+    k, v = torch.randn(2, 1, 3, ctx, 16, generator=gen)
+    mask = causal_mask(start, num_queries, ctx, q.device)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch.allclose(masked_attention_folded(q, k, v, mask), expected, atol=1e-5)
