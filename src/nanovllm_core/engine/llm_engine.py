@@ -21,6 +21,7 @@ from nanovllm_core import events as ev
 from nanovllm_core.attention.selector import DEFAULT_BLOCK_SIZE, default_block_size
 from nanovllm_core.config import EngineConfig, check_kv_pool_fits, default_kv_cache_memory
 from nanovllm_core.engine.block_manager import BlockManager
+from nanovllm_core.engine.device_errors import is_fatal_device_error
 from nanovllm_core.engine.detokenizer import (
     detokenize_new_token,
     find_stop_string,
@@ -130,6 +131,7 @@ class LLMEngine:
         self.total_prompt_tokens = 0
         self.total_output_tokens = 0
         self.fault_injector: Callable[[SchedulerOutput], None] | None = None  # tests: raise inside a step
+        self.fatal_error: str | None = None  # set when the device failed for good; new requests are rejected
         self.xray = None  # an XRayCapture, made when a subscriber first asks for LayerTrace events
         if config.seed is not None:
             torch.manual_seed(config.seed)
@@ -228,7 +230,8 @@ class LLMEngine:
 
         A request the engine can never serve (an empty prompt, one longer than
         ``max_model_len`` or needing more KV blocks than the whole pool, prompt or
-        ``stop_token_ids`` outside the vocabulary) is *rejected*: a ``RequestRejected`` event
+        ``stop_token_ids`` outside the vocabulary, or any request after the device failed for
+        good, see ``fatal_error``) is *rejected*: a ``RequestRejected`` event
         and, from the next :meth:`step`, a finished ``RequestOutput`` with
         ``finish_reason="rejected"`` and ``error`` set.
 
@@ -243,6 +246,8 @@ class LLMEngine:
         request_id = str(request_id) if request_id is not None else self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.fatal_error is not None:
+            return self._reject(request_id, prompt, [], self.fatal_error)
         text = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
@@ -344,7 +349,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return outputs of the requests it touched (finished ones have ``finished=True``)."""
         outputs, self._pending_outputs = self._pending_outputs, []
-        if not self.scheduler.has_unfinished():
+        if self.fatal_error is not None or not self.scheduler.has_unfinished():
             return outputs
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
@@ -376,8 +381,13 @@ class LLMEngine:
             sampled = self._sample(result)
             verified = self.speculator.verify(verify_rows) if verify_rows else []
         except Exception as e:  # isolate: retry each sequence alone, finish those that still fail
+            if is_fatal_device_error(e, self.device):
+                outputs.extend(self._stop_after_device_error(plan.step, e))
+                return outputs
             self._emit(ev.EngineError(step=plan.step, message=f"{type(e).__name__}: {e}",
                                       traceback=traceback.format_exc()))
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                torch.cuda.empty_cache()  # what the failed batch held, before the smaller retries
             if self.speculator is not None:
                 self.speculator.discard(plan.scheduled)  # retry as plain decodes
                 plan.num_batched_tokens = sum(s.num_new_tokens for s in plan.scheduled)
@@ -402,6 +412,15 @@ class LLMEngine:
             self._emit_step_end(plan, time.perf_counter() - t0)
         outputs.extend(self._outputs_for(touched))
         return outputs
+
+    def _stop_after_device_error(self, step: int, error: Exception) -> list[RequestOutput]:
+        """The device is unusable (see ``device_errors``): report it once, finish every live
+        request with the error, and refuse new ones from now on."""
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        self.fatal_error = (f"the {self.device.type} device failed ({type(error).__name__}: {first_line}); "
+                            "the engine has stopped, restart it")
+        self._emit(ev.EngineError(step=step, message=self.fatal_error, traceback=traceback.format_exc()))
+        return self.fail_running(self.fatal_error)
 
     def _sample(self, result: ForwardResult) -> SamplerOutput:
         seqs = [s.seq for s, _ in result.rows]
