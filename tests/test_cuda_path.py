@@ -215,3 +215,85 @@ def test_masked_attention_folded_equals_sdpa_with_gqa(num_queries, start):
     mask = causal_mask(start, num_queries, ctx, q.device)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     assert torch.allclose(masked_attention_folded(q, k, v, mask), expected, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- errors on CUDA
+
+
+def _failing_engine(tiny_half, monkeypatch, error: Exception, failures: int):
+    """An engine that believes it runs on CUDA and whose first ``failures`` forward passes raise ``error``."""
+    model, tokenizer, resolved = tiny_half
+    engine = LLMEngine(EngineConfig(num_kv_blocks=64), model, tokenizer, resolved)
+    events = []
+    engine.subscribe(events.append, topk=0, blocks=False)
+    for prompt in ([5, 6, 7], [8, 9], [10, 11, 12, 13]):
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    monkeypatch.setattr(engine, "device", CUDA)  # what the step's error handling asks; the model stays on the CPU
+    run, calls = engine.runner.run, []
+
+    def flaky(*args, **kwargs):
+        calls.append(len(args[0]))
+        if len(calls) <= failures:
+            raise error
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "run", flaky)
+    return engine, events, calls
+
+
+def test_a_cuda_error_stops_the_engine_once_and_finishes_every_request_as_an_error(monkeypatch, tiny_half):
+    error = RuntimeError("CUDA error: device-side assert triggered\nCompile with TORCH_USE_CUDA_DSA")
+    engine, events, calls = _failing_engine(tiny_half, monkeypatch, error, failures=99)
+    outputs = engine.step()
+    assert calls == [3], "the broken context was retried request by request"
+    assert [type(e).__name__ for e in events].count("EngineError") == 1
+    assert sorted(o.outputs[0].finish_reason for o in outputs) == ["error"] * 3
+    assert all("device-side assert" in o.error and "restart" in o.error for o in outputs)
+    assert engine.stats()["kv_blocks_used"] == 0 and not engine.has_unfinished_requests()
+    engine.add_request([5, 6], SamplingParams(max_tokens=2))  # refused from now on, with the reason
+    (late,) = engine.step()
+    assert late.outputs[0].finish_reason == "rejected" and "device-side assert" in late.error
+    assert calls == [3]
+
+
+def test_cuda_out_of_memory_is_retried_request_by_request(monkeypatch, tiny_half):
+    engine, events, calls = _failing_engine(tiny_half, monkeypatch, torch.cuda.OutOfMemoryError("CUDA out of memory"),
+                                            failures=1)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert calls[:4] == [3, 1, 1, 1]
+    assert sorted(o.outputs[0].finish_reason for o in finished) == ["length"] * 3
+    assert engine.fatal_error is None
+
+
+# ----------------------------------------------------------------------------- the prepared GPU check
+
+
+def test_gpu_check_says_one_line_without_cuda(monkeypatch, capsys):
+    from benchmarks import gpu_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main([]) == 2
+    assert capsys.readouterr().out.splitlines() == [gpu_check.NO_CUDA]
+
+
+def test_gpu_check_equivalence_check_reports_each_block_size_on_the_cpu(monkeypatch, tiny_half, capsys):
+    from benchmarks import gpu_check
+
+    model, tokenizer, resolved = tiny_half
+    monkeypatch.setattr(gpu_check, "MAX_TOKENS", 6)
+
+    def make_engine(**kwargs):
+        kwargs.setdefault("num_kv_blocks", 64)
+        if kwargs.get("block_size") is None:
+            kwargs.pop("block_size", None)
+        return LLMEngine(EngineConfig(**kwargs), model, tokenizer, resolved)
+
+    report = gpu_check.Report()
+    gpu_check.check_equivalence(report, make_engine, [list(range(1000, 1300)), [7, 8, 9]])
+    assert [ok for _, ok, _ in report.results] == [True, True] and not report.failed
+    assert "block size 256 (sdpa)" in capsys.readouterr().out
+    assert gpu_check.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert gpu_check.first_difference([1, 2], [1, 2, 3]) == 2
+    assert gpu_check.first_difference([4], [4]) is None
