@@ -12,8 +12,8 @@ printed as PASS or FAIL with its figures (exit status 1 if any failed):
 2. greedy equivalence: the paged engine at the default block size and at 256, on a long and
    a short prompt together, gives the contiguous baseline's tokens (one request at a time);
 3. no math fallback: the same generations, plus chunked prefill over a cached context, with
-   SDPA restricted to its flash, memory-efficient and cuDNN kernels (the math kernel raises
-   "No available kernel" instead of running);
+   SDPA restricted to its flash, memory-efficient and cuDNN kernels (a call only the math
+   kernel would take raises instead of running);
 4. no sync in a decode step: with ``torch.cuda.set_sync_debug_mode("warn")``, the forward pass
    of a decode step makes no host-device synchronisation, the whole step at most one (the
    sampled tokens coming back);
