@@ -3,8 +3,10 @@
     python -m benchmarks.benchmark_comparison                      # default workload, all four systems
     python -m benchmarks.benchmark_comparison --workload chat      # short prompts, long outputs
     python -m benchmarks.benchmark_comparison --systems ours,hf-padded --quick --json out.json
+    python -m benchmarks.benchmark_comparison --quick --device cuda   # on a GPU, in its default dtype
 
-Systems (same weights, float32, greedy, every request produces exactly its own output length):
+Systems (same weights, float32 on the CPU, greedy, every request produces exactly its own output length;
+``--device cuda`` runs every system on the GPU in ``EngineConfig``'s default dtype there):
 
 - ``hf-sequential``: ``model.generate`` one request at a time, in arrival order.
 - ``hf-padded``: ``model.generate`` on left-padded batches of ``--hf-batch-size`` requests;
@@ -46,6 +48,7 @@ from typing import Any, Callable
 
 import torch
 
+from nanovllm_core.config import default_dtype
 from benchmarks.common import (
     check_json_path,
     PeakRSS,
@@ -105,10 +108,25 @@ class _StepClock:
         pass
 
 
-def _hf_model():
+@dataclass(frozen=True)
+class Target:
+    """Where every system runs: ``device`` and ``dtype`` (float32 on the CPU; see ``--device``)."""
+
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+
+    def tensor(self, data) -> torch.Tensor:
+        return torch.tensor(data, device=self.device)
+
+
+CPU = Target()
+
+
+def _hf_model(target: Target):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(default_model_dir()), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(default_model_dir()), dtype=target.dtype)
+    return model.to(target.device).eval()
 
 
 def _hf_generation_config(model, max_new_tokens: int):
@@ -121,17 +139,17 @@ def _hf_generation_config(model, max_new_tokens: int):
                             pad_token_id=pad, eos_token_id=model.config.eos_token_id)
 
 
-def run_hf_sequential(workload: Workload) -> SystemResult:
+def run_hf_sequential(workload: Workload, target: Target = CPU) -> SystemResult:
     """transformers ``generate``, one request after another."""
-    model = _hf_model()
+    model = _hf_model(target)
     with torch.inference_mode():
-        model.generate(torch.tensor([workload.prompts[0][:8]]), generation_config=_hf_generation_config(model, 2))
+        model.generate(target.tensor([workload.prompts[0][:8]]), generation_config=_hf_generation_config(model, 2))
         ttft, tpot, outputs = [], [], []
         with PeakRSS() as mem:
             t0, c0 = time.perf_counter(), time.process_time()
             for prompt, n in zip(workload.prompts, workload.output_lens):
                 clock = _StepClock()
-                ids = torch.tensor([prompt])
+                ids = target.tensor([prompt])
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), streamer=clock,
                                      generation_config=_hf_generation_config(model, n))
                 outputs.append(out[0, len(prompt):].tolist())
@@ -142,9 +160,9 @@ def run_hf_sequential(workload: Workload) -> SystemResult:
                         computed_tokens=workload.prompt_tokens + workload.output_tokens)
 
 
-def run_hf_padded(workload: Workload, batch_size: int) -> SystemResult:
+def run_hf_padded(workload: Workload, batch_size: int, target: Target = CPU) -> SystemResult:
     """transformers ``generate`` on left-padded batches, in arrival order."""
-    model = _hf_model()
+    model = _hf_model(target)
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     n_req = workload.num_requests
     ttft: list[float] = [0.0] * n_req
@@ -152,7 +170,7 @@ def run_hf_padded(workload: Workload, batch_size: int) -> SystemResult:
     outputs: list[list[int]] = [[] for _ in range(n_req)]
     computed = 0
     with torch.inference_mode():
-        model.generate(torch.tensor([workload.prompts[0][:8]]), generation_config=_hf_generation_config(model, 2))
+        model.generate(target.tensor([workload.prompts[0][:8]]), generation_config=_hf_generation_config(model, 2))
         with PeakRSS() as mem:
             t0, c0 = time.perf_counter(), time.process_time()
             for start in range(0, n_req, batch_size):
@@ -166,6 +184,7 @@ def run_hf_padded(workload: Workload, batch_size: int) -> SystemResult:
                     ids[row, width - len(p):] = torch.tensor(p)
                     mask[row, width - len(p):] = 1
                 clock = _StepClock()
+                ids, mask = ids.to(target.device), mask.to(target.device)
                 out = model.generate(ids, attention_mask=mask, streamer=clock,
                                      generation_config=_hf_generation_config(model, steps))
                 computed += len(idx) * (width + steps)
@@ -179,11 +198,12 @@ def run_hf_padded(workload: Workload, batch_size: int) -> SystemResult:
                         notes={"batch_size": batch_size})
 
 
-def run_hf_generate_batch(workload: Workload, max_batch_tokens: int | None, page_size: int = 256) -> SystemResult:
+def run_hf_generate_batch(workload: Workload, max_batch_tokens: int | None, page_size: int = 256,
+                          target: Target = CPU) -> SystemResult:
     """transformers continuous batching (the manager behind ``generate_batch``), each request its own length."""
     from transformers import ContinuousBatchingConfig
 
-    model = _hf_model()
+    model = _hf_model(target)
     # A KV pool that holds the whole workload at once (no eviction); the token budget per step
     # given, or transformers' default when None.
     pages = sum(-(-(len(p) + n) // page_size) for p, n in zip(workload.prompts, workload.output_lens))
@@ -223,18 +243,21 @@ def run_hf_generate_batch(workload: Workload, max_batch_tokens: int | None, page
                         notes={"max_batch_tokens": manager_budget, "page_size": page_size})
 
 
-def run_ours(workload: Workload, **engine_kwargs: Any) -> SystemResult:
+def run_ours(workload: Workload, target: Target = CPU, **engine_kwargs: Any) -> SystemResult:
     """``nanovllm_core.LLM.generate`` over the whole workload, default engine settings unless given."""
     from nanovllm_core import LLM, SamplingParams
-    from nanovllm_core.config import EngineConfig
+    from nanovllm_core.attention.selector import default_block_size
+    from nanovllm_core.model.llama import ModelConfig
+    from nanovllm_core.model.loader import load_hf_config
 
     if "num_kv_blocks" not in engine_kwargs and "kv_cache_memory" not in engine_kwargs:
         # A KV pool that holds the whole workload at once, like hf-generate-batch's: no
         # preemption, and a peak RSS comparable with the others' (the default pool is 2 GiB).
-        bs = engine_kwargs.get("block_size", EngineConfig.block_size)
+        head_dim = ModelConfig.from_hf(load_hf_config(default_model_dir())).head_dim
+        bs = engine_kwargs.get("block_size") or default_block_size(target.device, target.dtype, head_dim)
         need = sum(-(-(len(p) + n) // bs) for p, n in zip(workload.prompts, workload.output_lens))
         engine_kwargs["num_kv_blocks"] = need + workload.num_requests + 8
-    llm = LLM(device="cpu", dtype="float32", **engine_kwargs)
+    llm = LLM(device=target.device.type, dtype=str(target.dtype).replace("torch.", ""), **engine_kwargs)
     llm.generate([workload.prompts[0][:8]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     params = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
               for n in workload.output_lens]
@@ -254,6 +277,21 @@ def run_ours(workload: Workload, **engine_kwargs: Any) -> SystemResult:
                                "prefix_cache_hits": stats["prefix_cache_hits"] - before["prefix_cache_hits"],
                                "max_num_batched_tokens": llm.engine.scheduler.token_budget,
                                "max_num_seqs": llm.engine.scheduler.max_num_seqs})
+
+
+def cuda_gemm_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> dict[str, float]:
+    """The GPU's measured ``[n, n] @ [n, n]`` FLOP/s in ``dtype``, best of ``repeats`` (the roofline there)."""
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        torch.mm(a, b)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return {"cuda": 2.0 * n ** 3 / best}
 
 
 def num_parameters() -> int:
@@ -310,10 +348,11 @@ def report(summary: dict[str, Any]) -> str:
     w = summary["workload"]
     head = (f"workload {w['name']}: {w['num_requests']} requests, prompts {w['prompt_tokens_range']} tokens, "
             f"outputs {w['output_tokens_range']} tokens (total {w['total_prompt_tokens']} prompt + "
-            f"{w['total_output_tokens']} output), seed {w['seed']}, greedy, float32\n"
+            f"{w['total_output_tokens']} output), seed {w['seed']}, greedy, {summary['machine']['dtype']} "
+            f"on {summary['machine']['device']}\n"
             f"machine: {summary['machine']['cpu']}, {summary['machine']['cpu_count']} cores, "
             f"torch threads {summary['machine']['torch_threads']}; "
-            f"matmul peak {summary['gemm_peak_flops'] / 1e9:.1f} GFLOP/s (float32 2048^3)")
+            f"matmul peak {summary['gemm_peak_flops'] / 1e9:.1f} GFLOP/s ({summary['machine']['dtype']} 2048^3)")
     rows = []
     for name, s in summary["systems"].items():
         rows.append([name, fmt(s["useful_tokens_per_s"]), fmt(s["ttft_p50_s"]), fmt(s["ttft_p99_s"]),
@@ -343,8 +382,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "here, its fastest of 512/2048/8192)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads for every system (default: torch's own choice, left as is)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where every system runs (default cpu, float32; cuda: the engine's default dtype there)")
     ap.add_argument("--json", metavar="FILE", help="also write all figures to FILE as JSON")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda was asked for but no CUDA GPU is available")
     check_json_path(ap, args.json)
     if args.hf_max_batch_tokens is not None and args.hf_max_batch_tokens < 1:
         ap.error("--hf-max-batch-tokens must be at least 1")
@@ -374,14 +417,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                  prompt_range=(8, 24), output_range=(3, 6))
     else:
         workload = make_workload(tokenizer, args.workload, args.num_requests or 64, args.seed)
+    device = torch.device(args.device)
+    target = Target(device, default_dtype(device))
     runners: dict[str, Callable[[], SystemResult]] = {
-        "hf-sequential": lambda: run_hf_sequential(workload),
-        "hf-padded": lambda: run_hf_padded(workload, min(args.hf_batch_size, workload.num_requests)),
-        "hf-generate-batch": lambda: run_hf_generate_batch(workload, args.hf_max_batch_tokens),
-        "ours": lambda: run_ours(workload),
+        "hf-sequential": lambda: run_hf_sequential(workload, target),
+        "hf-padded": lambda: run_hf_padded(workload, min(args.hf_batch_size, workload.num_requests), target),
+        "hf-generate-batch": lambda: run_hf_generate_batch(workload, args.hf_max_batch_tokens, target=target),
+        "ours": lambda: run_ours(workload, target),
     }
     load_at_start = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
-    peaks = gemm_peaks()
+    measure_peaks = (lambda: gemm_peaks()) if device.type == "cpu" else (lambda: cuda_gemm_peak(target.dtype))
+    peaks = measure_peaks()
     results = {}
     for name in args.system_list:
         print(f"running {name} ...", file=sys.stderr, flush=True)
@@ -389,9 +435,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  {name}: {results[name].elapsed_s:.1f} s", file=sys.stderr, flush=True)
         gc.collect()
         # Re-measured between systems: the best seen, over both matmul paths, is the peak.
-        peaks = {k: max(v, peaks.get(k, 0.0)) for k, v in gemm_peaks().items()}
+        peaks = {k: max(v, peaks.get(k, 0.0)) for k, v in measure_peaks().items()}
     summary = summarize(workload, results, max(peaks.values()), num_parameters())
     summary["gemm_peaks_flops_by_path"] = peaks
+    summary["machine"].update(device=str(device), dtype=str(target.dtype).replace("torch.", ""))
+    if device.type == "cuda":
+        summary["machine"]["gpu"] = torch.cuda.get_device_name(device)
     summary["machine"]["load_average_at_start"] = load_at_start
     print(report(summary))
     write_json(args.json, summary)

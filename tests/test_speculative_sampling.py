@@ -48,10 +48,9 @@ def chi_square_p_value(counts: Counter, probs: dict, total: int) -> float:
 
 
 def test_greedy_verification_keeps_drafts_up_to_the_first_mismatch_then_the_targets_argmax():
-    probs = torch.full((4, 10), 0.1)
-    v = verify_greedy(draft=[5, 7, 9], target_argmax=[5, 7, 2, 4], target_probs=probs)
+    v = verify_greedy(draft=[5, 7, 9], target_argmax=[5, 7, 2, 4], p=[0.1, 0.1, 0.1])
     assert v.tokens == [5, 7, 2] and v.num_accepted == 2 and v.accepted == [True, True, False]
-    every = verify_greedy(draft=[5, 7], target_argmax=[5, 7, 4], target_probs=probs[:3])
+    every = verify_greedy(draft=[5, 7], target_argmax=[5, 7, 4], p=[0.1, 0.1])
     assert every.tokens == [5, 7, 4]  # all accepted: the bonus token is the argmax after the last draft
 
 

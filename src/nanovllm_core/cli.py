@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-step token budget; longer prompts are prefilled in chunks (default 512)")
     e.add_argument("--max-num-seqs", type=positive_int, default=64)
     e.add_argument("--max-model-len", type=positive_int, default=None)
-    e.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
+    e.add_argument("--block-size", type=positive_int, default=None,
+                   help="tokens per KV block (default 16; 256 on a GPU where flash-attn runs)")
     e.add_argument("--num-kv-blocks", type=positive_int, default=None, help="size of the KV pool in blocks")
     e.add_argument("--no-paged-attention", action="store_true", help="contiguous per-request KV cache, one request at a time")
     e.add_argument("--no-flash-attn", action="store_true", help="explicit score-matrix attention instead of the fused kernel")

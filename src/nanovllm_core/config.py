@@ -21,8 +21,10 @@ class EngineConfig:
     Attributes:
         model: what ``resolve_model`` accepts (None = the embedded default).
         device: ``"cpu"`` or ``"cuda"`` (None: CUDA if available).
-        dtype: ``"float32"``, ``"float16"``, ``"bfloat16"`` (None: float32 on CPU, bfloat16 on CUDA).
-        block_size: tokens per KV block.
+        dtype: ``"float32"``, ``"float16"``, ``"bfloat16"`` (None: see :func:`default_dtype`).
+        block_size: tokens per KV block (None: 256 on a CUDA GPU where flash-attn's paged
+            kernel runs, which reads 256-token pages only; else 16; see
+            ``attention.selector.default_block_size``).
         num_kv_blocks: size of the KV pool in blocks (None: from ``kv_cache_memory``).
         kv_cache_memory: KV pool budget in bytes (None: a share of free memory, see ``default_kv_cache_memory``).
         max_num_seqs: most sequences running at once.
@@ -46,7 +48,7 @@ class EngineConfig:
     model: str | None = None
     device: str | None = None
     dtype: str | None = None
-    block_size: int = 16
+    block_size: int | None = None
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
     max_num_seqs: int = 64
@@ -127,9 +129,7 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         if self.dtype is not None:
             return DTYPES[self.dtype]
-        if self.torch_device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
+        return default_dtype(self.torch_device)
 
     def token_budget(self, max_model_len: int) -> int:
         """The effective per-step token budget."""
@@ -138,9 +138,27 @@ class EngineConfig:
         return 512 if self.enable_chunked_prefill else max_model_len
 
 
+def default_dtype(device: torch.device) -> torch.dtype:
+    """The dtype used when none was asked for: float32 on the CPU (the reference mode); on CUDA
+    bfloat16 at compute capability 8.0 (Ampere) or newer, float16 before.
+
+    Older GPUs have no bfloat16 arithmetic: ``torch.cuda.is_bf16_supported()`` still says
+    yes there (emulated, and slow), and it asks about the current device, not ``device``.
+    """
+    if device.type != "cuda":
+        return torch.float32
+    major, _minor = torch.cuda.get_device_capability(device)
+    return torch.bfloat16 if major >= 8 else torch.float16
+
+
 def available_memory_bytes(device: torch.device) -> int:
-    """Free memory now: free GPU memory on CUDA, ``MemAvailable`` on Linux, else a guess of 4 GiB."""
+    """Free memory now: free GPU memory on CUDA, ``MemAvailable`` on Linux, else a guess of 4 GiB.
+
+    On CUDA the caching allocator's unused blocks are released first: memory freed while
+    loading (PyTorch keeps it cached) would otherwise count as used and shrink the KV pool.
+    """
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
     try:

@@ -4,6 +4,8 @@ Two backends compute the same thing:
 
 - ``"flash"``: PyTorch's fused ``scaled_dot_product_attention`` (on the CPU its flash
   kernel; on CUDA flash/memory-efficient kernels). The score matrix is never stored whole.
+  On CUDA each call is shaped so that a fused kernel accepts it (no mask together with GQA,
+  see :func:`masked_attention_folded`), never leaving SDPA to fall back to its math kernel.
 - ``"math"``: the textbook formula, ``softmax(Q @ K^T / sqrt(d) + mask) @ V``, which
   materialises the ``[heads, q_len, k_len]`` score matrix. Slower and larger, but it is
   the one to read, and the one the X-Ray view takes attention weights from.
@@ -67,10 +69,37 @@ def attend_sequence(
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(1, nkv, group * nq, -1)
         out = torch.matmul(probs, vh).view(1, nh, nq, hd)
     elif mask is None:
+        # A causal square: every fused kernel takes is_causal; flash (CUDA and CPU) also takes GQA.
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=nkv != nh)
-    else:
+    elif q.device.type == "cpu":
+        # The CPU's flash kernel takes a mask and GQA together (and is faster so than folded).
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=nkv != nh)
+    else:
+        out = masked_attention_folded(qh, kh, vh, mask)
     return out[0].transpose(0, 1)
+
+
+def masked_attention_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked GQA as plain multi-head attention: the query heads sharing a KV head become more query rows of it.
+
+    On CUDA, released PyTorch's flash kernel refuses any mask and its memory-efficient kernel
+    refuses GQA, so ``attn_mask`` with ``enable_gqa`` falls back to the math kernel (K/V copied
+    per query head, the whole score matrix stored). Folded, the call is dense multi-head
+    attention with a mask, which the memory-efficient kernel runs; the grouped decode path
+    (:func:`attend_decode_grouped`) folds the same way.
+
+    Args:
+        q: ``[1, num_heads, num_queries, head_dim]``; k, v: ``[1, num_kv_heads, context_len, head_dim]``.
+        mask: ``[num_queries, context_len]`` bool, True = attend.
+
+    Returns:
+        ``[1, num_heads, num_queries, head_dim]``.
+    """
+    _, nh, nq, hd = q.shape
+    group = nh // k.shape[1]
+    qg = q.reshape(1, k.shape[1], group * nq, hd)  # row g * nq + i: head kv * group + g, query i
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.repeat(group, 1))
+    return out.reshape(1, nh, nq, hd)
 
 
 def attend_decode_grouped(

@@ -24,8 +24,9 @@ batch; every layer reuses it:
    chunk that starts at position 0 has no cached context, so it attends over its own new
    K/V directly and gathers nothing.
 
-On CUDA with flash-attn installed and ``block_size`` a multiple of 256, flash-attn's
-varlen kernel reads the blocks in place instead (it needs pages of 256 tokens).
+Where flash-attn's paged varlen kernel runs (a CUDA GPU of capability 8.0 or newer,
+float16/bfloat16, blocks of a multiple of 256 tokens; see ``attention.selector``), it reads
+the blocks in place instead, steps 2 and 3 in one call for the whole batch.
 """
 
 from __future__ import annotations
@@ -36,17 +37,6 @@ import torch
 
 from nanovllm_core.attention.ops import attend_decode_grouped, attend_sequence
 from nanovllm_core.model.llama import ModelConfig
-
-
-def flash_attn_available(device: torch.device, block_size: int) -> bool:
-    """True when flash-attn's paged varlen kernel can serve this cache (CUDA, importable, 256-token pages)."""
-    if device.type != "cuda" or block_size % 256 != 0:
-        return False
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class PagedKVCache:
@@ -159,8 +149,10 @@ class PagedAttentionMetadata:
     - ``decode_groups``: the decodes cut into groups of similar context length, so padding
       each to its group's longest wastes little (see :class:`DecodeGroup`).
     - ``prefills``: the multi-token chunks after the decodes.
-    - flash-attn fields (``cu_seqlens_q``, ``cu_seqlens_k``, ``block_tables``, maxima), filled
-      only when that kernel is used.
+    - flash-attn fields, filled only when that kernel is used (and then the two above are
+      left empty): ``cu_seqlens_q``, ``cu_seqlens_k`` ``[S + 1]`` int32, the cumulative query
+      and context lengths of the ``S`` sequences in batch order; ``block_tables``
+      ``[S, max_blocks]`` int32; ``max_seqlen_q``, ``max_seqlen_k`` (tokens).
     """
 
     slot_mapping: torch.Tensor
@@ -177,11 +169,12 @@ class PagedAttentionMetadata:
 class PagedAttention:
     """The attention context handed to the model for one step over the paged pool."""
 
-    def __init__(self, cache: PagedKVCache, meta: PagedAttentionMetadata, backend: str = "flash", use_flash_attn: bool = False):
+    def __init__(self, cache: PagedKVCache, meta: PagedAttentionMetadata, backend: str = "flash",
+                 use_flash_attn: bool = False):
         self.cache = cache
         self.meta = meta
         self.backend = backend
-        self.use_flash_attn = use_flash_attn and backend == "flash"
+        self.use_flash_attn = use_flash_attn
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[T, num_heads, head_dim]``, k/v ``[T, num_kv_heads, head_dim]`` -> ``[T, num_heads, head_dim]``."""
@@ -221,7 +214,10 @@ class PagedAttention:
             out[g.first:g.first + g.num] = o
         return out
 
-    def _flash_attn(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:  # pragma: no cover - needs CUDA
+    def _flash_attn(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        """flash-attn's paged varlen kernel over the whole batch: causal, aligned bottom-right (each
+        sequence's queries are its last ``q_len`` positions), query head ``h`` reading KV head
+        ``h // (num_heads / num_kv_heads)``. q ``[T, num_heads, head_dim]`` -> same shape."""
         from flash_attn import flash_attn_varlen_func
 
         m = self.meta

@@ -18,8 +18,10 @@ from typing import Any, Callable
 import torch
 
 from nanovllm_core import events as ev
+from nanovllm_core.attention.selector import DEFAULT_BLOCK_SIZE, default_block_size
 from nanovllm_core.config import EngineConfig, check_kv_pool_fits, default_kv_cache_memory
 from nanovllm_core.engine.block_manager import BlockManager
+from nanovllm_core.engine.device_errors import is_fatal_device_error
 from nanovllm_core.engine.detokenizer import (
     detokenize_new_token,
     find_stop_string,
@@ -89,9 +91,12 @@ class LLMEngine:
         if spec is not None and spec.startswith("self:"):
             parse_self_layers(spec, self.model_config.num_hidden_layers)  # fail before allocating anything
         draft = load_draft_model(spec, model, self.device, self.dtype, self.max_model_len) if needs_draft_model(spec) else None
-        bytes_per_block = self.model_config.kv_bytes_per_token(self.dtype) * config.block_size
+        block_size = config.block_size or (
+            default_block_size(self.device, self.dtype, self.model_config.head_dim, config.attention_backend)
+            if config.paged else DEFAULT_BLOCK_SIZE)
+        bytes_per_block = self.model_config.kv_bytes_per_token(self.dtype) * block_size
         # A draft model's pool has one block per target block: the memory budget pays for both.
-        draft_bytes_per_block = draft.config.kv_bytes_per_token(self.dtype) * config.block_size if draft else 0
+        draft_bytes_per_block = draft.config.kv_bytes_per_token(self.dtype) * block_size if draft else 0
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
@@ -101,7 +106,7 @@ class LLMEngine:
         paged = config.paged
         if paged:
             check_kv_pool_fits(num_blocks, bytes_per_block + draft_bytes_per_block, self.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching and paged)
+        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching and paged)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs if paged else 1,
@@ -111,7 +116,7 @@ class LLMEngine:
             num_speculative_tokens=config.num_speculative_tokens if spec else 0,
             max_model_len=self.max_model_len,
         )
-        self.runner = ModelRunner(model, config.block_size, num_blocks, paged, config.attention_backend, self.max_model_len)
+        self.runner = ModelRunner(model, block_size, num_blocks, paged, config.attention_backend, self.max_model_len)
         self.speculator: Speculator | None = (
             Speculator(build_proposer(spec, self.runner, draft), config.num_speculative_tokens) if spec else None
         )
@@ -126,6 +131,7 @@ class LLMEngine:
         self.total_prompt_tokens = 0
         self.total_output_tokens = 0
         self.fault_injector: Callable[[SchedulerOutput], None] | None = None  # tests: raise inside a step
+        self.fatal_error: str | None = None  # set when the device failed for good; new requests are rejected
         self.xray = None  # an XRayCapture, made when a subscriber first asks for LayerTrace events
         if config.seed is not None:
             torch.manual_seed(config.seed)
@@ -168,7 +174,7 @@ class LLMEngine:
             "num_kv_blocks": self.block_manager.num_blocks, "max_model_len": self.max_model_len,
             "max_num_seqs": self.scheduler.max_num_seqs, "token_budget": self.scheduler.token_budget,
             "scheduling_policy": self.scheduler.policy, "prefix_caching": self.block_manager.enable_prefix_caching,
-            "paged": self.config.paged, "attention_backend": self.config.attention_backend,
+            "paged": self.config.paged, "attention_backend": self.runner.attention_kernel,
         }
 
     # ------------------------------------------------------------------ events
@@ -224,7 +230,8 @@ class LLMEngine:
 
         A request the engine can never serve (an empty prompt, one longer than
         ``max_model_len`` or needing more KV blocks than the whole pool, prompt or
-        ``stop_token_ids`` outside the vocabulary) is *rejected*: a ``RequestRejected`` event
+        ``stop_token_ids`` outside the vocabulary, or any request after the device failed for
+        good, see ``fatal_error``) is *rejected*: a ``RequestRejected`` event
         and, from the next :meth:`step`, a finished ``RequestOutput`` with
         ``finish_reason="rejected"`` and ``error`` set.
 
@@ -239,6 +246,8 @@ class LLMEngine:
         request_id = str(request_id) if request_id is not None else self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.fatal_error is not None:
+            return self._reject(request_id, prompt, [], self.fatal_error)
         text = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
@@ -340,7 +349,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return outputs of the requests it touched (finished ones have ``finished=True``)."""
         outputs, self._pending_outputs = self._pending_outputs, []
-        if not self.scheduler.has_unfinished():
+        if self.fatal_error is not None or not self.scheduler.has_unfinished():
             return outputs
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
@@ -372,8 +381,13 @@ class LLMEngine:
             sampled = self._sample(result)
             verified = self.speculator.verify(verify_rows) if verify_rows else []
         except Exception as e:  # isolate: retry each sequence alone, finish those that still fail
+            if is_fatal_device_error(e, self.device):
+                outputs.extend(self._stop_after_device_error(plan.step, e))
+                return outputs
             self._emit(ev.EngineError(step=plan.step, message=f"{type(e).__name__}: {e}",
                                       traceback=traceback.format_exc()))
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                torch.cuda.empty_cache()  # what the failed batch held, before the smaller retries
             if self.speculator is not None:
                 self.speculator.discard(plan.scheduled)  # retry as plain decodes
                 plan.num_batched_tokens = sum(s.num_new_tokens for s in plan.scheduled)
@@ -398,6 +412,15 @@ class LLMEngine:
             self._emit_step_end(plan, time.perf_counter() - t0)
         outputs.extend(self._outputs_for(touched))
         return outputs
+
+    def _stop_after_device_error(self, step: int, error: Exception) -> list[RequestOutput]:
+        """The device is unusable (see ``device_errors``): report it once, finish every live
+        request with the error, and refuse new ones from now on."""
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        self.fatal_error = (f"the {self.device.type} device failed ({type(error).__name__}: {first_line}); "
+                            "the engine has stopped, restart it")
+        self._emit(ev.EngineError(step=step, message=self.fatal_error, traceback=traceback.format_exc()))
+        return self.fail_running(self.fatal_error)
 
     def _sample(self, result: ForwardResult) -> SamplerOutput:
         seqs = [s.seq for s, _ in result.rows]

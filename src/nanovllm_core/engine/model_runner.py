@@ -13,10 +13,17 @@ For a plan of S sequences with ``n_i`` new tokens each (``T = sum n_i``):
 
 Decodes are placed first so attention can batch them. The paged pool is allocated here;
 the contiguous baseline keeps one :class:`ContiguousKVCache` per running sequence instead.
+
+Nothing here waits for the device: the step's integers are built as Python lists (bounds
+checked as Python ints) and copied to the device from pinned memory with
+``non_blocking=True`` (see ``nanovllm_core.transfer``); metadata the chosen attention kernel
+never reads is not built (flash-attn reads ``cu_seqlens`` and block tables, the gather path
+reads decode groups and prefill chunks).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -24,15 +31,16 @@ import torch
 from nanovllm_core.attention.contiguous import ContiguousKVCache
 from nanovllm_core.attention.ops import causal_mask
 from nanovllm_core.attention.paged import (
+    DecodeGroup,
     PagedAttention,
     PagedAttentionMetadata,
-    DecodeGroup,
     PagedKVCache,
     PrefillChunk,
-    flash_attn_available,
 )
+from nanovllm_core.attention.selector import flash_attn_available, paged_attention_kernel
 from nanovllm_core.engine.scheduler import ScheduledSequence
 from nanovllm_core.model.llama import LlamaForCausalLM
+from nanovllm_core.transfer import Staging, to_device
 
 # Decodes attended together (one gather, one attention call per layer). Groups of similar
 # context length pad little; measured on 2 CPU cores with 64 decodes of 16-384 tokens, one
@@ -66,7 +74,7 @@ class ModelRunner:
         attention_backend: ``"flash"`` or ``"math"``.
         max_model_len: size of each contiguous cache.
         kv_cache: a paged pool to share instead of allocating one (self-speculative drafting
-            writes its early layers into the target's pool).
+            writes its early layers into the target's pool, and reads it as the target does).
     """
 
     def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int, paged: bool,
@@ -78,13 +86,22 @@ class ModelRunner:
         self.paged = paged
         self.backend = attention_backend
         self.max_model_len = max_model_len
-        self.use_flash_attn = paged and flash_attn_available(self.device, block_size)
+        if kv_cache is not None:
+            self.use_flash_attn = not kv_cache.heads_major
+        else:
+            self.use_flash_attn = (paged and attention_backend == "flash"
+                                   and flash_attn_available(self.device, self.dtype, model.config.head_dim, block_size))
         if kv_cache is None and paged:
             # flash-attn's paged kernel reads blocks-first pages; the gather path wants heads first.
             kv_cache = PagedKVCache(model.config, num_blocks, block_size, self.dtype, self.device,
                                     heads_major=not self.use_flash_attn)
         self.kv_cache = kv_cache
         self.contiguous: dict[int, ContiguousKVCache] = {}
+
+    @property
+    def attention_kernel(self) -> str:
+        """The kernel attention runs on: ``"flash-attn"``, ``"sdpa"`` or ``"math"`` (see ``attention.selector``)."""
+        return paged_attention_kernel(self.use_flash_attn, self.backend)
 
     @staticmethod
     def batch_order(scheduled: list[ScheduledSequence]) -> list[ScheduledSequence]:
@@ -104,10 +121,16 @@ class ModelRunner:
         ``extra_rows`` (seq_id -> indices among its new tokens) asks for logits at more rows
         than the last one (speculative verification). Rows are returned in ``scheduled``
         order; within a sequence, in increasing index order.
+
+        Raises:
+            ValueError: a position is beyond the model's rotary table.
         """
         order = self.batch_order(scheduled)
+        rows, flat_rows = self._sample_rows(order, extra_rows)
+        if order:
+            self.model.check_positions(max(s.start + s.num_new_tokens for s in order) - 1)
         if not self.paged:
-            return self._run_contiguous(order, tracer, extra_rows)
+            return self._run_contiguous(order, tracer, rows, flat_rows)
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -117,14 +140,21 @@ class ModelRunner:
             ids.extend(s.seq.token_ids[s.start:end])
             positions.extend(range(s.start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(s.start, end))
-        dev = self.device
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        meta = self._build_metadata(order, torch.tensor(slots, dtype=torch.long, device=dev))
+        staged = Staging(torch.long)
+        for values in (ids, positions, slots, flat_rows):
+            staged.add(values)
+        input_ids, pos, slot_mapping, sample_index = staged.upload(self.device)
+        if self.use_flash_attn:
+            meta = self._flash_attn_metadata(order, slot_mapping)
+        else:
+            meta = self._gather_metadata(order, slot_mapping)
         attn = PagedAttention(self.kv_cache, meta, self.backend, self.use_flash_attn)
-        hidden = self.model(input_ids, torch.tensor(positions, dtype=torch.long, device=dev), attn, tracer)
-        return self._logits(order, hidden, extra_rows)
+        hidden = self.model(input_ids, pos, attn, tracer)
+        return self._logits(hidden, rows, sample_index, len(ids))
 
-    def _logits(self, order, hidden, extra_rows) -> ForwardResult:
+    @staticmethod
+    def _sample_rows(order, extra_rows) -> tuple[list[tuple[ScheduledSequence, int]], list[int]]:
+        """Which rows need logits: (sequence, index among its new tokens) and the row's index in ``[T]``."""
         rows: list[tuple[ScheduledSequence, int]] = []
         flat: list[int] = []
         offset = 0
@@ -136,23 +166,31 @@ class ModelRunner:
                 rows.append((s, i))
                 flat.append(offset + i)
             offset += s.num_new_tokens
-        if flat:
-            sel = hidden.index_select(0, torch.tensor(flat, device=hidden.device))
-            logits = self.model.compute_logits(sel)
+        return rows, flat
+
+    def _logits(self, hidden: torch.Tensor, rows, sample_index: torch.Tensor, num_tokens: int) -> ForwardResult:
+        if rows:
+            logits = self.model.compute_logits(hidden.index_select(0, sample_index))
         else:
             logits = hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
-        return ForwardResult(logits=logits, rows=rows, num_tokens=offset)
+        return ForwardResult(logits=logits, rows=rows, num_tokens=num_tokens)
 
-    def _build_metadata(self, order: list[ScheduledSequence], slot_mapping: torch.Tensor) -> PagedAttentionMetadata:
-        """The step's attention metadata, built once (a few small tensors) and shared by every layer.
+    @staticmethod
+    def _num_decodes(order: list[ScheduledSequence]) -> int:
+        num_dec = 0
+        while num_dec < len(order) and order[num_dec].num_new_tokens == 1:
+            num_dec += 1
+        return num_dec
+
+    def _gather_metadata(self, order: list[ScheduledSequence], slot_mapping: torch.Tensor) -> PagedAttentionMetadata:
+        """The gather path's metadata, built once (one host-to-device copy) and shared by every layer.
 
         ``order``: decodes (one new token each) first; ``slot_mapping`` ``[T]`` on the model's device.
         """
         bs, dev = self.block_size, self.device
-        num_dec = 0
-        while num_dec < len(order) and order[num_dec].num_new_tokens == 1:
-            num_dec += 1
-        groups = []
+        num_dec = self._num_decodes(order)
+        staged = Staging(torch.long)
+        groups = []  # (first, size, width in blocks, handle of the padded tables, handle of the context lengths)
         for first in range(0, num_dec, DECODE_GROUP_SIZE):
             members = order[first:min(first + DECODE_GROUP_SIZE, num_dec)]
             ctx_lens = [s.start + 1 for s in members]
@@ -162,36 +200,52 @@ class ModelRunner:
                 used = s.seq.block_table[: -(-ctx // bs)]
                 rows.extend(used)
                 rows.extend([0] * (width - len(used)))  # padding reads block 0; the mask hides it
-            mask = torch.zeros((len(members), width * bs), dtype=self.dtype, device=dev)
-            lens = torch.tensor(ctx_lens, device=dev)
-            mask.masked_fill_(torch.arange(width * bs, device=dev)[None, :] >= lens[:, None], float("-inf"))
-            groups.append(DecodeGroup(first, len(members), torch.tensor(rows, dtype=torch.long, device=dev), mask))
-        prefills = []
+            groups.append((first, len(members), width, staged.add(rows), staged.add(ctx_lens)))
+        chunks = []  # (token_start, num_tokens, start, handle of the block table or None, index in order)
         token_start = num_dec
         for i, s in enumerate(order[num_dec:], start=num_dec):
             ctx = s.start + s.num_new_tokens
-            table = mask = None
-            if s.start > 0:  # continues a cached context: gather it and offset the causal mask
-                table = torch.tensor(s.seq.block_table[: -(-ctx // bs)], dtype=torch.long, device=dev)
-                mask = causal_mask(s.start, s.num_new_tokens, ctx, dev)
-            prefills.append(PrefillChunk(token_start, s.num_new_tokens, s.start, table, mask, seq_index=i))
+            # A chunk continuing a cached context gathers it; one starting at 0 attends over its own K/V.
+            table = staged.add(s.seq.block_table[: -(-ctx // bs)]) if s.start > 0 else None
+            chunks.append((token_start, s.num_new_tokens, s.start, table, i))
             token_start += s.num_new_tokens
-        meta = PagedAttentionMetadata(slot_mapping=slot_mapping, num_decodes=num_dec,
-                                      decode_groups=groups, prefills=prefills)
-        if self.use_flash_attn:  # pragma: no cover - needs CUDA + flash-attn
-            q_lens = [s.num_new_tokens for s in order]
-            k_lens = [s.start + s.num_new_tokens for s in order]
-            meta.cu_seqlens_q = torch.tensor([0] + q_lens, device=dev).cumsum(0).to(torch.int32)
-            meta.cu_seqlens_k = torch.tensor([0] + k_lens, device=dev).cumsum(0).to(torch.int32)
-            width = max(len(s.seq.block_table) for s in order)
-            bt = torch.zeros((len(order), width), dtype=torch.int32)
-            for r, s in enumerate(order):
-                bt[r, : len(s.seq.block_table)] = torch.tensor(s.seq.block_table, dtype=torch.int32)
-            meta.block_tables = bt.to(dev)
-            meta.max_seqlen_q, meta.max_seqlen_k = max(q_lens), max(k_lens)
-        return meta
+        t = staged.upload(dev)
+        decode_groups = []
+        for first, size, width, blocks, lens in groups:
+            mask = torch.zeros((size, width * bs), dtype=self.dtype, device=dev)
+            mask.masked_fill_(torch.arange(width * bs, device=dev)[None, :] >= t[lens][:, None], float("-inf"))
+            decode_groups.append(DecodeGroup(first, size, t[blocks], mask))
+        prefills = [
+            PrefillChunk(a, n, start, None if table is None else t[table],
+                         None if table is None else causal_mask(start, n, start + n, dev), seq_index=i)
+            for a, n, start, table, i in chunks
+        ]
+        return PagedAttentionMetadata(slot_mapping=slot_mapping, num_decodes=num_dec,
+                                      decode_groups=decode_groups, prefills=prefills)
 
-    def _run_contiguous(self, order, tracer, extra_rows) -> ForwardResult:
+    def _flash_attn_metadata(self, order: list[ScheduledSequence], slot_mapping: torch.Tensor) -> PagedAttentionMetadata:
+        """flash-attn's varlen arguments: int32 ``cu_seqlens_q``/``cu_seqlens_k`` ``[S + 1]`` and
+        ``block_tables`` ``[S, max_blocks]`` (rows padded with block 0, never read past ``seqlen_k``)."""
+        bs = self.block_size
+        q_lens = [s.num_new_tokens for s in order]
+        k_lens = [s.start + s.num_new_tokens for s in order]
+        width = max(-(-k // bs) for k in k_lens)
+        tables: list[int] = []
+        for s, k in zip(order, k_lens):
+            used = s.seq.block_table[: -(-k // bs)]
+            tables.extend(used)
+            tables.extend([0] * (width - len(used)))
+        staged = Staging(torch.int32)
+        for values in (list(itertools.accumulate(q_lens, initial=0)), list(itertools.accumulate(k_lens, initial=0)),
+                       tables):
+            staged.add(values)
+        cu_q, cu_k, block_tables = staged.upload(self.device)
+        return PagedAttentionMetadata(slot_mapping=slot_mapping, num_decodes=self._num_decodes(order),
+                                      cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                      block_tables=block_tables.view(len(order), width),
+                                      max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens))
+
+    def _run_contiguous(self, order, tracer, rows, flat_rows) -> ForwardResult:
         """Baseline: each sequence runs alone against its own contiguous cache."""
         hiddens = []
         for s in order:
@@ -203,8 +257,8 @@ class ModelRunner:
                 reserve = min(self.max_model_len, seq.num_prompt_tokens + limit)
                 cache = ContiguousKVCache(self.model.config, reserve, self.dtype, self.device, self.backend)
                 self.contiguous[seq.seq_id] = cache
-            ids = torch.tensor(seq.token_ids[s.start:s.start + s.num_new_tokens], dtype=torch.long, device=self.device)
+            ids = to_device(seq.token_ids[s.start:s.start + s.num_new_tokens], torch.long, self.device)
             positions = torch.arange(s.start, s.start + s.num_new_tokens, device=self.device)
             hiddens.append(self.model(ids, positions, cache.context(s.start, s.num_new_tokens), tracer))
         hidden = torch.cat(hiddens) if hiddens else torch.empty(0)
-        return self._logits(order, hidden, extra_rows)
+        return self._logits(hidden, rows, to_device(flat_rows, torch.long, self.device), sum(q.num_new_tokens for q in order))

@@ -226,19 +226,23 @@ class RotaryEmbedding(nn.Module):
 
         ``cos`` is the angles' cosines written twice, ``(cos, cos)``; ``sin`` carries the
         rotation's signs, ``(-sin, sin)``, so :meth:`apply` is two products and a sum. Built
-        once per step and shared by every layer.
-
-        Raises:
-            ValueError: a position is beyond the table (``max_model_len`` too large).
+        once per step and shared by every layer. Positions must be inside the table: the
+        caller checks them with :meth:`check` on Python ints (reading the tensor's maximum
+        back would make the CPU wait for the GPU every step).
         """
-        if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
-            raise ValueError(
-                f"position {int(positions.max())} is beyond the rotary table "
-                f"({self.cos_cache.shape[0]} positions); lower max_model_len"
-            )
         cos = self.cos_cache.index_select(0, positions).unsqueeze(1).to(dtype)
         sin = self.sin_cache.index_select(0, positions).unsqueeze(1).to(dtype)
         return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+    def check(self, max_position: int) -> None:
+        """Refuse a position beyond the table.
+
+        Raises:
+            ValueError: ``max_position`` >= the table's length (``max_model_len`` too large).
+        """
+        if max_position >= self.cos_cache.shape[0]:
+            raise ValueError(f"position {max_position} is beyond the rotary table "
+                             f"({self.cos_cache.shape[0]} positions); lower max_model_len")
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -378,6 +382,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[num_rows, hidden]`` -> logits ``[num_rows, vocab]`` in float32."""
         return linear(hidden, self.lm_head_matrix).float()
+
+    def check_positions(self, max_position: int) -> None:
+        """Raise ValueError when ``max_position`` (tokens) is beyond the rotary table (see ``RotaryEmbedding.check``)."""
+        self.rotary.check(max_position)
 
     # ----------------------------------------------------------------------------- weights
 

@@ -445,8 +445,10 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     tokenizer = load_tokenizer(resolved.path)
     with torch.device("meta"):
         net = LlamaForCausalLM(cfg, max_position=max_model_len)
-    # Parameters are materialised empty (no random init) and then filled from the checkpoint.
-    net = net.to_empty(device=device).to(dtype)
+    # Parameters are materialised empty (no random init), already in the target dtype (a cast
+    # after materialising would hold float32 and target copies at once: twice the model on
+    # the device at peak), then filled from the checkpoint.
+    net = net.to(dtype).to_empty(device=device)
     net.rotary.build_tables(device)
     load_weights(net, resolved.path, progress)
     net.eval()

@@ -22,10 +22,12 @@ as vLLM returns by default (``logprobs_mode="raw_logprobs"``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from nanovllm_core.engine.sequence import Sequence
+from nanovllm_core.transfer import to_device
 
 
 @dataclass
@@ -60,7 +62,7 @@ def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     if not rows:
         return logits
     out = logits.clone()
-    out[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+    out[to_device(rows, torch.long, logits.device), to_device(cols, torch.long, logits.device)] = float("-inf")
     return out
 
 
@@ -89,24 +91,28 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     for row, q in enumerate(seqs):
         outs = q.output_token_ids
         if outs:
-            ids = torch.tensor(outs, device=dev)
+            ids = to_device(outs, torch.long, dev)
             counts[row].index_add_(0, ids, torch.ones(len(outs), device=dev))
-        in_prompt[row, torch.tensor(q.token_ids[:q.num_prompt_tokens], device=dev)] = True
+        in_prompt[row, to_device(q.token_ids[:q.num_prompt_tokens], torch.long, dev)] = True
     seen = in_prompt | (counts > 0)
-    r = torch.tensor(rep, device=dev).unsqueeze(1)
+    r = to_device(rep, torch.float32, dev).unsqueeze(1)
     out = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
-    out = out - torch.tensor(freq, device=dev).unsqueeze(1) * counts
-    return out - torch.tensor(pres, device=dev).unsqueeze(1) * (counts > 0).float()
+    out = out - to_device(freq, torch.float32, dev).unsqueeze(1) * counts
+    return out - to_device(pres, torch.float32, dev).unsqueeze(1) * (counts > 0).float()
 
 
 def filter_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                 top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+                 top_p: torch.Tensor, min_p: torch.Tensor, any_min_p: bool | None = None,
+                 any_top_k: bool | None = None, any_top_p: bool | None = None) -> torch.Tensor:
     """Sampling distribution after temperature, min-p, top-k and top-p.
 
     Args:
         logits: ``[S, vocab]`` float32 (penalties already applied).
         temperature: ``[S]`` (> 0). min_p: ``[S]`` in [0, 1] (0 = off).
         top_k: ``[S]`` integer, 0 = off. top_p: ``[S]`` in (0, 1] (1 = off).
+        any_min_p, any_top_k, any_top_p: whether some row uses that filter, known on the host
+            (:func:`row_tensors` passes them); None reads it from the tensor, which on a GPU
+            makes the CPU wait for it.
 
     Returns:
         probabilities ``[S, vocab]`` that sum to 1 per row. min-p drops tokens whose
@@ -116,13 +122,14 @@ def filter_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
         The most likely token always survives.
     """
     logits = logits / temperature.unsqueeze(1)
-    if bool((min_p > 0).any()):
+    if any_min_p is None:
+        any_min_p, any_top_k, any_top_p = bool((min_p > 0).any()), bool((top_k > 0).any()), bool((top_p < 1.0).any())
+    if any_min_p:
         probs = logits.softmax(dim=-1)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     vocab = logits.shape[1]
-    need_k = bool((top_k > 0).any())
-    need_p = bool((top_p < 1.0).any())
+    need_k, need_p = any_top_k, any_top_p
     if need_k or need_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         if need_k:
@@ -139,13 +146,31 @@ def filter_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     return logits.softmax(dim=-1)
 
 
-def row_tensors(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(temperature, top_k, top_p, min_p), each ``[S]``, from the rows' settings (top_k -1 becomes 0, off)."""
-    temp = torch.tensor([q.params.temperature for q in seqs], dtype=torch.float32, device=device)
-    top_k = torch.tensor([max(q.params.top_k, 0) for q in seqs], dtype=torch.long, device=device)
-    top_p = torch.tensor([q.params.top_p for q in seqs], dtype=torch.float32, device=device)
-    min_p = torch.tensor([q.params.min_p for q in seqs], dtype=torch.float32, device=device)
-    return temp, top_k, top_p, min_p
+class RowSettings(NamedTuple):
+    """The rows' sampling settings as tensors ``[S]``, then whether any row uses each filter (host booleans).
+
+    Unpacks into :func:`filter_probs`'s arguments: ``filter_probs(logits, *row_tensors(...))``.
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    any_min_p: bool
+    any_top_k: bool
+    any_top_p: bool
+
+
+def row_tensors(seqs: list[Sequence], device: torch.device) -> RowSettings:
+    """(temperature, top_k, top_p, min_p), each ``[S]``, from the rows' settings (top_k -1 becomes 0, off),
+    and the three ``any_*`` flags computed from the same Python values."""
+    top_k = [max(q.params.top_k, 0) for q in seqs]
+    top_p = [q.params.top_p for q in seqs]
+    min_p = [q.params.min_p for q in seqs]
+    return RowSettings(to_device([q.params.temperature for q in seqs], torch.float32, device),
+                       to_device(top_k, torch.long, device), to_device(top_p, torch.float32, device),
+                       to_device(min_p, torch.float32, device),
+                       any(m > 0 for m in min_p), any(k > 0 for k in top_k), any(p < 1.0 for p in top_p))
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -179,9 +204,10 @@ class Sampler:
         rows = [i for i, q in enumerate(seqs) if not q.params.greedy]
         if rows:
             sub = [seqs[i] for i in rows]
-            probs = filter_probs(processed[rows], *row_tensors(sub, logits.device))
-            tokens[rows] = draw(probs, [q.generator for q in sub])
-        token_list = tokens.tolist()
+            index = to_device(rows, torch.long, logits.device)
+            probs = filter_probs(processed.index_select(0, index), *row_tensors(sub, logits.device))
+            tokens.index_copy_(0, index, draw(probs, [q.generator for q in sub]))
+        token_list = tokens.tolist()  # the step's one wait for the device: its tokens
         want = [max(top_k_events, q.params.logprobs or 0) for q in seqs]
         if not any(want) and all(q.params.logprobs is None for q in seqs):
             return SamplerOutput(token_ids=token_list)

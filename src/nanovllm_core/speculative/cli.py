@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens even past end-of-sequence")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
-    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--block-size", type=positive_int, default=None,
+                   help="tokens per KV block (default 16; 256 on a GPU where flash-attn runs)")
     p.add_argument("--num-kv-blocks", type=positive_int, default=None,
                    help="KV pool size in blocks (default: enough for the prompts)")
     return p
@@ -122,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(not p.strip() for p in prompts):
         parser.error("--prompt must not be empty")
     draft = args.draft_model or default_draft(args.target_model)
+    from nanovllm_core.attention.selector import default_block_size
     from nanovllm_core.config import EngineConfig
     from nanovllm_core.engine.llm_engine import LLMEngine
     from nanovllm_core.llm import LLM, console_progress
@@ -144,7 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                              add_generation_prompt=True), add_special_tokens=False)
               if args.chat else p for p in prompts]
     lengths = [len(x) if isinstance(x, list) else len(tokenizer.encode(x)) for x in inputs]
-    blocks = args.num_kv_blocks or pool_blocks(lengths, args.max_tokens, args.num_speculative_tokens, args.block_size)
+    base_cfg.block_size = args.block_size or default_block_size(base_cfg.torch_device, base_cfg.torch_dtype,
+                                                                model.config.head_dim)
+    blocks = args.num_kv_blocks or pool_blocks(lengths, args.max_tokens, args.num_speculative_tokens,
+                                               base_cfg.block_size)
     try:
         plain = LLM.from_engine(LLMEngine(EngineConfig(**{**vars(base_cfg), "num_kv_blocks": blocks}),
                                           model, tokenizer, resolved))

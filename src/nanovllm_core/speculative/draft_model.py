@@ -38,7 +38,8 @@ class EarlyExitModel:
     """The target's first ``num_layers`` decoder layers, then its final norm and LM head.
 
     Offers what :class:`ModelRunner` uses of a model (``config``, ``parameters``, the call
-    ``(input_ids [T], positions [T], attn) -> hidden [T, hidden]``, ``compute_logits``),
+    ``(input_ids [T], positions [T], attn) -> hidden [T, hidden]``, ``compute_logits``,
+    ``check_positions``),
     sharing the target's weights.
     """
 
@@ -55,6 +56,9 @@ class EarlyExitModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.compute_logits(hidden)
+
+    def check_positions(self, max_position: int) -> None:
+        self.target.check_positions(max_position)
 
 
 class DraftModelProposer(Proposer):

@@ -58,57 +58,68 @@ def accept_draft(u: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Ten
     return u * q < p
 
 
-def verify_greedy(draft: list[int], target_argmax: list[int], target_probs: torch.Tensor) -> Verification:
+def verification(draft: list[int], num_accepted: int, last: int, p: list[float], q: list[float]) -> Verification:
+    """The :class:`Verification` of ``draft`` once its outcome is on the host: the first
+    ``num_accepted`` drafts, then ``last`` (the correction or the bonus token)."""
+    return Verification(tokens=draft[:num_accepted] + [last], num_accepted=num_accepted, p=p, q=q,
+                        accepted=[i < num_accepted for i in range(len(draft))])
+
+
+def verify_greedy(draft: list[int], target_argmax: list[int], p: list[float]) -> Verification:
     """Greedy verification: accept drafts while they equal the target's argmax.
 
     Args:
         draft: ``n`` draft token ids.
         target_argmax: ``n + 1`` argmax token ids of the target's processed logits at each row.
-        target_probs: ``[n + 1, vocab]``, only read to report ``p`` of the drafts.
+        p: ``n`` target probabilities of the draft tokens, only reported.
     """
     n = len(draft)
     accepted = 0
     while accepted < n and draft[accepted] == target_argmax[accepted]:
         accepted += 1
-    dev = target_probs.device
-    p = target_probs[torch.arange(n, device=dev), torch.tensor(draft, dtype=torch.long, device=dev)].tolist()
-    return Verification(tokens=draft[:accepted] + [target_argmax[accepted]], num_accepted=accepted, p=p,
-                        q=[1.0] * n, accepted=[i < accepted for i in range(n)])
+    return verification(draft, accepted, target_argmax[accepted], p, [1.0] * n)
 
 
-def verify_sampled(draft: list[int], target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                   generator: torch.Generator | None) -> Verification:
-    """Rejection sampling of ``n`` drafts against the target (Leviathan et al. 2023, Algorithm 1).
+def sample_on_device(draft: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                     generator: torch.Generator | None) -> tuple[torch.Tensor, ...]:
+    """Rejection sampling of ``n`` drafts against the target (Leviathan et al. 2023, Algorithm 1),
+    computed where the tensors live and never read back, so a batch of sequences waits once.
 
     Args:
-        draft: ``n`` draft token ids (n >= 1).
+        draft: ``[n]`` long, the draft token ids (n >= 1).
         target_probs: ``[n + 1, vocab]``, the target's sampling distribution at each row, after
             the request's penalties, temperature, top-k/top-p/min-p.
         draft_probs: ``[n, vocab]``, the distributions the drafts were drawn from, after the same
             processing; None for a point mass at each draft token (n-gram or greedy drafts).
         generator: the request's generator (seeded requests), or None for torch's global one.
+
+    Returns:
+        ``(num_accepted [], last [], p [n], q [n])``: how many leading drafts were accepted
+        (long), the token drawn after them (long: from the residual at the first rejection,
+        from ``p_{n+1}`` when all were accepted), and the target's and draft's probability of
+        each draft token.
     """
-    n = len(draft)
-    dev = target_probs.device
-    rows = torch.arange(n, device=dev)
-    ids = torch.tensor(draft, dtype=torch.long, device=dev)
-    p = target_probs[rows, ids]
-    q = draft_probs[rows, ids] if draft_probs is not None else torch.ones_like(p)
-    u = torch.rand(n, generator=generator, device=dev)
-    ok = accept_draft(u, p, q)
-    rejected = (~ok).nonzero()
-    accepted = int(rejected[0]) if len(rejected) else n
-    if accepted == n:
-        dist = target_probs[n]
+    n = draft.numel()
+    rows = torch.arange(n, device=draft.device)
+    p = target_probs[rows, draft]
+    q = draft_probs[rows, draft] if draft_probs is not None else torch.ones_like(p)
+    u = torch.rand(n, generator=generator, device=draft.device)
+    num_accepted = accept_draft(u, p, q).long().cumprod(0).sum()
+    # The residual normalize(max(0, p - q)) of every row; the one at the first rejection is used.
+    if draft_probs is not None:
+        residual = (target_probs[:n] - draft_probs[:n]).clamp_min(0)
     else:
-        if draft_probs is not None:
-            residual = (target_probs[accepted] - draft_probs[accepted]).clamp_min(0)
-        else:
-            residual = target_probs[accepted].clone()
-            residual[draft[accepted]] = 0.0
-        total = residual.sum()
-        # max(0, p - q) is all zero only when p == q (then nothing is ever rejected); guard rounding.
-        dist = residual / total if total > 0 else target_probs[accepted]
-    last = int(draw(dist.unsqueeze(0), [generator])[0])
-    return Verification(tokens=draft[:accepted] + [last], num_accepted=accepted, p=p.tolist(), q=q.tolist(),
-                        accepted=[i < accepted for i in range(n)])
+        residual = target_probs[:n].clone().scatter_(1, draft.unsqueeze(1), 0.0)
+    total = residual.sum(dim=-1, keepdim=True)
+    # max(0, p - q) is all zero only when p == q (then nothing is ever rejected); guard rounding.
+    residual = torch.where(total > 0, residual / total, target_probs[:n])
+    dist = torch.cat([residual, target_probs[n:n + 1]]).index_select(0, num_accepted.view(1))
+    return num_accepted, draw(dist, [generator])[0], p, q
+
+
+def verify_sampled(draft: list[int], target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                   generator: torch.Generator | None) -> Verification:
+    """:func:`sample_on_device` for one sequence, read back (arguments as there, ``draft`` as a list)."""
+    ids = torch.tensor(draft, dtype=torch.long).to(target_probs.device)
+    num_accepted, last, p, q = sample_on_device(ids, target_probs, draft_probs, generator)
+    return verification(draft, int(num_accepted), int(last), p.tolist(), q.tolist())

@@ -26,6 +26,7 @@ from nanovllm_core.sampling.sampler import SamplerOutput, apply_penalties, filte
 from nanovllm_core.speculative import rejection_sampler
 from nanovllm_core.speculative.metrics import SpecDecodeStats
 from nanovllm_core.speculative.proposer import Draft, Proposer
+from nanovllm_core.transfer import to_device
 
 
 class _Prefix:
@@ -117,10 +118,11 @@ class Speculator:
                 grouped.setdefault(id(s), (s, []))[1].append(i)
             else:
                 plain.append(i)
-        logits = result.logits
-        plain_result = ForwardResult(logits=logits[plain], rows=[result.rows[i] for i in plain],
-                                     num_tokens=result.num_tokens)
-        return plain_result, [(s, logits[rows]) for s, rows in grouped.values()]
+        logits, dev = result.logits, result.logits.device
+        plain_result = ForwardResult(logits=logits.index_select(0, to_device(plain, torch.long, dev)),
+                                     rows=[result.rows[i] for i in plain], num_tokens=result.num_tokens)
+        # The runner lists a sequence's rows together and in order: a slice, no gather.
+        return plain_result, [(s, logits[rows[0]:rows[-1] + 1]) for s, rows in grouped.values()]
 
     def verify(self, spec: list[tuple[ScheduledSequence, torch.Tensor]]) -> list[rejection_sampler.Verification]:
         """Judge each sequence's drafts against the target's logits ``[1 + n, vocab]`` at the same rows.
@@ -135,27 +137,43 @@ class Speculator:
         processed = apply_penalties(torch.cat([logits for _, logits in spec]), views)
         greedy_rows = [i for i, v in enumerate(views) if v.params.greedy]
         sampled_rows = [i for i, v in enumerate(views) if not v.params.greedy]
+        dev = processed.device
         probs = torch.empty_like(processed)
         if greedy_rows:
-            probs[greedy_rows] = processed[greedy_rows].softmax(dim=-1)  # only to report p
+            index = to_device(greedy_rows, torch.long, dev)
+            probs.index_copy_(0, index, processed.index_select(0, index).softmax(dim=-1))  # only to report p
         if sampled_rows:
-            probs[sampled_rows] = filter_probs(processed[sampled_rows],
-                                               *row_tensors([views[i] for i in sampled_rows], processed.device))
-        argmax = processed.argmax(dim=-1).tolist()
+            index = to_device(sampled_rows, torch.long, dev)
+            probs.index_copy_(0, index, filter_probs(processed.index_select(0, index),
+                                                     *row_tensors([views[i] for i in sampled_rows], dev)))
+        # Each sequence's rows: its n drafts, then the bonus row (no draft there: id 0, unused).
+        ids = to_device([t for s, _ in spec for t in s.spec_tokens + [0]], torch.long, dev)
+        p_rows = probs.gather(1, ids.unsqueeze(1)).squeeze(1)
+        sampled, row = {}, 0
+        for i, (s, logits) in enumerate(spec):
+            n, seq = logits.shape[0] - 1, s.seq
+            if not seq.params.greedy:
+                d = self._drafts.get(seq.seq_id)
+                sampled[i] = rejection_sampler.sample_on_device(
+                    ids[row:row + n], probs[row:row + n + 1],
+                    d.probs[:n] if d and d.probs is not None else None, seq.generator)
+            row += n + 1
+        # One wait for the device for the whole batch: every argmax and outcome, then every probability.
+        ints = torch.cat([processed.argmax(dim=-1)] + [torch.stack(v[:2]) for v in sampled.values()]).tolist()
+        floats = torch.cat([p_rows] + [v[3] for v in sampled.values()]).tolist()
+        argmax, outcomes, qs = ints[:row], iter(ints[row:]), floats[row:]
         out, row = [], 0
-        for s, logits in spec:
-            n = logits.shape[0]
-            seq, draft = s.seq, s.spec_tokens
-            if seq.params.greedy:
-                v = rejection_sampler.verify_greedy(draft, argmax[row:row + n], probs[row:row + n])
+        for i, (s, logits) in enumerate(spec):
+            n, draft = logits.shape[0] - 1, s.spec_tokens
+            p = floats[row:row + n]
+            if i in sampled:
+                v = rejection_sampler.verification(draft, next(outcomes), next(outcomes), p, qs[:n])
+                qs = qs[n:]
             else:
-                q = self._drafts.get(seq.seq_id)
-                v = rejection_sampler.verify_sampled(draft, probs[row:row + n],
-                                                     q.probs[:len(draft)] if q and q.probs is not None else None,
-                                                     seq.generator)
+                v = rejection_sampler.verify_greedy(draft, argmax[row:row + n + 1], p)
             self.stats.record(v)
             out.append(v)
-            row += n
+            row += n + 1
         self._drafts = {}
         return out
 
