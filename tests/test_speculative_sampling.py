@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from nanovllm_core import LLM, SamplingParams
+from nanovllm_core.engine.sequence import Sequence
+from nanovllm_core.sampling.sampler import RowGroup, Sampler, SamplingRow
 from nanovllm_core.speculative import rejection_sampler
-from nanovllm_core.speculative.rejection_sampler import verify_greedy, verify_sampled
 from tests.conftest import save_tiny_llama
 
 
@@ -47,12 +48,43 @@ def chi_square_p_value(counts: Counter, probs: dict, total: int) -> float:
 # ---------------------------------------------------------------------------- the rejection sampler alone
 
 
+def verify(logits: torch.Tensor, draft: list[int], draft_probs=None, generator=None, **params):
+    """One sequence's verification through the engine's sampler: ``logits [n + 1, vocab]`` are the target's rows."""
+    seq = Sequence(seq_id=0, request_id="r", token_ids=[0], num_prompt_tokens=1, params=SamplingParams(**params))
+    seq.generator = generator
+    out = Sampler()(logits, [seq] * logits.shape[0], groups=[RowGroup(draft, draft_probs)])
+    return out.verifications[0]
+
+
 def test_greedy_verification_keeps_drafts_up_to_the_first_mismatch_then_the_targets_argmax():
-    probs = torch.full((4, 10), 0.1)
-    v = verify_greedy(draft=[5, 7, 9], target_argmax=[5, 7, 2, 4], target_probs=probs)
+    argmax = [5, 7, 2, 4]
+    logits = torch.zeros((4, 10))
+    logits[torch.arange(4), torch.tensor(argmax)] = 1.0
+    v = verify(logits, [5, 7, 9], temperature=0)
     assert v.tokens == [5, 7, 2] and v.num_accepted == 2 and v.accepted == [True, True, False]
-    every = verify_greedy(draft=[5, 7], target_argmax=[5, 7, 4], target_probs=probs[:3])
-    assert every.tokens == [5, 7, 4]  # all accepted: the bonus token is the argmax after the last draft
+    assert v.greedy and v.q == [1.0] * 3
+    every = verify(logits[:3], [5, 7], temperature=0)
+    assert every.tokens == [5, 7, 2]  # all accepted: the bonus token is the argmax after the last draft
+
+
+def test_greedy_verification_never_draws_a_random_number():
+    # The greedy rule is argmax equality: a draft the target gives p = 0.27 is still kept, every time.
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0], [0.0, 0.0, 3.0, 0.0]])
+    state = torch.get_rng_state()
+    kept = {tuple(verify(logits, [0], temperature=0).tokens) for _ in range(50)}
+    assert kept == {(0, 2)}
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_verification_rows_get_the_min_tokens_ban_of_their_own_position():
+    # EOS (2) is the target's favourite at both rows; with min_tokens=2 only the second row may take it.
+    logits = torch.tensor([[0.0, 1.0, 5.0], [0.0, 1.0, 5.0]])
+    seq = Sequence(seq_id=0, request_id="r", token_ids=[0, 1], num_prompt_tokens=1, eos_token_ids=(2,),
+                   params=SamplingParams(temperature=0, min_tokens=2))  # one output so far, the draft would be 2nd
+    seq.token_ids.append(1)  # the draft, as the engine appends it before the forward pass
+    out = Sampler()(logits, [SamplingRow.at(seq, 2), seq], groups=[RowGroup([1])])
+    assert out.verifications[0].accepted == [True]  # at row 0 EOS is banned, so 1 is the argmax
+    assert out.token_ids == [1, 2]  # the bonus row may end the sequence
 
 
 P = torch.tensor([[0.50, 0.25, 0.15, 0.10, 0.00],   # target at the draft's position
@@ -67,14 +99,17 @@ BROKEN_RULES = {
 
 
 def sample_verifications(draft_probs, n=5000, seed=0):
+    """``n`` verifications of one draft token against ``P``, all in one sampler call (one step of ``n`` sequences)."""
     g = torch.Generator().manual_seed(seed)
+    if draft_probs is None:
+        drafts = [1] * n  # a fixed guess, as prompt lookup makes
+    else:
+        drafts = torch.multinomial(draft_probs[0], n, replacement=True, generator=g).tolist()
+    seq = Sequence(seq_id=0, request_id="r", token_ids=[0], num_prompt_tokens=1, params=SamplingParams(temperature=1.0))
+    seq.generator = g
+    out = Sampler()(P.log().repeat(n, 1), [seq] * (2 * n), groups=[RowGroup([d], draft_probs) for d in drafts])
     firsts, bonuses = Counter(), Counter()
-    for _ in range(n):
-        if draft_probs is None:
-            draft = [1]  # a fixed guess, as prompt lookup makes
-        else:
-            draft = [int(torch.multinomial(draft_probs[0], 1, generator=g))]
-        v = verify_sampled(draft, P, draft_probs, g)
+    for v in out.verifications:
         firsts[v.tokens[0]] += 1
         if v.num_accepted == 1:
             bonuses[v.tokens[1]] += 1
@@ -162,3 +197,4 @@ def test_the_engine_level_check_catches_a_broken_acceptance_rule(tiny_vocab_llam
     monkeypatch.setattr(rejection_sampler, "accept_draft", BROKEN_RULES[rule])
     counts, _ = sample_three_tokens(tiny_vocab_llama)
     assert chi_square_p_value(counts, exact_joint, NUM_SAMPLES) < 1e-6
+

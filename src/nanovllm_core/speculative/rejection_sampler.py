@@ -14,9 +14,14 @@ whatever ``q`` is. A draft that is a fixed guess (prompt lookup, or greedy draft
 point mass ``q_i = 1`` at ``x_i``: it is accepted with probability ``p_i(x_i)``, and a rejection
 samples from ``p_i`` with ``x_i`` removed.
 
-Greedy requests (temperature 0) are the limit of the same rule: a draft token is accepted
-while it equals the target's argmax, and the argmax is emitted at the first mismatch, so the
-output is token-identical to greedy decoding without speculation.
+Greedy requests (temperature 0) use the greedy rule instead: a draft token is kept while it
+equals the argmax of the target's processed logits at its position, and the first mismatch
+is replaced by that argmax, so the output is token-identical to greedy decoding without
+speculation. ``p`` and ``q`` are only reported then; no random number is drawn.
+
+Here are the rules for one sequence; the sampler (``sampling/sampler.py``) applies them to
+every sequence of a step, after the same logits processors as a plain decode row, and draws
+the last token of every sequence (correction, bonus or plain decode) in one batch.
 """
 
 from __future__ import annotations
@@ -24,8 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from nanovllm_core.sampling.sampler import draw
 
 
 @dataclass
@@ -35,7 +38,8 @@ class Verification:
     ``tokens``: the tokens to append, the accepted drafts then the correction (at the first
     rejection) or the bonus token (all accepted), so ``len(tokens) == num_accepted + 1``.
     ``p``, ``q``: target and draft probability of each draft token; ``accepted``: per draft
-    token (False for every token after the first rejection).
+    token (False for every token after the first rejection). ``greedy``: which rule decided
+    (True: equality with the target's argmax; False: rejection sampling, ``min(1, p/q)``).
     """
 
     tokens: list[int]
@@ -43,6 +47,7 @@ class Verification:
     p: list[float]
     q: list[float]
     accepted: list[bool]
+    greedy: bool = False
 
     @property
     def num_draft_tokens(self) -> int:
@@ -58,57 +63,42 @@ def accept_draft(u: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Ten
     return u * q < p
 
 
-def verify_greedy(draft: list[int], target_argmax: list[int], target_probs: torch.Tensor) -> Verification:
-    """Greedy verification: accept drafts while they equal the target's argmax.
+def greedy_accepted(draft: list[int], target_argmax: list[int]) -> int:
+    """The greedy rule: how many leading drafts equal the target's argmax at their position.
 
-    Args:
-        draft: ``n`` draft token ids.
-        target_argmax: ``n + 1`` argmax token ids of the target's processed logits at each row.
-        target_probs: ``[n + 1, vocab]``, only read to report ``p`` of the drafts.
+    ``target_argmax``: at least ``len(draft)`` ids, the argmax of the target's processed logits
+    at each draft's position.
     """
-    n = len(draft)
     accepted = 0
-    while accepted < n and draft[accepted] == target_argmax[accepted]:
+    while accepted < len(draft) and draft[accepted] == target_argmax[accepted]:
         accepted += 1
-    dev = target_probs.device
-    p = target_probs[torch.arange(n, device=dev), torch.tensor(draft, dtype=torch.long, device=dev)].tolist()
-    return Verification(tokens=draft[:accepted] + [target_argmax[accepted]], num_accepted=accepted, p=p,
-                        q=[1.0] * n, accepted=[i < accepted for i in range(n)])
+    return accepted
 
 
-def verify_sampled(draft: list[int], target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                   generator: torch.Generator | None) -> Verification:
-    """Rejection sampling of ``n`` drafts against the target (Leviathan et al. 2023, Algorithm 1).
+def sampled_accepted(p: torch.Tensor, q: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Rejection sampling: how many leading drafts pass :func:`accept_draft`, one uniform draw each.
 
-    Args:
-        draft: ``n`` draft token ids (n >= 1).
-        target_probs: ``[n + 1, vocab]``, the target's sampling distribution at each row, after
-            the request's penalties, temperature, top-k/top-p/min-p.
-        draft_probs: ``[n, vocab]``, the distributions the drafts were drawn from, after the same
-            processing; None for a point mass at each draft token (n-gram or greedy drafts).
-        generator: the request's generator (seeded requests), or None for torch's global one.
+    p, q: ``[n]`` target and draft probability of each draft token. ``generator``: the
+    request's own (seeded requests) or None for torch's global one.
     """
-    n = len(draft)
-    dev = target_probs.device
-    rows = torch.arange(n, device=dev)
-    ids = torch.tensor(draft, dtype=torch.long, device=dev)
-    p = target_probs[rows, ids]
-    q = draft_probs[rows, ids] if draft_probs is not None else torch.ones_like(p)
-    u = torch.rand(n, generator=generator, device=dev)
+    n = p.shape[0]
+    u = torch.rand(n, generator=generator, device=p.device)
     ok = accept_draft(u, p, q)
     rejected = (~ok).nonzero()
-    accepted = int(rejected[0]) if len(rejected) else n
-    if accepted == n:
-        dist = target_probs[n]
+    return int(rejected[0]) if len(rejected) else n
+
+
+def recovery_distribution(target: torch.Tensor, draft: torch.Tensor | None, draft_token: int) -> torch.Tensor:
+    """Where the replacement of a rejected draft is drawn from: ``normalize(max(0, p - q))``, ``[vocab]``.
+
+    ``target``: ``p`` at the rejected position ``[vocab]``; ``draft``: ``q`` there, or None for a
+    point mass at ``draft_token`` (then ``p`` with that token removed).
+    """
+    if draft is not None:
+        residual = (target - draft).clamp_min(0)
     else:
-        if draft_probs is not None:
-            residual = (target_probs[accepted] - draft_probs[accepted]).clamp_min(0)
-        else:
-            residual = target_probs[accepted].clone()
-            residual[draft[accepted]] = 0.0
-        total = residual.sum()
-        # max(0, p - q) is all zero only when p == q (then nothing is ever rejected); guard rounding.
-        dist = residual / total if total > 0 else target_probs[accepted]
-    last = int(draw(dist.unsqueeze(0), [generator])[0])
-    return Verification(tokens=draft[:accepted] + [last], num_accepted=accepted, p=p.tolist(), q=q.tolist(),
-                        accepted=[i < accepted for i in range(n)])
+        residual = target.clone()
+        residual[draft_token] = 0.0
+    total = residual.sum()
+    # max(0, p - q) is all zero only when p == q (then nothing is ever rejected); guard rounding.
+    return residual / total if total > 0 else target
