@@ -284,16 +284,21 @@ class Distributions:
         if not picks:
             return []
         rows = [r for r, _ in picks]
-        tokens = self.processed[rows].argmax(dim=-1)
+        tokens = _take(self.processed, rows).argmax(dim=-1)
         drawn = [j for j, r in enumerate(rows) if not self.greedy[r]]
         if drawn:
             if all(picks[j][1] is None for j in drawn):
-                probs = self._sampling[[self._slot[rows[j]] for j in drawn]]
+                probs = _take(self._sampling, [self._slot[rows[j]] for j in drawn])
             else:
                 probs = torch.stack([picks[j][1] if picks[j][1] is not None else self._sampling[self._slot[rows[j]]]
                                      for j in drawn])
             tokens[drawn] = draw(probs, [self.rows[rows[j]].generator for j in drawn])
         return tokens.tolist()
+
+
+def _take(t: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """``t[index]``, without a copy when ``index`` is every row in order (a plain decode step)."""
+    return t if index == list(range(t.shape[0])) else t[index]
 
 
 @dataclass
