@@ -183,7 +183,9 @@ class TokenSampled(Event):
     ``top``: the most likely candidates (only when a subscriber asked for ``topk``) of the
     distribution the sampler chose from: after the logits processors (repetition, presence and
     frequency penalties, the ``min_tokens`` ban on EOS and stop ids) and, when the request
-    samples, after temperature; under greedy decoding the chosen token is the first of ``top``.
+    samples, after temperature, min-p, top-k and top-p (candidates they removed are left
+    out); under greedy decoding the chosen token is the first of ``top``. For a token kept by
+    a verification it is the target's distribution at that position.
     ``model_top``: the model's own candidates before any processor, filled only when a
     processor changed this row (so a view can show both, labelled);
     ``logprob``: log p of the chosen token under the model (None unless computed);

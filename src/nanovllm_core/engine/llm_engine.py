@@ -3,16 +3,18 @@
 ``LLMEngine`` is the lower-level API (vLLM's ``LLMEngine``): ``add_request``, ``step``,
 ``abort_request``, ``has_unfinished_requests``. ``LLM.generate`` and the
 ``EngineController`` thread drive it. One call of :meth:`LLMEngine.step` is one scheduler
-step: one forward pass over a mixed batch of prefill chunks and decodes.
+step: one forward pass over a mixed batch of prefill chunks and decodes (and, with
+speculative decoding, the drafted tokens). Sampling is one path for plain and verification
+rows (``sampling/sampler.py``); what happens to each kept token is the output processor's
+job (``output_processor.py``).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -22,24 +24,18 @@ from nanovllm_core.attention.selector import DEFAULT_BLOCK_SIZE, default_block_s
 from nanovllm_core.config import EngineConfig, check_kv_pool_fits, default_kv_cache_memory
 from nanovllm_core.engine.block_manager import BlockManager
 from nanovllm_core.engine.device_errors import is_fatal_device_error
-from nanovllm_core.engine.detokenizer import (
-    detokenize_new_token,
-    find_stop_string,
-    release_text,
-    start_detokenizer,
-    streamed_text,
-)
+from nanovllm_core.engine.detokenizer import start_detokenizer
 from nanovllm_core.engine.model_runner import ForwardResult, ModelRunner
+from nanovllm_core.engine.output_processor import OutputProcessor, RequestState
 from nanovllm_core.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
 from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
 from nanovllm_core.model.loader import ProgressFn, ResolvedModel
-from nanovllm_core.outputs import CompletionOutput, Logprob, RequestOutput
-from nanovllm_core.sampling.sampler import Sampler, SamplerOutput
+from nanovllm_core.outputs import RequestOutput
+from nanovllm_core.sampling.sampler import RowGroup, Sampler, SamplerOutput, SamplingRow
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.speculative.metrics import SpecDecodeStats
 from nanovllm_core.speculative.proposer import build_proposer, load_draft_model, needs_draft_model, parse_self_layers
-from nanovllm_core.speculative.rejection_sampler import Verification
 from nanovllm_core.speculative.speculator import Speculator
 
 Prompt = str | list[int]
@@ -57,17 +53,6 @@ class Subscription:
     topk: int = 0
     blocks: bool = False
     xray: bool = False
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence] = field(default_factory=list)
-    pending_siblings: list[Sequence] = field(default_factory=list)
-    error: str | None = None
 
 
 class LLMEngine:
@@ -122,14 +107,13 @@ class LLMEngine:
         )
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_ids()
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self._subscribers: list[Subscription] = []
-        self._pending_outputs: list[RequestOutput] = []
+        self.output = OutputProcessor(tokenizer, self.max_model_len)
         self._seq_counter = itertools.count()
         self._request_counter = itertools.count()
         self.step_index = 0
         self.total_prompt_tokens = 0
-        self.total_output_tokens = 0
         self.fault_injector: Callable[[SchedulerOutput], None] | None = None  # tests: raise inside a step
         self.fatal_error: str | None = None  # set when the device failed for good; new requests are rejected
         self.xray = None  # an XRayCapture, made when a subscriber first asks for LayerTrace events
@@ -211,12 +195,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def _reject(self, request_id: str, prompt: Any, token_ids: list[int], reason: str) -> str:
-        out = RequestOutput(
-            request_id=request_id, prompt=prompt if isinstance(prompt, str) else None, prompt_token_ids=token_ids,
-            outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="rejected")],
-            finished=True, error=reason,
-        )
-        self._pending_outputs.append(out)
+        self.output.reject(request_id, prompt, token_ids, reason)
         if self._subscribers:
             self._emit(ev.RequestRejected(request_id=request_id, reason=reason))
         return request_id
@@ -281,7 +260,7 @@ class LLMEngine:
             return self._reject(request_id, text, token_ids,
                                 f"the prompt has {n_prompt} tokens, more than the per-step budget "
                                 f"({self.scheduler.token_budget}) with chunked prefill off; enable chunked prefill")
-        req = _Request(request_id, text, token_ids, params)
+        req = RequestState(request_id, text, token_ids, params)
         now = time.perf_counter()
         for i in range(params.n):
             seq = Sequence(seq_id=next(self._seq_counter), request_id=request_id, token_ids=list(token_ids),
@@ -329,11 +308,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued or running, or a finished output has not been returned yet."""
-        return bool(self.requests) or bool(self._pending_outputs)
+        return bool(self.requests) or bool(self.output.pending)
 
     def pop_finished_outputs(self) -> list[RequestOutput]:
         """Outputs finished outside a step (rejections, aborts), returned once."""
-        outputs, self._pending_outputs = self._pending_outputs, []
+        outputs, self.output.pending = self.output.pending, []
         return outputs
 
     def fail_running(self, reason: str) -> list[RequestOutput]:
@@ -347,8 +326,13 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return outputs of the requests it touched (finished ones have ``finished=True``)."""
-        outputs, self._pending_outputs = self._pending_outputs, []
+        """Run one scheduler step; return outputs of the requests it touched (finished ones have ``finished=True``).
+
+        Schedule; run the model once over the whole batch; sample (plain decode rows and
+        speculative verification rows through the one sampler); update every sequence
+        (computed tokens, blocks, kept tokens and their stop checks); emit.
+        """
+        outputs, self.output.pending = self.output.pending, []
         if self.fatal_error is not None or not self.scheduler.has_unfinished():
             return outputs
         t0 = time.perf_counter()
@@ -377,9 +361,7 @@ class LLMEngine:
                 self.fault_injector(plan)
             extra_rows = self.speculator.extra_rows(plan.scheduled) if self.speculator else None
             result = self.runner.run(plan.scheduled, tracer=self._tracer(plan), extra_rows=extra_rows)
-            result, verify_rows = Speculator.split(result) if self.speculator else (result, [])
             sampled = self._sample(result)
-            verified = self.speculator.verify(verify_rows) if verify_rows else []
         except Exception as e:  # isolate: retry each sequence alone, finish those that still fail
             if is_fatal_device_error(e, self.device):
                 outputs.extend(self._stop_after_device_error(plan.step, e))
@@ -398,19 +380,19 @@ class LLMEngine:
                     continue
                 try:
                     result = self.runner.run([s])
-                    self._postprocess([s], result, self._sample(result), plan.step, touched)
+                    self._update([s], result, self._sample(result), plan.step, touched)
                 except Exception as e2:
                     self._emit(ev.EngineError(step=plan.step, message=f"{type(e2).__name__}: {e2}",
                                               request_id=s.seq.request_id, traceback=traceback.format_exc()))
                     self._finish(s.seq, "error", None, error=f"engine error: {type(e2).__name__}: {e2}")
                     touched[s.seq.request_id] = None
         else:
-            self._postprocess(plan.scheduled, result, sampled, plan.step, touched)
-            for (s, logits), v in zip(verify_rows, verified):
-                self._apply_verification(s, logits, v, plan.step, touched)
+            self._update(plan.scheduled, result, sampled, plan.step, touched)
+        if self.speculator is not None:
+            self.speculator.step_done()
         if self._subscribers:
             self._emit_step_end(plan, time.perf_counter() - t0)
-        outputs.extend(self._outputs_for(touched))
+        outputs.extend(self.output.take(self.requests, touched))
         return outputs
 
     def _stop_after_device_error(self, step: int, error: Exception) -> list[RequestOutput]:
@@ -423,55 +405,74 @@ class LLMEngine:
         return self.fail_running(self.fatal_error)
 
     def _sample(self, result: ForwardResult) -> SamplerOutput:
-        seqs = [s.seq for s, _ in result.rows]
-        return self.sampler(result.logits, seqs, self._topk_wanted)
+        """The tokens every sampling sequence keeps this step, all through one sampler.
 
-    def _postprocess(self, scheduled: list[ScheduledSequence], result: ForwardResult, sampled: SamplerOutput,
-                     step: int, touched: dict[str, None]) -> None:
-        """Advance the plain (non-speculative) entries: computed tokens, prefix-cache hashes, sampled tokens."""
+        Logits row ``i`` of a scheduled sequence predicts the token after its first
+        ``start + i + 1`` tokens. A plain sequence has one row; a speculating one has a row per
+        draft plus one, grouped so that the sampler verifies the drafts.
+        """
+        rows, groups, prev = [], [], None
+        for s, i in result.rows:
+            rows.append(SamplingRow.at(s.seq, s.start + i + 1))
+            if s is not prev:
+                groups.append(self.speculator.row_group(s) if self.speculator else RowGroup())
+                prev = s
+        return self.sampler(result.logits, rows, self._topk_wanted, groups)
+
+    def _update(self, scheduled: list[ScheduledSequence], result: ForwardResult, sampled: SamplerOutput,
+                step: int, touched: dict[str, None]) -> None:
+        """Advance every scheduled sequence by what the step computed, then append its kept tokens.
+
+        Kept tokens go through the output processor one by one, whether sampled or kept by a
+        verification, so an EOS, stop string or ``max_tokens`` inside an accepted run ends the
+        sequence there.
+        """
+        groups, first = [], 0
+        for n, v in zip(sampled.num_kept, sampled.verifications):
+            groups.append((result.rows[sampled.rows[first]][0], first, n, v))
+            first += n
+        accepted = {id(s): v.num_accepted for s, _, _, v in groups if v is not None}
         for s in scheduled:
-            if s.spec_tokens:
-                continue  # see _apply_verification
-            s.seq.num_computed_tokens += s.num_new_tokens
-            self._cache_full_blocks(s.seq)
-            touched[s.seq.request_id] = None
-            if not s.seq.in_prefill and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens:
-                self._release_siblings(s.seq)
-        for row, (s, _) in enumerate(result.rows):
-            self._append_token(s.seq, sampled, row, step)
+            self._advance(s, accepted.get(id(s), 0), touched)
+        emit, topk = (self._emit, self._topk_wanted) if self._subscribers else (None, 0)
+        for s, first, n, v in groups:
+            seq = s.seq
+            if v is not None:
+                self.speculator.record(v)
+                if emit is not None:
+                    emit(ev.SpecDecodeStep(
+                        step=step, request_id=seq.request_id, seq_id=seq.seq_id, proposer=self.speculator.name,
+                        draft_tokens=tuple(s.spec_tokens), draft_texts=tuple(self.token_pieces(s.spec_tokens)),
+                        p=tuple(v.p), q=tuple(v.q), accepted=tuple(v.accepted), bonus_token=v.tokens[-1],
+                        bonus_text=self.tokenizer.decode([v.tokens[-1]]), greedy=v.greedy,
+                        num_query_tokens=s.num_new_tokens,
+                    ))
+            for i in range(first, first + n):
+                stop = self.output.append_token(seq, sampled, i, step, speculative=v is not None, emit=emit, topk=topk)
+                if stop is not None:
+                    self._finish(seq, *stop)
+                    break
 
-    def _apply_verification(self, s: ScheduledSequence, logits: torch.Tensor, v: Verification, step: int,
-                            touched: dict[str, None]) -> None:
-        """Roll a speculating sequence back to what verification kept, then append the kept tokens.
+    def _advance(self, s: ScheduledSequence, num_accepted: int, touched: dict[str, None]) -> None:
+        """Mark the tokens ``s`` ran as computed, all but rejected drafts; hash newly full blocks.
 
-        The target computed K/V for the newest token and every draft; only the newest and
-        the accepted drafts stay computed. Rejected drafts leave ``token_ids``, blocks past
-        the kept tokens return to the pool, and only blocks of kept tokens get prefix-cache
-        hashes. The kept tokens go through the usual stop checks one by one, so an EOS, stop
-        string or ``max_tokens`` inside an accepted run ends the sequence there.
+        A speculating sequence rolls back to its accepted drafts: the rejected ones leave
+        ``token_ids``, blocks past the kept tokens return to the pool, and only blocks of kept
+        tokens get prefix-cache hashes. Its drafts then leave ``token_ids`` too: the kept
+        tokens are appended again with their stop checks.
         """
         seq = s.seq
-        base = s.start + 1  # tokens before the drafts
-        del seq.token_ids[base + v.num_accepted:]  # drop the rejected drafts
-        seq.num_computed_tokens = base + v.num_accepted
-        self.block_manager.truncate(seq, seq.num_computed_tokens)
-        # The accepted run's K/V is valid even if a stop below cuts the run short: hash it now.
+        seq.num_computed_tokens = s.start + s.num_new_tokens - (len(s.spec_tokens) - num_accepted)
+        if s.spec_tokens:
+            del seq.token_ids[seq.num_computed_tokens:]
+            self.block_manager.truncate(seq, seq.num_computed_tokens)
+        # The accepted run's K/V is valid even if a stop cuts the run short: hash it now.
         self._cache_full_blocks(seq)
-        del seq.token_ids[base:]  # the kept tokens are appended again below, with their stop checks
+        if s.spec_tokens:
+            del seq.token_ids[s.start + 1:]
         touched[seq.request_id] = None
-        if self._subscribers:
-            self._emit(ev.SpecDecodeStep(
-                step=step, request_id=seq.request_id, seq_id=seq.seq_id, proposer=self.speculator.name,
-                draft_tokens=tuple(s.spec_tokens), draft_texts=tuple(self.token_pieces(s.spec_tokens)),
-                p=tuple(v.p), q=tuple(v.q), accepted=tuple(v.accepted), bonus_token=v.tokens[-1],
-                bonus_text=self.tokenizer.decode([v.tokens[-1]]),
-            ))
-        out = Speculator.sampler_output(logits, v, max(self._topk_wanted, seq.params.logprobs or 0),
-                                        seq.params.logprobs is not None)
-        for row in range(len(v.tokens)):
-            self._append_token(seq, out, row, step)
-            if seq.is_finished:
-                break
+        if not seq.in_prefill and seq.num_computed_tokens >= seq.num_prompt_tokens:
+            self._release_siblings(seq)
 
     def _cache_full_blocks(self, seq: Sequence) -> None:
         limit = self.speculator.computed_tokens(seq) if self.speculator else None
@@ -489,85 +490,6 @@ class LLMEngine:
             for sib in req.pending_siblings:
                 self.scheduler.add(sib)
             req.pending_siblings = []
-
-    def _append_token(self, seq: Sequence, sampled: SamplerOutput, row: int, step: int) -> None:
-        """Add row ``row``'s sampled token to ``seq``: logprobs, text, the ``TokenSampled`` event, stop checks."""
-        token = sampled.token_ids[row]
-        seq.token_ids.append(token)
-        now = time.perf_counter()
-        m = seq.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-            m.first_token_step = step
-        m.num_output_tokens = seq.num_output_tokens
-        self.total_output_tokens += 1
-        if sampled.chosen_logprobs is not None:
-            seq.cumulative_logprob += sampled.chosen_logprobs[row]
-            if seq.logprobs is not None:
-                seq.logprobs.append(self._logprob_entry(seq, sampled, row))
-        text_len_before = len(seq.output_text)
-        piece = detokenize_new_token(self.tokenizer, seq)
-        seq.output_text += piece
-        stop = self._check_stop(seq, token, len(piece), text_len_before)
-        released = release_text(seq, finished=stop is not None)
-        if self._subscribers:
-            top = ()
-            if sampled.top is not None and self._topk_wanted:
-                top = tuple(ev.TopToken(tid, self.tokenizer.decode([tid]), math.exp(lp))
-                            for tid, lp in sampled.top[row][: self._topk_wanted])
-            self._emit(ev.TokenSampled(
-                step=step, request_id=seq.request_id, seq_id=seq.seq_id, index=seq.index, token_id=token,
-                text=released, position=seq.num_tokens - 1,
-                num_output_tokens=seq.num_output_tokens, top=top,
-                logprob=sampled.chosen_logprobs[row] if sampled.chosen_logprobs is not None else None,
-                temperature=seq.params.temperature, greedy=seq.params.greedy, token_text=piece,
-            ))
-        if stop is not None:
-            self._finish(seq, *stop)
-
-    def _logprob_entry(self, seq: Sequence, sampled: SamplerOutput, row: int) -> dict[int, Logprob]:
-        """vLLM's per-token logprobs: the top ``logprobs`` candidates plus the chosen token, with ranks."""
-        token = sampled.token_ids[row]
-        decode = self.tokenizer.decode
-        entry = {tid: Logprob(lp, rank + 1, decode([tid]))
-                 for rank, (tid, lp) in enumerate(sampled.top[row][: seq.params.logprobs])}
-        if token not in entry:
-            entry[token] = Logprob(sampled.chosen_logprobs[row], sampled.chosen_ranks[row], decode([token]))
-        return entry
-
-    def _check_stop(self, seq: Sequence, token: int, new_text_len: int,
-                    text_len_before: int) -> tuple[str, str | int | None] | None:
-        """Should ``seq`` stop after its newest token? Returns (finish_reason, stop_reason) or None.
-
-        Checked in vLLM's order: EOS, ``stop_token_ids`` and stop strings (none of them within
-        the first ``min_tokens`` tokens), then ``max_tokens`` and ``max_model_len``. A stop
-        token's own text and a stop string (with anything after it) are cut from
-        ``output_text`` unless ``include_stop_str_in_output`` (vLLM V1's detokenizer).
-        """
-        p = seq.params
-        n_out = seq.num_output_tokens
-        if n_out >= p.min_tokens:
-            hit: tuple[str, str | int | None] | None = None
-            if token in seq.eos_token_ids:
-                hit = ("stop", None)
-            elif token in p.stop_token_ids:
-                hit = ("stop", token)
-            if hit is not None:
-                if not p.include_stop_str_in_output:
-                    seq.output_text = seq.output_text[:text_len_before]
-                return hit
-            # vLLM looks for stop strings only in text after the first min_tokens tokens.
-            if p.stop and n_out > p.min_tokens:
-                found = find_stop_string(seq, new_text_len)
-                if found is not None:
-                    stop, at = found
-                    seq.output_text = seq.output_text[: at + len(stop) if p.include_stop_str_in_output else at]
-                    return ("stop", stop)
-        if p.max_tokens is not None and n_out >= p.max_tokens:
-            return ("length", None)
-        if seq.num_tokens >= self.max_model_len:
-            return ("length", None)
-        return None
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None, error: str | None = None) -> None:
         seq.finish_reason = reason
@@ -587,11 +509,11 @@ class LLMEngine:
             self._release_siblings(seq)
         if req is not None and all(s.is_finished for s in req.seqs):
             del self.requests[seq.request_id]
-            self._pending_outputs.append(self._request_output(req))
+            self.output.finished(req)
             if self._subscribers:
                 self._emit(self._finished_event(req))
 
-    def _finished_event(self, req: _Request) -> ev.RequestFinished:
+    def _finished_event(self, req: RequestState) -> ev.RequestFinished:
         """One event per request, when its last sample ends; top-level fields describe sample 0."""
         first = req.seqs[0]
         m = first.metrics
@@ -610,30 +532,6 @@ class LLMEngine:
             kv_blocks_used=self.block_manager.num_used_blocks,
             kv_blocks_cached=self.block_manager.num_cached_free_blocks,
         )
-
-    def _outputs_for(self, touched: dict[str, None]) -> list[RequestOutput]:
-        outs = self._pending_outputs
-        self._pending_outputs = []
-        done = {o.request_id for o in outs}
-        for rid in touched:
-            req = self.requests.get(rid)
-            if req is not None and rid not in done:
-                outs.append(self._request_output(req))
-        return outs
-
-    def _request_output(self, req: _Request) -> RequestOutput:
-        completions = [
-            CompletionOutput(index=s.index, text=s.output_text if s.is_finished else streamed_text(s),
-                             token_ids=list(s.output_token_ids),
-                             finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-                             cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                             logprobs=list(s.logprobs) if s.logprobs is not None else None)
-            for s in req.seqs
-        ]
-        errors = [s.error for s in req.seqs if s.error]
-        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
-                             outputs=completions, finished=all(s.is_finished for s in req.seqs),
-                             metrics=req.seqs[0].metrics, error=errors[0] if errors else None)
 
     # ------------------------------------------------------------------ events of a step
 
@@ -746,7 +644,7 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "total_prompt_tokens": self.total_prompt_tokens,
-            "total_output_tokens": self.total_output_tokens,
+            "total_output_tokens": self.output.total_output_tokens,
             "spec_proposer": self.speculator.name if self.speculator else None,
             "spec_num_speculative_tokens": self.speculator.k if self.speculator else 0,
             **(self.speculator.stats if self.speculator else SpecDecodeStats()).as_dict(),

@@ -159,8 +159,11 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or budget <= 0:
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
-            # Draft slots come out of what is left once every later running sequence has its one token.
-            later = sum(1 for other in queue[i + 1:] if other.status is SequenceStatus.RUNNING) if self.num_speculative_tokens else 0
+            # Draft slots come out of what is left once every later running sequence has its one token
+            # (counted only when the budget could bind: counting every step is quadratic in the batch).
+            later = 0
+            if self.num_speculative_tokens and budget - num_new - (len(queue) - i - 1) < self.num_speculative_tokens:
+                later = sum(1 for other in queue[i + 1:] if other.status is SequenceStatus.RUNNING)
             num_spec = self._num_spec_tokens(seq, budget - num_new - later)
             if num_spec and not bm.can_allocate(seq, seq.num_computed_tokens + num_new + num_spec):
                 num_spec = 0  # drafts only use free blocks; they never cost another sequence its blocks

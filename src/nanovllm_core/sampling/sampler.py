@@ -1,50 +1,82 @@
-"""The sampler: turn a batch of next-token logits into tokens, one row per sequence.
+"""The sampler: turn a step's next-token logits into the tokens each sequence keeps.
 
-Every row may have different settings; each stage is one tensor operation over the whole
-batch (no Python loop over the vocabulary), in vLLM V1's order:
+One code path for every row of a step, plain decodes and speculative verifications alike
+(vLLM V1's sampler and rejection sampler over one set of logits processors):
 
-1. ``min_tokens``: end-of-sequence and stop tokens masked until enough tokens exist;
-2. penalties on the raw logits: repetition (prompt and output tokens; positive logits
-   divided, negative multiplied; Keskar et al. 2019, CTRL), then frequency (per occurrence)
-   and presence (once) over output tokens;
-3. greedy rows (temperature ~ 0) take the argmax here;
-4. temperature, then min-p (Nguyen et al. 2024), then top-k, then top-p (nucleus sampling,
-   Holtzman et al. 2020, Sec. 3.1) on what top-k left;
-5. a token is drawn with the exponential race (``argmax(p / E)``, ``E ~ Exp(1)`` per token),
-   which is exactly sampling from ``p``; rows with a ``seed`` draw ``E`` from their own
-   generator, so their tokens do not depend on what else is in the batch.
-
-Log-probabilities returned to the user (``logprobs``) and the top-k shown by the teaching
-views are those of the model's raw distribution (``log_softmax`` of the unprocessed logits),
-as vLLM returns by default (``logprobs_mode="raw_logprobs"``).
+1. :class:`Distributions` puts every row through the request's logits processors, each one
+   tensor operation over the whole batch, in vLLM V1's order: the ``min_tokens`` ban on
+   end-of-sequence and stop tokens; penalties on the raw logits (repetition over prompt and
+   output tokens, positive logits divided and negative multiplied, Keskar et al. 2019, CTRL;
+   then frequency per occurrence and presence once, over output tokens); then for rows that
+   sample, temperature, min-p (Nguyen et al. 2024), top-k, and top-p on what top-k left
+   (nucleus sampling, Holtzman et al. 2020, Sec. 3.1). A verification row sees the tokens
+   before its own position (the drafts before it, as if accepted), so penalties and the ban
+   are those of that position.
+2. :class:`Sampler` judges a sequence's drafts, if it has any (``speculative/rejection_sampler``:
+   the greedy rule for greedy requests, rejection sampling otherwise), then draws the last
+   token of every sequence in one batch: the argmax of the processed logits for greedy rows,
+   otherwise the exponential race (``argmax(p / E)``, ``E ~ Exp(1)`` per token, which is exactly
+   sampling from ``p``). Rows with a ``seed`` draw from their own generator, so their tokens do
+   not depend on what else is in the batch. A plain decode is the case of no drafts.
+3. What was asked for besides, for the kept tokens only: the log-probabilities returned to
+   the user (``logprobs``), those of the model's raw distribution (``log_softmax`` of the
+   unprocessed logits) with ranks, as vLLM returns by default (``logprobs_mode="raw_logprobs"``);
+   and for the teaching views, the top candidates of the distribution the token was chosen
+   from (after the processors), with a flag saying whether a processor changed it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from nanovllm_core.engine.sequence import Sequence
+from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.speculative import rejection_sampler
+from nanovllm_core.speculative.rejection_sampler import Verification
 from nanovllm_core.transfer import to_device
 
 
-@dataclass
-class SamplerOutput:
-    """Tokens for each row, and what was asked for besides.
+class SamplingRow:
+    """What the logits processors read of one row: the request's settings and the tokens before it.
 
-    ``token_ids``: one per row. ``chosen_logprobs``: log p(token) per row under the raw
-    distribution (None unless asked). ``chosen_ranks``: the chosen token's rank among the
-    whole vocabulary under that distribution (1 = most likely; None unless asked).
-    ``top``: per row, ``[(token_id, logprob), ...]`` best first (None unless asked; rows
-    that asked for nothing get ``[]``).
+    A plain decode row is its :class:`Sequence` itself (:meth:`at` returns it). Verification
+    row ``j`` of a speculating sequence predicts the token after its first ``length`` tokens,
+    which include drafts ``0..j-1`` as if accepted: the row only counts if they are.
     """
 
-    token_ids: list[int]
-    chosen_logprobs: list[float] | None = None
-    top: list[list[tuple[int, float]]] | None = None
-    chosen_ranks: list[int] | None = None
+    def __init__(self, seq: Sequence, length: int) -> None:
+        self.params = seq.params
+        self.num_prompt_tokens = seq.num_prompt_tokens
+        self.token_ids = seq.token_ids[:length]
+        self.eos_token_ids = seq.eos_token_ids
+        self.generator = seq.generator
+
+    @classmethod
+    def at(cls, seq: Sequence, length: int) -> "Sequence | SamplingRow":
+        """The row predicting token ``length`` of ``seq`` (0-based): ``seq`` itself when that is its next token."""
+        return seq if length == seq.num_tokens else cls(seq, length)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+def min_tokens_ban(params: SamplingParams, eos_token_ids: tuple[int, ...], num_output_tokens: int) -> list[int]:
+    """Token ids the ``min_tokens`` rule forbids as output number ``num_output_tokens + 1``.
+
+    EOS and ``stop_token_ids`` while fewer than ``min_tokens`` tokens exist (vLLM's
+    ``MinTokensLogitsProcessor``); sorted, empty once enough exist.
+    """
+    if num_output_tokens >= params.min_tokens:
+        return []
+    return sorted(set(eos_token_ids) | set(params.stop_token_ids))
 
 
 def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -55,10 +87,9 @@ def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     """
     rows, cols = [], []
     for row, q in enumerate(seqs):
-        if q.num_output_tokens < q.params.min_tokens:
-            banned = set(q.eos_token_ids) | set(q.params.stop_token_ids)
-            rows += [row] * len(banned)
-            cols += sorted(banned)
+        banned = min_tokens_ban(q.params, q.eos_token_ids, q.num_output_tokens)
+        rows += [row] * len(banned)
+        cols += banned
     if not rows:
         return logits
     out = logits.clone()
@@ -79,15 +110,14 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         ``frequency_penalty x count`` and ``presence_penalty x (count > 0)`` subtracted,
         counting output tokens only. The input itself when every penalty is off.
     """
-    s_count, vocab = logits.shape
-    rep = [q.params.repetition_penalty for q in seqs]
-    pres = [q.params.presence_penalty for q in seqs]
-    freq = [q.params.frequency_penalty for q in seqs]
-    if all(r == 1.0 for r in rep) and not any(pres) and not any(freq):
+    rows = [i for i, q in enumerate(seqs) if penalized(q.params)]
+    if not rows:
         return logits
+    seqs = [seqs[i] for i in rows]  # rows without penalties are left as they are
+    vocab = logits.shape[1]
     dev = logits.device
-    counts = torch.zeros((s_count, vocab), dtype=torch.float32, device=dev)
-    in_prompt = torch.zeros((s_count, vocab), dtype=torch.bool, device=dev)
+    counts = torch.zeros((len(rows), vocab), dtype=torch.float32, device=dev)
+    in_prompt = torch.zeros((len(rows), vocab), dtype=torch.bool, device=dev)
     for row, q in enumerate(seqs):
         outs = q.output_token_ids
         if outs:
@@ -95,10 +125,21 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
             counts[row].index_add_(0, ids, torch.ones(len(outs), device=dev))
         in_prompt[row, to_device(q.token_ids[:q.num_prompt_tokens], torch.long, dev)] = True
     seen = in_prompt | (counts > 0)
-    r = to_device(rep, torch.float32, dev).unsqueeze(1)
-    out = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
-    out = out - to_device(freq, torch.float32, dev).unsqueeze(1) * counts
-    return out - to_device(pres, torch.float32, dev).unsqueeze(1) * (counts > 0).float()
+    sub = logits if len(rows) == logits.shape[0] else logits[rows]
+    r = to_device([q.params.repetition_penalty for q in seqs], torch.float32, dev).unsqueeze(1)
+    sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+    sub = sub - to_device([q.params.frequency_penalty for q in seqs], torch.float32, dev).unsqueeze(1) * counts
+    sub = sub - to_device([q.params.presence_penalty for q in seqs], torch.float32, dev).unsqueeze(1) * (counts > 0).float()
+    if len(rows) == logits.shape[0]:
+        return sub
+    out = logits.clone()
+    out[rows] = sub
+    return out
+
+
+def penalized(params: SamplingParams) -> bool:
+    """True when a repetition, presence or frequency penalty is on."""
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0 or params.frequency_penalty != 0
 
 
 def filter_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -163,7 +204,7 @@ class RowSettings(NamedTuple):
 
 def row_tensors(seqs: list[Sequence], device: torch.device) -> RowSettings:
     """(temperature, top_k, top_p, min_p), each ``[S]``, from the rows' settings (top_k -1 becomes 0, off),
-    and the three ``any_*`` flags computed from the same Python values."""
+    and the three ``any_*`` flags computed from the same Python values (no wait for a GPU)."""
     top_k = [max(q.params.top_k, 0) for q in seqs]
     top_p = [q.params.top_p for q in seqs]
     min_p = [q.params.min_p for q in seqs]
@@ -190,36 +231,252 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch
     return (probs / e).argmax(dim=-1)
 
 
-class Sampler:
-    """Samples a batch of rows. Stateless; per-request randomness lives on each ``Sequence``."""
+class Distributions:
+    """A step's rows after the requests' logits processors: what every token is chosen from.
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], top_k_events: int = 0) -> SamplerOutput:
-        """logits ``[S, vocab]`` float32, one row per sequence -> :class:`SamplerOutput`.
+    Built once per step over every row that samples, plain and verification rows alike.
 
-        ``top_k_events``: also return this many top (token, logprob) per row for listeners;
-        rows whose request asked for ``logprobs`` get at least that many.
+    Attributes:
+        logits: ``[R, vocab]`` float32, the model's raw logits.
+        rows: ``R`` rows (:class:`Sequence` or :class:`SamplingRow`), what the processors read.
+        processed: ``[R, vocab]``, after the ``min_tokens`` ban and the penalties (``logits``
+            itself when no processor applies).
+        greedy: per row, True when the request takes the argmax (temperature ~ 0).
+    """
+
+    def __init__(self, logits: torch.Tensor, rows: list) -> None:
+        self.logits = logits
+        self.rows = rows
+        self.processed = apply_penalties(apply_min_tokens(logits, rows), rows)
+        self.greedy = [r.params.greedy for r in rows]
+        sampled = [i for i, g in enumerate(self.greedy) if not g]
+        self._slot = {row: j for j, row in enumerate(sampled)}
+        self._sampling = (filter_probs(self.processed[sampled], *row_tensors([rows[i] for i in sampled], logits.device))
+                          if sampled else None)
+        self._argmax: list[int] | None = None
+
+    def argmax(self) -> list[int]:
+        """Per row, the argmax of the processed logits (what a greedy row takes)."""
+        if self._argmax is None:
+            self._argmax = self.processed.argmax(dim=-1).tolist()
+        return self._argmax
+
+    def probs(self, index: list[int]) -> torch.Tensor:
+        """``[len(index), vocab]``: the distribution each listed row chooses from.
+
+        Rows that sample: after temperature, min-p, top-k and top-p. Greedy rows: the softmax of
+        the processed logits (they take its argmax).
         """
-        processed = apply_penalties(apply_min_tokens(logits, seqs), seqs)
-        tokens = processed.argmax(dim=-1)
-        rows = [i for i, q in enumerate(seqs) if not q.params.greedy]
-        if rows:
-            sub = [seqs[i] for i in rows]
-            index = to_device(rows, torch.long, logits.device)
-            probs = filter_probs(processed.index_select(0, index), *row_tensors(sub, logits.device))
-            tokens.index_copy_(0, index, draw(probs, [q.generator for q in sub]))
-        token_list = tokens.tolist()  # the step's one wait for the device: its tokens
-        want = [max(top_k_events, q.params.logprobs or 0) for q in seqs]
-        if not any(want) and all(q.params.logprobs is None for q in seqs):
-            return SamplerOutput(token_ids=token_list)
-        logprobs = torch.log_softmax(logits, dim=-1)
-        chosen = logprobs.gather(1, tokens.unsqueeze(1))
-        ranks = (logprobs > chosen).sum(dim=-1) + 1
-        top: list[list[tuple[int, float]]] = [[] for _ in seqs]
-        k = max(want)
+        out = torch.empty((len(index), self.logits.shape[1]), dtype=torch.float32, device=self.logits.device)
+        greedy = [j for j, i in enumerate(index) if self.greedy[i]]
+        sampled = [j for j, i in enumerate(index) if not self.greedy[i]]
+        if greedy:
+            out[greedy] = self.processed[[index[j] for j in greedy]].softmax(dim=-1)
+        if sampled:
+            out[sampled] = self._sampling[[self._slot[index[j]] for j in sampled]]
+        return out
+
+    def changed(self, index: list[int]) -> list[bool]:
+        """Per listed row: did a processor make its distribution differ from the model's own?
+
+        True when the ban or a penalty changed a logit of the row, or when the row samples
+        with a temperature other than 1 or with min-p, top-k or top-p on.
+        """
+        out = [False] * len(index)
+        touched = [j for j, i in enumerate(index) if self._touched(i)]
+        if touched and self.processed is not self.logits:
+            rows = [index[j] for j in touched]
+            for j, diff in zip(touched, (self.processed[rows] != self.logits[rows]).any(dim=-1).tolist()):
+                out[j] = diff
+        for j, i in enumerate(index):
+            p = self.rows[i].params
+            if not self.greedy[i] and (p.temperature != 1.0 or p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0):
+                out[j] = True
+        return out
+
+    def _touched(self, i: int) -> bool:
+        """Could a logits processor (penalties, the ``min_tokens`` ban) have changed row ``i``?"""
+        r = self.rows[i]
+        return penalized(r.params) or bool(min_tokens_ban(r.params, r.eos_token_ids, r.num_output_tokens))
+
+    def choose(self, picks: list[tuple[int, torch.Tensor | None]]) -> list[int]:
+        """One token per ``(row, replacement)``, drawn in one batch.
+
+        Greedy rows take the argmax of their processed logits. Other rows draw, with the row's
+        generator, from ``replacement`` (``[vocab]``, a rejected draft's recovery distribution)
+        or else from the row's own distribution.
+        """
+        if not picks:
+            return []
+        rows = [r for r, _ in picks]
+        tokens = _take(self.processed, rows).argmax(dim=-1)
+        drawn = [j for j, r in enumerate(rows) if not self.greedy[r]]
+        if drawn:
+            if all(picks[j][1] is None for j in drawn):
+                probs = _take(self._sampling, [self._slot[rows[j]] for j in drawn])
+            else:
+                probs = torch.stack([picks[j][1] if picks[j][1] is not None else self._sampling[self._slot[rows[j]]]
+                                     for j in drawn])
+            tokens[drawn] = draw(probs, [self.rows[rows[j]].generator for j in drawn])
+        return tokens.tolist()
+
+
+def _take(t: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """``t[index]``, without a copy when ``index`` is every row in order (a plain decode step)."""
+    return t if index == list(range(t.shape[0])) else t[index]
+
+
+@dataclass
+class RowGroup:
+    """The consecutive logits rows of one sequence in a step.
+
+    A plain decode has no drafts and one row. A verification has ``n`` drafts and ``n + 1``
+    rows: row ``j`` judges draft ``j``, the last one gives the bonus token.
+    ``draft_probs``: ``[n, vocab]``, the distributions the drafts were drawn from (after the
+    same processors), or None for point masses (prompt lookup, greedy drafting).
+    """
+
+    draft_tokens: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.draft_tokens) + 1
+
+
+@dataclass
+class SamplerOutput:
+    """The tokens a step keeps, flat in row order, and what was asked for besides.
+
+    ``token_ids``: the kept tokens, group by group: one for a plain decode, the accepted drafts
+    plus one for a verification. ``rows``: the logits row each was chosen at; ``num_kept``:
+    per group. ``verifications``: per group, what the verification decided (None for a plain
+    decode).
+
+    For the API (None unless some row asked for ``logprobs`` or a listener for top-k), under
+    the model's raw distribution: ``chosen_logprobs`` (log p of each kept token),
+    ``chosen_ranks`` (its rank among the whole vocabulary, 1 = most likely) and ``top``
+    (``[(token_id, logprob), ...]`` best first, as many as the row's request or the listener
+    asked for).
+
+    For the teaching views (None unless ``top_k_events``): ``sampled_top``, the
+    ``[(token_id, prob), ...]`` best first of the distribution the token was chosen from
+    (after penalties and the ``min_tokens`` ban; for rows that sample, after temperature,
+    min-p, top-k, top-p; candidates of probability 0 left out; for a verified token, the
+    target's distribution at its position), so a greedy row's token is the first; and
+    ``processed``, True where a processor made that distribution differ from the model's.
+    """
+
+    token_ids: list[int]
+    chosen_logprobs: list[float] | None = None
+    top: list[list[tuple[int, float]]] | None = None
+    chosen_ranks: list[int] | None = None
+    rows: list[int] = field(default_factory=list)
+    num_kept: list[int] = field(default_factory=list)
+    verifications: list[Verification | None] = field(default_factory=list)
+    sampled_top: list[list[tuple[int, float]]] | None = None
+    processed: list[bool] | None = None
+
+
+class Sampler:
+    """Samples a step's rows. Stateless; per-request randomness lives on each ``Sequence``."""
+
+    def __call__(self, logits: torch.Tensor, rows: list, top_k_events: int = 0,
+                 groups: list[RowGroup] | None = None) -> SamplerOutput:
+        """logits ``[R, vocab]`` float32 and their rows -> the kept tokens (:class:`SamplerOutput`).
+
+        Args:
+            rows: per logits row, what the processors read (:class:`Sequence`, or
+                :class:`SamplingRow` for a verification row).
+            top_k_events: also describe this many top candidates per kept token for listeners;
+                rows whose request asked for ``logprobs`` get at least that many raw ones.
+            groups: consecutive rows per sequence, in row order (default: one plain row each).
+
+        Raises:
+            ValueError: the groups do not cover the rows exactly.
+        """
+        groups = groups if groups is not None else [RowGroup() for _ in rows]
+        if sum(g.num_rows for g in groups) != len(rows) or logits.shape[0] != len(rows):
+            raise ValueError(f"{len(groups)} row groups cover {sum(g.num_rows for g in groups)} rows, "
+                             f"but there are {len(rows)} rows and {logits.shape[0]} logits rows")
+        dist = Distributions(logits, rows)
+        verifications: list[Verification | None] = []
+        picks: list[tuple[int, torch.Tensor | None]] = []
+        first = 0
+        for g in groups:
+            v, replacement = self._judge(dist, first, g) if g.draft_tokens else (None, None)
+            verifications.append(v)
+            picks.append((first + (v.num_accepted if v else 0), replacement))
+            first += g.num_rows
+        last = dist.choose(picks)
+        out = SamplerOutput(token_ids=[], verifications=verifications)
+        first = 0
+        for g, v, token, (row, _) in zip(groups, verifications, last, picks):
+            kept = g.draft_tokens[:v.num_accepted] if v else []
+            if v:
+                v.tokens = kept + [token]
+            out.token_ids += kept + [token]
+            out.rows += list(range(first, row + 1))
+            out.num_kept.append(len(kept) + 1)
+            first += g.num_rows
+        self._describe(dist, out, top_k_events)
+        return out
+
+    @staticmethod
+    def _judge(dist: Distributions, first: int, g: RowGroup) -> tuple[Verification, torch.Tensor | None]:
+        """Judge a group's drafts at rows ``first..first+n-1``; the recovery distribution if one was rejected.
+
+        The returned Verification's ``tokens`` holds the accepted drafts until the last token is drawn.
+        """
+        draft, n = g.draft_tokens, len(g.draft_tokens)
+        target = dist.probs(list(range(first, first + n)))
+        ids = to_device(draft, torch.long, target.device)
+        at = torch.arange(n, device=target.device)
+        p = target[at, ids]
+        greedy = dist.greedy[first]
+        if greedy:
+            q = torch.ones_like(p)  # greedy drafting is a point mass
+            accepted = rejection_sampler.greedy_accepted(draft, dist.argmax()[first:first + n])
+            replacement = None
+        else:
+            q = g.draft_probs[at, ids] if g.draft_probs is not None else torch.ones_like(p)
+            accepted = rejection_sampler.sampled_accepted(p, q, dist.rows[first].generator)
+            replacement = None
+            if accepted < n:
+                replacement = rejection_sampler.recovery_distribution(
+                    target[accepted], g.draft_probs[accepted] if g.draft_probs is not None else None, draft[accepted])
+        v = Verification(tokens=draft[:accepted], num_accepted=accepted, p=p.tolist(), q=q.tolist(),
+                         accepted=[i < accepted for i in range(n)], greedy=greedy)
+        return v, replacement
+
+    @staticmethod
+    def _describe(dist: Distributions, out: SamplerOutput, top_k_events: int) -> None:
+        """Fill ``out``'s log-probabilities (raw, for the API) and, for listeners, the chosen-from top-k."""
+        params = [dist.rows[r].params for r in out.rows]
+        want = [max(top_k_events, p.logprobs or 0) for p in params]
+        if not any(want) and all(p.logprobs is None for p in params):
+            return
+        vocab = dist.logits.shape[1]
+        ids = to_device(out.token_ids, torch.long, dist.logits.device).unsqueeze(1)
+        logprobs = torch.log_softmax(dist.logits[out.rows], dim=-1)
+        chosen = logprobs.gather(1, ids)
+        out.chosen_logprobs = chosen.squeeze(1).tolist()
+        out.chosen_ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+        out.top = [[] for _ in out.rows]
+        k = min(max(want), vocab)
         if k:
-            values, ids = logprobs.topk(k, dim=-1)
-            values, ids = values.tolist(), ids.tolist()
-            for row in range(len(seqs)):
-                top[row] = list(zip(ids[row][: want[row]], values[row][: want[row]]))
-        return SamplerOutput(token_ids=token_list, chosen_logprobs=chosen.squeeze(1).tolist(), top=top,
-                             chosen_ranks=ranks.tolist())
+            values, top_ids = logprobs.topk(k, dim=-1)
+            values, top_ids = values.tolist(), top_ids.tolist()
+            out.top = [list(zip(i[:w], v[:w])) for i, v, w in zip(top_ids, values, want)]
+        if not top_k_events:
+            return
+        values, top_ids = dist.probs(out.rows).topk(min(top_k_events, vocab), dim=-1)
+        out.sampled_top = []
+        for row, token, i, v in zip(out.rows, out.token_ids, top_ids.tolist(), values.tolist()):
+            cands = [(t, pr) for t, pr in zip(i, v) if pr > 0]
+            if dist.greedy[row] and cands and cands[0][0] != token:
+                # a tie that topk ordered otherwise than argmax: show the token taken first
+                mine = [c for c in cands if c[0] == token] or [(token, cands[0][1])]
+                cands = (mine + [c for c in cands if c[0] != token])[: len(cands)]
+            out.sampled_top.append(cands)
+        out.processed = dist.changed(out.rows)

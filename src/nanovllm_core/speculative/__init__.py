@@ -13,8 +13,11 @@ forward passes per generated token.
 - ``ngram.py``: prompt lookup (the tokens that followed the latest earlier match);
 - ``draft_model.py``: a draft LLaMA (own KV pool, same block tables) or the target's
   first N layers (self-speculative early exit, writing into the target's own pool);
-- ``rejection_sampler.py``: accept / reject / bonus token;
-- ``speculator.py``: the engine's side: propose, then verify after the forward pass;
+- ``rejection_sampler.py``: the acceptance rules (argmax equality for greedy requests,
+  min(1, p/q) otherwise) and the recovery distribution; the sampler
+  (``sampling/sampler.py``) applies them, after the same logits processors as any decode row;
+- ``speculator.py``: the engine's side: propose (cut before a banned token), hand each
+  sequence's drafts to the sampler, count what was accepted;
 - ``metrics.py``: the acceptance counters and E = (1 - alpha^(k+1)) / (1 - alpha);
 - ``cli.py``: ``python -m nanovllm_core.speculative.cli``.
 """

@@ -1,9 +1,10 @@
 """Drafting with a model: a small draft LLaMA, or the target's own first layers.
 
 The draft runs k times per step, one token per speculating sequence each time (the first
-time on the sequence's newest token), and its logits go through the request's own
-penalties, temperature, top-k/top-p/min-p: greedy requests take the argmax (a point mass),
-others draw from that distribution ``q`` and keep it for the rejection sampler.
+time on the sequence's newest token), and its logits go through the request's own logits
+processors (the ``min_tokens`` ban, penalties, temperature, top-k/top-p/min-p; the sampler's
+:class:`~nanovllm_core.sampling.sampler.Distributions`): greedy requests take the argmax (a
+point mass), others draw from that distribution ``q`` and keep it for the rejection sampler.
 
 Its KV cache is paged with the target's geometry and addressed by the SAME block tables
 and slot mapping, so the target's block manager serves both and rollback is one
@@ -30,7 +31,7 @@ from nanovllm_core.engine.model_runner import ModelRunner
 from nanovllm_core.engine.scheduler import ScheduledSequence
 from nanovllm_core.engine.sequence import Sequence
 from nanovllm_core.model.llama import LlamaForCausalLM
-from nanovllm_core.sampling.sampler import apply_penalties, draw, filter_probs, row_tensors
+from nanovllm_core.sampling.sampler import Distributions
 from nanovllm_core.speculative.proposer import Draft, Proposer
 
 
@@ -162,17 +163,15 @@ class DraftModelProposer(Proposer):
     def _choose(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
         """Draft logits ``[S, vocab]`` -> one token per row and its ``q`` row (None for greedy rows).
 
-        Each sequence's ``token_ids`` hold its history up to this row, so penalties and
-        ``min_tokens`` see exactly what the target will see at the same position.
+        Each sequence's ``token_ids`` hold its history up to this row, so the logits
+        processors (penalties, the ``min_tokens`` ban) see exactly what the target will see
+        at the same position: the draft never proposes a token the target bans there.
         """
-        processed = apply_penalties(logits, seqs)
-        tokens = processed.argmax(dim=-1)
+        dist = Distributions(logits, seqs)
+        tokens = dist.choose([(i, None) for i in range(len(seqs))])
+        sampled = [i for i, greedy in enumerate(dist.greedy) if not greedy]
         q: list[torch.Tensor | None] = [None] * len(seqs)
-        sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if sampled:
-            sub = [seqs[i] for i in sampled]
-            dist = filter_probs(processed[sampled], *row_tensors(sub, logits.device))
-            tokens[sampled] = draw(dist, [seq.generator for seq in sub])
-            for j, i in enumerate(sampled):
-                q[i] = dist[j]
-        return tokens.tolist(), q
+            for i, row in zip(sampled, dist.probs(sampled)):
+                q[i] = row
+        return tokens, q

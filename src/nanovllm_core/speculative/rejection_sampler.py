@@ -14,9 +14,14 @@ whatever ``q`` is. A draft that is a fixed guess (prompt lookup, or greedy draft
 point mass ``q_i = 1`` at ``x_i``: it is accepted with probability ``p_i(x_i)``, and a rejection
 samples from ``p_i`` with ``x_i`` removed.
 
-Greedy requests (temperature 0) are the limit of the same rule: a draft token is accepted
-while it equals the target's argmax, and the argmax is emitted at the first mismatch, so the
-output is token-identical to greedy decoding without speculation.
+Greedy requests (temperature 0) use the greedy rule instead: a draft token is kept while it
+equals the argmax of the target's processed logits at its position, and the first mismatch
+is replaced by that argmax, so the output is token-identical to greedy decoding without
+speculation. ``p`` and ``q`` are only reported then; no random number is drawn.
+
+Here are the rules for one sequence; the sampler (``sampling/sampler.py``) applies them to
+every sequence of a step, after the same logits processors as a plain decode row, and draws
+the last token of every sequence (correction, bonus or plain decode) in one batch.
 """
 
 from __future__ import annotations
@@ -24,8 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from nanovllm_core.sampling.sampler import draw
 
 
 @dataclass
@@ -35,7 +38,8 @@ class Verification:
     ``tokens``: the tokens to append, the accepted drafts then the correction (at the first
     rejection) or the bonus token (all accepted), so ``len(tokens) == num_accepted + 1``.
     ``p``, ``q``: target and draft probability of each draft token; ``accepted``: per draft
-    token (False for every token after the first rejection).
+    token (False for every token after the first rejection). ``greedy``: which rule decided
+    (True: equality with the target's argmax; False: rejection sampling, ``min(1, p/q)``).
     """
 
     tokens: list[int]
@@ -43,6 +47,7 @@ class Verification:
     p: list[float]
     q: list[float]
     accepted: list[bool]
+    greedy: bool = False
 
     @property
     def num_draft_tokens(self) -> int:
@@ -58,68 +63,42 @@ def accept_draft(u: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Ten
     return u * q < p
 
 
-def verification(draft: list[int], num_accepted: int, last: int, p: list[float], q: list[float]) -> Verification:
-    """The :class:`Verification` of ``draft`` once its outcome is on the host: the first
-    ``num_accepted`` drafts, then ``last`` (the correction or the bonus token)."""
-    return Verification(tokens=draft[:num_accepted] + [last], num_accepted=num_accepted, p=p, q=q,
-                        accepted=[i < num_accepted for i in range(len(draft))])
+def greedy_accepted(draft: list[int], target_argmax: list[int]) -> int:
+    """The greedy rule: how many leading drafts equal the target's argmax at their position.
 
-
-def verify_greedy(draft: list[int], target_argmax: list[int], p: list[float]) -> Verification:
-    """Greedy verification: accept drafts while they equal the target's argmax.
-
-    Args:
-        draft: ``n`` draft token ids.
-        target_argmax: ``n + 1`` argmax token ids of the target's processed logits at each row.
-        p: ``n`` target probabilities of the draft tokens, only reported.
+    ``target_argmax``: at least ``len(draft)`` ids, the argmax of the target's processed logits
+    at each draft's position.
     """
-    n = len(draft)
     accepted = 0
-    while accepted < n and draft[accepted] == target_argmax[accepted]:
+    while accepted < len(draft) and draft[accepted] == target_argmax[accepted]:
         accepted += 1
-    return verification(draft, accepted, target_argmax[accepted], p, [1.0] * n)
+    return accepted
 
 
-def sample_on_device(draft: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                     generator: torch.Generator | None) -> tuple[torch.Tensor, ...]:
-    """Rejection sampling of ``n`` drafts against the target (Leviathan et al. 2023, Algorithm 1),
-    computed where the tensors live and never read back, so a batch of sequences waits once.
+def sampled_accepted(p: torch.Tensor, q: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Rejection sampling: how many leading drafts pass :func:`accept_draft`, one uniform draw each.
 
-    Args:
-        draft: ``[n]`` long, the draft token ids (n >= 1).
-        target_probs: ``[n + 1, vocab]``, the target's sampling distribution at each row, after
-            the request's penalties, temperature, top-k/top-p/min-p.
-        draft_probs: ``[n, vocab]``, the distributions the drafts were drawn from, after the same
-            processing; None for a point mass at each draft token (n-gram or greedy drafts).
-        generator: the request's generator (seeded requests), or None for torch's global one.
-
-    Returns:
-        ``(num_accepted [], last [], p [n], q [n])``: how many leading drafts were accepted
-        (long), the token drawn after them (long: from the residual at the first rejection,
-        from ``p_{n+1}`` when all were accepted), and the target's and draft's probability of
-        each draft token.
+    p, q: ``[n]`` target and draft probability of each draft token. ``generator``: the
+    request's own (seeded requests) or None for torch's global one.
     """
-    n = draft.numel()
-    rows = torch.arange(n, device=draft.device)
-    p = target_probs[rows, draft]
-    q = draft_probs[rows, draft] if draft_probs is not None else torch.ones_like(p)
-    u = torch.rand(n, generator=generator, device=draft.device)
-    num_accepted = accept_draft(u, p, q).long().cumprod(0).sum()
-    # The residual normalize(max(0, p - q)) of every row; the one at the first rejection is used.
-    if draft_probs is not None:
-        residual = (target_probs[:n] - draft_probs[:n]).clamp_min(0)
+    n = p.shape[0]
+    u = torch.rand(n, generator=generator, device=p.device)
+    ok = accept_draft(u, p, q)
+    rejected = (~ok).nonzero()
+    return int(rejected[0]) if len(rejected) else n
+
+
+def recovery_distribution(target: torch.Tensor, draft: torch.Tensor | None, draft_token: int) -> torch.Tensor:
+    """Where the replacement of a rejected draft is drawn from: ``normalize(max(0, p - q))``, ``[vocab]``.
+
+    ``target``: ``p`` at the rejected position ``[vocab]``; ``draft``: ``q`` there, or None for a
+    point mass at ``draft_token`` (then ``p`` with that token removed).
+    """
+    if draft is not None:
+        residual = (target - draft).clamp_min(0)
     else:
-        residual = target_probs[:n].clone().scatter_(1, draft.unsqueeze(1), 0.0)
-    total = residual.sum(dim=-1, keepdim=True)
+        residual = target.clone()
+        residual[draft_token] = 0.0
+    total = residual.sum()
     # max(0, p - q) is all zero only when p == q (then nothing is ever rejected); guard rounding.
-    residual = torch.where(total > 0, residual / total, target_probs[:n])
-    dist = torch.cat([residual, target_probs[n:n + 1]]).index_select(0, num_accepted.view(1))
-    return num_accepted, draw(dist, [generator])[0], p, q
-
-
-def verify_sampled(draft: list[int], target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                   generator: torch.Generator | None) -> Verification:
-    """:func:`sample_on_device` for one sequence, read back (arguments as there, ``draft`` as a list)."""
-    ids = torch.tensor(draft, dtype=torch.long).to(target_probs.device)
-    num_accepted, last, p, q = sample_on_device(ids, target_probs, draft_probs, generator)
-    return verification(draft, int(num_accepted), int(last), p.tolist(), q.tolist())
+    return residual / total if total > 0 else target
