@@ -12,7 +12,7 @@ KIND_STYLES = {
     "attention": "bold #b06cf2", "prefill": "bold #4ea1ff", "decode": "bold #3ecf8e", "sampling": "bold #2ec4d6",
     "kv_cache": "bold #8fa8ff", "scheduler": "bold yellow", "chunked_prefill": "bold #ff8a5b",
     "preemption": "bold red", "prefix_cache": "bold #f37de0", "finished": "bold green", "rejected": "bold red",
-    "speculative": "bold #c2d94c", "error": "bold red",
+    "speculative": "bold #c2d94c", "error": "bold red", "roofline": "bold #8fa8ff",
 }
 
 
