@@ -104,11 +104,15 @@ class AttentionHeatmap(ScrollView):
         n = len(self.weights[0])
         cell, per_cell = column_layout(n, width)
         cells = -(-n // per_cell)
-        if row == 0:  # key positions: a label every few cells, where it fits
+        if row == 0:  # key positions: a label every few cells, each one whole or not at all
             every = max(1, -(-6 // cell))
             keys_per_cell = per_cell * self.keys_per_column
-            ticks = "".join(f"{self.key_offset + c * keys_per_cell:<{every * cell}}" for c in range(0, cells, every))
-            segments = [Segment(" " * LABEL + ticks[: cells * cell], self._label)]
+            ticks = ""
+            for c in range(0, cells, every):
+                label = str(self.key_offset + c * keys_per_cell)
+                if c * cell + len(label) <= cells * cell:
+                    ticks = ticks.ljust(c * cell) + label
+            segments = [Segment(" " * LABEL + ticks, self._label)]
         else:
             weights = self.weights[row - 1]
             piece = self.queries[row - 1] if row - 1 < len(self.queries) else ""
