@@ -95,6 +95,22 @@ def test_a_prefill_turns_compute_bound_where_its_layer_reaches_the_ridge():
     assert compute_bound_tokens(SMOL, ridge=1e6) == 0  # never, for a ridge no layer reaches
 
 
+def test_heatmap_labels_are_decoded_once_and_redone_where_the_tokens_changed():
+    from types import SimpleNamespace
+
+    from nanovllm_core.educational.xray import XRayCapture
+
+    decoded = []
+    engine = SimpleNamespace(token_pieces=lambda ids: decoded.extend(ids) or [f"<{i}>" for i in ids])
+    capture = XRayCapture(engine, measure=False)
+    seq = SimpleNamespace(seq_id=7, token_ids=[1, 2, 3])
+    assert capture.pieces(seq) == ["<1>", "<2>", "<3>"]
+    seq.token_ids += [4, 5]
+    assert capture.pieces(seq) == ["<1>", "<2>", "<3>", "<4>", "<5>"] and decoded == [1, 2, 3, 4, 5]
+    seq.token_ids[3:] = [9]  # a rejected draft rolled back, another token kept
+    assert capture.pieces(seq) == ["<1>", "<2>", "<3>", "<9>"] and decoded[-1:] == [9]
+
+
 # ------------------------------------------------------------------ capture on the real model
 
 PROMPTS = ["The capital of France is", "Hi",

@@ -88,8 +88,23 @@ class XRayCapture:
         self.layer = 0
         self.head = 0
         self.roofline: roofline.Roofline | None = None
+        self._pieces: dict[int, tuple[list[int], list[str]]] = {}  # seq id -> (token ids, their pieces)
         if measure:
             self.measure_roofline()
+
+    def pieces(self, seq) -> list[str]:
+        """Each token's text of ``seq``: decoded once and kept, redone only from where its ids changed
+        (speculative rollbacks), so a long context's heatmap labels cost nothing per step."""
+        ids, known = self._pieces.pop(seq.seq_id, ([], []))
+        tokens = seq.token_ids
+        same, n = 0, min(len(ids), len(tokens))
+        while same < n and ids[same] == tokens[same]:
+            same += 1
+        known = known[:same] + self.engine.token_pieces(tokens[same:])
+        self._pieces[seq.seq_id] = (list(tokens), known)
+        while len(self._pieces) > 8:  # the few sequences traced lately
+            del self._pieces[next(iter(self._pieces))]
+        return known
 
     def measure_roofline(self) -> None:
         """Measure (or read back) this machine's roofline for the engine's device and dtype."""
@@ -119,7 +134,8 @@ class XRayCapture:
             if (self.request_id is None or s.seq.request_id == self.request_id) and s.seq.index == 0:
                 return LayerTracer(self.engine, plan.step, s, offset, order, self.layer, self.head,
                                    self.engine._emit, self.roofline or roofline.cached(self.engine.device,
-                                                                                       self.engine.dtype))
+                                                                                       self.engine.dtype),
+                                   pieces=self.pieces)
             offset += s.num_new_tokens
         return None
 
@@ -133,7 +149,8 @@ class LayerTracer:
 
     def __init__(self, engine: "LLMEngine", step: int, scheduled: "ScheduledSequence", start: int,
                  order: list["ScheduledSequence"], heat_layer: int, heat_head: int,
-                 emit: Callable[[ev.Event], None], roof: roofline.Roofline | None = None) -> None:
+                 emit: Callable[[ev.Event], None], roof: roofline.Roofline | None = None,
+                 pieces: Callable | None = None) -> None:
         self.engine = engine
         self.cfg = engine.model_config
         self.step = step
@@ -144,6 +161,7 @@ class LayerTracer:
         self.heat_layer, self.heat_head = heat_layer, heat_head
         self.emit = emit
         self.roof = roof
+        self.pieces = pieces or (lambda seq: engine.token_pieces(seq.token_ids))
         self.dims = layer_dims(engine)
         self.backend = backend_of(engine)
         self.num_tokens = sum(s.num_new_tokens for s in order)
@@ -224,7 +242,7 @@ class LayerTracer:
         c, s, seq = self.cfg, self.sched, self.sched.seq
         t, ctx = s.num_new_tokens, s.start + s.num_new_tokens
         heat = layer == self.heat_layer
-        pieces = self.engine.token_pieces
+        pieces = self.pieces(seq)[:ctx] if heat else []
         q_from = max(s.start, ctx - HEATMAP_MAX_QUERIES)
         roof = self.roof
         self.emit(ev.LayerTrace(
@@ -233,8 +251,8 @@ class LayerTracer:
             num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
             kv_bytes_per_token=c.kv_bytes_per_token(self.engine.dtype),
             head=self.heat_head if heat else None, attention=self._attention if heat else (),
-            query_pieces=tuple(pieces(seq.token_ids[q_from:ctx])) if heat else (),
-            key_pieces=tuple(pieces(seq.token_ids[:ctx])) if heat and self._keys_per_column == 1 else (),
+            query_pieces=tuple(pieces[q_from:ctx]),
+            key_pieces=tuple(pieces) if self._keys_per_column == 1 else (),
             kind=self.kind, num_new_tokens=t, context_len=ctx, first_row=self.first_row,
             num_batch_tokens=self.num_tokens, num_batch_seqs=len(self.order),
             attention_backend=self.backend, peak_flops=roof.peak_flops if roof else 0.0,
