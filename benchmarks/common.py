@@ -1,4 +1,7 @@
-"""What the benchmark programs share: the workload, statistics, the matmul peak, peak memory, table printing.
+"""What the benchmark programs share: the workload, statistics, peak memory, table printing.
+
+The matmul peak (``gemm_peaks``) and ``cpu_name`` live in ``nanovllm_core.roofline``, where the
+X-Ray measures the machine's ridge point with them; they are re-exported here.
 
 A *workload* is N requests whose prompt and output lengths are drawn with a fixed seed.
 Prompts are real English text: ``corpus.txt`` tokenized once, each prompt a window of the
@@ -12,12 +15,13 @@ import json
 import os
 import random
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from nanovllm_core.roofline import cpu_name, gemm_peaks  # noqa: F401 (the benchmarks import them from here)
 
 CORPUS = Path(__file__).with_name("corpus.txt")
 
@@ -108,37 +112,6 @@ def percentile(values: list[float], q: float) -> float | None:
     return vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
 
 
-def gemm_peaks(n: int = 2048, repeats: int = 5) -> dict[str, float]:
-    """Measured float32 matrix-multiply FLOP/s per path: the best of ``repeats`` timed ``[n, n] @ [n, n]``.
-
-    Both matmul paths PyTorch offers on the CPU are timed, MKL's (``"mkl"``, ``torch.mm``) and
-    oneDNN's with a pre-packed weight (``"onednn"``, the path our engine's linear layers take,
-    see ``nanovllm_core.model.cpu_linear``); callers take the faster one as the peak. The best
-    run (not the mean) is taken, so that a moment of contention on a shared machine does not
-    make every roofline fraction look better than it is.
-    """
-    from nanovllm_core.model import cpu_linear
-
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=gen)
-    b = torch.randn(n, n, generator=gen)
-    c = torch.empty(n, n)
-    paths = {"mkl": lambda: torch.mm(a, b, out=c)}
-    packed = cpu_linear.packed_weight(b)
-    if packed is not None:
-        paths["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
-    peaks = {}
-    for name, run in paths.items():
-        run()  # warm-up (thread pool, buffers)
-        best = float("inf")
-        for _ in range(repeats):
-            t = time.perf_counter()
-            run()
-            best = min(best, time.perf_counter() - t)
-        peaks[name] = 2.0 * n ** 3 / best
-    return peaks
-
-
 class PeakRSS:
     """Peak resident memory (bytes) of this process while the ``with`` block runs.
 
@@ -202,20 +175,6 @@ def default_model_dir() -> Path:
     from nanovllm_core.model.loader import resolve_model
 
     return Path(resolve_model(None).path)
-
-
-def cpu_name() -> str:
-    """The CPU's model name from /proc/cpuinfo, or the platform's guess."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def machine_summary() -> dict[str, Any]:

@@ -83,14 +83,14 @@ def test_xray_shapes_follow_the_model_config(recorded):
     assert [t.layer for t in layers] == list(range(cfg.num_hidden_layers))
     t = layers[0]
     tensors = {x.name: x.shape for x in t.tensors}
-    n = tensors["hidden_states"][1]
-    assert tensors["hidden_states"] == (1, n, cfg.hidden_size)
-    assert tensors["q"] == (1, cfg.num_attention_heads, n, cfg.head_dim) == (1, 9, n, 64)
-    assert tensors["k"] == (1, cfg.num_key_value_heads, n, cfg.head_dim) == (1, 3, n, 64)
-    assert tensors["gate"] == (1, n, cfg.intermediate_size)
+    n = t.num_batch_tokens  # the step's flat batch: every scheduled sequence's tokens
+    assert tensors["attn_norm"] == (n, cfg.hidden_size)
+    assert tensors["q"] == (n, cfg.num_attention_heads, cfg.head_dim) == (n, 9, 64)
+    assert tensors["k"] == (n, cfg.num_key_value_heads, cfg.head_dim) == (n, 3, 64)
+    assert tensors["gate"] == (n, cfg.intermediate_size)
     assert t.kv_bytes_per_token == 2 * cfg.num_hidden_layers * 3 * 64 * 4
     ops = {o.name: o for o in t.ops}
-    assert ops["attention_scores"].math.startswith("S = Q K^T / sqrt(64)")
+    assert ops["attention"].math.startswith("O = softmax(Q K^T / sqrt(64)")
     assert ops["qkv_proj"].flops == 2 * n * 576 * (9 + 6) * 64
 
 

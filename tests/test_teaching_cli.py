@@ -142,16 +142,21 @@ def test_xray_shapes_equal_the_model_config(xrayed):
     prefill = next(s for s in sections(text, "X-RAY") if "step 0 · prefill" in s)
     shapes = {name: tuple(int(d) for d in dims.split(", "))
               for name, dims in re.findall(r"^\s+(\w+)\s+\[(\d+(?:, \d+)+)\]", prefill, flags=re.M)}
-    assert shapes["hidden_states"] == (1, n, c.hidden_size)
-    assert shapes["q"] == (1, c.num_attention_heads, n, c.head_dim)
-    assert shapes["k"] == shapes["v"] == (1, c.num_key_value_heads, n, c.head_dim)
-    assert shapes["scores"] == shapes["probs"] == (1, c.num_attention_heads, n, n)
-    assert shapes["gate"] == shapes["up"] == (1, n, c.intermediate_size)
-    h, hd = c.num_attention_heads, c.head_dim
-    assert f"[1,{h},{n},{hd}] @ [1,{h},{hd},{n}] -> [1,{h},{n},{n}]" in prefill
-    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * hd * 4
-    assert f"= {per_token:,} bytes; full multi-head attention would keep {h} KV heads = " \
-           f"{per_token * h // c.num_key_value_heads:,} bytes" in prefill.replace("\n  ", " ")
+    T = int(re.search(r"the step ran (\d+) tokens", prefill).group(1))  # both prompts: one flat batch
+    assert T == n + len(llm.tokenizer.encode("Hi"))
+    assert shapes["attn_norm"] == shapes["residual_out"] == (T, c.hidden_size)
+    assert shapes["q"] == (T, c.num_attention_heads, c.head_dim)
+    assert shapes["k"] == shapes["v"] == (T, c.num_key_value_heads, c.head_dim)
+    assert shapes["k_context"] == (c.num_key_value_heads, n, c.head_dim)
+    assert shapes["scores"] == shapes["probs"] == (3, 3 * n, n)  # query heads grouped by the KV head they read
+    assert shapes["gate"] == shapes["up"] == (T, c.intermediate_size)
+    flat = " ".join(prefill.split())
+    assert f"this request: Q [9, {n}, 64], K, V [3, {n}, 64] -> O [9, {n}, 64]; query head h reads KV head h // 3" \
+        in flat
+    assert "input_layernorm" in flat and "post_attention_layernorm" in flat
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+    assert f"= {per_token:,} bytes; one KV head per query head would keep {per_token * 3:,} (3x more)" in flat
+    assert re.search(r"Roofline of this machine .* measured: matmul peak [\d.,]+ GFLOP/s", flat)
 
 
 @pytest.mark.real_model
@@ -174,8 +179,8 @@ def test_xray_decode_step_reads_the_whole_context(xrayed):
     position = int(re.search(r"1 new token at position (\d+)", decode).group(1))
     assert n <= position < n + 3
     ctx = position + 1  # the new token's key joins the cached ones
-    assert re.search(rf"^\s+k_cache\s+\[1, 3, {ctx}, 64\]", decode, flags=re.M)
-    assert f"[1,9,1,64] @ [1,9,64,{ctx}] -> [1,9,1,{ctx}]" in decode
+    assert re.search(rf"^\s+k_context\s+\[3, {ctx}, 64\]", decode, flags=re.M)
+    assert re.search(rf"this request: Q \[9, 1, 64\], K, V \[3, \d+, 64\] \({ctx} in context", " ".join(decode.split()))
 
 
 # --------------------------------------------------------------------------- dashboard

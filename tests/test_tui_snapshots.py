@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import pytest_textual_snapshot
 
-from tests.tui_helpers import replay_app, wait_until
+from tests.tui_helpers import XRAY_TRACE, replay_app, wait_until
 
 SNAPSHOTS = Path(__file__).resolve().parents[1] / "snapshots"
 SIZE = (120, 40)
@@ -58,8 +58,10 @@ def test_dashboard_during_mixed_prefill_and_decode(snap_compare, tmp_path):
     assert snap_compare(replay_app(tmp_path), terminal_size=SIZE, run_before=after_steps(3))
 
 
-def test_xray_of_a_prefill_with_its_causal_attention_heatmap(snap_compare, tmp_path):
-    assert snap_compare(replay_app(tmp_path), terminal_size=SIZE, run_before=after_steps(1, "2"))
+@pytest.mark.parametrize("size", [(60, 20), (80, 24), (120, 40), (200, 60)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_xray_of_a_batched_prefill_with_every_key_in_its_heatmap(snap_compare, tmp_path, size):
+    # tests/data/xray_trace.jsonl.gz: a 43-token prompt prefilled beside a 5-token one (a batch of 48)
+    assert snap_compare(replay_app(tmp_path, trace=XRAY_TRACE), terminal_size=size, run_before=after_steps(1, "2"))
 
 
 def test_narrator_commentary(snap_compare, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 
@@ -235,6 +236,31 @@ def test_chunked_prefill_demo_shows_chunks_priority_and_a_preemption(demos):
     assert "CHUNKED PREFILL · Request 0: prefill chunk 0.." in text
     assert "PREEMPTION · Step" in text and "request 0 (priority 0) was preempted" in text
     assert text.index("Request 1 finished") < text.index("Request 0 finished")  # priority 10 first
+
+
+@pytest.mark.real_model
+def test_speculative_demo_shows_drafts_checked_in_one_pass(demos):
+    text = " ".join(demo_output(demos, "speculative_decoding").split())
+    assert "SPECULATIVE DECODING · " in text and "proposer guessed" in text
+    assert "accepted" in text and "rejected" in text  # the chapter's prompt shows both outcomes
+
+
+@pytest.mark.real_model
+def test_prefill_demo_measures_its_step_against_the_ridge_point(demos):
+    text = " ".join(demo_output(demos, "prefill").split())
+    assert "ROOFLINE · Request 0: prefill of 5 tokens against the roofline" in text
+    assert re.search(r"This step's layer: [\d,]+ FLOPs over [\d,]+ bytes = [\d.]+ FLOP/byte: memory-bound", text)
+    assert re.search(r"a prefill becomes compute-bound from about [\d,]+ tokens", text)
+
+
+def test_the_prefill_chapter_states_the_measured_ridge_point_when_known():
+    info = {"token_budget": 512, "peak_flops": 100e9, "memory_bandwidth": 10e9, "machine": "a CPU (2 threads), float32",
+            "compute_bound_tokens": 41}
+    lines = model_facts(chapter("prefill"), info)
+    assert "ridge point 10.0 FLOP/byte; a prefill becomes compute-bound from about 41 tokens." in lines[-1]
+    assert len(model_facts(chapter("prefill"), {"token_budget": 512})) == 1
+    text = " ".join(chapter("prefill").paragraphs)
+    assert "limited by compute, not by memory" not in text and "ridge point" in text
 
 
 @pytest.mark.real_model

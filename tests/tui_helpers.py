@@ -13,6 +13,7 @@ from nanovllm_tui.replay import ReplayController, load_trace
 from nanovllm_tui.widgets.prompt_bar import PromptSettings
 
 TRACE = Path(__file__).parent / "data" / "tui_trace.jsonl.gz"
+XRAY_TRACE = Path(__file__).parent / "data" / "xray_trace.jsonl.gz"
 
 
 def engine_app(make_engine, tmp_path: Path, start_paused: bool = False, max_tokens: int = 4,
@@ -24,9 +25,9 @@ def engine_app(make_engine, tmp_path: Path, start_paused: bool = False, max_toke
                        tutorial_path=tmp_path / "tutorial.json")
 
 
-def replay_app(tmp_path: Path, start_paused: bool = True, **kwargs) -> NanoVLLMApp:
-    """The app replaying ``tests/data/tui_trace.jsonl.gz`` (no model needed)."""
-    return NanoVLLMApp(ReplayController(load_trace(TRACE), start_paused=start_paused),
+def replay_app(tmp_path: Path, start_paused: bool = True, trace: Path = TRACE, **kwargs) -> NanoVLLMApp:
+    """The app replaying ``tests/data/tui_trace.jsonl.gz`` (or ``trace``; no model needed)."""
+    return NanoVLLMApp(ReplayController(load_trace(trace), start_paused=start_paused),
                        tutorial_path=tmp_path / "tutorial.json", **kwargs)
 
 

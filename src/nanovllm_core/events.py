@@ -281,11 +281,18 @@ class StepTimed(Event):
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """A named tensor seen during the forward pass: its shape and a few real values."""
+    """A named tensor seen during the forward pass: its shape and a few real values.
+
+    ``scope``: ``"batch"`` when ``shape`` is the step's flat batch (``[num_tokens, ...]`` over
+    every scheduled sequence), ``"request"`` when it is the traced request's own slice (its
+    context's keys, its attention scores); ``""`` in traces recorded before this field.
+    ``sample``: the first values of the traced request's last token (head 0 where there are heads).
+    """
 
     name: str
     shape: tuple[int, ...]
     sample: tuple[float, ...]
+    scope: str = ""
 
 
 @dataclass(frozen=True)
@@ -303,10 +310,21 @@ class OpInfo:
 class LayerTrace(Event):
     """X-Ray: what one decoder layer did for one request in one step.
 
-    ``tensors``: named intermediate tensors (shapes as the model saw them, batch of 1);
-    ``ops``: the layer's operations; ``attention``: softmax weights ``[queries][keys]`` of
-    ``head`` when this is the chosen layer (else empty). Model facts for the GQA and KV
-    arithmetic ride along.
+    ``tensors``: named intermediate tensors, with the shapes the engine used (see
+    ``TensorInfo.scope``); ``ops``: the layer's operations over the whole step's batch, FLOPs
+    and bytes as the attention backend ran them; ``attention``: softmax weights
+    ``[queries][key columns]`` of ``head`` when this is the chosen layer (else empty), each
+    column summing ``keys_per_column`` keys from ``key_start`` on. Model facts for the GQA and
+    KV arithmetic ride along.
+
+    Fields added later (defaults for older traces): ``kind`` of the traced request's part of
+    the step (``prefill``, ``decode``, or ``verify``: a speculative verification of 1 + k
+    tokens); its ``num_new_tokens`` and ``context_len`` (tokens); ``first_row`` of its slice in
+    the flat batch of ``num_batch_tokens`` rows over ``num_batch_seqs`` sequences;
+    ``attention_backend``: what computed attention; the machine's measured roofline
+    (``peak_flops`` FLOP/s, ``memory_bandwidth`` bytes/s, ``machine``; 0 when not measured) and
+    ``compute_bound_tokens``: the shortest one-sequence prefill whose layer reaches the ridge
+    point on that machine (0: unknown or never).
     """
 
     step: int
@@ -324,6 +342,19 @@ class LayerTrace(Event):
     attention: tuple[tuple[float, ...], ...] = ()
     query_pieces: tuple[str, ...] = ()
     key_pieces: tuple[str, ...] = ()
+    kind: str = ""
+    num_new_tokens: int = 0
+    context_len: int = 0
+    first_row: int = 0
+    num_batch_tokens: int = 0
+    num_batch_seqs: int = 0
+    attention_backend: str = ""
+    peak_flops: float = 0.0
+    memory_bandwidth: float = 0.0
+    machine: str = ""
+    compute_bound_tokens: int = 0
+    key_start: int = 0
+    keys_per_column: int = 1
 
 
 # ---------------------------------------------------------------------- speculative

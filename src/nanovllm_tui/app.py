@@ -94,7 +94,6 @@ class NanoVLLMApp(App):
         self.state = EngineState()
         self.narrator = Narrator(max_decode_steps_per_request=narrate_steps)
         self.bridge = EngineBridge(self, fps=fps)
-        self._demo_needs: tuple[bool, bool] = (False, False)  # (xray, blocks) for a running tutorial demo
         self.selected: str | None = None
         self._flush_pending = False
         self._mounted = False
@@ -180,7 +179,6 @@ class NanoVLLMApp(App):
         self._flush_pending = False
         events = self.bridge.drain()
         notes = []
-        tutorial = self.query_one(TutorialView)
         for event in events:
             self.state.apply(event)
             self._announce(event)
@@ -191,11 +189,8 @@ class NanoVLLMApp(App):
             if isinstance(event, ev.ModelLoading) and event.ready:
                 self._sync_paused()
                 self._settle_memory()
-            elif isinstance(event, (ev.RequestFinished, ev.RequestRejected)):
-                tutorial.request_ended(event.request_id)
         if notes:
             self.query_one(NarratorView).add(notes)
-            tutorial.add(notes)
         if self.selected not in self.state.requests and self.state.requests:
             self.select(self._default_selection())
         else:
@@ -271,26 +266,15 @@ class NanoVLLMApp(App):
             view.focus_main()
 
     def _set_detail(self, tab: str) -> None:
-        """Ask the engine for X-Ray traces and block snapshots only while a tab or a demonstration shows them."""
-        demo_xray, demo_blocks = self._demo_needs
-        self.bridge.want(xray=tab == "xray" or demo_xray, blocks=tab in ("blocks", "narrator") or demo_blocks)
+        """Ask the engine for X-Ray traces and block snapshots only while a tab shows them (a tutorial
+        demonstration runs on an engine of its own, see ``demo_session.py``)."""
+        self.bridge.want(xray=tab == "xray", blocks=tab in ("blocks", "narrator"))
         if tab == "xray":
             xray = self.query_one(XRayView)
             self.controller.xray(self.selected, xray.layer_index, xray.head_index)
         if tab == "blocks" and self.live:
             bridge = self.bridge  # a snapshot now, so a paused engine still shows its pool
             self.controller.call(lambda engine: bridge(engine.blocks_event(engine.step_index)))
-
-    def demo_started(self, demo: Any) -> None:
-        """A tutorial demonstration is about to send its requests: give the narrator the detail it needs."""
-        self._demo_needs = (demo.xray, True)
-        if demo.xray:
-            self.controller.xray(None, 0, 0)  # trace whichever request runs first: the demo's
-        self._set_detail(self.active_tab)
-
-    def demo_finished(self, demo: Any) -> None:
-        self._demo_needs = (False, False)
-        self._set_detail(self.active_tab)
 
     def on_xray_view_choice(self, message: XRayView.Choice) -> None:
         self.controller.xray(self.selected, message.layer, message.head)

@@ -150,8 +150,9 @@ DEMOS: dict[str, Demo] = {d.key: d for d in (
          "The shapes of Q, K and V, the score matrix, and how 9 query heads read fewer KV heads.",
          kinds=("embedding", "attention"), max_tokens=1, xray=True),
     Demo("prefill", "The prompt in one forward pass",
-         "How many tokens one step processed at once, and how long it took.",
-         kinds=("prefill", "decode"), max_tokens=1),
+         "How many tokens one step processed at once, how long it took, and its FLOP per byte against "
+         "this machine's measured ridge point.",
+         kinds=("prefill", "decode", "roofline"), max_tokens=1, xray=True),
     Demo("kv_cache", "The cache grows one token at a time",
          "The bytes the KV cache holds after each step, and the blocks behind them.",
          kinds=("prefill", "kv_cache"), max_tokens=6),
@@ -181,7 +182,15 @@ DEMOS: dict[str, Demo] = {d.key: d for d in (
          kinds=("scheduler", "chunked_prefill", "preemption", "prefill", "finished"), max_tokens=6,
          extra_prompts=("Quick: the capital of Italy is",), extra_max_tokens=(6,), priorities=(0, 10),
          engine=(("max_num_batched_tokens", 32), ("block_size", 8), ("num_kv_blocks", 12))),
+    Demo("speculative_decoding", "Drafts checked in one pass",
+         "The n-gram proposer drafts up to 4 tokens from the text so far; the model runs them with its newest "
+         "token in one forward pass, keeps each draft while it equals its own greedy choice, and adds one "
+         "token of its own.",
+         kinds=("speculative", "finished"), max_tokens=8,
+         engine=(("speculative_model", "ngram"), ("num_speculative_tokens", 4))),
 )}
+# Repeats itself, so prompt lookup has drafts to offer: the first are kept, a later one is not.
+_SPECULATIVE_PROMPT = "Copy the list: red, green, blue, yellow. Copy: red, green, blue, yellow. Copy: red,"
 
 
 def _quiz(question: str, choices: tuple[str, str, str, str], answer: int, explanation: str) -> Quiz:
@@ -273,8 +282,11 @@ CHAPTERS: tuple[Chapter, ...] = (
         """
         The first step for a new request is the prefill: all the prompt's tokens go through the model
         together. Because the whole prompt is known, every position can be computed at once, as large
-        matrix multiplications of shape [N, hidden] by [hidden, ...]. That keeps the arithmetic units
-        busy: prefill is limited by compute, not by memory.
+        matrix multiplications of shape [N, hidden] by [hidden, ...]. Each weight read from memory then
+        serves N tokens' arithmetic, so the arithmetic intensity (FLOPs per byte moved) grows with N. A
+        step is limited by compute only once that intensity passes the machine's ridge point, its peak
+        FLOP/s divided by its memory bandwidth; below it, a short prompt's prefill is still limited by
+        memory. The X-Ray measures this machine's ridge point and shows each operation's intensity.
 
         Prefill writes the keys and values of all N prompt tokens into the KV cache. Only the last
         position's hidden state is turned into vocabulary scores, because only the token after the
@@ -487,7 +499,7 @@ CHAPTERS: tuple[Chapter, ...] = (
 
         The speed-up depends on the acceptance rate: the fraction of draft tokens the target keeps.
         """,
-        None, None,
+        "speculative_decoding", _SPECULATIVE_PROMPT,
         _quiz("Why does speculative decoding not change the distribution of the generated text?",
               ("Because the draft model is a copy of the target",
                "Because the accept/reject rule with the residual resampling reproduces the target's distribution",
@@ -563,6 +575,13 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
         elif key == "prefill" and g("token_budget"):
             lines.append(f"This engine's token budget is {g('token_budget')} tokens per step; a longer prompt is "
                          "prefilled in chunks.")
+            if g("peak_flops") and g("memory_bandwidth"):
+                ridge = g("peak_flops") / g("memory_bandwidth")
+                lines.append(f"This machine, measured ({g('machine')}): matmul peak {g('peak_flops') / 1e9:,.1f} "
+                             f"GFLOP/s, memory {g('memory_bandwidth') / 1e9:,.1f} GB/s, ridge point {ridge:.1f} "
+                             "FLOP/byte" + (f"; a prefill becomes compute-bound from about "
+                                            f"{g('compute_bound_tokens'):,} tokens." if g("compute_bound_tokens")
+                                            else "."))
         elif key == "kv_cache" and g("kv_bytes_per_token"):
             per = g("kv_bytes_per_token")
             lines.append(f"On this model in {g('dtype')}: 2 x {g('num_layers')} layers x {g('num_kv_heads')} KV heads x "

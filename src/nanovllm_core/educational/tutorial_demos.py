@@ -3,7 +3,9 @@
 The model is loaded once; each demonstration builds a fresh small engine over the same
 weights with the settings its :class:`~nanovllm_core.educational.tutorial.Demo` asks for
 (``Demo.engine``), sends its requests, and prints the narrator's entries of the kinds the
-demo is about. The attention demonstration also prints X-Ray's full view of layer 0.
+demo is about. The attention demonstration also prints X-Ray's full view of layer 0, and a
+demonstration about the roofline its step's intensity against this machine's ridge point.
+The app's Tutorial tab builds its demonstration engines the same way (:meth:`EngineDemos.engine`).
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from typing import Any
 from rich.console import Console
 
 from nanovllm_core import events as ev
+from nanovllm_core import roofline
 from nanovllm_core.educational.narrate_view import NarrateView
 from nanovllm_core.educational.rich_parts import Indent
 from nanovllm_core.educational.tutorial import DEMOS, Chapter
+from nanovllm_core.educational.xray_facts import roofline_commentary
 from nanovllm_core.educational.xray_view import render_layer_detail
 
 DEMO_KV_BLOCKS = 64  # a demo's pool when its settings do not size one: small and quick to allocate
@@ -52,7 +56,9 @@ class EngineDemos:
 
             cfg = EngineConfig(model=self.model, device=self.device, dtype=self.dtype)
             self._loaded = load_model(cfg.model, cfg.torch_device, cfg.torch_dtype, progress=console_progress())
-        return self.engine().model_info()
+        engine = self.engine()
+        roofline.machine_roofline(engine.device, engine.dtype)  # once per machine: the prefill chapter's facts
+        return engine.model_info()
 
     def engine(self, **settings: Any):
         """A new engine over the loaded model with these ``EngineConfig`` settings."""
@@ -95,3 +101,5 @@ class EngineDemos:
         if "attention" in demo.kinds and layer0:
             console.print(Indent(render_layer_detail(layer0[0])))
             console.print()
+        if "roofline" in demo.kinds and layer0:
+            view.show(roofline_commentary(layer0[0]))

@@ -1,13 +1,18 @@
-"""X-Ray capture: what each decoder layer computed for one request in one step.
+"""X-Ray capture: what each decoder layer computed in one step, seen from one request.
 
 The model calls a ``LayerTracer``'s hooks while it runs (only when one is passed, so normal
-steps pay nothing). The tracer keeps just the chosen request's rows of the flat batch,
-recomputes that request's attention scores from the query and the cached keys (the fused
-attention kernel never materialises them), and emits one ``LayerTrace`` event per layer
-with shapes as a batch of one, a few real values, each operation's math, FLOPs and bytes.
+steps pay nothing). Shapes are reported as the engine really holds them: every operation but
+attention runs on the step's flat batch (``[T, hidden]``, ``[T, heads, head_dim]`` over all
+the scheduled sequences' tokens, the heart of continuous batching), and attention per
+sequence over that sequence's context. The traced request's rows are a slice of the batch;
+the sampled values are its last token's. The tracer recomputes that request's attention
+weights from its query and cached keys (the fused kernel never stores them) for the heatmap,
+and emits one ``LayerTrace`` event per layer with each operation's math, FLOPs and bytes as
+the chosen attention backend moves them (``educational/xray_costs.py``) and the machine's
+measured roofline (``nanovllm_core.roofline``).
 
-Cost: the extra work is one score matrix per layer for one request, about the cost of that
-request's own attention, so a captured step takes well under twice as long.
+Cost: one score matrix per layer for one request, about the cost of that request's own
+attention, so a captured step takes well under twice as long.
 """
 
 from __future__ import annotations
@@ -18,13 +23,15 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from nanovllm_core import events as ev
+from nanovllm_core import roofline
+from nanovllm_core.educational.xray_costs import LayerDims, SeqAttention, compute_bound_tokens, layer_ops
 
 if TYPE_CHECKING:  # pragma: no cover
     from nanovllm_core.engine.llm_engine import LLMEngine
     from nanovllm_core.engine.scheduler import ScheduledSequence, SchedulerOutput
 
-HEATMAP_MAX_QUERIES = 48
-HEATMAP_MAX_KEYS = 96
+HEATMAP_MAX_QUERIES = 48  # the newest query rows kept for the heatmap
+HEATMAP_MAX_COLUMNS = 1024  # key columns kept; a longer context is summed into this many bins
 SAMPLE_VALUES = 4
 
 
@@ -32,14 +39,77 @@ def _sample(t: torch.Tensor) -> tuple[float, ...]:
     return tuple(round(float(v), 5) for v in t.reshape(-1)[:SAMPLE_VALUES].tolist())
 
 
-class XRayCapture:
-    """Chooses what to trace: one request (or the first scheduled one), and the heatmap's layer and head."""
+def backend_of(engine: "LLMEngine") -> str:
+    """``"fused"``, ``"math"`` or ``"flash_attn"``: what computes attention in this engine."""
+    if engine.runner.paged and engine.runner.use_flash_attn:
+        return "flash_attn"
+    return "math" if engine.config.attention_backend == "math" else "fused"
 
-    def __init__(self, engine: "LLMEngine") -> None:
+
+def layer_dims(engine: "LLMEngine") -> LayerDims:
+    """The engine model's decoder-layer sizes and element size (bytes)."""
+    c = engine.model_config
+    return LayerDims(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                     torch.empty((), dtype=engine.dtype).element_size())
+
+
+def roofline_info(engine: "LLMEngine") -> dict:
+    """The machine's roofline for ``model_info()`` when it was measured before (never measures):
+    ``peak_flops`` FLOP/s, ``memory_bandwidth`` bytes/s, ``machine``, ``compute_bound_tokens``."""
+    roof = roofline.cached(engine.device, engine.dtype)
+    if roof is None:
+        return {}
+    return {"peak_flops": roof.peak_flops, "memory_bandwidth": roof.bandwidth, "machine": roof.machine,
+            "compute_bound_tokens": compute_bound_tokens(layer_dims(engine), roof.ridge, backend_of(engine))}
+
+
+def bin_columns(probs: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
+    """``probs [rows, keys]`` summed into at most ``width`` columns of equal key count (the last may
+    hold fewer): returns (``[rows, columns]``, keys per column). Sums keep each row's total at 1."""
+    keys = probs.shape[-1]
+    per = max(1, -(-keys // width))
+    if per == 1:
+        return probs, 1
+    pad = (-keys) % per
+    padded = torch.nn.functional.pad(probs, (0, pad))
+    return padded.view(probs.shape[0], -1, per).sum(-1), per
+
+
+class XRayCapture:
+    """Chooses what to trace: one request (or the first scheduled one), and the heatmap's layer and head.
+
+    Made when a subscriber first asks for X-Ray (outside any step): it measures the machine's
+    roofline then, once per process (``roofline.machine_roofline``), so no step's time includes it.
+    """
+
+    def __init__(self, engine: "LLMEngine", measure: bool = True) -> None:
         self.engine = engine
         self.request_id: str | None = None
         self.layer = 0
         self.head = 0
+        self.roofline: roofline.Roofline | None = None
+        self._pieces: dict[int, tuple[list[int], list[str]]] = {}  # seq id -> (token ids, their pieces)
+        if measure:
+            self.measure_roofline()
+
+    def pieces(self, seq) -> list[str]:
+        """Each token's text of ``seq``: decoded once and kept, redone only from where its ids changed
+        (speculative rollbacks), so a long context's heatmap labels cost nothing per step."""
+        ids, known = self._pieces.pop(seq.seq_id, ([], []))
+        tokens = seq.token_ids
+        same, n = 0, min(len(ids), len(tokens))
+        while same < n and ids[same] == tokens[same]:
+            same += 1
+        known = known[:same] + self.engine.token_pieces(tokens[same:])
+        self._pieces[seq.seq_id] = (list(tokens), known)
+        while len(self._pieces) > 8:  # the few sequences traced lately
+            del self._pieces[next(iter(self._pieces))]
+        return known
+
+    def measure_roofline(self) -> None:
+        """Measure (or read back) this machine's roofline for the engine's device and dtype."""
+        if self.roofline is None:
+            self.roofline = roofline.machine_roofline(self.engine.device, self.engine.dtype)
 
     def select(self, request_id: str | None, layer: int = 0, head: int = 0) -> None:
         """Trace ``request_id`` (None: the first request in each step); heatmap of ``layer``/``head``.
@@ -62,101 +132,170 @@ class XRayCapture:
         offset = 0
         for s in order:
             if (self.request_id is None or s.seq.request_id == self.request_id) and s.seq.index == 0:
-                return LayerTracer(self.engine, plan.step, s, offset, self.layer, self.head, self.engine._emit)
+                return LayerTracer(self.engine, plan.step, s, offset, order, self.layer, self.head,
+                                   self.engine._emit, self.roofline or roofline.cached(self.engine.device,
+                                                                                       self.engine.dtype),
+                                   pieces=self.pieces)
             offset += s.num_new_tokens
         return None
 
 
 class LayerTracer:
-    """Hooks called by ``LlamaForCausalLM.forward``; emits ``LayerTrace`` events.
+    """Hooks called by ``LlamaForCausalLM.forward``; emits one ``LayerTrace`` per layer.
 
-    ``start`` is the first row of the traced sequence in the flat batch ``[num_tokens, ...]``.
+    ``start`` is the first row of the traced sequence in the flat batch ``[num_tokens, ...]``;
+    ``order`` the step's sequences in batch order.
     """
 
     def __init__(self, engine: "LLMEngine", step: int, scheduled: "ScheduledSequence", start: int,
-                 heat_layer: int, heat_head: int, emit: Callable[[ev.Event], None]) -> None:
+                 order: list["ScheduledSequence"], heat_layer: int, heat_head: int,
+                 emit: Callable[[ev.Event], None], roof: roofline.Roofline | None = None,
+                 pieces: Callable | None = None) -> None:
         self.engine = engine
         self.cfg = engine.model_config
         self.step = step
         self.sched = scheduled
+        self.order = order
+        self.first_row = start
         self.rows = slice(start, start + scheduled.num_new_tokens)
         self.heat_layer, self.heat_head = heat_layer, heat_head
         self.emit = emit
-        self.elem = torch.empty((), dtype=engine.dtype).element_size()
+        self.roof = roof
+        self.pieces = pieces or (lambda seq: engine.token_pieces(seq.token_ids))
+        self.dims = layer_dims(engine)
+        self.backend = backend_of(engine)
+        self.num_tokens = sum(s.num_new_tokens for s in order)
+        self._ops: tuple[ev.OpInfo, ...] | None = None
         self._tensors: list[ev.TensorInfo] = []
         self._q: torch.Tensor | None = None
         self._attention: tuple = ()
-        self._context_len = 0
+        self._key_start, self._keys_per_column = 0, 1
+        self._embedding: ev.TensorInfo | None = None
+        self._compute_bound = compute_bound_tokens(self.dims, roof.ridge, self.backend) if roof else 0
 
     # ------------------------------------------------------------------ hooks
 
-    def embedding(self, input_ids: torch.Tensor, x: torch.Tensor) -> None:
-        t = self.sched.num_new_tokens
-        self._embedding = ev.TensorInfo("token_embeddings", (1, t, self.cfg.hidden_size), _sample(x[self.rows][-1]))
+    def _batch(self, name: str, x: torch.Tensor) -> ev.TensorInfo:
+        """A flat-batch tensor: its whole shape, and the traced request's last row (head 0) as the sample."""
+        last = x[self.rows][-1]
+        return ev.TensorInfo(name, tuple(x.shape), _sample(last[0] if last.dim() > 1 else last), "batch")
 
-    def qkv(self, layer: int, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        r, t = self.rows, self.sched.num_new_tokens
-        c = self.cfg
-        self._tensors = [self._embedding] if layer == 0 else []
-        self._tensors += [
-            ev.TensorInfo("hidden_states", (1, t, c.hidden_size), _sample(x[r][-1])),
-            ev.TensorInfo("q", (1, c.num_attention_heads, t, c.head_dim), _sample(q[r][-1, 0])),
-            ev.TensorInfo("k", (1, c.num_key_value_heads, t, c.head_dim), _sample(k[r][-1, 0])),
-            ev.TensorInfo("v", (1, c.num_key_value_heads, t, c.head_dim), _sample(v[r][-1, 0])),
-        ]
-        self._q = q[r].float().clone()
+    def embedding(self, input_ids: torch.Tensor, x: torch.Tensor) -> None:
+        self._embedding = self._batch("token_embeddings", x)
+
+    def layer_input(self, layer: int, x: torch.Tensor) -> None:
+        """The residual stream entering ``layer``, ``[T, hidden]`` (layer 0: the token embeddings)."""
+        self._tensors = [self._embedding] if layer == 0 and self._embedding else [self._batch("residual", x)]
+
+    def qkv(self, layer: int, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            attn=None) -> None:
+        """``x``: input_layernorm's output ``[T, hidden]``; q ``[T, heads, hd]``; k, v ``[T, kv_heads, hd]``."""
+        if self._ops is None:
+            self._ops = self._layer_ops(attn)
+        self._tensors += [self._batch("attn_norm", x), self._batch("q", q), self._batch("k", k),
+                          self._batch("v", v)]
+        self._q = q[self.rows].float().clone()
 
     def attention_output(self, layer: int, out: torch.Tensor) -> None:
+        """``out``: the attention block's output after o_proj, ``[T, hidden]``."""
         c = self.cfg
-        keys = self._context_keys(layer)  # [ctx, nkv, hd], including this step's tokens
+        keys = self._context_keys(layer)  # [ctx, nkv, hd], this step's tokens included
         ctx = keys.shape[0]
-        self._context_len = ctx
         q = self._q  # [t, nh, hd]
         t = q.shape[0]
-        group = c.num_attention_heads // c.num_key_value_heads
-        k_per_head = keys.float().repeat_interleave(group, dim=1)  # [ctx, nh, hd]
-        scores = torch.einsum("thd,chd->htc", q, k_per_head) / math.sqrt(c.head_dim)  # [nh, t, ctx]
+        nkv, group = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads
+        # Grouped as the engine groups them: query head h = kv * group + j reads KV head kv; nothing is copied.
+        qg = q.view(t, nkv, group, c.head_dim).permute(1, 2, 0, 3)  # [nkv, group, t, hd]
+        scores = torch.einsum("kgtd,ckd->kgtc", qg, keys.float()) / math.sqrt(c.head_dim)  # [nkv, group, t, ctx]
         q_pos = torch.arange(self.sched.start, self.sched.start + t)
         mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
         self._tensors += [
-            ev.TensorInfo("k_cache", (1, c.num_key_value_heads, ctx, c.head_dim), _sample(keys[-1, 0])),
-            ev.TensorInfo("scores", (1, c.num_attention_heads, t, ctx), _sample(scores[0, -1, -SAMPLE_VALUES:])),
-            ev.TensorInfo("probs", (1, c.num_attention_heads, t, ctx), _sample(probs[0, -1, -SAMPLE_VALUES:])),
-            ev.TensorInfo("attn_output", (1, t, c.hidden_size), _sample(out[self.rows][-1])),
+            ev.TensorInfo("k_context", (nkv, ctx, c.head_dim), _sample(keys[-1, 0]), "request"),
+            ev.TensorInfo("scores", (nkv, group * t, ctx), _sample(scores[0, 0, -1, -SAMPLE_VALUES:]), "request"),
+            ev.TensorInfo("probs", (nkv, group * t, ctx), _sample(probs[0, 0, -1, -SAMPLE_VALUES:]), "request"),
+            self._batch("attn_out", out),
         ]
         if layer == self.heat_layer:
-            p = probs[self.heat_head, -HEATMAP_MAX_QUERIES:, -HEATMAP_MAX_KEYS:]
-            self._attention = tuple(tuple(round(float(x), 5) for x in row) for row in p.tolist())
+            head = probs.reshape(nkv * group, t, ctx)[self.heat_head, -HEATMAP_MAX_QUERIES:]
+            cols, per = bin_columns(head, HEATMAP_MAX_COLUMNS)
+            self._attention = tuple(tuple(round(float(x), 5) for x in row) for row in cols.tolist())
+            self._key_start, self._keys_per_column = 0, per
         else:
             self._attention = ()
 
     def mlp(self, layer: int, x, gate, up, act, out) -> None:
-        r, t = self.rows, self.sched.num_new_tokens
-        c = self.cfg
-        self._tensors += [
-            ev.TensorInfo("gate", (1, t, c.intermediate_size), _sample(gate[r][-1])),
-            ev.TensorInfo("up", (1, t, c.intermediate_size), _sample(up[r][-1])),
-            ev.TensorInfo("act", (1, t, c.intermediate_size), _sample(act[r][-1])),
-            ev.TensorInfo("mlp_output", (1, t, c.hidden_size), _sample(out[r][-1])),
-        ]
-        seq = self.sched.seq
-        pieces = self.engine.token_pieces
-        heat = layer == self.heat_layer
-        ctx = self._context_len
-        q_from = max(self.sched.start, self.sched.start + t - HEATMAP_MAX_QUERIES)
-        k_from = max(0, ctx - HEATMAP_MAX_KEYS)
-        self.emit(ev.LayerTrace(
-            step=self.step, request_id=seq.request_id, layer=layer, num_layers=c.num_hidden_layers,
-            tensors=tuple(self._tensors), ops=self.layer_ops(t, ctx), num_heads=c.num_attention_heads,
-            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
-            kv_bytes_per_token=c.kv_bytes_per_token(self.engine.dtype),
-            head=self.heat_head if heat else None, attention=self._attention,
-            query_pieces=tuple(pieces(seq.token_ids[q_from:self.sched.start + t])) if heat else (),
-            key_pieces=tuple(pieces(seq.token_ids[k_from:ctx])) if heat else (),
-        ))
+        """``x``: post_attention_layernorm's output; gate, up, act ``[T, intermediate]``; out ``[T, hidden]``."""
+        self._tensors += [self._batch("mlp_norm", x), self._batch("gate", gate), self._batch("up", up),
+                          self._batch("act", act), self._batch("mlp_out", out)]
+
+    def layer_output(self, layer: int, mid: torch.Tensor, out: torch.Tensor) -> None:
+        """``mid``: the residual after attention; ``out``: after the MLP (the next layer's input)."""
+        i = next(n for n, x in enumerate(self._tensors) if x.name == "attn_out") + 1
+        self._tensors.insert(i, self._batch("residual_mid", mid))
+        self._tensors.append(self._batch("residual_out", out))
+        self._emit(layer)
 
     # ------------------------------------------------------------------ helpers
+
+    def _emit(self, layer: int) -> None:
+        c, s, seq = self.cfg, self.sched, self.sched.seq
+        t, ctx = s.num_new_tokens, s.start + s.num_new_tokens
+        heat = layer == self.heat_layer
+        pieces = self.pieces(seq)[:ctx] if heat else []
+        q_from = max(s.start, ctx - HEATMAP_MAX_QUERIES)
+        roof = self.roof
+        self.emit(ev.LayerTrace(
+            step=self.step, request_id=seq.request_id, layer=layer, num_layers=c.num_hidden_layers,
+            tensors=tuple(self._tensors), ops=self._ops or (), num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
+            kv_bytes_per_token=c.kv_bytes_per_token(self.engine.dtype),
+            head=self.heat_head if heat else None, attention=self._attention if heat else (),
+            query_pieces=tuple(pieces[q_from:ctx]),
+            key_pieces=tuple(pieces) if self._keys_per_column == 1 else (),
+            kind=self.kind, num_new_tokens=t, context_len=ctx, first_row=self.first_row,
+            num_batch_tokens=self.num_tokens, num_batch_seqs=len(self.order),
+            attention_backend=self.backend, peak_flops=roof.peak_flops if roof else 0.0,
+            memory_bandwidth=roof.bandwidth if roof else 0.0, machine=roof.machine if roof else "",
+            compute_bound_tokens=self._compute_bound, key_start=self._key_start,
+            keys_per_column=self._keys_per_column if heat else 1,
+        ))
+
+    @property
+    def kind(self) -> str:
+        """``prefill``, ``decode``, or ``verify`` (a speculative verification: the newest token plus drafts)."""
+        if self.sched.spec_tokens:
+            return "verify"
+        return "decode" if self.sched.kind == "decode" else "prefill"
+
+    def _layer_ops(self, attn) -> tuple[ev.OpInfo, ...]:
+        seqs = self._seq_attention(attn)
+        this = seqs[next(i for i, s in enumerate(self.order) if s is self.sched)]
+        return layer_ops(self.dims, seqs, self.backend, this)
+
+    def _seq_attention(self, attn) -> list[SeqAttention]:
+        """Each scheduled sequence's attention as this step ran it (batch order): keys read, slots gathered.
+
+        From the paged attention's metadata when there is one: decodes are padded to their
+        group's longest context and gathered with it; a prefill chunk continuing a cached
+        context gathers its blocks; a chunk from position 0 and flash-attn gather nothing.
+        """
+        meta = getattr(attn, "meta", None)
+        out = [SeqAttention(s.num_new_tokens, s.start + s.num_new_tokens, s.start + s.num_new_tokens)
+               for s in self.order]
+        if meta is None or getattr(attn, "use_flash_attn", False):
+            return out
+        bs = self.engine.runner.block_size
+        for g in meta.decode_groups:
+            width = g.mask.shape[1]
+            for i in range(g.first, g.first + g.num):
+                out[i] = SeqAttention(1, out[i].context_len, width, width)
+        for chunk in meta.prefills:
+            if chunk.block_table is not None:
+                i = chunk.seq_index
+                out[i] = SeqAttention(chunk.num_tokens, chunk.context_len, chunk.context_len,
+                                      chunk.block_table.numel() * bs)
+        return out
 
     def _context_keys(self, layer: int) -> torch.Tensor:
         """This sequence's cached keys in ``layer``: ``[context_len, num_kv_heads, head_dim]``."""
@@ -169,35 +308,3 @@ class LayerTracer:
             slots = (table[:, None] * bs + torch.arange(bs, device=runner.device)).reshape(-1)[:ctx]
             return runner.kv_cache.k_slots[layer].index_select(0, slots)
         return runner.contiguous[seq.seq_id].k[layer, :ctx]
-
-    def layer_ops(self, t: int, ctx: int) -> tuple[ev.OpInfo, ...]:
-        """The layer's operations for ``t`` new tokens over ``ctx`` context tokens: math, shapes, FLOPs, bytes."""
-        c, e = self.cfg, self.elem
-        h, i, nh, nkv, hd = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qkv_out = (nh + 2 * nkv) * hd
-        g = nh // nkv
-        return (
-            ev.OpInfo("rmsnorm", "x / sqrt(mean(x^2) + eps) * w", f"[1,{t},{h}] -> [1,{t},{h}]", 4 * t * h, 2 * t * h * e),
-            ev.OpInfo("qkv_proj", "Q = X W_q, K = X W_k, V = X W_v",
-                      f"[1,{t},{h}] @ [{h},{qkv_out}] -> Q [1,{nh},{t},{hd}], K,V [1,{nkv},{t},{hd}]",
-                      2 * t * h * qkv_out, (h * qkv_out + t * h + t * qkv_out) * e),
-            ev.OpInfo("rope", "rotate each (x_i, x_i+d/2) pair of Q and K by position * theta^(-2i/d)",
-                      f"Q [1,{nh},{t},{hd}], K [1,{nkv},{t},{hd}]", 6 * t * (nh + nkv) * hd // 2,
-                      2 * t * (nh + nkv) * hd * e),
-            ev.OpInfo("kv_cache_write", "K, V of the new tokens -> their slots (slot_mapping)",
-                      f"2 x [{t},{nkv},{hd}] -> cache", 0, 2 * t * nkv * hd * e),
-            ev.OpInfo("attention_scores", f"S = Q K^T / sqrt({hd})  ({g} query heads share each KV head)",
-                      f"[1,{nh},{t},{hd}] @ [1,{nh},{hd},{ctx}] -> [1,{nh},{t},{ctx}]",
-                      2 * nh * t * ctx * hd, (nh * t * hd + nkv * ctx * hd) * e),
-            ev.OpInfo("softmax", "P = softmax(S + causal_mask)", f"[1,{nh},{t},{ctx}] -> [1,{nh},{t},{ctx}]",
-                      5 * nh * t * ctx, 2 * nh * t * ctx * e),
-            ev.OpInfo("attention_output", "O = P V", f"[1,{nh},{t},{ctx}] @ [1,{nh},{ctx},{hd}] -> [1,{nh},{t},{hd}]",
-                      2 * nh * t * ctx * hd, (nkv * ctx * hd + nh * t * hd) * e),
-            ev.OpInfo("o_proj", "Y = O W_o  (+ residual)", f"[1,{t},{nh * hd}] @ [{nh * hd},{h}] -> [1,{t},{h}]",
-                      2 * t * nh * hd * h, (nh * hd * h + t * nh * hd + t * h) * e),
-            ev.OpInfo("mlp_gate_up", "G = X W_gate, U = X W_up", f"[1,{t},{h}] @ [{h},{2 * i}] -> 2 x [1,{t},{i}]",
-                      2 * t * h * 2 * i, (h * 2 * i + t * h + 2 * t * i) * e),
-            ev.OpInfo("swiglu", "A = SiLU(G) * U", f"[1,{t},{i}] -> [1,{t},{i}]", 5 * t * i, 3 * t * i * e),
-            ev.OpInfo("mlp_down", "Y = A W_down  (+ residual)", f"[1,{t},{i}] @ [{i},{h}] -> [1,{t},{h}]",
-                      2 * t * i * h, (i * h + t * i + t * h) * e),
-        )

@@ -1,12 +1,14 @@
 """``--xray``: the tensors and the math inside each decoder layer, from the engine's ``LayerTrace`` events.
 
 For each prompt, two steps are traced: its prefill (the first chunk when it is chunked) and
-its first decode step. Layer 0 is shown in full: every operation with its math, the
-matrix-multiplication dimensions written out (``[1,9,5,64] @ [1,9,64,5] -> [1,9,5,5]``),
-FLOPs and bytes, the named tensors with their shapes and a few real values, grouped-query
-attention with the KV memory it saves against full multi-head attention, and layer 0's
-attention weights for head 0. The other layers get one compact line each with their own
-real values. Everything comes from the capture in ``educational/xray.py``; Rich only.
+its first decode step. Layer 0 is shown in full: every operation with its math, its shapes
+as the engine holds them (the step's flat batch ``[T, 576]``, ``[T, 9, 64]``; attention per
+sequence, query heads grouped by the KV head they read), FLOPs, bytes as the attention
+backend moves them and the arithmetic intensity against this machine's measured ridge point;
+the named tensors with what each one is and a few real values; grouped-query attention and
+the KV bytes; and layer 0's attention weights for head 0. The other layers get one compact
+line each with their own real values. Everything comes from the capture in
+``educational/xray.py`` and the sentences of ``educational/xray_facts.py``; Rich only.
 
 The engine traces at most one request per step (see ``XRayCapture``), so when two prompts
 are prefilled in the same step only the first is traced; the output says so.
@@ -23,6 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from nanovllm_core import events as ev
+from nanovllm_core.educational import xray_facts as facts
 from nanovllm_core.educational.narrator import human_bytes, show_piece
 from nanovllm_core.educational.rich_parts import Indent
 
@@ -37,9 +40,7 @@ def si(n: float, unit: str = "") -> str:
     return f"{n:.0f} {unit}".rstrip()
 
 
-def shape_str(shape: tuple[int, ...]) -> str:
-    """``(1, 9, 5, 64)`` -> ``"[1, 9, 5, 64]"``."""
-    return "[" + ", ".join(str(d) for d in shape) + "]"
+shape_str = facts.shape_str
 
 
 def values_str(sample: tuple[float, ...], n: int = 4) -> str:
@@ -47,73 +48,66 @@ def values_str(sample: tuple[float, ...], n: int = 4) -> str:
     return ", ".join(f"{v:+.4f}" for v in sample[:n]) + (", ..." if sample else "")
 
 
-def gqa_lines(t: ev.LayerTrace, num_layers: int, elem_bytes: int) -> list[str]:
-    """Grouped-query attention: the sharing, and the KV bytes per token against full multi-head attention."""
-    group = t.num_heads // max(1, t.num_kv_heads)
-    gqa = t.kv_bytes_per_token
-    mha = gqa * t.num_heads // max(1, t.num_kv_heads)
-    return [
-        f"GQA: {t.num_heads} query heads share {t.num_kv_heads} KV heads, {group} query heads per KV head "
-        f"(heads {', '.join(f'{k * group}-{k * group + group - 1}' for k in range(t.num_kv_heads))} read KV heads "
-        f"{', '.join(str(k) for k in range(t.num_kv_heads))}).",
-        f"KV cache per token: 2 (K,V) x {num_layers} layers x {t.num_kv_heads} KV heads x {t.head_dim} x "
-        f"{elem_bytes} bytes = {gqa:,} bytes; full multi-head attention would keep {t.num_heads} KV heads = "
-        f"{mha:,} bytes. GQA saves {mha - gqa:,} bytes per token ({group}x less), "
-        f"{human_bytes((mha - gqa) * 1000)} per 1,000 tokens.",
-    ]
+def op_cost(t: ev.LayerTrace, o: ev.OpInfo) -> str:
+    """``"5.53 MFLOP, 2.2 MiB, 2.4 FLOP/B, memory-bound"``: an operation's cost against the ridge point."""
+    parts = [si(o.flops, "FLOP")] if o.flops else []
+    parts.append(human_bytes(o.bytes))
+    if o.flops and o.bytes:
+        parts.append(f"{facts.op_intensity(o):.1f} FLOP/B")
+        bound = facts.bound(t, o.flops, o.bytes)
+        if bound:
+            parts.append(bound)
+    return ", ".join(parts)
 
 
 def render_layer_detail(t: ev.LayerTrace) -> RenderableType:
-    """Everything layer ``t.layer`` did: operations, tensors, GQA arithmetic, attention weights."""
-    tensors = {x.name: x for x in t.tensors}
-    elem = t.kv_bytes_per_token // max(1, 2 * t.num_layers * t.num_kv_heads * t.head_dim)
-    ops = Table(title=f"Layer {t.layer} of {t.num_layers}: operations (math, cost; then the dimensions)",
+    """Everything layer ``t.layer`` did: operations, tensors, GQA arithmetic, roofline, attention weights."""
+    ops = Table(title=f"Layer {t.layer} of {t.num_layers}: operations (math and cost; then the shapes)",
                 title_justify="left", box=None, header_style="bold", padding=(0, 1), show_header=False)
     ops.add_column("op", style="bold", no_wrap=True)
     ops.add_column("what")
     for o in t.ops:
-        cost = f"{si(o.flops, 'FLOP')}, {human_bytes(o.bytes)}" if o.flops else human_bytes(o.bytes)
-        ops.add_row(o.name, Text.assemble(o.math, (f"   ({cost})", "dim"), "\n", (o.shapes, "cyan")))
-    tens = Table(title=f"Layer {t.layer}: tensors (shape as a batch of one; first values of the last token, "
-                       "head 0 where there are heads)", title_justify="left", box=None, header_style="bold",
-                 padding=(0, 1))
-    tens.add_column("tensor")
-    tens.add_column("shape")
-    tens.add_column("real values")
-    for name in ("token_embeddings", "hidden_states", "q", "k", "v", "k_cache", "scores", "probs", "attn_output",
-                 "gate", "up", "act", "mlp_output"):
-        x = tensors.get(name)
-        if x is not None:
-            tens.add_row(name, shape_str(x.shape), values_str(x.sample))
-    parts: list[RenderableType] = [ops, Text(""), tens, Text("")]
-    parts += [Text(line) for line in gqa_lines(t, t.num_layers, elem)]
-    q, k = tensors.get("q"), tensors.get("k_cache") or tensors.get("k")
-    if q is not None and k is not None:
-        n_new, ctx = q.shape[2], k.shape[2]
-        parts.append(Text(
-            f"Shapes: {n_new} new token{'s' if n_new != 1 else ''} query {ctx} key{'s' if ctx != 1 else ''} "
-            f"(this step's and the cached ones); each KV head is repeated {t.num_heads // max(1, t.num_kv_heads)}x "
-            f"to meet its query heads, which is why K^T appears as [1,{t.num_heads},{t.head_dim},{ctx}]."))
+        ops.add_row(o.name, Text.assemble(o.math, (f"   ({op_cost(t, o)})", "dim"), "\n", (o.shapes, "cyan")))
+    tens = Table(title=f"Layer {t.layer}: tensors ([T, ...]: the step's flat batch; slice: this request's own; "
+                       "values: this request's last token, head 0 where there are heads)", title_justify="left",
+                 box=None, header_style="bold", padding=(0, 1))
+    tens.add_column("tensor", style="bold", no_wrap=True)
+    tens.add_column("shape, real values; what it is")
+    for x in t.tensors:
+        tens.add_row(x.name, Text.assemble((f"{shape_str(x.shape):<13}", "cyan"), " ", values_str(x.sample),
+                                           "\n", (facts.LABELS.get(x.name, ""), "dim")))
+    parts: list[RenderableType] = [Text(facts.batch_line(t))]
+    if t.attention_backend:
+        parts.append(Text(facts.backend_line(t)))
+    parts += [Text(""), ops, Text(""), tens, Text("")]
+    parts += [Text(line) for line in facts.gqa_lines(t)]
+    parts += [Text("")] + [Text(line) for line in facts.roofline_lines(t)]
     if t.attention:
-        parts += [Text(""), Text(f"Layer {t.layer}, head {t.head}: attention weights (rows: queries, columns: keys; "
-                                 "each row sums to 1 over all its keys)"), attention_table(t)]
+        parts += [Text(""), Text(f"Layer {t.layer}, head {t.head} (reads KV head {t.head} // "
+                                 f"{t.num_heads // max(1, t.num_kv_heads)}): attention weights (rows: queries, "
+                                 "columns: keys; each row sums to 1 over all its keys)"), attention_table(t)]
     return Group(*parts)
 
 
 def attention_table(t: ev.LayerTrace) -> Table:
-    """Softmax weights of head ``t.head``: one row per query token, one column per key (last ones if many)."""
+    """Softmax weights of head ``t.head``: one row per query token, one column per key (the last ones if many)."""
     rows = t.attention[-HEATMAP_MAX:]
-    n_keys = len(rows[-1]) if rows else 0
-    first_key = max(0, n_keys - HEATMAP_MAX)
-    keys = list(t.key_pieces)[-n_keys:] if t.key_pieces else [str(i) for i in range(n_keys)]
+    n_cols = len(rows[-1]) if rows else 0
+    first = max(0, n_cols - HEATMAP_MAX)
+    per = max(1, t.keys_per_column)
+    if t.key_pieces and per == 1:
+        keys = [show_piece(p) for p in list(t.key_pieces)[-n_cols:]]
+    else:
+        keys = [f"{t.key_start + c * per}-{t.key_start + c * per + per - 1}" if per > 1 else str(t.key_start + c)
+                for c in range(n_cols)]
     queries = list(t.query_pieces)[-len(rows):] if t.query_pieces else [str(i) for i in range(len(rows))]
     table = Table(box=None, header_style="bold", padding=(0, 1))
     table.add_column("query \\ key")
-    for piece in keys[first_key:]:
-        table.add_column(show_piece(piece), justify="right")
+    for label in keys[first:]:
+        table.add_column(label, justify="right")
     for piece, row in zip(queries, rows):
         cells = []
-        for w in row[first_key:]:
+        for w in row[first:]:
             style = "bold green" if w >= 0.5 else "green" if w >= 0.2 else "dim" if w < 0.05 else ""
             cells.append(Text(f"{w:.2f}", style=style))
         table.add_row(show_piece(piece), *cells)
@@ -125,8 +119,9 @@ def render_other_layers(traces: list[ev.LayerTrace]) -> Table:
     table = Table(title="The other layers: same shapes and operations as above, their own weights and values "
                         "(first two numbers of the last token)", title_justify="left", box=None,
                   header_style="bold", padding=(0, 1),
-                  caption="self-weight: the last token's softmax weight on itself, head 0", caption_justify="left")
-    for col in ("layer", "hidden in", "attn_output", "mlp_output", "self-weight", "FLOPs"):
+                  caption="residual in: the layer's input; self-weight: the last token's softmax weight on "
+                          "itself, head 0", caption_justify="left")
+    for col in ("layer", "residual in", "attn_out", "mlp_out", "self-weight", "FLOPs"):
         table.add_column(col, justify="right" if col in ("layer", "self-weight", "FLOPs") else "left", no_wrap=True)
 
     def two(x: ev.TensorInfo | None) -> str:
@@ -135,7 +130,8 @@ def render_other_layers(traces: list[ev.LayerTrace]) -> Table:
     for t in traces:
         x = {i.name: i for i in t.tensors}
         probs = x.get("probs")
-        table.add_row(str(t.layer), two(x.get("hidden_states")), two(x.get("attn_output")), two(x.get("mlp_output")),
+        table.add_row(str(t.layer), two(x.get("residual") or x.get("token_embeddings")),
+                      two(x.get("attn_out") or x.get("attn_output")), two(x.get("mlp_out") or x.get("mlp_output")),
                       f"{probs.sample[-1]:.3f}" if probs and probs.sample else "", si(sum(o.flops for o in t.ops)))
     return table
 
@@ -145,22 +141,23 @@ def render_step(traces: list[ev.LayerTrace], entry: ev.ScheduledEntry | None = N
     """A traced step: a header, ``detail_layer`` in full, one line per other layer, the totals."""
     traces = sorted(traces, key=lambda t: t.layer)
     first = traces[0]
-    q = next((x for x in first.tensors if x.name == "q"), None)
-    n_new = q.shape[2] if q else 0
-    if entry is None:
-        what = f"{n_new} new tokens"
-    elif entry.num_tokens == 1:
-        what = f"{entry.kind}, 1 new token at position {entry.start}"
+    new, ctx = facts.new_and_context(first)
+    kind = facts.step_kind(first, entry)
+    start = entry.start if entry is not None else ctx - new
+    if kind == "speculative verification":
+        what = f"{kind}, 1 + {new - 1} tokens at positions {start}..{start + new - 1}"
+    elif new == 1:
+        what = f"{kind}, 1 new token at position {start}"
     else:
-        what = f"{entry.kind}, {entry.num_tokens} new tokens at positions {entry.start}..{entry.start + entry.num_tokens - 1}"
+        what = f"{kind}, {new} new tokens at positions {start}..{start + new - 1}"
     head = Rule(Text(f"X-RAY · request {first.request_id} · step {first.step} · {what}", style="bold cyan"),
                 align="left", style="cyan")
     detail = next((t for t in traces if t.layer == detail_layer), first)
     others = [t for t in traces if t is not detail]
     flops = sum(o.flops for t in traces for o in t.ops)
     moved = sum(o.bytes for t in traces for o in t.ops)
-    total = (f"All {len(traces)} layers: {si(flops, 'FLOP')} and about {human_bytes(moved)} moved for this "
-             f"request's tokens")
+    batch = f"the step's batch of {first.num_batch_tokens} tokens" if facts.is_flat(first) else "this request's tokens"
+    total = f"All {len(traces)} layers: {si(flops, 'FLOP')} and about {human_bytes(moved)} moved for {batch}"
     if wall_time_s is not None:
         total += f"; the step took {wall_time_s * 1000:.1f} ms (with the X-Ray capture itself)"
     parts: list[RenderableType] = [head, Indent(render_layer_detail(detail))]
@@ -201,7 +198,10 @@ class XRayView:
         self.num_traced_steps = 0
 
     def subscribe(self) -> Any:
-        """Subscribe to the engine; the subscription's ``xray`` flag is then switched per step."""
+        """Subscribe to the engine; the subscription's ``xray`` flag is then switched per step.
+
+        Selecting now makes the engine measure the machine's roofline before any step runs."""
+        self.engine.select_xray(None, layer=self.detail_layer, head=0)
         self.sub = self.engine.subscribe(self, topk=0, blocks=False, xray=False)
         return self.sub
 

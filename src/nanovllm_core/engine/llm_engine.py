@@ -147,9 +147,13 @@ class LLMEngine:
         return self.resolved.name if self.resolved else "model"
 
     def model_info(self) -> dict[str, Any]:
-        """Facts about the model and the KV pool, for headers and explanations (sizes in elements, tokens, bytes)."""
+        """Facts about the model and the KV pool, for headers and explanations (sizes in elements, tokens, bytes);
+        the machine's roofline too when it was measured before (see ``educational.xray.roofline_info``)."""
+        from nanovllm_core.educational.xray import roofline_info
+
         c = self.model_config
         return {
+            **roofline_info(self),
             "model_name": self.model_name, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
             "num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
             "num_heads": c.num_attention_heads, "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
@@ -174,6 +178,8 @@ class LLMEngine:
         """
         sub = Subscription(callback, topk=topk, blocks=blocks, xray=xray)
         self._subscribers.append(sub)
+        if xray:
+            self._xray_capture()  # measures the machine's roofline now, outside any step
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
@@ -538,11 +544,19 @@ class LLMEngine:
     def _tracer(self, plan: SchedulerOutput):
         if not any(s.xray for s in self._subscribers):
             return None
-        if self.xray is None:
-            from nanovllm_core.educational.xray import XRayCapture
+        # Inside a step: no roofline measurement here (it would count in the step's time).
+        return self._xray_capture(measure=False).tracer_for(plan)
 
-            self.xray = XRayCapture(self)
-        return self.xray.tracer_for(plan)
+    def _xray_capture(self, measure: bool = True):
+        """The X-Ray capture, made on first use; ``measure`` also measures the machine's roofline
+        (once per process and device; call it between steps)."""
+        from nanovllm_core.educational.xray import XRayCapture
+
+        if self.xray is None:
+            self.xray = XRayCapture(self, measure=measure)
+        elif measure:
+            self.xray.measure_roofline()
+        return self.xray
 
     def select_xray(self, request_id: str | None, layer: int = 0, head: int = 0) -> None:
         """Choose the request X-Ray traces (None: the first one in each step) and the heatmap's layer and head.
@@ -550,11 +564,7 @@ class LLMEngine:
         Raises:
             ValueError: layer or head out of range.
         """
-        from nanovllm_core.educational.xray import XRayCapture
-
-        if self.xray is None:
-            self.xray = XRayCapture(self)
-        self.xray.select(request_id, layer, head)
+        self._xray_capture().select(request_id, layer, head)
 
     def _queue_entry(self, seq: Sequence) -> ev.QueueEntry:
         return ev.QueueEntry(request_id=seq.request_id, seq_id=seq.seq_id, index=seq.index, priority=seq.priority,

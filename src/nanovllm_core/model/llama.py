@@ -27,7 +27,7 @@ from torch import nn
 from nanovllm_core.model.cpu_linear import linear
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nanovllm_core.model.tracer import LayerTracer
+    from nanovllm_core.educational.xray import LayerTracer
 
 
 SUPPORTED_MODEL_TYPES = ("llama",)
@@ -289,7 +289,7 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         if tracer is not None:
-            tracer.qkv(self.layer_idx, x, q, k, v)
+            tracer.qkv(self.layer_idx, x, q, k, v, attn)
         out = attn.forward(self.layer_idx, q, k, v)
         out = linear(out.reshape(n, self.q_size), self.o_proj.weight, self.o_proj.bias)
         if tracer is not None:
@@ -328,8 +328,13 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, layer_idx)
 
     def forward(self, x, cos, sin, attn: AttentionContext, tracer=None) -> torch.Tensor:
+        if tracer is not None:
+            tracer.layer_input(self.self_attn.layer_idx, x)
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, tracer)
-        return h + self.mlp(self.post_attention_layernorm(h), tracer)
+        out = h + self.mlp(self.post_attention_layernorm(h), tracer)
+        if tracer is not None:
+            tracer.layer_output(self.self_attn.layer_idx, h, out)
+        return out
 
 
 class LlamaForCausalLM(nn.Module):

@@ -9,7 +9,6 @@ change, and loaded at start.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,8 @@ from textual.containers import Vertical, VerticalScroll
 from textual.widgets import OptionList, Static
 
 from nanovllm_core.educational import tutorial as tut
-from nanovllm_core.educational.narrator import Commentary
+from nanovllm_tui.bridge import EngineBridge
+from nanovllm_tui.demo_session import DemoSession
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.views.base import EngineView
 from nanovllm_tui.widgets.commentary import commentary_text
@@ -56,28 +56,6 @@ class QuizChoices(OptionList):
         (scroll.scroll_page_down if direction > 0 else scroll.scroll_page_up)(animate=False)
 
 
-@dataclass
-class DemoRun:
-    """A demonstration in progress: its requests (sent one by one when ``sequential``) and what it showed."""
-
-    demo: tut.Demo
-    chapter: tut.Chapter
-    queue: list[tut.DemoRequest]
-    request_ids: list[str] = field(default_factory=list)
-    ended: set[str] = field(default_factory=set)
-    notes: list[Commentary] = field(default_factory=list)
-
-    @property
-    def done(self) -> bool:
-        """Every request has been sent."""
-        return not self.queue
-
-    @property
-    def finished(self) -> bool:
-        """Every request has been sent and has ended."""
-        return self.done and self.ended >= set(self.request_ids)
-
-
 class TutorialView(EngineView):
     """One chapter at a time: its text, this model's real numbers, its live demonstration, its quiz."""
 
@@ -93,7 +71,7 @@ class TutorialView(EngineView):
         self._drawn = False
         self._notes_shown = 0
         self.feedback: Text | None = None
-        self.run: DemoRun | None = None
+        self.session: DemoSession | None = None
         self._info: dict[str, Any] = {}
 
     @property
@@ -185,8 +163,14 @@ class TutorialView(EngineView):
         demo = tut.DEMOS.get(c.demo) if c.demo else None
         if demo is not None:
             text.append(f"Live demonstration: {demo.title}. ", style="bold #3ecf8e")
-            text.append(f"{demo.watch} Press r to run it on the engine.", style="#3ecf8e")
+            text.append(f"{demo.watch} Press r to run it on a small engine of its own, over the loaded model.",
+                        style="#3ecf8e")
         self.query_one("#chapter-text", Static).update(text)
+
+    @property
+    def run(self):
+        """The newest demonstration's :class:`~nanovllm_tui.demo_session.DemoRun`, or None."""
+        return self.session.run if self.session is not None else None
 
     def _show_demo(self) -> None:
         run = self.run
@@ -198,6 +182,12 @@ class TutorialView(EngineView):
         if not run.done:
             text.append(f" ({len(run.queue)} more to send)", style="dim")
         text.append(" · finished" if run.finished else " · running", style="dim")
+        text.append(f"\nOn its own engine over the loaded model: {run.settings}.", style="dim")
+        text.append_text(self._now(run))
+        if run.error:
+            text.append(f"\n{run.error}", style="red")
+        if run.finished and not run.notes:
+            text.append("\nThe engine produced no commentary of this kind.", style="yellow")
         for note in run.notes[-MAX_DEMO_NOTES:]:
             text.append("\n\n")
             text.append_text(commentary_text(note))
@@ -206,6 +196,21 @@ class TutorialView(EngineView):
             self._notes_shown = len(run.notes)
             scroll = self.query_one("#chapter-scroll", VerticalScroll)
             self.call_after_refresh(scroll.scroll_end, animate=False)  # once the new lines are laid out
+
+    @staticmethod
+    def _now(run) -> Text:
+        """The demo engine's newest step: who ran (and how), who waited, preemptions so far."""
+        plan = run.plan
+        if plan is None:
+            return Text("")
+        ran = ", ".join(f"{s.request_id} {'decode' if s.kind == 'decode' else f'prefill {s.num_tokens}'}"
+                        for s in plan.scheduled if s.index == 0)
+        text = Text(f"\nStep {plan.step}: ran {ran or 'nothing'}", style="#3ecf8e")
+        waiting = [q.request_id for q in plan.waiting if q.index == 0]
+        text.append(f" · waiting: {', '.join(waiting)}" if waiting else " · nobody waiting", style="#f5a524")
+        if run.preemptions:
+            text.append(f" · preemptions so far: {run.preemptions}", style="bold red")
+        return text
 
     def _show_feedback(self) -> None:
         self.query_one("#feedback", Static).update(self.feedback or Text("A-D, or ↑/↓ and Enter, to answer.",
@@ -259,39 +264,30 @@ class TutorialView(EngineView):
         if self.run is not None and not self.run.finished:
             self.notify("The demonstration is still running.", severity="warning")
             return
-        if self.app.state.paused:
-            self.notify("The engine is paused: the demonstration's requests wait until you press space (or n).")
-        self.run = DemoRun(demo, c, demo.requests(c.demo_prompt))
+        engine = self.app.controller.engine
+        if engine is None:
+            self.notify("The model is still loading: press r again once it is ready.", severity="warning")
+            return
+        self._stop_session()
+        try:
+            self.session = DemoSession(self, engine, demo, c, fps=1 / self.app.bridge.frame_s)
+        except (ValueError, RuntimeError) as e:  # settings this model cannot take: say so, keep the app
+            self.notify(f"The demonstration could not start: {e}", severity="error", markup=False)
+            return
         self._notes_shown = -1
-        self.app.demo_started(demo)
-        self._send_next()
-        if not demo.sequential:
-            while not self.run.done:
-                self._send_next()
+        self.session.start()
         self._show_demo()
 
-    def _send_next(self) -> None:
-        request = self.run.queue.pop(0)
-        rid = self.app.submit_request(request.prompt, request.params, request.priority)
-        self.run.request_ids.append(rid)
+    def on_engine_bridge_events_ready(self, message: EngineBridge.EventsReady) -> None:
+        """The demonstration's engine sent events (its own bridge, never the app's)."""
+        message.stop()
+        if self.session is not None:
+            self.session.take(self.session.bridge.drain())
+            self._show_demo()
 
-    def add(self, notes: list[Commentary]) -> None:
-        """Keep the narrator entries that belong to the running demonstration."""
-        run = self.run
-        if run is None or run.finished:
-            return
-        for note in notes:
-            if note.kind in run.demo.kinds and (note.request_id in run.request_ids or note.request_id is None):
-                run.notes.append(note)
+    def _stop_session(self) -> None:
+        if self.session is not None:
+            self.session.stop(wait=False)
 
-    def request_ended(self, request_id: str) -> None:
-        """A request finished or was refused: a sequential demonstration sends its next one."""
-        run = self.run
-        if run is None or request_id not in run.request_ids or request_id in run.ended:
-            return
-        run.ended.add(request_id)
-        if not run.done:
-            self._send_next()
-        elif run.finished:
-            self.app.demo_finished(run.demo)
-        self._show_demo()
+    def on_unmount(self) -> None:
+        self._stop_session()

@@ -1,4 +1,11 @@
-"""X-Ray: one decoder layer of the selected request's newest step, with shapes, math and real values."""
+"""X-Ray: one decoder layer of the selected request's newest step, with shapes, math, costs and real values.
+
+What it says is computed from the step's ``LayerTrace`` events by ``nanovllm_core.educational.xray_facts``,
+the same sentences ``nanovllm --xray`` prints: the step's flat batch and the request's slice of
+it, the attention backend that ran, each operation's FLOPs, bytes and FLOP/byte against the
+machine's measured ridge point, grouped-query attention as the engine does it, and what
+each captured tensor is.
+"""
 
 from __future__ import annotations
 
@@ -7,84 +14,97 @@ from dataclasses import dataclass
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import Horizontal, VerticalScroll
 from textual.message import Message
 from textual.reactive import reactive
-from nanovllm_tui.widgets.live import LiveStatic
 
 from nanovllm_core import events as ev
+from nanovllm_core.educational import xray_facts as facts
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.views.base import EngineView
 from nanovllm_tui.widgets.format import fmt_bytes, fmt_count
 from nanovllm_tui.widgets.heatmap import AttentionHeatmap
+from nanovllm_tui.widgets.live import LiveStatic
 
+NARROW, SHORT = 100, 30  # below these sizes panels fold away (see app.tcss)
+HEATMAP_ROWS, NARROW_HEATMAP_ROWS = 12, 5  # query rows the heatmap shows at once (it scrolls)
 
-def shape(dims: tuple[int, ...]) -> str:
-    return "[" + ", ".join(str(d) for d in dims) + "]"
-
-
-def tensor(trace: ev.LayerTrace, name: str) -> ev.TensorInfo | None:
-    return next((t for t in trace.tensors if t.name == name), None)
+shape = facts.shape_str
+tensor = facts.tensor
 
 
 def pipeline_text(trace: ev.LayerTrace) -> Text:
-    """The layer's operations in order: the math, then operand shapes, FLOPs and bytes moved."""
+    """The step's batch and backend, the layer's operations in order (math, shapes, FLOPs, bytes,
+    FLOP/byte against the ridge point), the layer's total and the machine's roofline."""
     text = Text()
+    text.append(facts.batch_line(trace) + "\n", style="italic")
+    if trace.attention_backend:
+        text.append(facts.backend_line(trace) + "\n", style="dim")
+    text.append("\n")
     for op in trace.ops:
-        text.append(f"▸ {op.name:<17}", style="bold #4ea1ff")
+        text.append(f"▸ {op.name} ", style="bold #4ea1ff")
         text.append(op.math, style="italic")
         text.append(f"\n    {op.shapes}", style="#f5a524")
-        text.append(f"   {fmt_count(op.flops)} FLOPs · {fmt_bytes(op.bytes)} moved\n", style="dim")
-    text.append(f"  layer total: {fmt_count(sum(o.flops for o in trace.ops))} FLOPs · "
-                f"{fmt_bytes(sum(o.bytes for o in trace.ops))} moved", style="bold")
+        cost = f"{fmt_count(op.flops)} FLOPs · " if op.flops else ""
+        text.append(f"\n    {cost}{fmt_bytes(op.bytes)} moved", style="dim")
+        if op.flops and op.bytes:
+            bound = facts.bound(trace, op.flops, op.bytes)
+            text.append(f" · {facts.op_intensity(op):.1f} FLOP/B", style="dim")
+            if bound:
+                text.append(f" {bound}", style="#3ecf8e" if bound == "compute-bound" else "#ff8a5b")
+        text.append("\n")
+    flops, moved = sum(o.flops for o in trace.ops), sum(o.bytes for o in trace.ops)
+    text.append(f"  layer total: {fmt_count(flops)} FLOPs · {fmt_bytes(moved)} moved\n", style="bold")
+    text.append("\n".join(facts.roofline_lines(trace)), style="#8fa8ff")
     return text
 
 
 def tensors_text(trace: ev.LayerTrace) -> Text:
-    """Named tensors with their shapes (a batch of one) and the first real values of the last token."""
-    text = Text("Tensors (first values of the last token)\n", style="bold")
+    """Named tensors: shape as the engine holds it ([T, ...] the flat batch, slices marked), what each
+    one is, and the first real values of this request's last token."""
+    text = Text("Tensors: shape, first values of this request's last token (head 0); what it is\n", style="bold")
     for t in trace.tensors:
         text.append(f"  {t.name:<17}", style="bold")
-        text.append(f"{shape(t.shape):<18}", style="#f5a524")
-        text.append(", ".join(f"{v:+.4f}" for v in t.sample) + ", …\n", style="dim")
+        text.append(f"{shape(t.shape):<14}", style="#f5a524")
+        text.append(", ".join(f"{v:+.4f}" for v in t.sample) + ", …", style="dim")
+        label = facts.LABELS.get(t.name)
+        if label:
+            text.append(f"\n  {'':<17}{label}", style="italic grey58")
+        text.append("\n")
     text.rstrip()
     return text
 
 
 def gqa_text(trace: ev.LayerTrace, head: int, block_size: int | None) -> Text:
-    """Grouped-query attention sharing and the KV-cache arithmetic, with this model's numbers."""
-    nh, nkv, hd, layers = trace.num_heads, trace.num_kv_heads, trace.head_dim, trace.num_layers
-    group = nh // max(nkv, 1)
-    text = Text.assemble(("GQA ", "bold"), f"{nh} query heads share {nkv} KV heads ({group} per KV head)\n")
+    """Grouped-query attention as the engine does it (query head h reads KV head h // group, nothing
+    copied) and the KV-cache arithmetic, with this model's and this request's numbers."""
+    nh, nkv = trace.num_heads, max(1, trace.num_kv_heads)
+    group = nh // nkv
+    text = Text.assemble(("GQA ", "bold"), f"{nh} query heads share {nkv} KV heads\n")
     for kv in range(nkv):
+        text.append("  ")
         for q in range(kv * group, (kv + 1) * group):
-            text.append(f"q{q} ", style="bold reverse" if q == head else "#4ea1ff")
-        text.append(f"→ kv{kv}", style="bold reverse" if head // group == kv else "#3ecf8e")
-        text.append("   ")
-    per_token = trace.kv_bytes_per_token
-    elem = per_token // max(2 * layers * nkv * hd, 1)
-    text.append("\n\n")
-    text.append("KV bytes per token ", style="bold")
-    text.append(f"= 2 (K and V) × {layers} layers × {nkv} KV heads × {hd} dims × {elem} B = {per_token:,} B "
-                f"({fmt_bytes(per_token)})")
-    k_cache = tensor(trace, "k_cache")
-    if k_cache is not None:
-        ctx = k_cache.shape[2]
-        text.append(f"\nthis request: {ctx} tokens in context → {fmt_bytes(ctx * per_token)}")
-        if block_size:
-            blocks = -(-ctx // block_size)
-            text.append(f" in {blocks} blocks of {block_size} ({blocks * block_size - ctx} slots unfilled)")
-    if group > 1:
-        text.append(f"\nwith one KV head per query head (MHA) it would be {fmt_bytes(per_token * group)} per token",
-                    style="dim")
+            text.append(f"q{q}", style="bold reverse" if q == head else "#4ea1ff")
+            text.append(" ")
+        text.append(f"→ kv{kv}\n", style="bold reverse" if head // group == kv else "#3ecf8e")
+    text.append("query head h reads KV head h // " + str(group), style="bold")
+    text.append(f": head {head} reads KV head {head // group}. K and V stay [{nkv}, ctx, {trace.head_dim}], "
+                "never copied per query head.\n")
+    lines = facts.gqa_lines(trace)[1:]  # bytes per token, and this request's
+    text.append("\n".join(lines))
+    _, ctx = facts.new_and_context(trace)
+    if ctx and block_size:
+        blocks = -(-ctx // block_size)
+        text.append(f"\n{ctx} tokens fill {blocks} blocks of {block_size} ({blocks * block_size - ctx} slots unfilled)")
     return text
 
 
 class XRayView(EngineView, can_focus=True):
     """The selected request's newest traced step, one layer at a time; the heatmap of one head.
 
-    ↑/↓ (k/j) move between layers, ←/→ (h/l) between heads. The engine traces only while
-    this tab is visible; a new layer/head choice shows in the heatmap from the next step.
+    ↑/↓ (k/j) move between layers, ←/→ (h/l) between heads, PageUp/PageDown scroll the
+    pipeline, Home/End show the heatmap's first or newest query rows. The engine traces only
+    while this tab is visible; a new layer/head choice shows in the heatmap from the next step.
     """
 
     BINDINGS = [
@@ -92,6 +112,10 @@ class XRayView(EngineView, can_focus=True):
         Binding("down,j", "layer(1)", "Layer +"),
         Binding("left,h", "head(-1)", "Head -"),
         Binding("right,l", "head(1)", "Head +"),
+        Binding("pageup", "scroll_pipeline(-1)", "Scroll", show=False),
+        Binding("pagedown", "scroll_pipeline(1)", "Scroll", show=False),
+        Binding("home", "heatmap_rows(-1)", "First queries", show=False),
+        Binding("end", "heatmap_rows(1)", "Newest queries", show=False),
     ]
 
     layer_index = reactive(0, init=False)
@@ -113,16 +137,16 @@ class XRayView(EngineView, can_focus=True):
 
     def compose(self) -> ComposeResult:
         yield LiveStatic(id="xray-title")
-        with Horizontal():
+        with Horizontal(id="xray-body"):
             with VerticalScroll(id="xray-left", classes="panel"):
                 yield LiveStatic(id="pipeline")
-            with Vertical(id="xray-right"):
-                yield LiveStatic(id="gqa", classes="panel")
-                yield AttentionHeatmap(id="heatmap", classes="panel")
+            with VerticalScroll(id="xray-right", classes="panel"):
+                yield LiveStatic(id="gqa")
+        yield AttentionHeatmap(id="heatmap", classes="panel")
 
     def on_mount(self) -> None:
         self.query_one("#xray-left").border_title = "Layer pipeline"
-        self.query_one("#gqa").border_title = "GQA and KV memory"
+        self.query_one("#xray-right").border_title = "GQA and KV memory"
         self.query_one("#heatmap").border_title = "Attention"
 
     def action_layer(self, delta: int) -> None:
@@ -130,6 +154,18 @@ class XRayView(EngineView, can_focus=True):
 
     def action_head(self, delta: int) -> None:
         self.head_index = (self.head_index + delta) % self.num_heads
+
+    def action_heatmap_rows(self, direction: int) -> None:
+        heatmap = self.query_one(AttentionHeatmap)
+        (heatmap.scroll_end if direction > 0 else heatmap.scroll_home)(animate=False)
+
+    def action_scroll_pipeline(self, direction: int) -> None:
+        scroll = self.query_one("#xray-left", VerticalScroll)
+        (scroll.scroll_page_down if direction > 0 else scroll.scroll_page_up)(animate=False)
+
+    def on_resize(self) -> None:
+        if self._state is not None:  # folding panels in or out changes what the pipeline holds
+            self.update_view(self._state, self._selected)
 
     def watch_layer_index(self) -> None:
         self._changed()
@@ -142,6 +178,16 @@ class XRayView(EngineView, can_focus=True):
         if self._state is not None:
             self.update_view(self._state, self._selected)
 
+    @property
+    def narrow(self) -> bool:
+        """Below 100 columns the heatmap folds under the pipeline."""
+        return self.app.size.width < NARROW
+
+    @property
+    def folded(self) -> bool:
+        """The GQA panel is hidden (narrow or short terminal, see app.tcss): its facts join the pipeline."""
+        return self.narrow or self.app.size.height < SHORT
+
     def update_view(self, state: EngineState, selected: str | None) -> None:
         self._state, self._selected = state, selected
         info = state.model_info
@@ -149,39 +195,48 @@ class XRayView(EngineView, can_focus=True):
         self.num_heads = max(1, info.get("num_heads", 1))
         title = self.query_one("#xray-title", LiveStatic)
         trace = state.xray.get(self.layer_index)
+        heatmap = self.query_one(AttentionHeatmap)
         if trace is None:
             title.show_content(Text.assemble(
                 ("X-Ray ", "bold"), f"layer {self.layer_index}/{self.num_layers - 1} (↑↓) · head {self.head_index}/"
                 f"{self.num_heads - 1} (←→)\n",
-                ("No trace yet. X-Ray records the selected request's next step while this tab is open: "
-                 "send a prompt, or press n while paused.", "dim")))
+                ("No trace yet: send a prompt, or press n while paused (X-Ray records the selected "
+                 "request's next step while this tab is open).", "dim")))
             self.query_one("#pipeline", LiveStatic).show_content("")
             self.query_one("#gqa", LiveStatic).show_content("")
-            self.query_one(AttentionHeatmap).set_data((), (), ())
+            heatmap.set_data((), (), ())
             return
-        hidden = tensor(trace, "hidden_states")
-        k_cache = tensor(trace, "k_cache")
-        new = hidden.shape[1] if hidden else 0
-        ctx = k_cache.shape[2] if k_cache else 0
-        kind = "decode" if new == 1 and ctx > 1 else "prefill"
         other = "" if selected in (None, trace.request_id) else f"  (traced: {trace.request_id}, not {selected})"
         title.show_content(Text.assemble(
-            ("X-Ray ", "bold"), ("request ", "dim"), (trace.request_id, "bold #4ea1ff"), f" · step {trace.step} · {kind}: ",
-            (f"{new} new token{'s' if new != 1 else ''}", "bold"), f" over {ctx} in context · ",
+            ("X-Ray ", "bold"), ("request ", "dim"), (trace.request_id, "bold #4ea1ff"), f" · step {trace.step} · ",
+            (facts.what_ran(trace), "bold"), " · ",
             (f"layer {self.layer_index}/{trace.num_layers - 1}", "bold reverse"), " (↑↓) · ",
             (f"head {self.head_index}/{trace.num_heads - 1}", "bold reverse"), " (←→)", (other, "yellow")))
-        self.query_one("#pipeline", LiveStatic).show_content(
-            Text.assemble(pipeline_text(trace), "\n\n", tensors_text(trace)))
-        self.query_one("#gqa", LiveStatic).show_content(gqa_text(trace, self.head_index, info.get("block_size")))
+        gqa = gqa_text(trace, self.head_index, info.get("block_size"))
+        body = Text.assemble(pipeline_text(trace), "\n\n")
+        if self.folded:  # the GQA panel is hidden: its facts go into the pipeline
+            body.append_text(Text.assemble(gqa, "\n\n"))
+        body.append_text(tensors_text(trace))
+        self.query_one("#pipeline", LiveStatic).show_content(body)
+        self.query_one("#gqa", LiveStatic).show_content(gqa)
+        self._show_heatmap(state, trace, heatmap)
+
+    def _show_heatmap(self, state: EngineState, trace: ev.LayerTrace, heatmap: AttentionHeatmap) -> None:
         heat = state.heat
-        heatmap = self.query_one(AttentionHeatmap)
         if heat is None:
             heatmap.border_title = "Attention"
             heatmap.set_data((), (), ())
             return
-        key_offset = ctx - len(heat.key_pieces) if heat.step == trace.step else 0
-        heatmap.set_data(heat.attention, heat.query_pieces, heat.key_pieces, max(0, key_offset))
-        title_text = f"Attention · layer {heat.layer} · head {heat.head} · step {heat.step}"
+        if facts.is_flat(heat):
+            key_offset = heat.key_start
+        else:  # an older trace kept only the newest keys
+            _, ctx = facts.new_and_context(trace)
+            key_offset = max(0, ctx - len(heat.key_pieces)) if heat.step == trace.step else 0
+        heatmap.set_data(heat.attention, heat.query_pieces, heat.key_pieces, key_offset, heat.keys_per_column)
+        group = max(1, heat.num_heads // max(1, heat.num_kv_heads))
+        title_text = f"Attention · layer {heat.layer} · head {heat.head} (kv {heat.head // group}) · step {heat.step}"
         if (heat.layer, heat.head) != (self.layer_index, self.head_index):
             title_text += " (yours from the next step)"
         heatmap.border_title = title_text
+        rows = NARROW_HEATMAP_ROWS if self.folded else HEATMAP_ROWS
+        heatmap.styles.height = min(len(heat.attention), rows) + 3  # + the key positions and the border

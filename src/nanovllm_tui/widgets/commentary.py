@@ -12,7 +12,7 @@ KIND_STYLES = {
     "attention": "bold #b06cf2", "prefill": "bold #4ea1ff", "decode": "bold #3ecf8e", "sampling": "bold #2ec4d6",
     "kv_cache": "bold #8fa8ff", "scheduler": "bold yellow", "chunked_prefill": "bold #ff8a5b",
     "preemption": "bold red", "prefix_cache": "bold #f37de0", "finished": "bold green", "rejected": "bold red",
-    "speculative": "bold #c2d94c", "error": "bold red",
+    "speculative": "bold #c2d94c", "error": "bold red", "roofline": "bold #8fa8ff",
 }
 
 
@@ -30,7 +30,8 @@ def commentary_text(note: Commentary, bar_width: int = 20) -> Text:
         text.append(" · " + " · ".join(where), style="dim")
     text.append(f" — {note.title}\n", style="bold")
     text.append(note.text)
-    for label, prob in note.table:
-        text.append(f"\n   {visible_piece(label)[:14]:<14} {prob * 100:5.1f}% ")
+    width = min(24, max((len(visible_piece(label)) for label, _ in note.table), default=14))
+    for label, prob in note.table:  # labels as wide as the widest (up to 24): "[␣yellow] accepted" stays whole
+        text.append(f"\n   {visible_piece(label)[:width]:<{width}} {prob * 100:5.1f}% ")
         text.append_text(bar(prob, bar_width, style.replace("bold ", "")))
     return text

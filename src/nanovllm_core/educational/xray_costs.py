@@ -1,0 +1,184 @@
+"""What one decoder layer costs in a step: each operation's math, shapes, FLOPs and bytes moved.
+
+The engine runs every operation but attention on the step's flat batch of ``T`` tokens (all
+scheduled sequences, prefill chunks and decodes together: ``[T, hidden]``, ``[T, heads,
+head_dim]``), so a weight read from memory serves all ``T`` rows; attention alone is done
+per sequence, over that sequence's context. The costs below follow that shape and the
+attention backend that ran:
+
+- ``fused`` (PyTorch's ``scaled_dot_product_attention``, the default): one kernel reads Q, K,
+  V and writes O; the score matrix never leaves it, so it costs no memory traffic;
+- ``math``: ``S = Q K^T``, ``softmax``, ``P V`` as three steps, with S and P written and read;
+- ``flash_attn`` (CUDA with flash-attn): fused, reading the KV blocks in place.
+
+On the CPU (and on CUDA without flash-attn) a sequence whose context is already cached first
+gathers its KV blocks into one contiguous buffer (``kv_gather``), a copy vLLM's paged kernel
+avoids. Bytes count reads plus writes at the model's element size; FLOPs count a multiply-add
+as 2. GQA: K and V bytes are those of the ``num_kv_heads`` stored heads; query head ``h``
+reads KV head ``h // group`` and nothing is copied.
+
+Sources: the operation list is LLaMA's decoder layer (Touvron et al. 2023, section 2.2);
+arithmetic intensity and the ridge point are the roofline model's (Williams et al. 2009).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanovllm_core.events import OpInfo
+
+BACKEND_NAMES = {
+    "fused": "fused SDPA (PyTorch scaled_dot_product_attention: the score matrix stays inside the kernel)",
+    "math": "math (S = QK^T, softmax and PV as separate steps: S and P go through memory)",
+    "flash_attn": "flash-attn paged kernel (CUDA: reads the KV blocks in place, nothing gathered)",
+}
+
+
+@dataclass(frozen=True)
+class LayerDims:
+    """A decoder layer's sizes: elements, heads; ``elem`` bytes per number of the model's dtype."""
+
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    elem: int
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.num_heads // max(1, self.num_kv_heads)
+
+
+@dataclass(frozen=True)
+class SeqAttention:
+    """One sequence's attention in a step: ``num_tokens`` queries over ``context_len`` keys.
+
+    ``keys_read``: keys the kernel multiplies (more than ``context_len`` when a decode is padded
+    to its group's longest context); ``gathered``: KV slots copied into a contiguous buffer
+    first (0 when the kernel reads the cache directly).
+    """
+
+    num_tokens: int
+    context_len: int
+    keys_read: int
+    gathered: int = 0
+
+
+def _op(name: str, math: str, shapes: str, flops: float, nbytes: float) -> OpInfo:
+    return OpInfo(name, math, shapes, int(flops), int(nbytes))
+
+
+def _attention_shapes(d: LayerDims, this: SeqAttention | None, backend: str) -> tuple[str, str, str]:
+    """Shapes of the traced sequence's attention: (scores, softmax, output), as the kernel sees them."""
+    nh, nkv, hd, g = d.num_heads, d.num_kv_heads, d.head_dim, d.group
+    t, k = (this.num_tokens, this.keys_read) if this else ("t", "ctx")
+    gt = g * t if isinstance(t, int) else f"{g}t"
+    padding = ""
+    if this is not None and this.keys_read > this.context_len:
+        padding = f" ({this.context_len} in context, {this.keys_read - this.context_len} padding slots masked)"
+    if backend == "math":
+        return (f"this request: Q regrouped [{nkv}, {gt}, {hd}] @ K^T [{nkv}, {hd}, {k}] -> S [{nkv}, {gt}, {k}]"
+                f"{padding}",
+                f"S [{nkv}, {gt}, {k}] -> P, each row over its keys (causal mask)",
+                f"P [{nkv}, {gt}, {k}] @ V [{nkv}, {k}, {hd}] -> O [{nkv}, {gt}, {hd}] = [{t}, {nh}, {hd}]")
+    fused = (f"this request: Q [{nh}, {t}, {hd}], K, V [{nkv}, {k}, {hd}]{padding} -> O [{nh}, {t}, {hd}]; "
+             f"query head h reads KV head h // {g}")
+    return fused, "", ""
+
+
+def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
+              this: SeqAttention | None = None) -> tuple[OpInfo, ...]:
+    """The operations of one decoder layer over a step's batch, in the order they run.
+
+    Args:
+        d: the layer's sizes.
+        seqs: every scheduled sequence's attention (the batch has ``T = sum(num_tokens)`` rows).
+        backend: ``"fused"``, ``"math"`` or ``"flash_attn"`` (see the module docstring).
+        this: the traced sequence (its shapes are written out for attention).
+
+    Returns:
+        ``OpInfo`` per operation: math, shapes (``[T, ...]`` for the batch), FLOPs, bytes.
+    """
+    h, i, nh, nkv, hd, e = d.hidden, d.intermediate, d.num_heads, d.num_kv_heads, d.head_dim, d.elem
+    T = sum(s.num_tokens for s in seqs)
+    qkv = (nh + 2 * nkv) * hd
+    ops = [
+        _op("input_layernorm", "RMSNorm before attention: x / sqrt(mean(x²) + eps) · w",
+            f"residual [{T}, {h}] -> [{T}, {h}]", 4 * T * h, (2 * T * h + h) * e),
+        _op("qkv_proj", "Q, K, V = X W_qkv  (one packed matrix)",
+            f"[{T}, {h}] @ [{h}, {qkv}] -> Q [{T}, {nh}, {hd}] | K [{T}, {nkv}, {hd}] | V [{T}, {nkv}, {hd}]",
+            2 * T * h * qkv, (h * qkv + T * h + T * qkv) * e),
+        _op("rope", "rotate each (x_i, x_i+d/2) pair of Q and K by position · theta^(-2i/d)",
+            f"Q and K together [{T}, {nh + nkv}, {hd}]", 3 * T * (nh + nkv) * hd, 2 * T * (nh + nkv) * hd * e),
+        _op("kv_cache_write", "K, V of the new tokens -> their slots (slot_mapping)",
+            f"2 x [{T}, {nkv}, {hd}] -> the cache", 0, 2 * 2 * T * nkv * hd * e),
+    ]
+    gathered = sum(s.gathered for s in seqs)
+    if gathered and backend != "flash_attn":
+        ops.append(_op("kv_gather", "copy each sequence's KV blocks into one contiguous buffer (block table)",
+                       f"2 x [{nkv}, {gathered}, {hd}] over the batch's sequences", 0,
+                       2 * 2 * gathered * nkv * hd * e))
+    scores_shape, softmax_shape, out_shape = _attention_shapes(d, this, backend)
+    q_bytes = sum(nh * s.num_tokens * hd for s in seqs) * e
+    kv_bytes = sum(nkv * s.keys_read * hd for s in seqs) * e
+    qk = sum(2 * nh * s.num_tokens * s.keys_read * hd for s in seqs)
+    soft = sum(5 * nh * s.num_tokens * s.keys_read for s in seqs)
+    s_bytes = sum(nh * s.num_tokens * s.keys_read for s in seqs) * e
+    if backend == "math":
+        ops += [
+            _op("attention_scores", f"S = Q K^T / sqrt({hd}), per sequence", scores_shape, qk, q_bytes + kv_bytes + s_bytes),
+            _op("softmax", "P = softmax(S + causal mask)", softmax_shape, soft, 2 * s_bytes),
+            _op("attention_output", "O = P V", out_shape, qk, s_bytes + kv_bytes + q_bytes),
+        ]
+    else:
+        ops.append(_op("attention", f"O = softmax(Q K^T / sqrt({hd}) + causal mask) V, one fused kernel per "
+                       "sequence: S and P never reach memory", scores_shape, 2 * qk + soft,
+                       2 * q_bytes + 2 * kv_bytes))
+    ops += [
+        _op("o_proj", "Y = O W_o", f"[{T}, {nh * hd}] @ [{nh * hd}, {h}] -> [{T}, {h}]",
+            2 * T * nh * hd * h, (nh * hd * h + T * nh * hd + T * h) * e),
+        _op("residual_add", "residual += attention output", f"[{T}, {h}] + [{T}, {h}]", T * h, 3 * T * h * e),
+        _op("post_attention_layernorm", "RMSNorm before the MLP: x / sqrt(mean(x²) + eps) · w",
+            f"residual [{T}, {h}] -> [{T}, {h}]", 4 * T * h, (2 * T * h + h) * e),
+        _op("mlp_gate_up", "G, U = X W_gate, X W_up  (one packed matrix)",
+            f"[{T}, {h}] @ [{h}, {2 * i}] -> G, U [{T}, {i}]", 2 * T * h * 2 * i, (h * 2 * i + T * h + 2 * T * i) * e),
+        _op("swiglu", "A = SiLU(G) · U", f"[{T}, {i}] -> [{T}, {i}]", 5 * T * i, 3 * T * i * e),
+        _op("mlp_down", "Y = A W_down", f"[{T}, {i}] @ [{i}, {h}] -> [{T}, {h}]", 2 * T * i * h,
+            (i * h + T * i + T * h) * e),
+        _op("residual_add", "residual += MLP output", f"[{T}, {h}] + [{T}, {h}]", T * h, 3 * T * h * e),
+    ]
+    return tuple(ops)
+
+
+def intensity(flops: float, nbytes: float) -> float:
+    """Arithmetic intensity, FLOP per byte moved (0 when nothing moves)."""
+    return flops / nbytes if nbytes else 0.0
+
+
+def layer_intensity(ops: tuple[OpInfo, ...] | list[OpInfo]) -> float:
+    """The whole layer's FLOP/byte: all its FLOPs over all its bytes."""
+    return intensity(sum(o.flops for o in ops), sum(o.bytes for o in ops))
+
+
+def compute_bound_tokens(d: LayerDims, ridge: float, backend: str = "fused", limit: int = 1 << 16) -> int:
+    """The fewest tokens a one-sequence prefill (from position 0) needs for its layer to reach ``ridge``.
+
+    ``ridge`` in FLOP/byte (a machine's peak FLOP/s over its bandwidth). Returns 0 when even
+    ``limit`` tokens stay below it. The layer's intensity grows with the tokens (each weight
+    read serves more rows), so a doubling search then a bisection finds the crossing.
+    """
+    def reaches(t: int) -> bool:
+        return layer_intensity(layer_ops(d, [SeqAttention(t, t, t)], backend)) >= ridge
+
+    hi = 1
+    while not reaches(hi):
+        if hi >= limit:
+            return 0
+        hi = min(limit, hi * 2)
+    lo = hi // 2  # reaches(lo) is False (or lo == 0)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if reaches(mid) else (mid, hi)
+    return hi

@@ -1,0 +1,231 @@
+"""The machine's roofline: its measured matrix-multiply peak and memory bandwidth.
+
+Williams, Waterman and Patterson 2009, "Roofline: an insightful visual performance model".
+An operation that does ``F`` FLOPs while moving ``B`` bytes has arithmetic intensity
+``I = F / B`` (FLOP/byte). On a machine with peak ``P`` FLOP/s and memory bandwidth ``W``
+bytes/s it takes at least ``max(F / P, B / W)`` seconds, so it is *memory-bound* while
+``I < P / W`` and *compute-bound* above it. ``P / W`` is the *ridge point*.
+
+Both figures are measured here, on this machine, in this process's thread count, never
+taken from a data sheet: ``P`` is the best of PyTorch's matrix-multiply paths on square
+matrices (the one our linear layers take among them), ``W`` a streaming read of a buffer
+larger than the last-level cache. The measurement takes about a second; it is done once
+per (device, dtype, threads) and kept in memory and in ``<cache_root()>/roofline.json``, so
+later runs read it back. The X-Ray and the tutorial show it as the machine's ridge point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+GEMM_N = 2048  # square matmul side for the peak: large enough to reach it on CPUs and small GPUs
+STREAM_MIN_BYTES = 256 * 2**20
+STREAM_MAX_BYTES = 2**30
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """Measured limits of one device for one dtype.
+
+    ``peak_flops``: FLOP/s of the fastest matrix multiply measured; ``bandwidth``: bytes/s
+    of a streaming read; ``machine``: where (CPU or GPU name, threads, dtype).
+    """
+
+    peak_flops: float
+    bandwidth: float
+    machine: str
+
+    @property
+    def ridge(self) -> float:
+        """FLOP/byte at which an operation stops being memory-bound (``peak_flops / bandwidth``)."""
+        return self.peak_flops / self.bandwidth
+
+    def bound(self, flops: float, nbytes: float) -> str:
+        """``"memory"`` or ``"compute"``: which limit an operation of this size hits first."""
+        return "compute" if nbytes <= 0 or flops / nbytes >= self.ridge else "memory"
+
+    def min_time_s(self, flops: float, nbytes: float) -> float:
+        """The roofline's lower bound on the time of an operation, seconds."""
+        return max(flops / self.peak_flops, nbytes / self.bandwidth)
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":  # pragma: no cover - needs CUDA
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _best_time(run: Callable[[], object], sync: Callable[[], None], repeats: int) -> float:
+    run()  # warm-up: thread pool, buffers, kernel choice
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        run()
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def gemm_peaks(n: int = GEMM_N, repeats: int = 5, device: torch.device | str = "cpu",
+               dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """Measured matrix-multiply FLOP/s per path: the best of ``repeats`` timed ``[n, n] @ [n, n]``.
+
+    ``"mkl"`` / ``"cublas"``: ``torch.mm`` on the CPU / on CUDA. On the CPU in float32 also
+    ``"onednn"``: oneDNN with a pre-packed weight, the path our linear layers take (see
+    ``nanovllm_core.model.cpu_linear``). Callers take the faster as the peak. The best run,
+    not the mean, so a moment of contention on a shared machine does not lower the peak and
+    make every fraction of it look better than it is.
+    """
+    from nanovllm_core.model import cpu_linear
+
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    c = torch.empty(n, n, device=device, dtype=dtype)
+    paths: dict[str, Callable[[], object]] = {
+        "cublas" if device.type == "cuda" else "mkl": lambda: torch.mm(a, b, out=c)}
+    packed = cpu_linear.packed_weight(b) if device.type == "cpu" else None
+    if packed is not None:
+        paths["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+    sync = _sync(device)
+    return {name: 2.0 * n ** 3 / _best_time(run, sync, repeats) for name, run in paths.items()}
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache (bytes) Linux reports for cpu0, or 0 when unknown."""
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:].upper(), 1)
+        try:
+            best = max(best, int(text.rstrip("KMGkmg")) * scale)
+        except ValueError:
+            continue
+    return best
+
+
+def memory_bandwidth(nbytes: int | None = None, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+    """Measured streaming read bandwidth, bytes/s: the best of ``repeats`` sums over a float32 buffer.
+
+    ``nbytes`` (default: twice the last-level cache, 256 MiB to 1 GiB) is large enough that the
+    buffer comes from memory, not from a cache, as a model's weights do in a decode step.
+    """
+    device = torch.device(device)
+    if nbytes is None:
+        nbytes = STREAM_MAX_BYTES if device.type == "cuda" else \
+            min(STREAM_MAX_BYTES, max(STREAM_MIN_BYTES, 2 * last_level_cache_bytes()))
+    x = torch.ones(nbytes // 4, device=device, dtype=torch.float32)
+    return x.numel() * 4 / _best_time(lambda: x.sum(), _sync(device), repeats)
+
+
+def machine_name(device: torch.device | str, dtype: torch.dtype) -> str:
+    """Where a roofline holds: ``"Intel Xeon ... (2 threads), float32"`` or the GPU's name."""
+    device = torch.device(device)
+    if device.type == "cuda":  # pragma: no cover - needs CUDA
+        where = torch.cuda.get_device_name(device)
+    else:
+        where = f"{cpu_name()} ({torch.get_num_threads()} threads)"
+    return f"{where}, {str(dtype).replace('torch.', '')}"
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo, or the platform's guess."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def measure(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, gemm_n: int = GEMM_N,
+            stream_bytes: int | None = None, repeats: int = 3) -> Roofline:
+    """Measure the roofline now (about a second on a CPU): the best matmul path and a streaming read."""
+    peak = max(gemm_peaks(gemm_n, repeats, device, dtype).values())
+    return Roofline(peak, memory_bandwidth(stream_bytes, repeats, device), machine_name(device, dtype))
+
+
+def default_cache_path() -> Path:
+    from nanovllm_core.model.loader import cache_root
+
+    return cache_root() / "roofline.json"
+
+
+_lock = threading.Lock()
+_measured: dict[str, Roofline] = {}
+
+
+def _key(device: torch.device | str, dtype: torch.dtype) -> str:
+    return f"{machine_name(device, dtype)} · torch {torch.__version__}"
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def cached(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+           path: Path | None = None) -> Roofline | None:
+    """The roofline measured earlier (in this process, or kept in ``path``), or None; never measures."""
+    key = _key(device, dtype)
+    with _lock:
+        if key in _measured:
+            return _measured[key]
+    entry = _read_cache(path or default_cache_path()).get(key)
+    try:
+        roof = Roofline(float(entry["peak_flops"]), float(entry["bandwidth"]), str(entry["machine"]))
+    except (TypeError, KeyError, ValueError):
+        return None
+    if roof.peak_flops <= 0 or roof.bandwidth <= 0:
+        return None
+    with _lock:
+        _measured[key] = roof
+    return roof
+
+
+def machine_roofline(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                     path: Path | None = None) -> Roofline:
+    """This machine's roofline for ``device`` and ``dtype``: measured the first time, then kept.
+
+    The file at ``path`` (default ``<cache_root()>/roofline.json``) keeps one entry per
+    machine, thread count, dtype and torch version; a file that cannot be written only means
+    the next process measures again.
+    """
+    roof = cached(device, dtype, path)
+    if roof is not None:
+        return roof
+    roof = measure(device, dtype)
+    key = _key(device, dtype)
+    with _lock:
+        _measured[key] = roof
+    path = path or default_cache_path()
+    data = _read_cache(path)
+    data[key] = asdict(roof)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return roof

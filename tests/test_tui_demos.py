@@ -1,0 +1,119 @@
+"""The Tutorial tab's demonstrations, driven with keys: each runs under its chapter's settings on an
+engine of its own and shows its commentary, whatever the length of its requests.
+
+A tiny random LLaMA (with the real tokenizer) stands in for the model: what these chapters show
+(who waits, chunks, preemption, which notes appear) is the scheduler's and the narrator's doing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nanovllm_core.config import EngineConfig
+from nanovllm_core.educational.tutorial import CHAPTERS, TutorialProgress
+from nanovllm_core.engine.controller import EngineController
+from nanovllm_core.engine.llm_engine import LLMEngine
+from nanovllm_tui.app import NanoVLLMApp
+from nanovllm_tui.views.tutorial import TutorialView
+from nanovllm_tui.widgets.prompt_bar import PromptSettings
+from tests.tui_helpers import Notes, wait_until
+
+pytestmark = pytest.mark.anyio
+SIZE = (120, 40)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_llama_dir):
+    import torch
+
+    from nanovllm_core.model.loader import load_model
+
+    return load_model(str(tiny_llama_dir), torch.device("cpu"), torch.float32)
+
+
+def app_at_chapter(tiny_model, tmp_path, number: int) -> NanoVLLMApp:
+    """The app on the tiny model's engine (the app's usual 512 blocks, budget 512), opened at a chapter."""
+    path = tmp_path / "tutorial.json"
+    TutorialProgress(current=number - 1).save(path)
+    engine = LLMEngine(EngineConfig(num_kv_blocks=512), *tiny_model)
+    return NanoVLLMApp(EngineController.from_engine(engine), settings=PromptSettings(max_tokens=4), tutorial_path=path)
+
+
+async def run_demo(pilot, app) -> TutorialView:
+    await wait_until(pilot, lambda: app.state.ready, what="the ready event")
+    await pilot.press("escape", "4", "r")
+    tutorial = app.query_one(TutorialView)
+    await wait_until(pilot, lambda: tutorial.run is not None and tutorial.run.finished, what="the demonstration")
+    await pilot.pause(0.1)
+    return tutorial
+
+
+def shown(tutorial: TutorialView) -> str:
+    return str(tutorial.query_one("#demo-log").render())
+
+
+async def test_chapter_9_demo_shows_the_third_request_waiting_for_a_place(tiny_model, tmp_path):
+    app = app_at_chapter(tiny_model, tmp_path, 9)
+    async with app.run_test(size=SIZE) as pilot:
+        tutorial = await run_demo(pilot, app)
+        run = tutorial.run
+        assert run.settings.startswith("64 KV blocks") and "at most 2 running" in run.settings
+        waits = [n for n in run.notes if n.kind == "scheduler" and "Waiting: request demo-3 (max_num_seqs" in n.text]
+        assert waits, [n.text for n in run.notes]
+        joins = [n for n in run.notes if n.kind == "scheduler" and "request demo-3: prefill" in n.text]
+        assert joins and run.notes.index(joins[0]) > run.notes.index(waits[-1])  # it joins once a place is free
+        text = shown(tutorial)
+        assert "at most 2 running" in text and "Waiting: request demo-3 (max_num_seqs" in " ".join(text.split())
+        # the app's own engine kept its settings and saw none of it
+        assert app.controller.engine.scheduler.max_num_seqs != 2 and not app.state.requests
+
+
+async def test_chapter_11_demo_chunks_the_long_prompt_and_preempts(tiny_model, tmp_path):
+    app = app_at_chapter(tiny_model, tmp_path, 11)
+    async with app.run_test(size=SIZE) as pilot:
+        tutorial = await run_demo(pilot, app)
+        run = tutorial.run
+        kinds = {n.kind for n in run.notes}
+        assert {"chunked_prefill", "preemption"} <= kinds, kinds
+        assert run.preemptions >= 1
+        assert "12 KV blocks of 8 tokens, budget 32 tokens a step" in run.settings
+        text = " ".join(shown(tutorial).split())
+        assert "preempted" in text and "preemptions so far" in text
+
+
+@pytest.mark.parametrize("number,kinds", [(2, {"embedding"}), (3, {"embedding", "attention"}),
+                                          (4, {"prefill", "roofline"})])
+async def test_one_token_demos_still_show_their_commentary(tiny_model, tmp_path, number, kinds):
+    app = app_at_chapter(tiny_model, tmp_path, number)
+    async with app.run_test(size=SIZE) as pilot:
+        tutorial = await run_demo(pilot, app)
+        run = tutorial.run
+        assert all(r.params.max_tokens == 1 for r in run.demo.requests("x"))
+        assert kinds <= {n.kind for n in run.notes}
+        text = shown(tutorial)
+        assert "· finished" in text
+        for note in run.notes:
+            assert note.title in text
+
+
+async def test_chapter_12_has_a_speculative_demonstration(tiny_model, tmp_path):
+    app = app_at_chapter(tiny_model, tmp_path, 12)
+    assert CHAPTERS[11].demo == "speculative_decoding"
+    async with app.run_test(size=SIZE) as pilot:
+        tutorial = await run_demo(pilot, app)
+        assert "ngram drafts of up to 4 tokens" in tutorial.run.settings
+        assert {n.kind for n in tutorial.run.notes} >= {"finished"}
+
+
+async def test_a_replay_refuses_to_run_a_demonstration(tmp_path):
+    from tests.tui_helpers import replay_app
+
+    app, notes = replay_app(tmp_path), Notes()
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await pilot.press("escape", "4", "r")
+        await wait_until(pilot, lambda: notes.find("this is a replay", "warning"), what="the refusal")

@@ -1,0 +1,71 @@
+"""The X-Ray tab at every width from 60 columns: every key position of the heatmap, each row's note,
+the whole title; the step named for what it was."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanovllm_core.config import EngineConfig
+from nanovllm_core.engine.controller import EngineController
+from nanovllm_core.engine.llm_engine import LLMEngine
+from nanovllm_tui.app import NanoVLLMApp
+from nanovllm_tui.widgets.heatmap import LABEL, NOTE, AttentionHeatmap, column_layout
+from nanovllm_tui.widgets.prompt_bar import PromptSettings
+from tests.tui_helpers import send_prompt, wait_until
+
+pytestmark = pytest.mark.anyio
+SIZES = [(60, 20), (80, 24), (120, 40), (200, 60)]
+# 43 tokens with the default model's tokenizer, as in the report of the cut-off heatmap
+PROMPT = ("Once upon a time, in a small village at the edge of a great forest, there lived a young girl named "
+          "Mira who loved to explore the old paths between the tall trees every single morning before the sun "
+          "came up")
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def screen_text(app) -> str:
+    """What the terminal shows, line by line."""
+    return "\n".join("".join(seg.text for seg in strip) for strip in app.screen._compositor.render_strips())
+
+
+@pytest.mark.parametrize("num_keys", [1, 43, 150, 1024])
+@pytest.mark.parametrize("width", [56, 76, 116, 196])
+def test_every_key_gets_a_cell_and_the_note_still_fits(num_keys, width):
+    cell, per = column_layout(num_keys, width)
+    cells = -(-num_keys // per)
+    assert cells * per >= num_keys and LABEL + cells * cell + NOTE <= max(width, LABEL + NOTE + 1)
+
+
+async def test_the_heatmap_shows_every_key_and_its_notes_at_every_width(tiny_llama_dir, tmp_path):
+    engine = LLMEngine.from_config(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64))
+    app = NanoVLLMApp(EngineController.from_engine(engine, start_paused=True), settings=PromptSettings(max_tokens=2),
+                      tutorial_path=tmp_path / "t.json")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.state.ready)
+        await pilot.press("escape", "2")
+        await pilot.pause(0.2)
+        assert "while this tab is open)." in " ".join(screen_text(app).split())  # the whole hint, not cut
+        n = len(engine.tokenizer.encode(PROMPT))
+        assert n == 43
+        await send_prompt(pilot, PROMPT, max_tokens=2)
+        await pilot.press("escape", "n")  # paused: exactly the prefill step
+        await wait_until(pilot, lambda: app.state.heat is not None and app.state.heat.context_len == n,
+                         what="the prefill's heatmap")
+        for size in SIZES:
+            await pilot.resize_terminal(*size)
+            await pilot.pause(0.3)
+            heatmap = app.query_one(AttentionHeatmap)
+            width = heatmap.scrollable_content_region.width
+            assert heatmap.region.height >= 4 and width > 0, size
+            cell, per = column_layout(n, width)
+            assert heatmap.border_subtitle == f"keys 0-{n - 1}" + (f" · {per} keys per cell (summed)" if per > 1 else "")
+            for y in range(1, heatmap.scrollable_content_region.height):
+                line = heatmap.render_line(y).text
+                assert len(line) <= width and "→" in line, (size, line)  # each row's note is on screen
+                assert line.index("→") >= LABEL + (-(-n // per)) * cell  # after every key's cell
+            text = screen_text(app)
+            assert "prefill: 43 new tokens over 43 in context" in " ".join(text.split()), size
+            assert "(←→)" in text, size  # the title's end is on screen

@@ -1,0 +1,256 @@
+"""X-Ray: what it shows is the step the engine ran (its flat batch, its backend's bytes, each tensor for
+what it is) against this machine's measured roofline."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanovllm_core import SamplingParams, roofline
+from nanovllm_core import events as ev
+from nanovllm_core.educational import xray_facts as facts
+from nanovllm_core.educational.xray_costs import (LayerDims, SeqAttention, compute_bound_tokens, layer_intensity,
+                                                  layer_ops)
+from nanovllm_core.roofline import Roofline
+
+SMOL = LayerDims(hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64, elem=4)
+
+
+# ------------------------------------------------------------------------------ the roofline
+
+
+def test_the_ridge_point_divides_memory_bound_from_compute_bound():
+    r = Roofline(peak_flops=100e9, bandwidth=10e9, machine="m")
+    assert r.ridge == 10.0
+    assert r.bound(50, 10) == "memory" and r.bound(100, 10) == "compute"
+    assert r.min_time_s(100e9, 1e9) == 1.0 and r.min_time_s(1e9, 20e9) == 2.0
+
+
+def test_the_roofline_is_measured_once_then_read_back(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_measure(device, dtype):
+        calls.append(device)
+        return Roofline(1e11, 1e10, "fake machine")
+
+    monkeypatch.setattr(roofline, "measure", fake_measure)
+    monkeypatch.setattr(roofline, "_measured", {})
+    path = tmp_path / "roofline.json"
+    first = roofline.machine_roofline("cpu", torch.float32, path)
+    assert roofline.machine_roofline("cpu", torch.float32, path) == first and len(calls) == 1
+    monkeypatch.setattr(roofline, "_measured", {})  # as a new process would start
+    assert roofline.cached("cpu", torch.float32, path) == first and len(calls) == 1
+    path.write_text("not json")
+    monkeypatch.setattr(roofline, "_measured", {})
+    assert roofline.cached("cpu", torch.float32, path) is None
+    roofline.machine_roofline("cpu", torch.float32, path)
+    assert len(calls) == 2
+
+
+def test_measuring_times_a_matmul_and_a_streaming_read():
+    r = roofline.measure("cpu", torch.float32, gemm_n=128, stream_bytes=8 << 20, repeats=1)
+    assert r.peak_flops > 1e8 and r.bandwidth > 1e8
+    assert "float32" in r.machine and f"{torch.get_num_threads()} threads" in r.machine
+
+
+# --------------------------------------------------------------------------- the cost model
+
+
+def test_the_fused_backend_moves_no_score_matrix_and_the_math_backend_does():
+    seq = SeqAttention(num_tokens=5, context_len=5, keys_read=5)
+    fused = {o.name: o for o in layer_ops(SMOL, [seq], "fused")}
+    math = {o.name: o for o in layer_ops(SMOL, [seq], "math")}
+    qo, kv, s = 9 * 5 * 64 * 4, 3 * 5 * 64 * 4, 9 * 5 * 5 * 4  # Q (= O), K (= V), S (= P) bytes
+    assert fused["attention"].bytes == 2 * qo + 2 * kv
+    assert "attention_scores" not in fused and "attention" not in math
+    assert math["attention_scores"].bytes == qo + kv + s and math["softmax"].bytes == 2 * s
+    assert math["attention_output"].bytes == s + kv + qo
+    assert fused["attention"].flops == sum(math[n].flops for n in ("attention_scores", "softmax", "attention_output"))
+
+
+def test_a_layer_has_two_rmsnorms_in_the_order_they_run():
+    names = [o.name for o in layer_ops(SMOL, [SeqAttention(5, 5, 5)])]
+    assert names.count("input_layernorm") == names.count("post_attention_layernorm") == 1
+    assert names.index("input_layernorm") < names.index("qkv_proj") < names.index("attention") \
+        < names.index("post_attention_layernorm") < names.index("mlp_gate_up")
+    assert names.count("residual_add") == 2
+
+
+def test_projections_run_over_the_flat_batch_and_only_gathered_context_is_copied():
+    prefill, decode = SeqAttention(5, 5, 5), SeqAttention(1, 30, 32, gathered=32)
+    ops = {o.name: o for o in layer_ops(SMOL, [decode, prefill])}
+    assert ops["qkv_proj"].flops == 2 * 6 * 576 * 960 and "[6, 576]" in ops["qkv_proj"].shapes
+    assert ops["kv_gather"].bytes == 2 * 2 * 32 * 3 * 64 * 4  # K and V, read and written
+    assert "kv_gather" not in {o.name for o in layer_ops(SMOL, [decode, prefill], "flash_attn")}
+    this = {o.name: o for o in layer_ops(SMOL, [decode], this=decode)}
+    assert "K, V [3, 32, 64] (30 in context, 2 padding slots masked)" in this["attention"].shapes
+    assert "query head h reads KV head h // 3" in this["attention"].shapes
+
+
+def test_a_prefill_turns_compute_bound_where_its_layer_reaches_the_ridge():
+    n = compute_bound_tokens(SMOL, ridge=10.0)
+    at = layer_intensity(layer_ops(SMOL, [SeqAttention(n, n, n)]))
+    below = layer_intensity(layer_ops(SMOL, [SeqAttention(n - 1, n - 1, n - 1)]))
+    assert below < 10.0 <= at
+    assert compute_bound_tokens(SMOL, ridge=1e6) == 0  # never, for a ridge no layer reaches
+
+
+def test_heatmap_labels_are_decoded_once_and_redone_where_the_tokens_changed():
+    from types import SimpleNamespace
+
+    from nanovllm_core.educational.xray import XRayCapture
+
+    decoded = []
+    engine = SimpleNamespace(token_pieces=lambda ids: decoded.extend(ids) or [f"<{i}>" for i in ids])
+    capture = XRayCapture(engine, measure=False)
+    seq = SimpleNamespace(seq_id=7, token_ids=[1, 2, 3])
+    assert capture.pieces(seq) == ["<1>", "<2>", "<3>"]
+    seq.token_ids += [4, 5]
+    assert capture.pieces(seq) == ["<1>", "<2>", "<3>", "<4>", "<5>"] and decoded == [1, 2, 3, 4, 5]
+    seq.token_ids[3:] = [9]  # a rejected draft rolled back, another token kept
+    assert capture.pieces(seq) == ["<1>", "<2>", "<3>", "<9>"] and decoded[-1:] == [9]
+
+
+# ------------------------------------------------------------------ capture on the real model
+
+PROMPTS = ["The capital of France is", "Hi",
+           "A river begins as rain on a mountain and the water gathers in small streams that join into brooks"]
+
+
+def batch_rows(plan: ev.StepPlanned) -> dict[str, int]:
+    """Each request's first row in the flat batch: single-token decodes first, shortest context first."""
+    order = sorted(plan.scheduled, key=lambda s: (0, s.start) if s.num_tokens == 1 else (1, 0))
+    rows, at = {}, 0
+    for s in order:
+        rows[s.request_id] = at
+        at += s.num_tokens
+    return rows
+
+
+@pytest.fixture(scope="module")
+def traced(make_llm):
+    """A mixed run (a chunked prompt continuing its cached context, decodes beside prefills) with X-Ray on."""
+    llm = make_llm(num_kv_blocks=32, block_size=16, max_num_batched_tokens=24)
+    events: list[ev.Event] = []
+    llm.engine.subscribe(events.append, topk=0, blocks=False, xray=True)
+    llm.engine.select_xray(None, layer=1, head=4)
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    plans = {e.step: e for e in events if isinstance(e, ev.StepPlanned)}
+    steps: dict[int, list[ev.LayerTrace]] = {}
+    for e in events:
+        if isinstance(e, ev.LayerTrace):
+            steps.setdefault(e.step, []).append(e)
+    return llm, plans, steps
+
+
+@pytest.mark.real_model
+def test_shapes_are_the_steps_flat_batch_and_slices_are_labelled(traced):
+    llm, plans, steps = traced
+    for step, traces in steps.items():
+        plan, t = plans[step], traces[0]
+        T = plan.num_batched_tokens
+        entry = next(s for s in plan.scheduled if s.request_id == t.request_id)
+        ctx = entry.start + entry.num_tokens
+        assert (t.num_batch_tokens, t.num_new_tokens, t.context_len) == (T, entry.num_tokens, ctx)
+        assert t.num_batch_seqs == len(plan.scheduled) and t.first_row == batch_rows(plan)[t.request_id]
+        x = {i.name: i for i in t.tensors}
+        assert x["attn_norm"].shape == x["residual_out"].shape == x["attn_out"].shape == (T, 576)
+        assert x["q"].shape == (T, 9, 64) and x["k"].shape == x["v"].shape == (T, 3, 64)
+        assert x["gate"].shape == x["up"].shape == x["act"].shape == (T, 1536)
+        assert x["k_context"].shape == (3, ctx, 64)
+        assert x["scores"].shape == x["probs"].shape == (3, 3 * entry.num_tokens, ctx)
+        assert {i.scope for i in t.tensors if i.name in ("k_context", "scores", "probs")} == {"request"}
+        assert {i.scope for i in t.tensors if i.name not in ("k_context", "scores", "probs")} == {"batch"}
+        assert t.kind == entry.kind
+        ops = {o.name: o for o in t.ops}
+        assert ops["qkv_proj"].flops == 2 * T * 576 * 960
+    assert any(t[0].num_batch_tokens > t[0].num_new_tokens for t in steps.values()), "some step batches several"
+
+
+@pytest.mark.real_model
+def test_each_tensor_is_what_its_label_says(traced):
+    _, _, steps = traced
+    traces = sorted(next(iter(steps.values())), key=lambda t: t.layer)
+    for before, after in zip(traces, traces[1:]):
+        out = next(i for i in before.tensors if i.name == "residual_out")
+        assert next(i for i in after.tensors if i.name == "residual").sample == out.sample
+    for t in traces:
+        x = {i.name: i.sample for i in t.tensors}
+        residual = x.get("residual") or x["token_embeddings"]
+        assert x["residual_mid"] == pytest.approx([a + b for a, b in zip(residual, x["attn_out"])], abs=2e-4)
+        assert x["residual_out"] == pytest.approx([a + b for a, b in zip(x["residual_mid"], x["mlp_out"])], abs=2e-4)
+        assert x["attn_norm"] != pytest.approx(residual, abs=1e-3)  # the norm's output is not the residual stream
+        assert all(name in facts.LABELS for name in x)
+
+
+@pytest.mark.real_model
+def test_attention_bytes_follow_the_backend_and_the_gather_the_step_did(traced):
+    llm, plans, steps = traced
+    gathers = 0
+    for step, traces in steps.items():
+        plan, t = plans[step], traces[0]
+        ops = {o.name: o for o in t.ops}
+        assert t.attention_backend == "fused" and "attention_scores" not in ops
+        continuing = [s for s in plan.scheduled if s.num_tokens > 1 and s.start > 0]
+        decodes = [s for s in plan.scheduled if s.num_tokens == 1]
+        if continuing or decodes:
+            gathers += 1
+            chunk_slots = sum(-(-(s.start + s.num_tokens) // 16) * 16 for s in continuing)
+            assert ops["kv_gather"].bytes >= 2 * 2 * chunk_slots * 3 * 64 * 4
+        else:
+            assert "kv_gather" not in ops
+    assert gathers
+
+
+@pytest.mark.real_model
+def test_the_heatmap_holds_every_key_and_each_row_sums_to_one(traced):
+    _, _, steps = traced
+    heat = [t for traces in steps.values() for t in traces if t.attention]
+    assert heat and all(h.layer == 1 and h.head == 4 for h in heat)
+    for h in heat:
+        assert h.keys_per_column == 1 and h.key_start == 0 and len(h.key_pieces) == h.context_len
+        assert len(h.attention) == min(h.num_new_tokens, 48)
+        for row in h.attention:
+            assert len(row) == h.context_len and abs(sum(row) - 1.0) < 1e-3
+
+
+@pytest.mark.real_model
+def test_the_gqa_and_roofline_sentences_agree_with_the_step(traced):
+    llm, plans, steps = traced
+    t = steps[min(steps)][0]
+    ctx = t.context_len
+    text = " ".join(facts.gqa_lines(t, head=4))
+    assert "query head h reads KV head h // 3" in text and "Head 4 reads KV head 4 // 3 = 1" in text
+    assert f"2 x 3 x {ctx} x 64 x 4 = {2 * 3 * ctx * 64 * 4:,} bytes" in text
+    assert "[1, 9, 64" not in text and "repeated" not in text
+    roof = roofline.cached(llm.engine.device, llm.engine.dtype)
+    assert roof is not None and (t.peak_flops, t.memory_bandwidth) == (roof.peak_flops, roof.bandwidth)
+    dims = LayerDims(576, 1536, 9, 3, 64, 4)
+    assert t.compute_bound_tokens == compute_bound_tokens(dims, roof.ridge, "fused")
+    lines = " ".join(facts.roofline_lines(t))
+    assert f"{roof.ridge:.1f} FLOP/byte (the ridge point)" in lines
+    expected = "compute-bound" if layer_intensity(t.ops) >= roof.ridge else "memory-bound"
+    assert f"FLOP/byte: {expected}" in lines
+    info = llm.engine.model_info()
+    assert info["peak_flops"] == roof.peak_flops and info["compute_bound_tokens"] == t.compute_bound_tokens
+
+
+@pytest.mark.real_model
+def test_a_speculative_verification_is_labelled_as_such(make_llm):
+    from nanovllm_core.educational.tutorial import chapter
+
+    llm = make_llm(num_kv_blocks=32, speculative_model="ngram", num_speculative_tokens=4)
+    events: list[ev.Event] = []
+    llm.engine.subscribe(events.append, topk=0, blocks=False, xray=True)
+    llm.engine.select_xray(None)
+    prompt = chapter("speculative_decoding").demo_prompt  # repeats itself: prompt lookup finds drafts
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    spec = [e for e in events if isinstance(e, ev.SpecDecodeStep)]
+    assert spec
+    verify = {t.step: t for t in events if isinstance(t, ev.LayerTrace) and t.layer == 0 and t.kind == "verify"}
+    for s in spec:
+        t = verify[s.step]
+        k = len(s.draft_tokens)
+        assert t.num_new_tokens == 1 + k
+        assert facts.what_ran(t).startswith(f"speculative verification: the newest token + {k} draft")
+        assert facts.step_kind(t) == "speculative verification"
