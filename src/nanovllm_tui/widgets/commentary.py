@@ -30,7 +30,12 @@ def commentary_text(note: Commentary, bar_width: int = 20) -> Text:
         text.append(" · " + " · ".join(where), style="dim")
     text.append(f" — {note.title}\n", style="bold")
     text.append(note.text)
-    for label, prob in note.table:
+    if note.table and note.table_title:
+        text.append(f"\n   {note.table_title}", style="italic dim")
+    for i, (label, prob) in enumerate(note.table):
         text.append(f"\n   {visible_piece(label)[:14]:<14} {prob * 100:5.1f}% ")
         text.append_text(bar(prob, bar_width, style.replace("bold ", "")))
+        row_note = note.table_notes[i] if i < len(note.table_notes) else ""
+        if row_note:
+            text.append(" ← chosen" if row_note == "chosen" else f" {row_note}", style="bold")
     return text
