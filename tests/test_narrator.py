@@ -393,24 +393,55 @@ def test_decodes_beside_a_chunk_are_told_only_when_the_plan_has_them():
     assert "1 of them taken by other sequences" in told.text
 
 
-def readmission_plan():
+def readmitted_narrator(watched_before: bool = True):
+    """Request 1 (7 prompt tokens) decodes until step 7 (14 tokens computed), is preempted in step 8
+    holding 15 tokens, and is readmitted in step 9 with 12 of them in the prefix cache."""
+    n = fresh()
+    n.feed(added("1", ids=tuple(range(7)), pieces=tuple("y" * 7)))
+    if watched_before:
+        feed_all(n, [planned(7, [entry("1", kind="decode", num=1, start=13, prompt_len=7, total_len=14)], admitted=()),
+                     sampled(7, rid="1", token=8, text=" w", n_out=8), timed(7)])
+        feed_all(n, [planned(8, [entry("0", kind="decode", num=1, start=9, total_len=10)], admitted=(),
+                             preempted=[queued("1", num_tokens=15, preemptions=1)], waiting=[queued("1")]), timed(8)])
     back = entry("1", num=3, start=12, prompt_len=7, total_len=15, cached=12)
-    return planned(9, [back], running=(queued("1", num_tokens=15, preemptions=1),), admitted=("1",))
+    hit = n.feed(planned(9, [back], running=(queued("1", num_tokens=15, preemptions=1),), admitted=("1",)))
+    n.feed(sampled(9, rid="1", token=9, text=" z", n_out=9))
+    return hit, n.feed(timed(9))
 
 
 def test_a_readmission_tells_reused_and_recomputed_tokens():
-    n = fresh()
-    n.feed(added("1", ids=tuple(range(7)), pieces=tuple("y" * 7)))
-    hit = next(c for c in n.feed(readmission_plan()) if c.kind == "prefix_cache")
+    planned_entries, told = readmitted_narrator()
+    hit = next(c for c in planned_entries if c.kind == "prefix_cache")
     assert "readmitted after its preemption: 12 of its 15 tokens (7 prompt + 8 generated) come back" in hit.text
-    assert "only the other 3 are recomputed" in hit.text and "12 tokens reused, 3 recomputed" in hit.title
-    n.feed(sampled(9, rid="1", token=9, text=" z", n_out=9))
-    out = n.feed(timed(9))
-    pre = next(c for c in out if c.kind == "prefill")
-    assert "recomputes tokens 12..14 (3) of its 15 (7 prompt + 8 generated)" in pre.text
+    assert ("only the other 3 are computed: 2 recomputed, their keys and values lost with its blocks, and 1 "
+            "computed for the first time") in hit.text
+    assert hit.title.endswith("readmitted, 12 tokens reused, 2 recomputed")
+    pre = next(c for c in told if c.kind == "prefill")
+    assert "It computes tokens 12..14 (3) of its 15 (7 prompt + 8 generated)" in pre.text
     assert "the 12 before them came back from the prefix cache" in pre.text
-    dec = next(c for c in out if c.kind == "decode")
+    assert pre.title == "Request 1: recompute of 2 tokens and 1 new"
+    dec = next(c for c in told if c.kind == "decode")
     assert "token #9, after the recompute" in dec.title and "one new token" not in dec.text
+
+
+def test_a_readmission_the_narrator_did_not_watch_claims_no_recompute_count():
+    planned_entries, _ = readmitted_narrator(watched_before=False)
+    hit = next(c for c in planned_entries if c.kind == "prefix_cache")
+    assert hit.title.endswith("readmitted, 12 tokens reused, 3 computed") and "recomputed" not in hit.text
+
+
+def test_a_prompt_preempted_during_its_prefill_computes_the_rest_for_the_first_time():
+    n = fresh()
+    n.feed(added("0", ids=tuple(range(83)), pieces=tuple("x" * 83)))
+    feed_all(n, [planned(1, [entry("0", num=31, start=25, prompt_len=83, total_len=83)], admitted=()), timed(1)])
+    feed_all(n, [planned(2, [entry("1", kind="decode", num=1, start=8, total_len=9)], admitted=(),
+                         preempted=[queued("0", num_tokens=83, preemptions=1)], waiting=[queued("0")]), timed(2)])
+    back = entry("0", num=27, start=56, prompt_len=83, total_len=83, cached=56)
+    hit = next(c for c in n.feed(planned(5, [back], running=(queued("0", num_tokens=83, preemptions=1),),
+                                         admitted=("0",))) if c.kind == "prefix_cache")
+    assert "only the other 27 are computed, none of them computed before its preemption" in hit.text
+    pre = next(c for c in n.feed(timed(5, tokens=27)) if c.kind == "prefill")
+    assert pre.title == "Request 0: 27 new tokens after its readmission" and "recompute" not in pre.title
 
 
 def test_preemption_says_blocks_may_come_back_from_the_prefix_cache_and_names_vllms_opposite_priority():

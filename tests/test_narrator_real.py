@@ -134,11 +134,18 @@ def test_a_preemption_readmitted_from_the_prefix_cache_is_told_with_reused_and_r
     back = [(plan, s) for plan in readmitted.of(ev.StepPlanned) for s in plan.scheduled
             if s.request_id in plan.admitted and any(q.seq_id == s.seq_id and q.num_preemptions for q in plan.running)]
     assert back, "the pool of 6 blocks must preempt one request and readmit it"
+    plans = readmitted.of(ev.StepPlanned)
     for plan, s in back:
         assert s.num_cached_tokens > 0  # its full blocks were still in the prefix cache
+        # What it had computed when it was preempted: its last step's start plus what that step ran.
+        last = [x for p in plans if p.step < plan.step and not any(q.seq_id == s.seq_id for q in p.preempted)
+                for x in p.scheduled if x.seq_id == s.seq_id][-1]
+        lost = last.start + (last.num_tokens if last.kind == "prefill" else 1)
+        recomputed = max(0, min(lost, s.total_len) - s.num_cached_tokens)
         (hit,) = readmitted.entries("prefix_cache", plan.step)
-        recomputed = s.total_len - s.num_cached_tokens
-        assert hit.title.endswith(f"readmitted, {s.num_cached_tokens} tokens reused, {recomputed} recomputed")
-        assert f"{s.num_cached_tokens} of its {s.total_len} tokens" in hit.text and "recomputed" in hit.text
+        assert recomputed > 0 and hit.title.endswith(
+            f"readmitted, {s.num_cached_tokens} tokens reused, {recomputed} recomputed")
+        assert f"{s.num_cached_tokens} of its {s.total_len} tokens" in hit.text
+        assert f"{recomputed} recomputed, their keys and values lost with its blocks" in hit.text
     (pre,) = readmitted.entries("preemption")
     assert "the blocks still in the prefix cache are reused and only the rest is recomputed" in pre.text

@@ -94,6 +94,12 @@ class Narrator:
         self._open: _OpenStep | None = None
         self._last_signature: tuple | None = None
         self._last_blocks_used: int | None = None
+        # Per sequence: tokens with K/V computed so far (from the plans), and, after a
+        # preemption, how many it had computed when it lost its blocks (to tell a recompute
+        # from tokens computed for the first time).
+        self._computed: dict[int, int] = {}
+        self._lost: dict[int, int] = {}
+        self._request_of: dict[int, str] = {}
 
     # ------------------------------------------------------------------ public
 
@@ -108,7 +114,9 @@ class Narrator:
             out.extend(self.introduction())
         if isinstance(event, ev.StepPlanned):
             out.extend(self.flush())
+            self._lost = {q: n for q, n in self._lost.items() if self._computed.get(q, 0) < n}
             out.extend(self._planned(event))
+            self._track(event)
             if event.scheduled:
                 self._open = _OpenStep(event)
         elif isinstance(event, ev.StepTimed):
@@ -220,6 +228,20 @@ class Narrator:
             return "in priority order, the highest priority value first, then by arrival"
         return "in the order they were admitted"
 
+    def _track(self, plan: ev.StepPlanned) -> None:
+        """Keep each sequence's computed-token count (a decode computes 1 token, more when drafts are kept)."""
+        for q in plan.preempted:
+            before = self._computed.pop(q.seq_id, 0)
+            self._lost[q.seq_id] = max(before, self._lost.get(q.seq_id, 0))
+        for s in plan.scheduled:
+            self._request_of[s.seq_id] = s.request_id
+            self._computed[s.seq_id] = s.start + (s.num_tokens if s.kind == "prefill" else 1)
+
+    def _forget(self, request_id: str) -> None:
+        for seq_id in [q for q, r in self._request_of.items() if r == request_id]:
+            for d in (self._computed, self._lost, self._request_of):
+                d.pop(seq_id, None)
+
     def _planned(self, plan: ev.StepPlanned) -> list[Commentary]:
         out: list[Commentary] = []
         for q in plan.preempted:
@@ -325,11 +347,13 @@ class Narrator:
         c, total = s.num_cached_tokens, s.total_len
         now = "" if c + s.num_tokens == total else f", {s.num_tokens} of them in this step"
         if self._preemptions(plan, s.seq_id):
+            again, first = self._split(s.seq_id, c, total)
             text = (f"{name[0].upper()}{name[1:]} is readmitted after its preemption: {c} of its {total} tokens "
                     f"({s.prompt_len} prompt + {total - s.prompt_len} generated) come back from the prefix "
                     f"cache{blocks}, blocks that kept their contents while they were cached-free. Their keys and "
-                    f"values are reused; only the other {total - c} are recomputed{now}.")
-            title = f"{name}: readmitted, {c} tokens reused, {total - c} recomputed"
+                    f"values are reused; only the other {total - c} are computed{now}{self._again(again, first)}.")
+            title = (f"{name}: readmitted, {c} tokens reused, {again} recomputed" if again is not None
+                     else f"{name}: readmitted, {c} tokens reused, {total - c} computed")
         elif s.index > 0:
             text = (f"Sample {s.index} shares the first {c} of the {s.prompt_len} prompt tokens with sample 0 "
                     f"through the prefix cache{blocks}, whose reference counts go up. It computes the other "
@@ -343,6 +367,27 @@ class Narrator:
             title = f"{name}: prefix cache hit, {c} tokens"
         return Commentary("prefix_cache", f"{title[0].upper()}{title[1:]}", text, request_id=s.request_id,
                           step=plan.step)
+
+    @staticmethod
+    def _again(again: int | None, first: int) -> str:
+        """``": 2 recomputed, ..., and 1 computed for the first time"`` (empty when unknown)."""
+        if again is None:
+            return ""
+        if not again:
+            return ", none of them computed before its preemption"
+        return (f": {again} recomputed, their keys and values lost with its blocks"
+                + (f", and {first} computed for the first time" if first else ""))
+
+    def _split(self, seq_id: int, start: int, end: int) -> tuple[int | None, int]:
+        """Of tokens ``start..end-1``: (how many it had computed before its preemption, how many are new).
+
+        (None, 0) when the narrator did not see the sequence's earlier steps.
+        """
+        lost = self._lost.get(seq_id)
+        if lost is None:
+            return None, 0
+        again = max(0, min(end, lost) - start)
+        return again, end - start - again
 
     # ------------------------------------------------------------------ the rest of a step
 
@@ -377,6 +422,8 @@ class Narrator:
             elif isinstance(e, ev.SpecDecodeStep):
                 first_kept[e.seq_id] = e
                 verified.add(e.seq_id)
+                if e.seq_id in self._computed:
+                    self._computed[e.seq_id] += next((i for i, ok in enumerate(e.accepted) if not ok), len(e.accepted))
                 greedy = verification_rule(e, self._requests[e.request_id].sampling
                                            if e.request_id in self._requests else None)
                 out.append(speculative_entry(e, self._name(e.request_id), greedy, kept.get(e.seq_id)))
@@ -493,11 +540,17 @@ class Narrator:
         if self._preemptions(plan, s.seq_id) or s.total_len > s.prompt_len:
             reused = (f"; the {s.num_cached_tokens} before them came back from the prefix cache"
                       if s.num_cached_tokens and s.start == s.num_cached_tokens and rid in plan.admitted else "")
-            text = (f"{cap} was preempted earlier and lost its blocks: it recomputes tokens {s.start}..{end - 1} "
+            again, first = self._split(s.seq_id, s.start, end)
+            text = (f"{cap} was preempted earlier and lost its blocks. It computes tokens {s.start}..{end - 1} "
                     f"({s.num_tokens}) of its {s.total_len} ({s.prompt_len} prompt + {s.total_len - s.prompt_len} "
-                    f"generated) through {through}{reused}.{rest}{flat}{timing}{kv}")
-            return [Commentary("prefill", f"{cap}: recompute of {plural(s.num_tokens, 'token')}", text, request_id=rid,
-                               step=plan.step)]
+                    f"generated) through {through}{self._again(again, first)}{reused}.{rest}{flat}{timing}{kv}")
+            if again is None:
+                title = f"{cap}: recompute of {plural(s.num_tokens, 'token')}"
+            elif again:
+                title = f"{cap}: recompute of {plural(again, 'token')}" + (f" and {first} new" if first else "")
+            else:
+                title = f"{cap}: {plural(first, 'new token')} after its readmission"
+            return [Commentary("prefill", title, text, request_id=rid, step=plan.step)]
         whole = s.start == s.num_cached_tokens and end == s.total_len
         if whole:
             if s.index > 0:
@@ -618,6 +671,7 @@ class Narrator:
 
     def _finished(self, e: ev.RequestFinished) -> Commentary:
         state = self._requests.pop(e.request_id, None)
+        self._forget(e.request_id)
         text = (f"Request {e.request_id} finished ({e.finish_reason}): {self._why(e.finish_reason, e.stop_reason)} after "
                 f"{plural(e.num_output_tokens, 'token')}: {e.output_text!r}.")
         if len(e.samples) > 1:
