@@ -241,7 +241,9 @@ def test_tokenization_demo_prints_the_tokenizers_ids(demos, real_model):
 def test_chunked_prefill_demo_shows_chunks_priority_and_a_preemption(demos):
     text = demo_output(demos, "chunked_prefill")
     assert "CHUNKED PREFILL · Request 0: prefill chunk 0.." in text
-    assert "PREEMPTION · Step" in text and "request 0 (priority 0) was preempted" in text
+    flat = " ".join(text.split())
+    assert "PREEMPTION · Step" in text and "preempted request 0 (priority 0)" in flat
+    assert "none of them computed before its preemption" in flat  # tokens 56..82 are new, not recomputed
     assert text.index("Request 1 finished") < text.index("Request 0 finished")  # priority 10 first
 
 
