@@ -36,7 +36,7 @@ def processors(sampling: dict[str, Any], num_outputs_before: int) -> list[str]:
     """
     out = []
     if num_outputs_before < int(sampling.get("min_tokens", 0)):
-        out.append(f"the min_tokens ban on end-of-sequence and stop tokens (until {sampling['min_tokens']} exist)")
+        out.append(f"the min_tokens ban on end-of-sequence and stop tokens (until {sampling['min_tokens']} are generated)")
     if float(sampling.get("repetition_penalty", 1.0)) != 1.0:
         out.append(f"repetition penalty {sampling['repetition_penalty']:g}")
     if num_outputs_before and float(sampling.get("frequency_penalty", 0.0)):
@@ -64,7 +64,7 @@ def sampling_intro(name: str, rid: str, s: dict[str, Any], max_tokens: int | Non
     """The ``sampling`` entry: what this request's settings will do to every next-token choice, in the engine's order."""
     steps = []
     if int(s.get("min_tokens", 0)):
-        steps.append(f"end-of-sequence and stop tokens are banned until {s['min_tokens']} tokens exist")
+        steps.append(f"end-of-sequence and stop tokens are banned until {s['min_tokens']} tokens have been generated")
     if float(s.get("repetition_penalty", 1.0)) != 1.0:
         r = s["repetition_penalty"]
         steps.append(f"repetition penalty {r:g} lowers every token already in the prompt or the output (a positive "
@@ -210,8 +210,8 @@ def speculative_entry(e: ev.SpecDecodeStep, name: str, greedy: bool | None, appe
             f"so it scored {k + 1} next-token positions at once.")
     bonus = show_piece(e.bonus_text) if e.bonus_token is not None else None
     if greedy:
-        text += (" Greedy verification (temperature 0): a draft is kept while it equals the target's own highest-scoring "
-                 "token at its position.")
+        text += (" Greedy verification (temperature 0): a draft is kept while it equals the target's highest-scoring "
+                 "token at its position, after any penalties.")
         if n_ok < k:
             text += (f" The {ordinal(n_ok + 1)} draft {show_piece(e.draft_texts[n_ok])} is not the target's choice "
                      f"there, so it and any drafts after it are dropped" + (f", and the target's token {bonus} takes its "

@@ -120,7 +120,8 @@ class SchedulerNarration:
 
     def _waiting_reason(self, plan: ev.StepPlanned) -> str:
         if plan.preempted:
-            return "this step had to preempt, so no new request is admitted"
+            return ("a step that preempts admits no one after that" if plan.admitted
+                    else "this step had to preempt, so no new request is admitted")
         if len(plan.running) >= plan.max_num_seqs:
             return f"max_num_seqs: {plan.max_num_seqs} requests are already running"
         if plan.num_batched_tokens >= plan.token_budget:
