@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 
 from nanovllm_core import events as ev
@@ -81,14 +84,14 @@ def test_tokenization_lists_each_piece_with_its_id():
     assert tok.kind == "tokenization" and tok.request_id == "0"
     assert "[The]=504 [␣capital]=3575 [␣is]=314" in tok.text
     assert "Token ids: [504, 3575, 314]" in tok.text
-    assert samp.kind == "sampling" and "Greedy" in samp.text and "up to 8 tokens" in samp.text
+    assert samp.kind == "sampling" and "Greedy" in samp.text and "or after 8 tokens" in samp.text
 
 
 def test_sampling_entry_explains_temperature_top_k_and_top_p():
     n = Narrator()
     _, samp = n.feed(added(sampling=(("seed", 7), ("temperature", 0.5), ("top_k", 20), ("top_p", 0.9))))
     assert "temperature 0.5" in samp.text and "sharper" in samp.text
-    assert "20 most likely" in samp.text and "add up to 0.9" in samp.text and "seed 7" in samp.text
+    assert "20 most likely" in samp.text and "add up to at least 0.9" in samp.text and "seed 7" in samp.text
 
 
 def test_model_entry_comes_first_from_the_ready_loading_event():
@@ -124,7 +127,7 @@ def test_embedding_shows_real_values_from_the_xray_trace():
     n.feed(trace)
     out = n.feed(timed(0))
     emb = next(c for c in out if c.kind == "embedding")
-    assert "[49152, 576]" in emb.text and "[1, 3, 576]" in emb.text
+    assert "[49152, 576]" in emb.text and "[3, 576]" in emb.text
     assert "+0.0123, -0.4567, +0.5000, +0.2500" in emb.text
     att = next(c for c in out if c.kind == "attention")
     assert "[1, 9, 3, 64]" in att.text and "3 per KV head" in att.text and "[1, 9, 3, 3]" in att.text
@@ -141,13 +144,26 @@ def test_decode_entry_carries_the_top_k_table_and_the_chosen_token():
     assert "[␣Paris] at 77.25%" in dec.text and "Greedy decoding takes it" in dec.text and "id 7042" in dec.text
 
 
-def test_a_sampled_token_is_placed_by_its_rank():
+def test_a_sampled_token_is_placed_by_its_rank_in_the_labelled_table():
     n = fresh()
-    n.feed(added())
+    n.feed(added(sampling=(("temperature", 0.9),)))
     n.feed(planned(0, [entry()]))
     n.feed(sampled(0, token=260, text=" the", greedy=False, temperature=0.9))
     dec = next(c for c in n.feed(timed(0)) if c.kind == "decode")
-    assert "temperature 0.9 drew [␣the] (id 260), the 2nd most likely at 6.45%" in dec.text
+    assert "Sampling drew [␣the] (id 260), 2nd in the table at 6.45%" in dec.text
+    assert dec.table_title == "probabilities after temperature 0.9"  # the contract: top is what the sampler used
+    assert dec.table_notes == ("", "chosen", "")
+
+
+def test_a_table_of_the_models_own_probabilities_is_labelled_so():
+    # Traces recorded before TokenSampled.top was the processed distribution: the chosen
+    # token's logprob (always the model's own) equals its probability in the table.
+    n = fresh()
+    n.feed(added(sampling=(("temperature", 0.9),)))
+    n.feed(planned(0, [entry()]))
+    n.feed(replace(sampled(0, token=260, text=" the", greedy=False, temperature=0.9), logprob=math.log(0.0645)))
+    dec = next(c for c in n.feed(timed(0)) if c.kind == "decode")
+    assert dec.table_title == "the model's own probabilities, before temperature 0.9"
 
 
 def test_kv_cache_bytes_are_blocks_times_bytes_per_block():
@@ -175,7 +191,7 @@ def test_waiting_request_is_explained_by_max_num_seqs():
     (sched,) = n.feed(plan)
     assert sched.kind == "scheduler"
     assert "request 2 (max_num_seqs: 2 requests are already running)" in sched.text
-    assert "behind it, in priority order: 3" in sched.text
+    assert "behind it, in priority order: request 3" in sched.text
 
 
 def test_waiting_request_is_explained_by_the_token_budget():
@@ -205,7 +221,7 @@ def test_prefix_cache_hit_counts_the_reused_tokens():
     plan = planned(3, [entry("1", num=8, start=32, prompt_len=40, total_len=40, cached=32)])
     (hit,) = fresh().feed(plan)
     assert hit.kind == "prefix_cache" and "first 32 of 40 tokens" in hit.text and "2 full blocks" in hit.text
-    assert "computes only 8 tokens" in hit.text
+    assert "only the other 8 are computed" in hit.text
 
 
 def test_a_long_prompt_is_told_chunk_by_chunk():
@@ -214,7 +230,7 @@ def test_a_long_prompt_is_told_chunk_by_chunk():
     feed_all(n, [planned(0, [entry(num=32, prompt_len=70, total_len=70)])])
     out = n.feed(timed(0, tokens=32))
     chunk = next(c for c in out if c.kind == "chunked_prefill")
-    assert "tokens 0..31 (32 tokens)" in chunk.text and "38 tokens remain" in chunk.text
+    assert "tokens 0..31 (32)" in chunk.text and "38 tokens remain" in chunk.text
     n.feed(planned(2, [entry(num=6, start=64, prompt_len=70, total_len=70)], admitted=()))
     last = next(c for c in n.feed(timed(2, tokens=6)) if c.kind == "chunked_prefill")
     assert "last chunk" in last.text
@@ -249,16 +265,6 @@ def test_rejection_and_engine_error_are_told_at_once():
     assert err.kind == "error" and "boom" in err.text and "request 9" in err.text
 
 
-def test_speculative_step_counts_accepted_draft_tokens():
-    e = ev.SpecDecodeStep(step=3, request_id="0", seq_id=0, proposer="ngram", draft_tokens=(5, 6, 7),
-                          draft_texts=(" a", " b", " c"), p=(0.9, 0.2, 0.5), q=(1.0, 0.8, 1.0),
-                          accepted=(True, False, False), bonus_token=11, bonus_text=" d")
-    (spec,) = Narrator().feed(e)
-    assert spec.kind == "speculative" and "kept 1" in spec.text
-    assert "min(1, p/q) = 0.250" in spec.text and "2 tokens from one target pass" in spec.text
-    assert spec.table[0] == ("[␣a] accepted", 0.9)
-
-
 def test_negative_cap_is_refused():
     with pytest.raises(ValueError, match="max_decode_steps_per_request"):
         Narrator(max_decode_steps_per_request=-1)
@@ -266,3 +272,220 @@ def test_negative_cap_is_refused():
 
 def test_model_info_given_at_construction_is_told_before_the_first_event():
     assert kinds(Narrator(INFO).feed(added())) == ["model", "tokenization", "sampling"]
+
+
+# ------------------------------------------------------------------ teaching truth (issue 13)
+
+
+def greedy_took_the_top_row(entries) -> bool:
+    """No decode entry says greedy takes a token that does not head the table it shows."""
+    return all(c.table_notes[:1] == ("chosen",) for c in entries if c.kind == "decode" and "takes it" in c.text)
+
+
+MAT = ((1000, " mat", 0.1467), (1001, " cat", 0.1239), (1002, " bed", 0.0304))  # the model's own
+BED = ((1002, " bed", 0.3120), (1003, " couch", 0.2901), (1004, " floor", 0.2850))  # after the penalty
+
+
+def test_greedy_with_a_penalty_shows_the_distribution_it_chose_from_and_the_models_own_beside_it():
+    n = fresh()
+    n.feed(added(sampling=(("repetition_penalty", 1.8), ("temperature", 0.0))))
+    n.feed(planned(0, [entry()]))
+    e = sampled(0, token=1002, text=" bed", top=BED)
+    n.feed(replace(e, model_top=tuple(ev.TopToken(*t) for t in MAT)))
+    dec = next(c for c in n.feed(timed(0)) if c.kind == "decode")
+    assert dec.table[0] == (" bed", 0.3120) and dec.table_notes[0] == "chosen"
+    assert dec.table_title == "probabilities after repetition penalty 1.8"
+    assert "after repetition penalty 1.8 the highest is [␣bed] at 31.20%. Greedy decoding takes it: [␣bed]" in dec.text
+    assert "the model's own favourite was [␣mat] at 14.67%" in dec.text
+    assert greedy_took_the_top_row([dec])
+
+
+def test_greedy_never_takes_a_token_below_the_top_of_the_table_it_shows():
+    # A trace whose table is the model's own distribution, before the penalty moved the choice.
+    n = fresh()
+    n.feed(added(sampling=(("repetition_penalty", 1.8), ("temperature", 0.0))))
+    n.feed(planned(0, [entry()]))
+    n.feed(sampled(0, token=1002, text=" bed", top=MAT))
+    dec = next(c for c in n.feed(timed(0)) if c.kind == "decode")
+    assert "takes it" not in dec.text and greedy_took_the_top_row([dec])
+    assert dec.table_title == "the model's own probabilities, before repetition penalty 1.8"
+    assert ("the model's own favourite is [␣mat] at 14.67%, but greedy decoding took [␣bed] (id 1002), 3rd in the "
+            "table at 3.04%: repetition penalty 1.8 changed the scores") in dec.text
+
+
+def test_greedy_sampling_entry_names_the_penalty_applied_before_the_argmax():
+    _, samp = Narrator().feed(added(sampling=(("repetition_penalty", 1.3), ("temperature", 0.0))))
+    assert "highest-scoring token is taken, after these changes to the scores: repetition penalty 1.3" in samp.text
+
+
+def spec(step=1, rid="0", accepted=(True, False, False), p=(0.9, 0.2, 0.5), q=(1.0, 1.0, 1.0), **kw):
+    return ev.SpecDecodeStep(step=step, request_id=rid, seq_id=int(rid), proposer="ngram", draft_tokens=(5, 6, 7),
+                             draft_texts=(" a", " b", " c"), p=p, q=q, accepted=accepted, bonus_token=11,
+                             bonus_text=" d", **kw)
+
+
+def spec_step(sampling, event, kept=2):
+    n = fresh()
+    n.feed(added(sampling=sampling))
+    feed_all(n, [planned(0, [entry()]), sampled(0), timed(0)])
+    n.feed(planned(1, [entry(kind="decode", num=4, start=3, total_len=4)], admitted=()))
+    n.feed(event)
+    for i in range(kept):
+        n.feed(sampled(1, token=5 + i, text=" x", n_out=2 + i, top=()))
+    return n.feed(timed(1, tokens=4))
+
+
+def test_greedy_verification_is_told_by_its_rule_and_the_tokens_it_ran():
+    # An old trace: num_query_tokens 0 and greedy unset; the request's temperature 0 decides.
+    out = spec_step((("temperature", 0.0),), spec())
+    (v,) = [c for c in out if c.kind == "speculative"]
+    assert "ran 4 tokens of this sequence through all its layers in one forward pass" in v.text
+    assert "Greedy verification" in v.text and "min(1" not in v.text
+    assert "The 2nd draft [␣b] is not the target's choice there" in v.text and "[␣d] takes its place" in v.text
+    assert v.table_notes == ("accepted", "rejected", "dropped") and v.table[0] == (" a", 0.9)
+    decodes = [c for c in out if c.kind == "decode"]
+    assert len(decodes) == 2 and not any("one new token" in c.text for c in decodes)
+    assert "4 tokens of this sequence went through the layers in this step's one forward pass" in decodes[0].text
+
+
+def test_sampled_verification_of_a_fixed_guess_keeps_it_with_probability_p():
+    out = spec_step((("temperature", 0.8),), spec(greedy=False, num_query_tokens=4))
+    (v,) = [c for c in out if c.kind == "speculative"]
+    assert "kept with probability min(1, p(x)/q(x))" in v.text and "kept with probability p" in v.text
+    assert "(p = 0.200, q = 1.000) had a 0.200 chance and was rejected" in v.text
+    assert "from the target's distribution without the rejected token" in v.text
+
+
+def test_the_rule_of_a_recorded_verification_wins_over_the_temperature():
+    out = spec_step((("temperature", 0.8),), spec(greedy=True, num_query_tokens=4, q=(0.9, 0.8, 0.7)))
+    (v,) = [c for c in out if c.kind == "speculative"]
+    assert "Greedy verification" in v.text and "min(1" not in v.text
+
+
+def test_a_stop_inside_the_kept_run_is_told():
+    out = spec_step((("temperature", 0.0),), spec(accepted=(True, True, True)), kept=1)
+    (v,) = [c for c in out if c.kind == "speculative"]
+    assert "4 tokens from one forward pass. A stop condition ended the sequence after 1 of them." in v.text
+
+
+def test_a_chunk_that_takes_the_whole_budget_is_not_told_as_letting_others_decode():
+    # Priority policy: the running high-priority prompt's chunk is served first and uses all 32 tokens.
+    n = fresh()
+    n.feed(added("1", ids=tuple(range(70)), pieces=tuple("x" * 70), priority=10))
+    chunk = entry("1", num=32, start=32, prompt_len=70, total_len=70, priority=10)
+    running = (queued("1", priority=10), queued("0"))
+    (sched,) = n.feed(planned(5, [chunk], running=running, admitted=()))
+    assert "Request 0 is running but got no token" in sched.text and sched.title == "Step 5: 2 running, 0 waiting"
+    told = next(c for c in n.feed(timed(5, tokens=32)) if c.kind == "chunked_prefill")
+    assert "decod" not in told.text
+    assert "Request 0 is running but got no token in this step" in told.text
+    assert "served in priority order, the highest priority value first" in told.text
+
+
+def test_decodes_beside_a_chunk_are_told_only_when_the_plan_has_them():
+    n = fresh()
+    n.feed(added("1", ids=tuple(range(70)), pieces=tuple("x" * 70)))
+    plan = planned(2, [entry("0", kind="decode", num=1, start=5, total_len=6),
+                       entry("1", num=31, start=0, prompt_len=70, total_len=70)])
+    n.feed(plan)
+    told = next(c for c in n.feed(timed(2, tokens=32)) if c.kind == "chunked_prefill")
+    assert "In the same step request 0 decoded (1 token)" in told.text
+    assert "1 of them taken by other sequences" in told.text
+
+
+def readmitted_narrator(watched_before: bool = True):
+    """Request 1 (7 prompt tokens) decodes until step 7 (14 tokens computed), is preempted in step 8
+    holding 15 tokens, and is readmitted in step 9 with 12 of them in the prefix cache."""
+    n = fresh()
+    n.feed(added("1", ids=tuple(range(7)), pieces=tuple("y" * 7)))
+    if watched_before:
+        feed_all(n, [planned(7, [entry("1", kind="decode", num=1, start=13, prompt_len=7, total_len=14)], admitted=()),
+                     sampled(7, rid="1", token=8, text=" w", n_out=8), timed(7)])
+        feed_all(n, [planned(8, [entry("0", kind="decode", num=1, start=9, total_len=10)], admitted=(),
+                             preempted=[queued("1", num_tokens=15, preemptions=1)], waiting=[queued("1")]), timed(8)])
+    back = entry("1", num=3, start=12, prompt_len=7, total_len=15, cached=12)
+    hit = n.feed(planned(9, [back], running=(queued("1", num_tokens=15, preemptions=1),), admitted=("1",)))
+    n.feed(sampled(9, rid="1", token=9, text=" z", n_out=9))
+    return hit, n.feed(timed(9))
+
+
+def test_a_readmission_tells_reused_and_recomputed_tokens():
+    planned_entries, told = readmitted_narrator()
+    hit = next(c for c in planned_entries if c.kind == "prefix_cache")
+    assert "readmitted after its preemption: 12 of its 15 tokens (7 prompt + 8 generated) come back" in hit.text
+    assert ("only the other 3 are computed: 2 recomputed, their keys and values lost with its blocks, and 1 "
+            "computed for the first time") in hit.text
+    assert hit.title.endswith("readmitted, 12 tokens reused, 2 recomputed")
+    pre = next(c for c in told if c.kind == "prefill")
+    assert "It computes tokens 12..14 (3) of its 15 (7 prompt + 8 generated)" in pre.text
+    assert "the 12 before them came back from the prefix cache" in pre.text
+    assert pre.title == "Request 1: recompute of 2 tokens and 1 new"
+    dec = next(c for c in told if c.kind == "decode")
+    assert "token #9, after the recompute" in dec.title and "one new token" not in dec.text
+
+
+def test_a_readmission_the_narrator_did_not_watch_claims_no_recompute_count():
+    planned_entries, _ = readmitted_narrator(watched_before=False)
+    hit = next(c for c in planned_entries if c.kind == "prefix_cache")
+    assert hit.title.endswith("readmitted, 12 tokens reused, 3 computed") and "recomputed" not in hit.text
+
+
+def test_a_prompt_preempted_during_its_prefill_computes_the_rest_for_the_first_time():
+    n = fresh()
+    n.feed(added("0", ids=tuple(range(83)), pieces=tuple("x" * 83)))
+    feed_all(n, [planned(1, [entry("0", num=31, start=25, prompt_len=83, total_len=83)], admitted=()), timed(1)])
+    feed_all(n, [planned(2, [entry("1", kind="decode", num=1, start=8, total_len=9)], admitted=(),
+                         preempted=[queued("0", num_tokens=83, preemptions=1)], waiting=[queued("0")]), timed(2)])
+    back = entry("0", num=27, start=56, prompt_len=83, total_len=83, cached=56)
+    hit = next(c for c in n.feed(planned(5, [back], running=(queued("0", num_tokens=83, preemptions=1),),
+                                         admitted=("0",))) if c.kind == "prefix_cache")
+    assert "only the other 27 are computed, none of them computed before its preemption" in hit.text
+    pre = next(c for c in n.feed(timed(5, tokens=27)) if c.kind == "prefill")
+    assert pre.title == "Request 0: 27 new tokens after its readmission" and "recompute" not in pre.title
+
+
+def test_preemption_says_blocks_may_come_back_from_the_prefix_cache_and_names_vllms_opposite_priority():
+    plan = planned(5, [entry("0", kind="decode", num=1, start=9, total_len=10)],
+                   preempted=[queued("1", num_tokens=12, preemptions=1)], waiting=[queued("1")], admitted=())
+    pre = next(c for c in fresh().feed(plan) if c.kind == "preemption")
+    assert "A running request needed a new KV block" in pre.text
+    assert "the blocks still in the prefix cache are reused and only the rest is recomputed" in pre.text
+    assert "often" not in pre.text
+    assert "vLLM's is the opposite: lower values run first, and its default policy is fcfs" in pre.text
+
+
+def test_a_waiting_high_priority_request_that_preempts_is_named():
+    urgent = entry("2", num=5, prompt_len=5, total_len=5, priority=10)
+    plan = planned(3, [urgent], preempted=[queued("0", priority=0, num_tokens=9, preemptions=1)],
+                   waiting=[queued("0")], admitted=("2",))
+    pre = next(c for c in fresh().feed(plan) if c.kind == "preemption")
+    assert pre.text.startswith("request 2 (priority 10) was waiting and too few KV blocks were free for it")
+
+
+def test_samples_of_one_prompt_share_only_full_blocks_through_the_prefix_cache():
+    n = fresh()
+    tok, _ = n.feed(replace(added(ids=tuple(range(9)), pieces=tuple("z" * 9)), n=2))
+    assert "the other sample waits until its full prompt blocks are in the prefix cache" in tok.text
+    assert "copying it on write" in tok.text
+    sibling = replace(entry("0", num=1, start=8, prompt_len=9, total_len=9, cached=8), seq_id=1, index=1)
+    out = n.feed(planned(1, [entry("0", kind="decode", num=1, start=9, total_len=10), sibling]))
+    hit = next(c for c in out if c.kind == "prefix_cache")
+    assert "Sample 1 shares the first 8 of the 9 prompt tokens with sample 0 through the prefix cache" in hit.text
+    assert "only full blocks are cached" in hit.text
+    n.feed(replace(sampled(1), seq_id=1, index=1))
+    dec = next(c for c in n.feed(timed(1)) if c.kind == "decode")
+    assert dec.title.startswith("Request 0, sample 1, first token")
+
+
+def test_waiting_with_chunked_prefill_off_is_not_blamed_on_blocks():
+    n = Narrator({**INFO, "chunked_prefill": False})
+    n.introduction()
+    plan = planned(0, [entry("0", num=20, prompt_len=20, total_len=20)], waiting=[queued("1", num_tokens=40)],
+                   max_num_seqs=4)
+    (sched,) = n.feed(plan)
+    assert "its 40 tokens do not fit the 12 left of the budget, and chunked prefill is off" in sched.text
+
+
+def test_equal_query_and_kv_heads_are_not_called_grouped():
+    (intro,) = Narrator({**INFO, "num_kv_heads": 9}).introduction()
+    assert "multi-head attention" in intro.text and "grouped" not in intro.text

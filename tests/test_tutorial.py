@@ -192,6 +192,14 @@ def test_q_quits_and_keeps_progress(capsys, monkeypatch, tmp_path):
     assert TutorialProgress.load(tmp_path / "p.json").current == 5
 
 
+def test_q_at_press_enter_quits_before_the_next_chapter(capsys, monkeypatch, tmp_path):
+    right = "ABCD"[CHAPTERS[0].quiz.answer]
+    code, out, _ = run_tutorial_cli(capsys, monkeypatch, tmp_path, f"{right}\nq\n")
+    assert code == 0 and "Press Enter to continue (q quits)" in out
+    assert "Chapter 2 of 12" not in out and "Final score: 1/1" in out
+    assert TutorialProgress.load(tmp_path / "p.json").current == 1  # resumes at chapter 2
+
+
 def test_an_unwritable_progress_file_is_reported_once_and_the_tutorial_goes_on(capsys, monkeypatch, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -234,14 +242,17 @@ def test_tokenization_demo_prints_the_tokenizers_ids(demos, real_model):
 def test_chunked_prefill_demo_shows_chunks_priority_and_a_preemption(demos):
     text = demo_output(demos, "chunked_prefill")
     assert "CHUNKED PREFILL · Request 0: prefill chunk 0.." in text
-    assert "PREEMPTION · Step" in text and "request 0 (priority 0) was preempted" in text
+    flat = " ".join(text.split())
+    assert "PREEMPTION · Step" in text and "preempted request 0 (priority 0)" in flat
+    assert "none of them computed before its preemption" in flat  # tokens 56..82 are new, not recomputed
     assert text.index("Request 1 finished") < text.index("Request 0 finished")  # priority 10 first
 
 
 @pytest.mark.real_model
 def test_speculative_demo_shows_drafts_checked_in_one_pass(demos):
     text = " ".join(demo_output(demos, "speculative_decoding").split())
-    assert "SPECULATIVE DECODING · " in text and "proposer guessed" in text
+    assert "SPECULATIVE DECODING · " in text and "The ngram proposer drafted" in text
+    assert "in one forward pass" in text and "Greedy verification" in text
     assert "accepted" in text and "rejected" in text  # the chapter's prompt shows both outcomes
 
 
@@ -282,3 +293,90 @@ def test_the_tutorial_with_demos_answers_and_demonstrates(demos, tmp_path):
     assert result.asked == 1 and result.right == 1
     assert "Live demonstration: Your prompt as token ids" in text and "Token ids: [" in text
     assert "On this model: This model's vocabulary has 49,152 entries" in text
+
+
+# ------------------------------------------------------------------ chapters agree with the engine
+
+
+def _seq(seq_id: int, tokens: list[int], priority: int = 0):
+    from nanovllm_core.engine.sequence import Sequence
+    from nanovllm_core.sampling_params import SamplingParams
+
+    return Sequence(seq_id=seq_id, request_id=str(seq_id), token_ids=list(tokens), num_prompt_tokens=len(tokens),
+                    params=SamplingParams(), priority=priority)
+
+
+def _cached(bm, seq) -> None:
+    bm.allocate(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.cache_full_blocks(seq)
+
+
+def test_prefix_caching_quiz_and_text_match_the_block_manager():
+    from nanovllm_core.engine.block_manager import BlockManager
+
+    bm = BlockManager(num_blocks=16, block_size=16)
+    first = _seq(0, list(range(40)) + [900] * 10)
+    _cached(bm, first)
+    second = _seq(1, list(range(40)) + [901] * 10)  # shares its first 40 tokens
+    assert len(bm.find_cached_prefix(second)) * 16 == int(chapter("prefix_caching").quiz.choices[0]) == 32
+    # "a hit never includes the block that holds the prompt's last token ... a whole block at a boundary"
+    assert "never includes the block that holds the prompt's last token" in " ".join(chapter("prefix_caching").paragraphs)
+    same = _seq(2, list(range(32)))
+    _cached(bm, _seq(3, list(range(32))))
+    assert len(bm.find_cached_prefix(same)) * 16 == 16  # 32 cached tokens, 16 recomputed
+
+
+def test_paged_attention_quiz_matches_the_block_count():
+    from nanovllm_core.engine.block_manager import BlockManager
+
+    blocks = BlockManager(num_blocks=8, block_size=16).blocks_needed(35)
+    assert chapter("paged_attention").quiz.choices[chapter("paged_attention").quiz.answer] == \
+        f"{blocks} blocks, {blocks * 16 - 35} unfilled"
+
+
+def test_kv_cache_quiz_matches_the_model_configs_formula():
+    import torch
+
+    from nanovllm_core.model.llama import ModelConfig
+
+    cfg = ModelConfig(vocab_size=10, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                      rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=True)
+    q = chapter("kv_cache").quiz
+    assert q.choices[q.answer] == f"{cfg.kv_bytes_per_token(torch.float32):,}"
+
+
+def test_preemption_quiz_matches_the_schedulers_victim():
+    from nanovllm_core.engine.block_manager import BlockManager
+    from nanovllm_core.engine.scheduler import Scheduler
+
+    sched = Scheduler(BlockManager(num_blocks=8, block_size=16), max_num_seqs=4, token_budget=64, policy="priority")
+    early_low, urgent, late_low = _seq(0, [1], priority=0), _seq(1, [1], priority=5), _seq(2, [1], priority=0)
+    sched.running = [early_low, urgent, late_low]
+    assert sched._victim() is late_low  # "the lowest-priority one, and among equals the latest to arrive"
+    assert chapter("chunked_prefill").quiz.answer == 3
+
+
+def test_the_chapters_name_vllms_opposite_priority_and_this_engines_rules():
+    text = {c.key: " ".join(c.paragraphs) for c in CHAPTERS}
+    assert "a higher priority value is more important; vLLM's convention is the opposite" in text["chunked_prefill"]
+    assert "its default policy is fcfs" in text["chunked_prefill"]
+    assert "add up to at least p" in text["sampling"] and "under greedy decoding too" in text["sampling"]
+    assert "gathers a sequence's blocks" in text["paged_attention"] and "in place" in text["paged_attention"]
+    assert "share their prompt's full blocks through the prefix cache" in text["paged_attention"]
+    assert "It does not share the reads of the KV cache" in text["decode"]
+    assert "runs 1 + k tokens" in text["speculative_decoding"] and "highest-scoring" in text["speculative_decoding"]
+    assert "reused, and only the rest is recomputed" in text["chunked_prefill"]
+    assert all("9 query heads" not in d.watch for d in DEMOS.values())  # read from the model, not hard-coded
+
+
+def test_model_facts_compare_weights_and_cache_and_name_the_priority_convention():
+    info = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "kv_bytes_per_token": 46080, "dtype": "float32",
+            "num_parameters": 134_515_008, "scheduling_policy": "priority", "token_budget": 512}
+    kv = model_facts(chapter("kv_cache"), info)
+    assert "11,676 tokens of cache weigh as much" in kv[1]  # 134,515,008 x 4 bytes / 46,080
+    (decode,) = model_facts(chapter("decode"), info)
+    assert "46,080 bytes of keys and values per token of context" in decode
+    (prio,) = model_facts(chapter("chunked_prefill"), info)
+    assert "vLLM's priority runs lower values first" in prio

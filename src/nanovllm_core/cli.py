@@ -84,8 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     e = p.add_argument_group("engine")
     e.add_argument("--priority", type=int, action="append", default=None,
-                   help="priority of each --prompt, in order (higher runs first)")
-    e.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="priority")
+                   help="priority of each --prompt, in order: a higher value runs first (vLLM's priority is the "
+                        "opposite: lower values first)")
+    e.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="priority",
+                   help="priority (default here: higher --priority first, then arrival) or fcfs (arrival order; "
+                        "vLLM's default)")
     e.add_argument("--max-prefill-tokens", type=positive_int, default=512,
                    help="per-step token budget; longer prompts are prefilled in chunks (default 512)")
     e.add_argument("--max-num-seqs", type=positive_int, default=64)

@@ -31,7 +31,8 @@ class EngineConfig:
         max_num_batched_tokens: the per-step token budget (None: 512, or ``max_model_len``
             when chunked prefill is off, since a whole prompt must then fit one step).
         max_model_len: longest sequence, prompt + output, in tokens (None: the model's).
-        scheduling_policy: ``"priority"`` (higher ``priority`` first, then arrival) or ``"fcfs"``.
+        scheduling_policy: ``"priority"`` (higher ``priority`` first, then arrival; the default here,
+            while vLLM defaults to ``"fcfs"`` and runs lower ``priority`` values first) or ``"fcfs"``.
         enable_prefix_caching: reuse cached full blocks of equal prefixes.
         enable_chunked_prefill: split long prompts across steps within the token budget.
         paged: False runs the contiguous, one-request-at-a-time baseline.

@@ -90,7 +90,8 @@ class LLM:
         Args:
             prompts: one string, a list of strings, or a list of token-id lists.
             sampling_params: one for all prompts or one per prompt (default ``SamplingParams()``).
-            priority: one integer per prompt (higher runs first under the priority policy).
+            priority: one integer per prompt (higher runs first under the priority policy; vLLM's
+                ``priority`` is the opposite, lower first, and its default policy is ``fcfs``).
             use_tqdm: show a progress bar when there are several prompts.
 
         Rejected prompts (empty, too long for ``max_model_len`` or the KV pool) come back

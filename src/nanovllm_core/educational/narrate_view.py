@@ -14,7 +14,7 @@ from rich.console import Console, Group, RenderableType
 from rich.text import Text
 
 from nanovllm_core import events as ev
-from nanovllm_core.educational.narrator import Commentary, Narrator, show_piece
+from nanovllm_core.educational.narrator import Commentary, Narrator
 from nanovllm_core.educational.rich_parts import Indent, topk_table
 
 ACTS: dict[str, tuple[str, str]] = {  # kind -> (label, style)
@@ -41,10 +41,9 @@ def render_commentary(c: Commentary) -> RenderableType:
     head = Text.assemble(("▌ " + label, style), f" · {c.title}")
     parts: list[RenderableType] = [head, Indent(Text(c.text))]
     if c.table:
-        chosen = None
-        if c.kind == "decode":
-            chosen = next((label for label, _ in c.table if c.title.endswith(": " + show_piece(label))), None)
-        parts.append(Indent(topk_table(c.table, chosen)))
+        if c.table_title:
+            parts.append(Indent(Text(f"({c.table_title})", style="italic")))
+        parts.append(Indent(topk_table(c.table, notes=c.table_notes)))
     return Group(*parts, Text(""))
 
 

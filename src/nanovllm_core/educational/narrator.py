@@ -4,14 +4,21 @@ Feed it every event of a run (``engine.subscribe(narrator_callback, topk=5, bloc
 and it returns :class:`Commentary` entries: how the prompt was tokenized (each piece and its
 id), what the embedding produced (sizes, and real values when X-Ray capture is on), how many
 tokens the prefill processed and how long the step took, each decode step's top choices and
-the token taken, what the sampling settings did, how many bytes the KV cache holds, and the
-scheduler's decisions (who waits and why, chunked prefill, preemption and its victim, prefix
-cache hits). The CLI's ``--narrate`` and the app's Narrator tab both render these entries.
+the token taken, what the sampling settings did, speculative verifications, how many bytes
+the KV cache holds, and the scheduler's decisions (who waits and why, chunked prefill,
+preemption and its victim, prefix cache hits, samples sharing a prompt). The CLI's
+``--narrate`` and the app's Narrator tab both render these entries.
+
+Truth rule: a sentence either states what the step's own events show (its plan, its
+tokens, its timings, its blocks) or a rule this engine always follows; nothing is said
+"because that is what usually happens". When the events cannot tell, the sentence is left
+out rather than guessed.
 
 Order: events of one engine step arrive as ``StepPlanned``, (``LayerTrace``...),
-``TokenSampled``..., ``RequestFinished``..., ``BlocksChanged``, ``StepTimed``. Scheduler
-decisions are told at ``StepPlanned``; the rest of the step is told at ``StepTimed``, when
-its wall time is known, in reading order (embedding, prefill, tokens, finished, KV cache).
+(``SpecDecodeStep``, ``TokenSampled``...)..., ``RequestFinished``..., ``BlocksChanged``,
+``StepTimed``. Scheduler decisions are told at ``StepPlanned``; the rest of the step is
+told at ``StepTimed``, when its wall time is known, in reading order (embedding, prefill,
+tokens, finished, KV cache).
 
 Readability with many requests: steady decode-only steps produce no scheduler entry, and
 ``max_decode_steps_per_request`` caps the per-token entries of each request (the rest are
@@ -27,59 +34,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanovllm_core import events as ev
+from nanovllm_core.educational.commentary import Commentary, human_bytes, ms, ordinal, plural, show_piece, who
+from nanovllm_core.educational.narrator_sampling import (sampling_intro, speculative_entry, token_choice,
+                                                         verification_rule)
+from nanovllm_core.educational.narrator_scheduler import PRIORITY_NOTE, SchedulerNarration
+
+__all__ = ["KINDS", "Commentary", "Narrator", "PRIORITY_NOTE", "human_bytes", "ms", "ordinal", "plural", "show_piece"]
 
 KINDS = ("model", "tokenization", "embedding", "attention", "prefill", "decode", "sampling", "kv_cache",
          "scheduler", "chunked_prefill", "preemption", "prefix_cache", "finished", "rejected", "speculative",
          "error")
 MAX_PIECES_SHOWN = 48  # a longer prompt's pieces and ids are shown up to this many, then counted
 MAX_TABLES_SHOWN = 4   # block tables listed in one KV cache entry
-
-
-@dataclass(frozen=True)
-class Commentary:
-    """One narrator entry.
-
-    ``kind``: one of :data:`KINDS` (the subject); ``title``: a short headline; ``text``: the
-    explanation with this event's real numbers; ``table``: (label, probability 0..1) rows, e.g.
-    a decode step's top-k candidates.
-    """
-
-    kind: str
-    title: str
-    text: str
-    request_id: str | None = None
-    step: int | None = None
-    table: tuple[tuple[str, float], ...] = ()
-
-
-def human_bytes(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``; binary units."""
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:,.0f} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
-
-
-def ms(seconds: float | None) -> str:
-    """Seconds as milliseconds with one decimal; ``"n/a"`` for None."""
-    return "n/a" if seconds is None else f"{seconds * 1000:.1f} ms"
-
-
-def show_piece(text: str) -> str:
-    """A token's text made visible inside brackets: a space as ``␣`` (so a piece never breaks at a line
-    wrap and a leading space shows), newlines and tabs escaped."""
-    return "[" + text.replace(" ", "␣").replace("\n", "\\n").replace("\t", "\\t") + "]"
-
-
-def plural(n: int, word: str) -> str:
-    """``plural(1, "token")`` -> ``"1 token"``; ``plural(3, "token")`` -> ``"3 tokens"``."""
-    return f"{n:,} {word}{'' if n == 1 else 's'}"
-
-
-def ordinal(n: int) -> str:
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
 
 
 @dataclass
@@ -89,6 +55,7 @@ class _RequestState:
     priority: int
     max_tokens: int | None
     sampling: dict[str, Any]
+    n: int = 1
     decode_told: int = 0
     decode_untold: int = 0
     embedding_told: bool = False
@@ -100,7 +67,7 @@ class _OpenStep:
     events: list[ev.Event] = field(default_factory=list)
 
 
-class Narrator:
+class Narrator(SchedulerNarration):
     """Turns engine events into :class:`Commentary`.
 
     Args:
@@ -108,6 +75,9 @@ class Narrator:
             when given, the first call of :meth:`feed` starts with a ``model`` entry.
         max_decode_steps_per_request: at most this many ``decode`` entries per request (None:
             all); later tokens are counted and summed up in its ``finished`` entry.
+
+    Raises:
+        ValueError: a negative ``max_decode_steps_per_request``.
 
     Not thread-safe: feed it from one thread (or behind a queue).
     """
@@ -122,6 +92,12 @@ class Narrator:
         self._open: _OpenStep | None = None
         self._last_signature: tuple | None = None
         self._last_blocks_used: int | None = None
+        # Per sequence: tokens with K/V computed so far (from the plans), and, after a
+        # preemption, how many it had computed when it lost its blocks (to tell a recompute
+        # from tokens computed for the first time).
+        self._computed: dict[int, int] = {}
+        self._lost: dict[int, int] = {}
+        self._request_of: dict[int, str] = {}
 
     # ------------------------------------------------------------------ public
 
@@ -136,7 +112,9 @@ class Narrator:
             out.extend(self.introduction())
         if isinstance(event, ev.StepPlanned):
             out.extend(self.flush())
+            self._lost = {q: n for q, n in self._lost.items() if self._computed.get(q, 0) < n}
             out.extend(self._planned(event))
+            self._track(event)
             if event.scheduled:
                 self._open = _OpenStep(event)
         elif isinstance(event, ev.StepTimed):
@@ -160,11 +138,16 @@ class Narrator:
         i = self.info
         if not i.get("num_layers"):
             return []
-        group = i["num_heads"] // max(1, i["num_kv_heads"])
+        heads, kv = i["num_heads"], max(1, i["num_kv_heads"])
+        if kv == heads:
+            sharing = f"{heads} attention heads, each with its own keys and values (multi-head attention),"
+        else:
+            style = "multi-query attention" if kv == 1 else "grouped-query attention"
+            sharing = (f"{heads} query heads sharing {plural(kv, 'KV head')} ({heads // kv} to 1, {style}: query head "
+                       f"h reads KV head h // {heads // kv}),")
         text = (f"{i.get('model_name', 'The model')} on {i.get('device', '?')} in {i.get('dtype', '?')}: "
                 f"{i.get('num_parameters', 0) / 1e6:.0f} M parameters in {i['num_layers']} decoder layers, "
-                f"hidden size {i['hidden_size']}, {i['num_heads']} query heads sharing {i['num_kv_heads']} KV heads "
-                f"({group} to 1, grouped-query attention) of {i['head_dim']} dimensions, a vocabulary of "
+                f"hidden size {i['hidden_size']}, {sharing} heads of {i['head_dim']} dimensions, a vocabulary of "
                 f"{i['vocab_size']:,} tokens. Each token kept in the KV cache costs "
                 f"{i['kv_bytes_per_token']:,} bytes; the pool has {i.get('num_kv_blocks', 0):,} blocks of "
                 f"{i.get('block_size', 0)} tokens.")
@@ -179,10 +162,14 @@ class Narrator:
 
     # ------------------------------------------------------------------ requests
 
+    def _name(self, request_id: str, index: int = 0) -> str:
+        state = self._requests.get(request_id)
+        return who(request_id, index, state.n if state else 1)
+
     def _added(self, e: ev.RequestAdded) -> list[Commentary]:
         sampling = dict(e.sampling)
         self._requests[e.request_id] = _RequestState(e.prompt, len(e.prompt_token_ids), e.priority, e.max_tokens,
-                                                     sampling)
+                                                     sampling, n=e.n)
         n = len(e.prompt_token_ids)
         shown = min(n, MAX_PIECES_SHOWN)
         pairs = " ".join(f"{show_piece(p)}={t}" for p, t in zip(e.prompt_pieces[:shown], e.prompt_token_ids[:shown]))
@@ -196,111 +183,25 @@ class Narrator:
                 + (f", each an index into its vocabulary of {vocab:,} pieces." if vocab else ".")
                 + (" Special tokens such as the start marker count like any other." if n and self._looks_special(e)
                    else ""))
+        if e.n > 1:
+            text += "\n" + self._samples_plan(e.n)
         out = [Commentary("tokenization", f"Request {e.request_id}: {plural(n, 'token')}", text, request_id=e.request_id)]
-        out.append(self._sampling_intro(e.request_id, sampling, e.max_tokens))
+        out.append(sampling_intro(self._name(e.request_id), e.request_id, sampling, e.max_tokens))
         return out
+
+    def _samples_plan(self, n: int) -> str:
+        if self.info.get("prefix_caching") is False:
+            return (f"It asks for {n} samples. Prefix caching is off, so the samples share nothing: each one prefills "
+                    "the whole prompt itself.")
+        others = "the other sample waits" if n == 2 else f"the other {n - 1} wait"
+        return (f"It asks for {n} samples. Sample 0 prefills the prompt first; {others} until its full "
+                "prompt blocks are in the prefix cache and then share them, each computing only what lies past "
+                "the last full block itself. (The PagedAttention paper's engine forks the sequence instead and "
+                "shares even the partial last block, copying it on write.)")
 
     @staticmethod
     def _looks_special(e: ev.RequestAdded) -> bool:
         return any(p.startswith("<") and p.endswith(">") and len(p) > 2 for p in e.prompt_pieces)
-
-    def _sampling_intro(self, rid: str, s: dict[str, Any], max_tokens: int | None) -> Commentary:
-        temperature = float(s.get("temperature", 1.0))
-        stop = f"up to {max_tokens} tokens" if max_tokens else "until the end-of-sequence token or max_model_len"
-        if temperature < 1e-5:
-            text = (f"Greedy decoding (temperature 0): at every step the single most likely token is taken, so the "
-                    f"same prompt always gives the same text. It will generate {stop}.")
-            return Commentary("sampling", f"Request {rid}: greedy", text, request_id=rid)
-        if temperature == 1:
-            parts = ["temperature 1 keeps the model's own distribution"]
-        else:
-            parts = [f"temperature {temperature:g} divides the logits by {temperature:g} before the softmax, making the "
-                     f"distribution {'sharper' if temperature < 1 else 'flatter'} than the model's own"]
-        if s.get("top_k", 0) > 0:
-            parts.append(f"top-k {s['top_k']} keeps only the {s['top_k']} most likely tokens")
-        if s.get("top_p", 1.0) < 1.0:
-            parts.append(f"top-p {s['top_p']:g} keeps the smallest set of tokens whose probabilities add up to "
-                         f"{s['top_p']:g}")
-        if s.get("min_p", 0.0) > 0:
-            parts.append(f"min-p {s['min_p']:g} drops tokens below {s['min_p']:g} x the best one's probability")
-        if s.get("repetition_penalty", 1.0) != 1.0:
-            parts.append(f"repetition penalty {s['repetition_penalty']:g} lowers tokens already seen")
-        text = ("Random sampling: " + "; ".join(parts) + "; then one token is drawn from what remains"
-                + (f", with seed {s['seed']} so the draw is repeatable" if s.get("seed") is not None else "")
-                + f". It will generate {stop}.")
-        return Commentary("sampling", f"Request {rid}: sampling at temperature {temperature:g}", text, request_id=rid)
-
-    # ------------------------------------------------------------------ scheduler decisions
-
-    def _planned(self, plan: ev.StepPlanned) -> list[Commentary]:
-        out: list[Commentary] = []
-        for q in plan.preempted:
-            out.append(self._preemption(plan, q))
-        for s in plan.scheduled:
-            if s.num_cached_tokens > 0 and s.request_id in plan.admitted and s.index == 0:
-                out.append(self._prefix_hit(plan, s))
-        signature = (tuple((s.request_id, s.index, s.kind) for s in plan.scheduled),
-                     tuple(q.request_id for q in plan.waiting))
-        busy = len(plan.scheduled) > 1 or plan.waiting or plan.preempted
-        if busy and (signature != self._last_signature or plan.admitted or plan.preempted):
-            out.insert(0, self._schedule(plan))
-        self._last_signature = signature
-        return out
-
-    def _schedule(self, plan: ev.StepPlanned) -> Commentary:
-        parts = []
-        for s in plan.scheduled:
-            if s.kind == "decode":
-                parts.append(f"request {s.request_id}: decode, 1 token")
-            else:
-                new = " (newly admitted)" if s.request_id in plan.admitted else ""
-                parts.append(f"request {s.request_id}: prefill of {s.num_tokens} token{'s' if s.num_tokens != 1 else ''}"
-                             f"{new}")
-        text = (f"The scheduler spends {plan.num_batched_tokens} of its {plan.token_budget}-token budget on "
-                f"{len(plan.scheduled)} sequence{'s' if len(plan.scheduled) != 1 else ''} in one forward pass: "
-                + "; ".join(parts) + ".")
-        if plan.waiting:
-            head = plan.waiting[0]
-            text += f" Waiting: request {head.request_id} ({self._waiting_reason(plan)})"
-            if len(plan.waiting) > 1:
-                rest = ", ".join(q.request_id for q in plan.waiting[1:6])
-                text += f"; behind it, in {self.info.get('scheduling_policy', 'policy')} order: {rest}"
-                if len(plan.waiting) > 6:
-                    text += f" and {len(plan.waiting) - 6} more"
-            text += "."
-        return Commentary("scheduler", f"Step {plan.step}: {len(plan.scheduled)} running, {len(plan.waiting)} waiting",
-                          text, step=plan.step)
-
-    @staticmethod
-    def _waiting_reason(plan: ev.StepPlanned) -> str:
-        if plan.preempted:
-            return "this step had to preempt, so no new request is admitted"
-        if len(plan.running) >= plan.max_num_seqs:
-            return f"max_num_seqs: {plan.max_num_seqs} requests are already running"
-        if plan.num_batched_tokens >= plan.token_budget:
-            return f"the step's token budget of {plan.token_budget} is used up"
-        return "not enough free KV blocks for it now"
-
-    def _preemption(self, plan: ev.StepPlanned, q: ev.QueueEntry) -> Commentary:
-        policy = self.info.get("scheduling_policy", "priority")
-        rule = ("the lowest-priority running request, the latest to arrive among equals" if policy == "priority"
-                else "the latest-arrived running request")
-        text = (f"The KV pool ran out of free blocks, so request {q.request_id} (priority {q.priority}) was preempted: "
-                f"it was {rule}. It gave back all its blocks and went back to the waiting queue keeping its "
-                f"{q.num_tokens} tokens; when readmitted it recomputes their keys and values (often from the prefix "
-                f"cache). Preemptions of this request so far: {q.num_preemptions}.")
-        return Commentary("preemption", f"Step {plan.step}: request {q.request_id} preempted", text,
-                          request_id=q.request_id, step=plan.step)
-
-    def _prefix_hit(self, plan: ev.StepPlanned, s: ev.ScheduledEntry) -> Commentary:
-        bs = self.info.get("block_size")
-        blocks = f" ({plural(s.num_cached_tokens // bs, 'full block')} shared by reference)" if bs else ""
-        again = " on its readmission after preemption" if s.total_len > s.prompt_len else ""
-        text = (f"Request {s.request_id} found its first {s.num_cached_tokens} of {s.total_len} tokens already in the "
-                f"prefix cache{again}{blocks}. Their keys and values are reused, so this step computes only "
-                f"{s.num_tokens} token{'s' if s.num_tokens != 1 else ''}.")
-        return Commentary("prefix_cache", f"Request {s.request_id}: prefix cache hit, {s.num_cached_tokens} tokens",
-                          text, request_id=s.request_id, step=plan.step)
 
     # ------------------------------------------------------------------ the rest of a step
 
@@ -315,17 +216,31 @@ class Narrator:
         out: list[Commentary] = []
         first_layer = {e.request_id: e for e in events if isinstance(e, ev.LayerTrace) and e.layer == 0}
         blocks = next((e for e in reversed(events) if isinstance(e, ev.BlocksChanged)), None)
+        entries = {s.seq_id: s for s in plan.scheduled} if plan is not None else {}
         if plan is not None:
             for s in plan.scheduled:
-                if s.kind != "prefill" or s.index != 0:
+                if s.kind != "prefill":
                     continue
-                out.extend(self._embedding(s, first_layer.get(s.request_id)))
+                out.extend(self._embedding(plan, s, first_layer.get(s.request_id)))
                 out.extend(self._prefill(plan, s, timed))
+        kept: dict[int, int] = {}  # tokens each sequence gained in this step
         for e in events:
             if isinstance(e, ev.TokenSampled):
-                out.extend(self._token(e, timed))
+                kept[e.seq_id] = kept.get(e.seq_id, 0) + 1
+        first_kept: dict[int, ev.SpecDecodeStep] = {}  # a verification, until its first kept token is told
+        verified: set[int] = set()
+        for e in events:
+            if isinstance(e, ev.TokenSampled):
+                out.extend(self._token(e, entries.get(e.seq_id), timed, first_kept.pop(e.seq_id, None),
+                                       e.speculative or e.seq_id in verified))
             elif isinstance(e, ev.SpecDecodeStep):
-                out.append(self._speculative(e))
+                first_kept[e.seq_id] = e
+                verified.add(e.seq_id)
+                if e.seq_id in self._computed:
+                    self._computed[e.seq_id] += next((i for i, ok in enumerate(e.accepted) if not ok), len(e.accepted))
+                greedy = verification_rule(e, self._requests[e.request_id].sampling
+                                           if e.request_id in self._requests else None)
+                out.append(speculative_entry(e, self._name(e.request_id), greedy, kept.get(e.seq_id)))
             elif isinstance(e, ev.RequestFinished):
                 out.append(self._finished(e))
             elif isinstance(e, ev.EngineError):
@@ -336,7 +251,7 @@ class Narrator:
             out.extend(self._kv_cache(timed, blocks))
         return out
 
-    def _embedding(self, s: ev.ScheduledEntry, trace: ev.LayerTrace | None) -> list[Commentary]:
+    def _embedding(self, plan: ev.StepPlanned, s: ev.ScheduledEntry, trace: ev.LayerTrace | None) -> list[Commentary]:
         state = self._requests.get(s.request_id)
         if state is None or state.embedding_told:
             return []
@@ -347,32 +262,36 @@ class Narrator:
             return []
         matrix = f"[{vocab}, {hidden}]" if vocab else f"[vocab_size, {hidden}]"
         ids = "The token id" if s.num_tokens == 1 else f"Each of the {s.num_tokens} token ids"
+        rows = plan.num_batched_tokens
+        batch = (f"its {s.num_tokens} rows join {plural(rows - s.num_tokens, 'row')} of other sequences in the step's "
+                 f"flat [{rows}, {hidden}] hidden states" if rows > s.num_tokens
+                 else f"the hidden states are [{rows}, {hidden}]")
         text = (f"{ids} of this prefill selects one row of the {matrix} embedding matrix, a lookup without "
-                f"arithmetic: the hidden states are [1, {s.num_tokens}, {hidden}], {hidden} numbers per token.")
-        out: list[Commentary] = []
+                f"arithmetic: {batch}, {hidden} numbers per token.")
+        title = f"Request {s.request_id}: embedding to {hidden} dimensions"
         if trace is not None:
             emb = next((t for t in trace.tensors if t.name == "token_embeddings"), None)
-            if emb is not None:
+            if emb is not None and emb.sample:
                 values = ", ".join(f"{v:+.4f}" for v in emb.sample)
                 text += f" The last token's vector begins {values}, ... (real values from this run)."
-            out.append(Commentary("embedding", f"Request {s.request_id}: embedding to {hidden} dimensions", text,
-                                  request_id=s.request_id, step=trace.step))
-            out.append(self._attention(trace))
-            return out
+            return [Commentary("embedding", title, text, request_id=s.request_id, step=trace.step),
+                    self._attention(trace)]
         text += " (Real values appear when X-Ray capture is on.)"
-        return [Commentary("embedding", f"Request {s.request_id}: embedding to {hidden} dimensions", text,
-                           request_id=s.request_id)]
+        return [Commentary("embedding", title, text, request_id=s.request_id)]
 
-    @staticmethod
-    def _attention(t: ev.LayerTrace) -> Commentary:
+    def _attention(self, t: ev.LayerTrace) -> Commentary:
         shapes = {x.name: x for x in t.tensors}
         q, k, scores, probs = (shapes.get(n) for n in ("q", "k", "scores", "probs"))
         group = t.num_heads // max(1, t.num_kv_heads)
-        text = (f"In layer {t.layer} of {t.num_layers}, the projections give Q {list(q.shape) if q else '?'} and K, V "
-                f"{list(k.shape) if k else '?'}: {t.num_heads} query heads share {t.num_kv_heads} KV heads, "
-                f"{group} per KV head (grouped-query attention), so the cache keeps {group}x fewer keys and values. "
-                f"The scores S = Q K^T / sqrt({t.head_dim}) form {list(scores.shape) if scores else '?'}; the causal "
-                "softmax turns each row into weights that sum to 1.")
+        text = (f"In layer {t.layer} (of {t.num_layers}, counted from 0), the projections give Q "
+                f"{list(q.shape) if q else '?'} and K, V {list(k.shape) if k else '?'}: {t.num_heads} query heads share "
+                f"{t.num_kv_heads} KV heads, {group} per KV head (query head h reads KV head h // {group}; no KV head is "
+                f"copied), so the cache keeps {group}x fewer keys and values. The scores S = Q K^T / sqrt({t.head_dim})"
+                + (f" have the shape {list(scores.shape)}" if scores else "")
+                + "; the causal softmax turns each row into weights that sum to 1.")
+        if self.info.get("attention_backend") == "flash":
+            text += (" This engine's fused attention kernel never stores the whole score matrix; X-Ray recomputes it "
+                     "to show it.")
         if probs is not None and probs.sample:
             text += (" Head 0's last query gives its last keys the weights "
                      + ", ".join(f"{v:.3f}" for v in probs.sample) + ".")
@@ -388,47 +307,80 @@ class Narrator:
     def _prefill(self, plan: ev.StepPlanned, s: ev.ScheduledEntry, timed: ev.StepTimed | None) -> list[Commentary]:
         layers = self.info.get("num_layers")
         through = f"all {layers} layers" if layers else "every layer"
+        name = self._name(s.request_id, s.index)
+        cap = f"{name[0].upper()}{name[1:]}"
+        rows = plan.num_batched_tokens
+        flat = (f" They are {s.num_tokens} of the step's {rows} token rows, which run through each layer together "
+                "as one flat batch." if rows > s.num_tokens else "")
         timing = ""
         if timed is not None:
-            timing = (f" The step took {ms(timed.wall_time_s)} for its {timed.num_tokens} tokens "
-                      f"({timed.num_tokens / timed.wall_time_s:,.0f} tokens/s).")
+            rate = timed.num_tokens / timed.wall_time_s
+            timing = (f" The step took {ms(timed.wall_time_s)} for its {plural(timed.num_tokens, 'token')} "
+                      f"({rate:,.0f} tokens/s)." if rate >= 10 else
+                      f" The step took {ms(timed.wall_time_s)} for its {plural(timed.num_tokens, 'token')} "
+                      f"({rate:.1f} tokens/s).")
         per_token = self.info.get("kv_bytes_per_token")
         kv = (f" Their keys and values, {s.num_tokens} x {per_token:,} = {s.num_tokens * per_token:,} bytes, are now in "
               "the KV cache." if per_token else " Their keys and values are now in the KV cache.")
         if s.num_tokens == 1 and per_token:
             kv = f" Its keys and values, {per_token:,} bytes, are now in the KV cache."
         end = s.start + s.num_tokens
-        rid = s.request_id
-        if s.total_len > s.prompt_len:  # a preempted request recomputing prompt and generated tokens
-            text = (f"Request {rid} was preempted earlier and is readmitted: it recomputes tokens {s.start}..{end - 1} "
-                    f"of its {s.total_len} ({s.prompt_len} prompt + {s.total_len - s.prompt_len} generated) through "
-                    f"{through}.{timing}{kv}")
-            return [Commentary("prefill", f"Request {rid}: recompute of {s.num_tokens} tokens", text, request_id=rid,
-                               step=plan.step)]
-        if s.start == s.num_cached_tokens and end == s.total_len:
-            tokens = (f"The {plural(s.num_tokens, 'prompt token')} after the {s.num_cached_tokens} found in the prefix "
-                      "cache" if s.num_cached_tokens else f"All {s.num_tokens} prompt tokens" if s.num_tokens > 1
-                      else "The one prompt token")
-            what = (f"{tokens} go through {through} together in one forward pass, as matrix multiplications over "
-                    f"{s.num_tokens} rows at once." if s.num_tokens > 1 else
-                    f"{tokens} goes through {through} in one forward pass.")
-            text = (f"{what}{timing}{kv} Only the last position's vocabulary scores are needed: they choose the first "
-                    "new token.")
-            return [Commentary("prefill", f"Request {rid}: prefill of {plural(s.num_tokens, 'token')} at once", text,
-                               request_id=rid, step=plan.step)]
         remaining = s.total_len - end
-        budget = plan.token_budget
-        text = (f"The prompt of request {rid} has {s.prompt_len} tokens and the step's budget is {budget}, so it is "
-                f"prefilled in chunks: this step reads tokens {s.start}..{end - 1} ({s.num_tokens} tokens) through "
-                f"{through}." + timing + kv)
+        rest = f" {plural(remaining, 'token')} remain for later steps." if remaining else ""
+        rid = s.request_id
+        if self._preemptions(plan, s.seq_id) or s.total_len > s.prompt_len:
+            reused = (f"; the {s.num_cached_tokens} before them came back from the prefix cache"
+                      if s.num_cached_tokens and s.start == s.num_cached_tokens and rid in plan.admitted else "")
+            again, first = self._split(s.seq_id, s.start, end)
+            text = (f"{cap} was preempted earlier and lost its blocks. It computes tokens {s.start}..{end - 1} "
+                    f"({s.num_tokens}) of its {s.total_len} ({s.prompt_len} prompt + {s.total_len - s.prompt_len} "
+                    f"generated) through {through}{self._again(again, first)}{reused}.{rest}{flat}{timing}{kv}")
+            if again is None:
+                title = f"{cap}: recompute of {plural(s.num_tokens, 'token')}"
+            elif again:
+                title = f"{cap}: recompute of {plural(again, 'token')}" + (f" and {first} new" if first else "")
+            else:
+                title = f"{cap}: {plural(first, 'new token')} after its readmission"
+            return [Commentary("prefill", title, text, request_id=rid, step=plan.step)]
+        whole = s.start == s.num_cached_tokens and end == s.total_len
+        if whole:
+            if s.index > 0:
+                tokens = (f"The {plural(s.num_tokens, 'prompt token')} of sample {s.index} after the {s.num_cached_tokens} "
+                          "it shares with sample 0" if s.num_cached_tokens else
+                          f"All {s.num_tokens} prompt tokens of sample {s.index} (it shares none with sample 0: "
+                          + ("prefix caching is off)" if self.info.get("prefix_caching") is False
+                             else "no block of the prompt was in the prefix cache)"))
+            elif s.num_cached_tokens:
+                tokens = f"The {plural(s.num_tokens, 'prompt token')} after the {s.num_cached_tokens} found in the prefix cache"
+            else:
+                tokens = f"All {s.num_tokens} prompt tokens" if s.num_tokens > 1 else "The one prompt token"
+            verb = "go" if s.num_tokens > 1 else "goes"
+            text = (f"{tokens} {verb} through {through} in one forward pass.{flat}{timing}{kv} Only the last "
+                    "position's vocabulary scores are computed: they choose the first new token.")
+            return [Commentary("prefill", f"{cap}: prefill of {plural(s.num_tokens, 'token')} at once", text,
+                               request_id=rid, step=plan.step)]
+        others = rows - s.num_tokens
+        budget = (f"The step's budget is {plan.token_budget} tokens"
+                  + (f", {others} of them taken by other sequences" if others else "") + ". ")
         if remaining:
-            text += f" {remaining} tokens remain for later steps; other requests keep decoding meanwhile."
+            text = (f"{budget}The prompt of {name} has {s.prompt_len} tokens, more than this step could give it, so it is "
+                    f"read in chunks: this step reads tokens {s.start}..{end - 1} ({s.num_tokens}) through "
+                    f"{through}.{rest}")
         else:
-            text += " This was the last chunk: its last position chooses the first new token."
-        title = f"Request {rid}: prefill chunk {s.start}..{end - 1} of {s.prompt_len}"
+            text = (f"{budget}This is the last chunk of {name}'s {s.prompt_len}-token prompt: tokens "
+                    f"{s.start}..{end - 1} ({s.num_tokens}) through {through}. Its last position chooses the first new "
+                    "token.")
+        text += self._beside(plan, s) + timing + kv
+        title = f"{cap}: prefill chunk {s.start}..{end - 1} of {s.prompt_len}"
         return [Commentary("chunked_prefill", title, text, request_id=rid, step=plan.step)]
 
-    def _token(self, e: ev.TokenSampled, timed: ev.StepTimed | None) -> list[Commentary]:
+    def _token(self, e: ev.TokenSampled, entry: ev.ScheduledEntry | None, timed: ev.StepTimed | None,
+               verification: ev.SpecDecodeStep | None, speculative: bool) -> list[Commentary]:
+        """A ``decode`` entry: the choice and its distribution, then how this token was computed in its step.
+
+        ``entry``: the sequence's part of the step's plan (None when unknown); ``verification``:
+        the verification this token is the first kept token of; ``speculative``: kept by one.
+        """
         state = self._requests.get(e.request_id)
         if state is not None and self.max_decode is not None:
             if state.decode_told >= self.max_decode:
@@ -437,33 +389,32 @@ class Narrator:
         if state is not None:
             state.decode_told += 1
         piece = show_piece(e.token_text) if e.token_text else f"(id {e.token_id}, part of a character)"
-        table = tuple((t.text, t.prob) for t in e.top)
-        which = "first token, from the prefill" if e.num_output_tokens == 1 else f"token #{e.num_output_tokens}"
-        vocab = self.info.get("vocab_size")
-        if e.top:
-            best = e.top[0]
-            rank = next((i for i, t in enumerate(e.top) if t.token_id == e.token_id), None)
-            text = (f"The model scored {'all ' + format(vocab, ',') if vocab else 'every'} vocabulary entries for "
-                    f"position {e.position}; the favourite is {show_piece(best.text)} at {best.prob:.2%}.")
-            if e.greedy:
-                text += f" Greedy decoding takes it: {piece} (id {e.token_id})."
-            elif rank is None:
-                text += (f" Sampling at temperature {e.temperature:g} drew {piece} (id {e.token_id}), which is outside "
-                         f"the top {len(e.top)}.")
-            else:
-                text += (f" Sampling at temperature {e.temperature:g} drew {piece} (id {e.token_id}), the "
-                         f"{ordinal(rank + 1)} most likely at {e.top[rank].prob:.2%}.")
-            text += " (Probabilities are the model's, before temperature and filtering.)" if not e.greedy else ""
-        else:
-            text = (f"The next token for position {e.position} is {piece} (id {e.token_id}), "
-                    + ("the most likely one." if e.greedy else f"drawn at temperature {e.temperature:g}."))
-        if timed is not None and e.num_output_tokens > 1:
-            text += (f" Its step took {ms(timed.wall_time_s)}; only this one new token went through the layers, "
-                     "its query reading the cached keys.")
+        sampling = state.sampling if state is not None else {}
+        text, caption = token_choice(e, sampling, self.info.get("vocab_size"))
+        recompute = entry is not None and entry.kind == "prefill" and e.num_output_tokens > 1
+        which = ("first token, from the prefill" if e.num_output_tokens == 1 else
+                 f"token #{e.num_output_tokens}, after the recompute" if recompute else f"token #{e.num_output_tokens}")
+        took = f" The step took {ms(timed.wall_time_s)}." if timed is not None else ""
+        if verification is not None:
+            n_query = verification.num_query_tokens or 1 + len(verification.draft_tokens)
+            text += (f" It was kept by the verification above: {n_query} tokens of this sequence went through the "
+                     f"layers in this step's one forward pass.{took}")
+        elif speculative:
+            text += " It was kept by the same verification pass."
+        elif entry is not None and entry.kind == "decode" and entry.num_tokens == 1:
+            per_token = self.info.get("kv_bytes_per_token")
+            ctx = e.position
+            text += (f"{took} This sequence ran one new token through the layers; its query read the keys and values "
+                     f"of its {ctx} tokens so far from the KV cache"
+                     + (f", {ctx} x {per_token:,} = {ctx * per_token:,} bytes: reads of its own, which batching "
+                        "with other sequences does not share." if per_token else "."))
         if state is not None and self.max_decode is not None and state.decode_told == self.max_decode:
             text += " (Later tokens of this request are summed up when it finishes.)"
-        return [Commentary("decode", f"Request {e.request_id}, {which}: {piece}", text, request_id=e.request_id,
-                           step=e.step, table=table)]
+        notes = tuple("chosen" if t.token_id == e.token_id else "" for t in e.top)
+        name = self._name(e.request_id, e.index)
+        return [Commentary("decode", f"{name[0].upper()}{name[1:]}, {which}: {piece}", text, request_id=e.request_id,
+                           step=e.step, table=tuple((t.text, t.prob) for t in e.top), table_title=caption,
+                           table_notes=notes if any(notes) else ())]
 
     def _kv_cache(self, t: ev.StepTimed, blocks: ev.BlocksChanged | None) -> list[Commentary]:
         if t.num_blocks_used == self._last_blocks_used:
@@ -471,8 +422,11 @@ class Narrator:
         self._last_blocks_used = t.num_blocks_used
         per_block = (blocks.bytes_per_block if blocks is not None else
                      t.kv_bytes_used // t.num_blocks_used if t.num_blocks_used else None)
-        cached = (f" {plural(t.num_blocks_cached, 'freed block')} keep their contents for prefix-cache reuse."
-                  if t.num_blocks_cached else "")
+        cached = ""
+        if t.num_blocks_cached:
+            one = t.num_blocks_cached == 1
+            cached = (f" {plural(t.num_blocks_cached, 'freed block')} {'keeps its' if one else 'keep their'} contents "
+                      "for prefix-cache reuse.")
         if t.num_blocks_used == 0:
             text = f"No request holds KV blocks now: all {t.num_blocks_total} blocks are free.{cached}"
             return [Commentary("kv_cache", "KV cache: empty", text, step=t.step)]
@@ -484,8 +438,10 @@ class Narrator:
             shown = []
             for tb in blocks.tables[:MAX_TABLES_SHOWN]:
                 free = max(0, len(tb.block_table) * blocks.block_size - tb.num_computed_tokens)
-                shown.append(f"request {tb.request_id} keeps {plural(tb.num_computed_tokens, 'token')} in blocks "
-                             f"{list(tb.block_table)} ({plural(free, 'slot')} still empty)")
+                shared = [b for b in tb.block_table if b < len(blocks.ref_counts) and blocks.ref_counts[b] > 1]
+                shown.append(f"{self._name(tb.request_id, tb.index)} keeps {plural(tb.num_computed_tokens, 'token')} "
+                             f"in blocks {list(tb.block_table)} ({plural(free, 'slot')} still empty"
+                             + (f"; {list(shared)} shared with another sequence" if shared else "") + ")")
             text += " Block tables: " + "; ".join(shown)
             if len(blocks.tables) > MAX_TABLES_SHOWN:
                 text += f"; and {len(blocks.tables) - MAX_TABLES_SHOWN} more"
@@ -493,13 +449,28 @@ class Narrator:
         return [Commentary("kv_cache", f"KV cache: {human_bytes(t.kv_bytes_used)} in {plural(t.num_blocks_used, 'block')}", text,
                            step=t.step)]
 
+    @staticmethod
+    def _why(reason: str, stop_reason: str | int | None) -> str:
+        if reason == "stop":
+            if stop_reason is None:
+                return "it produced an end-of-sequence token"
+            if isinstance(stop_reason, int):
+                return f"it produced stop token {stop_reason}"
+            return f"its text reached the stop string {stop_reason!r}"
+        return {"length": "it reached its token limit", "abort": "it was aborted",
+                "error": "an engine error ended it"}.get(reason, reason)
+
     def _finished(self, e: ev.RequestFinished) -> Commentary:
         state = self._requests.pop(e.request_id, None)
-        why = {"stop": "it produced a stop token or stop string", "length": "it reached its token limit",
-               "abort": "it was aborted", "error": "an engine error ended it"}.get(e.finish_reason, e.finish_reason)
-        text = (f"Request {e.request_id} finished ({e.finish_reason}): {why} after {plural(e.num_output_tokens, 'token')}: "
-                f"{e.output_text!r}. Time to first token {ms(e.ttft_s)}, time per output token {ms(e.tpot_s)}, "
-                f"end to end {ms(e.e2e_s)}.")
+        self._forget(e.request_id)
+        text = (f"Request {e.request_id} finished ({e.finish_reason}): {self._why(e.finish_reason, e.stop_reason)} after "
+                f"{plural(e.num_output_tokens, 'token')}: {e.output_text!r}.")
+        if len(e.samples) > 1:
+            text = (f"Request {e.request_id} finished: all {len(e.samples)} samples are done. "
+                    + " ".join(f"Sample {x.index} ({x.finish_reason}, {plural(len(x.token_ids), 'token')}): {x.text!r}."
+                               for x in e.samples))
+        text += (f" Time to first token {ms(e.ttft_s)}, time per output token {ms(e.tpot_s)}, end to end {ms(e.e2e_s)}"
+                 + (" (sample 0's times)." if len(e.samples) > 1 else "."))
         if e.num_cached_prompt_tokens:
             text += f" {e.num_cached_prompt_tokens} of its {e.num_prompt_tokens} prompt tokens came from the prefix cache."
         if e.num_preemptions:
@@ -510,25 +481,3 @@ class Narrator:
             text += f" Error: {e.error}"
         return Commentary("finished", f"Request {e.request_id} finished: {e.finish_reason}", text,
                           request_id=e.request_id, step=e.step)
-
-    @staticmethod
-    def _speculative(e: ev.SpecDecodeStep) -> Commentary:
-        n_ok = 0
-        for ok in e.accepted:
-            if not ok:
-                break
-            n_ok += 1
-        table = tuple((f"{show_piece(t)} {'accepted' if ok else 'rejected'}", p)
-                      for t, ok, p in zip(e.draft_texts, e.accepted, e.p))
-        text = (f"The {e.proposer} proposer guessed {len(e.draft_tokens)} tokens "
-                + " ".join(show_piece(t) for t in e.draft_texts)
-                + f"; the target model checked them in one pass and kept {n_ok}")
-        if n_ok < len(e.draft_tokens):
-            i = n_ok
-            text += (f". The {ordinal(i + 1)} was rejected (target p={e.p[i]:.3f}, draft q={e.q[i]:.3f}; kept with "
-                     f"probability min(1, p/q) = {min(1.0, e.p[i] / e.q[i]) if e.q[i] else 1.0:.3f})")
-        if e.bonus_token is not None:
-            text += f", and added {show_piece(e.bonus_text)} itself"
-        text += f": {n_ok + (1 if e.bonus_token is not None else 0)} tokens from one target pass."
-        return Commentary("speculative", f"Request {e.request_id}: {n_ok}/{len(e.draft_tokens)} draft tokens accepted",
-                          text, request_id=e.request_id, step=e.step, table=table)

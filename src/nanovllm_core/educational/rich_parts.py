@@ -41,10 +41,13 @@ def prob_bar(p: float, width: int = BAR_WIDTH) -> Text:
     return Text("█" * full + (" ▏▎▍▌▋▊▉"[part] if part else ""), style="green")
 
 
-def topk_table(rows, chosen: str | None = None, title: str | None = None) -> Table:
+def topk_table(rows, chosen: str | None = None, title: str | None = None, notes: tuple[str, ...] = ()) -> Table:
     """Top-k candidates ``[(token text, probability 0..1), ...]``: rank, token (made visible),
-    probability in percent with 2 decimals, bar. ``chosen``: the text of the token taken (marked)."""
-    table = Table(title=title, show_header=True, header_style="bold", box=None, padding=(0, 1))
+    probability in percent with 2 decimals, bar. ``chosen``: the text of the token taken (marked);
+    ``notes``: one note per row instead ("chosen" shows as ``← chosen``); ``title``: the caption
+    saying which distribution the probabilities are, printed above the rows."""
+    table = Table(title=title or None, title_justify="left", title_style="italic", show_header=True,
+                  header_style="bold", box=None, padding=(0, 1))
     table.add_column("#", justify="right")
     table.add_column("token")
     table.add_column("prob", justify="right")
@@ -52,7 +55,10 @@ def topk_table(rows, chosen: str | None = None, title: str | None = None) -> Tab
     marked = False
     for rank, (label, p) in enumerate(rows, 1):
         mark = ""
-        if chosen is not None and label == chosen and not marked:
+        if notes:
+            note = notes[rank - 1] if rank <= len(notes) else ""
+            mark = " ← chosen" if note == "chosen" else f" {note}" if note else ""
+        elif chosen is not None and label == chosen and not marked:
             mark, marked = " ← chosen", True
         table.add_row(str(rank), Text(show_piece(label)), f"{p * 100:.2f}%", Text.assemble(prob_bar(p), (mark, "bold")))
     return table

@@ -147,7 +147,7 @@ DEMOS: dict[str, Demo] = {d.key: d for d in (
          "The size of each token's vector and a few of its real values from layer 0's input.",
          kinds=("embedding",), max_tokens=1, xray=True),
     Demo("attention", "Attention inside one layer",
-         "The shapes of Q, K and V, the score matrix, and how 9 query heads read fewer KV heads.",
+         "The shapes of Q, K and V, the score matrix, and how the query heads share fewer KV heads.",
          kinds=("embedding", "attention"), max_tokens=1, xray=True),
     Demo("prefill", "The prompt in one forward pass",
          "How many tokens one step processed at once, how long it took, and its FLOP per byte against "
@@ -172,7 +172,7 @@ DEMOS: dict[str, Demo] = {d.key: d for d in (
          extra_prompts=("The largest planet is", "Python is a"), extra_max_tokens=(6, 4),
          engine=(("max_num_seqs", 2),)),
     Demo("prefix_caching", "A shared prefix is computed once",
-         "The second request finds the shared opening already in the cache and skips its prefill.",
+         "The second request finds the shared opening's full blocks in the cache and computes only the rest.",
          kinds=("prefix_cache", "prefill", "scheduler"), max_tokens=2, sequential=True,
          extra_prompts=(_SHARED_PREFIX + "Why do leaves fall in autumn?",),
          engine=(("block_size", 16),)),
@@ -231,7 +231,9 @@ CHAPTERS: tuple[Chapter, ...] = (
         The first layer of the model is a table with one row per vocabulary entry, the embedding
         matrix of shape [vocab_size, hidden_size]. Token id i simply selects row i: there is no
         arithmetic, only a lookup. A prompt of N tokens becomes a matrix of shape [N, hidden_size],
-        the hidden states that every decoder layer reads and refines.
+        the hidden states that every decoder layer reads and refines. In a step of this engine the
+        rows of every request in the batch are stacked into one [T, hidden_size] matrix for the T
+        tokens of the step, so each matrix multiplication serves them all at once.
 
         The values in the table were learned in training; tokens used in similar ways ended up with
         similar rows. LLaMA adds no position vector here: position enters later, inside attention,
@@ -265,7 +267,8 @@ CHAPTERS: tuple[Chapter, ...] = (
 
         Grouped-query attention (GQA) lets several query heads share one key/value head. The model
         still asks as many questions, but it stores fewer keys and values per token, which shrinks the
-        KV cache by the ratio of query heads to KV heads.
+        KV cache by the ratio of query heads to KV heads. Nothing is copied to make this work: query
+        head h reads KV head h // g, where g is the number of query heads per KV head.
         """,
         "attention", "The capital of France is",
         _quiz("Why does a token's attention ignore the positions that come after it?",
@@ -293,8 +296,8 @@ CHAPTERS: tuple[Chapter, ...] = (
         prompt is being predicted; the others were given.
 
         The time from a request's arrival to its first generated token is the time to first token
-        (TTFT). A long prompt makes a long prefill, which is why engines can split it into chunks
-        (chapter 11).
+        (TTFT). A long prompt makes a long prefill, and while it runs, the requests already decoding
+        wait for their next token; chapter 11 shows how engines split a prompt into chunks.
         """,
         "prefill", "The capital of France is",
         _quiz("Prefilling a 200-token prompt, how many positions' vocabulary scores does the engine need "
@@ -317,8 +320,8 @@ CHAPTERS: tuple[Chapter, ...] = (
         step does one token's worth of projections.
 
         The price is memory. One token needs 2 (K and V) x layers x KV heads x head_dim numbers, times
-        the bytes per number. For long sequences and many requests this cache, not the weights, is
-        what fills the accelerator, and managing it well is what the next chapters are about.
+        the bytes per number. For long sequences and many requests this cache can outgrow the weights
+        themselves, and managing it well is what the next chapters are about.
         """,
         "kv_cache", "Once upon a time",
         _quiz("A model has 30 layers, 3 KV heads of head_dim 64, and stores float32 (4 bytes). How many "
@@ -338,11 +341,14 @@ CHAPTERS: tuple[Chapter, ...] = (
         the vocabulary.
 
         One token is very little arithmetic for the amount of weight data that must be read from
-        memory, so a lone decode step is limited by memory bandwidth. Serving many requests at once
-        fixes this: their decode tokens share one pass over the weights.
+        memory, so a lone decode step is limited by memory bandwidth. Batching many requests' decode
+        tokens into one step shares that weight read: every weight loaded serves every token of the
+        batch. It does not share the reads of the KV cache: each request's query reads its own cached
+        keys and values, bytes that grow with its context and that no batching reduces.
 
         The time between successive tokens is the time per output token (TPOT, also inter-token
-        latency). Decoding stops at an end-of-sequence token, a stop string, or max_tokens.
+        latency). Decoding stops at an end-of-sequence token (unless ignore_eos is set), a stop token
+        or stop string, max_tokens, or the model's maximum length.
         """,
         "decode", "The capital of France is",
         _quiz("Why is a decode step for a single request limited by memory rather than arithmetic?",
@@ -353,23 +359,26 @@ CHAPTERS: tuple[Chapter, ...] = (
               0,
               "Each weight read from memory is used for one multiply-add per token in the batch. With one token, "
               "loading the weights takes far longer than the arithmetic; batching many requests' decode tokens "
-              "reuses every loaded weight many times."),
+              "reuses every loaded weight many times, while each request still reads its own keys and values."),
     ),
     Chapter(
         7, "sampling", "Sampling: choosing the next token",
         """
         The model's last layer gives one score (logit) per vocabulary entry; a softmax turns them into
-        probabilities. Greedy decoding takes the most likely token, which is deterministic and the
-        reference mode for testing.
+        probabilities. Greedy decoding takes the token with the highest score, which is deterministic
+        and the reference mode for testing.
 
         Temperature divides the logits before the softmax: below 1 it sharpens the distribution towards
-        the favourite, above 1 it flattens it. Top-k keeps only the k most likely tokens; top-p (nucleus)
-        keeps the smallest set whose probabilities add up to p; min-p drops tokens far less likely than
-        the best. What survives is renormalised and one token is drawn from it. A seed makes the draw
-        repeatable.
+        the favourite, above 1 it flattens it. Min-p drops tokens whose probability is below min_p times
+        the best one's; top-k keeps only the k most likely tokens; top-p (nucleus) keeps the smallest set
+        of most likely tokens whose probabilities add up to at least p. This engine applies them in that
+        order, after temperature, as vLLM does. What survives is renormalised and one token is drawn from
+        it. A seed makes the draw repeatable.
 
-        Penalties (repetition, presence, frequency) lower the scores of tokens already used, to avoid
-        loops.
+        Penalties lower the scores of tokens already used, to avoid loops: the repetition penalty covers
+        the prompt and the output, presence and frequency penalties only the output. They act first,
+        before temperature, and under greedy decoding too: greedy then takes the best token after the
+        penalty, which need not be the model's own favourite.
         """,
         "sampling", "My favourite fruit is",
         _quiz("What does a temperature of 0.5 do to the next-token distribution?",
@@ -384,7 +393,7 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter(
         8, "paged_attention", "PagedAttention: the cache in blocks",
         """
-        Reserving one long contiguous region per request for its maximum length wastes most of it:
+        Reserving one long contiguous region per request for its maximum length can waste most of it:
         requests end early, and the space cannot be lent to others. PagedAttention (the vLLM paper)
         borrows the idea of virtual memory pages. The cache is a pool of fixed-size blocks, each holding
         the keys and values of block_size tokens.
@@ -392,11 +401,18 @@ CHAPTERS: tuple[Chapter, ...] = (
         Each request has a block table that maps its logical blocks (tokens 0..15, 16..31, ...) to
         physical blocks anywhere in the pool. A new block is taken only when the last one is full, so a
         request wastes at most the unfilled slots of its last block. The slot mapping tells the model
-        where to write each new token's key and value; the attention kernel follows the block table to
-        read them back.
+        where to write each new token's key and value. To read them back, this engine (on the CPU, and
+        on CUDA without flash-attn) first gathers a sequence's blocks, in block-table order, into one
+        contiguous buffer per layer and attends over that copy; a prompt chunk that starts at position
+        0 gathers nothing, its keys and values being the ones just computed. vLLM's PagedAttention
+        kernels, like the flash-attn paged kernel this engine uses on CUDA with 256-token blocks, read
+        the blocks in place through the block table instead.
 
-        Because blocks are shared by reference count, two requests can point at the same physical block,
-        which is what makes prefix caching and parallel samples cheap.
+        Because blocks carry a reference count, two sequences can point at the same physical block.
+        Prefix caching (chapter 10) relies on it, and so do parallel samples (n > 1): here the samples
+        share their prompt's full blocks through the prefix cache, and each computes the block that
+        holds the prompt's last token itself. The PagedAttention paper's engine shares even that
+        partial block between samples and copies it on write, when a sample first adds a token to it.
         """,
         "paged_attention", "The capital of France is",
         _quiz("With block_size 16, a request holds 35 tokens. How many blocks does it use, and how many slots "
@@ -414,9 +430,10 @@ CHAPTERS: tuple[Chapter, ...] = (
         iteration-level scheduling, decides the batch again at every step.
 
         Each step the scheduler first serves the running requests (a decode costs one token, an
-        unfinished prefill its next chunk), then admits waiting requests while three things last: the
-        token budget of the step, the limit on running requests (max_num_seqs), and free KV blocks.
-        Prefill chunks and decodes share one forward pass.
+        unfinished prefill its next chunk), then admits waiting requests, in the policy's order, while
+        three things last: the token budget of the step, the limit on running requests (max_num_seqs),
+        and free KV blocks; a step that had to preempt admits nobody. Prefill chunks and decodes share
+        one forward pass.
 
         A request that finishes frees its place and its blocks at once, and the next waiting request
         joins at the following step.
@@ -430,7 +447,8 @@ CHAPTERS: tuple[Chapter, ...] = (
                "The engine pauses until a new batch can be formed"),
               2,
               "The scheduler re-plans every step. The finished request's blocks and place are released, and a "
-              "waiting request is admitted at once if the budget, max_num_seqs and the free blocks allow."),
+              "waiting request is admitted at the next step if the budget, max_num_seqs and the free blocks "
+              "allow."),
     ),
     Chapter(
         10, "prefix_caching", "Prefix caching: reuse what was computed",
@@ -442,8 +460,10 @@ CHAPTERS: tuple[Chapter, ...] = (
         The block manager gives each full block a hash of its tokens chained with the hash of the block
         before it, so equal hashes mean equal prefixes up to that point. When a new request arrives, its
         prompt's full blocks are looked up; every hit is shared by reference count instead of being
-        computed, and the prefill starts after the cached part. Only full blocks are cached, and when the
-        whole prompt hits, its last token is still computed so there are scores to sample from.
+        computed, and the prefill starts after the cached part. Only full blocks are cached, and a hit
+        never includes the block that holds the prompt's last token: sampling needs that token's scores,
+        so its block is computed again even when it is cached (a whole block when the prompt ends
+        exactly at a block boundary).
 
         A freed block keeps its hash in a least-recently-used list until its space is needed, so a
         prefix can be reused even after the request that computed it has finished.
@@ -461,15 +481,21 @@ CHAPTERS: tuple[Chapter, ...] = (
         """
         A very long prompt would take a whole step, or several steps' worth of time, during which
         every other request waits for its next token. Chunked prefill (SARATHI) splits the prompt into
-        chunks that fit the per-step token budget; the running decodes go first and the chunk takes
-        what is left, so short requests keep flowing while the long one is read.
+        chunks that fit the per-step token budget. Each step the scheduler walks the running requests
+        in order, under the priority policy the most important first, under fcfs in the order they were
+        admitted: a decode takes one token of the budget, an unfinished prompt its next chunk, as much
+        of what is left as it can use. A long prompt therefore never takes more than one budget a step
+        and the requests served before it keep decoding; a request served after a chunk that used the
+        whole budget gets no token in that step.
 
-        With the priority policy, waiting requests are admitted in order of priority, then arrival.
-        When KV blocks run out, the engine preempts: the running request with the lowest priority,
-        and the latest arrival among equals, gives back all its blocks and returns to the waiting
-        queue. It keeps the tokens it generated; when readmitted, their keys and values are recomputed,
-        often from the prefix cache. A high-priority request may also preempt lower-priority ones to
-        get in.
+        With the priority policy, requests are served and admitted in order of priority, then arrival.
+        In this engine a higher priority value is more important; vLLM's convention is the opposite
+        (lower values run first), and its default policy is fcfs. When KV blocks run out, the engine
+        preempts: the running request with the lowest priority, and the latest arrival among equals,
+        gives back all its blocks and returns to the waiting queue. It keeps the tokens it generated;
+        when it is readmitted, the full blocks of those tokens that are still in the prefix cache are
+        reused, and only the rest is recomputed. A high-priority request may also preempt lower-priority
+        ones to get in.
 
         Preemption trades some recomputation for never running out of memory in the middle of a step.
         """,
@@ -481,8 +507,8 @@ CHAPTERS: tuple[Chapter, ...] = (
                "The lowest-priority one, and among equals the latest to arrive"),
               3,
               "The victim is the least important running request: lowest priority first, then latest arrival. Its "
-              "blocks are freed, it goes back to the waiting queue with its generated tokens, and it recomputes "
-              "their keys and values when readmitted."),
+              "blocks are freed, it goes back to the waiting queue with its generated tokens, and when readmitted "
+              "it reuses what the prefix cache still holds of them and recomputes the rest."),
     ),
     Chapter(
         12, "speculative_decoding", "Speculative decoding: several tokens per step",
@@ -490,12 +516,17 @@ CHAPTERS: tuple[Chapter, ...] = (
         A decode step spends most of its time reading weights, and verifying several tokens costs
         almost the same as producing one. Speculative decoding exploits this: a cheap proposer (a small
         draft model, or an n-gram lookup in the text so far) guesses the next k tokens, and the target
-        model scores all of them in a single forward pass.
+        model runs 1 + k tokens (the last one it kept and the k drafts) in a single forward pass,
+        which gives it its own next-token scores at all k + 1 positions.
 
         Each draft token x is accepted with probability min(1, p(x) / q(x)), where p is the target's
         probability and q the draft's. At the first rejection the target samples a replacement from
         the leftover distribution max(0, p - q), renormalised; if all k are accepted it adds one bonus
         token of its own. This rule makes the output follow the target model's distribution exactly.
+        An n-gram guess is a fixed token (q = 1), so it is kept with probability p. Greedy requests use
+        the rule's limit: a draft is kept while it equals the target's own highest-scoring token, and
+        at the first mismatch the target's token replaces it, so the text is exactly what greedy
+        decoding without speculation writes.
 
         The speed-up depends on the acceptance rate: the fraction of draft tokens the target keeps.
         """,
@@ -507,8 +538,9 @@ CHAPTERS: tuple[Chapter, ...] = (
                "It does change it, slightly, in exchange for speed"),
               1,
               "Accepting x with probability min(1, p/q) and resampling rejections from max(0, p - q) is rejection "
-              "sampling: the combined result is distributed exactly as p, whatever the draft proposes. A poor "
-              "draft only lowers the acceptance rate, and so the speed-up."),
+              "sampling: the combined result is distributed exactly as p, whatever the draft proposes (under "
+              "greedy decoding, drafts are kept only while they equal the target's choice). A poor draft only "
+              "lowers the acceptance rate, and so the speed-up."),
     ),
 )
 
@@ -569,12 +601,14 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
             lines.append(f"Its embedding matrix is [{g('vocab_size')}, {g('hidden_size')}]: each token becomes "
                          f"{g('hidden_size')} numbers.")
         elif key == "self_attention" and g("num_heads") and g("num_kv_heads"):
-            lines.append(f"It has {g('num_heads')} query heads sharing {g('num_kv_heads')} KV heads "
-                         f"({g('num_heads') // g('num_kv_heads')} to 1), head_dim {g('head_dim')}, in each of "
+            group = g("num_heads") // g("num_kv_heads")
+            lines.append(f"It has {g('num_heads')} query heads sharing {g('num_kv_heads')} KV heads ({group} to 1: "
+                         f"query head h reads KV head h // {group}), head_dim {g('head_dim')}, in each of "
                          f"{g('num_layers')} layers.")
         elif key == "prefill" and g("token_budget"):
-            lines.append(f"This engine's token budget is {g('token_budget')} tokens per step; a longer prompt is "
-                         "prefilled in chunks.")
+            chunks = ("a longer prompt is prefilled in chunks" if g("chunked_prefill", True)
+                      else "chunked prefill is off, so a longer prompt is refused")
+            lines.append(f"This engine's token budget is {g('token_budget')} tokens per step; {chunks}.")
             if g("peak_flops") and g("memory_bandwidth"):
                 ridge = g("peak_flops") / g("memory_bandwidth")
                 lines.append(f"This machine, measured ({g('machine')}): matmul peak {g('peak_flops') / 1e9:,.1f} "
@@ -584,9 +618,21 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
                                             else "."))
         elif key == "kv_cache" and g("kv_bytes_per_token"):
             per = g("kv_bytes_per_token")
+            elem = per // (2 * g("num_layers") * g("num_kv_heads") * g("head_dim"))
             lines.append(f"On this model in {g('dtype')}: 2 x {g('num_layers')} layers x {g('num_kv_heads')} KV heads x "
-                         f"{g('head_dim')} x {per // (2 * g('num_layers') * g('num_kv_heads') * g('head_dim'))} bytes "
-                         f"= {per:,} bytes per token; 1,000 tokens take {per * 1000 / 2**20:.1f} MiB.")
+                         f"{g('head_dim')} x {elem} bytes = {per:,} bytes per token; 1,000 tokens take "
+                         f"{per * 1000 / 2**20:.1f} MiB.")
+            if g("num_parameters"):
+                weights = g("num_parameters") * elem
+                lines.append(f"Its {g('num_parameters') / 1e6:.0f} M parameters in {g('dtype')} take "
+                             f"{weights / 2**20:,.0f} MiB: {weights // per:,} tokens of cache weigh as much.")
+        elif key == "decode" and g("kv_bytes_per_token") and g("num_parameters"):
+            per = g("kv_bytes_per_token")
+            elem = per // (2 * g("num_layers") * g("num_kv_heads") * g("head_dim"))
+            lines.append(f"A decode step of this model reads its {g('num_parameters') * elem / 2**20:,.0f} MiB of "
+                         f"{g('dtype')} weights once for the whole batch, and for each request its own {per:,} bytes of keys and "
+                         f"values per token of context: {per * 1000 / 2**20:.1f} MiB a step at 1,000 tokens, "
+                         "whatever the batch.")
         elif key == "paged_attention" and g("block_size"):
             per = g("kv_bytes_per_token") or 0
             lines.append(f"This engine's pool: {g('num_kv_blocks'):,} blocks of {g('block_size')} tokens, "
@@ -598,7 +644,9 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
             state = "on" if g("prefix_caching") else "off"
             lines.append(f"Prefix caching is {state} in this engine; blocks hold {g('block_size')} tokens.")
         elif key == "chunked_prefill" and g("scheduling_policy"):
-            lines.append(f"This engine schedules by {g('scheduling_policy')} with a budget of "
+            order = ("higher priority values first (vLLM's priority runs lower values first)"
+                     if g("scheduling_policy") == "priority" else "arrival order")
+            lines.append(f"This engine schedules by {g('scheduling_policy')}, {order}, with a budget of "
                          f"{g('token_budget')} tokens per step.")
     except (TypeError, ValueError, ZeroDivisionError):
         return lines

@@ -9,7 +9,8 @@ unless another file is given, and the next launch resumes where the learner stop
 Input: on a terminal, single key presses (A-D, Enter, q). Otherwise answers are read line
 by line, so the tutorial can be scripted: per chapter one line with the answer, then one
 (empty) line for Enter, except after the last chapter. A line that is not A-D is asked
-again; ``q`` or the end of input ends the tutorial with the score so far.
+again; ``q``, at the question or at "Press Enter to continue", or the end of input ends the
+tutorial with the score so far.
 
 The model is loaded only for the first demonstration (``demos=False`` never loads it); each
 demonstration builds a small engine over the loaded weights with the settings its
@@ -161,7 +162,7 @@ def run_tutorial(console: Console, stream: TextIO | None = None, progress_path: 
         if last:
             result.completed = True
             break
-        if reader.read("Press Enter to continue... ", console) is None:
+        if wants_to_quit(reader.read("Press Enter to continue (q quits)... ", console)):
             break
     console.print(Rule())
     console.print(Text(f"Final score: {result.right}/{result.asked}", style="bold green"))
@@ -194,6 +195,11 @@ def run_demo_safely(console: Console, ch: Chapter, demo_runner: DemoRunner) -> N
         console.print(Text(f"The demonstration could not run: {type(e).__name__}: {e}", style="yellow"))
 
 
+def wants_to_quit(line: str | None) -> bool:
+    """True at the end of input or for ``q`` / ``quit`` (any case), wherever the tutorial waits for a key."""
+    return line is None or line.strip().lower() in ("q", "quit")
+
+
 def ask(console: Console, reader, ch: Chapter) -> int | None:
     """Show the quiz and read an answer until it is A-D; None on quit or end of input."""
     q = ch.quiz
@@ -202,7 +208,7 @@ def ask(console: Console, reader, ch: Chapter) -> int | None:
         console.print(Indent(Text(f"[{letter}] {choice}")))
     while True:
         line = reader.read("Your answer (A-D): ", console)
-        if line is None or line.strip().lower() in ("q", "quit"):
+        if wants_to_quit(line):
             return None
         try:
             return choice_index(line)

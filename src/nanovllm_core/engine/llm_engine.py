@@ -162,6 +162,7 @@ class LLMEngine:
             "num_kv_blocks": self.block_manager.num_blocks, "max_model_len": self.max_model_len,
             "max_num_seqs": self.scheduler.max_num_seqs, "token_budget": self.scheduler.token_budget,
             "scheduling_policy": self.scheduler.policy, "prefix_caching": self.block_manager.enable_prefix_caching,
+            "chunked_prefill": self.scheduler.enable_chunked_prefill,
             "paged": self.config.paged, "attention_backend": self.runner.attention_kernel,
         }
 

@@ -30,8 +30,13 @@ def commentary_text(note: Commentary, bar_width: int = 20) -> Text:
         text.append(" · " + " · ".join(where), style="dim")
     text.append(f" — {note.title}\n", style="bold")
     text.append(note.text)
+    if note.table and note.table_title:
+        text.append(f"\n   {note.table_title}", style="italic dim")
     width = min(24, max((len(visible_piece(label)) for label, _ in note.table), default=14))
-    for label, prob in note.table:  # labels as wide as the widest (up to 24): "[␣yellow] accepted" stays whole
+    for i, (label, prob) in enumerate(note.table):  # labels as wide as the widest (up to 24)
         text.append(f"\n   {visible_piece(label)[:width]:<{width}} {prob * 100:5.1f}% ")
         text.append_text(bar(prob, bar_width, style.replace("bold ", "")))
+        row_note = note.table_notes[i] if i < len(note.table_notes) else ""
+        if row_note:
+            text.append(" ← chosen" if row_note == "chosen" else f" {row_note}", style="bold")
     return text

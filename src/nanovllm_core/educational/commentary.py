@@ -1,0 +1,69 @@
+"""A narrator entry (:class:`Commentary`) and the small text helpers every entry is written with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Commentary:
+    """One narrator entry.
+
+    ``kind``: one of ``narrator.KINDS`` (the subject); ``title``: a short headline; ``text``:
+    the explanation with this event's real numbers; ``table``: (label, probability 0..1)
+    rows, e.g. a decode step's top-k candidates; ``table_title``: which distribution the
+    table shows (e.g. "after repetition penalty 1.3"); ``table_notes``: one note per row
+    ("chosen", "accepted", ...; empty strings for none).
+    """
+
+    kind: str
+    title: str
+    text: str
+    request_id: str | None = None
+    step: int | None = None
+    table: tuple[tuple[str, float], ...] = ()
+    table_title: str = ""
+    table_notes: tuple[str, ...] = ()
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``; binary units."""
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def ms(seconds: float | None) -> str:
+    """Seconds as milliseconds with one decimal; ``"n/a"`` for None."""
+    return "n/a" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
+def show_piece(text: str) -> str:
+    """A token's text made visible inside brackets: a space as ``␣`` (so a piece never breaks at a line
+    wrap and a leading space shows), newlines and tabs escaped."""
+    return "[" + text.replace(" ", "␣").replace("\n", "\\n").replace("\t", "\\t") + "]"
+
+
+def plural(n: int, word: str) -> str:
+    """``plural(1, "token")`` -> ``"1 token"``; ``plural(3, "token")`` -> ``"3 tokens"``."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+def ordinal(n: int) -> str:
+    """``1`` -> ``"1st"``, ``12`` -> ``"12th"``, ``23`` -> ``"23rd"``."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def join_words(items: list[str]) -> str:
+    """``["a"]`` -> ``"a"``; ``["a", "b", "c"]`` -> ``"a, b and c"``."""
+    if len(items) <= 1:
+        return "".join(items)
+    return ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def who(request_id: str, index: int = 0, n: int = 1) -> str:
+    """How an entry names a sequence: ``"request 3"``, or ``"request 3, sample 1"`` when the request has ``n`` > 1 samples."""
+    return f"request {request_id}" if n <= 1 and index == 0 else f"request {request_id}, sample {index}"

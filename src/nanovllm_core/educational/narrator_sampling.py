@@ -1,0 +1,249 @@
+"""The narrator's words for what the sampler and the speculative verifier did to one sequence.
+
+Every sentence is derived from the events of the step it describes: which distribution a
+top-k table shows (the model's own, or the one the sampler chose from after penalties and
+temperature, see ``TokenSampled.top`` / ``model_top``), which token greedy decoding took and
+why, and which rule a speculative verification applied (``SpecDecodeStep.greedy``; for
+traces recorded before that field existed, the request's own temperature decides).
+
+The engine's order of work on a row (``sampling/sampler.py``, vLLM V1's order): the
+``min_tokens`` ban and the penalties change the raw scores; greedy rows take the argmax
+of the result; sampled rows then apply temperature, min-p, top-k and top-p and draw.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from nanovllm_core import events as ev
+from nanovllm_core.educational.commentary import Commentary, join_words, ordinal, plural, show_piece
+
+GREEDY_EPS = 1e-5  # SamplingParams: a temperature below this is greedy
+
+
+def is_greedy(sampling: dict[str, Any]) -> bool:
+    """Whether a request's settings (``RequestAdded.sampling``, non-defaults only) decode greedily."""
+    return float(sampling.get("temperature", 1.0)) < GREEDY_EPS
+
+
+def processors(sampling: dict[str, Any], num_outputs_before: int) -> list[str]:
+    """The logits processors that act on a row, in the engine's order, as words.
+
+    ``num_outputs_before``: tokens the sequence had generated before this row (presence and
+    frequency penalties count output tokens only, so they do nothing on the first token;
+    the ``min_tokens`` ban holds until that many tokens exist).
+    """
+    out = []
+    if num_outputs_before < int(sampling.get("min_tokens", 0)):
+        out.append(f"the min_tokens ban on end-of-sequence and stop tokens (until {sampling['min_tokens']} are generated)")
+    if float(sampling.get("repetition_penalty", 1.0)) != 1.0:
+        out.append(f"repetition penalty {sampling['repetition_penalty']:g}")
+    if num_outputs_before and float(sampling.get("frequency_penalty", 0.0)):
+        out.append(f"frequency penalty {sampling['frequency_penalty']:g}")
+    if num_outputs_before and float(sampling.get("presence_penalty", 0.0)):
+        out.append(f"presence penalty {sampling['presence_penalty']:g}")
+    return out
+
+
+def _filters(sampling: dict[str, Any]) -> list[str]:
+    out = []
+    if float(sampling.get("min_p", 0.0)) > 0:
+        out.append(f"min-p {sampling['min_p']:g}")
+    if int(sampling.get("top_k", 0)) > 0:
+        out.append(f"top-k {sampling['top_k']}")
+    if float(sampling.get("top_p", 1.0)) < 1.0:
+        out.append(f"top-p {sampling['top_p']:g}")
+    return out
+
+
+# ---------------------------------------------------------------------- the sampling settings
+
+
+def sampling_intro(name: str, rid: str, s: dict[str, Any], max_tokens: int | None) -> Commentary:
+    """The ``sampling`` entry: what this request's settings will do to every next-token choice, in the engine's order."""
+    steps = []
+    if int(s.get("min_tokens", 0)):
+        steps.append(f"end-of-sequence and stop tokens are banned until {s['min_tokens']} tokens have been generated")
+    if float(s.get("repetition_penalty", 1.0)) != 1.0:
+        r = s["repetition_penalty"]
+        steps.append(f"repetition penalty {r:g} lowers every token already in the prompt or the output (a positive "
+                     f"score is divided by {r:g}, a negative one multiplied)")
+    if float(s.get("frequency_penalty", 0.0)):
+        steps.append(f"frequency penalty {s['frequency_penalty']:g} is subtracted once per time a token was generated")
+    if float(s.get("presence_penalty", 0.0)):
+        steps.append(f"presence penalty {s['presence_penalty']:g} is subtracted from every token generated at least once")
+    stop = _stop_rule(s, max_tokens)
+    if is_greedy(s):
+        first = ("Greedy decoding (temperature 0): at every step the highest-scoring token is taken"
+                 + (", after these changes to the scores: " + "; ".join(steps) if steps else "")
+                 + ". Nothing is drawn at random, so the same prompt always gives the same text.")
+        return Commentary("sampling", f"Request {rid}: greedy", f"{first} {stop}", request_id=rid)
+    t = float(s.get("temperature", 1.0))
+    if t == 1:
+        steps.append("temperature 1 keeps the scores as they are")
+    else:
+        steps.append(f"temperature {t:g} divides the scores by {t:g} before the softmax, making the distribution "
+                     f"{'sharper' if t < 1 else 'flatter'} than the model's own")
+    if float(s.get("min_p", 0.0)) > 0:
+        steps.append(f"min-p {s['min_p']:g} drops tokens whose probability is below {s['min_p']:g} x the best one's")
+    if int(s.get("top_k", 0)) > 0:
+        steps.append(f"top-k {s['top_k']} keeps only the {s['top_k']} most likely tokens")
+    if float(s.get("top_p", 1.0)) < 1.0:
+        steps.append(f"top-p {s['top_p']:g} keeps the smallest set of most likely tokens whose probabilities add up "
+                     f"to at least {s['top_p']:g}")
+    text = ("Random sampling, in this order: " + "; ".join(steps) + "; then one token is drawn from what remains, "
+            "renormalised" + (f", with seed {s['seed']} so the draw is repeatable" if s.get("seed") is not None else "")
+            + f". {stop}")
+    return Commentary("sampling", f"Request {rid}: sampling at temperature {t:g}", text, request_id=rid)
+
+
+def _stop_rule(s: dict[str, Any], max_tokens: int | None) -> str:
+    ends = [] if s.get("ignore_eos") else ["an end-of-sequence token"]
+    if s.get("stop"):
+        ends.append("a stop string (" + ", ".join(repr(x) for x in s["stop"]) + ")")
+    limit = f"after {plural(max_tokens, 'token')}" if max_tokens else "at max_model_len"
+    return f"It stops at {join_words(ends)} or {limit}." if ends else f"It stops {limit}."
+
+
+# ---------------------------------------------------------------------- one sampled token
+
+
+def _shows_model_own(e: ev.TokenSampled, procs: list[str]) -> bool:
+    """Whether ``e.top`` holds the model's own probabilities (True) or those after processing (False).
+
+    ``model_top`` is filled only when a processor changed the row, and then ``top`` is the
+    processed list. Without it, a greedy row or one at temperature 1 shows the model's own
+    probabilities either way. A sampled row at another temperature is told apart with the
+    chosen token's ``logprob`` (always the model's own): equal probabilities mean ``top`` is
+    the model's own too (traces recorded before ``top`` was the processed distribution).
+    """
+    if e.model_top:
+        return False
+    if e.greedy or e.temperature == 1:
+        return True
+    row = next((t for t in e.top if t.token_id == e.token_id), None)
+    if row is not None and e.logprob is not None:
+        return math.isclose(row.prob, math.exp(e.logprob), rel_tol=1e-3, abs_tol=1e-6)
+    return False
+
+
+def token_choice(e: ev.TokenSampled, sampling: dict[str, Any], vocab: int | None) -> tuple[str, str]:
+    """What was chosen and from which distribution: (text, caption of the top-k table).
+
+    Greedy decoding is said to take the most likely token only when that token heads the
+    table shown; when the table is the model's own and a penalty moved the choice, the text
+    says so instead.
+    """
+    piece = show_piece(e.token_text) if e.token_text else f"(id {e.token_id}, part of a character)"
+    procs = processors(sampling, e.num_output_tokens - 1)
+    if not e.top:
+        how = ("the highest-scoring one" + (f" after {join_words(procs)}" if procs else "") if e.greedy
+               else f"drawn at temperature {e.temperature:g}")
+        return f"The next token for position {e.position} is {piece} (id {e.token_id}), {how}.", ""
+    own = _shows_model_own(e, procs)
+    changes = procs + ([f"temperature {e.temperature:g}"] if not e.greedy and e.temperature != 1 else [])
+    if own:
+        caption = "the model's own probabilities" + (f", before {join_words(changes)}" if changes else "")
+    else:
+        caption = "probabilities after " + join_words(changes) if changes else "probabilities the sampler used"
+    scored = f"The model scored {'all ' + format(vocab, ',') if vocab else 'every'} vocabulary entries for position {e.position}"
+    best = e.top[0]
+    rank = next((i for i, t in enumerate(e.top) if t.token_id == e.token_id), None)
+    where = (f"{ordinal(rank + 1)} in the table at {e.top[rank].prob:.2%}" if rank is not None
+             else f"outside the table's top {len(e.top)}")
+    if e.greedy:
+        if rank == 0:
+            lead = (f"{scored}; after {join_words(procs)} the highest is {show_piece(best.text)} at {best.prob:.2%}"
+                    if not own and procs else f"{scored}; the favourite is {show_piece(best.text)} at {best.prob:.2%}")
+            text = f"{lead}. Greedy decoding takes it: {piece} (id {e.token_id})."
+        elif not own:  # not expected: greedy takes the first row of the processed table
+            text = f"{scored}; greedy decoding took {piece} (id {e.token_id}), {where}."
+        else:
+            # Only a table of the model's own probabilities can disagree with greedy's choice.
+            text = (f"{scored}; the model's own favourite is {show_piece(best.text)} at {best.prob:.2%}, but greedy "
+                    f"decoding took {piece} (id {e.token_id}), {where}: {join_words(procs) or 'the logits processors'} "
+                    "changed the scores, and greedy takes the highest score after that change.")
+    else:
+        text = (f"{scored}; in the table the favourite is {show_piece(best.text)} at {best.prob:.2%}. Sampling drew "
+                f"{piece} (id {e.token_id}), {where}.")
+        filters = _filters(sampling)
+        if filters:
+            text += f" Before the draw, {join_words(filters)} narrowed the candidates."
+    if e.model_top and e.model_top[0].token_id != best.token_id:
+        m = e.model_top[0]
+        text += (f" Before {join_words(procs) or 'the processors'}, the model's own favourite was {show_piece(m.text)} "
+                 f"at {m.prob:.2%}.")
+    return text, caption
+
+
+# ---------------------------------------------------------------------- speculative verification
+
+
+def verification_rule(e: ev.SpecDecodeStep, sampling: dict[str, Any] | None) -> bool | None:
+    """True: greedy verification; False: rejection sampling; None: unknown.
+
+    ``greedy`` is trusted when ``num_query_tokens`` is set (both came with the same engine
+    change); older traces leave both at their defaults, so the request's temperature decides.
+    """
+    if e.num_query_tokens:
+        return e.greedy
+    return is_greedy(sampling) if sampling is not None else None
+
+
+def speculative_entry(e: ev.SpecDecodeStep, name: str, greedy: bool | None, appended: int | None) -> Commentary:
+    """The ``speculative`` entry of one verification: drafts, tokens run, the rule applied, what was kept.
+
+    ``appended``: tokens the step actually added to the sequence (a stop condition can end it
+    inside the kept run); None when unknown.
+    """
+    k = len(e.draft_tokens)
+    n_query = e.num_query_tokens or 1 + k
+    n_ok = 0
+    for ok in e.accepted:
+        if not ok:
+            break
+        n_ok += 1
+    drafts = " ".join(show_piece(t) for t in e.draft_texts)
+    text = (f"The {e.proposer} proposer drafted {plural(k, 'token')} {drafts}. The target model ran {n_query} tokens "
+            f"of this sequence through all its layers in one forward pass (its newest token and the {plural(k, 'draft')}), "
+            f"so it scored {k + 1} next-token positions at once.")
+    bonus = show_piece(e.bonus_text) if e.bonus_token is not None else None
+    if greedy:
+        text += (" Greedy verification (temperature 0): a draft is kept while it equals the target's highest-scoring "
+                 "token at its position, after any penalties.")
+        if n_ok < k:
+            text += (f" The {ordinal(n_ok + 1)} draft {show_piece(e.draft_texts[n_ok])} is not the target's choice "
+                     f"there, so it and any drafts after it are dropped" + (f", and the target's token {bonus} takes its "
+                                                                            "place" if bonus else "") + ".")
+        elif bonus:
+            text += f" All {k} matched, and the target's own next token after the last draft, {bonus}, is added."
+        text += " The text is exactly what greedy decoding without speculation gives."
+    elif greedy is False:
+        point = all(q == 1.0 for q in e.q)
+        text += (" Rejection sampling: each draft x is kept with probability min(1, p(x)/q(x)), target p over draft q"
+                 + (f"; an {e.proposer} draft is a fixed guess (q = 1), so it is kept with probability p" if point else "")
+                 + ".")
+        if n_ok < k:
+            i = n_ok
+            chance = min(1.0, e.p[i] / e.q[i]) if e.q[i] else 1.0
+            text += (f" The {ordinal(i + 1)} draft {show_piece(e.draft_texts[i])} (p = {e.p[i]:.3f}, q = {e.q[i]:.3f}) "
+                     f"had a {chance:.3f} chance and was rejected; the drafts after it are dropped")
+            if bonus:
+                rest = ("the target's distribution without the rejected token" if point
+                        else "what is left of the target's distribution, max(0, p - q) renormalised")
+                text += f", and {bonus} was drawn in its place from {rest}"
+            text += "."
+        elif bonus:
+            text += f" All {k} were kept, and {bonus} was drawn from the target's distribution after the last draft."
+    else:
+        text += f" The target kept {n_ok} of them" + (f" and added {bonus}" if bonus else "") + "."
+    made = n_ok + (1 if e.bonus_token is not None else 0)
+    text += f" {plural(made, 'token')} from one forward pass."
+    if appended is not None and appended < made:
+        text += f" A stop condition ended the sequence after {appended} of them."
+    notes = tuple("accepted" if ok else ("rejected" if i == n_ok else "dropped")
+                  for i, ok in enumerate(e.accepted))
+    return Commentary("speculative", f"{name[0].upper()}{name[1:]}: {n_ok}/{k} draft tokens accepted", text,
+                      request_id=e.request_id, step=e.step, table=tuple(zip(e.draft_texts, e.p)),
+                      table_title="the target's probability p of each draft", table_notes=notes)

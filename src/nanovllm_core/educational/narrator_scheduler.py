@@ -1,0 +1,235 @@
+"""The narrator's words for the scheduler's decisions: who runs, who waits and why, preemption, prefix hits.
+
+Only what a step's ``StepPlanned`` shows is told: the sequences it scheduled and how many
+tokens each, the running ones it could not reach, the waiting queue, the preempted, the
+admitted with their prefix-cache hits. The rules quoted are this engine's
+(``engine/scheduler.py``, ``engine/block_manager.py``), which follow vLLM's V1 scheduler,
+except the priority convention (see :data:`PRIORITY_NOTE`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nanovllm_core import events as ev
+from nanovllm_core.educational.commentary import Commentary, join_words, plural
+
+PRIORITY_NOTE = ("here a higher priority value is more important; vLLM's is the opposite: lower values run first, "
+                 "and its default policy is fcfs")
+
+
+class SchedulerNarration:
+    """Scheduler entries, mixed into ``Narrator``.
+
+    The host provides ``info`` (model_info), ``_name(request_id, index)``, and the
+    bookkeeping dicts ``_computed`` / ``_lost`` / ``_request_of`` (seq id -> tokens computed,
+    tokens computed when preempted, request id) and ``_last_signature``.
+    """
+
+    info: dict[str, Any]
+    _computed: dict[int, int]
+    _lost: dict[int, int]
+    _request_of: dict[int, str]
+    _last_signature: tuple | None
+
+    @staticmethod
+    def _preemptions(plan: ev.StepPlanned, seq_id: int) -> int:
+        """How often this sequence has been preempted so far (0 when the plan's queues do not list it)."""
+        entry = next((q for q in plan.running if q.seq_id == seq_id), None)
+        return entry.num_preemptions if entry is not None else 0
+
+    @staticmethod
+    def _idle(plan: ev.StepPlanned) -> list[ev.QueueEntry]:
+        """Running sequences that got no token this step (the budget ran out before their turn)."""
+        scheduled = {s.seq_id for s in plan.scheduled}
+        return [q for q in plan.running if q.seq_id not in scheduled]
+
+    def _order(self) -> str:
+        if self.info.get("scheduling_policy", "priority") == "priority":
+            return "in priority order, the highest priority value first, then by arrival"
+        return "in the order they were admitted"
+
+    def _track(self, plan: ev.StepPlanned) -> None:
+        """Keep each sequence's computed-token count (a decode computes 1 token, more when drafts are kept)."""
+        for q in plan.preempted:
+            if q.seq_id in self._computed:  # unknown when the narrator did not see its earlier steps
+                self._lost[q.seq_id] = max(self._computed.pop(q.seq_id), self._lost.get(q.seq_id, 0))
+        for s in plan.scheduled:
+            self._request_of[s.seq_id] = s.request_id
+            self._computed[s.seq_id] = s.start + (s.num_tokens if s.kind == "prefill" else 1)
+
+    def _forget(self, request_id: str) -> None:
+        for seq_id in [q for q, r in self._request_of.items() if r == request_id]:
+            for d in (self._computed, self._lost, self._request_of):
+                d.pop(seq_id, None)
+
+    def _planned(self, plan: ev.StepPlanned) -> list[Commentary]:
+        out: list[Commentary] = []
+        for q in plan.preempted:
+            out.append(self._preemption(plan, q))
+        for s in plan.scheduled:
+            if s.num_cached_tokens > 0 and s.request_id in plan.admitted:
+                out.append(self._prefix_hit(plan, s))
+        idle = self._idle(plan)
+        signature = (tuple((s.request_id, s.index, s.kind) for s in plan.scheduled),
+                     tuple(q.request_id for q in plan.waiting), tuple(q.seq_id for q in idle))
+        busy = len(plan.scheduled) > 1 or plan.waiting or plan.preempted or idle
+        if busy and (signature != self._last_signature or plan.admitted or plan.preempted):
+            out.insert(0, self._schedule(plan, idle))
+        self._last_signature = signature
+        return out
+
+    def _schedule(self, plan: ev.StepPlanned, idle: list[ev.QueueEntry]) -> Commentary:
+        parts = []
+        for s in plan.scheduled:
+            name = self._name(s.request_id, s.index)
+            if s.kind == "decode":
+                parts.append(f"{name}: decode, 1 token" if s.num_tokens == 1 else
+                             f"{name}: decode with {s.num_tokens - 1} draft tokens, {s.num_tokens} tokens")
+                continue
+            end = s.start + s.num_tokens - 1
+            if self._preemptions(plan, s.seq_id):
+                what = f"recompute of {plural(s.num_tokens, 'token')} ({s.start}..{end} of {s.total_len})"
+                if s.request_id in plan.admitted:
+                    what += ", readmitted after preemption"
+            elif s.start > s.num_cached_tokens or end + 1 < s.total_len:
+                what = f"prefill chunk of {plural(s.num_tokens, 'token')} ({s.start}..{end} of {s.prompt_len})"
+            else:
+                what = f"prefill of {plural(s.num_tokens, 'token')}"
+            if s.request_id in plan.admitted and s.start == s.num_cached_tokens and not self._preemptions(plan, s.seq_id):
+                what += ", newly admitted"
+            parts.append(f"{name}: {what}")
+        text = (f"The scheduler spends {plan.num_batched_tokens} of its {plan.token_budget}-token budget on "
+                f"{plural(len(plan.scheduled), 'sequence')} in one forward pass: " + "; ".join(parts) + ".")
+        if idle:
+            names = join_words([self._name(q.request_id, q.index) for q in idle])
+            text += (f" {names[0].upper()}{names[1:]} {'is' if len(idle) == 1 else 'are'} running but got no token: the "
+                     f"budget was used up before {'its' if len(idle) == 1 else 'their'} turn (running requests are "
+                     f"served {self._order()}).")
+        if plan.waiting:
+            head = plan.waiting[0]
+            text += f" Waiting: {self._name(head.request_id, head.index)} ({self._waiting_reason(plan)})"
+            if len(plan.waiting) > 1:
+                rest = ", ".join(self._name(q.request_id, q.index) for q in plan.waiting[1:6])
+                text += f"; behind it, in {self.info.get('scheduling_policy', 'policy')} order: {rest}"
+                if len(plan.waiting) > 6:
+                    text += f" and {len(plan.waiting) - 6} more"
+            text += "."
+        return Commentary("scheduler", f"Step {plan.step}: {len(plan.running)} running, {len(plan.waiting)} waiting",
+                          text, step=plan.step)
+
+    def _waiting_reason(self, plan: ev.StepPlanned) -> str:
+        if plan.preempted:
+            return ("a step that preempts admits no one after that" if plan.admitted
+                    else "this step had to preempt, so no new request is admitted")
+        if len(plan.running) >= plan.max_num_seqs:
+            return f"max_num_seqs: {plan.max_num_seqs} requests are already running"
+        if plan.num_batched_tokens >= plan.token_budget:
+            return f"the step's token budget of {plan.token_budget} is used up"
+        head = plan.waiting[0]
+        left = plan.token_budget - plan.num_batched_tokens
+        if self.info.get("chunked_prefill") is False and head.num_tokens - head.num_computed_tokens > left:
+            return (f"its {head.num_tokens} tokens do not fit the {left} left of the budget, and chunked prefill is "
+                    "off")
+        return "not enough free KV blocks for it now"
+
+    def _preemption(self, plan: ev.StepPlanned, q: ev.QueueEntry) -> Commentary:
+        policy = self.info.get("scheduling_policy", "priority")
+        name = self._name(q.request_id, q.index)
+        admitted = [s for s in plan.scheduled if s.request_id in plan.admitted and s.priority > q.priority]
+        if policy == "priority" and admitted:
+            winner = max(admitted, key=lambda s: s.priority)
+            why = (f"{self._name(winner.request_id, winner.index)} (priority {winner.priority}) was waiting and too "
+                   f"few KV blocks were free for it. Under the priority policy a waiting request may take the blocks "
+                   f"of running requests of lower priority, lowest first and the latest to arrive among equals, so "
+                   f"{name} (priority {q.priority}) was preempted")
+        else:
+            rule = ("the lowest-priority running request, the latest to arrive among equals" if policy == "priority"
+                    else "the running request that arrived last")
+            why = (f"A running request needed a new KV block for this step and none was free, so the scheduler "
+                   f"preempted {name} (priority {q.priority}): it was {rule}, which can be the very request that "
+                   "needed the block")
+        if self.info.get("prefix_caching") is False:
+            back = "when readmitted, their keys and values are all recomputed (prefix caching is off)"
+        else:
+            back = ("its full blocks keep their contents as cached-free blocks until the pool needs their space; when "
+                    "it is readmitted, the blocks still in the prefix cache are reused and only the rest is recomputed")
+        text = (f"{why}. It gave back all its blocks and went back to the waiting queue keeping its "
+                f"{plural(q.num_tokens, 'token')} (prompt and generated): {back}. Preemptions of this request so "
+                f"far: {q.num_preemptions}.")
+        if policy == "priority":
+            text += f" ({PRIORITY_NOTE[0].upper()}{PRIORITY_NOTE[1:]}.)"
+        return Commentary("preemption", f"Step {plan.step}: {name} preempted", text,
+                          request_id=q.request_id, step=plan.step)
+
+    def _prefix_hit(self, plan: ev.StepPlanned, s: ev.ScheduledEntry) -> Commentary:
+        bs = self.info.get("block_size")
+        blocks = f" ({plural(s.num_cached_tokens // bs, 'full block')})" if bs else ""
+        name = self._name(s.request_id, s.index)
+        c, total = s.num_cached_tokens, s.total_len
+        now = "" if c + s.num_tokens == total else f", {s.num_tokens} of them in this step"
+        if self._preemptions(plan, s.seq_id):
+            again, first = self._split(s.seq_id, c, total)
+            text = (f"{name[0].upper()}{name[1:]} is readmitted after its preemption: {c} of its {total} tokens "
+                    f"({s.prompt_len} prompt + {total - s.prompt_len} generated) come back from the prefix "
+                    f"cache{blocks}, blocks that kept their contents while they were cached-free. Their keys and "
+                    f"values are reused; only the other {total - c} are computed{now}{self._again(again, first)}.")
+            title = (f"{name}: readmitted, {c} tokens reused, {again} recomputed" if again is not None
+                     else f"{name}: readmitted, {c} tokens reused, {total - c} computed")
+        elif s.index > 0:
+            text = (f"Sample {s.index} shares the first {c} of the {s.prompt_len} prompt tokens with sample 0 "
+                    f"through the prefix cache{blocks}, whose reference counts go up. It computes the other "
+                    f"{total - c} itself{now}: only full blocks are cached, and a hit never includes the block that "
+                    "holds the prompt's last token, whose scores each sample needs.")
+            title = f"{name}: shares {c} prompt tokens with sample 0"
+        else:
+            text = (f"{name[0].upper()}{name[1:]} found its first {c} of {total} tokens already in the prefix "
+                    f"cache{blocks}. Their keys and values are reused, not computed; only the other {total - c} "
+                    f"are computed{now}.")
+            title = f"{name}: prefix cache hit, {c} tokens"
+        return Commentary("prefix_cache", f"{title[0].upper()}{title[1:]}", text, request_id=s.request_id,
+                          step=plan.step)
+
+    @staticmethod
+    def _again(again: int | None, first: int) -> str:
+        """``": 2 recomputed, ..., and 1 computed for the first time"`` (empty when unknown)."""
+        if again is None:
+            return ""
+        if not again:
+            return ", none of them computed before its preemption"
+        return (f": {again} recomputed, their keys and values lost with its blocks"
+                + (f", and {first} computed for the first time" if first else ""))
+
+    def _split(self, seq_id: int, start: int, end: int) -> tuple[int | None, int]:
+        """Of tokens ``start..end-1``: (how many it had computed before its preemption, how many are new).
+
+        (None, 0) when the narrator did not see the sequence's earlier steps.
+        """
+        lost = self._lost.get(seq_id)
+        if lost is None:
+            return None, 0
+        again = max(0, min(end, lost) - start)
+        return again, end - start - again
+
+    def _beside(self, plan: ev.StepPlanned, s: ev.ScheduledEntry) -> str:
+        """What else ran, or could not run, in the step of a prefill chunk: only what the plan shows."""
+        others = [x for x in plan.scheduled if x.seq_id != s.seq_id]
+        decoding = [x for x in others if x.kind == "decode"]
+        prefilling = [x for x in others if x.kind == "prefill"]
+        idle = self._idle(plan)
+        text = ""
+        if decoding:
+            names = join_words([self._name(x.request_id, x.index) for x in decoding])
+            text += (f" In the same step {names} decoded ({plural(sum(x.num_tokens for x in decoding), 'token')}): "
+                     f"the chunk did not stop {'it' if len(decoding) == 1 else 'them'}.")
+        if prefilling:
+            names = join_words([self._name(x.request_id, x.index) for x in prefilling])
+            text += f" {names[0].upper()}{names[1:]} prefilled in the same step."
+        if idle:
+            names = join_words([self._name(q.request_id, q.index) for q in idle])
+            text += (f" {names[0].upper()}{names[1:]} {'is' if len(idle) == 1 else 'are'} running but got no token in "
+                     f"this step: running requests are served {self._order()}, and the budget was used up before "
+                     f"{'its' if len(idle) == 1 else 'their'} turn.")
+        if not others and not idle:
+            text += " No other request was running."
+        return text
