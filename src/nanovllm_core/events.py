@@ -80,7 +80,10 @@ class RequestFinished(Event):
 
     The top-level fields describe sample 0; ``samples`` lists every sample (``n`` > 1).
     ``finish_reason``: ``stop`` / ``length`` / ``abort`` / ``error``. Times in seconds
-    (TTFT = first token - arrival; TPOT = mean time between later tokens; e2e = finish - arrival).
+    (TTFT = first token - arrival; TPOT = mean time from the first token to the last, per later
+    token; e2e = finish - arrival). TTFT and TPOT are the engine's own time: time a controller
+    held the engine paused is left out; e2e is wall time, and ``paused_s`` says how much of it
+    the request spent paused (None in traces recorded before this field existed).
     ``kv_blocks_used`` / ``kv_blocks_cached``: the KV pool's used and cached-free blocks right
     after this request's blocks were returned, so a view stays true after an abort between
     steps (None in traces recorded before these fields existed).
@@ -104,6 +107,7 @@ class RequestFinished(Event):
     samples: tuple[SampleResult, ...] = ()
     kv_blocks_used: int | None = None
     kv_blocks_cached: int | None = None
+    paused_s: float | None = None
 
 
 # ------------------------------------------------------------------------------ steps
