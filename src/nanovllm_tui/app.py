@@ -304,7 +304,7 @@ class NanoVLLMApp(App):
         self._show_header()
         self.view().update_view(self.state, self.selected)
 
-    # ------------------------------------------------------------------ tabs and selection
+    # ------------------------------------------------------------------ keys
 
     async def on_event(self, event: events.Event) -> None:
         if isinstance(event, events.Key) and not event.is_forwarded and await self._handle_key_now(event):
@@ -336,6 +336,8 @@ class NanoVLLMApp(App):
         if active is None or not active.enabled:
             return False
         return await self.run_action(active.binding.action, active.node)
+
+    # ------------------------------------------------------------------ tabs and selection
 
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
         """A click on a tab's title (keys show their tab in ``action_show_tab``); stale activations are ignored."""

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -166,7 +167,7 @@ class PromptBar(Vertical):
         for name in self.FIELDS:
             self.query_one(f"#{name}", Input).set_class(name in dict(wrong), "-invalid")
         self.set_class(bool(wrong), "-invalid")
-        self.query_one("#prompt-error", Label).update("; ".join(why for _, why in wrong))
+        self.query_one("#prompt-error", Label).update(Text("; ".join(why for _, why in wrong)))  # typed text: no markup
 
     def submit(self, field: Input) -> None:
         """Enter in ``field``: send the prompt with the settings, or say why not and keep it."""
