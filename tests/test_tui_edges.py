@@ -81,6 +81,21 @@ async def test_keys_pressed_while_the_model_loads_act_in_order_in_the_right_widg
         assert req.num_output == 1
 
 
+async def test_a_paste_then_enter_sends_the_pasted_prompt(tmp_path):
+    from textual import events
+
+    app, notes = replay_app(tmp_path), Notes()
+    async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
+        await pilot.pause()
+        paste = events.Paste("Once upon a time\nand more")
+        paste.set_sender(app)
+        app._driver.send_message(paste)
+        keys_at_once(app, "enter", "escape", "2")
+        await wait_until(pilot, lambda: notes.find("cannot run new prompts"), timeout=10, what="the (refused) prompt")
+        assert app.state.requests[app.selected].prompt == "Once upon a time"  # an input takes the first line
+        assert app.query_one("#prompt", Input).value == "" and visible_tab(app) == "xray"
+
+
 # ---------------------------------------------------------------------------------------------- 3, 4
 
 

@@ -307,35 +307,41 @@ class NanoVLLMApp(App):
     # ------------------------------------------------------------------ keys
 
     async def on_event(self, event: events.Event) -> None:
-        if isinstance(event, events.Key) and not event.is_forwarded and await self._handle_key_now(event):
+        if isinstance(event, (events.Key, events.Paste)) and not event.is_forwarded and await self._handle_now(event):
             return
         await super().on_event(event)
 
-    async def _handle_key_now(self, event: events.Key) -> bool:
-        """Act on a key at once, in the order keys arrive; False: leave it to Textual.
+    async def _handle_now(self, event: events.Key | events.Paste) -> bool:
+        """Act on a key (or a paste) at once, in the order they arrive; False: leave it to Textual.
 
         Textual hands a key to the focused widget's own message queue and runs its binding when
         the key has bubbled back up to the app. Under load, a key that moves the focus (Esc, ``/``,
         1-5, Tab) then acted after the keys behind it had gone to the old widget: keys pressed
         after Esc were typed into the prompt, and a prompt's Enter reached the app after the
         keys that followed it (issue 15). So on the main screen the app runs every key's binding
-        itself, and types text into a focused input itself; other screens (the command palette)
-        keep Textual's handling.
+        itself, and types text (and pastes) into a focused input itself; other screens (the
+        command palette) keep Textual's handling.
         """
         if len(self.screen_stack) > 1:
             return False
         focused = self.focused
-        if isinstance(focused, Input) and focused.check_consume_key(event.key, event.character):
-            selection = focused.selection  # what Input does with a typed character
-            if selection.is_empty:
-                focused.insert_text_at_cursor(event.character)
-            else:
-                focused.replace(event.character, *selection)
-            return True
-        active = self.screen.active_bindings.get(event.key)
-        if active is None or not active.enabled:
+        if isinstance(event, events.Paste):
+            text = event.text.splitlines()[0] if event.text else ""  # an input takes one line, as Input does
+        elif isinstance(focused, Input) and focused.check_consume_key(event.key, event.character):
+            text = event.character
+        else:
+            active = self.screen.active_bindings.get(event.key)
+            if active is None or not active.enabled:
+                return False
+            return await self.run_action(active.binding.action, active.node)
+        if not isinstance(focused, Input):
             return False
-        return await self.run_action(active.binding.action, active.node)
+        selection = focused.selection  # what Input does with typed or pasted text
+        if selection.is_empty:
+            focused.insert_text_at_cursor(text)
+        else:
+            focused.replace(text, *selection)
+        return True
 
     # ------------------------------------------------------------------ tabs and selection
 
