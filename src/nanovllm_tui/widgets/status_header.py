@@ -49,6 +49,8 @@ class StatusHeader(LiveStatic):
             width = None
         elif not state.ready:
             parts.append((Text("loading model", style="bold magenta"), 0))
+            if state.paused:  # space pressed while loading: the engine will start paused
+                parts.append((Text(" · will start paused", style="bold yellow"), 1))
             if loading_s is not None:
                 parts.append((Text(f" {SPINNER[int(loading_s * 2) % len(SPINNER)]} {loading_s:.0f} s",
                                    style="magenta"), 2))
