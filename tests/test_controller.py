@@ -79,6 +79,27 @@ def test_paused_submit_runs_nothing_until_stepped(controller):
     assert [t.token_id for t in rec.of(ev.TokenSampled)] == out.outputs[0].token_ids
 
 
+def test_time_held_paused_is_left_out_of_ttft_and_tpot_and_an_abort_changes_neither(controller):
+    c, rec = controller(start_paused=True)
+    rid = c.submit("The capital of France is", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    for _ in range(3):  # wait paused, then one step: 3 tokens, each after 0.5 s paused
+        time.sleep(0.5)
+        n = len(rec.of(ev.TokenSampled))
+        c.step(1)
+        assert rec.wait_for(lambda: len(rec.of(ev.TokenSampled)) == n + 1)
+    time.sleep(0.5)
+    c.abort(rid)
+    out = c.wait(rid, timeout=30)
+    [done] = rec.of(ev.RequestFinished)
+    added, tokens = rec.of(ev.RequestAdded)[0], rec.of(ev.TokenSampled)
+    wall_ttft = tokens[0].time - added.time  # more than 0.5 s: the wait before the first step
+    wall_tpot = (tokens[-1].time - tokens[0].time) / 2  # more than 0.5 s: a wait between each step
+    assert done.finish_reason == "abort" and done.num_output_tokens == 3
+    assert done.ttft_s < wall_ttft - 0.4 and done.tpot_s < wall_tpot - 0.4
+    assert done.ttft_s == out.metrics.time_to_first_token and done.tpot_s == out.metrics.time_per_output_token
+    assert done.paused_s >= 4 * 0.5 and done.e2e_s >= done.paused_s  # wall time: the pauses are in it
+
+
 def test_abort_mid_decode_frees_its_blocks(controller):
     c, rec = controller()
     rid = c.submit("Tell me a long story about a dragon", SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))

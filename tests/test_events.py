@@ -149,3 +149,22 @@ def test_events_are_frozen():
     e = ev.EnginePaused(step=1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         e.step = 2
+
+
+def test_no_event_field_hides_the_event_type_name():
+    """``Event.kind`` names the event's class; a dataclass field called ``kind`` would shadow it
+    (a LayerTrace once reported kind "prefill", and trace readers lost every one of them)."""
+    import dataclasses
+
+    events = {name: cls for name, cls in ev.EVENT_TYPES.items() if issubclass(cls, ev.Event)}
+    assert "LayerTrace" in events and "ScheduledEntry" not in events  # a plan's entries are not events
+    for name, cls in events.items():
+        assert "kind" not in {f.name for f in dataclasses.fields(cls)}, name
+
+
+def test_a_layer_trace_written_with_the_old_field_name_still_loads():
+    trace = ev.LayerTrace(step=0, request_id="0", layer=0, num_layers=1, tensors=(), ops=(), num_heads=1,
+                          num_kv_heads=1, head_dim=4, hidden_size=4, kv_bytes_per_token=32, part="decode")
+    old = ev.to_json(trace).replace('"part":', '"kind":')
+    back = ev.from_json(old)
+    assert back.kind == "LayerTrace" and back.part == "decode"

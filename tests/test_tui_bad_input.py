@@ -8,6 +8,7 @@ from textual.widgets import TabbedContent
 from nanovllm_core.engine.controller import EngineController
 from nanovllm_tui.app import NanoVLLMApp
 from nanovllm_tui.options import build_app, parse_args
+from nanovllm_tui.replay import ReplayController, load_trace
 from nanovllm_tui.starter import BackgroundController
 from tests.tui_helpers import TRACE, Notes, engine_app, replay_app, send_prompt, wait_until
 
@@ -44,8 +45,8 @@ async def test_a_setting_that_is_not_a_number_is_not_sent(tmp_path):
         await pilot.pause()
         recorded = set(app.state.requests)
         await send_prompt(pilot, "Hello", max_tokens="lots")
-        await pilot.pause()
-        assert notes.find("max tokens must be a whole number", "error") and set(app.state.requests) == recorded
+        await wait_until(pilot, lambda: notes.find("max tokens must be a whole number", "error"), timeout=10)
+        assert set(app.state.requests) == recorded and app.query_one("#prompt").value == "Hello"
 
 
 @pytest.mark.real_model
@@ -116,7 +117,9 @@ async def test_a_60x20_terminal_folds_panels_away_and_keeps_working(tmp_path):
 
 
 async def test_keys_that_cannot_act_now_say_why(tmp_path):
-    app, notes = replay_app(tmp_path, start_paused=False), Notes()
+    # a slow replay, so the selected request is still running when a is pressed
+    app = NanoVLLMApp(ReplayController(load_trace(TRACE), pace=(5.0, 5.0)), tutorial_path=tmp_path / "t.json")
+    notes = Notes()
     async with app.run_test(size=SIZE, message_hook=notes) as pilot:
         await pilot.press("escape", "n", "a")
         await wait_until(pilot, lambda: notes.find("a replay cannot change it", "error"))
@@ -147,12 +150,51 @@ async def test_a_replay_refuses_new_prompts_with_a_notification(tmp_path):
     (["--prompt", " "], "--prompt must not be empty"),
     (["--fps", "0"], "--fps must be between 1 and 60"),
     (["--temperature", "-1"], "temperature"),
+    (["--trace-xray"], "--trace-xray records into the --trace file; add --trace FILE.jsonl"),
+    (["--replay", str(TRACE), "--model", "x"], "--model does nothing with --replay: a replay plays a recorded trace"),
+    (["--replay", str(TRACE), "--max-tokens", "5"], "--max-tokens does nothing with --replay"),
+    (["--replay", str(TRACE), "--trace", "t.jsonl"], "--trace does nothing with --replay"),
 ])
 def test_bad_options_end_with_one_line_and_status_2(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         parse_args(argv)
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_every_option_the_app_accepts_does_something_in_it_or_is_refused():
+    """Each option of ``nanovllm-tui`` is listed here with where it acts, or is refused with one line
+    (``NOT_IN_APP``; ``NOT_WITH_REPLAY`` beside ``--replay``). A new option must be placed here."""
+    from nanovllm_tui.options import NOT_IN_APP, build_parser
+
+    engine = {"model", "device", "dtype", "scheduling_policy", "max_prefill_tokens", "max_num_seqs", "max_model_len",
+              "block_size", "num_kv_blocks", "no_paged_attention", "no_flash_attn", "no_prefix_caching",
+              "speculative_model", "num_speculative_tokens"}  # -> engine_kwargs -> the EngineController
+    sampling = {"top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop", "logprobs", "ignore_eos"}
+    prompt_bar = {"prompt", "priority", "max_tokens", "temperature"}  # sent at start / the bar's defaults
+    app = {"narrate_steps", "progress_file", "trace", "trace_xray", "trace_chrome", "replay", "paused", "fps"}
+    accepted = {a.dest for a in build_parser()._actions if a.dest != "help"}
+    assert accepted - set(NOT_IN_APP) == engine | sampling | prompt_bar | app
+    args = parse_args(["--top-k", "7", "--stop", "x", "--logprobs", "2", "--ignore-eos", "--seed", "3"])
+    assert (args.sampling.top_k, args.sampling.stop, args.sampling.logprobs) == (7, ["x"], 2)
+    assert args.sampling.ignore_eos and args.sampling.seed == 3  # applied to every prompt the app sends
+
+
+@pytest.mark.real_model
+async def test_trace_xray_records_the_layer_traces_of_each_step(tiny_llama_dir, tmp_path):
+    from nanovllm_tui.replay import load_trace
+
+    trace = tmp_path / "run.jsonl"
+    app = build_app(["--model", str(tiny_llama_dir), "--trace", str(trace), "--trace-xray", "--prompt", "Hello",
+                     "--max-tokens", "3", "--progress-file", str(tmp_path / "p.json")])
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: any(r.state == "finished" for r in app.state.requests.values()),
+                         what="the prompt to finish")
+        await pilot.press("escape", "q")
+    events = load_trace(trace)
+    layers = [e for e in events if e.kind == "LayerTrace"]
+    steps = [e for e in events if e.kind == "StepPlanned"]
+    assert len(steps) == 3 and len(layers) == 2 * len(steps)  # the tiny model's 2 layers, every step
 
 
 def test_a_good_replay_option_loads_the_trace():

@@ -79,3 +79,24 @@ def test_block_map_with_shared_prefix_blocks(snap_compare, tmp_path):
 
 def test_dashboard_on_a_60x20_terminal(snap_compare, tmp_path):
     assert snap_compare(replay_app(tmp_path), terminal_size=(60, 20), run_before=after_steps(4))
+
+
+# The three views that change most with the terminal's size, at the other sizes people use
+# (60x20 is the smallest the app supports; 120x40 is above).
+OTHER_SIZES = [pytest.param((60, 20), id="60x20"), pytest.param((80, 24), id="80x24"),
+               pytest.param((200, 60), id="200x60")]
+
+
+@pytest.mark.parametrize("size", [s for s in OTHER_SIZES if s.id != "60x20"])  # 60x20: above, after step 3
+def test_dashboard_at(snap_compare, tmp_path, size):
+    assert snap_compare(replay_app(tmp_path), terminal_size=size, run_before=after_steps(3))
+
+
+@pytest.mark.parametrize("size", OTHER_SIZES)
+def test_xray_at(snap_compare, tmp_path, size):
+    assert snap_compare(replay_app(tmp_path), terminal_size=size, run_before=after_steps(1, "2"))
+
+
+@pytest.mark.parametrize("size", OTHER_SIZES)
+def test_narrator_at(snap_compare, tmp_path, size):
+    assert snap_compare(replay_app(tmp_path), terminal_size=size, run_before=after_steps(3, "3"))

@@ -92,3 +92,37 @@ def test_model_load_failure_is_the_failed_phase():
     state = EngineState()
     state.apply(ev.EngineError(step=None, message="model failed to load: model path /x does not exist"))
     assert state.phase == "failed" and state.load_error == "model path /x does not exist"
+
+
+def shifted(events, seconds):
+    import dataclasses
+
+    return [dataclasses.replace(e, time=e.time + seconds) for e in events]
+
+
+def test_time_held_paused_is_left_out_of_the_live_ttft_and_tpot(steps):
+    """The recording again, but held paused for 5 s before step 2, single-stepped, and paused 3 s
+    more after it: every live figure stays the recorded one, and each request says how long it waited."""
+    prologue, groups = steps
+    plain, paused = EngineState(), EngineState()
+    for e in prologue + [e for g in groups[:2] for e in g]:
+        plain.apply(e)
+        paused.apply(e)
+    t = groups[2][0].time
+    paused.apply(ev.EnginePaused(step=1, time=t))
+    for e in shifted(groups[2], 5.0):  # one step, run with n while paused
+        paused.apply(e)
+    timed = next(e for e in groups[2] if isinstance(e, ev.StepTimed))
+    paused.apply(ev.EngineResumed(step=2, time=timed.time + 8.0))  # held 5 s before the step and 3 s after
+    for g in groups[2:]:
+        for e in g:
+            plain.apply(e)
+    for e in shifted([e for g in groups[3:] for e in g], 8.0):
+        paused.apply(e)
+        if isinstance(e, ev.StepTimed):  # compare live figures after every step
+            for rid, req in paused.requests.items():
+                if req.finished_ttft is None:
+                    mid = fold(prologue, groups, e.step + 1).requests[rid]
+                    assert req.ttft == pytest.approx(mid.ttft) and req.tpot == pytest.approx(mid.tpot)
+    live = [r for r in plain.requests.values() if r.first_token_time and r.first_token_time > t]
+    assert live and all(paused.requests[r.request_id].paused_s == pytest.approx(8.0) for r in live)

@@ -161,7 +161,7 @@ def test_shapes_are_the_steps_flat_batch_and_slices_are_labelled(traced):
         assert x["scores"].shape == x["probs"].shape == (3, 3 * entry.num_tokens, ctx)
         assert {i.scope for i in t.tensors if i.name in ("k_context", "scores", "probs")} == {"request"}
         assert {i.scope for i in t.tensors if i.name not in ("k_context", "scores", "probs")} == {"batch"}
-        assert t.kind == entry.kind
+        assert t.part == entry.kind
         ops = {o.name: o for o in t.ops}
         assert ops["qkv_proj"].flops == 2 * T * 576 * 960
     assert any(t[0].num_batch_tokens > t[0].num_new_tokens for t in steps.values()), "some step batches several"
@@ -247,7 +247,7 @@ def test_a_speculative_verification_is_labelled_as_such(make_llm):
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     spec = [e for e in events if isinstance(e, ev.SpecDecodeStep)]
     assert spec
-    verify = {t.step: t for t in events if isinstance(t, ev.LayerTrace) and t.layer == 0 and t.kind == "verify"}
+    verify = {t.step: t for t in events if isinstance(t, ev.LayerTrace) and t.layer == 0 and t.part == "verify"}
     for s in spec:
         t = verify[s.step]
         k = len(s.draft_tokens)

@@ -64,3 +64,30 @@ async def send_prompt(pilot, prompt: str, max_tokens: int | None = None, priorit
     app.query_one("#prompt").focus()
     app.query_one("#prompt").value = prompt
     await pilot.press("enter")
+
+
+def keys_at_once(app, *keys: str) -> None:
+    """Deliver ``keys`` (characters or key names, as ``Pilot.press`` takes them) the way a terminal
+    does under load: all queued before the first is handled (``Pilot.press`` waits for each key
+    in turn, which hides faults of order)."""
+    import unicodedata
+
+    from textual import events
+    from textual.keys import REPLACED_KEYS, _character_to_key, _get_unicode_name_from_key
+
+    for key in keys:
+        if len(key) == 1 and not key.isalnum():
+            key = _character_to_key(key)
+        try:  # the character a terminal sends with the key, as Pilot works it out
+            char = unicodedata.lookup(_get_unicode_name_from_key(REPLACED_KEYS.get(key, key)))
+        except KeyError:
+            char = key if len(key) == 1 else None
+        event = events.Key(key, char)
+        event.set_sender(app)
+        app._driver.send_message(event)
+
+
+def visible_tab(app) -> str:
+    from textual.widgets import TabbedContent
+
+    return app.query_one(TabbedContent).active

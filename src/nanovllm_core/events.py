@@ -80,7 +80,10 @@ class RequestFinished(Event):
 
     The top-level fields describe sample 0; ``samples`` lists every sample (``n`` > 1).
     ``finish_reason``: ``stop`` / ``length`` / ``abort`` / ``error``. Times in seconds
-    (TTFT = first token - arrival; TPOT = mean time between later tokens; e2e = finish - arrival).
+    (TTFT = first token - arrival; TPOT = mean time from the first token to the last, per later
+    token; e2e = finish - arrival). TTFT and TPOT are the engine's own time: time a controller
+    held the engine paused is left out; e2e is wall time, and ``paused_s`` says how much of it
+    the request spent paused (None in traces recorded before this field existed).
     ``kv_blocks_used`` / ``kv_blocks_cached``: the KV pool's used and cached-free blocks right
     after this request's blocks were returned, so a view stays true after an abort between
     steps (None in traces recorded before these fields existed).
@@ -104,6 +107,7 @@ class RequestFinished(Event):
     samples: tuple[SampleResult, ...] = ()
     kv_blocks_used: int | None = None
     kv_blocks_cached: int | None = None
+    paused_s: float | None = None
 
 
 # ------------------------------------------------------------------------------ steps
@@ -317,7 +321,7 @@ class LayerTrace(Event):
     column summing ``keys_per_column`` keys from ``key_start`` on. Model facts for the GQA and
     KV arithmetic ride along.
 
-    Fields added later (defaults for older traces): ``kind`` of the traced request's part of
+    Fields added later (defaults for older traces): ``part``: the traced request's part of
     the step (``prefill``, ``decode``, or ``verify``: a speculative verification of 1 + k
     tokens); its ``num_new_tokens`` and ``context_len`` (tokens); ``first_row`` of its slice in
     the flat batch of ``num_batch_tokens`` rows over ``num_batch_seqs`` sequences;
@@ -342,7 +346,7 @@ class LayerTrace(Event):
     attention: tuple[tuple[float, ...], ...] = ()
     query_pieces: tuple[str, ...] = ()
     key_pieces: tuple[str, ...] = ()
-    kind: str = ""
+    part: str = ""  # not ``kind``: that is every event's type name (``Event.kind``)
     num_new_tokens: int = 0
     context_len: int = 0
     first_row: int = 0
@@ -461,6 +465,8 @@ def _decode(value: Any) -> Any:
     if isinstance(value, dict) and "type" in value and value["type"] in EVENT_TYPES:
         cls = EVENT_TYPES[value["type"]]
         kwargs = {k: _decode(v) for k, v in value.items() if k != "type"}
+        if cls is LayerTrace and "kind" in kwargs:  # traces written while this field was called ``kind``
+            kwargs["part"] = kwargs.pop("kind")
         return cls(**kwargs)
     if isinstance(value, list):
         return tuple(_decode(v) for v in value)

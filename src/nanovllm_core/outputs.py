@@ -9,9 +9,13 @@ from dataclasses import dataclass, field
 class RequestMetrics:
     """Timing and scheduling facts of one request.
 
-    Times are ``time.perf_counter()`` seconds; steps are engine step indices.
+    Times are seconds on the engine's clock (``engine.clock``: ``time.perf_counter()`` with the
+    time a controller held the engine paused left out); steps are engine step indices.
     ``time_to_first_token`` (TTFT) = first_token_time - arrival_time;
-    ``time_per_output_token`` (TPOT) = (finished_time - first_token_time) / (output tokens - 1).
+    ``time_per_output_token`` (TPOT) = (last_token_time - first_token_time) / (output tokens - 1),
+    vLLM's mean inter-token latency: an abort after the last token does not change it.
+    ``paused_time``: seconds of the request's life the engine was held paused (wall time =
+    engine time + paused_time); ``paused_at_arrival`` is the clock's paused total when it arrived.
     """
 
     arrival_time: float = 0.0
@@ -23,6 +27,9 @@ class RequestMetrics:
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    last_token_time: float | None = None
+    paused_at_arrival: float = 0.0
+    paused_time: float = 0.0
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -32,9 +39,16 @@ class RequestMetrics:
 
     @property
     def time_per_output_token(self) -> float | None:
-        if self.finished_time is None or self.first_token_time is None or self.num_output_tokens < 2:
+        if self.last_token_time is None or self.first_token_time is None or self.num_output_tokens < 2:
             return None
-        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
+        return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    @property
+    def e2e_time(self) -> float | None:
+        """Wall seconds from arrival to finish, time paused included (None until finished)."""
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time + self.paused_time
 
 
 @dataclass

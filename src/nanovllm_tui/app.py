@@ -20,7 +20,7 @@ from typing import Any, Iterable, Sequence
 from textual import events
 from textual.app import App, ComposeResult
 from textual.geometry import Size
-from textual.widgets import Footer, TabbedContent, TabPane
+from textual.widgets import Footer, Input, TabbedContent, TabPane
 
 from nanovllm_core import events as ev
 from nanovllm_core.educational.narrator import Narrator
@@ -57,6 +57,20 @@ def _yield_cores_to_the_engine() -> None:
         pass
 
 
+class Tabs(TabbedContent):
+    """The five tabs. Only a key (or a click on a tab's title) changes the visible tab.
+
+    Textual's ``TabbedContent`` also switches to any pane in which a widget takes the focus.
+    The app moves the focus into the tab a key shows, so under load the focus event of an
+    earlier tab key could arrive after a later key and switch back (issue 15: ``1 2 3 4 5``
+    ended on 3, or hopped between tabs for seconds with no key pressed).
+    """
+
+    def _on_tab_pane_focused(self, event: TabPane.Focused) -> None:
+        event.stop()
+        event.prevent_default()  # TabbedContent's own handler would make the focused pane active
+
+
 class NanoVLLMApp(App):
     """The app, on a ``controller``: an ``EngineController``, a ``BackgroundController`` (one being
     built behind the window, as ``nanovllm-tui`` does) or a ``ReplayController``.
@@ -69,6 +83,7 @@ class NanoVLLMApp(App):
         fps: most screen updates per second from engine events.
         tutorial_path: where tutorial progress is kept (None: the tutorial module's default).
         recorders: extra subscribers (trace writers) closed when the app quits.
+        record_xray: the recorders also get each step's X-Ray ``LayerTrace`` events (``--trace-xray``).
         freeze_gc: keep long-lived objects out of garbage collection (see ``_settle_memory``);
             ``nanovllm-tui`` turns it on.
         narrate_steps: decode steps the narrator tells one by one per request (None: all);
@@ -82,7 +97,8 @@ class NanoVLLMApp(App):
 
     def __init__(self, controller: Any, *, sampling: SamplingParams | None = None, settings: PromptSettings | None = None,
                  prompts: Iterable[tuple[str, int]] = (), fps: float = DEFAULT_FPS, tutorial_path: Any = None,
-                 recorders: Sequence[Any] = (), freeze_gc: bool = False, narrate_steps: int | None = 10) -> None:
+                 recorders: Sequence[Any] = (), freeze_gc: bool = False, narrate_steps: int | None = 10,
+                 record_xray: bool = False) -> None:
         super().__init__()
         self.freeze_gc = freeze_gc
         self.controller = controller
@@ -91,10 +107,13 @@ class NanoVLLMApp(App):
         self._initial_prompts = list(prompts)
         self.tutorial_path = tutorial_path
         self.recorders = list(recorders)
+        self.record_xray = record_xray
         self.state = EngineState()
         self.narrator = Narrator(max_decode_steps_per_request=narrate_steps)
         self.bridge = EngineBridge(self, fps=fps)
         self.selected: str | None = None
+        self._shown_tab = "dashboard"
+        self._on_screen: dict[tuple[str, str, str], float] = {}  # notifications showing -> until (monotonic s)
         self._flush_pending = False
         self._mounted = False
         self._stopped = False
@@ -105,17 +124,18 @@ class NanoVLLMApp(App):
 
     def compose(self) -> ComposeResult:
         yield StatusHeader(id="header")
-        with TabbedContent(initial="dashboard", id="tabs"):
+        with Tabs(initial="dashboard", id="tabs"):
             for i, (tab, title) in enumerate(TABS, 1):
                 with TabPane(f"{i} {title}", id=tab):
                     yield VIEWS[tab](id=f"{tab}-view")
-        yield PromptBar(self.settings, id="prompt-bar")
+        yield PromptBar(self.settings, send=self._submit, id="prompt-bar")
         yield Footer()
 
     def on_mount(self) -> None:
         self.bridge.connect(self.controller, topk=5, xray=False, blocks=False)
         for recorder in self.recorders:
-            self.controller.subscribe(recorder, topk=5, blocks=True)
+            self.controller.subscribe(recorder, topk=5, blocks=True, xray=self.record_xray)
+        self.query_one("#tabs ContentTabs").can_focus = False  # 1-5 switch tabs; Tab moves between views and prompt
         self._adapt_to_size()
         self.query_one(PromptBar).focus_prompt()
         self.call_after_refresh(self._start)
@@ -156,6 +176,8 @@ class NanoVLLMApp(App):
 
     def on_resize(self, event: events.Resize) -> None:
         self._adapt_to_size(event.size)
+        if self._mounted:
+            self.call_after_refresh(self._show_header)  # at the new width
 
     def _adapt_to_size(self, size: Size | None = None) -> None:
         width, height = size or self.size
@@ -177,6 +199,8 @@ class NanoVLLMApp(App):
     def _take_events(self) -> None:
         """Fold everything the engine sent since the last frame into the state, then redraw."""
         self._flush_pending = False
+        if not self.is_running:  # a frame timer that fires while the app closes: its widgets are gone
+            return
         events = self.bridge.drain()
         notes = []
         for event in events:
@@ -189,12 +213,27 @@ class NanoVLLMApp(App):
             if isinstance(event, ev.ModelLoading) and event.ready:
                 self._sync_paused()
                 self._settle_memory()
+                if self.state.model_info.get("max_model_len"):
+                    self.query_one(PromptBar).limit_max_tokens(self.state.model_info["max_model_len"])
         if notes:
             self.query_one(NarratorView).add(notes)
         if self.selected not in self.state.requests and self.state.requests:
             self.select(self._default_selection())
         else:
             self._redraw()
+
+    def notify(self, message: str, *, title: str = "", severity: str = "information", timeout: float | None = None,
+               markup: bool = True) -> None:
+        """Show a notification, unless the same one is still on screen: a held key (``n`` while
+        running repeats a dozen times a second) says its warning once."""
+        now = time.monotonic()
+        key = (message, title, severity)
+        if self._on_screen.get(key, 0.0) > now:
+            return
+        timeout = self.NOTIFICATION_TIMEOUT if timeout is None else timeout
+        self._on_screen = {k: until for k, until in self._on_screen.items() if until > now}
+        self._on_screen[key] = now + timeout
+        super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
 
     def _narrator_failed(self, event: ev.Event, error: Exception) -> None:
         if not self._narrator_error_shown:
@@ -230,22 +269,27 @@ class NanoVLLMApp(App):
 
     def _poll_engine_state(self) -> None:
         """The engine going idle is not an event, nor is time passing while the model loads:
-        look at the controller twice a second."""
+        look at the controller twice a second, and redraw what depends on it (the header, and
+        the figures that fall to 0 when the engine stops running)."""
+        if not self.is_running:
+            return
         failed = self.controller.state == "failed" and self.state.load_error is None
         if failed:  # subscribed after the failure was announced: tell it now
             failure = ev.EngineError(step=None, message=f"model failed to load: {self.controller.load_error}")
             self.state.apply(failure)
             self._announce(failure)
         loading = not self.state.ready and self.state.load_error is None
-        if failed or loading or self.controller.state != self.state.engine_state:
+        if failed or loading:
             if self.state.load_error is None:
                 self.state.engine_state = self.controller.state
             self._show_header()
+        elif self.controller.state != self.state.engine_state:
+            self._redraw()
 
     def _show_header(self) -> None:
         loading_s = time.monotonic() - self._started if not self.state.ready else None
         self.query_one(StatusHeader).show(self.state, replay=not self.live, loading_s=loading_s,
-                                          compact=self.size.width < NARROW)
+                                          width=self.size.width - 2)  # the header's padding: one cell a side
 
     def _redraw(self) -> None:
         if not self._mounted:
@@ -255,10 +299,58 @@ class NanoVLLMApp(App):
         self._show_header()
         self.view().update_view(self.state, self.selected)
 
+    # ------------------------------------------------------------------ keys
+
+    async def on_event(self, event: events.Event) -> None:
+        if isinstance(event, (events.Key, events.Paste)) and not event.is_forwarded and await self._handle_now(event):
+            return
+        await super().on_event(event)
+
+    async def _handle_now(self, event: events.Key | events.Paste) -> bool:
+        """Act on a key (or a paste) at once, in the order they arrive; False: leave it to Textual.
+
+        Textual hands a key to the focused widget's own message queue and runs its binding when
+        the key has bubbled back up to the app. Under load, a key that moves the focus (Esc, ``/``,
+        1-5, Tab) then acted after the keys behind it had gone to the old widget: keys pressed
+        after Esc were typed into the prompt, and a prompt's Enter reached the app after the
+        keys that followed it (issue 15). So on the main screen the app runs every key's binding
+        itself, and types text (and pastes) into a focused input itself; other screens (the
+        command palette) keep Textual's handling.
+        """
+        if len(self.screen_stack) > 1:
+            return False
+        focused = self.focused
+        if isinstance(event, events.Paste):
+            text = event.text.splitlines()[0] if event.text else ""  # an input takes one line, as Input does
+        elif isinstance(focused, Input) and focused.check_consume_key(event.key, event.character):
+            text = event.character
+        else:
+            active = self.screen.active_bindings.get(event.key)
+            if active is None or not active.enabled:
+                return False
+            return await self.run_action(active.binding.action, active.node)
+        if not isinstance(focused, Input):
+            return False
+        selection = focused.selection  # what Input does with typed or pasted text
+        if selection.is_empty:
+            focused.insert_text_at_cursor(text)
+        else:
+            focused.replace(text, *selection)
+        return True
+
     # ------------------------------------------------------------------ tabs and selection
 
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
-        tab = event.pane.id or "dashboard"
+        """A click on a tab's title (keys show their tab in ``action_show_tab``); stale activations are ignored."""
+        tab = event.pane.id
+        if not self.is_running:  # one that arrives while the app closes: its widgets are gone
+            return
+        if tab is not None and tab == self.active_tab and tab != self._shown_tab:
+            self._show(tab)
+
+    def _show(self, tab: str) -> None:
+        """Draw the tab that has just become visible, ask the engine for its detail, and give it the focus."""
+        self._shown_tab = tab
         self._set_detail(tab)
         view = self.view(tab)
         view.update_view(self.state, self.selected)
@@ -295,6 +387,8 @@ class NanoVLLMApp(App):
 
     def action_show_tab(self, tab: str) -> None:
         self.query_one(TabbedContent).active = tab
+        if tab != self._shown_tab:
+            self._show(tab)
 
     def action_focus_prompt(self) -> None:
         self.query_one(PromptBar).focus_prompt()
@@ -355,9 +449,6 @@ class NanoVLLMApp(App):
             recorder.close()
 
     # ------------------------------------------------------------------ prompts
-
-    def on_prompt_bar_submitted(self, message: PromptBar.Submitted) -> None:
-        self._submit(message.prompt, message.settings)
 
     def _submit(self, prompt: str, settings: PromptSettings) -> str | None:
         try:

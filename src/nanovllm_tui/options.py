@@ -12,6 +12,13 @@ from nanovllm_tui.bridge import DEFAULT_FPS
 DEFAULT_KV_BLOCKS = 512  # 8,192 tokens at block size 16: room to play, and a block map that fits a screen
 # nanovllm options with no meaning here: the app's tabs do what the teaching modes print.
 NOT_IN_APP = ("chat", "show_memory_stats", "narrate", "xray", "dashboard", "tutorial", "no_demos", "tutorial_chapter")
+# Options that act on a live engine, so not on a replay: it loads no model, runs no new prompt,
+# and is itself a recording.
+NOT_WITH_REPLAY = ("model", "device", "dtype", "prompt", "priority", "max_tokens", "temperature", "top_k", "top_p",
+                   "min_p", "repetition_penalty", "seed", "stop", "logprobs", "ignore_eos", "scheduling_policy",
+                   "max_prefill_tokens", "max_num_seqs", "max_model_len", "block_size", "num_kv_blocks",
+                   "no_paged_attention", "no_flash_attn", "no_prefix_caching", "speculative_model",
+                   "num_speculative_tokens", "trace", "trace_xray", "trace_chrome")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +52,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      "give one per prompt")
     if not 1 <= args.fps <= 60:
         parser.error(f"--fps must be between 1 and 60, got {args.fps}")
+    if args.trace_xray and not args.trace:
+        parser.error("--trace-xray records into the --trace file; add --trace FILE.jsonl")
+    if args.replay:
+        given = [name for name in NOT_WITH_REPLAY if getattr(args, name) != parser.get_default(name)]
+        if given:
+            parser.error(f"--{given[0].replace('_', '-')} does nothing with --replay: a replay plays a recorded "
+                         "trace (no model, no new prompts); leave it out, or start without --replay")
     try:
         args.sampling = sampling_params(args)
     except ValueError as e:
@@ -71,6 +85,7 @@ def build_app(argv: Sequence[str] | None = None):
     settings = PromptSettings(priority=0, max_tokens=args.max_tokens, temperature=args.temperature)
     prompts = list(zip(args.prompt or [], args.priority or [0] * len(args.prompt or [])))
     common = dict(sampling=args.sampling, settings=settings, prompts=prompts, fps=args.fps, freeze_gc=True,
+                  record_xray=args.trace_xray,
                   tutorial_path=getattr(args, "progress_file", None),
                   narrate_steps=getattr(args, "narrate_steps", 10) or None)
     if args.replay:

@@ -175,16 +175,20 @@ class ReplayController:
             if self._paused:
                 return
             self._paused, self._allowed = True, 0
+            if self._state == "idle":  # the recording has ended: paused now, as an engine with nothing to do is
+                self._state = "paused"
             self._cond.notify_all()
-        self._emit([ev.EnginePaused(step=self._current_step())])
+        self._emit([ev.EnginePaused(step=self._current_step(), time=self._recorded_now())])
 
     def resume(self) -> None:
         with self._cond:
             if not self._paused:
                 return
             self._paused = False
+            if self._state == "paused" and self._next >= len(self._steps):
+                self._state = "idle"
             self._cond.notify_all()
-        self._emit([ev.EngineResumed(step=self._current_step())])
+        self._emit([ev.EngineResumed(step=self._current_step(), time=self._recorded_now())])
 
     def step(self, n: int = 1) -> None:
         """While paused, play exactly ``n`` more recorded steps."""
@@ -208,6 +212,13 @@ class ReplayController:
 
     def _current_step(self) -> int:
         return self._steps[self._next - 1][0].step if self._next else 0
+
+    def _recorded_now(self) -> float:
+        """The recording's clock at the current step boundary: a pause in a replay takes no
+        recorded time, so the figures worked out from event times stay the recorded ones."""
+        if self._next < len(self._steps):
+            return self._steps[self._next][0].time
+        return self._steps[-1][-1].time
 
     def _emit(self, events: list[ev.Event]) -> None:
         with self._lock:

@@ -50,6 +50,11 @@ class RequestView:
     last_token_time: float | None = None
     finished_ttft: float | None = None
     finished_tpot: float | None = None
+    finished_paused: float | None = None
+    # the engine's paused seconds so far (EngineState.paused_clock) when it arrived / at its first and newest token
+    paused_at_added: float = 0.0
+    paused_at_first: float = 0.0
+    paused_at_last: float = 0.0
     finish_reason: str | None = None
     error: str | None = None
     num_preemptions: int = 0
@@ -62,21 +67,30 @@ class RequestView:
 
     @property
     def ttft(self) -> float | None:
-        """Time to first token, seconds: the engine's figure once finished, else from event times."""
+        """Time to first token, seconds of engine time (time held paused left out, as the engine
+        counts it): the engine's figure once finished, else from event times."""
         if self.finished_ttft is not None:
             return self.finished_ttft
         if self.first_token_time is None or self.added_time is None:
             return None
-        return self.first_token_time - self.added_time
+        return self.first_token_time - self.added_time - (self.paused_at_first - self.paused_at_added)
 
     @property
     def tpot(self) -> float | None:
-        """Time per output token after the first, seconds (mean inter-token latency)."""
+        """Time per output token after the first, seconds of engine time (mean inter-token latency)."""
         if self.finished_tpot is not None:
             return self.finished_tpot
         if self.num_output < 2 or self.first_token_time is None or self.last_token_time is None:
             return None
-        return (self.last_token_time - self.first_token_time) / (self.num_output - 1)
+        engine_s = self.last_token_time - self.first_token_time - (self.paused_at_last - self.paused_at_first)
+        return engine_s / (self.num_output - 1)
+
+    @property
+    def paused_s(self) -> float:
+        """Seconds this request spent with the engine held paused (up to its newest token while it runs)."""
+        if self.finished_paused is not None:
+            return self.finished_paused
+        return max(0.0, self.paused_at_last - self.paused_at_added)
 
 
 class EngineState:
@@ -97,6 +111,8 @@ class EngineState:
         self.loading: ev.ModelLoading | None = None
         self.load_error: str | None = None
         self.paused = False
+        self._paused_total = 0.0  # seconds the engine was held paused, from pause/resume/step events
+        self._paused_since: float | None = None
         self.engine_state = "loading"
         self.step: int | None = None
         self.plan: ev.StepPlanned | None = None
@@ -155,11 +171,29 @@ class EngineState:
             self.load_error = e.message.split(": ", 1)[-1]
             self.engine_state = "failed"
 
+    def paused_clock(self, at: float) -> float:
+        """Seconds the engine had been held paused by event time ``at`` (the engine's own
+        accounting, rebuilt from events: paused from EnginePaused to EngineResumed, except
+        during the steps run one at a time meanwhile)."""
+        current = 0.0 if self._paused_since is None else max(0.0, at - self._paused_since)
+        return self._paused_total + current
+
+    def _hold(self, at: float) -> None:
+        if self._paused_since is None:
+            self._paused_since = at
+
+    def _release(self, at: float) -> None:
+        if self._paused_since is not None:
+            self._paused_total += max(0.0, at - self._paused_since)
+            self._paused_since = None
+
     def _on_EnginePaused(self, e: ev.EnginePaused) -> None:
         self.paused = True
+        self._hold(e.time)
 
     def _on_EngineResumed(self, e: ev.EngineResumed) -> None:
         self.paused = False
+        self._release(e.time)
 
     def _on_RequestAdded(self, e: ev.RequestAdded) -> None:
         req = self._request(e.request_id)
@@ -167,6 +201,7 @@ class EngineState:
         req.priority, req.max_tokens = e.priority, e.max_tokens
         req.prompt_len, req.prompt_pieces = len(e.prompt_token_ids), e.prompt_pieces
         req.added_time = e.time
+        req.paused_at_added = req.paused_at_first = req.paused_at_last = self.paused_clock(e.time)
         if req.state == "submitted":
             req.state = "waiting"
 
@@ -177,6 +212,8 @@ class EngineState:
 
     def _on_StepPlanned(self, e: ev.StepPlanned) -> None:
         self.step, self.plan = e.step, e
+        if e.scheduled:  # a step while paused is engine time
+            self._release(e.time)
         for q in e.waiting + e.running:
             if q.index != 0 or q.request_id not in self.requests:
                 continue
@@ -206,9 +243,10 @@ class EngineState:
         req.last_token, req.last_token_id = e.token_text, e.token_id
         if e.top:
             req.top = e.top
+        paused = self.paused_clock(e.time)
         if req.first_token_time is None:
-            req.first_token_time = e.time
-        req.last_token_time = e.time
+            req.first_token_time, req.paused_at_first = e.time, paused
+        req.last_token_time, req.paused_at_last = e.time, paused
         if req.prompt_len is not None:
             req.prefilled = req.prompt_len
 
@@ -217,7 +255,7 @@ class EngineState:
         req.state = "finished"
         req.finish_reason, req.error = e.finish_reason, e.error
         req.text, req.num_output = e.output_text, e.num_output_tokens
-        req.finished_ttft, req.finished_tpot = e.ttft_s, e.tpot_s
+        req.finished_ttft, req.finished_tpot, req.finished_paused = e.ttft_s, e.tpot_s, e.paused_s
         req.num_preemptions = e.num_preemptions
         req.num_cached = max(req.num_cached, e.num_cached_prompt_tokens)
         self._prune()
@@ -232,6 +270,8 @@ class EngineState:
     def _on_StepTimed(self, e: ev.StepTimed) -> None:
         self.timings.append(e)
         self._kv_now = None
+        if self.paused:  # a single step has ended: held paused again
+            self._hold(e.time)
 
     def _on_BlocksChanged(self, e: ev.BlocksChanged) -> None:
         self.blocks = e
@@ -267,6 +307,11 @@ class EngineState:
             return "idle"
         kinds = {s.kind for s in self.plan.scheduled}
         return "prefill+decode" if len(kinds) > 1 else kinds.pop()
+
+    @property
+    def busy(self) -> bool:
+        """The engine is running steps now (not idle, paused, loading or failed)."""
+        return self.phase in ("prefill", "decode", "prefill+decode") and self.engine_state == "running"
 
     def throughput(self) -> tuple[float, float]:
         """(prefill, decode) tokens per second of engine time over the last ``RATE_WINDOW`` steps."""

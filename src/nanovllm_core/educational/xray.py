@@ -253,7 +253,7 @@ class LayerTracer:
             head=self.heat_head if heat else None, attention=self._attention if heat else (),
             query_pieces=tuple(pieces[q_from:ctx]),
             key_pieces=tuple(pieces) if self._keys_per_column == 1 else (),
-            kind=self.kind, num_new_tokens=t, context_len=ctx, first_row=self.first_row,
+            part=self.kind, num_new_tokens=t, context_len=ctx, first_row=self.first_row,
             num_batch_tokens=self.num_tokens, num_batch_seqs=len(self.order),
             attention_backend=self.backend, peak_flops=roof.peak_flops if roof else 0.0,
             memory_bandwidth=roof.bandwidth if roof else 0.0, machine=roof.machine if roof else "",

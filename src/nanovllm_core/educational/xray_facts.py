@@ -64,7 +64,7 @@ def new_and_context(trace: ev.LayerTrace) -> tuple[int, int]:
 
 def step_kind(trace: ev.LayerTrace, entry: ev.ScheduledEntry | None = None) -> str:
     """What the traced request did in the step: ``prefill``, ``decode`` or ``speculative verification``."""
-    kind = trace.kind or (entry.kind if entry is not None else "")
+    kind = trace.part or (entry.kind if entry is not None else "")
     if kind == "verify":
         return "speculative verification"
     if kind:

@@ -60,6 +60,8 @@ class EngineController:
         self._steps_allowed = 0
         self._stop = threading.Event()
         self._state = "loading" if _engine is None else ("paused" if start_paused else "idle")
+        if _engine is not None and start_paused:
+            _engine.clock.stop()
         self.load_error: str | None = None
         self.results: dict[str, RequestOutput] = {}
         self._results_cond = threading.Condition()
@@ -193,6 +195,8 @@ class EngineController:
         with self._sub_lock:
             engine._subscribers.extend(self._subscriptions)
             self._engine = engine
+        if self._paused:
+            engine.clock.stop()
         self._state = "paused" if self._paused else "idle"
         self._emit(self.ready_event(engine))
         return True
@@ -263,10 +267,12 @@ class EngineController:
                     self._paused = True
                     self._steps_allowed = 0
                     self._state = "paused"
+                    engine.clock.stop()
                     self._emit(ev.EnginePaused(step=engine.scheduler.step_index))
             elif cmd.name == "resume":
                 if self._paused:
                     self._paused = False
+                    engine.clock.start()
                     self._emit(ev.EngineResumed(step=engine.scheduler.step_index))
             elif cmd.name == "step":
                 if self._paused:
@@ -287,12 +293,16 @@ class EngineController:
                 self._emit(ev.RequestRejected(request_id=cmd.args[3], reason=str(e)))
 
     def _step(self, engine: LLMEngine) -> None:
+        engine.clock.start()  # a single step while paused is engine time; the wait around it is not
         try:
             outputs = engine.step()
         except Exception as e:
             self._emit(ev.EngineError(step=engine.scheduler.step_index, message=f"{type(e).__name__}: {e}",
                                       traceback=traceback.format_exc()))
             outputs = engine.fail_running(f"engine error: {type(e).__name__}: {e}")
+        finally:
+            if self._paused:
+                engine.clock.stop()
         self._collect(outputs)
 
     def _collect(self, outputs: list[RequestOutput]) -> None:

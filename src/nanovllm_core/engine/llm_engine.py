@@ -23,6 +23,7 @@ from nanovllm_core import events as ev
 from nanovllm_core.attention.selector import DEFAULT_BLOCK_SIZE, default_block_size
 from nanovllm_core.config import EngineConfig, check_kv_pool_fits, default_kv_cache_memory
 from nanovllm_core.engine.block_manager import BlockManager
+from nanovllm_core.engine.clock import EngineClock
 from nanovllm_core.engine.device_errors import is_fatal_device_error
 from nanovllm_core.engine.detokenizer import start_detokenizer
 from nanovllm_core.engine.model_runner import ForwardResult, ModelRunner
@@ -109,10 +110,11 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.requests: dict[str, RequestState] = {}
         self._subscribers: list[Subscription] = []
-        self.output = OutputProcessor(tokenizer, self.max_model_len)
         self._seq_counter = itertools.count()
         self._request_counter = itertools.count()
         self.step_index = 0
+        self.clock = EngineClock()  # request times; a controller stops it while it holds the engine paused
+        self.output = OutputProcessor(tokenizer, self.max_model_len, self.clock)
         self.total_prompt_tokens = 0
         self.fault_injector: Callable[[SchedulerOutput], None] | None = None  # tests: raise inside a step
         self.fatal_error: str | None = None  # set when the device failed for good; new requests are rejected
@@ -268,12 +270,12 @@ class LLMEngine:
                                 f"the prompt has {n_prompt} tokens, more than the per-step budget "
                                 f"({self.scheduler.token_budget}) with chunked prefill off; enable chunked prefill")
         req = RequestState(request_id, text, token_ids, params)
-        now = time.perf_counter()
+        now, paused = self.clock.now(), self.clock.paused_s()
         for i in range(params.n):
             seq = Sequence(seq_id=next(self._seq_counter), request_id=request_id, token_ids=list(token_ids),
                            num_prompt_tokens=n_prompt, params=params, prompt=text, index=i, priority=priority,
                            eos_token_ids=() if params.ignore_eos else self.eos_token_ids)
-            seq.metrics.arrival_time = now
+            seq.metrics.arrival_time, seq.metrics.paused_at_arrival = now, paused
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
             if params.logprobs is not None:
@@ -352,7 +354,7 @@ class LLMEngine:
             if self._subscribers:
                 self._emit(self._step_planned_event(plan))
             return outputs
-        now = time.perf_counter()
+        now = self.clock.now()
         for s in plan.scheduled:
             if s.seq.metrics.first_scheduled_time is None:
                 s.seq.metrics.first_scheduled_time = now
@@ -502,7 +504,8 @@ class LLMEngine:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         seq.error = error
-        seq.metrics.finished_time = time.perf_counter()
+        seq.metrics.finished_time = self.clock.now()
+        seq.metrics.paused_time = self.clock.paused_s() - seq.metrics.paused_at_arrival
         seq.metrics.finished_step = self.step_index
         self.scheduler.remove(seq)
         self._release(seq.seq_id)
@@ -534,10 +537,10 @@ class LLMEngine:
             stop_reason=first.stop_reason, output_text=first.output_text,
             output_token_ids=tuple(first.output_token_ids), num_prompt_tokens=first.num_prompt_tokens,
             num_output_tokens=first.num_output_tokens, ttft_s=m.time_to_first_token, tpot_s=m.time_per_output_token,
-            e2e_s=m.finished_time - m.arrival_time, num_preemptions=m.num_preemptions,
+            e2e_s=m.e2e_time, num_preemptions=m.num_preemptions,
             num_cached_prompt_tokens=m.num_cached_prompt_tokens, error=first.error, samples=samples,
             kv_blocks_used=self.block_manager.num_used_blocks,
-            kv_blocks_cached=self.block_manager.num_cached_free_blocks,
+            kv_blocks_cached=self.block_manager.num_cached_free_blocks, paused_s=m.paused_time,
         )
 
     # ------------------------------------------------------------------ events of a step

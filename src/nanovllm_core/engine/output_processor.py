@@ -19,11 +19,11 @@ The engine then frees a finished sequence's blocks; :meth:`OutputProcessor.finis
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from nanovllm_core import events as ev
+from nanovllm_core.engine.clock import EngineClock
 from nanovllm_core.engine.detokenizer import detokenize_new_token, find_stop_string, release_text, streamed_text
 from nanovllm_core.engine.sequence import Sequence
 from nanovllm_core.outputs import CompletionOutput, Logprob, RequestOutput
@@ -57,8 +57,9 @@ class OutputProcessor:
         max_model_len: longest sequence in tokens (a ``"length"`` stop).
     """
 
-    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, clock: EngineClock | None = None) -> None:
         self.tokenizer = tokenizer
+        self.clock = clock or EngineClock()  # request times on the engine's clock (paused time left out)
         self.max_model_len = max_model_len
         self.pending: list[RequestOutput] = []  # finished outputs not yet returned by a step
         self.total_output_tokens = 0
@@ -77,9 +78,11 @@ class OutputProcessor:
         token = sampled.token_ids[i]
         seq.token_ids.append(token)
         m = seq.metrics
+        now = self.clock.now()
         if m.first_token_time is None:
-            m.first_token_time = time.perf_counter()
+            m.first_token_time = now
             m.first_token_step = step
+        m.last_token_time = now
         m.num_output_tokens = seq.num_output_tokens
         self.total_output_tokens += 1
         logprob = sampled.chosen_logprobs[i] if sampled.chosen_logprobs is not None else None

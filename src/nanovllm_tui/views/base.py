@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from textual.containers import Container
+from textual.widget import Widget
 
 from nanovllm_tui.state import EngineState
 
@@ -15,6 +16,11 @@ class EngineView(Container):
     def update_view(self, state: EngineState, selected: str | None) -> None:
         raise NotImplementedError
 
+    def main_widget(self) -> Widget:
+        """Where this tab's keys work: the widget that takes the focus when the tab is shown."""
+        return self
+
     def focus_main(self) -> None:
-        """Put the keyboard focus where this tab's keys work."""
-        self.focus()
+        """Put the keyboard focus on :meth:`main_widget` at once (not deferred as ``Widget.focus`` is,
+        so keys pressed right after a tab key already reach this tab)."""
+        self.screen.set_focus(self.main_widget())

@@ -79,8 +79,8 @@ class BlockMapView(EngineView):
     def on_mount(self) -> None:
         self.query_one("#grid").border_title = "Physical KV blocks"
 
-    def focus_main(self) -> None:
-        self.query_one(BlockGrid).focus()
+    def main_widget(self) -> BlockGrid:
+        return self.query_one(BlockGrid)
 
     def update_view(self, state: EngineState, selected: str | None) -> None:
         blocks = state.blocks

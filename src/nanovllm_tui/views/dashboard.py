@@ -9,7 +9,7 @@ from nanovllm_tui.widgets.live import LiveStatic, tail
 
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.views.base import EngineView
-from nanovllm_tui.widgets.format import request_color, visible_piece
+from nanovllm_tui.widgets.format import first_fitting, fmt_ms, request_color, visible_piece
 from nanovllm_tui.widgets.kv_bar import KVMemoryBar
 from nanovllm_tui.widgets.request_table import RequestTable
 from nanovllm_tui.widgets.throughput import ThroughputPanel
@@ -19,8 +19,9 @@ PHASE_STYLES = {"prefill": "bold #f5a524", "decode": "bold #3ecf8e", "prefill+de
                 "idle": "bold cyan", "paused": "bold yellow", "loading": "bold magenta", "failed": "bold red"}
 
 
-def phase_text(state: EngineState) -> Text:
-    """The phase, and what the newest step did with its token budget and queues."""
+def phase_text(state: EngineState, width: int = 0) -> Text:
+    """The phase, what the newest step did with its token budget (labelled the last step while the
+    engine is idle or paused), and the queues now; each line in as many words as ``width`` cells hold."""
     phase = state.phase
     text = Text.assemble((phase.upper(), PHASE_STYLES.get(phase, "bold")))
     plan = state.plan
@@ -29,16 +30,22 @@ def phase_text(state: EngineState) -> Text:
         return text
     prefill = sum(1 for s in plan.scheduled if s.kind == "prefill")
     decode = len(plan.scheduled) - prefill
-    if phase == "paused" and plan.scheduled:
-        text.append(f" after step {plan.step}", style="dim")
-    text.append(f"\nstep {plan.step}: ")
-    text.append(f"{plan.num_batched_tokens}/{plan.token_budget}", style="bold")
-    text.append(" tokens")
-    text.append(f"\n{prefill} prefill · {decode} decode")
+    used = Text(f"{plan.num_batched_tokens}/{plan.token_budget}", style="bold")
+    # The step's figures are current only while steps run; otherwise say they are the last step's.
+    step = Text(f"step {plan.step}: ") if state.busy else Text(f"last step {plan.step}", style="dim")
+    if not state.busy:
+        used = Text(": ", style="dim") + used
+    lines = [first_fitting(width, step + used + " tokens", step + used, step),
+             first_fitting(width, Text(f"{prefill} prefill · {decode} decode"), Text(f"{prefill} pre · {decode} dec"))]
     running, waiting, preempted = state.queue_counts()  # now, not as of the newest step
-    text.append(f"\n{running} running · {waiting} waiting")
+    queues = [Text(f"{running} running · {waiting} waiting"), Text(f"{running} run · {waiting} wait")]
     if preempted:
-        text.append(f" · {preempted} preempted", style="bold red")
+        queues = [q + Text(f" · {preempted} preempted", style="bold red") for q in queues] + \
+                 [queues[1] + Text(f" · {preempted} pre", style="bold red")]
+    lines.append(first_fitting(width, *queues))
+    for line in lines:
+        text.append("\n")
+        text.append_text(line)
     return text
 
 
@@ -62,11 +69,15 @@ class DashboardView(EngineView):
         self.query_one("#output").border_title = "Selected request"
         self.query_one("#topk").border_title = "Top-k next tokens"
 
-    def focus_main(self) -> None:
-        self.query_one(RequestTable).focus()
+    def main_widget(self) -> RequestTable:
+        return self.query_one(RequestTable)
+
+    def on_resize(self) -> None:
+        self.update_view(self.app.state, self.app.selected)  # the panels fit their text to their widths
 
     def update_view(self, state: EngineState, selected: str | None) -> None:
-        self.query_one("#phase", LiveStatic).show_content(phase_text(state))
+        phase = self.query_one("#phase", LiveStatic)
+        phase.show_content(phase_text(state, phase.content_region.width))
         self.query_one(KVMemoryBar).show(state)
         self.query_one(ThroughputPanel).show(state)
         self.query_one(RequestTable).sync(state, selected)
@@ -79,6 +90,8 @@ class DashboardView(EngineView):
             topk.show((), None)
             return
         output.border_title = f"{req.request_id} · {req.state}"
+        if req.paused_s >= 0.001:  # its wall time differs from the engine's: say by how much
+            output.border_title += f" · {fmt_ms(req.paused_s)} paused (not in TTFT/TPOT)"
         text = Text()
         text.append(req.prompt, style="dim")
         text.append(req.text, style=f"bold {request_color(req.order)}")

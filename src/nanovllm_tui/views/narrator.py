@@ -2,7 +2,9 @@
 
 The words come from ``nanovllm_core.educational.narrator`` (the CLI's ``--narrate`` uses the
 same module); the app feeds it every event and this tab shows its entries. While the tab is
-hidden, entries wait in a bounded queue and are written when it is shown again.
+hidden, entries wait in a bounded queue and are written when it is shown again. Entries are
+wrapped at the log's width, and written again from the kept history when that width changes,
+so no line is ever cut at the edge.
 """
 
 from __future__ import annotations
@@ -37,13 +39,24 @@ class NarratorView(EngineView):
         self.only_selected = False
         self.skipped = 0
         self._selected: str | None = None
+        self._width: int | None = None  # the log's width its lines were wrapped at
 
     def compose(self) -> ComposeResult:
         yield LiveStatic(id="narrator-title")
-        yield RichLog(id="narration", wrap=True, max_lines=MAX_LINES, auto_scroll=True, classes="panel")
+        # min_width=1: RichLog renders at least 78 cells wide by default, which cut the lines of a
+        # narrower log (issue 15); the log's CSS keeps its scrollbar, so the width never changes with it.
+        yield RichLog(id="narration", wrap=True, max_lines=MAX_LINES, auto_scroll=True, min_width=1, classes="panel")
 
-    def focus_main(self) -> None:
-        self.query_one(RichLog).focus()
+    def main_widget(self) -> RichLog:
+        return self.query_one(RichLog)
+
+    def on_resize(self) -> None:
+        width = self.query_one(RichLog).scrollable_content_region.width
+        if width and width != self._width:
+            if self._width is not None:
+                self._rewrite()
+                self.update_view(self.app.state, self.app.selected)
+            self._width = width
 
     def add(self, notes: list[Commentary]) -> None:
         """Queue new entries (shown the next time the tab is drawn)."""

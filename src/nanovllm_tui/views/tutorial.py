@@ -106,8 +106,8 @@ class TutorialView(EngineView):
         self.query_one("#chapter-list").border_title = "Chapters"
         self.query_one("#quiz").border_title = "Quiz"
 
-    def focus_main(self) -> None:
-        self.query_one(QuizChoices).focus()
+    def main_widget(self) -> QuizChoices:
+        return self.query_one(QuizChoices)
 
     # ------------------------------------------------------------------ drawing
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from rich.text import Text
 
 # One colour per request, in arrival order (cycled). Shared by the request table and the block map.
@@ -9,6 +11,7 @@ REQUEST_COLORS = ("#4ea1ff", "#f5a524", "#3ecf8e", "#e5484d", "#b06cf2", "#2ec4d
                   "#ff8a5b", "#8fa8ff")
 BAR_FULL, BAR_EMPTY = "█", "░"
 EIGHTHS = " ▏▎▍▌▋▊▉█"
+COLUMN_EIGHTHS = " ▁▂▃▄▅▆▇█"
 
 
 def request_color(index: int) -> str:
@@ -38,8 +41,29 @@ def fmt_count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def fmt_rate(per_s: float) -> str:
+    """Tokens a second: '0', '0.3' (a busy CPU can decode below 1 tok/s: not shown as 0), '42', '1.2k'."""
+    if per_s == 0 or per_s >= 10:
+        return fmt_count(per_s)
+    return f"{per_s:.1f}"
+
+
 def fmt_ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+    """0.0421 -> '42 ms'; from 10 s on in seconds ('12.3 s', '1234 s'), so the figure stays short."""
+    if seconds is None:
+        return "-"
+    if seconds < 10:
+        return f"{seconds * 1000:.0f} ms"
+    return f"{seconds:.1f} s" if seconds < 1000 else f"{seconds:.0f} s"
+
+
+def first_fitting(width: int, *variants: Text) -> Text:
+    """The first of ``variants`` (longest first) that fits ``width`` cells, else the last; width 0
+    (not laid out yet): the first. A panel of fixed height then never wraps a line out of sight."""
+    for text in variants:
+        if not width or text.cell_len <= width:
+            return text
+    return variants[-1]
 
 
 def bar(fraction: float, width: int, style: str = "", empty_style: str = "dim") -> Text:
@@ -53,6 +77,19 @@ def bar(fraction: float, width: int, style: str = "", empty_style: str = "dim") 
         full += 1
     text.append(BAR_EMPTY * (width - full), style=empty_style)
     return text
+
+
+def sparkline(values: list[float], width: int, style: str = "") -> Text:
+    """The newest ``width`` of ``values`` as columns one cell a value, the newest at the right.
+
+    The scale starts at 0 and the largest value is full height (Textual's ``Sparkline`` scales
+    from the smallest value, so a lone 0 tok/s step drew a full-height bar): a 0 is a blank
+    cell, anything above it at least ``▁``.
+    """
+    values = values[-width:] if width > 0 else []
+    top = max(values, default=0)
+    cells = "".join(COLUMN_EIGHTHS[math.ceil(v / top * 8)] if top > 0 and v > 0 else " " for v in values)
+    return Text(cells.rjust(max(width, 0)), style=style)
 
 
 def progress(done: int, total: int | None, width: int = 10, style: str = "") -> Text:

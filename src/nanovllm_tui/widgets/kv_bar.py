@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from nanovllm_tui.state import EngineState
-from nanovllm_tui.widgets.format import fmt_bytes
+from nanovllm_tui.widgets.format import first_fitting, fmt_bytes
 from nanovllm_tui.widgets.live import LiveStatic
 
 USED, CACHED, FREE = ("█", "#4ea1ff"), ("▒", "#2ec4d6"), ("░", "grey42")
@@ -40,11 +40,15 @@ class KVMemoryBar(LiveStatic):
         for (glyph, color), n in zip((USED, CACHED, FREE), cells):
             text.append(glyph * n, style=color)
         per_block = bytes_total / total if total else 0
+        width = self.content_region.width
         text.append("\n")
-        text.append(f"{USED[0]} used {used}", style=USED[1])
-        text.append(f" ({fmt_bytes(used * per_block)})  ")
-        text.append(f"{CACHED[0]} cached-free {cached}", style=CACHED[1])
-        text.append("  ")
-        text.append(f"{FREE[0]} free {free}", style="grey62")
-        text.append(f"\nof {total} blocks, {fmt_bytes(per_block)} each: {fmt_bytes(bytes_total)} in all", style="dim")
+        text.append_text(first_fitting(width, Text.assemble(
+            (f"{USED[0]} used {used}", USED[1]), f" ({fmt_bytes(used * per_block)})  ",
+            (f"{CACHED[0]} cached-free {cached}", CACHED[1]), "  ", (f"{FREE[0]} free {free}", "grey62")),
+            Text.assemble((f"{USED[0]} used {used}", USED[1]), "  ", (f"{CACHED[0]} cached {cached}", CACHED[1]),
+                          "  ", (f"{FREE[0]} free {free}", "grey62"))))
+        text.append("\n")
+        text.append_text(first_fitting(
+            width, Text(f"of {total} blocks, {fmt_bytes(per_block)} each: {fmt_bytes(bytes_total)} in all", style="dim"),
+            Text(f"of {total} blocks: {fmt_bytes(bytes_total)}", style="dim")))
         self.show_content(text)

@@ -1,14 +1,28 @@
-"""The prompt bar: a prompt, and its priority, max tokens and temperature, all from the keyboard."""
+"""The prompt bar: a prompt, and its priority, max tokens and temperature, all from the keyboard.
+
+Each setting is checked as it is typed (Textual's ``Input`` validators): a wrong one turns red
+and the line under the bar says why. Enter sends only when every setting is right, and at once
+(not through a message that would reach the app after the keys pressed behind Enter); a prompt
+is cleared only once it has been sent.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Callable
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal
-from textual.message import Message
+from textual.containers import Horizontal, Vertical
+from textual.validation import ValidationResult, Validator
 from textual.widgets import Input, Label
+
+# The prompt field's hint, longest first: the longest that fits is shown (never a cut one).
+PLACEHOLDERS = ("Type a prompt, Enter sends it  (Esc: engine keys · / comes back)", "Type a prompt, Enter sends it",
+                "Prompt, Enter sends", "Prompt")
+PRIORITY_LIMIT = 1000  # priorities from -1000 to 1000: plenty of levels, and the table shows each in full
 
 
 @dataclass
@@ -20,72 +34,155 @@ class PromptSettings:
     temperature: float = 0.0
 
 
-class PromptBar(Horizontal):
+def parse_priority(text: str) -> int:
+    """``"3"`` -> 3 (empty: 0). Raises ValueError: not a whole number, or beyond +-PRIORITY_LIMIT."""
+    value = int(text.strip() or 0)
+    if abs(value) > PRIORITY_LIMIT:
+        raise ValueError(text)
+    return value
+
+
+def parse_temperature(text: str) -> float:
+    """``"0.7"`` -> 0.7 (empty: 0, greedy). Raises ValueError: not a finite number >= 0."""
+    value = float(text.strip() or 0)
+    if not 0 <= value < math.inf:  # also refuses nan
+        raise ValueError(text)
+    return value
+
+
+def max_tokens_parser(limit: int | None) -> Callable[[str], int]:
+    """A parser of max tokens: a whole number from 1 to ``limit`` (the model's max_model_len; None: no limit yet)."""
+
+    def parse(text: str) -> int:
+        value = int(text.strip())
+        if value < 1 or (limit is not None and value > limit):
+            raise ValueError(text)
+        return value
+
+    return parse
+
+
+class Setting(Validator):
+    """A prompt-bar field's rule: ``parse`` accepts the text or raises ValueError; ``rule`` says what is wanted."""
+
+    def __init__(self, name: str, parse: Callable[[str], object], rule: str) -> None:
+        super().__init__()
+        self.name, self.parse, self.rule = name, parse, rule
+
+    def validate(self, value: str) -> ValidationResult:
+        try:
+            self.parse(value)
+        except (ValueError, OverflowError):
+            return self.failure(f"{self.name} must be {self.rule}, not {value.strip()!r}")
+        return self.success()
+
+
+class Field(Input):
+    """A prompt-bar field: Enter asks the bar to send, there and then."""
+
+    async def action_submit(self) -> None:
+        self.query_ancestor(PromptBar).submit(self)
+
+
+class PromptBar(Vertical):
     """``prompt ▏ prio ▏ max ▏ temp``: Enter in any field sends, Tab moves between fields, Esc leaves.
 
-    Posts :class:`PromptBar.Submitted`; bad input (an empty prompt, a setting that is not a
-    number) is answered with a notification and nothing is sent.
+    Args:
+        settings: the fields' starting values.
+        send: ``send(prompt, settings)`` sends a prompt and returns its request id, or None if it
+            was not sent (the app has said why); called while Enter is handled.
+
+    An empty prompt, or a setting that is wrong (it is marked, and the reason shown under the
+    bar), sends nothing and keeps what was typed.
     """
 
     BINDINGS = [Binding("escape", "app.focus_view", "Leave prompt")]
+    FIELDS = ("priority", "max-tokens", "temperature")
 
-    @dataclass
-    class Submitted(Message):
-        prompt: str
-        settings: PromptSettings
-
-    def __init__(self, settings: PromptSettings | None = None, **kwargs) -> None:
+    def __init__(self, settings: PromptSettings | None = None,
+                 send: Callable[[str, PromptSettings], str | None] | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.defaults = settings or PromptSettings()
+        self.send = send or (lambda prompt, settings: None)
+        self.rules = {
+            "priority": Setting("priority", parse_priority,
+                                f"a whole number from -{PRIORITY_LIMIT} to {PRIORITY_LIMIT} (higher runs first)"),
+            "max-tokens": Setting("max tokens", max_tokens_parser(None), "a whole number >= 1"),
+            "temperature": Setting("temperature", parse_temperature, "a finite number >= 0 (0 = greedy)"),
+        }
 
     def compose(self) -> ComposeResult:
         d = self.defaults
-        yield Input(placeholder="Type a prompt, Enter sends it  (Esc: engine keys · / comes back)", id="prompt")
-        yield Label("prio", classes="setting-label")
-        yield Input(str(d.priority), id="priority", type="integer", classes="setting")
-        yield Label("max", classes="setting-label")
-        yield Input(str(d.max_tokens), id="max-tokens", type="integer", classes="setting")
-        yield Label("temp", classes="setting-label")
-        yield Input(str(d.temperature), id="temperature", type="number", classes="setting")
+        with Horizontal(id="prompt-fields"):
+            yield Field(placeholder=PLACEHOLDERS[0], id="prompt")
+            for name, label, value in (("priority", "prio", d.priority), ("max-tokens", "max", d.max_tokens),
+                                       ("temperature", "temp", d.temperature)):
+                yield Label(label, classes="setting-label")
+                yield Field(str(value), id=name, classes="setting", validators=[self.rules[name]])
+        yield Label(id="prompt-error")
+
+    def on_mount(self) -> None:
+        self._show_errors()
+
+    def on_resize(self) -> None:
+        field = self.query_one("#prompt", Input)
+        width = field.content_region.width
+        field.placeholder = next((p for p in PLACEHOLDERS if len(p) < width), PLACEHOLDERS[-1])
 
     def focus_prompt(self) -> None:
-        self.query_one("#prompt", Input).focus()
+        self.screen.set_focus(self.query_one("#prompt", Input))
+
+    def limit_max_tokens(self, limit: int) -> None:
+        """The model is known: max tokens may not exceed its ``max_model_len`` (``limit`` tokens)."""
+        rule = self.rules["max-tokens"]
+        rule.parse, rule.rule = max_tokens_parser(limit), f"a whole number from 1 to {limit} (the model's max_model_len)"
+        field = self.query_one("#max-tokens", Input)
+        field.validate(field.value)
+        self._show_errors()
+
+    def errors(self) -> list[tuple[str, str]]:
+        """(field id, why) for every setting that is wrong now."""
+        wrong = []
+        for name in self.FIELDS:
+            field = self.query_one(f"#{name}", Input)
+            result = self.rules[name].validate(field.value)
+            if not result.is_valid:
+                wrong.append((name, result.failure_descriptions[0]))
+        return wrong
 
     def read_settings(self) -> PromptSettings | None:
-        """The settings as typed, or None after notifying what is wrong."""
-        raw = {name: self.query_one(f"#{name}", Input).value.strip() for name in ("priority", "max-tokens", "temperature")}
-        try:
-            priority = int(raw["priority"] or 0)
-        except ValueError:
-            self.notify(f"priority must be a whole number, not {raw['priority']!r}", severity="error")
+        """The settings as typed, or None when one is wrong (see :meth:`errors`)."""
+        if self.errors():
             return None
-        try:
-            max_tokens = int(raw["max-tokens"])
-            if max_tokens < 1:
-                raise ValueError
-        except ValueError:
-            self.notify(f"max tokens must be a whole number >= 1, not {raw['max-tokens']!r}", severity="error")
-            return None
-        try:
-            temperature = float(raw["temperature"] or 0)
-            if temperature < 0:
-                raise ValueError
-        except ValueError:
-            self.notify(f"temperature must be a number >= 0 (0 = greedy), not {raw['temperature']!r}", severity="error")
-            return None
-        return PromptSettings(priority, max_tokens, temperature)
+        value = {name: self.query_one(f"#{name}", Input).value for name in self.FIELDS}
+        return PromptSettings(parse_priority(value["priority"]), self.rules["max-tokens"].parse(value["max-tokens"]),
+                              parse_temperature(value["temperature"]))
 
-    def on_input_submitted(self, event: Input.Submitted) -> None:
-        event.stop()
-        prompt_input = self.query_one("#prompt", Input)
-        prompt = prompt_input.value
+    def on_input_changed(self, event: Input.Changed) -> None:
+        if event.input.id in self.FIELDS:
+            self._show_errors()
+
+    def _show_errors(self) -> None:
+        wrong = self.errors()
+        for name in self.FIELDS:
+            self.query_one(f"#{name}", Input).set_class(name in dict(wrong), "-invalid")
+        self.set_class(bool(wrong), "-invalid")
+        self.query_one("#prompt-error", Label).update(Text("; ".join(why for _, why in wrong)))  # typed text: no markup
+
+    def submit(self, field: Input) -> None:
+        """Enter in ``field``: send the prompt with the settings, or say why not and keep it."""
+        prompt_field = self.query_one("#prompt", Input)
+        prompt = prompt_field.value
         if not prompt.strip():
             self.notify("The prompt is empty: type some text, then press Enter.", severity="warning")
-            prompt_input.focus()
+            self.screen.set_focus(prompt_field)
             return
-        settings = self.read_settings()
-        if settings is None:
+        wrong = self.errors()
+        if wrong:
+            self._show_errors()
+            self.notify(f"Not sent: {wrong[0][1]}. The prompt is kept.", severity="error", markup=False)
+            self.screen.set_focus(self.query_one(f"#{wrong[0][0]}", Input))
             return
-        prompt_input.value = ""
-        prompt_input.focus()
-        self.post_message(self.Submitted(prompt, settings))
+        if self.send(prompt, self.read_settings()) is not None:
+            prompt_field.value = ""
+            self.screen.set_focus(prompt_field)

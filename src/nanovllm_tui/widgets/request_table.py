@@ -1,5 +1,8 @@
 """One row per request: state, priority, prefill and decode progress, TTFT, TPOT.
 
+Every cell shows its whole value: a column is as wide as its widest cell (the table scrolls
+sideways when the terminal is narrower).
+
 A Line API widget: each row is rendered once per change and kept as a ``Strip``, so a busy
 engine (every running row changes every step) costs one row render per changed row, not a
 redraw of the whole table. ↑/↓ (or a click) move the cursor; the cursor's row is the
@@ -24,6 +27,7 @@ from nanovllm_tui.widgets.format import fmt_ms, progress, request_color
 
 STATE_STYLES = {"submitted": "magenta", "waiting": "yellow", "running": "green", "preempted": "bold red",
                 "finished": "dim", "rejected": "red"}
+# (title, least width in cells, a separating space included)
 COLUMNS = (("request", 9), ("state", 18), ("prio", 5), ("prefill (prompt)", 19), ("decode (output)", 19),
            ("TTFT", 9), ("TPOT", 8), ("preempted", 10), ("cached", 7))
 CURSOR = Style(bgcolor="#264f78", bold=True)
@@ -47,13 +51,19 @@ def row_cells(req: RequestView) -> tuple[Text, ...]:
     )
 
 
-def join_cells(cells: tuple[Text, ...]) -> Text:
+def column_widths(rows) -> tuple[int, ...]:
+    """Each column's width: its least width, or its widest cell and a space."""
+    widths = [max(least, len(title) + 1) for title, least in COLUMNS]
+    for cells in rows:
+        widths = [max(w, cell.cell_len + 1) for w, cell in zip(widths, cells)]
+    return tuple(widths)
+
+
+def join_cells(cells: tuple[Text, ...], widths: tuple[int, ...]) -> Text:
     line = Text(" ")
-    for cell, (_, width) in zip(cells, COLUMNS):
-        cell = cell.copy()
-        cell.truncate(width - 1, pad=True)
+    for cell, width in zip(cells, widths):
         line.append_text(cell)
-        line.append(" ")
+        line.append(" " * (width - cell.cell_len))
     return line
 
 
@@ -77,6 +87,7 @@ class RequestTable(ScrollView, can_focus=True):
         self.ids: list[str] = []
         self.rows: dict[str, tuple[Text, ...]] = {}
         self.cursor = -1  # no request selected
+        self.widths = column_widths(())
         self._cache: dict[tuple, Strip] = {}
 
     def sync(self, state: EngineState, selected: str | None) -> None:
@@ -86,7 +97,8 @@ class RequestTable(ScrollView, can_focus=True):
         if rows == self.rows and cursor == self.cursor and list(rows) == self.ids:
             return
         self.ids, self.rows, self.cursor = list(rows), rows, cursor
-        self.virtual_size = Size(sum(w for _, w in COLUMNS) + 1, len(self.ids) + 1)
+        self.widths = column_widths(rows.values())
+        self.virtual_size = Size(sum(self.widths) + 1, len(self.ids) + 1)
         self._keep_cursor_visible()
         if len(self._cache) > 4 * len(rows) + 64:
             self._cache.clear()
@@ -123,17 +135,17 @@ class RequestTable(ScrollView, can_focus=True):
         at_cursor = False
         if y == 0:
             cells = tuple(Text(name, style=HEADER) for name, _ in COLUMNS)
-            key: tuple = ("header", width, scroll_x)
+            key: tuple = ("header", width, scroll_x, self.widths)
         else:
             row = int(self.scroll_y) + y - 1
             if not 0 <= row < len(self.ids):
                 return Strip.blank(width)
             cells = self.rows[self.ids[row]]
             at_cursor = row == self.cursor
-            key = (tuple(c.markup for c in cells), at_cursor, width, scroll_x)
+            key = (tuple(c.markup for c in cells), at_cursor, width, scroll_x, self.widths)
         strip = self._cache.get(key)
         if strip is None:
-            segments = list(join_cells(cells).render(self.app.console))
+            segments = list(join_cells(cells, self.widths).render(self.app.console))
             strip = Strip(segments).crop(scroll_x, scroll_x + width).extend_cell_length(width)
             if at_cursor:
                 strip = strip.apply_style(CURSOR)

@@ -1,12 +1,12 @@
-"""The top line: model, device, dtype and engine state, or the model's loading progress."""
+"""The top line: the app's name, model, device, dtype and engine state, or the model's loading progress."""
 
 from __future__ import annotations
 
 from rich.text import Text
-from nanovllm_tui.widgets.live import LiveStatic
 
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.widgets.format import bar
+from nanovllm_tui.widgets.live import LiveStatic
 
 SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 STATE_STYLES = {
@@ -15,42 +15,58 @@ STATE_STYLES = {
 }
 
 
-class StatusHeader(LiveStatic):
-    """One line: ``nano-vLLM │ model · device · dtype │ ● state · step N``.
+def fit(parts: list[tuple[Text, int]], width: int | None) -> Text:
+    """Join ``parts`` (text, rank), leaving out the highest ranks first until the line fits ``width``
+    cells; rank 0 is always kept. What is left is never cut silently: a last part still too long
+    ends in an ellipsis."""
+    kept = list(parts)
+    while width is not None and sum(t.cell_len for t, _ in kept) > width and any(r for _, r in kept):
+        worst = max(r for _, r in kept)
+        kept = [(t, r) for t, r in kept if r != worst]
+    line = Text().join(t for t, _ in kept)
+    if width is not None and line.cell_len > width:
+        line.truncate(width, overflow="ellipsis")
+    return line
 
-    While the model loads it shows the loading stage and a progress bar instead.
+
+class StatusHeader(LiveStatic):
+    """One line: ``nano-vLLM │ model · device · dtype │ ● state · step N · k active requests``.
+
+    While the model loads it shows the loading stage and a progress bar instead, and a model that
+    failed to load, the whole reason. On a narrow terminal the least needed parts go first (the
+    request count, device and dtype, the hint); the app's name and the engine's state always stay.
     """
 
     def show(self, state: EngineState, replay: bool = False, loading_s: float | None = None,
-             compact: bool = False) -> None:
-        """Draw from ``state``; ``loading_s``: seconds since loading began; ``compact``: a narrow terminal."""
-        text = Text("" if compact else "nano-vLLM ", style="bold")
+             width: int | None = None) -> None:
+        """Draw from ``state``; ``loading_s``: seconds since loading began; ``width``: cells available."""
+        parts: list[tuple[Text, int]] = [(Text("nano-vLLM ", style="bold"), 0)]
         if replay:
-            text.append("replay ", style="bold magenta")
-        text.append("│ ", style="dim")
-        if state.load_error is not None:
-            text.append("model failed to load: ", style="bold red")
-            text.append(state.load_error, style="red")
+            parts.append((Text("replay ", style="bold magenta"), 0))
+        parts.append((Text("│ ", style="dim"), 0))
+        if state.load_error is not None:  # the whole reason, wrapped over a few lines
+            parts.append((Text.assemble(("model failed to load: ", "bold red"), (state.load_error, "red")), 0))
+            width = None
         elif not state.ready:
-            loading = state.loading
-            text.append("loading model", style="bold magenta")
+            parts.append((Text("loading model", style="bold magenta"), 0))
+            if state.paused:  # space pressed while loading: the engine will start paused
+                parts.append((Text(" · will start paused", style="bold yellow"), 1))
             if loading_s is not None:
-                text.append(f" {SPINNER[int(loading_s * 2) % len(SPINNER)]} {loading_s:.0f} s", style="magenta")
+                parts.append((Text(f" {SPINNER[int(loading_s * 2) % len(SPINNER)]} {loading_s:.0f} s",
+                                   style="magenta"), 2))
+            loading = state.loading
             if loading is not None:
-                text.append(f" · {loading.stage} ")
-                text.append_text(bar(loading.done / max(loading.total, 1), 10, "magenta"))
-                text.append(f" {loading.done}/{loading.total}")
-            text.append("  (prompts sent now wait in the queue)", style="dim")
+                parts.append((Text(f" · {loading.stage}"), 3))
+                parts.append((Text.assemble(" ", bar(loading.done / max(loading.total, 1), 10, "magenta"),
+                                            f" {loading.done}/{loading.total}"), 4))
+            parts.append((Text("  (prompts sent now wait in the queue)", style="dim"), 5))
         else:
-            text.append(state.model_name or "model", style="bold")
-            if not compact:
-                text.append(f" · {state.device} · {state.dtype}")
-            text.append(" │ ", style="dim")
+            parts.append((Text(state.model_name or "model", style="bold"), 1))
+            parts.append((Text(f" · {state.device} · {state.dtype}"), 4))
             engine_state = "paused" if state.paused and state.engine_state != "stopped" else state.engine_state
-            text.append(f"● {engine_state}", style=STATE_STYLES.get(engine_state, "bold"))
+            parts.append((Text.assemble((" │ ", "dim"), (f"● {engine_state}", STATE_STYLES.get(engine_state, "bold"))), 0))
             if state.step is not None:
-                text.append(f" · step {state.step}")
+                parts.append((Text(f" · step {state.step}"), 3))
             active = len(state.active_requests)
-            if not compact:
-                text.append(f" · {active} active request{'s' if active != 1 else ''}")
-        self.show_content(text)
+            parts.append((Text(f" · {active} active request{'s' if active != 1 else ''}"), 5))
+        self.show_content(fit(parts, width))

@@ -1,37 +1,41 @@
-"""Prefill and decode throughput (tokens/s), each with a sparkline of recent steps."""
+"""Prefill and decode throughput (tokens/s) now, each with a sparkline of recent steps."""
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
-from rich.text import Text
-from textual.widgets import Sparkline
 
 from nanovllm_tui.state import EngineState
-from nanovllm_tui.widgets.format import fmt_count
+from nanovllm_tui.widgets.format import fmt_rate, sparkline
 from nanovllm_tui.widgets.live import LiveStatic
+
+STYLES = {"prefill": "#f5a524", "decode": "#3ecf8e"}
 
 
 class ThroughputPanel(Vertical):
-    """Tokens per second of engine time over the last ``RATE_WINDOW`` steps; sparklines show each step's rate."""
-
-    _last_step: int | None = None
+    """Tokens per second of engine time over the last ``RATE_WINDOW`` steps while the engine runs,
+    0 while it is idle or paused (the last run's rate stays beside the sparkline, labelled);
+    sparklines show each step's rate, one cell a step."""
 
     def compose(self) -> ComposeResult:
-        yield LiveStatic("prefill", id="prefill-rate")
-        yield Sparkline([], id="prefill-spark", summary_function=max)
-        yield LiveStatic("decode", id="decode-rate")
-        yield Sparkline([], id="decode-spark", summary_function=max)
+        for kind in STYLES:
+            yield LiveStatic(kind, id=f"{kind}-rate")
+            yield LiveStatic(id=f"{kind}-spark")
 
     def show(self, state: EngineState) -> None:
-        prefill, decode = state.throughput()
-        timings = list(state.timings)
-        self.query_one("#prefill-rate", LiveStatic).show_content(
-            Text.assemble(("prefill ", "bold"), f"{fmt_count(prefill)} tok/s"))
-        self.query_one("#decode-rate", LiveStatic).show_content(
-            Text.assemble(("decode  ", "bold"), f"{fmt_count(decode)} tok/s"))
-        last = timings[-1].step if timings else None
-        if last != self._last_step:  # the sparklines change only with a new step
-            self._last_step = last
-            self.query_one("#prefill-spark", Sparkline).data = [t.prefill_tokens_per_s for t in timings]
-            self.query_one("#decode-spark", Sparkline).data = [t.decode_tokens_per_s for t in timings]
+        rates = dict(zip(STYLES, state.throughput()))
+        per_step = {"prefill": [t.prefill_tokens_per_s for t in state.timings],
+                    "decode": [t.decode_tokens_per_s for t in state.timings]}
+        busy = state.busy
+        for kind, style in STYLES.items():
+            now = rates[kind] if busy else 0.0
+            self.query_one(f"#{kind}-rate", LiveStatic).show_content(
+                Text.assemble((f"{kind:<8}", "bold"), f"{fmt_rate(now)} tok/s"))
+            spark = self.query_one(f"#{kind}-spark", LiveStatic)
+            width = spark.content_region.width
+            last = Text()
+            if not busy and state.timings:
+                last = Text(f" last run {fmt_rate(rates[kind])}", style="dim")
+            line = sparkline(per_step[kind], max(0, width - len(last)), style)
+            spark.show_content(line + last)

@@ -1,0 +1,219 @@
+"""The app under load and at its edges (issue 15): the last key wins, every figure is current,
+nothing is clipped, no input is lost. Most run on the recorded replay; the key-order test on a
+tiny random LLaMA whose loading is held back."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+from textual.widgets import Input, RichLog
+
+from nanovllm_tui.app import NanoVLLMApp
+from nanovllm_tui.widgets.request_table import RequestTable
+from tests.tui_helpers import Notes, keys_at_once, replay_app, visible_tab, wait_until
+
+pytestmark = pytest.mark.anyio
+TABS = {"1": "dashboard", "2": "xray", "3": "narrator", "4": "tutorial", "5": "blocks"}
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def plain(app, selector: str) -> str:
+    return str(app.query_one(selector).render())
+
+
+# ---------------------------------------------------------------------------------------------- 1
+
+
+async def test_the_last_tab_key_wins_however_fast_tab_keys_come(tmp_path):
+    rng = random.Random(15)
+    app = replay_app(tmp_path, start_paused=False)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("escape")
+        for burst in range(8):
+            keys = [rng.choice("12345") for _ in range(rng.randint(2, 7))]
+            keys_at_once(app, *keys)
+            want = TABS[keys[-1]]
+            await wait_until(pilot, lambda: visible_tab(app) == want, timeout=10, what=f"tab {want} after {keys}")
+            await pilot.pause(0.3)  # nothing may switch it back without a key
+            assert visible_tab(app) == want, f"burst {burst}: {keys} ended on {visible_tab(app)}"
+            assert app.focused in app.query_one(f"#{want}-view").query("*").nodes + [app.query_one(f"#{want}-view")]
+            assert app.bridge.subscription.xray == (want == "xray")
+            assert app.bridge.subscription.blocks == (want in ("blocks", "narrator"))
+
+
+# ---------------------------------------------------------------------------------------------- 2
+
+
+async def test_keys_pressed_while_the_model_loads_act_in_order_in_the_right_widget(
+        tiny_llama_dir, tmp_path, monkeypatch):
+    from nanovllm_core.engine.controller import EngineController
+    from nanovllm_core.engine.llm_engine import LLMEngine
+    from nanovllm_tui.starter import BackgroundController
+    from nanovllm_tui.widgets.prompt_bar import PromptSettings
+
+    loading = threading.Event()
+    load = LLMEngine.from_config.__func__
+    monkeypatch.setattr(LLMEngine, "from_config",
+                        classmethod(lambda cls, *a, **kw: loading.wait(30) and load(cls, *a, **kw)))
+    app = NanoVLLMApp(BackgroundController(lambda: EngineController(model=str(tiny_llama_dir), num_kv_blocks=32)),
+                      settings=PromptSettings(max_tokens=3), tutorial_path=tmp_path / "t.json")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        # type a prompt, send it, leave the bar, pause, ask for one step, then tabs: all before any is handled
+        keys_at_once(app, *"Hello", "enter", "escape", "space", "n", "2", "3", "5", "1")
+        await wait_until(pilot, lambda: visible_tab(app) == "dashboard" and app.state.requests, timeout=10,
+                         what="the keys to be handled")
+        await pilot.pause(0.3)
+        [req] = app.state.requests.values()
+        assert req.prompt == "Hello" and app.query_one("#prompt", Input).value == ""
+        assert isinstance(app.focused, RequestTable) and visible_tab(app) == "dashboard"
+        assert app.state.paused and "will start paused" in plain(app, "#header")
+        loading.set()  # the engine starts paused and runs the one step asked for
+        await wait_until(pilot, lambda: req.num_output == 1 and app.controller.state == "paused", timeout=60,
+                         what="exactly one step")
+        await pilot.pause(0.3)
+        assert req.num_output == 1
+
+
+async def test_a_paste_then_enter_sends_the_pasted_prompt(tmp_path):
+    from textual import events
+
+    app, notes = replay_app(tmp_path), Notes()
+    async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
+        await pilot.pause()
+        paste = events.Paste("Once upon a time\nand more")
+        paste.set_sender(app)
+        app._driver.send_message(paste)
+        keys_at_once(app, "enter", "escape", "2")
+        await wait_until(pilot, lambda: notes.find("cannot run new prompts"), timeout=10, what="the (refused) prompt")
+        assert app.state.requests[app.selected].prompt == "Once upon a time"  # an input takes the first line
+        assert app.query_one("#prompt", Input).value == "" and visible_tab(app) == "xray"
+
+
+# ---------------------------------------------------------------------------------------------- 3, 4
+
+
+@pytest.mark.parametrize("field, typed, why", [
+    ("temperature", "1e999", "temperature must be a finite number >= 0 (0 = greedy), not '1e999'"),
+    ("temperature", "0.5[/]", "temperature must be a finite number >= 0 (0 = greedy), not '0.5[/]'"),  # not markup
+    ("priority", "1.5", "priority must be a whole number from -1000 to 1000 (higher runs first), not '1.5'"),
+    ("priority", "99999999999999999999999", "priority must be a whole number from -1000 to 1000"),
+    ("max-tokens", "100000", "max tokens must be a whole number from 1 to 8192 (the model's max_model_len)"),
+])
+async def test_a_wrong_setting_is_marked_at_its_field_and_the_prompt_is_kept(tmp_path, field, typed, why):
+    app, notes = replay_app(tmp_path), Notes()
+    async with app.run_test(size=(80, 24), message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, timeout=10, what="the recording's model facts")
+        recorded = set(app.state.requests)
+        await pilot.click(f"#{field}")
+        await pilot.press("end", "ctrl+u", *typed)  # typed as a person would: nothing dropped
+        setting = app.query_one(f"#{field}", Input)
+        assert setting.value == typed and setting.has_class("-invalid")
+        assert why in plain(app, "#prompt-error") and app.query_one("#prompt-error").display
+        await pilot.click("#prompt")
+        await pilot.press(*"Once upon a time", "enter")
+        assert app.query_one("#prompt", Input).value == "Once upon a time"  # not sent, so not cleared
+        assert set(app.state.requests) == recorded and notes.find(why, "error")
+        assert app.focused is setting  # the field to fix
+
+
+async def test_fixing_the_setting_clears_its_mark_and_enter_sends(tmp_path):
+    app, notes = replay_app(tmp_path), Notes()
+    async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
+        await pilot.click("#priority")
+        await pilot.press("end", "ctrl+u", *"1.5")
+        assert app.query_one("#prompt-bar").has_class("-invalid")
+        await pilot.press("backspace", "backspace")
+        assert not app.query_one("#prompt-bar").has_class("-invalid") and not app.query_one("#prompt-error").display
+        await pilot.click("#prompt")
+        await pilot.press(*"Hi", "enter")  # a replay refuses new prompts: sent, then rejected with the reason
+        await wait_until(pilot, lambda: notes.find("cannot run new prompts", "error"), timeout=10)
+        assert app.query_one("#prompt", Input).value == ""
+        assert app.state.requests[app.selected].priority == 1
+
+
+def test_every_table_cell_shows_its_whole_value():
+    from nanovllm_tui.state import EngineState
+    from nanovllm_tui.widgets.request_table import column_widths, join_cells, row_cells
+
+    state = EngineState()
+    req = state.submitted("req-1234567", "a prompt", 99999999999999999999999, 100000)
+    req.state, req.prompt_len, req.prefilled, req.num_output = "running", 12345, 12345, 1570
+    req.added_time, req.first_token_time, req.last_token_time = 0.0, 123.4, 200.0
+    cells = [row_cells(r) for r in state.requests.values()]
+    line = join_cells(cells[0], column_widths(cells)).plain
+    for whole in ("req-1234567", "99999999999999999999999", "12345/12345", "1570/100000", "123.4 s", "49 ms"):
+        assert whole in line, (whole, line)
+
+
+# ---------------------------------------------------------------------------------------------- 5, 10
+
+
+async def test_idle_shows_0_tokens_per_second_and_labels_the_last_run(tmp_path):
+    app = replay_app(tmp_path, start_paused=False)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.controller.state == "idle" and app.state.engine_state == "idle",
+                         timeout=20, what="the recording's end")
+        await pilot.pause(0.2)
+        decode = plain(app, "#decode-rate") + plain(app, "#decode-spark")
+        assert "decode  0 tok/s" in decode and "last run" in decode and "last run 0" not in decode
+        assert "last step 7:" in plain(app, "#phase") and "IDLE" in plain(app, "#phase")
+
+
+async def test_the_decode_sparkline_starts_at_zero(tmp_path):
+    app = replay_app(tmp_path)  # paused: step 0 is a prefill, so no decode happened yet
+    async with app.run_test(size=(120, 40)) as pilot:
+        app.controller.step(1)
+        await wait_until(pilot, lambda: app.state.step == 0 and app.state.timings, timeout=10)
+        await pilot.pause(0.2)
+        assert "decode  0 tok/s" in plain(app, "#decode-rate")
+        assert not set(plain(app, "#decode-spark").split(" last run")[0]) - {" "}  # no bar for a 0 tok/s step
+        assert set(plain(app, "#prefill-spark").split(" last run")[0].strip()) == {"█"}
+
+
+async def test_holding_n_while_running_says_its_warning_once(tmp_path):
+    from nanovllm_tui.replay import ReplayController, load_trace
+    from tests.tui_helpers import TRACE
+
+    app = NanoVLLMApp(ReplayController(load_trace(TRACE), pace=(5.0, 5.0)), tutorial_path=tmp_path / "t.json")
+    notes = Notes()
+    async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
+        await pilot.press("escape", *"n" * 8)
+        await pilot.pause(0.2)
+        assert len(notes.find("n runs one step while the engine is paused")) == 1
+
+
+@pytest.mark.parametrize("size", [(60, 20), (80, 24), (99, 30), (200, 60)])
+async def test_the_header_keeps_the_app_name_and_the_state_at_any_width(tmp_path, size):
+    app = replay_app(tmp_path)
+    async with app.run_test(size=size) as pilot:
+        app.controller.step(2)
+        await wait_until(pilot, lambda: app.state.step == 1, timeout=10)
+        await pilot.pause(0.2)
+        header = plain(app, "#header")
+        assert header.startswith("nano-vLLM replay │") and "● paused" in header
+        assert len(header) <= size[0] - 2
+
+
+# ---------------------------------------------------------------------------------------------- 8
+
+
+@pytest.mark.parametrize("size", [(60, 20), (80, 24)])
+async def test_the_narrator_wraps_and_never_cuts_a_line(tmp_path, size):
+    app = replay_app(tmp_path, start_paused=False)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.controller.state == "idle", timeout=20)
+        await pilot.press("escape", "3")
+        await pilot.pause(0.2)
+        await pilot.resize_terminal(*size)  # written at 120 columns, then the terminal narrows
+        await pilot.pause(0.3)
+        log = app.query_one("#narration", RichLog)
+        width = log.scrollable_content_region.width
+        assert len(log.lines) > 20 and max(strip.cell_length for strip in log.lines) <= width
+        assert log.max_scroll_x == 0
