@@ -11,7 +11,7 @@ from nanovllm_tui.widgets.format import bar
 SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 STATE_STYLES = {
     "running": "bold green", "idle": "bold cyan", "paused": "bold yellow", "loading": "bold magenta",
-    "failed": "bold red", "stopped": "bold red",
+    "failed": "bold red", "stopped": "bold red", "disconnected": "bold red",
 }
 
 
@@ -46,7 +46,9 @@ class StatusHeader(LiveStatic):
             if not compact:
                 text.append(f" · {state.device} · {state.dtype}")
             text.append(" │ ", style="dim")
-            engine_state = "paused" if state.paused and state.engine_state != "stopped" else state.engine_state
+            # A server out of reach may have resumed meanwhile: say what is known, the lost connection.
+            lost = state.engine_state in ("stopped", "disconnected")
+            engine_state = "paused" if state.paused and not lost else state.engine_state
             text.append(f"● {engine_state}", style=STATE_STYLES.get(engine_state, "bold"))
             if state.step is not None:
                 text.append(f" · step {state.step}")

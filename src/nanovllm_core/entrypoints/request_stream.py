@@ -1,0 +1,90 @@
+"""One HTTP request's engine outputs, from the engine thread to the server's event loop.
+
+The controller calls a listener on the engine thread with each ``RequestOutput`` (see
+``EngineController.submit(on_output=...)``); the listener only hands the output to the event
+loop (``call_soon_threadsafe``), never waits. A request with several prompts becomes several
+engine requests whose outputs share one queue. Outputs are cumulative (whole text and token
+ids so far), so when the loop falls behind a busy engine only the newest output of each
+engine request is kept: a client then gets a larger delta, never a lost token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Callable
+
+from nanovllm_core.outputs import RequestOutput
+from nanovllm_core.sampling_params import SamplingParams
+
+
+class RequestStream:
+    """Submits prompts to a controller and yields their outputs on the event loop.
+
+    Args:
+        controller: an ``EngineController`` (or anything with its ``submit``/``abort``).
+        on_finished: called (engine thread) with each finished output, e.g. to count metrics.
+        registry: a set the stream joins while it has unfinished requests (the server's
+            shutdown aborts what is in it).
+
+    Use ``async for outputs in stream`` (each item: the newest ``RequestOutput`` per engine
+    request that changed), then ``stream.close()`` in a ``finally``: engine requests not yet
+    finished (the client went away) are aborted, so their KV blocks are freed.
+    """
+
+    def __init__(self, controller: Any, on_finished: Callable[[RequestOutput], None] | None = None,
+                 registry: set | None = None) -> None:
+        self._controller = controller
+        self._on_finished = on_finished
+        self._registry = registry
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.request_ids: list[str] = []
+        self._unfinished: set[str] = set()
+
+    def submit(self, prompts: list[str | list[int]], params: SamplingParams, priority: int, base_id: str) -> list[str]:
+        """Queue each prompt as an engine request (ids ``base_id``, or ``base_id-i`` for several)."""
+        for i, prompt in enumerate(prompts):
+            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            self.request_ids.append(rid)
+            self._unfinished.add(rid)
+            self._controller.submit(prompt, params, priority, request_id=rid, on_output=self._listener)
+        if self._registry is not None:
+            self._registry.add(self)
+        return self.request_ids
+
+    def _listener(self, output: RequestOutput) -> None:  # engine thread
+        if output.finished and self._on_finished is not None:
+            self._on_finished(output)
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
+        except RuntimeError:  # the loop has closed (server shutdown): nobody is listening
+            pass
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    async def __aiter__(self) -> AsyncIterator[list[RequestOutput]]:
+        while self._unfinished:
+            newest = {}
+            output = await self._queue.get()
+            while True:
+                newest[output.request_id] = output
+                if output.finished:
+                    self._unfinished.discard(output.request_id)
+                try:
+                    output = self._queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    break
+            yield list(newest.values())
+
+    def abort(self) -> None:
+        """Abort the engine requests that have not finished (their outputs still arrive, as ``abort``)."""
+        for rid in self._unfinished:
+            self._controller.abort(rid)
+
+    def close(self) -> None:
+        """The HTTP request is over: abort what is unfinished and leave the registry."""
+        self.abort()
+        if self._registry is not None:
+            self._registry.discard(self)
