@@ -17,8 +17,9 @@ while the log still holds them; a new watcher (or one that fell too far behind)
 first gets a snapshot: the model's facts, a pause if the engine is paused, and the
 ``RequestAdded`` of every live request. Watchers ask for detail (``topk``, ``blocks``,
 ``xray``); the engine computes the most any watcher asked for, and each watcher is sent
-only what it asked for. Nothing here blocks the engine thread: it appends to the log and,
-at most once per batch, wakes the event loop.
+only what it asked for. Nothing here blocks the engine thread: it appends to the log and
+wakes the event loop only when a watcher is waiting; watchers are sent what accumulated,
+at most ``1 / BATCH_INTERVAL_S`` times a second.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ from nanovllm_core import events as ev
 
 LOG_EVENTS = 20_000  # events kept for watchers that reconnect
 HEARTBEAT_S = 0.5
+# A watcher is sent what accumulated at most this often: an app draws 5-10 frames a second, and
+# fewer, larger writes leave the event loop (and Python's lock) to the engine and the API.
+BATCH_INTERVAL_S = 0.05
 
 
 @dataclass(eq=False)
@@ -59,8 +63,10 @@ class EventHub:
     watcher's stream ends).
     """
 
-    def __init__(self, controller: Any, log_events: int = LOG_EVENTS, heartbeat_s: float = HEARTBEAT_S) -> None:
+    def __init__(self, controller: Any, log_events: int = LOG_EVENTS, heartbeat_s: float = HEARTBEAT_S,
+                 batch_interval_s: float = BATCH_INTERVAL_S) -> None:
         self.controller = controller
+        self.batch_interval_s = batch_interval_s
         self.log_events = log_events
         self.instance = secrets.token_hex(3)  # a restarted server's numbers are not this one's
         self.heartbeat_s = heartbeat_s
@@ -78,7 +84,11 @@ class EventHub:
         self._sub: Any = None
 
     def start(self) -> None:
+        from nanovllm_core.engine.controller import EngineController
+
         self._loop = asyncio.get_running_loop()
+        if self.controller.engine is not None:  # the model's facts are known now; watchers need them first
+            self._ready = EngineController.ready_event(self.controller.engine)
         self._sub = self.controller.subscribe(self.publish, topk=0, xray=False, blocks=False)
 
     def close(self) -> None:
@@ -127,7 +137,6 @@ class EventHub:
     # ------------------------------------------------------------------ event loop
 
     def _wake(self) -> None:
-        self._wake_pending = False
         for w in self._watchers:
             w.wake.set()
 
@@ -178,6 +187,9 @@ class EventHub:
             yield self._state_frame() + "".join(self._frame(cursor, e) for e in snapshot)
             last_state = time.monotonic()
             while not self._closing:
+                # Re-arm the wake-up before reading: an event published from here on wakes this loop,
+                # and while it is busy sending, the engine thread is not asked to wake it again.
+                self._wake_pending = False
                 w.wake.clear()
                 with self._lock:
                     if cursor < self._first_seq - 1:  # fell behind the log: start over from a snapshot
@@ -194,7 +206,9 @@ class EventHub:
                     last_state = time.monotonic()
                 if out:
                     yield "".join(out)
-                if not batch:
+                if batch:
+                    await asyncio.sleep(self.batch_interval_s)
+                else:
                     try:
                         await asyncio.wait_for(w.wake.wait(), self.heartbeat_s)
                     except asyncio.TimeoutError:
