@@ -144,6 +144,7 @@ BAD_REQUESTS = [
      "top_logprobs needs logprobs=true"),
     ("/v1/engine/control", {"command": "explode"}, 400, "unknown command"),
     ("/v1/engine/control", {"command": "step"}, 409, "pause first"),
+    ("/v1/engine/control", {"command": "submit", "prompt": "hi", "params": {"temprature": 0}}, 400, "temprature"),
 ]
 
 
@@ -159,6 +160,8 @@ def test_bad_requests_get_their_status_and_the_next_request_succeeds(tiny_server
             assert message in error["message"] and set(error) == {"message", "type", "param", "code"}, error
             ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+        r = http.get("/v1/engine/events", params={"topk": "many"})
+        assert r.status_code == 400 and "topk" in r.json()["error"]["message"]
 
 
 def test_api_key_is_required_on_v1_but_not_on_health(tiny_server):

@@ -33,6 +33,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
@@ -69,7 +70,7 @@ class ServerState:
         queue and the hub wakes its watchers through the event loop.
         """
         self.shutting_down = True
-        for stream in list(self.in_flight):
+        for stream in list(self.in_flight):  # one C-level copy: safe against the loop changing the set
             stream.abort()
         self.hub.close()
 
@@ -100,6 +101,13 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_query(_: Request, e: RequestValidationError) -> JSONResponse:  # e.g. ?topk=many
+        err = e.errors()[0]
+        field = str(err["loc"][-1])
+        return JSONResponse(APIError(f"Invalid value for {field}: {err['msg']}", param=field,
+                                     code="invalid_value").body(), status_code=400)
 
     @app.get("/health")
     async def health() -> Response:

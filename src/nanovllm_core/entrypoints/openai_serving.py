@@ -14,6 +14,7 @@ error comes as an ``{"error": ...}`` event before ``[DONE]``.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import time
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from nanovllm_core.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_length
-from nanovllm_core.entrypoints.request_stream import RequestStream
+from nanovllm_core.entrypoints.request_stream import OutputRouter, RequestStream
 from nanovllm_core.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -42,7 +43,6 @@ class Prepared:
     kind: str  # "completion" or "chat"
     request_id: str
     prompts: list[str | list[int]]
-    num_prompt_tokens: list[int]
     params: Any
     priority: int
     stream: bool
@@ -53,7 +53,8 @@ class Prepared:
 
 def sse(data: Any) -> str:
     """One server-sent event carrying ``data`` as JSON (or the literal ``[DONE]``)."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n"
 
 
 class OpenAIServing:
@@ -78,6 +79,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self._ids = itertools.count()
+        self._router: OutputRouter | None = None
 
     # ------------------------------------------------------------------ checking
 
@@ -98,7 +100,6 @@ class OpenAIServing:
         params = req.to_sampling_params()
         prompts = req.prompts()
         vocab = self._llm.engine.model_config.vocab_size
-        lengths = []
         for p in prompts:
             if isinstance(p, list) and any(not 0 <= t < vocab for t in p):
                 raise APIError(f"prompt holds a token id outside the vocabulary (0..{vocab - 1})", param="prompt")
@@ -106,8 +107,7 @@ class OpenAIServing:
             if n == 0:
                 raise APIError("prompt is empty; send at least one token of text", param="prompt")
             check_length(n, params.max_tokens, self.max_model_len)
-            lengths.append(n)
-        return Prepared("completion", f"cmpl-{next(self._ids)}", prompts, lengths, params, req.priority, req.stream,
+        return Prepared("completion", f"cmpl-{next(self._ids)}", prompts, params, req.priority, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage), req.return_token_ids)
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
@@ -121,12 +121,14 @@ class OpenAIServing:
         except Exception as e:  # no template, or one that refuses this conversation
             raise APIError(f"the chat template could not render these messages: {e}", param="messages") from None
         check_length(len(ids), params.max_tokens, self.max_model_len)
-        return Prepared("chat", f"chat-{next(self._ids)}", [ids], [len(ids)], params, req.priority, req.stream,
+        return Prepared("chat", f"chat-{next(self._ids)}", [ids], params, req.priority, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage), req.return_token_ids)
 
     def open_stream(self, p: Prepared) -> RequestStream:
-        stream = RequestStream(self.controller, on_finished=self.metrics.observe if self.metrics else None,
-                               registry=self.registry)
+        if self._router is None:  # made on first use, on the server's event loop
+            self._router = OutputRouter(asyncio.get_running_loop())
+        stream = RequestStream(self.controller, self._router,
+                               on_finished=self.metrics.observe if self.metrics else None, registry=self.registry)
         stream.submit(p.prompts, p.params, p.priority, p.request_id)
         return stream
 

@@ -1,8 +1,10 @@
 """One HTTP request's engine outputs, from the engine thread to the server's event loop.
 
 The controller calls a listener on the engine thread with each ``RequestOutput`` (see
-``EngineController.submit(on_output=...)``); the listener only hands the output to the event
-loop (``call_soon_threadsafe``), never waits. A request with several prompts becomes several
+``EngineController.submit(on_output=...)``); the listener only hands the output to an
+:class:`OutputRouter`, never waits. The router wakes the event loop once for everything a
+step produced (not once per request: with 64 streams that is 64 wake-ups a step fewer) and
+puts each output in its stream's queue. A request with several prompts becomes several
 engine requests whose outputs share one queue. Outputs are cumulative (whole text and token
 ids so far), so when the loop falls behind a busy engine only the newest output of each
 engine request is kept: a client then gets a larger delta, never a lost token.
@@ -11,10 +13,38 @@ engine request is kept: a client then gets a larger delta, never a lost token.
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any, AsyncIterator, Callable
 
 from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.sampling_params import SamplingParams
+
+
+class OutputRouter:
+    """Moves outputs from the engine thread to the event loop's queues, one wake-up per batch."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, RequestOutput]] = []
+        self._scheduled = False
+
+    def push(self, queue: asyncio.Queue, output: RequestOutput) -> None:
+        """Queue ``output`` for ``queue`` (engine thread); the loop is woken if it is not already."""
+        with self._lock:
+            self._pending.append((queue, output))
+            wake, self._scheduled = not self._scheduled, True
+        if wake:
+            try:
+                self._loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError:  # the loop has closed (server shutdown): nobody is listening
+                pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            pending, self._pending, self._scheduled = self._pending, [], False
+        for queue, output in pending:
+            queue.put_nowait(output)
 
 
 class RequestStream:
@@ -22,6 +52,7 @@ class RequestStream:
 
     Args:
         controller: an ``EngineController`` (or anything with its ``submit``/``abort``).
+        router: shared by a server's streams (default: one of this stream's own).
         on_finished: called (engine thread) with each finished output, e.g. to count metrics.
         registry: a set the stream joins while it has unfinished requests (the server's
             shutdown aborts what is in it).
@@ -31,12 +62,12 @@ class RequestStream:
     finished (the client went away) are aborted, so their KV blocks are freed.
     """
 
-    def __init__(self, controller: Any, on_finished: Callable[[RequestOutput], None] | None = None,
-                 registry: set | None = None) -> None:
+    def __init__(self, controller: Any, router: OutputRouter | None = None,
+                 on_finished: Callable[[RequestOutput], None] | None = None, registry: set | None = None) -> None:
         self._controller = controller
+        self._router = router or OutputRouter(asyncio.get_running_loop())
         self._on_finished = on_finished
         self._registry = registry
-        self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.request_ids: list[str] = []
         self._unfinished: set[str] = set()
@@ -55,10 +86,7 @@ class RequestStream:
     def _listener(self, output: RequestOutput) -> None:  # engine thread
         if output.finished and self._on_finished is not None:
             self._on_finished(output)
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
-        except RuntimeError:  # the loop has closed (server shutdown): nobody is listening
-            pass
+        self._router.push(self._queue, output)
 
     @property
     def finished(self) -> bool:
@@ -80,7 +108,7 @@ class RequestStream:
 
     def abort(self) -> None:
         """Abort the engine requests that have not finished (their outputs still arrive, as ``abort``)."""
-        for rid in self._unfinished:
+        for rid in list(self._unfinished):  # a copy: another thread (shutdown) may call this
             self._controller.abort(rid)
 
     def close(self) -> None:
