@@ -26,8 +26,8 @@ class RunningServer:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def stop(self) -> bool:
-        return self.http.stop()
+    def stop(self, timeout: float = 10.0) -> bool:
+        return self.http.stop(timeout)
 
     def stats(self, timeout: float = 30.0) -> dict:
         """``LLMEngine.stats()`` read on the engine thread between steps."""

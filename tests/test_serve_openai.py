@@ -182,3 +182,23 @@ def test_models_lists_the_served_model(client, tiny_server):
     models = client.models.list().data
     assert len(models) == 1 and models[0].id == tiny_server.controller.engine.model_name
     assert models[0].model_extra["max_model_len"] == 512
+
+
+def test_shutdown_ends_streams_at_once_with_abort_while_the_engine_is_paused(make_tiny_engine):
+    """Even when the engine cannot confirm the abort soon (here: paused), clients get their end and [DONE]."""
+    from nanovllm_core.engine.controller import EngineController
+    from tests.serve_helpers import start_server
+
+    controller = EngineController.from_engine(make_tiny_engine(num_kv_blocks=32), start_paused=True)
+    server = start_server(controller, api_key=None)
+    try:
+        body = {"prompt": "hi", "max_tokens": 50, "stream": True, "return_token_ids": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert server.stop(timeout=30)
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])["choices"][0]
+        assert last["finish_reason"] == "abort" and last["token_ids"] == []
+    finally:
+        controller.shutdown(timeout=5)

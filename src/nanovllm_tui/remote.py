@@ -153,7 +153,7 @@ class RemoteController:
     load_error = None
 
     def __init__(self, url: str, api_key: str | None = None, reconnect_s: tuple[float, float] = (0.25, 2.0),
-                 read_timeout_s: float = 5.0) -> None:
+                 read_timeout_s: float = 10.0) -> None:
         self._server = _Server(url, api_key, read_timeout_s)
         self.url = self._server.url
         self.reconnect_s = reconnect_s

@@ -15,8 +15,8 @@ With an API key every ``/v1`` path needs ``Authorization: Bearer KEY`` (401 othe
 ``/health`` and ``/metrics`` stay open, as in vLLM. Errors are OpenAI's JSON shape with the
 right status, and the server keeps serving. A client that goes away mid-request has its
 engine requests aborted (their KV blocks are freed). On Ctrl-C / SIGTERM in-flight requests
-are aborted at once, so their streams end with ``finish_reason: "abort"`` and the process
-exits within a few seconds.
+are aborted and their streams end at once with ``finish_reason: "abort"`` and ``[DONE]`` (not
+waiting for the engine's step in progress), and the process exits within a few seconds.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from nanovllm_core.entrypoints.event_hub import EventHub
 from nanovllm_core.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm_core.entrypoints.openai_serving import OpenAIServing, Prepared
 from nanovllm_core.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from nanovllm_core.entrypoints.request_stream import InFlight
 from nanovllm_core.sampling_params import SamplingParams
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -57,7 +58,7 @@ class ServerState:
         self.model_name = model_name
         self.api_key = api_key
         self.metrics = ServerMetrics(model_name)
-        self.in_flight: set = set()
+        self.in_flight = InFlight()
         self.serving = OpenAIServing(controller, model_name, self.metrics, self.in_flight)
         self.hub = EventHub(controller)
         self.created = int(time.time())
@@ -70,9 +71,14 @@ class ServerState:
         queue and the hub wakes its watchers through the event loop.
         """
         self.shutting_down = True
-        for stream in list(self.in_flight):  # one C-level copy: safe against the loop changing the set
-            stream.abort()
-        self.hub.close()
+        self.in_flight.end_all()
+        # The hub closes after the engine thread has applied the aborts, so watching apps see the
+        # requests end; a second close a moment later covers an engine that no longer answers.
+        hub = self.hub
+        self.controller.call(lambda engine: hub.close())
+        fallback = threading.Timer(2.0, hub.close)
+        fallback.daemon = True
+        fallback.start()
 
 
 def build_app(controller: Any, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
@@ -139,6 +145,8 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
 
     @v1.get("/v1/engine/events")
     async def engine_events(request: Request, topk: int = 0, blocks: bool = False, xray: bool = False) -> Response:
+        if state.shutting_down:  # a watcher would only be let go again at once
+            raise APIError("the server is shutting down", status=503, type="server_error", code="shutting_down")
         last_id = state.hub.parse_last_event_id(request.headers.get("last-event-id"))
         return StreamingResponse(state.hub.stream(max(0, min(topk, 20)), blocks, xray, last_id),
                                  media_type="text/event-stream", headers=SSE_HEADERS)

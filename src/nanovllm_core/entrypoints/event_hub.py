@@ -92,7 +92,8 @@ class EventHub:
         self._sub = self.controller.subscribe(self.publish, topk=0, xray=False, blocks=False)
 
     def close(self) -> None:
-        """End every watcher's stream (the server is shutting down); safe from any thread."""
+        """End every watcher's stream once it has been sent what was published so far (the server is
+        shutting down); safe from any thread."""
         self._closing = True
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._wake)
@@ -186,11 +187,12 @@ class EventHub:
                 snapshot = [] if resume else self._snapshot()
             yield self._state_frame() + "".join(self._frame(cursor, e) for e in snapshot)
             last_state = time.monotonic()
-            while not self._closing:
+            while True:
                 # Re-arm the wake-up before reading: an event published from here on wakes this loop,
                 # and while it is busy sending, the engine thread is not asked to wake it again.
                 self._wake_pending = False
                 w.wake.clear()
+                closing = self._closing  # read before the log: what came before the close is still sent
                 with self._lock:
                     if cursor < self._first_seq - 1:  # fell behind the log: start over from a snapshot
                         cursor, batch, snapshot = self._seq, [], self._snapshot()
@@ -206,6 +208,8 @@ class EventHub:
                     last_state = time.monotonic()
                 if out:
                     yield "".join(out)
+                if closing:
+                    return
                 if batch:
                     await asyncio.sleep(self.batch_interval_s)
                 else:

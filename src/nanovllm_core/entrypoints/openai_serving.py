@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from nanovllm_core.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_length
-from nanovllm_core.entrypoints.request_stream import OutputRouter, RequestStream
+from nanovllm_core.entrypoints.request_stream import InFlight, OutputRouter, RequestStream
 from nanovllm_core.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -64,16 +64,16 @@ class OpenAIServing:
         controller: the ``EngineController`` (its ``engine`` gives the tokenizer and limits).
         model_name: the name clients must send as ``model`` (or leave out).
         metrics: gets every finished output (``ServerMetrics.observe``); may be None.
-        registry: in-flight :class:`RequestStream` objects, aborted at shutdown.
+        registry: the server's in-flight streams (ended at shutdown).
     """
 
-    def __init__(self, controller: Any, model_name: str, metrics: Any = None, registry: set | None = None) -> None:
+    def __init__(self, controller: Any, model_name: str, metrics: Any = None, registry: InFlight | None = None) -> None:
         from nanovllm_core.llm import LLM
 
         self.controller = controller
         self.model_name = model_name
         self.metrics = metrics
-        self.registry = registry if registry is not None else set()
+        self.registry = registry if registry is not None else InFlight()
         engine = controller.engine
         self._llm = LLM.from_engine(engine)  # the offline API's chat template path, read-only here
         self.tokenizer = engine.tokenizer
@@ -141,6 +141,9 @@ class OpenAIServing:
             for o in outputs:
                 if o.finished:
                     final[o.request_id] = o
+        if stream.ended_early:
+            raise APIError("the server is shutting down; this request was aborted", status=503, type="server_error",
+                           code="shutting_down")
         outs = [final[rid] for rid in stream.request_ids]
         _raise_if_failed(outs)
         choices = []
@@ -193,6 +196,12 @@ class OpenAIServing:
                 if choices:
                     yield sse({"id": p.request_id, "object": obj, "created": p.created, "model": self.model_name,
                                "choices": choices})
+            if stream.ended_early:  # the server is stopping: every choice still open ends as aborted
+                closing = [self._aborted(p, i) for i in range(len(stream.request_ids) * p.params.n)
+                           if not sent.get(i, _Choice()).done]
+                if closing:
+                    yield sse({"id": p.request_id, "object": obj, "created": p.created, "model": self.model_name,
+                               "choices": closing})
             if p.include_usage:
                 outs = [latest[rid] for rid in stream.request_ids if rid in latest]
                 yield sse({"id": p.request_id, "object": obj, "created": p.created, "model": self.model_name,
@@ -200,6 +209,15 @@ class OpenAIServing:
             yield sse("[DONE]")
         finally:
             stream.close()
+
+    @staticmethod
+    def _aborted(p: Prepared, index: int) -> dict[str, Any]:
+        """The last chunk choice of a choice the server's shutdown ended."""
+        choice = {"index": index, **({"delta": {}} if p.kind == "chat" else {"text": ""}), "logprobs": None,
+                  "finish_reason": "abort", "stop_reason": None}
+        if p.return_token_ids:
+            choice["token_ids"] = []
+        return choice
 
     def _delta(self, p: Prepared, s: _Choice, index: int, c: CompletionOutput) -> dict[str, Any] | None:
         """The chunk choice for what ``c`` adds to what was sent (None when nothing new)."""

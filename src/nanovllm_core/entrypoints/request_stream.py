@@ -29,8 +29,8 @@ class OutputRouter:
         self._pending: list[tuple[asyncio.Queue, RequestOutput]] = []
         self._scheduled = False
 
-    def push(self, queue: asyncio.Queue, output: RequestOutput) -> None:
-        """Queue ``output`` for ``queue`` (engine thread); the loop is woken if it is not already."""
+    def push(self, queue: asyncio.Queue, output: RequestOutput | None) -> None:
+        """Queue ``output`` for ``queue`` (any thread); the loop is woken if it is not already."""
         with self._lock:
             self._pending.append((queue, output))
             wake, self._scheduled = not self._scheduled, True
@@ -47,6 +47,38 @@ class OutputRouter:
             queue.put_nowait(output)
 
 
+class InFlight:
+    """The streams a server has open; :meth:`end_all` ends them (shutdown), and any stream that
+    joins afterwards is ended as it joins (a request that raced the shutdown). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._streams: set[RequestStream] = set()
+        self.closed = False
+
+    def add(self, stream: "RequestStream") -> None:
+        with self._lock:
+            closed = self.closed
+            if not closed:
+                self._streams.add(stream)
+        if closed:
+            stream.end_now()
+
+    def discard(self, stream: "RequestStream") -> None:
+        with self._lock:
+            self._streams.discard(stream)
+
+    def end_all(self) -> None:
+        with self._lock:
+            self.closed = True
+            streams = list(self._streams)
+        for stream in streams:
+            stream.end_now()
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+
 class RequestStream:
     """Submits prompts to a controller and yields their outputs on the event loop.
 
@@ -54,8 +86,8 @@ class RequestStream:
         controller: an ``EngineController`` (or anything with its ``submit``/``abort``).
         router: shared by a server's streams (default: one of this stream's own).
         on_finished: called (engine thread) with each finished output, e.g. to count metrics.
-        registry: a set the stream joins while it has unfinished requests (the server's
-            shutdown aborts what is in it).
+        registry: the server's :class:`InFlight`, which the stream joins while it is open
+            (the server's shutdown ends what is in it).
 
     Use ``async for outputs in stream`` (each item: the newest ``RequestOutput`` per engine
     request that changed), then ``stream.close()`` in a ``finally``: engine requests not yet
@@ -63,14 +95,16 @@ class RequestStream:
     """
 
     def __init__(self, controller: Any, router: OutputRouter | None = None,
-                 on_finished: Callable[[RequestOutput], None] | None = None, registry: set | None = None) -> None:
+                 on_finished: Callable[[RequestOutput], None] | None = None,
+                 registry: InFlight | None = None) -> None:
         self._controller = controller
         self._router = router or OutputRouter(asyncio.get_running_loop())
         self._on_finished = on_finished
         self._registry = registry
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queue: asyncio.Queue[RequestOutput | None] = asyncio.Queue()  # None: end now (shutdown)
         self.request_ids: list[str] = []
         self._unfinished: set[str] = set()
+        self.ended_early = False
 
     def submit(self, prompts: list[str | list[int]], params: SamplingParams, priority: int, base_id: str) -> list[str]:
         """Queue each prompt as an engine request (ids ``base_id``, or ``base_id-i`` for several)."""
@@ -97,6 +131,11 @@ class RequestStream:
             newest = {}
             output = await self._queue.get()
             while True:
+                if output is None:  # the server is stopping: what is unfinished ends as aborted
+                    self.ended_early = True
+                    if newest:
+                        yield list(newest.values())
+                    return
                 newest[output.request_id] = output
                 if output.finished:
                     self._unfinished.discard(output.request_id)
@@ -110,6 +149,12 @@ class RequestStream:
         """Abort the engine requests that have not finished (their outputs still arrive, as ``abort``)."""
         for rid in list(self._unfinished):  # a copy: another thread (shutdown) may call this
             self._controller.abort(rid)
+
+    def end_now(self) -> None:
+        """The server is stopping (any thread): abort in the engine, and end the iteration at once
+        rather than after the engine's next step (``ended_early`` then says so)."""
+        self.abort()
+        self._router.push(self._queue, None)
 
     def close(self) -> None:
         """The HTTP request is over: abort what is unfinished and leave the registry."""
