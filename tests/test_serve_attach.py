@@ -15,6 +15,7 @@ import pytest
 
 from nanovllm_core import SamplingParams
 from nanovllm_core import events as ev
+from nanovllm_core.engine.controller import EngineController
 from nanovllm_core.entrypoints.api_server import APIServer, build_app
 from nanovllm_tui.app import NanoVLLMApp
 from nanovllm_tui.remote import RemoteController
@@ -143,35 +144,44 @@ def test_a_dropped_stream_reconnects_and_misses_no_event(tiny_server, paced):
         remote.shutdown(timeout=2)
 
 
-def test_losing_the_server_shows_in_the_state_and_it_reconnects_to_a_new_one(make_tiny_engine):
-    from nanovllm_core.engine.controller import EngineController
-
+@pytest.mark.anyio
+async def test_losing_the_server_shows_in_the_header_the_app_stays_live_and_reconnects(make_tiny_engine, tmp_path):
     controller = EngineController.from_engine(make_tiny_engine(num_kv_blocks=32))
     server = start_server(controller, api_key=None)
     remote = RemoteController(server.url, reconnect_s=(0.05, 0.2))
-    events: list[ev.Event] = []
-    remote.subscribe(events.append, topk=0, blocks=False)
-    remote.start()
+    app = NanoVLLMApp(remote, tutorial_path=tmp_path / "t.json")
+    notes = Notes()
     try:
-        assert _until(lambda: remote.state == "idle")
-        port = int(server.url.rsplit(":", 1)[1])
-        assert server.stop()
-        assert _until(lambda: remote.state == "disconnected")
-        lost = [e for e in events if isinstance(e, ev.EngineError)]
-        assert len(lost) == 1 and server.url in lost[0].message
-        time.sleep(0.5)
-        assert len([e for e in events if isinstance(e, ev.EngineError)]) == 1  # said once, not per attempt
-        again = APIServer(build_app(controller), log_level="warning", access_log=False)
-        again.start_in_thread(socket.create_server(("127.0.0.1", port)))
-        try:
-            assert _until(lambda: remote.state == "idle")
-            readies = [e for e in events if isinstance(e, ev.ModelLoading) and e.ready]
-            assert len(readies) == 2  # a new server: its snapshot starts with the model's facts again
-        finally:
-            again.stop()
+        async with app.run_test(size=(120, 36), message_hook=notes) as pilot:
+            header = lambda: str(app.query_one("#header").render())  # noqa: E731
+            await wait_until(pilot, lambda: "idle" in header(), 30, "the header to show the server idle")
+            port = int(server.url.rsplit(":", 1)[1])
+            assert server.stop()
+            await wait_until(pilot, lambda: "disconnected" in header(), 10, "the header to show the lost server")
+            assert len(notes.find("lost the connection to " + server.url)) == 1
+            await pilot.press("escape", "5")  # the window still answers while the server is gone
+            assert app.active_tab == "blocks"
+            await pilot.pause(0.5)
+            assert len(notes.find("lost the connection")) == 1  # said once, not at every attempt
+
+            again = APIServer(build_app(controller), log_level="warning", access_log=False)
+            again.start_in_thread(socket.create_server(("127.0.0.1", port)))
+            try:
+                await wait_until(pilot, lambda: "idle" in header(), 30, "the app to reconnect to the new server")
+                assert remote.connected
+            finally:
+                again.stop()
     finally:
-        remote.shutdown(timeout=2)
         controller.shutdown(timeout=5)
+
+
+def test_a_prompt_sent_as_token_ids_shows_as_its_pieces():
+    from nanovllm_tui.state import EngineState
+
+    state = EngineState()
+    state.apply(ev.RequestAdded(request_id="chat-0", prompt=None, prompt_token_ids=(1, 2, 3),
+                                prompt_pieces=("<|im_start|>", "user", "\nHi"), priority=0, max_tokens=4))
+    assert state.requests["chat-0"].prompt == "<|im_start|>user\nHi"
 
 
 def _until(cond, timeout: float = 30.0) -> bool:

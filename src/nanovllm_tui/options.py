@@ -88,7 +88,7 @@ def check_connect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             parser.error(f"--{name.replace('_', '-')} cannot be used with --connect: the server runs the engine "
                          "(set it on `nanovllm serve`; press space in the app to pause)")
     try:
-        args.remote_model = check_server(args.connect, args.api_key)
+        check_server(args.connect, args.api_key)
     except RemoteError as e:
         parser.error(f"--connect: {e}")
 
