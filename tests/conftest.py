@@ -93,3 +93,38 @@ def run_main(main, capsys, *args: str) -> tuple[int, str, str]:
         code = e.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_llama_dir):
+    """(model, tokenizer, resolved) of the tiny random LLaMA, loaded once."""
+    from nanovllm_core.model.loader import load_model
+
+    return load_model(str(tiny_llama_dir), torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="session")
+def make_tiny_engine(tiny_model):
+    """An engine over the shared tiny random LLaMA: ``make_tiny_engine(num_kv_blocks=64, ...)``."""
+
+    def build(**kwargs) -> LLMEngine:
+        kwargs.setdefault("num_kv_blocks", 256)
+        return LLMEngine(EngineConfig(**kwargs), *tiny_model)
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_server(make_tiny_engine):
+    """``nanovllm serve`` in this process on the tiny LLaMA (127.0.0.1, a free port, API key ``test-key``).
+
+    Shared by the server tests: each leaves it idle and unpaused.
+    """
+    from nanovllm_core.engine.controller import EngineController
+    from tests.serve_helpers import start_server
+
+    controller = EngineController.from_engine(make_tiny_engine(num_kv_blocks=512, max_num_seqs=64))
+    server = start_server(controller, api_key="test-key")
+    yield server
+    server.stop()
+    controller.shutdown(timeout=5)

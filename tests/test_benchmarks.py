@@ -12,7 +12,8 @@ import math
 
 import pytest
 
-from benchmarks import benchmark_advanced_scheduling, benchmark_comparison, benchmark_events, benchmark_scheduler_unit
+from benchmarks import (benchmark_advanced_scheduling, benchmark_comparison, benchmark_events, benchmark_scheduler_unit,
+                        benchmark_serving)
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
@@ -104,3 +105,22 @@ def test_bad_arguments_end_before_the_run_with_one_line(capsys, module, argv, me
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_serving_quick_measures_the_server_against_offline(tmp_path, tiny_llama_dir):
+    path = tmp_path / "serving.json"
+    benchmark_serving.main(["--quick", "--model", str(tiny_llama_dir), "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert data["workload"]["num_requests"] == 6 and data["request_rate"] is None  # all at once
+    for system in ("serving", "offline"):
+        for key in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"):
+            assert positive(data[system][key]), (system, key, data[system][key])
+        assert data[system]["ttft_p50_s"] <= data[system]["ttft_p99_s"]
+    assert data["ratio"] == pytest.approx(data["serving"]["output_tokens_per_s"] / data["offline"]["output_tokens_per_s"])
+
+
+@pytest.mark.parametrize("rate", ["0", "-1", "fast"])
+def test_serving_rejects_a_bad_rate(rate, capsys):
+    with pytest.raises(SystemExit) as e:
+        benchmark_serving.main(["--quick", "--request-rate", rate])
+    assert e.value.code == 2 and "--request-rate" in capsys.readouterr().err

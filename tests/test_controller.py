@@ -186,3 +186,48 @@ def test_model_that_fails_to_load_reports_and_rejects():
         assert rec.wait_for(lambda: rec.of(ev.RequestRejected))
     finally:
         assert c.shutdown(timeout=2)
+
+
+@pytest.fixture
+def tiny_controller(make_tiny_engine):
+    """A paused controller over the tiny random LLaMA (where the real model adds nothing)."""
+    c = EngineController.from_engine(make_tiny_engine(num_kv_blocks=64), start_paused=True)
+    yield c, Recorder()
+    c.shutdown(timeout=5)
+
+
+def test_output_listener_gets_each_step_and_a_refusal_at_once_while_paused(tiny_controller):
+    c, rec = tiny_controller
+    outputs, lock = [], threading.Lock()
+
+    def listen(out):
+        with lock:
+            outputs.append(out)
+
+    c.submit("word " * 600, GREEDY, request_id="too-long", on_output=listen)  # the tiny model holds 512
+    assert rec.wait_for(lambda: any(o.request_id == "too-long" for o in outputs), timeout=10)  # no step needed
+    refused = outputs[0]
+    assert refused.finished and refused.outputs[0].finish_reason == "rejected" and "max_model_len" in refused.error
+
+    rid = c.submit("The capital of France is", GREEDY, on_output=listen)
+    c.step(1)
+    assert rec.wait_for(lambda: any(o.request_id == rid for o in outputs))
+    first = [o for o in outputs if o.request_id == rid][0]
+    assert not first.finished and len(first.outputs[0].token_ids) == 1
+    c.resume()
+    assert rec.wait_for(lambda: any(o.request_id == rid and o.finished for o in outputs))
+    mine = [o for o in outputs if o.request_id == rid]
+    assert [len(o.outputs[0].token_ids) for o in mine] == [1, 2, 3, 4, 5, 6]  # one output a step, cumulative
+    assert rid not in c.results and "too-long" not in c.results  # the listener had them
+
+
+def test_output_listener_of_a_duplicate_id_is_refused_without_touching_the_first(tiny_controller):
+    c, rec = tiny_controller
+    got = {"a": [], "b": []}
+    c.submit("Hello", GREEDY, request_id="same", on_output=got["a"].append)
+    c.submit("Hello again", GREEDY, request_id="same", on_output=got["b"].append)
+    assert rec.wait_for(lambda: got["b"])
+    assert got["b"][0].outputs[0].finish_reason == "rejected" and "already in use" in got["b"][0].error
+    c.resume()
+    assert rec.wait_for(lambda: got["a"] and got["a"][-1].finished)
+    assert got["a"][-1].outputs[0].finish_reason == "length"

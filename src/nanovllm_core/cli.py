@@ -60,14 +60,43 @@ def _chapter_number(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="nanovllm", description="Generate with the nano-vLLM engine on a LLaMA-family model.")
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """``--model``, ``--device``, ``--dtype`` (shared by ``nanovllm``, ``nanovllm serve`` and the app)."""
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None,
                    help="Hugging Face repo id, local folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     m.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")
     m.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="default: float32 on cpu, bfloat16 on cuda")
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The engine settings that :func:`engine_kwargs` reads; returns the group so callers can add to it."""
+    e = p.add_argument_group("engine")
+    e.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="priority",
+                   help="priority (default here: higher priority first, then arrival) or fcfs (arrival order; "
+                        "vLLM's default)")
+    e.add_argument("--max-prefill-tokens", type=positive_int, default=512,
+                   help="per-step token budget; longer prompts are prefilled in chunks (default 512)")
+    e.add_argument("--max-num-seqs", type=positive_int, default=64)
+    e.add_argument("--max-model-len", type=positive_int, default=None)
+    e.add_argument("--block-size", type=positive_int, default=None,
+                   help="tokens per KV block (default 16; 256 on a GPU where flash-attn runs)")
+    e.add_argument("--num-kv-blocks", type=positive_int, default=None, help="size of the KV pool in blocks")
+    e.add_argument("--no-paged-attention", action="store_true", help="contiguous per-request KV cache, one request at a time")
+    e.add_argument("--no-flash-attn", action="store_true", help="explicit score-matrix attention instead of the fused kernel")
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--speculative-model", default=None, metavar="PROPOSER",
+                   help="speculative decoding: 'ngram', 'self:N' (first N layers), 'target', or a draft model path/repo")
+    e.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
+                   help="draft tokens per step with --speculative-model (default 5)")
+    return e
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="nanovllm", description="Generate with the nano-vLLM engine on a LLaMA-family model. "
+                "`nanovllm serve --help`: the OpenAI-compatible HTTP server.")
+    add_model_arguments(p)
     g = p.add_argument_group("prompts and sampling")
     g.add_argument("--prompt", action="append", default=None,
                    help=f"a prompt (repeat for several; default: {DEFAULT_PROMPT!r})")
@@ -82,28 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N", help="show the top-N log-probabilities per token")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
-    e = p.add_argument_group("engine")
+    e = add_engine_arguments(p)
     e.add_argument("--priority", type=int, action="append", default=None,
                    help="priority of each --prompt, in order: a higher value runs first (vLLM's priority is the "
                         "opposite: lower values first)")
-    e.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="priority",
-                   help="priority (default here: higher --priority first, then arrival) or fcfs (arrival order; "
-                        "vLLM's default)")
-    e.add_argument("--max-prefill-tokens", type=positive_int, default=512,
-                   help="per-step token budget; longer prompts are prefilled in chunks (default 512)")
-    e.add_argument("--max-num-seqs", type=positive_int, default=64)
-    e.add_argument("--max-model-len", type=positive_int, default=None)
-    e.add_argument("--block-size", type=positive_int, default=None,
-                   help="tokens per KV block (default 16; 256 on a GPU where flash-attn runs)")
-    e.add_argument("--num-kv-blocks", type=positive_int, default=None, help="size of the KV pool in blocks")
-    e.add_argument("--no-paged-attention", action="store_true", help="contiguous per-request KV cache, one request at a time")
-    e.add_argument("--no-flash-attn", action="store_true", help="explicit score-matrix attention instead of the fused kernel")
-    e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--show-memory-stats", action="store_true", help="print KV block usage, waste, hit rate, preemptions")
-    e.add_argument("--speculative-model", default=None, metavar="PROPOSER",
-                   help="speculative decoding: 'ngram', 'self:N' (first N layers), 'target', or a draft model path/repo")
-    e.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
-                   help="draft tokens per step with --speculative-model (default 5)")
     teach = p.add_argument_group("teaching modes")
     teach.add_argument("--narrate", action="store_true",
                        help="explain each act of inference (tokens, prefill, decode, KV cache, scheduler) with real values")
@@ -154,6 +166,11 @@ def sampling_params(args: argparse.Namespace):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # vLLM's spelling: `vllm serve`
+        from nanovllm_core.entrypoints.cli import main as serve
+
+        return serve(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.tutorial:

@@ -1,7 +1,8 @@
 """Recording the event stream: JSON lines, and Chrome's trace-event format.
 
 - :class:`JsonlTraceWriter` writes every event as one JSON line (``events.to_json``); the
-  app's ``--replay`` plays such a file back without a model.
+  app's ``--replay`` plays such a file back without a model, and :func:`decode_event` reads
+  a line back (the same lines come from ``nanovllm serve``'s event stream).
 - :func:`chrome_trace` turns events into the Trace Event Format that Perfetto
   (ui.perfetto.dev) and ``chrome://tracing`` open: one track for engine steps and one per
   request, showing when it queued, each prefill chunk, its decode run, preemptions and its end.
@@ -36,6 +37,20 @@ class JsonlTraceWriter:
         self._f.close()
 
 
+def decode_event(line: str) -> ev.Event:
+    """One trace line back into its event: the decoder of trace files (``--replay``) and of the
+    server's event stream (``nanovllm-tui --connect``), which carry the same lines.
+
+    Raises:
+        ValueError: the line is not an engine event (not JSON, an unknown type, or fields that
+            do not fit it).
+    """
+    try:
+        return ev.from_json(line)
+    except TypeError as e:  # a known type with fields it does not have (a newer or damaged trace)
+        raise ValueError(f"not an engine event: {e}") from None
+
+
 def read_jsonl(path: str | Path) -> list[ev.Event]:
     """Events from a ``.jsonl`` trace.
 
@@ -48,7 +63,7 @@ def read_jsonl(path: str | Path) -> list[ev.Event]:
             if not line.strip():
                 continue
             try:
-                out.append(ev.from_json(line))
+                out.append(decode_event(line))
             except ValueError as e:
                 raise ValueError(f"{path}:{n}: {e}") from None
     return out

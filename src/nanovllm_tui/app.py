@@ -73,7 +73,8 @@ class Tabs(TabbedContent):
 
 class NanoVLLMApp(App):
     """The app, on a ``controller``: an ``EngineController``, a ``BackgroundController`` (one being
-    built behind the window, as ``nanovllm-tui`` does) or a ``ReplayController``.
+    built behind the window, as ``nanovllm-tui`` does), a ``ReplayController`` or a
+    ``RemoteController`` (a running ``nanovllm serve``).
 
     Args:
         sampling: the base ``SamplingParams`` of prompts sent from the prompt bar (its
@@ -473,6 +474,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The ``nanovllm-tui`` console script. Bad options end with status 2 and one line."""
     from nanovllm_tui.options import build_app
 
+    if "--web" in (sys.argv[1:] if argv is None else argv):
+        from nanovllm_tui.web import serve_in_browser
+
+        return serve_in_browser(argv)
     app = build_app(argv)
     app.run()
     return 0

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Sequence
 
 from nanovllm_core.cli import build_parser as build_engine_parser
-from nanovllm_core.cli import engine_kwargs, sampling_params
+from nanovllm_core.cli import engine_kwargs, positive_int, sampling_params
 from nanovllm_tui.bridge import DEFAULT_FPS
 
 DEFAULT_KV_BLOCKS = 512  # 8,192 tokens at block size 16: room to play, and a block map that fits a screen
@@ -35,6 +36,17 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--paused", action="store_true", help="start with the engine (or the replay) paused")
     a.add_argument("--fps", type=float, default=DEFAULT_FPS,
                    help=f"most screen updates per second from engine events (default {DEFAULT_FPS:g})")
+    r = p.add_argument_group("attach and share")
+    r.add_argument("--connect", metavar="URL", default=None,
+                   help="watch and drive the engine of a running `nanovllm serve` (e.g. http://127.0.0.1:8000) "
+                        "instead of loading a model here")
+    r.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY") or None,
+                   help="with --connect: the server's --api-key (default: $NANOVLLM_API_KEY)")
+    r.add_argument("--web", action="store_true",
+                   help="serve this app to web browsers (textual-serve), one app per visitor; "
+                        "add --connect URL so every visitor watches one server")
+    r.add_argument("--host", default=None, help="with --web: address to listen on (default 127.0.0.1)")
+    r.add_argument("--port", type=positive_int, default=None, help="with --web: TCP port (default 8001)")
     return p
 
 
@@ -63,6 +75,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.sampling = sampling_params(args)
     except ValueError as e:
         parser.error(str(e))
+    if (args.host is not None or args.port is not None) and not args.web:
+        parser.error("--host and --port are where --web listens; add --web (the server you attach to is --connect URL)")
+    if args.connect:
+        check_connect(parser, args)
     if args.replay:
         from nanovllm_tui.replay import load_trace
 
@@ -71,6 +87,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         except (OSError, ValueError) as e:
             parser.error(f"cannot replay {args.replay}: {e}")
     return args
+
+
+# Options of the engine that a server attached with --connect has already chosen.
+SERVER_SIDE = ("model", "device", "dtype", "num_kv_blocks", "max_model_len", "speculative_model", "replay", "paused")
+
+
+def check_connect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--connect``: no engine options of our own, and a server that answers with the right key (else status 2)."""
+    from nanovllm_tui.remote import RemoteError, check_server
+
+    for name in SERVER_SIDE:
+        if getattr(args, name, None):
+            parser.error(f"--{name.replace('_', '-')} cannot be used with --connect: the server runs the engine "
+                         "(set it on `nanovllm serve`; press space in the app to pause)")
+    try:
+        check_server(args.connect, args.api_key)
+    except RemoteError as e:
+        parser.error(f"--connect: {e}")
 
 
 def build_app(argv: Sequence[str] | None = None):
@@ -92,6 +126,10 @@ def build_app(argv: Sequence[str] | None = None):
         from nanovllm_tui.replay import ReplayController
 
         return NanoVLLMApp(ReplayController(args.replay_events, start_paused=args.paused), **common)
+    if args.connect:
+        from nanovllm_tui.remote import RemoteController
+
+        return NanoVLLMApp(RemoteController(args.connect, args.api_key), recorders=open_recorders(args), **common)
 
     from nanovllm_tui.starter import BackgroundController
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nanovllm_core import events as ev
+from nanovllm_core.tracing import decode_event
 
 NO_NEW_PROMPTS = "a replay plays a recorded trace and cannot run new prompts; start nanovllm-tui without --replay"
 
@@ -47,8 +48,8 @@ def load_trace(path: str | Path) -> list[ev.Event]:
             for n, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        events.append(ev.from_json(line))
-                    except (ValueError, TypeError) as e:
+                        events.append(decode_event(line))
+                    except ValueError as e:
                         raise ValueError(f"line {n}: {e}") from None
     except (EOFError, gzip.BadGzipFile, UnicodeDecodeError) as e:
         raise ValueError(f"not a readable trace: {e}") from None

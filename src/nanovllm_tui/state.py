@@ -197,7 +197,8 @@ class EngineState:
 
     def _on_RequestAdded(self, e: ev.RequestAdded) -> None:
         req = self._request(e.request_id)
-        req.prompt = e.prompt if e.prompt is not None else req.prompt
+        # A prompt sent as token ids (a chat template's rendering) is shown as its pieces.
+        req.prompt = e.prompt if e.prompt is not None else (req.prompt or "".join(e.prompt_pieces))
         req.priority, req.max_tokens = e.priority, e.max_tokens
         req.prompt_len, req.prompt_pieces = len(e.prompt_token_ids), e.prompt_pieces
         req.added_time = e.time

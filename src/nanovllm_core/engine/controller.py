@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from nanovllm_core import events as ev
 from nanovllm_core.engine.llm_engine import LLMEngine, Subscription
-from nanovllm_core.outputs import RequestOutput
+from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams
 
 STATES = ("loading", "running", "paused", "idle", "stopped", "failed")
@@ -64,6 +64,7 @@ class EngineController:
             _engine.clock.stop()
         self.load_error: str | None = None
         self.results: dict[str, RequestOutput] = {}
+        self._listeners: dict[str, Callable[[RequestOutput], None]] = {}  # engine thread only
         self._results_cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
         self._thread.start()
@@ -117,10 +118,19 @@ class EngineController:
                 self._engine.unsubscribe(sub)
 
     def submit(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, priority: int = 0,
-               request_id: str | None = None) -> str:
-        """Queue a request; returns its id at once (it is added between steps, after loading)."""
+               request_id: str | None = None,
+               on_output: Callable[[RequestOutput], None] | None = None) -> str:
+        """Queue a request; returns its id at once (it is added between steps, after loading).
+
+        ``on_output``: called on the engine thread with each ``RequestOutput`` of this request
+        as the engine makes it (cumulative text and token ids after every step that touched
+        it), the last one ``finished``; a refusal (``finish_reason="rejected"``, ``error`` set)
+        arrives as soon as the request is refused, even while paused. Such a request's final
+        output is not kept in ``results`` (the listener had it). It must be quick: hand the
+        output to a queue (vLLM's per-request output collector plays this part in its server).
+        """
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self._commands.put(_Command("submit", (prompt, sampling_params, priority, rid)))
+        self._commands.put(_Command("submit", (prompt, sampling_params, priority, rid, on_output)))
         return rid
 
     def pause(self) -> None:
@@ -240,8 +250,11 @@ class EngineController:
             except queue.Empty:
                 continue
             if cmd.name == "submit":
-                rid = cmd.args[3]
-                self._emit(ev.RequestRejected(request_id=rid, reason=f"no model loaded: {self.load_error}"))
+                rid, listener = cmd.args[3], cmd.args[4]
+                reason = f"no model loaded: {self.load_error}"
+                self._emit(ev.RequestRejected(request_id=rid, reason=reason))
+                if listener is not None:
+                    self._notify(listener, _rejected_output(rid, cmd.args[0], reason))
         self._state = "stopped"
 
     def _drain_commands(self, block: bool) -> None:
@@ -260,8 +273,13 @@ class EngineController:
         engine = self._engine
         try:
             if cmd.name == "submit":
-                prompt, params, priority, rid = cmd.args
+                prompt, params, priority, rid, listener = cmd.args
+                if listener is not None:
+                    if rid in self._listeners:
+                        raise ValueError(f"request id {rid!r} is already in use")
+                    self._listeners[rid] = listener
                 engine.add_request(prompt, params, priority, request_id=rid)
+                self._collect(engine.pop_finished_outputs())  # a refusal reaches its listener now
             elif cmd.name == "pause":
                 if not self._paused:
                     self._paused = True
@@ -291,6 +309,11 @@ class EngineController:
                                       request_id=cmd.args[3] if cmd.name == "submit" else None))
             if cmd.name == "submit":
                 self._emit(ev.RequestRejected(request_id=cmd.args[3], reason=str(e)))
+                rid, listener = cmd.args[3], cmd.args[4]
+                if listener is not None:
+                    if self._listeners.get(rid) is listener:
+                        del self._listeners[rid]
+                    self._notify(listener, _rejected_output(rid, cmd.args[0], str(e)))
 
     def _step(self, engine: LLMEngine) -> None:
         engine.clock.start()  # a single step while paused is engine time; the wait around it is not
@@ -305,10 +328,34 @@ class EngineController:
                 engine.clock.stop()
         self._collect(outputs)
 
+    @staticmethod
+    def _notify(listener: Callable[[RequestOutput], None], output: RequestOutput) -> None:
+        try:
+            listener(output)
+        except Exception:  # a broken listener must not stop the engine
+            traceback.print_exc()
+
     def _collect(self, outputs: list[RequestOutput]) -> None:
-        done = [o for o in outputs if o.finished]
+        """Hand outputs to their listeners; keep the finished ones nobody listened for in ``results``."""
+        done = []
+        for o in outputs:
+            listener = self._listeners.get(o.request_id)
+            if listener is None:
+                if o.finished:
+                    done.append(o)
+                continue
+            if o.finished:
+                del self._listeners[o.request_id]
+            self._notify(listener, o)
         if done:
             with self._results_cond:
                 for o in done:
                     self.results[o.request_id] = o
                 self._results_cond.notify_all()
+
+
+def _rejected_output(request_id: str, prompt: Any, reason: str) -> RequestOutput:
+    """The output of a request refused before the engine took it (as ``LLMEngine`` shapes its own refusals)."""
+    return RequestOutput(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None, prompt_token_ids=[],
+                         outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="rejected")],
+                         finished=True, error=reason)

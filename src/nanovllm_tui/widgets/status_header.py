@@ -11,7 +11,7 @@ from nanovllm_tui.widgets.live import LiveStatic
 SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 STATE_STYLES = {
     "running": "bold green", "idle": "bold cyan", "paused": "bold yellow", "loading": "bold magenta",
-    "failed": "bold red", "stopped": "bold red",
+    "failed": "bold red", "stopped": "bold red", "disconnected": "bold red",
 }
 
 
@@ -63,7 +63,9 @@ class StatusHeader(LiveStatic):
         else:
             parts.append((Text(state.model_name or "model", style="bold"), 1))
             parts.append((Text(f" · {state.device} · {state.dtype}"), 4))
-            engine_state = "paused" if state.paused and state.engine_state != "stopped" else state.engine_state
+            # A server out of reach may have resumed meanwhile: say what is known, the lost connection.
+            lost = state.engine_state in ("stopped", "disconnected")
+            engine_state = "paused" if state.paused and not lost else state.engine_state
             parts.append((Text.assemble((" │ ", "dim"), (f"● {engine_state}", STATE_STYLES.get(engine_state, "bold"))), 0))
             if state.step is not None:
                 parts.append((Text(f" · step {state.step}"), 3))

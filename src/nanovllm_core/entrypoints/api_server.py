@@ -1,0 +1,388 @@
+"""The HTTP server: a FastAPI app over one ``EngineController``, run by uvicorn.
+
+Endpoints (OpenAI's and vLLM's shapes):
+
+| method and path | what |
+|---|---|
+| ``POST /v1/completions``, ``POST /v1/chat/completions`` | generate, whole or streamed (``stream: true``, SSE, ``data: [DONE]`` last) |
+| ``GET /v1/models`` | the one model served |
+| ``GET /health`` | 200 while the engine thread serves, else 503 |
+| ``GET /metrics`` | Prometheus text, vLLM's metric names (``metrics.py``) |
+| ``GET /v1/engine/events`` | the engine's event stream for attached apps (``event_hub.py``) |
+| ``POST /v1/engine/control`` | pause, resume, step, abort, submit, xray, snapshot |
+
+With an API key every ``/v1`` path needs ``Authorization: Bearer KEY`` (401 otherwise);
+``/health`` and ``/metrics`` stay open, as in vLLM. Errors are OpenAI's JSON shape with the
+right status, and the server keeps serving. A client that goes away mid-request has its
+engine requests aborted (their KV blocks are freed). On Ctrl-C / SIGTERM in-flight requests
+are aborted and their streams end at once with ``finish_reason: "abort"`` and ``[DONE]`` (not
+waiting for the engine's step in progress), and the process exits within a few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import ipaddress
+import secrets
+import signal
+import threading
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from nanovllm_core.entrypoints.event_hub import EventHub
+from nanovllm_core.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
+from nanovllm_core.entrypoints.openai_serving import OpenAIServing, Prepared
+from nanovllm_core.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from nanovllm_core.entrypoints.request_stream import InFlight
+from nanovllm_core.sampling_params import SamplingParams
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CONTROL_COMMANDS = ("pause", "resume", "step", "abort", "submit", "xray", "snapshot")
+
+
+class ServerState:
+    """What the routes share: the controller, the OpenAI serving logic, metrics, the event hub,
+    and the streams in flight (aborted together at shutdown)."""
+
+
+    def __init__(self, controller: Any, model_name: str, api_key: str | None) -> None:
+        self.controller = controller
+        self.model_name = model_name
+        self.api_key = api_key
+        self.metrics = ServerMetrics(model_name)
+        self.in_flight = InFlight()
+        self.serving = OpenAIServing(controller, model_name, self.metrics, self.in_flight)
+        self.hub = EventHub(controller)
+        self.created = int(time.time())
+        self.shutting_down = False
+
+    def begin_shutdown(self) -> None:
+        """Abort every request in flight and end the event streams (their clients see them end).
+
+        Safe from any thread (a signal handler, a test): aborts go through the controller's
+        queue and the hub wakes its watchers through the event loop.
+        """
+        self.shutting_down = True
+        self.in_flight.end_all()
+        # The hub closes after the engine thread has applied the aborts, so watching apps see the
+        # requests end; a second close a moment later covers an engine that no longer answers.
+        hub = self.hub
+        self.controller.call(lambda engine: hub.close())
+        fallback = threading.Timer(2.0, hub.close)
+        fallback.daemon = True
+        fallback.start()
+
+
+def build_app(controller: Any, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving ``controller`` (whose model must have loaded).
+
+    Args:
+        model_name: the name clients send as ``model`` (default: the engine's model name).
+        api_key: when set, every ``/v1`` request needs ``Authorization: Bearer <api_key>``.
+
+    Raises:
+        ValueError: the controller has no loaded engine.
+    """
+    if controller.engine is None:
+        raise ValueError(f"the engine is not ready (state {controller.state!r}); wait for the model to load")
+    state = ServerState(controller, model_name or controller.engine.model_name, api_key)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.hub.start()
+        yield
+        state.begin_shutdown()
+
+    app = FastAPI(title="nano-vLLM", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_query(_: Request, e: RequestValidationError) -> JSONResponse:  # e.g. ?topk=many
+        err = e.errors()[0]
+        field = str(err["loc"][-1])
+        return JSONResponse(APIError(f"Invalid value for {field}: {err['msg']}", param=field,
+                                     code="invalid_value").body(), status_code=400)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = controller.is_alive and controller.state not in ("failed", "stopped") and not state.shutting_down
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        stats = await engine_stats(controller)
+        return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
+
+    v1 = APIRouter(dependencies=[Depends(_api_key_check(api_key))])
+
+    @v1.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "nanovllm",
+            "root": controller.engine.model_name, "max_model_len": state.serving.max_model_len}]}
+
+    @v1.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = _parse(CompletionRequest, await _json(request))
+        return await _respond(request, state, state.serving.prepare_completion(body))
+
+    @v1.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = _parse(ChatCompletionRequest, await _json(request))
+        return await _respond(request, state, state.serving.prepare_chat(body))
+
+    @v1.get("/v1/engine/events")
+    async def engine_events(request: Request, topk: int = 0, blocks: bool = False, xray: bool = False) -> Response:
+        if state.shutting_down:  # a watcher would only be let go again at once
+            raise APIError("the server is shutting down", status=503, type="server_error", code="shutting_down")
+        last_id = state.hub.parse_last_event_id(request.headers.get("last-event-id"))
+        return StreamingResponse(state.hub.stream(max(0, min(topk, 20)), blocks, xray, last_id),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+
+    @v1.post("/v1/engine/control")
+    async def engine_control(request: Request) -> dict:
+        return _control(state, await _json(request))
+
+    app.include_router(v1)
+    return app
+
+
+# ---------------------------------------------------------------------- request handling
+
+
+def _api_key_check(api_key: str | None):
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given[:7].lower() == "bearer " else ""
+        if not secrets.compare_digest(token.encode(), api_key.encode()):
+            raise APIError("Incorrect or missing API key: send it as the header 'Authorization: Bearer <key>' "
+                           "(the key given to nanovllm serve --api-key)", status=401, type="authentication_error",
+                           code="invalid_api_key")
+    return check
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError as e:
+        raise APIError(f"the request body is not valid JSON ({e}); send a JSON object", code="invalid_json") from None
+
+
+def _parse(model: type, body: Any):
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+async def _respond(request: Request, state: ServerState, p: Prepared) -> Response:
+    serving = state.serving
+    if p.stream:
+        return StreamingResponse(serving.event_stream(p), media_type="text/event-stream", headers=SSE_HEADERS)
+    stream = serving.open_stream(p)
+    answer = asyncio.ensure_future(serving.full_response(p, stream))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not answer.done():  # the client went away (or the server is stopping): free its blocks
+            answer.cancel()
+        stream.close()
+    if answer.cancelled():
+        return Response(status_code=499)
+    return JSONResponse(answer.result())
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes its connection (vLLM's ``listen_for_disconnect``)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def engine_stats(controller: Any, timeout: float = 10.0) -> dict[str, Any]:
+    """``LLMEngine.stats()`` taken on the engine thread between steps (consistent figures).
+
+    Raises:
+        APIError: 503 when the engine does not answer within ``timeout`` seconds.
+    """
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def read(engine: Any) -> None:
+        try:
+            future.set_result(engine.stats())
+        except Exception as e:
+            future.set_exception(e)
+
+    controller.call(read)
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(f"the engine did not answer within {timeout:g} s", status=503, type="server_error",
+                       code="engine_busy") from None
+
+
+def _control(state: ServerState, body: Any) -> dict[str, Any]:
+    """Apply one control command (``{"command": ...}``) to the controller; every watcher sees its effect.
+
+    Raises:
+        APIError: an unknown command or a bad argument (400).
+    """
+    c = state.controller
+    if not isinstance(body, dict) or body.get("command") not in CONTROL_COMMANDS:
+        got = body.get("command") if isinstance(body, dict) else body
+        raise APIError(f"unknown command {got!r}; send {{\"command\": one of {', '.join(CONTROL_COMMANDS)}}}",
+                       param="command")
+    name = body["command"]
+    if name == "pause":
+        c.pause()
+    elif name == "resume":
+        c.resume()
+    elif name == "step":
+        n = body.get("n", 1)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise APIError(f"step needs n >= 1, got {n!r}", param="n")
+        if c.state != "paused":
+            raise APIError("step runs single steps while the engine is paused; pause first", status=409,
+                           code="not_paused")
+        c.step(n)
+    elif name == "abort":
+        c.abort(_text(body, "request_id"))
+    elif name == "xray":
+        rid = body.get("request_id")
+        layer, head = body.get("layer", 0), body.get("head", 0)
+        if (rid is not None and not isinstance(rid, str)) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in (layer, head)):
+            raise APIError("xray needs request_id (text or null), layer and head (integers)", param="xray")
+        c.xray(rid, layer, head)
+    elif name == "snapshot":
+        state.hub.request_blocks_snapshot()
+    else:  # submit
+        return {"ok": True, "request_id": _control_submit(state, body)}
+    return {"ok": True}
+
+
+def _text(body: dict, key: str) -> str:
+    value = body.get(key)
+    if not isinstance(value, str) or not value or len(value) > 128:
+        raise APIError(f"{key} must be a non-empty string of at most 128 characters, got {value!r}", param=key)
+    return value
+
+
+def _control_submit(state: ServerState, body: dict) -> str:
+    """A prompt typed into an attached app: queued like any client's, watched by every app."""
+    prompt = body.get("prompt")
+    if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
+        raise APIError("submit needs prompt: text or a list of token ids", param="prompt")
+    fields = body.get("params") or {}
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(fields) - known) if isinstance(fields, dict) else ["<not an object>"]
+    if unknown:
+        raise APIError(f"params has unknown field(s) {', '.join(unknown)}; use SamplingParams field names",
+                       param="params")
+    try:
+        params = SamplingParams(**fields)
+    except (TypeError, ValueError) as e:
+        raise APIError(str(e).removeprefix("SamplingParams."), param="params") from None
+    priority = body.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise APIError(f"priority must be an integer, got {priority!r}", param="priority")
+    rid = _text(body, "request_id") if body.get("request_id") is not None else f"ctl-{time.monotonic_ns()}"
+
+    def finished_only(output: Any) -> None:  # a listener keeps the output out of controller.results
+        if output.finished:
+            state.metrics.observe(output)
+
+    state.controller.submit(prompt, params, priority, request_id=rid, on_output=finished_only)
+    return rid
+
+
+# ---------------------------------------------------------------------- running
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_warning(host: str, api_key: str | None) -> str | None:
+    """A warning when the server listens beyond this machine without an API key (else None)."""
+    if api_key or is_loopback(host):
+        return None
+    return (f"warning: listening on {host} without --api-key: anyone who can reach this machine can send prompts, "
+            "and pause, step or abort the engine; set --api-key KEY (or NANOVLLM_API_KEY)")
+
+
+class APIServer:
+    """uvicorn running :func:`build_app` on a socket already bound.
+
+    The first Ctrl-C / SIGTERM aborts in-flight requests and ends event streams at once,
+    then uvicorn closes connections (waiting at most ``graceful_s`` seconds).
+    """
+
+    def __init__(self, app: FastAPI, log_level: str = "info", access_log: bool = True, graceful_s: float = 3.0) -> None:
+        import uvicorn
+
+        self.app = app
+        state: ServerState = app.state.server
+        config = uvicorn.Config(app, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=graceful_s,
+                                lifespan="on")
+
+        class _Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                if not self.should_exit:
+                    state.begin_shutdown()
+                super().handle_exit(sig, frame)
+                # uvicorn raises a caught signal again once it has stopped; the shutdown it asked
+                # for is done by then, and the command should end normally (status 0).
+                getattr(self, "_captured_signals", []).clear()
+
+        self.server = _Server(config)
+        self._thread: threading.Thread | None = None
+
+    def run(self, sock) -> None:
+        """Serve on ``sock`` until Ctrl-C / SIGTERM (or :meth:`stop`)."""
+        self.server.run(sockets=[sock])
+
+    def start_in_thread(self, sock, timeout: float = 30.0) -> None:
+        """Serve from a background thread (tests, benchmarks); returns once it accepts connections.
+
+        Raises:
+            RuntimeError: it did not start within ``timeout`` seconds.
+        """
+        self._thread = threading.Thread(target=self.run, args=(sock,), name="nanovllm-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """As SIGTERM would: abort in-flight requests, then stop; True if it ended in time."""
+        self.server.handle_exit(signal.SIGTERM, None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True

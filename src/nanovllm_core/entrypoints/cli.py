@@ -1,0 +1,115 @@
+"""``nanovllm serve``: the OpenAI-compatible server on the command line.
+
+    nanovllm serve [--model M] [engine options as for nanovllm] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+
+The port is bound before the model loads, so a port in use is reported at once; a model
+that cannot load ends the command with one line. Bad options end with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import socket
+import sys
+import time
+from typing import Sequence
+
+from nanovllm_core.cli import _Parser, add_engine_arguments, add_model_arguments, engine_kwargs, positive_int
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="nanovllm serve",
+                description="Serve the engine over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, "
+                            "/v1/models), /health and /metrics; watch it with `nanovllm-tui --connect URL`.")
+    add_model_arguments(p)
+    add_engine_arguments(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
+    s.add_argument("--port", type=positive_int, default=8000, help="TCP port (default 8000)")
+    s.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOVLLM_API_KEY, else none)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model's own name)")
+    s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
+    s.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
+    return p
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``.
+
+    Raises:
+        OSError: the address is in use, not this machine's, or not allowed.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=2048)
+
+
+def load(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """Start the engine thread and wait for the model; print each loading stage on stderr."""
+    from nanovllm_core import events as ev
+    from nanovllm_core.engine.controller import EngineController
+
+    seen: set[str] = set()
+
+    def progress(event: ev.Event) -> None:
+        if isinstance(event, ev.ModelLoading) and event.stage not in seen and not event.ready:
+            seen.add(event.stage)
+            print(f"nanovllm serve: {event.stage}...", file=sys.stderr, flush=True)
+
+    controller = None
+    try:
+        kwargs = engine_kwargs(args)
+        controller = EngineController(kwargs.pop("model"), **kwargs)
+        controller.subscribe(progress, topk=0, blocks=False)
+        while controller.state == "loading":
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        if controller is not None:
+            controller.shutdown(timeout=1.0)
+        raise
+    if controller.state == "failed":
+        controller.shutdown(timeout=1.0)
+        parser.error(f"model failed to load: {controller.load_error}")
+    return controller
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from nanovllm_core.entrypoints.api_server import APIServer, bind_warning, build_app
+
+    try:
+        sock = listen(args.host, args.port)
+    except OSError as e:
+        parser.error(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}; choose another --port or --host")
+    warning = bind_warning(args.host, args.api_key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    try:
+        controller = load(args, parser)
+    except KeyboardInterrupt:
+        return 130
+    # What exists now (torch, the model, the tokenizer: ~10^5 objects) lives as long as the server:
+    # keep it out of the garbage collector's full passes, which would otherwise stall requests for
+    # hundreds of ms now and then, and take seconds more when the process exits.
+    gc.freeze()
+    try:
+        app = build_app(controller, model_name=args.served_model_name, api_key=args.api_key)
+        shown = f"[{args.host}]" if ":" in args.host else args.host
+        url = f"http://{shown}:{args.port}"
+        print(f"nanovllm serve: {app.state.server.model_name} on {url}/v1 "
+              f"(watch it: nanovllm-tui --connect {url}{' --api-key KEY' if args.api_key else ''}); "
+              "Ctrl-C stops", file=sys.stderr, flush=True)
+        APIServer(app, log_level=args.log_level, access_log=not args.no_access_log).run(sock)
+    finally:
+        controller.shutdown(timeout=2.0)
+        sock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""The engine's event stream for attached apps: ``GET /v1/engine/events``.
+
+One subscription to the controller feeds a numbered log of events; every watcher (an app
+attached with ``nanovllm-tui --connect``, or ``curl -N``) reads the log from its own cursor
+as server-sent events::
+
+    id: 3f9a0c:812
+    data: {"type":"TokenSampled","step":40,...}      <- one line of the trace format (events.to_json)
+
+    event: state
+    data: {"state":"running","step":40}             <- at least every half second: the controller's state
+
+The ``data`` lines are exactly what ``--trace`` writes, so the app decodes them with the
+replay's decoder. An event's ``id`` is this server's instance and the event's number; a
+watcher that reconnects sends it back as ``Last-Event-ID`` and gets every event it missed
+while the log still holds them; a new watcher (or one that fell too far behind)
+first gets a snapshot: the model's facts, a pause if the engine is paused, and the
+``RequestAdded`` of every live request. Watchers ask for detail (``topk``, ``blocks``,
+``xray``); the engine computes the most any watcher asked for, and each watcher is sent
+only what it asked for. Nothing here blocks the engine thread: it appends to the log and
+wakes the event loop only when a watcher is waiting; watchers are sent what accumulated,
+at most ``1 / BATCH_INTERVAL_S`` times a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from nanovllm_core import events as ev
+
+LOG_EVENTS = 20_000  # events kept for watchers that reconnect
+HEARTBEAT_S = 0.5
+# A watcher is sent what accumulated at most this often: an app draws 5-10 frames a second, and
+# fewer, larger writes leave the event loop (and Python's lock) to the engine and the API.
+BATCH_INTERVAL_S = 0.05
+
+
+@dataclass(eq=False)
+class _Watcher:
+    topk: int
+    blocks: bool
+    xray: bool
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def wants(self, event: ev.Event) -> bool:
+        if isinstance(event, ev.BlocksChanged):
+            return self.blocks
+        if isinstance(event, ev.LayerTrace):
+            return self.xray
+        return True
+
+
+class EventHub:
+    """Publishes a controller's events to any number of SSE watchers.
+
+    Call :meth:`start` on the event loop (it subscribes), :meth:`close` at shutdown (every
+    watcher's stream ends).
+    """
+
+    def __init__(self, controller: Any, log_events: int = LOG_EVENTS, heartbeat_s: float = HEARTBEAT_S,
+                 batch_interval_s: float = BATCH_INTERVAL_S) -> None:
+        self.controller = controller
+        self.batch_interval_s = batch_interval_s
+        self.log_events = log_events
+        self.instance = secrets.token_hex(3)  # a restarted server's numbers are not this one's
+        self.heartbeat_s = heartbeat_s
+        self._lock = threading.Lock()
+        self._log: list[list] = []  # [seq, event, encoded line or None]
+        self._first_seq = 1
+        self._seq = 0
+        self._ready: ev.ModelLoading | None = None
+        self._live: dict[str, ev.RequestAdded] = {}
+        self._step = 0
+        self._watchers: set[_Watcher] = set()
+        self._wake_pending = False
+        self._closing = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sub: Any = None
+
+    def start(self) -> None:
+        from nanovllm_core.engine.controller import EngineController
+
+        self._loop = asyncio.get_running_loop()
+        if self.controller.engine is not None:  # the model's facts are known now; watchers need them first
+            self._ready = EngineController.ready_event(self.controller.engine)
+        self._sub = self.controller.subscribe(self.publish, topk=0, xray=False, blocks=False)
+
+    def close(self) -> None:
+        """End every watcher's stream once it has been sent what was published so far (the server is
+        shutting down); safe from any thread."""
+        self._closing = True
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake)
+        if self._sub is not None:
+            self.controller.unsubscribe(self._sub)
+            self._sub = None
+
+    @property
+    def num_watchers(self) -> int:
+        return len(self._watchers)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def publish(self, event: ev.Event) -> None:
+        """Append one event to the log and wake the watchers (called on the engine thread)."""
+        with self._lock:
+            self._seq += 1
+            self._log.append([self._seq, event, None])
+            if len(self._log) > 2 * self.log_events:
+                del self._log[: len(self._log) - self.log_events]
+                self._first_seq = self._log[0][0]
+            if isinstance(event, ev.RequestAdded):
+                self._live[event.request_id] = event
+            elif isinstance(event, (ev.RequestFinished, ev.RequestRejected)):
+                self._live.pop(event.request_id, None)
+            elif isinstance(event, ev.StepPlanned):
+                self._step = event.step
+            elif isinstance(event, ev.ModelLoading) and event.ready:
+                self._ready = event
+            wake = bool(self._watchers) and not self._wake_pending
+            self._wake_pending = self._wake_pending or wake
+        if wake and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._wake)
+            except RuntimeError:  # the loop has closed
+                pass
+
+    def request_blocks_snapshot(self) -> None:
+        """Publish a fresh ``BlocksChanged`` (taken on the engine thread between steps, even while paused)."""
+        self.controller.call(lambda engine: self.publish(engine.blocks_event(engine.step_index)))
+
+    # ------------------------------------------------------------------ event loop
+
+    def _wake(self) -> None:
+        for w in self._watchers:
+            w.wake.set()
+
+    def _update_detail(self) -> None:
+        """Ask the engine for the most detail any watcher wants (nothing costly when none does)."""
+        sub = self._sub
+        if sub is None:
+            return
+        sub.topk = max((w.topk for w in self._watchers), default=0)
+        sub.blocks = any(w.blocks for w in self._watchers)
+        sub.xray = any(w.xray for w in self._watchers)
+
+    def _snapshot(self) -> list[ev.Event]:
+        """What a new watcher needs first (call with the lock held)."""
+        out: list[ev.Event] = [self._ready] if self._ready is not None else []
+        if self.controller.state == "paused":
+            out.append(ev.EnginePaused(step=self._step))
+        out.extend(self._live.values())
+        return out
+
+    def _frame(self, seq: int, event: ev.Event) -> str:
+        return f"id: {self.instance}:{seq}\ndata: {ev.to_json(event)}\n\n"
+
+    def parse_last_event_id(self, header: str | None) -> int | None:
+        """The event number in a ``Last-Event-ID`` this server sent (None: absent, malformed or another server's)."""
+        instance, _, seq = (header or "").partition(":")
+        return int(seq) if instance == self.instance and seq.isdigit() else None
+
+    def _encoded(self, entry: list) -> str:
+        if entry[2] is None:
+            entry[2] = self._frame(entry[0], entry[1])
+        return entry[2]
+
+    def _state_frame(self) -> str:
+        return f"event: state\ndata: {json.dumps({'state': self.controller.state, 'step': self._step})}\n\n"
+
+    async def stream(self, topk: int = 0, blocks: bool = False, xray: bool = False,
+                     last_event_id: int | None = None) -> AsyncIterator[str]:
+        """One watcher's server-sent events, until it disconnects or the server shuts down."""
+        w = _Watcher(topk=topk, blocks=blocks, xray=xray)
+        self._watchers.add(w)
+        self._update_detail()
+        try:
+            with self._lock:
+                resume = last_event_id is not None and self._first_seq - 1 <= last_event_id <= self._seq
+                cursor = last_event_id if resume else self._seq
+                snapshot = [] if resume else self._snapshot()
+            yield self._state_frame() + "".join(self._frame(cursor, e) for e in snapshot)
+            last_state = time.monotonic()
+            while True:
+                # Re-arm the wake-up before reading: an event published from here on wakes this loop,
+                # and while it is busy sending, the engine thread is not asked to wake it again.
+                self._wake_pending = False
+                w.wake.clear()
+                closing = self._closing  # read before the log: what came before the close is still sent
+                with self._lock:
+                    if cursor < self._first_seq - 1:  # fell behind the log: start over from a snapshot
+                        cursor, batch, snapshot = self._seq, [], self._snapshot()
+                    else:
+                        batch, snapshot = self._log[cursor - self._first_seq + 1:], []
+                out = [self._frame(cursor, e) for e in snapshot]
+                for entry in batch:
+                    if w.wants(entry[1]):
+                        out.append(self._encoded(entry))
+                    cursor = entry[0]
+                if time.monotonic() - last_state >= self.heartbeat_s:
+                    out.append(self._state_frame())
+                    last_state = time.monotonic()
+                if out:
+                    yield "".join(out)
+                if closing:
+                    return
+                if batch:
+                    await asyncio.sleep(self.batch_interval_s)
+                else:
+                    try:
+                        await asyncio.wait_for(w.wake.wait(), self.heartbeat_s)
+                    except asyncio.TimeoutError:
+                        pass
+        finally:
+            self._watchers.discard(w)
+            self._update_detail()

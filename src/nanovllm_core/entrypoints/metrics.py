@@ -1,0 +1,119 @@
+"""``GET /metrics``: the engine's counters in Prometheus text format, with vLLM's metric names.
+
+A dashboard built for vLLM reads these unchanged. Counters and gauges are the engine's own
+figures (``LLMEngine.stats()``, read on the engine thread between steps), so they agree with
+``llm.stats()`` exactly; latency histograms are filled from each finished request's metrics.
+
+| metric | kind | from |
+|---|---|---|
+| ``vllm:num_requests_running`` / ``_waiting`` | gauge | scheduler queues |
+| ``vllm:kv_cache_usage_perc`` | gauge | used KV blocks / all (0..1) |
+| ``vllm:prefix_cache_queries`` / ``_hits`` | counter | prompt tokens looked up / found in the prefix cache |
+| ``vllm:num_preemptions`` | counter | preemptions |
+| ``vllm:prompt_tokens`` / ``vllm:generation_tokens`` | counter | prompt tokens of accepted requests / tokens generated |
+| ``vllm:request_success`` | counter | finished requests by ``finished_reason`` |
+| ``vllm:time_to_first_token_seconds``, ``vllm:time_per_output_token_seconds``, ``vllm:e2e_request_latency_seconds`` | histogram | per finished request |
+| ``nanovllm:kv_blocks_total`` / ``_used`` / ``_cached``, ``nanovllm:steps`` | gauge / counter | no vLLM equivalent |
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from nanovllm_core.outputs import RequestOutput
+
+# vLLM's bucket boundaries (seconds), so histograms from both servers line up.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _StatsCollector:
+    """Yields the engine's counters and gauges from the newest ``stats()`` snapshot."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: dict[str, Any] = {}
+
+    def collect(self):
+        s, labels = self.stats, [self.model_name]
+        if not s:
+            return
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s["num_running"])
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s["num_waiting"])
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s["kv_cache_usage"])
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      s["prefix_cache_queries"])
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      s["prefix_cache_hits"])
+        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s["num_preemptions"])
+        yield counter("vllm:prompt_tokens", "Number of prompt tokens of accepted requests.", s["total_prompt_tokens"])
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s["total_output_tokens"])
+        yield counter("nanovllm:steps", "Engine steps (one scheduler plan and forward pass each).", s["steps"])
+        yield gauge("nanovllm:kv_blocks_total", "KV blocks in the pool.", s["kv_blocks_total"])
+        yield gauge("nanovllm:kv_blocks_used", "KV blocks held by live requests.", s["kv_blocks_used"])
+        yield gauge("nanovllm:kv_blocks_cached", "Free KV blocks still holding a cached prefix.", s["kv_blocks_cached"])
+
+
+class ServerMetrics:
+    """The server's Prometheus registry (one per server, so several can live in one process).
+
+    ``observe(output)`` records a finished request (thread-safe; the engine thread calls it);
+    ``render(stats)`` returns the exposition text for a fresh ``LLMEngine.stats()`` snapshot.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._stats = _StatsCollector(model_name)
+        self.registry.register(self._stats)
+        labels = ["model_name"]
+        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                labels + ["finished_reason"], registry=self.registry)
+        self._ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                               labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self._tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
+                               labels, buckets=TPOT_BUCKETS, registry=self.registry).labels(model_name)
+        self._e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
+                              labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self.model_name = model_name
+
+    def observe(self, output: RequestOutput) -> None:
+        """Count one finished request: its finish reason and, if it ran, its TTFT, TPOT and latency.
+
+        A request the engine refused never ran: it is not counted (vLLM refuses such requests
+        before they reach its engine).
+        """
+        reason = output.outputs[0].finish_reason if output.outputs else None
+        if reason == "rejected":
+            return
+        self._success.labels(self.model_name, reason or "unknown").inc()
+        m = output.metrics
+        if m.time_to_first_token is not None:
+            self._ttft.observe(m.time_to_first_token)
+        if m.time_per_output_token is not None:
+            self._tpot.observe(m.time_per_output_token)
+        if m.finished_time is not None and m.arrival_time:
+            self._e2e.observe(m.finished_time - m.arrival_time)
+
+    def render(self, stats: dict[str, Any]) -> bytes:
+        self._stats.stats = stats
+        return generate_latest(self.registry)

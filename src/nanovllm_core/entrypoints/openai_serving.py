@@ -1,0 +1,304 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: engine outputs -> OpenAI's response shapes.
+
+A request is tokenized here only to check its length against ``max_model_len`` (vLLM's rule,
+with vLLM's message); then it goes to the controller as one engine request per prompt,
+and its outputs come back through a :class:`RequestStream`. Non-streaming requests get one
+JSON body when every output has finished; streaming ones get server-sent events, one chunk
+whenever a choice's text grows (cumulative outputs become deltas here), ``data: [DONE]`` last.
+
+Engine ``finish_reason`` values pass through: ``stop``, ``length``, and ``abort`` (vLLM's
+word for a request cancelled before its end). A request the engine refuses (e.g. it could
+never fit in the KV pool) is a 400 error; once a stream has begun, the refusal or an engine
+error comes as an ``{"error": ...}`` event before ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from nanovllm_core.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_length
+from nanovllm_core.entrypoints.request_stream import InFlight, OutputRouter, RequestStream
+from nanovllm_core.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+@dataclass
+class _Choice:
+    """What a streaming client has been sent of one choice: characters, tokens, whether it ended."""
+
+    chars: int = 0
+    tokens: int = 0
+    started: bool = False
+    done: bool = False
+
+
+@dataclass
+class Prepared:
+    """A checked request, ready to submit: its prompts, params and what the response needs."""
+
+    kind: str  # "completion" or "chat"
+    request_id: str
+    prompts: list[str | list[int]]
+    params: Any
+    priority: int
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def sse(data: Any) -> str:
+    """One server-sent event carrying ``data`` as JSON (or the literal ``[DONE]``)."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n"
+
+
+class OpenAIServing:
+    """Answers completions and chat requests from one controller.
+
+    Args:
+        controller: the ``EngineController`` (its ``engine`` gives the tokenizer and limits).
+        model_name: the name clients must send as ``model`` (or leave out).
+        metrics: gets every finished output (``ServerMetrics.observe``); may be None.
+        registry: the server's in-flight streams (ended at shutdown).
+    """
+
+    def __init__(self, controller: Any, model_name: str, metrics: Any = None, registry: InFlight | None = None) -> None:
+        from nanovllm_core.llm import LLM
+
+        self.controller = controller
+        self.model_name = model_name
+        self.metrics = metrics
+        self.registry = registry if registry is not None else InFlight()
+        engine = controller.engine
+        self._llm = LLM.from_engine(engine)  # the offline API's chat template path, read-only here
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self._ids = itertools.count()
+        self._router: OutputRouter | None = None
+
+    # ------------------------------------------------------------------ checking
+
+    def check_model(self, model: str | None) -> None:
+        """Raises: APIError (400) when ``model`` names another model."""
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}` "
+                           "(GET /v1/models lists it)", param="model", code="model_not_found")
+
+    def _tokens(self, prompt: str | list[int]) -> int:
+        if isinstance(prompt, str):
+            return len(self.tokenizer.encode(prompt, add_special_tokens=True)) if prompt else 0
+        return len(prompt)
+
+    def prepare_completion(self, req: CompletionRequest) -> Prepared:
+        """Check a completions request. Raises: APIError (400) naming what is wrong."""
+        self.check_model(req.model)
+        params = req.to_sampling_params()
+        prompts = req.prompts()
+        vocab = self._llm.engine.model_config.vocab_size
+        for p in prompts:
+            if isinstance(p, list) and any(not 0 <= t < vocab for t in p):
+                raise APIError(f"prompt holds a token id outside the vocabulary (0..{vocab - 1})", param="prompt")
+            n = self._tokens(p)
+            if n == 0:
+                raise APIError("prompt is empty; send at least one token of text", param="prompt")
+            check_length(n, params.max_tokens, self.max_model_len)
+        return Prepared("completion", f"cmpl-{next(self._ids)}", prompts, params, req.priority, req.stream,
+                        bool(req.stream_options and req.stream_options.include_usage), req.return_token_ids)
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+        """Check a chat request and render its messages with the chat template. Raises: APIError (400)."""
+        self.check_model(req.model)
+        params = req.to_sampling_params()
+        try:
+            ids = self._llm.apply_chat_template(req.conversation(), add_generation_prompt=req.add_generation_prompt)
+        except APIError:
+            raise
+        except Exception as e:  # no template, or one that refuses this conversation
+            raise APIError(f"the chat template could not render these messages: {e}", param="messages") from None
+        check_length(len(ids), params.max_tokens, self.max_model_len)
+        return Prepared("chat", f"chat-{next(self._ids)}", [ids], params, req.priority, req.stream,
+                        bool(req.stream_options and req.stream_options.include_usage), req.return_token_ids)
+
+    def open_stream(self, p: Prepared) -> RequestStream:
+        if self._router is None:  # made on first use, on the server's event loop
+            self._router = OutputRouter(asyncio.get_running_loop())
+        stream = RequestStream(self.controller, self._router,
+                               on_finished=self.metrics.observe if self.metrics else None, registry=self.registry)
+        stream.submit(p.prompts, p.params, p.priority, p.request_id)
+        return stream
+
+    # ------------------------------------------------------------------ whole responses
+
+    async def full_response(self, p: Prepared, stream: RequestStream) -> dict[str, Any]:
+        """Wait for every output; the response body. Raises: APIError (refused or failed)."""
+        final: dict[str, RequestOutput] = {}
+        async for outputs in stream:
+            for o in outputs:
+                if o.finished:
+                    final[o.request_id] = o
+        if stream.ended_early:
+            raise APIError("the server is shutting down; this request was aborted", status=503, type="server_error",
+                           code="shutting_down")
+        outs = [final[rid] for rid in stream.request_ids]
+        _raise_if_failed(outs)
+        choices = []
+        for i, out in enumerate(outs):
+            for c in out.outputs:
+                index = i * p.params.n + c.index
+                if p.kind == "chat":
+                    choice = {"index": index, "message": {"role": "assistant", "content": c.text},
+                              "logprobs": _chat_logprobs(c.logprobs, c.token_ids, p.params.logprobs)
+                              if c.logprobs is not None else None,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                else:
+                    choice = {"index": index, "text": c.text,
+                              "logprobs": _completion_logprobs(c.logprobs, c.token_ids, p.params.logprobs, 0)
+                              if c.logprobs is not None else None,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if p.return_token_ids:
+                    choice["token_ids"] = list(c.token_ids)
+                choices.append(choice)
+        return {"id": p.request_id, "object": "chat.completion" if p.kind == "chat" else "text_completion",
+                "created": p.created, "model": self.model_name, "choices": choices, "usage": _usage(outs)}
+
+    # ------------------------------------------------------------------ streams
+
+    async def event_stream(self, p: Prepared) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per change of each choice, usage if asked, ``[DONE]``.
+
+        The request is submitted when the response starts (a client gone before then costs
+        nothing); the ``finally`` aborts unfinished engine requests: a client that
+        disconnects ends this generator (the server cancels it), and its KV blocks are freed.
+        """
+        stream = self.open_stream(p)
+        sent: dict[int, _Choice] = {}
+        latest: dict[str, RequestOutput] = {}
+        order = {rid: i for i, rid in enumerate(stream.request_ids)}
+        obj = "chat.completion.chunk" if p.kind == "chat" else "text_completion"
+        try:
+            async for outputs in stream:
+                choices = []
+                for out in outputs:
+                    latest[out.request_id] = out
+                    if out.finished and out.error is not None:
+                        yield sse(_error_of(out).body())
+                        continue
+                    for c in out.outputs:
+                        index = order[out.request_id] * p.params.n + c.index
+                        choice = self._delta(p, sent.setdefault(index, _Choice()), index, c)
+                        if choice is not None:
+                            choices.append(choice)
+                if choices:
+                    yield sse({"id": p.request_id, "object": obj, "created": p.created, "model": self.model_name,
+                               "choices": choices})
+            if stream.ended_early:  # the server is stopping: every choice still open ends as aborted
+                closing = [self._aborted(p, i) for i in range(len(stream.request_ids) * p.params.n)
+                           if not sent.get(i, _Choice()).done]
+                if closing:
+                    yield sse({"id": p.request_id, "object": obj, "created": p.created, "model": self.model_name,
+                               "choices": closing})
+            if p.include_usage:
+                outs = [latest[rid] for rid in stream.request_ids if rid in latest]
+                yield sse({"id": p.request_id, "object": obj, "created": p.created, "model": self.model_name,
+                           "choices": [], "usage": _usage(outs)})
+            yield sse("[DONE]")
+        finally:
+            stream.close()
+
+    @staticmethod
+    def _aborted(p: Prepared, index: int) -> dict[str, Any]:
+        """The last chunk choice of a choice the server's shutdown ended."""
+        choice = {"index": index, **({"delta": {}} if p.kind == "chat" else {"text": ""}), "logprobs": None,
+                  "finish_reason": "abort", "stop_reason": None}
+        if p.return_token_ids:
+            choice["token_ids"] = []
+        return choice
+
+    def _delta(self, p: Prepared, s: _Choice, index: int, c: CompletionOutput) -> dict[str, Any] | None:
+        """The chunk choice for what ``c`` adds to what was sent (None when nothing new)."""
+        if s.done:
+            return None
+        text, new_tokens = c.text[s.chars:], c.token_ids[s.tokens:]
+        finished = c.finish_reason is not None
+        tokens_shown = bool(new_tokens) and (p.return_token_ids or c.logprobs is not None)
+        first_chat_chunk = p.kind == "chat" and not s.started  # the role comes first
+        if not (text or finished or tokens_shown or first_chat_chunk):
+            return None
+        lp = c.logprobs[s.tokens:len(c.token_ids)] if c.logprobs is not None else None
+        if p.kind == "chat":
+            delta: dict[str, Any] = {"content": text}
+            if not s.started:
+                delta["role"] = "assistant"
+            choice = {"index": index, "delta": delta,
+                      "logprobs": _chat_logprobs(lp, new_tokens, p.params.logprobs) if lp is not None else None}
+        else:
+            choice = {"index": index, "text": text,
+                      "logprobs": _completion_logprobs(lp, new_tokens, p.params.logprobs, s.chars) if lp is not None else None}
+        choice["finish_reason"] = c.finish_reason if finished else None
+        choice["stop_reason"] = c.stop_reason if finished else None
+        if p.return_token_ids:
+            choice["token_ids"] = list(new_tokens)
+        s.chars, s.tokens, s.started, s.done = len(c.text), len(c.token_ids), True, finished
+        return choice
+
+
+def _error_of(out: RequestOutput) -> APIError:
+    if out.outputs and out.outputs[0].finish_reason == "rejected":
+        return APIError(out.error or "the engine refused this request", code="rejected")
+    return APIError(out.error or "the engine failed on this request", status=500, type="server_error",
+                    code="engine_error")
+
+
+def _raise_if_failed(outs: list[RequestOutput]) -> None:
+    for out in outs:
+        if out.error is not None:
+            raise _error_of(out)
+
+
+def _usage(outs: list[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _ranked(entry: dict[int, Logprob], top: int) -> list[Logprob]:
+    """The ``top`` most likely candidates of one token's entry, most likely first."""
+    return sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda lp: lp.rank)
+
+
+def _completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top: int, first_char: int) -> dict:
+    """OpenAI's legacy completions logprobs: tokens, their log-probabilities, top candidates, text offsets.
+
+    ``entries[i]`` (``CompletionOutput.logprobs``) holds the top candidates and always the
+    sampled ``token_ids[i]``; ``first_char``: where these tokens start in the choice's text.
+    """
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    offset = first_char
+    for entry, token_id in zip(entries, token_ids):
+        chosen = entry[token_id]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        token_logprobs.append(chosen.logprob)
+        tops.append({(lp.decoded_token or ""): lp.logprob for lp in _ranked(entry, top)} if top else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top: int) -> dict:
+    """OpenAI's chat logprobs: per token its text, log-probability, UTF-8 bytes and top candidates."""
+    def item(lp: Logprob) -> dict:
+        text = lp.decoded_token or ""
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for entry, token_id in zip(entries, token_ids):
+        chosen = item(entry[token_id])
+        chosen["top_logprobs"] = [item(lp) for lp in _ranked(entry, top)]
+        content.append(chosen)
+    return {"content": content}

@@ -1,0 +1,215 @@
+"""OpenAI's request bodies, as vLLM's server accepts them, and OpenAI's error body.
+
+Field names and defaults follow the OpenAI API (``max_tokens`` 16 for completions,
+``temperature`` 1) plus vLLM's extra sampling fields (``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``priority``, ``stop_token_ids``,
+``return_token_ids``, ...). A field this server does not know is refused, as OpenAI does, so
+a misspelt setting never passes silently. Every error becomes :class:`APIError`, which the
+server answers with OpenAI's JSON shape ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from nanovllm_core.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: HTTP ``status`` and ``{"error": {...}}``.
+
+    ``type``: OpenAI's error type (``invalid_request_error``, ``authentication_error``,
+    ``server_error``); ``param``: the request field at fault; ``code``: a short machine word.
+    """
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """The first pydantic complaint as one 400 line naming the field (OpenAI's wording for unknown fields)."""
+    err = e.errors()[0]
+    loc = [str(p) for p in err["loc"] if p != "body"]
+    field = ".".join(loc) or None
+    if err["type"] == "extra_forbidden":
+        return APIError(f"Unrecognized request argument supplied: {field}", param=field, code="unknown_parameter")
+    if err["type"] == "missing":
+        return APIError(f"Missing required parameter: {field}", param=field, code="missing_required_parameter")
+    return APIError(f"Invalid value for {field}: {err['msg']} (got {err.get('input')!r})", param=field,
+                    code="invalid_value")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    """``include_usage``: one more chunk before ``[DONE]`` with the request's token counts."""
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingBody(_Body):
+    """The fields completions and chat share (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    n: int = 1
+    best_of: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling parameters
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+    return_token_ids: bool = False
+
+    def _check_common(self) -> None:
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError("best_of other than n is not supported; leave it out", param="best_of")
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported by this server; leave it out", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed with stream=true", param="stream_options")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The engine's ``SamplingParams``; OpenAI's defaults where a field is absent.
+
+        Raises:
+            APIError: a value the engine refuses (the message names the field and its range).
+        """
+        self._check_common()
+        values = dict(
+            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+        try:
+            return SamplingParams(**values)
+        except ValueError as e:
+            message = str(e).removeprefix("SamplingParams.")
+            field = message.split("=", 1)[0].split(" ", 1)[0]
+            raise APIError(message, param=field if field in values else None, code="invalid_value") from None
+
+
+class CompletionRequest(_SamplingBody):
+    """``POST /v1/completions``: ``prompt`` is text, token ids, or a list of either (one choice set each)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list (a single text or token list becomes a list of one).
+
+        Raises:
+            APIError: an empty prompt list, or ``echo``/``suffix`` (not supported).
+        """
+        if self.echo:
+            raise APIError("echo=true is not supported by this server; leave it out", param="echo")
+        if self.suffix:
+            raise APIError("suffix is not supported by this server; leave it out", param="suffix")
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise APIError("prompt is empty; send text or a list of token ids", param="prompt")
+        return list(p)
+
+    def to_sampling_params(self) -> SamplingParams:
+        return self.sampling_params(self.max_tokens, self.logprobs)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    """One message; ``content`` is text or a list of text parts (images are not supported)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingBody):
+    """``POST /v1/chat/completions``: the model's chat template renders ``messages``.
+
+    ``max_tokens`` (or ``max_completion_tokens``) absent: up to the model's length, as vLLM does.
+    ``logprobs`` is a yes/no here, with ``top_logprobs`` candidates per token.
+    """
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them.
+
+        Raises:
+            APIError: no messages.
+        """
+        if not self.messages:
+            raise APIError("messages is empty; send at least one message", param="messages")
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.sampling_params(limit, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """vLLM's rule: prompt plus ``max_tokens`` must fit in the model's context.
+
+    Raises:
+        APIError: the prompt alone fills the context, or prompt + ``max_tokens`` exceeds it.
+    """
+    if num_prompt_tokens >= max_model_len:
+        raise APIError(f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+                       f"{num_prompt_tokens} tokens, which leaves no room for output. Please shorten the prompt.",
+                       param="prompt", code="context_length_exceeded")
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise APIError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                       f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
+                       "for the completion). Please reduce the length of the prompt or max_tokens.",
+                       param="max_tokens", code="context_length_exceeded")

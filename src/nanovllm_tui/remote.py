@@ -1,0 +1,369 @@
+"""``--connect URL``: the engine of a running ``nanovllm serve`` behind the ``EngineController`` interface.
+
+:class:`RemoteController` is the third controller beside the local one (an engine thread)
+and the replay one, and the app cannot tell them apart: events arrive from the server's
+``/v1/engine/events`` stream (server-sent events whose data lines are the trace format,
+decoded with the replay's :func:`~nanovllm_core.tracing.decode_event`), and the commands
+(``pause``, ``resume``, ``step``, ``abort``, ``submit``, ``xray``) are posted to
+``/v1/engine/control``, with the API key when one is given. Several apps may watch one
+server; a pause from any of them reaches all.
+
+Nothing here ever blocks the UI thread: a reader thread keeps the stream open and a sender
+thread posts commands in order. When the connection drops, ``state`` becomes
+``disconnected`` (the header shows it), one ``EngineError`` says so, and the reader
+reconnects with ``Last-Event-ID``, so the server replays what was missed. A command that
+fails is reported the same way (a refused prompt as ``RequestRejected``), never dropped silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import itertools
+import json
+import queue
+import secrets
+import socket
+import threading
+import traceback
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from nanovllm_core import events as ev
+from nanovllm_core.tracing import decode_event
+
+
+class RemoteError(Exception):
+    """The server refused or could not be reached; the message says what to do."""
+
+
+@dataclass
+class RemoteSubscription:
+    """A local listener and the detail it wants; the stream asks the server for the most any wants."""
+
+    callback: Callable[[ev.Event], None]
+    topk: int = 5
+    blocks: bool = True
+    xray: bool = False
+
+    def wants(self, event: ev.Event) -> bool:
+        if isinstance(event, ev.BlocksChanged):
+            return self.blocks
+        if isinstance(event, ev.LayerTrace):
+            return self.xray
+        return True
+
+
+class _Server:
+    """Where the server is and how to talk to it (one short-lived HTTP connection per call)."""
+
+    def __init__(self, url: str, api_key: str | None, timeout: float) -> None:
+        parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise RemoteError(f"{url!r} is not a server address; give one like http://127.0.0.1:8000")
+        self.url = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+        self.scheme, self.host, self.port = parts.scheme, parts.hostname, parts.port
+        self.base = parts.path.rstrip("/")
+        self.api_key = api_key
+        self.timeout = timeout
+
+    def connection(self) -> http.client.HTTPConnection:
+        cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
+        return cls(self.host, self.port, timeout=self.timeout)
+
+    def headers(self, **extra: str) -> dict[str, str]:
+        h = {"Accept": "application/json", **extra}
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        return h
+
+    def refusal(self, status: int, body: bytes) -> RemoteError:
+        try:
+            message = json.loads(body)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = body.decode("utf-8", "replace").strip()[:200] or http.client.responses.get(status, "")
+        if status == 401:
+            hint = "pass --api-key KEY" if not self.api_key else "the key given with --api-key is not the server's"
+            return RemoteError(f"the server at {self.url} refused the API key ({hint})")
+        return RemoteError(f"{message} (HTTP {status})")
+
+    def request(self, method: str, path: str, body: Any = None) -> Any:
+        """One JSON request; the decoded answer.
+
+        Raises:
+            RemoteError: the server answered with an error (its message), or could not be reached.
+        """
+        conn = self.connection()
+        try:
+            data = None if body is None else json.dumps(body).encode()
+            conn.request(method, self.base + path, body=data,
+                         headers=self.headers(**({"Content-Type": "application/json"} if data else {})))
+            resp = conn.getresponse()
+            raw = resp.read()
+        except (OSError, http.client.HTTPException) as e:
+            raise RemoteError(f"cannot reach {self.url} ({_reason(e)}); is `nanovllm serve` running there?") from None
+        finally:
+            conn.close()
+        if resp.status != 200:
+            raise self.refusal(resp.status, raw)
+        return json.loads(raw) if raw else None
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(e, socket.timeout):
+        return "no answer in time"
+    return str(e) or type(e).__name__
+
+
+def check_server(url: str, api_key: str | None = None, timeout: float = 5.0) -> str:
+    """The name of the model served at ``url`` (its ``/v1/models``), checking the key on the way.
+
+    Raises:
+        RemoteError: not a server address, unreachable, or the key is missing or wrong.
+    """
+    models = _Server(url, api_key, timeout).request("GET", "/v1/models")
+    try:
+        return models["data"][0]["id"]
+    except (KeyError, IndexError, TypeError):
+        raise RemoteError(f"{url} answered /v1/models without a model; is it a nanovllm server?") from None
+
+
+class RemoteController:
+    """A running server's engine, with the ``EngineController`` commands the app uses.
+
+    Args:
+        url: the server, e.g. ``http://127.0.0.1:8000``.
+        api_key: sent as ``Authorization: Bearer`` with every call (the server's ``--api-key``).
+        reconnect_s: (first, longest) wait between reconnection attempts, doubling in between.
+        read_timeout_s: a stream silent this long is taken as lost (the server sends its
+            state every half second).
+
+    ``state``: the server's engine state (``running``, ``paused``, ``idle``, ...), or
+    ``disconnected`` while the stream is down, ``stopped`` after :meth:`shutdown`.
+
+    Raises:
+        RemoteError: ``url`` is not a server address (nothing is contacted before :meth:`start`).
+    """
+
+    live = True
+    engine = None
+    load_error = None
+
+    def __init__(self, url: str, api_key: str | None = None, reconnect_s: tuple[float, float] = (0.25, 2.0),
+                 read_timeout_s: float = 10.0) -> None:
+        self._server = _Server(url, api_key, read_timeout_s)
+        self.url = self._server.url
+        self.reconnect_s = reconnect_s
+        self.results: dict = {}
+        self._subs: list[RemoteSubscription] = []
+        self._lock = threading.Lock()
+        self._commands: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._connected = False
+        self._server_state = "loading"
+        self._last_id: str | None = None
+        self._outage_reported = False
+        self._stream_conn: http.client.HTTPConnection | None = None
+        self._ids = itertools.count()
+        self._session = secrets.token_hex(2)  # ids of prompts sent from this app: tui-<session>-<n>
+        self._reader = threading.Thread(target=self._read_loop, name="nanovllm-remote-events", daemon=True)
+        self._sender = threading.Thread(target=self._send_loop, name="nanovllm-remote-commands", daemon=True)
+
+    # ------------------------------------------------------------------ EngineController's interface
+
+    def start(self) -> None:
+        """Open the event stream and the command channel (the app calls it once its window is up)."""
+        if self._reader.ident is None:
+            self._reader.start()
+            self._sender.start()
+
+    @property
+    def state(self) -> str:
+        if self._stop.is_set():
+            return "stopped"
+        return self._server_state if self._connected else "disconnected"
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    @property
+    def is_alive(self) -> bool:
+        return self._reader.is_alive()
+
+    def subscribe(self, callback: Callable[[ev.Event], None], topk: int = 5, xray: bool = False,
+                  blocks: bool = True) -> RemoteSubscription:
+        """Receive the server's events (on the reader thread); the flags may be changed later."""
+        sub = RemoteSubscription(callback, topk=topk, blocks=blocks, xray=xray)
+        with self._lock:
+            self._subs.append(sub)
+        return sub
+
+    def unsubscribe(self, sub: RemoteSubscription) -> None:
+        with self._lock:
+            if sub in self._subs:
+                self._subs.remove(sub)
+
+    def submit(self, prompt: str | list[int], sampling_params: Any = None, priority: int = 0,
+               request_id: str | None = None) -> str:
+        """Send a prompt to the server like any client's; its id (``tui-<session>-<n>``) is known at once."""
+        rid = request_id if request_id is not None else f"tui-{self._session}-{next(self._ids)}"
+        params = {} if sampling_params is None else {
+            f.name: getattr(sampling_params, f.name) for f in dataclasses.fields(sampling_params)}
+        body = {"command": "submit", "request_id": rid, "prompt": prompt, "params": params, "priority": priority}
+        self._commands.put((body, lambda reason: self._deliver(ev.RequestRejected(request_id=rid, reason=reason))))
+        return rid
+
+    def pause(self) -> None:
+        self._command({"command": "pause"})
+
+    def resume(self) -> None:
+        self._command({"command": "resume"})
+
+    def step(self, n: int = 1) -> None:
+        """While the server is paused, run exactly ``n`` engine steps there."""
+        if n < 1:
+            raise ValueError(f"step(n) needs n >= 1, got {n}")
+        self._command({"command": "step", "n": n})
+
+    def abort(self, request_id: str) -> None:
+        self._command({"command": "abort", "request_id": request_id})
+
+    def xray(self, request_id: str | None, layer: int = 0, head: int = 0) -> None:
+        self._command({"command": "xray", "request_id": request_id, "layer": layer, "head": head})
+
+    def call(self, fn: Callable[[Any], Any]) -> None:
+        """A remote engine cannot run a local function. The app reads one thing this way, a
+        fresh snapshot of the KV pool for its subscribers; that is what the server is asked for."""
+        self._command({"command": "snapshot"})
+
+    def shutdown(self, timeout: float = 1.0) -> bool:
+        """Close the stream and stop both threads; True if they ended within ``timeout`` seconds."""
+        self._stop.set()
+        self._commands.put(None)
+        conn = self._stream_conn
+        if conn is not None and conn.sock is not None:
+            try:  # wakes the reader out of its read at once
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in (self._reader, self._sender):
+            if t.ident is not None:
+                t.join(timeout)
+        return not (self._reader.is_alive() or self._sender.is_alive())
+
+    # ------------------------------------------------------------------ delivery
+
+    def _deliver(self, event: ev.Event) -> None:
+        with self._lock:
+            subs = list(self._subs)
+        for sub in subs:
+            if sub.wants(event):
+                try:
+                    sub.callback(event)
+                except Exception:  # a broken listener must not stop the stream
+                    traceback.print_exc()
+
+    def _detail(self) -> tuple[int, bool, bool]:
+        with self._lock:
+            subs = list(self._subs)
+        return (max((s.topk for s in subs), default=0), any(s.blocks for s in subs), any(s.xray for s in subs))
+
+    # ------------------------------------------------------------------ commands (sender thread)
+
+    def _command(self, body: dict) -> None:
+        name = body["command"]
+        self._commands.put((body, lambda reason: self._deliver(
+            ev.EngineError(step=None, request_id=body.get("request_id"), message=f"{name}: {reason}"))))
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._commands.get()
+            if item is None or self._stop.is_set():
+                return
+            body, on_error = item
+            try:
+                self._server.request("POST", "/v1/engine/control", body)
+            except RemoteError as e:
+                on_error(str(e))
+
+    # ------------------------------------------------------------------ the event stream (reader thread)
+
+    def _read_loop(self) -> None:
+        delay = self.reconnect_s[0]
+        while not self._stop.is_set():
+            try:
+                self._read_stream(self._detail())
+                delay = self.reconnect_s[0]  # ended to change detail: reconnect at once
+                continue
+            except (OSError, http.client.HTTPException, RemoteError, ValueError) as e:
+                if self._stop.is_set():
+                    break
+                self._lost(e)
+            self._stop.wait(delay)
+            delay = min(delay * 2, self.reconnect_s[1])
+        self._connected = False
+
+    def _lost(self, error: BaseException) -> None:
+        self._connected = False
+        if not self._outage_reported:
+            self._outage_reported = True
+            reason = str(error) if isinstance(error, RemoteError) else _reason(error)
+            self._deliver(ev.EngineError(step=None, message=f"lost the connection to {self.url} ({reason}); "
+                                                            "reconnecting"))
+
+    def _read_stream(self, detail: tuple[int, bool, bool]) -> None:
+        """Read the stream until it fails (raises) or the wanted detail changes (returns)."""
+        topk, blocks, xray = detail
+        query = urllib.parse.urlencode({"topk": topk, "blocks": int(blocks), "xray": int(xray)})
+        conn = self._server.connection()
+        self._stream_conn = conn
+        try:
+            extra = {"Accept": "text/event-stream"}
+            if self._last_id is not None:
+                extra["Last-Event-ID"] = self._last_id
+            conn.request("GET", f"{self._server.base}/v1/engine/events?{query}", headers=self._server.headers(**extra))
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise self._server.refusal(resp.status, resp.read())
+            self._connected, self._outage_reported = True, False
+            kind, data, event_id = "message", [], None
+            while not self._stop.is_set():
+                raw = resp.readline()
+                if not raw:
+                    raise ConnectionError("the server ended the event stream")
+                line = raw.decode("utf-8").rstrip("\r\n")
+                if line:
+                    name, _, value = line.partition(":")
+                    value = value[1:] if value.startswith(" ") else value
+                    if name == "data":
+                        data.append(value)
+                    elif name == "id":
+                        event_id = value
+                    elif name == "event":
+                        kind = value
+                    continue
+                if data:
+                    self._dispatch(kind, "\n".join(data), event_id)
+                kind, data, event_id = "message", [], None
+                if self._detail() != detail:
+                    return
+        finally:
+            self._stream_conn = None
+            conn.close()
+
+    def _dispatch(self, kind: str, data: str, event_id: str | None) -> None:
+        if kind == "state":
+            self._server_state = json.loads(data)["state"]
+            return
+        event = decode_event(data)
+        if event_id is not None:
+            self._last_id = event_id
+        if isinstance(event, ev.EnginePaused):
+            self._server_state = "paused"
+        elif isinstance(event, ev.EngineResumed):
+            self._server_state = "running"
+        self._deliver(event)

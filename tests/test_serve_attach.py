@@ -1,0 +1,193 @@
+"""``nanovllm-tui --connect``: the app attached to a running server sees its clients and drives its engine.
+
+The server is the shared in-process ``tiny_server``; the app talks to it only over HTTP, through
+``RemoteController``, exactly as ``nanovllm-tui --connect URL`` does.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import openai
+import pytest
+
+from nanovllm_core import SamplingParams
+from nanovllm_core import events as ev
+from nanovllm_core.engine.controller import EngineController
+from nanovllm_core.entrypoints.api_server import APIServer, build_app
+from nanovllm_tui.app import NanoVLLMApp
+from nanovllm_tui.remote import RemoteController
+from nanovllm_tui.widgets.prompt_bar import PromptSettings
+from nanovllm_tui.widgets.request_table import RequestTable
+from tests.serve_helpers import start_server
+from tests.tui_helpers import Notes, send_prompt, wait_until
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class Streamer:
+    """An ``openai`` client streaming one long completion on its own thread, counting tokens as they arrive."""
+
+    def __init__(self, server, max_tokens: int):
+        self.tokens: list[int] = []
+        self.id = None
+        self.finish = None
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=120)
+        self.stream = client.completions.create(
+            model=server.controller.engine.model_name, prompt="Once upon a time", max_tokens=max_tokens,
+            temperature=0, stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        for chunk in self.stream:
+            self.id = chunk.id
+            for c in chunk.choices:
+                self.tokens += c.model_extra["token_ids"]
+                self.finish = c.finish_reason or self.finish
+
+
+@pytest.fixture
+def paced(tiny_server):
+    """The tiny model's steps last at least 20 ms, so a 100-token stream is still running when keys arrive."""
+    engine = tiny_server.controller.engine
+    engine.fault_injector = lambda plan: time.sleep(0.02)  # the engine's per-step test hook
+    yield engine
+    engine.fault_injector = None
+
+
+@pytest.mark.anyio
+async def test_attached_app_sees_a_client_and_pauses_steps_and_resumes_the_server(tiny_server, paced, tmp_path):
+    engine = paced
+    app = NanoVLLMApp(RemoteController(tiny_server.url, tiny_server.api_key), tutorial_path=tmp_path / "t.json",
+                      settings=PromptSettings(max_tokens=5))
+    notes = Notes()
+    async with app.run_test(size=(120, 36), message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, 30, "the server's model facts")
+        assert app.state.model_name == engine.model_name
+        client = Streamer(tiny_server, max_tokens=100)
+        await wait_until(pilot, lambda: client.id in app.state.requests and app.state.requests[client.id].num_output > 3,
+                         30, "the client's request streaming in the app")
+        assert client.id in app.query_one(RequestTable).rows  # in the request table, as any request
+        assert app.state.requests[client.id].prompt == "Once upon a time"
+
+        await pilot.press("escape", "space")
+        await wait_until(pilot, lambda: tiny_server.controller.state == "paused", 10, "the server to pause")
+        await pilot.pause(0.5)  # what was already on its way arrives
+        held, step = len(client.tokens), engine.step_index
+        await pilot.pause(0.8)
+        assert len(client.tokens) == held and engine.step_index == step  # the client's stream stopped
+        assert "paused" in str(app.query_one("#header").render())
+
+        await pilot.press("n")
+        await wait_until(pilot, lambda: len(client.tokens) == held + 1, 10, "one more token")
+        await pilot.pause(0.5)
+        assert engine.step_index == step + 1 and len(client.tokens) == held + 1  # exactly one step
+
+        await pilot.press("space")
+        await wait_until(pilot, lambda: client.finish is not None, 120, "the client's stream to finish")
+        assert client.finish == "length" and len(client.tokens) == 100
+        await wait_until(pilot, lambda: app.state.requests[client.id].state == "finished", 10, "the app to see it end")
+        assert app.state.requests[client.id].num_output == 100
+
+        # A prompt typed into the attached app runs on the server like any client's; a refusal is shown.
+        await send_prompt(pilot, "Hello there")
+        typed = app.selected
+        await wait_until(pilot, lambda: app.state.requests[typed].state == "finished", 30, "the typed prompt to end")
+        assert typed.startswith("tui-") and app.state.requests[typed].num_output >= 1
+        await send_prompt(pilot, "word " * 600)  # longer than the model holds
+        await wait_until(pilot, lambda: notes.find("max_model_len", severity="error"), 30, "the refusal")
+
+
+def test_two_watchers_one_pauses_both_see_it(tiny_server):
+    a, b = RemoteController(tiny_server.url, tiny_server.api_key), RemoteController(tiny_server.url, tiny_server.api_key)
+    seen = {"a": [], "b": []}
+    a.subscribe(seen["a"].append, topk=0, blocks=False)
+    b.subscribe(seen["b"].append, topk=0, blocks=False)
+    try:
+        a.start(), b.start()
+        assert _until(lambda: a.connected and b.connected)
+        a.pause()
+        assert _until(lambda: all(any(isinstance(e, ev.EnginePaused) for e in s) for s in seen.values()))
+        assert _until(lambda: b.state == "paused")
+        b.resume()
+        assert _until(lambda: all(any(isinstance(e, ev.EngineResumed) for e in s) for s in seen.values()))
+        assert tiny_server.controller.state != "paused"
+    finally:
+        assert a.shutdown(timeout=2) and b.shutdown(timeout=2)
+
+
+def test_a_dropped_stream_reconnects_and_misses_no_event(tiny_server, paced):
+    remote = RemoteController(tiny_server.url, tiny_server.api_key, reconnect_s=(0.05, 0.2))
+    events: list[ev.Event] = []
+    remote.subscribe(events.append, topk=0, blocks=False)
+    remote.start()
+    try:
+        assert _until(lambda: remote.connected)
+        rid = remote.submit("The quick brown fox", SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+        assert _until(lambda: sum(isinstance(e, ev.TokenSampled) for e in events) >= 5)
+        remote._stream_conn.sock.shutdown(2)  # the network drops mid-request
+        assert _until(lambda: any(isinstance(e, ev.EngineError) and "lost the connection" in e.message
+                                  for e in events))
+        assert _until(lambda: any(isinstance(e, ev.RequestFinished) and e.request_id == rid for e in events), 60)
+        assert remote.connected
+        tokens = [e for e in events if isinstance(e, ev.TokenSampled) and e.request_id == rid]
+        done = next(e for e in events if isinstance(e, ev.RequestFinished) and e.request_id == rid)
+        assert [t.num_output_tokens for t in tokens] == list(range(1, 61))  # none lost, none twice
+        assert "".join(t.text for t in tokens) == done.output_text
+    finally:
+        remote.shutdown(timeout=2)
+
+
+@pytest.mark.anyio
+async def test_losing_the_server_shows_in_the_header_the_app_stays_live_and_reconnects(make_tiny_engine, tmp_path):
+    controller = EngineController.from_engine(make_tiny_engine(num_kv_blocks=32))
+    server = start_server(controller, api_key=None)
+    remote = RemoteController(server.url, reconnect_s=(0.05, 0.2))
+    app = NanoVLLMApp(remote, tutorial_path=tmp_path / "t.json")
+    notes = Notes()
+    try:
+        async with app.run_test(size=(120, 36), message_hook=notes) as pilot:
+            header = lambda: str(app.query_one("#header").render())  # noqa: E731
+            await wait_until(pilot, lambda: "idle" in header(), 30, "the header to show the server idle")
+            port = int(server.url.rsplit(":", 1)[1])
+            assert server.stop()
+            await wait_until(pilot, lambda: "disconnected" in header(), 10, "the header to show the lost server")
+            assert len(notes.find("lost the connection to " + server.url)) == 1
+            await pilot.press("escape", "5")  # the window still answers while the server is gone
+            assert app.active_tab == "blocks"
+            await pilot.pause(0.5)
+            assert len(notes.find("lost the connection")) == 1  # said once, not at every attempt
+
+            again = APIServer(build_app(controller), log_level="warning", access_log=False)
+            again.start_in_thread(socket.create_server(("127.0.0.1", port)))
+            try:
+                await wait_until(pilot, lambda: "idle" in header(), 30, "the app to reconnect to the new server")
+                assert remote.connected
+            finally:
+                again.stop()
+    finally:
+        controller.shutdown(timeout=5)
+
+
+def test_a_prompt_sent_as_token_ids_shows_as_its_pieces():
+    from nanovllm_tui.state import EngineState
+
+    state = EngineState()
+    state.apply(ev.RequestAdded(request_id="chat-0", prompt=None, prompt_token_ids=(1, 2, 3),
+                                prompt_pieces=("<|im_start|>", "user", "\nHi"), priority=0, max_tokens=4))
+    assert state.requests["chat-0"].prompt == "<|im_start|>user\nHi"
+
+
+def _until(cond, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False

@@ -1,0 +1,134 @@
+"""The command lines: ``nanovllm serve`` (a real process: start, serve, stop on SIGTERM) and the app's
+``--connect`` / ``--web`` options; bad ones end with status 2 and one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from nanovllm_core.entrypoints import cli as serve_cli
+from nanovllm_core.entrypoints.api_server import bind_warning
+from nanovllm_tui import options
+from nanovllm_tui.remote import RemoteController
+from tests.conftest import run_main
+from tests.tui_helpers import TRACE
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_aborts_the_stream_in_flight_and_exits_within_seconds(tiny_llama_dir):
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), *sys.path) if p)}
+    proc = subprocess.Popen([sys.executable, "-m", "nanovllm_core.cli", "serve", "--model", str(tiny_llama_dir),
+                             "--port", str(port), "--num-kv-blocks", "64", "--no-access-log"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        chunks, stopped_at = [], None
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    chunks.append(line[6:])
+                    if stopped_at is None:
+                        proc.send_signal(signal.SIGTERM)  # mid-stream
+                        stopped_at = time.monotonic()
+        assert chunks[-1] == "[DONE]"
+        assert json.loads(chunks[-2])["choices"][0]["finish_reason"] == "abort"
+        assert time.monotonic() - stopped_at < 5  # the server's own shutdown is prompt
+        # Python's teardown of torch takes seconds more on a busy machine: wait for it generously.
+        code = proc.wait(timeout=60)
+        err = proc.stderr.read()
+        assert code == 0 and "Traceback" not in err, err
+        assert f"on http://127.0.0.1:{port}/v1" in err and "nanovllm-tui --connect" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_serve_bad_options_end_with_one_line(capsys, tiny_llama_dir):
+    code, _, err = run_main(serve_cli.main, capsys, "--port", "0")
+    assert code == 2 and "expected a positive integer" in err
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        code, _, err = run_main(serve_cli.main, capsys, "--port", str(port))
+        assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run_main(serve_cli.main, capsys, "--model", str(tiny_llama_dir / "missing"), "--port",
+                            str(free_port()))
+    assert code == 2 and "model failed to load" in err and "Traceback" not in err
+
+
+def test_nanovllm_serve_is_a_subcommand_of_nanovllm(capsys):
+    from nanovllm_core import cli
+
+    code, out, _ = run_main(cli.main, capsys, "serve", "--help")
+    assert code == 0 and "nanovllm serve" in out and "--api-key" in out
+
+
+def test_listening_beyond_this_machine_without_a_key_warns():
+    assert bind_warning("127.0.0.1", None) is None and bind_warning("::1", None) is None
+    assert bind_warning("localhost", None) is None and bind_warning("0.0.0.0", "k") is None
+    warning = bind_warning("0.0.0.0", None)
+    assert warning.startswith("warning: listening on 0.0.0.0 without --api-key") and "--api-key KEY" in warning
+
+
+def test_app_connect_checks_the_server_and_its_key_first(tiny_server, capsys):
+    code, _, err = run_main(options.parse_args, capsys, "--connect", f"http://127.0.0.1:{free_port()}")
+    assert code == 2 and "cannot reach" in err and "nanovllm serve" in err
+    code, _, err = run_main(options.parse_args, capsys, "--connect", tiny_server.url)
+    assert code == 2 and "refused the API key (pass --api-key KEY)" in err
+    code, _, err = run_main(options.parse_args, capsys, "--connect", tiny_server.url, "--api-key", "nope")
+    assert code == 2 and "not the server's" in err
+    code, _, err = run_main(options.parse_args, capsys, "--connect", tiny_server.url, "--model", "x")
+    assert code == 2 and "--model cannot be used with --connect" in err
+    code, _, err = run_main(options.parse_args, capsys, "--port", "9000")
+    assert code == 2 and "add --web" in err
+    app = options.build_app(["--connect", tiny_server.url, "--api-key", tiny_server.api_key])
+    assert isinstance(app.controller, RemoteController) and app.controller.url == tiny_server.url
+
+
+def test_web_passes_every_other_option_to_the_app():
+    from nanovllm_tui.web import app_arguments
+
+    argv = ["--web", "--port", "8123", "--connect", "http://h:1", "--host=0.0.0.0", "--fps", "5"]
+    assert app_arguments(argv) == ["--connect", "http://h:1", "--fps", "5"]
+
+
+def test_web_port_in_use_ends_with_one_line(capsys):
+    from nanovllm_tui.app import main
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        code, _, err = run_main(main, capsys, "--web", "--port", str(port), "--replay",
+                                str(TRACE))
+    assert code == 2 and f"--web cannot listen on 127.0.0.1:{port}" in err
+
+
+@pytest.mark.parametrize("url", ["ftp://x", "http://"])
+def test_remote_controller_refuses_what_is_not_a_server_address(url):
+    from nanovllm_tui.remote import RemoteError
+
+    with pytest.raises(RemoteError, match="not a server address"):
+        RemoteController(url)
