@@ -1,0 +1,72 @@
+"""int8 weights on the real model: from the CLI, through ``LLM``, and greedy outputs that do not
+depend on scheduling *within* int8 mode (batch vs alone, chunked, preempted, prefix-cached).
+
+int8 is not float32: its tokens may differ from float32's after a while (the benchmark
+measures how often); within int8, a token's logits are computed bit-identically whatever
+else shares its step (see ``nanovllm_core.model.int8_linear``), so these must be equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nanovllm_core import cli
+from nanovllm_core.llm import LLM
+from nanovllm_core.model import loader
+from tests.conftest import run_main
+from tests.test_engine_equivalence import PRIORITIES, run
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def int8_reference(make_llm):
+    tokens, _ = run(make_llm, quantization="int8", paged=False)
+    return tokens
+
+
+@pytest.mark.parametrize("settings, check", [
+    (dict(), lambda s: True),                                                   # one batch
+    (dict(max_num_batched_tokens=32), lambda s: True),                          # every long prompt chunked
+    (dict(max_num_seqs=2), lambda s: s["prefix_cache_hits"] > 0),               # later prompts hit the cache
+    (dict(num_kv_blocks=12, max_num_batched_tokens=64), lambda s: s["num_preemptions"] > 0),
+    (dict(priority=PRIORITIES, num_kv_blocks=14, block_size=8), lambda s: s["num_preemptions"] > 0),
+], ids=["batch", "chunked", "prefix-cached", "preempted", "priority-preempted"])
+def test_int8_greedy_tokens_do_not_depend_on_scheduling(make_llm, int8_reference, settings, check):
+    tokens, stats = run(make_llm, quantization="int8", **settings)
+    assert check(stats), stats
+    assert tokens == int8_reference
+
+
+def test_cli_quantization_int8_loads_int8_layers_and_completes(capsys, monkeypatch, real_model_int8):
+    asked = []
+
+    def load_shared(model, device, dtype, max_model_len=None, progress=None, quantization=None):
+        asked.append(quantization)  # the flag reached the loader; the session's int8 model is that load's result
+        return real_model_int8
+
+    monkeypatch.setattr(loader, "load_model", load_shared)
+    code, out, err = run_main(cli.main, capsys, "--quantization", "int8", "--max-tokens", "6", "--num-kv-blocks", "64")
+    assert code == 0, err
+    assert asked == ["int8"]
+    assert "Paris" in out.split("Completion:")[1]
+    assert "int8 weights" in out
+
+
+def test_cli_unknown_quantization_exits_2_with_one_line(capsys):
+    code, out, err = run_main(cli.main, capsys, "--quantization", "int3")
+    assert code == 2
+    assert err.strip().count("\n") == 0 and "--quantization: invalid choice: 'int3'" in err
+
+
+def test_llm_unknown_quantization_raises_one_line_before_loading():
+    with pytest.raises(ValueError, match=r"^quantization='int4' is unknown; use 'int8' \(or leave it unset"):
+        LLM(quantization="int4")
+
+
+def test_int8_model_reports_a_quarter_of_the_bytes(make_engine):
+    float_info = make_engine().model_info()
+    int8_info = make_engine(quantization="int8").model_info()
+    assert float_info["quantization"] is None and int8_info["quantization"] == "int8"
+    ratio = float_info["linear_weight_bytes"] / int8_info["linear_weight_bytes"]
+    assert 3.9 < ratio < 4.0  # 538 MB -> 135 MB on SmolLM2-135M (scales cost ~0.5 %)
