@@ -17,6 +17,10 @@ Systems (same weights, float32 on the CPU, greedy, every request produces exactl
   ``get_result``) with each request's own ``max_new_tokens``; nothing is generated past a
   request's length.
 - ``ours``: ``nanovllm_core.LLM.generate`` with the default engine settings.
+- ``ours-int8``: the same with ``quantization="int8"`` (int8 linear layers and LM head).
+- ``llamacpp`` (optional, when ``llama_cpp`` is importable: ``pip install -e ".[llamacpp]"``,
+  which compiles llama.cpp for minutes): llama-cpp-python on the GGUF file we ship (its own
+  4-bit Q4_1 weights), 2 threads, one request after another like ``hf-sequential``.
 
 How each figure is measured (all times ``time.perf_counter``, all N requests arrive at the
 start of a system's run, so TTFT includes the time a request waits for earlier ones):
@@ -63,7 +67,8 @@ from benchmarks.common import (
     write_json,
 )
 
-SYSTEMS = ("hf-sequential", "hf-padded", "hf-generate-batch", "ours")
+SYSTEMS = ("hf-sequential", "hf-padded", "hf-generate-batch", "ours", "ours-int8")
+OPTIONAL_SYSTEMS = ("llamacpp",)  # asked for by name; never in the default list
 HF_SYSTEMS = SYSTEMS[:3]
 
 
@@ -243,7 +248,7 @@ def run_hf_generate_batch(workload: Workload, max_batch_tokens: int | None, page
                         notes={"max_batch_tokens": manager_budget, "page_size": page_size})
 
 
-def run_ours(workload: Workload, target: Target = CPU, **engine_kwargs: Any) -> SystemResult:
+def run_ours(workload: Workload, target: Target = CPU, name: str = "ours", **engine_kwargs: Any) -> SystemResult:
     """``nanovllm_core.LLM.generate`` over the whole workload, default engine settings unless given."""
     from nanovllm_core import LLM, SamplingParams
     from nanovllm_core.attention.selector import default_block_size
@@ -270,7 +275,7 @@ def run_ours(workload: Workload, target: Target = CPU, **engine_kwargs: Any) -> 
     ttft = [o.metrics.time_to_first_token for o in outs]
     tpot = [o.metrics.time_per_output_token for o in outs]
     outputs = [list(o.outputs[0].token_ids) for o in outs]
-    return SystemResult("ours", elapsed, ttft, tpot, outputs, mem.peak_bytes, cpu_s=cpu,
+    return SystemResult(name, elapsed, ttft, tpot, outputs, mem.peak_bytes, cpu_s=cpu,
                         computed_tokens=workload.prompt_tokens + workload.output_tokens,
                         notes={"steps": stats["steps"] - before["steps"],
                                "num_preemptions": stats["num_preemptions"] - before["num_preemptions"],
@@ -292,6 +297,41 @@ def cuda_gemm_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> dict[
         torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)
     return {"cuda": 2.0 * n ** 3 / best}
+
+
+def run_llamacpp(workload: Workload, threads: int = 2) -> SystemResult:
+    """llama-cpp-python on the shipped GGUF (Q4_1), greedy, one request after another, each its own length."""
+    from llama_cpp import Llama
+
+    from nanovllm_core.model.loader import default_gguf_path
+
+    longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
+    llm = Llama(model_path=str(default_gguf_path()), n_ctx=max(512, longest + 8), n_threads=threads,
+                n_threads_batch=threads, verbose=False)
+
+    def generate(prompt: list[int], n: int, times: list[float]) -> list[int]:
+        out: list[int] = []
+        llm.reset()
+        for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):  # never stops at EOS by itself
+            times.append(time.perf_counter())
+            out.append(int(token))
+            if len(out) == n:
+                break
+        return out
+
+    generate(workload.prompts[0][:8], 2, [])  # warm-up
+    ttft, tpot, outputs = [], [], []
+    with PeakRSS() as mem:
+        t0, c0 = time.perf_counter(), time.process_time()
+        for prompt, n in zip(workload.prompts, workload.output_lens):
+            times: list[float] = []
+            outputs.append(generate(prompt, n, times))
+            ttft.append(times[0] - t0)
+            tpot.append((times[-1] - times[0]) / (n - 1) if n > 1 else None)
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return SystemResult("llamacpp", elapsed, ttft, tpot, outputs, mem.peak_bytes, cpu_s=cpu,
+                        computed_tokens=workload.prompt_tokens + workload.output_tokens,
+                        notes={"weights": "GGUF Q4_1 (the shipped file)", "threads": threads})
 
 
 def num_parameters() -> int:
@@ -371,7 +411,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.benchmark_comparison", description=__doc__.split("\n")[0])
     ap.add_argument("--workload", choices=("default", "chat"), default="default")
     ap.add_argument("--systems", default=",".join(SYSTEMS),
-                    help=f"comma-separated subset of {', '.join(SYSTEMS)} (run in this order)")
+                    help=f"comma-separated subset of {', '.join(SYSTEMS + OPTIONAL_SYSTEMS)} (run in this order; "
+                         "llamacpp only when llama-cpp-python is installed)")
     ap.add_argument("--num-requests", type=int, default=None, help="requests in the workload (default 64; 4 with --quick)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="a small smoke run: 4 short requests")
@@ -394,9 +435,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.threads is not None and args.threads < 1:
         ap.error("--threads must be at least 1")
     names = [s.strip() for s in args.systems.split(",") if s.strip()]
-    bad = [s for s in names if s not in SYSTEMS]
+    bad = [s for s in names if s not in SYSTEMS + OPTIONAL_SYSTEMS]
     if bad or not names:
-        ap.error(f"unknown system(s) {', '.join(bad) or '(none given)'}; choose from {', '.join(SYSTEMS)}")
+        ap.error(f"unknown system(s) {', '.join(bad) or '(none given)'}; choose from "
+                 f"{', '.join(SYSTEMS + OPTIONAL_SYSTEMS)}")
+    if "llamacpp" in names:
+        import importlib.util
+
+        if importlib.util.find_spec("llama_cpp") is None:
+            ap.error("system llamacpp needs llama-cpp-python: pip install -e \".[llamacpp]\" (it compiles for minutes)")
     args.system_list = names
     if args.num_requests is not None and args.num_requests < 1:
         ap.error("--num-requests must be at least 1")
@@ -424,6 +471,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "hf-padded": lambda: run_hf_padded(workload, min(args.hf_batch_size, workload.num_requests), target),
         "hf-generate-batch": lambda: run_hf_generate_batch(workload, args.hf_max_batch_tokens, target=target),
         "ours": lambda: run_ours(workload, target),
+        "ours-int8": lambda: run_ours(workload, target, name="ours-int8", quantization="int8"),
+        "llamacpp": lambda: run_llamacpp(workload),
     }
     load_at_start = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
     measure_peaks = (lambda: gemm_peaks()) if device.type == "cpu" else (lambda: cuda_gemm_peak(target.dtype))

@@ -12,8 +12,14 @@ import math
 
 import pytest
 
-from benchmarks import (benchmark_advanced_scheduling, benchmark_comparison, benchmark_events, benchmark_scheduler_unit,
-                        benchmark_serving)
+from benchmarks import (
+    benchmark_advanced_scheduling,
+    benchmark_comparison,
+    benchmark_events,
+    benchmark_quantization,
+    benchmark_scheduler_unit,
+    benchmark_serving,
+)
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
@@ -44,6 +50,34 @@ def test_comparison_rejects_an_unknown_system(capsys):
         benchmark_comparison.main(["--quick", "--systems", "ours,vllm"])
     assert e.value.code == 2
     assert "unknown system(s) vllm" in capsys.readouterr().err
+
+
+def test_quantization_quick_measures_quality_bytes_and_speed_of_both_modes(tmp_path):
+    path = tmp_path / "quant.json"
+    benchmark_quantization.main(["--quick", "--skip-hf", "--json", str(path)])
+    data = json.loads(path.read_text())
+    q = data["quality"]
+    assert all(positive(q["perplexity"][m]) for m in ("float32", "int8"))
+    assert abs(q["perplexity_change"]) < 0.2  # int8 is close to float32, not broken
+    assert 0.0 <= q["greedy_agreement_until_first_difference"] <= 1.0
+    assert data["linear_weight_bytes"]["float32"] > 3.9 * data["linear_weight_bytes"]["int8"]
+    for section in ("batch1_decode", "workload"):
+        rates = data[section]["tokens_per_s" if section == "batch1_decode" else "useful_tokens_per_s"]
+        assert set(rates) >= {"float32", "int8"} and all(positive(v) for v in rates.values())
+        assert positive(data[section]["int8_over_float32"])
+    assert 0 < data["workload"]["float32_roofline_fraction"] < 1
+    assert data["int8_weight_range"] in (63, 127)
+
+
+def test_comparison_llamacpp_without_the_package_is_one_line(capsys, monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real_find_spec(name, *a))
+    with pytest.raises(SystemExit) as e:
+        benchmark_comparison.main(["--quick", "--systems", "ours,llamacpp"])
+    assert e.value.code == 2
+    assert "system llamacpp needs llama-cpp-python" in capsys.readouterr().err
 
 
 def test_advanced_scheduling_quick_exercises_every_feature(tmp_path):
@@ -97,6 +131,8 @@ def test_events_quick_measures_every_subscriber_level(tmp_path):
     (benchmark_comparison, ["--quick", "--json", "/nonexistent-dir/x.json"], "cannot write there"),
     (benchmark_comparison, ["--quick", "--hf-max-batch-tokens", "-1"], "--hf-max-batch-tokens must be at least 1"),
     (benchmark_scheduler_unit, ["--quick", "--json", "/nonexistent-dir/x.json"], "cannot write there"),
+    (benchmark_quantization, ["--quick", "--rounds", "0"], "argument --rounds: expected a positive integer, got 0"),
+    (benchmark_quantization, ["--quick", "--json", "/nonexistent-dir/x.json"], "cannot write there"),
     (benchmark_advanced_scheduling, ["--all", "--quick", "--json", "/"], "cannot write there"),
 ])
 def test_bad_arguments_end_before_the_run_with_one_line(capsys, module, argv, message):

@@ -68,6 +68,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")
     m.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="default: float32 on cpu, bfloat16 on cuda")
+    m.add_argument("--quantization", choices=["int8"], default=None,
+                   help="int8: linear layers and LM head with int8 weights (a quarter of float32's bytes per "
+                        "token; CPU only); default: float weights")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -146,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """``LLM(...)`` keyword arguments from parsed CLI options (shared with the TUI)."""
     return dict(
-        model=args.model, device=args.device, dtype=args.dtype,
+        model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_prefill_tokens, max_model_len=args.max_model_len,
         scheduling_policy=args.scheduling_policy, enable_prefix_caching=not args.no_prefix_caching,
@@ -235,7 +238,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
     total = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     print(f"{len(outputs)} prompt(s), {total} tokens in {elapsed:.2f} s ({total / max(elapsed, 1e-9):.1f} tokens/s) "
-          f"on {llm.engine.device.type}, {str(llm.engine.dtype).replace('torch.', '')}, model {llm.engine.model_name}")
+          f"on {llm.engine.device.type}, {str(llm.engine.dtype).replace('torch.', '')}"
+          + (f", {llm.engine.model.quantization} weights" if llm.engine.model.quantization else "")
+          + f", model {llm.engine.model_name}")
     if args.show_memory_stats:
         print_memory_stats(llm.stats())
     if all(c.finish_reason == "rejected" for o in outputs for c in o.outputs):

@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from nanovllm_core.model.quantization import check_quantization
+
 SCHEDULING_POLICIES = ("priority", "fcfs")
 ATTENTION_BACKENDS = ("flash", "math")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -44,6 +46,9 @@ class EngineConfig:
             draft model (repo id, folder or ``.gguf``) with the target's vocabulary.
         num_speculative_tokens: draft tokens proposed per step and sequence, k (None: 5 when
             ``speculative_model`` is set).
+        quantization: None (float weights) or ``"int8"``: the linear layers and the LM head
+            with int8 weights, one scale per output channel (CPU only; see
+            ``nanovllm_core.model.quantization``). Embeddings and the KV cache stay in ``dtype``.
     """
 
     model: str | None = None
@@ -63,6 +68,7 @@ class EngineConfig:
     seed: int | None = None
     speculative_model: str | None = None
     num_speculative_tokens: int | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -94,6 +100,10 @@ class EngineConfig:
                 f"max_model_len ({self.max_model_len}) so a whole prompt fits one step"
             )
 
+        check_quantization(self.quantization)
+        if self.quantization is not None and self.torch_device.type != "cpu":
+            raise ValueError(f"quantization={self.quantization!r} runs on the CPU (oneDNN's int8 kernels); "
+                             "use device='cpu' (--device cpu) or leave quantization unset")
         self._check_speculative()
 
     def _check_speculative(self) -> None:

@@ -32,8 +32,7 @@ from nanovllm_core.engine.scheduler import ScheduledSequence, Scheduler, Schedul
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
 from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
 from nanovllm_core.model.loader import ProgressFn, ResolvedModel
-from nanovllm_core.outputs import RequestOutput
-from nanovllm_core.sampling.sampler import RowGroup, Sampler, SamplerOutput, SamplingRow
+from nanovllm_core.model.quantization import linear_weight_bytes
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.speculative.metrics import SpecDecodeStats
 from nanovllm_core.speculative.proposer import build_proposer, load_draft_model, needs_draft_model, parse_self_layers
@@ -72,6 +71,10 @@ class LLMEngine:
         self.resolved = resolved
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        built = getattr(model, "quantization", None)
+        if config.quantization != built:
+            raise ValueError(f"the model's linear layers were built with quantization={built!r} but the engine was "
+                             f"asked for {config.quantization!r}; load the model with that quantization")
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         spec = config.speculative_model
         if spec is not None and spec.startswith("self:"):
@@ -134,7 +137,8 @@ class LLMEngine:
         from nanovllm_core.model.loader import load_model
 
         model, tokenizer, resolved = load_model(config.model, config.torch_device, config.torch_dtype,
-                                                max_model_len=config.max_model_len, progress=progress)
+                                                max_model_len=config.max_model_len, progress=progress,
+                                                quantization=config.quantization)
         return cls(config, model, tokenizer, resolved)
 
     def _eos_ids(self) -> tuple[int, ...]:
@@ -166,6 +170,9 @@ class LLMEngine:
             "scheduling_policy": self.scheduler.policy, "prefix_caching": self.block_manager.enable_prefix_caching,
             "chunked_prefill": self.scheduler.enable_chunked_prefill,
             "paged": self.config.paged, "attention_backend": self.runner.attention_kernel,
+            # Weights of every linear layer and the LM head, as the loader built them: the bytes
+            # one decode step streams from memory (what batching shares among the batch).
+            "quantization": self.model.quantization, "linear_weight_bytes": linear_weight_bytes(self.model),
         }
 
     # ------------------------------------------------------------------ events

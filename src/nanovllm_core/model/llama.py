@@ -282,7 +282,7 @@ class LlamaAttention(nn.Module):
         tracer: "LayerTracer | None" = None,
     ) -> torch.Tensor:
         n = x.shape[0]
-        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = self.qkv_proj(x)
         # Q and K heads are rotated together: one set of operations instead of two.
         qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = RotaryEmbedding.apply(qk, cos, sin)
@@ -291,7 +291,7 @@ class LlamaAttention(nn.Module):
         if tracer is not None:
             tracer.qkv(self.layer_idx, x, q, k, v, attn)
         out = attn.forward(self.layer_idx, q, k, v)
-        out = linear(out.reshape(n, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        out = self.o_proj(out.reshape(n, self.q_size))
         if tracer is not None:
             tracer.attention_output(self.layer_idx, out)
         return out
@@ -309,9 +309,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, tracer: "LayerTracer | None" = None) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]`` through ``[T, intermediate]``."""
-        gate, up = linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias).split(self.intermediate_size, dim=-1)
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         act = nn.functional.silu(gate).mul_(up)  # in place: one [T, intermediate] buffer fewer
-        out = linear(act, self.down_proj.weight, self.down_proj.bias)
+        out = self.down_proj(act)
         if tracer is not None:
             tracer.mlp(self.layer_idx, x, gate, up, act, out)
         return out
@@ -356,6 +356,9 @@ class LlamaForCausalLM(nn.Module):
         )
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # None: float weights; "int8": see nanovllm_core.model.quantization, which swaps the
+        # nn.Linear modules above for the ones that run (packed float or int8) after loading.
+        self.quantization: str | None = None
 
     @property
     def lm_head_matrix(self) -> torch.Tensor:
@@ -385,8 +388,13 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden ``[num_rows, hidden]`` -> logits ``[num_rows, vocab]`` in float32."""
-        return linear(hidden, self.lm_head_matrix).float()
+        """hidden ``[num_rows, hidden]`` -> logits ``[num_rows, vocab]`` in float32.
+
+        Through ``lm_head`` once the loader has built it (a tied head gets its own module over
+        the embedding matrix, float or int8); before that, through the embedding matrix itself.
+        """
+        head = self._modules.get("lm_head")
+        return (head(hidden) if head is not None else linear(hidden, self.lm_head_matrix)).float()
 
     def check_positions(self, max_position: int) -> None:
         """Raise ValueError when ``max_position`` (tokens) is beyond the rotary table (see ``RotaryEmbedding.check``)."""

@@ -422,15 +422,22 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
 
 
 def load_model(model: str | os.PathLike | None, device: torch.device, dtype: torch.dtype,
-               max_model_len: int | None = None, progress: ProgressFn | None = None):
+               max_model_len: int | None = None, progress: ProgressFn | None = None,
+               quantization: str | None = None):
     """Resolve, build and load a model: returns ``(LlamaForCausalLM, tokenizer, ResolvedModel)``.
 
     The rotary table is sized for ``max_model_len`` (default: the model's context length).
+    ``quantization`` (None or ``"int8"``) chooses the linear layers built from the checkpoint's
+    float weights (``nanovllm_core.model.quantization``); float ones are packed here, at load.
 
     Raises:
         ModelLoadError: any failure to find, convert or load, as one line.
+        ValueError: an unknown ``quantization``, or int8 on a device other than the CPU.
     """
     from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
+    from nanovllm_core.model.quantization import calibration_ids, check_quantization, prepare_linear_layers
+
+    check_quantization(quantization)
 
     resolved = resolve_model(model, progress)
     hf_config = load_hf_config(resolved.path)
@@ -452,4 +459,5 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     net.rotary.build_tables(device)
     load_weights(net, resolved.path, progress)
     net.eval()
+    prepare_linear_layers(net, quantization, calibration_ids(tokenizer, cfg.vocab_size))
     return net, tokenizer, resolved

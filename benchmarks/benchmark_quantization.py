@@ -1,0 +1,303 @@
+"""int8 against float32 weights on the default model: quality, bytes per token and speed, in one process.
+
+    python -m benchmarks.benchmark_quantization            # full: 3 interleaved rounds of each speed figure
+    python -m benchmarks.benchmark_quantization --quick    # a smoke run: tiny inputs, one round
+    python -m benchmarks.benchmark_quantization --rounds 5 --threads 2 --json quant.json
+
+Quality:
+- perplexity on ``benchmarks/corpus.txt`` (windows of 512 tokens, our model run directly),
+  int8's relative to float32's;
+- greedy agreement: 32 prompts cut from the corpus, 32 greedy tokens each (16 with
+  ``--quick``); per prompt, the tokens equal to float32's before the first difference; the
+  share is their sum over all tokens.
+
+Bytes: the linear layers' weights one decode step reads (``linear_weight_bytes``).
+
+Speed (wall time; each round runs every system once, the order rotating between rounds;
+medians over rounds, so a burst of load on a shared machine hits one round of one system):
+- batch-1 decode: one prompt, 128 greedy tokens; decode tokens/s = 127 / (time of the last
+  token - time of the first), for our float32, our int8 and transformers ``generate``;
+- the 64-request default workload (``benchmarks.common.make_workload``), useful output
+  tokens/s for our float32 and int8, each round on a fresh engine (no prefix cache carried over);
+- float32 on that workload as a fraction of the measured float32 matmul peak
+  (2 x parameters x tokens / time / peak, as ``benchmark_comparison`` computes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+from benchmarks.common import (
+    check_json_path,
+    corpus_token_ids,
+    fmt,
+    gemm_peaks,
+    machine_summary,
+    make_workload,
+    table,
+    write_json,
+)
+from nanovllm_core.cli import positive_int
+
+MODES = ("float32", "int8")
+
+
+def load(quantization: str | None):
+    """(model, tokenizer, resolved) of the default model on the CPU in float32 activations."""
+    from nanovllm_core.model.loader import load_model
+
+    return load_model(None, torch.device("cpu"), torch.float32, quantization=quantization)
+
+
+def fresh_llm(loaded, quantization: str | None, num_kv_blocks: int = 512, **engine_kwargs: Any):
+    """An ``LLM`` over an already loaded model, with its own empty KV pool and prefix cache."""
+    from nanovllm_core.config import EngineConfig
+    from nanovllm_core.engine.llm_engine import LLMEngine
+    from nanovllm_core.llm import LLM
+
+    config = EngineConfig(device="cpu", dtype="float32", quantization=quantization, num_kv_blocks=num_kv_blocks,
+                          **engine_kwargs)
+    return LLM.from_engine(LLMEngine(config, *loaded))
+
+
+@torch.inference_mode()
+def perplexity(model, ids: list[int], window: int = 512) -> float:
+    """exp(mean next-token negative log-likelihood) over ``ids`` in non-overlapping windows."""
+    from nanovllm_core.attention.contiguous import ContiguousKVCache
+
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start:start + window + 1]
+        if len(chunk) < 2:
+            break
+        n = len(chunk) - 1
+        cache = ContiguousKVCache(model.config, n, torch.float32, torch.device("cpu"))
+        hidden = model(torch.tensor(chunk[:-1]), torch.arange(n), cache.context(0, n))
+        logits = model.compute_logits(hidden)
+        nll += torch.nn.functional.cross_entropy(logits, torch.tensor(chunk[1:]), reduction="sum").item()
+        count += n
+    return math.exp(nll / count)
+
+
+def greedy_tokens(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from nanovllm_core.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> float:
+    """Share of tokens equal to the reference's before each prompt's first difference."""
+    same = 0
+    for a, b in zip(reference, other):
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            same += 1
+    return same / sum(len(a) for a in reference)
+
+
+def decode_rate_ours(llm, prompt: list[int], n: int) -> float:
+    """Batch-1 decode tokens/s: (n - 1) / (last token time - first token time)."""
+    from nanovllm_core.sampling_params import SamplingParams
+
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True),
+                       use_tqdm=False)[0]
+    return 1.0 / out.metrics.time_per_output_token
+
+
+def decode_rate_hf(hf_model, prompt: list[int], n: int) -> float:
+    from benchmarks.benchmark_comparison import _hf_generation_config, _StepClock
+
+    clock = _StepClock()
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        hf_model.generate(ids, attention_mask=torch.ones_like(ids), streamer=clock,
+                          generation_config=_hf_generation_config(hf_model, n))
+    return (n - 1) / (clock.times[n - 1] - clock.times[0])
+
+
+def workload_rate(loaded, quantization: str | None, workload) -> tuple[float, float]:
+    """(useful output tokens/s, wall seconds) of the whole workload on a fresh default engine."""
+    from nanovllm_core.sampling_params import SamplingParams
+
+    bs = 16
+    need = sum(-(-(len(p) + n) // bs) for p, n in zip(workload.prompts, workload.output_lens))
+    llm = fresh_llm(loaded, quantization, num_kv_blocks=need + workload.num_requests + 8)
+    greedy_tokens(llm, [workload.prompts[0][:8]], 2)  # warm-up
+    params = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True) for n in workload.output_lens]
+    t0 = time.perf_counter()
+    llm.generate(workload.prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    return workload.output_tokens / elapsed, elapsed
+
+
+def interleaved(systems: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Run every system once per round, rotating the order; all figures per system."""
+    names = list(systems)
+    figures: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            figures[name].append(systems[name]())
+    return figures
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's int8/matmul-relevant instruction sets, from /proc/cpuinfo."""
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [w for w in wanted if w in have]
+    except OSError:
+        pass
+    return []
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks.benchmark_comparison import _hf_model, num_parameters
+    from nanovllm_core.model.int8_linear import weight_range
+    from nanovllm_core.model.quantization import linear_weight_bytes
+
+    load_start = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+    peaks = gemm_peaks()
+    loaded = {"float32": load(None), "int8": load("int8")}
+    quant = {"float32": None, "int8": "int8"}
+    tokenizer = loaded["float32"][1]
+    corpus = corpus_token_ids(tokenizer)
+    summary: dict[str, Any] = {"machine": machine_summary(), "cpu_flags": cpu_flags(),
+                               "int8_weight_range": weight_range(), "rounds": args.rounds}
+    summary["machine"]["load_average_at_start"] = load_start
+
+    # -- bytes
+    summary["linear_weight_bytes"] = {m: linear_weight_bytes(loaded[m][0]) for m in MODES}
+
+    # -- quality
+    ppl_ids = corpus[:129] if args.quick else corpus
+    ppl = {m: perplexity(loaded[m][0], ppl_ids) for m in MODES}
+    num_prompts, gen = (4, 8) if args.quick else (32, 32)
+    prompts = make_workload(tokenizer, num_requests=num_prompts, seed=1, prompt_range=(16, 64), output_range=(1, 1)).prompts
+    greedy = {m: greedy_tokens(fresh_llm(loaded[m], quant[m]), prompts, gen) for m in MODES}
+    summary["quality"] = {
+        "perplexity": ppl, "perplexity_tokens": len(ppl_ids),
+        "perplexity_change": ppl["int8"] / ppl["float32"] - 1.0,
+        "greedy_agreement_until_first_difference": agreement(greedy["float32"], greedy["int8"]),
+        "greedy_prompts": num_prompts, "greedy_tokens_per_prompt": gen,
+    }
+    print("quality done", file=sys.stderr, flush=True)
+
+    # -- batch-1 decode
+    n = 16 if args.quick else 128
+    prompt = corpus[100:132]
+    hf = None if args.skip_hf else _hf_model()
+    systems: dict[str, Callable[[], float]] = {
+        m: (lambda m=m: decode_rate_ours(fresh_llm(loaded[m], quant[m], num_kv_blocks=64), prompt, n)) for m in MODES}
+    if hf is not None:
+        systems["transformers"] = lambda: decode_rate_hf(hf, prompt, n)
+    for name in systems:  # warm-up, outside the figures
+        systems[name]()
+    b1 = interleaved(systems, args.rounds)
+    med = {k: statistics.median(v) for k, v in b1.items()}
+    summary["batch1_decode"] = {
+        "tokens": n, "tokens_per_s": med, "all_rounds": b1,
+        "int8_over_float32": med["int8"] / med["float32"],
+        "float32_over_transformers": med["float32"] / med["transformers"] if hf is not None else None,
+        "int8_over_transformers": med["int8"] / med["transformers"] if hf is not None else None,
+    }
+    del hf
+    print("batch-1 decode done", file=sys.stderr, flush=True)
+
+    # -- the 64-request workload
+    if args.quick:
+        workload = make_workload(tokenizer, num_requests=4, prompt_range=(8, 24), output_range=(3, 6))
+    else:
+        workload = make_workload(tokenizer, num_requests=64)
+    elapsed: dict[str, list[float]] = {m: [] for m in MODES}
+
+    def one(m: str) -> float:
+        rate, secs = workload_rate(loaded[m], quant[m], workload)
+        elapsed[m].append(secs)
+        return rate
+
+    wl = interleaved({m: (lambda m=m: one(m)) for m in MODES}, args.rounds)
+    peaks = {k: max(v, peaks.get(k, 0.0)) for k, v in gemm_peaks().items()}
+    peak = max(peaks.values())
+    params = num_parameters()
+    med_wl = {k: statistics.median(v) for k, v in wl.items()}
+    best_f32 = statistics.median(elapsed["float32"])
+    summary["workload"] = {
+        **workload.summary(), "useful_tokens_per_s": med_wl, "all_rounds": wl,
+        "int8_over_float32": med_wl["int8"] / med_wl["float32"],
+        "float32_roofline_fraction": 2.0 * params * (workload.prompt_tokens + workload.output_tokens) / best_f32 / peak,
+    }
+    summary["gemm_peak_flops"] = peak
+    summary["gemm_peaks_flops_by_path"] = peaks
+    summary["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+    return summary
+
+
+def report(s: dict[str, Any]) -> str:
+    m = s["machine"]
+    q, b1, wl = s["quality"], s["batch1_decode"], s["workload"]
+    lines = [
+        f"machine: {m['cpu']} ({', '.join(s['cpu_flags']) or 'flags unknown'}), {m['cpu_count']} cores, "
+        f"torch {m['torch']} threads {m['torch_threads']}; load average {m['load_average_at_start']} at start, "
+        f"{m['load_average_at_end']} at end; int8 weights in [-{s['int8_weight_range']}, {s['int8_weight_range']}]; "
+        f"medians of {s['rounds']} interleaved round(s)",
+        "",
+        table(["weights", "linear bytes/step", "perplexity", "greedy = float32", "batch-1 decode tok/s",
+               f"{wl['num_requests']}-request tok/s"],
+              [[mode, f"{s['linear_weight_bytes'][mode] / 1e6:,.1f} MB", f"{q['perplexity'][mode]:.3f}",
+                "-" if mode == "float32" else f"{100 * q['greedy_agreement_until_first_difference']:.1f}%",
+                fmt(b1["tokens_per_s"][mode]), fmt(wl["useful_tokens_per_s"][mode])] for mode in MODES]
+              + ([["transformers fp32", "-", "-", "-", fmt(b1["tokens_per_s"]["transformers"]), "-"]]
+                 if "transformers" in b1["tokens_per_s"] else [])),
+        "",
+        f"int8 perplexity {100 * q['perplexity_change']:+.2f}% vs float32 ({q['perplexity_tokens']} corpus tokens); "
+        f"greedy agreement until first difference over {q['greedy_prompts']} prompts x {q['greedy_tokens_per_prompt']} tokens",
+        f"batch-1 decode ({b1['tokens']} tokens): int8 / float32 = {b1['int8_over_float32']:.2f}x"
+        + (f"; float32 / transformers = {b1['float32_over_transformers']:.2f}x; int8 / transformers = "
+           f"{b1['int8_over_transformers']:.2f}x" if b1["float32_over_transformers"] is not None else ""),
+        f"{wl['num_requests']}-request workload: int8 / float32 = {wl['int8_over_float32']:.2f}x; float32 at "
+        f"{100 * wl['float32_roofline_fraction']:.1f}% of the float32 matmul peak "
+        f"({s['gemm_peak_flops'] / 1e9:.0f} GFLOP/s, 2048^3)",
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.benchmark_quantization", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a smoke run: tiny inputs, one round")
+    ap.add_argument("--rounds", type=positive_int, default=None, help="interleaved rounds per speed figure (default 3; 1 with --quick)")
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's own choice)")
+    ap.add_argument("--skip-hf", action="store_true", help="leave transformers out of the batch-1 decode figures")
+    ap.add_argument("--json", metavar="FILE", help="also write all figures to FILE as JSON")
+    args = ap.parse_args(argv)
+    check_json_path(ap, args.json)
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    summary = run(args)
+    print(report(summary))
+    write_json(args.json, summary)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Quantization is a property of the model's linear layers: the loader builds them here.
+
+``prepare_linear_layers`` runs once, when a model has been loaded from its checkpoint, and
+swaps every ``nn.Linear`` (q/k/v, o, gate/up, down) and the LM head for the module that
+will run it:
+
+- ``quantization=None``: :class:`~nanovllm_core.model.cpu_linear.FloatLinear`, the float
+  weight packed for oneDNN now, so that no step pays for packing;
+- ``quantization="int8"``: :class:`~nanovllm_core.model.int8_linear.Int8Linear`, int8
+  weights with one scale per output channel, activations quantized per token. The token
+  embedding stays float (a lookup reads one row, not the matrix); a tied LM head gets its
+  own int8 copy of the embedding matrix.
+
+Every such module reports ``bytes_per_weight`` and ``weight_bytes``; :func:`linear_weight_bytes`
+sums them: the bytes of weights one decode step streams from memory at batch 1.
+
+For int8, the inputs of q/k/v and gate/up (RMSNorm outputs, a few channels 10-30x larger
+than the rest in SmolLM2) are smoothed first (SmoothQuant, Xiao et al. 2023, section 4):
+the largest magnitude of each input channel is measured by running the float model once over
+a fixed calibration text (:data:`CALIBRATION_TEXT`, about 80 tokens), and each channel j is
+divided by ``s_j = sqrt(max|x_j| / max|W[:, j]|)`` while the weight's column j is multiplied
+by it. On the default model this cut int8's perplexity increase on ``benchmarks/corpus.txt``
+from about 3.1 % to about 1.5 % (see ``benchmarks/benchmark_quantization.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from nanovllm_core.model.cpu_linear import FloatLinear
+from nanovllm_core.model.int8_linear import Int8Linear
+
+QUANTIZATION_MODES = ("int8",)
+
+CALIBRATION_TEXT = (
+    "A short calibration passage: the committee met on Tuesday to discuss the budget, the new library, "
+    "and the repairs to the old bridge. Numbers were read aloud: 12, 250, 3,400. Someone asked why; "
+    "nobody knew. def f(x):\n    return x * 2\n\"Hello,\" she said, \"is this the way to the station?\""
+)
+SMOOTHING_ALPHA = 0.5  # SmoothQuant's migration strength: 0.5 splits the range evenly between x and W
+
+
+def check_quantization(mode: str | None) -> None:
+    """Accept None (float weights) or a name in :data:`QUANTIZATION_MODES`.
+
+    Raises:
+        ValueError: any other value, in one line naming the choices.
+    """
+    if mode is not None and mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization={mode!r} is unknown; use {' or '.join(repr(m) for m in QUANTIZATION_MODES)} "
+                         "(or leave it unset for float weights)")
+
+
+def _linear_slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute name, module) of every ``nn.Linear`` still in the model."""
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if isinstance(child, nn.Linear)]
+
+
+def _smoothed_inputs(model: nn.Module) -> list[nn.Linear]:
+    """The linear layers that read an RMSNorm output: q/k/v and gate/up of every decoder layer."""
+    return [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)]
+
+
+@torch.no_grad()
+def input_channel_maxima(model: nn.Module, modules: Iterable[nn.Module], token_ids: list[int]) -> dict[nn.Module, torch.Tensor]:
+    """Run the float model once over ``token_ids``; for each module, ``max |x|`` per input channel ``[in_features]``."""
+    from nanovllm_core.attention.contiguous import ContiguousKVCache
+
+    maxima: dict[nn.Module, torch.Tensor] = {}
+
+    def record(module, args):
+        m = args[0].detach().abs().amax(dim=0).float()
+        maxima[module] = torch.maximum(maxima[module], m) if module in maxima else m
+
+    hooks = [m.register_forward_pre_hook(record) for m in modules]
+    try:
+        device = next(model.parameters()).device
+        n = len(token_ids)
+        cache = ContiguousKVCache(model.config, n, next(model.parameters()).dtype, device)
+        model(torch.tensor(token_ids, device=device), torch.arange(n, device=device), cache.context(0, n))
+    finally:
+        for h in hooks:
+            h.remove()
+    return maxima
+
+
+def smoothing_factors(x_max: torch.Tensor, weight: torch.Tensor, alpha: float = SMOOTHING_ALPHA) -> torch.Tensor:
+    """SmoothQuant's per-channel factors ``s_j = max|x_j|^alpha / max|W[:, j]|^(1 - alpha)`` ``[in_features]``."""
+    w_max = weight.detach().abs().amax(dim=0).float().clamp(min=1e-5)
+    return (x_max.clamp(min=1e-5) ** alpha / w_max ** (1 - alpha)).clamp(min=1e-5)
+
+
+def calibration_ids(tokenizer, vocab_size: int) -> list[int]:
+    """Token ids of :data:`CALIBRATION_TEXT` (or, with no usable tokenizer, a fixed run of ids below ``vocab_size``)."""
+    try:
+        ids = [i for i in tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False) if 0 <= i < vocab_size]
+    except Exception:  # a model folder without a real tokenizer (tests): any fixed input will do
+        ids = []
+    return ids or [(17 * i + 5) % vocab_size for i in range(80)]
+
+
+def prepare_linear_layers(model: nn.Module, quantization: str | None = None,
+                          token_ids: list[int] | None = None) -> None:
+    """Build the runtime linear modules of a loaded ``LlamaForCausalLM``, in place (see the module docstring).
+
+    ``token_ids``: the int8 calibration input (default: 80 fixed ids; the loader passes
+    :data:`CALIBRATION_TEXT` tokenized). Sets ``model.quantization`` and ``model.lm_head``.
+
+    Raises:
+        ValueError: an unknown mode, or int8 on a device other than the CPU.
+    """
+    check_quantization(quantization)
+    device = model.embed_tokens.weight.device
+    if quantization == "int8" and device.type != "cpu":
+        raise ValueError(f"quantization='int8' runs on the CPU (oneDNN's int8 kernels), not on {device.type}; "
+                         "use device='cpu' or leave quantization unset")
+    smooth: dict[nn.Module, torch.Tensor] = {}
+    if quantization == "int8":
+        ids = token_ids or calibration_ids(None, model.config.vocab_size)
+        maxima = input_channel_maxima(model, _smoothed_inputs(model), ids)
+        smooth = {m: smoothing_factors(x_max, m.weight) for m, x_max in maxima.items()}
+
+    def build(weight: torch.Tensor, bias: torch.Tensor | None, smooth_by: torch.Tensor | None = None) -> nn.Module:
+        if quantization == "int8":
+            return Int8Linear.from_float(weight, bias, smooth_by)
+        return FloatLinear(weight, bias)
+
+    for parent, name, child in _linear_slots(model):
+        setattr(parent, name, build(child.weight, child.bias, smooth.get(child)))
+    if model.config.tie_word_embeddings:
+        model.lm_head = build(model.embed_tokens.weight, None)
+    model.quantization = quantization
+
+
+def linear_modules(model: nn.Module) -> list[nn.Module]:
+    """Every module that reports ``weight_bytes`` (the decoder layers' linears and the LM head), each once."""
+    seen: dict[int, nn.Module] = {}
+    for m in model.modules():
+        if hasattr(m, "weight_bytes") and hasattr(m, "bytes_per_weight"):
+            seen.setdefault(id(m), m)
+    return list(seen.values())
+
+
+def linear_weight_bytes(model: nn.Module) -> int:
+    """Bytes of linear-layer weights (scales included) one forward pass reads: every step's weight traffic."""
+    return sum(m.weight_bytes for m in linear_modules(model))

@@ -1,0 +1,167 @@
+"""int8 linear layers: the integer product is exact, a token's result ignores its batch, and
+the loader builds (and packs) every linear layer once, when the model loads.
+
+Tolerance for a whole model: on a tiny random LLaMA each position's int8 logits are within
+3 % of float32's (relative L2 error of the logits row; measured: at most 1.7 %).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nanovllm_core.config import EngineConfig
+from nanovllm_core.engine.llm_engine import LLMEngine
+from nanovllm_core.model import cpu_linear, loader
+from nanovllm_core.model.cpu_linear import FloatLinear
+from nanovllm_core.model.int8_linear import Int8Linear, quantize_rows, weight_range
+from nanovllm_core.model.quantization import linear_modules, linear_weight_bytes
+from nanovllm_core.sampling_params import SamplingParams
+from tests.test_model_parity import PROMPTS, VARIANTS, _load_without_tokenizer, contiguous_logits
+
+LOGITS_TOLERANCE = 0.03  # relative L2 error per logits row, int8 against float32
+
+
+def exact_product(layer: Int8Linear, qweight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """What the int8 layer must compute, in float64: (qx @ qw.T) * sx * sw + bias."""
+    xs = x if layer.inv_smooth is None else x * layer.inv_smooth
+    qx, sx = quantize_rows(xs)
+    y = (qx.double() @ qweight.double().t()) * sx.double() * layer.w_scale.double()
+    return y if layer.bias is None else y + layer.bias.double()
+
+
+def test_int8_layer_computes_the_exact_integer_product_scaled():
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 64) * 0.05, torch.randn(48)
+    layer = Int8Linear.from_float(w, b)
+    q = weight_range()
+    qweight = torch.round(w / layer.w_scale[:, None]).clamp(-q, q)
+    x = torch.randn(9, 64)
+    torch.testing.assert_close(layer(x).double(), exact_product(layer, qweight, x), rtol=1e-5, atol=1e-5)
+    # ... and that product is close to the float one: the quantization error is small
+    rel = (layer(x) - torch.nn.functional.linear(x, w, b)).norm() / torch.nn.functional.linear(x, w, b).norm()
+    assert rel < 0.02
+
+
+def test_a_tokens_int8_output_does_not_depend_on_its_batch():
+    torch.manual_seed(1)
+    layer = Int8Linear.from_float(torch.randn(96, 64) * 0.05)
+    x = torch.randn(40, 64)
+    x[3] *= 50  # one token with a huge activation must not change the others' quantization
+    together = layer(x)
+    for i in (0, 3, 17, 39):
+        assert torch.equal(layer(x[i:i + 1]), together[i:i + 1])
+    assert torch.equal(layer(x[5:21]), together[5:21])
+
+
+def test_smoothing_keeps_the_product_and_shrinks_an_outlier_channels_error():
+    torch.manual_seed(2)
+    w = torch.randn(64, 32) * 0.05
+    x = torch.randn(16, 32)
+    x[:, 7] *= 40  # an outlier channel, as RMSNorm outputs have
+    want = torch.nn.functional.linear(x, w)
+    smooth = (x.abs().amax(0) ** 0.5 / w.abs().amax(0) ** 0.5)
+    plain_err = (Int8Linear.from_float(w)(x) - want).norm()
+    smooth_err = (Int8Linear.from_float(w, smooth=smooth)(x) - want).norm()
+    assert smooth_err < plain_err / 2
+
+
+def test_int8_layer_takes_an_empty_step_and_half_precision_inputs():
+    layer = Int8Linear.from_float(torch.randn(8, 16))
+    assert layer(torch.randn(0, 16)).shape == (0, 8)
+    x = torch.randn(3, 16)
+    y = layer(x.to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), layer(x), rtol=2e-2, atol=2e-2)
+
+
+def test_each_linear_reports_its_bytes_per_weight():
+    w = torch.randn(960, 576)
+    assert FloatLinear(w).bytes_per_weight == 4.0 and FloatLinear(w).weight_bytes == 960 * 576 * 4
+    int8 = Int8Linear.from_float(w)
+    assert int8.weight_bytes == 960 * 576 + 960 * 4  # one byte a weight, a float32 scale a row
+    assert 1.0 < int8.bytes_per_weight < 1.01
+
+
+@pytest.mark.slow
+def test_cpus_whose_int8_sums_saturate_get_7_bit_weights_and_exact_products():
+    # oneDNN restricted to AVX2 multiplies int8 with vpmaddubsw, which saturates at 16 bits
+    # (the AMD EPYC machines without VNNI): the probe must notice and keep the products exact.
+    code = ("import torch; from nanovllm_core.model.int8_linear import Int8Linear, weight_range, quantize_rows\n"
+            "torch.manual_seed(0); w = torch.randn(32, 256) * 0.05; w[:, 0] = 1.0; x = torch.randn(4, 256)\n"
+            "layer = Int8Linear.from_float(w); q = weight_range()\n"
+            "qw = torch.round(w / layer.w_scale[:, None]).clamp(-q, q); qx, sx = quantize_rows(x)\n"
+            "want = (qx.double() @ qw.double().t()) * sx.double() * layer.w_scale.double()\n"
+            "print(q, float((layer(x).double() - want).abs().max()))\n")
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    q, err = out.stdout.split()
+    assert int(q) == 63 and float(err) < 1e-4
+
+
+@pytest.mark.parametrize("variant", ["mha_untied", "mqa_bias"])  # an untied LM head; biases and one KV head
+def test_int8_logits_stay_within_tolerance_of_float32(tmp_path, variant):
+    from tests.conftest import save_tiny_llama
+
+    path = save_tiny_llama(tmp_path, seed=1, **VARIANTS[variant])
+    full, _, _ = _load_without_tokenizer(path)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loader, "load_tokenizer", lambda p: None)
+        int8, _, _ = loader.load_model(str(path), torch.device("cpu"), torch.float32, quantization="int8")
+    assert all(isinstance(m, Int8Linear) for m in linear_modules(int8)) and int8.quantization == "int8"
+    for prompt in PROMPTS:
+        want, got = contiguous_logits(full, prompt), contiguous_logits(int8, prompt)
+        rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+        assert rel < LOGITS_TOLERANCE, (variant, len(prompt), rel)
+    # A quarter of the bytes, less the scales' share (4 bytes a row of only 64 weights here).
+    assert linear_weight_bytes(full) / linear_weight_bytes(int8) > 3.5
+
+
+def test_weights_are_packed_at_load_so_the_first_step_packs_nothing(tmp_path, monkeypatch):
+    from tests.conftest import save_tiny_llama
+
+    packs = []
+    real_pack = cpu_linear.pack
+    monkeypatch.setattr(cpu_linear, "pack", lambda w: packs.append(w.shape) or real_pack(w))
+    monkeypatch.setattr(loader, "load_tokenizer", lambda p: None)
+    model, _, _ = loader.load_model(str(save_tiny_llama(tmp_path)), torch.device("cpu"), torch.float32)
+    if cpu_linear._AVAILABLE:  # 2 layers x (qkv, o, gate_up, down) + the tied LM head
+        assert len(packs) == 9
+    packs.clear()
+    engine = LLMEngine(EngineConfig(num_kv_blocks=16), model, _Tokenizer())
+    engine.add_request([5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=2))
+    engine.step()
+    assert packs == []
+
+
+class _Tokenizer:
+    eos_token_id = 2
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{i}>" for i in ids)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: EngineConfig(quantization="int3"),
+    lambda: EngineConfig(quantization="INT8"),
+    lambda: loader.load_model(None, torch.device("cpu"), torch.float32, quantization="fp8"),
+])
+def test_an_unknown_quantization_is_one_line_naming_the_choice(make):
+    with pytest.raises(ValueError) as e:
+        make()
+    message = str(e.value)
+    assert "is unknown; use 'int8'" in message and "\n" not in message
+
+
+def test_an_engine_refuses_a_model_built_with_other_linear_layers(tmp_path, monkeypatch):
+    from tests.conftest import save_tiny_llama
+
+    monkeypatch.setattr(loader, "load_tokenizer", lambda p: None)
+    model, _, _ = loader.load_model(str(save_tiny_llama(tmp_path)), torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="built with quantization=None but the engine was asked for 'int8'"):
+        LLMEngine(EngineConfig(num_kv_blocks=16, quantization="int8"), model, _Tokenizer())
