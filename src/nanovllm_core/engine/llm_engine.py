@@ -33,6 +33,8 @@ from nanovllm_core.engine.sequence import Sequence, SequenceStatus
 from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
 from nanovllm_core.model.loader import ProgressFn, ResolvedModel
 from nanovllm_core.model.quantization import linear_weight_bytes
+from nanovllm_core.outputs import RequestOutput
+from nanovllm_core.sampling.sampler import RowGroup, Sampler, SamplerOutput, SamplingRow
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.speculative.metrics import SpecDecodeStats
 from nanovllm_core.speculative.proposer import build_proposer, load_draft_model, needs_draft_model, parse_self_layers
