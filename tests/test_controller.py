@@ -97,7 +97,8 @@ def test_time_held_paused_is_left_out_of_ttft_and_tpot_and_an_abort_changes_neit
     assert done.finish_reason == "abort" and done.num_output_tokens == 3
     assert done.ttft_s < wall_ttft - 0.4 and done.tpot_s < wall_tpot - 0.4
     assert done.ttft_s == out.metrics.time_to_first_token and done.tpot_s == out.metrics.time_per_output_token
-    assert done.paused_s >= 4 * 0.5 and done.e2e_s >= done.paused_s  # wall time: the pauses are in it
+    # Wall time: the pauses are in it (four 0.5 s sleeps; the clock stops a moment after each sleep begins).
+    assert done.paused_s >= 4 * 0.5 - 0.2 and done.e2e_s >= done.paused_s
 
 
 def test_abort_mid_decode_frees_its_blocks(controller):
