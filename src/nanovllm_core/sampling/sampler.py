@@ -400,14 +400,14 @@ class Sampler:
             raise ValueError(f"{len(groups)} row groups cover {sum(g.num_rows for g in groups)} rows, "
                              f"but there are {len(rows)} rows and {logits.shape[0]} logits rows")
         dist = Distributions(logits, rows)
-        verifications: list[Verification | None] = []
+        verifications = self._judge(dist, groups)
         picks: list[tuple[int, torch.Tensor | None]] = []
         first = 0
-        for g in groups:
-            v, replacement = self._judge(dist, first, g) if g.draft_tokens else (None, None)
-            verifications.append(v)
+        for g, judged in zip(groups, verifications):
+            v, replacement = judged if judged is not None else (None, None)
             picks.append((first + (v.num_accepted if v else 0), replacement))
             first += g.num_rows
+        verifications = [j[0] if j is not None else None for j in verifications]
         last = dist.choose(picks)
         out = SamplerOutput(token_ids=[], verifications=verifications)
         first = 0
@@ -423,31 +423,52 @@ class Sampler:
         return out
 
     @staticmethod
-    def _judge(dist: Distributions, first: int, g: RowGroup) -> tuple[Verification, torch.Tensor | None]:
-        """Judge a group's drafts at rows ``first..first+n-1``; the recovery distribution if one was rejected.
+    def _judge(dist: Distributions, groups: list[RowGroup]) -> list[tuple[Verification, torch.Tensor | None] | None]:
+        """Judge every group's drafts; per group (None for a plain decode) its Verification and,
+        if a sampled draft was rejected, the recovery distribution ``[vocab]`` to draw from.
 
-        The returned Verification's ``tokens`` holds the accepted drafts until the last token is drawn.
+        The tests run on the logits' device for all groups first; their results come back to the
+        host in one copy (one wait per step on a GPU, not one per sequence). A Verification's
+        ``tokens`` holds the accepted drafts until the last token is drawn.
         """
-        draft, n = g.draft_tokens, len(g.draft_tokens)
-        target = dist.probs(list(range(first, first + n)))
-        ids = to_device(draft, torch.long, target.device)
-        at = torch.arange(n, device=target.device)
-        p = target[at, ids]
-        greedy = dist.greedy[first]
-        if greedy:
-            q = torch.ones_like(p)  # greedy drafting is a point mass
-            accepted = rejection_sampler.greedy_accepted(draft, dist.argmax()[first:first + n])
+        pending = []  # (group, first row, p [n], q [n], ok [n] or None for the greedy rule)
+        first = 0
+        for g in groups:
+            if g.draft_tokens:
+                n = len(g.draft_tokens)
+                target = dist.probs(list(range(first, first + n)))
+                at = torch.arange(n, device=target.device)
+                p = target[at, to_device(g.draft_tokens, torch.long, target.device)]
+                if dist.greedy[first]:
+                    pending.append((g, first, target, p, torch.ones_like(p), None))
+                else:
+                    ids = to_device(g.draft_tokens, torch.long, target.device)
+                    q = g.draft_probs[at, ids] if g.draft_probs is not None else torch.ones_like(p)
+                    u = torch.rand(n, generator=dist.rows[first].generator, device=p.device)
+                    pending.append((g, first, target, p, q, rejection_sampler.accept_draft(u, p, q)))
+            first += g.num_rows
+        if not pending:
+            return [None] * len(groups)
+        host = torch.cat([torch.cat([p, q, (ok if ok is not None else torch.ones_like(p, dtype=torch.bool)).to(p.dtype)])
+                          for _, _, _, p, q, ok in pending]).tolist()  # the one device -> host copy
+        judged: dict[int, tuple[Verification, torch.Tensor | None]] = {}
+        offset = 0
+        for g, first, target, _, _, ok in pending:
+            draft, n = g.draft_tokens, len(g.draft_tokens)
+            p, q, passed = host[offset:offset + n], host[offset + n:offset + 2 * n], host[offset + 2 * n:offset + 3 * n]
+            offset += 3 * n
             replacement = None
-        else:
-            q = g.draft_probs[at, ids] if g.draft_probs is not None else torch.ones_like(p)
-            accepted = rejection_sampler.sampled_accepted(p, q, dist.rows[first].generator)
-            replacement = None
-            if accepted < n:
-                replacement = rejection_sampler.recovery_distribution(
-                    target[accepted], g.draft_probs[accepted] if g.draft_probs is not None else None, draft[accepted])
-        v = Verification(tokens=draft[:accepted], num_accepted=accepted, p=p.tolist(), q=q.tolist(),
-                         accepted=[i < accepted for i in range(n)], greedy=greedy)
-        return v, replacement
+            if ok is None:
+                accepted = rejection_sampler.greedy_accepted(draft, dist.argmax()[first:first + n])
+            else:
+                accepted = next((i for i, flag in enumerate(passed) if not flag), n)
+                if accepted < n:
+                    replacement = rejection_sampler.recovery_distribution(
+                        target[accepted], g.draft_probs[accepted] if g.draft_probs is not None else None,
+                        draft[accepted])
+            judged[id(g)] = (Verification(tokens=draft[:accepted], num_accepted=accepted, p=p, q=q,
+                                          accepted=[i < accepted for i in range(n)], greedy=ok is None), replacement)
+        return [judged.get(id(g)) for g in groups]
 
     @staticmethod
     def _describe(dist: Distributions, out: SamplerOutput, top_k_events: int) -> None:
