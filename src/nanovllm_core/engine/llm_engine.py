@@ -32,7 +32,7 @@ from nanovllm_core.engine.scheduler import ScheduledSequence, Scheduler, Schedul
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
 from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
 from nanovllm_core.model.loader import ProgressFn, ResolvedModel
-from nanovllm_core.model.quantization import linear_weight_bytes
+from nanovllm_core.model.quantization import linear_weight_bytes, linear_weight_count
 from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.sampling.sampler import RowGroup, Sampler, SamplerOutput, SamplingRow
 from nanovllm_core.sampling_params import SamplingParams
@@ -175,6 +175,7 @@ class LLMEngine:
             # Weights of every linear layer and the LM head, as the loader built them: the bytes
             # one decode step streams from memory (what batching shares among the batch).
             "quantization": self.model.quantization, "linear_weight_bytes": linear_weight_bytes(self.model),
+            "linear_weights": linear_weight_count(self.model),
         }
 
     # ------------------------------------------------------------------ events

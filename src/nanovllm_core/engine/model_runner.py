@@ -40,6 +40,7 @@ from nanovllm_core.attention.paged import (
 from nanovllm_core.attention.selector import flash_attn_available, paged_attention_kernel
 from nanovllm_core.engine.scheduler import ScheduledSequence
 from nanovllm_core.model.llama import LlamaForCausalLM
+from nanovllm_core.model.quantization import attention_sum_dtype
 from nanovllm_core.transfer import Staging, to_device
 
 # Decodes attended together (one gather, one attention call per layer). Groups of similar
@@ -86,6 +87,7 @@ class ModelRunner:
         self.paged = paged
         self.backend = attention_backend
         self.max_model_len = max_model_len
+        self.attention_sum_dtype = attention_sum_dtype(getattr(model, "quantization", None))
         if kv_cache is not None:
             self.use_flash_attn = not kv_cache.heads_major
         else:
@@ -148,7 +150,7 @@ class ModelRunner:
             meta = self._flash_attn_metadata(order, slot_mapping)
         else:
             meta = self._gather_metadata(order, slot_mapping)
-        attn = PagedAttention(self.kv_cache, meta, self.backend, self.use_flash_attn)
+        attn = PagedAttention(self.kv_cache, meta, self.backend, self.use_flash_attn, self.attention_sum_dtype)
         hidden = self.model(input_ids, pos, attn, tracer)
         return self._logits(hidden, rows, sample_index, len(ids))
 
@@ -255,7 +257,8 @@ class ModelRunner:
                 # Reserved up front for the longest this sequence may grow, as pre-paging servers did.
                 limit = seq.params.max_tokens or self.max_model_len
                 reserve = min(self.max_model_len, seq.num_prompt_tokens + limit)
-                cache = ContiguousKVCache(self.model.config, reserve, self.dtype, self.device, self.backend)
+                cache = ContiguousKVCache(self.model.config, reserve, self.dtype, self.device, self.backend,
+                                          self.attention_sum_dtype)
                 self.contiguous[seq.seq_id] = cache
             ids = to_device(seq.token_ids[s.start:s.start + s.num_new_tokens], torch.long, self.device)
             positions = torch.arange(s.start, s.start + s.num_new_tokens, device=self.device)
