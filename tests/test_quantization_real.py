@@ -14,6 +14,7 @@ import pytest
 
 from nanovllm_core import cli
 from nanovllm_core.educational.tutorial import chapter, model_facts
+from nanovllm_core.educational.xray import layer_dims
 from nanovllm_core.llm import LLM
 from nanovllm_core.model import loader
 from tests.conftest import run_main
@@ -68,11 +69,15 @@ def test_llm_unknown_quantization_raises_one_line_before_loading():
 
 
 def test_int8_model_reports_a_quarter_of_the_bytes(make_engine):
-    float_info = make_engine().model_info()
-    int8_info = make_engine(quantization="int8").model_info()
+    float_engine, int8_engine = make_engine(), make_engine(quantization="int8")
+    float_info, int8_info = float_engine.model_info(), int8_engine.model_info()
     assert float_info["quantization"] is None and int8_info["quantization"] == "int8"
     ratio = float_info["linear_weight_bytes"] / int8_info["linear_weight_bytes"]
     assert 3.9 < ratio < 4.0  # 538 MB -> 135 MB on SmolLM2-135M (scales cost ~0.5 %)
+    # The X-Ray's bytes per operation use the weights and K/V as this engine stores them.
+    f32_dims, int8_dims = layer_dims(float_engine), layer_dims(int8_engine)
+    assert f32_dims.weight_elem == 4 and f32_dims.kv_elem == 4
+    assert 1 < int8_dims.weight_elem < 1.01 and int8_dims.kv_elem == 8 and int8_info["kv_dtype"] == "float64"
     # The tutorial's decode chapter reads these numbers from the engine in use.
     decode = " ".join(model_facts(chapter("decode"), int8_info))
     assert f"reads its {int8_info['linear_weight_bytes'] / 2**20:,.0f} MiB of int8" in decode

@@ -184,8 +184,9 @@ class PagedAttention:
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[T, num_heads, head_dim]``, k/v ``[T, num_kv_heads, head_dim]`` -> ``[T, num_heads, head_dim]``."""
         meta, cache = self.meta, self.cache
-        cache.k_slots[layer_idx].index_copy_(0, meta.slot_mapping, k)
-        cache.v_slots[layer_idx].index_copy_(0, meta.slot_mapping, v)
+        slots_k, slots_v = cache.k_slots[layer_idx], cache.v_slots[layer_idx]
+        slots_k.index_copy_(0, meta.slot_mapping, k.to(slots_k.dtype))
+        slots_v.index_copy_(0, meta.slot_mapping, v.to(slots_v.dtype))
         if self.use_flash_attn:
             return self._flash_attn(layer_idx, q)
         d = meta.num_decodes

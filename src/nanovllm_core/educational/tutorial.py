@@ -619,10 +619,16 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
         elif key == "kv_cache" and g("kv_bytes_per_token"):
             per = g("kv_bytes_per_token")
             elem = per // (2 * g("num_layers") * g("num_kv_heads") * g("head_dim"))
-            lines.append(f"On this model in {g('dtype')}: 2 x {g('num_layers')} layers x {g('num_kv_heads')} KV heads x "
-                         f"{g('head_dim')} x {elem} bytes = {per:,} bytes per token; 1,000 tokens take "
+            kv_dtype = g("kv_dtype") or g("dtype")
+            why = " (int8 mode keeps K/V in float64, the width its attention sums in)" if kv_dtype != g("dtype") else ""
+            lines.append(f"On this model in {kv_dtype}{why}: 2 x {g('num_layers')} layers x {g('num_kv_heads')} KV "
+                         f"heads x {g('head_dim')} x {elem} bytes = {per:,} bytes per token; 1,000 tokens take "
                          f"{per * 1000 / 2**20:.1f} MiB.")
-            if g("num_parameters"):
+            if g("quantization") == "int8" and g("linear_weight_bytes"):
+                weights = g("linear_weight_bytes")
+                lines.append(f"Its int8 linear layers and LM head take {weights / 2**20:,.0f} MiB: "
+                             f"{weights // per:,} tokens of cache weigh as much.")
+            elif g("num_parameters"):
                 weights = g("num_parameters") * elem
                 lines.append(f"Its {g('num_parameters') / 1e6:.0f} M parameters in {g('dtype')} take "
                              f"{weights / 2**20:,.0f} MiB: {weights // per:,} tokens of cache weigh as much.")

@@ -87,7 +87,11 @@ class ModelRunner:
         self.paged = paged
         self.backend = attention_backend
         self.max_model_len = max_model_len
-        self.attention_sum_dtype = attention_sum_dtype(getattr(model, "quantization", None))
+        # K/V are kept in the dtype attention sums in, so no step converts the gathered context;
+        # a shared pool (self-speculative drafting) sets both.
+        self.kv_dtype = (attention_sum_dtype(getattr(model, "quantization", None)) or self.dtype
+                         if kv_cache is None else kv_cache.k[0].dtype)
+        self.attention_sum_dtype = self.kv_dtype if self.kv_dtype != self.dtype else None
         if kv_cache is not None:
             self.use_flash_attn = not kv_cache.heads_major
         else:
@@ -95,7 +99,7 @@ class ModelRunner:
                                    and flash_attn_available(self.device, self.dtype, model.config.head_dim, block_size))
         if kv_cache is None and paged:
             # flash-attn's paged kernel reads blocks-first pages; the gather path wants heads first.
-            kv_cache = PagedKVCache(model.config, num_blocks, block_size, self.dtype, self.device,
+            kv_cache = PagedKVCache(model.config, num_blocks, block_size, self.kv_dtype, self.device,
                                     heads_major=not self.use_flash_attn)
         self.kv_cache = kv_cache
         self.contiguous: dict[int, ContiguousKVCache] = {}
@@ -257,7 +261,7 @@ class ModelRunner:
                 # Reserved up front for the longest this sequence may grow, as pre-paging servers did.
                 limit = seq.params.max_tokens or self.max_model_len
                 reserve = min(self.max_model_len, seq.num_prompt_tokens + limit)
-                cache = ContiguousKVCache(self.model.config, reserve, self.dtype, self.device, self.backend,
+                cache = ContiguousKVCache(self.model.config, reserve, self.kv_dtype, self.device, self.backend,
                                           self.attention_sum_dtype)
                 self.contiguous[seq.seq_id] = cache
             ids = to_device(seq.token_ids[s.start:s.start + s.num_new_tokens], torch.long, self.device)
