@@ -165,7 +165,7 @@ def cpu_flags() -> list[str]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from benchmarks.benchmark_comparison import _hf_model, num_parameters
+    from benchmarks.benchmark_comparison import CPU, _hf_model, num_parameters
     from nanovllm_core.model.int8_linear import weight_range
     from nanovllm_core.model.quantization import linear_weight_bytes
 
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # -- batch-1 decode
     n = 16 if args.quick else 128
     prompt = corpus[100:132]
-    hf = None if args.skip_hf else _hf_model()
+    hf = None if args.skip_hf else _hf_model(CPU)
     systems: dict[str, Callable[[], float]] = {
         m: (lambda m=m: decode_rate_ours(fresh_llm(loaded[m], quant[m], num_kv_blocks=64), prompt, n)) for m in MODES}
     if hf is not None:

@@ -139,6 +139,32 @@ def test_weights_are_packed_at_load_so_the_first_step_packs_nothing(tmp_path, mo
     assert packs == []
 
 
+def test_int8_logprobs_are_bit_identical_however_the_tokens_are_scheduled(tmp_path, monkeypatch):
+    """Alone, batched (decodes padded in groups), chunked, preempted: the same logprobs to the last bit.
+
+    A random model's logits are near-ties everywhere, so a last-bit difference in attention,
+    re-quantized by the next int8 layer, would show here (it did, before attention ran in float64).
+    """
+    from nanovllm_core.llm import LLM
+    from tests.conftest import save_tiny_llama
+
+    monkeypatch.setattr(loader, "load_tokenizer", lambda p: None)
+    path = save_tiny_llama(tmp_path, seed=3, vocab_size=512)
+    model, _, _ = loader.load_model(str(path), torch.device("cpu"), torch.float32, quantization="int8")
+    prompts = [[(7 * i + 3 * n) % 500 + 3 for i in range(n)] for n in (5, 37, 12, 61)]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3)
+
+    def run(**config):
+        llm = LLM.from_engine(LLMEngine(EngineConfig(quantization="int8", block_size=8, **config), model, _Tokenizer()))
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm.stats()
+
+    alone, _ = run(paged=False, num_kv_blocks=64)
+    assert run(num_kv_blocks=64)[0] == alone
+    chunked_preempted, stats = run(num_kv_blocks=12, max_num_batched_tokens=16)
+    assert stats["num_preemptions"] > 0 and chunked_preempted == alone
+
+
 class _Tokenizer:
     eos_token_id = 2
 

@@ -78,6 +78,8 @@ def test_serve_bad_options_end_with_one_line(capsys, tiny_llama_dir):
     code, _, err = run_main(serve_cli.main, capsys, "--model", str(tiny_llama_dir / "missing"), "--port",
                             str(free_port()))
     assert code == 2 and "model failed to load" in err and "Traceback" not in err
+    code, _, err = run_main(serve_cli.main, capsys, "--quantization", "int4")
+    assert code == 2 and "--quantization: invalid choice: 'int4'" in err and len(err.strip().splitlines()) == 1
 
 
 def test_nanovllm_serve_is_a_subcommand_of_nanovllm(capsys):

@@ -154,6 +154,9 @@ async def test_a_replay_refuses_new_prompts_with_a_notification(tmp_path):
     (["--replay", str(TRACE), "--model", "x"], "--model does nothing with --replay: a replay plays a recorded trace"),
     (["--replay", str(TRACE), "--max-tokens", "5"], "--max-tokens does nothing with --replay"),
     (["--replay", str(TRACE), "--trace", "t.jsonl"], "--trace does nothing with --replay"),
+    (["--replay", str(TRACE), "--quantization", "int8"], "--quantization does nothing with --replay"),
+    (["--quantization", "int4"], "--quantization: invalid choice: 'int4'"),
+    (["--connect", "http://127.0.0.1:9", "--quantization", "int8"], "--quantization cannot be used with --connect"),
 ])
 def test_bad_options_end_with_one_line_and_status_2(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -169,12 +172,13 @@ def test_every_option_the_app_accepts_does_something_in_it_or_is_refused():
 
     engine = {"model", "device", "dtype", "scheduling_policy", "max_prefill_tokens", "max_num_seqs", "max_model_len",
               "block_size", "num_kv_blocks", "no_paged_attention", "no_flash_attn", "no_prefix_caching",
-              "speculative_model", "num_speculative_tokens"}  # -> engine_kwargs -> the EngineController
+              "speculative_model", "num_speculative_tokens", "quantization"}  # -> engine_kwargs -> the EngineController
     sampling = {"top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop", "logprobs", "ignore_eos"}
     prompt_bar = {"prompt", "priority", "max_tokens", "temperature"}  # sent at start / the bar's defaults
     app = {"narrate_steps", "progress_file", "trace", "trace_xray", "trace_chrome", "replay", "paused", "fps"}
+    remote = {"connect", "api_key", "web", "host", "port"}  # attach to a server / serve the app to browsers
     accepted = {a.dest for a in build_parser()._actions if a.dest != "help"}
-    assert accepted - set(NOT_IN_APP) == engine | sampling | prompt_bar | app
+    assert accepted - set(NOT_IN_APP) == engine | sampling | prompt_bar | app | remote
     args = parse_args(["--top-k", "7", "--stop", "x", "--logprobs", "2", "--ignore-eos", "--seed", "3"])
     assert (args.sampling.top_k, args.sampling.stop, args.sampling.logprobs) == (7, ["x"], 2)
     assert args.sampling.ignore_eos and args.sampling.seed == 3  # applied to every prompt the app sends

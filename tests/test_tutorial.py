@@ -380,3 +380,17 @@ def test_model_facts_compare_weights_and_cache_and_name_the_priority_convention(
     assert "46,080 bytes of keys and values per token of context" in decode
     (prio,) = model_facts(chapter("chunked_prefill"), info)
     assert "vLLM's priority runs lower values first" in prio
+
+
+def test_the_decode_chapter_counts_the_weight_bytes_each_step_reads_and_what_int8_changes():
+    info = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "kv_bytes_per_token": 46080, "dtype": "float32",
+            "num_parameters": 134_515_008, "linear_weights": 134_000_000, "memory_bandwidth": 10e9}
+    reads, bound, int8 = model_facts(chapter("decode"), {**info, "linear_weight_bytes": 536_000_000})
+    assert "reads its 511 MiB of float32 weights" in reads  # 536,000,000 / 2**20
+    assert "takes 53.6 ms: at batch 1 no more than 19 tokens/s" in bound  # 536 MB at 10 GB/s
+    assert "about 128 MiB" in int8 and "about 4x fewer bytes per step" in int8
+    reads, bound, int8 = model_facts(chapter("decode"), {**info, "linear_weight_bytes": 134_700_000,
+                                                         "quantization": "int8"})
+    assert "128 MiB of int8 (1.005 bytes a weight, scales included)" in reads
+    assert "no more than 74 tokens/s" in bound
+    assert "would be 511 MiB a step, 4.0x the bytes" in int8

@@ -254,3 +254,18 @@ def test_a_speculative_verification_is_labelled_as_such(make_llm):
         assert t.num_new_tokens == 1 + k
         assert facts.what_ran(t).startswith(f"speculative verification: the newest token + {k} draft")
         assert facts.step_kind(t) == "speculative verification"
+
+
+def test_int8_weights_and_float64_kv_move_their_own_bytes():
+    """Under --quantization int8 a decode step reads int8 weights (plus scales) and float64 K/V."""
+    from dataclasses import replace
+
+    int8 = replace(SMOL, weight_elem=1.0, kv_elem=8)
+    seqs = [SeqAttention(1, 100, 112, gathered=112)]
+    f32 = {o.name: o.bytes for o in layer_ops(SMOL, seqs, "fused")}
+    q8 = {o.name: o.bytes for o in layer_ops(int8, seqs, "fused")}
+    h, qkv, i = 576, (9 + 2 * 3) * 64, 1536
+    assert f32["qkv_proj"] - q8["qkv_proj"] == h * qkv * 3  # 4 -> 1 byte per weight
+    assert f32["mlp_down"] - q8["mlp_down"] == i * h * 3
+    assert q8["kv_gather"] == 2 * f32["kv_gather"]  # 4 -> 8 bytes per cached number
+    assert f32["rope"] == q8["rope"]  # activations stay float32

@@ -19,7 +19,7 @@ NOT_WITH_REPLAY = ("model", "device", "dtype", "prompt", "priority", "max_tokens
                    "min_p", "repetition_penalty", "seed", "stop", "logprobs", "ignore_eos", "scheduling_policy",
                    "max_prefill_tokens", "max_num_seqs", "max_model_len", "block_size", "num_kv_blocks",
                    "no_paged_attention", "no_flash_attn", "no_prefix_caching", "speculative_model",
-                   "num_speculative_tokens", "trace", "trace_xray", "trace_chrome")
+                   "num_speculative_tokens", "quantization", "trace", "trace_xray", "trace_chrome")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,7 +90,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 # Options of the engine that a server attached with --connect has already chosen.
-SERVER_SIDE = ("model", "device", "dtype", "num_kv_blocks", "max_model_len", "speculative_model", "replay", "paused")
+SERVER_SIDE = ("model", "device", "dtype", "quantization", "num_kv_blocks", "max_model_len", "speculative_model",
+               "replay", "paused")
 
 
 def check_connect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -17,6 +17,7 @@ from nanovllm_core.model.llama import ModelConfig
 class ContiguousKVCache:
     """K and V for one sequence: two tensors ``[num_layers, max_len, num_kv_heads, head_dim]``.
 
+    ``sum_dtype``: None, or a wider dtype the attention arithmetic runs in (float64 in int8 mode).
     Use :meth:`context` to get the attention context for a forward pass that processes
     positions ``start .. start + num_tokens - 1``.
 
@@ -24,12 +25,14 @@ class ContiguousKVCache:
         ValueError: a forward pass would write beyond ``max_len``.
     """
 
-    def __init__(self, cfg: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device, backend: str = "flash"):
+    def __init__(self, cfg: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device, backend: str = "flash",
+                 sum_dtype: torch.dtype | None = None):
         shape = (cfg.num_hidden_layers, max_len, cfg.num_key_value_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.backend = backend
+        self.sum_dtype = sum_dtype
 
     @property
     def nbytes(self) -> int:
@@ -54,5 +57,6 @@ class _ContiguousContext:
         self.cache.k[layer_idx, self.start:self.end] = k
         self.cache.v[layer_idx, self.start:self.end] = v
         return attend_sequence(
-            q, self.cache.k[layer_idx, : self.end], self.cache.v[layer_idx, : self.end], self.mask, self.cache.backend
+            q, self.cache.k[layer_idx, : self.end], self.cache.v[layer_idx, : self.end], self.mask, self.cache.backend,
+            self.cache.sum_dtype,
         )

@@ -10,6 +10,12 @@ Two backends compute the same thing:
   materialises the ``[heads, q_len, k_len]`` score matrix. Slower and larger, but it is
   the one to read, and the one the X-Ray view takes attention weights from.
 
+``sum_dtype`` (both functions): the dtype the sums run in, when wider than the inputs'.
+int8 mode asks for float64 (see ``nanovllm_core.model.quantization.attention_sum_dtype``):
+the kernels' float32 sums round differently with the number of query rows, the padding and
+the chunking, and float64's differences (~1e-16 relative) vanish when the result is rounded
+back to float32.
+
 Grouped-query attention (Ainslie et al. 2023): query head ``h`` reads KV head
 ``h // (num_heads / num_kv_heads)``, the grouping transformers' ``repeat_kv`` uses. No KV
 head is copied: queries are regrouped as ``[num_kv_heads, group, ...]`` instead.
@@ -40,6 +46,7 @@ def attend_sequence(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     backend: str = "flash",
+    sum_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Attention for one sequence's queries over its whole context.
 
@@ -49,10 +56,13 @@ def attend_sequence(
         mask: ``[num_queries, context_len]`` bool (True = attend), or None for a plain causal
             square (``num_queries == context_len``, the prompt's first chunk).
         backend: ``"flash"`` or ``"math"``.
+        sum_dtype: None, or a wider float dtype to compute in (the result is cast back to q's).
 
     Returns:
         ``[num_queries, num_heads, head_dim]``.
     """
+    if sum_dtype is not None and sum_dtype != q.dtype:
+        return attend_sequence(q.to(sum_dtype), k.to(sum_dtype), v.to(sum_dtype), mask, backend).to(q.dtype)
     nq, nh, hd = q.shape
     nkv = k.shape[1]
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, nh, nq, hd]
@@ -66,7 +76,7 @@ def attend_sequence(
         if mask is None:
             mask = causal_mask(0, nq, k.shape[0], q.device)
         scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(1, nkv, group * nq, -1)
+        probs = torch.softmax(_at_least_float32(scores), dim=-1).to(q.dtype).view(1, nkv, group * nq, -1)
         out = torch.matmul(probs, vh).view(1, nh, nq, hd)
     elif mask is None:
         # A causal square: every fused kernel takes is_causal; flash (CUDA and CPU) also takes GQA.
@@ -108,6 +118,7 @@ def attend_decode_grouped(
     v: torch.Tensor,
     mask: torch.Tensor,
     backend: str = "flash",
+    sum_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Attention for a batch of decode tokens, one per sequence, over padded contexts stored heads-first.
 
@@ -118,10 +129,14 @@ def attend_decode_grouped(
         mask: ``[num_seqs, max_context_len]`` float, added to the scores: 0 on each
             sequence's context, -inf on its padding.
         backend: ``"flash"`` (fused SDPA) or ``"math"`` (explicit scores).
+        sum_dtype: None, or a wider float dtype to compute in (the result is cast back to q's).
 
     Returns:
         ``[num_seqs, num_heads, head_dim]``.
     """
+    if sum_dtype is not None and sum_dtype != q.dtype:
+        wide = attend_decode_grouped(q.to(sum_dtype), k.to(sum_dtype), v.to(sum_dtype), mask.to(sum_dtype), backend)
+        return wide.to(q.dtype)
     s, nh, hd = q.shape
     nkv = k.shape[0]
     # The query heads that share a KV head become that head's "query positions" (GQA without copying K/V).
@@ -129,10 +144,15 @@ def attend_decode_grouped(
     m = mask[None, :, None, :]
     if backend == "math":
         scores = torch.matmul(qg, k.transpose(-1, -2)) * (hd ** -0.5) + m
-        out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+        out = torch.matmul(torch.softmax(_at_least_float32(scores), dim=-1).to(q.dtype), v)
     else:
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m.to(q.dtype))
     return out.transpose(0, 1).reshape(s, nh, hd)
+
+
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """x in float32, or as it is when already wider (float64): softmax never narrows."""
+    return x if x.dtype == torch.float64 else x.float()
 
 
 def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, head: int) -> torch.Tensor:

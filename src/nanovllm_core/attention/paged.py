@@ -167,20 +167,26 @@ class PagedAttentionMetadata:
 
 
 class PagedAttention:
-    """The attention context handed to the model for one step over the paged pool."""
+    """The attention context handed to the model for one step over the paged pool.
+
+    ``sum_dtype``: None, or a wider dtype the attention arithmetic runs in (float64 in int8
+    mode, see ``nanovllm_core.model.quantization.attention_sum_dtype``).
+    """
 
     def __init__(self, cache: PagedKVCache, meta: PagedAttentionMetadata, backend: str = "flash",
-                 use_flash_attn: bool = False):
+                 use_flash_attn: bool = False, sum_dtype: torch.dtype | None = None):
         self.cache = cache
         self.meta = meta
         self.backend = backend
         self.use_flash_attn = use_flash_attn
+        self.sum_dtype = sum_dtype
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[T, num_heads, head_dim]``, k/v ``[T, num_kv_heads, head_dim]`` -> ``[T, num_heads, head_dim]``."""
         meta, cache = self.meta, self.cache
-        cache.k_slots[layer_idx].index_copy_(0, meta.slot_mapping, k)
-        cache.v_slots[layer_idx].index_copy_(0, meta.slot_mapping, v)
+        slots_k, slots_v = cache.k_slots[layer_idx], cache.v_slots[layer_idx]
+        slots_k.index_copy_(0, meta.slot_mapping, k.to(slots_k.dtype))
+        slots_v.index_copy_(0, meta.slot_mapping, v.to(slots_v.dtype))
         if self.use_flash_attn:
             return self._flash_attn(layer_idx, q)
         d = meta.num_decodes
@@ -192,12 +198,12 @@ class PagedAttention:
         for chunk in meta.prefills:
             a, b = chunk.token_start, chunk.token_start + chunk.num_tokens
             if chunk.block_table is None:  # starts at position 0: its context is exactly its new K/V
-                out[a:b] = attend_sequence(q[a:b], k[a:b], v[a:b], None, self.backend)
+                out[a:b] = attend_sequence(q[a:b], k[a:b], v[a:b], None, self.backend, self.sum_dtype)
                 continue
             kc, vc = cache.gather_blocks(layer_idx, chunk.block_table)
             ctx = chunk.context_len
             out[a:b] = attend_sequence(q[a:b], kc[:, :ctx].transpose(0, 1), vc[:, :ctx].transpose(0, 1),
-                                       chunk.mask, self.backend)
+                                       chunk.mask, self.backend, self.sum_dtype)
         return out
 
     def _decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
@@ -208,7 +214,7 @@ class PagedAttention:
             kd, vd = self.cache.gather_blocks(layer_idx, g.blocks)
             nkv, _, hd = kd.shape
             o = attend_decode_grouped(q[g.first:g.first + g.num], kd.view(nkv, g.num, -1, hd),
-                                      vd.view(nkv, g.num, -1, hd), g.mask, self.backend)
+                                      vd.view(nkv, g.num, -1, hd), g.mask, self.backend, self.sum_dtype)
             if out is None:
                 return o
             out[g.first:g.first + g.num] = o

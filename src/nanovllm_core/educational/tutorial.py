@@ -619,20 +619,21 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
         elif key == "kv_cache" and g("kv_bytes_per_token"):
             per = g("kv_bytes_per_token")
             elem = per // (2 * g("num_layers") * g("num_kv_heads") * g("head_dim"))
-            lines.append(f"On this model in {g('dtype')}: 2 x {g('num_layers')} layers x {g('num_kv_heads')} KV heads x "
-                         f"{g('head_dim')} x {elem} bytes = {per:,} bytes per token; 1,000 tokens take "
+            kv_dtype = g("kv_dtype") or g("dtype")
+            why = " (int8 mode keeps K/V in float64, the width its attention sums in)" if kv_dtype != g("dtype") else ""
+            lines.append(f"On this model in {kv_dtype}{why}: 2 x {g('num_layers')} layers x {g('num_kv_heads')} KV "
+                         f"heads x {g('head_dim')} x {elem} bytes = {per:,} bytes per token; 1,000 tokens take "
                          f"{per * 1000 / 2**20:.1f} MiB.")
-            if g("num_parameters"):
+            if g("quantization") == "int8" and g("linear_weight_bytes"):
+                weights = g("linear_weight_bytes")
+                lines.append(f"Its int8 linear layers and LM head take {weights / 2**20:,.0f} MiB: "
+                             f"{weights // per:,} tokens of cache weigh as much.")
+            elif g("num_parameters"):
                 weights = g("num_parameters") * elem
                 lines.append(f"Its {g('num_parameters') / 1e6:.0f} M parameters in {g('dtype')} take "
                              f"{weights / 2**20:,.0f} MiB: {weights // per:,} tokens of cache weigh as much.")
         elif key == "decode" and g("kv_bytes_per_token") and g("num_parameters"):
-            per = g("kv_bytes_per_token")
-            elem = per // (2 * g("num_layers") * g("num_kv_heads") * g("head_dim"))
-            lines.append(f"A decode step of this model reads its {g('num_parameters') * elem / 2**20:,.0f} MiB of "
-                         f"{g('dtype')} weights once for the whole batch, and for each request its own {per:,} bytes of keys and "
-                         f"values per token of context: {per * 1000 / 2**20:.1f} MiB a step at 1,000 tokens, "
-                         "whatever the batch.")
+            lines.extend(_decode_bytes(info))
         elif key == "paged_attention" and g("block_size"):
             per = g("kv_bytes_per_token") or 0
             lines.append(f"This engine's pool: {g('num_kv_blocks'):,} blocks of {g('block_size')} tokens, "
@@ -650,6 +651,40 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
                          f"{g('token_budget')} tokens per step.")
     except (TypeError, ValueError, ZeroDivisionError):
         return lines
+    return lines
+
+
+def _decode_bytes(info: dict[str, Any]) -> list[str]:
+    """The decode chapter's numbers: the bytes one step reads, and what int8 weights change.
+
+    From ``model_info()``: ``linear_weight_bytes`` (every linear layer and the LM head as the
+    loader built them, scales included), ``linear_weights`` (their element count),
+    ``quantization``, ``kv_bytes_per_token`` and, when measured, ``memory_bandwidth`` (bytes/s).
+    """
+    g = info.get
+    per = g("kv_bytes_per_token")
+    elem = per // (2 * g("num_layers") * g("num_kv_heads") * g("head_dim"))
+    weights, count = g("linear_weight_bytes"), g("linear_weights")
+    if not (weights and count):  # an older engine's info: all parameters at the activations' width
+        weights, count = g("num_parameters") * elem, None
+    kind = f"int8 ({weights / count:.3f} bytes a weight, scales included)" if g("quantization") == "int8" else g("dtype")
+    lines = [f"A decode step of this model reads its {weights / 2**20:,.0f} MiB of {kind} weights once for the whole "
+             f"batch, and for each request its own {per:,} bytes of keys and values per token of context: "
+             f"{per * 1000 / 2**20:.1f} MiB a step at 1,000 tokens, whatever the batch."]
+    if g("memory_bandwidth"):
+        bw = g("memory_bandwidth")
+        lines.append(f"At this machine's measured {bw / 1e9:,.1f} GB/s, reading the weights alone takes "
+                     f"{weights / bw * 1e3:,.1f} ms: at batch 1 no more than {bw / weights:,.0f} tokens/s, "
+                     "however fast the arithmetic.")
+    if count and g("quantization") == "int8":
+        wide = count * 4
+        lines.append(f"int8 weights are why: the same {count / 1e6:,.0f} M weights in float32 would be "
+                     f"{wide / 2**20:,.0f} MiB a step, {wide / weights:.1f}x the bytes.")
+    elif count:
+        lines.append(f"With --quantization int8 the same {count / 1e6:,.0f} M weights would be about "
+                     f"{count / 2**20:,.0f} MiB (one byte a weight, plus a 4-byte scale per output row): "
+                     f"about {weights / count:.0f}x fewer bytes per step, so a batch-1 step could be up to "
+                     "that much faster where reading weights is the bound.")
     return lines
 
 

@@ -49,8 +49,15 @@ def backend_of(engine: "LLMEngine") -> str:
 def layer_dims(engine: "LLMEngine") -> LayerDims:
     """The engine model's decoder-layer sizes and element size (bytes)."""
     c = engine.model_config
+    layer = engine.model.layers[0]
+    linears = [m for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+               if hasattr(m, "weight_bytes")]
+    weight_elem = (sum(m.weight_bytes for m in linears) / sum(m.out_features * m.in_features for m in linears)
+                   if linears else 0.0)  # before the loader built the layers: the dtype's size
+    kv_dtype = getattr(engine, "kv_dtype", engine.dtype)
     return LayerDims(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                     torch.empty((), dtype=engine.dtype).element_size())
+                     torch.empty((), dtype=engine.dtype).element_size(), weight_elem,
+                     torch.empty((), dtype=kv_dtype).element_size())
 
 
 def roofline_info(engine: "LLMEngine") -> dict:
@@ -249,7 +256,7 @@ class LayerTracer:
             step=self.step, request_id=seq.request_id, layer=layer, num_layers=c.num_hidden_layers,
             tensors=tuple(self._tensors), ops=self._ops or (), num_heads=c.num_attention_heads,
             num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
-            kv_bytes_per_token=c.kv_bytes_per_token(self.engine.dtype),
+            kv_bytes_per_token=c.kv_bytes_per_token(getattr(self.engine, "kv_dtype", self.engine.dtype)),
             head=self.heat_head if heat else None, attention=self._attention if heat else (),
             query_pieces=tuple(pieces[q_from:ctx]),
             key_pieces=tuple(pieces) if self._keys_per_column == 1 else (),

@@ -13,7 +13,8 @@ attention backend that ran:
 
 On the CPU (and on CUDA without flash-attn) a sequence whose context is already cached first
 gathers its KV blocks into one contiguous buffer (``kv_gather``), a copy vLLM's paged kernel
-avoids. Bytes count reads plus writes at the model's element size; FLOPs count a multiply-add
+avoids. Bytes count reads plus writes at the model's element size, weights as stored (int8
+plus scales under ``--quantization int8``) and K/V at the cache's element size; FLOPs count a multiply-add
 as 2. GQA: K and V bytes are those of the ``num_kv_heads`` stored heads; query head ``h``
 reads KV head ``h // group`` and nothing is copied.
 
@@ -36,7 +37,11 @@ BACKEND_NAMES = {
 
 @dataclass(frozen=True)
 class LayerDims:
-    """A decoder layer's sizes: elements, heads; ``elem`` bytes per number of the model's dtype."""
+    """A decoder layer's sizes: elements, heads; ``elem`` bytes per number of the model's dtype.
+
+    ``weight_elem``: bytes per linear-layer weight as stored, scales included (about 1.007 for
+    int8; 0 means ``elem``); ``kv_elem``: bytes per cached K/V number (0 means ``elem``).
+    """
 
     hidden: int
     intermediate: int
@@ -44,6 +49,8 @@ class LayerDims:
     num_kv_heads: int
     head_dim: int
     elem: int
+    weight_elem: float = 0.0
+    kv_elem: int = 0
 
     @property
     def group(self) -> int:
@@ -102,6 +109,7 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
         ``OpInfo`` per operation: math, shapes (``[T, ...]`` for the batch), FLOPs, bytes.
     """
     h, i, nh, nkv, hd, e = d.hidden, d.intermediate, d.num_heads, d.num_kv_heads, d.head_dim, d.elem
+    w, kv = d.weight_elem or e, d.kv_elem or e  # int8 mode: int8 weights (+ scales), float64 K/V
     T = sum(s.num_tokens for s in seqs)
     qkv = (nh + 2 * nkv) * hd
     ops = [
@@ -109,20 +117,20 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
             f"residual [{T}, {h}] -> [{T}, {h}]", 4 * T * h, (2 * T * h + h) * e),
         _op("qkv_proj", "Q, K, V = X W_qkv  (one packed matrix)",
             f"[{T}, {h}] @ [{h}, {qkv}] -> Q [{T}, {nh}, {hd}] | K [{T}, {nkv}, {hd}] | V [{T}, {nkv}, {hd}]",
-            2 * T * h * qkv, (h * qkv + T * h + T * qkv) * e),
+            2 * T * h * qkv, h * qkv * w + (T * h + T * qkv) * e),
         _op("rope", "rotate each (x_i, x_i+d/2) pair of Q and K by position · theta^(-2i/d)",
             f"Q and K together [{T}, {nh + nkv}, {hd}]", 3 * T * (nh + nkv) * hd, 2 * T * (nh + nkv) * hd * e),
         _op("kv_cache_write", "K, V of the new tokens -> their slots (slot_mapping)",
-            f"2 x [{T}, {nkv}, {hd}] -> the cache", 0, 2 * 2 * T * nkv * hd * e),
+            f"2 x [{T}, {nkv}, {hd}] -> the cache", 0, 2 * T * nkv * hd * (e + kv)),
     ]
     gathered = sum(s.gathered for s in seqs)
     if gathered and backend != "flash_attn":
         ops.append(_op("kv_gather", "copy each sequence's KV blocks into one contiguous buffer (block table)",
                        f"2 x [{nkv}, {gathered}, {hd}] over the batch's sequences", 0,
-                       2 * 2 * gathered * nkv * hd * e))
+                       2 * 2 * gathered * nkv * hd * kv))
     scores_shape, softmax_shape, out_shape = _attention_shapes(d, this, backend)
     q_bytes = sum(nh * s.num_tokens * hd for s in seqs) * e
-    kv_bytes = sum(nkv * s.keys_read * hd for s in seqs) * e
+    kv_bytes = sum(nkv * s.keys_read * hd for s in seqs) * kv
     qk = sum(2 * nh * s.num_tokens * s.keys_read * hd for s in seqs)
     soft = sum(5 * nh * s.num_tokens * s.keys_read for s in seqs)
     s_bytes = sum(nh * s.num_tokens * s.keys_read for s in seqs) * e
@@ -138,15 +146,15 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
                        2 * q_bytes + 2 * kv_bytes))
     ops += [
         _op("o_proj", "Y = O W_o", f"[{T}, {nh * hd}] @ [{nh * hd}, {h}] -> [{T}, {h}]",
-            2 * T * nh * hd * h, (nh * hd * h + T * nh * hd + T * h) * e),
+            2 * T * nh * hd * h, nh * hd * h * w + (T * nh * hd + T * h) * e),
         _op("residual_add", "residual += attention output", f"[{T}, {h}] + [{T}, {h}]", T * h, 3 * T * h * e),
         _op("post_attention_layernorm", "RMSNorm before the MLP: x / sqrt(mean(x²) + eps) · w",
             f"residual [{T}, {h}] -> [{T}, {h}]", 4 * T * h, (2 * T * h + h) * e),
         _op("mlp_gate_up", "G, U = X W_gate, X W_up  (one packed matrix)",
-            f"[{T}, {h}] @ [{h}, {2 * i}] -> G, U [{T}, {i}]", 2 * T * h * 2 * i, (h * 2 * i + T * h + 2 * T * i) * e),
+            f"[{T}, {h}] @ [{h}, {2 * i}] -> G, U [{T}, {i}]", 2 * T * h * 2 * i, h * 2 * i * w + (T * h + 2 * T * i) * e),
         _op("swiglu", "A = SiLU(G) · U", f"[{T}, {i}] -> [{T}, {i}]", 5 * T * i, 3 * T * i * e),
         _op("mlp_down", "Y = A W_down", f"[{T}, {i}] @ [{i}, {h}] -> [{T}, {h}]", 2 * T * i * h,
-            (i * h + T * i + T * h) * e),
+            i * h * w + (T * i + T * h) * e),
         _op("residual_add", "residual += MLP output", f"[{T}, {h}] + [{T}, {h}]", T * h, 3 * T * h * e),
     ]
     return tuple(ops)

@@ -32,7 +32,7 @@ from nanovllm_core.engine.scheduler import ScheduledSequence, Scheduler, Schedul
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
 from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
 from nanovllm_core.model.loader import ProgressFn, ResolvedModel
-from nanovllm_core.model.quantization import linear_weight_bytes
+from nanovllm_core.model.quantization import attention_sum_dtype, linear_weight_bytes, linear_weight_count
 from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.sampling.sampler import RowGroup, Sampler, SamplerOutput, SamplingRow
 from nanovllm_core.sampling_params import SamplingParams
@@ -85,7 +85,9 @@ class LLMEngine:
         block_size = config.block_size or (
             default_block_size(self.device, self.dtype, self.model_config.head_dim, config.attention_backend)
             if config.paged else DEFAULT_BLOCK_SIZE)
-        bytes_per_block = self.model_config.kv_bytes_per_token(self.dtype) * block_size
+        # int8 keeps K/V in float64, the dtype its attention sums in (model.quantization.attention_sum_dtype).
+        self.kv_dtype = attention_sum_dtype(getattr(model, "quantization", None)) or self.dtype
+        bytes_per_block = self.model_config.kv_bytes_per_token(self.kv_dtype) * block_size
         # A draft model's pool has one block per target block: the memory budget pays for both.
         draft_bytes_per_block = draft.config.kv_bytes_per_token(self.dtype) * block_size if draft else 0
         if config.num_kv_blocks is not None:
@@ -166,7 +168,8 @@ class LLMEngine:
             "num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
             "num_heads": c.num_attention_heads, "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
             "vocab_size": c.vocab_size, "num_parameters": c.num_parameters(),
-            "kv_bytes_per_token": c.kv_bytes_per_token(self.dtype), "block_size": self.block_manager.block_size,
+            "kv_bytes_per_token": c.kv_bytes_per_token(self.kv_dtype), "kv_dtype": str(self.kv_dtype).replace("torch.", ""),
+            "block_size": self.block_manager.block_size,
             "num_kv_blocks": self.block_manager.num_blocks, "max_model_len": self.max_model_len,
             "max_num_seqs": self.scheduler.max_num_seqs, "token_budget": self.scheduler.token_budget,
             "scheduling_policy": self.scheduler.policy, "prefix_caching": self.block_manager.enable_prefix_caching,
@@ -175,6 +178,7 @@ class LLMEngine:
             # Weights of every linear layer and the LM head, as the loader built them: the bytes
             # one decode step streams from memory (what batching shares among the batch).
             "quantization": self.model.quantization, "linear_weight_bytes": linear_weight_bytes(self.model),
+            "linear_weights": linear_weight_count(self.model),
         }
 
     # ------------------------------------------------------------------ events

@@ -40,6 +40,7 @@ from nanovllm_core.attention.paged import (
 from nanovllm_core.attention.selector import flash_attn_available, paged_attention_kernel
 from nanovllm_core.engine.scheduler import ScheduledSequence
 from nanovllm_core.model.llama import LlamaForCausalLM
+from nanovllm_core.model.quantization import attention_sum_dtype
 from nanovllm_core.transfer import Staging, to_device
 
 # Decodes attended together (one gather, one attention call per layer). Groups of similar
@@ -86,6 +87,11 @@ class ModelRunner:
         self.paged = paged
         self.backend = attention_backend
         self.max_model_len = max_model_len
+        # K/V are kept in the dtype attention sums in, so no step converts the gathered context;
+        # a shared pool (self-speculative drafting) sets both.
+        self.kv_dtype = (attention_sum_dtype(getattr(model, "quantization", None)) or self.dtype
+                         if kv_cache is None else kv_cache.k[0].dtype)
+        self.attention_sum_dtype = self.kv_dtype if self.kv_dtype != self.dtype else None
         if kv_cache is not None:
             self.use_flash_attn = not kv_cache.heads_major
         else:
@@ -93,7 +99,7 @@ class ModelRunner:
                                    and flash_attn_available(self.device, self.dtype, model.config.head_dim, block_size))
         if kv_cache is None and paged:
             # flash-attn's paged kernel reads blocks-first pages; the gather path wants heads first.
-            kv_cache = PagedKVCache(model.config, num_blocks, block_size, self.dtype, self.device,
+            kv_cache = PagedKVCache(model.config, num_blocks, block_size, self.kv_dtype, self.device,
                                     heads_major=not self.use_flash_attn)
         self.kv_cache = kv_cache
         self.contiguous: dict[int, ContiguousKVCache] = {}
@@ -148,7 +154,7 @@ class ModelRunner:
             meta = self._flash_attn_metadata(order, slot_mapping)
         else:
             meta = self._gather_metadata(order, slot_mapping)
-        attn = PagedAttention(self.kv_cache, meta, self.backend, self.use_flash_attn)
+        attn = PagedAttention(self.kv_cache, meta, self.backend, self.use_flash_attn, self.attention_sum_dtype)
         hidden = self.model(input_ids, pos, attn, tracer)
         return self._logits(hidden, rows, sample_index, len(ids))
 
@@ -255,7 +261,8 @@ class ModelRunner:
                 # Reserved up front for the longest this sequence may grow, as pre-paging servers did.
                 limit = seq.params.max_tokens or self.max_model_len
                 reserve = min(self.max_model_len, seq.num_prompt_tokens + limit)
-                cache = ContiguousKVCache(self.model.config, reserve, self.dtype, self.device, self.backend)
+                cache = ContiguousKVCache(self.model.config, reserve, self.kv_dtype, self.device, self.backend,
+                                          self.attention_sum_dtype)
                 self.contiguous[seq.seq_id] = cache
             ids = to_device(seq.token_ids[s.start:s.start + s.num_new_tokens], torch.long, self.device)
             positions = torch.arange(s.start, s.start + s.num_new_tokens, device=self.device)

@@ -11,7 +11,9 @@ activations, as in SmoothQuant (Xiao et al. 2023) and vLLM's CPU int8 path:
 
 Every scale belongs to one token or one output channel and the integer sum is exact, so a
 token's output does not depend on which other tokens share its batch: batching, chunked
-prefill, prefix caching and preemption give bit-identical int8 outputs.
+prefill, prefix caching and preemption give bit-identical int8 outputs. (Attention, float
+arithmetic between these layers, is made batch-invariant separately: see
+``nanovllm_core.model.quantization.attention_sum_dtype``.)
 
 Inputs with a few large channels (the RMSNorm outputs that feed q/k/v and gate/up) are
 first divided by a per-channel smoothing factor that is multiplied into the weight's columns

@@ -54,6 +54,27 @@ def check_quantization(mode: str | None) -> None:
                          "(or leave it unset for float weights)")
 
 
+def attention_sum_dtype(mode: str | None) -> torch.dtype | None:
+    """The dtype attention computes in under ``mode``: float64 for int8, None (the model's dtype) otherwise.
+
+    Why int8 needs it. Each int8 layer quantizes its input per token, a whole rounding step
+    (1/127 of the row's largest value) for any value near a rounding boundary. The int8
+    products are exact and per token, but attention's float32 sums are not batch-invariant:
+    the CPU's SDPA kernel and matmul round in an order that depends on the number of query
+    rows (a prompt at once, in chunks, or one decode at a time), on the padding of a decode
+    group and on the chunking of the context. Measured on the default model ("In 1492,
+    Christopher Columbus", 9 tokens): layer 0's attention output differed by 1e-7 between a
+    whole prefill and chunks of 3; re-quantized, that became 7e-6 after layer 0, 0.09 after
+    layer 2 and 1.9 in the final hidden state, enough to change greedy tokens. In float64
+    the same sums differ by ~1e-16 relative, which rounding back to float32 removes (a
+    difference survives only for a value within ~1e-16 of a float32 rounding midpoint, about
+    one in 10^8, and then changes an int8 input only if that too sits at a boundary): the
+    same measurement gives bit-identical hidden states at every layer. Attention is a small
+    share of a step's arithmetic at these context lengths; the weights dominate.
+    """
+    return torch.float64 if mode == "int8" else None
+
+
 def _linear_slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, attribute name, module) of every ``nn.Linear`` still in the model."""
     return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
@@ -148,3 +169,8 @@ def linear_modules(model: nn.Module) -> list[nn.Module]:
 def linear_weight_bytes(model: nn.Module) -> int:
     """Bytes of linear-layer weights (scales included) one forward pass reads: every step's weight traffic."""
     return sum(m.weight_bytes for m in linear_modules(model))
+
+
+def linear_weight_count(model: nn.Module) -> int:
+    """Number of weights (elements) in the linear layers and the LM head: what :func:`linear_weight_bytes` stores."""
+    return sum(m.out_features * m.in_features for m in linear_modules(model))
