@@ -380,3 +380,28 @@ def test_model_facts_compare_weights_and_cache_and_name_the_priority_convention(
     assert "46,080 bytes of keys and values per token of context" in decode
     (prio,) = model_facts(chapter("chunked_prefill"), info)
     assert "vLLM's priority runs lower values first" in prio
+
+
+def test_continuous_batching_text_matches_a_step_that_preempts_to_admit():
+    from nanovllm_core.engine.block_manager import BlockManager
+    from nanovllm_core.engine.scheduler import Scheduler
+
+    sched = Scheduler(BlockManager(num_blocks=2, block_size=16), max_num_seqs=4, token_budget=64, policy="priority")
+    low, urgent, later = _seq(0, [1] * 20, priority=0), _seq(1, [2] * 20, priority=5), _seq(2, [3] * 4, priority=1)
+    sched.add(low)
+    sched.schedule()
+    sched.add(urgent)
+    sched.add(later)
+    plan = sched.schedule()
+    assert plan.preempted == [low] and plan.admitted == [urgent]  # it preempted, admitted the cause, then no one
+    text = " ".join(chapter("continuous_batching").paragraphs)
+    assert "a step that had to preempt admits nobody" not in text
+    assert "the request that caused the preemption may itself be the one admitted" in text
+
+
+def test_the_decode_facts_count_the_weight_bytes_the_loader_built():
+    info = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "kv_bytes_per_token": 46080, "dtype": "float32",
+            "num_parameters": 134_515_008, "quantization": "int8", "linear_weight_bytes": 134_000_000}
+    (decode,) = model_facts(chapter("decode"), info)
+    assert "reads its 128 MiB of int8 weights once for the whole batch" in decode  # not 513 MiB of float32
+    assert "linear layers in int8, take 128 MiB: 2,907 tokens of cache" in model_facts(chapter("kv_cache"), info)[1]
