@@ -379,7 +379,7 @@ def test_a_chunk_that_takes_the_whole_budget_is_not_told_as_letting_others_decod
     told = next(c for c in n.feed(timed(5, tokens=32)) if c.kind == "chunked_prefill")
     assert "decod" not in told.text
     assert "Request 0 is running but got no token in this step" in told.text
-    assert "served in priority order, the highest priority value first" in told.text
+    assert "served in priority order, the highest priority value first (vLLM's: the lowest)" in told.text
 
 
 def test_decodes_beside_a_chunk_are_told_only_when_the_plan_has_them():
