@@ -149,3 +149,19 @@ def test_local_folder_and_sharded_index(tmp_path, default_model_dir):
     sharded, _, _ = load_model(str(shard_dir), torch.device("cpu"), torch.float32)
     for (name, a), (_, b) in zip(model.named_parameters(), sharded.named_parameters()):
         assert torch.equal(a, b), name
+
+
+
+def test_building_an_engine_runs_one_dummy_token_so_no_step_pays_the_first_call_costs(tiny_model, monkeypatch):
+    from nanovllm_core.config import EngineConfig
+    from nanovllm_core.engine.llm_engine import LLMEngine
+    from nanovllm_core.model.llama import LlamaForCausalLM
+
+    calls = []
+    original = LlamaForCausalLM.compute_logits
+    monkeypatch.setattr(LlamaForCausalLM, "compute_logits",
+                        lambda self, hidden: calls.append(hidden.shape) or original(self, hidden))
+    model, tokenizer, resolved = tiny_model
+    engine = LLMEngine(EngineConfig(num_kv_blocks=8), model, tokenizer, resolved)
+    assert calls == [torch.Size([1, model.config.hidden_size])]
+    assert engine.block_manager.num_free_blocks == 8  # the dummy pass wrote nothing to the KV cache

@@ -379,7 +379,7 @@ def test_a_chunk_that_takes_the_whole_budget_is_not_told_as_letting_others_decod
     told = next(c for c in n.feed(timed(5, tokens=32)) if c.kind == "chunked_prefill")
     assert "decod" not in told.text
     assert "Request 0 is running but got no token in this step" in told.text
-    assert "served in priority order, the highest priority value first" in told.text
+    assert "served in priority order, the highest priority value first (vLLM's: the lowest)" in told.text
 
 
 def test_decodes_beside_a_chunk_are_told_only_when_the_plan_has_them():
@@ -467,6 +467,7 @@ def test_samples_of_one_prompt_share_only_full_blocks_through_the_prefix_cache()
     tok, _ = n.feed(replace(added(ids=tuple(range(9)), pieces=tuple("z" * 9)), n=2))
     assert "the other sample waits until its full prompt blocks are in the prefix cache" in tok.text
     assert "copying it on write" in tok.text
+    assert "except the block that holds the prompt's last token, which each sample computes itself" in tok.text
     sibling = replace(entry("0", num=1, start=8, prompt_len=9, total_len=9, cached=8), seq_id=1, index=1)
     out = n.feed(planned(1, [entry("0", kind="decode", num=1, start=9, total_len=10), sibling]))
     hit = next(c for c in out if c.kind == "prefix_cache")
@@ -489,3 +490,23 @@ def test_waiting_with_chunked_prefill_off_is_not_blamed_on_blocks():
 def test_equal_query_and_kv_heads_are_not_called_grouped():
     (intro,) = Narrator({**INFO, "num_kv_heads": 9}).introduction()
     assert "multi-head attention" in intro.text and "grouped" not in intro.text
+
+
+@pytest.mark.parametrize("kernel, said", [("sdpa", "never stores the whole score matrix"),
+                                          ("flash-attn", "never stores the whole score matrix"),
+                                          ("math", "writes the score matrix to memory")])
+def test_attention_says_whether_the_kernel_that_ran_stores_the_score_matrix(kernel, said):
+    n = Narrator({**INFO, "attention_backend": kernel})  # model_info's names (ModelRunner.attention_kernel)
+    n.introduction()
+    n.feed(added())
+    n.feed(planned(0, [entry()]))
+    n.feed(ev.LayerTrace(step=0, request_id="0", layer=0, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                         hidden_size=576, kv_bytes_per_token=46080, ops=(), tensors=()))
+    att = next(c for c in n.feed(timed(0)) if c.kind == "attention")
+    assert said in att.text
+
+
+def test_a_repetition_penalty_below_1_is_said_to_raise_repeated_tokens():
+    n = fresh()
+    _, intro = n.feed(added(sampling=(("temperature", 0.0), ("repetition_penalty", 0.8))))
+    assert "repetition penalty 0.8 raises every token already in the prompt" in intro.text

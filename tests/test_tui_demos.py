@@ -110,6 +110,22 @@ async def test_chapter_12_has_a_speculative_demonstration(tiny_model, tmp_path):
         assert {n.kind for n in tutorial.run.notes} >= {"finished"}
 
 
+def test_the_demo_step_line_names_a_verification_as_such():
+    from types import SimpleNamespace
+
+    from nanovllm_core import events as ev
+
+    def entry(kind, num):
+        return ev.ScheduledEntry(request_id=f"demo-{num}", seq_id=num, index=0, kind=kind, num_tokens=num, start=9,
+                                 prompt_len=9, total_len=10, num_cached_tokens=0, samples=True, priority=0)
+
+    plan = ev.StepPlanned(step=3, token_budget=32, num_batched_tokens=10, scheduled=(entry("decode", 5),
+                          entry("decode", 1), entry("prefill", 4)), preempted=(), admitted=(), waiting=(), running=(),
+                          max_num_seqs=4)
+    line = str(TutorialView._now(SimpleNamespace(plan=plan, preemptions=0)))
+    assert "ran demo-5 verify 1 + 4, demo-1 decode, demo-4 prefill 4" in line
+
+
 async def test_a_replay_refuses_to_run_a_demonstration(tmp_path):
     from tests.tui_helpers import replay_app
 

@@ -394,3 +394,20 @@ def test_the_decode_chapter_counts_the_weight_bytes_each_step_reads_and_what_int
     assert "128 MiB of int8 (1.005 bytes a weight, scales included)" in reads
     assert "no more than 74 tokens/s" in bound
     assert "would be 511 MiB a step, 4.0x the bytes" in int8
+
+
+def test_continuous_batching_text_matches_a_step_that_preempts_to_admit():
+    from nanovllm_core.engine.block_manager import BlockManager
+    from nanovllm_core.engine.scheduler import Scheduler
+
+    sched = Scheduler(BlockManager(num_blocks=2, block_size=16), max_num_seqs=4, token_budget=64, policy="priority")
+    low, urgent, later = _seq(0, [1] * 20, priority=0), _seq(1, [2] * 20, priority=5), _seq(2, [3] * 4, priority=1)
+    sched.add(low)
+    sched.schedule()
+    sched.add(urgent)
+    sched.add(later)
+    plan = sched.schedule()
+    assert plan.preempted == [low] and plan.admitted == [urgent]  # it preempted, admitted the cause, then no one
+    text = " ".join(chapter("continuous_batching").paragraphs)
+    assert "a step that had to preempt admits nobody" not in text
+    assert "the request that caused the preemption may itself be the one admitted" in text

@@ -195,9 +195,9 @@ class Narrator(SchedulerNarration):
                     "the whole prompt itself.")
         others = "the other sample waits" if n == 2 else f"the other {n - 1} wait"
         return (f"It asks for {n} samples. Sample 0 prefills the prompt first; {others} until its full "
-                "prompt blocks are in the prefix cache and then share them, each computing only what lies past "
-                "the last full block itself. (The PagedAttention paper's engine forks the sequence instead and "
-                "shares even the partial last block, copying it on write.)")
+                "prompt blocks are in the prefix cache and then share them, except the block that holds the "
+                "prompt's last token, which each sample computes itself. (The PagedAttention paper's engine forks "
+                "the sequence instead and shares even that last block, copying it on write.)")
 
     @staticmethod
     def _looks_special(e: ev.RequestAdded) -> bool:
@@ -289,9 +289,12 @@ class Narrator(SchedulerNarration):
                 f"copied), so the cache keeps {group}x fewer keys and values. The scores S = Q K^T / sqrt({t.head_dim})"
                 + (f" have the shape {list(scores.shape)}" if scores else "")
                 + "; the causal softmax turns each row into weights that sum to 1.")
-        if self.info.get("attention_backend") == "flash":
-            text += (" This engine's fused attention kernel never stores the whole score matrix; X-Ray recomputes it "
-                     "to show it.")
+        kernel = self.info.get("attention_backend")
+        if kernel in ("sdpa", "flash-attn"):
+            text += (f" This engine's fused attention kernel ({kernel}) never stores the whole score matrix; X-Ray "
+                     "recomputes it to show it.")
+        elif kernel == "math":
+            text += " This engine's math attention backend writes the score matrix to memory, as shown."
         if probs is not None and probs.sample:
             text += (" Head 0's last query gives its last keys the weights "
                      + ", ".join(f"{v:.3f}" for v in probs.sample) + ".")

@@ -67,8 +67,8 @@ def sampling_intro(name: str, rid: str, s: dict[str, Any], max_tokens: int | Non
         steps.append(f"end-of-sequence and stop tokens are banned until {s['min_tokens']} tokens have been generated")
     if float(s.get("repetition_penalty", 1.0)) != 1.0:
         r = s["repetition_penalty"]
-        steps.append(f"repetition penalty {r:g} lowers every token already in the prompt or the output (a positive "
-                     f"score is divided by {r:g}, a negative one multiplied)")
+        steps.append(f"repetition penalty {r:g} {'lowers' if r > 1 else 'raises'} every token already in the prompt "
+                     f"or the output (a positive score is divided by {r:g}, a negative one multiplied)")
     if float(s.get("frequency_penalty", 0.0)):
         steps.append(f"frequency penalty {s['frequency_penalty']:g} is subtracted once per time a token was generated")
     if float(s.get("presence_penalty", 0.0)):

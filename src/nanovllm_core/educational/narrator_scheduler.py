@@ -46,7 +46,7 @@ class SchedulerNarration:
 
     def _order(self) -> str:
         if self.info.get("scheduling_policy", "priority") == "priority":
-            return "in priority order, the highest priority value first, then by arrival"
+            return "in priority order, the highest priority value first (vLLM's: the lowest), then by arrival"
         return "in the order they were admitted"
 
     def _track(self, plan: ev.StepPlanned) -> None:

@@ -167,7 +167,7 @@ DEMOS: dict[str, Demo] = {d.key: d for d in (
          kinds=("prefill", "kv_cache"), max_tokens=3,
          extra_prompts=("Name three colours of the rainbow:",)),
     Demo("continuous_batching", "Requests join as others leave",
-         "With room for two running requests, the third waits and joins the moment one finishes.",
+         "With room for two running requests, the third waits and joins at the step after one finishes.",
          kinds=("scheduler", "finished"), max_tokens=2,
          extra_prompts=("The largest planet is", "Python is a"), extra_max_tokens=(6, 4),
          engine=(("max_num_seqs", 2),)),
@@ -324,13 +324,13 @@ CHAPTERS: tuple[Chapter, ...] = (
         themselves, and managing it well is what the next chapters are about.
         """,
         "kv_cache", "Once upon a time",
-        _quiz("A model has 30 layers, 3 KV heads of head_dim 64, and stores float32 (4 bytes). How many "
-              "bytes of KV cache does one token take?",
+        _quiz("A model has 30 layers whose 9 query heads share 3 KV heads of head_dim 64, and stores float32 "
+              "(4 bytes). How many bytes of KV cache does one token take?",
               ("11,520", "23,040", "46,080", "138,240"),
               2,
               "2 (K and V) x 30 layers x 3 KV heads x 64 x 4 bytes = 46,080 bytes. 11,520 counts numbers, not "
-              "bytes; 23,040 forgets that both K and V are kept; 138,240 would be the cost with 9 KV heads, "
-              "that is, without grouped-query attention."),
+              "bytes; 23,040 forgets that both K and V are kept; 138,240 would be the cost with one KV head per "
+              "query head (9), that is, without grouped-query attention."),
     ),
     Chapter(
         6, "decode", "Decode: one token per step",
@@ -432,8 +432,9 @@ CHAPTERS: tuple[Chapter, ...] = (
         Each step the scheduler first serves the running requests (a decode costs one token, an
         unfinished prefill its next chunk), then admits waiting requests, in the policy's order, while
         three things last: the token budget of the step, the limit on running requests (max_num_seqs),
-        and free KV blocks; a step that had to preempt admits nobody. Prefill chunks and decodes share
-        one forward pass.
+        and free KV blocks. Once a step has preempted a request, it admits nobody after that (under the
+        priority policy the request that caused the preemption may itself be the one admitted, chapter
+        11). Prefill chunks and decodes share one forward pass.
 
         A request that finishes frees its place and its blocks at once, and the next waiting request
         joins at the following step.
@@ -458,8 +459,8 @@ CHAPTERS: tuple[Chapter, ...] = (
         wasted work.
 
         The block manager gives each full block a hash of its tokens chained with the hash of the block
-        before it, so equal hashes mean equal prefixes up to that point. When a new request arrives, its
-        prompt's full blocks are looked up; every hit is shared by reference count instead of being
+        before it, so equal hashes mean equal prefixes up to that point. When the scheduler admits a
+        request, its prompt's full blocks are looked up; every hit is shared by reference count instead of being
         computed, and the prefill starts after the cached part. Only full blocks are cached, and a hit
         never includes the block that holds the prompt's last token: sampling needs that token's scores,
         so its block is computed again even when it is cached (a whole block when the prompt ends
@@ -493,8 +494,8 @@ CHAPTERS: tuple[Chapter, ...] = (
         (lower values run first), and its default policy is fcfs. When KV blocks run out, the engine
         preempts: the running request with the lowest priority, and the latest arrival among equals,
         gives back all its blocks and returns to the waiting queue. It keeps the tokens it generated;
-        when it is readmitted, the full blocks of those tokens that are still in the prefix cache are
-        reused, and only the rest is recomputed. A high-priority request may also preempt lower-priority
+        when it is readmitted, the full blocks of its tokens (prompt and generated) that are still in the
+        prefix cache are reused, and only the rest is recomputed. A high-priority request may also preempt lower-priority
         ones to get in.
 
         Preemption trades some recomputation for never running out of memory in the middle of a step.

@@ -31,7 +31,7 @@ from nanovllm_core.engine.output_processor import OutputProcessor, RequestState
 from nanovllm_core.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
 from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
-from nanovllm_core.model.loader import ProgressFn, ResolvedModel
+from nanovllm_core.model.loader import ProgressFn, ResolvedModel, warm_up
 from nanovllm_core.model.quantization import attention_sum_dtype, linear_weight_bytes, linear_weight_count
 from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.sampling.sampler import RowGroup, Sampler, SamplerOutput, SamplingRow
@@ -128,6 +128,7 @@ class LLMEngine:
         self.xray = None  # an XRayCapture, made when a subscriber first asks for LayerTrace events
         if config.seed is not None:
             torch.manual_seed(config.seed)
+        warm_up(model)  # the first forward pass's one-time costs, paid here rather than by the first step
 
     # ------------------------------------------------------------------ construction
 

@@ -5,13 +5,14 @@ scheduling): one *token budget* per step shared by prefill and decode, *running*
 served first (a decode costs one token; an unfinished prefill continues with its next
 chunk), then *waiting* ones admitted in policy order while budget, ``max_num_seqs`` and KV
 blocks last. A prompt longer than the remaining budget is prefilled in chunks over several
-steps (chunked prefill, Agrawal et al. 2023 "SARATHI") while other sequences keep decoding.
+steps (chunked prefill, Agrawal et al. 2023 "SARATHI"); the running sequences served before
+a chunk keep decoding, and one served after a chunk that used the whole budget waits a step.
 
 Preemption by recompute (Kwon et al. 2023, section 4.5): when a running sequence needs a
 block and none is free, the least important running sequence (lowest priority, latest
 arrival) gives up all its blocks and goes back to the front of the waiting queue, keeping
-the tokens it has generated; when readmitted it recomputes them (often from the prefix
-cache). Under the ``priority`` policy a waiting request may also preempt running ones of
+the tokens it has generated; when readmitted, its full blocks still in the prefix cache are
+reused and only the rest is recomputed. Under the ``priority`` policy a waiting request may also preempt running ones of
 lower priority when blocks are short.
 
 Speculative decoding (``num_speculative_tokens`` = k > 0): a sequence in decode is planned

@@ -198,13 +198,19 @@ class TutorialView(EngineView):
             self.call_after_refresh(scroll.scroll_end, animate=False)  # once the new lines are laid out
 
     @staticmethod
+    def _what(s) -> str:
+        """``decode``, ``verify 1 + 4`` (a speculative verification: the newest token and its drafts) or ``prefill 12``."""
+        if s.kind == "decode":
+            return "decode" if s.num_tokens == 1 else f"verify 1 + {s.num_tokens - 1}"
+        return f"prefill {s.num_tokens}"
+
+    @staticmethod
     def _now(run) -> Text:
         """The demo engine's newest step: who ran (and how), who waited, preemptions so far."""
         plan = run.plan
         if plan is None:
             return Text("")
-        ran = ", ".join(f"{s.request_id} {'decode' if s.kind == 'decode' else f'prefill {s.num_tokens}'}"
-                        for s in plan.scheduled if s.index == 0)
+        ran = ", ".join(f"{s.request_id} {TutorialView._what(s)}" for s in plan.scheduled if s.index == 0)
         text = Text(f"\nStep {plan.step}: ran {ran or 'nothing'}", style="#3ecf8e")
         waiting = [q.request_id for q in plan.waiting if q.index == 0]
         text.append(f" · waiting: {', '.join(waiting)}" if waiting else " · nobody waiting", style="#f5a524")

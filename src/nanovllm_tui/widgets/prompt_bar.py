@@ -106,7 +106,8 @@ class PromptBar(Vertical):
         self.send = send or (lambda prompt, settings: None)
         self.rules = {
             "priority": Setting("priority", parse_priority,
-                                f"a whole number from -{PRIORITY_LIMIT} to {PRIORITY_LIMIT} (higher runs first)"),
+                                f"a whole number from -{PRIORITY_LIMIT} to {PRIORITY_LIMIT} (higher runs first; vLLM's "
+                                "priority is the opposite)"),
             "max-tokens": Setting("max tokens", max_tokens_parser(None), "a whole number >= 1"),
             "temperature": Setting("temperature", parse_temperature, "a finite number >= 0 (0 = greedy)"),
         }
