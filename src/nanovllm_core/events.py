@@ -473,6 +473,20 @@ def _decode(value: Any) -> Any:
     return value
 
 
+def asked_for(event: Event, *, blocks: bool, xray: bool) -> bool:
+    """Does a listener that asked for ``blocks`` / ``xray`` detail get ``event``?
+
+    ``BlocksChanged`` only with ``blocks``, ``LayerTrace`` only with ``xray``, every other
+    event always (the rule ``LLMEngine.subscribe`` applies, for listeners outside the engine:
+    the server's event stream and the app's remote controller).
+    """
+    if isinstance(event, BlocksChanged):
+        return blocks
+    if isinstance(event, LayerTrace):
+        return xray
+    return True
+
+
 def to_json(event: Event) -> str:
     """One JSON line (no newline) with a ``type`` field naming the event class."""
     return json.dumps(_encode(event), ensure_ascii=False, separators=(",", ":"))

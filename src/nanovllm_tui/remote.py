@@ -48,11 +48,7 @@ class RemoteSubscription:
     xray: bool = False
 
     def wants(self, event: ev.Event) -> bool:
-        if isinstance(event, ev.BlocksChanged):
-            return self.blocks
-        if isinstance(event, ev.LayerTrace):
-            return self.xray
-        return True
+        return ev.asked_for(event, blocks=self.blocks, xray=self.xray)
 
 
 class _Server:

@@ -49,11 +49,7 @@ class _Watcher:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def wants(self, event: ev.Event) -> bool:
-        if isinstance(event, ev.BlocksChanged):
-            return self.blocks
-        if isinstance(event, ev.LayerTrace):
-            return self.xray
-        return True
+        return ev.asked_for(event, blocks=self.blocks, xray=self.xray)
 
 
 class EventHub:
