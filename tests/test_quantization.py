@@ -19,7 +19,7 @@ from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.model import cpu_linear, loader
 from nanovllm_core.model.cpu_linear import FloatLinear
 from nanovllm_core.model.int8_linear import Int8Linear, quantize_rows, weight_range
-from nanovllm_core.model.quantization import linear_modules, linear_weight_bytes
+from nanovllm_core.model.quantization import linear_modules, linear_weight_bytes, outlier_channels
 from nanovllm_core.sampling_params import SamplingParams
 from tests.test_model_parity import PROMPTS, VARIANTS, _load_without_tokenizer, contiguous_logits
 
@@ -70,13 +70,60 @@ def test_smoothing_keeps_the_product_and_shrinks_an_outlier_channels_error():
     assert smooth_err < plain_err / 2
 
 
+def _outlier_input(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    w = torch.randn(64, 96) * 0.05
+    x = torch.randn(24, 96)
+    x[:, [5, 40, 77]] *= 60  # three channels far larger than the rest, in every token (LLM.int8()'s finding)
+    return w, x
+
+
+def test_outlier_channels_run_in_float_and_cut_the_error_of_the_rest():
+    w, x = _outlier_input(3)
+    want = torch.nn.functional.linear(x, w)
+    channels = outlier_channels(x.abs().amax(0), count=3)
+    assert channels.tolist() == [5, 40, 77]
+    plain = Int8Linear.from_float(w)
+    split = Int8Linear.from_float(w, outlier_channels=channels)
+    assert (split(x) - want).norm() < (plain(x) - want).norm() / 5
+    # The split is exact where it should be: the float part is x's outlier columns times W's,
+    # the int8 part is the integer product of the other channels, which alone set the token's scale.
+    q = weight_range()
+    rest = x.index_fill(1, channels, 0.0)
+    w_rest = w.index_fill(1, channels, 0.0)
+    qweight = torch.round(w_rest / split.w_scale[:, None]).clamp(-q, q)
+    qx, sx = quantize_rows(rest)
+    exact = (qx.double() @ qweight.double().t()) * sx.double() * split.w_scale.double()
+    exact += x[:, channels].double() @ w[:, channels].double().t()
+    torch.testing.assert_close(split(x).double(), exact, rtol=1e-5, atol=1e-5)
+    assert split.weight_bytes == 64 * 96 + 64 * 4 + 64 * 3 * 8 + 3 * 8
+    with pytest.raises(ValueError, match="outlier channels must lie in"):
+        Int8Linear.from_float(w, outlier_channels=torch.tensor([96]))
+
+
+def test_with_outlier_channels_a_tokens_output_still_ignores_its_batch():
+    w, x = _outlier_input(4)
+    layer = Int8Linear.from_float(w, smooth=torch.rand(96) + 0.5, outlier_channels=torch.tensor([5, 40, 77]))
+    together = layer(x)
+    for i in (0, 7, 23):
+        assert torch.equal(layer(x[i:i + 1]), together[i:i + 1])
+    assert torch.equal(layer(x[3:19]), together[3:19])
+
+
+def test_outlier_count_is_capped_by_a_share_of_the_channels():
+    assert outlier_channels(torch.rand(576)).numel() == 16  # the default model's hidden size
+    assert outlier_channels(torch.rand(64)).numel() == 2  # a tiny model keeps most channels int8
+    assert outlier_channels(torch.rand(8)).numel() == 0
+
+
 def test_int8_layer_takes_an_empty_step_and_half_precision_inputs():
     layer = Int8Linear.from_float(torch.randn(8, 16))
     assert layer(torch.randn(0, 16)).shape == (0, 8)
-    x = torch.randn(3, 16)
-    y = layer(x.to(torch.bfloat16))
+    x = torch.randn(3, 16).to(torch.bfloat16)
+    y = layer(x)
     assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float(), layer(x), rtol=2e-2, atol=2e-2)
+    # computed in float32 from the same (rounded) input, only the result rounded to bf16
+    assert torch.equal(y, layer(x.float()).to(torch.bfloat16))
 
 
 def test_each_linear_reports_its_bytes_per_weight():
@@ -118,8 +165,10 @@ def test_int8_logits_stay_within_tolerance_of_float32(tmp_path, variant):
         want, got = contiguous_logits(full, prompt), contiguous_logits(int8, prompt)
         rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
         assert rel < LOGITS_TOLERANCE, (variant, len(prompt), rel)
-    # A quarter of the bytes, less the scales' share (4 bytes a row of only 64 weights here).
-    assert linear_weight_bytes(full) / linear_weight_bytes(int8) > 3.5
+    # A quarter of the bytes, less the scales' share (4 bytes a row of only 64 weights here) and
+    # the float64 outlier columns' (1/32 of the channels here, 8 bytes each; 16 of 576 in the default model).
+    assert all(m.outlier_channels.numel() == m.in_features // 32 for m in linear_modules(int8))
+    assert linear_weight_bytes(full) / linear_weight_bytes(int8) > 2.9
 
 
 def test_weights_are_packed_at_load_so_the_first_step_packs_nothing(tmp_path, monkeypatch):

@@ -73,11 +73,13 @@ def test_int8_model_reports_a_quarter_of_the_bytes(make_engine):
     float_info, int8_info = float_engine.model_info(), int8_engine.model_info()
     assert float_info["quantization"] is None and int8_info["quantization"] == "int8"
     ratio = float_info["linear_weight_bytes"] / int8_info["linear_weight_bytes"]
-    assert 3.9 < ratio < 4.0  # 538 MB -> 135 MB on SmolLM2-135M (scales cost ~0.5 %)
+    # 538 MB -> 161 MB on SmolLM2-135M: int8 weights, scales (~0.5 %) and 16 float64 outlier columns a layer (~19 %)
+    assert 3.2 < ratio < 3.5
+    assert int8_info["linear_weight_bytes"] == float_info["int8_linear_weight_bytes"]  # the float engine's forecast
     # The X-Ray's bytes per operation use the weights and K/V as this engine stores them.
     f32_dims, int8_dims = layer_dims(float_engine), layer_dims(int8_engine)
     assert f32_dims.weight_elem == 4 and f32_dims.kv_elem == 4
-    assert 1 < int8_dims.weight_elem < 1.01 and int8_dims.kv_elem == 8 and int8_info["kv_dtype"] == "float64"
+    assert 1.1 < int8_dims.weight_elem < 1.3 and int8_dims.kv_elem == 8 and int8_info["kv_dtype"] == "float64"
     # The tutorial's decode chapter reads these numbers from the engine in use.
     decode = " ".join(model_facts(chapter("decode"), int8_info))
     assert f"reads its {int8_info['linear_weight_bytes'] / 2**20:,.0f} MiB of int8" in decode

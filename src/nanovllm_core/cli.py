@@ -69,8 +69,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="default: float32 on cpu, bfloat16 on cuda")
     m.add_argument("--quantization", choices=["int8"], default=None,
-                   help="int8: linear layers and LM head with int8 weights (a quarter of float32's bytes per "
-                        "token; CPU only); default: float weights")
+                   help="int8: linear layers and LM head with int8 weights (about 0.3x float32's weight bytes "
+                        "per step; CPU only); default: float weights")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:

@@ -682,10 +682,11 @@ def _decode_bytes(info: dict[str, Any]) -> list[str]:
         lines.append(f"int8 weights are why: the same {count / 1e6:,.0f} M weights in float32 would be "
                      f"{wide / 2**20:,.0f} MiB a step, {wide / weights:.1f}x the bytes.")
     elif count:
-        lines.append(f"With --quantization int8 the same {count / 1e6:,.0f} M weights would be about "
-                     f"{count / 2**20:,.0f} MiB (one byte a weight, plus a 4-byte scale per output row): "
-                     f"about {weights / count:.0f}x fewer bytes per step, so a batch-1 step could be up to "
-                     "that much faster where reading weights is the bound.")
+        int8 = g("int8_linear_weight_bytes") or count
+        lines.append(f"With --quantization int8 the same {count / 1e6:,.0f} M weights would be "
+                     f"{int8 / 2**20:,.0f} MiB (one byte a weight, a 4-byte scale per output row, and a few "
+                     f"outlier input channels per layer kept in float64): {weights / int8:.1f}x fewer bytes "
+                     "per step, so a batch-1 step could be up to that much faster where reading weights is the bound.")
     return lines
 
 

@@ -39,8 +39,8 @@ BACKEND_NAMES = {
 class LayerDims:
     """A decoder layer's sizes: elements, heads; ``elem`` bytes per number of the model's dtype.
 
-    ``weight_elem``: bytes per linear-layer weight as stored, scales included (about 1.007 for
-    int8; 0 means ``elem``); ``kv_elem``: bytes per cached K/V number (0 means ``elem``).
+    ``weight_elem``: bytes per linear-layer weight as stored, scales and float64
+    outlier columns included (about 1.2 for int8; 0 means ``elem``); ``kv_elem``: bytes per cached K/V number (0 means ``elem``).
     """
 
     hidden: int

@@ -32,7 +32,12 @@ from nanovllm_core.engine.scheduler import ScheduledSequence, Scheduler, Schedul
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
 from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
 from nanovllm_core.model.loader import ProgressFn, ResolvedModel, warm_up
-from nanovllm_core.model.quantization import attention_sum_dtype, linear_weight_bytes, linear_weight_count
+from nanovllm_core.model.quantization import (
+    attention_sum_dtype,
+    int8_weight_bytes,
+    linear_weight_bytes,
+    linear_weight_count,
+)
 from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.sampling.sampler import RowGroup, Sampler, SamplerOutput, SamplingRow
 from nanovllm_core.sampling_params import SamplingParams
@@ -180,6 +185,7 @@ class LLMEngine:
             # one decode step streams from memory (what batching shares among the batch).
             "quantization": self.model.quantization, "linear_weight_bytes": linear_weight_bytes(self.model),
             "linear_weights": linear_weight_count(self.model),
+            "int8_linear_weight_bytes": int8_weight_bytes(self.model),
         }
 
     # ------------------------------------------------------------------ events

@@ -18,6 +18,9 @@ arithmetic between these layers, is made batch-invariant separately: see
 Inputs with a few large channels (the RMSNorm outputs that feed q/k/v and gate/up) are
 first divided by a per-channel smoothing factor that is multiplied into the weight's columns
 (SmoothQuant, section 4): the product is unchanged, the activations quantize with less error.
+Then a few input channels per layer, the largest at calibration, skip int8 altogether and
+are multiplied in float64 (LLM.int8()'s decomposition, Dettmers et al. 2022, section 3.2):
+the rest of a token quantizes against its own largest value, not the outliers'.
 
 Why oneDNN's kernel. Candidates measured on an Intel Xeon with AVX-512 VNNI and AMX (one
 thread, thread CPU time, the default model's 30 layers + LM head, each at once, medians of
@@ -108,19 +111,29 @@ class Int8Linear(nn.Module):
         w_scale: ``[out_features]`` float32, ``W[n, :] ~ qw[n, :] * w_scale[n]``.
         inv_smooth: ``[in_features]`` float32 or None; x is multiplied by it before quantizing
             (and W's columns were divided by it), SmoothQuant's migration of activation outliers.
+        outlier_channels: ``[k]`` long or None; input channels multiplied in float64 instead
+            of int8 (LLM.int8()'s mixed-precision decomposition, Dettmers et al. 2022, section
+            3.2, with the channels fixed at calibration instead of found per batch). A token's
+            int8 scale is then set by its ordinary channels, so they keep more precision.
+        outlier_weight: ``[out_features, k]`` float64 or None, W's columns for those channels.
         bytes_per_weight: bytes read per weight per forward pass, scales included (~1.007).
-        weight_bytes: bytes one forward pass streams (int8 weights + scales).
+        weight_bytes: bytes one forward pass streams (int8 weights, scales, outlier columns).
     """
 
     kind = "int8"
 
     def __init__(self, qweight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                 inv_smooth: torch.Tensor | None) -> None:
+                 inv_smooth: torch.Tensor | None, outlier_channels: torch.Tensor | None = None,
+                 outlier_weight: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("w_scale", w_scale.float().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.register_buffer("inv_smooth", None if inv_smooth is None else inv_smooth.float().contiguous())
+        has_outliers = outlier_channels is not None and outlier_channels.numel() > 0
+        self.register_buffer("outlier_channels", outlier_channels.long().contiguous() if has_outliers else None)
+        # float64: a [T, k] x [k, N] product whose float32 rounding could depend on T (see forward)
+        self.register_buffer("outlier_weight", outlier_weight.double().contiguous() if has_outliers else None)
         if _ONEDNN and qweight.device.type == "cpu":
             self._packed = torch.ops.onednn.qlinear_prepack(qweight.contiguous(), None)
             self._w_zero = torch.zeros(self.out_features, dtype=torch.long)
@@ -131,14 +144,17 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   smooth: torch.Tensor | None = None) -> "Int8Linear":
+                   smooth: torch.Tensor | None = None, outlier_channels: torch.Tensor | None = None) -> "Int8Linear":
         """Quantize a float weight ``[out_features, in_features]`` per output channel.
 
         ``smooth`` ``[in_features]`` (> 0): SmoothQuant's factors; the weight's columns are
         multiplied by them before quantizing and the input divided by them when the layer runs.
+        ``outlier_channels`` ``[k]`` (long, distinct input channels): kept out of int8 (see
+        the class docstring); their weight columns are stored in float64 and left out of the
+        int8 weight, so they no longer set any row's weight scale either.
 
         Raises:
-            ValueError: the weight is not 2-D or not on the CPU.
+            ValueError: the weight is not 2-D or not on the CPU, or an outlier channel is out of range.
         """
         if weight.dim() != 2 or weight.device.type != "cpu":
             raise ValueError(f"int8 weights are built from a 2-D CPU weight; got {list(weight.shape)} on {weight.device}")
@@ -147,9 +163,17 @@ class Int8Linear(nn.Module):
             w = weight.detach().float()
             if smooth is not None:
                 w = w * smooth
+            outlier_weight = None
+            if outlier_channels is not None and outlier_channels.numel():
+                outlier_channels = outlier_channels.long()
+                if int(outlier_channels.min()) < 0 or int(outlier_channels.max()) >= w.shape[1]:
+                    raise ValueError(f"outlier channels must lie in [0, {w.shape[1]}); got {outlier_channels.tolist()}")
+                outlier_weight = w[:, outlier_channels].double()
+                w = w.index_fill(1, outlier_channels, 0.0)
             w_scale = torch.linalg.vector_norm(w, float("inf"), dim=1).clamp_(min=1e-12).div_(q)
             qweight = w.div(w_scale[:, None]).round_().clamp_(-q, q).to(torch.int8)
-        return cls(qweight, w_scale, bias, None if smooth is None else 1.0 / smooth.float())
+        return cls(qweight, w_scale, bias, None if smooth is None else 1.0 / smooth.float(),
+                   outlier_channels, outlier_weight)
 
     @property
     def bytes_per_weight(self) -> float:
@@ -157,24 +181,42 @@ class Int8Linear(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
-        smooth = 0 if self.inv_smooth is None else 4 * self.in_features
-        return self.out_features * self.in_features + 4 * self.out_features + smooth
+        num_outliers = 0 if self.outlier_channels is None else self.outlier_channels.numel()
+        return self.bytes_for(self.out_features, self.in_features, self.inv_smooth is not None, num_outliers)
+
+    @staticmethod
+    def bytes_for(out_features: int, in_features: int, smoothed: bool, num_outliers: int) -> int:
+        """Bytes such a layer stores and reads per forward pass: int8 weights, a float32 scale
+        per output row, float32 smoothing factors per input channel (if ``smoothed``), and per
+        outlier channel its float64 weight column and its int64 index."""
+        smooth = 4 * in_features if smoothed else 0
+        return out_features * in_features + 4 * out_features + smooth + num_outliers * (8 * out_features + 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[num_tokens, in_features]`` -> ``[num_tokens, out_features]``."""
         xf = x if x.dtype == torch.float32 else x.float()
         if self.inv_smooth is not None:
             xf = xf * self.inv_smooth
+        outliers = None
+        if self.outlier_channels is not None:
+            # The outlier channels' share in float64, per token: its rounding back to float32
+            # cannot depend on how many tokens share the product (as attention's, see
+            # nanovllm_core.model.quantization.attention_sum_dtype).
+            outliers = xf.index_select(1, self.outlier_channels).double() @ self.outlier_weight.T
+            xf = xf.index_fill(1, self.outlier_channels, 0.0)
         qx, sx = quantize_rows(xf)
         if self._packed is not None:
             y = _onednn_matmul(qx, self._packed, self.w_scale, self._w_zero)
         else:
             y = torch.nn.functional.linear(qx.float(), self.qweight.float()) * self.w_scale
         y = y.mul_(sx)
+        if outliers is not None:
+            y = y.add_(outliers.float())
         if self.bias is not None:
             y = y.add_(self.bias)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def extra_repr(self) -> str:
         smooth = ", smoothed" if self.inv_smooth is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8{smooth}"
+        outliers = "" if self.outlier_channels is None else f", {self.outlier_channels.numel()} float outlier channels"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8{smooth}{outliers}"

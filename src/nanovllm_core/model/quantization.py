@@ -41,6 +41,8 @@ CALIBRATION_TEXT = (
     "nobody knew. def f(x):\n    return x * 2\n\"Hello,\" she said, \"is this the way to the station?\""
 )
 SMOOTHING_ALPHA = 0.5  # SmoothQuant's migration strength: 0.5 splits the range evenly between x and W
+OUTLIER_CHANNELS = 16  # input channels per linear layer kept out of int8 (see outlier_channels) ...
+OUTLIER_SHARE = 1 / 32  # ... and at most this share of them, so a small model stays mostly int8
 
 
 def check_quantization(mode: str | None) -> None:
@@ -86,9 +88,16 @@ def _smoothed_inputs(model: nn.Module) -> list[nn.Linear]:
     return [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)]
 
 
+LM_HEAD_INPUT = "lm_head"  # key of the final hidden state's maxima in input_channel_maxima's result
+
+
 @torch.no_grad()
-def input_channel_maxima(model: nn.Module, modules: Iterable[nn.Module], token_ids: list[int]) -> dict[nn.Module, torch.Tensor]:
-    """Run the float model once over ``token_ids``; for each module, ``max |x|`` per input channel ``[in_features]``."""
+def input_channel_maxima(model: nn.Module, modules: Iterable[nn.Module], token_ids: list[int]) -> dict[nn.Module | str, torch.Tensor]:
+    """Run the float model once over ``token_ids``; for each module, ``max |x|`` per input channel ``[in_features]``.
+
+    Also the LM head's input (the final-normed hidden state ``forward`` returns), under the
+    key :data:`LM_HEAD_INPUT`: the head is built after this pass, so there is no module to hook.
+    """
     from nanovllm_core.attention.contiguous import ContiguousKVCache
 
     maxima: dict[nn.Module, torch.Tensor] = {}
@@ -102,7 +111,8 @@ def input_channel_maxima(model: nn.Module, modules: Iterable[nn.Module], token_i
         device = next(model.parameters()).device
         n = len(token_ids)
         cache = ContiguousKVCache(model.config, n, next(model.parameters()).dtype, device)
-        model(torch.tensor(token_ids, device=device), torch.arange(n, device=device), cache.context(0, n))
+        hidden = model(torch.tensor(token_ids, device=device), torch.arange(n, device=device), cache.context(0, n))
+        maxima[LM_HEAD_INPUT] = hidden.detach().abs().amax(dim=0).float()
     finally:
         for h in hooks:
             h.remove()
@@ -113,6 +123,24 @@ def smoothing_factors(x_max: torch.Tensor, weight: torch.Tensor, alpha: float = 
     """SmoothQuant's per-channel factors ``s_j = max|x_j|^alpha / max|W[:, j]|^(1 - alpha)`` ``[in_features]``."""
     w_max = weight.detach().abs().amax(dim=0).float().clamp(min=1e-5)
     return (x_max.clamp(min=1e-5) ** alpha / w_max ** (1 - alpha)).clamp(min=1e-5)
+
+
+def outlier_channels(x_max: torch.Tensor, count: int | None = None) -> torch.Tensor:
+    """The ``count`` input channels of largest calibrated ``max |x|`` ``[in_features]``, ``[count]`` long, ascending.
+
+    ``count`` defaults to :data:`OUTLIER_CHANNELS`, at most :data:`OUTLIER_SHARE` of the channels
+    (16 of the default model's 576 or 1536). On the default model, against float32 on
+    ``benchmarks/corpus.txt``: int8 perplexity +2.70 % with none, +1.58 % with 4, +0.93 % with
+    16 (``benchmarks/benchmark_quantization.py`` prints the current figure).
+
+    LLM.int8() (Dettmers et al. 2022, section 3.2) finds that a few hidden channels carry
+    values far larger than the rest, in every layer and nearly every token; a per-token int8
+    scale set by them leaves the other channels only a few levels. Those channels are the
+    same from token to token, so here they are picked once, at load, from the calibration pass.
+    """
+    count = min(OUTLIER_CHANNELS, int(x_max.numel() * OUTLIER_SHARE)) if count is None else count
+    count = max(0, min(count, x_max.numel()))
+    return torch.topk(x_max, count).indices.sort().values
 
 
 def calibration_ids(tokenizer, vocab_size: int) -> list[int]:
@@ -140,20 +168,26 @@ def prepare_linear_layers(model: nn.Module, quantization: str | None = None,
         raise ValueError(f"quantization='int8' runs on the CPU (oneDNN's int8 kernels), not on {device.type}; "
                          "use device='cpu' or leave quantization unset")
     smooth: dict[nn.Module, torch.Tensor] = {}
+    outliers: dict[nn.Module | str, torch.Tensor] = {}
     if quantization == "int8":
         ids = token_ids or calibration_ids(None, model.config.vocab_size)
-        maxima = input_channel_maxima(model, _smoothed_inputs(model), ids)
-        smooth = {m: smoothing_factors(x_max, m.weight) for m, x_max in maxima.items()}
+        smoothed = _smoothed_inputs(model)
+        maxima = input_channel_maxima(model, [child for _, _, child in _linear_slots(model)], ids)
+        smooth = {m: smoothing_factors(maxima[m], m.weight) for m in smoothed}
+        outliers = {m: outlier_channels(x_max / smooth[m] if m in smooth else x_max)
+                    for m, x_max in maxima.items()}
+        if not model.config.tie_word_embeddings:  # an own lm_head is never run by forward: give it the hidden's
+            outliers[model.lm_head] = outliers[LM_HEAD_INPUT]
 
-    def build(weight: torch.Tensor, bias: torch.Tensor | None, smooth_by: torch.Tensor | None = None) -> nn.Module:
+    def build(weight: torch.Tensor, bias: torch.Tensor | None, key: nn.Module | str) -> nn.Module:
         if quantization == "int8":
-            return Int8Linear.from_float(weight, bias, smooth_by)
+            return Int8Linear.from_float(weight, bias, smooth.get(key), outliers.get(key))
         return FloatLinear(weight, bias)
 
     for parent, name, child in _linear_slots(model):
-        setattr(parent, name, build(child.weight, child.bias, smooth.get(child)))
+        setattr(parent, name, build(child.weight, child.bias, child))
     if model.config.tie_word_embeddings:
-        model.lm_head = build(model.embed_tokens.weight, None)
+        model.lm_head = build(model.embed_tokens.weight, None, LM_HEAD_INPUT)
     model.quantization = quantization
 
 
@@ -169,6 +203,18 @@ def linear_modules(model: nn.Module) -> list[nn.Module]:
 def linear_weight_bytes(model: nn.Module) -> int:
     """Bytes of linear-layer weights (scales included) one forward pass reads: every step's weight traffic."""
     return sum(m.weight_bytes for m in linear_modules(model))
+
+
+def int8_weight_bytes(model: nn.Module) -> int:
+    """Bytes :func:`linear_weight_bytes` would count were this model loaded with ``quantization="int8"``.
+
+    From the layer shapes alone (no calibration), so a float model can say what int8 would
+    change: the tutorial's decode chapter prints it.
+    """
+    smoothed = {id(m) for m in _smoothed_inputs(model)}
+    return sum(Int8Linear.bytes_for(m.out_features, m.in_features, id(m) in smoothed,
+                                    min(OUTLIER_CHANNELS, int(m.in_features * OUTLIER_SHARE)))
+               for m in linear_modules(model))
 
 
 def linear_weight_count(model: nn.Module) -> int:
