@@ -127,7 +127,9 @@ def attend_decode_grouped(
         k, v: ``[num_kv_heads, num_seqs, max_context_len, head_dim]`` (the paged pool's
             head-major gather, no copy needed to get here).
         mask: ``[num_seqs, max_context_len]`` float, added to the scores: 0 on each
-            sequence's context, -inf on its padding.
+            sequence's context, -inf on its padding; or None when no sequence is padded
+            (K/V hold exactly each one's context). Built in the dtype attention computes in,
+            once per step, so that no layer converts it.
         backend: ``"flash"`` (fused SDPA) or ``"math"`` (explicit scores).
         sum_dtype: None, or a wider float dtype to compute in (the result is cast back to q's).
 
@@ -135,18 +137,20 @@ def attend_decode_grouped(
         ``[num_seqs, num_heads, head_dim]``.
     """
     if sum_dtype is not None and sum_dtype != q.dtype:
-        wide = attend_decode_grouped(q.to(sum_dtype), k.to(sum_dtype), v.to(sum_dtype), mask.to(sum_dtype), backend)
+        wide = attend_decode_grouped(q.to(sum_dtype), k.to(sum_dtype), v.to(sum_dtype),
+                                     None if mask is None else mask.to(sum_dtype), backend)
         return wide.to(q.dtype)
     s, nh, hd = q.shape
     nkv = k.shape[0]
     # The query heads that share a KV head become that head's "query positions" (GQA without copying K/V).
     qg = q.view(s, nkv, nh // nkv, hd).transpose(0, 1)  # [nkv, S, group, hd]
-    m = mask[None, :, None, :]
+    m = None if mask is None else mask[None, :, None, :].to(q.dtype)  # no copy when built in q's dtype
     if backend == "math":
-        scores = torch.matmul(qg, k.transpose(-1, -2)) * (hd ** -0.5) + m
+        scores = torch.matmul(qg, k.transpose(-1, -2)) * (hd ** -0.5)
+        scores = scores if m is None else scores + m
         out = torch.matmul(torch.softmax(_at_least_float32(scores), dim=-1).to(q.dtype), v)
     else:
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m.to(q.dtype))
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m)
     return out.transpose(0, 1).reshape(s, nh, hd)
 
 

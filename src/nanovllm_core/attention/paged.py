@@ -72,6 +72,12 @@ class PagedKVCache:
             self.k, self.v = k, v
             self.k_by_head = [t.permute(2, 0, 1, 3) for t in k]
             self.v_by_head = [t.permute(2, 0, 1, 3) for t in v]
+        # Head-major pools as rows of one block-of-one-head each, [num_kv_heads * num_blocks, block_size * head_dim]:
+        # a gather is then one index_select over whole contiguous rows, PyTorch's memcpy path
+        # (measured ~1.35x faster than selecting along dim 1 for a 4 MB gather, 2 cores of a Xeon).
+        self._k_rows = [t.view(nkv * num_blocks, block_size * hd) for t in k] if heads_major else None
+        self._v_rows = [t.view(nkv * num_blocks, block_size * hd) for t in v] if heads_major else None
+        self._head_offsets = torch.arange(nkv, device=device)[:, None] * num_blocks
         # Slot views; same storage (a view of a permuted tensor, so writes land in the pool).
         self.k_slots = [t.flatten(1, 2).transpose(0, 1) if heads_major else t.flatten(0, 1) for t in k]
         self.v_slots = [t.flatten(1, 2).transpose(0, 1) if heads_major else t.flatten(0, 1) for t in v]
@@ -94,8 +100,13 @@ class PagedKVCache:
         """
         nkv, _, bs, hd = self.k_by_head[layer_idx].shape
         n = blocks.numel() * bs
-        k = self.k_by_head[layer_idx].index_select(1, blocks).view(nkv, n, hd)
-        v = self.v_by_head[layer_idx].index_select(1, blocks).view(nkv, n, hd)
+        if self._k_rows is None:
+            k = self.k_by_head[layer_idx].index_select(1, blocks).view(nkv, n, hd)
+            v = self.v_by_head[layer_idx].index_select(1, blocks).view(nkv, n, hd)
+            return k, v
+        rows = (self._head_offsets + blocks[None, :]).view(-1)  # row of (head h, block b): h * num_blocks + b
+        k = self._k_rows[layer_idx].index_select(0, rows).view(nkv, n, hd)
+        v = self._v_rows[layer_idx].index_select(0, rows).view(nkv, n, hd)
         return k, v
 
 
@@ -129,14 +140,22 @@ class DecodeGroup:
 
     ``blocks`` ``[num * max_blocks]`` (long): each member's block table padded with block 0
     to the group's longest, rows concatenated (one gather serves the group);
-    ``mask`` ``[num, max_blocks * block_size]`` float: 0 on each member's context, -inf on
-    its padding (added to the scores).
+    ``mask`` ``[num, max_blocks * block_size]`` float, in the dtype attention computes in: 0
+    on each member's context, -inf on its padding (added to the scores). None for a group of
+    one (a lone decode, the batch-1 case): its gathered keys are cut to ``context_len``
+    instead, and attention runs with no mask at all.
+    ``context_len``: the longest member's context, tokens.
     """
 
     first: int
     num: int
     blocks: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
+    context_len: int = 0
+
+    def keys_read(self, block_size: int) -> int:
+        """Keys each member's attention reads: the padded width, or the context of a lone decode."""
+        return self.context_len if self.mask is None else self.mask.shape[-1]
 
 
 @dataclass
@@ -213,8 +232,10 @@ class PagedAttention:
         for g in groups:
             kd, vd = self.cache.gather_blocks(layer_idx, g.blocks)
             nkv, _, hd = kd.shape
-            o = attend_decode_grouped(q[g.first:g.first + g.num], kd.view(nkv, g.num, -1, hd),
-                                      vd.view(nkv, g.num, -1, hd), g.mask, self.backend, self.sum_dtype)
+            kd, vd = kd.view(nkv, g.num, -1, hd), vd.view(nkv, g.num, -1, hd)
+            if g.mask is None:  # a lone decode: its own context, no padding to hide
+                kd, vd = kd[:, :, :g.context_len], vd[:, :, :g.context_len]
+            o = attend_decode_grouped(q[g.first:g.first + g.num], kd, vd, g.mask, self.backend, self.sum_dtype)
             if out is None:
                 return o
             out[g.first:g.first + g.num] = o

@@ -294,9 +294,9 @@ class LayerTracer:
             return out
         bs = self.engine.runner.block_size
         for g in meta.decode_groups:
-            width = g.mask.shape[1]
+            keys, gathered = g.keys_read(bs), g.blocks.numel() // g.num * bs
             for i in range(g.first, g.first + g.num):
-                out[i] = SeqAttention(1, out[i].context_len, width, width)
+                out[i] = SeqAttention(1, out[i].context_len, keys, gathered)
         for chunk in meta.prefills:
             if chunk.block_table is not None:
                 i = chunk.seq_index

@@ -197,6 +197,7 @@ class ModelRunner:
         num_dec = self._num_decodes(order)
         staged = Staging(torch.long)
         groups = []  # (first, size, width in blocks, handle of the padded tables, handle of the context lengths)
+        group_lens: list[list[int]] = []  # each group's context lengths (tokens)
         for first in range(0, num_dec, DECODE_GROUP_SIZE):
             members = order[first:min(first + DECODE_GROUP_SIZE, num_dec)]
             ctx_lens = [s.start + 1 for s in members]
@@ -207,6 +208,7 @@ class ModelRunner:
                 rows.extend(used)
                 rows.extend([0] * (width - len(used)))  # padding reads block 0; the mask hides it
             groups.append((first, len(members), width, staged.add(rows), staged.add(ctx_lens)))
+            group_lens.append(ctx_lens)
         chunks = []  # (token_start, num_tokens, start, handle of the block table or None, index in order)
         token_start = num_dec
         for i, s in enumerate(order[num_dec:], start=num_dec):
@@ -217,10 +219,13 @@ class ModelRunner:
             token_start += s.num_new_tokens
         t = staged.upload(dev)
         decode_groups = []
-        for first, size, width, blocks, lens in groups:
-            mask = torch.zeros((size, width * bs), dtype=self.dtype, device=dev)
-            mask.masked_fill_(torch.arange(width * bs, device=dev)[None, :] >= t[lens][:, None], float("-inf"))
-            decode_groups.append(DecodeGroup(first, size, t[blocks], mask))
+        mask_dtype = self.attention_sum_dtype or self.dtype  # the dtype attention adds it in: no layer converts it
+        for (first, size, width, blocks, lens), members in zip(groups, group_lens):
+            mask = None  # a lone decode: no padding, its gathered keys are cut to its context
+            if size > 1:
+                mask = torch.zeros((size, width * bs), dtype=mask_dtype, device=dev)
+                mask.masked_fill_(torch.arange(width * bs, device=dev)[None, :] >= t[lens][:, None], float("-inf"))
+            decode_groups.append(DecodeGroup(first, size, t[blocks], mask, max(members)))
         prefills = [
             PrefillChunk(a, n, start, None if table is None else t[table],
                          None if table is None else causal_mask(start, n, start + n, dev), seq_index=i)
