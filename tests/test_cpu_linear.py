@@ -46,3 +46,16 @@ def test_disabled_and_other_dtypes_take_the_plain_path(monkeypatch):
     assert cpu_linear.packed_weight(w.double()) is None
     x = torch.randn(2, 8, dtype=torch.float64)
     torch.testing.assert_close(cpu_linear.linear(x, w.double()), x @ w.double().t())
+
+
+def test_a_decode_of_one_or_two_tokens_takes_mkl_and_more_take_the_packed_weight(monkeypatch):
+    w, calls = torch.randn(16, 8), []
+    real = cpu_linear.packed_weight
+    monkeypatch.setattr(cpu_linear, "packed_weight", lambda weight: calls.append(1) or real(weight))
+    for n in range(1, cpu_linear.MKL_MAX_TOKENS + 1):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(cpu_linear.linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+    assert calls == []
+    x = torch.randn(cpu_linear.MKL_MAX_TOKENS + 1, 8)
+    torch.testing.assert_close(cpu_linear.linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+    assert calls == [1]
