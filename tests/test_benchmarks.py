@@ -60,7 +60,7 @@ def test_quantization_quick_measures_quality_bytes_and_speed_of_both_modes(tmp_p
     assert all(positive(q["perplexity"][m]) for m in ("float32", "int8"))
     assert abs(q["perplexity_change"]) < 0.2  # int8 is close to float32, not broken
     assert 0.0 <= q["greedy_agreement_until_first_difference"] <= 1.0
-    assert data["linear_weight_bytes"]["float32"] > 3.9 * data["linear_weight_bytes"]["int8"]
+    assert data["linear_weight_bytes"]["float32"] > 3.2 * data["linear_weight_bytes"]["int8"]  # int8 + scales + outlier columns
     for section in ("batch1_decode", "workload"):
         rates = data[section]["tokens_per_s" if section == "batch1_decode" else "useful_tokens_per_s"]
         assert set(rates) >= {"float32", "int8"} and all(positive(v) for v in rates.values())

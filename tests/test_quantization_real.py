@@ -15,6 +15,7 @@ import pytest
 from nanovllm_core import cli
 from nanovllm_core.educational.tutorial import chapter, model_facts
 from nanovllm_core.educational.xray import layer_dims
+from nanovllm_core.educational.xray_costs import SeqAttention, layer_ops
 from nanovllm_core.llm import LLM
 from nanovllm_core.model import loader
 from tests.conftest import run_main
@@ -79,6 +80,11 @@ def test_int8_model_reports_a_quarter_of_the_bytes(make_engine):
     # The X-Ray's bytes per operation use the weights and K/V as this engine stores them.
     f32_dims, int8_dims = layer_dims(float_engine), layer_dims(int8_engine)
     assert f32_dims.weight_elem == 4 and f32_dims.kv_elem == 4
+    qkv = int8_engine.model.layers[0].self_attn.qkv_proj
+    assert int8_dims.linear_weight_bytes[0] == qkv.weight_bytes  # each op's own bytes, not an average
+    one = SeqAttention(1, 10, 10)
+    op = next(o for o in layer_ops(int8_dims, [one], "fused", one) if o.name == "qkv_proj")
+    assert op.bytes == qkv.weight_bytes + (576 + 960) * 4  # the weights as stored, one token in and out in float32
     assert 1.1 < int8_dims.weight_elem < 1.3 and int8_dims.kv_elem == 8 and int8_info["kv_dtype"] == "float64"
     # The tutorial's decode chapter reads these numbers from the engine in use.
     decode = " ".join(model_facts(chapter("decode"), int8_info))

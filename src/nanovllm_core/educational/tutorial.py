@@ -668,7 +668,7 @@ def _decode_bytes(info: dict[str, Any]) -> list[str]:
     weights, count = g("linear_weight_bytes"), g("linear_weights")
     if not (weights and count):  # an older engine's info: all parameters at the activations' width
         weights, count = g("num_parameters") * elem, None
-    kind = f"int8 ({weights / count:.3f} bytes a weight, scales included)" if g("quantization") == "int8" else g("dtype")
+    kind = f"int8 ({weights / count:.3f} bytes a weight, scales and float64 outlier columns included)" if g("quantization") == "int8" else g("dtype")
     lines = [f"A decode step of this model reads its {weights / 2**20:,.0f} MiB of {kind} weights once for the whole "
              f"batch, and for each request its own {per:,} bytes of keys and values per token of context: "
              f"{per * 1000 / 2**20:.1f} MiB a step at 1,000 tokens, whatever the batch."]

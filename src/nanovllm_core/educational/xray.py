@@ -57,7 +57,8 @@ def layer_dims(engine: "LLMEngine") -> LayerDims:
     kv_dtype = getattr(engine, "kv_dtype", engine.dtype)
     return LayerDims(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                      torch.empty((), dtype=engine.dtype).element_size(), weight_elem,
-                     torch.empty((), dtype=kv_dtype).element_size())
+                     torch.empty((), dtype=kv_dtype).element_size(),
+                     tuple(m.weight_bytes for m in linears) if len(linears) == 4 else ())
 
 
 def roofline_info(engine: "LLMEngine") -> dict:

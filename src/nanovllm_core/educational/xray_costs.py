@@ -40,7 +40,10 @@ class LayerDims:
     """A decoder layer's sizes: elements, heads; ``elem`` bytes per number of the model's dtype.
 
     ``weight_elem``: bytes per linear-layer weight as stored, scales and float64
-    outlier columns included (about 1.2 for int8; 0 means ``elem``); ``kv_elem``: bytes per cached K/V number (0 means ``elem``).
+    outlier columns included (about 1.2 for int8; 0 means ``elem``); ``kv_elem``: bytes per
+    cached K/V number (0 means ``elem``); ``linear_weight_bytes``: the bytes each of qkv_proj,
+    o_proj, gate_up_proj and down_proj stores, in that order, when the engine's layers report
+    them (int8 layers differ in their overheads, so one average would misstate each).
     """
 
     hidden: int
@@ -51,6 +54,7 @@ class LayerDims:
     elem: int
     weight_elem: float = 0.0
     kv_elem: int = 0
+    linear_weight_bytes: tuple[int, ...] = ()
 
     @property
     def group(self) -> int:
@@ -112,12 +116,13 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
     w, kv = d.weight_elem or e, d.kv_elem or e  # int8 mode: int8 weights (+ scales), float64 K/V
     T = sum(s.num_tokens for s in seqs)
     qkv = (nh + 2 * nkv) * hd
+    w_qkv, w_o, w_gate_up, w_down = d.linear_weight_bytes or (h * qkv * w, nh * hd * h * w, h * 2 * i * w, i * h * w)
     ops = [
         _op("input_layernorm", "RMSNorm before attention: x / sqrt(mean(x²) + eps) · w",
             f"residual [{T}, {h}] -> [{T}, {h}]", 4 * T * h, (2 * T * h + h) * e),
         _op("qkv_proj", "Q, K, V = X W_qkv  (one packed matrix)",
             f"[{T}, {h}] @ [{h}, {qkv}] -> Q [{T}, {nh}, {hd}] | K [{T}, {nkv}, {hd}] | V [{T}, {nkv}, {hd}]",
-            2 * T * h * qkv, h * qkv * w + (T * h + T * qkv) * e),
+            2 * T * h * qkv, w_qkv + (T * h + T * qkv) * e),
         _op("rope", "rotate each (x_i, x_i+d/2) pair of Q and K by position · theta^(-2i/d)",
             f"Q and K together [{T}, {nh + nkv}, {hd}]", 3 * T * (nh + nkv) * hd, 2 * T * (nh + nkv) * hd * e),
         _op("kv_cache_write", "K, V of the new tokens -> their slots (slot_mapping)",
@@ -146,15 +151,15 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
                        2 * q_bytes + 2 * kv_bytes))
     ops += [
         _op("o_proj", "Y = O W_o", f"[{T}, {nh * hd}] @ [{nh * hd}, {h}] -> [{T}, {h}]",
-            2 * T * nh * hd * h, nh * hd * h * w + (T * nh * hd + T * h) * e),
+            2 * T * nh * hd * h, w_o + (T * nh * hd + T * h) * e),
         _op("residual_add", "residual += attention output", f"[{T}, {h}] + [{T}, {h}]", T * h, 3 * T * h * e),
         _op("post_attention_layernorm", "RMSNorm before the MLP: x / sqrt(mean(x²) + eps) · w",
             f"residual [{T}, {h}] -> [{T}, {h}]", 4 * T * h, (2 * T * h + h) * e),
         _op("mlp_gate_up", "G, U = X W_gate, X W_up  (one packed matrix)",
-            f"[{T}, {h}] @ [{h}, {2 * i}] -> G, U [{T}, {i}]", 2 * T * h * 2 * i, h * 2 * i * w + (T * h + 2 * T * i) * e),
+            f"[{T}, {h}] @ [{h}, {2 * i}] -> G, U [{T}, {i}]", 2 * T * h * 2 * i, w_gate_up + (T * h + 2 * T * i) * e),
         _op("swiglu", "A = SiLU(G) · U", f"[{T}, {i}] -> [{T}, {i}]", 5 * T * i, 3 * T * i * e),
         _op("mlp_down", "Y = A W_down", f"[{T}, {i}] @ [{i}, {h}] -> [{T}, {h}]", 2 * T * i * h,
-            i * h * w + (T * i + T * h) * e),
+            w_down + (T * i + T * h) * e),
         _op("residual_add", "residual += MLP output", f"[{T}, {h}] + [{T}, {h}]", T * h, 3 * T * h * e),
     ]
     return tuple(ops)

@@ -19,8 +19,12 @@ than the rest in SmolLM2) are smoothed first (SmoothQuant, Xiao et al. 2023, sec
 the largest magnitude of each input channel is measured by running the float model once over
 a fixed calibration text (:data:`CALIBRATION_TEXT`, about 80 tokens), and each channel j is
 divided by ``s_j = sqrt(max|x_j| / max|W[:, j]|)`` while the weight's column j is multiplied
-by it. On the default model this cut int8's perplexity increase on ``benchmarks/corpus.txt``
-from about 3.1 % to about 1.5 % (see ``benchmarks/benchmark_quantization.py``).
+by it. The same pass picks, for every linear layer and the LM head, the
+:data:`OUTLIER_CHANNELS` input channels with the largest (smoothed) maxima; those skip int8
+and are multiplied in float64 (:func:`outlier_channels`, LLM.int8()'s decomposition).
+Measured on the default model, int8 perplexity against float32 on ``benchmarks/corpus.txt``
+(1,508 tokens) and, held out, the project's seed README (4,526 tokens): +2.70 % / +3.57 %
+with smoothing alone, +0.93 % / +0.73 % with 16 outlier channels as well.
 """
 
 from __future__ import annotations
