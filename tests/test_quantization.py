@@ -96,7 +96,7 @@ def test_outlier_channels_run_in_float_and_cut_the_error_of_the_rest():
     exact = (qx.double() @ qweight.double().t()) * sx.double() * split.w_scale.double()
     exact += x[:, channels].double() @ w[:, channels].double().t()
     torch.testing.assert_close(split(x).double(), exact, rtol=1e-5, atol=1e-5)
-    assert split.weight_bytes == 64 * 96 + 64 * 4 + 64 * 3 * 8 + 3 * 8
+    assert split.weight_bytes == 64 * 96 + 64 * 4 + 96 * 4 + 64 * 3 * 8 + 3 * 8  # + the input's factors (0 on outliers)
     with pytest.raises(ValueError, match="outlier channels must lie in"):
         Int8Linear.from_float(w, outlier_channels=torch.tensor([96]))
 
@@ -105,6 +105,8 @@ def test_with_outlier_channels_a_tokens_output_still_ignores_its_batch():
     w, x = _outlier_input(4)
     layer = Int8Linear.from_float(w, smooth=torch.rand(96) + 0.5, outlier_channels=torch.tensor([5, 40, 77]))
     together = layer(x)
+    want = torch.nn.functional.linear(x, w)
+    assert (together - want).norm() / want.norm() < 0.01  # smoothing and the split together still compute x W^T
     for i in (0, 7, 23):
         assert torch.equal(layer(x[i:i + 1]), together[i:i + 1])
     assert torch.equal(layer(x[3:19]), together[3:19])

@@ -117,7 +117,8 @@ class Int8Linear(nn.Module):
             of int8 (LLM.int8()'s mixed-precision decomposition, Dettmers et al. 2022, section
             3.2, with the channels fixed at calibration instead of found per batch). A token's
             int8 scale is then set by its ordinary channels, so they keep more precision.
-        outlier_weight: ``[out_features, k]`` float64 or None, W's columns for those channels.
+        outlier_weight: ``[out_features, k]`` float64 or None, W's columns for those channels
+            (unsmoothed: they multiply the input as it arrives).
         bytes_per_weight: bytes read per weight per forward pass, scales included (~1.007).
         weight_bytes: bytes one forward pass streams (int8 weights, scales, outlier columns).
     """
@@ -136,6 +137,15 @@ class Int8Linear(nn.Module):
         self.register_buffer("outlier_channels", outlier_channels.long().contiguous() if has_outliers else None)
         # float64: a [T, k] x [k, N] product whose float32 rounding could depend on T (see forward)
         self.register_buffer("outlier_weight", outlier_weight.double().contiguous() if has_outliers else None)
+        # What the forward pass runs with: W's outlier columns as [k, out_features], and one
+        # vector that both smooths the input and zeroes its outlier channels (one product, not two).
+        self._outlier_weight_t = self.outlier_weight.T.contiguous() if has_outliers else None
+        in_scale = None
+        if has_outliers or inv_smooth is not None:
+            in_scale = torch.ones(self.in_features) if inv_smooth is None else self.inv_smooth.clone()
+            if has_outliers:
+                in_scale[self.outlier_channels] = 0.0
+        self._in_scale = in_scale
         if _ONEDNN and qweight.device.type == "cpu":
             self._packed = torch.ops.onednn.qlinear_prepack(qweight.contiguous(), None)
             self._w_zero = torch.zeros(self.out_features, dtype=torch.long)
@@ -170,7 +180,8 @@ class Int8Linear(nn.Module):
                 outlier_channels = outlier_channels.long()
                 if int(outlier_channels.min()) < 0 or int(outlier_channels.max()) >= w.shape[1]:
                     raise ValueError(f"outlier channels must lie in [0, {w.shape[1]}); got {outlier_channels.tolist()}")
-                outlier_weight = w[:, outlier_channels].double()
+                # unsmoothed: the forward pass multiplies them by the input as it arrives
+                outlier_weight = weight.detach()[:, outlier_channels].double()
                 w = w.index_fill(1, outlier_channels, 0.0)
             w_scale = torch.linalg.vector_norm(w, float("inf"), dim=1).clamp_(min=1e-12).div_(q)
             qweight = w.div(w_scale[:, None]).round_().clamp_(-q, q).to(torch.int8)
@@ -189,31 +200,30 @@ class Int8Linear(nn.Module):
     @staticmethod
     def bytes_for(out_features: int, in_features: int, smoothed: bool, num_outliers: int) -> int:
         """Bytes such a layer stores and reads per forward pass: int8 weights, a float32 scale
-        per output row, float32 smoothing factors per input channel (if ``smoothed``), and per
-        outlier channel its float64 weight column and its int64 index."""
-        smooth = 4 * in_features if smoothed else 0
-        return out_features * in_features + 4 * out_features + smooth + num_outliers * (8 * out_features + 8)
+        per output row, a float32 factor per input channel (smoothing, 0 on outlier channels;
+        if ``smoothed`` or ``num_outliers``), and per outlier channel its float64 weight column
+        and its int64 index."""
+        in_scale = 4 * in_features if smoothed or num_outliers else 0  # the input's per-channel factors
+        return out_features * in_features + 4 * out_features + in_scale + num_outliers * (8 * out_features + 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[num_tokens, in_features]`` -> ``[num_tokens, out_features]``."""
         xf = x if x.dtype == torch.float32 else x.float()
-        if self.inv_smooth is not None:
-            xf = xf * self.inv_smooth
         outliers = None
         if self.outlier_channels is not None:
             # The outlier channels' share in float64, per token: its rounding back to float32
             # cannot depend on how many tokens share the product (as attention's, see
             # nanovllm_core.model.quantization.attention_sum_dtype).
-            outliers = xf.index_select(1, self.outlier_channels).double() @ self.outlier_weight.T
-            xf = xf.index_fill(1, self.outlier_channels, 0.0)
+            outliers = xf.index_select(1, self.outlier_channels).double() @ self._outlier_weight_t
+        if self._in_scale is not None:
+            xf = xf * self._in_scale  # smoothed, and 0 on the outlier channels
         qx, sx = quantize_rows(xf)
         if self._packed is not None:
             y = _onednn_matmul(qx, self._packed, self.w_scale, self._w_zero)
         else:
             y = torch.nn.functional.linear(qx.float(), self.qweight.float()) * self.w_scale
-        y = y.mul_(sx)
-        if outliers is not None:
-            y = y.add_(outliers.float())
+        # dequantized, plus the outliers' share, in float64: one rounding to float32
+        y = y.mul_(sx) if outliers is None else torch.addcmul(outliers, y, sx).float()
         if self.bias is not None:
             y = y.add_(self.bias)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
