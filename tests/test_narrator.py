@@ -510,3 +510,13 @@ def test_a_repetition_penalty_below_1_is_said_to_raise_repeated_tokens():
     n = fresh()
     _, intro = n.feed(added(sampling=(("temperature", 0.0), ("repetition_penalty", 0.8))))
     assert "repetition penalty 0.8 raises every token already in the prompt" in intro.text
+
+
+def test_the_model_entry_names_int8_weights_and_the_float64_kv_cache():
+    plain = Narrator(INFO).feed(added())[0].text
+    assert "int8" not in plain and "float64" not in plain
+    int8 = {**INFO, "quantization": "int8", "linear_weight_bytes": 161_906_048, "kv_dtype": "float64",
+            "kv_bytes_per_token": 92_160}
+    text = Narrator(int8).feed(added())[0].text
+    assert "in float32, linear layers and LM head in int8 (154 MiB, activations quantized per token)" in text
+    assert "costs 92,160 bytes (in float64, the width int8 mode's attention sums in)" in text

@@ -90,3 +90,28 @@ def test_int8_model_reports_a_quarter_of_the_bytes(make_engine):
     decode = " ".join(model_facts(chapter("decode"), int8_info))
     assert f"reads its {int8_info['linear_weight_bytes'] / 2**20:,.0f} MiB of int8" in decode
     assert f"{float_info['linear_weight_bytes'] / int8_info['linear_weight_bytes']:.1f}x the bytes" in decode
+
+
+def test_the_tutorials_demonstrations_run_in_the_quantization_asked_for(capsys, monkeypatch, real_model_int8):
+    from nanovllm_core.educational import tutorial_demos
+
+    # The CLI's --tutorial hands --quantization to the demonstrations' engines (it used to drop it).
+    made = []
+
+    class Spy(tutorial_demos.EngineDemos):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(self)
+
+        def load(self):
+            self._loaded = real_model_int8
+            return super().load()
+
+    monkeypatch.setattr(tutorial_demos, "EngineDemos", Spy)
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO("q\n"))
+    run_main(cli.main, capsys, "--quantization", "int8", "--tutorial", "--tutorial-chapter", "5")
+    assert made and made[0].quantization == "int8"
+    # ... and demonstrations over an already loaded int8 model (the app's) build int8 engines.
+    demos = tutorial_demos.EngineDemos.from_loaded(*real_model_int8)
+    info = demos.engine().model_info()
+    assert info["quantization"] == "int8" and info["kv_dtype"] == "float64"

@@ -278,7 +278,7 @@ def run_tutorial(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     demos, info = None, None
     if not args.no_demos:
         console.print("Loading the model for the live demonstrations (--no-demos skips them)...", style="dim")
-        demos = EngineDemos(args.model, args.device, args.dtype)
+        demos = EngineDemos(args.model, args.device, args.dtype, args.quantization)
         try:
             info = demos.load()
         except (ModelLoadError, ValueError) as e:

@@ -48,7 +48,8 @@ class EngineConfig:
             ``speculative_model`` is set).
         quantization: None (float weights) or ``"int8"``: the linear layers and the LM head
             with int8 weights, one scale per output channel (CPU only; see
-            ``nanovllm_core.model.quantization``). Embeddings and the KV cache stay in ``dtype``.
+            ``nanovllm_core.model.quantization``). Embeddings stay in ``dtype``; the KV cache
+            and attention run in float64 (see ``quantization.attention_sum_dtype``).
     """
 
     model: str | None = None
@@ -90,7 +91,7 @@ class EngineConfig:
         if self.device is not None and torch.device(self.device).type not in ("cpu", "cuda"):
             raise ValueError(f"device={self.device!r} is not supported; use 'cpu' or 'cuda'")
         if self.device is not None and torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but no CUDA GPU is available; use --device cpu")
+            raise ValueError("device='cuda' was asked for but no CUDA GPU is available; use device='cpu' (--device cpu)")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is unknown; use float32, float16 or bfloat16")
         if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None

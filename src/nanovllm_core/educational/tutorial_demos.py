@@ -29,21 +29,24 @@ class EngineDemos:
     """Loads the model on :meth:`load` and runs chapters' demonstrations (callable as a ``DemoRunner``).
 
     Args:
-        model, device, dtype: as for ``LLM`` (None: the embedded default, the best device, its dtype).
+        model, device, dtype, quantization: as for ``LLM`` (None: the embedded default, the best
+            device, its dtype, float weights).
 
     Raises (from :meth:`load`):
         ModelLoadError: the model cannot be loaded (one line).
     """
 
-    def __init__(self, model: str | None = None, device: str | None = None, dtype: str | None = None) -> None:
-        self.model, self.device, self.dtype = model, device, dtype
+    def __init__(self, model: str | None = None, device: str | None = None, dtype: str | None = None,
+                 quantization: str | None = None) -> None:
+        self.model, self.device, self.dtype, self.quantization = model, device, dtype, quantization
         self._loaded: tuple[Any, Any, Any] | None = None
 
     @classmethod
     def from_loaded(cls, model: Any, tokenizer: Any, resolved: Any, device: str | None = None,
                     dtype: str | None = None) -> "EngineDemos":
-        """Demonstrations over a model already loaded (``load_model``'s result), e.g. shared by tests."""
-        self = cls(None, device, dtype)
+        """Demonstrations over a model already loaded (``load_model``'s result), e.g. shared by tests;
+        its quantization is the one its layers were built with."""
+        self = cls(None, device, dtype, getattr(model, "quantization", None))
         self._loaded = (model, tokenizer, resolved)
         return self
 
@@ -54,8 +57,9 @@ class EngineDemos:
             from nanovllm_core.llm import console_progress
             from nanovllm_core.model.loader import load_model
 
-            cfg = EngineConfig(model=self.model, device=self.device, dtype=self.dtype)
-            self._loaded = load_model(cfg.model, cfg.torch_device, cfg.torch_dtype, progress=console_progress())
+            cfg = EngineConfig(model=self.model, device=self.device, dtype=self.dtype, quantization=self.quantization)
+            self._loaded = load_model(cfg.model, cfg.torch_device, cfg.torch_dtype, progress=console_progress(),
+                                      quantization=cfg.quantization)
         engine = self.engine()
         roofline.machine_roofline(engine.device, engine.dtype)  # once per machine: the prefill chapter's facts
         return engine.model_info()
@@ -69,7 +73,8 @@ class EngineDemos:
             self.load()
         settings.setdefault("num_kv_blocks", DEMO_KV_BLOCKS)
         model, tokenizer, resolved = self._loaded
-        config = EngineConfig(model=self.model, device=self.device, dtype=self.dtype, **settings)
+        config = EngineConfig(model=self.model, device=self.device, dtype=self.dtype, quantization=self.quantization,
+                              **settings)
         return LLMEngine(config, model, tokenizer, resolved)
 
     def __call__(self, chapter: Chapter, console: Console) -> None:

@@ -14,7 +14,7 @@ attention backend that ran:
 On the CPU (and on CUDA without flash-attn) a sequence whose context is already cached first
 gathers its KV blocks into one contiguous buffer (``kv_gather``), a copy vLLM's paged kernel
 avoids. Bytes count reads plus writes at the model's element size, weights as stored (int8
-plus scales under ``--quantization int8``) and K/V at the cache's element size; FLOPs count a multiply-add
+plus scales and float64 outlier columns under ``--quantization int8``) and K/V at the cache's element size; FLOPs count a multiply-add
 as 2. GQA: K and V bytes are those of the ``num_kv_heads`` stored heads; query head ``h``
 reads KV head ``h // group`` and nothing is copied.
 
