@@ -217,3 +217,19 @@ async def test_the_narrator_wraps_and_never_cuts_a_line(tmp_path, size):
         width = log.scrollable_content_region.width
         assert len(log.lines) > 20 and max(strip.cell_length for strip in log.lines) <= width
         assert log.max_scroll_x == 0
+
+
+def test_the_header_names_int8_weights_beside_the_dtype():
+    from nanovllm_tui.state import EngineState
+    from nanovllm_tui.widgets.status_header import StatusHeader
+
+    shown = []
+    header = StatusHeader()
+    header.show_content = shown.append
+    state = EngineState()
+    state.ready, state.model_name, state.device, state.dtype = True, "SmolLM2", "cpu", "float32"
+    header.show(state)
+    assert "cpu · float32 │" in shown[-1].plain and "int8" not in shown[-1].plain
+    state.model_info = {"quantization": "int8"}
+    header.show(state)
+    assert "SmolLM2 · cpu · float32 · int8 weights │" in shown[-1].plain

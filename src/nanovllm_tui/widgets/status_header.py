@@ -30,7 +30,7 @@ def fit(parts: list[tuple[Text, int]], width: int | None) -> Text:
 
 
 class StatusHeader(LiveStatic):
-    """One line: ``nano-vLLM │ model · device · dtype │ ● state · step N · k active requests``.
+    """One line: ``nano-vLLM │ model · device · dtype [· int8 weights] │ ● state · step N · k active requests``.
 
     While the model loads it shows the loading stage and a progress bar instead, and a model that
     failed to load, the whole reason. On a narrow terminal the least needed parts go first (the
@@ -62,7 +62,9 @@ class StatusHeader(LiveStatic):
             parts.append((Text("  (prompts sent now wait in the queue)", style="dim"), 5))
         else:
             parts.append((Text(state.model_name or "model", style="bold"), 1))
-            parts.append((Text(f" · {state.device} · {state.dtype}"), 4))
+            quantization = state.model_info.get("quantization")  # int8 weights: say so beside the dtype
+            weights = f" · {quantization} weights" if quantization else ""
+            parts.append((Text(f" · {state.device} · {state.dtype}{weights}"), 4))
             # A server out of reach may have resumed meanwhile: say what is known, the lost connection.
             lost = state.engine_state in ("stopped", "disconnected")
             engine_state = "paused" if state.paused and not lost else state.engine_state
