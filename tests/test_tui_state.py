@@ -126,3 +126,30 @@ def test_time_held_paused_is_left_out_of_the_live_ttft_and_tpot(steps):
                     assert req.ttft == pytest.approx(mid.ttft) and req.tpot == pytest.approx(mid.tpot)
     live = [r for r in plain.requests.values() if r.first_token_time and r.first_token_time > t]
     assert live and all(paused.requests[r.request_id].paused_s == pytest.approx(8.0) for r in live)
+
+
+def test_a_speculative_verification_step_is_the_verify_phase_and_the_dashboard_counts_its_drafts(make_tiny_engine):
+    from nanovllm_core.sampling_params import SamplingParams
+    from nanovllm_tui.views.dashboard import phase_text
+
+    engine = make_tiny_engine(speculative_model="self:1", num_speculative_tokens=3)
+    state, phases, texts = EngineState(), [], []
+    state.ready = True  # the controller's ready event, which this bare engine does not send
+
+    def seen(e):
+        state.apply(e)
+        if isinstance(e, ev.StepPlanned):
+            phases.append(state.phase)
+            texts.append(phase_text(state, 80).plain)
+
+    engine.subscribe(seen)
+    engine.add_request([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    for _ in range(20):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    verify = [i for i, p in enumerate(phases) if p == "verify"]
+    assert phases[0] == "prefill" and verify, phases
+    plan = [e for e in state.plan.scheduled]  # the last step's plan
+    assert all(s.num_tokens == 1 + s.num_spec_tokens for s in plan if s.num_spec_tokens)
+    assert "1 verifying 3 draft tokens" in texts[verify[0]] and "0 decode" in texts[verify[0]]

@@ -115,7 +115,13 @@ class RequestFinished(Event):
 
 @dataclass(frozen=True)
 class ScheduledEntry:
-    """One sequence in a step plan: ``kind`` ``prefill`` (a chunk) or ``decode``; token counts."""
+    """One sequence in a step plan: ``kind`` ``prefill`` (a chunk) or ``decode``; token counts.
+
+    ``num_spec_tokens``: draft tokens this step verifies for the sequence (speculative
+    decoding); its ``num_tokens`` is then 1 + ``num_spec_tokens``, the last kept token and the
+    drafts in one pass. 0 for a plain decode or prefill, and in traces recorded before this
+    field existed.
+    """
 
     request_id: str
     seq_id: int
@@ -128,6 +134,7 @@ class ScheduledEntry:
     num_cached_tokens: int
     samples: bool
     priority: int
+    num_spec_tokens: int = 0
 
 
 @dataclass(frozen=True)

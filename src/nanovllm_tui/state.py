@@ -22,6 +22,9 @@ RATE_WINDOW = 10  # steps averaged for the throughput figures
 MAX_FINISHED = 200  # finished requests kept in the table
 
 
+BUSY_PHASES = ("prefill", "decode", "verify")  # what a step's batch held, in the order a busy phase names them
+
+
 @dataclass
 class RequestView:
     """One request as the app shows it.
@@ -294,9 +297,9 @@ class EngineState:
 
     @property
     def phase(self) -> str:
-        """``loading``, ``failed``, ``paused``, ``idle``, ``prefill``, ``decode`` or ``prefill+decode``.
-
-        The busy phases describe the newest step's batch: prefill chunks, decodes, or both.
+        """``loading``, ``failed``, ``paused``, ``idle``, or the newest step's batch: ``prefill``,
+        ``decode``, ``verify`` (a speculative verification: a sequence's last token and its
+        drafts in one pass), or those present joined by ``+`` (e.g. ``prefill+decode``).
         """
         if self.load_error is not None:
             return "failed"
@@ -306,13 +309,13 @@ class EngineState:
             return "paused"
         if not self.active_requests or self.plan is None or not self.plan.scheduled:
             return "idle"
-        kinds = {s.kind for s in self.plan.scheduled}
-        return "prefill+decode" if len(kinds) > 1 else kinds.pop()
+        kinds = {"verify" if s.kind == "decode" and s.num_spec_tokens else s.kind for s in self.plan.scheduled}
+        return "+".join(k for k in BUSY_PHASES if k in kinds)
 
     @property
     def busy(self) -> bool:
         """The engine is running steps now (not idle, paused, loading or failed)."""
-        return self.phase in ("prefill", "decode", "prefill+decode") and self.engine_state == "running"
+        return (self.phase not in ("failed", "loading", "paused", "idle")) and self.engine_state == "running"
 
     def throughput(self) -> tuple[float, float]:
         """(prefill, decode) tokens per second of engine time over the last ``RATE_WINDOW`` steps."""

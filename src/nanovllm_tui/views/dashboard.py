@@ -16,6 +16,7 @@ from nanovllm_tui.widgets.throughput import ThroughputPanel
 from nanovllm_tui.widgets.topk_bars import TopKBars
 
 PHASE_STYLES = {"prefill": "bold #f5a524", "decode": "bold #3ecf8e", "prefill+decode": "bold #4ea1ff",
+                "verify": "bold #c678dd",
                 "idle": "bold cyan", "paused": "bold yellow", "loading": "bold magenta", "failed": "bold red"}
 
 
@@ -29,7 +30,8 @@ def phase_text(state: EngineState, width: int = 0) -> Text:
         text.append("\nno step yet", style="dim")
         return text
     prefill = sum(1 for s in plan.scheduled if s.kind == "prefill")
-    decode = len(plan.scheduled) - prefill
+    verifying = [s for s in plan.scheduled if s.kind == "decode" and s.num_spec_tokens]
+    decode = len(plan.scheduled) - prefill - len(verifying)
     used = Text(f"{plan.num_batched_tokens}/{plan.token_budget}", style="bold")
     # The step's figures are current only while steps run; otherwise say they are the last step's.
     step = Text(f"step {plan.step}: ") if state.busy else Text(f"last step {plan.step}", style="dim")
@@ -37,6 +39,10 @@ def phase_text(state: EngineState, width: int = 0) -> Text:
         used = Text(": ", style="dim") + used
     lines = [first_fitting(width, step + used + " tokens", step + used, step),
              first_fitting(width, Text(f"{prefill} prefill · {decode} decode"), Text(f"{prefill} pre · {decode} dec"))]
+    if verifying:  # a verification is not a one-token decode: it runs 1 + k tokens of one sequence
+        drafts = sum(s.num_spec_tokens for s in verifying)
+        lines.append(first_fitting(width, Text(f"{len(verifying)} verifying {drafts} draft tokens"),
+                                   Text(f"{len(verifying)} verify · {drafts} drafts")))
     running, waiting, preempted = state.queue_counts()  # now, not as of the newest step
     queues = [Text(f"{running} running · {waiting} waiting"), Text(f"{running} run · {waiting} wait")]
     if preempted:
