@@ -10,6 +10,7 @@ sequences get preempted. The distribution-level checks for sampling live in
 from __future__ import annotations
 
 import pytest
+import torch
 
 from nanovllm_core import events as ev
 from nanovllm_core.config import EngineConfig
@@ -259,3 +260,17 @@ def test_a_failed_step_drops_the_drafts_and_the_output_is_unchanged(make_llm, re
     assert failed, "the fault was never injected"
     assert [o.outputs[0].token_ids for o in outs] == reference[:2]  # the step was redone as plain decodes
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_a_loaded_draft_model_is_warmed_up_before_the_first_verification(tiny_model, tiny_llama_dir, monkeypatch):
+    from nanovllm_core.model import loader
+    from nanovllm_core.speculative import proposer
+
+    warmed = []
+    real = loader.warm_up
+    monkeypatch.setattr(loader, "warm_up", lambda model, *a: warmed.append(model) or real(model, *a))
+    target = tiny_model[0]
+    draft = proposer.load_draft_model(str(tiny_llama_dir), target, torch.device("cpu"), torch.float32, 64)
+    assert warmed == [draft] and draft is not target
+    assert proposer.load_draft_model("target", target, torch.device("cpu"), torch.float32, 64) is target
+    assert warmed == [draft]  # the target itself was warmed when its engine was built

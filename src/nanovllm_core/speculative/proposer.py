@@ -95,7 +95,7 @@ def load_draft_model(spec: str, target: LlamaForCausalLM, device: torch.device, 
     """
     if spec == "target":
         return target
-    from nanovllm_core.model.loader import ModelLoadError, load_model
+    from nanovllm_core.model.loader import ModelLoadError, load_model, warm_up
 
     try:
         draft, _tokenizer, _resolved = load_model(None if spec == "default" else spec, device, dtype,
@@ -105,6 +105,7 @@ def load_draft_model(spec: str, target: LlamaForCausalLM, device: torch.device, 
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"the draft model {spec!r} has a vocabulary of {draft.config.vocab_size} tokens but the "
                          f"target has {target.config.vocab_size}; use a draft with the target's tokenizer")
+    warm_up(draft)  # its first pass's one-time costs now, as the target's, not in the first verification step
     return draft
 
 
