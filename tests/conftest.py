@@ -8,6 +8,7 @@ tokenizer, each with its own small KV pool.
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,19 @@ def save_tiny_llama(path: Path, tokenizer_dir: Path | None = None, seed: int = 0
 def tiny_llama_dir(tmp_path_factory, default_model_dir) -> Path:
     """A tiny random LLaMA (GQA 4:2, tied embeddings) with the real tokenizer."""
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
+
+
+def poll_until(cond, timeout: float = 30.0, interval: float = 0.02) -> bool:
+    """Call ``cond()`` every ``interval`` seconds until it is true (True) or ``timeout`` seconds pass (False).
+
+    The one bounded polling loop the thread-based tests share (engine controller, bridge, server).
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(interval)
+    return False
 
 
 def run_main(main, capsys, *args: str) -> tuple[int, str, str]:

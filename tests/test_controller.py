@@ -10,6 +10,7 @@ import pytest
 from nanovllm_core import SamplingParams
 from nanovllm_core import events as ev
 from nanovllm_core.engine.controller import EngineController
+from tests.conftest import poll_until
 
 pytestmark = pytest.mark.real_model
 
@@ -32,12 +33,7 @@ class Recorder:
             return [e for e in self.events if isinstance(e, kind)]
 
     def wait_for(self, cond, timeout=30.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if cond():
-                return True
-            time.sleep(0.02)
-        return False
+        return poll_until(cond, timeout)
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from nanovllm_tui.app import NanoVLLMApp
 from nanovllm_tui.remote import RemoteController
 from nanovllm_tui.widgets.prompt_bar import PromptSettings
 from nanovllm_tui.widgets.request_table import RequestTable
+from tests.conftest import poll_until
 from tests.serve_helpers import start_server
 from tests.tui_helpers import Notes, send_prompt, wait_until
 
@@ -185,9 +186,4 @@ def test_a_prompt_sent_as_token_ids_shows_as_its_pieces():
 
 
 def _until(cond, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
+    return poll_until(cond, timeout)

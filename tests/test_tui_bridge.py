@@ -13,6 +13,7 @@ from nanovllm_core import events as ev
 from nanovllm_tui.bridge import EngineBridge
 from nanovllm_tui.replay import NO_NEW_PROMPTS, ReplayController, load_trace
 from nanovllm_tui.starter import BackgroundController
+from tests.conftest import poll_until
 
 TRACE = Path(__file__).parent / "data" / "tui_trace.jsonl.gz"
 
@@ -100,12 +101,7 @@ class Recorder:
         self.events.append(e)
 
     def wait_for(self, cond, timeout=5.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if cond():
-                return True
-            time.sleep(0.01)
-        return False
+        return poll_until(cond, timeout, interval=0.01)
 
 
 @pytest.fixture
