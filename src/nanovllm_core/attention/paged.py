@@ -153,7 +153,8 @@ class DecodeGroup:
     mask: torch.Tensor | None
     context_len: int = 0
 
-    def keys_read(self, block_size: int) -> int:
+    @property
+    def keys_read(self) -> int:
         """Keys each member's attention reads: the padded width, or the context of a lone decode."""
         return self.context_len if self.mask is None else self.mask.shape[-1]
 

@@ -295,7 +295,7 @@ class LayerTracer:
             return out
         bs = self.engine.runner.block_size
         for g in meta.decode_groups:
-            keys, gathered = g.keys_read(bs), g.blocks.numel() // g.num * bs
+            keys, gathered = g.keys_read, g.blocks.numel() // g.num * bs
             for i in range(g.first, g.first + g.num):
                 out[i] = SeqAttention(1, out[i].context_len, keys, gathered)
         for chunk in meta.prefills:

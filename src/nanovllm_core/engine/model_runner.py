@@ -196,8 +196,7 @@ class ModelRunner:
         bs, dev = self.block_size, self.device
         num_dec = self._num_decodes(order)
         staged = Staging(torch.long)
-        groups = []  # (first, size, width in blocks, handle of the padded tables, handle of the context lengths)
-        group_lens: list[list[int]] = []  # each group's context lengths (tokens)
+        groups = []  # (first, size, width in blocks, handle of the padded tables, handle of the context lengths, longest)
         for first in range(0, num_dec, DECODE_GROUP_SIZE):
             members = order[first:min(first + DECODE_GROUP_SIZE, num_dec)]
             ctx_lens = [s.start + 1 for s in members]
@@ -207,8 +206,7 @@ class ModelRunner:
                 used = s.seq.block_table[: -(-ctx // bs)]
                 rows.extend(used)
                 rows.extend([0] * (width - len(used)))  # padding reads block 0; the mask hides it
-            groups.append((first, len(members), width, staged.add(rows), staged.add(ctx_lens)))
-            group_lens.append(ctx_lens)
+            groups.append((first, len(members), width, staged.add(rows), staged.add(ctx_lens), max(ctx_lens)))
         chunks = []  # (token_start, num_tokens, start, handle of the block table or None, index in order)
         token_start = num_dec
         for i, s in enumerate(order[num_dec:], start=num_dec):
@@ -220,12 +218,12 @@ class ModelRunner:
         t = staged.upload(dev)
         decode_groups = []
         mask_dtype = self.attention_sum_dtype or self.dtype  # the dtype attention adds it in: no layer converts it
-        for (first, size, width, blocks, lens), members in zip(groups, group_lens):
+        for first, size, width, blocks, lens, longest in groups:
             mask = None  # a lone decode: no padding, its gathered keys are cut to its context
             if size > 1:
                 mask = torch.zeros((size, width * bs), dtype=mask_dtype, device=dev)
                 mask.masked_fill_(torch.arange(width * bs, device=dev)[None, :] >= t[lens][:, None], float("-inf"))
-            decode_groups.append(DecodeGroup(first, size, t[blocks], mask, max(members)))
+            decode_groups.append(DecodeGroup(first, size, t[blocks], mask, longest))
         prefills = [
             PrefillChunk(a, n, start, None if table is None else t[table],
                          None if table is None else causal_mask(start, n, start + n, dev), seq_index=i)

@@ -129,6 +129,12 @@ def smoothing_factors(x_max: torch.Tensor, weight: torch.Tensor, alpha: float = 
     return (x_max.clamp(min=1e-5) ** alpha / w_max ** (1 - alpha)).clamp(min=1e-5)
 
 
+def num_outlier_channels(in_features: int) -> int:
+    """How many input channels a layer with ``in_features`` keeps out of int8: :data:`OUTLIER_CHANNELS`,
+    at most :data:`OUTLIER_SHARE` of them."""
+    return min(OUTLIER_CHANNELS, int(in_features * OUTLIER_SHARE))
+
+
 def outlier_channels(x_max: torch.Tensor, count: int | None = None) -> torch.Tensor:
     """The ``count`` input channels of largest calibrated ``max |x|`` ``[in_features]``, ``[count]`` long, ascending.
 
@@ -142,7 +148,7 @@ def outlier_channels(x_max: torch.Tensor, count: int | None = None) -> torch.Ten
     scale set by them leaves the other channels only a few levels. Those channels are the
     same from token to token, so here they are picked once, at load, from the calibration pass.
     """
-    count = min(OUTLIER_CHANNELS, int(x_max.numel() * OUTLIER_SHARE)) if count is None else count
+    count = num_outlier_channels(x_max.numel()) if count is None else count
     count = max(0, min(count, x_max.numel()))
     return torch.topk(x_max, count).indices.sort().values
 
@@ -216,8 +222,7 @@ def int8_weight_bytes(model: nn.Module) -> int:
     change: the tutorial's decode chapter prints it.
     """
     smoothed = {id(m) for m in _smoothed_inputs(model)}
-    return sum(Int8Linear.bytes_for(m.out_features, m.in_features, id(m) in smoothed,
-                                    min(OUTLIER_CHANNELS, int(m.in_features * OUTLIER_SHARE)))
+    return sum(Int8Linear.bytes_for(m.out_features, m.in_features, id(m) in smoothed, num_outlier_channels(m.in_features))
                for m in linear_modules(model))
 
 
