@@ -18,7 +18,14 @@ from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.model import cpu_linear, loader
 from nanovllm_core.model.cpu_linear import FloatLinear
-from nanovllm_core.model.int8_linear import Int8Linear, quantize_rows, weight_range
+from nanovllm_core.model.int8_linear import (
+    FLOAT32_EXACT_INT,
+    OUTLIER_ACT_LEVELS,
+    Int8Linear,
+    outlier_weight_levels,
+    quantize_rows,
+    weight_range,
+)
 from nanovllm_core.model.quantization import linear_modules, linear_weight_bytes, outlier_channels
 from nanovllm_core.sampling_params import SamplingParams
 from tests.test_model_parity import PROMPTS, VARIANTS, _load_without_tokenizer, contiguous_logits
@@ -86,17 +93,23 @@ def test_outlier_channels_run_in_float_and_cut_the_error_of_the_rest():
     plain = Int8Linear.from_float(w)
     split = Int8Linear.from_float(w, outlier_channels=channels)
     assert (split(x) - want).norm() < (plain(x) - want).norm() / 5
-    # The split is exact where it should be: the float part is x's outlier columns times W's,
-    # the int8 part is the integer product of the other channels, which alone set the token's scale.
+    # The split is exact where it should be: the int8 part is the integer product of the
+    # ordinary channels, which alone set the token's scale; the outlier part is the integer
+    # product of x's outlier columns and W's, each on its own finer grid.
     q = weight_range()
     rest = x.index_fill(1, channels, 0.0)
     w_rest = w.index_fill(1, channels, 0.0)
     qweight = torch.round(w_rest / split.w_scale[:, None]).clamp(-q, q)
     qx, sx = quantize_rows(rest)
     exact = (qx.double() @ qweight.double().t()) * sx.double() * split.w_scale.double()
-    exact += x[:, channels].double() @ w[:, channels].double().t()
+    levels = outlier_weight_levels(3)
+    col_scale = w[:, channels].abs().amax(0) / levels
+    qo_weight = torch.round(w[:, channels] / col_scale).clamp(-levels, levels)
+    xo = x[:, channels] * col_scale
+    so = xo.abs().amax(1, keepdim=True) / OUTLIER_ACT_LEVELS
+    exact += (torch.round(xo / so).double() @ qo_weight.double().t()) * so.double()
     torch.testing.assert_close(split(x).double(), exact, rtol=1e-5, atol=1e-5)
-    assert split.weight_bytes == 64 * 96 + 64 * 4 + 96 * 4 + 64 * 3 * 8 + 3 * 8  # + the input's factors (0 on outliers)
+    assert split.weight_bytes == 64 * 96 + 64 * 4 + 96 * 4 + 3 * (64 * 4 + 4 + 8)  # + the input's factors (0 on outliers)
     with pytest.raises(ValueError, match="outlier channels must lie in"):
         Int8Linear.from_float(w, outlier_channels=torch.tensor([96]))
 
@@ -110,6 +123,19 @@ def test_with_outlier_channels_a_tokens_output_still_ignores_its_batch():
     for i in (0, 7, 23):
         assert torch.equal(layer(x[i:i + 1]), together[i:i + 1])
     assert torch.equal(layer(x[3:19]), together[3:19])
+
+
+@pytest.mark.parametrize("num_outliers", [1, 3, 16, 32])
+def test_the_outlier_product_is_exact_in_float32_at_its_worst_case(num_outliers):
+    """Every partial sum of the outliers' float32 product must be an integer below 2**24: then
+    no summation order (MKL's blocking differs with the number of tokens) can change it."""
+    levels = outlier_weight_levels(num_outliers)
+    assert num_outliers * OUTLIER_ACT_LEVELS * levels < FLOAT32_EXACT_INT
+    worst_x = torch.full((5, num_outliers), float(OUTLIER_ACT_LEVELS))
+    worst_w = torch.full((num_outliers, 7), float(levels))
+    worst_w[:, 3] = -levels
+    assert torch.equal((worst_x @ worst_w).double(), worst_x.double() @ worst_w.double())
+    assert torch.equal(worst_x[:1] @ worst_w, (worst_x @ worst_w)[:1])
 
 
 def test_outlier_count_is_capped_by_a_share_of_the_channels():
@@ -168,7 +194,7 @@ def test_int8_logits_stay_within_tolerance_of_float32(tmp_path, variant):
         rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
         assert rel < LOGITS_TOLERANCE, (variant, len(prompt), rel)
     # A quarter of the bytes, less the scales' share (4 bytes a row of only 64 weights here) and
-    # the float64 outlier columns' (1/32 of the channels here, 8 bytes each; 16 of 576 in the default model).
+    # the outlier columns' (1/32 of the channels here, 4 bytes each; 16 of 576 in the default model).
     assert all(m.outlier_channels.numel() == m.in_features // 32 for m in linear_modules(int8))
     assert linear_weight_bytes(full) / linear_weight_bytes(int8) > 2.9
 

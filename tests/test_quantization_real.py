@@ -74,8 +74,8 @@ def test_int8_model_reports_a_quarter_of_the_bytes(make_engine):
     float_info, int8_info = float_engine.model_info(), int8_engine.model_info()
     assert float_info["quantization"] is None and int8_info["quantization"] == "int8"
     ratio = float_info["linear_weight_bytes"] / int8_info["linear_weight_bytes"]
-    # 538 MB -> 161 MB on SmolLM2-135M: int8 weights, scales (~0.5 %) and 16 float64 outlier columns a layer (~19 %)
-    assert 3.2 < ratio < 3.5
+    # 538 MB -> 149 MB on SmolLM2-135M: int8 weights, scales (~0.5 %) and 16 outlier columns a layer in float32 (~10 %)
+    assert 3.5 < ratio < 3.7
     assert int8_info["linear_weight_bytes"] == float_info["int8_linear_weight_bytes"]  # the float engine's forecast
     # The X-Ray's bytes per operation use the weights and K/V as this engine stores them.
     f32_dims, int8_dims = layer_dims(float_engine), layer_dims(int8_engine)

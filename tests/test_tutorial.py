@@ -394,7 +394,7 @@ def test_the_decode_chapter_counts_the_weight_bytes_each_step_reads_and_what_int
     assert "would be 153 MiB" in int8 and "3.3x fewer bytes per step" in int8  # the engine's own figure
     reads, bound, int8 = model_facts(chapter("decode"), {**info, "linear_weight_bytes": 134_700_000,
                                                          "quantization": "int8"})
-    assert "128 MiB of int8 (1.005 bytes a weight, scales and float64 outlier columns included)" in reads
+    assert "128 MiB of int8 (1.005 bytes a weight, scales and outlier columns included)" in reads
     assert "no more than 74 tokens/s" in bound
     assert "would be 511 MiB a step, 4.0x the bytes" in int8
 

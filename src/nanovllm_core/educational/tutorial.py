@@ -668,7 +668,7 @@ def _decode_bytes(info: dict[str, Any]) -> list[str]:
     weights, count = g("linear_weight_bytes"), g("linear_weights")
     if not (weights and count):  # an older engine's info: all parameters at the activations' width
         weights, count = g("num_parameters") * elem, None
-    kind = f"int8 ({weights / count:.3f} bytes a weight, scales and float64 outlier columns included)" if g("quantization") == "int8" else g("dtype")
+    kind = f"int8 ({weights / count:.3f} bytes a weight, scales and outlier columns included)" if g("quantization") == "int8" else g("dtype")
     lines = [f"A decode step of this model reads its {weights / 2**20:,.0f} MiB of {kind} weights once for the whole "
              f"batch, and for each request its own {per:,} bytes of keys and values per token of context: "
              f"{per * 1000 / 2**20:.1f} MiB a step at 1,000 tokens, whatever the batch."]
@@ -685,7 +685,7 @@ def _decode_bytes(info: dict[str, Any]) -> list[str]:
         int8 = g("int8_linear_weight_bytes") or count
         lines.append(f"With --quantization int8 the same {count / 1e6:,.0f} M weights would be "
                      f"{int8 / 2**20:,.0f} MiB (one byte a weight, a 4-byte scale per output row, and a few "
-                     f"outlier input channels per layer kept in float64): {weights / int8:.1f}x fewer bytes "
+                     f"outlier input channels per layer kept on a finer integer grid): {weights / int8:.1f}x fewer bytes "
                      "per step, so a batch-1 step could be up to that much faster where reading weights is the bound. "
                      "Measured on a 2-core Xeon it was not: each int8 layer is a separate oneDNN call with a fixed "
                      "cost, and quantizes its input first (the README's int8 table has the speeds).")

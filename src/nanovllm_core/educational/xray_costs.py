@@ -14,7 +14,7 @@ attention backend that ran:
 On the CPU (and on CUDA without flash-attn) a sequence whose context is already cached first
 gathers its KV blocks into one contiguous buffer (``kv_gather``), a copy vLLM's paged kernel
 avoids. Bytes count reads plus writes at the model's element size, weights as stored (int8
-plus scales and float64 outlier columns under ``--quantization int8``) and K/V at the cache's element size; FLOPs count a multiply-add
+plus scales and outlier columns under ``--quantization int8``) and K/V at the cache's element size; FLOPs count a multiply-add
 as 2. GQA: K and V bytes are those of the ``num_kv_heads`` stored heads; query head ``h``
 reads KV head ``h // group`` and nothing is copied.
 
@@ -39,8 +39,8 @@ BACKEND_NAMES = {
 class LayerDims:
     """A decoder layer's sizes: elements, heads; ``elem`` bytes per number of the model's dtype.
 
-    ``weight_elem``: bytes per linear-layer weight as stored, scales and float64
-    outlier columns included (about 1.2 for int8; 0 means ``elem``); ``kv_elem``: bytes per
+    ``weight_elem``: bytes per linear-layer weight as stored, scales and
+    outlier columns included (about 1.1 for int8; 0 means ``elem``); ``kv_elem``: bytes per
     cached K/V number (0 means ``elem``); ``linear_weight_bytes``: the bytes each of qkv_proj,
     o_proj, gate_up_proj and down_proj stores, in that order, when the engine's layers report
     them (int8 layers differ in their overheads, so one average would misstate each).

@@ -21,10 +21,11 @@ a fixed calibration text (:data:`CALIBRATION_TEXT`, about 80 tokens), and each c
 divided by ``s_j = sqrt(max|x_j| / max|W[:, j]|)`` while the weight's column j is multiplied
 by it. The same pass picks, for every linear layer and the LM head, the
 :data:`OUTLIER_CHANNELS` input channels with the largest (smoothed) maxima; those skip int8
-and are multiplied in float64 (:func:`outlier_channels`, LLM.int8()'s decomposition).
+and take a finer integer grid of their own (:func:`outlier_channels`, LLM.int8()'s decomposition).
 Measured on the default model, int8 perplexity against float32 on ``benchmarks/corpus.txt``
 (1,508 tokens) and, held out, the project's seed README (4,526 tokens): +2.70 % / +3.57 %
-with smoothing alone, +0.93 % / +0.73 % with 16 outlier channels as well.
+with smoothing alone, +0.93 % / +0.73 % with 16 outlier channels as well (in float64),
++0.90 % / +0.68 % with those on their own 12-bit x 10-bit integer grid (now).
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def outlier_channels(x_max: torch.Tensor, count: int | None = None) -> torch.Ten
 
     ``count`` defaults to :data:`OUTLIER_CHANNELS`, at most :data:`OUTLIER_SHARE` of the channels
     (16 of the default model's 576 or 1536). On the default model, against float32 on
-    ``benchmarks/corpus.txt``: int8 perplexity +2.70 % with none, +1.58 % with 4, +0.93 % with
+    ``benchmarks/corpus.txt``: int8 perplexity +2.70 % with none, +1.58 % with 4, +0.90 % with
     16 (``benchmarks/benchmark_quantization.py`` prints the current figure).
 
     LLM.int8() (Dettmers et al. 2022, section 3.2) finds that a few hidden channels carry
