@@ -11,6 +11,7 @@ equal, token for token.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from nanovllm_core import cli
 from nanovllm_core.educational.tutorial import chapter, model_facts
@@ -115,3 +116,10 @@ def test_the_tutorials_demonstrations_run_in_the_quantization_asked_for(capsys, 
     demos = tutorial_demos.EngineDemos.from_loaded(*real_model_int8)
     info = demos.engine().model_info()
     assert info["quantization"] == "int8" and info["kv_dtype"] == "float64"
+    # Their roofline is int8's own (the demonstrations measured it): oneDNN's int8 peak, not float32's.
+    from nanovllm_core import roofline
+
+    roof = roofline.cached("cpu", torch.float32, None, "int8")
+    assert roof is not None and info["machine"] == roof.machine and roof.machine.endswith("int8 weights")
+    assert info["peak_flops"] == roof.peak_flops
+    assert "int8 matmul peak" in " ".join(model_facts(chapter("prefill"), info))

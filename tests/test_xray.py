@@ -29,9 +29,9 @@ def test_the_ridge_point_divides_memory_bound_from_compute_bound():
 def test_the_roofline_is_measured_once_then_read_back(tmp_path, monkeypatch):
     calls = []
 
-    def fake_measure(device, dtype):
+    def fake_measure(device, dtype, quantization=None):
         calls.append(device)
-        return Roofline(1e11, 1e10, "fake machine")
+        return Roofline(1e11 * (10 if quantization else 1), 1e10, f"fake machine {quantization}")
 
     monkeypatch.setattr(roofline, "measure", fake_measure)
     monkeypatch.setattr(roofline, "_measured", {})
@@ -45,6 +45,26 @@ def test_the_roofline_is_measured_once_then_read_back(tmp_path, monkeypatch):
     assert roofline.cached("cpu", torch.float32, path) is None
     roofline.machine_roofline("cpu", torch.float32, path)
     assert len(calls) == 2
+    # int8 weights are their own entry: another kernel, another peak.
+    int8 = roofline.machine_roofline("cpu", torch.float32, path, quantization="int8")
+    assert len(calls) == 3 and int8.peak_flops == 1e12
+    assert roofline.cached("cpu", torch.float32, path) == first
+    assert roofline.cached("cpu", torch.float32, path, quantization="int8") == int8
+
+
+def test_int8_weights_take_the_int8_kernels_peak(monkeypatch):
+    from nanovllm_core.model import int8_linear
+
+    if int8_linear._ONEDNN:  # the real kernel measures something
+        assert roofline.int8_gemm_peak(128, 1) > 1e8
+    monkeypatch.setattr(roofline, "int8_gemm_peak", lambda n, repeats: 7e12)
+    r = roofline.measure("cpu", torch.float32, gemm_n=128, stream_bytes=8 << 20, repeats=1, quantization="int8")
+    assert r.peak_flops == 7e12 and r.machine.endswith("float32, int8 weights")
+    monkeypatch.setattr(roofline, "int8_gemm_peak", lambda n, repeats: 0.0)  # no int8 kernel: float's peak
+    r = roofline.measure("cpu", torch.float32, gemm_n=128, stream_bytes=8 << 20, repeats=1, quantization="int8")
+    assert 1e8 < r.peak_flops < 7e12
+    assert roofline.peak_words(r.machine, 4.1e12) == "int8 matmul peak 4,100.0 G operations/s (counted as FLOPs)"
+    assert roofline.peak_words("a CPU, float32", 3.3e11) == "matmul peak 330.0 GFLOP/s"
 
 
 def test_measuring_times_a_matmul_and_a_streaming_read():

@@ -12,6 +12,12 @@ matrices (the one our linear layers take among them), ``W`` a streaming read of 
 larger than the last-level cache. The measurement takes about a second; it is done once
 per (device, dtype, threads) and kept in memory and in ``<cache_root()>/roofline.json``, so
 later runs read it back. The X-Ray and the tutorial show it as the machine's ridge point.
+
+Under ``--quantization int8`` the linear layers, which do nearly all of a step's arithmetic,
+run oneDNN's int8 matmul, so ``P`` is that kernel's measured peak (integer multiply-adds
+counted as two operations, like FLOPs). On a Xeon with AMX it is ~12x the float32 peak
+(4.1 T against 0.33 T operations/s on 2 cores), which moves the ridge point as far: int8
+layers stay memory-bound up to ~12x more tokens per step.
 """
 
 from __future__ import annotations
@@ -101,6 +107,22 @@ def gemm_peaks(n: int = GEMM_N, repeats: int = 5, device: torch.device | str = "
     return {name: 2.0 * n ** 3 / _best_time(run, sync, repeats) for name, run in paths.items()}
 
 
+def int8_gemm_peak(n: int = GEMM_N, repeats: int = 5) -> float:
+    """Measured int8 matrix-multiply operations/s (2 per multiply-add), the best of ``repeats``
+    ``[n, n] @ [n, n]`` through oneDNN's int8 kernel with a packed weight, the path int8 linear
+    layers take (``nanovllm_core.model.int8_linear``); 0.0 where that kernel is unavailable."""
+    from nanovllm_core.model import int8_linear
+
+    if not int8_linear._ONEDNN:
+        return 0.0
+    gen = torch.Generator().manual_seed(0)
+    q = int8_linear.weight_range()
+    qx = torch.randint(-127, 128, (n, n), generator=gen, dtype=torch.int8)
+    packed = torch.ops.onednn.qlinear_prepack(torch.randint(-q, q + 1, (n, n), generator=gen, dtype=torch.int8), None)
+    scale, zero = torch.ones(n), torch.zeros(n, dtype=torch.long)
+    return 2.0 * n ** 3 / _best_time(lambda: int8_linear._onednn_matmul(qx, packed, scale, zero), lambda: None, repeats)
+
+
 def last_level_cache_bytes() -> int:
     """The largest CPU cache (bytes) Linux reports for cpu0, or 0 when unknown."""
     best = 0
@@ -131,14 +153,24 @@ def memory_bandwidth(nbytes: int | None = None, repeats: int = 5, device: torch.
     return x.numel() * 4 / _best_time(lambda: x.sum(), _sync(device), repeats)
 
 
-def machine_name(device: torch.device | str, dtype: torch.dtype) -> str:
-    """Where a roofline holds: ``"Intel Xeon ... (2 threads), float32"`` or the GPU's name."""
+def machine_name(device: torch.device | str, dtype: torch.dtype, quantization: str | None = None) -> str:
+    """Where a roofline holds: ``"Intel Xeon ... (2 threads), float32"`` (``", int8 weights"``
+    added under int8) or the GPU's name."""
     device = torch.device(device)
     if device.type == "cuda":  # pragma: no cover - needs CUDA
         where = torch.cuda.get_device_name(device)
     else:
         where = f"{cpu_name()} ({torch.get_num_threads()} threads)"
-    return f"{where}, {str(dtype).replace('torch.', '')}"
+    weights = f", {quantization} weights" if quantization else ""
+    return f"{where}, {str(dtype).replace('torch.', '')}{weights}"
+
+
+def peak_words(machine: str, peak_flops: float) -> str:
+    """"matmul peak 330.0 GFLOP/s", or for int8 weights (``machine`` says so) the int8 kernel's
+    peak, whose integer multiply-adds count 2 operations each as FLOPs do."""
+    if "int8 weights" in machine:
+        return f"int8 matmul peak {peak_flops / 1e9:,.1f} G operations/s (counted as FLOPs)"
+    return f"matmul peak {peak_flops / 1e9:,.1f} GFLOP/s"
 
 
 def cpu_name() -> str:
@@ -156,10 +188,13 @@ def cpu_name() -> str:
 
 
 def measure(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, gemm_n: int = GEMM_N,
-            stream_bytes: int | None = None, repeats: int = 3) -> Roofline:
-    """Measure the roofline now (about a second on a CPU): the best matmul path and a streaming read."""
-    peak = max(gemm_peaks(gemm_n, repeats, device, dtype).values())
-    return Roofline(peak, memory_bandwidth(stream_bytes, repeats, device), machine_name(device, dtype))
+            stream_bytes: int | None = None, repeats: int = 3, quantization: str | None = None) -> Roofline:
+    """Measure the roofline now (about a second on a CPU): the best matmul path (int8's kernel
+    when ``quantization="int8"``, falling back to float's where it is unavailable) and a
+    streaming read."""
+    peak = int8_gemm_peak(gemm_n, repeats) if quantization == "int8" else 0.0
+    peak = peak or max(gemm_peaks(gemm_n, repeats, device, dtype).values())
+    return Roofline(peak, memory_bandwidth(stream_bytes, repeats, device), machine_name(device, dtype, quantization))
 
 
 def default_cache_path() -> Path:
@@ -172,8 +207,8 @@ _lock = threading.Lock()
 _measured: dict[str, Roofline] = {}
 
 
-def _key(device: torch.device | str, dtype: torch.dtype) -> str:
-    return f"{machine_name(device, dtype)} · torch {torch.__version__}"
+def _key(device: torch.device | str, dtype: torch.dtype, quantization: str | None = None) -> str:
+    return f"{machine_name(device, dtype, quantization)} · torch {torch.__version__}"
 
 
 def _read_cache(path: Path) -> dict:
@@ -185,9 +220,9 @@ def _read_cache(path: Path) -> dict:
 
 
 def cached(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-           path: Path | None = None) -> Roofline | None:
+           path: Path | None = None, quantization: str | None = None) -> Roofline | None:
     """The roofline measured earlier (in this process, or kept in ``path``), or None; never measures."""
-    key = _key(device, dtype)
+    key = _key(device, dtype, quantization)
     with _lock:
         if key in _measured:
             return _measured[key]
@@ -204,18 +239,19 @@ def cached(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float3
 
 
 def machine_roofline(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                     path: Path | None = None) -> Roofline:
-    """This machine's roofline for ``device`` and ``dtype``: measured the first time, then kept.
+                     path: Path | None = None, quantization: str | None = None) -> Roofline:
+    """This machine's roofline for ``device``, ``dtype`` and ``quantization``: measured the
+    first time, then kept.
 
     The file at ``path`` (default ``<cache_root()>/roofline.json``) keeps one entry per
-    machine, thread count, dtype and torch version; a file that cannot be written only means
-    the next process measures again.
+    machine, thread count, dtype, quantization and torch version; a file that cannot be
+    written only means the next process measures again.
     """
-    roof = cached(device, dtype, path)
+    roof = cached(device, dtype, path, quantization)
     if roof is not None:
         return roof
-    roof = measure(device, dtype)
-    key = _key(device, dtype)
+    roof = measure(device, dtype, quantization=quantization)
+    key = _key(device, dtype, quantization)
     with _lock:
         _measured[key] = roof
     path = path or default_cache_path()

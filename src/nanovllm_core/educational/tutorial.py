@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanovllm_core.roofline import peak_words
 from nanovllm_core.sampling_params import SamplingParams
 
 LETTERS = "ABCD"
@@ -612,8 +613,8 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
             lines.append(f"This engine's token budget is {g('token_budget')} tokens per step; {chunks}.")
             if g("peak_flops") and g("memory_bandwidth"):
                 ridge = g("peak_flops") / g("memory_bandwidth")
-                lines.append(f"This machine, measured ({g('machine')}): matmul peak {g('peak_flops') / 1e9:,.1f} "
-                             f"GFLOP/s, memory {g('memory_bandwidth') / 1e9:,.1f} GB/s, ridge point {ridge:.1f} "
+                lines.append(f"This machine, measured ({g('machine')}): {peak_words(g('machine'), g('peak_flops'))}, "
+                             f"memory {g('memory_bandwidth') / 1e9:,.1f} GB/s, ridge point {ridge:.1f} "
                              "FLOP/byte" + (f"; a prefill becomes compute-bound from about "
                                             f"{g('compute_bound_tokens'):,} tokens." if g("compute_bound_tokens")
                                             else "."))

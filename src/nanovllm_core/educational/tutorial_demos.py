@@ -19,6 +19,7 @@ from nanovllm_core import roofline
 from nanovllm_core.educational.narrate_view import NarrateView
 from nanovllm_core.educational.rich_parts import Indent
 from nanovllm_core.educational.tutorial import DEMOS, Chapter
+from nanovllm_core.educational.xray import roofline_key
 from nanovllm_core.educational.xray_facts import roofline_commentary
 from nanovllm_core.educational.xray_view import render_layer_detail
 
@@ -61,7 +62,7 @@ class EngineDemos:
             self._loaded = load_model(cfg.model, cfg.torch_device, cfg.torch_dtype, progress=console_progress(),
                                       quantization=cfg.quantization)
         engine = self.engine()
-        roofline.machine_roofline(engine.device, engine.dtype)  # once per machine: the prefill chapter's facts
+        roofline.machine_roofline(*roofline_key(engine))  # once per machine: the prefill chapter's facts
         return engine.model_info()
 
     def engine(self, **settings: Any):

@@ -61,10 +61,16 @@ def layer_dims(engine: "LLMEngine") -> LayerDims:
                      tuple(m.weight_bytes for m in linears) if len(linears) == 4 else ())
 
 
+def roofline_key(engine: "LLMEngine") -> tuple:
+    """(device, dtype, path, quantization): the arguments naming this engine's roofline in
+    ``nanovllm_core.roofline`` (int8 weights have their own matmul peak)."""
+    return engine.device, engine.dtype, None, getattr(engine.model, "quantization", None)
+
+
 def roofline_info(engine: "LLMEngine") -> dict:
     """The machine's roofline for ``model_info()`` when it was measured before (never measures):
     ``peak_flops`` FLOP/s, ``memory_bandwidth`` bytes/s, ``machine``, ``compute_bound_tokens``."""
-    roof = roofline.cached(engine.device, engine.dtype)
+    roof = roofline.cached(*roofline_key(engine))
     if roof is None:
         return {}
     return {"peak_flops": roof.peak_flops, "memory_bandwidth": roof.bandwidth, "machine": roof.machine,
@@ -115,9 +121,9 @@ class XRayCapture:
         return known
 
     def measure_roofline(self) -> None:
-        """Measure (or read back) this machine's roofline for the engine's device and dtype."""
+        """Measure (or read back) this machine's roofline for the engine's device, dtype and weights."""
         if self.roofline is None:
-            self.roofline = roofline.machine_roofline(self.engine.device, self.engine.dtype)
+            self.roofline = roofline.machine_roofline(*roofline_key(self.engine))
 
     def select(self, request_id: str | None, layer: int = 0, head: int = 0) -> None:
         """Trace ``request_id`` (None: the first request in each step); heatmap of ``layer``/``head``.
@@ -141,8 +147,7 @@ class XRayCapture:
         for s in order:
             if (self.request_id is None or s.seq.request_id == self.request_id) and s.seq.index == 0:
                 return LayerTracer(self.engine, plan.step, s, offset, order, self.layer, self.head,
-                                   self.engine._emit, self.roofline or roofline.cached(self.engine.device,
-                                                                                       self.engine.dtype),
+                                   self.engine._emit, self.roofline or roofline.cached(*roofline_key(self.engine)),
                                    pieces=self.pieces)
             offset += s.num_new_tokens
         return None
