@@ -216,15 +216,23 @@ def test_weights_are_packed_at_load_so_the_first_step_packs_nothing(tmp_path, mo
     assert packs == []
 
 
-def test_int8_logprobs_are_bit_identical_however_the_tokens_are_scheduled(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kernel", ["cpu-paged", "gather"])
+def test_int8_logprobs_are_bit_identical_however_the_tokens_are_scheduled(tmp_path, monkeypatch, kernel):
     """Alone, batched (decodes padded in groups), chunked, preempted: the same logprobs to the last bit.
 
     A random model's logits are near-ties everywhere, so a last-bit difference in attention,
-    re-quantized by the next int8 layer, would show here (it did, before attention ran in float64).
+    re-quantized by the next int8 layer, would show here (it did, before attention was made
+    batch-invariant). Both ways are checked: the CPU paged kernel's fixed summation order on
+    float32 K/V, and the gather path's float64 sums (where the kernel cannot be built).
     """
+    from nanovllm_core.attention import cpu_paged
     from nanovllm_core.llm import LLM
     from tests.conftest import save_tiny_llama
 
+    if kernel == "gather":
+        monkeypatch.setenv(cpu_paged.ENV_SWITCH, "0")
+    elif not cpu_paged.available(torch.device("cpu"), torch.float32, "flash"):
+        pytest.skip("the CPU paged kernel is not available here")
     monkeypatch.setattr(loader, "load_tokenizer", lambda p: None)
     path = save_tiny_llama(tmp_path, seed=3, vocab_size=512)
     model, _, _ = loader.load_model(str(path), torch.device("cpu"), torch.float32, quantization="int8")
@@ -234,10 +242,11 @@ def test_int8_logprobs_are_bit_identical_however_the_tokens_are_scheduled(tmp_pa
     def run(**config):
         llm = LLM.from_engine(LLMEngine(EngineConfig(quantization="int8", block_size=8, **config), model, _Tokenizer()))
         outs = llm.generate(prompts, params, use_tqdm=False)
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm.stats()
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], {**llm.stats(), **llm.engine.model_info()}
 
     alone, _ = run(paged=False, num_kv_blocks=64)
-    assert run(num_kv_blocks=64)[0] == alone
+    batched, stats = run(num_kv_blocks=64)
+    assert stats["attention_backend"] == ("cpu-paged" if kernel == "cpu-paged" else "sdpa") and batched == alone
     chunked_preempted, stats = run(num_kv_blocks=12, max_num_batched_tokens=16)
     assert stats["num_preemptions"] > 0 and chunked_preempted == alone
 

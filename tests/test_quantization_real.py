@@ -3,8 +3,9 @@ depend on scheduling *within* int8 mode (batch vs alone, chunked, preempted, pre
 
 int8 is not float32: its tokens may differ from float32's after a while (the benchmark
 measures how often). Within int8 every token's logits are computed the same whatever else
-shares its step: the int8 products are exact and per token, and attention runs in float64
-(``nanovllm_core.model.quantization.attention_sum_dtype`` says why), so the tokens must be
+shares its step: the int8 products are exact and per token, and attention is batch-invariant
+(the CPU paged kernel's fixed summation order, or float64 sums where that kernel cannot run;
+``nanovllm_core.model.quantization.attention_sum_dtype`` says why), so the tokens must be
 equal, token for token.
 """
 
@@ -86,7 +87,9 @@ def test_int8_model_reports_a_quarter_of_the_bytes(make_engine):
     one = SeqAttention(1, 10, 10)
     op = next(o for o in layer_ops(int8_dims, [one], "fused", one) if o.name == "qkv_proj")
     assert op.bytes == qkv.weight_bytes + (576 + 960) * 4  # the weights as stored, one token in and out in float32
-    assert 1.1 < int8_dims.weight_elem < 1.3 and int8_dims.kv_elem == 8 and int8_info["kv_dtype"] == "float64"
+    # K/V: float32 on the batch-invariant CPU paged kernel, float64 where the gather path runs instead.
+    kv_elem, kv_dtype = (4, "float32") if int8_info["attention_backend"] == "cpu-paged" else (8, "float64")
+    assert 1.1 < int8_dims.weight_elem < 1.3 and int8_dims.kv_elem == kv_elem and int8_info["kv_dtype"] == kv_dtype
     # The tutorial's decode chapter reads these numbers from the engine in use.
     decode = " ".join(model_facts(chapter("decode"), int8_info))
     assert f"reads its {int8_info['linear_weight_bytes'] / 2**20:,.0f} MiB of int8" in decode
@@ -115,7 +118,8 @@ def test_the_tutorials_demonstrations_run_in_the_quantization_asked_for(capsys, 
     # ... and demonstrations over an already loaded int8 model (the app's) build int8 engines.
     demos = tutorial_demos.EngineDemos.from_loaded(*real_model_int8)
     info = demos.engine().model_info()
-    assert info["quantization"] == "int8" and info["kv_dtype"] == "float64"
+    assert info["quantization"] == "int8" and info["kv_dtype"] == ("float32" if info["attention_backend"] == "cpu-paged"
+                                                                   else "float64")
     # Their roofline is int8's own (the demonstrations measured it): oneDNN's int8 peak, not float32's.
     from nanovllm_core import roofline
 

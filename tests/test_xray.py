@@ -210,10 +210,18 @@ def test_attention_bytes_follow_the_backend_and_the_gather_the_step_did(traced):
     for step, traces in steps.items():
         plan, t = plans[step], traces[0]
         ops = {o.name: o for o in t.ops}
-        assert t.attention_backend == "fused" and "attention_scores" not in ops
+        in_place = llm.engine.runner.use_cpu_paged  # the CPU paged kernel reads the blocks where they lie
+        assert t.attention_backend == ("cpu_paged" if in_place else "fused") and "attention_scores" not in ops
         continuing = [s for s in plan.scheduled if s.num_tokens > 1 and s.start > 0]
         decodes = [s for s in plan.scheduled if s.num_tokens == 1]
-        if continuing or decodes:
+        if in_place:
+            assert "kv_gather" not in ops
+            gathers += 1
+            # each token's own context, read once: K and V of 3 KV heads x 64 in float32, no padding
+            keys = sum(s.start + s.num_tokens for s in plan.scheduled)
+            q = sum(s.num_tokens for s in plan.scheduled) * 9 * 64 * 4
+            assert ops["attention"].bytes == 2 * q + 2 * keys * 3 * 64 * 4
+        elif continuing or decodes:
             gathers += 1
             chunk_slots = sum(-(-(s.start + s.num_tokens) // 16) * 16 for s in continuing)
             assert ops["kv_gather"].bytes >= 2 * 2 * chunk_slots * 3 * 64 * 4

@@ -48,8 +48,9 @@ class EngineConfig:
             ``speculative_model`` is set).
         quantization: None (float weights) or ``"int8"``: the linear layers and the LM head
             with int8 weights, one scale per output channel (CPU only; see
-            ``nanovllm_core.model.quantization``). Embeddings stay in ``dtype``; the KV cache
-            and attention run in float64 (see ``quantization.attention_sum_dtype``).
+            ``nanovllm_core.model.quantization``). Embeddings stay in ``dtype``. Attention must
+            then be batch-invariant: the CPU paged kernel is, on float32 K/V; without it the
+            KV cache and attention run in float64 (see ``quantization.attention_sum_dtype``).
     """
 
     model: str | None = None

@@ -24,9 +24,11 @@ batch; every layer reuses it:
    chunk that starts at position 0 has no cached context, so it attends over its own new
    K/V directly and gathers nothing.
 
-Where flash-attn's paged varlen kernel runs (a CUDA GPU of capability 8.0 or newer,
-float16/bfloat16, blocks of a multiple of 256 tokens; see ``attention.selector``), it reads
-the blocks in place instead, steps 2 and 3 in one call for the whole batch.
+Two kernels read the blocks in place instead, steps 2 and 3 in one call for the whole
+batch (see ``attention.selector``): on the CPU in float32, this engine's own C kernel
+(``attention.cpu_paged``), whose sums run in an order no batch changes; on a CUDA GPU of
+capability 8.0 or newer in float16/bfloat16 with blocks of a multiple of 256 tokens,
+flash-attn's paged varlen kernel.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanovllm_core.attention import cpu_paged
 from nanovllm_core.attention.ops import attend_decode_grouped, attend_sequence
 from nanovllm_core.model.llama import ModelConfig
 
@@ -173,6 +176,10 @@ class PagedAttentionMetadata:
       left empty): ``cu_seqlens_q``, ``cu_seqlens_k`` ``[S + 1]`` int32, the cumulative query
       and context lengths of the ``S`` sequences in batch order; ``block_tables``
       ``[S, max_blocks]`` int32; ``max_seqlen_q``, ``max_seqlen_k`` (tokens).
+    - CPU paged kernel fields (``attention.cpu_paged``; the decode groups and prefills are
+      then left empty): ``block_tables`` as above; ``token_rows`` ``[T]`` int32, each token's
+      row of ``block_tables``; ``token_context`` ``[T]`` int32, the keys each token attends
+      (its position + 1); ``max_seqlen_k``, the longest context.
     """
 
     slot_mapping: torch.Tensor
@@ -184,22 +191,31 @@ class PagedAttentionMetadata:
     block_tables: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    token_rows: torch.Tensor | None = None
+    token_context: torch.Tensor | None = None
 
 
 class PagedAttention:
     """The attention context handed to the model for one step over the paged pool.
 
     ``sum_dtype``: None, or a wider dtype the attention arithmetic runs in (float64 in int8
-    mode, see ``nanovllm_core.model.quantization.attention_sum_dtype``).
+    mode on the gather path, see ``nanovllm_core.model.quantization.attention_sum_dtype``).
+    ``use_cpu_paged``: run the CPU paged kernel (``attention.cpu_paged``) on the whole batch.
     """
 
     def __init__(self, cache: PagedKVCache, meta: PagedAttentionMetadata, backend: str = "flash",
-                 use_flash_attn: bool = False, sum_dtype: torch.dtype | None = None):
+                 use_flash_attn: bool = False, sum_dtype: torch.dtype | None = None, use_cpu_paged: bool = False):
         self.cache = cache
         self.meta = meta
         self.backend = backend
         self.use_flash_attn = use_flash_attn
+        self.use_cpu_paged = use_cpu_paged
         self.sum_dtype = sum_dtype
+
+    @property
+    def reads_in_place(self) -> bool:
+        """True when the kernel reads K/V through the block tables where they lie (nothing gathered)."""
+        return self.use_flash_attn or self.use_cpu_paged
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[T, num_heads, head_dim]``, k/v ``[T, num_kv_heads, head_dim]`` -> ``[T, num_heads, head_dim]``."""
@@ -209,6 +225,9 @@ class PagedAttention:
         slots_v.index_copy_(0, meta.slot_mapping, v.to(slots_v.dtype))
         if self.use_flash_attn:
             return self._flash_attn(layer_idx, q)
+        if self.use_cpu_paged:
+            return cpu_paged.paged_attention(q, cache.k_by_head[layer_idx], cache.v_by_head[layer_idx],
+                                             meta.block_tables, meta.token_rows, meta.token_context, meta.max_seqlen_k)
         d = meta.num_decodes
         if d == q.shape[0]:  # decode-only step: no output buffer to fill piecewise
             return self._decode(layer_idx, q)

@@ -1,7 +1,11 @@
 """Which attention kernel serves a paged KV cache, and which block size lets the fastest one run.
 
-Two kernels read the paged pool:
+Three kernels read the paged pool:
 
+- ``"cpu-paged"``: this engine's C kernel (``attention.cpu_paged``) on the CPU in float32:
+  every query token reads its keys and values in place through its block table, and its
+  sums run in an order that no batch, chunking or thread count changes. It needs a C
+  compiler with OpenMP on first use; without one, the engine falls back to ``"sdpa"``.
 - ``"flash-attn"``: flash-attn 2's varlen kernel (``flash_attn_varlen_func`` with a
   ``block_table``) reads the blocks where they lie: no gather, no padding. It runs only where
   ``mha_varlen_fwd`` (flash-attn 2.8, ``csrc/flash_attn/flash_api.cpp``) accepts the call:
@@ -88,8 +92,10 @@ def default_block_size(device: torch.device, dtype: torch.dtype, head_dim: int, 
     return DEFAULT_BLOCK_SIZE
 
 
-def paged_attention_kernel(use_flash_attn: bool, backend: str) -> str:
-    """The kernel a paged step runs: ``"flash-attn"``, ``"sdpa"`` (gather + fused SDPA) or ``"math"``."""
+def paged_attention_kernel(use_flash_attn: bool, backend: str, use_cpu_paged: bool = False) -> str:
+    """The kernel a paged step runs: ``"flash-attn"``, ``"cpu-paged"``, ``"sdpa"`` (gather + fused SDPA) or ``"math"``."""
     if use_flash_attn:
         return "flash-attn"
+    if use_cpu_paged:
+        return "cpu-paged"
     return "sdpa" if backend == "flash" else "math"

@@ -297,7 +297,7 @@ class Narrator(SchedulerNarration):
                 + (f" have the shape {list(scores.shape)}" if scores else "")
                 + "; the causal softmax turns each row into weights that sum to 1.")
         kernel = self.info.get("attention_backend")
-        if kernel in ("sdpa", "flash-attn"):
+        if kernel in ("sdpa", "flash-attn", "cpu-paged"):
             text += (f" This engine's fused attention kernel ({kernel}) never stores the whole score matrix; X-Ray "
                      "recomputes it to show it.")
         elif kernel == "math":

@@ -402,12 +402,13 @@ CHAPTERS: tuple[Chapter, ...] = (
         Each request has a block table that maps its logical blocks (tokens 0..15, 16..31, ...) to
         physical blocks anywhere in the pool. A new block is taken only when the last one is full, so a
         request wastes at most the unfilled slots of its last block. The slot mapping tells the model
-        where to write each new token's key and value. To read them back, this engine (on the CPU, and
-        on CUDA without flash-attn) first gathers a sequence's blocks, in block-table order, into one
-        contiguous buffer per layer and attends over that copy; a prompt chunk that starts at position
-        0 gathers nothing, its keys and values being the ones just computed. vLLM's PagedAttention
-        kernels, like the flash-attn paged kernel this engine uses on CUDA with 256-token blocks, read
-        the blocks in place through the block table instead.
+        where to write each new token's key and value. To read them back, this engine's CPU kernel (a
+        short C file, attention/paged_attention_cpu.c) walks each query token's context through the
+        block table, key by key, reading every block in place; so do vLLM's PagedAttention kernels
+        and the flash-attn paged kernel this engine uses on CUDA with 256-token blocks. Where neither
+        runs (no C compiler, or CUDA without flash-attn), the engine first gathers a sequence's blocks,
+        in block-table order, into one contiguous buffer per layer and attends over that copy: every
+        cached number is then read, written and read again.
 
         Because blocks carry a reference count, two sequences can point at the same physical block.
         Prefix caching (chapter 10) relies on it, and so do parallel samples (n > 1): here the samples

@@ -40,9 +40,11 @@ def _sample(t: torch.Tensor) -> tuple[float, ...]:
 
 
 def backend_of(engine: "LLMEngine") -> str:
-    """``"fused"``, ``"math"`` or ``"flash_attn"``: what computes attention in this engine."""
+    """``"fused"``, ``"math"``, ``"cpu_paged"`` or ``"flash_attn"``: what computes attention in this engine."""
     if engine.runner.paged and engine.runner.use_flash_attn:
         return "flash_attn"
+    if engine.runner.use_cpu_paged:
+        return "cpu_paged"
     return "math" if engine.config.attention_backend == "math" else "fused"
 
 
@@ -291,12 +293,13 @@ class LayerTracer:
 
         From the paged attention's metadata when there is one: decodes are padded to their
         group's longest context and gathered with it; a prefill chunk continuing a cached
-        context gathers its blocks; a chunk from position 0 and flash-attn gather nothing.
+        context gathers its blocks; a chunk from position 0 gathers nothing, and neither do the
+        kernels that read the blocks in place (the CPU paged kernel, flash-attn).
         """
         meta = getattr(attn, "meta", None)
         out = [SeqAttention(s.num_new_tokens, s.start + s.num_new_tokens, s.start + s.num_new_tokens)
                for s in self.order]
-        if meta is None or getattr(attn, "use_flash_attn", False):
+        if meta is None or getattr(attn, "reads_in_place", False):
             return out
         bs = self.engine.runner.block_size
         for g in meta.decode_groups:

@@ -9,11 +9,14 @@ attention backend that ran:
 - ``fused`` (PyTorch's ``scaled_dot_product_attention``, the default): one kernel reads Q, K,
   V and writes O; the score matrix never leaves it, so it costs no memory traffic;
 - ``math``: ``S = Q K^T``, ``softmax``, ``P V`` as three steps, with S and P written and read;
+- ``cpu_paged`` (the CPU in float32, when its C kernel compiled): fused, reading the KV
+  blocks in place through the block table; each query's scores live in a scratch row of
+  the kernel, never in a stored matrix;
 - ``flash_attn`` (CUDA with flash-attn): fused, reading the KV blocks in place.
 
-On the CPU (and on CUDA without flash-attn) a sequence whose context is already cached first
-gathers its KV blocks into one contiguous buffer (``kv_gather``), a copy vLLM's paged kernel
-avoids. Bytes count reads plus writes at the model's element size, weights as stored (int8
+Elsewhere (``fused``: the CPU without the C kernel, CUDA without flash-attn) a sequence whose
+context is already cached first gathers its KV blocks into one contiguous buffer
+(``kv_gather``), a copy the in-place kernels avoid. Bytes count reads plus writes at the model's element size, weights as stored (int8
 plus scales and outlier columns under ``--quantization int8``) and K/V at the cache's element size; FLOPs count a multiply-add
 as 2. GQA: K and V bytes are those of the ``num_kv_heads`` stored heads; query head ``h``
 reads KV head ``h // group`` and nothing is copied.
@@ -31,6 +34,8 @@ from nanovllm_core.events import OpInfo
 BACKEND_NAMES = {
     "fused": "fused SDPA (PyTorch scaled_dot_product_attention: the score matrix stays inside the kernel)",
     "math": "math (S = QK^T, softmax and PV as separate steps: S and P go through memory)",
+    "cpu_paged": "CPU paged kernel (C: reads the KV blocks in place through the block table, nothing gathered; "
+                 "sums in a fixed order, so a token's result ignores its batch)",
     "flash_attn": "flash-attn paged kernel (CUDA: reads the KV blocks in place, nothing gathered)",
 }
 
@@ -106,14 +111,14 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
     Args:
         d: the layer's sizes.
         seqs: every scheduled sequence's attention (the batch has ``T = sum(num_tokens)`` rows).
-        backend: ``"fused"``, ``"math"`` or ``"flash_attn"`` (see the module docstring).
+        backend: ``"fused"``, ``"math"``, ``"cpu_paged"`` or ``"flash_attn"`` (see the module docstring).
         this: the traced sequence (its shapes are written out for attention).
 
     Returns:
         ``OpInfo`` per operation: math, shapes (``[T, ...]`` for the batch), FLOPs, bytes.
     """
     h, i, nh, nkv, hd, e = d.hidden, d.intermediate, d.num_heads, d.num_kv_heads, d.head_dim, d.elem
-    w, kv = d.weight_elem or e, d.kv_elem or e  # int8 mode: int8 weights (+ scales), float64 K/V
+    w, kv = d.weight_elem or e, d.kv_elem or e  # int8 mode: int8 weights (+ scales); K/V as the cache stores them
     T = sum(s.num_tokens for s in seqs)
     qkv = (nh + 2 * nkv) * hd
     w_qkv, w_o, w_gate_up, w_down = d.linear_weight_bytes or (h * qkv * w, nh * hd * h * w, h * 2 * i * w, i * h * w)
@@ -129,7 +134,7 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
             f"2 x [{T}, {nkv}, {hd}] -> the cache", 0, 2 * T * nkv * hd * (e + kv)),
     ]
     gathered = sum(s.gathered for s in seqs)
-    if gathered and backend != "flash_attn":
+    if gathered and backend not in ("flash_attn", "cpu_paged"):
         ops.append(_op("kv_gather", "copy each sequence's KV blocks into one contiguous buffer (block table)",
                        f"2 x [{nkv}, {gathered}, {hd}] over the batch's sequences", 0,
                        2 * 2 * gathered * nkv * hd * kv))
@@ -146,8 +151,10 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
             _op("attention_output", "O = P V", out_shape, qk, s_bytes + kv_bytes + q_bytes),
         ]
     else:
-        ops.append(_op("attention", f"O = softmax(Q K^T / sqrt({hd}) + causal mask) V, one fused kernel per "
-                       "sequence: S and P never reach memory", scores_shape, 2 * qk + soft,
+        how = ("one kernel call for the batch, each query reading its context's blocks in place"
+               if backend == "cpu_paged" else "one fused kernel per sequence")
+        ops.append(_op("attention", f"O = softmax(Q K^T / sqrt({hd}) + causal mask) V, {how}: "
+                       "S and P never reach memory", scores_shape, 2 * qk + soft,
                        2 * q_bytes + 2 * kv_bytes))
     ops += [
         _op("o_proj", "Y = O W_o", f"[{T}, {nh * hd}] @ [{nh * hd}, {h}] -> [{T}, {h}]",

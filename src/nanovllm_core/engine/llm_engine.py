@@ -26,14 +26,13 @@ from nanovllm_core.engine.block_manager import BlockManager
 from nanovllm_core.engine.clock import EngineClock
 from nanovllm_core.engine.device_errors import is_fatal_device_error
 from nanovllm_core.engine.detokenizer import start_detokenizer
-from nanovllm_core.engine.model_runner import ForwardResult, ModelRunner
+from nanovllm_core.engine.model_runner import ForwardResult, ModelRunner, kv_cache_dtype
 from nanovllm_core.engine.output_processor import OutputProcessor, RequestState
 from nanovllm_core.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
 from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
 from nanovllm_core.model.loader import ProgressFn, ResolvedModel, warm_up
 from nanovllm_core.model.quantization import (
-    attention_sum_dtype,
     int8_weight_bytes,
     linear_weight_bytes,
     linear_weight_count,
@@ -90,8 +89,9 @@ class LLMEngine:
         block_size = config.block_size or (
             default_block_size(self.device, self.dtype, self.model_config.head_dim, config.attention_backend)
             if config.paged else DEFAULT_BLOCK_SIZE)
-        # int8 keeps K/V in float64, the dtype its attention sums in (model.quantization.attention_sum_dtype).
-        self.kv_dtype = attention_sum_dtype(getattr(model, "quantization", None)) or self.dtype
+        # int8 off the CPU paged kernel keeps K/V in float64, the dtype its attention sums in
+        # (model.quantization.attention_sum_dtype); the runner makes the same choice.
+        self.kv_dtype = kv_cache_dtype(model, config.attention_backend)
         bytes_per_block = self.model_config.kv_bytes_per_token(self.kv_dtype) * block_size
         # A draft model's pool has one block per target block: the memory budget pays for both.
         draft_bytes_per_block = draft.config.kv_bytes_per_token(self.dtype) * block_size if draft else 0

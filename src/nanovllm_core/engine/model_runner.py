@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm_core.attention import cpu_paged
 from nanovllm_core.attention.contiguous import ContiguousKVCache
 from nanovllm_core.attention.ops import causal_mask
 from nanovllm_core.attention.paged import (
@@ -65,6 +66,18 @@ class ForwardResult:
     num_tokens: int
 
 
+def kv_cache_dtype(model: LlamaForCausalLM, attention_backend: str) -> torch.dtype:
+    """The dtype the KV cache stores for ``model``: the model's, or float64 for int8 weights off the CPU paged kernel.
+
+    int8 layers need attention whose sums no batch changes (``model.quantization.attention_sum_dtype``):
+    the CPU paged kernel's are, on float32 K/V; every other kernel gets there by summing in
+    float64, and keeps K/V in float64 so that no step converts its gathered context.
+    """
+    p = next(model.parameters())
+    invariant = cpu_paged.available(p.device, p.dtype, attention_backend)
+    return attention_sum_dtype(getattr(model, "quantization", None), batch_invariant_kernel=invariant) or p.dtype
+
+
 class ModelRunner:
     """Owns the model and the KV cache; runs a step's batch.
 
@@ -89,8 +102,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         # K/V are kept in the dtype attention sums in, so no step converts the gathered context;
         # a shared pool (self-speculative drafting) sets both.
-        self.kv_dtype = (attention_sum_dtype(getattr(model, "quantization", None)) or self.dtype
-                         if kv_cache is None else kv_cache.k[0].dtype)
+        self.use_cpu_paged = (cpu_paged.available(self.device, self.dtype, attention_backend)
+                              and (kv_cache is None or (kv_cache.heads_major and kv_cache.k[0].dtype == self.dtype)))
+        self.kv_dtype = kv_cache_dtype(model, attention_backend) if kv_cache is None else kv_cache.k[0].dtype
         self.attention_sum_dtype = self.kv_dtype if self.kv_dtype != self.dtype else None
         if kv_cache is not None:
             self.use_flash_attn = not kv_cache.heads_major
@@ -106,8 +120,8 @@ class ModelRunner:
 
     @property
     def attention_kernel(self) -> str:
-        """The kernel attention runs on: ``"flash-attn"``, ``"sdpa"`` or ``"math"`` (see ``attention.selector``)."""
-        return paged_attention_kernel(self.use_flash_attn, self.backend)
+        """The kernel attention runs on: ``"flash-attn"``, ``"cpu-paged"``, ``"sdpa"`` or ``"math"`` (see ``attention.selector``)."""
+        return paged_attention_kernel(self.use_flash_attn, self.backend, self.use_cpu_paged)
 
     @staticmethod
     def batch_order(scheduled: list[ScheduledSequence]) -> list[ScheduledSequence]:
@@ -152,9 +166,12 @@ class ModelRunner:
         input_ids, pos, slot_mapping, sample_index = staged.upload(self.device)
         if self.use_flash_attn:
             meta = self._flash_attn_metadata(order, slot_mapping)
+        elif self.use_cpu_paged:
+            meta = self._cpu_paged_metadata(order, slot_mapping)
         else:
             meta = self._gather_metadata(order, slot_mapping)
-        attn = PagedAttention(self.kv_cache, meta, self.backend, self.use_flash_attn, self.attention_sum_dtype)
+        attn = PagedAttention(self.kv_cache, meta, self.backend, self.use_flash_attn, self.attention_sum_dtype,
+                              self.use_cpu_paged)
         hidden = self.model(input_ids, pos, attn, tracer)
         return self._logits(hidden, rows, sample_index, len(ids))
 
@@ -254,6 +271,38 @@ class ModelRunner:
                                       block_tables=block_tables.view(len(order), width),
                                       max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens))
 
+    def _cpu_paged_metadata(self, order: list[ScheduledSequence], slot_mapping: torch.Tensor) -> PagedAttentionMetadata:
+        """The CPU paged kernel's arguments, one copy for every layer: ``block_tables`` ``[S, max_blocks]``
+        int32 (rows padded with block 0, never read past a token's context), and per token its row
+        (``token_rows [T]``) and its context length, position + 1 (``token_context [T]``).
+
+        Raises:
+            ValueError: a block table too short for its sequence's context or naming a block
+                outside the pool (the kernel reads raw memory, so this is checked here, once a step).
+        """
+        bs, nb = self.block_size, self.kv_cache.num_blocks
+        k_lens = [s.start + s.num_new_tokens for s in order]
+        width = max(-(-k // bs) for k in k_lens)
+        tables: list[int] = []
+        rows: list[int] = []
+        context: list[int] = []
+        for i, (s, k) in enumerate(zip(order, k_lens)):
+            used = s.seq.block_table[: -(-k // bs)]
+            if len(used) * bs < k or any(not 0 <= b < nb for b in used):
+                raise ValueError(f"sequence {s.seq.seq_id}'s block table {used} cannot hold its {k} tokens "
+                                 f"in a pool of {nb} blocks")
+            tables.extend(used)
+            tables.extend([0] * (width - len(used)))
+            rows.extend([i] * s.num_new_tokens)
+            context.extend(range(s.start + 1, k + 1))
+        staged = Staging(torch.int32)
+        for values in (tables, rows, context):
+            staged.add(values)
+        block_tables, token_rows, token_context = staged.upload(self.device)
+        return PagedAttentionMetadata(slot_mapping=slot_mapping, num_decodes=self._num_decodes(order),
+                                      block_tables=block_tables.view(len(order), width), token_rows=token_rows,
+                                      token_context=token_context, max_seqlen_k=max(k_lens))
+
     def _run_contiguous(self, order, tracer, rows, flat_rows) -> ForwardResult:
         """Baseline: each sequence runs alone against its own contiguous cache."""
         hiddens = []
@@ -265,7 +314,7 @@ class ModelRunner:
                 limit = seq.params.max_tokens or self.max_model_len
                 reserve = min(self.max_model_len, seq.num_prompt_tokens + limit)
                 cache = ContiguousKVCache(self.model.config, reserve, self.kv_dtype, self.device, self.backend,
-                                          self.attention_sum_dtype)
+                                          self.attention_sum_dtype, self.use_cpu_paged)
                 self.contiguous[seq.seq_id] = cache
             ids = to_device(seq.token_ids[s.start:s.start + s.num_new_tokens], torch.long, self.device)
             positions = torch.arange(s.start, s.start + s.num_new_tokens, device=self.device)

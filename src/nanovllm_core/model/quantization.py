@@ -61,8 +61,12 @@ def check_quantization(mode: str | None) -> None:
                          "(or leave it unset for float weights)")
 
 
-def attention_sum_dtype(mode: str | None) -> torch.dtype | None:
+def attention_sum_dtype(mode: str | None, batch_invariant_kernel: bool = False) -> torch.dtype | None:
     """The dtype attention computes in under ``mode``: float64 for int8, None (the model's dtype) otherwise.
+
+    ``batch_invariant_kernel``: attention runs on a kernel whose sums no batch, chunking or
+    padding changes (the CPU paged kernel, ``attention.cpu_paged``); then int8 needs nothing
+    wider and this returns None. Below is why the other kernels need float64.
 
     Why int8 needs it. Each int8 layer quantizes its input per token, a whole rounding step
     (1/127 of the row's largest value) for any value near a rounding boundary. The int8
@@ -76,10 +80,11 @@ def attention_sum_dtype(mode: str | None) -> torch.dtype | None:
     the same sums differ by ~1e-16 relative, which rounding back to float32 removes (a
     difference survives only for a value within ~1e-16 of a float32 rounding midpoint, about
     one in 10^8, and then changes an int8 input only if that too sits at a boundary): the
-    same measurement gives bit-identical hidden states at every layer. Attention is a small
-    share of a step's arithmetic at these context lengths; the weights dominate.
+    same measurement gives bit-identical hidden states at every layer. The price is bytes:
+    float64 K/V double the cache and its gathers, and on the 64-request workload (2-core
+    Xeon) int8's float64 attention took longer than its int8 linear layers.
     """
-    return torch.float64 if mode == "int8" else None
+    return torch.float64 if mode == "int8" and not batch_invariant_kernel else None
 
 
 def _linear_slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:

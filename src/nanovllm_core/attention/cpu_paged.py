@@ -1,0 +1,183 @@
+"""The CPU PagedAttention kernel: reads K/V in place through block tables, in a batch-invariant order.
+
+The kernel is ``paged_attention_cpu.c`` beside this file, about a hundred lines of C: for
+each (query token, KV head) it walks the token's context key by key through its sequence's
+block table (Kwon et al. 2023, section 4.1, as vLLM's CPU backend does), so no step copies
+a sequence's blocks into a contiguous buffer first. Against the gather + SDPA path it reads
+each cached number once instead of three times (read, write the copy, read the copy).
+
+Every sum in it runs in an order fixed by the token alone (see the C file's header), so a
+token gets the same bits alone or in any batch, chunk or thread count: int8 mode then needs
+no float64 attention (``nanovllm_core.model.quantization.attention_sum_dtype``).
+
+It is compiled on first use with the system's C compiler (``$CC``, else ``cc``) and
+OpenMP, for this CPU (``-march=native``), into ``<cache_root>/kernels/`` under a name
+that hashes the source, the flags, the compiler and the CPU; later runs load that file.
+Where it cannot run (no compiler, a failed build, a dtype other than float32, a GPU, the
+``math`` backend, or ``NANOVLLM_CPU_PAGED_ATTENTION=0``), the engine gathers and uses
+SDPA as before, and :func:`unsupported_reason` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+ENV_SWITCH = "NANOVLLM_CPU_PAGED_ATTENTION"  # "0" turns the kernel off (A/B runs, tests of the fallback)
+COMPILE_TIMEOUT_S = 120
+
+_lock = threading.Lock()
+_loaded: tuple[ctypes.CDLL | None, str | None] | None = None  # (library, why not), once per process
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc)
+
+
+def _cpu_identity() -> str:
+    """What ``-march=native`` compiles for: the CPU's model name and flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def library_path(cc: str) -> Path:
+    """Where the compiled kernel for this source, flags, compiler and CPU is (or will be) cached."""
+    from nanovllm_core.model.loader import cache_root
+
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS), cc, _cpu_identity()]).encode()).hexdigest()
+    return cache_root() / "kernels" / f"paged_attention_cpu-{key[:16]}.so"
+
+
+def _build(cc: str, target: Path) -> None:
+    """Compile to a temporary file beside ``target`` and rename it there (no half-written library).
+
+    Raises:
+        RuntimeError: the compiler failed or timed out (its first error line in the message).
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{cc} did not finish within {COMPILE_TIMEOUT_S} s") from None
+        if r.returncode != 0:
+            first = next((ln for ln in r.stderr.splitlines() if "error" in ln), r.stderr.strip()[:200])
+            raise RuntimeError(f"{cc} failed: {first}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            cc = _compiler()
+            if cc is None:
+                _loaded = (None, f"no C compiler was found ({os.environ.get('CC') or 'cc'}); install gcc")
+            else:
+                try:
+                    path = library_path(cc)
+                    if not path.exists():
+                        _build(cc, path)
+                    lib = ctypes.CDLL(str(path))
+                    fn = lib.paged_attention
+                    fn.restype = ctypes.c_int
+                    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_int]
+                    _loaded = (lib, None)
+                except (OSError, RuntimeError) as e:
+                    _loaded = (None, f"its build failed: {e}")
+        return _loaded
+
+
+def unsupported_reason(device: torch.device, dtype: torch.dtype, backend: str) -> str | None:
+    """Why the CPU paged kernel cannot serve this cache, or None when it can (compiling it if needed).
+
+    Args:
+        device: where the model and the KV cache live.
+        dtype: the model's dtype (the kernel reads and writes float32).
+        backend: ``"flash"`` (fused attention) or ``"math"`` (explicit score matrix, for teaching).
+    """
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return f"{ENV_SWITCH}=0 turned it off"
+    if device.type != "cpu":
+        return f"it runs on the CPU (the device is {device.type})"
+    if dtype != torch.float32:
+        return f"it runs float32 only (the dtype is {str(dtype).replace('torch.', '')})"
+    if backend != "flash":
+        return "the math backend keeps the explicit score matrix"
+    return _load()[1]
+
+
+def available(device: torch.device, dtype: torch.dtype, backend: str) -> bool:
+    """True when the CPU paged kernel can serve this cache (see :func:`unsupported_reason`)."""
+    return unsupported_reason(device, dtype, backend) is None
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                    token_rows: torch.Tensor, token_context: torch.Tensor, max_context: int) -> torch.Tensor:
+    """Attention for a flat batch of query tokens, each over its own context in the paged pool.
+
+    Args:
+        q: ``[T, num_heads, head_dim]`` float32 (made contiguous if it is not).
+        k_pool, v_pool: one layer's pool, head-major ``[num_kv_heads, num_blocks, block_size, head_dim]``
+            float32, contiguous (``PagedKVCache.k_by_head[layer]``).
+        block_tables: ``[S, max_blocks]`` int32, one padded row per sequence.
+        token_rows: ``[T]`` int32, the row of ``block_tables`` each token's sequence uses.
+        token_context: ``[T]`` int32, keys each token attends (its position + 1: causal).
+        max_context: the largest entry of ``token_context`` (sizes the kernel's scratch).
+
+    Returns:
+        ``[T, num_heads, head_dim]`` float32: ``softmax(q k^T / sqrt(head_dim)) v`` per token, query
+        head ``h`` reading KV head ``h // (num_heads / num_kv_heads)`` (GQA).
+
+    Raises:
+        RuntimeError: the kernel is not available here (see :func:`unsupported_reason`) or ran out of memory.
+        ValueError: a tensor of the wrong dtype, layout or shape.
+    """
+    lib, why = _load()
+    if lib is None:
+        raise RuntimeError(f"the CPU paged attention kernel is not available: {why}")
+    q = q.contiguous()
+    t, nh, hd = q.shape
+    nkv, nb, bs, hd2 = k_pool.shape
+    if q.dtype != torch.float32 or k_pool.dtype != torch.float32 or v_pool.dtype != torch.float32:
+        raise ValueError("the CPU paged attention kernel takes float32 q, K and V")
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()) or v_pool.shape != k_pool.shape or hd2 != hd:
+        raise ValueError(f"K/V pools must be contiguous [num_kv_heads, num_blocks, block_size, {hd}] alike; "
+                         f"got {tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
+    if nh % nkv:
+        raise ValueError(f"{nh} query heads cannot share {nkv} KV heads evenly")
+    for name, x in (("block_tables", block_tables), ("token_rows", token_rows), ("token_context", token_context)):
+        if x.dtype != torch.int32 or not x.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int32 tensor")
+    out = torch.empty_like(q)
+    if t == 0:
+        return out
+    rc = lib.paged_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
+                             block_tables.data_ptr(), token_rows.data_ptr(), token_context.data_ptr(),
+                             t, nh, nkv, hd, nb, bs, block_tables.shape[1], max(1, max_context),
+                             hd ** -0.5, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError("the CPU paged attention kernel could not allocate its scratch memory")
+    return out

@@ -1,0 +1,179 @@
+"""The CPU PagedAttention kernel (``attention.cpu_paged``): right values, the same bits in any batch, and a fallback.
+
+Values are checked against a float64 softmax(q k^T / sqrt(d)) v over each token's context,
+gathered from the pool in block-table order. Batch invariance is checked bit for bit: a
+token alone, in a batch of other sequences, as one row of a prefill chunk, and on 1 or 2
+threads. Where the kernel cannot be built the engine must fall back to the gather path and
+say why.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nanovllm_core.attention import cpu_paged
+from nanovllm_core.config import EngineConfig
+from nanovllm_core.engine.llm_engine import LLMEngine
+from nanovllm_core.engine.model_runner import ModelRunner
+from nanovllm_core.model import loader
+from nanovllm_core.sampling_params import SamplingParams
+
+needs_kernel = pytest.mark.skipif(not cpu_paged.available(torch.device("cpu"), torch.float32, "flash"),
+                                  reason=f"the CPU paged kernel is not available here: "
+                                         f"{cpu_paged.unsupported_reason(torch.device('cpu'), torch.float32, 'flash')}")
+
+
+def make_pool(num_kv_heads=3, num_blocks=40, block_size=16, head_dim=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def reference(q, k_pool, v_pool, table, context):
+    """float64 attention of one token ``q [num_heads, head_dim]`` over the first ``context`` slots of ``table``."""
+    nkv, _, bs, hd = k_pool.shape
+    k = k_pool[:, table].reshape(nkv, -1, hd)[:, :context].double()
+    v = v_pool[:, table].reshape(nkv, -1, hd)[:, :context].double()
+    group = q.shape[0] // nkv
+    qg = q.double().view(nkv, group, hd)
+    p = torch.softmax(qg @ k.transpose(1, 2) / hd ** 0.5, dim=-1)
+    return (p @ v).reshape(-1, hd)
+
+
+def run_kernel(q, k_pool, v_pool, tables, rows, context):
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return cpu_paged.paged_attention(q, k_pool, v_pool, bt, torch.tensor(rows, dtype=torch.int32),
+                                     torch.tensor(context, dtype=torch.int32), max(context))
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 4, 40, 8), (8, 2, 128, 4)])
+def test_each_token_gets_softmax_qk_v_over_its_own_context(heads, kv_heads, head_dim, block_size):
+    k_pool, v_pool = make_pool(kv_heads, 64, block_size, head_dim)
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(1)).tolist()
+    # a lone decode of 1 key, a decode ending exactly on a block boundary, a longer one, and a 5-token chunk
+    contexts = [[1], [4 * block_size], [7 * block_size + 3], list(range(2 * block_size + 1, 2 * block_size + 6))]
+    tables, rows, ctx, start = [], [], [], 0
+    for i, c in enumerate(contexts):
+        n = -(-max(c) // block_size)
+        tables.append(perm[start:start + n])
+        start += n
+        rows += [i] * len(c)
+        ctx += c
+    q = torch.randn(len(ctx), heads, head_dim, generator=torch.Generator().manual_seed(2))
+    out = run_kernel(q, k_pool, v_pool, tables, rows, ctx)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    for t in range(len(ctx)):
+        want = reference(q[t], k_pool, v_pool, tables[rows[t]], ctx[t])
+        torch.testing.assert_close(out[t].double(), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_a_token_gets_the_same_bits_alone_in_a_batch_in_a_chunk_and_on_any_thread_count():
+    k_pool, v_pool = make_pool()
+    table = [5, 17, 2, 30, 11]  # the token's sequence: 70 tokens over 5 blocks
+    q = torch.randn(9, 64, generator=torch.Generator().manual_seed(3))
+    alone = run_kernel(q[None], k_pool, v_pool, [table], [0], [70])[0]
+    # in a batch: other sequences before and after it, of other lengths and blocks
+    others = torch.randn(3, 9, 64)
+    batch = torch.cat([others[:2], q[None], others[2:]])
+    batched = run_kernel(batch, k_pool, v_pool, [[1, 3], table, [7, 8, 9]], [0, 0, 1, 2], [20, 25, 70, 40])[2]
+    # as the last row of a 6-token prefill chunk of its own sequence
+    chunk_q = torch.cat([torch.randn(5, 9, 64), q[None]])
+    chunked = run_kernel(chunk_q, k_pool, v_pool, [table], [0] * 6, list(range(65, 71)))[5]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = run_kernel(batch, k_pool, v_pool, [[1, 3], table, [7, 8, 9]], [0, 0, 1, 2], [20, 25, 70, 40])[2]
+    finally:
+        torch.set_num_threads(threads)
+    for other in (batched, chunked, one_thread):
+        assert torch.equal(alone, other)
+
+
+@needs_kernel
+def test_wrong_inputs_are_one_line_errors():
+    k_pool, v_pool = make_pool()
+    q = torch.randn(1, 9, 64)
+    bt, rows, ctx = torch.zeros((1, 1), dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    bad = [
+        (q.double(), k_pool, v_pool, bt, rows, ctx, "float32"),
+        (q, k_pool.transpose(1, 2), v_pool, bt, rows, ctx, "contiguous"),
+        (torch.randn(1, 8, 64), k_pool, v_pool, bt, rows, ctx, "cannot share"),
+        (q, k_pool, v_pool, bt.long(), rows, ctx, "int32"),
+    ]
+    for *args, said in bad:
+        with pytest.raises(ValueError, match=said) as e:
+            cpu_paged.paged_attention(*args, max_context=1)
+        assert "\n" not in str(e.value)
+
+
+@needs_kernel
+def test_the_runner_refuses_a_block_table_that_cannot_hold_the_context():
+    """The kernel reads raw memory: a short table or a block outside the pool is refused before it runs."""
+    runner = SimpleNamespace(block_size=16, kv_cache=SimpleNamespace(num_blocks=8), device=torch.device("cpu"),
+                             _num_decodes=ModelRunner._num_decodes)
+    seq = SimpleNamespace(seq_id=4, block_table=[1])
+    with pytest.raises(ValueError, match="cannot hold its 20 tokens"):
+        ModelRunner._cpu_paged_metadata(runner, [SimpleNamespace(seq=seq, start=0, num_new_tokens=20)], None)
+    seq.block_table = [1, 8]
+    with pytest.raises(ValueError, match="pool of 8 blocks"):
+        ModelRunner._cpu_paged_metadata(runner, [SimpleNamespace(seq=seq, start=19, num_new_tokens=1)], None)
+
+
+def test_without_a_compiler_the_engine_gathers_and_says_why(monkeypatch):
+    monkeypatch.setattr(cpu_paged, "_loaded", None)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    why = cpu_paged.unsupported_reason(torch.device("cpu"), torch.float32, "flash")
+    assert why is not None and "no C compiler" in why and "install gcc" in why
+    with pytest.raises(RuntimeError, match="not available"):
+        cpu_paged.paged_attention(torch.randn(1, 9, 64), *make_pool(), torch.zeros((1, 1), dtype=torch.int32),
+                                  torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1)
+
+
+def test_a_failed_build_is_reported_not_raised(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_paged, "_loaded", None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # exits 1, like a compiler that rejects the source
+    why = cpu_paged.unsupported_reason(torch.device("cpu"), torch.float32, "flash")
+    assert why is not None and why.startswith("its build failed") and "\n" not in why
+    assert not list((tmp_path / "nanovllm" / "kernels").glob("*.so"))  # no half-written library left behind
+
+
+def test_other_devices_dtypes_and_the_math_backend_are_not_served():
+    cpu = torch.device("cpu")
+    assert "float32 only" in cpu_paged.unsupported_reason(cpu, torch.bfloat16, "flash")
+    assert "math backend" in cpu_paged.unsupported_reason(cpu, torch.float32, "math")
+    assert "CPU" in cpu_paged.unsupported_reason(torch.device("cuda"), torch.float32, "flash")
+
+
+@pytest.mark.parametrize("kernel_on", [True, False], ids=["cpu-paged", "gather"])
+def test_int8_engine_picks_its_kv_dtype_and_attention_by_the_kernel(tmp_path, monkeypatch, kernel_on):
+    """On the kernel int8 keeps float32 K/V; on the gather path float64, and the X-Ray shows the gather."""
+    from nanovllm_core.educational.xray import backend_of
+    from tests.conftest import save_tiny_llama
+    from tests.test_quantization import _Tokenizer
+
+    if kernel_on and not cpu_paged.available(torch.device("cpu"), torch.float32, "flash"):
+        pytest.skip("the CPU paged kernel is not available here")
+    if not kernel_on:
+        monkeypatch.setenv(cpu_paged.ENV_SWITCH, "0")
+    monkeypatch.setattr(loader, "load_tokenizer", lambda p: None)
+    model, _, _ = loader.load_model(str(save_tiny_llama(tmp_path, vocab_size=512)), torch.device("cpu"),
+                                    torch.float32, quantization="int8")
+    engine = LLMEngine(EngineConfig(quantization="int8", block_size=8, num_kv_blocks=32), model, _Tokenizer())
+    info = engine.model_info()
+    assert info["attention_backend"] == ("cpu-paged" if kernel_on else "sdpa")
+    assert info["kv_dtype"] == ("float32" if kernel_on else "float64")
+    assert backend_of(engine) == ("cpu_paged" if kernel_on else "fused")
+    traces = []
+    engine.subscribe(lambda e: traces.append(e) if type(e).__name__ == "LayerTrace" else None, xray=True)
+    engine.add_request(list(range(3, 23)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    decode_ops = [{o.name for o in t.ops} for t in traces if t.num_new_tokens == 1]
+    assert decode_ops and all(("kv_gather" in ops) != kernel_on for ops in decode_ops)
