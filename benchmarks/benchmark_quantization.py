@@ -21,6 +21,10 @@ medians over rounds, so a burst of load on a shared machine hits one round of on
   tokens/s for our float32 and int8, each round on a fresh engine (no prefix cache carried over);
 - float32 on that workload as a fraction of the measured float32 matmul peak
   (2 x parameters x tokens / time / peak, as ``benchmark_comparison`` computes it).
+
+``--gather-ab`` adds, for both speed figures, each mode with the CPU paged attention kernel
+turned off (``NANOVLLM_CPU_PAGED_ATTENTION=0``: gather + PyTorch SDPA, float64 under int8),
+interleaved with the rest, and prints the kernel's speed-up over that path.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -55,6 +60,30 @@ def load(quantization: str | None):
     from nanovllm_core.model.loader import load_model
 
     return load_model(None, torch.device("cpu"), torch.float32, quantization=quantization)
+
+
+@contextmanager
+def gather_path() -> Iterator[None]:
+    """Engines built inside run attention on the gather path (the CPU paged kernel turned off)."""
+    from nanovllm_core.attention.cpu_paged import ENV_SWITCH
+
+    before = os.environ.get(ENV_SWITCH)
+    os.environ[ENV_SWITCH] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV_SWITCH, None)
+        else:
+            os.environ[ENV_SWITCH] = before
+
+
+def on_gather_path(measure: Callable[[], float]) -> Callable[[], float]:
+    """``measure`` run with engines on the gather path."""
+    def run() -> float:
+        with gather_path():
+            return measure()
+    return run
 
 
 def fresh_llm(loaded, quantization: str | None, num_kv_blocks: int = 512, **engine_kwargs: Any):
@@ -173,11 +202,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     peaks = gemm_peaks()
     loaded = {"float32": load(None), "int8": load("int8")}
     quant = {"float32": None, "int8": "int8"}
+    summary_kernel = {m: fresh_llm(loaded[m], quant[m], num_kv_blocks=8).engine.model_info()["attention_backend"]
+                      for m in MODES}
     tokenizer = loaded["float32"][1]
     corpus = corpus_token_ids(tokenizer)
     summary: dict[str, Any] = {"machine": machine_summary(), "cpu_flags": cpu_flags(),
                                "int8_weight_range": weight_range(), "rounds": args.rounds}
     summary["machine"]["load_average_at_start"] = load_start
+    summary["attention_kernel"] = summary_kernel
 
     # -- bytes
     summary["linear_weight_bytes"] = {m: linear_weight_bytes(loaded[m][0]) for m in MODES}
@@ -204,6 +236,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         m: (lambda m=m: decode_rate_ours(fresh_llm(loaded[m], quant[m], num_kv_blocks=64), prompt, n)) for m in MODES}
     if hf is not None:
         systems["transformers"] = lambda: decode_rate_hf(hf, prompt, n)
+    if args.gather_ab:
+        systems.update({f"{m} gather": on_gather_path(systems[m]) for m in MODES})
     for name in systems:  # warm-up, outside the figures
         systems[name]()
     b1 = interleaved(systems, args.rounds)
@@ -229,7 +263,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         elapsed[m].append(secs)
         return rate
 
-    wl = interleaved({m: (lambda m=m: one(m)) for m in MODES}, args.rounds)
+    def one_gather(m: str) -> float:
+        rate, secs = workload_rate(loaded[m], quant[m], workload)
+        elapsed[f"{m} gather"].append(secs)
+        return rate
+
+    wl_systems = {m: (lambda m=m: one(m)) for m in MODES}
+    if args.gather_ab:
+        elapsed.update({f"{m} gather": [] for m in MODES})
+        wl_systems.update({f"{m} gather": on_gather_path(lambda m=m: one_gather(m)) for m in MODES})
+    wl = interleaved(wl_systems, args.rounds)
     peaks = {k: max(v, peaks.get(k, 0.0)) for k, v in gemm_peaks().items()}
     peak = max(peaks.values())
     params = num_parameters()
@@ -240,6 +283,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "int8_over_float32": med_wl["int8"] / med_wl["float32"],
         "float32_roofline_fraction": 2.0 * params * (workload.prompt_tokens + workload.output_tokens) / best_f32 / peak,
     }
+    if args.gather_ab:
+        summary["cpu_paged_over_gather"] = {
+            m: {"batch1_decode": med[m] / med[f"{m} gather"], "workload": med_wl[m] / med_wl[f"{m} gather"]}
+            for m in MODES}
     summary["gemm_peak_flops"] = peak
     summary["gemm_peaks_flops_by_path"] = peaks
     summary["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
@@ -253,7 +300,8 @@ def report(s: dict[str, Any]) -> str:
         f"machine: {m['cpu']} ({', '.join(s['cpu_flags']) or 'flags unknown'}), {m['cpu_count']} cores, "
         f"torch {m['torch']} threads {m['torch_threads']}; load average {m['load_average_at_start']} at start, "
         f"{m['load_average_at_end']} at end; int8 weights in [-{s['int8_weight_range']}, {s['int8_weight_range']}]; "
-        f"medians of {s['rounds']} interleaved round(s)",
+        f"medians of {s['rounds']} interleaved round(s); attention kernel: "
+        + ", ".join(f"{m} {k}" for m, k in s["attention_kernel"].items()),
         "",
         table(["weights", "linear bytes/step", "perplexity", "greedy = float32", "batch-1 decode tok/s",
                f"{wl['num_requests']}-request tok/s"],
@@ -272,6 +320,11 @@ def report(s: dict[str, Any]) -> str:
         f"{100 * wl['float32_roofline_fraction']:.1f}% of the float32 matmul peak "
         f"({s['gemm_peak_flops'] / 1e9:.0f} GFLOP/s, 2048^3)",
     ]
+    if "cpu_paged_over_gather" in s:
+        lines.append("CPU paged kernel / gather path: " + "; ".join(
+            f"{m} batch-1 {r['batch1_decode']:.2f}x, {wl['num_requests']}-request {r['workload']:.2f}x "
+            f"(gather: {fmt(b1['tokens_per_s'][m + ' gather'])} and {fmt(wl['useful_tokens_per_s'][m + ' gather'])} tok/s)"
+            for m, r in s["cpu_paged_over_gather"].items()))
     return "\n".join(lines)
 
 
@@ -282,6 +335,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's own choice)")
     ap.add_argument("--skip-hf", action="store_true", help="leave transformers out of the batch-1 decode figures")
     ap.add_argument("--json", metavar="FILE", help="also write all figures to FILE as JSON")
+    ap.add_argument("--gather-ab", action="store_true",
+                    help="also run both speed figures with the CPU paged attention kernel off (gather + SDPA)")
     args = ap.parse_args(argv)
     check_json_path(ap, args.json)
     if args.rounds is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -54,7 +55,7 @@ def test_comparison_rejects_an_unknown_system(capsys):
 
 def test_quantization_quick_measures_quality_bytes_and_speed_of_both_modes(tmp_path):
     path = tmp_path / "quant.json"
-    benchmark_quantization.main(["--quick", "--skip-hf", "--json", str(path)])
+    benchmark_quantization.main(["--quick", "--skip-hf", "--gather-ab", "--json", str(path)])
     data = json.loads(path.read_text())
     q = data["quality"]
     assert all(positive(q["perplexity"][m]) for m in ("float32", "int8"))
@@ -67,6 +68,10 @@ def test_quantization_quick_measures_quality_bytes_and_speed_of_both_modes(tmp_p
         assert positive(data[section]["int8_over_float32"])
     assert 0 < data["workload"]["float32_roofline_fraction"] < 1
     assert data["int8_weight_range"] in (63, 127)
+    # the A/B against the gather path ran both modes that way too (the env switch restored afterwards)
+    assert set(data["batch1_decode"]["tokens_per_s"]) >= {"float32 gather", "int8 gather"}
+    assert all(positive(r["workload"]) and positive(r["batch1_decode"]) for r in data["cpu_paged_over_gather"].values())
+    assert "NANOVLLM_CPU_PAGED_ATTENTION" not in os.environ
 
 
 def test_comparison_llamacpp_without_the_package_is_one_line(capsys, monkeypatch):
