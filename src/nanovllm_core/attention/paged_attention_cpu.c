@@ -5,10 +5,10 @@
  * Batch invariance. The arithmetic for one query token depends only on that token: its
  * query, its context length (position + 1) and the numbers in its context's blocks. Every
  * sum runs in a fixed order that no batch, chunking or thread count changes:
- *   - a score is a dot product over head_dim in 16 fixed lanes, the lanes then added in
+ *   - a score is a dot product over head_dim in 8 fixed lanes, the lanes then added in
  *     order (dot below);
  *   - the softmax's max is exact; its denominator adds exp(score - max) over the context in
- *     16 fixed lanes, then the lanes in order;
+ *     8 fixed lanes, then the lanes in order;
  *   - the output adds p_j * v_j over the context in key order, one lane per element of
  *     head_dim.
  * So a token computes the same bits alone, in a batch of 64, in a prefill chunk or as a
@@ -29,7 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 16
+#define LANES 8
 
 static float dot(const float *a, const float *b, int n) {
     float lane[LANES] = {0};
