@@ -126,7 +126,9 @@ def test_the_runner_refuses_a_block_table_that_cannot_hold_the_context():
 
 
 def test_without_a_compiler_the_engine_gathers_and_says_why(monkeypatch):
-    monkeypatch.setattr(cpu_paged, "_loaded", None)
+    from nanovllm_core import native
+
+    monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv("CC", "/nonexistent/cc")
     why = cpu_paged.unsupported_reason(torch.device("cpu"), torch.float32, "flash")
     assert why is not None and "no C compiler" in why and "install gcc" in why
@@ -136,7 +138,9 @@ def test_without_a_compiler_the_engine_gathers_and_says_why(monkeypatch):
 
 
 def test_a_failed_build_is_reported_not_raised(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_paged, "_loaded", None)
+    from nanovllm_core import native
+
+    monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # exits 1, like a compiler that rejects the source
     why = cpu_paged.unsupported_reason(torch.device("cpu"), torch.float32, "flash")
@@ -168,6 +172,7 @@ def test_int8_engine_picks_its_kv_dtype_and_attention_by_the_kernel(tmp_path, mo
     engine = LLMEngine(EngineConfig(quantization="int8", block_size=8, num_kv_blocks=32), model, _Tokenizer())
     info = engine.model_info()
     assert info["attention_backend"] == ("cpu-paged" if kernel_on else "sdpa")
+    assert info["cpu_paged_unavailable"] == (None if kernel_on else f"{cpu_paged.ENV_SWITCH}=0 turned it off")
     assert info["kv_dtype"] == ("float32" if kernel_on else "float64")
     assert backend_of(engine) == ("cpu_paged" if kernel_on else "fused")
     traces = []

@@ -144,6 +144,31 @@ def test_outlier_count_is_capped_by_a_share_of_the_channels():
     assert outlier_channels(torch.rand(8)).numel() == 0
 
 
+@pytest.mark.parametrize("in_features, out_features, num_outliers, smoothed, bias",
+                         [(576, 960, 16, True, False), (1536, 576, 16, False, True), (576, 3072, 0, True, True),
+                          (40, 24, 3, False, False)])
+def test_the_native_quantize_and_epilogue_compute_the_same_bits_as_pytorch(monkeypatch, in_features, out_features,
+                                                                            num_outliers, smoothed, bias):
+    """``int8_cpu.c`` replaces ~20 PyTorch ops per layer with two calls; the outputs must not move by a bit."""
+    from nanovllm_core.model import int8_linear
+
+    if int8_linear.native_helpers() is None or not int8_linear._ONEDNN:
+        pytest.skip("the native int8 helpers (or oneDNN's int8 matmul) are not available here")
+    g = torch.Generator().manual_seed(in_features)
+    layer = Int8Linear.from_float(torch.randn(out_features, in_features, generator=g),
+                                  torch.randn(out_features, generator=g) if bias else None,
+                                  torch.rand(in_features, generator=g) + 0.5 if smoothed else None,
+                                  torch.randperm(in_features, generator=g)[:num_outliers] if num_outliers else None)
+    for tokens in (0, 1, 3, 64, 300):
+        x = torch.randn(tokens, in_features, generator=g) * 3
+        x[:, :2] *= 40  # a few large channels, as the RMSNorm outputs have
+        native = layer(x)
+        monkeypatch.setenv(int8_linear.NATIVE_ENV_SWITCH, "0")
+        assert int8_linear.native_helpers() is None
+        assert torch.equal(native, layer(x)), tokens
+        monkeypatch.delenv(int8_linear.NATIVE_ENV_SWITCH)
+
+
 def test_int8_layer_takes_an_empty_step_and_half_precision_inputs():
     layer = Int8Linear.from_float(torch.randn(8, 16))
     assert layer(torch.randn(0, 16)).shape == (0, 8)

@@ -10,104 +10,33 @@ Every sum in it runs in an order fixed by the token alone (see the C file's head
 token gets the same bits alone or in any batch, chunk or thread count: int8 mode then needs
 no float64 attention (``nanovllm_core.model.quantization.attention_sum_dtype``).
 
-It is compiled on first use with the system's C compiler (``$CC``, else ``cc``) and
-OpenMP, for this CPU (``-march=native``), into ``<cache_root>/kernels/`` under a name
-that hashes the source, the flags, the compiler and the CPU; later runs load that file.
-Where it cannot run (no compiler, a failed build, a dtype other than float32, a GPU, the
-``math`` backend, or ``NANOVLLM_CPU_PAGED_ATTENTION=0``), the engine gathers and uses
-SDPA as before, and :func:`unsupported_reason` says why.
+It is compiled on first use with the system's C compiler and OpenMP, for this CPU, and
+cached (``nanovllm_core.native``). Where it cannot run (no compiler, a failed build, a
+dtype other than float32, a GPU, the ``math`` backend, or
+``NANOVLLM_CPU_PAGED_ATTENTION=0``), the engine gathers and uses SDPA as before, and
+:func:`unsupported_reason` says why.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 
+from nanovllm_core import native
+
 SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
-CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 ENV_SWITCH = "NANOVLLM_CPU_PAGED_ATTENTION"  # "0" turns the kernel off (A/B runs, tests of the fallback)
-COMPILE_TIMEOUT_S = 120
-
-_lock = threading.Lock()
-_loaded: tuple[ctypes.CDLL | None, str | None] | None = None  # (library, why not), once per process
-
-
-def _compiler() -> str | None:
-    cc = os.environ.get("CC") or "cc"
-    return shutil.which(cc)
-
-
-def _cpu_identity() -> str:
-    """What ``-march=native`` compiles for: the CPU's model name and flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
-        return "".join(lines)
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def library_path(cc: str) -> Path:
-    """Where the compiled kernel for this source, flags, compiler and CPU is (or will be) cached."""
-    from nanovllm_core.model.loader import cache_root
-
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS), cc, _cpu_identity()]).encode()).hexdigest()
-    return cache_root() / "kernels" / f"paged_attention_cpu-{key[:16]}.so"
-
-
-def _build(cc: str, target: Path) -> None:
-    """Compile to a temporary file beside ``target`` and rename it there (no half-written library).
-
-    Raises:
-        RuntimeError: the compiler failed or timed out (its first error line in the message).
-    """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        cmd = [cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"]
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"{cc} did not finish within {COMPILE_TIMEOUT_S} s") from None
-        if r.returncode != 0:
-            first = next((ln for ln in r.stderr.splitlines() if "error" in ln), r.stderr.strip()[:200])
-            raise RuntimeError(f"{cc} failed: {first}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    global _loaded
-    with _lock:
-        if _loaded is None:
-            cc = _compiler()
-            if cc is None:
-                _loaded = (None, f"no C compiler was found ({os.environ.get('CC') or 'cc'}); install gcc")
-            else:
-                try:
-                    path = library_path(cc)
-                    if not path.exists():
-                        _build(cc, path)
-                    lib = ctypes.CDLL(str(path))
-                    fn = lib.paged_attention
-                    fn.restype = ctypes.c_int
-                    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_int]
-                    _loaded = (lib, None)
-                except (OSError, RuntimeError) as e:
-                    _loaded = (None, f"its build failed: {e}")
-        return _loaded
+    lib, why = native.load(SOURCE)
+    if lib is not None and lib.paged_attention.argtypes is None:
+        lib.paged_attention.restype = ctypes.c_int
+        lib.paged_attention.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_int]
+    return lib, why
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype, backend: str) -> str | None:

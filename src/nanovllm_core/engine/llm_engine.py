@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from nanovllm_core import events as ev
+from nanovllm_core.attention import cpu_paged
 from nanovllm_core.attention.selector import DEFAULT_BLOCK_SIZE, default_block_size
 from nanovllm_core.config import EngineConfig, check_kv_pool_fits, default_kv_cache_memory
 from nanovllm_core.engine.block_manager import BlockManager
@@ -181,6 +182,9 @@ class LLMEngine:
             "scheduling_policy": self.scheduler.policy, "prefix_caching": self.block_manager.enable_prefix_caching,
             "chunked_prefill": self.scheduler.enable_chunked_prefill,
             "paged": self.config.paged, "attention_backend": self.runner.attention_kernel,
+            # Why the CPU paged kernel is not the one running (no compiler, a failed build, ...), or None.
+            "cpu_paged_unavailable": (None if self.runner.use_cpu_paged else
+                                      cpu_paged.unsupported_reason(self.device, self.dtype, self.config.attention_backend)),
             # Weights of every linear layer and the LM head, as the loader built them: the bytes
             # one decode step streams from memory (what batching shares among the batch).
             "quantization": self.model.quantization, "linear_weight_bytes": linear_weight_bytes(self.model),

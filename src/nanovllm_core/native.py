@@ -1,0 +1,91 @@
+"""Small C kernels of this engine, compiled on first use with the system's C compiler and loaded with ctypes.
+
+Two sources use it: ``attention/paged_attention_cpu.c`` (PagedAttention reading the KV
+blocks in place) and ``model/int8_cpu.c`` (the per-token quantization and epilogue around
+oneDNN's int8 matmul). Each is built with ``$CC`` (else ``cc``) and OpenMP for this CPU
+(``-march=native``) into ``<cache_root>/kernels/``, under a name that hashes the source, the
+flags, the compiler and the CPU, so later runs (and other processes) load the same file.
+A library that cannot be built is reported, never raised: the callers fall back to PyTorch
+(each caller also has an environment switch that turns its kernel off).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+COMPILE_TIMEOUT_S = 120
+
+_lock = threading.Lock()
+_loaded: dict[Path, tuple[ctypes.CDLL | None, str | None]] = {}
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC") or "cc")
+
+
+def _cpu_identity() -> str:
+    """What ``-march=native`` compiles for: the CPU's model name and flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "".join([ln for ln in f if ln.startswith(("model name", "flags"))][:2])
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def library_path(source: Path, cc: str) -> Path:
+    """Where the library built from ``source`` with this compiler for this CPU is (or will be) cached."""
+    from nanovllm_core.model.loader import cache_root
+
+    key = hashlib.sha256("\0".join([source.read_text(), " ".join(CFLAGS), cc, _cpu_identity()]).encode()).hexdigest()
+    return cache_root() / "kernels" / f"{source.stem}-{key[:16]}.so"
+
+
+def _build(source: Path, cc: str, target: Path) -> None:
+    """Compile to a temporary file beside ``target``, then rename it there (no half-written library).
+
+    Raises:
+        RuntimeError: the compiler failed or timed out (its first error line in the message).
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        try:
+            r = subprocess.run([cc, *CFLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
+                               timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{cc} did not finish within {COMPILE_TIMEOUT_S} s") from None
+        if r.returncode != 0:
+            first = next((ln for ln in r.stderr.splitlines() if "error" in ln), r.stderr.strip()[:200])
+            raise RuntimeError(f"{cc} failed: {first}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load(source: Path) -> tuple[ctypes.CDLL | None, str | None]:
+    """(the library built from ``source``, None), or (None, why it is not available); built once per process."""
+    with _lock:
+        if source not in _loaded:
+            cc = _compiler()
+            if cc is None:
+                _loaded[source] = (None, f"no C compiler was found ({os.environ.get('CC') or 'cc'}); install gcc")
+            else:
+                try:
+                    path = library_path(source, cc)
+                    if not path.exists():
+                        _build(source, cc, path)
+                    _loaded[source] = (ctypes.CDLL(str(path)), None)
+                except (OSError, RuntimeError) as e:
+                    _loaded[source] = (None, f"its build failed: {e}")
+        return _loaded[source]
