@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from nanovllm_core.model import native_ops
 from nanovllm_core.model.cpu_linear import linear
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -160,8 +161,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[num_tokens, hidden]`` -> ``[num_tokens, hidden]``."""
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # PyTorch's fused kernel: the same arithmetic in one pass instead of six.
-            return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            # In C on the CPU (one pass, batch-invariant order; see native_ops), else PyTorch's
+            # fused kernel: the same arithmetic in one pass instead of six.
+            out = native_ops.rms_norm(x, self.weight, self.eps)
+            return out if out is not None else nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -1,0 +1,61 @@
+"""Float32 CPU layer operations in C (``layer_ops_cpu.c``), where PyTorch's dispatch costs more than the work.
+
+Built and cached like the other C kernels (:mod:`nanovllm_core.native`). Where no C compiler is
+found, the build fails, the tensors are not float32 CPU tensors, or ``NANOVLLM_NATIVE_OPS=0``,
+:func:`rms_norm` returns None and the caller uses PyTorch's op, which computes the same values up
+to float32 rounding (the order of the sum of squares differs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import torch
+
+from nanovllm_core import native
+
+SOURCE = Path(__file__).with_name("layer_ops_cpu.c")
+ENV_SWITCH = "NANOVLLM_NATIVE_OPS"  # "0": PyTorch's ops instead
+
+
+def library() -> ctypes.CDLL | None:
+    """``layer_ops_cpu.c`` built for this CPU, or None where it cannot be built or ``NANOVLLM_NATIVE_OPS=0``."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    lib, _ = native.load(SOURCE)
+    if lib is not None and lib.rms_norm_f32.argtypes is None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.rms_norm_f32.restype = None
+        lib.rms_norm_f32.argtypes = [p, p, ctypes.c_float, p, i64, i64, ctypes.c_int]
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`library` returns None (switched off, no compiler, failed build), or None when it loads."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return f"{ENV_SWITCH}=0"
+    return native.load(SOURCE)[1]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm (Zhang & Sennrich 2019) of x ``[num_tokens, hidden]`` with ``weight`` ``[hidden]``, in C.
+
+    Returns ``(x / sqrt(mean(x**2, -1) + eps)) * weight`` ``[num_tokens, hidden]`` float32, each
+    token's sum of squares in a fixed order (batch-invariant), or None where the C path does not
+    apply (not float32 CPU tensors, x not 2-D, autograd recording, or :func:`library` is None).
+    """
+    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
+            or weight.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    x = x.contiguous()
+    w = weight.contiguous()
+    out = torch.empty_like(x)
+    if x.numel():
+        lib.rms_norm_f32(x.data_ptr(), w.data_ptr(), float(eps), out.data_ptr(), x.shape[0], x.shape[1],
+                         torch.get_num_threads())
+    return out
