@@ -169,6 +169,51 @@ def test_the_native_quantize_and_epilogue_compute_the_same_bits_as_pytorch(monke
         monkeypatch.delenv(int8_linear.NATIVE_ENV_SWITCH)
 
 
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_a_single_token_through_fbgemm_gets_the_bits_onednn_gives_it_alone_and_batched(monkeypatch, native):
+    """Batch-1 decode multiplies through fbgemm (faster for one token); a token must come out the
+    same through fbgemm, through oneDNN, and as one row of a batch (which oneDNN always takes)."""
+    from nanovllm_core.model import int8_linear
+
+    if not int8_linear.fbgemm_gemv():
+        pytest.skip(f"single tokens go to oneDNN here: {int8_linear._fbgemm_gemv_choice()[1]}")
+    monkeypatch.setenv(int8_linear.NATIVE_ENV_SWITCH, native)
+    g = torch.Generator().manual_seed(7)
+    layer = Int8Linear.from_float(torch.randn(960, 576, generator=g), torch.randn(960, generator=g),
+                                  torch.rand(576, generator=g) + 0.5, torch.randperm(576, generator=g)[:16])
+    assert layer._fbgemm_packed is not None
+    x = torch.randn(9, 576, generator=g) * 3
+    x[:, :2] *= 40
+    x[4] = 0.0  # an all-zero token
+    batched = layer(x)
+    for t in range(x.shape[0]):
+        alone = layer(x[t:t + 1])
+        monkeypatch.setenv(int8_linear.GEMV_ENV_SWITCH, "0")
+        assert not int8_linear.fbgemm_gemv()
+        assert torch.equal(alone, layer(x[t:t + 1])), t
+        monkeypatch.delenv(int8_linear.GEMV_ENV_SWITCH)
+        assert torch.equal(alone, batched[t:t + 1]), t
+
+
+def test_the_fbgemm_choice_refuses_sums_that_differ_from_onednns(monkeypatch):
+    """The single-token path is taken only where fbgemm returns oneDNN's bits: a kernel that
+    differs (here: one off by a float32 step) must be refused, with the reason."""
+    from nanovllm_core.model import int8_linear
+
+    if not int8_linear._ONEDNN or "fbgemm" not in torch.backends.quantized.supported_engines:
+        pytest.skip("no oneDNN int8 or no fbgemm here")
+    real = int8_linear._fbgemm_matmul
+    monkeypatch.setattr(int8_linear, "_fbgemm_matmul", lambda qx, packed: torch.nextafter(real(qx, packed),
+                                                                                           torch.tensor(float("inf"))))
+    int8_linear._fbgemm_gemv_choice.cache_clear()
+    try:
+        use, why = int8_linear._fbgemm_gemv_choice()
+        assert not use and "differ" in why
+        assert Int8Linear.from_float(torch.randn(8, 16))._fbgemm_packed is None
+    finally:
+        int8_linear._fbgemm_gemv_choice.cache_clear()
+
+
 def test_int8_layer_takes_an_empty_step_and_half_precision_inputs():
     layer = Int8Linear.from_float(torch.randn(8, 16))
     assert layer(torch.randn(0, 16)).shape == (0, 8)

@@ -63,6 +63,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -129,6 +131,94 @@ def weight_range() -> int:
     qx = torch.full((1, k), 127, dtype=torch.int8)
     got = _onednn_matmul(qx, torch.ops.onednn.qlinear_prepack(qw, None), torch.ones(16), torch.zeros(16, dtype=torch.long))
     return 127 if bool((got == k * 127 * 127).all()) else 63
+
+
+GEMV_ENV_SWITCH = "NANOVLLM_INT8_GEMV"  # "0": oneDNN for single tokens too
+
+
+def _fbgemm_pack(qweight: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """int8 ``[N, K]`` and its per-row scales ``[N]`` -> fbgemm's packed weight (bias None)."""
+    with warnings.catch_warnings():  # PyTorch marks its quantized tensor types deprecated
+        warnings.simplefilter("ignore", UserWarning)
+        qt = torch._make_per_channel_quantized_tensor(qweight.contiguous(), w_scale.double(),
+                                                      torch.zeros(qweight.shape[0], dtype=torch.long), 0)
+    with _fbgemm_engine():
+        return torch.ops.quantized.linear_prepack(qt, None)
+
+
+class _fbgemm_engine:
+    """Select PyTorch's fbgemm quantized engine for the block, restoring the previous one."""
+
+    def __enter__(self) -> None:
+        self.previous = torch.backends.quantized.engine
+        torch.backends.quantized.engine = "fbgemm"
+
+    def __exit__(self, *exc) -> None:
+        torch.backends.quantized.engine = self.previous
+
+
+def _fbgemm_matmul(qx_float: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """qx ``[T, K]`` (int8 values held as float32) times fbgemm's packed int8 weight, summed in int32,
+    times the weight scales -> float32 ``[T, N]``. fbgemm takes unsigned activations: with scale 1 and
+    zero point 128 it quantizes ``qx`` to ``qx + 128`` exactly and subtracts the 128s' share again."""
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(qx_float, 1.0, 128, packed)
+
+
+@functools.cache
+def _fbgemm_gemv_choice() -> tuple[bool, str]:
+    """(use fbgemm for single-token calls, why), decided once per process.
+
+    At one token (batch-1 decode) oneDNN's int8 matmul spends about 25 us per call before it
+    reads a weight; fbgemm's matrix-vector path does not (2-core Xeon, the default model's 120
+    layers with cold caches: 4.5 ms against 7.0 ms; from 2 tokens on the two are equal and from
+    16 on oneDNN is far faster). fbgemm is used only where it returns the very bits oneDNN
+    returns (checked here on worst-case and random integers: both sums are exact, and both scale
+    them with one float32 product by ``w_scale``), so a token's output stays the same alone or
+    batched, and only where it is measured faster on this CPU. fbgemm is reached through PyTorch's
+    quantized tensors, which PyTorch marks deprecated: where a later PyTorch drops them, the check
+    fails and oneDNN takes every call. The cost is memory: each layer keeps its int8 weight
+    packed for both kernels (each call reads one).
+    """
+    try:
+        if not _ONEDNN or "fbgemm" not in torch.backends.quantized.supported_engines:
+            return False, "fbgemm or oneDNN is not in this PyTorch build"
+        q = weight_range()
+        gen = torch.Generator().manual_seed(0)
+        n, k = 1536, 576
+        qw = torch.randint(-q, q + 1, (n, k), dtype=torch.int8, generator=gen)
+        qw[:16] = q
+        qw[16:32] = -q
+        w_scale = torch.rand(n, generator=gen) * 0.01 + 1e-4
+        onednn_packed = torch.ops.onednn.qlinear_prepack(qw, None)
+        fbgemm_packed = _fbgemm_pack(qw, w_scale)
+        w_zero = torch.zeros(n, dtype=torch.long)
+        probes = [torch.full((1, k), 127, dtype=torch.int8), torch.full((1, k), -127, dtype=torch.int8),
+                  torch.randint(-127, 128, (1, k), dtype=torch.int8, generator=gen)]
+        for qx in probes:
+            if not torch.equal(_onednn_matmul(qx, onednn_packed, w_scale, w_zero),
+                               _fbgemm_matmul(qx.float(), fbgemm_packed)):
+                return False, "fbgemm's sums differ from oneDNN's on this CPU"
+        qx = probes[2]
+        qxf = qx.float()
+        times = {"onednn": [], "fbgemm": []}
+        for _ in range(5):
+            for name, call in (("onednn", lambda: _onednn_matmul(qx, onednn_packed, w_scale, w_zero)),
+                               ("fbgemm", lambda: _fbgemm_matmul(qxf, fbgemm_packed))):
+                start = time.perf_counter()
+                for _ in range(20):
+                    call()
+                times[name].append(time.perf_counter() - start)
+        if min(times["fbgemm"]) >= min(times["onednn"]):
+            return False, "fbgemm was not faster than oneDNN for one token on this CPU"
+        return True, "fbgemm: bit-identical to oneDNN and faster for one token here"
+    except (RuntimeError, AttributeError) as e:
+        return False, f"fbgemm failed: {e}"
+
+
+def fbgemm_gemv() -> bool:
+    """True where single-token int8 products run through fbgemm (see :func:`_fbgemm_gemv_choice`);
+    ``NANOVLLM_INT8_GEMV=0`` sends them to oneDNN (read at each call, so a test can switch it)."""
+    return os.environ.get(GEMV_ENV_SWITCH, "1") != "0" and _fbgemm_gemv_choice()[0]
 
 
 def outlier_weight_levels(num_outliers: int) -> int:
@@ -210,10 +300,11 @@ class Int8Linear(nn.Module):
         self._in_scale = in_scale
         if _ONEDNN and qweight.device.type == "cpu":
             self._packed = torch.ops.onednn.qlinear_prepack(qweight.contiguous(), None)
+            self._fbgemm_packed = _fbgemm_pack(qweight, self.w_scale) if _fbgemm_gemv_choice()[0] else None
             self._w_zero = torch.zeros(self.out_features, dtype=torch.long)
             self.qweight = None
         else:  # no oneDNN: the same integer product through a float matmul
-            self._packed = None
+            self._packed = self._fbgemm_packed = None
             self.register_buffer("qweight", qweight.contiguous())
 
     @staticmethod
@@ -293,7 +384,7 @@ class Int8Linear(nn.Module):
             xf = xf * self._in_scale  # smoothed, and 0 on the outlier channels
         qx, sx = quantize_rows(xf)
         if self._packed is not None:
-            y = _onednn_matmul(qx, self._packed, self.w_scale, self._w_zero)
+            y = self._int8_matmul(qx)
         else:
             y = torch.nn.functional.linear(qx.float(), self.qweight.float()) * self.w_scale
         y = y.mul_(sx)
@@ -317,11 +408,18 @@ class Int8Linear(nn.Module):
         lib.int8_quantize_rows(xf.data_ptr(), t, k_in, _ptr(self._in_scale), 127.0, qx.data_ptr(), sx.data_ptr(),
                                _ptr(self.outlier_channels), k, _ptr(self.outlier_col_scale), float(OUTLIER_ACT_LEVELS),
                                _ptr(xo), _ptr(so), threads)
-        y = _onednn_matmul(qx, self._packed, self.w_scale, self._w_zero).contiguous()
+        y = self._int8_matmul(qx).contiguous()
         if lib.int8_epilogue(y.data_ptr(), t, self.out_features, sx.data_ptr(), _ptr(xo), _ptr(self._outlier_qweight_t),
                              k, _ptr(so), _ptr(self.bias), threads) != 0:
             raise MemoryError("int8 epilogue: could not allocate a row of scratch memory")
         return y if dtype == torch.float32 else y.to(dtype)
+
+    def _int8_matmul(self, qx: torch.Tensor) -> torch.Tensor:
+        """qx ``[T, K]`` int8 -> ``qx @ qweight.T * w_scale`` ``[T, N]`` float32, exact sums: through
+        fbgemm for one token where :func:`fbgemm_gemv` says so (the same bits), else oneDNN."""
+        if qx.shape[0] == 1 and self._fbgemm_packed is not None and fbgemm_gemv():
+            return _fbgemm_matmul(qx.float(), self._fbgemm_packed)
+        return _onednn_matmul(qx, self._packed, self.w_scale, self._w_zero)
 
     def extra_repr(self) -> str:
         smooth = ", smoothed" if self.inv_smooth is not None else ""
