@@ -188,7 +188,8 @@ int paged_attention(const float *q, const float *k_pool, const float *v_pool, fl
             }
             /* scores = q . k / sqrt(head_dim) */
             int j = 0;
-            if (HAVE_DOT8 && head_dim % 8 == 0) {
+#if HAVE_DOT8
+            if (head_dim % 8 == 0) {
                 for (; j + 8 <= ctx; j += 8) {
                     const float *k8[8];
                     for (int i = 0; i < 8; i++) k8[i] = kh + row[j + i];
@@ -200,13 +201,12 @@ int paged_attention(const float *q, const float *k_pool, const float *v_pool, fl
                             }
                     for (int h = 0; h < group; h++) {
                         float *s = scores + (int64_t)h * ctx + j;
-#if HAVE_DOT8
                         dot8(qg + (int64_t)h * head_dim, k8, head_dim, s);
-#endif
                         for (int i = 0; i < 8; i++) s[i] *= scale;
                     }
                 }
             }
+#endif
             for (; j < ctx; j++) {
                 const float *kj = kh + row[j];
                 for (int h = 0; h < group; h++)
