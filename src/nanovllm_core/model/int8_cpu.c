@@ -14,10 +14,11 @@
 #include <stdlib.h>
 
 /* x [T, K] float32 -> qx [T, K] int8 and sx [T]: x (times in_scale [K] if given) ~ qx * sx, per row,
- * the row's largest magnitude becoming `levels` (127). With k outlier channels (idx [k]):
+ * the row's largest magnitude becoming `levels` (127). With qxf non-NULL the integers are written
+ * there as floats instead (fbgemm's single-token path takes them so), and qx is not touched. With k outlier channels (idx [k]):
  * xo [T, k] = round(x[:, idx] * col_scale / so) as floats, so [T] = max |x[:, idx] * col_scale| / olevels. */
 void int8_quantize_rows(const float *x, int64_t T, int64_t K, const float *in_scale, float levels,
-                        int8_t *qx, float *sx, const int64_t *idx, int64_t k, const float *col_scale,
+                        int8_t *qx, float *qxf, float *sx, const int64_t *idx, int64_t k, const float *col_scale,
                         float olevels, float *xo, float *so, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (T * K >= 65536) schedule(static)
     for (int64_t t = 0; t < T; t++) {
@@ -47,6 +48,15 @@ void int8_quantize_rows(const float *x, int64_t T, int64_t K, const float *in_sc
             }
         }
         const float s = fmaxf(m, 1e-30f) / levels;
+        if (qxf) {
+            float *q = qxf + t * K;
+            if (in_scale)
+                for (int64_t i = 0; i < K; i++) q[i] = nearbyintf((xr[i] * in_scale[i]) / s);
+            else
+                for (int64_t i = 0; i < K; i++) q[i] = nearbyintf(xr[i] / s);
+            sx[t] = s;
+            continue;
+        }
         int8_t *q = qx + t * K;
         if (in_scale)
             for (int64_t i = 0; i < K; i++) q[i] = (int8_t)nearbyintf((xr[i] * in_scale[i]) / s);

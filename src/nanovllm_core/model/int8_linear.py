@@ -101,7 +101,7 @@ def native_helpers() -> ctypes.CDLL | None:
     if lib is not None and lib.int8_epilogue.argtypes is None:
         p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         lib.int8_quantize_rows.restype = None
-        lib.int8_quantize_rows.argtypes = [p, i64, i64, p, f32, p, p, p, i64, p, f32, p, p, i32]
+        lib.int8_quantize_rows.argtypes = [p, i64, i64, p, f32, p, p, p, p, i64, p, f32, p, p, i32]
         lib.int8_epilogue.restype = ctypes.c_int
         lib.int8_epilogue.argtypes = [p, i64, i64, p, p, p, i64, p, p, i32]
     return lib
@@ -400,15 +400,18 @@ class Int8Linear(nn.Module):
         Bit-identical to the PyTorch ops (tests/test_quantization.py checks it)."""
         t, k_in = xf.shape
         threads = torch.get_num_threads()
-        qx = torch.empty((t, k_in), dtype=torch.int8)
+        # one token through fbgemm: the integers are written as the floats it takes (same values)
+        fbgemm = t == 1 and self._fbgemm_packed is not None and fbgemm_gemv()
+        qx = torch.empty((t, k_in), dtype=torch.float32 if fbgemm else torch.int8)
         sx = torch.empty(t, dtype=torch.float32)
         k = 0 if self.outlier_channels is None else self.outlier_channels.numel()
         xo = torch.empty((t, k), dtype=torch.float32) if k else None
         so = torch.empty(t, dtype=torch.float32) if k else None
-        lib.int8_quantize_rows(xf.data_ptr(), t, k_in, _ptr(self._in_scale), 127.0, qx.data_ptr(), sx.data_ptr(),
+        lib.int8_quantize_rows(xf.data_ptr(), t, k_in, _ptr(self._in_scale), 127.0, None if fbgemm else qx.data_ptr(),
+                               qx.data_ptr() if fbgemm else None, sx.data_ptr(),
                                _ptr(self.outlier_channels), k, _ptr(self.outlier_col_scale), float(OUTLIER_ACT_LEVELS),
                                _ptr(xo), _ptr(so), threads)
-        y = self._int8_matmul(qx).contiguous()
+        y = (_fbgemm_matmul(qx, self._fbgemm_packed) if fbgemm else self._int8_matmul(qx)).contiguous()
         if lib.int8_epilogue(y.data_ptr(), t, self.out_features, sx.data_ptr(), _ptr(xo), _ptr(self._outlier_qweight_t),
                              k, _ptr(so), _ptr(self.bias), threads) != 0:
             raise MemoryError("int8 epilogue: could not allocate a row of scratch memory")
