@@ -182,3 +182,45 @@ def test_int8_engine_picks_its_kv_dtype_and_attention_by_the_kernel(tmp_path, mo
         engine.step()
     decode_ops = [{o.name for o in t.ops} for t in traces if t.num_new_tokens == 1]
     assert decode_ops and all(("kv_gather" in ops) != kernel_on for ops in decode_ops)
+
+
+@needs_kernel
+def test_write_kv_puts_each_token_in_its_slot_from_strided_views_of_qkv():
+    """The cache write reads K and V straight out of the packed qkv rows and must land exactly
+    where ``index_copy_`` into the slot view would put them."""
+    nkv, nb, bs, hd = 3, 10, 4, 8
+    k_pool, v_pool = torch.zeros(nkv, nb, bs, hd), torch.zeros(nkv, nb, bs, hd)
+    qkv = torch.randn(5, (9 + 2 * nkv) * hd)
+    k = qkv[:, 9 * hd:(9 + nkv) * hd].view(5, nkv, hd)  # strided rows, as the model passes them
+    v = qkv[:, (9 + nkv) * hd:].view(5, nkv, hd)
+    slots = torch.tensor([0, 7, 8, 39, 21])
+    cpu_paged.write_kv(k, v, slots, k_pool, v_pool)
+    want_k, want_v = torch.zeros(nkv, nb * bs, hd), torch.zeros(nkv, nb * bs, hd)
+    want_k.transpose(0, 1).index_copy_(0, slots, k)
+    want_v.transpose(0, 1).index_copy_(0, slots, v)
+    assert torch.equal(k_pool.view(nkv, nb * bs, hd), want_k) and torch.equal(v_pool.view(nkv, nb * bs, hd), want_v)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bad_slot", [-1, 40])
+def test_write_kv_refuses_a_slot_outside_the_pool_and_writes_nothing(bad_slot):
+    k_pool, v_pool = torch.zeros(3, 10, 4, 8), torch.zeros(3, 10, 4, 8)
+    k = v = torch.ones(2, 3, 8)
+    with pytest.raises(ValueError, match="outside the pool's 40 slots"):
+        cpu_paged.write_kv(k, v, torch.tensor([1, bad_slot]), k_pool, v_pool)
+    assert not k_pool.any() and not v_pool.any()
+    with pytest.raises(ValueError, match="int64 slots"):
+        cpu_paged.write_kv(k, v, torch.tensor([1, 2], dtype=torch.int32), k_pool, v_pool)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_paged.write_kv(torch.ones(2, 2, 8), torch.ones(2, 2, 8), torch.tensor([1, 2]), k_pool, v_pool)
+
+
+@needs_kernel
+def test_a_strided_query_view_gives_the_same_bits_as_a_contiguous_copy():
+    k_pool, v_pool = make_pool()
+    packed = torch.randn(4, (9 + 6) * 64)
+    q = packed[:, :9 * 64].view(4, 9, 64)  # the q heads of a packed qkv row
+    assert not q.is_contiguous()
+    tables, rows, ctx = [[3, 1, 4]], [0, 0, 0, 0], [30, 31, 32, 33]
+    assert torch.equal(run_kernel(q, k_pool, v_pool, tables, rows, ctx),
+                       run_kernel(q.contiguous(), k_pool, v_pool, tables, rows, ctx))

@@ -69,3 +69,27 @@ def test_rms_norm_leaves_what_it_does_not_handle_to_pytorch():
         assert native_ops.rms_norm(torch.randn(0, 8), w, 1e-5).shape == (0, 8)
         strided = torch.randn(8, 4).t()  # not contiguous: copied first
         assert torch.allclose(native_ops.rms_norm(strided, w, 1e-5), reference(strided, w, 1e-5).float(), atol=1e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_rope_in_c_rotates_the_packed_qkv_in_place_with_the_bits_of_the_pytorch_ops(tokens):
+    from nanovllm_core.model.llama import RotaryEmbedding
+
+    rotary = RotaryEmbedding(64, 4096, 10000.0, None)
+    positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(tokens))
+    cos, sin = rotary.cos_sin(positions, torch.float32)
+    qkv = torch.randn(tokens, 15 * 64) * 4
+    qk = qkv[:, :12 * 64].view(tokens, 12, 64)  # 9 query + 3 key heads; v after them is left alone
+    want = RotaryEmbedding.apply(qk.clone(), cos, sin)
+    v_before = qkv[:, 12 * 64:].clone()
+    assert native_ops.rope_(qk, cos, sin)
+    assert torch.equal(qk, want)
+    assert torch.equal(qkv[:, 12 * 64:], v_before)
+
+
+def test_rope_in_c_declines_what_it_does_not_handle():
+    cos = sin = torch.ones(2, 1, 8)
+    assert not native_ops.rope_(torch.randn(2, 3, 8, dtype=torch.float64), cos.double(), sin.double())
+    assert not native_ops.rope_(torch.randn(2, 8, 3).transpose(1, 2), cos, sin)  # elements not dense
+    assert not native_ops.rope_(torch.randn(2, 3, 8), torch.ones(2, 8), torch.ones(2, 8))  # tables of another shape

@@ -35,7 +35,11 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib, why = native.load(SOURCE)
     if lib is not None and lib.paged_attention.argtypes is None:
         lib.paged_attention.restype = ctypes.c_int
-        lib.paged_attention.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_int]
+        lib.paged_attention.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 8
+                                        + [ctypes.c_float, ctypes.c_int])
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.write_kv.restype = ctypes.c_int
+        lib.write_kv.argtypes = [p, i64, p, i64, p, i64, i32, i32, i64, p, p]
     return lib, why
 
 
@@ -68,7 +72,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     """Attention for a flat batch of query tokens, each over its own context in the paged pool.
 
     Args:
-        q: ``[T, num_heads, head_dim]`` float32 (made contiguous if it is not).
+        q: ``[T, num_heads, head_dim]`` float32; its token rows may be strided (a view of the packed
+            qkv projection), its heads and elements dense (else it is copied).
         k_pool, v_pool: one layer's pool, head-major ``[num_kv_heads, num_blocks, block_size, head_dim]``
             float32, contiguous (``PagedKVCache.k_by_head[layer]``).
         block_tables: ``[S, max_blocks]`` int32, one padded row per sequence.
@@ -87,8 +92,9 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     lib, why = _load()
     if lib is None:
         raise RuntimeError(f"the CPU paged attention kernel is not available: {why}")
-    q = q.contiguous()
     t, nh, hd = q.shape
+    if q.stride(2) != 1 or q.stride(1) != hd:
+        q = q.contiguous()
     nkv, nb, bs, hd2 = k_pool.shape
     if q.dtype != torch.float32 or k_pool.dtype != torch.float32 or v_pool.dtype != torch.float32:
         raise ValueError("the CPU paged attention kernel takes float32 q, K and V")
@@ -100,13 +106,45 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     for name, x in (("block_tables", block_tables), ("token_rows", token_rows), ("token_context", token_context)):
         if x.dtype != torch.int32 or not x.is_contiguous():
             raise ValueError(f"{name} must be a contiguous int32 tensor")
-    out = torch.empty_like(q)
+    out = torch.empty((t, nh, hd), dtype=q.dtype)
     if t == 0:
         return out
-    rc = lib.paged_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
+    rc = lib.paged_attention(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
                              block_tables.data_ptr(), token_rows.data_ptr(), token_context.data_ptr(),
                              t, nh, nkv, hd, nb, bs, block_tables.shape[1], max(1, max_context),
                              hd ** -0.5, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError("the CPU paged attention kernel could not allocate its scratch memory")
     return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_pool: torch.Tensor,
+             v_pool: torch.Tensor) -> None:
+    """Write the step's new K/V into their slots of one layer's head-major pool (the cache write
+    before attention), in C: one call instead of two ``index_copy_`` into a strided view.
+
+    Args:
+        k, v: ``[T, num_kv_heads, head_dim]`` float32; token rows may be strided (views of the packed
+            qkv projection), heads and elements dense (else they are copied).
+        slot_mapping: ``[T]`` int64, slot = block id * block_size + offset in the block.
+        k_pool, v_pool: ``[num_kv_heads, num_blocks, block_size, head_dim]`` float32, contiguous.
+
+    Raises:
+        RuntimeError: the kernel is not available here.
+        ValueError: wrong dtypes or shapes, or a slot outside the pool (nothing is written then).
+    """
+    lib, why = _load()
+    if lib is None:
+        raise RuntimeError(f"the CPU paged attention kernel is not available: {why}")
+    nkv, nb, bs, hd = k_pool.shape
+    k, v = (x if x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous() for x in (k, v))
+    if (k.dtype != torch.float32 or v.dtype != torch.float32 or k_pool.dtype != torch.float32
+            or v_pool.dtype != torch.float32 or slot_mapping.dtype != torch.int64):
+        raise ValueError("write_kv takes float32 K/V and pools and int64 slots")
+    if (k.shape != v.shape or k.dim() != 3 or k.shape[1:] != (nkv, hd) or v_pool.shape != k_pool.shape
+            or not (k_pool.is_contiguous() and v_pool.is_contiguous()) or slot_mapping.shape != (k.shape[0],)):
+        raise ValueError(f"K/V {tuple(k.shape)} and slots {tuple(slot_mapping.shape)} do not fit pools {tuple(k_pool.shape)}")
+    slot_mapping = slot_mapping.contiguous()
+    if lib.write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), k.shape[0], nkv, hd, nb * bs,
+                    k_pool.data_ptr(), v_pool.data_ptr()) != 0:
+        raise ValueError(f"a slot in the slot mapping lies outside the pool's {nb * bs} slots")

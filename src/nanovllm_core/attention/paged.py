@@ -220,14 +220,15 @@ class PagedAttention:
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[T, num_heads, head_dim]``, k/v ``[T, num_kv_heads, head_dim]`` -> ``[T, num_heads, head_dim]``."""
         meta, cache = self.meta, self.cache
+        if self.use_cpu_paged:  # the cache write and the attention, each one C call
+            cpu_paged.write_kv(k, v, meta.slot_mapping, cache.k_by_head[layer_idx], cache.v_by_head[layer_idx])
+            return cpu_paged.paged_attention(q, cache.k_by_head[layer_idx], cache.v_by_head[layer_idx],
+                                             meta.block_tables, meta.token_rows, meta.token_context, meta.max_seqlen_k)
         slots_k, slots_v = cache.k_slots[layer_idx], cache.v_slots[layer_idx]
         slots_k.index_copy_(0, meta.slot_mapping, k.to(slots_k.dtype))
         slots_v.index_copy_(0, meta.slot_mapping, v.to(slots_v.dtype))
         if self.use_flash_attn:
             return self._flash_attn(layer_idx, q)
-        if self.use_cpu_paged:
-            return cpu_paged.paged_attention(q, cache.k_by_head[layer_idx], cache.v_by_head[layer_idx],
-                                             meta.block_tables, meta.token_rows, meta.token_context, meta.max_seqlen_k)
         d = meta.num_decodes
         if d == q.shape[0]:  # decode-only step: no output buffer to fill piecewise
             return self._decode(layer_idx, q)

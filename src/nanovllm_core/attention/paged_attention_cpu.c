@@ -18,7 +18,8 @@
  * loop's vectorised body and its scalar remainder round alike.
  *
  * Layouts (float32, contiguous):
- *   q, out        [num_tokens, num_heads, head_dim]
+ *   q             [num_tokens, num_heads, head_dim], token rows q_stride floats apart, heads dense
+ *   out           [num_tokens, num_heads, head_dim]
  *   k_pool,v_pool [num_kv_heads, num_blocks, block_size, head_dim]   (one layer, head-major)
  *   block_tables  [num_rows, max_blocks] int32, rows padded with any valid block id
  *   token_row     [num_tokens] int32: the block-table row of each token's sequence
@@ -154,7 +155,7 @@ static void weighted_sum(const float *p, const float *v, const int64_t *row, int
 }
 
 /* Returns 0, or -1 when a thread's scratch memory could not be allocated. */
-int paged_attention(const float *q, const float *k_pool, const float *v_pool, float *out,
+int paged_attention(const float *q, int64_t q_stride, const float *k_pool, const float *v_pool, float *out,
                     const int32_t *block_tables, const int32_t *token_row, const int32_t *token_ctx,
                     int num_tokens, int num_heads, int num_kv_heads, int head_dim, int num_blocks,
                     int block_size, int max_blocks, int max_ctx, float scale, int num_threads) {
@@ -180,7 +181,7 @@ int paged_attention(const float *q, const float *k_pool, const float *v_pool, fl
             const int ctx = token_ctx[t];
             const int32_t *table = block_tables + (int64_t)token_row[t] * max_blocks;
             const float *kh = k_pool + g * head_stride, *vh = v_pool + g * head_stride;
-            const float *qg = q + ((int64_t)t * num_heads + (int64_t)g * group) * head_dim;
+            const float *qg = q + (int64_t)t * q_stride + (int64_t)g * group * head_dim;
             /* each key's place in the pool, block by block through the block table */
             for (int b = 0, j0 = 0; j0 < ctx; b++, j0 += block_size) {
                 const int64_t base = (int64_t)table[b] * block_size * head_dim;
@@ -233,4 +234,23 @@ int paged_attention(const float *q, const float *k_pool, const float *v_pool, fl
         free(row);
     }
     return failed ? -1 : 0;
+}
+
+/* The step's new keys and values into their slots (the KV-cache write before attention):
+ * k, v [num_tokens, num_kv_heads, head_dim], token rows k_stride / v_stride floats apart (views
+ * into the packed qkv projection), heads dense -> k_pool, v_pool [num_kv_heads, num_slots, head_dim]
+ * (one layer, head-major; slot = block * block_size + offset) at slot_mapping[t]. Returns 0, or -1
+ * (nothing written) when a slot lies outside [0, num_slots). */
+int write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, const int64_t *slot_mapping,
+             int64_t num_tokens, int num_kv_heads, int head_dim, int64_t num_slots, float *k_pool, float *v_pool) {
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots) return -1;
+    const size_t row = sizeof(float) * (size_t)head_dim;
+    for (int64_t t = 0; t < num_tokens; t++)
+        for (int g = 0; g < num_kv_heads; g++) {
+            const int64_t dst = (g * num_slots + slot_mapping[t]) * head_dim;
+            memcpy(k_pool + dst, k + t * k_stride + (int64_t)g * head_dim, row);
+            memcpy(v_pool + dst, v + t * v_stride + (int64_t)g * head_dim, row);
+        }
+    return 0;
 }

@@ -32,3 +32,25 @@ void rms_norm_f32(const float *x, const float *w, float eps, float *out, int64_t
         for (int64_t c = 0; c < H; c++) o[c] = (xr[c] * r) * w[c];
     }
 }
+
+/* Rotary position embedding in place, "rotate half" pairing (dimension i with i + head_dim/2):
+ * x [T, heads, head_dim] with rows row_stride floats apart (the q and k heads of a packed qkv
+ * row), cos and sin [T, head_dim] as RotaryEmbedding.cos_sin builds them ((cos, cos) and
+ * (-sin, sin)). Per element x * cos + rotate_half(x) * sin, the same two products and sum as
+ * RotaryEmbedding.apply, so the bits are the same. Su et al. 2021 (RoFormer), section 3.4. */
+void rope_f32(float *x, int64_t T, int64_t row_stride, int heads, int head_dim, const float *cos,
+              const float *sin, int num_threads) {
+    const int half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (T * heads * head_dim >= 65536) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * head_dim, *s = sin + t * head_dim;
+        for (int h = 0; h < heads; h++) {
+            float *xh = x + t * row_stride + (int64_t)h * head_dim;
+            for (int i = 0; i < half; i++) {
+                const float x1 = xh[i], x2 = xh[i + half];
+                xh[i] = x1 * c[i] + x2 * s[i];
+                xh[i + half] = x2 * c[i + half] + x1 * s[i + half];
+            }
+        }
+    }
+}

@@ -288,7 +288,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         # Q and K heads are rotated together: one set of operations instead of two.
         qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = RotaryEmbedding.apply(qk, cos, sin)
+        if not native_ops.rope_(qk, cos, sin):  # in place in C on the CPU: the same bits as apply, one call
+            qk = RotaryEmbedding.apply(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         if tracer is not None:

@@ -3,7 +3,8 @@
 Built and cached like the other C kernels (:mod:`nanovllm_core.native`). Where no C compiler is
 found, the build fails, the tensors are not float32 CPU tensors, or ``NANOVLLM_NATIVE_OPS=0``,
 :func:`rms_norm` returns None and the caller uses PyTorch's op, which computes the same values up
-to float32 rounding (the order of the sum of squares differs).
+to float32 rounding (the order of the sum of squares differs); :func:`rope_` returns False and the
+caller rotates with PyTorch ops, which give the same bits.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def library() -> ctypes.CDLL | None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.rms_norm_f32.restype = None
         lib.rms_norm_f32.argtypes = [p, p, ctypes.c_float, p, i64, i64, ctypes.c_int]
+        lib.rope_f32.restype = None
+        lib.rope_f32.argtypes = [p, i64, i64, ctypes.c_int, ctypes.c_int, p, p, ctypes.c_int]
     return lib
 
 
@@ -59,3 +62,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         lib.rms_norm_f32(x.data_ptr(), w.data_ptr(), float(eps), out.data_ptr(), x.shape[0], x.shape[1],
                          torch.get_num_threads())
     return out
+
+
+def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate qk ``[num_tokens, heads, head_dim]`` in place by RoPE, in C; False (untouched) where it does not apply.
+
+    ``cos``/``sin`` ``[num_tokens, 1, head_dim]`` come from ``RotaryEmbedding.cos_sin``. qk may be a
+    view of the packed qkv projection (its rows strided); its heads and elements must be dense.
+    The result is bit-identical to ``RotaryEmbedding.apply``: the same products and sums per element.
+    Returns False for non-float32 or non-CPU tensors, other layouts, autograd, or no library.
+    """
+    if (qk.dtype != torch.float32 or cos.dtype != torch.float32 or sin.dtype != torch.float32
+            or qk.device.type != "cpu" or qk.dim() != 3 or qk.stride(2) != 1 or qk.stride(1) != qk.shape[2]
+            or qk.shape[2] % 2 or cos.shape != (qk.shape[0], 1, qk.shape[2]) or sin.shape != cos.shape
+            or not cos.is_contiguous() or not sin.is_contiguous()
+            or (torch.is_grad_enabled() and qk.requires_grad)):
+        return False
+    lib = library()
+    if lib is None:
+        return False
+    if qk.numel():
+        lib.rope_f32(qk.data_ptr(), qk.shape[0], qk.stride(0), qk.shape[1], qk.shape[2], cos.data_ptr(), sin.data_ptr(),
+                     torch.get_num_threads())
+    return True
