@@ -689,8 +689,9 @@ def _decode_bytes(info: dict[str, Any]) -> list[str]:
                      f"{int8 / 2**20:,.0f} MiB (one byte a weight, a 4-byte scale per output row, and a few "
                      f"outlier input channels per layer kept on a finer integer grid): {weights / int8:.1f}x fewer bytes "
                      "per step, so a batch-1 step could be up to that much faster where reading weights is the bound. "
-                     "Measured on a 2-core Xeon it was not: each int8 layer is a separate oneDNN call with a fixed "
-                     "cost, and quantizes its input first (the README's int8 table has the speeds).")
+                     "Measured on a 2-core Xeon it is faster, but by less than that: the weights shrink, but the step's "
+                     "other costs do not (some 120 separate library calls, each quantizing its input first, plus "
+                     "attention and the Python between them). The README's int8 table has the speeds.")
     return lines
 
 
