@@ -45,6 +45,10 @@ torch.ao dynamic int8 (fbgemm, per-tensor activations) 4.5x   2.1x   4.2x   2.1x
 ``aten._weight_int4pack_mm_for_cpu`` (int4, g=32)      0.66x  0.08x  -      -
 ====================================================  =====  =====  =====  =====
 
+For a single token (batch-1 decode) the product goes to fbgemm's matrix-vector path instead,
+fed our per-token integers, which returns the same bits without oneDNN's fixed cost per call
+(see :func:`_fbgemm_gemv_choice`).
+
 torch.ao's dynamic linear quantizes the whole batch with one activation scale, so a
 token's result would change with its neighbours (and torch.ao.quantization is deprecated);
 torchao 0.18's CPU paths are ``_int_mm`` and, for weight-only, a float matmul of the
