@@ -195,6 +195,17 @@ def test_a_single_token_through_fbgemm_gets_the_bits_onednn_gives_it_alone_and_b
         assert torch.equal(alone, batched[t:t + 1]), t
 
 
+def test_switching_the_single_token_path_off_at_build_time_keeps_no_second_weight_copy(monkeypatch):
+    from nanovllm_core.model import int8_linear
+
+    monkeypatch.setenv(int8_linear.GEMV_ENV_SWITCH, "0")
+    layer = Int8Linear.from_float(torch.randn(24, 40))
+    assert layer._fbgemm_packed is None
+    x = torch.randn(1, 40)
+    monkeypatch.delenv(int8_linear.GEMV_ENV_SWITCH)
+    assert torch.equal(layer(x), layer(torch.cat([x, x]))[:1])  # oneDNN for the lone token, same bits
+
+
 def test_the_fbgemm_choice_refuses_sums_that_differ_from_onednns(monkeypatch):
     """The single-token path is taken only where fbgemm returns oneDNN's bits: a kernel that
     differs (here: one off by a float32 step) must be refused, with the reason."""

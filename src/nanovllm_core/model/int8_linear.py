@@ -304,7 +304,8 @@ class Int8Linear(nn.Module):
         self._in_scale = in_scale
         if _ONEDNN and qweight.device.type == "cpu":
             self._packed = torch.ops.onednn.qlinear_prepack(qweight.contiguous(), None)
-            self._fbgemm_packed = _fbgemm_pack(qweight, self.w_scale) if _fbgemm_gemv_choice()[0] else None
+            # (not made with NANOVLLM_INT8_GEMV=0 at build time: no second copy of the weights then)
+            self._fbgemm_packed = _fbgemm_pack(qweight, self.w_scale) if fbgemm_gemv() else None
             self._w_zero = torch.zeros(self.out_features, dtype=torch.long)
             self.qweight = None
         else:  # no oneDNN: the same integer product through a float matmul
