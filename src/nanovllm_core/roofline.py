@@ -14,7 +14,8 @@ per (device, dtype, threads) and kept in memory and in ``<cache_root()>/roofline
 later runs read it back. The X-Ray and the tutorial show it as the machine's ridge point.
 
 Under ``--quantization int8`` the linear layers, which do nearly all of a step's arithmetic,
-run oneDNN's int8 matmul, so ``P`` is that kernel's measured peak (integer multiply-adds
+run oneDNN's int8 matmul from two tokens on (a lone token goes through fbgemm's matrix-vector
+path, memory-bound whatever the peak), so ``P`` is oneDNN's measured peak (integer multiply-adds
 counted as two operations, like FLOPs). On a Xeon with AMX it is ~12x the float32 peak
 (4.1 T against 0.33 T operations/s on 2 cores), which moves the ridge point as far: int8
 layers stay memory-bound up to ~12x more tokens per step.
@@ -110,7 +111,8 @@ def gemm_peaks(n: int = GEMM_N, repeats: int = 5, device: torch.device | str = "
 def int8_gemm_peak(n: int = GEMM_N, repeats: int = 5) -> float:
     """Measured int8 matrix-multiply operations/s (2 per multiply-add), the best of ``repeats``
     ``[n, n] @ [n, n]`` through oneDNN's int8 kernel with a packed weight, the path int8 linear
-    layers take (``nanovllm_core.model.int8_linear``); 0.0 where that kernel is unavailable."""
+    layers take for two tokens or more (``nanovllm_core.model.int8_linear``); 0.0 where that kernel
+    is unavailable."""
     from nanovllm_core.model import int8_linear
 
     if not int8_linear._ONEDNN:
