@@ -224,3 +224,39 @@ def test_a_strided_query_view_gives_the_same_bits_as_a_contiguous_copy():
     tables, rows, ctx = [[3, 1, 4]], [0, 0, 0, 0], [30, 31, 32, 33]
     assert torch.equal(run_kernel(q, k_pool, v_pool, tables, rows, ctx),
                        run_kernel(q.contiguous(), k_pool, v_pool, tables, rows, ctx))
+
+
+@needs_kernel
+def test_the_vectorised_and_the_plain_c_paths_give_the_same_bits(tmp_path):
+    """The AVX2 paths (8-key score tiles, register-held value sums) claim the very arithmetic of
+    the plain loops; a build without AVX2 (-march=x86-64) runs only the plain loops, so the two
+    builds must agree bit for bit, over tiles, tails (contexts not a multiple of 8) and GQA."""
+    import ctypes
+    import subprocess
+
+    from nanovllm_core import native
+
+    cc = native._compiler()
+    plain = tmp_path / "plain.so"
+    flags = [f for f in native.CFLAGS if f != "-march=native"] + ["-march=x86-64"]
+    r = subprocess.run([cc, *flags, str(cpu_paged.SOURCE), "-o", str(plain), "-lm"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lib = ctypes.CDLL(str(plain))
+    lib.paged_attention.restype = ctypes.c_int
+    lib.paged_attention.argtypes = cpu_paged._load()[0].paged_attention.argtypes
+
+    k_pool, v_pool = make_pool()
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(5)).tolist()
+    tables = [perm[:9], perm[9:13], perm[13:14]]
+    rows = [0] * 6 + [1, 2]
+    context = [129, 130, 131, 132, 133, 137, 61, 5]
+    q = torch.randn(len(rows), 9, 64, generator=torch.Generator().manual_seed(6))
+    ours = run_kernel(q, k_pool, v_pool, tables, rows, context)
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    out = torch.empty_like(q)
+    rows_t, context_t = torch.tensor(rows, dtype=torch.int32), torch.tensor(context, dtype=torch.int32)
+    assert lib.paged_attention(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
+                               bt.data_ptr(), rows_t.data_ptr(), context_t.data_ptr(), len(rows), 9, 3, 64, 40, 16,
+                               width, max(context), 64 ** -0.5, 2) == 0
+    assert torch.equal(out, ours)
