@@ -65,6 +65,7 @@ def test_rms_norm_leaves_what_it_does_not_handle_to_pytorch():
     assert native_ops.rms_norm(torch.randn(2, 8, dtype=torch.float64), w.double(), 1e-5) is None
     assert native_ops.rms_norm(torch.randn(2, 3, 8), w, 1e-5) is None  # 3-D: the caller flattens or falls back
     assert native_ops.rms_norm(torch.randn(2, 8, requires_grad=True), w, 1e-5) is None  # autograd records
+    assert native_ops.rms_norm(torch.randn(2, 9), w, 1e-5) is None  # a weight of another width: PyTorch raises
     if native_ops.library() is not None:
         assert native_ops.rms_norm(torch.randn(0, 8), w, 1e-5).shape == (0, 8)
         strided = torch.randn(8, 4).t()  # not contiguous: copied first

@@ -225,6 +225,13 @@ def test_the_fbgemm_choice_refuses_sums_that_differ_from_onednns(monkeypatch):
         int8_linear._fbgemm_gemv_choice.cache_clear()
 
 
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_int8_layer_refuses_an_input_of_the_wrong_width_before_reading_it(tokens):
+    layer = Int8Linear.from_float(torch.randn(8, 16), smooth=torch.rand(16) + 0.5)
+    with pytest.raises(ValueError, match="takes 16 input features"):
+        layer(torch.randn(tokens, 24))
+
+
 def test_int8_layer_takes_an_empty_step_and_half_precision_inputs():
     layer = Int8Linear.from_float(torch.randn(8, 16))
     assert layer(torch.randn(0, 16)).shape == (0, 8)

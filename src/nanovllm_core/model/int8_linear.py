@@ -373,7 +373,13 @@ class Int8Linear(nn.Module):
         return out_features * in_features + 4 * out_features + in_scale + num_outliers * (4 * out_features + 4 + 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[num_tokens, in_features]`` -> ``[num_tokens, out_features]``."""
+        """x ``[num_tokens, in_features]`` -> ``[num_tokens, out_features]``.
+
+        Raises:
+            ValueError: x's last dimension is not ``in_features``.
+        """
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"int8 linear layer takes {self.in_features} input features; got {list(x.shape)}")
         xf = x if x.dtype == torch.float32 else x.float()
         lib = native_helpers() if self._packed is not None and x.dim() == 2 else None
         if lib is not None:

@@ -47,10 +47,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 
     Returns ``(x / sqrt(mean(x**2, -1) + eps)) * weight`` ``[num_tokens, hidden]`` float32, each
     token's sum of squares in a fixed order (batch-invariant), or None where the C path does not
-    apply (not float32 CPU tensors, x not 2-D, autograd recording, or :func:`library` is None).
+    apply (not float32 CPU tensors, x not 2-D, a weight that is not ``[hidden]``, autograd
+    recording, or :func:`library` is None); PyTorch's op then runs, and raises for bad shapes.
     """
     if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
-            or weight.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            or weight.device.type != "cpu" or weight.shape != (x.shape[1],)
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return None
     lib = library()
     if lib is None:
