@@ -15,8 +15,8 @@
 
 /* x [T, K] float32 -> qx [T, K] int8 and sx [T]: x (times in_scale [K] if given) ~ qx * sx, per row,
  * the row's largest magnitude becoming `levels` (127). With qxf non-NULL the integers are written
- * there as floats instead (fbgemm's single-token path takes them so), and qx is not touched. With k outlier channels (idx [k]):
- * xo [T, k] = round(x[:, idx] * col_scale / so) as floats, so [T] = max |x[:, idx] * col_scale| / olevels. */
+ * there as floats instead (fbgemm's single-token path takes them so), and qx is not touched.
+ * With k outlier channels (idx [k]): xo [T, k] = round(x[:, idx] * col_scale / so) as floats, so [T] = max |x[:, idx] * col_scale| / olevels. */
 void int8_quantize_rows(const float *x, int64_t T, int64_t K, const float *in_scale, float levels,
                         int8_t *qx, float *qxf, float *sx, const int64_t *idx, int64_t k, const float *col_scale,
                         float olevels, float *xo, float *so, int num_threads) {
