@@ -71,6 +71,9 @@ def test_sigterm_aborts_the_stream_in_flight_and_exits_within_seconds(tiny_llama
 def test_serve_bad_options_end_with_one_line(capsys, tiny_llama_dir):
     code, _, err = run_main(serve_cli.main, capsys, "--port", "0")
     assert code == 2 and "expected a positive integer" in err
+    for beyond in ("65536", "99999"):  # once a traceback from bind()
+        code, _, err = run_main(serve_cli.main, capsys, "--port", beyond)
+        assert code == 2 and f"a TCP port is 1 to 65535, got {beyond}" in err and "Traceback" not in err
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         code, _, err = run_main(serve_cli.main, capsys, "--port", str(port))

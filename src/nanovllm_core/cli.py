@@ -25,6 +25,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def tcp_port(text: str) -> int:
+    """argparse ``type``: a TCP port, 1..65535; anything else becomes argparse's one-line usage error.
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or outside 1..65535.
+    """
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1 to 65535, got {value}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse ``type``: an integer >= 1; anything else becomes argparse's one-line usage error (status 2).
 

@@ -7,7 +7,7 @@ import os
 from typing import Sequence
 
 from nanovllm_core.cli import build_parser as build_engine_parser
-from nanovllm_core.cli import engine_kwargs, positive_int, sampling_params
+from nanovllm_core.cli import engine_kwargs, sampling_params, tcp_port
 from nanovllm_tui.bridge import DEFAULT_FPS
 
 DEFAULT_KV_BLOCKS = 512  # 8,192 tokens at block size 16: room to play, and a block map that fits a screen
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve this app to web browsers (textual-serve), one app per visitor; "
                         "add --connect URL so every visitor watches one server")
     r.add_argument("--host", default=None, help="with --web: address to listen on (default 127.0.0.1)")
-    r.add_argument("--port", type=positive_int, default=None, help="with --web: TCP port (default 8001)")
+    r.add_argument("--port", type=tcp_port, default=None, help="with --web: TCP port (default 8001)")
     return p
 
 

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Sequence
 
-from nanovllm_core.cli import _Parser, add_engine_arguments, add_model_arguments, engine_kwargs, positive_int
+from nanovllm_core.cli import _Parser, add_engine_arguments, add_model_arguments, engine_kwargs, tcp_port
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
-    s.add_argument("--port", type=positive_int, default=8000, help="TCP port (default 8000)")
+    s.add_argument("--port", type=tcp_port, default=8000, help="TCP port (default 8000)")
     s.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOVLLM_API_KEY, else none)")
     s.add_argument("--served-model-name", default=None,
