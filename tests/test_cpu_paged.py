@@ -145,7 +145,24 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "false")  # exits 1, like a compiler that rejects the source
     why = cpu_paged.unsupported_reason(torch.device("cpu"), torch.float32, "flash")
     assert why is not None and why.startswith("its build failed") and "\n" not in why
+    assert why.endswith("exit status 1, no message")  # a compiler that fails silently still says something
     assert not list((tmp_path / "nanovllm" / "kernels").glob("*.so"))  # no half-written library left behind
+
+
+@needs_kernel
+def test_a_cc_with_arguments_is_a_compiler_too(monkeypatch, tmp_path):
+    """CC may be a command line (``ccache gcc``, ``gcc -O2``): found by its program, run with its arguments."""
+    import shlex
+
+    from nanovllm_core import native
+
+    real = shlex.split(native._compiler())[0]
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", f"{real} -O2")
+    assert native._compiler() == shlex.join([real, "-O2"])
+    assert cpu_paged.unsupported_reason(torch.device("cpu"), torch.float32, "flash") is None
+    assert list((tmp_path / "nanovllm" / "kernels").glob("paged_attention_cpu-*.so"))
 
 
 def test_other_devices_dtypes_and_the_math_backend_are_not_served():
@@ -232,6 +249,7 @@ def test_the_vectorised_and_the_plain_c_paths_give_the_same_bits(tmp_path):
     the plain loops; a build without AVX2 (-march=x86-64) runs only the plain loops, so the two
     builds must agree bit for bit, over tiles, tails (contexts not a multiple of 8) and GQA."""
     import ctypes
+    import shlex
     import subprocess
 
     from nanovllm_core import native
@@ -239,7 +257,8 @@ def test_the_vectorised_and_the_plain_c_paths_give_the_same_bits(tmp_path):
     cc = native._compiler()
     plain = tmp_path / "plain.so"
     flags = [f for f in native.CFLAGS if f != "-march=native"] + ["-march=x86-64"]
-    r = subprocess.run([cc, *flags, str(cpu_paged.SOURCE), "-o", str(plain), "-lm"], capture_output=True, text=True)
+    r = subprocess.run([*shlex.split(cc), *flags, str(cpu_paged.SOURCE), "-o", str(plain), "-lm"], capture_output=True,
+                       text=True)
     assert r.returncode == 0, r.stderr
     lib = ctypes.CDLL(str(plain))
     lib.paged_attention.restype = ctypes.c_int

@@ -15,6 +15,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -29,7 +30,14 @@ _loaded: dict[Path, tuple[ctypes.CDLL | None, str | None]] = {}
 
 
 def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC") or "cc")
+    """The C compiler's command line (``$CC``, which may carry arguments such as ``ccache gcc``,
+    else ``cc``) with its program resolved on PATH, or None where that program is not found."""
+    try:
+        parts = shlex.split(os.environ.get("CC") or "cc")
+    except ValueError:  # unbalanced quotes
+        return None
+    path = shutil.which(parts[0]) if parts else None
+    return None if path is None else shlex.join([path, *parts[1:]])
 
 
 def _cpu_identity() -> str:
@@ -60,13 +68,13 @@ def _build(source: Path, cc: str, target: Path) -> None:
     os.close(fd)
     try:
         try:
-            r = subprocess.run([cc, *CFLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
+            r = subprocess.run([*shlex.split(cc), *CFLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
                                timeout=COMPILE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"{cc} did not finish within {COMPILE_TIMEOUT_S} s") from None
         if r.returncode != 0:
             first = next((ln for ln in r.stderr.splitlines() if "error" in ln), r.stderr.strip()[:200])
-            raise RuntimeError(f"{cc} failed: {first}")
+            raise RuntimeError(f"{cc} failed: {first or f'exit status {r.returncode}, no message'}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
