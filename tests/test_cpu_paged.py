@@ -137,6 +137,21 @@ def test_without_a_compiler_the_engine_gathers_and_says_why(monkeypatch):
                                   torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1)
 
 
+def test_the_cli_says_when_the_c_paths_are_not_used_and_why(monkeypatch, capsys, tiny_llama_dir):
+    """A run that silently fell back (no compiler, a switch) would hide why it is slower."""
+    from tests.conftest import run_main
+
+    from nanovllm_core import cli, native
+
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("NANOVLLM_NATIVE_OPS", "0")
+    code, out, _ = run_main(cli.main, capsys, "--model", str(tiny_llama_dir), "--prompt", "Hi", "--max-tokens", "2")
+    assert code == 0
+    assert "note: the CPU paged attention kernel is not used (K/V are gathered for SDPA): no C compiler was found" in out
+    assert "note: RMSNorm and RoPE run as PyTorch ops, not in C: NANOVLLM_NATIVE_OPS=0" in out
+
+
 def test_a_failed_build_is_reported_not_raised(monkeypatch, tmp_path):
     from nanovllm_core import native
 

@@ -253,6 +253,11 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"on {llm.engine.device.type}, {str(llm.engine.dtype).replace('torch.', '')}"
           + (f", {llm.engine.model.quantization} weights" if llm.engine.model.quantization else "")
           + f", model {llm.engine.model_name}")
+    info = llm.engine.model_info()
+    for key, what in (("cpu_paged_unavailable", "the CPU paged attention kernel is not used (K/V are gathered for SDPA)"),
+                      ("native_ops_unavailable", "RMSNorm and RoPE run as PyTorch ops, not in C")):
+        if llm.engine.device.type == "cpu" and info.get(key):
+            print(f"note: {what}: {info[key]}")
     if args.show_memory_stats:
         print_memory_stats(llm.stats())
     if all(c.finish_reason == "rejected" for o in outputs for c in o.outputs):

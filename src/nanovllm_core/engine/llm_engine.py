@@ -31,6 +31,7 @@ from nanovllm_core.engine.model_runner import ForwardResult, ModelRunner, kv_cac
 from nanovllm_core.engine.output_processor import OutputProcessor, RequestState
 from nanovllm_core.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
+from nanovllm_core.model import native_ops
 from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
 from nanovllm_core.model.loader import ProgressFn, ResolvedModel, warm_up
 from nanovllm_core.model.quantization import (
@@ -185,6 +186,8 @@ class LLMEngine:
             # Why the CPU paged kernel is not the one running (no compiler, a failed build, ...), or None.
             "cpu_paged_unavailable": (None if self.runner.use_cpu_paged else
                                       cpu_paged.unsupported_reason(self.device, self.dtype, self.config.attention_backend)),
+            # Why RMSNorm and RoPE run as PyTorch ops instead of in C (model/native_ops.py) on the CPU, or None.
+            "native_ops_unavailable": native_ops.unavailable_reason() if self.device.type == "cpu" else None,
             # Weights of every linear layer and the LM head, as the loader built them: the bytes
             # one decode step streams from memory (what batching shares among the batch).
             "quantization": self.model.quantization, "linear_weight_bytes": linear_weight_bytes(self.model),
