@@ -99,16 +99,26 @@ def fresh_llm(loaded, quantization: str | None, num_kv_blocks: int = 512, **engi
 
 @torch.inference_mode()
 def perplexity(model, ids: list[int], window: int = 512) -> float:
-    """exp(mean next-token negative log-likelihood) over ``ids`` in non-overlapping windows."""
-    from nanovllm_core.attention.contiguous import ContiguousKVCache
+    """exp(mean next-token negative log-likelihood) over ``ids`` in non-overlapping windows.
 
+    Attention runs as the engine runs it for this model (``ModelRunner``'s choices): the CPU
+    paged kernel where it is available, else SDPA with int8's float64 K/V and sums.
+    """
+    from nanovllm_core.attention import cpu_paged
+    from nanovllm_core.attention.contiguous import ContiguousKVCache
+    from nanovllm_core.engine.model_runner import kv_cache_dtype
+
+    p = next(model.parameters())
+    use_kernel = cpu_paged.available(p.device, p.dtype, "flash")
+    kv_dtype = kv_cache_dtype(model, "flash")
+    sum_dtype = kv_dtype if kv_dtype != p.dtype else None
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start:start + window + 1]
         if len(chunk) < 2:
             break
         n = len(chunk) - 1
-        cache = ContiguousKVCache(model.config, n, torch.float32, torch.device("cpu"))
+        cache = ContiguousKVCache(model.config, n, kv_dtype, p.device, "flash", sum_dtype, use_kernel)
         hidden = model(torch.tensor(chunk[:-1]), torch.arange(n), cache.context(0, n))
         logits = model.compute_logits(hidden)
         nll += torch.nn.functional.cross_entropy(logits, torch.tensor(chunk[1:]), reduction="sum").item()
