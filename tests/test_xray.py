@@ -297,3 +297,13 @@ def test_int8_weights_and_float64_kv_move_their_own_bytes():
     assert f32["mlp_down"] - q8["mlp_down"] == i * h * 3
     assert q8["kv_gather"] == 2 * f32["kv_gather"]  # 4 -> 8 bytes per cached number
     assert f32["rope"] == q8["rope"]  # activations stay float32
+
+
+def test_int8_linear_ops_say_what_the_product_multiplies_and_float_ones_do_not():
+    """Under int8 the X-Ray's math for the four linear layers must not read as a plain float product."""
+    seqs = [SeqAttention(num_tokens=1, context_len=10, keys_read=10, gathered=0)]
+    int8 = LayerDims(576, 1536, 9, 3, 64, 4, weight_elem=1.1)
+    linear = {"qkv_proj", "o_proj", "mlp_gate_up", "mlp_down"}
+    for op in layer_ops(int8, seqs, "cpu_paged"):
+        assert ("int8: W ≈ W_q · s" in op.math) == (op.name in linear), op.name
+    assert not any("int8" in op.math for op in layer_ops(SMOL, seqs, "cpu_paged"))

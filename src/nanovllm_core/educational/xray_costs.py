@@ -119,13 +119,16 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
     """
     h, i, nh, nkv, hd, e = d.hidden, d.intermediate, d.num_heads, d.num_kv_heads, d.head_dim, d.elem
     w, kv = d.weight_elem or e, d.kv_elem or e  # int8 mode: int8 weights (+ scales); K/V as the cache stores them
+    # int8 mode: what the product really multiplies (nanovllm_core.model.int8_linear)
+    q8 = ("; int8: W ≈ W_q · s (a scale per output row), X quantized per token, exact integer sums"
+          if 0 < d.weight_elem < e else "")
     T = sum(s.num_tokens for s in seqs)
     qkv = (nh + 2 * nkv) * hd
     w_qkv, w_o, w_gate_up, w_down = d.linear_weight_bytes or (h * qkv * w, nh * hd * h * w, h * 2 * i * w, i * h * w)
     ops = [
         _op("input_layernorm", "RMSNorm before attention: x / sqrt(mean(x²) + eps) · w",
             f"residual [{T}, {h}] -> [{T}, {h}]", 4 * T * h, (2 * T * h + h) * e),
-        _op("qkv_proj", "Q, K, V = X W_qkv  (one packed matrix)",
+        _op("qkv_proj", "Q, K, V = X W_qkv  (one packed matrix)" + q8,
             f"[{T}, {h}] @ [{h}, {qkv}] -> Q [{T}, {nh}, {hd}] | K [{T}, {nkv}, {hd}] | V [{T}, {nkv}, {hd}]",
             2 * T * h * qkv, w_qkv + (T * h + T * qkv) * e),
         _op("rope", "rotate each (x_i, x_i+d/2) pair of Q and K by position · theta^(-2i/d)",
@@ -157,15 +160,15 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
                        "S and P never reach memory", scores_shape, 2 * qk + soft,
                        2 * q_bytes + 2 * kv_bytes))
     ops += [
-        _op("o_proj", "Y = O W_o", f"[{T}, {nh * hd}] @ [{nh * hd}, {h}] -> [{T}, {h}]",
+        _op("o_proj", "Y = O W_o" + q8, f"[{T}, {nh * hd}] @ [{nh * hd}, {h}] -> [{T}, {h}]",
             2 * T * nh * hd * h, w_o + (T * nh * hd + T * h) * e),
         _op("residual_add", "residual += attention output", f"[{T}, {h}] + [{T}, {h}]", T * h, 3 * T * h * e),
         _op("post_attention_layernorm", "RMSNorm before the MLP: x / sqrt(mean(x²) + eps) · w",
             f"residual [{T}, {h}] -> [{T}, {h}]", 4 * T * h, (2 * T * h + h) * e),
-        _op("mlp_gate_up", "G, U = X W_gate, X W_up  (one packed matrix)",
+        _op("mlp_gate_up", "G, U = X W_gate, X W_up  (one packed matrix)" + q8,
             f"[{T}, {h}] @ [{h}, {2 * i}] -> G, U [{T}, {i}]", 2 * T * h * 2 * i, w_gate_up + (T * h + 2 * T * i) * e),
         _op("swiglu", "A = SiLU(G) · U", f"[{T}, {i}] -> [{T}, {i}]", 5 * T * i, 3 * T * i * e),
-        _op("mlp_down", "Y = A W_down", f"[{T}, {i}] @ [{i}, {h}] -> [{T}, {h}]", 2 * T * i * h,
+        _op("mlp_down", "Y = A W_down" + q8, f"[{T}, {i}] @ [{i}, {h}] -> [{T}, {h}]", 2 * T * i * h,
             w_down + (T * i + T * h) * e),
         _op("residual_add", "residual += MLP output", f"[{T}, {h}] + [{T}, {h}]", T * h, 3 * T * h * e),
     ]
