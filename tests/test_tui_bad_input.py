@@ -238,3 +238,19 @@ async def test_a_60x20_terminal_keeps_chapter_text_above_an_answered_quiz(tmp_pa
         assert "-short" in app.screen.classes
         assert app.query_one("#feedback").size.height > 0
         assert app.query_one("#chapter-scroll").size.height >= 3
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("switched_off", [False, True])
+async def test_the_app_says_at_load_when_the_c_paths_are_off_and_why(make_engine, tmp_path, monkeypatch,
+                                                                     switched_off):
+    if switched_off:
+        monkeypatch.setenv("NANOVLLM_NATIVE_OPS", "0")
+    app, notes = engine_app(make_engine, tmp_path), Notes()
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready)
+        await pilot.pause()
+        said = notes.find("RMSNorm and RoPE run as PyTorch ops, not in C: NANOVLLM_NATIVE_OPS=0", "warning")
+        assert bool(said) == switched_off
+        if not app.state.model_info.get("cpu_paged_unavailable"):
+            assert not notes.find("CPU paged attention kernel not used")

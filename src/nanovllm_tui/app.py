@@ -216,12 +216,23 @@ class NanoVLLMApp(App):
                 self._settle_memory()
                 if self.state.model_info.get("max_model_len"):
                     self.query_one(PromptBar).limit_max_tokens(self.state.model_info["max_model_len"])
+                self._note_fallbacks(self.state.model_info)
         if notes:
             self.query_one(NarratorView).add(notes)
         if self.selected not in self.state.requests and self.state.requests:
             self.select(self._default_selection())
         else:
             self._redraw()
+
+    def _note_fallbacks(self, info: dict) -> None:
+        """Say once, at load, when the engine's C paths are not in use on the CPU, and why (a run that
+        silently fell back would hide why it is slower, and int8's K/V doubling to float64)."""
+        if info.get("device") not in (None, "cpu"):
+            return
+        for key, what in (("cpu_paged_unavailable", "CPU paged attention kernel not used (K/V gathered for SDPA)"),
+                          ("native_ops_unavailable", "RMSNorm and RoPE run as PyTorch ops, not in C")):
+            if info.get(key):
+                self.notify(f"{what}: {info[key]}", severity="warning", timeout=8, markup=False)
 
     def notify(self, message: str, *, title: str = "", severity: str = "information", timeout: float | None = None,
                markup: bool = True) -> None:
