@@ -81,8 +81,15 @@ def _build(source: Path, cc: str, target: Path) -> None:
             os.unlink(tmp)
 
 
-def load(source: Path) -> tuple[ctypes.CDLL | None, str | None]:
-    """(the library built from ``source``, None), or (None, why it is not available); built once per process."""
+Signature = tuple[object, list]  # (restype, argtypes) of one C function, as ctypes takes them
+
+
+def load(source: Path, signatures: dict[str, Signature] | None = None) -> tuple[ctypes.CDLL | None, str | None]:
+    """(the library built from ``source``, None), or (None, why it is not available); built once per process.
+
+    ``signatures``: ``{function name: (restype, argtypes)}``, declared on the library when it is
+    first loaded (later calls get the same, already declared, library).
+    """
     with _lock:
         if source not in _loaded:
             cc = _compiler()
@@ -93,7 +100,11 @@ def load(source: Path) -> tuple[ctypes.CDLL | None, str | None]:
                     path = library_path(source, cc)
                     if not path.exists():
                         _build(source, cc, path)
-                    _loaded[source] = (ctypes.CDLL(str(path)), None)
-                except (OSError, RuntimeError) as e:
+                    lib = ctypes.CDLL(str(path))
+                    for name, (restype, argtypes) in (signatures or {}).items():
+                        fn = getattr(lib, name)
+                        fn.restype, fn.argtypes = restype, argtypes
+                    _loaded[source] = (lib, None)
+                except (OSError, RuntimeError, AttributeError) as e:
                     _loaded[source] = (None, f"its build failed: {e}")
         return _loaded[source]

@@ -31,16 +31,15 @@ SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
 ENV_SWITCH = "NANOVLLM_CPU_PAGED_ATTENTION"  # "0" turns the kernel off (A/B runs, tests of the fallback)
 
 
+_p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+SIGNATURES = {
+    "paged_attention": (ctypes.c_int, [_p, _i64] + [_p] * 6 + [_i32] * 8 + [ctypes.c_float, _i32]),
+    "write_kv": (ctypes.c_int, [_p, _i64, _p, _i64, _p, _i64, _i32, _i32, _i64, _p, _p]),
+}
+
+
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    lib, why = native.load(SOURCE)
-    if lib is not None and lib.paged_attention.argtypes is None:
-        lib.paged_attention.restype = ctypes.c_int
-        lib.paged_attention.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 8
-                                        + [ctypes.c_float, ctypes.c_int])
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.write_kv.restype = ctypes.c_int
-        lib.write_kv.argtypes = [p, i64, p, i64, p, i64, i32, i32, i64, p, p]
-    return lib, why
+    return native.load(SOURCE, SIGNATURES)
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype, backend: str) -> str | None:

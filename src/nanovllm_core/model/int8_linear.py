@@ -94,6 +94,11 @@ _ONE = torch.tensor(1.0)
 _ZERO = torch.tensor(0, dtype=torch.int32)
 NATIVE_SOURCE = Path(__file__).with_name("int8_cpu.c")
 NATIVE_ENV_SWITCH = "NANOVLLM_INT8_NATIVE"  # "0": quantize and scale with PyTorch ops instead (bit-identical)
+_p, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+NATIVE_SIGNATURES = {
+    "int8_quantize_rows": (None, [_p, _i64, _i64, _p, _f32, _p, _p, _p, _p, _i64, _p, _f32, _p, _p, _i32]),
+    "int8_epilogue": (ctypes.c_int, [_p, _i64, _i64, _p, _p, _p, _i64, _p, _p, _i32]),
+}
 
 
 def native_helpers() -> ctypes.CDLL | None:
@@ -101,14 +106,7 @@ def native_helpers() -> ctypes.CDLL | None:
     where it cannot be built or ``NANOVLLM_INT8_NATIVE=0``; then PyTorch ops compute the same bits."""
     if os.environ.get(NATIVE_ENV_SWITCH, "1") == "0":
         return None
-    lib, _ = native.load(NATIVE_SOURCE)
-    if lib is not None and lib.int8_epilogue.argtypes is None:
-        p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        lib.int8_quantize_rows.restype = None
-        lib.int8_quantize_rows.argtypes = [p, i64, i64, p, f32, p, p, p, p, i64, p, f32, p, p, i32]
-        lib.int8_epilogue.restype = ctypes.c_int
-        lib.int8_epilogue.argtypes = [p, i64, i64, p, p, p, i64, p, p, i32]
-    return lib
+    return native.load(NATIVE_SOURCE, NATIVE_SIGNATURES)[0]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -21,25 +21,25 @@ SOURCE = Path(__file__).with_name("layer_ops_cpu.c")
 ENV_SWITCH = "NANOVLLM_NATIVE_OPS"  # "0": PyTorch's ops instead
 
 
+_p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+SIGNATURES = {
+    "rms_norm_f32": (None, [_p, _p, ctypes.c_float, _p, _i64, _i64, _i32]),
+    "rope_f32": (None, [_p, _i64, _i64, _i32, _i32, _p, _p, _i32]),
+}
+
+
 def library() -> ctypes.CDLL | None:
     """``layer_ops_cpu.c`` built for this CPU, or None where it cannot be built or ``NANOVLLM_NATIVE_OPS=0``."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
-    lib, _ = native.load(SOURCE)
-    if lib is not None and lib.rms_norm_f32.argtypes is None:
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.rms_norm_f32.restype = None
-        lib.rms_norm_f32.argtypes = [p, p, ctypes.c_float, p, i64, i64, ctypes.c_int]
-        lib.rope_f32.restype = None
-        lib.rope_f32.argtypes = [p, i64, i64, ctypes.c_int, ctypes.c_int, p, p, ctypes.c_int]
-    return lib
+    return native.load(SOURCE, SIGNATURES)[0]
 
 
 def unavailable_reason() -> str | None:
     """Why :func:`library` returns None (switched off, no compiler, failed build), or None when it loads."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return f"{ENV_SWITCH}=0"
-    return native.load(SOURCE)[1]
+    return native.load(SOURCE, SIGNATURES)[1]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
