@@ -60,6 +60,8 @@ from benchmarks.common import (
     default_model_dir,
     fmt,
     gemm_peaks,
+    llamacpp_model,
+    llamacpp_notes,
     machine_summary,
     make_workload,
     percentile,
@@ -301,13 +303,8 @@ def cuda_gemm_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> dict[
 
 def run_llamacpp(workload: Workload, threads: int = 2) -> SystemResult:
     """llama-cpp-python on the shipped GGUF (Q4_1), greedy, one request after another, each its own length."""
-    from llama_cpp import Llama
-
-    from nanovllm_core.model.loader import default_gguf_path
-
     longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
-    llm = Llama(model_path=str(default_gguf_path()), n_ctx=max(512, longest + 8), n_threads=threads,
-                n_threads_batch=threads, verbose=False)
+    llm = llamacpp_model(max(512, longest + 8), threads)
 
     def generate(prompt: list[int], n: int, times: list[float]) -> list[int]:
         out: list[int] = []
@@ -331,7 +328,7 @@ def run_llamacpp(workload: Workload, threads: int = 2) -> SystemResult:
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     return SystemResult("llamacpp", elapsed, ttft, tpot, outputs, mem.peak_bytes, cpu_s=cpu,
                         computed_tokens=workload.prompt_tokens + workload.output_tokens,
-                        notes={"weights": "GGUF Q4_1 (the shipped file)", "threads": threads})
+                        notes=llamacpp_notes(threads))
 
 
 def num_parameters() -> int:

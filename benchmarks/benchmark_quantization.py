@@ -16,7 +16,9 @@ Bytes: the linear layers' weights one decode step reads (``linear_weight_bytes``
 Speed (wall time; each round runs every system once, the order rotating between rounds;
 medians over rounds, so a burst of load on a shared machine hits one round of one system):
 - batch-1 decode: one prompt, 128 greedy tokens; decode tokens/s = 127 / (time of the last
-  token - time of the first), for our float32, our int8 and transformers ``generate``;
+  token - time of the first), for our float32, our int8, transformers ``generate`` and, where
+  llama-cpp-python is installed (``pip install -e ".[llamacpp]"``), llama.cpp on the shipped
+  Q4_1 file with 2 threads (the same prompt ids; ``--skip-llamacpp`` leaves it out);
 - the 64-request default workload (``benchmarks.common.make_workload``), useful output
   tokens/s for our float32 and int8, each round on a fresh engine (no prefix cache carried over);
 - float32 on that workload as a fraction of the measured float32 matmul peak
@@ -30,6 +32,7 @@ interleaved with the rest, and prints the kernel's speed-up over that path.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import statistics
@@ -43,8 +46,11 @@ import torch
 from benchmarks.common import (
     check_json_path,
     corpus_token_ids,
+    cpu_flags,
     fmt,
     gemm_peaks,
+    llamacpp_model,
+    llamacpp_notes,
     machine_summary,
     make_workload,
     table,
@@ -164,6 +170,17 @@ def decode_rate_hf(hf_model, prompt: list[int], n: int) -> float:
     return (n - 1) / (clock.times[n - 1] - clock.times[0])
 
 
+def decode_rate_llamacpp(llm, prompt: list[int], n: int) -> float:
+    """llama.cpp's batch-1 decode tokens/s on the same prompt ids, timed as ``decode_rate_ours``."""
+    times: list[float] = []
+    llm.reset()
+    for _ in llm.generate(prompt, temp=0.0, top_k=1, reset=True):  # greedy; never stops at EOS by itself
+        times.append(time.perf_counter())
+        if len(times) == n:
+            break
+    return (n - 1) / (times[-1] - times[0])
+
+
 def workload_rate(loaded, quantization: str | None, workload) -> tuple[float, float]:
     """(useful output tokens/s, wall seconds) of the whole workload on a fresh default engine."""
     from nanovllm_core.sampling_params import SamplingParams
@@ -187,20 +204,6 @@ def interleaved(systems: dict[str, Callable[[], float]], rounds: int) -> dict[st
         for name in names[r % len(names):] + names[:r % len(names)]:
             figures[name].append(systems[name]())
     return figures
-
-
-def cpu_flags() -> list[str]:
-    """The CPU's int8/matmul-relevant instruction sets, from /proc/cpuinfo."""
-    wanted = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    have = set(line.split(":", 1)[1].split())
-                    return [w for w in wanted if w in have]
-    except OSError:
-        pass
-    return []
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -246,6 +249,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         m: (lambda m=m: decode_rate_ours(fresh_llm(loaded[m], quant[m], num_kv_blocks=64), prompt, n)) for m in MODES}
     if hf is not None:
         systems["transformers"] = lambda: decode_rate_hf(hf, prompt, n)
+    lcpp = None
+    if not args.skip_llamacpp and importlib.util.find_spec("llama_cpp") is not None:
+        lcpp = llamacpp_model(n_ctx=len(prompt) + n + 8)
+        systems["llama.cpp"] = lambda: decode_rate_llamacpp(lcpp, prompt, n)
+        summary["llamacpp"] = llamacpp_notes()
     if args.gather_ab:
         systems.update({f"{m} gather": on_gather_path(systems[m]) for m in MODES})
     for name in systems:  # warm-up, outside the figures
@@ -257,8 +265,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "int8_over_float32": med["int8"] / med["float32"],
         "float32_over_transformers": med["float32"] / med["transformers"] if hf is not None else None,
         "int8_over_transformers": med["int8"] / med["transformers"] if hf is not None else None,
+        "int8_over_llamacpp": med["int8"] / med["llama.cpp"] if lcpp is not None else None,
     }
-    del hf
+    del hf, lcpp
     print("batch-1 decode done", file=sys.stderr, flush=True)
 
     # -- the 64-request workload
@@ -319,13 +328,18 @@ def report(s: dict[str, Any]) -> str:
                 "-" if mode == "float32" else f"{100 * q['greedy_agreement_until_first_difference']:.1f}%",
                 fmt(b1["tokens_per_s"][mode]), fmt(wl["useful_tokens_per_s"][mode])] for mode in MODES]
               + ([["transformers fp32", "-", "-", "-", fmt(b1["tokens_per_s"]["transformers"]), "-"]]
-                 if "transformers" in b1["tokens_per_s"] else [])),
+                 if "transformers" in b1["tokens_per_s"] else [])
+              + ([["llama.cpp Q4_1", "-", "-", "-", fmt(b1["tokens_per_s"]["llama.cpp"]), "-"]]
+                 if "llama.cpp" in b1["tokens_per_s"] else [])),
         "",
         f"int8 perplexity {100 * q['perplexity_change']:+.2f}% vs float32 ({q['perplexity_tokens']} corpus tokens); "
         f"greedy agreement until first difference over {q['greedy_prompts']} prompts x {q['greedy_tokens_per_prompt']} tokens",
         f"batch-1 decode ({b1['tokens']} tokens): int8 / float32 = {b1['int8_over_float32']:.2f}x"
         + (f"; float32 / transformers = {b1['float32_over_transformers']:.2f}x; int8 / transformers = "
-           f"{b1['int8_over_transformers']:.2f}x" if b1["float32_over_transformers"] is not None else ""),
+           f"{b1['int8_over_transformers']:.2f}x" if b1["float32_over_transformers"] is not None else "")
+        + (f"; int8 / llama.cpp = {b1['int8_over_llamacpp']:.2f}x (llama-cpp-python "
+           f"{s['llamacpp']['llama_cpp_python']}, shipped Q4_1, {s['llamacpp']['threads']} threads, AMX repack "
+           f"{s['llamacpp']['amx_repack']})" if b1.get("int8_over_llamacpp") is not None else ""),
         f"{wl['num_requests']}-request workload: int8 / float32 = {wl['int8_over_float32']:.2f}x; float32 at "
         f"{100 * wl['float32_roofline_fraction']:.1f}% of the float32 matmul peak "
         f"({s['gemm_peak_flops'] / 1e9:.0f} GFLOP/s, 2048^3)",
@@ -344,6 +358,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=positive_int, default=None, help="interleaved rounds per speed figure (default 3; 1 with --quick)")
     ap.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's own choice)")
     ap.add_argument("--skip-hf", action="store_true", help="leave transformers out of the batch-1 decode figures")
+    ap.add_argument("--skip-llamacpp", action="store_true",
+                    help="leave llama.cpp out of the batch-1 decode figures (it is in them when llama-cpp-python "
+                         "is installed: pip install -e \".[llamacpp]\")")
     ap.add_argument("--json", metavar="FILE", help="also write all figures to FILE as JSON")
     ap.add_argument("--gather-ab", action="store_true",
                     help="also run both speed figures with the CPU paged attention kernel off (gather + SDPA)")

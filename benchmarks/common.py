@@ -230,3 +230,59 @@ def check_json_path(parser: Any, path: str | None) -> None:
     folder = Path(path).resolve().parent
     if Path(path).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
         parser.error(f"--json {path}: cannot write there (is the folder missing or read-only?)")
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's int8/matmul-relevant instruction sets, from /proc/cpuinfo."""
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [w for w in wanted if w in have]
+    except OSError:
+        pass
+    return []
+
+
+def llamacpp_model(n_ctx: int, threads: int = 2) -> Any:
+    """llama-cpp-python's ``Llama`` on the shipped GGUF (SmolLM2-135M-Instruct, Q4_1), ``n_ctx`` tokens of context.
+
+    On a CPU with AMX, llama.cpp repacks the weights for its AMX matmul by default; with
+    llama-cpp-python 0.3.36 on the 2-core AMX Xeon here that matmul segfaults on the first
+    prompt (ggml-org/llama.cpp#20824 reports the same crash). There the repack ("extra
+    buffer types") is turned off, so llama.cpp runs its AVX-512 Q4_1 kernels; elsewhere its
+    defaults stand. The caller's figures should say so (``llamacpp_notes``).
+
+    Raises:
+        ImportError: llama-cpp-python is not installed (``pip install -e ".[llamacpp]"``).
+    """
+    import llama_cpp.llama_cpp as low_level
+    from llama_cpp import Llama
+
+    from nanovllm_core.model.loader import default_gguf_path
+
+    default_params = low_level.llama_model_default_params
+
+    def without_amx_repack():
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+
+    if "amx_int8" in cpu_flags():
+        low_level.llama_model_default_params = without_amx_repack
+    try:
+        return Llama(model_path=str(default_gguf_path()), n_ctx=n_ctx, n_threads=threads,
+                     n_threads_batch=threads, verbose=False)
+    finally:
+        low_level.llama_model_default_params = default_params
+
+
+def llamacpp_notes(threads: int = 2) -> dict[str, Any]:
+    """What a llama.cpp figure ran with: the weights, threads and whether AMX repacking was off."""
+    import llama_cpp
+
+    return {"weights": "GGUF Q4_1 (the shipped file)", "threads": threads,
+            "llama_cpp_python": llama_cpp.__version__,
+            "amx_repack": "off (it crashes here, ggml-org/llama.cpp#20824)" if "amx_int8" in cpu_flags() else "default"}
