@@ -258,11 +258,16 @@ def test_a_strided_query_view_gives_the_same_bits_as_a_contiguous_copy():
                        run_kernel(q.contiguous(), k_pool, v_pool, tables, rows, ctx))
 
 
-@needs_kernel
-def test_the_vectorised_and_the_plain_c_paths_give_the_same_bits(tmp_path):
-    """The AVX2 paths (8-key score tiles, register-held value sums) claim the very arithmetic of
-    the plain loops; a build without AVX2 (-march=x86-64) runs only the plain loops, so the two
-    builds must agree bit for bit, over tiles, tails (contexts not a multiple of 8) and GQA."""
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(ln.split(":", 1)[1].split()) for ln in f if ln.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def _build_kernel(tmp_path, march: str):
+    """The kernel compiled for ``-march=<march>`` instead of the machine's own, loaded with its signatures."""
     import ctypes
     import shlex
     import subprocess
@@ -270,27 +275,44 @@ def test_the_vectorised_and_the_plain_c_paths_give_the_same_bits(tmp_path):
     from nanovllm_core import native
 
     cc = native._compiler()
-    plain = tmp_path / "plain.so"
-    flags = [f for f in native.CFLAGS if f != "-march=native"] + ["-march=x86-64"]
-    r = subprocess.run([*shlex.split(cc), *flags, str(cpu_paged.SOURCE), "-o", str(plain), "-lm"], capture_output=True,
+    so = tmp_path / f"{march}.so"
+    flags = [f for f in native.CFLAGS if f != "-march=native"] + [f"-march={march}"]
+    r = subprocess.run([*shlex.split(cc), *flags, str(cpu_paged.SOURCE), "-o", str(so), "-lm"], capture_output=True,
                        text=True)
     assert r.returncode == 0, r.stderr
-    lib = ctypes.CDLL(str(plain))
-    lib.paged_attention.restype = ctypes.c_int
-    lib.paged_attention.argtypes = cpu_paged._load()[0].paged_attention.argtypes
+    lib = ctypes.CDLL(str(so))
+    lib.paged_attention.restype, lib.paged_attention.argtypes = cpu_paged.SIGNATURES["paged_attention"]
+    return lib
 
-    k_pool, v_pool = make_pool()
+
+# the builds to compare with the machine's own (-march=native), each where this CPU can run it:
+# no vector intrinsics at all; AVX2 (8-key score tiles, register-held value sums); AVX-512
+# (heads sharing a KV head done together, two keys per register, a vector max)
+_BUILDS = [("x86-64", set()), ("haswell", {"avx2"}), ("skylake-avx512", {"avx2", "avx512f"})]
+
+
+@needs_kernel
+@pytest.mark.parametrize("march, needs", _BUILDS, ids=[b[0] for b in _BUILDS])
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 1), (10, 2), (4, 4)])
+def test_every_build_of_the_kernel_gives_the_same_bits(tmp_path, march, needs, heads, kv_heads):
+    """The vector paths claim the very arithmetic of the plain loops, so a build for an older
+    instruction set must agree bit for bit with this machine's build, over 8-key tiles, tails
+    (contexts not a multiple of 8 or 16) and GQA groups of 3, 8 (two tiles of 4 heads), 5 (4 + 1) and 1."""
+    if not needs <= _cpu_flags():
+        pytest.skip(f"this CPU cannot run a -march={march} build")
+    lib = _build_kernel(tmp_path, march)
+    k_pool, v_pool = make_pool(kv_heads)
     perm = torch.randperm(40, generator=torch.Generator().manual_seed(5)).tolist()
     tables = [perm[:9], perm[9:13], perm[13:14]]
     rows = [0] * 6 + [1, 2]
     context = [129, 130, 131, 132, 133, 137, 61, 5]
-    q = torch.randn(len(rows), 9, 64, generator=torch.Generator().manual_seed(6))
+    q = torch.randn(len(rows), heads, 64, generator=torch.Generator().manual_seed(6))
     ours = run_kernel(q, k_pool, v_pool, tables, rows, context)
     width = max(len(t) for t in tables)
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     out = torch.empty_like(q)
     rows_t, context_t = torch.tensor(rows, dtype=torch.int32), torch.tensor(context, dtype=torch.int32)
     assert lib.paged_attention(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
-                               bt.data_ptr(), rows_t.data_ptr(), context_t.data_ptr(), len(rows), 9, 3, 64, 40, 16,
-                               width, max(context), 64 ** -0.5, 2) == 0
+                               bt.data_ptr(), rows_t.data_ptr(), context_t.data_ptr(), len(rows), heads, kv_heads, 64,
+                               40, 16, width, max(context), 64 ** -0.5, 2) == 0
     assert torch.equal(out, ours)

@@ -6,16 +6,18 @@
  * query, its context length (position + 1) and the numbers in its context's blocks. Every
  * sum runs in a fixed order that no batch, chunking or thread count changes:
  *   - a score is a dot product over head_dim in 8 fixed lanes, the lanes then added in a
- *     fixed tree (dot below; dot8 computes 8 keys' scores at once with the same bits);
+ *     fixed tree (dot below; dot8 computes 8 keys' scores at once with the same bits, and
+ *     with AVX-512 dot8_heads does so for up to 4 query heads sharing a KV head);
  *   - the softmax's max is exact; exp is a fixed polynomial (exp_nonpositive), the same
  *     operations for every element whichever way the loop is vectorised; the denominator
  *     adds exp(score - max) over the context in 8 fixed lanes, then the lanes in order;
  *   - the output adds p_j * v_j over the context in key order, one running sum per element
- *     of head_dim (weighted_sum).
+ *     of head_dim (weighted_sum; weighted_sum_heads with AVX-512).
  * So a token computes the same bits alone, in a batch of 64, in a prefill chunk or as a
  * decode; int8 mode relies on this (see nanovllm_core.model.quantization).
  * Compiled with -ffp-contract=off: no multiply and add are fused into one rounding, so a
- * loop's vectorised body and its scalar remainder round alike.
+ * loop's vectorised body and its scalar remainder round alike, and a build for any x86-64
+ * instruction set (plain, AVX2, AVX-512) gives the same bits (tests/test_cpu_paged.py).
  *
  * Layouts (float32, contiguous):
  *   q             [num_tokens, num_heads, head_dim], token rows q_stride floats apart, heads dense
@@ -32,7 +34,10 @@
 #include <string.h>
 
 #define LANES 8
-#define PREFETCH_KEYS 32 /* how far ahead K and V rows are fetched into cache */
+#ifndef PREFETCH_KEYS
+#define PREFETCH_KEYS 32
+#endif
+/* how far ahead K and V rows are fetched into cache */
 
 /* exp(x) for x <= 0 (a score minus its row's maximum), branch-free so loops over it vectorise:
  * Cody-Waite range reduction x = n ln2 + r, |r| <= ln2/2, then a degree-6 polynomial for e^r
@@ -76,15 +81,9 @@ static float dot(const float *a, const float *b, int n) {
 /* out[i] = dot(q, k[i], n) for 8 keys, n a multiple of 8, bit for bit: each key's 8 lanes in one
  * register, the 8 registers' lanes summed by a transpose of pairwise additions whose tree is
  * the one dot uses. Separate multiplies and adds (no FMA), as in dot. */
-static void dot8(const float *q, const float *const k[8], int n, float *out) {
-    __m256 acc[8];
-    for (int i = 0; i < 8; i++) {
-        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k[i]));
-        for (int d = 8; d < n; d += 8)
-            a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k[i] + d)));
-        acc[i] = a;
-    }
-    /* hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7] */
+static inline void reduce8(const __m256 acc[8], float *out) {
+    /* out[i] = the lanes of acc[i] summed in dot's tree.
+     * hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7] */
     const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
     const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
     const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
@@ -92,8 +91,114 @@ static void dot8(const float *q, const float *const k[8], int n, float *out) {
     const __m256 lo = _mm256_permute2f128_ps(u0, u1, 0x20), hi = _mm256_permute2f128_ps(u0, u1, 0x31);
     _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
 }
+
+static inline void dot8(const float *q, const float *const k[8], int n, float *out) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) {
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k[i]));
+        for (int d = 8; d < n; d += 8)
+            a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k[i] + d)));
+        acc[i] = a;
+    }
+    reduce8(acc, out);
+}
 #else
 #define HAVE_DOT8 0
+#endif
+
+#if HAVE_DOT8 && defined(__AVX512F__)
+#define HAVE_HEADS512 1
+/* Where AVX-512 is available, the heads that share a KV head are done together, so each key
+ * and value row is loaded once for all of them instead of once per head, and a 512-bit
+ * register holds two keys' 8 lanes (or 16 output elements). Every lane does the same
+ * multiplies and adds, in the same order, as dot8 and weighted_sum: the same bits. */
+#define MAX_HEADS512 4
+
+static inline __m512 load_pair(const float *a, const float *b) { /* [a0..a7 | b0..b7] */
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a))),
+                                               _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+}
+
+static inline __m512 load_twice(const float *a) { /* [a0..a7 | a0..a7] */
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(a))));
+}
+
+/* scores[h * ctx + j + i] = dot(q_h, k[i], n) * scale for 8 keys i and heads h < H (H <= 4), n a
+ * multiple of 8; q_h = q + h * n. Bit for bit dot8's. */
+static inline __attribute__((always_inline)) void dot8_heads(const float *q, const float *const k[8], int n, int H,
+                                                           float scale, float *scores, int ctx, int j) {
+    __m512 acc[MAX_HEADS512][4];
+    for (int m = 0; m < 4; m++) {
+        const __m512 kp = load_pair(k[2 * m], k[2 * m + 1]);
+        for (int h = 0; h < H; h++) acc[h][m] = _mm512_mul_ps(load_twice(q + (int64_t)h * n), kp);
+    }
+    for (int d = 8; d < n; d += 8)
+        for (int m = 0; m < 4; m++) {
+            const __m512 kp = load_pair(k[2 * m] + d, k[2 * m + 1] + d);
+            for (int h = 0; h < H; h++)
+                acc[h][m] = _mm512_add_ps(acc[h][m], _mm512_mul_ps(load_twice(q + (int64_t)h * n + d), kp));
+        }
+    for (int h = 0; h < H; h++) {
+        __m256 per_key[8];
+        for (int m = 0; m < 4; m++) {
+            per_key[2 * m] = _mm512_castps512_ps256(acc[h][m]);
+            per_key[2 * m + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[h][m]), 1));
+        }
+        float *s = scores + (int64_t)h * ctx + j;
+        reduce8(per_key, s);
+        for (int i = 0; i < 8; i++) s[i] *= scale;
+    }
+}
+
+/* acc[h * n + d] = sum over keys j in order of p[h * ctx + j] * v[row[j] + d], for heads h < H
+ * (H <= 4) and d < n, n a multiple of 64. Bit for bit weighted_sum's. */
+static inline __attribute__((always_inline)) void weighted_sum_heads(const float *p, const float *v, const int64_t *row,
+                                                                   int ctx, int n, int H, float *acc) {
+    for (int d0 = 0; d0 < n; d0 += 64) {
+        __m512 a[MAX_HEADS512][4];
+        for (int h = 0; h < H; h++)
+            for (int c = 0; c < 4; c++) a[h][c] = _mm512_setzero_ps();
+        for (int j = 0; j < ctx; j++) {
+            const float *vj = v + row[j] + d0;
+            if (j + PREFETCH_KEYS < ctx)
+                for (int c = 0; c < 64; c += 16) __builtin_prefetch(v + row[j + PREFETCH_KEYS] + d0 + c);
+            const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16);
+            const __m512 v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
+            for (int h = 0; h < H; h++) {
+                const __m512 pj = _mm512_set1_ps(p[(int64_t)h * ctx + j]);
+                a[h][0] = _mm512_add_ps(a[h][0], _mm512_mul_ps(pj, v0));
+                a[h][1] = _mm512_add_ps(a[h][1], _mm512_mul_ps(pj, v1));
+                a[h][2] = _mm512_add_ps(a[h][2], _mm512_mul_ps(pj, v2));
+                a[h][3] = _mm512_add_ps(a[h][3], _mm512_mul_ps(pj, v3));
+            }
+        }
+        for (int h = 0; h < H; h++)
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + (int64_t)h * n + d0 + 16 * c, a[h][c]);
+    }
+}
+
+/* The same two, with the head count a constant the compiler unrolls for (1 to 4). */
+#define HEADS_CASES(call) \
+    switch (H) {          \
+    case 1: call(1); break; \
+    case 2: call(2); break; \
+    case 3: call(3); break; \
+    default: call(4); break; \
+    }
+static void dot8_heads_n(const float *q, const float *const k[8], int n, int H, float scale, float *scores, int ctx,
+                         int j) {
+#define DOT8_HEADS(c) dot8_heads(q, k, n, c, scale, scores, ctx, j)
+    HEADS_CASES(DOT8_HEADS)
+#undef DOT8_HEADS
+}
+static void weighted_sum_heads_n(const float *p, const float *v, const int64_t *row, int ctx, int n, int H,
+                                 float *acc) {
+#define WSUM_HEADS(c) weighted_sum_heads(p, v, row, ctx, n, c, acc)
+    HEADS_CASES(WSUM_HEADS)
+#undef WSUM_HEADS
+}
+#else
+#define HAVE_HEADS512 0
 #endif
 
 /* s[j] = exp(s[j] - m) for j < n, where m >= every s[j]. */
@@ -200,11 +305,19 @@ int paged_attention(const float *q, int64_t q_stride, const float *k_pool, const
                                 __builtin_prefetch(kh + row[j + PREFETCH_KEYS + i] + c);
                                 __builtin_prefetch(vh + row[j + PREFETCH_KEYS + i] + c); /* for weighted_sum */
                             }
+#if HAVE_HEADS512
+                    for (int h0 = 0; h0 < group; h0 += MAX_HEADS512) {
+                        const int H = group - h0 < MAX_HEADS512 ? group - h0 : MAX_HEADS512;
+                        dot8_heads_n(qg + (int64_t)h0 * head_dim, k8, head_dim, H, scale,
+                                     scores + (int64_t)h0 * ctx, ctx, j);
+                    }
+#else
                     for (int h = 0; h < group; h++) {
                         float *s = scores + (int64_t)h * ctx + j;
                         dot8(qg + (int64_t)h * head_dim, k8, head_dim, s);
                         for (int i = 0; i < 8; i++) s[i] *= scale;
                     }
+#endif
                 }
             }
 #endif
@@ -217,13 +330,30 @@ int paged_attention(const float *q, int64_t q_stride, const float *k_pool, const
             for (int h = 0; h < group; h++) {
                 float *s = scores + (int64_t)h * ctx;
                 float m = -INFINITY;
-                for (int j = 0; j < ctx; j++) m = s[j] > m ? s[j] : m;
+                int j = 0;
+#if HAVE_HEADS512 /* max is exact, so 16 lanes then the lanes give the same m as the loop below */
+                if (ctx >= 16) {
+                    __m512 mv = _mm512_set1_ps(-INFINITY);
+                    for (; j + 16 <= ctx; j += 16) mv = _mm512_max_ps(_mm512_loadu_ps(s + j), mv);
+                    m = _mm512_reduce_max_ps(mv);
+                }
+#endif
+                for (; j < ctx; j++) m = s[j] > m ? s[j] : m;
                 exp_shifted(s, ctx, m);
                 denom[h] = sum(s, ctx);
             }
             /* out = sum_j p_j v_j / denominator */
-            for (int h = 0; h < group; h++)
-                weighted_sum(scores + (int64_t)h * ctx, vh, row, ctx, head_dim, acc + (int64_t)h * head_dim);
+#if HAVE_HEADS512
+            if (head_dim % 64 == 0)
+                for (int h0 = 0; h0 < group; h0 += MAX_HEADS512) {
+                    const int H = group - h0 < MAX_HEADS512 ? group - h0 : MAX_HEADS512;
+                    weighted_sum_heads_n(scores + (int64_t)h0 * ctx, vh, row, ctx, head_dim, H,
+                                         acc + (int64_t)h0 * head_dim);
+                }
+            else
+#endif
+                for (int h = 0; h < group; h++)
+                    weighted_sum(scores + (int64_t)h * ctx, vh, row, ctx, head_dim, acc + (int64_t)h * head_dim);
             float *o = out + ((int64_t)t * num_heads + (int64_t)g * group) * head_dim;
             for (int h = 0; h < group; h++)
                 for (int d = 0; d < head_dim; d++) o[h * head_dim + d] = acc[h * head_dim + d] / denom[h];
