@@ -20,6 +20,7 @@ from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.engine.model_runner import ModelRunner
 from nanovllm_core.model import loader
 from nanovllm_core.sampling_params import SamplingParams
+from tests import native_builds
 
 needs_kernel = pytest.mark.skipif(not cpu_paged.available(torch.device("cpu"), torch.float32, "flash"),
                                   reason=f"the CPU paged kernel is not available here: "
@@ -258,49 +259,14 @@ def test_a_strided_query_view_gives_the_same_bits_as_a_contiguous_copy():
                        run_kernel(q.contiguous(), k_pool, v_pool, tables, rows, ctx))
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(ln.split(":", 1)[1].split()) for ln in f if ln.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
-def _build_kernel(tmp_path, march: str):
-    """The kernel compiled for ``-march=<march>`` instead of the machine's own, loaded with its signatures."""
-    import ctypes
-    import shlex
-    import subprocess
-
-    from nanovllm_core import native
-
-    cc = native._compiler()
-    so = tmp_path / f"{march}.so"
-    flags = [f for f in native.CFLAGS if f != "-march=native"] + [f"-march={march}"]
-    r = subprocess.run([*shlex.split(cc), *flags, str(cpu_paged.SOURCE), "-o", str(so), "-lm"], capture_output=True,
-                       text=True)
-    assert r.returncode == 0, r.stderr
-    lib = ctypes.CDLL(str(so))
-    lib.paged_attention.restype, lib.paged_attention.argtypes = cpu_paged.SIGNATURES["paged_attention"]
-    return lib
-
-
-# the builds to compare with the machine's own (-march=native), each where this CPU can run it:
-# no vector intrinsics at all; AVX2 (8-key score tiles, register-held value sums); AVX-512
-# (heads sharing a KV head done together, two keys per register, a vector max)
-_BUILDS = [("x86-64", set()), ("haswell", {"avx2"}), ("skylake-avx512", {"avx2", "avx512f"})]
-
-
 @needs_kernel
-@pytest.mark.parametrize("march, needs", _BUILDS, ids=[b[0] for b in _BUILDS])
+@pytest.mark.parametrize("march, needs", native_builds.BUILDS, ids=native_builds.BUILD_IDS)
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 1), (10, 2), (4, 4)])
 def test_every_build_of_the_kernel_gives_the_same_bits(tmp_path, march, needs, heads, kv_heads):
     """The vector paths claim the very arithmetic of the plain loops, so a build for an older
     instruction set must agree bit for bit with this machine's build, over 8-key tiles, tails
     (contexts not a multiple of 8 or 16) and GQA groups of 3, 8 (two tiles of 4 heads), 5 (4 + 1) and 1."""
-    if not needs <= _cpu_flags():
-        pytest.skip(f"this CPU cannot run a -march={march} build")
-    lib = _build_kernel(tmp_path, march)
+    lib = native_builds.build(tmp_path, cpu_paged.SOURCE, march, needs, cpu_paged.SIGNATURES)
     k_pool, v_pool = make_pool(kv_heads)
     perm = torch.randperm(40, generator=torch.Generator().manual_seed(5)).tolist()
     tables = [perm[:9], perm[9:13], perm[13:14]]

@@ -18,6 +18,7 @@ from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.model import cpu_linear, loader
 from nanovllm_core.model.cpu_linear import FloatLinear
+from tests import native_builds
 from nanovllm_core.model.int8_linear import (
     FLOAT32_EXACT_INT,
     OUTLIER_ACT_LEVELS,
@@ -167,6 +168,37 @@ def test_the_native_quantize_and_epilogue_compute_the_same_bits_as_pytorch(monke
         assert int8_linear.native_helpers() is None
         assert torch.equal(native, layer(x)), tokens
         monkeypatch.delenv(int8_linear.NATIVE_ENV_SWITCH)
+
+
+@pytest.mark.parametrize("march, needs", native_builds.BUILDS, ids=native_builds.BUILD_IDS)
+def test_every_build_of_the_int8_helpers_computes_the_same_bits(tmp_path, monkeypatch, march, needs):
+    """The vector paths of ``int8_cpu.c`` (a 16- or 8-lane absmax; the outlier sums held in
+    registers, fused where the CPU has FMA) claim the plain loops' bits: a build for each older
+    instruction set must give the PyTorch path's output, over vector widths, remainders
+    (out_features not a multiple of 64), outlier channels and bias; a NaN in one token stays there."""
+    from nanovllm_core.model import int8_linear
+
+    if not int8_linear._ONEDNN:
+        pytest.skip("oneDNN's int8 matmul is not available here")
+    lib = native_builds.build(tmp_path, int8_linear.NATIVE_SOURCE, march, needs, int8_linear.NATIVE_SIGNATURES)
+    g = torch.Generator().manual_seed(7)
+    for in_features, out_features, num_outliers, bias in ((576, 1000, 16, True), (1536, 576, 16, False), (37, 24, 3, True)):
+        layer = Int8Linear.from_float(torch.randn(out_features, in_features, generator=g),
+                                      torch.randn(out_features, generator=g) if bias else None,
+                                      torch.rand(in_features, generator=g) + 0.5,
+                                      torch.randperm(in_features, generator=g)[:num_outliers])
+        x = torch.randn(70, in_features, generator=g) * 3
+        x[:, :2] *= 40
+        x[5, 3] = float("nan")
+        monkeypatch.setattr(int8_linear, "native_helpers", lambda: lib)
+        built = layer(x)
+        monkeypatch.setenv(int8_linear.NATIVE_ENV_SWITCH, "0")
+        monkeypatch.setattr(int8_linear, "native_helpers", lambda: None)
+        reference = layer(x)
+        monkeypatch.delenv(int8_linear.NATIVE_ENV_SWITCH)
+        others = torch.arange(len(x)) != 5  # a NaN token's own output is not defined bit for bit (casts of NaN)
+        assert torch.equal(built[others], reference[others]), (in_features, out_features)
+        assert built[others].isfinite().all()  # the NaN stayed in its own token
 
 
 @pytest.mark.parametrize("native", ["1", "0"])
