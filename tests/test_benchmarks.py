@@ -72,6 +72,14 @@ def test_quantization_quick_measures_quality_bytes_and_speed_of_both_modes(tmp_p
     assert set(data["batch1_decode"]["tokens_per_s"]) >= {"float32 gather", "int8 gather"}
     assert all(positive(r["workload"]) and positive(r["batch1_decode"]) for r in data["cpu_paged_over_gather"].values())
     assert "NANOVLLM_CPU_PAGED_ATTENTION" not in os.environ
+    # llama.cpp joins the batch-1 figures exactly where llama-cpp-python is installed
+    import importlib.util
+
+    has_llamacpp = importlib.util.find_spec("llama_cpp") is not None
+    assert ("llama.cpp" in data["batch1_decode"]["tokens_per_s"]) is has_llamacpp
+    assert (data["batch1_decode"]["int8_over_llamacpp"] is not None) is has_llamacpp
+    if has_llamacpp:
+        assert positive(data["batch1_decode"]["int8_over_llamacpp"]) and data["llamacpp"]["threads"] == 2
 
 
 def test_comparison_llamacpp_without_the_package_is_one_line(capsys, monkeypatch):
