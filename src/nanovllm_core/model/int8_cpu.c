@@ -103,45 +103,52 @@ void int8_quantize_rows(const float *x, int64_t T, int64_t K, const float *in_sc
  * partial sum is an integer below 2^24 (int8_linear.outlier_weight_levels), so a fused and an
  * unfused multiply-add both round nothing and give the same bits. Returns the first output it
  * did not do (N rounded down to 64). */
+#if defined(__AVX512F__)
+#define HAVE_VEC 1
+typedef __m512 vec;
+#define VEC_WIDTH 16
+#define vec_set1 _mm512_set1_ps
+#define vec_load _mm512_loadu_ps
+#define vec_store _mm512_storeu_ps
+#define vec_add _mm512_add_ps
+#define vec_mul _mm512_mul_ps
+#define vec_mul_add(v, w, a) _mm512_fmadd_ps(v, w, a) /* AVX-512 CPUs all have FMA */
+#elif defined(__AVX2__)
+#define HAVE_VEC 1
+typedef __m256 vec;
+#define VEC_WIDTH 8
+#define vec_set1 _mm256_set1_ps
+#define vec_load _mm256_loadu_ps
+#define vec_store _mm256_storeu_ps
+#define vec_add _mm256_add_ps
+#define vec_mul _mm256_mul_ps
 #if defined(__FMA__)
-#define OUTLIER_MUL_ADD(v, w, a) _mm256_fmadd_ps(v, w, a)
+#define vec_mul_add(v, w, a) _mm256_fmadd_ps(v, w, a)
 #else
-#define OUTLIER_MUL_ADD(v, w, a) _mm256_add_ps(a, _mm256_mul_ps(v, w))
+#define vec_mul_add(v, w, a) _mm256_add_ps(a, _mm256_mul_ps(v, w))
+#endif
+#else
+#define HAVE_VEC 0
 #endif
 static int64_t epilogue_row_vector(float *yr, int64_t N, float s, const float *xo, const float *wo_t, int64_t k,
                                    float o, const float *bias) {
     int64_t n0 = 0;
-#if defined(__AVX512F__)
-    const __m512 vs = _mm512_set1_ps(s), vo = _mm512_set1_ps(o);
+#if HAVE_VEC
+    enum { R = 64 / VEC_WIDTH }; /* registers holding 64 outputs' sums */
+    const vec vs = vec_set1(s), vo = vec_set1(o);
     for (; n0 + 64 <= N; n0 += 64) {
-        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        vec a[R];
+        for (int i = 0; i < R; i++) a[i] = vec_set1(0.0f);
         for (int64_t c = 0; c < k; c++) {
-            const __m512 v = _mm512_set1_ps(xo[c]);
+            const vec v = vec_set1(xo[c]);
             const float *w = wo_t + c * N + n0;
-            for (int i = 0; i < 4; i++) a[i] = _mm512_fmadd_ps(v, _mm512_loadu_ps(w + 16 * i), a[i]);
+            for (int i = 0; i < R; i++) a[i] = vec_mul_add(v, vec_load(w + VEC_WIDTH * i), a[i]);
         }
-        for (int i = 0; i < 4; i++) {
-            float *yp = yr + n0 + 16 * i;
-            __m512 y = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(yp), vs), _mm512_mul_ps(a[i], vo));
-            if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + n0 + 16 * i));
-            _mm512_storeu_ps(yp, y);
-        }
-    }
-#elif defined(__AVX2__)
-    const __m256 vs = _mm256_set1_ps(s), vo = _mm256_set1_ps(o);
-    for (; n0 + 64 <= N; n0 += 64) {
-        __m256 a[8];
-        for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
-        for (int64_t c = 0; c < k; c++) {
-            const __m256 v = _mm256_set1_ps(xo[c]);
-            const float *w = wo_t + c * N + n0;
-            for (int i = 0; i < 8; i++) a[i] = OUTLIER_MUL_ADD(v, _mm256_loadu_ps(w + 8 * i), a[i]);
-        }
-        for (int i = 0; i < 8; i++) {
-            float *yp = yr + n0 + 8 * i;
-            __m256 y = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(yp), vs), _mm256_mul_ps(a[i], vo));
-            if (bias) y = _mm256_add_ps(y, _mm256_loadu_ps(bias + n0 + 8 * i));
-            _mm256_storeu_ps(yp, y);
+        for (int i = 0; i < R; i++) {
+            float *yp = yr + n0 + VEC_WIDTH * i;
+            vec y = vec_add(vec_mul(vec_load(yp), vs), vec_mul(a[i], vo));
+            if (bias) y = vec_add(y, vec_load(bias + n0 + VEC_WIDTH * i));
+            vec_store(yp, y);
         }
     }
 #else
