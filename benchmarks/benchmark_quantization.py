@@ -18,7 +18,7 @@ medians over rounds, so a burst of load on a shared machine hits one round of on
 - batch-1 decode: one prompt, 128 greedy tokens; decode tokens/s = 127 / (time of the last
   token - time of the first), for our float32, our int8, transformers ``generate`` and, where
   llama-cpp-python is installed (``pip install -e ".[llamacpp]"``), llama.cpp on the shipped
-  Q4_1 file with 2 threads (the same prompt ids; ``--skip-llamacpp`` leaves it out);
+  Q4_1 file with as many threads as ours (the same prompt ids; ``--skip-llamacpp`` leaves it out);
 - the 64-request default workload (``benchmarks.common.make_workload``), useful output
   tokens/s for our float32 and int8, each round on a fresh engine (no prefix cache carried over);
 - float32 on that workload as a fraction of the measured float32 matmul peak
@@ -251,9 +251,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         systems["transformers"] = lambda: decode_rate_hf(hf, prompt, n)
     lcpp = None
     if not args.skip_llamacpp and importlib.util.find_spec("llama_cpp") is not None:
-        lcpp = llamacpp_model(n_ctx=len(prompt) + n + 8)
+        threads = torch.get_num_threads()  # as many as ours (--threads, else torch's choice)
+        lcpp = llamacpp_model(n_ctx=len(prompt) + n + 8, threads=threads)
         systems["llama.cpp"] = lambda: decode_rate_llamacpp(lcpp, prompt, n)
-        summary["llamacpp"] = llamacpp_notes()
+        summary["llamacpp"] = llamacpp_notes(threads)
     if args.gather_ab:
         systems.update({f"{m} gather": on_gather_path(systems[m]) for m in MODES})
     for name in systems:  # warm-up, outside the figures

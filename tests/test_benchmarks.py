@@ -79,7 +79,8 @@ def test_quantization_quick_measures_quality_bytes_and_speed_of_both_modes(tmp_p
     assert ("llama.cpp" in data["batch1_decode"]["tokens_per_s"]) is has_llamacpp
     assert (data["batch1_decode"]["int8_over_llamacpp"] is not None) is has_llamacpp
     if has_llamacpp:
-        assert positive(data["batch1_decode"]["int8_over_llamacpp"]) and data["llamacpp"]["threads"] == 2
+        assert positive(data["batch1_decode"]["int8_over_llamacpp"])
+        assert data["llamacpp"]["threads"] == data["machine"]["torch_threads"]  # the same threads as ours
 
 
 def test_comparison_llamacpp_without_the_package_is_one_line(capsys, monkeypatch):
