@@ -23,8 +23,9 @@ LABELS = {
     "k": "keys after RoPE (written to the KV cache)",
     "v": "values (written to the KV cache)",
     "k_context": "this request's keys in context, read from the cache (slice)",
-    "scores": "this request's scores Q K^T / sqrt(d), recomputed by X-Ray (slice)",
-    "probs": "this request's softmax weights, each row sums to 1 (slice)",
+    "scores": "this request's scores Q K^T / sqrt(d), recomputed by X-Ray, as GQA groups them: [KV head, "
+              "its query heads x tokens, keys] (slice)",
+    "probs": "this request's softmax weights, grouped as scores; each row sums to 1 (slice)",
     "attn_out": "attention block output (after o_proj), added to the residual",
     "residual_mid": "residual stream after attention: residual + attn_out",
     "mlp_norm": "post_attention_layernorm(residual_mid): the MLP's input",

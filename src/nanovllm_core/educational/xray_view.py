@@ -83,8 +83,9 @@ def render_layer_detail(t: ev.LayerTrace) -> RenderableType:
     parts += [Text(line) for line in facts.gqa_lines(t)]
     parts += [Text("")] + [Text(line) for line in facts.roofline_lines(t)]
     if t.attention:
-        parts += [Text(""), Text(f"Layer {t.layer}, head {t.head} (reads KV head {t.head} // "
-                                 f"{t.num_heads // max(1, t.num_kv_heads)}): attention weights (rows: queries, "
+        group = t.num_heads // max(1, t.num_kv_heads)
+        parts += [Text(""), Text(f"Layer {t.layer}, head {t.head} (reads KV head {t.head // group} = {t.head} // "
+                                 f"{group}): attention weights (rows: queries, "
                                  "columns: keys; each row sums to 1 over all its keys)"), attention_table(t)]
     return Group(*parts)
 
@@ -156,7 +157,9 @@ def render_step(traces: list[ev.LayerTrace], entry: ev.ScheduledEntry | None = N
     others = [t for t in traces if t is not detail]
     flops = sum(o.flops for t in traces for o in t.ops)
     moved = sum(o.bytes for t in traces for o in t.ops)
-    batch = f"the step's batch of {first.num_batch_tokens} tokens" if facts.is_flat(first) else "this request's tokens"
+    n = first.num_batch_tokens
+    batch = (f"the step's batch of {n} token{'s' if n != 1 else ''}" if facts.is_flat(first)
+             else "this request's tokens")
     total = f"All {len(traces)} layers: {si(flops, 'FLOP')} and about {human_bytes(moved)} moved for {batch}"
     if wall_time_s is not None:
         total += f"; the step took {wall_time_s * 1000:.1f} ms (with the X-Ray capture itself)"
