@@ -5,8 +5,9 @@
     python -m benchmarks.benchmark_comparison --systems ours,hf-padded --quick --json out.json
     python -m benchmarks.benchmark_comparison --quick --device cuda   # on a GPU, in its default dtype
 
-Systems (same weights, float32 on the CPU, greedy, every request produces exactly its own output length;
-``--device cuda`` runs every system on the GPU in ``EngineConfig``'s default dtype there):
+Systems (the same model, float32 on the CPU except ``ours-int8`` and ``llamacpp``, greedy, every request
+produces exactly its own output length; ``--device cuda`` runs every system on the GPU in
+``EngineConfig``'s default dtype there):
 
 - ``hf-sequential``: ``model.generate`` one request at a time, in arrival order.
 - ``hf-padded``: ``model.generate`` on left-padded batches of ``--hf-batch-size`` requests;
@@ -20,7 +21,8 @@ Systems (same weights, float32 on the CPU, greedy, every request produces exactl
 - ``ours-int8``: the same with ``quantization="int8"`` (int8 linear layers and LM head).
 - ``llamacpp`` (optional, when ``llama_cpp`` is importable: ``pip install -e ".[llamacpp]"``,
   which compiles llama.cpp for minutes): llama-cpp-python on the GGUF file we ship (its own
-  4-bit Q4_1 weights), 2 threads, one request after another like ``hf-sequential``.
+  4-bit Q4_1 weights), 2 threads, one request after another like ``hf-sequential``. On an AMX
+  CPU its AMX weight repack is off (``benchmarks.common.llamacpp_model`` says why).
 
 How each figure is measured (all times ``time.perf_counter``, all N requests arrive at the
 start of a system's run, so TTFT includes the time a request waits for earlier ones):
@@ -33,9 +35,11 @@ start of a system's run, so TTFT includes the time a request waits for earlier o
   ours: ``RequestOutput.metrics``.
 - TPOT: (time of the request's last own token - time of its first) / (its tokens - 1).
 - peak RSS: the process's resident-memory high-water mark during the run (reset before it),
-  weights and KV cache included.
+  weights and KV cache included, and whatever earlier systems in the same process still hold:
+  ask for one system alone (``--systems llamacpp``) for its own figure.
 - roofline fraction: 2 x parameters x (prompt tokens + useful output tokens) / wall time /
-  the measured float32 2048^3 matmul peak. Padding is not real work.
+  the measured float32 2048^3 matmul peak. Padding is not real work. For ``ours-int8`` and
+  ``llamacpp`` the same float32 yardstick is used, though their products are integer ones.
 
 Model loading, KV-pool allocation and one short warm-up request are outside the timed run.
 """
@@ -386,7 +390,10 @@ def report(summary: dict[str, Any]) -> str:
     head = (f"workload {w['name']}: {w['num_requests']} requests, prompts {w['prompt_tokens_range']} tokens, "
             f"outputs {w['output_tokens_range']} tokens (total {w['total_prompt_tokens']} prompt + "
             f"{w['total_output_tokens']} output), seed {w['seed']}, greedy, {summary['machine']['dtype']} "
-            f"on {summary['machine']['device']}\n"
+            f"on {summary['machine']['device']}"
+            + ("".join(f"; {n}: {what}" for n, what in (("ours-int8", "int8 weights"), ("llamacpp", "the GGUF's Q4_1"))
+                       if n in summary["systems"]))
+            + "\n"
             f"machine: {summary['machine']['cpu']}, {summary['machine']['cpu_count']} cores, "
             f"torch threads {summary['machine']['torch_threads']}; "
             f"matmul peak {summary['gemm_peak_flops'] / 1e9:.1f} GFLOP/s ({summary['machine']['dtype']} 2048^3)")
@@ -432,6 +439,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.threads is not None and args.threads < 1:
         ap.error("--threads must be at least 1")
     names = [s.strip() for s in args.systems.split(",") if s.strip()]
+    twice = sorted({s for s in names if names.count(s) > 1})
+    if twice:
+        ap.error(f"system(s) listed more than once: {', '.join(twice)}")
     bad = [s for s in names if s not in SYSTEMS + OPTIONAL_SYSTEMS]
     if bad or not names:
         ap.error(f"unknown system(s) {', '.join(bad) or '(none given)'}; choose from "

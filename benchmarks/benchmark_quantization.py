@@ -7,8 +7,8 @@
 Quality:
 - perplexity on ``benchmarks/corpus.txt`` (windows of 512 tokens, our model run directly),
   int8's relative to float32's;
-- greedy agreement: 32 prompts cut from the corpus, 32 greedy tokens each (16 with
-  ``--quick``); per prompt, the tokens equal to float32's before the first difference; the
+- greedy agreement: 32 prompts cut from the corpus, 32 greedy tokens each (4 prompts of 8
+  tokens with ``--quick``); per prompt, the tokens equal to float32's before the first difference; the
   share is their sum over all tokens.
 
 Bytes: the linear layers' weights one decode step reads (``linear_weight_bytes``).

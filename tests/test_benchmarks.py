@@ -53,6 +53,13 @@ def test_comparison_rejects_an_unknown_system(capsys):
     assert "unknown system(s) vllm" in capsys.readouterr().err
 
 
+def test_comparison_rejects_a_system_listed_twice(capsys):
+    with pytest.raises(SystemExit) as e:
+        benchmark_comparison.main(["--quick", "--systems", "ours,ours-int8,ours"])
+    assert e.value.code == 2
+    assert "listed more than once: ours" in capsys.readouterr().err
+
+
 def test_quantization_quick_measures_quality_bytes_and_speed_of_both_modes(tmp_path):
     path = tmp_path / "quant.json"
     benchmark_quantization.main(["--quick", "--skip-hf", "--gather-ab", "--json", str(path)])

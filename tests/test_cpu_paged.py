@@ -153,6 +153,21 @@ def test_the_cli_says_when_the_c_paths_are_not_used_and_why(monkeypatch, capsys,
     assert "note: RMSNorm and RoPE run as PyTorch ops, not in C: NANOVLLM_NATIVE_OPS=0" in out
 
 
+def test_the_cli_says_when_int8_layers_quantize_without_their_c_helpers(monkeypatch, capsys, tiny_llama_dir):
+    from tests.conftest import run_main
+
+    from nanovllm_core import cli, native
+
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    code, out, _ = run_main(cli.main, capsys, "--model", str(tiny_llama_dir), "--prompt", "Hi", "--max-tokens", "2",
+                            "--quantization", "int8")
+    assert code == 0
+    assert "note: int8 layers quantize and rescale with PyTorch ops, not in C (the same bits, slower): no C compiler" in out
+    code, out, _ = run_main(cli.main, capsys, "--model", str(tiny_llama_dir), "--prompt", "Hi", "--max-tokens", "2")
+    assert code == 0 and "int8 layers" not in out  # float32 weights have no int8 helpers to miss
+
+
 def test_a_failed_build_is_reported_not_raised(monkeypatch, tmp_path):
     from nanovllm_core import native
 

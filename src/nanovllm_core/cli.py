@@ -255,7 +255,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           + f", model {llm.engine.model_name}")
     info = llm.engine.model_info()
     for key, what in (("cpu_paged_unavailable", "the CPU paged attention kernel is not used (K/V are gathered for SDPA)"),
-                      ("native_ops_unavailable", "RMSNorm and RoPE run as PyTorch ops, not in C")):
+                      ("native_ops_unavailable", "RMSNorm and RoPE run as PyTorch ops, not in C"),
+                      ("int8_native_unavailable", "int8 layers quantize and rescale with PyTorch ops, not in C "
+                                                  "(the same bits, slower)")):
         if llm.engine.device.type == "cpu" and info.get(key):
             print(f"note: {what}: {info[key]}")
     if args.show_memory_stats:

@@ -230,7 +230,8 @@ class NanoVLLMApp(App):
         if info.get("device") not in (None, "cpu"):
             return
         for key, what in (("cpu_paged_unavailable", "CPU paged attention kernel not used (K/V gathered for SDPA)"),
-                          ("native_ops_unavailable", "RMSNorm and RoPE run as PyTorch ops, not in C")):
+                          ("native_ops_unavailable", "RMSNorm and RoPE run as PyTorch ops, not in C"),
+                          ("int8_native_unavailable", "int8 quantize/rescale run as PyTorch ops, not in C")):
             if info.get(key):
                 self.notify(f"{what}: {info[key]}", severity="warning", timeout=8, markup=False)
 

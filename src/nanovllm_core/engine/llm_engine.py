@@ -31,7 +31,7 @@ from nanovllm_core.engine.model_runner import ForwardResult, ModelRunner, kv_cac
 from nanovllm_core.engine.output_processor import OutputProcessor, RequestState
 from nanovllm_core.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
-from nanovllm_core.model import native_ops
+from nanovllm_core.model import int8_linear, native_ops
 from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
 from nanovllm_core.model.loader import ProgressFn, ResolvedModel, warm_up
 from nanovllm_core.model.quantization import (
@@ -188,6 +188,9 @@ class LLMEngine:
                                       cpu_paged.unsupported_reason(self.device, self.dtype, self.config.attention_backend)),
             # Why RMSNorm and RoPE run as PyTorch ops instead of in C (model/native_ops.py) on the CPU, or None.
             "native_ops_unavailable": native_ops.unavailable_reason() if self.device.type == "cpu" else None,
+            # Why int8 layers quantize and rescale with PyTorch ops instead of int8_cpu.c (int8 on the CPU), or None.
+            "int8_native_unavailable": (int8_linear.native_unavailable_reason()
+                                        if self.device.type == "cpu" and self.model.quantization == "int8" else None),
             # Weights of every linear layer and the LM head, as the loader built them: the bytes
             # one decode step streams from memory (what batching shares among the batch).
             "quantization": self.model.quantization, "linear_weight_bytes": linear_weight_bytes(self.model),

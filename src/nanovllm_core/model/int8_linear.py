@@ -109,6 +109,13 @@ def native_helpers() -> ctypes.CDLL | None:
     return native.load(NATIVE_SOURCE, NATIVE_SIGNATURES)[0]
 
 
+def native_unavailable_reason() -> str | None:
+    """Why :func:`native_helpers` returns None (switched off, no compiler, failed build), or None when it loads."""
+    if os.environ.get(NATIVE_ENV_SWITCH, "1") == "0":
+        return f"{NATIVE_ENV_SWITCH}=0"
+    return native.load(NATIVE_SOURCE, NATIVE_SIGNATURES)[1]
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
