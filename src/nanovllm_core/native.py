@@ -84,6 +84,18 @@ def _build(source: Path, cc: str, target: Path) -> None:
 Signature = tuple[object, list]  # (restype, argtypes) of one C function, as ctypes takes them
 
 
+def load_unless_off(source: Path, signatures: dict[str, Signature], env_switch: str
+                    ) -> tuple[ctypes.CDLL | None, str | None]:
+    """:func:`load`, or (None, "<env_switch>=0") where that environment variable is "0".
+
+    The switch is read on every call, so a test or an A/B run can turn a C path off and on
+    inside one process.
+    """
+    if os.environ.get(env_switch, "1") == "0":
+        return None, f"{env_switch}=0"
+    return load(source, signatures)
+
+
 def load(source: Path, signatures: dict[str, Signature] | None = None) -> tuple[ctypes.CDLL | None, str | None]:
     """(the library built from ``source``, None), or (None, why it is not available); built once per process.
 

@@ -104,16 +104,12 @@ NATIVE_SIGNATURES = {
 def native_helpers() -> ctypes.CDLL | None:
     """``int8_cpu.c`` (the quantization and epilogue around the int8 matmul, one call each), or None
     where it cannot be built or ``NANOVLLM_INT8_NATIVE=0``; then PyTorch ops compute the same bits."""
-    if os.environ.get(NATIVE_ENV_SWITCH, "1") == "0":
-        return None
-    return native.load(NATIVE_SOURCE, NATIVE_SIGNATURES)[0]
+    return native.load_unless_off(NATIVE_SOURCE, NATIVE_SIGNATURES, NATIVE_ENV_SWITCH)[0]
 
 
 def native_unavailable_reason() -> str | None:
     """Why :func:`native_helpers` returns None (switched off, no compiler, failed build), or None when it loads."""
-    if os.environ.get(NATIVE_ENV_SWITCH, "1") == "0":
-        return f"{NATIVE_ENV_SWITCH}=0"
-    return native.load(NATIVE_SOURCE, NATIVE_SIGNATURES)[1]
+    return native.load_unless_off(NATIVE_SOURCE, NATIVE_SIGNATURES, NATIVE_ENV_SWITCH)[1]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

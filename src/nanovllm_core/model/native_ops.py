@@ -10,7 +10,6 @@ caller rotates with PyTorch ops, which give the same bits.
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import torch
@@ -30,16 +29,12 @@ SIGNATURES = {
 
 def library() -> ctypes.CDLL | None:
     """``layer_ops_cpu.c`` built for this CPU, or None where it cannot be built or ``NANOVLLM_NATIVE_OPS=0``."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return None
-    return native.load(SOURCE, SIGNATURES)[0]
+    return native.load_unless_off(SOURCE, SIGNATURES, ENV_SWITCH)[0]
 
 
 def unavailable_reason() -> str | None:
     """Why :func:`library` returns None (switched off, no compiler, failed build), or None when it loads."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return f"{ENV_SWITCH}=0"
-    return native.load(SOURCE, SIGNATURES)[1]
+    return native.load_unless_off(SOURCE, SIGNATURES, ENV_SWITCH)[1]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
