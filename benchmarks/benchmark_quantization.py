@@ -24,6 +24,9 @@ medians over rounds, so a burst of load on a shared machine hits one round of on
 - float32 on that workload as a fraction of the measured float32 matmul peak
   (2 x parameters x tokens / time / peak, as ``benchmark_comparison`` computes it).
 
+The report ends with a warning for every system whose rounds differ by more than 15%, and
+for a load average above 1.5 per core at the end (``noise_warnings``).
+
 ``--gather-ab`` adds, for both speed figures, each mode with the CPU paged attention kernel
 turned off (``NANOVLLM_CPU_PAGED_ATTENTION=0``: gather + PyTorch SDPA, float64 under int8),
 interleaved with the rest, and prints the kernel's speed-up over that path.
@@ -313,6 +316,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
+# Above these, a speed figure is more the host's than the code's (a shared machine, another job).
+MAX_ROUND_SPREAD = 1.15  # fastest round / slowest round of one system
+MAX_LOAD_PER_CORE = 1.5  # 1-minute load average per core at the end (our own threads count ~1 per core)
+
+
+def noise_warnings(s: dict[str, Any]) -> list[str]:
+    """Warnings that the speed figures of summary ``s`` were measured on a busy host: a system whose
+    rounds differ by more than :data:`MAX_ROUND_SPREAD`, or a 1-minute load average above
+    :data:`MAX_LOAD_PER_CORE` per core at the end of the run. Empty when neither happened."""
+    out = []
+    for section, label in (("batch1_decode", "batch-1 decode"), ("workload", "workload")):
+        for name, rounds in s[section].get("all_rounds", {}).items():
+            if len(rounds) > 1 and min(rounds) > 0 and max(rounds) / min(rounds) > MAX_ROUND_SPREAD:
+                out.append(f"warning: {name} {label} rounds range {min(rounds):.1f}-"
+                           f"{max(rounds):.1f} tok/s ({max(rounds) / min(rounds):.2f}x): the host was busy; "
+                           "read the medians with care, or run again")
+    load, cores = s["machine"].get("load_average_at_end"), s["machine"].get("cpu_count") or 1
+    if load and load[0] > MAX_LOAD_PER_CORE * cores:
+        out.append(f"warning: load average {load[0]:.1f} on {cores} cores at the end: other work shared the CPU, so "
+                   "the speed figures are not this code's alone; run again on a quiet machine")
+    return out
+
+
 def report(s: dict[str, Any]) -> str:
     m = s["machine"]
     q, b1, wl = s["quality"], s["batch1_decode"], s["workload"]
@@ -350,6 +376,7 @@ def report(s: dict[str, Any]) -> str:
             f"{m} batch-1 {r['batch1_decode']:.2f}x, {wl['num_requests']}-request {r['workload']:.2f}x "
             f"(gather: {fmt(b1['tokens_per_s'][m + ' gather'])} and {fmt(wl['useful_tokens_per_s'][m + ' gather'])} tok/s)"
             for m, r in s["cpu_paged_over_gather"].items()))
+    lines += noise_warnings(s)
     return "\n".join(lines)
 
 
