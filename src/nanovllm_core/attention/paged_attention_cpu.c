@@ -34,10 +34,7 @@
 #include <string.h>
 
 #define LANES 8
-#ifndef PREFETCH_KEYS
-#define PREFETCH_KEYS 32
-#endif
-/* how far ahead K and V rows are fetched into cache */
+#define PREFETCH_KEYS 32 /* how far ahead K and V rows are fetched into cache */
 
 /* exp(x) for x <= 0 (a score minus its row's maximum), branch-free so loops over it vectorise:
  * Cody-Waite range reduction x = n ln2 + r, |r| <= ln2/2, then a degree-6 polynomial for e^r
