@@ -380,14 +380,14 @@ class _Tokenizer:
 
 @pytest.mark.parametrize("make", [
     lambda: EngineConfig(quantization="int3"),
-    lambda: EngineConfig(quantization="INT8"),
+    lambda: EngineConfig(quantization="int4"),
     lambda: loader.load_model(None, torch.device("cpu"), torch.float32, quantization="fp8"),
 ])
 def test_an_unknown_quantization_is_one_line_naming_the_choice(make):
     with pytest.raises(ValueError) as e:
         make()
     message = str(e.value)
-    assert "is unknown; use 'int8'" in message and "\n" not in message
+    assert "is unknown; use one of none, gguf, q8_0, q4_0, q4_1, int8" in message and "\n" not in message
 
 
 def test_an_engine_refuses_a_model_built_with_other_linear_layers(tmp_path, monkeypatch):

@@ -31,10 +31,13 @@ from nanovllm_core.engine.model_runner import ForwardResult, ModelRunner, kv_cac
 from nanovllm_core.engine.output_processor import OutputProcessor, RequestState
 from nanovllm_core.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
-from nanovllm_core.model import int8_linear, native_ops
+from nanovllm_core.model import block_quant, int8_linear, native_ops
 from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
 from nanovllm_core.model.loader import ProgressFn, ResolvedModel, warm_up
 from nanovllm_core.model.quantization import (
+    BLOCK_MODES,
+    describe_weights,
+    weight_formats,
     int8_weight_bytes,
     linear_weight_bytes,
     linear_weight_count,
@@ -194,6 +197,14 @@ class LLMEngine:
             # Weights of every linear layer and the LM head, as the loader built them: the bytes
             # one decode step streams from memory (what batching shares among the batch).
             "quantization": self.model.quantization, "linear_weight_bytes": linear_weight_bytes(self.model),
+            # What the weights run as, by format and bytes ("q4_1 66 MB + q8_0 30 MB (96 MB of weights)"),
+            # and a note when some of a GGUF file's tensors are in formats that run dequantized.
+            "weight_format": describe_weights(self.model),
+            "weight_kinds": "+".join(weight_formats(self.model)),
+            "quantization_note": getattr(self.model, "quantization_note", None),
+            # Why block-quantized layers run PyTorch's fallback instead of block_quant_cpu.c, or None.
+            "block_native_unavailable": (block_quant.unavailable_reason()
+                                         if self.model.quantization in BLOCK_MODES else None),
             "linear_weights": linear_weight_count(self.model),
             "int8_linear_weight_bytes": int8_weight_bytes(self.model),
         }

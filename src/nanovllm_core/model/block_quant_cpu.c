@@ -245,3 +245,76 @@ int block_rows(int fmt, const uint8_t *W, const int64_t *ids, int64_t num_ids, i
     }
     return 0;
 }
+
+/* SwiGLU's gate: act [T, I] = silu(gate) * up, with gate = gu[:, :I], up = gu[:, I:] (gu [T, 2I]);
+ * silu(g) = g / (1 + exp(-g)) with libm's expf, so every build gives the same bits. Both the
+ * step-by-step model (llama.py, in block modes) and decoder_layers below use it: the two paths
+ * compute the same numbers. Shazeer 2020, "GLU Variants Improve Transformer". */
+void silu_mul_f32(const float *gu, float *act, int64_t T, int64_t I, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (T * I >= 65536) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        float *a = act + t * I;
+        for (int64_t i = 0; i < I; i++) a[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+    }
+}
+
+/* ------------------------------------------------------------------------------------------
+ * Decoder layers in one call: the LLaMA block of model/llama.py for a whole step's flat batch,
+ * without Python between the operations. The other operations are the engine's own C
+ * functions, passed in as pointers from the libraries the step-by-step path calls
+ * (layer_ops_cpu.c's RMSNorm and RoPE, paged_attention_cpu.c's KV write and attention), so
+ * both paths run the same machine code on the same numbers and give the same bits. */
+typedef void (*rms_norm_fn)(const float *, const float *, float, float *, int64_t, int64_t, int);
+typedef void (*rope_fn)(float *, int64_t, int64_t, int, int, const float *, const float *, int);
+typedef int (*write_kv_fn)(const float *, int64_t, const float *, int64_t, const int64_t *, int64_t, int, int, int64_t,
+                           float *, float *);
+typedef int (*attention_fn)(const float *, int64_t, const float *, const float *, float *, const int32_t *,
+                            const int32_t *, const int32_t *, int, int, int, int, int, int, int, int, float, int);
+
+typedef struct {
+    const uint8_t *qkv, *o, *gate_up, *down; /* blocks of the four linear layers */
+    int32_t qkv_fmt, o_fmt, gate_up_fmt, down_fmt;
+    const float *input_norm, *post_norm;     /* RMSNorm weights [H] */
+    float *k_pool, *v_pool;                  /* this layer's pools [num_kv_heads, num_blocks, block_size, head_dim] */
+} layer_weights;
+
+typedef struct {
+    rms_norm_fn rms_norm;
+    rope_fn rope;
+    write_kv_fn write_kv;
+    attention_fn attention;
+} layer_ops;
+
+/* x [T, H] in place through num_layers layers: for each,
+ *   h = x + o(attention(rope(qkv(norm(x)))))        (the KV write before attention)
+ *   x = h + down(silu(gate(norm(h))) * up(norm(h)))
+ * cos, sin [T, head_dim] (RotaryEmbedding.cos_sin's tables); slot_mapping [T] int64; block_tables
+ * [rows, max_blocks], token_row, token_ctx [T] int32 as paged_attention_cpu.c takes them.
+ * scratch: T * (H + (nh + 2 nkv) hd + nh hd + 3 I) + T * max(H, I) / 32 floats.
+ * Returns 0, -1 for a bad width or slot, -2 when attention could not allocate its scratch. */
+int decoder_layers(const layer_weights *layers, int num_layers, const layer_ops *ops, float *x, int64_t T, int64_t H,
+                   int64_t I, int nh, int nkv, int hd, float eps, const float *cos, const float *sin,
+                   const int64_t *slot_mapping, int64_t num_slots, const int32_t *block_tables, const int32_t *token_row,
+                   const int32_t *token_ctx, int num_blocks, int block_size, int max_blocks, int max_ctx, float scale,
+                   float *scratch, int num_threads) {
+    const int64_t qs = (int64_t)nh * hd, kvs = (int64_t)nkv * hd, qkv_w = qs + 2 * kvs;
+    float *xn = scratch, *qkv = xn + T * H, *att = qkv + T * qkv_w, *gu = att + T * qs, *act = gu + T * 2 * I;
+    float *sx = act + T * I;
+    for (int l = 0; l < num_layers; l++) {
+        const layer_weights *w = &layers[l];
+        ops->rms_norm(x, w->input_norm, eps, xn, T, H, num_threads);
+        if (block_linear(w->qkv_fmt, w->qkv, xn, H, qkv, qkv_w, NULL, 0, T, qkv_w, H, sx, num_threads)) return -1;
+        ops->rope(qkv, T, qkv_w, nh + nkv, hd, cos, sin, num_threads);
+        if (ops->write_kv(qkv + qs, qkv_w, qkv + qs + kvs, qkv_w, slot_mapping, T, nkv, hd, num_slots, w->k_pool,
+                          w->v_pool)) return -1;
+        if (ops->attention(qkv, qkv_w, w->k_pool, w->v_pool, att, block_tables, token_row, token_ctx, (int)T, nh, nkv,
+                           hd, num_blocks, block_size, max_blocks, max_ctx, scale, num_threads)) return -2;
+        if (block_linear(w->o_fmt, w->o, att, qs, x, H, x, H, T, H, qs, sx, num_threads)) return -1;
+        ops->rms_norm(x, w->post_norm, eps, xn, T, H, num_threads);
+        if (block_linear(w->gate_up_fmt, w->gate_up, xn, H, gu, 2 * I, NULL, 0, T, 2 * I, H, sx, num_threads)) return -1;
+        silu_mul_f32(gu, act, T, I, num_threads);
+        if (block_linear(w->down_fmt, w->down, act, I, x, H, x, H, T, H, I, sx, num_threads)) return -1;
+    }
+    return 0;
+}

@@ -296,18 +296,19 @@ def weight_formats(model: nn.Module) -> dict[str, int]:
     out: dict[str, int] = {}
     seen: set[int] = set()
     for m in [*linear_modules(model), model.embed_tokens]:
-        blocks = getattr(m, "blocks", None)
+        blocks, weight = getattr(m, "blocks", None), m._parameters.get("weight")
         if blocks is not None:
-            key, size = id(blocks.untyped_storage()), blocks.numel()
-        else:
-            w = m.weight
-            key, size = id(w), w.numel() * w.element_size()
+            key, size = blocks.data_ptr(), blocks.numel()
+        elif weight is not None:
+            key, size = weight.data_ptr(), weight.numel() * weight.element_size()
+        else:  # int8: its own packed tensors, counted by the module
+            key, size = id(m), m.weight_bytes
         if key in seen:
             continue
         seen.add(key)
-        kind = getattr(m, "kind", None) or str(m.weight.dtype).replace("torch.", "")
+        kind = getattr(m, "kind", None) or str(weight.dtype).replace("torch.", "")
         out[kind] = out.get(kind, 0) + size
-    return out
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def describe_weights(model: nn.Module) -> str:
@@ -342,6 +343,10 @@ def prepare_linear_layers(model: nn.Module, quantization: str | None = None,
                              "use q8_0, q4_0 or q4_1")
         _prepare_block_layers(model, quantization, gguf_file)
         model.quantization = quantization
+        if block_quant.FusedDecoderLayers.supported(model):
+            for layer in model.layers:
+                layer.mlp.c_swiglu = True
+            model.fused_layers = block_quant.FusedDecoderLayers(model)
         return
     smooth: dict[nn.Module, torch.Tensor] = {}
     outliers: dict[nn.Module | str, torch.Tensor] = {}
