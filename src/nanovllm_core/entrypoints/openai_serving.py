@@ -1,15 +1,15 @@
 """``/v1/completions`` and ``/v1/chat/completions``: engine outputs -> OpenAI's response shapes.
 
-A request is tokenized here only to check its length against ``max_model_len`` (vLLM's rule,
-with vLLM's message); then it goes to the controller as one engine request per prompt,
+A request is tokenized here to check it before any answer starts: every rule the engine
+refuses by (``LLMEngine.request_problem``; the length against ``max_model_len`` with vLLM's
+message), so a streamed request gets the same 400 as a whole one; then it goes to the controller as one engine request per prompt,
 and its outputs come back through a :class:`RequestStream`. Non-streaming requests get one
 JSON body when every output has finished; streaming ones get server-sent events, one chunk
 whenever a choice's text grows (cumulative outputs become deltas here), ``data: [DONE]`` last.
 
 Engine ``finish_reason`` values pass through: ``stop``, ``length``, and ``abort`` (vLLM's
-word for a request cancelled before its end). A request the engine refuses (e.g. it could
-never fit in the KV pool) is a 400 error; once a stream has begun, the refusal or an engine
-error comes as an ``{"error": ...}`` event before ``[DONE]``.
+word for a request cancelled before its end). Once a stream has begun, only an engine error
+(or a device that failed meanwhile) comes as an ``{"error": ...}`` event before ``[DONE]``.
 """
 
 from __future__ import annotations
