@@ -383,6 +383,8 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
     expected = model.expected_hf_tensors()
     seen: set[str] = set()
     files = safetensors_files(path)
+    if progress:
+        progress("loading weights", 0, len(files))
     for n, file in enumerate(files, 1):
         try:
             handle = safe_open(str(file), framework="pt")
@@ -459,7 +461,12 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     net.rotary.build_tables(device)
     load_weights(net, resolved.path, progress)
     net.eval()
+    stage = "quantizing to int8 (calibrating)" if quantization == "int8" else "packing linear layers"
+    if progress:
+        progress(stage, 0, 1)
     prepare_linear_layers(net, quantization, calibration_ids(tokenizer, cfg.vocab_size))
+    if progress:
+        progress(stage, 1, 1)
     return net, tokenizer, resolved
 
 

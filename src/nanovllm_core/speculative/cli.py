@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from nanovllm_core.cli import positive_int
+from nanovllm_core.cli import positive_int, prompt_text, seed_int
 
 DEFAULT_PROMPT = "The future of AI is"
 
@@ -39,13 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'self:N' (the target's first N layers), 'ngram' (prompt lookup), 'target', or a draft "
                         "model's repo id/folder/.gguf with the target's tokenizer (default: the embedded model)")
     p.add_argument("--num-speculative-tokens", type=positive_int, default=5, help="draft tokens per step, k (default 5)")
-    p.add_argument("--prompt", action="append", default=None, help=f"a prompt (repeatable; default {DEFAULT_PROMPT!r})")
+    p.add_argument("--prompt", action="append", default=None, type=prompt_text, help=f"a prompt (repeatable; default {DEFAULT_PROMPT!r})")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--max-tokens", type=positive_int, default=48, help="tokens per prompt (default 48)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None, help="per-request random seed")
+    p.add_argument("--seed", type=seed_int, default=None, help="per-request random seed")
     p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens even past end-of-sequence")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
