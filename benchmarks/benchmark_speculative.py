@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from benchmarks.common import HostCheck
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.llm import LLM
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         torch.set_num_threads(args.threads)
     settings = QUICK if args.quick else FULL
     max_tokens = args.max_tokens or (8 if args.quick else 48)
+    host = HostCheck()
     model, tokenizer, resolved = load_model(None, torch.device("cpu"), torch.float32)
     warm = LLM.from_engine(LLMEngine(EngineConfig(num_kv_blocks=8), model, tokenizer, resolved))
     warm.generate(PROSE[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
@@ -123,6 +125,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         rows.append(measure(model, tokenizer, resolved, proposer, k, prompts, max_tokens))
         print(f"  measured {proposer} k={k}", file=sys.stderr, flush=True)
     print_table(rows)
+    host.report()
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)
