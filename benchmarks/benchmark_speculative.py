@@ -23,17 +23,19 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
-from benchmarks.common import HostCheck
-from nanovllm_core.config import EngineConfig
-from nanovllm_core.engine.llm_engine import LLMEngine
-from nanovllm_core.llm import LLM
-from nanovllm_core.model.loader import load_model
-from nanovllm_core.sampling_params import SamplingParams
-from nanovllm_core.speculative.cli import pool_blocks, timed_generate
-from nanovllm_core.speculative.metrics import expected_accepted_length
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.common, when run as a script
+from benchmarks.common import HostCheck  # noqa: E402
+from nanovllm_core.config import EngineConfig  # noqa: E402
+from nanovllm_core.engine.llm_engine import LLMEngine  # noqa: E402
+from nanovllm_core.llm import LLM  # noqa: E402
+from nanovllm_core.model.loader import load_model  # noqa: E402
+from nanovllm_core.sampling_params import SamplingParams  # noqa: E402
+from nanovllm_core.speculative.cli import pool_blocks, timed_generate  # noqa: E402
+from nanovllm_core.speculative.metrics import expected_accepted_length  # noqa: E402
 
 PROSE = [
     "The future of AI is",

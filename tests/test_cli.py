@@ -85,10 +85,14 @@ def test_bad_speculative_cli_arguments_are_one_line(capsys):
 
 
 @pytest.mark.real_model
-def test_loading_prints_each_stage_as_serve_does(capsys, cli_on_shared_model):
+def test_loading_prints_each_stage_as_serve_does(capsys, cli_on_shared_model, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a person at a terminal waits for the load
     code, out, err = run_cli(capsys, "--max-tokens", "2", "--num-kv-blocks", "64")
-    assert code == 0 and "nanovllm: loading weights...\n" in err, err
-    assert err.count("loading weights") == 1  # once per stage, not per update
+    assert code == 0 and err.startswith("nanovllm: loading the embedded default model...\n"), err
+    assert "nanovllm: loading weights...\n" in err and err.count("loading weights") == 1  # once a stage
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)  # a script reads stderr for errors only
+    code, out, err = run_cli(capsys, "--max-tokens", "2", "--num-kv-blocks", "64")
+    assert code == 0 and "loading" not in err, err
 
 
 def test_the_loader_reports_its_stages_as_they_begin(tmp_path, monkeypatch):

@@ -109,19 +109,22 @@ def _chapter_number(text: str) -> int:
 
 
 def load_progress(prog: str):
-    """A loader progress callback for a command: one ``prog: stage...`` line on stderr as each
-    loading stage begins (as ``nanovllm serve`` prints them), and on a terminal the stage's bar."""
+    """A loader progress callback for a command: on a terminal, one ``prog: stage...`` line on
+    stderr as each loading stage begins (as ``nanovllm serve`` prints them) and the long stages'
+    bars; elsewhere (a pipe, a script) only the bars of :func:`console_progress`, so an error
+    stays the one line on stderr."""
     from nanovllm_core.llm import console_progress
 
-    bars = console_progress() if sys.stderr.isatty() else None
+    bars = console_progress()
+    if not sys.stderr.isatty():
+        return bars
     seen: set[str] = set()
 
     def progress(stage: str, done: int, total: int) -> None:
         if stage not in seen:
             seen.add(stage)
             print(f"{prog}: {stage}...", file=sys.stderr, flush=True)
-        if bars is not None:
-            bars(stage, done, total)
+        bars(stage, done, total)
 
     return progress
 
