@@ -209,3 +209,12 @@ def test_control_ids_never_collide_with_server_ids_and_duplicates_are_refused(ti
         ids.add(data["id"])
     assert len(ids) == 3
     tiny_server.wait_idle(30)
+
+
+def test_the_engine_rejects_a_lone_surrogate_with_a_reason_rather_than_raising(make_tiny_engine):
+    """The offline API and the app's local engine meet the same text the server refuses."""
+    engine = make_tiny_engine(num_kv_blocks=8)
+    rid = engine.add_request(LONE_SURROGATE)
+    out = next(o for o in engine.step() if o.request_id == rid)
+    assert out.outputs[0].finish_reason == "rejected" and "lone surrogate '\\ud800'" in out.error
+    assert engine.block_manager.num_free_blocks == 8
