@@ -72,7 +72,6 @@ def test_benchmark_quick_run_reports_speed_and_acceptance(capsys):
 @pytest.mark.real_model
 def test_a_slower_run_says_why_and_what_pays_off(capsys, monkeypatch):
     """When speculation is slower, the command says so in one line (the README's self:8 ran at 0.22x)."""
-    from nanovllm_core import llm as llm_module
 
     times = iter([10.0, 40.0])  # seconds: without speculation first, then with it (4x slower)
 
