@@ -2,8 +2,8 @@
 
 A request is tokenized here to check it before any answer starts: every rule the engine
 refuses by (``LLMEngine.request_problem``; the length against ``max_model_len`` with vLLM's
-message), so a streamed request gets the same 400 as a whole one; then it goes to the controller as one engine request per prompt,
-and its outputs come back through a :class:`RequestStream`. Non-streaming requests get one
+message), so a streamed request gets the same 400 as a whole one. Then it goes to the
+controller as one engine request per prompt, and its outputs come back through a :class:`RequestStream`. Non-streaming requests get one
 JSON body when every output has finished; streaming ones get server-sent events, one chunk
 whenever a choice's text grows (cumulative outputs become deltas here), ``data: [DONE]`` last.
 
