@@ -304,7 +304,8 @@ def _control_submit(state: ServerState, body: dict) -> str:
             priority or request_id.
     """
     prompt = body.get("prompt")
-    if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))):
+    token_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    if not (isinstance(prompt, str) or token_ids):
         raise APIError("submit needs prompt: text or a list of token ids", param="prompt")
     fields = body.get("params") or {}
     known = {f.name for f in dataclasses.fields(SamplingParams)}

@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'self:N' (the target's first N layers), 'ngram' (prompt lookup), 'target', or a draft "
                         "model's repo id/folder/.gguf with the target's tokenizer (default: the embedded model)")
     p.add_argument("--num-speculative-tokens", type=positive_int, default=5, help="draft tokens per step, k (default 5)")
-    p.add_argument("--prompt", action="append", default=None, type=prompt_text, help=f"a prompt (repeatable; default {DEFAULT_PROMPT!r})")
+    p.add_argument("--prompt", action="append", default=None, type=prompt_text,
+                   help=f"a prompt (repeatable; default {DEFAULT_PROMPT!r})")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--max-tokens", type=positive_int, default=48, help="tokens per prompt (default 48)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
