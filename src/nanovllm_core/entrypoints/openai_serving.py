@@ -227,8 +227,11 @@ class OpenAIServing:
                 closing = [self._aborted(p, i) for i in range(len(stream.request_ids) * p.params.n)
                            if not sent.get(i, _Choice()).done]
                 if closing:
-                    yield sse({"id": p.request_id, "object": obj, "created": p.created, "model": self.model_name,
-                               "choices": closing})
+                    chunk = {"id": p.request_id, "object": obj, "created": p.created, "model": self.model_name,
+                             "choices": closing}
+                    if p.continuous_usage:
+                        chunk["usage"] = _usage([latest[rid] for rid in stream.request_ids if rid in latest])
+                    yield sse(chunk)
             if p.include_usage:
                 outs = [latest[rid] for rid in stream.request_ids if rid in latest]
                 yield sse({"id": p.request_id, "object": obj, "created": p.created, "model": self.model_name,
