@@ -336,6 +336,26 @@ def test_weights_are_packed_at_load_so_the_first_step_packs_nothing(tmp_path, mo
     assert packs == []
 
 
+def test_int8_loads_with_a_context_shorter_than_its_calibration_text(tmp_path, monkeypatch):
+    """``max_model_len=32`` sizes the rotary tables for 32 positions; the 80-token calibration pass
+    must run within them (it once indexed past them: an IndexError at load)."""
+    from nanovllm_core.model.quantization import calibration_ids
+    from tests.conftest import save_tiny_llama
+
+    monkeypatch.setattr(loader, "load_tokenizer", lambda p: None)
+    path = str(save_tiny_llama(tmp_path))
+    model, _, _ = loader.load_model(path, torch.device("cpu"), torch.float32, max_model_len=32, quantization="int8")
+    assert len(calibration_ids(None, model.config.vocab_size)) > 32 and model.quantization == "int8"
+    engine = LLMEngine(EngineConfig(num_kv_blocks=16, max_model_len=32, quantization="int8"), model, _Tokenizer())
+    engine.add_request(list(range(5, 25)), SamplingParams(temperature=0, max_tokens=11, ignore_eos=True))
+    outputs = []
+    for _ in range(40):
+        outputs += [o for o in engine.step() if o.finished]
+        if outputs:
+            break
+    assert len(outputs[0].outputs[0].token_ids) == 11
+
+
 @pytest.mark.parametrize("kernel", ["cpu-paged", "gather"])
 def test_int8_logprobs_are_bit_identical_however_the_tokens_are_scheduled(tmp_path, monkeypatch, kernel):
     """Alone, batched (decodes padded in groups), chunked, preempted: the same logprobs to the last bit.

@@ -55,6 +55,42 @@ def positive_int(text: str) -> int:
     return value
 
 
+def seed_int(text: str) -> int:
+    """argparse ``type``: a random seed, a 64-bit signed integer (what torch's generators take).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or outside -2**63 .. 2**63 - 1.
+    """
+    from nanovllm_core.sampling_params import SEED_MAX, SEED_MIN
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not SEED_MIN <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"a seed is a 64-bit integer ({SEED_MIN} to {SEED_MAX}), got {value}")
+    return value
+
+
+def prompt_text(text: str) -> str:
+    """argparse ``type``: prompt text that is valid UTF-8.
+
+    Python hands over command-line bytes that are not UTF-8 as lone surrogates
+    (``\\udcff`` for the byte 0xff); no tokenizer can take them.
+
+    Raises:
+        argparse.ArgumentTypeError: the text holds such a byte (or any lone surrogate).
+    """
+    for i, ch in enumerate(text):
+        if "\udc80" <= ch <= "\udcff":
+            raise argparse.ArgumentTypeError(
+                f"not valid UTF-8: byte 0x{ord(ch) - 0xDC00:02x} at character {i}; pass UTF-8 text "
+                "(check the terminal's or the file's encoding)")
+        if "\ud800" <= ch <= "\udfff":
+            raise argparse.ArgumentTypeError(f"not valid Unicode: a lone surrogate {ch!r} at character {i}")
+    return text
+
+
 def _non_negative_int(text: str) -> int:
     try:
         value = int(text)
@@ -73,6 +109,27 @@ def _chapter_number(text: str) -> int:
     if not 1 <= value <= 12:
         raise argparse.ArgumentTypeError(f"expected a chapter number 1-12, got {value}")
     return value
+
+
+def load_progress(prog: str):
+    """A loader progress callback for a command: on a terminal, one ``prog: stage...`` line on
+    stderr as each loading stage begins (as ``nanovllm serve`` prints them) and the long stages'
+    bars; elsewhere (a pipe, a script) only the bars of :func:`console_progress`, so an error
+    stays the one line on stderr."""
+    from nanovllm_core.llm import console_progress
+
+    bars = console_progress()
+    if not sys.stderr.isatty():
+        return bars
+    seen: set[str] = set()
+
+    def progress(stage: str, done: int, total: int) -> None:
+        if stage not in seen:
+            seen.add(stage)
+            print(f"{prog}: {stage}...", file=sys.stderr, flush=True)
+        bars(stage, done, total)
+
+    return progress
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -118,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "`nanovllm serve --help`: the OpenAI-compatible HTTP server.")
     add_model_arguments(p)
     g = p.add_argument_group("prompts and sampling")
-    g.add_argument("--prompt", action="append", default=None,
+    g.add_argument("--prompt", action="append", default=None, type=prompt_text,
                    help=f"a prompt (repeat for several; default: {DEFAULT_PROMPT!r})")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     g.add_argument("--max-tokens", type=positive_int, default=50, help="tokens to generate per prompt (default 50)")
@@ -127,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
     g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None, help="per-request random seed")
+    g.add_argument("--seed", type=seed_int, default=None, help="per-request random seed")
     g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N", help="show the top-N log-probabilities per token")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
@@ -209,11 +266,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
 
+    if sys.stderr.isatty():  # importing PyTorch alone takes seconds: say what is happening
+        print(f"nanovllm: loading {args.model or 'the embedded default model'}...", file=sys.stderr, flush=True)
     from nanovllm_core.llm import LLM
     from nanovllm_core.model.loader import ModelLoadError
 
     try:
-        llm = LLM(**engine_kwargs(args))
+        llm = LLM(**engine_kwargs(args), progress=load_progress("nanovllm"))
     except (ModelLoadError, ValueError) as e:
         parser.error(str(e))
     try:

@@ -127,6 +127,7 @@ def input_channel_maxima(model: nn.Module, modules: Iterable[nn.Module], token_i
 
     Also the LM head's input (the final-normed hidden state ``forward`` returns), under the
     key :data:`LM_HEAD_INPUT`: the head is built after this pass, so there is no module to hook.
+    Token ids longer than the model's rotary table (``max_model_len``) run as windows of that length.
     """
     from nanovllm_core.attention.contiguous import ContiguousKVCache
 
@@ -139,10 +140,16 @@ def input_channel_maxima(model: nn.Module, modules: Iterable[nn.Module], token_i
     hooks = [m.register_forward_pre_hook(record) for m in modules]
     try:
         device = next(model.parameters()).device
-        n = len(token_ids)
-        cache = ContiguousKVCache(model.config, n, next(model.parameters()).dtype, device)
-        hidden = model(torch.tensor(token_ids, device=device), torch.arange(n, device=device), cache.context(0, n))
-        maxima[LM_HEAD_INPUT] = hidden.detach().abs().amax(dim=0).float()
+        # A model built for a short context (max_model_len below the text's length) has rotary
+        # tables only that long: the text then runs as consecutive windows, each from position 0.
+        window = max(1, min(len(token_ids), model.rotary.max_position))
+        for start in range(0, len(token_ids), window):
+            chunk = token_ids[start:start + window]
+            n = len(chunk)
+            cache = ContiguousKVCache(model.config, n, next(model.parameters()).dtype, device)
+            hidden = model(torch.tensor(chunk, device=device), torch.arange(n, device=device), cache.context(0, n))
+            m = hidden.detach().abs().amax(dim=0).float()
+            maxima[LM_HEAD_INPUT] = torch.maximum(maxima[LM_HEAD_INPUT], m) if LM_HEAD_INPUT in maxima else m
     finally:
         for h in hooks:
             h.remove()
