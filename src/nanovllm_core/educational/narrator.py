@@ -35,7 +35,7 @@ from typing import Any
 
 from nanovllm_core import events as ev
 from nanovllm_core.educational.commentary import Commentary, human_bytes, ms, ordinal, plural, show_piece, who
-from nanovllm_core.educational.narrator_sampling import (sampling_intro, speculative_entry, token_choice,
+from nanovllm_core.educational.narrator_sampling import (sampling_intro, speculative_entry, token_choice, token_label,
                                                          verification_rule)
 from nanovllm_core.educational.narrator_scheduler import PRIORITY_NOTE, SchedulerNarration
 
@@ -235,18 +235,24 @@ class Narrator(SchedulerNarration):
             if isinstance(e, ev.TokenSampled):
                 kept[e.seq_id] = kept.get(e.seq_id, 0) + 1
         first_kept: dict[int, ev.SpecDecodeStep] = {}  # a verification, until its first kept token is told
-        verified: set[int] = set()
+        # per sequence: the verification of this step, its rule, and how many of its kept tokens were told
+        run: dict[int, list] = {}
         for e in events:
             if isinstance(e, ev.TokenSampled):
+                kept_by = None
+                if e.seq_id in run:
+                    v, rule, told = run[e.seq_id]
+                    kept_by = (v, told, rule)
+                    run[e.seq_id][2] += 1
                 out.extend(self._token(e, entries.get(e.seq_id), timed, first_kept.pop(e.seq_id, None),
-                                       e.speculative or e.seq_id in verified))
+                                       e.speculative or kept_by is not None, kept_by))
             elif isinstance(e, ev.SpecDecodeStep):
                 first_kept[e.seq_id] = e
-                verified.add(e.seq_id)
                 if e.seq_id in self._computed:
                     self._computed[e.seq_id] += next((i for i, ok in enumerate(e.accepted) if not ok), len(e.accepted))
                 greedy = verification_rule(e, self._requests[e.request_id].sampling
                                            if e.request_id in self._requests else None)
+                run[e.seq_id] = [e, greedy, 0]
                 out.append(speculative_entry(e, self._name(e.request_id), greedy, kept.get(e.seq_id)))
             elif isinstance(e, ev.RequestFinished):
                 out.append(self._finished(e))
@@ -385,11 +391,13 @@ class Narrator(SchedulerNarration):
         return [Commentary("chunked_prefill", title, text, request_id=rid, step=plan.step)]
 
     def _token(self, e: ev.TokenSampled, entry: ev.ScheduledEntry | None, timed: ev.StepTimed | None,
-               verification: ev.SpecDecodeStep | None, speculative: bool) -> list[Commentary]:
+               verification: ev.SpecDecodeStep | None, speculative: bool,
+               kept_by: tuple[ev.SpecDecodeStep, int, bool | None] | None = None) -> list[Commentary]:
         """A ``decode`` entry: the choice and its distribution, then how this token was computed in its step.
 
         ``entry``: the sequence's part of the step's plan (None when unknown); ``verification``:
-        the verification this token is the first kept token of; ``speculative``: kept by one.
+        the verification this token is the first kept token of; ``speculative``: kept by one;
+        ``kept_by``: that verification, the token's place in its kept run and its rule.
         """
         state = self._requests.get(e.request_id)
         if state is not None and self.max_decode is not None:
@@ -398,9 +406,9 @@ class Narrator(SchedulerNarration):
                 return []
         if state is not None:
             state.decode_told += 1
-        piece = show_piece(e.token_text) if e.token_text else f"(id {e.token_id}, part of a character)"
+        piece = token_label(e)
         sampling = state.sampling if state is not None else {}
-        text, caption = token_choice(e, sampling, self.info.get("vocab_size"))
+        text, caption = token_choice(e, sampling, self.info.get("vocab_size"), kept_by)
         recompute = entry is not None and entry.kind == "prefill" and e.num_output_tokens > 1
         which = ("first token, from the prefill" if e.num_output_tokens == 1 else
                  f"token #{e.num_output_tokens}, after the recompute" if recompute else f"token #{e.num_output_tokens}")
