@@ -414,3 +414,25 @@ def test_continuous_batching_text_matches_a_step_that_preempts_to_admit():
     text = " ".join(chapter("continuous_batching").paragraphs)
     assert "a step that had to preempt admits nobody" not in text
     assert "the request that caused the preemption may itself be the one admitted" in text
+
+
+def test_the_gather_fallback_conditions_are_the_kernels_own_lists_and_each_is_a_real_refusal(monkeypatch):
+    """Chapter 8 lists when attention gathers from the kernels' lists, and each listed CPU case is refused."""
+    import torch
+
+    from nanovllm_core.attention import cpu_paged
+    from nanovllm_core.attention.selector import FLASH_ATTN_FALLBACK_CONDITIONS
+
+    text = " ".join(chapter("paged_attention").paragraphs)
+    for words in cpu_paged.FALLBACK_CONDITIONS + FLASH_ATTN_FALLBACK_CONDITIONS[1:]:
+        assert " ".join(words.split()) in text
+    assert "--no-flash-attn" in text and "bfloat16" in text
+    cpu = torch.device("cpu")
+    assert cpu_paged.unsupported_reason(cpu, torch.bfloat16, "flash")
+    assert cpu_paged.unsupported_reason(cpu, torch.float16, "flash")
+    assert cpu_paged.unsupported_reason(cpu, torch.float32, "math")
+    monkeypatch.setenv(cpu_paged.ENV_SWITCH, "0")
+    assert cpu_paged.unsupported_reason(cpu, torch.float32, "flash")
+    monkeypatch.setattr(cpu_paged, "_load", lambda: (None, "no compiler"))
+    monkeypatch.delenv(cpu_paged.ENV_SWITCH)
+    assert cpu_paged.unsupported_reason(cpu, torch.float32, "flash") == "no compiler"

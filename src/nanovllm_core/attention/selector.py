@@ -46,6 +46,18 @@ def _flash_attn_importable() -> bool:
     return True
 
 
+# When flash-attn's paged kernel does not run, one phrase per check of
+# :func:`flash_attn_unsupported`, in its order (the tutorial lists these).
+FLASH_ATTN_FALLBACK_CONDITIONS = (
+    "no CUDA GPU",
+    "float32 (it runs float16 and bfloat16)",
+    "a GPU older than compute capability 8.0",
+    "a head size not a multiple of 8 or above 256",
+    f"blocks not a multiple of {FLASH_ATTN_PAGE_SIZE} tokens",
+    "flash-attn not installed",
+)
+
+
 def flash_attn_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int) -> str | None:
     """Why flash-attn's paged varlen kernel cannot serve this cache, or None when it can.
 

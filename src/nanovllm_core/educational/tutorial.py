@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanovllm_core.attention.cpu_paged import FALLBACK_CONDITIONS
+from nanovllm_core.attention.selector import FLASH_ATTN_FALLBACK_CONDITIONS
 from nanovllm_core.roofline import peak_words
 from nanovllm_core.sampling_params import SamplingParams
 
@@ -125,6 +127,16 @@ class Demo:
 
     def engine_settings(self) -> dict[str, Any]:
         return dict(self.engine)
+
+
+def _or_words(items: tuple[str, ...]) -> str:
+    return ", ".join(items[:-1]) + ", or " + items[-1] if len(items) > 1 else "".join(items)
+
+
+# When attention gathers (the conditions are the kernels' own lists, not restated here).
+_GATHER_WHEN = (f"That happens on the CPU with {_or_words(FALLBACK_CONDITIONS)}; and on a GPU with "
+                f"--no-flash-attn or where flash-attn's paged kernel refuses the cache: "
+                f"{_or_words(FLASH_ATTN_FALLBACK_CONDITIONS[1:])}.")
 
 
 # A long, plain prompt for the chunked-prefill demonstration (about a hundred tokens).
@@ -406,9 +418,9 @@ CHAPTERS: tuple[Chapter, ...] = (
         short C file, attention/paged_attention_cpu.c) walks each query token's context through the
         block table, key by key, reading every block in place; so do vLLM's PagedAttention kernels
         and the flash-attn paged kernel this engine uses on CUDA with 256-token blocks. Where neither
-        runs (no C compiler, or CUDA without flash-attn), the engine first gathers a sequence's blocks,
+        runs, the engine first gathers a sequence's blocks,
         in block-table order, into one contiguous buffer per layer and attends over that copy: every
-        cached number is then read, written and read again.
+        cached number is then read, written and read again. """ + _GATHER_WHEN + """
 
         Because blocks carry a reference count, two sequences can point at the same physical block.
         Prefix caching (chapter 10) relies on it, and so do parallel samples (n > 1): here the samples

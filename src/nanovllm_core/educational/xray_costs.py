@@ -16,7 +16,9 @@ attention backend that ran:
 
 Elsewhere (``fused``: the CPU without the C kernel, CUDA without flash-attn) a sequence whose
 context is already cached first gathers its KV blocks into one contiguous buffer
-(``kv_gather``), a copy the in-place kernels avoid. Bytes count reads plus writes at the model's element size, weights as stored (int8
+(``kv_gather``), a copy the in-place kernels avoid. Attention FLOPs count
+the (query, key) pairs the kernel visits (:func:`score_pairs`: the causal half where it skips
+masked keys, the full rectangle where it computes and masks them). Bytes count reads plus writes at the model's element size, weights as stored (int8
 plus scales and outlier columns under ``--quantization int8``) and K/V at the cache's element size; FLOPs count a multiply-add
 as 2. GQA: K and V bytes are those of the ``num_kv_heads`` stored heads; query head ``h``
 reads KV head ``h // group`` and nothing is copied.
@@ -82,6 +84,35 @@ class SeqAttention:
     gathered: int = 0
 
 
+def causal_pairs(num_tokens: int, context_len: int) -> int:
+    """(query, key) pairs under the causal mask: ``num_tokens`` new tokens at the end of ``context_len``.
+
+    The query at position ``p`` attends keys ``0..p`` (``p + 1`` of them), so new tokens at
+    positions ``c - t .. c - 1`` give ``t (c - t) + t (t + 1) / 2`` pairs: about half the
+    ``t x c`` rectangle for a prefill from position 0, all of it for a decode (``t = 1``).
+    """
+    t, c = num_tokens, context_len
+    return t * (c - t) + t * (t + 1) // 2
+
+
+def score_pairs(s: SeqAttention, backend: str) -> int:
+    """(query, key) scores the kernel computes for one sequence: what its loops visit.
+
+    ``cpu_paged``: each query token walks keys ``0..position`` (the C kernel's ``token_ctx``),
+    exactly :func:`causal_pairs`. ``flash_attn``, and ``fused`` on a causal square from
+    position 0 (``is_causal``): the kernels skip the tiles above the diagonal, so the causal
+    pairs (plus a part of the diagonal tiles, not counted here). ``math``, and ``fused`` with an
+    explicit mask (a chunk after cached tokens, a padded decode): the whole ``num_tokens x
+    keys_read`` rectangle is computed, then masked.
+    """
+    causal = causal_pairs(s.num_tokens, s.context_len)
+    if backend in ("cpu_paged", "flash_attn"):
+        return causal
+    if backend == "fused" and s.num_tokens == s.context_len == s.keys_read:
+        return causal
+    return s.num_tokens * s.keys_read
+
+
 def _op(name: str, math: str, shapes: str, flops: float, nbytes: float) -> OpInfo:
     return OpInfo(name, math, shapes, int(flops), int(nbytes))
 
@@ -144,8 +175,9 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
     scores_shape, softmax_shape, out_shape = _attention_shapes(d, this, backend)
     q_bytes = sum(nh * s.num_tokens * hd for s in seqs) * e
     kv_bytes = sum(nkv * s.keys_read * hd for s in seqs) * kv
-    qk = sum(2 * nh * s.num_tokens * s.keys_read * hd for s in seqs)
-    soft = sum(5 * nh * s.num_tokens * s.keys_read for s in seqs)
+    pairs = sum(score_pairs(s, backend) for s in seqs)  # what the kernel's loops visit (causal halves)
+    qk = 2 * nh * pairs * hd
+    soft = 5 * nh * pairs
     s_bytes = sum(nh * s.num_tokens * s.keys_read for s in seqs) * e
     if backend == "math":
         ops += [
