@@ -254,6 +254,11 @@ def test_speculative_demo_shows_drafts_checked_in_one_pass(demos):
     assert "SPECULATIVE DECODING · " in text and "The ngram proposer drafted" in text
     assert "in one forward pass" in text and "Greedy verification" in text
     assert "accepted" in text and "rejected" in text  # the chapter's prompt shows both outcomes
+    # the cost is measured here, and the speed-up formula includes the drafter's cost and the verification's
+    assert "SPECULATIVE_COST · What a verification costs here" in text
+    assert re.search(r"verifying forward pass costs v = [\d.]+ decode steps and the ngram drafter c = [\d.]+", text)
+    assert "over (gamma c + v)" in text and "Theorem 3.8" in text
+    assert "costs almost the same as producing one" not in " ".join(chapter("speculative_decoding").paragraphs)
 
 
 @pytest.mark.real_model

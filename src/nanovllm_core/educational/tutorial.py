@@ -199,7 +199,7 @@ DEMOS: dict[str, Demo] = {d.key: d for d in (
          "The n-gram proposer drafts up to 4 tokens from the text so far; the model runs them with its newest "
          "token in one forward pass, keeps each draft while it equals its own greedy choice, and adds one "
          "token of its own.",
-         kinds=("speculative", "finished"), max_tokens=8,
+         kinds=("speculative", "finished", "speculative_cost"), max_tokens=8,
          engine=(("speculative_model", "ngram"), ("num_speculative_tokens", 4))),
 )}
 # Repeats itself, so prompt lookup has drafts to offer: the first are kept, a later one is not.
@@ -528,8 +528,11 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter(
         12, "speculative_decoding", "Speculative decoding: several tokens per step",
         """
-        A decode step spends most of its time reading weights, and verifying several tokens costs
-        almost the same as producing one. Speculative decoding exploits this: a cheap proposer (a small
+        At batch 1 a decode step reads every weight of the model to produce one token. Running a few
+        more tokens through the same pass reads the weights once for all of them, so where a step is
+        bound by reading weights (a GPU at small batch), verifying several tokens costs little more
+        than producing one; where the arithmetic shows (a CPU), each extra token adds to the step, and
+        the command line's demonstration (nanovllm --tutorial) times it on this machine. Speculative decoding exploits this: a cheap proposer (a small
         draft model, or an n-gram lookup in the text so far) guesses the next k tokens, and the target
         model runs 1 + k tokens (the last one it kept and the k drafts) in a single forward pass,
         which gives it its own next-token scores at all k + 1 positions.
@@ -543,7 +546,12 @@ CHAPTERS: tuple[Chapter, ...] = (
         at the first mismatch the target's token replaces it, so the text is exactly what greedy
         decoding without speculation writes.
 
-        The speed-up depends on the acceptance rate: the fraction of draft tokens the target keeps.
+        The speed-up depends on the acceptance rate alpha (the chance that the target keeps a draft),
+        the number of drafts gamma, and two costs. Leviathan et al. (2023, Theorem 3.8): a step yields
+        (1 - alpha^(gamma+1)) / (1 - alpha) tokens on average, and the expected speed-up is that divided
+        by (gamma c + 1), where c is the drafter's cost per draft in target steps and the 1 is the
+        verification, counted as one target step. Where verifying 1 + gamma tokens costs v target steps,
+        divide by (gamma c + v) instead: with v large enough, speculation is slower than plain decoding.
         """,
         "speculative_decoding", _SPECULATIVE_PROMPT,
         _quiz("Why does speculative decoding not change the distribution of the generated text?",
