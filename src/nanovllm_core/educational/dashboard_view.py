@@ -257,8 +257,8 @@ class DashboardView:
         kv = self.kv
         mem = Table.grid(padding=(0, 1))
         if kv is not None and kv.num_blocks_total:
-            mem.add_row("KV cache", f"{human_bytes(kv.kv_bytes_used)} of {human_bytes(kv.kv_bytes_total)}")
-            mem.add_row("Peak", human_bytes(self.peak_kv_bytes))
+            mem.add_row("KV reserved", f"{human_bytes(kv.kv_bytes_used)} of {human_bytes(kv.kv_bytes_total)} (whole blocks)")
+            mem.add_row("Peak", f"{human_bytes(self.peak_kv_bytes)} reserved")
             mem.add_row("", ProgressBar(total=kv.num_blocks_total, completed=kv.num_blocks_used, width=24))
             mem.add_row("Blocks", f"{kv.num_blocks_used}/{kv.num_blocks_total} used, {kv.num_blocks_cached} cached-free")
         else:

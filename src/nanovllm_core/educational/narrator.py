@@ -35,6 +35,7 @@ from typing import Any
 
 from nanovllm_core import events as ev
 from nanovllm_core.educational.commentary import Commentary, human_bytes, ms, ordinal, plural, show_piece, who
+from nanovllm_core.educational.kv_facts import kv_footprint
 from nanovllm_core.educational.narrator_sampling import (sampling_intro, speculative_entry, token_choice, token_label,
                                                          verification_rule)
 from nanovllm_core.educational.narrator_scheduler import PRIORITY_NOTE, SchedulerNarration
@@ -75,6 +76,8 @@ class Narrator(SchedulerNarration):
             when given, the first call of :meth:`feed` starts with a ``model`` entry.
         max_decode_steps_per_request: at most this many ``decode`` entries per request (None:
             all); later tokens are counted and summed up in its ``finished`` entry.
+        kv_every_step: a ``kv_cache`` entry after every step (default: only when the number of
+            blocks in use changed).
 
     Raises:
         ValueError: a negative ``max_decode_steps_per_request``.
@@ -82,11 +85,13 @@ class Narrator(SchedulerNarration):
     Not thread-safe: feed it from one thread (or behind a queue).
     """
 
-    def __init__(self, model_info: dict | None = None, max_decode_steps_per_request: int | None = None) -> None:
+    def __init__(self, model_info: dict | None = None, max_decode_steps_per_request: int | None = None,
+                 kv_every_step: bool = False) -> None:
         if max_decode_steps_per_request is not None and max_decode_steps_per_request < 0:
             raise ValueError("max_decode_steps_per_request must be >= 0 or None (no cap)")
         self.info: dict[str, Any] = dict(model_info or {})
         self.max_decode = max_decode_steps_per_request
+        self.kv_every_step = kv_every_step
         self._introduced = False
         self._requests: dict[str, _RequestState] = {}
         self._open: _OpenStep | None = None
@@ -435,7 +440,13 @@ class Narrator(SchedulerNarration):
                            table_notes=notes if any(notes) else ())]
 
     def _kv_cache(self, t: ev.StepTimed, blocks: ev.BlocksChanged | None) -> list[Commentary]:
-        if t.num_blocks_used == self._last_blocks_used:
+        """The ``kv_cache`` entry: blocks reserved and bytes they reserve, tokens stored and their bytes.
+
+        Told when the number of blocks in use changed, or after every step with ``kv_every_step``
+        (then a step that took no block says so).
+        """
+        same = t.num_blocks_used == self._last_blocks_used
+        if same and not self.kv_every_step:
             return []
         self._last_blocks_used = t.num_blocks_used
         per_block = (blocks.bytes_per_block if blocks is not None else
@@ -448,10 +459,20 @@ class Narrator(SchedulerNarration):
         if t.num_blocks_used == 0:
             text = f"No request holds KV blocks now: all {t.num_blocks_total} blocks are free.{cached}"
             return [Commentary("kv_cache", "KV cache: empty", text, step=t.step)]
-        text = (f"The KV cache now holds {plural(t.num_blocks_used, 'block')}"
+        change = " No block was taken or freed in this step." if same else ""
+        text = (f"Live requests now hold {plural(t.num_blocks_used, 'block')}"
                 + (f" x {per_block:,} bytes" if per_block else "")
-                + f" = {t.kv_bytes_used:,} bytes ({human_bytes(t.kv_bytes_used)}) of the pool's "
-                f"{human_bytes(t.kv_bytes_total)} ({t.num_blocks_used} of {t.num_blocks_total} blocks in use).{cached}")
+                + f" = {t.kv_bytes_used:,} bytes ({human_bytes(t.kv_bytes_used)}) reserved, of the pool's "
+                f"{human_bytes(t.kv_bytes_total)} ({t.num_blocks_used} of {t.num_blocks_total} blocks in use).")
+        title = f"KV cache: {human_bytes(t.kv_bytes_used)} reserved in {plural(t.num_blocks_used, 'block')}"
+        if blocks is not None and blocks.tables:
+            fp = kv_footprint(blocks)
+            if fp.blocks == t.num_blocks_used:
+                text += (f" Their tokens store {plural(fp.tokens, 'token')} x {fp.bytes_per_token:,} bytes = "
+                         f"{fp.stored_bytes:,} bytes ({human_bytes(fp.stored_bytes)}) of keys and values; the other "
+                         f"{plural(fp.empty_slots, 'slot')} are reserved but still empty.")
+                title += f", {human_bytes(fp.stored_bytes)} stored"
+        text += change + cached
         if blocks is not None and blocks.tables:
             shown = []
             for tb in blocks.tables[:MAX_TABLES_SHOWN]:
@@ -464,8 +485,7 @@ class Narrator(SchedulerNarration):
             if len(blocks.tables) > MAX_TABLES_SHOWN:
                 text += f"; and {len(blocks.tables) - MAX_TABLES_SHOWN} more"
             text += "."
-        return [Commentary("kv_cache", f"KV cache: {human_bytes(t.kv_bytes_used)} in {plural(t.num_blocks_used, 'block')}", text,
-                           step=t.step)]
+        return [Commentary("kv_cache", title, text, step=t.step)]
 
     @staticmethod
     def _why(reason: str, stop_reason: str | int | None) -> str:

@@ -92,6 +92,8 @@ class Demo:
         sequential: send each request only after the previous one finished (the prefix cache
             needs the first request's blocks to be computed before the second arrives).
         temperature, top_k, top_p, seed: sampling settings of every request.
+        kv_every_step: narrate the KV cache after every step, even one that took no block (a
+            demonstration that promises a figure per step shows it every step).
         engine: ``EngineConfig`` settings under which the effect shows on a fresh engine (the
             CLI builds a small engine with them; an app whose engine has other settings runs
             the requests as they are and the narrator reports what its settings produced).
@@ -112,6 +114,7 @@ class Demo:
     top_p: float = 1.0
     seed: int | None = None
     engine: tuple[tuple[str, Any], ...] = ()
+    kv_every_step: bool = False
 
     def requests(self, prompt: str) -> list[DemoRequest]:
         """The requests to send, in order: ``prompt`` (the chapter's ``demo_prompt``) then the extras."""
@@ -167,8 +170,9 @@ DEMOS: dict[str, Demo] = {d.key: d for d in (
          "this machine's measured ridge point.",
          kinds=("prefill", "decode", "roofline"), max_tokens=1, xray=True),
     Demo("kv_cache", "The cache grows one token at a time",
-         "The bytes the KV cache holds after each step, and the blocks behind them.",
-         kinds=("prefill", "kv_cache"), max_tokens=6),
+         "After each step: the bytes the request's blocks reserve, the bytes its tokens store, and the "
+         "blocks behind them.",
+         kinds=("prefill", "kv_cache"), max_tokens=6, kv_every_step=True),
     Demo("decode", "One token per step",
          "The five most likely next tokens at each step, and the one the engine took.",
          kinds=("decode",), max_tokens=5),

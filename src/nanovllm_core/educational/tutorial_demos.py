@@ -86,7 +86,8 @@ class EngineDemos:
 
         demo = DEMOS[chapter.demo]
         engine = self.engine(**demo.engine_settings())
-        view = NarrateView(console, engine.model_info(), max_decode_steps=None, kinds=demo.kinds)
+        view = NarrateView(console, engine.model_info(), max_decode_steps=None, kinds=demo.kinds,
+                           kv_every_step=demo.kv_every_step)
         layer0: list[ev.LayerTrace] = []
 
         def keep_layer0(e: ev.Event) -> None:
