@@ -351,3 +351,37 @@ def test_attention_flops_count_the_keys_the_cpu_kernel_visits_prefill_chunks_dec
         assert attention.flops == d.num_heads * (2 * d.head_dim + 5 + 2 * d.head_dim) * pairs, t.step
         parts.add(t.part)
     assert {"prefill", "verify"} <= parts  # a chunk from position 0, a chunk after cached tokens, verifications
+
+
+@pytest.mark.real_model
+def test_the_lm_head_total_counts_the_rows_the_model_really_sends_through_it(make_llm):
+    """The step total's parts outside the layers: LM head rows against ``compute_logits``' own input, each step."""
+    from nanovllm_core.educational.xray_costs import model_edge_ops, sampled_rows
+    from nanovllm_core.educational.xray_view import step_total
+
+    llm = make_llm(num_kv_blocks=32, max_num_batched_tokens=24, speculative_model="ngram", num_speculative_tokens=3)
+    model = llm.engine.model
+    rows: list[int] = []
+    real = model.compute_logits
+    model.compute_logits = lambda hidden: (rows.append(hidden.shape[0]), real(hidden))[1]
+    plans: list[ev.StepPlanned] = []
+    llm.engine.subscribe(lambda e: plans.append(e) if isinstance(e, ev.StepPlanned) and e.scheduled else None,
+                         topk=0, blocks=False)
+    try:
+        llm.generate([PROMPTS[2], "one two three one two three one two three one two"],
+                     SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    finally:
+        del model.compute_logits
+    assert [sampled_rows(p.scheduled) for p in plans] == rows  # chunks that do not sample add no row
+    assert any(s.num_spec_tokens for p in plans for s in p.scheduled) and any(not s.samples for p in plans
+                                                                                for s in p.scheduled)
+    h, v = SMOL.hidden, 49152
+    edges = {o.name: o for o in model_edge_ops(h, v, 4, v * h * 4, 24, 3)}
+    assert edges["lm_head"].flops == 2 * 3 * h * v and edges["embedding_lookup"].flops == 0
+    layer = ev.LayerTrace(step=0, request_id="0", layer=0, num_layers=2, tensors=(), num_heads=9, num_kv_heads=3,
+                          head_dim=64, hidden_size=h, kv_bytes_per_token=46080, num_batch_tokens=24,
+                          ops=(ev.OpInfo("qkv_proj", "", "", 1_000_000, 2_000_000),))
+    text = step_total([layer, layer], tuple(edges.values()))
+    whole = 2_000_000 + sum(o.flops for o in edges.values())
+    assert f"The whole forward pass: {whole / 1e6:.3g} MFLOP" in text and "3 rows that sample" in text
+    assert "not counted" in step_total([layer, layer])

@@ -207,6 +207,30 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
     return tuple(ops)
 
 
+def model_edge_ops(hidden: int, vocab: int, elem: int, lm_head_bytes: int, num_tokens: int,
+                   num_sampled_rows: int) -> tuple[OpInfo, ...]:
+    """What a forward pass does outside its decoder layers: the embedding lookup, the final
+    norm (both over all ``num_tokens`` rows) and the LM head, over the ``num_sampled_rows`` rows
+    that sample only (the last token of each sampling sequence; 1 + k for a verification).
+
+    ``lm_head_bytes``: the head's weight as stored (the embedding matrix when tied; it is read
+    whole however few rows sample); logits are written in float32.
+    """
+    T, S, h, v, e = num_tokens, num_sampled_rows, hidden, vocab, elem
+    return (
+        _op("embedding_lookup", "X = E[token ids]: one row of the embedding matrix per token (no arithmetic)",
+            f"[{T}] ids -> [{T}, {h}]", 0, 2 * T * h * e),
+        _op("final_norm", "RMSNorm after the last layer", f"[{T}, {h}] -> [{T}, {h}]", 4 * T * h, (2 * T * h + h) * e),
+        _op("lm_head", "logits = X W_vocab^T, for the rows that sample",
+            f"[{S}, {h}] @ [{h}, {v}] -> [{S}, {v}]", 2 * S * h * v, lm_head_bytes + S * h * e + S * v * 4),
+    )
+
+
+def sampled_rows(scheduled) -> int:
+    """Rows a step sends through the LM head: 1 per sampling sequence, 1 + k for a verification of k drafts."""
+    return sum(s.num_tokens if getattr(s, "num_spec_tokens", 0) else 1 for s in scheduled if s.samples)
+
+
 def intensity(flops: float, nbytes: float) -> float:
     """Arithmetic intensity, FLOP per byte moved (0 when nothing moves)."""
     return flops / nbytes if nbytes else 0.0
