@@ -441,3 +441,19 @@ def test_the_gather_fallback_conditions_are_the_kernels_own_lists_and_each_is_a_
     monkeypatch.setattr(cpu_paged, "_load", lambda: (None, "no compiler"))
     monkeypatch.delenv(cpu_paged.ENV_SWITCH)
     assert cpu_paged.unsupported_reason(cpu, torch.float32, "flash") == "no compiler"
+
+
+def test_the_kv_chapters_growth_figures_are_derived_from_the_models_shapes():
+    """A decode step: one token's fixed work, plus attention per cached key; where the second overtakes the first."""
+    h, i, nh, nkv, hd = 576, 1536, 9, 3, 64
+    info = {"kv_bytes_per_token": 46080, "num_layers": 30, "num_kv_heads": nkv, "head_dim": hd, "dtype": "float32",
+            "hidden_size": h, "intermediate_size": i, "num_heads": nh}
+    projections = 2 * h * (nh + 2 * nkv) * hd + 2 * nh * hd * h + 2 * h * 2 * i + 2 * i * h
+    small = 2 * 4 * h + 3 * (nh + nkv) * hd + 2 * h + 5 * i  # two RMSNorms, RoPE on Q and K, two residual adds, SwiGLU
+    per_key = nh * (2 * hd + 5 + 2 * hd)
+    crossover = next(c for c in range(1, 10**6) if c * per_key >= projections + small)
+    (line,) = [x for x in model_facts(chapter("kv_cache"), info) if x.startswith("Per layer")]
+    assert f"does {projections + small:,} FLOPs for its one token" in line
+    assert f"{per_key:,} more for each cached key" in line and f"reaches the rest at {crossover:,} tokens" in line
+    text = " ".join(chapter("kv_cache").paragraphs)
+    assert "n^3/6 pairs" in text and "grows linearly" in text

@@ -333,8 +333,12 @@ CHAPTERS: tuple[Chapter, ...] = (
         token's query, key and value are computed; its query is compared against all the cached keys.
 
         Without the cache, generating the t-th token would mean running all t earlier tokens through
-        the model again, so the total work would grow with the square of the length. With it, each
-        step does one token's worth of projections.
+        the model again: t tokens' projections and MLP (work proportional to t) and their causal
+        attention (t(t+1)/2 query-key pairs) at every step, so n tokens would cost about n^2/2 tokens'
+        projections and n^3/6 pairs in all. With the cache, each step does one token's projections
+        and MLP (a constant) and compares one query with t cached keys (work that grows linearly with
+        t): n tokens cost n tokens' projections and about n^2/2 pairs. At short contexts the constant
+        part dominates; the figures below derive, for this model, where attention overtakes it.
 
         The price is memory. One token needs 2 (K and V) x layers x KV heads x head_dim numbers, times
         the bytes per number. For long sequences and many requests this cache can outgrow the weights
@@ -659,6 +663,7 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
                 weights = g("num_parameters") * elem
                 lines.append(f"Its {g('num_parameters') / 1e6:.0f} M parameters in {g('dtype')} take "
                              f"{weights / 2**20:,.0f} MiB: {weights // per:,} tokens of cache weigh as much.")
+            lines.extend(_decode_growth(info))  # after either branch above
         elif key == "decode" and g("kv_bytes_per_token") and g("num_parameters"):
             lines.extend(_decode_bytes(info))
         elif key == "paged_attention" and g("block_size"):
@@ -679,6 +684,22 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
     except (TypeError, ValueError, ZeroDivisionError):
         return lines
     return lines
+
+
+def _decode_growth(info: dict[str, Any]) -> list[str]:
+    """The KV-cache chapter's derived growth: a decode step's constant work against its attention per cached key."""
+    from nanovllm_core.educational.xray_costs import LayerDims, decode_growth
+
+    g = info.get
+    if not (g("hidden_size") and g("intermediate_size") and g("num_heads") and g("num_kv_heads") and g("head_dim")):
+        return []
+    d = LayerDims(g("hidden_size"), g("intermediate_size"), g("num_heads"), g("num_kv_heads"), g("head_dim"), 4)
+    fixed, per_key, crossover = decode_growth(d)
+    return [f"Per layer, a decode step of this model does {fixed:,} FLOPs for its one token whatever the context "
+            f"(projections, MLP, norms, RoPE), and {per_key:,} more for each cached key ({g('num_heads')} query "
+            f"heads x (2 x {g('head_dim')} for the score + 5 for the softmax + 2 x {g('head_dim')} for the weighted "
+            f"value)): attention's share reaches the rest at {crossover:,} tokens of context. The LM head, once per "
+            "step, is not in either part."]
 
 
 def _decode_bytes(info: dict[str, Any]) -> list[str]:

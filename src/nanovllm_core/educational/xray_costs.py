@@ -231,6 +231,25 @@ def sampled_rows(scheduled) -> int:
     return sum(s.num_tokens if getattr(s, "num_spec_tokens", 0) else 1 for s in scheduled if s.samples)
 
 
+def decode_growth(d: LayerDims, backend: str = "fused") -> tuple[int, int, int]:
+    """How a one-token decode's layer work grows with its context, from :func:`layer_ops`.
+
+    Returns ``(fixed, per_key, crossover)``: the FLOPs that do not depend on the context (the
+    projections, MLP, norms, RoPE, residual adds: one token's worth), the attention FLOPs each
+    cached key adds (scores, softmax, weighted sum over all query heads), and the context
+    length from which attention's FLOPs reach the fixed part.
+    """
+    def split(c: int) -> tuple[int, int]:
+        ops = layer_ops(d, [SeqAttention(1, c, c)], backend)
+        att = sum(o.flops for o in ops if o.name in ("attention", "attention_scores", "softmax", "attention_output"))
+        return sum(o.flops for o in ops) - att, att
+
+    fixed, one = split(1)
+    _, two = split(2)
+    per_key = two - one
+    return fixed, per_key, -(-fixed // per_key) if per_key else 0
+
+
 def intensity(flops: float, nbytes: float) -> float:
     """Arithmetic intensity, FLOP per byte moved (0 when nothing moves)."""
     return flops / nbytes if nbytes else 0.0
