@@ -235,7 +235,7 @@ def token_choice(e: ev.TokenSampled, sampling: dict[str, Any], vocab: int | None
              else f"outside the table's top {len(e.top)}")
     if kept is not None:
         text = (f"{scored}; in the table the favourite is {show_piece(best.text)} at {best.prob:.2%}. "
-                + kept_mechanism(e, *kept) + f" In the table it is {where}.")
+                + kept_mechanism(e, *kept) + f" It is {where}.")
     elif e.greedy:
         if rank == 0:
             lead = (f"{scored}; after {join_words(procs)} the highest is {show_piece(best.text)} at {best.prob:.2%}"
