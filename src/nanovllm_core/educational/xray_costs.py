@@ -14,7 +14,8 @@ attention backend that ran:
   the kernel, never in a stored matrix;
 - ``flash_attn`` (CUDA with flash-attn): fused, reading the KV blocks in place.
 
-Elsewhere (``fused``: the CPU without the C kernel, CUDA without flash-attn) a sequence whose
+Where neither in-place kernel runs (``fused`` or ``math``: the cases listed in
+``attention.cpu_paged.FALLBACK_CONDITIONS`` and ``attention.selector.FLASH_ATTN_FALLBACK_CONDITIONS``) a sequence whose
 context is already cached first gathers its KV blocks into one contiguous buffer
 (``kv_gather``), a copy the in-place kernels avoid. Attention FLOPs count
 the (query, key) pairs the kernel visits (:func:`score_pairs`: the causal half where it skips
