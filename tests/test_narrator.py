@@ -555,3 +555,24 @@ def test_the_model_entry_names_int8_weights_and_the_float64_kv_cache():
     text = Narrator(int8).feed(added())[0].text
     assert "in float32, linear layers and LM head in int8 (154 MiB, activations quantized per token)" in text
     assert "costs 92,160 bytes (in float64, the width int8 mode's attention sums in)" in text
+
+
+def test_the_dashboards_top_predictions_caption_names_every_processor_and_marks_a_special_token():
+    import io
+
+    from rich.console import Console
+
+    from nanovllm_core.educational.dashboard_view import DashboardView
+
+    console = Console(file=io.StringIO(), width=140)
+    view = DashboardView(console, INFO)
+    view(added(sampling=(("temperature", 0.9), ("top_k", 20), ("top_p", 0.9))))
+    top = ((7042, " Paris", 0.6), (260, " the", 0.4))
+    view(sampled(0, greedy=False, temperature=0.9, top=top))
+    console.print(view.render())
+    out = " ".join(console.file.getvalue().split())
+    assert "probabilities after temperature 0.9, top-k 20 and top-p 0.9, renormalised" in out
+    end = replace(sampled(1, token=2, text="", n_out=2, top=((2, "<|im_end|>", 0.9), (28, ",", 0.1))),
+                  special="<|im_end|>")
+    view(end)
+    assert view.top_chosen == "<|im_end|>"
