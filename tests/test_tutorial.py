@@ -262,6 +262,20 @@ def test_speculative_demo_shows_drafts_checked_in_one_pass(demos):
 
 
 @pytest.mark.real_model
+def test_the_kv_cache_demo_shows_the_cache_after_every_step_as_its_watch_line_promises(demos):
+    demo = DEMOS["kv_cache"]
+    assert "After each step" in demo.watch
+    text = demo_output(demos, "kv_cache")
+    steps = demo.max_tokens  # one prefill step (the first token), then one decode step per further token
+    told = re.findall(r"KV CACHE · KV cache: (.*)", text)
+    assert len(told) == steps
+    stored = [int(n) for n in re.findall(r"store (\d+) tokens", " ".join(text.split()))]
+    prompt_len = len(stored) and stored[0]
+    assert stored == list(range(prompt_len, prompt_len + steps - 1))  # one more token's K/V per step
+    assert told[-1] == "empty"  # the last step finished the request and freed its blocks
+
+
+@pytest.mark.real_model
 def test_prefill_demo_measures_its_step_against_the_ridge_point(demos):
     text = " ".join(demo_output(demos, "prefill").split())
     assert "ROOFLINE · Request 0: prefill of 5 tokens against the roofline" in text
