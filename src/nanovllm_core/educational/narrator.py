@@ -469,8 +469,10 @@ class Narrator(SchedulerNarration):
             fp = kv_footprint(blocks)
             if fp.blocks == t.num_blocks_used:
                 text += (f" Their tokens store {plural(fp.tokens, 'token')} x {fp.bytes_per_token:,} bytes = "
-                         f"{fp.stored_bytes:,} bytes ({human_bytes(fp.stored_bytes)}) of keys and values; the other "
-                         f"{plural(fp.empty_slots, 'slot')} are reserved but still empty.")
+                         f"{fp.stored_bytes:,} bytes ({human_bytes(fp.stored_bytes)}) of keys and values"
+                         + ("." if not fp.empty_slots else
+                            f"; the other {plural(fp.empty_slots, 'slot')} {'is' if fp.empty_slots == 1 else 'are'} "
+                            "reserved but still empty."))
                 title += f", {human_bytes(fp.stored_bytes)} stored"
         text += change + cached
         if blocks is not None and blocks.tables:
