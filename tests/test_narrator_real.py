@@ -239,7 +239,7 @@ def test_a_verified_token_is_told_by_the_mechanism_that_produced_it_not_as_a_dra
             if i < n_ok:
                 seen["accepted"] += 1
                 chance = min(1.0, v.p[i] / v.q[i])
-                assert "drafted" in c.text and f"accepted it, with probability min(1, p/q) = " in c.text
+                assert "drafted" in c.text and "accepted it, with probability min(1, p/q) = " in c.text
                 assert f"= {chance:.3f}." in c.text
             elif n_ok < len(v.draft_tokens):
                 seen["after"] += 1
