@@ -17,12 +17,18 @@ holds it, so a checkpoint that ships blocks is used as shipped (the loader keeps
 dequantize-then-requantize), and a float checkpoint is quantized at load with the ``gguf``
 package's reference quantizers (the same arithmetic as llama.cpp's ``quantize``).
 
-:class:`BlockLinear` multiplies float32 activations by the blocks in C
-(``block_quant_cpu.c``: the integers are widened to floats in registers, each block's sum is
-scaled once, and one row's result never depends on the other rows of its batch). Where the C
-library cannot be built, or ``NANOVLLM_BLOCK_KERNELS=0``, it dequantizes the matrix for the call
-and uses PyTorch's matmul: the same values up to float32 rounding, slower, and not
-batch-invariant (the engine says so at load).
+:class:`BlockLinear` runs in C (``block_quant_cpu.c``) the way llama.cpp does on the CPU: each
+activation row is first quantized per 32-block to int8 with a float32 scale (:data:`ACTIVATIONS`),
+then each output is a sum over blocks of exact integer dot products, scaled once a block. One
+row's result never depends on the other rows of its batch. Why int8 activations and not float
+ones (exact with respect to the dequantized weights): measured on a 2-core AMD EPYC (AVX2), one
+thread, float activations took 22.6 ms of CPU a token on the embedded model against llama.cpp's
+14.1 ms, because widening each 4-bit weight to a float costs more instructions than the
+product itself; integer products (``maddubs``) halve the instructions a block. The cost is a
+second rounding, of x, measured by ``benchmarks/benchmark_quantization.py`` (perplexity).
+Where the C library cannot be built, or ``NANOVLLM_BLOCK_KERNELS=0``, it runs
+:func:`reference_linear` in PyTorch instead: the same values up to rounding, much slower (the
+engine says so at load).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from nanovllm_core import native
 SOURCE = Path(__file__).with_name("block_quant_cpu.c")
 ENV_SWITCH = "NANOVLLM_BLOCK_KERNELS"  # "0": the PyTorch fallback
 BLOCK_SIZE = 32  # weights per block, in every format here
+ACTIVATIONS = "q8 per 32-block"  # how the kernel holds activations (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,38 @@ def unavailable_reason() -> str | None:
     return native.load_unless_off(SOURCE, SIGNATURES, ENV_SWITCH)[1]
 
 
+def block_scratch(rows: int, in_features: int) -> int:
+    """Floats of scratch ``block_linear`` needs for ``rows`` activation rows of ``in_features``
+    (their int8 values, and a scale and a sum per 32-block): ``BLOCK_SCRATCH`` in the C source."""
+    return rows * (in_features // BLOCK_SIZE) * 2 + rows * in_features // 4
+
+
 # ----------------------------------------------------------------------------- reference (PyTorch)
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations ``[M, K]`` float32 -> (int values ``[M, K]`` as float32, scales ``[M, K / 32]``), as the kernel does.
+
+    Per 32-block: ``d = max|x| / 127``, ``q = round-half-even(x * (1 / d))`` (0 for an all-zero
+    block): ggml's Q8_1 activation quantization, the scale kept in float32.
+    """
+    m, k = x.shape
+    xb = x.float().reshape(m, k // BLOCK_SIZE, BLOCK_SIZE)
+    d = xb.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv.unsqueeze(-1))  # torch.round rounds half to even, as nearbyintf
+    return q.reshape(m, k), d
+
+
+def reference_linear(x: torch.Tensor, blocks: torch.Tensor, fmt: BlockFormat | str, in_features: int) -> torch.Tensor:
+    """What :class:`BlockLinear` computes, in float64: x ``[M, K]`` quantized per block, times the blocks' weights.
+
+    ``sum_b (d_w d_x sum_i q_i xq_i + m_w d_x sum_i xq_i)`` per output (``m_w = -8 d_w`` for Q4_0, 0
+    for Q8_0); the kernel's float32 result is within float32 rounding of it.
+    """
+    fmt = block_format(fmt) if isinstance(fmt, str) else fmt
+    xq, xd = quantize_activations(x)
+    xdq = (xq.double().reshape(x.shape[0], -1, BLOCK_SIZE) * xd.double().unsqueeze(-1)).reshape(x.shape)
+    return xdq @ dequantize(blocks, fmt, in_features).double().T
 
 def _halves(raw: torch.Tensor) -> torch.Tensor:
     """uint8 ``[..., 2]`` (little-endian fp16 bytes) -> float32 ``[...]``."""
@@ -213,7 +251,9 @@ class BlockLinear(nn.Module):
             x2 = x2.float()
         lib = library() if x2.device.type == "cpu" and not (torch.is_grad_enabled() and x2.requires_grad) else None
         if lib is None:
-            y = torch.nn.functional.linear(x2, self.dequantized().to(x2.device), self.bias)
+            y = reference_linear(x2.cpu(), self.blocks, self.format, self.in_features).float().to(x2.device)
+            if self.bias is not None:
+                y = y + self.bias
             if residual is not None:
                 y = residual.reshape(y.shape) + y
             return y.reshape(*lead, self.out_features)
@@ -229,7 +269,7 @@ class BlockLinear(nn.Module):
                 res = residual.reshape(m, self.out_features)
                 if res.dtype != torch.float32 or res.stride(-1) != 1:
                     res = res.float().contiguous()
-            sx = torch.empty(m * (self.in_features // BLOCK_SIZE), dtype=torch.float32)
+            sx = torch.empty(block_scratch(m, self.in_features), dtype=torch.float32)
             lib.block_linear(self.format.c_id, self.blocks.data_ptr(), x2.data_ptr(), x2.stride(0), y.data_ptr(),
                              self.out_features, None if res is None else res.data_ptr(),
                              0 if res is None else res.stride(0), m, self.out_features, self.in_features,
@@ -399,7 +439,7 @@ class FusedDecoderLayers:
         kpool = cache.k_by_head[0]
         _, nb, bs, _ = kpool.shape
         out = x.contiguous().clone()
-        scratch = torch.empty(t * (h + (nh + 2 * nkv) * hd + nh * hd + 3 * i) + t * max(h, i) // BLOCK_SIZE + 1)
+        scratch = torch.empty(t * (h + (nh + 2 * nkv) * hd + nh * hd + 3 * i) + block_scratch(t, max(h, i)) + 1)
         slots = meta.slot_mapping.contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
         rc = library().decoder_layers(
