@@ -162,3 +162,33 @@ def test_quantization_names():
     assert normalize_quantization("Q4_0") == "q4_0"
     with pytest.raises(ValueError, match=r"^quantization='int3' is unknown; use one of none, gguf, q8_0"):
         normalize_quantization("int3")
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_a_float_checkpoint_is_quantized_at_load(tiny_llama_dir, fmt):
+    from nanovllm_core.model.loader import load_model
+    from nanovllm_core.model.quantization import weight_formats
+
+    model, _, _ = load_model(str(tiny_llama_dir), torch.device("cpu"), torch.float32, quantization=fmt)
+    float_model, _, _ = load_model(str(tiny_llama_dir), torch.device("cpu"), torch.float32)
+    assert model.quantization == fmt and model.quantization_note is None
+    qkv = model.layers[1].self_attn.qkv_proj
+    assert isinstance(qkv, bq.BlockLinear) and qkv.kind == fmt
+    # the blocks are gguf's quantization of the float weights; embedding and tied head in Q8_0
+    assert torch.equal(qkv.blocks, bq.quantize(float_model.layers[1].self_attn.qkv_proj.weight, fmt))
+    assert model.embed_tokens.kind == "q8_0" and model.lm_head.blocks.data_ptr() == model.embed_tokens.blocks.data_ptr()
+    assert set(weight_formats(model)) == {fmt, "q8_0"} | ({"q8_0"} if fmt == "q8_0" else set())
+    assert model.fused_layers is not None
+
+
+def test_a_width_that_is_not_a_multiple_of_32_stays_float_and_says_so(tmp_path, default_model_dir):
+    from nanovllm_core.model.loader import load_model
+    from tests.conftest import save_tiny_llama
+
+    folder = save_tiny_llama(tmp_path / "odd", default_model_dir, hidden_size=48, num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=96)
+    model, _, _ = load_model(str(folder), torch.device("cpu"), torch.float32, quantization="q4_0")
+    assert not isinstance(model.layers[0].self_attn.qkv_proj, bq.BlockLinear)
+    assert model.fused_layers is None
+    assert model.quantization_note.startswith("some weights are not in a block format this engine runs (")
+    assert "\n" not in model.quantization_note and "width not a multiple of 32" in model.quantization_note
