@@ -10,7 +10,7 @@ from nanovllm_core import SamplingParams, roofline
 from nanovllm_core import events as ev
 from nanovllm_core.educational import xray_facts as facts
 from nanovllm_core.educational.xray_costs import (LayerDims, SeqAttention, compute_bound_tokens, layer_intensity,
-                                                  layer_ops)
+                                                  layer_ops, peak_words)
 from nanovllm_core.roofline import Roofline
 
 SMOL = LayerDims(hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64, elem=4)
@@ -63,8 +63,8 @@ def test_int8_weights_take_the_int8_kernels_peak(monkeypatch):
     monkeypatch.setattr(roofline, "int8_gemm_peak", lambda n, repeats: 0.0)  # no int8 kernel: float's peak
     r = roofline.measure("cpu", torch.float32, gemm_n=128, stream_bytes=8 << 20, repeats=1, quantization="int8")
     assert 1e8 < r.peak_flops < 7e12
-    assert roofline.peak_words(r.machine, 4.1e12) == "int8 matmul peak 4,100.0 G operations/s (counted as FLOPs)"
-    assert roofline.peak_words("a CPU, float32", 3.3e11) == "matmul peak 330.0 GFLOP/s"
+    assert peak_words(r.machine, 4.1e12) == "int8 matmul peak 4,100.0 G operations/s (counted as FLOPs)"
+    assert peak_words("a CPU, float32", 3.3e11) == "matmul peak 330.0 GFLOP/s"
 
 
 def test_measuring_times_a_matmul_and_a_streaming_read():

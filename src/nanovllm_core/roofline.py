@@ -167,14 +167,6 @@ def machine_name(device: torch.device | str, dtype: torch.dtype, quantization: s
     return f"{where}, {str(dtype).replace('torch.', '')}{weights}"
 
 
-def peak_words(machine: str, peak_flops: float) -> str:
-    """"matmul peak 330.0 GFLOP/s", or for int8 weights (``machine`` says so) the int8 kernel's
-    peak, whose integer multiply-adds count 2 operations each as FLOPs do."""
-    if "int8 weights" in machine:
-        return f"int8 matmul peak {peak_flops / 1e9:,.1f} G operations/s (counted as FLOPs)"
-    return f"matmul peak {peak_flops / 1e9:,.1f} GFLOP/s"
-
-
 def cpu_name() -> str:
     """The CPU's model name from /proc/cpuinfo, or the platform's guess."""
     try:

@@ -132,7 +132,23 @@ class NanoVLLMApp(App):
         yield PromptBar(self.settings, send=self._submit, id="prompt-bar")
         yield Footer()
 
+    def get_driver_class(self) -> type:
+        """Textual's driver, except under textual-serve (``--web``): one that also ends the
+        process when its page or the web server goes away (``lifetime.PageWebDriver``)."""
+        from textual.drivers.web_driver import WebDriver
+
+        driver = super().get_driver_class()
+        if driver is WebDriver:
+            from nanovllm_tui.lifetime import PageWebDriver
+
+            return PageWebDriver
+        return driver
+
     def on_mount(self) -> None:
+        if not self.is_headless:  # a test's app leaves the test runner's signals alone
+            from nanovllm_tui.lifetime import quit_on_signals
+
+            quit_on_signals(self)
         self.bridge.connect(self.controller, topk=5, xray=False, blocks=False)
         for recorder in self.recorders:
             self.controller.subscribe(recorder, topk=5, blocks=True, xray=self.record_xray)
@@ -492,7 +508,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve_in_browser(argv)
     app = build_app(argv)
     app.run()
-    return 0
+    return app.return_code or 0
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanovllm_core.roofline import peak_words
+from nanovllm_core.educational.xray_costs import peak_words
 from nanovllm_core.sampling_params import SamplingParams
 
 LETTERS = "ABCD"

@@ -1,0 +1,144 @@
+"""The app as a process: what it imports, how fast a bad option ends it, and that it ends when asked.
+
+Each test starts ``nanovllm-tui`` (``python -m nanovllm_tui.app``) as a person or textual-serve
+would, with bounded waits, and kills what it started if a wait runs out.
+"""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.tui_helpers import TRACE
+
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), *sys.path) if p)}
+WEB_DRIVER = "textual.drivers.web_driver:WebDriver"  # what textual-serve sets for each page's app
+
+
+def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_a_bad_option_ends_with_one_line_before_torch_is_imported():
+    out = run_python("""
+        import sys
+        from nanovllm_tui.app import main
+        try:
+            main(["--bogus"])
+        except SystemExit as e:
+            print("status", e.code, "torch" in sys.modules)
+    """)
+    assert out.stdout.strip() == "status 2 False"
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1] == "nanovllm-tui: error: unrecognized arguments: --bogus"
+    assert "Traceback" not in out.stderr
+
+
+APP_WITHOUT_TORCH = """
+    import asyncio, sys
+    from nanovllm_tui.options import build_app
+
+    async def visit(argv):
+        app = build_app(argv)
+        async with app.run_test(size=(120, 40)) as pilot:
+            for _ in range(200):  # until the first event has been drawn (bounded)
+                if app.state.requests or app.state.ready:
+                    break
+                await pilot.pause(0.05)
+            for key in "23451":
+                await pilot.press(key)
+                await pilot.pause(0.2)
+        return len(app.state.requests)
+
+    print("requests", asyncio.run(visit(sys.argv[1:])) > 0, "torch", "torch" in sys.modules,
+          "transformers", "transformers" in sys.modules)
+"""
+
+
+def test_a_replay_never_imports_torch():
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(APP_WITHOUT_TORCH), "--replay", str(TRACE)],
+                         env=ENV, capture_output=True, text=True, timeout=180)
+    assert out.stdout.strip() == "requests True torch False transformers False", out.stderr[-2000:]
+
+
+def test_an_attached_app_never_imports_torch(tiny_server):
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(APP_WITHOUT_TORCH), "--connect", tiny_server.url,
+                          "--api-key", tiny_server.api_key or ""], env=ENV, capture_output=True, text=True,
+                         timeout=180)
+    assert out.stdout.strip().split()[2:] == ["torch", "False", "transformers", "False"], out.stderr[-2000:]
+
+
+def start_web_app(*args: str) -> subprocess.Popen:
+    """The app as textual-serve starts it for one page: the web driver on stdin/stdout pipes."""
+    proc = subprocess.Popen([sys.executable, "-m", "nanovllm_tui.app", "--replay", str(TRACE), *args],
+                            env={**ENV, "TEXTUAL_DRIVER": WEB_DRIVER, "COLUMNS": "100", "ROWS": "30"},
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # textual-serve too waits for this line before it shows the page
+        line = proc.stdout.readline()
+        if line == b"__GANGLION__\n" or not line:
+            break
+    assert line == b"__GANGLION__\n", "the app did not start its web driver"
+    return proc
+
+
+def ends_within(proc: subprocess.Popen, seconds: float) -> int | None:
+    try:
+        return proc.wait(seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+        return None
+
+
+@pytest.mark.parametrize("how", ["stdin closes", "SIGTERM", "SIGINT"])
+def test_a_web_page_app_ends_when_its_server_goes_away_or_a_signal_comes(how):
+    proc = start_web_app()
+    time.sleep(1.0)  # the app is up and playing the trace
+    if how == "stdin closes":  # the web server that started it is gone
+        proc.stdin.close()
+    else:
+        os.kill(proc.pid, getattr(signal, how))
+    status = ends_within(proc, 15)
+    assert status is not None, f"the page's app process was still running 15 s after {how}"
+
+
+def test_sigterm_quits_the_terminal_app_and_gives_the_terminal_back():
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the app in a terminal of its own
+        os.execve(sys.executable, [sys.executable, "-m", "nanovllm_tui.app", "--replay", str(TRACE)],
+                  {**ENV, "TERM": "xterm-256color", "COLUMNS": "100", "LINES": "30"})
+    seen, deadline, signalled = b"", time.monotonic() + 120, False
+    try:
+        while time.monotonic() < deadline:
+            if not signalled and b"Dashboard" in seen:
+                os.kill(pid, signal.SIGTERM)
+                signalled, seen = True, b""
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:  # the app ended and closed the terminal
+                    break
+                if not chunk:
+                    break
+                seen += chunk
+        _, status = os.waitpid(pid, 0) if signalled else (None, None)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+    assert signalled, "the app never drew its Dashboard"
+    assert b"\x1b[?1049l" in seen  # left the alternate screen
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGTERM
