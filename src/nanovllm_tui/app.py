@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import sys
-import threading
 import time
 from typing import Any, Iterable, Sequence
 
@@ -40,21 +38,6 @@ from nanovllm_tui.widgets.status_header import StatusHeader
 VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
                                       "tutorial": TutorialView, "blocks": BlockMapView}
 NARROW, SHORT = 100, 30  # below these sizes panels fold away (see app.tcss)
-
-
-def _yield_cores_to_the_engine() -> None:
-    """On two cores or fewer, lower the UI thread's scheduling priority (nice +10, this thread only).
-
-    The engine's compute threads then win a contended core, and the UI draws in the gaps;
-    threads started earlier (the engine's) keep their priority.
-    """
-    # Linux only: there a thread id names one thread to setpriority; elsewhere it could name a process.
-    if (os.cpu_count() or 1) > 2 or not sys.platform.startswith("linux"):
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except OSError:
-        pass
 
 
 class Tabs(TabbedContent):
@@ -169,7 +152,8 @@ class NanoVLLMApp(App):
         self._settle_memory()
         if hasattr(self.controller, "start"):
             self.controller.start()
-        _yield_cores_to_the_engine()  # after the engine's threads exist: they keep their priority
+        # The UI thread keeps the normal priority (issue 29): at nice +10 it had the engine's gaps
+        # on an idle host, but on a busy one every other process came first and a tab took seconds.
 
     def _settle_memory(self) -> None:
         """With ``freeze_gc``: move what exists now (torch, the model, the tokenizer: ~10^5 objects)
