@@ -239,3 +239,33 @@ async def test_the_ui_thread_keeps_its_priority_on_a_busy_host(make_engine, tmp_
         await send_prompt(pilot, "Hello", max_tokens=2)
         await wait_until(pilot, lambda: app.state.requests and all(not r.live for r in app.state.requests.values()))
     assert calls == []
+
+
+async def test_an_instruction_is_sent_as_chat_by_default_and_ctrl_t_sends_raw_text(make_engine, tmp_path):
+    """Issue 29: "Write a poem about the sea." sent as raw text to the Instruct model ended after
+    one token (end of text). A model with a chat template gets a user's message by default."""
+    app = engine_app(make_engine, tmp_path, max_tokens=8, chat=None)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the model's ready event")
+        box = app.query_one("#chat")
+        assert box.value and app.state.model_info["chat_template"]
+        await send_prompt(pilot, "Write a poem about the sea.")
+        chat = app.state.requests[app.selected]
+        await wait_until(pilot, lambda: chat.state == "finished", what="the chat request")
+        assert "<|im_start|>" in chat.prompt_pieces and chat.prompt == "Write a poem about the sea."
+        assert chat.num_output == 8 and chat.text.strip()  # an answer, not an end of text at once
+
+        await pilot.press("ctrl+t")
+        assert not box.value
+        await send_prompt(pilot, "Write a poem about the sea.")
+        raw = app.state.requests[app.selected]
+        await wait_until(pilot, lambda: raw.state == "finished", what="the raw request")
+        assert "<|im_start|>" not in raw.prompt_pieces and raw.prompt_len < chat.prompt_len
+
+
+def test_chat_on_the_command_line_ticks_the_box_for_the_prompts_given_there():
+    from nanovllm_tui.options import build_app
+
+    app = build_app(["--chat", "--prompt", "Hi"])
+    assert app.settings.chat is True
+    app.controller.shutdown()

@@ -145,7 +145,7 @@ async def test_a_replay_refuses_new_prompts_with_a_notification(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--replay", "/no/such/trace.jsonl"], "cannot replay /no/such/trace.jsonl"),
-    (["--chat"], "--chat is a nanovllm option and not available in the app"),
+    (["--replay", str(TRACE), "--chat"], "--chat does nothing with --replay"),
     (["--tutorial"], "--tutorial is a nanovllm option and not available in the app (its tabs show the same"),
     (["--prompt", " "], "--prompt must not be empty"),
     (["--fps", "0"], "--fps must be between 1 and 60"),

@@ -162,11 +162,7 @@ class LLM:
         Raises:
             ValueError: the tokenizer has no chat template.
         """
-        tok = self.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; send plain prompts instead of --chat")
-        text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
-        return tok.encode(text, add_special_tokens=False)
+        return self.engine.chat_token_ids(conversation, add_generation_prompt)
 
     def stats(self) -> dict[str, Any]:
         """Engine counters: preemptions, prefix-cache hits, KV block use, steps (see ``LLMEngine.stats``)."""
