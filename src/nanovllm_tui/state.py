@@ -271,6 +271,18 @@ class EngineState:
                                                num_blocks_cached=e.kv_blocks_cached or 0,
                                                kv_bytes_used=e.kv_blocks_used * per_block)
 
+    def _on_ServerRestarted(self, e: Any) -> None:
+        """An attached server came back with a new engine: the old one's live requests are lost
+        (kept in the table, marked so), and its step, queues, pool and timings are forgotten."""
+        for req in self.requests.values():
+            if req.live:
+                req.state, req.error = "lost", f"the server at {e.url} restarted; this request ended with it"
+        self.step = self.plan = self.blocks = self._kv_now = None
+        self.timings.clear()
+        self.xray, self.heat = {}, None
+        self.paused, self._paused_since = False, None
+        self._prune()
+
     def _on_StepTimed(self, e: ev.StepTimed) -> None:
         self.timings.append(e)
         self._kv_now = None
