@@ -307,3 +307,36 @@ def test_int8_linear_ops_say_what_the_product_multiplies_and_float_ones_do_not()
     for op in layer_ops(int8, seqs, "cpu_paged"):
         assert ("int8: W ≈ W_q · s" in op.math) == (op.name in linear), op.name
     assert not any("int8" in op.math for op in layer_ops(SMOL, seqs, "cpu_paged"))
+
+
+def test_a_roofline_measured_on_a_busy_host_says_so_and_is_not_kept(tmp_path, monkeypatch):
+    """Issue 29: 39 GFLOP/s measured under load was kept for good where the host reached 78-85.
+    A measurement whose threads did not get their cores is used by this process only, says the
+    host was busy and how to measure again; an entry kept before the check is measured again."""
+    shares = iter([0.4, 0.95])
+    monkeypatch.setattr(roofline, "measure", lambda device, dtype, quantization=None: Roofline(
+        39e9, 1e10, "fake machine", cpu_share=next(shares)))
+    monkeypatch.setattr(roofline, "_measured", {})
+    path = tmp_path / "roofline.json"
+    busy = roofline.machine_roofline("cpu", torch.float32, path)
+    assert not busy.quiet and not path.exists()
+    assert "host was busy" in busy.machine and "python -m nanovllm_core.roofline" in busy.machine
+    assert roofline.machine_roofline("cpu", torch.float32, path) is busy  # this process: not measured again
+    monkeypatch.setattr(roofline, "_measured", {})  # a new process measures again, on a quiet host
+    quiet = roofline.machine_roofline("cpu", torch.float32, path)
+    assert quiet.quiet and quiet.machine == "fake machine" and path.exists()
+    monkeypatch.setattr(roofline, "_measured", {})
+    assert roofline.cached("cpu", torch.float32, path) == quiet
+
+    import json  # an entry kept before the check (no cpu_share) is not trusted
+    data = json.loads(path.read_text())
+    for entry in data.values():
+        del entry["cpu_share"]
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr(roofline, "_measured", {})
+    assert roofline.cached("cpu", torch.float32, path) is None
+
+
+def test_measuring_records_the_share_of_the_cores_its_threads_got():
+    r = roofline.measure("cpu", torch.float32, gemm_n=256, stream_bytes=16 << 20, repeats=2)
+    assert 0.0 < r.cpu_share <= 1.0
