@@ -142,3 +142,33 @@ def test_sigterm_quits_the_terminal_app_and_gives_the_terminal_back():
     assert signalled, "the app never drew its Dashboard"
     assert b"\x1b[?1049l" in seen  # left the alternate screen
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGTERM
+
+
+def test_pasting_invalid_utf8_into_the_terminal_app_does_not_end_it():
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execve(sys.executable, [sys.executable, "-m", "nanovllm_tui.app", "--replay", str(TRACE)],
+                  {**ENV, "TERM": "xterm-256color", "COLUMNS": "100", "LINES": "30"})
+    seen, deadline, sent, alive = b"", time.monotonic() + 120, None, None
+    try:
+        while time.monotonic() < deadline:
+            if sent is None and b"Dashboard" in seen:
+                os.write(fd, b"\x1b[200~abc\xff\xfe def\x1b[201~")  # a bracketed paste of invalid UTF-8
+                sent = time.monotonic()
+            if sent is not None and time.monotonic() - sent > 3:
+                alive = os.waitpid(pid, os.WNOHANG) == (0, 0)
+                break
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                try:
+                    seen += os.read(fd, 65536)
+                except OSError:
+                    break
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+    assert sent is not None, "the app never drew its Dashboard"
+    assert alive, "the app ended after invalid UTF-8 was pasted"

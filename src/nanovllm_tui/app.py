@@ -121,6 +121,9 @@ class NanoVLLMApp(App):
         process when its page or the web server goes away (``lifetime.PageWebDriver``)."""
         from textual.drivers.web_driver import WebDriver
 
+        from nanovllm_tui.lifetime import tolerate_bad_input
+
+        tolerate_bad_input()
         driver = super().get_driver_class()
         if driver is WebDriver:
             from nanovllm_tui.lifetime import PageWebDriver

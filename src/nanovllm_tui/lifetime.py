@@ -8,10 +8,16 @@ processes of closed pages kept running, 530 MB each). :class:`PageWebDriver` qui
 
 Whatever asked the app to quit, a watchdog ends the process ``EXIT_GRACE_S`` seconds later if
 it is still there (a wedged engine thread or a starved event loop must not keep it alive).
+
+Nor does the app end when it should not: Textual's terminal driver decodes input as strict
+UTF-8, so pasting invalid UTF-8 ended its input thread and the app, with status 0 (issue 29).
+:func:`tolerate_bad_input` makes it decode with U+FFFD replacements instead.
 """
 
 from __future__ import annotations
 
+import codecs
+import functools
 import os
 import signal
 import sys
@@ -86,3 +92,18 @@ class PageWebDriver(WebDriver):
             if not self.exit_event.is_set():  # input ended without the app quitting: nobody is left to see it
                 end_within(terminal=False)
                 self._app.post_message(messages.ExitApp())
+
+
+def tolerate_bad_input() -> None:
+    """Make Textual's terminal driver decode invalid UTF-8 as U+FFFD instead of dying on it.
+
+    Its input thread builds a strict decoder from the module's ``getincrementaldecoder``; that
+    name is pointed at one that replaces what it cannot decode (Textual 8; a no-op elsewhere).
+    """
+    try:
+        from textual.drivers import linux_driver
+    except ImportError:  # not on this platform
+        return
+    if hasattr(linux_driver, "getincrementaldecoder"):
+        linux_driver.getincrementaldecoder = lambda name: functools.partial(
+            codecs.getincrementaldecoder(name), errors="replace")
