@@ -234,3 +234,19 @@ def test_the_header_names_int8_weights_beside_the_dtype():
     state.model_info = {"quantization": "int8"}
     header.show(state)
     assert "SmolLM2 · cpu · float32 · int8 weights │" in shown[-1].plain
+
+
+async def test_an_error_toast_leaves_the_prompt_bars_reason_in_view(tmp_path):
+    from textual.widgets._toast import Toast
+
+    app = replay_app(tmp_path)
+    async with app.run_test(size=(120, 40), notifications=True) as pilot:
+        await pilot.click("#max-tokens")
+        await pilot.press("end", "ctrl+u", *"abc")
+        await pilot.click("#prompt")
+        await pilot.press(*"Hi", "enter")  # not sent: the toast and the red line both say why
+        await wait_until(pilot, lambda: list(app.screen.query(Toast)), timeout=10, what="the toast")
+        await pilot.pause(0.3)
+        reason = app.query_one("#prompt-error").region
+        assert reason.height and all(not t.region.overlaps(reason) for t in app.screen.query(Toast))
+        assert all(not t.region.overlaps(app.query_one("#prompt-bar").region) for t in app.screen.query(Toast))
