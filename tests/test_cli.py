@@ -178,3 +178,10 @@ def test_a_run_whose_every_prompt_is_rejected_exits_1_and_says_why(capsys):
     code, out, _ = run_cli(capsys, "--prompt", long_prompt, "--prompt", "Hi", "--max-model-len", "64",
                            "--max-tokens", "2", "--num-kv-blocks", "16")
     assert code == 0 and "rejected:" in out and "Completion:" in out
+
+
+@pytest.mark.real_model
+def test_one_token_is_one_token_not_1_tokens(capsys, cli_on_shared_model):
+    code, out, err = run_cli(capsys, "--max-tokens", "1", "--num-kv-blocks", "64")
+    assert code == 0, err
+    assert "[1 token, finish_reason=length" in out and " 1 token in " in out and "1 tokens" not in out
