@@ -259,3 +259,25 @@ async def test_an_app_attached_to_a_server_that_restarts_marks_its_old_requests_
         for c in (first, second):
             if c is not None:
                 c.shutdown(timeout=5)
+
+
+def test_an_attached_app_sends_chat_through_the_servers_template(tiny_server):
+    """The prompt bar's chat reaches a server too: its control submit takes a conversation and
+    renders it with the model's chat template, as the local engine does."""
+    from nanovllm_core.prompts import user_message
+
+    remote = RemoteController(tiny_server.url, tiny_server.api_key)
+    seen = []
+    remote.subscribe(seen.append, topk=0, blocks=False)
+    try:
+        remote.start()
+        assert _until(lambda: remote.connected)
+        rid = remote.submit(user_message("Write a poem about the sea."), SamplingParams(max_tokens=2))
+        assert _until(lambda: any(isinstance(e, ev.RequestFinished) and e.request_id == rid for e in seen), 60)
+        added = next(e for e in seen if isinstance(e, ev.RequestAdded) and e.request_id == rid)
+        expected = tiny_server.controller.engine.chat_token_ids(user_message("Write a poem about the sea."))
+        assert list(added.prompt_token_ids) == expected and "<|im_start|>" in added.prompt_pieces
+        bad = remote.submit([{"role": "user"}], SamplingParams(max_tokens=2))  # no content: refused, with why
+        assert _until(lambda: any(isinstance(e, ev.RequestRejected) and e.request_id == bad for e in seen), 30)
+    finally:
+        remote.shutdown(timeout=2)
