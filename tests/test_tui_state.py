@@ -191,3 +191,15 @@ def test_the_dashboards_prefill_rate_is_the_one_the_narrator_tells():
         one.apply(ev.StepTimed(step=i, wall_time_s=0.05, num_tokens=1, num_prefill_tokens=0, num_decode_tokens=1,
                                prefill_tokens_per_s=0.0, decode_tokens_per_s=20.0, **step))
     assert one.rate("prefill") == (pytest.approx(1000.0), 1)
+
+
+def test_the_top_k_caption_names_every_processor_and_a_special_token_is_named():
+    state = EngineState()
+    state.apply(ev.RequestAdded(request_id="r", prompt="Hi", prompt_token_ids=(1,), prompt_pieces=("Hi",), priority=0,
+                                max_tokens=4, sampling=(("temperature", 0.7), ("top_k", 20), ("min_p", 0.1))))
+    top = (ev.TopToken(2, "<|im_end|>", 0.8), ev.TopToken(28, ",", 0.2))
+    state.apply(ev.TokenSampled(step=1, request_id="r", seq_id=0, index=0, token_id=2, text="", position=1,
+                                num_output_tokens=1, top=top, greedy=False, temperature=0.7, special="<|im_end|>"))
+    req = state.requests["r"]
+    assert req.top_caption == "probabilities after temperature 0.7, min-p 0.1 and top-k 20, renormalised"
+    assert req.last_token == "<|im_end|>"

@@ -17,6 +17,9 @@ import sys
 import time
 from typing import Sequence
 
+# model.quantization.QUANTIZATION_CHOICES, written out: parsing options must not import torch (a test holds them equal)
+QUANTIZATION_CHOICES = ("none", "gguf", "q8_0", "q4_0", "q4_1", "int8")
+
 DEFAULT_PROMPT = "The capital of France is"
 
 
@@ -52,6 +55,42 @@ def positive_int(text: str) -> int:
     return value
 
 
+def seed_int(text: str) -> int:
+    """argparse ``type``: a random seed, a 64-bit signed integer (what torch's generators take).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or outside -2**63 .. 2**63 - 1.
+    """
+    from nanovllm_core.sampling_params import SEED_MAX, SEED_MIN
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not SEED_MIN <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"a seed is a 64-bit integer ({SEED_MIN} to {SEED_MAX}), got {value}")
+    return value
+
+
+def prompt_text(text: str) -> str:
+    """argparse ``type``: prompt text that is valid UTF-8.
+
+    Python hands over command-line bytes that are not UTF-8 as lone surrogates
+    (``\\udcff`` for the byte 0xff); no tokenizer can take them.
+
+    Raises:
+        argparse.ArgumentTypeError: the text holds such a byte (or any lone surrogate).
+    """
+    for i, ch in enumerate(text):
+        if "\udc80" <= ch <= "\udcff":
+            raise argparse.ArgumentTypeError(
+                f"not valid UTF-8: byte 0x{ord(ch) - 0xDC00:02x} at character {i}; pass UTF-8 text "
+                "(check the terminal's or the file's encoding)")
+        if "\ud800" <= ch <= "\udfff":
+            raise argparse.ArgumentTypeError(f"not valid Unicode: a lone surrogate {ch!r} at character {i}")
+    return text
+
+
 def _non_negative_int(text: str) -> int:
     try:
         value = int(text)
@@ -72,6 +111,27 @@ def _chapter_number(text: str) -> int:
     return value
 
 
+def load_progress(prog: str):
+    """A loader progress callback for a command: on a terminal, one ``prog: stage...`` line on
+    stderr as each loading stage begins (as ``nanovllm serve`` prints them) and the long stages'
+    bars; elsewhere (a pipe, a script) only the bars of :func:`console_progress`, so an error
+    stays the one line on stderr."""
+    from nanovllm_core.llm import console_progress
+
+    bars = console_progress()
+    if not sys.stderr.isatty():
+        return bars
+    seen: set[str] = set()
+
+    def progress(stage: str, done: int, total: int) -> None:
+        if stage not in seen:
+            seen.add(stage)
+            print(f"{prog}: {stage}...", file=sys.stderr, flush=True)
+        bars(stage, done, total)
+
+    return progress
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """``--model``, ``--device``, ``--dtype`` (shared by ``nanovllm``, ``nanovllm serve`` and the app)."""
     m = p.add_argument_group("model")
@@ -80,9 +140,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")
     m.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="default: float32 on cpu, bfloat16 on cuda")
-    m.add_argument("--quantization", choices=["int8"], default=None,
-                   help="int8: linear layers and LM head with int8 weights (about 0.3x float32's weight bytes "
-                        "per step; CPU only); default: float weights")
+    m.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None, type=str.lower,
+                   help="how the linear layers hold their weights (CPU only but for none): gguf keeps a .gguf "
+                        "file's own blocks (the embedded model's Q4_1: 96 MB instead of 540 MB of float32); "
+                        "q8_0, q4_0, q4_1 cut float weights into those blocks at load; int8: int8 weights through "
+                        "oneDNN/fbgemm; none: float (the default)")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -113,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "`nanovllm serve --help`: the OpenAI-compatible HTTP server.")
     add_model_arguments(p)
     g = p.add_argument_group("prompts and sampling")
-    g.add_argument("--prompt", action="append", default=None,
+    g.add_argument("--prompt", action="append", default=None, type=prompt_text,
                    help=f"a prompt (repeat for several; default: {DEFAULT_PROMPT!r})")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     g.add_argument("--max-tokens", type=positive_int, default=50, help="tokens to generate per prompt (default 50)")
@@ -122,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
     g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None, help="per-request random seed")
+    g.add_argument("--seed", type=seed_int, default=None, help="per-request random seed")
     g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N", help="show the top-N log-probabilities per token")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
@@ -205,11 +267,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
 
     from nanovllm_core.educational.commentary import plural
+    if sys.stderr.isatty():  # importing PyTorch alone takes seconds: say what is happening
+        print(f"nanovllm: loading {args.model or 'the embedded default model'}...", file=sys.stderr, flush=True)
     from nanovllm_core.llm import LLM
     from nanovllm_core.model.loader import ModelLoadError
 
     try:
-        llm = LLM(**engine_kwargs(args))
+        llm = LLM(**engine_kwargs(args), progress=load_progress("nanovllm"))
     except (ModelLoadError, ValueError) as e:
         parser.error(str(e))
     try:
@@ -250,12 +314,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"    {tok.decode([token_id])!r}: {cands}")
         print()
     total = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    info = llm.engine.model_info()
     print(f"{len(outputs)} prompt(s), {plural(total, 'token')} in {elapsed:.2f} s ({total / max(elapsed, 1e-9):.1f} tokens/s) "
           f"on {llm.engine.device.type}, {str(llm.engine.dtype).replace('torch.', '')}"
           + (f", {llm.engine.model.quantization} weights" if llm.engine.model.quantization else "")
+          + (f" ({info['weight_format']})" if llm.engine.model.quantization not in (None, "int8") else "")
           + f", model {llm.engine.model_name}")
-    info = llm.engine.model_info()
-    for key, what in (("cpu_paged_unavailable", "the CPU paged attention kernel is not used (K/V are gathered for SDPA)"),
+    for key, what in (("block_native_unavailable", "block-quantized layers dequantize and run PyTorch's matmul, not "
+                                                   "the C kernels (slower, and rows depend on their batch)"),
+                      ("quantization_note", "weights"),
+                      ("cpu_paged_unavailable", "the CPU paged attention kernel is not used (K/V are gathered for SDPA)"),
                       ("native_ops_unavailable", "RMSNorm and RoPE run as PyTorch ops, not in C"),
                       ("int8_native_unavailable", "int8 layers quantize and rescale with PyTorch ops, not in C "
                                                   "(the same bits, slower)")):

@@ -7,7 +7,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from nanovllm_core.model.quantization import check_quantization
+from nanovllm_core.model.quantization import normalize_quantization
+from nanovllm_core.sampling_params import SEED_MAX, SEED_MIN
 
 SCHEDULING_POLICIES = ("priority", "fcfs")
 ATTENTION_BACKENDS = ("flash", "math")
@@ -46,11 +47,14 @@ class EngineConfig:
             draft model (repo id, folder or ``.gguf``) with the target's vocabulary.
         num_speculative_tokens: draft tokens proposed per step and sequence, k (None: 5 when
             ``speculative_model`` is set).
-        quantization: None (float weights) or ``"int8"``: the linear layers and the LM head
-            with int8 weights, one scale per output channel (CPU only; see
-            ``nanovllm_core.model.quantization``). Embeddings stay in ``dtype``. Attention must
-            then be batch-invariant: the CPU paged kernel is, on float32 K/V; without it the
-            KV cache and attention run in float64 (see ``quantization.attention_sum_dtype``).
+        quantization: how the linear layers and the LM head hold their weights (CPU only but
+            for None; see ``nanovllm_core.model.quantization``). None or ``"none"``: float, in
+            ``dtype``. ``"gguf"``: a GGUF checkpoint's own blocks (Q8_0, Q4_0, Q4_1) as the
+            file ships them, embedding included. ``"q8_0"``, ``"q4_0"``, ``"q4_1"``: float
+            weights cut into those blocks at load (embedding and tied head in Q8_0).
+            ``"int8"``: int8 weights, one scale per output channel, through oneDNN/fbgemm;
+            attention must then be batch-invariant: the CPU paged kernel is, on float32 K/V;
+            without it the KV cache and attention run in float64 (``quantization.attention_sum_dtype``).
     """
 
     model: str | None = None
@@ -102,10 +106,18 @@ class EngineConfig:
                 f"max_model_len ({self.max_model_len}) so a whole prompt fits one step"
             )
 
-        check_quantization(self.quantization)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed={self.seed!r} is invalid: it must be an integer in [{SEED_MIN}, {SEED_MAX}] "
+                             "(64 bits) or None")
+        self.quantization = normalize_quantization(self.quantization)
         if self.quantization is not None and self.torch_device.type != "cpu":
-            raise ValueError(f"quantization={self.quantization!r} runs on the CPU (oneDNN's int8 kernels); "
-                             "use device='cpu' (--device cpu) or leave quantization unset")
+            raise ValueError(f"quantization={self.quantization!r} runs on the CPU (this engine's C kernels); "
+                             "use device='cpu' (--device cpu) or --quantization none")
+        if self.quantization is not None and self.quantization != "int8" and self.dtype is not None \
+                and DTYPES[self.dtype] != torch.float32:
+            raise ValueError(f"quantization={self.quantization!r} computes in float32; use dtype='float32' "
+                             "(--dtype float32) or --quantization none")
         self._check_speculative()
 
     def _check_speculative(self) -> None:

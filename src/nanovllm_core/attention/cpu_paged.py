@@ -26,10 +26,9 @@ from pathlib import Path
 import torch
 
 from nanovllm_core import native
+from nanovllm_core.attention.fallbacks import ENV_SWITCH, FALLBACK_CONDITIONS  # noqa: F401  (kept where the tutorial reads them)
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
-ENV_SWITCH = "NANOVLLM_CPU_PAGED_ATTENTION"  # "0" turns the kernel off (A/B runs, tests of the fallback)
-
 
 _p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 SIGNATURES = {

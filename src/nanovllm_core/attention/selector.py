@@ -5,7 +5,8 @@ Three kernels read the paged pool:
 - ``"cpu-paged"``: this engine's C kernel (``attention.cpu_paged``) on the CPU in float32:
   every query token reads its keys and values in place through its block table, and its
   sums run in an order that no batch, chunking or thread count changes. It needs a C
-  compiler with OpenMP on first use; without one, the engine falls back to ``"sdpa"``.
+  compiler with OpenMP on first use; where it cannot run (``cpu_paged.FALLBACK_CONDITIONS``),
+  the engine falls back to ``"sdpa"`` (``"math"`` with ``--no-flash-attn``).
 - ``"flash-attn"``: flash-attn 2's varlen kernel (``flash_attn_varlen_func`` with a
   ``block_table``) reads the blocks where they lie: no gather, no padding. It runs only where
   ``mha_varlen_fwd`` (flash-attn 2.8, ``csrc/flash_attn/flash_api.cpp``) accepts the call:
@@ -25,8 +26,9 @@ from __future__ import annotations
 
 import torch
 
-# flash-attn 2's paged KV cache reads pages whose token count is divisible by this.
-FLASH_ATTN_PAGE_SIZE = 256
+# flash-attn 2's paged KV cache reads pages whose token count is divisible by this (FLASH_ATTN_PAGE_SIZE).
+from nanovllm_core.attention.fallbacks import FLASH_ATTN_FALLBACK_CONDITIONS, FLASH_ATTN_PAGE_SIZE  # noqa: F401
+
 # Tokens per block when flash-attn's paged kernel is not used: small blocks waste little of
 # each sequence's last block and let the prefix cache share at a fine grain (vLLM's default).
 DEFAULT_BLOCK_SIZE = 16

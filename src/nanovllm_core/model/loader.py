@@ -55,6 +55,7 @@ class ResolvedModel:
     path: Path
     name: str
     source: str
+    gguf_file: Path | None = None  # the GGUF file the folder was converted from (its blocks can be kept)
 
 
 def cache_root() -> Path:
@@ -100,13 +101,13 @@ def resolve_model(model: str | os.PathLike | None = None, progress: ProgressFn |
     """
     if model is None or str(model) == "":
         gguf_file = default_gguf_path()
-        return ResolvedModel(convert_gguf(gguf_file, progress), DEFAULT_MODEL_NAME, "default")
+        return ResolvedModel(convert_gguf(gguf_file, progress), DEFAULT_MODEL_NAME, "default", gguf_file)
     text = str(model)
     path = Path(os.path.expanduser(text))
     if path.exists():
         if path.is_file():
             if path.suffix.lower() == ".gguf":
-                return ResolvedModel(convert_gguf(path, progress), path.name, "gguf")
+                return ResolvedModel(convert_gguf(path, progress), path.name, "gguf", path)
             raise ModelLoadError(
                 f"{text} is a file but not a .gguf model; pass a .gguf file, a folder with "
                 "config.json and *.safetensors, or a Hugging Face repo id"
@@ -383,6 +384,8 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
     expected = model.expected_hf_tensors()
     seen: set[str] = set()
     files = safetensors_files(path)
+    if progress:
+        progress("loading weights", 0, len(files))
     for n, file in enumerate(files, 1):
         try:
             handle = safe_open(str(file), framework="pt")
@@ -427,19 +430,23 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     """Resolve, build and load a model: returns ``(LlamaForCausalLM, tokenizer, ResolvedModel)``.
 
     The rotary table is sized for ``max_model_len`` (default: the model's context length).
-    ``quantization`` (None or ``"int8"``) chooses the linear layers built from the checkpoint's
-    float weights (``nanovllm_core.model.quantization``); float ones are packed here, at load.
+    ``quantization`` (None, ``"gguf"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"`` or ``"int8"``) chooses
+    the linear layers (``nanovllm_core.model.quantization``): ``"gguf"`` keeps a GGUF file's own
+    blocks, the others are built from the checkpoint's float weights; float ones are packed here.
 
     Raises:
-        ModelLoadError: any failure to find, convert or load, as one line.
-        ValueError: an unknown ``quantization``, or int8 on a device other than the CPU.
+        ModelLoadError: any failure to find, convert or load, as one line; ``"gguf"`` for a
+            model that is not a GGUF file.
+        ValueError: an unknown ``quantization``, or a quantized mode on a device other than the CPU.
     """
     from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
-    from nanovllm_core.model.quantization import calibration_ids, check_quantization, prepare_linear_layers
+    from nanovllm_core.model.quantization import calibration_ids, normalize_quantization, prepare_linear_layers
 
-    check_quantization(quantization)
-
+    quantization = normalize_quantization(quantization)
     resolved = resolve_model(model, progress)
+    if quantization == "gguf" and resolved.gguf_file is None:
+        raise ModelLoadError(f"--quantization gguf keeps a GGUF file's own blocks, but {resolved.name} is not a .gguf "
+                             "file; use q8_0, q4_0 or q4_1 to quantize it at load, or none")
     hf_config = load_hf_config(resolved.path)
     try:
         cfg = ModelConfig.from_hf(hf_config)
@@ -459,7 +466,16 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     net.rotary.build_tables(device)
     load_weights(net, resolved.path, progress)
     net.eval()
-    prepare_linear_layers(net, quantization, calibration_ids(tokenizer, cfg.vocab_size))
+    stage = {"int8": "quantizing to int8 (calibrating)", "gguf": "keeping the GGUF file's blocks", None: "packing linear layers"
+             }.get(quantization, f"quantizing to {quantization}")
+    if progress:
+        progress(stage, 0, 1)
+    try:
+        prepare_linear_layers(net, quantization, calibration_ids(tokenizer, cfg.vocab_size), gguf_file=resolved.gguf_file)
+    except ValueError as e:
+        raise ModelLoadError(f"{resolved.name}: {e}") from None
+    if progress:
+        progress(stage, 1, 1)
     return net, tokenizer, resolved
 
 
@@ -482,7 +498,7 @@ def warm_up(model, num_tokens: int = 1) -> None:
     when the engine is built keeps every step's measured time the step's own, as vLLM's
     start-up dummy run does. Nothing is kept: no KV cache is written, the result is discarded.
     """
-    device = model.embed_tokens.weight.device
+    device = model.norm.weight.device
     with torch.inference_mode():
         hidden = model(torch.zeros(num_tokens, dtype=torch.long, device=device),
                        torch.arange(num_tokens, device=device), _NoCache())
