@@ -172,3 +172,88 @@ def test_pasting_invalid_utf8_into_the_terminal_app_does_not_end_it():
             pass
     assert sent is not None, "the app never drew its Dashboard"
     assert alive, "the app ended after invalid UTF-8 was pasted"
+
+
+def _app_processes(parent: int) -> list[int]:
+    """Ids of the ``nanovllm_tui.app`` processes below ``parent`` (textual-serve starts one per page)."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    rows = [line.split(None, 2) for line in out.splitlines() if line.strip()]
+    found, frontier = [], {str(parent)}
+    while frontier:
+        children = [r for r in rows if r[1] in frontier]
+        found += [int(r[0]) for r in children if "nanovllm_tui.app" in r[2] and not r[2].startswith("/bin/sh")]
+        frontier = {r[0] for r in children}
+    return found
+
+
+def test_web_visitors_apps_end_with_their_page_and_with_the_web_server(tmp_path):
+    """Issue 29: two visits left two app processes alive for minutes. Here a visitor opens the
+    page's websocket as the browser does and leaves; then another stays while the web server is
+    killed outright. Each app process is gone within seconds, and none imported torch (a replay)."""
+    import asyncio
+    import socket
+
+    import aiohttp  # comes with textual-serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    web = subprocess.Popen([sys.executable, "-m", "nanovllm_tui.app", "--web", "--port", str(port), "--replay",
+                            str(TRACE)], env=ENV, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+
+    frames: list[int] = []
+
+    async def visit(until) -> None:
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(f"http://127.0.0.1:{port}/ws?width=100&height=30") as ws:
+                deadline = time.monotonic() + 120
+                while not until() and time.monotonic() < deadline:
+                    try:
+                        message = await asyncio.wait_for(ws.receive(), 0.5)
+                    except asyncio.TimeoutError:
+                        continue
+                    if message.type == aiohttp.WSMsgType.BINARY:  # the app's screen
+                        frames.append(len(message.data))
+                    elif message.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED):
+                        return
+
+    def wait_for(condition, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if condition():
+                return True
+            time.sleep(0.2)
+        return condition()
+
+    try:
+        assert wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, 60), "--web did not listen"
+        seen: set[int] = set()
+        asyncio.run(visit(lambda: bool(seen.update(_app_processes(web.pid))) or len(frames) >= 3))  # drawn, then left
+        assert seen and len(frames) >= 3, "the page's app did not draw"
+        assert wait_for(lambda: not _app_processes(web.pid), 20), "the app outlived its page"
+        rss: list[int] = []
+
+        async def stay() -> None:
+            frames.clear()
+            task = asyncio.create_task(visit(lambda: False))
+            deadline = time.monotonic() + 120
+            while len(frames) < 3 and time.monotonic() < deadline:  # the app is drawing the page
+                await asyncio.sleep(0.2)
+            apps.extend(_app_processes(web.pid))
+            rss.extend(int(open(f"/proc/{p}/status").read().split("VmRSS:")[1].split()[0]) for p in apps)
+            os.kill(web.pid, signal.SIGKILL)  # the web server only: its apps see their stdin end
+            task.cancel()
+
+        apps: list[int] = []
+        asyncio.run(stay())
+        assert len(frames) >= 3 and apps and max(rss) < 300_000  # kB: no torch in a replay's app (530 MB with it)
+        assert wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and
+                                        open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in apps), 20), \
+            "an app outlived its web server"
+    finally:
+        try:
+            os.killpg(web.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        web.wait(10)
