@@ -250,13 +250,3 @@ async def test_an_error_toast_leaves_the_prompt_bars_reason_in_view(tmp_path):
         reason = app.query_one("#prompt-error").region
         assert reason.height and all(not t.region.overlaps(reason) for t in app.screen.query(Toast))
         assert all(not t.region.overlaps(app.query_one("#prompt-bar").region) for t in app.screen.query(Toast))
-
-
-async def test_slash_in_a_setting_field_goes_to_the_prompt_and_types_in_the_prompt(tmp_path):
-    app = replay_app(tmp_path)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.click("#priority")
-        await pilot.press("slash")  # no number has a "/": the key that brings the prompt back does so here too
-        assert app.focused.id == "prompt" and app.query_one("#priority", Input).value == "0"
-        await pilot.press(*"a/b")  # in the prompt itself "/" is text
-        assert app.query_one("#prompt", Input).value == "a/b"

@@ -349,10 +349,6 @@ class NanoVLLMApp(App):
         focused = self.focused
         if isinstance(event, events.Paste):
             text = event.text.splitlines()[0] if event.text else ""  # an input takes one line, as Input does
-        elif isinstance(event, events.Key) and event.key == "slash" and isinstance(focused, Input) \
-                and focused.id != "prompt":  # a number field has no use for "/": it goes to the prompt, as elsewhere
-            self.action_focus_prompt()
-            return True
         elif isinstance(focused, Input) and focused.check_consume_key(event.key, event.character):
             text = event.character
         else:
