@@ -229,3 +229,18 @@ def test_a_run_whose_every_prompt_is_rejected_exits_1_and_says_why(capsys):
     code, out, _ = run_cli(capsys, "--prompt", long_prompt, "--prompt", "Hi", "--max-model-len", "64",
                            "--max-tokens", "2", "--num-kv-blocks", "16")
     assert code == 0 and "rejected:" in out and "Completion:" in out
+
+
+@pytest.mark.real_model
+def test_one_token_is_one_token_not_1_tokens(capsys, cli_on_shared_model):
+    code, out, err = run_cli(capsys, "--max-tokens", "1", "--num-kv-blocks", "64")
+    assert code == 0, err
+    assert "[1 token, finish_reason=length" in out and " 1 token in " in out and "1 tokens" not in out
+
+
+@pytest.mark.real_model
+def test_two_prompts_written_to_a_file_leave_no_line_of_spaces(capsys, cli_on_shared_model):
+    """Issue 29: the progress bar's last redraw left a line of spaces in captured output."""
+    code, out, err = run_cli(capsys, "--prompt", "Hi", "--prompt", "Hello", "--max-tokens", "2", "--num-kv-blocks", "64")
+    assert code == 0, err
+    assert not [line for line in (out + err).replace("\r", "\n").splitlines() if line and not line.strip()]

@@ -188,3 +188,97 @@ def test_a_prompt_sent_as_token_ids_shows_as_its_pieces():
 
 def _until(cond, timeout: float = 30.0) -> bool:
     return poll_until(cond, timeout)
+
+
+def test_a_watcher_that_attaches_mid_run_starts_from_the_engine_as_it_is(tiny_server, paced):
+    """Issue 29: right after attaching, the Dashboard said "no step yet" while the server was at
+    step 156. A new watcher's snapshot holds the newest step, its timing, and each live request's
+    tokens so far; the app's state then equals that of a watcher that saw everything."""
+    from nanovllm_tui.state import EngineState
+
+    early = RemoteController(tiny_server.url, tiny_server.api_key)
+    watched = EngineState()
+    early.subscribe(watched.apply, topk=0, blocks=False)
+    early.start()
+    client = Streamer(tiny_server, max_tokens=200)
+    late = None
+    try:
+        assert _until(lambda: len(client.tokens) > 5, 60)
+        tiny_server.controller.pause()
+        assert _until(lambda: tiny_server.controller.state == "paused")
+        time.sleep(0.5)  # the last step's events reach the early watcher
+        late = RemoteController(tiny_server.url, tiny_server.api_key)
+        attached = EngineState()
+        late.subscribe(attached.apply, topk=0, blocks=False)
+        late.start()
+        assert watched.step is not None
+        assert _until(lambda: attached.step == watched.step and attached.timings, 10), (attached.step, watched.step)
+        mine, theirs = attached.requests[client.id], watched.requests[client.id]
+        assert mine.state == theirs.state == "running"
+        assert (mine.num_output, mine.text) == (theirs.num_output, theirs.text) == (len(client.tokens), mine.text)
+        assert attached.kv.num_blocks_used == watched.kv.num_blocks_used > 0
+        assert attached.paused
+    finally:
+        tiny_server.controller.resume()
+        for c in (early, late):
+            if c is not None:
+                c.shutdown(timeout=2)
+        assert _until(lambda: client.finish is not None, 120)
+
+
+@pytest.mark.anyio
+async def test_an_app_attached_to_a_server_that_restarts_marks_its_old_requests_lost(make_tiny_engine, tmp_path):
+    """Issue 29: after the server restarted, the app kept four "running" ghost requests and their
+    blocks. A new engine behind the same address ends them in the app, with a notice."""
+    first = EngineController.from_engine(make_tiny_engine(num_kv_blocks=32))
+    first.engine.fault_injector = lambda plan: time.sleep(0.05)  # still running when the server goes
+    server = start_server(first, api_key=None)
+    port = int(server.url.rsplit(":", 1)[1])
+    remote = RemoteController(server.url, reconnect_s=(0.05, 0.2))
+    app = NanoVLLMApp(remote, tutorial_path=tmp_path / "t.json", settings=PromptSettings(max_tokens=200, chat=False))
+    notes, second, again = Notes(), None, None
+    try:
+        async with app.run_test(size=(120, 36), message_hook=notes) as pilot:
+            await wait_until(pilot, lambda: app.state.ready, 30, "the server's model facts")
+            await send_prompt(pilot, "Once upon a time")
+            rid = app.selected
+            await wait_until(pilot, lambda: app.state.requests[rid].num_output > 2, 30, "the request to run")
+            assert server.stop()
+            first.shutdown(timeout=5)
+            second = EngineController.from_engine(make_tiny_engine(num_kv_blocks=32))
+            again = APIServer(build_app(second), log_level="warning", access_log=False)
+            again.start_in_thread(socket.create_server(("127.0.0.1", port)))
+            await wait_until(pilot, lambda: app.state.requests[rid].state == "lost", 30, "the old request marked lost")
+            assert notes.find("restarted with a new engine", "warning")
+            assert not app.state.active_requests and app.state.step is None
+            await pilot.press("escape", "5")
+            await pilot.pause(0.5)
+            assert app.state.blocks is None or not any(t.request_id == rid for t in app.state.blocks.tables)
+    finally:
+        if again is not None:
+            again.stop()
+        for c in (first, second):
+            if c is not None:
+                c.shutdown(timeout=5)
+
+
+def test_an_attached_app_sends_chat_through_the_servers_template(tiny_server):
+    """The prompt bar's chat reaches a server too: its control submit takes a conversation and
+    renders it with the model's chat template, as the local engine does."""
+    from nanovllm_core.prompts import user_message
+
+    remote = RemoteController(tiny_server.url, tiny_server.api_key)
+    seen = []
+    remote.subscribe(seen.append, topk=0, blocks=False)
+    try:
+        remote.start()
+        assert _until(lambda: remote.connected)
+        rid = remote.submit(user_message("Write a poem about the sea."), SamplingParams(max_tokens=2))
+        assert _until(lambda: any(isinstance(e, ev.RequestFinished) and e.request_id == rid for e in seen), 60)
+        added = next(e for e in seen if isinstance(e, ev.RequestAdded) and e.request_id == rid)
+        expected = tiny_server.controller.engine.chat_token_ids(user_message("Write a poem about the sea."))
+        assert list(added.prompt_token_ids) == expected and "<|im_start|>" in added.prompt_pieces
+        bad = remote.submit([{"role": "user"}], SamplingParams(max_tokens=2))  # no content: refused, with why
+        assert _until(lambda: any(isinstance(e, ev.RequestRejected) and e.request_id == bad for e in seen), 30)
+    finally:
+        remote.shutdown(timeout=2)

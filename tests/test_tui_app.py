@@ -224,11 +224,11 @@ async def test_a_prompt_sent_while_the_model_loads_waits_and_then_runs(tiny_llam
         assert app.state.ready and app.state.requests[rid].num_output == 3
 
 
-@pytest.mark.parametrize("cores, expected", [(2, 10), (8, None)])
-async def test_on_two_cores_the_ui_thread_lowers_its_priority_after_the_engine_starts(
-        make_engine, tmp_path, monkeypatch, cores, expected):
+@pytest.mark.parametrize("cores", [2, 8])
+async def test_the_ui_thread_keeps_its_priority_on_a_busy_host(make_engine, tmp_path, monkeypatch, cores):
+    """At nice +10 the UI thread came after every other process of a busy host: tab switches took
+    0.6-3.3 s while the engine generated (issue 29). It keeps the priority it started with."""
     import os
-    import threading
 
     calls = []
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
@@ -236,8 +236,36 @@ async def test_on_two_cores_the_ui_thread_lowers_its_priority_after_the_engine_s
     app = engine_app(make_engine, tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await wait_until(pilot, lambda: app.state.ready)
-        ui_thread = threading.get_native_id()
-    if expected is None:
-        assert calls == []
-    else:
-        assert calls == [(os.PRIO_PROCESS, ui_thread, expected)]  # this thread only, not the process
+        await send_prompt(pilot, "Hello", max_tokens=2)
+        await wait_until(pilot, lambda: app.state.requests and all(not r.live for r in app.state.requests.values()))
+    assert calls == []
+
+
+async def test_an_instruction_is_sent_as_chat_by_default_and_ctrl_t_sends_raw_text(make_engine, tmp_path):
+    """Issue 29: "Write a poem about the sea." sent as raw text to the Instruct model ended after
+    one token (end of text). A model with a chat template gets a user's message by default."""
+    app = engine_app(make_engine, tmp_path, max_tokens=8, chat=None)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the model's ready event")
+        box = app.query_one("#chat")
+        assert box.value and app.state.model_info["chat_template"]
+        await send_prompt(pilot, "Write a poem about the sea.")
+        chat = app.state.requests[app.selected]
+        await wait_until(pilot, lambda: chat.state == "finished", what="the chat request")
+        assert "<|im_start|>" in chat.prompt_pieces and chat.prompt == "Write a poem about the sea."
+        assert chat.num_output == 8 and chat.text.strip()  # an answer, not an end of text at once
+
+        await pilot.press("ctrl+t")
+        assert not box.value
+        await send_prompt(pilot, "Write a poem about the sea.")
+        raw = app.state.requests[app.selected]
+        await wait_until(pilot, lambda: raw.state == "finished", what="the raw request")
+        assert "<|im_start|>" not in raw.prompt_pieces and raw.prompt_len < chat.prompt_len
+
+
+def test_chat_on_the_command_line_ticks_the_box_for_the_prompts_given_there():
+    from nanovllm_tui.options import build_app
+
+    app = build_app(["--chat", "--prompt", "Hi"])
+    assert app.settings.chat is True
+    app.controller.shutdown()

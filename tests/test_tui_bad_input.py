@@ -145,7 +145,7 @@ async def test_a_replay_refuses_new_prompts_with_a_notification(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--replay", "/no/such/trace.jsonl"], "cannot replay /no/such/trace.jsonl"),
-    (["--chat"], "--chat is a nanovllm option and not available in the app"),
+    (["--replay", str(TRACE), "--chat"], "--chat does nothing with --replay"),
     (["--tutorial"], "--tutorial is a nanovllm option and not available in the app (its tabs show the same"),
     (["--prompt", " "], "--prompt must not be empty"),
     (["--fps", "0"], "--fps must be between 1 and 60"),
@@ -174,7 +174,7 @@ def test_every_option_the_app_accepts_does_something_in_it_or_is_refused():
               "block_size", "num_kv_blocks", "no_paged_attention", "no_flash_attn", "no_prefix_caching",
               "speculative_model", "num_speculative_tokens", "quantization"}  # -> engine_kwargs -> the EngineController
     sampling = {"top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop", "logprobs", "ignore_eos"}
-    prompt_bar = {"prompt", "priority", "max_tokens", "temperature"}  # sent at start / the bar's defaults
+    prompt_bar = {"prompt", "priority", "max_tokens", "temperature", "chat"}  # sent at start / the bar's defaults
     app = {"narrate_steps", "progress_file", "trace", "trace_xray", "trace_chrome", "replay", "paused", "fps"}
     remote = {"connect", "api_key", "web", "host", "port"}  # attach to a server / serve the app to browsers
     accepted = {a.dest for a in build_parser()._actions if a.dest != "help"}

@@ -5,6 +5,7 @@ tiny random LLaMA whose loading is held back."""
 from __future__ import annotations
 
 import random
+import re
 import threading
 
 import pytest
@@ -162,7 +163,7 @@ async def test_idle_shows_0_tokens_per_second_and_labels_the_last_run(tmp_path):
                          timeout=20, what="the recording's end")
         await pilot.pause(0.2)
         decode = plain(app, "#decode-rate") + plain(app, "#decode-spark")
-        assert "decode  0 tok/s" in decode and "last run" in decode and "last run 0" not in decode
+        assert "decode  0 tok/s" in decode and re.search(r" last \d+ steps? [1-9]", decode), decode
         assert "last step 7:" in plain(app, "#phase") and "IDLE" in plain(app, "#phase")
 
 
@@ -173,8 +174,8 @@ async def test_the_decode_sparkline_starts_at_zero(tmp_path):
         await wait_until(pilot, lambda: app.state.step == 0 and app.state.timings, timeout=10)
         await pilot.pause(0.2)
         assert "decode  0 tok/s" in plain(app, "#decode-rate")
-        assert not set(plain(app, "#decode-spark").split(" last run")[0]) - {" "}  # no bar for a 0 tok/s step
-        assert set(plain(app, "#prefill-spark").split(" last run")[0].strip()) == {"█"}
+        assert not set(plain(app, "#decode-spark").split(" last ")[0]) - {" "}  # no bar for a 0 tok/s step
+        assert set(plain(app, "#prefill-spark").split(" last ")[0].strip()) == {"█"}
 
 
 async def test_holding_n_while_running_says_its_warning_once(tmp_path):
@@ -233,3 +234,19 @@ def test_the_header_names_int8_weights_beside_the_dtype():
     state.model_info = {"quantization": "int8"}
     header.show(state)
     assert "SmolLM2 · cpu · float32 · int8 weights │" in shown[-1].plain
+
+
+async def test_an_error_toast_leaves_the_prompt_bars_reason_in_view(tmp_path):
+    from textual.widgets._toast import Toast
+
+    app = replay_app(tmp_path)
+    async with app.run_test(size=(120, 40), notifications=True) as pilot:
+        await pilot.click("#max-tokens")
+        await pilot.press("end", "ctrl+u", *"abc")
+        await pilot.click("#prompt")
+        await pilot.press(*"Hi", "enter")  # not sent: the toast and the red line both say why
+        await wait_until(pilot, lambda: list(app.screen.query(Toast)), timeout=10, what="the toast")
+        await pilot.pause(0.3)
+        reason = app.query_one("#prompt-error").region
+        assert reason.height and all(not t.region.overlaps(reason) for t in app.screen.query(Toast))
+        assert all(not t.region.overlaps(app.query_one("#prompt-bar").region) for t in app.screen.query(Toast))

@@ -121,7 +121,7 @@ async def test_soak_on_a_tiny_engine(tiny_llama_dir, tmp_path):
     from nanovllm_core.engine.controller import EngineController
 
     controller = EngineController(model=str(tiny_llama_dir), num_kv_blocks=64)
-    app = NanoVLLMApp(controller, settings=PromptSettings(max_tokens=8), tutorial_path=tmp_path / "t.json")
+    app = NanoVLLMApp(controller, settings=PromptSettings(max_tokens=8, chat=False), tutorial_path=tmp_path / "t.json")
     async with app.run_test(size=(120, 40)) as pilot:
         deadline = time.monotonic() + 60
         while not app.state.ready:

@@ -67,10 +67,10 @@ def test_throughput_is_tokens_over_engine_time(steps):
     prologue, groups = steps
     state = fold(prologue, groups, 2)
     timed = [e for g in groups[:2] for e in g if isinstance(e, ev.StepTimed)]
-    wall = sum(t.wall_time_s for t in timed)
-    prefill, decode = state.throughput()
-    assert prefill == pytest.approx(sum(t.num_prefill_tokens for t in timed) / wall)
-    assert decode == pytest.approx(1 / wall)  # one decode token in step 1
+    prefill, decode = state.throughput()  # each over the steps that did that kind of work
+    prefilled = [t for t in timed if t.num_prefill_tokens]
+    assert prefill == pytest.approx(sum(t.num_prefill_tokens for t in prefilled) / sum(t.wall_time_s for t in prefilled))
+    assert decode == pytest.approx(1 / timed[1].wall_time_s)  # one decode token in step 1, none in step 0
 
 
 def test_layer_traces_keep_only_the_newest_step(steps):
@@ -153,6 +153,44 @@ def test_a_speculative_verification_step_is_the_verify_phase_and_the_dashboard_c
     plan = [e for e in state.plan.scheduled]  # the last step's plan
     assert all(s.num_tokens == 1 + s.num_spec_tokens for s in plan if s.num_spec_tokens)
     assert "1 verifying 3 draft tokens" in texts[verify[0]] and "0 decode" in texts[verify[0]]
+
+
+def test_the_dashboards_prefill_rate_is_the_one_the_narrator_tells():
+    """Issue 29: the Dashboard's prefill rate was over the last 10 steps, decode-only ones included,
+    and the Narrator's over a step's tokens of both kinds; they disagreed. Both are prefill tokens
+    over the wall time of the steps that prefilled (one step: the Narrator's)."""
+    import re
+
+    from nanovllm_core.educational.narrator import Narrator
+
+    events = load_trace(TRACE)
+    state, narrator = EngineState(), Narrator()
+    checked = 0
+    for event in events:
+        state.apply(event)
+        notes = narrator.feed(event)
+        told = [re.search(r"a prefill rate of ([\d,.]+) tokens/s", n.text) for n in notes if n.kind == "prefill"]
+        for found in filter(None, told):
+            timed = state.timings[-1]
+            alone = EngineState()  # the Dashboard's rate over this one step
+            alone.apply(timed)
+            assert timed.num_prefill_tokens and found.group(1) == f"{alone.rate('prefill')[0]:,.0f}"
+            checked += 1
+    assert checked
+    prefill_steps = [t for t in state.timings if t.num_prefill_tokens][-10:]
+    rate, steps = state.rate("prefill")
+    assert steps == len(prefill_steps)
+    assert rate == pytest.approx(sum(t.num_prefill_tokens for t in prefill_steps)
+                                 / sum(t.wall_time_s for t in prefill_steps))
+
+    one = EngineState()  # a prompt prefilled in one step, then 9 decode steps: the rate is that step's
+    step = dict(num_running=1, num_waiting=0, kv_bytes_used=0, kv_bytes_total=1)
+    one.apply(ev.StepTimed(step=0, wall_time_s=0.1, num_tokens=102, num_prefill_tokens=100, num_decode_tokens=2,
+                           prefill_tokens_per_s=1000.0, decode_tokens_per_s=20.0, **step))
+    for i in range(1, 10):
+        one.apply(ev.StepTimed(step=i, wall_time_s=0.05, num_tokens=1, num_prefill_tokens=0, num_decode_tokens=1,
+                               prefill_tokens_per_s=0.0, decode_tokens_per_s=20.0, **step))
+    assert one.rate("prefill") == (pytest.approx(1000.0), 1)
 
 
 def test_the_top_k_caption_names_every_processor_and_a_special_token_is_named():

@@ -41,7 +41,7 @@ def test_every_key_gets_a_cell_and_the_note_still_fits(num_keys, width):
 
 async def test_the_heatmap_shows_every_key_and_its_notes_at_every_width(tiny_llama_dir, tmp_path):
     engine = LLMEngine.from_config(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64))
-    app = NanoVLLMApp(EngineController.from_engine(engine, start_paused=True), settings=PromptSettings(max_tokens=2),
+    app = NanoVLLMApp(EngineController.from_engine(engine, start_paused=True), settings=PromptSettings(max_tokens=2, chat=False),
                       tutorial_path=tmp_path / "t.json")
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_until(pilot, lambda: app.state.ready)

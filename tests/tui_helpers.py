@@ -17,11 +17,14 @@ XRAY_TRACE = Path(__file__).parent / "data" / "xray_trace.jsonl.gz"
 
 
 def engine_app(make_engine, tmp_path: Path, start_paused: bool = False, max_tokens: int = 4,
-               **engine_settings) -> NanoVLLMApp:
-    """The app on a real engine (the session's shared model, a small KV pool, short generations)."""
+               chat: bool | None = False, **engine_settings) -> NanoVLLMApp:
+    """The app on a real engine (the session's shared model, a small KV pool, short generations).
+
+    ``chat``: the prompt bar's chat setting; raw text unless a test asks (the app's own default,
+    None, sends chat to a model with a chat template)."""
     engine_settings.setdefault("num_kv_blocks", 64)
     controller = EngineController.from_engine(make_engine(**engine_settings), start_paused=start_paused)
-    return NanoVLLMApp(controller, settings=PromptSettings(max_tokens=max_tokens),
+    return NanoVLLMApp(controller, settings=PromptSettings(max_tokens=max_tokens, chat=chat),
                        tutorial_path=tmp_path / "tutorial.json")
 
 

@@ -266,6 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
 
+    from nanovllm_core.educational.commentary import plural
     if sys.stderr.isatty():  # importing PyTorch alone takes seconds: say what is happening
         print(f"nanovllm: loading {args.model or 'the embedded default model'}...", file=sys.stderr, flush=True)
     from nanovllm_core.llm import LLM
@@ -303,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             print(f"Completion: {c.text!r}")
             ttft = out.metrics.time_to_first_token
-            print(f"  [{len(c.token_ids)} tokens, finish_reason={c.finish_reason}"
+            print(f"  [{plural(len(c.token_ids), 'token')}, finish_reason={c.finish_reason}"
                   + (f", stop_reason={c.stop_reason!r}" if c.stop_reason is not None else "")
                   + (f", TTFT {ttft * 1000:.0f} ms" if ttft is not None else "") + "]")
             if c.logprobs:
@@ -314,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
     total = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     info = llm.engine.model_info()
-    print(f"{len(outputs)} prompt(s), {total} tokens in {elapsed:.2f} s ({total / max(elapsed, 1e-9):.1f} tokens/s) "
+    print(f"{len(outputs)} prompt(s), {plural(total, 'token')} in {elapsed:.2f} s ({total / max(elapsed, 1e-9):.1f} tokens/s) "
           f"on {llm.engine.device.type}, {str(llm.engine.dtype).replace('torch.', '')}"
           + (f", {llm.engine.model.quantization} weights" if llm.engine.model.quantization else "")
           + (f" ({info['weight_format']})" if llm.engine.model.quantization not in (None, "int8") else "")

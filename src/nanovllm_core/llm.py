@@ -92,7 +92,7 @@ class LLM:
             sampling_params: one for all prompts or one per prompt (default ``SamplingParams()``).
             priority: one integer per prompt (higher runs first under the priority policy; vLLM's
                 ``priority`` is the opposite, lower first, and its default policy is ``fcfs``).
-            use_tqdm: show a progress bar when there are several prompts.
+            use_tqdm: show a progress bar on stderr when there are several prompts and stderr is a terminal.
 
         Rejected prompts (empty, too long for ``max_model_len`` or the KV pool) come back
         finished with ``finish_reason == "rejected"`` and ``error`` set; the rest run normally.
@@ -118,7 +118,9 @@ class LLM:
         wanted = set(ids)
         results: dict[str, RequestOutput] = {}
         bar = None
-        if use_tqdm and len(prompts) > 1:
+        # Only on a terminal: written to a file or a pipe, the bar's last redraw (leave=False) is a
+        # line of spaces among the output (issue 29).
+        if use_tqdm and len(prompts) > 1 and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(prompts), desc="generating", file=sys.stderr, leave=False)
@@ -162,11 +164,7 @@ class LLM:
         Raises:
             ValueError: the tokenizer has no chat template.
         """
-        tok = self.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; send plain prompts instead of --chat")
-        text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
-        return tok.encode(text, add_special_tokens=False)
+        return self.engine.chat_token_ids(conversation, add_generation_prompt)
 
     def stats(self) -> dict[str, Any]:
         """Engine counters: preemptions, prefix-cache hits, KV block use, steps (see ``LLMEngine.stats``)."""

@@ -13,6 +13,13 @@ larger than the last-level cache. The measurement takes about a second; it is do
 per (device, dtype, threads) and kept in memory and in ``<cache_root()>/roofline.json``, so
 later runs read it back. The X-Ray and the tutorial show it as the machine's ridge point.
 
+A CPU measurement is only as good as the cores it got: with other work on the host the peak
+comes out low (39 GFLOP/s measured under load where the same host reached 78-85, issue 29).
+So the measurement also records ``cpu_share``, the CPU time its threads got over wall time x
+threads (about 1 on a quiet host). Below ``QUIET_CPU_SHARE`` the figures are used by this
+process only, never kept, and ``machine`` says the host was busy and how to measure again:
+``python -m nanovllm_core.roofline`` (it measures now and keeps a quiet result).
+
 Under ``--quantization int8`` the linear layers, which do nearly all of a step's arithmetic,
 run oneDNN's int8 matmul from two tokens on (a lone token goes through fbgemm's matrix-vector
 path, memory-bound whatever the peak), so ``P`` is oneDNN's measured peak (integer multiply-adds
@@ -25,9 +32,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -36,6 +44,8 @@ import torch
 GEMM_N = 2048  # square matmul side for the peak: large enough to reach it on CPUs and small GPUs
 STREAM_MIN_BYTES = 256 * 2**20
 STREAM_MAX_BYTES = 2**30
+QUIET_CPU_SHARE = 0.8  # below this share of its threads' CPU time, a measurement shared the cores
+REMEASURE = "python -m nanovllm_core.roofline"
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,12 @@ class Roofline:
     peak_flops: float
     bandwidth: float
     machine: str
+    cpu_share: float = 1.0  # CPU time its threads got / (wall time x threads) while measuring (1.0 on a GPU)
+
+    @property
+    def quiet(self) -> bool:
+        """The measurement had the cores to itself (``cpu_share >= QUIET_CPU_SHARE``)."""
+        return self.cpu_share >= QUIET_CPU_SHARE
 
     @property
     def ridge(self) -> float:
@@ -70,15 +86,21 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
+_timed = [0.0, 0.0]  # CPU seconds and wall seconds of the timed runs (measure() reads their ratio)
+
+
 def _best_time(run: Callable[[], object], sync: Callable[[], None], repeats: int) -> float:
     run()  # warm-up: thread pool, buffers, kernel choice
     sync()
     best = float("inf")
+    cpu, wall = time.process_time(), time.perf_counter()
     for _ in range(repeats):
         t = time.perf_counter()
         run()
         sync()
         best = min(best, time.perf_counter() - t)
+    _timed[0] += time.process_time() - cpu
+    _timed[1] += time.perf_counter() - wall
     return best
 
 
@@ -167,14 +189,6 @@ def machine_name(device: torch.device | str, dtype: torch.dtype, quantization: s
     return f"{where}, {str(dtype).replace('torch.', '')}{weights}"
 
 
-def peak_words(machine: str, peak_flops: float) -> str:
-    """"matmul peak 330.0 GFLOP/s", or for int8 weights (``machine`` says so) the int8 kernel's
-    peak, whose integer multiply-adds count 2 operations each as FLOPs do."""
-    if "int8 weights" in machine:
-        return f"int8 matmul peak {peak_flops / 1e9:,.1f} G operations/s (counted as FLOPs)"
-    return f"matmul peak {peak_flops / 1e9:,.1f} GFLOP/s"
-
-
 def cpu_name() -> str:
     """The CPU's model name from /proc/cpuinfo, or the platform's guess."""
     try:
@@ -194,9 +208,23 @@ def measure(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float
     """Measure the roofline now (about a second on a CPU): the best matmul path (int8's kernel
     when ``quantization="int8"``, falling back to float's where it is unavailable) and a
     streaming read."""
+    _timed[:] = [0.0, 0.0]
     peak = int8_gemm_peak(gemm_n, repeats) if quantization == "int8" else 0.0
     peak = peak or max(gemm_peaks(gemm_n, repeats, device, dtype).values())
-    return Roofline(peak, memory_bandwidth(stream_bytes, repeats, device), machine_name(device, dtype, quantization))
+    bandwidth = memory_bandwidth(stream_bytes, repeats, device)
+    share = 1.0
+    if torch.device(device).type == "cpu":  # the timed runs' CPU time over what their threads could have had
+        share = _timed[0] / max(1e-9, _timed[1] * torch.get_num_threads())
+    return Roofline(peak, bandwidth, machine_name(device, dtype, quantization), cpu_share=round(min(share, 1.0), 3))
+
+
+def busy_note(roof: Roofline) -> Roofline:
+    """``roof`` with ``machine`` saying the host was busy while it was measured (when it was)."""
+    if roof.quiet or "host was busy" in roof.machine:
+        return roof
+    return replace(roof, machine=f"{roof.machine}; measured while the host was busy (its threads got "
+                                 f"{roof.cpu_share:.0%} of their cores), so likely low and not kept: "
+                                 f"`{REMEASURE}` measures again")
 
 
 def default_cache_path() -> Path:
@@ -229,11 +257,12 @@ def cached(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float3
         if key in _measured:
             return _measured[key]
     entry = _read_cache(path or default_cache_path()).get(key)
-    try:
-        roof = Roofline(float(entry["peak_flops"]), float(entry["bandwidth"]), str(entry["machine"]))
+    try:  # an entry without cpu_share predates the check: it may have been measured under load
+        roof = Roofline(float(entry["peak_flops"]), float(entry["bandwidth"]), str(entry["machine"]),
+                        float(entry["cpu_share"]))
     except (TypeError, KeyError, ValueError):
         return None
-    if roof.peak_flops <= 0 or roof.bandwidth <= 0:
+    if roof.peak_flops <= 0 or roof.bandwidth <= 0 or not roof.quiet:
         return None
     with _lock:
         _measured[key] = roof
@@ -252,10 +281,19 @@ def machine_roofline(device: torch.device | str = "cpu", dtype: torch.dtype = to
     roof = cached(device, dtype, path, quantization)
     if roof is not None:
         return roof
-    roof = measure(device, dtype, quantization=quantization)
+    return remeasure(device, dtype, path, quantization)
+
+
+def remeasure(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+              path: Path | None = None, quantization: str | None = None) -> Roofline:
+    """Measure now, whatever was kept; keep the result in ``path`` only if the host was quiet
+    (else this process uses it, and its ``machine`` says the host was busy)."""
+    roof = busy_note(measure(device, dtype, quantization=quantization))
     key = _key(device, dtype, quantization)
     with _lock:
         _measured[key] = roof
+    if not roof.quiet:
+        return roof
     path = path or default_cache_path()
     data = _read_cache(path)
     data[key] = asdict(roof)
@@ -267,3 +305,20 @@ def machine_roofline(device: torch.device | str = "cpu", dtype: torch.dtype = to
     except OSError:
         pass
     return roof
+
+
+def main() -> int:
+    """``python -m nanovllm_core.roofline``: measure this machine's roofline now (CPU, float32,
+    torch's thread count) and keep it when the host was quiet."""
+    roof = remeasure()
+    print(f"{roof.machine}\n  matmul peak {roof.peak_flops / 1e9:,.1f} GFLOP/s, memory {roof.bandwidth / 1e9:,.1f} GB/s, "
+          f"ridge point {roof.ridge:.1f} FLOP/byte; its threads got {roof.cpu_share:.0%} of their cores")
+    if roof.quiet:
+        print(f"kept in {default_cache_path()} for the X-Ray and the tutorial")
+        return 0
+    print("not kept: other work shared the cores; run it again when the host is quiet", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import sys
-import threading
 import time
 from typing import Any, Iterable, Sequence
 
@@ -24,6 +22,7 @@ from textual.widgets import Footer, Input, TabbedContent, TabPane
 
 from nanovllm_core import events as ev
 from nanovllm_core.educational.narrator import Narrator
+from nanovllm_core.prompts import user_message
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_tui.bridge import DEFAULT_FPS, EngineBridge
 from nanovllm_tui.commands import TABS, EngineCommands, app_bindings
@@ -40,21 +39,6 @@ from nanovllm_tui.widgets.status_header import StatusHeader
 VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
                                       "tutorial": TutorialView, "blocks": BlockMapView}
 NARROW, SHORT = 100, 30  # below these sizes panels fold away (see app.tcss)
-
-
-def _yield_cores_to_the_engine() -> None:
-    """On two cores or fewer, lower the UI thread's scheduling priority (nice +10, this thread only).
-
-    The engine's compute threads then win a contended core, and the UI draws in the gaps;
-    threads started earlier (the engine's) keep their priority.
-    """
-    # Linux only: there a thread id names one thread to setpriority; elsewhere it could name a process.
-    if (os.cpu_count() or 1) > 2 or not sys.platform.startswith("linux"):
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except OSError:
-        pass
 
 
 class Tabs(TabbedContent):
@@ -132,12 +116,33 @@ class NanoVLLMApp(App):
         yield PromptBar(self.settings, send=self._submit, id="prompt-bar")
         yield Footer()
 
+    def get_driver_class(self) -> type:
+        """Textual's driver, except under textual-serve (``--web``): one that also ends the
+        process when its page or the web server goes away (``lifetime.PageWebDriver``)."""
+        from textual.drivers.web_driver import WebDriver
+
+        from nanovllm_tui.lifetime import tolerate_bad_input
+
+        tolerate_bad_input()
+        driver = super().get_driver_class()
+        if driver is WebDriver:
+            from nanovllm_tui.lifetime import PageWebDriver
+
+            return PageWebDriver
+        return driver
+
     def on_mount(self) -> None:
+        if not self.is_headless:  # a test's app leaves the test runner's signals alone
+            from nanovllm_tui.lifetime import quit_on_signals
+
+            quit_on_signals(self)
         self.bridge.connect(self.controller, topk=5, xray=False, blocks=False)
         for recorder in self.recorders:
             self.controller.subscribe(recorder, topk=5, blocks=True, xray=self.record_xray)
         self.query_one("#tabs ContentTabs").can_focus = False  # 1-5 switch tabs; Tab moves between views and prompt
         self._adapt_to_size()
+        if not self.live:
+            self.query_one(PromptBar).for_replay()
         self.query_one(PromptBar).focus_prompt()
         self.call_after_refresh(self._start)
 
@@ -148,12 +153,14 @@ class NanoVLLMApp(App):
         self._sync_paused()
         self.set_interval(0.5, self._poll_engine_state)
         for prompt, priority in self._initial_prompts:
-            self._submit(prompt, dataclasses.replace(self.settings, priority=priority))
+            self._submit(prompt, dataclasses.replace(self.settings, priority=priority,
+                                                     chat=self.query_one(PromptBar).chat))
         self._take_events()
         self._settle_memory()
         if hasattr(self.controller, "start"):
             self.controller.start()
-        _yield_cores_to_the_engine()  # after the engine's threads exist: they keep their priority
+        # The UI thread keeps the normal priority (issue 29): at nice +10 it had the engine's gaps
+        # on an idle host, but on a busy one every other process came first and a tab took seconds.
 
     def _settle_memory(self) -> None:
         """With ``freeze_gc``: move what exists now (torch, the model, the tokenizer: ~10^5 objects)
@@ -216,6 +223,8 @@ class NanoVLLMApp(App):
                 self._settle_memory()
                 if self.state.model_info.get("max_model_len"):
                     self.query_one(PromptBar).limit_max_tokens(self.state.model_info["max_model_len"])
+                if "chat_template" in self.state.model_info:  # (traces from before it was recorded lack it)
+                    self.query_one(PromptBar).model_has_chat_template(bool(self.state.model_info["chat_template"]))
                 self._note_fallbacks(self.state.model_info)
         if notes:
             self.query_one(NarratorView).add(notes)
@@ -274,6 +283,9 @@ class NanoVLLMApp(App):
         elif isinstance(event, ev.RequestFinished) and event.finish_reason == "abort":
             self.notify(f"{event.request_id} aborted after {event.num_output_tokens} tokens; its blocks are free",
                         markup=False)
+        elif event.kind == "ServerRestarted":  # nanovllm_tui.remote's: an attached server came back anew
+            self.notify(f"The server at {event.url} restarted with a new engine; requests that were running "
+                        "there are marked lost.", severity="warning", timeout=10, markup=False)
         elif isinstance(event, ev.ModelLoading) and event.ready and self.live:
             self.notify(f"{event.model_name} is ready on {event.device} ({event.dtype})", markup=False)
 
@@ -408,6 +420,18 @@ class NanoVLLMApp(App):
     def action_focus_prompt(self) -> None:
         self.query_one(PromptBar).focus_prompt()
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """A replay runs no prompts, so it offers no chat toggle (nor shows ctrl+t in the footer)."""
+        if action == "toggle_chat" and not self.live:
+            return False
+        return True
+
+    def action_toggle_chat(self) -> None:
+        bar = self.query_one(PromptBar)
+        bar.toggle_chat()
+        self.notify("Prompts are now sent as chat: a user's message through the model's chat template."
+                    if bar.chat else "Prompts are now sent as raw text for the model to continue.", markup=False)
+
     def action_focus_view(self) -> None:
         self.view().focus_main()
 
@@ -472,11 +496,12 @@ class NanoVLLMApp(App):
         except ValueError as e:
             self.notify(f"Bad sampling settings: {e}", severity="error", markup=False)
             return None
-        return self.submit_request(prompt, params, settings.priority)
+        return self.submit_request(prompt, params, settings.priority, chat=bool(settings.chat))
 
-    def submit_request(self, prompt: str, params: SamplingParams, priority: int = 0) -> str:
-        """Send a prompt to the engine, show it in the table and select it; returns its request id."""
-        rid = self.controller.submit(prompt, params, priority)
+    def submit_request(self, prompt: str, params: SamplingParams, priority: int = 0, chat: bool = False) -> str:
+        """Send a prompt to the engine (``chat``: as a user's message through the model's chat
+        template), show it in the table and select it; returns its request id."""
+        rid = self.controller.submit(user_message(prompt) if chat else prompt, params, priority)
         self.state.submitted(rid, prompt, priority, params.max_tokens)
         if not self.state.ready and self.live:
             self.notify(f"{rid} waits in the queue until the model has loaded.")
@@ -494,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve_in_browser(argv)
     app = build_app(argv)
     app.run()
-    return 0
+    return app.return_code or 0
 
 
 if __name__ == "__main__":

@@ -12,10 +12,10 @@ from nanovllm_tui.bridge import DEFAULT_FPS
 
 DEFAULT_KV_BLOCKS = 512  # 8,192 tokens at block size 16: room to play, and a block map that fits a screen
 # nanovllm options with no meaning here: the app's tabs do what the teaching modes print.
-NOT_IN_APP = ("chat", "show_memory_stats", "narrate", "xray", "dashboard", "tutorial", "no_demos", "tutorial_chapter")
+NOT_IN_APP = ("show_memory_stats", "narrate", "xray", "dashboard", "tutorial", "no_demos", "tutorial_chapter")
 # Options that act on a live engine, so not on a replay: it loads no model, runs no new prompt,
 # and is itself a recording.
-NOT_WITH_REPLAY = ("model", "device", "dtype", "prompt", "priority", "max_tokens", "temperature", "top_k", "top_p",
+NOT_WITH_REPLAY = ("chat", "model", "device", "dtype", "prompt", "priority", "max_tokens", "temperature", "top_k", "top_p",
                    "min_p", "repetition_penalty", "seed", "stop", "logprobs", "ignore_eos", "scheduling_policy",
                    "max_prefill_tokens", "max_num_seqs", "max_model_len", "block_size", "num_kv_blocks",
                    "no_paged_attention", "no_flash_attn", "no_prefix_caching", "speculative_model",
@@ -117,7 +117,8 @@ def build_app(argv: Sequence[str] | None = None):
     from nanovllm_tui.widgets.prompt_bar import PromptSettings
 
     args = parse_args(argv)
-    settings = PromptSettings(priority=0, max_tokens=args.max_tokens, temperature=args.temperature)
+    settings = PromptSettings(priority=0, max_tokens=args.max_tokens, temperature=args.temperature,
+                              chat=True if args.chat else None)
     prompts = list(zip(args.prompt or [], args.priority or [0] * len(args.prompt or [])))
     common = dict(sampling=args.sampling, settings=settings, prompts=prompts, fps=args.fps, freeze_gc=True,
                   record_xray=args.trace_xray,

@@ -11,7 +11,9 @@ server; a pause from any of them reaches all.
 Nothing here ever blocks the UI thread: a reader thread keeps the stream open and a sender
 thread posts commands in order. When the connection drops, ``state`` becomes
 ``disconnected`` (the header shows it), one ``EngineError`` says so, and the reader
-reconnects with ``Last-Event-ID``, so the server replays what was missed. A command that
+reconnects with ``Last-Event-ID``, so the server replays what was missed; a server that
+restarted meanwhile is a new engine (its event ids name another instance): the app is told
+(:class:`ServerRestarted`) and the new engine's snapshot follows. A command that
 fails is reported the same way (a refused prompt as ``RequestRejected``), never dropped silently.
 """
 
@@ -32,6 +34,15 @@ from typing import Any, Callable
 
 from nanovllm_core import events as ev
 from nanovllm_core.tracing import decode_event
+
+
+@dataclass(frozen=True)
+class ServerRestarted(ev.Event):
+    """The stream came back from a new engine (the server restarted): what the app knew of the old
+    one is gone (its running requests will never finish there). Made by :class:`RemoteController`,
+    not by an engine; the snapshot of the new engine follows it."""
+
+    url: str
 
 
 class RemoteError(Exception):
@@ -161,6 +172,7 @@ class RemoteController:
         self._connected = False
         self._server_state = "loading"
         self._last_id: str | None = None
+        self._instance: str | None = None  # the server's instance in event ids: a new one is a new engine
         self._outage_reported = False
         self._stream_conn: http.client.HTTPConnection | None = None
         self._ids = itertools.count()
@@ -357,7 +369,10 @@ class RemoteController:
             return
         event = decode_event(data)
         if event_id is not None:
-            self._last_id = event_id
+            instance = event_id.partition(":")[0]
+            if self._instance is not None and instance != self._instance:
+                self._deliver(ServerRestarted(url=self.url))
+            self._instance, self._last_id = instance, event_id
         if isinstance(event, ev.EnginePaused):
             self._server_state = "paused"
         elif isinstance(event, ev.EngineResumed):

@@ -274,6 +274,18 @@ class EngineState:
                                                num_blocks_cached=e.kv_blocks_cached or 0,
                                                kv_bytes_used=e.kv_blocks_used * per_block)
 
+    def _on_ServerRestarted(self, e: Any) -> None:
+        """An attached server came back with a new engine: the old one's live requests are lost
+        (kept in the table, marked so), and its step, queues, pool and timings are forgotten."""
+        for req in self.requests.values():
+            if req.live:
+                req.state, req.error = "lost", f"the server at {e.url} restarted; this request ended with it"
+        self.step = self.plan = self.blocks = self._kv_now = None
+        self.timings.clear()
+        self.xray, self.heat = {}, None
+        self.paused, self._paused_since = False, None
+        self._prune()
+
     def _on_StepTimed(self, e: ev.StepTimed) -> None:
         self.timings.append(e)
         self._kv_now = None
@@ -321,12 +333,19 @@ class EngineState:
         return (self.phase not in ("failed", "loading", "paused", "idle")) and self.engine_state == "running"
 
     def throughput(self) -> tuple[float, float]:
-        """(prefill, decode) tokens per second of engine time over the last ``RATE_WINDOW`` steps."""
-        recent = list(self.timings)[-RATE_WINDOW:]
-        wall = sum(t.wall_time_s for t in recent)
-        if wall <= 0:
-            return 0.0, 0.0
-        return sum(t.num_prefill_tokens for t in recent) / wall, sum(t.num_decode_tokens for t in recent) / wall
+        """(prefill, decode) tokens per second: see :meth:`rate`."""
+        return self.rate("prefill")[0], self.rate("decode")[0]
+
+    def rate(self, kind: str) -> tuple[float, int]:
+        """(tokens/s, steps): ``kind`` (``prefill`` or ``decode``) tokens over the wall time of the
+        newest ``RATE_WINDOW`` steps that processed any, and how many steps that is.
+
+        Over one step this is that step's ``StepTimed.<kind>_tokens_per_s``, the rate the Narrator
+        tells for a prefill step, so the two agree; steps without such tokens do not dilute it.
+        """
+        steps = [t for t in self.timings if getattr(t, f"num_{kind}_tokens")][-RATE_WINDOW:]
+        wall = sum(t.wall_time_s for t in steps)
+        return (sum(getattr(t, f"num_{kind}_tokens") for t in steps) / wall if wall > 0 else 0.0), len(steps)
 
     @property
     def kv(self) -> ev.StepTimed | None:

@@ -26,10 +26,9 @@ from pathlib import Path
 import torch
 
 from nanovllm_core import native
+from nanovllm_core.attention.fallbacks import ENV_SWITCH, FALLBACK_CONDITIONS  # noqa: F401  (kept where the tutorial reads them)
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
-ENV_SWITCH = "NANOVLLM_CPU_PAGED_ATTENTION"  # "0" turns the kernel off (A/B runs, tests of the fallback)
-
 
 _p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 SIGNATURES = {
@@ -40,17 +39,6 @@ SIGNATURES = {
 
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     return native.load(SOURCE, SIGNATURES)
-
-
-# On the CPU, one phrase per check of :func:`unsupported_reason` (after the device's), in its
-# order: when the kernel does not run. The tutorial's paged-attention chapter lists these
-# rather than restating them.
-FALLBACK_CONDITIONS = (
-    f"{ENV_SWITCH}=0",
-    "a dtype other than float32 (bfloat16 or float16)",
-    "--no-flash-attn (the math backend keeps the explicit score matrix)",
-    "no C compiler with OpenMP (or a failed build)",
-)
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype, backend: str) -> str | None:

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import torch
 
-# flash-attn 2's paged KV cache reads pages whose token count is divisible by this.
-FLASH_ATTN_PAGE_SIZE = 256
+# flash-attn 2's paged KV cache reads pages whose token count is divisible by this (FLASH_ATTN_PAGE_SIZE).
+from nanovllm_core.attention.fallbacks import FLASH_ATTN_FALLBACK_CONDITIONS, FLASH_ATTN_PAGE_SIZE  # noqa: F401
+
 # Tokens per block when flash-attn's paged kernel is not used: small blocks waste little of
 # each sequence's last block and let the prefix cache share at a fine grain (vLLM's default).
 DEFAULT_BLOCK_SIZE = 16
@@ -45,18 +46,6 @@ def _flash_attn_importable() -> bool:
     except Exception:  # ImportError, or an OSError/RuntimeError from a wheel built for another torch
         return False
     return True
-
-
-# When flash-attn's paged kernel does not run, one phrase per check of
-# :func:`flash_attn_unsupported`, in its order (the tutorial lists these).
-FLASH_ATTN_FALLBACK_CONDITIONS = (
-    "no CUDA GPU",
-    "float32 (it runs float16 and bfloat16)",
-    "a GPU older than compute capability 8.0",
-    "a head size not a multiple of 8 or above 256",
-    f"blocks not a multiple of {FLASH_ATTN_PAGE_SIZE} tokens",
-    "flash-attn not installed",
-)
 
 
 def flash_attn_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int) -> str | None:

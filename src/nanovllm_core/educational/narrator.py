@@ -334,12 +334,13 @@ class Narrator(SchedulerNarration):
         flat = (f" They are {s.num_tokens} of the step's {rows} token rows, which run through each layer together "
                 "as one flat batch." if rows > s.num_tokens else "")
         timing = ""
-        if timed is not None:
-            rate = timed.num_tokens / timed.wall_time_s
-            timing = (f" The step took {ms(timed.wall_time_s)} for its {plural(timed.num_tokens, 'token')} "
-                      f"({rate:,.0f} tokens/s)." if rate >= 10 else
-                      f" The step took {ms(timed.wall_time_s)} for its {plural(timed.num_tokens, 'token')} "
-                      f"({rate:.1f} tokens/s).")
+        if timed is not None and timed.wall_time_s > 0:  # the Dashboard's prefill rate, over this one step
+            rate = timed.num_prefill_tokens / timed.wall_time_s
+            figure = f"{rate:,.0f}" if rate >= 10 else f"{rate:.1f}"
+            mixed = (f", {timed.num_prefill_tokens} of them prefill" if timed.num_prefill_tokens != timed.num_tokens
+                     else "")
+            timing = (f" The step took {ms(timed.wall_time_s)} for its {plural(timed.num_tokens, 'token')}{mixed}: "
+                      f"a prefill rate of {figure} tokens/s.")
         per_token = self.info.get("kv_bytes_per_token")
         kv = (f" Their keys and values, {s.num_tokens} x {per_token:,} = {s.num_tokens * per_token:,} bytes, are now in "
               "the KV cache." if per_token else " Their keys and values are now in the KV cache.")

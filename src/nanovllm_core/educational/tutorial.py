@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanovllm_core.attention.cpu_paged import FALLBACK_CONDITIONS
-from nanovllm_core.attention.selector import FLASH_ATTN_FALLBACK_CONDITIONS
-from nanovllm_core.roofline import peak_words
+from nanovllm_core.attention.fallbacks import FALLBACK_CONDITIONS, FLASH_ATTN_FALLBACK_CONDITIONS
+from nanovllm_core.educational.xray_costs import peak_words
 from nanovllm_core.sampling_params import SamplingParams
 
 LETTERS = "ABCD"

@@ -281,3 +281,11 @@ def compute_bound_tokens(d: LayerDims, ridge: float, backend: str = "fused", lim
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if reaches(mid) else (mid, hi)
     return hi
+
+
+def peak_words(machine: str, peak_flops: float) -> str:
+    """"matmul peak 330.0 GFLOP/s", or for int8 weights (``machine`` says so) the int8 kernel's
+    peak, whose integer multiply-adds count 2 operations each as FLOPs do."""
+    if "int8 weights" in machine:
+        return f"int8 matmul peak {peak_flops / 1e9:,.1f} G operations/s (counted as FLOPs)"
+    return f"matmul peak {peak_flops / 1e9:,.1f} GFLOP/s"

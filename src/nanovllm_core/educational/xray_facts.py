@@ -9,9 +9,8 @@ what they do hold and never claim more.
 from __future__ import annotations
 
 from nanovllm_core import events as ev
-from nanovllm_core import roofline
 from nanovllm_core.educational.narrator import Commentary
-from nanovllm_core.educational.xray_costs import BACKEND_NAMES, intensity, layer_intensity
+from nanovllm_core.educational.xray_costs import BACKEND_NAMES, intensity, layer_intensity, peak_words
 
 # What each captured tensor is. Names of older traces are kept readable (their "hidden_states"
 # was input_layernorm's output, not the residual stream).
@@ -156,7 +155,7 @@ def roofline_lines(trace: ev.LayerTrace) -> list[str]:
         return [step + " (the machine's ridge point was not measured for this trace)."]
     r = ridge(trace)
     lines = [
-        f"Roofline of this machine ({trace.machine}), measured: {roofline.peak_words(trace.machine, trace.peak_flops)}, "
+        f"Roofline of this machine ({trace.machine}), measured: {peak_words(trace.machine, trace.peak_flops)}, "
         f"memory {trace.memory_bandwidth / 1e9:,.1f} GB/s, so an operation is compute-bound above "
         f"{r:.1f} FLOP/byte (the ridge point).",
         f"{step}: {bound(trace, flops, moved)}; at this machine's limits it needs at least "

@@ -43,13 +43,12 @@ from nanovllm_core.model.quantization import (
     linear_weight_count,
 )
 from nanovllm_core.outputs import RequestOutput
+from nanovllm_core.prompts import Prompt, is_conversation
 from nanovllm_core.sampling.sampler import RowGroup, Sampler, SamplerOutput, SamplingRow
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.speculative.metrics import SpecDecodeStats
 from nanovllm_core.speculative.proposer import build_proposer, load_draft_model, needs_draft_model, parse_self_layers
 from nanovllm_core.speculative.speculator import Speculator
-
-Prompt = str | list[int]
 
 
 @dataclass
@@ -193,7 +192,7 @@ class LLMEngine:
             "num_kv_blocks": self.block_manager.num_blocks, "max_model_len": self.max_model_len,
             "max_num_seqs": self.scheduler.max_num_seqs, "token_budget": self.scheduler.token_budget,
             "scheduling_policy": self.scheduler.policy, "prefix_caching": self.block_manager.enable_prefix_caching,
-            "chunked_prefill": self.scheduler.enable_chunked_prefill,
+            "chunked_prefill": self.scheduler.enable_chunked_prefill, "chat_template": self.has_chat_template,
             "paged": self.config.paged, "attention_backend": self.runner.attention_kernel,
             # Why the CPU paged kernel is not the one running (no compiler, a failed build, ...), or None.
             "cpu_paged_unavailable": (None if self.runner.use_cpu_paged else
@@ -263,11 +262,13 @@ class LLMEngine:
         return str(next(self._request_counter))
 
     def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """``(text or None, token ids)`` of a prompt given as text or as token ids.
+        """``(text or None, token ids)`` of a prompt given as text, as token ids, or as a
+        conversation (chat messages, rendered with the model's chat template).
 
         Raises:
-            ValueError: neither text nor a list of integers, or text that is not valid Unicode
-                (a lone surrogate such as ``"\\ud800"``, which has no UTF-8 form).
+            ValueError: none of those, text that is not valid Unicode (a lone surrogate such as
+                ``"\\ud800"``, which has no UTF-8 form), or a conversation the model has no
+                template for or the template refuses.
         """
         if isinstance(prompt, str):
             problem = unicode_problem(prompt)
@@ -276,7 +277,14 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
-        raise ValueError("prompt must be a string or a list of token ids")
+        if is_conversation(prompt):
+            for message in prompt:
+                problem = unicode_problem(message["content"])
+                if problem is not None:
+                    raise ValueError(f"a chat message is not valid Unicode: {problem}")
+            return None, self.chat_token_ids(list(prompt))
+        raise ValueError("prompt must be a string, a list of token ids, or a list of chat messages "
+                         "({'role': ..., 'content': text})")
 
     def request_problem(self, token_ids: list[int], params: SamplingParams) -> tuple[str, str] | None:
         """Why this engine could never serve ``token_ids`` with ``params``: ``(field, one-line reason)``
@@ -373,6 +381,26 @@ class LLMEngine:
                 n=params.n, sampling=tuple(sorted(_non_default(params).items())),
             ))
         return request_id
+
+    @property
+    def has_chat_template(self) -> bool:
+        """True when the tokenizer has a chat template (an instruction-tuned model's prompt format)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def chat_token_ids(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template.
+
+        Raises:
+            ValueError: the tokenizer has no chat template, or the template refused the conversation.
+        """
+        if not self.has_chat_template:
+            raise ValueError("this model's tokenizer has no chat template; send plain prompts instead of chat")
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
+        except Exception as e:  # jinja2's errors: a template that refuses these messages
+            raise ValueError(f"the chat template could not render these messages: {e}") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def token_pieces(self, token_ids: list[int]) -> list[str]:
         """The text of each token on its own (for showing tokenization)."""

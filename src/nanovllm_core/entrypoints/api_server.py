@@ -43,6 +43,7 @@ from nanovllm_core.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm_core.entrypoints.openai_serving import SERVER_ID_PREFIXES, OpenAIServing, Prepared
 from nanovllm_core.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from nanovllm_core.entrypoints.request_stream import InFlight
+from nanovllm_core.prompts import is_conversation
 from nanovllm_core.sampling_params import SamplingParams
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -305,8 +306,9 @@ def _control_submit(state: ServerState, body: dict) -> str:
     """
     prompt = body.get("prompt")
     token_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    if not (isinstance(prompt, str) or token_ids):
-        raise APIError("submit needs prompt: text or a list of token ids", param="prompt")
+    if not (isinstance(prompt, str) or token_ids or is_conversation(prompt)):
+        raise APIError("submit needs prompt: text, a list of token ids, or a list of chat messages "
+                       "({\"role\": ..., \"content\": text}, rendered with the model's chat template)", param="prompt")
     fields = body.get("params") or {}
     known = {f.name for f in dataclasses.fields(SamplingParams)}
     unknown = sorted(set(fields) - known) if isinstance(fields, dict) else ["<not an object>"]

@@ -14,8 +14,11 @@ The ``data`` lines are exactly what ``--trace`` writes, so the app decodes them 
 replay's decoder. An event's ``id`` is this server's instance and the event's number; a
 watcher that reconnects sends it back as ``Last-Event-ID`` and gets every event it missed
 while the log still holds them; a new watcher (or one that fell too far behind)
-first gets a snapshot: the model's facts, a pause if the engine is paused, and the
-``RequestAdded`` of every live request. Watchers ask for detail (``topk``, ``blocks``,
+first gets a snapshot of the engine as it is: the model's facts, a pause if the engine is
+paused, every live request (its ``RequestAdded`` and the tokens it has sampled so far), and
+the newest step's ``StepPlanned``, ``StepTimed`` and (to a watcher of blocks) ``BlocksChanged``,
+so an app that attaches mid-run shows the same step, queues and pool as one that watched
+from the start. Watchers ask for detail (``topk``, ``blocks``,
 ``xray``); the engine computes the most any watcher asked for, and each watcher is sent
 only what it asked for. Nothing here blocks the engine thread: it appends to the log and
 wakes the event loop only when a watcher is waiting; watchers are sent what accumulated,
@@ -72,6 +75,8 @@ class EventHub:
         self._seq = 0
         self._ready: ev.ModelLoading | None = None
         self._live: dict[str, ev.RequestAdded] = {}
+        self._tokens: dict[str, list[ev.TokenSampled]] = {}  # of live requests: their output so far
+        self._latest: dict[type, ev.Event] = {}  # the newest StepPlanned, StepTimed, BlocksChanged
         self._step = 0
         self._watchers: set[_Watcher] = set()
         self._wake_pending = False
@@ -113,10 +118,18 @@ class EventHub:
                 self._first_seq = self._log[0][0]
             if isinstance(event, ev.RequestAdded):
                 self._live[event.request_id] = event
+            elif isinstance(event, ev.TokenSampled):
+                if event.request_id in self._live:
+                    self._tokens.setdefault(event.request_id, []).append(event)
             elif isinstance(event, (ev.RequestFinished, ev.RequestRejected)):
                 self._live.pop(event.request_id, None)
-            elif isinstance(event, ev.StepPlanned):
-                self._step = event.step
+                self._tokens.pop(event.request_id, None)
+            elif isinstance(event, (ev.StepPlanned, ev.StepTimed, ev.BlocksChanged)):
+                self._latest[type(event)] = event
+                if isinstance(event, ev.StepPlanned):
+                    self._step = event.step
+                    if self._sub is not None and not self._sub.blocks:  # no longer sent each step: stale
+                        self._latest.pop(ev.BlocksChanged, None)
             elif isinstance(event, ev.ModelLoading) and event.ready:
                 self._ready = event
             wake = bool(self._watchers) and not self._wake_pending
@@ -146,12 +159,16 @@ class EventHub:
         sub.blocks = any(w.blocks for w in self._watchers)
         sub.xray = any(w.xray for w in self._watchers)
 
-    def _snapshot(self) -> list[ev.Event]:
-        """What a new watcher needs first (call with the lock held)."""
+    def _snapshot(self, w: _Watcher) -> list[ev.Event]:
+        """What a new watcher needs first, the engine as it is now (call with the lock held)."""
         out: list[ev.Event] = [self._ready] if self._ready is not None else []
         if self.controller.state == "paused":
             out.append(ev.EnginePaused(step=self._step))
-        out.extend(self._live.values())
+        for rid, added in self._live.items():
+            out.append(added)
+            out.extend(self._tokens.get(rid, ()))
+        out.extend(e for kind in (ev.StepPlanned, ev.StepTimed, ev.BlocksChanged)
+                   if (e := self._latest.get(kind)) is not None and w.wants(e))
         return out
 
     def _frame(self, seq: int, event: ev.Event) -> str:
@@ -180,7 +197,7 @@ class EventHub:
             with self._lock:
                 resume = last_event_id is not None and self._first_seq - 1 <= last_event_id <= self._seq
                 cursor = last_event_id if resume else self._seq
-                snapshot = [] if resume else self._snapshot()
+                snapshot = [] if resume else self._snapshot(w)
             yield self._state_frame() + "".join(self._frame(cursor, e) for e in snapshot)
             last_state = time.monotonic()
             while True:
@@ -191,7 +208,7 @@ class EventHub:
                 closing = self._closing  # read before the log: what came before the close is still sent
                 with self._lock:
                     if cursor < self._first_seq - 1:  # fell behind the log: start over from a snapshot
-                        cursor, batch, snapshot = self._seq, [], self._snapshot()
+                        cursor, batch, snapshot = self._seq, [], self._snapshot(w)
                     else:
                         batch, snapshot = self._log[cursor - self._first_seq + 1:], []
                 out = [self._frame(cursor, e) for e in snapshot]

@@ -1,4 +1,10 @@
-"""The prompt bar: a prompt, and its priority, max tokens and temperature, all from the keyboard.
+"""The prompt bar: a prompt, chat or raw, and its priority, max tokens and temperature, all from the keyboard.
+
+The ``chat`` box says how the prompt is sent: as a user's message rendered with the model's chat
+template (what an instruction-tuned model expects: asked "Write a poem about the sea." as raw
+text it may answer with end-of-text at once), or as raw text to continue. It starts ticked for a
+model with a chat template (``--chat`` ticks it for any) and is toggled with a click, with
+space when it has the focus, or with ctrl+t anywhere.
 
 Each setting is checked as it is typed (Textual's ``Input`` validators): a wrong one turns red
 and the line under the bar says why. Enter sends only when every setting is right, and at once
@@ -17,21 +23,26 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.validation import ValidationResult, Validator
-from textual.widgets import Input, Label
+from textual.widgets import Checkbox, Input, Label
 
 # The prompt field's hint, longest first: the longest that fits is shown (never a cut one).
 PLACEHOLDERS = ("Type a prompt, Enter sends it  (Esc: engine keys · / comes back)", "Type a prompt, Enter sends it",
                 "Prompt, Enter sends", "Prompt")
+REPLAY_PLACEHOLDERS = ("A replay plays a recording and runs no new prompts (start without --replay to type one)",
+                       "A replay runs no new prompts", "Replay")
 PRIORITY_LIMIT = 1000  # priorities from -1000 to 1000: plenty of levels, and the table shows each in full
 
 
 @dataclass
 class PromptSettings:
-    """What the prompt bar sends with a prompt: priority (higher runs first), max tokens, temperature (0 = greedy)."""
+    """What the prompt bar sends with a prompt: priority (higher runs first), max tokens, temperature
+    (0 = greedy), and chat (True: as a user message through the chat template; False: raw text;
+    None: chat when the model has a chat template, decided when it has loaded)."""
 
     priority: int = 0
     max_tokens: int = 50
     temperature: float = 0.0
+    chat: bool | None = None
 
 
 def parse_priority(text: str) -> int:
@@ -97,12 +108,15 @@ class PromptBar(Vertical):
     """
 
     BINDINGS = [Binding("escape", "app.focus_view", "Leave prompt")]
+    CHAT_TOOLTIP = ("Ticked: the prompt is sent as a user's message through the model's chat template "
+                    "(instruction-tuned models answer it). Clear: sent as raw text to continue. ctrl+t toggles.")
     FIELDS = ("priority", "max-tokens", "temperature")
 
     def __init__(self, settings: PromptSettings | None = None,
                  send: Callable[[str, PromptSettings], str | None] | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.defaults = settings or PromptSettings()
+        self.chat_chosen = False  # the person toggled chat: the model's default no longer applies
         self.send = send or (lambda prompt, settings: None)
         self.rules = {
             "priority": Setting("priority", parse_priority,
@@ -116,6 +130,7 @@ class PromptBar(Vertical):
         d = self.defaults
         with Horizontal(id="prompt-fields"):
             yield Field(placeholder=PLACEHOLDERS[0], id="prompt")
+            yield Checkbox("chat", d.chat is not False, id="chat", compact=True, tooltip=self.CHAT_TOOLTIP)
             for name, label, value in (("priority", "prio", d.priority), ("max-tokens", "max", d.max_tokens),
                                        ("temperature", "temp", d.temperature)):
                 yield Label(label, classes="setting-label")
@@ -128,10 +143,36 @@ class PromptBar(Vertical):
     def on_resize(self) -> None:
         field = self.query_one("#prompt", Input)
         width = field.content_region.width
-        field.placeholder = next((p for p in PLACEHOLDERS if len(p) < width), PLACEHOLDERS[-1])
+        hints = REPLAY_PLACEHOLDERS if self.has_class("-replay") else PLACEHOLDERS
+        field.placeholder = next((p for p in hints if len(p) < width), hints[-1])
+
+    def for_replay(self) -> None:
+        """A replay runs no new prompts: the hint says so, and there is no chat to choose."""
+        self.add_class("-replay")
+        self.on_resize()
 
     def focus_prompt(self) -> None:
         self.screen.set_focus(self.query_one("#prompt", Input))
+
+    @property
+    def chat(self) -> bool:
+        """True while prompts are sent as chat (the box is ticked)."""
+        return self.query_one("#chat", Checkbox).value
+
+    def toggle_chat(self) -> None:
+        self.chat_chosen = True
+        box = self.query_one("#chat", Checkbox)
+        box.value = not box.value
+
+    def model_has_chat_template(self, has: bool) -> None:
+        """The model is known: unless chat was chosen (``--chat`` or a toggle), send chat exactly
+        when it has a chat template."""
+        if self.defaults.chat is None and not self.chat_chosen:
+            self.query_one("#chat", Checkbox).value = has
+
+    def on_checkbox_changed(self, event: Checkbox.Changed) -> None:
+        if event.checkbox.id == "chat" and event.checkbox.has_focus:  # a click or space, not the model's default
+            self.chat_chosen = True
 
     def limit_max_tokens(self, limit: int) -> None:
         """The model is known: max tokens may not exceed its ``max_model_len`` (``limit`` tokens)."""
@@ -157,7 +198,7 @@ class PromptBar(Vertical):
             return None
         value = {name: self.query_one(f"#{name}", Input).value for name in self.FIELDS}
         return PromptSettings(parse_priority(value["priority"]), self.rules["max-tokens"].parse(value["max-tokens"]),
-                              parse_temperature(value["temperature"]))
+                              parse_temperature(value["temperature"]), chat=self.chat)
 
     def on_input_changed(self, event: Input.Changed) -> None:
         if event.input.id in self.FIELDS:

@@ -14,9 +14,10 @@ STYLES = {"prefill": "#f5a524", "decode": "#3ecf8e"}
 
 
 class ThroughputPanel(Vertical):
-    """Tokens per second of engine time over the last ``RATE_WINDOW`` steps while the engine runs,
-    0 while it is idle or paused (the last run's rate stays beside the sparkline, labelled);
-    sparklines show each step's rate, one cell a step."""
+    """Tokens per second of engine time over the newest ``RATE_WINDOW`` steps that did prefill
+    (decode) work while the engine runs (``EngineState.rate``: what the Narrator tells for a step),
+    0 while it is idle or paused, with the rate of those steps beside the sparkline ("last 3
+    steps 1,234"); sparklines show each step's rate, one cell a step."""
 
     def compose(self) -> ComposeResult:
         for kind in STYLES:
@@ -24,18 +25,19 @@ class ThroughputPanel(Vertical):
             yield LiveStatic(id=f"{kind}-spark")
 
     def show(self, state: EngineState) -> None:
-        rates = dict(zip(STYLES, state.throughput()))
+        rates = {kind: state.rate(kind) for kind in STYLES}
         per_step = {"prefill": [t.prefill_tokens_per_s for t in state.timings],
                     "decode": [t.decode_tokens_per_s for t in state.timings]}
         busy = state.busy
         for kind, style in STYLES.items():
-            now = rates[kind] if busy else 0.0
+            rate, steps = rates[kind]
+            now = rate if busy else 0.0
             self.query_one(f"#{kind}-rate", LiveStatic).show_content(
                 Text.assemble((f"{kind:<8}", "bold"), f"{fmt_rate(now)} tok/s"))
             spark = self.query_one(f"#{kind}-spark", LiveStatic)
             width = spark.content_region.width
             last = Text()
-            if not busy and state.timings:
-                last = Text(f" last run {fmt_rate(rates[kind])}", style="dim")
+            if not busy and steps:
+                last = Text(f" last {steps} step{'s' if steps != 1 else ''} {fmt_rate(rate)}", style="dim")
             line = sparkline(per_step[kind], max(0, width - len(last)), style)
             spark.show_content(line + last)

@@ -1,0 +1,109 @@
+"""How an app process ends: on SIGTERM, SIGINT and SIGHUP, and under ``--web`` when its page goes away.
+
+A signal asks the app to quit as ``q`` does (the engine stops, trace files close, the terminal
+leaves the alternate screen). Under ``--web`` textual-serve starts one app process per page and
+talks to it over stdin/stdout: it says ``quit`` when the page closes, and when the web server
+itself is gone the process's stdin ends, which Textual's web driver takes silently (issue 29:
+processes of closed pages kept running, 530 MB each). :class:`PageWebDriver` quits then too.
+
+Whatever asked the app to quit, a watchdog ends the process ``EXIT_GRACE_S`` seconds later if
+it is still there (a wedged engine thread or a starved event loop must not keep it alive).
+
+Nor does the app end when it should not: Textual's terminal driver decodes input as strict
+UTF-8, so pasting invalid UTF-8 ended its input thread and the app, with status 0 (issue 29).
+:func:`tolerate_bad_input` makes it decode with U+FFFD replacements instead.
+"""
+
+from __future__ import annotations
+
+import codecs
+import functools
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from textual import messages
+from textual.drivers.web_driver import WebDriver
+
+EXIT_GRACE_S = 5.0
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_RESTORE_TERMINAL = "\x1b[?1049l\x1b[?25h\x1b[?1000l\x1b[?1003l\x1b[?1006l\x1b[?2004l"  # main screen, cursor, no mouse
+
+_watchdog: threading.Timer | None = None
+
+
+def end_within(seconds: float = EXIT_GRACE_S, status: int = 1, terminal: bool = True) -> None:
+    """End this process ``seconds`` from now unless it has ended by then (started once; a daemon timer).
+
+    ``terminal``: first put a terminal back as the app found it (main screen, cursor shown).
+    """
+    global _watchdog
+    if _watchdog is not None:
+        return
+
+    def force() -> None:
+        if terminal and sys.__stdout__ is not None and sys.__stdout__.isatty():
+            try:
+                sys.__stdout__.write(_RESTORE_TERMINAL)
+                sys.__stdout__.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(status)
+
+    _watchdog = threading.Timer(seconds, force)
+    _watchdog.daemon = True
+    _watchdog.start()
+
+
+def quit_on_signals(app: Any) -> None:
+    """SIGTERM, SIGINT and SIGHUP quit ``app`` as ``q`` does, status 128 + the signal's number
+    (call on the app's event loop, in the main thread)."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        end_within(status=128 + signum)
+        app.stop_engine()
+        app.exit(return_code=128 + signum)
+
+    for signum in SIGNALS:
+        try:
+            loop.add_signal_handler(signum, on_signal, signum)
+        except (NotImplementedError, RuntimeError, ValueError):  # not on this platform / not the main thread
+            pass
+
+
+class PageWebDriver(WebDriver):
+    """Textual's web driver, ending the app when textual-serve says ``quit`` (the page closed) or
+    when stdin ends (the web server is gone), within ``EXIT_GRACE_S`` seconds either way."""
+
+    def on_meta(self, packet_type: str, payload: dict[str, object]) -> None:
+        if packet_type == "quit":
+            end_within(terminal=False)
+        super().on_meta(packet_type, payload)
+
+    def run_input_thread(self) -> None:
+        try:
+            super().run_input_thread()
+        finally:
+            if not self.exit_event.is_set():  # input ended without the app quitting: nobody is left to see it
+                end_within(terminal=False)
+                self._app.post_message(messages.ExitApp())
+
+
+def tolerate_bad_input() -> None:
+    """Make Textual's terminal driver decode invalid UTF-8 as U+FFFD instead of dying on it.
+
+    Its input thread builds a strict decoder from the module's ``getincrementaldecoder``; that
+    name is pointed at one that replaces what it cannot decode (Textual 8; a no-op elsewhere).
+    """
+    try:
+        from textual.drivers import linux_driver
+    except ImportError:  # not on this platform
+        return
+    if hasattr(linux_driver, "getincrementaldecoder"):
+        linux_driver.getincrementaldecoder = lambda name: functools.partial(
+            codecs.getincrementaldecoder(name), errors="replace")

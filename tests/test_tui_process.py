@@ -1,0 +1,259 @@
+"""The app as a process: what it imports, how fast a bad option ends it, and that it ends when asked.
+
+Each test starts ``nanovllm-tui`` (``python -m nanovllm_tui.app``) as a person or textual-serve
+would, with bounded waits, and kills what it started if a wait runs out.
+"""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.tui_helpers import TRACE
+
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), *sys.path) if p)}
+WEB_DRIVER = "textual.drivers.web_driver:WebDriver"  # what textual-serve sets for each page's app
+
+
+def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_a_bad_option_ends_with_one_line_before_torch_is_imported():
+    out = run_python("""
+        import sys
+        from nanovllm_tui.app import main
+        try:
+            main(["--bogus"])
+        except SystemExit as e:
+            print("status", e.code, "torch" in sys.modules)
+    """)
+    assert out.stdout.strip() == "status 2 False"
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1] == "nanovllm-tui: error: unrecognized arguments: --bogus"
+    assert "Traceback" not in out.stderr
+
+
+APP_WITHOUT_TORCH = """
+    import asyncio, sys
+    from nanovllm_tui.options import build_app
+
+    async def visit(argv):
+        app = build_app(argv)
+        async with app.run_test(size=(120, 40)) as pilot:
+            for _ in range(200):  # until the first event has been drawn (bounded)
+                if app.state.requests or app.state.ready:
+                    break
+                await pilot.pause(0.05)
+            for key in "23451":
+                await pilot.press(key)
+                await pilot.pause(0.2)
+        return len(app.state.requests)
+
+    print("requests", asyncio.run(visit(sys.argv[1:])) > 0, "torch", "torch" in sys.modules,
+          "transformers", "transformers" in sys.modules)
+"""
+
+
+def test_a_replay_never_imports_torch():
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(APP_WITHOUT_TORCH), "--replay", str(TRACE)],
+                         env=ENV, capture_output=True, text=True, timeout=180)
+    assert out.stdout.strip() == "requests True torch False transformers False", out.stderr[-2000:]
+
+
+def test_an_attached_app_never_imports_torch(tiny_server):
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(APP_WITHOUT_TORCH), "--connect", tiny_server.url,
+                          "--api-key", tiny_server.api_key or ""], env=ENV, capture_output=True, text=True,
+                         timeout=180)
+    assert out.stdout.strip().split()[2:] == ["torch", "False", "transformers", "False"], out.stderr[-2000:]
+
+
+def start_web_app(*args: str) -> subprocess.Popen:
+    """The app as textual-serve starts it for one page: the web driver on stdin/stdout pipes."""
+    proc = subprocess.Popen([sys.executable, "-m", "nanovllm_tui.app", "--replay", str(TRACE), *args],
+                            env={**ENV, "TEXTUAL_DRIVER": WEB_DRIVER, "COLUMNS": "100", "ROWS": "30"},
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # textual-serve too waits for this line before it shows the page
+        line = proc.stdout.readline()
+        if line == b"__GANGLION__\n" or not line:
+            break
+    assert line == b"__GANGLION__\n", "the app did not start its web driver"
+    return proc
+
+
+def ends_within(proc: subprocess.Popen, seconds: float) -> int | None:
+    try:
+        return proc.wait(seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+        return None
+
+
+@pytest.mark.parametrize("how", ["stdin closes", "SIGTERM", "SIGINT"])
+def test_a_web_page_app_ends_when_its_server_goes_away_or_a_signal_comes(how):
+    proc = start_web_app()
+    time.sleep(1.0)  # the app is up and playing the trace
+    if how == "stdin closes":  # the web server that started it is gone
+        proc.stdin.close()
+    else:
+        os.kill(proc.pid, getattr(signal, how))
+    status = ends_within(proc, 15)
+    assert status is not None, f"the page's app process was still running 15 s after {how}"
+
+
+def test_sigterm_quits_the_terminal_app_and_gives_the_terminal_back():
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the app in a terminal of its own
+        os.execve(sys.executable, [sys.executable, "-m", "nanovllm_tui.app", "--replay", str(TRACE)],
+                  {**ENV, "TERM": "xterm-256color", "COLUMNS": "100", "LINES": "30"})
+    seen, deadline, signalled = b"", time.monotonic() + 120, False
+    try:
+        while time.monotonic() < deadline:
+            if not signalled and b"Dashboard" in seen:
+                os.kill(pid, signal.SIGTERM)
+                signalled, seen = True, b""
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:  # the app ended and closed the terminal
+                    break
+                if not chunk:
+                    break
+                seen += chunk
+        _, status = os.waitpid(pid, 0) if signalled else (None, None)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+    assert signalled, "the app never drew its Dashboard"
+    assert b"\x1b[?1049l" in seen  # left the alternate screen
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGTERM
+
+
+def test_pasting_invalid_utf8_into_the_terminal_app_does_not_end_it():
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execve(sys.executable, [sys.executable, "-m", "nanovllm_tui.app", "--replay", str(TRACE)],
+                  {**ENV, "TERM": "xterm-256color", "COLUMNS": "100", "LINES": "30"})
+    seen, deadline, sent, alive = b"", time.monotonic() + 120, None, None
+    try:
+        while time.monotonic() < deadline:
+            if sent is None and b"Dashboard" in seen:
+                os.write(fd, b"\x1b[200~abc\xff\xfe def\x1b[201~")  # a bracketed paste of invalid UTF-8
+                sent = time.monotonic()
+            if sent is not None and time.monotonic() - sent > 3:
+                alive = os.waitpid(pid, os.WNOHANG) == (0, 0)
+                break
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                try:
+                    seen += os.read(fd, 65536)
+                except OSError:
+                    break
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+    assert sent is not None, "the app never drew its Dashboard"
+    assert alive, "the app ended after invalid UTF-8 was pasted"
+
+
+def _app_processes(parent: int) -> list[int]:
+    """Ids of the ``nanovllm_tui.app`` processes below ``parent`` (textual-serve starts one per page)."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    rows = [line.split(None, 2) for line in out.splitlines() if line.strip()]
+    found, frontier = [], {str(parent)}
+    while frontier:
+        children = [r for r in rows if r[1] in frontier]
+        found += [int(r[0]) for r in children if "nanovllm_tui.app" in r[2] and not r[2].startswith("/bin/sh")]
+        frontier = {r[0] for r in children}
+    return found
+
+
+def test_web_visitors_apps_end_with_their_page_and_with_the_web_server(tmp_path):
+    """Issue 29: two visits left two app processes alive for minutes. Here a visitor opens the
+    page's websocket as the browser does and leaves; then another stays while the web server is
+    killed outright. Each app process is gone within seconds, and none imported torch (a replay)."""
+    import asyncio
+    import socket
+
+    import aiohttp  # comes with textual-serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    web = subprocess.Popen([sys.executable, "-m", "nanovllm_tui.app", "--web", "--port", str(port), "--replay",
+                            str(TRACE)], env=ENV, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+
+    frames: list[int] = []
+
+    async def visit(until) -> None:
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(f"http://127.0.0.1:{port}/ws?width=100&height=30") as ws:
+                deadline = time.monotonic() + 120
+                while not until() and time.monotonic() < deadline:
+                    try:
+                        message = await asyncio.wait_for(ws.receive(), 0.5)
+                    except asyncio.TimeoutError:
+                        continue
+                    if message.type == aiohttp.WSMsgType.BINARY:  # the app's screen
+                        frames.append(len(message.data))
+                    elif message.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED):
+                        return
+
+    def wait_for(condition, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if condition():
+                return True
+            time.sleep(0.2)
+        return condition()
+
+    try:
+        assert wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, 60), "--web did not listen"
+        seen: set[int] = set()
+        asyncio.run(visit(lambda: bool(seen.update(_app_processes(web.pid))) or len(frames) >= 3))  # drawn, then left
+        assert seen and len(frames) >= 3, "the page's app did not draw"
+        assert wait_for(lambda: not _app_processes(web.pid), 20), "the app outlived its page"
+        rss: list[int] = []
+
+        async def stay() -> None:
+            frames.clear()
+            task = asyncio.create_task(visit(lambda: False))
+            deadline = time.monotonic() + 120
+            while len(frames) < 3 and time.monotonic() < deadline:  # the app is drawing the page
+                await asyncio.sleep(0.2)
+            apps.extend(_app_processes(web.pid))
+            rss.extend(int(open(f"/proc/{p}/status").read().split("VmRSS:")[1].split()[0]) for p in apps)
+            os.kill(web.pid, signal.SIGKILL)  # the web server only: its apps see their stdin end
+            task.cancel()
+
+        apps: list[int] = []
+        asyncio.run(stay())
+        assert len(frames) >= 3 and apps and max(rss) < 300_000  # kB: no torch in a replay's app (530 MB with it)
+        assert wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and
+                                        open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in apps), 20), \
+            "an app outlived its web server"
+    finally:
+        try:
+            os.killpg(web.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        web.wait(10)
