@@ -35,10 +35,11 @@ from typing import Iterable
 import torch
 from torch import nn
 
+# The mode names are value-level facts (EngineConfig checks them), so they live in config.py.
+from nanovllm_core.config import QUANTIZATION_MODES, check_quantization  # noqa: F401  (re-exported)
 from nanovllm_core.model.cpu_linear import FloatLinear
 from nanovllm_core.model.int8_linear import Int8Linear
 
-QUANTIZATION_MODES = ("int8",)
 
 CALIBRATION_TEXT = (
     "A short calibration passage: the committee met on Tuesday to discuss the budget, the new library, "
@@ -48,17 +49,6 @@ CALIBRATION_TEXT = (
 SMOOTHING_ALPHA = 0.5  # SmoothQuant's migration strength: 0.5 splits the range evenly between x and W
 OUTLIER_CHANNELS = 16  # input channels per linear layer kept out of int8 (see outlier_channels) ...
 OUTLIER_SHARE = 1 / 32  # ... and at most this share of them, so a small model stays mostly int8
-
-
-def check_quantization(mode: str | None) -> None:
-    """Accept None (float weights) or a name in :data:`QUANTIZATION_MODES`.
-
-    Raises:
-        ValueError: any other value, in one line naming the choices.
-    """
-    if mode is not None and mode not in QUANTIZATION_MODES:
-        raise ValueError(f"quantization={mode!r} is unknown; use {' or '.join(repr(m) for m in QUANTIZATION_MODES)} "
-                         "(or leave it unset for float weights)")
 
 
 def attention_sum_dtype(mode: str | None, batch_invariant_kernel: bool = False) -> torch.dtype | None:
