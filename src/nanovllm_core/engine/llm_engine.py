@@ -23,6 +23,7 @@ from nanovllm_core import events as ev
 from nanovllm_core.attention import cpu_paged
 from nanovllm_core.attention.selector import DEFAULT_BLOCK_SIZE, default_block_size
 from nanovllm_core.config import EngineConfig, check_kv_pool_fits, default_kv_cache_memory
+from nanovllm_core.engine import observer
 from nanovllm_core.engine.block_manager import BlockManager
 from nanovllm_core.engine.clock import EngineClock
 from nanovllm_core.engine.device_errors import is_fatal_device_error
@@ -132,7 +133,7 @@ class LLMEngine:
         self.total_prompt_tokens = 0
         self.fault_injector: Callable[[SchedulerOutput], None] | None = None  # tests: raise inside a step
         self.fatal_error: str | None = None  # set when the device failed for good; new requests are rejected
-        self.xray = None  # an XRayCapture, made when a subscriber first asks for LayerTrace events
+        self.xray = None  # the layer observer (X-Ray capture), made when a subscriber first asks for LayerTrace events
         if config.seed is not None:
             torch.manual_seed(config.seed)
         warm_up(model)  # the first forward pass's one-time costs, paid here rather than by the first step
@@ -166,12 +167,12 @@ class LLMEngine:
 
     def model_info(self) -> dict[str, Any]:
         """Facts about the model and the KV pool, for headers and explanations (sizes in elements, tokens, bytes);
-        the machine's roofline too when it was measured before (see ``educational.xray.roofline_info``)."""
-        from nanovllm_core.educational.xray import roofline_info
-
+        plus what the installed observer adds (the X-Ray: the machine's roofline when it was measured
+        before; see ``engine/observer.py``)."""
+        plug = observer.installed()
         c = self.model_config
         return {
-            **roofline_info(self),
+            **(plug.facts(self) if plug is not None else {}),
             "model_name": self.model_name, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
             "num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
             "num_heads": c.num_attention_heads, "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
@@ -208,11 +209,14 @@ class LLMEngine:
         subscriber has ``topk > 0``, block snapshots only if some has ``blocks``, layer
         traces only if some has ``xray``. The callback runs on the engine's thread and must
         be quick (hand the event to a queue).
+
+        Raises:
+            RuntimeError: ``xray`` with no layer observer installed (see ``engine/observer.py``).
         """
-        sub = Subscription(callback, topk=topk, blocks=blocks, xray=xray)
-        self._subscribers.append(sub)
         if xray:
             self._xray_capture()  # measures the machine's roofline now, outside any step
+        sub = Subscription(callback, topk=topk, blocks=blocks, xray=xray)
+        self._subscribers.append(sub)
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
@@ -581,15 +585,22 @@ class LLMEngine:
         # Inside a step: no roofline measurement here (it would count in the step's time).
         return self._xray_capture(measure=False).tracer_for(plan)
 
-    def _xray_capture(self, measure: bool = True):
-        """The X-Ray capture, made on first use; ``measure`` also measures the machine's roofline
-        (once per process and device; call it between steps)."""
-        from nanovllm_core.educational.xray import XRayCapture
+    def _xray_capture(self, measure: bool = True) -> observer.StepObserver:
+        """The layer observer (the X-Ray capture), made on first use with the installed plug;
+        ``measure`` also lets it do its slow one-time work (the X-Ray measures the machine's
+        roofline, once per process and device; call it between steps).
 
+        Raises:
+            RuntimeError: no observer is installed (``engine.observer.install``).
+        """
         if self.xray is None:
-            self.xray = XRayCapture(self, measure=measure)
+            plug = observer.installed()
+            if plug is None:
+                raise RuntimeError("no layer observer is installed, so X-Ray traces cannot be made "
+                                   "(nanovllm_core/__init__.py installs the X-Ray; see engine/observer.py)")
+            self.xray = plug.make(self, measure)
         elif measure:
-            self.xray.measure_roofline()
+            self.xray.prepare()
         return self.xray
 
     def select_xray(self, request_id: str | None, layer: int = 0, head: int = 0) -> None:
