@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from nanovllm_core.cli import positive_int
+from nanovllm_core.cli_args import positive_int
 
 DEFAULT_PROMPT = "The future of AI is"
 
