@@ -18,7 +18,6 @@ Hugging Face tensor names onto the packed parameters.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
