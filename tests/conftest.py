@@ -38,16 +38,24 @@ def real_model_int8():
 
 
 @pytest.fixture(scope="session")
+def real_model_gguf():
+    """(model, tokenizer, resolved) of the embedded default model keeping the GGUF file's own blocks (loaded on first use)."""
+    from nanovllm_core.model.loader import load_model
+
+    return load_model(None, torch.device("cpu"), torch.float32, quantization="gguf")
+
+
+@pytest.fixture(scope="session")
 def make_engine(real_model, request):
     """Build an engine over the shared real model: ``make_engine(num_kv_blocks=64, ...)``.
 
-    ``quantization="int8"`` builds it over the shared int8 model instead.
+    ``quantization="int8"`` or ``"gguf"`` builds it over the shared int8 or block model instead.
     """
 
     def build(**kwargs) -> LLMEngine:
         kwargs.setdefault("num_kv_blocks", 256)
-        int8 = kwargs.get("quantization") == "int8"
-        model, tokenizer, resolved = request.getfixturevalue("real_model_int8") if int8 else real_model
+        shared = {"int8": "real_model_int8", "gguf": "real_model_gguf"}.get(kwargs.get("quantization"))
+        model, tokenizer, resolved = request.getfixturevalue(shared) if shared else real_model
         return LLMEngine(EngineConfig(**kwargs), model, tokenizer, resolved)
 
     return build

@@ -13,7 +13,11 @@ from typing import Any
 
 import torch
 
-QUANTIZATION_MODES = ("int8",)  # model/quantization.py builds the layers each mode names
+# The quantization modes' names (model/quantization.py builds the layers each one names).
+BLOCK_MODES = ("gguf", "q8_0", "q4_0", "q4_1")  # weights in GGUF blocks (model/block_quant.py)
+QUANTIZATION_MODES = (*BLOCK_MODES, "int8")
+QUANTIZATION_CHOICES = ("none", *QUANTIZATION_MODES)  # what --quantization accepts ("none": float weights)
+
 SCHEDULING_POLICIES = ("priority", "fcfs")
 ATTENTION_BACKENDS = ("flash", "math")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -21,15 +25,28 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "float": torch.float32}
 
 
+def normalize_quantization(mode: str | None) -> str | None:
+    """``mode`` as the engine keeps it: None for float weights (``None`` or ``"none"``), else the lower-case name.
+
+    Raises:
+        ValueError: any value not in :data:`QUANTIZATION_CHOICES`, in one line naming the choices.
+    """
+    if mode is None:
+        return None
+    name = str(mode).lower()
+    if name not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization={mode!r} is unknown; use one of {', '.join(QUANTIZATION_CHOICES)} "
+                         "(gguf: keep a GGUF file's own blocks; q8_0/q4_0/q4_1: quantize at load; none: float)")
+    return None if name == "none" else name
+
+
 def check_quantization(mode: str | None) -> None:
-    """Accept None (float weights) or a name in :data:`QUANTIZATION_MODES`.
+    """Accept None or a name in :data:`QUANTIZATION_CHOICES` (see :func:`normalize_quantization`).
 
     Raises:
         ValueError: any other value, in one line naming the choices.
     """
-    if mode is not None and mode not in QUANTIZATION_MODES:
-        raise ValueError(f"quantization={mode!r} is unknown; use {' or '.join(repr(m) for m in QUANTIZATION_MODES)} "
-                         "(or leave it unset for float weights)")
+    normalize_quantization(mode)
 
 
 @dataclass
@@ -62,11 +79,14 @@ class EngineConfig:
             draft model (repo id, folder or ``.gguf``) with the target's vocabulary.
         num_speculative_tokens: draft tokens proposed per step and sequence, k (None: 5 when
             ``speculative_model`` is set).
-        quantization: None (float weights) or ``"int8"``: the linear layers and the LM head
-            with int8 weights, one scale per output channel (CPU only; see
-            ``nanovllm_core.model.quantization``). Embeddings stay in ``dtype``. Attention must
-            then be batch-invariant: the CPU paged kernel is, on float32 K/V; without it the
-            KV cache and attention run in float64 (see ``quantization.attention_sum_dtype``).
+        quantization: how the linear layers and the LM head hold their weights (CPU only but
+            for None; see ``nanovllm_core.model.quantization``). None or ``"none"``: float, in
+            ``dtype``. ``"gguf"``: a GGUF checkpoint's own blocks (Q8_0, Q4_0, Q4_1) as the
+            file ships them, embedding included. ``"q8_0"``, ``"q4_0"``, ``"q4_1"``: float
+            weights cut into those blocks at load (embedding and tied head in Q8_0).
+            ``"int8"``: int8 weights, one scale per output channel, through oneDNN/fbgemm;
+            attention must then be batch-invariant: the CPU paged kernel is, on float32 K/V;
+            without it the KV cache and attention run in float64 (``quantization.attention_sum_dtype``).
     """
 
     model: str | None = None
@@ -118,10 +138,14 @@ class EngineConfig:
                 f"max_model_len ({self.max_model_len}) so a whole prompt fits one step"
             )
 
-        check_quantization(self.quantization)
+        self.quantization = normalize_quantization(self.quantization)
         if self.quantization is not None and self.torch_device.type != "cpu":
-            raise ValueError(f"quantization={self.quantization!r} runs on the CPU (oneDNN's int8 kernels); "
-                             "use device='cpu' (--device cpu) or leave quantization unset")
+            raise ValueError(f"quantization={self.quantization!r} runs on the CPU (this engine's C kernels); "
+                             "use device='cpu' (--device cpu) or --quantization none")
+        if self.quantization is not None and self.quantization != "int8" and self.dtype is not None \
+                and DTYPES[self.dtype] != torch.float32:
+            raise ValueError(f"quantization={self.quantization!r} computes in float32; use dtype='float32' "
+                             "(--dtype float32) or --quantization none")
         self._check_speculative()
 
     def _check_speculative(self) -> None:

@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import torch
 
+from nanovllm_core.model.gguf_names import gguf_to_hf_name as _gguf_to_hf_name
+from nanovllm_core.model.gguf_names import unpermute_rotary_rows  # re-exported: tests and callers use loader's
 from nanovllm_core.paths import cache_root  # re-exported: loader.cache_root() is used by callers
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -57,6 +59,7 @@ class ResolvedModel:
     path: Path
     name: str
     source: str
+    gguf_file: Path | None = None  # the GGUF file the folder was converted from (its blocks can be kept)
 
 
 def default_gguf_path() -> Path:
@@ -96,13 +99,13 @@ def resolve_model(model: str | os.PathLike | None = None, progress: ProgressFn |
     """
     if model is None or str(model) == "":
         gguf_file = default_gguf_path()
-        return ResolvedModel(convert_gguf(gguf_file, progress), DEFAULT_MODEL_NAME, "default")
+        return ResolvedModel(convert_gguf(gguf_file, progress), DEFAULT_MODEL_NAME, "default", gguf_file)
     text = str(model)
     path = Path(os.path.expanduser(text))
     if path.exists():
         if path.is_file():
             if path.suffix.lower() == ".gguf":
-                return ResolvedModel(convert_gguf(path, progress), path.name, "gguf")
+                return ResolvedModel(convert_gguf(path, progress), path.name, "gguf", path)
             raise ModelLoadError(
                 f"{text} is a file but not a .gguf model; pass a .gguf file, a folder with "
                 "config.json and *.safetensors, or a Hugging Face repo id"
@@ -285,45 +288,6 @@ def _gguf_config_and_tokenizer(gguf_file: Path, out: Path) -> Any:
     return config
 
 
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
-def _gguf_to_hf_name(name: str) -> str | None:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (None: not a weight we use)."""
-    if name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if name == "output_norm.weight":
-        return "model.norm.weight"
-    if name == "output.weight":
-        return "lm_head.weight"
-    m = re.match(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
-    if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-    return None
-
-
-def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's rotary row order for a q/k projection ``[num_heads * head_dim, hidden]``.
-
-    llama.cpp's converter interleaves each head's rows so that rotary pairs are adjacent
-    ((0, 1), (2, 3), ...); Hugging Face pairs row i with row i + head_dim/2. This is the
-    inverse of ``permute`` in llama.cpp's ``convert_hf_to_gguf.py``.
-    """
-    rows = w.shape[0]
-    head_dim = rows // num_heads
-    return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
 # ------------------------------------------------------------------------------ loading
 
 
@@ -423,19 +387,23 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     """Resolve, build and load a model: returns ``(LlamaForCausalLM, tokenizer, ResolvedModel)``.
 
     The rotary table is sized for ``max_model_len`` (default: the model's context length).
-    ``quantization`` (None or ``"int8"``) chooses the linear layers built from the checkpoint's
-    float weights (``nanovllm_core.model.quantization``); float ones are packed here, at load.
+    ``quantization`` (None, ``"gguf"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"`` or ``"int8"``) chooses
+    the linear layers (``nanovllm_core.model.quantization``): ``"gguf"`` keeps a GGUF file's own
+    blocks, the others are built from the checkpoint's float weights; float ones are packed here.
 
     Raises:
-        ModelLoadError: any failure to find, convert or load, as one line.
-        ValueError: an unknown ``quantization``, or int8 on a device other than the CPU.
+        ModelLoadError: any failure to find, convert or load, as one line; ``"gguf"`` for a
+            model that is not a GGUF file.
+        ValueError: an unknown ``quantization``, or a quantized mode on a device other than the CPU.
     """
     from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
-    from nanovllm_core.model.quantization import calibration_ids, check_quantization, prepare_linear_layers
+    from nanovllm_core.model.quantization import calibration_ids, normalize_quantization, prepare_linear_layers
 
-    check_quantization(quantization)
-
+    quantization = normalize_quantization(quantization)
     resolved = resolve_model(model, progress)
+    if quantization == "gguf" and resolved.gguf_file is None:
+        raise ModelLoadError(f"--quantization gguf keeps a GGUF file's own blocks, but {resolved.name} is not a .gguf "
+                             "file; use q8_0, q4_0 or q4_1 to quantize it at load, or none")
     hf_config = load_hf_config(resolved.path)
     try:
         cfg = ModelConfig.from_hf(hf_config)
@@ -455,7 +423,10 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     net.rotary.build_tables(device)
     load_weights(net, resolved.path, progress)
     net.eval()
-    prepare_linear_layers(net, quantization, calibration_ids(tokenizer, cfg.vocab_size))
+    try:
+        prepare_linear_layers(net, quantization, calibration_ids(tokenizer, cfg.vocab_size), gguf_file=resolved.gguf_file)
+    except ValueError as e:
+        raise ModelLoadError(f"{resolved.name}: {e}") from None
     return net, tokenizer, resolved
 
 
@@ -478,7 +449,7 @@ def warm_up(model, num_tokens: int = 1) -> None:
     when the engine is built keeps every step's measured time the step's own, as vLLM's
     start-up dummy run does. Nothing is kept: no KV cache is written, the result is discarded.
     """
-    device = model.embed_tokens.weight.device
+    device = model.norm.weight.device
     with torch.inference_mode():
         hidden = model(torch.zeros(num_tokens, dtype=torch.long, device=device),
                        torch.arange(num_tokens, device=device), _NoCache())

@@ -35,11 +35,22 @@ from typing import Iterable
 import torch
 from torch import nn
 
+import numpy as np
+
 # The mode names are value-level facts (EngineConfig checks them), so they live in config.py.
-from nanovllm_core.config import QUANTIZATION_MODES, check_quantization  # noqa: F401  (re-exported)
+from nanovllm_core.config import (  # noqa: F401  (re-exported)
+    BLOCK_MODES,
+    QUANTIZATION_CHOICES,
+    QUANTIZATION_MODES,
+    check_quantization,
+    normalize_quantization,
+)
+from nanovllm_core.model import block_quant
+from nanovllm_core.model.block_quant import BY_GGML_TYPE
 from nanovllm_core.model.cpu_linear import FloatLinear
 from nanovllm_core.model.int8_linear import Int8Linear
 
+EMBEDDING_FORMAT = "q8_0"  # the token embedding (and a tied LM head) in every block mode but "gguf"
 
 CALIBRATION_TEXT = (
     "A short calibration passage: the committee met on Tuesday to discuss the budget, the new library, "
@@ -158,21 +169,161 @@ def calibration_ids(tokenizer, vocab_size: int) -> list[int]:
     return ids or [(17 * i + 5) % vocab_size for i in range(80)]
 
 
+def gguf_block_tensors(gguf_file, cfg) -> dict[str, tuple[str, torch.Tensor | None]]:
+    """The weights of a GGUF file under their Hugging Face names: ``{name: (ggml type name, blocks or None)}``.
+
+    ``blocks`` is uint8 ``[rows, K / 32 * block_bytes]`` for a type :mod:`block_quant` runs
+    (Q8_0, Q4_0, Q4_1), with q/k rows put back in Hugging Face's rotary order (whole rows move,
+    so every block stays as shipped); None for any other type (F32, F16, K-quants ...).
+
+    Raises:
+        ValueError: the file cannot be read.
+    """
+    import gguf
+
+    from nanovllm_core.model.gguf_names import gguf_to_hf_name, unpermute_rotary_rows
+
+    try:
+        reader = gguf.GGUFReader(str(gguf_file))
+    except Exception as e:
+        raise ValueError(f"{gguf_file} could not be read ({type(e).__name__}: {e})") from None
+    out: dict[str, tuple[str, torch.Tensor | None]] = {}
+    for t in reader.tensors:
+        name = gguf_to_hf_name(t.name)
+        if name is None:
+            continue
+        fmt = BY_GGML_TYPE.get(int(t.tensor_type))
+        blocks = None
+        if fmt is not None:
+            blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
+            if name.endswith("self_attn.q_proj.weight"):
+                blocks = unpermute_rotary_rows(blocks, cfg.num_attention_heads).contiguous()
+            elif name.endswith("self_attn.k_proj.weight"):
+                blocks = unpermute_rotary_rows(blocks, cfg.num_key_value_heads).contiguous()
+        out[name] = (t.tensor_type.name.lower() if fmt is None else fmt.name, blocks)
+    return out
+
+
+# The Hugging Face tensors packed into each of a decoder layer's linear modules, in row order.
+PACKED_SOURCES = {
+    ("self_attn", "qkv_proj"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn", "o_proj"): ("self_attn.o_proj",),
+    ("mlp", "gate_up_proj"): ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp", "down_proj"): ("mlp.down_proj",),
+}
+
+
+def _prepare_block_layers(model: nn.Module, mode: str, gguf_file) -> None:
+    """Swap every linear module (and the embedding) for block ones: the file's blocks or quantized at load.
+
+    ``mode == "gguf"``: a packed module (qkv, gate_up) keeps its tensors' blocks when all of them
+    are in one format :mod:`block_quant` runs; otherwise it stays float (dequantized), and
+    ``model.quantization_note`` says which tensors and types. Other modes quantize the loaded
+    float weights: linear layers in ``mode``, embedding and tied LM head in :data:`EMBEDDING_FORMAT`.
+    """
+    cfg = model.config
+    file_blocks = gguf_block_tensors(gguf_file, cfg) if mode == "gguf" else {}
+    kept_float: dict[str, int] = {}
+
+    def blocks_for(names: list[str], weight: torch.Tensor, default_fmt: str) -> tuple[torch.Tensor, str] | None:
+        if mode != "gguf":
+            return block_quant.quantize(weight, default_fmt), default_fmt
+        found = [file_blocks.get(n, ("missing", None)) for n in names]
+        fmts = {f for f, _ in found}
+        if len(fmts) == 1 and all(b is not None for _, b in found):
+            return torch.cat([b for _, b in found]), found[0][0]
+        for f, b in found:
+            if b is None:
+                kept_float[f] = kept_float.get(f, 0) + 1
+        return None
+
+    def linear_for(weight: torch.Tensor, bias: torch.Tensor | None, names: list[str], default_fmt: str) -> nn.Module:
+        got = blocks_for(names, weight, default_fmt) if weight.shape[1] % block_quant.BLOCK_SIZE == 0 else None
+        if got is None:
+            if mode != "gguf":
+                kept_float[f"{list(weight.shape)} (width not a multiple of 32)"] = 1
+            return FloatLinear(weight, bias)
+        return block_quant.BlockLinear(got[0], got[1], weight.shape[1], bias)
+
+    for i, layer in enumerate(model.layers):
+        for (part, attr), sources in PACKED_SOURCES.items():
+            parent = getattr(layer, part)
+            child = getattr(parent, attr)
+            names = [f"model.layers.{i}.{src}.weight" for src in sources]
+            setattr(parent, attr, linear_for(child.weight, child.bias, names, mode))
+    emb_name = "model.embed_tokens.weight"
+    emb = model.embed_tokens.weight
+    got = blocks_for([emb_name], emb, EMBEDDING_FORMAT) if emb.shape[1] % block_quant.BLOCK_SIZE == 0 else None
+    if got is not None:
+        model.embed_tokens = block_quant.BlockEmbedding(got[0], got[1], emb.shape[1])
+    if cfg.tie_word_embeddings:
+        model.lm_head = (block_quant.BlockLinear(model.embed_tokens.blocks, model.embed_tokens.format, emb.shape[1])
+                         if got is not None else FloatLinear(emb))
+    else:
+        model.lm_head = linear_for(model.lm_head.weight, None, ["lm_head.weight"], EMBEDDING_FORMAT)
+    model.quantization_note = None
+    if kept_float:
+        what = ", ".join(f"{n} x {k}" for k, n in sorted(kept_float.items()))
+        model.quantization_note = (f"some weights are not in a block format this engine runs ({what}); "
+                                   "they run dequantized to float32")
+
+
+def weight_formats(model: nn.Module) -> dict[str, int]:
+    """``{format: bytes}`` over the linear layers, the LM head and the embedding, as built: what runs.
+
+    Formats are ``float32`` (or the model's dtype), ``int8``, ``q8_0``, ``q4_0``, ``q4_1``; a tied
+    head that reads the embedding's blocks is counted once.
+    """
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    for m in [*linear_modules(model), model.embed_tokens]:
+        blocks = getattr(m, "blocks", None)
+        if blocks is not None:
+            key, size = id(blocks.untyped_storage()), blocks.numel()
+        else:
+            w = m.weight
+            key, size = id(w), w.numel() * w.element_size()
+        if key in seen:
+            continue
+        seen.add(key)
+        kind = getattr(m, "kind", None) or str(m.weight.dtype).replace("torch.", "")
+        out[kind] = out.get(kind, 0) + size
+    return out
+
+
+def describe_weights(model: nn.Module) -> str:
+    """One line naming what runs: ``q4_1 (file blocks) + q8_0 embedding`` style, from :func:`weight_formats`."""
+    formats = weight_formats(model)
+    total = sum(formats.values())
+    parts = [f"{k} {v / 1e6:.0f} MB" for k, v in sorted(formats.items(), key=lambda kv: -kv[1])]
+    return f"{' + '.join(parts)} ({total / 1e6:.0f} MB of weights)"
+
+
 def prepare_linear_layers(model: nn.Module, quantization: str | None = None,
-                          token_ids: list[int] | None = None) -> None:
+                          token_ids: list[int] | None = None, gguf_file=None) -> None:
     """Build the runtime linear modules of a loaded ``LlamaForCausalLM``, in place (see the module docstring).
 
     ``token_ids``: the int8 calibration input (default: 80 fixed ids; the loader passes
-    :data:`CALIBRATION_TEXT` tokenized). Sets ``model.quantization`` and ``model.lm_head``.
+    :data:`CALIBRATION_TEXT` tokenized). ``gguf_file``: the checkpoint's GGUF file, needed for
+    ``"gguf"``. Sets ``model.quantization``, ``model.quantization_note`` and ``model.lm_head``.
 
     Raises:
-        ValueError: an unknown mode, or int8 on a device other than the CPU.
+        ValueError: an unknown mode, a quantized mode on a device other than the CPU, or
+            ``"gguf"`` without a GGUF file.
     """
-    check_quantization(quantization)
-    device = model.embed_tokens.weight.device
-    if quantization == "int8" and device.type != "cpu":
-        raise ValueError(f"quantization='int8' runs on the CPU (oneDNN's int8 kernels), not on {device.type}; "
-                         "use device='cpu' or leave quantization unset")
+    quantization = normalize_quantization(quantization)
+    device = model.norm.weight.device
+    if quantization is not None and device.type != "cpu":
+        raise ValueError(f"quantization={quantization!r} runs on the CPU (this engine's C kernels), not on {device.type}; "
+                         "use device='cpu' or --quantization none")
+    model.quantization_note = None
+    if quantization in BLOCK_MODES:
+        if quantization == "gguf" and gguf_file is None:
+            raise ValueError("quantization='gguf' keeps a GGUF file's blocks, but this model was not loaded from one; "
+                             "use q8_0, q4_0 or q4_1")
+        _prepare_block_layers(model, quantization, gguf_file)
+        model.quantization = quantization
+        return
     smooth: dict[nn.Module, torch.Tensor] = {}
     outliers: dict[nn.Module | str, torch.Tensor] = {}
     if quantization == "int8":

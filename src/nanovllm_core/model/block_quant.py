@@ -1,0 +1,286 @@
+"""Linear layers and embeddings whose weights stay in GGUF's block formats (Q8_0, Q4_0, Q4_1).
+
+A block is 32 consecutive weights of one output row and the numbers that scale them:
+
+======  =====  ==================================================  ===================
+format  bytes  layout                                              weight
+======  =====  ==================================================  ===================
+Q8_0    34     fp16 scale d, 32 int8 q                             ``d * q``
+Q4_0    18     fp16 scale d, 16 bytes of 4-bit q                   ``d * (q - 8)``
+Q4_1    20     fp16 scale d, fp16 min m, 16 bytes of 4-bit q       ``d * q + m``
+======  =====  ==================================================  ===================
+
+(in a 4-bit block, byte j holds weight j in its low nibble and weight j + 16 in its high one;
+ggml's ``ggml-quants.c`` defines the formats). A weight matrix ``[N, K]`` is stored as
+``[N, K / 32 * bytes]`` uint8: each row's blocks one after another, exactly as a GGUF file
+holds it, so a checkpoint that ships blocks is used as shipped (the loader keeps them; no
+dequantize-then-requantize), and a float checkpoint is quantized at load with the ``gguf``
+package's reference quantizers (the same arithmetic as llama.cpp's ``quantize``).
+
+:class:`BlockLinear` multiplies float32 activations by the blocks in C
+(``block_quant_cpu.c``: the integers are widened to floats in registers, each block's sum is
+scaled once, and one row's result never depends on the other rows of its batch). Where the C
+library cannot be built, or ``NANOVLLM_BLOCK_KERNELS=0``, it dequantizes the matrix for the call
+and uses PyTorch's matmul: the same values up to float32 rounding, slower, and not
+batch-invariant (the engine says so at load).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from nanovllm_core import native
+
+SOURCE = Path(__file__).with_name("block_quant_cpu.c")
+ENV_SWITCH = "NANOVLLM_BLOCK_KERNELS"  # "0": the PyTorch fallback
+BLOCK_SIZE = 32  # weights per block, in every format here
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One GGUF block format: its name, ggml type id, bytes per block, C enum value and a one-line layout."""
+
+    name: str
+    ggml_type: int
+    block_bytes: int
+    c_id: int
+    layout: str
+
+    @property
+    def bytes_per_weight(self) -> float:
+        """Bytes each weight costs, its share of the scale (and min) included: 34/32, 18/32, 20/32."""
+        return self.block_bytes / BLOCK_SIZE
+
+
+FORMATS: dict[str, BlockFormat] = {
+    "q8_0": BlockFormat("q8_0", 8, 34, 0, "fp16 scale d + 32 int8 q; w = d*q"),
+    "q4_0": BlockFormat("q4_0", 2, 18, 1, "fp16 scale d + 32 4-bit q; w = d*(q-8)"),
+    "q4_1": BlockFormat("q4_1", 3, 20, 2, "fp16 scale d + fp16 min m + 32 4-bit q; w = d*q + m"),
+}
+BY_GGML_TYPE = {f.ggml_type: f for f in FORMATS.values()}
+
+
+def block_format(name: str) -> BlockFormat:
+    """The format called ``name`` (``q8_0``, ``q4_0``, ``q4_1``, any case).
+
+    Raises:
+        ValueError: an unknown name, in one line naming the choices.
+    """
+    fmt = FORMATS.get(str(name).lower())
+    if fmt is None:
+        raise ValueError(f"block format {name!r} is unknown; use one of {', '.join(FORMATS)}")
+    return fmt
+
+
+# ----------------------------------------------------------------------------- the C library
+
+_p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+SIGNATURES = {
+    "block_linear": (_i32, [_i32, _p, _p, _i64, _p, _i64, _p, _i64, _i64, _i64, _i64, _p, _i32]),
+    "block_rows": (_i32, [_i32, _p, _p, _i64, _i64, _i64, _p]),
+}
+
+
+def library() -> ctypes.CDLL | None:
+    """``block_quant_cpu.c`` built for this CPU, or None (no compiler, failed build, or ``NANOVLLM_BLOCK_KERNELS=0``)."""
+    return native.load_unless_off(SOURCE, SIGNATURES, ENV_SWITCH)[0]
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`library` is None, or None when it loads."""
+    return native.load_unless_off(SOURCE, SIGNATURES, ENV_SWITCH)[1]
+
+
+# ----------------------------------------------------------------------------- reference (PyTorch)
+
+def _halves(raw: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., 2]`` (little-endian fp16 bytes) -> float32 ``[...]``."""
+    return raw.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def dequantize(blocks: torch.Tensor, fmt: BlockFormat | str, in_features: int) -> torch.Tensor:
+    """Blocks uint8 ``[N, K / 32 * block_bytes]`` -> float32 weights ``[N, K]`` (K = ``in_features``).
+
+    Written from the format table in the module docstring, in PyTorch; the same values as
+    ``gguf.quants.dequantize`` (tests/test_block_quant.py checks it).
+
+    Raises:
+        ValueError: ``in_features`` not a multiple of 32, or blocks of another width.
+    """
+    fmt = block_format(fmt) if isinstance(fmt, str) else fmt
+    n = blocks.shape[0]
+    if in_features % BLOCK_SIZE or blocks.shape[1] != in_features // BLOCK_SIZE * fmt.block_bytes:
+        raise ValueError(f"{fmt.name} blocks of width {blocks.shape[1]} do not hold {in_features} weights a row")
+    b = blocks.reshape(n, in_features // BLOCK_SIZE, fmt.block_bytes)
+    d = _halves(b[..., 0:2].unsqueeze(-1).reshape(*b.shape[:2], 2))
+    if fmt.name == "q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).float()
+        w = d.unsqueeze(-1) * q
+    else:
+        qs = b[..., (4 if fmt.name == "q4_1" else 2):]
+        q = torch.cat((qs & 15, qs >> 4), dim=-1).float()
+        if fmt.name == "q4_1":
+            m = _halves(b[..., 2:4])
+            w = d.unsqueeze(-1) * q + m.unsqueeze(-1)
+        else:
+            w = d.unsqueeze(-1) * (q - 8.0)
+    return w.reshape(n, in_features)
+
+
+def quantize(weight: torch.Tensor, fmt: BlockFormat | str) -> torch.Tensor:
+    """Float weights ``[N, K]`` -> blocks uint8 ``[N, K / 32 * block_bytes]``, with gguf's reference quantizer.
+
+    The ``gguf`` package's numpy port of ggml's ``quantize_row_*_ref``: per block, Q8_0 takes
+    ``d = max|w| / 127``, Q4_0 ``d = w_maxabs / -8`` and Q4_1 ``d = (max - min) / 15, m = min``.
+
+    Raises:
+        ValueError: K not a multiple of 32.
+    """
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    fmt = block_format(fmt) if isinstance(fmt, str) else fmt
+    if weight.dim() != 2 or weight.shape[1] % BLOCK_SIZE:
+        raise ValueError(f"a {list(weight.shape)} weight cannot be cut into {fmt.name} blocks of {BLOCK_SIZE} "
+                         "(its last dimension must be a multiple of 32); load it with --quantization none")
+    arr = weight.detach().to(torch.float32).cpu().numpy()
+    out = gguf_quantize(arr, GGMLQuantizationType(fmt.ggml_type))
+    return torch.from_numpy(np.ascontiguousarray(out)).reshape(weight.shape[0], -1)
+
+
+# ----------------------------------------------------------------------------- modules
+
+class BlockLinear(nn.Module):
+    """``y = x W^T + b`` with W kept in a block format: x ``[num_tokens, in_features]`` -> ``[num_tokens, out_features]``.
+
+    ``blocks``: uint8 ``[out_features, in_features / 32 * block_bytes]`` (a GGUF tensor's rows,
+    as the file holds them). Activations and the result are float32. Bit for bit, a row's
+    result is the same whatever else is in ``x`` (see ``block_quant_cpu.c``).
+
+    Attributes:
+        kind: the format's name (``q4_1``, ...), shown by the app and ``model_info()``.
+        bytes_per_weight: bytes per weight with its share of scale (and min): 34/32, 18/32 or 20/32.
+        weight_bytes: bytes one forward pass streams from memory (all of ``blocks``).
+    """
+
+    def __init__(self, blocks: torch.Tensor, fmt: BlockFormat | str, in_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.format = block_format(fmt) if isinstance(fmt, str) else fmt
+        if in_features % BLOCK_SIZE or blocks.dtype != torch.uint8 or blocks.dim() != 2 \
+                or blocks.shape[1] != in_features // BLOCK_SIZE * self.format.block_bytes:
+            raise ValueError(f"{self.format.name} blocks {list(blocks.shape)} ({blocks.dtype}) do not hold "
+                             f"{in_features} weights a row")
+        self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.out_features, self.in_features = blocks.shape[0], in_features
+        self.kind = self.format.name
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, fmt: BlockFormat | str, bias: torch.Tensor | None = None) -> "BlockLinear":
+        """Quantize a float weight ``[out_features, in_features]`` into ``fmt`` blocks (see :func:`quantize`)."""
+        return cls(quantize(weight, fmt), fmt, weight.shape[1], bias)
+
+    @property
+    def bytes_per_weight(self) -> float:
+        return self.format.bytes_per_weight
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.blocks.numel()
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight ``[out_features, in_features]`` these blocks stand for (a new tensor: for teaching and tests)."""
+        return dequantize(self.blocks, self.format, self.in_features)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x ``[num_tokens, in_features]`` -> ``[num_tokens, out_features]`` float32 (``+ residual`` when given).
+
+        Raises:
+            ValueError: x of another width.
+        """
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input width {x.shape[-1]} does not match this layer's {self.in_features} input features")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        lib = library() if x2.device.type == "cpu" and not (torch.is_grad_enabled() and x2.requires_grad) else None
+        if lib is None:
+            y = torch.nn.functional.linear(x2, self.dequantized().to(x2.device), self.bias)
+            if residual is not None:
+                y = residual.reshape(y.shape) + y
+            return y.reshape(*lead, self.out_features)
+        if residual is not None and self.bias is not None:  # residual + (x W^T + b): the bias first
+            return (residual.reshape(-1, self.out_features) + self.forward(x2)).reshape(*lead, self.out_features)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        m = x2.shape[0]
+        y = torch.empty(m, self.out_features, dtype=torch.float32)
+        if m:
+            res = None
+            if residual is not None:
+                res = residual.reshape(m, self.out_features)
+                if res.dtype != torch.float32 or res.stride(-1) != 1:
+                    res = res.float().contiguous()
+            sx = torch.empty(m * (self.in_features // BLOCK_SIZE), dtype=torch.float32)
+            lib.block_linear(self.format.c_id, self.blocks.data_ptr(), x2.data_ptr(), x2.stride(0), y.data_ptr(),
+                             self.out_features, None if res is None else res.data_ptr(),
+                             0 if res is None else res.stride(0), m, self.out_features, self.in_features,
+                             sx.data_ptr(), torch.get_num_threads())
+            if self.bias is not None:
+                y += self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
+
+
+class BlockEmbedding(nn.Module):
+    """Token embedding kept in blocks: ids ``[num_tokens]`` -> rows ``[num_tokens, hidden]`` float32.
+
+    A lookup dequantizes only the rows it reads (``d * q`` for Q8_0), the same values as the
+    dequantized matrix holds; the matrix itself stays ``vocab x hidden / 32 * block_bytes`` bytes.
+    A tied LM head reads the same blocks (:class:`BlockLinear` over :attr:`blocks`).
+
+    Raises (forward):
+        IndexError: an id outside ``[0, num_embeddings)``.
+    """
+
+    def __init__(self, blocks: torch.Tensor, fmt: BlockFormat | str, embedding_dim: int) -> None:
+        super().__init__()
+        self.format = block_format(fmt) if isinstance(fmt, str) else fmt
+        if embedding_dim % BLOCK_SIZE or blocks.shape[1] != embedding_dim // BLOCK_SIZE * self.format.block_bytes:
+            raise ValueError(f"{self.format.name} blocks {list(blocks.shape)} do not hold {embedding_dim} values a row")
+        self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding_dim
+        self.kind = self.format.name
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.blocks.numel()
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 matrix ``[num_embeddings, embedding_dim]`` (a new tensor: for teaching and tests)."""
+        return dequantize(self.blocks, self.format, self.embedding_dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        lib = library()
+        if lib is None or flat.device.type != "cpu":
+            rows = dequantize(self.blocks[flat], self.format, self.embedding_dim)
+            return rows.reshape(*ids.shape, self.embedding_dim)
+        out = torch.empty(flat.numel(), self.embedding_dim, dtype=torch.float32)
+        if flat.numel() and lib.block_rows(self.format.c_id, self.blocks.data_ptr(), flat.data_ptr(), flat.numel(),
+                                           self.num_embeddings, self.embedding_dim, out.data_ptr()) != 0:
+            raise IndexError(f"a token id is outside the vocabulary [0, {self.num_embeddings})")
+        return out.reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.kind}"

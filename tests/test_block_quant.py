@@ -1,0 +1,153 @@
+"""Block-quantized linear layers (Q8_0, Q4_0, Q4_1): formats against gguf's own reader, the C
+kernel against a float64 reference, bit-equal builds for every instruction set, and rows that
+do not depend on their batch."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from nanovllm_core.model import block_quant as bq
+from nanovllm_core.model.quantization import QUANTIZATION_CHOICES, normalize_quantization
+from tests.native_builds import BUILD_IDS, BUILDS, build
+
+FORMATS = list(bq.FORMATS)
+needs_kernel = pytest.mark.skipif(bq.library() is None, reason=f"block kernels unavailable: {bq.unavailable_reason()}")
+
+
+def weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[:, 3] *= 20  # an outlier column, as real checkpoints have
+    return w
+
+
+def gguf_reference(blocks: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
+    arr = gguf_dequantize(blocks.numpy(), GGMLQuantizationType(bq.FORMATS[fmt].ggml_type))
+    return torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(blocks.shape[0], k)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_blocks_are_ggufs_layout_and_dequantize_as_gguf_does(fmt):
+    w = weights(40, 96)
+    blocks = bq.quantize(w, fmt)
+    assert blocks.dtype == torch.uint8 and blocks.shape == (40, 3 * bq.FORMATS[fmt].block_bytes)
+    # gguf's own quantizer gives the same bytes; its dequantizer the same floats as ours
+    raw = gguf_quantize(w.numpy(), GGMLQuantizationType(bq.FORMATS[fmt].ggml_type))
+    assert np.array_equal(np.asarray(raw).reshape(40, -1), blocks.numpy())
+    ours = bq.dequantize(blocks, fmt, 96)
+    assert torch.equal(ours, gguf_reference(blocks, fmt, 96))
+    # error per weight: half a step (plus fp16 rounding of the scale); Q4_0's grid -8..7 d puts
+    # the block's largest magnitude at -8 d, so the other end may round by up to a whole step
+    step = {"q8_0": 0.5 / 127, "q4_0": 1 / 8, "q4_1": 0.5 / 15}[fmt]
+    span = w.reshape(40, 3, 32).abs().amax(-1) * (2 if fmt == "q4_1" else 1)
+    err = (ours - w).abs().reshape(40, 3, 32).amax(-1)
+    assert bool((err <= span * step * 1.02 + 1e-4).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernel_matches_a_float64_product_of_the_dequantized_weights(fmt):
+    w = weights(70, 160, seed=1)
+    lin = bq.BlockLinear.from_float(w, fmt, bias=torch.linspace(-1, 1, 70))
+    x = torch.randn(11, 160, generator=torch.Generator().manual_seed(2))
+    ref = x.double() @ lin.dequantized().double().T + lin.bias.double()
+    y = lin(x)
+    assert y.shape == (11, 70) and y.dtype == torch.float32
+    # float32 sums of 160 products: relative error of a few ulp of the magnitudes summed
+    scale = (x.abs().double() @ lin.dequantized().abs().double().T).max()
+    assert (y.double() - ref).abs().max() < 1e-6 * scale
+    # the residual variant adds after the product, the same bits as adding in PyTorch
+    res = torch.randn(11, 70)
+    assert torch.equal(lin(x, residual=res), res + y)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_rows_result_does_not_depend_on_its_batch_or_threads(fmt):
+    lin = bq.BlockLinear.from_float(weights(50, 128, seed=3), fmt)
+    x = torch.randn(13, 128, generator=torch.Generator().manual_seed(4))
+    whole = lin(x)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(13)])
+    split = torch.cat([lin(x[:5]), lin(x[5:6]), lin(x[6:])])
+    strided = lin(torch.cat([x, x], dim=1)[:, :128])  # a view with rows 256 floats apart
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = lin(x)
+    finally:
+        torch.set_num_threads(threads)
+    for other in (alone, split, strided, one_thread):
+        assert torch.equal(whole, other)
+
+
+def _signatures():
+    return {"block_linear": bq.SIGNATURES["block_linear"]}
+
+
+def _run(lib: ctypes.CDLL, lin: bq.BlockLinear, x: torch.Tensor) -> torch.Tensor:
+    y = torch.empty(x.shape[0], lin.out_features)
+    sx = torch.empty(x.shape[0] * lin.in_features // 32)
+    assert lib.block_linear(lin.format.c_id, lin.blocks.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(),
+                            lin.out_features, None, 0, x.shape[0], lin.out_features, lin.in_features,
+                            sx.data_ptr(), 2) == 0
+    return y
+
+
+@needs_kernel
+@pytest.mark.parametrize("march, needs", BUILDS, ids=BUILD_IDS)
+def test_every_instruction_set_build_gives_the_native_bits(tmp_path, march, needs):
+    lib = build(tmp_path, bq.SOURCE, march, needs, _signatures())
+    x = torch.randn(6, 192, generator=torch.Generator().manual_seed(5))
+    for fmt in FORMATS:
+        lin = bq.BlockLinear.from_float(weights(37, 192, seed=6), fmt)
+        assert torch.equal(_run(lib, lin, x), lin(x)), fmt
+
+
+def test_the_pytorch_fallback_computes_the_same_product(monkeypatch):
+    lin = bq.BlockLinear.from_float(weights(30, 64, seed=7), "q4_1")
+    x = torch.randn(4, 64)
+    native = lin(x)
+    monkeypatch.setenv(bq.ENV_SWITCH, "0")
+    assert bq.library() is None and bq.unavailable_reason() == f"{bq.ENV_SWITCH}=0"
+    fallback = lin(x)
+    assert torch.allclose(fallback, native, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_embedding_rows_are_the_dequantized_matrix_rows(fmt):
+    blocks = bq.quantize(weights(100, 64, seed=8), fmt)
+    emb = bq.BlockEmbedding(blocks, fmt, 64)
+    ids = torch.tensor([[0, 99], [42, 42]])
+    out = emb(ids)
+    assert out.shape == (2, 2, 64)
+    assert torch.equal(out.reshape(4, 64), gguf_reference(blocks, fmt, 64)[ids.reshape(-1)])
+    if bq.library() is not None:
+        with pytest.raises(IndexError, match=r"outside the vocabulary \[0, 100\)"):
+            emb(torch.tensor([100]))
+
+
+def test_bad_shapes_and_names_are_one_line_errors():
+    with pytest.raises(ValueError, match=r"^block format 'q3_k' is unknown; use one of q8_0, q4_0, q4_1$"):
+        bq.block_format("q3_k")
+    with pytest.raises(ValueError, match=r"must be a multiple of 32\); load it with --quantization none$"):
+        bq.quantize(torch.zeros(4, 48), "q8_0")
+    with pytest.raises(ValueError, match="do not hold 64 weights a row"):
+        bq.BlockLinear(torch.zeros(4, 36, dtype=torch.uint8), "q4_1", 64)
+    lin = bq.BlockLinear.from_float(weights(8, 64), "q8_0")
+    with pytest.raises(ValueError, match="input width 32 does not match this layer's 64 input features"):
+        lin(torch.zeros(1, 32))
+
+
+def test_quantization_names():
+    assert QUANTIZATION_CHOICES == ("none", "gguf", "q8_0", "q4_0", "q4_1", "int8")
+    assert normalize_quantization("none") is None and normalize_quantization(None) is None
+    assert normalize_quantization("Q4_0") == "q4_0"
+    with pytest.raises(ValueError, match=r"^quantization='int3' is unknown; use one of none, gguf, q8_0"):
+        normalize_quantization("int3")
