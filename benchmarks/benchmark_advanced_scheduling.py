@@ -36,7 +36,7 @@ from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.sampling_params import SamplingParams
 
-from benchmarks.common import check_json_path, corpus_token_ids, fmt, machine_summary, percentile, table, write_json
+from benchmarks.common import HostCheck, check_json_path, corpus_token_ids, fmt, machine_summary, percentile, table, write_json
 
 FEATURES = ("priority", "preemption", "chunked_prefill", "prefix_caching")
 
@@ -279,12 +279,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     chosen = [f for f in FEATURES if args.all or getattr(args, f)]
     if not chosen:
         ap.error("choose --all or at least one of " + ", ".join("--" + f.replace("_", "-") for f in FEATURES))
+    host = HostCheck()
     b = Bench(args.quick)
     results: dict[str, Any] = {"machine": machine_summary()}
     for f in chosen:
         bench, show = RUNS[f]
         results[f] = bench(b)
         show(results[f])
+    results["host_warnings"] = host.report()
     write_json(args.json, results)
     return results
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -58,6 +57,7 @@ import torch
 
 from nanovllm_core.config import default_dtype
 from benchmarks.common import (
+    HostCheck,
     check_json_path,
     PeakRSS,
     Workload,
@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ours-int8": lambda: run_ours(workload, target, name="ours-int8", quantization="int8"),
         "llamacpp": lambda: run_llamacpp(workload),
     }
-    load_at_start = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+    host = HostCheck()
     measure_peaks = (lambda: gemm_peaks()) if device.type == "cpu" else (lambda: cuda_gemm_peak(target.dtype))
     peaks = measure_peaks()
     results = {}
@@ -497,8 +497,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     summary["machine"].update(device=str(device), dtype=str(target.dtype).replace("torch.", ""))
     if device.type == "cuda":
         summary["machine"]["gpu"] = torch.cuda.get_device_name(device)
-    summary["machine"]["load_average_at_start"] = load_at_start
+    summary["machine"]["load_average_at_start"] = host.load_at_start
     print(report(summary))
+    summary["host_warnings"] = host.report()
     write_json(args.json, summary)
     return summary
 

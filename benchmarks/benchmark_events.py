@@ -21,7 +21,7 @@ import time
 
 from nanovllm_core import LLM, SamplingParams
 
-from benchmarks.common import check_json_path, write_json
+from benchmarks.common import HostCheck, check_json_path, write_json
 from nanovllm_core.cli import positive_int
 
 CONFIGS = {
@@ -55,6 +55,7 @@ def main(argv=None) -> dict:
     check_json_path(ap, args.json)
     if args.quick:
         args.requests, args.max_tokens, args.repeats = 4, 4, 1
+    host = HostCheck()
     llm = LLM(num_kv_blocks=1024, enable_prefix_caching=False, progress=lambda *a: None)
     prompts = [f"Write a short note number {i} about the sea and the sky." for i in range(args.requests)]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -71,7 +72,8 @@ def main(argv=None) -> dict:
     for name, tps in best.items():
         print(f"{name:<10} {tps:>10.1f} {median[name]:>8.1f} {100 * (tps / base - 1):>+12.1f}%")
     result = {"tokens_per_s": best, "median_tokens_per_s": median,
-              "relative_to_none": {k: v / base for k, v in best.items()}}
+              "relative_to_none": {k: v / base for k, v in best.items()},
+              "host_warnings": host.report({f"subscriber {name}": r for name, r in runs.items()})}
     write_json(args.json, result)
     return result
 

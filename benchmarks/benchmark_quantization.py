@@ -46,7 +46,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from benchmarks.common import (
+from benchmarks.common import (  # noqa: F401 (MAX_*: the limits, read by the tests)
+    MAX_LOAD_PER_CORE,
+    MAX_ROUND_SPREAD,
+    busy_host_warnings,
     check_json_path,
     corpus_token_ids,
     cpu_flags,
@@ -316,27 +319,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
-# Above these, a speed figure is more the host's than the code's (a shared machine, another job).
-MAX_ROUND_SPREAD = 1.15  # fastest round / slowest round of one system
-MAX_LOAD_PER_CORE = 1.5  # 1-minute load average per core at the end (our own threads count ~1 per core)
-
-
 def noise_warnings(s: dict[str, Any]) -> list[str]:
     """Warnings that the speed figures of summary ``s`` were measured on a busy host: a system whose
     rounds differ by more than :data:`MAX_ROUND_SPREAD`, or a 1-minute load average above
-    :data:`MAX_LOAD_PER_CORE` per core at the end of the run. Empty when neither happened."""
-    out = []
-    for section, label in (("batch1_decode", "batch-1 decode"), ("workload", "workload")):
-        for name, rounds in s[section].get("all_rounds", {}).items():
-            if len(rounds) > 1 and min(rounds) > 0 and max(rounds) / min(rounds) > MAX_ROUND_SPREAD:
-                out.append(f"warning: {name} {label} rounds range {min(rounds):.1f}-"
-                           f"{max(rounds):.1f} tok/s ({max(rounds) / min(rounds):.2f}x): the host was busy; "
-                           "read the medians with care, or run again")
-    load, cores = s["machine"].get("load_average_at_end"), s["machine"].get("cpu_count") or 1
-    if load and load[0] > MAX_LOAD_PER_CORE * cores:
-        out.append(f"warning: load average {load[0]:.1f} on {cores} cores at the end: other work shared the CPU, so "
-                   "the speed figures are not this code's alone; run again on a quiet machine")
-    return out
+    :data:`MAX_LOAD_PER_CORE` per core at the start or end of the run (``common.busy_host_warnings``)."""
+    rounds = {f"{name} {label}": values
+              for section, label in (("batch1_decode", "batch-1 decode"), ("workload", "workload"))
+              for name, values in s[section].get("all_rounds", {}).items()}
+    m = s["machine"]
+    return busy_host_warnings(rounds, m.get("load_average_at_start"), m.get("load_average_at_end"), m.get("cpu_count"))
 
 
 def report(s: dict[str, Any]) -> str:

@@ -29,7 +29,7 @@ from nanovllm_core.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
 from nanovllm_core.sampling_params import SamplingParams
 
-from benchmarks.common import check_json_path, fmt, percentile, table, write_json
+from benchmarks.common import HostCheck, check_json_path, fmt, percentile, table, write_json
 
 BLOCK_SIZE = 16
 
@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     check_json_path(ap, args.json)
     sizes = (10, 100) if args.quick else (100, 1_000, 10_000)
     running = (1, 8, 64) if args.quick else (1, 8, 64, 256, 1024)
+    host = HostCheck()
     queue = [run_queue(n, num_blocks=2048) for n in sizes]
     costs = [step_cost_vs_running(r, steps=10 if args.quick else 50) for r in running]
     print("Planning whole workloads (token budget 512, max_num_seqs 64, 2,048 KV blocks of 16 tokens):")
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(table(["running", "step p50 ms", "step mean ms", "step p99 ms", "per sequence us (p50)"],
                 [[f"{c['running']:,}", fmt(c["step_p50_s"] * 1e3), fmt(c["step_mean_s"] * 1e3),
                   fmt(c["step_p99_s"] * 1e3), fmt(c["per_sequence_s"] * 1e6)] for c in costs]))
-    result = {"queue": queue, "step_cost_vs_running": costs}
+    result = {"queue": queue, "step_cost_vs_running": costs, "host_warnings": host.report()}
     write_json(args.json, result)
     return result
 

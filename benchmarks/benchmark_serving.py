@@ -30,7 +30,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.common import (check_json_path, fmt, machine_summary, make_workload, percentile, table, WORKLOADS,
+from benchmarks.common import (HostCheck, check_json_path, fmt, machine_summary, make_workload, percentile, table, WORKLOADS,
                                Workload, write_json)
 from nanovllm_core.cli import positive_int
 
@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error("the clients need httpx: pip install -e '.[dev]'")
     from nanovllm_core import LLM
 
+    host = HostCheck()
     llm = LLM(args.model, num_kv_blocks=args.num_kv_blocks, progress=lambda *a: None)
     if args.quick:
         w = make_workload(llm.tokenizer, args.workload, 6, args.seed, prompt_range=(8, 16), output_range=(4, 8))
@@ -218,7 +219,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     data = {"machine": machine_summary(), "workload": w.summary(),
             "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
             "rounds": rounds, "serving": {k: median("serving", k) for k in keys},
-            "offline": {k: median("offline", k) for k in keys}, "ratio": ratio}
+            "offline": {k: median("offline", k) for k in keys}, "ratio": ratio,
+            "host_warnings": host.report({system: [r[system]["output_tokens_per_s"] for r in rounds]
+                                          for system in ("serving", "offline")})}
     write_json(args.json, data)
     return data
 

@@ -23,16 +23,19 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
-from nanovllm_core.config import EngineConfig
-from nanovllm_core.engine.llm_engine import LLMEngine
-from nanovllm_core.llm import LLM
-from nanovllm_core.model.loader import load_model
-from nanovllm_core.sampling_params import SamplingParams
-from nanovllm_core.speculative.cli import pool_blocks, timed_generate
-from nanovllm_core.speculative.metrics import expected_accepted_length
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.common, when run as a script
+from benchmarks.common import HostCheck  # noqa: E402
+from nanovllm_core.config import EngineConfig  # noqa: E402
+from nanovllm_core.engine.llm_engine import LLMEngine  # noqa: E402
+from nanovllm_core.llm import LLM  # noqa: E402
+from nanovllm_core.model.loader import load_model  # noqa: E402
+from nanovllm_core.sampling_params import SamplingParams  # noqa: E402
+from nanovllm_core.speculative.cli import pool_blocks, timed_generate  # noqa: E402
+from nanovllm_core.speculative.metrics import expected_accepted_length  # noqa: E402
 
 PROSE = [
     "The future of AI is",
@@ -113,6 +116,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         torch.set_num_threads(args.threads)
     settings = QUICK if args.quick else FULL
     max_tokens = args.max_tokens or (8 if args.quick else 48)
+    host = HostCheck()
     model, tokenizer, resolved = load_model(None, torch.device("cpu"), torch.float32)
     warm = LLM.from_engine(LLMEngine(EngineConfig(num_kv_blocks=8), model, tokenizer, resolved))
     warm.generate(PROSE[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
@@ -123,6 +127,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         rows.append(measure(model, tokenizer, resolved, proposer, k, prompts, max_tokens))
         print(f"  measured {proposer} k={k}", file=sys.stderr, flush=True)
     print_table(rows)
+    host.report()
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)

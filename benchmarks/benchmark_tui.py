@@ -40,7 +40,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))  # benchmarks.common, when run as a script
 
+from benchmarks.common import HostCheck  # noqa: E402
 from nanovllm_tui.bridge import DEFAULT_FPS  # noqa: E402  (after the path, for an uninstalled checkout)
 
 PROMPTS = ["The capital of France is", "Python is a programming language that", "Once upon a time",
@@ -143,6 +145,7 @@ def main(argv=None) -> int:
                    help="torch intra-op threads for every run (default: torch's own choice)")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args(argv)
+    host = HostCheck()
 
     import torch
 
@@ -174,12 +177,13 @@ def main(argv=None) -> int:
     print(f"throughput with the app (median of {len(rounds)} rounds): {ratio_w:.1%} of headless while watching, "
           f"{ratio_k:.1%} while switching tabs every {args.key_interval:g} s (target >= 90%)")
     print(f"key -> screen: p50 {p50:.1f} ms, p95 {p95:.1f} ms over {len(latencies)} presses (target p95 < 100 ms)")
+    warnings = host.report({"headless": [t for r in rounds for t in r["headless"]]})
     (ROOT / ".benchmark_tutorial.json").unlink(missing_ok=True)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "requests": args.requests, "max_tokens": args.max_tokens, "device": str(engine.device),
             "torch_threads": torch.get_num_threads(), "fps": args.fps, "key_interval_s": args.key_interval,
-            "rounds": rounds, "ratio_watching": ratio_w, "ratio_keys": ratio_k,
+            "rounds": rounds, "ratio_watching": ratio_w, "ratio_keys": ratio_k, "host_warnings": warnings,
             "key_latency_ms": {"p50": p50, "p95": p95, "n": len(latencies),
                                "mean": statistics.mean(latencies) * 1000},
         }, indent=1))

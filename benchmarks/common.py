@@ -181,10 +181,7 @@ def machine_summary() -> dict[str, Any]:
     """Where the figures were measured: CPU, core count, torch threads, versions."""
     import transformers
 
-    try:
-        load = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        load = None
+    load = load_average()
     return {
         "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
@@ -196,6 +193,69 @@ def machine_summary() -> dict[str, Any]:
         "load_average_1_5_15_min": load,  # other processes share the cores when this exceeds ~1
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
+
+
+# Above these, a speed figure is more the host's than the code's (a shared machine, another job).
+MAX_ROUND_SPREAD = 1.15  # fastest round / slowest round of one measured thing
+MAX_LOAD_PER_CORE = 1.5  # 1-minute load average per core (a benchmark's own threads count ~1 per core)
+
+
+def load_average() -> list[float] | None:
+    """The 1-, 5- and 15-minute load averages, rounded (None on a platform without them)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def busy_host_warnings(rounds: dict[str, list[float]] | None = None, load_at_start: list[float] | None = None,
+                       load_at_end: list[float] | None = None, cores: int | None = None,
+                       unit: str = "tok/s") -> list[str]:
+    """Warnings that speed figures were measured on a busy host (empty when nothing says so).
+
+    Args:
+        rounds: name -> the same figure measured in several rounds (e.g. tokens/s); a name whose
+            rounds differ by more than :data:`MAX_ROUND_SPREAD` (fastest / slowest) is named.
+        load_at_start, load_at_end: :func:`load_average` before and after the measurements; a
+            1-minute figure above :data:`MAX_LOAD_PER_CORE` per core is reported.
+        cores: the CPU's cores (default ``os.cpu_count()``).
+        unit: the unit of the rounds' figures, for the message.
+    """
+    out = []
+    for name, values in (rounds or {}).items():
+        if len(values) > 1 and min(values) > 0 and max(values) / min(values) > MAX_ROUND_SPREAD:
+            out.append(f"warning: {name} rounds range {min(values):.1f}-{max(values):.1f} {unit} "
+                       f"({max(values) / min(values):.2f}x): the host was busy; read the medians with care, or run again")
+    cores = cores or os.cpu_count() or 1
+    busy = [(when, load[0]) for when, load in (("start", load_at_start), ("end", load_at_end))
+            if load and load[0] > MAX_LOAD_PER_CORE * cores]
+    if busy:
+        where = (f"{busy[0][1]:.1f} on {cores} cores at the {busy[0][0]}" if len(busy) == 1 else
+                 f"{busy[0][1]:.1f} at the start and {busy[1][1]:.1f} at the end on {cores} cores")
+        out.append(f"warning: load average {where}: other work shared the CPU, so the speed figures are not this "
+                   "code's alone; run again on a quiet machine")
+    return out
+
+
+class HostCheck:
+    """Was the host busy while a benchmark ran? Make one before measuring, call :meth:`report` last.
+
+    It reads the load average at both ends and compares repeated rounds (:func:`busy_host_warnings`),
+    so no benchmark prints a ratio measured under load without saying so.
+    """
+
+    def __init__(self) -> None:
+        self.load_at_start = load_average()
+
+    def warnings(self, rounds: dict[str, list[float]] | None = None, unit: str = "tok/s") -> list[str]:
+        return busy_host_warnings(rounds, self.load_at_start, load_average(), os.cpu_count(), unit)
+
+    def report(self, rounds: dict[str, list[float]] | None = None, unit: str = "tok/s") -> list[str]:
+        """Print the warnings (stdout, after the figures) and return them, e.g. for the JSON."""
+        found = self.warnings(rounds, unit)
+        for line in found:
+            print(line)
+        return found
 
 
 def fmt(value: float | None, unit: str = "", digits: int = 3) -> str:

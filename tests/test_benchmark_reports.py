@@ -1,4 +1,4 @@
-"""The quantization benchmark warns when its speed figures were taken on a busy host.
+"""Every benchmark warns when its speed figures were taken on a busy host (``benchmarks.common``).
 
 A shared machine can make one round of one system much slower than the others (a neighbour's
 job), or keep the CPU loaded throughout; the medians then describe the host, not the code.
@@ -6,7 +6,16 @@ job), or keep the CPU loaded throughout; the medians then describe the host, not
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import os
+from pathlib import Path
+
+import pytest
+
+import benchmarks
 from benchmarks.benchmark_quantization import MAX_ROUND_SPREAD, noise_warnings
+from benchmarks.common import busy_host_warnings
 
 
 def summary(b1_rounds, wl_rounds, load_end, cores=2):
@@ -39,3 +48,34 @@ def test_a_loaded_cpu_at_the_end_is_reported_per_core():
         "not this code's alone; run again on a quiet machine"]
     assert noise_warnings(summary({}, {}, [4.8, 3.0, 2.0], cores=8)) == []  # 0.6 per core
     assert noise_warnings(summary({}, {}, None)) == []  # no load average on this platform
+
+
+def test_load_at_the_start_counts_too_and_both_ends_make_one_line():
+    assert busy_host_warnings(None, [4.0, 1, 1], [0.5, 1, 1], cores=2) == [
+        "warning: load average 4.0 on 2 cores at the start: other work shared the CPU, so the speed figures are "
+        "not this code's alone; run again on a quiet machine"]
+    both = busy_host_warnings({"ours": [10.0, 10.5]}, [4.0, 1, 1], [5.5, 1, 1], cores=2)
+    assert len(both) == 1 and both[0].startswith("warning: load average 4.0 at the start and 5.5 at the end on 2 cores")
+
+
+BENCHMARKS = sorted(p.stem for p in Path(benchmarks.__file__).parent.glob("benchmark_*.py"))
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_every_benchmark_checks_the_host(name):
+    """Each benchmark's main makes a HostCheck and reports it (benchmark_quantization through noise_warnings)."""
+    source = inspect.getsource(importlib.import_module(f"benchmarks.{name}"))
+    assert ("HostCheck()" in source and "host.report(" in source) or "noise_warnings(s)" in source, name
+
+
+def test_a_benchmark_run_on_a_busy_host_says_so(monkeypatch, capsys):
+    from benchmarks import benchmark_scheduler_unit, common
+
+    monkeypatch.setattr(common, "load_average", lambda: [9.0, 9.0, 9.0])
+    result = benchmark_scheduler_unit.main(["--quick"])
+    out = capsys.readouterr().out
+    warning = f"warning: load average 9.0 at the start and 9.0 at the end on {os.cpu_count()} cores"
+    if 9.0 > common.MAX_LOAD_PER_CORE * (os.cpu_count() or 1):
+        assert out.strip().splitlines()[-1].startswith(warning) and result["host_warnings"], out
+    else:  # a host with many cores: 9 is not busy there
+        assert "warning: load average" not in out

@@ -53,16 +53,20 @@ def test_blocks_are_ggufs_layout_and_dequantize_as_gguf_does(fmt):
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_kernel_matches_a_float64_product_of_the_dequantized_weights(fmt):
+def test_kernel_matches_a_float64_product_of_the_quantized_operands(fmt):
     w = weights(70, 160, seed=1)
     lin = bq.BlockLinear.from_float(w, fmt, bias=torch.linspace(-1, 1, 70))
     x = torch.randn(11, 160, generator=torch.Generator().manual_seed(2))
-    ref = x.double() @ lin.dequantized().double().T + lin.bias.double()
+    x[3] = 0.0  # an all-zero row: scale 0, no division by it
+    ref = bq.reference_linear(x, lin.blocks, fmt, 160) + lin.bias.double()
     y = lin(x)
     assert y.shape == (11, 70) and y.dtype == torch.float32
-    # float32 sums of 160 products: relative error of a few ulp of the magnitudes summed
+    # the integer sums are exact; what remains is float32 rounding of a few block-scaled terms
     scale = (x.abs().double() @ lin.dequantized().abs().double().T).max()
     assert (y.double() - ref).abs().max() < 1e-6 * scale
+    # and activations quantized per 32-block stay within about 1/254 of each block's largest |x|
+    exact = x.double() @ lin.dequantized().double().T + lin.bias.double()
+    assert (y.double() - exact).abs().max() < 0.01 * scale
     # the residual variant adds after the product, the same bits as adding in PyTorch
     res = torch.randn(11, 70)
     assert torch.equal(lin(x, residual=res), res + y)
@@ -93,7 +97,7 @@ def _signatures():
 
 def _run(lib: ctypes.CDLL, lin: bq.BlockLinear, x: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x.shape[0], lin.out_features)
-    sx = torch.empty(x.shape[0] * lin.in_features // 32)
+    sx = torch.empty(bq.block_scratch(x.shape[0], lin.in_features))
     assert lib.block_linear(lin.format.c_id, lin.blocks.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(),
                             lin.out_features, None, 0, x.shape[0], lin.out_features, lin.in_features,
                             sx.data_ptr(), 2) == 0
@@ -108,6 +112,13 @@ def test_every_instruction_set_build_gives_the_native_bits(tmp_path, march, need
     for fmt in FORMATS:
         lin = bq.BlockLinear.from_float(weights(37, 192, seed=6), fmt)
         assert torch.equal(_run(lib, lin, x), lin(x)), fmt
+
+
+def test_activations_are_quantized_as_ggml_does():
+    x = torch.tensor([[0.5] * 31 + [-127.0], [0.0] * 32])  # 0.5 -> round half to even -> 0 ... with d = 1
+    q, d = bq.quantize_activations(x)
+    assert d.tolist() == [[1.0], [0.0]]
+    assert q[0, :31].tolist() == [0.0] * 31 and q[0, 31] == -127 and q[1].abs().sum() == 0
 
 
 def test_the_pytorch_fallback_computes_the_same_product(monkeypatch):

@@ -54,6 +54,9 @@ def test_chat_flag_uses_chat_template(capsys):
     (["--repetition-penalty", "0"], "repetition_penalty"),
     (["--logprobs", "50"], "logprobs"),
     (["--stop", ""], "every stop must be a non-empty string"),
+    (["--seed", "99999999999999999999999"], "--seed: a seed is a 64-bit integer"),
+    (["--seed", "-9223372036854775809"], "--seed: a seed is a 64-bit integer"),
+    (["--prompt", "abc\udcff\udcfe def"], "--prompt: not valid UTF-8: byte 0xff at character 3"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, args, message):
     code, out, err = run_cli(capsys, *args)
@@ -61,6 +64,48 @@ def test_bad_arguments_exit_2_with_one_line(capsys, args, message):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], err
     assert "Traceback" not in err
+
+
+def test_an_invalid_utf8_prompt_from_a_real_process_is_one_line():
+    """The bytes a shell passes for ``$(printf 'abc\\xff\\xfe def')``: not UTF-8, refused before loading."""
+    proc = subprocess.run([sys.executable.encode(), b"-m", b"nanovllm_core.cli", b"--prompt", b"abc\xff\xfe def"],
+                          capture_output=True, timeout=120)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines() == ["nanovllm: error: argument --prompt: not valid UTF-8: byte 0xff at "
+                                        "character 3; pass UTF-8 text (check the terminal's or the file's encoding)"]
+
+
+def test_bad_speculative_cli_arguments_are_one_line(capsys):
+    from nanovllm_core.speculative import cli as spec_cli
+
+    for args, message in ((["--seed", str(2**64)], "64-bit"), (["--prompt", "a\udcff"], "not valid UTF-8")):
+        code, _, err = run_main(spec_cli.main, capsys, *args)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.real_model
+def test_loading_prints_each_stage_as_serve_does(capsys, cli_on_shared_model, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a person at a terminal waits for the load
+    code, out, err = run_cli(capsys, "--max-tokens", "2", "--num-kv-blocks", "64")
+    assert code == 0 and err.startswith("nanovllm: loading the embedded default model...\n"), err
+    assert "nanovllm: loading weights...\n" in err and err.count("loading weights") == 1  # once a stage
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)  # a script reads stderr for errors only
+    code, out, err = run_cli(capsys, "--max-tokens", "2", "--num-kv-blocks", "64")
+    assert code == 0 and "loading" not in err, err
+
+
+def test_the_loader_reports_its_stages_as_they_begin(tmp_path, monkeypatch):
+    import torch
+
+    from nanovllm_core.model import loader
+    from tests.conftest import save_tiny_llama
+
+    monkeypatch.setattr(loader, "load_tokenizer", lambda p: None)
+    calls = []
+    loader.load_model(str(save_tiny_llama(tmp_path)), torch.device("cpu"), torch.float32,
+                      progress=lambda stage, done, total: calls.append((stage, done)))
+    assert calls[0] == ("loading weights", 0) and ("packing linear layers", 0) in calls
 
 
 def test_bad_model_path_from_a_real_process_prints_no_traceback():
@@ -129,7 +174,13 @@ def cli_on_shared_model(monkeypatch, make_engine):
     """``cli.main`` with its ``LLM`` built over the session's already-loaded real model."""
     from nanovllm_core import llm as llm_module
 
-    monkeypatch.setattr(llm_module, "LLM", lambda **kw: LLM.from_engine(make_engine(**kw)))
+    def build(progress=None, **kw):
+        if progress is not None:  # the stages a real load reports, so the command's lines show
+            progress("loading weights", 0, 1)
+            progress("loading weights", 1, 1)
+        return LLM.from_engine(make_engine(**kw))
+
+    monkeypatch.setattr(llm_module, "LLM", build)
 
 
 @pytest.mark.real_model

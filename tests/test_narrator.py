@@ -177,6 +177,41 @@ def test_kv_cache_bytes_are_blocks_times_bytes_per_block():
     assert "keeps 3 tokens in blocks [0] (13 slots still empty)" in kv.text
 
 
+def test_kv_cache_says_what_blocks_reserve_and_what_tokens_store_with_shared_blocks_counted_once():
+    n = fresh()
+    n.feed(added())
+    n.feed(planned(0, [entry()]))
+    # two samples share prompt block 5 (16 tokens) and each has its own second block: 20 and 18 tokens computed
+    tables = (ev.SeqBlocks("0", 0, 0, (5, 1), 21, 20), ev.SeqBlocks("0", 1, 1, (5, 2), 19, 18))
+    n.feed(ev.BlocksChanged(step=0, block_size=16, bytes_per_block=737280, states="fuuuuu", ref_counts=(0, 1, 1, 0, 0, 2),
+                            tables=tables))
+    kv = next(c for c in n.feed(timed(0, blocks=3, total=6, per_block=737280)) if c.kind == "kv_cache")
+    per_token = 737280 // 16
+    stored = (16 + 4 + 2) * per_token  # block 5 counted once, then the 4 and 2 tokens past it
+    assert f"3 blocks x 737,280 bytes = {3 * 737280:,} bytes (2.1 MiB) reserved" in kv.text
+    assert f"store 22 tokens x {per_token:,} bytes = {stored:,} bytes" in kv.text
+    assert "the other 26 slots are reserved but still empty" in kv.text
+    assert kv.title.endswith("reserved in 3 blocks, 990.0 KiB stored")
+
+
+def test_a_demo_that_promises_the_kv_cache_after_each_step_tells_it_every_step():
+    from nanovllm_core.educational.tutorial import DEMOS
+
+    assert DEMOS["kv_cache"].kv_every_step and "After each step" in DEMOS["kv_cache"].watch
+    n = fresh(kv_every_step=True)
+    n.feed(added())
+    told = []
+    for step in range(4):  # one prefill, then decodes inside the same block
+        e = entry() if step == 0 else entry(kind="decode", num=1, start=2 + step, total_len=3 + step)
+        blocks = ev.BlocksChanged(step=step, block_size=16, bytes_per_block=737280, states="uf", ref_counts=(1, 0),
+                                  tables=(ev.SeqBlocks("0", 0, 0, (0,), 4 + step, 3 + step),))
+        told += [c for c in feed_all(n, [planned(step, [e]), blocks, timed(step, blocks=1, total=2, per_block=737280)])
+                 if c.kind == "kv_cache"]
+    assert [c.step for c in told] == [0, 1, 2, 3]
+    assert all("No block was taken or freed in this step" in c.text for c in told[1:])
+    assert [f"store {3 + s} tokens" in c.text for s, c in enumerate(told)] == [True] * 4
+
+
 def test_kv_cache_is_told_only_when_its_block_count_changes():
     n = fresh()
     n.feed(added())
@@ -520,3 +555,24 @@ def test_the_model_entry_names_int8_weights_and_the_float64_kv_cache():
     text = Narrator(int8).feed(added())[0].text
     assert "in float32, linear layers and LM head in int8 (154 MiB, activations quantized per token)" in text
     assert "costs 92,160 bytes (in float64, the width int8 mode's attention sums in)" in text
+
+
+def test_the_dashboards_top_predictions_caption_names_every_processor_and_marks_a_special_token():
+    import io
+
+    from rich.console import Console
+
+    from nanovllm_core.educational.dashboard_view import DashboardView
+
+    console = Console(file=io.StringIO(), width=140)
+    view = DashboardView(console, INFO)
+    view(added(sampling=(("temperature", 0.9), ("top_k", 20), ("top_p", 0.9))))
+    top = ((7042, " Paris", 0.6), (260, " the", 0.4))
+    view(sampled(0, greedy=False, temperature=0.9, top=top))
+    console.print(view.render())
+    out = " ".join(console.file.getvalue().split())
+    assert "probabilities after temperature 0.9, top-k 20 and top-p 0.9, renormalised" in out
+    end = replace(sampled(1, token=2, text="", n_out=2, top=((2, "<|im_end|>", 0.9), (28, ",", 0.1))),
+                  special="<|im_end|>")
+    view(end)
+    assert view.top_chosen == "<|im_end|>"

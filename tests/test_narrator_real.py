@@ -8,6 +8,7 @@ readmitted from the prefix cache) and checks the narration against the step's ow
 from __future__ import annotations
 
 import io
+import math
 
 import pytest
 from rich.console import Console
@@ -147,3 +148,103 @@ def test_a_preemption_readmitted_from_the_prefix_cache_is_told_with_reused_and_r
         assert f"{recomputed} recomputed, their keys and values lost with its blocks" in hit.text
     (pre,) = readmitted.entries("preemption")
     assert "the blocks still in the prefix cache are reused and only the rest is recomputed" in pre.text
+
+
+# ---------------------------------------------------------------------- teaching truth, by kind (issue 28)
+
+FILTERED = dict(temperature=0.9, top_k=20, top_p=0.95, min_p=0.02, seed=7, logprobs=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def filtered(make_engine):
+    run = Run(make_engine(num_kv_blocks=16))
+    run.engine.add_request("The capital of France is", SamplingParams(max_tokens=3, **FILTERED), request_id="f")
+    outputs = []
+    while run.engine.has_unfinished_requests():
+        outputs += [o for o in run.engine.step() if o.finished]
+    run.view.close()
+    return run, outputs[0]
+
+
+def _after_filters(raw: dict[int, float], t: float, top_k: int, top_p: float, min_p: float) -> dict[int, float]:
+    """Recompute the sampler's distribution from the model's raw top-20 log-probabilities (enough for top-k 20)."""
+    best = max(raw.values())
+    w = {i: math.exp((lp - best) / t) for i, lp in raw.items()}  # relative to the favourite, after temperature
+    w = {i: x for i, x in w.items() if x >= min_p}  # min-p: at least min_p x the favourite
+    kept = sorted(w, key=w.get, reverse=True)[:top_k]
+    total = sum(w[i] for i in kept)
+    out, mass = {}, 0.0
+    for i in kept:  # top-p: keep while the mass strictly better is below top_p
+        if mass < top_p or not out:
+            out[i] = w[i] / total
+        mass += w[i] / total
+    total = sum(out.values())
+    return {i: x / total for i, x in out.items()}
+
+
+def test_a_sampled_tables_caption_names_temperature_min_p_top_k_and_top_p_and_its_numbers_are_after_all_of_them(filtered):
+    run, output = filtered
+    decodes = run.entries("decode")
+    assert len(decodes) == 3
+    for c, lp in zip(decodes, output.outputs[0].logprobs):
+        assert c.table_title == "probabilities after temperature 0.9, min-p 0.02, top-k 20 and top-p 0.95, renormalised"
+        want = _after_filters({i: x.logprob for i, x in lp.items()}, 0.9, 20, 0.95, 0.02)
+        fav = max(want, key=want.get)
+        assert c.table[0][1] == pytest.approx(want[fav], rel=1e-3)
+        # the same favourite after temperature alone is smaller: the caption must not stop at temperature
+        alone = math.exp(lp[fav].logprob / 0.9) / sum(math.exp(x.logprob / 0.9) for x in lp.values())
+        assert alone < want[fav]
+
+
+@pytest.fixture(scope="module")
+def chatted(make_engine):
+    run = Run(make_engine(num_kv_blocks=32))
+    tok = run.engine.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2+2? Answer with one number."}],
+                                     tokenize=False, add_generation_prompt=True)
+    run.engine.add_request(prompt, SamplingParams(max_tokens=24, temperature=0.0))
+    return run.finish()
+
+
+def test_the_end_of_turn_token_of_a_chat_reply_is_named_as_a_special_token_not_part_of_a_character(chatted):
+    last = chatted.of(ev.TokenSampled)[-1]
+    (finished,) = chatted.of(ev.RequestFinished)
+    assert finished.finish_reason == "stop" and last.token_id in chatted.engine.eos_token_ids
+    assert last.special == chatted.engine.tokenizer.convert_ids_to_tokens(last.token_id) and not last.token_text
+    told = chatted.entries("decode")[-1]
+    assert told.title.endswith(f": {last.special}")
+    assert f"the special token {last.special} (id {last.token_id})" in told.text
+    assert "part of a character" not in told.title + told.text and "leaves it out" in told.text
+
+
+@pytest.fixture(scope="module")
+def speculated_sampling(make_engine):
+    run = Run(make_engine(num_kv_blocks=16, speculative_model="ngram", num_speculative_tokens=3))
+    run.engine.add_request("one two three one two three one two three one two",
+                           SamplingParams(max_tokens=12, temperature=0.3, seed=3, ignore_eos=True))
+    return run.finish()
+
+
+def test_a_verified_token_is_told_by_the_mechanism_that_produced_it_not_as_a_draw(speculated_sampling):
+    run = speculated_sampling
+    steps = {e.step: e for e in run.of(ev.SpecDecodeStep)}
+    assert steps
+    seen = {"accepted": 0, "after": 0}
+    for step, v in steps.items():
+        n_ok = next((i for i, ok in enumerate(v.accepted) if not ok), len(v.accepted))
+        told = run.entries("decode", step)
+        assert told
+        for i, c in enumerate(told):
+            assert "Sampling drew" not in c.text
+            if i < n_ok:
+                seen["accepted"] += 1
+                chance = min(1.0, v.p[i] / v.q[i])
+                assert "drafted" in c.text and "accepted it, with probability min(1, p/q) = " in c.text
+                assert f"= {chance:.3f}." in c.text
+            elif n_ok < len(v.draft_tokens):
+                seen["after"] += 1
+                assert "was rejected, and" in c.text and "drawn in its place" in c.text
+            else:
+                seen["after"] += 1
+                assert f"All {len(v.draft_tokens)} drafts were kept" in c.text
+    assert seen["accepted"] and seen["after"]

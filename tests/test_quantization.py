@@ -336,6 +336,26 @@ def test_weights_are_packed_at_load_so_the_first_step_packs_nothing(tmp_path, mo
     assert packs == []
 
 
+def test_int8_loads_with_a_context_shorter_than_its_calibration_text(tmp_path, monkeypatch):
+    """``max_model_len=32`` sizes the rotary tables for 32 positions; the 80-token calibration pass
+    must run within them (it once indexed past them: an IndexError at load)."""
+    from nanovllm_core.model.quantization import calibration_ids
+    from tests.conftest import save_tiny_llama
+
+    monkeypatch.setattr(loader, "load_tokenizer", lambda p: None)
+    path = str(save_tiny_llama(tmp_path))
+    model, _, _ = loader.load_model(path, torch.device("cpu"), torch.float32, max_model_len=32, quantization="int8")
+    assert len(calibration_ids(None, model.config.vocab_size)) > 32 and model.quantization == "int8"
+    engine = LLMEngine(EngineConfig(num_kv_blocks=16, max_model_len=32, quantization="int8"), model, _Tokenizer())
+    engine.add_request(list(range(5, 25)), SamplingParams(temperature=0, max_tokens=11, ignore_eos=True))
+    outputs = []
+    for _ in range(40):
+        outputs += [o for o in engine.step() if o.finished]
+        if outputs:
+            break
+    assert len(outputs[0].outputs[0].token_ids) == 11
+
+
 @pytest.mark.parametrize("kernel", ["cpu-paged", "gather"])
 def test_int8_logprobs_are_bit_identical_however_the_tokens_are_scheduled(tmp_path, monkeypatch, kernel):
     """Alone, batched (decodes padded in groups), chunked, preempted: the same logprobs to the last bit.
@@ -380,14 +400,14 @@ class _Tokenizer:
 
 @pytest.mark.parametrize("make", [
     lambda: EngineConfig(quantization="int3"),
-    lambda: EngineConfig(quantization="INT8"),
+    lambda: EngineConfig(quantization="int4"),
     lambda: loader.load_model(None, torch.device("cpu"), torch.float32, quantization="fp8"),
 ])
 def test_an_unknown_quantization_is_one_line_naming_the_choice(make):
     with pytest.raises(ValueError) as e:
         make()
     message = str(e.value)
-    assert "is unknown; use 'int8'" in message and "\n" not in message
+    assert "is unknown; use one of none, gguf, q8_0, q4_0, q4_1, int8" in message and "\n" not in message
 
 
 def test_an_engine_refuses_a_model_built_with_other_linear_layers(tmp_path, monkeypatch):

@@ -102,7 +102,8 @@ async def test_attached_app_sees_a_client_and_pauses_steps_and_resumes_the_serve
         await wait_until(pilot, lambda: app.state.requests[typed].state == "finished", 30, "the typed prompt to end")
         assert typed.startswith("tui-") and app.state.requests[typed].num_output >= 1
         await send_prompt(pilot, "word " * 600)  # longer than the model holds
-        await wait_until(pilot, lambda: notes.find("max_model_len", severity="error"), 30, "the refusal")
+        # refused by the server before queueing, in /v1/completions' words
+        await wait_until(pilot, lambda: notes.find("maximum context length", severity="error"), 30, "the refusal")
 
 
 def test_two_watchers_one_pauses_both_see_it(tiny_server):

@@ -67,3 +67,24 @@ def test_benchmark_quick_run_reports_speed_and_acceptance(capsys):
         assert 0 <= r.acceptance_rate <= 1 and r.expected_length >= 1
         assert r.identical  # greedy: speculation never changes the tokens
     assert "speed-up" in out and "E(alpha)" in out
+
+
+@pytest.mark.real_model
+def test_a_slower_run_says_why_and_what_pays_off(capsys, monkeypatch):
+    """When speculation is slower, the command says so in one line (the README's self:8 ran at 0.22x)."""
+
+    times = iter([10.0, 40.0])  # seconds: without speculation first, then with it (4x slower)
+
+    def fake_run(llm, prompts, params):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return cli.TimedRun(outputs, next(times), sum(len(o.outputs[0].token_ids) for o in outputs),
+                            steps=8 if llm.engine.config.speculative_model else 24, stats=llm.stats())
+
+    monkeypatch.setattr(cli, "timed_generate", fake_run)
+    code, out, err = run_cli(capsys, "--draft-model", "self:8", "--max-tokens", "3", "--num-speculative-tokens", "2")
+    assert code == 0, err
+    assert "speed-up 0.25x" in out
+    assert ("drafting cost more than it saved here: 16 of 24 target passes saved, but each step also ran 8 of the "
+            "model's layers 2 times to draft") in out
+    assert cli.slower_note("ngram", 4, 10, 12).startswith("drafting cost more than it saved here: 2 of 12 target "
+                                                          "passes saved, but each verification ran the model on 5 tokens")

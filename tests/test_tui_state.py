@@ -153,3 +153,15 @@ def test_a_speculative_verification_step_is_the_verify_phase_and_the_dashboard_c
     plan = [e for e in state.plan.scheduled]  # the last step's plan
     assert all(s.num_tokens == 1 + s.num_spec_tokens for s in plan if s.num_spec_tokens)
     assert "1 verifying 3 draft tokens" in texts[verify[0]] and "0 decode" in texts[verify[0]]
+
+
+def test_the_top_k_caption_names_every_processor_and_a_special_token_is_named():
+    state = EngineState()
+    state.apply(ev.RequestAdded(request_id="r", prompt="Hi", prompt_token_ids=(1,), prompt_pieces=("Hi",), priority=0,
+                                max_tokens=4, sampling=(("temperature", 0.7), ("top_k", 20), ("min_p", 0.1))))
+    top = (ev.TopToken(2, "<|im_end|>", 0.8), ev.TopToken(28, ",", 0.2))
+    state.apply(ev.TokenSampled(step=1, request_id="r", seq_id=0, index=0, token_id=2, text="", position=1,
+                                num_output_tokens=1, top=top, greedy=False, temperature=0.7, special="<|im_end|>"))
+    req = state.requests["r"]
+    assert req.top_caption == "probabilities after temperature 0.7, min-p 0.1 and top-k 20, renormalised"
+    assert req.last_token == "<|im_end|>"

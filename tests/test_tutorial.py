@@ -254,6 +254,25 @@ def test_speculative_demo_shows_drafts_checked_in_one_pass(demos):
     assert "SPECULATIVE DECODING · " in text and "The ngram proposer drafted" in text
     assert "in one forward pass" in text and "Greedy verification" in text
     assert "accepted" in text and "rejected" in text  # the chapter's prompt shows both outcomes
+    # the cost is measured here, and the speed-up formula includes the drafter's cost and the verification's
+    assert "SPECULATIVE_COST · What a verification costs here" in text
+    assert re.search(r"verifying forward pass costs v = [\d.]+ decode steps and the ngram drafter c = [\d.]+", text)
+    assert "over (gamma c + v)" in text and "Theorem 3.8" in text
+    assert "costs almost the same as producing one" not in " ".join(chapter("speculative_decoding").paragraphs)
+
+
+@pytest.mark.real_model
+def test_the_kv_cache_demo_shows_the_cache_after_every_step_as_its_watch_line_promises(demos):
+    demo = DEMOS["kv_cache"]
+    assert "After each step" in demo.watch
+    text = demo_output(demos, "kv_cache")
+    steps = demo.max_tokens  # one prefill step (the first token), then one decode step per further token
+    told = re.findall(r"KV CACHE · KV cache: (.*)", text)
+    assert len(told) == steps
+    stored = [int(n) for n in re.findall(r"store (\d+) tokens", " ".join(text.split()))]
+    prompt_len = len(stored) and stored[0]
+    assert stored == list(range(prompt_len, prompt_len + steps - 1))  # one more token's K/V per step
+    assert told[-1] == "empty"  # the last step finished the request and freed its blocks
 
 
 @pytest.mark.real_model
@@ -414,3 +433,41 @@ def test_continuous_batching_text_matches_a_step_that_preempts_to_admit():
     text = " ".join(chapter("continuous_batching").paragraphs)
     assert "a step that had to preempt admits nobody" not in text
     assert "the request that caused the preemption may itself be the one admitted" in text
+
+
+def test_the_gather_fallback_conditions_are_the_kernels_own_lists_and_each_is_a_real_refusal(monkeypatch):
+    """Chapter 8 lists when attention gathers from the kernels' lists, and each listed CPU case is refused."""
+    import torch
+
+    from nanovllm_core.attention import cpu_paged
+    from nanovllm_core.attention.selector import FLASH_ATTN_FALLBACK_CONDITIONS
+
+    text = " ".join(chapter("paged_attention").paragraphs)
+    for words in cpu_paged.FALLBACK_CONDITIONS + FLASH_ATTN_FALLBACK_CONDITIONS[1:]:
+        assert " ".join(words.split()) in text
+    assert "--no-flash-attn" in text and "bfloat16" in text
+    cpu = torch.device("cpu")
+    assert cpu_paged.unsupported_reason(cpu, torch.bfloat16, "flash")
+    assert cpu_paged.unsupported_reason(cpu, torch.float16, "flash")
+    assert cpu_paged.unsupported_reason(cpu, torch.float32, "math")
+    monkeypatch.setenv(cpu_paged.ENV_SWITCH, "0")
+    assert cpu_paged.unsupported_reason(cpu, torch.float32, "flash")
+    monkeypatch.setattr(cpu_paged, "_load", lambda: (None, "no compiler"))
+    monkeypatch.delenv(cpu_paged.ENV_SWITCH)
+    assert cpu_paged.unsupported_reason(cpu, torch.float32, "flash") == "no compiler"
+
+
+def test_the_kv_chapters_growth_figures_are_derived_from_the_models_shapes():
+    """A decode step: one token's fixed work, plus attention per cached key; where the second overtakes the first."""
+    h, i, nh, nkv, hd = 576, 1536, 9, 3, 64
+    info = {"kv_bytes_per_token": 46080, "num_layers": 30, "num_kv_heads": nkv, "head_dim": hd, "dtype": "float32",
+            "hidden_size": h, "intermediate_size": i, "num_heads": nh}
+    projections = 2 * h * (nh + 2 * nkv) * hd + 2 * nh * hd * h + 2 * h * 2 * i + 2 * i * h
+    small = 2 * 4 * h + 3 * (nh + nkv) * hd + 2 * h + 5 * i  # two RMSNorms, RoPE on Q and K, two residual adds, SwiGLU
+    per_key = nh * (2 * hd + 5 + 2 * hd)
+    crossover = next(c for c in range(1, 10**6) if c * per_key >= projections + small)
+    (line,) = [x for x in model_facts(chapter("kv_cache"), info) if x.startswith("Per layer")]
+    assert f"does {projections + small:,} FLOPs for its one token" in line
+    assert f"{per_key:,} more for each cached key" in line and f"reaches the rest at {crossover:,} tokens" in line
+    text = " ".join(chapter("kv_cache").paragraphs)
+    assert "n^3/6 pairs" in text and "grows linearly" in text

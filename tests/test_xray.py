@@ -85,7 +85,11 @@ def test_the_fused_backend_moves_no_score_matrix_and_the_math_backend_does():
     assert "attention_scores" not in fused and "attention" not in math
     assert math["attention_scores"].bytes == qo + kv + s and math["softmax"].bytes == 2 * s
     assert math["attention_output"].bytes == s + kv + qo
-    assert fused["attention"].flops == sum(math[n].flops for n in ("attention_scores", "softmax", "attention_output"))
+    # the fused causal square skips keys after each query (5 + 4 + ... + 1 pairs); math computes all 25, then masks
+    visited = sum(p + 1 for p in range(5))
+    per_pair = 9 * (2 * 64 + 5 + 2 * 64)  # per query head: QK^T, softmax, PV
+    assert fused["attention"].flops == per_pair * visited
+    assert sum(math[n].flops for n in ("attention_scores", "softmax", "attention_output")) == per_pair * 25
 
 
 def test_a_layer_has_two_rmsnorms_in_the_order_they_run():
@@ -307,3 +311,77 @@ def test_int8_linear_ops_say_what_the_product_multiplies_and_float_ones_do_not()
     for op in layer_ops(int8, seqs, "cpu_paged"):
         assert ("int8: W ≈ W_q · s" in op.math) == (op.name in linear), op.name
     assert not any("int8" in op.math for op in layer_ops(SMOL, seqs, "cpu_paged"))
+
+
+@pytest.mark.real_model
+def test_attention_flops_count_the_keys_the_cpu_kernel_visits_prefill_chunks_decodes_and_verifications(
+        make_llm, monkeypatch):
+    """The X-Ray's attention FLOPs against the C kernel's own loop bounds (``token_context`` per query token)."""
+    from nanovllm_core.attention import cpu_paged
+
+    llm = make_llm(num_kv_blocks=32, block_size=16, max_num_batched_tokens=24, speculative_model="ngram",
+                   num_speculative_tokens=3)
+    if llm.engine.model_info()["attention_backend"] != "cpu-paged":
+        pytest.skip("the CPU paged kernel does not run here")
+    visited: dict[int, set[int]] = {}
+    step = [0]
+    real = cpu_paged.paged_attention
+
+    def counting(q, k, v, tables, rows, context, max_context):
+        visited.setdefault(step[0], set()).add(int(context.sum()))  # one value per step: every layer the same
+        return real(q, k, v, tables, rows, context, max_context)
+
+    monkeypatch.setattr(cpu_paged, "paged_attention", counting)
+    events: list[ev.Event] = []
+
+    def keep(e: ev.Event) -> None:
+        if isinstance(e, ev.StepPlanned):
+            step[0] = e.step
+        events.append(e)
+
+    llm.engine.subscribe(keep, topk=0, blocks=False, xray=True)
+    llm.engine.select_xray(None, layer=0)
+    prompts = [PROMPTS[2], "one two three one two three one two three one two"]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    d = SMOL
+    parts = set()
+    for t in (e for e in events if isinstance(e, ev.LayerTrace) and e.layer == 0):
+        (pairs,) = visited[t.step]
+        attention = next(o for o in t.ops if o.name == "attention")
+        assert attention.flops == d.num_heads * (2 * d.head_dim + 5 + 2 * d.head_dim) * pairs, t.step
+        parts.add(t.part)
+    assert {"prefill", "verify"} <= parts  # a chunk from position 0, a chunk after cached tokens, verifications
+
+
+@pytest.mark.real_model
+def test_the_lm_head_total_counts_the_rows_the_model_really_sends_through_it(make_llm):
+    """The step total's parts outside the layers: LM head rows against ``compute_logits``' own input, each step."""
+    from nanovllm_core.educational.xray_costs import model_edge_ops, sampled_rows
+    from nanovllm_core.educational.xray_view import step_total
+
+    llm = make_llm(num_kv_blocks=32, max_num_batched_tokens=24, speculative_model="ngram", num_speculative_tokens=3)
+    model = llm.engine.model
+    rows: list[int] = []
+    real = model.compute_logits
+    model.compute_logits = lambda hidden: (rows.append(hidden.shape[0]), real(hidden))[1]
+    plans: list[ev.StepPlanned] = []
+    llm.engine.subscribe(lambda e: plans.append(e) if isinstance(e, ev.StepPlanned) and e.scheduled else None,
+                         topk=0, blocks=False)
+    try:
+        llm.generate([PROMPTS[2], "one two three one two three one two three one two"],
+                     SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    finally:
+        del model.compute_logits
+    assert [sampled_rows(p.scheduled) for p in plans] == rows  # chunks that do not sample add no row
+    assert any(s.num_spec_tokens for p in plans for s in p.scheduled) and any(not s.samples for p in plans
+                                                                                for s in p.scheduled)
+    h, v = SMOL.hidden, 49152
+    edges = {o.name: o for o in model_edge_ops(h, v, 4, v * h * 4, 24, 3)}
+    assert edges["lm_head"].flops == 2 * 3 * h * v and edges["embedding_lookup"].flops == 0
+    layer = ev.LayerTrace(step=0, request_id="0", layer=0, num_layers=2, tensors=(), num_heads=9, num_kv_heads=3,
+                          head_dim=64, hidden_size=h, kv_bytes_per_token=46080, num_batch_tokens=24,
+                          ops=(ev.OpInfo("qkv_proj", "", "", 1_000_000, 2_000_000),))
+    text = step_total([layer, layer], tuple(edges.values()))
+    whole = 2_000_000 + sum(o.flops for o in edges.values())
+    assert f"The whole forward pass: {whole / 1e6:.3g} MFLOP" in text and "3 rows that sample" in text
+    assert "not counted" in step_total([layer, layer])

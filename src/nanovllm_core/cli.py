@@ -17,13 +17,17 @@ import sys
 import time
 from typing import Sequence
 
-from nanovllm_core.cli_args import (  # noqa: F401  (re-exported: the app and tests import them from here)
+from nanovllm_core.cli_args import (  # noqa: F401  (re-exported: the app, benchmarks and tests import them from here)
+    QUANTIZATION_CHOICES,
     _Parser,
     add_engine_arguments,
     add_model_arguments,
     engine_kwargs,
+    load_progress,
     positive_int,
+    prompt_text,
     sampling_params,
+    seed_int,
     tcp_port,
 )
 
@@ -55,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "`nanovllm serve --help`: the OpenAI-compatible HTTP server.")
     add_model_arguments(p)
     g = p.add_argument_group("prompts and sampling")
-    g.add_argument("--prompt", action="append", default=None,
+    g.add_argument("--prompt", action="append", default=None, type=prompt_text,
                    help=f"a prompt (repeat for several; default: {DEFAULT_PROMPT!r})")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     g.add_argument("--max-tokens", type=positive_int, default=50, help="tokens to generate per prompt (default 50)")
@@ -64,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
     g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None, help="per-request random seed")
+    g.add_argument("--seed", type=seed_int, default=None, help="per-request random seed")
     g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N", help="show the top-N log-probabilities per token")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
@@ -124,11 +128,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
 
+    if sys.stderr.isatty():  # importing PyTorch alone takes seconds: say what is happening
+        print(f"nanovllm: loading {args.model or 'the embedded default model'}...", file=sys.stderr, flush=True)
     from nanovllm_core.llm import LLM
     from nanovllm_core.model.loader import ModelLoadError
 
     try:
-        llm = LLM(**engine_kwargs(args))
+        llm = LLM(**engine_kwargs(args), progress=load_progress("nanovllm"))
     except (ModelLoadError, ValueError) as e:
         parser.error(str(e))
     try:
@@ -169,12 +175,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"    {tok.decode([token_id])!r}: {cands}")
         print()
     total = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    info = llm.engine.model_info()
     print(f"{len(outputs)} prompt(s), {total} tokens in {elapsed:.2f} s ({total / max(elapsed, 1e-9):.1f} tokens/s) "
           f"on {llm.engine.device.type}, {str(llm.engine.dtype).replace('torch.', '')}"
           + (f", {llm.engine.model.quantization} weights" if llm.engine.model.quantization else "")
+          + (f" ({info['weight_format']})" if llm.engine.model.quantization not in (None, "int8") else "")
           + f", model {llm.engine.model_name}")
-    info = llm.engine.model_info()
-    for key, what in (("cpu_paged_unavailable", "the CPU paged attention kernel is not used (K/V are gathered for SDPA)"),
+    for key, what in (("block_native_unavailable", "block-quantized layers dequantize and run PyTorch's matmul, not "
+                                                   "the C kernels (slower, and rows depend on their batch)"),
+                      ("quantization_note", "weights"),
+                      ("cpu_paged_unavailable", "the CPU paged attention kernel is not used (K/V are gathered for SDPA)"),
                       ("native_ops_unavailable", "RMSNorm and RoPE run as PyTorch ops, not in C"),
                       ("int8_native_unavailable", "int8 layers quantize and rescale with PyTorch ops, not in C "
                                                   "(the same bits, slower)")):

@@ -4,12 +4,17 @@
 Below both CLIs, so neither imports the other for them: argument types that fail with
 argparse's one-line usage error (status 2), the model and engine option groups, and the
 translation of parsed options into ``LLM(...)`` keyword arguments and ``SamplingParams``.
-Imports only the standard library (``SamplingParams`` when asked for one).
+Imports only the standard library at import time (torch waits until an engine is built).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+
+
+# model.quantization.QUANTIZATION_CHOICES, written out: parsing options must not import torch (a test holds them equal)
+QUANTIZATION_CHOICES = ("none", "gguf", "q8_0", "q4_0", "q4_1", "int8")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,6 +49,63 @@ def positive_int(text: str) -> int:
     return value
 
 
+def seed_int(text: str) -> int:
+    """argparse ``type``: a random seed, a 64-bit signed integer (what torch's generators take).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or outside -2**63 .. 2**63 - 1.
+    """
+    from nanovllm_core.sampling_params import SEED_MAX, SEED_MIN
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not SEED_MIN <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"a seed is a 64-bit integer ({SEED_MIN} to {SEED_MAX}), got {value}")
+    return value
+
+
+def prompt_text(text: str) -> str:
+    """argparse ``type``: prompt text that is valid UTF-8.
+
+    Python hands over command-line bytes that are not UTF-8 as lone surrogates
+    (``\\udcff`` for the byte 0xff); no tokenizer can take them.
+
+    Raises:
+        argparse.ArgumentTypeError: the text holds such a byte (or any lone surrogate).
+    """
+    for i, ch in enumerate(text):
+        if "\udc80" <= ch <= "\udcff":
+            raise argparse.ArgumentTypeError(
+                f"not valid UTF-8: byte 0x{ord(ch) - 0xDC00:02x} at character {i}; pass UTF-8 text "
+                "(check the terminal's or the file's encoding)")
+        if "\ud800" <= ch <= "\udfff":
+            raise argparse.ArgumentTypeError(f"not valid Unicode: a lone surrogate {ch!r} at character {i}")
+    return text
+
+
+def load_progress(prog: str):
+    """A loader progress callback for a command: on a terminal, one ``prog: stage...`` line on
+    stderr as each loading stage begins (as ``nanovllm serve`` prints them) and the long stages'
+    bars; elsewhere (a pipe, a script) only the bars of :func:`console_progress`, so an error
+    stays the one line on stderr."""
+    from nanovllm_core.llm import console_progress
+
+    bars = console_progress()
+    if not sys.stderr.isatty():
+        return bars
+    seen: set[str] = set()
+
+    def progress(stage: str, done: int, total: int) -> None:
+        if stage not in seen:
+            seen.add(stage)
+            print(f"{prog}: {stage}...", file=sys.stderr, flush=True)
+        bars(stage, done, total)
+
+    return progress
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """``--model``, ``--device``, ``--dtype`` (shared by ``nanovllm``, ``nanovllm serve`` and the app)."""
     m = p.add_argument_group("model")
@@ -52,9 +114,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")
     m.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="default: float32 on cpu, bfloat16 on cuda")
-    m.add_argument("--quantization", choices=["int8"], default=None,
-                   help="int8: linear layers and LM head with int8 weights (about 0.3x float32's weight bytes "
-                        "per step; CPU only); default: float weights")
+    m.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None, type=str.lower,
+                   help="how the linear layers hold their weights (CPU only but for none): gguf keeps a .gguf "
+                        "file's own blocks (the embedded model's Q4_1: 96 MB instead of 540 MB of float32); "
+                        "q8_0, q4_0, q4_1 cut float weights into those blocks at load; int8: int8 weights through "
+                        "oneDNN/fbgemm; none: float (the default)")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from nanovllm_core.sampling_params import SEED_MAX, SEED_MIN
+
 # The quantization modes' names (model/quantization.py builds the layers each one names).
 BLOCK_MODES = ("gguf", "q8_0", "q4_0", "q4_1")  # weights in GGUF blocks (model/block_quant.py)
 QUANTIZATION_MODES = (*BLOCK_MODES, "int8")
@@ -138,6 +140,10 @@ class EngineConfig:
                 f"max_model_len ({self.max_model_len}) so a whole prompt fits one step"
             )
 
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed={self.seed!r} is invalid: it must be an integer in [{SEED_MIN}, {SEED_MAX}] "
+                             "(64 bits) or None")
         self.quantization = normalize_quantization(self.quantization)
         if self.quantization is not None and self.torch_device.type != "cpu":
             raise ValueError(f"quantization={self.quantization!r} runs on the CPU (this engine's C kernels); "

@@ -206,6 +206,9 @@ class TokenSampled(Event):
     ``logprob``: log p of the chosen token under the model (None unless computed);
     ``speculative``: the token was kept by a speculative verification, in a forward pass
     that ran the drafted tokens too (see :class:`SpecDecodeStep`).
+    ``special``: the token's name when it is one of the tokenizer's special tokens (such as
+    ``<|im_end|>``, which ends a chat turn), else ""; a special token is not text, so
+    ``token_text`` is empty for it unless the request keeps special tokens.
     """
 
     step: int
@@ -223,6 +226,7 @@ class TokenSampled(Event):
     token_text: str = ""
     model_top: tuple[TopToken, ...] = ()
     speculative: bool = False
+    special: str = ""
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ def console_progress() -> ProgressFn:
     def progress(stage: str, done: int, total: int) -> None:
         bar = bars.get(stage)
         if bar is None:
-            if done >= total and stage != "converting GGUF":
-                return  # nothing worth drawing for a one-shot stage
+            if (done >= total or total <= 1) and stage != "converting GGUF":
+                return  # nothing worth drawing for a one-shot stage (a 0/1 bar says no more than its end)
             bar = bars[stage] = tqdm(total=total, desc=stage, file=sys.stderr, leave=False)
         bar.update(done - bar.n)
         if done >= total:

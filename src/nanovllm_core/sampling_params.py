@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # torch.Generator.manual_seed's signed 64-bit range (vLLM's limit too)
 
 
 @dataclass
@@ -27,6 +28,7 @@ class SamplingParams:
         presence_penalty: subtracted once from the logit of every token already generated.
         frequency_penalty: subtracted per occurrence of a token already generated.
         seed: a per-request random generator; the same seed gives the same tokens whatever else runs.
+            A 64-bit signed integer (-2**63 .. 2**63 - 1, vLLM's range), so every torch generator takes it.
         max_tokens: the most tokens to generate (>= 1).
         min_tokens: EOS and stop tokens are suppressed until this many tokens are generated.
         stop: strings that end generation; the text ends before the stop string unless
@@ -104,8 +106,9 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.stop_token_ids contains {t!r}: token ids are integers >= 0")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer or None")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits) or None")
 
     @property
     def greedy(self) -> bool:

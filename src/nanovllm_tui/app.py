@@ -231,7 +231,9 @@ class NanoVLLMApp(App):
             return
         for key, what in (("cpu_paged_unavailable", "CPU paged attention kernel not used (K/V gathered for SDPA)"),
                           ("native_ops_unavailable", "RMSNorm and RoPE run as PyTorch ops, not in C"),
-                          ("int8_native_unavailable", "int8 quantize/rescale run as PyTorch ops, not in C")):
+                          ("int8_native_unavailable", "int8 quantize/rescale run as PyTorch ops, not in C"),
+                          ("block_native_unavailable", "block-quantized layers run PyTorch's matmul, not C"),
+                          ("quantization_note", "weights")):
             if info.get(key):
                 self.notify(f"{what}: {info[key]}", severity="warning", timeout=8, markup=False)
 

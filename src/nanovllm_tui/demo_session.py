@@ -84,7 +84,7 @@ class DemoSession:
         if self.engine.speculator is not None:
             settings += f", {self.engine.speculator.name} drafts of up to {self.engine.speculator.k} tokens"
         self.run = DemoRun(demo, chapter, demo.requests(chapter.demo_prompt), settings=settings)
-        self.narrator = Narrator(info, max_decode_steps_per_request=None)
+        self.narrator = Narrator(info, max_decode_steps_per_request=None, kv_every_step=demo.kv_every_step)
         self._traced: set[str] = set()
         self._ids = iter(range(1, 1 << 30))
         self.controller = EngineController.from_engine(self.engine)

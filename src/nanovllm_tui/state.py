@@ -12,10 +12,11 @@ import dataclasses
 
 import itertools
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nanovllm_core import events as ev
+from nanovllm_core.educational.narrator_sampling import table_caption
 
 HISTORY_STEPS = 120  # StepTimed records kept for sparklines
 RATE_WINDOW = 10  # steps averaged for the throughput figures
@@ -46,6 +47,8 @@ class RequestView:
     num_output: int = 0
     text: str = ""
     top: tuple[ev.TopToken, ...] = ()
+    top_caption: str = ""  # which distribution ``top`` is, naming every processor that changed it
+    sampling: dict = field(default_factory=dict)  # the request's non-default sampling settings
     last_token: str = ""
     last_token_id: int | None = None
     added_time: float | None = None
@@ -202,7 +205,7 @@ class EngineState:
         req = self._request(e.request_id)
         # A prompt sent as token ids (a chat template's rendering) is shown as its pieces.
         req.prompt = e.prompt if e.prompt is not None else (req.prompt or "".join(e.prompt_pieces))
-        req.priority, req.max_tokens = e.priority, e.max_tokens
+        req.priority, req.max_tokens, req.sampling = e.priority, e.max_tokens, dict(e.sampling)
         req.prompt_len, req.prompt_pieces = len(e.prompt_token_ids), e.prompt_pieces
         req.added_time = e.time
         req.paused_at_added = req.paused_at_first = req.paused_at_last = self.paused_clock(e.time)
@@ -244,9 +247,9 @@ class EngineState:
         req = self._request(e.request_id)
         req.text += e.text
         req.num_output = e.num_output_tokens
-        req.last_token, req.last_token_id = e.token_text, e.token_id
+        req.last_token, req.last_token_id = e.token_text or e.special, e.token_id
         if e.top:
-            req.top = e.top
+            req.top, req.top_caption = e.top, table_caption(e, req.sampling)
         paused = self.paused_clock(e.time)
         if req.first_token_time is None:
             req.first_token_time, req.paused_at_first = e.time, paused

@@ -42,6 +42,17 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     return native.load(SOURCE, SIGNATURES)
 
 
+# On the CPU, one phrase per check of :func:`unsupported_reason` (after the device's), in its
+# order: when the kernel does not run. The tutorial's paged-attention chapter lists these
+# rather than restating them.
+FALLBACK_CONDITIONS = (
+    f"{ENV_SWITCH}=0",
+    "a dtype other than float32 (bfloat16 or float16)",
+    "--no-flash-attn (the math backend keeps the explicit score matrix)",
+    "no C compiler with OpenMP (or a failed build)",
+)
+
+
 def unsupported_reason(device: torch.device, dtype: torch.dtype, backend: str) -> str | None:
     """Why the CPU paged kernel cannot serve this cache, or None when it can (compiling it if needed).
 

@@ -5,7 +5,8 @@ Three kernels read the paged pool:
 - ``"cpu-paged"``: this engine's C kernel (``attention.cpu_paged``) on the CPU in float32:
   every query token reads its keys and values in place through its block table, and its
   sums run in an order that no batch, chunking or thread count changes. It needs a C
-  compiler with OpenMP on first use; without one, the engine falls back to ``"sdpa"``.
+  compiler with OpenMP on first use; where it cannot run (``cpu_paged.FALLBACK_CONDITIONS``),
+  the engine falls back to ``"sdpa"`` (``"math"`` with ``--no-flash-attn``).
 - ``"flash-attn"``: flash-attn 2's varlen kernel (``flash_attn_varlen_func`` with a
   ``block_table``) reads the blocks where they lie: no gather, no padding. It runs only where
   ``mha_varlen_fwd`` (flash-attn 2.8, ``csrc/flash_attn/flash_api.cpp``) accepts the call:
@@ -44,6 +45,18 @@ def _flash_attn_importable() -> bool:
     except Exception:  # ImportError, or an OSError/RuntimeError from a wheel built for another torch
         return False
     return True
+
+
+# When flash-attn's paged kernel does not run, one phrase per check of
+# :func:`flash_attn_unsupported`, in its order (the tutorial lists these).
+FLASH_ATTN_FALLBACK_CONDITIONS = (
+    "no CUDA GPU",
+    "float32 (it runs float16 and bfloat16)",
+    "a GPU older than compute capability 8.0",
+    "a head size not a multiple of 8 or above 256",
+    f"blocks not a multiple of {FLASH_ATTN_PAGE_SIZE} tokens",
+    "flash-attn not installed",
+)
 
 
 def flash_attn_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int) -> str | None:

@@ -30,8 +30,9 @@ from rich.table import Table
 from rich.text import Text
 
 from nanovllm_core import events as ev
-from nanovllm_core.educational.rich_parts import topk_table
 from nanovllm_core.educational.narrator import human_bytes
+from nanovllm_core.educational.narrator_sampling import table_caption
+from nanovllm_core.educational.rich_parts import topk_table
 
 MIN_REDRAW_S = 0.05  # token and layer events redraw at most this often; step ends always redraw
 MAX_REQUEST_ROWS = 8
@@ -80,6 +81,8 @@ class DashboardView:
         self.top: tuple[ev.TopToken, ...] = ()
         self.top_request: str | None = None
         self.top_chosen: str | None = None
+        self.top_caption = ""
+        self._sampling: dict[str, dict] = {}
         self.focus: str | None = None
         self.started: float | None = None
         self.ended: float | None = None
@@ -124,6 +127,7 @@ class DashboardView:
             self.requests[event.request_id] = _Request(event.prompt or "", len(event.prompt_token_ids),
                                                        event.max_tokens)
             self.focus = self.focus or event.request_id
+            self._sampling[event.request_id] = dict(event.sampling)
         elif isinstance(event, ev.RequestRejected):
             self.requests[event.request_id] = _Request("", 0, 0, state="rejected")
         elif isinstance(event, ev.StepPlanned):
@@ -140,7 +144,8 @@ class DashboardView:
                 r.generated = event.num_output_tokens
                 r.text += event.text
             self.top, self.top_request = event.top, event.request_id
-            self.top_chosen = event.token_text
+            self.top_chosen = event.token_text or event.special
+            self.top_caption = table_caption(event, self._sampling.get(event.request_id, {}))
             self.focus = event.request_id if self.focus not in self._active() else self.focus
             redraw = self._due()
         elif isinstance(event, ev.RequestFinished):
@@ -207,7 +212,8 @@ class DashboardView:
                                       self._memory_and_speed(), self._text_panel()]
         if self.top:
             body.append(Panel(topk_table([(t.text, t.prob) for t in self.top], self.top_chosen),
-                              title=f"Top predictions (request {self.top_request}, latest token)", title_align="left"))
+                              title=f"Top predictions (request {self.top_request}, latest token)", title_align="left",
+                              subtitle=self.top_caption, subtitle_align="left"))
         return Panel(Group(*body), title="nano-vLLM inference dashboard", border_style="cyan")
 
     def _progress(self) -> Panel:
@@ -257,8 +263,8 @@ class DashboardView:
         kv = self.kv
         mem = Table.grid(padding=(0, 1))
         if kv is not None and kv.num_blocks_total:
-            mem.add_row("KV cache", f"{human_bytes(kv.kv_bytes_used)} of {human_bytes(kv.kv_bytes_total)}")
-            mem.add_row("Peak", human_bytes(self.peak_kv_bytes))
+            mem.add_row("KV reserved", f"{human_bytes(kv.kv_bytes_used)} of {human_bytes(kv.kv_bytes_total)} (whole blocks)")
+            mem.add_row("Peak", f"{human_bytes(self.peak_kv_bytes)} reserved")
             mem.add_row("", ProgressBar(total=kv.num_blocks_total, completed=kv.num_blocks_used, width=24))
             mem.add_row("Blocks", f"{kv.num_blocks_used}/{kv.num_blocks_total} used, {kv.num_blocks_cached} cached-free")
         else:

@@ -55,12 +55,14 @@ class NarrateView:
         model_info: ``LLMEngine.model_info()``, for the model entry and the numbers in the text.
         max_decode_steps: decode entries per request (None: all), see ``Narrator``.
         kinds: print only these kinds (None: all), e.g. a tutorial demonstration's.
+        kv_every_step: a KV cache entry after every step, not only when blocks changed.
     """
 
     def __init__(self, console: Console, model_info: dict[str, Any] | None = None,
-                 max_decode_steps: int | None = 10, kinds: tuple[str, ...] | None = None) -> None:
+                 max_decode_steps: int | None = 10, kinds: tuple[str, ...] | None = None,
+                 kv_every_step: bool = False) -> None:
         self.console = console
-        self.narrator = Narrator(model_info, max_decode_steps_per_request=max_decode_steps)
+        self.narrator = Narrator(model_info, max_decode_steps_per_request=max_decode_steps, kv_every_step=kv_every_step)
         self.kinds = kinds
         self.entries: list[Commentary] = []
 

@@ -35,7 +35,8 @@ from typing import Any
 
 from nanovllm_core import events as ev
 from nanovllm_core.educational.commentary import Commentary, human_bytes, ms, ordinal, plural, show_piece, who
-from nanovllm_core.educational.narrator_sampling import (sampling_intro, speculative_entry, token_choice,
+from nanovllm_core.educational.kv_facts import kv_footprint
+from nanovllm_core.educational.narrator_sampling import (sampling_intro, speculative_entry, token_choice, token_label,
                                                          verification_rule)
 from nanovllm_core.educational.narrator_scheduler import PRIORITY_NOTE, SchedulerNarration
 
@@ -75,6 +76,8 @@ class Narrator(SchedulerNarration):
             when given, the first call of :meth:`feed` starts with a ``model`` entry.
         max_decode_steps_per_request: at most this many ``decode`` entries per request (None:
             all); later tokens are counted and summed up in its ``finished`` entry.
+        kv_every_step: a ``kv_cache`` entry after every step (default: only when the number of
+            blocks in use changed).
 
     Raises:
         ValueError: a negative ``max_decode_steps_per_request``.
@@ -82,11 +85,13 @@ class Narrator(SchedulerNarration):
     Not thread-safe: feed it from one thread (or behind a queue).
     """
 
-    def __init__(self, model_info: dict | None = None, max_decode_steps_per_request: int | None = None) -> None:
+    def __init__(self, model_info: dict | None = None, max_decode_steps_per_request: int | None = None,
+                 kv_every_step: bool = False) -> None:
         if max_decode_steps_per_request is not None and max_decode_steps_per_request < 0:
             raise ValueError("max_decode_steps_per_request must be >= 0 or None (no cap)")
         self.info: dict[str, Any] = dict(model_info or {})
         self.max_decode = max_decode_steps_per_request
+        self.kv_every_step = kv_every_step
         self._introduced = False
         self._requests: dict[str, _RequestState] = {}
         self._open: _OpenStep | None = None
@@ -235,18 +240,24 @@ class Narrator(SchedulerNarration):
             if isinstance(e, ev.TokenSampled):
                 kept[e.seq_id] = kept.get(e.seq_id, 0) + 1
         first_kept: dict[int, ev.SpecDecodeStep] = {}  # a verification, until its first kept token is told
-        verified: set[int] = set()
+        # per sequence: the verification of this step, its rule, and how many of its kept tokens were told
+        run: dict[int, list] = {}
         for e in events:
             if isinstance(e, ev.TokenSampled):
+                kept_by = None
+                if e.seq_id in run:
+                    v, rule, told = run[e.seq_id]
+                    kept_by = (v, told, rule)
+                    run[e.seq_id][2] += 1
                 out.extend(self._token(e, entries.get(e.seq_id), timed, first_kept.pop(e.seq_id, None),
-                                       e.speculative or e.seq_id in verified))
+                                       e.speculative or kept_by is not None, kept_by))
             elif isinstance(e, ev.SpecDecodeStep):
                 first_kept[e.seq_id] = e
-                verified.add(e.seq_id)
                 if e.seq_id in self._computed:
                     self._computed[e.seq_id] += next((i for i, ok in enumerate(e.accepted) if not ok), len(e.accepted))
                 greedy = verification_rule(e, self._requests[e.request_id].sampling
                                            if e.request_id in self._requests else None)
+                run[e.seq_id] = [e, greedy, 0]
                 out.append(speculative_entry(e, self._name(e.request_id), greedy, kept.get(e.seq_id)))
             elif isinstance(e, ev.RequestFinished):
                 out.append(self._finished(e))
@@ -385,11 +396,13 @@ class Narrator(SchedulerNarration):
         return [Commentary("chunked_prefill", title, text, request_id=rid, step=plan.step)]
 
     def _token(self, e: ev.TokenSampled, entry: ev.ScheduledEntry | None, timed: ev.StepTimed | None,
-               verification: ev.SpecDecodeStep | None, speculative: bool) -> list[Commentary]:
+               verification: ev.SpecDecodeStep | None, speculative: bool,
+               kept_by: tuple[ev.SpecDecodeStep, int, bool | None] | None = None) -> list[Commentary]:
         """A ``decode`` entry: the choice and its distribution, then how this token was computed in its step.
 
         ``entry``: the sequence's part of the step's plan (None when unknown); ``verification``:
-        the verification this token is the first kept token of; ``speculative``: kept by one.
+        the verification this token is the first kept token of; ``speculative``: kept by one;
+        ``kept_by``: that verification, the token's place in its kept run and its rule.
         """
         state = self._requests.get(e.request_id)
         if state is not None and self.max_decode is not None:
@@ -398,9 +411,9 @@ class Narrator(SchedulerNarration):
                 return []
         if state is not None:
             state.decode_told += 1
-        piece = show_piece(e.token_text) if e.token_text else f"(id {e.token_id}, part of a character)"
+        piece = token_label(e)
         sampling = state.sampling if state is not None else {}
-        text, caption = token_choice(e, sampling, self.info.get("vocab_size"))
+        text, caption = token_choice(e, sampling, self.info.get("vocab_size"), kept_by)
         recompute = entry is not None and entry.kind == "prefill" and e.num_output_tokens > 1
         which = ("first token, from the prefill" if e.num_output_tokens == 1 else
                  f"token #{e.num_output_tokens}, after the recompute" if recompute else f"token #{e.num_output_tokens}")
@@ -427,7 +440,13 @@ class Narrator(SchedulerNarration):
                            table_notes=notes if any(notes) else ())]
 
     def _kv_cache(self, t: ev.StepTimed, blocks: ev.BlocksChanged | None) -> list[Commentary]:
-        if t.num_blocks_used == self._last_blocks_used:
+        """The ``kv_cache`` entry: blocks reserved and bytes they reserve, tokens stored and their bytes.
+
+        Told when the number of blocks in use changed, or after every step with ``kv_every_step``
+        (then a step that took no block says so).
+        """
+        same = t.num_blocks_used == self._last_blocks_used
+        if same and not self.kv_every_step:
             return []
         self._last_blocks_used = t.num_blocks_used
         per_block = (blocks.bytes_per_block if blocks is not None else
@@ -440,10 +459,22 @@ class Narrator(SchedulerNarration):
         if t.num_blocks_used == 0:
             text = f"No request holds KV blocks now: all {t.num_blocks_total} blocks are free.{cached}"
             return [Commentary("kv_cache", "KV cache: empty", text, step=t.step)]
-        text = (f"The KV cache now holds {plural(t.num_blocks_used, 'block')}"
+        change = " No block was taken or freed in this step." if same else ""
+        text = (f"Live requests now hold {plural(t.num_blocks_used, 'block')}"
                 + (f" x {per_block:,} bytes" if per_block else "")
-                + f" = {t.kv_bytes_used:,} bytes ({human_bytes(t.kv_bytes_used)}) of the pool's "
-                f"{human_bytes(t.kv_bytes_total)} ({t.num_blocks_used} of {t.num_blocks_total} blocks in use).{cached}")
+                + f" = {t.kv_bytes_used:,} bytes ({human_bytes(t.kv_bytes_used)}) reserved, of the pool's "
+                f"{human_bytes(t.kv_bytes_total)} ({t.num_blocks_used} of {t.num_blocks_total} blocks in use).")
+        title = f"KV cache: {human_bytes(t.kv_bytes_used)} reserved in {plural(t.num_blocks_used, 'block')}"
+        if blocks is not None and blocks.tables:
+            fp = kv_footprint(blocks)
+            if fp.blocks == t.num_blocks_used:
+                text += (f" Their tokens store {plural(fp.tokens, 'token')} x {fp.bytes_per_token:,} bytes = "
+                         f"{fp.stored_bytes:,} bytes ({human_bytes(fp.stored_bytes)}) of keys and values"
+                         + ("." if not fp.empty_slots else
+                            f"; the other {plural(fp.empty_slots, 'slot')} {'is' if fp.empty_slots == 1 else 'are'} "
+                            "reserved but still empty."))
+                title += f", {human_bytes(fp.stored_bytes)} stored"
+        text += change + cached
         if blocks is not None and blocks.tables:
             shown = []
             for tb in blocks.tables[:MAX_TABLES_SHOWN]:
@@ -456,8 +487,7 @@ class Narrator(SchedulerNarration):
             if len(blocks.tables) > MAX_TABLES_SHOWN:
                 text += f"; and {len(blocks.tables) - MAX_TABLES_SHOWN} more"
             text += "."
-        return [Commentary("kv_cache", f"KV cache: {human_bytes(t.kv_bytes_used)} in {plural(t.num_blocks_used, 'block')}", text,
-                           step=t.step)]
+        return [Commentary("kv_cache", title, text, step=t.step)]
 
     @staticmethod
     def _why(reason: str, stop_reason: str | int | None) -> str:

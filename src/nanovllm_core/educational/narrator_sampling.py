@@ -128,53 +128,137 @@ def _shows_model_own(e: ev.TokenSampled, procs: list[str]) -> bool:
     return False
 
 
-def token_choice(e: ev.TokenSampled, sampling: dict[str, Any], vocab: int | None) -> tuple[str, str]:
+def token_label(e: ev.TokenSampled) -> str:
+    """The token as a title shows it: its text, the special token's name, or its id while it is
+    bytes of a character that a later token completes."""
+    if e.token_text:
+        return show_piece(e.token_text)
+    if e.special:
+        return e.special
+    return f"(id {e.token_id}, part of a character)"
+
+
+def token_words(e: ev.TokenSampled) -> str:
+    """The token with its id, as a sentence names it (see :func:`token_label`)."""
+    if e.token_text:
+        return f"{show_piece(e.token_text)} (id {e.token_id})"
+    if e.special:
+        return f"the special token {e.special} (id {e.token_id})"
+    return f"id {e.token_id} (bytes of a character that is not complete yet)"
+
+
+def caption_changes(e: ev.TokenSampled, sampling: dict[str, Any]) -> list[str]:
+    """Every processor that changed the distribution ``e.top`` shows, in the engine's order.
+
+    Penalties and the ``min_tokens`` ban on every row; temperature (other than 1), min-p,
+    top-k and top-p only on rows that sample (greedy takes the argmax and ignores them). The
+    filters leave fewer candidates, renormalised, so a table after them shows larger
+    probabilities than after temperature alone.
+    """
+    procs = processors(sampling, e.num_output_tokens - 1)
+    if e.greedy:
+        return procs
+    return procs + ([f"temperature {e.temperature:g}"] if e.temperature != 1 else []) + _filters(sampling)
+
+
+def table_caption(e: ev.TokenSampled, sampling: dict[str, Any]) -> str:
+    """The caption of ``e.top``'s table: which distribution it is, naming every processor that changed it."""
+    changes = caption_changes(e, sampling)
+    whose = "the target's" if e.speculative else "the model's"
+    if _shows_model_own(e, processors(sampling, e.num_output_tokens - 1)):
+        return f"{whose} own probabilities" + (f", before {join_words(changes)}" if changes else "")
+    if not changes:
+        return "probabilities the sampler used"
+    renorm = ", renormalised" if not e.greedy and _filters(sampling) else ""
+    return ("the target's " if e.speculative else "") + "probabilities after " + join_words(changes) + renorm
+
+
+def kept_mechanism(e: ev.TokenSampled, v: ev.SpecDecodeStep, i: int, greedy: bool | None) -> str:
+    """How the ``i``-th token kept by verification ``v`` was produced: an accepted draft, the
+    replacement after a rejection, or the token added after every draft was kept."""
+    piece = token_words(e)
+    k = len(v.draft_tokens)
+    n_ok = next((j for j, ok in enumerate(v.accepted) if not ok), len(v.accepted))
+    if i < n_ok:
+        how = f"The {v.proposer} proposer drafted {piece} and the verification accepted it"
+        if greedy:
+            return how + ": it equals the target's highest-scoring token at this position."
+        if greedy is False and i < len(v.p):
+            chance = min(1.0, v.p[i] / v.q[i]) if v.q[i] else 1.0
+            return how + (f", with probability min(1, p/q) = min(1, {v.p[i]:.3f}/{v.q[i]:.3f}) = {chance:.3f}.")
+        return how + "."
+    if n_ok < k:
+        draft = show_piece(v.draft_texts[n_ok]) if n_ok < len(v.draft_texts) else "the draft"
+        if greedy:
+            return (f"The draft {draft} was not the target's choice here, so greedy verification took the target's "
+                    f"highest-scoring token instead: {piece}.")
+        if greedy is False:
+            point = v.q[n_ok] == 1.0 if n_ok < len(v.q) else False
+            rest = ("the target's distribution without the rejected draft, renormalised" if point
+                    else "the leftover distribution max(0, p - q), renormalised")
+            return f"The draft {draft} was rejected, and {piece} was drawn in its place from {rest}."
+        return f"The draft {draft} was not kept; {piece} replaced it."
+    if greedy:
+        return f"All {k} drafts were kept, and the target added its own highest-scoring next token: {piece}."
+    return f"All {k} drafts were kept, and {piece} was drawn from the target's distribution after the last one."
+
+
+def token_choice(e: ev.TokenSampled, sampling: dict[str, Any], vocab: int | None,
+                 kept: tuple[ev.SpecDecodeStep, int, bool | None] | None = None) -> tuple[str, str]:
     """What was chosen and from which distribution: (text, caption of the top-k table).
 
     Greedy decoding is said to take the most likely token only when that token heads the
     table shown; when the table is the model's own and a penalty moved the choice, the text
-    says so instead.
+    says so instead. ``kept``: for a token a speculative verification kept, (the verification,
+    the token's place in its kept run, its rule as :func:`verification_rule` gives it); the
+    text then names the mechanism (an accepted draft, a replacement, the added token)
+    instead of a plain draw.
     """
-    piece = show_piece(e.token_text) if e.token_text else f"(id {e.token_id}, part of a character)"
+    piece = token_words(e)
     procs = processors(sampling, e.num_output_tokens - 1)
+    caption = table_caption(e, sampling)
+    special = (" It is a special token, not text, so the output text leaves it out." if e.special and not e.token_text
+               else "")
     if not e.top:
+        if kept is not None:
+            return kept_mechanism(e, *kept) + special, ""
         how = ("the highest-scoring one" + (f" after {join_words(procs)}" if procs else "") if e.greedy
                else f"drawn at temperature {e.temperature:g}")
-        return f"The next token for position {e.position} is {piece} (id {e.token_id}), {how}.", ""
+        return f"The next token for position {e.position} is {piece}, {how}.{special}", ""
     own = _shows_model_own(e, procs)
-    changes = procs + ([f"temperature {e.temperature:g}"] if not e.greedy and e.temperature != 1 else [])
-    if own:
-        caption = "the model's own probabilities" + (f", before {join_words(changes)}" if changes else "")
-    else:
-        caption = "probabilities after " + join_words(changes) if changes else "probabilities the sampler used"
-    scored = f"The model scored {'all ' + format(vocab, ',') if vocab else 'every'} vocabulary entries for position {e.position}"
+    model = "target model" if e.speculative else "model"
+    scored = (f"The {model} scored {'all ' + format(vocab, ',') if vocab else 'every'} vocabulary entries for "
+              f"position {e.position}")
     best = e.top[0]
     rank = next((i for i, t in enumerate(e.top) if t.token_id == e.token_id), None)
     where = (f"{ordinal(rank + 1)} in the table at {e.top[rank].prob:.2%}" if rank is not None
              else f"outside the table's top {len(e.top)}")
-    if e.greedy:
+    if kept is not None:
+        text = (f"{scored}; in the table the favourite is {show_piece(best.text)} at {best.prob:.2%}. "
+                + kept_mechanism(e, *kept) + f" It is {where}.")
+    elif e.greedy:
         if rank == 0:
             lead = (f"{scored}; after {join_words(procs)} the highest is {show_piece(best.text)} at {best.prob:.2%}"
                     if not own and procs else f"{scored}; the favourite is {show_piece(best.text)} at {best.prob:.2%}")
-            text = f"{lead}. Greedy decoding takes it: {piece} (id {e.token_id})."
+            text = f"{lead}. Greedy decoding takes it: {piece}."
         elif not own:  # not expected: greedy takes the first row of the processed table
-            text = f"{scored}; greedy decoding took {piece} (id {e.token_id}), {where}."
+            text = f"{scored}; greedy decoding took {piece}, {where}."
         else:
             # Only a table of the model's own probabilities can disagree with greedy's choice.
             text = (f"{scored}; the model's own favourite is {show_piece(best.text)} at {best.prob:.2%}, but greedy "
-                    f"decoding took {piece} (id {e.token_id}), {where}: {join_words(procs) or 'the logits processors'} "
+                    f"decoding took {piece}, {where}: {join_words(procs) or 'the logits processors'} "
                     "changed the scores, and greedy takes the highest score after that change.")
     else:
         text = (f"{scored}; in the table the favourite is {show_piece(best.text)} at {best.prob:.2%}. Sampling drew "
-                f"{piece} (id {e.token_id}), {where}.")
+                f"{piece}, {where}.")
         filters = _filters(sampling)
         if filters:
             text += f" Before the draw, {join_words(filters)} narrowed the candidates."
     if e.model_top and e.model_top[0].token_id != best.token_id:
         m = e.model_top[0]
-        text += (f" Before {join_words(procs) or 'the processors'}, the model's own favourite was {show_piece(m.text)} "
+        text += (f" Before {join_words(caption_changes(e, sampling)) or 'the processors'}, the model's own favourite was {show_piece(m.text)} "
                  f"at {m.prob:.2%}.")
-    return text, caption
+    return text + special, caption
 
 
 # ---------------------------------------------------------------------- speculative verification

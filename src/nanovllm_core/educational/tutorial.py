@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanovllm_core.attention.cpu_paged import FALLBACK_CONDITIONS
+from nanovllm_core.attention.selector import FLASH_ATTN_FALLBACK_CONDITIONS
 from nanovllm_core.roofline import peak_words
 from nanovllm_core.sampling_params import SamplingParams
 
@@ -90,6 +92,8 @@ class Demo:
         sequential: send each request only after the previous one finished (the prefix cache
             needs the first request's blocks to be computed before the second arrives).
         temperature, top_k, top_p, seed: sampling settings of every request.
+        kv_every_step: narrate the KV cache after every step, even one that took no block (a
+            demonstration that promises a figure per step shows it every step).
         engine: ``EngineConfig`` settings under which the effect shows on a fresh engine (the
             CLI builds a small engine with them; an app whose engine has other settings runs
             the requests as they are and the narrator reports what its settings produced).
@@ -110,6 +114,7 @@ class Demo:
     top_p: float = 1.0
     seed: int | None = None
     engine: tuple[tuple[str, Any], ...] = ()
+    kv_every_step: bool = False
 
     def requests(self, prompt: str) -> list[DemoRequest]:
         """The requests to send, in order: ``prompt`` (the chapter's ``demo_prompt``) then the extras."""
@@ -125,6 +130,16 @@ class Demo:
 
     def engine_settings(self) -> dict[str, Any]:
         return dict(self.engine)
+
+
+def _or_words(items: tuple[str, ...]) -> str:
+    return ", ".join(items[:-1]) + ", or " + items[-1] if len(items) > 1 else "".join(items)
+
+
+# When attention gathers (the conditions are the kernels' own lists, not restated here).
+_GATHER_WHEN = (f"That happens on the CPU with {_or_words(FALLBACK_CONDITIONS)}; and on a GPU with "
+                f"--no-flash-attn or where flash-attn's paged kernel refuses the cache: "
+                f"{_or_words(FLASH_ATTN_FALLBACK_CONDITIONS[1:])}.")
 
 
 # A long, plain prompt for the chunked-prefill demonstration (about a hundred tokens).
@@ -155,8 +170,9 @@ DEMOS: dict[str, Demo] = {d.key: d for d in (
          "this machine's measured ridge point.",
          kinds=("prefill", "decode", "roofline"), max_tokens=1, xray=True),
     Demo("kv_cache", "The cache grows one token at a time",
-         "The bytes the KV cache holds after each step, and the blocks behind them.",
-         kinds=("prefill", "kv_cache"), max_tokens=6),
+         "After each step: the bytes the request's blocks reserve, the bytes its tokens store, and the "
+         "blocks behind them.",
+         kinds=("prefill", "kv_cache"), max_tokens=6, kv_every_step=True),
     Demo("decode", "One token per step",
          "The five most likely next tokens at each step, and the one the engine took.",
          kinds=("decode",), max_tokens=5),
@@ -187,7 +203,7 @@ DEMOS: dict[str, Demo] = {d.key: d for d in (
          "The n-gram proposer drafts up to 4 tokens from the text so far; the model runs them with its newest "
          "token in one forward pass, keeps each draft while it equals its own greedy choice, and adds one "
          "token of its own.",
-         kinds=("speculative", "finished"), max_tokens=8,
+         kinds=("speculative", "finished", "speculative_cost"), max_tokens=8,
          engine=(("speculative_model", "ngram"), ("num_speculative_tokens", 4))),
 )}
 # Repeats itself, so prompt lookup has drafts to offer: the first are kept, a later one is not.
@@ -317,8 +333,12 @@ CHAPTERS: tuple[Chapter, ...] = (
         token's query, key and value are computed; its query is compared against all the cached keys.
 
         Without the cache, generating the t-th token would mean running all t earlier tokens through
-        the model again, so the total work would grow with the square of the length. With it, each
-        step does one token's worth of projections.
+        the model again: t tokens' projections and MLP (work proportional to t) and their causal
+        attention (t(t+1)/2 query-key pairs) at every step, so n tokens would cost about n^2/2 tokens'
+        projections and n^3/6 pairs in all. With the cache, each step does one token's projections
+        and MLP (a constant) and compares one query with t cached keys (work that grows linearly with
+        t): n tokens cost n tokens' projections and about n^2/2 pairs. At short contexts the constant
+        part dominates; the figures below derive, for this model, where attention overtakes it.
 
         The price is memory. One token needs 2 (K and V) x layers x KV heads x head_dim numbers, times
         the bytes per number. For long sequences and many requests this cache can outgrow the weights
@@ -406,9 +426,9 @@ CHAPTERS: tuple[Chapter, ...] = (
         short C file, attention/paged_attention_cpu.c) walks each query token's context through the
         block table, key by key, reading every block in place; so do vLLM's PagedAttention kernels
         and the flash-attn paged kernel this engine uses on CUDA with 256-token blocks. Where neither
-        runs (no C compiler, or CUDA without flash-attn), the engine first gathers a sequence's blocks,
+        runs, the engine first gathers a sequence's blocks,
         in block-table order, into one contiguous buffer per layer and attends over that copy: every
-        cached number is then read, written and read again.
+        cached number is then read, written and read again. """ + _GATHER_WHEN + """
 
         Because blocks carry a reference count, two sequences can point at the same physical block.
         Prefix caching (chapter 10) relies on it, and so do parallel samples (n > 1): here the samples
@@ -516,8 +536,11 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter(
         12, "speculative_decoding", "Speculative decoding: several tokens per step",
         """
-        A decode step spends most of its time reading weights, and verifying several tokens costs
-        almost the same as producing one. Speculative decoding exploits this: a cheap proposer (a small
+        At batch 1 a decode step reads every weight of the model to produce one token. Running a few
+        more tokens through the same pass reads the weights once for all of them, so where a step is
+        bound by reading weights (a GPU at small batch), verifying several tokens costs little more
+        than producing one; where the arithmetic shows (a CPU), each extra token adds to the step, and
+        the command line's demonstration (nanovllm --tutorial) times it on this machine. Speculative decoding exploits this: a cheap proposer (a small
         draft model, or an n-gram lookup in the text so far) guesses the next k tokens, and the target
         model runs 1 + k tokens (the last one it kept and the k drafts) in a single forward pass,
         which gives it its own next-token scores at all k + 1 positions.
@@ -531,7 +554,12 @@ CHAPTERS: tuple[Chapter, ...] = (
         at the first mismatch the target's token replaces it, so the text is exactly what greedy
         decoding without speculation writes.
 
-        The speed-up depends on the acceptance rate: the fraction of draft tokens the target keeps.
+        The speed-up depends on the acceptance rate alpha (the chance that the target keeps a draft),
+        the number of drafts gamma, and two costs. Leviathan et al. (2023, Theorem 3.8): a step yields
+        (1 - alpha^(gamma+1)) / (1 - alpha) tokens on average, and the expected speed-up is that divided
+        by (gamma c + 1), where c is the drafter's cost per draft in target steps and the 1 is the
+        verification, counted as one target step. Where verifying 1 + gamma tokens costs v target steps,
+        divide by (gamma c + v) instead: with v large enough, speculation is slower than plain decoding.
         """,
         "speculative_decoding", _SPECULATIVE_PROMPT,
         _quiz("Why does speculative decoding not change the distribution of the generated text?",
@@ -635,6 +663,7 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
                 weights = g("num_parameters") * elem
                 lines.append(f"Its {g('num_parameters') / 1e6:.0f} M parameters in {g('dtype')} take "
                              f"{weights / 2**20:,.0f} MiB: {weights // per:,} tokens of cache weigh as much.")
+            lines.extend(_decode_growth(info))  # after either branch above
         elif key == "decode" and g("kv_bytes_per_token") and g("num_parameters"):
             lines.extend(_decode_bytes(info))
         elif key == "paged_attention" and g("block_size"):
@@ -655,6 +684,22 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
     except (TypeError, ValueError, ZeroDivisionError):
         return lines
     return lines
+
+
+def _decode_growth(info: dict[str, Any]) -> list[str]:
+    """The KV-cache chapter's derived growth: a decode step's constant work against its attention per cached key."""
+    from nanovllm_core.educational.xray_costs import LayerDims, decode_growth
+
+    g = info.get
+    if not (g("hidden_size") and g("intermediate_size") and g("num_heads") and g("num_kv_heads") and g("head_dim")):
+        return []
+    d = LayerDims(g("hidden_size"), g("intermediate_size"), g("num_heads"), g("num_kv_heads"), g("head_dim"), 4)
+    fixed, per_key, crossover = decode_growth(d)
+    return [f"Per layer, a decode step of this model does {fixed:,} FLOPs for its one token whatever the context "
+            f"(projections, MLP, norms, RoPE), and {per_key:,} more for each cached key ({g('num_heads')} query "
+            f"heads x (2 x {g('head_dim')} for the score + 5 for the softmax + 2 x {g('head_dim')} for the weighted "
+            f"value)): attention's share reaches the rest at {crossover:,} tokens of context. The LM head, once per "
+            "step, is not in either part."]
 
 
 def _decode_bytes(info: dict[str, Any]) -> list[str]:

@@ -16,6 +16,8 @@ from rich.console import Console
 
 from nanovllm_core import events as ev
 from nanovllm_core import roofline
+from nanovllm_core.educational import speculative_costs
+from nanovllm_core.educational.commentary import Commentary
 from nanovllm_core.educational.narrate_view import NarrateView
 from nanovllm_core.educational.rich_parts import Indent
 from nanovllm_core.educational.tutorial import DEMOS, Chapter
@@ -84,7 +86,8 @@ class EngineDemos:
 
         demo = DEMOS[chapter.demo]
         engine = self.engine(**demo.engine_settings())
-        view = NarrateView(console, engine.model_info(), max_decode_steps=None, kinds=demo.kinds)
+        view = NarrateView(console, engine.model_info(), max_decode_steps=None, kinds=demo.kinds,
+                           kv_every_step=demo.kv_every_step)
         layer0: list[ev.LayerTrace] = []
 
         def keep_layer0(e: ev.Event) -> None:
@@ -109,3 +112,17 @@ class EngineDemos:
             console.print()
         if "roofline" in demo.kinds and layer0:
             view.show(roofline_commentary(layer0[0]))
+        if "speculative_cost" in demo.kinds:
+            view.show(self._speculative_cost(demo, chapter.demo_prompt))
+
+    def _speculative_cost(self, demo: Any, prompt: str) -> Commentary:
+        """The verification's cost on this machine and Theorem 3.8's speed-up with it (two more runs, timed)."""
+        settings = dict(demo.engine_settings())
+        gamma = int(settings.pop("num_speculative_tokens", 4))
+        proposer = settings.pop("speculative_model", "ngram")
+        (request,) = demo.requests(prompt)[:1]
+        m = speculative_costs.measure(lambda **kw: self.engine(**settings, **kw), prompt, request.params, gamma,
+                                      proposer)
+        text = (speculative_costs.cost_words(m) if m is not None else
+                "The timed run verified no drafts, so there is no verification cost to report.")
+        return Commentary("speculative_cost", "What a verification costs here", text)

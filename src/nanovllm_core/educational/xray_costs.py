@@ -14,9 +14,12 @@ attention backend that ran:
   the kernel, never in a stored matrix;
 - ``flash_attn`` (CUDA with flash-attn): fused, reading the KV blocks in place.
 
-Elsewhere (``fused``: the CPU without the C kernel, CUDA without flash-attn) a sequence whose
+Where neither in-place kernel runs (``fused`` or ``math``: the cases listed in
+``attention.cpu_paged.FALLBACK_CONDITIONS`` and ``attention.selector.FLASH_ATTN_FALLBACK_CONDITIONS``) a sequence whose
 context is already cached first gathers its KV blocks into one contiguous buffer
-(``kv_gather``), a copy the in-place kernels avoid. Bytes count reads plus writes at the model's element size, weights as stored (int8
+(``kv_gather``), a copy the in-place kernels avoid. Attention FLOPs count
+the (query, key) pairs the kernel visits (:func:`score_pairs`: the causal half where it skips
+masked keys, the full rectangle where it computes and masks them). Bytes count reads plus writes at the model's element size, weights as stored (int8
 plus scales and outlier columns under ``--quantization int8``) and K/V at the cache's element size; FLOPs count a multiply-add
 as 2. GQA: K and V bytes are those of the ``num_kv_heads`` stored heads; query head ``h``
 reads KV head ``h // group`` and nothing is copied.
@@ -82,6 +85,35 @@ class SeqAttention:
     gathered: int = 0
 
 
+def causal_pairs(num_tokens: int, context_len: int) -> int:
+    """(query, key) pairs under the causal mask: ``num_tokens`` new tokens at the end of ``context_len``.
+
+    The query at position ``p`` attends keys ``0..p`` (``p + 1`` of them), so new tokens at
+    positions ``c - t .. c - 1`` give ``t (c - t) + t (t + 1) / 2`` pairs: about half the
+    ``t x c`` rectangle for a prefill from position 0, all of it for a decode (``t = 1``).
+    """
+    t, c = num_tokens, context_len
+    return t * (c - t) + t * (t + 1) // 2
+
+
+def score_pairs(s: SeqAttention, backend: str) -> int:
+    """(query, key) scores the kernel computes for one sequence: what its loops visit.
+
+    ``cpu_paged``: each query token walks keys ``0..position`` (the C kernel's ``token_ctx``),
+    exactly :func:`causal_pairs`. ``flash_attn``, and ``fused`` on a causal square from
+    position 0 (``is_causal``): the kernels skip the tiles above the diagonal, so the causal
+    pairs (plus a part of the diagonal tiles, not counted here). ``math``, and ``fused`` with an
+    explicit mask (a chunk after cached tokens, a padded decode): the whole ``num_tokens x
+    keys_read`` rectangle is computed, then masked.
+    """
+    causal = causal_pairs(s.num_tokens, s.context_len)
+    if backend in ("cpu_paged", "flash_attn"):
+        return causal
+    if backend == "fused" and s.num_tokens == s.context_len == s.keys_read:
+        return causal
+    return s.num_tokens * s.keys_read
+
+
 def _op(name: str, math: str, shapes: str, flops: float, nbytes: float) -> OpInfo:
     return OpInfo(name, math, shapes, int(flops), int(nbytes))
 
@@ -144,8 +176,9 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
     scores_shape, softmax_shape, out_shape = _attention_shapes(d, this, backend)
     q_bytes = sum(nh * s.num_tokens * hd for s in seqs) * e
     kv_bytes = sum(nkv * s.keys_read * hd for s in seqs) * kv
-    qk = sum(2 * nh * s.num_tokens * s.keys_read * hd for s in seqs)
-    soft = sum(5 * nh * s.num_tokens * s.keys_read for s in seqs)
+    pairs = sum(score_pairs(s, backend) for s in seqs)  # what the kernel's loops visit (causal halves)
+    qk = 2 * nh * pairs * hd
+    soft = 5 * nh * pairs
     s_bytes = sum(nh * s.num_tokens * s.keys_read for s in seqs) * e
     if backend == "math":
         ops += [
@@ -173,6 +206,49 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
         _op("residual_add", "residual += MLP output", f"[{T}, {h}] + [{T}, {h}]", T * h, 3 * T * h * e),
     ]
     return tuple(ops)
+
+
+def model_edge_ops(hidden: int, vocab: int, elem: int, lm_head_bytes: int, num_tokens: int,
+                   num_sampled_rows: int) -> tuple[OpInfo, ...]:
+    """What a forward pass does outside its decoder layers: the embedding lookup, the final
+    norm (both over all ``num_tokens`` rows) and the LM head, over the ``num_sampled_rows`` rows
+    that sample only (the last token of each sampling sequence; 1 + k for a verification).
+
+    ``lm_head_bytes``: the head's weight as stored (the embedding matrix when tied; it is read
+    whole however few rows sample); logits are written in float32.
+    """
+    T, S, h, v, e = num_tokens, num_sampled_rows, hidden, vocab, elem
+    return (
+        _op("embedding_lookup", "X = E[token ids]: one row of the embedding matrix per token (no arithmetic)",
+            f"[{T}] ids -> [{T}, {h}]", 0, 2 * T * h * e),
+        _op("final_norm", "RMSNorm after the last layer", f"[{T}, {h}] -> [{T}, {h}]", 4 * T * h, (2 * T * h + h) * e),
+        _op("lm_head", "logits = X W_vocab^T, for the rows that sample",
+            f"[{S}, {h}] @ [{h}, {v}] -> [{S}, {v}]", 2 * S * h * v, lm_head_bytes + S * h * e + S * v * 4),
+    )
+
+
+def sampled_rows(scheduled) -> int:
+    """Rows a step sends through the LM head: 1 per sampling sequence, 1 + k for a verification of k drafts."""
+    return sum(s.num_tokens if getattr(s, "num_spec_tokens", 0) else 1 for s in scheduled if s.samples)
+
+
+def decode_growth(d: LayerDims, backend: str = "fused") -> tuple[int, int, int]:
+    """How a one-token decode's layer work grows with its context, from :func:`layer_ops`.
+
+    Returns ``(fixed, per_key, crossover)``: the FLOPs that do not depend on the context (the
+    projections, MLP, norms, RoPE, residual adds: one token's worth), the attention FLOPs each
+    cached key adds (scores, softmax, weighted sum over all query heads), and the context
+    length from which attention's FLOPs reach the fixed part.
+    """
+    def split(c: int) -> tuple[int, int]:
+        ops = layer_ops(d, [SeqAttention(1, c, c)], backend)
+        att = sum(o.flops for o in ops if o.name in ("attention", "attention_scores", "softmax", "attention_output"))
+        return sum(o.flops for o in ops) - att, att
+
+    fixed, one = split(1)
+    _, two = split(2)
+    per_key = two - one
+    return fixed, per_key, -(-fixed // per_key) if per_key else 0
 
 
 def intensity(flops: float, nbytes: float) -> float:

@@ -28,6 +28,7 @@ from nanovllm_core import events as ev
 from nanovllm_core.educational import xray_facts as facts
 from nanovllm_core.educational.narrator import human_bytes, show_piece
 from nanovllm_core.educational.rich_parts import Indent
+from nanovllm_core.educational.xray_costs import model_edge_ops, sampled_rows
 
 HEATMAP_MAX = 10  # rows/columns of the attention-weight table
 
@@ -137,9 +138,33 @@ def render_other_layers(traces: list[ev.LayerTrace]) -> Table:
     return table
 
 
+def step_total(traces: list[ev.LayerTrace], edges: tuple[ev.OpInfo, ...] = ()) -> str:
+    """The step's totals, saying what they include: the decoder layers, then (when ``edges`` are
+    given, :func:`~nanovllm_core.educational.xray_costs.model_edge_ops`) the embedding lookup,
+    final norm and LM head, and their sum."""
+    first = traces[0]
+    flops = sum(o.flops for t in traces for o in t.ops)
+    moved = sum(o.bytes for t in traces for o in t.ops)
+    n = first.num_batch_tokens
+    batch = (f"the step's batch of {n} token{'s' if n != 1 else ''}" if facts.is_flat(first)
+             else "this request's tokens")
+    layers = (f"All {len(traces)} decoder layers: {si(flops, 'FLOP')} and about {human_bytes(moved)} moved "
+              f"for {batch} (K/V writes and attention reads included)")
+    if not edges:
+        return layers + "; the embedding lookup, final norm and LM head are not counted"
+    head = next((o for o in edges if o.name == "lm_head"), None)
+    rows = head.shapes.split("]")[0].strip("[").split(",")[0] if head is not None else "?"
+    ef, eb = sum(o.flops for o in edges), sum(o.bytes for o in edges)
+    return (f"{layers}. Embedding lookup, final norm and the LM head over the "
+            f"{'1 row that samples' if rows == '1' else rows + ' rows that sample'}: {si(ef, 'FLOP')} and about {human_bytes(eb)}. The whole "
+            f"forward pass: {si(flops + ef, 'FLOP')} and about {human_bytes(moved + eb)}")
+
+
 def render_step(traces: list[ev.LayerTrace], entry: ev.ScheduledEntry | None = None,
-                wall_time_s: float | None = None, detail_layer: int = 0) -> RenderableType:
-    """A traced step: a header, ``detail_layer`` in full, one line per other layer, the totals."""
+                wall_time_s: float | None = None, detail_layer: int = 0,
+                edges: tuple[ev.OpInfo, ...] = ()) -> RenderableType:
+    """A traced step: a header, ``detail_layer`` in full, one line per other layer, the totals
+    (:func:`step_total`; ``edges``: the ops outside the layers, when known)."""
     traces = sorted(traces, key=lambda t: t.layer)
     first = traces[0]
     new, ctx = facts.new_and_context(first)
@@ -155,12 +180,7 @@ def render_step(traces: list[ev.LayerTrace], entry: ev.ScheduledEntry | None = N
                 align="left", style="cyan")
     detail = next((t for t in traces if t.layer == detail_layer), first)
     others = [t for t in traces if t is not detail]
-    flops = sum(o.flops for t in traces for o in t.ops)
-    moved = sum(o.bytes for t in traces for o in t.ops)
-    n = first.num_batch_tokens
-    batch = (f"the step's batch of {n} token{'s' if n != 1 else ''}" if facts.is_flat(first)
-             else "this request's tokens")
-    total = f"All {len(traces)} layers: {si(flops, 'FLOP')} and about {human_bytes(moved)} moved for {batch}"
+    total = step_total(traces, edges)
     if wall_time_s is not None:
         total += f"; the step took {wall_time_s * 1000:.1f} ms (with the X-Ray capture itself)"
     parts: list[RenderableType] = [head, Indent(render_layer_detail(detail))]
@@ -198,6 +218,7 @@ class XRayView:
         self._done: set[tuple[str, str]] = set()  # (request id, "prefill" | "decode") already traced
         self._target: _Target | None = None
         self._traces: list[ev.LayerTrace] = []
+        self._edges: tuple[ev.OpInfo, ...] = ()
         self.num_traced_steps = 0
 
     def subscribe(self) -> Any:
@@ -220,6 +241,7 @@ class XRayView:
     def _plan(self, plan: ev.StepPlanned) -> None:
         if self._traces:
             self._finish(None)
+        self._edges = self._edge_ops(plan)
         wanted = []
         for s in plan.scheduled:
             if s.index != 0:
@@ -240,6 +262,20 @@ class XRayView:
         if self.sub is not None:
             self.sub.xray = self._target is not None
 
+    def _edge_ops(self, plan: ev.StepPlanned) -> tuple[ev.OpInfo, ...]:
+        """The step's embedding lookup, final norm and LM head (empty when the engine does not say its sizes)."""
+        try:
+            info = self.engine.model_info()
+            model = self.engine.model
+            head = model._modules.get("lm_head")
+            matrix = model.lm_head_matrix
+            head_bytes = int(getattr(head, "weight_bytes", 0) or matrix.numel() * matrix.element_size())
+            elem = next(model.parameters()).element_size()
+            return model_edge_ops(info["hidden_size"], info["vocab_size"], elem, head_bytes,
+                                  plan.num_batched_tokens, sampled_rows(plan.scheduled))
+        except (AttributeError, KeyError, StopIteration, TypeError):
+            return ()
+
     def _finish(self, wall: float | None) -> None:
         target, traces = self._target, self._traces
         self._target, self._traces = None, []
@@ -248,7 +284,7 @@ class XRayView:
         if target is None or not traces:
             return
         self.num_traced_steps += 1
-        parts: list[RenderableType] = [render_step(traces, target.entry, wall, self.detail_layer)]
+        parts: list[RenderableType] = [render_step(traces, target.entry, wall, self.detail_layer, self._edges)]
         if target.skipped:
             parts += [Indent(Text(
                 f"Not traced in this step: request {', '.join(target.skipped)}. The engine traces one request per "

@@ -37,10 +37,13 @@ from nanovllm_core.engine.model_runner import ForwardResult, ModelRunner, kv_cac
 from nanovllm_core.engine.output_processor import OutputProcessor, RequestState
 from nanovllm_core.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
-from nanovllm_core.model import int8_linear, native_ops
+from nanovllm_core.model import block_quant, int8_linear, native_ops
 from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
 from nanovllm_core.model.loader import ProgressFn, ResolvedModel, warm_up
 from nanovllm_core.model.quantization import (
+    BLOCK_MODES,
+    describe_weights,
+    weight_formats,
     int8_weight_bytes,
     linear_weight_bytes,
     linear_weight_count,
@@ -53,6 +56,15 @@ from nanovllm_core.speculative.proposer import build_proposer, load_draft_model,
 from nanovllm_core.speculative.speculator import Speculator
 
 Prompt = str | list[int]
+
+
+def unicode_problem(text: str) -> str | None:
+    """Why ``text`` has no UTF-8 form (a lone surrogate such as ``"\\ud800"``, which JSON's
+    ``\\ud800`` escape can carry), or None when it is valid Unicode."""
+    bad = next((i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff"), None)
+    if bad is None:
+        return None
+    return f"character {bad} is a lone surrogate {text[bad]!r}, which has no UTF-8 form; send UTF-8 text"
 
 
 class LLMEngine(EventSource):
@@ -186,6 +198,14 @@ class LLMEngine(EventSource):
             # Weights of every linear layer and the LM head, as the loader built them: the bytes
             # one decode step streams from memory (what batching shares among the batch).
             "quantization": self.model.quantization, "linear_weight_bytes": linear_weight_bytes(self.model),
+            # What the weights run as, by format and bytes ("q4_1 66 MB + q8_0 30 MB (96 MB of weights)"),
+            # and a note when some of a GGUF file's tensors are in formats that run dequantized.
+            "weight_format": describe_weights(self.model),
+            "weight_kinds": "+".join(weight_formats(self.model)),
+            "quantization_note": getattr(self.model, "quantization_note", None),
+            # Why block-quantized layers run PyTorch's fallback instead of block_quant_cpu.c, or None.
+            "block_native_unavailable": (block_quant.unavailable_reason()
+                                         if self.model.quantization in BLOCK_MODES else None),
             "linear_weights": linear_weight_count(self.model),
             "int8_linear_weight_bytes": int8_weight_bytes(self.model),
         }
@@ -201,11 +221,59 @@ class LLMEngine(EventSource):
     def new_request_id(self) -> str:
         return str(next(self._request_counter))
 
+    def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """``(text or None, token ids)`` of a prompt given as text or as token ids.
+
+        Raises:
+            ValueError: neither text nor a list of integers, or text that is not valid Unicode
+                (a lone surrogate such as ``"\\ud800"``, which has no UTF-8 form).
+        """
+        if isinstance(prompt, str):
+            problem = unicode_problem(prompt)
+            if problem is not None:
+                raise ValueError(f"the prompt is not valid Unicode: {problem}")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise ValueError("prompt must be a string or a list of token ids")
+
+    def request_problem(self, token_ids: list[int], params: SamplingParams) -> tuple[str, str] | None:
+        """Why this engine could never serve ``token_ids`` with ``params``: ``(field, one-line reason)``
+        where field is ``"prompt"``, ``"stop_token_ids"`` or ``"max_tokens"``; None when it can.
+
+        The checks :meth:`add_request` rejects by, offered so a server can refuse before it
+        answers (an HTTP 400 rather than an error inside a stream that has begun). They read
+        only settings fixed at construction, so any thread may call this.
+        """
+        vocab = self.model_config.vocab_size
+        n_prompt = len(token_ids)
+        if n_prompt == 0:
+            return "prompt", "the prompt is empty; give at least one token of text"
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            return "prompt", f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+        if n_prompt >= self.max_model_len:
+            return "prompt", (f"the prompt has {n_prompt} tokens but max_model_len is {self.max_model_len}, "
+                    "which must also leave room for at least one output token; "
+                    "shorten the prompt or raise max_model_len")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            return "stop_token_ids", f"stop_token_ids contains {bad[0]}, outside the vocabulary (0..{vocab - 1})"
+        limit = min(self.max_model_len, n_prompt + (params.max_tokens or self.max_model_len))
+        need = self.block_manager.blocks_needed(limit)
+        if need > self.block_manager.num_blocks:
+            return "max_tokens", (f"the request may need {need} KV blocks ({limit} tokens) but the pool has only "
+                    f"{self.block_manager.num_blocks}; raise num_kv_blocks or lower max_tokens")
+        if not self.scheduler.enable_chunked_prefill and n_prompt > self.scheduler.token_budget:
+            return "prompt", (f"the prompt has {n_prompt} tokens, more than the per-step budget "
+                    f"({self.scheduler.token_budget}) with chunked prefill off; enable chunked prefill")
+        return None
+
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0,
                     request_id: str | None = None) -> str:
         """Queue a request; return its id.
 
-        A request the engine can never serve (an empty prompt, one longer than
+        A request the engine can never serve (text that is not valid Unicode, an empty prompt, one longer than
         ``max_model_len`` or needing more KV blocks than the whole pool, prompt or
         ``stop_token_ids`` outside the vocabulary, or any request after the device failed for
         good, see ``fatal_error``) is *rejected*: a ``RequestRejected`` event
@@ -225,39 +293,14 @@ class LLMEngine(EventSource):
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.fatal_error is not None:
             return self._reject(request_id, prompt, [], self.fatal_error)
-        text = prompt if isinstance(prompt, str) else None
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            token_ids = list(prompt)
-        else:
-            return self._reject(request_id, None, [], "prompt must be a string or a list of token ids")
-        vocab = self.model_config.vocab_size
+        try:
+            text, token_ids = self.encode_prompt(prompt)
+        except ValueError as e:  # the prompt itself is not kept: it may not even be writable as UTF-8
+            return self._reject(request_id, None, [], str(e))
+        problem = self.request_problem(token_ids, params)
+        if problem is not None:
+            return self._reject(request_id, text, token_ids, problem[1])
         n_prompt = len(token_ids)
-        if n_prompt == 0:
-            return self._reject(request_id, text, token_ids, "the prompt is empty; give at least one token of text")
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            return self._reject(request_id, text, token_ids, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        if n_prompt >= self.max_model_len:
-            return self._reject(request_id, text, token_ids,
-                                f"the prompt has {n_prompt} tokens but max_model_len is {self.max_model_len}, "
-                                "which must also leave room for at least one output token; "
-                                "shorten the prompt or raise max_model_len")
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            return self._reject(request_id, text, token_ids,
-                                f"stop_token_ids contains {bad[0]}, outside the vocabulary (0..{vocab - 1})")
-        limit = min(self.max_model_len, n_prompt + (params.max_tokens or self.max_model_len))
-        need = self.block_manager.blocks_needed(limit)
-        if need > self.block_manager.num_blocks:
-            return self._reject(request_id, text, token_ids,
-                                f"the request may need {need} KV blocks ({limit} tokens) but the pool has only "
-                                f"{self.block_manager.num_blocks}; raise num_kv_blocks or lower max_tokens")
-        if not self.scheduler.enable_chunked_prefill and n_prompt > self.scheduler.token_budget:
-            return self._reject(request_id, text, token_ids,
-                                f"the prompt has {n_prompt} tokens, more than the per-step budget "
-                                f"({self.scheduler.token_budget}) with chunked prefill off; enable chunked prefill")
         req = RequestState(request_id, text, token_ids, params)
         now, paused = self.clock.now(), self.clock.paused_s()
         for i in range(params.n):

@@ -63,6 +63,7 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.pending: list[RequestOutput] = []  # finished outputs not yet returned by a step
         self.total_output_tokens = 0
+        self._special: set[int] | None = None  # the tokenizer's special token ids, read on first use
 
     # ------------------------------------------------------------------ one token
 
@@ -101,9 +102,15 @@ class OutputProcessor:
                 step=step, request_id=seq.request_id, seq_id=seq.seq_id, index=seq.index, token_id=token,
                 text=released, position=seq.num_tokens - 1, num_output_tokens=seq.num_output_tokens, top=top,
                 logprob=logprob, temperature=seq.params.temperature, greedy=seq.params.greedy, token_text=piece,
-                model_top=model_top, speculative=speculative,
+                model_top=model_top, speculative=speculative, special=self._special_name(token),
             ))
         return stop
+
+    def _special_name(self, token: int) -> str:
+        """The token's name if it is a special token of the tokenizer (``TokenSampled.special``), else ""."""
+        if self._special is None:
+            self._special = set(getattr(self.tokenizer, "all_special_ids", None) or ())
+        return self.tokenizer.convert_ids_to_tokens(token) if token in self._special else ""
 
     def _candidates(self, sampled: SamplerOutput, i: int,
                     topk: int) -> tuple[tuple[ev.TopToken, ...], tuple[ev.TopToken, ...]]:

@@ -29,6 +29,7 @@ import secrets
 import signal
 import threading
 import time
+import uuid
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -39,7 +40,7 @@ from pydantic import ValidationError
 
 from nanovllm_core.entrypoints.event_hub import EventHub
 from nanovllm_core.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
-from nanovllm_core.entrypoints.openai_serving import OpenAIServing, Prepared
+from nanovllm_core.entrypoints.openai_serving import SERVER_ID_PREFIXES, OpenAIServing, Prepared
 from nanovllm_core.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from nanovllm_core.entrypoints.request_stream import InFlight
 from nanovllm_core.sampling_params import SamplingParams
@@ -63,6 +64,10 @@ class ServerState:
         self.hub = EventHub(controller)
         self.created = int(time.time())
         self.shutting_down = False
+        # Ids chosen on /v1/engine/control whose requests have not finished: a second submit with
+        # one of them is refused at once (the server's own ids cannot collide: SERVER_ID_PREFIXES).
+        self.control_ids: set[str] = set()
+        self.control_lock = threading.Lock()
 
     def begin_shutdown(self) -> None:
         """Abort every request in flight and end the event streams (their clients see them end).
@@ -288,9 +293,19 @@ def _text(body: dict, key: str) -> str:
 
 
 def _control_submit(state: ServerState, body: dict) -> str:
-    """A prompt typed into an attached app: queued like any client's, watched by every app."""
+    """A prompt typed into an attached app: checked and queued like any client's, watched by every app.
+
+    ``request_id`` (optional, at most 128 characters) must not start with a prefix the server
+    uses for its own ids (``cmpl-``, ``chatcmpl-``, ``ctl-``) nor belong to a request of this
+    kind still running. Returns the id.
+
+    Raises:
+        APIError: 400 for a bad prompt (as ``/v1/completions`` would refuse it), params,
+            priority or request_id.
+    """
     prompt = body.get("prompt")
-    if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
+    token_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    if not (isinstance(prompt, str) or token_ids):
         raise APIError("submit needs prompt: text or a list of token ids", param="prompt")
     fields = body.get("params") or {}
     known = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -305,10 +320,24 @@ def _control_submit(state: ServerState, body: dict) -> str:
     priority = body.get("priority", 0)
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise APIError(f"priority must be an integer, got {priority!r}", param="priority")
-    rid = _text(body, "request_id") if body.get("request_id") is not None else f"ctl-{time.monotonic_ns()}"
+    state.serving.check_prompt(prompt, params)  # exactly what /v1/completions refuses, refused here too
+    if body.get("request_id") is None:
+        rid = f"ctl-{uuid.uuid4().hex}"
+    else:
+        rid = _text(body, "request_id")
+        if rid.startswith(SERVER_ID_PREFIXES):
+            raise APIError(f"request_id {rid!r} starts with {rid.split('-', 1)[0]}-, which the server keeps for "
+                           "the ids it assigns; choose another (or leave request_id out)", param="request_id")
+    with state.control_lock:
+        if rid in state.control_ids:
+            raise APIError(f"request_id {rid!r} is already in use by a request that has not finished; "
+                           "choose another", param="request_id", code="duplicate_request_id")
+        state.control_ids.add(rid)
 
     def finished_only(output: Any) -> None:  # a listener keeps the output out of controller.results
         if output.finished:
+            with state.control_lock:
+                state.control_ids.discard(rid)
             state.metrics.observe(output)
 
     state.controller.submit(prompt, params, priority, request_id=rid, on_output=finished_only)

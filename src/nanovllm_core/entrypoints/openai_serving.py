@@ -1,26 +1,27 @@
 """``/v1/completions`` and ``/v1/chat/completions``: engine outputs -> OpenAI's response shapes.
 
-A request is tokenized here only to check its length against ``max_model_len`` (vLLM's rule,
-with vLLM's message); then it goes to the controller as one engine request per prompt,
-and its outputs come back through a :class:`RequestStream`. Non-streaming requests get one
+A request is tokenized here to check it before any answer starts: every rule the engine
+refuses by (``LLMEngine.request_problem``; the length against ``max_model_len`` with vLLM's
+message), so a streamed request gets the same 400 as a whole one. Then it goes to the
+controller as one engine request per prompt, and its outputs come back through a :class:`RequestStream`. Non-streaming requests get one
 JSON body when every output has finished; streaming ones get server-sent events, one chunk
 whenever a choice's text grows (cumulative outputs become deltas here), ``data: [DONE]`` last.
 
 Engine ``finish_reason`` values pass through: ``stop``, ``length``, and ``abort`` (vLLM's
-word for a request cancelled before its end). A request the engine refuses (e.g. it could
-never fit in the KV pool) is a 400 error; once a stream has begun, the refusal or an engine
-error comes as an ``{"error": ...}`` event before ``[DONE]``.
+word for a request cancelled before its end). Once a stream has begun, only an engine error
+(or a device that failed meanwhile) comes as an ``{"error": ...}`` event before ``[DONE]``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
+from nanovllm_core.engine.llm_engine import unicode_problem
 from nanovllm_core.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_length
 from nanovllm_core.entrypoints.request_stream import InFlight, OutputRouter, RequestStream
 from nanovllm_core.outputs import CompletionOutput, Logprob, RequestOutput
@@ -32,6 +33,7 @@ class _Choice:
 
     chars: int = 0
     tokens: int = 0
+    offset: int = 0  # text_offset of the next token: the characters of the tokens sent so far
     started: bool = False
     done: bool = False
 
@@ -47,6 +49,7 @@ class Prepared:
     priority: int
     stream: bool
     include_usage: bool
+    continuous_usage: bool
     return_token_ids: bool
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -77,8 +80,8 @@ class OpenAIServing:
         engine = controller.engine
         self._llm = LLM.from_engine(engine)  # the offline API's chat template path, read-only here
         self.tokenizer = engine.tokenizer
+        self.token_bytes = TokenBytes(engine.tokenizer)
         self.max_model_len = engine.max_model_len
-        self._ids = itertools.count()
         self._router: OutputRouter | None = None
 
     # ------------------------------------------------------------------ checking
@@ -89,40 +92,61 @@ class OpenAIServing:
             raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}` "
                            "(GET /v1/models lists it)", param="model", code="model_not_found")
 
-    def _tokens(self, prompt: str | list[int]) -> int:
-        if isinstance(prompt, str):
-            return len(self.tokenizer.encode(prompt, add_special_tokens=True)) if prompt else 0
-        return len(prompt)
+    def check_prompt(self, prompt: str | list[int], params: Any) -> list[int]:
+        """Everything the engine would refuse ``prompt`` for, checked before any answer starts, so
+        a streamed request gets the same 400 as a whole one. Returns the prompt's token ids.
+
+        Raises:
+            APIError: 400 naming the field (text that is not valid Unicode, an empty prompt, a
+                token id outside the vocabulary, too long for the context, stop_token_ids outside
+                the vocabulary, more KV blocks than the pool has); 503 when the engine failed for good.
+        """
+        engine = self._llm.engine
+        if engine.fatal_error is not None:
+            raise APIError(engine.fatal_error, status=503, type="server_error", code="engine_dead")
+        try:
+            _, ids = engine.encode_prompt(prompt)
+        except ValueError as e:
+            raise APIError(str(e), param="prompt") from None
+        vocab = engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(f"prompt holds a token id outside the vocabulary (0..{vocab - 1})", param="prompt")
+        if not ids:
+            raise APIError("prompt is empty; send at least one token of text", param="prompt")
+        check_length(len(ids), params.max_tokens, self.max_model_len)
+        problem = engine.request_problem(ids, params)
+        if problem is not None:
+            raise APIError(problem[1], param=problem[0])
+        return ids
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
         """Check a completions request. Raises: APIError (400) naming what is wrong."""
         self.check_model(req.model)
         params = req.to_sampling_params()
         prompts = req.prompts()
-        vocab = self._llm.engine.model_config.vocab_size
         for p in prompts:
-            if isinstance(p, list) and any(not 0 <= t < vocab for t in p):
-                raise APIError(f"prompt holds a token id outside the vocabulary (0..{vocab - 1})", param="prompt")
-            n = self._tokens(p)
-            if n == 0:
-                raise APIError("prompt is empty; send at least one token of text", param="prompt")
-            check_length(n, params.max_tokens, self.max_model_len)
-        return Prepared("completion", f"cmpl-{next(self._ids)}", prompts, params, req.priority, req.stream,
-                        bool(req.stream_options and req.stream_options.include_usage), req.return_token_ids)
+            self.check_prompt(p, params)
+        return Prepared("completion", f"cmpl-{uuid.uuid4().hex}", prompts, params, req.priority, req.stream,
+                        *_usage_options(req), req.return_token_ids)
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         """Check a chat request and render its messages with the chat template. Raises: APIError (400)."""
         self.check_model(req.model)
         params = req.to_sampling_params()
+        conversation = req.conversation()
+        for i, message in enumerate(conversation):
+            problem = unicode_problem(message["content"])
+            if problem is not None:
+                raise APIError(f"message {i}'s content is not valid Unicode: {problem}", param=f"messages.{i}.content")
         try:
-            ids = self._llm.apply_chat_template(req.conversation(), add_generation_prompt=req.add_generation_prompt)
+            ids = self._llm.apply_chat_template(conversation, add_generation_prompt=req.add_generation_prompt)
         except APIError:
             raise
         except Exception as e:  # no template, or one that refuses this conversation
             raise APIError(f"the chat template could not render these messages: {e}", param="messages") from None
-        check_length(len(ids), params.max_tokens, self.max_model_len)
-        return Prepared("chat", f"chat-{next(self._ids)}", [ids], params, req.priority, req.stream,
-                        bool(req.stream_options and req.stream_options.include_usage), req.return_token_ids)
+        self.check_prompt(ids, params)
+        return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], params, req.priority, req.stream,
+                        *_usage_options(req), req.return_token_ids)
 
     def open_stream(self, p: Prepared) -> RequestStream:
         if self._router is None:  # made on first use, on the server's event loop
@@ -152,7 +176,7 @@ class OpenAIServing:
                 index = i * p.params.n + c.index
                 if p.kind == "chat":
                     choice = {"index": index, "message": {"role": "assistant", "content": c.text},
-                              "logprobs": _chat_logprobs(c.logprobs, c.token_ids, p.params.logprobs)
+                              "logprobs": _chat_logprobs(c.logprobs, c.token_ids, p.params.logprobs, self.token_bytes)
                               if c.logprobs is not None else None,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 else:
@@ -194,14 +218,20 @@ class OpenAIServing:
                         if choice is not None:
                             choices.append(choice)
                 if choices:
-                    yield sse({"id": p.request_id, "object": obj, "created": p.created, "model": self.model_name,
-                               "choices": choices})
+                    chunk = {"id": p.request_id, "object": obj, "created": p.created, "model": self.model_name,
+                             "choices": choices}
+                    if p.continuous_usage:
+                        chunk["usage"] = _usage([latest[rid] for rid in stream.request_ids if rid in latest])
+                    yield sse(chunk)
             if stream.ended_early:  # the server is stopping: every choice still open ends as aborted
                 closing = [self._aborted(p, i) for i in range(len(stream.request_ids) * p.params.n)
                            if not sent.get(i, _Choice()).done]
                 if closing:
-                    yield sse({"id": p.request_id, "object": obj, "created": p.created, "model": self.model_name,
-                               "choices": closing})
+                    chunk = {"id": p.request_id, "object": obj, "created": p.created, "model": self.model_name,
+                             "choices": closing}
+                    if p.continuous_usage:
+                        chunk["usage"] = _usage([latest[rid] for rid in stream.request_ids if rid in latest])
+                    yield sse(chunk)
             if p.include_usage:
                 outs = [latest[rid] for rid in stream.request_ids if rid in latest]
                 yield sse({"id": p.request_id, "object": obj, "created": p.created, "model": self.model_name,
@@ -235,16 +265,64 @@ class OpenAIServing:
             if not s.started:
                 delta["role"] = "assistant"
             choice = {"index": index, "delta": delta,
-                      "logprobs": _chat_logprobs(lp, new_tokens, p.params.logprobs) if lp is not None else None}
+                      "logprobs": _chat_logprobs(lp, new_tokens, p.params.logprobs, self.token_bytes)
+                      if lp is not None else None}
         else:
-            choice = {"index": index, "text": text,
-                      "logprobs": _completion_logprobs(lp, new_tokens, p.params.logprobs, s.chars) if lp is not None else None}
+            logprobs = _completion_logprobs(lp, new_tokens, p.params.logprobs, s.offset) if lp is not None else None
+            if logprobs is not None:
+                s.offset += sum(len(t) for t in logprobs["tokens"])
+            choice = {"index": index, "text": text, "logprobs": logprobs}
         choice["finish_reason"] = c.finish_reason if finished else None
         choice["stop_reason"] = c.stop_reason if finished else None
         if p.return_token_ids:
             choice["token_ids"] = list(new_tokens)
         s.chars, s.tokens, s.started, s.done = len(c.text), len(c.token_ids), True, finished
         return choice
+
+
+class TokenBytes:
+    """A token's own bytes, as OpenAI's chat logprobs give them: ``token_bytes(token_id, text)``.
+
+    Decoding one token alone gives U+FFFD for a token holding part of a UTF-8 character, so the
+    bytes come from the vocabulary entry: byte-level BPE (GPT-2's alphabet, SmolLM's and LLaMA 3's
+    tokenizers) maps each character of the entry to one byte; SentencePiece's byte fallback
+    writes a byte as ``<0xE5>``. Other tokens: ``text`` (the token decoded alone) as UTF-8.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_level = "ByteLevel" in repr(decoder)
+        self._bytes = _byte_decoder()
+
+    def __call__(self, token_id: int, text: str) -> bytes:
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if self._byte_level and all(ch in self._bytes for ch in piece):
+                return bytes(self._bytes[ch] for ch in piece)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+        return text.encode("utf-8", errors="replace")
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the printable character standing for each byte -> that byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+SERVER_ID_PREFIXES = ("cmpl-", "chatcmpl-", "ctl-")  # ids the server makes; a client may not choose them
+
+
+def _usage_options(req: Any) -> tuple[bool, bool]:
+    """(usage chunk at the end, usage on every chunk) from ``stream_options`` (vLLM's
+    ``continuous_usage_stats`` alone also puts usage on every chunk rather than being ignored)."""
+    o = req.stream_options
+    return bool(o and o.include_usage), bool(o and o.continuous_usage_stats)
 
 
 def _error_of(out: RequestOutput) -> APIError:
@@ -266,16 +344,20 @@ def _usage(outs: list[RequestOutput]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _ranked(entry: dict[int, Logprob], top: int) -> list[Logprob]:
-    """The ``top`` most likely candidates of one token's entry, most likely first."""
-    return sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda lp: lp.rank)
+def _shown(entry: dict[int, Logprob], token_id: int, top: int) -> list[Logprob]:
+    """The candidates shown for one token, as vLLM shows them: the sampled token first, then the
+    ``top`` most likely others by rank (so ``top`` + 1 entries at most, one when ``top`` is 0)."""
+    others = sorted((lp for t, lp in entry.items() if t != token_id and lp.rank <= top), key=lambda lp: lp.rank)
+    return [entry[token_id]] + others
 
 
 def _completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top: int, first_char: int) -> dict:
     """OpenAI's legacy completions logprobs: tokens, their log-probabilities, top candidates, text offsets.
 
     ``entries[i]`` (``CompletionOutput.logprobs``) holds the top candidates and always the
-    sampled ``token_ids[i]``; ``first_char``: where these tokens start in the choice's text.
+    sampled ``token_ids[i]``; ``first_char``: the text offset of the first of these tokens (the
+    characters of the tokens before it, so streamed and whole answers agree). Each
+    ``top_logprobs`` dict holds the sampled token and the ``top`` most likely (vLLM's rule).
     """
     tokens, token_logprobs, tops, offsets = [], [], [], []
     offset = first_char
@@ -284,21 +366,28 @@ def _completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int]
         text = chosen.decoded_token or ""
         tokens.append(text)
         token_logprobs.append(chosen.logprob)
-        tops.append({(lp.decoded_token or ""): lp.logprob for lp in _ranked(entry, top)} if top else None)
+        tops.append({(lp.decoded_token or ""): lp.logprob for lp in _shown(entry, token_id, top)})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top: int) -> dict:
-    """OpenAI's chat logprobs: per token its text, log-probability, UTF-8 bytes and top candidates."""
-    def item(lp: Logprob) -> dict:
+def _chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top: int,
+                   token_bytes: Callable[[int, str], bytes]) -> dict:
+    """OpenAI's chat logprobs: per token its text, log-probability, own UTF-8 bytes and top candidates.
+
+    ``bytes`` are the token's own bytes (``token_bytes``), so the chosen tokens' bytes joined are
+    the content's UTF-8 even where one character spans several tokens (each token's text is
+    then U+FFFD, its bytes are not). ``top_logprobs``: the ``top`` most likely, by rank.
+    """
+    def item(token_id: int, lp: Logprob) -> dict:
         text = lp.decoded_token or ""
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": lp.logprob, "bytes": list(token_bytes(token_id, text))}
 
     content = []
     for entry, token_id in zip(entries, token_ids):
-        chosen = item(entry[token_id])
-        chosen["top_logprobs"] = [item(lp) for lp in _ranked(entry, top)]
+        chosen = item(token_id, entry[token_id])
+        chosen["top_logprobs"] = [item(t, lp) for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)
+                                  if lp.rank <= top]
         content.append(chosen)
     return {"content": content}

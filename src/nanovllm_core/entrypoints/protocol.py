@@ -154,12 +154,43 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    """The function an assistant's tool call names; ``arguments``: JSON text, as the model wrote it."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    """One message; ``content`` is text or a list of text parts (images are not supported)."""
+    """One message; ``content`` is text or a list of text parts (images are not supported).
+
+    An assistant message may carry the ``tool_calls`` it made, and a ``tool`` message the
+    ``tool_call_id`` it answers; both reach the chat template as given (vLLM's behaviour). The
+    server does not parse tool calls out of generated text: a model's answer is its text.
+    """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as a chat template takes it (``developer`` becomes ``system``)."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls is not None:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -181,7 +212,7 @@ class ChatCompletionRequest(_SamplingBody):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them.
 
         Raises:
@@ -189,7 +220,7 @@ class ChatCompletionRequest(_SamplingBody):
         """
         if not self.messages:
             raise APIError("messages is empty; send at least one message", param="messages")
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return [m.template_message() for m in self.messages]
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

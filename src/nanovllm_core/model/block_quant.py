@@ -17,12 +17,18 @@ holds it, so a checkpoint that ships blocks is used as shipped (the loader keeps
 dequantize-then-requantize), and a float checkpoint is quantized at load with the ``gguf``
 package's reference quantizers (the same arithmetic as llama.cpp's ``quantize``).
 
-:class:`BlockLinear` multiplies float32 activations by the blocks in C
-(``block_quant_cpu.c``: the integers are widened to floats in registers, each block's sum is
-scaled once, and one row's result never depends on the other rows of its batch). Where the C
-library cannot be built, or ``NANOVLLM_BLOCK_KERNELS=0``, it dequantizes the matrix for the call
-and uses PyTorch's matmul: the same values up to float32 rounding, slower, and not
-batch-invariant (the engine says so at load).
+:class:`BlockLinear` runs in C (``block_quant_cpu.c``) the way llama.cpp does on the CPU: each
+activation row is first quantized per 32-block to int8 with a float32 scale (:data:`ACTIVATIONS`),
+then each output is a sum over blocks of exact integer dot products, scaled once a block. One
+row's result never depends on the other rows of its batch. Why int8 activations and not float
+ones (exact with respect to the dequantized weights): measured on a 2-core AMD EPYC (AVX2), one
+thread, float activations took 22.6 ms of CPU a token on the embedded model against llama.cpp's
+14.1 ms, because widening each 4-bit weight to a float costs more instructions than the
+product itself; integer products (``maddubs``) halve the instructions a block. The cost is a
+second rounding, of x, measured by ``benchmarks/benchmark_quantization.py`` (perplexity).
+Where the C library cannot be built, or ``NANOVLLM_BLOCK_KERNELS=0``, it runs
+:func:`reference_linear` in PyTorch instead: the same values up to rounding, much slower (the
+engine says so at load).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from nanovllm_core import native
 SOURCE = Path(__file__).with_name("block_quant_cpu.c")
 ENV_SWITCH = "NANOVLLM_BLOCK_KERNELS"  # "0": the PyTorch fallback
 BLOCK_SIZE = 32  # weights per block, in every format here
+ACTIVATIONS = "q8 per 32-block"  # how the kernel holds activations (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,38 @@ def unavailable_reason() -> str | None:
     return native.load_unless_off(SOURCE, SIGNATURES, ENV_SWITCH)[1]
 
 
+def block_scratch(rows: int, in_features: int) -> int:
+    """Floats of scratch ``block_linear`` needs for ``rows`` activation rows of ``in_features``
+    (their int8 values, and a scale and a sum per 32-block): ``BLOCK_SCRATCH`` in the C source."""
+    return rows * (in_features // BLOCK_SIZE) * 2 + rows * in_features // 4
+
+
 # ----------------------------------------------------------------------------- reference (PyTorch)
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations ``[M, K]`` float32 -> (int values ``[M, K]`` as float32, scales ``[M, K / 32]``), as the kernel does.
+
+    Per 32-block: ``d = max|x| / 127``, ``q = round-half-even(x * (1 / d))`` (0 for an all-zero
+    block): ggml's Q8_1 activation quantization, the scale kept in float32.
+    """
+    m, k = x.shape
+    xb = x.float().reshape(m, k // BLOCK_SIZE, BLOCK_SIZE)
+    d = xb.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv.unsqueeze(-1))  # torch.round rounds half to even, as nearbyintf
+    return q.reshape(m, k), d
+
+
+def reference_linear(x: torch.Tensor, blocks: torch.Tensor, fmt: BlockFormat | str, in_features: int) -> torch.Tensor:
+    """What :class:`BlockLinear` computes, in float64: x ``[M, K]`` quantized per block, times the blocks' weights.
+
+    ``sum_b (d_w d_x sum_i q_i xq_i + m_w d_x sum_i xq_i)`` per output (``m_w = -8 d_w`` for Q4_0, 0
+    for Q8_0); the kernel's float32 result is within float32 rounding of it.
+    """
+    fmt = block_format(fmt) if isinstance(fmt, str) else fmt
+    xq, xd = quantize_activations(x)
+    xdq = (xq.double().reshape(x.shape[0], -1, BLOCK_SIZE) * xd.double().unsqueeze(-1)).reshape(x.shape)
+    return xdq @ dequantize(blocks, fmt, in_features).double().T
 
 def _halves(raw: torch.Tensor) -> torch.Tensor:
     """uint8 ``[..., 2]`` (little-endian fp16 bytes) -> float32 ``[...]``."""
@@ -213,7 +251,9 @@ class BlockLinear(nn.Module):
             x2 = x2.float()
         lib = library() if x2.device.type == "cpu" and not (torch.is_grad_enabled() and x2.requires_grad) else None
         if lib is None:
-            y = torch.nn.functional.linear(x2, self.dequantized().to(x2.device), self.bias)
+            y = reference_linear(x2.cpu(), self.blocks, self.format, self.in_features).float().to(x2.device)
+            if self.bias is not None:
+                y = y + self.bias
             if residual is not None:
                 y = residual.reshape(y.shape) + y
             return y.reshape(*lead, self.out_features)
@@ -229,7 +269,7 @@ class BlockLinear(nn.Module):
                 res = residual.reshape(m, self.out_features)
                 if res.dtype != torch.float32 or res.stride(-1) != 1:
                     res = res.float().contiguous()
-            sx = torch.empty(m * (self.in_features // BLOCK_SIZE), dtype=torch.float32)
+            sx = torch.empty(block_scratch(m, self.in_features), dtype=torch.float32)
             lib.block_linear(self.format.c_id, self.blocks.data_ptr(), x2.data_ptr(), x2.stride(0), y.data_ptr(),
                              self.out_features, None if res is None else res.data_ptr(),
                              0 if res is None else res.stride(0), m, self.out_features, self.in_features,
@@ -284,3 +324,132 @@ class BlockEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.kind}"
+
+
+# ----------------------------------------------------------------------------- SwiGLU and whole layers
+
+_f = ctypes.c_float
+SIGNATURES.update({
+    "silu_mul_f32": (None, [_p, _p, _i64, _i64, _i32]),
+    "decoder_layers": (_i32, [_p, _i32, _p, _p, _i64, _i64, _i64, _i32, _i32, _i32, _f, _p, _p, _p, _i64, _p, _p, _p,
+                              _i32, _i32, _i32, _i32, _f, _p, _i32]),
+})
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """SwiGLU's ``silu(gate) * up`` in C for gate_up ``[T, 2I]`` float32 (gate first) -> ``[T, I]``; None where unavailable.
+
+    The model uses it in block modes so that its step-by-step path and :class:`FusedDecoderLayers`
+    compute the same bits (PyTorch's silu rounds its exp differently).
+    """
+    lib = library()
+    if lib is None or gate_up.dtype != torch.float32 or gate_up.device.type != "cpu" or gate_up.dim() != 2:
+        return None
+    gu = gate_up.contiguous()
+    t, two_i = gu.shape
+    act = torch.empty(t, two_i // 2, dtype=torch.float32)
+    if t:
+        lib.silu_mul_f32(gu.data_ptr(), act.data_ptr(), t, two_i // 2, torch.get_num_threads())
+    return act
+
+
+class _LayerWeights(ctypes.Structure):
+    _fields_ = [("qkv", _p), ("o", _p), ("gate_up", _p), ("down", _p),
+                ("qkv_fmt", ctypes.c_int32), ("o_fmt", ctypes.c_int32), ("gate_up_fmt", ctypes.c_int32),
+                ("down_fmt", ctypes.c_int32), ("input_norm", _p), ("post_norm", _p), ("k_pool", _p), ("v_pool", _p)]
+
+
+class _LayerOps(ctypes.Structure):
+    _fields_ = [("rms_norm", _p), ("rope", _p), ("write_kv", _p), ("attention", _p)]
+
+
+class FusedDecoderLayers:
+    """All decoder layers of a block-mode model in one C call per step (``decoder_layers`` in ``block_quant_cpu.c``).
+
+    Runs ``x [T, hidden]`` through the first ``num_layers`` layers for a step whose attention
+    is the CPU paged kernel, with no Python between operations: per layer RMSNorm, the qkv
+    blocks, RoPE, the KV write, PagedAttention, o + residual, RMSNorm, gate/up, SwiGLU, down +
+    residual. The C functions are the ones the step-by-step path (``model/llama.py``) calls,
+    passed as pointers, so both give the same bits (tests/test_block_quant_real.py holds them
+    equal); ``llama.py`` stays the readable reference and the X-Ray capture runs it.
+
+    ``__call__`` returns None (the caller runs the layers one by one) when a library is
+    missing or the step is not on the CPU paged kernel.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._weights: dict[tuple[int, ...], ctypes.Array] = {}
+
+    @staticmethod
+    def supported(model: nn.Module) -> bool:
+        """Every layer's four linear modules are :class:`BlockLinear` without bias, and the model is float32."""
+        for layer in model.layers:
+            mods = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if not all(isinstance(m, BlockLinear) and m.bias is None for m in mods):
+                return False
+        return model.norm.weight.dtype == torch.float32
+
+    def _ops(self) -> _LayerOps | None:
+        from nanovllm_core.attention import cpu_paged
+        from nanovllm_core.model import native_ops
+
+        norm_rope, attn = native_ops.library(), cpu_paged._load()[0]
+        if library() is None or norm_rope is None or attn is None:
+            return None
+        addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
+        return _LayerOps(addr(norm_rope.rms_norm_f32), addr(norm_rope.rope_f32), addr(attn.write_kv),
+                         addr(attn.paged_attention))
+
+    def _layer_array(self, cache) -> ctypes.Array:
+        key = tuple(t.data_ptr() for t in cache.k_by_head)
+        arr = self._weights.get(key)
+        if arr is None:
+            rows = []
+            for i, layer in enumerate(self.model.layers):
+                a, m = layer.self_attn, layer.mlp
+                rows.append(_LayerWeights(
+                    a.qkv_proj.blocks.data_ptr(), a.o_proj.blocks.data_ptr(), m.gate_up_proj.blocks.data_ptr(),
+                    m.down_proj.blocks.data_ptr(), a.qkv_proj.format.c_id, a.o_proj.format.c_id,
+                    m.gate_up_proj.format.c_id, m.down_proj.format.c_id, layer.input_layernorm.weight.data_ptr(),
+                    layer.post_attention_layernorm.weight.data_ptr(), cache.k_by_head[i].data_ptr(),
+                    cache.v_by_head[i].data_ptr()))
+            arr = (_LayerWeights * len(rows))(*rows)
+            self._weights = {key: arr}  # one engine's pools at a time
+        return arr
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, num_layers: int) -> torch.Tensor | None:
+        """x ``[T, hidden]`` float32 after ``num_layers`` layers (a new tensor), or None where this path does not apply.
+
+        Raises:
+            ValueError: a slot outside the pool.
+            RuntimeError: attention could not allocate its scratch memory.
+        """
+        meta = getattr(attn, "meta", None)
+        if not getattr(attn, "use_cpu_paged", False) or meta is None or meta.token_rows is None \
+                or x.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        ops = self._ops()
+        if ops is None:
+            return None
+        cfg = self.model.config
+        t, h = x.shape
+        i, nh, nkv, hd = cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        cache = attn.cache
+        kpool = cache.k_by_head[0]
+        _, nb, bs, _ = kpool.shape
+        out = x.contiguous().clone()
+        scratch = torch.empty(t * (h + (nh + 2 * nkv) * hd + nh * hd + 3 * i) + block_scratch(t, max(h, i)) + 1)
+        slots = meta.slot_mapping.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        rc = library().decoder_layers(
+            ctypes.addressof(self._layer_array(cache)), num_layers, ctypes.addressof(ops), out.data_ptr(), t, h, i,
+            nh, nkv, hd, float(self.model.norm.eps), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), nb * bs,
+            meta.block_tables.data_ptr(), meta.token_rows.data_ptr(), meta.token_context.data_ptr(), nb, bs,
+            meta.block_tables.shape[1], max(1, meta.max_seqlen_k), hd ** -0.5, scratch.data_ptr(),
+            torch.get_num_threads())
+        if rc == -1:
+            raise ValueError(f"a slot in the slot mapping lies outside the pool's {nb * bs} slots")
+        if rc == -2:
+            raise RuntimeError("the CPU paged attention kernel could not allocate its scratch memory")
+        return out

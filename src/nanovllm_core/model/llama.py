@@ -26,7 +26,7 @@ from torch import nn
 # ModelConfig lives with the other value types (config.py) so that attention can name it
 # without importing the model; re-exported here, where readers of the model look for it.
 from nanovllm_core.config import SUPPORTED_MODEL_TYPES, ModelConfig  # noqa: F401
-from nanovllm_core.model import native_ops
+from nanovllm_core.model import block_quant, native_ops
 from nanovllm_core.model.cpu_linear import linear
 from nanovllm_core.model.tracer import LayerTracer
 
@@ -206,11 +206,16 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.c_swiglu = False  # set by the loader in block modes (model/quantization.py)
 
     def forward(self, x: torch.Tensor, tracer: "LayerTracer | None" = None) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]`` through ``[T, intermediate]``."""
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        act = nn.functional.silu(gate).mul_(up)  # in place: one [T, intermediate] buffer fewer
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        # Block-quantized layers take SwiGLU from the same C as their fused path (block_quant.silu_mul).
+        act = block_quant.silu_mul(gate_up) if self.c_swiglu else None
+        if act is None:
+            act = nn.functional.silu(gate).mul_(up)  # in place: one [T, intermediate] buffer fewer
         out = self.down_proj(act)
         if tracer is not None:
             tracer.mlp(self.layer_idx, x, gate, up, act, out)
@@ -256,9 +261,11 @@ class LlamaForCausalLM(nn.Module):
         )
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        # None: float weights; "int8": see nanovllm_core.model.quantization, which swaps the
-        # nn.Linear modules above for the ones that run (packed float or int8) after loading.
+        # None: float weights; else see nanovllm_core.model.quantization, which swaps the
+        # nn.Linear modules above for the ones that run (packed float, blocks, int8) after loading.
         self.quantization: str | None = None
+        # Block modes on the CPU: every decoder layer of a step in one C call (block_quant.FusedDecoderLayers).
+        self.fused_layers: block_quant.FusedDecoderLayers | None = None
 
     @property
     def lm_head_matrix(self) -> torch.Tensor:
@@ -283,6 +290,9 @@ class LlamaForCausalLM(nn.Module):
             tracer.embedding(input_ids, x)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
+        fused = self.fused_layers(x, cos, sin, attn, len(layers)) if self.fused_layers and tracer is None else None
+        if fused is not None:  # the same operations in C, the same bits (block_quant.FusedDecoderLayers)
+            return self.norm(fused)
         for layer in layers:
             x = layer(x, cos, sin, attn, tracer)
         return self.norm(x)

@@ -343,6 +343,8 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
     expected = model.expected_hf_tensors()
     seen: set[str] = set()
     files = safetensors_files(path)
+    if progress:
+        progress("loading weights", 0, len(files))
     for n, file in enumerate(files, 1):
         try:
             handle = safe_open(str(file), framework="pt")
@@ -423,10 +425,16 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     net.rotary.build_tables(device)
     load_weights(net, resolved.path, progress)
     net.eval()
+    stage = {"int8": "quantizing to int8 (calibrating)", "gguf": "keeping the GGUF file's blocks", None: "packing linear layers"
+             }.get(quantization, f"quantizing to {quantization}")
+    if progress:
+        progress(stage, 0, 1)
     try:
         prepare_linear_layers(net, quantization, calibration_ids(tokenizer, cfg.vocab_size), gguf_file=resolved.gguf_file)
     except ValueError as e:
         raise ModelLoadError(f"{resolved.name}: {e}") from None
+    if progress:
+        progress(stage, 1, 1)
     return net, tokenizer, resolved
 
 

@@ -108,6 +108,7 @@ def input_channel_maxima(model: nn.Module, modules: Iterable[nn.Module], token_i
 
     Also the LM head's input (the final-normed hidden state ``forward`` returns), under the
     key :data:`LM_HEAD_INPUT`: the head is built after this pass, so there is no module to hook.
+    Token ids longer than the model's rotary table (``max_model_len``) run as windows of that length.
     """
     from nanovllm_core.attention.contiguous import ContiguousKVCache
 
@@ -120,10 +121,16 @@ def input_channel_maxima(model: nn.Module, modules: Iterable[nn.Module], token_i
     hooks = [m.register_forward_pre_hook(record) for m in modules]
     try:
         device = next(model.parameters()).device
-        n = len(token_ids)
-        cache = ContiguousKVCache(model.config, n, next(model.parameters()).dtype, device)
-        hidden = model(torch.tensor(token_ids, device=device), torch.arange(n, device=device), cache.context(0, n))
-        maxima[LM_HEAD_INPUT] = hidden.detach().abs().amax(dim=0).float()
+        # A model built for a short context (max_model_len below the text's length) has rotary
+        # tables only that long: the text then runs as consecutive windows, each from position 0.
+        window = max(1, min(len(token_ids), model.rotary.max_position))
+        for start in range(0, len(token_ids), window):
+            chunk = token_ids[start:start + window]
+            n = len(chunk)
+            cache = ContiguousKVCache(model.config, n, next(model.parameters()).dtype, device)
+            hidden = model(torch.tensor(chunk, device=device), torch.arange(n, device=device), cache.context(0, n))
+            m = hidden.detach().abs().amax(dim=0).float()
+            maxima[LM_HEAD_INPUT] = torch.maximum(maxima[LM_HEAD_INPUT], m) if LM_HEAD_INPUT in maxima else m
     finally:
         for h in hooks:
             h.remove()
@@ -277,18 +284,19 @@ def weight_formats(model: nn.Module) -> dict[str, int]:
     out: dict[str, int] = {}
     seen: set[int] = set()
     for m in [*linear_modules(model), model.embed_tokens]:
-        blocks = getattr(m, "blocks", None)
+        blocks, weight = getattr(m, "blocks", None), m._parameters.get("weight")
         if blocks is not None:
-            key, size = id(blocks.untyped_storage()), blocks.numel()
-        else:
-            w = m.weight
-            key, size = id(w), w.numel() * w.element_size()
+            key, size = blocks.data_ptr(), blocks.numel()
+        elif weight is not None:
+            key, size = weight.data_ptr(), weight.numel() * weight.element_size()
+        else:  # int8: its own packed tensors, counted by the module
+            key, size = id(m), m.weight_bytes
         if key in seen:
             continue
         seen.add(key)
-        kind = getattr(m, "kind", None) or str(m.weight.dtype).replace("torch.", "")
+        kind = getattr(m, "kind", None) or str(weight.dtype).replace("torch.", "")
         out[kind] = out.get(kind, 0) + size
-    return out
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def describe_weights(model: nn.Module) -> str:
@@ -323,6 +331,10 @@ def prepare_linear_layers(model: nn.Module, quantization: str | None = None,
                              "use q8_0, q4_0 or q4_1")
         _prepare_block_layers(model, quantization, gguf_file)
         model.quantization = quantization
+        if block_quant.FusedDecoderLayers.supported(model):
+            for layer in model.layers:
+                layer.mlp.c_swiglu = True
+            model.fused_layers = block_quant.FusedDecoderLayers(model)
         return
     smooth: dict[nn.Module, torch.Tensor] = {}
     outliers: dict[nn.Module | str, torch.Tensor] = {}

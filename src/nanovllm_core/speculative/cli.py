@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from nanovllm_core.cli_args import positive_int
+from nanovllm_core.cli_args import load_progress, positive_int, prompt_text, seed_int
 
 DEFAULT_PROMPT = "The future of AI is"
 
@@ -39,13 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'self:N' (the target's first N layers), 'ngram' (prompt lookup), 'target', or a draft "
                         "model's repo id/folder/.gguf with the target's tokenizer (default: the embedded model)")
     p.add_argument("--num-speculative-tokens", type=positive_int, default=5, help="draft tokens per step, k (default 5)")
-    p.add_argument("--prompt", action="append", default=None, help=f"a prompt (repeatable; default {DEFAULT_PROMPT!r})")
+    p.add_argument("--prompt", action="append", default=None, type=prompt_text,
+                   help=f"a prompt (repeatable; default {DEFAULT_PROMPT!r})")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--max-tokens", type=positive_int, default=48, help="tokens per prompt (default 48)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None, help="per-request random seed")
+    p.add_argument("--seed", type=seed_int, default=None, help="per-request random seed")
     p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens even past end-of-sequence")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
@@ -126,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from nanovllm_core.attention.selector import default_block_size
     from nanovllm_core.config import EngineConfig
     from nanovllm_core.engine.llm_engine import LLMEngine
-    from nanovllm_core.llm import LLM, console_progress
+    from nanovllm_core.llm import LLM
     from nanovllm_core.model.loader import ModelLoadError, load_model
     from nanovllm_core.sampling_params import SamplingParams
 
@@ -137,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 block_size=args.block_size)
         EngineConfig(speculative_model=draft, num_speculative_tokens=args.num_speculative_tokens)  # check early
         model, tokenizer, resolved = load_model(args.target_model, base_cfg.torch_device, base_cfg.torch_dtype,
-                                                progress=console_progress())
+                                                progress=load_progress("nanovllm-spec"))
     except (ModelLoadError, ValueError) as e:
         parser.error(str(e))
     if args.chat and not getattr(tokenizer, "chat_template", None):
@@ -187,7 +188,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"  speed: {fast.tokens_per_s:.1f} tokens/s with speculation ({fast.num_tokens} tokens in {fast.seconds:.2f} s), "
           f"{base.tokens_per_s:.1f} tokens/s without ({base.num_tokens} in {base.seconds:.2f} s): "
           f"speed-up {fast.tokens_per_s / max(base.tokens_per_s, 1e-9):.2f}x")
+    if fast.tokens_per_s < base.tokens_per_s:
+        print("  " + slower_note(draft, k, fast.steps, base.steps))
     return 0
+
+
+def slower_note(draft: str, k: int, steps_spec: int, steps_plain: int) -> str:
+    """Why speculation was slower than plain decoding in a run, and what tends to pay off (one line)."""
+    saved = steps_plain - steps_spec
+    if draft == "ngram":
+        cost = f"each verification ran the model on {k + 1} tokens instead of 1"
+    elif draft.startswith("self:"):
+        cost = f"each step also ran {draft[5:]} of the model's layers {k} times to draft"
+    else:
+        cost = f"each step also ran the draft model {k} times"
+    return (f"drafting cost more than it saved here: {saved} of {steps_plain} target passes saved, but {cost}; "
+            "on a small model on the CPU a draft of its own layers rarely pays, n-gram lookup ('--draft-model "
+            "ngram') does on text that repeats its prompt, and a smaller --num-speculative-tokens wastes less")
 
 
 if __name__ == "__main__":

@@ -108,4 +108,6 @@ class DashboardView(EngineView):
         region = output.content_region  # show the end of the stream, as a terminal would
         output.show_content(tail(text, region.width, region.height, self.app.console))
         label = f"token #{req.num_output}: {visible_piece(req.last_token)!s}" if req.num_output else ""
+        if label and req.top_caption and not req.top_caption.endswith("own probabilities"):
+            label += f" ({req.top_caption})"  # a processor changed these numbers: name each one
         topk.show(req.top, req.last_token_id, label)

@@ -62,8 +62,11 @@ class StatusHeader(LiveStatic):
             parts.append((Text("  (prompts sent now wait in the queue)", style="dim"), 5))
         else:
             parts.append((Text(state.model_name or "model", style="bold"), 1))
-            quantization = state.model_info.get("quantization")  # int8 weights: say so beside the dtype
-            weights = f" · {quantization} weights" if quantization else ""
+            # Quantized weights: say which formats run beside the dtype (gguf: the file's own blocks).
+            quantization = state.model_info.get("quantization")
+            kinds = state.model_info.get("weight_kinds")
+            weights = (f" · {quantization} weights" + (f" ({kinds})" if kinds and kinds != quantization else "")
+                       if quantization else "")
             parts.append((Text(f" · {state.device} · {state.dtype}{weights}"), 4))
             # A server out of reach may have resumed meanwhile: say what is known, the lost connection.
             lost = state.engine_state in ("stopped", "disconnected")

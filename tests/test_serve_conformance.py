@@ -1,0 +1,220 @@
+"""The server answers as vLLM's OpenAI server does at the edges a real client reaches (issue 29).
+
+Streamed and whole requests are refused alike before the first byte; logprobs, usage and tool
+messages have OpenAI's/vLLM's shapes; ids a client chooses never collide with the server's.
+The server is the shared in-process ``tiny_server`` (tiny random LLaMA, SmolLM2's tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from nanovllm_core import LLM, SamplingParams
+from nanovllm_core.engine.controller import EngineController
+from nanovllm_core.entrypoints.openai_serving import Prepared, _chat_logprobs, _Choice, _completion_logprobs
+from nanovllm_core.outputs import CompletionOutput, Logprob
+from tests.conftest import poll_until
+from tests.serve_helpers import start_server
+
+LONE_SURROGATE = "abc \ud800 def"
+
+
+def _json(server, body: dict) -> dict:
+    """Body and headers; JSON written with ASCII escapes, as most clients send it (so a lone
+    surrogate travels as ``\\ud800``, which httpx's own UTF-8 encoding could not send)."""
+    return {"content": json.dumps(body), "headers": {**server.headers, "Content-Type": "application/json"}}
+
+
+def post(server, path: str, body: dict, stream: bool = False) -> tuple[int, list[str] | dict]:
+    """(status, JSON body) of a whole request, or (status, the ``data:`` payloads) of a streamed one."""
+    if not stream:
+        r = httpx.post(server.url + path, timeout=60, **_json(server, body))
+        return r.status_code, r.json()
+    with httpx.stream("POST", server.url + path, timeout=60, **_json(server, {**body, "stream": True})) as r:
+        if r.status_code != 200:
+            r.read()
+            return r.status_code, r.json()
+        return r.status_code, [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+# Every check the engine makes (and the sampler's seed range) happens before the answer starts.
+CHAT = "/v1/chat/completions"
+REFUSED_ALIKE = [
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": -2**63 - 1}, "seed"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, "seed"),
+    ("/v1/completions", {"prompt": LONE_SURROGATE}, "lone surrogate"),
+    ("/v1/completions", {"prompt": ["fine", LONE_SURROGATE]}, "lone surrogate"),
+    (CHAT, {"messages": [{"role": "user", "content": LONE_SURROGATE}]}, "lone surrogate"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**9]}, "stop_token_ids contains 1000000000"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [10**9]}, "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize("path, body, message", REFUSED_ALIKE)
+def test_a_bad_parameter_is_a_400_streamed_or_not(tiny_server, path, body, message):
+    whole_status, whole = post(tiny_server, path, body)
+    streamed_status, streamed = post(tiny_server, path, body, stream=True)
+    assert whole_status == streamed_status == 400, (whole, streamed)
+    assert whole == streamed and message in whole["error"]["message"], whole
+    assert set(whole["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_request_larger_than_the_kv_pool_is_a_400_before_streaming(make_tiny_engine):
+    controller = EngineController.from_engine(make_tiny_engine(num_kv_blocks=4))  # 64 tokens of KV
+    server = start_server(controller, api_key=None)
+    try:
+        body = {"prompt": "hi", "max_tokens": 200}
+        for stream in (False, True):
+            status, data = post(server, "/v1/completions", body, stream=stream)
+            assert status == 400 and "KV blocks" in data["error"]["message"], data
+            assert data["error"]["param"] == "max_tokens"
+        status, data = post(server, "/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}, stream=True)
+        assert status == 400 and "KV blocks" in data["error"]["message"], data
+    finally:
+        server.stop()
+        controller.shutdown(timeout=5)
+
+
+def test_completion_logprobs_always_list_the_sampled_token(tiny_server):
+    body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+    status, data = post(tiny_server, "/v1/completions", {**body, "logprobs": 1})
+    assert status == 200, data
+    lp = data["choices"][0]["logprobs"]
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert top[token] == pytest.approx(logprob) and 1 <= len(top) <= 2, (token, top)
+    # At temperature 1 the tiny random model rarely samples its most likely token: the case was met.
+    assert any(len(top) == 2 for top in lp["top_logprobs"]), lp
+    status, data = post(tiny_server, "/v1/completions", {**body, "logprobs": 0})
+    lp = data["choices"][0]["logprobs"]
+    assert lp["top_logprobs"] == [{t: v} for t, v in zip(lp["tokens"], lp["token_logprobs"])]
+
+
+def _split_character_outputs(tokenizer, logprobs: int = 1) -> tuple[list[int], list[CompletionOutput]]:
+    """'婉' as the three byte tokens SmolLM2's tokenizer splits it into, as the engine reports them
+    token by token: each token alone decodes to U+FFFD and the text appears only with the third."""
+    ids = tokenizer.encode("a 婉", add_special_tokens=False)
+    outputs, entries = [], []
+    for i, t in enumerate(ids):
+        entries.append({t: Logprob(-0.5, 1, tokenizer.decode([t]))})
+        text = tokenizer.decode(ids[:i + 1])
+        outputs.append(CompletionOutput(index=0, text=text.rstrip("\ufffd"), token_ids=ids[:i + 1],
+                                        logprobs=list(entries), finish_reason=None))
+    return ids, outputs
+
+
+def test_text_offset_is_the_same_streamed_and_whole(tiny_server):
+    serving = tiny_server.http.app.state.server.serving
+    ids, outputs = _split_character_outputs(serving.tokenizer)
+    assert len(ids) >= 4 and serving.tokenizer.decode([ids[-1]]) == "\ufffd"  # a character split over tokens
+    p = Prepared("completion", "cmpl-test", ["x"], SamplingParams(logprobs=0), 0, True, False, False, False)
+    sent, streamed = _Choice(), []
+    for out in outputs:
+        choice = serving._delta(p, sent, 0, out)
+        if choice is not None:
+            streamed += choice["logprobs"]["text_offset"]
+    whole = _completion_logprobs(outputs[-1].logprobs, ids, 0, 0)["text_offset"]
+    assert streamed == whole == [sum(len(serving.tokenizer.decode([t])) for t in ids[:i]) for i in range(len(ids))]
+
+
+def test_chat_logprob_bytes_join_to_the_content(tiny_server):
+    serving = tiny_server.http.app.state.server.serving
+    ids, outputs = _split_character_outputs(serving.tokenizer)
+    content = _chat_logprobs(outputs[-1].logprobs, ids, 0, serving.token_bytes)["content"]
+    assert b"".join(bytes(c["bytes"]) for c in content) == "a 婉".encode()
+    assert content[-1]["token"] == "\ufffd" and content[-1]["bytes"] == [0x89]
+    # and on a real answer: the chosen tokens' bytes are the content's UTF-8
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12, "temperature": 0, "logprobs": True,
+            "ignore_eos": True}
+    status, data = post(tiny_server, "/v1/chat/completions", body)
+    choice = data["choices"][0]
+    joined = b"".join(bytes(c["bytes"]) for c in choice["logprobs"]["content"])
+    assert joined.decode("utf-8", errors="replace") == choice["message"]["content"]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "Once upon a time"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+])
+def test_continuous_usage_stats_put_usage_on_every_chunk(tiny_server, path, body):
+    body = {**body, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    status, events = post(tiny_server, path, body, stream=True)
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all(c["usage"]["prompt_tokens"] > 0 for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 5 and chunks[-1]["choices"] == []
+    without = [json.loads(e) for e in post(tiny_server, path, {**body, "stream_options": {"include_usage": True}},
+                                               stream=True)[1][:-1]]
+    assert [("usage" in c and c["usage"] is not None) for c in without] == [False] * (len(without) - 1) + [True]
+
+
+def test_tool_calls_and_tool_results_go_through_the_chat_template(tiny_server):
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
+    status, data = post(tiny_server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+    assert status == 200, data
+    llm = LLM.from_engine(tiny_server.controller.engine)
+    rendered = [{**m, "content": m["content"] or ""} for m in messages]
+    want = llm.apply_chat_template(rendered)
+    assert data["usage"]["prompt_tokens"] == len(want)
+    assert "18 C and sunny" in llm.tokenizer.decode(want)
+    status, data = post(tiny_server, "/v1/chat/completions",
+                        {"messages": [{"role": "tool", "tool_call_id": 5, "content": "x"}]})
+    assert status == 400 and "tool_call_id" in data["error"]["message"]
+
+
+def control(server, body: dict) -> httpx.Response:
+    return httpx.post(server.url + "/v1/engine/control", timeout=30, **_json(server, body))
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([99999999], "outside the vocabulary"), ([], "prompt is empty"), ("\ud800", "lone surrogate"),
+    ([1, True], "submit needs prompt"), ("word " * 600, "maximum context length"),
+])
+def test_control_submit_checks_prompts_as_completions_does(tiny_server, prompt, message):
+    r = control(tiny_server, {"command": "submit", "prompt": prompt, "params": {"max_tokens": 2}})
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
+def test_control_ids_never_collide_with_server_ids_and_duplicates_are_refused(tiny_server):
+    for reserved in ("cmpl-61", "chatcmpl-1", "ctl-9"):
+        r = control(tiny_server, {"command": "submit", "prompt": "hi", "request_id": reserved})
+        assert r.status_code == 400 and "choose another" in r.json()["error"]["message"], r.text
+    control(tiny_server, {"command": "pause"})
+    try:
+        assert poll_until(lambda: tiny_server.controller.state == "paused", 10)
+        first = control(tiny_server, {"command": "submit", "prompt": "hi", "request_id": "mine-1",
+                                      "params": {"max_tokens": 4}})
+        assert first.status_code == 200 and first.json() == {"ok": True, "request_id": "mine-1"}
+        again = control(tiny_server, {"command": "submit", "prompt": "hi", "request_id": "mine-1"})
+        assert again.status_code == 400 and "already in use" in again.json()["error"]["message"], again.text
+    finally:
+        control(tiny_server, {"command": "resume"})
+    tiny_server.wait_idle(30)
+    # once finished, the id may be used again; ordinary completions get fresh, distinct ids
+    assert control(tiny_server, {"command": "submit", "prompt": "hi", "request_id": "mine-1",
+                                 "params": {"max_tokens": 1}}).status_code == 200
+    ids = set()
+    for _ in range(3):
+        status, data = post(tiny_server, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+        assert status == 200 and data["id"].startswith("cmpl-")
+        ids.add(data["id"])
+    assert len(ids) == 3
+    tiny_server.wait_idle(30)
+
+
+def test_the_engine_rejects_a_lone_surrogate_with_a_reason_rather_than_raising(make_tiny_engine):
+    """The offline API and the app's local engine meet the same text the server refuses."""
+    engine = make_tiny_engine(num_kv_blocks=8)
+    rid = engine.add_request(LONE_SURROGATE)
+    out = next(o for o in engine.step() if o.request_id == rid)
+    assert out.outputs[0].finish_reason == "rejected" and "lone surrogate '\\ud800'" in out.error
+    assert engine.block_manager.num_free_blocks == 8
