@@ -255,14 +255,16 @@ def test_bad_teaching_arguments_exit_2_with_one_line(capsys, monkeypatch, args, 
     assert code == 2 and len(err.strip().splitlines()) == 1 and message in err
 
 
-def test_help_and_readme_say_vllms_priority_is_the_opposite(capsys):
+def test_help_and_docs_say_vllms_priority_is_the_opposite(capsys):
     from pathlib import Path
 
     code, out, _ = run_main(cli.main, capsys, "--help")
     flat = " ".join(out.split())
     assert code == 0 and "a higher value runs first (vLLM's priority is the opposite: lower values first)" in flat
     assert "fcfs (arrival order; vLLM's default)" in flat
-    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
-    moving = readme[readme.index("### Moving to vLLM"):readme.index("### Speculative decoding")]
+    root = Path(__file__).parents[1]
+    assert "a higher `priority` runs first here" in (root / "README.md").read_text(encoding="utf-8")
+    engine_doc = (root / "docs" / "engine.md").read_text(encoding="utf-8")
+    moving = engine_doc[engine_doc.index("## Moving to vLLM"):engine_doc.index("## Speculative decoding")]
     assert "change the import and keep the rest, with the exceptions listed below" in moving
     assert "**Priority means the opposite.**" in moving and 'default policy is `"fcfs"`' in moving

@@ -40,3 +40,25 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+# The composition root: plug the X-Ray (educational/, above the engine) into the engine's
+# observer hook. This file runs before any nanovllm_core module, so every engine finds the
+# plug, and engine/ never imports educational/ (engine/observer.py says more). Both imports
+# of the X-Ray wait until an engine first asks, so `import nanovllm_core` stays light.
+from nanovllm_core.engine import observer as _observer  # noqa: E402  (no torch: the module imports nothing)
+
+
+def _make_xray(engine: Any, measure: bool) -> Any:
+    from nanovllm_core.educational.xray import XRayCapture
+
+    return XRayCapture(engine, measure=measure)
+
+
+def _xray_facts(engine: Any) -> dict:
+    from nanovllm_core.educational.xray import roofline_info
+
+    return roofline_info(engine)
+
+
+_observer.install(_observer.ObserverPlug(make=_make_xray, facts=_xray_facts))

@@ -17,78 +17,21 @@ import sys
 import time
 from typing import Sequence
 
-# model.quantization.QUANTIZATION_CHOICES, written out: parsing options must not import torch (a test holds them equal)
-QUANTIZATION_CHOICES = ("none", "gguf", "q8_0", "q4_0", "q4_1", "int8")
+from nanovllm_core.cli_args import (  # noqa: F401  (re-exported: the app, benchmarks and tests import them from here)
+    QUANTIZATION_CHOICES,
+    _Parser,
+    add_engine_arguments,
+    add_model_arguments,
+    engine_kwargs,
+    load_progress,
+    positive_int,
+    prompt_text,
+    sampling_params,
+    seed_int,
+    tcp_port,
+)
 
 DEFAULT_PROMPT = "The capital of France is"
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, status 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def tcp_port(text: str) -> int:
-    """argparse ``type``: a TCP port, 1..65535; anything else becomes argparse's one-line usage error.
-
-    Raises:
-        argparse.ArgumentTypeError: not an integer, or outside 1..65535.
-    """
-    value = positive_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"a TCP port is 1 to 65535, got {value}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """argparse ``type``: an integer >= 1; anything else becomes argparse's one-line usage error (status 2).
-
-    Raises:
-        argparse.ArgumentTypeError: not an integer, or below 1.
-    """
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def seed_int(text: str) -> int:
-    """argparse ``type``: a random seed, a 64-bit signed integer (what torch's generators take).
-
-    Raises:
-        argparse.ArgumentTypeError: not an integer, or outside -2**63 .. 2**63 - 1.
-    """
-    from nanovllm_core.sampling_params import SEED_MAX, SEED_MIN
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not SEED_MIN <= value <= SEED_MAX:
-        raise argparse.ArgumentTypeError(f"a seed is a 64-bit integer ({SEED_MIN} to {SEED_MAX}), got {value}")
-    return value
-
-
-def prompt_text(text: str) -> str:
-    """argparse ``type``: prompt text that is valid UTF-8.
-
-    Python hands over command-line bytes that are not UTF-8 as lone surrogates
-    (``\\udcff`` for the byte 0xff); no tokenizer can take them.
-
-    Raises:
-        argparse.ArgumentTypeError: the text holds such a byte (or any lone surrogate).
-    """
-    for i, ch in enumerate(text):
-        if "\udc80" <= ch <= "\udcff":
-            raise argparse.ArgumentTypeError(
-                f"not valid UTF-8: byte 0x{ord(ch) - 0xDC00:02x} at character {i}; pass UTF-8 text "
-                "(check the terminal's or the file's encoding)")
-        if "\ud800" <= ch <= "\udfff":
-            raise argparse.ArgumentTypeError(f"not valid Unicode: a lone surrogate {ch!r} at character {i}")
-    return text
 
 
 def _non_negative_int(text: str) -> int:
@@ -109,65 +52,6 @@ def _chapter_number(text: str) -> int:
     if not 1 <= value <= 12:
         raise argparse.ArgumentTypeError(f"expected a chapter number 1-12, got {value}")
     return value
-
-
-def load_progress(prog: str):
-    """A loader progress callback for a command: on a terminal, one ``prog: stage...`` line on
-    stderr as each loading stage begins (as ``nanovllm serve`` prints them) and the long stages'
-    bars; elsewhere (a pipe, a script) only the bars of :func:`console_progress`, so an error
-    stays the one line on stderr."""
-    from nanovllm_core.llm import console_progress
-
-    bars = console_progress()
-    if not sys.stderr.isatty():
-        return bars
-    seen: set[str] = set()
-
-    def progress(stage: str, done: int, total: int) -> None:
-        if stage not in seen:
-            seen.add(stage)
-            print(f"{prog}: {stage}...", file=sys.stderr, flush=True)
-        bars(stage, done, total)
-
-    return progress
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """``--model``, ``--device``, ``--dtype`` (shared by ``nanovllm``, ``nanovllm serve`` and the app)."""
-    m = p.add_argument_group("model")
-    m.add_argument("--model", default=None,
-                   help="Hugging Face repo id, local folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    m.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")
-    m.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                   help="default: float32 on cpu, bfloat16 on cuda")
-    m.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None, type=str.lower,
-                   help="how the linear layers hold their weights (CPU only but for none): gguf keeps a .gguf "
-                        "file's own blocks (the embedded model's Q4_1: 96 MB instead of 540 MB of float32); "
-                        "q8_0, q4_0, q4_1 cut float weights into those blocks at load; int8: int8 weights through "
-                        "oneDNN/fbgemm; none: float (the default)")
-
-
-def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """The engine settings that :func:`engine_kwargs` reads; returns the group so callers can add to it."""
-    e = p.add_argument_group("engine")
-    e.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="priority",
-                   help="priority (default here: higher priority first, then arrival) or fcfs (arrival order; "
-                        "vLLM's default)")
-    e.add_argument("--max-prefill-tokens", type=positive_int, default=512,
-                   help="per-step token budget; longer prompts are prefilled in chunks (default 512)")
-    e.add_argument("--max-num-seqs", type=positive_int, default=64)
-    e.add_argument("--max-model-len", type=positive_int, default=None)
-    e.add_argument("--block-size", type=positive_int, default=None,
-                   help="tokens per KV block (default 16; 256 on a GPU where flash-attn runs)")
-    e.add_argument("--num-kv-blocks", type=positive_int, default=None, help="size of the KV pool in blocks")
-    e.add_argument("--no-paged-attention", action="store_true", help="contiguous per-request KV cache, one request at a time")
-    e.add_argument("--no-flash-attn", action="store_true", help="explicit score-matrix attention instead of the fused kernel")
-    e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--speculative-model", default=None, metavar="PROPOSER",
-                   help="speculative decoding: 'ngram', 'self:N' (first N layers), 'target', or a draft model path/repo")
-    e.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
-                   help="draft tokens per step with --speculative-model (default 5)")
-    return e
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,28 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--trace-chrome", metavar="FILE.json", default=None,
                    help="write a Chrome trace-event file (open in ui.perfetto.dev or chrome://tracing)")
     return p
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """``LLM(...)`` keyword arguments from parsed CLI options (shared with the TUI)."""
-    return dict(
-        model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_prefill_tokens, max_model_len=args.max_model_len,
-        scheduling_policy=args.scheduling_policy, enable_prefix_caching=not args.no_prefix_caching,
-        paged=not args.no_paged_attention, attention_backend="math" if args.no_flash_attn else "flash",
-        speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens,
-    )
-
-
-def sampling_params(args: argparse.Namespace):
-    from nanovllm_core.sampling_params import SamplingParams
-
-    return SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop, max_tokens=args.max_tokens,
-        logprobs=args.logprobs, ignore_eos=args.ignore_eos,
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

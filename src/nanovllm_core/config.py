@@ -1,20 +1,54 @@
-"""``EngineConfig``: the engine's knobs, with vLLM's names, checked once at construction."""
+"""``EngineConfig``: the engine's knobs, with vLLM's names, checked once at construction;
+``ModelConfig``: the architecture numbers of a LLaMA-family checkpoint.
+
+The ground floor of the package: plain values, imported by every layer above and
+importing no model, kernel or engine code itself (see the layers contract in pyproject.toml).
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
-from nanovllm_core.model.quantization import normalize_quantization
 from nanovllm_core.sampling_params import SEED_MAX, SEED_MIN
+
+# The quantization modes' names (model/quantization.py builds the layers each one names).
+BLOCK_MODES = ("gguf", "q8_0", "q4_0", "q4_1")  # weights in GGUF blocks (model/block_quant.py)
+QUANTIZATION_MODES = (*BLOCK_MODES, "int8")
+QUANTIZATION_CHOICES = ("none", *QUANTIZATION_MODES)  # what --quantization accepts ("none": float weights)
 
 SCHEDULING_POLICIES = ("priority", "fcfs")
 ATTENTION_BACKENDS = ("flash", "math")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
           "float": torch.float32}
+
+
+def normalize_quantization(mode: str | None) -> str | None:
+    """``mode`` as the engine keeps it: None for float weights (``None`` or ``"none"``), else the lower-case name.
+
+    Raises:
+        ValueError: any value not in :data:`QUANTIZATION_CHOICES`, in one line naming the choices.
+    """
+    if mode is None:
+        return None
+    name = str(mode).lower()
+    if name not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization={mode!r} is unknown; use one of {', '.join(QUANTIZATION_CHOICES)} "
+                         "(gguf: keep a GGUF file's own blocks; q8_0/q4_0/q4_1: quantize at load; none: float)")
+    return None if name == "none" else name
+
+
+def check_quantization(mode: str | None) -> None:
+    """Accept None or a name in :data:`QUANTIZATION_CHOICES` (see :func:`normalize_quantization`).
+
+    Raises:
+        ValueError: any other value, in one line naming the choices.
+    """
+    normalize_quantization(mode)
 
 
 @dataclass
@@ -225,3 +259,106 @@ def check_kv_pool_fits(num_blocks: int, bytes_per_block: int, device: torch.devi
         raise ValueError(f"a KV pool of {num_blocks} blocks needs {need / 2**30:.1f} GiB "
                          f"({bytes_per_block / 2**20:.2f} MiB a block) but only {free / 2**30:.1f} GiB of "
                          f"{device.type} memory is free; lower num_kv_blocks (--num-kv-blocks) or kv_cache_memory")
+
+
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture numbers of a LLaMA-family checkpoint.
+
+    Built from a Hugging Face ``LlamaConfig`` with :meth:`from_hf`. Sizes are counts
+    (heads, layers, tokens); ``head_dim`` is in elements.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: dict[str, Any] | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    model_type: str = "llama"
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        """How many query heads share one KV head (1 = multi-head, >1 = GQA)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @staticmethod
+    def from_hf(hf_config: Any) -> "ModelConfig":
+        """Read a transformers config (v4 or v5 field layout).
+
+        Raises:
+            ValueError: the model type is not LLaMA-family, or a needed field is missing.
+        """
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model type {model_type!r} is not supported; this engine runs LLaMA-family "
+                f"models (model_type in {list(SUPPORTED_MODEL_TYPES)}, e.g. SmolLM2, TinyLlama, Llama 2/3)"
+            )
+        num_heads = hf_config.num_attention_heads
+        num_kv = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        hidden = hf_config.hidden_size
+        head_dim = getattr(hf_config, "head_dim", None) or hidden // num_heads
+        # transformers v5 keeps rope settings in `rope_parameters`; v4 in rope_theta/rope_scaling.
+        rope_params = dict(getattr(hf_config, "rope_parameters", None) or {})
+        rope_theta = rope_params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        rope_scaling = getattr(hf_config, "rope_scaling", None)
+        if not rope_scaling and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = rope_params
+        if rope_scaling:
+            rope_scaling = dict(rope_scaling)
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if kind == "default":
+                rope_scaling = None
+            elif kind not in ("llama3", "linear"):
+                raise ValueError(
+                    f"rope_scaling of type {kind!r} is not supported (supported: 'llama3', 'linear')"
+                )
+        eos = getattr(hf_config, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        return ModelConfig(
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hidden,
+            intermediate_size=hf_config.intermediate_size,
+            num_hidden_layers=hf_config.num_hidden_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            rope_scaling=rope_scaling,
+            attention_bias=bool(getattr(hf_config, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            bos_token_id=getattr(hf_config, "bos_token_id", None),
+            eos_token_ids=eos_ids,
+            model_type=model_type,
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of KV cache one token occupies: 2 (K and V) x layers x kv_heads x head_dim x dtype size."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
+
+    def num_parameters(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        lm_head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_hidden_layers * per_layer + h + lm_head

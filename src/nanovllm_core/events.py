@@ -8,6 +8,10 @@ with :func:`to_json` and back with :func:`from_json`.
 Events about one request carry ``request_id``; events about one engine step carry ``step``.
 Expensive events (``LayerTrace``, top-k lists, ``BlocksChanged``) are only built when a
 subscriber asked for them (see ``LLMEngine.subscribe``).
+
+Why this file runs past ~400 lines: it is the whole contract between the engine and every
+view, server and trace file, and it is read as one list (each event a short dataclass, with
+the JSON codec they share at the end); split, a reader would lose the one place to look.
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from nanovllm_core.paths import cache_root
+
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 COMPILE_TIMEOUT_S = 120
 
@@ -51,8 +53,6 @@ def _cpu_identity() -> str:
 
 def library_path(source: Path, cc: str) -> Path:
     """Where the library built from ``source`` with this compiler for this CPU is (or will be) cached."""
-    from nanovllm_core.model.loader import cache_root
-
     key = hashlib.sha256("\0".join([source.read_text(), " ".join(CFLAGS), cc, _cpu_identity()]).encode()).hexdigest()
     return cache_root() / "kernels" / f"{source.stem}-{key[:16]}.so"
 

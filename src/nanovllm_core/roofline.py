@@ -41,6 +41,8 @@ from typing import Callable
 
 import torch
 
+from nanovllm_core.paths import cache_root
+
 GEMM_N = 2048  # square matmul side for the peak: large enough to reach it on CPUs and small GPUs
 STREAM_MIN_BYTES = 256 * 2**20
 STREAM_MAX_BYTES = 2**30
@@ -228,8 +230,6 @@ def busy_note(roof: Roofline) -> Roofline:
 
 
 def default_cache_path() -> Path:
-    from nanovllm_core.model.loader import cache_root
-
     return cache_root() / "roofline.json"
 
 

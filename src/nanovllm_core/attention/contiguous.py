@@ -12,7 +12,7 @@ import torch
 
 from nanovllm_core.attention import cpu_paged
 from nanovllm_core.attention.ops import attend_sequence, causal_mask
-from nanovllm_core.model.llama import ModelConfig
+from nanovllm_core.config import ModelConfig
 
 
 class ContiguousKVCache:

@@ -39,7 +39,7 @@ import torch
 
 from nanovllm_core.attention import cpu_paged
 from nanovllm_core.attention.ops import attend_decode_grouped, attend_sequence
-from nanovllm_core.model.llama import ModelConfig
+from nanovllm_core.config import ModelConfig
 
 
 class PagedKVCache:

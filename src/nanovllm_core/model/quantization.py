@@ -37,14 +37,19 @@ from torch import nn
 
 import numpy as np
 
+# The mode names are value-level facts (EngineConfig checks them), so they live in config.py.
+from nanovllm_core.config import (  # noqa: F401  (re-exported)
+    BLOCK_MODES,
+    QUANTIZATION_CHOICES,
+    QUANTIZATION_MODES,
+    check_quantization,
+    normalize_quantization,
+)
 from nanovllm_core.model import block_quant
 from nanovllm_core.model.block_quant import BY_GGML_TYPE
 from nanovllm_core.model.cpu_linear import FloatLinear
 from nanovllm_core.model.int8_linear import Int8Linear
 
-BLOCK_MODES = ("gguf", "q8_0", "q4_0", "q4_1")  # weights in GGUF blocks (model/block_quant.py)
-QUANTIZATION_MODES = (*BLOCK_MODES, "int8")
-QUANTIZATION_CHOICES = ("none", *QUANTIZATION_MODES)  # what --quantization accepts ("none": float weights)
 EMBEDDING_FORMAT = "q8_0"  # the token embedding (and a tied LM head) in every block mode but "gguf"
 
 CALIBRATION_TEXT = (
@@ -55,30 +60,6 @@ CALIBRATION_TEXT = (
 SMOOTHING_ALPHA = 0.5  # SmoothQuant's migration strength: 0.5 splits the range evenly between x and W
 OUTLIER_CHANNELS = 16  # input channels per linear layer kept out of int8 (see outlier_channels) ...
 OUTLIER_SHARE = 1 / 32  # ... and at most this share of them, so a small model stays mostly int8
-
-
-def normalize_quantization(mode: str | None) -> str | None:
-    """``mode`` as the engine keeps it: None for float weights (``None`` or ``"none"``), else the lower-case name.
-
-    Raises:
-        ValueError: any value not in :data:`QUANTIZATION_CHOICES`, in one line naming the choices.
-    """
-    if mode is None:
-        return None
-    name = str(mode).lower()
-    if name not in QUANTIZATION_CHOICES:
-        raise ValueError(f"quantization={mode!r} is unknown; use one of {', '.join(QUANTIZATION_CHOICES)} "
-                         "(gguf: keep a GGUF file's own blocks; q8_0/q4_0/q4_1: quantize at load; none: float)")
-    return None if name == "none" else name
-
-
-def check_quantization(mode: str | None) -> None:
-    """Accept None or a name in :data:`QUANTIZATION_CHOICES` (see :func:`normalize_quantization`).
-
-    Raises:
-        ValueError: any other value, in one line naming the choices.
-    """
-    normalize_quantization(mode)
 
 
 def attention_sum_dtype(mode: str | None, batch_invariant_kernel: bool = False) -> torch.dtype | None:
@@ -207,7 +188,7 @@ def gguf_block_tensors(gguf_file, cfg) -> dict[str, tuple[str, torch.Tensor | No
     """
     import gguf
 
-    from nanovllm_core.model.loader import _gguf_to_hf_name, unpermute_rotary_rows
+    from nanovllm_core.model.gguf_names import gguf_to_hf_name, unpermute_rotary_rows
 
     try:
         reader = gguf.GGUFReader(str(gguf_file))
@@ -215,7 +196,7 @@ def gguf_block_tensors(gguf_file, cfg) -> dict[str, tuple[str, torch.Tensor | No
         raise ValueError(f"{gguf_file} could not be read ({type(e).__name__}: {e})") from None
     out: dict[str, tuple[str, torch.Tensor | None]] = {}
     for t in reader.tensors:
-        name = _gguf_to_hf_name(t.name)
+        name = gguf_to_hf_name(t.name)
         if name is None:
             continue
         fmt = BY_GGML_TYPE.get(int(t.tensor_type))

@@ -8,7 +8,8 @@ Inference from Transformers via Speculative Decoding"; Chen et al. 2023, "Accele
 Large Language Model Decoding with Speculative Sampling"); the gain is fewer target
 forward passes per generated token.
 
-- ``proposer.py``: what a proposer is, and building one from ``speculative_model``
+- ``base.py``: what a proposer is (``Proposer``) and what it returns (``Draft``);
+- ``proposer.py``: building one from ``speculative_model``
   (loading a draft model when it names one);
 - ``ngram.py``: prompt lookup (the tokens that followed the latest earlier match);
 - ``draft_model.py``: a draft LLaMA (own KV pool, same block tables) or the target's

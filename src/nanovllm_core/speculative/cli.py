@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from nanovllm_core.cli import load_progress, positive_int, prompt_text, seed_int
+from nanovllm_core.cli_args import load_progress, positive_int, prompt_text, seed_int
 
 DEFAULT_PROMPT = "The future of AI is"
 

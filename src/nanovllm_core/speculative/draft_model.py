@@ -32,7 +32,7 @@ from nanovllm_core.engine.scheduler import ScheduledSequence
 from nanovllm_core.engine.sequence import Sequence
 from nanovllm_core.model.llama import LlamaForCausalLM
 from nanovllm_core.sampling.sampler import Distributions
-from nanovllm_core.speculative.proposer import Draft, Proposer
+from nanovllm_core.speculative.base import Draft, Proposer
 
 
 class EarlyExitModel:

@@ -12,7 +12,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from nanovllm_core.engine.scheduler import ScheduledSequence
-from nanovllm_core.speculative.proposer import Draft, Proposer
+from nanovllm_core.speculative.base import Draft, Proposer
 
 
 def propose_ngram(token_ids: list[int], num_tokens: int, max_n: int = 3, min_n: int = 1) -> list[int]:

@@ -17,54 +17,13 @@ them; the :class:`~nanovllm_core.speculative.speculator.Speculator` appends the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from nanovllm_core.engine.model_runner import ModelRunner
-from nanovllm_core.engine.scheduler import ScheduledSequence
-from nanovllm_core.engine.sequence import Sequence
 from nanovllm_core.model.llama import LlamaForCausalLM
-
-
-@dataclass
-class Draft:
-    """One sequence's proposal.
-
-    ``tokens``: the drafted ids (possibly fewer than the slots, possibly none).
-    ``probs``: ``[len(tokens), vocab]`` float32, the draft distribution ``q`` each token was drawn
-    from (after the request's own temperature/top-k/top-p), or None for point masses (n-gram
-    lookups and greedy drafting).
-    """
-
-    tokens: list[int]
-    probs: torch.Tensor | None = None
-
-
-class Proposer:
-    """Base class: proposes draft tokens for a step's speculating sequences."""
-
-    name = "proposer"
-
-    def propose(self, scheduled: list[ScheduledSequence]) -> dict[int, Draft]:
-        """Drafts keyed by ``seq_id``, for the entries of ``scheduled`` with ``num_spec_tokens`` > 0.
-
-        The entries' ``start`` is the position of each sequence's newest (uncomputed) token.
-        """
-        raise NotImplementedError
-
-    def computed_tokens(self, seq: Sequence) -> int:
-        """How many of ``seq``'s tokens have complete K/V in every pool this proposer keeps.
-
-        Blocks beyond this are not registered in the prefix cache yet. Default: all the target computed.
-        """
-        return seq.num_computed_tokens
-
-    def release(self, seq_id: int) -> None:
-        """Forget a finished, aborted or preempted sequence."""
-
-    def step_failed(self, scheduled: list[ScheduledSequence]) -> None:
-        """The step's forward pass failed after :meth:`propose`: distrust what this step wrote."""
+from nanovllm_core.speculative.base import Draft, Proposer  # noqa: F401  (re-exported)
+from nanovllm_core.speculative.draft_model import DraftModelProposer
+from nanovllm_core.speculative.ngram import NgramProposer
 
 
 def parse_self_layers(spec: str, num_layers: int) -> int:
@@ -117,9 +76,6 @@ def build_proposer(spec: str, target_runner: ModelRunner, draft_model: LlamaForC
     Raises:
         ValueError: ``"self:N"`` with N outside 1..num_layers-1.
     """
-    from nanovllm_core.speculative.draft_model import DraftModelProposer
-    from nanovllm_core.speculative.ngram import NgramProposer
-
     if spec == "ngram":
         return NgramProposer()
     if spec.startswith("self:"):

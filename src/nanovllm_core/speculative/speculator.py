@@ -22,7 +22,7 @@ from nanovllm_core.engine.scheduler import ScheduledSequence
 from nanovllm_core.engine.sequence import Sequence
 from nanovllm_core.sampling.sampler import RowGroup, min_tokens_ban
 from nanovllm_core.speculative.metrics import SpecDecodeStats
-from nanovllm_core.speculative.proposer import Draft, Proposer
+from nanovllm_core.speculative.base import Draft, Proposer
 from nanovllm_core.speculative.rejection_sampler import Verification
 
 
