@@ -124,6 +124,6 @@ def test_the_tutorials_demonstrations_run_in_the_quantization_asked_for(capsys, 
     from nanovllm_core import roofline
 
     roof = roofline.cached("cpu", torch.float32, None, "int8")
-    assert roof is not None and info["machine"] == roof.machine and roof.machine.endswith("int8 weights")
+    assert roof is not None and info["machine"] == roof.machine and roof.machine.split(";")[0].endswith("int8 weights")  # (a busy host adds why after ";")
     assert info["peak_flops"] == roof.peak_flops
     assert "int8 matmul peak" in " ".join(model_facts(chapter("prefill"), info))
