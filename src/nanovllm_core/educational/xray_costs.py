@@ -289,6 +289,29 @@ def layer_intensity(ops: tuple[OpInfo, ...] | list[OpInfo]) -> float:
     return intensity(sum(o.flops for o in ops), sum(o.bytes for o in ops))
 
 
+def linear_crossing_tokens(n: int, k: int, bytes_per_weight: float, elem: float, ridge: float) -> float:
+    """Tokens from which one linear layer ``[n, k]`` reaches ``ridge`` (FLOP/byte); ``inf`` if it never does.
+
+    Over ``T`` tokens it does ``2 T n k`` FLOPs and moves ``n k b`` bytes of weights plus
+    ``T (n + k) e`` of activations (as :func:`layer_ops` counts them), so the crossing is
+    ``T* = R b n k / (2 n k - R (n + k) e)``: about ``R b / 2`` while the activation term is
+    small, and never once ``R >= 2 n k / ((n + k) e)``. Halving ``b`` halves ``T*`` as surely as
+    halving ``R`` does: the crossing moves by the ratio of ridges over the ratio of bytes per
+    weight (:func:`crossing_shift`), not by the ridge ratio alone (``nanovllm_core.roofline``).
+    """
+    room = 2 * n * k - ridge * (n + k) * elem
+    return ridge * bytes_per_weight * n * k / room if room > 0 else float("inf")
+
+
+def crossing_shift(ridge_ratio: float, bytes_per_weight_ratio: float) -> float:
+    """How many times more tokens a layer needs to turn compute-bound, to leading order (``T* ≈ R b / 2``):
+    ``ridge_ratio`` (new ridge / old) divided by ``bytes_per_weight_ratio`` (old bytes a weight / new).
+
+    int8 on a machine where its peak is 12x float32's: ``crossing_shift(12, 4 / 1.1)`` = 3.3, not 12.
+    """
+    return ridge_ratio / bytes_per_weight_ratio
+
+
 def compute_bound_tokens(d: LayerDims, ridge: float, backend: str = "fused", limit: int = 1 << 16) -> int:
     """The fewest tokens a one-sequence prefill (from position 0) needs for its layer to reach ``ridge``.
 
