@@ -191,7 +191,7 @@ def peak_words(machine: str, peak_flops: float) -> str:
         return f"int8 matmul peak {peak_flops / 1e9:,.1f} G operations/s (counted as FLOPs)"
     if any(f", {mode} weights" in machine for mode in ("gguf", "q8_0", "q4_0", "q4_1")):
         # measure() times the float matmul for these: the block kernels' own peak is not measured
-        return f"float matmul peak {peak_flops / 1e9:,.1f} GFLOP/s (the block kernels' own peak is not measured)"
+        return f"float matmul peak {peak_flops / 1e9:,.1f} GFLOP/s, the block kernels' own not measured"
     return f"matmul peak {peak_flops / 1e9:,.1f} GFLOP/s"
 
 

@@ -751,8 +751,8 @@ def _decode_bytes(info: dict[str, Any]) -> list[str]:
         if g("peak_flops") and g("memory_bandwidth"):
             ridge = g("peak_flops") / g("memory_bandwidth")
             where = ("below" if 2 / b < ridge else "not below")
-            why += (f", {where} this machine's measured ridge point of {ridge:.1f} FLOP/byte (its "
-                    f"{peak_words(g('machine') or '', g('peak_flops'))} over its bandwidth)")
+            why += (f", {where} this machine's measured ridge point of {ridge:.1f} FLOP/byte (peak over bandwidth; "
+                    f"{peak_words(g('machine') or '', g('peak_flops'))})")
             why += (": the arithmetic waits on memory, reading the bytes takes longer than the FLOPs." if 2 / b < ridge
                     else ": on this measurement the FLOPs, not the bytes, take the longer.")
         else:
