@@ -555,6 +555,10 @@ def test_the_model_entry_names_int8_weights_and_the_float64_kv_cache():
     text = Narrator(int8).feed(added())[0].text
     assert "in float32, linear layers and LM head in int8 (154 MiB, activations quantized per token)" in text
     assert "costs 92,160 bytes (in float64, the width int8 mode's attention sums in)" in text
+    gguf = {**INFO, "quantization": "gguf", "weight_format": "q4_1 66 MB + q8_0 30 MB (96 MB of weights)"}
+    text = Narrator(gguf).feed(added())[0].text
+    assert "in float32, weights kept in GGUF blocks as q4_1 66 MB + q8_0 30 MB (96 MB of weights):" in text
+    assert "int8" not in text
 
 
 def test_the_dashboards_top_predictions_caption_names_every_processor_and_marks_a_special_token():

@@ -154,6 +154,8 @@ class Narrator(SchedulerNarration):
         if i.get("quantization") == "int8":
             weights = (f", linear layers and LM head in int8 ({i['linear_weight_bytes'] / 2**20:,.0f} MiB, activations "
                        "quantized per token)" if i.get("linear_weight_bytes") else ", linear layers and LM head in int8")
+        elif i.get("quantization") and i.get("weight_format"):  # block modes: what each format holds
+            weights = f", weights kept in GGUF blocks as {i['weight_format']}"
         kv_dtype = i.get("kv_dtype") or i.get("dtype", "?")
         kv_why = ("" if kv_dtype == i.get("dtype") else
                   f" (in {kv_dtype}, the width int8 mode's attention sums in)")
