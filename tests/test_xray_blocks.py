@@ -49,6 +49,7 @@ def test_the_drawn_block_is_the_formats_layout_and_a_real_block(name):
     assert info.name == xb.BLOCK_TENSOR and info.shape == (64, 3, fmt.block_bytes)
     s = xb.from_trace(trace_with([info]))
     assert s.format is fmt and (s.rows, s.in_features) == (64, 96)
+    assert xb.from_trace(ev.from_json(ev.to_json(trace_with([info])))) == s  # what a remote app receives
     # d, m and q are the block's own bytes; the weights are what ggml's layout decodes them to
     expect = decode_by_hand(raw, name)
     assert s.d == float(np.frombuffer(raw[0:2], dtype="<f2")[0])
