@@ -555,6 +555,10 @@ def test_the_model_entry_names_int8_weights_and_the_float64_kv_cache():
     text = Narrator(int8).feed(added())[0].text
     assert "in float32, linear layers and LM head in int8 (154 MiB, activations quantized per token)" in text
     assert "costs 92,160 bytes (in float64, the width int8 mode's attention sums in)" in text
+    gguf = {**INFO, "quantization": "gguf", "weight_format": "q4_1 66 MB + q8_0 30 MB (96 MB of weights)"}
+    text = Narrator(gguf).feed(added())[0].text
+    assert "in float32, weights kept in GGUF blocks as q4_1 66 MB + q8_0 30 MB (96 MB of weights):" in text
+    assert "int8" not in text
 
 
 def test_the_dashboards_top_predictions_caption_names_every_processor_and_marks_a_special_token():
@@ -576,3 +580,28 @@ def test_the_dashboards_top_predictions_caption_names_every_processor_and_marks_
                   special="<|im_end|>")
     view(end)
     assert view.top_chosen == "<|im_end|>"
+
+
+def test_a_lone_decode_step_says_what_share_of_the_measured_bandwidth_its_weights_took():
+    """Weight bytes / step time against the measured bandwidth, recomputed here; only for a step of one token."""
+    weights, bw, wall = 96_000_000, 8e9, 0.030  # reading them takes 12 ms at 8 GB/s
+    n = Narrator({**INFO, "linear_weight_bytes": weights, "memory_bandwidth": bw}, kv_every_step=False)
+    n.feed(added())
+    n.feed(planned(0, [entry()]))
+    n.feed(sampled(0))
+    n.feed(timed(0))
+    n.feed(planned(1, [entry(kind="decode", num=1, start=3, total_len=4)]))
+    n.feed(sampled(1, n_out=2))
+    dec = next(c for c in n.feed(timed(1, wall=wall, tokens=1)) if c.kind == "decode")
+    assert f"at {weights / wall / 1e9:,.2f} GB/s, {weights / wall / bw:.0%} of this machine's measured 8.0 GB/s" \
+        in dec.text  # 3.20 GB/s, 40%
+    assert "reading them takes 12.0 ms at that bandwidth, so the other 18.0 ms of the step" in dec.text
+    n2 = Narrator({**INFO, "linear_weight_bytes": weights, "memory_bandwidth": bw})
+    n2.feed(added())
+    n2.feed(planned(0, [entry()]))
+    n2.feed(sampled(0))
+    n2.feed(timed(0))
+    n2.feed(planned(1, [entry(kind="decode", num=1, start=3, total_len=4)]))
+    n2.feed(sampled(1, n_out=2))
+    dec = next(c for c in n2.feed(timed(1, wall=wall, tokens=2)) if c.kind == "decode")  # shared with another token
+    assert "GB/s" not in dec.text

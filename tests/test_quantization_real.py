@@ -96,6 +96,38 @@ def test_int8_model_reports_a_quarter_of_the_bytes(make_engine):
     assert f"{float_info['linear_weight_bytes'] / int8_info['linear_weight_bytes']:.1f}x the bytes" in decode
 
 
+def test_gguf_model_reports_its_blocks_bytes_and_the_teaching_uses_them(make_engine):
+    """The int8 test above, for the file's own blocks: every figure recomputed from the shapes and the block sizes."""
+    from nanovllm_core.model.block_quant import FORMATS
+
+    float_engine, gguf_engine = make_engine(), make_engine(quantization="gguf")
+    float_info, info = float_engine.model_info(), gguf_engine.model_info()
+    assert info["quantization"] == "gguf" and info["weight_kinds"] == "q4_1+q8_0"
+    q4_1, q8_0 = FORMATS["q4_1"].block_bytes, FORMATS["q8_0"].block_bytes  # 20 and 34 bytes per 32 weights
+    per_layer = sum(n * k // 32 * q4_1 for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536)))
+    head = 49152 * 576 // 32 * q8_0  # the tied LM head reads the embedding's Q8_0 blocks
+    assert info["linear_weight_bytes"] == 30 * per_layer + head  # linear layers + LM head, nothing else
+    assert info["linear_weights"] == float_info["linear_weights"]
+    # The X-Ray's bytes per operation: each BlockLinear's own weight_bytes, activations in float32.
+    dims = layer_dims(gguf_engine)
+    assert dims.weight_elem == q4_1 / 32 and dims.linear_kinds == ("q4_1",) * 4
+    qkv = gguf_engine.model.layers[0].self_attn.qkv_proj
+    assert dims.linear_weight_bytes[0] == qkv.weight_bytes == 960 * 576 // 32 * q4_1
+    one = SeqAttention(1, 10, 10)
+    op = next(o for o in layer_ops(dims, [one], "cpu_paged", one) if o.name == "qkv_proj")
+    assert op.bytes == qkv.weight_bytes + (576 + 960) * 4
+    assert "int8" not in op.math and "Q4_1 blocks" in op.math
+    # The tutorial's decode chapter reads these numbers from the engine in use.
+    decode = " ".join(model_facts(chapter("decode"), info))
+    b = info["linear_weight_bytes"] / info["linear_weights"]
+    assert f"reads its {info['linear_weight_bytes'] / 2**20:,.0f} MiB of q4_1+q8_0 block ({b:.3f} bytes a weight" in decode
+    assert f"{float_info['linear_weight_bytes'] / info['linear_weight_bytes']:.1f}x the bytes" in decode
+    assert "--quantization int8" not in decode
+    kv = " ".join(model_facts(chapter("kv_cache"), info))
+    assert f"block linear layers and LM head take {info['linear_weight_bytes'] / 2**20:,.0f} MiB" in kv
+    assert "M parameters in float32" not in kv  # the float figure is not what this engine holds
+
+
 def test_the_tutorials_demonstrations_run_in_the_quantization_asked_for(capsys, monkeypatch, real_model_int8):
     from nanovllm_core.educational import tutorial_demos
 

@@ -269,3 +269,33 @@ def test_chat_on_the_command_line_ticks_the_box_for_the_prompts_given_there():
     app = build_app(["--chat", "--prompt", "Hi"])
     assert app.settings.chat is True
     app.controller.shutdown()
+
+
+async def test_xray_and_tutorial_tabs_teach_the_blocks_a_gguf_engine_runs(make_engine, tmp_path):
+    """--quantization gguf: the X-Ray tab draws the engine's own Q4_1 block and the decode chapter counts its bytes."""
+    from nanovllm_core.educational import xray_blocks
+
+    app = engine_app(make_engine, tmp_path, quantization="gguf", num_kv_blocks=32)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.state.ready)
+        await pilot.press("escape", "2")
+        await send_prompt(pilot, "Hi", max_tokens=2)
+        rid = app.selected
+        await wait_until(pilot, lambda: app.state.requests[rid].state == "finished")
+        await wait_until(pilot, lambda: 0 in app.state.xray, what="layer 0's trace")
+        await pilot.pause(0.2)
+        pipeline = str(app.query_one("#pipeline").content)
+        qkv = app.controller.engine.model.layers[0].self_attn.qkv_proj
+        sample = xray_blocks.sample_block(qkv)
+        assert "Weights in Q4_1 blocks (qkv_proj of layer 0" in pipeline
+        assert f"d = {sample.d:+.6g}, m = {sample.m:+.6g}" in pipeline
+        assert f"= {qkv.weight_bytes:,} bytes" in pipeline and "int8: W" not in pipeline
+        assert xray_blocks.BLOCK_TENSOR not in pipeline  # drawn, not listed among the activations
+        await pilot.press("escape", "4")
+        tutorial = app.query_one(TutorialView)
+        while tutorial.chapter.key != "decode":
+            tutorial.action_chapter(1)
+        await pilot.pause(0.2)
+        text = str(app.query_one("#chapter-text").content)
+        info = app.state.model_info
+        assert f"reads its {info['linear_weight_bytes'] / 2**20:,.0f} MiB of q4_1+q8_0 block" in " ".join(text.split())

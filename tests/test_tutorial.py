@@ -395,8 +395,9 @@ def test_model_facts_compare_weights_and_cache_and_name_the_priority_convention(
             "num_parameters": 134_515_008, "scheduling_policy": "priority", "token_budget": 512}
     kv = model_facts(chapter("kv_cache"), info)
     assert "11,676 tokens of cache weigh as much" in kv[1]  # 134,515,008 x 4 bytes / 46,080
-    (decode,) = model_facts(chapter("decode"), info)
+    decode, floor = model_facts(chapter("decode"), info)  # no linear_weights: no per-weight arithmetic
     assert "46,080 bytes of keys and values per token of context" in decode
+    assert "a floor on a step's time, not its time" in floor
     (prio,) = model_facts(chapter("chunked_prefill"), info)
     assert "vLLM's priority runs lower values first" in prio
 
@@ -404,18 +405,57 @@ def test_model_facts_compare_weights_and_cache_and_name_the_priority_convention(
 def test_the_decode_chapter_counts_the_weight_bytes_each_step_reads_and_what_int8_changes():
     info = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "kv_bytes_per_token": 46080, "dtype": "float32",
             "num_parameters": 134_515_008, "linear_weights": 134_000_000, "memory_bandwidth": 10e9}
-    reads, bound, int8 = model_facts(chapter("decode"), {**info, "linear_weight_bytes": 536_000_000})
+    reads, why, bound, int8, floor = model_facts(chapter("decode"), {**info, "linear_weight_bytes": 536_000_000})
     assert "reads its 511 MiB of float32 weights" in reads  # 536,000,000 / 2**20
+    assert "the linear layers of all 30 decoder layers and the LM head" in reads
+    assert "2 FLOPs for its 4.000 bytes: 0.5 FLOP per byte read" in why  # 536e6 / 134e6 bytes a weight
     assert "takes 53.6 ms: at batch 1 no more than 19 tokens/s" in bound  # 536 MB at 10 GB/s
     assert "would be 128 MiB" in int8 and "4.0x fewer bytes per step" in int8  # no int8 layout known: 1 byte a weight
-    *_, int8 = model_facts(chapter("decode"), {**info, "linear_weight_bytes": 536_000_000,
-                                               "int8_linear_weight_bytes": 160_800_000})
+    assert "benchmark_quantization" in floor and "not its time" in floor
+    *_, int8, _ = model_facts(chapter("decode"), {**info, "linear_weight_bytes": 536_000_000,
+                                                  "int8_linear_weight_bytes": 160_800_000})
     assert "would be 153 MiB" in int8 and "3.3x fewer bytes per step" in int8  # the engine's own figure
-    reads, bound, int8 = model_facts(chapter("decode"), {**info, "linear_weight_bytes": 134_700_000,
-                                                         "quantization": "int8"})
+    reads, _, bound, int8, _ = model_facts(chapter("decode"), {**info, "linear_weight_bytes": 134_700_000,
+                                                               "quantization": "int8"})
     assert "128 MiB of int8 (1.005 bytes a weight, scales and outlier columns included)" in reads
     assert "no more than 74 tokens/s" in bound
     assert "would be 511 MiB a step, 4.0x the bytes" in int8
+
+
+def test_the_decode_chapter_in_a_block_mode_counts_its_blocks_bytes_against_the_ridge():
+    """gguf mode: the bytes a token reads are the blocks' (recomputed here from bytes per weight), the
+    intensity 2 / b against the measured ridge, the float32 equivalent, and no int8 forecast."""
+    weights, count = 94_371_840, 134_217_728  # an average of 0.703125 bytes a weight
+    info = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "kv_bytes_per_token": 46080, "dtype": "float32",
+            "num_parameters": 134_515_008, "linear_weights": count, "linear_weight_bytes": weights,
+            "quantization": "gguf", "weight_kinds": "q4_1+q8_0", "hidden_size": 576, "memory_bandwidth": 8e9,
+            "peak_flops": 56e9, "machine": "a CPU (2 threads), float32, gguf weights"}
+    reads, why, bound, wide, floor = model_facts(chapter("decode"), info)
+    b = weights / count
+    assert f"reads its {weights / 2**20:,.0f} MiB of q4_1+q8_0 block ({b:.3f} bytes a weight" in reads
+    assert "the embedding lookup reads one row of 576 numbers per token" in reads
+    assert f"{2 / b:.1f} FLOP per byte read, below this machine's measured ridge point of {56 / 8:.1f}" in why
+    assert "(peak over bandwidth; float matmul peak 56.0 GFLOP/s, the block kernels' own not measured)" in why
+    assert f"takes {weights / 8e9 * 1e3:,.1f} ms: at batch 1 no more than {8e9 / weights:,.0f} tokens/s" in bound
+    assert f"in float32 would be {count * 4 / 2**20:,.0f} MiB a step, {count * 4 / weights:.1f}x the bytes" in wide
+    assert "--quantization int8" not in " ".join([reads, why, bound, wide, floor])
+    assert "do not shrink with the weights" in floor
+    # Above the ridge the sentence turns around rather than claim memory is the bound.
+    _, why, *_ = model_facts(chapter("decode"), {**info, "peak_flops": 8e9})  # ridge 1.0 FLOP/byte
+    assert "not below this machine's measured ridge point of 1.0" in why and "FLOPs, not the bytes" in why
+    kv = model_facts(chapter("kv_cache"), info)
+    assert f"q4_1+q8_0 block linear layers and LM head take {weights / 2**20:,.0f} MiB: " \
+           f"{weights // 46080:,} tokens of cache" in kv[1]
+
+
+def test_the_decode_chapter_text_names_the_block_sizes_of_block_quant():
+    from nanovllm_core.model.block_quant import FORMATS
+
+    text = " ".join(chapter("decode").paragraphs)
+    for name, size in (("Q8_0", 34), ("Q4_0", 18), ("Q4_1", 20)):
+        assert FORMATS[name.lower()].block_bytes == size
+        assert f"{size} bytes for {name}" in text or f"{size} for 4-bit {name}" in text or f"{size} for {name}" in text
+    assert "stay as they were" in text  # bytes alone do not set the speed
 
 
 def test_continuous_batching_text_matches_a_step_that_preempts_to_admit():

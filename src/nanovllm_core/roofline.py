@@ -23,9 +23,24 @@ process only, never kept, and ``machine`` says the host was busy and how to meas
 Under ``--quantization int8`` the linear layers, which do nearly all of a step's arithmetic,
 run oneDNN's int8 matmul from two tokens on (a lone token goes through fbgemm's matrix-vector
 path, memory-bound whatever the peak), so ``P`` is oneDNN's measured peak (integer multiply-adds
-counted as two operations, like FLOPs). On a Xeon with AMX it is ~12x the float32 peak
-(4.1 T against 0.33 T operations/s on 2 cores), which moves the ridge point as far: int8
-layers stay memory-bound up to ~12x more tokens per step.
+counted as two operations, like FLOPs). On a Xeon with AMX it measured ~12x the float32 peak
+(4.1 T against 0.33 T operations/s on 2 cores), which moves the ridge point as far. Under a
+block mode (``gguf``, ``q8_0``, ``q4_0``, ``q4_1``) ``P`` is the float matmul's peak: the block
+kernels' own is not measured (``educational.xray_costs.peak_words`` says so).
+
+Where a layer crosses the ridge moves by less than the ridge does. A linear layer ``[N, K]``
+over ``T`` tokens does ``2 T N K`` FLOPs and moves ``N K b`` bytes of weights (``b`` bytes a
+weight as stored, scales included) plus ``T (N + K) e`` bytes of activations (``e`` bytes each),
+so it reaches a ridge ``R`` from
+
+    T* = R b N K / (2 N K - R (N + K) e)  tokens,  about  R b / 2  while  R (N + K) e << 2 N K,
+
+and never when ``R >= 2 N K / ((N + K) e)``, the intensity its float activations cap it at.
+Narrower weights lower ``b`` as a wider peak raises ``R``: the crossing moves by the ratio of
+ridges divided by the ratio of bytes per weight, not by the ridge ratio alone. int8 above:
+12x the ridge over 4 / 1.1 = 3.6x fewer bytes a weight, ~3.3x more tokens (fewer still once
+the activation term counts: ``educational.xray_costs.linear_crossing_tokens`` computes it,
+and ``compute_bound_tokens`` the whole layer's crossing, attention included).
 """
 
 from __future__ import annotations

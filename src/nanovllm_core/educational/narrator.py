@@ -154,6 +154,8 @@ class Narrator(SchedulerNarration):
         if i.get("quantization") == "int8":
             weights = (f", linear layers and LM head in int8 ({i['linear_weight_bytes'] / 2**20:,.0f} MiB, activations "
                        "quantized per token)" if i.get("linear_weight_bytes") else ", linear layers and LM head in int8")
+        elif i.get("quantization") and i.get("weight_format"):  # block modes: what each format holds
+            weights = f", weights kept in GGUF blocks as {i['weight_format']}"
         kv_dtype = i.get("kv_dtype") or i.get("dtype", "?")
         kv_why = ("" if kv_dtype == i.get("dtype") else
                   f" (in {kv_dtype}, the width int8 mode's attention sums in)")
@@ -432,6 +434,7 @@ class Narrator(SchedulerNarration):
                      f"of its {ctx} tokens so far from the KV cache"
                      + (f", {ctx} x {per_token:,} = {ctx * per_token:,} bytes: reads of its own, which batching "
                         "with other sequences does not share." if per_token else "."))
+            text += self._bandwidth_share(timed)
         if state is not None and self.max_decode is not None and state.decode_told == self.max_decode:
             text += " (Later tokens of this request are summed up when it finishes.)"
         notes = tuple("chosen" if t.token_id == e.token_id else "" for t in e.top)
@@ -439,6 +442,25 @@ class Narrator(SchedulerNarration):
         return [Commentary("decode", f"{name[0].upper()}{name[1:]}, {which}: {piece}", text, request_id=e.request_id,
                            step=e.step, table=tuple((t.text, t.prob) for t in e.top), table_title=caption,
                            table_notes=notes if any(notes) else ())]
+
+    def _bandwidth_share(self, timed: ev.StepTimed | None) -> str:
+        """For a step of one token: its weight bytes over its wall time against the measured bandwidth.
+
+        ``linear_weight_bytes`` (linear layers and LM head, as stored) read once in ``wall_time_s``
+        is the rate the step reached; at the machine's measured ``memory_bandwidth`` reading them
+        takes ``bytes / bandwidth``, and the rest of the step is time spent on anything else.
+        Empty when the step ran more than one token or a figure is unknown.
+        """
+        weights, bw = self.info.get("linear_weight_bytes"), self.info.get("memory_bandwidth")
+        if timed is None or timed.num_tokens != 1 or not weights or not bw or timed.wall_time_s <= 0:
+            return ""
+        floor = weights / bw
+        return (f" Alone in its step, it read the {weights / 2**20:,.0f} MiB of linear-layer and LM-head weights "
+                f"at {weights / timed.wall_time_s / 1e9:,.2f} GB/s, {weights / timed.wall_time_s / bw:.0%} of this "
+                f"machine's measured {bw / 1e9:,.1f} GB/s: reading them takes {ms(floor)} at that bandwidth, "
+                f"so the other {ms(max(0.0, timed.wall_time_s - floor))} of the step were not spent reading weights "
+                "at that rate: norms, RoPE, attention, the KV write, sampling, the calls between operations, or "
+                "reading them slower.")
 
     def _kv_cache(self, t: ev.StepTimed, blocks: ev.BlocksChanged | None) -> list[Commentary]:
         """The ``kv_cache`` entry: blocks reserved and bytes they reserve, tokens stored and their bytes.

@@ -366,6 +366,13 @@ CHAPTERS: tuple[Chapter, ...] = (
         batch. It does not share the reads of the KV cache: each request's query reads its own cached
         keys and values, bytes that grow with its context and that no batching reduces.
 
+        Storing each weight in fewer bytes (int8, or GGUF's blocks: 32 weights and their fp16 scale in
+        34 bytes for Q8_0, 18 for 4-bit Q4_0, 20 for Q4_1 with a min as well) lowers the bytes a step
+        reads, and with them the floor that the memory bandwidth puts under its time. The step is only as
+        much faster when nothing else takes the time: the norms, RoPE, the KV write, attention and every
+        call from Python into a kernel stay as they were, so once the weights shrink they can be much of
+        the step. The numbers below are this engine's, in the mode it runs.
+
         The time between successive tokens is the time per output token (TPOT, also inter-token
         latency). Decoding stops at an end-of-sequence token (unless ignore_eos is set), a stop token
         or stop string, max_tokens, or the model's maximum length.
@@ -654,9 +661,10 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
             lines.append(f"K/V in {kv_dtype}{why}: 2 x {g('num_layers')} layers x {g('num_kv_heads')} KV "
                          f"heads x {g('head_dim')} x {elem} bytes = {per:,} bytes per token; 1,000 tokens take "
                          f"{per * 1000 / 2**20:.1f} MiB.")
-            if g("quantization") == "int8" and g("linear_weight_bytes"):
+            if g("quantization") and g("linear_weight_bytes"):
                 weights = g("linear_weight_bytes")
-                lines.append(f"Its int8 linear layers and LM head take {weights / 2**20:,.0f} MiB: "
+                kind = "int8" if g("quantization") == "int8" else f"{g('weight_kinds') or g('quantization')} block"
+                lines.append(f"Its {kind} linear layers and LM head take {weights / 2**20:,.0f} MiB: "
                              f"{weights // per:,} tokens of cache weigh as much.")
             elif g("num_parameters"):
                 weights = g("num_parameters") * elem
@@ -701,12 +709,27 @@ def _decode_growth(info: dict[str, Any]) -> list[str]:
             "step, is not in either part."]
 
 
-def _decode_bytes(info: dict[str, Any]) -> list[str]:
-    """The decode chapter's numbers: the bytes one step reads, and what int8 weights change.
+def weights_kind(info: dict[str, Any]) -> str:
+    """How the linear layers and LM head hold their weights, from ``model_info()``: ``"float32"``,
+    ``"int8 (1.100 bytes a weight, ...)"`` or ``"q4_1+q8_0 block (0.701 bytes a weight on average, ...)"``."""
+    g = info.get
+    weights, count = g("linear_weight_bytes"), g("linear_weights")
+    mode = g("quantization")
+    if mode == "int8" and count:
+        return f"int8 ({weights / count:.3f} bytes a weight, scales and outlier columns included)"
+    if mode and count:
+        kinds = g("weight_kinds") or mode
+        return f"{kinds} block ({weights / count:.3f} bytes a weight on average, the blocks' scales and mins included)"
+    return str(g("dtype"))
 
-    From ``model_info()``: ``linear_weight_bytes`` (every linear layer and the LM head as the
-    loader built them, scales included), ``linear_weights`` (their element count),
-    ``quantization``, ``kv_bytes_per_token`` and, when measured, ``memory_bandwidth`` (bytes/s).
+
+def _decode_bytes(info: dict[str, Any]) -> list[str]:
+    """The decode chapter's numbers: the bytes one step reads, why that bounds batch 1, and what else costs time.
+
+    From ``model_info()``: ``linear_weight_bytes`` (every decoder layer's q/k/v, o, gate/up and
+    down and the LM head as the loader built them, scales included), ``linear_weights`` (their
+    element count), ``quantization`` and ``weight_kinds``, ``kv_bytes_per_token`` and, when
+    measured, ``memory_bandwidth`` (bytes/s) and ``peak_flops`` (FLOP/s).
     """
     g = info.get
     per = g("kv_bytes_per_token")
@@ -714,19 +737,36 @@ def _decode_bytes(info: dict[str, Any]) -> list[str]:
     weights, count = g("linear_weight_bytes"), g("linear_weights")
     if not (weights and count):  # an older engine's info: all parameters at the activations' width
         weights, count = g("num_parameters") * elem, None
-    kind = f"int8 ({weights / count:.3f} bytes a weight, scales and outlier columns included)" if g("quantization") == "int8" else g("dtype")
-    lines = [f"A decode step of this model reads its {weights / 2**20:,.0f} MiB of {kind} weights once for the whole "
-             f"batch, and for each request its own {per:,} bytes of keys and values per token of context: "
-             f"{per * 1000 / 2**20:.1f} MiB a step at 1,000 tokens, whatever the batch."]
+    row = f" of {g('hidden_size')} numbers" if g("hidden_size") else ""
+    lines = [f"A decode step of this model reads its {weights / 2**20:,.0f} MiB of {weights_kind(info)} weights once "
+             f"for the whole batch: the linear layers of all {g('num_layers')} decoder layers and the LM head (the "
+             f"embedding lookup reads one row{row} per token, not the matrix); and for each request its own "
+             f"{per:,} bytes of keys and values per token of context: {per * 1000 / 2**20:.1f} MiB a step at "
+             "1,000 tokens, whatever the batch."]
+    if count:
+        b = weights / count
+        why = (f"At batch 1 each of those {count / 1e6:,.0f} M weights serves one multiply-add, 2 FLOPs for its "
+               f"{b:.3f} bytes: {2 / b:.1f} FLOP per byte read")
+        if g("peak_flops") and g("memory_bandwidth"):
+            ridge = g("peak_flops") / g("memory_bandwidth")
+            where = ("below" if 2 / b < ridge else "not below")
+            why += (f", {where} this machine's measured ridge point of {ridge:.1f} FLOP/byte (peak over bandwidth; "
+                    f"{peak_words(g('machine') or '', g('peak_flops'))})")
+            why += (": the arithmetic waits on memory, reading the bytes takes longer than the FLOPs." if 2 / b < ridge
+                    else ": on this measurement the FLOPs, not the bytes, take the longer.")
+        else:
+            why += "; a machine whose ridge point (peak FLOP/s over bandwidth) is higher waits on memory."
+        lines.append(why)
     if g("memory_bandwidth"):
         bw = g("memory_bandwidth")
         lines.append(f"At this machine's measured {bw / 1e9:,.1f} GB/s, reading the weights alone takes "
                      f"{weights / bw * 1e3:,.1f} ms: at batch 1 no more than {bw / weights:,.0f} tokens/s, "
                      "however fast the arithmetic.")
-    if count and g("quantization") == "int8":
+    if count and g("quantization"):
         wide = count * 4
-        lines.append(f"int8 weights are why: the same {count / 1e6:,.0f} M weights in float32 would be "
-                     f"{wide / 2**20:,.0f} MiB a step, {wide / weights:.1f}x the bytes.")
+        lines.append(f"{'int8' if g('quantization') == 'int8' else 'Block'} weights are why: the same "
+                     f"{count / 1e6:,.0f} M weights in float32 would be {wide / 2**20:,.0f} MiB a step, "
+                     f"{wide / weights:.1f}x the bytes.")
     elif count:
         int8 = g("int8_linear_weight_bytes") or count
         lines.append(f"With --quantization int8 the same {count / 1e6:,.0f} M weights would be "
@@ -736,6 +776,12 @@ def _decode_bytes(info: dict[str, Any]) -> list[str]:
                      "Measured on a 2-core Xeon it is faster, but by less than that: the weights shrink, but the step's "
                      "other costs do not (some 120 separate library calls, each quantizing its input first, plus "
                      "attention and the Python between them). The README's int8 table has the speeds.")
+    lines.append("Those bytes set a floor on a step's time, not its time: norms, RoPE, the KV write, attention, "
+                 "the Python between operations and each call into a kernel do not shrink with the weights, and the "
+                 "fewer the weight bytes, the larger their share of the step. python -m "
+                 "benchmarks.benchmark_quantization measures batch-1 decode (128 greedy tokens) on this machine: the "
+                 "weight bytes above times a mode's tokens/s, over the bandwidth measured here, is the share of the "
+                 "bandwidth that mode reaches.")
     return lines
 
 

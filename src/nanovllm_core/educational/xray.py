@@ -24,6 +24,7 @@ import torch
 
 from nanovllm_core import events as ev
 from nanovllm_core import roofline
+from nanovllm_core.educational.xray_blocks import block_tensor
 from nanovllm_core.educational.xray_costs import LayerDims, SeqAttention, compute_bound_tokens, layer_ops
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -60,7 +61,17 @@ def layer_dims(engine: "LLMEngine") -> LayerDims:
     return LayerDims(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                      torch.empty((), dtype=engine.dtype).element_size(), weight_elem,
                      torch.empty((), dtype=kv_dtype).element_size(),
-                     tuple(m.weight_bytes for m in linears) if len(linears) == 4 else ())
+                     tuple(m.weight_bytes for m in linears) if len(linears) == 4 else (),
+                     tuple(_kind(m) for m in linears) if len(linears) == 4 else ())
+
+
+def _kind(module) -> str:
+    """A linear module's weight format: its ``kind`` (``"q4_1"``, ``"int8"``) or its weight's dtype (``"float32"``)."""
+    kind = getattr(module, "kind", None)
+    if kind:
+        return str(kind)
+    weight = module._parameters.get("weight")
+    return str(weight.dtype).replace("torch.", "") if weight is not None else ""
 
 
 def roofline_key(engine: "LLMEngine") -> tuple:
@@ -206,6 +217,9 @@ class LayerTracer:
     def layer_input(self, layer: int, x: torch.Tensor) -> None:
         """The residual stream entering ``layer``, ``[T, hidden]`` (layer 0: the token embeddings)."""
         self._tensors = [self._embedding] if layer == 0 and self._embedding else [self._batch("residual", x)]
+        block = block_tensor(self.engine.model.layers[layer].self_attn.qkv_proj)  # block modes: a real block
+        if block is not None:
+            self._tensors.append(block)
 
     def qkv(self, layer: int, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             attn=None) -> None:

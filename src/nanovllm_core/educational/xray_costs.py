@@ -20,7 +20,8 @@ context is already cached first gathers its KV blocks into one contiguous buffer
 (``kv_gather``), a copy the in-place kernels avoid. Attention FLOPs count
 the (query, key) pairs the kernel visits (:func:`score_pairs`: the causal half where it skips
 masked keys, the full rectangle where it computes and masks them). Bytes count reads plus writes at the model's element size, weights as stored (int8
-plus scales and outlier columns under ``--quantization int8``) and K/V at the cache's element size; FLOPs count a multiply-add
+plus scales and outlier columns under ``--quantization int8``; under a block mode, ``gguf``, ``q8_0``, ``q4_0``, ``q4_1``, the
+blocks' bytes, scales and mins included: 34, 18 or 20 bytes per 32 weights) and K/V at the cache's element size; FLOPs count a multiply-add
 as 2. GQA: K and V bytes are those of the ``num_kv_heads`` stored heads; query head ``h``
 reads KV head ``h // group`` and nothing is copied.
 
@@ -51,7 +52,9 @@ class LayerDims:
     outlier columns included (about 1.1 for int8; 0 means ``elem``); ``kv_elem``: bytes per
     cached K/V number (0 means ``elem``); ``linear_weight_bytes``: the bytes each of qkv_proj,
     o_proj, gate_up_proj and down_proj stores, in that order, when the engine's layers report
-    them (int8 layers differ in their overheads, so one average would misstate each).
+    them (int8 layers differ in their overheads, so one average would misstate each);
+    ``linear_kinds``: the format each of those four runs in (``"q4_1"``, ``"int8"``,
+    ``"float32"``, ...; empty: not known, and then weights narrower than ``elem`` read as int8).
     """
 
     hidden: int
@@ -63,6 +66,7 @@ class LayerDims:
     weight_elem: float = 0.0
     kv_elem: int = 0
     linear_weight_bytes: tuple[int, ...] = ()
+    linear_kinds: tuple[str, ...] = ()
 
     @property
     def group(self) -> int:
@@ -114,6 +118,25 @@ def score_pairs(s: SeqAttention, backend: str) -> int:
     return s.num_tokens * s.keys_read
 
 
+INT8_NOTE = "; int8: W ≈ W_q · s (a scale per output row), X quantized per token, exact integer sums"
+
+
+def weight_note(d: LayerDims, index: int) -> str:
+    """What linear module ``index`` (0 qkv, 1 o, 2 gate_up, 3 down) really multiplies, appended to its math:
+    int8's scales, a block format's bytes and formula (``model/block_quant.py``; the X-Ray draws the
+    block itself, ``educational/xray_blocks.py``), or nothing for float weights."""
+    from nanovllm_core.educational.xray_blocks import FORMULA
+    from nanovllm_core.model.block_quant import FORMATS
+
+    kind = d.linear_kinds[index] if index < len(d.linear_kinds) else ""
+    if kind in FORMATS:
+        f = FORMATS[kind]
+        return f"; W in {kind.upper()} blocks, {f.block_bytes} bytes per 32 weights: {FORMULA[kind]}"
+    if kind == "int8" or (not d.linear_kinds and 0 < d.weight_elem < d.elem):
+        return INT8_NOTE
+    return ""
+
+
 def _op(name: str, math: str, shapes: str, flops: float, nbytes: float) -> OpInfo:
     return OpInfo(name, math, shapes, int(flops), int(nbytes))
 
@@ -150,17 +173,16 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
         ``OpInfo`` per operation: math, shapes (``[T, ...]`` for the batch), FLOPs, bytes.
     """
     h, i, nh, nkv, hd, e = d.hidden, d.intermediate, d.num_heads, d.num_kv_heads, d.head_dim, d.elem
-    w, kv = d.weight_elem or e, d.kv_elem or e  # int8 mode: int8 weights (+ scales); K/V as the cache stores them
-    # int8 mode: what the product really multiplies (nanovllm_core.model.int8_linear)
-    q8 = ("; int8: W ≈ W_q · s (a scale per output row), X quantized per token, exact integer sums"
-          if 0 < d.weight_elem < e else "")
+    w, kv = d.weight_elem or e, d.kv_elem or e  # int8/block modes: weights as stored; K/V as the cache stores them
+    # what each product really multiplies (int8 scales, or a block format's layout)
+    note = [weight_note(d, k) for k in range(4)]
     T = sum(s.num_tokens for s in seqs)
     qkv = (nh + 2 * nkv) * hd
     w_qkv, w_o, w_gate_up, w_down = d.linear_weight_bytes or (h * qkv * w, nh * hd * h * w, h * 2 * i * w, i * h * w)
     ops = [
         _op("input_layernorm", "RMSNorm before attention: x / sqrt(mean(x²) + eps) · w",
             f"residual [{T}, {h}] -> [{T}, {h}]", 4 * T * h, (2 * T * h + h) * e),
-        _op("qkv_proj", "Q, K, V = X W_qkv  (one packed matrix)" + q8,
+        _op("qkv_proj", "Q, K, V = X W_qkv  (one packed matrix)" + note[0],
             f"[{T}, {h}] @ [{h}, {qkv}] -> Q [{T}, {nh}, {hd}] | K [{T}, {nkv}, {hd}] | V [{T}, {nkv}, {hd}]",
             2 * T * h * qkv, w_qkv + (T * h + T * qkv) * e),
         _op("rope", "rotate each (x_i, x_i+d/2) pair of Q and K by position · theta^(-2i/d)",
@@ -193,15 +215,15 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
                        "S and P never reach memory", scores_shape, 2 * qk + soft,
                        2 * q_bytes + 2 * kv_bytes))
     ops += [
-        _op("o_proj", "Y = O W_o" + q8, f"[{T}, {nh * hd}] @ [{nh * hd}, {h}] -> [{T}, {h}]",
+        _op("o_proj", "Y = O W_o" + note[1], f"[{T}, {nh * hd}] @ [{nh * hd}, {h}] -> [{T}, {h}]",
             2 * T * nh * hd * h, w_o + (T * nh * hd + T * h) * e),
         _op("residual_add", "residual += attention output", f"[{T}, {h}] + [{T}, {h}]", T * h, 3 * T * h * e),
         _op("post_attention_layernorm", "RMSNorm before the MLP: x / sqrt(mean(x²) + eps) · w",
             f"residual [{T}, {h}] -> [{T}, {h}]", 4 * T * h, (2 * T * h + h) * e),
-        _op("mlp_gate_up", "G, U = X W_gate, X W_up  (one packed matrix)" + q8,
+        _op("mlp_gate_up", "G, U = X W_gate, X W_up  (one packed matrix)" + note[2],
             f"[{T}, {h}] @ [{h}, {2 * i}] -> G, U [{T}, {i}]", 2 * T * h * 2 * i, w_gate_up + (T * h + 2 * T * i) * e),
         _op("swiglu", "A = SiLU(G) · U", f"[{T}, {i}] -> [{T}, {i}]", 5 * T * i, 3 * T * i * e),
-        _op("mlp_down", "Y = A W_down" + q8, f"[{T}, {i}] @ [{i}, {h}] -> [{T}, {h}]", 2 * T * i * h,
+        _op("mlp_down", "Y = A W_down" + note[3], f"[{T}, {i}] @ [{i}, {h}] -> [{T}, {h}]", 2 * T * i * h,
             w_down + (T * i + T * h) * e),
         _op("residual_add", "residual += MLP output", f"[{T}, {h}] + [{T}, {h}]", T * h, 3 * T * h * e),
     ]
@@ -209,18 +231,24 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
 
 
 def model_edge_ops(hidden: int, vocab: int, elem: int, lm_head_bytes: int, num_tokens: int,
-                   num_sampled_rows: int) -> tuple[OpInfo, ...]:
+                   num_sampled_rows: int, embedding_row_bytes: int = 0,
+                   embedding_kind: str = "") -> tuple[OpInfo, ...]:
     """What a forward pass does outside its decoder layers: the embedding lookup, the final
     norm (both over all ``num_tokens`` rows) and the LM head, over the ``num_sampled_rows`` rows
     that sample only (the last token of each sampling sequence; 1 + k for a verification).
 
     ``lm_head_bytes``: the head's weight as stored (the embedding matrix when tied; it is read
-    whole however few rows sample); logits are written in float32.
+    whole however few rows sample); logits are written in float32. ``embedding_row_bytes``:
+    one stored embedding row (0: ``hidden * elem``; a Q8_0 row of 576 is 18 blocks x 34 =
+    612 bytes), read once per token and written as ``hidden`` numbers of ``elem`` bytes;
+    ``embedding_kind``: its format when not the model's dtype (``"q8_0"``), named in the math.
     """
     T, S, h, v, e = num_tokens, num_sampled_rows, hidden, vocab, elem
+    row = embedding_row_bytes or h * e
+    stored = f", stored in {embedding_kind.upper()} blocks and decoded as it is read" if embedding_kind else ""
     return (
-        _op("embedding_lookup", "X = E[token ids]: one row of the embedding matrix per token (no arithmetic)",
-            f"[{T}] ids -> [{T}, {h}]", 0, 2 * T * h * e),
+        _op("embedding_lookup", f"X = E[token ids]: one row of the embedding matrix per token{stored} (no arithmetic)",
+            f"[{T}] ids -> [{T}, {h}]", 0, T * row + T * h * e),
         _op("final_norm", "RMSNorm after the last layer", f"[{T}, {h}] -> [{T}, {h}]", 4 * T * h, (2 * T * h + h) * e),
         _op("lm_head", "logits = X W_vocab^T, for the rows that sample",
             f"[{S}, {h}] @ [{h}, {v}] -> [{S}, {v}]", 2 * S * h * v, lm_head_bytes + S * h * e + S * v * 4),
@@ -261,6 +289,29 @@ def layer_intensity(ops: tuple[OpInfo, ...] | list[OpInfo]) -> float:
     return intensity(sum(o.flops for o in ops), sum(o.bytes for o in ops))
 
 
+def linear_crossing_tokens(n: int, k: int, bytes_per_weight: float, elem: float, ridge: float) -> float:
+    """Tokens from which one linear layer ``[n, k]`` reaches ``ridge`` (FLOP/byte); ``inf`` if it never does.
+
+    Over ``T`` tokens it does ``2 T n k`` FLOPs and moves ``n k b`` bytes of weights plus
+    ``T (n + k) e`` of activations (as :func:`layer_ops` counts them), so the crossing is
+    ``T* = R b n k / (2 n k - R (n + k) e)``: about ``R b / 2`` while the activation term is
+    small, and never once ``R >= 2 n k / ((n + k) e)``. Halving ``b`` halves ``T*`` as surely as
+    halving ``R`` does: the crossing moves by the ratio of ridges over the ratio of bytes per
+    weight (:func:`crossing_shift`), not by the ridge ratio alone (``nanovllm_core.roofline``).
+    """
+    room = 2 * n * k - ridge * (n + k) * elem
+    return ridge * bytes_per_weight * n * k / room if room > 0 else float("inf")
+
+
+def crossing_shift(ridge_ratio: float, bytes_per_weight_ratio: float) -> float:
+    """How many times more tokens a layer needs to turn compute-bound, to leading order (``T* ≈ R b / 2``):
+    ``ridge_ratio`` (new ridge / old) divided by ``bytes_per_weight_ratio`` (old bytes a weight / new).
+
+    int8 on a machine where its peak is 12x float32's: ``crossing_shift(12, 4 / 1.1)`` = 3.3, not 12.
+    """
+    return ridge_ratio / bytes_per_weight_ratio
+
+
 def compute_bound_tokens(d: LayerDims, ridge: float, backend: str = "fused", limit: int = 1 << 16) -> int:
     """The fewest tokens a one-sequence prefill (from position 0) needs for its layer to reach ``ridge``.
 
@@ -285,7 +336,12 @@ def compute_bound_tokens(d: LayerDims, ridge: float, backend: str = "fused", lim
 
 def peak_words(machine: str, peak_flops: float) -> str:
     """"matmul peak 330.0 GFLOP/s", or for int8 weights (``machine`` says so) the int8 kernel's
-    peak, whose integer multiply-adds count 2 operations each as FLOPs do."""
+    peak, whose integer multiply-adds count 2 operations each as FLOPs do; for block weights
+    (``gguf``, ``q8_0``, ``q4_0``, ``q4_1``) it says the peak is the float matmul's, which is what
+    ``roofline.measure`` times for them."""
     if "int8 weights" in machine:
         return f"int8 matmul peak {peak_flops / 1e9:,.1f} G operations/s (counted as FLOPs)"
+    if any(f", {mode} weights" in machine for mode in ("gguf", "q8_0", "q4_0", "q4_1")):
+        # roofline.measure times the float matmul for these: the block kernels' own peak is not measured
+        return f"float matmul peak {peak_flops / 1e9:,.1f} GFLOP/s, the block kernels' own not measured"
     return f"matmul peak {peak_flops / 1e9:,.1f} GFLOP/s"

@@ -33,6 +33,8 @@ LABELS = {
     "act": "SiLU(G) · U",
     "mlp_out": "MLP output (after down_proj), added to the residual",
     "residual_out": "residual stream leaving the layer (the next layer's input)",
+    "weight_block": "block modes: qkv_proj's stored blocks [rows, blocks a row, bytes a block]; sample: row 0's "
+                    "first block's d, m, first 4 q and the weights they decode to (educational/xray_blocks.py)",
     # older traces
     "hidden_states": "input_layernorm output (older trace: its shape is a batch of one)",
     "k_cache": "this request's keys in context (older trace)",

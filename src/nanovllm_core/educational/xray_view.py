@@ -5,7 +5,8 @@ its first decode step. Layer 0 is shown in full: every operation with its math, 
 as the engine holds them (the step's flat batch ``[T, 576]``, ``[T, 9, 64]``; attention per
 sequence, query heads grouped by the KV head they read), FLOPs, bytes as the attention
 backend moves them and the arithmetic intensity against this machine's measured ridge point;
-the named tensors with what each one is and a few real values; grouped-query attention and
+in a block mode, how its weights sit in a block, with a real block of the running model
+(``educational/xray_blocks.py``); the named tensors with what each one is and a few real values; grouped-query attention and
 the KV bytes; and layer 0's attention weights for head 0. The other layers get one compact
 line each with their own real values. Everything comes from the capture in
 ``educational/xray.py`` and the sentences of ``educational/xray_facts.py``; Rich only.
@@ -19,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from rich.console import Console, Group, RenderableType
 from rich.rule import Rule
 from rich.table import Table
@@ -28,7 +30,9 @@ from nanovllm_core import events as ev
 from nanovllm_core.educational import xray_facts as facts
 from nanovllm_core.educational.narrator import human_bytes, show_piece
 from nanovllm_core.educational.rich_parts import Indent
+from nanovllm_core.educational import xray_blocks
 from nanovllm_core.educational.xray_costs import model_edge_ops, sampled_rows
+from nanovllm_core.model.block_quant import BLOCK_SIZE
 
 HEATMAP_MAX = 10  # rows/columns of the attention-weight table
 
@@ -75,12 +79,18 @@ def render_layer_detail(t: ev.LayerTrace) -> RenderableType:
     tens.add_column("tensor", style="bold", no_wrap=True)
     tens.add_column("shape, real values; what it is")
     for x in t.tensors:
+        if x.name == xray_blocks.BLOCK_TENSOR:  # drawn on its own below the operations
+            continue
         tens.add_row(x.name, Text.assemble((f"{shape_str(x.shape):<13}", "cyan"), " ", values_str(x.sample),
                                            "\n", (facts.LABELS.get(x.name, ""), "dim")))
     parts: list[RenderableType] = [Text(facts.batch_line(t))]
     if t.attention_backend:
         parts.append(Text(facts.backend_line(t)))
-    parts += [Text(""), ops, Text(""), tens, Text("")]
+    parts += [Text(""), ops, Text("")]
+    block = xray_blocks.block_lines(t)
+    if block:
+        parts += [Text(line) for line in block] + [Text("")]
+    parts += [tens, Text("")]
     parts += [Text(line) for line in facts.gqa_lines(t)]
     parts += [Text("")] + [Text(line) for line in facts.roofline_lines(t)]
     if t.attention:
@@ -268,11 +278,17 @@ class XRayView:
             info = self.engine.model_info()
             model = self.engine.model
             head = model._modules.get("lm_head")
-            matrix = model.lm_head_matrix
-            head_bytes = int(getattr(head, "weight_bytes", 0) or matrix.numel() * matrix.element_size())
-            elem = next(model.parameters()).element_size()
+            head_bytes = int(getattr(head, "weight_bytes", 0))  # as stored: float, int8 or blocks
+            if not head_bytes:
+                matrix = model.lm_head_matrix
+                head_bytes = matrix.numel() * matrix.element_size()
+            elem = torch.empty((), dtype=self.engine.dtype).element_size()
+            emb = model.embed_tokens
+            fmt = getattr(emb, "format", None)  # a BlockEmbedding: rows of blocks
+            row = (info["hidden_size"] // BLOCK_SIZE * fmt.block_bytes) if fmt is not None else 0
             return model_edge_ops(info["hidden_size"], info["vocab_size"], elem, head_bytes,
-                                  plan.num_batched_tokens, sampled_rows(plan.scheduled))
+                                  plan.num_batched_tokens, sampled_rows(plan.scheduled), row,
+                                  fmt.name if fmt is not None else "")
         except (AttributeError, KeyError, StopIteration, TypeError):
             return ()
 

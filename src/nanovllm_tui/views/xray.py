@@ -3,7 +3,8 @@
 What it says is computed from the step's ``LayerTrace`` events by ``nanovllm_core.educational.xray_facts``,
 the same sentences ``nanovllm --xray`` prints: the step's flat batch and the request's slice of
 it, the attention backend that ran, each operation's FLOPs, bytes and FLOP/byte against the
-machine's measured ridge point, grouped-query attention as the engine does it, and what
+machine's measured ridge point, in a block mode how the weights sit in a block with a real one
+(``educational/xray_blocks``), grouped-query attention as the engine does it, and what
 each captured tensor is.
 """
 
@@ -19,6 +20,7 @@ from textual.message import Message
 from textual.reactive import reactive
 
 from nanovllm_core import events as ev
+from nanovllm_core.educational import xray_blocks
 from nanovllm_core.educational import xray_facts as facts
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.views.base import EngineView
@@ -55,6 +57,9 @@ def pipeline_text(trace: ev.LayerTrace) -> Text:
         text.append("\n")
     flops, moved = sum(o.flops for o in trace.ops), sum(o.bytes for o in trace.ops)
     text.append(f"  layer total: {fmt_count(flops)} FLOPs · {fmt_bytes(moved)} moved\n", style="bold")
+    block = xray_blocks.block_lines(trace)  # block modes: how the weights sit in a block, a real one
+    if block:
+        text.append("\n" + "\n".join(block) + "\n\n", style="#c9b8ff")
     text.append("\n".join(facts.roofline_lines(trace)), style="#8fa8ff")
     return text
 
@@ -64,6 +69,8 @@ def tensors_text(trace: ev.LayerTrace) -> Text:
     one is, and the first real values of this request's last token."""
     text = Text("Tensors: shape, first values of this request's last token (head 0); what it is\n", style="bold")
     for t in trace.tensors:
+        if t.name == xray_blocks.BLOCK_TENSOR:  # drawn in the pipeline
+            continue
         text.append(f"  {t.name:<17}", style="bold")
         text.append(f"{shape(t.shape):<14}", style="#f5a524")
         text.append(", ".join(f"{v:+.4f}" for v in t.sample) + ", …", style="dim")
