@@ -32,6 +32,8 @@ def test_several_prompts_with_priorities_and_memory_stats(capsys):
     assert code == 0
     assert out.count("Completion:") == 2
     assert "KV cache memory:" in out and "prefix cache:" in out
+    # the lookups count every token looked up, re-admitted ones too: not "prompt tokens" (issue 28 review)
+    assert "tokens looked up hit (prompts, and tokens re-admitted after a preemption)" in out
 
 
 @pytest.mark.real_model

@@ -274,7 +274,8 @@ def print_memory_stats(stats: dict) -> None:
     print(f"  in use now: {stats['kv_blocks_used']}, cached-free: {stats['kv_blocks_cached']}, "
           f"free: {stats['kv_blocks_free'] - stats['kv_blocks_cached']}")
     print(f"  slots allocated but unfilled: {stats['kv_slots_wasted']}")
-    print(f"  prefix cache: {stats['prefix_cache_hits']} of {stats['prefix_cache_queries']} prompt tokens hit "
+    print(f"  prefix cache: {stats['prefix_cache_hits']} of {stats['prefix_cache_queries']} tokens looked up hit "
+          "(prompts, and tokens re-admitted after a preemption) "
           f"({stats['prefix_cache_hit_rate']:.1%})")
     print(f"  preemptions: {stats['num_preemptions']}, steps: {stats['steps']}")
     if stats.get("spec_proposer"):

@@ -421,6 +421,8 @@ class Narrator(SchedulerNarration):
         which = ("first token, from the prefill" if e.num_output_tokens == 1 else
                  f"token #{e.num_output_tokens}, after the recompute" if recompute else f"token #{e.num_output_tokens}")
         took = f" The step took {ms(timed.wall_time_s)}." if timed is not None else ""
+        if verification is not None and timed is not None:  # the step's wall time holds the drafting too
+            took = f" The step, drafting included, took {ms(timed.wall_time_s)}."
         if verification is not None:
             n_query = verification.num_query_tokens or 1 + len(verification.draft_tokens)
             text += (f" It was kept by the verification above: {n_query} tokens of this sequence went through the "

@@ -311,8 +311,8 @@ def speculative_entry(e: ev.SpecDecodeStep, name: str, greedy: bool | None, appe
         if n_ok < k:
             i = n_ok
             chance = min(1.0, e.p[i] / e.q[i]) if e.q[i] else 1.0
-            text += (f" The {ordinal(i + 1)} draft {show_piece(e.draft_texts[i])} (p = {e.p[i]:.3f}, q = {e.q[i]:.3f}) "
-                     f"had a {chance:.3f} chance and was rejected; the drafts after it are dropped")
+            text += (f" The {ordinal(i + 1)} draft {show_piece(e.draft_texts[i])} (p = {e.p[i]:.4g}, q = {e.q[i]:.4g}) "
+                     f"had a {chance:.4g} chance and was rejected; the drafts after it are dropped")
             if bonus:
                 rest = ("the target's distribution without the rejected token" if point
                         else "what is left of the target's distribution, max(0, p - q) renormalised")

@@ -169,6 +169,8 @@ def cost_words(m: Measured) -> str:
             f"{expected_tokens(m.alpha, m.gamma):.2f} tokens on average at gamma = {m.gamma} drafts every step "
             f"(measured: {m.tokens_per_verify:.2f}, with {m.mean_drafts:.1f} drafts proposed per step), and "
             f"the speed-up is that over (gamma c + 1) = {ideal:.2f}x if verification cost one decode step; with the "
-            f"measured v it is over (gamma c + v): {gain:.2f}x. Decode time per token in these two runs: "
+            f"measured v it is over (gamma c + v): {gain:.2f}x (the yield is at gamma = {m.gamma} drafts every step, v at the "
+            f"{m.mean_drafts:.1f} drafts verified on average: a longer verification would cost more). Engine step time "
+            f"per decoded token in these two runs (time between steps, such as narration, left out): "
             f"{m.plain_s_per_token * 1e3:.1f} ms plain, {m.spec_s_per_token * 1e3:.1f} ms speculative "
             f"({m.plain_s_per_token / m.spec_s_per_token:.2f}x).")

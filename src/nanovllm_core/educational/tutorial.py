@@ -361,7 +361,10 @@ CHAPTERS: tuple[Chapter, ...] = (
         the vocabulary.
 
         One token is very little arithmetic for the amount of weight data that must be read from
-        memory, so a lone decode step is limited by memory bandwidth. Batching many requests' decode
+        memory: its arithmetic intensity is far below the ridge point, so reading the weights sets a
+        floor under a lone decode step's time that no faster arithmetic can lower. On a GPU that floor
+        is most of the step; on a CPU the step can take many times the floor, spent on per-call and
+        Python overhead (the demonstration measures how much here). Batching many requests' decode
         tokens into one step shares that weight read: every weight loaded serves every token of the
         batch. It does not share the reads of the KV cache: each request's query reads its own cached
         keys and values, bytes that grow with its context and that no batching reduces.
@@ -378,14 +381,15 @@ CHAPTERS: tuple[Chapter, ...] = (
         or stop string, max_tokens, or the model's maximum length.
         """,
         "decode", "The capital of France is",
-        _quiz("Why is a decode step for a single request limited by memory rather than arithmetic?",
+        _quiz("Why is reading the weights, not the arithmetic, the floor under a single request's decode step?",
               ("It must read every weight of the model to compute just one token",
                "It recomputes the whole prompt at every step",
                "The softmax over the vocabulary needs more memory than the weights",
                "Decode runs on the CPU while prefill runs on the accelerator"),
               0,
               "Each weight read from memory is used for one multiply-add per token in the batch. With one token, "
-              "loading the weights takes far longer than the arithmetic; batching many requests' decode tokens "
+              "loading the weights takes far longer than their arithmetic (what else the step spends, such as "
+              "per-call overhead on a CPU, comes on top); batching many requests' decode tokens "
               "reuses every loaded weight many times, while each request still reads its own keys and values."),
     ),
     Chapter(
