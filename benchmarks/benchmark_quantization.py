@@ -15,7 +15,8 @@ Memory (per mode):
   embedding, a tied head counted once;
 - resident growth: the process's RSS after loading the mode minus before, MB, both read after
   ``gc.collect()`` and ``malloc_trim`` (Linux; ``-`` elsewhere), with one throwaway load first
-  so no mode carries one-time costs (imports, thread pools). It counts all the load leaves
+  so that no mode carries the first load's one-time costs (imports, thread pools, allocator
+  arenas; a mode's own first use, e.g. int8's oneDNN set-up, stays in its figure). It counts all the load leaves
   resident: weights, packed copies (float32 keeps its weight and oneDNN's packed copy),
   rotary tables, a tokenizer; the peak during the load (``load_peak_rss_growth_bytes``)
   shows transient copies (every mode is built from float32 weights first, ``gguf`` included);
@@ -29,7 +30,8 @@ the X-Ray measures it), best of several; measured once per run and used for ever
 Quality, each mode against float32 on ``benchmarks/corpus.txt`` and a held-out text (the
 project's seed README, ``../shared/seed/original-readme.txt`` beside the repository, or
 ``--held-out FILE``; left out with a note when absent):
-- perplexity (windows of 512 tokens, our model run directly) and its relative change;
+- perplexity (windows of 512 tokens, our model run directly; the first 129 tokens with
+  ``--quick``) and its relative change;
 - greedy agreement: prompts of 16-64 tokens cut from the text, greedy tokens each (32 x 32;
   2 x 4 with ``--quick``); per prompt, the tokens equal to float32's before the first
   difference; the share is their sum over all tokens.
@@ -131,7 +133,7 @@ def load_modes(modes: list[str]) -> tuple[dict[str, Any], dict[str, dict[str, An
     ``linear_weight_bytes`` (what a decode token reads), ``rss_growth_bytes`` (resident set
     after the load minus before) and ``load_peak_rss_growth_bytes`` (the peak during the load
     minus before); the last two None where they cannot be read. A throwaway load of the
-    smallest mode comes first, so that one-time costs land on no mode.
+    smallest mode comes first, so that the first load's one-time costs land on no mode.
     """
     from nanovllm_core.model.quantization import linear_weight_bytes, weight_formats
 
