@@ -79,3 +79,108 @@ def test_a_benchmark_run_on_a_busy_host_says_so(monkeypatch, capsys):
         assert out.strip().splitlines()[-1].startswith(warning) and result["host_warnings"], out
     else:  # a host with many cores: 9 is not busy there
         assert "warning: load average" not in out
+
+
+def test_memory_bandwidth_samples_that_disagree_are_named_in_gb_per_s():
+    s = summary({}, {}, [1.0, 1.0, 1.0])
+    s["memory_bandwidth"] = {"samples": [10e9, 10.5e9]}
+    assert noise_warnings(s) == []
+    s["memory_bandwidth"] = {"samples": [8e9, 10e9, 9.9e9]}
+    warnings = noise_warnings(s)
+    assert len(warnings) == 1 and warnings[0].startswith("warning: memory bandwidth rounds range 8.0-10.0 GB/s (1.25x): ")
+
+
+# -- benchmark_quantization's report, from a summary made up here (no model runs)
+
+def quant_summary(llamacpp: bool = True, held_out: bool = True) -> dict:
+    modes = ["float32", "gguf", "q8_0"]
+    rate = {"float32": 20.0, "gguf": 50.0, "q8_0": 60.0}
+    nbytes = {"float32": 538e6, "gguf": 96e6, "q8_0": 143e6}
+    bw = 10e9
+    if llamacpp:
+        rate["llama.cpp"] = 40.0
+    text = {"path": "x", "perplexity_tokens": 1508, "perplexity": {"float32": 10.0, "gguf": 10.0, "q8_0": 10.05},
+            "perplexity_change": {"float32": 0.0, "gguf": 0.0, "q8_0": 0.005},
+            "greedy_agreement_until_first_difference": {"float32": 1.0, "gguf": 0.97, "q8_0": 0.9}}
+    return {
+        "machine": {"cpu": "Test CPU 9000", "cpu_count": 2, "torch": "2.x", "torch_threads": 2,
+                    "load_average_at_start": [0.5, 0.5, 0.5], "load_average_at_end": [0.6, 0.5, 0.5]},
+        "cpu_flags": ["avx2"], "modes": modes, "rounds": 3, "attention_kernel": {m: "cpu-paged" for m in modes},
+        "memory_bandwidth": {"bytes_per_s": bw, "samples": [bw, 9.8e9], "buffer_bytes": 512 * 2**20},
+        "memory": {m: {"weight_formats": {"q8_0" if m == "q8_0" else m: int(nbytes[m])}, "weight_bytes": int(nbytes[m]),
+                       "linear_weight_bytes": int(nbytes[m]), "rss_growth_bytes": int(2 * nbytes[m]),
+                       "load_peak_rss_growth_bytes": int(2.1 * nbytes[m])} for m in modes},
+        "quality": {"texts": {"corpus": text, **({"held-out": text} if held_out else {})}, "greedy_prompts": 32,
+                    "greedy_tokens_per_prompt": 32,
+                    "held_out_note": None if held_out else "held-out text /nowhere not found: quality on the corpus only"},
+        "llamacpp": {"llama_cpp_python": "0.3", "threads": 2, "amx_repack": "default"},
+        "batch1_decode": {"tokens": 128, "prompt_tokens": 32, "tokens_per_s": rate,
+                          "all_rounds": {k: [v] * 3 for k, v in rate.items()},
+                          "over_float32": {m: rate[m] / 20.0 for m in modes},
+                          "over_llamacpp": {m: rate[m] / 40.0 for m in modes} if llamacpp else None,
+                          "gguf_over_llamacpp": 1.25 if llamacpp else None, "q8_0_over_float32": 3.0,
+                          "bandwidth_share": {m: nbytes[m] * rate[m] / bw for m in modes}},
+        "workload": {"num_requests": 64, "useful_tokens_per_s": {"float32": 200.0, "gguf": 210.0, "q8_0": 190.0},
+                     "all_rounds": {}, "over_float32": {"float32": 1.0, "gguf": 1.05, "q8_0": 0.95},
+                     "float32_roofline_fraction": 0.3},
+        "gemm_peak_flops": 300e9,
+    }
+
+
+def test_quantization_report_names_the_cpu_the_bandwidth_and_each_modes_figures():
+    from benchmarks.benchmark_quantization import report
+
+    out = report(quant_summary())
+    assert "machine: Test CPU 9000 (avx2), 2 cores" in out
+    assert "memory read bandwidth: 10.0 GB/s (best of 2 sums over 512 MiB, 2 threads" in out
+    assert "batch-1 decode on Test CPU 9000: gguf / llama.cpp = 1.25x" in out and "q8_0 / float32 = 3.00x" in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] in (["gguf"], ["q8_0"])}
+    # the speed row of gguf: 50 tok/s, 2.50x float32, 1.25x llama.cpp, 48.0% of 10 GB/s (96 MB x 50 / 10e9), workload 1.05x
+    speed = [line.split() for line in out.splitlines() if line.startswith("gguf ") and "%" in line and "x" in line]
+    assert ["gguf", "50", "2.50x", "1.25x", "48.0%", "210", "1.05x"] in speed, rows
+    assert "corpus ppl (1508 tok)" in out and "held-out ppl (1508 tok)" in out
+    assert "warning" not in out
+
+
+def test_quantization_report_without_llamacpp_or_held_out_text_says_so():
+    from benchmarks.benchmark_quantization import report
+
+    out = report(quant_summary(llamacpp=False, held_out=False))
+    assert "llama.cpp Q4_1" not in out and "gguf / llama.cpp" not in out
+    assert "held-out text /nowhere not found: quality on the corpus only" in out and "held-out ppl" not in out
+    assert "q8_0 / float32 = 3.00x" in out
+
+
+def test_prompts_are_cut_at_distinct_offsets_within_their_lengths_and_repeat_by_seed():
+    from benchmarks.benchmark_quantization import cut_prompts
+
+    ids = list(range(1000))
+    prompts = cut_prompts(ids, 32, seed=1)
+    assert len(prompts) == 32 and len({p[0] for p in prompts}) == 32
+    assert all(16 <= len(p) <= 64 and p == ids[p[0]:p[0] + len(p)] for p in prompts)
+    assert cut_prompts(ids, 32, seed=1) == prompts and cut_prompts(ids, 32, seed=2) != prompts
+
+
+def test_a_missing_held_out_text_gives_none(tmp_path):
+    from benchmarks.benchmark_quantization import held_out_ids
+
+    class Tokenizer:
+        def encode(self, text, add_special_tokens=False):
+            return [len(w) for w in text.split()]
+
+    assert held_out_ids(Tokenizer(), tmp_path / "missing.txt") is None
+    (tmp_path / "text.txt").write_text("one three five")
+    assert held_out_ids(Tokenizer(), tmp_path / "text.txt") == [3, 5, 4]
+
+
+def test_rss_is_read_after_freeing_what_python_and_malloc_hold():
+    from benchmarks.benchmark_quantization import rss_bytes
+
+    before = rss_bytes()
+    if before is None:
+        pytest.skip("no /proc/self/status here")
+    block = bytearray(64 * 2**20)
+    block[::4096] = b"x" * len(block[::4096])  # touch every page
+    assert rss_bytes() - before > 48 * 2**20
+    del block
+    assert rss_bytes() - before < 16 * 2**20

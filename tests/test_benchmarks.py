@@ -60,34 +60,67 @@ def test_comparison_rejects_a_system_listed_twice(capsys):
     assert "listed more than once: ours" in capsys.readouterr().err
 
 
-def test_quantization_quick_measures_quality_bytes_and_speed_of_both_modes(tmp_path):
+def test_quantization_quick_measures_every_figure_of_each_mode(tmp_path, capsys):
+    from pathlib import Path
+
     path = tmp_path / "quant.json"
-    benchmark_quantization.main(["--quick", "--skip-hf", "--gather-ab", "--json", str(path)])
+    held_out = Path(__file__).resolve().parents[1] / "README.md"  # any English text the model was not tuned on
+    benchmark_quantization.main(["--quick", "--modes", "float32,gguf", "--skip-hf", "--gather-ab",
+                                 "--held-out", str(held_out), "--json", str(path)])
+    out = capsys.readouterr().out
     data = json.loads(path.read_text())
-    q = data["quality"]
-    assert all(positive(q["perplexity"][m]) for m in ("float32", "int8"))
-    assert abs(q["perplexity_change"]) < 0.2  # int8 is close to float32, not broken
-    assert 0.0 <= q["greedy_agreement_until_first_difference"] <= 1.0
-    assert data["linear_weight_bytes"]["float32"] > 3.2 * data["linear_weight_bytes"]["int8"]  # int8 + scales + outlier columns
-    for section in ("batch1_decode", "workload"):
-        rates = data[section]["tokens_per_s" if section == "batch1_decode" else "useful_tokens_per_s"]
-        assert set(rates) >= {"float32", "int8"} and all(positive(v) for v in rates.values())
-        assert positive(data[section]["int8_over_float32"])
+    modes = ("float32", "gguf")
+    assert data["modes"] == list(modes)
+    # memory: the weights as built, what a token reads, the resident growth of each load
+    mem = data["memory"]
+    assert set(mem["float32"]["weight_formats"]) == {"float32"}
+    assert set(mem["gguf"]["weight_formats"]) == {"q4_1", "q8_0"}  # the file's own blocks, embedding in Q8_0
+    assert mem["float32"]["weight_bytes"] > 5 * mem["gguf"]["weight_bytes"]
+    for m in modes:
+        assert data["linear_weight_bytes"][m] == mem[m]["linear_weight_bytes"] > 0
+        if mem[m]["rss_growth_bytes"] is not None:  # Linux
+            assert mem[m]["rss_growth_bytes"] > 0.5 * mem[m]["weight_bytes"]
+            assert mem[m]["load_peak_rss_growth_bytes"] >= mem[m]["rss_growth_bytes"] - 2**20
+    # the bandwidth: measured once, the best of its samples, used for every mode's share
+    bw = data["memory_bandwidth"]
+    assert len(bw["samples"]) == 3 and bw["bytes_per_s"] == max(bw["samples"]) and positive(bw["bytes_per_s"])
+    b1 = data["batch1_decode"]
+    for m in modes:
+        assert positive(b1["tokens_per_s"][m]) and positive(data["workload"]["useful_tokens_per_s"][m])
+        assert b1["bandwidth_share"][m] == pytest.approx(
+            data["linear_weight_bytes"][m] * b1["tokens_per_s"][m] / bw["bytes_per_s"])
+        assert positive(b1["over_float32"][m]) and positive(data["workload"]["over_float32"][m])
+    assert b1["over_float32"]["float32"] == 1.0 and data["workload"]["over_float32"]["float32"] == 1.0
+    assert b1["q8_0_over_float32"] is None  # q8_0 was not among --modes
     assert 0 < data["workload"]["float32_roofline_fraction"] < 1
-    assert data["int8_weight_range"] in (63, 127)
-    # the A/B against the gather path ran both modes that way too (the env switch restored afterwards)
-    assert set(data["batch1_decode"]["tokens_per_s"]) >= {"float32 gather", "int8 gather"}
+    # quality: both texts, every mode against float32
+    q = data["quality"]
+    assert set(q["texts"]) == {"corpus", "held-out"} and q["held_out_note"] is None
+    for name, t in q["texts"].items():
+        assert all(positive(t["perplexity"][m]) for m in modes)
+        assert t["perplexity_change"]["float32"] == 0.0
+        assert abs(t["perplexity_change"]["gguf"]) < 0.05  # the file's blocks are float32's weights: not broken
+        assert t["greedy_agreement_until_first_difference"]["float32"] == 1.0
+        assert 0.0 <= t["greedy_agreement_until_first_difference"]["gguf"] <= 1.0
+    # the A/B against the gather path ran every mode that way too (the env switch restored afterwards)
+    assert set(b1["tokens_per_s"]) >= {"float32 gather", "gguf gather"}
     assert all(positive(r["workload"]) and positive(r["batch1_decode"]) for r in data["cpu_paged_over_gather"].values())
     assert "NANOVLLM_CPU_PAGED_ATTENTION" not in os.environ
     # llama.cpp joins the batch-1 figures exactly where llama-cpp-python is installed
     import importlib.util
 
     has_llamacpp = importlib.util.find_spec("llama_cpp") is not None
-    assert ("llama.cpp" in data["batch1_decode"]["tokens_per_s"]) is has_llamacpp
-    assert (data["batch1_decode"]["int8_over_llamacpp"] is not None) is has_llamacpp
+    assert ("llama.cpp" in b1["tokens_per_s"]) is has_llamacpp
+    assert (b1["gguf_over_llamacpp"] is not None) is has_llamacpp
     if has_llamacpp:
-        assert positive(data["batch1_decode"]["int8_over_llamacpp"])
+        assert b1["gguf_over_llamacpp"] == b1["over_llamacpp"]["gguf"] and positive(b1["gguf_over_llamacpp"])
+        assert positive(b1["bandwidth_share"]["llama.cpp"])  # credited with gguf's bytes: the same blocks
         assert data["llamacpp"]["threads"] == data["machine"]["torch_threads"]  # the same threads as ours
+        assert "gguf / llama.cpp = " in out
+    # the report names the CPU beside the figures, and the host check ran
+    assert data["machine"]["cpu"] in out and "memory read bandwidth:" in out
+    assert isinstance(data["host_warnings"], list)
+    assert all(w in out for w in data["host_warnings"])
 
 
 def test_comparison_llamacpp_without_the_package_is_one_line(capsys, monkeypatch):
@@ -154,6 +187,9 @@ def test_events_quick_measures_every_subscriber_level(tmp_path):
     (benchmark_scheduler_unit, ["--quick", "--json", "/nonexistent-dir/x.json"], "cannot write there"),
     (benchmark_quantization, ["--quick", "--rounds", "0"], "argument --rounds: expected a positive integer, got 0"),
     (benchmark_quantization, ["--quick", "--json", "/nonexistent-dir/x.json"], "cannot write there"),
+    (benchmark_quantization, ["--quick", "--modes", "gguf,q4_0"], "float32 must be one of the modes"),
+    (benchmark_quantization, ["--quick", "--modes", "float32,fp8"], "unknown mode(s) fp8; use float32, gguf"),
+    (benchmark_quantization, ["--quick", "--modes", "float32,gguf,float32"], "a mode is listed more than once"),
     (benchmark_advanced_scheduling, ["--all", "--quick", "--json", "/"], "cannot write there"),
 ])
 def test_bad_arguments_end_before_the_run_with_one_line(capsys, module, argv, message):
