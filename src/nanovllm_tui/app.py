@@ -5,6 +5,10 @@ the model loads on the engine thread with its progress in the header, and prompt
 meanwhile wait in the queue. Everything
 shown comes from the engine's events, which the :class:`~nanovllm_tui.bridge.EngineBridge`
 hands to this (UI) thread at most once a frame; only the visible tab redraws.
+
+Why past ~400 lines: the App class is the one place where keys, commands and the engine's
+events meet the tabs; the tabs, widgets, options and lifetime handling each have their own
+module, and what stays here is the wiring a reader follows from a key press to the screen.
 """
 
 from __future__ import annotations

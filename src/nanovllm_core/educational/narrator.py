@@ -26,6 +26,10 @@ summed up when it finishes).
 
 Sources: the scheduler rules are vLLM's V1 scheduler (see ``engine/scheduler.py``); the
 terms (prefill, decode, token budget, preemption, prefix cache hit, TTFT, TPOT) are vLLM's.
+
+Why past ~400 lines: one class turns every event kind into sentences, in the order a step
+emits them; the sampling and scheduler commentary already live in narrator_sampling.py and
+narrator_scheduler.py, and splitting the rest would scatter one step's story over files.
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ recompute, Kwon et al. 2023 section 4.5), and finally several tokens per step
 Chapter text holds no numbers that claim to describe the loaded model: numbers about the
 model come from :func:`model_facts` (computed from ``LLMEngine.model_info()``) and from the
 live demonstrations, which run on the engine.
+
+Why one long file: it is the tutorial's text (twelve chapters, their quizzes and the facts each
+chapter computes from the running engine), read top to bottom like the course it is; the code
+around the text is small, and the demonstrations live in tutorial_demos.py.
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ right status, and the server keeps serving. A client that goes away mid-request 
 engine requests aborted (their KV blocks are freed). On Ctrl-C / SIGTERM in-flight requests
 are aborted and their streams end at once with ``finish_reason: "abort"`` and ``[DONE]`` (not
 waiting for the engine's step in progress), and the process exits within a few seconds.
+
+Why past ~400 lines: it is the route table of the OpenAI server, each route with its
+validation before the first byte; the request/response shapes live in protocol.py and
+openai_serving.py.
 """
 
 from __future__ import annotations

@@ -29,6 +29,10 @@ second rounding, of x, measured by ``benchmarks/benchmark_quantization.py`` (per
 Where the C library cannot be built, or ``NANOVLLM_BLOCK_KERNELS=0``, it runs
 :func:`reference_linear` in PyTorch instead: the same values up to rounding, much slower (the
 engine says so at load).
+
+Why past ~400 lines: the formats, the PyTorch reference they are tested against, the two
+modules and the one-call decoder layers are one subject (weights kept in blocks) and share the
+C library's bindings; each part is short.
 """
 
 from __future__ import annotations

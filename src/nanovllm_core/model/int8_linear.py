@@ -60,6 +60,9 @@ add up past 32767; oneDNN then returns wrong sums for full-range weights (checke
 Xeon with ``ONEDNN_MAX_CPU_ISA=AVX2``: errors of millions; with weights in [-63, 63]: exact).
 :func:`weight_range` runs one worst-case product when first needed and uses 7-bit weights
 (Q = 63) wherever 8-bit ones would saturate.
+
+Why past ~400 lines: one module (Int8Linear) with the library paths it chooses between
+(oneDNN, fbgemm, the C helpers) and the measurements behind each choice.
 """
 
 from __future__ import annotations
