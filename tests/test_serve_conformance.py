@@ -51,6 +51,11 @@ REFUSED_ALIKE = [
     (CHAT, {"messages": [{"role": "user", "content": LONE_SURROGATE}]}, "lone surrogate"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**9]}, "stop_token_ids contains 1000000000"),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [10**9]}, "stop_token_ids"),
+    # a newcomer's trial: n beyond what the engine runs at once locked the server; a boolean is no integer
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 1000000}, "n=1000000 asks for more sequences"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 65}, "max_num_seqs=64"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": True}, "n"),
 ]
 
 
@@ -182,6 +187,13 @@ def control(server, body: dict) -> httpx.Response:
 def test_control_submit_checks_prompts_as_completions_does(tiny_server, prompt, message):
     r = control(tiny_server, {"command": "submit", "prompt": prompt, "params": {"max_tokens": 2}})
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
+def test_control_refuses_a_request_id_that_is_not_valid_unicode_and_a_huge_n(tiny_server):
+    r = control(tiny_server, {"command": "submit", "prompt": "hi", "request_id": "\ud800", "params": {"max_tokens": 2}})
+    assert r.status_code == 400 and "request_id is not valid Unicode" in r.json()["error"]["message"], r.text
+    r = control(tiny_server, {"command": "submit", "prompt": "hi", "params": {"max_tokens": 2, "n": 1000000}})
+    assert r.status_code == 400 and "lower n or raise max_num_seqs" in r.json()["error"]["message"], r.text
 
 
 def test_control_ids_never_collide_with_server_ids_and_duplicates_are_refused(tiny_server):

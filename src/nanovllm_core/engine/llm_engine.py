@@ -247,7 +247,7 @@ class LLMEngine(EventSource):
 
     def request_problem(self, token_ids: list[int], params: SamplingParams) -> tuple[str, str] | None:
         """Why this engine could never serve ``token_ids`` with ``params``: ``(field, one-line reason)``
-        where field is ``"prompt"``, ``"stop_token_ids"`` or ``"max_tokens"``; None when it can.
+        where field is ``"prompt"``, ``"stop_token_ids"``, ``"n"`` or ``"max_tokens"``; None when it can.
 
         The checks :meth:`add_request` rejects by, offered so a server can refuse before it
         answers (an HTTP 400 rather than an error inside a stream that has begun). They read
@@ -267,6 +267,9 @@ class LLMEngine(EventSource):
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             return "stop_token_ids", f"stop_token_ids contains {bad[0]}, outside the vocabulary (0..{vocab - 1})"
+        if params.n > self.scheduler.max_num_seqs:  # n sequences run side by side: more could never all be admitted
+            return "n", (f"n={params.n} asks for more sequences than this engine runs at once "
+                         f"(max_num_seqs={self.scheduler.max_num_seqs}); lower n or raise max_num_seqs")
         limit = min(self.max_model_len, n_prompt + (params.max_tokens or self.max_model_len))
         need = self.block_manager.blocks_needed(limit)
         if need > self.block_manager.num_blocks:

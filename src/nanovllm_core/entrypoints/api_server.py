@@ -215,7 +215,7 @@ async def _respond(request: Request, state: ServerState, p: Prepared) -> Respons
         if not answer.done():  # the client went away (or the server is stopping): free its blocks
             answer.cancel()
         stream.close()
-    if answer.cancelled():
+    if not answer.done() or answer.cancelled():  # cancel() only asks: the task may not have ended yet
         return Response(status_code=499)
     return JSONResponse(answer.result())
 
@@ -294,6 +294,10 @@ def _text(body: dict, key: str) -> str:
     value = body.get(key)
     if not isinstance(value, str) or not value or len(value) > 128:
         raise APIError(f"{key} must be a non-empty string of at most 128 characters, got {value!r}", param=key)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate: it could never be sent back in a JSON answer
+        raise APIError(f"{key} is not valid Unicode ({e.reason} at position {e.start}); send text", param=key) from None
     return value
 
 

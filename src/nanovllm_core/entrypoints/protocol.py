@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
 from nanovllm_core.sampling_params import SamplingParams
 
@@ -61,28 +61,28 @@ class _SamplingBody(_Body):
     """The fields completions and chat share (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
-    n: int = 1
-    best_of: int | None = None
+    n: StrictInt = 1
+    best_of: StrictInt | None = None
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling parameters
-    top_k: int | None = None
+    top_k: StrictInt | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: StrictInt = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: StrictInt = 0
     return_token_ids: bool = False
 
     def _check_common(self) -> None:
@@ -123,8 +123,8 @@ class CompletionRequest(_SamplingBody):
     """``POST /v1/completions``: ``prompt`` is text, token ids, or a list of either (one choice set each)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -206,10 +206,10 @@ class ChatCompletionRequest(_SamplingBody):
     """
 
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: StrictInt | None = None
     add_generation_prompt: bool = True
 
     def conversation(self) -> list[dict[str, Any]]:
