@@ -82,7 +82,7 @@ def test_a_4_bit_block_keeps_weight_j_in_the_low_nibble_and_j_plus_16_in_the_hig
 
 
 def test_the_kernels_activations_are_named_only_as_block_quant_states_them(monkeypatch):
-    from nanovllm_core.model import block_quant
+    from nanovllm_core.model import block_formats as block_quant  # where the phrase lives (no torch)
 
     monkeypatch.delattr(block_quant, "ACTIVATIONS", raising=False)
     assert xb.activations_note() == "float32 activations in and out"

@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanovllm_core import events as ev
-from nanovllm_core.model import block_quant
-from nanovllm_core.model.block_quant import BLOCK_SIZE, FORMATS, BlockFormat
+from nanovllm_core.model import block_formats
+from nanovllm_core.model.block_formats import BLOCK_SIZE, FORMATS, BlockFormat  # no torch: the app imports this
 
 BLOCK_TENSOR = "weight_block"  # the TensorInfo name of a layer's sampled block
 BLOCK_SCOPE = "weights"  # its scope: not a batch or request tensor, the layer's stored weights
@@ -40,7 +40,7 @@ def activations_note() -> str:
     Reads a module constant ``ACTIVATIONS`` (a phrase) when the module defines one; otherwise
     says only what holds at the call: float32 activations go in, float32 results come out.
     """
-    said = getattr(block_quant, "ACTIVATIONS", None)
+    said = getattr(block_formats, "ACTIVATIONS", None)
     if isinstance(said, str) and said.strip():
         return f"activations: {said.strip()}"
     return "float32 activations in and out"
@@ -87,6 +87,8 @@ def sample_block(module) -> BlockSample | None:
         return None
     first = blocks[:1, :fmt.block_bytes]
     d, m, q = read_block(bytes(first.reshape(-1).tolist()), fmt)
+    from nanovllm_core.model import block_quant  # torch: only when a live model's block is drawn
+
     w = block_quant.dequantize(first, fmt, BLOCK_SIZE)[0, :SHOWN].tolist()  # the engine's own decoding
     return BlockSample(fmt, int(blocks.shape[0]), int(module.in_features), float(d), m, tuple(q[:SHOWN]),
                        tuple(float(x) for x in w))

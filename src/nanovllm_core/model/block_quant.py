@@ -38,7 +38,6 @@ C library's bindings; each part is short.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -46,49 +45,17 @@ import torch
 from torch import nn
 
 from nanovllm_core import native
+from nanovllm_core.model.block_formats import (  # noqa: F401 (re-exported: the formats are part of this module's API)
+    ACTIVATIONS,
+    BLOCK_SIZE,
+    BY_GGML_TYPE,
+    FORMATS,
+    BlockFormat,
+    block_format,
+)
 
 SOURCE = Path(__file__).with_name("block_quant_cpu.c")
 ENV_SWITCH = "NANOVLLM_BLOCK_KERNELS"  # "0": the PyTorch fallback
-BLOCK_SIZE = 32  # weights per block, in every format here
-ACTIVATIONS = "q8 per 32-block"  # how the kernel holds activations (see the module docstring)
-
-
-@dataclass(frozen=True)
-class BlockFormat:
-    """One GGUF block format: its name, ggml type id, bytes per block, C enum value and a one-line layout."""
-
-    name: str
-    ggml_type: int
-    block_bytes: int
-    c_id: int
-    layout: str
-
-    @property
-    def bytes_per_weight(self) -> float:
-        """Bytes each weight costs, its share of the scale (and min) included: 34/32, 18/32, 20/32."""
-        return self.block_bytes / BLOCK_SIZE
-
-
-FORMATS: dict[str, BlockFormat] = {
-    "q8_0": BlockFormat("q8_0", 8, 34, 0, "fp16 scale d + 32 int8 q; w = d*q"),
-    "q4_0": BlockFormat("q4_0", 2, 18, 1, "fp16 scale d + 32 4-bit q; w = d*(q-8)"),
-    "q4_1": BlockFormat("q4_1", 3, 20, 2, "fp16 scale d + fp16 min m + 32 4-bit q; w = d*q + m"),
-}
-BY_GGML_TYPE = {f.ggml_type: f for f in FORMATS.values()}
-
-
-def block_format(name: str) -> BlockFormat:
-    """The format called ``name`` (``q8_0``, ``q4_0``, ``q4_1``, any case).
-
-    Raises:
-        ValueError: an unknown name, in one line naming the choices.
-    """
-    fmt = FORMATS.get(str(name).lower())
-    if fmt is None:
-        raise ValueError(f"block format {name!r} is unknown; use one of {', '.join(FORMATS)}")
-    return fmt
-
-
 # ----------------------------------------------------------------------------- the C library
 
 _p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
