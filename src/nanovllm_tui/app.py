@@ -522,6 +522,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return serve_in_browser(argv)
     app = build_app(argv)
+    from nanovllm_tui.lifetime import end_on_early_signals
+
+    end_on_early_signals()  # a signal before the app's loop is up still ends the process
     app.run()
     return app.return_code or 0
 

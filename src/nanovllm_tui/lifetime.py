@@ -57,22 +57,52 @@ def end_within(seconds: float = EXIT_GRACE_S, status: int = 1, terminal: bool = 
     _watchdog.start()
 
 
+def end_on_early_signals() -> None:
+    """Until :func:`quit_on_signals` takes over (the app's event loop is up), SIGTERM, SIGINT and
+    SIGHUP end the process within :data:`EXIT_GRACE_S` seconds, status 128 + the signal's number.
+
+    A signal that came while the app was still starting (loading its modules, before ``on_mount``)
+    used to meet Python's default: SIGINT became a KeyboardInterrupt the starting app could swallow,
+    and a page's process stayed alive (issue 29's web visitors). Call from the main thread.
+    """
+    def on_signal(signum: int, frame: Any) -> None:
+        end_within(status=128 + signum)
+
+    for signum in SIGNALS:
+        try:
+            signal.signal(signum, on_signal)
+        except (ValueError, OSError):  # not the main thread
+            pass
+
+
 def quit_on_signals(app: Any) -> None:
     """SIGTERM, SIGINT and SIGHUP quit ``app`` as ``q`` does, status 128 + the signal's number
-    (call on the app's event loop, in the main thread)."""
+    (call on the app's event loop, in the main thread).
+
+    Plain ``signal.signal`` handlers, not the loop's ``add_signal_handler``: those run only when
+    the loop turns, and a page's app whose main thread waits on a full stdout pipe (the browser
+    side gone) never turned it again. A plain handler runs even then (Python retries the write
+    after running it), starts the watchdog (:func:`end_within`) and asks the loop to quit.
+    """
     import asyncio
 
     loop = asyncio.get_running_loop()
 
-    def on_signal(signum: int) -> None:
-        end_within(status=128 + signum)
+    def graceful(signum: int) -> None:
         app.stop_engine()
         app.exit(return_code=128 + signum)
 
+    def on_signal(signum: int, frame: Any) -> None:
+        end_within(status=128 + signum)
+        try:
+            loop.call_soon_threadsafe(graceful, signum)
+        except RuntimeError:  # the loop has closed: the watchdog ends the process
+            pass
+
     for signum in SIGNALS:
         try:
-            loop.add_signal_handler(signum, on_signal, signum)
-        except (NotImplementedError, RuntimeError, ValueError):  # not on this platform / not the main thread
+            signal.signal(signum, on_signal)
+        except (ValueError, OSError):  # not the main thread
             pass
 
 
