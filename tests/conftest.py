@@ -23,10 +23,11 @@ torch.set_num_threads(max(1, torch.get_num_threads()))
 
 @pytest.fixture(scope="session")
 def real_model():
-    """(model, tokenizer, resolved) of the embedded default model, float32 on the CPU."""
+    """(model, tokenizer, resolved) of the embedded default model, float32 on the CPU (``quantization="none"``:
+    the engine's default for it is now the file's own Q4_1 blocks, ``real_model_gguf``)."""
     from nanovllm_core.model.loader import load_model
 
-    return load_model(None, torch.device("cpu"), torch.float32)
+    return load_model(None, torch.device("cpu"), torch.float32, quantization="none")
 
 
 @pytest.fixture(scope="session")
@@ -49,11 +50,14 @@ def real_model_gguf():
 def make_engine(real_model, request):
     """Build an engine over the shared real model: ``make_engine(num_kv_blocks=64, ...)``.
 
-    ``quantization="int8"`` or ``"gguf"`` builds it over the shared int8 or block model instead.
+    Float32 unless asked (``quantization="none"`` is set for it: the engine's own default, auto,
+    would keep the file's blocks); ``quantization="int8"`` or ``"gguf"`` builds it over the
+    shared int8 or block model instead, each loaded once per run.
     """
 
     def build(**kwargs) -> LLMEngine:
         kwargs.setdefault("num_kv_blocks", 256)
+        kwargs.setdefault("quantization", "none")
         shared = {"int8": "real_model_int8", "gguf": "real_model_gguf"}.get(kwargs.get("quantization"))
         model, tokenizer, resolved = request.getfixturevalue(shared) if shared else real_model
         return LLMEngine(EngineConfig(**kwargs), model, tokenizer, resolved)

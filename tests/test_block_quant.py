@@ -14,7 +14,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from nanovllm_core.model import block_quant as bq
-from nanovllm_core.model.quantization import QUANTIZATION_CHOICES, normalize_quantization
+from nanovllm_core.model.quantization import QUANTIZATION_CHOICES, built_quantization, normalize_quantization
 from tests.native_builds import BUILD_IDS, BUILDS, build
 
 FORMATS = list(bq.FORMATS)
@@ -157,10 +157,14 @@ def test_bad_shapes_and_names_are_one_line_errors():
 
 
 def test_quantization_names():
-    assert QUANTIZATION_CHOICES == ("none", "gguf", "q8_0", "q4_0", "q4_1", "int8")
-    assert normalize_quantization("none") is None and normalize_quantization(None) is None
-    assert normalize_quantization("Q4_0") == "q4_0"
-    with pytest.raises(ValueError, match=r"^quantization='int3' is unknown; use one of none, gguf, q8_0"):
+    assert QUANTIZATION_CHOICES == ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1", "int8")
+    # None and "auto" are the request to decide at load; "none" asks for float and stays said
+    assert normalize_quantization("auto") is None and normalize_quantization(None) is None
+    assert normalize_quantization("none") == "none" and normalize_quantization("Q4_0") == "q4_0"
+    assert built_quantization("none") is None and built_quantization(None) is None and built_quantization("gguf") == "gguf"
+    with pytest.raises(ValueError, match=r"^quantization='auto' must be resolved before layers are built"):
+        built_quantization("auto")
+    with pytest.raises(ValueError, match=r"^quantization='int3' is unknown; use one of auto, none, gguf, q8_0"):
         normalize_quantization("int3")
 
 

@@ -407,7 +407,7 @@ def test_an_unknown_quantization_is_one_line_naming_the_choice(make):
     with pytest.raises(ValueError) as e:
         make()
     message = str(e.value)
-    assert "is unknown; use one of none, gguf, q8_0, q4_0, q4_1, int8" in message and "\n" not in message
+    assert "is unknown; use one of auto, none, gguf, q8_0, q4_0, q4_1, int8" in message and "\n" not in message
 
 
 def test_an_engine_refuses_a_model_built_with_other_linear_layers(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ import sys
 
 
 # model.quantization.QUANTIZATION_CHOICES, written out: parsing options must not import torch (a test holds them equal)
-QUANTIZATION_CHOICES = ("none", "gguf", "q8_0", "q4_0", "q4_1", "int8")
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1", "int8")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -115,10 +115,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="default: float32 on cpu, bfloat16 on cuda")
     m.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None, type=str.lower,
-                   help="how the linear layers hold their weights (CPU only but for none): gguf keeps a .gguf "
-                        "file's own blocks (the embedded model's Q4_1: 96 MB instead of 540 MB of float32); "
-                        "q8_0, q4_0, q4_1 cut float weights into those blocks at load; int8: int8 weights through "
-                        "oneDNN/fbgemm; none: float (the default)")
+                   help="how the linear layers hold their weights. auto (the default): a .gguf file's own "
+                        "blocks on the CPU where the block kernel runs (the embedded model: its Q4_1), else float; "
+                        "none: float (float32 on the CPU); gguf keeps a .gguf file's own blocks; q8_0, q4_0, q4_1 "
+                        "cut float weights into those blocks at load; int8: int8 weights through oneDNN/fbgemm "
+                        "(all but auto and none: CPU only)")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:

@@ -18,7 +18,8 @@ from nanovllm_core.sampling_params import SEED_MAX, SEED_MIN
 # The quantization modes' names (model/quantization.py builds the layers each one names).
 BLOCK_MODES = ("gguf", "q8_0", "q4_0", "q4_1")  # weights in GGUF blocks (model/block_quant.py)
 QUANTIZATION_MODES = (*BLOCK_MODES, "int8")
-QUANTIZATION_CHOICES = ("none", *QUANTIZATION_MODES)  # what --quantization accepts ("none": float weights)
+AUTO = "auto"  # the default: model.quantization.resolve_quantization decides at load
+QUANTIZATION_CHOICES = (AUTO, "none", *QUANTIZATION_MODES)  # what --quantization accepts ("none": float weights)
 
 SCHEDULING_POLICIES = ("priority", "fcfs")
 ATTENTION_BACKENDS = ("flash", "math")
@@ -28,7 +29,12 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def normalize_quantization(mode: str | None) -> str | None:
-    """``mode`` as the engine keeps it: None for float weights (``None`` or ``"none"``), else the lower-case name.
+    """``mode`` as the engine keeps the request: None for auto (``None`` or ``"auto"``), ``"none"`` for
+    float weights asked for, else the lower-case mode name.
+
+    Auto is decided at load by ``nanovllm_core.model.quantization.resolve_quantization`` (the
+    file's own blocks for a GGUF checkpoint on the CPU, else float); a model's *built* mode
+    (``model.quantization``) is None for float weights (see :func:`built_quantization`).
 
     Raises:
         ValueError: any value not in :data:`QUANTIZATION_CHOICES`, in one line naming the choices.
@@ -38,8 +44,27 @@ def normalize_quantization(mode: str | None) -> str | None:
     name = str(mode).lower()
     if name not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization={mode!r} is unknown; use one of {', '.join(QUANTIZATION_CHOICES)} "
-                         "(gguf: keep a GGUF file's own blocks; q8_0/q4_0/q4_1: quantize at load; none: float)")
+                         "(auto: a GGUF file's own blocks on the CPU where they run, else float; gguf: keep a GGUF "
+                         "file's own blocks; q8_0/q4_0/q4_1: quantize at load; none: float)")
+    return None if name == AUTO else name
+
+
+def built_quantization(mode: str | None) -> str | None:
+    """A mode to build (never auto) as ``model.quantization`` keeps it: None for float (``None`` or ``"none"``).
+
+    Raises:
+        ValueError: an unknown name, or ``"auto"`` (resolve it first).
+    """
+    name = normalize_quantization(mode)
+    if mode is not None and name is None:
+        raise ValueError("quantization='auto' must be resolved before layers are built "
+                         "(model.quantization.resolve_quantization)")
     return None if name == "none" else name
+
+
+def explicit_quantized(mode: str | None) -> bool:
+    """True when ``mode`` asks for quantized weights by name (not auto, not none)."""
+    return normalize_quantization(mode) not in (None, "none")
 
 
 def check_quantization(mode: str | None) -> None:
@@ -81,9 +106,12 @@ class EngineConfig:
             draft model (repo id, folder or ``.gguf``) with the target's vocabulary.
         num_speculative_tokens: draft tokens proposed per step and sequence, k (None: 5 when
             ``speculative_model`` is set).
-        quantization: how the linear layers and the LM head hold their weights (CPU only but
-            for None; see ``nanovllm_core.model.quantization``). None or ``"none"``: float, in
-            ``dtype``. ``"gguf"``: a GGUF checkpoint's own blocks (Q8_0, Q4_0, Q4_1) as the
+        quantization: how the linear layers and the LM head hold their weights (see
+            ``nanovllm_core.model.quantization``). None or ``"auto"`` (the default): decided at load
+            by ``resolve_quantization``: a GGUF checkpoint's own blocks on the CPU when its linear
+            layers are in a block format the engine runs and the block kernel builds, else float
+            (``model_info()["quantization_note"]`` says why). ``"none"``: float, in ``dtype``.
+            The others run on the CPU only. ``"gguf"``: a GGUF checkpoint's own blocks (Q8_0, Q4_0, Q4_1) as the
             file ships them, embedding included. ``"q8_0"``, ``"q4_0"``, ``"q4_1"``: float
             weights cut into those blocks at load (embedding and tied head in Q8_0).
             ``"int8"``: int8 weights, one scale per output channel, through oneDNN/fbgemm;
@@ -145,10 +173,10 @@ class EngineConfig:
             raise ValueError(f"seed={self.seed!r} is invalid: it must be an integer in [{SEED_MIN}, {SEED_MAX}] "
                              "(64 bits) or None")
         self.quantization = normalize_quantization(self.quantization)
-        if self.quantization is not None and self.torch_device.type != "cpu":
+        if explicit_quantized(self.quantization) and self.torch_device.type != "cpu":
             raise ValueError(f"quantization={self.quantization!r} runs on the CPU (this engine's C kernels); "
                              "use device='cpu' (--device cpu) or --quantization none")
-        if self.quantization is not None and self.quantization != "int8" and self.dtype is not None \
+        if explicit_quantized(self.quantization) and self.quantization != "int8" and self.dtype is not None \
                 and DTYPES[self.dtype] != torch.float32:
             raise ValueError(f"quantization={self.quantization!r} computes in float32; use dtype='float32' "
                              "(--dtype float32) or --quantization none")

@@ -41,7 +41,9 @@ from nanovllm_core.model import block_quant, int8_linear, native_ops
 from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
 from nanovllm_core.model.loader import ProgressFn, ResolvedModel, warm_up
 from nanovllm_core.model.quantization import (
+    AUTO,
     BLOCK_MODES,
+    built_quantization,
     describe_weights,
     weight_formats,
     int8_weight_bytes,
@@ -82,8 +84,10 @@ class LLMEngine(EventSource):
         self.resolved = resolved
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        # Auto (config.quantization None) takes the mode a given model was built with (the loader
+        # decided it, model.quantization.resolve_quantization); a named mode must match it.
         built = getattr(model, "quantization", None)
-        if config.quantization != built:
+        if config.quantization is not None and built_quantization(config.quantization) != built:
             raise ValueError(f"the model's linear layers were built with quantization={built!r} but the engine was "
                              f"asked for {config.quantization!r}; load the model with that quantization")
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -197,6 +201,8 @@ class LLMEngine(EventSource):
             # Weights of every linear layer and the LM head, as the loader built them: the bytes
             # one decode step streams from memory (what batching shares among the batch).
             "quantization": self.model.quantization, "linear_weight_bytes": linear_weight_bytes(self.model),
+            # What was asked: "auto" (the default, decided at load), "none" or a mode's name.
+            "quantization_requested": self._quantization_requested(),
             # What the weights run as, by format and bytes ("q4_1 66 MB + q8_0 30 MB (96 MB of weights)"),
             # and a note when some of a GGUF file's tensors are in formats that run dequantized.
             "weight_format": describe_weights(self.model),
@@ -208,6 +214,12 @@ class LLMEngine(EventSource):
             "linear_weights": linear_weight_count(self.model),
             "int8_linear_weight_bytes": int8_weight_bytes(self.model),
         }
+
+    def _quantization_requested(self) -> str:
+        """``"auto"``, ``"none"`` or a mode: the engine's setting, or for auto what the loader was asked."""
+        if self.config.quantization is not None:
+            return self.config.quantization
+        return getattr(self.model, "quantization_requested", None) or AUTO
 
     # ------------------------------------------------------------------ requests
 

@@ -335,8 +335,11 @@ def load_tokenizer(path: Path) -> Any:
         raise ModelLoadError(f"could not load a tokenizer from {path} ({type(e).__name__}: {str(e)[:160]})") from None
 
 
-def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None = None) -> None:
+def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None = None,
+                 skip: set[str] | frozenset[str] = frozenset()) -> None:
     """Copy safetensors weights from ``path`` into ``model`` (our packed LLaMA), checking names and shapes.
+
+    ``skip``: Hugging Face names already filled another way (a GGUF file's blocks): not read.
 
     Raises:
         ModelLoadError: a tensor missing, of the wrong shape, or a file truncated/corrupt.
@@ -358,6 +361,9 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
         with handle as f:
             keys = list(f.keys())
             for key in keys:
+                if key in skip:
+                    seen.add(key)
+                    continue
                 dest = model.packed_parameter(key)
                 if dest is None:
                     continue
@@ -392,9 +398,15 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     """Resolve, build and load a model: returns ``(LlamaForCausalLM, tokenizer, ResolvedModel)``.
 
     The rotary table is sized for ``max_model_len`` (default: the model's context length).
-    ``quantization`` (None, ``"gguf"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"`` or ``"int8"``) chooses
-    the linear layers (``nanovllm_core.model.quantization``): ``"gguf"`` keeps a GGUF file's own
-    blocks, the others are built from the checkpoint's float weights; float ones are packed here.
+    ``quantization`` (None or ``"auto"``, ``"none"``, ``"gguf"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"``
+    or ``"int8"``) chooses the linear layers (``nanovllm_core.model.quantization``); auto is
+    decided by ``resolve_quantization`` (a GGUF file's own blocks on the CPU where they run, else
+    float, the reason in ``model.quantization_note``). ``"gguf"`` builds its block layers straight
+    from the file's tensors on a model not yet materialised: only the norms (and any tensor in a
+    format the block kernels do not run) are read from the float checkpoint, so no float copy
+    of a kept weight is ever made. The other modes are built from the checkpoint's float weights;
+    float ones are packed here. ``model.quantization_requested`` keeps what was asked
+    (``"auto"``, ``"none"`` or a mode).
 
     Raises:
         ModelLoadError: any failure to find, convert or load, as one line; ``"gguf"`` for a
@@ -402,13 +414,25 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
         ValueError: an unknown ``quantization``, or a quantized mode on a device other than the CPU.
     """
     from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
-    from nanovllm_core.model.quantization import calibration_ids, normalize_quantization, prepare_linear_layers
+    from nanovllm_core.model.quantization import (
+        AUTO,
+        calibration_ids,
+        keep_file_blocks,
+        normalize_quantization,
+        prepare_linear_layers,
+        resolve_quantization,
+    )
 
-    quantization = normalize_quantization(quantization)
+    requested = normalize_quantization(quantization)
     resolved = resolve_model(model, progress)
-    if quantization == "gguf" and resolved.gguf_file is None:
+    if requested == "gguf" and resolved.gguf_file is None:
         raise ModelLoadError(f"--quantization gguf keeps a GGUF file's own blocks, but {resolved.name} is not a .gguf "
                              "file; use q8_0, q4_0 or q4_1 to quantize it at load, or none")
+    try:
+        types = gguf_tensor_types_cached(resolved) if requested is None and resolved.gguf_file is not None else None
+        mode, auto_note = resolve_quantization(requested, resolved.gguf_file, device, dtype, tensor_types=types)
+    except ValueError as e:
+        raise ModelLoadError(f"{resolved.name}: {e}") from None
     hf_config = load_hf_config(resolved.path)
     try:
         cfg = ModelConfig.from_hf(hf_config)
@@ -423,22 +447,122 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
         net = LlamaForCausalLM(cfg, max_position=max_model_len)
     # Parameters are materialised empty (no random init), already in the target dtype (a cast
     # after materialising would hold float32 and target copies at once: twice the model on
-    # the device at peak), then filled from the checkpoint.
-    net = net.to(dtype).to_empty(device=device)
+    # the device at peak), then filled from the checkpoint. Under "gguf" the file's blocks
+    # replace the linear layers first, while they are still on the meta device (no memory).
+    net = net.to(dtype)
+    kept: set[str] = set()
+    if mode == "gguf" and device.type == "cpu":
+        if progress:
+            progress("reading the GGUF file's blocks", 0, 1)
+        try:
+            kept = keep_file_blocks(net, gguf_blocks_cached(resolved, cfg))
+        except ValueError as e:
+            raise ModelLoadError(f"{resolved.name}: {e}") from None
+        if progress:
+            progress("reading the GGUF file's blocks", 1, 1)
+    materialize_empty(net, device)
     net.rotary.build_tables(device)
-    load_weights(net, resolved.path, progress)
+    load_weights(net, resolved.path, progress, skip=kept)
     net.eval()
     stage = {"int8": "quantizing to int8 (calibrating)", "gguf": "keeping the GGUF file's blocks", None: "packing linear layers"
-             }.get(quantization, f"quantizing to {quantization}")
+             }.get(mode, f"quantizing to {mode}")
     if progress:
         progress(stage, 0, 1)
     try:
-        prepare_linear_layers(net, quantization, calibration_ids(tokenizer, cfg.vocab_size), gguf_file=resolved.gguf_file)
+        prepare_linear_layers(net, mode, calibration_ids(tokenizer, cfg.vocab_size), gguf_file=resolved.gguf_file)
     except ValueError as e:
         raise ModelLoadError(f"{resolved.name}: {e}") from None
+    if auto_note is not None:
+        net.quantization_note = auto_note
+    net.quantization_requested = AUTO if requested is None else requested
     if progress:
         progress(stage, 1, 1)
     return net, tokenizer, resolved
+
+
+GGUF_TYPES_FILE = "nanovllm_gguf_types.json"  # {Hugging Face name: ggml type}, beside a converted GGUF folder
+GGUF_BLOCKS_FILE = "nanovllm_gguf_blocks.st"  # the file's blocks, q/k rows unpermuted, uint8 safetensors (not *.safetensors: no float weights)
+
+
+def gguf_tensor_types_cached(resolved: ResolvedModel) -> dict[str, str]:
+    """``quantization.gguf_tensor_types`` of ``resolved.gguf_file``, kept in its converted folder.
+
+    Reading a GGUF header parses its whole vocabulary (about 5 s for the embedded model on a
+    busy 2-core EPYC); auto's decision needs only the tensor types, so they are read once and
+    kept in :data:`GGUF_TYPES_FILE`. A folder that cannot be written only means reading again.
+
+    Raises:
+        ValueError: the file cannot be read.
+    """
+    from nanovllm_core.model.quantization import gguf_tensor_types
+
+    path = resolved.path / GGUF_TYPES_FILE
+    try:
+        types = json.loads(path.read_text())
+        if isinstance(types, dict) and types:
+            return {str(k): str(v) for k, v in types.items()}
+    except (OSError, ValueError):
+        pass
+    types = gguf_tensor_types(resolved.gguf_file)
+    _write_atomically(path, lambda tmp: tmp.write_text(json.dumps(types)))
+    return types
+
+
+def gguf_blocks_cached(resolved: ResolvedModel, cfg) -> dict[str, tuple[str, torch.Tensor | None]]:
+    """``quantization.gguf_block_tensors`` of ``resolved.gguf_file``, kept in its converted folder.
+
+    The first load reads them from the GGUF file (its header parse and the q/k row
+    unpermutation take seconds) and writes :data:`GGUF_BLOCKS_FILE` (uint8 safetensors, the
+    file's size); later loads read that back. Tensors in other formats map to ``(type, None)``.
+
+    Raises:
+        ValueError: the GGUF file cannot be read.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from nanovllm_core.model.quantization import gguf_block_tensors
+
+    path = resolved.path / GGUF_BLOCKS_FILE
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            types = json.loads((f.metadata() or {})["types"])
+            return {name: (kind, f.get_tensor(name) if name in f.keys() else None) for name, kind in types.items()}
+    except Exception:  # missing, truncated or from another layout: read the GGUF file again
+        pass
+    blocks = gguf_block_tensors(resolved.gguf_file, cfg)
+    meta = {"types": json.dumps({n: kind for n, (kind, _b) in blocks.items()})}
+    _write_atomically(path, lambda tmp: save_file({n: b for n, (_k, b) in blocks.items() if b is not None},
+                                                  str(tmp), metadata=meta))
+    return blocks
+
+
+def _write_atomically(path: Path, write: Callable[[Path], Any]) -> None:
+    """``write(tmp)`` then rename ``tmp`` to ``path``; an unwritable folder is skipped silently (a cache)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+
+
+def materialize_empty(module: torch.nn.Module, device: torch.device) -> None:
+    """Give every parameter and buffer still on the ``meta`` device uninitialised storage on ``device``, in place.
+
+    Unlike ``Module.to_empty`` it leaves real tensors alone: the GGUF blocks swapped in before
+    (``keep_file_blocks``) keep their data.
+    """
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and p.is_meta:
+                m._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                m._buffers[name] = torch.empty_like(b, device=device)
 
 
 class _NoCache:
