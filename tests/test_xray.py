@@ -29,12 +29,13 @@ def test_the_ridge_point_divides_memory_bound_from_compute_bound():
 def test_the_roofline_is_measured_once_then_read_back(tmp_path, monkeypatch):
     calls = []
 
-    def fake_measure(device, dtype, quantization=None):
-        calls.append(device)
-        return Roofline(1e11 * (10 if quantization else 1), 1e10, f"fake machine {quantization}")
+    def fake_measure(device, dtype, quantization=None, bandwidth=None):
+        calls.append(bandwidth)
+        return Roofline(1e11 * (10 if quantization else 1), bandwidth or 1e10, f"fake machine {quantization}")
 
     monkeypatch.setattr(roofline, "measure", fake_measure)
     monkeypatch.setattr(roofline, "_measured", {})
+    monkeypatch.setattr(roofline, "_bandwidths", {})
     path = tmp_path / "roofline.json"
     first = roofline.machine_roofline("cpu", torch.float32, path)
     assert roofline.machine_roofline("cpu", torch.float32, path) == first and len(calls) == 1
@@ -45,11 +46,19 @@ def test_the_roofline_is_measured_once_then_read_back(tmp_path, monkeypatch):
     assert roofline.cached("cpu", torch.float32, path) is None
     roofline.machine_roofline("cpu", torch.float32, path)
     assert len(calls) == 2
-    # int8 weights are their own entry: another kernel, another peak.
+    # int8 weights are their own entry: another kernel, another peak; the bandwidth is the
+    # machine's, measured once and handed to the int8 measurement (not streamed again).
     int8 = roofline.machine_roofline("cpu", torch.float32, path, quantization="int8")
-    assert len(calls) == 3 and int8.peak_flops == 1e12
+    assert len(calls) == 3 and calls[-1] == 1e10 and int8.peak_flops == 1e12
     assert roofline.cached("cpu", torch.float32, path) == first
     assert roofline.cached("cpu", torch.float32, path, quantization="int8") == int8
+    # a block mode runs the float matmul's peak: float's entry, nothing measured
+    assert roofline.machine_roofline("cpu", torch.float32, path, quantization="gguf") == first and len(calls) == 3
+    monkeypatch.setattr(roofline, "_measured", {})  # a new process: the kept bandwidth serves every mode
+    monkeypatch.setattr(roofline, "_bandwidths", {})
+    assert roofline.cached_bandwidth("cpu", path) == 1e10
+    roofline.machine_roofline("cpu", torch.float64, path)
+    assert len(calls) == 4 and calls[-1] == 1e10
 
 
 def test_int8_weights_take_the_int8_kernels_peak(monkeypatch):
@@ -318,12 +327,13 @@ def test_a_roofline_measured_on_a_busy_host_says_so_and_is_not_kept(tmp_path, mo
     A measurement whose threads did not get their cores is used by this process only, says the
     host was busy and how to measure again; an entry kept before the check is measured again."""
     shares = iter([0.4, 0.95])
-    monkeypatch.setattr(roofline, "measure", lambda device, dtype, quantization=None: Roofline(
+    monkeypatch.setattr(roofline, "measure", lambda device, dtype, quantization=None, bandwidth=None: Roofline(
         39e9, 1e10, "fake machine", cpu_share=next(shares)))
     monkeypatch.setattr(roofline, "_measured", {})
+    monkeypatch.setattr(roofline, "_bandwidths", {})
     path = tmp_path / "roofline.json"
     busy = roofline.machine_roofline("cpu", torch.float32, path)
-    assert not busy.quiet and not path.exists()
+    assert not busy.quiet and not path.exists() and roofline.cached_bandwidth("cpu", path) is None  # nor the bandwidth
     assert "host was busy" in busy.machine and "python -m nanovllm_core.roofline" in busy.machine
     assert roofline.machine_roofline("cpu", torch.float32, path) is busy  # this process: not measured again
     monkeypatch.setattr(roofline, "_measured", {})  # a new process measures again, on a quiet host
@@ -418,3 +428,22 @@ def test_the_lm_head_total_counts_the_rows_the_model_really_sends_through_it(mak
     whole = 2_000_000 + sum(o.flops for o in edges.values())
     assert f"The whole forward pass: {whole / 1e6:.3g} MFLOP" in text and "3 rows that sample" in text
     assert "not counted" in step_total([layer, layer])
+
+
+def test_a_block_mode_shares_float_s_roofline_and_names_its_weights(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_measure(device, dtype, quantization=None, bandwidth=None):
+        calls.append((quantization, bandwidth))
+        return Roofline(1e11, bandwidth or 1e10, roofline.machine_name(device, dtype, quantization))
+
+    monkeypatch.setattr(roofline, "measure", fake_measure)
+    monkeypatch.setattr(roofline, "_measured", {})
+    monkeypatch.setattr(roofline, "_bandwidths", {})
+    path = tmp_path / "roofline.json"
+    block = roofline.machine_roofline("cpu", torch.float32, path, quantization="q4_1")
+    assert calls == [(None, None)]  # the float matmul's peak, and the bandwidth, measured once ...
+    assert block.machine.endswith("float32, q4_1 weights")  # ... and named for the weights that run
+    assert peak_words(block.machine, 1e11).endswith("the block kernels' own not measured")
+    plain = roofline.machine_roofline("cpu", torch.float32, path)
+    assert calls == [(None, None)] and plain.machine.endswith("float32") and plain.peak_flops == block.peak_flops

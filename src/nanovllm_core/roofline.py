@@ -9,16 +9,21 @@ bytes/s it takes at least ``max(F / P, B / W)`` seconds, so it is *memory-bound*
 Both figures are measured here, on this machine, in this process's thread count, never
 taken from a data sheet: ``P`` is the best of PyTorch's matrix-multiply paths on square
 matrices (the one our linear layers take among them), ``W`` a streaming read of a buffer
-larger than the last-level cache. The measurement takes about a second; it is done once
-per (device, dtype, threads) and kept in memory and in ``<cache_root()>/roofline.json``, so
-later runs read it back. The X-Ray and the tutorial show it as the machine's ridge point.
+larger than the last-level cache. The measurement takes about a second; it is kept in memory
+and in ``<cache_root()>/roofline.json``, so later runs read it back. The bandwidth is a
+property of the machine: it is measured once per device (CPU model and thread count, or GPU)
+and reused in every dtype and quantization mode; the peak once per (device, dtype, peak kind),
+where the kind is int8's kernel under ``--quantization int8`` and the float matmul in every
+other mode (float and the block modes share one entry). The X-Ray and the tutorial show it as
+the machine's ridge point.
 
 A CPU measurement is only as good as the cores it got: with other work on the host the peak
 comes out low (39 GFLOP/s measured under load where the same host reached 78-85, issue 29).
 So the measurement also records ``cpu_share``, the CPU time its threads got over wall time x
 threads (about 1 on a quiet host). Below ``QUIET_CPU_SHARE`` the figures are used by this
-process only, never kept, and ``machine`` says the host was busy and how to measure again:
-``python -m nanovllm_core.roofline`` (it measures now and keeps a quiet result).
+process only, never kept (neither the peak nor the bandwidth), and ``machine`` says the host
+was busy and how to measure again: ``python -m nanovllm_core.roofline`` (it measures both now
+and keeps a quiet result, replacing what was kept).
 
 Under ``--quantization int8`` the linear layers, which do nearly all of a step's arithmetic,
 run oneDNN's int8 matmul from two tokens on (a lone token goes through fbgemm's matrix-vector
@@ -196,14 +201,19 @@ def memory_bandwidth(nbytes: int | None = None, repeats: int = 5, device: torch.
 
 def machine_name(device: torch.device | str, dtype: torch.dtype, quantization: str | None = None) -> str:
     """Where a roofline holds: ``"Intel Xeon ... (2 threads), float32"`` (``", int8 weights"``
-    added under int8) or the GPU's name."""
+    added under int8, whose peak is int8's kernel; ``", q4_1 weights"`` and the like under a block
+    mode, whose peak is the float matmul's: ``educational.xray_costs.peak_words`` says so) or the
+    GPU's name."""
+    weights = f", {quantization} weights" if quantization else ""
+    return f"{device_name(device)}, {str(dtype).replace('torch.', '')}{weights}"
+
+
+def device_name(device: torch.device | str) -> str:
+    """The device a bandwidth holds for: ``"AMD EPYC ... (2 threads)"`` or the GPU's name."""
     device = torch.device(device)
     if device.type == "cuda":  # pragma: no cover - needs CUDA
-        where = torch.cuda.get_device_name(device)
-    else:
-        where = f"{cpu_name()} ({torch.get_num_threads()} threads)"
-    weights = f", {quantization} weights" if quantization else ""
-    return f"{where}, {str(dtype).replace('torch.', '')}{weights}"
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_name()} ({torch.get_num_threads()} threads)"
 
 
 def cpu_name() -> str:
@@ -221,14 +231,15 @@ def cpu_name() -> str:
 
 
 def measure(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, gemm_n: int = GEMM_N,
-            stream_bytes: int | None = None, repeats: int = 3, quantization: str | None = None) -> Roofline:
+            stream_bytes: int | None = None, repeats: int = 3, quantization: str | None = None,
+            bandwidth: float | None = None) -> Roofline:
     """Measure the roofline now (about a second on a CPU): the best matmul path (int8's kernel
     when ``quantization="int8"``, falling back to float's where it is unavailable) and a
-    streaming read."""
+    streaming read, unless ``bandwidth`` (bytes/s, measured before on this device) is given."""
     _timed[:] = [0.0, 0.0]
     peak = int8_gemm_peak(gemm_n, repeats) if quantization == "int8" else 0.0
     peak = peak or max(gemm_peaks(gemm_n, repeats, device, dtype).values())
-    bandwidth = memory_bandwidth(stream_bytes, repeats, device)
+    bandwidth = bandwidth or memory_bandwidth(stream_bytes, repeats, device)
     share = 1.0
     if torch.device(device).type == "cpu":  # the timed runs' CPU time over what their threads could have had
         share = _timed[0] / max(1e-9, _timed[1] * torch.get_num_threads())
@@ -250,10 +261,51 @@ def default_cache_path() -> Path:
 
 _lock = threading.Lock()
 _measured: dict[str, Roofline] = {}
+_bandwidths: dict[str, float] = {}
+
+
+def _peak_kind(quantization: str | None) -> str | None:
+    """What a mode's peak measures: ``"int8"`` (int8's kernel) or None (the float matmul: float and block modes)."""
+    return "int8" if quantization == "int8" else None
 
 
 def _key(device: torch.device | str, dtype: torch.dtype, quantization: str | None = None) -> str:
-    return f"{machine_name(device, dtype, quantization)} · torch {torch.__version__}"
+    """The cache key of a roofline: its peak's kind (int8 or float), not the mode (see the module docstring)."""
+    return f"{machine_name(device, dtype, _peak_kind(quantization))} · torch {torch.__version__}"
+
+
+def _named_for(roof: Roofline, device: torch.device | str, dtype: torch.dtype, quantization: str | None) -> Roofline:
+    """``roof`` (kept under its peak's kind) with ``machine`` naming ``quantization``'s weights."""
+    kind_name, name = machine_name(device, dtype, _peak_kind(quantization)), machine_name(device, dtype, quantization)
+    if name == kind_name or roof.machine.startswith(name) or not roof.machine.startswith(kind_name):
+        return roof
+    return replace(roof, machine=name + roof.machine[len(kind_name):])
+
+
+def _bandwidth_key(device: torch.device | str) -> str:
+    """The cache key of a device's bandwidth: the same in every dtype and mode."""
+    return f"memory bandwidth · {device_name(device)}"
+
+
+def cached_bandwidth(device: torch.device | str = "cpu", path: Path | None = None) -> float | None:
+    """This device's memory bandwidth (bytes/s) measured earlier on a quiet host, or None; never measures.
+
+    From this process's measurements or ``path`` (default ``<cache_root()>/roofline.json``)."""
+    key = _bandwidth_key(device)
+    with _lock:
+        if key in _bandwidths:
+            return _bandwidths[key]
+    data = _read_cache(path or default_cache_path())
+    entry = data.get(key)
+    try:
+        value = float(entry["bandwidth"]) if float(entry["cpu_share"]) >= QUIET_CPU_SHARE else 0.0
+    except (TypeError, KeyError, ValueError):
+        value = 0.0
+    if value <= 0:
+        return None
+    with _lock:
+        _bandwidths[key] = value
+    return value
 
 
 def _read_cache(path: Path) -> dict:
@@ -270,7 +322,7 @@ def cached(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float3
     key = _key(device, dtype, quantization)
     with _lock:
         if key in _measured:
-            return _measured[key]
+            return _named_for(_measured[key], device, dtype, quantization)
     entry = _read_cache(path or default_cache_path()).get(key)
     try:  # an entry without cpu_share predates the check: it may have been measured under load
         roof = Roofline(float(entry["peak_flops"]), float(entry["bandwidth"]), str(entry["machine"]),
@@ -281,7 +333,7 @@ def cached(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float3
         return None
     with _lock:
         _measured[key] = roof
-    return roof
+    return _named_for(roof, device, dtype, quantization)
 
 
 def machine_roofline(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -290,28 +342,38 @@ def machine_roofline(device: torch.device | str = "cpu", dtype: torch.dtype = to
     first time, then kept.
 
     The file at ``path`` (default ``<cache_root()>/roofline.json``) keeps one entry per
-    machine, thread count, dtype, quantization and torch version; a file that cannot be
-    written only means the next process measures again.
+    machine, thread count, dtype, peak kind (int8's or float's) and torch version, and one
+    bandwidth per device, reused by every entry: a mode measured second only times its peak.
+    A file that cannot be written only means the next process measures again.
     """
     roof = cached(device, dtype, path, quantization)
     if roof is not None:
         return roof
-    return remeasure(device, dtype, path, quantization)
+    return remeasure(device, dtype, path, quantization, bandwidth=cached_bandwidth(device, path))
 
 
 def remeasure(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-              path: Path | None = None, quantization: str | None = None) -> Roofline:
-    """Measure now, whatever was kept; keep the result in ``path`` only if the host was quiet
-    (else this process uses it, and its ``machine`` says the host was busy)."""
-    roof = busy_note(measure(device, dtype, quantization=quantization))
+              path: Path | None = None, quantization: str | None = None,
+              bandwidth: float | None = None) -> Roofline:
+    """Measure now, whatever was kept (the bandwidth too, unless ``bandwidth`` is given); keep
+    the result in ``path`` only if the host was quiet (else this process uses it, and its
+    ``machine`` says the host was busy and how to measure again)."""
+    kind = _peak_kind(quantization)
+    roof = busy_note(measure(device, dtype, quantization=kind, bandwidth=bandwidth))
     key = _key(device, dtype, quantization)
     with _lock:
         _measured[key] = roof
     if not roof.quiet:
-        return roof
+        return _named_for(roof, device, dtype, quantization)
     path = path or default_cache_path()
     data = _read_cache(path)
     data[key] = asdict(roof)
+    # The device's bandwidth for every mode: replaced when measured now (on a quiet host), else
+    # written back where the file lost it (the value came from a quiet measurement before).
+    if bandwidth is None or _bandwidth_key(device) not in data:
+        data[_bandwidth_key(device)] = {"bandwidth": roof.bandwidth, "cpu_share": roof.cpu_share}
+    with _lock:
+        _bandwidths[_bandwidth_key(device)] = roof.bandwidth
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -319,7 +381,7 @@ def remeasure(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
         os.replace(tmp, path)
     except OSError:
         pass
-    return roof
+    return _named_for(roof, device, dtype, quantization)
 
 
 def main() -> int:
