@@ -112,3 +112,70 @@ def test_gguf_mode_on_a_model_that_is_not_a_gguf_file_is_one_line(default_model_
     with pytest.raises(loader.ModelLoadError, match=r"keeps a GGUF file's own blocks, but .* is not a \.gguf file; use "
                                                     r"q8_0, q4_0 or q4_1 to quantize it at load, or none$"):
         loader.load_model(str(default_model_dir), torch.device("cpu"), torch.float32, quantization="gguf")
+
+
+# ----------------------------------------------------------------------------- the default: auto
+
+
+def test_auto_keeps_the_file_s_blocks_on_the_cpu_and_says_why_not_elsewhere(real_model_gguf, monkeypatch):
+    from nanovllm_core import native
+    from nanovllm_core.model.quantization import resolve_quantization
+
+    resolved = real_model_gguf[2]
+    types = loader.gguf_tensor_types_cached(resolved)  # what auto reads: the file's header, kept beside it
+    assert types["model.layers.0.self_attn.q_proj.weight"] == "q4_1" and types["model.norm.weight"] == "f32"
+    cpu, f32, gguf_file = torch.device("cpu"), torch.float32, resolved.gguf_file
+
+    def auto(**kw):
+        args = dict(gguf_file=gguf_file, device=cpu, dtype=f32, tensor_types=types) | kw
+        return resolve_quantization(None, args.pop("gguf_file"), args.pop("device"), args.pop("dtype"), **args)
+
+    assert auto() == ("gguf", None)
+    assert resolve_quantization("auto", gguf_file, cpu, f32, tensor_types=types) == ("gguf", None)
+    # a named mode is built as asked, "none" as float: nothing is decided
+    assert resolve_quantization("none", gguf_file, cpu, f32) == (None, None)
+    assert resolve_quantization("q8_0", None, cpu, f32) == ("q8_0", None)
+    for kw, why in [(dict(gguf_file=None), "the checkpoint is not a GGUF file"),
+                    (dict(device=torch.device("cuda")), "the block kernels run on the CPU, not on cuda"),
+                    (dict(dtype=torch.bfloat16), "block layers compute in float32, not bfloat16"),
+                    (dict(tensor_parallel_size=2), "tensor parallelism (2 ranks)"),
+                    (dict(tensor_types=types | {"model.layers.3.mlp.down_proj.weight": "q6_k"}),
+                     "the file's linear layers are in q6_k")]:
+        mode, note = auto(**kw)
+        assert mode is None and note.startswith("auto chose float weights: " + why) and "\n" not in note, kw
+    monkeypatch.setenv(bq.ENV_SWITCH, "0")
+    mode, note = auto()
+    assert mode is None and "block kernel is unavailable (NANOVLLM_BLOCK_KERNELS=0)" in note
+    monkeypatch.delenv(bq.ENV_SWITCH)
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    mode, note = auto()
+    assert mode is None and "no C compiler" in note
+
+
+def test_the_block_model_holds_no_float_copy_of_its_linear_weights(real_model_gguf, real_model):
+    model = real_model_gguf[0]
+    mods = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                  layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert all(isinstance(m, bq.BlockLinear) for m in mods) and isinstance(model.embed_tokens, bq.BlockEmbedding)
+    # float parameters left: the RMSNorm weights only (61 x 576 float32 = 140,544 bytes)
+    float_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert float_bytes == (2 * model.config.num_hidden_layers + 1) * model.config.hidden_size * 4
+    assert model.quantization == "gguf" and model.quantization_requested == "gguf"
+    # built from the file's tensors straight away, they are the blocks the float model was dequantized from
+    qkv, float_qkv = model.layers[7].self_attn.qkv_proj, real_model[0].layers[7].self_attn.qkv_proj.weight
+    assert torch.equal(qkv.dequantized(), float_qkv)
+
+
+def test_the_cli_default_runs_the_embedded_model_s_blocks_and_says_so(real_model_gguf, monkeypatch, capsys):
+    asked = []
+
+    def load_shared(model, device, dtype, max_model_len=None, progress=None, quantization=None):
+        asked.append(quantization)
+        return real_model_gguf
+
+    monkeypatch.setattr(loader, "load_model", load_shared)
+    code, out, err = run_main(cli.main, capsys, "--max-tokens", "2", "--num-kv-blocks", "64")
+    assert code == 0, err
+    assert asked == [None]  # auto: the loader decides
+    assert "gguf weights (q4_1 66 MB + q8_0 30 MB (96 MB of weights))" in out

@@ -182,6 +182,9 @@ def test_models_lists_the_served_model(client, tiny_server):
     models = client.models.list().data
     assert len(models) == 1 and models[0].id == tiny_server.controller.engine.model_name
     assert models[0].model_extra["max_model_len"] == 512
+    # what runs: the tiny model is a safetensors checkpoint, so auto chose float
+    assert models[0].model_extra["quantization"] == "none"
+    assert models[0].model_extra["weight_format"].startswith("float32 ")
 
 
 def test_shutdown_ends_streams_at_once_with_abort_while_the_engine_is_paused(make_tiny_engine):

@@ -247,8 +247,10 @@ class NanoVLLMApp(App):
                           ("int8_native_unavailable", "int8 quantize/rescale run as PyTorch ops, not in C"),
                           ("block_native_unavailable", "block-quantized layers run PyTorch's matmul, not C"),
                           ("quantization_note", "weights")):
-            if info.get(key):
-                self.notify(f"{what}: {info[key]}", severity="warning", timeout=8, markup=False)
+            if info.get(key):  # auto's choice of float (a safetensors model, say) is news, not a fault
+                auto = key == "quantization_note" and str(info[key]).startswith("auto chose")
+                self.notify(f"{what}: {info[key]}", severity="information" if auto else "warning", timeout=8,
+                            markup=False)
 
     def notify(self, message: str, *, title: str = "", severity: str = "information", timeout: float | None = None,
                markup: bool = True) -> None:

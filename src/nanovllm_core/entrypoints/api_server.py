@@ -46,6 +46,7 @@ from nanovllm_core.entrypoints.event_hub import EventHub
 from nanovllm_core.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm_core.entrypoints.openai_serving import SERVER_ID_PREFIXES, OpenAIServing, Prepared
 from nanovllm_core.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from nanovllm_core.model.quantization import describe_weights
 from nanovllm_core.entrypoints.request_stream import InFlight
 from nanovllm_core.prompts import is_conversation
 from nanovllm_core.sampling_params import SamplingParams
@@ -139,9 +140,12 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
 
     @v1.get("/v1/models")
     async def models() -> dict:
+        model = controller.engine.model
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": state.created, "owned_by": "nanovllm",
-            "root": controller.engine.model_name, "max_model_len": state.serving.max_model_len}]}
+            "root": controller.engine.model_name, "max_model_len": state.serving.max_model_len,
+            # what runs (auto, the default, decided it at load): "gguf", "q8_0", ... or "none" for float
+            "quantization": model.quantization or "none", "weight_format": describe_weights(model)}]}
 
     @v1.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -101,7 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         app = build_app(controller, model_name=args.served_model_name, api_key=args.api_key)
         shown = f"[{args.host}]" if ":" in args.host else args.host
         url = f"http://{shown}:{args.port}"
-        print(f"nanovllm serve: {app.state.server.model_name} on {url}/v1 "
+        from nanovllm_core.model.quantization import describe_weights  # torch is loaded by now
+
+        model = controller.engine.model
+        print(f"nanovllm serve: {app.state.server.model_name} ({model.quantization or 'float'} weights: "
+              f"{describe_weights(model)}) on {url}/v1 "
               f"(watch it: nanovllm-tui --connect {url}{' --api-key KEY' if args.api_key else ''}); "
               "Ctrl-C stops", file=sys.stderr, flush=True)
         APIServer(app, log_level=args.log_level, access_log=not args.no_access_log).run(sock)
