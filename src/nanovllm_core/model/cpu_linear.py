@@ -12,7 +12,7 @@ model (``nanovllm_core.model.quantization.prepare_linear_layers``), so no step p
 packing: a first request runs as fast as any later one, and a step's measured speed is the
 step's own. The packed copy is rebuilt if the weight changes in place (PyTorch's tensor
 version counter), so loading new weights can never serve stale ones. It costs one more copy
-of each packed weight in memory (about 540 MB for the default model). Anything else
+of each packed weight in memory (about 540 MB for the default model in float32, `--quantization none`). Anything else
 (another device, another dtype, a PyTorch built without oneDNN, or ``ENABLED = False``)
 takes the plain ``nn.functional.linear`` path; both compute the same product, rounded
 differently in the last bits.
