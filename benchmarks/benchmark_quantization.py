@@ -103,7 +103,7 @@ from nanovllm_core.cli import positive_int
 
 MODE_CHOICES = ("float32", "gguf", "q8_0", "q4_0", "q4_1", "int8")  # what --modes accepts
 DEFAULT_MODES = ("float32", "gguf", "q8_0", "q4_0", "int8")
-QUANT = {m: (None if m == "float32" else m) for m in MODE_CHOICES}  # mode -> LLM(quantization=...)
+QUANT = {m: ("none" if m == "float32" else m) for m in MODE_CHOICES}  # mode -> LLM(quantization=...); "none": float32 (no flag would pick the file's blocks)
 BANDWIDTH_BYTES = 512 * 2**20  # the streaming-read buffer: many times any CPU's last-level cache
 HELD_OUT = Path(__file__).resolve().parents[1].parent / "shared" / "seed" / "original-readme.txt"
 
