@@ -388,13 +388,15 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
 
 def load_model(model: str | os.PathLike | None, device: torch.device, dtype: torch.dtype,
                max_model_len: int | None = None, progress: ProgressFn | None = None,
-               quantization: str | None = None):
+               quantization: str | None = None, tensor_parallel=None):
     """Resolve, build and load a model: returns ``(LlamaForCausalLM, tokenizer, ResolvedModel)``.
 
     The rotary table is sized for ``max_model_len`` (default: the model's context length).
     ``quantization`` (None, ``"gguf"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"`` or ``"int8"``) chooses
     the linear layers (``nanovllm_core.model.quantization``): ``"gguf"`` keeps a GGUF file's own
     blocks, the others are built from the checkpoint's float weights; float ones are packed here.
+    ``tensor_parallel`` (a ``model.parallel.TensorParallel``): keep only that rank's shard of
+    the weights (``model.parallel.shard_model``), cut after loading and before packing.
 
     Raises:
         ModelLoadError: any failure to find, convert or load, as one line; ``"gguf"`` for a
@@ -428,6 +430,10 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     net.rotary.build_tables(device)
     load_weights(net, resolved.path, progress)
     net.eval()
+    if tensor_parallel is not None and tensor_parallel.world_size > 1:
+        from nanovllm_core.model.parallel import shard_model
+
+        shard_model(net, tensor_parallel)
     stage = {"int8": "quantizing to int8 (calibrating)", "gguf": "keeping the GGUF file's blocks", None: "packing linear layers"
              }.get(quantization, f"quantizing to {quantization}")
     if progress:
