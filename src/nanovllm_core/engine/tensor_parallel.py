@@ -23,7 +23,7 @@ Each step: rank 0 sends ``("step", entries, flat_rows)`` to every worker, runs t
 collectives' counts, bytes and seconds (:class:`StepTiming`). The reply also proves the worker
 alive. Failure: rank 0 checks its workers before each step and waits for replies while
 polling their liveness; a collective that a dead peer leaves raises at once (gloo's socket
-closes) and one that a hung peer leaves raises after :data:`COLLECTIVE_TIMEOUT_S`. Either way
+closes) and one that a hung peer leaves raises after :func:`collective_timeout_s` (30 s). Either way
 rank 0 raises :class:`TensorParallelError` (one line naming the rank, its PID and what
 happened), stops the other workers, and the engine finishes every request with that error
 (every block freed). Shutdown (``LLMEngine.close``, ``LLM.close`` / ``with LLM(...)`` / its
@@ -48,12 +48,19 @@ import torch
 from nanovllm_core.model.parallel import CommStats, TensorParallel
 
 # A collective waits this long for a peer (a hung worker ends the engine after it); a step of
-# a small model takes milliseconds, a long prefill on a busy CPU some seconds.
+# a small model takes milliseconds, a long prefill on a busy CPU some seconds. The environment
+# variable NANOVLLM_TP_TIMEOUT_S overrides it (tests use a short one).
 COLLECTIVE_TIMEOUT_S = 30.0
 # Start-up: a worker imports torch and loads its shard (tens of seconds on a busy 2-core host).
 START_TIMEOUT_S = 300.0
-# How long a worker's reply may take after rank 0 finished the same step (it ran the same collectives).
-REPLY_TIMEOUT_S = COLLECTIVE_TIMEOUT_S
+
+
+def collective_timeout_s() -> float:
+    """Seconds a collective (and rank 0's wait for a worker's reply) may take: NANOVLLM_TP_TIMEOUT_S or 30."""
+    try:
+        return max(0.5, float(os.environ.get("NANOVLLM_TP_TIMEOUT_S", COLLECTIVE_TIMEOUT_S)))
+    except ValueError:
+        return COLLECTIVE_TIMEOUT_S
 
 
 class TensorParallelError(RuntimeError):
@@ -111,13 +118,13 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def _init_group(backend: str, port: int, rank: int, world_size: int):
+def _init_group(backend: str, port: int, rank: int, world_size: int, timeout_s: float):
     import torch.distributed as dist
 
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=START_TIMEOUT_S))
     # The collectives' own group, with the short timeout (the default group's long one covers start-up).
-    return dist.new_group(list(range(world_size)), timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), backend=backend)
+    return dist.new_group(list(range(world_size)), timeout=timedelta(seconds=timeout_s), backend=backend)
 
 
 def _destroy_group() -> None:
@@ -143,7 +150,7 @@ def _recv(conn, parent_pid: int):
 
 
 def _worker_main(rank: int, world_size: int, port: int, backend: str, device: str, model_path: str, dtype: str,
-                 max_model_len: int | None, threads: int, conn, parent_pid: int) -> None:
+                 max_model_len: int | None, threads: int, timeout_s: float, conn, parent_pid: int) -> None:
     """A worker rank's life: join the group, load its shard, then run each step rank 0 sends until told to stop."""
     code = 0
     try:
@@ -153,7 +160,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, device: st
         if dev.type == "cuda":
             dev = torch.device("cuda", rank)
             torch.cuda.set_device(dev)
-        group = _init_group(backend, port, rank, world_size)
+        group = _init_group(backend, port, rank, world_size, timeout_s)
         from nanovllm_core.config import DTYPES
         from nanovllm_core.engine.model_runner import ModelRunner
         from nanovllm_core.model.loader import load_model, warm_up
@@ -234,6 +241,7 @@ class WorkerGroup:
         self.threads = threads_per_rank(world_size)
         self._old_threads = torch.get_num_threads()
         self._closed = False
+        self.timeout_s = collective_timeout_s()
         self.tp: TensorParallel | None = None
         ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
@@ -244,7 +252,7 @@ class WorkerGroup:
                 parent, child = ctx.Pipe()
                 p = ctx.Process(target=_worker_main, name=f"nanovllm-tp-rank{rank}", daemon=True,
                                 args=(rank, world_size, self.port, self.backend, str(device), model_path, dtype,
-                                      max_model_len, worker_threads, child, os.getpid()))
+                                      max_model_len, worker_threads, self.timeout_s, child, os.getpid()))
                 p.start()
                 child.close()
                 self.procs.append(p)
@@ -254,7 +262,7 @@ class WorkerGroup:
             self.wait_all("hello", START_TIMEOUT_S)  # every worker imported torch and is about to join
             if torch.get_num_threads() > self.threads:
                 torch.set_num_threads(self.threads)
-            group = _init_group(self.backend, self.port, 0, world_size)
+            group = _init_group(self.backend, self.port, 0, world_size, self.timeout_s)
             self.tp = TensorParallel(0, world_size, group)
         except BaseException:
             self.shutdown()
@@ -284,12 +292,13 @@ class WorkerGroup:
             if not p.is_alive():
                 raise self._dead(rank, "died")
 
-    def wait_all(self, kind: str, timeout: float = REPLY_TIMEOUT_S) -> list[Any]:
+    def wait_all(self, kind: str, timeout: float | None = None) -> list[Any]:
         """One ``kind`` reply from each worker (rank order), polling their liveness; bounded by ``timeout`` seconds.
 
         Raises:
             TensorParallelError: a worker reported an error, exited, or did not answer in time.
         """
+        timeout = self.timeout_s if timeout is None else timeout
         replies: list[Any] = [None] * len(self.conns)
         got = [False] * len(self.conns)
         deadline = time.monotonic() + timeout
