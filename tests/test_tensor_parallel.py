@@ -161,87 +161,9 @@ def test_the_ranks_spans_tile_the_model(tiny_model):
 # ----------------------------------------------------------------------------- N = 2, the tiny LLaMA
 
 
-def test_greedy_at_n2_matches_n1_repeats_and_ignores_batching(tiny_llama_dir, reference):
-    timed: list[ev.StepTimed] = []
-    measured = []
-    with LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, tensor_parallel_size=2, **QUIET) as llm:
-        engine = llm.engine
-        info = engine.model_info()
-        assert info["tensor_parallel_size"] == 2 and info["tensor_parallel_backend"] == "gloo"
-        assert [s["rank"] for s in info["tensor_parallel_shards"]] == [0, 1]
-        engine.subscribe(lambda e: timed.append(e) if isinstance(e, ev.StepTimed) else None, topk=0)
-        original = engine.runner._execute_parallel
-
-        def spy(entries, flat_rows):
-            out = original(entries, flat_rows)
-            measured.append(engine.runner.tp_timing)
-            return out
-
-        engine.runner._execute_parallel = spy
-        batched = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        alone = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS]
-        assert engine.block_manager.num_used_blocks == 0
-    assert_no_group_left()
-    assert tokens(batched) == tokens(reference) == tokens(again) == tokens(alone)
-    worst = 0.0
-    for got, want in zip(batched, reference):
-        for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
-            assert a.keys() == b.keys()
-            worst = max(worst, max(abs(a[t].logprob - b[t].logprob) for t in a))
-    assert worst <= LOGPROB_TOLERANCE, worst
-    # StepTimed shows exactly what the runner measured, step by step.
-    assert len(timed) == len(measured) > 0
-    cfg = llm.engine.model_config
-    for t, m in zip(timed, measured):
-        assert t.tp_size == 2 and t.tp_forward_s == m.wall_s and t.tp_comm_s == m.comm_s
-        assert t.tp_compute_s == m.compute_s
-        assert all(abs(c + x - w) < 1e-12 for c, x, w in zip(t.tp_compute_s, t.tp_comm_s, t.tp_forward_s))
-        assert t.tp_all_reduces == 2 * cfg.num_hidden_layers + 1
-        assert t.tp_all_reduce_bytes == t.tp_all_reduces * t.num_tokens * cfg.hidden_size * 4
-        assert 0 < sum(m.latencies_s) <= t.tp_comm_s[0]
-        assert ev.from_json(ev.to_json(t)) == t
-
-
-def test_chunked_prefill_and_a_long_idle_change_nothing(tiny_llama_dir, reference):
-    """A budget of 5 tokens a step cuts every prompt into chunks; an idle of twice the collective timeout
-    (3 s here) between requests is harmless because workers wait on their pipe, not in a collective."""
-    with LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, tensor_parallel_size=2,
-             max_num_batched_tokens=5, **QUIET) as llm:
-        first = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
-        time.sleep(6.5)
-        rest = llm.generate(PROMPTS[1:], GREEDY, use_tqdm=False)
-    assert_no_group_left()
-    assert tokens(first + rest) == tokens(reference)
-
-
-def test_pause_single_step_and_abort_through_the_controller(tiny_llama_dir, reference):
-    from nanovllm_core.engine.controller import EngineController
-    from tests.conftest import poll_until
-
-    llm = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, tensor_parallel_size=2, **QUIET)
-    ctl = EngineController.from_llm(llm, start_paused=True)
-    try:
-        rid = ctl.submit(PROMPTS[0], GREEDY)
-        other = ctl.submit(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
-        time.sleep(4.0)  # paused past the collective timeout: nothing runs, nothing times out
-        assert llm.engine.scheduler.step_index == 0
-        ctl.step(1)
-        assert poll_until(lambda: llm.engine.scheduler.step_index == 1, 10)
-        ctl.abort(other)
-        ctl.resume()
-        out = ctl.wait(rid, timeout=30)
-        assert out is not None and out.outputs[0].token_ids == reference[0].outputs[0].token_ids
-        assert poll_until(lambda: llm.engine.block_manager.num_used_blocks == 0, 10)
-    finally:
-        assert ctl.shutdown(timeout=5)
-        llm.close()
-    assert_no_group_left()
-
-
-@pytest.mark.parametrize("when", ["between steps", "inside a step"])
-def test_a_killed_worker_ends_the_engine_with_an_error_and_frees_every_block(tiny_llama_dir, when):
-    llm = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, tensor_parallel_size=2, **QUIET)
+def kill_worker_and_check_the_engine_ends(llm: LLM, when: str) -> None:
+    """SIGKILL worker rank 1 (``when``: "between steps" or "inside a step") while requests run: the engine
+    must end within seconds with a one-line error naming the rank, every block freed, the group gone."""
     engine = llm.engine
     worker_pid = engine.model_info()["tensor_parallel_pids"][1]
     errors: list[ev.EngineError] = []
@@ -269,6 +191,86 @@ def test_a_killed_worker_ends_the_engine_with_an_error_and_frees_every_block(tin
     llm.close()  # idempotent after the failure
     refused = llm.generate(["again"], GREEDY, use_tqdm=False)[0]
     assert refused.outputs[0].finish_reason == "rejected"
+
+
+def test_n2_greedy_matches_n1_repeats_ignores_batching_times_truly_then_a_killed_worker(
+        tiny_llama_dir, reference):
+    """One N = 2 engine: greedy as N = 1 (log-probabilities within LOGPROB_TOLERANCE), the same run to run
+    and prompt by prompt; StepTimed carries exactly the runner's measurements; then a worker killed
+    inside a step ends it."""
+    timed: list[ev.StepTimed] = []
+    measured = []
+    llm = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, tensor_parallel_size=2, **QUIET)
+    engine = llm.engine
+    info = engine.model_info()
+    assert info["tensor_parallel_size"] == 2 and info["tensor_parallel_backend"] == "gloo"
+    assert [s["rank"] for s in info["tensor_parallel_shards"]] == [0, 1]
+    sub = engine.subscribe(lambda e: timed.append(e) if isinstance(e, ev.StepTimed) else None, topk=0)
+    original = engine.runner._execute_parallel
+
+    def spy(entries, flat_rows):
+        out = original(entries, flat_rows)
+        measured.append(engine.runner.tp_timing)
+        return out
+
+    engine.runner._execute_parallel = spy
+    batched = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    alone = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS]
+    assert engine.block_manager.num_used_blocks == 0
+    engine.unsubscribe(sub)
+    assert tokens(batched) == tokens(reference) == tokens(again) == tokens(alone)
+    worst = 0.0
+    for got, want in zip(batched, reference):
+        for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            worst = max(worst, max(abs(a[t].logprob - b[t].logprob) for t in a))
+    assert worst <= LOGPROB_TOLERANCE, worst
+    # StepTimed shows exactly what the runner measured, step by step.
+    assert len(timed) == len(measured) > 0
+    cfg = engine.model_config
+    for t, m in zip(timed, measured):
+        assert t.tp_size == 2 and t.tp_forward_s == m.wall_s and t.tp_comm_s == m.comm_s
+        assert t.tp_compute_s == m.compute_s
+        assert all(abs(c + x - w) < 1e-12 for c, x, w in zip(t.tp_compute_s, t.tp_comm_s, t.tp_forward_s))
+        assert t.tp_all_reduces == 2 * cfg.num_hidden_layers + 1
+        assert t.tp_all_reduce_bytes == t.tp_all_reduces * t.num_tokens * cfg.hidden_size * 4
+        assert 0 < sum(m.latencies_s) <= t.tp_comm_s[0]
+        assert ev.from_json(ev.to_json(t)) == t
+    kill_worker_and_check_the_engine_ends(llm, "inside a step")
+
+
+def test_n2_chunked_idle_paused_single_step_abort_then_a_killed_worker(tiny_llama_dir, reference):
+    """One N = 2 engine with a budget of 5 tokens a step (every prompt prefilled in chunks): the N = 1
+    tokens; an idle and a pause longer than the collective timeout (3 s here) harm nothing, since
+    workers wait on their pipe, not in a collective; single step and abort through the controller;
+    then a worker killed between steps ends it."""
+    from nanovllm_core.engine.controller import EngineController
+    from tests.conftest import poll_until
+
+    llm = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, tensor_parallel_size=2,
+              max_num_batched_tokens=5, **QUIET)
+    first = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    time.sleep(4.0)
+    rest = llm.generate(PROMPTS[1:], GREEDY, use_tqdm=False)
+    assert tokens(first + rest) == tokens(reference)
+    ctl = EngineController.from_llm(llm, start_paused=True)
+    try:
+        steps = llm.engine.scheduler.step_index
+        rid = ctl.submit(PROMPTS[0], GREEDY)
+        other = ctl.submit(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+        time.sleep(4.0)  # paused past the collective timeout: nothing runs, nothing times out
+        assert llm.engine.scheduler.step_index == steps
+        ctl.step(1)
+        assert poll_until(lambda: llm.engine.scheduler.step_index == steps + 1, 10)
+        ctl.abort(other)
+        ctl.resume()
+        out = ctl.wait(rid, timeout=30)
+        assert out is not None and out.outputs[0].token_ids == reference[0].outputs[0].token_ids
+        assert poll_until(lambda: llm.engine.block_manager.num_used_blocks == 0, 10)
+    finally:
+        assert ctl.shutdown(timeout=5)
+    kill_worker_and_check_the_engine_ends(llm, "between steps")
 
 
 # ----------------------------------------------------------------------------- SmolLM2 at N = 3

@@ -186,8 +186,8 @@ class LLMEngine(EventSource):
         parallel.check_size(model_config, n, resolved.name)
         if progress:
             progress(f"starting {n - 1} tensor-parallel worker(s)", 0, 1)
-        workers = WorkerGroup(n, config.torch_device, str(resolved.path), str(config.torch_dtype).replace("torch.", ""),
-                              config.max_model_len)
+        workers = WorkerGroup(n, config.torch_device, str(resolved.path), model_config,
+                              str(config.torch_dtype).replace("torch.", ""), config.max_model_len)
         try:
             model, tokenizer, resolved = load_model(config.model, config.torch_device, config.torch_dtype,
                                                     max_model_len=config.max_model_len, progress=progress,

@@ -149,7 +149,8 @@ def _recv(conn, parent_pid: int):
             return None
 
 
-def _worker_main(rank: int, world_size: int, port: int, backend: str, device: str, model_path: str, dtype: str,
+def _worker_main(rank: int, world_size: int, port: int, backend: str, device: str, model_path: str, model_config,
+                 dtype: str,
                  max_model_len: int | None, threads: int, timeout_s: float, conn, parent_pid: int) -> None:
     """A worker rank's life: join the group, load its shard, then run each step rank 0 sends until told to stop."""
     code = 0
@@ -167,7 +168,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, device: st
 
         tp = TensorParallel(rank, world_size, group)
         model, _tokenizer, _resolved = load_model(model_path, dev, DTYPES[dtype], max_model_len=max_model_len,
-                                                  tensor_parallel=tp)
+                                                  tensor_parallel=tp, model_config=model_config, with_tokenizer=False)
         conn.send(("loaded", None))
         runner = None
         while True:
@@ -220,6 +221,7 @@ class WorkerGroup:
         world_size: N (>= 2).
         device: the engine's device (rank 0 runs on it; on CUDA worker r runs on GPU r).
         model_path: the resolved model folder every rank loads (rank 0 resolved and converted it).
+        model_config: its ``ModelConfig`` (sent along, so a worker need not import transformers).
         dtype: the dtype's name (``"float32"``...).
         max_model_len: the rotary table's length, as rank 0's.
 
@@ -228,7 +230,7 @@ class WorkerGroup:
         TensorParallelError: a worker failed to start or join in time.
     """
 
-    def __init__(self, world_size: int, device: torch.device, model_path: str, dtype: str,
+    def __init__(self, world_size: int, device: torch.device, model_path: str, model_config, dtype: str,
                  max_model_len: int | None) -> None:
         import torch.distributed as dist
 
@@ -251,7 +253,7 @@ class WorkerGroup:
             for rank in range(1, world_size):
                 parent, child = ctx.Pipe()
                 p = ctx.Process(target=_worker_main, name=f"nanovllm-tp-rank{rank}", daemon=True,
-                                args=(rank, world_size, self.port, self.backend, str(device), model_path, dtype,
+                                args=(rank, world_size, self.port, self.backend, str(device), model_path, model_config, dtype,
                                       max_model_len, worker_threads, self.timeout_s, child, os.getpid()))
                 p.start()
                 child.close()
