@@ -32,6 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.common, when run as a script
 
+import torch  # noqa: E402
+
 from benchmarks.common import HostCheck, cpu_name, fmt, percentile, table  # noqa: E402
 
 PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "Explain what a KV cache is.",
@@ -43,6 +45,7 @@ class Row:
     """One tensor-parallel size, measured (seconds, tokens, bytes)."""
 
     tp_size: int
+    threads_per_rank: int
     output_tokens: int
     wall_s: float
     tokens_per_s: float
@@ -67,6 +70,8 @@ def measure(model: str | None, n: int, prompts: list[str], max_tokens: int) -> R
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     with LLM(model, device="cpu", num_kv_blocks=64, tensor_parallel_size=n, progress=lambda *a: None) as llm:
         engine = llm.engine
+        workers = engine.runner.workers
+        threads = workers.worker_threads if workers is not None else torch.get_num_threads()
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # warm
         timed: list[ev.StepTimed] = []
         engine.subscribe(lambda e: timed.append(e) if isinstance(e, ev.StepTimed) else None, topk=0)
@@ -90,7 +95,7 @@ def measure(model: str | None, n: int, prompts: list[str], max_tokens: int) -> R
     agree = (not timings and all(t.tp_size == 1 for t in timed)) or (
         len(timed) == len(timings) and all(e.tp_comm_s == t.comm_s and e.tp_forward_s == t.wall_s
                                            for e, t in zip(timed, timings)))
-    return Row(tp_size=n, output_tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall, steps=len(timed),
+    return Row(tp_size=n, threads_per_rank=threads, output_tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall, steps=len(timed),
                forward_s_rank0=forward0, comm_s_rank0=comm0, comm_s_max_rank=comm_max,
                comm_per_token_s=comm0 / max(tokens, 1), comm_share=comm0 / forward0 if forward0 else 0.0,
                all_reduces=sum(t.all_reduces for t in timings), all_reduce_bytes=sum(t.all_reduce_bytes for t in timings),
@@ -102,7 +107,7 @@ def print_table(rows: list[Row]) -> None:
     base = next((r for r in rows if r.tp_size == 1), None)
     body = []
     for r in rows:
-        body.append([str(r.tp_size), str(r.output_tokens), fmt(r.tokens_per_s),
+        body.append([str(r.tp_size), str(r.threads_per_rank), str(r.output_tokens), fmt(r.tokens_per_s),
                      fmt(r.tokens_per_s / base.tokens_per_s, "x") if base else "-",
                      fmt(r.comm_per_token_s * 1e3, " ms") if r.tp_size > 1 else "-",
                      f"{r.comm_share:.0%}" if r.tp_size > 1 else "-",
@@ -110,7 +115,7 @@ def print_table(rows: list[Row]) -> None:
                      fmt(r.p50_all_reduce_s * 1e6, " us") if r.p50_all_reduce_s is not None else "-",
                      fmt(r.p99_all_reduce_s * 1e6, " us") if r.p99_all_reduce_s is not None else "-",
                      "yes" if r.events_agree else "NO"])
-    print(table(["N", "tokens", "tokens/s", "vs N=1", "comm/token", "comm share", "all-reduces/step",
+    print(table(["N", "threads/rank", "tokens", "tokens/s", "vs N=1", "comm/token", "comm share", "all-reduces/step",
                  "p50 all-reduce", "p99 all-reduce", "StepTimed = measured"], body))
     print("comm: rank 0's seconds inside all-reduces and the logits gather (waits for the slowest rank included); "
           "share: of rank 0's forward time (model + LM head; scheduling and sampling excluded)")
@@ -125,7 +130,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
                         "the model: 1 and 3 for SmolLM2)")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per prompt (default 32, quick 8)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: the cores); each of N ranks gets min(this, cores // N), at least 1")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from nanovllm_core.config import ModelConfig
     from nanovllm_core.model.loader import load_hf_config, resolve_model
     from nanovllm_core.model.parallel import valid_sizes

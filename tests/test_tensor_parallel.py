@@ -88,6 +88,7 @@ def test_valid_sizes_follow_the_heads():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size=0 is invalid"),
+    (dict(tensor_parallel_size=None), "tensor_parallel_size=None is invalid"),
     (dict(tensor_parallel_size=2, quantization="gguf"),
      "--quantization gguf does not run with --tensor-parallel-size > 1 yet; use --quantization none"),
     (dict(tensor_parallel_size=2, quantization="int8"),
@@ -111,6 +112,20 @@ def test_a_size_that_does_not_divide_the_heads_fails_before_any_process_starts(t
 def test_no_quantization_with_tp_means_float_weights():
     assert EngineConfig(tensor_parallel_size=2).quantization is None
     assert EngineConfig(tensor_parallel_size=2, quantization="none").quantization is None
+
+
+def test_the_option_reaches_the_engine_from_every_command_line():
+    from nanovllm_core.cli import build_parser, engine_kwargs
+    from nanovllm_core.entrypoints.cli import build_parser as serve_parser
+    from nanovllm_tui.options import parse_args
+
+    assert engine_kwargs(build_parser().parse_args(["--tensor-parallel-size", "3"]))["tensor_parallel_size"] == 3
+    assert engine_kwargs(build_parser().parse_args([]))["tensor_parallel_size"] == 1
+    assert engine_kwargs(serve_parser().parse_args(["--tensor-parallel-size", "3"]))["tensor_parallel_size"] == 3
+    assert engine_kwargs(parse_args(["--tensor-parallel-size", "3"]))["tensor_parallel_size"] == 3
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--tensor-parallel-size", "0"])
+    assert e.value.code == 2
 
 
 # ----------------------------------------------------------------------------- shards
@@ -279,7 +294,7 @@ def test_n2_chunked_idle_paused_single_step_abort_then_a_killed_worker(tiny_llam
 @pytest.mark.real_model
 def test_smollm2_at_n3_from_llm_and_the_cli_gives_the_n1_text(make_engine, default_model_dir):
     prompt = "The capital of France is"
-    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3)
     want = LLM.from_engine(make_engine(num_kv_blocks=32)).generate([prompt], params, use_tqdm=False)[0].outputs[0]
     t0 = time.monotonic()
     with LLM(num_kv_blocks=32, tensor_parallel_size=3, device="cpu", **QUIET) as llm:
@@ -287,6 +302,9 @@ def test_smollm2_at_n3_from_llm_and_the_cli_gives_the_n1_text(make_engine, defau
         got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     assert_no_group_left()
     assert got.token_ids == want.token_ids
+    worst = max(abs(a[t].logprob - b[t].logprob) for a, b in zip(got.logprobs, want.logprobs) for t in a)
+    assert worst <= LOGPROB_TOLERANCE, worst
+    print(f"SmolLM2 N=3 vs N=1: worst |log p difference| over the top-3 of 5 tokens {worst:.2e}")
     assert time.monotonic() - t0 < 120
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run([sys.executable, "-m", "nanovllm_core.cli", "--tensor-parallel-size", "3", "--device", "cpu",

@@ -183,6 +183,8 @@ class EngineConfig:
 
     def _check_tensor_parallel(self) -> None:
         n = self.tensor_parallel_size
+        if n is None:
+            raise ValueError("tensor_parallel_size=None is invalid: it must be a positive integer (1: one process)")
         if n == 1:
             return
         if not self.paged:

@@ -248,7 +248,7 @@ class WorkerGroup:
         ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
         self.conns: list[Any] = []
-        worker_threads = min(self.threads, self._old_threads)
+        worker_threads = self.worker_threads = min(self.threads, self._old_threads)  # torch threads of each worker
         try:
             for rank in range(1, world_size):
                 parent, child = ctx.Pipe()
@@ -281,9 +281,16 @@ class WorkerGroup:
                 raise self._dead(rank, "its pipe closed") from None
 
     def _dead(self, rank: int, what: str) -> TensorParallelError:
-        p = self.procs[rank - 1]
+        p, conn = self.procs[rank - 1], self.conns[rank - 1]
         p.join(1.0)
         state = f"exited with code {p.exitcode}" if p.exitcode is not None else what
+        try:  # a worker that failed on its own said why before it exited
+            while conn.poll(0):
+                msg = conn.recv()
+                if msg[0] == "error":
+                    state = f"failed ({msg[1]}) and {state}"
+        except (EOFError, OSError):
+            pass
         return TensorParallelError(f"tensor-parallel worker rank {rank} (pid {p.pid}) {state}; the engine has stopped")
 
     def check_alive(self) -> None:
@@ -413,3 +420,9 @@ class WorkerGroup:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
