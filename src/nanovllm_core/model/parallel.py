@@ -29,8 +29,9 @@ or 3 ranks, not 2.
 Determinism: an all-reduce sums the same N partial results in the same order on every rank
 (gloo's ring and NCCL's algorithms give every rank identical bits), so the ranks stay in
 lock step and a run repeats bit for bit. A sum of N partial products differs from one
-product over the whole row in the last bits, so logits differ from ``N = 1`` by rounding
-(float32: about 1e-4 relative on SmolLM2; see tests/test_tensor_parallel.py).
+product over the whole row in the last bits, so logits differ from ``N = 1`` by rounding: in
+float32 the stated (and tested) bound is 1e-4 on every top log-probability; measured 1.6e-5
+on SmolLM2 at N = 3 (top 3 of 5 greedy tokens; tests/test_tensor_parallel.py).
 """
 
 from __future__ import annotations
