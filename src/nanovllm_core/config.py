@@ -3,6 +3,9 @@
 
 The ground floor of the package: plain values, imported by every layer above and
 importing no model, kernel or engine code itself (see the layers contract in pyproject.toml).
+
+Why this file runs past ~400 lines: it is the ground floor's one home for settings and their
+checks; every check of a setting sits beside the setting's documentation.
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ checked as Python ints) and copied to the device from pinned memory with
 ``non_blocking=True`` (see ``nanovllm_core.transfer``); metadata the chosen attention kernel
 never reads is not built (flash-attn reads ``cu_seqlens`` and block tables, the gather path
 reads decode groups and prefill chunks).
+
+Why this file runs past ~400 lines: the three attention kernels' metadata builders read the
+same plan entries the same way, and belong beside the one ``execute`` that picks among them
+(a tensor-parallel worker runs that same ``execute``).
 """
 
 from __future__ import annotations

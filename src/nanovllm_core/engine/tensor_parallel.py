@@ -29,6 +29,10 @@ happened), stops the other workers, and the engine finishes every request with t
 (every block freed). Shutdown (``LLMEngine.close``, ``LLM.close`` / ``with LLM(...)`` / its
 ``__del__``, and ``atexit``): each worker is told to stop, joined (terminated if it does not
 stop within seconds), and every rank destroys its process group.
+
+Why this file runs past ~400 lines: the two ends of one protocol (the worker's loop and rank
+0's ``WorkerGroup``) read best side by side, message for message; split, each half would
+name messages the reader cannot see.
 """
 
 from __future__ import annotations
