@@ -316,3 +316,21 @@ def test_smollm2_at_n3_from_llm_and_the_cli_gives_the_n1_text(make_engine, defau
     with pytest.raises(ValueError, match=r"sizes that work: 1, 3$"):  # the CLI prints this as its one-line error
         LLM(num_kv_blocks=32, tensor_parallel_size=2, device="cpu", **QUIET)
     assert_no_group_left()
+
+
+def test_workers_start_inside_an_app_whose_stderr_has_no_file_descriptor(monkeypatch):
+    """Textual's capture of stderr has fileno() -1; multiprocessing's resource tracker would pass it on
+    and fail ("bad value(s) in fds_to_keep"), so the workers start with the process's real stderr."""
+    import io
+
+    from nanovllm_core.engine.tensor_parallel import _stderr_with_a_file_descriptor
+
+    class Capture(io.StringIO):
+        def fileno(self) -> int:
+            return -1
+
+    capture = Capture()
+    monkeypatch.setattr(sys, "stderr", capture)
+    with _stderr_with_a_file_descriptor():
+        assert sys.stderr is not capture and sys.stderr.fileno() >= 0
+    assert sys.stderr is capture

@@ -38,9 +38,11 @@ name messages the reader cannot see.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import os
 import socket
+import sys
 import time
 import weakref
 from dataclasses import dataclass
@@ -209,6 +211,38 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, device: st
     os._exit(code)  # no interpreter teardown: torch's atexit hooks must not touch a half-destroyed group
 
 
+@contextlib.contextmanager
+def _stderr_with_a_file_descriptor():
+    """While processes start: a ``sys.stderr`` with a real file descriptor.
+
+    multiprocessing's resource tracker passes ``sys.stderr.fileno()`` to the process it starts;
+    inside a Textual app ``sys.stderr`` is the app's capture, whose ``fileno()`` is -1, and the
+    start fails with "bad value(s) in fds_to_keep". The process's own stderr (or /dev/null) stands in.
+    """
+    saved = sys.stderr
+    try:
+        ok = saved is not None and saved.fileno() >= 0
+    except (AttributeError, OSError, ValueError):
+        ok = False
+    if ok:
+        yield
+        return
+    devnull = None
+    try:
+        real = sys.__stderr__
+        if real is None or real.fileno() < 0:
+            raise OSError
+    except (AttributeError, OSError, ValueError):
+        real = devnull = open(os.devnull, "w")
+    sys.stderr = real
+    try:
+        yield
+    finally:
+        sys.stderr = saved
+        if devnull is not None:
+            devnull.close()
+
+
 _LIVE: "weakref.WeakSet[WorkerGroup]" = weakref.WeakSet()
 
 
@@ -259,7 +293,8 @@ class WorkerGroup:
                 p = ctx.Process(target=_worker_main, name=f"nanovllm-tp-rank{rank}", daemon=True,
                                 args=(rank, world_size, self.port, self.backend, str(device), model_path, model_config, dtype,
                                       max_model_len, worker_threads, self.timeout_s, child, os.getpid()))
-                p.start()
+                with _stderr_with_a_file_descriptor():
+                    p.start()
                 child.close()
                 self.procs.append(p)
                 self.conns.append(parent)
