@@ -18,6 +18,10 @@ printed as PASS or FAIL with its figures (exit status 1 if any failed):
    of a decode step makes no host-device synchronisation, the whole step at most one (the
    sampled tokens coming back);
 5. the KV pool: blocks, block size, kernel, bytes, and GPU memory left free;
+6. tensor parallelism (NCCL), when two or more GPUs are visible (else it says so and is
+   skipped): greedy tokens at the largest N <= the GPU count that splits the embedded model
+   (SmolLM2: 3), or at N = 2 on a tiny random LLaMA with 4 query / 2 KV heads when only two
+   GPUs are visible, equal to N = 1's, in float32 (a split only reorders partial sums);
 
 then ``benchmarks.benchmark_comparison --quick --device cuda`` (ours against transformers).
 """
@@ -183,6 +187,51 @@ def report_pool(report: Report, make_engine, device: torch.device) -> None:
     torch.cuda.empty_cache()
 
 
+def check_tensor_parallel(report: Report, token_prompts: list[list[int]]) -> None:
+    """Greedy tokens at N > 1 (NCCL, one GPU per rank) against N = 1, float32; skipped (said so) with one GPU."""
+    import tempfile
+
+    from nanovllm_core.config import ModelConfig
+    from nanovllm_core.llm import LLM
+    from nanovllm_core.model.loader import load_hf_config, resolve_model
+    from nanovllm_core.model.parallel import valid_sizes
+    from nanovllm_core.sampling_params import SamplingParams
+
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        print(f"SKIP  tensor-parallel greedy equality: {gpus} GPU visible, it needs 2 or more", flush=True)
+        return
+    model = None
+    sizes = [n for n in valid_sizes(ModelConfig.from_hf(load_hf_config(resolve_model(None).path)), gpus) if n > 1]
+    tmp = None
+    if not sizes:  # SmolLM2's 3 KV heads do not split over 2 GPUs: a tiny random LLaMA with 2 KV heads does
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        tmp = tempfile.TemporaryDirectory()
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                     tie_word_embeddings=True)).float().save_pretrained(tmp.name)
+        tokdir = resolve_model(None).path
+        import shutil
+        for f in tokdir.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens")):
+                shutil.copy(f, tmp.name)
+        model, sizes = tmp.name, [2]
+    n = max(sizes)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [p[:256] for p in token_prompts]
+    runs = {}
+    for size in (1, n):
+        with LLM(model, device="cuda", dtype="float32", num_kv_blocks=64, tensor_parallel_size=size,
+                 progress=lambda *a: None) as llm:
+            runs[size] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    diffs = [first_difference(a, b) for a, b in zip(runs[n], runs[1])]
+    report.add(f"tensor-parallel greedy == N=1 at N={n} (nccl)", all(d is None for d in diffs),
+               f"{model or 'embedded model'}, float32, {len(prompts)} prompts x 16 tokens: " +
+               ", ".join("same" if d is None else f"differs from token {d}" for d in diffs))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n")[0])
     ap.add_argument("--skip-comparison", action="store_true", help="skip the comparison benchmark at the end")
@@ -222,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
             report.add(check.__name__, False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
     report_pool(report, make_engine, device)
     del model
+    torch.cuda.empty_cache()
+    try:
+        check_tensor_parallel(report, token_prompts)
+    except Exception as e:
+        report.add("tensor-parallel greedy equality", False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
     torch.cuda.empty_cache()
     if not args.skip_comparison:
         from benchmarks import benchmark_comparison

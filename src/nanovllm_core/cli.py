@@ -128,16 +128,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
 
-    from nanovllm_core.educational.commentary import plural
     if sys.stderr.isatty():  # importing PyTorch alone takes seconds: say what is happening
         print(f"nanovllm: loading {args.model or 'the embedded default model'}...", file=sys.stderr, flush=True)
+    from nanovllm_core.engine.tensor_parallel import TensorParallelError
     from nanovllm_core.llm import LLM
     from nanovllm_core.model.loader import ModelLoadError
 
     try:
         llm = LLM(**engine_kwargs(args), progress=load_progress("nanovllm"))
-    except (ModelLoadError, ValueError) as e:
+    except (ModelLoadError, ValueError, TensorParallelError) as e:
         parser.error(str(e))
+    try:
+        return _generate(llm, args, parser, prompts, params)
+    finally:
+        llm.close()  # tensor-parallel workers: stopped and joined before the command returns
+
+
+def _generate(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, prompts: list[str], params) -> int:
+    """Run ``prompts`` on ``llm`` and print the completions (``main``'s second half)."""
+    from nanovllm_core.educational.commentary import plural
+
     try:
         recorders = open_trace_recorders(llm, args)
     except OSError as e:
@@ -181,7 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"on {llm.engine.device.type}, {str(llm.engine.dtype).replace('torch.', '')}"
           + (f", {llm.engine.model.quantization} weights" if llm.engine.model.quantization else "")
           + (f" ({info['weight_format']})" if llm.engine.model.quantization not in (None, "int8") else "")
-          + f", model {llm.engine.model_name}")
+          + f", model {llm.engine.model_name}"
+          + (f", tensor parallel over {info['tensor_parallel_size']} ranks ({info['tensor_parallel_backend']})"
+             if info.get("tensor_parallel_size", 1) > 1 else ""))
     for key, what in (("block_native_unavailable", "block-quantized layers dequantize and run PyTorch's matmul, not "
                                                    "the C kernels (slower, and rows depend on their batch)"),
                       ("quantization_note", "weights"),

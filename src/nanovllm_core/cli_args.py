@@ -142,6 +142,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="speculative decoding: 'ngram', 'self:N' (first N layers), 'target', or a draft model path/repo")
     e.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
                    help="draft tokens per step with --speculative-model (default 5)")
+    e.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
+                   help="split the model over N processes (Megatron tensor parallelism on torch.distributed: gloo on "
+                        "cpu, NCCL on N GPUs); N must divide the heads (SmolLM2: 1 or 3); float weights only")
     return e
 
 
@@ -154,6 +157,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         scheduling_policy=args.scheduling_policy, enable_prefix_caching=not args.no_prefix_caching,
         paged=not args.no_paged_attention, attention_backend="math" if args.no_flash_attn else "flash",
         speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
     )
 
 

@@ -3,6 +3,9 @@
 
 The ground floor of the package: plain values, imported by every layer above and
 importing no model, kernel or engine code itself (see the layers contract in pyproject.toml).
+
+Why this file runs past ~400 lines: it is the ground floor's one home for settings and their
+checks; every check of a setting sits beside the setting's documentation.
 """
 
 from __future__ import annotations
@@ -76,6 +79,23 @@ def check_quantization(mode: str | None) -> None:
     normalize_quantization(mode)
 
 
+def tensor_parallel_quantization(mode: str | None, tensor_parallel_size: int) -> str | None:
+    """THE one place that decides which weight formats run split over ranks: float only, for now.
+
+    ``mode`` is already normalized (None = auto, ``"none"`` = float asked for). With N = 1 every
+    mode passes; with N > 1 auto stays None and the loader's ``resolve_quantization`` turns it
+    into float weights (told the rank count, it says so in ``model.quantization_note``), ``"none"``
+    passes, and the block formats and int8 are refused, since their C kernels and per-channel
+    scales are not split yet.
+
+    Raises:
+        ValueError: a block format or int8 with N > 1, in one line.
+    """
+    if tensor_parallel_size is None or tensor_parallel_size <= 1 or mode in (None, "none"):
+        return mode
+    raise ValueError(f"--quantization {mode} does not run with --tensor-parallel-size > 1 yet; use --quantization none")
+
+
 @dataclass
 class EngineConfig:
     """Settings of one engine.
@@ -117,6 +137,12 @@ class EngineConfig:
             ``"int8"``: int8 weights, one scale per output channel, through oneDNN/fbgemm;
             attention must then be batch-invariant: the CPU paged kernel is, on float32 K/V;
             without it the KV cache and attention run in float64 (``quantization.attention_sum_dtype``).
+        tensor_parallel_size: N processes splitting the model (Megatron's tensor parallelism,
+            ``model/parallel.py``; workers in ``engine/tensor_parallel.py``): 1 (default) runs
+            in this process alone. N > 1 needs the paged engine, float weights (see
+            :func:`tensor_parallel_quantization`) and no speculative decoding; N must divide
+            the model's heads, intermediate size and vocabulary (checked when the model's
+            config is read, before any worker starts).
     """
 
     model: str | None = None
@@ -137,6 +163,7 @@ class EngineConfig:
     speculative_model: str | None = None
     num_speculative_tokens: int | None = None
     quantization: str | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -145,7 +172,7 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer")
 
         for name in ("block_size", "num_kv_blocks", "kv_cache_memory", "max_num_seqs",
-                     "max_num_batched_tokens", "max_model_len", "num_speculative_tokens"):
+                     "max_num_batched_tokens", "max_model_len", "num_speculative_tokens", "tensor_parallel_size"):
             positive(name)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
@@ -172,7 +199,8 @@ class EngineConfig:
                                       or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed={self.seed!r} is invalid: it must be an integer in [{SEED_MIN}, {SEED_MAX}] "
                              "(64 bits) or None")
-        self.quantization = normalize_quantization(self.quantization)
+        self.quantization = tensor_parallel_quantization(normalize_quantization(self.quantization),
+                                                         self.tensor_parallel_size)
         if explicit_quantized(self.quantization) and self.torch_device.type != "cpu":
             raise ValueError(f"quantization={self.quantization!r} runs on the CPU (this engine's C kernels); "
                              "use device='cpu' (--device cpu) or --quantization none")
@@ -181,6 +209,23 @@ class EngineConfig:
             raise ValueError(f"quantization={self.quantization!r} computes in float32; use dtype='float32' "
                              "(--dtype float32) or --quantization none")
         self._check_speculative()
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        n = self.tensor_parallel_size
+        if n is None:
+            raise ValueError("tensor_parallel_size=None is invalid: it must be a positive integer (1: one process)")
+        if n == 1:
+            return
+        if not self.paged:
+            raise ValueError(f"tensor_parallel_size={n} needs the paged engine; drop paged=False "
+                             "(--no-paged-attention) or use --tensor-parallel-size 1")
+        if self.speculative_model is not None:
+            raise ValueError(f"speculative decoding does not run with tensor_parallel_size={n} yet; "
+                             "drop --speculative-model or use --tensor-parallel-size 1")
+        if self.torch_device.type == "cuda" and torch.cuda.device_count() < n:
+            raise ValueError(f"tensor_parallel_size={n} on CUDA needs {n} GPUs, one per rank, but "
+                             f"{torch.cuda.device_count()} are visible; lower --tensor-parallel-size or use --device cpu")
 
     def _check_speculative(self) -> None:
         spec = self.speculative_model

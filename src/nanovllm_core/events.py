@@ -276,7 +276,17 @@ class StepTimed(Event):
     """How long a step took and what it processed.
 
     ``wall_time_s`` seconds; token counts; throughputs in tokens/s over this step;
-    KV bytes used and total of the pool.
+    KV bytes used and total of the pool (every tensor-parallel rank's slice together).
+
+    Tensor parallelism (``tp_size`` > 1; otherwise the ``tp_`` fields keep their defaults):
+    per rank (index = rank, rank 0 the engine's process), ``tp_forward_s`` seconds of the
+    forward pass on that rank (``ModelRunner.execute``: model and LM head; scheduling and
+    sampling are rank 0's alone and count in ``wall_time_s`` only), of which ``tp_comm_s``
+    inside collectives (``time.perf_counter`` around each all-reduce and the logits gather, a
+    wait for the slowest rank included) and ``tp_compute_s`` the rest. ``tp_all_reduces``
+    and ``tp_all_reduce_bytes``: the all-reduces of the step and the bytes of the tensors they
+    summed, per rank (each rank's whole ``[num_tokens, hidden]`` tensor); ``tp_gather_bytes``:
+    the logits slice each rank sent to rank 0.
     """
 
     step: int
@@ -293,6 +303,13 @@ class StepTimed(Event):
     num_blocks_used: int = 0
     num_blocks_cached: int = 0
     num_blocks_total: int = 0
+    tp_size: int = 1
+    tp_forward_s: tuple[float, ...] = ()
+    tp_compute_s: tuple[float, ...] = ()
+    tp_comm_s: tuple[float, ...] = ()
+    tp_all_reduces: int = 0
+    tp_all_reduce_bytes: int = 0
+    tp_gather_bytes: int = 0
 
 
 # ---------------------------------------------------------------------------- x-ray

@@ -46,7 +46,8 @@ class LLM:
         device, dtype, and every :class:`EngineConfig` field as keyword arguments
             (``block_size``, ``num_kv_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``,
             ``scheduling_policy``, ``enable_prefix_caching``, ``paged``, ``speculative_model``,
-            ``num_speculative_tokens``, ...).
+            ``num_speculative_tokens``, ``tensor_parallel_size``, ...). With ``tensor_parallel_size=N``
+            (N > 1) N-1 worker processes hold the other shards; :meth:`close` (or ``with``) stops them.
         progress: loading progress callback (default: a console bar while converting).
 
     Raises:
@@ -165,6 +166,26 @@ class LLM:
             ValueError: the tokenizer has no chat template.
         """
         return self.engine.chat_token_ids(conversation, add_generation_prompt)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (``tensor_parallel_size`` > 1) and destroy the process group;
+        nothing to do with one process. Idempotent; also run by ``with LLM(...) as llm:``, at
+        garbage collection and at interpreter exit."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def stats(self) -> dict[str, Any]:
         """Engine counters: preemptions, prefix-cache hits, KV block use, steps (see ``LLMEngine.stats``)."""

@@ -50,6 +50,7 @@ class EngineController:
     def __init__(self, model: str | None = None, *, start_paused: bool = False, _engine: LLMEngine | None = None,
                  **llm_kwargs: Any) -> None:
         self._engine: LLMEngine | None = _engine
+        self._owns_engine = _engine is None  # loaded on this controller's thread: closed when it stops
         self._model = model
         self._llm_kwargs = llm_kwargs
         self._commands: queue.Queue[_Command] = queue.Queue()
@@ -240,6 +241,8 @@ class EngineController:
                     self._steps_allowed = 0
             else:
                 self._state = "paused"
+        if self._owns_engine:
+            engine.close()  # tensor-parallel workers stop with the thread that loaded them
         self._state = "stopped"
 
     def _serve_failed(self) -> None:

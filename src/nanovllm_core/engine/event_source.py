@@ -105,6 +105,8 @@ class EventSource:
     def _tracer(self, plan: SchedulerOutput):
         if not any(s.xray for s in self._subscribers):
             return None
+        if getattr(self.config, "tensor_parallel_size", 1) > 1:
+            return None  # the X-Ray's capture reads whole-model tensors; a rank holds a shard (not shown yet)
         # Inside a step: no roofline measurement here (it would count in the step's time).
         return self._xray_capture(measure=False).tracer_for(plan)
 
@@ -184,5 +186,15 @@ class EventSource:
             kv_bytes_total=bm.num_blocks * self.bytes_per_block,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_blocks_used=bm.num_used_blocks, num_blocks_cached=bm.num_cached_free_blocks,
-            num_blocks_total=bm.num_blocks,
+            num_blocks_total=bm.num_blocks, **self._tensor_parallel_timing(),
         ))
+
+    def _tensor_parallel_timing(self) -> dict:
+        """``StepTimed``'s ``tp_`` fields for the step just run: each rank's measured seconds, as its runner got them."""
+        runner = getattr(self, "runner", None)
+        timing = getattr(runner, "tp_timing", None)
+        if timing is None:
+            return {}
+        return dict(tp_size=len(timing.wall_s), tp_forward_s=timing.wall_s, tp_compute_s=timing.compute_s,
+                    tp_comm_s=timing.comm_s, tp_all_reduces=timing.all_reduces,
+                    tp_all_reduce_bytes=timing.all_reduce_bytes, tp_gather_bytes=timing.gather_bytes)

@@ -39,7 +39,9 @@ from nanovllm_core.engine.scheduler import ScheduledSequence, Scheduler, Schedul
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
 from nanovllm_core.model import block_quant, int8_linear, native_ops
 from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
-from nanovllm_core.model.loader import ProgressFn, ResolvedModel, warm_up
+from nanovllm_core.engine.tensor_parallel import TensorParallelError, WorkerGroup
+from nanovllm_core.model import parallel
+from nanovllm_core.model.loader import ProgressFn, ResolvedModel
 from nanovllm_core.model.quantization import (
     AUTO,
     BLOCK_MODES,
@@ -76,7 +78,10 @@ class LLMEngine(EventSource):
     """
 
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM, tokenizer: Any,
-                 resolved: ResolvedModel | None = None) -> None:
+                 resolved: ResolvedModel | None = None, workers: WorkerGroup | None = None) -> None:
+        if config.tensor_parallel_size > 1 and workers is None:
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} needs worker processes; build the "
+                             "engine with LLMEngine.from_config (or LLM(...)), which starts them")
         self.config = config
         self.model = model
         self.model_config: ModelConfig = model.config
@@ -123,7 +128,10 @@ class LLMEngine(EventSource):
             num_speculative_tokens=config.num_speculative_tokens if spec else 0,
             max_model_len=self.max_model_len,
         )
-        self.runner = ModelRunner(model, block_size, num_blocks, paged, config.attention_backend, self.max_model_len)
+        self.runner = ModelRunner(model, block_size, num_blocks, paged, config.attention_backend, self.max_model_len,
+                                  workers=workers)
+        if workers is not None:  # each worker's slice of the pool: the same block ids, its own KV heads
+            workers.build_runners(block_size, num_blocks, config.attention_backend, self.max_model_len)
         self.speculator: Speculator | None = (
             Speculator(build_proposer(spec, self.runner, draft), config.num_speculative_tokens) if spec else None
         )
@@ -142,7 +150,7 @@ class LLMEngine(EventSource):
         self.xray = None  # the layer observer (X-Ray capture), made when a subscriber first asks for LayerTrace events
         if config.seed is not None:
             torch.manual_seed(config.seed)
-        warm_up(model)  # the first forward pass's one-time costs, paid here rather than by the first step
+        self.runner.warm_up()  # the first forward pass's one-time costs (every rank's), paid here, not by the first step
 
     # ------------------------------------------------------------------ construction
 
@@ -155,11 +163,58 @@ class LLMEngine(EventSource):
         """
         from nanovllm_core.model.loader import load_model
 
+        if config.tensor_parallel_size > 1:
+            return cls._from_config_parallel(config, progress)
         model, tokenizer, resolved = load_model(config.model, config.torch_device, config.torch_dtype,
                                                 max_model_len=config.max_model_len, progress=progress,
                                                 quantization=config.quantization)
         return cls(config, model, tokenizer, resolved)
 
+    @classmethod
+    def _from_config_parallel(cls, config: EngineConfig, progress: ProgressFn | None) -> "LLMEngine":
+        """Tensor parallelism: check the size against the model's config, start the workers, load shard 0 here.
+
+        Raises:
+            ModelLoadError: the model cannot be found or loaded.
+            ValueError: the size does not split the model (before any process starts).
+            TensorParallelError: a worker failed to start, join or load.
+        """
+        from nanovllm_core.model.loader import ModelLoadError, load_hf_config, load_model, resolve_model
+
+        n = config.tensor_parallel_size
+        resolved = resolve_model(config.model, progress)  # converts a GGUF file once, before any worker reads it
+        try:
+            model_config = ModelConfig.from_hf(load_hf_config(resolved.path))
+        except (ValueError, AttributeError) as e:
+            raise ModelLoadError(f"{resolved.name}: {e}") from None
+        parallel.check_size(model_config, n, resolved.name)
+        if progress:
+            progress(f"starting {n - 1} tensor-parallel worker(s)", 0, 1)
+        workers = WorkerGroup(n, config.torch_device, str(resolved.path), model_config,
+                              str(config.torch_dtype).replace("torch.", ""), config.max_model_len)
+        try:
+            model, tokenizer, resolved = load_model(config.model, config.torch_device, config.torch_dtype,
+                                                    max_model_len=config.max_model_len, progress=progress,
+                                                    quantization=config.quantization, tensor_parallel=workers.tp)
+            workers.wait_loaded()
+            return cls(config, model, tokenizer, resolved, workers=workers)
+        except BaseException:
+            workers.shutdown()
+            raise
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and destroy the process group (idempotent; nothing to do with one process).
+
+        Live requests are finished with an error first, so no KV block stays allocated.
+        """
+        workers = self.runner.workers
+        if workers is None or workers.closed:
+            return
+        if self.requests:
+            self.fail_running("the engine was closed")
+        self.runner.close()
+        if self.fatal_error is None:
+            self.fatal_error = "the engine was closed; build a new one"
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -213,6 +268,28 @@ class LLMEngine(EventSource):
                                          if self.model.quantization in BLOCK_MODES else None),
             "linear_weights": linear_weight_count(self.model),
             "int8_linear_weight_bytes": int8_weight_bytes(self.model),
+            **self._tensor_parallel_info(),
+        }
+
+    def _tensor_parallel_info(self) -> dict[str, Any]:
+        """model_info's tensor-parallel facts: the size, the backend, and what each rank holds of one layer
+        (``model.parallel.shard_spans``: head, intermediate and vocabulary spans, weight and KV-pool shapes).
+
+        With tensor parallelism, ``linear_weight_bytes`` above is rank 0's shard; ``kv_bytes_per_token``
+        and ``num_kv_blocks`` are the whole pool's (every rank holds each block's slice of its KV heads).
+        """
+        n = self.config.tensor_parallel_size
+        workers = self.runner.workers
+        c, bm = self.model_config, self.block_manager
+        return {
+            "tensor_parallel_size": n,
+            "tensor_parallel_backend": workers.backend if workers is not None else None,
+            "tensor_parallel_pids": tuple(workers.pids) if workers is not None else (),
+            # Per forward pass: an all-reduce after every o_proj and down_proj, one for the embedding; a gather of logits.
+            "tensor_parallel_all_reduces_per_forward": 2 * c.num_hidden_layers + 1 if n > 1 else 0,
+            "tensor_parallel_all_reduce_bytes_per_token": c.hidden_size * self.dtype.itemsize if n > 1 else 0,
+            "tensor_parallel_shards": tuple(parallel.shard_spans(c, r, n, bm.num_blocks, bm.block_size)
+                                            for r in range(n)) if n > 1 else (),
         }
 
     def _quantization_requested(self) -> str:
@@ -447,7 +524,7 @@ class LLMEngine(EventSource):
             result = self.runner.run(plan.scheduled, tracer=self._tracer(plan), extra_rows=extra_rows)
             sampled = self._sample(result)
         except Exception as e:  # isolate: retry each sequence alone, finish those that still fail
-            if is_fatal_device_error(e, self.device):
+            if isinstance(e, TensorParallelError) or is_fatal_device_error(e, self.device):
                 outputs.extend(self._stop_after_device_error(plan.step, e))
                 return outputs
             self._emit(ev.EngineError(step=plan.step, message=f"{type(e).__name__}: {e}",
@@ -485,6 +562,9 @@ class LLMEngine(EventSource):
         first_line = (str(error).strip().splitlines() or [""])[0]
         self.fatal_error = (f"the {self.device.type} device failed ({type(error).__name__}: {first_line}); "
                             "the engine has stopped, restart it")
+        if isinstance(error, TensorParallelError):  # the workers are already stopped (WorkerGroup.failure)
+            self.fatal_error = f"{first_line}, restart it"
+            self.runner.close()
         self._emit(ev.EngineError(step=step, message=self.fatal_error, traceback=traceback.format_exc()))
         return self.fail_running(self.fatal_error)
 

@@ -19,11 +19,16 @@ checked as Python ints) and copied to the device from pinned memory with
 ``non_blocking=True`` (see ``nanovllm_core.transfer``); metadata the chosen attention kernel
 never reads is not built (flash-attn reads ``cu_seqlens`` and block tables, the gather path
 reads decode groups and prefill chunks).
+
+Why this file runs past ~400 lines: the three attention kernels' metadata builders read the
+same plan entries the same way, and belong beside the one ``execute`` that picks among them
+(a tensor-parallel worker runs that same ``execute``).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +46,7 @@ from nanovllm_core.attention.paged import (
 from nanovllm_core.attention.selector import flash_attn_available, paged_attention_kernel
 from nanovllm_core.engine.scheduler import ScheduledSequence
 from nanovllm_core.model.llama import LlamaForCausalLM
+from nanovllm_core.model.loader import warm_up
 from nanovllm_core.model.quantization import attention_sum_dtype
 from nanovllm_core.transfer import Staging, to_device
 
@@ -49,6 +55,25 @@ from nanovllm_core.transfer import Staging, to_device
 # group per 16 halves decode attention time against one group for all, and smaller groups
 # gain nothing more.
 DECODE_GROUP_SIZE = 16
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One sequence's part of a step, as the forward pass reads it: what every tensor-parallel rank receives.
+
+    ``token_ids``: its new tokens (``num_new_tokens`` of them, positions ``start``...);
+    ``block_table``: the KV blocks covering positions ``[0, start + num_new_tokens)``. The same
+    block ids name the same blocks on every rank (each rank's pool holds its own KV heads).
+    """
+
+    seq_id: int
+    start: int
+    token_ids: tuple[int, ...]
+    block_table: tuple[int, ...]
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass
@@ -89,11 +114,16 @@ class ModelRunner:
         max_model_len: size of each contiguous cache.
         kv_cache: a paged pool to share instead of allocating one (self-speculative drafting
             writes its early layers into the target's pool, and reads it as the target does).
+        workers: rank 0's handle on tensor-parallel workers (``engine.tensor_parallel.WorkerGroup``),
+            or None. ``model`` is then this rank's shard (``model.tp`` set) and the pool holds its KV heads.
     """
 
     def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int, paged: bool,
-                 attention_backend: str, max_model_len: int, kv_cache: PagedKVCache | None = None) -> None:
+                 attention_backend: str, max_model_len: int, kv_cache: PagedKVCache | None = None,
+                 workers=None) -> None:
         self.model = model
+        self.workers = workers
+        self.tp_timing = None  # the last tensor-parallel step's per-rank timing (engine.tensor_parallel.StepTiming)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.block_size = block_size
@@ -113,7 +143,9 @@ class ModelRunner:
                                    and flash_attn_available(self.device, self.dtype, model.config.head_dim, block_size))
         if kv_cache is None and paged:
             # flash-attn's paged kernel reads blocks-first pages; the gather path wants heads first.
-            kv_cache = PagedKVCache(model.config, num_blocks, block_size, self.kv_dtype, self.device,
+            # A tensor-parallel rank's pool holds its own KV heads only (model.parallel).
+            cfg = model.tp.local_config(model.config) if getattr(model, "tp", None) is not None else model.config
+            kv_cache = PagedKVCache(cfg, num_blocks, block_size, self.kv_dtype, self.device,
                                     heads_major=not self.use_flash_attn)
         self.kv_cache = kv_cache
         self.contiguous: dict[int, ContiguousKVCache] = {}
@@ -142,8 +174,14 @@ class ModelRunner:
         than the last one (speculative verification). Rows are returned in ``scheduled``
         order; within a sequence, in increasing index order.
 
+        With tensor-parallel workers (``workers``), the step's plan (:class:`PlanEntry` list and
+        the sampled rows) is sent to every worker once, every rank runs :meth:`execute` on it,
+        and rank 0 (this process) gets the logits; ``tp_timing`` then holds each rank's
+        compute and communication seconds for the step.
+
         Raises:
             ValueError: a position is beyond the model's rotary table.
+            RuntimeError: (``TensorParallelError``) a worker died, hung or failed: the engine must stop.
         """
         order = self.batch_order(scheduled)
         rows, flat_rows = self._sample_rows(order, extra_rows)
@@ -152,28 +190,77 @@ class ModelRunner:
         if not self.paged:
             return self._run_contiguous(order, tracer, rows, flat_rows)
         bs = self.block_size
+        entries = [PlanEntry(s.seq.seq_id, s.start, tuple(s.seq.token_ids[s.start:s.start + s.num_new_tokens]),
+                             tuple(s.seq.block_table[: -(-(s.start + s.num_new_tokens) // bs)])) for s in order]
+        if self.workers is None:
+            logits = self.execute(entries, flat_rows, tracer)
+        else:
+            logits = self._execute_parallel(entries, flat_rows)
+        return ForwardResult(logits=logits, rows=rows, num_tokens=sum(e.num_new_tokens for e in entries))
+
+    def _execute_parallel(self, entries: list["PlanEntry"], flat_rows: list[int]) -> torch.Tensor:
+        """One tensor-parallel step from rank 0: plan out to the workers, the same forward here, timings back."""
+        tp, workers = self.model.tp, self.workers
+        self.tp_timing = None
+        workers.begin_step(entries, flat_rows)
+        tp.reset_stats()
+        t0 = time.perf_counter()
+        try:
+            logits = self.execute(entries, flat_rows)
+        except Exception as e:  # a collective failed (a worker died or hung), or this rank did: the group is out of step
+            raise workers.failure(e) from e
+        wall = time.perf_counter() - t0
+        mine = tp.reset_stats()
+        self.tp_timing = workers.end_step(wall, mine)
+        return logits
+
+    @torch.inference_mode()
+    def execute(self, entries: list["PlanEntry"], flat_rows: list[int], tracer=None) -> torch.Tensor | None:
+        """The forward pass of a plan, on this rank: flat tensors, attention metadata, model, LM head.
+
+        ``entries`` in batch order (decodes first); ``flat_rows``: indices in ``[T]`` that need
+        logits. Returns logits ``[len(flat_rows), vocab]`` float32 (None on a tensor-parallel
+        worker, whose slice of the vocabulary went to rank 0).
+        """
+        bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        for s in order:
-            table, end = s.seq.block_table, s.start + s.num_new_tokens
-            ids.extend(s.seq.token_ids[s.start:end])
-            positions.extend(range(s.start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(s.start, end))
+        for e in entries:
+            table, end = e.block_table, e.start + e.num_new_tokens
+            ids.extend(e.token_ids)
+            positions.extend(range(e.start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(e.start, end))
         staged = Staging(torch.long)
         for values in (ids, positions, slots, flat_rows):
             staged.add(values)
         input_ids, pos, slot_mapping, sample_index = staged.upload(self.device)
         if self.use_flash_attn:
-            meta = self._flash_attn_metadata(order, slot_mapping)
+            meta = self._flash_attn_metadata(entries, slot_mapping)
         elif self.use_cpu_paged:
-            meta = self._cpu_paged_metadata(order, slot_mapping)
+            meta = self._cpu_paged_metadata(entries, slot_mapping)
         else:
-            meta = self._gather_metadata(order, slot_mapping)
+            meta = self._gather_metadata(entries, slot_mapping)
         attn = PagedAttention(self.kv_cache, meta, self.backend, self.use_flash_attn, self.attention_sum_dtype,
                               self.use_cpu_paged)
         hidden = self.model(input_ids, pos, attn, tracer)
-        return self._logits(hidden, rows, sample_index, len(ids))
+        if not flat_rows:
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden.index_select(0, sample_index))
+
+    def warm_up(self) -> None:
+        """The first forward pass's one-time costs (``loader.warm_up``), on every rank together."""
+        if self.workers is not None:
+            self.workers.warm_up()
+        warm_up(self.model)
+        if self.workers is not None:
+            self.model.tp.reset_stats()
+            self.workers.wait_all("warm_up")
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     @staticmethod
     def _sample_rows(order, extra_rows) -> tuple[list[tuple[ScheduledSequence, int]], list[int]]:
@@ -199,13 +286,13 @@ class ModelRunner:
         return ForwardResult(logits=logits, rows=rows, num_tokens=num_tokens)
 
     @staticmethod
-    def _num_decodes(order: list[ScheduledSequence]) -> int:
+    def _num_decodes(order: list) -> int:
         num_dec = 0
         while num_dec < len(order) and order[num_dec].num_new_tokens == 1:
             num_dec += 1
         return num_dec
 
-    def _gather_metadata(self, order: list[ScheduledSequence], slot_mapping: torch.Tensor) -> PagedAttentionMetadata:
+    def _gather_metadata(self, order: list["PlanEntry"], slot_mapping: torch.Tensor) -> PagedAttentionMetadata:
         """The gather path's metadata, built once (one host-to-device copy) and shared by every layer.
 
         ``order``: decodes (one new token each) first; ``slot_mapping`` ``[T]`` on the model's device.
@@ -220,7 +307,7 @@ class ModelRunner:
             width = -(-max(ctx_lens) // bs)  # blocks of the group's longest context
             rows: list[int] = []
             for s, ctx in zip(members, ctx_lens):
-                used = s.seq.block_table[: -(-ctx // bs)]
+                used = list(s.block_table[: -(-ctx // bs)])
                 rows.extend(used)
                 rows.extend([0] * (width - len(used)))  # padding reads block 0; the mask hides it
             groups.append((first, len(members), width, staged.add(rows), staged.add(ctx_lens), max(ctx_lens)))
@@ -229,7 +316,7 @@ class ModelRunner:
         for i, s in enumerate(order[num_dec:], start=num_dec):
             ctx = s.start + s.num_new_tokens
             # A chunk continuing a cached context gathers it; one starting at 0 attends over its own K/V.
-            table = staged.add(s.seq.block_table[: -(-ctx // bs)]) if s.start > 0 else None
+            table = staged.add(list(s.block_table[: -(-ctx // bs)])) if s.start > 0 else None
             chunks.append((token_start, s.num_new_tokens, s.start, table, i))
             token_start += s.num_new_tokens
         t = staged.upload(dev)
@@ -249,7 +336,7 @@ class ModelRunner:
         return PagedAttentionMetadata(slot_mapping=slot_mapping, num_decodes=num_dec,
                                       decode_groups=decode_groups, prefills=prefills)
 
-    def _flash_attn_metadata(self, order: list[ScheduledSequence], slot_mapping: torch.Tensor) -> PagedAttentionMetadata:
+    def _flash_attn_metadata(self, order: list["PlanEntry"], slot_mapping: torch.Tensor) -> PagedAttentionMetadata:
         """flash-attn's varlen arguments: int32 ``cu_seqlens_q``/``cu_seqlens_k`` ``[S + 1]`` and
         ``block_tables`` ``[S, max_blocks]`` (rows padded with block 0, never read past ``seqlen_k``)."""
         bs = self.block_size
@@ -258,7 +345,7 @@ class ModelRunner:
         width = max(-(-k // bs) for k in k_lens)
         tables: list[int] = []
         for s, k in zip(order, k_lens):
-            used = s.seq.block_table[: -(-k // bs)]
+            used = s.block_table[: -(-k // bs)]
             tables.extend(used)
             tables.extend([0] * (width - len(used)))
         staged = Staging(torch.int32)
@@ -271,7 +358,7 @@ class ModelRunner:
                                       block_tables=block_tables.view(len(order), width),
                                       max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens))
 
-    def _cpu_paged_metadata(self, order: list[ScheduledSequence], slot_mapping: torch.Tensor) -> PagedAttentionMetadata:
+    def _cpu_paged_metadata(self, order: list["PlanEntry"], slot_mapping: torch.Tensor) -> PagedAttentionMetadata:
         """The CPU paged kernel's arguments, one copy for every layer: ``block_tables`` ``[S, max_blocks]``
         int32 (rows padded with block 0, never read past a token's context), and per token its row
         (``token_rows [T]``) and its context length, position + 1 (``token_context [T]``).
@@ -287,9 +374,9 @@ class ModelRunner:
         rows: list[int] = []
         context: list[int] = []
         for i, (s, k) in enumerate(zip(order, k_lens)):
-            used = s.seq.block_table[: -(-k // bs)]
+            used = s.block_table[: -(-k // bs)]
             if len(used) * bs < k or any(not 0 <= b < nb for b in used):
-                raise ValueError(f"sequence {s.seq.seq_id}'s block table {used} cannot hold its {k} tokens "
+                raise ValueError(f"sequence {s.seq_id}'s block table {used} cannot hold its {k} tokens "
                                  f"in a pool of {nb} blocks")
             tables.extend(used)
             tables.extend([0] * (width - len(used)))

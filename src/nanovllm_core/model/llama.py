@@ -13,6 +13,12 @@ Weights: q/k/v projections are packed into one matrix and gate/up into another, 
 layer runs two matrix multiplications where the checkpoint has five (vLLM's
 ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` idea). ``load_weights`` maps the
 Hugging Face tensor names onto the packed parameters.
+
+Tensor parallelism (``--tensor-parallel-size N``): ``model/parallel.py`` cuts each rank's
+shard out of these same modules (Megatron's split); the model then differs only where the
+ranks join their partial results, each marked ``tp`` below: the all-reduce after ``o_proj``
+and after ``down_proj``, the vocabulary-split embedding, and the LM head's gather to rank 0.
+With ``tp`` None (one process) those lines do nothing.
 """
 
 from __future__ import annotations
@@ -171,6 +177,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.tp = None  # tensor parallelism: this rank's heads only, o_proj's partial sums all-reduced
 
     def forward(
         self,
@@ -192,6 +199,8 @@ class LlamaAttention(nn.Module):
             tracer.qkv(self.layer_idx, x, q, k, v, attn)
         out = attn.forward(self.layer_idx, q, k, v)
         out = self.o_proj(out.reshape(n, self.q_size))
+        if self.tp is not None:  # row-parallel o_proj: each rank's heads give a partial sum [T, hidden]
+            out = self.tp.all_reduce(out)
         if tracer is not None:
             tracer.attention_output(self.layer_idx, out)
         return out
@@ -207,6 +216,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.c_swiglu = False  # set by the loader in block modes (model/quantization.py)
+        self.tp = None  # tensor parallelism: this rank's intermediate rows only, down_proj's partial sums all-reduced
 
     def forward(self, x: torch.Tensor, tracer: "LayerTracer | None" = None) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]`` through ``[T, intermediate]``."""
@@ -217,6 +227,8 @@ class LlamaMLP(nn.Module):
         if act is None:
             act = nn.functional.silu(gate).mul_(up)  # in place: one [T, intermediate] buffer fewer
         out = self.down_proj(act)
+        if self.tp is not None:  # row-parallel down_proj: a partial sum [T, hidden] on each rank
+            out = self.tp.all_reduce(out)
         if tracer is not None:
             tracer.mlp(self.layer_idx, x, gate, up, act, out)
         return out
@@ -266,6 +278,9 @@ class LlamaForCausalLM(nn.Module):
         self.quantization: str | None = None
         # Block modes on the CPU: every decoder layer of a step in one C call (block_quant.FusedDecoderLayers).
         self.fused_layers: block_quant.FusedDecoderLayers | None = None
+        # Tensor parallelism (model/parallel.py): this rank's collectives and its vocabulary rows [start, end).
+        self.tp = None
+        self.vocab_start, self.vocab_end = 0, cfg.vocab_size
 
     @property
     def lm_head_matrix(self) -> torch.Tensor:
@@ -285,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
         ``num_layers`` runs only the first N decoder layers (early exit, used by
         self-speculative drafting); the final norm is still applied.
         """
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         if tracer is not None:
             tracer.embedding(input_ids, x)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
@@ -297,14 +312,33 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, attn, tracer)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids ``[num_tokens]`` -> embeddings ``[num_tokens, hidden]``.
+
+        Split over the vocabulary (``tp``): this rank holds rows ``[vocab_start, vocab_end)``,
+        looks up the ids it owns, writes zeros for the rest, and an all-reduce sums the ranks'
+        rows (one non-zero term per element: the same bits as one process).
+        """
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        x = self.embed_tokens((input_ids - self.vocab_start).masked_fill(outside, 0))
+        x.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden ``[num_rows, hidden]`` -> logits ``[num_rows, vocab]`` in float32.
 
         Through ``lm_head`` once the loader has built it (a tied head gets its own module over
         the embedding matrix, float or int8); before that, through the embedding matrix itself.
+        Split over the vocabulary (``tp``): each rank's ``[num_rows, vocab / N]`` is gathered
+        to rank 0, which alone gets the logits; the other ranks get None.
         """
         head = self._modules.get("lm_head")
-        return (head(hidden) if head is not None else linear(hidden, self.lm_head_matrix)).float()
+        logits = head(hidden) if head is not None else linear(hidden, self.lm_head_matrix)
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits)
+        return None if logits is None else logits.float()
 
     def check_positions(self, max_position: int) -> None:
         """Raise ValueError when ``max_position`` (tokens) is beyond the rotary table (see ``RotaryEmbedding.check``)."""

@@ -394,7 +394,8 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
 
 def load_model(model: str | os.PathLike | None, device: torch.device, dtype: torch.dtype,
                max_model_len: int | None = None, progress: ProgressFn | None = None,
-               quantization: str | None = None):
+               quantization: str | None = None, tensor_parallel=None, model_config=None,
+               with_tokenizer: bool = True):
     """Resolve, build and load a model: returns ``(LlamaForCausalLM, tokenizer, ResolvedModel)``.
 
     The rotary table is sized for ``max_model_len`` (default: the model's context length).
@@ -407,6 +408,11 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     of a kept weight is ever made. The other modes are built from the checkpoint's float weights;
     float ones are packed here. ``model.quantization_requested`` keeps what was asked
     (``"auto"``, ``"none"`` or a mode).
+    ``tensor_parallel`` (a ``model.parallel.TensorParallel``): keep only that rank's shard of
+    the weights (``model.parallel.shard_model``), cut after loading and before packing; auto
+    then resolves to float weights (the block kernels are not split yet).
+    ``model_config`` (a ``ModelConfig`` read before) and ``with_tokenizer=False`` (the tokenizer
+    comes back None) skip importing transformers: a tensor-parallel worker starts seconds sooner.
 
     Raises:
         ModelLoadError: any failure to find, convert or load, as one line; ``"gguf"`` for a
@@ -428,21 +434,25 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     if requested == "gguf" and resolved.gguf_file is None:
         raise ModelLoadError(f"--quantization gguf keeps a GGUF file's own blocks, but {resolved.name} is not a .gguf "
                              "file; use q8_0, q4_0 or q4_1 to quantize it at load, or none")
+    world_size = tensor_parallel.world_size if tensor_parallel is not None else 1
     try:
-        types = gguf_tensor_types_cached(resolved) if requested is None and resolved.gguf_file is not None else None
-        mode, auto_note = resolve_quantization(requested, resolved.gguf_file, device, dtype, tensor_types=types)
+        types = gguf_tensor_types_cached(resolved) if requested is None and resolved.gguf_file is not None \
+            and world_size == 1 else None
+        mode, auto_note = resolve_quantization(requested, resolved.gguf_file, device, dtype,
+                                               tensor_parallel_size=world_size, tensor_types=types)
     except ValueError as e:
         raise ModelLoadError(f"{resolved.name}: {e}") from None
-    hf_config = load_hf_config(resolved.path)
-    try:
-        cfg = ModelConfig.from_hf(hf_config)
-    except (ValueError, AttributeError) as e:
-        raise ModelLoadError(f"{resolved.name}: {e}") from None
+    cfg = model_config
+    if cfg is None:
+        try:
+            cfg = ModelConfig.from_hf(load_hf_config(resolved.path))
+        except (ValueError, AttributeError) as e:
+            raise ModelLoadError(f"{resolved.name}: {e}") from None
     if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
         raise ModelLoadError(
             f"max_model_len={max_model_len} is longer than the model's context ({cfg.max_position_embeddings} tokens)"
         )
-    tokenizer = load_tokenizer(resolved.path)
+    tokenizer = load_tokenizer(resolved.path) if with_tokenizer else None
     with torch.device("meta"):
         net = LlamaForCausalLM(cfg, max_position=max_model_len)
     # Parameters are materialised empty (no random init), already in the target dtype (a cast
@@ -464,6 +474,10 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     net.rotary.build_tables(device)
     load_weights(net, resolved.path, progress, skip=kept)
     net.eval()
+    if tensor_parallel is not None and tensor_parallel.world_size > 1:
+        from nanovllm_core.model.parallel import shard_model
+
+        shard_model(net, tensor_parallel)
     stage = {"int8": "quantizing to int8 (calibrating)", "gguf": "keeping the GGUF file's blocks", None: "packing linear layers"
              }.get(mode, f"quantizing to {mode}")
     if progress:

@@ -1,0 +1,336 @@
+"""Tensor parallelism (``--tensor-parallel-size N``): shards, sizes, determinism, failures, entry points.
+
+What is claimed (``model/parallel.py``) and tested here:
+
+- every shard has the shape and the rows of the Megatron split;
+- sizes that do not split the model are one-line errors naming the sizes that work, raised
+  before any process starts;
+- within one N, greedy output repeats run to run and does not change with batching or with
+  chunked prefill; against N = 1, log-probabilities agree within :data:`LOGPROB_TOLERANCE`
+  (the split changes only the order of float32 partial sums);
+- the per-rank timing in ``StepTimed`` is the runner's measurement, and the counts and bytes
+  are those of the split (``2 * layers + 1`` all-reduces of ``[num_tokens, hidden]``);
+- idle longer than the collective timeout is fine (workers wait on their pipe);
+- a killed worker ends the engine with a one-line error within seconds, every block freed,
+  every process joined, the process group destroyed;
+- SmolLM2 at N = 3 through ``LLM`` and the ``nanovllm`` command gives the N = 1 greedy text.
+
+One tensor-parallel engine per process at a time (one ``torch.distributed`` group), so the
+engines here are built and closed one after another.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nanovllm_core import LLM, SamplingParams
+from nanovllm_core import events as ev
+from nanovllm_core.config import EngineConfig
+from nanovllm_core.config import ModelConfig
+from nanovllm_core.model.loader import load_model
+from nanovllm_core.model.parallel import TensorParallel, check_size, shard_spans, valid_sizes
+
+# |log p(N) - log p(1)| for the top tokens of every generated position, float32 on the CPU.
+LOGPROB_TOLERANCE = 1e-4
+PROMPTS = ["Hello there my friend, how", "The capital of France is", "one two three four five six seven eight nine"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+QUIET = dict(progress=lambda *a: None)
+
+
+@pytest.fixture(autouse=True)
+def _short_timeout(monkeypatch):
+    monkeypatch.setenv("NANOVLLM_TP_TIMEOUT_S", "3")
+
+
+def tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_no_group_left():
+    assert not dist.is_initialized()
+    assert multiprocessing.active_children() == []
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    """Greedy tokens and log-probabilities of PROMPTS at N = 1 on the tiny LLaMA."""
+    llm = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, **QUIET)
+    return llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+# ----------------------------------------------------------------------------- sizes
+
+
+def test_valid_sizes_follow_the_heads():
+    smol = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                       rope_theta=1e5, max_position_embeddings=2048, tie_word_embeddings=True)
+    assert valid_sizes(smol, 8) == [1, 3]
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size=2 does not split SmolLM2 .*sizes that work: 1, 3$"):
+        check_size(smol, 2, "SmolLM2")
+    check_size(smol, 3)
+    shards = [shard_spans(smol, r, 3) for r in range(3)]
+    assert [s["q_heads"] for s in shards] == [(0, 3), (3, 6), (6, 9)]
+    assert [s["kv_heads"] for s in shards] == [(0, 1), (1, 2), (2, 3)]
+    assert shards[2]["vocab"] == (32768, 49152)
+    assert shards[0]["qkv_proj"] == (3 * 64 + 2 * 64, 576) and shards[0]["o_proj"] == (576, 192)
+    assert shards[0]["gate_up_proj"] == (1024, 576) and shards[0]["down_proj"] == (576, 512)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tensor_parallel_size=0), "tensor_parallel_size=0 is invalid"),
+    (dict(tensor_parallel_size=None), "tensor_parallel_size=None is invalid"),
+    (dict(tensor_parallel_size=2, quantization="gguf"),
+     "--quantization gguf does not run with --tensor-parallel-size > 1 yet; use --quantization none"),
+    (dict(tensor_parallel_size=2, quantization="int8"),
+     "--quantization int8 does not run with --tensor-parallel-size > 1 yet; use --quantization none"),
+    (dict(tensor_parallel_size=2, paged=False), "needs the paged engine"),
+    (dict(tensor_parallel_size=2, speculative_model="ngram"), "speculative decoding does not run with"),
+])
+def test_bad_settings_are_one_line_errors(kwargs, message):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(**kwargs)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_size_that_does_not_divide_the_heads_fails_before_any_process_starts(tiny_llama_dir):
+    with pytest.raises(ValueError) as e:
+        LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=16, tensor_parallel_size=3, **QUIET)
+    assert str(e.value).endswith("sizes that work: 1, 2") and "\n" not in str(e.value)
+    assert_no_group_left()
+
+
+def test_no_quantization_with_tp_means_float_weights():
+    assert EngineConfig(tensor_parallel_size=2).quantization is None
+    assert EngineConfig(tensor_parallel_size=2, quantization="none").quantization is None
+
+
+def test_the_option_reaches_the_engine_from_every_command_line():
+    from nanovllm_core.cli import build_parser, engine_kwargs
+    from nanovllm_core.entrypoints.cli import build_parser as serve_parser
+    from nanovllm_tui.options import parse_args
+
+    assert engine_kwargs(build_parser().parse_args(["--tensor-parallel-size", "3"]))["tensor_parallel_size"] == 3
+    assert engine_kwargs(build_parser().parse_args([]))["tensor_parallel_size"] == 1
+    assert engine_kwargs(serve_parser().parse_args(["--tensor-parallel-size", "3"]))["tensor_parallel_size"] == 3
+    assert engine_kwargs(parse_args(["--tensor-parallel-size", "3"]))["tensor_parallel_size"] == 3
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--tensor-parallel-size", "0"])
+    assert e.value.code == 2
+
+
+# ----------------------------------------------------------------------------- shards
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_shard_has_the_split_shape_and_rows(tiny_llama_dir, tiny_model, rank):
+    model, _, _ = tiny_model
+    cfg = model.config
+    # rank's shard cut by the loader (no group is needed to cut, only to run)
+    model2, _, _ = load_model(str(tiny_llama_dir), torch.device("cpu"), torch.float32,
+                              tensor_parallel=TensorParallel(rank, 2))
+    spans = shard_spans(cfg, rank, 2)
+    d, q, kv, i = cfg.head_dim, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
+        cfg.intermediate_size
+    (q0, q1), (k0, k1), (i0, i1), (v0, v1) = spans["q_heads"], spans["kv_heads"], spans["intermediate"], spans["vocab"]
+    for layer, whole in zip(model2.layers, model.layers):
+        a, w = layer.self_attn, whole.self_attn
+        assert tuple(a.qkv_proj.weight.shape) == spans["qkv_proj"]
+        expect = torch.cat([w.qkv_proj.weight[q0 * d:q1 * d], w.qkv_proj.weight[q + k0 * d:q + k1 * d],
+                            w.qkv_proj.weight[q + kv + k0 * d:q + kv + k1 * d]])
+        assert torch.equal(a.qkv_proj.weight, expect)
+        assert tuple(a.o_proj.weight.shape) == spans["o_proj"]
+        assert torch.equal(a.o_proj.weight, w.o_proj.weight[:, q0 * d:q1 * d])
+        m, wm = layer.mlp, whole.mlp
+        assert tuple(m.gate_up_proj.weight.shape) == spans["gate_up_proj"]
+        assert torch.equal(m.gate_up_proj.weight, torch.cat([wm.gate_up_proj.weight[i0:i1],
+                                                             wm.gate_up_proj.weight[i + i0:i + i1]]))
+        assert tuple(m.down_proj.weight.shape) == spans["down_proj"]
+        assert torch.equal(m.down_proj.weight, wm.down_proj.weight[:, i0:i1])
+        assert (a.num_heads, a.num_kv_heads, m.intermediate_size) == (q1 - q0, k1 - k0, i1 - i0)
+    assert tuple(model2.embed_tokens.weight.shape) == spans["embed_tokens"]
+    assert torch.equal(model2.embed_tokens.weight, model.embed_tokens.weight[v0:v1])
+    assert (model2.vocab_start, model2.vocab_end) == (v0, v1)
+
+
+def test_the_ranks_spans_tile_the_model(tiny_model):
+    """shard_spans of all ranks tile the heads, the intermediate rows and the vocabulary without gaps."""
+    cfg = tiny_model[0].config
+    for n in valid_sizes(cfg, 4):
+        spans = [shard_spans(cfg, r, n) for r in range(n)]
+        for key, total in (("q_heads", cfg.num_attention_heads), ("kv_heads", cfg.num_key_value_heads),
+                           ("intermediate", cfg.intermediate_size), ("vocab", cfg.vocab_size)):
+            assert spans[0][key][0] == 0 and spans[-1][key][1] == total
+            assert all(a[key][1] == b[key][0] for a, b in zip(spans, spans[1:]))
+
+
+# ----------------------------------------------------------------------------- N = 2, the tiny LLaMA
+
+
+def kill_worker_and_check_the_engine_ends(llm: LLM, when: str) -> None:
+    """SIGKILL worker rank 1 (``when``: "between steps" or "inside a step") while requests run: the engine
+    must end within seconds with a one-line error naming the rank, every block freed, the group gone."""
+    engine = llm.engine
+    worker_pid = engine.model_info()["tensor_parallel_pids"][1]
+    errors: list[ev.EngineError] = []
+    engine.subscribe(lambda e: errors.append(e) if isinstance(e, ev.EngineError) else None, topk=0)
+    for p in PROMPTS:
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    engine.step()
+    assert engine.block_manager.num_used_blocks > 0
+    if when == "between steps":
+        os.kill(worker_pid, signal.SIGKILL)
+    else:
+        engine.fault_injector = lambda plan: os.kill(worker_pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    outputs = []
+    while engine.has_unfinished_requests() and time.monotonic() - t0 < 20:
+        outputs.extend(engine.step())
+    took = time.monotonic() - t0
+    assert took < 10, took
+    assert [o.outputs[0].finish_reason for o in outputs if o.finished] == ["error"] * 3
+    assert engine.block_manager.num_used_blocks == 0
+    assert engine.fatal_error is not None and "\n" not in engine.fatal_error
+    assert f"worker rank 1 (pid {worker_pid})" in engine.fatal_error, engine.fatal_error
+    assert errors and errors[-1].message == engine.fatal_error
+    assert_no_group_left()
+    llm.close()  # idempotent after the failure
+    refused = llm.generate(["again"], GREEDY, use_tqdm=False)[0]
+    assert refused.outputs[0].finish_reason == "rejected"
+
+
+def test_n2_greedy_matches_n1_repeats_ignores_batching_times_truly_then_a_killed_worker(
+        tiny_llama_dir, reference):
+    """One N = 2 engine: greedy as N = 1 (log-probabilities within LOGPROB_TOLERANCE), the same run to run
+    and prompt by prompt; StepTimed carries exactly the runner's measurements; then a worker killed
+    inside a step ends it."""
+    timed: list[ev.StepTimed] = []
+    measured = []
+    llm = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, tensor_parallel_size=2, **QUIET)
+    engine = llm.engine
+    info = engine.model_info()
+    assert info["tensor_parallel_size"] == 2 and info["tensor_parallel_backend"] == "gloo"
+    assert [s["rank"] for s in info["tensor_parallel_shards"]] == [0, 1]
+    sub = engine.subscribe(lambda e: timed.append(e) if isinstance(e, ev.StepTimed) else None, topk=0)
+    original = engine.runner._execute_parallel
+
+    def spy(entries, flat_rows):
+        out = original(entries, flat_rows)
+        measured.append(engine.runner.tp_timing)
+        return out
+
+    engine.runner._execute_parallel = spy
+    batched = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    alone = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS]
+    assert engine.block_manager.num_used_blocks == 0
+    engine.unsubscribe(sub)
+    assert tokens(batched) == tokens(reference) == tokens(again) == tokens(alone)
+    worst = 0.0
+    for got, want in zip(batched, reference):
+        for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            worst = max(worst, max(abs(a[t].logprob - b[t].logprob) for t in a))
+    assert worst <= LOGPROB_TOLERANCE, worst
+    # StepTimed shows exactly what the runner measured, step by step.
+    assert len(timed) == len(measured) > 0
+    cfg = engine.model_config
+    for t, m in zip(timed, measured):
+        assert t.tp_size == 2 and t.tp_forward_s == m.wall_s and t.tp_comm_s == m.comm_s
+        assert t.tp_compute_s == m.compute_s
+        assert all(abs(c + x - w) < 1e-12 for c, x, w in zip(t.tp_compute_s, t.tp_comm_s, t.tp_forward_s))
+        assert t.tp_all_reduces == 2 * cfg.num_hidden_layers + 1
+        assert t.tp_all_reduce_bytes == t.tp_all_reduces * t.num_tokens * cfg.hidden_size * 4
+        assert 0 < sum(m.latencies_s) <= t.tp_comm_s[0]
+        assert ev.from_json(ev.to_json(t)) == t
+    kill_worker_and_check_the_engine_ends(llm, "inside a step")
+
+
+def test_n2_chunked_idle_paused_single_step_abort_then_a_killed_worker(tiny_llama_dir, reference):
+    """One N = 2 engine with a budget of 5 tokens a step (every prompt prefilled in chunks): the N = 1
+    tokens; an idle and a pause longer than the collective timeout (3 s here) harm nothing, since
+    workers wait on their pipe, not in a collective; single step and abort through the controller;
+    then a worker killed between steps ends it."""
+    from nanovllm_core.engine.controller import EngineController
+    from tests.conftest import poll_until
+
+    llm = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, tensor_parallel_size=2,
+              max_num_batched_tokens=5, **QUIET)
+    first = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    time.sleep(4.0)
+    rest = llm.generate(PROMPTS[1:], GREEDY, use_tqdm=False)
+    assert tokens(first + rest) == tokens(reference)
+    ctl = EngineController.from_llm(llm, start_paused=True)
+    try:
+        steps = llm.engine.scheduler.step_index
+        rid = ctl.submit(PROMPTS[0], GREEDY)
+        other = ctl.submit(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+        time.sleep(4.0)  # paused past the collective timeout: nothing runs, nothing times out
+        assert llm.engine.scheduler.step_index == steps
+        ctl.step(1)
+        assert poll_until(lambda: llm.engine.scheduler.step_index == steps + 1, 10)
+        ctl.abort(other)
+        ctl.resume()
+        out = ctl.wait(rid, timeout=30)
+        assert out is not None and out.outputs[0].token_ids == reference[0].outputs[0].token_ids
+        assert poll_until(lambda: llm.engine.block_manager.num_used_blocks == 0, 10)
+    finally:
+        assert ctl.shutdown(timeout=5)
+    kill_worker_and_check_the_engine_ends(llm, "between steps")
+
+
+# ----------------------------------------------------------------------------- SmolLM2 at N = 3
+
+
+@pytest.mark.real_model
+def test_smollm2_at_n3_from_llm_and_the_cli_gives_the_n1_text(make_engine, default_model_dir):
+    prompt = "The capital of France is"
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3)
+    want = LLM.from_engine(make_engine(num_kv_blocks=32)).generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    t0 = time.monotonic()
+    with LLM(num_kv_blocks=32, tensor_parallel_size=3, device="cpu", **QUIET) as llm:
+        assert [s["kv_heads"] for s in llm.engine.model_info()["tensor_parallel_shards"]] == [(0, 1), (1, 2), (2, 3)]
+        got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert_no_group_left()
+    assert got.token_ids == want.token_ids
+    worst = max(abs(a[t].logprob - b[t].logprob) for a, b in zip(got.logprobs, want.logprobs) for t in a)
+    assert worst <= LOGPROB_TOLERANCE, worst
+    print(f"SmolLM2 N=3 vs N=1: worst |log p difference| over the top-3 of 5 tokens {worst:.2e}")
+    assert time.monotonic() - t0 < 120
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-m", "nanovllm_core.cli", "--tensor-parallel-size", "3", "--device", "cpu",
+                           "--prompt", prompt, "--max-tokens", "5", "--temperature", "0", "--ignore-eos",
+                           "--num-kv-blocks", "32"], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"Completion: {want.text!r}" in proc.stdout
+    assert "tensor parallel over 3 ranks (gloo)" in proc.stdout
+    with pytest.raises(ValueError, match=r"sizes that work: 1, 3$"):  # the CLI prints this as its one-line error
+        LLM(num_kv_blocks=32, tensor_parallel_size=2, device="cpu", **QUIET)
+    assert_no_group_left()
+
+
+def test_workers_start_inside_an_app_whose_stderr_has_no_file_descriptor(monkeypatch):
+    """Textual's capture of stderr has fileno() -1; multiprocessing's resource tracker would pass it on
+    and fail ("bad value(s) in fds_to_keep"), so the workers start with the process's real stderr."""
+    import io
+
+    from nanovllm_core.engine.tensor_parallel import _stderr_with_a_file_descriptor
+
+    class Capture(io.StringIO):
+        def fileno(self) -> int:
+            return -1
+
+    capture = Capture()
+    monkeypatch.setattr(sys, "stderr", capture)
+    with _stderr_with_a_file_descriptor():
+        assert sys.stderr is not capture and sys.stderr.fileno() >= 0
+    assert sys.stderr is capture
