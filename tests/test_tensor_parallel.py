@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,8 +111,14 @@ def test_a_size_that_does_not_divide_the_heads_fails_before_any_process_starts(t
 
 
 def test_no_quantization_with_tp_means_float_weights():
-    assert EngineConfig(tensor_parallel_size=2).quantization is None
-    assert EngineConfig(tensor_parallel_size=2, quantization="none").quantization is None
+    from nanovllm_core.model.quantization import resolve_quantization
+
+    assert EngineConfig(tensor_parallel_size=2).quantization is None  # auto, resolved at load
+    assert EngineConfig(tensor_parallel_size=2, quantization="none").quantization == "none"
+    mode, note = resolve_quantization(None, Path("model.gguf"), "cpu", torch.float32, tensor_parallel_size=2)
+    assert mode is None and "tensor parallelism (2 ranks)" in note
+    with pytest.raises(ValueError, match="does not run with --tensor-parallel-size > 1 yet"):
+        EngineConfig(tensor_parallel_size=2, quantization="gguf")
 
 
 def test_the_option_reaches_the_engine_from_every_command_line():
