@@ -277,6 +277,15 @@ class StepTimed(Event):
 
     ``wall_time_s`` seconds; token counts; throughputs in tokens/s over this step;
     KV bytes used and total of the pool.
+
+    Tensor parallelism (fields added later; the defaults describe one process and older
+    traces): ``tp_size`` ranks ran the step; ``tp_comm_s``: seconds each rank spent inside
+    all-reduces this step (waiting for the slowest rank included), ``tp_compute_s``: the rest
+    of its forward pass, rank 0 first (both empty when not measured; together one rank's
+    forward pass, while ``wall_time_s`` is rank 0's whole step with scheduling, sampling and
+    events); ``tp_allreduce_count``: all-reduces each rank ran this step;
+    ``tp_allreduce_bytes``: bytes each rank contributed to them (the tensors' size, not what
+    the algorithm sent over the wire).
     """
 
     step: int
@@ -293,6 +302,11 @@ class StepTimed(Event):
     num_blocks_used: int = 0
     num_blocks_cached: int = 0
     num_blocks_total: int = 0
+    tp_size: int = 1
+    tp_compute_s: tuple[float, ...] = ()
+    tp_comm_s: tuple[float, ...] = ()
+    tp_allreduce_count: int = 0
+    tp_allreduce_bytes: int = 0
 
 
 # ---------------------------------------------------------------------------- x-ray

@@ -26,6 +26,38 @@ from nanovllm_core.educational.xray_facts import roofline_commentary
 from nanovllm_core.educational.xray_view import render_layer_detail
 
 DEMO_KV_BLOCKS = 64  # a demo's pool when its settings do not size one: small and quick to allocate
+SPLIT_UNAVAILABLE = ("the split engine (tensor_parallel_size) is not available in this build: the model runs in "
+                     "one process here")
+
+
+def split_engine_available() -> bool:
+    """Does this build's ``EngineConfig`` take ``tensor_parallel_size`` (the engine split over ranks)?"""
+    import dataclasses
+
+    from nanovllm_core.config import EngineConfig
+
+    return "tensor_parallel_size" in {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def communication_words(m: Any, allreduces: int, decode_steps: list[ev.StepTimed]) -> str:
+    """The tensor-parallel demonstration's sentences: the measured all-reduce latency (``m``: a
+    ``tp_measure.AllReduceLatency``), what ``allreduces`` of them cost a token at the median, and
+    beside it the mean wall time of the one-process decode steps in ``decode_steps`` (measured in
+    the same run; left out when there are none)."""
+    per_token_ms = m.per_token_us(allreduces) / 1000
+    text = (f"Measured now on {m.machine}: one all-reduce of a [1, {m.hidden}] float32 tensor ({m.nbytes:,} bytes) "
+            f"between {m.world_size} processes ({m.backend} over 127.0.0.1, one thread each) took {m.p50_us:,.0f} µs "
+            f"at the median and {m.p99_us:,.0f} µs at the 99th percentile, over {m.iters} calls. A decode token of "
+            f"this model runs {allreduces} of them one after another: {allreduces} x {m.p50_us:,.0f} µs = "
+            f"{per_token_ms:,.1f} ms of communication a token at the median, before any arithmetic (and before "
+            "rank 0 gathers the logits).")
+    if decode_steps:
+        one = sum(t.wall_time_s for t in decode_steps) / len(decode_steps)
+        text += (f" One process decoded the same prompt at {one * 1000:,.1f} ms a step (mean of "
+                 f"{len(decode_steps)} decode step{'s' if len(decode_steps) != 1 else ''}, measured just now): "
+                 f"the all-reduces alone are {per_token_ms / one / 1000:.1f}x that, and the split ranks' arithmetic, "
+                 "on the same cores, comes on top.")
+    return text
 
 
 class EngineDemos:
@@ -68,10 +100,17 @@ class EngineDemos:
         return engine.model_info()
 
     def engine(self, **settings: Any):
-        """A new engine over the loaded model with these ``EngineConfig`` settings."""
+        """A new engine over the loaded model with these ``EngineConfig`` settings.
+
+        Raises:
+            ValueError: a setting this build's ``EngineConfig`` does not have (one line naming it),
+                or one it refuses.
+        """
         from nanovllm_core.config import EngineConfig
         from nanovllm_core.engine.llm_engine import LLMEngine
 
+        if "tensor_parallel_size" in settings and not split_engine_available():
+            raise ValueError(SPLIT_UNAVAILABLE[0].upper() + SPLIT_UNAVAILABLE[1:])
         if self._loaded is None:
             self.load()
         settings.setdefault("num_kv_blocks", DEMO_KV_BLOCKS)
@@ -85,6 +124,9 @@ class EngineDemos:
         from nanovllm_core.llm import LLM
 
         demo = DEMOS[chapter.demo]
+        if demo.allreduce_ranks:
+            if not self._communication(demo, chapter, console):
+                return
         engine = self.engine(**demo.engine_settings())
         view = NarrateView(console, engine.model_info(), max_decode_steps=None, kinds=demo.kinds,
                            kv_every_step=demo.kv_every_step)
@@ -114,6 +156,31 @@ class EngineDemos:
             view.show(roofline_commentary(layer0[0]))
         if "speculative_cost" in demo.kinds:
             view.show(self._speculative_cost(demo, chapter.demo_prompt))
+
+    def _communication(self, demo: Any, chapter: Chapter, console: Console) -> bool:
+        """The tensor-parallel chapter's measurements: one all-reduce's latency across
+        ``demo.allreduce_ranks`` processes, a token's all-reduces at that latency, and a one-process
+        decode step timed now for comparison. Returns whether this build's engine takes the demo's
+        settings (False: one line says the split engine is not available, and the demo ends here)."""
+        from nanovllm_core.educational import tp_facts, tp_measure
+        from nanovllm_core.llm import LLM
+
+        info = self.load()
+        hidden, layers = int(info["hidden_size"]), int(info["num_layers"])
+        m = tp_measure.measure_allreduce(demo.allreduce_ranks, hidden=hidden, iters=200, warmup=20)
+        (request,) = demo.requests(chapter.demo_prompt)[:1]
+        timed: list[ev.StepTimed] = []
+        one = self.engine()
+        one.subscribe(lambda e: timed.append(e) if isinstance(e, ev.StepTimed) and e.num_decode_tokens else None,
+                      topk=0, blocks=False, xray=False)
+        LLM.from_engine(one).generate([request.prompt], request.params, use_tqdm=False)
+        console.print(Indent(Text(communication_words(m, tp_facts.allreduces_per_step(layers), timed))))
+        console.print()
+        if not split_engine_available():
+            console.print(Indent(Text(SPLIT_UNAVAILABLE[0].upper() + SPLIT_UNAVAILABLE[1:] + ".", style="yellow")))
+            console.print()
+            return False
+        return True
 
     def _speculative_cost(self, demo: Any, prompt: str) -> Commentary:
         """The verification's cost on this machine and Theorem 3.8's speed-up with it (two more runs, timed)."""

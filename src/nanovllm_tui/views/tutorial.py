@@ -1,4 +1,4 @@
-"""Tutorial: twelve chapters, each with a live demonstration on the engine and a quiz.
+"""Tutorial: thirteen chapters, each with a live demonstration on the engine and a quiz.
 
 The chapters, demonstrations, grading and saved progress come from
 ``nanovllm_core.educational.tutorial`` (the CLI's ``--tutorial`` reads the same), so this tab
