@@ -7,11 +7,13 @@ communicating. This measures it the way the engine would pay it: separate proces
 thread each, as a rank of a split engine on this CPU), gloo over 127.0.0.1, one
 ``all_reduce`` (sum) of a ``[1, hidden]`` float32 tensor at a time, timed on rank 0.
 
-Every rank is a child process (``python -c`` with torch alone, not this package), so the
-caller's process never joins a process group: an engine in it keeps its own. The rendezvous is
-a ``TCPStore`` the caller opens on a free port (port 0: the OS picks; no port is guessed), and
-each rank destroys its process group before it exits. Bounded in time: a rank still running
-at ``timeout_s`` is killed and the measurement raises.
+Every rank is a child process, so the caller's process never joins a process group (an engine
+in it keeps its own): forked from the caller on Linux when it runs one thread (torch is already
+loaded there, so a rank starts in milliseconds), else a fresh interpreter that loads this file
+alone (seconds: it imports torch). The rendezvous is a ``TCPStore`` the caller opens on a free
+port (port 0: the OS picks; no port is guessed), and each rank destroys its process group
+before it exits. Bounded in time: a rank still running at ``timeout_s`` is killed and the
+measurement raises.
 """
 
 from __future__ import annotations
@@ -24,33 +26,57 @@ import sys
 import time
 from dataclasses import dataclass
 
-_RANK = r"""
-import datetime, json, os, sys, time
-import torch
-import torch.distributed as dist
-torch.set_num_threads(1)
-host, port, rank, world, hidden, iters, warmup, timeout = sys.argv[1:9]
-rank, world, hidden, iters, warmup = int(rank), int(world), int(hidden), int(iters), int(warmup)
-wait = datetime.timedelta(seconds=float(timeout))
-store = dist.TCPStore(host, int(port), world, is_master=False, timeout=wait)
-dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=wait)
-x = torch.ones(1, hidden, dtype=torch.float32)
-for _ in range(warmup):
-    dist.all_reduce(x)
-dist.barrier()
-times = []
-for _ in range(iters):
-    x.fill_(1.0)
-    t0 = time.perf_counter()
-    dist.all_reduce(x)
-    times.append(time.perf_counter() - t0)
-ok = float(x[0, 0]) == float(world)  # the sum of one 1.0 from every rank
-dist.barrier()
-dist.destroy_process_group()
-print(json.dumps({"rank": rank, "times": times if rank == 0 else [], "sum_ok": ok,
-                  "destroyed": not dist.is_initialized()}))
-"""
 
+def _rank(host: str, port: int, rank: int, world: int, hidden: int, iters: int, warmup: int,
+          timeout: float) -> dict:
+    """One rank: join the group through the caller's store, time ``iters`` all-reduces, leave the group.
+
+    Returns ``{"rank", "times" (seconds, rank 0 only), "sum_ok", "destroyed"}``."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # 127.0.0.1 only, whatever the host name resolves to
+    wait = datetime.timedelta(seconds=timeout)
+    store = dist.TCPStore(host, port, world, is_master=False, timeout=wait)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=wait)
+    x = torch.ones(1, hidden, dtype=torch.float32)
+    for _ in range(warmup):
+        dist.all_reduce(x)
+    dist.barrier()
+    times = []
+    for _ in range(iters):
+        x.fill_(1.0)
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t0)
+    ok = float(x[0, 0]) == float(world)  # the sum of one 1.0 from every rank
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"rank": rank, "times": times if rank == 0 else [], "sum_ok": ok, "destroyed": not dist.is_initialized()}
+
+
+def _forked_rank(conn, *args) -> None:
+    """A forked rank: :func:`_rank`, its result (or its error, in one line) sent through ``conn``."""
+    try:
+        conn.send(_rank(*args))
+    except BaseException as e:  # noqa: BLE001 - the caller raises it as a RuntimeError
+        first = (str(e).splitlines() or [""])[0]
+        conn.send({"error": f"{type(e).__name__}: {first}"})
+    finally:
+        conn.close()
+
+
+# A rank in a fresh interpreter (where forking is not safe): this file alone (stdlib at the top), not the package.
+_FRESH = ("import importlib.util, json, sys\n"
+          "spec = importlib.util.spec_from_file_location('_tp_rank', sys.argv[1])\n"
+          "m = sys.modules['_tp_rank'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+          "a = sys.argv[2:]\n"
+          "print(json.dumps(m._rank(a[0], int(a[1]), int(a[2]), int(a[3]), int(a[4]), int(a[5]), int(a[6]), "
+          "float(a[7]))))\n")
 
 @dataclass(frozen=True)
 class AllReduceLatency:
@@ -73,6 +99,85 @@ class AllReduceLatency:
     def per_token_us(self, allreduces: int) -> float:
         """``allreduces`` x the median: what one token's all-reduces cost at this latency (µs)."""
         return allreduces * self.p50_us
+
+
+def _can_fork() -> bool:
+    """Fork the ranks (no interpreter start, torch already loaded) only on Linux from a process with one
+    thread: a fork copies only the calling thread, and a lock another thread held would never be released."""
+    import threading
+
+    return sys.platform.startswith("linux") and threading.active_count() == 1
+
+
+def _timed_out(timeout_s: float, world_size: int) -> RuntimeError:
+    return RuntimeError(f"the all-reduce measurement took longer than {timeout_s:.0f} s across {world_size} "
+                        "processes; the machine may be too busy: try again")
+
+
+def _run_forked(args: tuple, world: int, hidden: int, iters: int, warmup: int, timeout_s: float,
+                deadline: float) -> list[dict]:
+    import multiprocessing as mp
+
+    import torch.distributed  # noqa: F401 - loaded once here, so the forked ranks start with it
+
+    ctx = mp.get_context("fork")
+    pipes, procs = [], []
+    try:
+        for rank in range(world):
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_forked_rank, args=(send, *args, rank, world, hidden, iters, warmup, timeout_s),
+                            daemon=True)
+            p.start()
+            send.close()
+            pipes.append(recv)
+            procs.append(p)
+        results = []
+        for rank, (recv, p) in enumerate(zip(pipes, procs)):
+            if not recv.poll(max(0.0, deadline - time.monotonic())):
+                raise _timed_out(timeout_s, world)
+            try:
+                got = recv.recv()
+            except EOFError:
+                got = {"error": "it exited without a result"}
+            results.append({"rank": rank, **got})
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+        return results
+    finally:
+        for p in procs:  # only the ranks this call started
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for recv in pipes:
+            recv.close()
+
+
+def _run_fresh(args: tuple, world: int, hidden: int, iters: int, warmup: int, timeout_s: float,
+               deadline: float) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", _FRESH, __file__, *map(str, (*args, rank, world, hidden, iters,
+                                                                                    warmup, timeout_s))],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for rank in range(world)]
+    results = []
+    try:
+        for rank, p in enumerate(procs):
+            try:
+                out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise _timed_out(timeout_s, world) from None
+            lines = [line for line in out.splitlines() if line.startswith("{")]
+            if p.returncode != 0 or not lines:
+                last = (err.strip().splitlines() or ["no output"])[-1]
+                results.append({"rank": rank, "error": f"exit {p.returncode}: {last}"})
+            else:
+                results.append({"rank": rank, **json.loads(lines[-1])})
+        return results
+    finally:
+        for p in procs:  # only the ranks this call started
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def cpu_name() -> str:
@@ -129,32 +234,17 @@ def measure_allreduce(world_size: int = 2, hidden: int = 576, iters: int = 200, 
     deadline = time.monotonic() + timeout_s
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK, "127.0.0.1", str(store.port), str(rank), str(world_size),
-                               str(hidden), str(iters), str(warmup), str(timeout_s)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for rank in range(world_size)]
-    outputs: list[tuple[int, str, str]] = []
+    args = ("127.0.0.1", store.port)
     try:
-        for p in procs:
-            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            outputs.append((p.returncode, out, err))
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"the all-reduce measurement took longer than {timeout_s:.0f} s across {world_size} "
-                           "processes; the machine may be too busy: try again") from None
+        if _can_fork():
+            results = _run_forked(args, world_size, hidden, iters, warmup, timeout_s, deadline)
+        else:
+            results = _run_fresh(args, world_size, hidden, iters, warmup, timeout_s, deadline)
     finally:
-        for p in procs:  # only the ranks this call started
-            if p.poll() is None:
-                p.kill()
-                p.wait()
         del store
-    results = []
-    for rank, (code, out, err) in enumerate(outputs):
-        lines = [line for line in out.splitlines() if line.startswith("{")]
-        if code != 0 or not lines:
-            last = (err.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"all-reduce rank {rank} failed (exit {code}): {last}")
-        results.append(json.loads(lines[-1]))
+    for r in results:
+        if "error" in r:
+            raise RuntimeError(f"all-reduce rank {r['rank']} failed: {r['error']}")
     if not all(r["sum_ok"] and r["destroyed"] for r in results):
         raise RuntimeError("the all-reduce measurement gave a wrong sum or left a process group: see tp_measure.py")
     times = [t * 1e6 for t in results[0]["times"]]
