@@ -296,6 +296,23 @@ def test_the_prefill_chapter_states_the_measured_ridge_point_when_known():
 
 
 @pytest.mark.real_model
+def test_tensor_parallel_demo_measures_the_all_reduce_and_derives_a_tokens_communication(demos):
+    from nanovllm_core.educational.tutorial_demos import split_engine_available
+
+    text = " ".join(demo_output(demos, "tensor_parallel").split())
+    assert re.search(r"between 3 processes \(gloo over 127\.0\.0\.1, one thread each\) took [\d,]+ µs at the median", text)
+    m = re.search(r"runs 61 of them one after another: 61 x ([\d,]+) µs = ([\d,.]+) ms of communication a token", text)
+    assert m, text
+    p50, per_token = int(m[1].replace(",", "")), float(m[2].replace(",", ""))
+    assert abs(61 * p50 / 1000 - per_token) <= 0.1  # the median is printed rounded to a microsecond
+    assert re.search(r"One process decoded the same prompt at [\d,.]+ ms a step \(mean of 3 decode steps", text)
+    if split_engine_available():  # the engine side is merged: the split run's narrator entries follow
+        assert "ACT 4 · DECODE" in text and "The split engine" not in text
+    else:
+        assert "The split engine (tensor_parallel_size) is not available in this build" in text
+
+
+@pytest.mark.real_model
 def test_prefix_caching_demo_reuses_two_full_blocks(demos):
     text = demo_output(demos, "prefix_caching")
     assert "PREFIX CACHE · Request 1: prefix cache hit, 32 tokens" in text

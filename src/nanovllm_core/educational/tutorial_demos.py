@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.text import Text
 
 from nanovllm_core import events as ev
 from nanovllm_core import roofline
