@@ -255,7 +255,7 @@ def test_the_quiz_answer_follows_from_the_rule_the_chapter_states():
 
 def test_the_demonstration_words_derive_a_tokens_communication_from_the_measured_latency():
     from nanovllm_core.educational.tp_measure import AllReduceLatency
-    from nanovllm_core.educational.tutorial_demos import communication_words
+    from nanovllm_core.educational.tp_facts import communication_words
 
     m = AllReduceLatency(p50_us=100.0, p99_us=350.0, world_size=3, iters=200, hidden=576, nbytes=2304,
                          backend="gloo", machine="AMD EPYC")

@@ -297,7 +297,7 @@ def test_the_prefill_chapter_states_the_measured_ridge_point_when_known():
 
 @pytest.mark.real_model
 def test_tensor_parallel_demo_measures_the_all_reduce_and_derives_a_tokens_communication(demos):
-    from nanovllm_core.educational.tutorial_demos import split_engine_available
+    from nanovllm_core.educational.tp_facts import split_engine_available
 
     text = " ".join(demo_output(demos, "tensor_parallel").split())
     assert re.search(r"between 3 processes \(gloo over 127\.0\.0\.1, one thread each\) took [\d,]+ µs at the median", text)

@@ -21,44 +21,13 @@ from nanovllm_core.educational import speculative_costs
 from nanovllm_core.educational.commentary import Commentary
 from nanovllm_core.educational.narrate_view import NarrateView
 from nanovllm_core.educational.rich_parts import Indent
+from nanovllm_core.educational.tp_facts import SPLIT_UNAVAILABLE, communication_words, split_engine_available
 from nanovllm_core.educational.tutorial import DEMOS, Chapter
 from nanovllm_core.educational.xray import roofline_key
 from nanovllm_core.educational.xray_facts import roofline_commentary
 from nanovllm_core.educational.xray_view import render_layer_detail
 
 DEMO_KV_BLOCKS = 64  # a demo's pool when its settings do not size one: small and quick to allocate
-SPLIT_UNAVAILABLE = ("the split engine (tensor_parallel_size) is not available in this build: the model runs in "
-                     "one process here")
-
-
-def split_engine_available() -> bool:
-    """Does this build's ``EngineConfig`` take ``tensor_parallel_size`` (the engine split over ranks)?"""
-    import dataclasses
-
-    from nanovllm_core.config import EngineConfig
-
-    return "tensor_parallel_size" in {f.name for f in dataclasses.fields(EngineConfig)}
-
-
-def communication_words(m: Any, allreduces: int, decode_steps: list[ev.StepTimed]) -> str:
-    """The tensor-parallel demonstration's sentences: the measured all-reduce latency (``m``: a
-    ``tp_measure.AllReduceLatency``), what ``allreduces`` of them cost a token at the median, and
-    beside it the mean wall time of the one-process decode steps in ``decode_steps`` (measured in
-    the same run; left out when there are none)."""
-    per_token_ms = m.per_token_us(allreduces) / 1000
-    text = (f"Measured now on {m.machine}: one all-reduce of a [1, {m.hidden}] float32 tensor ({m.nbytes:,} bytes) "
-            f"between {m.world_size} processes ({m.backend} over 127.0.0.1, one thread each) took {m.p50_us:,.0f} µs "
-            f"at the median and {m.p99_us:,.0f} µs at the 99th percentile, over {m.iters} calls. A decode token of "
-            f"this model runs {allreduces} of them one after another: {allreduces} x {m.p50_us:,.0f} µs = "
-            f"{per_token_ms:,.1f} ms of communication a token at the median, before any arithmetic (and before "
-            "rank 0 gathers the logits).")
-    if decode_steps:
-        one = sum(t.wall_time_s for t in decode_steps) / len(decode_steps)
-        text += (f" One process decoded the same prompt at {one * 1000:,.1f} ms a step (mean of "
-                 f"{len(decode_steps)} decode step{'s' if len(decode_steps) != 1 else ''}, measured just now): "
-                 f"the all-reduces alone are {per_token_ms / one / 1000:.1f}x that, and the split ranks' arithmetic, "
-                 "on the same cores, comes on top.")
-    return text
 
 
 class EngineDemos:
