@@ -59,10 +59,12 @@ def _rank(host: str, port: int, rank: int, world: int, hidden: int, iters: int, 
     return {"rank": rank, "times": times if rank == 0 else [], "sum_ok": ok, "destroyed": not dist.is_initialized()}
 
 
-def _forked_rank(conn, *args) -> None:
-    """A forked rank: :func:`_rank`, its result (or its error, in one line) sent through ``conn``."""
+def _forked_rank(conn, host: str, *args) -> None:
+    """A forked rank: wait for the store's port through ``conn``, run :func:`_rank`, send back its result
+    (or its error, in one line)."""
     try:
-        conn.send(_rank(*args))
+        port = conn.recv()
+        conn.send(_rank(host, port, *args))
     except BaseException as e:  # noqa: BLE001 - the caller raises it as a RuntimeError
         first = (str(e).splitlines() or [""])[0]
         conn.send({"error": f"{type(e).__name__}: {first}"})
@@ -109,34 +111,50 @@ def _can_fork() -> bool:
     return sys.platform.startswith("linux") and threading.active_count() == 1
 
 
+def _store(world: int, timeout_s: float):
+    """The rendezvous: a ``TCPStore`` server in this process on a port the OS picks (127.0.0.1 only)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def _timed_out(timeout_s: float, world_size: int) -> RuntimeError:
     return RuntimeError(f"the all-reduce measurement took longer than {timeout_s:.0f} s across {world_size} "
                         "processes; the machine may be too busy: try again")
 
 
-def _run_forked(args: tuple, world: int, hidden: int, iters: int, warmup: int, timeout_s: float,
+def _run_forked(world: int, hidden: int, iters: int, warmup: int, timeout_s: float,
                 deadline: float) -> list[dict]:
+    """Fork the ranks first, then open the store and send them its port: no fork happens while the
+    store's server thread runs."""
     import multiprocessing as mp
 
     import torch.distributed  # noqa: F401 - loaded once here, so the forked ranks start with it
 
     ctx = mp.get_context("fork")
     pipes, procs = [], []
+    store = None
     try:
         for rank in range(world):
-            recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_forked_rank, args=(send, *args, rank, world, hidden, iters, warmup, timeout_s),
-                            daemon=True)
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=_forked_rank, args=(theirs, "127.0.0.1", rank, world, hidden, iters, warmup,
+                                                       timeout_s), daemon=True)
             p.start()
-            send.close()
-            pipes.append(recv)
+            theirs.close()
+            pipes.append(mine)
             procs.append(p)
+        store = _store(world, timeout_s)
+        for mine in pipes:
+            mine.send(store.port)
         results = []
-        for rank, (recv, p) in enumerate(zip(pipes, procs)):
-            if not recv.poll(max(0.0, deadline - time.monotonic())):
+        for rank, mine in enumerate(pipes):
+            if not mine.poll(max(0.0, deadline - time.monotonic())):
                 raise _timed_out(timeout_s, world)
             try:
-                got = recv.recv()
+                got = mine.recv()
             except EOFError:
                 got = {"error": "it exited without a result"}
             results.append({"rank": rank, **got})
@@ -148,12 +166,21 @@ def _run_forked(args: tuple, world: int, hidden: int, iters: int, warmup: int, t
             if p.is_alive():
                 p.kill()
                 p.join()
-        for recv in pipes:
-            recv.close()
+        for mine in pipes:
+            mine.close()
+        del store
 
 
-def _run_fresh(args: tuple, world: int, hidden: int, iters: int, warmup: int, timeout_s: float,
-               deadline: float) -> list[dict]:
+def _run_fresh(world: int, hidden: int, iters: int, warmup: int, timeout_s: float, deadline: float) -> list[dict]:
+    store = _store(world, timeout_s)
+    try:
+        return _run_fresh_ranks(("127.0.0.1", store.port), world, hidden, iters, warmup, timeout_s, deadline)
+    finally:
+        del store
+
+
+def _run_fresh_ranks(args: tuple, world: int, hidden: int, iters: int, warmup: int, timeout_s: float,
+                     deadline: float) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", _FRESH, __file__, *map(str, (*args, rank, world, hidden, iters,
                                                                                     warmup, timeout_s))],
@@ -227,21 +254,9 @@ def measure_allreduce(world_size: int = 2, hidden: int = 576, iters: int = 200, 
     if not 2 <= world_size <= 8 or hidden < 1 or iters < 1 or warmup < 0 or timeout_s <= 0:
         raise ValueError(f"measure_allreduce needs 2 <= world_size <= 8, hidden >= 1, iters >= 1, warmup >= 0 and "
                          f"timeout_s > 0; got {world_size}, {hidden}, {iters}, {warmup}, {timeout_s}")
-    import datetime
-
-    import torch.distributed as dist
-
     deadline = time.monotonic() + timeout_s
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
-    args = ("127.0.0.1", store.port)
-    try:
-        if _can_fork():
-            results = _run_forked(args, world_size, hidden, iters, warmup, timeout_s, deadline)
-        else:
-            results = _run_fresh(args, world_size, hidden, iters, warmup, timeout_s, deadline)
-    finally:
-        del store
+    run = _run_forked if _can_fork() else _run_fresh
+    results = run(world_size, hidden, iters, warmup, timeout_s, deadline)
     for r in results:
         if "error" in r:
             raise RuntimeError(f"all-reduce rank {r['rank']} failed: {r['error']}")
