@@ -248,7 +248,7 @@ def run_cli(capsys, monkeypatch, stdin: str, *args):
 @pytest.mark.parametrize("args,message", [
     (["--tutorial", "--narrate"], "--tutorial runs on its own"),
     (["--narrate-steps", "-1"], "--narrate-steps: expected an integer >= 0"),
-    (["--tutorial", "--tutorial-chapter", "13"], "expected a chapter number 1-12"),
+    (["--tutorial", "--tutorial-chapter", "14"], "expected a chapter number 1-13"),
 ])
 def test_bad_teaching_arguments_exit_2_with_one_line(capsys, monkeypatch, args, message):
     code, _, err = run_cli(capsys, monkeypatch, "", *args)

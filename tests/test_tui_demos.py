@@ -133,3 +133,37 @@ async def test_a_replay_refuses_to_run_a_demonstration(tmp_path):
     async with app.run_test(size=SIZE, message_hook=notes) as pilot:
         await pilot.press("escape", "4", "r")
         await wait_until(pilot, lambda: notes.find("this is a replay", "warning"), what="the refusal")
+
+
+async def test_chapter_13_measures_all_reduces_and_says_when_the_split_engine_is_missing(tiny_model, tmp_path,
+                                                                                         monkeypatch):
+    from nanovllm_core.educational import tp_measure
+    from nanovllm_core.educational.tp_facts import split_engine_available
+
+    asked = []
+
+    def fake(world_size, hidden, iters, warmup):  # the real one is tested in test_tp_teaching.py
+        asked.append((world_size, hidden))
+        return tp_measure.AllReduceLatency(p50_us=250.0, p99_us=900.0, world_size=world_size, iters=iters,
+                                           hidden=hidden, nbytes=hidden * 4, backend="gloo", machine="a test CPU")
+
+    monkeypatch.setattr(tp_measure, "measure_allreduce", fake)
+    app = app_at_chapter(tiny_model, tmp_path, 13)
+    assert CHAPTERS[12].demo == "tensor_parallel"
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the ready event")
+        await pilot.press("escape", "4", "r")
+        tutorial = app.query_one(TutorialView)
+        await wait_until(pilot, lambda: not tutorial.measuring and tutorial.measured is not None, what="the measurement")
+        await pilot.pause(0.1)
+        info = app.state.model_info
+        layers = 2 * info["num_layers"] + 1
+        assert asked == [(3, info["hidden_size"])]  # the loaded model's width, three ranks
+        text = " ".join(shown(tutorial).split())
+        assert "Measured now on a test CPU" in text
+        assert f"runs {layers} of them one after another: {layers} x 250 µs = {layers * 0.25:,.1f} ms" in text
+        if not split_engine_available():
+            assert "The split engine (tensor_parallel_size) is not available in this build" in text
+        else:  # the split run is the CLI's: the app points there and starts no processes
+            assert "The split run itself: `nanovllm --tutorial --tutorial-chapter 13` in a terminal" in text
+        assert tutorial.run is None  # no engine was started for it

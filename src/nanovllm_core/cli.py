@@ -7,7 +7,7 @@ traceback.
 Teaching modes (``nanovllm_core.educational``): ``--narrate`` tells each act of inference
 with the run's real numbers, ``--xray`` shows the tensors and math inside the layers,
 ``--dashboard`` draws a live view while generating; they combine. ``--tutorial`` runs the
-twelve chapters and quizzes on their own (``--no-demos`` never loads the model).
+thirteen chapters and quizzes on their own (``--no-demos`` never loads the model).
 """
 
 from __future__ import annotations
@@ -45,12 +45,15 @@ def _non_negative_int(text: str) -> int:
 
 
 def _chapter_number(text: str) -> int:
+    from nanovllm_core.educational.tutorial import CHAPTERS  # the text only: no torch, no model
+
+    last = len(CHAPTERS)
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a chapter number 1-12, got {text!r}") from None
-    if not 1 <= value <= 12:
-        raise argparse.ArgumentTypeError(f"expected a chapter number 1-12, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a chapter number 1-{last}, got {text!r}") from None
+    if not 1 <= value <= last:
+        raise argparse.ArgumentTypeError(f"expected a chapter number 1-{last}, got {value}")
     return value
 
 
@@ -87,11 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     teach.add_argument("--dashboard", action="store_true",
                        help="a live view while generating (a final snapshot when output is not a terminal)")
     teach.add_argument("--tutorial", action="store_true",
-                       help="twelve chapters with quizzes (A-D); answers are read line by line from a pipe")
+                       help="thirteen chapters with quizzes (A-D); answers are read line by line from a pipe")
     teach.add_argument("--no-demos", action="store_true",
                        help="tutorial without live demonstrations (the model is not loaded)")
     teach.add_argument("--tutorial-chapter", type=_chapter_number, default=None, metavar="N",
-                       help="start the tutorial at chapter N (1-12; default: where you stopped last time)")
+                       help="start the tutorial at chapter N (1-13; default: where you stopped last time)")
     teach.add_argument("--progress-file", default=None, metavar="FILE.json",
                        help="where tutorial progress is kept (default: ~/.cache/nanovllm/tutorial_progress.json)")
     t = p.add_argument_group("traces")

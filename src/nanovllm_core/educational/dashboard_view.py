@@ -3,7 +3,8 @@
 It shows the phase of the current step (prefill, decode or both), progress through the
 layers, each request's prefill and decode progress, the KV cache (blocks and bytes), tokens
 per second, the text being generated and the latest top predictions, all from the engine's
-events.
+events; for an engine split over ranks (tensor parallel), each rank's compute and all-reduce
+time in the last step.
 
 Layer progress is shown only when it is measured: the engine's forward pass runs all layers
 in one call and reports nothing per layer, unless X-Ray capture is on (``--xray``), whose
@@ -33,6 +34,7 @@ from nanovllm_core import events as ev
 from nanovllm_core.educational.narrator import human_bytes
 from nanovllm_core.educational.narrator_sampling import table_caption
 from nanovllm_core.educational.rich_parts import topk_table
+from nanovllm_core.educational.tp_facts import dashboard_lines
 
 MIN_REDRAW_S = 0.05  # token and layer events redraw at most this often; step ends always redraw
 MAX_REQUEST_ROWS = 8
@@ -208,8 +210,13 @@ class DashboardView:
         i = self.info
         header = Text.assemble(("Model: ", "bold"), str(i.get("model_name", "?")), "   ", ("Device: ", "bold"),
                                str(i.get("device", "?")), "   ", ("Dtype: ", "bold"), str(i.get("dtype", "?")))
-        body: list[RenderableType] = [header, self._progress(), self._request_table(),
-                                      self._memory_and_speed(), self._text_panel()]
+        body: list[RenderableType] = [header, self._progress(), self._request_table(), self._memory_and_speed()]
+        split = dashboard_lines(self.last_step) if self.last_step is not None else []
+        if split:  # a step split over ranks (tensor parallel): its compute and all-reduce time per rank
+            body.append(Panel(Text("\n".join(split[:-1]) + "\n") + Text(split[-1], style="dim"),
+                              title=f"Where the last step's time went ({self.last_step.tp_size} ranks)",
+                              title_align="left"))
+        body.append(self._text_panel())
         if self.top:
             body.append(Panel(topk_table([(t.text, t.prob) for t in self.top], self.top_chosen),
                               title=f"Top predictions (request {self.top_request}, latest token)", title_align="left",

@@ -31,6 +31,7 @@ ACTS: dict[str, tuple[str, str]] = {  # kind -> (label, style)
     "preemption": ("PREEMPTION", "bold red"),
     "prefix_cache": ("PREFIX CACHE", "bold bright_green"),
     "speculative": ("SPECULATIVE DECODING", "bold bright_cyan"),
+    "communication": ("TENSOR PARALLEL", "bold bright_yellow"),
     "finished": ("FINISHED", "bold white"),
     "rejected": ("REJECTED", "bold red"),
     "error": ("ENGINE ERROR", "bold red"),

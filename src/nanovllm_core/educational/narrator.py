@@ -6,7 +6,8 @@ id), what the embedding produced (sizes, and real values when X-Ray capture is o
 tokens the prefill processed and how long the step took, each decode step's top choices and
 the token taken, what the sampling settings did, speculative verifications, how many bytes
 the KV cache holds, and the scheduler's decisions (who waits and why, chunked prefill,
-preemption and its victim, prefix cache hits, samples sharing a prompt). The CLI's
+preemption and its victim, prefix cache hits, samples sharing a prompt), and, for an engine
+split over ranks, a step that waited on communication (``tp_facts.waited_on_communication``). The CLI's
 ``--narrate`` and the app's Narrator tab both render these entries.
 
 Truth rule: a sentence either states what the step's own events show (its plan, its
@@ -43,12 +44,13 @@ from nanovllm_core.educational.kv_facts import kv_footprint
 from nanovllm_core.educational.narrator_sampling import (sampling_intro, speculative_entry, token_choice, token_label,
                                                          verification_rule)
 from nanovllm_core.educational.narrator_scheduler import PRIORITY_NOTE, SchedulerNarration
+from nanovllm_core.educational.tp_facts import waited_on_communication
 
 __all__ = ["KINDS", "Commentary", "Narrator", "PRIORITY_NOTE", "human_bytes", "ms", "ordinal", "plural", "show_piece"]
 
 KINDS = ("model", "tokenization", "embedding", "attention", "prefill", "decode", "sampling", "kv_cache",
          "scheduler", "chunked_prefill", "preemption", "prefix_cache", "finished", "rejected", "speculative",
-         "error")
+         "communication", "error")
 MAX_PIECES_SHOWN = 48  # a longer prompt's pieces and ids are shown up to this many, then counted
 MAX_TABLES_SHOWN = 4   # block tables listed in one KV cache entry
 
@@ -273,6 +275,10 @@ class Narrator(SchedulerNarration):
                                                    if e.request_id else ""), request_id=e.request_id, step=e.step))
         if timed is not None:
             out.extend(self._kv_cache(timed, blocks))
+            waited = waited_on_communication(timed)  # a step split over ranks (tensor parallel)
+            if waited is not None:
+                out.append(Commentary("communication", f"Step {timed.step} waited on communication", waited,
+                                      step=timed.step))
         return out
 
     def _embedding(self, plan: ev.StepPlanned, s: ev.ScheduledEntry, trace: ev.LayerTrace | None) -> list[Commentary]:

@@ -1,4 +1,4 @@
-"""The tutorial: twelve chapters on how a vLLM-class engine serves a prompt, each with a quiz.
+"""The tutorial: thirteen chapters on how a vLLM-class engine serves a prompt, each with a quiz.
 
 This module is the single source of the tutorial's content. The CLI (``nanovllm --tutorial``)
 and the Textual app's Tutorial tab both read :data:`CHAPTERS`, :data:`DEMOS`, :func:`grade`
@@ -11,14 +11,15 @@ step (decode) drawn from a distribution (sampling), in memory organised as pages
 (PagedAttention, Kwon et al. 2023), beside other requests (continuous batching, Yu et al.
 2022 "Orca"), reusing what others already computed (prefix caching), under a per-step
 budget with priorities (chunked prefill, Agrawal et al. 2023 "SARATHI"; preemption by
-recompute, Kwon et al. 2023 section 4.5), and finally several tokens per step
-(speculative decoding, Leviathan et al. 2023; Chen et al. 2023).
+recompute, Kwon et al. 2023 section 4.5), several tokens per step (speculative decoding,
+Leviathan et al. 2023; Chen et al. 2023), and finally one model split over several devices
+(tensor parallelism, Shoeybi et al. 2019 "Megatron-LM" section 3).
 
 Chapter text holds no numbers that claim to describe the loaded model: numbers about the
 model come from :func:`model_facts` (computed from ``LLMEngine.model_info()``) and from the
 live demonstrations, which run on the engine.
 
-Why one long file: it is the tutorial's text (twelve chapters, their quizzes and the facts each
+Why one long file: it is the tutorial's text (thirteen chapters, their quizzes and the facts each
 chapter computes from the running engine), read top to bottom like the course it is; the code
 around the text is small, and the demonstrations live in tutorial_demos.py.
 """
@@ -51,7 +52,7 @@ class Quiz:
 
 @dataclass(frozen=True)
 class Chapter:
-    """One chapter: ``number`` 1..12, a stable ``key``, the explanation ``text`` (paragraphs
+    """One chapter: ``number`` 1..13, a stable ``key``, the explanation ``text`` (paragraphs
     separated by blank lines), an optional live demonstration (``demo`` names an entry of
     :data:`DEMOS`; ``demo_prompt`` is the prompt it sends) and its ``quiz``."""
 
@@ -100,6 +101,9 @@ class Demo:
         engine: ``EngineConfig`` settings under which the effect shows on a fresh engine (the
             CLI builds a small engine with them; an app whose engine has other settings runs
             the requests as they are and the narrator reports what its settings produced).
+        allreduce_ranks: before the requests, measure one all-reduce's latency across this many
+            local processes (``educational/tp_measure.py``) and time a one-process decode for
+            comparison (0: no measurement).
     """
 
     key: str
@@ -118,6 +122,7 @@ class Demo:
     seed: int | None = None
     engine: tuple[tuple[str, Any], ...] = ()
     kv_every_step: bool = False
+    allreduce_ranks: int = 0
 
     def requests(self, prompt: str) -> list[DemoRequest]:
         """The requests to send, in order: ``prompt`` (the chapter's ``demo_prompt``) then the extras."""
@@ -208,6 +213,12 @@ DEMOS: dict[str, Demo] = {d.key: d for d in (
          "token of its own.",
          kinds=("speculative", "finished", "speculative_cost"), max_tokens=8,
          engine=(("speculative_model", "ngram"), ("num_speculative_tokens", 4))),
+    Demo("tensor_parallel", "All-reduces measured here, and the model split over 3 ranks",
+         "How long one all-reduce takes between processes on this machine, what a token's all-reduces cost at "
+         "that speed beside a one-process decode step measured now, and, where this build's engine splits a "
+         "model, the same prompt at N = 3 with each step's time in all-reduces.",
+         kinds=("communication", "decode"), max_tokens=4, engine=(("tensor_parallel_size", 3),),
+         allreduce_ranks=3),
 )}
 # Repeats itself, so prompt lookup has drafts to offer: the first are kept, a later one is not.
 _SPECULATIVE_PROMPT = "Copy the list: red, green, blue, yellow. Copy: red, green, blue, yellow. Copy: red,"
@@ -587,6 +598,52 @@ CHAPTERS: tuple[Chapter, ...] = (
               "greedy decoding, drafts are kept only while they equal the target's choice). A poor draft only "
               "lowers the acceptance rate, and so the speed-up."),
     ),
+    Chapter(
+        13, "tensor_parallel", "Tensor parallelism: one model over several devices",
+        """
+        When a model outgrows one device, or one device is too slow for it, tensor parallelism splits
+        every layer's matrices over N devices, the ranks. Each rank holds a slice of every weight and of
+        the KV cache, and all ranks run every layer at the same time on the same tokens. Megatron-LM
+        (Shoeybi et al. 2019, section 3) arranges the slices so that a decoder layer needs only two
+        exchanges between the ranks; vLLM and nano-vllm split LLaMA the same way.
+
+        The projections into attention and into the MLP (q, k, v, gate and up) are column-parallel:
+        each rank keeps a slice of their output features, its query heads with the KV heads they read
+        and its share of the MLP's intermediate features, and computes its part of attention and of
+        SiLU(G) * U without talking to anyone. The projections back (o and down) are row-parallel: each
+        rank multiplies its slice by the matching rows and gets a full-width [T, hidden] partial sum.
+        One all-reduce after each (every rank contributes its sum and receives the total) gives all
+        ranks the layer's output: two all-reduces per layer. The embedding and the LM head are split
+        over the vocabulary: each rank looks up only the ids in its rows and one more all-reduce adds
+        the lookups; each rank's slice of the logits is gathered on rank 0, which samples. A step
+        therefore runs 2 x layers + 1 all-reduces of a [T, hidden] tensor, one after another, because
+        each layer needs the previous one's sum.
+
+        Grouped-query attention bounds N. Query head h reads KV head h // g, so the rank that computes
+        query head h must hold that KV head's keys and values in its own cache: each rank holds whole KV
+        heads and the query heads that read them. N must divide the number of KV heads (then it divides
+        the query heads too) and the intermediate size. A model whose 9 query heads share 3 KV heads
+        splits over 1 or 3 ranks, never 2: the second rank would need half a KV head.
+
+        On separate GPUs each rank brings its own arithmetic and memory bandwidth, so a decode step
+        that waits on reading weights reads a third of them on each of 3 devices at once, and an
+        all-reduce over NVLink takes a few microseconds. On one CPU none of that holds: the ranks are
+        processes sharing the same cores and the same memory bandwidth, so together they read the
+        same bytes through the same memory as one process would, and each all-reduce is a handshake
+        between processes through the operating system (gloo over 127.0.0.1) that costs tens to hundreds
+        of microseconds, more on a busy machine. A decode token waits for all 2 x layers + 1 of them in
+        turn, so on one CPU the split engine is slower than one process; the demonstration measures by
+        how much communication alone costs here.
+        """,
+        "tensor_parallel", "The capital of France is",
+        _quiz("A model has 12 query heads sharing 4 KV heads. Over which numbers of ranks can its attention "
+              "be split?",
+              ("1, 2, 3, 4, 6 and 12", "1, 2 and 4", "Only 1 and 4", "Any number up to 12"),
+              1,
+              "Each rank must hold whole KV heads together with the query heads that read them, so N must divide "
+              "the 4 KV heads: 1, 2 or 4 (each of which also divides the 12 query heads). At 3, 6 or 12 a rank's "
+              "query heads would read a KV head that is cut between ranks."),
+    ),
 )
 
 
@@ -691,6 +748,8 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
         elif key == "prefix_caching" and g("block_size"):
             state = "on" if g("prefix_caching") else "off"
             lines.append(f"Prefix caching is {state} in this engine; blocks hold {g('block_size')} tokens.")
+        elif key == "tensor_parallel" and g("num_kv_heads"):
+            lines.extend(_tensor_parallel_facts(info))
         elif key == "chunked_prefill" and g("scheduling_policy"):
             order = ("higher priority values first (vLLM's priority runs lower values first)"
                      if g("scheduling_policy") == "priority" else "arrival order")
@@ -715,6 +774,50 @@ def _decode_growth(info: dict[str, Any]) -> list[str]:
             f"heads x (2 x {g('head_dim')} for the score + 5 for the softmax + 2 x {g('head_dim')} for the weighted "
             f"value)): attention's share reaches the rest at {crossover:,} tokens of context. The LM head, once per "
             "step, is not in either part."]
+
+
+def _tensor_parallel_facts(info: dict[str, Any]) -> list[str]:
+    """The tensor-parallel chapter's numbers: the sizes that split this model, one rank's shards at the
+    smallest such size above 1 (or the engine's own), and a token's all-reduces and their bytes."""
+    from nanovllm_core.educational import tp_facts
+
+    try:
+        d = tp_facts.dims(info)
+    except ValueError:
+        return []
+    ok = tp_facts.valid_sizes(d.num_heads, d.num_kv_heads, d.intermediate)
+    bad = next(n for n in range(2, d.num_kv_heads + 2) if n not in ok)
+    lines = [f"Its {d.num_heads} query heads share {d.num_kv_heads} KV heads, and the MLP has {d.intermediate:,} "
+             f"intermediate features: it splits over {_sizes_words(ok)} rank{'s' if ok != [1] else ''}; {bad} would cut "
+             + ("a KV head." if d.num_kv_heads % bad else "the MLP's features unevenly.")]
+    running = tp_facts.tp_size(info)
+    n = running if running > 1 else next((k for k in ok if k > 1), 1)
+    if n > 1:
+        s = tp_facts.shard_shapes(info, n)[0]
+        now = "as this engine runs it" if running > 1 else "if it were split"
+        lines.append(f"At N = {n} ({now}) each rank holds {s.q_heads[1] - s.q_heads[0]} query heads and "
+                     f"{s.kv_heads[1] - s.kv_heads[0]} KV head{'s' if s.kv_heads[1] - s.kv_heads[0] > 1 else ''} of "
+                     f"every layer: q [{s.q[0]}, {s.q[1]}], k and v [{s.k[0]}, {s.k[1]}], o [{s.o[0]}, {s.o[1]}], "
+                     f"gate and up [{s.gate[0]}, {s.gate[1]}], down [{s.down[0]}, {s.down[1]}] ([in, out]), and "
+                     f"{s.embedding[0]:,} of the {d.vocab:,} vocabulary rows.")
+    elem = tp_facts.dtype_bytes(info)
+    count = tp_facts.allreduces_per_step(d.num_layers)
+    lines.append(f"A decode token runs 2 x {d.num_layers} + 1 = {count} all-reduces of [1, {d.hidden}] in "
+                 f"{_dtype_name(info)} ({d.hidden * elem:,} bytes each, "
+                 f"{tp_facts.allreduce_bytes_per_token(d.hidden, elem, d.num_layers):,} bytes a token from each rank), "
+                 "one after another: few bytes, many waits.")
+    return lines
+
+
+def _sizes_words(sizes: list[int]) -> str:
+    """``[1]`` -> ``"1"``, ``[1, 3]`` -> ``"1 or 3"``, ``[1, 2, 4]`` -> ``"1, 2 or 4"``."""
+    words = [str(n) for n in sizes]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def _dtype_name(info: dict[str, Any]) -> str:
+    """The activations' dtype name from ``model_info()`` (``float32`` when unknown)."""
+    return str(info.get("dtype") or "float32")
 
 
 def weights_kind(info: dict[str, Any]) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.text import Text
 
 from nanovllm_core import events as ev
 from nanovllm_core import roofline
@@ -20,6 +21,7 @@ from nanovllm_core.educational import speculative_costs
 from nanovllm_core.educational.commentary import Commentary
 from nanovllm_core.educational.narrate_view import NarrateView
 from nanovllm_core.educational.rich_parts import Indent
+from nanovllm_core.educational.tp_facts import SPLIT_UNAVAILABLE, communication_words, split_engine_available
 from nanovllm_core.educational.tutorial import DEMOS, Chapter
 from nanovllm_core.educational.xray import roofline_key
 from nanovllm_core.educational.xray_facts import roofline_commentary
@@ -68,10 +70,23 @@ class EngineDemos:
         return engine.model_info()
 
     def engine(self, **settings: Any):
-        """A new engine over the loaded model with these ``EngineConfig`` settings."""
+        """A new engine over the loaded model with these ``EngineConfig`` settings.
+
+        Raises:
+            ValueError: a setting this build's ``EngineConfig`` does not have (one line naming it),
+                or one it refuses.
+        """
         from nanovllm_core.config import EngineConfig
         from nanovllm_core.engine.llm_engine import LLMEngine
 
+        if "tensor_parallel_size" in settings and not split_engine_available():
+            raise ValueError(SPLIT_UNAVAILABLE[0].upper() + SPLIT_UNAVAILABLE[1:])
+        if settings.get("tensor_parallel_size", 1) > 1:
+            # A split engine starts its own worker processes, and every rank (this one too) loads
+            # its own shard: it cannot reuse the loaded whole model. Float weights (auto under N > 1).
+            settings.setdefault("num_kv_blocks", DEMO_KV_BLOCKS)
+            return LLMEngine.from_config(EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
+                                                      **settings))
         if self._loaded is None:
             self.load()
         settings.setdefault("num_kv_blocks", DEMO_KV_BLOCKS)
@@ -85,6 +100,9 @@ class EngineDemos:
         from nanovllm_core.llm import LLM
 
         demo = DEMOS[chapter.demo]
+        if demo.allreduce_ranks:
+            if not self._communication(demo, chapter, console):
+                return
         engine = self.engine(**demo.engine_settings())
         view = NarrateView(console, engine.model_info(), max_decode_steps=None, kinds=demo.kinds,
                            kv_every_step=demo.kv_every_step)
@@ -100,12 +118,15 @@ class EngineDemos:
             engine.subscribe(keep_layer0, topk=0, blocks=False, xray=True)
         llm = LLM.from_engine(engine)
         requests = demo.requests(chapter.demo_prompt)
-        if demo.sequential:
-            for r in requests:
-                llm.generate([r.prompt], r.params, priority=[r.priority], use_tqdm=False)
-        else:
-            llm.generate([r.prompt for r in requests], [r.params for r in requests],
-                         priority=[r.priority for r in requests], use_tqdm=False)
+        try:
+            if demo.sequential:
+                for r in requests:
+                    llm.generate([r.prompt], r.params, priority=[r.priority], use_tqdm=False)
+            else:
+                llm.generate([r.prompt for r in requests], [r.params for r in requests],
+                             priority=[r.priority for r in requests], use_tqdm=False)
+        finally:
+            engine.close()  # a split engine's workers and process group end here (one process: nothing to do)
         view.close()
         if "attention" in demo.kinds and layer0:
             console.print(Indent(render_layer_detail(layer0[0])))
@@ -114,6 +135,31 @@ class EngineDemos:
             view.show(roofline_commentary(layer0[0]))
         if "speculative_cost" in demo.kinds:
             view.show(self._speculative_cost(demo, chapter.demo_prompt))
+
+    def _communication(self, demo: Any, chapter: Chapter, console: Console) -> bool:
+        """The tensor-parallel chapter's measurements: one all-reduce's latency across
+        ``demo.allreduce_ranks`` processes, a token's all-reduces at that latency, and a one-process
+        decode step timed now for comparison. Returns whether this build's engine takes the demo's
+        settings (False: one line says the split engine is not available, and the demo ends here)."""
+        from nanovllm_core.educational import tp_facts, tp_measure
+        from nanovllm_core.llm import LLM
+
+        info = self.load()
+        hidden, layers = int(info["hidden_size"]), int(info["num_layers"])
+        m = tp_measure.measure_allreduce(demo.allreduce_ranks, hidden=hidden, iters=200, warmup=20)
+        (request,) = demo.requests(chapter.demo_prompt)[:1]
+        timed: list[ev.StepTimed] = []
+        one = self.engine()
+        one.subscribe(lambda e: timed.append(e) if isinstance(e, ev.StepTimed) and e.num_decode_tokens else None,
+                      topk=0, blocks=False, xray=False)
+        LLM.from_engine(one).generate([request.prompt], request.params, use_tqdm=False)
+        console.print(Indent(Text(communication_words(m, tp_facts.allreduces_per_step(layers), timed))))
+        console.print()
+        if not split_engine_available():
+            console.print(Indent(Text(SPLIT_UNAVAILABLE[0].upper() + SPLIT_UNAVAILABLE[1:] + ".", style="yellow")))
+            console.print()
+            return False
+        return True
 
     def _speculative_cost(self, demo: Any, prompt: str) -> Commentary:
         """The verification's cost on this machine and Theorem 3.8's speed-up with it (two more runs, timed)."""

@@ -1,4 +1,4 @@
-"""``--tutorial``: the twelve chapters and their quizzes in a plain terminal (Rich).
+"""``--tutorial``: the thirteen chapters and their quizzes in a plain terminal (Rich).
 
 Each chapter shows its explanation, runs its live demonstration on the engine (unless demos
 are off), asks its question (A-D), says whether the answer was right with the explanation,
@@ -129,7 +129,7 @@ def run_tutorial(console: Console, stream: TextIO | None = None, progress_path: 
             console.print(Text(f"Resuming at chapter {start + 1} (start over with --tutorial-chapter 1).", style="dim"))
     result = TutorialResult()
     console.print(Rule(Text("nano-vLLM tutorial: how an inference engine serves a prompt", style="bold cyan")))
-    console.print(Text("Twelve chapters, each with a question. Answer with A, B, C or D; q quits.\n"))
+    console.print(Text(f"{len(CHAPTERS)} chapters, each with a question. Answer with A, B, C or D; q quits.\n"))
     save_error = [False]
 
     def save() -> None:

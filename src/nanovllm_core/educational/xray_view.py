@@ -30,7 +30,7 @@ from nanovllm_core import events as ev
 from nanovllm_core.educational import xray_facts as facts
 from nanovllm_core.educational.narrator import human_bytes, show_piece
 from nanovllm_core.educational.rich_parts import Indent
-from nanovllm_core.educational import xray_blocks
+from nanovllm_core.educational import tp_facts, xray_blocks
 from nanovllm_core.educational.xray_costs import model_edge_ops, sampled_rows
 from nanovllm_core.model.block_quant import BLOCK_SIZE
 
@@ -65,8 +65,9 @@ def op_cost(t: ev.LayerTrace, o: ev.OpInfo) -> str:
     return ", ".join(parts)
 
 
-def render_layer_detail(t: ev.LayerTrace) -> RenderableType:
-    """Everything layer ``t.layer`` did: operations, tensors, GQA arithmetic, roofline, attention weights."""
+def render_layer_detail(t: ev.LayerTrace, info: dict[str, Any] | None = None) -> RenderableType:
+    """Everything layer ``t.layer`` did: operations, tensors, GQA arithmetic, roofline, attention weights;
+    with ``info`` (``model_info()``) of a split engine, each rank's shards and the layer's all-reduce bytes."""
     ops = Table(title=f"Layer {t.layer} of {t.num_layers}: operations (math and cost; then the shapes)",
                 title_justify="left", box=None, header_style="bold", padding=(0, 1), show_header=False)
     ops.add_column("op", style="bold", no_wrap=True)
@@ -92,6 +93,9 @@ def render_layer_detail(t: ev.LayerTrace) -> RenderableType:
         parts += [Text(line) for line in block] + [Text("")]
     parts += [tens, Text("")]
     parts += [Text(line) for line in facts.gqa_lines(t)]
+    tp = tp_facts.xray_lines(t, info or {})
+    if tp:
+        parts += [Text("")] + [Text(line) for line in tp]
     parts += [Text("")] + [Text(line) for line in facts.roofline_lines(t)]
     if t.attention:
         group = t.num_heads // max(1, t.num_kv_heads)
@@ -172,9 +176,10 @@ def step_total(traces: list[ev.LayerTrace], edges: tuple[ev.OpInfo, ...] = ()) -
 
 def render_step(traces: list[ev.LayerTrace], entry: ev.ScheduledEntry | None = None,
                 wall_time_s: float | None = None, detail_layer: int = 0,
-                edges: tuple[ev.OpInfo, ...] = ()) -> RenderableType:
+                edges: tuple[ev.OpInfo, ...] = (), info: dict[str, Any] | None = None) -> RenderableType:
     """A traced step: a header, ``detail_layer`` in full, one line per other layer, the totals
-    (:func:`step_total`; ``edges``: the ops outside the layers, when known)."""
+    (:func:`step_total`; ``edges``: the ops outside the layers, when known; ``info``: ``model_info()``,
+    for a split engine's shards)."""
     traces = sorted(traces, key=lambda t: t.layer)
     first = traces[0]
     new, ctx = facts.new_and_context(first)
@@ -193,7 +198,7 @@ def render_step(traces: list[ev.LayerTrace], entry: ev.ScheduledEntry | None = N
     total = step_total(traces, edges)
     if wall_time_s is not None:
         total += f"; the step took {wall_time_s * 1000:.1f} ms (with the X-Ray capture itself)"
-    parts: list[RenderableType] = [head, Indent(render_layer_detail(detail))]
+    parts: list[RenderableType] = [head, Indent(render_layer_detail(detail, info))]
     if others:
         parts += [Text(""), Indent(render_other_layers(others))]
     parts += [Text(""), Indent(Text(total + ".")), Text("")]
@@ -300,7 +305,11 @@ class XRayView:
         if target is None or not traces:
             return
         self.num_traced_steps += 1
-        parts: list[RenderableType] = [render_step(traces, target.entry, wall, self.detail_layer, self._edges)]
+        try:
+            info = self.engine.model_info()
+        except AttributeError:  # a stand-in engine without facts: no shards to show
+            info = {}
+        parts: list[RenderableType] = [render_step(traces, target.entry, wall, self.detail_layer, self._edges, info)]
         if target.skipped:
             parts += [Indent(Text(
                 f"Not traced in this step: request {', '.join(target.skipped)}. The engine traces one request per "

@@ -215,6 +215,7 @@ class LLMEngine(EventSource):
         self.runner.close()
         if self.fatal_error is None:
             self.fatal_error = "the engine was closed; build a new one"
+
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)

@@ -1,4 +1,5 @@
-"""Dashboard: phase, requests, KV memory, throughput, and the selected request streaming in."""
+"""Dashboard: phase, requests, KV memory, throughput, and the selected request streaming in; for an
+engine split over ranks (tensor parallel), each rank's compute and all-reduce time in the newest step."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal
 from nanovllm_tui.widgets.live import LiveStatic, tail
 
+from nanovllm_core.educational.tp_facts import dashboard_lines
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.views.base import EngineView
 from nanovllm_tui.widgets.format import first_fitting, fmt_ms, request_color, visible_piece
@@ -63,6 +65,7 @@ class DashboardView(EngineView):
             yield LiveStatic(id="phase", classes="panel")
             yield KVMemoryBar(id="kv", classes="panel")
             yield ThroughputPanel(id="throughput", classes="panel")
+        yield LiveStatic(id="dash-tp", classes="panel")
         yield RequestTable(id="requests")
         with Horizontal(id="dash-bottom"):
             yield LiveStatic(id="output", classes="panel")
@@ -74,6 +77,7 @@ class DashboardView(EngineView):
         self.query_one("#throughput").border_title = "Throughput"
         self.query_one("#output").border_title = "Selected request"
         self.query_one("#topk").border_title = "Top-k next tokens"
+        self.query_one("#dash-tp").display = False  # shown only for a step split over ranks
 
     def main_widget(self) -> RequestTable:
         return self.query_one(RequestTable)
@@ -81,11 +85,21 @@ class DashboardView(EngineView):
     def on_resize(self) -> None:
         self.update_view(self.app.state, self.app.selected)  # the panels fit their text to their widths
 
+    def _show_split(self, state: EngineState) -> None:
+        """Tensor parallel: where the newest step's time went on each rank (hidden for one process)."""
+        panel = self.query_one("#dash-tp", LiveStatic)
+        lines = dashboard_lines(state.timings[-1]) if state.timings else []
+        panel.display = bool(lines)
+        if lines:
+            panel.border_title = f"Where the last step's time went ({state.timings[-1].tp_size} ranks)"
+            panel.show_content(Text("\n".join(lines[:-1]) + "\n") + Text(lines[-1], style="dim"))
+
     def update_view(self, state: EngineState, selected: str | None) -> None:
         phase = self.query_one("#phase", LiveStatic)
         phase.show_content(phase_text(state, phase.content_region.width))
         self.query_one(KVMemoryBar).show(state)
         self.query_one(ThroughputPanel).show(state)
+        self._show_split(state)
         self.query_one(RequestTable).sync(state, selected)
         req = state.requests.get(selected) if selected else None
         output = self.query_one("#output", LiveStatic)

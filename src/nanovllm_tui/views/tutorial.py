@@ -1,9 +1,10 @@
-"""Tutorial: twelve chapters, each with a live demonstration on the engine and a quiz.
+"""Tutorial: thirteen chapters, each with a live demonstration on the engine and a quiz.
 
 The chapters, demonstrations, grading and saved progress come from
 ``nanovllm_core.educational.tutorial`` (the CLI's ``--tutorial`` reads the same), so this tab
 only lays them out and wires the keys: ←/→ chapters, A-D (or ↑/↓ and Enter) answers,
-``r`` runs the chapter's demonstration. Progress is saved after every answer and chapter
+``r`` runs the chapter's demonstration (the tensor-parallel chapter's first measures all-reduces
+between local processes on a worker thread). Progress is saved after every answer and chapter
 change, and loaded at start.
 """
 
@@ -19,6 +20,12 @@ from textual.containers import Vertical, VerticalScroll
 from textual.widgets import OptionList, Static
 
 from nanovllm_core.educational import tutorial as tut
+from nanovllm_core.educational.tp_facts import (
+    SPLIT_RUN_ELSEWHERE,
+    SPLIT_UNAVAILABLE,
+    communication_words,
+    split_engine_available,
+)
 from nanovllm_tui.bridge import EngineBridge
 from nanovllm_tui.demo_session import DemoSession
 from nanovllm_tui.state import EngineState
@@ -73,6 +80,9 @@ class TutorialView(EngineView):
         self.feedback: Text | None = None
         self.session: DemoSession | None = None
         self._info: dict[str, Any] = {}
+        # A demonstration that measures all-reduces (tensor parallelism): its chapter and what it found.
+        self.measured: tuple[tut.Chapter, Text] | None = None
+        self.measuring = False
 
     @property
     def progress(self) -> tut.TutorialProgress:
@@ -175,8 +185,9 @@ class TutorialView(EngineView):
     def _show_demo(self) -> None:
         run = self.run
         log = self.query_one("#demo-log", LiveStatic)
+        measured = self.measured[1] if self.measured and self.measured[0] is self.chapter else None
         if run is None or run.chapter is not self.chapter:
-            log.show_content("")
+            log.show_content(measured or "")
             return
         text = Text(f"\nDemonstration: requests {', '.join(run.request_ids)}", style="bold")
         if not run.done:
@@ -191,7 +202,7 @@ class TutorialView(EngineView):
         for note in run.notes[-MAX_DEMO_NOTES:]:
             text.append("\n\n")
             text.append_text(commentary_text(note))
-        log.show_content(text)
+        log.show_content(measured + text if measured else text)
         if len(run.notes) != self._notes_shown:  # new output: bring it into view
             self._notes_shown = len(run.notes)
             scroll = self.query_one("#chapter-scroll", VerticalScroll)
@@ -267,12 +278,15 @@ class TutorialView(EngineView):
         if not self.app.live:
             self.notify("Demonstrations run on a live engine; this is a replay.", severity="warning")
             return
-        if self.run is not None and not self.run.finished:
+        if (self.run is not None and not self.run.finished) or self.measuring:
             self.notify("The demonstration is still running.", severity="warning")
             return
         engine = self.app.controller.engine
         if engine is None:
             self.notify("The model is still loading: press r again once it is ready.", severity="warning")
+            return
+        if demo.allreduce_ranks:
+            self._measure(c, demo)  # the whole demonstration here: the split run is the CLI's (SPLIT_RUN_ELSEWHERE)
             return
         self._stop_session()
         try:
@@ -282,6 +296,41 @@ class TutorialView(EngineView):
             return
         self._notes_shown = -1
         self.session.start()
+        self._show_demo()
+
+    def _measure(self, chapter: tut.Chapter, demo: tut.Demo) -> None:
+        """Time all-reduces between ``demo.allreduce_ranks`` local processes on a worker thread (the ranks
+        start as fresh interpreters from this many-threaded process: seconds), then show the figures."""
+        from nanovllm_core.educational import tp_facts
+
+        try:
+            hidden, layers = int(self._info["hidden_size"]), int(self._info["num_layers"])
+        except (KeyError, TypeError, ValueError):
+            self.notify("The model's sizes are not known yet: press r again once it is ready.", severity="warning")
+            return
+        self.measuring = True
+        self.session = None  # an earlier demonstration's notes are not this one's
+        self.measured = (chapter, Text(f"\nMeasuring all-reduces between {demo.allreduce_ranks} processes "
+                                       "(gloo over 127.0.0.1)…", style="dim"))
+        self._show_demo()
+
+        def work() -> None:
+            from nanovllm_core.educational import tp_measure
+
+            try:
+                m = tp_measure.measure_allreduce(demo.allreduce_ranks, hidden=hidden, iters=200, warmup=20)
+                text = Text("\n" + communication_words(m, tp_facts.allreduces_per_step(layers), []), style="#ffd166")
+                missing = SPLIT_UNAVAILABLE if not split_engine_available() else SPLIT_RUN_ELSEWHERE
+                text.append("\n" + missing[0].upper() + missing[1:] + ".", style="yellow")
+            except (RuntimeError, ValueError, OSError) as e:
+                text = Text(f"\nThe all-reduce measurement failed: {e}", style="red")
+            self.app.call_from_thread(self._measured, chapter, text)
+
+        self.run_worker(work, thread=True, exclusive=True, exit_on_error=False, group="allreduce")
+
+    def _measured(self, chapter: tut.Chapter, text: Text) -> None:
+        self.measuring = False
+        self.measured = (chapter, text)
         self._show_demo()
 
     def on_engine_bridge_events_ready(self, message: EngineBridge.EventsReady) -> None:

@@ -5,7 +5,8 @@ the same sentences ``nanovllm --xray`` prints: the step's flat batch and the req
 it, the attention backend that ran, each operation's FLOPs, bytes and FLOP/byte against the
 machine's measured ridge point, in a block mode how the weights sit in a block with a real one
 (``educational/xray_blocks``), grouped-query attention as the engine does it, and what
-each captured tensor is.
+each captured tensor is; and, when the engine is split over ranks, each rank's shard of the
+layer and the bytes of its two all-reduces (``educational/tp_facts``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from textual.message import Message
 from textual.reactive import reactive
 
 from nanovllm_core import events as ev
-from nanovllm_core.educational import xray_blocks
+from nanovllm_core.educational import tp_facts, xray_blocks
 from nanovllm_core.educational import xray_facts as facts
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.views.base import EngineView
@@ -220,6 +221,9 @@ class XRayView(EngineView, can_focus=True):
             (f"layer {self.layer_index}/{trace.num_layers - 1}", "bold reverse"), " (↑↓) · ",
             (f"head {self.head_index}/{trace.num_heads - 1}", "bold reverse"), " (←→)", (other, "yellow")))
         gqa = gqa_text(trace, self.head_index, info.get("block_size"))
+        tp = tp_facts.xray_lines(trace, info)  # a split engine: each rank's shards, the all-reduce bytes
+        if tp:
+            gqa.append("\n\n" + "\n".join(tp), style="#c9b8ff")
         body = Text.assemble(pipeline_text(trace), "\n\n")
         if self.folded:  # the GQA panel is hidden: its facts go into the pipeline
             body.append_text(Text.assemble(gqa, "\n\n"))

@@ -13,6 +13,7 @@ KIND_STYLES = {
     "kv_cache": "bold #8fa8ff", "scheduler": "bold yellow", "chunked_prefill": "bold #ff8a5b",
     "preemption": "bold red", "prefix_cache": "bold #f37de0", "finished": "bold green", "rejected": "bold red",
     "speculative": "bold #c2d94c", "error": "bold red", "roofline": "bold #8fa8ff",
+    "communication": "bold #ffd166",
 }
 
 
