@@ -507,7 +507,7 @@ class NanoVLLMApp(App):
         """Send a prompt to the engine (``chat``: as a user's message through the model's chat
         template), show it in the table and select it; returns its request id."""
         rid = self.controller.submit(user_message(prompt) if chat else prompt, params, priority)
-        self.state.submitted(rid, prompt, priority, params.max_tokens)
+        self.state.submitted(rid, prompt, priority, params.max_tokens, chat=chat)
         if not self.state.ready and self.live:
             self.notify(f"{rid} waits in the queue until the model has loaded.")
         self.select(rid)
