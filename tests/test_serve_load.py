@@ -138,3 +138,52 @@ def test_metrics_parse_and_match_the_engine_stats(tiny_server):
     for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
         assert m[f"vllm:{name}_count"] - before.get(f"vllm:{name}_count", 0) == 3
         assert m[f"vllm:{name}_sum"] > before.get(f"vllm:{name}_sum", 0)
+
+
+def test_a_whole_answer_client_that_leaves_gets_a_quiet_499_and_its_blocks_are_freed(tiny_server, caplog):
+    """Issue 29: a non-streaming request whose client disconnects is aborted, its KV blocks freed, and
+    nothing is logged as an error (the server answers 499 to nobody). The engine is paused and stepped
+    once, so the request holds blocks (prefilled, running) when its client gives up."""
+    import logging
+
+    finished = Finished()
+    sub = tiny_server.controller.subscribe(finished, topk=0)
+    caplog.set_level(logging.ERROR)
+    server_log = logging.getLogger("uvicorn")  # uvicorn's loggers do not propagate to the root's handler
+    server_log.addHandler(caplog.handler)
+    tiny_server.controller.pause()
+    left = threading.Event()
+
+    def client():
+        body = {"prompt": "the cat sat", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        try:
+            httpx.post(f"{tiny_server.url}/v1/completions", json=body, headers=tiny_server.headers, timeout=3.0)
+        except httpx.TimeoutException:
+            left.set()  # the client gave up: its connection is closed
+
+    try:
+        thread = threading.Thread(target=client)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while tiny_server.stats()["num_waiting"] == 0:
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            time.sleep(0.02)
+        tiny_server.controller.step(1)  # prefill: the request now holds KV blocks
+        while not (held := tiny_server.stats())["kv_blocks_used"]:
+            assert time.monotonic() < deadline, "the request was never prefilled"
+            time.sleep(0.02)
+        assert held["num_running"] == 1
+        thread.join(30)
+        assert left.is_set() and not thread.is_alive()
+        while not finished.by_id:
+            assert time.monotonic() < deadline, "the request was not aborted after its client left"
+            time.sleep(0.02)
+        (event,) = finished.by_id.values()
+        assert event.finish_reason == "abort" and event.num_output_tokens <= 1
+        stats = tiny_server.stats()
+        assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a leaving client is not an error"
+    finally:
+        server_log.removeHandler(caplog.handler)
+        tiny_server.controller.resume()
+        tiny_server.controller.unsubscribe(sub)

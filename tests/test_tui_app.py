@@ -32,7 +32,9 @@ async def test_a_prompt_from_the_bar_streams_its_tokens_in(make_engine, tmp_path
         assert req.ttft is not None and len(req.top) == 5
         await pilot.pause()
         shown = str(app.query_one("#output", Static).render())
-        assert "The capital of France is" + req.text in shown
+        # the prompt and its continuation are two labelled turns, not one run of text (issue 29, item 4)
+        assert "Prompt (raw text)\nThe capital of France is\nContinuation\n" + req.text.rstrip() in shown
+        assert "The capital of France is" + req.text not in shown
 
 
 async def test_pause_then_n_runs_exactly_one_step(make_engine, tmp_path):
@@ -254,6 +256,9 @@ async def test_an_instruction_is_sent_as_chat_by_default_and_ctrl_t_sends_raw_te
         await wait_until(pilot, lambda: chat.state == "finished", what="the chat request")
         assert "<|im_start|>" in chat.prompt_pieces and chat.prompt == "Write a poem about the sea."
         assert chat.num_output == 8 and chat.text.strip()  # an answer, not an end of text at once
+        await pilot.pause()
+        shown = str(app.query_one("#output", Static).render())
+        assert "You (chat)\nWrite a poem about the sea.\nAssistant\n" in shown, shown
 
         await pilot.press("ctrl+t")
         assert not box.value

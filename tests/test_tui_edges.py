@@ -250,3 +250,17 @@ async def test_an_error_toast_leaves_the_prompt_bars_reason_in_view(tmp_path):
         reason = app.query_one("#prompt-error").region
         assert reason.height and all(not t.region.overlaps(reason) for t in app.screen.query(Toast))
         assert all(not t.region.overlaps(app.query_one("#prompt-bar").region) for t in app.screen.query(Toast))
+
+
+async def test_slash_in_the_prompt_bar_types_a_slash(tmp_path):
+    """Issue 29, item 13: '/' is the key that moves to the prompt, but in any prompt-bar field it is text."""
+    app = replay_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("escape", "slash")  # from a view: '/' moves to the prompt and types nothing
+        assert app.focused is app.query_one("#prompt") and app.focused.value == ""
+        await pilot.press(*"a/b", "slash")
+        assert app.query_one("#prompt", Input).value == "a/b/"
+        await pilot.click("#max-tokens")
+        await pilot.press("end", "slash")  # typed into the field (and marked wrong), focus stays there
+        assert app.focused is app.query_one("#max-tokens") and app.focused.value.endswith("/")
+        assert app.query_one("#max-tokens").has_class("-invalid")

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 from textual import events
 from textual.app import App, ComposeResult
 from textual.geometry import Size
-from textual.widgets import Footer, Input, TabbedContent, TabPane
+from textual.widgets import Input, TabbedContent, TabPane
 
 from nanovllm_core import events as ev
 from nanovllm_core.educational.narrator import Narrator
@@ -37,6 +37,7 @@ from nanovllm_tui.views.dashboard import DashboardView
 from nanovllm_tui.views.narrator import NarratorView
 from nanovllm_tui.views.tutorial import TutorialView
 from nanovllm_tui.views.xray import XRayView
+from nanovllm_tui.widgets.footer import SteadyFooter
 from nanovllm_tui.widgets.prompt_bar import PromptBar, PromptSettings
 from nanovllm_tui.widgets.status_header import StatusHeader
 
@@ -118,7 +119,7 @@ class NanoVLLMApp(App):
                 with TabPane(f"{i} {title}", id=tab):
                     yield VIEWS[tab](id=f"{tab}-view")
         yield PromptBar(self.settings, send=self._submit, id="prompt-bar")
-        yield Footer()
+        yield SteadyFooter()
 
     def get_driver_class(self) -> type:
         """Textual's driver, except under textual-serve (``--web``): one that also ends the
@@ -508,7 +509,7 @@ class NanoVLLMApp(App):
         """Send a prompt to the engine (``chat``: as a user's message through the model's chat
         template), show it in the table and select it; returns its request id."""
         rid = self.controller.submit(user_message(prompt) if chat else prompt, params, priority)
-        self.state.submitted(rid, prompt, priority, params.max_tokens)
+        self.state.submitted(rid, prompt, priority, params.max_tokens, chat=chat)
         if not self.state.ready and self.live:
             self.notify(f"{rid} waits in the queue until the model has loaded.")
         self.select(rid)

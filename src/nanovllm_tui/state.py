@@ -39,6 +39,7 @@ class RequestView:
     prompt: str
     priority: int = 0
     max_tokens: int | None = None
+    chat: bool | None = None  # sent as a user's chat message (True), as raw text (False), or not known (sent elsewhere)
     state: str = "submitted"
     prompt_len: int | None = None
     prompt_pieces: tuple[str, ...] = ()
@@ -134,9 +135,10 @@ class EngineState:
 
     # ------------------------------------------------------------------ requests
 
-    def submitted(self, request_id: str, prompt: str, priority: int, max_tokens: int | None) -> RequestView:
-        """Record a prompt the app has just sent (before the engine has seen it)."""
-        req = RequestView(request_id, prompt, priority, max_tokens, order=next(self._order))
+    def submitted(self, request_id: str, prompt: str, priority: int, max_tokens: int | None,
+                  chat: bool | None = None) -> RequestView:
+        """Record a prompt the app has just sent (before the engine has seen it); ``chat``: as a user's message."""
+        req = RequestView(request_id, prompt, priority, max_tokens, chat=chat, order=next(self._order))
         self.requests[request_id] = req
         return req
 

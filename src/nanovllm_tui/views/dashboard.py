@@ -112,9 +112,7 @@ class DashboardView(EngineView):
         output.border_title = f"{req.request_id} · {req.state}"
         if req.paused_s >= 0.001:  # its wall time differs from the engine's: say by how much
             output.border_title += f" · {fmt_ms(req.paused_s)} paused (not in TTFT/TPOT)"
-        text = Text()
-        text.append(req.prompt, style="dim")
-        text.append(req.text, style=f"bold {request_color(req.order)}")
+        text = exchange(req)
         if req.state == "running":
             text.append("▌", style="bold")
         if req.error:
@@ -125,3 +123,20 @@ class DashboardView(EngineView):
         if label and req.top_caption and not req.top_caption.endswith("own probabilities"):
             label += f" ({req.top_caption})"  # a processor changed these numbers: name each one
         topk.show(req.top, req.last_token_id, label)
+
+
+# What the panel calls the prompt and the output: a chat's turns, raw text and its continuation, or
+# (a request sent elsewhere: a replay, an attached server's other clients) plain prompt and output.
+ROLES = {True: ("You (chat)", "Assistant"), False: ("Prompt (raw text)", "Continuation"), None: ("Prompt", "Output")}
+
+
+def exchange(req) -> Text:
+    """The selected request's prompt and output as two labelled turns, each label on a line of its
+    own, so the output never reads as part of the prompt (the text itself is shown as is)."""
+    asked, answered = ROLES[req.chat]
+    text = Text()
+    text.append(f"{asked}\n", style="bold")
+    text.append(req.prompt, style="dim")
+    text.append(f"\n{answered}\n", style="bold")
+    text.append(req.text, style=f"bold {request_color(req.order)}")
+    return text

@@ -1,0 +1,40 @@
+"""The bottom line of keys: Textual's ``Footer``, rebuilt only when the keys it shows change.
+
+Textual's ``Footer`` throws away and mounts again every one of its key widgets whenever the
+screen's bindings are "updated", and they are updated on every change of focus. A tab key
+moves the focus into the tab it shows, so each tab switch rebuilt the footer: about a dozen
+widgets mounted, styled and laid out again for the same keys. Profiled on a 2-core AMD EPYC
+while the engine generated, that rebuild (CSS matching, layout) was most of the UI thread's
+work for a key press (issue 29, item 10: key-to-screen p95 of seconds on a busy host).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual.screen import Screen
+from textual.widgets import Footer
+
+
+def shown_keys(screen: Screen) -> tuple[tuple[Any, ...], ...]:
+    """What a footer on ``screen`` draws: (key, label, enabled, tooltip, action) of every shown binding, in order."""
+    return tuple((binding.key, binding.description, enabled, tooltip, binding.action)
+                 for _node, binding, enabled, tooltip in screen.active_bindings.values() if binding.show)
+
+
+class SteadyFooter(Footer):
+    """A ``Footer`` that recomposes only when :func:`shown_keys` differs from what it last drew."""
+
+    drawn: tuple[tuple[Any, ...], ...] | None = None  # shown_keys at the last compose (None: not yet)
+    rebuilds = 0  # composes with bindings shown (a test counts them)
+
+    def bindings_changed(self, screen: Screen) -> None:
+        if self.drawn is not None and screen is self.screen and shown_keys(screen) == self.drawn:
+            return  # the same keys: nothing to redraw
+        super().bindings_changed(screen)
+
+    def compose(self):
+        if self._bindings_ready:
+            self.drawn = shown_keys(self.screen)
+            self.rebuilds += 1
+        yield from super().compose()
