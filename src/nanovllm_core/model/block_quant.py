@@ -77,8 +77,8 @@ def unavailable_reason() -> str | None:
 
 def block_scratch(rows: int, in_features: int) -> int:
     """Floats of scratch ``block_linear`` needs for ``rows`` activation rows of ``in_features``
-    (their int8 values, and a scale and a sum per 32-block): ``BLOCK_SCRATCH`` in the C source."""
-    return rows * (in_features // BLOCK_SIZE) * 2 + rows * in_features // 4
+    (their int8 values, and per 32-block a scale, a float and an integer sum): ``BLOCK_SCRATCH`` in the C source."""
+    return rows * (in_features // BLOCK_SIZE) * 3 + rows * in_features // 4
 
 
 # ----------------------------------------------------------------------------- reference (PyTorch)
