@@ -199,3 +199,29 @@ def test_a_width_that_is_not_a_multiple_of_32_stays_float_and_says_so(tmp_path, 
     assert model.fused_layers is None
     assert model.quantization_note.startswith("some weights are not in a block format this engine runs (")
     assert "\n" not in model.quantization_note and "width not a multiple of 32" in model.quantization_note
+
+
+def test_scratch_is_reused_on_a_thread_and_never_shared_between_threads():
+    import threading
+
+    first = bq.scratch(1000)
+    assert first.numel() >= 1000 and first.dtype == torch.float32
+    assert bq.scratch(10).data_ptr() == first.data_ptr()  # a smaller request: the same buffer
+    grown = bq.scratch(first.numel() + 1)
+    assert grown.numel() > first.numel()
+    assert bq.scratch(1000).data_ptr() == grown.data_ptr()
+    other = []
+    t = threading.Thread(target=lambda: other.append(bq.scratch(1000).data_ptr()))
+    t.start()
+    t.join()
+    assert other and other[0] != grown.data_ptr()
+
+
+@needs_kernel
+def test_the_layers_function_table_is_built_once_and_the_switch_still_counts(monkeypatch):
+    ops = bq.FusedDecoderLayers._ops()
+    if ops is None:
+        pytest.skip("the norm/rope or attention library is unavailable here")
+    assert bq.FusedDecoderLayers._ops() is ops and ops.rms_norm and ops.attention
+    monkeypatch.setenv(bq.ENV_SWITCH, "0")
+    assert bq.FusedDecoderLayers._ops() is None
