@@ -72,13 +72,19 @@ def test_kernel_matches_a_float64_product_of_the_quantized_operands(fmt):
     assert torch.equal(lin(x, residual=res), res + y)
 
 
+# Batch sizes around the kernel's tiles: 8 weight rows per vector, 64 activation rows per pass.
+SIZES = (1, 2, 3, 4, 5, 7, 8, 9, 17, 64, 65, 130)
+
+
 @needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_rows_result_does_not_depend_on_its_batch_or_threads(fmt):
-    lin = bq.BlockLinear.from_float(weights(50, 128, seed=3), fmt)
-    x = torch.randn(13, 128, generator=torch.Generator().manual_seed(4))
-    whole = lin(x)
-    alone = torch.cat([lin(x[i:i + 1]) for i in range(13)])
+    lin = bq.BlockLinear.from_float(weights(50, 128, seed=3), fmt)  # 50 outputs: a last group of 2
+    x = torch.randn(130, 128, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(130)])  # M = 1, a batch-1 decode step
+    for m in SIZES:
+        assert torch.equal(lin(x[:m]), alone[:m]), m
+        assert torch.equal(lin(x[130 - m:]), alone[130 - m:]), m  # other rows in other tile positions
     split = torch.cat([lin(x[:5]), lin(x[5:6]), lin(x[6:])])
     strided = lin(torch.cat([x, x], dim=1)[:, :128])  # a view with rows 256 floats apart
     threads = torch.get_num_threads()
@@ -87,8 +93,8 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_threads(fmt):
         one_thread = lin(x)
     finally:
         torch.set_num_threads(threads)
-    for other in (alone, split, strided, one_thread):
-        assert torch.equal(whole, other)
+    for other in (split, strided, one_thread):
+        assert torch.equal(alone, other)
 
 
 def _signatures():
@@ -108,10 +114,11 @@ def _run(lib: ctypes.CDLL, lin: bq.BlockLinear, x: torch.Tensor) -> torch.Tensor
 @pytest.mark.parametrize("march, needs", BUILDS, ids=BUILD_IDS)
 def test_every_instruction_set_build_gives_the_native_bits(tmp_path, march, needs):
     lib = build(tmp_path, bq.SOURCE, march, needs, _signatures())
-    x = torch.randn(6, 192, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(130, 192, generator=torch.Generator().manual_seed(5))
     for fmt in FORMATS:
-        lin = bq.BlockLinear.from_float(weights(37, 192, seed=6), fmt)
-        assert torch.equal(_run(lib, lin, x), lin(x)), fmt
+        lin = bq.BlockLinear.from_float(weights(37, 192, seed=6), fmt)  # 37 outputs: a last group of 5
+        for m in SIZES:
+            assert torch.equal(_run(lib, lin, x[:m]), lin(x[:m])), (fmt, m)
 
 
 def test_activations_are_quantized_as_ggml_does():
@@ -196,3 +203,29 @@ def test_a_width_that_is_not_a_multiple_of_32_stays_float_and_says_so(tmp_path, 
     assert model.fused_layers is None
     assert model.quantization_note.startswith("some weights are not in a block format this engine runs (")
     assert "\n" not in model.quantization_note and "width not a multiple of 32" in model.quantization_note
+
+
+def test_scratch_is_reused_on_a_thread_and_never_shared_between_threads():
+    import threading
+
+    first = bq.scratch(1000)
+    assert first.numel() >= 1000 and first.dtype == torch.float32
+    assert bq.scratch(10).data_ptr() == first.data_ptr()  # a smaller request: the same buffer
+    grown = bq.scratch(first.numel() + 1)
+    assert grown.numel() > first.numel()
+    assert bq.scratch(1000).data_ptr() == grown.data_ptr()
+    other = []
+    t = threading.Thread(target=lambda: other.append(bq.scratch(1000).data_ptr()))
+    t.start()
+    t.join()
+    assert other and other[0] != grown.data_ptr()
+
+
+@needs_kernel
+def test_the_layers_function_table_is_built_once_and_the_switch_still_counts(monkeypatch):
+    ops = bq.FusedDecoderLayers._ops()
+    if ops is None:
+        pytest.skip("the norm/rope or attention library is unavailable here")
+    assert bq.FusedDecoderLayers._ops() is ops and ops.rms_norm and ops.attention
+    monkeypatch.setenv(bq.ENV_SWITCH, "0")
+    assert bq.FusedDecoderLayers._ops() is None

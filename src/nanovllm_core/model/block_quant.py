@@ -38,6 +38,7 @@ C library's bindings; each part is short.
 from __future__ import annotations
 
 import ctypes
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -77,8 +78,26 @@ def unavailable_reason() -> str | None:
 
 def block_scratch(rows: int, in_features: int) -> int:
     """Floats of scratch ``block_linear`` needs for ``rows`` activation rows of ``in_features``
-    (their int8 values, and a scale and a sum per 32-block): ``BLOCK_SCRATCH`` in the C source."""
-    return rows * (in_features // BLOCK_SIZE) * 2 + rows * in_features // 4
+    (their int8 values, and per 32-block a scale, a float and an integer sum): ``BLOCK_SCRATCH`` in the C source."""
+    return rows * (in_features // BLOCK_SIZE) * 3 + rows * in_features // 4
+
+
+_scratch_local = threading.local()
+
+
+def scratch(floats: int) -> torch.Tensor:
+    """A float32 buffer of at least ``floats`` elements for one C call, reused by later calls on this thread.
+
+    Grown (never shrunk) to the largest request so far: a decode step no longer allocates and
+    faults in fresh pages for the quantized activations and the layers' intermediates. Its
+    contents are scratch: valid only during the call that was handed it. One buffer per thread,
+    so two engines stepping on two threads never share one.
+    """
+    buf = getattr(_scratch_local, "buf", None)
+    if buf is None or buf.numel() < floats:
+        buf = torch.empty(max(floats, 1), dtype=torch.float32)
+        _scratch_local.buf = buf
+    return buf
 
 
 # ----------------------------------------------------------------------------- reference (PyTorch)
@@ -240,7 +259,7 @@ class BlockLinear(nn.Module):
                 res = residual.reshape(m, self.out_features)
                 if res.dtype != torch.float32 or res.stride(-1) != 1:
                     res = res.float().contiguous()
-            sx = torch.empty(block_scratch(m, self.in_features), dtype=torch.float32)
+            sx = scratch(block_scratch(m, self.in_features))
             lib.block_linear(self.format.c_id, self.blocks.data_ptr(), x2.data_ptr(), x2.stride(0), y.data_ptr(),
                              self.out_features, None if res is None else res.data_ptr(),
                              0 if res is None else res.stride(0), m, self.out_features, self.in_features,
@@ -361,19 +380,34 @@ class FusedDecoderLayers:
                 return False
         return model.norm.weight.dtype == torch.float32
 
-    def _ops(self) -> _LayerOps | None:
+    _ops_cache: dict[tuple[int, int], _LayerOps] = {}  # per process: (norm/rope library, attention library) -> pointers
+
+    @classmethod
+    def _ops(cls) -> _LayerOps | None:
+        """The C functions the layers call, or None where a library is missing or switched off.
+
+        The switches are read on every call (a test or an A/B run may turn one off); the pointer
+        table is built once per process for the libraries loaded (they stay loaded).
+        """
         from nanovllm_core.attention import cpu_paged
         from nanovllm_core.model import native_ops
 
         norm_rope, attn = native_ops.library(), cpu_paged._load()[0]
         if library() is None or norm_rope is None or attn is None:
             return None
-        addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
-        return _LayerOps(addr(norm_rope.rms_norm_f32), addr(norm_rope.rope_f32), addr(attn.write_kv),
-                         addr(attn.paged_attention))
+        key = (id(norm_rope), id(attn))
+        ops = cls._ops_cache.get(key)
+        if ops is None:
+            addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
+            ops = _LayerOps(addr(norm_rope.rms_norm_f32), addr(norm_rope.rope_f32), addr(attn.write_kv),
+                            addr(attn.paged_attention))
+            cls._ops_cache[key] = ops
+        return ops
 
     def _layer_array(self, cache) -> ctypes.Array:
-        key = tuple(t.data_ptr() for t in cache.k_by_head)
+        # every pointer the table holds: a later engine's K pools may reuse a freed engine's
+        # addresses while its V pools do not (a stale V pointer would write into freed memory)
+        key = tuple(t.data_ptr() for t in (*cache.k_by_head, *cache.v_by_head))
         arr = self._weights.get(key)
         if arr is None:
             rows = []
@@ -410,14 +444,14 @@ class FusedDecoderLayers:
         kpool = cache.k_by_head[0]
         _, nb, bs, _ = kpool.shape
         out = x.contiguous().clone()
-        scratch = torch.empty(t * (h + (nh + 2 * nkv) * hd + nh * hd + 3 * i) + block_scratch(t, max(h, i)) + 1)
+        work = scratch(t * (h + (nh + 2 * nkv) * hd + nh * hd + 3 * i) + block_scratch(t, max(h, i)) + 1)
         slots = meta.slot_mapping.contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
         rc = library().decoder_layers(
             ctypes.addressof(self._layer_array(cache)), num_layers, ctypes.addressof(ops), out.data_ptr(), t, h, i,
             nh, nkv, hd, float(self.model.norm.eps), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), nb * bs,
             meta.block_tables.data_ptr(), meta.token_rows.data_ptr(), meta.token_context.data_ptr(), nb, bs,
-            meta.block_tables.shape[1], max(1, meta.max_seqlen_k), hd ** -0.5, scratch.data_ptr(),
+            meta.block_tables.shape[1], max(1, meta.max_seqlen_k), hd ** -0.5, work.data_ptr(),
             torch.get_num_threads())
         if rc == -1:
             raise ValueError(f"a slot in the slot mapping lies outside the pool's {nb * bs} slots")

@@ -7,23 +7,18 @@
  * In a 4-bit block, byte j holds weight j in its low nibble and weight j + 16 in its high one
  * (ggml's layout, ggml-quants.c). A row of W is K / 32 blocks, rows one after another.
  *
- * Activations stay float32: the product is exact with respect to the dequantized weights up to
- * float32 rounding (no second quantization of x, as llama.cpp's Q8 activations would add).
- * Per output element n and block b, with q the block's integers as floats and sx[b] the sum of
- * the row's 32 activations in that block:
- *     sum_i w_i x_i = d * (sum_i q_i x_i) + m * sx[b]      (Q4_0: m = -8 d; Q8_0: m = 0)
- * so the inner loop multiplies small integers by floats and the scale is applied once a block.
+ * Activations are quantized the way llama.cpp's CPU path does it: each row of x, per 32-block, to
+ * int8 values xq with a float32 scale xd (quantize_row), once per call. Each output is then a sum
+ * over blocks of exact integer dot products, scaled once a block:
+ *     sum_i w_i x_i ~= d_w xd sum_i q_i xq_i + m_w xd sum_i xq_i   (Q4_0: m_w = -8 d_w; Q8_0: m_w = 0)
+ * (float activations, exact with respect to the dequantized weights, were measured slower: see
+ * block_quant.py).
  *
- * Batch invariance. One row's result depends only on that row of x and on W, never on how many
- * rows share the call or on the thread count: every sum runs in one fixed order,
- *   v[l]  = q[l] x[l];  v[l] = fma(q[8+l], x[8+l], v[l]);  ... (16+l), (24+l)   (8 lanes l)
- *   T[l]  = fma(d, v[l], T[l])                       over the blocks in order
- *   S     = S + m * sx[b]                            over the blocks in order
- *   y     = tree(T) + S,  tree(T) = ((T0+T4)+(T2+T6)) + ((T1+T5)+(T3+T7))
- * and sx[b] = tree of (x[l] + x[8+l]) + x[16+l]) + x[24+l]. The AVX2 path computes exactly these
- * operations with 8-float vectors and explicit FMA instructions; the portable path does them one
- * lane at a time with fmaf. Compiled with -ffp-contract=off so the compiler fuses nothing else:
- * a portable, an AVX2 and an AVX-512 build give the same bits (tests/test_block_quant.py). The
+ * Batch invariance. One output element depends only on its row of x and on W, never on how many
+ * rows share the call, on the tile it falls in, on the thread count or on the instruction set:
+ * every output runs the same operations in the same order (spelled out above group_scalar
+ * below), and the file is compiled with -ffp-contract=off so the compiler fuses nothing else. A
+ * portable, an AVX2 and an AVX-512 build give the same bits (tests/test_block_quant.py). The
  * greedy-invariance promise of the engine (alone, batched, chunked, preempted) rests on this.
  */
 #include <math.h>
@@ -84,190 +79,196 @@ static inline void block_ints(int fmt, const uint8_t *blk, float q[QK]) {
     }
 }
 
-static inline float tree8(const float t[8]) {
-    return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
-}
-
-/* One activation row x [K] -> per 32-block: the int8 values xq, their scale xd and sx = xd * sum(xq).
- * xd = max|x| / 127 and xq = round-half-even(x / xd) (ggml's quantize_row_q8_1 arithmetic, with the
- * scale kept in float32 instead of fp16): the same operations in every build. */
-static void quantize_row(const float *x, int nb, int8_t *xq, float *xd, float *sx) {
+/* Activation row i of M -> per 32-block b, at index b * M + i (block-major, so that a pass over
+ * the rows of one block reads consecutive memory): the int8 values xq[(b M + i) 32 ..], their
+ * scale xd = max|x| / 127, xq = round-half-even(x / xd) (ggml's quantize_row_q8_1 arithmetic, the
+ * scale kept in float32), sx = xd * sum(xq) and xs8 = 8 * sum(xq) (an exact integer). The same
+ * operations in every build. */
+static void quantize_row(const float *x, int nb, int64_t M, int64_t i, int8_t *xq, float *xd, float *sx, int32_t *xs8) {
     for (int b = 0; b < nb; b++) {
         const float *xb = x + (int64_t)b * QK;
+        const int64_t at = (int64_t)b * M + i;
         float amax = 0.0f;
-        for (int i = 0; i < QK; i++) { const float a = fabsf(xb[i]); amax = a > amax ? a : amax; }
+        for (int j = 0; j < QK; j++) { const float a = fabsf(xb[j]); amax = a > amax ? a : amax; }
         const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
         int sum = 0;
-        for (int i = 0; i < QK; i++) {
-            const int q = (int)nearbyintf(xb[i] * id);
-            xq[(int64_t)b * QK + i] = (int8_t)q;
+        for (int j = 0; j < QK; j++) {
+            const int q = (int)nearbyintf(xb[j] * id);
+            xq[at * QK + j] = (int8_t)q;
             sum += q;
         }
-        xd[b] = d;
-        sx[b] = d * (float)sum;
+        xd[at] = d;
+        sx[at] = d * (float)sum;
+        xs8[at] = 8 * sum;
     }
 }
 
-#if BQ_AVX2
-static inline float hsum8(__m256 t) { /* tree8 on a vector: (j + j+4), then (j + j+2), then (0 + 1) */
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
+/* The products. Output element (row i, weight row n), for each block b in order (one fixed order,
+ * whatever M, the tile, the thread or the build):
+ *     s    = sum of the block's 32 integer products q_j * xq_j     (exact; Q4_0: (q_j - 8) * xq_j)
+ *     acc  = fma(d_w * xd, (float)s, acc)                            (float32, acc from 0)
+ *     S    = S + m_w * sx                                            (Q4_1 only, S from 0)
+ * and y = acc + S (Q4_1) or acc, then y = residual + y where a residual is given. |s| <= 32 * 128 * 127
+ * < 2^24, so (float)s is exact. The AVX2 path holds NC = 8 weight rows in the 8 lanes of a vector:
+ * per block it unpacks and transposes their integers once (lane k = row n0 + k), then runs every
+ * activation row of a chunk of MC rows through them; each lane does the operations above for its
+ * own output. The portable path does them one output at a time with fmaf. */
+#define NC 8  /* weight rows (outputs) one pass holds, one per vector lane */
+#define MC 64 /* activation rows per pass over a group's transposed blocks (their accumulators: 4 KB) */
 
-/* A 4-bit block's 32 integers as bytes in element order (low nibbles = elements 0-15, high = 16-31). */
-static inline __m256i nibbles(const uint8_t *qs) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-}
-#endif
-
-#define TILE_M 4 /* activation rows that share one pass over a weight row */
-
-/* out[r] for the R <= TILE_M quantized rows (xq, xd, sx of each) and one weight row w (nb blocks):
- * per block, integer sums of 4 products in 8 lanes (lane l: elements 4l .. 4l+3, exact),
- * acc[l] = fma(d_w * d_x, lane sum, acc[l]); S += m_w * sx; out = tree8(acc) + S. */
-static inline __attribute__((always_inline)) void row_dots(int fmt, const uint8_t *w, int nb, const int8_t *const *xq, const float *const *xd,
-                            const float *const *sx, int R, float *out) {
+/* The portable product: outputs (rows i0 .. i0 + R - 1) x (weight rows n0 .. n0 + C - 1). */
+static __attribute__((unused)) void group_scalar(int fmt, const uint8_t *W, int64_t row_bytes, int64_t n0, int C, int nb, int64_t M,
+                         const int8_t *xq, const float *xd, const float *sx, const int32_t *xs8, int64_t i0, int R,
+                         float *acc, float *S) {
     const int bb = block_bytes(fmt), qoff = fmt == FMT_Q4_1 ? 4 : 2;
-#if BQ_AVX2
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[TILE_M];
-    float S[TILE_M];
-    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); S[r] = 0.0f; }
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (int64_t)b * bb;
-        float d, m;
-        block_scales(fmt, blk, &d, &m);
-        __m256i qv = fmt == FMT_Q8_0 ? _mm256_loadu_si256((const __m256i *)(blk + 2)) : nibbles(blk + qoff);
-        const __m256i qa = fmt == FMT_Q8_0 ? _mm256_abs_epi8(qv) : qv;
-        for (int r = 0; r < R; r++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[r] + (int64_t)b * QK));
-            if (fmt == FMT_Q8_0) xv = _mm256_sign_epi8(xv, qv); /* |q| * (x * sign q) = q * x */
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(qa, xv), ones);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[r][b]), _mm256_cvtepi32_ps(p), acc[r]);
-            S[r] = S[r] + m * sx[r][b];
-        }
-    }
-    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) + S[r];
-#else
-    float acc[TILE_M][8], S[TILE_M];
-    for (int r = 0; r < R; r++) { for (int l = 0; l < 8; l++) acc[r][l] = 0.0f; S[r] = 0.0f; }
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (int64_t)b * bb;
-        float d, m;
-        int q[QK];
-        block_scales(fmt, blk, &d, &m);
-        if (fmt == FMT_Q8_0) for (int i = 0; i < QK; i++) q[i] = ((const int8_t *)(blk + 2))[i];
-        else for (int j = 0; j < 16; j++) { q[j] = blk[qoff + j] & 15; q[j + 16] = blk[qoff + j] >> 4; }
-        for (int r = 0; r < R; r++) {
-            const int8_t *xb = xq[r] + (int64_t)b * QK;
-            const float dd = d * xd[r][b];
-            for (int l = 0; l < 8; l++) {
-                const int p = q[4 * l] * xb[4 * l] + q[4 * l + 1] * xb[4 * l + 1] + q[4 * l + 2] * xb[4 * l + 2]
-                              + q[4 * l + 3] * xb[4 * l + 3];
-                acc[r][l] = fmaf(dd, (float)p, acc[r][l]);
-            }
-            S[r] = S[r] + m * sx[r][b];
-        }
-    }
-    for (int r = 0; r < R; r++) out[r] = tree8(acc[r]) + S[r];
-#endif
-}
-
-#if BQ_AVX2
-#define NR 4 /* weight rows one activation row meets at once: independent FMA chains hide their latency */
-/* out[k] = row_dots of the single quantized row (xq, xd, sx) with weight rows w + k * row_bytes, k < NR:
- * for each weight row, the same operations in the same order as row_dots with R = 1. */
-static inline __attribute__((always_inline)) void row_dots_nr(int fmt, const uint8_t *w, int64_t row_bytes, int nb, const int8_t *xq,
-                               const float *xd, const float *sx, float *out) {
-    const int bb = block_bytes(fmt), qoff = fmt == FMT_Q4_1 ? 4 : 2;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[NR];
-    float S[NR];
-    for (int k = 0; k < NR; k++) { acc[k] = _mm256_setzero_ps(); S[k] = 0.0f; }
-    for (int b = 0; b < nb; b++) {
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * QK));
-        const float dx = xd[b], s = sx[b];
-        for (int k = 0; k < NR; k++) {
-            const uint8_t *blk = w + k * row_bytes + (int64_t)b * bb;
+    for (int k = 0; k < C; k++)
+        for (int r = 0; r < R; r++) { acc[r * NC + k] = 0.0f; S[r * NC + k] = 0.0f; }
+    for (int b = 0; b < nb; b++)
+        for (int k = 0; k < C; k++) {
+            const uint8_t *blk = W + (n0 + k) * row_bytes + (int64_t)b * bb;
             float d, m;
+            int q[QK];
             block_scales(fmt, blk, &d, &m);
-            __m256i p;
-            if (fmt == FMT_Q8_0) {
-                const __m256i qv = _mm256_loadu_si256((const __m256i *)(blk + 2));
-                p = _mm256_maddubs_epi16(_mm256_abs_epi8(qv), _mm256_sign_epi8(x, qv));
-            } else {
-                p = _mm256_maddubs_epi16(nibbles(blk + qoff), x);
+            if (fmt == FMT_Q8_0) for (int j = 0; j < QK; j++) q[j] = ((const int8_t *)(blk + 2))[j];
+            else for (int j = 0; j < 16; j++) { q[j] = blk[qoff + j] & 15; q[j + 16] = blk[qoff + j] >> 4; }
+            for (int r = 0; r < R; r++) {
+                const int64_t at = (int64_t)b * M + i0 + r;
+                const int8_t *xb = xq + at * QK;
+                int s = 0;
+                for (int j = 0; j < QK; j++) s += q[j] * xb[j];
+                if (fmt == FMT_Q4_0) s -= xs8[at];
+                acc[r * NC + k] = fmaf(d * xd[at], (float)s, acc[r * NC + k]);
+                if (fmt == FMT_Q4_1) S[r * NC + k] = S[r * NC + k] + m * sx[at];
             }
-            p = _mm256_madd_epi16(p, ones);
-            acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(p), acc[k]);
-            S[k] = S[k] + m * s;
+        }
+}
+
+#if BQ_AVX2
+/* Four 128-bit rows per 128-bit lane, transposed as 32-bit words: in[k] = [row k | row k + 4];
+ * out[g] = [word g of rows 0..3 | word g of rows 4..7]. */
+static inline void transpose4(const __m256i in[4], __m256i out[4]) {
+    const __m256i t0 = _mm256_unpacklo_epi32(in[0], in[1]), t1 = _mm256_unpackhi_epi32(in[0], in[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(in[2], in[3]), t3 = _mm256_unpackhi_epi32(in[2], in[3]);
+    out[0] = _mm256_unpacklo_epi64(t0, t2);
+    out[1] = _mm256_unpackhi_epi64(t0, t2);
+    out[2] = _mm256_unpacklo_epi64(t1, t3);
+    out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+static inline __m256i load2(const uint8_t *lo, const uint8_t *hi) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)lo)),
+                                   _mm_loadu_si128((const __m128i *)hi), 1);
+}
+
+static inline __m256i bcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+
+/* The AVX2 product of NC weight rows (rows[k]: row n0 + k, or a repeat of the last row past N)
+ * with activation rows i0 .. i0 + R - 1: acc, S [R][NC] as group_scalar leaves them. */
+static inline __attribute__((always_inline)) void group_avx2(int fmt, const uint8_t *const rows[NC], int nb, int64_t M,
+                                                             const int8_t *xq, const float *xd, const float *sx,
+                                                             const int32_t *xs8, int64_t i0, int R, float *acc, float *S) {
+    const int bb = block_bytes(fmt), qoff = fmt == FMT_Q4_1 ? 4 : 2;
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(15);
+    /* the block headers' fp16 d (and Q4_1's m): words 0 (and 1) of the 8 blocks */
+    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    for (int r = 0; r < R; r++) {
+        _mm256_store_ps(acc + r * NC, _mm256_setzero_ps());
+        _mm256_store_ps(S + r * NC, _mm256_setzero_ps());
+    }
+    for (int b = 0; b < nb; b++) {
+        const int64_t off = (int64_t)b * bb;
+        uint32_t h[NC];
+        for (int k = 0; k < NC; k++) memcpy(&h[k], rows[k] + off, 4);
+        __m256i hw = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)h), split);
+        hw = _mm256_permute4x64_epi64(hw, 0xD8); /* [d0..d3 d4..d7 | m0..m3 m4..m7] as fp16 */
+        const __m256 dw = _mm256_cvtph_ps(_mm256_castsi256_si128(hw));
+        const __m256 mw = _mm256_cvtph_ps(_mm256_extracti128_si256(hw, 1));
+        __m256i T[8], A[8], in[4];
+        if (fmt == FMT_Q8_0) {
+            for (int k = 0; k < 4; k++) in[k] = load2(rows[k] + off + 2, rows[k + 4] + off + 2);
+            transpose4(in, T);
+            for (int k = 0; k < 4; k++) in[k] = load2(rows[k] + off + 18, rows[k + 4] + off + 18);
+            transpose4(in, T + 4);
+            for (int g = 0; g < 8; g++) A[g] = _mm256_abs_epi8(T[g]);
+        } else {
+            __m256i P[4];
+            for (int k = 0; k < 4; k++) in[k] = load2(rows[k] + off + qoff, rows[k + 4] + off + qoff);
+            transpose4(in, P);
+            for (int g = 0; g < 4; g++) {
+                T[g] = _mm256_and_si256(P[g], low4);                          /* elements 4g .. 4g + 3 */
+                T[g + 4] = _mm256_and_si256(_mm256_srli_epi16(P[g], 4), low4); /* elements 16 + 4g .. */
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int64_t at = (int64_t)b * M + i0 + r;
+            const int8_t *xb = xq + at * QK;
+            __m256i s;
+            if (fmt == FMT_Q8_0) { /* |q| * (x * sign q) = q * x; a pair sum fits int16, two may not */
+                s = _mm256_madd_epi16(_mm256_maddubs_epi16(A[0], _mm256_sign_epi8(bcast4(xb), T[0])), ones);
+                for (int g = 1; g < 8; g++)
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(A[g], _mm256_sign_epi8(bcast4(xb + 4 * g), T[g])), ones));
+            } else { /* 16 products of 4-bit q and int8 x: |sum| <= 16 * 15 * 127 < 2^15 */
+                __m256i p = _mm256_maddubs_epi16(T[0], bcast4(xb));
+                for (int g = 1; g < 8; g++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(T[g], bcast4(xb + 4 * g)));
+                s = _mm256_madd_epi16(p, ones);
+                if (fmt == FMT_Q4_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(xs8[at]));
+            }
+            const __m256 sc = _mm256_mul_ps(dw, _mm256_set1_ps(xd[at]));
+            _mm256_store_ps(acc + r * NC, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(s), _mm256_load_ps(acc + r * NC)));
+            if (fmt == FMT_Q4_1)
+                _mm256_store_ps(S + r * NC, _mm256_add_ps(_mm256_load_ps(S + r * NC), _mm256_mul_ps(mw, _mm256_set1_ps(sx[at]))));
         }
     }
-    for (int k = 0; k < NR; k++) out[k] = hsum8(acc[k]) + S[k];
 }
 #endif
 
-#define CHUNK_N 16 /* output rows a thread takes at a time */
-
-/* Floats of scratch block_linear needs for M rows of K: their int8 values, scales and block sums. */
-#define BLOCK_SCRATCH(M, K) ((M) * ((K) / QK) * 2 + (M) * (K) / 4)
+/* Floats of scratch block_linear needs for M rows of K: their int8 values and, per 32-block, xd, sx and xs8. */
+#define BLOCK_SCRATCH(M, K) ((M) * ((K) / QK) * 3 + (M) * (K) / 4)
 
 /* y [M, N] (rows ldy floats apart) = x [M, K] (rows ldx apart) @ W^T, W [N, K] in blocks of fmt;
  * y = residual + x W^T where residual [M, N] (rows ldr apart) is not NULL (it may equal y).
- * Each row of x is first quantized per 32-block (quantize_row), then multiplied with integer
- * dot products (row_dots). scratch: BLOCK_SCRATCH(M, K) floats. Returns 0, or -1 for a K that
- * is not a multiple of 32. */
+ * Every row of x is quantized once per call (quantize_row), then the threads split N in groups
+ * of NC weight rows, each thread taking every row of x for its groups, MC rows at a time.
+ * scratch: BLOCK_SCRATCH(M, K) floats. Returns 0, or -1 for a K that is not a multiple of 32. */
 int block_linear(int fmt, const uint8_t *W, const float *x, int64_t ldx, float *y, int64_t ldy,
                  const float *residual, int64_t ldr, int64_t M, int64_t N, int64_t K, float *scratch,
                  int num_threads) {
     if (K % QK) return -1;
     const int nb = (int)(K / QK);
     const int64_t row_bytes = (int64_t)nb * block_bytes(fmt);
-    const int64_t chunks = (N + CHUNK_N - 1) / CHUNK_N;
+    const int64_t groups = (N + NC - 1) / NC;
     float *xd = scratch, *sx = xd + M * nb;
-    int8_t *xq = (int8_t *)(sx + M * nb);
+    int32_t *xs8 = (int32_t *)(sx + M * nb);
+    int8_t *xq = (int8_t *)(xs8 + M * nb);
 #pragma omp parallel num_threads(num_threads) if (M * N * K >= 32768)
     {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < M; i++) quantize_row(x + i * ldx, nb, xq + i * K, xd + i * nb, sx + i * nb);
+        for (int64_t i = 0; i < M; i++) quantize_row(x + i * ldx, nb, M, i, xq, xd, sx, xs8);
 #pragma omp for schedule(static)
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t n0 = c * CHUNK_N, n1 = n0 + CHUNK_N < N ? n0 + CHUNK_N : N;
-            for (int64_t i0 = 0; i0 < M; i0 += TILE_M) {
-                const int R = M - i0 < TILE_M ? (int)(M - i0) : TILE_M;
-                const int8_t *xs[TILE_M];
-                const float *ds[TILE_M], *ss[TILE_M];
-                for (int r = 0; r < R; r++) {
-                    xs[r] = xq + (i0 + r) * K;
-                    ds[r] = xd + (i0 + r) * nb;
-                    ss[r] = sx + (i0 + r) * nb;
-                }
-                int64_t n = n0;
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t n0 = g * NC;
+            const int C = N - n0 < NC ? (int)(N - n0) : NC;
+            float acc[MC * NC] __attribute__((aligned(32))), S[MC * NC] __attribute__((aligned(32)));
 #if BQ_AVX2
-                if (R == 1) /* one activation row (a batch-1 decode): NR weight rows at a time */
-                    for (; n + NR <= n1; n += NR) {
-                        float o[NR];
-                        const uint8_t *wn = W + n * row_bytes; /* a constant format per call: specialised loops */
-                        if (fmt == FMT_Q4_1) row_dots_nr(FMT_Q4_1, wn, row_bytes, nb, xs[0], ds[0], ss[0], o);
-                        else if (fmt == FMT_Q4_0) row_dots_nr(FMT_Q4_0, wn, row_bytes, nb, xs[0], ds[0], ss[0], o);
-                        else row_dots_nr(FMT_Q8_0, wn, row_bytes, nb, xs[0], ds[0], ss[0], o);
-                        for (int k = 0; k < NR; k++)
-                            y[i0 * ldy + n + k] = residual ? residual[i0 * ldr + n + k] + o[k] : o[k];
-                    }
+            const uint8_t *rows[NC];
+            for (int k = 0; k < NC; k++) rows[k] = W + (n0 + (k < C ? k : C - 1)) * row_bytes; /* past N: repeat */
 #endif
-                for (; n < n1; n++) {
-                    float o[TILE_M];
-                    if (fmt == FMT_Q4_1) row_dots(FMT_Q4_1, W + n * row_bytes, nb, xs, ds, ss, R, o);
-                    else if (fmt == FMT_Q4_0) row_dots(FMT_Q4_0, W + n * row_bytes, nb, xs, ds, ss, R, o);
-                    else row_dots(FMT_Q8_0, W + n * row_bytes, nb, xs, ds, ss, R, o);
-                    for (int r = 0; r < R; r++) {
-                        const float add = residual ? residual[(i0 + r) * ldr + n] : 0.0f;
-                        y[(i0 + r) * ldy + n] = residual ? add + o[r] : o[r];
+            for (int64_t i0 = 0; i0 < M; i0 += MC) {
+                const int R = M - i0 < MC ? (int)(M - i0) : MC;
+#if BQ_AVX2 /* a constant format per call: specialised loops */
+                if (fmt == FMT_Q4_1) group_avx2(FMT_Q4_1, rows, nb, M, xq, xd, sx, xs8, i0, R, acc, S);
+                else if (fmt == FMT_Q4_0) group_avx2(FMT_Q4_0, rows, nb, M, xq, xd, sx, xs8, i0, R, acc, S);
+                else group_avx2(FMT_Q8_0, rows, nb, M, xq, xd, sx, xs8, i0, R, acc, S);
+#else
+                group_scalar(fmt, W, row_bytes, n0, C, nb, M, xq, xd, sx, xs8, i0, R, acc, S);
+#endif
+                for (int r = 0; r < R; r++)
+                    for (int k = 0; k < C; k++) {
+                        const float o = fmt == FMT_Q4_1 ? acc[r * NC + k] + S[r * NC + k] : acc[r * NC + k];
+                        y[(i0 + r) * ldy + n0 + k] = residual ? residual[(i0 + r) * ldr + n0 + k] + o : o;
                     }
-                }
             }
         }
     }
