@@ -39,8 +39,11 @@ def test_several_prompts_with_priorities_and_memory_stats(capsys):
 
 @pytest.mark.real_model
 def test_chat_flag_uses_chat_template(capsys):
+    # float32 weights: the shipped Q4_1 blocks (the CPU default) answer this question greedily with
+    # "L'Étoile, la Marseillaise," -- and so does llama.cpp on the same file (checked with
+    # llama-cpp-python 0.3.36's create_chat_completion): the 4-bit model's answer, not a bug of ours.
     code, out, _ = run_cli(capsys, "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "12",
-                           "--num-kv-blocks", "64")
+                           "--num-kv-blocks", "64", "--quantization", "none")
     assert code == 0 and "Paris" in out
 
 
