@@ -45,14 +45,14 @@ def test_chat_flag_uses_chat_template(capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--max-tokens", "0"], "--max-tokens: expected a positive integer"),
+    (["--max-tokens", "0"], "--max-tokens: expected a whole number from 1 to 2147483647, got 0"),
     (["--temperature", "-1"], "temperature"),
     (["--prompt", "  "], "--prompt must not be empty"),
     (["--prompt", "a", "--priority", "1", "--priority", "2"], "2 --priority values for 1 --prompt"),
     (["--model", "/does/not/exist"], "does not exist"),
     (["--scheduling-policy", "lottery"], "invalid choice"),
     (["--top-p", "0"], "top_p"),
-    (["--top-k", "-5"], "top_k"),
+    (["--top-k", "-5"], "--top-k: expected a whole number from -1 to 2147483647"),
     (["--min-p", "1.5"], "min_p"),
     (["--repetition-penalty", "0"], "repetition_penalty"),
     (["--logprobs", "50"], "logprobs"),

@@ -66,6 +66,42 @@ def seed_int(text: str) -> int:
     return value
 
 
+def bounded_int(low: int, high: int, what: str = "") :
+    """An argparse ``type``: an integer in ``[low, high]`` (``sampling_params.check_int``'s rule);
+    anything else becomes argparse's one-line usage error (status 2). ``what`` names the meaning."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number from {low} to {high}, got {text!r}") from None
+        if not low <= value <= high:
+            shown = str(value) if len(str(value)) <= 40 else str(value)[:37] + "..."
+            raise argparse.ArgumentTypeError(f"expected a whole number from {low} to {high}"
+                                             f"{' (' + what + ')' if what else ''}, got {shown}")
+        return value
+
+    return parse
+
+
+def priority_int(text: str) -> int:
+    """argparse ``type``: a request priority, -1000 to 1000 (``PRIORITY_MIN``..``PRIORITY_MAX``).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or outside the range.
+    """
+    from nanovllm_core.sampling_params import PRIORITY_MAX, PRIORITY_MIN
+
+    return bounded_int(PRIORITY_MIN, PRIORITY_MAX, "higher runs first")(text)
+
+
+def count_int(low: int):
+    """argparse ``type`` for a count (max tokens, top-k): an integer from ``low`` to 2**31 - 1."""
+    from nanovllm_core.sampling_params import COUNT_MAX
+
+    return bounded_int(low, COUNT_MAX)
+
+
 def prompt_text(text: str) -> str:
     """argparse ``type``: prompt text that is valid UTF-8.
 
