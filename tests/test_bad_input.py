@@ -114,6 +114,14 @@ def test_unknown_policy_and_bad_engine_options_raise():
         LLM(max_batch=3)
 
 
+@pytest.mark.parametrize("option", ["num_speculative_tokens", "block_size", "max_model_len", "max_num_seqs"])
+@pytest.mark.parametrize("value", [HUGE, True])
+def test_absurd_engine_counts_are_refused_before_loading(option, value):
+    extra = {"speculative_model": "ngram"} if option == "num_speculative_tokens" else {}
+    with pytest.raises(ValueError, match=rf"{option}=.* is invalid: it must be a positive integer up to 2147483647"):
+        LLM(**{option: value}, **extra)
+
+
 def test_mismatched_priority_list(make_llm):
     with pytest.raises(ValueError, match="2 priorities for 1 prompts"):
         make_llm().generate([GOOD], priority=[1, 2])

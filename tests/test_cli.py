@@ -68,6 +68,8 @@ def test_chat_flag_uses_chat_template(capsys):
     (["--top-k", str(10**30)], "--top-k: expected a whole number from -1 to 2147483647, got 1"),
     (["--max-tokens", str(10**30)], "--max-tokens: expected a whole number from 1 to 2147483647, got 1"),
     (["--logprobs", str(10**30)], "--logprobs: expected a whole number from 0 to 20, got 1"),
+    (["--num-speculative-tokens", str(10**30)], "--num-speculative-tokens: expected a positive integer up to 2147483647"),
+    (["--num-kv-blocks", str(10**30)], "--num-kv-blocks: expected a positive integer up to 2147483647, got 100"),
     (["--max-model-len", "64", "--max-tokens", "64"],
      "--max-tokens 64 leaves no room for a prompt in --max-model-len 64"),
 ])

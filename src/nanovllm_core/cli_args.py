@@ -35,17 +35,23 @@ def tcp_port(text: str) -> int:
 
 
 def positive_int(text: str) -> int:
-    """argparse ``type``: an integer >= 1; anything else becomes argparse's one-line usage error (status 2).
+    """argparse ``type``: an integer from 1 to 2**31 - 1 (``COUNT_MAX``: every engine count fits 32 bits);
+    anything else becomes argparse's one-line usage error (status 2).
 
     Raises:
-        argparse.ArgumentTypeError: not an integer, or below 1.
+        argparse.ArgumentTypeError: not an integer, below 1, or above 2**31 - 1.
     """
+    from nanovllm_core.sampling_params import COUNT_MAX
+
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    if value > COUNT_MAX:
+        shown = str(value) if len(str(value)) <= 40 else str(value)[:37] + "..."
+        raise argparse.ArgumentTypeError(f"expected a positive integer up to {COUNT_MAX}, got {shown}")
     return value
 
 
