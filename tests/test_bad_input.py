@@ -44,6 +44,67 @@ def test_invalid_sampling_params_raise_value_error_naming_the_field(field, value
         SamplingParams(**{field: value})
 
 
+HUGE = 10**30  # issue 29 item 3: an absurd integer, and a bool, where an integer is expected
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("n", HUGE, r"n=1000000000000000000000000000000 is invalid: must be an integer from 1 to 2147483647"),
+    ("n", True, r"n=True is invalid: must be an integer from 1 to 2147483647"),
+    ("top_k", HUGE, r"top_k=1000000000000000000000000000000 is invalid: .* up to 2147483647"),
+    ("top_k", True, r"top_k=True is invalid"),
+    ("max_tokens", HUGE, r"max_tokens=1000000000000000000000000000000 is invalid: must be an integer from 1 to 2147483647"),
+    ("max_tokens", True, r"max_tokens=True is invalid"),
+    ("min_tokens", HUGE, r"min_tokens=1000000000000000000000000000000 is invalid: must be an integer from 0 to 2147483647"),
+    ("min_tokens", False, r"min_tokens=False is invalid"),
+    ("logprobs", True, r"logprobs=True is invalid: must be an integer in \[0, 20\]"),
+    ("logprobs", HUGE, r"logprobs=1000000000000000000000000000000 is invalid"),
+    ("stop_token_ids", [True], r"stop_token_ids contains True: token ids are integers >= 0"),
+])
+def test_absurd_integers_and_bools_in_sampling_params_are_refused(field, value, message):
+    with pytest.raises(ValueError, match=message) as e:
+        SamplingParams(**{field: value})
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("priority", [HUGE, -HUGE, 1001, -1001, True, 1.5, "3"])
+def test_a_bad_priority_is_one_line_at_every_library_entry_point_and_queues_nothing(make_llm, priority):
+    from nanovllm_core.sampling_params import check_priority
+
+    message = r"priority(\[1\])? must be a whole number from -1000 to 1000, got .*; higher runs first"
+    llm = make_llm()
+    with pytest.raises(ValueError, match=message) as e:
+        llm.generate([GOOD, "Hello"], SamplingParams(max_tokens=2), priority=[0, priority], use_tqdm=False)
+    assert "\n" not in str(e.value) and "priority[1]" in str(e.value)
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests  # the good first prompt was not queued
+    with pytest.raises(ValueError, match=message):
+        llm.engine.add_request(GOOD, SamplingParams(max_tokens=2), priority)
+    assert not llm.engine.requests
+    with pytest.raises(ValueError, match=message):
+        check_priority(priority)
+    assert check_priority(1000) == 1000 and check_priority(-1000) == -1000
+
+
+def test_a_bad_priority_is_refused_by_the_controller_in_the_callers_thread(make_engine):
+    from nanovllm_core.engine.controller import EngineController
+
+    engine = make_engine()
+    controller = EngineController.from_engine(engine, start_paused=True)
+    try:
+        with pytest.raises(ValueError, match="priority must be a whole number from -1000 to 1000, got 1000000"):
+            controller.submit(GOOD, SamplingParams(max_tokens=2), HUGE)
+    finally:
+        assert controller.shutdown(timeout=5.0)
+    assert not engine.requests  # refused in the caller's thread: nothing reached the engine
+
+
+def test_max_tokens_beyond_the_context_stops_at_max_model_len_as_documented(make_llm):
+    """LLM.generate's documented rule (unlike the server's 400): generation ends at max_model_len."""
+    llm = make_llm(max_model_len=16)
+    out = llm.generate(GOOD, SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True), use_tqdm=False)[0]
+    assert out.error is None and out.outputs[0].finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 16
+
+
 def test_unknown_policy_and_bad_engine_options_raise():
     with pytest.raises(ValueError, match="scheduling_policy='lottery' is unknown"):
         LLM(scheduling_policy="lottery")
@@ -51,6 +112,14 @@ def test_unknown_policy_and_bad_engine_options_raise():
         LLM(block_size=0)
     with pytest.raises(ValueError, match="unknown LLM option"):
         LLM(max_batch=3)
+
+
+@pytest.mark.parametrize("option", ["num_speculative_tokens", "block_size", "max_model_len", "max_num_seqs"])
+@pytest.mark.parametrize("value", [HUGE, True])
+def test_absurd_engine_counts_are_refused_before_loading(option, value):
+    extra = {"speculative_model": "ngram"} if option == "num_speculative_tokens" else {}
+    with pytest.raises(ValueError, match=rf"{option}=.* is invalid: it must be a positive integer up to 2147483647"):
+        LLM(**{option: value}, **extra)
 
 
 def test_mismatched_priority_list(make_llm):

@@ -48,14 +48,14 @@ def test_chat_flag_uses_chat_template(capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--max-tokens", "0"], "--max-tokens: expected a positive integer"),
+    (["--max-tokens", "0"], "--max-tokens: expected a whole number from 1 to 2147483647, got 0"),
     (["--temperature", "-1"], "temperature"),
     (["--prompt", "  "], "--prompt must not be empty"),
     (["--prompt", "a", "--priority", "1", "--priority", "2"], "2 --priority values for 1 --prompt"),
     (["--model", "/does/not/exist"], "does not exist"),
     (["--scheduling-policy", "lottery"], "invalid choice"),
     (["--top-p", "0"], "top_p"),
-    (["--top-k", "-5"], "top_k"),
+    (["--top-k", "-5"], "--top-k: expected a whole number from -1 to 2147483647"),
     (["--min-p", "1.5"], "min_p"),
     (["--repetition-penalty", "0"], "repetition_penalty"),
     (["--logprobs", "50"], "logprobs"),
@@ -63,6 +63,18 @@ def test_chat_flag_uses_chat_template(capsys):
     (["--seed", "99999999999999999999999"], "--seed: a seed is a 64-bit integer"),
     (["--seed", "-9223372036854775809"], "--seed: a seed is a 64-bit integer"),
     (["--prompt", "abc\udcff\udcfe def"], "--prompt: not valid UTF-8: byte 0xff at character 3"),
+    # issue 29 item 3: absurd integers are one line, with the range, before anything loads
+    (["--priority", str(10**30)], "--priority: expected a whole number from -1000 to 1000 (higher runs first), got 1"),
+    (["--priority", "1001"], "--priority: expected a whole number from -1000 to 1000"),
+    (["--priority", "-1001"], "--priority: expected a whole number from -1000 to 1000"),
+    (["--priority", "True"], "--priority: expected a whole number from -1000 to 1000, got 'True'"),
+    (["--top-k", str(10**30)], "--top-k: expected a whole number from -1 to 2147483647, got 1"),
+    (["--max-tokens", str(10**30)], "--max-tokens: expected a whole number from 1 to 2147483647, got 1"),
+    (["--logprobs", str(10**30)], "--logprobs: expected a whole number from 0 to 20, got 1"),
+    (["--num-speculative-tokens", str(10**30)], "--num-speculative-tokens: expected a positive integer up to 2147483647"),
+    (["--num-kv-blocks", str(10**30)], "--num-kv-blocks: expected a positive integer up to 2147483647, got 100"),
+    (["--max-model-len", "64", "--max-tokens", "64"],
+     "--max-tokens 64 leaves no room for a prompt in --max-model-len 64"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, args, message):
     code, out, err = run_cli(capsys, *args)
@@ -187,6 +199,19 @@ def cli_on_shared_model(monkeypatch, make_engine):
         return LLM.from_engine(make_engine(**kw))
 
     monkeypatch.setattr(llm_module, "LLM", build)
+
+
+@pytest.mark.real_model
+def test_max_tokens_beyond_the_context_is_refused_as_the_server_does(capsys, cli_on_shared_model):
+    # "The capital of France is" is 5 tokens: 5 + 60 > 64, which the server refuses with its check_length error
+    code, out, err = run_cli(capsys, "--max-model-len", "64", "--max-tokens", "60", "--num-kv-blocks", "64")
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == ["nanovllm: error: --max-tokens 60 does not fit: the prompt has 5 tokens and "
+                                        "the context (max_model_len) is 64, so at most 59 can follow; lower "
+                                        "--max-tokens or raise --max-model-len"]
+    code, out, err = run_cli(capsys, "--max-model-len", "64", "--max-tokens", "59", "--num-kv-blocks", "64")
+    assert code == 0, err  # exactly filling the context is allowed, as on the server
+    assert "[59 tokens, finish_reason=length" in out or "finish_reason=stop" in out
 
 
 @pytest.mark.real_model

@@ -56,6 +56,21 @@ REFUSED_ALIKE = [
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 65}, "max_num_seqs=64"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": True}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": True}, "n"),
+    # issue 29 item 3: an absurd integer or a bool in any integer field is a 400 naming it, never a traceback
+    ("/v1/completions", {"prompt": "hi", "priority": 10**30}, "priority must be a whole number from -1000 to 1000"),
+    ("/v1/completions", {"prompt": "hi", "priority": 1001}, "priority must be a whole number from -1000 to 1000"),
+    ("/v1/completions", {"prompt": "hi", "priority": True}, "Invalid value for priority"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "priority": -10**30}, "from -1000 to 1000"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 10**30}, "top_k=1000000000000000000000000000000 is invalid"),
+    ("/v1/completions", {"prompt": "hi", "top_k": True}, "Invalid value for top_k"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**30}, "max_tokens=1000000000000000000000000000000 is invalid"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 10**30}, "min_tokens=1000000000000000000000000000000"),
+    ("/v1/completions", {"prompt": "hi", "n": 10**30}, "n=1000000000000000000000000000000 is invalid"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 10**30}, "logprobs=1000000000000000000000000000000 is invalid"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 10**30}, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "seed": True}, "Invalid value for seed"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**30}, "max_tokens="),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 10**30}, "logprobs="),
 ]
 
 
@@ -194,6 +209,21 @@ def test_control_refuses_a_request_id_that_is_not_valid_unicode_and_a_huge_n(tin
     assert r.status_code == 400 and "request_id is not valid Unicode" in r.json()["error"]["message"], r.text
     r = control(tiny_server, {"command": "submit", "prompt": "hi", "params": {"max_tokens": 2, "n": 1000000}})
     assert r.status_code == 400 and "lower n or raise max_num_seqs" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"priority": 10**30}, "priority must be a whole number from -1000 to 1000, got 1000000"),
+    ({"priority": -1001}, "priority must be a whole number from -1000 to 1000, got -1001"),
+    ({"priority": True}, "priority must be a whole number from -1000 to 1000, got True"),
+    ({"priority": "3"}, "priority must be a whole number from -1000 to 1000, got '3'"),
+    ({"params": {"max_tokens": 2, "top_k": 10**30}}, "top_k=1000000000000000000000000000000 is invalid"),
+    ({"params": {"max_tokens": 2, "n": True}}, "n=True is invalid"),
+    ({"params": {"max_tokens": 10**30}}, "max_tokens=1000000000000000000000000000000 is invalid"),
+])
+def test_control_submit_refuses_absurd_integers_with_a_400(tiny_server, body, message):
+    r = control(tiny_server, {"command": "submit", "prompt": "hi", "params": {"max_tokens": 2}, **body})
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert "\n" not in r.json()["error"]["message"]
 
 
 def test_control_ids_never_collide_with_server_ids_and_duplicates_are_refused(tiny_server):

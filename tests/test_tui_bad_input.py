@@ -156,6 +156,8 @@ async def test_a_replay_refuses_new_prompts_with_a_notification(tmp_path):
     (["--replay", str(TRACE), "--trace", "t.jsonl"], "--trace does nothing with --replay"),
     (["--replay", str(TRACE), "--quantization", "int8"], "--quantization does nothing with --replay"),
     (["--quantization", "int4"], "--quantization: invalid choice: 'int4'"),
+    (["--prompt", "a", "--priority", str(10**30)], "--priority: expected a whole number from -1000 to 1000"),
+    (["--top-k", str(10**30)], "--top-k: expected a whole number from -1 to 2147483647"),
     (["--connect", "http://127.0.0.1:9", "--quantization", "int8"], "--quantization cannot be used with --connect"),
 ])
 def test_bad_options_end_with_one_line_and_status_2(capsys, argv, message):

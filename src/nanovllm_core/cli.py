@@ -22,9 +22,12 @@ from nanovllm_core.cli_args import (  # noqa: F401  (re-exported: the app, bench
     _Parser,
     add_engine_arguments,
     add_model_arguments,
+    bounded_int,
+    count_int,
     engine_kwargs,
     load_progress,
     positive_int,
+    priority_int,
     prompt_text,
     sampling_params,
     seed_int,
@@ -65,18 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", default=None, type=prompt_text,
                    help=f"a prompt (repeat for several; default: {DEFAULT_PROMPT!r})")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    g.add_argument("--max-tokens", type=positive_int, default=50, help="tokens to generate per prompt (default 50)")
+    g.add_argument("--max-tokens", type=count_int(1), default=50, help="tokens to generate per prompt (default 50)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-k", type=count_int(-1), default=0, help="keep the k most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--seed", type=seed_int, default=None, help="per-request random seed")
     g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    g.add_argument("--logprobs", type=int, default=None, metavar="N", help="show the top-N log-probabilities per token")
+    g.add_argument("--logprobs", type=bounded_int(0, 20), default=None, metavar="N", help="show the top-N log-probabilities per token")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     e = add_engine_arguments(p)
-    e.add_argument("--priority", type=int, action="append", default=None,
+    e.add_argument("--priority", type=priority_int, action="append", default=None,
                    help="priority of each --prompt, in order: a higher value runs first (vLLM's priority is the "
                         "opposite: lower values first)")
     e.add_argument("--show-memory-stats", action="store_true", help="print KV block usage, waste, hit rate, preemptions")
@@ -124,6 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--prompt must not be empty")
     if args.priority is not None and len(args.priority) != len(prompts):
         parser.error(f"got {len(args.priority)} --priority values for {len(prompts)} --prompt values; give one per prompt")
+    if args.max_model_len is not None and args.max_tokens >= args.max_model_len:  # before loading: no prompt fits
+        parser.error(f"--max-tokens {args.max_tokens} leaves no room for a prompt in --max-model-len "
+                     f"{args.max_model_len} (prompt plus output must fit, as the server requires); "
+                     "lower --max-tokens or raise --max-model-len")
     if args.trace_xray and not args.trace:
         parser.error("--trace-xray records into the --trace file; add --trace FILE.jsonl")
     try:
@@ -147,6 +154,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         llm.close()  # tensor-parallel workers: stopped and joined before the command returns
 
 
+def check_max_tokens(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, inputs: list) -> None:
+    """Refuse (argparse's one line, status 2) a ``--max-tokens`` that does not fit after a prompt in the
+    context, as the server's ``check_length`` does (vLLM's rule), rather than stop short of it unasked.
+
+    A prompt that alone fills the context is left to the engine, which rejects it and says so.
+    """
+    limit = llm.engine.max_model_len
+    for i, text in enumerate(inputs):
+        try:
+            _, ids = llm.engine.encode_prompt(text)
+        except ValueError:
+            continue  # the engine rejects it with its reason
+        if len(ids) < limit < len(ids) + args.max_tokens:
+            which = f"prompt {i + 1} has" if len(inputs) > 1 else "the prompt has"
+            parser.error(f"--max-tokens {args.max_tokens} does not fit: {which} {len(ids)} tokens and the context "
+                         f"(max_model_len) is {limit}, so at most {limit - len(ids)} can follow; "
+                         "lower --max-tokens or raise --max-model-len")
+
+
 def _generate(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, prompts: list[str], params) -> int:
     """Run ``prompts`` on ``llm`` and print the completions (``main``'s second half)."""
     from nanovllm_core.educational.commentary import plural
@@ -156,6 +182,7 @@ def _generate(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, pr
     except OSError as e:
         parser.error(f"cannot write the trace file: {e}")
     inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p for p in prompts]
+    check_max_tokens(llm, args, parser, inputs)
     views = attach_teaching_views(llm, args)
     start = time.perf_counter()
     try:

@@ -35,17 +35,23 @@ def tcp_port(text: str) -> int:
 
 
 def positive_int(text: str) -> int:
-    """argparse ``type``: an integer >= 1; anything else becomes argparse's one-line usage error (status 2).
+    """argparse ``type``: an integer from 1 to 2**31 - 1 (``COUNT_MAX``: every engine count fits 32 bits);
+    anything else becomes argparse's one-line usage error (status 2).
 
     Raises:
-        argparse.ArgumentTypeError: not an integer, or below 1.
+        argparse.ArgumentTypeError: not an integer, below 1, or above 2**31 - 1.
     """
+    from nanovllm_core.sampling_params import COUNT_MAX
+
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    if value > COUNT_MAX:
+        shown = str(value) if len(str(value)) <= 40 else str(value)[:37] + "..."
+        raise argparse.ArgumentTypeError(f"expected a positive integer up to {COUNT_MAX}, got {shown}")
     return value
 
 
@@ -64,6 +70,42 @@ def seed_int(text: str) -> int:
     if not SEED_MIN <= value <= SEED_MAX:
         raise argparse.ArgumentTypeError(f"a seed is a 64-bit integer ({SEED_MIN} to {SEED_MAX}), got {value}")
     return value
+
+
+def bounded_int(low: int, high: int, what: str = "") :
+    """An argparse ``type``: an integer in ``[low, high]`` (``sampling_params.check_int``'s rule);
+    anything else becomes argparse's one-line usage error (status 2). ``what`` names the meaning."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number from {low} to {high}, got {text!r}") from None
+        if not low <= value <= high:
+            shown = str(value) if len(str(value)) <= 40 else str(value)[:37] + "..."
+            raise argparse.ArgumentTypeError(f"expected a whole number from {low} to {high}"
+                                             f"{' (' + what + ')' if what else ''}, got {shown}")
+        return value
+
+    return parse
+
+
+def priority_int(text: str) -> int:
+    """argparse ``type``: a request priority, -1000 to 1000 (``PRIORITY_MIN``..``PRIORITY_MAX``).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or outside the range.
+    """
+    from nanovllm_core.sampling_params import PRIORITY_MAX, PRIORITY_MIN
+
+    return bounded_int(PRIORITY_MIN, PRIORITY_MAX, "higher runs first")(text)
+
+
+def count_int(low: int):
+    """argparse ``type`` for a count (max tokens, top-k): an integer from ``low`` to 2**31 - 1."""
+    from nanovllm_core.sampling_params import COUNT_MAX
+
+    return bounded_int(low, COUNT_MAX)
 
 
 def prompt_text(text: str) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from nanovllm_core.sampling_params import SEED_MAX, SEED_MIN
+from nanovllm_core.sampling_params import COUNT_MAX, SEED_MAX, SEED_MIN
 
 # The quantization modes' names (model/quantization.py builds the layers each one names).
 BLOCK_MODES = ("gguf", "q8_0", "q4_0", "q4_1")  # weights in GGUF blocks (model/block_quant.py)
@@ -168,8 +168,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 1 <= value <= COUNT_MAX):
+                raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer up to {COUNT_MAX}")
 
         for name in ("block_size", "num_kv_blocks", "kv_cache_memory", "max_num_seqs",
                      "max_num_batched_tokens", "max_model_len", "num_speculative_tokens", "tensor_parallel_size"):

@@ -15,7 +15,7 @@ from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.model.loader import ProgressFn
 from nanovllm_core.outputs import RequestOutput
-from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.sampling_params import SamplingParams, check_priority
 
 
 def console_progress() -> ProgressFn:
@@ -91,15 +91,20 @@ class LLM:
         Args:
             prompts: one string, a list of strings, or a list of token-id lists.
             sampling_params: one for all prompts or one per prompt (default ``SamplingParams()``).
-            priority: one integer per prompt (higher runs first under the priority policy; vLLM's
-                ``priority`` is the opposite, lower first, and its default policy is ``fcfs``).
+            priority: one integer per prompt, -1000 to 1000 (``PRIORITY_MIN``..``PRIORITY_MAX``; higher runs
+                first under the priority policy; vLLM's ``priority`` is the opposite, lower first, and its
+                default policy is ``fcfs``).
             use_tqdm: show a progress bar on stderr when there are several prompts and stderr is a terminal.
 
         Rejected prompts (empty, too long for ``max_model_len`` or the KV pool) come back
         finished with ``finish_reason == "rejected"`` and ``error`` set; the rest run normally.
+        A ``max_tokens`` beyond what the context leaves is not an error here (unlike the server,
+        which refuses it as vLLM's does): generation stops when prompt plus output reach
+        ``max_model_len``, with ``finish_reason == "length"``.
 
         Raises:
-            ValueError: sampling_params or priority lists of the wrong length or type.
+            ValueError: sampling_params or priority lists of the wrong length or type, or a
+                priority outside -1000..1000; checked before any prompt is queued.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -114,6 +119,11 @@ class LLM:
             priority = [0] * len(prompts)
         elif len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; give one per prompt")
+        for i, prio in enumerate(priority):  # all checked before any is queued: none is left behind half-added
+            check_priority(prio, f"priority[{i}]")
+        for i, sp in enumerate(params_list):
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, not {type(sp).__name__}")
         engine = self.engine
         ids = [engine.add_request(p, sp, prio) for p, sp, prio in zip(prompts, params_list, priority)]
         wanted = set(ids)

@@ -11,6 +11,41 @@ from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # torch.Generator.manual_seed's signed 64-bit range (vLLM's limit too)
+# Counts (n, top_k, max_tokens, min_tokens) fit a signed 32-bit integer, so every tensor and C kernel takes
+# them; anything larger could never be served anyway (no context holds 2**31 tokens).
+COUNT_MAX = 2**31 - 1
+# A request's priority, at every entry point (LLM.generate, LLMEngine.add_request, the CLI's --priority,
+# the server's "priority", the app's prompt bar): -1000 to 1000 is plenty of levels, and the app's
+# request table shows each in full. vLLM takes any integer; here a value outside is refused, not clipped.
+PRIORITY_MIN, PRIORITY_MAX = -1000, 1000
+
+
+def check_int(name: str, value: object, low: int, high: int, hint: str = "") -> int:
+    """``value`` if it is an integer (not a bool) in ``[low, high]``; the shared check of every
+    integer request field (``priority`` at each entry point, and the counts above).
+
+    Args:
+        name: the field as the caller spells it (``"priority"``, ``"--priority"``).
+        hint: what the value means or what to do, added after the range (e.g. "higher runs first").
+
+    Raises:
+        ValueError: one line naming the field, the value, the range and what to pass instead.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise ValueError(f"{name} must be a whole number from {low} to {high}, got {shown}"
+                         f"{'; ' + hint if hint else ''}")
+    return value
+
+
+def check_priority(value: object, name: str = "priority") -> int:
+    """``value`` if it is a valid request priority (an int in ``[PRIORITY_MIN, PRIORITY_MAX]``).
+
+    Raises:
+        ValueError: one line naming ``name``, the range, and which way priority runs.
+    """
+    return check_int(name, value, PRIORITY_MIN, PRIORITY_MAX,
+                     "higher runs first (vLLM's priority is the opposite); pass a value in that range")
 
 
 @dataclass
@@ -29,7 +64,8 @@ class SamplingParams:
         frequency_penalty: subtracted per occurrence of a token already generated.
         seed: a per-request random generator; the same seed gives the same tokens whatever else runs.
             A 64-bit signed integer (-2**63 .. 2**63 - 1, vLLM's range), so every torch generator takes it.
-        max_tokens: the most tokens to generate (>= 1).
+        max_tokens: the most tokens to generate (>= 1); generation also ends when the sequence
+            reaches ``max_model_len`` (``finish_reason="length"``), so a larger value is not an error here.
         min_tokens: EOS and stop tokens are suppressed until this many tokens are generated.
         stop: strings that end generation; the text ends before the stop string unless
             ``include_stop_str_in_output``; ``stop_reason`` is the string found.
@@ -40,6 +76,9 @@ class SamplingParams:
         logprobs: per generated token, the log-probabilities of this many most likely tokens
             (0 to 20) plus the chosen one's, with ranks, under the model's raw distribution.
         skip_special_tokens: leave special tokens out of the decoded text.
+
+    Integer fields take ints, never bools; the counts (``n``, ``top_k``, ``max_tokens``,
+    ``min_tokens``) are at most ``COUNT_MAX`` (2**31 - 1).
     """
 
     n: int = 1
@@ -76,14 +115,17 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise bad(name, "must be a number")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "must be an integer >= 1")
+        def is_int(value: object, low: int, high: int = COUNT_MAX) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+        if not is_int(self.n, 1):
+            raise bad("n", f"must be an integer from 1 to {COUNT_MAX}")
         if not 0 <= self.temperature < float("inf"):
             raise bad("temperature", "must be a finite number >= 0 (0 means greedy)")
         if not (0 < self.top_p <= 1):
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or (self.top_k < 0 and self.top_k != -1):
-            raise bad("top_k", "must be -1 or 0 (off) or a positive integer")
+        if not is_int(self.top_k, -1):
+            raise bad("top_k", f"must be -1 or 0 (off) or a positive integer up to {COUNT_MAX}")
         if not (0 <= self.min_p <= 1):
             raise bad("min_p", "must be in [0, 1]")
         if not self.repetition_penalty > 0:
@@ -92,19 +134,19 @@ class SamplingParams:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not (-2 <= self.frequency_penalty <= 2):
             raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an integer >= 1 (or None for 'up to max_model_len')")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and not is_int(self.max_tokens, 1):
+            raise bad("max_tokens", f"must be an integer from 1 to {COUNT_MAX} (or None for 'up to max_model_len')")
+        if not is_int(self.min_tokens, 0):
+            raise bad("min_tokens", f"must be an integer from 0 to {COUNT_MAX}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"SamplingParams.stop contains {s!r}: every stop must be a non-empty string")
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"SamplingParams.stop_token_ids contains {t!r}: token ids are integers >= 0")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and not is_int(self.logprobs, 0, 20):
             raise bad("logprobs", "must be an integer in [0, 20]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not SEED_MIN <= self.seed <= SEED_MAX):

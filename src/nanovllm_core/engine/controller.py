@@ -24,7 +24,7 @@ from typing import Any, Callable
 from nanovllm_core import events as ev
 from nanovllm_core.engine.llm_engine import LLMEngine, Subscription
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
-from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.sampling_params import SamplingParams, check_priority
 
 STATES = ("loading", "running", "paused", "idle", "stopped", "failed")
 
@@ -129,7 +129,11 @@ class EngineController:
         arrives as soon as the request is refused, even while paused. Such a request's final
         output is not kept in ``results`` (the listener had it). It must be quick: hand the
         output to a queue (vLLM's per-request output collector plays this part in its server).
+
+        Raises:
+            ValueError: ``priority`` is not an int from -1000 to 1000 (checked here, in the caller's thread).
         """
+        check_priority(priority)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         self._commands.put(_Command("submit", (prompt, sampling_params, priority, rid, on_output)))
         return rid

@@ -55,7 +55,7 @@ from nanovllm_core.model.quantization import (
 from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.prompts import Prompt, is_conversation
 from nanovllm_core.sampling.sampler import RowGroup, Sampler, SamplerOutput, SamplingRow
-from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.sampling_params import SamplingParams, check_priority
 from nanovllm_core.speculative.metrics import SpecDecodeStats
 from nanovllm_core.speculative.proposer import build_proposer, load_draft_model, needs_draft_model, parse_self_layers
 from nanovllm_core.speculative.speculator import Speculator
@@ -382,13 +382,13 @@ class LLMEngine(EventSource):
         ``finish_reason="rejected"`` and ``error`` set.
 
         Raises:
-            ValueError: ``params`` is not a SamplingParams, ``priority`` not an int, or the id is in use.
+            ValueError: ``params`` is not a SamplingParams, ``priority`` not an int in
+                ``[PRIORITY_MIN, PRIORITY_MAX]`` (-1000..1000; ``sampling_params.check_priority``), or the id is in use.
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, not {priority!r}")
+        check_priority(priority)
         request_id = str(request_id) if request_id is not None else self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

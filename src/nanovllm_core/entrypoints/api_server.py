@@ -49,7 +49,7 @@ from nanovllm_core.entrypoints.protocol import APIError, ChatCompletionRequest, 
 from nanovllm_core.model.quantization import describe_weights
 from nanovllm_core.entrypoints.request_stream import InFlight
 from nanovllm_core.prompts import is_conversation
-from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.sampling_params import SamplingParams, check_priority
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CONTROL_COMMANDS = ("pause", "resume", "step", "abort", "submit", "xray", "snapshot")
@@ -332,8 +332,10 @@ def _control_submit(state: ServerState, body: dict) -> str:
     except (TypeError, ValueError) as e:
         raise APIError(str(e).removeprefix("SamplingParams."), param="params") from None
     priority = body.get("priority", 0)
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        raise APIError(f"priority must be an integer, got {priority!r}", param="priority")
+    try:
+        check_priority(priority)
+    except ValueError as e:
+        raise APIError(str(e), param="priority", code="invalid_value") from None
     state.serving.check_prompt(prompt, params)  # exactly what /v1/completions refuses, refused here too
     if body.get("request_id") is None:
         rid = f"ctl-{uuid.uuid4().hex}"

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
-from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.sampling_params import SamplingParams, check_priority
 
 
 class APIError(Exception):
@@ -92,6 +92,10 @@ class _SamplingBody(_Body):
             raise APIError("logit_bias is not supported by this server; leave it out", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed with stream=true", param="stream_options")
+        try:  # the bound every entry point shares (vLLM takes any integer; a huge one is refused here)
+            check_priority(self.priority)
+        except ValueError as e:
+            raise APIError(str(e), param="priority", code="invalid_value") from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's ``SamplingParams``; OpenAI's defaults where a field is absent.

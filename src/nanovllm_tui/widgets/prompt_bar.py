@@ -25,12 +25,14 @@ from textual.containers import Horizontal, Vertical
 from textual.validation import ValidationResult, Validator
 from textual.widgets import Checkbox, Input, Label
 
+from nanovllm_core.sampling_params import PRIORITY_MAX
+
 # The prompt field's hint, longest first: the longest that fits is shown (never a cut one).
 PLACEHOLDERS = ("Type a prompt, Enter sends it  (Esc: engine keys · / comes back)", "Type a prompt, Enter sends it",
                 "Prompt, Enter sends", "Prompt")
 REPLAY_PLACEHOLDERS = ("A replay plays a recording and runs no new prompts (start without --replay to type one)",
                        "A replay runs no new prompts", "Replay")
-PRIORITY_LIMIT = 1000  # priorities from -1000 to 1000: plenty of levels, and the table shows each in full
+PRIORITY_LIMIT = PRIORITY_MAX  # the engine's bound, shared by every entry point: -1000 to 1000
 
 
 @dataclass
