@@ -21,8 +21,10 @@ engines here are built and closed one after another.
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,6 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from rich.console import Console
 
 from nanovllm_core import LLM, SamplingParams
 from nanovllm_core import events as ev
@@ -236,7 +239,13 @@ def test_n2_greedy_matches_n1_repeats_ignores_batching_times_truly_then_a_killed
         return out
 
     engine.runner._execute_parallel = spy
+    from nanovllm_core.educational.xray_view import XRayView
+
+    shown = []
+    xray = XRayView(Console(file=io.StringIO()), engine, detail_layer=1, on_traced=shown.append)
+    xray.subscribe()
     batched = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    xray.close()
     again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     alone = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS]
     assert engine.block_manager.num_used_blocks == 0
@@ -259,6 +268,27 @@ def test_n2_greedy_matches_n1_repeats_ignores_batching_times_truly_then_a_killed
         assert t.tp_all_reduce_bytes == t.tp_all_reduces * t.num_tokens * cfg.hidden_size * 4
         assert 0 < sum(m.latencies_s) <= t.tp_comm_s[0]
         assert ev.from_json(ev.to_json(t)) == t
+    # The X-Ray of the split engine: nothing captured, said in one line; each rank's shards of the layer
+    # as the engine cut them, and the bytes of the step's all-reduces as StepTimed counted them.
+    assert xray.num_traced_steps == 0 and xray.num_split_steps == len(shown) > 0
+    by_step = {t.step: t for t in timed}
+    h, d = cfg.hidden_size, cfg.head_dim
+    for group in shown:
+        buf = io.StringIO()
+        Console(file=buf, width=400, highlight=False).print(group)
+        text = " ".join(buf.getvalue().split())
+        t = by_step[int(re.search(r"Step (\d+): ", text).group(1))]
+        assert "No captured values at tensor_parallel_size 2:" in text
+        assert "layer 1's weights on each rank" in text
+        for s in info["tensor_parallel_shards"]:
+            (q0, q1), (k0, k1) = s["q_heads"], s["kv_heads"]
+            (o_out, o_in), (down_out, down_in) = s["o_proj"], s["down_proj"]
+            assert (f"rank {s['rank']}: q [{h}, {(q1 - q0) * d}] (query heads {q0}-{q1 - 1}), k and v "
+                    f"[{h}, {(k1 - k0) * d}] each (KV head {k0}), o [{o_in}, {o_out}], gate and up "
+                    f"[{h}, {s['gate_up_proj'][0] // 2}] each, down [{down_in}, {down_out}]") in text
+        assert f"T = {t.num_tokens}: each all-reduce takes {t.num_tokens} x {h} x 4 bytes" in text
+        assert f"{t.tp_all_reduces} all-reduces, {t.tp_all_reduce_bytes:,} bytes per rank" in text
+        assert f"rank 1: compute {t.tp_compute_s[1] * 1000:.2f} ms" in text
     kill_worker_and_check_the_engine_ends(llm, "inside a step")
 
 
