@@ -346,10 +346,15 @@ def test_smollm2_at_n3_from_llm_and_the_cli_gives_the_n1_text(make_engine, defau
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run([sys.executable, "-m", "nanovllm_core.cli", "--tensor-parallel-size", "3", "--device", "cpu",
                            "--prompt", prompt, "--max-tokens", "5", "--temperature", "0", "--ignore-eos",
-                           "--num-kv-blocks", "32"], capture_output=True, text=True, timeout=180, env=env)
+                           "--num-kv-blocks", "32", "--xray"], capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"Completion: {want.text!r}" in proc.stdout
     assert "tensor parallel over 3 ranks (gloo)" in proc.stdout
+    # --xray of the split engine: no capture, said in one line; its prefill and first decode drawn from the sizes
+    shown = " ".join(proc.stdout.split())
+    assert shown.count("No captured values at tensor_parallel_size 3:") == 2
+    assert "rank 2: q [576, 192] (query heads 6-8), k and v [576, 64] each (KV head 2)" in shown
+    assert "T = 1: each all-reduce takes 1 x 576 x 4 bytes = 2,304 bytes" in shown  # the decode step: 1 token
     with pytest.raises(ValueError, match=r"sizes that work: 1, 3$"):  # the CLI prints this as its one-line error
         LLM(num_kv_blocks=32, tensor_parallel_size=2, device="cpu", **QUIET)
     assert_no_group_left()
