@@ -21,8 +21,10 @@ engines here are built and closed one after another.
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,6 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from rich.console import Console
 
 from nanovllm_core import LLM, SamplingParams
 from nanovllm_core import events as ev
@@ -236,7 +239,13 @@ def test_n2_greedy_matches_n1_repeats_ignores_batching_times_truly_then_a_killed
         return out
 
     engine.runner._execute_parallel = spy
+    from nanovllm_core.educational.xray_view import XRayView
+
+    shown = []
+    xray = XRayView(Console(file=io.StringIO()), engine, detail_layer=1, on_traced=shown.append)
+    xray.subscribe()
     batched = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    xray.close()
     again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     alone = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in PROMPTS]
     assert engine.block_manager.num_used_blocks == 0
@@ -259,6 +268,27 @@ def test_n2_greedy_matches_n1_repeats_ignores_batching_times_truly_then_a_killed
         assert t.tp_all_reduce_bytes == t.tp_all_reduces * t.num_tokens * cfg.hidden_size * 4
         assert 0 < sum(m.latencies_s) <= t.tp_comm_s[0]
         assert ev.from_json(ev.to_json(t)) == t
+    # The X-Ray of the split engine: nothing captured, said in one line; each rank's shards of the layer
+    # as the engine cut them, and the bytes of the step's all-reduces as StepTimed counted them.
+    assert xray.num_traced_steps == 0 and xray.num_split_steps == len(shown) > 0
+    by_step = {t.step: t for t in timed}
+    h, d = cfg.hidden_size, cfg.head_dim
+    for group in shown:
+        buf = io.StringIO()
+        Console(file=buf, width=400, highlight=False).print(group)
+        text = " ".join(buf.getvalue().split())
+        t = by_step[int(re.search(r"Step (\d+): ", text).group(1))]
+        assert "No captured values at tensor_parallel_size 2:" in text
+        assert "layer 1's weights on each rank" in text
+        for s in info["tensor_parallel_shards"]:
+            (q0, q1), (k0, k1) = s["q_heads"], s["kv_heads"]
+            (o_out, o_in), (down_out, down_in) = s["o_proj"], s["down_proj"]
+            assert (f"rank {s['rank']}: q [{h}, {(q1 - q0) * d}] (query heads {q0}-{q1 - 1}), k and v "
+                    f"[{h}, {(k1 - k0) * d}] each (KV head {k0}), o [{o_in}, {o_out}], gate and up "
+                    f"[{h}, {s['gate_up_proj'][0] // 2}] each, down [{down_in}, {down_out}]") in text
+        assert f"T = {t.num_tokens}: each all-reduce takes {t.num_tokens} x {h} x 4 bytes" in text
+        assert f"{t.tp_all_reduces} all-reduces, {t.tp_all_reduce_bytes:,} bytes per rank" in text
+        assert f"rank 1: compute {t.tp_compute_s[1] * 1000:.2f} ms" in text
     kill_worker_and_check_the_engine_ends(llm, "inside a step")
 
 
@@ -316,10 +346,15 @@ def test_smollm2_at_n3_from_llm_and_the_cli_gives_the_n1_text(make_engine, defau
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run([sys.executable, "-m", "nanovllm_core.cli", "--tensor-parallel-size", "3", "--device", "cpu",
                            "--prompt", prompt, "--max-tokens", "5", "--temperature", "0", "--ignore-eos",
-                           "--num-kv-blocks", "32"], capture_output=True, text=True, timeout=180, env=env)
+                           "--num-kv-blocks", "32", "--xray"], capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"Completion: {want.text!r}" in proc.stdout
     assert "tensor parallel over 3 ranks (gloo)" in proc.stdout
+    # --xray of the split engine: no capture, said in one line; its prefill and first decode drawn from the sizes
+    shown = " ".join(proc.stdout.split())
+    assert shown.count("No captured values at tensor_parallel_size 3:") == 2
+    assert "rank 2: q [576, 192] (query heads 6-8), k and v [576, 64] each (KV head 2)" in shown
+    assert "T = 1: each all-reduce takes 1 x 576 x 4 bytes = 2,304 bytes" in shown  # the decode step: 1 token
     with pytest.raises(ValueError, match=r"sizes that work: 1, 3$"):  # the CLI prints this as its one-line error
         LLM(num_kv_blocks=32, tensor_parallel_size=2, device="cpu", **QUIET)
     assert_no_group_left()

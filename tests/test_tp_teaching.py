@@ -415,3 +415,53 @@ async def test_the_app_tutorial_lists_and_draws_the_tensor_parallel_chapter(tmp_
         assert "splits over 1 or 3 ranks; 2 would cut a KV head." in text  # the replayed model's facts
         assert "Live demonstration: All-reduces measured here" in text
         assert "13 Tensor parallelism" in str(app.query_one("#chapter-list").render())
+
+
+@pytest.mark.anyio
+async def test_the_app_xray_of_a_split_engine_says_nothing_was_captured_and_shows_the_step_from_its_sizes(tmp_path):
+    """What a split engine sends today: no LayerTrace at all. The tab says so in one line and still shows the
+    chosen layer's shards, the newest step's all-reduce bytes for its token count and each rank's time."""
+    from nanovllm_tui.app import NanoVLLMApp
+    from nanovllm_tui.replay import ReplayController
+    from tests.tui_helpers import TRACE
+
+    events = [e for e in split_trace(TRACE) if not isinstance(e, ev.LayerTrace)]
+    app = NanoVLLMApp(ReplayController(events, start_paused=True), tutorial_path=tmp_path / "t.json")
+    async with app.run_test(size=(200, 60)) as pilot:
+        await play(pilot, 2, "2", "down")
+        title = " ".join(str(app.query_one("#xray-title").render()).split())
+        text = " ".join(str(app.query_one("#pipeline").render()).split())
+        t = app.state.timings[-1]
+        assert t.num_tokens > 0 and not app.state.xray
+        assert f"layer 1/29 (↑↓) · split over 3 ranks · step {t.step}" in title
+        assert " ".join(tp_facts.capture_off_line(3).split()) in title
+        assert f"Step {t.step}: {t.num_tokens:,} token" in text
+        assert "layer 1's weights on each rank" in text and "rank 2: q [576, 192] (query heads 6-8)" in text
+        per = t.num_tokens * 576 * 4
+        assert f"T = {t.num_tokens}: each all-reduce takes {t.num_tokens} x 576 x 4 bytes = {per:,} bytes" in text
+        assert f"61 all-reduces, {t.tp_all_reduce_bytes:,} bytes per rank" in text  # as StepTimed counted them
+        assert "rank 2: compute 12.00 ms · communication 6.00 ms (33%)" in text
+        assert str(app.query_one("#gqa").render()).strip() == ""
+
+
+def test_the_split_lines_say_nothing_they_cannot_derive():
+    info = {**TINY, "tensor_parallel_size": 2}
+    lines = tp_facts.untraced_lines(info, step=4, num_tokens=3, layer=1)
+    assert lines[0] == tp_facts.capture_off_line(2) and lines[1] == "Step 4: 3 tokens in the batch (T = 3)."
+    assert "rank 1: q [64, 32] (query heads 2-3), k and v [64, 16] each (KV head 1), o [32, 64]" in "\n".join(lines)
+    assert lines[-1].endswith(f"5 all-reduces, {5 * 3 * 64 * 4:,} bytes per rank).")
+    assert tp_facts.untraced_lines(TINY, 4, 3) == []  # one process: the captured X-Ray as it was
+    assert tp_facts.untraced_lines(info, 4, 3, layer=2) == []  # no layer 2 in a 2-layer model
+    assert tp_facts.untraced_lines({"tensor_parallel_size": 2, "num_layers": 2}, 4, 3) == []  # sizes unknown
+    zero = tp_facts.untraced_lines(info, 4, 0)
+    assert zero and not any("each all-reduce takes" in line for line in zero)
+    # the CLI's rendering of one such step, with the step's measured per-rank time
+    from nanovllm_core.educational.xray_view import render_split_step
+
+    step = timed(step=4, tokens=3, n=2, compute=(0.010, 0.011), comm=(0.002, 0.003), count=5, nbytes=5 * 3 * 64 * 4)
+    buf = io.StringIO()
+    Console(file=buf, width=300, highlight=False).print(render_split_step(info, step, layer=1))
+    text = " ".join(buf.getvalue().split())
+    assert text.startswith("X-RAY · step 4 · 3 tokens · split over 2 ranks")
+    assert "Measured in this step: rank 0: compute 10.00 ms · communication 2.00 ms (17%)" in text
+    assert render_split_step(TINY, step) is None

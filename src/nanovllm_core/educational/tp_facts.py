@@ -191,6 +191,15 @@ def xray_lines(trace: ev.LayerTrace, info: Mapping[str, Any]) -> list[str]:
     the bytes each of the layer's two all-reduces moves for this step's ``num_batch_tokens`` rows.
 
     Empty at N = 1, and when ``info`` lacks a size the shapes need (nothing is guessed)."""
+    return shard_lines(info, trace.layer, trace.num_layers, trace.num_batch_tokens)
+
+
+def shard_lines(info: Mapping[str, Any], layer: int, num_layers: int, num_tokens: int) -> list[str]:
+    """Each rank's shard shapes of decoder layer ``layer`` and, when ``num_tokens`` (T, the step's
+    flat batch: the rows of every all-reduced ``[T, hidden]`` tensor) is positive, the bytes each of
+    the layer's two all-reduces and the step's ``2 * num_layers + 1`` all-reduces move per rank.
+
+    Empty at N = 1, and when ``info`` (``model_info()``) lacks a size the shapes need (nothing is guessed)."""
     n = tp_size(info)
     if n == 1:
         return []
@@ -198,22 +207,47 @@ def xray_lines(trace: ev.LayerTrace, info: Mapping[str, Any]) -> list[str]:
         shards = shard_shapes(info, n)
     except ValueError:
         return []
-    lines = [f"Tensor parallel over {n} ranks (Megatron split): layer {trace.layer}'s weights on each rank, [in, out]:"]
+    lines = [f"Tensor parallel over {n} ranks (Megatron split): layer {layer}'s weights on each rank, [in, out]:"]
     for s in shards:
         lines.append(f"  rank {s.rank}: q {_shape(s.q)} (query heads {_span(s.q_heads)}), k and v {_shape(s.k)} "
                      f"each (KV head{'s' if s.kv_heads[1] - s.kv_heads[0] > 1 else ''} {_span(s.kv_heads)}), o {_shape(s.o)}, gate and up {_shape(s.gate)} each, "
                      f"down {_shape(s.down)}")
     elem = dtype_bytes(info)
-    h, t = shards[0].o[1], trace.num_batch_tokens
+    h, t = shards[0].o[1], num_tokens
     lines.append(f"o and down are row-parallel: each rank's product is a partial sum [T, {h}], and one all-reduce "
                  "after each adds the ranks' sums: 2 all-reduces in this layer.")
     if t:
         per = t * h * elem
         lines.append(f"This step, T = {t}: each all-reduce takes {t} x {h} x {elem} bytes = {per:,} bytes from every "
-                     f"rank ({2 * per:,} for the layer; over the {trace.num_layers} layers and the embedding's one, "
-                     f"{allreduces_per_step(trace.num_layers)} all-reduces, {allreduces_per_step(trace.num_layers) * per:,} "
+                     f"rank ({2 * per:,} for the layer; over the {num_layers} layers and the embedding's one, "
+                     f"{allreduces_per_step(num_layers)} all-reduces, {allreduces_per_step(num_layers) * per:,} "
                      "bytes per rank).")
     return lines
+
+
+def capture_off_line(n: int) -> str:
+    """The one line the X-Ray shows instead of a captured layer when the engine runs split over ``n`` ranks."""
+    return (f"No captured values at tensor_parallel_size {n}: the X-Ray's capture reads whole-model tensors and "
+            "each rank holds only its shard, so the engine does not capture; shown instead, from the model's "
+            "sizes and the step's token count, what the split runs.")
+
+
+def untraced_lines(info: Mapping[str, Any], step: int, num_tokens: int, layer: int = 0) -> list[str]:
+    """The X-Ray of a split engine's step ``step`` of ``num_tokens`` tokens (T of the flat batch, from
+    ``StepTimed.num_tokens`` or ``StepPlanned.num_batched_tokens``): :func:`capture_off_line`, then
+    :func:`shard_lines` for decoder layer ``layer``.
+
+    Empty at N = 1 and when ``info`` lacks a size (``num_layers`` among them) or ``layer`` is not one of
+    the model's layers (nothing is guessed)."""
+    n = tp_size(info)
+    layers = info.get("num_layers")
+    if n == 1 or not isinstance(layers, int) or not 0 <= layer < layers:
+        return []
+    shards = shard_lines(info, layer, layers, num_tokens)
+    if not shards:
+        return []
+    tokens = f"{num_tokens:,} token{'' if num_tokens == 1 else 's'}"
+    return [capture_off_line(n), f"Step {step}: {tokens} in the batch (T = {num_tokens})."] + shards
 
 
 @dataclass(frozen=True)

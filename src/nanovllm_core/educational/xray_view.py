@@ -13,6 +13,11 @@ line each with their own real values. Everything comes from the capture in
 
 The engine traces at most one request per step (see ``XRayCapture``), so when two prompts
 are prefilled in the same step only the first is traced; the output says so.
+
+Split over ranks (``--tensor-parallel-size N``, N > 1) the engine captures nothing (the capture
+reads whole-model tensors; a rank holds a shard): for the same steps the view then says so in
+one line and shows each rank's shard shapes of the detail layer, the bytes of the step's
+all-reduces for its token count, and where each rank's time went (``educational/tp_facts``).
 """
 
 from __future__ import annotations
@@ -205,6 +210,30 @@ def render_step(traces: list[ev.LayerTrace], entry: ev.ScheduledEntry | None = N
     return Group(*parts)
 
 
+def render_split_step(info: dict[str, Any], timed: ev.StepTimed, entry: ev.ScheduledEntry | None = None,
+                      layer: int = 0) -> RenderableType | None:
+    """A step of an engine split over ranks, where nothing is captured: a header, the line saying
+    so, each rank's shard shapes of decoder ``layer`` and the bytes of the step's all-reduces for
+    its ``timed.num_tokens`` tokens (:func:`~nanovllm_core.educational.tp_facts.untraced_lines`),
+    then where each rank's time went (:func:`~nanovllm_core.educational.tp_facts.dashboard_lines`,
+    when the step measured it). None at N = 1 or when ``info`` lacks a size the shapes need."""
+    lines = tp_facts.untraced_lines(info, timed.step, timed.num_tokens, layer)
+    if not lines:
+        return None
+    what = ""
+    if entry is not None:
+        what = (f" · request {entry.request_id}'s {'decode' if entry.kind == 'decode' else 'prefill'}, "
+                f"{entry.num_tokens} of them")
+    head = Rule(Text(f"X-RAY · step {timed.step} · {timed.num_tokens} token{'s' if timed.num_tokens != 1 else ''}"
+                     f"{what} · split over {tp_facts.tp_size(info)} ranks", style="bold cyan"),
+                align="left", style="cyan")
+    body: list[RenderableType] = [Text(lines[0], style="yellow")] + [Text(line) for line in lines[1:]]
+    measured = tp_facts.dashboard_lines(timed)
+    if measured:
+        body += [Text(""), Text("Measured in this step:")] + [Text(line) for line in measured]
+    return Group(head, Indent(Group(*body)), Text(""))
+
+
 @dataclass
 class _Target:
     entry: ev.ScheduledEntry
@@ -235,12 +264,23 @@ class XRayView:
         self._traces: list[ev.LayerTrace] = []
         self._edges: tuple[ev.OpInfo, ...] = ()
         self.num_traced_steps = 0
+        self.num_split_steps = 0  # steps shown from the split's sizes (N > 1: nothing captured)
+        self._tp = 1
+
+    def _info(self) -> dict[str, Any]:
+        try:
+            return self.engine.model_info()
+        except AttributeError:  # a stand-in engine without facts: no shards to show
+            return {}
 
     def subscribe(self) -> Any:
         """Subscribe to the engine; the subscription's ``xray`` flag is then switched per step.
 
-        Selecting now makes the engine measure the machine's roofline before any step runs."""
-        self.engine.select_xray(None, layer=self.detail_layer, head=0)
+        Selecting now makes the engine measure the machine's roofline before any step runs (not when
+        the engine is split over ranks: it captures nothing then)."""
+        self._tp = tp_facts.tp_size(self._info())
+        if self._tp == 1:
+            self.engine.select_xray(None, layer=self.detail_layer, head=0)
         self.sub = self.engine.subscribe(self, topk=0, blocks=False, xray=False)
         return self.sub
 
@@ -251,7 +291,7 @@ class XRayView:
             if self._target is not None and event.request_id == self._target.entry.request_id:
                 self._traces.append(event)
         elif isinstance(event, ev.StepTimed):
-            self._finish(event.wall_time_s)
+            self._finish(event.wall_time_s, event)
 
     def _plan(self, plan: ev.StepPlanned) -> None:
         if self._traces:
@@ -273,9 +313,10 @@ class XRayView:
             s, phase = wanted[0]
             self._target = _Target(s, [f"{w.request_id} ({p})" for w, p in wanted[1:]])
             self._done.add((s.request_id, phase))
-            self.engine.select_xray(s.request_id, layer=self.detail_layer, head=0)
+            if self._tp == 1:
+                self.engine.select_xray(s.request_id, layer=self.detail_layer, head=0)
         if self.sub is not None:
-            self.sub.xray = self._target is not None
+            self.sub.xray = self._target is not None and self._tp == 1
 
     def _edge_ops(self, plan: ev.StepPlanned) -> tuple[ev.OpInfo, ...]:
         """The step's embedding lookup, final norm and LM head (empty when the engine does not say its sizes)."""
@@ -297,24 +338,29 @@ class XRayView:
         except (AttributeError, KeyError, StopIteration, TypeError):
             return ()
 
-    def _finish(self, wall: float | None) -> None:
+    def _finish(self, wall: float | None, timed: ev.StepTimed | None = None) -> None:
         target, traces = self._target, self._traces
         self._target, self._traces = None, []
         if self.sub is not None:
             self.sub.xray = False
+        if target is not None and not traces and self._tp > 1 and timed is not None:
+            split = render_split_step(self._info(), timed, target.entry, self.detail_layer)
+            if split is not None:
+                self.num_split_steps += 1
+                self._show(split)
+            return
         if target is None or not traces:
             return
         self.num_traced_steps += 1
-        try:
-            info = self.engine.model_info()
-        except AttributeError:  # a stand-in engine without facts: no shards to show
-            info = {}
+        info = self._info()
         parts: list[RenderableType] = [render_step(traces, target.entry, wall, self.detail_layer, self._edges, info)]
         if target.skipped:
             parts += [Indent(Text(
                 f"Not traced in this step: request {', '.join(target.skipped)}. The engine traces one request per "
                 "step; a missed decode is traced at that request's next step.", style="dim")), Text("")]
-        group = Group(*parts)
+        self._show(Group(*parts))
+
+    def _show(self, group: RenderableType) -> None:
         if self.on_traced is not None:
             self.on_traced(group)
         else:

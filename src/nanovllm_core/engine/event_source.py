@@ -106,7 +106,9 @@ class EventSource:
         if not any(s.xray for s in self._subscribers):
             return None
         if getattr(self.config, "tensor_parallel_size", 1) > 1:
-            return None  # the X-Ray's capture reads whole-model tensors; a rank holds a shard (not shown yet)
+            # The X-Ray's capture reads whole-model tensors and a rank holds a shard: none is made; the
+            # X-Ray views say so and draw the split from model_info() and StepTimed instead.
+            return None
         # Inside a step: no roofline measurement here (it would count in the step's time).
         return self._xray_capture(measure=False).tracer_for(plan)
 

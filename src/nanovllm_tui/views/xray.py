@@ -7,6 +7,11 @@ machine's measured ridge point, in a block mode how the weights sit in a block w
 (``educational/xray_blocks``), grouped-query attention as the engine does it, and what
 each captured tensor is; and, when the engine is split over ranks, each rank's shard of the
 layer and the bytes of its two all-reduces (``educational/tp_facts``).
+
+A split engine (``--tensor-parallel-size N``, N > 1) captures no layer (the capture reads
+whole-model tensors; a rank holds a shard): the tab then says so in one line and shows, for the
+newest step and the chosen layer, each rank's shard shapes, the bytes of the step's all-reduces
+for its token count and each rank's measured time, from ``model_info()`` and ``StepTimed``.
 """
 
 from __future__ import annotations
@@ -204,6 +209,9 @@ class XRayView(EngineView, can_focus=True):
         title = self.query_one("#xray-title", LiveStatic)
         trace = state.xray.get(self.layer_index)
         heatmap = self.query_one(AttentionHeatmap)
+        if trace is None and tp_facts.tp_size(info) > 1:
+            self._show_split(state, title, heatmap)
+            return
         if trace is None:
             title.show_content(Text.assemble(
                 ("X-Ray ", "bold"), f"layer {self.layer_index}/{self.num_layers - 1} (↑↓) · head {self.head_index}/"
@@ -231,6 +239,33 @@ class XRayView(EngineView, can_focus=True):
         self.query_one("#pipeline", LiveStatic).show_content(body)
         self.query_one("#gqa", LiveStatic).show_content(gqa)
         self._show_heatmap(state, trace, heatmap)
+
+    def _show_split(self, state: EngineState, title: LiveStatic, heatmap: AttentionHeatmap) -> None:
+        """No layer captured by a split engine: the line saying so, then the chosen layer's shards,
+        the newest step's all-reduce bytes and where each rank's time went (nothing before a step)."""
+        info = state.model_info
+        last = state.timings[-1] if state.timings else None
+        n = tp_facts.tp_size(info)
+        title.show_content(Text.assemble(
+            ("X-Ray ", "bold"), f"layer {self.layer_index}/{self.num_layers - 1} (↑↓) · split over {n} ranks"
+            + (f" · step {last.step}" if last is not None else "") + "\n",
+            (tp_facts.capture_off_line(n), "yellow")))
+        lines = tp_facts.untraced_lines(info, last.step, last.num_tokens, self.layer_index) if last is not None else []
+        body = Text()
+        if lines:
+            body.append("\n".join(lines[1:]) + "\n", style="#c9b8ff")
+            measured = tp_facts.dashboard_lines(last)
+            if measured:
+                body.append("\nMeasured in this step:\n" + "\n".join(measured), style="#8fa8ff")
+        else:
+            body.append("No step has run yet: send a prompt, or press n while paused.", style="dim")
+            shards = tp_facts.shard_lines(info, self.layer_index, self.num_layers, 0)
+            if shards:
+                body.append("\n\n" + "\n".join(shards), style="#c9b8ff")
+        self.query_one("#pipeline", LiveStatic).show_content(body)
+        self.query_one("#gqa", LiveStatic).show_content("")
+        heatmap.border_title = "Attention (not captured when split over ranks)"
+        heatmap.set_data((), (), ())
 
     def _show_heatmap(self, state: EngineState, trace: ev.LayerTrace, heatmap: AttentionHeatmap) -> None:
         heat = state.heat
