@@ -17,7 +17,7 @@ import torch
 from nanovllm_core.attention import cpu_paged
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.llm_engine import LLMEngine
-from nanovllm_core.engine.model_runner import ModelRunner
+from nanovllm_core.engine.model_runner import ModelRunner, PlanEntry
 from nanovllm_core.model import loader
 from nanovllm_core.sampling_params import SamplingParams
 from tests import native_builds
@@ -118,12 +118,10 @@ def test_the_runner_refuses_a_block_table_that_cannot_hold_the_context():
     """The kernel reads raw memory: a short table or a block outside the pool is refused before it runs."""
     runner = SimpleNamespace(block_size=16, kv_cache=SimpleNamespace(num_blocks=8), device=torch.device("cpu"),
                              _num_decodes=ModelRunner._num_decodes)
-    seq = SimpleNamespace(seq_id=4, block_table=[1])
     with pytest.raises(ValueError, match="cannot hold its 20 tokens"):
-        ModelRunner._cpu_paged_metadata(runner, [SimpleNamespace(seq=seq, start=0, num_new_tokens=20)], None)
-    seq.block_table = [1, 8]
+        ModelRunner._cpu_paged_metadata(runner, [PlanEntry(4, 0, tuple(range(20)), (1,))], None)
     with pytest.raises(ValueError, match="pool of 8 blocks"):
-        ModelRunner._cpu_paged_metadata(runner, [SimpleNamespace(seq=seq, start=19, num_new_tokens=1)], None)
+        ModelRunner._cpu_paged_metadata(runner, [PlanEntry(4, 19, (7,), (1, 8))], None)
 
 
 def test_without_a_compiler_the_engine_gathers_and_says_why(monkeypatch):

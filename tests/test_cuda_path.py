@@ -92,14 +92,16 @@ def test_dtype_default_follows_the_configured_gpus_capability(gpu):
 
 
 def test_loader_casts_before_materialising(monkeypatch, tiny_llama_dir):
+    from nanovllm_core.model import loader
+
     seen: list[set[torch.dtype]] = []
-    to_empty = torch.nn.Module.to_empty
+    materialize = loader.materialize_empty  # what the loader gives storage with (blocks kept by gguf stay)
 
     def spy(module, *args, **kwargs):
         seen.append({p.dtype for p in module.parameters()})
-        return to_empty(module, *args, **kwargs)
+        return materialize(module, *args, **kwargs)
 
-    monkeypatch.setattr(torch.nn.Module, "to_empty", spy)
+    monkeypatch.setattr(loader, "materialize_empty", spy)
     model, _, _ = load_model(str(tiny_llama_dir), torch.device("cpu"), torch.bfloat16)
     assert seen == [{torch.bfloat16}], "parameters were materialised before the cast"
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
