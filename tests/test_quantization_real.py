@@ -67,7 +67,7 @@ def test_cli_unknown_quantization_exits_2_with_one_line(capsys):
 
 
 def test_llm_unknown_quantization_raises_one_line_before_loading():
-    with pytest.raises(ValueError, match=r"^quantization='int4' is unknown; use one of none, gguf, q8_0, q4_0, q4_1, int8 "):
+    with pytest.raises(ValueError, match=r"^quantization='int4' is unknown; use one of auto, none, gguf, q8_0, q4_0, q4_1, int8 "):
         LLM(quantization="int4")
 
 
