@@ -10,7 +10,7 @@ from nanovllm_tui.app import NanoVLLMApp
 from nanovllm_tui.options import build_app, parse_args
 from nanovllm_tui.replay import ReplayController, load_trace
 from nanovllm_tui.starter import BackgroundController
-from tests.tui_helpers import TRACE, Notes, engine_app, replay_app, send_prompt, wait_until
+from tests.tui_helpers import TRACE, Notes, engine_app, replay_app, send_prompt, tiny_app, wait_until
 
 pytestmark = pytest.mark.anyio
 SIZE = (120, 40)
@@ -28,25 +28,23 @@ async def still_answers_keys(pilot) -> None:
     assert pilot.app.query_one(TabbedContent).active == "blocks"
 
 
-async def test_empty_prompt_is_not_sent_and_says_why(tmp_path):
-    app, notes = replay_app(tmp_path), Notes()
+async def test_empty_prompt_is_not_sent_and_says_why(tiny_llama_dir, tmp_path):
+    app, notes = tiny_app(tiny_llama_dir, tmp_path), Notes()
     async with app.run_test(size=SIZE, message_hook=notes) as pilot:
-        await pilot.pause()
-        recorded = set(app.state.requests)  # the replay's own requests
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
         await send_prompt(pilot, "   ")
         await pilot.pause()
-        assert notes.find("The prompt is empty", "warning") and set(app.state.requests) == recorded
+        assert notes.find("The prompt is empty", "warning") and not app.state.requests
         await still_answers_keys(pilot)
 
 
-async def test_a_setting_that_is_not_a_number_is_not_sent(tmp_path):
-    app, notes = replay_app(tmp_path), Notes()
+async def test_a_setting_that_is_not_a_number_is_not_sent(tiny_llama_dir, tmp_path):
+    app, notes = tiny_app(tiny_llama_dir, tmp_path), Notes()
     async with app.run_test(size=SIZE, message_hook=notes) as pilot:
-        await pilot.pause()
-        recorded = set(app.state.requests)
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
         await send_prompt(pilot, "Hello", max_tokens="lots")
         await wait_until(pilot, lambda: notes.find("max tokens must be a whole number", "error"), timeout=10)
-        assert set(app.state.requests) == recorded and app.query_one("#prompt").value == "Hello"
+        assert not app.state.requests and app.query_one("#prompt").value == "Hello"
 
 
 @pytest.mark.real_model
@@ -136,11 +134,35 @@ async def test_abort_with_no_request_selected_says_so(tmp_path):
         assert notes.find("No request is selected", "warning")
 
 
-async def test_a_replay_refuses_new_prompts_with_a_notification(tmp_path):
+@pytest.mark.parametrize("size", [(120, 40), (60, 20)])
+async def test_a_replay_invites_no_prompt_and_lists_none_it_did_not_record(tmp_path, size):
+    """Issue 29, item 13: a replay's prompt bar is one line saying it takes no prompts (its fields
+    disabled); keys typed at it and '/' add no request, so the X-Ray header lists none rejected."""
+    from textual.widgets import Input
+
     app, notes = replay_app(tmp_path), Notes()
-    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
-        await send_prompt(pilot, "Hello")
-        await wait_until(pilot, lambda: notes.find("cannot run new prompts", "error"))
+    async with app.run_test(size=size, message_hook=notes) as pilot:
+        app.controller.step(4)
+        await wait_until(pilot, lambda: app.state.step == 3, timeout=10, what="four recorded steps")
+        recorded = {rid: req.state for rid, req in app.state.requests.items()}
+        bar = app.query_one("#prompt-bar")
+        line = app.query_one("#prompt-replay")
+        assert line.display and line.region.height == 1 and "takes no prompts" in str(line.render())
+        assert not app.query_one("#prompt-fields").display
+        assert all(field.is_disabled and not field.focusable for field in bar.query(Input))
+        assert not isinstance(app.focused, Input)  # the keys go to the views
+        await pilot.press("slash", *"Hello", "enter")  # '/' says why instead of moving to a prompt
+        await pilot.click("#prompt-replay")
+        await pilot.press(*"Hi", "enter")
+        await pilot.pause()
+        assert notes.find("A replay plays a recording and takes no prompts", "warning")
+        assert app.query_one("#prompt", Input).value == "" and not isinstance(app.focused, Input)
+        assert {rid: req.state for rid, req in app.state.requests.items()} == recorded
+        await pilot.press("escape", "2")
+        await pilot.pause()
+        screen = app.export_screenshot()  # the X-Ray tab as drawn (SVG text)
+        assert "X-Ray" in screen and "rejected" not in screen and "Hello" not in screen
+        await still_answers_keys(pilot)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -257,3 +279,25 @@ async def test_the_app_says_at_load_when_the_c_paths_are_off_and_why(make_engine
         assert bool(said) == switched_off
         if not app.state.model_info.get("cpu_paged_unavailable"):
             assert not notes.find("CPU paged attention kernel not used")
+
+
+async def test_at_60x20_the_request_table_keeps_cells_whole_and_scrolls_sideways(tmp_path):
+    """Issue 29, item 13: at 60x20 the Dashboard's request table is wider than the screen. It does
+    not wrap (docs/app.md says so): every cell is whole, the request column is in view, and ←/→
+    with the table focused bring the other columns (up to the last, cached) into view."""
+    from nanovllm_tui.widgets.request_table import RequestTable
+
+    app = replay_app(tmp_path)
+    async with app.run_test(size=(60, 20)) as pilot:
+        app.controller.step(4)
+        await wait_until(pilot, lambda: app.state.step == 3, timeout=10, what="four recorded steps")
+        await pilot.press("escape", "1")
+        await pilot.pause()
+        table = app.query_one(RequestTable)
+        assert app.focused is table and table.region.height >= 3  # header and at least two rows
+        assert table.virtual_size.width > table.size.width and table.scroll_x == 0
+        assert "request" in table.render_line(0).text and "cached" not in table.render_line(0).text
+        for _ in range(table.virtual_size.width):
+            await pilot.press("right")
+        await pilot.pause()
+        assert table.scroll_x == table.max_scroll_x > 0 and table.render_line(0).text.rstrip().endswith("cached")

@@ -13,7 +13,7 @@ from textual.widgets import Input, RichLog
 
 from nanovllm_tui.app import NanoVLLMApp
 from nanovllm_tui.widgets.request_table import RequestTable
-from tests.tui_helpers import Notes, keys_at_once, replay_app, visible_tab, wait_until
+from tests.tui_helpers import Notes, keys_at_once, replay_app, tiny_app, visible_tab, wait_until
 
 pytestmark = pytest.mark.anyio
 TABS = {"1": "dashboard", "2": "xray", "3": "narrator", "4": "tutorial", "5": "blocks"}
@@ -82,17 +82,18 @@ async def test_keys_pressed_while_the_model_loads_act_in_order_in_the_right_widg
         assert req.num_output == 1
 
 
-async def test_a_paste_then_enter_sends_the_pasted_prompt(tmp_path):
+async def test_a_paste_then_enter_sends_the_pasted_prompt(tiny_llama_dir, tmp_path):
     from textual import events
 
-    app, notes = replay_app(tmp_path), Notes()
-    async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
-        await pilot.pause()
+    app = tiny_app(tiny_llama_dir, tmp_path, start_paused=True)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
         paste = events.Paste("Once upon a time\nand more")
         paste.set_sender(app)
         app._driver.send_message(paste)
         keys_at_once(app, "enter", "escape", "2")
-        await wait_until(pilot, lambda: notes.find("cannot run new prompts"), timeout=10, what="the (refused) prompt")
+        await wait_until(pilot, lambda: app.state.requests and visible_tab(app) == "xray", timeout=10,
+                         what="the prompt sent and the X-Ray tab")
         assert app.state.requests[app.selected].prompt == "Once upon a time"  # an input takes the first line
         assert app.query_one("#prompt", Input).value == "" and visible_tab(app) == "xray"
 
@@ -105,12 +106,13 @@ async def test_a_paste_then_enter_sends_the_pasted_prompt(tmp_path):
     ("temperature", "0.5[/]", "temperature must be a finite number >= 0 (0 = greedy), not '0.5[/]'"),  # not markup
     ("priority", "1.5", "priority must be a whole number from -1000 to 1000 (higher runs first; vLLM's priority is the opposite), not '1.5'"),
     ("priority", "99999999999999999999999", "priority must be a whole number from -1000 to 1000"),
-    ("max-tokens", "100000", "max tokens must be a whole number from 1 to 8192 (the model's max_model_len)"),
+    ("max-tokens", "100000", "max tokens must be a whole number from 1 to 512 (the model's max_model_len)"),
 ])
-async def test_a_wrong_setting_is_marked_at_its_field_and_the_prompt_is_kept(tmp_path, field, typed, why):
-    app, notes = replay_app(tmp_path), Notes()
+async def test_a_wrong_setting_is_marked_at_its_field_and_the_prompt_is_kept(tiny_llama_dir, tmp_path, field,
+                                                                             typed, why):
+    app, notes = tiny_app(tiny_llama_dir, tmp_path), Notes()
     async with app.run_test(size=(80, 24), message_hook=notes) as pilot:
-        await wait_until(pilot, lambda: app.state.ready, timeout=10, what="the recording's model facts")
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
         recorded = set(app.state.requests)
         await pilot.click(f"#{field}")
         await pilot.press("end", "ctrl+u", *typed)  # typed as a person would: nothing dropped
@@ -124,19 +126,20 @@ async def test_a_wrong_setting_is_marked_at_its_field_and_the_prompt_is_kept(tmp
         assert app.focused is setting  # the field to fix
 
 
-async def test_fixing_the_setting_clears_its_mark_and_enter_sends(tmp_path):
-    app, notes = replay_app(tmp_path), Notes()
-    async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
+async def test_fixing_the_setting_clears_its_mark_and_enter_sends(tiny_llama_dir, tmp_path):
+    app = tiny_app(tiny_llama_dir, tmp_path, start_paused=True)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
         await pilot.click("#priority")
         await pilot.press("end", "ctrl+u", *"1.5")
         assert app.query_one("#prompt-bar").has_class("-invalid")
         await pilot.press("backspace", "backspace")
         assert not app.query_one("#prompt-bar").has_class("-invalid") and not app.query_one("#prompt-error").display
         await pilot.click("#prompt")
-        await pilot.press(*"Hi", "enter")  # a replay refuses new prompts: sent, then rejected with the reason
-        await wait_until(pilot, lambda: notes.find("cannot run new prompts", "error"), timeout=10)
+        await pilot.press(*"Hi", "enter")
+        await wait_until(pilot, lambda: app.state.requests, timeout=10, what="the prompt sent")
         assert app.query_one("#prompt", Input).value == ""
-        assert app.state.requests[app.selected].priority == 1
+        assert app.state.requests[app.selected].priority == 1 and app.state.requests[app.selected].prompt == "Hi"
 
 
 def test_every_table_cell_shows_its_whole_value():
@@ -236,26 +239,31 @@ def test_the_header_names_int8_weights_beside_the_dtype():
     assert "SmolLM2 · cpu · float32 · int8 weights │" in shown[-1].plain
 
 
-async def test_an_error_toast_leaves_the_prompt_bars_reason_in_view(tmp_path):
+@pytest.mark.parametrize("size", [(120, 40), (60, 20)])
+async def test_an_error_toast_leaves_the_prompt_bars_reason_in_view(tiny_llama_dir, tmp_path, size):
     from textual.widgets._toast import Toast
 
-    app = replay_app(tmp_path)
-    async with app.run_test(size=(120, 40), notifications=True) as pilot:
+    app = tiny_app(tiny_llama_dir, tmp_path)
+    async with app.run_test(size=size, notifications=True) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
         await pilot.click("#max-tokens")
         await pilot.press("end", "ctrl+u", *"abc")
         await pilot.click("#prompt")
         await pilot.press(*"Hi", "enter")  # not sent: the toast and the red line both say why
         await wait_until(pilot, lambda: list(app.screen.query(Toast)), timeout=10, what="the toast")
         await pilot.pause(0.3)
+        toasts = [t for t in app.screen.query(Toast) if t.parent.display]  # the ones in view
+        assert toasts and "Not sent: max tokens" in str(toasts[-1].render())  # the newest among them
         reason = app.query_one("#prompt-error").region
-        assert reason.height and all(not t.region.overlaps(reason) for t in app.screen.query(Toast))
-        assert all(not t.region.overlaps(app.query_one("#prompt-bar").region) for t in app.screen.query(Toast))
+        assert reason.height and all(not t.region.overlaps(reason) for t in toasts)
+        assert all(not t.region.overlaps(app.query_one("#prompt-bar").region) for t in toasts)
 
 
-async def test_slash_in_the_prompt_bar_types_a_slash(tmp_path):
+async def test_slash_in_the_prompt_bar_types_a_slash(tiny_llama_dir, tmp_path):
     """Issue 29, item 13: '/' is the key that moves to the prompt, but in any prompt-bar field it is text."""
-    app = replay_app(tmp_path)
+    app = tiny_app(tiny_llama_dir, tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
         await pilot.press("escape", "slash")  # from a view: '/' moves to the prompt and types nothing
         assert app.focused is app.query_one("#prompt") and app.focused.value == ""
         await pilot.press(*"a/b", "slash")

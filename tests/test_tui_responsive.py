@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from nanovllm_tui.widgets.footer import SteadyFooter, shown_keys
-from tests.tui_helpers import replay_app, visible_tab, wait_until
+from tests.tui_helpers import tiny_app, visible_tab, wait_until
 
 @pytest.fixture
 def anyio_backend():
@@ -15,9 +15,10 @@ def anyio_backend():
 
 
 @pytest.mark.anyio
-async def test_tab_keys_leave_the_footer_alone_and_a_change_of_keys_redraws_it(tmp_path):
-    app = replay_app(tmp_path)
+async def test_tab_keys_leave_the_footer_alone_and_a_change_of_keys_redraws_it(tiny_llama_dir, tmp_path):
+    app = tiny_app(tiny_llama_dir, tmp_path)  # live: a replay has no prompt to focus
     async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
         await pilot.press("escape")
         footer = app.query_one(SteadyFooter)
         await wait_until(pilot, lambda: footer.drawn is not None, timeout=10, what="the footer")
@@ -34,9 +35,10 @@ async def test_tab_keys_leave_the_footer_alone_and_a_change_of_keys_redraws_it(t
         # The focus moved six times; the footer was rebuilt only where a tab brought keys of its own
         # (the X-Ray's layer and head keys), not for the Block Map and Dashboard switches.
         assert footer.rebuilds - before == changes < 6
-        before = footer.rebuilds
+        await pilot.pause(0.3)
+        before, keys_before = footer.rebuilds, footer.drawn
         app.query_one("#prompt").focus()  # the prompt bar adds "esc Leave prompt": that is a change
         await wait_until(pilot, lambda: any(label == "Leave prompt" for _key, label, *_ in footer.drawn or ()),
                          timeout=10, what="the prompt's keys in the footer")
-        assert footer.rebuilds == before + 1
+        assert footer.rebuilds == before + 1, (keys_before, footer.drawn)
         assert footer.drawn == shown_keys(app.screen)

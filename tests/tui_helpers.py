@@ -28,6 +28,19 @@ def engine_app(make_engine, tmp_path: Path, start_paused: bool = False, max_toke
                        tutorial_path=tmp_path / "tutorial.json")
 
 
+def tiny_app(tiny_llama_dir: Path, tmp_path: Path, start_paused: bool = False, max_tokens: int = 3,
+             **kwargs) -> NanoVLLMApp:
+    """The app on a live engine over the tiny random LLaMA (``tiny_llama_dir``), loaded behind the
+    window as ``nanovllm-tui`` does: for what needs a prompt bar that takes prompts (a replay takes
+    none) but not the real model's answers. Raw text prompts, ``max_tokens`` each."""
+    from nanovllm_tui.starter import BackgroundController
+
+    controller = BackgroundController(lambda: EngineController(model=str(tiny_llama_dir), num_kv_blocks=32,
+                                                               start_paused=start_paused))
+    return NanoVLLMApp(controller, settings=PromptSettings(max_tokens=max_tokens, chat=False),
+                       tutorial_path=tmp_path / "tutorial.json", **kwargs)
+
+
 def replay_app(tmp_path: Path, start_paused: bool = True, trace: Path = TRACE, **kwargs) -> NanoVLLMApp:
     """The app replaying ``tests/data/tui_trace.jsonl.gz`` (or ``trace``; no model needed)."""
     return NanoVLLMApp(ReplayController(load_trace(trace), start_paused=start_paused),

@@ -118,7 +118,7 @@ class NanoVLLMApp(App):
             for i, (tab, title) in enumerate(TABS, 1):
                 with TabPane(f"{i} {title}", id=tab):
                     yield VIEWS[tab](id=f"{tab}-view")
-        yield PromptBar(self.settings, send=self._submit, id="prompt-bar")
+        yield PromptBar(self.settings, send=self._submit, resized=self._fit_toasts_after_refresh, id="prompt-bar")
         yield SteadyFooter()
 
     def get_driver_class(self) -> type:
@@ -148,7 +148,8 @@ class NanoVLLMApp(App):
         self._adapt_to_size()
         if not self.live:
             self.query_one(PromptBar).for_replay()
-        self.query_one(PromptBar).focus_prompt()
+        if not self.query_one(PromptBar).focus_prompt():  # a replay: the keys go to the Dashboard's table
+            self.call_after_refresh(self.action_focus_view)
         self.call_after_refresh(self._start)
 
     def _start(self) -> None:
@@ -191,6 +192,30 @@ class NanoVLLMApp(App):
         self._adapt_to_size(event.size)
         if self._mounted:
             self.call_after_refresh(self._show_header)  # at the new width
+
+    def _fit_toasts_after_refresh(self) -> None:
+        self.call_after_refresh(self._fit_toasts)
+
+    def _fit_toasts(self, tries: int = 20) -> None:
+        """Keep notifications between the tabs and the prompt bar: the toast rack (docked at the
+        top, app.tcss) may grow only down to the bar's first row, the red line that says what to
+        fix included, and the newest toasts that fit are shown, older ones hidden (Textual's rack
+        would scroll, but a rack of hidden visibility is never sized, so it shows the oldest).
+        At 60x20 three stacked toasts reached row 25, over the bar, the newest out of sight."""
+        from textual.widgets._toast import Toast, ToastRack  # Textual's own: no public names
+
+        if self._stopped or not self.is_running or not self.screen_stack:  # the app is closing
+            return
+        for rack in self.screen.query(ToastRack):
+            room = self.query_one(PromptBar).region.y - rack.styles.margin.top
+            rack.styles.max_height = max(room, 1)
+            toasts = list(rack.query(Toast))
+            if tries and any(not t.outer_size.height and t.parent.display for t in toasts):
+                self.set_timer(0.05, lambda: self._fit_toasts(tries - 1))  # a new toast is not laid out yet
+                return
+            for toast in reversed(toasts):  # newest first
+                room -= toast.outer_size.height + toast.styles.margin.top
+                toast.parent.display = room >= 0 or toast is toasts[-1]
 
     def _adapt_to_size(self, size: Size | None = None) -> None:
         width, height = size or self.size
@@ -256,7 +281,8 @@ class NanoVLLMApp(App):
     def notify(self, message: str, *, title: str = "", severity: str = "information", timeout: float | None = None,
                markup: bool = True) -> None:
         """Show a notification, unless the same one is still on screen: a held key (``n`` while
-        running repeats a dozen times a second) says its warning once."""
+        running repeats a dozen times a second) says its warning once. The toasts are then fitted
+        above the prompt bar (:meth:`_fit_toasts`)."""
         now = time.monotonic()
         key = (message, title, severity)
         if self._on_screen.get(key, 0.0) > now:
@@ -265,6 +291,8 @@ class NanoVLLMApp(App):
         self._on_screen = {k: until for k, until in self._on_screen.items() if until > now}
         self._on_screen[key] = now + timeout
         super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
+        if self._mounted:  # the rack mounts the toast a refresh or two later
+            self.set_timer(0.1, self._fit_toasts)
 
     def _narrator_failed(self, event: ev.Event, error: Exception) -> None:
         if not self._narrator_error_shown:
@@ -425,7 +453,9 @@ class NanoVLLMApp(App):
             self._show(tab)
 
     def action_focus_prompt(self) -> None:
-        self.query_one(PromptBar).focus_prompt()
+        if not self.query_one(PromptBar).focus_prompt():
+            self.notify("A replay plays a recording and takes no prompts: start without --replay to type one.",
+                        severity="warning", markup=False)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """A replay runs no prompts, so it offers no chat toggle (nor shows ctrl+t in the footer)."""
@@ -497,6 +527,10 @@ class NanoVLLMApp(App):
     # ------------------------------------------------------------------ prompts
 
     def _submit(self, prompt: str, settings: PromptSettings) -> str | None:
+        if not self.live:  # the prompt bar is disabled in a replay; nothing reaches the (recorded) state
+            self.notify("A replay plays a recording and takes no prompts: start without --replay to type one.",
+                        severity="warning", markup=False)
+            return None
         try:
             params = dataclasses.replace(self.sampling, max_tokens=settings.max_tokens,
                                          temperature=settings.temperature)

@@ -30,8 +30,9 @@ from nanovllm_core.sampling_params import PRIORITY_MAX
 # The prompt field's hint, longest first: the longest that fits is shown (never a cut one).
 PLACEHOLDERS = ("Type a prompt, Enter sends it  (Esc: engine keys · / comes back)", "Type a prompt, Enter sends it",
                 "Prompt, Enter sends", "Prompt")
-REPLAY_PLACEHOLDERS = ("A replay plays a recording and runs no new prompts (start without --replay to type one)",
-                       "A replay runs no new prompts", "Replay")
+# What a replay shows instead of the prompt bar's fields, longest first (the longest that fits).
+REPLAY_NOTES = ("A replay plays a recording and takes no prompts: start without --replay to type one",
+                "A replay takes no prompts: start without --replay", "A replay takes no prompts")
 PRIORITY_LIMIT = PRIORITY_MAX  # the engine's bound, shared by every entry point: -1000 to 1000
 
 
@@ -104,6 +105,8 @@ class PromptBar(Vertical):
         settings: the fields' starting values.
         send: ``send(prompt, settings)`` sends a prompt and returns its request id, or None if it
             was not sent (the app has said why); called while Enter is handled.
+        resized: called after the bar's size changed (the terminal's size, or the red line under
+            it came or went), so the app can keep toasts clear of it.
 
     An empty prompt, or a setting that is wrong (it is marked, and the reason shown under the
     bar), sends nothing and keeps what was typed.
@@ -115,8 +118,10 @@ class PromptBar(Vertical):
     FIELDS = ("priority", "max-tokens", "temperature")
 
     def __init__(self, settings: PromptSettings | None = None,
-                 send: Callable[[str, PromptSettings], str | None] | None = None, **kwargs) -> None:
+                 send: Callable[[str, PromptSettings], str | None] | None = None,
+                 resized: Callable[[], None] | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
+        self.resized = resized or (lambda: None)
         self.defaults = settings or PromptSettings()
         self.chat_chosen = False  # the person toggled chat: the model's default no longer applies
         self.send = send or (lambda prompt, settings: None)
@@ -138,23 +143,40 @@ class PromptBar(Vertical):
                 yield Label(label, classes="setting-label")
                 yield Field(str(value), id=name, classes="setting", validators=[self.rules[name]])
         yield Label(id="prompt-error")
+        yield Label(id="prompt-replay")
 
     def on_mount(self) -> None:
         self._show_errors()
 
     def on_resize(self) -> None:
+        self.resized()
+        if self.has_class("-replay"):
+            width = self.content_region.width - 2  # the label's padding
+            self.query_one("#prompt-replay", Label).update(next((n for n in REPLAY_NOTES if len(n) <= width),
+                                                                REPLAY_NOTES[-1]))
+            return
         field = self.query_one("#prompt", Input)
         width = field.content_region.width
-        hints = REPLAY_PLACEHOLDERS if self.has_class("-replay") else PLACEHOLDERS
-        field.placeholder = next((p for p in hints if len(p) < width), hints[-1])
+        field.placeholder = next((p for p in PLACEHOLDERS if len(p) < width), PLACEHOLDERS[-1])
+
+    @property
+    def replay(self) -> bool:
+        """True once :meth:`for_replay` has turned the bar into its one line."""
+        return self.has_class("-replay")
 
     def for_replay(self) -> None:
-        """A replay runs no new prompts: the hint says so, and there is no chat to choose."""
+        """A replay takes no prompts: the fields are disabled and hidden (nothing can be typed or
+        sent), and one line says why in their place."""
         self.add_class("-replay")
+        self.query_one("#prompt-fields").disabled = True
         self.on_resize()
 
-    def focus_prompt(self) -> None:
+    def focus_prompt(self) -> bool:
+        """Move the focus to the prompt field; False (focus unchanged) in a replay, which has none."""
+        if self.replay:
+            return False
         self.screen.set_focus(self.query_one("#prompt", Input))
+        return True
 
     @property
     def chat(self) -> bool:
@@ -215,6 +237,8 @@ class PromptBar(Vertical):
 
     def submit(self, field: Input) -> None:
         """Enter in ``field``: send the prompt with the settings, or say why not and keep it."""
+        if self.replay:  # the fields are disabled; a key that still got here sends nothing
+            return
         prompt_field = self.query_one("#prompt", Input)
         prompt = prompt_field.value
         if not prompt.strip():
