@@ -20,7 +20,6 @@ nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.common, when run as a script
-from benchmarks.common import HostCheck  # noqa: E402
+from benchmarks.common import HostCheck, write_json  # noqa: E402
 from nanovllm_core.config import EngineConfig  # noqa: E402
 from nanovllm_core.engine.llm_engine import LLMEngine  # noqa: E402
 from nanovllm_core.llm import LLM  # noqa: E402
@@ -128,9 +127,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         print(f"  measured {proposer} k={k}", file=sys.stderr, flush=True)
     print_table(rows)
     host.report()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=1)
+    write_json(args.json, [asdict(r) for r in rows])
     return rows
 
 

@@ -23,7 +23,6 @@ for ``2 * layers + 1`` all-reduces. Not a test: nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -34,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.commo
 
 import torch  # noqa: E402
 
-from benchmarks.common import HostCheck, cpu_name, fmt, percentile, table  # noqa: E402
+from benchmarks.common import HostCheck, cpu_name, fmt, percentile, table, write_json  # noqa: E402
 
 PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "Explain what a KV cache is.",
            "List three prime numbers:"]
@@ -158,9 +157,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         print(f"  measured N={n}", file=sys.stderr, flush=True)
     print_table(rows)
     host.report()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=1)
+    write_json(args.json, [asdict(r) for r in rows])
     return rows
 
 

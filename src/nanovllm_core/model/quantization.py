@@ -182,6 +182,20 @@ def calibration_ids(tokenizer, vocab_size: int) -> list[int]:
     return ids or [(17 * i + 5) % vocab_size for i in range(80)]
 
 
+def _gguf_reader(gguf_file):
+    """``gguf.GGUFReader`` over ``gguf_file`` (it maps the file; nothing is copied).
+
+    Raises:
+        ValueError: the file cannot be read, in one line naming it and why.
+    """
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(gguf_file))
+    except Exception as e:
+        raise ValueError(f"{gguf_file} could not be read ({type(e).__name__}: {e})") from None
+
+
 def gguf_block_tensors(gguf_file, cfg) -> dict[str, tuple[str, torch.Tensor | None]]:
     """The weights of a GGUF file under their Hugging Face names: ``{name: (ggml type name, blocks or None)}``.
 
@@ -192,14 +206,9 @@ def gguf_block_tensors(gguf_file, cfg) -> dict[str, tuple[str, torch.Tensor | No
     Raises:
         ValueError: the file cannot be read.
     """
-    import gguf
-
     from nanovllm_core.model.gguf_names import gguf_to_hf_name, unpermute_rotary_rows
 
-    try:
-        reader = gguf.GGUFReader(str(gguf_file))
-    except Exception as e:
-        raise ValueError(f"{gguf_file} could not be read ({type(e).__name__}: {e})") from None
+    reader = _gguf_reader(gguf_file)
     out: dict[str, tuple[str, torch.Tensor | None]] = {}
     for t in reader.tensors:
         name = gguf_to_hf_name(t.name)
@@ -230,14 +239,9 @@ def gguf_tensor_types(gguf_file) -> dict[str, str]:
     Raises:
         ValueError: the file cannot be read.
     """
-    import gguf
-
     from nanovllm_core.model.gguf_names import gguf_to_hf_name
 
-    try:
-        reader = gguf.GGUFReader(str(gguf_file))
-    except Exception as e:
-        raise ValueError(f"{gguf_file} could not be read ({type(e).__name__}: {e})") from None
+    reader = _gguf_reader(gguf_file)
     out = {}
     for t in reader.tensors:
         name = gguf_to_hf_name(t.name)
