@@ -897,7 +897,7 @@ def _decode_bytes(info: dict[str, Any]) -> list[str]:
 
 
 def _default_path() -> Path:
-    from nanovllm_core.model.loader import cache_root
+    from nanovllm_core.paths import cache_root  # torch-free: the Tutorial tab of a replay loads no torch
 
     return cache_root() / "tutorial_progress.json"
 

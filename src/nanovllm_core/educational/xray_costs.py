@@ -126,7 +126,7 @@ def weight_note(d: LayerDims, index: int) -> str:
     int8's scales, a block format's bytes and formula (``model/block_quant.py``; the X-Ray draws the
     block itself, ``educational/xray_blocks.py``), or nothing for float weights."""
     from nanovllm_core.educational.xray_blocks import FORMULA
-    from nanovllm_core.model.block_quant import FORMATS
+    from nanovllm_core.model.block_formats import FORMATS  # torch-free: a replay or --connect loads no torch
 
     kind = d.linear_kinds[index] if index < len(d.linear_kinds) else ""
     if kind in FORMATS:
