@@ -33,6 +33,13 @@ class SteadyFooter(Footer):
             return  # the same keys: nothing to redraw
         super().bindings_changed(screen)
 
+    async def recompose(self) -> None:
+        # Two binding changes in a row each schedule a recompose before either runs; the second
+        # finds the keys already drawn by the first and is skipped.
+        if self.drawn is not None and self.is_attached and shown_keys(self.screen) == self.drawn:
+            return
+        await super().recompose()
+
     def compose(self):
         if self._bindings_ready:
             self.drawn = shown_keys(self.screen)
