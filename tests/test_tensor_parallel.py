@@ -172,6 +172,78 @@ def test_every_shard_has_the_split_shape_and_rows(tiny_llama_dir, tiny_model, ra
     assert (model2.vocab_start, model2.vocab_end) == (v0, v1)
 
 
+def test_each_rank_reads_only_its_rows_from_the_file_biases_and_an_untied_head_included(tmp_path, monkeypatch):
+    """A tiny LLaMA with every bias and its own LM head: each rank's shard is read with safetensors'
+    get_slice (no split tensor read whole); the column-parallel biases are split like their rows, a
+    row-parallel bias is whole on rank 0 and zeros on rank 1, and the two shards rebuild the whole."""
+    import safetensors
+
+    from tests.conftest import save_tiny_llama
+
+    folder = save_tiny_llama(tmp_path / "biased", vocab_size=1000, attention_bias=True, mlp_bias=True,
+                             tie_word_embeddings=False)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(folder / "model.safetensors"))  # transformers starts biases at zero: make them tell
+    weights.update({k: torch.randn_like(v) for k, v in weights.items() if k.endswith(".bias")})
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cpu = torch.device("cpu")
+    whole, _, _ = load_model(str(folder), cpu, torch.float32, quantization="none", with_tokenizer=False)
+    whole_reads: list[str] = []
+    real_open = safetensors.safe_open
+
+    class Spy:
+        def __init__(self, *a, **k):
+            self.handle = real_open(*a, **k)
+
+        def __enter__(self):
+            self.f = self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_slice(self, key):
+            return self.f.get_slice(key)
+
+        def get_tensor(self, key):
+            whole_reads.append(key)
+            return self.f.get_tensor(key)
+
+    monkeypatch.setattr(safetensors, "safe_open", Spy)
+    shards = [load_model(str(folder), cpu, torch.float32, tensor_parallel=TensorParallel(r, 2), with_tokenizer=False)[0]
+              for r in range(2)]
+    assert whole_reads == []  # every tensor, split or not, went through get_slice
+    cfg, d = whole.config, whole.config.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    for n, w in enumerate(whole.layers):
+        a, b = (s.layers[n] for s in shards)
+        for leaf in ("weight", "bias"):
+            full = getattr(w.self_attn.qkv_proj, leaf)
+            parts = [getattr(x.self_attn.qkv_proj, leaf) for x in (a, b)]
+            # each rank's [q | k | v] rows; q, k and v of both ranks, in order, are the whole's
+            for lo, hi, (p0, p1) in ((0, q, (0, q // 2)), (q, q + kv, (q // 2, q // 2 + kv // 2)),
+                                     (q + kv, q + 2 * kv, (q // 2 + kv // 2, q // 2 + kv))):
+                assert torch.equal(torch.cat([x[p0:p1] for x in parts]), full[lo:hi])
+            full = getattr(w.mlp.gate_up_proj, leaf)
+            i = cfg.intermediate_size
+            parts = [getattr(x.mlp.gate_up_proj, leaf) for x in (a, b)]
+            assert torch.equal(torch.cat([x[:i // 2] for x in parts]), full[:i])  # gate
+            assert torch.equal(torch.cat([x[i // 2:] for x in parts]), full[i:])  # up
+        assert torch.equal(torch.cat([a.self_attn.o_proj.weight, b.self_attn.o_proj.weight], 1), w.self_attn.o_proj.weight)
+        assert torch.equal(torch.cat([a.mlp.down_proj.weight, b.mlp.down_proj.weight], 1), w.mlp.down_proj.weight)
+        for rank0, rank1, full in ((a.self_attn.o_proj.bias, b.self_attn.o_proj.bias, w.self_attn.o_proj.bias),
+                                   (a.mlp.down_proj.bias, b.mlp.down_proj.bias, w.mlp.down_proj.bias)):
+            assert torch.equal(rank0, full) and torch.equal(rank1, torch.zeros_like(full)) and full.abs().sum() > 0
+        assert torch.equal(a.input_layernorm.weight, w.input_layernorm.weight)
+    assert torch.equal(torch.cat([s.lm_head.weight for s in shards]), whole.lm_head.weight)
+    assert tuple(shards[1].lm_head.weight.shape) == (500, cfg.hidden_size)
+    assert torch.equal(torch.cat([s.embed_tokens.weight for s in shards]), whole.embed_tokens.weight)
+
+
 def test_the_ranks_spans_tile_the_model(tiny_model):
     """shard_spans of all ranks tile the heads, the intermediate rows and the vocabulary without gaps."""
     cfg = tiny_model[0].config

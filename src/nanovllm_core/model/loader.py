@@ -336,10 +336,14 @@ def load_tokenizer(path: Path) -> Any:
 
 
 def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None = None,
-                 skip: set[str] | frozenset[str] = frozenset()) -> None:
+                 skip: set[str] | frozenset[str] = frozenset(), tensor_parallel=None) -> None:
     """Copy safetensors weights from ``path`` into ``model`` (our packed LLaMA), checking names and shapes.
 
     ``skip``: Hugging Face names already filled another way (a GGUF file's blocks): not read.
+    ``tensor_parallel`` (a ``model.parallel.TensorParallel`` over N > 1 ranks, the model already
+    cut to its shard shapes by ``parallel.shard_model``): each tensor's rows or columns of this
+    rank are read from the file (``parallel.read_shard`` over safetensors' ``get_slice``), never
+    the whole tensor; the file's whole shape is still checked against the config.
 
     Raises:
         ModelLoadError: a tensor missing, of the wrong shape, or a file truncated/corrupt.
@@ -347,6 +351,9 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
     from safetensors import safe_open
 
     expected = model.expected_hf_tensors()
+    split = tensor_parallel is not None and tensor_parallel.world_size > 1
+    if split:
+        from nanovllm_core.model.parallel import read_shard
     seen: set[str] = set()
     files = safetensors_files(path)
     if progress:
@@ -369,15 +376,25 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
                     continue
                 param, rows = dest
                 try:
-                    tensor = f.get_tensor(key)
+                    if split:
+                        part = f.get_slice(key)
+                        shape = tuple(part.get_shape())
+                    else:
+                        tensor = f.get_tensor(key)
+                        shape = tuple(tensor.shape)
                 except Exception as e:
                     raise ModelLoadError(f"tensor {key} in {file.name} could not be read ({e}); the file may be truncated") from None
                 want = expected.get(key)
-                if want is not None and tuple(tensor.shape) != want:
+                if want is not None and shape != want:
                     raise ModelLoadError(
                         f"tensor {key} has shape {list(tensor.shape)} but the config implies {list(want)}; "
                         "the weights do not match config.json"
                     )
+                if split:
+                    try:
+                        tensor = read_shard(key, part, model.config, tensor_parallel)
+                    except Exception as e:
+                        raise ModelLoadError(f"tensor {key} in {file.name} could not be read ({e}); the file may be truncated") from None
                 with torch.no_grad():
                     target = param if rows is None else param[rows]
                     if tuple(target.shape) != tuple(tensor.shape):
@@ -408,9 +425,10 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     of a kept weight is ever made. The other modes are built from the checkpoint's float weights;
     float ones are packed here. ``model.quantization_requested`` keeps what was asked
     (``"auto"``, ``"none"`` or a mode).
-    ``tensor_parallel`` (a ``model.parallel.TensorParallel``): keep only that rank's shard of
-    the weights (``model.parallel.shard_model``), cut after loading and before packing; auto
-    then resolves to float weights (the block kernels are not split yet).
+    ``tensor_parallel`` (a ``model.parallel.TensorParallel``): build and read only that rank's
+    shard of the weights (``model.parallel.shard_model`` shapes the model before it is
+    materialised, ``load_weights`` reads each tensor's rows of the rank from the file), before
+    packing; auto then resolves to float weights (the block kernels are not split yet).
     ``model_config`` (a ``ModelConfig`` read before) and ``with_tokenizer=False`` (the tokenizer
     comes back None) skip importing transformers: a tensor-parallel worker starts seconds sooner.
 
@@ -470,14 +488,14 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
             raise ModelLoadError(f"{resolved.name}: {e}") from None
         if progress:
             progress("reading the GGUF file's blocks", 1, 1)
-    materialize_empty(net, device)
-    net.rotary.build_tables(device)
-    load_weights(net, resolved.path, progress, skip=kept)
-    net.eval()
-    if tensor_parallel is not None and tensor_parallel.world_size > 1:
+    if world_size > 1:  # this rank's shard shapes, still on the meta device; load_weights reads only its rows
         from nanovllm_core.model.parallel import shard_model
 
         shard_model(net, tensor_parallel)
+    materialize_empty(net, device)
+    net.rotary.build_tables(device)
+    load_weights(net, resolved.path, progress, skip=kept, tensor_parallel=tensor_parallel)
+    net.eval()
     stage = {"int8": "quantizing to int8 (calibrating)", "gguf": "keeping the GGUF file's blocks", None: "packing linear layers"
              }.get(mode, f"quantizing to {mode}")
     if progress:

@@ -167,48 +167,87 @@ def shard_spans(cfg: ModelConfig, rank: int, world_size: int, num_blocks: int | 
             "kv_pool_per_layer": (nkv, num_blocks or 0, block_size or 0, d)}
 
 
-def _keep(module: nn.Module, name: str, value: torch.Tensor | None) -> None:
-    if value is not None:
-        setattr(module, name, nn.Parameter(value.contiguous().clone(), requires_grad=False))
+def _reshape(module: nn.Module, name: str, shape: tuple[int, ...]) -> None:
+    """Replace ``module.<name>`` (if any) by an uninitialised parameter of ``shape``, same dtype and device."""
+    old = getattr(module, name, None)
+    if old is not None:
+        setattr(module, name, nn.Parameter(torch.empty(shape, dtype=old.dtype, device=old.device), requires_grad=False))
 
 
 def shard_model(model: nn.Module, tp: TensorParallel) -> None:
-    """Cut a loaded float ``LlamaForCausalLM`` down to rank ``tp.rank``'s shard, in place (see the module docstring).
+    """Give a built, not yet loaded ``LlamaForCausalLM`` rank ``tp.rank``'s shard shapes, in place (module docstring).
 
-    Run after the checkpoint is loaded and before ``quantization.prepare_linear_layers`` packs
-    the layers. Sets ``model.tp`` and each attention's and MLP's ``tp`` (their all-reduces),
-    and their local head counts and intermediate size; ``model.config`` stays the whole model's.
+    The loader calls it on the model while it is still on the ``meta`` device (no memory), before
+    materialising it; :func:`read_shard` then reads each tensor's rows of this rank straight from
+    the checkpoint, so no rank ever holds the whole model. Every sharded parameter is replaced by
+    an uninitialised one of the shard's shape (``qkv_proj [(H/N + 2K/N) * head_dim, hidden]``,
+    ``o_proj [hidden, H/N * head_dim]``, ``gate_up_proj [2I/N, hidden]``, ``down_proj
+    [hidden, I/N]``, ``embed_tokens`` and an untied ``lm_head [V/N, hidden]``; biases alike).
+    Sets ``model.tp`` and each attention's and MLP's ``tp`` (their all-reduces), their local
+    head counts and intermediate size, and ``model.vocab_start`` / ``vocab_end``;
+    ``model.config`` stays the whole model's.
     """
-    cfg, d = model.config, model.config.head_dim
-    q0, q1 = tp.span(cfg.num_attention_heads)
-    k0, k1 = tp.span(cfg.num_key_value_heads)
-    i0, i1 = tp.span(cfg.intermediate_size)
-    v0, v1 = tp.span(cfg.vocab_size)
-    q_size, kv_size, inter = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.intermediate_size
-    with torch.no_grad():
-        for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            rows = torch.cat([torch.arange(q0 * d, q1 * d), q_size + torch.arange(k0 * d, k1 * d),
-                              q_size + kv_size + torch.arange(k0 * d, k1 * d)])
-            qkv = attn.qkv_proj
-            _keep(qkv, "weight", qkv.weight.index_select(0, rows))
-            _keep(qkv, "bias", None if qkv.bias is None else qkv.bias.index_select(0, rows))
-            _keep(attn.o_proj, "weight", attn.o_proj.weight[:, q0 * d:q1 * d])
-            if attn.o_proj.bias is not None and tp.rank != 0:
-                _keep(attn.o_proj, "bias", torch.zeros_like(attn.o_proj.bias))
-            attn.num_heads, attn.num_kv_heads = q1 - q0, k1 - k0
-            attn.q_size, attn.kv_size = attn.num_heads * d, attn.num_kv_heads * d
-            gu = mlp.gate_up_proj
-            rows = torch.cat([torch.arange(i0, i1), inter + torch.arange(i0, i1)])
-            _keep(gu, "weight", gu.weight.index_select(0, rows))
-            _keep(gu, "bias", None if gu.bias is None else gu.bias.index_select(0, rows))
-            _keep(mlp.down_proj, "weight", mlp.down_proj.weight[:, i0:i1])
-            if mlp.down_proj.bias is not None and tp.rank != 0:
-                _keep(mlp.down_proj, "bias", torch.zeros_like(mlp.down_proj.bias))
-            mlp.intermediate_size = i1 - i0
-            attn.tp = mlp.tp = tp
-        _keep(model.embed_tokens, "weight", model.embed_tokens.weight[v0:v1])
-        if not cfg.tie_word_embeddings:
-            _keep(model.lm_head, "weight", model.lm_head.weight[v0:v1])
+    spans = shard_spans(model.config, tp.rank, tp.world_size)
+    (q0, q1), (k0, k1), (i0, i1), (v0, v1) = spans["q_heads"], spans["kv_heads"], spans["intermediate"], spans["vocab"]
+    d, h = model.config.head_dim, model.config.hidden_size
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.num_heads, attn.num_kv_heads = q1 - q0, k1 - k0
+        attn.q_size, attn.kv_size = attn.num_heads * d, attn.num_kv_heads * d
+        rows = attn.q_size + 2 * attn.kv_size
+        _reshape(attn.qkv_proj, "weight", (rows, h))
+        _reshape(attn.qkv_proj, "bias", (rows,))
+        _reshape(attn.o_proj, "weight", (h, attn.q_size))  # its bias stays [hidden] (whole on rank 0, zeros elsewhere)
+        attn.qkv_proj.out_features, attn.o_proj.in_features = rows, attn.q_size
+        mlp.intermediate_size = i1 - i0
+        _reshape(mlp.gate_up_proj, "weight", (2 * (i1 - i0), h))
+        _reshape(mlp.gate_up_proj, "bias", (2 * (i1 - i0),))
+        _reshape(mlp.down_proj, "weight", (h, i1 - i0))
+        mlp.gate_up_proj.out_features, mlp.down_proj.in_features = 2 * (i1 - i0), i1 - i0
+        attn.tp = mlp.tp = tp
+    _reshape(model.embed_tokens, "weight", (v1 - v0, h))
+    model.embed_tokens.num_embeddings = v1 - v0
+    if not model.config.tie_word_embeddings:
+        _reshape(model.lm_head, "weight", (v1 - v0, h))
+        model.lm_head.out_features = v1 - v0
     model.tp = tp
     model.vocab_start, model.vocab_end = v0, v1
+
+
+# Which dimension of each Hugging Face tensor is split, and over which span (shard_spans' key, scaled by head_dim?).
+_SPLIT = {
+    "self_attn.q_proj.weight": (0, "q_heads", True), "self_attn.q_proj.bias": (0, "q_heads", True),
+    "self_attn.k_proj.weight": (0, "kv_heads", True), "self_attn.k_proj.bias": (0, "kv_heads", True),
+    "self_attn.v_proj.weight": (0, "kv_heads", True), "self_attn.v_proj.bias": (0, "kv_heads", True),
+    "self_attn.o_proj.weight": (1, "q_heads", True),
+    "mlp.gate_proj.weight": (0, "intermediate", False), "mlp.gate_proj.bias": (0, "intermediate", False),
+    "mlp.up_proj.weight": (0, "intermediate", False), "mlp.up_proj.bias": (0, "intermediate", False),
+    "mlp.down_proj.weight": (1, "intermediate", False),
+    "embed_tokens.weight": (0, "vocab", False), "lm_head.weight": (0, "vocab", False),
+}
+_ROW_PARALLEL_BIASES = ("self_attn.o_proj.bias", "mlp.down_proj.bias")
+
+
+def read_shard(hf_name: str, tensor: Any, cfg: ModelConfig, tp: TensorParallel) -> torch.Tensor:
+    """Rank ``tp.rank``'s part of checkpoint tensor ``hf_name``, reading only those rows or columns.
+
+    ``tensor``: a safetensors slice (``safe_open(...).get_slice(name)``: indexing it reads just
+    the indexed part from the file) or a whole ``torch.Tensor``. Column-parallel weights and
+    biases (q/k/v, gate/up) keep rows, row-parallel weights (o, down) keep columns, the
+    embedding and LM head keep vocabulary rows (spans of :func:`shard_spans`); a row-parallel
+    bias is whole on rank 0 and zeros elsewhere (the all-reduce adds it once); anything else
+    (the norms) is read whole.
+    """
+    name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+    leaf = name.split(".", 2)[2] if name.startswith("layers.") else name
+    if leaf in _ROW_PARALLEL_BIASES and tp.rank != 0:
+        whole = tensor[:]
+        return torch.zeros_like(whole)
+    split = _SPLIT.get(leaf)
+    if split is None:
+        return tensor[:]
+    dim, key, per_head = split
+    a, b = shard_spans(cfg, tp.rank, tp.world_size)[key]
+    if per_head:
+        a, b = a * cfg.head_dim, b * cfg.head_dim
+    return tensor[a:b] if dim == 0 else tensor[:, a:b]
