@@ -158,24 +158,24 @@ def _recv(conn, parent_pid: int):
 def _worker_main(rank: int, world_size: int, port: int, backend: str, device: str, model_path: str, model_config,
                  dtype: str,
                  max_model_len: int | None, threads: int, timeout_s: float, conn, parent_pid: int) -> None:
-    """A worker rank's life: join the group, load its shard, then run each step rank 0 sends until told to stop."""
+    """A worker rank's life: load its shard (while rank 0 loads its own), join the group, then run each step
+    rank 0 sends until told to stop."""
     code = 0
     try:
         torch.set_num_threads(threads)
-        conn.send(("hello", os.getpid()))
         dev = torch.device(device)
         if dev.type == "cuda":
             dev = torch.device("cuda", rank)
             torch.cuda.set_device(dev)
-        group = _init_group(backend, port, rank, world_size, timeout_s)
         from nanovllm_core.config import DTYPES
         from nanovllm_core.engine.model_runner import ModelRunner
         from nanovllm_core.model.loader import load_model, warm_up
 
-        tp = TensorParallel(rank, world_size, group)
+        tp = TensorParallel(rank, world_size)  # its group once loaded: cutting and reading need none
         model, _tokenizer, _resolved = load_model(model_path, dev, DTYPES[dtype], max_model_len=max_model_len,
                                                   tensor_parallel=tp, model_config=model_config, with_tokenizer=False)
         conn.send(("loaded", None))
+        tp.group = _init_group(backend, port, rank, world_size, timeout_s)
         runner = None
         while True:
             msg = _recv(conn, parent_pid)
@@ -255,6 +255,10 @@ def _shutdown_all() -> None:
 class WorkerGroup:
     """Rank 0's handle on ranks 1..N-1: start them, join the process group, drive their steps, stop them.
 
+    Start-up overlaps: the constructor starts the workers and returns; while they import torch
+    and read their shards, rank 0 reads its own (through :attr:`tp`, whose group is not set
+    yet); :meth:`wait_loaded` then waits for every worker's shard and joins the group.
+
     Args:
         world_size: N (>= 2).
         device: the engine's device (rank 0 runs on it; on CUDA worker r runs on GPU r).
@@ -265,7 +269,7 @@ class WorkerGroup:
 
     Raises:
         ValueError: another tensor-parallel engine (or any ``torch.distributed`` group) is live in this process.
-        TensorParallelError: a worker failed to start or join in time.
+        TensorParallelError: a worker could not be started.
     """
 
     def __init__(self, world_size: int, device: torch.device, model_path: str, model_config, dtype: str,
@@ -282,7 +286,7 @@ class WorkerGroup:
         self._old_threads = torch.get_num_threads()
         self._closed = False
         self.timeout_s = collective_timeout_s()
-        self.tp: TensorParallel | None = None
+        self.tp = TensorParallel(0, world_size)  # rank 0's; its group is joined in wait_loaded
         ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
         self.conns: list[Any] = []
@@ -300,11 +304,8 @@ class WorkerGroup:
                 self.conns.append(parent)
             _LIVE.add(self)
             self.pids = [os.getpid()] + [p.pid for p in self.procs]
-            self.wait_all("hello", START_TIMEOUT_S)  # every worker imported torch and is about to join
             if torch.get_num_threads() > self.threads:
                 torch.set_num_threads(self.threads)
-            group = _init_group(self.backend, self.port, 0, world_size, self.timeout_s)
-            self.tp = TensorParallel(0, world_size, group)
         except BaseException:
             self.shutdown()
             raise
@@ -379,8 +380,13 @@ class WorkerGroup:
     # ------------------------------------------------------------------ the engine's calls
 
     def wait_loaded(self) -> None:
-        """Wait until every worker holds its shard (after rank 0 loaded its own)."""
+        """Wait until every worker holds its shard (after rank 0 loaded its own), then join the process group.
+
+        Raises:
+            TensorParallelError: a worker failed, exited or did not load within ``START_TIMEOUT_S``.
+        """
         self.wait_all("loaded", START_TIMEOUT_S)
+        self.tp.group = _init_group(self.backend, self.port, 0, self.world_size, self.timeout_s)
 
     def build_runners(self, block_size: int, num_blocks: int, attention_backend: str, max_model_len: int) -> None:
         """Each worker builds its ``ModelRunner`` and its slice of the KV pool (the same block ids as rank 0's)."""

@@ -118,8 +118,11 @@ class RotaryEmbedding(nn.Module):
     def build_tables(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the float32 cos/sin tables ``[max_position, head_dim // 2]`` on ``device``."""
         device = device or self.cos_cache.device
-        if torch.device(device).type == "meta":
-            device = "meta"
+        if torch.device(device).type == "meta":  # shapes only: computing on meta would import torch._dynamo (~2 s)
+            shape = (self.max_position, self.head_dim // 2)
+            self.cos_cache = torch.empty(shape, dtype=torch.float32, device="meta")
+            self.sin_cache = torch.empty(shape, dtype=torch.float32, device="meta")
+            return
         inv_freq = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling)
         t = torch.arange(self.max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
@@ -265,7 +268,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Uninitialised (the loader fills every weight): Embedding's own normal_ init, run on the meta device,
+        # imports torch._dynamo (about 2 s of a tensor-parallel worker's start-up on a busy 2-core EPYC).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(
