@@ -13,7 +13,8 @@ What is claimed (``model/parallel.py``) and tested here:
 - idle longer than the collective timeout is fine (workers wait on their pipe);
 - a killed worker ends the engine with a one-line error within seconds, every block freed,
   every process joined, the process group destroyed;
-- SmolLM2 at N = 3 through ``LLM`` and the ``nanovllm`` command gives the N = 1 greedy text.
+- SmolLM2 at N = 3 through the ``nanovllm`` command and ``LLM`` gives the N = 1 greedy text, and the
+  app runs a prompt on it and shows each rank's time (one N = 3 engine shared by the LLM and app checks).
 
 One tensor-parallel engine per process at a time (one ``torch.distributed`` group), so the
 engines here are built and closed one after another.
@@ -26,7 +27,6 @@ import multiprocessing
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -364,20 +364,17 @@ def test_n2_greedy_matches_n1_repeats_ignores_batching_times_truly_then_a_killed
     kill_worker_and_check_the_engine_ends(llm, "inside a step")
 
 
-def test_n2_chunked_idle_paused_single_step_abort_then_a_killed_worker(tiny_llama_dir, reference):
+def test_n2_chunked_paused_single_step_abort_then_a_killed_worker(tiny_llama_dir, reference):
     """One N = 2 engine with a budget of 5 tokens a step (every prompt prefilled in chunks): the N = 1
-    tokens; an idle and a pause longer than the collective timeout (3 s here) harm nothing, since
-    workers wait on their pipe, not in a collective; single step and abort through the controller;
-    then a worker killed between steps ends it."""
+    tokens; a pause longer than the collective timeout (3 s here) with requests waiting harms nothing
+    (an idle engine is the same case for the workers: they wait on their pipe, not in a collective);
+    single step and abort through the controller; then a worker killed between steps ends it."""
     from nanovllm_core.engine.controller import EngineController
     from tests.conftest import poll_until
 
     llm = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, tensor_parallel_size=2,
               max_num_batched_tokens=5, **QUIET)
-    first = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
-    time.sleep(4.0)
-    rest = llm.generate(PROMPTS[1:], GREEDY, use_tqdm=False)
-    assert tokens(first + rest) == tokens(reference)
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == tokens(reference)
     ctl = EngineController.from_llm(llm, start_paused=True)
     try:
         steps = llm.engine.scheduler.step_index
@@ -400,36 +397,107 @@ def test_n2_chunked_idle_paused_single_step_abort_then_a_killed_worker(tiny_llam
 # ----------------------------------------------------------------------------- SmolLM2 at N = 3
 
 
+SMOL_PROMPT = "The capital of France is"
+SMOL_GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3)
+START_BOUND_S = 120  # an N = 3 engine starts in about 20 s on a busy 2-core EPYC (3 processes importing torch)
+
+
+@pytest.fixture(scope="module")
+def smol_n1(make_engine):
+    """SmolLM2's greedy completion of SMOL_PROMPT at N = 1 (the shared float32 model)."""
+    return LLM.from_engine(make_engine(num_kv_blocks=32)).generate([SMOL_PROMPT], SMOL_GREEDY, use_tqdm=False)[0]
+
+
 @pytest.mark.real_model
-def test_smollm2_at_n3_from_llm_and_the_cli_gives_the_n1_text(make_engine, default_model_dir):
-    prompt = "The capital of France is"
-    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3)
-    want = LLM.from_engine(make_engine(num_kv_blocks=32)).generate([prompt], params, use_tqdm=False)[0].outputs[0]
+def test_smollm2_at_n3_from_the_cli_gives_the_n1_text(smol_n1, capsys):
+    """The ``nanovllm`` command's own main, at N = 3 (run before the module's shared N = 3 engine starts: one
+    ``torch.distributed`` group per process), with --xray: the split engine's prefill and first decode drawn."""
+    from nanovllm_core import cli
+    from tests.conftest import run_main
+
+    assert not dist.is_initialized(), "the shared N = 3 engine (smol_n3) is live: this test must run before it"
     t0 = time.monotonic()
-    with LLM(num_kv_blocks=32, tensor_parallel_size=3, device="cpu", **QUIET) as llm:
-        assert [s["kv_heads"] for s in llm.engine.model_info()["tensor_parallel_shards"]] == [(0, 1), (1, 2), (2, 3)]
-        got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    code, out, err = run_main(cli.main, capsys, "--tensor-parallel-size", "3", "--device", "cpu", "--prompt",
+                              SMOL_PROMPT, "--max-tokens", "5", "--temperature", "0", "--ignore-eos",
+                              "--num-kv-blocks", "32", "--xray")
+    assert time.monotonic() - t0 < START_BOUND_S
+    assert code == 0, err[-2000:]
     assert_no_group_left()
+    assert f"Completion: {smol_n1.outputs[0].text!r}" in out
+    assert "tensor parallel over 3 ranks (gloo)" in out
+    # --xray of the split engine: no capture, said in one line; its prefill and first decode drawn from the sizes
+    shown = " ".join(out.split())
+    assert shown.count("No captured values at tensor_parallel_size 3:") == 2
+    assert "rank 2: q [576, 192] (query heads 6-8), k and v [576, 64] each (KV head 2)" in shown
+    assert "T = 1: each all-reduce takes 1 x 576 x 4 bytes = 2,304 bytes" in shown  # the decode step: 1 token
+
+
+@pytest.fixture(scope="module")
+def smol_n3():
+    """One SmolLM2 engine at N = 3 for the module's LLM and app checks (started once: ~20 s); closed after them."""
+    t0 = time.monotonic()
+    llm = LLM(num_kv_blocks=32, tensor_parallel_size=3, device="cpu", **QUIET)
+    llm.start_s = time.monotonic() - t0
+    yield llm
+    llm.close()
+    assert_no_group_left()
+
+
+@pytest.mark.real_model
+def test_smollm2_at_n3_from_llm_gives_the_n1_text(smol_n3, smol_n1):
+    assert smol_n3.start_s < START_BOUND_S
+    assert [s["kv_heads"] for s in smol_n3.engine.model_info()["tensor_parallel_shards"]] == [(0, 1), (1, 2), (2, 3)]
+    got, want = smol_n3.generate([SMOL_PROMPT], SMOL_GREEDY, use_tqdm=False)[0].outputs[0], smol_n1.outputs[0]
     assert got.token_ids == want.token_ids
     worst = max(abs(a[t].logprob - b[t].logprob) for a, b in zip(got.logprobs, want.logprobs) for t in a)
     assert worst <= LOGPROB_TOLERANCE, worst
     print(f"SmolLM2 N=3 vs N=1: worst |log p difference| over the top-3 of 5 tokens {worst:.2e}")
-    assert time.monotonic() - t0 < 120
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run([sys.executable, "-m", "nanovllm_core.cli", "--tensor-parallel-size", "3", "--device", "cpu",
-                           "--prompt", prompt, "--max-tokens", "5", "--temperature", "0", "--ignore-eos",
-                           "--num-kv-blocks", "32", "--xray"], capture_output=True, text=True, timeout=180, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert f"Completion: {want.text!r}" in proc.stdout
-    assert "tensor parallel over 3 ranks (gloo)" in proc.stdout
-    # --xray of the split engine: no capture, said in one line; its prefill and first decode drawn from the sizes
-    shown = " ".join(proc.stdout.split())
-    assert shown.count("No captured values at tensor_parallel_size 3:") == 2
-    assert "rank 2: q [576, 192] (query heads 6-8), k and v [576, 64] each (KV head 2)" in shown
-    assert "T = 1: each all-reduce takes 1 x 576 x 4 bytes = 2,304 bytes" in shown  # the decode step: 1 token
+    assert smol_n3.engine.block_manager.num_used_blocks == 0
     with pytest.raises(ValueError, match=r"sizes that work: 1, 3$"):  # the CLI prints this as its one-line error
         LLM(num_kv_blocks=32, tensor_parallel_size=2, device="cpu", **QUIET)
-    assert_no_group_left()
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.mark.real_model
+@pytest.mark.anyio
+async def test_the_app_at_n3_runs_a_prompt_and_shows_where_each_ranks_time_went(smol_n3, tmp_path, monkeypatch):
+    """``nanovllm-tui --tensor-parallel-size 3``: the option reaches the engine the app starts (here the module's
+    N = 3 engine stands in for a second start of three processes), a prompt runs to its 5 tokens, and the
+    dashboard shows each rank's compute and communication of the newest step, as its StepTimed says."""
+    from nanovllm_core.engine import controller
+    from nanovllm_tui.options import build_app
+    from tests.tui_helpers import wait_until
+
+    real, asked = controller.EngineController, []
+
+    def start(start_paused=False, **kwargs):
+        asked.append(kwargs)
+        return real.from_llm(smol_n3, start_paused=start_paused)
+
+    monkeypatch.setattr(controller, "EngineController", start)
+    app = build_app(["--tensor-parallel-size", "3", "--device", "cpu", "--prompt", SMOL_PROMPT, "--max-tokens", "5",
+                     "--temperature", "0", "--ignore-eos", "--progress-file", str(tmp_path / "p.json")])
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: any(r.state == "finished" for r in app.state.requests.values()),
+                         what="the prompt to finish")
+        await pilot.pause(0.2)
+        assert [a["tensor_parallel_size"] for a in asked] == [3]
+        (req,) = app.state.requests.values()
+        assert req.num_output == 5 and req.text
+        assert app.state.model_info["tensor_parallel_size"] == 3
+        panel = app.query_one("#dash-tp")
+        assert panel.display and panel.border_title == "Where the last step's time went (3 ranks)"
+        t = app.state.timings[-1]
+        text = str(panel.render())
+        for r in range(3):
+            assert f"rank {r}: compute {t.tp_compute_s[r] * 1000:.2f} ms" in text
+        assert f"{t.tp_all_reduces} all-reduces a rank, {t.tp_all_reduce_bytes:,} bytes from each" in text
+        await pilot.press("escape", "q")
+    assert smol_n3.engine.block_manager.num_used_blocks == 0
 
 
 def test_workers_start_inside_an_app_whose_stderr_has_no_file_descriptor(monkeypatch):
