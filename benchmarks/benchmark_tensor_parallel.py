@@ -49,6 +49,7 @@ class Row:
     wall_s: float
     tokens_per_s: float
     steps: int
+    batch_tokens: int  # tokens through the model over the steps (prompt and decode), as StepTimed counts them
     forward_s_rank0: float
     comm_s_rank0: float
     comm_s_max_rank: float
@@ -95,6 +96,7 @@ def measure(model: str | None, n: int, prompts: list[str], max_tokens: int) -> R
         len(timed) == len(timings) and all(e.tp_comm_s == t.comm_s and e.tp_forward_s == t.wall_s
                                            for e, t in zip(timed, timings)))
     return Row(tp_size=n, threads_per_rank=threads, output_tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall, steps=len(timed),
+               batch_tokens=sum(e.num_tokens for e in timed),
                forward_s_rank0=forward0, comm_s_rank0=comm0, comm_s_max_rank=comm_max,
                comm_per_token_s=comm0 / max(tokens, 1), comm_share=comm0 / forward0 if forward0 else 0.0,
                all_reduces=sum(t.all_reduces for t in timings), all_reduce_bytes=sum(t.all_reduce_bytes for t in timings),

@@ -20,6 +20,7 @@ from benchmarks import (
     benchmark_quantization,
     benchmark_scheduler_unit,
     benchmark_serving,
+    benchmark_tensor_parallel,
 )
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
@@ -217,3 +218,38 @@ def test_serving_rejects_a_bad_rate(rate, capsys):
     with pytest.raises(SystemExit) as e:
         benchmark_serving.main(["--quick", "--request-rate", rate])
     assert e.value.code == 2 and "--request-rate" in capsys.readouterr().err
+
+
+def test_tensor_parallel_quick_figures_agree_with_each_other_and_with_the_split(tmp_path, tiny_llama_dir, capsys):
+    """N = 1 and 2 on the tiny LLaMA (4 query / 2 KV heads, 2 layers): every figure derives from the ones it
+    says it does (share = comm / forward, comm per token, tokens/s), the counts are the split's (2 x layers + 1
+    all-reduces of [tokens, hidden] float32 a step), p50 <= p99, and StepTimed carried the measured numbers."""
+    from nanovllm_core.config import ModelConfig
+    from nanovllm_core.model.loader import load_hf_config
+
+    path = tmp_path / "tp.json"
+    rows = benchmark_tensor_parallel.main(["--quick", "--model", str(tiny_llama_dir), "--sizes", "1,2",
+                                           "--max-tokens", "3", "--json", str(path)])
+    out = capsys.readouterr().out
+    data = json.loads(path.read_text())
+    assert data == [dict(vars(r)) for r in rows]  # the JSON holds the rows the table shows
+    cfg = ModelConfig.from_hf(load_hf_config(tiny_llama_dir))
+    per_step = 2 * cfg.num_hidden_layers + 1
+    one, two = data
+    assert [one["tp_size"], two["tp_size"]] == [1, 2]
+    for r in data:
+        assert r["output_tokens"] == 2 * 3  # --quick: 2 prompts, 3 tokens each (ignore_eos)
+        assert r["tokens_per_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
+        assert r["steps"] >= 3 and r["batch_tokens"] >= r["output_tokens"] and r["events_agree"] is True
+    # one process: no collectives, nothing to share
+    assert one["comm_s_rank0"] == one["all_reduces"] == one["all_reduce_bytes"] == 0
+    assert one["p50_all_reduce_s"] is None and one["p99_all_reduce_s"] is None
+    # two ranks: the split's counts, and each derived figure from the figures it derives from
+    assert two["all_reduces"] == per_step * two["steps"]
+    assert two["all_reduce_bytes"] == per_step * two["batch_tokens"] * cfg.hidden_size * 4
+    assert 0 < two["comm_s_rank0"] <= two["forward_s_rank0"] and two["comm_s_rank0"] <= two["comm_s_max_rank"]
+    assert two["comm_share"] == pytest.approx(two["comm_s_rank0"] / two["forward_s_rank0"])
+    assert two["comm_per_token_s"] == pytest.approx(two["comm_s_rank0"] / two["output_tokens"])
+    assert 0 < two["p50_all_reduce_s"] <= two["p99_all_reduce_s"] <= two["comm_s_rank0"]
+    assert "StepTimed = measured" in out and " NO" not in out
+    assert f"{two['comm_share']:.0%}" in out and "vs N=1" in out
