@@ -113,6 +113,18 @@ def test_a_size_that_does_not_divide_the_heads_fails_before_any_process_starts(t
     assert_no_group_left()
 
 
+def test_a_load_that_fails_on_rank_0_stops_the_workers_it_started(tiny_llama_dir):
+    """The workers start before rank 0 reads its shard; when that read fails, they are stopped at once (they
+    may be waiting in the rendezvous, not on their pipe), and the one-line error is rank 0's."""
+    from nanovllm_core.model.loader import ModelLoadError
+
+    t0 = time.monotonic()
+    with pytest.raises(ModelLoadError, match=r"^max_model_len=100000 is longer than the model's context"):
+        LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=16, tensor_parallel_size=2, max_model_len=100000, **QUIET)
+    assert time.monotonic() - t0 < 30
+    assert_no_group_left()
+
+
 def test_no_quantization_with_tp_means_float_weights():
     from nanovllm_core.model.quantization import resolve_quantization
 

@@ -444,6 +444,8 @@ class WorkerGroup:
                 conn.send(("stop",))
             except Exception:
                 pass
+        if self.tp.group is None:  # never joined (rank 0's load failed): a worker may wait in the rendezvous, not its pipe
+            timeout = min(timeout, 0.5)
         deadline = time.monotonic() + timeout
         for p in self.procs:
             p.join(max(0.1, deadline - time.monotonic()))
