@@ -10,7 +10,7 @@ What is claimed (``model/parallel.py``) and tested here:
   (the split changes only the order of float32 partial sums);
 - the per-rank timing in ``StepTimed`` is the runner's measurement, and the counts and bytes
   are those of the split (``2 * layers + 1`` all-reduces of ``[num_tokens, hidden]``);
-- idle longer than the collective timeout is fine (workers wait on their pipe);
+- paused (or idle) longer than the collective timeout is fine (workers wait on their pipe);
 - a killed worker ends the engine with a one-line error within seconds, every block freed,
   every process joined, the process group destroyed;
 - SmolLM2 at N = 3 through the ``nanovllm`` command and ``LLM`` gives the N = 1 greedy text, and the
