@@ -156,6 +156,17 @@ class BackgroundController:
     def call(self, fn: Callable[[Any], Any]) -> None:
         self._do(lambda c: c.call(fn))
 
+    def hold_steps(self, max_s: float = 0.25) -> None:
+        """As ``EngineController.hold_steps``; before the engine exists there is no step to hold."""
+        real = self._real
+        if real is not None:
+            real.hold_steps(max_s)
+
+    def release_steps(self) -> None:
+        real = self._real
+        if real is not None:
+            real.release_steps()
+
     def shutdown(self, timeout: float = 1.0) -> bool:
         """Stop the engine thread; if it is still being built, it is stopped as soon as it is."""
         with self._lock:
