@@ -39,7 +39,9 @@ Figures:
   containers, 122/203 ms with the hold too; beside 2 burners 514/862, 363/624 and 313/567 ms.
   The hold helps little: the default model runs a step's layers in one C call that cannot stop
   midway, and a step (~100 ms alone, ~300 ms beside the burners) lasts as long as a key's frame,
-  so a key mostly waits out the step in flight. Beside 2 burners and the host's other work the
+  so a key mostly waits out the step in flight; with a key a second and no burners, its cost
+  to throughput was within this host's noise (app with keys / headless 65% -> 55% in one 4-round
+  comparison, 50% -> 54% in another; load 7-9). Beside 2 burners and the host's other work the
   UI thread ran ~20% of a key's time, so p95 < 150 ms would take ~25 ms of CPU per key, less
   than Textual's repaint of a 120x40 tab: that target is not met on such a host.
 - key-to-screen latency: from posting the key press to the first frame the compositor
