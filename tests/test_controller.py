@@ -228,3 +228,41 @@ def test_output_listener_of_a_duplicate_id_is_refused_without_touching_the_first
     c.resume()
     assert rec.wait_for(lambda: got["a"] and got["a"][-1].finished)
     assert got["a"][-1].outputs[0].finish_reason == "length"
+
+
+def test_hold_steps_holds_the_next_step_until_released_or_its_time_is_up(tiny_controller, monkeypatch):
+    """A key's hold (the app's ``_hold_engine``): the step after it waits, nothing is lost."""
+    import nanovllm_core.engine.controller as controller_module
+
+    c, rec = tiny_controller
+    stamps, held = [], threading.Event()
+
+    def listen(out):  # on the engine thread, right after each step: the hold is set before the next one
+        stamps.append(time.monotonic())
+        if len(stamps) == 1:
+            c.hold_steps(0.2)  # never released: ends by itself
+        elif len(stamps) == 3:
+            c.hold_steps(controller_module.MAX_HOLD_S)  # long (patched below): released by the test
+            held.set()
+
+    monkeypatch.setattr(controller_module, "MAX_HOLD_S", 60.0)
+    c.resume()
+    rid = c.submit("The capital of France is", GREEDY, on_output=listen)
+    assert rec.wait_for(held.is_set, timeout=10)
+    assert stamps[1] - stamps[0] >= 0.2  # the second step waited out the first hold
+    assert c.holding and len(stamps) == 3  # the fourth step waits for the release
+    c.release_steps()
+    assert not c.holding
+    assert rec.wait_for(lambda: len(stamps) == 6, timeout=10)  # well before the 60 s hold would end
+    assert stamps[3] - stamps[2] < 30
+
+
+@pytest.mark.parametrize("max_s", [0, -1, 61.0, "0.1", None])
+def test_hold_steps_refuses_a_hold_that_is_not_a_short_time(tiny_controller, monkeypatch, max_s):
+    import nanovllm_core.engine.controller as controller_module
+
+    c, _ = tiny_controller
+    monkeypatch.setattr(controller_module, "MAX_HOLD_S", 60.0)
+    with pytest.raises(ValueError, match=r"hold_steps\(max_s\) takes seconds in \(0, 60\]"):
+        c.hold_steps(max_s)
+    assert not c.holding

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 from textual import events
 from textual.app import App, ComposeResult
 from textual.geometry import Size
-from textual.widgets import Input, TabbedContent, TabPane
+from textual.widgets import ContentSwitcher, Input, TabbedContent, TabPane
 
 from nanovllm_core import events as ev
 from nanovllm_core.educational.narrator import Narrator
@@ -43,6 +43,7 @@ from nanovllm_tui.widgets.status_header import StatusHeader
 
 VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
                                       "tutorial": TutorialView, "blocks": BlockMapView}
+KEY_HOLD_S = 0.2  # the longest a key holds the engine's next step back (see NanoVLLMApp._hold_engine)
 NARROW, SHORT = 100, 30  # below these sizes panels fold away (see app.tcss)
 
 
@@ -55,9 +56,27 @@ class Tabs(TabbedContent):
     ended on 3, or hopped between tabs for seconds with no key pressed).
     """
 
+    BLANK = True  # see Pane
+
     def _on_tab_pane_focused(self, event: TabPane.Focused) -> None:
         event.stop()
         event.prevent_default()  # TabbedContent's own handler would make the focused pane active
+
+    def on_mount(self) -> None:
+        self.query_one(ContentSwitcher).BLANK = True  # made by TabbedContent; see Pane
+
+
+class Pane(TabPane):
+    """A tab's pane, drawn as blank lines of its background (Textual's ``BLANK``).
+
+    Textual paints every visible widget whole, containers under their children included, and a tab
+    switch repaints the containers around the tab: the screen, the tabbed content, its switcher and
+    the pane, ~140 lines of background at 120x40. Through the styles cache they took ~15 ms of the
+    UI thread's ~70 ms for a key (profiled on a 2-core AMD EPYC while the engine generated, issue
+    29 item 10); as ``BLANK`` widgets they cost a blank strip each. A ``BLANK`` widget draws no
+    border, padding or content of its own: these containers have none (app.tcss)."""
+
+    BLANK = True
 
 
 class NanoVLLMApp(App):
@@ -116,7 +135,7 @@ class NanoVLLMApp(App):
         yield StatusHeader(id="header")
         with Tabs(initial="dashboard", id="tabs"):
             for i, (tab, title) in enumerate(TABS, 1):
-                with TabPane(f"{i} {title}", id=tab):
+                with Pane(f"{i} {title}", id=tab):
                     yield VIEWS[tab](id=f"{tab}-view")
         yield PromptBar(self.settings, send=self._submit, resized=self._fit_toasts_after_refresh, id="prompt-bar")
         yield SteadyFooter()
@@ -144,6 +163,7 @@ class NanoVLLMApp(App):
         self.bridge.connect(self.controller, topk=5, xray=False, blocks=False)
         for recorder in self.recorders:
             self.controller.subscribe(recorder, topk=5, blocks=True, xray=self.record_xray)
+        self.screen.BLANK = True  # the main screen: its background only, as Pane says
         self.query_one("#tabs ContentTabs").can_focus = False  # 1-5 switch tabs; Tab moves between views and prompt
         self._adapt_to_size()
         if not self.live:
@@ -364,9 +384,25 @@ class NanoVLLMApp(App):
     # ------------------------------------------------------------------ keys
 
     async def on_event(self, event: events.Event) -> None:
-        if isinstance(event, (events.Key, events.Paste)) and not event.is_forwarded and await self._handle_now(event):
-            return
+        if isinstance(event, (events.Key, events.Paste)) and not event.is_forwarded:
+            self._hold_engine()
+            if await self._handle_now(event):
+                return
         await super().on_event(event)
+
+    def _hold_engine(self) -> None:
+        """Hold the engine's next step until the screen shows what a key did (at most ``KEY_HOLD_S``).
+
+        The UI thread shares the process, Python's lock and (on a small host) the cores with the
+        engine's compute threads; a person waits for a key's frame, nobody waits for one more token
+        in that fraction of a second. The step in progress finishes, nothing is lost, and the engine
+        runs a step between two holds (``EngineController.hold_steps``). Measured in
+        ``benchmarks/benchmark_tui.py``."""
+        hold = getattr(self.controller, "hold_steps", None)  # a replay or a remote server has none
+        if hold is None or not self._mounted:
+            return
+        hold(KEY_HOLD_S)
+        self.call_after_refresh(self.controller.release_steps)
 
     async def _handle_now(self, event: events.Key | events.Paste) -> bool:
         """Act on a key (or a paste) at once, in the order they arrive; False: leave it to Textual.

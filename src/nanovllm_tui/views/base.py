@@ -11,7 +11,12 @@ from nanovllm_tui.state import EngineState
 class EngineView(Container):
     """A tab's content. The app calls :meth:`update_view` once a frame for the visible tab only,
     and once more when a tab becomes visible, so hidden tabs cost nothing to keep.
+
+    A view draws nothing of its own under its widgets (``BLANK``, see ``nanovllm_tui.app.Pane``):
+    give it no border or padding.
     """
+
+    BLANK = True
 
     def update_view(self, state: EngineState, selected: str | None) -> None:
         raise NotImplementedError
