@@ -29,19 +29,20 @@ Figures:
   steps beside CPU burners of normal priority without shortening a key, so the app leaves
   priorities alone and keeps its own work per key small. Issue 29 item 10 then cut that work:
   the containers around a tab (screen, tabbed content, switcher, panes, views) draw as Textual
-  ``BLANK`` widgets instead of ~140 lines of background through the styles cache, and a key
-  holds the engine's next step until its frame is drawn (at most 0.2 s,
-  ``EngineController.hold_steps``). Measured in one process with each switched off by patching
+  ``BLANK`` widgets instead of ~140 lines of background through the styles cache; a second
+  change was tried and left out: a key holding the engine's next step until its frame is drawn
+  (at most 0.2 s). Measured in one process with each switched off by patching
   and the runs interleaved (8 x 32 tokens, a key every 0.5 s, 2-core AMD EPYC, host load 5-7,
   3-4 rounds):
   the UI thread's CPU per key went from 68 to 50 ms without burners and from 80 to 60 ms beside
   2 burners; key -> screen p50/p95 without burners 146/248 ms before, 120/176 ms with the blank
   containers, 122/203 ms with the hold too; beside 2 burners 514/862, 363/624 and 313/567 ms.
-  The hold helps little: the default model runs a step's layers in one C call that cannot stop
-  midway, and a step (~100 ms alone, ~300 ms beside the burners) lasts as long as a key's frame,
-  so a key mostly waits out the step in flight; with a key a second and no burners, its cost
-  to throughput was within this host's noise (app with keys / headless 65% -> 55% in one 4-round
-  comparison, 50% -> 54% in another; load 7-9). Beside 2 burners and the host's other work the
+  The hold helped little and was left out: the default model runs a step's layers in one C call
+  that cannot stop midway, and a step (~100 ms alone, ~300 ms beside the burners) lasts as long
+  as a key's frame, so a key mostly waits out the step in flight; without burners it made p95
+  worse (176 -> 203 ms), it may have cost throughput (app with keys / headless 65% -> 55% in one
+  4-round comparison, 50% -> 54% in another; load 7-9), and a person's key presses would have
+  lengthened the TTFT and TPOT the app shows. Beside 2 burners and the host's other work the
   UI thread ran ~20% of a key's time, so p95 < 150 ms would take ~25 ms of CPU per key, less
   than Textual's repaint of a 120x40 tab: that target is not met on such a host.
 - key-to-screen latency: from posting the key press to the first frame the compositor

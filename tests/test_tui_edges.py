@@ -272,27 +272,3 @@ async def test_slash_in_the_prompt_bar_types_a_slash(tiny_llama_dir, tmp_path):
         await pilot.press("end", "slash")  # typed into the field (and marked wrong), focus stays there
         assert app.focused is app.query_one("#max-tokens") and app.focused.value.endswith("/")
         assert app.query_one("#max-tokens").has_class("-invalid")
-
-
-async def test_a_key_holds_the_engines_next_step_until_its_frame_is_drawn(tiny_llama_dir, tmp_path, monkeypatch):
-    """Issue 29 item 10: while a key waits for the screen, the engine starts no new step (bounded)."""
-    from nanovllm_core.engine.controller import EngineController
-    from nanovllm_tui.app import KEY_HOLD_S
-
-    calls = []
-    hold, release = EngineController.hold_steps, EngineController.release_steps
-    monkeypatch.setattr(EngineController, "hold_steps", lambda self, s: (calls.append(("hold", s)), hold(self, s)))
-    monkeypatch.setattr(EngineController, "release_steps", lambda self: (calls.append(("release",)), release(self)))
-    app = tiny_app(tiny_llama_dir, tmp_path, start_paused=True)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
-        await pilot.press("escape")
-        calls.clear()  # (Escape's own release may still come: look for one after the tab key's hold)
-
-        def released_after_hold() -> bool:
-            return ("hold", KEY_HOLD_S) in calls and ("release",) in calls[calls.index(("hold", KEY_HOLD_S)):]
-
-        keys_at_once(app, "5")
-        await wait_until(pilot, released_after_hold, timeout=10, what="the key's hold released after a frame")
-        assert visible_tab(app) == "blocks"
-        assert not app.controller.real.holding

@@ -43,7 +43,6 @@ from nanovllm_tui.widgets.status_header import StatusHeader
 
 VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
                                       "tutorial": TutorialView, "blocks": BlockMapView}
-KEY_HOLD_S = 0.2  # the longest a key holds the engine's next step back (see NanoVLLMApp._hold_engine)
 NARROW, SHORT = 100, 30  # below these sizes panels fold away (see app.tcss)
 
 
@@ -384,25 +383,9 @@ class NanoVLLMApp(App):
     # ------------------------------------------------------------------ keys
 
     async def on_event(self, event: events.Event) -> None:
-        if isinstance(event, (events.Key, events.Paste)) and not event.is_forwarded:
-            self._hold_engine()
-            if await self._handle_now(event):
-                return
-        await super().on_event(event)
-
-    def _hold_engine(self) -> None:
-        """Hold the engine's next step until the screen shows what a key did (at most ``KEY_HOLD_S``).
-
-        The UI thread shares the process, Python's lock and (on a small host) the cores with the
-        engine's compute threads; a person waits for a key's frame, nobody waits for one more token
-        in that fraction of a second. The step in progress finishes, nothing is lost, and the engine
-        runs a step between two holds (``EngineController.hold_steps``). Measured in
-        ``benchmarks/benchmark_tui.py``."""
-        hold = getattr(self.controller, "hold_steps", None)  # a replay or a remote server has none
-        if hold is None or not self._mounted:
+        if isinstance(event, (events.Key, events.Paste)) and not event.is_forwarded and await self._handle_now(event):
             return
-        hold(KEY_HOLD_S)
-        self.call_after_refresh(self.controller.release_steps)
+        await super().on_event(event)
 
     async def _handle_now(self, event: events.Key | events.Paste) -> bool:
         """Act on a key (or a paste) at once, in the order they arrive; False: leave it to Textual.

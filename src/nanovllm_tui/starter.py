@@ -156,20 +156,6 @@ class BackgroundController:
     def call(self, fn: Callable[[Any], Any]) -> None:
         self._do(lambda c: c.call(fn))
 
-    def hold_steps(self, max_s: float | None = None) -> None:
-        """As ``EngineController.hold_steps`` (None: its longest hold); before the engine exists
-        there is no step to hold, so nothing happens (and ``max_s`` is not checked)."""
-        real = self._real
-        if real is not None and max_s is None:
-            real.hold_steps()
-        elif real is not None:
-            real.hold_steps(max_s)
-
-    def release_steps(self) -> None:
-        real = self._real
-        if real is not None:
-            real.release_steps()
-
     def shutdown(self, timeout: float = 1.0) -> bool:
         """Stop the engine thread; if it is still being built, it is stopped as soon as it is."""
         with self._lock:

@@ -26,10 +26,6 @@ from nanovllm_core.engine.llm_engine import LLMEngine, Subscription
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams, check_priority
 
-# The longest a key may hold back the engine's next step (hold_steps): long enough for one frame of
-# the app on a busy 2-core host, short enough that a forgotten hold costs a fraction of a second.
-MAX_HOLD_S = 0.25
-
 STATES = ("loading", "running", "paused", "idle", "stopped", "failed")
 
 
@@ -64,8 +60,6 @@ class EngineController:
         self._paused = start_paused
         self._steps_allowed = 0
         self._stop = threading.Event()
-        self._held_until = 0.0  # monotonic seconds: no step starts before then unless released (hold_steps)
-        self._released = threading.Event()
         self._state = "loading" if _engine is None else ("paused" if start_paused else "idle")
         if _engine is not None and start_paused:
             _engine.clock.stop()
@@ -169,33 +163,6 @@ class EngineController:
         """Run ``fn(engine)`` on the engine thread between steps (for rare reads that must be consistent)."""
         self._commands.put(_Command("call", (fn,)))
 
-    def hold_steps(self, max_s: float = MAX_HOLD_S) -> None:
-        """Start no new step for up to ``max_s`` seconds, or until :meth:`release_steps` (any thread).
-
-        For an app sharing the process (and its few cores) with the engine: while a person waits
-        for a key's result on screen, the engine's compute threads stop competing with the UI
-        thread. The step in progress finishes; commands wait with the steps and are applied
-        after, so nothing is lost; a hold that is never released ends by itself after ``max_s``.
-        A later hold replaces an earlier one.
-
-        Raises:
-            ValueError: ``max_s`` is not a number of seconds in (0, ``MAX_HOLD_S``].
-        """
-        if not isinstance(max_s, (int, float)) or not 0 < max_s <= MAX_HOLD_S:
-            raise ValueError(f"hold_steps(max_s) takes seconds in (0, {MAX_HOLD_S:g}], got {max_s!r}")
-        self._released.clear()
-        self._held_until = time.monotonic() + max_s
-
-    def release_steps(self) -> None:
-        """End a :meth:`hold_steps` now (nothing happens without one)."""
-        self._held_until = 0.0
-        self._released.set()
-
-    @property
-    def holding(self) -> bool:
-        """True while a :meth:`hold_steps` keeps new steps from starting."""
-        return self._held_until > time.monotonic()
-
     def wait(self, request_id: str, timeout: float | None = None) -> RequestOutput | None:
         """Block until a request has finished (or timeout); returns its output or None."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -210,7 +177,6 @@ class EngineController:
     def shutdown(self, timeout: float = 1.0) -> bool:
         """Stop the thread (after the step in progress); True if it ended within ``timeout`` seconds."""
         self._stop.set()
-        self.release_steps()
         self._commands.put(_Command("wake"))
         self._thread.join(timeout)
         return not self._thread.is_alive()
@@ -262,7 +228,6 @@ class EngineController:
             self._serve_failed()
             return
         engine = self._engine
-        just_held = False
         while not self._stop.is_set():
             busy = engine.has_unfinished_requests() and (not self._paused or self._steps_allowed > 0)
             self._drain_commands(block=not busy)
@@ -270,10 +235,6 @@ class EngineController:
                 break
             if engine.has_unfinished_requests() and (not self._paused or self._steps_allowed > 0):
                 self._state = "running" if not self._paused else "paused"
-                if not just_held and self._wait_while_held():
-                    just_held = True
-                    continue  # commands that came meanwhile go first, as between any two steps
-                just_held = False
                 before = engine.scheduler.step_index
                 self._step(engine)
                 if self._paused and self._steps_allowed > 0 and engine.scheduler.step_index > before:
@@ -287,17 +248,6 @@ class EngineController:
         if self._owns_engine:
             engine.close()  # tensor-parallel workers stop with the thread that loaded them
         self._state = "stopped"
-
-    def _wait_while_held(self) -> bool:
-        """Wait out a :meth:`hold_steps` (until released, its time is up, or shutdown); True if it waited.
-
-        The caller runs a step before it honours the next hold, so keys pressed without pause
-        (a held key repeats) slow the engine down but never stop it."""
-        left = self._held_until - time.monotonic()
-        if left <= 0:
-            return False
-        self._released.wait(left)
-        return True
 
     def _serve_failed(self) -> None:
         """The model did not load: answer commands with errors until shutdown."""
