@@ -5,7 +5,7 @@
     python -m benchmarks.benchmark_comparison --systems ours,hf-padded --quick --json out.json
     python -m benchmarks.benchmark_comparison --quick --device cuda   # on a GPU, in its default dtype
 
-Systems (the same model, float32 on the CPU except ``ours-gguf``, ``ours-int8`` and ``llamacpp``, greedy, every request
+Systems (the same model, float32 on the CPU except ``ours-gguf`` and ``llamacpp``, greedy, every request
 produces exactly its own output length; ``--device cuda`` runs every system on the GPU in
 ``EngineConfig``'s default dtype there):
 
@@ -21,7 +21,6 @@ produces exactly its own output length; ``--device cuda`` runs every system on t
   (``quantization="none"``: the same weights as transformers'; the CPU default keeps a GGUF's blocks).
 - ``ours-gguf``: the same with ``quantization="gguf"``: the shipped file's own Q4_1/Q8_0 blocks,
   the engine's CPU default for it.
-- ``ours-int8``: the same with ``quantization="int8"`` (int8 linear layers and LM head).
 - ``llamacpp`` (optional, when ``llama_cpp`` is importable: ``pip install -e ".[llamacpp]"``,
   which compiles llama.cpp for minutes): llama-cpp-python on the GGUF file we ship (its own
   4-bit Q4_1 weights), 2 threads, one request after another like ``hf-sequential``. On an AMX
@@ -41,7 +40,7 @@ start of a system's run, so TTFT includes the time a request waits for earlier o
   weights and KV cache included, and whatever earlier systems in the same process still hold:
   ask for one system alone (``--systems llamacpp``) for its own figure.
 - roofline fraction: 2 x parameters x (prompt tokens + useful output tokens) / wall time /
-  the measured float32 2048^3 matmul peak. Padding is not real work. For ``ours-gguf``, ``ours-int8`` and
+  the measured float32 2048^3 matmul peak. Padding is not real work. For ``ours-gguf`` and
   ``llamacpp`` the same float32 yardstick is used, though their products are integer ones.
 
 Model loading, KV-pool allocation and one short warm-up request are outside the timed run.
@@ -76,7 +75,7 @@ from benchmarks.common import (
     write_json,
 )
 
-SYSTEMS = ("hf-sequential", "hf-padded", "hf-generate-batch", "ours", "ours-gguf", "ours-int8")
+SYSTEMS = ("hf-sequential", "hf-padded", "hf-generate-batch", "ours", "ours-gguf")
 OPTIONAL_SYSTEMS = ("llamacpp",)  # asked for by name; never in the default list
 HF_SYSTEMS = SYSTEMS[:3]
 
@@ -394,7 +393,7 @@ def report(summary: dict[str, Any]) -> str:
             f"outputs {w['output_tokens_range']} tokens (total {w['total_prompt_tokens']} prompt + "
             f"{w['total_output_tokens']} output), seed {w['seed']}, greedy, {summary['machine']['dtype']} "
             f"on {summary['machine']['device']}"
-            + ("".join(f"; {n}: {what}" for n, what in (("ours-gguf", "the GGUF's own blocks"), ("ours-int8", "int8 weights"), ("llamacpp", "the GGUF's Q4_1"))
+            + ("".join(f"; {n}: {what}" for n, what in (("ours-gguf", "the GGUF's own blocks"), ("llamacpp", "the GGUF's Q4_1"))
                        if n in summary["systems"]))
             + "\n"
             f"machine: {summary['machine']['cpu']}, {summary['machine']['cpu_count']} cores, "
@@ -482,7 +481,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "hf-generate-batch": lambda: run_hf_generate_batch(workload, args.hf_max_batch_tokens, target=target),
         "ours": lambda: run_ours(workload, target, quantization="none"),
         "ours-gguf": lambda: run_ours(workload, target, name="ours-gguf", quantization="gguf"),
-        "ours-int8": lambda: run_ours(workload, target, name="ours-int8", quantization="int8"),
         "llamacpp": lambda: run_llamacpp(workload),
     }
     host = HostCheck()

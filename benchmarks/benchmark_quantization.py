@@ -4,10 +4,10 @@
     python -m benchmarks.benchmark_quantization --quick    # a smoke run: tiny inputs, one round
     python -m benchmarks.benchmark_quantization --modes float32,gguf,q8_0 --threads 2 --json quant.json
 
-Modes (``--modes``, default ``float32,gguf,q8_0,q4_0,int8``; float32 is always one, every ratio
+Modes (``--modes``, default ``float32,gguf,q8_0,q4_0``; float32 is always one, every ratio
 is against it): ``float32`` (``--quantization none``), ``gguf`` (the shipped file's own Q4_1
-blocks and its Q8_0 embedding), ``q8_0`` / ``q4_0`` / ``q4_1`` (the float weights quantized at
-load, embedding in Q8_0) and ``int8`` (oneDNN/fbgemm). Each mode's model is loaded once and
+blocks and its Q8_0 embedding) and ``q8_0`` / ``q4_0`` / ``q4_1`` (the float weights quantized
+at load, embedding in Q8_0). Each mode's model is loaded once and
 shared by every figure below. The report names the CPU, its flags, cores and threads beside the figures.
 
 Memory (per mode):
@@ -16,7 +16,7 @@ Memory (per mode):
 - resident growth: the process's RSS after loading the mode minus before, MB, both read after
   ``gc.collect()`` and ``malloc_trim`` (Linux; ``-`` elsewhere), with one throwaway load first
   so that no mode carries the first load's one-time costs (imports, thread pools, allocator
-  arenas; a mode's own first use, e.g. int8's oneDNN set-up, stays in its figure). It counts all the load leaves
+  arenas; a mode's own first use, e.g. building its C kernel, stays in its figure). It counts all the load leaves
   resident: weights, packed copies (float32 keeps its weight and oneDNN's packed copy),
   rotary tables, a tokenizer; the peak during the load (``load_peak_rss_growth_bytes``)
   shows transient copies (every mode is built from float32 weights first, ``gguf`` included);
@@ -58,7 +58,7 @@ by more than 15%, and for a load average above 1.5 per core at the start or end
 (``noise_warnings``); the JSON keeps them as ``host_warnings``.
 
 ``--gather-ab`` adds, for both speed figures, each mode with the CPU paged attention kernel
-turned off (``NANOVLLM_CPU_PAGED_ATTENTION=0``: gather + PyTorch SDPA, float64 under int8),
+turned off (``NANOVLLM_CPU_PAGED_ATTENTION=0``: gather + PyTorch SDPA),
 interleaved with the rest, and prints the kernel's speed-up over that path.
 """
 
@@ -101,8 +101,8 @@ from benchmarks.common import (  # noqa: F401 (MAX_*: the limits, read by the te
 )
 from nanovllm_core.cli import positive_int
 
-MODE_CHOICES = ("float32", "gguf", "q8_0", "q4_0", "q4_1", "int8")  # what --modes accepts
-DEFAULT_MODES = ("float32", "gguf", "q8_0", "q4_0", "int8")
+MODE_CHOICES = ("float32", "gguf", "q8_0", "q4_0", "q4_1")  # what --modes accepts
+DEFAULT_MODES = ("float32", "gguf", "q8_0", "q4_0")
 QUANT = {m: ("none" if m == "float32" else m) for m in MODE_CHOICES}  # mode -> LLM(quantization=...); "none": float32 (no flag would pick the file's blocks)
 BANDWIDTH_BYTES = 512 * 2**20  # the streaming-read buffer: many times any CPU's last-level cache
 HELD_OUT = Path(__file__).resolve().parents[1].parent / "shared" / "seed" / "original-readme.txt"
@@ -219,23 +219,20 @@ def perplexity(model, ids: list[int], window: int = 512) -> float:
     """exp(mean next-token negative log-likelihood) over ``ids`` in non-overlapping windows.
 
     Attention runs as the engine runs it for this model (``ModelRunner``'s choices): the CPU
-    paged kernel where it is available, else SDPA with int8's float64 K/V and sums.
+    paged kernel where it is available, else SDPA.
     """
     from nanovllm_core.attention import cpu_paged
     from nanovllm_core.attention.contiguous import ContiguousKVCache
-    from nanovllm_core.engine.model_runner import kv_cache_dtype
 
     p = next(model.parameters())
     use_kernel = cpu_paged.available(p.device, p.dtype, "flash")
-    kv_dtype = kv_cache_dtype(model, "flash")
-    sum_dtype = kv_dtype if kv_dtype != p.dtype else None
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start:start + window + 1]
         if len(chunk) < 2:
             break
         n = len(chunk) - 1
-        cache = ContiguousKVCache(model.config, n, kv_dtype, p.device, "flash", sum_dtype, use_kernel)
+        cache = ContiguousKVCache(model.config, n, p.dtype, p.device, "flash", use_kernel)
         hidden = model(torch.tensor(chunk[:-1]), torch.arange(n), cache.context(0, n))
         logits = model.compute_logits(hidden)
         nll += torch.nn.functional.cross_entropy(logits, torch.tensor(chunk[1:]), reduction="sum").item()
@@ -319,7 +316,6 @@ def interleaved(systems: dict[str, Callable[[], float]], rounds: int) -> dict[st
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.benchmark_comparison import CPU, _hf_model, num_parameters
-    from nanovllm_core.model.int8_linear import weight_range
 
     modes = args.modes
     load_start = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
@@ -332,8 +328,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = loaded["float32"][1]
     summary: dict[str, Any] = {"machine": machine_summary(), "cpu_flags": cpu_flags(), "modes": modes,
                                "rounds": args.rounds, "attention_kernel": summary_kernel}
-    if "int8" in modes:
-        summary["int8_weight_range"] = weight_range()
     summary["machine"]["load_average_at_start"] = load_start
     summary["memory_bandwidth"] = {"bytes_per_s": bandwidth, "samples": samples, "buffer_bytes": BANDWIDTH_BYTES}
     summary["memory"] = memory
@@ -474,8 +468,7 @@ def report(s: dict[str, Any]) -> str:
         f"machine: {m['cpu']} ({', '.join(s['cpu_flags']) or 'flags unknown'}), {m['cpu_count']} cores, "
         f"torch {m['torch']} threads {m['torch_threads']}; load average {m['load_average_at_start']} at start, "
         f"{m['load_average_at_end']} at end; medians of {s['rounds']} interleaved round(s); attention kernel: "
-        + ", ".join(f"{mode} {k}" for mode, k in s["attention_kernel"].items())
-        + (f"; int8 weights in [-{s['int8_weight_range']}, {s['int8_weight_range']}]" if "int8_weight_range" in s else ""),
+        + ", ".join(f"{mode} {k}" for mode, k in s["attention_kernel"].items()),
         f"memory read bandwidth: {bw['bytes_per_s'] / 1e9:.1f} GB/s (best of {len(bw['samples'])} sums over "
         f"{bw['buffer_bytes'] / 2**20:.0f} MiB, {m['torch_threads']} threads; measured once, used for every mode)",
         "",

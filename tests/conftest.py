@@ -31,14 +31,6 @@ def real_model():
 
 
 @pytest.fixture(scope="session")
-def real_model_int8():
-    """(model, tokenizer, resolved) of the embedded default model with int8 linear layers (loaded on first use)."""
-    from nanovllm_core.model.loader import load_model
-
-    return load_model(None, torch.device("cpu"), torch.float32, quantization="int8")
-
-
-@pytest.fixture(scope="session")
 def real_model_gguf():
     """(model, tokenizer, resolved) of the embedded default model keeping the GGUF file's own blocks (loaded on first use)."""
     from nanovllm_core.model.loader import load_model
@@ -51,14 +43,14 @@ def make_engine(real_model, request):
     """Build an engine over the shared real model: ``make_engine(num_kv_blocks=64, ...)``.
 
     Float32 unless asked (``quantization="none"`` is set for it: the engine's own default, auto,
-    would keep the file's blocks); ``quantization="int8"`` or ``"gguf"`` builds it over the
-    shared int8 or block model instead, each loaded once per run.
+    would keep the file's blocks); ``quantization="gguf"`` builds it over the
+    shared block model instead, loaded once per run.
     """
 
     def build(**kwargs) -> LLMEngine:
         kwargs.setdefault("num_kv_blocks", 256)
         kwargs.setdefault("quantization", "none")
-        shared = {"int8": "real_model_int8", "gguf": "real_model_gguf"}.get(kwargs.get("quantization"))
+        shared = {"gguf": "real_model_gguf"}.get(kwargs.get("quantization"))
         model, tokenizer, resolved = request.getfixturevalue(shared) if shared else real_model
         return LLMEngine(EngineConfig(**kwargs), model, tokenizer, resolved)
 

@@ -24,16 +24,16 @@ def summary(b1_rounds, wl_rounds, load_end, cores=2):
 
 
 def test_steady_rounds_on_a_quiet_host_give_no_warning():
-    s = summary({"float32": [24.4, 22.0, 23.0], "int8": [34.4, 32.0, 33.0]},
+    s = summary({"float32": [24.4, 22.0, 23.0], "q8_0": [34.4, 32.0, 33.0]},
                 {"float32": [191.7, 186.3, 188.6]}, [2.0, 1.9, 1.7])
     assert noise_warnings(s) == []
 
 
 def test_rounds_that_disagree_are_named_with_their_range():
-    s = summary({"int8": [35.0, 43.8, 36.3]}, {"float32": [180.2, 214.2, 196.8]}, [1.8, 1.8, 1.6])
+    s = summary({"q8_0": [35.0, 43.8, 36.3]}, {"float32": [180.2, 214.2, 196.8]}, [1.8, 1.8, 1.6])
     warnings = noise_warnings(s)
     assert len(warnings) == 2
-    assert warnings[0].startswith("warning: int8 batch-1 decode rounds range 35.0-43.8 tok/s (1.25x)")
+    assert warnings[0].startswith("warning: q8_0 batch-1 decode rounds range 35.0-43.8 tok/s (1.25x)")
     assert warnings[1].startswith("warning: float32 workload rounds range 180.2-214.2 tok/s (1.19x)")
 
 

@@ -56,7 +56,7 @@ def test_comparison_rejects_an_unknown_system(capsys):
 
 def test_comparison_rejects_a_system_listed_twice(capsys):
     with pytest.raises(SystemExit) as e:
-        benchmark_comparison.main(["--quick", "--systems", "ours,ours-int8,ours"])
+        benchmark_comparison.main(["--quick", "--systems", "ours,ours-gguf,ours"])
     assert e.value.code == 2
     assert "listed more than once: ours" in capsys.readouterr().err
 

@@ -164,7 +164,7 @@ def test_bad_shapes_and_names_are_one_line_errors():
 
 
 def test_quantization_names():
-    assert QUANTIZATION_CHOICES == ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1", "int8")
+    assert QUANTIZATION_CHOICES == ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1")
     # None and "auto" are the request to decide at load; "none" asks for float and stays said
     assert normalize_quantization("auto") is None and normalize_quantization(None) is None
     assert normalize_quantization("none") == "none" and normalize_quantization("Q4_0") == "q4_0"

@@ -151,7 +151,7 @@ def test_the_cli_says_when_the_c_paths_are_not_used_and_why(monkeypatch, capsys,
     assert "note: RMSNorm and RoPE run as PyTorch ops, not in C: NANOVLLM_NATIVE_OPS=0" in out
 
 
-def test_the_cli_says_when_int8_layers_quantize_without_their_c_helpers(monkeypatch, capsys, tiny_llama_dir):
+def test_the_cli_says_when_block_layers_run_without_their_c_kernel(monkeypatch, capsys, tiny_llama_dir):
     from tests.conftest import run_main
 
     from nanovllm_core import cli, native
@@ -159,11 +159,13 @@ def test_the_cli_says_when_int8_layers_quantize_without_their_c_helpers(monkeypa
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv("CC", "/nonexistent/cc")
     code, out, _ = run_main(cli.main, capsys, "--model", str(tiny_llama_dir), "--prompt", "Hi", "--max-tokens", "2",
-                            "--quantization", "int8")
+                            "--quantization", "q8_0")
     assert code == 0
-    assert "note: int8 layers quantize and rescale with PyTorch ops, not in C (the same bits, slower): no C compiler" in out
-    code, out, _ = run_main(cli.main, capsys, "--model", str(tiny_llama_dir), "--prompt", "Hi", "--max-tokens", "2")
-    assert code == 0 and "int8 layers" not in out  # float32 weights have no int8 helpers to miss
+    assert ("note: block-quantized layers dequantize and run PyTorch's matmul, not the C kernels (slower, and rows "
+            "depend on their batch): no C compiler") in out
+    code, out, _ = run_main(cli.main, capsys, "--model", str(tiny_llama_dir), "--prompt", "Hi", "--max-tokens", "2",
+                            "--quantization", "none")
+    assert code == 0 and "block-quantized" not in out  # float32 weights have no block kernel to miss
 
 
 def test_a_failed_build_is_reported_not_raised(monkeypatch, tmp_path):
@@ -202,8 +204,8 @@ def test_other_devices_dtypes_and_the_math_backend_are_not_served():
 
 
 @pytest.mark.parametrize("kernel_on", [True, False], ids=["cpu-paged", "gather"])
-def test_int8_engine_picks_its_kv_dtype_and_attention_by_the_kernel(tmp_path, monkeypatch, kernel_on):
-    """On the kernel int8 keeps float32 K/V; on the gather path float64, and the X-Ray shows the gather."""
+def test_a_block_engine_picks_its_attention_by_the_kernel(tmp_path, monkeypatch, kernel_on):
+    """Q8_0 weights keep float32 K/V on the kernel and on the gather path, and the X-Ray shows the gather."""
     from nanovllm_core.educational.xray import backend_of
     from tests.conftest import save_tiny_llama
     from tests.test_quantization import _Tokenizer
@@ -214,12 +216,12 @@ def test_int8_engine_picks_its_kv_dtype_and_attention_by_the_kernel(tmp_path, mo
         monkeypatch.setenv(cpu_paged.ENV_SWITCH, "0")
     monkeypatch.setattr(loader, "load_tokenizer", lambda p: None)
     model, _, _ = loader.load_model(str(save_tiny_llama(tmp_path, vocab_size=512)), torch.device("cpu"),
-                                    torch.float32, quantization="int8")
-    engine = LLMEngine(EngineConfig(quantization="int8", block_size=8, num_kv_blocks=32), model, _Tokenizer())
+                                    torch.float32, quantization="q8_0")
+    engine = LLMEngine(EngineConfig(quantization="q8_0", block_size=8, num_kv_blocks=32), model, _Tokenizer())
     info = engine.model_info()
     assert info["attention_backend"] == ("cpu-paged" if kernel_on else "sdpa")
     assert info["cpu_paged_unavailable"] == (None if kernel_on else f"{cpu_paged.ENV_SWITCH}=0 turned it off")
-    assert info["kv_dtype"] == ("float32" if kernel_on else "float64")
+    assert info["kv_dtype"] == "float32" and info["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # K, V x 2 layers x 2 heads x 16
     assert backend_of(engine) == ("cpu_paged" if kernel_on else "fused")
     traces = []
     engine.subscribe(lambda e: traces.append(e) if type(e).__name__ == "LayerTrace" else None, xray=True)

@@ -548,18 +548,12 @@ def test_a_repetition_penalty_below_1_is_said_to_raise_repeated_tokens():
     assert "repetition penalty 0.8 raises every token already in the prompt" in intro.text
 
 
-def test_the_model_entry_names_int8_weights_and_the_float64_kv_cache():
+def test_the_model_entry_names_block_weights_and_not_float_ones():
     plain = Narrator(INFO).feed(added())[0].text
-    assert "int8" not in plain and "float64" not in plain
-    int8 = {**INFO, "quantization": "int8", "linear_weight_bytes": 161_906_048, "kv_dtype": "float64",
-            "kv_bytes_per_token": 92_160}
-    text = Narrator(int8).feed(added())[0].text
-    assert "in float32, linear layers and LM head in int8 (154 MiB, activations quantized per token)" in text
-    assert "costs 92,160 bytes (in float64, the width int8 mode's attention sums in)" in text
+    assert "GGUF blocks" not in plain and f"costs {INFO['kv_bytes_per_token']:,} bytes; the pool" in plain
     gguf = {**INFO, "quantization": "gguf", "weight_format": "q4_1 66 MB + q8_0 30 MB (96 MB of weights)"}
     text = Narrator(gguf).feed(added())[0].text
     assert "in float32, weights kept in GGUF blocks as q4_1 66 MB + q8_0 30 MB (96 MB of weights):" in text
-    assert "int8" not in text
 
 
 def test_the_dashboards_top_predictions_caption_names_every_processor_and_marks_a_special_token():

@@ -83,6 +83,9 @@ def test_serve_bad_options_end_with_one_line(capsys, tiny_llama_dir):
     assert code == 2 and "model failed to load" in err and "Traceback" not in err
     code, _, err = run_main(serve_cli.main, capsys, "--quantization", "int4")
     assert code == 2 and "--quantization: invalid choice: 'int4'" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run_main(serve_cli.main, capsys, "--quantization", "int8")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "--quantization: quantization int8 was removed; use q8_0 (int8 weights in 32-weight blocks" in err
 
 
 def test_nanovllm_serve_is_a_subcommand_of_nanovllm(capsys):

@@ -95,8 +95,8 @@ def test_valid_sizes_follow_the_heads():
     (dict(tensor_parallel_size=None), "tensor_parallel_size=None is invalid"),
     (dict(tensor_parallel_size=2, quantization="gguf"),
      "--quantization gguf does not run with --tensor-parallel-size > 1 yet; use --quantization none"),
-    (dict(tensor_parallel_size=2, quantization="int8"),
-     "--quantization int8 does not run with --tensor-parallel-size > 1 yet; use --quantization none"),
+    (dict(tensor_parallel_size=2, quantization="q8_0"),
+     "--quantization q8_0 does not run with --tensor-parallel-size > 1 yet; use --quantization none"),
     (dict(tensor_parallel_size=2, paged=False), "needs the paged engine"),
     (dict(tensor_parallel_size=2, speculative_model="ngram"), "speculative decoding does not run with"),
 ])

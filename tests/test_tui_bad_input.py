@@ -176,11 +176,12 @@ async def test_a_replay_invites_no_prompt_and_lists_none_it_did_not_record(tmp_p
     (["--replay", str(TRACE), "--model", "x"], "--model does nothing with --replay: a replay plays a recorded trace"),
     (["--replay", str(TRACE), "--max-tokens", "5"], "--max-tokens does nothing with --replay"),
     (["--replay", str(TRACE), "--trace", "t.jsonl"], "--trace does nothing with --replay"),
-    (["--replay", str(TRACE), "--quantization", "int8"], "--quantization does nothing with --replay"),
+    (["--replay", str(TRACE), "--quantization", "q8_0"], "--quantization does nothing with --replay"),
     (["--quantization", "int4"], "--quantization: invalid choice: 'int4'"),
+    (["--quantization", "int8"], "--quantization: quantization int8 was removed; use q8_0 (int8 weights in 32-weight"),
     (["--prompt", "a", "--priority", str(10**30)], "--priority: expected a whole number from -1000 to 1000"),
     (["--top-k", str(10**30)], "--top-k: expected a whole number from -1 to 2147483647"),
-    (["--connect", "http://127.0.0.1:9", "--quantization", "int8"], "--quantization cannot be used with --connect"),
+    (["--connect", "http://127.0.0.1:9", "--quantization", "q8_0"], "--quantization cannot be used with --connect"),
 ])
 def test_bad_options_end_with_one_line_and_status_2(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

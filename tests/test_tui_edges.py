@@ -223,7 +223,7 @@ async def test_the_narrator_wraps_and_never_cuts_a_line(tmp_path, size):
         assert log.max_scroll_x == 0
 
 
-def test_the_header_names_int8_weights_beside_the_dtype():
+def test_the_header_names_block_weights_beside_the_dtype():
     from nanovllm_tui.state import EngineState
     from nanovllm_tui.widgets.status_header import StatusHeader
 
@@ -233,10 +233,10 @@ def test_the_header_names_int8_weights_beside_the_dtype():
     state = EngineState()
     state.ready, state.model_name, state.device, state.dtype = True, "SmolLM2", "cpu", "float32"
     header.show(state)
-    assert "cpu · float32 │" in shown[-1].plain and "int8" not in shown[-1].plain
-    state.model_info = {"quantization": "int8"}
+    assert "cpu · float32 │" in shown[-1].plain and "weights" not in shown[-1].plain
+    state.model_info = {"quantization": "q8_0"}
     header.show(state)
-    assert "SmolLM2 · cpu · float32 · int8 weights │" in shown[-1].plain
+    assert "SmolLM2 · cpu · float32 · q8_0 weights │" in shown[-1].plain
 
 
 @pytest.mark.parametrize("size", [(120, 40), (60, 20)])

@@ -421,29 +421,28 @@ def test_model_facts_compare_weights_and_cache_and_name_the_priority_convention(
     assert "vLLM's priority runs lower values first" in prio
 
 
-def test_the_decode_chapter_counts_the_weight_bytes_each_step_reads_and_what_int8_changes():
+def test_the_decode_chapter_counts_the_weight_bytes_each_step_reads_and_what_q8_0_changes():
     info = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "kv_bytes_per_token": 46080, "dtype": "float32",
             "num_parameters": 134_515_008, "linear_weights": 134_000_000, "memory_bandwidth": 10e9}
-    reads, why, bound, int8, floor = model_facts(chapter("decode"), {**info, "linear_weight_bytes": 536_000_000})
+    reads, why, bound, q8, floor = model_facts(chapter("decode"), {**info, "linear_weight_bytes": 536_000_000})
     assert "reads its 511 MiB of float32 weights" in reads  # 536,000,000 / 2**20
     assert "the linear layers of all 30 decoder layers and the LM head" in reads
     assert "2 FLOPs for its 4.000 bytes: 0.5 FLOP per byte read" in why  # 536e6 / 134e6 bytes a weight
     assert "takes 53.6 ms: at batch 1 no more than 19 tokens/s" in bound  # 536 MB at 10 GB/s
-    assert "would be 128 MiB" in int8 and "4.0x fewer bytes per step" in int8  # no int8 layout known: 1 byte a weight
+    # Q8_0: 34 bytes per 32 weights, 134e6 x 34 / 32 = 142.4e6 bytes = 136 MiB, 536e6 / 142.4e6 = 3.76x
+    assert "--quantization q8_0 the same 134 M weights would be about 136 MiB" in q8
+    assert "3.8x fewer bytes per step" in q8 and "2-core AMD EPYC" in q8
     assert "benchmark_quantization" in floor and "not its time" in floor
-    *_, int8, _ = model_facts(chapter("decode"), {**info, "linear_weight_bytes": 536_000_000,
-                                                  "int8_linear_weight_bytes": 160_800_000})
-    assert "would be 153 MiB" in int8 and "3.3x fewer bytes per step" in int8  # the engine's own figure
-    reads, _, bound, int8, _ = model_facts(chapter("decode"), {**info, "linear_weight_bytes": 134_700_000,
-                                                               "quantization": "int8"})
-    assert "128 MiB of int8 (1.005 bytes a weight, scales and outlier columns included)" in reads
-    assert "no more than 74 tokens/s" in bound
-    assert "would be 511 MiB a step, 4.0x the bytes" in int8
+    reads, _, bound, q8, _ = model_facts(chapter("decode"), {**info, "linear_weight_bytes": 142_375_000,
+                                                             "quantization": "q8_0", "weight_kinds": "q8_0"})
+    assert f"136 MiB of q8_0 block ({34 / 32:.3f} bytes a weight on average, the blocks' scales and mins included)" in reads
+    assert "no more than 70 tokens/s" in bound
+    assert "in float32 would be 511 MiB a step, 3.8x the bytes" in q8
 
 
 def test_the_decode_chapter_in_a_block_mode_counts_its_blocks_bytes_against_the_ridge():
     """gguf mode: the bytes a token reads are the blocks' (recomputed here from bytes per weight), the
-    intensity 2 / b against the measured ridge, the float32 equivalent, and no int8 forecast."""
+    intensity 2 / b against the measured ridge, the float32 equivalent, and no q8_0 forecast."""
     weights, count = 94_371_840, 134_217_728  # an average of 0.703125 bytes a weight
     info = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "kv_bytes_per_token": 46080, "dtype": "float32",
             "num_parameters": 134_515_008, "linear_weights": count, "linear_weight_bytes": weights,
@@ -457,7 +456,7 @@ def test_the_decode_chapter_in_a_block_mode_counts_its_blocks_bytes_against_the_
     assert "(peak over bandwidth; float matmul peak 56.0 GFLOP/s, the block kernels' own not measured)" in why
     assert f"takes {weights / 8e9 * 1e3:,.1f} ms: at batch 1 no more than {8e9 / weights:,.0f} tokens/s" in bound
     assert f"in float32 would be {count * 4 / 2**20:,.0f} MiB a step, {count * 4 / weights:.1f}x the bytes" in wide
-    assert "--quantization int8" not in " ".join([reads, why, bound, wide, floor])
+    assert "--quantization q8_0" not in " ".join([reads, why, bound, wide, floor])
     assert "do not shrink with the weights" in floor
     # Above the ridge the sentence turns around rather than claim memory is the bound.
     _, why, *_ = model_facts(chapter("decode"), {**info, "peak_flops": 8e9})  # ridge 1.0 FLOP/byte

@@ -46,33 +46,20 @@ def test_the_roofline_is_measured_once_then_read_back(tmp_path, monkeypatch):
     assert roofline.cached("cpu", torch.float32, path) is None
     roofline.machine_roofline("cpu", torch.float32, path)
     assert len(calls) == 2
-    # int8 weights are their own entry: another kernel, another peak; the bandwidth is the
-    # machine's, measured once and handed to the int8 measurement (not streamed again).
-    int8 = roofline.machine_roofline("cpu", torch.float32, path, quantization="int8")
-    assert len(calls) == 3 and calls[-1] == 1e10 and int8.peak_flops == 1e12
-    assert roofline.cached("cpu", torch.float32, path) == first
-    assert roofline.cached("cpu", torch.float32, path, quantization="int8") == int8
     # a block mode runs the float matmul's peak: float's entry, nothing measured
-    assert roofline.machine_roofline("cpu", torch.float32, path, quantization="gguf") == first and len(calls) == 3
-    monkeypatch.setattr(roofline, "_measured", {})  # a new process: the kept bandwidth serves every mode
+    assert roofline.machine_roofline("cpu", torch.float32, path, quantization="gguf") == first and len(calls) == 2
+    assert roofline.cached("cpu", torch.float32, path, quantization="q8_0") == first
+    monkeypatch.setattr(roofline, "_measured", {})  # a new process: the kept bandwidth serves every dtype
     monkeypatch.setattr(roofline, "_bandwidths", {})
     assert roofline.cached_bandwidth("cpu", path) == 1e10
     roofline.machine_roofline("cpu", torch.float64, path)
-    assert len(calls) == 4 and calls[-1] == 1e10
+    assert len(calls) == 3 and calls[-1] == 1e10
 
 
-def test_int8_weights_take_the_int8_kernels_peak(monkeypatch):
-    from nanovllm_core.model import int8_linear
-
-    if int8_linear._ONEDNN:  # the real kernel measures something
-        assert roofline.int8_gemm_peak(128, 1) > 1e8
-    monkeypatch.setattr(roofline, "int8_gemm_peak", lambda n, repeats: 7e12)
-    r = roofline.measure("cpu", torch.float32, gemm_n=128, stream_bytes=8 << 20, repeats=1, quantization="int8")
-    assert r.peak_flops == 7e12 and r.machine.endswith("float32, int8 weights")
-    monkeypatch.setattr(roofline, "int8_gemm_peak", lambda n, repeats: 0.0)  # no int8 kernel: float's peak
-    r = roofline.measure("cpu", torch.float32, gemm_n=128, stream_bytes=8 << 20, repeats=1, quantization="int8")
-    assert 1e8 < r.peak_flops < 7e12
-    assert peak_words(r.machine, 4.1e12) == "int8 matmul peak 4,100.0 G operations/s (counted as FLOPs)"
+def test_block_weights_are_named_and_take_the_float_matmuls_peak():
+    r = roofline.measure("cpu", torch.float32, gemm_n=128, stream_bytes=8 << 20, repeats=1, quantization="q8_0")
+    assert r.peak_flops > 1e8 and r.machine.endswith("float32, q8_0 weights")
+    assert peak_words(r.machine, 3.3e11) == "float matmul peak 330.0 GFLOP/s, the block kernels' own not measured"
     assert peak_words("a CPU, float32", 3.3e11) == "matmul peak 330.0 GFLOP/s"
 
 
@@ -297,29 +284,19 @@ def test_a_speculative_verification_is_labelled_as_such(make_llm):
         assert facts.step_kind(t) == "speculative verification"
 
 
-def test_int8_weights_and_float64_kv_move_their_own_bytes():
-    """Under --quantization int8 a decode step reads int8 weights (plus scales) and float64 K/V."""
+def test_narrow_weights_and_narrow_kv_move_their_own_bytes():
+    """A decode step reads weights as stored (Q8_0: 34 bytes per 32) and K/V at the cache's element size."""
     from dataclasses import replace
 
-    int8 = replace(SMOL, weight_elem=1.0, kv_elem=8)
+    q8_0 = replace(SMOL, weight_elem=34 / 32, kv_elem=2)
     seqs = [SeqAttention(1, 100, 112, gathered=112)]
     f32 = {o.name: o.bytes for o in layer_ops(SMOL, seqs, "fused")}
-    q8 = {o.name: o.bytes for o in layer_ops(int8, seqs, "fused")}
+    q8 = {o.name: o.bytes for o in layer_ops(q8_0, seqs, "fused")}
     h, qkv, i = 576, (9 + 2 * 3) * 64, 1536
-    assert f32["qkv_proj"] - q8["qkv_proj"] == h * qkv * 3  # 4 -> 1 byte per weight
-    assert f32["mlp_down"] - q8["mlp_down"] == i * h * 3
-    assert q8["kv_gather"] == 2 * f32["kv_gather"]  # 4 -> 8 bytes per cached number
+    assert f32["qkv_proj"] - q8["qkv_proj"] == h * qkv * (4 - 34 / 32)  # 4 -> 1.0625 bytes per weight
+    assert f32["mlp_down"] - q8["mlp_down"] == i * h * (4 - 34 / 32)
+    assert 2 * q8["kv_gather"] == f32["kv_gather"]  # 4 -> 2 bytes per cached number
     assert f32["rope"] == q8["rope"]  # activations stay float32
-
-
-def test_int8_linear_ops_say_what_the_product_multiplies_and_float_ones_do_not():
-    """Under int8 the X-Ray's math for the four linear layers must not read as a plain float product."""
-    seqs = [SeqAttention(num_tokens=1, context_len=10, keys_read=10, gathered=0)]
-    int8 = LayerDims(576, 1536, 9, 3, 64, 4, weight_elem=1.1)
-    linear = {"qkv_proj", "o_proj", "mlp_gate_up", "mlp_down"}
-    for op in layer_ops(int8, seqs, "cpu_paged"):
-        assert ("int8: W ≈ W_q · s" in op.math) == (op.name in linear), op.name
-    assert not any("int8" in op.math for op in layer_ops(SMOL, seqs, "cpu_paged"))
 
 
 def test_a_roofline_measured_on_a_busy_host_says_so_and_is_not_kept(tmp_path, monkeypatch):

@@ -100,13 +100,15 @@ def test_each_linear_op_names_its_own_format_and_moves_its_stored_bytes():
         ops = {o.name: o for o in layer_ops(d, one, "cpu_paged")}
         for op_name, w, (k, n) in zip(LINEAR, stored, ((h, qkv), (h, h), (h, 2 * i), (i, h))):
             assert f"W in {name.upper()} blocks, {fmt.block_bytes} bytes per 32 weights" in ops[op_name].math
-            assert "int8" not in ops[op_name].math  # the old int8 note came with any narrow weight
             assert ops[op_name].bytes == w + (k + n) * 4  # blocks once + one token in and out, float32
         assert not any("W in " in o.math for o in ops.values() if o.name not in LINEAR)
-    mixed = replace(SMOL, linear_kinds=("q4_1", "float32", "int8", "q8_0"))
+    mixed = replace(SMOL, linear_kinds=("q4_1", "float32", "q4_0", "q8_0"))
     math_ = {o.name: o.math for o in layer_ops(mixed, one, "cpu_paged")}
-    assert "Q4_1" in math_["qkv_proj"] and "blocks" not in math_["o_proj"] and "int8: W" in math_["mlp_gate_up"]
+    assert "Q4_1" in math_["qkv_proj"] and "blocks" not in math_["o_proj"] and "Q4_0" in math_["mlp_gate_up"]
     assert "Q8_0" in math_["mlp_down"]
+    # narrow weights of no known format (an engine that did not report its kinds) name none
+    unknown = replace(SMOL, weight_elem=1.1)
+    assert not any("W in " in o.math for o in layer_ops(unknown, one, "cpu_paged"))
 
 
 def test_the_embedding_lookup_reads_one_stored_row_a_token():
@@ -152,7 +154,7 @@ def test_the_linear_crossing_formula_agrees_with_the_ops_own_bytes(b):
 
 
 def test_the_crossing_moves_by_the_ridge_ratio_over_the_bytes_ratio_not_the_ridge_ratio():
-    """int8 on a machine whose int8 peak is 12x its float32 one, same bandwidth: ~3.3x more tokens, not 12x."""
+    """A kernel whose peak is 12x float32's over weights of 1.1 bytes, same bandwidth: ~3.3x more tokens, not 12x."""
     r32, r8 = 1.0, 12.0  # a small ridge, so the activation term is small against 2 N K
     t32 = linear_crossing_tokens(576, 960, 4.0, 4, r32)
     t8 = linear_crossing_tokens(576, 960, 1.1, 4, r8)

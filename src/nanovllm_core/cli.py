@@ -220,7 +220,7 @@ def _generate(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, pr
     print(f"{len(outputs)} prompt(s), {plural(total, 'token')} in {elapsed:.2f} s ({total / max(elapsed, 1e-9):.1f} tokens/s) "
           f"on {llm.engine.device.type}, {str(llm.engine.dtype).replace('torch.', '')}"
           + (f", {llm.engine.model.quantization} weights" if llm.engine.model.quantization else "")
-          + (f" ({info['weight_format']})" if llm.engine.model.quantization not in (None, "int8") else "")
+          + (f" ({info['weight_format']})" if llm.engine.model.quantization else "")
           + f", model {llm.engine.model_name}"
           + (f", tensor parallel over {info['tensor_parallel_size']} ranks ({info['tensor_parallel_backend']})"
              if info.get("tensor_parallel_size", 1) > 1 else ""))
@@ -228,9 +228,7 @@ def _generate(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, pr
                                                    "the C kernels (slower, and rows depend on their batch)"),
                       ("quantization_note", "weights"),
                       ("cpu_paged_unavailable", "the CPU paged attention kernel is not used (K/V are gathered for SDPA)"),
-                      ("native_ops_unavailable", "RMSNorm and RoPE run as PyTorch ops, not in C"),
-                      ("int8_native_unavailable", "int8 layers quantize and rescale with PyTorch ops, not in C "
-                                                  "(the same bits, slower)")):
+                      ("native_ops_unavailable", "RMSNorm and RoPE run as PyTorch ops, not in C")):
         if llm.engine.device.type == "cpu" and info.get(key):
             print(f"note: {what}: {info[key]}")
     if args.show_memory_stats:

@@ -14,7 +14,10 @@ import sys
 
 
 # model.quantization.QUANTIZATION_CHOICES, written out: parsing options must not import torch (a test holds them equal)
-QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1", "int8")
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q8_0", "q4_0", "q4_1")
+# config.INT8_REMOVED, written out for the same reason (a test holds them equal)
+INT8_REMOVED = ("quantization int8 was removed; use q8_0 (int8 weights in 32-weight blocks, each block with its "
+                "own scale), which is faster and closer to float32")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -70,6 +73,18 @@ def seed_int(text: str) -> int:
     if not SEED_MIN <= value <= SEED_MAX:
         raise argparse.ArgumentTypeError(f"a seed is a 64-bit integer ({SEED_MIN} to {SEED_MAX}), got {value}")
     return value
+
+
+def quantization_name(text: str) -> str:
+    """argparse ``type`` of ``--quantization``: the name in lower case (``choices`` then checks it).
+
+    Raises:
+        argparse.ArgumentTypeError: ``int8``, a mode this engine had: :data:`INT8_REMOVED` (q8_0 replaces it).
+    """
+    name = text.lower()
+    if name == "int8":
+        raise argparse.ArgumentTypeError(INT8_REMOVED)
+    return name
 
 
 def bounded_int(low: int, high: int, what: str = "") :
@@ -156,12 +171,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")
     m.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="default: float32 on cpu, bfloat16 on cuda")
-    m.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None, type=str.lower,
+    m.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None, type=quantization_name,
                    help="how the linear layers hold their weights. auto (the default): a .gguf file's own "
                         "blocks on the CPU where the block kernel runs (the embedded model: its Q4_1), else float; "
                         "none: float (float32 on the CPU); gguf keeps a .gguf file's own blocks; q8_0, q4_0, q4_1 "
-                        "cut float weights into those blocks at load; int8: int8 weights through oneDNN/fbgemm "
-                        "(all but auto and none: CPU only)")
+                        "cut float weights into those blocks at load (all but auto and none: CPU only)")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:

@@ -20,9 +20,14 @@ from nanovllm_core.sampling_params import COUNT_MAX, SEED_MAX, SEED_MIN
 
 # The quantization modes' names (model/quantization.py builds the layers each one names).
 BLOCK_MODES = ("gguf", "q8_0", "q4_0", "q4_1")  # weights in GGUF blocks (model/block_quant.py)
-QUANTIZATION_MODES = (*BLOCK_MODES, "int8")
+QUANTIZATION_MODES = BLOCK_MODES
 AUTO = "auto"  # the default: model.quantization.resolve_quantization decides at load
 QUANTIZATION_CHOICES = (AUTO, "none", *QUANTIZATION_MODES)  # what --quantization accepts ("none": float weights)
+# The answer to --quantization int8 (cli_args.INT8_REMOVED holds the same words without importing torch; a test holds
+# them equal). int8 with one scale per output channel through oneDNN/fbgemm was removed: Q8_0 blocks read fewer bytes,
+# run faster at batch 1 and 64 and lose less perplexity (docs/cpu-kernels.md, "int8 weights: what went and why").
+INT8_REMOVED = ("quantization int8 was removed; use q8_0 (int8 weights in 32-weight blocks, each block with its "
+                "own scale), which is faster and closer to float32")
 
 SCHEDULING_POLICIES = ("priority", "fcfs")
 ATTENTION_BACKENDS = ("flash", "math")
@@ -40,11 +45,14 @@ def normalize_quantization(mode: str | None) -> str | None:
     (``model.quantization``) is None for float weights (see :func:`built_quantization`).
 
     Raises:
-        ValueError: any value not in :data:`QUANTIZATION_CHOICES`, in one line naming the choices.
+        ValueError: any value not in :data:`QUANTIZATION_CHOICES`, in one line naming the choices
+            (``"int8"``, a mode this engine had: :data:`INT8_REMOVED`, naming q8_0 instead).
     """
     if mode is None:
         return None
     name = str(mode).lower()
+    if name == "int8":
+        raise ValueError(INT8_REMOVED)
     if name not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization={mode!r} is unknown; use one of {', '.join(QUANTIZATION_CHOICES)} "
                          "(auto: a GGUF file's own blocks on the CPU where they run, else float; gguf: keep a GGUF "
@@ -85,11 +93,11 @@ def tensor_parallel_quantization(mode: str | None, tensor_parallel_size: int) ->
     ``mode`` is already normalized (None = auto, ``"none"`` = float asked for). With N = 1 every
     mode passes; with N > 1 auto stays None and the loader's ``resolve_quantization`` turns it
     into float weights (told the rank count, it says so in ``model.quantization_note``), ``"none"``
-    passes, and the block formats and int8 are refused, since their C kernels and per-channel
-    scales are not split yet.
+    passes, and the block formats are refused, since their C kernels and per-block scales are
+    not split yet.
 
     Raises:
-        ValueError: a block format or int8 with N > 1, in one line.
+        ValueError: a block format with N > 1, in one line.
     """
     if tensor_parallel_size is None or tensor_parallel_size <= 1 or mode in (None, "none"):
         return mode
@@ -134,9 +142,7 @@ class EngineConfig:
             The others run on the CPU only. ``"gguf"``: a GGUF checkpoint's own blocks (Q8_0, Q4_0, Q4_1) as the
             file ships them, embedding included. ``"q8_0"``, ``"q4_0"``, ``"q4_1"``: float
             weights cut into those blocks at load (embedding and tied head in Q8_0).
-            ``"int8"``: int8 weights, one scale per output channel, through oneDNN/fbgemm;
-            attention must then be batch-invariant: the CPU paged kernel is, on float32 K/V;
-            without it the KV cache and attention run in float64 (``quantization.attention_sum_dtype``).
+            ``"int8"`` was removed (:data:`INT8_REMOVED`): ``"q8_0"`` replaces it.
         tensor_parallel_size: N processes splitting the model (Megatron's tensor parallelism,
             ``model/parallel.py``; workers in ``engine/tensor_parallel.py``): 1 (default) runs
             in this process alone. N > 1 needs the paged engine, float weights (see
@@ -205,7 +211,7 @@ class EngineConfig:
         if explicit_quantized(self.quantization) and self.torch_device.type != "cpu":
             raise ValueError(f"quantization={self.quantization!r} runs on the CPU (this engine's C kernels); "
                              "use device='cpu' (--device cpu) or --quantization none")
-        if explicit_quantized(self.quantization) and self.quantization != "int8" and self.dtype is not None \
+        if explicit_quantized(self.quantization) and self.dtype is not None \
                 and DTYPES[self.dtype] != torch.float32:
             raise ValueError(f"quantization={self.quantization!r} computes in float32; use dtype='float32' "
                              "(--dtype float32) or --quantization none")

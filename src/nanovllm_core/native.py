@@ -1,8 +1,8 @@
 """Small C kernels of this engine, compiled on first use with the system's C compiler and loaded with ctypes.
 
-Two sources use it: ``attention/paged_attention_cpu.c`` (PagedAttention reading the KV
-blocks in place) and ``model/int8_cpu.c`` (the per-token quantization and epilogue around
-oneDNN's int8 matmul). Each is built with ``$CC`` (else ``cc``) and OpenMP for this CPU
+Three sources use it: ``attention/paged_attention_cpu.c`` (PagedAttention reading the KV
+blocks in place), ``model/layer_ops_cpu.c`` (RMSNorm and RoPE, ``model/native_ops.py``) and
+``model/block_quant_cpu.c`` (the GGUF block kernels). Each is built with ``$CC`` (else ``cc``) and OpenMP for this CPU
 (``-march=native``) into ``<cache_root>/kernels/``, under a name that hashes the source, the
 flags, the compiler and the CPU, so later runs (and other processes) load the same file.
 A library that cannot be built is reported, never raised: the callers fall back to PyTorch

@@ -12,10 +12,9 @@ matrices (the one our linear layers take among them), ``W`` a streaming read of 
 larger than the last-level cache. The measurement takes about a second; it is kept in memory
 and in ``<cache_root()>/roofline.json``, so later runs read it back. The bandwidth is a
 property of the machine: it is measured once per device (CPU model and thread count, or GPU)
-and reused in every dtype and quantization mode; the peak once per (device, dtype, peak kind),
-where the kind is int8's kernel under ``--quantization int8`` and the float matmul in every
-other mode (float and the block modes share one entry). The X-Ray and the tutorial show it as
-the machine's ridge point.
+and reused in every dtype and quantization mode; the peak once per (device, dtype): the float
+matmul's, in every mode (float and the block modes share one entry). The X-Ray and the
+tutorial show it as the machine's ridge point.
 
 A CPU measurement is only as good as the cores it got: with other work on the host the peak
 comes out low (39 GFLOP/s measured under load where the same host reached 78-85, issue 29).
@@ -25,13 +24,8 @@ process only, never kept (neither the peak nor the bandwidth), and ``machine`` s
 was busy and how to measure again: ``python -m nanovllm_core.roofline`` (it measures both now
 and keeps a quiet result, replacing what was kept).
 
-Under ``--quantization int8`` the linear layers, which do nearly all of a step's arithmetic,
-run oneDNN's int8 matmul from two tokens on (a lone token goes through fbgemm's matrix-vector
-path, memory-bound whatever the peak), so ``P`` is oneDNN's measured peak (integer multiply-adds
-counted as two operations, like FLOPs). On a Xeon with AMX it measured ~12x the float32 peak
-(4.1 T against 0.33 T operations/s on 2 cores), which moves the ridge point as far. Under a
-block mode (``gguf``, ``q8_0``, ``q4_0``, ``q4_1``) ``P`` is the float matmul's peak: the block
-kernels' own is not measured (``educational.xray_costs.peak_words`` says so).
+Under a block mode (``gguf``, ``q8_0``, ``q4_0``, ``q4_1``) ``P`` is the float matmul's peak:
+the block kernels' own is not measured (``educational.xray_costs.peak_words`` says so).
 
 Where a layer crosses the ridge moves by less than the ridge does. A linear layer ``[N, K]``
 over ``T`` tokens does ``2 T N K`` FLOPs and moves ``N K b`` bytes of weights (``b`` bytes a
@@ -42,10 +36,11 @@ so it reaches a ridge ``R`` from
 
 and never when ``R >= 2 N K / ((N + K) e)``, the intensity its float activations cap it at.
 Narrower weights lower ``b`` as a wider peak raises ``R``: the crossing moves by the ratio of
-ridges divided by the ratio of bytes per weight, not by the ridge ratio alone. int8 above:
-12x the ridge over 4 / 1.1 = 3.6x fewer bytes a weight, ~3.3x more tokens (fewer still once
-the activation term counts: ``educational.xray_costs.linear_crossing_tokens`` computes it,
-and ``compute_bound_tokens`` the whole layer's crossing, attention included).
+ridges divided by the ratio of bytes per weight, not by the ridge ratio alone (for example, a
+kernel with 12x the float32 peak over weights of 1.1 bytes, 3.6x fewer than float32's 4: ~3.3x
+more tokens, fewer still once the activation term counts;
+``educational.xray_costs.linear_crossing_tokens`` computes it, and ``compute_bound_tokens`` the
+whole layer's crossing, attention included).
 """
 
 from __future__ import annotations
@@ -152,23 +147,6 @@ def gemm_peaks(n: int = GEMM_N, repeats: int = 5, device: torch.device | str = "
     return {name: 2.0 * n ** 3 / _best_time(run, sync, repeats) for name, run in paths.items()}
 
 
-def int8_gemm_peak(n: int = GEMM_N, repeats: int = 5) -> float:
-    """Measured int8 matrix-multiply operations/s (2 per multiply-add), the best of ``repeats``
-    ``[n, n] @ [n, n]`` through oneDNN's int8 kernel with a packed weight, the path int8 linear
-    layers take for two tokens or more (``nanovllm_core.model.int8_linear``); 0.0 where that kernel
-    is unavailable."""
-    from nanovllm_core.model import int8_linear
-
-    if not int8_linear._ONEDNN:
-        return 0.0
-    gen = torch.Generator().manual_seed(0)
-    q = int8_linear.weight_range()
-    qx = torch.randint(-127, 128, (n, n), generator=gen, dtype=torch.int8)
-    packed = torch.ops.onednn.qlinear_prepack(torch.randint(-q, q + 1, (n, n), generator=gen, dtype=torch.int8), None)
-    scale, zero = torch.ones(n), torch.zeros(n, dtype=torch.long)
-    return 2.0 * n ** 3 / _best_time(lambda: int8_linear._onednn_matmul(qx, packed, scale, zero), lambda: None, repeats)
-
-
 def last_level_cache_bytes() -> int:
     """The largest CPU cache (bytes) Linux reports for cpu0, or 0 when unknown."""
     best = 0
@@ -200,10 +178,9 @@ def memory_bandwidth(nbytes: int | None = None, repeats: int = 5, device: torch.
 
 
 def machine_name(device: torch.device | str, dtype: torch.dtype, quantization: str | None = None) -> str:
-    """Where a roofline holds: ``"Intel Xeon ... (2 threads), float32"`` (``", int8 weights"``
-    added under int8, whose peak is int8's kernel; ``", q4_1 weights"`` and the like under a block
-    mode, whose peak is the float matmul's: ``educational.xray_costs.peak_words`` says so) or the
-    GPU's name."""
+    """Where a roofline holds: ``"Intel Xeon ... (2 threads), float32"`` (``", q4_1 weights"`` and
+    the like added under a block mode, whose peak is the float matmul's:
+    ``educational.xray_costs.peak_words`` says so) or the GPU's name."""
     weights = f", {quantization} weights" if quantization else ""
     return f"{device_name(device)}, {str(dtype).replace('torch.', '')}{weights}"
 
@@ -233,12 +210,11 @@ def cpu_name() -> str:
 def measure(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, gemm_n: int = GEMM_N,
             stream_bytes: int | None = None, repeats: int = 3, quantization: str | None = None,
             bandwidth: float | None = None) -> Roofline:
-    """Measure the roofline now (about a second on a CPU): the best matmul path (int8's kernel
-    when ``quantization="int8"``, falling back to float's where it is unavailable) and a
-    streaming read, unless ``bandwidth`` (bytes/s, measured before on this device) is given."""
+    """Measure the roofline now (about a second on a CPU): the best float matmul path and a
+    streaming read, unless ``bandwidth`` (bytes/s, measured before on this device) is given.
+    ``quantization`` only names the weights in ``machine``."""
     _timed[:] = [0.0, 0.0]
-    peak = int8_gemm_peak(gemm_n, repeats) if quantization == "int8" else 0.0
-    peak = peak or max(gemm_peaks(gemm_n, repeats, device, dtype).values())
+    peak = max(gemm_peaks(gemm_n, repeats, device, dtype).values())
     bandwidth = bandwidth or memory_bandwidth(stream_bytes, repeats, device)
     share = 1.0
     if torch.device(device).type == "cpu":  # the timed runs' CPU time over what their threads could have had
@@ -264,22 +240,17 @@ _measured: dict[str, Roofline] = {}
 _bandwidths: dict[str, float] = {}
 
 
-def _peak_kind(quantization: str | None) -> str | None:
-    """What a mode's peak measures: ``"int8"`` (int8's kernel) or None (the float matmul: float and block modes)."""
-    return "int8" if quantization == "int8" else None
-
-
 def _key(device: torch.device | str, dtype: torch.dtype, quantization: str | None = None) -> str:
-    """The cache key of a roofline: its peak's kind (int8 or float), not the mode (see the module docstring)."""
-    return f"{machine_name(device, dtype, _peak_kind(quantization))} · torch {torch.__version__}"
+    """The cache key of a roofline: device and dtype, not the mode (every mode's peak is the float matmul's)."""
+    return f"{machine_name(device, dtype)} · torch {torch.__version__}"
 
 
 def _named_for(roof: Roofline, device: torch.device | str, dtype: torch.dtype, quantization: str | None) -> Roofline:
-    """``roof`` (kept under its peak's kind) with ``machine`` naming ``quantization``'s weights."""
-    kind_name, name = machine_name(device, dtype, _peak_kind(quantization)), machine_name(device, dtype, quantization)
-    if name == kind_name or roof.machine.startswith(name) or not roof.machine.startswith(kind_name):
+    """``roof`` (kept under device and dtype) with ``machine`` naming ``quantization``'s weights."""
+    base_name, name = machine_name(device, dtype), machine_name(device, dtype, quantization)
+    if name == base_name or roof.machine.startswith(name) or not roof.machine.startswith(base_name):
         return roof
-    return replace(roof, machine=name + roof.machine[len(kind_name):])
+    return replace(roof, machine=name + roof.machine[len(base_name):])
 
 
 def _bandwidth_key(device: torch.device | str) -> str:
@@ -342,7 +313,7 @@ def machine_roofline(device: torch.device | str = "cpu", dtype: torch.dtype = to
     first time, then kept.
 
     The file at ``path`` (default ``<cache_root()>/roofline.json``) keeps one entry per
-    machine, thread count, dtype, peak kind (int8's or float's) and torch version, and one
+    machine, thread count, dtype and torch version, and one
     bandwidth per device, reused by every entry: a mode measured second only times its peak.
     A file that cannot be written only means the next process measures again.
     """
@@ -358,8 +329,7 @@ def remeasure(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
     """Measure now, whatever was kept (the bandwidth too, unless ``bandwidth`` is given); keep
     the result in ``path`` only if the host was quiet (else this process uses it, and its
     ``machine`` says the host was busy and how to measure again)."""
-    kind = _peak_kind(quantization)
-    roof = busy_note(measure(device, dtype, quantization=kind, bandwidth=bandwidth))
+    roof = busy_note(measure(device, dtype, bandwidth=bandwidth))
     key = _key(device, dtype, quantization)
     with _lock:
         _measured[key] = roof

@@ -284,12 +284,11 @@ class NanoVLLMApp(App):
 
     def _note_fallbacks(self, info: dict) -> None:
         """Say once, at load, when the engine's C paths are not in use on the CPU, and why (a run that
-        silently fell back would hide why it is slower, and int8's K/V doubling to float64)."""
+        silently fell back would hide why it is slower)."""
         if info.get("device") not in (None, "cpu"):
             return
         for key, what in (("cpu_paged_unavailable", "CPU paged attention kernel not used (K/V gathered for SDPA)"),
                           ("native_ops_unavailable", "RMSNorm and RoPE run as PyTorch ops, not in C"),
-                          ("int8_native_unavailable", "int8 quantize/rescale run as PyTorch ops, not in C"),
                           ("block_native_unavailable", "block-quantized layers run PyTorch's matmul, not C"),
                           ("quantization_note", "weights")):
             if info.get(key):  # auto's choice of float (a safetensors model, say) is news, not a fault

@@ -22,8 +22,7 @@ class ContiguousKVCache:
     views in token order: to the CPU paged kernel each layer is then a pool of one block of
     ``max_len`` tokens, read through the one-entry block table ``[0]``.
 
-    ``sum_dtype``: None, or a wider dtype the attention arithmetic runs in (float64 in int8
-    mode off the CPU paged kernel). ``use_cpu_paged``: attend with the CPU paged kernel
+    ``use_cpu_paged``: attend with the CPU paged kernel
     (``attention.cpu_paged``, float32) instead of ``attend_sequence``.
     Use :meth:`context` to get the attention context for a forward pass that processes
     positions ``start .. start + num_tokens - 1``.
@@ -33,7 +32,7 @@ class ContiguousKVCache:
     """
 
     def __init__(self, cfg: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device, backend: str = "flash",
-                 sum_dtype: torch.dtype | None = None, use_cpu_paged: bool = False):
+                 use_cpu_paged: bool = False):
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self.k_by_head = torch.zeros(shape, dtype=dtype, device=device)
         self.v_by_head = torch.zeros(shape, dtype=dtype, device=device)
@@ -41,7 +40,6 @@ class ContiguousKVCache:
         self.v = self.v_by_head.transpose(1, 2)
         self.max_len = max_len
         self.backend = backend
-        self.sum_dtype = sum_dtype
         self.use_cpu_paged = use_cpu_paged
 
     @property
@@ -77,5 +75,4 @@ class _ContiguousContext:
             return cpu_paged.paged_attention(q, c.k_by_head[layer_idx].view(nkv, 1, n, hd),
                                              c.v_by_head[layer_idx].view(nkv, 1, n, hd),
                                              self.table, self.rows, self.context_lens, self.end)
-        return attend_sequence(q, c.k[layer_idx, : self.end], c.v[layer_idx, : self.end], self.mask, c.backend,
-                               c.sum_dtype)
+        return attend_sequence(q, c.k[layer_idx, : self.end], c.v[layer_idx, : self.end], self.mask, c.backend)

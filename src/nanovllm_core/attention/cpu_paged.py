@@ -7,8 +7,7 @@ a sequence's blocks into a contiguous buffer first. Against the gather + SDPA pa
 each cached number once instead of three times (read, write the copy, read the copy).
 
 Every sum in it runs in an order fixed by the token alone (see the C file's header), so a
-token gets the same bits alone or in any batch, chunk or thread count: int8 mode then needs
-no float64 attention (``nanovllm_core.model.quantization.attention_sum_dtype``).
+token gets the same bits alone or in any batch, chunk or thread count.
 
 It is compiled on first use with the system's C compiler and OpenMP, for this CPU, and
 cached (``nanovllm_core.native``). Where it cannot run (no compiler, a failed build, a

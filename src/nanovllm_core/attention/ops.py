@@ -10,12 +10,6 @@ Two backends compute the same thing:
   materialises the ``[heads, q_len, k_len]`` score matrix. Slower and larger, but it is
   the one to read, and the one the X-Ray view takes attention weights from.
 
-``sum_dtype`` (both functions): the dtype the sums run in, when wider than the inputs'.
-int8 mode asks for float64 (see ``nanovllm_core.model.quantization.attention_sum_dtype``):
-the kernels' float32 sums round differently with the number of query rows, the padding and
-the chunking, and float64's differences (~1e-16 relative) vanish when the result is rounded
-back to float32.
-
 Grouped-query attention (Ainslie et al. 2023): query head ``h`` reads KV head
 ``h // (num_heads / num_kv_heads)``, the grouping transformers' ``repeat_kv`` uses. No KV
 head is copied: queries are regrouped as ``[num_kv_heads, group, ...]`` instead.
@@ -46,7 +40,6 @@ def attend_sequence(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     backend: str = "flash",
-    sum_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Attention for one sequence's queries over its whole context.
 
@@ -56,13 +49,10 @@ def attend_sequence(
         mask: ``[num_queries, context_len]`` bool (True = attend), or None for a plain causal
             square (``num_queries == context_len``, the prompt's first chunk).
         backend: ``"flash"`` or ``"math"``.
-        sum_dtype: None, or a wider float dtype to compute in (the result is cast back to q's).
 
     Returns:
         ``[num_queries, num_heads, head_dim]``.
     """
-    if sum_dtype is not None and sum_dtype != q.dtype:
-        return attend_sequence(q.to(sum_dtype), k.to(sum_dtype), v.to(sum_dtype), mask, backend).to(q.dtype)
     nq, nh, hd = q.shape
     nkv = k.shape[1]
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, nh, nq, hd]
@@ -118,7 +108,6 @@ def attend_decode_grouped(
     v: torch.Tensor,
     mask: torch.Tensor,
     backend: str = "flash",
-    sum_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Attention for a batch of decode tokens, one per sequence, over padded contexts stored heads-first.
 
@@ -131,15 +120,10 @@ def attend_decode_grouped(
             (K/V hold exactly each one's context). Built in the dtype attention computes in,
             once per step, so that no layer converts it.
         backend: ``"flash"`` (fused SDPA) or ``"math"`` (explicit scores).
-        sum_dtype: None, or a wider float dtype to compute in (the result is cast back to q's).
 
     Returns:
         ``[num_seqs, num_heads, head_dim]``.
     """
-    if sum_dtype is not None and sum_dtype != q.dtype:
-        wide = attend_decode_grouped(q.to(sum_dtype), k.to(sum_dtype), v.to(sum_dtype),
-                                     None if mask is None else mask.to(sum_dtype), backend)
-        return wide.to(q.dtype)
     s, nh, hd = q.shape
     nkv = k.shape[0]
     # The query heads that share a KV head become that head's "query positions" (GQA without copying K/V).

@@ -198,19 +198,16 @@ class PagedAttentionMetadata:
 class PagedAttention:
     """The attention context handed to the model for one step over the paged pool.
 
-    ``sum_dtype``: None, or a wider dtype the attention arithmetic runs in (float64 in int8
-    mode on the gather path, see ``nanovllm_core.model.quantization.attention_sum_dtype``).
     ``use_cpu_paged``: run the CPU paged kernel (``attention.cpu_paged``) on the whole batch.
     """
 
     def __init__(self, cache: PagedKVCache, meta: PagedAttentionMetadata, backend: str = "flash",
-                 use_flash_attn: bool = False, sum_dtype: torch.dtype | None = None, use_cpu_paged: bool = False):
+                 use_flash_attn: bool = False, use_cpu_paged: bool = False):
         self.cache = cache
         self.meta = meta
         self.backend = backend
         self.use_flash_attn = use_flash_attn
         self.use_cpu_paged = use_cpu_paged
-        self.sum_dtype = sum_dtype
 
     @property
     def reads_in_place(self) -> bool:
@@ -238,12 +235,12 @@ class PagedAttention:
         for chunk in meta.prefills:
             a, b = chunk.token_start, chunk.token_start + chunk.num_tokens
             if chunk.block_table is None:  # starts at position 0: its context is exactly its new K/V
-                out[a:b] = attend_sequence(q[a:b], k[a:b], v[a:b], None, self.backend, self.sum_dtype)
+                out[a:b] = attend_sequence(q[a:b], k[a:b], v[a:b], None, self.backend)
                 continue
             kc, vc = cache.gather_blocks(layer_idx, chunk.block_table)
             ctx = chunk.context_len
             out[a:b] = attend_sequence(q[a:b], kc[:, :ctx].transpose(0, 1), vc[:, :ctx].transpose(0, 1),
-                                       chunk.mask, self.backend, self.sum_dtype)
+                                       chunk.mask, self.backend)
         return out
 
     def _decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
@@ -256,7 +253,7 @@ class PagedAttention:
             kd, vd = kd.view(nkv, g.num, -1, hd), vd.view(nkv, g.num, -1, hd)
             if g.mask is None:  # a lone decode: its own context, no padding to hide
                 kd, vd = kd[:, :, :g.context_len], vd[:, :, :g.context_len]
-            o = attend_decode_grouped(q[g.first:g.first + g.num], kd, vd, g.mask, self.backend, self.sum_dtype)
+            o = attend_decode_grouped(q[g.first:g.first + g.num], kd, vd, g.mask, self.backend)
             if out is None:
                 return o
             out[g.first:g.first + g.num] = o

@@ -14,7 +14,7 @@
  *   - the output adds p_j * v_j over the context in key order, one running sum per element
  *     of head_dim (weighted_sum; weighted_sum_heads with AVX-512).
  * So a token computes the same bits alone, in a batch of 64, in a prefill chunk or as a
- * decode; int8 mode relies on this (see nanovllm_core.model.quantization).
+ * decode.
  * Compiled with -ffp-contract=off: no multiply and add are fused into one rounding, so a
  * loop's vectorised body and its scalar remainder round alike, and a build for any x86-64
  * instruction set (plain, AVX2, AVX-512) gives the same bits (tests/test_cpu_paged.py).

@@ -157,19 +157,13 @@ class Narrator(SchedulerNarration):
             sharing = (f"{heads} query heads sharing {plural(kv, 'KV head')} ({heads // kv} to 1, {style}: query head "
                        f"h reads KV head h // {heads // kv}),")
         weights = ""
-        if i.get("quantization") == "int8":
-            weights = (f", linear layers and LM head in int8 ({i['linear_weight_bytes'] / 2**20:,.0f} MiB, activations "
-                       "quantized per token)" if i.get("linear_weight_bytes") else ", linear layers and LM head in int8")
-        elif i.get("quantization") and i.get("weight_format"):  # block modes: what each format holds
+        if i.get("quantization") and i.get("weight_format"):  # block modes: what each format holds
             weights = f", weights kept in GGUF blocks as {i['weight_format']}"
-        kv_dtype = i.get("kv_dtype") or i.get("dtype", "?")
-        kv_why = ("" if kv_dtype == i.get("dtype") else
-                  f" (in {kv_dtype}, the width int8 mode's attention sums in)")
         text = (f"{i.get('model_name', 'The model')} on {i.get('device', '?')} in {i.get('dtype', '?')}{weights}: "
                 f"{i.get('num_parameters', 0) / 1e6:.0f} M parameters in {i['num_layers']} decoder layers, "
                 f"hidden size {i['hidden_size']}, {sharing} heads of {i['head_dim']} dimensions, a vocabulary of "
                 f"{i['vocab_size']:,} tokens. Each token kept in the KV cache costs "
-                f"{i['kv_bytes_per_token']:,} bytes{kv_why}; the pool has {i.get('num_kv_blocks', 0):,} blocks of "
+                f"{i['kv_bytes_per_token']:,} bytes; the pool has {i.get('num_kv_blocks', 0):,} blocks of "
                 f"{i.get('block_size', 0)} tokens.")
         return [Commentary("model", "The model", text)]
 

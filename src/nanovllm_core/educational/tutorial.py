@@ -35,6 +35,7 @@ from typing import Any
 
 from nanovllm_core.attention.fallbacks import FALLBACK_CONDITIONS, FLASH_ATTN_FALLBACK_CONDITIONS
 from nanovllm_core.educational.xray_costs import peak_words
+from nanovllm_core.model.block_formats import FORMATS  # torch-free
 from nanovllm_core.sampling_params import SamplingParams
 
 LETTERS = "ABCD"
@@ -384,7 +385,7 @@ CHAPTERS: tuple[Chapter, ...] = (
         batch. It does not share the reads of the KV cache: each request's query reads its own cached
         keys and values, bytes that grow with its context and that no batching reduces.
 
-        Storing each weight in fewer bytes (int8, or GGUF's blocks: 32 weights and their fp16 scale in
+        Storing each weight in fewer bytes (GGUF's blocks: 32 weights and their fp16 scale in
         34 bytes for Q8_0, 18 for 4-bit Q4_0, 20 for Q4_1 with a min as well) lowers the bytes a step
         reads, and with them the floor that the memory bandwidth puts under its time. The step is only as
         much faster when nothing else takes the time: the norms, RoPE, the KV write, attention and every
@@ -722,13 +723,12 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
             per = g("kv_bytes_per_token")
             elem = per // (2 * g("num_layers") * g("num_kv_heads") * g("head_dim"))
             kv_dtype = g("kv_dtype") or g("dtype")
-            why = " (int8 mode keeps K/V in float64, the width its attention sums in)" if kv_dtype != g("dtype") else ""
-            lines.append(f"K/V in {kv_dtype}{why}: 2 x {g('num_layers')} layers x {g('num_kv_heads')} KV "
+            lines.append(f"K/V in {kv_dtype}: 2 x {g('num_layers')} layers x {g('num_kv_heads')} KV "
                          f"heads x {g('head_dim')} x {elem} bytes = {per:,} bytes per token; 1,000 tokens take "
                          f"{per * 1000 / 2**20:.1f} MiB.")
             if g("quantization") and g("linear_weight_bytes"):
                 weights = g("linear_weight_bytes")
-                kind = "int8" if g("quantization") == "int8" else f"{g('weight_kinds') or g('quantization')} block"
+                kind = f"{g('weight_kinds') or g('quantization')} block"
                 lines.append(f"Its {kind} linear layers and LM head take {weights / 2**20:,.0f} MiB: "
                              f"{weights // per:,} tokens of cache weigh as much.")
             elif g("num_parameters"):
@@ -822,12 +822,10 @@ def _dtype_name(info: dict[str, Any]) -> str:
 
 def weights_kind(info: dict[str, Any]) -> str:
     """How the linear layers and LM head hold their weights, from ``model_info()``: ``"float32"``,
-    ``"int8 (1.100 bytes a weight, ...)"`` or ``"q4_1+q8_0 block (0.701 bytes a weight on average, ...)"``."""
+    or ``"q4_1+q8_0 block (0.701 bytes a weight on average, ...)"``."""
     g = info.get
     weights, count = g("linear_weight_bytes"), g("linear_weights")
     mode = g("quantization")
-    if mode == "int8" and count:
-        return f"int8 ({weights / count:.3f} bytes a weight, scales and outlier columns included)"
     if mode and count:
         kinds = g("weight_kinds") or mode
         return f"{kinds} block ({weights / count:.3f} bytes a weight on average, the blocks' scales and mins included)"
@@ -875,18 +873,17 @@ def _decode_bytes(info: dict[str, Any]) -> list[str]:
                      "however fast the arithmetic.")
     if count and g("quantization"):
         wide = count * 4
-        lines.append(f"{'int8' if g('quantization') == 'int8' else 'Block'} weights are why: the same "
+        lines.append(f"Block weights are why: the same "
                      f"{count / 1e6:,.0f} M weights in float32 would be {wide / 2**20:,.0f} MiB a step, "
                      f"{wide / weights:.1f}x the bytes.")
     elif count:
-        int8 = g("int8_linear_weight_bytes") or count
-        lines.append(f"With --quantization int8 the same {count / 1e6:,.0f} M weights would be "
-                     f"{int8 / 2**20:,.0f} MiB (one byte a weight, a 4-byte scale per output row, and a few "
-                     f"outlier input channels per layer kept on a finer integer grid): {weights / int8:.1f}x fewer bytes "
+        q8 = count * FORMATS["q8_0"].bytes_per_weight
+        lines.append(f"With --quantization q8_0 the same {count / 1e6:,.0f} M weights would be about "
+                     f"{q8 / 2**20:,.0f} MiB (blocks of 32 one-byte weights and their 2-byte scale, 34 bytes; a "
+                     f"layer whose width is not a multiple of 32 would stay float): {weights / q8:.1f}x fewer bytes "
                      "per step, so a batch-1 step could be up to that much faster where reading weights is the bound. "
-                     "Measured on a 2-core Xeon it is faster, but by less than that: the weights shrink, but the step's "
-                     "other costs do not (some 120 separate library calls, each quantizing its input first, plus "
-                     "attention and the Python between them). The README's int8 table has the speeds.")
+                     "Measured on a 2-core AMD EPYC (Zen 3) it is faster, but by less than that: the weights shrink, "
+                     "but the step's other costs do not (norms, RoPE, attention and the Python between them).")
     lines.append("Those bytes set a floor on a step's time, not its time: norms, RoPE, the KV write, attention, "
                  "the Python between operations and each call into a kernel do not shrink with the weights, and the "
                  "fewer the weight bytes, the larger their share of the step. python -m "

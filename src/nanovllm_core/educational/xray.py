@@ -66,7 +66,7 @@ def layer_dims(engine: "LLMEngine") -> LayerDims:
 
 
 def _kind(module) -> str:
-    """A linear module's weight format: its ``kind`` (``"q4_1"``, ``"int8"``) or its weight's dtype (``"float32"``)."""
+    """A linear module's weight format: its ``kind`` (``"q4_1"``, ``"q8_0"``) or its weight's dtype (``"float32"``)."""
     kind = getattr(module, "kind", None)
     if kind:
         return str(kind)
@@ -76,7 +76,7 @@ def _kind(module) -> str:
 
 def roofline_key(engine: "LLMEngine") -> tuple:
     """(device, dtype, path, quantization): the arguments naming this engine's roofline in
-    ``nanovllm_core.roofline`` (int8 weights have their own matmul peak)."""
+    ``nanovllm_core.roofline`` (the peak is the float matmul's in every mode; the mode names the weights)."""
     return engine.device, engine.dtype, None, getattr(engine.model, "quantization", None)
 
 

@@ -19,9 +19,8 @@ Where neither in-place kernel runs (``fused`` or ``math``: the cases listed in
 context is already cached first gathers its KV blocks into one contiguous buffer
 (``kv_gather``), a copy the in-place kernels avoid. Attention FLOPs count
 the (query, key) pairs the kernel visits (:func:`score_pairs`: the causal half where it skips
-masked keys, the full rectangle where it computes and masks them). Bytes count reads plus writes at the model's element size, weights as stored (int8
-plus scales and outlier columns under ``--quantization int8``; under a block mode, ``gguf``, ``q8_0``, ``q4_0``, ``q4_1``, the
-blocks' bytes, scales and mins included: 34, 18 or 20 bytes per 32 weights) and K/V at the cache's element size; FLOPs count a multiply-add
+masked keys, the full rectangle where it computes and masks them). Bytes count reads plus writes at the model's element size, weights as stored (under a
+block mode, ``gguf``, ``q8_0``, ``q4_0``, ``q4_1``, the blocks' bytes, scales and mins included: 34, 18 or 20 bytes per 32 weights) and K/V at the cache's element size; FLOPs count a multiply-add
 as 2. GQA: K and V bytes are those of the ``num_kv_heads`` stored heads; query head ``h``
 reads KV head ``h // group`` and nothing is copied.
 
@@ -48,13 +47,13 @@ BACKEND_NAMES = {
 class LayerDims:
     """A decoder layer's sizes: elements, heads; ``elem`` bytes per number of the model's dtype.
 
-    ``weight_elem``: bytes per linear-layer weight as stored, scales and
-    outlier columns included (about 1.1 for int8; 0 means ``elem``); ``kv_elem``: bytes per
-    cached K/V number (0 means ``elem``); ``linear_weight_bytes``: the bytes each of qkv_proj,
-    o_proj, gate_up_proj and down_proj stores, in that order, when the engine's layers report
-    them (int8 layers differ in their overheads, so one average would misstate each);
-    ``linear_kinds``: the format each of those four runs in (``"q4_1"``, ``"int8"``,
-    ``"float32"``, ...; empty: not known, and then weights narrower than ``elem`` read as int8).
+    ``weight_elem``: bytes per linear-layer weight as stored, scales included (about 1.06 for
+    Q8_0; 0 means ``elem``); ``kv_elem``: bytes per cached K/V number (0 means ``elem``);
+    ``linear_weight_bytes``: the bytes each of qkv_proj, o_proj, gate_up_proj and down_proj
+    stores, in that order, when the engine's layers report them (a GGUF file may keep each in
+    another format, so one average would misstate each); ``linear_kinds``: the format each of
+    those four runs in (``"q4_1"``, ``"q8_0"``, ``"float32"``, ...; empty: not known, and then no
+    format is named).
     """
 
     hidden: int
@@ -118,12 +117,9 @@ def score_pairs(s: SeqAttention, backend: str) -> int:
     return s.num_tokens * s.keys_read
 
 
-INT8_NOTE = "; int8: W ≈ W_q · s (a scale per output row), X quantized per token, exact integer sums"
-
-
 def weight_note(d: LayerDims, index: int) -> str:
     """What linear module ``index`` (0 qkv, 1 o, 2 gate_up, 3 down) really multiplies, appended to its math:
-    int8's scales, a block format's bytes and formula (``model/block_quant.py``; the X-Ray draws the
+    a block format's bytes and formula (``model/block_quant.py``; the X-Ray draws the
     block itself, ``educational/xray_blocks.py``), or nothing for float weights."""
     from nanovllm_core.educational.xray_blocks import FORMULA
     from nanovllm_core.model.block_formats import FORMATS  # torch-free: a replay or --connect loads no torch
@@ -132,8 +128,6 @@ def weight_note(d: LayerDims, index: int) -> str:
     if kind in FORMATS:
         f = FORMATS[kind]
         return f"; W in {kind.upper()} blocks, {f.block_bytes} bytes per 32 weights: {FORMULA[kind]}"
-    if kind == "int8" or (not d.linear_kinds and 0 < d.weight_elem < d.elem):
-        return INT8_NOTE
     return ""
 
 
@@ -173,8 +167,8 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
         ``OpInfo`` per operation: math, shapes (``[T, ...]`` for the batch), FLOPs, bytes.
     """
     h, i, nh, nkv, hd, e = d.hidden, d.intermediate, d.num_heads, d.num_kv_heads, d.head_dim, d.elem
-    w, kv = d.weight_elem or e, d.kv_elem or e  # int8/block modes: weights as stored; K/V as the cache stores them
-    # what each product really multiplies (int8 scales, or a block format's layout)
+    w, kv = d.weight_elem or e, d.kv_elem or e  # block modes: weights as stored; K/V as the cache stores them
+    # what each product really multiplies (a block format's layout)
     note = [weight_note(d, k) for k in range(4)]
     T = sum(s.num_tokens for s in seqs)
     qkv = (nh + 2 * nkv) * hd
@@ -307,7 +301,7 @@ def crossing_shift(ridge_ratio: float, bytes_per_weight_ratio: float) -> float:
     """How many times more tokens a layer needs to turn compute-bound, to leading order (``T* ≈ R b / 2``):
     ``ridge_ratio`` (new ridge / old) divided by ``bytes_per_weight_ratio`` (old bytes a weight / new).
 
-    int8 on a machine where its peak is 12x float32's: ``crossing_shift(12, 4 / 1.1)`` = 3.3, not 12.
+    A kernel whose peak is 12x float32's, on weights of 1.1 bytes: ``crossing_shift(12, 4 / 1.1)`` = 3.3, not 12.
     """
     return ridge_ratio / bytes_per_weight_ratio
 
@@ -335,12 +329,9 @@ def compute_bound_tokens(d: LayerDims, ridge: float, backend: str = "fused", lim
 
 
 def peak_words(machine: str, peak_flops: float) -> str:
-    """"matmul peak 330.0 GFLOP/s", or for int8 weights (``machine`` says so) the int8 kernel's
-    peak, whose integer multiply-adds count 2 operations each as FLOPs do; for block weights
-    (``gguf``, ``q8_0``, ``q4_0``, ``q4_1``) it says the peak is the float matmul's, which is what
+    """"matmul peak 330.0 GFLOP/s"; for block weights (``gguf``, ``q8_0``, ``q4_0``, ``q4_1``;
+    ``machine`` says so) it says the peak is the float matmul's, which is what
     ``roofline.measure`` times for them."""
-    if "int8 weights" in machine:
-        return f"int8 matmul peak {peak_flops / 1e9:,.1f} G operations/s (counted as FLOPs)"
     if any(f", {mode} weights" in machine for mode in ("gguf", "q8_0", "q4_0", "q4_1")):
         # roofline.measure times the float matmul for these: the block kernels' own peak is not measured
         return f"float matmul peak {peak_flops / 1e9:,.1f} GFLOP/s, the block kernels' own not measured"

@@ -324,7 +324,7 @@ class XRayView:
             info = self.engine.model_info()
             model = self.engine.model
             head = model._modules.get("lm_head")
-            head_bytes = int(getattr(head, "weight_bytes", 0))  # as stored: float, int8 or blocks
+            head_bytes = int(getattr(head, "weight_bytes", 0))  # as stored: float or blocks
             if not head_bytes:
                 matrix = model.lm_head_matrix
                 head_bytes = matrix.numel() * matrix.element_size()

@@ -33,11 +33,11 @@ from nanovllm_core.engine.clock import EngineClock
 from nanovllm_core.engine.device_errors import is_fatal_device_error
 from nanovllm_core.engine.detokenizer import start_detokenizer
 from nanovllm_core.engine.event_source import EventSource, Subscription  # noqa: F401  (Subscription re-exported)
-from nanovllm_core.engine.model_runner import ForwardResult, ModelRunner, kv_cache_dtype
+from nanovllm_core.engine.model_runner import ForwardResult, ModelRunner
 from nanovllm_core.engine.output_processor import OutputProcessor, RequestState
 from nanovllm_core.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
-from nanovllm_core.model import block_quant, int8_linear, native_ops
+from nanovllm_core.model import block_quant, native_ops
 from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
 from nanovllm_core.engine.tensor_parallel import TensorParallelError, WorkerGroup
 from nanovllm_core.model import parallel
@@ -48,7 +48,6 @@ from nanovllm_core.model.quantization import (
     built_quantization,
     describe_weights,
     weight_formats,
-    int8_weight_bytes,
     linear_weight_bytes,
     linear_weight_count,
 )
@@ -103,9 +102,7 @@ class LLMEngine(EventSource):
         block_size = config.block_size or (
             default_block_size(self.device, self.dtype, self.model_config.head_dim, config.attention_backend)
             if config.paged else DEFAULT_BLOCK_SIZE)
-        # int8 off the CPU paged kernel keeps K/V in float64, the dtype its attention sums in
-        # (model.quantization.attention_sum_dtype); the runner makes the same choice.
-        self.kv_dtype = kv_cache_dtype(model, config.attention_backend)
+        self.kv_dtype = self.dtype  # K/V in the model's dtype; the runner makes the same choice
         bytes_per_block = self.model_config.kv_bytes_per_token(self.kv_dtype) * block_size
         # A draft model's pool has one block per target block: the memory budget pays for both.
         draft_bytes_per_block = draft.config.kv_bytes_per_token(self.dtype) * block_size if draft else 0
@@ -251,9 +248,6 @@ class LLMEngine(EventSource):
                                       cpu_paged.unsupported_reason(self.device, self.dtype, self.config.attention_backend)),
             # Why RMSNorm and RoPE run as PyTorch ops instead of in C (model/native_ops.py) on the CPU, or None.
             "native_ops_unavailable": native_ops.unavailable_reason() if self.device.type == "cpu" else None,
-            # Why int8 layers quantize and rescale with PyTorch ops instead of int8_cpu.c (int8 on the CPU), or None.
-            "int8_native_unavailable": (int8_linear.native_unavailable_reason()
-                                        if self.device.type == "cpu" and self.model.quantization == "int8" else None),
             # Weights of every linear layer and the LM head, as the loader built them: the bytes
             # one decode step streams from memory (what batching shares among the batch).
             "quantization": self.model.quantization, "linear_weight_bytes": linear_weight_bytes(self.model),
@@ -268,7 +262,6 @@ class LLMEngine(EventSource):
             "block_native_unavailable": (block_quant.unavailable_reason()
                                          if self.model.quantization in BLOCK_MODES else None),
             "linear_weights": linear_weight_count(self.model),
-            "int8_linear_weight_bytes": int8_weight_bytes(self.model),
             **self._tensor_parallel_info(),
         }
 

@@ -47,7 +47,6 @@ from nanovllm_core.attention.selector import flash_attn_available, paged_attenti
 from nanovllm_core.engine.scheduler import ScheduledSequence
 from nanovllm_core.model.llama import LlamaForCausalLM
 from nanovllm_core.model.loader import warm_up
-from nanovllm_core.model.quantization import attention_sum_dtype
 from nanovllm_core.transfer import Staging, to_device
 
 # Decodes attended together (one gather, one attention call per layer). Groups of similar
@@ -91,18 +90,6 @@ class ForwardResult:
     num_tokens: int
 
 
-def kv_cache_dtype(model: LlamaForCausalLM, attention_backend: str) -> torch.dtype:
-    """The dtype the KV cache stores for ``model``: the model's, or float64 for int8 weights off the CPU paged kernel.
-
-    int8 layers need attention whose sums no batch changes (``model.quantization.attention_sum_dtype``):
-    the CPU paged kernel's are, on float32 K/V; every other kernel gets there by summing in
-    float64, and keeps K/V in float64 so that no step converts its gathered context.
-    """
-    p = next(model.parameters())
-    invariant = cpu_paged.available(p.device, p.dtype, attention_backend)
-    return attention_sum_dtype(getattr(model, "quantization", None), batch_invariant_kernel=invariant) or p.dtype
-
-
 class ModelRunner:
     """Owns the model and the KV cache; runs a step's batch.
 
@@ -130,12 +117,10 @@ class ModelRunner:
         self.paged = paged
         self.backend = attention_backend
         self.max_model_len = max_model_len
-        # K/V are kept in the dtype attention sums in, so no step converts the gathered context;
-        # a shared pool (self-speculative drafting) sets both.
+        # K/V are kept in the model's dtype; a shared pool (self-speculative drafting) sets it.
         self.use_cpu_paged = (cpu_paged.available(self.device, self.dtype, attention_backend)
                               and (kv_cache is None or (kv_cache.heads_major and kv_cache.k[0].dtype == self.dtype)))
-        self.kv_dtype = kv_cache_dtype(model, attention_backend) if kv_cache is None else kv_cache.k[0].dtype
-        self.attention_sum_dtype = self.kv_dtype if self.kv_dtype != self.dtype else None
+        self.kv_dtype = self.dtype if kv_cache is None else kv_cache.k[0].dtype
         if kv_cache is not None:
             self.use_flash_attn = not kv_cache.heads_major
         else:
@@ -241,8 +226,7 @@ class ModelRunner:
             meta = self._cpu_paged_metadata(entries, slot_mapping)
         else:
             meta = self._gather_metadata(entries, slot_mapping)
-        attn = PagedAttention(self.kv_cache, meta, self.backend, self.use_flash_attn, self.attention_sum_dtype,
-                              self.use_cpu_paged)
+        attn = PagedAttention(self.kv_cache, meta, self.backend, self.use_flash_attn, self.use_cpu_paged)
         hidden = self.model(input_ids, pos, attn, tracer)
         if not flat_rows:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
@@ -321,7 +305,7 @@ class ModelRunner:
             token_start += s.num_new_tokens
         t = staged.upload(dev)
         decode_groups = []
-        mask_dtype = self.attention_sum_dtype or self.dtype  # the dtype attention adds it in: no layer converts it
+        mask_dtype = self.dtype  # the dtype attention adds it in: no layer converts it
         for first, size, width, blocks, lens, longest in groups:
             mask = None  # a lone decode: no padding, its gathered keys are cut to its context
             if size > 1:
@@ -401,7 +385,7 @@ class ModelRunner:
                 limit = seq.params.max_tokens or self.max_model_len
                 reserve = min(self.max_model_len, seq.num_prompt_tokens + limit)
                 cache = ContiguousKVCache(self.model.config, reserve, self.kv_dtype, self.device, self.backend,
-                                          self.attention_sum_dtype, self.use_cpu_paged)
+                                          self.use_cpu_paged)
                 self.contiguous[seq.seq_id] = cache
             ids = to_device(seq.token_ids[s.start:s.start + s.num_new_tokens], torch.long, self.device)
             positions = torch.arange(s.start, s.start + s.num_new_tokens, device=self.device)

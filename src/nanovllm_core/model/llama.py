@@ -280,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # None: float weights; else see nanovllm_core.model.quantization, which swaps the
-        # nn.Linear modules above for the ones that run (packed float, blocks, int8) after loading.
+        # nn.Linear modules above for the ones that run (packed float or blocks) after loading.
         self.quantization: str | None = None
         # Block modes on the CPU: every decoder layer of a step in one C call (block_quant.FusedDecoderLayers).
         self.fused_layers: block_quant.FusedDecoderLayers | None = None
@@ -336,7 +336,7 @@ class LlamaForCausalLM(nn.Module):
         """hidden ``[num_rows, hidden]`` -> logits ``[num_rows, vocab]`` in float32.
 
         Through ``lm_head`` once the loader has built it (a tied head gets its own module over
-        the embedding matrix, float or int8); before that, through the embedding matrix itself.
+        the embedding matrix, float or blocks); before that, through the embedding matrix itself.
         Split over the vocabulary (``tp``): each rank's ``[num_rows, vocab / N]`` is gathered
         to rank 0, which alone gets the logits; the other ranks get None.
         """

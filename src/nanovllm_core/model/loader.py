@@ -416,8 +416,8 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     """Resolve, build and load a model: returns ``(LlamaForCausalLM, tokenizer, ResolvedModel)``.
 
     The rotary table is sized for ``max_model_len`` (default: the model's context length).
-    ``quantization`` (None or ``"auto"``, ``"none"``, ``"gguf"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"``
-    or ``"int8"``) chooses the linear layers (``nanovllm_core.model.quantization``); auto is
+    ``quantization`` (None or ``"auto"``, ``"none"``, ``"gguf"``, ``"q8_0"``, ``"q4_0"`` or ``"q4_1"``)
+    chooses the linear layers (``nanovllm_core.model.quantization``); auto is
     decided by ``resolve_quantization`` (a GGUF file's own blocks on the CPU where they run, else
     float, the reason in ``model.quantization_note``). ``"gguf"`` builds its block layers straight
     from the file's tensors on a model not yet materialised: only the norms (and any tensor in a
@@ -440,7 +440,6 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
     from nanovllm_core.model.quantization import (
         AUTO,
-        calibration_ids,
         keep_file_blocks,
         normalize_quantization,
         prepare_linear_layers,
@@ -496,12 +495,11 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     net.rotary.build_tables(device)
     load_weights(net, resolved.path, progress, skip=kept, tensor_parallel=tensor_parallel)
     net.eval()
-    stage = {"int8": "quantizing to int8 (calibrating)", "gguf": "keeping the GGUF file's blocks", None: "packing linear layers"
-             }.get(mode, f"quantizing to {mode}")
+    stage = {"gguf": "keeping the GGUF file's blocks", None: "packing linear layers"}.get(mode, f"quantizing to {mode}")
     if progress:
         progress(stage, 0, 1)
     try:
-        prepare_linear_layers(net, mode, calibration_ids(tokenizer, cfg.vocab_size), gguf_file=resolved.gguf_file)
+        prepare_linear_layers(net, mode, gguf_file=resolved.gguf_file)
     except ValueError as e:
         raise ModelLoadError(f"{resolved.name}: {e}") from None
     if auto_note is not None:

@@ -6,11 +6,7 @@ will run it:
 
 - float (``"none"``): :class:`~nanovllm_core.model.cpu_linear.FloatLinear`, the float
   weight packed for oneDNN now, so that no step pays for packing;
-- a block mode (``"gguf"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"``): :class:`~nanovllm_core.model.block_quant.BlockLinear`;
-- ``quantization="int8"``: :class:`~nanovllm_core.model.int8_linear.Int8Linear`, int8
-  weights with one scale per output channel, activations quantized per token. The token
-  embedding stays float (a lookup reads one row, not the matrix); a tied LM head gets its
-  own int8 copy of the embedding matrix.
+- a block mode (``"gguf"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"``): :class:`~nanovllm_core.model.block_quant.BlockLinear`.
 
 No flag (``quantization=None`` or ``"auto"``) is a decision, made by :func:`resolve_quantization`
 before anything is built: a GGUF checkpoint's own blocks on the CPU where they run, else float.
@@ -18,23 +14,13 @@ before anything is built: a GGUF checkpoint's own blocks on the CPU where they r
 Every such module reports ``bytes_per_weight`` and ``weight_bytes``; :func:`linear_weight_bytes`
 sums them: the bytes of weights one decode step streams from memory at batch 1.
 
-For int8, the inputs of q/k/v and gate/up (RMSNorm outputs, a few channels 10-30x larger
-than the rest in SmolLM2) are smoothed first (SmoothQuant, Xiao et al. 2023, section 4):
-the largest magnitude of each input channel is measured by running the float model once over
-a fixed calibration text (:data:`CALIBRATION_TEXT`, about 80 tokens), and each channel j is
-divided by ``s_j = sqrt(max|x_j| / max|W[:, j]|)`` while the weight's column j is multiplied
-by it. The same pass picks, for every linear layer and the LM head, the
-:data:`OUTLIER_CHANNELS` input channels with the largest (smoothed) maxima; those skip int8
-and take a finer integer grid of their own (:func:`outlier_channels`, LLM.int8()'s decomposition).
-Measured on the default model, int8 perplexity against float32 on ``benchmarks/corpus.txt``
-(1,508 tokens) and, held out, the project's seed README (4,526 tokens): +2.70 % / +3.57 %
-with smoothing alone, +0.93 % / +0.73 % with 16 outlier channels as well (in float64),
-+0.90 % / +0.68 % with those on their own 12-bit x 10-bit integer grid (now).
+An int8 mode (int8 weights with one scale per output channel, through oneDNN/fbgemm, with
+SmoothQuant calibration and outlier channels) was removed: ``"q8_0"`` (int8 weights in
+32-weight blocks, each with its own scale) is faster and closer to float32 (see
+docs/cpu-kernels.md, "int8 weights: what went and why").
 """
 
 from __future__ import annotations
-
-from typing import Iterable
 
 import torch
 from torch import nn
@@ -54,132 +40,14 @@ from nanovllm_core.config import (  # noqa: F401  (re-exported)
 from nanovllm_core.model import block_quant
 from nanovllm_core.model.block_quant import BY_GGML_TYPE
 from nanovllm_core.model.cpu_linear import FloatLinear
-from nanovllm_core.model.int8_linear import Int8Linear
 
 EMBEDDING_FORMAT = "q8_0"  # the token embedding (and a tied LM head) in every block mode but "gguf"
-
-CALIBRATION_TEXT = (
-    "A short calibration passage: the committee met on Tuesday to discuss the budget, the new library, "
-    "and the repairs to the old bridge. Numbers were read aloud: 12, 250, 3,400. Someone asked why; "
-    "nobody knew. def f(x):\n    return x * 2\n\"Hello,\" she said, \"is this the way to the station?\""
-)
-SMOOTHING_ALPHA = 0.5  # SmoothQuant's migration strength: 0.5 splits the range evenly between x and W
-OUTLIER_CHANNELS = 16  # input channels per linear layer kept out of int8 (see outlier_channels) ...
-OUTLIER_SHARE = 1 / 32  # ... and at most this share of them, so a small model stays mostly int8
-
-
-def attention_sum_dtype(mode: str | None, batch_invariant_kernel: bool = False) -> torch.dtype | None:
-    """The dtype attention computes in under ``mode``: float64 for int8, None (the model's dtype) otherwise.
-
-    ``batch_invariant_kernel``: attention runs on a kernel whose sums no batch, chunking or
-    padding changes (the CPU paged kernel, ``attention.cpu_paged``); then int8 needs nothing
-    wider and this returns None. Below is why the other kernels need float64.
-
-    Why int8 needs it. Each int8 layer quantizes its input per token, a whole rounding step
-    (1/127 of the row's largest value) for any value near a rounding boundary. The int8
-    products are exact and per token, but attention's float32 sums are not batch-invariant:
-    the CPU's SDPA kernel and matmul round in an order that depends on the number of query
-    rows (a prompt at once, in chunks, or one decode at a time), on the padding of a decode
-    group and on the chunking of the context. Measured on the default model ("In 1492,
-    Christopher Columbus", 9 tokens): layer 0's attention output differed by 1e-7 between a
-    whole prefill and chunks of 3; re-quantized, that became 7e-6 after layer 0, 0.09 after
-    layer 2 and 1.9 in the final hidden state, enough to change greedy tokens. In float64
-    the same sums differ by ~1e-16 relative, which rounding back to float32 removes (a
-    difference survives only for a value within ~1e-16 of a float32 rounding midpoint, about
-    one in 10^8, and then changes an int8 input only if that too sits at a boundary): the
-    same measurement gives bit-identical hidden states at every layer. The price is bytes:
-    float64 K/V double the cache and its gathers, and on the 64-request workload (2-core
-    Xeon) int8's float64 attention took longer than its int8 linear layers.
-    """
-    return torch.float64 if mode == "int8" and not batch_invariant_kernel else None
 
 
 def _linear_slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, attribute name, module) of every ``nn.Linear`` still in the model."""
     return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
             if isinstance(child, nn.Linear)]
-
-
-def _smoothed_inputs(model: nn.Module) -> list[nn.Linear]:
-    """The linear layers that read an RMSNorm output: q/k/v and gate/up of every decoder layer."""
-    return [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)]
-
-
-LM_HEAD_INPUT = "lm_head"  # key of the final hidden state's maxima in input_channel_maxima's result
-
-
-@torch.no_grad()
-def input_channel_maxima(model: nn.Module, modules: Iterable[nn.Module], token_ids: list[int]) -> dict[nn.Module | str, torch.Tensor]:
-    """Run the float model once over ``token_ids``; for each module, ``max |x|`` per input channel ``[in_features]``.
-
-    Also the LM head's input (the final-normed hidden state ``forward`` returns), under the
-    key :data:`LM_HEAD_INPUT`: the head is built after this pass, so there is no module to hook.
-    Token ids longer than the model's rotary table (``max_model_len``) run as windows of that length.
-    """
-    from nanovllm_core.attention.contiguous import ContiguousKVCache
-
-    maxima: dict[nn.Module, torch.Tensor] = {}
-
-    def record(module, args):
-        m = args[0].detach().abs().amax(dim=0).float()
-        maxima[module] = torch.maximum(maxima[module], m) if module in maxima else m
-
-    hooks = [m.register_forward_pre_hook(record) for m in modules]
-    try:
-        device = next(model.parameters()).device
-        # A model built for a short context (max_model_len below the text's length) has rotary
-        # tables only that long: the text then runs as consecutive windows, each from position 0.
-        window = max(1, min(len(token_ids), model.rotary.max_position))
-        for start in range(0, len(token_ids), window):
-            chunk = token_ids[start:start + window]
-            n = len(chunk)
-            cache = ContiguousKVCache(model.config, n, next(model.parameters()).dtype, device)
-            hidden = model(torch.tensor(chunk, device=device), torch.arange(n, device=device), cache.context(0, n))
-            m = hidden.detach().abs().amax(dim=0).float()
-            maxima[LM_HEAD_INPUT] = torch.maximum(maxima[LM_HEAD_INPUT], m) if LM_HEAD_INPUT in maxima else m
-    finally:
-        for h in hooks:
-            h.remove()
-    return maxima
-
-
-def smoothing_factors(x_max: torch.Tensor, weight: torch.Tensor, alpha: float = SMOOTHING_ALPHA) -> torch.Tensor:
-    """SmoothQuant's per-channel factors ``s_j = max|x_j|^alpha / max|W[:, j]|^(1 - alpha)`` ``[in_features]``."""
-    w_max = weight.detach().abs().amax(dim=0).float().clamp(min=1e-5)
-    return (x_max.clamp(min=1e-5) ** alpha / w_max ** (1 - alpha)).clamp(min=1e-5)
-
-
-def num_outlier_channels(in_features: int) -> int:
-    """How many input channels a layer with ``in_features`` keeps out of int8: :data:`OUTLIER_CHANNELS`,
-    at most :data:`OUTLIER_SHARE` of them."""
-    return min(OUTLIER_CHANNELS, int(in_features * OUTLIER_SHARE))
-
-
-def outlier_channels(x_max: torch.Tensor, count: int | None = None) -> torch.Tensor:
-    """The ``count`` input channels of largest calibrated ``max |x|`` ``[in_features]``, ``[count]`` long, ascending.
-
-    ``count`` defaults to :data:`OUTLIER_CHANNELS`, at most :data:`OUTLIER_SHARE` of the channels
-    (16 of the default model's 576 or 1536). On the default model, against float32 on
-    ``benchmarks/corpus.txt``: int8 perplexity +2.70 % with none, +1.58 % with 4, +0.90 % with
-    16 (``benchmarks/benchmark_quantization.py`` prints the current figure).
-
-    LLM.int8() (Dettmers et al. 2022, section 3.2) finds that a few hidden channels carry
-    values far larger than the rest, in every layer and nearly every token; a per-token int8
-    scale set by them leaves the other channels only a few levels. Those channels are the
-    same from token to token, so here they are picked once, at load, from the calibration pass.
-    """
-    count = num_outlier_channels(x_max.numel()) if count is None else count
-    count = max(0, min(count, x_max.numel()))
-    return torch.topk(x_max, count).indices.sort().values
-
-
-def calibration_ids(tokenizer, vocab_size: int) -> list[int]:
-    """Token ids of :data:`CALIBRATION_TEXT` (or, with no usable tokenizer, a fixed run of ids below ``vocab_size``)."""
-    try:
-        ids = [i for i in tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=False) if 0 <= i < vocab_size]
-    except Exception:  # a model folder without a real tokenizer (tests): any fixed input will do
-        ids = []
-    return ids or [(17 * i + 5) % vocab_size for i in range(80)]
 
 
 def _gguf_reader(gguf_file):
@@ -259,7 +127,7 @@ def resolve_quantization(requested: str | None, gguf_file, device: torch.device 
     The one place the default is decided. ``requested`` as ``EngineConfig.quantization`` keeps it
     (None = auto). The rule:
 
-    - a named mode (``"none"``, ``"gguf"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"``, ``"int8"``) is built as
+    - a named mode (``"none"``, ``"gguf"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"``) is built as
       asked (``"none"`` -> None); its own checks (CPU only, a GGUF file for ``"gguf"``) come later;
     - auto keeps the file's own blocks (``"gguf"``) when all of these hold, else float (None) with
       a one-line note naming the first that failed: ``tensor_parallel_size`` is 1 (sharded
@@ -419,7 +287,7 @@ def _prepare_block_layers(model: nn.Module, mode: str, gguf_file) -> None:
 def weight_formats(model: nn.Module) -> dict[str, int]:
     """``{format: bytes}`` over the linear layers, the LM head and the embedding, as built: what runs.
 
-    Formats are ``float32`` (or the model's dtype), ``int8``, ``q8_0``, ``q4_0``, ``q4_1``; a tied
+    Formats are ``float32`` (or the model's dtype), ``q8_0``, ``q4_0``, ``q4_1``; a tied
     head that reads the embedding's blocks is counted once.
     """
     out: dict[str, int] = {}
@@ -428,10 +296,8 @@ def weight_formats(model: nn.Module) -> dict[str, int]:
         blocks, weight = getattr(m, "blocks", None), m._parameters.get("weight")
         if blocks is not None:
             key, size = blocks.data_ptr(), blocks.numel()
-        elif weight is not None:
+        else:
             key, size = weight.data_ptr(), weight.numel() * weight.element_size()
-        else:  # int8: its own packed tensors, counted by the module
-            key, size = id(m), m.weight_bytes
         if key in seen:
             continue
         seen.add(key)
@@ -448,16 +314,14 @@ def describe_weights(model: nn.Module) -> str:
     return f"{' + '.join(parts)} ({total / 1e6:.0f} MB of weights)"
 
 
-def prepare_linear_layers(model: nn.Module, quantization: str | None = None,
-                          token_ids: list[int] | None = None, gguf_file=None) -> None:
+def prepare_linear_layers(model: nn.Module, quantization: str | None = None, gguf_file=None) -> None:
     """Build the runtime linear modules of a loaded ``LlamaForCausalLM``, in place (see the module docstring).
 
     ``quantization``: the mode to build, never auto (None or ``"none"``: float; the loader
     resolves auto first with :func:`resolve_quantization`).
 
-    ``token_ids``: the int8 calibration input (default: 80 fixed ids; the loader passes
-    :data:`CALIBRATION_TEXT` tokenized). ``gguf_file``: the checkpoint's GGUF file, needed for
-    ``"gguf"``. Sets ``model.quantization``, ``model.quantization_note`` and ``model.lm_head``.
+    ``gguf_file``: the checkpoint's GGUF file, needed for ``"gguf"``. Sets ``model.quantization``,
+    ``model.quantization_note`` and ``model.lm_head``.
 
     Raises:
         ValueError: an unknown mode or ``"auto"``, a quantized mode on a device other than the CPU, or
@@ -480,27 +344,10 @@ def prepare_linear_layers(model: nn.Module, quantization: str | None = None,
                 layer.mlp.c_swiglu = True
             model.fused_layers = block_quant.FusedDecoderLayers(model)
         return
-    smooth: dict[nn.Module, torch.Tensor] = {}
-    outliers: dict[nn.Module | str, torch.Tensor] = {}
-    if quantization == "int8":
-        ids = token_ids or calibration_ids(None, model.config.vocab_size)
-        smoothed = _smoothed_inputs(model)
-        maxima = input_channel_maxima(model, [child for _, _, child in _linear_slots(model)], ids)
-        smooth = {m: smoothing_factors(maxima[m], m.weight) for m in smoothed}
-        outliers = {m: outlier_channels(x_max / smooth[m] if m in smooth else x_max)
-                    for m, x_max in maxima.items()}
-        if not model.config.tie_word_embeddings:  # an own lm_head is never run by forward: give it the hidden's
-            outliers[model.lm_head] = outliers[LM_HEAD_INPUT]
-
-    def build(weight: torch.Tensor, bias: torch.Tensor | None, key: nn.Module | str) -> nn.Module:
-        if quantization == "int8":
-            return Int8Linear.from_float(weight, bias, smooth.get(key), outliers.get(key))
-        return FloatLinear(weight, bias)
-
     for parent, name, child in _linear_slots(model):
-        setattr(parent, name, build(child.weight, child.bias, child))
+        setattr(parent, name, FloatLinear(child.weight, child.bias))
     if model.config.tie_word_embeddings:
-        model.lm_head = build(model.embed_tokens.weight, None, LM_HEAD_INPUT)
+        model.lm_head = FloatLinear(model.embed_tokens.weight, None)
     model.quantization = quantization
 
 
@@ -516,17 +363,6 @@ def linear_modules(model: nn.Module) -> list[nn.Module]:
 def linear_weight_bytes(model: nn.Module) -> int:
     """Bytes of linear-layer weights (scales included) one forward pass reads: every step's weight traffic."""
     return sum(m.weight_bytes for m in linear_modules(model))
-
-
-def int8_weight_bytes(model: nn.Module) -> int:
-    """Bytes :func:`linear_weight_bytes` would count were this model loaded with ``quantization="int8"``.
-
-    From the layer shapes alone (no calibration), so a float model can say what int8 would
-    change: the tutorial's decode chapter prints it.
-    """
-    smoothed = {id(m) for m in _smoothed_inputs(model)}
-    return sum(Int8Linear.bytes_for(m.out_features, m.in_features, id(m) in smoothed, num_outlier_channels(m.in_features))
-               for m in linear_modules(model))
 
 
 def linear_weight_count(model: nn.Module) -> int:

@@ -30,7 +30,7 @@ def fit(parts: list[tuple[Text, int]], width: int | None) -> Text:
 
 
 class StatusHeader(LiveStatic):
-    """One line: ``nano-vLLM │ model · device · dtype [· int8 weights] │ ● state · step N · k active requests``.
+    """One line: ``nano-vLLM │ model · device · dtype [· q8_0 weights] │ ● state · step N · k active requests``.
 
     While the model loads it shows the loading stage and a progress bar instead, and a model that
     failed to load, the whole reason. On a narrow terminal the least needed parts go first (the
