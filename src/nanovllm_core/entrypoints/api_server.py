@@ -6,7 +6,7 @@ Endpoints (OpenAI's and vLLM's shapes):
 |---|---|
 | ``POST /v1/completions``, ``POST /v1/chat/completions`` | generate, whole or streamed (``stream: true``, SSE, ``data: [DONE]`` last) |
 | ``GET /v1/models`` | the one model served |
-| ``GET /health`` | 200 while the engine thread serves (paused too), else 503; ``{"status": "ok"}`` or ``"paused"``, ... |
+| ``GET /health`` | 200 while the engine thread serves (paused too: body ``{"status": "paused"}``), else 503 |
 | ``GET /metrics`` | Prometheus text, vLLM's metric names (``metrics.py``), and ``nanovllm:engine_paused`` |
 | ``GET /v1/engine/events`` | the engine's event stream for attached apps (``event_hub.py``) |
 | ``POST /v1/engine/control`` | pause, resume, step, abort, submit, xray, snapshot |

@@ -125,7 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"nanovllm serve: {app.state.server.model_name} ({model.quantization or 'float'} weights: "
               f"{describe_weights(model)}) on {url}/v1 "
               f"(watch it: nanovllm-tui --connect {url}{' --api-key KEY' if args.api_key else ''}); "
-              f"{'; paused: requests wait until a resume' if args.paused else ''}; Ctrl-C stops", file=sys.stderr, flush=True)
+              f"{'; paused: requests wait until a resume' if args.paused else ''}; Ctrl-C stops",
+              file=sys.stderr, flush=True)
         APIServer(app, log_level=args.log_level, access_log=not args.no_access_log).run(sock)
     finally:
         controller.shutdown(timeout=2.0)
