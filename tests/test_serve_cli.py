@@ -140,3 +140,22 @@ def test_remote_controller_refuses_what_is_not_a_server_address(url):
 
     with pytest.raises(RemoteError, match="not a server address"):
         RemoteController(url)
+
+
+def test_serve_paused_starts_the_engine_paused(tiny_llama_dir):
+    """``nanovllm-tui --connect URL --paused`` says to set it on ``nanovllm serve``: it exists there."""
+    parser = serve_cli.build_parser()
+    args = parser.parse_args(["--model", str(tiny_llama_dir), "--paused", "--num-kv-blocks", "16"])
+    controller = serve_cli.load(args, parser)
+    try:
+        assert controller.state == "paused"
+    finally:
+        controller.shutdown(timeout=5)
+    assert not serve_cli.build_parser().parse_args([]).paused
+    assert "--paused" in parser.format_help() and "--max-body-bytes" in parser.format_help()
+
+
+def test_connect_with_paused_points_at_an_option_serve_has(capsys):
+    code, _, err = run_main(options.build_app, capsys, "--connect", "http://127.0.0.1:9", "--paused")
+    assert code == 2 and "set it on `nanovllm serve`" in err
+    assert "--paused" in serve_cli.build_parser().format_help()

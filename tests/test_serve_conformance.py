@@ -71,6 +71,16 @@ REFUSED_ALIKE = [
     ("/v1/completions", {"prompt": "hi", "seed": True}, "Invalid value for seed"),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**30}, "max_tokens="),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 10**30}, "logprobs="),
+    # a newcomer's trial: a union field's error named one shape tried ("stop.str"), not the field
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop must be a string or a list of strings (got 5)"),
+    ("/v1/completions", {"prompt": "hi", "stop": [5]}, "stop must be a string or a list of strings (got [5])"),
+    ("/v1/completions", {"prompt": 5}, "prompt must be text, a list of texts, a list of token ids"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content: content must be text or a list"),
+    # ... and a user message without content was accepted
+    (CHAT, {"messages": [{"role": "user"}]}, "message 0 (user) has no content"),
+    (CHAT, {"messages": [{"role": "system", "content": None}, {"role": "user", "content": "hi"}]},
+     "message 0 (system) has no content"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}, "message 1 (assistant)"),
 ]
 
 
@@ -260,3 +270,149 @@ def test_the_engine_rejects_a_lone_surrogate_with_a_reason_rather_than_raising(m
     out = next(o for o in engine.step() if o.request_id == rid)
     assert out.outputs[0].finish_reason == "rejected" and "lone surrogate '\\ud800'" in out.error
     assert engine.block_manager.num_free_blocks == 8
+
+
+# ---------------------------------------------------------------------- a newcomer's trial (server findings)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "hi", "stop": [5]}, "stop"), ({"messages": [{"role": "user", "content": [1]}]}, "messages.0.content"),
+    ({"messages": [{"role": "user"}]}, "messages.0.content"),
+])
+def test_a_union_field_or_missing_content_names_the_field_as_sent(tiny_server, body, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    status, data = post(tiny_server, path, body)
+    assert status == 400 and data["error"]["param"] == param, data
+    assert "str" not in data["error"]["param"].split(".")
+
+
+def test_every_union_typed_field_has_a_message_in_words():
+    """The kind, not the case: a new union field without an entry would report ``field.str``."""
+    import types
+    import typing
+
+    from nanovllm_core.entrypoints import protocol
+
+    unions = set()
+    for model in (protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.ChatMessage):
+        for name, info in model.model_fields.items():
+            ann = info.annotation
+            if typing.get_origin(ann) in (typing.Union, types.UnionType):
+                if len([a for a in typing.get_args(ann) if a is not type(None)]) > 1:
+                    unions.add(name)
+    assert unions == set(protocol.UNION_SHAPES), unions
+
+
+def test_an_assistant_message_with_tool_calls_needs_no_content(tiny_server):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    status, data = post(tiny_server, "/v1/chat/completions", {"max_tokens": 1, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}]})
+    assert status == 200, data
+
+
+@pytest.mark.parametrize("method, path, status", [
+    ("GET", "/v1/completions", 405), ("GET", "/v1/nothing", 404), ("POST", "/health", 405), ("GET", "/", 404)])
+def test_unknown_paths_and_methods_get_the_openai_error_body(tiny_server, method, path, status):
+    r = httpx.request(method, tiny_server.url + path, headers=tiny_server.headers, timeout=30)
+    assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+    assert path in r.json()["error"]["message"] and method in r.json()["error"]["message"]
+    if status == 405:
+        assert "allow" in r.headers and r.headers["allow"] in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"command": "submit", "request_id": "mine", "prompt": "hi", "max_tokens": 3}, "submit does not take max_tokens"),
+    ({"command": "submit", "prompt": "hi", "max_tokens": 99999}, "sampling settings such as max_tokens go in params"),
+    ({"command": "pause", "extra": 1}, "pause does not take extra (it takes no other field)"),
+    ({"command": "step", "n": 1, "count": 2}, "step does not take count (it takes n)"),
+    ({"command": "abort", "request_id": "x", "id": "x"}, "abort does not take id"),
+])
+def test_control_refuses_fields_a_command_does_not_take(tiny_server, body, message):
+    r = control(tiny_server, body)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] in body and r.json()["error"]["code"] == "unknown_parameter"
+    assert tiny_server.controller.state != "paused"
+
+
+def test_control_submit_params_are_checked_as_completions_checks_them(tiny_server):
+    status, whole = post(tiny_server, "/v1/completions", {"prompt": "hi", "max_tokens": 99999})
+    r = control(tiny_server, {"command": "submit", "prompt": "hi", "params": {"max_tokens": 99999}})
+    assert status == r.status_code == 400 and r.json()["error"]["message"] == whole["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/engine/control"])
+def test_health_answers_while_a_request_is_being_prepared(tiny_server, monkeypatch, path):
+    """Tokenizing a long prompt took the event loop for seconds (a 4 MB prompt: /health 10 s):
+    preparation runs in a worker thread. Here it is held until /health has answered."""
+    import threading
+
+    serving = tiny_server.http.app.state.server.serving
+    entered, release = threading.Event(), threading.Event()
+    check = serving.check_prompt
+
+    def held(prompt, params):
+        entered.set()
+        release.wait(60)
+        return check(prompt, params)
+
+    monkeypatch.setattr(serving, "check_prompt", held)
+    body = {"command": "submit", "prompt": "hi", "params": {"max_tokens": 1}} if path.endswith("control") else (
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1} if "chat" in path
+        else {"prompt": "hi", "max_tokens": 1})
+    answer: list = []
+    sender = threading.Thread(target=lambda: answer.append(
+        httpx.post(tiny_server.url + path, timeout=60, **_json(tiny_server, body))))
+    sender.start()
+    try:
+        assert entered.wait(30), "the request never reached its preparation"
+        health = httpx.get(tiny_server.url + "/health", timeout=20)  # on the event loop it would wait for release
+        assert health.status_code == 200 and health.json() == {"status": "ok"}
+        assert not answer  # the request is still held: /health did not wait for it
+    finally:
+        release.set()
+        sender.join(60)
+    assert answer and answer[0].status_code == 200, answer
+    tiny_server.wait_idle(30)
+
+
+def test_a_body_over_the_limit_is_a_413_with_the_openai_body(tiny_server):
+    from nanovllm_core.entrypoints.api_server import MIN_BODY_BYTES, default_max_body_bytes
+
+    limit = tiny_server.http.app.state.server.max_body_bytes
+    assert limit == default_max_body_bytes(tiny_server.controller.engine.max_model_len) >= MIN_BODY_BYTES
+    body = {"prompt": "a " * (limit // 2 + 1), "max_tokens": 1}
+    r = httpx.post(tiny_server.url + "/v1/completions", timeout=60, **_json(tiny_server, body))
+    assert r.status_code == 413 and f"limit of {limit} bytes" in r.json()["error"]["message"], r.text[:300]
+    assert r.json()["error"]["code"] == "request_too_large"
+    data = json.dumps(body).encode()  # sent in chunks without Content-Length: counted while read
+    r = httpx.post(tiny_server.url + "/v1/chat/completions", timeout=60, headers=tiny_server.headers,
+                   content=(data[i:i + 65536] for i in range(0, len(data), 65536)))
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text[:300]
+    r = httpx.post(tiny_server.url + "/v1/engine/control", timeout=60,
+                   **_json(tiny_server, {"command": "submit", "prompt": body["prompt"]}))
+    assert r.status_code == 413, r.text[:300]
+    assert httpx.get(tiny_server.url + "/health", timeout=10).status_code == 200
+
+
+def _paused_gauge(server) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "nanovllm:engine_paused")
+
+
+def test_a_pause_shows_on_health_and_metrics(tiny_server):
+    assert _paused_gauge(tiny_server) == 0
+    assert control(tiny_server, {"command": "pause"}).status_code == 200
+    try:
+        assert poll_until(lambda: tiny_server.controller.state == "paused", 10)
+        health = httpx.get(tiny_server.url + "/health", timeout=10)
+        assert health.status_code == 200 and health.json() == {"status": "paused"}
+        assert _paused_gauge(tiny_server) == 1
+    finally:
+        control(tiny_server, {"command": "resume"})
+    assert poll_until(lambda: tiny_server.controller.state != "paused", 10)
+    assert httpx.get(tiny_server.url + "/health", timeout=10).json() == {"status": "ok"}
+    assert _paused_gauge(tiny_server) == 0

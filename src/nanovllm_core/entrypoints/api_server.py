@@ -6,8 +6,8 @@ Endpoints (OpenAI's and vLLM's shapes):
 |---|---|
 | ``POST /v1/completions``, ``POST /v1/chat/completions`` | generate, whole or streamed (``stream: true``, SSE, ``data: [DONE]`` last) |
 | ``GET /v1/models`` | the one model served |
-| ``GET /health`` | 200 while the engine thread serves, else 503 |
-| ``GET /metrics`` | Prometheus text, vLLM's metric names (``metrics.py``) |
+| ``GET /health`` | 200 while the engine thread serves (paused too: body ``{"status": "paused"}``), else 503 |
+| ``GET /metrics`` | Prometheus text, vLLM's metric names (``metrics.py``), and ``nanovllm:engine_paused`` |
 | ``GET /v1/engine/events`` | the engine's event stream for attached apps (``event_hub.py``) |
 | ``POST /v1/engine/control`` | pause, resume, step, abort, submit, xray, snapshot |
 
@@ -29,6 +29,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import ipaddress
+import json
 import secrets
 import signal
 import threading
@@ -41,6 +42,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm_core.entrypoints.event_hub import EventHub
 from nanovllm_core.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
@@ -53,6 +56,11 @@ from nanovllm_core.sampling_params import SamplingParams, check_priority
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CONTROL_COMMANDS = ("pause", "resume", "step", "abort", "submit", "xray", "snapshot")
+# The fields each control command takes (besides "command"); any other is refused, naming it.
+CONTROL_FIELDS = {"pause": (), "resume": (), "snapshot": (), "step": ("n",), "abort": ("request_id",),
+                  "xray": ("request_id", "layer", "head"), "submit": ("prompt", "params", "priority", "request_id")}
+MIN_BODY_BYTES = 1 << 20  # the smallest default request-body limit (1 MiB)
+BODY_BYTES_PER_TOKEN = 64  # default limit: this many bytes per token of the model's context, at least MIN_BODY_BYTES
 
 
 class ServerState:
@@ -60,13 +68,15 @@ class ServerState:
     and the streams in flight (aborted together at shutdown)."""
 
 
-    def __init__(self, controller: Any, model_name: str, api_key: str | None) -> None:
+    def __init__(self, controller: Any, model_name: str, api_key: str | None,
+                 max_body_bytes: int | None = None) -> None:
         self.controller = controller
         self.model_name = model_name
         self.api_key = api_key
         self.metrics = ServerMetrics(model_name)
         self.in_flight = InFlight()
         self.serving = OpenAIServing(controller, model_name, self.metrics, self.in_flight)
+        self.max_body_bytes = max_body_bytes or default_max_body_bytes(self.serving.max_model_len)
         self.hub = EventHub(controller)
         self.created = int(time.time())
         self.shutting_down = False
@@ -92,19 +102,29 @@ class ServerState:
         fallback.start()
 
 
-def build_app(controller: Any, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+def default_max_body_bytes(max_model_len: int) -> int:
+    """The default request-body limit in bytes: ``BODY_BYTES_PER_TOKEN`` per token of context, at
+    least ``MIN_BODY_BYTES`` (a prompt that fits the context is far below it; a body far above
+    it could only be refused after seconds of tokenizing)."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
+
+
+def build_app(controller: Any, model_name: str | None = None, api_key: str | None = None,
+              max_body_bytes: int | None = None) -> FastAPI:
     """The FastAPI app serving ``controller`` (whose model must have loaded).
 
     Args:
         model_name: the name clients send as ``model`` (default: the engine's model name).
         api_key: when set, every ``/v1`` request needs ``Authorization: Bearer <api_key>``.
+        max_body_bytes: a larger request body is refused with 413 before it is parsed
+            (default :func:`default_max_body_bytes` of the model's ``max_model_len``).
 
     Raises:
         ValueError: the controller has no loaded engine.
     """
     if controller.engine is None:
         raise ValueError(f"the engine is not ready (state {controller.state!r}); wait for the model to load")
-    state = ServerState(controller, model_name or controller.engine.model_name, api_key)
+    state = ServerState(controller, model_name or controller.engine.model_name, api_key, max_body_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -119,6 +139,20 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
     async def api_error(_: Request, e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405: OpenAI's body too
+        if e.status_code == 404:
+            message = (f"Not Found: no route {request.method} {request.url.path}; this server serves "
+                       "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics")
+        elif e.status_code == 405:
+            allowed = (e.headers or {}).get("allow") or (e.headers or {}).get("Allow")
+            message = f"Method Not Allowed: {request.url.path} does not take {request.method}" + (
+                f"; use {allowed}" if allowed else "")
+        else:
+            message = str(e.detail)
+        return JSONResponse(APIError(message, status=e.status_code, code=_HTTP_CODES.get(e.status_code)).body(),
+                            status_code=e.status_code, headers=e.headers)
+
     @app.exception_handler(RequestValidationError)
     async def bad_query(_: Request, e: RequestValidationError) -> JSONResponse:  # e.g. ?topk=many
         err = e.errors()[0]
@@ -128,12 +162,20 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while the engine thread serves (paused included: the process is sound, and a restart
+        would lose the pause's purpose), else 503; the body says which: ``{"status": "ok"}``,
+        ``"paused"`` (requests wait until a resume), ``"shutting_down"`` or the engine's state."""
         ok = controller.is_alive and controller.state not in ("failed", "stopped") and not state.shutting_down
-        return Response(status_code=200 if ok else 503)
+        if ok:
+            status = "paused" if controller.state == "paused" else "ok"
+        else:
+            status = "shutting_down" if state.shutting_down else controller.state if controller.is_alive else "stopped"
+        return JSONResponse({"status": status}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         stats = await engine_stats(controller)
+        stats = {**stats, "paused": controller.state == "paused"}
         return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
 
     v1 = APIRouter(dependencies=[Depends(_api_key_check(api_key))])
@@ -149,13 +191,15 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
 
     @v1.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = _parse(CompletionRequest, await _json(request))
-        return await _respond(request, state, state.serving.prepare_completion(body))
+        body = _parse(CompletionRequest, await _json(request, state.max_body_bytes))
+        # Tokenizing a long prompt takes seconds of CPU: off the event loop, so other clients' streams
+        # and /health go on meanwhile.
+        return await _respond(request, state, await run_in_threadpool(state.serving.prepare_completion, body))
 
     @v1.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = _parse(ChatCompletionRequest, await _json(request))
-        return await _respond(request, state, state.serving.prepare_chat(body))
+        body = _parse(ChatCompletionRequest, await _json(request, state.max_body_bytes))
+        return await _respond(request, state, await run_in_threadpool(state.serving.prepare_chat, body))
 
     @v1.get("/v1/engine/events")
     async def engine_events(request: Request, topk: int = 0, blocks: bool = False, xray: bool = False) -> Response:
@@ -167,7 +211,10 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
 
     @v1.post("/v1/engine/control")
     async def engine_control(request: Request) -> dict:
-        return _control(state, await _json(request))
+        body = await _json(request, state.max_body_bytes)
+        if isinstance(body, dict) and body.get("command") == "submit":  # tokenizes: off the event loop
+            return await run_in_threadpool(_control, state, body)
+        return _control(state, body)
 
     app.include_router(v1)
     return app
@@ -189,9 +236,30 @@ def _api_key_check(api_key: str | None):
     return check
 
 
-async def _json(request: Request) -> Any:
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+async def _json(request: Request, limit: int) -> Any:
+    """The request body parsed as JSON.
+
+    Raises:
+        APIError: 413 for a body over ``limit`` bytes (its Content-Length, or the bytes read so
+            far, is over it: read no further); 400 for a body that is not JSON.
+    """
+    too_big = APIError(f"the request body is larger than this server's limit of {limit} bytes; send a shorter "
+                       "prompt or fewer prompts per request (the limit is nanovllm serve --max-body-bytes)",
+                       status=413, code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
     try:
-        return await request.json()
+        return json.loads(b"".join(chunks))
     except ValueError as e:
         raise APIError(f"the request body is not valid JSON ({e}); send a JSON object", code="invalid_json") from None
 
@@ -202,7 +270,7 @@ def _parse(model: type, body: Any):
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        raise validation_error(e) from None
+        raise validation_error(e, body) from None
 
 
 async def _respond(request: Request, state: ServerState, p: Prepared) -> Response:
@@ -266,6 +334,13 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
         raise APIError(f"unknown command {got!r}; send {{\"command\": one of {', '.join(CONTROL_COMMANDS)}}}",
                        param="command")
     name = body["command"]
+    unknown = sorted(set(body) - {"command", *CONTROL_FIELDS[name]})
+    if unknown:
+        takes = ", ".join(CONTROL_FIELDS[name]) or "no other field"
+        hint = ('; sampling settings such as max_tokens go in params, with SamplingParams field names '
+                '({"params": {"max_tokens": 3}})') if name == "submit" else ""
+        raise APIError(f"{name} does not take {', '.join(unknown)} (it takes {takes}){hint}", param=unknown[0],
+                       code="unknown_parameter")
     if name == "pause":
         c.pause()
     elif name == "resume":

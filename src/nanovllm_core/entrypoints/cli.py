@@ -33,9 +33,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOVLLM_API_KEY, else none)")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model's own name)")
+    s.add_argument("--paused", action="store_true",
+                   help="start with the engine paused: requests are accepted and wait until an attached app "
+                        "(nanovllm-tui --connect URL, space) or POST /v1/engine/control {\"command\": \"resume\"} "
+                        "resumes it")
+    s.add_argument("--max-body-bytes", type=_positive_int, default=None,
+                   help="refuse a request body larger than this with 413 (default: 64 bytes per token of "
+                        "the model's context, at least 1 MiB)")
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
     s.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
     return p
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of bytes, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -63,7 +80,7 @@ def load(args: argparse.Namespace, parser: argparse.ArgumentParser):
     controller = None
     try:
         kwargs = engine_kwargs(args)
-        controller = EngineController(kwargs.pop("model"), **kwargs)
+        controller = EngineController(kwargs.pop("model"), start_paused=args.paused, **kwargs)
         controller.subscribe(progress, topk=0, blocks=False)
         while controller.state == "loading":
             time.sleep(0.05)
@@ -98,7 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # hundreds of ms now and then, and take seconds more when the process exits.
     gc.freeze()
     try:
-        app = build_app(controller, model_name=args.served_model_name, api_key=args.api_key)
+        app = build_app(controller, model_name=args.served_model_name, api_key=args.api_key,
+                        max_body_bytes=args.max_body_bytes)
         shown = f"[{args.host}]" if ":" in args.host else args.host
         url = f"http://{shown}:{args.port}"
         from nanovllm_core.model.quantization import describe_weights  # torch is loaded by now
@@ -107,7 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"nanovllm serve: {app.state.server.model_name} ({model.quantization or 'float'} weights: "
               f"{describe_weights(model)}) on {url}/v1 "
               f"(watch it: nanovllm-tui --connect {url}{' --api-key KEY' if args.api_key else ''}); "
-              "Ctrl-C stops", file=sys.stderr, flush=True)
+              f"{'; paused: requests wait until a resume' if args.paused else ''}; Ctrl-C stops",
+              file=sys.stderr, flush=True)
         APIServer(app, log_level=args.log_level, access_log=not args.no_access_log).run(sock)
     finally:
         controller.shutdown(timeout=2.0)

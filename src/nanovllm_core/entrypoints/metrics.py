@@ -72,6 +72,9 @@ class _StatsCollector:
         yield gauge("nanovllm:kv_blocks_total", "KV blocks in the pool.", s["kv_blocks_total"])
         yield gauge("nanovllm:kv_blocks_used", "KV blocks held by live requests.", s["kv_blocks_used"])
         yield gauge("nanovllm:kv_blocks_cached", "Free KV blocks still holding a cached prefix.", s["kv_blocks_cached"])
+        if "paused" in s:  # the server adds it (the engine's stats do not know of the controller's pause)
+            yield gauge("nanovllm:engine_paused", "1 while the engine is paused (requests wait for a resume), else 0.",
+                        float(s["paused"]))
 
 
 class ServerMetrics:

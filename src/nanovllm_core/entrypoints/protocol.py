@@ -33,17 +33,52 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def validation_error(e: ValidationError) -> APIError:
-    """The first pydantic complaint as one 400 line naming the field (OpenAI's wording for unknown fields)."""
+# What each field typed as a union of shapes takes, in words: pydantic reports such a value once
+# per shape tried ("stop.str", "stop.list[str].0"), none of which is the field a client sent.
+# tests/test_serve_conformance.py checks that every union-typed field of these bodies is here.
+UNION_SHAPES = {
+    "stop": "a string or a list of strings",
+    "prompt": "text, a list of texts, a list of token ids, or a list of lists of token ids",
+    "content": 'text or a list of text parts ({"type": "text", "text": ...})',
+}
+
+
+def validation_error(e: ValidationError, body: Any = None) -> APIError:
+    """The first pydantic complaint as one 400 line naming the field (OpenAI's wording for unknown fields).
+
+    A value that fits none of a union field's shapes (:data:`UNION_SHAPES`) is reported once, for
+    the field as sent (``stop``, ``messages.0.content``), saying what it takes; ``body`` (the
+    request as parsed) gives the value shown.
+    """
     err = e.errors()[0]
-    loc = [str(p) for p in err["loc"] if p != "body"]
-    field = ".".join(loc) or None
+    loc = [p for p in err["loc"] if p != "body"]
+    for i, part in enumerate(loc):
+        if part in UNION_SHAPES and i + 1 < len(loc) and isinstance(loc[i + 1], str):  # the next is a shape's tag
+            field = ".".join(str(p) for p in loc[:i + 1])
+            value = _at(body, loc[:i + 1])
+            shown = f" (got {value!r})" if value is not _MISSING else ""
+            return APIError(f"Invalid value for {field}: {part} must be {UNION_SHAPES[part]}{shown}", param=field,
+                            code="invalid_value")
+    field = ".".join(str(p) for p in loc) or None
     if err["type"] == "extra_forbidden":
         return APIError(f"Unrecognized request argument supplied: {field}", param=field, code="unknown_parameter")
     if err["type"] == "missing":
         return APIError(f"Missing required parameter: {field}", param=field, code="missing_required_parameter")
     return APIError(f"Invalid value for {field}: {err['msg']} (got {err.get('input')!r})", param=field,
                     code="invalid_value")
+
+
+_MISSING = object()
+
+
+def _at(body: Any, path: list) -> Any:
+    """``body[path[0]][path[1]]...`` (``_MISSING`` where the path does not lead anywhere)."""
+    for key in path:
+        try:
+            body = body[key]
+        except (KeyError, IndexError, TypeError):
+            return _MISSING
+    return body
 
 
 class _Body(BaseModel):
@@ -220,10 +255,16 @@ class ChatCompletionRequest(_SamplingBody):
         """The messages as the chat template takes them.
 
         Raises:
-            APIError: no messages.
+            APIError: no messages, or a message without content (only an assistant message with
+                ``tool_calls`` may leave it out, as OpenAI and vLLM allow).
         """
         if not self.messages:
             raise APIError("messages is empty; send at least one message", param="messages")
+        for i, m in enumerate(self.messages):
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                raise APIError(f"message {i} ({m.role}) has no content; every message needs content, except an "
+                               "assistant message that carries tool_calls", param=f"messages.{i}.content",
+                               code="missing_required_parameter")
         return [m.template_message() for m in self.messages]
 
     def to_sampling_params(self) -> SamplingParams:
