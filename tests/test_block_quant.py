@@ -121,6 +121,48 @@ def test_every_instruction_set_build_gives_the_native_bits(tmp_path, march, need
             assert torch.equal(_run(lib, lin, x[:m]), lin(x[:m])), (fmt, m)
 
 
+# (outputs N, inputs K): one block, a last group of 1 / 7 / 9 rows, fewer rows than a group, an
+# odd block count, and more groups than the batch-1 path prefetches ahead of, split over threads
+ODD_SHAPES = [(1, 32), (7, 32), (9, 96), (17, 800), (61, 224), (203, 224)]  # the last one threaded (N K >= 32768)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n, k", ODD_SHAPES)
+def test_the_batch_1_path_gives_the_batched_paths_bits(fmt, n, k):
+    """M = 1 runs its own loop (group1_avx2 in an AVX2 build); each row alone equals the same row in a batch of 9."""
+    lin = bq.BlockLinear.from_float(weights(n, k, seed=7), fmt)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(8))
+    x[4] = 0.0  # an all-zero row: scale 0
+    batched = lin(x)
+    threads = torch.get_num_threads()
+    try:
+        for t in sorted({1, 2, threads}):
+            torch.set_num_threads(t)
+            alone = torch.cat([lin(x[i:i + 1]) for i in range(9)])
+            assert torch.equal(alone, batched), (t, (alone - batched).abs().max())
+    finally:
+        torch.set_num_threads(threads)
+    # a residual added in the same call (the decoder's o and down projections): y = r + x W^T
+    r = torch.randn(1, n, generator=torch.Generator().manual_seed(9))
+    y = torch.empty(1, n)
+    sx = torch.empty(bq.block_scratch(1, k))
+    assert bq.library().block_linear(lin.format.c_id, lin.blocks.data_ptr(), x[:1].data_ptr(), k, y.data_ptr(), n,
+                                     r.data_ptr(), n, 1, n, k, sx.data_ptr(), 2) == 0
+    assert torch.equal(y, r + batched[:1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("march, needs", BUILDS, ids=BUILD_IDS)
+def test_every_build_gives_the_native_bits_at_batch_1(tmp_path, march, needs):
+    lib = build(tmp_path, bq.SOURCE, march, needs, _signatures())
+    for fmt in FORMATS:
+        for n, k in ODD_SHAPES:
+            lin = bq.BlockLinear.from_float(weights(n, k, seed=10), fmt)
+            x = torch.randn(1, k, generator=torch.Generator().manual_seed(11))
+            assert torch.equal(_run(lib, lin, x), lin(x)), (fmt, n, k)
+
+
 def test_activations_are_quantized_as_ggml_does():
     x = torch.tensor([[0.5] * 31 + [-127.0], [0.0] * 32])  # 0.5 -> round half to even -> 0 ... with d = 1
     q, d = bq.quantize_activations(x)

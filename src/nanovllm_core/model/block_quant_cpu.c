@@ -25,6 +25,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_num_threads(void) { return 1; }
+static inline int omp_get_thread_num(void) { return 0; }
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -222,6 +228,67 @@ static inline __attribute__((always_inline)) void group_avx2(int fmt, const uint
         }
     }
 }
+
+/* Batch 1 (M = 1, a decode step): the same operations per output as group_avx2, but with no
+ * transpose and no stack traffic. Per block b, each of the NC rows' integers meet the one x block
+ * (a register) in maddubs/madd, giving 8 int32 partial sums per row; an hadd tree turns the 8
+ * rows' vectors into one whose lane k is row k's exact s (integer adds: any order gives the same
+ * s). Then the same per-lane float operations as group_avx2: acc = fma(d_w xd, (float)s, acc),
+ * S = S + m_w sx. The group PF groups ahead is prefetched a block's share at a time, so the
+ * weights stream in memory order (a group of NC rows is contiguous) ahead of their use. */
+#define PF 2 /* groups ahead */
+static inline __m256i hsum8(const __m256i v[NC]) {
+    const __m256i a = _mm256_hadd_epi32(v[0], v[1]), b = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i c = _mm256_hadd_epi32(v[4], v[5]), d = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i ab = _mm256_hadd_epi32(a, b), cd = _mm256_hadd_epi32(c, d); /* [0..3 lo | 0..3 hi], [4..7 ..] */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+static inline __attribute__((always_inline)) void group1_avx2(int fmt, const uint8_t *const rows[NC], int nb,
+                                                              const int8_t *xq, const float *xd, const float *sx,
+                                                              const int32_t *xs8, const uint8_t *pf, int64_t pf_step,
+                                                              __m256 *acc_out, __m256 *S_out) {
+    const int bb = block_bytes(fmt), qoff = fmt == FMT_Q4_1 ? 4 : 2;
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(15);
+    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    __m256 acc = _mm256_setzero_ps(), S = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        if (pf) {
+            const uint8_t *p = pf + b * pf_step;
+            for (int64_t o = 0; o < pf_step; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T0);
+        }
+        const int64_t off = (int64_t)b * bb;
+        uint32_t h[NC];
+        for (int k = 0; k < NC; k++) memcpy(&h[k], rows[k] + off, 4);
+        __m256i hw = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)h), split);
+        hw = _mm256_permute4x64_epi64(hw, 0xD8);
+        const __m256 dw = _mm256_cvtph_ps(_mm256_castsi256_si128(hw));
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * QK));
+        __m256i v[NC];
+        if (fmt == FMT_Q8_0) {
+            for (int k = 0; k < NC; k++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(rows[k] + off + 2));
+                v[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(xv, q)), ones);
+            }
+        } else {
+            for (int k = 0; k < NC; k++) {
+                const __m128i p = _mm_loadu_si128((const __m128i *)(rows[k] + off + qoff));
+                const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p, 4), p), low4);
+                v[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
+            }
+        }
+        __m256i s = hsum8(v);
+        if (fmt == FMT_Q4_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(xs8[b]));
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(xd[b])), _mm256_cvtepi32_ps(s), acc);
+        if (fmt == FMT_Q4_1) {
+            const __m256 mw = _mm256_cvtph_ps(_mm256_extracti128_si256(hw, 1));
+            S = _mm256_add_ps(S, _mm256_mul_ps(mw, _mm256_set1_ps(sx[b])));
+        }
+    }
+    *acc_out = acc;
+    *S_out = S;
+}
 #endif
 
 /* Floats of scratch block_linear needs for M rows of K: their int8 values and, per 32-block, xd, sx and xs8. */
@@ -246,6 +313,28 @@ int block_linear(int fmt, const uint8_t *W, const float *x, int64_t ldx, float *
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < M; i++) quantize_row(x + i * ldx, nb, M, i, xq, xd, sx, xs8);
+#if BQ_AVX2
+        if (M == 1) { /* batch 1: group1_avx2, prefetching ahead within this thread's share of groups */
+            const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+            const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
+            for (int64_t g = g0; g < g1; g++) {
+                const int64_t n0 = g * NC;
+                const int C = N - n0 < NC ? (int)(N - n0) : NC;
+                const uint8_t *rows[NC];
+                for (int k = 0; k < NC; k++) rows[k] = W + (n0 + (k < C ? k : C - 1)) * row_bytes;
+                const uint8_t *pf = g + PF < g1 ? W + (g + PF) * NC * row_bytes : NULL;
+                const int64_t pf_step = NC * (int64_t)block_bytes(fmt);
+                __m256 a, s;
+                if (fmt == FMT_Q4_1) group1_avx2(FMT_Q4_1, rows, nb, xq, xd, sx, xs8, pf, pf_step, &a, &s);
+                else if (fmt == FMT_Q4_0) group1_avx2(FMT_Q4_0, rows, nb, xq, xd, sx, xs8, pf, pf_step, &a, &s);
+                else group1_avx2(FMT_Q8_0, rows, nb, xq, xd, sx, xs8, pf, pf_step, &a, &s);
+                float o[NC] __attribute__((aligned(32)));
+                _mm256_store_ps(o, fmt == FMT_Q4_1 ? _mm256_add_ps(a, s) : a);
+                for (int k = 0; k < C; k++) y[n0 + k] = residual ? residual[n0 + k] + o[k] : o[k];
+            }
+        } else
+#endif
+        {
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * NC;
@@ -270,6 +359,7 @@ int block_linear(int fmt, const uint8_t *W, const float *x, int64_t ldx, float *
                         y[(i0 + r) * ldy + n0 + k] = residual ? residual[(i0 + r) * ldr + n0 + k] + o : o;
                     }
             }
+        }
         }
     }
     return 0;
