@@ -106,6 +106,41 @@ async def test_attached_app_sees_a_client_and_pauses_steps_and_resumes_the_serve
         await wait_until(pilot, lambda: notes.find("maximum context length", severity="error"), 30, "the refusal")
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["q", "signal"])
+async def test_an_app_that_paused_the_server_resumes_it_when_it_quits(tiny_server, tmp_path, how):
+    """Issue 29: space then q left the server paused and its clients waiting forever. The app
+    resumes what it paused, on every way out (q; a signal's path, ``stop_engine`` then exit)."""
+    app = NanoVLLMApp(RemoteController(tiny_server.url, tiny_server.api_key), tutorial_path=tmp_path / "t.json")
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_until(pilot, lambda: app.state.ready and app.controller.connected, 30, "the attached server")
+        await pilot.press("escape", "space")
+        await wait_until(pilot, lambda: tiny_server.controller.state == "paused", 10, "the server to pause")
+        if how == "q":
+            await pilot.press("q")
+        else:  # what lifetime.quit_on_signals runs on SIGTERM / SIGINT / SIGHUP
+            app.stop_engine()
+            app.exit(return_code=143)
+    assert poll_until(lambda: tiny_server.controller.state != "paused", 5), "the server stayed paused after quit"
+
+
+def test_a_server_paused_by_someone_else_stays_paused_when_a_watcher_quits(tiny_server):
+    """Only what this app paused is resumed: a pause from another watcher is kept."""
+    other = RemoteController(tiny_server.url, tiny_server.api_key)
+    watcher = RemoteController(tiny_server.url, tiny_server.api_key)
+    try:
+        other.start(), watcher.start()
+        assert _until(lambda: other.connected and watcher.connected)
+        other.pause()
+        assert _until(lambda: tiny_server.controller.state == "paused")
+        assert watcher.shutdown(timeout=2)
+        time.sleep(0.3)
+        assert tiny_server.controller.state == "paused"
+    finally:
+        other.shutdown(timeout=2)  # it paused the server: its shutdown resumes it
+    assert _until(lambda: tiny_server.controller.state != "paused")
+
+
 def test_two_watchers_one_pauses_both_see_it(tiny_server):
     a, b = RemoteController(tiny_server.url, tiny_server.api_key), RemoteController(tiny_server.url, tiny_server.api_key)
     seen = {"a": [], "b": []}

@@ -177,6 +177,7 @@ class RemoteController:
         self._stream_conn: http.client.HTTPConnection | None = None
         self._ids = itertools.count()
         self._session = secrets.token_hex(2)  # ids of prompts sent from this app: tui-<session>-<n>
+        self._paused_here = False  # this controller's last word was pause: shutdown resumes the server
         self._reader = threading.Thread(target=self._read_loop, name="nanovllm-remote-events", daemon=True)
         self._sender = threading.Thread(target=self._send_loop, name="nanovllm-remote-commands", daemon=True)
 
@@ -226,9 +227,11 @@ class RemoteController:
         return rid
 
     def pause(self) -> None:
+        self._paused_here = True
         self._command({"command": "pause"})
 
     def resume(self) -> None:
+        self._paused_here = False
         self._command({"command": "resume"})
 
     def step(self, n: int = 1) -> None:
@@ -249,9 +252,17 @@ class RemoteController:
         self._command({"command": "snapshot"})
 
     def shutdown(self, timeout: float = 1.0) -> bool:
-        """Close the stream and stop both threads; True if they ended within ``timeout`` seconds."""
-        self._stop.set()
+        """Close the stream and stop both threads; True if they ended within ``timeout`` seconds.
+
+        A server this controller paused (its last word was :meth:`pause`) is resumed first: an app
+        that quit while paused left the server paused and every client waiting (issue 29). A server
+        started paused , or paused by another watcher, is left as it is."""
+        if self._paused_here:
+            self.resume()  # queued behind what is still to be sent; the sender posts it before ending
         self._commands.put(None)
+        if self._sender.ident is not None:
+            self._sender.join(timeout)
+        self._stop.set()
         conn = self._stream_conn
         if conn is not None and conn.sock is not None:
             try:  # wakes the reader out of its read at once
