@@ -260,7 +260,8 @@ async def test_an_error_toast_leaves_the_prompt_bars_reason_in_view(tiny_llama_d
 
 
 async def test_slash_in_the_prompt_bar_types_a_slash(tiny_llama_dir, tmp_path):
-    """Issue 29, item 13: '/' is the key that moves to the prompt, but in any prompt-bar field it is text."""
+    """Issue 29: '/' is the key that moves to the prompt; in the prompt it is text, in a number field
+    (priority, max tokens, temperature) it moves to the prompt as everywhere else."""
     app = tiny_app(tiny_llama_dir, tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
@@ -269,6 +270,65 @@ async def test_slash_in_the_prompt_bar_types_a_slash(tiny_llama_dir, tmp_path):
         await pilot.press(*"a/b", "slash")
         assert app.query_one("#prompt", Input).value == "a/b/"
         await pilot.click("#max-tokens")
-        await pilot.press("end", "slash")  # typed into the field (and marked wrong), focus stays there
-        assert app.focused is app.query_one("#max-tokens") and app.focused.value.endswith("/")
-        assert app.query_one("#max-tokens").has_class("-invalid")
+        await pilot.press("end", "slash")  # a number field takes no '/': it goes to the prompt, as the footer says
+        assert app.focused is app.query_one("#prompt") and app.query_one("#max-tokens").value == "3"
+        assert app.query_one("#prompt", Input).value == "a/b/"  # and types nothing there
+
+
+@pytest.mark.parametrize("size", [(60, 20), (79, 40), (80, 24), (120, 40)])
+async def test_the_prompt_keeps_a_usable_width_and_every_setting_stays_in_view(tiny_llama_dir, tmp_path, size):
+    """Issue 29: at 60x20 the settings and the chat box left the prompt 5 characters wide. Below
+    80 columns they take a line of their own under the prompt; every one stays on screen."""
+    app = tiny_app(tiny_llama_dir, tmp_path)
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause(0.2)
+        prompt = app.query_one("#prompt").region
+        screen = app.screen.region
+        assert prompt.width >= min(size[0], 80) - 54, prompt  # the settings take 54 columns beside it at most
+        assert prompt.width >= 26 and screen.contains_region(prompt)
+        for part in ("#priority", "#max-tokens", "#temperature", "#chat"):
+            region = app.query_one(part).region
+            assert region.width and screen.contains_region(region), (part, region)
+            assert not region.overlaps(prompt), part
+        one_line = app.query_one("#chat").region.y == prompt.y + (0 if size[1] < 30 else 1)
+        assert one_line == (size[0] >= 80)
+        await pilot.press(*"Once upon a time there was")
+        assert app.query_one("#prompt", Input).value == "Once upon a time there was"
+
+
+async def test_tab_goes_through_the_settings_in_order_and_keys_on_the_chat_box_are_not_app_keys(
+        tiny_llama_dir, tmp_path):
+    """Issue 29: the first Tab went to the chat box, not to priority as the docs say, and digits
+    typed there switched tabs (Tab then 5000 showed the Block Map)."""
+    app, notes = tiny_app(tiny_llama_dir, tmp_path), Notes()
+    async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
+        await pilot.pause(0.1)
+        assert app.focused is app.query_one("#prompt")
+        for expected in ("priority", "max-tokens", "temperature", "chat"):
+            await pilot.press("tab")
+            assert app.focused is app.query_one(f"#{expected}"), (expected, app.focused)
+        await pilot.press(*"5000", "q", "n")
+        assert visible_tab(app) == "dashboard" and app.is_running and app.focused is app.query_one("#chat")
+        assert notes.find("Esc leaves the prompt bar", "warning")
+        chat = app.query_one("#chat").value
+        await pilot.press("space")
+        assert app.query_one("#chat").value != chat and not app.state.paused  # space ticks the box there
+        await pilot.press("slash")
+        assert app.focused is app.query_one("#prompt")
+
+
+@pytest.mark.parametrize("field", ["temperature", "priority", "max-tokens"])
+async def test_a_huge_bad_value_is_quoted_short(tiny_llama_dir, tmp_path, field):
+    """Issue 29: a 54 KB paste into temp was quoted whole under the bar and covered the screen."""
+    from textual import events
+
+    app = tiny_app(tiny_llama_dir, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.click(f"#{field}")
+        await pilot.press("end", "ctrl+u")
+        app.post_message(events.Paste("x" * 54_000))
+        await wait_until(pilot, lambda: len(app.query_one(f"#{field}", Input).value) == 54_000, 10, "the paste")
+        await pilot.pause(0.1)
+        why = plain(app, "#prompt-error")
+        assert "not 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'…" in why and len(why) < 200, why
+        assert app.query_one("#prompt-error").region.height <= 2

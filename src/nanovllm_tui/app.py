@@ -38,7 +38,7 @@ from nanovllm_tui.views.narrator import NarratorView
 from nanovllm_tui.views.tutorial import TutorialView
 from nanovllm_tui.views.xray import XRayView
 from nanovllm_tui.widgets.footer import SteadyFooter
-from nanovllm_tui.widgets.prompt_bar import PromptBar, PromptSettings
+from nanovllm_tui.widgets.prompt_bar import ONE_LINE_WIDTH, PromptBar, PromptSettings
 from nanovllm_tui.widgets.status_header import StatusHeader
 
 VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
@@ -240,6 +240,7 @@ class NanoVLLMApp(App):
         width, height = size or self.size
         self.screen.set_class(width < NARROW, "-narrow")
         self.screen.set_class(height < SHORT, "-short")
+        self.screen.set_class(width < ONE_LINE_WIDTH, "-cramped")
 
     # ------------------------------------------------------------------ engine events
 
@@ -401,6 +402,15 @@ class NanoVLLMApp(App):
         if len(self.screen_stack) > 1:
             return False
         focused = self.focused
+        in_bar = focused is not None and any(isinstance(node, PromptBar) for node in focused.ancestors)
+        if in_bar and isinstance(event, events.Key) and event.is_printable and event.character not in (" ", None):
+            if event.key == "slash" and focused.id != "prompt":  # a setting or the chat box: / goes to the prompt
+                self.action_focus_prompt()  # (in the prompt itself, / is text, typed below)
+                return True
+            if not isinstance(focused, Input):  # the chat box: digits typed there switched tabs (issue 29)
+                self.notify("The chat box takes space (or ctrl+t) to toggle; Esc leaves the prompt bar "
+                            "for the app's keys.", severity="warning", markup=False)
+                return True  # a key typed into the bar is never an app key
         if isinstance(event, events.Paste):
             text = event.text.splitlines()[0] if event.text else ""  # an input takes one line, as Input does
         elif isinstance(focused, Input) and focused.check_consume_key(event.key, event.character):

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 from nanovllm_core import events as ev
 from nanovllm_core.tracing import decode_event
+from nanovllm_tui.widgets.format import quoted
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class _Server:
     def __init__(self, url: str, api_key: str | None, timeout: float) -> None:
         parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise RemoteError(f"{url!r} is not a server address; give one like http://127.0.0.1:8000")
+            raise RemoteError(f"{quoted(url)} is not a server address; give one like http://127.0.0.1:8000")
         self.url = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
         self.scheme, self.host, self.port = parts.scheme, parts.hostname, parts.port
         self.base = parts.path.rstrip("/")
