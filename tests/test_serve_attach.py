@@ -141,6 +141,18 @@ def test_a_server_paused_by_someone_else_stays_paused_when_a_watcher_quits(tiny_
     assert _until(lambda: tiny_server.controller.state != "paused")
 
 
+@pytest.mark.anyio
+async def test_an_attached_app_says_demonstrations_need_a_local_engine(tiny_server, tmp_path):
+    """Issue 29: under --connect, r in the Tutorial said "the model is still loading" forever (no
+    engine in the app's process). It says what is true: a demonstration needs a local engine."""
+    app, notes = NanoVLLMApp(RemoteController(tiny_server.url, tiny_server.api_key), tutorial_path=tmp_path / "t.json"), Notes()
+    async with app.run_test(size=(120, 36), message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, 30, "the attached server")
+        await pilot.press("escape", "4", "r")
+        await wait_until(pilot, lambda: notes.find("start nanovllm-tui without --connect", "warning"), 10, "the note")
+        assert not notes.find("still loading")
+
+
 def test_two_watchers_one_pauses_both_see_it(tiny_server):
     a, b = RemoteController(tiny_server.url, tiny_server.api_key), RemoteController(tiny_server.url, tiny_server.api_key)
     seen = {"a": [], "b": []}

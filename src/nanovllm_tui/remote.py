@@ -158,6 +158,7 @@ class RemoteController:
 
     live = True
     engine = None
+    local_engine = False  # no engine in this process: the tutorial's demonstrations cannot run here
     load_error = None
 
     def __init__(self, url: str, api_key: str | None = None, reconnect_s: tuple[float, float] = (0.25, 2.0),
