@@ -153,6 +153,32 @@ async def test_an_attached_app_says_demonstrations_need_a_local_engine(tiny_serv
         assert not notes.find("still loading")
 
 
+@pytest.mark.anyio
+async def test_an_attached_app_follows_a_new_clients_request_once_the_selected_one_has_finished(
+        tiny_server, paced, tmp_path):
+    """Issue 29: the X-Ray said "No trace yet" while the server generated for another client, whose
+    request was not selected (only ``]`` selected it). A new request is selected when the selected one
+    has finished; one still running stays selected."""
+    app = NanoVLLMApp(RemoteController(tiny_server.url, tiny_server.api_key), tutorial_path=tmp_path / "t.json")
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, 30, "the attached server")
+        await pilot.press("escape", "2")
+        first = Streamer(tiny_server, max_tokens=3)
+        await wait_until(pilot, lambda: first.finish is not None, 30, "the first client's stream")
+        await wait_until(pilot, lambda: first.id in app.state.requests and not app.state.requests[first.id].live,
+                         10, "the app to see it end")
+        assert app.selected == first.id
+        second = Streamer(tiny_server, max_tokens=40)
+        await wait_until(pilot, lambda: app.selected == second.id, 10, "the new request selected")
+        await wait_until(pilot, lambda: any(t.request_id == second.id for t in app.state.xray.values()), 10,
+                         "the X-Ray tracing it")
+        third = Streamer(tiny_server, max_tokens=3)  # while the selected one still runs: it stays selected
+        await wait_until(pilot, lambda: third.finish is not None, 30, "the third client's stream")
+        await pilot.pause(0.3)
+        assert app.selected == second.id
+        await wait_until(pilot, lambda: second.finish is not None, 30, "the second stream")
+
+
 def test_two_watchers_one_pauses_both_see_it(tiny_server):
     a, b = RemoteController(tiny_server.url, tiny_server.api_key), RemoteController(tiny_server.url, tiny_server.api_key)
     seen = {"a": [], "b": []}

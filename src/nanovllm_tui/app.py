@@ -260,6 +260,7 @@ class NanoVLLMApp(App):
         if not self.is_running:  # a frame timer that fires while the app closes: its widgets are gone
             return
         events = self.bridge.drain()
+        known = set(self.state.requests)
         notes = []
         for event in events:
             self.state.apply(event)
@@ -280,8 +281,23 @@ class NanoVLLMApp(App):
             self.query_one(NarratorView).add(notes)
         if self.selected not in self.state.requests and self.state.requests:
             self.select(self._default_selection())
+        elif self._follow_new_request(known):
+            pass
         else:
             self._redraw()
+
+    def _follow_new_request(self, known: set[str]) -> bool:
+        """A request that appeared in these events (another client's, under ``--connect``) is selected
+        when the selected one has finished: the X-Ray said "No trace yet" while the server generated
+        for it, until ``]`` was pressed (issue 29). A selected live request is kept. True: selected."""
+        current = self.state.requests.get(self.selected) if self.selected else None
+        if current is not None and current.live:
+            return False
+        new = [rid for rid, r in self.state.requests.items() if rid not in known and r.live]
+        if not new:
+            return False
+        self.select(new[-1])
+        return True
 
     def _note_fallbacks(self, info: dict) -> None:
         """Say once, at load, when the engine's C paths are not in use on the CPU, and why (a run that
