@@ -332,3 +332,27 @@ async def test_a_huge_bad_value_is_quoted_short(tiny_llama_dir, tmp_path, field)
         why = plain(app, "#prompt-error")
         assert "not 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'…" in why and len(why) < 200, why
         assert app.query_one("#prompt-error").region.height <= 2
+
+
+async def test_the_selected_requests_paused_note_is_true_while_paused_and_after(tiny_llama_dir, tmp_path):
+    """Issue 29: "2479 ms paused" in the selected request's title did not move while the engine was
+    held (it counts at each token). While paused it says "paused now"; once the request ends, the
+    whole time held, the pause included."""
+    from nanovllm_tui.widgets.live import LiveStatic
+
+    app = tiny_app(tiny_llama_dir, tmp_path, start_paused=True, max_tokens=3)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
+        await pilot.press(*"Hi", "enter", "escape", "n")  # one step: its prefill and first token
+        rid = app.selected
+        await wait_until(pilot, lambda: app.state.requests[rid].num_output == 1, 10, "the first token")
+        title = lambda: app.query_one("#output", LiveStatic).border_title  # noqa: E731
+        await wait_until(pilot, lambda: "paused now" in title(), 5, "the note")
+        assert "(not in TTFT/TPOT)" in title() and "ms paused" not in title()
+        await pilot.pause(0.4)
+        await pilot.press("space")
+        await wait_until(pilot, lambda: app.state.requests[rid].state == "finished", 10, "the request to finish")
+        await wait_until(pilot, lambda: "paused now" not in title(), 5, "the note to change")
+        held = re.search(r"([\d.]+) (m?s) paused \(not in TTFT/TPOT\)", title())
+        assert held, title()
+        assert float(held.group(1)) * (1 if held.group(2) == "s" else 1e-3) >= 0.4  # the pause is counted
