@@ -356,3 +356,57 @@ async def test_the_selected_requests_paused_note_is_true_while_paused_and_after(
         held = re.search(r"([\d.]+) (m?s) paused \(not in TTFT/TPOT\)", title())
         assert held, title()
         assert float(held.group(1)) * (1 if held.group(2) == "s" else 1e-3) >= 0.4  # the pause is counted
+
+
+def _cut_trace(tmp_path, keep_lines: int, cut_at: int = 30):
+    """The recorded trace's first ``keep_lines`` lines, then the next one cut after ``cut_at`` characters."""
+    import gzip
+
+    from tests.tui_helpers import TRACE
+
+    lines = gzip.open(TRACE, "rt", encoding="utf-8").read().splitlines(keepends=True)
+    path = tmp_path / "cut.jsonl"
+    path.write_text("".join(lines[:keep_lines]) + lines[keep_lines][:cut_at], encoding="utf-8")
+    return path, lines
+
+
+def test_a_trace_cut_mid_line_plays_up_to_its_last_whole_line_and_a_bad_middle_line_is_an_error(tmp_path):
+    from nanovllm_tui.replay import load_trace
+
+    path, lines = _cut_trace(tmp_path, keep_lines=len(lines_of_trace()) // 2)
+    trace = load_trace(path)
+    assert trace.cut_line == len(lines) // 2 + 1 and len(trace) == len(lines) // 2
+    whole = tmp_path / "whole.jsonl"
+    whole.write_text("".join(lines), encoding="utf-8")
+    assert load_trace(whole).cut_line is None
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("".join(lines[:5]) + lines[5][:30] + "\n" + "".join(lines[6:]), encoding="utf-8")
+    with pytest.raises(ValueError, match="line 6: "):
+        load_trace(broken)
+
+
+def lines_of_trace():
+    import gzip
+
+    from tests.tui_helpers import TRACE
+
+    return gzip.open(TRACE, "rt", encoding="utf-8").read().splitlines()
+
+
+async def test_a_cut_replay_says_so_and_its_end_names_the_unfinished_requests(tmp_path):
+    """Issue 29: a trace cut mid-line was refused whole, and at a replay's end the header said
+    "idle" beside requests listed "running"."""
+    lines = lines_of_trace()
+    keep = next(i for i, line in enumerate(lines) if i > len(lines) // 3 and '"StepPlanned"' in line)
+    path, _ = _cut_trace(tmp_path, keep_lines=keep)
+    app, notes = replay_app(tmp_path, start_paused=False, trace=path), Notes()
+    async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: notes.find(f"ends in a cut line (line {keep + 1}"), 10, "the note")
+        assert not notes.find("", "error")
+        await wait_until(pilot, lambda: app.controller.state == "idle", timeout=30, what="the replay's end")
+        await pilot.pause(0.7)  # the header's next look at the controller
+        unfinished = len(app.state.active_requests)
+        assert unfinished, "the cut should fall while requests run"
+        header = plain(app, "#header")
+        assert "recording ended" in header and f"{unfinished} request" in header and "unfinished" in header, header
+        assert "idle" not in header

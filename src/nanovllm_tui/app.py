@@ -176,6 +176,10 @@ class NanoVLLMApp(App):
         the bridge, send the prompts given at start, and let a waiting engine start."""
         self._mounted = True
         self._sync_paused()
+        cut = getattr(self.controller, "cut_line", None)
+        if cut:  # a note, not an error: what came before the cut plays as recorded
+            self.notify(f"The recording ends in a cut line (line {cut} is not a whole event, as when a trace is "
+                        f"copied while it is written): it plays up to line {cut - 1}.", timeout=10, markup=False)
         self.set_interval(0.5, self._poll_engine_state)
         for prompt, priority in self._initial_prompts:
             self._submit(prompt, dataclasses.replace(self.settings, priority=priority,
