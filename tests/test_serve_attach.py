@@ -106,6 +106,79 @@ async def test_attached_app_sees_a_client_and_pauses_steps_and_resumes_the_serve
         await wait_until(pilot, lambda: notes.find("maximum context length", severity="error"), 30, "the refusal")
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["q", "signal"])
+async def test_an_app_that_paused_the_server_resumes_it_when_it_quits(tiny_server, tmp_path, how):
+    """Issue 29: space then q left the server paused and its clients waiting forever. The app
+    resumes what it paused, on every way out (q; a signal's path, ``stop_engine`` then exit)."""
+    app = NanoVLLMApp(RemoteController(tiny_server.url, tiny_server.api_key), tutorial_path=tmp_path / "t.json")
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_until(pilot, lambda: app.state.ready and app.controller.connected, 30, "the attached server")
+        await pilot.press("escape", "space")
+        await wait_until(pilot, lambda: tiny_server.controller.state == "paused", 10, "the server to pause")
+        if how == "q":
+            await pilot.press("q")
+        else:  # what lifetime.quit_on_signals runs on SIGTERM / SIGINT / SIGHUP
+            app.stop_engine()
+            app.exit(return_code=143)
+    assert poll_until(lambda: tiny_server.controller.state != "paused", 5), "the server stayed paused after quit"
+
+
+def test_a_server_paused_by_someone_else_stays_paused_when_a_watcher_quits(tiny_server):
+    """Only what this app paused is resumed: a pause from another watcher is kept."""
+    other = RemoteController(tiny_server.url, tiny_server.api_key)
+    watcher = RemoteController(tiny_server.url, tiny_server.api_key)
+    try:
+        other.start(), watcher.start()
+        assert _until(lambda: other.connected and watcher.connected)
+        other.pause()
+        assert _until(lambda: tiny_server.controller.state == "paused")
+        assert watcher.shutdown(timeout=2)
+        time.sleep(0.3)
+        assert tiny_server.controller.state == "paused"
+    finally:
+        other.shutdown(timeout=2)  # it paused the server: its shutdown resumes it
+    assert _until(lambda: tiny_server.controller.state != "paused")
+
+
+@pytest.mark.anyio
+async def test_an_attached_app_says_demonstrations_need_a_local_engine(tiny_server, tmp_path):
+    """Issue 29: under --connect, r in the Tutorial said "the model is still loading" forever (no
+    engine in the app's process). It says what is true: a demonstration needs a local engine."""
+    app, notes = NanoVLLMApp(RemoteController(tiny_server.url, tiny_server.api_key), tutorial_path=tmp_path / "t.json"), Notes()
+    async with app.run_test(size=(120, 36), message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, 30, "the attached server")
+        await pilot.press("escape", "4", "r")
+        await wait_until(pilot, lambda: notes.find("start nanovllm-tui without --connect", "warning"), 10, "the note")
+        assert not notes.find("still loading")
+
+
+@pytest.mark.anyio
+async def test_an_attached_app_follows_a_new_clients_request_once_the_selected_one_has_finished(
+        tiny_server, paced, tmp_path):
+    """Issue 29: the X-Ray said "No trace yet" while the server generated for another client, whose
+    request was not selected (only ``]`` selected it). A new request is selected when the selected one
+    has finished; one still running stays selected."""
+    app = NanoVLLMApp(RemoteController(tiny_server.url, tiny_server.api_key), tutorial_path=tmp_path / "t.json")
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, 30, "the attached server")
+        await pilot.press("escape", "2")
+        first = Streamer(tiny_server, max_tokens=3)
+        await wait_until(pilot, lambda: first.finish is not None, 30, "the first client's stream")
+        await wait_until(pilot, lambda: first.id in app.state.requests and not app.state.requests[first.id].live,
+                         10, "the app to see it end")
+        assert app.selected == first.id
+        second = Streamer(tiny_server, max_tokens=40)
+        await wait_until(pilot, lambda: app.selected == second.id, 10, "the new request selected")
+        await wait_until(pilot, lambda: any(t.request_id == second.id for t in app.state.xray.values()), 10,
+                         "the X-Ray tracing it")
+        third = Streamer(tiny_server, max_tokens=3)  # while the selected one still runs: it stays selected
+        await wait_until(pilot, lambda: third.finish is not None, 30, "the third client's stream")
+        await pilot.pause(0.3)
+        assert app.selected == second.id
+        await wait_until(pilot, lambda: second.finish is not None, 30, "the second stream")
+
+
 def test_two_watchers_one_pauses_both_see_it(tiny_server):
     a, b = RemoteController(tiny_server.url, tiny_server.api_key), RemoteController(tiny_server.url, tiny_server.api_key)
     seen = {"a": [], "b": []}

@@ -132,7 +132,8 @@ async def test_a_replay_refuses_to_run_a_demonstration(tmp_path):
     app, notes = replay_app(tmp_path), Notes()
     async with app.run_test(size=SIZE, message_hook=notes) as pilot:
         await pilot.press("escape", "4", "r")
-        await wait_until(pilot, lambda: notes.find("this is a replay", "warning"), what="the refusal")
+        await wait_until(pilot, lambda: notes.find("this is a replay: start without --replay", "warning"),
+                         what="the refusal")
 
 
 async def test_chapter_13_measures_all_reduces_and_says_when_the_split_engine_is_missing(tiny_model, tmp_path,

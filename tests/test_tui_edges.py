@@ -103,7 +103,7 @@ async def test_a_paste_then_enter_sends_the_pasted_prompt(tiny_llama_dir, tmp_pa
 
 @pytest.mark.parametrize("field, typed, why", [
     ("temperature", "1e999", "temperature must be a finite number >= 0 (0 = greedy), not '1e999'"),
-    ("temperature", "0.5[/]", "temperature must be a finite number >= 0 (0 = greedy), not '0.5[/]'"),  # not markup
+    ("temperature", "0.5[red]", "temperature must be a finite number >= 0 (0 = greedy), not '0.5[red]'"),  # not markup
     ("priority", "1.5", "priority must be a whole number from -1000 to 1000 (higher runs first; vLLM's priority is the opposite), not '1.5'"),
     ("priority", "99999999999999999999999", "priority must be a whole number from -1000 to 1000"),
     ("max-tokens", "100000", "max tokens must be a whole number from 1 to 512 (the model's max_model_len)"),
@@ -260,7 +260,8 @@ async def test_an_error_toast_leaves_the_prompt_bars_reason_in_view(tiny_llama_d
 
 
 async def test_slash_in_the_prompt_bar_types_a_slash(tiny_llama_dir, tmp_path):
-    """Issue 29, item 13: '/' is the key that moves to the prompt, but in any prompt-bar field it is text."""
+    """Issue 29: '/' is the key that moves to the prompt; in the prompt it is text, in a number field
+    (priority, max tokens, temperature) it moves to the prompt as everywhere else."""
     app = tiny_app(tiny_llama_dir, tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
@@ -269,6 +270,143 @@ async def test_slash_in_the_prompt_bar_types_a_slash(tiny_llama_dir, tmp_path):
         await pilot.press(*"a/b", "slash")
         assert app.query_one("#prompt", Input).value == "a/b/"
         await pilot.click("#max-tokens")
-        await pilot.press("end", "slash")  # typed into the field (and marked wrong), focus stays there
-        assert app.focused is app.query_one("#max-tokens") and app.focused.value.endswith("/")
-        assert app.query_one("#max-tokens").has_class("-invalid")
+        await pilot.press("end", "slash")  # a number field takes no '/': it goes to the prompt, as the footer says
+        assert app.focused is app.query_one("#prompt") and app.query_one("#max-tokens").value == "3"
+        assert app.query_one("#prompt", Input).value == "a/b/"  # and types nothing there
+
+
+@pytest.mark.parametrize("size", [(60, 20), (79, 40), (80, 24), (120, 40)])
+async def test_the_prompt_keeps_a_usable_width_and_every_setting_stays_in_view(tiny_llama_dir, tmp_path, size):
+    """Issue 29: at 60x20 the settings and the chat box left the prompt 5 characters wide. Below
+    80 columns they take a line of their own under the prompt; every one stays on screen."""
+    app = tiny_app(tiny_llama_dir, tmp_path)
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause(0.2)
+        prompt = app.query_one("#prompt").region
+        screen = app.screen.region
+        assert prompt.width >= min(size[0], 80) - 54, prompt  # the settings take 54 columns beside it at most
+        assert prompt.width >= 26 and screen.contains_region(prompt)
+        for part in ("#priority", "#max-tokens", "#temperature", "#chat"):
+            region = app.query_one(part).region
+            assert region.width and screen.contains_region(region), (part, region)
+            assert not region.overlaps(prompt), part
+        one_line = app.query_one("#chat").region.y == prompt.y + (0 if size[1] < 30 else 1)
+        assert one_line == (size[0] >= 80)
+        await pilot.press(*"Once upon a time there was")
+        assert app.query_one("#prompt", Input).value == "Once upon a time there was"
+
+
+async def test_tab_goes_through_the_settings_in_order_and_keys_on_the_chat_box_are_not_app_keys(
+        tiny_llama_dir, tmp_path):
+    """Issue 29: the first Tab went to the chat box, not to priority as the docs say, and digits
+    typed there switched tabs (Tab then 5000 showed the Block Map)."""
+    app, notes = tiny_app(tiny_llama_dir, tmp_path), Notes()
+    async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
+        await pilot.pause(0.1)
+        assert app.focused is app.query_one("#prompt")
+        for expected in ("priority", "max-tokens", "temperature", "chat"):
+            await pilot.press("tab")
+            assert app.focused is app.query_one(f"#{expected}"), (expected, app.focused)
+        await pilot.press(*"5000", "q", "n")
+        assert visible_tab(app) == "dashboard" and app.is_running and app.focused is app.query_one("#chat")
+        assert notes.find("Esc leaves the prompt bar", "warning")
+        chat = app.query_one("#chat").value
+        await pilot.press("space")
+        assert app.query_one("#chat").value != chat and not app.state.paused  # space ticks the box there
+        await pilot.press("slash")
+        assert app.focused is app.query_one("#prompt")
+
+
+@pytest.mark.parametrize("field", ["temperature", "priority", "max-tokens"])
+async def test_a_huge_bad_value_is_quoted_short(tiny_llama_dir, tmp_path, field):
+    """Issue 29: a 54 KB paste into temp was quoted whole under the bar and covered the screen."""
+    from textual import events
+
+    app = tiny_app(tiny_llama_dir, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.click(f"#{field}")
+        await pilot.press("end", "ctrl+u")
+        app.post_message(events.Paste("x" * 54_000))
+        await wait_until(pilot, lambda: len(app.query_one(f"#{field}", Input).value) == 54_000, 10, "the paste")
+        await pilot.pause(0.1)
+        why = plain(app, "#prompt-error")
+        assert "not 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'…" in why and len(why) < 200, why
+        assert app.query_one("#prompt-error").region.height <= 2
+
+
+async def test_the_selected_requests_paused_note_is_true_while_paused_and_after(tiny_llama_dir, tmp_path):
+    """Issue 29: "2479 ms paused" in the selected request's title did not move while the engine was
+    held (it counts at each token). While paused it says "paused now"; once the request ends, the
+    whole time held, the pause included."""
+    from nanovllm_tui.widgets.live import LiveStatic
+
+    app = tiny_app(tiny_llama_dir, tmp_path, start_paused=True, max_tokens=3)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
+        await pilot.press(*"Hi", "enter", "escape", "n")  # one step: its prefill and first token
+        rid = app.selected
+        await wait_until(pilot, lambda: app.state.requests[rid].num_output == 1, 10, "the first token")
+        title = lambda: app.query_one("#output", LiveStatic).border_title  # noqa: E731
+        await wait_until(pilot, lambda: "paused now" in title(), 5, "the note")
+        assert "(not in TTFT/TPOT)" in title() and "ms paused" not in title()
+        await pilot.pause(0.4)
+        await pilot.press("space")
+        await wait_until(pilot, lambda: app.state.requests[rid].state == "finished", 10, "the request to finish")
+        await wait_until(pilot, lambda: "paused now" not in title(), 5, "the note to change")
+        held = re.search(r"([\d.]+) (m?s) paused \(not in TTFT/TPOT\)", title())
+        assert held, title()
+        assert float(held.group(1)) * (1 if held.group(2) == "s" else 1e-3) >= 0.4  # the pause is counted
+
+
+def _cut_trace(tmp_path, keep_lines: int, cut_at: int = 30):
+    """The recorded trace's first ``keep_lines`` lines, then the next one cut after ``cut_at`` characters."""
+    import gzip
+
+    from tests.tui_helpers import TRACE
+
+    lines = gzip.open(TRACE, "rt", encoding="utf-8").read().splitlines(keepends=True)
+    path = tmp_path / "cut.jsonl"
+    path.write_text("".join(lines[:keep_lines]) + lines[keep_lines][:cut_at], encoding="utf-8")
+    return path, lines
+
+
+def test_a_trace_cut_mid_line_plays_up_to_its_last_whole_line_and_a_bad_middle_line_is_an_error(tmp_path):
+    from nanovllm_tui.replay import load_trace
+
+    path, lines = _cut_trace(tmp_path, keep_lines=len(lines_of_trace()) // 2)
+    trace = load_trace(path)
+    assert trace.cut_line == len(lines) // 2 + 1 and len(trace) == len(lines) // 2
+    whole = tmp_path / "whole.jsonl"
+    whole.write_text("".join(lines), encoding="utf-8")
+    assert load_trace(whole).cut_line is None
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("".join(lines[:5]) + lines[5][:30] + "\n" + "".join(lines[6:]), encoding="utf-8")
+    with pytest.raises(ValueError, match="line 6: "):
+        load_trace(broken)
+
+
+def lines_of_trace():
+    import gzip
+
+    from tests.tui_helpers import TRACE
+
+    return gzip.open(TRACE, "rt", encoding="utf-8").read().splitlines()
+
+
+async def test_a_cut_replay_says_so_and_its_end_names_the_unfinished_requests(tmp_path):
+    """Issue 29: a trace cut mid-line was refused whole, and at a replay's end the header said
+    "idle" beside requests listed "running"."""
+    lines = lines_of_trace()
+    keep = next(i for i, line in enumerate(lines) if i > len(lines) // 3 and '"StepPlanned"' in line)
+    path, _ = _cut_trace(tmp_path, keep_lines=keep)
+    app, notes = replay_app(tmp_path, start_paused=False, trace=path), Notes()
+    async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: notes.find(f"ends in a cut line (line {keep + 1}"), 10, "the note")
+        assert not notes.find("", "error")
+        await wait_until(pilot, lambda: app.controller.state == "idle", timeout=30, what="the replay's end")
+        await pilot.pause(0.7)  # the header's next look at the controller
+        unfinished = len(app.state.active_requests)
+        assert unfinished, "the cut should fall while requests run"
+        header = plain(app, "#header")
+        assert "recording ended" in header and f"{unfinished} request" in header and "unfinished" in header, header
+        assert "idle" not in header

@@ -160,6 +160,8 @@ def check_max_tokens(llm, args: argparse.Namespace, parser: argparse.ArgumentPar
 
     A prompt that alone fills the context is left to the engine, which rejects it and says so.
     """
+    from nanovllm_core.educational.commentary import plural
+
     limit = llm.engine.max_model_len
     for i, text in enumerate(inputs):
         try:
@@ -168,7 +170,7 @@ def check_max_tokens(llm, args: argparse.Namespace, parser: argparse.ArgumentPar
             continue  # the engine rejects it with its reason
         if len(ids) < limit < len(ids) + args.max_tokens:
             which = f"prompt {i + 1} has" if len(inputs) > 1 else "the prompt has"
-            parser.error(f"--max-tokens {args.max_tokens} does not fit: {which} {len(ids)} tokens and the context "
+            parser.error(f"--max-tokens {args.max_tokens} does not fit: {which} {plural(len(ids), 'token')} and the context "
                          f"(max_model_len) is {limit}, so at most {limit - len(ids)} can follow; "
                          "lower --max-tokens or raise --max-model-len")
 

@@ -38,7 +38,7 @@ from nanovllm_tui.views.narrator import NarratorView
 from nanovllm_tui.views.tutorial import TutorialView
 from nanovllm_tui.views.xray import XRayView
 from nanovllm_tui.widgets.footer import SteadyFooter
-from nanovllm_tui.widgets.prompt_bar import PromptBar, PromptSettings
+from nanovllm_tui.widgets.prompt_bar import ONE_LINE_WIDTH, PromptBar, PromptSettings
 from nanovllm_tui.widgets.status_header import StatusHeader
 
 VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
@@ -176,6 +176,10 @@ class NanoVLLMApp(App):
         the bridge, send the prompts given at start, and let a waiting engine start."""
         self._mounted = True
         self._sync_paused()
+        cut = getattr(self.controller, "cut_line", None)
+        if cut:  # a note, not an error: what came before the cut plays as recorded
+            self.notify(f"The recording ends in a cut line (line {cut} is not a whole event, as when a trace is "
+                        f"copied while it is written): it plays up to line {cut - 1}.", timeout=10, markup=False)
         self.set_interval(0.5, self._poll_engine_state)
         for prompt, priority in self._initial_prompts:
             self._submit(prompt, dataclasses.replace(self.settings, priority=priority,
@@ -240,6 +244,7 @@ class NanoVLLMApp(App):
         width, height = size or self.size
         self.screen.set_class(width < NARROW, "-narrow")
         self.screen.set_class(height < SHORT, "-short")
+        self.screen.set_class(width < ONE_LINE_WIDTH, "-cramped")
 
     # ------------------------------------------------------------------ engine events
 
@@ -259,6 +264,7 @@ class NanoVLLMApp(App):
         if not self.is_running:  # a frame timer that fires while the app closes: its widgets are gone
             return
         events = self.bridge.drain()
+        known = set(self.state.requests)
         notes = []
         for event in events:
             self.state.apply(event)
@@ -279,8 +285,23 @@ class NanoVLLMApp(App):
             self.query_one(NarratorView).add(notes)
         if self.selected not in self.state.requests and self.state.requests:
             self.select(self._default_selection())
+        elif self._follow_new_request(known):
+            pass
         else:
             self._redraw()
+
+    def _follow_new_request(self, known: set[str]) -> bool:
+        """A request that appeared in these events (another client's, under ``--connect``) is selected
+        when the selected one has finished: the X-Ray said "No trace yet" while the server generated
+        for it, until ``]`` was pressed (issue 29). A selected live request is kept. True: selected."""
+        current = self.state.requests.get(self.selected) if self.selected else None
+        if current is not None and current.live:
+            return False
+        new = [rid for rid, r in self.state.requests.items() if rid not in known and r.live]
+        if not new:
+            return False
+        self.select(new[-1])
+        return True
 
     def _note_fallbacks(self, info: dict) -> None:
         """Say once, at load, when the engine's C paths are not in use on the CPU, and why (a run that
@@ -400,6 +421,15 @@ class NanoVLLMApp(App):
         if len(self.screen_stack) > 1:
             return False
         focused = self.focused
+        in_bar = focused is not None and any(isinstance(node, PromptBar) for node in focused.ancestors)
+        if in_bar and isinstance(event, events.Key) and event.is_printable and event.character not in (" ", None):
+            if event.key == "slash" and focused.id != "prompt":  # a setting or the chat box: / goes to the prompt
+                self.action_focus_prompt()  # (in the prompt itself, / is text, typed below)
+                return True
+            if not isinstance(focused, Input):  # the chat box: digits typed there switched tabs (issue 29)
+                self.notify("The chat box takes space (or ctrl+t) to toggle; Esc leaves the prompt bar "
+                            "for the app's keys.", severity="warning", markup=False)
+                return True  # a key typed into the bar is never an app key
         if isinstance(event, events.Paste):
             text = event.text.splitlines()[0] if event.text else ""  # an input takes one line, as Input does
         elif isinstance(focused, Input) and focused.check_consume_key(event.key, event.character):

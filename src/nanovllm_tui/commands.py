@@ -29,7 +29,7 @@ TABS = (("dashboard", "Dashboard"), ("xray", "X-Ray"), ("narrator", "Narrator"),
 
 ACTIONS: tuple[AppAction, ...] = (
     AppAction("slash", "focus_prompt", "Prompt", "Type a prompt",
-              "Move to the prompt bar (Enter sends, Tab reaches priority, max tokens, temperature)"),
+              "Move to the prompt bar (Enter sends, Tab reaches priority, max tokens, temperature, chat)"),
     AppAction("ctrl+t", "toggle_chat", "Chat/raw", "Send prompts as chat or as raw text",
               "Chat: the prompt goes through the model's chat template as a user's message; raw: text to continue"),
     AppAction("space", "toggle_pause", "Pause/Resume", "Pause or resume the engine",

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 from nanovllm_core import events as ev
 from nanovllm_core.tracing import decode_event
+from nanovllm_tui.widgets.format import quoted
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class _Server:
     def __init__(self, url: str, api_key: str | None, timeout: float) -> None:
         parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise RemoteError(f"{url!r} is not a server address; give one like http://127.0.0.1:8000")
+            raise RemoteError(f"{quoted(url)} is not a server address; give one like http://127.0.0.1:8000")
         self.url = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
         self.scheme, self.host, self.port = parts.scheme, parts.hostname, parts.port
         self.base = parts.path.rstrip("/")
@@ -157,6 +158,7 @@ class RemoteController:
 
     live = True
     engine = None
+    local_engine = False  # no engine in this process: the tutorial's demonstrations cannot run here
     load_error = None
 
     def __init__(self, url: str, api_key: str | None = None, reconnect_s: tuple[float, float] = (0.25, 2.0),
@@ -177,6 +179,7 @@ class RemoteController:
         self._stream_conn: http.client.HTTPConnection | None = None
         self._ids = itertools.count()
         self._session = secrets.token_hex(2)  # ids of prompts sent from this app: tui-<session>-<n>
+        self._paused_here = False  # this controller's last word was pause: shutdown resumes the server
         self._reader = threading.Thread(target=self._read_loop, name="nanovllm-remote-events", daemon=True)
         self._sender = threading.Thread(target=self._send_loop, name="nanovllm-remote-commands", daemon=True)
 
@@ -226,9 +229,11 @@ class RemoteController:
         return rid
 
     def pause(self) -> None:
+        self._paused_here = True
         self._command({"command": "pause"})
 
     def resume(self) -> None:
+        self._paused_here = False
         self._command({"command": "resume"})
 
     def step(self, n: int = 1) -> None:
@@ -249,9 +254,17 @@ class RemoteController:
         self._command({"command": "snapshot"})
 
     def shutdown(self, timeout: float = 1.0) -> bool:
-        """Close the stream and stop both threads; True if they ended within ``timeout`` seconds."""
-        self._stop.set()
+        """Close the stream and stop both threads; True if they ended within ``timeout`` seconds.
+
+        A server this controller paused (its last word was :meth:`pause`) is resumed first: an app
+        that quit while paused left the server paused and every client waiting (issue 29). A server
+        started paused , or paused by another watcher, is left as it is."""
+        if self._paused_here:
+            self.resume()  # queued behind what is still to be sent; the sender posts it before ending
         self._commands.put(None)
+        if self._sender.ident is not None:
+            self._sender.join(timeout)
+        self._stop.set()
         conn = self._stream_conn
         if conn is not None and conn.sock is not None:
             try:  # wakes the reader out of its read at once

@@ -33,8 +33,17 @@ class ReplaySubscription:
     xray: bool = False
 
 
-def load_trace(path: str | Path) -> list[ev.Event]:
-    """Events of a ``.jsonl`` trace, or of a gzipped one (``.jsonl.gz``).
+class Trace(list):
+    """A trace's events; ``cut_line``: the number of its last line when that line was cut short
+    (it is not played), else None."""
+
+    cut_line: int | None = None
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Events of a ``.jsonl`` trace, or of a gzipped one (``.jsonl.gz``). A last line cut short
+    (no newline, not a whole event) is left out and its number kept in ``cut_line``; a bad line
+    anywhere else is an error.
 
     Raises:
         OSError: the file cannot be read.
@@ -42,7 +51,7 @@ def load_trace(path: str | Path) -> list[ev.Event]:
     """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    events = []
+    events = Trace()
     try:
         with opener(path, "rt", encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
@@ -50,6 +59,9 @@ def load_trace(path: str | Path) -> list[ev.Event]:
                     try:
                         events.append(decode_event(line))
                     except ValueError as e:
+                        if not line.endswith("\n"):  # the last line, cut short (a recording copied while written,
+                            events.cut_line = n       # or `head -c`): play what came before it
+                            break
                         raise ValueError(f"line {n}: {e}") from None
     except (EOFError, gzip.BadGzipFile, UnicodeDecodeError) as e:
         raise ValueError(f"not a readable trace: {e}") from None
@@ -93,6 +105,7 @@ class ReplayController:
     def __init__(self, events: list[ev.Event], start_paused: bool = False,
                  pace: tuple[float, float] = (0.05, 1.0)) -> None:
         self._prologue, self._steps = split_steps(events)
+        self.cut_line: int | None = getattr(events, "cut_line", None)  # see Trace
         self.pace = pace
         self.load_error: str | None = None
         self.engine = None

@@ -344,7 +344,7 @@ class LLMEngine(EventSource):
         if bad:
             return "prompt", f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
         if n_prompt >= self.max_model_len:
-            return "prompt", (f"the prompt has {n_prompt} tokens but max_model_len is {self.max_model_len}, "
+            return "prompt", (f"the prompt has {n_prompt} token{'s' if n_prompt != 1 else ''} but max_model_len is {self.max_model_len}, "
                     "which must also leave room for at least one output token; "
                     "shorten the prompt or raise max_model_len")
         bad = [t for t in params.stop_token_ids if t >= vocab]
@@ -356,10 +356,10 @@ class LLMEngine(EventSource):
         limit = min(self.max_model_len, n_prompt + (params.max_tokens or self.max_model_len))
         need = self.block_manager.blocks_needed(limit)
         if need > self.block_manager.num_blocks:
-            return "max_tokens", (f"the request may need {need} KV blocks ({limit} tokens) but the pool has only "
+            return "max_tokens", (f"the request may need {need} KV blocks ({limit} token{'s' if limit != 1 else ''}) but the pool has only "
                     f"{self.block_manager.num_blocks}; raise num_kv_blocks or lower max_tokens")
         if not self.scheduler.enable_chunked_prefill and n_prompt > self.scheduler.token_budget:
-            return "prompt", (f"the prompt has {n_prompt} tokens, more than the per-step budget "
+            return "prompt", (f"the prompt has {n_prompt} token{'s' if n_prompt != 1 else ''}, more than the per-step budget "
                     f"({self.scheduler.token_budget}) with chunked prefill off; enable chunked prefill")
         return None
 

@@ -360,7 +360,7 @@ class ModelRunner:
         for i, (s, k) in enumerate(zip(order, k_lens)):
             used = s.block_table[: -(-k // bs)]
             if len(used) * bs < k or any(not 0 <= b < nb for b in used):
-                raise ValueError(f"sequence {s.seq_id}'s block table {used} cannot hold its {k} tokens "
+                raise ValueError(f"sequence {s.seq_id}'s block table {used} cannot hold its {k} token{'s' if k != 1 else ''} "
                                  f"in a pool of {nb} blocks")
             tables.extend(used)
             tables.extend([0] * (width - len(used)))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from nanovllm_core.cli_args import load_progress, positive_int, prompt_text, seed_int
+from nanovllm_core.educational.commentary import plural
 
 DEFAULT_PROMPT = "The future of AI is"
 
@@ -179,13 +180,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         note = "identical to the run without speculation" if same else "differs from the run without speculation"
         if not same and not params.greedy:
             note += " (expected when sampling: same distribution, other random draws)"
-        print(f"  [{len(c.token_ids)} tokens, finish_reason={c.finish_reason}; {note}]\n")
+        print(f"  [{plural(len(c.token_ids), 'token')}, finish_reason={c.finish_reason}; {note}]\n")
     k = args.num_speculative_tokens
     print(f"Speculative decoding with draft {draft!r}, k={k}, target {spec.engine.model_name}:")
     for line in speculation_report(fast.stats, k):
         print(line)
     print(f"  engine steps (target forward passes): {fast.steps} with speculation, {base.steps} without")
-    print(f"  speed: {fast.tokens_per_s:.1f} tokens/s with speculation ({fast.num_tokens} tokens in {fast.seconds:.2f} s), "
+    print(f"  speed: {fast.tokens_per_s:.1f} tokens/s with speculation ({plural(fast.num_tokens, 'token')} in {fast.seconds:.2f} s), "
           f"{base.tokens_per_s:.1f} tokens/s without ({base.num_tokens} in {base.seconds:.2f} s): "
           f"speed-up {fast.tokens_per_s / max(base.tokens_per_s, 1e-9):.2f}x")
     if fast.tokens_per_s < base.tokens_per_s:

@@ -110,8 +110,7 @@ class DashboardView(EngineView):
             topk.show((), None)
             return
         output.border_title = f"{req.request_id} · {req.state}"
-        if req.paused_s >= 0.001:  # its wall time differs from the engine's: say by how much
-            output.border_title += f" · {fmt_ms(req.paused_s)} paused (not in TTFT/TPOT)"
+        output.border_title += paused_note(req, state.paused)
         text = exchange(req)
         if req.state == "running":
             text.append("▌", style="bold")
@@ -140,3 +139,17 @@ def exchange(req) -> Text:
     text.append(f"\n{answered}\n", style="bold")
     text.append(req.text, style=f"bold {request_color(req.order)}")
     return text
+
+
+def paused_note(req, engine_paused: bool) -> str:
+    """The selected request's title's note on time held paused (its wall time differs from the
+    engine's). Its figure grows only with its tokens (the engine's paused clock, read at each),
+    so while the engine is held the note says "paused now" and counts only what came before:
+    a figure shown as current did not move until the next key (issue 29)."""
+    earlier = fmt_ms(req.paused_s) if req.paused_s >= 0.001 else ""
+    if req.live and engine_paused:
+        return f" · paused now{f', {earlier} before its last token' if earlier else ''} (not in TTFT/TPOT)"
+    if not earlier:
+        return ""
+    return f" · {earlier} paused{' so far' if req.live else ''} (not in TTFT/TPOT)"
+

@@ -276,17 +276,23 @@ class TutorialView(EngineView):
             self.notify("This chapter has no live demonstration.", severity="warning")
             return
         if not self.app.live:
-            self.notify("Demonstrations run on a live engine; this is a replay.", severity="warning")
+            self.notify("Demonstrations run on a local engine; this is a replay: start without --replay to "
+                        "run one.", severity="warning", markup=False)
             return
         if (self.run is not None and not self.run.finished) or self.measuring:
             self.notify("The demonstration is still running.", severity="warning")
             return
+        if demo.allreduce_ranks:
+            self._measure(c, demo)  # the whole demonstration here: the split run is the CLI's (SPLIT_RUN_ELSEWHERE)
+            return
+        if not getattr(self.app.controller, "local_engine", True):  # --connect: the engine is the server's
+            self.notify("Demonstrations run on a local engine of their own, and this app watches a server "
+                        "(--connect): start nanovllm-tui without --connect to run one.", severity="warning",
+                        markup=False)
+            return
         engine = self.app.controller.engine
         if engine is None:
             self.notify("The model is still loading: press r again once it is ready.", severity="warning")
-            return
-        if demo.allreduce_ranks:
-            self._measure(c, demo)  # the whole demonstration here: the split run is the CLI's (SPLIT_RUN_ELSEWHERE)
             return
         self._stop_session()
         try:

@@ -104,3 +104,9 @@ def progress(done: int, total: int | None, width: int = 10, style: str = "") -> 
 def visible_piece(piece: str) -> str:
     """A token piece made printable: spaces as '␣', newlines as '↵'."""
     return piece.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥") or "∅"
+
+
+def quoted(text: str, limit: int = 40) -> str:
+    """``text`` as an error message quotes what a person typed: ``repr`` of at most ``limit``
+    characters, with "…" after a cut (a 54 KB paste quoted whole covered the screen, issue 29)."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}…"

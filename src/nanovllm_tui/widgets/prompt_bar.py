@@ -6,6 +6,10 @@ text it may answer with end-of-text at once), or as raw text to continue. It sta
 model with a chat template (``--chat`` ticks it for any) and is toggled with a click, with
 space when it has the focus, or with ctrl+t anywhere.
 
+Tab goes from the prompt to priority, max tokens, temperature, then the chat box, the order they
+stand in. Below ``ONE_LINE_WIDTH`` columns the settings take a line of their own under the prompt
+(at 60 columns, beside them, the prompt was 5 characters wide).
+
 Each setting is checked as it is typed (Textual's ``Input`` validators): a wrong one turns red
 and the line under the bar says why. Enter sends only when every setting is right, and at once
 (not through a message that would reach the app after the keys pressed behind Enter); a prompt
@@ -26,6 +30,7 @@ from textual.validation import ValidationResult, Validator
 from textual.widgets import Checkbox, Input, Label
 
 from nanovllm_core.sampling_params import PRIORITY_MAX
+from nanovllm_tui.widgets.format import quoted
 
 # The prompt field's hint, longest first: the longest that fits is shown (never a cut one).
 PLACEHOLDERS = ("Type a prompt, Enter sends it  (Esc: engine keys · / comes back)", "Type a prompt, Enter sends it",
@@ -34,6 +39,7 @@ PLACEHOLDERS = ("Type a prompt, Enter sends it  (Esc: engine keys · / comes bac
 REPLAY_NOTES = ("A replay plays a recording and takes no prompts: start without --replay to type one",
                 "A replay takes no prompts: start without --replay", "A replay takes no prompts")
 PRIORITY_LIMIT = PRIORITY_MAX  # the engine's bound, shared by every entry point: -1000 to 1000
+ONE_LINE_WIDTH = 80  # narrower terminals put the settings under the prompt (the app's Screen class -cramped)
 
 
 @dataclass
@@ -87,7 +93,7 @@ class Setting(Validator):
         try:
             self.parse(value)
         except (ValueError, OverflowError):
-            return self.failure(f"{self.name} must be {self.rule}, not {value.strip()!r}")
+            return self.failure(f"{self.name} must be {self.rule}, not {quoted(value.strip())}")
         return self.success()
 
 
@@ -137,11 +143,12 @@ class PromptBar(Vertical):
         d = self.defaults
         with Horizontal(id="prompt-fields"):
             yield Field(placeholder=PLACEHOLDERS[0], id="prompt")
-            yield Checkbox("chat", d.chat is not False, id="chat", compact=True, tooltip=self.CHAT_TOOLTIP)
-            for name, label, value in (("priority", "prio", d.priority), ("max-tokens", "max", d.max_tokens),
-                                       ("temperature", "temp", d.temperature)):
-                yield Label(label, classes="setting-label")
-                yield Field(str(value), id=name, classes="setting", validators=[self.rules[name]])
+            with Horizontal(id="prompt-settings"):
+                for name, label, value in (("priority", "prio", d.priority), ("max-tokens", "max", d.max_tokens),
+                                           ("temperature", "temp", d.temperature)):
+                    yield Label(label, classes="setting-label")
+                    yield Field(str(value), id=name, classes="setting", validators=[self.rules[name]])
+                yield Checkbox("chat", d.chat is not False, id="chat", compact=True, tooltip=self.CHAT_TOOLTIP)
         yield Label(id="prompt-error")
         yield Label(id="prompt-replay")
 

@@ -71,9 +71,14 @@ class StatusHeader(LiveStatic):
             # A server out of reach may have resumed meanwhile: say what is known, the lost connection.
             lost = state.engine_state in ("stopped", "disconnected")
             engine_state = "paused" if state.paused and not lost else state.engine_state
-            parts.append((Text.assemble((" │ ", "dim"), (f"● {engine_state}", STATE_STYLES.get(engine_state, "bold"))), 0))
+            active = len(state.active_requests)
+            cut_short = replay and engine_state == "idle" and active  # the recording stopped mid-request
+            shown = "recording ended" if cut_short else engine_state
+            parts.append((Text.assemble((" │ ", "dim"), (f"● {shown}", STATE_STYLES.get(engine_state, "bold"))), 0))
             if state.step is not None:
                 parts.append((Text(f" · step {state.step}"), 3))
-            active = len(state.active_requests)
-            parts.append((Text(f" · {active} active request{'s' if active != 1 else ''}"), 5))
+            if cut_short:  # they will never finish: the header said "idle" beside requests listed running
+                parts.append((Text(f" · {active} request{'s' if active != 1 else ''} unfinished in it"), 1))
+            else:
+                parts.append((Text(f" · {active} active request{'s' if active != 1 else ''}"), 5))
         self.show_content(fit(parts, width))
