@@ -16,7 +16,14 @@ import sys
 import time
 from typing import Sequence
 
-from nanovllm_core.cli_args import _Parser, add_engine_arguments, add_model_arguments, engine_kwargs, tcp_port
+from nanovllm_core.cli_args import (
+    _Parser,
+    add_engine_arguments,
+    add_model_arguments,
+    engine_kwargs,
+    positive_int,
+    tcp_port,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,22 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start with the engine paused: requests are accepted and wait until an attached app "
                         "(nanovllm-tui --connect URL, space) or POST /v1/engine/control {\"command\": \"resume\"} "
                         "resumes it")
-    s.add_argument("--max-body-bytes", type=_positive_int, default=None,
+    s.add_argument("--max-body-bytes", type=positive_int, default=None,
                    help="refuse a request body larger than this with 413 (default: 64 bytes per token of "
                         "the model's context, at least 1 MiB)")
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
     s.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
     return p
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of bytes, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def listen(host: str, port: int) -> socket.socket:
