@@ -166,6 +166,20 @@ static inline __m256i load2(const uint8_t *lo, const uint8_t *hi) {
                                    _mm_loadu_si128((const __m128i *)hi), 1);
 }
 
+/* The fp16 d (and Q4_1's m) of block `off` of 8 weight rows as floats, lane k = row k: words 0 (and 1)
+ * of the 8 block headers. Both the batched and the batch-1 loop read them here. */
+static inline __attribute__((always_inline)) void headers8(const uint8_t *const rows[NC], int64_t off, __m256 *dw,
+                                                           __m256 *mw) {
+    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    uint32_t h[NC];
+    for (int k = 0; k < NC; k++) memcpy(&h[k], rows[k] + off, 4);
+    __m256i hw = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)h), split);
+    hw = _mm256_permute4x64_epi64(hw, 0xD8); /* [d0..d3 d4..d7 | m0..m3 m4..m7] as fp16 */
+    *dw = _mm256_cvtph_ps(_mm256_castsi256_si128(hw));
+    *mw = _mm256_cvtph_ps(_mm256_extracti128_si256(hw, 1));
+}
+
 static inline __m256i bcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 
 /* The AVX2 product of NC weight rows (rows[k]: row n0 + k, or a repeat of the last row past N)
@@ -175,21 +189,14 @@ static inline __attribute__((always_inline)) void group_avx2(int fmt, const uint
                                                              const int32_t *xs8, int64_t i0, int R, float *acc, float *S) {
     const int bb = block_bytes(fmt), qoff = fmt == FMT_Q4_1 ? 4 : 2;
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(15);
-    /* the block headers' fp16 d (and Q4_1's m): words 0 (and 1) of the 8 blocks */
-    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
-                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     for (int r = 0; r < R; r++) {
         _mm256_store_ps(acc + r * NC, _mm256_setzero_ps());
         _mm256_store_ps(S + r * NC, _mm256_setzero_ps());
     }
     for (int b = 0; b < nb; b++) {
         const int64_t off = (int64_t)b * bb;
-        uint32_t h[NC];
-        for (int k = 0; k < NC; k++) memcpy(&h[k], rows[k] + off, 4);
-        __m256i hw = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)h), split);
-        hw = _mm256_permute4x64_epi64(hw, 0xD8); /* [d0..d3 d4..d7 | m0..m3 m4..m7] as fp16 */
-        const __m256 dw = _mm256_cvtph_ps(_mm256_castsi256_si128(hw));
-        const __m256 mw = _mm256_cvtph_ps(_mm256_extracti128_si256(hw, 1));
+        __m256 dw, mw;
+        headers8(rows, off, &dw, &mw);
         __m256i T[8], A[8], in[4];
         if (fmt == FMT_Q8_0) {
             for (int k = 0; k < 4; k++) in[k] = load2(rows[k] + off + 2, rows[k + 4] + off + 2);
@@ -250,8 +257,6 @@ static inline __attribute__((always_inline)) void group1_avx2(int fmt, const uin
                                                               __m256 *acc_out, __m256 *S_out) {
     const int bb = block_bytes(fmt), qoff = fmt == FMT_Q4_1 ? 4 : 2;
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(15);
-    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
-                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     __m256 acc = _mm256_setzero_ps(), S = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         if (pf) {
@@ -259,11 +264,8 @@ static inline __attribute__((always_inline)) void group1_avx2(int fmt, const uin
             for (int64_t o = 0; o < pf_step; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T0);
         }
         const int64_t off = (int64_t)b * bb;
-        uint32_t h[NC];
-        for (int k = 0; k < NC; k++) memcpy(&h[k], rows[k] + off, 4);
-        __m256i hw = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)h), split);
-        hw = _mm256_permute4x64_epi64(hw, 0xD8);
-        const __m256 dw = _mm256_cvtph_ps(_mm256_castsi256_si128(hw));
+        __m256 dw, mw;
+        headers8(rows, off, &dw, &mw);
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * QK));
         __m256i v[NC];
         if (fmt == FMT_Q8_0) {
@@ -281,10 +283,7 @@ static inline __attribute__((always_inline)) void group1_avx2(int fmt, const uin
         __m256i s = hsum8(v);
         if (fmt == FMT_Q4_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(xs8[b]));
         acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(xd[b])), _mm256_cvtepi32_ps(s), acc);
-        if (fmt == FMT_Q4_1) {
-            const __m256 mw = _mm256_cvtph_ps(_mm256_extracti128_si256(hw, 1));
-            S = _mm256_add_ps(S, _mm256_mul_ps(mw, _mm256_set1_ps(sx[b])));
-        }
+        if (fmt == FMT_Q4_1) S = _mm256_add_ps(S, _mm256_mul_ps(mw, _mm256_set1_ps(sx[b])));
     }
     *acc_out = acc;
     *S_out = S;
