@@ -38,12 +38,13 @@ from nanovllm_tui.views.narrator import NarratorView
 from nanovllm_tui.views.tutorial import TutorialView
 from nanovllm_tui.views.xray import XRayView
 from nanovllm_tui.widgets.footer import SteadyFooter
-from nanovllm_tui.widgets.prompt_bar import ONE_LINE_WIDTH, PromptBar, PromptSettings
+from nanovllm_tui.widgets.prompt_bar import ONE_LINE_WIDTH, REPLAY_NOTES, PromptBar, PromptSettings
 from nanovllm_tui.widgets.status_header import StatusHeader
 
 VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
                                       "tutorial": TutorialView, "blocks": BlockMapView}
 NARROW, SHORT = 100, 30  # below these sizes panels fold away (see app.tcss)
+REPLAY_REFUSAL = REPLAY_NOTES[0] + "."  # the toast when a replay is asked for a prompt
 
 
 class Tabs(TabbedContent):
@@ -285,9 +286,7 @@ class NanoVLLMApp(App):
             self.query_one(NarratorView).add(notes)
         if self.selected not in self.state.requests and self.state.requests:
             self.select(self._default_selection())
-        elif self._follow_new_request(known):
-            pass
-        else:
+        elif not self._follow_new_request(known):  # (selecting redraws)
             self._redraw()
 
     def _follow_new_request(self, known: set[str]) -> bool:
@@ -502,8 +501,7 @@ class NanoVLLMApp(App):
 
     def action_focus_prompt(self) -> None:
         if not self.query_one(PromptBar).focus_prompt():
-            self.notify("A replay plays a recording and takes no prompts: start without --replay to type one.",
-                        severity="warning", markup=False)
+            self.notify(REPLAY_REFUSAL, severity="warning", markup=False)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """A replay runs no prompts, so it offers no chat toggle (nor shows ctrl+t in the footer)."""
@@ -576,8 +574,7 @@ class NanoVLLMApp(App):
 
     def _submit(self, prompt: str, settings: PromptSettings) -> str | None:
         if not self.live:  # the prompt bar is disabled in a replay; nothing reaches the (recorded) state
-            self.notify("A replay plays a recording and takes no prompts: start without --replay to type one.",
-                        severity="warning", markup=False)
+            self.notify(REPLAY_REFUSAL, severity="warning", markup=False)
             return None
         try:
             params = dataclasses.replace(self.sampling, max_tokens=settings.max_tokens,
