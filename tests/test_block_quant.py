@@ -104,7 +104,7 @@ def _signatures():
 def _run(lib: ctypes.CDLL, lin: bq.BlockLinear, x: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x.shape[0], lin.out_features)
     sx = torch.empty(bq.block_scratch(x.shape[0], lin.in_features))
-    assert lib.block_linear(lin.format.c_id, lin.blocks.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(),
+    assert lib.block_linear(lin.format.c_id, lin.packed.data_ptr(), x.data_ptr(), x.stride(0), y.data_ptr(),
                             lin.out_features, None, 0, x.shape[0], lin.out_features, lin.in_features,
                             sx.data_ptr(), 2) == 0
     return y
@@ -147,7 +147,7 @@ def test_the_batch_1_path_gives_the_batched_paths_bits(fmt, n, k):
     r = torch.randn(1, n, generator=torch.Generator().manual_seed(9))
     y = torch.empty(1, n)
     sx = torch.empty(bq.block_scratch(1, k))
-    assert bq.library().block_linear(lin.format.c_id, lin.blocks.data_ptr(), x[:1].data_ptr(), k, y.data_ptr(), n,
+    assert bq.library().block_linear(lin.format.c_id, lin.packed.data_ptr(), x[:1].data_ptr(), k, y.data_ptr(), n,
                                      r.data_ptr(), n, 1, n, k, sx.data_ptr(), 2) == 0
     assert torch.equal(y, r + batched[:1])
 
@@ -229,7 +229,7 @@ def test_a_float_checkpoint_is_quantized_at_load(tiny_llama_dir, fmt):
     assert isinstance(qkv, bq.BlockLinear) and qkv.kind == fmt
     # the blocks are gguf's quantization of the float weights; embedding and tied head in Q8_0
     assert torch.equal(qkv.blocks, bq.quantize(float_model.layers[1].self_attn.qkv_proj.weight, fmt))
-    assert model.embed_tokens.kind == "q8_0" and model.lm_head.blocks.data_ptr() == model.embed_tokens.blocks.data_ptr()
+    assert model.embed_tokens.kind == "q8_0" and model.lm_head.packed.data_ptr() == model.embed_tokens.packed.data_ptr()
     assert set(weight_formats(model)) == {fmt, "q8_0"} | ({"q8_0"} if fmt == "q8_0" else set())
     assert model.fused_layers is not None
 

@@ -36,7 +36,7 @@ def test_the_files_blocks_run_as_shipped(real_model_gguf, real_model):
     assert torch.equal(model.layers[3].mlp.gate_up_proj.dequantized(), float_model.layers[3].mlp.gate_up_proj.weight)
     # The embedding stays Q8_0 and the tied LM head reads the same blocks; no float32 copy of any weight.
     assert isinstance(model.embed_tokens, bq.BlockEmbedding) and model.embed_tokens.kind == "q8_0"
-    assert model.lm_head.blocks.data_ptr() == model.embed_tokens.blocks.data_ptr()
+    assert model.lm_head.packed.data_ptr() == model.embed_tokens.packed.data_ptr()
     formats = weight_formats(model)
     assert set(formats) == {"q4_1", "q8_0"}, formats
     assert 90e6 < sum(formats.values()) < 100e6  # the file is 98 MB

@@ -82,15 +82,17 @@ def read_block(raw: bytes | bytearray, fmt: BlockFormat) -> tuple[float, float |
 def sample_block(module) -> BlockSample | None:
     """Row 0's first block of a ``BlockLinear`` (None for any other module)."""
     fmt = getattr(module, "format", None)
-    blocks = getattr(module, "blocks", None)
-    if not isinstance(fmt, BlockFormat) or blocks is None or not hasattr(module, "in_features"):
+    if not isinstance(fmt, BlockFormat) or not hasattr(module, "file_block") or not hasattr(module, "in_features"):
         return None
-    first = blocks[:1, :fmt.block_bytes]
-    d, m, q = read_block(bytes(first.reshape(-1).tolist()), fmt)
-    from nanovllm_core.model import block_quant  # torch: only when a live model's block is drawn
+    raw = module.file_block(0, 0)  # the file's 18/20/34 bytes (the module keeps them packed 8 rows at a time)
+    d, m, q = read_block(raw, fmt)
+    import torch  # only when a live model's block is drawn
 
+    from nanovllm_core.model import block_quant
+
+    first = torch.tensor(list(raw), dtype=torch.uint8).reshape(1, -1)
     w = block_quant.dequantize(first, fmt, BLOCK_SIZE)[0, :SHOWN].tolist()  # the engine's own decoding
-    return BlockSample(fmt, int(blocks.shape[0]), int(module.in_features), float(d), m, tuple(q[:SHOWN]),
+    return BlockSample(fmt, int(module.out_features), int(module.in_features), float(d), m, tuple(q[:SHOWN]),
                        tuple(float(x) for x in w))
 
 
@@ -143,10 +145,13 @@ def block_lines(trace: ev.LayerTrace) -> list[str]:
              f"{f.block_bytes}/32 = {f.bytes_per_weight:g} bytes a weight with the scale{' and min' if f.name == 'q4_1' else ''} "
              f"(float32: 4); {FORMULA[f.name]}, {activations_note()}."]
     lines += ["  " + line for line in layout_lines(f)]
+    lines.append(f"In memory the kernel keeps the same bytes packed 8 rows at a time: per block, the 8 rows' d"
+                 f"{' and m' if f.name == 'q4_1' else ''}, then their {'int8' if f.name == 'q8_0' else '4-bit'} values 4 bytes per row in turn, "
+                 f"so one 32-byte load feeds 8 outputs (block_quant.pack; nothing requantized).")
     m = f", m = {s.m:+.6g}" if s.m is not None else ""
     q = ", ".join(str(v) for v in s.q)
     w = ", ".join(f"{v:+.5f}" for v in s.w)
-    lines.append(f"Row 0's first block, as stored: d = {s.d:+.6g}{m}; q[0..{len(s.q) - 1}] = {q} -> "
+    lines.append(f"Row 0's first block, as the file stores it: d = {s.d:+.6g}{m}; q[0..{len(s.q) - 1}] = {q} -> "
                  f"w = {w} ({FORMULA[f.name]}).")
     op = next((o for o in trace.ops if o.name == BLOCK_MODULE), None)
     text = (f"{BLOCK_MODULE} stores [{s.rows}, {s.in_features}] weights as {s.rows} rows x {blocks_per_row} blocks x "

@@ -182,19 +182,77 @@ def quantize(weight: torch.Tensor, fmt: BlockFormat | str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(out)).reshape(weight.shape[0], -1)
 
 
+# ----------------------------------------------------------------------------- the packed layout
+
+PACK_ROWS = 8  # weight rows a packed group interleaves: one per lane of an 8-float vector (NC in the C source)
+
+
+def _pack_parts(fmt: BlockFormat) -> tuple[int, int]:
+    """(header bytes of one row's block: d, or d and m; quant bytes of one row's block)."""
+    header = 4 if fmt.name == "q4_1" else 2
+    return header, fmt.block_bytes - header
+
+
+def pack(blocks: torch.Tensor, fmt: BlockFormat | str) -> torch.Tensor:
+    """File-layout blocks uint8 ``[N, K / 32 * block_bytes]`` -> the kernels' layout ``[ceil(N / 8), K / 32, 8 * block_bytes]``.
+
+    The same bytes reordered (nothing is requantized): per group of 8 rows (the last row
+    repeated past N) and per block, the 8 rows' fp16 ``d``, then their ``m`` (Q4_1), then their
+    quant bytes 4 at a time, word ``w`` of row ``k`` at ``32 w + 4 k``, so one 32-byte load
+    holds the same word of 8 rows, one row per vector lane (``block_quant_cpu.c``, "Packed
+    layout"; llama.cpp's CPU repack interleaves Q4_0 rows the same way). :func:`unpack` inverts it.
+    """
+    fmt = block_format(fmt) if isinstance(fmt, str) else fmt
+    n, width = blocks.shape
+    nb, header = width // fmt.block_bytes, _pack_parts(fmt)[0]
+    if n % PACK_ROWS:
+        blocks = torch.cat((blocks, blocks[-1:].expand(PACK_ROWS - n % PACK_ROWS, width)))
+    b = blocks.reshape(-1, PACK_ROWS, nb, fmt.block_bytes).permute(0, 2, 1, 3)  # [G, nb, 8 rows, block_bytes]
+    g = b.shape[0]
+    parts = [b[..., 0:2].reshape(g, nb, 2 * PACK_ROWS)]  # the 8 d
+    if header == 4:
+        parts.append(b[..., 2:4].reshape(g, nb, 2 * PACK_ROWS))  # the 8 m
+    q = b[..., header:].reshape(g, nb, PACK_ROWS, -1, 4).transpose(2, 3)  # [G, nb, words, 8 rows, 4 bytes]
+    parts.append(q.reshape(g, nb, -1))
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+def unpack(packed: torch.Tensor, fmt: BlockFormat | str, rows: int) -> torch.Tensor:
+    """The inverse of :func:`pack`: ``[G, K / 32, 8 * block_bytes]`` -> file-layout blocks ``[rows, K / 32 * block_bytes]``.
+
+    Raises:
+        ValueError: ``rows`` not in the groups' range (more than ``8 G`` or not past ``8 (G - 1)``).
+    """
+    fmt = block_format(fmt) if isinstance(fmt, str) else fmt
+    g, nb, _ = packed.shape
+    if not PACK_ROWS * (g - 1) < rows <= PACK_ROWS * g:
+        raise ValueError(f"{g} packed groups of {PACK_ROWS} rows cannot hold {rows} rows")
+    header, qbytes = _pack_parts(fmt)
+    parts = [packed[..., 0:2 * PACK_ROWS].reshape(g, nb, PACK_ROWS, 2)]
+    if header == 4:
+        parts.append(packed[..., 2 * PACK_ROWS:4 * PACK_ROWS].reshape(g, nb, PACK_ROWS, 2))
+    q = packed[..., header * PACK_ROWS:].reshape(g, nb, qbytes // 4, PACK_ROWS, 4).transpose(2, 3)
+    parts.append(q.reshape(g, nb, PACK_ROWS, qbytes))
+    b = torch.cat(parts, dim=-1).permute(0, 2, 1, 3)  # [G, 8 rows, nb, block_bytes]
+    return b.reshape(g * PACK_ROWS, nb * fmt.block_bytes)[:rows].contiguous()
+
+
 # ----------------------------------------------------------------------------- modules
 
 class BlockLinear(nn.Module):
     """``y = x W^T + b`` with W kept in a block format: x ``[num_tokens, in_features]`` -> ``[num_tokens, out_features]``.
 
     ``blocks``: uint8 ``[out_features, in_features / 32 * block_bytes]`` (a GGUF tensor's rows,
-    as the file holds them). Activations and the result are float32. Bit for bit, a row's
-    result is the same whatever else is in ``x`` (see ``block_quant_cpu.c``).
+    as the file holds them); the module keeps them as :func:`pack` orders them for the kernel
+    (``packed``, the same bytes) and gives the file's order back as :attr:`blocks`.
+    Activations and the result are float32. Bit for bit, a row's result is the same whatever
+    else is in ``x`` (see ``block_quant_cpu.c``).
 
     Attributes:
         kind: the format's name (``q4_1``, ...), shown by the app and ``model_info()``.
+        packed: uint8 ``[ceil(out_features / 8), in_features / 32, 8 * block_bytes]``, what the kernel reads.
         bytes_per_weight: bytes per weight with its share of scale (and min): 34/32, 18/32 or 20/32.
-        weight_bytes: bytes one forward pass streams from memory (all of ``blocks``).
+        weight_bytes: bytes one forward pass streams from memory (all of ``packed``).
     """
 
     def __init__(self, blocks: torch.Tensor, fmt: BlockFormat | str, in_features: int,
@@ -205,10 +263,22 @@ class BlockLinear(nn.Module):
                 or blocks.shape[1] != in_features // BLOCK_SIZE * self.format.block_bytes:
             raise ValueError(f"{self.format.name} blocks {list(blocks.shape)} ({blocks.dtype}) do not hold "
                              f"{in_features} weights a row")
-        self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        self._init(pack(blocks, self.format), blocks.shape[0], in_features, bias)
+
+    def _init(self, packed: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None) -> None:
+        self.register_buffer("packed", packed, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-        self.out_features, self.in_features = blocks.shape[0], in_features
+        self.out_features, self.in_features = out_features, in_features
         self.kind = self.format.name
+
+    @classmethod
+    def sharing(cls, embedding: "BlockEmbedding") -> "BlockLinear":
+        """An LM head tied to ``embedding``: the same packed blocks (one copy), ``[vocab, hidden]``."""
+        head = cls.__new__(cls)
+        nn.Module.__init__(head)
+        head.format = embedding.format
+        head._init(embedding.packed, embedding.num_embeddings, embedding.embedding_dim, None)
+        return head
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, fmt: BlockFormat | str, bias: torch.Tensor | None = None) -> "BlockLinear":
@@ -221,7 +291,18 @@ class BlockLinear(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
-        return self.blocks.numel()
+        return self.packed.numel()
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """The blocks in the file's order, uint8 ``[out_features, in_features / 32 * block_bytes]`` (a new tensor)."""
+        return unpack(self.packed, self.format, self.out_features)
+
+    def file_block(self, row: int = 0, index: int = 0) -> bytes:
+        """The ``block_bytes`` bytes of block ``index`` of weight row ``row``, as the file stores them (for teaching)."""
+        group = self.packed[row // PACK_ROWS:row // PACK_ROWS + 1]
+        one = unpack(group, self.format, PACK_ROWS)[row % PACK_ROWS]
+        return bytes(one[index * self.format.block_bytes:(index + 1) * self.format.block_bytes].tolist())
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight ``[out_features, in_features]`` these blocks stand for (a new tensor: for teaching and tests)."""
@@ -260,7 +341,7 @@ class BlockLinear(nn.Module):
                 if res.dtype != torch.float32 or res.stride(-1) != 1:
                     res = res.float().contiguous()
             sx = scratch(block_scratch(m, self.in_features))
-            lib.block_linear(self.format.c_id, self.blocks.data_ptr(), x2.data_ptr(), x2.stride(0), y.data_ptr(),
+            lib.block_linear(self.format.c_id, self.packed.data_ptr(), x2.data_ptr(), x2.stride(0), y.data_ptr(),
                              self.out_features, None if res is None else res.data_ptr(),
                              0 if res is None else res.stride(0), m, self.out_features, self.in_features,
                              sx.data_ptr(), torch.get_num_threads())
@@ -288,13 +369,18 @@ class BlockEmbedding(nn.Module):
         self.format = block_format(fmt) if isinstance(fmt, str) else fmt
         if embedding_dim % BLOCK_SIZE or blocks.shape[1] != embedding_dim // BLOCK_SIZE * self.format.block_bytes:
             raise ValueError(f"{self.format.name} blocks {list(blocks.shape)} do not hold {embedding_dim} values a row")
-        self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        self.register_buffer("packed", pack(blocks, self.format), persistent=False)  # as BlockLinear keeps them
         self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding_dim
         self.kind = self.format.name
 
     @property
     def weight_bytes(self) -> int:
-        return self.blocks.numel()
+        return self.packed.numel()
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """The blocks in the file's order, uint8 ``[num_embeddings, embedding_dim / 32 * block_bytes]`` (a new tensor)."""
+        return unpack(self.packed, self.format, self.num_embeddings)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 matrix ``[num_embeddings, embedding_dim]`` (a new tensor: for teaching and tests)."""
@@ -304,10 +390,15 @@ class BlockEmbedding(nn.Module):
         flat = ids.reshape(-1).to(torch.int64).contiguous()
         lib = library()
         if lib is None or flat.device.type != "cpu":
-            rows = dequantize(self.blocks[flat], self.format, self.embedding_dim)
+            if flat.numel() and not bool(((flat >= 0) & (flat < self.num_embeddings)).all()):
+                raise IndexError(f"a token id is outside the vocabulary [0, {self.num_embeddings})")
+            groups = self.packed[flat.cpu() // PACK_ROWS]  # the groups holding the rows, unpacked 8 rows each
+            rows = unpack(groups, self.format, groups.shape[0] * PACK_ROWS)[
+                torch.arange(flat.numel()) * PACK_ROWS + flat.cpu() % PACK_ROWS]
+            rows = dequantize(rows, self.format, self.embedding_dim).to(flat.device)
             return rows.reshape(*ids.shape, self.embedding_dim)
         out = torch.empty(flat.numel(), self.embedding_dim, dtype=torch.float32)
-        if flat.numel() and lib.block_rows(self.format.c_id, self.blocks.data_ptr(), flat.data_ptr(), flat.numel(),
+        if flat.numel() and lib.block_rows(self.format.c_id, self.packed.data_ptr(), flat.data_ptr(), flat.numel(),
                                            self.num_embeddings, self.embedding_dim, out.data_ptr()) != 0:
             raise IndexError(f"a token id is outside the vocabulary [0, {self.num_embeddings})")
         return out.reshape(*ids.shape, self.embedding_dim)
@@ -414,8 +505,8 @@ class FusedDecoderLayers:
             for i, layer in enumerate(self.model.layers):
                 a, m = layer.self_attn, layer.mlp
                 rows.append(_LayerWeights(
-                    a.qkv_proj.blocks.data_ptr(), a.o_proj.blocks.data_ptr(), m.gate_up_proj.blocks.data_ptr(),
-                    m.down_proj.blocks.data_ptr(), a.qkv_proj.format.c_id, a.o_proj.format.c_id,
+                    a.qkv_proj.packed.data_ptr(), a.o_proj.packed.data_ptr(), m.gate_up_proj.packed.data_ptr(),
+                    m.down_proj.packed.data_ptr(), a.qkv_proj.format.c_id, a.o_proj.format.c_id,
                     m.gate_up_proj.format.c_id, m.down_proj.format.c_id, layer.input_layernorm.weight.data_ptr(),
                     layer.post_attention_layernorm.weight.data_ptr(), cache.k_by_head[i].data_ptr(),
                     cache.v_by_head[i].data_ptr()))

@@ -5,7 +5,9 @@
  *   Q4_0  18 bytes: fp16 d, then 16 bytes of 4-bit q;     w = d * (q - 8)
  *   Q4_1  20 bytes: fp16 d, fp16 m, then 16 bytes of q;   w = d * q + m
  * In a 4-bit block, byte j holds weight j in its low nibble and weight j + 16 in its high one
- * (ggml's layout, ggml-quants.c). A row of W is K / 32 blocks, rows one after another.
+ * (ggml's layout, ggml-quants.c). In the file a row of W is K / 32 blocks, rows one after
+ * another; in memory the kernels read them packed 8 rows at a time (the same bytes interleaved
+ * for the vector lanes: "Packed layout" below).
  *
  * Activations are quantized the way llama.cpp's CPU path does it: each row of x, per 32-block, to
  * int8 values xq with a float32 scale xd (quantize_row), once per call. Each output is then a sum
@@ -68,23 +70,6 @@ static inline float half_to_float(uint16_t h) {
 
 static inline uint16_t read_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
-/* The scale d and offset m of a block (see the header: Q4_0's -8 d is exact, a power of two). */
-static inline void block_scales(int fmt, const uint8_t *blk, float *d, float *m) {
-    *d = half_to_float(read_u16(blk));
-    *m = fmt == FMT_Q4_1 ? half_to_float(read_u16(blk + 2)) : fmt == FMT_Q4_0 ? -8.0f * *d : 0.0f;
-}
-
-/* The block's 32 integers as floats, in element order. */
-static inline void block_ints(int fmt, const uint8_t *blk, float q[QK]) {
-    if (fmt == FMT_Q8_0) {
-        const int8_t *qs = (const int8_t *)(blk + 2);
-        for (int i = 0; i < QK; i++) q[i] = (float)qs[i];
-    } else {
-        const uint8_t *qs = blk + (fmt == FMT_Q4_1 ? 4 : 2);
-        for (int j = 0; j < 16; j++) { q[j] = (float)(qs[j] & 15); q[j + 16] = (float)(qs[j] >> 4); }
-    }
-}
-
 /* Activation row i of M -> per 32-block b, at index b * M + i (block-major, so that a pass over
  * the rows of one block reads consecutive memory): the int8 values xq[(b M + i) 32 ..], their
  * scale xd = max|x| / 127, xq = round-half-even(x / xd) (ggml's quantize_row_q8_1 arithmetic, the
@@ -109,34 +94,67 @@ static void quantize_row(const float *x, int nb, int64_t M, int64_t i, int8_t *x
     }
 }
 
+/* Packed layout. The kernels read a matrix of NC = 8 weight rows at a time, one row per vector
+ * lane, so at load the rows' blocks are interleaved in groups of 8 rows (block_quant.pack; the
+ * same bytes, reordered, nothing requantized; llama.cpp's CPU repack does the same for Q4_0,
+ * "block_q4_0x8"). Group g (rows 8g .. 8g + 7; past N the last row repeats) holds, for each
+ * block b in order, NC * block_bytes bytes:
+ *     d  of rows 0..7           8 fp16   (16 bytes)
+ *     m  of rows 0..7           8 fp16   (16 bytes, Q4_1 only)
+ *     the quant bytes, 4 at a time: word w (bytes 4w .. 4w + 3 of a row's 16 or 32 quant bytes)
+ *     of row k at 32 w + 4 k    (Q4: 4 words = 128 bytes; Q8_0: 8 words = 256 bytes)
+ * so one 32-byte load gives word w of all 8 rows, lane k = row k, with no shuffling, and the
+ * groups follow each other: the whole matrix is read front to back, once. */
+#define NC 8  /* weight rows (outputs) one group holds, one per vector lane */
+#define MC 64 /* activation rows per pass over a group's blocks (their accumulators: 4 KB) */
+
+static inline int header_bytes(int fmt) { return fmt == FMT_Q4_1 ? 4 * NC : 2 * NC; }
+static inline int64_t group_block_bytes(int fmt) { return (int64_t)NC * block_bytes(fmt); }
+
+/* Row k's scale d and offset m in the packed block at p (Q4_0's m = -8 d is exact: a power of two). */
+static inline void packed_scales(int fmt, const uint8_t *p, int k, float *d, float *m) {
+    *d = half_to_float(read_u16(p + 2 * k));
+    *m = fmt == FMT_Q4_1 ? half_to_float(read_u16(p + 2 * NC + 2 * k)) : fmt == FMT_Q4_0 ? -8.0f * *d : 0.0f;
+}
+
+/* Row k's 32 integers in element order from the packed block at p (Q4: byte j holds weights j and j + 16). */
+static inline void packed_ints(int fmt, const uint8_t *p, int k, int q[QK]) {
+    const uint8_t *qs = p + header_bytes(fmt);
+    if (fmt == FMT_Q8_0)
+        for (int j = 0; j < QK; j++) q[j] = (int8_t)qs[32 * (j / 4) + 4 * k + j % 4];
+    else
+        for (int j = 0; j < 16; j++) {
+            const uint8_t v = qs[32 * (j / 4) + 4 * k + j % 4];
+            q[j] = v & 15;
+            q[j + 16] = v >> 4;
+        }
+}
+
 /* The products. Output element (row i, weight row n), for each block b in order (one fixed order,
  * whatever M, the tile, the thread or the build):
  *     s    = sum of the block's 32 integer products q_j * xq_j     (exact; Q4_0: (q_j - 8) * xq_j)
  *     acc  = fma(d_w * xd, (float)s, acc)                            (float32, acc from 0)
  *     S    = S + m_w * sx                                            (Q4_1 only, S from 0)
  * and y = acc + S (Q4_1) or acc, then y = residual + y where a residual is given. |s| <= 32 * 128 * 127
- * < 2^24, so (float)s is exact. The AVX2 path holds NC = 8 weight rows in the 8 lanes of a vector:
- * per block it unpacks and transposes their integers once (lane k = row n0 + k), then runs every
- * activation row of a chunk of MC rows through them; each lane does the operations above for its
- * own output. The portable path does them one output at a time with fmaf. */
-#define NC 8  /* weight rows (outputs) one pass holds, one per vector lane */
-#define MC 64 /* activation rows per pass over a group's transposed blocks (their accumulators: 4 KB) */
+ * < 2^24, so (float)s is exact. The AVX2 paths hold a group's NC rows in the 8 lanes of a vector:
+ * per block they load the 8 rows' words (lane k = row k) and run every activation row of a chunk
+ * of MC rows through them; each lane does the operations above for its own output. The portable
+ * path does them one output at a time with fmaf. */
 
-/* The portable product: outputs (rows i0 .. i0 + R - 1) x (weight rows n0 .. n0 + C - 1). */
-static __attribute__((unused)) void group_scalar(int fmt, const uint8_t *W, int64_t row_bytes, int64_t n0, int C, int nb, int64_t M,
+/* The portable product: outputs (rows i0 .. i0 + R - 1) x (the C real rows of the group at G). */
+static __attribute__((unused)) void group_scalar(int fmt, const uint8_t *G, int C, int nb, int64_t M,
                          const int8_t *xq, const float *xd, const float *sx, const int32_t *xs8, int64_t i0, int R,
                          float *acc, float *S) {
-    const int bb = block_bytes(fmt), qoff = fmt == FMT_Q4_1 ? 4 : 2;
+    const int64_t gbb = group_block_bytes(fmt);
     for (int k = 0; k < C; k++)
         for (int r = 0; r < R; r++) { acc[r * NC + k] = 0.0f; S[r * NC + k] = 0.0f; }
     for (int b = 0; b < nb; b++)
         for (int k = 0; k < C; k++) {
-            const uint8_t *blk = W + (n0 + k) * row_bytes + (int64_t)b * bb;
+            const uint8_t *p = G + (int64_t)b * gbb;
             float d, m;
             int q[QK];
-            block_scales(fmt, blk, &d, &m);
-            if (fmt == FMT_Q8_0) for (int j = 0; j < QK; j++) q[j] = ((const int8_t *)(blk + 2))[j];
-            else for (int j = 0; j < 16; j++) { q[j] = blk[qoff + j] & 15; q[j + 16] = blk[qoff + j] >> 4; }
+            packed_scales(fmt, p, k, &d, &m);
+            packed_ints(fmt, p, k, q);
             for (int r = 0; r < R; r++) {
                 const int64_t at = (int64_t)b * M + i0 + r;
                 const int8_t *xb = xq + at * QK;
@@ -150,84 +168,67 @@ static __attribute__((unused)) void group_scalar(int fmt, const uint8_t *W, int6
 }
 
 #if BQ_AVX2
-/* Four 128-bit rows per 128-bit lane, transposed as 32-bit words: in[k] = [row k | row k + 4];
- * out[g] = [word g of rows 0..3 | word g of rows 4..7]. */
-static inline void transpose4(const __m256i in[4], __m256i out[4]) {
-    const __m256i t0 = _mm256_unpacklo_epi32(in[0], in[1]), t1 = _mm256_unpackhi_epi32(in[0], in[1]);
-    const __m256i t2 = _mm256_unpacklo_epi32(in[2], in[3]), t3 = _mm256_unpackhi_epi32(in[2], in[3]);
-    out[0] = _mm256_unpacklo_epi64(t0, t2);
-    out[1] = _mm256_unpackhi_epi64(t0, t2);
-    out[2] = _mm256_unpacklo_epi64(t1, t3);
-    out[3] = _mm256_unpackhi_epi64(t1, t3);
-}
-
-static inline __m256i load2(const uint8_t *lo, const uint8_t *hi) {
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)lo)),
-                                   _mm_loadu_si128((const __m128i *)hi), 1);
-}
-
-/* The fp16 d (and Q4_1's m) of block `off` of 8 weight rows as floats, lane k = row k: words 0 (and 1)
- * of the 8 block headers. Both the batched and the batch-1 loop read them here. */
-static inline __attribute__((always_inline)) void headers8(const uint8_t *const rows[NC], int64_t off, __m256 *dw,
-                                                           __m256 *mw) {
-    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
-                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
-    uint32_t h[NC];
-    for (int k = 0; k < NC; k++) memcpy(&h[k], rows[k] + off, 4);
-    __m256i hw = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)h), split);
-    hw = _mm256_permute4x64_epi64(hw, 0xD8); /* [d0..d3 d4..d7 | m0..m3 m4..m7] as fp16 */
-    *dw = _mm256_cvtph_ps(_mm256_castsi256_si128(hw));
-    *mw = _mm256_cvtph_ps(_mm256_extracti128_si256(hw, 1));
-}
-
 static inline __m256i bcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 
-/* The AVX2 product of NC weight rows (rows[k]: row n0 + k, or a repeat of the last row past N)
- * with activation rows i0 .. i0 + R - 1: acc, S [R][NC] as group_scalar leaves them. */
-static inline __attribute__((always_inline)) void group_avx2(int fmt, const uint8_t *const rows[NC], int nb, int64_t M,
+/* One packed block of a group: d (and m) of its 8 rows as floats, lane k = row k, and its
+ * integers as 8 vectors T[w] (word w of every row: elements 4w .. 4w + 3 in lane k; for Q4,
+ * T[w + 4] holds elements 16 + 4w .. of the same bytes' high nibbles), A[w] = |T[w]| for Q8_0. */
+static inline __attribute__((always_inline)) void load_block8(int fmt, const uint8_t *p, __m256 *dw, __m256 *mw,
+                                                              __m256i T[8], __m256i A[8]) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    const uint8_t *qs = p + header_bytes(fmt);
+    *dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    *mw = fmt == FMT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * NC))) : _mm256_setzero_ps();
+    if (fmt == FMT_Q8_0) {
+        for (int w = 0; w < 8; w++) {
+            T[w] = _mm256_loadu_si256((const __m256i *)(qs + 32 * w));
+            A[w] = _mm256_abs_epi8(T[w]);
+        }
+    } else {
+        for (int w = 0; w < 4; w++) {
+            const __m256i P = _mm256_loadu_si256((const __m256i *)(qs + 32 * w));
+            T[w] = _mm256_and_si256(P, low4);
+            T[w + 4] = _mm256_and_si256(_mm256_srli_epi16(P, 4), low4);
+        }
+    }
+}
+
+/* The 8 rows' exact integer sums s (lane k = row k) of one block against the activation block xb (32 int8). */
+static inline __attribute__((always_inline)) __m256i dot8(int fmt, const __m256i T[8], const __m256i A[8],
+                                                          const int8_t *xb, int32_t xs8) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i s;
+    if (fmt == FMT_Q8_0) { /* |q| * (x * sign q) = q * x; a pair sum fits int16, two may not */
+        s = _mm256_madd_epi16(_mm256_maddubs_epi16(A[0], _mm256_sign_epi8(bcast4(xb), T[0])), ones);
+        for (int w = 1; w < 8; w++)
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(
+                _mm256_maddubs_epi16(A[w], _mm256_sign_epi8(bcast4(xb + 4 * w), T[w])), ones));
+    } else { /* 16 products of 4-bit q and int8 x: |sum| <= 16 * 15 * 127 < 2^15 */
+        __m256i p = _mm256_maddubs_epi16(T[0], bcast4(xb));
+        for (int w = 1; w < 8; w++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(T[w], bcast4(xb + 4 * w)));
+        s = _mm256_madd_epi16(p, ones);
+        if (fmt == FMT_Q4_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(xs8));
+    }
+    return s;
+}
+
+/* The AVX2 product of the group at G with activation rows i0 .. i0 + R - 1: acc, S [R][NC] as
+ * group_scalar leaves them (all NC lanes; lanes past N are discarded by the caller). */
+static inline __attribute__((always_inline)) void group_avx2(int fmt, const uint8_t *G, int nb, int64_t M,
                                                              const int8_t *xq, const float *xd, const float *sx,
                                                              const int32_t *xs8, int64_t i0, int R, float *acc, float *S) {
-    const int bb = block_bytes(fmt), qoff = fmt == FMT_Q4_1 ? 4 : 2;
-    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(15);
+    const int64_t gbb = group_block_bytes(fmt);
     for (int r = 0; r < R; r++) {
         _mm256_store_ps(acc + r * NC, _mm256_setzero_ps());
         _mm256_store_ps(S + r * NC, _mm256_setzero_ps());
     }
     for (int b = 0; b < nb; b++) {
-        const int64_t off = (int64_t)b * bb;
         __m256 dw, mw;
-        headers8(rows, off, &dw, &mw);
-        __m256i T[8], A[8], in[4];
-        if (fmt == FMT_Q8_0) {
-            for (int k = 0; k < 4; k++) in[k] = load2(rows[k] + off + 2, rows[k + 4] + off + 2);
-            transpose4(in, T);
-            for (int k = 0; k < 4; k++) in[k] = load2(rows[k] + off + 18, rows[k + 4] + off + 18);
-            transpose4(in, T + 4);
-            for (int g = 0; g < 8; g++) A[g] = _mm256_abs_epi8(T[g]);
-        } else {
-            __m256i P[4];
-            for (int k = 0; k < 4; k++) in[k] = load2(rows[k] + off + qoff, rows[k + 4] + off + qoff);
-            transpose4(in, P);
-            for (int g = 0; g < 4; g++) {
-                T[g] = _mm256_and_si256(P[g], low4);                          /* elements 4g .. 4g + 3 */
-                T[g + 4] = _mm256_and_si256(_mm256_srli_epi16(P[g], 4), low4); /* elements 16 + 4g .. */
-            }
-        }
+        __m256i T[8], A[8];
+        load_block8(fmt, G + (int64_t)b * gbb, &dw, &mw, T, A);
         for (int r = 0; r < R; r++) {
             const int64_t at = (int64_t)b * M + i0 + r;
-            const int8_t *xb = xq + at * QK;
-            __m256i s;
-            if (fmt == FMT_Q8_0) { /* |q| * (x * sign q) = q * x; a pair sum fits int16, two may not */
-                s = _mm256_madd_epi16(_mm256_maddubs_epi16(A[0], _mm256_sign_epi8(bcast4(xb), T[0])), ones);
-                for (int g = 1; g < 8; g++)
-                    s = _mm256_add_epi32(s, _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(A[g], _mm256_sign_epi8(bcast4(xb + 4 * g), T[g])), ones));
-            } else { /* 16 products of 4-bit q and int8 x: |sum| <= 16 * 15 * 127 < 2^15 */
-                __m256i p = _mm256_maddubs_epi16(T[0], bcast4(xb));
-                for (int g = 1; g < 8; g++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(T[g], bcast4(xb + 4 * g)));
-                s = _mm256_madd_epi16(p, ones);
-                if (fmt == FMT_Q4_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(xs8[at]));
-            }
+            const __m256i s = dot8(fmt, T, A, xq + at * QK, xs8[at]);
             const __m256 sc = _mm256_mul_ps(dw, _mm256_set1_ps(xd[at]));
             _mm256_store_ps(acc + r * NC, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(s), _mm256_load_ps(acc + r * NC)));
             if (fmt == FMT_Q4_1)
@@ -236,52 +237,18 @@ static inline __attribute__((always_inline)) void group_avx2(int fmt, const uint
     }
 }
 
-/* Batch 1 (M = 1, a decode step): the same operations per output as group_avx2, but with no
- * transpose and no stack traffic. Per block b, each of the NC rows' integers meet the one x block
- * (a register) in maddubs/madd, giving 8 int32 partial sums per row; an hadd tree turns the 8
- * rows' vectors into one whose lane k is row k's exact s (integer adds: any order gives the same
- * s). Then the same per-lane float operations as group_avx2: acc = fma(d_w xd, (float)s, acc),
- * S = S + m_w sx. The group PF groups ahead is prefetched a block's share at a time, so the
- * weights stream in memory order (a group of NC rows is contiguous) ahead of their use. */
-#define PF 2 /* groups ahead */
-static inline __m256i hsum8(const __m256i v[NC]) {
-    const __m256i a = _mm256_hadd_epi32(v[0], v[1]), b = _mm256_hadd_epi32(v[2], v[3]);
-    const __m256i c = _mm256_hadd_epi32(v[4], v[5]), d = _mm256_hadd_epi32(v[6], v[7]);
-    const __m256i ab = _mm256_hadd_epi32(a, b), cd = _mm256_hadd_epi32(c, d); /* [0..3 lo | 0..3 hi], [4..7 ..] */
-    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
-}
-
-static inline __attribute__((always_inline)) void group1_avx2(int fmt, const uint8_t *const rows[NC], int nb,
-                                                              const int8_t *xq, const float *xd, const float *sx,
-                                                              const int32_t *xs8, const uint8_t *pf, int64_t pf_step,
+/* Batch 1 (M = 1, a decode step): group_avx2's operations for one activation row, the two
+ * accumulators kept in registers. */
+static inline __attribute__((always_inline)) void group1_avx2(int fmt, const uint8_t *G, int nb, const int8_t *xq,
+                                                              const float *xd, const float *sx, const int32_t *xs8,
                                                               __m256 *acc_out, __m256 *S_out) {
-    const int bb = block_bytes(fmt), qoff = fmt == FMT_Q4_1 ? 4 : 2;
-    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(15);
+    const int64_t gbb = group_block_bytes(fmt);
     __m256 acc = _mm256_setzero_ps(), S = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        if (pf) {
-            const uint8_t *p = pf + b * pf_step;
-            for (int64_t o = 0; o < pf_step; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T0);
-        }
-        const int64_t off = (int64_t)b * bb;
         __m256 dw, mw;
-        headers8(rows, off, &dw, &mw);
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * QK));
-        __m256i v[NC];
-        if (fmt == FMT_Q8_0) {
-            for (int k = 0; k < NC; k++) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(rows[k] + off + 2));
-                v[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(xv, q)), ones);
-            }
-        } else {
-            for (int k = 0; k < NC; k++) {
-                const __m128i p = _mm_loadu_si128((const __m128i *)(rows[k] + off + qoff));
-                const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p, 4), p), low4);
-                v[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
-            }
-        }
-        __m256i s = hsum8(v);
-        if (fmt == FMT_Q4_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(xs8[b]));
+        __m256i T[8], A[8];
+        load_block8(fmt, G + (int64_t)b * gbb, &dw, &mw, T, A);
+        const __m256i s = dot8(fmt, T, A, xq + (int64_t)b * QK, xs8[b]);
         acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(xd[b])), _mm256_cvtepi32_ps(s), acc);
         if (fmt == FMT_Q4_1) S = _mm256_add_ps(S, _mm256_mul_ps(mw, _mm256_set1_ps(sx[b])));
     }
@@ -293,17 +260,18 @@ static inline __attribute__((always_inline)) void group1_avx2(int fmt, const uin
 /* Floats of scratch block_linear needs for M rows of K: their int8 values and, per 32-block, xd, sx and xs8. */
 #define BLOCK_SCRATCH(M, K) ((M) * ((K) / QK) * 3 + (M) * (K) / 4)
 
-/* y [M, N] (rows ldy floats apart) = x [M, K] (rows ldx apart) @ W^T, W [N, K] in blocks of fmt;
- * y = residual + x W^T where residual [M, N] (rows ldr apart) is not NULL (it may equal y).
- * Every row of x is quantized once per call (quantize_row), then the threads split N in groups
- * of NC weight rows, each thread taking every row of x for its groups, MC rows at a time.
+/* y [M, N] (rows ldy floats apart) = x [M, K] (rows ldx apart) @ W^T, W [N, K] packed (see above:
+ * ceil(N / 8) groups of K / 32 packed blocks); y = residual + x W^T where residual [M, N] (rows
+ * ldr apart) is not NULL (it may equal y). Every row of x is quantized once per call
+ * (quantize_row), then the threads split the groups, each thread taking every row of x for its
+ * groups, MC rows at a time (at M = 1: one contiguous run of groups per thread).
  * scratch: BLOCK_SCRATCH(M, K) floats. Returns 0, or -1 for a K that is not a multiple of 32. */
 int block_linear(int fmt, const uint8_t *W, const float *x, int64_t ldx, float *y, int64_t ldy,
                  const float *residual, int64_t ldr, int64_t M, int64_t N, int64_t K, float *scratch,
                  int num_threads) {
     if (K % QK) return -1;
     const int nb = (int)(K / QK);
-    const int64_t row_bytes = (int64_t)nb * block_bytes(fmt);
+    const int64_t group_bytes = (int64_t)nb * group_block_bytes(fmt);
     const int64_t groups = (N + NC - 1) / NC;
     float *xd = scratch, *sx = xd + M * nb;
     int32_t *xs8 = (int32_t *)(sx + M * nb);
@@ -313,20 +281,17 @@ int block_linear(int fmt, const uint8_t *W, const float *x, int64_t ldx, float *
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < M; i++) quantize_row(x + i * ldx, nb, M, i, xq, xd, sx, xs8);
 #if BQ_AVX2
-        if (M == 1) { /* batch 1: group1_avx2, prefetching ahead within this thread's share of groups */
+        if (M == 1) { /* batch 1: group1_avx2 over this thread's contiguous run of groups */
             const int nt = omp_get_num_threads(), t = omp_get_thread_num();
             const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
             for (int64_t g = g0; g < g1; g++) {
                 const int64_t n0 = g * NC;
                 const int C = N - n0 < NC ? (int)(N - n0) : NC;
-                const uint8_t *rows[NC];
-                for (int k = 0; k < NC; k++) rows[k] = W + (n0 + (k < C ? k : C - 1)) * row_bytes;
-                const uint8_t *pf = g + PF < g1 ? W + (g + PF) * NC * row_bytes : NULL;
-                const int64_t pf_step = NC * (int64_t)block_bytes(fmt);
+                const uint8_t *G = W + g * group_bytes;
                 __m256 a, s;
-                if (fmt == FMT_Q4_1) group1_avx2(FMT_Q4_1, rows, nb, xq, xd, sx, xs8, pf, pf_step, &a, &s);
-                else if (fmt == FMT_Q4_0) group1_avx2(FMT_Q4_0, rows, nb, xq, xd, sx, xs8, pf, pf_step, &a, &s);
-                else group1_avx2(FMT_Q8_0, rows, nb, xq, xd, sx, xs8, pf, pf_step, &a, &s);
+                if (fmt == FMT_Q4_1) group1_avx2(FMT_Q4_1, G, nb, xq, xd, sx, xs8, &a, &s);
+                else if (fmt == FMT_Q4_0) group1_avx2(FMT_Q4_0, G, nb, xq, xd, sx, xs8, &a, &s);
+                else group1_avx2(FMT_Q8_0, G, nb, xq, xd, sx, xs8, &a, &s);
                 float o[NC] __attribute__((aligned(32)));
                 _mm256_store_ps(o, fmt == FMT_Q4_1 ? _mm256_add_ps(a, s) : a);
                 for (int k = 0; k < C; k++) y[n0 + k] = residual ? residual[n0 + k] + o[k] : o[k];
@@ -338,19 +303,16 @@ int block_linear(int fmt, const uint8_t *W, const float *x, int64_t ldx, float *
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * NC;
             const int C = N - n0 < NC ? (int)(N - n0) : NC;
+            const uint8_t *G = W + g * group_bytes;
             float acc[MC * NC] __attribute__((aligned(32))), S[MC * NC] __attribute__((aligned(32)));
-#if BQ_AVX2
-            const uint8_t *rows[NC];
-            for (int k = 0; k < NC; k++) rows[k] = W + (n0 + (k < C ? k : C - 1)) * row_bytes; /* past N: repeat */
-#endif
             for (int64_t i0 = 0; i0 < M; i0 += MC) {
                 const int R = M - i0 < MC ? (int)(M - i0) : MC;
 #if BQ_AVX2 /* a constant format per call: specialised loops */
-                if (fmt == FMT_Q4_1) group_avx2(FMT_Q4_1, rows, nb, M, xq, xd, sx, xs8, i0, R, acc, S);
-                else if (fmt == FMT_Q4_0) group_avx2(FMT_Q4_0, rows, nb, M, xq, xd, sx, xs8, i0, R, acc, S);
-                else group_avx2(FMT_Q8_0, rows, nb, M, xq, xd, sx, xs8, i0, R, acc, S);
+                if (fmt == FMT_Q4_1) group_avx2(FMT_Q4_1, G, nb, M, xq, xd, sx, xs8, i0, R, acc, S);
+                else if (fmt == FMT_Q4_0) group_avx2(FMT_Q4_0, G, nb, M, xq, xd, sx, xs8, i0, R, acc, S);
+                else group_avx2(FMT_Q8_0, G, nb, M, xq, xd, sx, xs8, i0, R, acc, S);
 #else
-                group_scalar(fmt, W, row_bytes, n0, C, nb, M, xq, xd, sx, xs8, i0, R, acc, S);
+                group_scalar(fmt, G, C, nb, M, xq, xd, sx, xs8, i0, R, acc, S);
 #endif
                 for (int r = 0; r < R; r++)
                     for (int k = 0; k < C; k++) {
@@ -364,8 +326,8 @@ int block_linear(int fmt, const uint8_t *W, const float *x, int64_t ldx, float *
     return 0;
 }
 
-/* Rows of a block matrix as float32: out [num_ids, K] = W[ids[i]] dequantized (w = d q + m, with
- * Q4_0's m = -8 d folded as d * (q - 8) to match ggml's reference dequantizer bit for bit).
+/* Rows of a packed block matrix as float32: out [num_ids, K] = W[ids[i]] dequantized (w = d q + m,
+ * with Q4_0's m = -8 d folded as d * (q - 8) to match ggml's reference dequantizer bit for bit).
  * The token-embedding lookup of a model whose embedding stays in blocks. Returns 0, or -1 for a
  * K that is not a multiple of 32 or an id outside [0, N). */
 int block_rows(int fmt, const uint8_t *W, const int64_t *ids, int64_t num_ids, int64_t N, int64_t K, float *out) {
@@ -373,27 +335,28 @@ int block_rows(int fmt, const uint8_t *W, const int64_t *ids, int64_t num_ids, i
     for (int64_t i = 0; i < num_ids; i++)
         if (ids[i] < 0 || ids[i] >= N) return -1;
     const int nb = (int)(K / QK);
-    const int bb = block_bytes(fmt);
+    const int64_t gbb = group_block_bytes(fmt);
     for (int64_t i = 0; i < num_ids; i++) {
-        const uint8_t *row = W + ids[i] * (int64_t)nb * bb;
+        const uint8_t *G = W + ids[i] / NC * (int64_t)nb * gbb;
+        const int k = (int)(ids[i] % NC);
         for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = row + (int64_t)b * bb;
-            float q[QK], *o = out + i * K + (int64_t)b * QK;
-            const float d = half_to_float(read_u16(blk));
-            block_ints(fmt, blk, q);
+            const uint8_t *p = G + (int64_t)b * gbb;
+            float *o = out + i * K + (int64_t)b * QK;
+            float d, m;
+            int q[QK];
+            packed_scales(fmt, p, k, &d, &m);
+            packed_ints(fmt, p, k, q);
             if (fmt == FMT_Q4_1) {
-                const float m = half_to_float(read_u16(blk + 2));
-                for (int j = 0; j < QK; j++) o[j] = d * q[j] + m;
+                for (int j = 0; j < QK; j++) o[j] = d * (float)q[j] + m;
             } else if (fmt == FMT_Q4_0) {
-                for (int j = 0; j < QK; j++) o[j] = d * (q[j] - 8.0f);
+                for (int j = 0; j < QK; j++) o[j] = d * ((float)q[j] - 8.0f);
             } else {
-                for (int j = 0; j < QK; j++) o[j] = d * q[j];
+                for (int j = 0; j < QK; j++) o[j] = d * (float)q[j];
             }
         }
     }
     return 0;
 }
-
 /* SwiGLU's gate: act [T, I] = silu(gate) * up, with gate = gu[:, :I], up = gu[:, I:] (gu [T, 2I]);
  * silu(g) = g / (1 + exp(-g)) with libm's expf, so every build gives the same bits. Both the
  * step-by-step model (llama.py, in block modes) and decoder_layers below use it: the two paths

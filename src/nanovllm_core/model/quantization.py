@@ -270,7 +270,7 @@ def _prepare_block_layers(model: nn.Module, mode: str, gguf_file) -> None:
                                                         EMBEDDING_FORMAT, emb.embedding_dim)
     emb = model.embed_tokens
     if cfg.tie_word_embeddings:
-        model.lm_head = (block_quant.BlockLinear(emb.blocks, emb.format, emb.embedding_dim)
+        model.lm_head = (block_quant.BlockLinear.sharing(emb)
                          if isinstance(emb, block_quant.BlockEmbedding) else FloatLinear(emb.weight))
     elif isinstance(model.lm_head, nn.Linear):
         head = model.lm_head.weight
@@ -293,9 +293,9 @@ def weight_formats(model: nn.Module) -> dict[str, int]:
     out: dict[str, int] = {}
     seen: set[int] = set()
     for m in [*linear_modules(model), model.embed_tokens]:
-        blocks, weight = getattr(m, "blocks", None), m._parameters.get("weight")
-        if blocks is not None:
-            key, size = blocks.data_ptr(), blocks.numel()
+        packed, weight = getattr(m, "packed", None), m._parameters.get("weight")
+        if packed is not None:  # a block module (BlockLinear, BlockEmbedding): the bytes it reads
+            key, size = packed.data_ptr(), packed.numel()
         else:
             key, size = weight.data_ptr(), weight.numel() * weight.element_size()
         if key in seen:
