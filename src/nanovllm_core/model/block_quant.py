@@ -15,7 +15,9 @@ ggml's ``ggml-quants.c`` defines the formats). A weight matrix ``[N, K]`` is sto
 ``[N, K / 32 * bytes]`` uint8: each row's blocks one after another, exactly as a GGUF file
 holds it, so a checkpoint that ships blocks is used as shipped (the loader keeps them; no
 dequantize-then-requantize), and a float checkpoint is quantized at load with the ``gguf``
-package's reference quantizers (the same arithmetic as llama.cpp's ``quantize``).
+package's reference quantizers (the same arithmetic as llama.cpp's ``quantize``). In memory
+the modules hold the blocks packed 8 rows at a time for the kernel's vector lanes (:func:`pack`:
+the same bytes reordered; :attr:`BlockLinear.blocks` gives the file's order back).
 
 :class:`BlockLinear` runs in C (``block_quant_cpu.c``) the way llama.cpp does on the CPU: each
 activation row is first quantized per 32-block to int8 with a float32 scale (:data:`ACTIVATIONS`),
