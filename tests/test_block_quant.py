@@ -180,17 +180,40 @@ def test_the_pytorch_fallback_computes_the_same_product(monkeypatch):
     assert torch.allclose(fallback, native, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kernels", ["c", "pytorch"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_embedding_rows_are_the_dequantized_matrix_rows(fmt):
-    blocks = bq.quantize(weights(100, 64, seed=8), fmt)
+def test_embedding_rows_are_the_dequantized_matrix_rows(fmt, kernels, monkeypatch):
+    if kernels == "pytorch":
+        monkeypatch.setenv(bq.ENV_SWITCH, "0")
+    blocks = bq.quantize(weights(100, 64, seed=8), fmt)  # 100 rows: the last packed group is half padding
     emb = bq.BlockEmbedding(blocks, fmt, 64)
+    assert torch.equal(emb.blocks, blocks)  # packing keeps every byte
     ids = torch.tensor([[0, 99], [42, 42]])
     out = emb(ids)
     assert out.shape == (2, 2, 64)
     assert torch.equal(out.reshape(4, 64), gguf_reference(blocks, fmt, 64)[ids.reshape(-1)])
-    if bq.library() is not None:
+    for bad in (100, -1):
         with pytest.raises(IndexError, match=r"outside the vocabulary \[0, 100\)"):
-            emb(torch.tensor([100]))
+            emb(torch.tensor([bad]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packing_is_a_reordering_of_the_same_bytes(fmt):
+    f = bq.block_format(fmt)
+    for rows in (1, 7, 8, 9, 30):
+        blocks = torch.randint(0, 256, (rows, 3 * f.block_bytes), dtype=torch.uint8)
+        packed = bq.pack(blocks, fmt)
+        assert packed.shape == ((rows + 7) // 8, 3, 8 * f.block_bytes)
+        assert torch.equal(bq.unpack(packed, fmt, rows), blocks)
+        # row k's block b: its d at 2k of the group's block, its first quant word at header + 4k
+        header = 32 if fmt == "q4_1" else 16
+        k, b = (rows - 1) % 8, 2
+        blk = packed[(rows - 1) // 8, b]
+        assert blk[2 * k:2 * k + 2].tolist() == blocks[rows - 1, b * f.block_bytes:b * f.block_bytes + 2].tolist()
+        first_q = b * f.block_bytes + (4 if fmt == "q4_1" else 2)
+        assert blk[header + 4 * k:header + 4 * k + 4].tolist() == blocks[rows - 1, first_q:first_q + 4].tolist()
+    with pytest.raises(ValueError, match="cannot hold 17 rows"):
+        bq.unpack(bq.pack(torch.zeros(9, f.block_bytes, dtype=torch.uint8), fmt), fmt, 17)
 
 
 def test_bad_shapes_and_names_are_one_line_errors():
