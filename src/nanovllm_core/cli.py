@@ -177,7 +177,7 @@ def build_worker_parser() -> argparse.ArgumentParser:
                    help="rank 0's host name or IP address (default: $MASTER_ADDR)")
     p.add_argument("--master-port", type=tcp_port, default=_env_default("MASTER_PORT"), metavar="PORT",
                    help="rank 0's --tp-master-port (default: $MASTER_PORT)")
-    p.add_argument("--rank", type=positive_int, default=_env_default("RANK"), metavar="R",
+    p.add_argument("--rank", type=_non_negative_int, default=_env_default("RANK"), metavar="R",
                    help="this worker's rank, K..N-1 (default: $RANK)")
     p.add_argument("--tensor-parallel-size", type=positive_int, default=_env_default("WORLD_SIZE"), metavar="N",
                    help="rank 0's --tensor-parallel-size (default: $WORLD_SIZE)")
