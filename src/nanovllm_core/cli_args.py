@@ -225,14 +225,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="the port it listens on (default: a free one); `nanovllm worker --master-port PORT` connects")
     e.add_argument("--tp-local-ranks", type=positive_int, default=None, metavar="K",
                    help="ranks 0..K-1 run on this host, K..N-1 join from others with `nanovllm worker` (default: all N)")
-    e.add_argument("--tp-rendezvous-timeout", type=positive_float, default=300.0, metavar="S",
+    e.add_argument("--tp-rendezvous-timeout", type=positive_float, default=None, metavar="S",
                    help="seconds every rank may take to join (default 300)")
     return e
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """``LLM(...)`` keyword arguments from parsed CLI options (shared with the TUI)."""
-    return dict(
+    kwargs = dict(
         model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_prefill_tokens, max_model_len=args.max_model_len,
@@ -242,8 +242,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         tp_master_addr=getattr(args, "tp_master_addr", None), tp_master_port=getattr(args, "tp_master_port", None),
         tp_local_ranks=getattr(args, "tp_local_ranks", None),
-        tp_rendezvous_timeout=getattr(args, "tp_rendezvous_timeout", 300.0),
     )
+    if getattr(args, "tp_rendezvous_timeout", None) is not None:  # else EngineConfig's default (300 s)
+        kwargs["tp_rendezvous_timeout"] = args.tp_rendezvous_timeout
+    return kwargs
 
 
 def sampling_params(args: argparse.Namespace):
