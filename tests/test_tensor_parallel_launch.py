@@ -271,6 +271,52 @@ def test_a_worker_with_another_world_size_or_model_is_refused_at_both_ends(tiny_
     assert_no_group_left(port)
 
 
+def test_a_stranger_is_dropped_and_a_worker_with_another_key_is_refused(tiny_llama_dir):
+    """Rank 0 admits nothing before the key check: a client that speaks another protocol is dropped (the
+    rendezvous goes on), one that answers the challenge with another key ends rank 0 with one line."""
+    from multiprocessing.connection import Connection
+
+    from nanovllm_core.engine.tensor_parallel import _MAGIC
+
+    port = free_port()
+    seen: list[bytes] = []
+
+    def clients():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                stranger = socket.create_connection(("127.0.0.1", port), timeout=1)
+                break
+            except OSError:
+                time.sleep(0.05)
+        stranger.sendall(b"GET / HTTP/1.0\r\n\r\n")  # read as a 1.2 GB message: refused, dropped
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.settimeout(None)  # a Connection reads its descriptor blocking
+        conn = Connection(sock.detach())
+        challenge = conn.recv_bytes(256)
+        seen.append(challenge)
+        conn.send_bytes(_MAGIC + bytes(32) + os.urandom(32))  # a digest made with another key
+        try:
+            seen.append(conn.recv_bytes(256))
+        except (EOFError, OSError):
+            seen.append(b"closed")
+        stranger.close()
+        conn.close()
+
+    t = threading.Thread(target=clients, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError) as e:
+        LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=16, tensor_parallel_size=2, tp_master_port=port,
+            tp_local_ranks=1, tp_rendezvous_timeout=30, **QUIET)
+    t.join(10)
+    assert time.monotonic() - t0 < 30
+    assert str(e.value) == ("a tensor-parallel worker from 127.0.0.1 holds another key; set the same "
+                            "NANOVLLM_TP_AUTHKEY on every host; the engine has stopped")
+    assert seen[0].startswith(_MAGIC) and seen[1] == b"closed"  # challenged, then shut out unanswered
+    assert_no_group_left(port)
+
+
 def test_a_port_rank_0_cannot_listen_on_is_one_line(tiny_llama_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
