@@ -140,12 +140,13 @@ def test_a_remote_worker_gives_the_all_local_output_and_its_death_ends_the_engin
 def test_rank_0_from_the_cli_with_a_remote_worker_prints_the_all_local_text_and_stops_it(all_local, tiny_llama_dir,
                                                                                         capsys):
     """``nanovllm --tensor-parallel-size 2 --tp-local-ranks 1 --tp-master-port P``: the all-local completion; on
-    exit the worker is told to stop, says so in one line and exits 0; the port is free again."""
+    exit the worker is told to stop, says so in one line and exits 0; the port is free again. This worker reads
+    its own copy of the model (``--model``: the same folder here), checked against rank 0's config."""
     from nanovllm_core import cli
     from tests.conftest import run_main
 
     port = free_port()
-    worker = start_worker(port)
+    worker = start_worker(port, "--model", str(tiny_llama_dir))
     try:
         code, out, err = run_main(cli.main, capsys, "--model", str(tiny_llama_dir), "--device", "cpu",
                                   "--tensor-parallel-size", "2", "--tp-local-ranks", "1", "--tp-master-addr",

@@ -163,11 +163,6 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def threads_per_rank(world_size: int) -> int:
-    """Torch threads for each rank: the cores shared evenly, at least one (so N ranks use at most the cores when N <= cores)."""
-    return max(1, (os.cpu_count() or 1) // world_size)
-
-
 def _init_group(backend: str, addr: str, port: int, rank: int, world_size: int, timeout_s: float):
     import torch.distributed as dist
 
