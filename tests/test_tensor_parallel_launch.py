@@ -3,7 +3,7 @@
 One machine plays two hosts: rank 0 is this test process (through ``LLM`` or the ``nanovllm``
 command's main) with ``tp_local_ranks=1`` (it starts no worker), and rank 1 is a separate
 ``python -m nanovllm_core.cli worker`` process, both on 127.0.0.1 with a free port and the
-tiny random LLaMA. What is claimed (``engine/tensor_parallel.py``) and tested here:
+tiny random LLaMA. What is claimed (``engine/tp_launch.py``, ``engine/tensor_parallel.py``) and tested here:
 
 - greedy tokens and log-probabilities equal the all-local N = 2 run's, bit for bit (the same
   shards and the same collectives: only the launch differs);
@@ -36,12 +36,8 @@ import torch.distributed as dist
 from nanovllm_core import LLM, SamplingParams
 from nanovllm_core import events as ev
 from nanovllm_core.config import EngineConfig
-from nanovllm_core.engine.tensor_parallel import (
-    TensorParallelError,
-    WorkerOptions,
-    free_port,
-    join_rank0,
-)
+from nanovllm_core.engine.tensor_parallel import TensorParallelError
+from nanovllm_core.engine.tp_launch import WorkerOptions, free_port, join_rank0
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Hello there my friend, how", "The capital of France is", "one two three four five six seven eight nine"]
@@ -277,7 +273,7 @@ def test_a_stranger_is_dropped_and_a_worker_with_another_key_is_refused(tiny_lla
     rendezvous goes on), one that answers the challenge with another key ends rank 0 with one line."""
     from multiprocessing.connection import Connection
 
-    from nanovllm_core.engine.tensor_parallel import _MAGIC
+    from nanovllm_core.engine.tp_launch import _MAGIC
 
     port = free_port()
     seen: list[bytes] = []

@@ -204,7 +204,8 @@ def worker_main(argv: Sequence[str]) -> int:
                             ("rank", "--rank", "RANK"), ("tensor_parallel_size", "--tensor-parallel-size", "WORLD_SIZE")):
         if getattr(args, dest) is None:
             parser.error(f"{flag} is required (or set {env}): the worker must know where rank 0 is and which rank it is")
-    from nanovllm_core.engine.tensor_parallel import TensorParallelError, WorkerOptions, check_worker_rank, run_worker
+    from nanovllm_core.engine.tensor_parallel import run_worker
+    from nanovllm_core.engine.tp_launch import TensorParallelError, WorkerOptions, check_worker_rank
     from nanovllm_core.model.loader import ModelLoadError
 
     try:
