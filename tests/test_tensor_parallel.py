@@ -10,7 +10,7 @@ What is claimed (``model/parallel.py``) and tested here:
   (the split changes only the order of float32 partial sums);
 - the per-rank timing in ``StepTimed`` is the runner's measurement, and the counts and bytes
   are those of the split (``2 * layers + 1`` all-reduces of ``[num_tokens, hidden]``);
-- paused (or idle) longer than the collective timeout is fine (workers wait on their pipe);
+- paused (or idle) longer than the collective timeout is fine (workers wait on their connection to rank 0);
 - a killed worker ends the engine with a one-line error within seconds, every block freed,
   every process joined, the process group destroyed;
 - SmolLM2 at N = 3 through the ``nanovllm`` command and ``LLM`` gives the N = 1 greedy text, and the
@@ -115,7 +115,7 @@ def test_a_size_that_does_not_divide_the_heads_fails_before_any_process_starts(t
 
 def test_a_load_that_fails_on_rank_0_stops_the_workers_it_started(tiny_llama_dir):
     """The workers start before rank 0 reads its shard; when that read fails, they are stopped at once (they
-    may be waiting in the rendezvous, not on their pipe), and the one-line error is rank 0's."""
+    may be waiting in the rendezvous, not on their connection), and the one-line error is rank 0's."""
     from nanovllm_core.model.loader import ModelLoadError
 
     t0 = time.monotonic()
@@ -379,7 +379,7 @@ def test_n2_greedy_matches_n1_repeats_ignores_batching_times_truly_then_a_killed
 def test_n2_chunked_paused_single_step_abort_then_a_killed_worker(tiny_llama_dir, reference):
     """One N = 2 engine with a budget of 5 tokens a step (every prompt prefilled in chunks): the N = 1
     tokens; a pause longer than the collective timeout (3 s here) with requests waiting harms nothing
-    (an idle engine is the same case for the workers: they wait on their pipe, not in a collective);
+    (an idle engine is the same case for the workers: they wait on their connection, not in a collective);
     single step and abort through the controller; then a worker killed between steps ends it."""
     from nanovllm_core.engine.controller import EngineController
     from tests.conftest import poll_until

@@ -198,7 +198,8 @@ def test_every_option_the_app_accepts_does_something_in_it_or_is_refused():
     engine = {"model", "device", "dtype", "scheduling_policy", "max_prefill_tokens", "max_num_seqs", "max_model_len",
               "block_size", "num_kv_blocks", "no_paged_attention", "no_flash_attn", "no_prefix_caching",
               "speculative_model", "num_speculative_tokens", "quantization",
-              "tensor_parallel_size"}  # -> engine_kwargs -> the EngineController
+              "tensor_parallel_size", "tp_master_addr", "tp_master_port", "tp_local_ranks",
+              "tp_rendezvous_timeout"}  # -> engine_kwargs -> the EngineController
     sampling = {"top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop", "logprobs", "ignore_eos"}
     prompt_bar = {"prompt", "priority", "max_tokens", "temperature", "chat"}  # sent at start / the bar's defaults
     app = {"narrate_steps", "progress_file", "trace", "trace_xray", "trace_chrome", "replay", "paused", "fps"}

@@ -8,11 +8,15 @@ Teaching modes (``nanovllm_core.educational``): ``--narrate`` tells each act of 
 with the run's real numbers, ``--xray`` shows the tensors and math inside the layers,
 ``--dashboard`` draws a live view while generating; they combine. ``--tutorial`` runs the
 thirteen chapters and quizzes on their own (``--no-demos`` never loads the model).
+
+``nanovllm worker`` runs one tensor-parallel rank for a rank 0 on another host
+(:func:`worker_main`; ``engine/tensor_parallel.py`` describes the launch).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Sequence
@@ -26,6 +30,7 @@ from nanovllm_core.cli_args import (  # noqa: F401  (re-exported: the app, bench
     count_int,
     engine_kwargs,
     load_progress,
+    positive_float,
     positive_int,
     priority_int,
     prompt_text,
@@ -116,6 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nanovllm_core.entrypoints.cli import main as serve
 
         return serve(argv[1:])
+    if argv[:1] == ["worker"]:  # one tensor-parallel rank joining a rank 0 elsewhere, as torchrun's workers do
+        return worker_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.tutorial:
@@ -152,6 +159,69 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _generate(llm, args, parser, prompts, params)
     finally:
         llm.close()  # tensor-parallel workers: stopped and joined before the command returns
+
+
+def _env_default(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else None
+
+
+def build_worker_parser() -> argparse.ArgumentParser:
+    """``nanovllm worker``: torchrun's ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` and
+    ``LOCAL_RANK`` stand in for the options they name."""
+    p = _Parser(prog="nanovllm worker",
+                description="Run one tensor-parallel rank (1..N-1) for a rank 0 on another host, which was started "
+                            "with --tensor-parallel-size N --tp-master-addr ADDR --tp-master-port PORT "
+                            "--tp-local-ranks K. The dtype, context length and device type are rank 0's.")
+    p.add_argument("--master-addr", default=_env_default("MASTER_ADDR"), metavar="ADDR",
+                   help="rank 0's host name or IP address (default: $MASTER_ADDR)")
+    p.add_argument("--master-port", type=tcp_port, default=_env_default("MASTER_PORT"), metavar="PORT",
+                   help="rank 0's --tp-master-port (default: $MASTER_PORT)")
+    p.add_argument("--rank", type=_non_negative_int, default=_env_default("RANK"), metavar="R",
+                   help="this worker's rank, K..N-1 (default: $RANK)")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=_env_default("WORLD_SIZE"), metavar="N",
+                   help="rank 0's --tensor-parallel-size (default: $WORLD_SIZE)")
+    p.add_argument("--model", default=None,
+                   help="this host's copy of rank 0's model (repo id, folder or .gguf; its config must match rank "
+                        "0's); default: rank 0's path, read from a shared disk")
+    p.add_argument("--local-rank", type=_non_negative_int, default=_env_default("LOCAL_RANK"), metavar="I",
+                   help="CUDA only: this worker's GPU on its host (default: $LOCAL_RANK or 0)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's own)")
+    p.add_argument("--rendezvous-timeout", type=positive_float, default=300.0, metavar="S",
+                   help="seconds to keep trying to reach rank 0 and to wait for its answer (default 300)")
+    return p
+
+
+def worker_main(argv: Sequence[str]) -> int:
+    """``nanovllm worker``: join rank 0, serve its steps until it stops (exit 0) or goes away (exit 1).
+
+    A wrong rank or size, an unreachable rank 0 (after ``--rendezvous-timeout``), another key, or a
+    refusal by rank 0 (another world size or model, a rank taken) ends with one line and status 2.
+    """
+    parser = build_worker_parser()
+    args = parser.parse_args(list(argv))
+    for dest, flag, env in (("master_addr", "--master-addr", "MASTER_ADDR"), ("master_port", "--master-port", "MASTER_PORT"),
+                            ("rank", "--rank", "RANK"), ("tensor_parallel_size", "--tensor-parallel-size", "WORLD_SIZE")):
+        if getattr(args, dest) is None:
+            parser.error(f"{flag} is required (or set {env}): the worker must know where rank 0 is and which rank it is")
+    from nanovllm_core.engine.tensor_parallel import run_worker
+    from nanovllm_core.engine.tp_launch import TensorParallelError, WorkerOptions, check_worker_rank
+    from nanovllm_core.model.loader import ModelLoadError
+
+    try:
+        check_worker_rank(args.rank, args.tensor_parallel_size)
+    except ValueError as e:
+        parser.error(str(e))
+    opts = WorkerOptions(args.rank, args.tensor_parallel_size, args.master_addr, args.master_port, model=args.model,
+                         local_rank=args.local_rank, threads=args.threads, rendezvous_timeout_s=args.rendezvous_timeout)
+    print(f"nanovllm worker: rank {args.rank} of {args.tensor_parallel_size} joining rank 0 at "
+          f"{args.master_addr}:{args.master_port}", file=sys.stderr, flush=True)
+    try:
+        code, why = run_worker(opts)
+    except (ValueError, TensorParallelError, ModelLoadError) as e:
+        parser.error(str(e))
+    print(f"nanovllm worker: rank {args.rank}: {why}", file=sys.stderr, flush=True)
+    return code
 
 
 def check_max_tokens(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, inputs: list) -> None:

@@ -58,6 +58,23 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """argparse ``type``: a finite number above 0 (seconds); anything else becomes argparse's one-line usage error.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, not finite, or not above 0.
+    """
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text}")
+    return value
+
+
 def seed_int(text: str) -> int:
     """argparse ``type``: a random seed, a 64-bit signed integer (what torch's generators take).
 
@@ -201,12 +218,21 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     e.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
                    help="split the model over N processes (Megatron tensor parallelism on torch.distributed: gloo on "
                         "cpu, NCCL on N GPUs); N must divide the heads (SmolLM2: 1 or 3); float weights only")
+    e.add_argument("--tp-master-addr", default=None, metavar="ADDR",
+                   help="tensor parallelism across hosts: the address this rank 0 listens on for its workers "
+                        "(default 127.0.0.1; 0.0.0.0: every interface)")
+    e.add_argument("--tp-master-port", type=tcp_port, default=None, metavar="PORT",
+                   help="the port it listens on (default: a free one); `nanovllm worker --master-port PORT` connects")
+    e.add_argument("--tp-local-ranks", type=positive_int, default=None, metavar="K",
+                   help="ranks 0..K-1 run on this host, K..N-1 join from others with `nanovllm worker` (default: all N)")
+    e.add_argument("--tp-rendezvous-timeout", type=positive_float, default=None, metavar="S",
+                   help="seconds every rank may take to join (default 300)")
     return e
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """``LLM(...)`` keyword arguments from parsed CLI options (shared with the TUI)."""
-    return dict(
+    kwargs = dict(
         model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_prefill_tokens, max_model_len=args.max_model_len,
@@ -214,7 +240,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         paged=not args.no_paged_attention, attention_backend="math" if args.no_flash_attn else "flash",
         speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        tp_master_addr=getattr(args, "tp_master_addr", None), tp_master_port=getattr(args, "tp_master_port", None),
+        tp_local_ranks=getattr(args, "tp_local_ranks", None),
     )
+    if getattr(args, "tp_rendezvous_timeout", None) is not None:  # else EngineConfig's default (300 s)
+        kwargs["tp_rendezvous_timeout"] = args.tp_rendezvous_timeout
+    return kwargs
 
 
 def sampling_params(args: argparse.Namespace):

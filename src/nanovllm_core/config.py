@@ -149,6 +149,13 @@ class EngineConfig:
             :func:`tensor_parallel_quantization`) and no speculative decoding; N must divide
             the model's heads, intermediate size and vocabulary (checked when the model's
             config is read, before any worker starts).
+        tp_master_addr: the address rank 0 listens on for its workers (None: 127.0.0.1;
+            ``"0.0.0.0"``: every interface); ranks on other hosts connect to it.
+        tp_master_port: the port it listens on (None: a free one; required when ranks join
+            from other hosts, who must be told it).
+        tp_local_ranks: K: ranks 0..K-1 run on this host (rank 0 starts K - 1 workers), ranks
+            K..N-1 join from other hosts (``nanovllm worker``); None: all N here.
+        tp_rendezvous_timeout: seconds every rank may take to connect (default 300).
     """
 
     model: str | None = None
@@ -170,6 +177,10 @@ class EngineConfig:
     num_speculative_tokens: int | None = None
     quantization: str | None = None
     tensor_parallel_size: int = 1
+    tp_master_addr: str | None = None
+    tp_master_port: int | None = None
+    tp_local_ranks: int | None = None
+    tp_rendezvous_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -222,17 +233,43 @@ class EngineConfig:
         n = self.tensor_parallel_size
         if n is None:
             raise ValueError("tensor_parallel_size=None is invalid: it must be a positive integer (1: one process)")
+        launch = {"tp_master_addr": self.tp_master_addr, "tp_master_port": self.tp_master_port,
+                  "tp_local_ranks": self.tp_local_ranks}
         if n == 1:
+            given = [k for k, v in launch.items() if v is not None]
+            if given:
+                raise ValueError(f"{given[0]}={launch[given[0]]!r} places tensor-parallel ranks, but "
+                                 "tensor_parallel_size=1 runs one process; drop it or raise --tensor-parallel-size")
             return
+        self._check_tp_launch(n)
         if not self.paged:
             raise ValueError(f"tensor_parallel_size={n} needs the paged engine; drop paged=False "
                              "(--no-paged-attention) or use --tensor-parallel-size 1")
         if self.speculative_model is not None:
             raise ValueError(f"speculative decoding does not run with tensor_parallel_size={n} yet; "
                              "drop --speculative-model or use --tensor-parallel-size 1")
-        if self.torch_device.type == "cuda" and torch.cuda.device_count() < n:
-            raise ValueError(f"tensor_parallel_size={n} on CUDA needs {n} GPUs, one per rank, but "
-                             f"{torch.cuda.device_count()} are visible; lower --tensor-parallel-size or use --device cpu")
+        local = self.tp_local_ranks or n
+        if self.torch_device.type == "cuda" and torch.cuda.device_count() < local:
+            raise ValueError(f"tensor_parallel_size={n} with {local} rank(s) on this host on CUDA needs {local} GPUs, "
+                             f"one per rank, but {torch.cuda.device_count()} are visible; lower --tensor-parallel-size "
+                             "(or --tp-local-ranks) or use --device cpu")
+
+    def _check_tp_launch(self, n: int) -> None:
+        """Where the ranks run: the listening address and port, the ranks on this host, the rendezvous timeout."""
+        k, port, t = self.tp_local_ranks, self.tp_master_port, self.tp_rendezvous_timeout
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n):
+            raise ValueError(f"tp_local_ranks={k!r} is invalid: it counts the ranks on rank 0's host, 1 (rank 0 alone) "
+                             f"to tensor_parallel_size ({n})")
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535):
+            raise ValueError(f"tp_master_port={port!r} is invalid: a TCP port is 1 to 65535")
+        if k is not None and k < n and port is None:
+            raise ValueError(f"ranks {k} to {n - 1} join from other hosts (tp_local_ranks={k} of tensor_parallel_size="
+                             f"{n}), which must be told where: give tp_master_port (--tp-master-port PORT)")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 86400:
+            raise ValueError(f"tp_rendezvous_timeout={t!r} is invalid: seconds, above 0 and at most 86400")
+        if self.tp_master_addr is not None and (not isinstance(self.tp_master_addr, str)
+                                                or not self.tp_master_addr.strip()):
+            raise ValueError(f"tp_master_addr={self.tp_master_addr!r} is invalid: a host name or IP address of this host")
 
     def _check_speculative(self) -> None:
         spec = self.speculative_model

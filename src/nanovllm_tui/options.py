@@ -19,7 +19,8 @@ NOT_WITH_REPLAY = ("chat", "model", "device", "dtype", "prompt", "priority", "ma
                    "min_p", "repetition_penalty", "seed", "stop", "logprobs", "ignore_eos", "scheduling_policy",
                    "max_prefill_tokens", "max_num_seqs", "max_model_len", "block_size", "num_kv_blocks",
                    "no_paged_attention", "no_flash_attn", "no_prefix_caching", "speculative_model",
-                   "num_speculative_tokens", "quantization", "tensor_parallel_size", "trace", "trace_xray", "trace_chrome")
+                   "num_speculative_tokens", "quantization", "tensor_parallel_size", "tp_master_addr", "tp_master_port",
+                   "tp_local_ranks", "tp_rendezvous_timeout", "trace", "trace_xray", "trace_chrome")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,7 +92,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 # Options of the engine that a server attached with --connect has already chosen.
 SERVER_SIDE = ("model", "device", "dtype", "quantization", "num_kv_blocks", "max_model_len", "speculative_model",
-               "replay", "paused")  # --tensor-parallel-size too (its default is 1, not None): checked below
+               "tp_master_addr", "tp_master_port", "tp_local_ranks", "tp_rendezvous_timeout", "replay", "paused")  # --tensor-parallel-size too (its default is 1, not None): checked below
 
 
 def check_connect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -185,15 +185,18 @@ class LLMEngine(EventSource):
         except (ValueError, AttributeError) as e:
             raise ModelLoadError(f"{resolved.name}: {e}") from None
         parallel.check_size(model_config, n, resolved.name)
-        if progress:
-            progress(f"starting {n - 1} tensor-parallel worker(s)", 0, 1)
+        local = config.tp_local_ranks or n
+        if progress and local > 1:
+            progress(f"starting {local - 1} tensor-parallel worker(s)", 0, 1)
         workers = WorkerGroup(n, config.torch_device, str(resolved.path), model_config,
-                              str(config.torch_dtype).replace("torch.", ""), config.max_model_len)
+                              str(config.torch_dtype).replace("torch.", ""), config.max_model_len,
+                              master_addr=config.tp_master_addr, master_port=config.tp_master_port, local_ranks=local,
+                              rendezvous_timeout_s=config.tp_rendezvous_timeout)
         try:
             model, tokenizer, resolved = load_model(config.model, config.torch_device, config.torch_dtype,
                                                     max_model_len=config.max_model_len, progress=progress,
                                                     quantization=config.quantization, tensor_parallel=workers.tp)
-            workers.wait_loaded()
+            workers.wait_loaded(progress)
             return cls(config, model, tokenizer, resolved, workers=workers)
         except BaseException:
             workers.shutdown()

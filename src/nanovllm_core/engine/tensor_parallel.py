@@ -1,36 +1,49 @@
-"""Tensor-parallel workers: ranks 1..N-1 as processes on torch.distributed, driven by rank 0.
+"""Tensor-parallel workers: ranks 1..N-1 as processes on torch.distributed, driven by rank 0, on one host or many.
 
 Rank 0 is the caller's process: it runs the scheduler, the block manager, the sampler and the
 events, and its ``ModelRunner`` holds shard 0 of the weights and of the KV pool. Ranks
-1..N-1 are worker processes (``multiprocessing`` spawn context) that each hold their shard
-and run the same forward pass on the same plan; the model's all-reduces and the LM head's
-gather (``model/parallel.py``) go through ``torch.distributed``: gloo on the CPU, NCCL on
-CUDA (rank r on GPU r), initialised over ``tcp://127.0.0.1:<a free port>`` as torchrun's
-``env://`` rendezvous would over a network.
+1..N-1 are worker processes that each hold their shard and run the same forward pass on the
+same plan; the model's all-reduces and the LM head's gather (``model/parallel.py``) go through
+``torch.distributed``: gloo on the CPU, NCCL on CUDA. A worker is either started by rank 0 on
+its own host (``multiprocessing`` spawn context; ranks ``1..local_ranks-1``) or by the user on
+another host with ``nanovllm worker --master-addr HOST --master-port PORT --rank R
+--tensor-parallel-size N`` (:func:`run_worker`; torchrun's ``MASTER_ADDR``, ``MASTER_PORT``,
+``RANK`` and ``WORLD_SIZE`` stand in for the options), ranks ``local_ranks..N-1``.
 
-**Control path: one pipe per worker, the plan pickled once per step** (as GeeeekExplorer/nano-vllm
-pickles its calls; it writes them into shared memory and rings an Event, vLLM broadcasts
-them through a shared-memory ring buffer). Why a pipe here: the plan is small (per sequence
-its id, start, new token ids and block table: a few hundred bytes a step), so a pipe's copy
-costs microseconds against a forward pass of milliseconds; a pipe's other end closing is how a
-worker learns that rank 0 is gone (``EOFError``) and how rank 0 sees a worker's last error;
-and a worker waiting on its pipe, not inside a collective, may wait forever: the engine can
-sit paused or idle for hours, while a gloo collective gives up after its timeout. The tensors
-themselves never go through the pipe: only ``torch.distributed`` moves them.
+**Launch** (``engine/tp_launch.py``): rank 0 listens at ``--tp-master-addr``/``--tp-master-port``;
+every worker, local or remote, connects there, passes a key check, and is checked and welcomed
+(model, dtype, context length, device type, the collective timeout and the port of the
+``torch.distributed`` rendezvous); once all have loaded their shards every rank initialises
+``tcp://master_addr:that port``.
+
+**Control path: one TCP connection per worker, the plan pickled once per step, for every rank**
+(one path for local and remote workers; as GeeeekExplorer/nano-vllm pickles its calls; it writes
+them into shared memory and rings an Event, vLLM broadcasts them through a shared-memory ring
+buffer, or a ZeroMQ socket across hosts). Why a connection rather than
+``broadcast_object_list`` on a gloo group: a worker waiting on its connection, not inside a
+collective, may wait forever, and the engine can sit paused or idle for hours while a gloo
+collective gives up after its timeout; the connection closing is how a worker learns that rank 0
+is gone and how rank 0 sees a worker die (its last error arrives first), at once, on either host
+(TCP keep-alive probes, ``tp_launch._tune``, find a vanished host in about 25 s); and the plan
+is small (per sequence its id, start, new token ids and block table: a few hundred bytes a
+step), so the copy costs microseconds against a forward pass of milliseconds. The tensors themselves never go through
+the connection: only ``torch.distributed`` moves them.
 
 Each step: rank 0 sends ``("step", entries, flat_rows)`` to every worker, runs the same
 ``ModelRunner.execute``, then reads each worker's reply: its wall seconds for the step and its
 collectives' counts, bytes and seconds (:class:`StepTiming`). The reply also proves the worker
 alive. Failure: rank 0 checks its workers before each step and waits for replies while
-polling their liveness; a collective that a dead peer leaves raises at once (gloo's socket
-closes) and one that a hung peer leaves raises after :func:`collective_timeout_s` (30 s). Either way
-rank 0 raises :class:`TensorParallelError` (one line naming the rank, its PID and what
-happened), stops the other workers, and the engine finishes every request with that error
-(every block freed). Shutdown (``LLMEngine.close``, ``LLM.close`` / ``with LLM(...)`` / its
-``__del__``, and ``atexit``): each worker is told to stop, joined (terminated if it does not
-stop within seconds), and every rank destroys its process group.
+watching their connections (and, for local ones, their processes); a collective that a dead
+peer leaves raises at once (gloo's socket closes) and one that a hung peer leaves raises after
+:func:`collective_timeout_s` (30 s). Either way rank 0 raises :class:`TensorParallelError` (one
+line naming the rank, its PID (and host) and what happened), stops the other workers, and the
+engine finishes every request with that error (every block freed). Shutdown
+(``LLMEngine.close``, ``LLM.close`` / ``with LLM(...)`` / its ``__del__``, and ``atexit``):
+each worker is told to stop and destroys its process group; local ones are joined (terminated if
+they do not stop within seconds), remote ones are waited for until their connection closes (they
+exit); rank 0 destroys its group and closes its listening port.
 
-Why this file runs past ~400 lines: the two ends of one protocol (the worker's loop and rank
+Why this file runs past ~500 lines: the two ends of one protocol (the worker's loop and rank
 0's ``WorkerGroup``) read best side by side, message for message; split, each half would
 name messages the reader cannot see.
 """
@@ -41,16 +54,26 @@ import atexit
 import contextlib
 import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for_connections
 from typing import Any
 
 import torch
 
+from nanovllm_core.engine.tp_launch import (  # noqa: F401  (re-exported: the engine and the CLI import them from here)
+    RENDEZVOUS_TIMEOUT_S,
+    Rendezvous,
+    TensorParallelError,
+    WorkerOptions,
+    _recv_by,
+    free_port,
+    join_rank0,
+)
 from nanovllm_core.model.parallel import CommStats, TensorParallel
 
 # A collective waits this long for a peer (a hung worker ends the engine after it); a step of
@@ -59,18 +82,12 @@ from nanovllm_core.model.parallel import CommStats, TensorParallel
 COLLECTIVE_TIMEOUT_S = 30.0
 # Start-up: a worker imports torch and loads its shard (tens of seconds on a busy 2-core host).
 START_TIMEOUT_S = 300.0
-
-
 def collective_timeout_s() -> float:
     """Seconds a collective (and rank 0's wait for a worker's reply) may take: NANOVLLM_TP_TIMEOUT_S or 30."""
     try:
         return max(0.5, float(os.environ.get("NANOVLLM_TP_TIMEOUT_S", COLLECTIVE_TIMEOUT_S)))
     except ValueError:
         return COLLECTIVE_TIMEOUT_S
-
-
-class TensorParallelError(RuntimeError):
-    """A tensor-parallel worker died, hung or failed; the engine cannot continue (one-line message)."""
 
 
 @dataclass(frozen=True)
@@ -97,13 +114,6 @@ class StepTiming:
         return tuple(max(0.0, w - c) for w, c in zip(self.wall_s, self.comm_s))
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 free right now (the OS picks it; several runs side by side get different ones)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def backend_for(device: torch.device) -> str:
     """``"nccl"`` on CUDA (when this torch has it), else ``"gloo"``.
 
@@ -124,10 +134,10 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def _init_group(backend: str, port: int, rank: int, world_size: int, timeout_s: float):
+def _init_group(backend: str, addr: str, port: int, rank: int, world_size: int, timeout_s: float):
     import torch.distributed as dist
 
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=START_TIMEOUT_S))
     # The collectives' own group, with the short timeout (the default group's long one covers start-up).
     return dist.new_group(list(range(world_size)), timeout=timedelta(seconds=timeout_s), backend=backend)
@@ -143,46 +153,59 @@ def _destroy_group() -> None:
             pass
 
 
-def _recv(conn, parent_pid: int):
-    """The next message from rank 0, or None once rank 0 is gone (its pipe closed or its process ended)."""
-    while True:
-        try:
-            if conn.poll(1.0):
-                return conn.recv()
-        except (EOFError, OSError):
-            return None
-        if os.getppid() != parent_pid:
-            return None
+# ----------------------------------------------------------------------------- a worker rank
 
 
-def _worker_main(rank: int, world_size: int, port: int, backend: str, device: str, model_path: str, model_config,
-                 dtype: str,
-                 max_model_len: int | None, threads: int, timeout_s: float, conn, parent_pid: int) -> None:
-    """A worker rank's life: load its shard (while rank 0 loads its own), join the group, then run each step
-    rank 0 sends until told to stop."""
-    code = 0
+def _recv(conn: Connection, parent_pid: int | None):
+    """The next message from rank 0, waiting as long as it takes; None once rank 0 is gone (its connection
+    closed, or, for a worker rank 0 started, its process ended)."""
+    return _recv_by(conn, float("inf"), parent_pid)
+
+
+def run_worker(opts: WorkerOptions, conn: Connection | None = None, welcome: dict | None = None) -> tuple[int, str]:
+    """A worker rank's life: join rank 0 (unless ``conn``/``welcome`` say it has), load its shard (while rank 0
+    loads its own), join the process group, then run each step rank 0 sends until told to stop.
+
+    Returns:
+        ``(exit status, one line)``: 0 when rank 0 told it to stop; 1 when rank 0 went away or a step failed
+        (the reason also went to rank 0 when it could).
+
+    Raises:
+        ValueError, TensorParallelError, ModelLoadError: as :func:`join_rank0`, before any shard is loaded.
+    """
+    if conn is None:
+        conn, welcome = join_rank0(opts)
+    code, why = 1, f"rank 0 at {opts.master_addr}:{opts.master_port} closed the connection; this worker stopped"
     try:
-        torch.set_num_threads(threads)
-        dev = torch.device(device)
+        if opts.threads:
+            torch.set_num_threads(opts.threads)
+        dev = torch.device(welcome["device"])
         if dev.type == "cuda":
-            dev = torch.device("cuda", rank)
+            local = opts.local_rank if opts.local_rank is not None else int(os.environ.get("LOCAL_RANK", "0"))
+            dev = torch.device("cuda", local)
             torch.cuda.set_device(dev)
         from nanovllm_core.config import DTYPES
         from nanovllm_core.engine.model_runner import ModelRunner
         from nanovllm_core.model.loader import load_model, warm_up
 
-        tp = TensorParallel(rank, world_size)  # its group once loaded: cutting and reading need none
-        model, _tokenizer, _resolved = load_model(model_path, dev, DTYPES[dtype], max_model_len=max_model_len,
-                                                  tensor_parallel=tp, model_config=model_config, with_tokenizer=False)
+        tp = TensorParallel(opts.rank, opts.world_size)  # its group once loaded: cutting and reading need none
+        model, _tokenizer, _resolved = load_model(welcome["model_path"], dev, DTYPES[welcome["dtype"]],
+                                                  max_model_len=welcome["max_model_len"], tensor_parallel=tp,
+                                                  model_config=welcome["model_config"], with_tokenizer=False)
         conn.send(("loaded", None))
-        tp.group = _init_group(backend, port, rank, world_size, timeout_s)
         runner = None
         while True:
-            msg = _recv(conn, parent_pid)
-            if msg is None or msg[0] == "stop":
+            msg = _recv(conn, opts.parent_pid)
+            if msg is None:
                 break
             kind = msg[0]
-            if kind == "runner":
+            if kind == "stop":
+                code, why = 0, "rank 0 stopped the engine"
+                break
+            if kind == "join":  # every rank has loaded: the rendezvous of torch.distributed, on rank 0's port
+                tp.group = _init_group(welcome["backend"], opts.master_addr, welcome["dist_port"], opts.rank,
+                                       opts.world_size, welcome["timeout_s"])
+            elif kind == "runner":
                 block_size, num_blocks, attention_backend, max_len = msg[1]
                 runner = ModelRunner(model, block_size, num_blocks, True, attention_backend, max_len)
                 conn.send(("runner", None))
@@ -197,9 +220,10 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, device: st
                 wall = time.perf_counter() - t0
                 conn.send(("step", (wall, tp.reset_stats().as_tuple())))
     except BaseException as e:  # noqa: BLE001 - the reason goes to rank 0, which reports it
-        code = 1
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        code, why = 1, f"{type(e).__name__}: {first}"
         try:
-            conn.send(("error", f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"))
+            conn.send(("error", why))
         except Exception:
             pass
     finally:
@@ -208,7 +232,17 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, device: st
             conn.close()
         except Exception:
             pass
-    os._exit(code)  # no interpreter teardown: torch's atexit hooks must not touch a half-destroyed group
+    return code, why
+
+
+def _worker_process(opts: WorkerOptions) -> None:
+    """A local worker's process (rank 0 started it): :func:`run_worker`, then exit without interpreter teardown."""
+    try:
+        code, _ = run_worker(opts)
+    except BaseException as e:  # noqa: BLE001 - it never joined: rank 0 sees the exit and reports it; the reason here
+        print(f"nanovllm tensor-parallel rank {opts.rank}: {e}", file=sys.stderr, flush=True)
+        code = 1
+    os._exit(code)  # torch's atexit hooks must not touch a half-destroyed group
 
 
 @contextlib.contextmanager
@@ -253,62 +287,92 @@ def _shutdown_all() -> None:
 
 
 class WorkerGroup:
-    """Rank 0's handle on ranks 1..N-1: start them, join the process group, drive their steps, stop them.
+    """Rank 0's handle on ranks 1..N-1: start the local ones, admit them all, drive their steps, stop them.
 
-    Start-up overlaps: the constructor starts the workers and returns; while they import torch
-    and read their shards, rank 0 reads its own (through :attr:`tp`, whose group is not set
-    yet); :meth:`wait_loaded` then waits for every worker's shard and joins the group.
+    Start-up overlaps: the constructor listens at ``master_addr:master_port``, starts the local
+    workers and returns; a thread admits each worker as it connects (the key check, its hello
+    checked, the welcome sent), so workers read their shards while rank 0 reads its own (through
+    :attr:`tp`, whose group is not set yet); :meth:`wait_loaded` then waits for every rank to have
+    joined and loaded, and all join the process group.
 
     Args:
         world_size: N (>= 2).
-        device: the engine's device (rank 0 runs on it; on CUDA worker r runs on GPU r).
-        model_path: the resolved model folder every rank loads (rank 0 resolved and converted it).
+        device: the engine's device (rank 0 runs on it; on CUDA a local worker r runs on GPU r).
+        model_path: the resolved model folder every rank loads (rank 0 resolved and converted it);
+            a remote worker given its own ``--model`` loads that instead, after its config matched.
         model_config: its ``ModelConfig`` (sent along, so a worker need not import transformers).
         dtype: the dtype's name (``"float32"``...).
         max_model_len: the rotary table's length, as rank 0's.
+        master_addr: the address to listen on (None: 127.0.0.1; ``0.0.0.0``: every interface).
+        master_port: the port to listen on (None: a free one; ranks joining from other hosts need a known one).
+        local_ranks: ranks 0..local_ranks-1 run on this host (None: all N); the others join from elsewhere.
+        rendezvous_timeout_s: how long every rank may take to connect (seconds).
 
     Raises:
         ValueError: another tensor-parallel engine (or any ``torch.distributed`` group) is live in this process.
-        TensorParallelError: a worker could not be started.
+        TensorParallelError: the address cannot be listened on, or a worker could not be started.
     """
 
     def __init__(self, world_size: int, device: torch.device, model_path: str, model_config, dtype: str,
-                 max_model_len: int | None) -> None:
+                 max_model_len: int | None, master_addr: str | None = None, master_port: int | None = None,
+                 local_ranks: int | None = None, rendezvous_timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
             raise ValueError("a torch.distributed group is already live in this process (one tensor-parallel engine "
                              "at a time); close the other engine first (LLM.close())")
         self.world_size = world_size
+        self.local_ranks = world_size if local_ranks is None else local_ranks
         self.backend = backend_for(device)
-        self.port = free_port()
-        self.threads = threads_per_rank(world_size)
+        self.threads = threads_per_rank(self.local_ranks)  # this host's cores, shared by the ranks it runs
         self._old_threads = torch.get_num_threads()
         self._closed = False
         self.timeout_s = collective_timeout_s()
+        self.rendezvous_timeout_s = rendezvous_timeout_s
         self.tp = TensorParallel(0, world_size)  # rank 0's; its group is joined in wait_loaded
+        self.procs: dict[int, Any] = {}  # rank -> the process this host started for it
+        self.rendezvous = Rendezvous(world_size, self.local_ranks, master_addr, master_port, rendezvous_timeout_s,
+                                     model_config)
+        self.master_addr, self.master_port = self.rendezvous.master_addr, self.rendezvous.master_port
+        self.bind_addr = self.rendezvous.bind_addr
+        self._welcome = {"model_path": model_path, "model_config": model_config, "dtype": dtype,
+                         "max_model_len": max_model_len, "device": str(device), "backend": self.backend,
+                         "timeout_s": self.timeout_s, "dist_port": free_port("0.0.0.0")}
         ctx = mp.get_context("spawn")
-        self.procs: list[Any] = []
-        self.conns: list[Any] = []
         worker_threads = self.worker_threads = min(self.threads, self._old_threads)  # torch threads of each worker
         try:
-            for rank in range(1, world_size):
-                parent, child = ctx.Pipe()
-                p = ctx.Process(target=_worker_main, name=f"nanovllm-tp-rank{rank}", daemon=True,
-                                args=(rank, world_size, self.port, self.backend, str(device), model_path, model_config, dtype,
-                                      max_model_len, worker_threads, self.timeout_s, child, os.getpid()))
+            for rank in range(1, self.local_ranks):
+                opts = WorkerOptions(rank, world_size, self.master_addr, self.master_port, local_rank=rank,
+                                     threads=worker_threads, rendezvous_timeout_s=rendezvous_timeout_s,
+                                     parent_pid=os.getpid())
+                p = ctx.Process(target=_worker_process, name=f"nanovllm-tp-rank{rank}", daemon=True, args=(opts,))
                 with _stderr_with_a_file_descriptor():
                     p.start()
-                child.close()
-                self.procs.append(p)
-                self.conns.append(parent)
+                self.procs[rank] = p
+                self.rendezvous.where[rank] = f"pid {p.pid}"
             _LIVE.add(self)
-            self.pids = [os.getpid()] + [p.pid for p in self.procs]
+            self.rendezvous.start(self._welcome, self.procs)
             if torch.get_num_threads() > self.threads:
                 torch.set_num_threads(self.threads)
         except BaseException:
             self.shutdown()
             raise
+
+    @property
+    def conns(self) -> list[Connection | None]:
+        """Each worker's control connection, rank r's at r - 1 (None until it joined)."""
+        return self.rendezvous.conns
+
+    @property
+    def where(self) -> dict[int, str]:
+        """rank -> ``"pid 123"`` (a worker this host started) or ``"pid 123 on host (10.0.0.2)"``."""
+        return self.rendezvous.where
+
+    @property
+    def pids(self) -> list[int | None]:
+        """Each rank's PID (rank 0's is this process; a remote rank's is on its host; None: not joined yet)."""
+        return [os.getpid()] + [self.rendezvous.pids.get(r, self.procs[r].pid if r in self.procs else None)
+                                for r in range(1, self.world_size)]
 
     # ------------------------------------------------------------------ talking to the workers
 
@@ -318,75 +382,111 @@ class WorkerGroup:
             try:
                 conn.send(msg)
             except (BrokenPipeError, OSError, EOFError):
-                raise self._dead(rank, "its pipe closed") from None
+                raise self._dead(rank, "closed its connection") from None
 
     def _dead(self, rank: int, what: str) -> TensorParallelError:
-        p, conn = self.procs[rank - 1], self.conns[rank - 1]
-        p.join(1.0)
-        state = f"exited with code {p.exitcode}" if p.exitcode is not None else what
+        p, conn = self.procs.get(rank), self.conns[rank - 1]
+        state = what
+        if p is not None:
+            p.join(1.0)
+            if p.exitcode is not None:
+                state = f"exited with code {p.exitcode}"
         try:  # a worker that failed on its own said why before it exited
-            while conn.poll(0):
+            while conn is not None and conn.poll(0):
                 msg = conn.recv()
                 if msg[0] == "error":
                     state = f"failed ({msg[1]}) and {state}"
         except (EOFError, OSError):
             pass
-        return TensorParallelError(f"tensor-parallel worker rank {rank} (pid {p.pid}) {state}; the engine has stopped")
+        return TensorParallelError(f"tensor-parallel worker rank {rank} ({self.where.get(rank, 'not joined')}) "
+                                   f"{state}; the engine has stopped")
+
+    def _gone(self, rank: int, strict: bool) -> TensorParallelError | None:
+        """Rank ``rank``'s end if it has died, failed or closed its connection, else None; a message it sent
+        unasked is an error when ``strict`` (between steps), else read and dropped (a step's late reply)."""
+        p, conn = self.procs.get(rank), self.conns[rank - 1]
+        if p is not None and not p.is_alive():
+            return self._dead(rank, "died")
+        if conn is None:
+            return TensorParallelError(f"tensor-parallel rank {rank} never joined; the engine has stopped")
+        try:
+            if not conn.poll(0):
+                return None
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return self._dead(rank, "closed its connection")
+        if msg[0] == "error":
+            return TensorParallelError(f"tensor-parallel worker rank {rank} ({self.where.get(rank)}) failed: "
+                                       f"{msg[1]}; the engine has stopped")
+        if strict:
+            return TensorParallelError(f"tensor-parallel worker rank {rank} sent {msg[0]!r} unasked; the engine "
+                                       "has stopped")
+        return None
 
     def check_alive(self) -> None:
-        """Raise :class:`TensorParallelError` if a worker has exited (or the group was shut down)."""
+        """Raise :class:`TensorParallelError` if a worker has exited or closed its connection (or the group was shut down)."""
         if self._closed:
             raise TensorParallelError("the tensor-parallel workers were shut down; restart the engine")
-        for rank, p in enumerate(self.procs, start=1):
-            if not p.is_alive():
-                raise self._dead(rank, "died")
+        for rank in range(1, self.world_size):
+            gone = self._gone(rank, strict=True)
+            if gone is not None:
+                raise gone
 
     def wait_all(self, kind: str, timeout: float | None = None) -> list[Any]:
-        """One ``kind`` reply from each worker (rank order), polling their liveness; bounded by ``timeout`` seconds.
+        """One ``kind`` reply from each worker (rank order), watching their connections (and local processes);
+        bounded by ``timeout`` seconds.
 
         Raises:
-            TensorParallelError: a worker reported an error, exited, or did not answer in time.
+            TensorParallelError: a worker reported an error, exited, closed its connection or did not answer in time.
         """
         timeout = self.timeout_s if timeout is None else timeout
         replies: list[Any] = [None] * len(self.conns)
-        got = [False] * len(self.conns)
+        pending = {conn: i for i, conn in enumerate(self.conns)}
         deadline = time.monotonic() + timeout
-        while not all(got):
-            for i, conn in enumerate(self.conns):
-                if got[i]:
-                    continue
+        while pending:
+            for conn in wait_for_connections(list(pending), timeout=0.05):
+                i = pending[conn]
                 try:
-                    ready = conn.poll(0.02)
-                    msg = conn.recv() if ready else None
+                    msg = conn.recv()
                 except (EOFError, OSError):
-                    raise self._dead(i + 1, "closed its pipe") from None
-                if msg is None:
-                    if not self.procs[i].is_alive():
-                        raise self._dead(i + 1, "died")
-                    continue
+                    raise self._dead(i + 1, "closed its connection") from None
                 if msg[0] == "error":
-                    raise TensorParallelError(f"tensor-parallel worker rank {i + 1} (pid {self.procs[i].pid}) failed: "
+                    raise TensorParallelError(f"tensor-parallel worker rank {i + 1} ({self.where.get(i + 1)}) failed: "
                                               f"{msg[1]}; the engine has stopped")
                 if msg[0] != kind:
                     raise TensorParallelError(f"tensor-parallel worker rank {i + 1} answered {msg[0]!r} to "
                                               f"{kind!r}; the engine has stopped")
-                replies[i], got[i] = msg[1], True
-            if time.monotonic() > deadline and not all(got):
-                late = got.index(False) + 1
-                raise TensorParallelError(f"tensor-parallel worker rank {late} (pid {self.procs[late - 1].pid}) did "
+                replies[i] = msg[1]
+                del pending[conn]
+            for i in sorted(pending.values()):
+                p = self.procs.get(i + 1)
+                if p is not None and not p.is_alive():
+                    raise self._dead(i + 1, "died")
+            if pending and time.monotonic() > deadline:
+                late = min(pending.values()) + 1
+                raise TensorParallelError(f"tensor-parallel worker rank {late} ({self.where.get(late)}) did "
                                           f"not answer {kind!r} within {timeout:.0f} s; the engine has stopped")
         return replies
 
     # ------------------------------------------------------------------ the engine's calls
 
-    def wait_loaded(self) -> None:
-        """Wait until every worker holds its shard (after rank 0 loaded its own), then join the process group.
+    def wait_loaded(self, progress=None) -> None:
+        """Wait until every rank has joined and holds its shard (after rank 0 loaded its own), then all join the
+        process group. ``progress(stage, done, total)`` hears where rank 0 waits for ranks from other hosts.
 
         Raises:
-            TensorParallelError: a worker failed, exited or did not load within ``START_TIMEOUT_S``.
+            TensorParallelError: a worker was refused, failed, exited, did not join within the rendezvous
+                timeout or did not load within ``START_TIMEOUT_S``.
         """
+        if progress is not None and self.local_ranks < self.world_size and self.rendezvous.waiting:
+            first, last = self.local_ranks, self.world_size - 1
+            ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
+            progress(f"waiting for tensor-parallel {ranks} to join at {self.bind_addr}:{self.master_port}", 0, 1)
+        self.rendezvous.wait()
         self.wait_all("loaded", START_TIMEOUT_S)
-        self.tp.group = _init_group(self.backend, self.port, 0, self.world_size, self.timeout_s)
+        self._send(("join",))
+        self.tp.group = _init_group(self.backend, self.master_addr, self._welcome["dist_port"], 0, self.world_size,
+                                    self.timeout_s)
 
     def build_runners(self, block_size: int, num_blocks: int, attention_backend: str, max_model_len: int) -> None:
         """Each worker builds its ``ModelRunner`` and its slice of the KV pool (the same block ids as rank 0's)."""
@@ -420,9 +520,9 @@ class WorkerGroup:
         deadline = time.monotonic() + 2.0  # a killed peer's exit is seen within moments
         reason = None
         while reason is None and time.monotonic() < deadline:
-            for rank, p in enumerate(self.procs, start=1):
-                if not p.is_alive():
-                    reason = self._dead(rank, "died")
+            for rank in range(1, self.world_size):
+                reason = self._gone(rank, strict=False)
+                if reason is not None:
                     break
             else:
                 time.sleep(0.05)
@@ -434,20 +534,24 @@ class WorkerGroup:
         return reason
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop every worker (asked, then terminated, then killed), join them, destroy this rank's group (idempotent)."""
+        """Stop every worker (asked; a local one then terminated, then killed), wait for each to go, destroy this
+        rank's group and close the listening port (idempotent)."""
         if self._closed:
             return
         self._closed = True
         _LIVE.discard(self)
-        for conn in self.conns:
-            try:
+        rendezvous = getattr(self, "rendezvous", None)
+        if rendezvous is None:  # the port could not be listened on: nothing was started
+            return
+        rendezvous.stop()
+        conns = [c for c in self.conns if c is not None]
+        for conn in conns:
+            with contextlib.suppress(Exception):
                 conn.send(("stop",))
-            except Exception:
-                pass
-        if self.tp.group is None:  # never joined (rank 0's load failed): a worker may wait in the rendezvous, not its pipe
+        if self.tp.group is None:  # never joined (rank 0's load failed): a worker may be loading, not reading
             timeout = min(timeout, 0.5)
         deadline = time.monotonic() + timeout
-        for p in self.procs:
+        for p in self.procs.values():
             p.join(max(0.1, deadline - time.monotonic()))
             if p.is_alive():
                 p.terminate()
@@ -455,11 +559,18 @@ class WorkerGroup:
             if p.is_alive():
                 p.kill()
                 p.join(2.0)
-        for conn in self.conns:
+        for rank in range(1, self.world_size):  # a remote worker: gone once its connection closes
+            conn = self.conns[rank - 1]
+            if conn is None or rank in self.procs:
+                continue
             try:
-                conn.close()
-            except Exception:
+                while conn.poll(max(0.0, deadline - time.monotonic())):
+                    conn.recv()
+            except (EOFError, OSError):
                 pass
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                conn.close()
         _destroy_group()
         if torch.get_num_threads() != self._old_threads:
             torch.set_num_threads(self._old_threads)
