@@ -62,11 +62,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[num_tokens, hidden]`` -> ``[num_tokens, hidden]``."""
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+        weight = self.weight  # a parameter: read once (nn.Module's attribute lookup is the slow path)
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
             # In C on the CPU (one pass, batch-invariant order; see native_ops), else PyTorch's
             # fused kernel: the same arithmetic in one pass instead of six.
-            out = native_ops.rms_norm(x, self.weight, self.eps)
-            return out if out is not None else nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            out = native_ops.rms_norm(x, weight, self.eps)
+            return out if out is not None else nn.functional.rms_norm(x, (x.shape[-1],), weight, self.eps)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
