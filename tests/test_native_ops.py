@@ -94,3 +94,21 @@ def test_rope_in_c_declines_what_it_does_not_handle():
     assert not native_ops.rope_(torch.randn(2, 3, 8, dtype=torch.float64), cos.double(), sin.double())
     assert not native_ops.rope_(torch.randn(2, 8, 3).transpose(1, 2), cos, sin)  # elements not dense
     assert not native_ops.rope_(torch.randn(2, 3, 8), torch.ones(2, 8), torch.ones(2, 8))  # tables of another shape
+
+
+def test_rotary_tables_give_the_rotation_of_the_half_width_angles():
+    """cos_sin reads whole rows of the stored (cos, cos) / (-sin, sin) tables: the same values as
+    building them from the angles' half-width cosines and sines at each position, in any dtype."""
+    from nanovllm_core.model.llama import RotaryEmbedding, rope_inverse_frequencies
+
+    rotary = RotaryEmbedding(64, 512, 10000.0, None)
+    positions = torch.tensor([0, 1, 7, 300, 511])
+    freqs = torch.outer(torch.arange(512, dtype=torch.float32), rope_inverse_frequencies(64, 10000.0, None))
+    half_cos, half_sin = freqs.cos()[positions].unsqueeze(1), freqs.sin()[positions].unsqueeze(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        cos, sin = rotary.cos_sin(positions, dtype)
+        assert cos.shape == sin.shape == (5, 1, 64) and cos.dtype == sin.dtype == dtype and cos.is_contiguous()
+        c, s = half_cos.to(dtype), half_sin.to(dtype)
+        assert torch.equal(cos, torch.cat((c, c), dim=-1)) and torch.equal(sin, torch.cat((-s, s), dim=-1))
+    with pytest.raises(ValueError, match="beyond the rotary table"):
+        rotary.check(512)

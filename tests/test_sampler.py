@@ -226,3 +226,31 @@ def test_the_rank_of_a_chosen_token_counts_the_whole_vocabulary():
 def test_nothing_is_computed_when_no_logprobs_are_asked_for():
     out = Sampler()(torch.randn(2, 10), [row(temperature=0), row(temperature=0)])
     assert out.chosen_logprobs is None and out.top is None and out.chosen_ranks is None
+
+
+def test_argmax_rows_gives_torch_argmax_indices_first_maximum_and_first_nan():
+    """The greedy pick through NumPy on the CPU: the first of tied maxima, the first NaN of a row
+    holding one, an all -inf row's first index; the same list as torch.argmax, in any dtype."""
+    from nanovllm_core.sampling.sampler import argmax_rows
+
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([[1.0, 3.0, 3.0, 2.0], [nan, 1.0, nan, 9.0], [1.0, nan, 5.0, nan],
+                         [-inf, -inf, -inf, -inf], [inf, 1.0, inf, 0.0]])
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(3, 49152, generator=g)
+    wide[1, 17] = wide[1, 40000] = wide[1].max() + 1  # a tie far apart
+    for t in (rows, wide, wide[:, ::2], rows.double(), rows.bfloat16()):
+        assert argmax_rows(t) == t.argmax(dim=-1).tolist()
+
+
+def test_min_tokens_ban_writes_the_same_logits_on_the_numpy_path():
+    """The ban on EOS and stop tokens, written through NumPy on the CPU: -inf exactly where the
+    index-tensor write puts it, the input left as it was."""
+    seqs = [row(min_tokens=3, stop_token_ids=[5, 7]), row(min_tokens=0), row(min_tokens=1, stop_token_ids=[9])]
+    logits = torch.randn(3, 10)
+    before = logits.clone()
+    out = apply_min_tokens(logits, seqs)
+    expected = before.clone()
+    expected[0, [EOS, 5, 7]] = float("-inf")
+    expected[2, [EOS, 9]] = float("-inf")
+    assert torch.equal(out, expected) and torch.equal(logits, before)

@@ -102,6 +102,9 @@ def load(source: Path, signatures: dict[str, Signature] | None = None) -> tuple[
     ``signatures``: ``{function name: (restype, argtypes)}``, declared on the library when it is
     first loaded (later calls get the same, already declared, library).
     """
+    done = _loaded.get(source)  # the common case, several times a step: no lock once a library is settled
+    if done is not None:
+        return done
     with _lock:
         if source not in _loaded:
             cc = _compiler()

@@ -150,7 +150,6 @@ class ModelRunner:
         """Drop a finished or preempted sequence's contiguous cache (baseline mode)."""
         self.contiguous.pop(seq_id, None)
 
-    @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSequence], tracer=None,
             extra_rows: dict[int, list[int]] | None = None) -> ForwardResult:
         """Run the model on one step's scheduled sequences.
@@ -167,6 +166,9 @@ class ModelRunner:
         Raises:
             ValueError: a position is beyond the model's rotary table.
             RuntimeError: (``TensorParallelError``) a worker died, hung or failed: the engine must stop.
+
+        Builds no tensors itself: the forward passes it calls run under ``torch.inference_mode``
+        (:meth:`execute`, :meth:`_run_contiguous`), entered once a step.
         """
         order = self.batch_order(scheduled)
         rows, flat_rows = self._sample_rows(order, extra_rows)
@@ -230,6 +232,8 @@ class ModelRunner:
         hidden = self.model(input_ids, pos, attn, tracer)
         if not flat_rows:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        if len(flat_rows) == len(ids) and flat_rows == list(range(len(ids))):  # every row in order (decodes): no copy
+            return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden.index_select(0, sample_index))
 
     def warm_up(self) -> None:
@@ -374,6 +378,7 @@ class ModelRunner:
                                       block_tables=block_tables.view(len(order), width), token_rows=token_rows,
                                       token_context=token_context, max_seqlen_k=max(k_lens))
 
+    @torch.inference_mode()
     def _run_contiguous(self, order, tracer, rows, flat_rows) -> ForwardResult:
         """Baseline: each sequence runs alone against its own contiguous cache."""
         hiddens = []

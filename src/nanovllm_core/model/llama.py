@@ -62,11 +62,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[num_tokens, hidden]`` -> ``[num_tokens, hidden]``."""
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+        weight = self.weight  # a parameter: read once (nn.Module's attribute lookup is the slow path)
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
             # In C on the CPU (one pass, batch-invariant order; see native_ops), else PyTorch's
             # fused kernel: the same arithmetic in one pass instead of six.
-            out = native_ops.rms_norm(x, self.weight, self.eps)
-            return out if out is not None else nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            out = native_ops.rms_norm(x, weight, self.eps)
+            return out if out is not None else nn.functional.rms_norm(x, (x.shape[-1],), weight, self.eps)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -116,31 +117,42 @@ class RotaryEmbedding(nn.Module):
         self.build_tables()
 
     def build_tables(self, device: torch.device | str | None = None) -> None:
-        """(Re)compute the float32 cos/sin tables ``[max_position, head_dim // 2]`` on ``device``."""
+        """(Re)compute the float32 tables ``[max_position, 1, head_dim]`` on ``device``.
+
+        ``cos_cache`` holds each position's angle cosines written twice, ``(cos, cos)``;
+        ``sin_cache`` the sines with the rotation's signs, ``(-sin, sin)`` (what :meth:`apply`
+        multiplies by). Stored whole, twice the half-width tables' memory, so that a step's
+        :meth:`cos_sin` is one row lookup per table instead of nine small operations (issue 27:
+        at batch-1 decode on the CPU those operations were part of the per-token overhead).
+        """
         device = device or self.cos_cache.device
+        shape = (self.max_position, 1, self.head_dim)
         if torch.device(device).type == "meta":  # shapes only: computing on meta would import torch._dynamo (~2 s)
-            shape = (self.max_position, self.head_dim // 2)
             self.cos_cache = torch.empty(shape, dtype=torch.float32, device="meta")
             self.sin_cache = torch.empty(shape, dtype=torch.float32, device="meta")
             return
         inv_freq = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling)
         t = torch.arange(self.max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
-        self.cos_cache = freqs.cos().to(device)
-        self.sin_cache = freqs.sin().to(device)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.cos_cache = torch.cat((cos, cos), dim=-1).reshape(shape).to(device)
+        self.sin_cache = torch.cat((-sin, sin), dim=-1).reshape(shape).to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions ``[num_tokens]`` -> (cos, sin), each ``[num_tokens, 1, head_dim]``.
+        """positions ``[num_tokens]`` -> (cos, sin), each ``[num_tokens, 1, head_dim]`` (new, contiguous tensors).
 
         ``cos`` is the angles' cosines written twice, ``(cos, cos)``; ``sin`` carries the
-        rotation's signs, ``(-sin, sin)``, so :meth:`apply` is two products and a sum. Built
-        once per step and shared by every layer. Positions must be inside the table: the
-        caller checks them with :meth:`check` on Python ints (reading the tensor's maximum
-        back would make the CPU wait for the GPU every step).
+        rotation's signs, ``(-sin, sin)``, so :meth:`apply` is two products and a sum: the
+        rows of the tables :meth:`build_tables` made. Built once per step and shared by every
+        layer. Positions must be inside the table: the caller checks them with :meth:`check`
+        on Python ints (reading the tensor's maximum back would make the CPU wait for the GPU
+        every step).
         """
-        cos = self.cos_cache.index_select(0, positions).unsqueeze(1).to(dtype)
-        sin = self.sin_cache.index_select(0, positions).unsqueeze(1).to(dtype)
-        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        cos = self.cos_cache.index_select(0, positions)
+        sin = self.sin_cache.index_select(0, positions)
+        if dtype != torch.float32:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin
 
     def check(self, max_position: int) -> None:
         """Refuse a position beyond the table.
@@ -344,7 +356,7 @@ class LlamaForCausalLM(nn.Module):
         logits = head(hidden) if head is not None else linear(hidden, self.lm_head_matrix)
         if self.tp is not None:
             logits = self.tp.gather_vocab(logits)
-        return None if logits is None else logits.float()
+        return logits if logits is None or logits.dtype == torch.float32 else logits.float()
 
     def check_positions(self, max_position: int) -> None:
         """Raise ValueError when ``max_position`` (tokens) is beyond the rotary table (see ``RotaryEmbedding.check``)."""

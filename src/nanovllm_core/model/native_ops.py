@@ -45,8 +45,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     apply (not float32 CPU tensors, x not 2-D, a weight that is not ``[hidden]``, autograd
     recording, or :func:`library` is None); PyTorch's op then runs, and raises for bad shapes.
     """
-    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
-            or weight.device.type != "cpu" or weight.shape != (x.shape[1],)
+    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or not x.is_cpu or x.dim() != 2
+            or not weight.is_cpu or weight.shape != (x.shape[1],)
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return None
     lib = library()
@@ -70,7 +70,7 @@ def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     Returns False for non-float32 or non-CPU tensors, other layouts, autograd, or no library.
     """
     if (qk.dtype != torch.float32 or cos.dtype != torch.float32 or sin.dtype != torch.float32
-            or qk.device.type != "cpu" or qk.dim() != 3 or qk.stride(2) != 1 or qk.stride(1) != qk.shape[2]
+            or not qk.is_cpu or qk.dim() != 3 or qk.stride(2) != 1 or qk.stride(1) != qk.shape[2]
             or qk.shape[2] % 2 or cos.shape != (qk.shape[0], 1, qk.shape[2]) or sin.shape != cos.shape
             or not cos.is_contiguous() or not sin.is_contiguous()
             or (torch.is_grad_enabled() and qk.requires_grad)):
