@@ -70,6 +70,28 @@ def test_one_call_layers_equal_the_step_by_step_model(make_llm):
     assert all(torch.equal(a, b) for a, b in zip(fused_logits, logits))
 
 
+def test_each_engine_on_a_shared_model_gets_its_own_pool_pointers(make_llm):
+    """The one-call layers' pointer table follows the engine's KV cache: a second engine over the
+    same model (as benchmarks and tests build them) writes into its own pools, never a freed one's."""
+    import gc
+
+    from nanovllm_core.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    first = make_llm(quantization="gguf", num_kv_blocks=32)
+    fused = first.engine.model.fused_layers
+    want = first.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert fused._cache() is not None
+    del first
+    gc.collect()
+    assert fused._cache() is None  # the table kept no pool alive
+    second = make_llm(quantization="gguf", num_kv_blocks=48)
+    got = second.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].token_ids
+    cache = fused._cache()
+    assert got == want and cache is not None
+    assert fused._array[0].k_pool == cache.k_by_head[0].data_ptr()
+
+
 @pytest.fixture(scope="module")
 def gguf_reference(make_llm):
     tokens, _ = run(make_llm, quantization="gguf", max_num_seqs=1)  # one prompt at a time

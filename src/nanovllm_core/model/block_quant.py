@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -462,7 +463,8 @@ class FusedDecoderLayers:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self._weights: dict[tuple[int, ...], ctypes.Array] = {}
+        self._cache: weakref.ref | None = None  # the KV cache self._array points into
+        self._array: ctypes.Array | None = None
 
     @staticmethod
     def supported(model: nn.Module) -> bool:
@@ -498,23 +500,23 @@ class FusedDecoderLayers:
         return ops
 
     def _layer_array(self, cache) -> ctypes.Array:
-        # every pointer the table holds: a later engine's K pools may reuse a freed engine's
-        # addresses while its V pools do not (a stale V pointer would write into freed memory)
-        key = tuple(t.data_ptr() for t in (*cache.k_by_head, *cache.v_by_head))
-        arr = self._weights.get(key)
-        if arr is None:
-            rows = []
-            for i, layer in enumerate(self.model.layers):
-                a, m = layer.self_attn, layer.mlp
-                rows.append(_LayerWeights(
-                    a.qkv_proj.packed.data_ptr(), a.o_proj.packed.data_ptr(), m.gate_up_proj.packed.data_ptr(),
-                    m.down_proj.packed.data_ptr(), a.qkv_proj.format.c_id, a.o_proj.format.c_id,
-                    m.gate_up_proj.format.c_id, m.down_proj.format.c_id, layer.input_layernorm.weight.data_ptr(),
-                    layer.post_attention_layernorm.weight.data_ptr(), cache.k_by_head[i].data_ptr(),
-                    cache.v_by_head[i].data_ptr()))
-            arr = (_LayerWeights * len(rows))(*rows)
-            self._weights = {key: arr}  # one engine's pools at a time
-        return arr
+        # One table per KV cache object (its pools are fixed for its life): a weak reference, so a
+        # later engine's cache is never taken for a freed one that had the same id or addresses
+        # (a stale pointer would write into freed memory), and the table keeps no pool alive.
+        if self._cache is not None and self._cache() is cache:
+            return self._array
+        rows = []
+        for i, layer in enumerate(self.model.layers):
+            a, m = layer.self_attn, layer.mlp
+            rows.append(_LayerWeights(
+                a.qkv_proj.packed.data_ptr(), a.o_proj.packed.data_ptr(), m.gate_up_proj.packed.data_ptr(),
+                m.down_proj.packed.data_ptr(), a.qkv_proj.format.c_id, a.o_proj.format.c_id,
+                m.gate_up_proj.format.c_id, m.down_proj.format.c_id, layer.input_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(), cache.k_by_head[i].data_ptr(),
+                cache.v_by_head[i].data_ptr()))
+        self._array = (_LayerWeights * len(rows))(*rows)
+        self._cache = weakref.ref(cache)  # one engine's pools at a time
+        return self._array
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, num_layers: int) -> torch.Tensor | None:
         """x ``[T, hidden]`` float32 after ``num_layers`` layers (a new tensor), or None where this path does not apply.
