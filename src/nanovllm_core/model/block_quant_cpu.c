@@ -75,23 +75,26 @@ static inline uint16_t read_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2)
  * scale xd = max|x| / 127, xq = round-half-even(x / xd) (ggml's quantize_row_q8_1 arithmetic, the
  * scale kept in float32), sx = xd * sum(xq) and xs8 = 8 * sum(xq) (an exact integer). The same
  * operations in every build. */
-static void quantize_row(const float *x, int nb, int64_t M, int64_t i, int8_t *xq, float *xd, float *sx, int32_t *xs8) {
-    for (int b = 0; b < nb; b++) {
-        const float *xb = x + (int64_t)b * QK;
-        const int64_t at = (int64_t)b * M + i;
-        float amax = 0.0f;
-        for (int j = 0; j < QK; j++) { const float a = fabsf(xb[j]); amax = a > amax ? a : amax; }
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        int sum = 0;
-        for (int j = 0; j < QK; j++) {
-            const int q = (int)nearbyintf(xb[j] * id);
-            xq[at * QK + j] = (int8_t)q;
-            sum += q;
-        }
-        xd[at] = d;
-        sx[at] = d * (float)sum;
-        xs8[at] = 8 * sum;
+static inline void quantize_block(const float *x, int b, int64_t M, int64_t i, int8_t *xq, float *xd, float *sx,
+                                  int32_t *xs8) {
+    const float *xb = x + (int64_t)b * QK;
+    const int64_t at = (int64_t)b * M + i;
+    float amax = 0.0f;
+    for (int j = 0; j < QK; j++) { const float a = fabsf(xb[j]); amax = a > amax ? a : amax; }
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < QK; j++) {
+        const int q = (int)nearbyintf(xb[j] * id);
+        xq[at * QK + j] = (int8_t)q;
+        sum += q;
     }
+    xd[at] = d;
+    sx[at] = d * (float)sum;
+    xs8[at] = 8 * sum;
+}
+
+static void quantize_row(const float *x, int nb, int64_t M, int64_t i, int8_t *xq, float *xd, float *sx, int32_t *xs8) {
+    for (int b = 0; b < nb; b++) quantize_block(x, b, M, i, xq, xd, sx, xs8);
 }
 
 /* Packed layout. The kernels read a matrix of NC = 8 weight rows at a time, one row per vector
@@ -263,7 +266,7 @@ static inline __attribute__((always_inline)) void group1_avx2(int fmt, const uin
 /* y [M, N] (rows ldy floats apart) = x [M, K] (rows ldx apart) @ W^T, W [N, K] packed (see above:
  * ceil(N / 8) groups of K / 32 packed blocks); y = residual + x W^T where residual [M, N] (rows
  * ldr apart) is not NULL (it may equal y). Every row of x is quantized once per call
- * (quantize_row), then the threads split the groups, each thread taking every row of x for its
+ * (quantize_row; at M = 1 the threads share its blocks), then the threads split the groups, each thread taking every row of x for its
  * groups, MC rows at a time (at M = 1: one contiguous run of groups per thread).
  * scratch: BLOCK_SCRATCH(M, K) floats. Returns 0, or -1 for a K that is not a multiple of 32. */
 int block_linear(int fmt, const uint8_t *W, const float *x, int64_t ldx, float *y, int64_t ldy,
@@ -278,8 +281,13 @@ int block_linear(int fmt, const uint8_t *W, const float *x, int64_t ldx, float *
     int8_t *xq = (int8_t *)(xs8 + M * nb);
 #pragma omp parallel num_threads(num_threads) if (M * N * K >= 32768)
     {
+        if (M == 1) { /* one row: its blocks are independent, so the threads share them */
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < M; i++) quantize_row(x + i * ldx, nb, M, i, xq, xd, sx, xs8);
+            for (int b = 0; b < nb; b++) quantize_block(x, b, 1, 0, xq, xd, sx, xs8);
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < M; i++) quantize_row(x + i * ldx, nb, M, i, xq, xd, sx, xs8);
+        }
 #if BQ_AVX2
         if (M == 1) { /* batch 1: group1_avx2 over this thread's contiguous run of groups */
             const int nt = omp_get_num_threads(), t = omp_get_thread_num();
