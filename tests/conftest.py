@@ -7,12 +7,21 @@ tokenizer, each with its own small KV pool.
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
 
-import pytest
-import torch
+# OpenMP threads that find no work sleep at once instead of spinning: the suite's processes (engine
+# threads, servers, tensor-parallel workers, other jobs) share 2 cores, and a spinning thread holds a
+# core the thread it waits for needs. GGUF batch-1 greedy decoding of 4 prompts x 12 tokens on a busy
+# 2-core AMD EPYC: 5.7-29 s spinning (libgomp's default), 1.3-1.8 s passive. Read when torch and the
+# C kernels load OpenMP, so set before importing torch; subprocesses inherit it. No figure asserted
+# here depends on it (speed lives in the benchmarks, which record the policy they ran under).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.llm_engine import LLMEngine
@@ -158,3 +167,42 @@ def tiny_server(make_tiny_engine):
     yield server
     server.stop()
     controller.shutdown(timeout=5)
+
+
+@pytest.fixture
+def shared_default_loads(monkeypatch, real_model, request):
+    """Loads of the embedded default model in this process (``loader.load_model``, as ``LLM`` and the
+    ``nanovllm`` command call it) answered with the session's already-loaded model of the same mode, so
+    a command test does not read and build the weights again: auto (None) and ``"gguf"`` get
+    ``real_model_gguf`` where auto keeps the file's blocks (``resolve_quantization``, as the loader
+    decides), ``"none"`` and a float auto get ``real_model``. Any other load (another model, another mode,
+    a device or dtype other than float32 on the CPU, tensor parallelism) goes to the real loader.
+    Returns the list of the ``quantization`` values asked, for the test to check.
+
+    The loader itself is tested on its own (``test_loader``, ``test_block_quant_real``) and by the
+    commands that still load for real (``test_cli.test_default_prompt_completes_with_paris``)."""
+    from nanovllm_core.model import loader
+    from nanovllm_core.model.quantization import resolve_quantization
+
+    real_load, asked = loader.load_model, []
+    block_model = request.getfixturevalue("real_model_gguf")  # before the patch: its fixture loads through it
+
+    def load(model, device, dtype, max_model_len=None, progress=None, quantization=None, **kw):
+        resolved = real_model[2]
+        if (model is not None or kw or torch.device(device).type != "cpu" or dtype != torch.float32
+                or quantization not in (None, "auto", "none", "gguf")
+                or (max_model_len is not None and max_model_len > real_model[0].config.max_position_embeddings)):
+            return real_load(model, device, dtype, max_model_len=max_model_len, progress=progress,
+                             quantization=quantization, **kw)
+        asked.append(quantization)
+        if quantization in (None, "auto"):
+            types = loader.gguf_tensor_types_cached(resolved)
+            quantization = resolve_quantization(None, resolved.gguf_file, torch.device("cpu"), torch.float32,
+                                                tensor_types=types)[0] or "none"
+        if progress is not None:  # the stages a real load reports, so a command's lines show
+            progress("loading weights", 0, 1)
+            progress("loading weights", 1, 1)
+        return block_model if quantization == "gguf" else real_model
+
+    monkeypatch.setattr(loader, "load_model", load)
+    return asked

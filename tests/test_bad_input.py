@@ -168,11 +168,11 @@ def test_a_kv_pool_larger_than_free_memory_is_refused_before_allocating(make_eng
         make_engine(num_kv_blocks=too_many)
 
 
-def test_cli_refuses_an_oversized_kv_pool_with_one_line(capsys):
+def test_cli_refuses_an_oversized_kv_pool_with_one_line(capsys, shared_default_loads):
     from nanovllm_core import cli
 
     with pytest.raises(SystemExit) as e:
         cli.main(["--prompt", "Hi", "--max-tokens", "1", "--num-kv-blocks", str(10**9)])
-    assert e.value.code == 2
+    assert e.value.code == 2 and shared_default_loads == [None]
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "lower num_kv_blocks" in err

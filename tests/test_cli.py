@@ -27,10 +27,10 @@ def test_default_prompt_completes_with_paris(capsys):
 
 
 @pytest.mark.real_model
-def test_several_prompts_with_priorities_and_memory_stats(capsys):
+def test_several_prompts_with_priorities_and_memory_stats(capsys, shared_default_loads):
     code, out, _ = run_cli(capsys, "--prompt", "Hello", "--priority", "1", "--prompt", "Python is a",
                            "--priority", "10", "--max-tokens", "4", "--num-kv-blocks", "64", "--show-memory-stats")
-    assert code == 0
+    assert code == 0 and shared_default_loads == [None]  # auto: the loader decides
     assert out.count("Completion:") == 2
     assert "KV cache memory:" in out and "prefix cache:" in out
     # the lookups count every token looked up, re-admitted ones too: not "prompt tokens" (issue 28 review)
@@ -38,13 +38,13 @@ def test_several_prompts_with_priorities_and_memory_stats(capsys):
 
 
 @pytest.mark.real_model
-def test_chat_flag_uses_chat_template(capsys):
+def test_chat_flag_uses_chat_template(capsys, shared_default_loads):
     # float32 weights: the shipped Q4_1 blocks (the CPU default) answer this question greedily with
     # "L'Étoile, la Marseillaise," -- and so does llama.cpp on the same file (checked with
     # llama-cpp-python 0.3.36's create_chat_completion): the 4-bit model's answer, not a bug of ours.
     code, out, _ = run_cli(capsys, "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "12",
                            "--num-kv-blocks", "64", "--quantization", "none")
-    assert code == 0 and "Paris" in out
+    assert code == 0 and "Paris" in out and shared_default_loads == ["none"]
 
 
 @pytest.mark.parametrize("args,message", [
@@ -135,7 +135,7 @@ def test_bad_model_path_from_a_real_process_prints_no_traceback():
 
 
 @pytest.mark.real_model
-def test_trace_files_record_the_run(capsys, tmp_path):
+def test_trace_files_record_the_run(capsys, tmp_path, shared_default_loads):
     import json
 
     from nanovllm_core.tracing import read_jsonl
@@ -143,7 +143,7 @@ def test_trace_files_record_the_run(capsys, tmp_path):
     jsonl, chrome = tmp_path / "run.jsonl", tmp_path / "run.json"
     code, out, _ = run_cli(capsys, "--prompt", "Hi", "--max-tokens", "3", "--num-kv-blocks", "32",
                            "--trace", str(jsonl), "--trace-chrome", str(chrome))
-    assert code == 0
+    assert code == 0 and shared_default_loads == [None]
     events = read_jsonl(jsonl)
     kinds = [type(e).__name__ for e in events]
     assert kinds.count("TokenSampled") == 3 and kinds[1] == "RequestAdded" and kinds[-1] == "StepTimed"
@@ -155,14 +155,14 @@ def test_trace_files_record_the_run(capsys, tmp_path):
 
 
 @pytest.mark.real_model
-def test_trace_xray_adds_layer_traces_to_the_trace(capsys, tmp_path):
+def test_trace_xray_adds_layer_traces_to_the_trace(capsys, tmp_path, shared_default_loads):
     from nanovllm_core import events as ev
     from nanovllm_core.tracing import read_jsonl
 
     jsonl = tmp_path / "run.jsonl"
     code, _, _ = run_cli(capsys, "--prompt", "Hi", "--max-tokens", "2", "--num-kv-blocks", "32",
                          "--trace", str(jsonl), "--trace-xray")
-    assert code == 0
+    assert code == 0 and shared_default_loads == [None]
     traces = [e for e in read_jsonl(jsonl) if isinstance(e, ev.LayerTrace)]
     assert len(traces) == 2 * 30  # every layer of both steps
 
@@ -172,9 +172,10 @@ def test_trace_xray_without_trace_is_one_line(capsys):
     assert code == 2 and "add --trace FILE.jsonl" in err and len(err.strip().splitlines()) == 1
 
 
-def test_trace_to_unwritable_path_is_one_line(capsys):
+def test_trace_to_unwritable_path_is_one_line(capsys, shared_default_loads):
     code, _, err = run_cli(capsys, "--trace", "/no/such/dir/run.jsonl", "--num-kv-blocks", "8")
     assert code == 2 and "cannot write the trace file" in err and len(err.strip().splitlines()) == 1
+    assert shared_default_loads == [None]  # refused once the model is known, as without the shared load
 
 
 def test_sampling_flags_map_to_sampling_params():
@@ -236,20 +237,21 @@ def test_the_same_seed_gives_the_same_sampled_completion(capsys, cli_on_shared_m
 
 
 @pytest.mark.real_model
-def test_speculative_flags_reach_the_engine(capsys):
+def test_speculative_flags_reach_the_engine(capsys, shared_default_loads):
     code, out, err = run_cli(capsys, "--prompt", "one two three one two three one two", "--max-tokens", "6",
                              "--num-kv-blocks", "64", "--speculative-model", "ngram", "--num-speculative-tokens", "3",
                              "--show-memory-stats")
-    assert code == 0, err
+    assert code == 0 and shared_default_loads == [None], err
     assert "speculative (ngram, k=3):" in out and "draft tokens accepted" in out
 
 
-def test_bad_speculative_setting_is_one_line(capsys):
+def test_bad_speculative_setting_is_one_line(capsys, shared_default_loads):
     code, _, err = run_cli(capsys, "--speculative-model", "self:999", "--num-kv-blocks", "8")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "self:" in err
+    assert shared_default_loads == [None]  # refused once the model is known, as without the shared load
 
 
-def test_a_run_whose_every_prompt_is_rejected_exits_1_and_says_why(capsys):
+def test_a_run_whose_every_prompt_is_rejected_exits_1_and_says_why(capsys, shared_default_loads):
     long_prompt = "word " * 400
     code, out, err = run_cli(capsys, "--prompt", long_prompt, "--max-model-len", "64", "--max-tokens", "2",
                              "--num-kv-blocks", "16")
@@ -260,6 +262,7 @@ def test_a_run_whose_every_prompt_is_rejected_exits_1_and_says_why(capsys):
     code, out, _ = run_cli(capsys, "--prompt", long_prompt, "--prompt", "Hi", "--max-model-len", "64",
                            "--max-tokens", "2", "--num-kv-blocks", "16")
     assert code == 0 and "rejected:" in out and "Completion:" in out
+    assert shared_default_loads == [None, None]  # each run's LLM asked for the default model
 
 
 @pytest.mark.real_model

@@ -232,10 +232,10 @@ def test_live_dashboard_keeps_narration_intact_above_it(make_llm):
 
 
 @pytest.mark.real_model
-def test_cli_runs_the_three_visual_modes_together(capsys):
+def test_cli_runs_the_three_visual_modes_together(capsys, shared_default_loads):
     code = cli.main(["--narrate", "--xray", "--dashboard", "--max-tokens", "2", "--num-kv-blocks", "32"])
     out = capsys.readouterr().out
-    assert code == 0
+    assert code == 0 and shared_default_loads == [None]
     assert "ACT 1 · TOKENIZATION" in out and "X-RAY · request 0" in out and "nano-vLLM inference dashboard" in out
     assert "Completion:" in out.split("nano-vLLM inference dashboard")[1]
 

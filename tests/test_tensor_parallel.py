@@ -14,7 +14,8 @@ What is claimed (``model/parallel.py``) and tested here:
 - a killed worker ends the engine with a one-line error within seconds, every block freed,
   every process joined, the process group destroyed;
 - SmolLM2 at N = 3 through the ``nanovllm`` command and ``LLM`` gives the N = 1 greedy text, and the
-  app runs a prompt on it and shows each rank's time (one N = 3 engine shared by the LLM and app checks).
+  app runs a prompt on it and shows each rank's time (one N = 3 engine shared by the LLM, app and command
+  checks).
 
 One tensor-parallel engine per process at a time (one ``torch.distributed`` group), so the
 engines here are built and closed one after another.
@@ -420,35 +421,19 @@ def smol_n1(make_engine):
     return LLM.from_engine(make_engine(num_kv_blocks=32)).generate([SMOL_PROMPT], SMOL_GREEDY, use_tqdm=False)[0]
 
 
-@pytest.mark.real_model
-def test_smollm2_at_n3_from_the_cli_gives_the_n1_text(smol_n1, capsys):
-    """The ``nanovllm`` command's own main, at N = 3 (run before the module's shared N = 3 engine starts: one
-    ``torch.distributed`` group per process), with --xray: the split engine's prefill and first decode drawn."""
-    from nanovllm_core import cli
-    from tests.conftest import run_main
-
-    assert not dist.is_initialized(), "the shared N = 3 engine (smol_n3) is live: this test must run before it"
-    t0 = time.monotonic()
-    code, out, err = run_main(cli.main, capsys, "--tensor-parallel-size", "3", "--device", "cpu", "--prompt",
-                              SMOL_PROMPT, "--max-tokens", "5", "--temperature", "0", "--ignore-eos",
-                              "--num-kv-blocks", "32", "--xray")
-    assert time.monotonic() - t0 < START_BOUND_S
-    assert code == 0, err[-2000:]
-    assert_no_group_left()
-    assert f"Completion: {smol_n1.outputs[0].text!r}" in out
-    assert "tensor parallel over 3 ranks (gloo)" in out
-    # --xray of the split engine: no capture, said in one line; its prefill and first decode drawn from the sizes
-    shown = " ".join(out.split())
-    assert shown.count("No captured values at tensor_parallel_size 3:") == 2
-    assert "rank 2: q [576, 192] (query heads 6-8), k and v [576, 64] each (KV head 2)" in shown
-    assert "T = 1: each all-reduce takes 1 x 576 x 4 bytes = 2,304 bytes" in shown  # the decode step: 1 token
+SMOL_CLI = ["--tensor-parallel-size", "3", "--device", "cpu", "--prompt", SMOL_PROMPT, "--max-tokens", "5",
+            "--temperature", "0", "--ignore-eos", "--num-kv-blocks", "32", "--xray"]
 
 
 @pytest.fixture(scope="module")
 def smol_n3():
-    """One SmolLM2 engine at N = 3 for the module's LLM and app checks (started once: ~20 s); closed after them."""
+    """One SmolLM2 engine at N = 3, built with the ``LLM`` keywords the ``nanovllm`` command derives from
+    SMOL_CLI (started once: ~20 s), for the module's LLM, app and command checks. The command check runs
+    last and closes it, as the command closes the LLM it built; the close here is then a no-op."""
+    from nanovllm_core.cli import build_parser, engine_kwargs
+
     t0 = time.monotonic()
-    llm = LLM(num_kv_blocks=32, tensor_parallel_size=3, device="cpu", **QUIET)
+    llm = LLM(**engine_kwargs(build_parser().parse_args(SMOL_CLI)), **QUIET)
     llm.start_s = time.monotonic() - t0
     yield llm
     llm.close()
@@ -510,6 +495,37 @@ async def test_the_app_at_n3_runs_a_prompt_and_shows_where_each_ranks_time_went(
         assert f"{t.tp_all_reduces} all-reduces a rank, {t.tp_all_reduce_bytes:,} bytes from each" in text
         await pilot.press("escape", "q")
     assert smol_n3.engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.real_model
+def test_smollm2_at_n3_from_the_cli_gives_the_n1_text(smol_n3, smol_n1, capsys, monkeypatch):
+    """The ``nanovllm`` command's own main, at N = 3, with --xray: the split engine's prefill and first
+    decode drawn. The ``LLM`` it asks for (its keywords checked equal to those smol_n3 was started with)
+    is the module's N = 3 engine, so three more processes need not start; the command closes it when
+    done, so this runs after the module's other smol_n3 checks."""
+    from nanovllm_core import cli
+    from nanovllm_core import llm as llm_module
+    from tests.conftest import run_main
+
+    asked = []
+
+    def build(progress=None, **kwargs):
+        asked.append(kwargs)
+        return smol_n3
+
+    monkeypatch.setattr(llm_module, "LLM", build)
+    code, out, err = run_main(cli.main, capsys, *SMOL_CLI)
+    assert code == 0, err[-2000:]
+    assert asked == [cli.engine_kwargs(cli.build_parser().parse_args(SMOL_CLI))]
+    assert asked[0]["tensor_parallel_size"] == 3 and asked[0]["device"] == "cpu"
+    assert_no_group_left()  # the command closed its LLM: workers joined, the group destroyed
+    assert f"Completion: {smol_n1.outputs[0].text!r}" in out
+    assert "tensor parallel over 3 ranks (gloo)" in out
+    # --xray of the split engine: no capture, said in one line; its prefill and first decode drawn from the sizes
+    shown = " ".join(out.split())
+    assert shown.count("No captured values at tensor_parallel_size 3:") == 2
+    assert "rank 2: q [576, 192] (query heads 6-8), k and v [576, 64] each (KV head 2)" in shown
+    assert "T = 1: each all-reduce takes 1 x 576 x 4 bytes = 2,304 bytes" in shown  # the decode step: 1 token
 
 
 def test_workers_start_inside_an_app_whose_stderr_has_no_file_descriptor(monkeypatch):
