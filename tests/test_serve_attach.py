@@ -141,6 +141,33 @@ def test_a_server_paused_by_someone_else_stays_paused_when_a_watcher_quits(tiny_
     assert _until(lambda: tiny_server.controller.state != "paused")
 
 
+def test_a_pause_another_client_made_after_the_apps_own_stays_when_the_app_quits(tiny_server):
+    """Newcomer trial 3: the app paused, a curl client resumed and paused again, the app quit and
+    resumed the curl client's pause. The server keeps who made the pause it holds; the app's
+    resume on quitting ends only its own (a restarted server's pause, made by nobody, is kept too)."""
+    import httpx
+
+    control = tiny_server.url + "/v1/engine/control"
+    app_side = RemoteController(tiny_server.url, tiny_server.api_key)
+    try:
+        app_side.start()
+        assert _until(lambda: app_side.connected)
+        app_side.pause()
+        assert _until(lambda: tiny_server.controller.state == "paused")
+        for command in ("resume", "pause"):  # another client, as curl would
+            assert httpx.post(control, json={"command": command}, headers=tiny_server.headers).json()["ok"]
+        assert _until(lambda: tiny_server.controller.state == "paused")
+        assert app_side.shutdown(timeout=2)
+        time.sleep(0.3)
+        assert tiny_server.controller.state == "paused", "the app's quit resumed another client's pause"
+        # a resume naming an owner that does not hold the pause says so and changes nothing
+        r = httpx.post(control, json={"command": "resume", "owner": "someone"}, headers=tiny_server.headers)
+        assert r.json() == {"ok": True, "resumed": False} and tiny_server.controller.state == "paused"
+    finally:
+        httpx.post(control, json={"command": "resume"}, headers=tiny_server.headers)
+    assert _until(lambda: tiny_server.controller.state != "paused")
+
+
 @pytest.mark.anyio
 async def test_an_attached_app_says_demonstrations_need_a_local_engine(tiny_server, tmp_path):
     """Issue 29: under --connect, r in the Tutorial said "the model is still loading" forever (no
