@@ -286,6 +286,32 @@ def test_a_prompt_sent_as_token_ids_shows_as_its_pieces():
     assert state.requests["chat-0"].prompt == "<|im_start|>user\nHi"
 
 
+def test_a_new_watchers_snapshot_gives_the_pool_as_it_is_after_an_abort_between_steps():
+    """Newcomer trial 3: a stream aborted by its client's disconnect freed its blocks after the
+    newest step; an app attached then showed "used 2 ... free 2743" beside an empty Block Map.
+    The snapshot's StepTimed carries the pool as the last finished request left it."""
+    from types import SimpleNamespace
+
+    from nanovllm_core.entrypoints.event_hub import EventHub, _Watcher
+    from nanovllm_tui.state import EngineState
+
+    hub = EventHub(SimpleNamespace(state="idle"))
+    hub.publish(ev.StepTimed(step=7, wall_time_s=0.01, num_tokens=1, num_prefill_tokens=0, num_decode_tokens=1,
+                             prefill_tokens_per_s=0.0, decode_tokens_per_s=100.0, kv_bytes_used=2 * 1024,
+                             kv_bytes_total=2746 * 1024, num_running=1, num_waiting=0, num_blocks_used=2,
+                             num_blocks_cached=0, num_blocks_total=2746))
+    hub.publish(ev.RequestFinished(request_id="cmpl-1", step=None, index=0, finish_reason="abort", stop_reason=None,
+                                   output_text="", output_token_ids=(),
+                                   num_prompt_tokens=5, num_output_tokens=3, ttft_s=0.1, tpot_s=0.01, e2e_s=0.2,
+                                   num_preemptions=0, num_cached_prompt_tokens=0, kv_blocks_used=0,
+                                   kv_blocks_cached=1))
+    state = EngineState()
+    for event in hub._snapshot(_Watcher(topk=0, blocks=True, xray=False)):
+        state.apply(event)
+    assert (state.kv.num_blocks_used, state.kv.num_blocks_cached, state.kv.kv_bytes_used) == (0, 1, 0)
+    assert state.kv.step == 7 and state.kv.wall_time_s == 0.01  # the step's own figures are kept
+
+
 def _until(cond, timeout: float = 30.0) -> bool:
     return poll_until(cond, timeout)
 

@@ -16,7 +16,9 @@ watcher that reconnects sends it back as ``Last-Event-ID`` and gets every event 
 while the log still holds them; a new watcher (or one that fell too far behind)
 first gets a snapshot of the engine as it is: the model's facts, a pause if the engine is
 paused, every live request (its ``RequestAdded`` and the tokens it has sampled so far), and
-the newest step's ``StepPlanned``, ``StepTimed`` and (to a watcher of blocks) ``BlocksChanged``,
+the newest step's ``StepPlanned``, ``StepTimed`` (its KV pool figures brought up to date by
+any request that finished after that step, e.g. one aborted between steps) and (to a watcher
+of blocks) ``BlocksChanged``,
 so an app that attaches mid-run shows the same step, queues and pool as one that watched
 from the start. Watchers ask for detail (``topk``, ``blocks``,
 ``xray``); the engine computes the most any watcher asked for, and each watcher is sent
@@ -28,6 +30,7 @@ at most ``1 / BATCH_INTERVAL_S`` times a second.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import threading
@@ -124,6 +127,14 @@ class EventHub:
             elif isinstance(event, (ev.RequestFinished, ev.RequestRejected)):
                 self._live.pop(event.request_id, None)
                 self._tokens.pop(event.request_id, None)
+                timed = self._latest.get(ev.StepTimed)
+                if isinstance(event, ev.RequestFinished) and event.kv_blocks_used is not None and timed:
+                    # blocks came back after the newest step (an abort between steps): a new watcher's
+                    # snapshot gives the pool as it is now, not as that step left it
+                    per_block = timed.kv_bytes_total // timed.num_blocks_total if timed.num_blocks_total else 0
+                    self._latest[ev.StepTimed] = dataclasses.replace(
+                        timed, num_blocks_used=event.kv_blocks_used, num_blocks_cached=event.kv_blocks_cached or 0,
+                        kv_bytes_used=event.kv_blocks_used * per_block)
             elif isinstance(event, (ev.StepPlanned, ev.StepTimed, ev.BlocksChanged)):
                 self._latest[type(event)] = event
                 if isinstance(event, ev.StepPlanned):
