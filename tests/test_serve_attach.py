@@ -312,6 +312,49 @@ def test_a_new_watchers_snapshot_gives_the_pool_as_it_is_after_an_abort_between_
     assert state.kv.step == 7 and state.kv.wall_time_s == 0.01  # the step's own figures are kept
 
 
+def test_an_app_attached_late_leaves_out_the_pauses_it_did_not_see(make_tiny_engine):
+    """Newcomer trial 3: attached to a ``serve --paused`` server 12 s after a request came, the app
+    showed a live TTFT of 11.7 s where the engine counted 2.58. The snapshot sends the pauses that
+    overlap a live request, dated when they happened (also ones that ended: here single steps), so
+    the live figures leave them out as the engine's do."""
+    import httpx
+
+    from nanovllm_tui.state import EngineState
+
+    controller = EngineController.from_engine(make_tiny_engine(num_kv_blocks=64), start_paused=True)
+    server = start_server(controller, api_key=None)
+    watcher = None
+    try:
+        control = server.url + "/v1/engine/control"
+        body = {"command": "submit", "request_id": "late", "prompt": "Once upon a time",
+                "params": {"max_tokens": 20, "ignore_eos": True, "temperature": 0}}
+        assert httpx.post(control, json=body).json()["ok"]
+        time.sleep(0.8)  # held paused with the request waiting
+        assert httpx.post(control, json={"command": "step", "n": 2}).json()["ok"]  # prefill, one decode
+        assert _until(lambda: server.stats()["num_running"] == 1)
+        time.sleep(0.8)  # held again between the steps and the attach
+        state, lock = EngineState(), threading.Lock()
+
+        def apply(event):
+            with lock:
+                state.apply(event)
+
+        watcher = RemoteController(server.url)
+        watcher.subscribe(apply, topk=0, blocks=False)
+        watcher.start()
+        assert _until(lambda: "late" in state.requests and state.requests["late"].num_output >= 2)
+        with lock:
+            req = state.requests["late"]
+            assert state.paused and req.ttft is not None and req.ttft < 0.5, req.ttft
+            assert req.tpot < 0.5, req.tpot
+            assert req.paused_s > 0.7, req.paused_s  # the wait before its first token, seen as a pause
+    finally:
+        if watcher is not None:
+            watcher.shutdown(timeout=2)
+        server.stop()
+        controller.shutdown(timeout=5)
+
+
 def _until(cond, timeout: float = 30.0) -> bool:
     return poll_until(cond, timeout)
 
