@@ -333,10 +333,13 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
         APIError: an unknown command or a bad argument (400).
     """
     c = state.controller
-    if not isinstance(body, dict) or body.get("command") not in CONTROL_COMMANDS:
-        got = body.get("command") if isinstance(body, dict) else body
-        raise APIError(f"unknown command {got!r}; send {{\"command\": one of {', '.join(CONTROL_COMMANDS)}}}",
-                       param="command")
+    one_of = f"send {{\"command\": ...}} with one of {', '.join(CONTROL_COMMANDS)}"
+    if not isinstance(body, dict):
+        raise APIError(f"the control body must be a JSON object; {one_of}", param="command")
+    if "command" not in body:
+        raise APIError(f"the command is missing; {one_of}", param="command")
+    if body["command"] not in CONTROL_COMMANDS:
+        raise APIError(f"unknown command {json.dumps(body['command'])}; {one_of}", param="command")
     name = body["command"]
     unknown = sorted(set(body) - {"command", *CONTROL_FIELDS[name]})
     if unknown:
@@ -362,7 +365,14 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
                            code="not_paused")
         c.step(n)
     elif name == "abort":
-        c.abort(_text(body, "request_id"))
+        rid = _text(body, "request_id")
+        with state.control_lock:  # a prompt submitted here and not yet added by the engine counts too
+            known = rid in state.control_ids
+        if not known and rid not in state.hub.live_request_ids():
+            raise APIError(f"no running or waiting request {json.dumps(rid)} to abort (it finished, or the id is "
+                           "wrong: the ids are in GET /v1/engine/events)", status=404, param="request_id",
+                           code="request_not_found")
+        c.abort(rid)
     elif name == "xray":
         rid = body.get("request_id")
         layer, head = body.get("layer", 0), body.get("head", 0)

@@ -182,6 +182,12 @@ class EventHub:
         oldest = min((added.time for added in self._live.values()), default=event.time)
         self._pauses = [p for p in self._pauses if p[1].time >= oldest][-MAX_PAUSES:]
 
+    def live_request_ids(self) -> set[str]:
+        """Ids of the requests added and not yet finished, as the published events tell (an id just
+        submitted is here once the engine thread has added it)."""
+        with self._lock:
+            return set(self._live)
+
     def request_blocks_snapshot(self) -> None:
         """Publish a fresh ``BlocksChanged`` (taken on the engine thread between steps, even while paused)."""
         self.controller.call(lambda engine: self.publish(engine.blocks_event(engine.step_index)))
