@@ -104,6 +104,7 @@ async def test_attached_app_sees_a_client_and_pauses_steps_and_resumes_the_serve
         await send_prompt(pilot, "word " * 600)  # longer than the model holds
         # refused by the server before queueing, in /v1/completions' words
         await wait_until(pilot, lambda: notes.find("maximum context length", severity="error"), 30, "the refusal")
+        await wait_until(pilot, lambda: app.query_one("#prompt").value == "word " * 600, 5, "the refused prompt kept")
 
 
 @pytest.mark.anyio

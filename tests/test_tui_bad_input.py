@@ -57,6 +57,8 @@ async def test_a_prompt_longer_than_the_model_allows_is_rejected_with_the_reason
         await wait_until(pilot, lambda: notes.find(f"{rid} was rejected: the prompt has", "error"),
                          what="the rejection's notification")
         assert "max_model_len is 32" in app.state.requests[rid].error
+        # kept, as a bad setting keeps it (newcomer trial 3: the refused prompt was wiped from the bar)
+        assert app.query_one("#prompt").value == "word " * 60 and notes.find("the prompt is back in the bar")
         await send_prompt(pilot, "Hi", max_tokens=2)  # the engine still serves
         await wait_until(pilot, lambda: app.state.requests[app.selected].state == "finished")
 

@@ -126,6 +126,9 @@ class NanoVLLMApp(App):
         self._flush_pending = False
         self._mounted = False
         self._stopped = False
+        # Prompts sent from the bar that the engine has not yet accepted: a refusal puts one back
+        # (the bar clears on Enter, and a refusal arrives later), as a bad setting keeps it.
+        self._unconfirmed: dict[str, str] = {}
         self._narrator_error_shown = False
         self._started = time.monotonic()
 
@@ -345,8 +348,19 @@ class NanoVLLMApp(App):
 
     def _announce(self, event: ev.Event) -> None:
         """Notifications for what a person must not miss: refusals, errors, the model becoming ready."""
-        if isinstance(event, ev.RequestRejected):
-            self.notify(f"{event.request_id} was rejected: {event.reason}", severity="error", timeout=8, markup=False)
+        if isinstance(event, ev.RequestAdded):
+            self._unconfirmed.pop(event.request_id, None)
+        elif isinstance(event, ev.RequestRejected):
+            kept = ""
+            prompt = self._unconfirmed.pop(event.request_id, None)
+            if prompt is not None:
+                field = self.query_one("#prompt-bar", PromptBar).query_one("#prompt", Input)
+                if not field.value:
+                    field.value, kept = prompt, " (the prompt is back in the bar)"
+                else:
+                    kept = " (its prompt was not put back: the bar holds new text)"
+            self.notify(f"{event.request_id} was rejected: {event.reason}{kept}", severity="error", timeout=8,
+                        markup=False)
         elif isinstance(event, ev.EngineError):
             if event.step is None and event.message.startswith("model failed to load"):
                 self.notify(f"{event.message}. Try --model PATH, or --replay FILE.jsonl to watch a recording.",
@@ -582,7 +596,9 @@ class NanoVLLMApp(App):
         except ValueError as e:
             self.notify(f"Bad sampling settings: {e}", severity="error", markup=False)
             return None
-        return self.submit_request(prompt, params, settings.priority, chat=bool(settings.chat))
+        rid = self.submit_request(prompt, params, settings.priority, chat=bool(settings.chat))
+        self._unconfirmed[rid] = prompt
+        return rid
 
     def submit_request(self, prompt: str, params: SamplingParams, priority: int = 0, chat: bool = False) -> str:
         """Send a prompt to the engine (``chat``: as a user's message through the model's chat
