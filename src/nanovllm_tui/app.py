@@ -45,6 +45,9 @@ VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayVi
                                       "tutorial": TutorialView, "blocks": BlockMapView}
 NARROW, SHORT = 100, 30  # below these sizes panels fold away (see app.tcss)
 REPLAY_REFUSAL = REPLAY_NOTES[0] + "."  # the toast when a replay is asked for a prompt
+NOT_IN_REPLAY = ("focus_prompt", "toggle_chat", "abort")  # actions a replay cannot carry out
+# The controllers' commands: an EngineError "<command>: why" (no step) is that command refused.
+COMMANDS = ("submit", "pause", "resume", "step", "abort", "xray", "call", "snapshot")
 
 
 class Tabs(TabbedContent):
@@ -365,6 +368,11 @@ class NanoVLLMApp(App):
             if event.step is None and event.message.startswith("model failed to load"):
                 self.notify(f"{event.message}. Try --model PATH, or --replay FILE.jsonl to watch a recording.",
                             title="No model", severity="error", timeout=30, markup=False)
+            elif event.step is None and event.message.partition(":")[0] in COMMANDS:
+                # a command refused (by the engine, a server or a replay): not a failure of the engine
+                self.notify(event.message, title="Not done", severity="warning", timeout=10, markup=False)
+            elif event.step is None and event.message.startswith("lost the connection"):
+                self.notify(event.message, title="Connection", severity="warning", timeout=10, markup=False)
             else:
                 self.notify(event.message, title="Engine error", severity="error", timeout=10, markup=False)
         elif isinstance(event, ev.RequestFinished) and event.finish_reason == "abort":
@@ -518,8 +526,9 @@ class NanoVLLMApp(App):
             self.notify(REPLAY_REFUSAL, severity="warning", markup=False)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """A replay runs no prompts, so it offers no chat toggle (nor shows ctrl+t in the footer)."""
-        if action == "toggle_chat" and not self.live:
+        """A replay runs no prompts and cannot change its recorded requests, so it offers no prompt
+        key, chat toggle or abort (the footer and the command palette leave them out)."""
+        if action in NOT_IN_REPLAY and not self.live:
             return False
         return True
 
@@ -554,7 +563,9 @@ class NanoVLLMApp(App):
 
     def action_abort(self) -> None:
         req = self.state.requests.get(self.selected) if self.selected else None
-        if req is None:
+        if not self.live:  # the key is hidden in a replay; the palette or a binding that still got here
+            self.notify("A replay plays a recording: its requests cannot be aborted.", severity="warning")
+        elif req is None:
             self.notify("No request is selected: pick one in the Dashboard's table.", severity="warning")
         elif not req.live:
             self.notify(f"{req.request_id} is already {req.state}; nothing to abort.", severity="warning")
