@@ -254,3 +254,17 @@ def test_a_controller_started_paused_tells_its_listeners_when_the_pause_began(ti
     c.resume()
     assert rec.wait_for(lambda: rec.of(ev.RequestFinished))
     assert abs(rec.of(ev.RequestFinished)[0].ttft_s - state.requests[rid].ttft) < 0.25
+
+
+def test_a_controller_that_loads_its_model_paused_says_so_after_the_models_facts(tiny_llama_dir):
+    """The path ``nanovllm-tui --paused`` and ``nanovllm serve --paused`` take: the model loads on the
+    engine thread, and a listener that was there hears the pause right after the ready event."""
+    c = EngineController(model=str(tiny_llama_dir), num_kv_blocks=16, start_paused=True)
+    rec = Recorder()
+    c.subscribe(rec, topk=0, blocks=False)
+    try:
+        assert rec.wait_for(lambda: rec.of(ev.EnginePaused))
+        ready = next(i for i, e in enumerate(rec.events) if isinstance(e, ev.ModelLoading) and e.ready)
+        assert isinstance(rec.events[ready + 1], ev.EnginePaused)
+    finally:
+        c.shutdown(timeout=5)
