@@ -228,3 +228,43 @@ def test_output_listener_of_a_duplicate_id_is_refused_without_touching_the_first
     c.resume()
     assert rec.wait_for(lambda: got["a"] and got["a"][-1].finished)
     assert got["a"][-1].outputs[0].finish_reason == "length"
+
+
+def test_a_controller_started_paused_tells_its_listeners_when_the_pause_began(tiny_controller):
+    """Newcomer trial 3: under ``--paused`` the app's live TTFT counted the start-up pause (26.9 s
+    live, 5408 ms once finished): no EnginePaused said the engine was held. A listener now gets one,
+    dated when the pause began, so its live TTFT leaves the pause out as the engine's clock does."""
+    from nanovllm_tui.state import EngineState
+
+    c, rec = tiny_controller
+    time.sleep(0.6)  # held paused before anyone listens
+    c.subscribe(rec, topk=0, blocks=False)
+    rid = c.submit("The capital of France is", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert rec.wait_for(lambda: rec.of(ev.RequestAdded))
+    time.sleep(0.6)  # the request waits while the engine is held
+    c.step(1)
+    assert rec.wait_for(lambda: rec.of(ev.TokenSampled))
+    kinds = [type(e) for e in rec.events]
+    assert kinds.index(ev.EnginePaused) < kinds.index(ev.RequestAdded)
+    assert rec.of(ev.EnginePaused)[0].time <= rec.events[0].time - 0.5  # when the pause began, not when heard
+    state = EngineState()
+    for e in list(rec.events):
+        state.apply(e)
+    assert state.paused and state.requests[rid].ttft < 0.5, state.requests[rid].ttft  # the 0.6 s wait left out
+    c.resume()
+    assert rec.wait_for(lambda: rec.of(ev.RequestFinished))
+    assert abs(rec.of(ev.RequestFinished)[0].ttft_s - state.requests[rid].ttft) < 0.25
+
+
+def test_a_controller_that_loads_its_model_paused_says_so_after_the_models_facts(tiny_llama_dir):
+    """The path ``nanovllm-tui --paused`` and ``nanovllm serve --paused`` take: the model loads on the
+    engine thread, and a listener that was there hears the pause right after the ready event."""
+    c = EngineController(model=str(tiny_llama_dir), num_kv_blocks=16, start_paused=True)
+    rec = Recorder()
+    c.subscribe(rec, topk=0, blocks=False)
+    try:
+        assert rec.wait_for(lambda: rec.of(ev.EnginePaused))
+        ready = next(i for i, e in enumerate(rec.events) if isinstance(e, ev.ModelLoading) and e.ready)
+        assert isinstance(rec.events[ready + 1], ev.EnginePaused)
+    finally:
+        c.shutdown(timeout=5)

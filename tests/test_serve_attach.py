@@ -104,6 +104,7 @@ async def test_attached_app_sees_a_client_and_pauses_steps_and_resumes_the_serve
         await send_prompt(pilot, "word " * 600)  # longer than the model holds
         # refused by the server before queueing, in /v1/completions' words
         await wait_until(pilot, lambda: notes.find("maximum context length", severity="error"), 30, "the refusal")
+        await wait_until(pilot, lambda: app.query_one("#prompt").value == "word " * 600, 5, "the refused prompt kept")
 
 
 @pytest.mark.anyio
@@ -138,6 +139,33 @@ def test_a_server_paused_by_someone_else_stays_paused_when_a_watcher_quits(tiny_
         assert tiny_server.controller.state == "paused"
     finally:
         other.shutdown(timeout=2)  # it paused the server: its shutdown resumes it
+    assert _until(lambda: tiny_server.controller.state != "paused")
+
+
+def test_a_pause_another_client_made_after_the_apps_own_stays_when_the_app_quits(tiny_server):
+    """Newcomer trial 3: the app paused, a curl client resumed and paused again, the app quit and
+    resumed the curl client's pause. The server keeps who made the pause it holds; the app's
+    resume on quitting ends only its own (a restarted server's pause, made by nobody, is kept too)."""
+    import httpx
+
+    control = tiny_server.url + "/v1/engine/control"
+    app_side = RemoteController(tiny_server.url, tiny_server.api_key)
+    try:
+        app_side.start()
+        assert _until(lambda: app_side.connected)
+        app_side.pause()
+        assert _until(lambda: tiny_server.controller.state == "paused")
+        for command in ("resume", "pause"):  # another client, as curl would
+            assert httpx.post(control, json={"command": command}, headers=tiny_server.headers).json()["ok"]
+        assert _until(lambda: tiny_server.controller.state == "paused")
+        assert app_side.shutdown(timeout=2)
+        time.sleep(0.3)
+        assert tiny_server.controller.state == "paused", "the app's quit resumed another client's pause"
+        # a resume naming an owner that does not hold the pause says so and changes nothing
+        r = httpx.post(control, json={"command": "resume", "owner": "someone"}, headers=tiny_server.headers)
+        assert r.json() == {"ok": True, "resumed": False} and tiny_server.controller.state == "paused"
+    finally:
+        httpx.post(control, json={"command": "resume"}, headers=tiny_server.headers)
     assert _until(lambda: tiny_server.controller.state != "paused")
 
 
@@ -257,6 +285,75 @@ def test_a_prompt_sent_as_token_ids_shows_as_its_pieces():
     state.apply(ev.RequestAdded(request_id="chat-0", prompt=None, prompt_token_ids=(1, 2, 3),
                                 prompt_pieces=("<|im_start|>", "user", "\nHi"), priority=0, max_tokens=4))
     assert state.requests["chat-0"].prompt == "<|im_start|>user\nHi"
+
+
+def test_a_new_watchers_snapshot_gives_the_pool_as_it_is_after_an_abort_between_steps():
+    """Newcomer trial 3: a stream aborted by its client's disconnect freed its blocks after the
+    newest step; an app attached then showed "used 2 ... free 2743" beside an empty Block Map.
+    The snapshot's StepTimed carries the pool as the last finished request left it."""
+    from types import SimpleNamespace
+
+    from nanovllm_core.entrypoints.event_hub import EventHub, _Watcher
+    from nanovllm_tui.state import EngineState
+
+    hub = EventHub(SimpleNamespace(state="idle"))
+    hub.publish(ev.StepTimed(step=7, wall_time_s=0.01, num_tokens=1, num_prefill_tokens=0, num_decode_tokens=1,
+                             prefill_tokens_per_s=0.0, decode_tokens_per_s=100.0, kv_bytes_used=2 * 1024,
+                             kv_bytes_total=2746 * 1024, num_running=1, num_waiting=0, num_blocks_used=2,
+                             num_blocks_cached=0, num_blocks_total=2746))
+    hub.publish(ev.RequestFinished(request_id="cmpl-1", step=None, index=0, finish_reason="abort", stop_reason=None,
+                                   output_text="", output_token_ids=(),
+                                   num_prompt_tokens=5, num_output_tokens=3, ttft_s=0.1, tpot_s=0.01, e2e_s=0.2,
+                                   num_preemptions=0, num_cached_prompt_tokens=0, kv_blocks_used=0,
+                                   kv_blocks_cached=1))
+    state = EngineState()
+    for event in hub._snapshot(_Watcher(topk=0, blocks=True, xray=False)):
+        state.apply(event)
+    assert (state.kv.num_blocks_used, state.kv.num_blocks_cached, state.kv.kv_bytes_used) == (0, 1, 0)
+    assert state.kv.step == 7 and state.kv.wall_time_s == 0.01  # the step's own figures are kept
+
+
+def test_an_app_attached_late_leaves_out_the_pauses_it_did_not_see(make_tiny_engine):
+    """Newcomer trial 3: attached to a ``serve --paused`` server 12 s after a request came, the app
+    showed a live TTFT of 11.7 s where the engine counted 2.58. The snapshot sends the pauses that
+    overlap a live request, dated when they happened (also ones that ended: here single steps), so
+    the live figures leave them out as the engine's do."""
+    import httpx
+
+    from nanovllm_tui.state import EngineState
+
+    controller = EngineController.from_engine(make_tiny_engine(num_kv_blocks=64), start_paused=True)
+    server = start_server(controller, api_key=None)
+    watcher = None
+    try:
+        control = server.url + "/v1/engine/control"
+        body = {"command": "submit", "request_id": "late", "prompt": "Once upon a time",
+                "params": {"max_tokens": 20, "ignore_eos": True, "temperature": 0}}
+        assert httpx.post(control, json=body).json()["ok"]
+        time.sleep(0.8)  # held paused with the request waiting
+        assert httpx.post(control, json={"command": "step", "n": 2}).json()["ok"]  # prefill, one decode
+        assert _until(lambda: server.stats()["num_running"] == 1)
+        time.sleep(0.8)  # held again between the steps and the attach
+        state, lock = EngineState(), threading.Lock()
+
+        def apply(event):
+            with lock:
+                state.apply(event)
+
+        watcher = RemoteController(server.url)
+        watcher.subscribe(apply, topk=0, blocks=False)
+        watcher.start()
+        assert _until(lambda: "late" in state.requests and state.requests["late"].num_output >= 2)
+        with lock:
+            req = state.requests["late"]
+            assert state.paused and req.ttft is not None and req.ttft < 0.5, req.ttft
+            assert req.tpot < 0.5, req.tpot
+            assert req.paused_s > 0.7, req.paused_s  # the wait before its first token, seen as a pause
+    finally:
+        if watcher is not None:
+            watcher.shutdown(timeout=2)
+        server.stop()
+        controller.shutdown(timeout=5)
 
 
 def _until(cond, timeout: float = 30.0) -> bool:

@@ -155,7 +155,48 @@ def test_serve_paused_starts_the_engine_paused(tiny_llama_dir):
     assert "--paused" in parser.format_help() and "--max-body-bytes" in parser.format_help()
 
 
+@pytest.mark.parametrize("paused", [False, True])
+@pytest.mark.parametrize("api_key", [False, True])
+def test_the_startup_line_has_no_empty_piece(paused, api_key):
+    """Newcomer trial 3: the line read "...--connect http://127.0.0.1:18431); ; Ctrl-C stops"."""
+    line = serve_cli.startup_line("smollm2", "q4_1 weights: 90 MiB", "http://127.0.0.1:8000", api_key=api_key,
+                                  paused=paused)
+    pieces = line.split("; ")
+    assert all(p.strip() for p in pieces) and ";;" not in line.replace(" ", ""), line
+    assert pieces[-1] == "Ctrl-C stops" and ("paused: requests wait until a resume" in pieces) == paused
+    assert line.startswith("nanovllm serve: smollm2 (q4_1 weights: 90 MiB) on http://127.0.0.1:8000/v1 (watch it: "
+                           "nanovllm-tui --connect http://127.0.0.1:8000" + (" --api-key KEY)" if api_key else ")"))
+
+
 def test_connect_with_paused_points_at_an_option_serve_has(capsys):
     code, _, err = run_main(options.build_app, capsys, "--connect", "http://127.0.0.1:9", "--paused")
-    assert code == 2 and "set it on `nanovllm serve`" in err
+    assert code == 2 and "`nanovllm serve --paused`" in err and "press space" in err
     assert "--paused" in serve_cli.build_parser().format_help()
+
+
+@pytest.mark.parametrize("argv", [["--scheduling-policy", "fcfs"], ["--scheduling-policy", "priority"],
+                                  ["--block-size", "32"], ["--max-prefill-tokens", "256"], ["--max-num-seqs", "8"],
+                                  ["--no-prefix-caching"], ["--num-kv-blocks", "64"], ["--tensor-parallel-size", "2"],
+                                  ["--model", "x"]])
+def test_connect_refuses_every_engine_option_with_a_tail_that_fits_it(capsys, argv):
+    """Newcomer trial 3: --scheduling-policy fcfs, --block-size, --max-prefill-tokens, --max-num-seqs
+    and --no-prefix-caching were accepted silently under --connect, and every refusal ended with
+    "press space in the app to pause". Each is refused, pointing at the server's own option."""
+    code, _, err = run_main(options.build_app, capsys, "--connect", "http://127.0.0.1:9", *argv)
+    option = argv[0]
+    assert code == 2 and f"{option} cannot be used with --connect" in err and f"`nanovllm serve {option}`" in err
+    assert "pause" not in err and err.count("\n") == 1
+    dest = option[2:].replace("-", "_")
+    assert dest in options.SERVER_SIDE and dest in {a.dest for a in serve_cli.build_parser()._actions}
+
+
+def test_every_server_side_option_is_one_serve_has():
+    serve = {a.dest for a in serve_cli.build_parser()._actions}
+    assert set(options.SERVER_SIDE) <= serve, set(options.SERVER_SIDE) - serve
+
+
+def test_connect_and_replay_are_refused_together_as_two_sources(capsys, tmp_path):
+    trace = tmp_path / "run.jsonl"
+    trace.write_text("")
+    code, _, err = run_main(options.build_app, capsys, "--connect", "http://127.0.0.1:9", "--replay", str(trace))
+    assert code == 2 and "give one of them" in err and "nanovllm serve" not in err

@@ -324,7 +324,8 @@ def test_unknown_paths_and_methods_get_the_openai_error_body(tiny_server, method
 @pytest.mark.parametrize("body, message", [
     ({"command": "submit", "request_id": "mine", "prompt": "hi", "max_tokens": 3}, "submit does not take max_tokens"),
     ({"command": "submit", "prompt": "hi", "max_tokens": 99999}, "sampling settings such as max_tokens go in params"),
-    ({"command": "pause", "extra": 1}, "pause does not take extra (it takes no other field)"),
+    ({"command": "pause", "extra": 1}, "pause does not take extra (it takes owner)"),
+    ({"command": "snapshot", "extra": 1}, "snapshot does not take extra (it takes no other field)"),
     ({"command": "step", "n": 1, "count": 2}, "step does not take count (it takes n)"),
     ({"command": "abort", "request_id": "x", "id": "x"}, "abort does not take id"),
 ])

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from nanovllm_core import LLM, SamplingParams
+from tests.conftest import poll_until
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
@@ -142,7 +143,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
      "top_logprobs needs logprobs=true"),
-    ("/v1/engine/control", {"command": "explode"}, 400, "unknown command"),
+    ("/v1/engine/control", {"command": "explode"}, 400, 'unknown command "explode"'),
+    ("/v1/engine/control", {}, 400, "the command is missing"),
+    ("/v1/engine/control", [1], 400, "must be a JSON object"),
+    ("/v1/engine/control", {"command": "abort", "request_id": "nope"}, 404, 'no running or waiting request "nope"'),
     ("/v1/engine/control", {"command": "step"}, 409, "pause first"),
     ("/v1/engine/control", {"command": "submit", "prompt": "hi", "params": {"temprature": 0}}, 400, "temprature"),
 ]
@@ -205,3 +209,20 @@ def test_shutdown_ends_streams_at_once_with_abort_while_the_engine_is_paused(mak
         assert last["finish_reason"] == "abort" and last["token_ids"] == []
     finally:
         controller.shutdown(timeout=5)
+
+
+def test_control_abort_stops_a_request_that_exists_and_refuses_one_that_does_not(tiny_server):
+    """Newcomer trial 3: aborting an id that names no request answered {"ok": true}. It is now a 404
+    naming the id; a prompt submitted through control can be aborted before the engine has added it."""
+    with httpx.Client(base_url=tiny_server.url, headers=tiny_server.headers, timeout=60) as http:
+        assert http.post("/v1/engine/control", json={"command": "pause"}).json()["ok"]
+        try:
+            body = {"command": "submit", "request_id": "to-abort", "prompt": "hi", "params": {"max_tokens": 5}}
+            assert http.post("/v1/engine/control", json=body).json()["ok"]
+            assert http.post("/v1/engine/control", json={"command": "abort", "request_id": "to-abort"}).json() == {
+                "ok": True}
+            assert poll_until(lambda: http.post("/v1/engine/control", json={
+                "command": "abort", "request_id": "to-abort"}).status_code == 404, 10)  # finished: gone
+        finally:
+            http.post("/v1/engine/control", json={"command": "resume"})
+    tiny_server.wait_idle()

@@ -57,6 +57,8 @@ async def test_a_prompt_longer_than_the_model_allows_is_rejected_with_the_reason
         await wait_until(pilot, lambda: notes.find(f"{rid} was rejected: the prompt has", "error"),
                          what="the rejection's notification")
         assert "max_model_len is 32" in app.state.requests[rid].error
+        # kept, as a bad setting keeps it (newcomer trial 3: the refused prompt was wiped from the bar)
+        assert app.query_one("#prompt").value == "word " * 60 and notes.find("the prompt is back in the bar")
         await send_prompt(pilot, "Hi", max_tokens=2)  # the engine still serves
         await wait_until(pilot, lambda: app.state.requests[app.selected].state == "finished")
 
@@ -119,9 +121,11 @@ async def test_keys_that_cannot_act_now_say_why(tmp_path):
     app = NanoVLLMApp(ReplayController(load_trace(TRACE), pace=(5.0, 5.0)), tutorial_path=tmp_path / "t.json")
     notes = Notes()
     async with app.run_test(size=SIZE, message_hook=notes) as pilot:
-        await pilot.press("escape", "n", "a")
-        await wait_until(pilot, lambda: notes.find("a replay cannot change it", "error"))
-        assert notes.find("n runs one step while the engine is paused", "warning")
+        await pilot.press("escape", "n", "a")  # a is not offered in a replay (it cannot change a recording)
+        await wait_until(pilot, lambda: notes.find("n runs one step while the engine is paused", "warning"))
+        app.action_abort()  # reached another way (the palette no longer offers it either): says why
+        await wait_until(pilot, lambda: notes.find("its requests cannot be aborted", "warning"))
+        assert not notes.find("", "error")
 
 
 async def test_abort_with_no_request_selected_says_so(tmp_path):
@@ -151,11 +155,10 @@ async def test_a_replay_invites_no_prompt_and_lists_none_it_did_not_record(tmp_p
         assert not app.query_one("#prompt-fields").display
         assert all(field.is_disabled and not field.focusable for field in bar.query(Input))
         assert not isinstance(app.focused, Input)  # the keys go to the views
-        await pilot.press("slash", *"Hello", "enter")  # '/' says why instead of moving to a prompt
+        await pilot.press("slash", *"Hello", "enter")  # '/' is not offered in a replay: the bar's line says why
         await pilot.click("#prompt-replay")
         await pilot.press(*"Hi", "enter")
         await pilot.pause()
-        assert notes.find("A replay plays a recording and takes no prompts", "warning")
         assert app.query_one("#prompt", Input).value == "" and not isinstance(app.focused, Input)
         assert {rid: req.state for rid, req in app.state.requests.items()} == recorded
         await pilot.press("escape", "2")
@@ -163,6 +166,29 @@ async def test_a_replay_invites_no_prompt_and_lists_none_it_did_not_record(tmp_p
         screen = app.export_screenshot()  # the X-Ray tab as drawn (SVG text)
         assert "X-Ray" in screen and "rejected" not in screen and "Hello" not in screen
         await still_answers_keys(pilot)
+
+
+async def test_a_replay_offers_only_the_keys_that_can_act_and_titles_no_refusal_engine_error(tmp_path):
+    """Newcomer trial 3: under --replay --paused the footer listed "/ Prompt" and "a Abort", and a
+    showed a toast titled "Engine error". The footer and the command palette offer only what a
+    replay can do; a refused command is never titled an engine error."""
+    from nanovllm_tui.commands import EngineCommands
+
+    app, notes = replay_app(tmp_path), Notes()
+    async with app.run_test(size=(160, 40), message_hook=notes) as pilot:
+        app.controller.step(2)
+        await wait_until(pilot, lambda: app.state.step == 1, timeout=10, what="two recorded steps")
+        shown = {b.action for _, b, enabled, _ in app.screen.active_bindings.values() if b.show and enabled}
+        assert not shown & {"focus_prompt", "toggle_chat", "abort"} and {"toggle_pause", "step", "quit"} <= shown
+        offered = [a.action for a in EngineCommands(app.screen)._offered()]
+        assert "abort" not in offered and "focus_prompt" not in offered and "step" in offered
+        await pilot.press("escape", "a")
+        app.action_abort()  # what the palette or a stray binding would reach
+        app.controller.abort(app.selected)  # the replay itself refuses too
+        await pilot.pause(0.3)
+        assert notes.find("its requests cannot be aborted", "warning")
+        assert all(n.title != "Engine error" for n in notes.items), [(n.title, n.message) for n in notes.items]
+        assert notes.find("part of a recording", "warning")
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -410,3 +410,46 @@ async def test_a_cut_replay_says_so_and_its_end_names_the_unfinished_requests(tm
         header = plain(app, "#header")
         assert "recording ended" in header and f"{unfinished} request" in header and "unfinished" in header, header
         assert "idle" not in header
+
+
+@pytest.mark.parametrize("size", [(60, 40), (60, 20), (120, 40)])
+async def test_the_block_maps_summary_and_legend_wrap_instead_of_being_cut(tmp_path, size):
+    """Newcomer trial 3: below ~116 columns the Block Map's summary lost "cached-free ... free ...
+    hit rate ... step" and the legend stopped at "◆◆ shared" (fixed heights of 1 and 2 lines)."""
+    from nanovllm_tui.views.block_map import legend_text, summary_text
+
+    app = replay_app(tmp_path)
+    async with app.run_test(size=size) as pilot:
+        app.controller.step(3)
+        await wait_until(pilot, lambda: app.state.step == 2 and app.state.blocks is not None, timeout=10,
+                         what="three recorded steps")
+        await pilot.press("escape", "5")
+        await pilot.pause(0.3)
+        blocks = app.state.blocks
+        for wid, text in (("#blocks-summary", summary_text(blocks)), ("#legend", legend_text(blocks, {}))):
+            widget = app.query_one(wid)
+            needed = len(text.wrap(app.console, widget.content_region.width))
+            assert widget.content_region.height >= needed > 0, (wid, widget.content_region, needed)
+        assert "hit rate" in summary_text(blocks).plain and "selected" in legend_text(blocks, {}).plain
+
+
+@pytest.mark.parametrize("size", [(120, 40), (60, 40), (60, 20)])
+async def test_the_prompt_bars_settings_show_every_allowed_value_whole(tmp_path, size):
+    """Newcomer trial 3: at 120 columns priority 1000 read "prio 000", max 8192 "max 192", also
+    after the focus left. The fields hold the widest allowed value and the cursor."""
+    from nanovllm_tui.starter import BackgroundController
+    from nanovllm_core.engine.controller import EngineController
+
+    app = NanoVLLMApp(BackgroundController(lambda: EngineController(model=str(tmp_path / "none"))),
+                      tutorial_path=tmp_path / "t.json")
+    async with app.run_test(size=size) as pilot:
+        for name, value in (("priority", "-1000"), ("priority", "1000"), ("max-tokens", "131072"),
+                            ("temperature", "0.75")):
+            field = app.query_one(f"#{name}", Input)
+            field.focus()
+            field.value = ""
+            await pilot.press(*value)
+            await pilot.press("tab")  # the focus leaves
+            await pilot.pause(0.1)
+            shown = "".join(seg.text for seg in field.render_line(field.size.height // 2))
+            assert shown.strip() == value, (name, value, shown)

@@ -45,6 +45,9 @@ VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayVi
                                       "tutorial": TutorialView, "blocks": BlockMapView}
 NARROW, SHORT = 100, 30  # below these sizes panels fold away (see app.tcss)
 REPLAY_REFUSAL = REPLAY_NOTES[0] + "."  # the toast when a replay is asked for a prompt
+NOT_IN_REPLAY = ("focus_prompt", "toggle_chat", "abort")  # actions a replay cannot carry out
+# The controllers' commands: an EngineError "<command>: why" (no step) is that command refused.
+COMMANDS = ("submit", "pause", "resume", "step", "abort", "xray", "call", "snapshot")
 
 
 class Tabs(TabbedContent):
@@ -126,6 +129,9 @@ class NanoVLLMApp(App):
         self._flush_pending = False
         self._mounted = False
         self._stopped = False
+        # Prompts sent from the bar that the engine has not yet accepted: a refusal puts one back
+        # (the bar clears on Enter, and a refusal arrives later), as a bad setting keeps it.
+        self._unconfirmed: dict[str, str] = {}
         self._narrator_error_shown = False
         self._started = time.monotonic()
 
@@ -345,12 +351,28 @@ class NanoVLLMApp(App):
 
     def _announce(self, event: ev.Event) -> None:
         """Notifications for what a person must not miss: refusals, errors, the model becoming ready."""
-        if isinstance(event, ev.RequestRejected):
-            self.notify(f"{event.request_id} was rejected: {event.reason}", severity="error", timeout=8, markup=False)
+        if isinstance(event, ev.RequestAdded):
+            self._unconfirmed.pop(event.request_id, None)
+        elif isinstance(event, ev.RequestRejected):
+            kept = ""
+            prompt = self._unconfirmed.pop(event.request_id, None)
+            if prompt is not None:
+                field = self.query_one("#prompt-bar", PromptBar).query_one("#prompt", Input)
+                if not field.value:
+                    field.value, kept = prompt, " (the prompt is back in the bar)"
+                else:
+                    kept = " (its prompt was not put back: the bar holds new text)"
+            self.notify(f"{event.request_id} was rejected: {event.reason}{kept}", severity="error", timeout=8,
+                        markup=False)
         elif isinstance(event, ev.EngineError):
             if event.step is None and event.message.startswith("model failed to load"):
                 self.notify(f"{event.message}. Try --model PATH, or --replay FILE.jsonl to watch a recording.",
                             title="No model", severity="error", timeout=30, markup=False)
+            elif event.step is None and event.message.partition(":")[0] in COMMANDS:
+                # a command refused (by the engine, a server or a replay): not a failure of the engine
+                self.notify(event.message, title="Not done", severity="warning", timeout=10, markup=False)
+            elif event.step is None and event.message.startswith("lost the connection"):
+                self.notify(event.message, title="Connection", severity="warning", timeout=10, markup=False)
             else:
                 self.notify(event.message, title="Engine error", severity="error", timeout=10, markup=False)
         elif isinstance(event, ev.RequestFinished) and event.finish_reason == "abort":
@@ -504,8 +526,9 @@ class NanoVLLMApp(App):
             self.notify(REPLAY_REFUSAL, severity="warning", markup=False)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """A replay runs no prompts, so it offers no chat toggle (nor shows ctrl+t in the footer)."""
-        if action == "toggle_chat" and not self.live:
+        """A replay runs no prompts and cannot change its recorded requests, so it offers no prompt
+        key, chat toggle or abort (the footer and the command palette leave them out)."""
+        if action in NOT_IN_REPLAY and not self.live:
             return False
         return True
 
@@ -540,7 +563,9 @@ class NanoVLLMApp(App):
 
     def action_abort(self) -> None:
         req = self.state.requests.get(self.selected) if self.selected else None
-        if req is None:
+        if not self.live:  # the key is hidden in a replay; the palette or a binding that still got here
+            self.notify("A replay plays a recording: its requests cannot be aborted.", severity="warning")
+        elif req is None:
             self.notify("No request is selected: pick one in the Dashboard's table.", severity="warning")
         elif not req.live:
             self.notify(f"{req.request_id} is already {req.state}; nothing to abort.", severity="warning")
@@ -582,7 +607,9 @@ class NanoVLLMApp(App):
         except ValueError as e:
             self.notify(f"Bad sampling settings: {e}", severity="error", markup=False)
             return None
-        return self.submit_request(prompt, params, settings.priority, chat=bool(settings.chat))
+        rid = self.submit_request(prompt, params, settings.priority, chat=bool(settings.chat))
+        self._unconfirmed[rid] = prompt
+        return rid
 
     def submit_request(self, prompt: str, params: SamplingParams, priority: int = 0, chat: bool = False) -> str:
         """Send a prompt to the engine (``chat``: as a user's message through the model's chat

@@ -51,13 +51,17 @@ def app_bindings() -> list[Binding]:
 class EngineCommands(Provider):
     """Command palette entries for every action in :data:`ACTIONS`."""
 
+    def _offered(self) -> list[AppAction]:
+        """The actions the app can carry out now (a replay has no prompt, chat toggle or abort)."""
+        return [a for a in ACTIONS if self.app.check_action(a.action.partition("(")[0], ()) is not False]
+
     async def discover(self) -> Hits:
-        for a in ACTIONS:
+        for a in self._offered():
             yield DiscoveryHit(a.title, partial(self.app.run_action, a.action), help=a.help)
 
     async def search(self, query: str) -> Hits:
         matcher = self.matcher(query)
-        for a in ACTIONS:
+        for a in self._offered():
             score = matcher.match(a.title)
             if score > 0:
                 yield Hit(score, matcher.highlight(a.title), partial(self.app.run_action, a.action), help=a.help)

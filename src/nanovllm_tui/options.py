@@ -67,8 +67,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--fps must be between 1 and 60, got {args.fps}")
     if args.trace_xray and not args.trace:
         parser.error("--trace-xray records into the --trace file; add --trace FILE.jsonl")
+    if args.replay and args.connect:
+        parser.error("--replay and --connect are two sources for the app: play a recording, or watch a running "
+                     "server; give one of them")
     if args.replay:
-        given = [name for name in NOT_WITH_REPLAY if getattr(args, name) != parser.get_default(name)]
+        given = given_options(argv, NOT_WITH_REPLAY)
         if given:
             parser.error(f"--{given[0].replace('_', '-')} does nothing with --replay: a replay plays a recorded "
                          "trace (no model, no new prompts); leave it out, or start without --replay")
@@ -79,7 +82,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if (args.host is not None or args.port is not None) and not args.web:
         parser.error("--host and --port are where --web listens; add --web (the server you attach to is --connect URL)")
     if args.connect:
-        check_connect(parser, args)
+        check_connect(parser, args, given_options(argv, SERVER_SIDE))
     if args.replay:
         from nanovllm_tui.replay import load_trace
 
@@ -90,22 +93,39 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# Options of the engine that a server attached with --connect has already chosen.
-SERVER_SIDE = ("model", "device", "dtype", "quantization", "num_kv_blocks", "max_model_len", "speculative_model",
-               "tp_master_addr", "tp_master_port", "tp_local_ranks", "tp_rendezvous_timeout", "replay", "paused")  # --tensor-parallel-size too (its default is 1, not None): checked below
+_UNSET = object()
 
 
-def check_connect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--connect``: no engine options of our own, and a server that answers with the right key (else status 2)."""
+def given_options(argv: Sequence[str] | None, names: Sequence[str]) -> list[str]:
+    """Which of ``names`` (dests) the command line gives, in ``names``' order, also when given
+    with their default value (``--scheduling-policy priority`` says something too)."""
+    p = build_parser()
+    p.set_defaults(**{name: _UNSET for name in names})
+    given, _ = p.parse_known_args(argv)
+    return [name for name in names if getattr(given, name) is not _UNSET]
+
+
+# Options of the engine that a server attached with --connect has already chosen (every one of
+# them is an option of `nanovllm serve`: tests/test_serve_cli.py checks it).
+SERVER_SIDE = ("model", "device", "dtype", "quantization", "scheduling_policy", "max_prefill_tokens", "max_num_seqs",
+               "max_model_len", "block_size", "num_kv_blocks", "no_paged_attention", "no_flash_attn",
+               "no_prefix_caching", "speculative_model", "num_speculative_tokens", "tensor_parallel_size",
+               "tp_master_addr", "tp_master_port", "tp_local_ranks", "tp_rendezvous_timeout", "paused")
+
+
+def check_connect(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Sequence[str] = ()) -> None:
+    """``--connect``: no engine options of our own (``given``: those the command line gives), and a
+    server that answers with the right key (else status 2)."""
     from nanovllm_tui.remote import RemoteError, check_server
 
-    if getattr(args, "tensor_parallel_size", 1) != 1:
-        parser.error("--tensor-parallel-size cannot be used with --connect: the server runs the engine "
-                     "(set it on `nanovllm serve`)")
-    for name in SERVER_SIDE:
-        if getattr(args, name, None):
-            parser.error(f"--{name.replace('_', '-')} cannot be used with --connect: the server runs the engine "
-                         "(set it on `nanovllm serve`; press space in the app to pause)")
+    for name in given:
+        option = f"--{name.replace('_', '-')}"
+        if name == "paused":
+            tail = ("a server starts paused with `nanovllm serve --paused`; press space in the app to pause the one "
+                    "you watch")
+        else:
+            tail = f"the server chose it when it started; set it there: `nanovllm serve {option}`"
+        parser.error(f"{option} cannot be used with --connect: the server runs the engine ({tail})")
     try:
         check_server(args.connect, args.api_key)
     except RemoteError as e:

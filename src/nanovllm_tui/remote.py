@@ -180,6 +180,9 @@ class RemoteController:
         self._ids = itertools.count()
         self._session = secrets.token_hex(2)  # ids of prompts sent from this app: tui-<session>-<n>
         self._paused_here = False  # this controller's last word was pause: shutdown resumes the server
+        # Names this app's pauses to the server, which keeps who made the pause it holds: the resume
+        # sent on quitting ends the pause only if it is still this app's (not another client's since).
+        self._owner = f"tui-{secrets.token_hex(8)}"
         self._reader = threading.Thread(target=self._read_loop, name="nanovllm-remote-events", daemon=True)
         self._sender = threading.Thread(target=self._send_loop, name="nanovllm-remote-commands", daemon=True)
 
@@ -230,7 +233,7 @@ class RemoteController:
 
     def pause(self) -> None:
         self._paused_here = True
-        self._command({"command": "pause"})
+        self._command({"command": "pause", "owner": self._owner})
 
     def resume(self) -> None:
         self._paused_here = False
@@ -257,10 +260,13 @@ class RemoteController:
         """Close the stream and stop both threads; True if they ended within ``timeout`` seconds.
 
         A server this controller paused (its last word was :meth:`pause`) is resumed first: an app
-        that quit while paused left the server paused and every client waiting (issue 29). A server
-        started paused , or paused by another watcher, is left as it is."""
+        that quit while paused left the server paused and every client waiting (issue 29). The
+        resume names this app as the pause's owner, so the server ends the pause only if it is still
+        this app's: a server started paused, paused by another client (also after another client
+        resumed and paused it again), or restarted since, is left as it is."""
         if self._paused_here:
-            self.resume()  # queued behind what is still to be sent; the sender posts it before ending
+            # queued behind what is still to be sent; the sender posts it before ending
+            self._command({"command": "resume", "owner": self._owner})
         self._commands.put(None)
         if self._sender.ident is not None:
             self._sender.join(timeout)
@@ -384,6 +390,7 @@ class RemoteController:
         if event_id is not None:
             instance = event_id.partition(":")[0]
             if self._instance is not None and instance != self._instance:
+                self._paused_here = False  # a new engine: nothing this app did reached it
                 self._deliver(ServerRestarted(url=self.url))
             self._instance, self._last_id = instance, event_id
         if isinstance(event, ev.EnginePaused):

@@ -38,6 +38,10 @@ class EngineClock:
             self._paused_total += time.perf_counter() - self._stopped_at
             self._stopped_at = None
 
+    def held_s(self) -> float:
+        """Seconds the current pause has lasted (0.0 while running)."""
+        return 0.0 if self._stopped_at is None else time.perf_counter() - self._stopped_at
+
     def paused_s(self) -> float:
         current = 0.0 if self._stopped_at is None else time.perf_counter() - self._stopped_at
         return self._paused_total + current

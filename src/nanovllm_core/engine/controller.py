@@ -107,8 +107,8 @@ class EngineController:
             loaded = self._engine is not None
             if loaded:
                 self._engine._subscribers.append(sub)
-        if loaded:  # a late subscriber still learns the model's facts, on the engine thread
-            self.call(lambda engine: sub.callback(self.ready_event(engine)))
+        if loaded:  # a late subscriber still learns the model's facts (and a pause held), on the engine thread
+            self.call(lambda engine: [sub.callback(e) for e in self._arrival_events(engine)])
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
@@ -213,8 +213,18 @@ class EngineController:
         if self._paused:
             engine.clock.stop()
         self._state = "paused" if self._paused else "idle"
-        self._emit(self.ready_event(engine))
+        for event in self._arrival_events(engine):
+            self._emit(event)
         return True
+
+    def _arrival_events(self, engine: LLMEngine) -> list[ev.Event]:
+        """What a listener learns first: the model's facts, then, if the engine is held paused (started
+        with ``start_paused``), an ``EnginePaused`` dated when the pause began, so the listener's live
+        TTFT and TPOT leave the pause out as the engine's clock does."""
+        events: list[ev.Event] = [self.ready_event(engine)]
+        if self._paused:
+            events.append(ev.EnginePaused(step=engine.scheduler.step_index, time=time.time() - engine.clock.held_s()))
+        return events
 
     @staticmethod
     def ready_event(engine: LLMEngine) -> ev.ModelLoading:

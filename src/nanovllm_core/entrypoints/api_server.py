@@ -57,7 +57,7 @@ from nanovllm_core.sampling_params import SamplingParams, check_priority
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CONTROL_COMMANDS = ("pause", "resume", "step", "abort", "submit", "xray", "snapshot")
 # The fields each control command takes (besides "command"); any other is refused, naming it.
-CONTROL_FIELDS = {"pause": (), "resume": (), "snapshot": (), "step": ("n",), "abort": ("request_id",),
+CONTROL_FIELDS = {"pause": ("owner",), "resume": ("owner",), "snapshot": (), "step": ("n",), "abort": ("request_id",),
                   "xray": ("request_id", "layer", "head"), "submit": ("prompt", "params", "priority", "request_id")}
 MIN_BODY_BYTES = 1 << 20  # the smallest default request-body limit (1 MiB)
 BODY_BYTES_PER_TOKEN = 64  # default limit: this many bytes per token of the model's context, at least MIN_BODY_BYTES
@@ -84,6 +84,10 @@ class ServerState:
         # one of them is refused at once (the server's own ids cannot collide: SERVER_ID_PREFIXES).
         self.control_ids: set[str] = set()
         self.control_lock = threading.Lock()
+        # Who made the pause now held (the "owner" its pause command gave; None: a client that gave
+        # none, or --paused). A resume that names an owner ends only that owner's pause: an app that
+        # quits resumes what it paused, never a pause another client made after it (issue 29).
+        self.pause_owner: str | None = None
 
     def begin_shutdown(self) -> None:
         """Abort every request in flight and end the event streams (their clients see them end).
@@ -329,10 +333,13 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
         APIError: an unknown command or a bad argument (400).
     """
     c = state.controller
-    if not isinstance(body, dict) or body.get("command") not in CONTROL_COMMANDS:
-        got = body.get("command") if isinstance(body, dict) else body
-        raise APIError(f"unknown command {got!r}; send {{\"command\": one of {', '.join(CONTROL_COMMANDS)}}}",
-                       param="command")
+    one_of = f"send {{\"command\": ...}} with one of {', '.join(CONTROL_COMMANDS)}"
+    if not isinstance(body, dict):
+        raise APIError(f"the control body must be a JSON object; {one_of}", param="command")
+    if "command" not in body:
+        raise APIError(f"the command is missing; {one_of}", param="command")
+    if body["command"] not in CONTROL_COMMANDS:
+        raise APIError(f"unknown command {json.dumps(body['command'])}; {one_of}", param="command")
     name = body["command"]
     unknown = sorted(set(body) - {"command", *CONTROL_FIELDS[name]})
     if unknown:
@@ -342,8 +349,12 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
         raise APIError(f"{name} does not take {', '.join(unknown)} (it takes {takes}){hint}", param=unknown[0],
                        code="unknown_parameter")
     if name == "pause":
+        state.pause_owner = _text(body, "owner") if "owner" in body else None
         c.pause()
     elif name == "resume":
+        if "owner" in body and _text(body, "owner") != state.pause_owner:
+            return {"ok": True, "resumed": False}  # the pause held now is someone else's: kept
+        state.pause_owner = None
         c.resume()
     elif name == "step":
         n = body.get("n", 1)
@@ -354,7 +365,14 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
                            code="not_paused")
         c.step(n)
     elif name == "abort":
-        c.abort(_text(body, "request_id"))
+        rid = _text(body, "request_id")
+        with state.control_lock:  # a prompt submitted here and not yet added by the engine counts too
+            known = rid in state.control_ids
+        if not known and rid not in state.hub.live_request_ids():
+            raise APIError(f"no running or waiting request {json.dumps(rid)} to abort (it finished, or the id is "
+                           "wrong: the ids are in GET /v1/engine/events)", status=404, param="request_id",
+                           code="request_not_found")
+        c.abort(rid)
     elif name == "xray":
         rid = body.get("request_id")
         layer, head = body.get("layer", 0), body.get("head", 0)

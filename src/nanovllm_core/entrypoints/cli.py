@@ -26,6 +26,17 @@ from nanovllm_core.cli_args import (
 )
 
 
+def startup_line(model_name: str, weights: str, url: str, api_key: bool, paused: bool) -> str:
+    """The line ``nanovllm serve`` prints once it listens: the model, where, how to watch, and a
+    pause it starts with; the optional pieces are joined, so none leaves an empty ``; ;``."""
+    pieces = [f"nanovllm serve: {model_name} ({weights}) on {url}/v1 "
+              f"(watch it: nanovllm-tui --connect {url}{' --api-key KEY' if api_key else ''})"]
+    if paused:
+        pieces.append("paused: requests wait until a resume")
+    pieces.append("Ctrl-C stops")
+    return "; ".join(pieces)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="nanovllm serve",
                 description="Serve the engine over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, "
@@ -119,10 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nanovllm_core.model.quantization import describe_weights  # torch is loaded by now
 
         model = controller.engine.model
-        print(f"nanovllm serve: {app.state.server.model_name} ({model.quantization or 'float'} weights: "
-              f"{describe_weights(model)}) on {url}/v1 "
-              f"(watch it: nanovllm-tui --connect {url}{' --api-key KEY' if args.api_key else ''}); "
-              f"{'; paused: requests wait until a resume' if args.paused else ''}; Ctrl-C stops",
+        print(startup_line(app.state.server.model_name, f"{model.quantization or 'float'} weights: "
+                           f"{describe_weights(model)}", url, api_key=bool(args.api_key), paused=args.paused),
               file=sys.stderr, flush=True)
         APIServer(app, log_level=args.log_level, access_log=not args.no_access_log).run(sock)
     finally:

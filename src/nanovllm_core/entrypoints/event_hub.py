@@ -14,9 +14,12 @@ The ``data`` lines are exactly what ``--trace`` writes, so the app decodes them 
 replay's decoder. An event's ``id`` is this server's instance and the event's number; a
 watcher that reconnects sends it back as ``Last-Event-ID`` and gets every event it missed
 while the log still holds them; a new watcher (or one that fell too far behind)
-first gets a snapshot of the engine as it is: the model's facts, a pause if the engine is
-paused, every live request (its ``RequestAdded`` and the tokens it has sampled so far), and
-the newest step's ``StepPlanned``, ``StepTimed`` and (to a watcher of blocks) ``BlocksChanged``,
+first gets a snapshot of the engine as it is: the model's facts, the pauses (``EnginePaused``
+and ``EngineResumed`` with the times they happened) that overlap a live request, the one held
+now included, so a watcher's TTFT and TPOT leave out paused time as the engine's do; every live request (its ``RequestAdded`` and the tokens it has sampled so far), and
+the newest step's ``StepPlanned``, ``StepTimed`` (its KV pool figures brought up to date by
+any request that finished after that step, e.g. one aborted between steps) and (to a watcher
+of blocks) ``BlocksChanged``,
 so an app that attaches mid-run shows the same step, queues and pool as one that watched
 from the start. Watchers ask for detail (``topk``, ``blocks``,
 ``xray``); the engine computes the most any watcher asked for, and each watcher is sent
@@ -28,6 +31,7 @@ at most ``1 / BATCH_INTERVAL_S`` times a second.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import threading
@@ -39,6 +43,7 @@ from nanovllm_core import events as ev
 
 LOG_EVENTS = 20_000  # events kept for watchers that reconnect
 HEARTBEAT_S = 0.5
+MAX_PAUSES = 1000  # ended pauses kept for new watchers (each single step ends one)
 # A watcher is sent what accumulated at most this often: an app draws 5-10 frames a second, and
 # fewer, larger writes leave the event loop (and Python's lock) to the engine and the API.
 BATCH_INTERVAL_S = 0.05
@@ -78,6 +83,12 @@ class EventHub:
         self._tokens: dict[str, list[ev.TokenSampled]] = {}  # of live requests: their output so far
         self._latest: dict[type, ev.Event] = {}  # the newest StepPlanned, StepTimed, BlocksChanged
         self._step = 0
+        # The engine's pauses as its events tell them (the app's accounting: held from EnginePaused to
+        # EngineResumed, except during single steps): a new watcher is sent those that overlap a live
+        # request, so its TTFT and TPOT leave out the pauses it did not see, as the engine's do.
+        self._paused = False
+        self._held: ev.EnginePaused | None = None  # the pause held now, from when it began
+        self._pauses: list[tuple[ev.EnginePaused, ev.EngineResumed]] = []  # ended ones
         self._watchers: set[_Watcher] = set()
         self._wake_pending = False
         self._closing = False
@@ -88,8 +99,12 @@ class EventHub:
         from nanovllm_core.engine.controller import EngineController
 
         self._loop = asyncio.get_running_loop()
-        if self.controller.engine is not None:  # the model's facts are known now; watchers need them first
-            self._ready = EngineController.ready_event(self.controller.engine)
+        engine = self.controller.engine
+        if engine is not None:  # the model's facts are known now; watchers need them first
+            self._ready = EngineController.ready_event(engine)
+            if self.controller.state == "paused" and self._held is None:  # paused before this hub listened
+                began = time.time() - engine.clock.held_s()
+                self._paused, self._held = True, ev.EnginePaused(step=engine.scheduler.step_index, time=began)
         self._sub = self.controller.subscribe(self.publish, topk=0, xray=False, blocks=False)
 
     def close(self) -> None:
@@ -124,8 +139,23 @@ class EventHub:
             elif isinstance(event, (ev.RequestFinished, ev.RequestRejected)):
                 self._live.pop(event.request_id, None)
                 self._tokens.pop(event.request_id, None)
+                timed = self._latest.get(ev.StepTimed)
+                if isinstance(event, ev.RequestFinished) and event.kv_blocks_used is not None and timed:
+                    # blocks came back after the newest step (an abort between steps): a new watcher's
+                    # snapshot gives the pool as it is now, not as that step left it
+                    per_block = timed.kv_bytes_total // timed.num_blocks_total if timed.num_blocks_total else 0
+                    self._latest[ev.StepTimed] = dataclasses.replace(
+                        timed, num_blocks_used=event.kv_blocks_used, num_blocks_cached=event.kv_blocks_cached or 0,
+                        kv_bytes_used=event.kv_blocks_used * per_block)
+            elif isinstance(event, (ev.EnginePaused, ev.EngineResumed)):
+                self._paused = isinstance(event, ev.EnginePaused)
+                self._hold(event) if self._paused else self._release(event)
             elif isinstance(event, (ev.StepPlanned, ev.StepTimed, ev.BlocksChanged)):
                 self._latest[type(event)] = event
+                if isinstance(event, ev.StepPlanned) and event.scheduled:  # a step while paused is engine time
+                    self._release(ev.EngineResumed(step=event.step, time=event.time))
+                elif isinstance(event, ev.StepTimed) and self._paused:  # held again after a single step
+                    self._hold(ev.EnginePaused(step=event.step, time=event.time))
                 if isinstance(event, ev.StepPlanned):
                     self._step = event.step
                     if self._sub is not None and not self._sub.blocks:  # no longer sent each step: stale
@@ -139,6 +169,24 @@ class EventHub:
                 self._loop.call_soon_threadsafe(self._wake)
             except RuntimeError:  # the loop has closed
                 pass
+
+    def _hold(self, event: ev.EnginePaused) -> None:
+        if self._held is None:
+            self._held = event
+
+    def _release(self, event: ev.EngineResumed) -> None:
+        if self._held is not None:
+            self._pauses.append((self._held, event))
+            self._held = None
+        # only pauses that overlap a live request matter to a new watcher
+        oldest = min((added.time for added in self._live.values()), default=event.time)
+        self._pauses = [p for p in self._pauses if p[1].time >= oldest][-MAX_PAUSES:]
+
+    def live_request_ids(self) -> set[str]:
+        """Ids of the requests added and not yet finished, as the published events tell (an id just
+        submitted is here once the engine thread has added it)."""
+        with self._lock:
+            return set(self._live)
 
     def request_blocks_snapshot(self) -> None:
         """Publish a fresh ``BlocksChanged`` (taken on the engine thread between steps, even while paused)."""
@@ -161,15 +209,19 @@ class EventHub:
 
     def _snapshot(self, w: _Watcher) -> list[ev.Event]:
         """What a new watcher needs first, the engine as it is now (call with the lock held)."""
-        out: list[ev.Event] = [self._ready] if self._ready is not None else []
-        if self.controller.state == "paused":
-            out.append(ev.EnginePaused(step=self._step))
+        timed: list[ev.Event] = [e for pause in self._pauses for e in pause]
+        if self._held is not None:
+            timed.append(self._held)
+        elif self.controller.state == "paused":  # asked for, not yet applied by the engine thread
+            timed.append(ev.EnginePaused(step=self._step))
         for rid, added in self._live.items():
-            out.append(added)
-            out.extend(self._tokens.get(rid, ()))
-        out.extend(e for kind in (ev.StepPlanned, ev.StepTimed, ev.BlocksChanged)
-                   if (e := self._latest.get(kind)) is not None and w.wants(e))
-        return out
+            timed.append(added)
+            timed.extend(self._tokens.get(rid, ()))
+        timed.extend(e for kind in (ev.StepPlanned, ev.StepTimed, ev.BlocksChanged)
+                     if (e := self._latest.get(kind)) is not None and w.wants(e))
+        # in the order they happened, so the watcher's pause accounting is the engine's
+        timed.sort(key=lambda e: e.time)
+        return ([self._ready] if self._ready is not None else []) + timed
 
     def _frame(self, seq: int, event: ev.Event) -> str:
         return f"id: {self.instance}:{seq}\ndata: {ev.to_json(event)}\n\n"

@@ -22,9 +22,15 @@ class LiveStatic(Static):
         if isinstance(content, Text) and isinstance(self._shown, Text) and content == self._shown \
                 and content.spans == self._shown.spans:
             return
-        lines = content.plain.count("\n") if isinstance(content, Text) else -2
         height = self.styles.height
         sized_by_content = height is None or height.is_auto
+        width = self.content_region.width
+        if not isinstance(content, Text):
+            lines = -2
+        elif sized_by_content and width > 0:  # lines as wrapped: a longer line may need one more
+            lines = len(content.wrap(self.app.console, width))
+        else:
+            lines = content.plain.count("\n")
         self.update(content, layout=sized_by_content and (lines != self._lines or lines == -2))
         self._shown, self._lines = content, lines
 

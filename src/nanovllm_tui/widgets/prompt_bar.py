@@ -103,6 +103,12 @@ class Field(Input):
     async def action_submit(self) -> None:
         self.query_ancestor(PromptBar).submit(self)
 
+    def on_blur(self) -> None:
+        """Show the value's start once the focus leaves (typing left the view at its end: a cut
+        "prio -1000" read "prio 000"). Settings only: the prompt keeps its place for more typing."""
+        if self.has_class("setting"):
+            self.cursor_position = 0
+
 
 class PromptBar(Vertical):
     """``prompt ▏ prio ▏ max ▏ temp``: Enter in any field sends, Tab moves between fields, Esc leaves.
