@@ -28,6 +28,7 @@ import multiprocessing
 import os
 import re
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -60,9 +61,14 @@ def tokens(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def assert_no_group_left():
+def assert_no_group_left(port: int | None = None):
+    """No process group, no worker process left; with ``port``: rank 0's listening port is free again."""
     assert not dist.is_initialized()
     assert multiprocessing.active_children() == []
+    if port is not None:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
 
 
 @pytest.fixture(scope="module")
@@ -271,11 +277,14 @@ def test_the_ranks_spans_tile_the_model(tiny_model):
 # ----------------------------------------------------------------------------- N = 2, the tiny LLaMA
 
 
-def kill_worker_and_check_the_engine_ends(llm: LLM, when: str) -> None:
+def kill_worker_and_check_the_engine_ends(llm: LLM, when: str, worker_pid: int | None = None,
+                                          names: str | None = None, port: int | None = None) -> None:
     """SIGKILL worker rank 1 (``when``: "between steps" or "inside a step") while requests run: the engine
-    must end within seconds with a one-line error naming the rank, every block freed, the group gone."""
+    must end within seconds with a one-line error naming the rank (``names``: the words that must name
+    it), every block freed, the group gone (and rank 0's ``port`` free, for a worker that joined it)."""
     engine = llm.engine
-    worker_pid = engine.model_info()["tensor_parallel_pids"][1]
+    worker_pid = worker_pid or engine.model_info()["tensor_parallel_pids"][1]
+    names = names or f"worker rank 1 (pid {worker_pid})"
     errors: list[ev.EngineError] = []
     engine.subscribe(lambda e: errors.append(e) if isinstance(e, ev.EngineError) else None, topk=0)
     for p in PROMPTS:
@@ -295,9 +304,9 @@ def kill_worker_and_check_the_engine_ends(llm: LLM, when: str) -> None:
     assert [o.outputs[0].finish_reason for o in outputs if o.finished] == ["error"] * 3
     assert engine.block_manager.num_used_blocks == 0
     assert engine.fatal_error is not None and "\n" not in engine.fatal_error
-    assert f"worker rank 1 (pid {worker_pid})" in engine.fatal_error, engine.fatal_error
+    assert names in engine.fatal_error, engine.fatal_error
     assert errors and errors[-1].message == engine.fatal_error
-    assert_no_group_left()
+    assert_no_group_left(port)
     llm.close()  # idempotent after the failure
     refused = llm.generate(["again"], GREEDY, use_tqdm=False)[0]
     assert refused.outputs[0].finish_reason == "rejected"

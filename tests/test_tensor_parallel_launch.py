@@ -22,7 +22,6 @@ One extra process at a time, one torch thread each; every wait is bounded.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -31,13 +30,12 @@ import time
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from nanovllm_core import LLM, SamplingParams
-from nanovllm_core import events as ev
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.tensor_parallel import TensorParallelError
 from nanovllm_core.engine.tp_launch import WorkerOptions, free_port, join_rank0
+from tests.test_tensor_parallel import assert_no_group_left, kill_worker_and_check_the_engine_ends
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Hello there my friend, how", "The capital of France is", "one two three four five six seven eight nine"]
@@ -51,12 +49,18 @@ def _short_timeout(monkeypatch):
     monkeypatch.setenv("NANOVLLM_TP_TIMEOUT_S", "3")
 
 
-def assert_no_group_left(port: int | None = None):
-    assert not dist.is_initialized()
-    if port is not None:  # rank 0's listening port is free again
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("127.0.0.1", port))
+def rank0_refusal(tiny_llama_dir: Path, port: int, other) -> TensorParallelError:
+    """Rank 0 through ``LLM``, waiting for rank 1 from elsewhere at ``port``, while ``other()`` runs in a
+    thread (the other end): the one-line error rank 0 ends with, within 30 s."""
+    t = threading.Thread(target=other, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError) as e:
+        LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=16, tensor_parallel_size=2, tp_master_port=port,
+            tp_local_ranks=1, tp_rendezvous_timeout=30, **QUIET)
+    t.join(10)
+    assert time.monotonic() - t0 < 30
+    return e.value
 
 
 def start_worker(port: int, *extra: str, rank: int = 1, size: int = 2) -> subprocess.Popen:
@@ -109,25 +113,9 @@ def test_a_remote_worker_gives_the_all_local_output_and_its_death_ends_the_engin
                    [{t: lp.logprob for t, lp in d.items()} for d in b.outputs[0].logprobs]
         assert engine.block_manager.num_used_blocks == 0
         # The remote worker dies between steps: the engine ends within seconds, one line naming it.
-        errors: list[ev.EngineError] = []
-        engine.subscribe(lambda e: errors.append(e) if isinstance(e, ev.EngineError) else None, topk=0)
-        for p in PROMPTS:
-            engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-        engine.step()
-        assert engine.block_manager.num_used_blocks > 0
-        os.kill(worker.pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        outputs = []
-        while engine.has_unfinished_requests() and time.monotonic() - t0 < 20:
-            outputs.extend(engine.step())
-        assert time.monotonic() - t0 < 10
-        assert [o.outputs[0].finish_reason for o in outputs if o.finished] == ["error"] * 3
-        assert engine.block_manager.num_used_blocks == 0
-        msg = engine.fatal_error
-        assert msg is not None and "\n" not in msg and errors and errors[-1].message == msg
-        assert msg.startswith(f"tensor-parallel worker rank 1 (pid {worker.pid} on {socket.gethostname()} (127.0.0.1))"), msg
-        assert_no_group_left(port)
-        llm.close()
+        kill_worker_and_check_the_engine_ends(
+            llm, "between steps", worker.pid, port=port,
+            names=f"tensor-parallel worker rank 1 (pid {worker.pid} on {socket.gethostname()} (127.0.0.1))")
     finally:
         worker.kill()
         worker.communicate()
@@ -255,16 +243,9 @@ def test_a_worker_with_another_world_size_or_model_is_refused_at_both_ends(tiny_
         except BaseException as e:  # noqa: BLE001 - the test reads it
             seen.append(e)
 
-    t = threading.Thread(target=join, daemon=True)
-    t.start()
-    t0 = time.monotonic()
-    with pytest.raises(TensorParallelError) as e:
-        LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=16, tensor_parallel_size=2, tp_master_port=port,
-            tp_local_ranks=1, tp_rendezvous_timeout=30, **QUIET)
-    t.join(10)
-    assert time.monotonic() - t0 < 30
-    assert expect in str(e.value) and "\n" not in str(e.value), str(e.value)
-    assert len(seen) == 1 and isinstance(seen[0], TensorParallelError) and str(seen[0]) == str(e.value)
+    err = rank0_refusal(tiny_llama_dir, port, join)
+    assert expect in str(err) and "\n" not in str(err), str(err)
+    assert len(seen) == 1 and isinstance(seen[0], TensorParallelError) and str(seen[0]) == str(err)
     assert_no_group_left(port)
 
 
@@ -300,15 +281,8 @@ def test_a_stranger_is_dropped_and_a_worker_with_another_key_is_refused(tiny_lla
         stranger.close()
         conn.close()
 
-    t = threading.Thread(target=clients, daemon=True)
-    t.start()
-    t0 = time.monotonic()
-    with pytest.raises(TensorParallelError) as e:
-        LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=16, tensor_parallel_size=2, tp_master_port=port,
-            tp_local_ranks=1, tp_rendezvous_timeout=30, **QUIET)
-    t.join(10)
-    assert time.monotonic() - t0 < 30
-    assert str(e.value) == ("a tensor-parallel worker from 127.0.0.1 holds another key; set the same "
+    err = rank0_refusal(tiny_llama_dir, port, clients)
+    assert str(err) == ("a tensor-parallel worker from 127.0.0.1 holds another key; set the same "
                             "NANOVLLM_TP_AUTHKEY on every host; the engine has stopped")
     assert seen[0].startswith(_MAGIC) and seen[1] == b"closed"  # challenged, then shut out unanswered
     assert_no_group_left(port)
