@@ -424,9 +424,21 @@ class NanoVLLMApp(App):
     # ------------------------------------------------------------------ keys
 
     async def on_event(self, event: events.Event) -> None:
+        if isinstance(event, (events.Key, events.Paste, events.MouseDown)) and not event.is_forwarded:
+            self._yield_for_frame()
         if isinstance(event, (events.Key, events.Paste)) and not event.is_forwarded and await self._handle_now(event):
             return
         await super().on_event(event)
+
+    def _yield_for_frame(self) -> None:
+        """A person pressed a key or clicked: the local engine waits between layers until the frame
+        that answers it is drawn (at most 0.25 s; ``nanovllm_core/yield_gate.py``), so that on a
+        busy host the frame does not share the cores with the step's threads (issue 29 item 10)."""
+        hold = getattr(self.controller, "yield_for_frame", None)
+        if hold is None or not self.live:
+            return
+        hold()
+        self.call_after_refresh(self.controller.frame_drawn)
 
     async def _handle_now(self, event: events.Key | events.Paste) -> bool:
         """Act on a key (or a paste) at once, in the order they arrive; False: leave it to Textual.

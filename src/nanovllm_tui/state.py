@@ -125,6 +125,7 @@ class EngineState:
         self.plan: ev.StepPlanned | None = None
         self.requests: dict[str, RequestView] = {}
         self.timings: deque[ev.StepTimed] = deque(maxlen=HISTORY_STEPS)
+        self.yielded_s = 0.0  # seconds the engine's steps waited for this app's key frames (StepTimed.yielded_s)
         self.blocks: ev.BlocksChanged | None = None
         self.xray: dict[int, ev.LayerTrace] = {}
         self.heat: ev.LayerTrace | None = None
@@ -290,6 +291,7 @@ class EngineState:
 
     def _on_StepTimed(self, e: ev.StepTimed) -> None:
         self.timings.append(e)
+        self.yielded_s += e.yielded_s
         self._kv_now = None
         if self.paused:  # a single step has ended: held paused again
             self._hold(e.time)

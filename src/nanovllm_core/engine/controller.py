@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from nanovllm_core import events as ev
+from nanovllm_core import yield_gate
 from nanovllm_core.engine.llm_engine import LLMEngine, Subscription
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams, check_priority
@@ -232,6 +233,26 @@ class EngineController:
         return ev.ModelLoading(stage="ready", done=1, total=1, ready=True, model_name=engine.model_name,
                                device=str(engine.device), dtype=str(engine.dtype).replace("torch.", ""),
                                model_info=tuple(sorted(engine.model_info().items())))
+
+    @staticmethod
+    def yield_for_frame(seconds: float = yield_gate.MAX_HOLD_S) -> None:
+        """A front end is about to draw a key's frame: the engine waits at its next layer or step
+        boundary until :meth:`frame_drawn` or ``seconds`` (at most ``yield_gate.MAX_HOLD_S``) pass.
+
+        On a busy CPU host this lets the frame have a core instead of sharing it with the step's
+        threads (``yield_gate.py``). The engine's outputs do not change; their times include the wait.
+        """
+        yield_gate.GATE.hold(seconds)
+
+    @staticmethod
+    def frame_drawn() -> None:
+        """The frame :meth:`yield_for_frame` was for is on screen: the engine goes on."""
+        yield_gate.GATE.release()
+
+    @staticmethod
+    def yielded_s() -> float:
+        """Seconds this process's engine has waited for a front end's frames (``yield_gate.GATE``)."""
+        return yield_gate.GATE.waited_s
 
     def _run(self) -> None:
         if self._engine is None and not self._load():

@@ -174,7 +174,7 @@ class EventSource:
                                 states=states, ref_counts=tuple(b.ref_count for b in bm.blocks), tables=tables,
                                 prefix_cache_hit_rate=self.prefix_cache_hit_rate)
 
-    def _emit_step_end(self, plan: SchedulerOutput, wall: float) -> None:
+    def _emit_step_end(self, plan: SchedulerOutput, wall: float, yielded: float = 0.0) -> None:
         if self._blocks_wanted:
             self._emit(self.blocks_event(plan.step))
         prefill = sum(s.num_new_tokens for s in plan.scheduled if s.kind == "prefill")
@@ -188,7 +188,7 @@ class EventSource:
             kv_bytes_total=bm.num_blocks * self.bytes_per_block,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_blocks_used=bm.num_used_blocks, num_blocks_cached=bm.num_cached_free_blocks,
-            num_blocks_total=bm.num_blocks, **self._tensor_parallel_timing(),
+            num_blocks_total=bm.num_blocks, yielded_s=yielded, **self._tensor_parallel_timing(),
         ))
 
     def _tensor_parallel_timing(self) -> dict:

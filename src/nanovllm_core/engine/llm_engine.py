@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from nanovllm_core import events as ev
+from nanovllm_core import yield_gate
 from nanovllm_core.attention import cpu_paged
 from nanovllm_core.attention.selector import DEFAULT_BLOCK_SIZE, default_block_size
 from nanovllm_core.config import EngineConfig, check_kv_pool_fits, default_kv_cache_memory
@@ -494,6 +495,10 @@ class LLMEngine(EventSource):
         if self.fatal_error is not None or not self.scheduler.has_unfinished():
             return outputs
         t0 = time.perf_counter()
+        gate = yield_gate.GATE
+        waited0 = gate.c.waited_ns  # a front end's hold (yield_gate.py): waited here and between layers
+        if gate.c.until_ns:
+            gate.wait()
         plan = self.scheduler.schedule()
         self.step_index = plan.step
         for seq in plan.preempted:
@@ -549,7 +554,8 @@ class LLMEngine(EventSource):
         if self.speculator is not None:
             self.speculator.step_done()
         if self._subscribers:
-            self._emit_step_end(plan, time.perf_counter() - t0)
+            yielded = (gate.c.waited_ns - waited0) / 1e9
+            self._emit_step_end(plan, time.perf_counter() - t0 - yielded, yielded)
         outputs.extend(self.output.take(self.requests, touched))
         return outputs
 

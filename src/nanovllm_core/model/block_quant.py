@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nanovllm_core import native
+from nanovllm_core import native, yield_gate
 from nanovllm_core.model.block_formats import (  # noqa: F401 (re-exported: the formats are part of this module's API)
     ACTIVATIONS,
     BLOCK_SIZE,
@@ -416,7 +416,7 @@ _f = ctypes.c_float
 SIGNATURES.update({
     "silu_mul_f32": (None, [_p, _p, _i64, _i64, _i32]),
     "decoder_layers": (_i32, [_p, _i32, _p, _p, _i64, _i64, _i64, _i32, _i32, _i32, _f, _p, _p, _p, _i64, _p, _p, _p,
-                              _i32, _i32, _i32, _i32, _f, _p, _i32]),
+                              _i32, _i32, _i32, _i32, _f, _p, _i32, _p]),
 })
 
 
@@ -547,7 +547,7 @@ class FusedDecoderLayers:
             nh, nkv, hd, float(self.model.norm.eps), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), nb * bs,
             meta.block_tables.data_ptr(), meta.token_rows.data_ptr(), meta.token_context.data_ptr(), nb, bs,
             meta.block_tables.shape[1], max(1, meta.max_seqlen_k), hd ** -0.5, work.data_ptr(),
-            torch.get_num_threads())
+            torch.get_num_threads(), yield_gate.GATE.address)
         if rc == -1:
             raise ValueError(f"a slot in the slot mapping lies outside the pool's {nb * bs} slots")
         if rc == -2:
