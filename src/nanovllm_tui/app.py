@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import sys
+import threading
 import time
 from typing import Any, Iterable, Sequence
 
@@ -638,6 +639,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The ``nanovllm-tui`` console script. Bad options end with status 2 and one line."""
     from nanovllm_tui.options import build_app
 
+    before = frozenset(threading.enumerate())  # the engine threads that matter at the end are the app's own
     if "--web" in (sys.argv[1:] if argv is None else argv):
         from nanovllm_tui.web import serve_in_browser
 
@@ -647,6 +649,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     end_on_early_signals()  # a signal before the app's loop is up still ends the process
     app.run()
+    from nanovllm_tui.lifetime import leave_when_engines_stop
+
+    leave_when_engines_stop(app.return_code or 0, ignore=before)  # an engine thread still in a step: no teardown under it
     return app.return_code or 0
 
 
