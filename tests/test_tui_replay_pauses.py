@@ -14,7 +14,7 @@ from nanovllm_tui.replay import RecordedPaused, ReplayController, load_trace, sp
 from nanovllm_tui.state import EngineState
 from tests.conftest import poll_until
 
-HELD_S = 0.4  # each recorded pause: far above the few ms the live and the engine's clocks may differ by
+HELD_S = 0.6  # each recorded pause: far above the tolerance (0.1 s) for how the live and the engine clocks differ on a busy host
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +65,9 @@ def test_a_replay_counts_the_recorded_pauses_and_not_its_own_so_live_and_finishe
             if isinstance(e, ev.RequestFinished):  # the live figures just before the engine's own
                 req = state.requests[e.request_id]
                 checked.append(e.request_id)
-                assert req.ttft == pytest.approx(e.ttft_s, abs=0.05), "live TTFT counts a recorded pause"
-                assert req.tpot == pytest.approx(e.tpot_s, abs=0.05), "live TPOT counts a recorded pause"
-                assert req.paused_s == pytest.approx(e.paused_s, abs=0.05)
+                assert req.ttft == pytest.approx(e.ttft_s, abs=0.1), "live TTFT counts a recorded pause"
+                assert req.tpot == pytest.approx(e.tpot_s, abs=0.1), "live TPOT counts a recorded pause"
+                assert req.paused_s == pytest.approx(e.paused_s, abs=0.1)
                 assert e.paused_s > HELD_S  # it did span the recorded pauses
             state.apply(e)
 
