@@ -465,7 +465,8 @@ class EngineResumed(Event):
 
 @dataclass(frozen=True)
 class EngineError(Event):
-    """A step (or a command) failed; ``request_id`` names the request that was finished because of it."""
+    """A step (or a command) failed; ``request_id`` names the request that was finished because of it,
+    or, for a refused command (``abort`` or ``xray`` of an unknown id, a refused ``submit``), the id it named."""
 
     step: int | None
     message: str

@@ -371,7 +371,12 @@ class NanoVLLMApp(App):
                             title="No model", severity="error", timeout=30, markup=False)
             elif event.step is None and event.message.partition(":")[0] in COMMANDS:
                 # a command refused (by the engine, a server or a replay): not a failure of the engine
-                self.notify(event.message, title="Not done", severity="warning", timeout=10, markup=False)
+                message = event.message
+                asked = {"pause": "pausing", "resume": "resuming"}.get(event.message.partition(":")[0])
+                if asked is not None and self.state.pending == asked:  # the header goes back to what it was
+                    self.state.pending = None
+                    message += f" (the engine is still {'paused' if self.state.paused else 'running'})"
+                self.notify(message, title="Not done", severity="warning", timeout=10, markup=False)
             elif event.step is None and event.message.startswith("lost the connection"):
                 self.notify(event.message, title="Connection", severity="warning", timeout=10, markup=False)
             else:
@@ -386,9 +391,13 @@ class NanoVLLMApp(App):
             self.notify(f"{event.model_name} is ready on {event.device} ({event.dtype})", markup=False)
 
     def _sync_paused(self) -> None:
-        """A controller started paused says so only through its state (there is no event for it)."""
-        if self.controller.state == "paused":
+        """A controller started paused says so only through its state (there is no event for it);
+        so does one asked to pause (or resume) when it already was: that confirms the request."""
+        now = self.controller.state
+        if now == "paused":
             self.state.paused = True
+        if (self.state.pending, now) in (("pausing", "paused"), ("resuming", "running"), ("resuming", "idle")):
+            self.state.paused, self.state.pending = now == "paused", None
 
     def _poll_engine_state(self) -> None:
         """The engine going idle is not an event, nor is time passing while the model loads:
@@ -396,6 +405,8 @@ class NanoVLLMApp(App):
         the figures that fall to 0 when the engine stops running)."""
         if not self.is_running:
             return
+        if self.state.pending is not None:
+            self._sync_paused()
         failed = self.controller.state == "failed" and self.state.load_error is None
         if failed:  # subscribed after the failure was announced: tell it now
             failure = ev.EngineError(step=None, message=f"model failed to load: {self.controller.load_error}")
@@ -555,17 +566,21 @@ class NanoVLLMApp(App):
         self.view().focus_main()
 
     def action_toggle_pause(self) -> None:
-        # The header changes at once; the engine pauses at its next step boundary.
-        if self.state.paused:
+        """Ask the engine (or server, or replay) to pause, or to resume. The header shows the state
+        the engine confirmed: ``pausing…`` / ``resuming…`` until its ``EnginePaused`` /
+        ``EngineResumed`` arrives (a local engine pauses at its next step boundary), and a refusal
+        (a server out of reach or answering an error) is a toast with its reason, the state as it was."""
+        if self.state.pending == "pausing" or (self.state.paused and self.state.pending is None):
+            self.state.pending = "resuming"
             self.controller.resume()
-            self.state.paused = False
         else:
+            self.state.pending = "pausing"
             self.controller.pause()
-            self.state.paused = True
         self._redraw()
 
     def action_step(self) -> None:
-        if not self.state.paused:
+        # A pause asked for and not yet confirmed counts: the engine takes the step after the pause.
+        if self.state.pending != "pausing" and (not self.state.paused or self.state.pending == "resuming"):
             self.notify("n runs one step while the engine is paused: press space to pause first.",
                         severity="warning")
             return

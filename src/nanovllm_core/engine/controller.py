@@ -157,7 +157,11 @@ class EngineController:
         self._commands.put(_Command("abort", (request_id,)))
 
     def xray(self, request_id: str | None, layer: int = 0, head: int = 0) -> None:
-        """Choose which request X-Ray traces (None: whichever runs first in a step) and the heatmap's layer/head."""
+        """Choose which request X-Ray traces (None: whichever runs first in a step) and the heatmap's layer/head.
+
+        An id the engine does not know (not waiting, running, nor among the lately ended: see
+        ``LLMEngine.select_xray``), or a layer or head out of range, is refused with an
+        ``EngineError`` (``xray: ...``, ``request_id`` the id asked for); the choice stays as it was."""
         self._commands.put(_Command("xray", (request_id, layer, head)))
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> None:
@@ -343,8 +347,10 @@ class EngineController:
             elif cmd.name == "call":
                 cmd.args[0](engine)
         except Exception as e:  # e.g. a bad request id or bad params: report, keep serving
+            # a refused submit or xray names its request (an xray of an unknown id: select_xray says which)
+            named = {"submit": 3, "xray": 0}.get(cmd.name)
             self._emit(ev.EngineError(step=None, message=f"{cmd.name}: {type(e).__name__}: {e}",
-                                      request_id=cmd.args[3] if cmd.name == "submit" else None))
+                                      request_id=cmd.args[named] if named is not None else None))
             if cmd.name == "submit":
                 self._emit(ev.RequestRejected(request_id=cmd.args[3], reason=str(e)))
                 rid, listener = cmd.args[3], cmd.args[4]
