@@ -55,22 +55,23 @@ def test_a_release_ends_the_engine_s_wait_before_the_deadline(monkeypatch):
 
 
 def _step_events(llm, prompt, params, hold_s=None):
-    """Outputs, StepTimed events and each step() call's own seconds of one generate, holding the
-    gate before each step when asked."""
+    """Outputs and, per step() call that timed a step, (its StepTimed, the call's own seconds) of
+    one generate, holding the gate before each step when asked."""
     engine = llm.engine
     timed: list[ev.StepTimed] = []
-    elapsed: list[float] = []
+    steps: list[tuple[ev.StepTimed, float]] = []
     sub = engine.subscribe(lambda e: timed.append(e) if isinstance(e, ev.StepTimed) else None, blocks=False)
     step = engine.step
 
     def held_step():
         if hold_s is not None:
             GATE.hold(hold_s)
-        t0 = time.perf_counter()
+        before, t0 = len(timed), time.perf_counter()
         try:
             return step()
         finally:
-            elapsed.append(time.perf_counter() - t0)
+            if len(timed) > before:
+                steps.append((timed[-1], time.perf_counter() - t0))
 
     engine.step = held_step
     try:
@@ -78,7 +79,7 @@ def _step_events(llm, prompt, params, hold_s=None):
     finally:
         del engine.step
         engine.unsubscribe(sub)
-    return out, timed, elapsed
+    return out, steps
 
 
 @pytest.mark.parametrize("path", ["one C call", "layer by layer"])
@@ -93,20 +94,26 @@ def test_a_held_gate_delays_the_step_without_changing_a_token(make_llm, monkeypa
     assert model.fused_layers is not None
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     prompt = "The capital of France is"
-    want, quiet, _ = _step_events(llm, prompt, params)
-    assert quiet and all(t.yielded_s == 0.0 for t in quiet)
-    if path == "one C call":
-        monkeypatch.setattr(GATE, "wait", lambda: 0.0)  # only the C layers can wait now
+    want, quiet = _step_events(llm, prompt, params)
+    assert quiet and all(t.yielded_s == 0.0 for t, _ in quiet)
+    if path == "one C call":  # held just before the C call, which alone can wait now
+        monkeypatch.setattr(GATE, "wait", lambda: 0.0)
+        fused = model.fused_layers
+
+        def held_layers(*args):
+            GATE.hold(0.04)
+            return fused(*args)
+
+        monkeypatch.setattr(model, "fused_layers", held_layers)
+        got, held = _step_events(llm, prompt, params)
     else:
         monkeypatch.setattr(model, "fused_layers", None)
-    got, held, elapsed = _step_events(llm, prompt, params, hold_s=0.04)
+        got, held = _step_events(llm, prompt, params, hold_s=0.04)
     assert got == want
-    assert len(held) == len(quiet) and all(t.yielded_s >= 0.035 for t in held), [t.yielded_s for t in held]
-    calls = [s for s in elapsed if s >= 0.035]  # generate's steps that ran a batch (each waited)
-    assert len(calls) == len(held)
-    for t, total in zip(held, calls):  # the wait is reported beside the step's time, not inside it
+    assert len(held) == len(quiet) and all(t.yielded_s >= 0.035 for t, _ in held), [t.yielded_s for t, _ in held]
+    for t, total in held:  # the wait is reported beside the step's time, not inside it
         assert t.wall_time_s + t.yielded_s <= total + 1e-3 and t.wall_time_s <= total - 0.03
-    assert all(t.prefill_tokens_per_s == pytest.approx(t.num_prefill_tokens / t.wall_time_s) for t in held)
+        assert t.prefill_tokens_per_s == pytest.approx(t.num_prefill_tokens / t.wall_time_s)
 
 
 def test_the_narrator_names_a_step_s_wait_for_a_key_frame():
