@@ -59,8 +59,8 @@ def yielded_note(timed: ev.StepTimed) -> str:
     """A step's sentence on the time it waited for the app's frame (``StepTimed.yielded_s``), or ""."""
     if timed.yielded_s < 0.0005:
         return ""
-    return (f" Besides that it waited {ms(timed.yielded_s)} while this app drew the frame for a key you pressed, "
-            "so that the frame had the CPU (that wait is in the TTFT/TPOT of the requests in the step).")
+    return (f" Besides that it waited {ms(timed.yielded_s)} while this app drew its answer to a key you pressed "
+            "(or a click), so that the frame had the CPU; that wait is in the TTFT/TPOT of the requests in the step.")
 
 
 @dataclass

@@ -28,7 +28,7 @@ class ThroughputPanel(Vertical):
             yield LiveStatic(id=f"{kind}-spark")
 
     def show(self, state: EngineState) -> None:
-        self.border_subtitle = f"{fmt_ms(state.yielded_s)} waited for keys (not in rates)" if state.yielded_s >= 0.0005 else ""
+        self.border_subtitle = f"{fmt_ms(state.yielded_s)} waited for your keys (not in rates)" if state.yielded_s >= 0.0005 else ""
         rates = {kind: state.rate(kind) for kind in STYLES}
         per_step = {"prefill": [t.prefill_tokens_per_s for t in state.timings],
                     "decode": [t.decode_tokens_per_s for t in state.timings]}
