@@ -22,7 +22,7 @@ def recorded(make_llm):
     llm = make_llm(num_kv_blocks=10, block_size=8, max_num_batched_tokens=24)
     events: list[ev.Event] = []
     llm.engine.subscribe(events.append, topk=5, blocks=True, xray=True)
-    llm.engine.select_xray(None, layer=2, head=4)
+    llm.engine.select_xray(None, layer=2, head=4, every_layer=True)  # as the CLI's --xray: all layers
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     return llm, events, outs
 

@@ -213,3 +213,75 @@ def test_the_xray_of_a_gguf_engine_draws_its_own_blocks_and_counts_their_bytes(m
     dims = layer_dims(engine)
     assert dims.linear_kinds == ("q4_1",) * 4
     assert dims.linear_weight_bytes[0] == 960 * 576 // 32 * 20
+
+
+@pytest.mark.real_model
+def test_the_xray_captures_only_the_chosen_layer_and_runs_the_rest_fused_with_the_same_bits(make_llm):
+    """A traced step runs layers [0, L) and (L, N) in the one-call C path and layer L step by step:
+    the same logits and greedy tokens as an untraced run, one ``LayerTrace`` a step (the chosen
+    layer, also after a change), and layer L's captured values equal those of an every-layer capture."""
+    from nanovllm_core import SamplingParams
+
+    llm = make_llm(quantization="gguf", num_kv_blocks=32, max_num_batched_tokens=24)  # chunked prefill
+    engine, model = llm.engine, llm.engine.model
+    assert model.fused_layers is not None
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = ["The capital of France is", "Water boils at a temperature of one hundred degrees"]
+    logits: list[torch.Tensor] = []
+    original, fused = model.compute_logits, model.fused_layers
+    slices: list[tuple[int, int]] = []
+
+    def spy(x, cos, sin, attn, num_layers, first_layer=0):
+        slices.append((first_layer, num_layers))
+        return fused(x, cos, sin, attn, num_layers, first_layer)
+
+    def run(layer=None, every=False, switch_to=None):
+        logits.clear()
+        events: list[ev.Event] = []
+
+        def listen(e):
+            events.append(e)
+            if switch_to is not None and isinstance(e, ev.StepTimed) and not switched:
+                switched.append(e.step)  # the end of the first step: a new choice, as the app's ↓ sends it
+                engine.select_xray(None, layer=switch_to, head=0)
+
+        sub = engine.subscribe(listen, topk=0, blocks=False, xray=layer is not None) if layer is not None else None
+        switched: list[int] = []
+        if layer is not None:
+            engine.select_xray(None, layer=layer, head=0, every_layer=every)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            if sub is not None:
+                engine.unsubscribe(sub)
+        return [o.outputs[0].token_ids for o in outs], list(logits), events
+
+    model.compute_logits = lambda h: logits.append(original(h)) or logits[-1]
+    model.fused_layers = spy
+    try:
+        plain_tokens, plain_logits, _ = run()
+        slices.clear()
+        tokens, traced_logits, events = run(layer=3)
+        one_layer_slices = list(slices)
+        all_tokens, _, all_events = run(layer=3, every=True)
+        switch_tokens, _, switch_events = run(layer=3, switch_to=7)
+    finally:
+        model.compute_logits, model.fused_layers = original, fused
+    n = engine.model_config.num_hidden_layers
+    assert tokens == plain_tokens == all_tokens == switch_tokens
+    assert len(traced_logits) == len(plain_logits) >= 5
+    assert all(torch.equal(a, b) for a, b in zip(traced_logits, plain_logits))
+    # Every traced step ran [0, 3) and [4, n) through the C call, layer 3 alone step by step.
+    assert one_layer_slices and set(one_layer_slices) == {(0, 3), (4, n)}
+    traces = [e for e in events if isinstance(e, ev.LayerTrace)]
+    steps = [e.step for e in events if isinstance(e, ev.StepTimed)]
+    assert [t.layer for t in traces] == [3] * len(steps) and [t.step for t in traces] == steps
+    every = [e for e in all_events if isinstance(e, ev.LayerTrace)]
+    assert [t.layer for t in every] == list(range(n)) * len(steps)
+    # Layer 3 as captured alone and among all layers: the same values (the fused slices give the same bits).
+    for alone, among in zip(traces, (t for t in every if t.layer == 3)):
+        assert alone.tensors == among.tensors and alone.attention == among.attention
+    switched = [e for e in switch_events if isinstance(e, ev.LayerTrace)]
+    first_step = switched[0].step
+    assert [t.layer for t in switched] == [3] + [7] * (len(switched) - 1) and len(switched) >= 3
+    assert [t.step for t in switched] == list(range(first_step, first_step + len(switched)))

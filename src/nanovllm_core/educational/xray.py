@@ -11,8 +11,16 @@ and emits one ``LayerTrace`` event per layer with each operation's math, FLOPs a
 the chosen attention backend moves them (``educational/xray_costs.py``) and the machine's
 measured roofline (``nanovllm_core.roofline``).
 
-Cost: one score matrix per layer for one request, about the cost of that request's own
-attention, so a captured step takes well under twice as long.
+What is captured: the selected layer only once a viewer chose one with ``select`` (the app's
+X-Ray tab, a server's X-Ray watcher, the tutorial), every layer before any choice or when the
+chooser asks for all (the CLI's ``--xray`` prints them all). The model runs the layers it does
+not trace through its one-call C layers where it has them (``model/llama.py``), so the same
+bits come out either way.
+
+Cost: the captured layers run step by step in Python, and each recomputes one score matrix for
+one request, about the cost of that request's own attention. One layer captured costs a step
+little; every layer captured (``--xray``) can take several times as long (docs/serving.md has
+measured figures).
 """
 
 from __future__ import annotations
@@ -117,6 +125,7 @@ class XRayCapture:
         self.request_id: str | None = None
         self.layer = 0
         self.head = 0
+        self.layers: frozenset[int] | None = None  # the layers captured; None: every layer
         self.roofline: roofline.Roofline | None = None
         self._pieces: dict[int, tuple[list[int], list[str]]] = {}  # seq id -> (token ids, their pieces)
         if measure:
@@ -143,8 +152,11 @@ class XRayCapture:
 
     prepare = measure_roofline  # the engine's observer hook calls this between steps (engine/observer.py)
 
-    def select(self, request_id: str | None, layer: int = 0, head: int = 0) -> None:
+    def select(self, request_id: str | None, layer: int = 0, head: int = 0, every_layer: bool = False) -> None:
         """Trace ``request_id`` (None: the first request in each step); heatmap of ``layer``/``head``.
+
+        Captures only ``layer`` from the next traced step on (one ``LayerTrace`` per step), or every
+        layer with ``every_layer`` (the heatmap still only for ``layer``).
 
         Raises:
             ValueError: layer or head out of range.
@@ -155,6 +167,7 @@ class XRayCapture:
         if not 0 <= head < cfg.num_attention_heads:
             raise ValueError(f"x-ray head {head} is out of range 0..{cfg.num_attention_heads - 1}")
         self.request_id, self.layer, self.head = request_id, layer, head
+        self.layers = None if every_layer else frozenset((layer,))
 
     def tracer_for(self, plan: "SchedulerOutput") -> "LayerTracer | None":
         """A tracer for this step if the chosen request runs in it, else None."""
@@ -166,7 +179,7 @@ class XRayCapture:
             if (self.request_id is None or s.seq.request_id == self.request_id) and s.seq.index == 0:
                 return LayerTracer(self.engine, plan.step, s, offset, order, self.layer, self.head,
                                    self.engine._emit, self.roofline or roofline.cached(*roofline_key(self.engine)),
-                                   pieces=self.pieces)
+                                   pieces=self.pieces, layers=self.layers)
             offset += s.num_new_tokens
         return None
 
@@ -175,14 +188,16 @@ class LayerTracer:
     """Hooks called by ``LlamaForCausalLM.forward``; emits one ``LayerTrace`` per layer.
 
     ``start`` is the first row of the traced sequence in the flat batch ``[num_tokens, ...]``;
-    ``order`` the step's sequences in batch order.
+    ``order`` the step's sequences in batch order; ``layers`` the layers the model traces
+    (None: every layer; the model runs the others untraced).
     """
 
     def __init__(self, engine: "LLMEngine", step: int, scheduled: "ScheduledSequence", start: int,
                  order: list["ScheduledSequence"], heat_layer: int, heat_head: int,
                  emit: Callable[[ev.Event], None], roof: roofline.Roofline | None = None,
-                 pieces: Callable | None = None) -> None:
+                 pieces: Callable | None = None, layers: frozenset[int] | None = None) -> None:
         self.engine = engine
+        self.layers = layers
         self.cfg = engine.model_config
         self.step = step
         self.sched = scheduled

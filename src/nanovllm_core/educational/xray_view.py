@@ -280,7 +280,7 @@ class XRayView:
         the engine is split over ranks: it captures nothing then)."""
         self._tp = tp_facts.tp_size(self._info())
         if self._tp == 1:
-            self.engine.select_xray(None, layer=self.detail_layer, head=0)
+            self.engine.select_xray(None, layer=self.detail_layer, head=0, every_layer=True)
         self.sub = self.engine.subscribe(self, topk=0, blocks=False, xray=False)
         return self.sub
 
@@ -314,7 +314,7 @@ class XRayView:
             self._target = _Target(s, [f"{w.request_id} ({p})" for w, p in wanted[1:]])
             self._done.add((s.request_id, phase))
             if self._tp == 1:
-                self.engine.select_xray(s.request_id, layer=self.detail_layer, head=0)
+                self.engine.select_xray(s.request_id, layer=self.detail_layer, head=0, every_layer=True)
         if self.sub is not None:
             self.sub.xray = self._target is not None and self._tp == 1
 

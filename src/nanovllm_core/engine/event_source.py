@@ -131,7 +131,7 @@ class EventSource:
             self.xray.prepare()
         return self.xray
 
-    def select_xray(self, request_id: str | None, layer: int = 0, head: int = 0) -> None:
+    def select_xray(self, request_id: str | None, layer: int = 0, head: int = 0, every_layer: bool = False) -> None:
         """Choose the request X-Ray traces (None: the first one in each step) and the heatmap's layer and head.
 
         ``request_id`` must be known to the engine: waiting, running or preempted (in
@@ -139,13 +139,20 @@ class EventSource:
         ``llm_engine.FINISHED_IDS_KEPT`` ids in ``finished_ids``). A finished request can be chosen (an app
         keeps its row selected, its newest trace on show) though no step will trace it again.
 
+        From then on only ``layer`` is captured (one ``LayerTrace`` per traced step; the model runs
+        the other layers untraced), or every layer with ``every_layer``. Before any choice every
+        layer is captured.
+
         Raises:
             ValueError: layer or head out of range, or an id no request has (the message names it).
         """
         if request_id is not None and not self.knows_request(request_id):
             raise ValueError(f"no running, waiting or recently finished request {request_id!r} to X-Ray; "
                              "choose one of the ids in the request events (or none: the first in each step)")
-        self._xray_capture().select(request_id, layer, head)
+        if every_layer:
+            self._xray_capture().select(request_id, layer, head, every_layer=True)
+        else:  # the three-argument call every observer takes (engine/observer.py)
+            self._xray_capture().select(request_id, layer, head)
 
     def knows_request(self, request_id: str) -> bool:
         """The id is a live request's (waiting, running, preempted) or one that ended lately (see ``finished_ids``)."""

@@ -33,8 +33,9 @@ class StepObserver(Protocol):
 
         Called inside the step: it must be cheap (no measuring here)."""
 
-    def select(self, request_id: str | None, layer: int = 0, head: int = 0) -> None:
-        """Choose what to trace (None: the first request of each step); ``layer``/``head`` for detail views.
+    def select(self, request_id: str | None, layer: int = 0, head: int = 0, every_layer: bool = False) -> None:
+        """Choose what to trace (None: the first request of each step); ``layer``/``head`` for detail views;
+        only ``layer``'s hooks are wanted unless ``every_layer`` (the tracer's ``layers`` says which).
 
         Raises:
             ValueError: layer or head out of range.

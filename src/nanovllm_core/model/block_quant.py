@@ -523,13 +523,20 @@ class FusedDecoderLayers:
         self._tables[cache] = table
         return table
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, num_layers: int) -> torch.Tensor | None:
-        """x ``[T, hidden]`` float32 after ``num_layers`` layers (a new tensor), or None where this path does not apply.
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, num_layers: int,
+                 first_layer: int = 0) -> torch.Tensor | None:
+        """x ``[T, hidden]`` float32 after layers ``[first_layer, num_layers)`` (a new tensor), or None where
+        this path does not apply. ``first_layer > 0`` continues a step whose earlier layers ran elsewhere
+        (the X-Ray runs its captured layer step by step between two fused slices): the C call gets the
+        layer table from that row on.
 
         Raises:
-            ValueError: a slot outside the pool.
+            ValueError: a slot outside the pool, or a layer range outside the model.
             RuntimeError: attention could not allocate its scratch memory.
         """
+        if not 0 <= first_layer <= num_layers <= len(self.model.layers):
+            raise ValueError(f"fused layers [{first_layer}, {num_layers}) are not within the model's "
+                             f"{len(self.model.layers)} layers")
         meta = getattr(attn, "meta", None)
         if not getattr(attn, "use_cpu_paged", False) or meta is None or meta.token_rows is None \
                 or x.dtype != torch.float32 or x.device.type != "cpu":
@@ -549,7 +556,8 @@ class FusedDecoderLayers:
         cos, sin = cos.contiguous(), sin.contiguous()
         table = self._layer_array(cache)  # held here until the C call returns
         rc = library().decoder_layers(
-            ctypes.addressof(table), num_layers, ctypes.addressof(ops), out.data_ptr(), t, h, i,
+            ctypes.addressof(table) + first_layer * ctypes.sizeof(_LayerWeights),
+            num_layers - first_layer, ctypes.addressof(ops), out.data_ptr(), t, h, i,
             nh, nkv, hd, float(self.model.norm.eps), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), nb * bs,
             meta.block_tables.data_ptr(), meta.token_rows.data_ptr(), meta.token_context.data_ptr(), nb, bs,
             meta.block_tables.shape[1], max(1, meta.max_seqlen_k), hd ** -0.5, work.data_ptr(),

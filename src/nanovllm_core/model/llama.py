@@ -318,20 +318,37 @@ class LlamaForCausalLM(nn.Module):
 
         ``num_layers`` runs only the first N decoder layers (early exit, used by
         self-speculative drafting); the final norm is still applied.
+
+        ``tracer``: its hooks are called for the layers in ``tracer.layers`` (None or absent: every
+        layer). The other layers run untraced, through the one-call C path where the model has
+        one: layers ``[0, L)`` fused, layer ``L`` step by step with the hooks, ``(L, N)`` fused; the
+        same bits as all step by step (tests/test_block_quant_real.py), so a traced step costs
+        about one step-by-step layer more than an untraced one.
         """
         x = self.embed(input_ids)
         if tracer is not None:
             tracer.embedding(input_ids, x)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        layers = self.layers if num_layers is None else self.layers[:num_layers]
-        fused = self.fused_layers(x, cos, sin, attn, len(layers)) if self.fused_layers and tracer is None else None
-        if fused is not None:  # the same operations in C, the same bits (block_quant.FusedDecoderLayers)
-            return self.norm(fused)
+        n = len(self.layers) if num_layers is None else num_layers
+        wanted = getattr(tracer, "layers", None) if tracer is not None else ()
+        traced = range(n) if wanted is None else sorted({i for i in wanted if 0 <= i < n})
         gate = yield_gate.GATE
-        for layer in layers:
-            if gate.c.until_ns:  # a front end's key is drawing its frame (yield_gate.py)
-                gate.wait()
-            x = layer(x, cos, sin, attn, tracer)
+        i = 0
+        for stop in [*traced, n]:  # untraced layers [i, stop), then the traced layer ``stop``
+            if i < stop:
+                fused = self.fused_layers(x, cos, sin, attn, stop, i) if self.fused_layers else None
+                if fused is not None:  # the same operations in C, the same bits (block_quant.FusedDecoderLayers)
+                    x = fused
+                else:
+                    for layer in self.layers[i:stop]:
+                        if gate.c.until_ns:  # a front end's key is drawing its frame (yield_gate.py)
+                            gate.wait()
+                        x = layer(x, cos, sin, attn)
+            if stop < n:
+                if gate.c.until_ns:
+                    gate.wait()
+                x = self.layers[stop](x, cos, sin, attn, tracer)
+            i = stop + 1
         return self.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,14 @@ import torch
 
 
 class LayerTracer(Protocol):
-    """Hooks ``LlamaForCausalLM.forward`` calls, in this order for each step."""
+    """Hooks ``LlamaForCausalLM.forward`` calls, in this order for each step.
+
+    ``layers``: the decoder layers whose hooks are called (None: every layer); the model runs the
+    others untraced (through its one-call C layers where it has them), and ``embedding`` is
+    always called.
+    """
+
+    layers: frozenset[int] | None
 
     def embedding(self, input_ids: torch.Tensor, x: torch.Tensor) -> None:
         """``input_ids`` ``[T]``; ``x``: the token embeddings ``[T, hidden]``."""

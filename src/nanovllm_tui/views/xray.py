@@ -117,7 +117,8 @@ class XRayView(EngineView, can_focus=True):
 
     ↑/↓ (k/j) move between layers, ←/→ (h/l) between heads, PageUp/PageDown scroll the
     pipeline, Home/End show the heatmap's first or newest query rows. The engine traces only
-    while this tab is visible; a new layer/head choice shows in the heatmap from the next step.
+    while this tab is visible, and only the layer shown (the others run untraced, in C where
+    the model can); a new layer/head choice shows from the next traced step.
     """
 
     BINDINGS = [
@@ -213,11 +214,19 @@ class XRayView(EngineView, can_focus=True):
             self._show_split(state, title, heatmap)
             return
         if trace is None:
+            newest = next(iter(state.xray.values()), None)
+            if newest is not None:  # the newest traced step captured other layers (the engine traces the chosen one)
+                captured = ", ".join(str(n) for n in sorted(state.xray))
+                why = (f"Layer {self.layer_index} was not captured in step {newest.step} (it captured layer"
+                       f"{'s' if len(state.xray) > 1 else ''} {captured}). The engine captures only the chosen layer: "
+                       f"the next traced step captures layer {self.layer_index} (unless another app "
+                       f"watching the same server chooses another).")
+            else:
+                why = ("No trace yet: send a prompt, or press n while paused (X-Ray records the selected "
+                       "request's next step while this tab is open).")
             title.show_content(Text.assemble(
                 ("X-Ray ", "bold"), f"layer {self.layer_index}/{self.num_layers - 1} (↑↓) · head {self.head_index}/"
-                f"{self.num_heads - 1} (←→)\n",
-                ("No trace yet: send a prompt, or press n while paused (X-Ray records the selected "
-                 "request's next step while this tab is open).", "dim")))
+                f"{self.num_heads - 1} (←→)\n", (why, "dim")))
             self.query_one("#pipeline", LiveStatic).show_content("")
             self.query_one("#gqa", LiveStatic).show_content("")
             heatmap.set_data((), (), ())
