@@ -173,7 +173,7 @@ def test_events_quick_measures_every_subscriber_level(tmp_path):
     path = tmp_path / "events.json"
     benchmark_events.main(["--quick", "--json", str(path)])
     data = json.loads(path.read_text())
-    assert set(data["tokens_per_s"]) == {"none", "minimal", "full", "xray"}
+    assert set(data["tokens_per_s"]) == {"none", "minimal", "full", "xray", "xray_all"}
     assert all(positive(v) for v in data["tokens_per_s"].values())
     assert all(positive(v) for v in data["median_tokens_per_s"].values())
     assert data["relative_to_none"]["none"] == 1.0
