@@ -217,10 +217,13 @@ class XRayView(EngineView, can_focus=True):
             newest = next(iter(state.xray.values()), None)
             if newest is not None:  # the newest traced step captured other layers (the engine traces the chosen one)
                 captured = ", ".join(str(n) for n in sorted(state.xray))
-                why = (f"Layer {self.layer_index} was not captured in step {newest.step} (it captured layer"
-                       f"{'s' if len(state.xray) > 1 else ''} {captured}). The engine captures only the chosen layer: "
-                       f"the next traced step captures layer {self.layer_index} (unless another app "
-                       f"watching the same server chooses another).")
+                why = f"Layer {self.layer_index} was not captured in step {newest.step} (it captured layer" \
+                      f"{'s' if len(state.xray) > 1 else ''} {captured}). "
+                if getattr(self.app, "live", True):
+                    why += (f"The engine captures only the chosen layer: the next traced step captures layer "
+                            f"{self.layer_index} (unless another app watching the same server chooses another).")
+                else:
+                    why += "This recording holds only the layers captured while it was made."
             else:
                 why = ("No trace yet: send a prompt, or press n while paused (X-Ray records the selected "
                        "request's next step while this tab is open).")
