@@ -69,3 +69,29 @@ async def test_the_heatmap_shows_every_key_and_its_notes_at_every_width(tiny_lla
             text = screen_text(app)
             assert "prefill: 43 new tokens over 43 in context" in " ".join(text.split()), size
             assert "(←→)" in text, size  # the title's end is on screen
+
+
+async def test_a_layer_not_captured_is_said_so_and_a_replay_does_not_promise_the_next_step(tmp_path):
+    """Issue 29: the engine captures only the chosen layer. A replay of such a recording, moved to
+    another layer, says which layer the step holds, and promises no capture (a recording cannot)."""
+    import gzip
+
+    from nanovllm_core import events as ev
+    from tests.tui_helpers import XRAY_TRACE, replay_app
+
+    lines = gzip.open(XRAY_TRACE, "rt").read().splitlines()
+    kept = [line for line in lines if '"type":"LayerTrace"' not in line or ev.from_json(line).layer == 0]
+    assert len(kept) < len(lines)  # the recording held other layers: now only layer 0's remain
+    trace = tmp_path / "one_layer.jsonl"
+    trace.write_text("\n".join(kept) + "\n")
+    app = replay_app(tmp_path, trace=trace)
+    async with app.run_test(size=(120, 40)) as pilot:
+        app.controller.step(1)
+        await wait_until(pilot, lambda: 0 in app.state.xray, 20, "layer 0's trace")
+        await pilot.press("escape", "2", "down")
+        await pilot.pause(0.2)
+        title = " ".join(str(app.query_one("#xray-title").render()).split())
+        step = app.state.xray[0].step
+        assert f"Layer 1 was not captured in step {step} (it captured layer 0)" in title
+        assert "This recording holds only the layers captured while it was made" in title
+        assert "next traced step" not in title
