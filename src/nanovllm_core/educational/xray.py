@@ -19,7 +19,7 @@ bits come out either way.
 
 Cost: the captured layers run step by step in Python, and each recomputes one score matrix for
 one request, about the cost of that request's own attention. With one layer captured a traced
-step took about 1.25x an untraced one, with every layer (``--xray``) 3.4x or more (a shared
+step took 1.26x-1.41x an untraced one, with every layer (``--xray``) 3.4x-4.2x (a shared
 2-core AMD EPYC, default model Q4_1; docs/serving.md says how it was measured).
 """
 
