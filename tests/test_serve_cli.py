@@ -117,6 +117,24 @@ def test_app_connect_checks_the_server_and_its_key_first(tiny_server, capsys):
     assert isinstance(app.controller, RemoteController) and app.controller.url == tiny_server.url
 
 
+@pytest.mark.parametrize("url", ["not a url", "http://127.0.0.1:99999", "http://[::1", "http://h:x", "http://h:0"])
+@pytest.mark.parametrize("web", [False, True])
+def test_a_bad_connect_address_ends_with_one_line_and_status_2(capsys, url, web):
+    """Newcomer trial (issue 29): these ended in a traceback (InvalidURL, "Port out of range",
+    "Invalid IPv6 URL") with status 1, where ftp://x got one line and status 2."""
+    code, out, err = run_main(options.parse_args, capsys, *(["--web"] if web else []), "--connect", url)
+    assert code == 2 and "Traceback" not in err and err.count("\n") <= 2, err
+    assert f"--connect: {url!r} is not a server address" in err and "http://127.0.0.1:8000" in err
+
+
+def test_connect_takes_the_v1_address_serve_prints(tiny_server, capsys):
+    """serve's start-up line shows http://HOST:PORT/v1 first; --connect with it asked for /v1/v1/models."""
+    for url in (tiny_server.url + "/v1", tiny_server.url + "/v1/"):
+        args = options.parse_args(["--connect", url, "--api-key", tiny_server.api_key])
+        assert args.connect == url
+        assert RemoteController(url, tiny_server.api_key).url == tiny_server.url
+
+
 def test_web_passes_every_other_option_to_the_app():
     from nanovllm_tui.web import app_arguments
 

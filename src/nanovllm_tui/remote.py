@@ -67,12 +67,26 @@ class _Server:
     """Where the server is and how to talk to it (one short-lived HTTP connection per call)."""
 
     def __init__(self, url: str, api_key: str | None, timeout: float) -> None:
-        parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+        example = "give one like http://127.0.0.1:8000"
+        try:
+            parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+            port = parts.port  # ValueError: not a number, or outside 0-65535
+        except ValueError as e:
+            raise RemoteError(f"{quoted(url)} is not a server address ({e}); {example}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise RemoteError(f"{quoted(url)} is not a server address; give one like http://127.0.0.1:8000")
-        self.url = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
-        self.scheme, self.host, self.port = parts.scheme, parts.hostname, parts.port
-        self.base = parts.path.rstrip("/")
+            raise RemoteError(f"{quoted(url)} is not a server address; {example}")
+        if port == 0:
+            raise RemoteError(f"{quoted(url)} is not a server address (port 0); {example}")
+        bad = [c for c in parts.netloc if c.isspace() or ord(c) < 32 or ord(c) == 127]
+        if bad:  # http.client refuses such a host only when it connects (InvalidURL)
+            raise RemoteError(f"{quoted(url)} is not a server address (it contains {bad[0]!r}); {example}")
+        # `nanovllm serve` prints its address as http://HOST:PORT/v1 (OpenAI clients' base URL); the
+        # routes this controller asks for (/v1/models, /v1/engine/...) already start with /v1.
+        path = parts.path.rstrip("/")
+        path = path[:-3] if path.endswith("/v1") else path
+        self.url = f"{parts.scheme}://{parts.netloc}{path}"
+        self.scheme, self.host, self.port = parts.scheme, parts.hostname, port
+        self.base = path
         self.api_key = api_key
         self.timeout = timeout
 
