@@ -182,6 +182,27 @@ def test_api_key_is_required_on_v1_but_not_on_health(tiny_server):
     assert tiny_server.controller.state != "paused"  # the refused pause did nothing
 
 
+def test_an_empty_api_key_is_no_key_on_every_path(tiny_server, monkeypatch):
+    """Newcomer trial (issue 29): `nanovllm serve --api-key ""` refused every client that sent a key
+    (401) while its start-up line and the 0.0.0.0 warning said there was none."""
+    from starlette.testclient import TestClient
+
+    from nanovllm_core.entrypoints import cli as serve_cli
+    from nanovllm_core.entrypoints.api_server import bind_warning, build_app
+    from nanovllm_tui import options
+
+    monkeypatch.delenv("NANOVLLM_API_KEY", raising=False)
+    assert serve_cli.build_parser().parse_args(["--api-key", ""]).api_key is None
+    assert options.build_parser().parse_args(["--api-key", ""]).api_key is None
+    monkeypatch.setenv("NANOVLLM_API_KEY", "")
+    assert serve_cli.build_parser().parse_args([]).api_key is None
+    assert bind_warning("0.0.0.0", None) is not None  # the warning says what the server does: no key
+    http = TestClient(build_app(tiny_server.controller, api_key=""))  # no lifespan: /v1/models needs none
+    for headers in ({}, {"Authorization": "Bearer anything"}):
+        r = http.get("/v1/models", headers=headers)
+        assert r.status_code == 200 and r.json()["data"][0]["id"], r.text
+
+
 def test_models_lists_the_served_model(client, tiny_server):
     models = client.models.list().data
     assert len(models) == 1 and models[0].id == tiny_server.controller.engine.model_name

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Sequence
 
 from nanovllm_core.cli import build_parser as build_engine_parser
 from nanovllm_core.cli import engine_kwargs, sampling_params, tcp_port
+from nanovllm_core.cli_args import api_key, api_key_default
 from nanovllm_tui.bridge import DEFAULT_FPS
 
 DEFAULT_KV_BLOCKS = 512  # 8,192 tokens at block size 16: room to play, and a block map that fits a screen
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--connect", metavar="URL", default=None,
                    help="watch and drive the engine of a running `nanovllm serve` (e.g. http://127.0.0.1:8000) "
                         "instead of loading a model here")
-    r.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY") or None,
+    r.add_argument("--api-key", type=api_key, default=api_key_default(),
                    help="with --connect: the server's --api-key (default: $NANOVLLM_API_KEY)")
     r.add_argument("--web", action="store_true",
                    help="serve this app to web browsers (textual-serve), one app per visitor; "

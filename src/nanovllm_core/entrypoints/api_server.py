@@ -119,7 +119,8 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
 
     Args:
         model_name: the name clients send as ``model`` (default: the engine's model name).
-        api_key: when set, every ``/v1`` request needs ``Authorization: Bearer <api_key>``.
+        api_key: when set, every ``/v1`` request needs ``Authorization: Bearer <api_key>``; an
+            empty one is no key (as ``--api-key ""`` and an empty ``$NANOVLLM_API_KEY`` are).
         max_body_bytes: a larger request body is refused with 413 before it is parsed
             (default :func:`default_max_body_bytes` of the model's ``max_model_len``).
 
@@ -128,6 +129,7 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
     """
     if controller.engine is None:
         raise ValueError(f"the engine is not ready (state {controller.state!r}); wait for the model to load")
+    api_key = api_key or None  # "" would refuse every client that sends a key, and let in only those that send none
     state = ServerState(controller, model_name or controller.engine.model_name, api_key, max_body_bytes)
 
     @asynccontextmanager

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import socket
 import sys
 import time
@@ -20,6 +19,8 @@ from nanovllm_core.cli_args import (
     _Parser,
     add_engine_arguments,
     add_model_arguments,
+    api_key,
+    api_key_default,
     engine_kwargs,
     positive_int,
     tcp_port,
@@ -47,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
     s.add_argument("--port", type=tcp_port, default=8000, help="TCP port (default 8000)")
-    s.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOVLLM_API_KEY, else none)")
+    s.add_argument("--api-key", type=api_key, default=api_key_default(),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOVLLM_API_KEY, else none; "
+                        "an empty KEY is none)")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model's own name)")
     s.add_argument("--paused", action="store_true",
