@@ -130,7 +130,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_token": 3}, 400, "Unrecognized request argument supplied: max_token"),
     ("/v1/completions", {"max_tokens": 3}, 400, "Missing required parameter: prompt"),
-    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 400, "The model `gpt-4` does not exist"),
+    # 404, as OpenAI and vLLM answer (it was 400: newcomer trial, issue 29)
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "The model `gpt-4` does not exist"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404,
+     "The model `gpt-4` does not exist"),
     ("/v1/completions", {"prompt": "word " * 600}, 400, "maximum context length is 512 tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 600}, 400, "maximum context length is 512 tokens"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt is empty"),

@@ -379,9 +379,11 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
     elif name == "xray":
         rid = body.get("request_id")
         layer, head = body.get("layer", 0), body.get("head", 0)
-        if (rid is not None and not isinstance(rid, str)) or not all(
-                isinstance(v, int) and not isinstance(v, bool) for v in (layer, head)):
-            raise APIError("xray needs request_id (text or null), layer and head (integers)", param="xray")
+        wrong = [k for k, ok in (("request_id", rid is None or isinstance(rid, str)),
+                                 ("layer", _is_int(layer)), ("head", _is_int(head))) if not ok]
+        if wrong:
+            raise APIError(f"xray needs request_id (text or null), layer and head (integers); {wrong[0]} is "
+                           f"{body[wrong[0]]!r}", param=wrong[0])
         if rid is not None:
             with state.control_lock:  # a prompt submitted here and not yet added by the engine counts too
                 known = rid in state.control_ids
@@ -395,6 +397,10 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
     else:  # submit
         return {"ok": True, "request_id": _control_submit(state, body)}
     return {"ok": True}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _text(body: dict, key: str) -> str:
@@ -425,21 +431,26 @@ def _control_submit(state: ServerState, body: dict) -> str:
         raise APIError("submit needs prompt: text, a list of token ids, or a list of chat messages "
                        "({\"role\": ..., \"content\": text}, rendered with the model's chat template)", param="prompt")
     fields = body.get("params") or {}
-    known = {f.name for f in dataclasses.fields(SamplingParams)}
-    unknown = sorted(set(fields) - known) if isinstance(fields, dict) else ["<not an object>"]
+    if not isinstance(fields, dict):
+        raise APIError(f"params must be an object of SamplingParams fields, got {fields!r}", param="params")
+    known = [f.name for f in dataclasses.fields(SamplingParams)]
+    names = {name: f"params.{name}" for name in known}  # errors name the field as sent: params.temperature
+    unknown = sorted(set(fields) - set(known))
     if unknown:
         raise APIError(f"params has unknown field(s) {', '.join(unknown)}; use SamplingParams field names",
-                       param="params")
+                       param=f"params.{unknown[0]}", code="unknown_parameter")
     try:
         params = SamplingParams(**fields)
     except (TypeError, ValueError) as e:
-        raise APIError(str(e).removeprefix("SamplingParams."), param="params") from None
+        message = str(e).removeprefix("SamplingParams.")
+        field = message.split("=", 1)[0].split(" ", 1)[0]
+        raise APIError(message, param=field if field in names else "params").renamed(names) from None
     priority = body.get("priority", 0)
     try:
         check_priority(priority)
     except ValueError as e:
         raise APIError(str(e), param="priority", code="invalid_value") from None
-    state.serving.check_prompt(prompt, params)  # exactly what /v1/completions refuses, refused here too
+    state.serving.check_prompt(prompt, params, names)  # exactly what /v1/completions refuses, refused here too
     if body.get("request_id") is None:
         rid = f"ctl-{uuid.uuid4().hex}"
     else:

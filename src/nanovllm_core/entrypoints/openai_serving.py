@@ -87,14 +87,16 @@ class OpenAIServing:
     # ------------------------------------------------------------------ checking
 
     def check_model(self, model: str | None) -> None:
-        """Raises: APIError (400) when ``model`` names another model."""
+        """Raises: APIError (404, as OpenAI and vLLM's ``_check_model`` answer) when ``model`` names another model."""
         if model is not None and model != self.model_name:
             raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}` "
-                           "(GET /v1/models lists it)", param="model", code="model_not_found")
+                           "(GET /v1/models lists it)", status=404, param="model", code="model_not_found")
 
-    def check_prompt(self, prompt: str | list[int], params: Any) -> list[int]:
+    def check_prompt(self, prompt: str | list[int], params: Any, names: dict[str, str] | None = None) -> list[int]:
         """Everything the engine would refuse ``prompt`` for, checked before any answer starts, so
         a streamed request gets the same 400 as a whole one. Returns the prompt's token ids.
+        ``names``: the request field behind each ``SamplingParams`` field named otherwise
+        (:meth:`APIError.renamed`), so the error names what the client sent.
 
         Raises:
             APIError: 400 naming the field (text that is not valid Unicode, an empty prompt, a
@@ -113,10 +115,13 @@ class OpenAIServing:
             raise APIError(f"prompt holds a token id outside the vocabulary (0..{vocab - 1})", param="prompt")
         if not ids:
             raise APIError("prompt is empty; send at least one token of text", param="prompt")
-        check_length(len(ids), params.max_tokens, self.max_model_len)
+        try:
+            check_length(len(ids), params.max_tokens, self.max_model_len)
+        except APIError as e:
+            raise e.renamed(names) from None
         problem = engine.request_problem(ids, params)
         if problem is not None:
-            raise APIError(problem[1], param=problem[0])
+            raise APIError(problem[1], param=problem[0]).renamed(names)
         return ids
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
@@ -144,7 +149,7 @@ class OpenAIServing:
             raise
         except Exception as e:  # no template, or one that refuses this conversation
             raise APIError(f"the chat template could not render these messages: {e}", param="messages") from None
-        self.check_prompt(ids, params)
+        self.check_prompt(ids, params, req.field_names())
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], params, req.priority, req.stream,
                         *_usage_options(req), req.return_token_ids)
 
