@@ -331,6 +331,10 @@ async def engine_stats(controller: Any, timeout: float = 10.0) -> dict[str, Any]
 def _control(state: ServerState, body: Any) -> dict[str, Any]:
     """Apply one control command (``{"command": ...}``) to the controller; every watcher sees its effect.
 
+    Answers ``{"ok": true}``; ``resume`` adds ``"resumed"``: true when the engine runs on, false
+    (with a ``"reason"``) when it names an ``owner`` that does not hold the pause, which stays;
+    ``submit`` adds the ``"request_id"``.
+
     Raises:
         APIError: an unknown command or a bad argument (400); an abort or xray of a request id
             the server does not know (404; for xray, one neither live nor among the lately ended).
@@ -356,9 +360,13 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
         c.pause()
     elif name == "resume":
         if "owner" in body and _text(body, "owner") != state.pause_owner:
-            return {"ok": True, "resumed": False}  # the pause held now is someone else's: kept
+            # the pause held now is someone else's: kept, and the answer says so
+            return {"ok": True, "resumed": False,
+                    "reason": "the pause held now was not made by this owner; it stays until its owner, or a "
+                              "resume without owner, ends it"}
         state.pause_owner = None
         c.resume()
+        return {"ok": True, "resumed": True}  # running again (also when it was not paused)
     elif name == "step":
         n = body.get("n", 1)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
