@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Sequence
 
 from nanovllm_core.cli import build_parser as build_engine_parser
@@ -113,9 +114,13 @@ SERVER_SIDE = ("model", "device", "dtype", "quantization", "scheduling_policy", 
                "tp_master_addr", "tp_master_port", "tp_local_ranks", "tp_rendezvous_timeout", "paused")
 
 
+LOADING_WAIT_S = 180  # how long --connect waits for a server still loading its model (a real one takes 20-40 s)
+
+
 def check_connect(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Sequence[str] = ()) -> None:
     """``--connect``: no engine options of our own (``given``: those the command line gives), and a
-    server that answers with the right key (else status 2)."""
+    server that answers with the right key (else status 2). A server still loading its model is
+    waited for (one line says so), at most ``LOADING_WAIT_S`` seconds."""
     from nanovllm_tui.remote import RemoteError, check_server
 
     for name in given:
@@ -126,10 +131,16 @@ def check_connect(parser: argparse.ArgumentParser, args: argparse.Namespace, giv
         else:
             tail = f"the server chose it when it started; set it there: `nanovllm serve {option}`"
         parser.error(f"{option} cannot be used with --connect: the server runs the engine ({tail})")
+    def waiting() -> None:
+        print(f"{parser.prog}: the server at {args.connect} is loading its model; waiting for it (at most "
+              f"{LOADING_WAIT_S} s; Ctrl-C stops)", file=sys.stderr, flush=True)
+
     try:
-        check_server(args.connect, args.api_key)
+        check_server(args.connect, args.api_key, wait_loading_s=LOADING_WAIT_S, on_loading=waiting)
     except RemoteError as e:
         parser.error(f"--connect: {e}")
+    except KeyboardInterrupt:
+        parser.exit(130, f"{parser.prog}: stopped while waiting for the server at {args.connect} to load its model\n")
 
 
 def build_app(argv: Sequence[str] | None = None):

@@ -27,6 +27,7 @@ import queue
 import secrets
 import socket
 import threading
+import time
 import traceback
 import urllib.parse
 from dataclasses import dataclass
@@ -48,6 +49,10 @@ class ServerRestarted(ev.Event):
 
 class RemoteError(Exception):
     """The server refused or could not be reached; the message says what to do."""
+
+
+class ServerLoading(RemoteError):
+    """The server is up but still loading its model (503, code ``model_loading``): ask again soon."""
 
 
 @dataclass
@@ -101,10 +106,14 @@ class _Server:
         return h
 
     def refusal(self, status: int, body: bytes) -> RemoteError:
+        code = None
         try:
-            message = json.loads(body)["error"]["message"]
-        except (ValueError, KeyError, TypeError):
+            error = json.loads(body)["error"]
+            message, code = error["message"], error.get("code")
+        except (ValueError, KeyError, TypeError, AttributeError):
             message = body.decode("utf-8", "replace").strip()[:200] or http.client.responses.get(status, "")
+        if status == 503 and code == "model_loading":
+            return ServerLoading(f"the server at {self.url} is still loading its model")
         if status == 401:
             hint = "pass --api-key KEY" if not self.api_key else "the key given with --api-key is not the server's"
             return RemoteError(f"the server at {self.url} refused the API key ({hint})")
@@ -140,13 +149,33 @@ def _reason(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
-def check_server(url: str, api_key: str | None = None, timeout: float = 5.0) -> str:
+def check_server(url: str, api_key: str | None = None, timeout: float = 5.0, wait_loading_s: float = 0.0,
+                 on_loading: Callable[[], None] | None = None, poll_s: float = 1.0) -> str:
     """The name of the model served at ``url`` (its ``/v1/models``), checking the key on the way.
 
+    A server still loading its model (``nanovllm serve`` answers 503 ``model_loading`` meanwhile)
+    is asked again every ``poll_s`` seconds for up to ``wait_loading_s`` seconds; ``on_loading``
+    is called once, when the first such answer comes (to say that it waits).
+
     Raises:
-        RemoteError: not a server address, unreachable, or the key is missing or wrong.
+        RemoteError: not a server address, unreachable, the key is missing or wrong, or
+            (:class:`ServerLoading`) still loading after ``wait_loading_s`` seconds.
     """
-    models = _Server(url, api_key, timeout).request("GET", "/v1/models")
+    server = _Server(url, api_key, timeout)
+    deadline, told = time.monotonic() + wait_loading_s, False
+    while True:
+        try:
+            models = server.request("GET", "/v1/models")
+            break
+        except ServerLoading as e:
+            if time.monotonic() >= deadline:
+                waited = f" after {wait_loading_s:g} s" if wait_loading_s else ""
+                raise ServerLoading(f"{e}{waited}; try again once it prints its start-up line "
+                                    "(GET /health answers {\"status\": \"ok\"} then)") from None
+            if not told and on_loading is not None:
+                on_loading()
+            told = True
+            time.sleep(poll_s)
     try:
         return models["data"][0]["id"]
     except (KeyError, IndexError, TypeError):
