@@ -144,7 +144,7 @@ def test_text_offset_is_the_same_streamed_and_whole(tiny_server):
     p = Prepared("completion", "cmpl-test", ["x"], SamplingParams(logprobs=0), 0, True, False, False, False)
     sent, streamed = _Choice(), []
     for out in outputs:
-        choice = serving._delta(p, sent, 0, out)
+        choice = serving._delta(p, sent, 0, out, [1])
         if choice is not None:
             streamed += choice["logprobs"]["text_offset"]
     whole = _completion_logprobs(outputs[-1].logprobs, ids, 0, 0)["text_offset"]

@@ -59,6 +59,9 @@ def test_streamed_completion_concatenates_to_the_same_text(client, reference):
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == ref.outputs[0].text
     assert [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]] == ref.outputs[0].token_ids
+    # the prompt's ids come once, with the choice's first chunk (vLLM's return_token_ids)
+    assert chunks[0].choices[0].model_extra["prompt_token_ids"] == ref.prompt_token_ids
+    assert not any("prompt_token_ids" in c.choices[0].model_extra for c in chunks[1:] if c.choices)
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
     assert chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
@@ -68,14 +71,20 @@ def test_chat_whole_and_streamed_equal_llm_chat(client, reference):
     messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name a colour."}]
     ref = reference.chat(messages, greedy(8, ignore_eos=True), use_tqdm=False)[0]
     whole = client.chat.completions.create(model=model_name(client), messages=messages, max_tokens=8,
-                                           temperature=0, extra_body={"ignore_eos": True})
+                                           temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].message.content == ref.outputs[0].text
     assert whole.usage.prompt_tokens == len(ref.prompt_token_ids) and whole.usage.completion_tokens == 8
+    # return_token_ids: vLLM puts a chat's prompt ids on the response, the generated ones on the choice
+    assert whole.model_extra["prompt_token_ids"] == ref.prompt_token_ids
+    assert whole.choices[0].model_extra["token_ids"] == ref.outputs[0].token_ids
     stream = client.chat.completions.create(messages=messages, model=whole.model, max_completion_tokens=8,
-                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
+                                            temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True})
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].model_extra["prompt_token_ids"] == ref.prompt_token_ids  # the first chunk only, as vLLM
+    assert not any("prompt_token_ids" in c.model_extra for c in chunks[1:])
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.outputs[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
 
@@ -92,6 +101,7 @@ def test_raw_http_several_prompts_n_and_logprobs(tiny_server, reference):
     for i, choice in enumerate(data["choices"]):
         ref = want[i // 2].outputs[0]  # greedy: both samples of a prompt are the same
         assert choice["token_ids"] == ref.token_ids and choice["text"] == ref.text
+        assert choice["prompt_token_ids"] == want[i // 2].prompt_token_ids
         lp = choice["logprobs"]
         assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
         assert all(len(top) <= 3 for top in lp["top_logprobs"])
