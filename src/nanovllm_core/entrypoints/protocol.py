@@ -34,14 +34,16 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def renamed(self, names: dict[str, str] | None) -> "APIError":
-        """This error with its field named as the client sent it: ``names`` maps an engine field
-        (``SamplingParams.logprobs``) to the request's (``top_logprobs``); the field's name in the
-        message becomes the client's too. Unchanged when ``param`` is not in ``names``."""
-        if not names or self.param not in names:
+        """This error with its fields named as the client sent them: ``names`` maps an engine field
+        (``SamplingParams.logprobs``) to the request's (``top_logprobs``); ``param`` and every such
+        field the message names (``min_tokens ... <= max_tokens``) become the client's."""
+        if not names:
             return self
-        sent = names[self.param]
-        message = re.sub(rf"(?<![\w.]){re.escape(self.param)}\b", sent, self.message)
-        return APIError(message, self.status, self.type, sent, self.code)
+        message = self.message
+        for field, sent in names.items():
+            if sent != field:
+                message = re.sub(rf"(?<![\w.]){re.escape(field)}\b", sent, message)
+        return APIError(message, self.status, self.type, names.get(self.param, self.param), self.code)
 
 
 # What each field typed as a union of shapes takes, in words: pydantic reports such a value once
