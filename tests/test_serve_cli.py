@@ -117,7 +117,7 @@ def test_app_connect_checks_the_server_and_its_key_first(tiny_server, capsys):
     assert isinstance(app.controller, RemoteController) and app.controller.url == tiny_server.url
 
 
-@pytest.mark.parametrize("url", ["not a url", "http://127.0.0.1:99999", "http://[::1", "http://h:x", "http://h:0"])
+@pytest.mark.parametrize("url", ["not a url", "http://127.0.0.1:99999", "http://[::1", "http://h:x", "http://h:0", ""])
 @pytest.mark.parametrize("web", [False, True])
 def test_a_bad_connect_address_ends_with_one_line_and_status_2(capsys, url, web):
     """Newcomer trial (issue 29): these ended in a traceback (InvalidURL, "Port out of range",

@@ -68,7 +68,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--fps must be between 1 and 60, got {args.fps}")
     if args.trace_xray and not args.trace:
         parser.error("--trace-xray records into the --trace file; add --trace FILE.jsonl")
-    if args.replay and args.connect:
+    if args.replay and args.connect is not None:
         parser.error("--replay and --connect are two sources for the app: play a recording, or watch a running "
                      "server; give one of them")
     if args.replay:
@@ -82,7 +82,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(str(e))
     if (args.host is not None or args.port is not None) and not args.web:
         parser.error("--host and --port are where --web listens; add --web (the server you attach to is --connect URL)")
-    if args.connect:
+    if args.connect is not None:  # "" too: an empty address is refused, not read as "no --connect"
         check_connect(parser, args, given_options(argv, SERVER_SIDE))
     if args.replay:
         from nanovllm_tui.replay import load_trace
