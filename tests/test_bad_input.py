@@ -38,6 +38,10 @@ def test_each_bad_prompt_is_rejected_while_the_batch_completes(make_llm):
     ("stop", [3], "stop"),
     ("top_p", "0.5", "top_p='0.5' is invalid: must be a number"),
     ("logprobs", 21, r"logprobs=21 is invalid: must be an integer in \[0, 20\]"),
+    # flags: "no" would be truthy (newcomer trial, issue 29: the server's control submit passed it on)
+    ("ignore_eos", "no", r"ignore_eos='no' is invalid: must be true or false"),
+    ("skip_special_tokens", 0, r"skip_special_tokens=0 is invalid: must be true or false"),
+    ("include_stop_str_in_output", None, r"include_stop_str_in_output=None is invalid"),
 ])
 def test_invalid_sampling_params_raise_value_error_naming_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):

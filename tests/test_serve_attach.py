@@ -155,15 +155,23 @@ def test_a_pause_another_client_made_after_the_apps_own_stays_when_the_app_quits
         assert _until(lambda: app_side.connected)
         app_side.pause()
         assert _until(lambda: tiny_server.controller.state == "paused")
-        for command in ("resume", "pause"):  # another client, as curl would
-            assert httpx.post(control, json={"command": command}, headers=tiny_server.headers).json()["ok"]
+        # another client, as curl would; a resume says that it resumed (newcomer trial, issue 29: a
+        # successful resume answered only {"ok": true}, a refused one {"ok": true, "resumed": false})
+        assert httpx.post(control, json={"command": "resume"}, headers=tiny_server.headers).json() == {
+            "ok": True, "resumed": True}
+        assert httpx.post(control, json={"command": "pause"}, headers=tiny_server.headers).json() == {"ok": True}
         assert _until(lambda: tiny_server.controller.state == "paused")
         assert app_side.shutdown(timeout=2)
         time.sleep(0.3)
         assert tiny_server.controller.state == "paused", "the app's quit resumed another client's pause"
         # a resume naming an owner that does not hold the pause says so and changes nothing
         r = httpx.post(control, json={"command": "resume", "owner": "someone"}, headers=tiny_server.headers)
-        assert r.json() == {"ok": True, "resumed": False} and tiny_server.controller.state == "paused"
+        assert r.json()["resumed"] is False and "not made by this owner" in r.json()["reason"]
+        assert tiny_server.controller.state == "paused"
+        # ... and a resume naming the owner that holds it ends it, saying so
+        httpx.post(control, json={"command": "pause", "owner": "someone"}, headers=tiny_server.headers)
+        r = httpx.post(control, json={"command": "resume", "owner": "someone"}, headers=tiny_server.headers)
+        assert r.json() == {"ok": True, "resumed": True}
     finally:
         httpx.post(control, json={"command": "resume"}, headers=tiny_server.headers)
     assert _until(lambda: tiny_server.controller.state != "paused")

@@ -117,6 +117,24 @@ def test_app_connect_checks_the_server_and_its_key_first(tiny_server, capsys):
     assert isinstance(app.controller, RemoteController) and app.controller.url == tiny_server.url
 
 
+@pytest.mark.parametrize("url", ["not a url", "http://127.0.0.1:99999", "http://[::1", "http://h:x", "http://h:0", ""])
+@pytest.mark.parametrize("web", [False, True])
+def test_a_bad_connect_address_ends_with_one_line_and_status_2(capsys, url, web):
+    """Newcomer trial (issue 29): these ended in a traceback (InvalidURL, "Port out of range",
+    "Invalid IPv6 URL") with status 1, where ftp://x got one line and status 2."""
+    code, out, err = run_main(options.parse_args, capsys, *(["--web"] if web else []), "--connect", url)
+    assert code == 2 and "Traceback" not in err and err.count("\n") <= 2, err
+    assert f"--connect: {url!r} is not a server address" in err and "http://127.0.0.1:8000" in err
+
+
+def test_connect_takes_the_v1_address_serve_prints(tiny_server, capsys):
+    """serve's start-up line shows http://HOST:PORT/v1 first; --connect with it asked for /v1/v1/models."""
+    for url in (tiny_server.url + "/v1", tiny_server.url + "/v1/"):
+        args = options.parse_args(["--connect", url, "--api-key", tiny_server.api_key])
+        assert args.connect == url
+        assert RemoteController(url, tiny_server.api_key).url == tiny_server.url
+
+
 def test_web_passes_every_other_option_to_the_app():
     from nanovllm_tui.web import app_arguments
 
@@ -200,3 +218,57 @@ def test_connect_and_replay_are_refused_together_as_two_sources(capsys, tmp_path
     trace.write_text("")
     code, _, err = run_main(options.build_app, capsys, "--connect", "http://127.0.0.1:9", "--replay", str(trace))
     assert code == 2 and "give one of them" in err and "nanovllm serve" not in err
+
+
+def test_serve_answers_at_once_while_its_model_loads_and_connect_waits_for_it(make_tiny_engine, capsys):
+    """Newcomer trial (issue 29): while `nanovllm serve` loaded its model (20-40 s) the port was bound
+    but nothing answered (curl -m 5 /health timed out) and `nanovllm-tui --connect` said "cannot
+    reach ... is nanovllm serve running there?". Now /health says loading, every other path an
+    OpenAI 503, and --connect waits (saying so) until the model is ready."""
+    import asyncio
+    import threading
+    import types
+
+    from nanovllm_core.engine.controller import EngineController
+    from nanovllm_core.entrypoints.api_server import APIServer, LoadingGate, build_app
+    from nanovllm_tui.remote import ServerLoading, check_server
+    from tests.serve_helpers import free_socket
+
+    real = EngineController.from_engine(make_tiny_engine(num_kv_blocks=64))
+    loading = types.SimpleNamespace(state="loading", engine=None)  # serve's controller, as seen while it loads
+    ready = []
+    gate = LoadingGate(loading, lambda: build_app(real), on_ready=ready.append, poll_s=0.02)
+    sock = free_socket()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = APIServer(gate, log_level="warning", access_log=False)
+    server.start_in_thread(sock)
+    try:
+        r = httpx.get(url + "/health", timeout=5)
+        assert (r.status_code, r.json()) == (503, {"status": "loading"})
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/metrics")):
+            r = httpx.request(method, url + path, json={"prompt": "hi"} if method == "POST" else None, timeout=5)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading", (path, r.text)
+            assert "loading its model" in r.json()["error"]["message"] and r.headers["retry-after"] == "2"
+        with pytest.raises(ServerLoading, match="still loading its model; try again once it prints"):
+            check_server(url)
+        assert not ready
+
+        def finish_loading() -> None:
+            loading.engine, loading.state = real.engine, real.state
+
+        threading.Timer(1.0, finish_loading).start()
+        args = options.parse_args(["--connect", url + "/v1"])  # waits, saying so, then checks as usual
+        assert args.connect == url + "/v1"
+        err = capsys.readouterr().err
+        assert err.count("is loading its model; waiting for it (at most 180 s; Ctrl-C stops)") == 1, err
+        assert len(ready) == 1 and httpx.get(url + "/health", timeout=5).json() == {"status": "ok"}
+        assert check_server(url) == real.engine.model_name
+    finally:
+        server.stop()
+        real.shutdown(timeout=5)
+    # a model that fails to load stops the server (serve then reports the load error, status 2)
+    failed = []
+    broken = LoadingGate(types.SimpleNamespace(state="failed", engine=None), lambda: None,
+                         on_failed=lambda: failed.append(True))
+    asyncio.run(broken._open_when_ready())
+    assert failed == [True] and broken.app is None

@@ -69,8 +69,8 @@ REFUSED_ALIKE = [
     ("/v1/completions", {"prompt": "hi", "logprobs": 10**30}, "logprobs=1000000000000000000000000000000 is invalid"),
     ("/v1/completions", {"prompt": "hi", "best_of": 10**30}, "best_of"),
     ("/v1/completions", {"prompt": "hi", "seed": True}, "Invalid value for seed"),
-    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**30}, "max_tokens="),
-    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 10**30}, "logprobs="),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**30}, "max_completion_tokens="),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 10**30}, "top_logprobs="),
     # a newcomer's trial: a union field's error named one shape tried ("stop.str"), not the field
     ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop must be a string or a list of strings (got 5)"),
     ("/v1/completions", {"prompt": "hi", "stop": [5]}, "stop must be a string or a list of strings (got [5])"),
@@ -144,7 +144,7 @@ def test_text_offset_is_the_same_streamed_and_whole(tiny_server):
     p = Prepared("completion", "cmpl-test", ["x"], SamplingParams(logprobs=0), 0, True, False, False, False)
     sent, streamed = _Choice(), []
     for out in outputs:
-        choice = serving._delta(p, sent, 0, out)
+        choice = serving._delta(p, sent, 0, out, [1])
         if choice is not None:
             streamed += choice["logprobs"]["text_offset"]
     whole = _completion_logprobs(outputs[-1].logprobs, ids, 0, 0)["text_offset"]
@@ -218,7 +218,7 @@ def test_control_refuses_a_request_id_that_is_not_valid_unicode_and_a_huge_n(tin
     r = control(tiny_server, {"command": "submit", "prompt": "hi", "request_id": "\ud800", "params": {"max_tokens": 2}})
     assert r.status_code == 400 and "request_id is not valid Unicode" in r.json()["error"]["message"], r.text
     r = control(tiny_server, {"command": "submit", "prompt": "hi", "params": {"max_tokens": 2, "n": 1000000}})
-    assert r.status_code == 400 and "lower n or raise max_num_seqs" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and "lower params.n or raise max_num_seqs" in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.parametrize("body, message", [
@@ -339,7 +339,55 @@ def test_control_refuses_fields_a_command_does_not_take(tiny_server, body, messa
 def test_control_submit_params_are_checked_as_completions_checks_them(tiny_server):
     status, whole = post(tiny_server, "/v1/completions", {"prompt": "hi", "max_tokens": 99999})
     r = control(tiny_server, {"command": "submit", "prompt": "hi", "params": {"max_tokens": 99999}})
-    assert status == r.status_code == 400 and r.json()["error"]["message"] == whole["error"]["message"], r.text
+    assert status == r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == whole["error"]["message"].replace("max_tokens", "params.max_tokens")
+    assert (whole["error"]["param"], r.json()["error"]["param"]) == ("max_tokens", "params.max_tokens")
+
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+# Newcomer trial (issue 29): each error names the field the client sent, in param and in the message
+# (top_logprobs=21 was reported as logprobs=21), and a string or number where OpenAI and vLLM take
+# a number or a boolean is refused, not coerced ("temperature": "0.5" and "stream": "yes" passed).
+FIELD_AT_FAULT = [
+    (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs=21"),
+    (CHAT, {"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens=0"),
+    (CHAT, {"messages": MESSAGES, "max_completion_tokens": 600}, "max_completion_tokens", "or max_completion_tokens"),
+    (CHAT, {"messages": MESSAGES, "max_tokens": 600}, "max_tokens", "or max_tokens."),
+    (CHAT, {"messages": MESSAGES, "max_completion_tokens": 3, "min_tokens": 5}, "min_tokens",
+     "min_tokens=5 is invalid: must be <= max_completion_tokens (3)"),
+    ("/v1/engine/control", {"command": "submit", "prompt": "hi", "params": {"max_tokens": 3, "min_tokens": 5}},
+     "params.min_tokens", "params.min_tokens=5 is invalid: must be <= params.max_tokens (3)"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "logprobs=21"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "0.5"}, "temperature", "Invalid value for temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": "1"}, "top_p", "Invalid value for top_p"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream", "Invalid value for stream"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2.0}, "max_tokens", "Invalid value for max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "ignore_eos": 1}, "ignore_eos", "Invalid value for ignore_eos"),
+    ("/v1/completions", {"prompt": [1, "2"]}, "prompt", "Invalid value for prompt"),
+    ("/v1/completions", {"prompt": [1.0, 2.0]}, "prompt", "Invalid value for prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": ["2"]}, "stop_token_ids.0", "stop_token_ids"),
+    (CHAT, {"messages": MESSAGES, "logprobs": "true"}, "logprobs", "Invalid value for logprobs"),
+    (CHAT, {"messages": MESSAGES, "stream": "yes"}, "stream", "Invalid value for stream"),
+    (CHAT, {"messages": MESSAGES, "stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage", "Invalid value for stream_options.include_usage"),
+    ("/v1/engine/control", {"command": "submit", "prompt": "hi", "params": {"temperature": "0.5"}},
+     "params.temperature", "params.temperature='0.5' is invalid"),
+    ("/v1/engine/control", {"command": "submit", "prompt": "hi", "params": {"ignore_eos": "no"}},
+     "params.ignore_eos", "params.ignore_eos='no' is invalid: must be true or false"),
+    ("/v1/engine/control", {"command": "submit", "prompt": "hi", "params": {"logprobs": 21}},
+     "params.logprobs", "params.logprobs=21"),
+    ("/v1/engine/control", {"command": "submit", "prompt": "hi", "params": {"temprature": 0}},
+     "params.temprature", "unknown field(s) temprature"),
+    ("/v1/engine/control", {"command": "submit", "prompt": "hi", "params": [1]}, "params", "params must be an object"),
+    ("/v1/engine/control", {"command": "xray", "layer": "0"}, "layer", "layer is '0'"),
+    ("/v1/engine/control", {"command": "xray", "request_id": 5}, "request_id", "request_id is 5"),
+]
+
+
+@pytest.mark.parametrize("path, body, param, message", FIELD_AT_FAULT)
+def test_a_refusal_names_the_field_the_client_sent(tiny_server, path, body, param, message):
+    status, answer = post(tiny_server, path, body)
+    assert status == 400 and answer["error"]["param"] == param and message in answer["error"]["message"], answer
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/engine/control"])
@@ -352,10 +400,10 @@ def test_health_answers_while_a_request_is_being_prepared(tiny_server, monkeypat
     entered, release = threading.Event(), threading.Event()
     check = serving.check_prompt
 
-    def held(prompt, params):
+    def held(prompt, params, names=None):
         entered.set()
         release.wait(60)
-        return check(prompt, params)
+        return check(prompt, params, names)
 
     monkeypatch.setattr(serving, "check_prompt", held)
     body = {"command": "submit", "prompt": "hi", "params": {"max_tokens": 1}} if path.endswith("control") else (

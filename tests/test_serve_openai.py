@@ -59,6 +59,9 @@ def test_streamed_completion_concatenates_to_the_same_text(client, reference):
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == ref.outputs[0].text
     assert [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]] == ref.outputs[0].token_ids
+    # the prompt's ids come once, with the choice's first chunk (vLLM's return_token_ids)
+    assert chunks[0].choices[0].model_extra["prompt_token_ids"] == ref.prompt_token_ids
+    assert not any("prompt_token_ids" in c.choices[0].model_extra for c in chunks[1:] if c.choices)
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
     assert chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
@@ -68,14 +71,20 @@ def test_chat_whole_and_streamed_equal_llm_chat(client, reference):
     messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name a colour."}]
     ref = reference.chat(messages, greedy(8, ignore_eos=True), use_tqdm=False)[0]
     whole = client.chat.completions.create(model=model_name(client), messages=messages, max_tokens=8,
-                                           temperature=0, extra_body={"ignore_eos": True})
+                                           temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].message.content == ref.outputs[0].text
     assert whole.usage.prompt_tokens == len(ref.prompt_token_ids) and whole.usage.completion_tokens == 8
+    # return_token_ids: vLLM puts a chat's prompt ids on the response, the generated ones on the choice
+    assert whole.model_extra["prompt_token_ids"] == ref.prompt_token_ids
+    assert whole.choices[0].model_extra["token_ids"] == ref.outputs[0].token_ids
     stream = client.chat.completions.create(messages=messages, model=whole.model, max_completion_tokens=8,
-                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
+                                            temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True})
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].model_extra["prompt_token_ids"] == ref.prompt_token_ids  # the first chunk only, as vLLM
+    assert not any("prompt_token_ids" in c.model_extra for c in chunks[1:])
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.outputs[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
 
@@ -92,6 +101,7 @@ def test_raw_http_several_prompts_n_and_logprobs(tiny_server, reference):
     for i, choice in enumerate(data["choices"]):
         ref = want[i // 2].outputs[0]  # greedy: both samples of a prompt are the same
         assert choice["token_ids"] == ref.token_ids and choice["text"] == ref.text
+        assert choice["prompt_token_ids"] == want[i // 2].prompt_token_ids
         lp = choice["logprobs"]
         assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
         assert all(len(top) <= 3 for top in lp["top_logprobs"])
@@ -130,7 +140,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_token": 3}, 400, "Unrecognized request argument supplied: max_token"),
     ("/v1/completions", {"max_tokens": 3}, 400, "Missing required parameter: prompt"),
-    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 400, "The model `gpt-4` does not exist"),
+    # 404, as OpenAI and vLLM answer (it was 400: newcomer trial, issue 29)
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "The model `gpt-4` does not exist"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404,
+     "The model `gpt-4` does not exist"),
     ("/v1/completions", {"prompt": "word " * 600}, 400, "maximum context length is 512 tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 600}, 400, "maximum context length is 512 tokens"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt is empty"),
@@ -180,6 +193,27 @@ def test_api_key_is_required_on_v1_but_not_on_health(tiny_server):
         openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(tiny_server.url + "/health").status_code == 200
     assert tiny_server.controller.state != "paused"  # the refused pause did nothing
+
+
+def test_an_empty_api_key_is_no_key_on_every_path(tiny_server, monkeypatch):
+    """Newcomer trial (issue 29): `nanovllm serve --api-key ""` refused every client that sent a key
+    (401) while its start-up line and the 0.0.0.0 warning said there was none."""
+    from starlette.testclient import TestClient
+
+    from nanovllm_core.entrypoints import cli as serve_cli
+    from nanovllm_core.entrypoints.api_server import bind_warning, build_app
+    from nanovllm_tui import options
+
+    monkeypatch.delenv("NANOVLLM_API_KEY", raising=False)
+    assert serve_cli.build_parser().parse_args(["--api-key", ""]).api_key is None
+    assert options.build_parser().parse_args(["--api-key", ""]).api_key is None
+    monkeypatch.setenv("NANOVLLM_API_KEY", "")
+    assert serve_cli.build_parser().parse_args([]).api_key is None
+    assert bind_warning("0.0.0.0", None) is not None  # the warning says what the server does: no key
+    http = TestClient(build_app(tiny_server.controller, api_key=""))  # no lifespan: /v1/models needs none
+    for headers in ({}, {"Authorization": "Bearer anything"}):
+        r = http.get("/v1/models", headers=headers)
+        assert r.status_code == 200 and r.json()["data"][0]["id"], r.text
 
 
 def test_models_lists_the_served_model(client, tiny_server):

@@ -10,6 +10,7 @@ Imports only the standard library at import time (torch waits until an engine is
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -35,6 +36,17 @@ def tcp_port(text: str) -> int:
     if value > 65535:
         raise argparse.ArgumentTypeError(f"a TCP port is 1 to 65535, got {value}")
     return value
+
+
+def api_key(text: str) -> str | None:
+    """``--api-key``: the key, or None for an empty one (no key, as an empty ``$NANOVLLM_API_KEY``
+    already means): a server that required the empty key would refuse every client that sends one."""
+    return text or None
+
+
+def api_key_default() -> str | None:
+    """``$NANOVLLM_API_KEY``, None when unset or empty."""
+    return os.environ.get("NANOVLLM_API_KEY") or None
 
 
 def positive_int(text: str) -> int:

@@ -77,7 +77,7 @@ class SamplingParams:
             (0 to 20) plus the chosen one's, with ranks, under the model's raw distribution.
         skip_special_tokens: leave special tokens out of the decoded text.
 
-    Integer fields take ints, never bools; the counts (``n``, ``top_k``, ``max_tokens``,
+    Integer fields take ints, never bools; the flags take bools only; the counts (``n``, ``top_k``, ``max_tokens``,
     ``min_tokens``) are at most ``COUNT_MAX`` (2**31 - 1).
     """
 
@@ -115,6 +115,9 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise bad(name, "must be a number")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):  # "no" would be truthy: a flag is true or false
+                raise bad(name, "must be true or false")
         def is_int(value: object, low: int, high: int = COUNT_MAX) -> bool:
             return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
+import sys
 from typing import Sequence
 
 from nanovllm_core.cli import build_parser as build_engine_parser
 from nanovllm_core.cli import engine_kwargs, sampling_params, tcp_port
+from nanovllm_core.cli_args import api_key, api_key_default
 from nanovllm_tui.bridge import DEFAULT_FPS
 
 DEFAULT_KV_BLOCKS = 512  # 8,192 tokens at block size 16: room to play, and a block map that fits a screen
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--connect", metavar="URL", default=None,
                    help="watch and drive the engine of a running `nanovllm serve` (e.g. http://127.0.0.1:8000) "
                         "instead of loading a model here")
-    r.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY") or None,
+    r.add_argument("--api-key", type=api_key, default=api_key_default(),
                    help="with --connect: the server's --api-key (default: $NANOVLLM_API_KEY)")
     r.add_argument("--web", action="store_true",
                    help="serve this app to web browsers (textual-serve), one app per visitor; "
@@ -67,7 +68,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--fps must be between 1 and 60, got {args.fps}")
     if args.trace_xray and not args.trace:
         parser.error("--trace-xray records into the --trace file; add --trace FILE.jsonl")
-    if args.replay and args.connect:
+    if args.replay and args.connect is not None:
         parser.error("--replay and --connect are two sources for the app: play a recording, or watch a running "
                      "server; give one of them")
     if args.replay:
@@ -81,7 +82,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(str(e))
     if (args.host is not None or args.port is not None) and not args.web:
         parser.error("--host and --port are where --web listens; add --web (the server you attach to is --connect URL)")
-    if args.connect:
+    if args.connect is not None:  # "" too: an empty address is refused, not read as "no --connect"
         check_connect(parser, args, given_options(argv, SERVER_SIDE))
     if args.replay:
         from nanovllm_tui.replay import load_trace
@@ -113,9 +114,13 @@ SERVER_SIDE = ("model", "device", "dtype", "quantization", "scheduling_policy", 
                "tp_master_addr", "tp_master_port", "tp_local_ranks", "tp_rendezvous_timeout", "paused")
 
 
+LOADING_WAIT_S = 180  # how long --connect waits for a server still loading its model (a real one takes 20-40 s)
+
+
 def check_connect(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Sequence[str] = ()) -> None:
     """``--connect``: no engine options of our own (``given``: those the command line gives), and a
-    server that answers with the right key (else status 2)."""
+    server that answers with the right key (else status 2). A server still loading its model is
+    waited for (one line says so), at most ``LOADING_WAIT_S`` seconds."""
     from nanovllm_tui.remote import RemoteError, check_server
 
     for name in given:
@@ -126,10 +131,16 @@ def check_connect(parser: argparse.ArgumentParser, args: argparse.Namespace, giv
         else:
             tail = f"the server chose it when it started; set it there: `nanovllm serve {option}`"
         parser.error(f"{option} cannot be used with --connect: the server runs the engine ({tail})")
+    def waiting() -> None:
+        print(f"{parser.prog}: the server at {args.connect} is loading its model; waiting for it (at most "
+              f"{LOADING_WAIT_S} s; Ctrl-C stops)", file=sys.stderr, flush=True)
+
     try:
-        check_server(args.connect, args.api_key)
+        check_server(args.connect, args.api_key, wait_loading_s=LOADING_WAIT_S, on_loading=waiting)
     except RemoteError as e:
         parser.error(f"--connect: {e}")
+    except KeyboardInterrupt:
+        parser.exit(130, f"{parser.prog}: stopped while waiting for the server at {args.connect} to load its model\n")
 
 
 def build_app(argv: Sequence[str] | None = None):

@@ -27,6 +27,7 @@ import queue
 import secrets
 import socket
 import threading
+import time
 import traceback
 import urllib.parse
 from dataclasses import dataclass
@@ -50,6 +51,10 @@ class RemoteError(Exception):
     """The server refused or could not be reached; the message says what to do."""
 
 
+class ServerLoading(RemoteError):
+    """The server is up but still loading its model (503, code ``model_loading``): ask again soon."""
+
+
 @dataclass
 class RemoteSubscription:
     """A local listener and the detail it wants; the stream asks the server for the most any wants."""
@@ -67,12 +72,26 @@ class _Server:
     """Where the server is and how to talk to it (one short-lived HTTP connection per call)."""
 
     def __init__(self, url: str, api_key: str | None, timeout: float) -> None:
-        parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+        example = "give one like http://127.0.0.1:8000"
+        try:
+            parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+            port = parts.port  # ValueError: not a number, or outside 0-65535
+        except ValueError as e:
+            raise RemoteError(f"{quoted(url)} is not a server address ({e}); {example}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise RemoteError(f"{quoted(url)} is not a server address; give one like http://127.0.0.1:8000")
-        self.url = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
-        self.scheme, self.host, self.port = parts.scheme, parts.hostname, parts.port
-        self.base = parts.path.rstrip("/")
+            raise RemoteError(f"{quoted(url)} is not a server address; {example}")
+        if port == 0:
+            raise RemoteError(f"{quoted(url)} is not a server address (port 0); {example}")
+        bad = [c for c in parts.netloc if c.isspace() or ord(c) < 32 or ord(c) == 127]
+        if bad:  # http.client refuses such a host only when it connects (InvalidURL)
+            raise RemoteError(f"{quoted(url)} is not a server address (it contains {bad[0]!r}); {example}")
+        # `nanovllm serve` prints its address as http://HOST:PORT/v1 (OpenAI clients' base URL); the
+        # routes this controller asks for (/v1/models, /v1/engine/...) already start with /v1.
+        path = parts.path.rstrip("/")
+        path = path[:-3] if path.endswith("/v1") else path
+        self.url = f"{parts.scheme}://{parts.netloc}{path}"
+        self.scheme, self.host, self.port = parts.scheme, parts.hostname, port
+        self.base = path
         self.api_key = api_key
         self.timeout = timeout
 
@@ -87,10 +106,14 @@ class _Server:
         return h
 
     def refusal(self, status: int, body: bytes) -> RemoteError:
+        code = None
         try:
-            message = json.loads(body)["error"]["message"]
-        except (ValueError, KeyError, TypeError):
+            error = json.loads(body)["error"]
+            message, code = error["message"], error.get("code")
+        except (ValueError, KeyError, TypeError, AttributeError):
             message = body.decode("utf-8", "replace").strip()[:200] or http.client.responses.get(status, "")
+        if status == 503 and code == "model_loading":
+            return ServerLoading(f"the server at {self.url} is still loading its model")
         if status == 401:
             hint = "pass --api-key KEY" if not self.api_key else "the key given with --api-key is not the server's"
             return RemoteError(f"the server at {self.url} refused the API key ({hint})")
@@ -126,13 +149,33 @@ def _reason(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
-def check_server(url: str, api_key: str | None = None, timeout: float = 5.0) -> str:
+def check_server(url: str, api_key: str | None = None, timeout: float = 5.0, wait_loading_s: float = 0.0,
+                 on_loading: Callable[[], None] | None = None, poll_s: float = 1.0) -> str:
     """The name of the model served at ``url`` (its ``/v1/models``), checking the key on the way.
 
+    A server still loading its model (``nanovllm serve`` answers 503 ``model_loading`` meanwhile)
+    is asked again every ``poll_s`` seconds for up to ``wait_loading_s`` seconds; ``on_loading``
+    is called once, when the first such answer comes (to say that it waits).
+
     Raises:
-        RemoteError: not a server address, unreachable, or the key is missing or wrong.
+        RemoteError: not a server address, unreachable, the key is missing or wrong, or
+            (:class:`ServerLoading`) still loading after ``wait_loading_s`` seconds.
     """
-    models = _Server(url, api_key, timeout).request("GET", "/v1/models")
+    server = _Server(url, api_key, timeout)
+    deadline, told = time.monotonic() + wait_loading_s, False
+    while True:
+        try:
+            models = server.request("GET", "/v1/models")
+            break
+        except ServerLoading as e:
+            if time.monotonic() >= deadline:
+                waited = f" after {wait_loading_s:g} s" if wait_loading_s else ""
+                raise ServerLoading(f"{e}{waited}; try again once it prints its start-up line "
+                                    "(GET /health answers {\"status\": \"ok\"} then)") from None
+            if not told and on_loading is not None:
+                on_loading()
+            told = True
+            time.sleep(poll_s)
     try:
         return models["data"][0]["id"]
     except (KeyError, IndexError, TypeError):

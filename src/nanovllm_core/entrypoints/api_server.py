@@ -6,7 +6,7 @@ Endpoints (OpenAI's and vLLM's shapes):
 |---|---|
 | ``POST /v1/completions``, ``POST /v1/chat/completions`` | generate, whole or streamed (``stream: true``, SSE, ``data: [DONE]`` last) |
 | ``GET /v1/models`` | the one model served |
-| ``GET /health`` | 200 while the engine thread serves (paused too: body ``{"status": "paused"}``), else 503 |
+| ``GET /health`` | 200 while the engine thread serves (paused too: body ``{"status": "paused"}``), else 503 (``"loading"`` while the model loads: :class:`LoadingGate`) |
 | ``GET /metrics`` | Prometheus text, vLLM's metric names (``metrics.py``), and ``nanovllm:engine_paused`` |
 | ``GET /v1/engine/events`` | the engine's event stream for attached apps (``event_hub.py``) |
 | ``POST /v1/engine/control`` | pause, resume, step, abort, submit, xray, snapshot |
@@ -19,8 +19,8 @@ are aborted and their streams end at once with ``finish_reason: "abort"`` and ``
 waiting for the engine's step in progress), and the process exits within a few seconds.
 
 Why past ~400 lines: it is the route table of the OpenAI server, each route with its
-validation before the first byte; the request/response shapes live in protocol.py and
-openai_serving.py.
+validation before the first byte, and the gate that answers while the model loads; the
+request/response shapes live in protocol.py and openai_serving.py.
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
 
     Args:
         model_name: the name clients send as ``model`` (default: the engine's model name).
-        api_key: when set, every ``/v1`` request needs ``Authorization: Bearer <api_key>``.
+        api_key: when set, every ``/v1`` request needs ``Authorization: Bearer <api_key>``; an
+            empty one is no key (as ``--api-key ""`` and an empty ``$NANOVLLM_API_KEY`` are).
         max_body_bytes: a larger request body is refused with 413 before it is parsed
             (default :func:`default_max_body_bytes` of the model's ``max_model_len``).
 
@@ -128,6 +129,7 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
     """
     if controller.engine is None:
         raise ValueError(f"the engine is not ready (state {controller.state!r}); wait for the model to load")
+    api_key = api_key or None  # "" would refuse every client that sends a key, and let in only those that send none
     state = ServerState(controller, model_name or controller.engine.model_name, api_key, max_body_bytes)
 
     @asynccontextmanager
@@ -329,6 +331,10 @@ async def engine_stats(controller: Any, timeout: float = 10.0) -> dict[str, Any]
 def _control(state: ServerState, body: Any) -> dict[str, Any]:
     """Apply one control command (``{"command": ...}``) to the controller; every watcher sees its effect.
 
+    Answers ``{"ok": true}``; ``resume`` adds ``"resumed"``: true when the engine runs on, false
+    (with a ``"reason"``) when it names an ``owner`` that does not hold the pause, which stays;
+    ``submit`` adds the ``"request_id"``.
+
     Raises:
         APIError: an unknown command or a bad argument (400); an abort or xray of a request id
             the server does not know (404; for xray, one neither live nor among the lately ended).
@@ -354,9 +360,13 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
         c.pause()
     elif name == "resume":
         if "owner" in body and _text(body, "owner") != state.pause_owner:
-            return {"ok": True, "resumed": False}  # the pause held now is someone else's: kept
+            # the pause held now is someone else's: kept, and the answer says so
+            return {"ok": True, "resumed": False,
+                    "reason": "the pause held now was not made by this owner; it stays until its owner, or a "
+                              "resume without owner, ends it"}
         state.pause_owner = None
         c.resume()
+        return {"ok": True, "resumed": True}  # running again (also when it was not paused)
     elif name == "step":
         n = body.get("n", 1)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -377,9 +387,11 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
     elif name == "xray":
         rid = body.get("request_id")
         layer, head = body.get("layer", 0), body.get("head", 0)
-        if (rid is not None and not isinstance(rid, str)) or not all(
-                isinstance(v, int) and not isinstance(v, bool) for v in (layer, head)):
-            raise APIError("xray needs request_id (text or null), layer and head (integers)", param="xray")
+        wrong = [k for k, ok in (("request_id", rid is None or isinstance(rid, str)),
+                                 ("layer", _is_int(layer)), ("head", _is_int(head))) if not ok]
+        if wrong:
+            raise APIError(f"xray needs request_id (text or null), layer and head (integers); {wrong[0]} is "
+                           f"{body[wrong[0]]!r}", param=wrong[0])
         if rid is not None:
             with state.control_lock:  # a prompt submitted here and not yet added by the engine counts too
                 known = rid in state.control_ids
@@ -393,6 +405,10 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
     else:  # submit
         return {"ok": True, "request_id": _control_submit(state, body)}
     return {"ok": True}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _text(body: dict, key: str) -> str:
@@ -423,21 +439,26 @@ def _control_submit(state: ServerState, body: dict) -> str:
         raise APIError("submit needs prompt: text, a list of token ids, or a list of chat messages "
                        "({\"role\": ..., \"content\": text}, rendered with the model's chat template)", param="prompt")
     fields = body.get("params") or {}
-    known = {f.name for f in dataclasses.fields(SamplingParams)}
-    unknown = sorted(set(fields) - known) if isinstance(fields, dict) else ["<not an object>"]
+    if not isinstance(fields, dict):
+        raise APIError(f"params must be an object of SamplingParams fields, got {fields!r}", param="params")
+    known = [f.name for f in dataclasses.fields(SamplingParams)]
+    names = {name: f"params.{name}" for name in known}  # errors name the field as sent: params.temperature
+    unknown = sorted(set(fields) - set(known))
     if unknown:
         raise APIError(f"params has unknown field(s) {', '.join(unknown)}; use SamplingParams field names",
-                       param="params")
+                       param=f"params.{unknown[0]}", code="unknown_parameter")
     try:
         params = SamplingParams(**fields)
     except (TypeError, ValueError) as e:
-        raise APIError(str(e).removeprefix("SamplingParams."), param="params") from None
+        message = str(e).removeprefix("SamplingParams.")
+        field = message.split("=", 1)[0].split(" ", 1)[0]
+        raise APIError(message, param=field if field in names else "params").renamed(names) from None
     priority = body.get("priority", 0)
     try:
         check_priority(priority)
     except ValueError as e:
         raise APIError(str(e), param="priority", code="invalid_value") from None
-    state.serving.check_prompt(prompt, params)  # exactly what /v1/completions refuses, refused here too
+    state.serving.check_prompt(prompt, params, names)  # exactly what /v1/completions refuses, refused here too
     if body.get("request_id") is None:
         rid = f"ctl-{uuid.uuid4().hex}"
     else:
@@ -461,6 +482,80 @@ def _control_submit(state: ServerState, body: dict) -> str:
     return rid
 
 
+# ---------------------------------------------------------------------- loading
+
+
+class LoadingGate:
+    """The ASGI app ``nanovllm serve`` runs from the moment its port is bound: while the model
+    loads (tens of seconds for a real one) it answers at once rather than leaving clients hanging
+    on a bound port: ``GET /health`` 503 ``{"status": "loading"}``, every other path 503 with
+    OpenAI's error body (code ``model_loading``, a ``Retry-After`` header). Once the controller
+    is ready it builds the real app with ``make_app`` (in a worker thread), starts its event hub,
+    calls ``on_ready(app)`` and hands every request to it. A load that fails calls ``on_failed()``
+    (the command stops the server and reports the error).
+
+    It owns the lifespan: the real app's own lifespan never runs under it; its hub is started
+    here and shut down with :meth:`ServerState.begin_shutdown`.
+    """
+
+    def __init__(self, controller: Any, make_app: Any, on_ready: Any = None, on_failed: Any = None,
+                 poll_s: float = 0.05) -> None:
+        self.controller = controller
+        self.make_app, self.on_ready, self.on_failed, self.poll_s = make_app, on_ready, on_failed, poll_s
+        self.app: FastAPI | None = None
+        self._watch: asyncio.Task | None = None
+
+    @property
+    def server_state(self) -> ServerState | None:
+        return None if self.app is None else self.app.state.server
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        elif self.app is not None:
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http":
+            await self._loading(scope, receive, send)
+        # a websocket while loading: not accepted (closing the scope without an answer refuses it)
+
+    async def _loading(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["path"] == "/health":
+            response: Response = JSONResponse({"status": "loading"}, status_code=503)
+        else:
+            message = ("the server is loading its model; try again in a few seconds (GET /health answers "
+                       "{\"status\": \"ok\"} once it serves)")
+            response = JSONResponse(APIError(message, status=503, type="server_error", code="model_loading").body(),
+                                    status_code=503, headers={"Retry-After": "2"})
+        await response(scope, receive, send)
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self._watch = asyncio.get_running_loop().create_task(self._open_when_ready())
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self._watch is not None:
+                    self._watch.cancel()
+                if self.server_state is not None:
+                    self.server_state.begin_shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _open_when_ready(self) -> None:
+        while self.controller.state == "loading":
+            await asyncio.sleep(self.poll_s)
+        if self.controller.state == "failed" or self.controller.engine is None:
+            if self.on_failed is not None:
+                self.on_failed()
+            return
+        app = await run_in_threadpool(self.make_app)
+        app.state.server.hub.start()  # on the event loop, as the app's own lifespan would
+        self.app = app
+        if self.on_ready is not None:
+            self.on_ready(app)
+
+
 # ---------------------------------------------------------------------- running
 
 
@@ -481,24 +576,28 @@ def bind_warning(host: str, api_key: str | None) -> str | None:
 
 
 class APIServer:
-    """uvicorn running :func:`build_app` on a socket already bound.
+    """uvicorn running :func:`build_app` (or a :class:`LoadingGate` in front of it) on a socket already bound.
 
     The first Ctrl-C / SIGTERM aborts in-flight requests and ends event streams at once,
     then uvicorn closes connections (waiting at most ``graceful_s`` seconds).
     """
 
-    def __init__(self, app: FastAPI, log_level: str = "info", access_log: bool = True, graceful_s: float = 3.0) -> None:
+    def __init__(self, app: FastAPI | LoadingGate, log_level: str = "info", access_log: bool = True,
+                 graceful_s: float = 3.0) -> None:
         import uvicorn
 
         self.app = app
-        state: ServerState = app.state.server
+
+        def state() -> ServerState | None:  # a gate has none until the model has loaded
+            return app.server_state if isinstance(app, LoadingGate) else app.state.server
+
         config = uvicorn.Config(app, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=graceful_s,
                                 lifespan="on")
 
         class _Server(uvicorn.Server):
             def handle_exit(self, sig: int, frame: Any) -> None:
-                if not self.should_exit:
-                    state.begin_shutdown()
+                if not self.should_exit and state() is not None:
+                    state().begin_shutdown()
                 super().handle_exit(sig, frame)
                 # uvicorn raises a caught signal again once it has stopped; the shutdown it asked
                 # for is done by then, and the command should end normally (status 0).

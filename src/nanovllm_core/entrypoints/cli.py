@@ -2,15 +2,16 @@
 
     nanovllm serve [--model M] [engine options as for nanovllm] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
 
-The port is bound before the model loads, so a port in use is reported at once; a model
-that cannot load ends the command with one line. Bad options end with status 2.
+The port is bound and served before the model loads, so a port in use is reported at once and
+a client gets an answer at once (503 ``{"status": "loading"}`` on ``/health``) while the model
+loads; a model that cannot load ends the command with one line. Bad options end with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import os
+import logging
 import socket
 import sys
 import time
@@ -20,6 +21,8 @@ from nanovllm_core.cli_args import (
     _Parser,
     add_engine_arguments,
     add_model_arguments,
+    api_key,
+    api_key_default,
     engine_kwargs,
     positive_int,
     tcp_port,
@@ -47,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
     s.add_argument("--port", type=tcp_port, default=8000, help="TCP port (default 8000)")
-    s.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOVLLM_API_KEY, else none)")
+    s.add_argument("--api-key", type=api_key, default=api_key_default(),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOVLLM_API_KEY, else none; "
+                        "an empty KEY is none)")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model's own name)")
     s.add_argument("--paused", action="store_true",
@@ -73,8 +77,8 @@ def listen(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=2048)
 
 
-def load(args: argparse.Namespace, parser: argparse.ArgumentParser):
-    """Start the engine thread and wait for the model; print each loading stage on stderr."""
+def start_loading(args: argparse.Namespace):
+    """Start the engine thread loading the model (returns at once); each loading stage is printed on stderr."""
     from nanovllm_core import events as ev
     from nanovllm_core.engine.controller import EngineController
 
@@ -85,11 +89,17 @@ def load(args: argparse.Namespace, parser: argparse.ArgumentParser):
             seen.add(event.stage)
             print(f"nanovllm serve: {event.stage}...", file=sys.stderr, flush=True)
 
+    kwargs = engine_kwargs(args)
+    controller = EngineController(kwargs.pop("model"), start_paused=args.paused, **kwargs)
+    controller.subscribe(progress, topk=0, blocks=False)
+    return controller
+
+
+def load(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """Start the engine thread and wait for the model (status 2 and one line if it cannot load)."""
     controller = None
     try:
-        kwargs = engine_kwargs(args)
-        controller = EngineController(kwargs.pop("model"), start_paused=args.paused, **kwargs)
-        controller.subscribe(progress, topk=0, blocks=False)
+        controller = start_loading(args)
         while controller.state == "loading":
             time.sleep(0.05)
     except KeyboardInterrupt:
@@ -103,9 +113,12 @@ def load(args: argparse.Namespace, parser: argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Bind the port, serve at once (503 ``loading`` while the model loads: ``LoadingGate``), then
+    the OpenAI API until Ctrl-C / SIGTERM. Status 2 and one line for bad options, a port in use or
+    a model that cannot load."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    from nanovllm_core.entrypoints.api_server import APIServer, bind_warning, build_app
+    from nanovllm_core.entrypoints.api_server import APIServer, LoadingGate, bind_warning, build_app
 
     try:
         sock = listen(args.host, args.port)
@@ -114,29 +127,55 @@ def main(argv: Sequence[str] | None = None) -> int:
     warning = bind_warning(args.host, args.api_key)
     if warning:
         print(warning, file=sys.stderr, flush=True)
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"http://{shown}:{args.port}"
     try:
-        controller = load(args, parser)
+        controller = start_loading(args)
     except KeyboardInterrupt:
+        sock.close()
         return 130
-    # What exists now (torch, the model, the tokenizer: ~10^5 objects) lives as long as the server:
-    # keep it out of the garbage collector's full passes, which would otherwise stall requests for
-    # hundreds of ms now and then, and take seconds more when the process exits.
-    gc.freeze()
-    try:
-        app = build_app(controller, model_name=args.served_model_name, api_key=args.api_key,
-                        max_body_bytes=args.max_body_bytes)
-        shown = f"[{args.host}]" if ":" in args.host else args.host
-        url = f"http://{shown}:{args.port}"
+
+    def make_app():
+        # What exists now (torch, the model, the tokenizer: ~10^5 objects) lives as long as the server:
+        # keep it out of the garbage collector's full passes, which would otherwise stall requests for
+        # hundreds of ms now and then, and take seconds more when the process exits.
+        gc.freeze()
+        return build_app(controller, model_name=args.served_model_name, api_key=args.api_key,
+                         max_body_bytes=args.max_body_bytes)
+
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_level = logging.INFO
+
+    def ready(app) -> None:
         from nanovllm_core.model.quantization import describe_weights  # torch is loaded by now
+
+        uvicorn_log.setLevel(uvicorn_level)
 
         model = controller.engine.model
         print(startup_line(app.state.server.model_name, f"{model.quantization or 'float'} weights: "
                            f"{describe_weights(model)}", url, api_key=bool(args.api_key), paused=args.paused),
               file=sys.stderr, flush=True)
-        APIServer(app, log_level=args.log_level, access_log=not args.no_access_log).run(sock)
+
+    server: APIServer | None = None
+
+    def failed() -> None:  # the server stops; the error is reported below, once it has
+        server.server.should_exit = True
+
+    try:
+        # Serving starts before the model has loaded: /health answers {"status": "loading"} at once.
+        server = APIServer(LoadingGate(controller, make_app, on_ready=ready, on_failed=failed),
+                           log_level=args.log_level, access_log=not args.no_access_log)
+        uvicorn_level = uvicorn_log.level  # as the APIServer's config set it (--log-level)
+        # uvicorn's own start-up lines wait for the model (ready() restores the level): a model that
+        # cannot load still ends the command with one line, not uvicorn's start and stop lines first.
+        uvicorn_log.setLevel(max(uvicorn_level, logging.WARNING))
+        server.run(sock)
     finally:
+        state = controller.state
         controller.shutdown(timeout=2.0)
         sock.close()
+    if state == "failed":
+        parser.error(f"model failed to load: {controller.load_error}")
     return 0
 
 

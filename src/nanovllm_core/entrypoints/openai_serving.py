@@ -87,14 +87,16 @@ class OpenAIServing:
     # ------------------------------------------------------------------ checking
 
     def check_model(self, model: str | None) -> None:
-        """Raises: APIError (400) when ``model`` names another model."""
+        """Raises: APIError (404, as OpenAI and vLLM's ``_check_model`` answer) when ``model`` names another model."""
         if model is not None and model != self.model_name:
             raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}` "
-                           "(GET /v1/models lists it)", param="model", code="model_not_found")
+                           "(GET /v1/models lists it)", status=404, param="model", code="model_not_found")
 
-    def check_prompt(self, prompt: str | list[int], params: Any) -> list[int]:
+    def check_prompt(self, prompt: str | list[int], params: Any, names: dict[str, str] | None = None) -> list[int]:
         """Everything the engine would refuse ``prompt`` for, checked before any answer starts, so
         a streamed request gets the same 400 as a whole one. Returns the prompt's token ids.
+        ``names``: the request field behind each ``SamplingParams`` field named otherwise
+        (:meth:`APIError.renamed`), so the error names what the client sent.
 
         Raises:
             APIError: 400 naming the field (text that is not valid Unicode, an empty prompt, a
@@ -113,10 +115,13 @@ class OpenAIServing:
             raise APIError(f"prompt holds a token id outside the vocabulary (0..{vocab - 1})", param="prompt")
         if not ids:
             raise APIError("prompt is empty; send at least one token of text", param="prompt")
-        check_length(len(ids), params.max_tokens, self.max_model_len)
+        try:
+            check_length(len(ids), params.max_tokens, self.max_model_len)
+        except APIError as e:
+            raise e.renamed(names) from None
         problem = engine.request_problem(ids, params)
         if problem is not None:
-            raise APIError(problem[1], param=problem[0])
+            raise APIError(problem[1], param=problem[0]).renamed(names)
         return ids
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
@@ -144,7 +149,7 @@ class OpenAIServing:
             raise
         except Exception as e:  # no template, or one that refuses this conversation
             raise APIError(f"the chat template could not render these messages: {e}", param="messages") from None
-        self.check_prompt(ids, params)
+        self.check_prompt(ids, params, req.field_names())
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], params, req.priority, req.stream,
                         *_usage_options(req), req.return_token_ids)
 
@@ -184,11 +189,16 @@ class OpenAIServing:
                               "logprobs": _completion_logprobs(c.logprobs, c.token_ids, p.params.logprobs, 0)
                               if c.logprobs is not None else None,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                if p.return_token_ids:
+                if p.return_token_ids:  # vLLM's places: the prompt's ids per completion choice, once for a chat
+                    if p.kind == "completion":
+                        choice["prompt_token_ids"] = list(out.prompt_token_ids)
                     choice["token_ids"] = list(c.token_ids)
                 choices.append(choice)
-        return {"id": p.request_id, "object": "chat.completion" if p.kind == "chat" else "text_completion",
+        body = {"id": p.request_id, "object": "chat.completion" if p.kind == "chat" else "text_completion",
                 "created": p.created, "model": self.model_name, "choices": choices, "usage": _usage(outs)}
+        if p.return_token_ids and p.kind == "chat":
+            body["prompt_token_ids"] = list(outs[0].prompt_token_ids)
+        return body
 
     # ------------------------------------------------------------------ streams
 
@@ -204,6 +214,7 @@ class OpenAIServing:
         latest: dict[str, RequestOutput] = {}
         order = {rid: i for i, rid in enumerate(stream.request_ids)}
         obj = "chat.completion.chunk" if p.kind == "chat" else "text_completion"
+        chat_prompt_sent = False
         try:
             async for outputs in stream:
                 choices = []
@@ -214,12 +225,15 @@ class OpenAIServing:
                         continue
                     for c in out.outputs:
                         index = order[out.request_id] * p.params.n + c.index
-                        choice = self._delta(p, sent.setdefault(index, _Choice()), index, c)
+                        choice = self._delta(p, sent.setdefault(index, _Choice()), index, c, out.prompt_token_ids)
                         if choice is not None:
                             choices.append(choice)
                 if choices:
                     chunk = {"id": p.request_id, "object": obj, "created": p.created, "model": self.model_name,
                              "choices": choices}
+                    if p.return_token_ids and p.kind == "chat" and not chat_prompt_sent:  # vLLM: the first chunk
+                        chunk["prompt_token_ids"] = list(latest[stream.request_ids[0]].prompt_token_ids)
+                        chat_prompt_sent = True
                     if p.continuous_usage:
                         chunk["usage"] = _usage([latest[rid] for rid in stream.request_ids if rid in latest])
                     yield sse(chunk)
@@ -249,8 +263,10 @@ class OpenAIServing:
             choice["token_ids"] = []
         return choice
 
-    def _delta(self, p: Prepared, s: _Choice, index: int, c: CompletionOutput) -> dict[str, Any] | None:
-        """The chunk choice for what ``c`` adds to what was sent (None when nothing new)."""
+    def _delta(self, p: Prepared, s: _Choice, index: int, c: CompletionOutput,
+               prompt_token_ids: list[int]) -> dict[str, Any] | None:
+        """The chunk choice for what ``c`` adds to what was sent (None when nothing new); a
+        completion choice's first chunk carries ``prompt_token_ids`` with ``return_token_ids`` (vLLM)."""
         if s.done:
             return None
         text, new_tokens = c.text[s.chars:], c.token_ids[s.tokens:]
@@ -275,6 +291,8 @@ class OpenAIServing:
         choice["finish_reason"] = c.finish_reason if finished else None
         choice["stop_reason"] = c.stop_reason if finished else None
         if p.return_token_ids:
+            if p.kind == "completion" and not s.started:
+                choice["prompt_token_ids"] = list(prompt_token_ids)
             choice["token_ids"] = list(new_tokens)
         s.chars, s.tokens, s.started, s.done = len(c.text), len(c.token_ids), True, finished
         return choice

@@ -10,9 +10,10 @@ server answers with OpenAI's JSON shape ``{"error": {"message", "type", "param",
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, ValidationError
 
 from nanovllm_core.sampling_params import SamplingParams, check_priority
 
@@ -31,6 +32,18 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def renamed(self, names: dict[str, str] | None) -> "APIError":
+        """This error with its fields named as the client sent them: ``names`` maps an engine field
+        (``SamplingParams.logprobs``) to the request's (``top_logprobs``); ``param`` and every such
+        field the message names (``min_tokens ... <= max_tokens``) become the client's."""
+        if not names:
+            return self
+        message = self.message
+        for field, sent in names.items():
+            if sent != field:
+                message = re.sub(rf"(?<![\w.]){re.escape(field)}\b", sent, message)
+        return APIError(message, self.status, self.type, names.get(self.param, self.param), self.code)
 
 
 # What each field typed as a union of shapes takes, in words: pydantic reports such a value once
@@ -88,8 +101,8 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     """``include_usage``: one more chunk before ``[DONE]`` with the request's token counts."""
 
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class _SamplingBody(_Body):
@@ -98,27 +111,27 @@ class _SamplingBody(_Body):
     model: str | None = None
     n: StrictInt = 1
     best_of: StrictInt | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
     # vLLM's extra sampling parameters
     top_k: StrictInt | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
     min_tokens: StrictInt = 0
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
     priority: StrictInt = 0
-    return_token_ids: bool = False
+    return_token_ids: StrictBool = False
 
     def _check_common(self) -> None:
         if self.best_of is not None and self.best_of != self.n:
@@ -155,16 +168,21 @@ class _SamplingBody(_Body):
         except ValueError as e:
             message = str(e).removeprefix("SamplingParams.")
             field = message.split("=", 1)[0].split(" ", 1)[0]
-            raise APIError(message, param=field if field in values else None, code="invalid_value") from None
+            raise APIError(message, param=field if field in values else None,
+                           code="invalid_value").renamed(self.field_names()) from None
+
+    def field_names(self) -> dict[str, str]:
+        """The request field that gave each ``SamplingParams`` field named otherwise here (errors name it)."""
+        return {}
 
 
 class CompletionRequest(_SamplingBody):
     """``POST /v1/completions``: ``prompt`` is text, token ids, or a list of either (one choice set each)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
 
     def prompts(self) -> list[str | list[int]]:
@@ -247,9 +265,9 @@ class ChatCompletionRequest(_SamplingBody):
     messages: list[ChatMessage]
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them.
@@ -266,6 +284,11 @@ class ChatCompletionRequest(_SamplingBody):
                                "assistant message that carries tool_calls", param=f"messages.{i}.content",
                                code="missing_required_parameter")
         return [m.template_message() for m in self.messages]
+
+    def field_names(self) -> dict[str, str]:
+        """``logprobs`` counts come from ``top_logprobs``; ``max_tokens`` from ``max_completion_tokens`` when sent."""
+        return {"logprobs": "top_logprobs",
+                "max_tokens": "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"}
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
