@@ -424,3 +424,15 @@ def test_a_block_mode_shares_float_s_roofline_and_names_its_weights(tmp_path, mo
     assert peak_words(block.machine, 1e11).endswith("the block kernels' own not measured")
     plain = roofline.machine_roofline("cpu", torch.float32, path)
     assert calls == [(None, None)] and plain.machine.endswith("float32") and plain.peak_flops == block.peak_flops
+
+
+def test_sampled_values_say_which_end_of_the_row_they_are():
+    """scores and probs carry the last query row's newest keys (the last is the token's weight on
+    itself); the views said "first values" of them (trial 5: a learner could not find key 0's 0.29)."""
+    from nanovllm_core.educational import xray_facts
+
+    probs = ev.TensorInfo("probs", (3, 15, 5), (0.2436, 0.0477, 0.1246, 0.2987), "request")
+    q = ev.TensorInfo("q", (5, 9, 64), (0.5, -0.25, 0.125, 1.0), "batch")
+    assert xray_facts.sample_text(probs) == "..., +0.2436, +0.0477, +0.1246, +0.2987 (the newest 4 keys, its own last)"
+    assert xray_facts.sample_text(q) == "+0.5000, -0.2500, +0.1250, +1.0000, ..."
+    assert xray_facts.TAIL_SAMPLED == {"scores", "probs"}

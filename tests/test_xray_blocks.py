@@ -46,7 +46,7 @@ def test_the_drawn_block_is_the_formats_layout_and_a_real_block(name):
     layer = BlockLinear.from_float(torch.randn(64, 96, generator=torch.Generator().manual_seed(3)), name)
     raw = bytes(layer.blocks[0, :fmt.block_bytes].tolist())
     info = xb.block_tensor(layer)
-    assert info.name == xb.BLOCK_TENSOR and info.shape == (64, 3, fmt.block_bytes)
+    assert info.name == xb.BLOCK_TENSOR_AT_LOAD and info.shape == (64, 3, fmt.block_bytes)
     s = xb.from_trace(trace_with([info]))
     assert s.format is fmt and (s.rows, s.in_features) == (64, 96)
     assert xb.from_trace(ev.from_json(ev.to_json(trace_with([info])))) == s  # what a remote app receives
@@ -68,6 +68,14 @@ def test_the_drawn_block_is_the_formats_layout_and_a_real_block(name):
     assert ("m       " in lines[2]) == (name == "q4_1")
     assert f"64 rows x 3 blocks x {fmt.block_bytes} bytes = {layer.weight_bytes:,} bytes" in lines[-1]
     assert "activations" in lines[0]  # what the kernel does with them is said once, from block_quant
+    # where the block came from: quantized here at load, or a checkpoint's own (trial 5: both read "as the file stores it")
+    assert any("made at load" in line and "not as the checkpoint stores them" in line for line in lines)
+    assert not any("as the file stores it" in line for line in lines)
+    shipped = BlockLinear(layer.blocks, name, 96)  # blocks as a GGUF file hands them over
+    assert not shipped.quantized_at_load and xb.block_tensor(shipped).name == xb.BLOCK_TENSOR
+    shipped_lines = xb.block_lines(trace_with([xb.block_tensor(shipped)]))
+    assert any("as the file stores it" in line for line in shipped_lines)
+    assert not any("made at load" in line for line in shipped_lines)
 
 
 def test_a_4_bit_block_keeps_weight_j_in_the_low_nibble_and_j_plus_16_in_the_high():

@@ -26,7 +26,8 @@ from nanovllm_core import events as ev
 from nanovllm_core.model import block_formats
 from nanovllm_core.model.block_formats import BLOCK_SIZE, FORMATS, BlockFormat  # no torch: the app imports this
 
-BLOCK_TENSOR = "weight_block"  # the TensorInfo name of a layer's sampled block
+BLOCK_TENSOR = "weight_block"  # the TensorInfo name of a layer's sampled block, as the checkpoint stores it
+BLOCK_TENSOR_AT_LOAD = "weight_block_at_load"  # the same for a block quantized at load from float weights
 BLOCK_SCOPE = "weights"  # its scope: not a batch or request tensor, the layer's stored weights
 BLOCK_MODULE = "qkv_proj"  # the linear module whose first block is shown
 SHOWN = 4  # integers (and the weights they decode to) shown
@@ -50,7 +51,8 @@ def activations_note() -> str:
 class BlockSample:
     """One real block: its format, the stored matrix's ``rows`` x ``in_features``, the block's
     scale ``d``, min ``m`` (Q4_1; None otherwise), first integers ``q`` (as stored: 0..15 for
-    4-bit, -128..127 for Q8_0) and the float32 weights ``w`` they decode to."""
+    4-bit, -128..127 for Q8_0) and the float32 weights ``w`` they decode to; ``from_file``: the
+    checkpoint's own block (a GGUF file's), not one quantized at load from float weights."""
 
     format: BlockFormat
     rows: int
@@ -59,6 +61,7 @@ class BlockSample:
     m: float | None
     q: tuple[int, ...]
     w: tuple[float, ...]
+    from_file: bool = True
 
 
 def read_block(raw: bytes | bytearray, fmt: BlockFormat) -> tuple[float, float | None, list[int]]:
@@ -93,7 +96,7 @@ def sample_block(module) -> BlockSample | None:
     first = torch.tensor(list(raw), dtype=torch.uint8).reshape(1, -1)
     w = block_quant.dequantize(first, fmt, BLOCK_SIZE)[0, :SHOWN].tolist()  # the engine's own decoding
     return BlockSample(fmt, int(module.out_features), int(module.in_features), float(d), m, tuple(q[:SHOWN]),
-                       tuple(float(x) for x in w))
+                       tuple(float(x) for x in w), not getattr(module, "quantized_at_load", False))
 
 
 def block_tensor(module) -> ev.TensorInfo | None:
@@ -101,20 +104,20 @@ def block_tensor(module) -> ev.TensorInfo | None:
     s = sample_block(module)
     if s is None:
         return None
-    return ev.TensorInfo(BLOCK_TENSOR, (s.rows, s.in_features // BLOCK_SIZE, s.format.block_bytes),
+    return ev.TensorInfo(BLOCK_TENSOR if s.from_file else BLOCK_TENSOR_AT_LOAD, (s.rows, s.in_features // BLOCK_SIZE, s.format.block_bytes),
                          (s.d, s.m or 0.0, *map(float, s.q), *s.w), BLOCK_SCOPE)
 
 
 def from_trace(trace: ev.LayerTrace) -> BlockSample | None:
     """The block a trace carries (None: the layer was not in a block format, or an older trace)."""
-    x = next((t for t in trace.tensors if t.name == BLOCK_TENSOR), None)
+    x = next((t for t in trace.tensors if t.name in (BLOCK_TENSOR, BLOCK_TENSOR_AT_LOAD)), None)
     if x is None or len(x.shape) != 3 or x.shape[2] not in BY_BLOCK_BYTES:
         return None
     fmt = BY_BLOCK_BYTES[x.shape[2]]
     n = (len(x.sample) - 2) // 2
     v = x.sample
     return BlockSample(fmt, x.shape[0], x.shape[1] * BLOCK_SIZE, v[0], v[1] if fmt.name == "q4_1" else None,
-                       tuple(int(round(q)) for q in v[2:2 + n]), tuple(v[2 + n:2 + 2 * n]))
+                       tuple(int(round(q)) for q in v[2:2 + n]), tuple(v[2 + n:2 + 2 * n]), x.name == BLOCK_TENSOR)
 
 
 def layout_lines(fmt: BlockFormat) -> list[str]:
@@ -147,11 +150,13 @@ def block_lines(trace: ev.LayerTrace) -> list[str]:
     lines += ["  " + line for line in layout_lines(f)]
     lines.append(f"In memory the kernel keeps the same bytes packed 8 rows at a time: per block, the 8 rows' d"
                  f"{' and m' if f.name == 'q4_1' else ''}, then their {'int8' if f.name == 'q8_0' else '4-bit'} values 4 bytes per row in turn, "
-                 f"so one 32-byte load feeds 8 outputs (block_quant.pack; nothing requantized).")
+                 f"so one 32-byte load feeds 8 outputs (block_quant.pack reorders the bytes and changes none).")
     m = f", m = {s.m:+.6g}" if s.m is not None else ""
     q = ", ".join(str(v) for v in s.q)
     w = ", ".join(f"{v:+.5f}" for v in s.w)
-    lines.append(f"Row 0's first block, as the file stores it: d = {s.d:+.6g}{m}; q[0..{len(s.q) - 1}] = {q} -> "
+    origin = ("as the file stores it" if s.from_file else
+              f"made at load: {f.name.upper()} from the weights loaded in float32, not as the checkpoint stores them")
+    lines.append(f"Row 0's first block, {origin}: d = {s.d:+.6g}{m}; q[0..{len(s.q) - 1}] = {q} -> "
                  f"w = {w} ({FORMULA[f.name]}).")
     op = next((o for o in trace.ops if o.name == BLOCK_MODULE), None)
     text = (f"{BLOCK_MODULE} stores [{s.rows}, {s.in_features}] weights as {s.rows} rows x {blocks_per_row} blocks x "

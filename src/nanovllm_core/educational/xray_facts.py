@@ -35,12 +35,30 @@ LABELS = {
     "residual_out": "residual stream leaving the layer (the next layer's input)",
     "weight_block": "block modes: qkv_proj's stored blocks [rows, blocks a row, bytes a block]; sample: row 0's "
                     "first block's d, m, first 4 q and the weights they decode to (educational/xray_blocks.py)",
+    "weight_block_at_load": "as weight_block, for blocks quantized at load from float weights (--quantization q8_0, "
+                            "q4_0, q4_1), not a checkpoint's own",
     # older traces
     "hidden_states": "input_layernorm output (older trace: its shape is a batch of one)",
     "k_cache": "this request's keys in context (older trace)",
     "attn_output": "attention block output after o_proj (older trace)",
     "mlp_output": "MLP output (older trace)",
 }
+
+
+# Tensors whose sample is the last query row's newest keys (the capture in xray.py takes them, so
+# that the last value is the token's weight on itself); every other sample is its first values.
+TAIL_SAMPLED = frozenset({"scores", "probs"})
+
+
+def sample_text(x: ev.TensorInfo) -> str:
+    """A tensor's sampled values as the views print them, saying which end of the row they are:
+    ``+0.1, +0.2, ...`` (the first values) or ``..., +0.1, +0.2 (the newest 2 keys)``."""
+    values = ", ".join(f"{v:+.4f}" for v in x.sample)
+    if not x.sample:
+        return ""
+    if x.name in TAIL_SAMPLED:
+        return f"..., {values} (the newest {len(x.sample)} keys, its own last)"
+    return f"{values}, ..."
 
 
 def tensor(trace: ev.LayerTrace, name: str) -> ev.TensorInfo | None:

@@ -53,11 +53,6 @@ def si(n: float, unit: str = "") -> str:
 shape_str = facts.shape_str
 
 
-def values_str(sample: tuple[float, ...], n: int = 4) -> str:
-    """The first ``n`` sampled values, signed, 4 decimals, then an ellipsis."""
-    return ", ".join(f"{v:+.4f}" for v in sample[:n]) + (", ..." if sample else "")
-
-
 def op_cost(t: ev.LayerTrace, o: ev.OpInfo) -> str:
     """``"5.53 MFLOP, 2.2 MiB, 2.4 FLOP/B, memory-bound"``: an operation's cost against the ridge point."""
     parts = [si(o.flops, "FLOP")] if o.flops else []
@@ -80,14 +75,15 @@ def render_layer_detail(t: ev.LayerTrace, info: dict[str, Any] | None = None) ->
     for o in t.ops:
         ops.add_row(o.name, Text.assemble(o.math, (f"   ({op_cost(t, o)})", "dim"), "\n", (o.shapes, "cyan")))
     tens = Table(title=f"Layer {t.layer}: tensors ([T, ...]: the step's flat batch; slice: this request's own; "
-                       "values: this request's last token, head 0 where there are heads)", title_justify="left",
+                       "values: this request's last token, head 0 where there are heads; the first ones, "
+                       "scores and probs its newest keys)", title_justify="left",
                  box=None, header_style="bold", padding=(0, 1))
     tens.add_column("tensor", style="bold", no_wrap=True)
     tens.add_column("shape, real values; what it is")
     for x in t.tensors:
-        if x.name == xray_blocks.BLOCK_TENSOR:  # drawn on its own below the operations
+        if x.name in (xray_blocks.BLOCK_TENSOR, xray_blocks.BLOCK_TENSOR_AT_LOAD):  # drawn on its own below the operations
             continue
-        tens.add_row(x.name, Text.assemble((f"{shape_str(x.shape):<13}", "cyan"), " ", values_str(x.sample),
+        tens.add_row(x.name, Text.assemble((f"{shape_str(x.shape):<13}", "cyan"), " ", facts.sample_text(x),
                                            "\n", (facts.LABELS.get(x.name, ""), "dim")))
     parts: list[RenderableType] = [Text(facts.batch_line(t))]
     if t.attention_backend:

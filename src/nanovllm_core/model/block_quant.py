@@ -253,6 +253,8 @@ class BlockLinear(nn.Module):
 
     Attributes:
         kind: the format's name (``q4_1``, ...), shown by the app and ``model_info()``.
+        quantized_at_load: True when :meth:`from_float` made the blocks from float weights at load
+            (``--quantization q8_0`` ...), False when they are a checkpoint's own (a GGUF file's).
         packed: uint8 ``[ceil(out_features / 8), in_features / 32, 8 * block_bytes]``, what the kernel reads.
         bytes_per_weight: bytes per weight with its share of scale (and min): 34/32, 18/32 or 20/32.
         weight_bytes: bytes one forward pass streams from memory (all of ``packed``).
@@ -273,6 +275,7 @@ class BlockLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self.out_features, self.in_features = out_features, in_features
         self.kind = self.format.name
+        self.quantized_at_load = False
 
     @classmethod
     def sharing(cls, embedding: "BlockEmbedding") -> "BlockLinear":
@@ -286,7 +289,9 @@ class BlockLinear(nn.Module):
     @classmethod
     def from_float(cls, weight: torch.Tensor, fmt: BlockFormat | str, bias: torch.Tensor | None = None) -> "BlockLinear":
         """Quantize a float weight ``[out_features, in_features]`` into ``fmt`` blocks (see :func:`quantize`)."""
-        return cls(quantize(weight, fmt), fmt, weight.shape[1], bias)
+        module = cls(quantize(weight, fmt), fmt, weight.shape[1], bias)
+        module.quantized_at_load = True
+        return module
 
     @property
     def bytes_per_weight(self) -> float:

@@ -72,14 +72,15 @@ def pipeline_text(trace: ev.LayerTrace) -> Text:
 
 def tensors_text(trace: ev.LayerTrace) -> Text:
     """Named tensors: shape as the engine holds it ([T, ...] the flat batch, slices marked), what each
-    one is, and the first real values of this request's last token."""
-    text = Text("Tensors: shape, first values of this request's last token (head 0); what it is\n", style="bold")
+    one is, and real values of this request's last token (the first ones; scores and probs: its newest keys)."""
+    text = Text("Tensors: shape, values of this request's last token (head 0; the first ones, scores and probs "
+                "its newest keys); what it is\n", style="bold")
     for t in trace.tensors:
-        if t.name == xray_blocks.BLOCK_TENSOR:  # drawn in the pipeline
+        if t.name in (xray_blocks.BLOCK_TENSOR, xray_blocks.BLOCK_TENSOR_AT_LOAD):  # drawn in the pipeline
             continue
         text.append(f"  {t.name:<17}", style="bold")
         text.append(f"{shape(t.shape):<14}", style="#f5a524")
-        text.append(", ".join(f"{v:+.4f}" for v in t.sample) + ", …", style="dim")
+        text.append(facts.sample_text(t), style="dim")
         label = facts.LABELS.get(t.name)
         if label:
             text.append(f"\n  {'':<17}{label}", style="italic grey58")
