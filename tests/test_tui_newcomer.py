@@ -1,0 +1,81 @@
+"""Issue 29, the newcomers' trials: the app never shows a stale or wrong state, nor writes a
+client's or the model's text raw to the terminal."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from nanovllm_core import events as ev
+from nanovllm_tui.app import NanoVLLMApp
+from nanovllm_tui.bridge import visible_event
+from nanovllm_tui.replay import ReplayController, load_trace
+from nanovllm_tui.widgets.format import visible_text
+from tests.tui_helpers import TRACE, wait_until
+
+pytestmark = pytest.mark.anyio
+# ESC (an SGR colour), BEL, CR and C1's one-character CSI: what a client may put in a prompt
+NASTY = "Only escape \x1b[31mRED\x1b[0m bell\x07 cr\r csi\x9b2J end"
+RAW = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def screen_text(app) -> str:
+    """What the terminal shows, line by line (the text of every segment drawn)."""
+    return "\n".join("".join(seg.text for seg in strip) for strip in app.screen._compositor.render_strips())
+
+
+def test_visible_text_shows_every_control_but_tab_and_newline():
+    assert visible_text(NASTY) == "Only escape ␛[31mRED␛[0m bell␇ cr␍ csi\\x9b2J end"
+    assert visible_text("a\tb\nc\x7f") == "a\tb\nc␡"
+    plain = "nothing to do ✓"
+    assert visible_text(plain) is plain
+
+
+def test_visible_event_reaches_nested_text_and_leaves_clean_events_alone():
+    top = (ev.TopToken(token_id=1, text="\x1b[2J", prob=0.5),)
+    e = ev.TokenSampled(time=0.0, request_id="r\x07", step=1, index=0, seq_id=0, position=3, token_id=1, text="\x9bX",
+                        num_output_tokens=1, top=top, token_text="\x1b")
+    shown = visible_event(e)
+    assert (shown.request_id, shown.text, shown.token_text, shown.top[0].text) == ("r␇", "\\x9bX", "␛", "␛[2J")
+    clean = dataclasses.replace(e, request_id="r", text="x", token_text="x", top=())
+    assert visible_event(clean) is clean
+
+
+def nasty_trace() -> list[ev.Event]:
+    """The test trace with request 0's prompt, token pieces and output holding control characters."""
+    out = []
+    for e in load_trace(TRACE):
+        if getattr(e, "request_id", None) == "0":
+            if isinstance(e, ev.RequestAdded):
+                e = dataclasses.replace(e, prompt=NASTY, prompt_pieces=("\x1b[31m",) + e.prompt_pieces[1:],
+                                        sampling=e.sampling + (("stop", ("\x1b[0m",)),))
+            elif isinstance(e, ev.TokenSampled):
+                e = dataclasses.replace(e, text=e.text + "\x1b[31m\x07", token_text=e.token_text + "\x9b")
+            elif isinstance(e, ev.RequestFinished):
+                e = dataclasses.replace(e, output_text=e.output_text + "\x1b[31m\x07\r\x9b")
+            elif isinstance(e, ev.LayerTrace):
+                e = dataclasses.replace(e, query_pieces=tuple(p + "\x1b" for p in e.query_pieces))
+        out.append(e)
+    return out
+
+
+@pytest.mark.parametrize("tab", ["dashboard", "xray", "narrator", "blocks"])
+async def test_control_characters_in_prompts_and_outputs_are_drawn_visible(tmp_path, tab):
+    app = NanoVLLMApp(ReplayController(nasty_trace(), pace=(0.0, 0.0)), tutorial_path=tmp_path / "t.json")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.controller.state == "idle", timeout=30, what="the replay's end")
+        app.select("0")
+        app.action_show_tab(tab)
+        await pilot.pause(0.2)
+        shown = screen_text(app)
+        assert not RAW.search(shown), f"raw control characters on the {tab} tab: {RAW.findall(shown)}"
+        if tab == "dashboard":
+            assert "␛[31mRED" in shown
+        assert all(not RAW.search(r.prompt + r.text + r.last_token) for r in app.state.requests.values())
