@@ -79,3 +79,24 @@ async def test_control_characters_in_prompts_and_outputs_are_drawn_visible(tmp_p
         if tab == "dashboard":
             assert "␛[31mRED" in shown
         assert all(not RAW.search(r.prompt + r.text + r.last_token) for r in app.state.requests.values())
+
+
+@pytest.mark.parametrize("option", [["--prompt", "hi"], ["--stop", "x"], ["--priority", "1"],
+                                    ["--prompt", "a", "--prompt", "b"]])
+def test_a_repeatable_option_with_replay_ends_with_one_line_and_status_2(capsys, option):
+    """It raised AttributeError ('object' has no 'append') from given_options, with a traceback."""
+    from nanovllm_tui.options import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--replay", str(TRACE), *option])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    assert f"{option[0]} does nothing with --replay" in err
+
+
+def test_given_options_sees_repeatable_options_and_not_absent_ones():
+    from nanovllm_tui.options import NOT_WITH_REPLAY, SERVER_SIDE, given_options
+
+    assert given_options(["--stop", "x", "--prompt", "a"], NOT_WITH_REPLAY) == ["prompt", "stop"]
+    assert given_options(["--prompt", "a", "--stop", "x"], SERVER_SIDE) == []
+    assert given_options(["--paused", "--prompt", "a"], SERVER_SIDE) == ["paused"]

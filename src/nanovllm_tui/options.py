@@ -58,6 +58,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if getattr(args, name, None):
             parser.error(f"--{name.replace('_', '-')} is a nanovllm option and not available in the app "
                          "(its tabs show the same: 1 Dashboard, 2 X-Ray, 3 Narrator, 4 Tutorial, 5 Block Map)")
+    if args.replay:
+        given = given_options(argv, NOT_WITH_REPLAY)
+        if given:
+            parser.error(f"--{given[0].replace('_', '-')} does nothing with --replay: a replay plays a recorded "
+                         "trace (no model, no new prompts); leave it out, or start without --replay")
     if args.prompt and any(not p.strip() for p in args.prompt):
         parser.error("--prompt must not be empty")
     if args.priority is not None and len(args.priority) != len(args.prompt or []):
@@ -70,11 +75,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.replay and args.connect:
         parser.error("--replay and --connect are two sources for the app: play a recording, or watch a running "
                      "server; give one of them")
-    if args.replay:
-        given = given_options(argv, NOT_WITH_REPLAY)
-        if given:
-            parser.error(f"--{given[0].replace('_', '-')} does nothing with --replay: a replay plays a recorded "
-                         "trace (no model, no new prompts); leave it out, or start without --replay")
     try:
         args.sampling = sampling_params(args)
     except ValueError as e:
@@ -93,7 +93,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-_UNSET = object()
+class _Unset(list):
+    """The default that marks an option as not given. A list, because an append option (``--prompt``,
+    ``--stop``) appends to its default: argparse copies it first, so a given one is no longer this
+    object (a plain ``object()`` raised AttributeError: no ``append``)."""
+
+
+_UNSET = _Unset()
 
 
 def given_options(argv: Sequence[str] | None, names: Sequence[str]) -> list[str]:
