@@ -100,3 +100,61 @@ def test_given_options_sees_repeatable_options_and_not_absent_ones():
     assert given_options(["--stop", "x", "--prompt", "a"], NOT_WITH_REPLAY) == ["prompt", "stop"]
     assert given_options(["--prompt", "a", "--stop", "x"], SERVER_SIDE) == []
     assert given_options(["--paused", "--prompt", "a"], SERVER_SIDE) == ["paused"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-tokens", "9000", "--max-model-len", "8192"],
+     "--max-tokens: max tokens must be a whole number from 1 to 8192 (the model's max_model_len), not '9000'"),
+    (["--max-tokens", "600", "--max-model-len", "512", "--prompt", "Hi"], "from 1 to 512"),
+])
+def test_start_up_values_are_checked_by_the_prompt_bars_rules(capsys, argv, message):
+    from nanovllm_tui.options import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and message in err and len(err.splitlines()) == 1
+
+
+async def test_a_start_up_max_tokens_beyond_the_models_context_ends_the_app_with_status_2(tiny_llama_dir, tmp_path):
+    """--prompt Hi --max-tokens 9000 sent req-0 with max 9000 while the bar said the most is the
+    model's max_model_len (known only once it has loaded: the tiny model's is 512)."""
+    from nanovllm_tui.starter import BackgroundController
+    from nanovllm_core.engine.controller import EngineController
+    from nanovllm_tui.widgets.prompt_bar import PromptSettings
+
+    controller = BackgroundController(lambda: EngineController(model=str(tiny_llama_dir), num_kv_blocks=32,
+                                                               start_paused=True))
+    app = NanoVLLMApp(controller, settings=PromptSettings(max_tokens=9000, chat=False), prompts=[("Hi", 0)],
+                      tutorial_path=tmp_path / "t.json")
+    exits, exit_app = [], app.exit
+    app.exit = lambda *a, **kw: (exits.append(kw), exit_app(*a, **kw))[1]
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: exits, timeout=60, what="the app to refuse the start-up max tokens")
+    assert app.return_code == 2 and len(exits) == 1
+    assert str(exits[0]["message"]) == ("nanovllm-tui: error: --max-tokens: max tokens must be a whole number from 1 "
+                                         "to 512 (the model's max_model_len), not '9000'; lower --max-tokens or raise "
+                                         "--max-model-len")
+
+
+@pytest.mark.parametrize("field, typed", [
+    ("priority", "٥"), ("priority", "1_0"), ("priority", ""), ("temperature", ""), ("temperature", "inf"),
+    ("temperature", "nan"), ("temperature", "1_0"), ("temperature", "٠.5"), ("max-tokens", "٥"),
+    ("max-tokens", "1_0"), ("max-tokens", ""),
+])
+def test_every_setting_takes_ascii_digits_only_and_refuses_an_empty_field(field, typed):
+    from nanovllm_tui.widgets.prompt_bar import setting_rules
+
+    result = setting_rules(512)[field].validate(typed)
+    assert not result.is_valid and f"not {typed!r}" in result.failure_descriptions[0]
+
+
+@pytest.mark.parametrize("field, typed, value", [
+    ("priority", " -7 ", -7), ("priority", "+3", 3), ("temperature", "0.7", 0.7), ("temperature", ".5", 0.5),
+    ("temperature", "1e-3", 0.001), ("temperature", "2", 2.0), ("max-tokens", "512", 512),
+])
+def test_every_setting_still_takes_plain_numbers(field, typed, value):
+    from nanovllm_tui.widgets.prompt_bar import setting_rules
+
+    rule = setting_rules(512)[field]
+    assert rule.validate(typed).is_valid and rule.parse(typed) == value

@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any, Iterable, Sequence
 
+from rich.text import Text
 from textual import events
 from textual.app import App, ComposeResult
 from textual.geometry import Size
@@ -38,7 +39,7 @@ from nanovllm_tui.views.narrator import NarratorView
 from nanovllm_tui.views.tutorial import TutorialView
 from nanovllm_tui.views.xray import XRayView
 from nanovllm_tui.widgets.footer import SteadyFooter
-from nanovllm_tui.widgets.prompt_bar import ONE_LINE_WIDTH, REPLAY_NOTES, PromptBar, PromptSettings
+from nanovllm_tui.widgets.prompt_bar import ONE_LINE_WIDTH, REPLAY_NOTES, PromptBar, PromptSettings, settings_errors
 from nanovllm_tui.widgets.status_header import StatusHeader
 
 VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
@@ -285,6 +286,7 @@ class NanoVLLMApp(App):
                 self._settle_memory()
                 if self.state.model_info.get("max_model_len"):
                     self.query_one(PromptBar).limit_max_tokens(self.state.model_info["max_model_len"])
+                    self._refuse_startup_max_tokens(self.state.model_info["max_model_len"])
                 if "chat_template" in self.state.model_info:  # (traces from before it was recorded lack it)
                     self.query_one(PromptBar).model_has_chat_template(bool(self.state.model_info["chat_template"]))
                 self._note_fallbacks(self.state.model_info)
@@ -383,6 +385,15 @@ class NanoVLLMApp(App):
                         "there are marked lost.", severity="warning", timeout=10, markup=False)
         elif isinstance(event, ev.ModelLoading) and event.ready and self.live:
             self.notify(f"{event.model_name} is ready on {event.device} ({event.dtype})", markup=False)
+
+    def _refuse_startup_max_tokens(self, limit: int) -> None:
+        """The model is known: prompts sent at start (``--prompt``) whose ``--max-tokens`` the bar now
+        refuses end the app with one line and status 2, as ``nanovllm --max-tokens`` is refused once
+        its model has loaded (they waited in the queue meanwhile; the engine stops with the app)."""
+        wrong = settings_errors(self.settings, limit=limit) if self._initial_prompts else []
+        if wrong:
+            self.exit(return_code=2, message=Text(f"nanovllm-tui: error: --{wrong[0][0]}: {wrong[0][1]}; lower "
+                                                  "--max-tokens or raise --max-model-len"))
 
     def _sync_paused(self) -> None:
         """A controller started paused says so only through its state (there is no event for it)."""

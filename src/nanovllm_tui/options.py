@@ -79,6 +79,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.sampling = sampling_params(args)
     except ValueError as e:
         parser.error(str(e))
+    if not args.replay:  # the prompt bar's defaults and the prompts sent at start: the bar's own rules
+        from nanovllm_tui.widgets.prompt_bar import PromptSettings, settings_errors
+
+        wrong = settings_errors(PromptSettings(max_tokens=args.max_tokens, temperature=args.temperature),
+                                args.priority or (), limit=args.max_model_len)
+        if wrong:
+            parser.error(f"--{wrong[0][0]}: {wrong[0][1]}")
     if (args.host is not None or args.port is not None) and not args.web:
         parser.error("--host and --port are where --web listens; add --web (the server you attach to is --connect URL)")
     if args.connect:
