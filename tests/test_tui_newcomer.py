@@ -158,3 +158,41 @@ def test_every_setting_still_takes_plain_numbers(field, typed, value):
 
     rule = setting_rules(512)[field]
     assert rule.validate(typed).is_valid and rule.parse(typed) == value
+
+
+def shown_actions(app) -> set[str]:
+    """The actions the footer offers now."""
+    return {b.action for _, b, enabled, _ in app.screen.active_bindings.values() if b.show and enabled}
+
+
+async def test_a_replay_offers_no_run_demo_key_on_the_tutorial_tab(tmp_path):
+    """It showed `r Run demo`, and r only said demonstrations need a local engine."""
+    from tests.tui_helpers import replay_app
+
+    app = replay_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("4")
+        await pilot.pause(0.2)
+        assert app.active_tab == "tutorial" and "chapter(1)" in shown_actions(app)
+        assert "run_demo" not in shown_actions(app)
+        await pilot.press("right")
+        await pilot.pause(0.1)
+        assert "run_demo" not in shown_actions(app)
+
+
+async def test_a_live_app_offers_run_demo_only_on_chapters_with_a_demonstration(tiny_llama_dir, tmp_path):
+    from nanovllm_tui.views.tutorial import TutorialView
+    from nanovllm_core.educational import tutorial as tut
+    from tests.tui_helpers import tiny_app
+
+    app = tiny_app(tiny_llama_dir, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("escape", "4")
+        await pilot.pause(0.2)
+        view = app.query_one(TutorialView)
+        for _ in tut.CHAPTERS:
+            c = view.chapter
+            has_demo = bool(c.demo and tut.DEMOS.get(c.demo) and c.demo_prompt)
+            assert ("run_demo" in shown_actions(app)) == has_demo, c.title
+            await pilot.press("right")
+            await pilot.pause(0.05)
