@@ -196,3 +196,27 @@ async def test_a_live_app_offers_run_demo_only_on_chapters_with_a_demonstration(
             assert ("run_demo" in shown_actions(app)) == has_demo, c.title
             await pilot.press("right")
             await pilot.pause(0.05)
+
+
+async def test_aborts_are_announced_only_for_the_apps_own_requests(tiny_llama_dir, tmp_path):
+    """Every client that left an attached server popped "cmpl-... aborted after 4 tokens" in every
+    attached app. Another client's abort (here: a request sent to the engine past the app) only
+    changes its row in the table; the app's own abort is still announced."""
+    from nanovllm_core.sampling_params import SamplingParams
+    from tests.tui_helpers import Notes, send_prompt, tiny_app
+
+    notes = Notes()
+    app = tiny_app(tiny_llama_dir, tmp_path, start_paused=True, max_tokens=50)
+    async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the model")
+        other = app.controller.submit("someone else's prompt", SamplingParams(max_tokens=50), 0)
+        await send_prompt(pilot, "mine")
+        mine = app.selected
+        await wait_until(pilot, lambda: {other, mine} <= set(app.state.requests), what="both requests")
+        app.controller.abort(other)
+        await wait_until(pilot, lambda: app.state.requests[other].state == "finished", what="the other's abort")
+        await pilot.press("escape", "a")
+        await wait_until(pilot, lambda: app.state.requests[mine].state == "finished", what="my abort")
+        await pilot.pause(0.2)
+        assert app.state.requests[other].finish_reason == "abort"
+        assert notes.find(f"{mine} aborted after") and not notes.find(f"{other} aborted")

@@ -377,7 +377,9 @@ class NanoVLLMApp(App):
                 self.notify(event.message, title="Connection", severity="warning", timeout=10, markup=False)
             else:
                 self.notify(event.message, title="Engine error", severity="error", timeout=10, markup=False)
-        elif isinstance(event, ev.RequestFinished) and event.finish_reason == "abort":
+        elif isinstance(event, ev.RequestFinished) and event.finish_reason == "abort" and self._sent_here(event):
+            # only this app's own prompts: an attached server's other clients disconnect all the time,
+            # and a toast for each piled up over the panels (issue 29); the table shows their state
             self.notify(f"{event.request_id} aborted after {event.num_output_tokens} tokens; its blocks are free",
                         markup=False)
         elif event.kind == "ServerRestarted":  # nanovllm_tui.remote's: an attached server came back anew
@@ -385,6 +387,11 @@ class NanoVLLMApp(App):
                         "there are marked lost.", severity="warning", timeout=10, markup=False)
         elif isinstance(event, ev.ModelLoading) and event.ready and self.live:
             self.notify(f"{event.model_name} is ready on {event.device} ({event.dtype})", markup=False)
+
+    def _sent_here(self, event: ev.RequestFinished) -> bool:
+        """The request was sent from this app (its bar or ``--prompt``): only those have ``chat`` known."""
+        req = self.state.requests.get(event.request_id)
+        return req is not None and req.chat is not None
 
     def _refuse_startup_max_tokens(self, limit: int) -> None:
         """The model is known: prompts sent at start (``--prompt``) whose ``--max-tokens`` the bar now
