@@ -220,3 +220,70 @@ async def test_aborts_are_announced_only_for_the_apps_own_requests(tiny_llama_di
         await pilot.pause(0.2)
         assert app.state.requests[other].finish_reason == "abort"
         assert notes.find(f"{mine} aborted after") and not notes.find(f"{other} aborted")
+
+
+def test_xray_says_1_block_not_1_blocks():
+    from nanovllm_tui.views.xray import gqa_text
+    from tests.tui_helpers import XRAY_TRACE
+
+    trace = next(e for e in load_trace(XRAY_TRACE) if isinstance(e, ev.LayerTrace))
+    text = gqa_text(trace, 0, block_size=4096).plain
+    assert " fill 1 block of 4096 (" in text or " fills 1 block of 4096 (" in text, text
+    assert "1 blocks" not in text
+
+
+def test_the_engine_panel_keeps_the_token_unit_at_120_columns():
+    """At 120 columns (26 cells) it cut `last step 476: 1/512 tokens` to `last step 476: 1/512`."""
+    from nanovllm_tui.state import EngineState
+    from nanovllm_tui.views.dashboard import phase_text
+
+    state = EngineState()
+    for e in load_trace(TRACE):
+        state.apply(e)
+    state.plan = dataclasses.replace(state.plan, step=476, token_budget=512, num_batched_tokens=1)
+    assert phase_text(state, 26).plain.splitlines()[1] == "last step 476: 1/512 tok"
+    assert phase_text(state, 40).plain.splitlines()[1] == "last step 476: 1/512 tokens"
+
+
+async def test_the_last_runs_rate_has_its_unit(tmp_path):
+    """The idle throughput label read `last 1 step 35`, no unit."""
+    app = NanoVLLMApp(ReplayController(load_trace(TRACE), pace=(0.0, 0.0)), tutorial_path=tmp_path / "t.json")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.controller.state == "idle", timeout=30, what="the replay's end")
+        await pilot.pause(0.6)  # the state poll sees idle
+        label = str(app.query_one("#decode-spark").render())
+        assert re.search(r"last \d+ steps? [0-9.k]+ tok/s$", label), label
+
+
+def test_the_header_keeps_the_active_request_count_before_device_and_weights():
+    """At 120 columns the header dropped `· N active requests` and kept `· cpu · float32 · ... weights`."""
+    from nanovllm_tui.state import EngineState
+    from nanovllm_tui.widgets.status_header import StatusHeader
+
+    state = EngineState()
+    for e in load_trace(TRACE):
+        state.apply(e)
+    state.model_name = "SmolLM2-135M-Instruct-Q4_1"
+    state.model_info.update(quantization="gguf", weight_kinds="q4_1, q8_0, f32")
+    state.engine_state, state.step = "running", 476
+    for i in range(3):
+        state.submitted(f"cmpl-{i:024d}", "x", 0, 5, chat=False)
+    header = StatusHeader()
+    shown = []
+    header.show_content = shown.append
+    header.show(state, width=96)
+    line = shown[-1].plain
+    assert "3 active requests" in line and "step 476" in line and len(line) <= 96, line
+
+
+@pytest.mark.parametrize("size", [(60, 20), (120, 25)])
+async def test_the_prompt_bars_labels_stand_apart_from_their_values_on_a_short_screen(tiny_llama_dir, tmp_path, size):
+    """At 60x20 the bar read `prio0   max50   temp0.0` (borderless fields right after their labels)."""
+    from tests.tui_helpers import tiny_app
+
+    app = tiny_app(tiny_llama_dir, tmp_path, max_tokens=50)
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause(0.3)
+        shown = screen_text(app)
+        assert re.search(r"prio +0 ", shown) and re.search(r"max +50 ", shown) and re.search(r"temp +0\.0", shown), shown
+        assert "prio0" not in shown and "max50" not in shown

@@ -26,6 +26,7 @@ from textual.geometry import Size
 from textual.widgets import ContentSwitcher, Input, TabbedContent, TabPane
 
 from nanovllm_core import events as ev
+from nanovllm_core.educational.commentary import plural
 from nanovllm_core.educational.narrator import Narrator
 from nanovllm_core.prompts import user_message
 from nanovllm_core.sampling_params import SamplingParams
@@ -380,7 +381,7 @@ class NanoVLLMApp(App):
         elif isinstance(event, ev.RequestFinished) and event.finish_reason == "abort" and self._sent_here(event):
             # only this app's own prompts: an attached server's other clients disconnect all the time,
             # and a toast for each piled up over the panels (issue 29); the table shows their state
-            self.notify(f"{event.request_id} aborted after {event.num_output_tokens} tokens; its blocks are free",
+            self.notify(f"{event.request_id} aborted after {plural(event.num_output_tokens, 'token')}; its blocks are free",
                         markup=False)
         elif event.kind == "ServerRestarted":  # nanovllm_tui.remote's: an attached server came back anew
             self.notify(f"The server at {event.url} restarted with a new engine; requests that were running "
