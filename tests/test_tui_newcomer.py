@@ -287,3 +287,15 @@ async def test_the_prompt_bars_labels_stand_apart_from_their_values_on_a_short_s
         shown = screen_text(app)
         assert re.search(r"prio +0 ", shown) and re.search(r"max +50 ", shown) and re.search(r"temp +0\.0", shown), shown
         assert "prio0" not in shown and "max50" not in shown
+
+
+def test_chapter_5s_quiz_asks_for_a_figure_its_text_and_figures_do_not_print():
+    """The chapter printed this model's K/V bytes per token (46,080) right above the quiz asking for it."""
+    from nanovllm_core.educational import tutorial as tut
+
+    chapter = next(c for c in tut.CHAPTERS if c.key == "kv_cache")
+    info = {"kv_bytes_per_token": 46080, "num_layers": 30, "num_kv_heads": 3, "num_heads": 9, "head_dim": 64,
+            "dtype": "float32", "num_parameters": 134_515_008, "hidden_size": 576}
+    shown = chapter.text + "\n".join(tut.model_facts(chapter, info))
+    right = chapter.quiz.choices[chapter.quiz.answer]
+    assert right == f"{2 * 30 * 9 * 64 * 4:,}" and right not in shown
