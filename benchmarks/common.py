@@ -345,4 +345,5 @@ def llamacpp_notes(threads: int = 2) -> dict[str, Any]:
 
     return {"weights": "GGUF Q4_1 (the shipped file)", "threads": threads,
             "llama_cpp_python": llama_cpp.__version__,
-            "amx_repack": "off (it crashes here, ggml-org/llama.cpp#20824)" if "amx_int8" in cpu_flags() else "default"}
+            "amx_repack": "off (it crashes here, ggml-org/llama.cpp#20824)" if "amx_int8" in cpu_flags()
+            else "not applicable (this CPU has no AMX)"}

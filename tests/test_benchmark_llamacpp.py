@@ -54,6 +54,7 @@ def test_amx_repack_is_off_only_on_amx_cpus_and_only_for_that_load(monkeypatch, 
     notes = common.llamacpp_notes()
     assert notes["llama_cpp_python"] == "0.0-test"
     assert notes["amx_repack"].startswith("off") is (not repack)
+    assert notes["amx_repack"].startswith("not applicable") is repack  # no AMX: nothing to repack for it
 
 
 def test_the_default_is_restored_when_loading_fails(monkeypatch):

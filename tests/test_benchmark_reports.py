@@ -113,7 +113,7 @@ def quant_summary(llamacpp: bool = True, held_out: bool = True) -> dict:
         "quality": {"texts": {"corpus": text, **({"held-out": text} if held_out else {})}, "greedy_prompts": 32,
                     "greedy_tokens_per_prompt": 32,
                     "held_out_note": None if held_out else "held-out text /nowhere not found: quality on the corpus only"},
-        "llamacpp": {"llama_cpp_python": "0.3", "threads": 2, "amx_repack": "default"},
+        "llamacpp": {"llama_cpp_python": "0.3", "threads": 2, "amx_repack": "not applicable (this CPU has no AMX)"},
         "batch1_decode": {"tokens": 128, "prompt_tokens": 32, "tokens_per_s": rate,
                           "all_rounds": {k: [v] * 3 for k, v in rate.items()},
                           "over_float32": {m: rate[m] / 20.0 for m in modes},

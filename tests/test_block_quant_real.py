@@ -71,7 +71,7 @@ def test_one_call_layers_equal_the_step_by_step_model(make_llm):
 
 
 def test_each_engine_on_a_shared_model_gets_its_own_pool_pointers(make_llm):
-    """The one-call layers' pointer table follows the engine's KV cache: a second engine over the
+    """The one-call layers' pointer tables follow the engines' KV caches: a second engine over the
     same model (as benchmarks and tests build them) writes into its own pools, never a freed one's."""
     import gc
 
@@ -81,15 +81,49 @@ def test_each_engine_on_a_shared_model_gets_its_own_pool_pointers(make_llm):
     first = make_llm(quantization="gguf", num_kv_blocks=32)
     fused = first.engine.model.fused_layers
     want = first.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].token_ids
-    assert fused._cache() is not None
+    assert first.engine.runner.kv_cache in fused._tables
+    before = len(fused._tables)
     del first
     gc.collect()
-    assert fused._cache() is None  # the table kept no pool alive
+    assert len(fused._tables) == before - 1  # the table kept no pool alive
     second = make_llm(quantization="gguf", num_kv_blocks=48)
     got = second.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].token_ids
-    cache = fused._cache()
-    assert got == want and cache is not None
-    assert fused._array[0].k_pool == cache.k_by_head[0].data_ptr()
+    cache = second.engine.runner.kv_cache
+    assert got == want and cache in fused._tables
+    assert fused._tables[cache][0].k_pool == cache.k_by_head[0].data_ptr()
+
+
+def test_two_engines_on_one_model_step_at_once_on_two_threads(make_llm):
+    """The app runs a tutorial demo's engine beside the live one, over the same loaded model: both
+    step at the same time (the C layers release the GIL). Each keeps its own pool pointers and
+    gets the tokens it gets alone. A single shared table used to be swapped and freed under the
+    other thread's running call: a segfault (issue 29)."""
+    import threading
+
+    from nanovllm_core.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [["The capital of France is", "Once upon a time"], ["Water boils at", "Python is a language that"]]
+    llms = [make_llm(quantization="gguf", num_kv_blocks=32), make_llm(quantization="gguf", num_kv_blocks=48)]
+    alone = [[o.outputs[0].token_ids for o in llm.generate(p, params, use_tqdm=False)] for llm, p in zip(llms, prompts)]
+    got: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def run(i):
+        try:
+            for _ in range(3):
+                got.setdefault(i, []).append(
+                    [o.outputs[0].token_ids for o in llms[i].generate(prompts[i], params, use_tqdm=False)])
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert got == {0: [alone[0]] * 3, 1: [alone[1]] * 3}
 
 
 @pytest.fixture(scope="module")

@@ -66,9 +66,9 @@ def test_an_installed_observer_gets_a_tracer_into_every_layer_of_a_step(make_tin
     engine.subscribe(lambda e: None, topk=0, xray=True)
     (obs,) = recording_plug
     assert obs.engine is engine and obs.prepared == 1  # made between steps, so it may do slow work then
-    engine.select_xray("r0", layer=1)
-    assert obs.selected == [("r0", 1, 0)]
     engine.add_request("Hello there", SamplingParams(max_tokens=2, temperature=0.0), request_id="r0")
+    engine.select_xray("r0", layer=1)  # a known request's id (an unknown one is refused)
+    assert obs.selected == [("r0", 1, 0)]
     while engine.has_unfinished_requests():
         engine.step()
     cfg = engine.model_config

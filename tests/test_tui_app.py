@@ -42,7 +42,7 @@ async def test_pause_then_n_runs_exactly_one_step(make_engine, tmp_path):
     async with app.run_test(size=SIZE) as pilot:
         await wait_until(pilot, lambda: app.state.ready)
         await pilot.press("escape", "space")
-        assert app.state.paused
+        await wait_until(pilot, lambda: app.state.paused, what="the engine's pause")  # shown once confirmed
         await send_prompt(pilot, "Python is a")
         rid = app.selected
         await wait_until(pilot, lambda: app.state.requests[rid].state == "waiting", what="the request to be added")

@@ -74,7 +74,8 @@ async def test_keys_pressed_while_the_model_loads_act_in_order_in_the_right_widg
         [req] = app.state.requests.values()
         assert req.prompt == "Hello" and app.query_one("#prompt", Input).value == ""
         assert isinstance(app.focused, RequestTable) and visible_tab(app) == "dashboard"
-        assert app.state.paused and "will start paused" in plain(app, "#header")
+        # asked for, confirmed by the engine once it exists (issue 29: the header shows what the engine confirmed)
+        assert app.state.pending == "pausing" and "will start paused" in plain(app, "#header")
         loading.set()  # the engine starts paused and runs the one step asked for
         await wait_until(pilot, lambda: req.num_output == 1 and app.controller.state == "paused", timeout=60,
                          what="exactly one step")

@@ -257,3 +257,32 @@ def test_web_visitors_apps_end_with_their_page_and_with_the_web_server(tmp_path)
         except OSError:
             pass
         web.wait(10)
+
+
+@pytest.mark.parametrize("stuck", [False, True])
+def test_after_the_app_ends_an_engine_thread_still_in_a_step_is_not_torn_down(monkeypatch, stuck):
+    """An engine thread that outlives the app's one-second stop (a long step) must not meet the
+    interpreter's teardown of native thread pools (status 134 once in issue 29's trial): the
+    process ends with os._exit after a grace period; with no engine thread left it ends normally,
+    and an engine thread that was there before the app (a test process's own) is left alone."""
+    import threading
+
+    from nanovllm_tui import lifetime
+
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait, args=(30,), name="nanovllm-engine", daemon=True)
+    thread.start()
+    if not stuck:
+        release.set()
+        thread.join(5)
+    exits = []
+    monkeypatch.setattr(lifetime.os, "_exit", exits.append)
+    others = frozenset(t for t in threading.enumerate() if t is not thread)  # e.g. this session's test servers
+    try:
+        lifetime.leave_when_engines_stop(4, seconds=0.1, ignore=others | {thread})
+        assert exits == []
+        lifetime.leave_when_engines_stop(3, seconds=0.2, ignore=others)
+    finally:
+        release.set()
+        thread.join(5)
+    assert exits == ([3] if stuck else [])

@@ -277,6 +277,9 @@ class StepTimed(Event):
 
     ``wall_time_s`` seconds; token counts; throughputs in tokens/s over this step;
     KV bytes used and total of the pool (every tensor-parallel rank's slice together).
+    ``yielded_s``: seconds the step waited while a front end drew a key's frame
+    (``yield_gate.py``; 0 without one); not in ``wall_time_s`` nor the rates, but in the
+    TTFT and TPOT of the requests it delayed.
 
     Tensor parallelism (``tp_size`` > 1; otherwise the ``tp_`` fields keep their defaults):
     per rank (index = rank, rank 0 the engine's process), ``tp_forward_s`` seconds of the
@@ -310,6 +313,7 @@ class StepTimed(Event):
     tp_all_reduces: int = 0
     tp_all_reduce_bytes: int = 0
     tp_gather_bytes: int = 0
+    yielded_s: float = 0.0
 
 
 # ---------------------------------------------------------------------------- x-ray
@@ -461,7 +465,8 @@ class EngineResumed(Event):
 
 @dataclass(frozen=True)
 class EngineError(Event):
-    """A step (or a command) failed; ``request_id`` names the request that was finished because of it."""
+    """A step (or a command) failed; ``request_id`` names the request that was finished because of it,
+    or, for a refused command (``abort`` or ``xray`` of an unknown id, a refused ``submit``), the id it named."""
 
     step: int | None
     message: str

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import sys
+import threading
 import time
 from typing import Any, Iterable, Sequence
 
@@ -373,7 +374,12 @@ class NanoVLLMApp(App):
                             title="No model", severity="error", timeout=30, markup=False)
             elif event.step is None and event.message.partition(":")[0] in COMMANDS:
                 # a command refused (by the engine, a server or a replay): not a failure of the engine
-                self.notify(event.message, title="Not done", severity="warning", timeout=10, markup=False)
+                message = event.message
+                asked = {"pause": "pausing", "resume": "resuming"}.get(event.message.partition(":")[0])
+                if asked is not None and self.state.pending == asked:  # the header goes back to what it was
+                    self.state.pending = None
+                    message += f" (the engine is still {'paused' if self.state.paused else 'running'})"
+                self.notify(message, title="Not done", severity="warning", timeout=10, markup=False)
             elif event.step is None and event.message.startswith("lost the connection"):
                 self.notify(event.message, title="Connection", severity="warning", timeout=10, markup=False)
             else:
@@ -404,9 +410,13 @@ class NanoVLLMApp(App):
                                                   "--max-tokens or raise --max-model-len"))
 
     def _sync_paused(self) -> None:
-        """A controller started paused says so only through its state (there is no event for it)."""
-        if self.controller.state == "paused":
+        """A controller started paused says so only through its state (there is no event for it);
+        so does one asked to pause (or resume) when it already was: that confirms the request."""
+        now = self.controller.state
+        if now == "paused":
             self.state.paused = True
+        if (self.state.pending, now) in (("pausing", "paused"), ("resuming", "running"), ("resuming", "idle")):
+            self.state.paused, self.state.pending = now == "paused", None
 
     def _poll_engine_state(self) -> None:
         """The engine going idle is not an event, nor is time passing while the model loads:
@@ -414,6 +424,8 @@ class NanoVLLMApp(App):
         the figures that fall to 0 when the engine stops running)."""
         if not self.is_running:
             return
+        if self.state.pending is not None:
+            self._sync_paused()
         failed = self.controller.state == "failed" and self.state.load_error is None
         if failed:  # subscribed after the failure was announced: tell it now
             failure = ev.EngineError(step=None, message=f"model failed to load: {self.controller.load_error}")
@@ -443,9 +455,21 @@ class NanoVLLMApp(App):
     # ------------------------------------------------------------------ keys
 
     async def on_event(self, event: events.Event) -> None:
+        if isinstance(event, (events.Key, events.Paste, events.MouseDown)) and not event.is_forwarded:
+            self._yield_for_frame()
         if isinstance(event, (events.Key, events.Paste)) and not event.is_forwarded and await self._handle_now(event):
             return
         await super().on_event(event)
+
+    def _yield_for_frame(self) -> None:
+        """A person pressed a key or clicked: the local engine waits between layers until the frame
+        that answers it is drawn (at most 0.25 s; ``nanovllm_core/yield_gate.py``), so that on a
+        busy host the frame does not share the cores with the step's threads (issue 29 item 10)."""
+        hold = getattr(self.controller, "yield_for_frame", None)
+        if hold is None or not self.live:
+            return
+        hold()
+        self.call_after_refresh(self.controller.frame_drawn)
 
     async def _handle_now(self, event: events.Key | events.Paste) -> bool:
         """Act on a key (or a paste) at once, in the order they arrive; False: leave it to Textual.
@@ -561,17 +585,21 @@ class NanoVLLMApp(App):
         self.view().focus_main()
 
     def action_toggle_pause(self) -> None:
-        # The header changes at once; the engine pauses at its next step boundary.
-        if self.state.paused:
+        """Ask the engine (or server, or replay) to pause, or to resume. The header shows the state
+        the engine confirmed: ``pausing…`` / ``resuming…`` until its ``EnginePaused`` /
+        ``EngineResumed`` arrives (a local engine pauses at its next step boundary), and a refusal
+        (a server out of reach or answering an error) is a toast with its reason, the state as it was."""
+        if self.state.pending == "pausing" or (self.state.paused and self.state.pending is None):
+            self.state.pending = "resuming"
             self.controller.resume()
-            self.state.paused = False
         else:
+            self.state.pending = "pausing"
             self.controller.pause()
-            self.state.paused = True
         self._redraw()
 
     def action_step(self) -> None:
-        if not self.state.paused:
+        # A pause asked for and not yet confirmed counts: the engine takes the step after the pause.
+        if self.state.pending != "pausing" and (not self.state.paused or self.state.pending == "resuming"):
             self.notify("n runs one step while the engine is paused: press space to pause first.",
                         severity="warning")
             return
@@ -645,6 +673,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The ``nanovllm-tui`` console script. Bad options end with status 2 and one line."""
     from nanovllm_tui.options import build_app
 
+    before = frozenset(threading.enumerate())  # the engine threads that matter at the end are the app's own
     if "--web" in (sys.argv[1:] if argv is None else argv):
         from nanovllm_tui.web import serve_in_browser
 
@@ -654,6 +683,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     end_on_early_signals()  # a signal before the app's loop is up still ends the process
     app.run()
+    from nanovllm_tui.lifetime import leave_when_engines_stop
+
+    leave_when_engines_stop(app.return_code or 0, ignore=before)  # an engine thread still in a step: no teardown under it
     return app.return_code or 0
 
 

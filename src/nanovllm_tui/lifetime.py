@@ -57,6 +57,33 @@ def end_within(seconds: float = EXIT_GRACE_S, status: int = 1, terminal: bool = 
     _watchdog.start()
 
 
+ENGINE_THREADS = ("nanovllm-engine",)  # threads that run native code (torch, OpenMP, the C kernels)
+
+
+def leave_when_engines_stop(status: int, seconds: float = EXIT_GRACE_S, ignore: frozenset = frozenset()) -> None:
+    """After the app has ended: wait up to ``seconds`` for engine threads still inside a step, and if
+    one is still running then, end the process with ``os._exit(status)``.
+
+    The app stops its engines before it ends, but only waits a second for the step in flight (a
+    long prefill on a busy host can take longer, as can a tutorial demo's engine). The interpreter's
+    normal teardown would then destroy native thread pools under a thread still using them
+    ("terminate called without an active exception", status 134, seen once on quit in issue 29's
+    trial). By now the terminal is restored and trace files are closed, so skipping the teardown
+    loses nothing. Returns normally when no engine thread is left. ``ignore``: threads that were
+    there before the app started (not its engines: e.g. a test process's own).
+    """
+    busy = [t for t in threading.enumerate() if t.name in ENGINE_THREADS and t.is_alive() and t not in ignore]
+    for thread in busy:
+        thread.join(max(0.0, seconds / max(1, len(busy))))
+    if any(t.is_alive() for t in busy):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(status)
+
+
 def end_on_early_signals() -> None:
     """Until :func:`quit_on_signals` takes over (the app's event loop is up), SIGTERM, SIGINT and
     SIGHUP end the process within :data:`EXIT_GRACE_S` seconds, status 128 + the signal's number.

@@ -5,6 +5,14 @@ cannot tell the difference: ``pause``, ``resume`` and ``step(n)`` act on the rec
 boundaries, and events reach subscribers from a thread of their own, at the pace they were
 recorded (each gap clamped to ``pace``). Commands that would change what happened
 (``submit``, ``abort``) are answered with the same events an engine uses to refuse them.
+
+Two kinds of pause are kept apart. The replay's own pauses of its playback are sent as
+:class:`PlaybackPaused` / :class:`PlaybackResumed` (an ``EnginePaused`` / ``EngineResumed`` to
+anyone who asks ``isinstance``): the app shows them, but they take no recorded time. The pauses
+of the recorded session are sent as :class:`RecordedPaused` / :class:`RecordedResumed` where they
+happened: they do not hold the playback, and the app counts them as the engine did (engine time
+leaves them out), so the live TTFT/TPOT of a request that spanned one agree with the engine's
+figures in its ``RequestFinished``.
 Record a trace with ``nanovllm --prompt ... --trace run.jsonl``.
 """
 
@@ -21,6 +29,37 @@ from nanovllm_core import events as ev
 from nanovllm_core.tracing import decode_event
 
 NO_NEW_PROMPTS = "a replay plays a recorded trace and cannot run new prompts; start nanovllm-tui without --replay"
+
+
+@dataclass(frozen=True)
+class PlaybackPaused(ev.EnginePaused):
+    """The replay's playback held at a step boundary (``time``: the recording's clock there)."""
+
+
+@dataclass(frozen=True)
+class PlaybackResumed(ev.EngineResumed):
+    """The replay's playback going on again (``time``: the recording's clock at that boundary)."""
+
+
+@dataclass(frozen=True)
+class RecordedPaused(ev.Event):
+    """A recorded ``EnginePaused``: the recorded engine was held paused from ``time`` (its engine
+    time leaves this out). Made by :func:`split_steps`, not by an engine."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class RecordedResumed(ev.Event):
+    """A recorded ``EngineResumed``: the recorded engine's pause ended at ``time``."""
+
+    step: int
+
+
+def as_recorded(e: ev.EnginePaused | ev.EngineResumed) -> RecordedPaused | RecordedResumed:
+    """A recorded pause event as the replay sends it (see the module's docstring)."""
+    kind = RecordedPaused if isinstance(e, ev.EnginePaused) else RecordedResumed
+    return kind(step=e.step, time=e.time)
 
 
 @dataclass
@@ -73,13 +112,15 @@ def load_trace(path: str | Path) -> Trace:
 def split_steps(events: list[ev.Event]) -> tuple[list[ev.Event], list[list[ev.Event]]]:
     """(events before the first step, one list per step starting at its ``StepPlanned``).
 
-    Recorded pause/resume events are dropped: the replay has its own.
+    Recorded pause/resume events become :class:`RecordedPaused` / :class:`RecordedResumed`, in
+    their place: the recorded pauses are accounting (the engine time they leave out), not pauses
+    of the playback, which the replay makes itself (:class:`PlaybackPaused`).
     """
     prologue: list[ev.Event] = []
     steps: list[list[ev.Event]] = []
     for e in events:
         if isinstance(e, (ev.EnginePaused, ev.EngineResumed)):
-            continue
+            e = as_recorded(e)
         if isinstance(e, ev.StepPlanned):
             steps.append([e])
         elif steps:
@@ -192,7 +233,7 @@ class ReplayController:
             if self._state == "idle":  # the recording has ended: paused now, as an engine with nothing to do is
                 self._state = "paused"
             self._cond.notify_all()
-        self._emit([ev.EnginePaused(step=self._current_step(), time=self._recorded_now())])
+        self._emit([PlaybackPaused(step=self._current_step(), time=self._recorded_now())])
 
     def resume(self) -> None:
         with self._cond:
@@ -202,7 +243,7 @@ class ReplayController:
             if self._state == "paused" and self._next >= len(self._steps):
                 self._state = "idle"
             self._cond.notify_all()
-        self._emit([ev.EngineResumed(step=self._current_step(), time=self._recorded_now())])
+        self._emit([PlaybackResumed(step=self._current_step(), time=self._recorded_now())])
 
     def step(self, n: int = 1) -> None:
         """While paused, play exactly ``n`` more recorded steps."""
@@ -228,8 +269,8 @@ class ReplayController:
         return self._steps[self._next - 1][0].step if self._next else 0
 
     def _recorded_now(self) -> float:
-        """The recording's clock at the current step boundary: a pause in a replay takes no
-        recorded time, so the figures worked out from event times stay the recorded ones."""
+        """The recording's clock at the current step boundary (where a playback pause or resume is
+        dated; they are not counted as paused time, see :class:`PlaybackPaused`)."""
         if self._next < len(self._steps):
             return self._steps[self._next][0].time
         return self._steps[-1][-1].time

@@ -136,6 +136,15 @@ class BackgroundController:
         self._do(lambda c: c.submit(prompt, sampling_params, priority, request_id=rid))
         return rid
 
+    def yield_for_frame(self) -> None:
+        """EngineController.yield_for_frame once the engine exists (nothing to hold before)."""
+        if self._real is not None:
+            self._real.yield_for_frame()
+
+    def frame_drawn(self) -> None:
+        if self._real is not None:
+            self._real.frame_drawn()
+
     def pause(self) -> None:
         self._do(lambda c: c.pause())
 

@@ -118,7 +118,11 @@ class EngineState:
         self.ready = False
         self.loading: ev.ModelLoading | None = None
         self.load_error: str | None = None
-        self.paused = False
+        self.paused = False  # what the header shows: the engine (or a replay's playback) confirmed paused
+        self.pending: str | None = None  # "pausing" or "resuming": asked by the app, not yet confirmed
+        # The engine's own pause accounting (see paused_clock), apart from ``paused``: a replay's
+        # playback pauses show as paused but take no recorded time; its recorded pauses are the reverse.
+        self._held = False
         self._paused_total = 0.0  # seconds the engine was held paused, from pause/resume/step events
         self._paused_since: float | None = None
         self.engine_state = "loading"
@@ -126,6 +130,7 @@ class EngineState:
         self.plan: ev.StepPlanned | None = None
         self.requests: dict[str, RequestView] = {}
         self.timings: deque[ev.StepTimed] = deque(maxlen=HISTORY_STEPS)
+        self.yielded_s = 0.0  # seconds the engine's steps waited for this app's key frames (StepTimed.yielded_s)
         self.blocks: ev.BlocksChanged | None = None
         self.xray: dict[int, ev.LayerTrace] = {}
         self.heat: ev.LayerTrace | None = None
@@ -184,7 +189,9 @@ class EngineState:
     def paused_clock(self, at: float) -> float:
         """Seconds the engine had been held paused by event time ``at`` (the engine's own
         accounting, rebuilt from events: paused from EnginePaused to EngineResumed, except
-        during the steps run one at a time meanwhile)."""
+        during the steps run one at a time meanwhile). In a replay the pauses counted are the
+        recorded ones (``RecordedPaused`` to ``RecordedResumed``, see ``nanovllm_tui.replay``),
+        never the replay's own pauses of its playback (``PlaybackPaused``), which take no recorded time."""
         current = 0.0 if self._paused_since is None else max(0.0, at - self._paused_since)
         return self._paused_total + current
 
@@ -198,11 +205,35 @@ class EngineState:
             self._paused_since = None
 
     def _on_EnginePaused(self, e: ev.EnginePaused) -> None:
-        self.paused = True
-        self._hold(e.time)
+        self._show_paused(True)
+        self._on_RecordedPaused(e)
 
     def _on_EngineResumed(self, e: ev.EngineResumed) -> None:
-        self.paused = False
+        self._show_paused(False)
+        self._on_RecordedResumed(e)
+
+    def _show_paused(self, paused: bool) -> None:
+        """The engine (or a replay's playback) confirmed paused or running: shown; a request of
+        the app for that state is answered."""
+        self.paused = paused
+        if self.pending == ("pausing" if paused else "resuming"):
+            self.pending = None
+
+    def _on_PlaybackPaused(self, e: ev.EnginePaused) -> None:
+        """A replay's playback held (``nanovllm_tui.replay``): shown as paused, no recorded time passes."""
+        self._show_paused(True)
+
+    def _on_PlaybackResumed(self, e: ev.EngineResumed) -> None:
+        self._show_paused(False)
+
+    def _on_RecordedPaused(self, e: Any) -> None:
+        """The engine held paused from ``e.time``: counted in :meth:`paused_clock` (in a replay, a
+        pause of the recorded session, which does not pause the playback)."""
+        self._held = True
+        self._hold(e.time)
+
+    def _on_RecordedResumed(self, e: Any) -> None:
+        self._held = False
         self._release(e.time)
 
     def _on_RequestAdded(self, e: ev.RequestAdded) -> None:
@@ -287,13 +318,14 @@ class EngineState:
         self.step = self.plan = self.blocks = self._kv_now = None
         self.timings.clear()
         self.xray, self.heat = {}, None
-        self.paused, self._paused_since = False, None
+        self.paused, self.pending, self._held, self._paused_since = False, None, False, None
         self._prune()
 
     def _on_StepTimed(self, e: ev.StepTimed) -> None:
         self.timings.append(e)
+        self.yielded_s += e.yielded_s
         self._kv_now = None
-        if self.paused:  # a single step has ended: held paused again
+        if self._held:  # a single step has ended: held paused again
             self._hold(e.time)
 
     def _on_BlocksChanged(self, e: ev.BlocksChanged) -> None:

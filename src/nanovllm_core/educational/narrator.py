@@ -55,6 +55,14 @@ MAX_PIECES_SHOWN = 48  # a longer prompt's pieces and ids are shown up to this m
 MAX_TABLES_SHOWN = 4   # block tables listed in one KV cache entry
 
 
+def yielded_note(timed: ev.StepTimed) -> str:
+    """A step's sentence on the time it waited for the app's frame (``StepTimed.yielded_s``), or ""."""
+    if timed.yielded_s < 0.0005:
+        return ""
+    return (f" Besides that it waited {ms(timed.yielded_s)} while this app drew its answer to a key you pressed "
+            "(or a click), so that the frame had the CPU; that wait is in the TTFT/TPOT of the requests in the step.")
+
+
 @dataclass
 class _RequestState:
     prompt: str | None
@@ -346,7 +354,7 @@ class Narrator(SchedulerNarration):
             mixed = (f", {timed.num_prefill_tokens} of them prefill" if timed.num_prefill_tokens != timed.num_tokens
                      else "")
             timing = (f" The step took {ms(timed.wall_time_s)} for its {plural(timed.num_tokens, 'token')}{mixed}: "
-                      f"a prefill rate of {figure} tokens/s.")
+                      f"a prefill rate of {figure} tokens/s.{yielded_note(timed)}")
         per_token = self.info.get("kv_bytes_per_token")
         kv = (f" Their keys and values, {s.num_tokens} x {per_token:,} = {s.num_tokens * per_token:,} bytes, are now in "
               "the KV cache." if per_token else " Their keys and values are now in the KV cache.")
@@ -424,9 +432,9 @@ class Narrator(SchedulerNarration):
         recompute = entry is not None and entry.kind == "prefill" and e.num_output_tokens > 1
         which = ("first token, from the prefill" if e.num_output_tokens == 1 else
                  f"token #{e.num_output_tokens}, after the recompute" if recompute else f"token #{e.num_output_tokens}")
-        took = f" The step took {ms(timed.wall_time_s)}." if timed is not None else ""
+        took = f" The step took {ms(timed.wall_time_s)}.{yielded_note(timed)}" if timed is not None else ""
         if verification is not None and timed is not None:  # the step's wall time holds the drafting too
-            took = f" The step, drafting included, took {ms(timed.wall_time_s)}."
+            took = f" The step, drafting included, took {ms(timed.wall_time_s)}.{yielded_note(timed)}"
         if verification is not None:
             n_query = verification.num_query_tokens or 1 + len(verification.draft_tokens)
             text += (f" It was kept by the verification above: {n_query} tokens of this sequence went through the "

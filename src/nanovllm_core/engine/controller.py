@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from nanovllm_core import events as ev
+from nanovllm_core import yield_gate
 from nanovllm_core.engine.llm_engine import LLMEngine, Subscription
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams, check_priority
@@ -156,7 +157,11 @@ class EngineController:
         self._commands.put(_Command("abort", (request_id,)))
 
     def xray(self, request_id: str | None, layer: int = 0, head: int = 0) -> None:
-        """Choose which request X-Ray traces (None: whichever runs first in a step) and the heatmap's layer/head."""
+        """Choose which request X-Ray traces (None: whichever runs first in a step) and the heatmap's layer/head.
+
+        An id the engine does not know (not waiting, running, nor among the lately ended: see
+        ``LLMEngine.select_xray``), or a layer or head out of range, is refused with an
+        ``EngineError`` (``xray: ...``, ``request_id`` the id asked for); the choice stays as it was."""
         self._commands.put(_Command("xray", (request_id, layer, head)))
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> None:
@@ -232,6 +237,26 @@ class EngineController:
         return ev.ModelLoading(stage="ready", done=1, total=1, ready=True, model_name=engine.model_name,
                                device=str(engine.device), dtype=str(engine.dtype).replace("torch.", ""),
                                model_info=tuple(sorted(engine.model_info().items())))
+
+    @staticmethod
+    def yield_for_frame(seconds: float = yield_gate.MAX_HOLD_S) -> None:
+        """A front end is about to draw a key's frame: the engine waits at its next layer or step
+        boundary until :meth:`frame_drawn` or ``seconds`` (at most ``yield_gate.MAX_HOLD_S``) pass.
+
+        On a busy CPU host this lets the frame have a core instead of sharing it with the step's
+        threads (``yield_gate.py``). The engine's outputs do not change; their times include the wait.
+        """
+        yield_gate.GATE.hold(seconds)
+
+    @staticmethod
+    def frame_drawn() -> None:
+        """The frame :meth:`yield_for_frame` was for is on screen: the engine goes on."""
+        yield_gate.GATE.release()
+
+    @staticmethod
+    def yielded_s() -> float:
+        """Seconds this process's engine has waited for a front end's frames (``yield_gate.GATE``)."""
+        return yield_gate.GATE.waited_s
 
     def _run(self) -> None:
         if self._engine is None and not self._load():
@@ -322,8 +347,10 @@ class EngineController:
             elif cmd.name == "call":
                 cmd.args[0](engine)
         except Exception as e:  # e.g. a bad request id or bad params: report, keep serving
+            # a refused submit or xray names its request (an xray of an unknown id: select_xray says which)
+            named = {"submit": 3, "xray": 0}.get(cmd.name)
             self._emit(ev.EngineError(step=None, message=f"{cmd.name}: {type(e).__name__}: {e}",
-                                      request_id=cmd.args[3] if cmd.name == "submit" else None))
+                                      request_id=cmd.args[named] if named is not None else None))
             if cmd.name == "submit":
                 self._emit(ev.RequestRejected(request_id=cmd.args[3], reason=str(e)))
                 rid, listener = cmd.args[3], cmd.args[4]

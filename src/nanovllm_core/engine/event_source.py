@@ -9,6 +9,7 @@ block maps, layer traces) only when some subscriber asked for them.
 
 What the engine provides (set in ``LLMEngine.__init__``): ``_subscribers`` (a list of
 :class:`Subscription`), ``xray`` (the layer observer, None until first asked for),
+``requests`` (live requests by id), ``finished_ids`` (ids of requests ended lately),
 ``scheduler``, ``block_manager``, ``bytes_per_block``, ``step_index`` and
 ``prefix_cache_hit_rate``.
 """
@@ -133,10 +134,22 @@ class EventSource:
     def select_xray(self, request_id: str | None, layer: int = 0, head: int = 0) -> None:
         """Choose the request X-Ray traces (None: the first one in each step) and the heatmap's layer and head.
 
+        ``request_id`` must be known to the engine: waiting, running or preempted (in
+        ``requests``), or ended lately (finished, aborted or rejected: one of the newest
+        ``llm_engine.FINISHED_IDS_KEPT`` ids in ``finished_ids``). A finished request can be chosen (an app
+        keeps its row selected, its newest trace on show) though no step will trace it again.
+
         Raises:
-            ValueError: layer or head out of range.
+            ValueError: layer or head out of range, or an id no request has (the message names it).
         """
+        if request_id is not None and not self.knows_request(request_id):
+            raise ValueError(f"no running, waiting or recently finished request {request_id!r} to X-Ray; "
+                             "choose one of the ids in the request events (or none: the first in each step)")
         self._xray_capture().select(request_id, layer, head)
+
+    def knows_request(self, request_id: str) -> bool:
+        """The id is a live request's (waiting, running, preempted) or one that ended lately (see ``finished_ids``)."""
+        return request_id in self.requests or request_id in self.finished_ids
 
     def _queue_entry(self, seq: Sequence) -> ev.QueueEntry:
         return ev.QueueEntry(request_id=seq.request_id, seq_id=seq.seq_id, index=seq.index, priority=seq.priority,
@@ -174,7 +187,7 @@ class EventSource:
                                 states=states, ref_counts=tuple(b.ref_count for b in bm.blocks), tables=tables,
                                 prefix_cache_hit_rate=self.prefix_cache_hit_rate)
 
-    def _emit_step_end(self, plan: SchedulerOutput, wall: float) -> None:
+    def _emit_step_end(self, plan: SchedulerOutput, wall: float, yielded: float = 0.0) -> None:
         if self._blocks_wanted:
             self._emit(self.blocks_event(plan.step))
         prefill = sum(s.num_new_tokens for s in plan.scheduled if s.kind == "prefill")
@@ -188,7 +201,7 @@ class EventSource:
             kv_bytes_total=bm.num_blocks * self.bytes_per_block,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_blocks_used=bm.num_used_blocks, num_blocks_cached=bm.num_cached_free_blocks,
-            num_blocks_total=bm.num_blocks, **self._tensor_parallel_timing(),
+            num_blocks_total=bm.num_blocks, yielded_s=yielded, **self._tensor_parallel_timing(),
         ))
 
     def _tensor_parallel_timing(self) -> dict:

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import OrderedDict
 import traceback
 from typing import Any, Callable
 
 import torch
 
 from nanovllm_core import events as ev
+from nanovllm_core import yield_gate
 from nanovllm_core.attention import cpu_paged
 from nanovllm_core.attention.selector import DEFAULT_BLOCK_SIZE, default_block_size
 from nanovllm_core.config import EngineConfig, check_kv_pool_fits, default_kv_cache_memory
@@ -58,6 +60,8 @@ from nanovllm_core.sampling_params import SamplingParams, check_priority
 from nanovllm_core.speculative.metrics import SpecDecodeStats
 from nanovllm_core.speculative.proposer import build_proposer, load_draft_model, needs_draft_model, parse_self_layers
 from nanovllm_core.speculative.speculator import Speculator
+
+FINISHED_IDS_KEPT = 1024  # ended request ids remembered (select_xray accepts them; the app lists at most 200)
 
 
 def unicode_problem(text: str) -> str | None:
@@ -135,6 +139,9 @@ class LLMEngine(EventSource):
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_ids()
         self.requests: dict[str, RequestState] = {}
+        # Ids of the newest FINISHED_IDS_KEPT requests that ended (finished, aborted, rejected), oldest first:
+        # what "known" means for select_xray beside the live ``requests``.
+        self.finished_ids: OrderedDict[str, None] = OrderedDict()
         self._subscribers: list[Subscription] = []
         self._seq_counter = itertools.count()
         self._request_counter = itertools.count()
@@ -297,7 +304,15 @@ class LLMEngine(EventSource):
 
     # ------------------------------------------------------------------ requests
 
+    def _ended(self, request_id: str) -> None:
+        """Keep ``request_id`` among the newest ended ids (``finished_ids``), the oldest dropped past ``FINISHED_IDS_KEPT``."""
+        self.finished_ids.pop(request_id, None)
+        self.finished_ids[request_id] = None
+        while len(self.finished_ids) > FINISHED_IDS_KEPT:
+            self.finished_ids.popitem(last=False)
+
     def _reject(self, request_id: str, prompt: Any, token_ids: list[int], reason: str) -> str:
+        self._ended(request_id)
         self.output.reject(request_id, prompt, token_ids, reason)
         if self._subscribers:
             self._emit(ev.RequestRejected(request_id=request_id, reason=reason))
@@ -494,6 +509,10 @@ class LLMEngine(EventSource):
         if self.fatal_error is not None or not self.scheduler.has_unfinished():
             return outputs
         t0 = time.perf_counter()
+        gate = yield_gate.GATE
+        waited0 = gate.c.waited_ns  # a front end's hold (yield_gate.py): waited here and between layers
+        if gate.c.until_ns:
+            gate.wait()
         plan = self.scheduler.schedule()
         self.step_index = plan.step
         for seq in plan.preempted:
@@ -549,7 +568,8 @@ class LLMEngine(EventSource):
         if self.speculator is not None:
             self.speculator.step_done()
         if self._subscribers:
-            self._emit_step_end(plan, time.perf_counter() - t0)
+            yielded = (gate.c.waited_ns - waited0) / 1e9
+            self._emit_step_end(plan, time.perf_counter() - t0 - yielded, yielded)
         outputs.extend(self.output.take(self.requests, touched))
         return outputs
 
@@ -671,6 +691,7 @@ class LLMEngine(EventSource):
             self._release_siblings(seq)
         if req is not None and all(s.is_finished for s in req.seqs):
             del self.requests[seq.request_id]
+            self._ended(seq.request_id)
             self.output.finished(req)
             if self._subscribers:
                 self._emit(self._finished_event(req))

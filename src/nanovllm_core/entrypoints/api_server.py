@@ -330,7 +330,8 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
     """Apply one control command (``{"command": ...}``) to the controller; every watcher sees its effect.
 
     Raises:
-        APIError: an unknown command or a bad argument (400).
+        APIError: an unknown command or a bad argument (400); an abort or xray of a request id
+            the server does not know (404; for xray, one neither live nor among the lately ended).
     """
     c = state.controller
     one_of = f"send {{\"command\": ...}} with one of {', '.join(CONTROL_COMMANDS)}"
@@ -379,6 +380,13 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
         if (rid is not None and not isinstance(rid, str)) or not all(
                 isinstance(v, int) and not isinstance(v, bool) for v in (layer, head)):
             raise APIError("xray needs request_id (text or null), layer and head (integers)", param="xray")
+        if rid is not None:
+            with state.control_lock:  # a prompt submitted here and not yet added by the engine counts too
+                known = rid in state.control_ids
+            if not (known or rid in state.hub.live_request_ids() or rid in state.hub.ended_request_ids()):
+                raise APIError(f"no running, waiting or recently finished request {json.dumps(rid)} to X-Ray (the "
+                               "id is wrong, or it ended long ago: the ids are in GET /v1/engine/events)",
+                               status=404, param="request_id", code="request_not_found")
         c.xray(rid, layer, head)
     elif name == "snapshot":
         state.hub.request_blocks_snapshot()

@@ -36,6 +36,7 @@ import json
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -44,6 +45,7 @@ from nanovllm_core import events as ev
 LOG_EVENTS = 20_000  # events kept for watchers that reconnect
 HEARTBEAT_S = 0.5
 MAX_PAUSES = 1000  # ended pauses kept for new watchers (each single step ends one)
+ENDED_IDS_KEPT = 1024  # ids of ended requests remembered, as the engine's llm_engine.FINISHED_IDS_KEPT
 # A watcher is sent what accumulated at most this often: an app draws 5-10 frames a second, and
 # fewer, larger writes leave the event loop (and Python's lock) to the engine and the API.
 BATCH_INTERVAL_S = 0.05
@@ -81,6 +83,7 @@ class EventHub:
         self._ready: ev.ModelLoading | None = None
         self._live: dict[str, ev.RequestAdded] = {}
         self._tokens: dict[str, list[ev.TokenSampled]] = {}  # of live requests: their output so far
+        self._ended: OrderedDict[str, None] = OrderedDict()  # the newest ENDED_IDS_KEPT ended requests' ids
         self._latest: dict[type, ev.Event] = {}  # the newest StepPlanned, StepTimed, BlocksChanged
         self._step = 0
         # The engine's pauses as its events tell them (the app's accounting: held from EnginePaused to
@@ -138,6 +141,10 @@ class EventHub:
                     self._tokens.setdefault(event.request_id, []).append(event)
             elif isinstance(event, (ev.RequestFinished, ev.RequestRejected)):
                 self._live.pop(event.request_id, None)
+                self._ended.pop(event.request_id, None)
+                self._ended[event.request_id] = None
+                if len(self._ended) > ENDED_IDS_KEPT:
+                    self._ended.popitem(last=False)
                 self._tokens.pop(event.request_id, None)
                 timed = self._latest.get(ev.StepTimed)
                 if isinstance(event, ev.RequestFinished) and event.kv_blocks_used is not None and timed:
@@ -187,6 +194,12 @@ class EventHub:
         submitted is here once the engine thread has added it)."""
         with self._lock:
             return set(self._live)
+
+    def ended_request_ids(self) -> set[str]:
+        """Ids of the newest ``ENDED_IDS_KEPT`` requests that finished (or were aborted or rejected), as the
+        published events tell."""
+        with self._lock:
+            return set(self._ended)
 
     def request_blocks_snapshot(self) -> None:
         """Publish a fresh ``BlocksChanged`` (taken on the engine thread between steps, even while paused)."""

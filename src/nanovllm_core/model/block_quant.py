@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nanovllm_core import native
+from nanovllm_core import native, yield_gate
 from nanovllm_core.model.block_formats import (  # noqa: F401 (re-exported: the formats are part of this module's API)
     ACTIVATIONS,
     BLOCK_SIZE,
@@ -416,7 +416,7 @@ _f = ctypes.c_float
 SIGNATURES.update({
     "silu_mul_f32": (None, [_p, _p, _i64, _i64, _i32]),
     "decoder_layers": (_i32, [_p, _i32, _p, _p, _i64, _i64, _i64, _i32, _i32, _i32, _f, _p, _p, _p, _i64, _p, _p, _p,
-                              _i32, _i32, _i32, _i32, _f, _p, _i32]),
+                              _i32, _i32, _i32, _i32, _f, _p, _i32, _p]),
 })
 
 
@@ -463,8 +463,9 @@ class FusedDecoderLayers:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self._cache: weakref.ref | None = None  # the KV cache self._array points into
-        self._array: ctypes.Array | None = None
+        # KV cache -> its layer table (pointers into that cache's pools): one per engine sharing the
+        # model, since two engines may step at once on two threads (the app's tutorial demos do).
+        self._tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @staticmethod
     def supported(model: nn.Module) -> bool:
@@ -500,11 +501,15 @@ class FusedDecoderLayers:
         return ops
 
     def _layer_array(self, cache) -> ctypes.Array:
-        # One table per KV cache object (its pools are fixed for its life): a weak reference, so a
+        # One table per KV cache object (its pools are fixed for its life), held by a weak key, so a
         # later engine's cache is never taken for a freed one that had the same id or addresses
-        # (a stale pointer would write into freed memory), and the table keeps no pool alive.
-        if self._cache is not None and self._cache() is cache:
-            return self._array
+        # (a stale pointer would write into freed memory), and the table keeps no pool alive. Each
+        # engine keeps its own: a single table swapped between two engines stepping on two threads
+        # was freed under the other's running C call (a segfault running a tutorial demo beside
+        # generation, issue 29).
+        table = self._tables.get(cache)
+        if table is not None:
+            return table
         rows = []
         for i, layer in enumerate(self.model.layers):
             a, m = layer.self_attn, layer.mlp
@@ -514,9 +519,9 @@ class FusedDecoderLayers:
                 m.gate_up_proj.format.c_id, m.down_proj.format.c_id, layer.input_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.weight.data_ptr(), cache.k_by_head[i].data_ptr(),
                 cache.v_by_head[i].data_ptr()))
-        self._array = (_LayerWeights * len(rows))(*rows)
-        self._cache = weakref.ref(cache)  # one engine's pools at a time
-        return self._array
+        table = (_LayerWeights * len(rows))(*rows)
+        self._tables[cache] = table
+        return table
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, num_layers: int) -> torch.Tensor | None:
         """x ``[T, hidden]`` float32 after ``num_layers`` layers (a new tensor), or None where this path does not apply.
@@ -542,12 +547,13 @@ class FusedDecoderLayers:
         work = scratch(t * (h + (nh + 2 * nkv) * hd + nh * hd + 3 * i) + block_scratch(t, max(h, i)) + 1)
         slots = meta.slot_mapping.contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
+        table = self._layer_array(cache)  # held here until the C call returns
         rc = library().decoder_layers(
-            ctypes.addressof(self._layer_array(cache)), num_layers, ctypes.addressof(ops), out.data_ptr(), t, h, i,
+            ctypes.addressof(table), num_layers, ctypes.addressof(ops), out.data_ptr(), t, h, i,
             nh, nkv, hd, float(self.model.norm.eps), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), nb * bs,
             meta.block_tables.data_ptr(), meta.token_rows.data_ptr(), meta.token_context.data_ptr(), nb, bs,
             meta.block_tables.shape[1], max(1, meta.max_seqlen_k), hd ** -0.5, work.data_ptr(),
-            torch.get_num_threads())
+            torch.get_num_threads(), yield_gate.GATE.address)
         if rc == -1:
             raise ValueError(f"a slot in the slot mapping lies outside the pool's {nb * bs} slots")
         if rc == -2:

@@ -27,6 +27,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #else
@@ -398,6 +399,32 @@ typedef struct {
     float *k_pool, *v_pool;                  /* this layer's pools [num_kv_heads, num_blocks, block_size, head_dim] */
 } layer_weights;
 
+/* yield_gate.py's gate: while until_ns (CLOCK_MONOTONIC, ns) lies ahead, the layers wait before
+ * their next layer, polling every 0.5 ms; the wait is added to waited_ns. A front end holds it
+ * for a moment so that a key's frame gets the CPU (see yield_gate.py). */
+typedef struct {
+    volatile int64_t until_ns, waited_ns;
+} yield_gate;
+
+static int64_t monotonic_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+static void gate_wait(yield_gate *g) {
+    if (!g || !g->until_ns) return;
+    const int64_t start = monotonic_ns();
+    int64_t now = start, until;
+    while ((until = g->until_ns) != 0 && now < until) {
+        const int64_t left = until - now;
+        struct timespec nap = {0, left < 500000 ? left : 500000};
+        nanosleep(&nap, NULL);
+        now = monotonic_ns();
+    }
+    g->waited_ns += now - start;
+}
+
 typedef struct {
     rms_norm_fn rms_norm;
     rope_fn rope;
@@ -411,17 +438,19 @@ typedef struct {
  * cos, sin [T, head_dim] (RotaryEmbedding.cos_sin's tables); slot_mapping [T] int64; block_tables
  * [rows, max_blocks], token_row, token_ctx [T] int32 as paged_attention_cpu.c takes them.
  * scratch: T * (H + (nh + 2 nkv) hd + nh hd + 3 I) + BLOCK_SCRATCH(T, max(H, I)) floats.
+ * gate: NULL, or the front end's yield_gate, waited at before each layer.
  * Returns 0, -1 for a bad width or slot, -2 when attention could not allocate its scratch. */
 int decoder_layers(const layer_weights *layers, int num_layers, const layer_ops *ops, float *x, int64_t T, int64_t H,
                    int64_t I, int nh, int nkv, int hd, float eps, const float *cos, const float *sin,
                    const int64_t *slot_mapping, int64_t num_slots, const int32_t *block_tables, const int32_t *token_row,
                    const int32_t *token_ctx, int num_blocks, int block_size, int max_blocks, int max_ctx, float scale,
-                   float *scratch, int num_threads) {
+                   float *scratch, int num_threads, yield_gate *gate) {
     const int64_t qs = (int64_t)nh * hd, kvs = (int64_t)nkv * hd, qkv_w = qs + 2 * kvs;
     float *xn = scratch, *qkv = xn + T * H, *att = qkv + T * qkv_w, *gu = att + T * qs, *act = gu + T * 2 * I;
     float *sx = act + T * I;
     for (int l = 0; l < num_layers; l++) {
         const layer_weights *w = &layers[l];
+        gate_wait(gate);
         ops->rms_norm(x, w->input_norm, eps, xn, T, H, num_threads);
         if (block_linear(w->qkv_fmt, w->qkv, xn, H, qkv, qkv_w, NULL, 0, T, qkv_w, H, sx, num_threads)) return -1;
         ops->rope(qkv, T, qkv_w, nh + nkv, hd, cos, sin, num_threads);

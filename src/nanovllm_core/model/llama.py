@@ -32,6 +32,7 @@ from torch import nn
 # ModelConfig lives with the other value types (config.py) so that attention can name it
 # without importing the model; re-exported here, where readers of the model look for it.
 from nanovllm_core.config import SUPPORTED_MODEL_TYPES, ModelConfig  # noqa: F401
+from nanovllm_core import yield_gate
 from nanovllm_core.model import block_quant, native_ops
 from nanovllm_core.model.cpu_linear import linear
 from nanovllm_core.model.tracer import LayerTracer
@@ -326,7 +327,10 @@ class LlamaForCausalLM(nn.Module):
         fused = self.fused_layers(x, cos, sin, attn, len(layers)) if self.fused_layers and tracer is None else None
         if fused is not None:  # the same operations in C, the same bits (block_quant.FusedDecoderLayers)
             return self.norm(fused)
+        gate = yield_gate.GATE
         for layer in layers:
+            if gate.c.until_ns:  # a front end's key is drawing its frame (yield_gate.py)
+                gate.wait()
             x = layer(x, cos, sin, attn, tracer)
         return self.norm(x)
 

@@ -32,7 +32,8 @@ def fit(parts: list[tuple[Text, int]], width: int | None) -> Text:
 class StatusHeader(LiveStatic):
     """One line: ``nano-vLLM │ model · device · dtype [· q8_0 weights] │ ● state · step N · k active requests``.
 
-    While the model loads it shows the loading stage and a progress bar instead, and a model that
+    The state is the one the engine confirmed (its events); ``pausing…`` / ``resuming…`` while the
+    app's own pause or resume has not been answered yet. While the model loads it shows the loading stage and a progress bar instead, and a model that
     failed to load, the whole reason. On a narrow terminal the least needed parts go first (the
     weights' formats, device and dtype, the request count, the step; while loading the hint first);
     the app's name and the engine's state always stay.
@@ -50,7 +51,7 @@ class StatusHeader(LiveStatic):
             width = None
         elif not state.ready:
             parts.append((Text("loading model", style="bold magenta"), 0))
-            if state.paused:  # space pressed while loading: the engine will start paused
+            if state.pending == "pausing" or (state.paused and state.pending is None):  # space pressed while loading
                 parts.append((Text(" · will start paused", style="bold yellow"), 1))
             if loading_s is not None:
                 parts.append((Text(f" {SPINNER[int(loading_s * 2) % len(SPINNER)]} {loading_s:.0f} s",
@@ -78,7 +79,10 @@ class StatusHeader(LiveStatic):
             active = len(state.active_requests)
             cut_short = replay and engine_state == "idle" and active  # the recording stopped mid-request
             shown = "recording ended" if cut_short else engine_state
-            parts.append((Text.assemble((" │ ", "dim"), (f"● {shown}", STATE_STYLES.get(engine_state, "bold"))), 0))
+            style = STATE_STYLES.get(engine_state, "bold")
+            if state.pending is not None and not lost:  # asked for, not yet confirmed by the engine
+                shown, style = f"{state.pending}…", "bold yellow"
+            parts.append((Text.assemble((" │ ", "dim"), (f"● {shown}", style)), 0))
             if state.step is not None:
                 parts.append((Text(f" · step {state.step}"), 3))
             if cut_short:  # they will never finish: the header said "idle" beside requests listed running

@@ -7,7 +7,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 
 from nanovllm_tui.state import EngineState
-from nanovllm_tui.widgets.format import fmt_rate, sparkline
+from nanovllm_tui.widgets.format import fmt_ms, fmt_rate, sparkline
 from nanovllm_tui.widgets.live import LiveStatic
 
 STYLES = {"prefill": "#f5a524", "decode": "#3ecf8e"}
@@ -17,7 +17,10 @@ class ThroughputPanel(Vertical):
     """Tokens per second of engine time over the newest ``RATE_WINDOW`` steps that did prefill
     (decode) work while the engine runs (``EngineState.rate``: what the Narrator tells for a step),
     0 while it is idle or paused, with the rate of those steps beside the sparkline ("last 3
-    steps 1,234 tok/s"); sparklines show each step's rate, one cell a step."""
+    steps 1,234 tok/s"); sparklines show each step's rate, one cell a step.
+
+    The rates leave out the time steps waited while the app drew a key's frame (``StepTimed.yielded_s``,
+    ``nanovllm_core/yield_gate.py``); once there was any, the panel's bottom border says how much in all."""
 
     def compose(self) -> ComposeResult:
         for kind in STYLES:
@@ -25,6 +28,7 @@ class ThroughputPanel(Vertical):
             yield LiveStatic(id=f"{kind}-spark")
 
     def show(self, state: EngineState) -> None:
+        self.border_subtitle = f"{fmt_ms(state.yielded_s)} waited for your keys (not in rates)" if state.yielded_s >= 0.0005 else ""
         rates = {kind: state.rate(kind) for kind in STYLES}
         per_step = {"prefill": [t.prefill_tokens_per_s for t in state.timings],
                     "decode": [t.decode_tokens_per_s for t in state.timings]}

@@ -1,0 +1,102 @@
+"""X-Ray of a request id no request has is refused with one line, at each layer that takes it: the
+engine (``select_xray``, and its controller's ``EngineError``), the server's control ``xray``
+(404, as abort of an unknown id) and the app (a "Not done" toast). A finished request stays
+selectable, as the app selects finished rows (issue 29)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from nanovllm_core import events as ev
+from nanovllm_core.engine.controller import EngineController
+from nanovllm_core.sampling_params import SamplingParams
+from tests.conftest import poll_until
+from tests.tui_helpers import Notes, tiny_app, wait_until
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=2)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def test_the_engine_refuses_an_unknown_id_and_keeps_live_and_finished_ones(make_tiny_engine):
+    engine = make_tiny_engine(num_kv_blocks=32)
+    with pytest.raises(ValueError, match="no running, waiting or recently finished request 'nope'"):
+        engine.select_xray("nope")
+    engine.add_request("one two", GREEDY, request_id="r")
+    rid = "r"
+    engine.select_xray(rid)  # waiting
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.select_xray(rid)  # finished: still known
+    engine.add_request([10**8], GREEDY, request_id="refused")  # outside the vocabulary: rejected
+    engine.select_xray("refused")
+    engine.select_xray(None)
+
+
+def test_the_known_finished_ids_are_bounded(make_tiny_engine, monkeypatch):
+    from nanovllm_core.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "FINISHED_IDS_KEPT", 2)
+    engine = make_tiny_engine(num_kv_blocks=32)
+    for rid in ("a", "b", "c"):
+        engine.add_request([10**8], GREEDY, request_id=rid)  # each rejected at once: ended
+    assert list(engine.finished_ids) == ["b", "c"]
+    with pytest.raises(ValueError, match="'a'"):
+        engine.select_xray("a")
+
+
+def test_the_controller_answers_an_unknown_id_with_an_engine_error_naming_it(make_tiny_engine):
+    controller = EngineController.from_engine(make_tiny_engine(num_kv_blocks=32))
+    got: list[ev.Event] = []
+    controller.subscribe(got.append)
+    try:
+        rid = controller.submit("one two", GREEDY)
+        assert controller.wait(rid, timeout=30) is not None
+        controller.xray(rid)  # finished: no error
+        controller.xray("nope")
+        assert poll_until(lambda: any(isinstance(e, ev.EngineError) for e in got), 10)
+        errors = [e for e in got if isinstance(e, ev.EngineError)]
+        assert len(errors) == 1 and errors[0].request_id == "nope" and errors[0].step is None
+        assert errors[0].message.startswith("xray: ") and "'nope'" in errors[0].message
+    finally:
+        controller.shutdown(timeout=5)
+
+
+def test_the_servers_control_xray_refuses_an_unknown_id_with_404(tiny_server):
+    def control(body):
+        return httpx.post(tiny_server.url + "/v1/engine/control", json=body, headers=tiny_server.headers, timeout=30)
+
+    r = control({"command": "xray", "request_id": "nope", "layer": 0, "head": 0})
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert error["code"] == "request_not_found" and error["param"] == "request_id" and '"nope"' in error["message"]
+    r = control({"command": "submit", "prompt": "one two", "params": {"max_tokens": 2}})
+    rid = r.json()["request_id"]
+    assert control({"command": "xray", "request_id": rid}).status_code == 200  # just submitted
+    tiny_server.wait_idle()  # read on the engine thread after the request ended (the hub has its RequestFinished)
+    assert control({"command": "xray", "request_id": rid}).status_code == 200  # finished: still known
+    assert control({"command": "xray", "request_id": None}).status_code == 200
+
+
+@pytest.mark.anyio
+async def test_the_app_shows_a_refused_xray_as_not_done_and_a_finished_row_stays_selectable(tiny_llama_dir, tmp_path):
+    app = tiny_app(tiny_llama_dir, tmp_path, max_tokens=2)
+    notes = Notes()
+    async with app.run_test(size=(120, 36), message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, 60, "the tiny model")
+        rid = app.submit_request("one two", GREEDY)
+        await wait_until(pilot, lambda: app.state.requests[rid].state == "finished", 30, "the request to end")
+        await pilot.press("escape", "2")
+        await pilot.pause(0.3)
+        app.select(None)
+        app.select(rid)  # a finished row, selected in the X-Ray: no refusal
+        await pilot.pause(0.5)
+        assert not notes.find("xray:")
+        app.select("nope")  # an id no request has (the table never offers one; the controller is asked)
+        await wait_until(pilot, lambda: notes.find("xray:"), 10, "the refusal")
+        note = notes.find("xray:")[0]
+        assert note.title == "Not done" and "'nope'" in note.message and note.severity == "warning"
