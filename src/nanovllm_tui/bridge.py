@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import threading
 import time
 from typing import Any
@@ -118,6 +119,8 @@ class EngineBridge:
 
 
 _FIELDS: dict[type, tuple[str, ...]] = {}
+_NUMBER = r"(int|float|bool)"
+_NUMERIC = re.compile(rf"({_NUMBER}|tuple\[{_NUMBER}, \.\.\.\]|tuple\[tuple\[{_NUMBER}, \.\.\.\], \.\.\.\])( \| None)?")
 
 
 def visible_event(event: Any) -> Any:
@@ -125,8 +128,9 @@ def visible_event(event: Any) -> Any:
     :func:`~nanovllm_tui.widgets.format.visible_text`; the same object when none needed it
     (the common case: nothing is copied). Tuples of numbers are passed by unread."""
     names = _FIELDS.get(type(event))
-    if names is None:
-        names = _FIELDS[type(event)] = tuple(f.name for f in dataclasses.fields(event))
+    if names is None:  # fields declared as numbers only (most of StepTimed, attention weights) are never read
+        names = _FIELDS[type(event)] = tuple(f.name for f in dataclasses.fields(event)
+                                             if not _NUMERIC.fullmatch(str(f.type)))
     changes = {}
     for name in names:
         value = getattr(event, name)
