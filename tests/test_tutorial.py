@@ -378,11 +378,14 @@ def test_kv_cache_quiz_matches_the_model_configs_formula():
 
     from nanovllm_core.model.llama import ModelConfig
 
-    cfg = ModelConfig(vocab_size=10, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
-                      rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=True)
-    q = chapter("kv_cache").quiz
-    assert q.choices[q.answer] == f"{cfg.kv_bytes_per_token(torch.float32):,}"
+    def config(kv_heads):
+        return ModelConfig(vocab_size=10, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                           num_attention_heads=9, num_key_value_heads=kv_heads, head_dim=64, rms_norm_eps=1e-5,
+                           rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=True)
+
+    q = chapter("kv_cache").quiz  # asks for the cache without grouped-query attention (one KV head per query head)
+    assert q.choices[q.answer] == f"{config(9).kv_bytes_per_token(torch.float32):,}"
+    assert f"{config(3).kv_bytes_per_token(torch.float32):,}" in q.choices  # the model's own, printed above: wrong
 
 
 def test_preemption_quiz_matches_the_schedulers_victim():

@@ -20,12 +20,14 @@ import threading
 import time
 from typing import Any, Iterable, Sequence
 
+from rich.text import Text
 from textual import events
 from textual.app import App, ComposeResult
 from textual.geometry import Size
 from textual.widgets import ContentSwitcher, Input, TabbedContent, TabPane
 
 from nanovllm_core import events as ev
+from nanovllm_core.educational.commentary import plural
 from nanovllm_core.educational.narrator import Narrator
 from nanovllm_core.prompts import user_message
 from nanovllm_core.sampling_params import SamplingParams
@@ -39,7 +41,7 @@ from nanovllm_tui.views.narrator import NarratorView
 from nanovllm_tui.views.tutorial import TutorialView
 from nanovllm_tui.views.xray import XRayView
 from nanovllm_tui.widgets.footer import SteadyFooter
-from nanovllm_tui.widgets.prompt_bar import ONE_LINE_WIDTH, REPLAY_NOTES, PromptBar, PromptSettings
+from nanovllm_tui.widgets.prompt_bar import ONE_LINE_WIDTH, REPLAY_NOTES, PromptBar, PromptSettings, settings_errors
 from nanovllm_tui.widgets.status_header import StatusHeader
 
 VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
@@ -286,6 +288,7 @@ class NanoVLLMApp(App):
                 self._settle_memory()
                 if self.state.model_info.get("max_model_len"):
                     self.query_one(PromptBar).limit_max_tokens(self.state.model_info["max_model_len"])
+                    self._refuse_startup_max_tokens(self.state.model_info["max_model_len"])
                 if "chat_template" in self.state.model_info:  # (traces from before it was recorded lack it)
                     self.query_one(PromptBar).model_has_chat_template(bool(self.state.model_info["chat_template"]))
                 self._note_fallbacks(self.state.model_info)
@@ -381,14 +384,30 @@ class NanoVLLMApp(App):
                 self.notify(event.message, title="Connection", severity="warning", timeout=10, markup=False)
             else:
                 self.notify(event.message, title="Engine error", severity="error", timeout=10, markup=False)
-        elif isinstance(event, ev.RequestFinished) and event.finish_reason == "abort":
-            self.notify(f"{event.request_id} aborted after {event.num_output_tokens} tokens; its blocks are free",
+        elif isinstance(event, ev.RequestFinished) and event.finish_reason == "abort" and self._sent_here(event):
+            # only this app's own prompts: an attached server's other clients disconnect all the time,
+            # and a toast for each piled up over the panels (issue 29); the table shows their state
+            self.notify(f"{event.request_id} aborted after {plural(event.num_output_tokens, 'token')}; its blocks are free",
                         markup=False)
         elif event.kind == "ServerRestarted":  # nanovllm_tui.remote's: an attached server came back anew
             self.notify(f"The server at {event.url} restarted with a new engine; requests that were running "
                         "there are marked lost.", severity="warning", timeout=10, markup=False)
         elif isinstance(event, ev.ModelLoading) and event.ready and self.live:
             self.notify(f"{event.model_name} is ready on {event.device} ({event.dtype})", markup=False)
+
+    def _sent_here(self, event: ev.RequestFinished) -> bool:
+        """The request was sent from this app (its bar or ``--prompt``): only those have ``chat`` known."""
+        req = self.state.requests.get(event.request_id)
+        return req is not None and req.chat is not None
+
+    def _refuse_startup_max_tokens(self, limit: int) -> None:
+        """The model is known: prompts sent at start (``--prompt``) whose ``--max-tokens`` the bar now
+        refuses end the app with one line and status 2, as ``nanovllm --max-tokens`` is refused once
+        its model has loaded (they waited in the queue meanwhile; the engine stops with the app)."""
+        wrong = settings_errors(self.settings, limit=limit) if self._initial_prompts else []
+        if wrong:
+            self.exit(return_code=2, message=Text(f"nanovllm-tui: error: --{wrong[0][0]}: {wrong[0][1]}; lower "
+                                                  "--max-tokens or raise --max-model-len"))
 
     def _sync_paused(self) -> None:
         """A controller started paused says so only through its state (there is no event for it);

@@ -10,11 +10,18 @@ becomes one screen update per frame.
 High-rate snapshots are coalesced while they wait: only the newest ``BlocksChanged``
 (the whole KV pool) is kept, and only the newest step's ``LayerTrace`` events; what is
 kept stays in arrival order (the narrator reads a step's events in order).
+
+Every event leaves :meth:`EngineBridge.drain` with its text made safe to draw (:func:`visible_event`):
+prompts, outputs, token pieces, stop strings and error messages come from clients and the model,
+and a raw escape code in them would act on the terminal. So every tab, toast and the narrator
+show control characters as pictures (``␛``) without each having to remember.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import threading
 import time
 from typing import Any
@@ -23,6 +30,7 @@ from textual.message import Message
 from textual.message_pump import MessagePump
 
 from nanovllm_core import events as ev
+from nanovllm_tui.widgets.format import visible_text
 
 # Screen updates a second from engine events: smooth to read, cheap beside a busy engine. On a
 # machine of two cores or fewer every frame the UI thread draws is taken from the engine's
@@ -107,4 +115,41 @@ class EngineBridge:
             self._events, self._blocks_at, self._xray_at = [], None, []
             self._posted = False
         self._last_drain = time.monotonic()
-        return [e for e in events if e is not None]
+        return [visible_event(e) for e in events if e is not None]
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}
+_NUMBER = r"(int|float|bool)"
+_NUMERIC = re.compile(rf"({_NUMBER}|tuple\[{_NUMBER}, \.\.\.\]|tuple\[tuple\[{_NUMBER}, \.\.\.\], \.\.\.\])( \| None)?")
+
+
+def visible_event(event: Any) -> Any:
+    """``event`` (a frozen dataclass, nested ones included) with every string made visible by
+    :func:`~nanovllm_tui.widgets.format.visible_text`; the same object when none needed it
+    (the common case: nothing is copied). Tuples of numbers are passed by unread."""
+    names = _FIELDS.get(type(event))
+    if names is None:  # fields declared as numbers only (most of StepTimed, attention weights) are never read
+        names = _FIELDS[type(event)] = tuple(f.name for f in dataclasses.fields(event)
+                                             if not _NUMERIC.fullmatch(str(f.type)))
+    changes = {}
+    for name in names:
+        value = getattr(event, name)
+        shown = _visible(value)
+        if shown is not value:
+            changes[name] = shown
+    return dataclasses.replace(event, **changes) if changes else event
+
+
+def _visible(value: Any) -> Any:
+    if isinstance(value, str):
+        return visible_text(value)
+    if isinstance(value, (tuple, list)):
+        if not value or not isinstance(value[0], (str, tuple, list)) and not dataclasses.is_dataclass(value[0]):
+            return value  # numbers (token ids, samples, timings): homogeneous, nothing to show
+        shown = [_visible(v) for v in value]
+        if all(a is b for a, b in zip(shown, value)):
+            return value
+        return type(value)(shown)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return visible_event(value)
+    return value

@@ -59,6 +59,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if getattr(args, name, None):
             parser.error(f"--{name.replace('_', '-')} is a nanovllm option and not available in the app "
                          "(its tabs show the same: 1 Dashboard, 2 X-Ray, 3 Narrator, 4 Tutorial, 5 Block Map)")
+    if args.replay:
+        given = given_options(argv, NOT_WITH_REPLAY)
+        if given:
+            parser.error(f"--{given[0].replace('_', '-')} does nothing with --replay: a replay plays a recorded "
+                         "trace (no model, no new prompts); leave it out, or start without --replay")
     if args.prompt and any(not p.strip() for p in args.prompt):
         parser.error("--prompt must not be empty")
     if args.priority is not None and len(args.priority) != len(args.prompt or []):
@@ -71,15 +76,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.replay and args.connect is not None:
         parser.error("--replay and --connect are two sources for the app: play a recording, or watch a running "
                      "server; give one of them")
-    if args.replay:
-        given = given_options(argv, NOT_WITH_REPLAY)
-        if given:
-            parser.error(f"--{given[0].replace('_', '-')} does nothing with --replay: a replay plays a recorded "
-                         "trace (no model, no new prompts); leave it out, or start without --replay")
     try:
         args.sampling = sampling_params(args)
     except ValueError as e:
         parser.error(str(e))
+    if not args.replay:  # the prompt bar's defaults and the prompts sent at start: the bar's own rules
+        from nanovllm_tui.widgets.prompt_bar import PromptSettings, settings_errors
+
+        wrong = settings_errors(PromptSettings(max_tokens=args.max_tokens, temperature=args.temperature),
+                                args.priority or (), limit=args.max_model_len)
+        if wrong:
+            parser.error(f"--{wrong[0][0]}: {wrong[0][1]}")
     if (args.host is not None or args.port is not None) and not args.web:
         parser.error("--host and --port are where --web listens; add --web (the server you attach to is --connect URL)")
     if args.connect is not None:  # "" too: an empty address is refused, not read as "no --connect"
@@ -94,7 +101,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-_UNSET = object()
+class _Unset(list):
+    """The default that marks an option as not given. A list, because an append option (``--prompt``,
+    ``--stop``) appends to its default: argparse copies it first, so a given one is no longer this
+    object (a plain ``object()`` raised AttributeError: no ``append``)."""
+
+
+_UNSET = _Unset()
 
 
 def given_options(argv: Sequence[str] | None, names: Sequence[str]) -> list[str]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from nanovllm_core import events as ev
 from nanovllm_core.educational.narrator_sampling import table_caption
+from nanovllm_tui.widgets.format import visible_text
 
 HISTORY_STEPS = 120  # StepTimed records kept for sparklines
 RATE_WINDOW = 10  # steps averaged for the throughput figures
@@ -142,8 +143,9 @@ class EngineState:
 
     def submitted(self, request_id: str, prompt: str, priority: int, max_tokens: int | None,
                   chat: bool | None = None) -> RequestView:
-        """Record a prompt the app has just sent (before the engine has seen it); ``chat``: as a user's message."""
-        req = RequestView(request_id, prompt, priority, max_tokens, chat=chat, order=next(self._order))
+        """Record a prompt the app has just sent (before the engine has seen it); ``chat``: as a user's message.
+        The prompt is kept as shown (control characters made visible, as the bridge does to events)."""
+        req = RequestView(request_id, visible_text(prompt), priority, max_tokens, chat=chat, order=next(self._order))
         self.requests[request_id] = req
         return req
 

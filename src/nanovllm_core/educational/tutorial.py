@@ -360,13 +360,16 @@ CHAPTERS: tuple[Chapter, ...] = (
         themselves, and managing it well is what the next chapters are about.
         """,
         "kv_cache", "Once upon a time",
+        # Not the bytes per token itself: the figures right above the quiz print this model's (issue 29).
         _quiz("A model has 30 layers whose 9 query heads share 3 KV heads of head_dim 64, and stores float32 "
-              "(4 bytes). How many bytes of KV cache does one token take?",
-              ("11,520", "23,040", "46,080", "138,240"),
+              "(4 bytes). Without grouped-query attention (one KV head for each of the 9 query heads), how many "
+              "bytes of KV cache would one token take?",
+              ("15,360", "46,080", "138,240", "276,480"),
               2,
-              "2 (K and V) x 30 layers x 3 KV heads x 64 x 4 bytes = 46,080 bytes. 11,520 counts numbers, not "
-              "bytes; 23,040 forgets that both K and V are kept; 138,240 would be the cost with one KV head per "
-              "query head (9), that is, without grouped-query attention."),
+              "2 (K and V) x 30 layers x 9 KV heads x 64 x 4 bytes = 138,240 bytes, 3 times the 46,080 of the 3 "
+              "shared KV heads: grouped-query attention cuts the cache by the group size. 15,360 is one KV head "
+              "for all 9 query heads (multi-query attention); 46,080 keeps the 3 shared heads; 276,480 counts "
+              "8 bytes a number, not float32's 4."),
     ),
     Chapter(
         6, "decode", "Decode: one token per step",

@@ -7,6 +7,7 @@ from textual.app import ComposeResult
 from nanovllm_tui.widgets.live import LiveStatic
 
 from nanovllm_core import events as ev
+from nanovllm_core.educational.commentary import plural
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.views.base import EngineView
 from nanovllm_tui.widgets.block_grid import CACHED_COLOR, FREE_COLOR, BlockGrid
@@ -62,8 +63,9 @@ def block_table_text(blocks: ev.BlocksChanged, selected: str | None, colors: dic
         text.append(f" {filled}/{bs}" + (f" ref {ref}" if ref > 1 else "") + "  ")
     allocated = len(table.block_table) * bs
     unfilled = allocated - table.num_computed_tokens
-    text.append(f"\n{table.num_computed_tokens} of its {table.num_tokens} tokens have KV, in {len(table.block_table)} "
-                f"blocks = {allocated} slots: {unfilled} slot{'s' if unfilled != 1 else ''} allocated but unfilled")
+    text.append(f"\n{table.num_computed_tokens} of its {plural(table.num_tokens, 'token')} "
+                f"{'has' if table.num_computed_tokens == 1 else 'have'} KV, in {plural(len(table.block_table), 'block')} = "
+                f"{plural(allocated, 'slot')}: {plural(unfilled, 'slot')} allocated but unfilled")
     return text
 
 

@@ -39,7 +39,8 @@ def phase_text(state: EngineState, width: int = 0) -> Text:
     step = Text(f"step {plan.step}: ") if state.busy else Text(f"last step {plan.step}", style="dim")
     if not state.busy:
         used = Text(": ", style="dim") + used
-    lines = [first_fitting(width, step + used + " tokens", step + used, step),
+    # "tok" before dropping the unit: "last step 476: 1/512" lost it at 120 columns (issue 29)
+    lines = [first_fitting(width, step + used + " tokens", step + used + " tok", step + used, step),
              first_fitting(width, Text(f"{prefill} prefill · {decode} decode"), Text(f"{prefill} pre · {decode} dec"))]
     if verifying:  # a verification is not a one-token decode: it runs 1 + k tokens of one sequence
         drafts = sum(s.num_spec_tokens for s in verifying)

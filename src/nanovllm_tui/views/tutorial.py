@@ -133,6 +133,7 @@ class TutorialView(EngineView):
 
     def _show_chapter(self) -> None:
         """Draw everything that depends on the current chapter."""
+        self.refresh_bindings()  # r is offered only where this chapter's demonstration can run
         self._show_list()
         self._show_text()
         self._show_demo()
@@ -268,6 +269,18 @@ class TutorialView(EngineView):
             self.notify(f"Tutorial progress could not be saved: {e}", severity="warning", markup=False)
 
     # ------------------------------------------------------------------ demonstrations
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """``r`` is offered (footer, key) only where it can run this chapter's demonstration: not in a
+        replay, not under ``--connect`` (except the all-reduce measurement, which runs here), not on a
+        chapter without one. Elsewhere it could only refuse (issue 29)."""
+        if action != "run_demo":
+            return True
+        c = self.chapter
+        demo = tut.DEMOS.get(c.demo) if c.demo else None
+        if demo is None or not c.demo_prompt or not self.app.live:
+            return False
+        return bool(demo.allreduce_ranks) or getattr(self.app.controller, "local_engine", True)
 
     def action_run_demo(self) -> None:
         c = self.chapter

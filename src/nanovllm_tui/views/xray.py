@@ -28,6 +28,7 @@ from textual.reactive import reactive
 from nanovllm_core import events as ev
 from nanovllm_core.educational import tp_facts, xray_blocks
 from nanovllm_core.educational import xray_facts as facts
+from nanovllm_core.educational.commentary import plural
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.views.base import EngineView
 from nanovllm_tui.widgets.format import fmt_bytes, fmt_count
@@ -109,7 +110,9 @@ def gqa_text(trace: ev.LayerTrace, head: int, block_size: int | None) -> Text:
     _, ctx = facts.new_and_context(trace)
     if ctx and block_size:
         blocks = -(-ctx // block_size)
-        text.append(f"\n{ctx} tokens fill {blocks} blocks of {block_size} ({blocks * block_size - ctx} slots unfilled)")
+        unfilled = blocks * block_size - ctx
+        text.append(f"\n{plural(ctx, 'token')} fill{'s' if ctx == 1 else ''} {plural(blocks, 'block')} of "
+                    f"{block_size} ({plural(unfilled, 'slot')} unfilled)")
     return text
 
 

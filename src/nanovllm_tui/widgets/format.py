@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 from rich.text import Text
 
@@ -110,3 +111,22 @@ def quoted(text: str, limit: int = 40) -> str:
     """``text`` as an error message quotes what a person typed: ``repr`` of at most ``limit``
     characters, with "…" after a cut (a 54 KB paste quoted whole covered the screen, issue 29)."""
     return repr(text) if len(text) <= limit else f"{text[:limit]!r}…"
+
+
+# What a terminal would act on rather than show: C0 controls but tab and newline (which the panels
+# lay out themselves), DEL, and C1 controls (U+0080-U+009F: U+009B is a one-character CSI).
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _control_picture(match: re.Match) -> str:
+    code = ord(match.group())
+    if code < 0x20:
+        return chr(0x2400 + code)  # Unicode's control pictures: ESC -> '␛', BEL -> '␇', CR -> '␍'
+    return "␡" if code == 0x7F else f"\\x{code:02x}"  # C1 has no pictures: '\x9b'
+
+
+def visible_text(text: str) -> str:
+    """``text`` with every control character a terminal would act on made visible (issue 29: an ESC
+    in a prompt turned the panel red and drew its border 7 columns early). Tab and newline are kept
+    (the panels lay them out); returns ``text`` itself when there is nothing to replace."""
+    return _CONTROL.sub(_control_picture, text) if _CONTROL.search(text) else text

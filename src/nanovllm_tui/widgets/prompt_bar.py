@@ -19,8 +19,9 @@ is cleared only once it has been sent.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -54,27 +55,44 @@ class PromptSettings:
     chat: bool | None = None
 
 
+# One rule for the three settings: ASCII digits only (int() and float() also take '٥', '1_0', 'inf'
+# and 'nan', issue 29), spaces around the value ignored, and an empty field refused like any wrong
+# value (there is no hidden default: the field shows what is sent).
+_WHOLE = re.compile(r"[+-]?[0-9]+", re.ASCII)
+_DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
+
+
+def _whole(text: str) -> int:
+    if not _WHOLE.fullmatch(text.strip()):
+        raise ValueError(text)
+    return int(text.strip())
+
+
 def parse_priority(text: str) -> int:
-    """``"3"`` -> 3 (empty: 0). Raises ValueError: not a whole number, or beyond +-PRIORITY_LIMIT."""
-    value = int(text.strip() or 0)
+    """``"3"`` -> 3. Raises ValueError: empty, not a whole number in ASCII digits, or beyond +-PRIORITY_LIMIT."""
+    value = _whole(text)
     if abs(value) > PRIORITY_LIMIT:
         raise ValueError(text)
     return value
 
 
 def parse_temperature(text: str) -> float:
-    """``"0.7"`` -> 0.7 (empty: 0, greedy). Raises ValueError: not a finite number >= 0."""
-    value = float(text.strip() or 0)
-    if not 0 <= value < math.inf:  # also refuses nan
+    """``"0.7"`` -> 0.7 (0: greedy). Raises ValueError: empty, not a decimal number in ASCII digits
+    (``inf``, ``nan`` included), or below 0."""
+    if not _DECIMAL.fullmatch(text.strip()):
+        raise ValueError(text)
+    value = float(text.strip())
+    if not 0 <= value < math.inf:  # 1e999 overflows to inf
         raise ValueError(text)
     return value
 
 
 def max_tokens_parser(limit: int | None) -> Callable[[str], int]:
-    """A parser of max tokens: a whole number from 1 to ``limit`` (the model's max_model_len; None: no limit yet)."""
+    """A parser of max tokens: a whole number in ASCII digits from 1 to ``limit`` (the model's
+    max_model_len; None: no limit yet). Raises ValueError otherwise (empty included)."""
 
     def parse(text: str) -> int:
-        value = int(text.strip())
+        value = _whole(text)
         if value < 1 or (limit is not None and value > limit):
             raise ValueError(text)
         return value
@@ -95,6 +113,34 @@ class Setting(Validator):
         except (ValueError, OverflowError):
             return self.failure(f"{self.name} must be {self.rule}, not {quoted(value.strip())}")
         return self.success()
+
+
+def setting_rules(limit: int | None = None) -> dict[str, Setting]:
+    """The three settings' rules by field id; ``limit``: the model's max_model_len (None: not known yet)."""
+    max_rule = f"a whole number from 1 to {limit} (the model's max_model_len)" if limit else "a whole number >= 1"
+    return {
+        "priority": Setting("priority", parse_priority,
+                            f"a whole number from -{PRIORITY_LIMIT} to {PRIORITY_LIMIT} (higher runs first; vLLM's "
+                            "priority is the opposite)"),
+        "max-tokens": Setting("max tokens", max_tokens_parser(limit), max_rule),
+        "temperature": Setting("temperature", parse_temperature, "a finite number >= 0 (0 = greedy)"),
+    }
+
+
+def settings_errors(settings: PromptSettings, priorities: Sequence[int] = (),
+                    limit: int | None = None) -> list[tuple[str, str]]:
+    """(field id, why) for each of ``settings`` (and ``priorities``) the bar would refuse, checked by the
+    bar's own rules on the text the bar would show: ``nanovllm-tui``'s start-up values, checked before
+    anything is sent (and max tokens again once the model's ``limit`` is known)."""
+    rules = setting_rules(limit)
+    texts = [("max-tokens", str(settings.max_tokens)), ("temperature", repr(float(settings.temperature))),
+             ("priority", str(settings.priority))] + [("priority", str(p)) for p in priorities]
+    why = []
+    for name, text in texts:
+        result = rules[name].validate(text)
+        if not result.is_valid:
+            why.append((name, result.failure_descriptions[0]))
+    return why
 
 
 class Field(Input):
@@ -137,13 +183,7 @@ class PromptBar(Vertical):
         self.defaults = settings or PromptSettings()
         self.chat_chosen = False  # the person toggled chat: the model's default no longer applies
         self.send = send or (lambda prompt, settings: None)
-        self.rules = {
-            "priority": Setting("priority", parse_priority,
-                                f"a whole number from -{PRIORITY_LIMIT} to {PRIORITY_LIMIT} (higher runs first; vLLM's "
-                                "priority is the opposite)"),
-            "max-tokens": Setting("max tokens", max_tokens_parser(None), "a whole number >= 1"),
-            "temperature": Setting("temperature", parse_temperature, "a finite number >= 0 (0 = greedy)"),
-        }
+        self.rules = setting_rules()
 
     def compose(self) -> ComposeResult:
         d = self.defaults
@@ -213,8 +253,7 @@ class PromptBar(Vertical):
 
     def limit_max_tokens(self, limit: int) -> None:
         """The model is known: max tokens may not exceed its ``max_model_len`` (``limit`` tokens)."""
-        rule = self.rules["max-tokens"]
-        rule.parse, rule.rule = max_tokens_parser(limit), f"a whole number from 1 to {limit} (the model's max_model_len)"
+        self.rules["max-tokens"] = setting_rules(limit)["max-tokens"]
         field = self.query_one("#max-tokens", Input)
         field.validate(field.value)
         self._show_errors()

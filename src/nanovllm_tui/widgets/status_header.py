@@ -35,7 +35,8 @@ class StatusHeader(LiveStatic):
     The state is the one the engine confirmed (its events); ``pausing…`` / ``resuming…`` while the
     app's own pause or resume has not been answered yet. While the model loads it shows the loading stage and a progress bar instead, and a model that
     failed to load, the whole reason. On a narrow terminal the least needed parts go first (the
-    request count, device and dtype, the hint); the app's name and the engine's state always stay.
+    weights' formats, device and dtype, the request count, the step; while loading the hint first);
+    the app's name and the engine's state always stay.
     """
 
     def show(self, state: EngineState, replay: bool = False, loading_s: float | None = None,
@@ -68,7 +69,10 @@ class StatusHeader(LiveStatic):
             kinds = state.model_info.get("weight_kinds")
             weights = (f" · {quantization} weights" + (f" ({kinds})" if kinds and kinds != quantization else "")
                        if quantization else "")
-            parts.append((Text(f" · {state.device} · {state.dtype}{weights}"), 4))
+            # dropped before the request count (at 120 columns the count went first, issue 29)
+            parts.append((Text(f" · {state.device} · {state.dtype}"), 5))
+            if weights:
+                parts.append((Text(weights), 6))
             # A server out of reach may have resumed meanwhile: say what is known, the lost connection.
             lost = state.engine_state in ("stopped", "disconnected")
             engine_state = "paused" if state.paused and not lost else state.engine_state
@@ -84,5 +88,5 @@ class StatusHeader(LiveStatic):
             if cut_short:  # they will never finish: the header said "idle" beside requests listed running
                 parts.append((Text(f" · {active} request{'s' if active != 1 else ''} unfinished in it"), 1))
             else:
-                parts.append((Text(f" · {active} active request{'s' if active != 1 else ''}"), 5))
+                parts.append((Text(f" · {active} active request{'s' if active != 1 else ''}"), 4))
         self.show_content(fit(parts, width))

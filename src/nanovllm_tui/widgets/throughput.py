@@ -17,7 +17,7 @@ class ThroughputPanel(Vertical):
     """Tokens per second of engine time over the newest ``RATE_WINDOW`` steps that did prefill
     (decode) work while the engine runs (``EngineState.rate``: what the Narrator tells for a step),
     0 while it is idle or paused, with the rate of those steps beside the sparkline ("last 3
-    steps 1,234"); sparklines show each step's rate, one cell a step.
+    steps 1,234 tok/s"); sparklines show each step's rate, one cell a step.
 
     The rates leave out the time steps waited while the app drew a key's frame (``StepTimed.yielded_s``,
     ``nanovllm_core/yield_gate.py``); once there was any, the panel's bottom border says how much in all."""
@@ -42,6 +42,6 @@ class ThroughputPanel(Vertical):
             width = spark.content_region.width
             last = Text()
             if not busy and steps:
-                last = Text(f" last {steps} step{'s' if steps != 1 else ''} {fmt_rate(rate)}", style="dim")
+                last = Text(f" last {steps} step{'s' if steps != 1 else ''} {fmt_rate(rate)} tok/s", style="dim")
             line = sparkline(per_step[kind], max(0, width - len(last)), style)
             spark.show_content(line + last)

@@ -1,0 +1,301 @@
+"""Issue 29, the newcomers' trials: the app never shows a stale or wrong state, nor writes a
+client's or the model's text raw to the terminal."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from nanovllm_core import events as ev
+from nanovllm_tui.app import NanoVLLMApp
+from nanovllm_tui.bridge import visible_event
+from nanovllm_tui.replay import ReplayController, load_trace
+from nanovllm_tui.widgets.format import visible_text
+from tests.tui_helpers import TRACE, wait_until
+
+pytestmark = pytest.mark.anyio
+# ESC (an SGR colour), BEL, CR and C1's one-character CSI: what a client may put in a prompt
+NASTY = "Only escape \x1b[31mRED\x1b[0m bell\x07 cr\r csi\x9b2J end"
+RAW = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def screen_text(app) -> str:
+    """What the terminal shows, line by line (the text of every segment drawn)."""
+    return "\n".join("".join(seg.text for seg in strip) for strip in app.screen._compositor.render_strips())
+
+
+def test_visible_text_shows_every_control_but_tab_and_newline():
+    assert visible_text(NASTY) == "Only escape ␛[31mRED␛[0m bell␇ cr␍ csi\\x9b2J end"
+    assert visible_text("a\tb\nc\x7f") == "a\tb\nc␡"
+    plain = "nothing to do ✓"
+    assert visible_text(plain) is plain
+
+
+def test_visible_event_reaches_nested_text_and_leaves_clean_events_alone():
+    top = (ev.TopToken(token_id=1, text="\x1b[2J", prob=0.5),)
+    e = ev.TokenSampled(time=0.0, request_id="r\x07", step=1, index=0, seq_id=0, position=3, token_id=1, text="\x9bX",
+                        num_output_tokens=1, top=top, token_text="\x1b")
+    shown = visible_event(e)
+    assert (shown.request_id, shown.text, shown.token_text, shown.top[0].text) == ("r␇", "\\x9bX", "␛", "␛[2J")
+    clean = dataclasses.replace(e, request_id="r", text="x", token_text="x", top=())
+    assert visible_event(clean) is clean
+
+
+def nasty_trace() -> list[ev.Event]:
+    """The test trace with request 0's prompt, token pieces and output holding control characters."""
+    out = []
+    for e in load_trace(TRACE):
+        if getattr(e, "request_id", None) == "0":
+            if isinstance(e, ev.RequestAdded):
+                e = dataclasses.replace(e, prompt=NASTY, prompt_pieces=("\x1b[31m",) + e.prompt_pieces[1:],
+                                        sampling=e.sampling + (("stop", ("\x1b[0m",)),))
+            elif isinstance(e, ev.TokenSampled):
+                e = dataclasses.replace(e, text=e.text + "\x1b[31m\x07", token_text=e.token_text + "\x9b")
+            elif isinstance(e, ev.RequestFinished):
+                e = dataclasses.replace(e, output_text=e.output_text + "\x1b[31m\x07\r\x9b")
+            elif isinstance(e, ev.LayerTrace):
+                e = dataclasses.replace(e, query_pieces=tuple(p + "\x1b" for p in e.query_pieces))
+        out.append(e)
+    return out
+
+
+@pytest.mark.parametrize("tab", ["dashboard", "xray", "narrator", "blocks"])
+async def test_control_characters_in_prompts_and_outputs_are_drawn_visible(tmp_path, tab):
+    app = NanoVLLMApp(ReplayController(nasty_trace(), pace=(0.0, 0.0)), tutorial_path=tmp_path / "t.json")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.controller.state == "idle", timeout=30, what="the replay's end")
+        app.select("0")
+        app.action_show_tab(tab)
+        await pilot.pause(0.2)
+        shown = screen_text(app)
+        assert not RAW.search(shown), f"raw control characters on the {tab} tab: {RAW.findall(shown)}"
+        if tab == "dashboard":
+            assert "␛[31mRED" in shown
+        assert all(not RAW.search(r.prompt + r.text + r.last_token) for r in app.state.requests.values())
+
+
+@pytest.mark.parametrize("option", [["--prompt", "hi"], ["--stop", "x"], ["--priority", "1"],
+                                    ["--prompt", "a", "--prompt", "b"]])
+def test_a_repeatable_option_with_replay_ends_with_one_line_and_status_2(capsys, option):
+    """It raised AttributeError ('object' has no 'append') from given_options, with a traceback."""
+    from nanovllm_tui.options import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--replay", str(TRACE), *option])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    assert f"{option[0]} does nothing with --replay" in err
+
+
+def test_given_options_sees_repeatable_options_and_not_absent_ones():
+    from nanovllm_tui.options import NOT_WITH_REPLAY, SERVER_SIDE, given_options
+
+    assert given_options(["--stop", "x", "--prompt", "a"], NOT_WITH_REPLAY) == ["prompt", "stop"]
+    assert given_options(["--prompt", "a", "--stop", "x"], SERVER_SIDE) == []
+    assert given_options(["--paused", "--prompt", "a"], SERVER_SIDE) == ["paused"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-tokens", "9000", "--max-model-len", "8192"],
+     "--max-tokens: max tokens must be a whole number from 1 to 8192 (the model's max_model_len), not '9000'"),
+    (["--max-tokens", "600", "--max-model-len", "512", "--prompt", "Hi"], "from 1 to 512"),
+])
+def test_start_up_values_are_checked_by_the_prompt_bars_rules(capsys, argv, message):
+    from nanovllm_tui.options import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and message in err and len(err.splitlines()) == 1
+
+
+async def test_a_start_up_max_tokens_beyond_the_models_context_ends_the_app_with_status_2(tiny_llama_dir, tmp_path):
+    """--prompt Hi --max-tokens 9000 sent req-0 with max 9000 while the bar said the most is the
+    model's max_model_len (known only once it has loaded: the tiny model's is 512)."""
+    from nanovllm_tui.starter import BackgroundController
+    from nanovllm_core.engine.controller import EngineController
+    from nanovllm_tui.widgets.prompt_bar import PromptSettings
+
+    controller = BackgroundController(lambda: EngineController(model=str(tiny_llama_dir), num_kv_blocks=32,
+                                                               start_paused=True))
+    app = NanoVLLMApp(controller, settings=PromptSettings(max_tokens=9000, chat=False), prompts=[("Hi", 0)],
+                      tutorial_path=tmp_path / "t.json")
+    exits, exit_app = [], app.exit
+    app.exit = lambda *a, **kw: (exits.append(kw), exit_app(*a, **kw))[1]
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: exits, timeout=60, what="the app to refuse the start-up max tokens")
+    assert app.return_code == 2 and len(exits) == 1
+    assert str(exits[0]["message"]) == ("nanovllm-tui: error: --max-tokens: max tokens must be a whole number from 1 "
+                                         "to 512 (the model's max_model_len), not '9000'; lower --max-tokens or raise "
+                                         "--max-model-len")
+
+
+@pytest.mark.parametrize("field, typed", [
+    ("priority", "٥"), ("priority", "1_0"), ("priority", ""), ("temperature", ""), ("temperature", "inf"),
+    ("temperature", "nan"), ("temperature", "1_0"), ("temperature", "٠.5"), ("max-tokens", "٥"),
+    ("max-tokens", "1_0"), ("max-tokens", ""),
+])
+def test_every_setting_takes_ascii_digits_only_and_refuses_an_empty_field(field, typed):
+    from nanovllm_tui.widgets.prompt_bar import setting_rules
+
+    result = setting_rules(512)[field].validate(typed)
+    assert not result.is_valid and f"not {typed!r}" in result.failure_descriptions[0]
+
+
+@pytest.mark.parametrize("field, typed, value", [
+    ("priority", " -7 ", -7), ("priority", "+3", 3), ("temperature", "0.7", 0.7), ("temperature", ".5", 0.5),
+    ("temperature", "1e-3", 0.001), ("temperature", "2", 2.0), ("max-tokens", "512", 512),
+])
+def test_every_setting_still_takes_plain_numbers(field, typed, value):
+    from nanovllm_tui.widgets.prompt_bar import setting_rules
+
+    rule = setting_rules(512)[field]
+    assert rule.validate(typed).is_valid and rule.parse(typed) == value
+
+
+def shown_actions(app) -> set[str]:
+    """The actions the footer offers now."""
+    return {b.action for _, b, enabled, _ in app.screen.active_bindings.values() if b.show and enabled}
+
+
+async def test_a_replay_offers_no_run_demo_key_on_the_tutorial_tab(tmp_path):
+    """It showed `r Run demo`, and r only said demonstrations need a local engine."""
+    from tests.tui_helpers import replay_app
+
+    app = replay_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("4")
+        await pilot.pause(0.2)
+        assert app.active_tab == "tutorial" and "chapter(1)" in shown_actions(app)
+        assert "run_demo" not in shown_actions(app)
+        await pilot.press("right")
+        await pilot.pause(0.1)
+        assert "run_demo" not in shown_actions(app)
+
+
+async def test_a_live_app_offers_run_demo_only_on_chapters_with_a_demonstration(tiny_llama_dir, tmp_path):
+    from nanovllm_tui.views.tutorial import TutorialView
+    from nanovllm_core.educational import tutorial as tut
+    from tests.tui_helpers import tiny_app
+
+    app = tiny_app(tiny_llama_dir, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("escape", "4")
+        await pilot.pause(0.2)
+        view = app.query_one(TutorialView)
+        for _ in tut.CHAPTERS:
+            c = view.chapter
+            has_demo = bool(c.demo and tut.DEMOS.get(c.demo) and c.demo_prompt)
+            assert ("run_demo" in shown_actions(app)) == has_demo, c.title
+            await pilot.press("right")
+            await pilot.pause(0.05)
+
+
+async def test_aborts_are_announced_only_for_the_apps_own_requests(tiny_llama_dir, tmp_path):
+    """Every client that left an attached server popped "cmpl-... aborted after 4 tokens" in every
+    attached app. Another client's abort (here: a request sent to the engine past the app) only
+    changes its row in the table; the app's own abort is still announced."""
+    from nanovllm_core.sampling_params import SamplingParams
+    from tests.tui_helpers import Notes, send_prompt, tiny_app
+
+    notes = Notes()
+    app = tiny_app(tiny_llama_dir, tmp_path, start_paused=True, max_tokens=50)
+    async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the model")
+        other = app.controller.submit("someone else's prompt", SamplingParams(max_tokens=50), 0)
+        await send_prompt(pilot, "mine")
+        mine = app.selected
+        await wait_until(pilot, lambda: {other, mine} <= set(app.state.requests), what="both requests")
+        app.controller.abort(other)
+        await wait_until(pilot, lambda: app.state.requests[other].state == "finished", what="the other's abort")
+        await pilot.press("escape", "a")
+        await wait_until(pilot, lambda: app.state.requests[mine].state == "finished", what="my abort")
+        await pilot.pause(0.2)
+        assert app.state.requests[other].finish_reason == "abort"
+        assert notes.find(f"{mine} aborted after") and not notes.find(f"{other} aborted")
+
+
+def test_xray_says_1_block_not_1_blocks():
+    from nanovllm_tui.views.xray import gqa_text
+    from tests.tui_helpers import XRAY_TRACE
+
+    trace = next(e for e in load_trace(XRAY_TRACE) if isinstance(e, ev.LayerTrace))
+    text = gqa_text(trace, 0, block_size=4096).plain
+    assert " fill 1 block of 4096 (" in text or " fills 1 block of 4096 (" in text, text
+    assert "1 blocks" not in text
+
+
+def test_the_engine_panel_keeps_the_token_unit_at_120_columns():
+    """At 120 columns (26 cells) it cut `last step 476: 1/512 tokens` to `last step 476: 1/512`."""
+    from nanovllm_tui.state import EngineState
+    from nanovllm_tui.views.dashboard import phase_text
+
+    state = EngineState()
+    for e in load_trace(TRACE):
+        state.apply(e)
+    state.plan = dataclasses.replace(state.plan, step=476, token_budget=512, num_batched_tokens=1)
+    assert phase_text(state, 26).plain.splitlines()[1] == "last step 476: 1/512 tok"
+    assert phase_text(state, 40).plain.splitlines()[1] == "last step 476: 1/512 tokens"
+
+
+async def test_the_last_runs_rate_has_its_unit(tmp_path):
+    """The idle throughput label read `last 1 step 35`, no unit."""
+    app = NanoVLLMApp(ReplayController(load_trace(TRACE), pace=(0.0, 0.0)), tutorial_path=tmp_path / "t.json")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.controller.state == "idle", timeout=30, what="the replay's end")
+        await pilot.pause(0.6)  # the state poll sees idle
+        label = str(app.query_one("#decode-spark").render())
+        assert re.search(r"last \d+ steps? [0-9.k]+ tok/s$", label), label
+
+
+def test_the_header_keeps_the_active_request_count_before_device_and_weights():
+    """At 120 columns the header dropped `· N active requests` and kept `· cpu · float32 · ... weights`."""
+    from nanovllm_tui.state import EngineState
+    from nanovllm_tui.widgets.status_header import StatusHeader
+
+    state = EngineState()
+    for e in load_trace(TRACE):
+        state.apply(e)
+    state.model_name = "SmolLM2-135M-Instruct-Q4_1"
+    state.model_info.update(quantization="gguf", weight_kinds="q4_1, q8_0, f32")
+    state.engine_state, state.step = "running", 476
+    for i in range(3):
+        state.submitted(f"cmpl-{i:024d}", "x", 0, 5, chat=False)
+    header = StatusHeader()
+    shown = []
+    header.show_content = shown.append
+    header.show(state, width=96)
+    line = shown[-1].plain
+    assert "3 active requests" in line and "step 476" in line and len(line) <= 96, line
+
+
+@pytest.mark.parametrize("size", [(60, 20), (120, 25)])
+async def test_the_prompt_bars_labels_stand_apart_from_their_values_on_a_short_screen(tiny_llama_dir, tmp_path, size):
+    """At 60x20 the bar read `prio0   max50   temp0.0` (borderless fields right after their labels)."""
+    from tests.tui_helpers import tiny_app
+
+    app = tiny_app(tiny_llama_dir, tmp_path, max_tokens=50)
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause(0.3)
+        shown = screen_text(app)
+        assert re.search(r"prio +0 ", shown) and re.search(r"max +50 ", shown) and re.search(r"temp +0\.0", shown), shown
+        assert "prio0" not in shown and "max50" not in shown
+
+
+def test_chapter_5s_quiz_asks_for_a_figure_its_text_and_figures_do_not_print():
+    """The chapter printed this model's K/V bytes per token (46,080) right above the quiz asking for it."""
+    from nanovllm_core.educational import tutorial as tut
+
+    chapter = next(c for c in tut.CHAPTERS if c.key == "kv_cache")
+    info = {"kv_bytes_per_token": 46080, "num_layers": 30, "num_kv_heads": 3, "num_heads": 9, "head_dim": 64,
+            "dtype": "float32", "num_parameters": 134_515_008, "hidden_size": 576}
+    shown = chapter.text + "\n".join(tut.model_facts(chapter, info))
+    right = chapter.quiz.choices[chapter.quiz.answer]
+    assert right == f"{2 * 30 * 9 * 64 * 4:,}" and right not in shown
