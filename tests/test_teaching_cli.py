@@ -268,3 +268,29 @@ def test_help_and_docs_say_vllms_priority_is_the_opposite(capsys):
     moving = engine_doc[engine_doc.index("## Moving to vLLM"):engine_doc.index("## Speculative decoding")]
     assert "change the import and keep the rest, with the exceptions listed below" in moving
     assert "**Priority means the opposite.**" in moving and 'default policy is `"fcfs"`' in moving
+
+
+def test_the_dashboard_text_cell_shows_the_newest_words_cut_at_the_left():
+    """Trial 5: the cell took the last 40 characters and then cut them at the right, so it showed
+    "hat allows for dynamic t…" of " language that allows for dynamic typing and allows"."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from nanovllm_core.educational.dashboard_view import NewestText
+
+    text = " language that allows for dynamic typing and allows"
+    for width in (60, 30):
+        console = Console(width=width, record=True, color_system=None)
+        table = Table(box=None, show_header=False, padding=(0, 1))
+        table.add_column("id")
+        table.add_column("text")
+        table.add_row("1", NewestText(text))
+        console.print(table)
+        cell = console.export_text().strip().split(None, 1)[1]
+        if width == 60:
+            assert cell == text.strip()
+        else:  # the newest words, the cut marked at the left
+            assert cell.startswith("…") and len(cell) > 12 and text.endswith(cell[1:]), cell
+    console = Console(width=12, record=True, color_system=None)
+    console.print(NewestText("漢字" * 10))  # wide characters: still within the cell
+    assert max(len(line) for line in console.export_text().splitlines()) <= 12

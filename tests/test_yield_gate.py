@@ -138,6 +138,12 @@ def test_the_throughput_panel_says_how_long_steps_waited_for_keys():
     state.apply(dataclasses.replace(step, step=1, yielded_s=0.07))
     assert state.yielded_s == pytest.approx(0.12)
     assert state.rate("decode") == (pytest.approx(2 / 0.04), 2)  # the rates leave the waits out
+    from nanovllm_tui.widgets.throughput import yielded_caption
+
+    assert yielded_caption(0.0, 60) == ""
+    assert yielded_caption(0.348, 60) == "348 ms waited for your keys (not in rates)"
+    assert yielded_caption(0.348, 30) == "348 ms for keys, not in rates"
+    assert all(len(yielded_caption(0.348, w)) <= max(w, len("keys 348 ms")) for w in range(5, 60))
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
+from rich.measure import Measurement
 from rich.text import Text
 
 from nanovllm_core import events as ev
@@ -45,6 +46,29 @@ def rate(tokens_per_s: float) -> str:
     """Tokens/s with one decimal below 100 (a slow CPU step is not shown as 0), none above."""
     return f"{tokens_per_s:,.1f}" if tokens_per_s < 100 else f"{tokens_per_s:,.0f}"
 
+
+
+class NewestText:
+    """A stream's text in a table cell: its newest words, cut at the left ("…" first) to the cell's
+    width. (Cutting at a fixed 40 characters and then at the right showed a window from the middle:
+    neither the start nor the newest text; issue 29, trial 5.)"""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __rich_measure__(self, console, options) -> Measurement:
+        width = Text(self.text).cell_len
+        return Measurement(min(width, 12), min(width, options.max_width))
+
+    def __rich_console__(self, console, options):
+        text = Text(self.text, no_wrap=True, overflow="crop")
+        width = options.max_width
+        if text.cell_len > width:
+            tail = self.text[-(width - 1):] if width > 1 else ""
+            while tail and Text(tail).cell_len > width - 1:  # wide characters take two cells
+                tail = tail[1:]
+            text = Text("…" + tail, no_wrap=True, overflow="crop")
+        yield text
 
 @dataclass
 class _Request:
@@ -261,7 +285,7 @@ class DashboardView:
             state = r.state + (f" ({r.finish_reason})" if r.finish_reason else "")
             table.add_row(rid, state, f"{r.computed}/{r.prompt_len}",
                           f"{r.generated}/{r.max_tokens if r.max_tokens else '?'}",
-                          Text(r.text[-40:].replace("\n", " "), overflow="ellipsis", no_wrap=True))
+                          NewestText(r.text.replace("\n", " ")))
         if len(self.requests) > MAX_REQUEST_ROWS:
             table.add_row("...", f"{len(self.requests) - MAX_REQUEST_ROWS} more", "", "", "")
         return Panel(table, title="Requests", title_align="left")

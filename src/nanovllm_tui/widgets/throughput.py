@@ -28,7 +28,7 @@ class ThroughputPanel(Vertical):
             yield LiveStatic(id=f"{kind}-spark")
 
     def show(self, state: EngineState) -> None:
-        self.border_subtitle = f"{fmt_ms(state.yielded_s)} waited for your keys (not in rates)" if state.yielded_s >= 0.0005 else ""
+        self.border_subtitle = yielded_caption(state.yielded_s, self.size.width - 4)
         rates = {kind: state.rate(kind) for kind in STYLES}
         per_step = {"prefill": [t.prefill_tokens_per_s for t in state.timings],
                     "decode": [t.decode_tokens_per_s for t in state.timings]}
@@ -45,3 +45,14 @@ class ThroughputPanel(Vertical):
                 last = Text(f" last {steps} step{'s' if steps != 1 else ''} {fmt_rate(rate)} tok/s", style="dim")
             line = sparkline(per_step[kind], max(0, width - len(last)), style)
             spark.show_content(line + last)
+
+
+def yielded_caption(seconds: float, width: int) -> str:
+    """The Throughput panel's bottom border: the steps' waits for this app's keys (``StepTimed.yielded_s``),
+    in the longest wording that fits ``width`` cells; "" when there were none."""
+    if seconds < 0.0005:
+        return ""
+    figure = fmt_ms(seconds)
+    variants = [f"{figure} waited for your keys (not in rates)", f"{figure} for keys, not in rates",
+                f"keys {figure}, not in rates", f"keys {figure}"]
+    return next((v for v in variants if len(v) <= width), variants[-1])
