@@ -126,14 +126,19 @@ def test_the_demo_step_line_names_a_verification_as_such():
     assert "ran demo-5 verify 1 + 4, demo-1 decode, demo-4 prefill 4" in line
 
 
-async def test_a_replay_refuses_to_run_a_demonstration(tmp_path):
+async def test_a_replay_runs_no_demonstration(tmp_path):
+    """A replay does not offer r (tests/test_tui_newcomer.py checks the footer); pressing it anyway
+    starts nothing and raises nothing."""
+    from nanovllm_tui.views.tutorial import TutorialView
     from tests.tui_helpers import replay_app
 
     app, notes = replay_app(tmp_path), Notes()
     async with app.run_test(size=SIZE, message_hook=notes) as pilot:
         await pilot.press("escape", "4", "r")
-        await wait_until(pilot, lambda: notes.find("this is a replay: start without --replay", "warning"),
-                         what="the refusal")
+        await pilot.pause(0.3)
+        view = app.query_one(TutorialView)
+        assert view.session is None and not view.measuring
+        assert not notes.find("", "error")
 
 
 async def test_chapter_13_measures_all_reduces_and_says_when_the_split_engine_is_missing(tiny_model, tmp_path,
