@@ -279,3 +279,27 @@ def test_two_prompts_written_to_a_file_leave_no_line_of_spaces(capsys, cli_on_sh
     code, out, err = run_cli(capsys, "--prompt", "Hi", "--prompt", "Hello", "--max-tokens", "2", "--num-kv-blocks", "64")
     assert code == 0, err
     assert not [line for line in (out + err).replace("\r", "\n").splitlines() if line and not line.strip()]
+
+
+@pytest.mark.parametrize("option,value", [
+    ("--max-tokens", "０８"), ("--max-tokens", "1_0"), ("--priority", "٣"), ("--temperature", "1_0"),
+    ("--temperature", "０.５"), ("--temperature", "inf"), ("--top-p", "nan"), ("--seed", "٥"),
+    ("--num-kv-blocks", "1_000"),
+])
+def test_numbers_on_the_command_line_are_ascii_digits_in_both_commands(capsys, option, value):
+    """int() and float() take '٥', '０８' and '1_0': both commands accepted them at start while the
+    app's prompt bar, whose rule docs/app.md says they share, refused them (issue 29, trial 6)."""
+    from nanovllm_core.speculative import cli as spec_cli
+    from nanovllm_tui import options
+
+    for parse in (cli.build_parser().parse_args, options.parse_args):
+        with pytest.raises(SystemExit) as e:
+            parse(["--prompt", "hi", option, value])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert value in err and len(err.strip().splitlines()) == 1, err
+    if option in ("--temperature", "--seed", "--top-p"):
+        with pytest.raises(SystemExit):
+            spec_cli.build_parser().parse_args(["--prompt", "hi", option, value])
+        assert value in capsys.readouterr().err
+    assert cli.build_parser().parse_args(["--prompt", "hi", option, " 8 " if option != "--top-p" else "0.5"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 
@@ -24,6 +25,39 @@ INT8_REMOVED = ("quantization int8 was removed; use q8_0 (int8 weights in 32-wei
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, status 2
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# Numbers on the command line are written in ASCII: int() and float() also take '٥', '０８' and
+# '1_0' (issue 29, trial 6). The app's prompt bar uses the same two patterns.
+WHOLE = re.compile(r"[+-]?[0-9]+", re.ASCII)
+DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
+
+
+def ascii_int(text: str) -> int:
+    """``int(text)`` for a whole number in ASCII digits (spaces around it ignored). Raises ValueError otherwise."""
+    if not WHOLE.fullmatch(text.strip()):
+        raise ValueError(f"not a whole number in ASCII digits: {text!r}")
+    return int(text.strip())
+
+
+def ascii_float(text: str) -> float:
+    """``float(text)`` for a decimal number in ASCII digits (``inf``, ``nan`` and ``1_0`` refused). Raises ValueError otherwise."""
+    if not DECIMAL.fullmatch(text.strip()):
+        raise ValueError(f"not a decimal number in ASCII digits: {text!r}")
+    return float(text.strip())
+
+
+def decimal(text: str) -> float:
+    """argparse ``type``: a decimal number in ASCII digits (sampling settings; their ranges are
+    checked by ``SamplingParams``).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (``inf``, ``nan``, ``٥``, ``1_0``).
+    """
+    try:
+        return ascii_float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a decimal number in ASCII digits, got {text!r}") from None
 
 
 def tcp_port(text: str) -> int:
@@ -59,7 +93,7 @@ def positive_int(text: str) -> int:
     from nanovllm_core.sampling_params import COUNT_MAX
 
     try:
-        value = int(text)
+        value = ascii_int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
@@ -79,7 +113,7 @@ def positive_float(text: str) -> float:
     import math
 
     try:
-        value = float(text)
+        value = ascii_float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not math.isfinite(value) or value <= 0:
@@ -96,7 +130,7 @@ def seed_int(text: str) -> int:
     from nanovllm_core.sampling_params import SEED_MAX, SEED_MIN
 
     try:
-        value = int(text)
+        value = ascii_int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if not SEED_MIN <= value <= SEED_MAX:
@@ -122,7 +156,7 @@ def bounded_int(low: int, high: int, what: str = "") :
 
     def parse(text: str) -> int:
         try:
-            value = int(text)
+            value = ascii_int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a whole number from {low} to {high}, got {text!r}") from None
         if not low <= value <= high:

@@ -19,7 +19,6 @@ is cleared only once it has been sent.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -30,6 +29,7 @@ from textual.containers import Horizontal, Vertical
 from textual.validation import ValidationResult, Validator
 from textual.widgets import Checkbox, Input, Label
 
+from nanovllm_core import cli_args
 from nanovllm_core.sampling_params import PRIORITY_MAX
 from nanovllm_tui.widgets.format import quoted
 
@@ -58,8 +58,7 @@ class PromptSettings:
 # One rule for the three settings: ASCII digits only (int() and float() also take '٥', '1_0', 'inf'
 # and 'nan', issue 29), spaces around the value ignored, and an empty field refused like any wrong
 # value (there is no hidden default: the field shows what is sent).
-_WHOLE = re.compile(r"[+-]?[0-9]+", re.ASCII)
-_DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
+_WHOLE, _DECIMAL = cli_args.WHOLE, cli_args.DECIMAL  # the command line's own patterns: one rule
 
 
 def _whole(text: str) -> int:
