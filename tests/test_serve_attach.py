@@ -172,6 +172,10 @@ def test_a_pause_another_client_made_after_the_apps_own_stays_when_the_app_quits
         httpx.post(control, json={"command": "pause", "owner": "someone"}, headers=tiny_server.headers)
         r = httpx.post(control, json={"command": "resume", "owner": "someone"}, headers=tiny_server.headers)
         assert r.json() == {"ok": True, "resumed": True}
+        assert _until(lambda: tiny_server.controller.state != "paused")
+        # with no pause held, any owner's resume finds the engine running: resumed, no pause claimed (trial 6)
+        r = httpx.post(control, json={"command": "resume", "owner": "x"}, headers=tiny_server.headers)
+        assert r.json() == {"ok": True, "resumed": True}
     finally:
         httpx.post(control, json={"command": "resume"}, headers=tiny_server.headers)
     assert _until(lambda: tiny_server.controller.state != "paused")

@@ -359,8 +359,10 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
         state.pause_owner = _text(body, "owner") if "owner" in body else None
         c.pause()
     elif name == "resume":
-        if "owner" in body and _text(body, "owner") != state.pause_owner:
-            # the pause held now is someone else's: kept, and the answer says so
+        held = c.state == "paused" or state.pause_owner is not None
+        if "owner" in body and _text(body, "owner") != state.pause_owner and held:
+            # the pause held now is someone else's: kept, and the answer says so (with no pause held,
+            # the engine runs on: resumed, as a resume without owner says; trial 6)
             return {"ok": True, "resumed": False,
                     "reason": "the pause held now was not made by this owner; it stays until its owner, or a "
                               "resume without owner, ends it"}
