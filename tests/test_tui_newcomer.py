@@ -137,6 +137,22 @@ async def test_a_start_up_max_tokens_beyond_the_models_context_ends_the_app_with
                                          "--max-model-len")
 
 
+async def test_under_connect_the_start_up_max_tokens_refusal_points_at_the_server(tiny_server, tmp_path):
+    """--connect refuses --max-model-len, so the hint names the server's option (trial 6)."""
+    from nanovllm_tui.remote import RemoteController
+    from nanovllm_tui.widgets.prompt_bar import PromptSettings
+
+    app = NanoVLLMApp(RemoteController(tiny_server.url, tiny_server.api_key),
+                      settings=PromptSettings(max_tokens=9000, chat=False), prompts=[("Hi", 0)],
+                      tutorial_path=tmp_path / "t.json")
+    exits, exit_app = [], app.exit
+    app.exit = lambda *a, **kw: (exits.append(kw), exit_app(*a, **kw))[1]
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: exits, timeout=60, what="the app to refuse the start-up max tokens")
+    assert app.return_code == 2
+    assert str(exits[0]["message"]).endswith("lower --max-tokens or raise `nanovllm serve --max-model-len` on the server")
+
+
 @pytest.mark.parametrize("field, typed", [
     ("priority", "٥"), ("priority", "1_0"), ("priority", ""), ("temperature", ""), ("temperature", "inf"),
     ("temperature", "nan"), ("temperature", "1_0"), ("temperature", "٠.5"), ("max-tokens", "٥"),

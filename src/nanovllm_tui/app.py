@@ -406,8 +406,11 @@ class NanoVLLMApp(App):
         its model has loaded (they waited in the queue meanwhile; the engine stops with the app)."""
         wrong = settings_errors(self.settings, limit=limit) if self._initial_prompts else []
         if wrong:
+            # under --connect the context length is the server's (--connect refuses --max-model-len; trial 6)
+            raise_it = ("raise `nanovllm serve --max-model-len` on the server"
+                        if not getattr(self.controller, "local_engine", True) else "raise --max-model-len")
             self.exit(return_code=2, message=Text(f"nanovllm-tui: error: --{wrong[0][0]}: {wrong[0][1]}; lower "
-                                                  "--max-tokens or raise --max-model-len"))
+                                                  f"--max-tokens or {raise_it}"))
 
     def _sync_paused(self) -> None:
         """A controller started paused says so only through its state (there is no event for it);
