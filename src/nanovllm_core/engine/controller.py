@@ -253,11 +253,6 @@ class EngineController:
         """The frame :meth:`yield_for_frame` was for is on screen: the engine goes on."""
         yield_gate.GATE.release()
 
-    @staticmethod
-    def yielded_s() -> float:
-        """Seconds this process's engine has waited for a front end's frames (``yield_gate.GATE``)."""
-        return yield_gate.GATE.waited_s
-
     def _run(self) -> None:
         if self._engine is None and not self._load():
             self._serve_failed()

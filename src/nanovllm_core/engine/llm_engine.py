@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict
 import traceback
+from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
