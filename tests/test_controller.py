@@ -268,3 +268,24 @@ def test_a_controller_that_loads_its_model_paused_says_so_after_the_models_facts
         assert isinstance(rec.events[ready + 1], ev.EnginePaused)
     finally:
         c.shutdown(timeout=5)
+
+
+def test_a_pause_while_paused_drops_the_steps_not_yet_run_and_n_is_bounded(tiny_controller):
+    """Trial 7: after step(n) with a huge n, a second pause did not stop the steps (the server said
+    paused while it served everything); n had no bound."""
+    from nanovllm_core.engine.controller import MAX_STEPS
+
+    c, rec = tiny_controller
+    c.subscribe(rec)
+    rid = c.submit("The capital of France is", SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    c.step(MAX_STEPS)
+    assert rec.wait_for(lambda: len(rec.of(ev.StepTimed)) >= 2)
+    c.pause()
+    time.sleep(0.3)  # a step in progress ends
+    ran = len(rec.of(ev.StepTimed))
+    time.sleep(0.5)
+    assert len(rec.of(ev.StepTimed)) == ran < 400 and c.state == "paused"
+    assert rid not in c.results
+    for bad in (0, MAX_STEPS + 1, 10**20, True, 2.0):
+        with pytest.raises(ValueError, match=f"whole n from 1 to {MAX_STEPS}"):
+            c.step(bad)

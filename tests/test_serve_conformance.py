@@ -8,11 +8,13 @@ The server is the shared in-process ``tiny_server`` (tiny random LLaMA, SmolLM2'
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
 
 from nanovllm_core import LLM, SamplingParams
+from nanovllm_core import events as ev
 from nanovllm_core.engine.controller import EngineController
 from nanovllm_core.entrypoints.openai_serving import Prepared, _chat_logprobs, _Choice, _completion_logprobs
 from nanovllm_core.outputs import CompletionOutput, Logprob
@@ -465,3 +467,28 @@ def test_a_pause_shows_on_health_and_metrics(tiny_server):
     assert poll_until(lambda: tiny_server.controller.state != "paused", 10)
     assert httpx.get(tiny_server.url + "/health", timeout=10).json() == {"status": "ok"}
     assert _paused_gauge(tiny_server) == 0
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"command": "xray", "request_id": None, "layer": 999}, "layer", "xray layer 999 is out of range"),
+    ({"command": "xray", "layer": -1}, "layer", "xray layer -1 is out of range"),
+    ({"command": "xray", "head": -5}, "head", "xray head -5 is out of range"),
+    ({"command": "step", "n": 1001}, "n", "step needs a whole n from 1 to 1000, got 1001"),
+    ({"command": "step", "n": 10**20}, "n", "step needs a whole n from 1 to 1000"),
+    ({"command": "step", "n": 0}, "n", "step needs a whole n from 1 to 1000, got 0"),
+])
+def test_control_refuses_an_xray_layer_or_head_and_a_step_count_out_of_range(tiny_server, body, param, message):
+    """Trial 7: an xray layer out of range was answered ok and then broadcast to every watcher as
+    an engine error; step took any n (10**20), which no later pause could stop."""
+    errors = []
+    sub = tiny_server.controller.subscribe(lambda e: errors.append(e) if isinstance(e, ev.EngineError) else None)
+    try:
+        r = control(tiny_server, body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and message in error["message"], error
+        control(tiny_server, {"command": "snapshot"})  # a later command: the engine thread has applied any before it
+        time.sleep(0.3)
+        assert errors == []
+    finally:
+        tiny_server.controller.unsubscribe(sub)

@@ -27,6 +27,7 @@ from nanovllm_core.engine.llm_engine import LLMEngine, Subscription
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams, check_priority
 
+MAX_STEPS = 1000  # single steps a paused engine may be asked for at once (a bigger n is refused)
 STATES = ("loading", "running", "paused", "idle", "stopped", "failed")
 
 
@@ -147,9 +148,16 @@ class EngineController:
         self._commands.put(_Command("resume"))
 
     def step(self, n: int = 1) -> None:
-        """While paused, run exactly ``n`` engine steps (steps with nothing to do are not counted)."""
-        if n < 1:
-            raise ValueError(f"step(n) needs n >= 1, got {n}")
+        """While paused, run exactly ``n`` engine steps (steps with nothing to do are not counted).
+
+        Steps asked for add up, to at most ``MAX_STEPS`` waiting at once; a ``pause`` while paused
+        drops the ones not yet run (the engine stays paused; issue 29, trial 7).
+
+        Raises:
+            ValueError: ``n`` is not a whole number from 1 to ``MAX_STEPS``.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_STEPS:
+            raise ValueError(f"step(n) needs a whole n from 1 to {MAX_STEPS}, got {n!r}")
         self._commands.put(_Command("step", (n,)))
 
     def abort(self, request_id: str) -> None:
@@ -318,9 +326,9 @@ class EngineController:
                 engine.add_request(prompt, params, priority, request_id=rid)
                 self._collect(engine.pop_finished_outputs())  # a refusal reaches its listener now
             elif cmd.name == "pause":
+                self._steps_allowed = 0  # also while paused: the steps asked for and not yet run are dropped
                 if not self._paused:
                     self._paused = True
-                    self._steps_allowed = 0
                     self._state = "paused"
                     engine.clock.stop()
                     self._emit(ev.EnginePaused(step=engine.scheduler.step_index))
@@ -331,7 +339,7 @@ class EngineController:
                     self._emit(ev.EngineResumed(step=engine.scheduler.step_index))
             elif cmd.name == "step":
                 if self._paused:
-                    self._steps_allowed += cmd.args[0]
+                    self._steps_allowed = min(MAX_STEPS, self._steps_allowed + cmd.args[0])
             elif cmd.name == "abort":
                 if not engine.abort_request(cmd.args[0]):
                     self._emit(ev.EngineError(step=None, request_id=cmd.args[0],

@@ -45,6 +45,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nanovllm_core.engine.controller import MAX_STEPS
 from nanovllm_core.entrypoints.event_hub import EventHub
 from nanovllm_core.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm_core.entrypoints.openai_serving import SERVER_ID_PREFIXES, OpenAIServing, Prepared
@@ -371,8 +372,8 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
         return {"ok": True, "resumed": True}  # running again (also when it was not paused)
     elif name == "step":
         n = body.get("n", 1)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise APIError(f"step needs n >= 1, got {n!r}", param="n")
+        if not _is_int(n) or not 1 <= n <= MAX_STEPS:
+            raise APIError(f"step needs a whole n from 1 to {MAX_STEPS}, got {n!r}", param="n")
         if c.state != "paused":
             raise APIError("step runs single steps while the engine is paused; pause first", status=409,
                            code="not_paused")
@@ -394,6 +395,11 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
         if wrong:
             raise APIError(f"xray needs request_id (text or null), layer and head (integers); {wrong[0]} is "
                            f"{body[wrong[0]]!r}", param=wrong[0])
+        config = c.engine.model_config  # refused here, not broadcast to every watcher as an engine error (trial 7)
+        for key, value, count in (("layer", layer, config.num_hidden_layers), ("head", head, config.num_attention_heads)):
+            if not 0 <= value < count:
+                raise APIError(f"xray {key} {value} is out of range: this model has {count} {key}s, numbered "
+                               f"0..{count - 1}", param=key)
         if rid is not None:
             with state.control_lock:  # a prompt submitted here and not yet added by the engine counts too
                 known = rid in state.control_ids
