@@ -295,6 +295,36 @@ async def test_losing_the_server_shows_in_the_header_the_app_stays_live_and_reco
         controller.shutdown(timeout=5)
 
 
+@pytest.mark.anyio
+async def test_a_server_back_with_another_api_key_shows_key_refused_without_a_key_press(make_tiny_engine, tmp_path):
+    """Trial 7: a server restarted with another --api-key under the app left it 'disconnected' for
+    good, retrying; nothing said the key was refused until space was pressed."""
+    controller = EngineController.from_engine(make_tiny_engine(num_kv_blocks=32))
+    server = start_server(controller, api_key="first")
+    remote = RemoteController(server.url, api_key="first", reconnect_s=(0.05, 0.2))
+    app = NanoVLLMApp(remote, tutorial_path=tmp_path / "t.json")
+    notes = Notes()
+    try:
+        async with app.run_test(size=(120, 36), message_hook=notes) as pilot:
+            header = lambda: str(app.query_one("#header").render())  # noqa: E731
+            await wait_until(pilot, lambda: "idle" in header(), 30, "the header to show the server idle")
+            port = int(server.url.rsplit(":", 1)[1])
+            assert server.stop()
+            await wait_until(pilot, lambda: "disconnected" in header(), 10, "the header to show the lost server")
+            again = APIServer(build_app(controller, api_key="other"), log_level="warning", access_log=False)
+            again.start_in_thread(socket.create_server(("127.0.0.1", port)))
+            try:
+                await wait_until(pilot, lambda: "key refused" in header(), 30, "the header to say the key is refused")
+                await wait_until(pilot, lambda: notes.find("refused the API key"), 10, "a note saying why")
+                assert "$NANOVLLM_API_KEY is not the server's" in notes.find("refused the API key")[0].message
+                await pilot.pause(0.6)
+                assert len(notes.find("refused the API key")) == 1  # said once, not at every attempt
+            finally:
+                again.stop()
+    finally:
+        controller.shutdown(timeout=5)
+
+
 def test_a_prompt_sent_as_token_ids_shows_as_its_pieces():
     from nanovllm_tui.state import EngineState
 

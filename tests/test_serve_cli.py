@@ -106,7 +106,7 @@ def test_app_connect_checks_the_server_and_its_key_first(tiny_server, capsys):
     code, _, err = run_main(options.parse_args, capsys, "--connect", f"http://127.0.0.1:{free_port()}")
     assert code == 2 and "cannot reach" in err and "nanovllm serve" in err
     code, _, err = run_main(options.parse_args, capsys, "--connect", tiny_server.url)
-    assert code == 2 and "refused the API key (pass --api-key KEY)" in err
+    assert code == 2 and "refused the API key (pass --api-key KEY or set $NANOVLLM_API_KEY)" in err
     code, _, err = run_main(options.parse_args, capsys, "--connect", tiny_server.url, "--api-key", "nope")
     assert code == 2 and "not the server's" in err
     code, _, err = run_main(options.parse_args, capsys, "--connect", tiny_server.url, "--model", "x")

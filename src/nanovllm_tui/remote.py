@@ -55,6 +55,11 @@ class ServerLoading(RemoteError):
     """The server is up but still loading its model (503, code ``model_loading``): ask again soon."""
 
 
+class KeyRefused(RemoteError):
+    """The server answered 401: the API key is missing or not its own (also a server restarted
+    with another ``--api-key`` under an attached app)."""
+
+
 @dataclass
 class RemoteSubscription:
     """A local listener and the detail it wants; the stream asks the server for the most any wants."""
@@ -115,8 +120,9 @@ class _Server:
         if status == 503 and code == "model_loading":
             return ServerLoading(f"the server at {self.url} is still loading its model")
         if status == 401:
-            hint = "pass --api-key KEY" if not self.api_key else "the key given with --api-key is not the server's"
-            return RemoteError(f"the server at {self.url} refused the API key ({hint})")
+            hint = ("pass --api-key KEY or set $NANOVLLM_API_KEY" if not self.api_key else
+                    "the key given with --api-key or $NANOVLLM_API_KEY is not the server's")
+            return KeyRefused(f"the server at {self.url} refused the API key ({hint})")
         return RemoteError(f"{message} (HTTP {status})")
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
@@ -218,7 +224,8 @@ class RemoteController:
         self._server_state = "loading"
         self._last_id: str | None = None
         self._instance: str | None = None  # the server's instance in event ids: a new one is a new engine
-        self._outage_reported = False
+        self._outage_reported: str | None = None  # the kind of outage told to the app ("lost", "key refused")
+        self._key_refused = False  # the stream's last try was answered 401
         self._stream_conn: http.client.HTTPConnection | None = None
         self._ids = itertools.count()
         self._session = secrets.token_hex(2)  # ids of prompts sent from this app: tui-<session>-<n>
@@ -239,9 +246,12 @@ class RemoteController:
 
     @property
     def state(self) -> str:
+        """The server's state, or ``disconnected`` (``key refused`` when the server answers 401)."""
         if self._stop.is_set():
             return "stopped"
-        return self._server_state if self._connected else "disconnected"
+        if self._connected:
+            return self._server_state
+        return "key refused" if self._key_refused else "disconnected"
 
     @property
     def connected(self) -> bool:
@@ -378,10 +388,14 @@ class RemoteController:
         self._connected = False
 
     def _lost(self, error: BaseException) -> None:
+        """The stream failed: told to the app once per kind of outage (a server that comes back refusing
+        the key is told again, and shows as ``key refused``, not only ``disconnected``; trial 7)."""
         self._connected = False
-        if not self._outage_reported:
-            self._outage_reported = True
-            reason = str(error) if isinstance(error, RemoteError) else _reason(error)
+        self._key_refused = isinstance(error, KeyRefused)
+        reason = str(error) if isinstance(error, RemoteError) else _reason(error)
+        kind = "key refused" if self._key_refused else "lost"  # not each new reason: refused, timed out, ...
+        if kind != self._outage_reported:
+            self._outage_reported = kind
             self._deliver(ev.EngineError(step=None, message=f"lost the connection to {self.url} ({reason}); "
                                                             "reconnecting"))
 
@@ -399,7 +413,7 @@ class RemoteController:
             resp = conn.getresponse()
             if resp.status != 200:
                 raise self._server.refusal(resp.status, resp.read())
-            self._connected, self._outage_reported = True, False
+            self._connected, self._outage_reported, self._key_refused = True, None, False
             kind, data, event_id = "message", [], None
             while not self._stop.is_set():
                 raw = resp.readline()

@@ -12,6 +12,7 @@ SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 STATE_STYLES = {
     "running": "bold green", "idle": "bold cyan", "paused": "bold yellow", "loading": "bold magenta",
     "failed": "bold red", "stopped": "bold red", "disconnected": "bold red",
+    "key refused": "bold red",
 }
 
 
@@ -74,7 +75,7 @@ class StatusHeader(LiveStatic):
             if weights:
                 parts.append((Text(weights), 6))
             # A server out of reach may have resumed meanwhile: say what is known, the lost connection.
-            lost = state.engine_state in ("stopped", "disconnected")
+            lost = state.engine_state in ("stopped", "disconnected", "key refused")
             engine_state = "paused" if state.paused and not lost else state.engine_state
             active = len(state.active_requests)
             cut_short = replay and engine_state == "idle" and active  # the recording stopped mid-request
