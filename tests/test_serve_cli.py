@@ -142,6 +142,95 @@ def test_web_passes_every_other_option_to_the_app():
     assert app_arguments(argv) == ["--connect", "http://h:1", "--fps", "5"]
 
 
+@pytest.mark.parametrize("key_args", [["--api-key", "s3cret-key"], ["--api-key=s3cret-key"], ["--api", "s3cret-key"],
+                                      ["--ap=s3cret-key"]])
+def test_web_passes_the_api_key_in_the_environment_not_on_the_command_line(key_args):
+    """The key on the app processes' command line showed in textual-serve's banner and in ``ps``."""
+    from nanovllm_tui.web import app_arguments, app_environment
+
+    argv = ["--we", "--po", "8123", *key_args, "--connect", "http://h:1", "--ho=::1"]
+    assert app_arguments(argv) == ["--connect", "http://h:1"]
+    assert app_environment("s3cret-key") == {"NANOVLLM_API_KEY": "s3cret-key"}
+    assert app_environment(None) == {"NANOVLLM_API_KEY": None}  # --api-key "" overrides a key in the environment
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (Linux /proc)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                except OSError:
+                    continue
+                if ppid == parent:
+                    found.append(int(entry))
+                    todo.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the app process's /proc entries")
+def test_web_key_is_in_no_banner_and_no_app_command_line(tmp_path):
+    """``nanovllm-tui --web --api-key KEY``: the banner and the app process a page starts show no KEY;
+    the app process has it in $NANOVLLM_API_KEY."""
+    import aiohttp
+
+    port, key = free_port(), "s3cret-key-41"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), *sys.path) if p)}
+    env.pop("NANOVLLM_API_KEY", None)
+    out = tmp_path / "out.txt"
+    with open(out, "w") as sink:
+        web = subprocess.Popen([sys.executable, "-m", "nanovllm_tui.app", "--web", "--port", str(port),
+                                "--replay", str(TRACE), "--api-key", key], env=env, cwd=tmp_path, stdout=sink,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert web.poll() is None, out.read_text()
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "nothing listened"
+                time.sleep(0.2)
+
+        async def open_page_and_read_app_process() -> tuple[str, str]:
+            async with aiohttp.ClientSession() as http:
+                async with http.ws_connect(f"http://127.0.0.1:{port}/ws?width=80&height=24"):
+                    end = time.monotonic() + 30
+                    while time.monotonic() < end:
+                        for pid in _children(web.pid):
+                            try:
+                                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                                    cmdline = f.read().replace(b"\0", b" ").decode()
+                                with open(f"/proc/{pid}/environ", "rb") as f:
+                                    environ = f.read().decode("utf-8", "replace")
+                            except OSError:
+                                continue
+                            if "nanovllm_tui.app" in cmdline and "--web" not in cmdline:
+                                return cmdline, environ
+                        await asyncio.sleep(0.1)
+            raise AssertionError("no app process started for the page")
+
+        import asyncio
+
+        cmdline, environ = asyncio.run(open_page_and_read_app_process())
+        assert "--replay" in cmdline and key not in cmdline and "--api-key" not in cmdline
+        assert f"NANOVLLM_API_KEY={key}" in environ.split("\0")
+    finally:
+        os.killpg(web.pid, signal.SIGINT)
+        try:
+            web.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(web.pid, signal.SIGKILL)
+            web.wait(10)
+    banner = out.read_text()
+    assert "Serving" in banner and key not in banner
+
+
 def test_web_port_in_use_ends_with_one_line(capsys):
     from nanovllm_tui.app import main
 

@@ -677,7 +677,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from nanovllm_tui.options import build_app
 
     before = frozenset(threading.enumerate())  # the engine threads that matter at the end are the app's own
-    if "--web" in (sys.argv[1:] if argv is None else argv):
+    from nanovllm_tui.options import build_parser
+    from nanovllm_tui.web import option_dest
+
+    parser = build_parser()  # --web written in full or abbreviated (--we), as argparse takes it
+    if any((a := option_dest(arg, parser)) is not None and a.dest == "web"
+           for arg in (sys.argv[1:] if argv is None else argv)):
         from nanovllm_tui.web import serve_in_browser
 
         return serve_in_browser(argv)

@@ -2,13 +2,16 @@
 
 textual-serve starts one app process per browser tab and draws it with a terminal emulator
 in the page, so a classroom can open the app without installing anything. Every other option
-is passed on to those app processes: with ``--connect URL`` each visitor attaches to one
-shared server (and sees the others' prompts); without it each visitor gets an engine of
-its own. The options are checked once here, so a mistake ends the command at once.
+is passed on to those app processes (the API key through ``$NANOVLLM_API_KEY``, so it shows
+neither in textual-serve's banner nor on a command line): with ``--connect URL`` each visitor
+attaches to one shared server (and sees the others' prompts); without it each visitor gets an
+engine of its own. The options are checked once here, so a mistake ends the command at once.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import shlex
 import socket
 import sys
@@ -17,22 +20,51 @@ from typing import Sequence
 DEFAULT_PORT = 8001
 
 
-def app_arguments(argv: Sequence[str]) -> list[str]:
-    """``argv`` without the options that belong to the web server (``--web``, ``--host``, ``--port``)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
+# Options of the web server itself: not passed on to the app processes. The API key is passed
+# to them in $NANOVLLM_API_KEY instead, so it is neither in textual-serve's "Serving ..."
+# banner nor on every app process's command line (``ps`` shows those to every user).
+WEB_ONLY = ("web", "host", "port", "api_key")
+
+
+def option_dest(arg: str, parser: argparse.ArgumentParser) -> argparse.Action | None:
+    """The long option ``arg`` names (``--port``, ``--port=1``, or a prefix argparse accepts,
+    ``--po``), or None for a value or an unknown/ambiguous name."""
+    name = arg.partition("=")[0]
+    if not name.startswith("--") or name == "--":
+        return None
+    actions = {s: a for a in parser._actions for s in a.option_strings if s.startswith("--")}
+    if name in actions:
+        return actions[name]
+    matches = {a for s, a in actions.items() if s.startswith(name)} if parser.allow_abbrev else set()
+    return matches.pop() if len(matches) == 1 else None
+
+
+def app_arguments(argv: Sequence[str], parser: argparse.ArgumentParser | None = None) -> list[str]:
+    """``argv`` without the options in ``WEB_ONLY`` (``--web``, ``--host``, ``--port``, ``--api-key``),
+    written in full, with ``=`` or abbreviated as argparse allows."""
+    if parser is None:
+        from nanovllm_tui.options import build_parser
+
+        parser = build_parser()
+    out: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--":
+            out += [arg, *args]
+            break
+        action = option_dest(arg, parser)
+        if action is None or action.dest not in WEB_ONLY:
+            out.append(arg)
             continue
-        if arg == "--web":
-            continue
-        if arg in ("--host", "--port"):
-            skip = True
-            continue
-        if arg.startswith(("--host=", "--port=")):
-            continue
-        out.append(arg)
+        if "=" not in arg and action.nargs != 0:
+            next(args, None)  # its value
     return out
+
+
+def app_environment(api_key: str | None) -> dict[str, str | None]:
+    """What to set in the environment the app processes inherit: ``NANOVLLM_API_KEY`` is the key,
+    or removed (None) when there is none, so ``--api-key ""`` also overrides a key in the environment."""
+    return {"NANOVLLM_API_KEY": api_key or None}
 
 
 def serve_in_browser(argv: Sequence[str] | None = None) -> int:
@@ -52,7 +84,12 @@ def serve_in_browser(argv: Sequence[str] | None = None) -> int:
     if not is_loopback(host):
         print(f"warning: --web on {host}: anyone who can reach this machine can open the app (it has no login)",
               file=sys.stderr)
-    command = shlex.join([sys.executable, "-m", "nanovllm_tui.app", *app_arguments(argv)])
+    for name, value in app_environment(args.api_key).items():  # textual-serve's app processes inherit it
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    command = shlex.join([sys.executable, "-m", "nanovllm_tui.app", *app_arguments(argv, build_parser())])
     public = f"http://{socket.getfqdn() if host in ('0.0.0.0', '::') else host}:{port}"
     print(f"nanovllm-tui --web: open {public} in a browser (Ctrl-C stops)", file=sys.stderr, flush=True)
     Server(command, host=host, port=port, title="nano-vLLM", public_url=public).serve()
