@@ -73,6 +73,14 @@ REFUSED_ALIKE = [
     ("/v1/completions", {"prompt": "hi", "seed": True}, "Invalid value for seed"),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**30}, "max_completion_tokens="),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 10**30}, "top_logprobs="),
+    # trial 7: a whole-number float is that integer (below); any other float, a string or a bool is not
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 3.5}, "Invalid value for max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "3"}, "Invalid value for max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "n": 1.5}, "Invalid value for n"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2.5]}, "Invalid value for stop_token_ids.0"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2.5}, "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "hi", "seed": float(2**64)}, "seed"),  # whole, and as out of range as 2**64
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1e30}, "max_tokens=1000000000000000019884624838656 is inv"),
     # a newcomer's trial: a union field's error named one shape tried ("stop.str"), not the field
     ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop must be a string or a list of strings (got 5)"),
     ("/v1/completions", {"prompt": "hi", "stop": [5]}, "stop must be a string or a list of strings (got [5])"),
@@ -363,10 +371,10 @@ FIELD_AT_FAULT = [
     ("/v1/completions", {"prompt": "hi", "temperature": "0.5"}, "temperature", "Invalid value for temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": "1"}, "top_p", "Invalid value for top_p"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream", "Invalid value for stream"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 2.0}, "max_tokens", "Invalid value for max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2.5}, "max_tokens", "Invalid value for max_tokens"),
     ("/v1/completions", {"prompt": "hi", "ignore_eos": 1}, "ignore_eos", "Invalid value for ignore_eos"),
     ("/v1/completions", {"prompt": [1, "2"]}, "prompt", "Invalid value for prompt"),
-    ("/v1/completions", {"prompt": [1.0, 2.0]}, "prompt", "Invalid value for prompt"),
+    ("/v1/completions", {"prompt": [1.0, 2.5]}, "prompt", "Invalid value for prompt"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": ["2"]}, "stop_token_ids.0", "stop_token_ids"),
     (CHAT, {"messages": MESSAGES, "logprobs": "true"}, "logprobs", "Invalid value for logprobs"),
     (CHAT, {"messages": MESSAGES, "stream": "yes"}, "stream", "Invalid value for stream"),
@@ -476,6 +484,11 @@ def test_a_pause_shows_on_health_and_metrics(tiny_server):
     ({"command": "step", "n": 1001}, "n", "step needs a whole n from 1 to 1000, got 1001"),
     ({"command": "step", "n": 10**20}, "n", "step needs a whole n from 1 to 1000"),
     ({"command": "step", "n": 0}, "n", "step needs a whole n from 1 to 1000, got 0"),
+    ({"command": "step", "n": 1.5}, "n", "step needs a whole n from 1 to 1000, got 1.5"),
+    ({"command": "step", "n": "1"}, "n", "step needs a whole n from 1 to 1000, got '1'"),
+    ({"command": "xray", "layer": 0.5}, "layer", "layer is 0.5"),
+    ({"command": "xray", "head": True}, "head", "head is True"),
+    ({"command": "xray", "layer": 999.0}, "layer", "xray layer 999 is out of range"),
 ])
 def test_control_refuses_an_xray_layer_or_head_and_a_step_count_out_of_range(tiny_server, body, param, message):
     """Trial 7: an xray layer out of range was answered ok and then broadcast to every watcher as
@@ -492,3 +505,54 @@ def test_control_refuses_an_xray_layer_or_head_and_a_step_count_out_of_range(tin
         assert errors == []
     finally:
         tiny_server.controller.unsubscribe(sub)
+
+
+def _as_floats(value):
+    """``value`` with every integer (not bool) written as a float: 3 -> 3.0, in lists too."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return float(value)
+    if isinstance(value, list):
+        return [_as_floats(v) for v in value]
+    return value
+
+
+WHOLE_NUMBER_BODIES = [
+    ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 3, "n": 2, "best_of": 2, "logprobs": 1, "seed": 7,
+                         "top_k": 5, "min_tokens": 1, "stop_token_ids": [100], "priority": 1}),
+    (CHAT, {"messages": MESSAGES, "max_completion_tokens": 3, "logprobs": True, "top_logprobs": 2, "seed": 7, "n": 2}),
+    (CHAT, {"messages": MESSAGES, "max_tokens": 2, "seed": 3, "min_tokens": 2}),
+]
+
+
+@pytest.mark.parametrize("path, body", WHOLE_NUMBER_BODIES)
+def test_a_whole_number_float_in_an_integer_field_is_that_integer(tiny_server, path, body):
+    """Trial 7: ``max_tokens: 3.0`` was refused; vLLM and OpenAI take a JSON number with no fractional
+    part for an integer field. The same request with every integer written as a float gets the same answer."""
+    floats = {k: _as_floats(v) if k != "messages" else v for k, v in body.items()}
+    assert all(isinstance(v, float) for k, v in floats.items() if isinstance(body[k], int) and body[k] is not True)
+    int_status, by_int = post(tiny_server, path, body)
+    float_status, by_float = post(tiny_server, path, floats)
+    assert int_status == float_status == 200, (by_int, by_float)
+    assert by_float["choices"] == by_int["choices"] and by_float["usage"] == by_int["usage"]
+    assert len(by_float["choices"]) == body.get("n", 1)
+
+
+def test_control_takes_whole_number_floats_for_its_integers(tiny_server):
+    """The control API keeps the same rule: step n, xray layer/head, submit priority, params and token ids."""
+    control(tiny_server, {"command": "pause"})
+    try:
+        assert poll_until(lambda: tiny_server.controller.state == "paused", 10)
+        r = control(tiny_server, {"command": "submit", "prompt": [1.0, 2.0, 3.0], "priority": 1.0,
+                                  "params": {"max_tokens": 2.0, "min_tokens": 1.0, "seed": 3.0, "top_k": 4.0,
+                                             "stop_token_ids": [100.0], "n": 1.0, "logprobs": 0.0}})
+        assert r.status_code == 200, r.text
+        rid = r.json()["request_id"]
+        r = control(tiny_server, {"command": "xray", "request_id": rid, "layer": 0.0, "head": 1.0})
+        assert r.status_code == 200, r.text
+        r = control(tiny_server, {"command": "step", "n": 1.0})
+        assert r.status_code == 200, r.text
+    finally:
+        control(tiny_server, {"command": "resume"})
+    tiny_server.wait_idle(30)

@@ -49,7 +49,8 @@ from nanovllm_core.engine.controller import MAX_STEPS
 from nanovllm_core.entrypoints.event_hub import EventHub
 from nanovllm_core.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm_core.entrypoints.openai_serving import SERVER_ID_PREFIXES, OpenAIServing, Prepared
-from nanovllm_core.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from nanovllm_core.entrypoints.protocol import (APIError, ChatCompletionRequest, CompletionRequest, validation_error,
+                                                whole_number)
 from nanovllm_core.model.quantization import describe_weights
 from nanovllm_core.entrypoints.request_stream import InFlight
 from nanovllm_core.prompts import is_conversation
@@ -356,6 +357,8 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
                 '({"params": {"max_tokens": 3}})') if name == "submit" else ""
         raise APIError(f"{name} does not take {', '.join(unknown)} (it takes {takes}){hint}", param=unknown[0],
                        code="unknown_parameter")
+    # the one rule of every integer field (protocol.whole_number): 3.0 is 3; 3.5, "3" and true are refused
+    body = {k: whole_number(v) if k in ("n", "layer", "head", "priority") else v for k, v in body.items()}
     if name == "pause":
         state.pause_owner = _text(body, "owner") if "owner" in body else None
         c.pause()
@@ -415,6 +418,16 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
     return {"ok": True}
 
 
+# SamplingParams fields that hold integers (or a list of them): a whole-number float sent for one is
+# that integer, as in /v1/completions (protocol.whole_number)
+_INT_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if "int" in str(f.type))
+
+
+def _whole_numbers(value: Any) -> Any:
+    """``whole_number`` of ``value``, or of each item of a list (``stop_token_ids``)."""
+    return [whole_number(v) for v in value] if isinstance(value, list) else whole_number(value)
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -442,6 +455,8 @@ def _control_submit(state: ServerState, body: dict) -> str:
             priority or request_id.
     """
     prompt = body.get("prompt")
+    if isinstance(prompt, list):  # token ids written 3.0 (whole_number); chat messages are left as they are
+        prompt = [whole_number(t) for t in prompt]
     token_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     if not (isinstance(prompt, str) or token_ids or is_conversation(prompt)):
         raise APIError("submit needs prompt: text, a list of token ids, or a list of chat messages "
@@ -455,6 +470,7 @@ def _control_submit(state: ServerState, body: dict) -> str:
     if unknown:
         raise APIError(f"params has unknown field(s) {', '.join(unknown)}; use SamplingParams field names",
                        param=f"params.{unknown[0]}", code="unknown_parameter")
+    fields = {k: _whole_numbers(v) if k in _INT_PARAMS else v for k, v in fields.items()}
     try:
         params = SamplingParams(**fields)
     except (TypeError, ValueError) as e:

@@ -11,9 +11,9 @@ server answers with OpenAI's JSON shape ``{"error": {"message", "type", "param",
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, StrictBool, StrictFloat, StrictInt, ValidationError
 
 from nanovllm_core.sampling_params import SamplingParams, check_priority
 
@@ -94,6 +94,24 @@ def _at(body: Any, path: list) -> Any:
     return body
 
 
+def whole_number(value: Any) -> Any:
+    """A JSON number with no fractional part as an ``int`` (``3.0`` -> ``3``); any other value unchanged.
+
+    The one rule for every integer field of this server's HTTP API (completions, chat and the
+    engine control API): vLLM and OpenAI take ``3.0`` for an integer field, so it counts as
+    ``3``; ``3.5``, ``inf``, ``"3"`` and ``true`` are left as they are, and so refused as not
+    integers. A huge whole number (``1e30``) becomes a huge ``int``, which the field's range
+    check refuses as it refuses the same number written ``1000...``.
+    """
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer field: an int, or a float with no fractional part (see whole_number); never a string or bool.
+Int = Annotated[StrictInt, BeforeValidator(whole_number)]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -109,28 +127,28 @@ class _SamplingBody(_Body):
     """The fields completions and chat share (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
-    n: StrictInt = 1
-    best_of: StrictInt | None = None
+    n: Int = 1
+    best_of: Int | None = None
     temperature: StrictFloat | None = None
     top_p: StrictFloat | None = None
     presence_penalty: StrictFloat | None = None
     frequency_penalty: StrictFloat | None = None
-    seed: StrictInt | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, StrictFloat] | None = None
     # vLLM's extra sampling parameters
-    top_k: StrictInt | None = None
+    top_k: Int | None = None
     min_p: StrictFloat | None = None
     repetition_penalty: StrictFloat | None = None
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[Int] | None = None
     ignore_eos: StrictBool = False
-    min_tokens: StrictInt = 0
+    min_tokens: Int = 0
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
-    priority: StrictInt = 0
+    priority: Int = 0
     return_token_ids: StrictBool = False
 
     def _check_common(self) -> None:
@@ -179,9 +197,9 @@ class _SamplingBody(_Body):
 class CompletionRequest(_SamplingBody):
     """``POST /v1/completions``: ``prompt`` is text, token ids, or a list of either (one choice set each)."""
 
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = 16
-    logprobs: StrictInt | None = None
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
     echo: StrictBool = False
     suffix: str | None = None
 
@@ -263,10 +281,10 @@ class ChatCompletionRequest(_SamplingBody):
     """
 
     messages: list[ChatMessage]
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: Int | None = None
     add_generation_prompt: StrictBool = True
 
     def conversation(self) -> list[dict[str, Any]]:
