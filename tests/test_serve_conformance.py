@@ -556,3 +556,52 @@ def test_control_takes_whole_number_floats_for_its_integers(tiny_server):
     finally:
         control(tiny_server, {"command": "resume"})
     tiny_server.wait_idle(30)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": ["Once upon a time", "hi"]}),
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"}]}),
+])
+def test_stream_chunks_hold_one_choice_each_as_vllm_sends_them(tiny_server, path, body):
+    """Trial 7: with n=2 both choices came in one chunk, and a chat stream's first chunk carried the
+    role with the first content. vLLM (serving_chat.py, serving_completion.py): a chat stream opens
+    with one ``{"role": "assistant", "content": ""}`` chunk per choice; then every chunk holds one
+    choice; with continuous_usage_stats its usage counts that choice's prompt and tokens so far;
+    include_usage adds a last chunk with no choices and the sums."""
+    body = {**body, "n": 2, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    status, events = post(tiny_server, path, body, stream=True)
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    whole_status, whole = post(tiny_server, path, {k: v for k, v in body.items() if k != "stream_options"})
+    assert whole_status == 200
+    num_choices = len(whole["choices"])
+    assert num_choices == 2 * (len(body["prompt"]) if "prompt" in body else 1)
+    *per_choice, last = chunks
+    assert last["choices"] == [] and last["usage"] == whole["usage"]
+    assert all(len(c["choices"]) == 1 for c in per_choice)
+    if path == CHAT:  # the opening: a role chunk for each choice, nothing else in it
+        opening, per_choice = per_choice[:num_choices], per_choice[num_choices:]
+        assert [c["choices"][0]["index"] for c in opening] == list(range(num_choices))
+        assert all(c["choices"][0]["delta"] == {"role": "assistant", "content": ""} and
+                   c["choices"][0]["finish_reason"] is None and c["usage"]["completion_tokens"] == 0 and
+                   c["prompt_token_ids"] == whole["prompt_token_ids"] for c in opening)
+        assert not any("role" in c["choices"][0]["delta"] for c in per_choice)
+    text = {i: "" for i in range(num_choices)}
+    tokens = {i: [] for i in range(num_choices)}
+    finished = {}
+    for c in per_choice:
+        choice = c["choices"][0]
+        i = choice["index"]
+        assert i not in finished, "a chunk after the choice's finish_reason"
+        text[i] += choice["delta"]["content"] if path == CHAT else choice["text"]
+        tokens[i] += choice["token_ids"]
+        prompt_tokens = len(whole["prompt_token_ids"] if path == CHAT else whole["choices"][i]["prompt_token_ids"])
+        assert c["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens[i]),
+                              "total_tokens": prompt_tokens + len(tokens[i])}  # this choice's, not the sum
+        if choice["finish_reason"] is not None:
+            finished[i] = choice["finish_reason"]
+    assert finished == {i: "length" for i in range(num_choices)}
+    for i, choice in enumerate(whole["choices"]):
+        assert text[i] == (choice["message"]["content"] if path == CHAT else choice["text"])
+        assert tokens[i] == choice["token_ids"]

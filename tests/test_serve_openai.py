@@ -260,3 +260,26 @@ def test_control_abort_stops_a_request_that_exists_and_refuses_one_that_does_not
         finally:
             http.post("/v1/engine/control", json={"command": "resume"})
     tiny_server.wait_idle()
+
+
+def test_openai_client_reads_n_choices_streamed_one_per_chunk(client):
+    """Trial 7: the chunks hold one choice each (vLLM's layout); the client gathers them by index."""
+    messages = [{"role": "user", "content": "Name a colour."}]
+    whole = client.chat.completions.create(messages=messages, model=model_name(client), max_completion_tokens=5,
+                                           temperature=0, n=2, extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(messages=messages, model=whole.model, max_completion_tokens=5,
+                                                 temperature=0, n=2, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    assert all(len(c.choices) == 1 for c in chunks)
+    assert [(c.choices[0].index, c.choices[0].delta.role) for c in chunks[:2]] == [(0, "assistant"), (1, "assistant")]
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == choice.index]
+        assert "".join(m.delta.content or "" for m in mine) == choice.message.content
+        assert [m.finish_reason for m in mine if m.finish_reason] == ["length"] and mine[-1].finish_reason
+    completion = client.completions.create(model=whole.model, prompt=PROMPTS[:2], max_tokens=3, temperature=0, n=2,
+                                           stream=True, extra_body={"ignore_eos": True})
+    got = {}
+    for c in completion:
+        assert len(c.choices) == 1
+        got[c.choices[0].index] = got.get(c.choices[0].index, "") + c.choices[0].text
+    assert sorted(got) == [0, 1, 2, 3]

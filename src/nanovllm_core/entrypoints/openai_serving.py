@@ -4,7 +4,8 @@ A request is tokenized here to check it before any answer starts: every rule the
 refuses by (``LLMEngine.request_problem``; the length against ``max_model_len`` with vLLM's
 message), so a streamed request gets the same 400 as a whole one. Then it goes to the
 controller as one engine request per prompt, and its outputs come back through a :class:`RequestStream`. Non-streaming requests get one
-JSON body when every output has finished; streaming ones get server-sent events, one chunk
+JSON body when every output has finished; streaming ones get server-sent events laid out as
+vLLM's: a chat stream opens with a role chunk per choice, then one chunk (holding one choice)
 whenever a choice's text grows (cumulative outputs become deltas here), ``data: [DONE]`` last.
 
 Engine ``finish_reason`` values pass through: ``stop``, ``length``, and ``abort`` (vLLM's
@@ -52,6 +53,7 @@ class Prepared:
     continuous_usage: bool
     return_token_ids: bool
     created: int = field(default_factory=lambda: int(time.time()))
+    prompt_ids: list[list[int]] = field(default_factory=list)  # each prompt's token ids, as checked
 
 
 def sse(data: Any) -> str:
@@ -129,10 +131,9 @@ class OpenAIServing:
         self.check_model(req.model)
         params = req.to_sampling_params()
         prompts = req.prompts()
-        for p in prompts:
-            self.check_prompt(p, params)
+        ids = [self.check_prompt(p, params) for p in prompts]
         return Prepared("completion", f"cmpl-{uuid.uuid4().hex}", prompts, params, req.priority, req.stream,
-                        *_usage_options(req), req.return_token_ids)
+                        *_usage_options(req), req.return_token_ids, prompt_ids=ids)
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         """Check a chat request and render its messages with the chat template. Raises: APIError (400)."""
@@ -151,7 +152,7 @@ class OpenAIServing:
             raise APIError(f"the chat template could not render these messages: {e}", param="messages") from None
         self.check_prompt(ids, params, req.field_names())
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], params, req.priority, req.stream,
-                        *_usage_options(req), req.return_token_ids)
+                        *_usage_options(req), req.return_token_ids, prompt_ids=[list(ids)])
 
     def open_stream(self, p: Prepared) -> RequestStream:
         if self._router is None:  # made on first use, on the server's event loop
@@ -203,7 +204,16 @@ class OpenAIServing:
     # ------------------------------------------------------------------ streams
 
     async def event_stream(self, p: Prepared) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per change of each choice, usage if asked, ``[DONE]``.
+        """Server-sent events laid out as vLLM's server sends them: one choice per chunk, usage if
+        asked, ``[DONE]``.
+
+        A chat stream opens with one chunk per choice carrying ``delta: {"role": "assistant",
+        "content": ""}`` (and ``prompt_token_ids`` with ``return_token_ids``); content deltas
+        follow without the role. Every later chunk holds the news of a single choice (its
+        ``index``: prompt number * n + sample number), the last one its ``finish_reason``. With
+        ``continuous_usage_stats`` each chunk's ``usage`` counts that choice's prompt and the
+        tokens it has generated so far (vLLM's serving_chat.py / serving_completion.py); with
+        ``include_usage`` a last chunk with no choices sums every prompt and choice.
 
         The request is submitted when the response starts (a client gone before then costs
         nothing); the ``finally`` aborts unfinished engine requests: a client that
@@ -214,38 +224,66 @@ class OpenAIServing:
         latest: dict[str, RequestOutput] = {}
         order = {rid: i for i, rid in enumerate(stream.request_ids)}
         obj = "chat.completion.chunk" if p.kind == "chat" else "text_completion"
-        chat_prompt_sent = False
+        num_choices = len(stream.request_ids) * p.params.n
+        roles_sent = p.kind != "chat"
+
+        def chunk(choice: dict[str, Any], usage: dict[str, int] | None) -> str:
+            body = {"id": p.request_id, "object": obj, "created": p.created, "model": self.model_name,
+                    "choices": [choice]}
+            if usage is not None:
+                body["usage"] = usage
+            return sse(body)
+
+        def prompt_of(i: int) -> list[int]:
+            """Choice ``i``'s prompt token ids (from its output once there is one)."""
+            out = latest.get(stream.request_ids[i // p.params.n])
+            return list(out.prompt_token_ids) if out is not None else list(p.prompt_ids[i // p.params.n])
+
+        def usage_of(i: int) -> dict[str, int]:
+            """Choice ``i``'s usage so far: its prompt's tokens and the tokens it generated."""
+            out = latest.get(stream.request_ids[i // p.params.n])
+            c = next((c for c in out.outputs if c.index == i % p.params.n), None) if out is not None else None
+            prompt, completion = len(prompt_of(i)), len(c.token_ids) if c is not None else 0
+            return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+        def roles() -> list[str]:
+            """The chat stream's opening chunks, one per choice (vLLM sends them before any content)."""
+            opening = []
+            for i in range(num_choices):
+                body = {"id": p.request_id, "object": obj, "created": p.created, "model": self.model_name,
+                        "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                     "finish_reason": None}]}
+                if p.return_token_ids:  # on each opening chunk, as vLLM's loop over the choices puts it
+                    body["prompt_token_ids"] = prompt_of(i)
+                if p.continuous_usage:  # sent before any content: no completion tokens yet, as vLLM counts it
+                    prompt = len(prompt_of(i))
+                    body["usage"] = {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
+                opening.append(sse(body))
+            return opening
+
         try:
             async for outputs in stream:
-                choices = []
                 for out in outputs:
                     latest[out.request_id] = out
                     if out.finished and out.error is not None:
                         yield sse(_error_of(out).body())
                         continue
+                    if not roles_sent:
+                        for event in roles():
+                            yield event
+                        roles_sent = True
                     for c in out.outputs:
                         index = order[out.request_id] * p.params.n + c.index
                         choice = self._delta(p, sent.setdefault(index, _Choice()), index, c, out.prompt_token_ids)
                         if choice is not None:
-                            choices.append(choice)
-                if choices:
-                    chunk = {"id": p.request_id, "object": obj, "created": p.created, "model": self.model_name,
-                             "choices": choices}
-                    if p.return_token_ids and p.kind == "chat" and not chat_prompt_sent:  # vLLM: the first chunk
-                        chunk["prompt_token_ids"] = list(latest[stream.request_ids[0]].prompt_token_ids)
-                        chat_prompt_sent = True
-                    if p.continuous_usage:
-                        chunk["usage"] = _usage([latest[rid] for rid in stream.request_ids if rid in latest])
-                    yield sse(chunk)
+                            yield chunk(choice, usage_of(index) if p.continuous_usage else None)
             if stream.ended_early:  # the server is stopping: every choice still open ends as aborted
-                closing = [self._aborted(p, i) for i in range(len(stream.request_ids) * p.params.n)
-                           if not sent.get(i, _Choice()).done]
-                if closing:
-                    chunk = {"id": p.request_id, "object": obj, "created": p.created, "model": self.model_name,
-                             "choices": closing}
-                    if p.continuous_usage:
-                        chunk["usage"] = _usage([latest[rid] for rid in stream.request_ids if rid in latest])
-                    yield sse(chunk)
+                if not roles_sent and any(not sent.get(i, _Choice()).done for i in range(num_choices)):
+                    for event in roles():
+                        yield event
+                for i in range(num_choices):
+                    if not sent.get(i, _Choice()).done:
+                        yield chunk(self._aborted(p, i), usage_of(i) if p.continuous_usage else None)
             if p.include_usage:
                 outs = [latest[rid] for rid in stream.request_ids if rid in latest]
                 yield sse({"id": p.request_id, "object": obj, "created": p.created, "model": self.model_name,
@@ -272,15 +310,11 @@ class OpenAIServing:
         text, new_tokens = c.text[s.chars:], c.token_ids[s.tokens:]
         finished = c.finish_reason is not None
         tokens_shown = bool(new_tokens) and (p.return_token_ids or c.logprobs is not None)
-        first_chat_chunk = p.kind == "chat" and not s.started  # the role comes first
-        if not (text or finished or tokens_shown or first_chat_chunk):
+        if not (text or finished or tokens_shown):
             return None
         lp = c.logprobs[s.tokens:len(c.token_ids)] if c.logprobs is not None else None
         if p.kind == "chat":
-            delta: dict[str, Any] = {"content": text}
-            if not s.started:
-                delta["role"] = "assistant"
-            choice = {"index": index, "delta": delta,
+            choice = {"index": index, "delta": {"content": text},  # the role went in the stream's opening chunk
                       "logprobs": _chat_logprobs(lp, new_tokens, p.params.logprobs, self.token_bytes)
                       if lp is not None else None}
         else:
