@@ -605,3 +605,36 @@ def test_stream_chunks_hold_one_choice_each_as_vllm_sends_them(tiny_server, path
     for i, choice in enumerate(whole["choices"]):
         assert text[i] == (choice["message"]["content"] if path == CHAT else choice["text"])
         assert tokens[i] == choice["token_ids"]
+
+
+def test_a_chat_stream_ended_by_shutdown_before_any_token_still_opens_with_its_roles(make_tiny_engine):
+    """The shutdown path keeps vLLM's layout too: a role chunk per choice, then one abort chunk per
+    choice (each alone in its chunk, usage its own), the usage chunk and ``[DONE]``."""
+    import threading
+
+    controller = EngineController.from_engine(make_tiny_engine(num_kv_blocks=64))
+    server = start_server(controller, api_key=None)
+    events: list[str] = []
+    try:
+        controller.pause()
+        assert poll_until(lambda: controller.state == "paused", 10)
+        body = {"messages": MESSAGES, "n": 2, "max_tokens": 4,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        reader = threading.Thread(target=lambda: events.extend(post(server, CHAT, body, stream=True)[1]))
+        reader.start()
+        assert poll_until(lambda: server.stats()["num_waiting"] == 1, 30)  # queued; no token while paused
+        server.http.app.state.server.begin_shutdown()
+        reader.join(30)
+        assert not reader.is_alive()
+    finally:
+        server.stop()
+        controller.shutdown(timeout=5)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [(c["choices"][0]["index"], c["choices"][0]["delta"], c["choices"][0]["finish_reason"])
+            for c in chunks[:-1]] == [(0, {"role": "assistant", "content": ""}, None),
+                                      (1, {"role": "assistant", "content": ""}, None), (0, {}, "abort"), (1, {}, "abort")]
+    prompt_tokens = chunks[0]["usage"]["prompt_tokens"]
+    assert prompt_tokens > 0 and all(c["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                                                     "total_tokens": prompt_tokens} for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == prompt_tokens, chunks[-1]

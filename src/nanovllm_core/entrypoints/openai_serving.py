@@ -284,10 +284,12 @@ class OpenAIServing:
                 for i in range(num_choices):
                     if not sent.get(i, _Choice()).done:
                         yield chunk(self._aborted(p, i), usage_of(i) if p.continuous_usage else None)
-            if p.include_usage:
-                outs = [latest[rid] for rid in stream.request_ids if rid in latest]
+            if p.include_usage:  # every prompt (also one the shutdown ended before its first output) and choice
+                prompt = sum(len(prompt_of(j * p.params.n)) for j in range(len(stream.request_ids)))
+                completion = sum(len(c.token_ids) for out in latest.values() for c in out.outputs)
                 yield sse({"id": p.request_id, "object": obj, "created": p.created, "model": self.model_name,
-                           "choices": [], "usage": _usage(outs)})
+                           "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                                                    "total_tokens": prompt + completion}})
             yield sse("[DONE]")
         finally:
             stream.close()
