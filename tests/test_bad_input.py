@@ -11,12 +11,13 @@ pytestmark = pytest.mark.real_model
 GOOD = "The capital of France is"
 
 
-def test_each_bad_prompt_is_rejected_while_the_batch_completes(make_llm):
+def test_each_bad_prompt_is_rejected_while_the_batch_completes_when_asked(make_llm):
+    """reject_bad_prompts=True (the command line's way): each bad prompt comes back rejected, the rest run."""
     llm = make_llm(num_kv_blocks=4, block_size=16, max_model_len=100)
     too_long = "word " * 200
     params = [SamplingParams(temperature=0, max_tokens=4)] * 4 + [SamplingParams(temperature=0, max_tokens=200)]
     prompts = [GOOD, "", too_long, [999999], "Hello there"]
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False, reject_bad_prompts=True)
     reasons = [o.error for o in outs]
     assert outs[0].outputs[0].finish_reason == "length" and outs[0].error is None
     assert "empty" in reasons[1]
@@ -26,6 +27,75 @@ def test_each_bad_prompt_is_rejected_while_the_batch_completes(make_llm):
     for o in outs[1:]:
         assert o.finished and o.outputs[0].finish_reason == "rejected"
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+# Newcomer trial 7: LLM.generate([""]) returned a "rejected" output where vLLM raises. Every prompt the engine's
+# add_request would reject is refused up front, naming it, before any prompt is queued.
+@pytest.mark.parametrize("prompt,params,message", [
+    ("", {}, "the prompt is empty"),
+    ([], {}, "the prompt is empty"),
+    ("word " * 200, {}, "max_model_len is 100"),
+    ([999999], {}, r"token id 999999 is outside the vocabulary \(0..49151\)"),
+    ([-1], {}, "token id -1 is outside the vocabulary"),
+    ("\ud800", {}, "not valid Unicode"),
+    (3.5, {}, "prompt must be a string, a list of token ids, or a list of chat messages"),
+    ("Hello there", {"max_tokens": 200}, "KV blocks .* pool has only 4"),
+    ("Hello there", {"stop_token_ids": [49152]}, "stop_token_ids contains 49152, outside the vocabulary"),
+    ("Hello there", {"n": 300}, "max_num_seqs"),
+    ([{"role": "bogus", "content": "Hi"}], {}, "messages\\[0\\] has role 'bogus'; a role is one of system, developer"),
+])
+def test_a_bad_prompt_raises_before_any_prompt_is_queued(make_llm, prompt, params, message):
+    llm = make_llm(num_kv_blocks=4, block_size=16, max_model_len=100)
+    sp, ok = SamplingParams(**{"temperature": 0, "max_tokens": 4, **params}), SamplingParams(temperature=0, max_tokens=2)
+    with pytest.raises(ValueError, match=message) as e:  # alone: the reason as the engine words it
+        llm.generate(prompt if isinstance(prompt, str) else [prompt], sp, use_tqdm=False)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=rf"^prompts\[1\]: .*{message}") as e:  # among good ones: which one
+        llm.generate([GOOD, prompt, "Hello"], [ok, sp, ok], use_tqdm=False)
+    assert not llm.engine.requests and not llm.engine.has_unfinished_requests()  # GOOD was not queued either
+    assert llm.stats()["kv_blocks_used"] == 0
+    good = llm.generate([GOOD, "Hello"], ok, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in good] == ["length", "length"] and all(o.error is None for o in good)
+
+
+@pytest.mark.parametrize("messages,message", [
+    ([{"role": "bogus", "content": "Hi"}], r"^messages\[0\] has role 'bogus'; a role is one of system, developer, user, assistant, tool$"),
+    ([{"role": "user", "content": "Hi"}, {"role": "robot", "content": "x"}], r"messages\[1\] has role 'robot'"),
+    ([{"content": "Hi"}], r"messages\[0\] has role None"),
+    ([{"role": "user"}], r"messages\[0\] \(user\) has no content"),
+    ([{"role": "user", "content": 5}], r"messages\[0\] \(user\) content must be text, not int"),
+    ([{"role": "user", "content": "Hi"}, "Hi"], r"messages\[1\] must be a dict"),
+    ([], "messages is empty"),
+    ([[{"role": "user", "content": "Hi"}], [{"role": "bogus", "content": "Hi"}]], r"^conversation 1: messages\[0\] has role 'bogus'"),
+    ([[{"role": "user", "content": "Hi"}], []], r"^conversation 1: a conversation must be a non-empty list"),
+])
+def test_chat_refuses_the_messages_the_server_refuses_before_queueing(make_llm, messages, message):
+    llm = make_llm()
+    with pytest.raises(ValueError, match=message) as e:
+        llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert "\n" not in str(e.value)
+    assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
+
+
+def test_chat_and_the_server_share_one_list_of_roles(make_llm):
+    """Every role the server's ChatMessage takes, LLM.chat takes, and no other (developer reaches the template as system)."""
+    from typing import get_args
+
+    from nanovllm_core.entrypoints.protocol import ChatMessage
+    from nanovllm_core.prompts import CHAT_ROLES
+
+    assert get_args(ChatMessage.model_fields["role"].annotation) == CHAT_ROLES
+    llm = make_llm()
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    as_developer = llm.chat([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}], sp,
+                            use_tqdm=False)[0]
+    as_system = llm.chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], sp,
+                         use_tqdm=False)[0]
+    assert as_developer.prompt_token_ids == as_system.prompt_token_ids and as_developer.error is None
+    engine = llm.engine  # the engine path (the app's prompt bar, the server's control submit) rejects it too
+    engine.add_request([{"role": "bogus", "content": "Hi"}], sp)
+    (out,) = engine.step()
+    assert out.outputs[0].finish_reason == "rejected" and "has role 'bogus'" in out.error
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -46,6 +116,21 @@ def test_each_bad_prompt_is_rejected_while_the_batch_completes(make_llm):
 def test_invalid_sampling_params_raise_value_error_naming_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{field: value})
+
+
+# Newcomer trial 7: SamplingParams(stop=5) raised "TypeError: 'int' object is not iterable". Every field given a
+# value of the wrong type raises a one-line ValueError naming it (a field added later is covered too).
+_WRONG_TYPE = {"stop": [5, b"stop", {"a": 1}.items(), [None], ["ok", 3]],
+               "stop_token_ids": [5, "12", b"12", [1.5], [None], [-1]],
+               "seed": ["7", 1.5, True], "max_tokens": ["16", 2.0], "logprobs": ["1", 1.0]}
+
+
+@pytest.mark.parametrize("field,value", [(f, v) for f in SamplingParams.__dataclass_fields__
+                                         for v in [object(), *_WRONG_TYPE.get(f, [])]])
+def test_every_sampling_field_of_the_wrong_type_raises_one_line_naming_it(field, value):
+    with pytest.raises(ValueError, match=rf"^SamplingParams\.{field}[= ]") as e:
+        SamplingParams(**{field: value})
+    assert "\n" not in str(e.value) and len(str(e.value)) < 200
 
 
 HUGE = 10**30  # issue 29 item 3: an absurd integer, and a bool, where an integer is expected

@@ -224,6 +224,76 @@ async def test_the_narrator_wraps_and_never_cuts_a_line(tmp_path, size):
         assert log.max_scroll_x == 0
 
 
+def _backlog_note(i: int):
+    """A decode-like narrator entry of ~10 lines (headline, wrapped text, a 5-row table); the table's last
+    row names the entry, so the bottom row of a log scrolled to its end says which entry is newest."""
+    from nanovllm_core.educational.commentary import Commentary
+
+    return Commentary(kind="decode", title=f"Entry {i}", text="word " * 40, request_id=None, step=i,
+                      table=tuple((f"e{i}-tok{k}", 0.1 * k) for k in range(4)) + ((f"newest-check-{i}", 0.5),),
+                      table_title="top", table_notes=("",) * 5)
+
+
+def _log_rows(app) -> list[str]:
+    """The narrator log's rows as the screen shows them (the compositor's full render, borders cut off)."""
+    log = app.query_one("#narration", RichLog)
+    region = log.scrollable_content_region
+    lines = app.screen._compositor.render_strips()  # the whole screen, as a full repaint draws it
+    return [line.text[region.x:region.right] for line in lines[region.y:region.bottom]]
+
+
+# Newcomer trial 7: the Narrator tab, hidden all session (its queue full: MAX_PENDING entries, more lines than
+# the log's MAX_LINES), was once shown blank when first opened with 2 then 3 while paused; End, Home, f and n
+# left it blank, 1 then 3 brought the text back. Not reproduced here (see the report); this holds the case.
+@pytest.mark.parametrize("size,at_once", [((120, 40), False), ((60, 20), True)])
+async def test_the_narrator_shown_first_after_a_full_hidden_queue_shows_its_newest_entries(tmp_path, size, at_once):
+    from nanovllm_tui.views.narrator import MAX_LINES, MAX_PENDING, WRITE_SLICE, NarratorView
+
+    app = replay_app(tmp_path)  # paused, as in the trial
+    async with app.run_test(size=size) as pilot:
+        await wait_until(pilot, lambda: app.state.paused, timeout=20, what="the paused replay")
+        view = app.query_one(NarratorView)
+        count = MAX_PENDING + 150
+        for start in range(0, count, 50):  # queued while the tab is hidden, a frame's worth at a time
+            view.add([_backlog_note(i) for i in range(start, start + 50)])
+            await pilot.pause(0.01)
+        assert len(view.pending) == MAX_PENDING and view.skipped >= 150  # (and the replay's own first notes)
+        await pilot.press("escape", "1")
+        if at_once:
+            keys_at_once(app, "2", "3")  # as a terminal delivers them to a busy app
+        else:
+            await pilot.press("2")
+            await pilot.pause(0.2)
+            await pilot.press("3")
+        log = app.query_one("#narration", RichLog)
+        newest = f"newest-check-{count - 1}"
+
+        def shows_newest() -> bool:
+            rows = _log_rows(app)
+            return log.scroll_y == log.max_scroll_y > 0 and bool(rows) and newest in rows[-1]
+
+        await wait_until(pilot, shows_newest, timeout=30, what="the newest entry at the log's bottom row")
+        assert visible_tab(app) == "narrator" and len(log.lines) == MAX_LINES
+        assert sum(1 for row in _log_rows(app) if row.strip()) == log.scrollable_content_region.height  # no blank row
+        await pilot.press("home")
+        await wait_until(pilot, lambda: log.scroll_y == 0 and any(r.strip() for r in _log_rows(app)), timeout=10,
+                         what="the oldest kept lines at the top")
+        await pilot.press("end")
+        await wait_until(pilot, shows_newest, timeout=10, what="the newest entry again after End")
+        if not at_once:  # (once is enough: each f writes the whole history again)
+            await pilot.press("f", "f")  # written again from the kept history: still the newest at the bottom
+            await wait_until(pilot, shows_newest, timeout=30, what="the newest entry after f f")
+        # A backlog is written a slice a frame, so the window keeps answering keys meanwhile (writing all
+        # MAX_PENDING entries at once held the UI thread for seconds on a busy 2-core host, the box drawn empty).
+        assert not view.pending
+        view.add([_backlog_note(i) for i in range(count, count + 3 * WRITE_SLICE)])
+        view.update_view(app.state, app.selected)
+        assert len(view.pending) == 2 * WRITE_SLICE  # one slice now, the rest on the frames that follow
+        newest = f"newest-check-{count + 3 * WRITE_SLICE - 1}"
+        await wait_until(pilot, shows_newest, timeout=30, what="the whole backlog written, newest at the bottom")
+        assert not view.pending
+
+
 def test_the_header_names_block_weights_beside_the_dtype():
     from nanovllm_tui.state import EngineState
     from nanovllm_tui.widgets.status_header import StatusHeader

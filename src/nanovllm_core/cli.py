@@ -259,7 +259,8 @@ def _generate(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, pr
     views = attach_teaching_views(llm, args)
     start = time.perf_counter()
     try:
-        outputs = llm.generate(inputs, params, priority=args.priority, use_tqdm=views is None)
+        outputs = llm.generate(inputs, params, priority=args.priority, use_tqdm=views is None,
+                               reject_bad_prompts=True)  # each bad prompt reported as rejected; the others run
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

@@ -15,6 +15,7 @@ from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.model.loader import ProgressFn
 from nanovllm_core.outputs import RequestOutput
+from nanovllm_core.prompts import conversation_problem
 from nanovllm_core.sampling_params import SamplingParams, check_priority
 
 
@@ -85,6 +86,8 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         priority: list[int] | None = None,
         use_tqdm: bool = True,
+        *,
+        reject_bad_prompts: bool = False,
     ) -> list[RequestOutput]:
         """Generate completions for ``prompts``; outputs come back in input order.
 
@@ -95,16 +98,23 @@ class LLM:
                 first under the priority policy; vLLM's ``priority`` is the opposite, lower first, and its
                 default policy is ``fcfs``).
             use_tqdm: show a progress bar on stderr when there are several prompts and stderr is a terminal.
+            reject_bad_prompts: not vLLM's; True returns a prompt the engine cannot take finished with
+                ``finish_reason == "rejected"`` and ``error`` set while the rest run (what ``nanovllm``'s
+                command line uses to report each bad prompt), instead of raising.
 
-        Rejected prompts (empty, too long for ``max_model_len`` or the KV pool) come back
-        finished with ``finish_reason == "rejected"`` and ``error`` set; the rest run normally.
-        A ``max_tokens`` beyond what the context leaves is not an error here (unlike the server,
-        which refuses it as vLLM's does): generation stops when prompt plus output reach
-        ``max_model_len``, with ``finish_reason == "length"``.
+        A prompt the engine could never serve (``LLMEngine.encode_prompt`` and ``request_problem``:
+        empty, not valid Unicode, token ids outside the vocabulary, too long for ``max_model_len``,
+        more KV blocks than the pool, ``n`` above ``max_num_seqs``, ``stop_token_ids`` outside the
+        vocabulary) raises before any prompt is queued, as vLLM's ``LLM.generate`` does, so nothing
+        is half-done. A ``max_tokens`` beyond what the context leaves is not an error here (unlike
+        the server, which refuses it as vLLM's does): generation stops when prompt plus output
+        reach ``max_model_len``, with ``finish_reason == "length"``. After the device failed for good
+        (``LLMEngine.fatal_error``) every prompt comes back rejected with that reason.
 
         Raises:
-            ValueError: sampling_params or priority lists of the wrong length or type, or a
-                priority outside -1000..1000; checked before any prompt is queued.
+            ValueError: sampling_params or priority lists of the wrong length or type, a priority
+                outside -1000..1000, or a prompt the engine cannot take (one line naming it,
+                ``prompts[i]`` when there are several); all checked before any prompt is queued.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -125,6 +135,11 @@ class LLM:
             if not isinstance(sp, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] must be a SamplingParams, not {type(sp).__name__}")
         engine = self.engine
+        if not reject_bad_prompts:
+            for i, (p, sp) in enumerate(zip(prompts, params_list)):
+                problem = self.prompt_problem(p, sp)
+                if problem is not None:
+                    raise ValueError(f"prompts[{i}]: {problem}" if len(prompts) > 1 else problem)
         ids = [engine.add_request(p, sp, prio) for p, sp, prio in zip(prompts, params_list, priority)]
         wanted = set(ids)
         results: dict[str, RequestOutput] = {}
@@ -153,6 +168,19 @@ class LLM:
                 bar.close()
         return [results[i] for i in ids]
 
+    def prompt_problem(self, prompt: Any, params: SamplingParams) -> str | None:
+        """Why the engine would reject ``prompt`` with ``params`` (its one-line reason); None when it can run.
+
+        The same checks ``LLMEngine.add_request`` rejects by (``encode_prompt``, then ``request_problem``),
+        asked before anything is queued.
+        """
+        try:
+            _, token_ids = self.engine.encode_prompt(prompt)
+        except ValueError as e:
+            return str(e)
+        problem = self.engine.request_problem(token_ids, params)
+        return None if problem is None else problem[1]
+
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
@@ -162,10 +190,23 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list) and generate.
 
+        Each message is ``{"role": ..., "content": text}`` with a role the server takes too
+        (``prompts.CHAT_ROLES``: system, developer, user, assistant, tool; developer reaches the
+        template as system).
+
         Raises:
-            ValueError: the tokenizer has no chat template.
+            ValueError: no conversation, a message that is not such a dict or has another role, the
+                tokenizer has no chat template, or a prompt ``generate`` refuses; all checked before
+                any conversation is queued.
         """
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages is empty; give a conversation (a list of {'role': ..., 'content': text}) "
+                             "or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        for i, conversation in enumerate(conversations):
+            problem = conversation_problem(conversation)
+            if problem is not None:
+                raise ValueError(f"conversation {i}: {problem}" if len(conversations) > 1 else problem)
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -20,6 +20,12 @@ COUNT_MAX = 2**31 - 1
 PRIORITY_MIN, PRIORITY_MAX = -1000, 1000
 
 
+def _shown(value: object) -> str:
+    """``repr(value)`` on one line of at most 40 characters, for an error message."""
+    text = repr(value).replace("\n", "\\n")
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def check_int(name: str, value: object, low: int, high: int, hint: str = "") -> int:
     """``value`` if it is an integer (not a bool) in ``[low, high]``; the shared check of every
     integer request field (``priority`` at each entry point, and the counts above).
@@ -32,8 +38,7 @@ def check_int(name: str, value: object, low: int, high: int, hint: str = "") -> 
         ValueError: one line naming the field, the value, the range and what to pass instead.
     """
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-        raise ValueError(f"{name} must be a whole number from {low} to {high}, got {shown}"
+        raise ValueError(f"{name} must be a whole number from {low} to {high}, got {_shown(value)}"
                          f"{'; ' + hint if hint else ''}")
     return value
 
@@ -100,15 +105,23 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        # The two list fields are checked for their type before they are copied: list(5) would raise a
+        # TypeError, and list("abc") would split a string into characters.
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        elif self.stop is not None and not isinstance(self.stop, (list, tuple, set, frozenset)):
+            raise ValueError(f"SamplingParams.stop={_shown(self.stop)} is invalid: "
+                             "must be a string, a list of strings, or None")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
+            raise ValueError(f"SamplingParams.stop_token_ids={_shown(self.stop_token_ids)} is invalid: "
+                             "must be a list of token ids (integers >= 0) or None")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
 
     def _validate(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: {rule}")
+            return ValueError(f"SamplingParams.{name}={_shown(getattr(self, name))} is invalid: {rule}")
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
@@ -145,10 +158,10 @@ class SamplingParams:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"SamplingParams.stop contains {s!r}: every stop must be a non-empty string")
+                raise ValueError(f"SamplingParams.stop contains {_shown(s)}: every stop must be a non-empty string")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                raise ValueError(f"SamplingParams.stop_token_ids contains {t!r}: token ids are integers >= 0")
+                raise ValueError(f"SamplingParams.stop_token_ids contains {_shown(t)}: token ids are integers >= 0")
         if self.logprobs is not None and not is_int(self.logprobs, 0, 20):
             raise bad("logprobs", "must be an integer in [0, 20]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)

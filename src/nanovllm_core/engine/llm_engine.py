@@ -54,7 +54,7 @@ from nanovllm_core.model.quantization import (
     linear_weight_count,
 )
 from nanovllm_core.outputs import RequestOutput
-from nanovllm_core.prompts import Prompt, is_conversation
+from nanovllm_core.prompts import Prompt, conversation_problem, is_conversation, template_role
 from nanovllm_core.sampling.sampler import RowGroup, Sampler, SamplerOutput, SamplingRow
 from nanovllm_core.sampling_params import SamplingParams, check_priority
 from nanovllm_core.speculative.metrics import SpecDecodeStats
@@ -327,7 +327,8 @@ class LLMEngine(EventSource):
 
         Raises:
             ValueError: none of those, text that is not valid Unicode (a lone surrogate such as
-                ``"\\ud800"``, which has no UTF-8 form), or a conversation the model has no
+                ``"\\ud800"``, which has no UTF-8 form), a chat message with a role outside
+                ``prompts.CHAT_ROLES`` (what the server refuses), or a conversation the model has no
                 template for or the template refuses.
         """
         if isinstance(prompt, str):
@@ -338,6 +339,9 @@ class LLMEngine(EventSource):
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
         if is_conversation(prompt):
+            problem = conversation_problem(prompt)  # a role the server refuses too (CHAT_ROLES)
+            if problem is not None:
+                raise ValueError(problem)
             for message in prompt:
                 problem = unicode_problem(message["content"])
                 if problem is not None:
@@ -459,6 +463,8 @@ class LLMEngine(EventSource):
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; send plain prompts instead of chat")
         try:
+            conversation = [{**m, "role": template_role(m["role"])} if isinstance(m, dict) and "role" in m else m
+                            for m in conversation]  # developer -> system, as the server sends it
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                       tokenize=False)
         except Exception as e:  # jinja2's errors: a template that refuses these messages

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, StrictBool, StrictFloat, StrictInt, ValidationError
 
+from nanovllm_core.prompts import ChatRole, template_role
 from nanovllm_core.sampling_params import SamplingParams, check_priority
 
 
@@ -250,7 +251,7 @@ class ChatMessage(_Body):
     server does not parse tool calls out of generated text: a model's answer is its text.
     """
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: ChatRole  # the one list of roles, shared with LLM.chat (nanovllm_core.prompts.CHAT_ROLES)
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -258,7 +259,7 @@ class ChatMessage(_Body):
 
     def template_message(self) -> dict[str, Any]:
         """The message as a chat template takes it (``developer`` becomes ``system``)."""
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        message: dict[str, Any] = {"role": template_role(self.role), "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls is not None:

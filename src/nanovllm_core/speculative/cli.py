@@ -77,7 +77,7 @@ def timed_generate(llm, prompts: list, params) -> TimedRun:
     """Generate and time it (seconds of wall clock, including scheduling and drafting)."""
     steps_before = llm.stats()["steps"]
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, reject_bad_prompts=True)  # a bad prompt is reported, not raised
     seconds = time.perf_counter() - start
     num_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     stats = llm.stats()
@@ -161,7 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          model, tokenizer, resolved))
     except (ModelLoadError, ValueError) as e:
         parser.error(str(e))
-    plain.generate(inputs[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm up
+    plain.generate(inputs[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False,
+                   reject_bad_prompts=True)  # warm up (a bad first prompt is reported with the others below)
     try:
         base = timed_generate(plain, inputs, params)
         fast = timed_generate(spec, inputs, params)
