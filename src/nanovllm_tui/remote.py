@@ -275,8 +275,11 @@ class RemoteController:
                 self._subs.remove(sub)
 
     def submit(self, prompt: str | list[int], sampling_params: Any = None, priority: int = 0,
-               request_id: str | None = None) -> str:
-        """Send a prompt to the server like any client's; its id (``tui-<session>-<n>``) is known at once."""
+               request_id: str | None = None, fit_context: bool = True) -> str:
+        """Send a prompt to the server like any client's; its id (``tui-<session>-<n>``) is known at once.
+
+        ``fit_context`` is always in force: the server refuses (400, here a ``RequestRejected``) a
+        ``max_tokens`` that does not fit after the prompt, as it refuses any client's."""
         rid = request_id if request_id is not None else f"tui-{self._session}-{next(self._ids)}"
         params = {} if sampling_params is None else {
             f.name: getattr(sampling_params, f.name) for f in dataclasses.fields(sampling_params)}

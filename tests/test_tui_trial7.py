@@ -1,0 +1,129 @@
+"""Issue 29, newcomer trial 7: the app never shows a stale or wrong state."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanovllm_tui.app import NanoVLLMApp
+from nanovllm_tui.widgets.prompt_bar import PromptSettings
+from tests.tui_helpers import Notes, engine_app, send_prompt, tiny_app, wait_until
+
+SIZE = (120, 40)
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def _record_exits(app: NanoVLLMApp) -> list:
+    exits, exit_app = [], app.exit
+    app.exit = lambda *a, **kw: (exits.append(kw), exit_app(*a, **kw))[1]
+    return exits
+
+
+# ---------------------------------------------------------------- 1: max tokens that do not fit after the prompt
+
+
+async def test_a_start_up_prompt_whose_max_tokens_do_not_fit_after_it_ends_the_app_with_status_2(tiny_llama_dir, tmp_path):
+    """`nanovllm-tui --prompt "hello there" --max-tokens 8191` ran (capped at the context) where
+    `nanovllm` refuses it; the tiny model's context is 512, so 512 never fits after a prompt."""
+    from nanovllm_core.engine.controller import EngineController
+    from nanovllm_tui.starter import BackgroundController
+
+    controller = BackgroundController(lambda: EngineController(model=str(tiny_llama_dir), num_kv_blocks=64))
+    app = NanoVLLMApp(controller, settings=PromptSettings(max_tokens=512, chat=False), prompts=[("hello there", 0)],
+                      tutorial_path=tmp_path / "t.json")
+    exits = _record_exits(app)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: exits, timeout=60, what="the app to refuse the start-up prompt")
+    assert app.return_code == 2 and len(exits) == 1
+    line = str(exits[0]["message"])
+    assert line.startswith("nanovllm-tui: error: --prompt was refused: max_tokens 512 does not fit: the prompt has ")
+    assert "the context (max_model_len) is 512" in line and "\n" not in line
+    assert not any(r.state == "finished" and r.finish_reason == "length" for r in app.state.requests.values())
+
+
+async def test_the_prompt_bar_refuses_max_tokens_that_do_not_fit_and_keeps_the_prompt(tiny_llama_dir, tmp_path):
+    app, notes = tiny_app(tiny_llama_dir, tmp_path), Notes()
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
+        await send_prompt(pilot, "Tell me a story about a brave knight", max_tokens=510)
+        rid = app.selected
+        await wait_until(pilot, lambda: notes.find(f"{rid} was rejected: max_tokens 510 does not fit", "error"),
+                         timeout=30, what="the refusal")
+        assert app.state.requests[rid].state == "rejected"
+        assert app.query_one("#prompt").value == "Tell me a story about a brave knight"
+        assert notes.find("the prompt is back in the bar") and app.return_code is None  # the bar's: no exit
+        await send_prompt(pilot, "Hi", max_tokens=2)  # one that fits still runs
+        await wait_until(pilot, lambda: app.state.requests[app.selected].state == "finished")
+
+
+@pytest.mark.real_model
+async def test_the_refusal_counts_the_chat_template_the_engine_really_sees(make_engine, tmp_path):
+    """The trial: max_model_len 64, max tokens 40, "Tell me a story about a brave knight" sent as
+    chat: 9 tokens of text fit, but with SmolLM2's template the engine sees 38 (38 + 40 > 64)."""
+    app, notes = engine_app(make_engine, tmp_path, max_tokens=40, chat=True, max_model_len=64), Notes()
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready)
+        await send_prompt(pilot, "Tell me a story about a brave knight")
+        rid = app.selected
+        await wait_until(pilot, lambda: notes.find(f"{rid} was rejected: max_tokens 40 does not fit", "error"),
+                         what="the refusal")
+        assert "the prompt has 38 tokens and the context (max_model_len) is 64, so at most 26 can follow" \
+            in app.state.requests[rid].error
+        assert app.query_one("#prompt").value == "Tell me a story about a brave knight"
+
+
+async def test_under_connect_the_servers_refusal_shows_as_the_local_one(tiny_server, tmp_path):
+    from nanovllm_tui.remote import RemoteController
+
+    app, notes = NanoVLLMApp(RemoteController(tiny_server.url, tiny_server.api_key),
+                             settings=PromptSettings(max_tokens=4, chat=False),
+                             tutorial_path=tmp_path / "t.json"), Notes()
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the server's model")
+        await send_prompt(pilot, "Tell me a story about a brave knight", max_tokens=510)
+        rid = app.selected
+        await wait_until(pilot, lambda: notes.find(f"{rid} was rejected: ", "error"), timeout=30, what="the refusal")
+        assert "maximum context length is 512 tokens" in notes.find(f"{rid} was rejected")[0].message
+        assert app.query_one("#prompt").value == "Tell me a story about a brave knight"
+        assert notes.find("the prompt is back in the bar")
+
+
+async def test_under_connect_a_start_up_prompt_that_does_not_fit_ends_the_app_with_status_2(tiny_server, tmp_path):
+    from nanovllm_tui.remote import RemoteController
+
+    app = NanoVLLMApp(RemoteController(tiny_server.url, tiny_server.api_key),
+                      settings=PromptSettings(max_tokens=512, chat=False), prompts=[("hello there", 0)],
+                      tutorial_path=tmp_path / "t.json")
+    exits = _record_exits(app)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: exits, timeout=60, what="the app to refuse the start-up prompt")
+    assert app.return_code == 2
+    line = str(exits[0]["message"])
+    assert line.startswith("nanovllm-tui: error: --prompt was refused: ") and "maximum context length" in line
+
+
+def test_the_library_still_caps_output_at_the_context(make_tiny_engine):
+    """LLMEngine without fit_context (LLM.generate's way, vLLM's LLM): the request runs and stops at
+    max_model_len with finish_reason "length"; with it, the same request is rejected."""
+    from nanovllm_core.sampling_params import SamplingParams
+
+    engine = make_tiny_engine(num_kv_blocks=64, max_model_len=24)
+    params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)
+    engine.add_request("hello there", params, request_id="capped")
+    engine.add_request("hello there", params, request_id="refused", fit_context=True)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    for out in engine.pop_finished_outputs():
+        outputs[out.request_id] = out
+    capped, refused = outputs["capped"], outputs["refused"]
+    assert capped.outputs[0].finish_reason == "length"
+    assert len(capped.prompt_token_ids) + len(capped.outputs[0].token_ids) == 24
+    assert refused.outputs[0].finish_reason == "rejected" and "max_tokens 30 does not fit" in refused.error
+
