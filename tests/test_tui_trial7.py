@@ -127,3 +127,45 @@ def test_the_library_still_caps_output_at_the_context(make_tiny_engine):
     assert len(capped.prompt_token_ids) + len(capped.outputs[0].token_ids) == 24
     assert refused.outputs[0].finish_reason == "rejected" and "max_tokens 30 does not fit" in refused.error
 
+
+# ---------------------------------------------------------------- 3: the whole header at 120 columns
+
+LONG_MODEL = "Meta-Llama-3.1-8B-Instruct"  # the longest name of a LLaMA checkpoint one is likely to run
+
+
+@pytest.mark.parametrize("case", ["replay before a step", "replay paused at step 1", "replay pausing… at step 1234",
+                                  "replay resuming… at step 1234", "running at step 1234", "disconnected at step 1234",
+                                  "paused at step 1234"])
+async def test_at_120_columns_the_header_keeps_the_weight_format_in_every_normal_state(tmp_path, case):
+    """`--replay run.jsonl --paused` read `… · cpu · float32 · gguf weights (q4_1+q8_0)` before the
+    first `n`, and `… · cpu · float32` from step 1 on: the step made the line longer and the weights went."""
+    from tests.tui_helpers import replay_app
+
+    app = replay_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the replay's model")
+        state = app.state
+        state.model_name = LONG_MODEL
+        state.model_info = {**state.model_info, "quantization": "gguf", "weight_kinds": "q4_1+q8_0"}
+        replay = case.startswith("replay")  # else as --connect or a local engine shows it
+        state.step = None if "before" in case else int(case.rsplit(" ", 1)[1])
+        state.paused = "paused" in case or "resuming" in case
+        state.pending = "pausing" if "pausing" in case else "resuming" if "resuming" in case else None
+        if case.startswith("disconnected"):
+            state.engine_state = "disconnected"
+        elif case.startswith("running"):
+            state.engine_state = "running"
+        active = len(state.active_requests)
+        assert active >= 2 or "before" in case  # the trace's requests are under way at the steps checked
+        app.query_one("#header").show(state, replay=replay, width=app.size.width - 2)  # as the app's _show_header
+        line = str(app.query_one("#header").render())
+        assert len(line) <= SIZE[0] - 2 and "…" not in line.replace("pausing…", "").replace("resuming…", "")
+        for part in ("nano-vLLM", LONG_MODEL, "cpu · float32", "q4_1+q8_0 gguf", f"{active} active"):
+            assert part in line, (part, line)
+        assert ("replay" in line) == replay
+        if state.step is not None:
+            assert f"step {state.step}" in line
+        shown = {"disconnected": "● disconnected", "running": "● running", "paused": "● paused"}
+        expected = "● pausing…" if "pausing" in case else "● resuming…" if "resuming" in case else next(
+            (v for k, v in shown.items() if k in case), "● paused")
+        assert expected in line, (expected, line)
