@@ -169,3 +169,32 @@ async def test_at_120_columns_the_header_keeps_the_weight_format_in_every_normal
         expected = "● pausing…" if "pausing" in case else "● resuming…" if "resuming" in case else next(
             (v for k, v in shown.items() if k in case), "● paused")
         assert expected in line, (expected, line)
+
+
+# ---------------------------------------------------------------- 6: the chat box without colour
+
+
+async def test_the_chat_box_reads_differently_on_and_off_without_colour(tiny_llama_dir, tmp_path):
+    """After ctrl+t a text capture still read `▐X▌ chat` (only the colour differed), yet the next
+    prompt went as raw text."""
+    app = tiny_app(tiny_llama_dir, tmp_path)
+    app.settings.chat = True
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        box = app.query_one("#chat")
+        on, screen_on = box.render().plain, _screen_text(app)
+        await pilot.press("ctrl+t")
+        await pilot.pause()
+        off, screen_off = box.render().plain, _screen_text(app)
+        assert app.query_one("#prompt-bar").chat is False
+        assert "X" in on and "chat" in on and "X" not in off and "raw" in off and "chat" not in off
+        assert "▐X▌ chat" in screen_on and "▐X▌ chat" not in screen_off and "▐ ▌ raw" in screen_off
+        assert box.size.width == 9  # the prompt beside it keeps its width
+        await pilot.press("ctrl+t")
+        await pilot.pause()
+        assert box.render().plain == on and app.query_one("#prompt-bar").chat is True
+
+
+def _screen_text(app) -> str:
+    """The screen as plain text, as a terminal capture (tmux capture-pane) reads it."""
+    return "\n".join(strip.text for strip in app.screen._compositor.render_strips())
