@@ -198,3 +198,49 @@ async def test_the_chat_box_reads_differently_on_and_off_without_colour(tiny_lla
 def _screen_text(app) -> str:
     """The screen as plain text, as a terminal capture (tmux capture-pane) reads it."""
     return "\n".join(strip.text for strip in app.screen._compositor.render_strips())
+
+
+# ---------------------------------------------------------------- 4: Esc then a digit, sent at once
+
+
+def _parsed(data: str) -> list:
+    """The key events Textual's terminal parser makes of ``data`` (an ESC alone waits for more: flushed)."""
+    import time
+
+    from textual._xterm_parser import XTermParser
+
+    parser = XTermParser()
+    keys = list(parser.feed(data))
+    time.sleep(0.15)  # past textual's ESCAPE_DELAY
+    return keys + list(parser.feed(""))
+
+
+@pytest.mark.parametrize("digit, tab", [("3", "narrator"), ("4", "tutorial")])
+async def test_esc_then_a_digit_at_once_leaves_the_prompt_bar_and_shows_the_tab(tmp_path, tiny_llama_dir, digit, tab):
+    """`tmux send-keys Escape 3` typed "£" into the prompt (Textual read ESC 3 as WezTerm's Option+3)."""
+    from textual import events
+
+    from nanovllm_tui.lifetime import read_esc_digit_as_alt
+    from tests.tui_helpers import visible_tab
+
+    app = tiny_app(tiny_llama_dir, tmp_path)
+    app.get_driver_class()  # what `nanovllm-tui` does before its driver starts: the parser's table is set
+    [key] = _parsed("\x1b" + digit)
+    assert (key.key, key.character) == (f"alt+{digit}", digit)
+    read_esc_digit_as_alt()  # twice is harmless
+    [pound] = _parsed("£")  # typed as such, it is still the character
+    assert (pound.key, pound.character) == ("pound_sign", "£")
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        app.query_one("#prompt").focus()
+        await pilot.press("h", "i")
+        assert app.focused.id == "prompt" and app.query_one("#prompt").value == "hi"
+        event = events.Key(key.key, key.character)
+        event.set_sender(app)
+        app._driver.send_message(event)
+        await wait_until(pilot, lambda: visible_tab(app) == tab, timeout=10, what=f"tab {digit}")
+        assert app.query_one("#prompt").value == "hi" and app.focused.id != "prompt"
+        app.query_one("#prompt").focus()
+        await pilot.press("alt+backspace")  # an alt key the field binds keeps its meaning: delete a word
+        await pilot.pause()
+        assert app.query_one("#prompt").value == "" and app.focused.id == "prompt"

@@ -161,9 +161,10 @@ class NanoVLLMApp(App):
         process when its page or the web server goes away (``lifetime.PageWebDriver``)."""
         from textual.drivers.web_driver import WebDriver
 
-        from nanovllm_tui.lifetime import tolerate_bad_input
+        from nanovllm_tui.lifetime import read_esc_digit_as_alt, tolerate_bad_input
 
         tolerate_bad_input()
+        read_esc_digit_as_alt()
         driver = super().get_driver_class()
         if driver is WebDriver:
             from nanovllm_tui.lifetime import PageWebDriver
@@ -513,6 +514,16 @@ class NanoVLLMApp(App):
             return False
         focused = self.focused
         in_bar = focused is not None and any(isinstance(node, PromptBar) for node in focused.ancestors)
+        if (in_bar and isinstance(event, events.Key) and event.key.startswith("alt+")
+                and event.key not in self.screen.active_bindings):  # alt+backspace (delete a word) stays the field's
+            # Esc pressed just before a key reaches Textual as one alt-modified key (ESC 3 -> alt+3; see
+            # lifetime.read_esc_digit_as_alt): typed "£" or "3" into the prompt instead of leaving the bar
+            # and showing tab 3 (issue 29, trial 7). So: Esc (leave the bar), then the key's app binding.
+            self.action_focus_view()
+            active = self.screen.active_bindings.get(event.key.removeprefix("alt+"))
+            if active is not None and active.enabled:
+                await self.run_action(active.binding.action, active.node)
+            return True
         if in_bar and isinstance(event, events.Key) and event.is_printable and event.character not in (" ", None):
             if event.key == "slash" and focused.id != "prompt":  # a setting or the chat box: / goes to the prompt
                 self.action_focus_prompt()  # (in the prompt itself, / is text, typed below)
