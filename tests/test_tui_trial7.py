@@ -244,3 +244,42 @@ async def test_esc_then_a_digit_at_once_leaves_the_prompt_bar_and_shows_the_tab(
         await pilot.press("alt+backspace")  # an alt key the field binds keeps its meaning: delete a word
         await pilot.pause()
         assert app.query_one("#prompt").value == "" and app.focused.id == "prompt"
+
+
+# ---------------------------------------------------------------- 5: one TTFT (and TPOT), live and finished
+
+
+async def test_ttft_and_tpot_shown_live_are_the_figures_reported_at_the_finish(tiny_llama_dir, tmp_path):
+    """A running row showed TTFT 414 ms, after `a` (abort) 416 ms: the live value came from event
+    times, the final one from the engine's clock."""
+    app = tiny_app(tiny_llama_dir, tmp_path, start_paused=True, max_tokens=20)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
+        await send_prompt(pilot, "Once upon a time")
+        rid = app.selected
+        for n in range(1, 4):  # prefill + first token, then two decode steps
+            app.controller.step(1)
+            await wait_until(pilot, lambda: app.state.requests[rid].num_output == n, timeout=30, what=f"token {n}")
+        req = app.state.requests[rid]
+        live_ttft, live_tpot = req.ttft, req.tpot
+        assert live_ttft is not None and live_tpot is not None
+        assert (live_ttft, live_tpot) == (req.engine_ttft, req.engine_tpot)  # the engine's own figures
+        app.controller.abort(rid)
+        await wait_until(pilot, lambda: app.state.requests[rid].state == "finished", timeout=30, what="the abort")
+        assert req.finish_reason == "abort" and req.num_output == 3
+        assert (req.finished_ttft, req.finished_tpot) == (live_ttft, live_tpot)  # exactly: nothing changed
+        assert (req.ttft, req.tpot) == (live_ttft, live_tpot)
+
+
+def test_a_trace_recorded_before_tokens_carried_ttft_still_shows_one_from_event_times():
+    from nanovllm_core import events as ev
+    from nanovllm_tui.state import EngineState
+
+    state = EngineState()
+    state.apply(ev.RequestAdded(request_id="r", prompt="hi", prompt_token_ids=(1, 2), prompt_pieces=("h", "i"),
+                                priority=0, max_tokens=4, n=1, sampling=(), time=10.0))
+    for i, t in enumerate((10.25, 10.5, 10.75), 1):
+        state.apply(ev.TokenSampled(step=i, request_id="r", seq_id=0, index=0, token_id=5, text="x", position=1 + i,
+                                    num_output_tokens=i, time=t))
+    req = state.requests["r"]
+    assert req.engine_ttft is None and req.ttft == pytest.approx(0.25) and req.tpot == pytest.approx(0.25)
