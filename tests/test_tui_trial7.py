@@ -283,3 +283,71 @@ def test_a_trace_recorded_before_tokens_carried_ttft_still_shows_one_from_event_
                                     num_output_tokens=i, time=t))
     req = state.requests["r"]
     assert req.engine_ttft is None and req.ttft == pytest.approx(0.25) and req.tpot == pytest.approx(0.25)
+
+
+# ---------------------------------------------------------------- 2: --connect to a server still opening its port
+
+
+def test_connect_waits_for_a_server_that_opens_its_port_a_moment_later(make_tiny_engine, capsys, monkeypatch):
+    """`nanovllm serve --port P &` and `nanovllm-tui --connect http://127.0.0.1:P` started together
+    ended at once with "cannot reach ... (connection refused)": the port opens ~6 s after start."""
+    import socket
+    import threading
+    import time
+
+    from nanovllm_core.engine.controller import EngineController
+    from nanovllm_core.entrypoints.api_server import APIServer, build_app
+    from nanovllm_tui import options
+    from nanovllm_tui.remote import ConnectionRefused, check_server
+    from tests.serve_helpers import free_socket
+
+    controller = EngineController.from_engine(make_tiny_engine(num_kv_blocks=64))
+    probe = free_socket()
+    port = probe.getsockname()[1]
+    probe.close()  # nothing listens there now
+    url = f"http://127.0.0.1:{port}"
+    server, opened = APIServer(build_app(controller, api_key="k"), log_level="warning", access_log=False), []
+
+    def open_port() -> None:
+        opened.append(time.monotonic())
+        server.start_in_thread(socket.create_server(("127.0.0.1", port)))
+
+    told = []
+    with pytest.raises(ConnectionRefused, match=r"cannot reach .* \(connection refused\); is `nanovllm serve`"):
+        check_server(url, "k", wait_refused_s=0.6, on_refused=lambda: told.append(time.monotonic()))
+    assert len(told) == 1  # said once, at the first refusal
+    timer = threading.Timer(1.5, open_port)
+    timer.start()
+    try:
+        start = time.monotonic()
+        args = options.parse_args(["--connect", url, "--api-key", "k"])  # waits, saying so, then checks as usual
+        assert args.connect == url and opened and time.monotonic() - start >= 1.4
+        err = capsys.readouterr().err.splitlines()
+        assert err == [f"nanovllm-tui: nothing answers at {url} yet (connection refused); waiting up to 30 s for "
+                       "a server starting there (Ctrl-C stops)"]
+        assert check_server(url, "k", on_refused=told.append) == controller.engine.model_name and len(told) == 1
+    finally:
+        timer.join()
+        server.stop()
+        controller.shutdown(timeout=5)
+
+
+def test_connect_gives_up_on_a_refusing_address_after_the_bound_with_the_same_line(capsys, monkeypatch):
+    import time
+
+    from nanovllm_tui import options
+    from tests.serve_helpers import free_socket
+
+    probe = free_socket()
+    port = probe.getsockname()[1]
+    probe.close()
+    monkeypatch.setattr(options, "REFUSED_WAIT_S", 1)
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as exit_info:
+        options.parse_args(["--connect", f"http://127.0.0.1:{port}"])
+    assert exit_info.value.code == 2 and 0.7 <= time.monotonic() - start < 5
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"nanovllm-tui: nothing answers at http://127.0.0.1:{port} yet (connection refused); "
+                             "waiting up to 1 s")
+    assert err[-1].endswith(f"--connect: cannot reach http://127.0.0.1:{port} (connection refused); is `nanovllm "
+                            "serve` running there?") and len(err) == 2
