@@ -43,7 +43,8 @@ def fit(parts: list[Part], width: int | None) -> Text:
 
 
 class StatusHeader(LiveStatic):
-    """One line: ``nano-vLLM │ model · device · dtype [· q8_0 weights] │ ● state · step N · k active requests``.
+    """One line: ``nano-vLLM │ model · device · dtype [· q8_0 weights | · q4_1+q8_0 gguf] │ ● state · step N · k active requests``
+    (``k active`` where only that shorter wording lets the whole line fit).
 
     The state is the one the engine confirmed (its events); ``pausing…`` / ``resuming…`` while the
     app's own pause or resume has not been answered yet. While the model loads it shows the loading stage and a progress bar instead, and a model that
