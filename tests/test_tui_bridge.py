@@ -167,7 +167,7 @@ class FakeController:
         self.calls.append(("subscribe", topk, xray, blocks))
         return types.SimpleNamespace(topk=topk, xray=xray, blocks=blocks)
 
-    def submit(self, prompt, params=None, priority=0, request_id=None):
+    def submit(self, prompt, params=None, priority=0, request_id=None, fit_context=False):
         self.calls.append(("submit", prompt, request_id))
         return request_id
 

@@ -231,7 +231,7 @@ def check_max_tokens(llm, args: argparse.Namespace, parser: argparse.ArgumentPar
 
     A prompt that alone fills the context is left to the engine, which rejects it and says so.
     """
-    from nanovllm_core.educational.commentary import plural
+    from nanovllm_core.sampling_params import max_tokens_overflow
 
     limit = llm.engine.max_model_len
     for i, text in enumerate(inputs):
@@ -239,11 +239,11 @@ def check_max_tokens(llm, args: argparse.Namespace, parser: argparse.ArgumentPar
             _, ids = llm.engine.encode_prompt(text)
         except ValueError:
             continue  # the engine rejects it with its reason
-        if len(ids) < limit < len(ids) + args.max_tokens:
-            which = f"prompt {i + 1} has" if len(inputs) > 1 else "the prompt has"
-            parser.error(f"--max-tokens {args.max_tokens} does not fit: {which} {plural(len(ids), 'token')} and the context "
-                         f"(max_model_len) is {limit}, so at most {limit - len(ids)} can follow; "
-                         "lower --max-tokens or raise --max-model-len")
+        why = max_tokens_overflow(len(ids), args.max_tokens, limit, option="--max-tokens",
+                                  prompt=f"prompt {i + 1} has" if len(inputs) > 1 else "the prompt has",
+                                  fix="lower --max-tokens or raise --max-model-len")
+        if why is not None:
+            parser.error(why)
 
 
 def _generate(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, prompts: list[str], params) -> int:

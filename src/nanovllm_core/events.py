@@ -209,6 +209,11 @@ class TokenSampled(Event):
     ``special``: the token's name when it is one of the tokenizer's special tokens (such as
     ``<|im_end|>``, which ends a chat turn), else ""; a special token is not text, so
     ``token_text`` is empty for it unless the request keeps special tokens.
+    ``ttft_s`` / ``tpot_s``: the sequence's TTFT and TPOT so far, seconds on the engine's clock
+    (``RequestMetrics``: time held paused left out; TPOT None before the second token), the very
+    figures :class:`RequestFinished` reports at the end, so a view showing them live never changes
+    its TTFT at the finish (issue 29, trial 7: 414 ms running, 416 ms once aborted). None in traces
+    recorded before they were added.
     """
 
     step: int
@@ -227,6 +232,8 @@ class TokenSampled(Event):
     model_top: tuple[TopToken, ...] = ()
     speculative: bool = False
     special: str = ""
+    ttft_s: float | None = None
+    tpot_s: float | None = None
 
 
 @dataclass(frozen=True)

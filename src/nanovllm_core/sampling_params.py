@@ -53,6 +53,25 @@ def check_priority(value: object, name: str = "priority") -> int:
                      "higher runs first (vLLM's priority is the opposite); pass a value in that range")
 
 
+def max_tokens_overflow(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, *,
+                        option: str = "max_tokens", prompt: str = "the prompt has",
+                        fix: str = "lower max_tokens or raise max_model_len") -> str | None:
+    """Why ``max_tokens`` does not fit after a prompt of ``num_prompt_tokens`` tokens in a context of
+    ``max_model_len`` tokens (vLLM's server rule: prompt + max_tokens <= max_model_len), as one line;
+    None when it fits, when ``max_tokens`` is None (up to the context), or when the prompt alone fills
+    the context (a refusal of its own: ``LLMEngine.request_problem``).
+
+    The one wording of this refusal, shared by ``nanovllm --max-tokens`` (``option="--max-tokens"``)
+    and the engine's opt-in check (``LLMEngine.add_request(fit_context=True)``, what ``nanovllm-tui``
+    sends with). ``prompt``: how the prompt is named (``"prompt 2 has"``); ``fix``: what to do.
+    """
+    if max_tokens is None or not num_prompt_tokens < max_model_len < num_prompt_tokens + max_tokens:
+        return None
+    tokens = f"{num_prompt_tokens} token{'s' if num_prompt_tokens != 1 else ''}"
+    return (f"{option} {max_tokens} does not fit: {prompt} {tokens} and the context (max_model_len) is {max_model_len}, "
+            f"so at most {max_model_len - num_prompt_tokens} can follow; {fix}")
+
+
 @dataclass
 class SamplingParams:
     """Per-request decoding settings.
@@ -70,7 +89,9 @@ class SamplingParams:
         seed: a per-request random generator; the same seed gives the same tokens whatever else runs.
             A 64-bit signed integer (-2**63 .. 2**63 - 1, vLLM's range), so every torch generator takes it.
         max_tokens: the most tokens to generate (>= 1); generation also ends when the sequence
-            reaches ``max_model_len`` (``finish_reason="length"``), so a larger value is not an error here.
+            reaches ``max_model_len`` (``finish_reason="length"``), so a larger value is not an error here
+            (vLLM's ``LLM`` does the same; the server, ``nanovllm`` and ``nanovllm-tui`` refuse it, see
+            :func:`max_tokens_overflow`).
         min_tokens: EOS and stop tokens are suppressed until this many tokens are generated.
         stop: strings that end generation; the text ends before the stop string unless
             ``include_stop_str_in_output``; ``stop_reason`` is the string found.

@@ -53,6 +53,12 @@ NOT_IN_REPLAY = ("focus_prompt", "toggle_chat", "abort")  # actions a replay can
 COMMANDS = ("submit", "pause", "resume", "step", "abort", "xray", "call", "snapshot")
 
 
+def is_context_overflow(reason: str) -> bool:
+    """Whether a refusal's ``reason`` is a max tokens that does not fit after the prompt: the engine's
+    wording (``sampling_params.max_tokens_overflow``) or a server's (``protocol.check_length``, vLLM's)."""
+    return " does not fit: " in reason or ("maximum context length" in reason and "you requested" in reason)
+
+
 class Tabs(TabbedContent):
     """The five tabs. Only a key (or a click on a tab's title) changes the visible tab.
 
@@ -135,6 +141,7 @@ class NanoVLLMApp(App):
         # Prompts sent from the bar that the engine has not yet accepted: a refusal puts one back
         # (the bar clears on Enter, and a refusal arrives later), as a bad setting keeps it.
         self._unconfirmed: dict[str, str] = {}
+        self._startup_ids: dict[str, int] = {}  # request id -> its --prompt's place (1, 2, ...)
         self._narrator_error_shown = False
         self._started = time.monotonic()
 
@@ -154,9 +161,10 @@ class NanoVLLMApp(App):
         process when its page or the web server goes away (``lifetime.PageWebDriver``)."""
         from textual.drivers.web_driver import WebDriver
 
-        from nanovllm_tui.lifetime import tolerate_bad_input
+        from nanovllm_tui.lifetime import read_esc_digit_as_alt, tolerate_bad_input
 
         tolerate_bad_input()
+        read_esc_digit_as_alt()
         driver = super().get_driver_class()
         if driver is WebDriver:
             from nanovllm_tui.lifetime import PageWebDriver
@@ -191,9 +199,11 @@ class NanoVLLMApp(App):
             self.notify(f"The recording ends in a cut line (line {cut} is not a whole event, as when a trace is "
                         f"copied while it is written): it plays up to line {cut - 1}.", timeout=10, markup=False)
         self.set_interval(0.5, self._poll_engine_state)
-        for prompt, priority in self._initial_prompts:
-            self._submit(prompt, dataclasses.replace(self.settings, priority=priority,
-                                                     chat=self.query_one(PromptBar).chat))
+        for i, (prompt, priority) in enumerate(self._initial_prompts, 1):
+            rid = self._submit(prompt, dataclasses.replace(self.settings, priority=priority,
+                                                           chat=self.query_one(PromptBar).chat))
+            if rid is not None:
+                self._startup_ids[rid] = i
         self._take_events()
         self._settle_memory()
         if hasattr(self.controller, "start"):
@@ -357,6 +367,8 @@ class NanoVLLMApp(App):
         """Notifications for what a person must not miss: refusals, errors, the model becoming ready."""
         if isinstance(event, ev.RequestAdded):
             self._unconfirmed.pop(event.request_id, None)
+        elif isinstance(event, ev.RequestRejected) and self._refuse_startup_prompt(event):
+            return
         elif isinstance(event, ev.RequestRejected):
             kept = ""
             prompt = self._unconfirmed.pop(event.request_id, None)
@@ -399,6 +411,19 @@ class NanoVLLMApp(App):
         """The request was sent from this app (its bar or ``--prompt``): only those have ``chat`` known."""
         req = self.state.requests.get(event.request_id)
         return req is not None and req.chat is not None
+
+    def _refuse_startup_prompt(self, event: ev.RequestRejected) -> bool:
+        """A ``--prompt`` given at start refused because ``--max-tokens`` does not fit after it in the
+        context (the engine's ``fit_context`` check, or a server's 400 under ``--connect``): the app ends
+        with one line and status 2, as ``nanovllm --prompt ... --max-tokens`` does. True: it ends."""
+        place = self._startup_ids.get(event.request_id)
+        if place is None or not is_context_overflow(event.reason):
+            return False
+        if self.return_code is not None:  # already ending (--max-tokens beyond max_model_len itself): one line
+            return True
+        which = f"--prompt {place}" if len(self._startup_ids) > 1 else "--prompt"
+        self.exit(return_code=2, message=Text(f"nanovllm-tui: error: {which} was refused: {event.reason}"))
+        return True
 
     def _refuse_startup_max_tokens(self, limit: int) -> None:
         """The model is known: prompts sent at start (``--prompt``) whose ``--max-tokens`` the bar now
@@ -489,6 +514,16 @@ class NanoVLLMApp(App):
             return False
         focused = self.focused
         in_bar = focused is not None and any(isinstance(node, PromptBar) for node in focused.ancestors)
+        if (in_bar and isinstance(event, events.Key) and event.key.startswith("alt+")
+                and event.key not in self.screen.active_bindings):  # alt+backspace (delete a word) stays the field's
+            # Esc pressed just before a key reaches Textual as one alt-modified key (ESC 3 -> alt+3; see
+            # lifetime.read_esc_digit_as_alt): typed "£" or "3" into the prompt instead of leaving the bar
+            # and showing tab 3 (issue 29, trial 7). So: Esc (leave the bar), then the key's app binding.
+            self.action_focus_view()
+            active = self.screen.active_bindings.get(event.key.removeprefix("alt+"))
+            if active is not None and active.enabled:
+                await self.run_action(active.binding.action, active.node)
+            return True
         if in_bar and isinstance(event, events.Key) and event.is_printable and event.character not in (" ", None):
             if event.key == "slash" and focused.id != "prompt":  # a setting or the chat box: / goes to the prompt
                 self.action_focus_prompt()  # (in the prompt itself, / is text, typed below)
@@ -664,7 +699,9 @@ class NanoVLLMApp(App):
     def submit_request(self, prompt: str, params: SamplingParams, priority: int = 0, chat: bool = False) -> str:
         """Send a prompt to the engine (``chat``: as a user's message through the model's chat
         template), show it in the table and select it; returns its request id."""
-        rid = self.controller.submit(user_message(prompt) if chat else prompt, params, priority)
+        # fit_context: a max tokens that does not fit after the prompt (as the engine counts it, chat
+        # template included) is refused, as `nanovllm` and the server refuse it (issue 29, trial 7)
+        rid = self.controller.submit(user_message(prompt) if chat else prompt, params, priority, fit_context=True)
         self.state.submitted(rid, prompt, priority, params.max_tokens, chat=chat)
         if not self.state.ready and self.live:
             self.notify(f"{rid} waits in the queue until the model has loaded.")

@@ -164,3 +164,23 @@ def tolerate_bad_input() -> None:
     if hasattr(linux_driver, "getincrementaldecoder"):
         linux_driver.getincrementaldecoder = lambda name: functools.partial(
             codecs.getincrementaldecoder(name), errors="replace")
+
+
+# ESC and a digit (or -, =, §) that Textual's key table turns into the character WezTerm on macOS
+# sends for Option and that key (ESC 3 -> "£"). A person pressing Esc then 3 quickly sends the same
+# bytes: in the prompt bar it typed "£" instead of leaving the bar and showing tab 3 (issue 29, trial 7).
+ESC_DIGIT_SEQUENCES = ("\x1b§", "\x1b1", "\x1b2", "\x1b3", "\x1b4", "\x1b5", "\x1b6", "\x1b7", "\x1b8", "\x1b9",
+                       "\x1b0", "\x1b-", "\x1b=")
+
+
+def read_esc_digit_as_alt() -> None:
+    """Make Textual's parser read ESC then a digit as ``alt+<digit>`` (as it reads ESC then a letter),
+    not as a macOS Option character, so the app can take it for Esc then the digit (``_handle_now``).
+    A "£" typed as such (shift+3 on a UK keyboard) is one character, not ESC 3, and still types "£";
+    what is lost is WezTerm's Option+digit characters in the prompt. Textual 8's ``ANSI_SEQUENCES_KEYS``."""
+    try:
+        from textual._ansi_sequences import ANSI_SEQUENCES_KEYS
+    except ImportError:  # another Textual: its own reading stays
+        return
+    for sequence in ESC_DIGIT_SEQUENCES:
+        ANSI_SEQUENCES_KEYS.pop(sequence, None)

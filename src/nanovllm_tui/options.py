@@ -128,12 +128,17 @@ SERVER_SIDE = ("model", "device", "dtype", "quantization", "scheduling_policy", 
 
 
 LOADING_WAIT_S = 180  # how long --connect waits for a server still loading its model (a real one takes 20-40 s)
+# how long --connect waits for an address that refuses the connection: `nanovllm serve` started with the
+# app opens its port ~6 s later (its imports and set-up; 2-core AMD EPYC), issue 29 trial 7
+REFUSED_WAIT_S = 30
 
 
 def check_connect(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Sequence[str] = ()) -> None:
     """``--connect``: no engine options of our own (``given``: those the command line gives), and a
     server that answers with the right key (else status 2). A server still loading its model is
-    waited for (one line says so), at most ``LOADING_WAIT_S`` seconds."""
+    waited for (one line says so), at most ``LOADING_WAIT_S`` seconds; so is an address that refuses
+    the connection (a server still starting), at most ``REFUSED_WAIT_S`` seconds, then the same
+    "cannot reach" line. Another failure to reach it (an unknown host) ends at once."""
     from nanovllm_tui.remote import RemoteError, check_server
 
     for name in given:
@@ -144,16 +149,26 @@ def check_connect(parser: argparse.ArgumentParser, args: argparse.Namespace, giv
         else:
             tail = f"the server chose it when it started; set it there: `nanovllm serve {option}`"
         parser.error(f"{option} cannot be used with --connect: the server runs the engine ({tail})")
+    waited_for = []  # what was waited for when Ctrl-C came
+
     def waiting() -> None:
+        waited_for.append("to load its model")
         print(f"{parser.prog}: the server at {args.connect} is loading its model; waiting for it (at most "
               f"{LOADING_WAIT_S} s; Ctrl-C stops)", file=sys.stderr, flush=True)
 
+    def refused() -> None:
+        waited_for.append("to open its port")
+        print(f"{parser.prog}: nothing answers at {args.connect} yet (connection refused); waiting up to "
+              f"{REFUSED_WAIT_S:g} s for a server starting there (Ctrl-C stops)", file=sys.stderr, flush=True)
+
     try:
-        check_server(args.connect, args.api_key, wait_loading_s=LOADING_WAIT_S, on_loading=waiting)
+        check_server(args.connect, args.api_key, wait_loading_s=LOADING_WAIT_S, on_loading=waiting,
+                     wait_refused_s=REFUSED_WAIT_S, on_refused=refused)
     except RemoteError as e:
         parser.error(f"--connect: {e}")
     except KeyboardInterrupt:
-        parser.exit(130, f"{parser.prog}: stopped while waiting for the server at {args.connect} to load its model\n")
+        what = f" {waited_for[-1]}" if waited_for else ""
+        parser.exit(130, f"{parser.prog}: stopped while waiting for the server at {args.connect}{what}\n")
 
 
 def build_app(argv: Sequence[str] | None = None):

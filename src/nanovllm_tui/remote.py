@@ -55,6 +55,11 @@ class ServerLoading(RemoteError):
     """The server is up but still loading its model (503, code ``model_loading``): ask again soon."""
 
 
+class ConnectionRefused(RemoteError):
+    """Nothing listens at the server's address (yet): a ``nanovllm serve`` started a moment ago
+    opens its port only after a few seconds of setting up."""
+
+
 class KeyRefused(RemoteError):
     """The server answered 401: the API key is missing or not its own (also a server restarted
     with another ``--api-key`` under an attached app)."""
@@ -139,7 +144,8 @@ class _Server:
             resp = conn.getresponse()
             raw = resp.read()
         except (OSError, http.client.HTTPException) as e:
-            raise RemoteError(f"cannot reach {self.url} ({_reason(e)}); is `nanovllm serve` running there?") from None
+            kind = ConnectionRefused if isinstance(e, ConnectionRefusedError) else RemoteError
+            raise kind(f"cannot reach {self.url} ({_reason(e)}); is `nanovllm serve` running there?") from None
         finally:
             conn.close()
         if resp.status != 200:
@@ -155,24 +161,41 @@ def _reason(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
+REFUSED_POLL_S = 0.25  # how often a refused address is tried again: attach soon after the port opens
+
+
 def check_server(url: str, api_key: str | None = None, timeout: float = 5.0, wait_loading_s: float = 0.0,
-                 on_loading: Callable[[], None] | None = None, poll_s: float = 1.0) -> str:
+                 on_loading: Callable[[], None] | None = None, poll_s: float = 1.0, wait_refused_s: float = 0.0,
+                 on_refused: Callable[[], None] | None = None) -> str:
     """The name of the model served at ``url`` (its ``/v1/models``), checking the key on the way.
 
     A server still loading its model (``nanovllm serve`` answers 503 ``model_loading`` meanwhile)
     is asked again every ``poll_s`` seconds for up to ``wait_loading_s`` seconds; ``on_loading``
-    is called once, when the first such answer comes (to say that it waits).
+    is called once, when the first such answer comes (to say that it waits). An address that
+    refuses the connection (a server started with the app opens its port a few seconds later) is
+    tried again every ``REFUSED_POLL_S`` seconds for up to ``wait_refused_s`` seconds from the
+    start; ``on_refused`` is called once, at the first refusal. Any other failure to reach it (an
+    unknown host, no answer in time) is raised at once.
 
     Raises:
         RemoteError: not a server address, unreachable, the key is missing or wrong, or
-            (:class:`ServerLoading`) still loading after ``wait_loading_s`` seconds.
+            (:class:`ServerLoading`) still loading after ``wait_loading_s`` seconds, or
+            (:class:`ConnectionRefused`) still refusing after ``wait_refused_s`` seconds.
     """
     server = _Server(url, api_key, timeout)
-    deadline, told = time.monotonic() + wait_loading_s, False
+    start = time.monotonic()
+    deadline, told, told_refused = start + wait_loading_s, False, False
     while True:
         try:
             models = server.request("GET", "/v1/models")
             break
+        except ConnectionRefused:
+            if time.monotonic() + REFUSED_POLL_S > start + wait_refused_s:
+                raise
+            if not told_refused and on_refused is not None:
+                on_refused()
+            told_refused = True
+            time.sleep(REFUSED_POLL_S)
         except ServerLoading as e:
             if time.monotonic() >= deadline:
                 waited = f" after {wait_loading_s:g} s" if wait_loading_s else ""
@@ -275,8 +298,11 @@ class RemoteController:
                 self._subs.remove(sub)
 
     def submit(self, prompt: str | list[int], sampling_params: Any = None, priority: int = 0,
-               request_id: str | None = None) -> str:
-        """Send a prompt to the server like any client's; its id (``tui-<session>-<n>``) is known at once."""
+               request_id: str | None = None, fit_context: bool = True) -> str:
+        """Send a prompt to the server like any client's; its id (``tui-<session>-<n>``) is known at once.
+
+        ``fit_context`` is always in force: the server refuses (400, here a ``RequestRejected``) a
+        ``max_tokens`` that does not fit after the prompt, as it refuses any client's."""
         rid = request_id if request_id is not None else f"tui-{self._session}-{next(self._ids)}"
         params = {} if sampling_params is None else {
             f.name: getattr(sampling_params, f.name) for f in dataclasses.fields(sampling_params)}

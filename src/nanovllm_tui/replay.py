@@ -209,7 +209,7 @@ class ReplayController:
                 self._subs.remove(sub)
 
     def submit(self, prompt: Any, sampling_params: Any = None, priority: int = 0,
-               request_id: str | None = None) -> str:
+               request_id: str | None = None, fit_context: bool = False) -> str:
         """Refused: a ``RequestRejected`` event says why (nothing is silently dropped)."""
         rid = request_id if request_id is not None else f"new-{next(self._ids)}"
         self._emit([ev.RequestRejected(request_id=rid, reason=NO_NEW_PROMPTS)])

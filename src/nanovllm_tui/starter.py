@@ -126,14 +126,16 @@ class BackgroundController:
         return sub
 
     def submit(self, prompt: Any, sampling_params: Any = None, priority: int = 0,
-               request_id: str | None = None) -> str:
-        """Queue a request; its id is known at once (``req-N``), before the engine exists."""
+               request_id: str | None = None, fit_context: bool = False) -> str:
+        """Queue a request; its id is known at once (``req-N``), before the engine exists.
+        ``fit_context``: as ``EngineController.submit``'s."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if self._error is not None:
             for sub in list(self._subs):
                 sub.callback(ev.RequestRejected(request_id=rid, reason=f"no model loaded: {self._error}"))
             return rid
-        self._do(lambda c: c.submit(prompt, sampling_params, priority, request_id=rid))
+        self._do(lambda c: c.submit(prompt, sampling_params, priority, request_id=rid,
+                                  fit_context=fit_context))
         return rid
 
     def yield_for_frame(self) -> None:

@@ -58,6 +58,9 @@ class RequestView:
     last_token_time: float | None = None
     finished_ttft: float | None = None
     finished_tpot: float | None = None
+    # the engine's own TTFT / TPOT so far (TokenSampled.ttft_s / tpot_s; None from older traces)
+    engine_ttft: float | None = None
+    engine_tpot: float | None = None
     finished_paused: float | None = None
     # the engine's paused seconds so far (EngineState.paused_clock) when it arrived / at its first and newest token
     paused_at_added: float = 0.0
@@ -76,18 +79,26 @@ class RequestView:
     @property
     def ttft(self) -> float | None:
         """Time to first token, seconds of engine time (time held paused left out, as the engine
-        counts it): the engine's figure once finished, else from event times."""
+        counts it): the engine's own figure from the first token on (the one it reports at the
+        finish too, so the value never changes then); from event times only for a trace recorded
+        before tokens carried it."""
         if self.finished_ttft is not None:
             return self.finished_ttft
+        if self.engine_ttft is not None:
+            return self.engine_ttft
         if self.first_token_time is None or self.added_time is None:
             return None
         return self.first_token_time - self.added_time - (self.paused_at_first - self.paused_at_added)
 
     @property
     def tpot(self) -> float | None:
-        """Time per output token after the first, seconds of engine time (mean inter-token latency)."""
+        """Time per output token after the first, seconds of engine time (mean inter-token latency):
+        the engine's own figure as of the newest token (at the finish, the one it reports), else
+        from event times (traces recorded before tokens carried it)."""
         if self.finished_tpot is not None:
             return self.finished_tpot
+        if self.engine_tpot is not None:
+            return self.engine_tpot
         if self.num_output < 2 or self.first_token_time is None or self.last_token_time is None:
             return None
         engine_s = self.last_token_time - self.first_token_time - (self.paused_at_last - self.paused_at_first)
@@ -289,6 +300,7 @@ class EngineState:
         if req.first_token_time is None:
             req.first_token_time, req.paused_at_first = e.time, paused
         req.last_token_time, req.paused_at_last = e.time, paused
+        req.engine_ttft, req.engine_tpot = e.ttft_s, e.tpot_s
         if req.prompt_len is not None:
             req.prefilled = req.prompt_len
 

@@ -122,8 +122,12 @@ class EngineController:
 
     def submit(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, priority: int = 0,
                request_id: str | None = None,
-               on_output: Callable[[RequestOutput], None] | None = None) -> str:
+               on_output: Callable[[RequestOutput], None] | None = None, fit_context: bool = False) -> str:
         """Queue a request; returns its id at once (it is added between steps, after loading).
+
+        ``fit_context``: reject (``RequestRejected``) a ``max_tokens`` that does not fit after the
+        prompt, as counted by the engine (chat template applied), in ``max_model_len``
+        (``LLMEngine.add_request``); ``nanovllm-tui`` sends so.
 
         ``on_output``: called on the engine thread with each ``RequestOutput`` of this request
         as the engine makes it (cumulative text and token ids after every step that touched
@@ -137,7 +141,7 @@ class EngineController:
         """
         check_priority(priority)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self._commands.put(_Command("submit", (prompt, sampling_params, priority, rid, on_output)))
+        self._commands.put(_Command("submit", (prompt, sampling_params, priority, rid, on_output, fit_context)))
         return rid
 
     def pause(self) -> None:
@@ -318,12 +322,12 @@ class EngineController:
         engine = self._engine
         try:
             if cmd.name == "submit":
-                prompt, params, priority, rid, listener = cmd.args
+                prompt, params, priority, rid, listener, fit_context = cmd.args
                 if listener is not None:
                     if rid in self._listeners:
                         raise ValueError(f"request id {rid!r} is already in use")
                     self._listeners[rid] = listener
-                engine.add_request(prompt, params, priority, request_id=rid)
+                engine.add_request(prompt, params, priority, request_id=rid, fit_context=fit_context)
                 self._collect(engine.pop_finished_outputs())  # a refusal reaches its listener now
             elif cmd.name == "pause":
                 self._steps_allowed = 0  # also while paused: the steps asked for and not yet run are dropped

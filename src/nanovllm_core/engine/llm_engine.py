@@ -56,7 +56,7 @@ from nanovllm_core.model.quantization import (
 from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.prompts import Prompt, conversation_problem, is_conversation, template_role
 from nanovllm_core.sampling.sampler import RowGroup, Sampler, SamplerOutput, SamplingRow
-from nanovllm_core.sampling_params import SamplingParams, check_priority
+from nanovllm_core.sampling_params import SamplingParams, check_priority, max_tokens_overflow
 from nanovllm_core.speculative.metrics import SpecDecodeStats
 from nanovllm_core.speculative.proposer import build_proposer, load_draft_model, needs_draft_model, parse_self_layers
 from nanovllm_core.speculative.speculator import Speculator
@@ -350,9 +350,15 @@ class LLMEngine(EventSource):
         raise ValueError("prompt must be a string, a list of token ids, or a list of chat messages "
                          "({'role': ..., 'content': text})")
 
-    def request_problem(self, token_ids: list[int], params: SamplingParams) -> tuple[str, str] | None:
+    def request_problem(self, token_ids: list[int], params: SamplingParams,
+                        fit_context: bool = False) -> tuple[str, str] | None:
         """Why this engine could never serve ``token_ids`` with ``params``: ``(field, one-line reason)``
         where field is ``"prompt"``, ``"stop_token_ids"``, ``"n"`` or ``"max_tokens"``; None when it can.
+
+        ``fit_context``: also refuse a ``max_tokens`` that does not fit after the prompt in
+        ``max_model_len`` (vLLM's server rule, :func:`~nanovllm_core.sampling_params.max_tokens_overflow`);
+        without it such a request runs and stops at ``max_model_len`` with ``finish_reason="length"``
+        (vLLM's ``LLM``).
 
         The checks :meth:`add_request` rejects by, offered so a server can refuse before it
         answers (an HTTP 400 rather than an error inside a stream that has begun). They read
@@ -369,6 +375,9 @@ class LLMEngine(EventSource):
             return "prompt", (f"the prompt has {n_prompt} token{'s' if n_prompt != 1 else ''} but max_model_len is {self.max_model_len}, "
                     "which must also leave room for at least one output token; "
                     "shorten the prompt or raise max_model_len")
+        overflow = max_tokens_overflow(n_prompt, params.max_tokens, self.max_model_len) if fit_context else None
+        if overflow is not None:
+            return "max_tokens", overflow
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             return "stop_token_ids", f"stop_token_ids contains {bad[0]}, outside the vocabulary (0..{vocab - 1})"
@@ -386,8 +395,13 @@ class LLMEngine(EventSource):
         return None
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, fit_context: bool = False) -> str:
         """Queue a request; return its id.
+
+        ``fit_context``: also reject a ``max_tokens`` that does not fit after the prompt in
+        ``max_model_len`` (see :meth:`request_problem`; ``nanovllm-tui`` sends so, as the server and
+        ``nanovllm`` refuse it). Off (the library's default, vLLM's ``LLM``): output is cut at
+        ``max_model_len`` with ``finish_reason="length"``.
 
         A request the engine can never serve (text that is not valid Unicode, an empty prompt, one longer than
         ``max_model_len`` or needing more KV blocks than the whole pool, prompt or
@@ -413,7 +427,7 @@ class LLMEngine(EventSource):
             text, token_ids = self.encode_prompt(prompt)
         except ValueError as e:  # the prompt itself is not kept: it may not even be writable as UTF-8
             return self._reject(request_id, None, [], str(e))
-        problem = self.request_problem(token_ids, params)
+        problem = self.request_problem(token_ids, params, fit_context)
         if problem is not None:
             return self._reject(request_id, text, token_ids, problem[1])
         n_prompt = len(token_ids)

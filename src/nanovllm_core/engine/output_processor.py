@@ -103,6 +103,7 @@ class OutputProcessor:
                 text=released, position=seq.num_tokens - 1, num_output_tokens=seq.num_output_tokens, top=top,
                 logprob=logprob, temperature=seq.params.temperature, greedy=seq.params.greedy, token_text=piece,
                 model_top=model_top, speculative=speculative, special=self._special_name(token),
+                ttft_s=m.time_to_first_token, tpot_s=m.time_per_output_token,
             ))
         return stop
 

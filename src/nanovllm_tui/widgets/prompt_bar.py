@@ -1,7 +1,7 @@
 """The prompt bar: a prompt, chat or raw, and its priority, max tokens and temperature, all from the keyboard.
 
-The ``chat`` box says how the prompt is sent: as a user's message rendered with the model's chat
-template (what an instruction-tuned model expects: asked "Write a poem about the sea." as raw
+The chat box says how the prompt is sent (``▐X▌ chat`` or ``▐ ▌ raw``, readable without colour): as a
+user's message rendered with the model's chat template (what an instruction-tuned model expects: asked "Write a poem about the sea." as raw
 text it may answer with end-of-text at once), or as raw text to continue. It starts ticked for a
 model with a chat template (``--chat`` ticks it for any) and is toggled with a click, with
 space when it has the focus, or with ctrl+t anywhere.
@@ -155,6 +155,29 @@ class Field(Input):
             self.cursor_position = 0
 
 
+class ChatBox(Checkbox):
+    """The chat box, readable without colour: ``▐X▌ chat`` when prompts go as chat, ``▐ ▌ raw`` when
+    they go as raw text (Textual's checkbox shows its X both ways and tells them apart by colour
+    only: a text capture read ``▐X▌ chat`` after ctrl+t had turned chat off; issue 29, trial 7)."""
+
+    LABELS = {True: "chat", False: "raw"}
+
+    def __init__(self, value: bool, **kwargs) -> None:
+        super().__init__(self.LABELS[bool(value)], value, **kwargs)
+
+    @property
+    def BUTTON_INNER(self) -> str:  # noqa: N802 (Textual's class attribute, read per render)
+        return "X" if self.value else " "
+
+    def watch_value(self) -> None:
+        super().watch_value()
+        self.label = self.LABELS[bool(self.value)]
+
+    def get_content_width(self, container, viewport) -> int:
+        """The width of ``▐X▌ chat`` either way: the prompt beside it keeps its width on a toggle."""
+        return 3 + 2 + max(len(label) for label in self.LABELS.values())
+
+
 class PromptBar(Vertical):
     """``prompt ▏ prio ▏ max ▏ temp``: Enter in any field sends, Tab moves between fields, Esc leaves.
 
@@ -170,8 +193,8 @@ class PromptBar(Vertical):
     """
 
     BINDINGS = [Binding("escape", "app.focus_view", "Leave prompt")]
-    CHAT_TOOLTIP = ("Ticked: the prompt is sent as a user's message through the model's chat template "
-                    "(instruction-tuned models answer it). Clear: sent as raw text to continue. ctrl+t toggles.")
+    CHAT_TOOLTIP = ("X chat: the prompt is sent as a user's message through the model's chat template "
+                    "(instruction-tuned models answer it). raw: sent as raw text to continue. ctrl+t toggles.")
     FIELDS = ("priority", "max-tokens", "temperature")
 
     def __init__(self, settings: PromptSettings | None = None,
@@ -193,7 +216,7 @@ class PromptBar(Vertical):
                                            ("temperature", "temp", d.temperature)):
                     yield Label(label, classes="setting-label")
                     yield Field(str(value), id=name, classes="setting", validators=[self.rules[name]])
-                yield Checkbox("chat", d.chat is not False, id="chat", compact=True, tooltip=self.CHAT_TOOLTIP)
+                yield ChatBox(d.chat is not False, id="chat", compact=True, tooltip=self.CHAT_TOOLTIP)
         yield Label(id="prompt-error")
         yield Label(id="prompt-replay")
 

@@ -16,12 +16,24 @@ STATE_STYLES = {
 }
 
 
-def fit(parts: list[tuple[Text, int]], width: int | None) -> Text:
-    """Join ``parts`` (text, rank), leaving out the highest ranks first until the line fits ``width``
-    cells; rank 0 is always kept. What is left is never cut silently: a last part still too long
-    ends in an ellipsis."""
-    kept = list(parts)
-    while width is not None and sum(t.cell_len for t, _ in kept) > width and any(r for _, r in kept):
+Part = tuple[Text, int] | tuple[Text, int, Text]  # (text, rank) or (text, rank, the same said shorter)
+
+
+def fit(parts: list[Part], width: int | None) -> Text:
+    """Join ``parts`` (text, rank[, short text]) in ``width`` cells: the whole line if it fits, else the
+    whole line with the parts that have a shorter wording in it, else (in full words) the highest
+    ranks are left out until the line fits; rank 0 is always kept. What is left is never cut
+    silently: a last part still too long ends in an ellipsis."""
+    kept = [(p[0], p[1]) for p in parts]
+
+    def too_long(line: list[tuple[Text, int]]) -> bool:
+        return width is not None and sum(t.cell_len for t, _ in line) > width
+
+    if too_long(kept):
+        shorter = [(p[2] if len(p) > 2 else p[0], p[1]) for p in parts]
+        if not too_long(shorter):
+            kept = shorter
+    while too_long(kept) and any(r for _, r in kept):
         worst = max(r for _, r in kept)
         kept = [(t, r) for t, r in kept if r != worst]
     line = Text().join(t for t, _ in kept)
@@ -31,7 +43,8 @@ def fit(parts: list[tuple[Text, int]], width: int | None) -> Text:
 
 
 class StatusHeader(LiveStatic):
-    """One line: ``nano-vLLM │ model · device · dtype [· q8_0 weights] │ ● state · step N · k active requests``.
+    """One line: ``nano-vLLM │ model · device · dtype [· q8_0 weights | · q4_1+q8_0 gguf] │ ● state · step N · k active requests``
+    (``k active`` where only that shorter wording lets the whole line fit).
 
     The state is the one the engine confirmed (its events); ``pausing…`` / ``resuming…`` while the
     app's own pause or resume has not been answered yet. While the model loads it shows the loading stage and a progress bar instead, and a model that
@@ -43,7 +56,7 @@ class StatusHeader(LiveStatic):
     def show(self, state: EngineState, replay: bool = False, loading_s: float | None = None,
              width: int | None = None) -> None:
         """Draw from ``state``; ``loading_s``: seconds since loading began; ``width``: cells available."""
-        parts: list[tuple[Text, int]] = [(Text("nano-vLLM ", style="bold"), 0)]
+        parts: list[Part] = [(Text("nano-vLLM ", style="bold"), 0)]
         if replay:
             parts.append((Text("replay ", style="bold magenta"), 0))
         parts.append((Text("│ ", style="dim"), 0))
@@ -68,7 +81,9 @@ class StatusHeader(LiveStatic):
             # Quantized weights: say which formats run beside the dtype (gguf: the file's own blocks).
             quantization = state.model_info.get("quantization")
             kinds = state.model_info.get("weight_kinds")
-            weights = (f" · {quantization} weights" + (f" ({kinds})" if kinds and kinds != quantization else "")
+            # "q4_1+q8_0 gguf" (the formats of a gguf file's blocks), else "q8_0 weights": at 120 columns
+            # "gguf weights (q4_1+q8_0)" was dropped once the step number showed (issue 29, trial 7)
+            weights = ((f" · {kinds} {quantization}" if kinds and kinds != quantization else f" · {quantization} weights")
                        if quantization else "")
             # dropped before the request count (at 120 columns the count went first, issue 29)
             parts.append((Text(f" · {state.device} · {state.dtype}"), 5))
@@ -87,7 +102,9 @@ class StatusHeader(LiveStatic):
             if state.step is not None:
                 parts.append((Text(f" · step {state.step}"), 3))
             if cut_short:  # they will never finish: the header said "idle" beside requests listed running
-                parts.append((Text(f" · {active} request{'s' if active != 1 else ''} unfinished in it"), 1))
-            else:
-                parts.append((Text(f" · {active} active request{'s' if active != 1 else ''}"), 4))
+                parts.append((Text(f" · {active} request{'s' if active != 1 else ''} unfinished in it"), 1,
+                              Text(f" · {active} unfinished")))
+            else:  # "N active" where the whole line does not fit otherwise (a long model name in a replay)
+                parts.append((Text(f" · {active} active request{'s' if active != 1 else ''}"), 4,
+                              Text(f" · {active} active")))
         self.show_content(fit(parts, width))
