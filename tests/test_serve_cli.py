@@ -103,7 +103,7 @@ def test_listening_beyond_this_machine_without_a_key_warns():
 
 
 def test_app_connect_checks_the_server_and_its_key_first(tiny_server, capsys, monkeypatch):
-    monkeypatch.setattr(options, "REFUSED_WAIT_S", 0.5)  # nothing will start there: no need to wait 30 s
+    monkeypatch.setattr(options, "REFUSED_WAIT_S", 0.5)  # nothing will start there: no need to wait 60 s
     code, _, err = run_main(options.parse_args, capsys, "--connect", f"http://127.0.0.1:{free_port()}")
     assert code == 2 and "cannot reach" in err and "nanovllm serve" in err
     code, _, err = run_main(options.parse_args, capsys, "--connect", tiny_server.url)

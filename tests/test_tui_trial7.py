@@ -323,7 +323,8 @@ def test_connect_waits_for_a_server_that_opens_its_port_a_moment_later(make_tiny
         args = options.parse_args(["--connect", url, "--api-key", "k"])  # waits, saying so, then checks as usual
         assert args.connect == url and opened and time.monotonic() - start >= 1.4
         err = capsys.readouterr().err.splitlines()
-        assert err == [f"nanovllm-tui: nothing answers at {url} yet (connection refused); waiting up to 30 s for "
+        assert err == [f"nanovllm-tui: nothing answers at {url} yet (connection refused); "
+                       f"waiting up to {options.REFUSED_WAIT_S:g} s for "
                        "a server starting there (Ctrl-C stops)"]
         assert check_server(url, "k", on_refused=told.append) == controller.engine.model_name and len(told) == 1
     finally:

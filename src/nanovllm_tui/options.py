@@ -130,7 +130,7 @@ SERVER_SIDE = ("model", "device", "dtype", "quantization", "scheduling_policy", 
 LOADING_WAIT_S = 180  # how long --connect waits for a server still loading its model (a real one takes 20-40 s)
 # how long --connect waits for an address that refuses the connection: `nanovllm serve` started with the
 # app opens its port ~6 s later (its imports and set-up; 2-core AMD EPYC), issue 29 trial 7
-REFUSED_WAIT_S = 30
+REFUSED_WAIT_S = 60
 
 
 def check_connect(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Sequence[str] = ()) -> None:
