@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanovllm_core import events as ev
-from nanovllm_core.educational.commentary import Commentary, human_bytes, ms, ordinal, plural, show_piece, who
+from nanovllm_core.educational.commentary import (Commentary, agree, human_bytes, ms, ordinal, plural,
+                                                    show_piece, who)
 from nanovllm_core.educational.kv_facts import kv_footprint
 from nanovllm_core.educational.narrator_sampling import (sampling_intro, speculative_entry, token_choice, token_label,
                                                          verification_rule)
@@ -295,7 +296,7 @@ class Narrator(SchedulerNarration):
         matrix = f"[{vocab}, {hidden}]" if vocab else f"[vocab_size, {hidden}]"
         ids = "The token id" if s.num_tokens == 1 else f"Each of the {s.num_tokens} token ids"
         rows = plan.num_batched_tokens
-        batch = (f"its {s.num_tokens} rows join {plural(rows - s.num_tokens, 'row')} of other sequences in the step's "
+        batch = (f"its {plural(s.num_tokens, 'row')} {agree(s.num_tokens, 'joins', 'join')} {plural(rows - s.num_tokens, 'row')} of other sequences in the step's "
                  f"flat [{rows}, {hidden}] hidden states" if rows > s.num_tokens
                  else f"the hidden states are [{rows}, {hidden}]")
         text = (f"{ids} of this prefill selects one row of the {matrix} embedding matrix, a lookup without "
@@ -345,7 +346,7 @@ class Narrator(SchedulerNarration):
         name = self._name(s.request_id, s.index)
         cap = f"{name[0].upper()}{name[1:]}"
         rows = plan.num_batched_tokens
-        flat = (f" They are {s.num_tokens} of the step's {rows} token rows, which run through each layer together "
+        flat = (f" {agree(s.num_tokens, 'It is 1', f'They are {s.num_tokens}')} of the step's {rows} token rows, which run through each layer together "
                 "as one flat batch." if rows > s.num_tokens else "")
         timing = ""
         if timed is not None and timed.wall_time_s > 0:  # the Dashboard's prefill rate, over this one step
@@ -362,7 +363,7 @@ class Narrator(SchedulerNarration):
             kv = f" Its keys and values, {per_token:,} bytes, are now in the KV cache."
         end = s.start + s.num_tokens
         remaining = s.total_len - end
-        rest = f" {plural(remaining, 'token')} remain for later steps." if remaining else ""
+        rest = f" {plural(remaining, 'token')} {agree(remaining, 'remains', 'remain')} for later steps." if remaining else ""
         rid = s.request_id
         if self._preemptions(plan, s.seq_id) or s.total_len > s.prompt_len:
             reused = (f"; the {s.num_cached_tokens} before them came back from the prefix cache"
@@ -381,13 +382,13 @@ class Narrator(SchedulerNarration):
         whole = s.start == s.num_cached_tokens and end == s.total_len
         if whole:
             if s.index > 0:
-                tokens = (f"The {plural(s.num_tokens, 'prompt token')} of sample {s.index} after the {s.num_cached_tokens} "
+                tokens = (f"The {plural(s.num_tokens, 'prompt token')} of sample {s.index} after the {plural(s.num_cached_tokens, 'token')} "
                           "it shares with sample 0" if s.num_cached_tokens else
-                          f"All {s.num_tokens} prompt tokens of sample {s.index} (it shares none with sample 0: "
+                          f"{agree(s.num_tokens, 'The 1 prompt token', f'All {s.num_tokens} prompt tokens')} of sample {s.index} (it shares none with sample 0: "
                           + ("prefix caching is off)" if self.info.get("prefix_caching") is False
                              else "no block of the prompt was in the prefix cache)"))
             elif s.num_cached_tokens:
-                tokens = f"The {plural(s.num_tokens, 'prompt token')} after the {s.num_cached_tokens} found in the prefix cache"
+                tokens = f"The {plural(s.num_tokens, 'prompt token')} after the {s.num_cached_tokens} {agree(s.num_cached_tokens, 'token', 'tokens')} found in the prefix cache"
             else:
                 tokens = f"All {s.num_tokens} prompt tokens" if s.num_tokens > 1 else "The one prompt token"
             verb = "go" if s.num_tokens > 1 else "goes"
@@ -445,7 +446,7 @@ class Narrator(SchedulerNarration):
             per_token = self.info.get("kv_bytes_per_token")
             ctx = e.position
             text += (f"{took} This sequence ran one new token through the layers; its query read the keys and values "
-                     f"of its {ctx} tokens so far from the KV cache"
+                     f"of its {plural(ctx, 'token')} so far from the KV cache"
                      + (f", {ctx} x {per_token:,} = {ctx * per_token:,} bytes: reads of its own, which batching "
                         "with other sequences does not share." if per_token else "."))
             text += self._bandwidth_share(timed)
@@ -549,11 +550,13 @@ class Narrator(SchedulerNarration):
         text += (f" Time to first token {ms(e.ttft_s)}, time per output token {ms(e.tpot_s)}, end to end {ms(e.e2e_s)}"
                  + (" (sample 0's times)." if len(e.samples) > 1 else "."))
         if e.num_cached_prompt_tokens:
-            text += f" {e.num_cached_prompt_tokens} of its {e.num_prompt_tokens} prompt tokens came from the prefix cache."
+            text += (f" {e.num_cached_prompt_tokens} of its {plural(e.num_prompt_tokens, 'prompt token')} came from the "
+                     "prefix cache.")
         if e.num_preemptions:
-            text += f" It was preempted {e.num_preemptions} time{'s' if e.num_preemptions != 1 else ''}."
+            text += f" It was preempted {plural(e.num_preemptions, 'time')}."
         if state is not None and state.decode_untold:
-            text += f" {state.decode_untold} of its tokens were not narrated one by one."
+            text += (f" {agree(state.decode_untold, '1 of its tokens was', f'{state.decode_untold} of its tokens were')} "
+                     "not narrated one by one.")
         if e.error:
             text += f" Error: {e.error}"
         return Commentary("finished", f"Request {e.request_id} finished: {e.finish_reason}", text,

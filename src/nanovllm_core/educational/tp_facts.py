@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from nanovllm_core import events as ev
+from nanovllm_core.educational.commentary import plural
 
 DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 COMM_SHARE_TOLD = 0.2  # the narrator says a step waited on communication from this share of a rank's time
@@ -359,7 +360,7 @@ def communication_words(m: Any, allreduces: int, decode_steps: list[ev.StepTimed
     if decode_steps:
         one = sum(t.wall_time_s for t in decode_steps) / len(decode_steps)
         text += (f" One process decoded the same prompt at {one * 1000:,.1f} ms a step (mean of "
-                 f"{len(decode_steps)} decode step{'s' if len(decode_steps) != 1 else ''}, measured just now): "
+                 f"{plural(len(decode_steps), 'decode step')}, measured just now): "
                  f"the all-reduces alone are {per_token_ms / one / 1000:.1f}x that, and the split ranks' arithmetic, "
                  "on the same cores, comes on top.")
     return text

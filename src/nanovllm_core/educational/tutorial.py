@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from nanovllm_core.attention.fallbacks import FALLBACK_CONDITIONS, FLASH_ATTN_FALLBACK_CONDITIONS
+from nanovllm_core.educational.commentary import plural
 from nanovllm_core.educational.xray_costs import peak_words
 from nanovllm_core.model.block_formats import FORMATS  # torch-free
 from nanovllm_core.sampling_params import SamplingParams
@@ -799,7 +800,7 @@ def _tensor_parallel_facts(info: dict[str, Any]) -> list[str]:
         s = tp_facts.shard_shapes(info, n)[0]
         now = "as this engine runs it" if running > 1 else "if it were split"
         lines.append(f"At N = {n} ({now}) each rank holds {s.q_heads[1] - s.q_heads[0]} query heads and "
-                     f"{s.kv_heads[1] - s.kv_heads[0]} KV head{'s' if s.kv_heads[1] - s.kv_heads[0] > 1 else ''} of "
+                     f"{plural(s.kv_heads[1] - s.kv_heads[0], 'KV head')} of "
                      f"every layer: q [{s.q[0]}, {s.q[1]}], k and v [{s.k[0]}, {s.k[1]}], o [{s.o[0]}, {s.o[1]}], "
                      f"gate and up [{s.gate[0]}, {s.gate[1]}], down [{s.down[0]}, {s.down[1]}] ([in, out]), and "
                      f"{s.embedding[0]:,} of the {d.vocab:,} vocabulary rows.")
