@@ -166,7 +166,7 @@ _SHARED_PREFIX = (
 )
 
 DEMOS: dict[str, Demo] = {d.key: d for d in (
-    Demo("tokenization", "Your prompt as token ids",
+    Demo("tokenization", "A prompt as token ids",
          "Each piece of text and the integer the model receives for it.",
          kinds=("tokenization",), max_tokens=1),
     Demo("embedding", "Token ids become vectors",
@@ -224,6 +224,19 @@ DEMOS: dict[str, Demo] = {d.key: d for d in (
 )}
 # Repeats itself, so prompt lookup has drafts to offer: the first are kept, a later one is not.
 _SPECULATIVE_PROMPT = "Copy the list: red, green, blue, yellow. Copy: red, green, blue, yellow. Copy: red,"
+
+
+def demo_heading(ch: Chapter) -> str:
+    """The line that announces a chapter's demonstration: its title and the fixed prompt it sends, so a
+    learner who typed a prompt of their own is not told the demo shows theirs. Raises KeyError when the
+    chapter has no demonstration."""
+    demo = DEMOS[ch.demo]
+    if not ch.demo_prompt:
+        return demo.title
+    which = "fixed prompts" if demo.extra_prompts else "fixed prompt"
+    shown = f" {ch.demo_prompt!r}" if len(ch.demo_prompt) <= 40 else ""
+    first = ", the first" if demo.extra_prompts and shown else ""
+    return f"{demo.title} (on its own {which}{shown}{first}; not one you typed)"
 
 
 def _quiz(question: str, choices: tuple[str, str, str, str], answer: int, explanation: str) -> Quiz:

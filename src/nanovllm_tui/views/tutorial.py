@@ -173,7 +173,7 @@ class TutorialView(EngineView):
             text.append("\n")
         demo = tut.DEMOS.get(c.demo) if c.demo else None
         if demo is not None:
-            text.append(f"Live demonstration: {demo.title}. ", style="bold #3ecf8e")
+            text.append(f"Live demonstration: {tut.demo_heading(c)}. ", style="bold #3ecf8e")
             text.append(f"{demo.watch} Press r to run it on a small engine of its own, over the loaded model.",
                         style="#3ecf8e")
         self.query_one("#chapter-text", Static).update(text)
