@@ -83,6 +83,26 @@ class _OpenStep:
     events: list[ev.Event] = field(default_factory=list)
 
 
+def _scores_layout(shape: tuple[int, ...], num_heads: int, num_kv_heads: int) -> str:
+    """What each axis of a traced score matrix is, read off its numbers, so a learner who expects
+    [query heads, tokens, keys] sees why X-Ray's is grouped. X-Ray (educational/xray.py) records
+    ``[num_kv_heads, group * tokens, keys]``, the layout of grouped-query attention (Ainslie et al. 2023):
+    each KV head's keys meet the queries of its ``group`` query heads in one product, K never copied.
+    Older traces are ``[batch, heads, tokens, keys]``. Returns "" for a layout it cannot name."""
+    group = num_heads // max(1, num_kv_heads)
+    if len(shape) == 3 and shape[0] == num_kv_heads and group > 1 and shape[1] % group == 0:
+        n, keys = shape[1] // group, shape[2]
+        return (f", [KV head, its {group} query heads x {plural(n, 'token')}, {plural(keys, 'key')}]: the queries "
+                f"are grouped by the KV head they read, so each of the {num_kv_heads} KV heads meets its {group} "
+                f"heads' queries ({group} x {n} = {shape[1]} rows) in one product, not [{num_heads}, {n}, {keys}] "
+                "with its keys copied per query head")
+    if len(shape) == 3 and shape[0] == num_heads:
+        return f", [head, {plural(shape[1], 'query token')}, {plural(shape[2], 'key')}]"
+    if len(shape) == 4 and shape[1] == num_heads:
+        return f", [batch, head, {plural(shape[2], 'query token')}, {plural(shape[3], 'key')}]"
+    return ""
+
+
 class Narrator(SchedulerNarration):
     """Turns engine events into :class:`Commentary`.
 
@@ -320,7 +340,8 @@ class Narrator(SchedulerNarration):
                 f"{list(q.shape) if q else '?'} and K, V {list(k.shape) if k else '?'}: {t.num_heads} query heads share "
                 f"{t.num_kv_heads} KV heads, {group} per KV head (query head h reads KV head h // {group}; no KV head is "
                 f"copied), so the cache keeps {group}x fewer keys and values. The scores S = Q K^T / sqrt({t.head_dim})"
-                + (f" have the shape {list(scores.shape)}" if scores else "")
+                + (f" have the shape {list(scores.shape)}{_scores_layout(scores.shape, t.num_heads, t.num_kv_heads)}"
+                   if scores else "")
                 + "; the causal softmax turns each row into weights that sum to 1.")
         kernel = self.info.get("attention_backend")
         if kernel in ("sdpa", "flash-attn", "cpu-paged"):
