@@ -464,3 +464,12 @@ def test_the_split_lines_say_nothing_they_cannot_derive():
     assert text.startswith("X-RAY · step 4 · 3 tokens · split over 2 ranks")
     assert "Measured in this step: rank 0: compute 10.00 ms · communication 2.00 ms (17%)" in text
     assert render_split_step(TINY, step) is None
+
+
+def test_the_tutorial_tab_does_not_tell_a_split_app_to_start_split():
+    """Where the app's own engine is already split, the Tutorial tab names that engine, not the option to add."""
+    from nanovllm_core.educational.tp_facts import SPLIT_RUN_ELSEWHERE, split_run_words
+
+    assert split_run_words({}) == SPLIT_RUN_ELSEWHERE
+    split = split_run_words({"tensor_parallel_size": 3})
+    assert "already split over 3 ranks" in split and "--tensor-parallel-size" not in split

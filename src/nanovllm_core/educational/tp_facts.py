@@ -336,6 +336,16 @@ SPLIT_RUN_ELSEWHERE = ("the split run itself: `nanovllm --tutorial --tutorial-ch
                        "started with --tensor-parallel-size 3, whose Dashboard, X-Ray and Narrator then show every rank")
 
 
+def split_run_words(info: Mapping[str, Any]) -> str:
+    """Where the Tutorial tab's reader finds the split run: :data:`SPLIT_RUN_ELSEWHERE`, or, when the app's
+    own engine (``info``: its ``model_info()``) is already split, that engine, not an option to add."""
+    n = tp_size(info)
+    if n > 1:
+        return (f"the split run itself is this app's own engine, already split over {n} ranks: its Dashboard, "
+                "X-Ray and Narrator show every rank as you send prompts")
+    return SPLIT_RUN_ELSEWHERE
+
+
 def split_engine_available() -> bool:
     """Does this build's ``EngineConfig`` take ``tensor_parallel_size`` (the engine split over ranks)?"""
     import dataclasses

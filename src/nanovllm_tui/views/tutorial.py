@@ -21,10 +21,10 @@ from textual.widgets import OptionList, Static
 
 from nanovllm_core.educational import tutorial as tut
 from nanovllm_core.educational.tp_facts import (
-    SPLIT_RUN_ELSEWHERE,
     SPLIT_UNAVAILABLE,
     communication_words,
     split_engine_available,
+    split_run_words,
 )
 from nanovllm_tui.bridge import EngineBridge
 from nanovllm_tui.demo_session import DemoSession
@@ -296,7 +296,7 @@ class TutorialView(EngineView):
             self.notify("The demonstration is still running.", severity="warning")
             return
         if demo.allreduce_ranks:
-            self._measure(c, demo)  # the whole demonstration here: the split run is the CLI's (SPLIT_RUN_ELSEWHERE)
+            self._measure(c, demo)  # the whole demonstration here: the split run is the CLI's (split_run_words)
             return
         if not getattr(self.app.controller, "local_engine", True):  # --connect: the engine is the server's
             self.notify("Demonstrations run on a local engine of their own, and this app watches a server "
@@ -339,7 +339,7 @@ class TutorialView(EngineView):
             try:
                 m = tp_measure.measure_allreduce(demo.allreduce_ranks, hidden=hidden, iters=200, warmup=20)
                 text = Text("\n" + communication_words(m, tp_facts.allreduces_per_step(layers), []), style="#ffd166")
-                missing = SPLIT_UNAVAILABLE if not split_engine_available() else SPLIT_RUN_ELSEWHERE
+                missing = SPLIT_UNAVAILABLE if not split_engine_available() else split_run_words(self._info)
                 text.append("\n" + missing[0].upper() + missing[1:] + ".", style="yellow")
             except (RuntimeError, ValueError, OSError) as e:
                 text = Text(f"\nThe all-reduce measurement failed: {e}", style="red")
