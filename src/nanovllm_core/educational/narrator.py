@@ -19,7 +19,8 @@ Order: events of one engine step arrive as ``StepPlanned``, (``LayerTrace``...),
 (``SpecDecodeStep``, ``TokenSampled``...)..., ``RequestFinished``..., ``BlocksChanged``,
 ``StepTimed``. Scheduler decisions are told at ``StepPlanned``; the rest of the step is
 told at ``StepTimed``, when its wall time is known, in reading order (embedding, prefill,
-tokens, finished, KV cache).
+tokens, a split step's communication, finished, KV cache: every step's communication note directly
+after its tokens, the last step's too).
 
 Readability with many requests: steady decode-only steps produce no scheduler entry, and
 ``max_decode_steps_per_request`` caps the per-token entries of each request (the rest are
@@ -273,6 +274,7 @@ class Narrator(SchedulerNarration):
         first_kept: dict[int, ev.SpecDecodeStep] = {}  # a verification, until its first kept token is told
         # per sequence: the verification of this step, its rule, and how many of its kept tokens were told
         run: dict[int, list] = {}
+        ends: list[Commentary] = []  # finishes, told after the step's forward pass and its communication note
         for e in events:
             if isinstance(e, ev.TokenSampled):
                 kept_by = None
@@ -291,17 +293,22 @@ class Narrator(SchedulerNarration):
                 run[e.seq_id] = [e, greedy, 0]
                 out.append(speculative_entry(e, self._name(e.request_id), greedy, kept.get(e.seq_id)))
             elif isinstance(e, ev.RequestFinished):
-                out.append(self._finished(e))
+                ends.append(self._finished(e))
             elif isinstance(e, ev.EngineError):
                 out.append(Commentary("error", "Engine error" + (f" in step {e.step}" if e.step is not None else ""),
                                       e.message + (f" (request {e.request_id} was finished because of it)"
                                                    if e.request_id else ""), request_id=e.request_id, step=e.step))
         if timed is not None:
-            out.extend(self._kv_cache(timed, blocks))
+            # The forward pass's communication belongs beside the tokens it produced, in every step: before
+            # a finish and the KV cache entry, so the last step's note does not follow "KV cache: empty"
+            # as if it were a step of its own (trial 7).
             waited = waited_on_communication(timed)  # a step split over ranks (tensor parallel)
             if waited is not None:
                 out.append(Commentary("communication", f"Step {timed.step} waited on communication", waited,
                                       step=timed.step))
+        out.extend(ends)
+        if timed is not None:
+            out.extend(self._kv_cache(timed, blocks))
         return out
 
     def _embedding(self, plan: ev.StepPlanned, s: ev.ScheduledEntry, trace: ev.LayerTrace | None) -> list[Commentary]:
