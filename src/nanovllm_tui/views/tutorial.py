@@ -282,15 +282,26 @@ class TutorialView(EngineView):
             return False
         return bool(demo.allreduce_ranks) or getattr(self.app.controller, "local_engine", True)
 
-    def action_run_demo(self) -> None:
+    def refusal(self, action: str) -> str | None:
+        """Why ``action`` is not offered here, naming what was refused (the app shows it when the hidden
+        key is pressed anyway); None for an action this view does not refuse."""
+        if action != "run_demo" or self.check_action(action, ()) is not False:
+            return None
         c = self.chapter
         demo = tut.DEMOS.get(c.demo) if c.demo else None
         if demo is None or not c.demo_prompt:
-            self.notify("This chapter has no live demonstration.", severity="warning")
-            return
+            return f"No demonstration to run: chapter {c.number} has none."
         if not self.app.live:
-            self.notify("Demonstrations run on a local engine; this is a replay: start without --replay to "
-                        "run one.", severity="warning", markup=False)
+            return ("No demonstration in a replay: demonstrations run on a local engine and a replay only plays "
+                    "a recording; start without --replay to run one.")
+        return ("No demonstration under --connect: demonstrations run on a local engine of their own, and this app "
+                "watches a server; start nanovllm-tui without --connect to run one.")
+
+    def action_run_demo(self) -> None:
+        c = self.chapter
+        demo = tut.DEMOS.get(c.demo) if c.demo else None
+        if demo is None or not c.demo_prompt or not self.app.live:
+            self.notify(self.refusal("run_demo") or "", severity="warning", markup=False)
             return
         if (self.run is not None and not self.run.finished) or self.measuring:
             self.notify("The demonstration is still running.", severity="warning")
@@ -299,9 +310,7 @@ class TutorialView(EngineView):
             self._measure(c, demo)  # the whole demonstration here: the split run is the CLI's (split_run_words)
             return
         if not getattr(self.app.controller, "local_engine", True):  # --connect: the engine is the server's
-            self.notify("Demonstrations run on a local engine of their own, and this app watches a server "
-                        "(--connect): start nanovllm-tui without --connect to run one.", severity="warning",
-                        markup=False)
+            self.notify(self.refusal("run_demo") or "", severity="warning", markup=False)
             return
         engine = self.app.controller.engine
         if engine is None:
