@@ -290,7 +290,11 @@ def _generate(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, pr
         print()
     total = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     info = llm.engine.model_info()
-    print(f"{len(outputs)} prompt(s), {plural(total, 'token')} in {elapsed:.2f} s ({total / max(elapsed, 1e-9):.1f} tokens/s) "
+    # Wall time around generate(): tokenizing, adding the requests, every step, detokenizing and any
+    # teaching view's printing; the dashboard's Overall counts engine steps only, so it is shorter.
+    included = "tokenizing, detokenizing" + (" and the teaching views' output" if views is not None else "")
+    print(f"{len(outputs)} prompt(s), {plural(total, 'token')} in {elapsed:.2f} s of wall time "
+          f"({total / max(elapsed, 1e-9):.1f} tokens/s, {included} included) "
           f"on {llm.engine.device.type}, {str(llm.engine.dtype).replace('torch.', '')}"
           + (f", {llm.engine.model.quantization} weights" if llm.engine.model.quantization else "")
           + (f" ({info['weight_format']})" if llm.engine.model.quantization else "")

@@ -321,7 +321,10 @@ class DashboardView:
             speed.add_row("Decode", f"{rate(last.decode_tokens_per_s)} tok/s (last step)")
             elapsed = (self.ended or 0) - (self.started or 0)
             if elapsed > 0:
-                speed.add_row("Overall", f"{rate(self.total_generated / elapsed)} tok/s ({elapsed:.2f} s)")
+                # engine steps only: from the first step's plan to the last step's end. The command's
+                # own total (cli.py) is wall time around generate(), tokenizing and detokenizing included.
+                speed.add_row("Overall", f"{rate(self.total_generated / elapsed)} tok/s over {elapsed:.2f} s")
+                speed.add_row("", Text("(engine steps only)", style="dim"))
             speed.add_row("Step time", f"{last.wall_time_s * 1000:.1f} ms")
         else:
             speed.add_row("Throughput", "no step yet")
