@@ -78,3 +78,17 @@ def test_one_draft_kept_reads_singular():
     c = speculative_entry(e, "request 0", True, None)
     assert "drafted 1 token" in c.text and "2 tokens" in c.text and "All 1" not in c.text
     no_bad_one(c.text)
+
+
+def test_the_cli_memory_stats_and_speculation_notes_say_one_token_and_one_time(capsys):
+    from nanovllm_core.cli import print_memory_stats
+    from nanovllm_core.speculative.cli import slower_note
+
+    print_memory_stats(dict(kv_bytes_per_block=1 << 20, kv_blocks_total=4, block_size=16, kv_bytes_total=4 << 20,
+                            kv_blocks_used=1, kv_blocks_cached=0, kv_blocks_free=3, kv_slots_wasted=2,
+                            prefix_cache_hits=0, prefix_cache_queries=1, prefix_cache_hit_rate=0.0,
+                            num_preemptions=0, steps=1))
+    out = capsys.readouterr().out
+    assert "0 of 1 token looked up hit" in out
+    assert "ran the draft model 1 time;" in slower_note("model", 1, 4, 4)
+    assert "layers 1 time to draft" in slower_note("self:8", 1, 4, 4)

@@ -384,6 +384,8 @@ def open_trace_recorders(llm, args: argparse.Namespace) -> list:
 
 
 def print_memory_stats(stats: dict) -> None:
+    from nanovllm_core.educational.commentary import plural
+
     mib = stats["kv_bytes_per_block"] / 2**20
     print("KV cache memory:")
     print(f"  blocks: {stats['kv_blocks_total']} x {stats['block_size']} tokens ({mib:.2f} MiB each, "
@@ -391,7 +393,7 @@ def print_memory_stats(stats: dict) -> None:
     print(f"  in use now: {stats['kv_blocks_used']}, cached-free: {stats['kv_blocks_cached']}, "
           f"free: {stats['kv_blocks_free'] - stats['kv_blocks_cached']}")
     print(f"  slots allocated but unfilled: {stats['kv_slots_wasted']}")
-    print(f"  prefix cache: {stats['prefix_cache_hits']} of {stats['prefix_cache_queries']} tokens looked up hit "
+    print(f"  prefix cache: {stats['prefix_cache_hits']} of {plural(stats['prefix_cache_queries'], 'token')} looked up hit "
           "(prompts, and tokens re-admitted after a preemption) "
           f"({stats['prefix_cache_hit_rate']:.1%})")
     print(f"  preemptions: {stats['num_preemptions']}, steps: {stats['steps']}")
