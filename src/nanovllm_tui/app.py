@@ -379,7 +379,9 @@ class NanoVLLMApp(App):
                         markup=False)
         elif isinstance(event, ev.EngineError):
             if event.step is None and event.message.startswith("model failed to load"):
-                self.notify(f"{event.message}. Try --model PATH, or --replay FILE.jsonl to watch a recording.",
+                # (true whether or not --model was given: the app does not know, so it does not say "try --model")
+                self.notify(f"{event.message}. Start again with --model naming a checkpoint that loads, or "
+                            "--replay FILE.jsonl to watch a recording.",
                             title="No model", severity="error", timeout=30, markup=False)
             elif event.step is None and event.message.partition(":")[0] in COMMANDS:
                 # a command refused (by the engine, a server or a replay): not a failure of the engine
