@@ -499,3 +499,18 @@ def test_the_communication_note_follows_its_steps_tokens_in_the_last_step_too():
         assert kinds[told - 1] in ("decode", "prefill"), kinds
         assert all(k in ("finished", "kv_cache") for k in kinds[told + 1:]), kinds
     assert kinds_of[1][-2:] == ["finished", "kv_cache"], kinds_of[1]
+
+
+def test_the_embedding_entry_does_not_ask_for_xray_where_a_split_engine_is_not_traced():
+    """Trial 7's kind: with --xray given at N = 3 the entry said "Real values appear when X-Ray capture is on"."""
+    from nanovllm_core.educational.narrator import Narrator
+    from tests.test_narrator import added, entry, planned
+    from tests.test_narrator import timed as one_step
+
+    for info, says in (({**INFO, "tensor_parallel_size": 3}, "an engine split over ranks is not traced"),
+                       (INFO, "only in a step X-Ray traces")):
+        n = Narrator(info)
+        n.feed(added())
+        n.feed(planned(0, [entry()]))
+        emb = next(c for c in n.feed(one_step(0)) if c.kind == "embedding")
+        assert says in emb.text and "when X-Ray capture is on" not in emb.text

@@ -46,7 +46,7 @@ from nanovllm_core.educational.kv_facts import kv_footprint
 from nanovllm_core.educational.narrator_sampling import (sampling_intro, speculative_entry, token_choice, token_label,
                                                          verification_rule)
 from nanovllm_core.educational.narrator_scheduler import PRIORITY_NOTE, SchedulerNarration
-from nanovllm_core.educational.tp_facts import waited_on_communication
+from nanovllm_core.educational.tp_facts import tp_size, waited_on_communication
 
 __all__ = ["KINDS", "Commentary", "Narrator", "PRIORITY_NOTE", "human_bytes", "ms", "ordinal", "plural", "show_piece"]
 
@@ -323,7 +323,8 @@ class Narrator(SchedulerNarration):
         matrix = f"[{vocab}, {hidden}]" if vocab else f"[vocab_size, {hidden}]"
         ids = "The token id" if s.num_tokens == 1 else f"Each of the {s.num_tokens} token ids"
         rows = plan.num_batched_tokens
-        batch = (f"its {plural(s.num_tokens, 'row')} {agree(s.num_tokens, 'joins', 'join')} {plural(rows - s.num_tokens, 'row')} of other sequences in the step's "
+        batch = (f"its {plural(s.num_tokens, 'row')} {agree(s.num_tokens, 'joins', 'join')} "
+                 f"{plural(rows - s.num_tokens, 'row')} of other sequences in the step's "
                  f"flat [{rows}, {hidden}] hidden states" if rows > s.num_tokens
                  else f"the hidden states are [{rows}, {hidden}]")
         text = (f"{ids} of this prefill selects one row of the {matrix} embedding matrix, a lookup without "
@@ -336,7 +337,13 @@ class Narrator(SchedulerNarration):
                 text += f" The last token's vector begins {values}, ... (real values from this run)."
             return [Commentary("embedding", title, text, request_id=s.request_id, step=trace.step),
                     self._attention(trace)]
-        text += " (Real values appear when X-Ray capture is on.)"
+        # True whether or not --xray was given (trial 7: at --tensor-parallel-size 3 with --xray on it
+        # said "Real values appear when X-Ray capture is on").
+        if tp_size(self.info) > 1:
+            text += " (No real values: an engine split over ranks is not traced by X-Ray.)"
+        else:
+            text += (" (Real values appear only in a step X-Ray traces, with --xray or the app's X-Ray tab; this "
+                     "one was not traced.)")
         return [Commentary("embedding", title, text, request_id=s.request_id)]
 
     def _attention(self, t: ev.LayerTrace) -> Commentary:
@@ -374,7 +381,8 @@ class Narrator(SchedulerNarration):
         name = self._name(s.request_id, s.index)
         cap = f"{name[0].upper()}{name[1:]}"
         rows = plan.num_batched_tokens
-        flat = (f" {agree(s.num_tokens, 'It is 1', f'They are {s.num_tokens}')} of the step's {rows} token rows, which run through each layer together "
+        flat = (f" {agree(s.num_tokens, 'It is 1', f'They are {s.num_tokens}')} of the step's {rows} token rows, "
+                "which run through each layer together "
                 "as one flat batch." if rows > s.num_tokens else "")
         timing = ""
         if timed is not None and timed.wall_time_s > 0:  # the Dashboard's prefill rate, over this one step
@@ -391,7 +399,8 @@ class Narrator(SchedulerNarration):
             kv = f" Its keys and values, {per_token:,} bytes, are now in the KV cache."
         end = s.start + s.num_tokens
         remaining = s.total_len - end
-        rest = f" {plural(remaining, 'token')} {agree(remaining, 'remains', 'remain')} for later steps." if remaining else ""
+        rest = (f" {plural(remaining, 'token')} {agree(remaining, 'remains', 'remain')} for later steps."
+                if remaining else "")
         rid = s.request_id
         if self._preemptions(plan, s.seq_id) or s.total_len > s.prompt_len:
             reused = (f"; the {s.num_cached_tokens} before them came back from the prefix cache"
@@ -410,13 +419,16 @@ class Narrator(SchedulerNarration):
         whole = s.start == s.num_cached_tokens and end == s.total_len
         if whole:
             if s.index > 0:
-                tokens = (f"The {plural(s.num_tokens, 'prompt token')} of sample {s.index} after the {plural(s.num_cached_tokens, 'token')} "
+                tokens = (f"The {plural(s.num_tokens, 'prompt token')} of sample {s.index} after the "
+                          f"{plural(s.num_cached_tokens, 'token')} "
                           "it shares with sample 0" if s.num_cached_tokens else
-                          f"{agree(s.num_tokens, 'The 1 prompt token', f'All {s.num_tokens} prompt tokens')} of sample {s.index} (it shares none with sample 0: "
+                          f"{agree(s.num_tokens, 'The 1 prompt token', f'All {s.num_tokens} prompt tokens')} of sample "
+                          f"{s.index} (it shares none with sample 0: "
                           + ("prefix caching is off)" if self.info.get("prefix_caching") is False
                              else "no block of the prompt was in the prefix cache)"))
             elif s.num_cached_tokens:
-                tokens = f"The {plural(s.num_tokens, 'prompt token')} after the {s.num_cached_tokens} {agree(s.num_cached_tokens, 'token', 'tokens')} found in the prefix cache"
+                tokens = (f"The {plural(s.num_tokens, 'prompt token')} after the "
+                          f"{plural(s.num_cached_tokens, 'token')} found in the prefix cache")
             else:
                 tokens = f"All {s.num_tokens} prompt tokens" if s.num_tokens > 1 else "The one prompt token"
             verb = "go" if s.num_tokens > 1 else "goes"
