@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from nanovllm_core.educational.commentary import plural
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.widgets.format import bar
 from nanovllm_tui.widgets.live import LiveStatic
@@ -88,7 +87,7 @@ class StatusHeader(LiveStatic):
             if state.step is not None:
                 parts.append((Text(f" · step {state.step}"), 3))
             if cut_short:  # they will never finish: the header said "idle" beside requests listed running
-                parts.append((Text(f" · {plural(active, 'request')} unfinished in it"), 1))
+                parts.append((Text(f" · {active} request{'s' if active != 1 else ''} unfinished in it"), 1))
             else:
-                parts.append((Text(f" · {plural(active, 'active request')}"), 4))
+                parts.append((Text(f" · {active} active request{'s' if active != 1 else ''}"), 4))
         self.show_content(fit(parts, width))
