@@ -273,6 +273,20 @@ def test_one_token_is_one_token_not_1_tokens(capsys, cli_on_shared_model):
     assert not re.search(r"(?<![\d.])1 tokens", out)  # "1 tokens", but not a rate such as "(3.1 tokens/s)"
 
 
+
+@pytest.mark.real_model
+def test_the_summary_and_the_dashboard_each_say_what_their_time_includes(capsys, cli_on_shared_model):
+    """Trial 7: the dashboard said "Overall 1.4 tok/s (1.43 s)" and the summary "2 tokens in 1.49 s
+    (1.3 tokens/s)", two timings of one run with no word of why they differ. Each says what it counts."""
+    code, out, err = run_cli(capsys, "--max-tokens", "2", "--num-kv-blocks", "64", "--dashboard")
+    assert code == 0, err
+    steps = re.search(r"Overall\s+[\d.,]+ tok/s over ([\d.]+) s[^\n]*\n[^\n]*\(engine steps only\)", out)
+    wall = re.search(r"2 tokens in ([\d.]+) s of wall time \([\d.]+ tokens/s, tokenizing, detokenizing and the "
+                     r"teaching views' output included\)", out)
+    assert steps and wall, out
+    assert float(steps.group(1)) <= float(wall.group(1))  # the steps lie inside the wall time
+
+
 @pytest.mark.real_model
 def test_two_prompts_written_to_a_file_leave_no_line_of_spaces(capsys, cli_on_shared_model):
     """Issue 29: the progress bar's last redraw left a line of spaces in captured output."""

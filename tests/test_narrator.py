@@ -600,3 +600,19 @@ def test_a_lone_decode_step_says_what_share_of_the_measured_bandwidth_its_weight
     n2.feed(sampled(1, n_out=2))
     dec = next(c for c in n2.feed(timed(1, wall=wall, tokens=2)) if c.kind == "decode")  # shared with another token
     assert "GB/s" not in dec.text
+
+
+def test_grouped_score_shape_is_explained_from_its_numbers():
+    """Trial 7: Q [5, 9, 64], K [5, 3, 64] and then scores [3, 15, 5] with no word of why; a learner expects
+    [9, 5, 5]. The entry names each axis of the grouped layout, with the numbers of this trace."""
+    n = fresh()
+    n.feed(added(ids=(1, 2, 3, 4, 5), pieces=("a", "b", "c", "d", "e")))
+    n.feed(planned(0, [entry(num=5, prompt_len=5, total_len=5)]))
+    trace = ev.LayerTrace(step=0, request_id="0", layer=0, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                          hidden_size=576, kv_bytes_per_token=46080, ops=(),
+                          tensors=(ev.TensorInfo("token_embeddings", (5, 576), (0.5,)), ev.TensorInfo("q", (5, 9, 64), ()),
+                                   ev.TensorInfo("k", (5, 3, 64), ()), ev.TensorInfo("scores", (3, 15, 5), ())))
+    n.feed(trace)
+    att = next(c for c in n.feed(timed(0, tokens=5)) if c.kind == "attention")
+    assert "[3, 15, 5], [KV head, its 3 query heads x 5 tokens, 5 keys]" in att.text
+    assert "3 x 5 = 15 rows" in att.text and "not [9, 5, 5]" in att.text

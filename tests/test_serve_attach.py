@@ -193,7 +193,10 @@ async def test_an_attached_app_says_demonstrations_need_a_local_engine(tiny_serv
         tutorial = app.query_one("#tutorial-view")
         # r can only refuse here, so it is not offered (issue 29); reached anyway (the palette), it says why
         assert tutorial.check_action("run_demo", ()) is False
-        tutorial.action_run_demo()
+        await pilot.press("r")  # the hidden key pressed anyway: the refusal names the demonstration (trial 7)
+        await wait_until(pilot, lambda: notes.find("No demonstration under --connect", "warning"), 10,
+                         "the refusal of the hidden key")
+        tutorial.action_run_demo()  # (the same words, still on screen, are not shown twice)
         await wait_until(pilot, lambda: notes.find("start nanovllm-tui without --connect", "warning"), 10, "the note")
         assert not notes.find("still loading")
 

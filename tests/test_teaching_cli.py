@@ -294,3 +294,23 @@ def test_the_dashboard_text_cell_shows_the_newest_words_cut_at_the_left():
     console = Console(width=12, record=True, color_system=None)
     console.print(NewestText("漢字" * 10))  # wide characters: still within the cell
     assert max(len(line) for line in console.export_text().splitlines()) <= 12
+
+
+@pytest.mark.parametrize("info, xray, says, never", [
+    ({"num_layers": 30}, False, "not measured per layer; --xray traces them", "split over"),
+    ({"num_layers": 30}, True, "X-Ray traces chosen steps only", "--xray traces them"),
+    # Trial 7: at --tensor-parallel-size 3 with --xray given the row told the reader to add --xray.
+    ({"num_layers": 30, "tensor_parallel_size": 3}, True, "an engine split over 3 ranks is not traced",
+     "--xray traces them"),
+    ({"num_layers": 30, "tensor_parallel_size": 3}, False, "an engine split over 3 ranks is not traced",
+     "--xray traces them"),
+])
+def test_the_dashboard_layers_hint_is_true_for_the_options_given(info, xray, says, never):
+    from rich.console import Console
+
+    from nanovllm_core.educational.dashboard_view import DashboardView
+
+    console = Console(width=140, record=True, color_system=None)
+    console.print(DashboardView(console, info, xray=xray).render())
+    text = console.export_text()
+    assert "all 30 in one call" in text and says in text and never not in text

@@ -464,3 +464,53 @@ def test_the_split_lines_say_nothing_they_cannot_derive():
     assert text.startswith("X-RAY · step 4 · 3 tokens · split over 2 ranks")
     assert "Measured in this step: rank 0: compute 10.00 ms · communication 2.00 ms (17%)" in text
     assert render_split_step(TINY, step) is None
+
+
+def test_the_tutorial_tab_does_not_tell_a_split_app_to_start_split():
+    """Where the app's own engine is already split, the Tutorial tab names that engine, not the option to add."""
+    from nanovllm_core.educational.tp_facts import SPLIT_RUN_ELSEWHERE, split_run_words
+
+    assert split_run_words({}) == SPLIT_RUN_ELSEWHERE
+    split = split_run_words({"tensor_parallel_size": 3})
+    assert "already split over 3 ranks" in split and "--tensor-parallel-size" not in split
+
+
+def test_the_communication_note_follows_its_steps_tokens_in_the_last_step_too():
+    """Trial 7: the last step printed FINISHED and 'KV cache: empty' and only then its communication note,
+    while steps 0-2 had it right after their tokens. Every step: tokens, communication, finish, KV cache."""
+    from dataclasses import replace
+
+    from nanovllm_core.educational.narrator import Narrator
+    from tests.test_narrator import added, entry, finished, planned, sampled
+
+    n = Narrator(INFO)
+    n.feed(added(max_tokens=2))
+    kinds_of = []
+    for step, last in ((0, False), (1, True)):
+        n.feed(planned(step, [entry(kind="prefill" if step == 0 else "decode", num=3 if step == 0 else 1,
+                                    start=0 if step == 0 else 3, total_len=3 if step == 0 else 4)]))
+        n.feed(sampled(step, n_out=step + 1))
+        if last:
+            n.feed(finished(n_out=2, step=step))
+        done = replace(timed(step=step), num_blocks_used=0 if last else 1)
+        kinds_of.append([c.kind for c in n.feed(done)])
+    for kinds in kinds_of:
+        told = kinds.index("communication")
+        assert kinds[told - 1] in ("decode", "prefill"), kinds
+        assert all(k in ("finished", "kv_cache") for k in kinds[told + 1:]), kinds
+    assert kinds_of[1][-2:] == ["finished", "kv_cache"], kinds_of[1]
+
+
+def test_the_embedding_entry_does_not_ask_for_xray_where_a_split_engine_is_not_traced():
+    """Trial 7's kind: with --xray given at N = 3 the entry said "Real values appear when X-Ray capture is on"."""
+    from nanovllm_core.educational.narrator import Narrator
+    from tests.test_narrator import added, entry, planned
+    from tests.test_narrator import timed as one_step
+
+    for info, says in (({**INFO, "tensor_parallel_size": 3}, "an engine split over ranks is not traced"),
+                       (INFO, "only in a step X-Ray traces")):
+        n = Narrator(info)
+        n.feed(added())
+        n.feed(planned(0, [entry()]))
+        emb = next(c for c in n.feed(one_step(0)) if c.kind == "embedding")
+        assert says in emb.text and "when X-Ray capture is on" not in emb.text

@@ -93,6 +93,8 @@ async def test_a_model_that_cannot_load_is_reported_and_the_app_stays_up(tmp_pat
                          what="the load failure's notification")
         assert app.state.phase == "failed"
         assert "does not exist" in str(app.query_one("#header").render())
+        # the model path was given: the toast does not tell the reader to "try --model PATH" (trial 7's kind)
+        assert notes.find("--model naming a checkpoint that loads") and not notes.find("Try --model")
         await send_prompt(pilot, "Hello")
         await wait_until(pilot, lambda: notes.find("was rejected: no model loaded"), what="the rejection")
         await still_answers_keys(pilot)

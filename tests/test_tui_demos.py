@@ -139,6 +139,13 @@ async def test_a_replay_runs_no_demonstration(tmp_path):
         view = app.query_one(TutorialView)
         assert view.session is None and not view.measuring
         assert not notes.find("", "error")
+        # Trial 7: the hidden key said nothing, and the only words on screen were the prompt bar's
+        # "takes no prompts". Each refused key now names what it refused.
+        assert notes.find("No demonstration in a replay", "warning")
+        await pilot.press("1", "a", "ctrl+t")  # (on the Tutorial tab, a answers the quiz)
+        await pilot.pause(0.3)
+        assert notes.find("No abort in a replay", "warning") and notes.find("No chat/raw switch in a replay", "warning")
+        assert not [n for n in notes.items if "takes no prompts" in n.message]
 
 
 async def test_chapter_13_measures_all_reduces_and_says_when_the_split_engine_is_missing(tiny_model, tmp_path,

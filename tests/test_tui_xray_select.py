@@ -100,3 +100,21 @@ async def test_the_app_shows_a_refused_xray_as_not_done_and_a_finished_row_stays
         await wait_until(pilot, lambda: notes.find("xray:"), 10, "the refusal")
         note = notes.find("xray:")[0]
         assert note.title == "Not done" and "'nope'" in note.message and note.severity == "warning"
+
+
+@pytest.mark.parametrize("live", [True, False])
+def test_the_xray_hint_says_a_finished_selection_gets_no_trace_and_how_to_pick_a_running_one(live):
+    """Trial 7: with a finished request selected, paused, n ran a step but the tab still said "No trace
+    yet: send a prompt, or press n while paused". The hint says the selection has finished and names ] / [."""
+    from nanovllm_tui.state import EngineState, RequestView
+    from nanovllm_tui.views.xray import no_trace_words
+
+    state = EngineState()
+    state.requests["0"] = RequestView("0", "hi", state="finished")
+    alone = no_trace_words(state, "0", live)
+    assert "request 0 is finished" in alone and "press n while paused" not in alone.split(";")[0]
+    assert ("send a prompt" in alone) == live and "No trace yet" not in alone
+    state.requests["1"] = RequestView("1", "yo", state="running")
+    two = no_trace_words(state, "0", live)
+    assert "select a running one with ] or [ (running: 1)" in two
+    assert no_trace_words(state, "1", live).startswith("No trace yet: send a prompt")

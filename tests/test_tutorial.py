@@ -329,7 +329,7 @@ def test_the_tutorial_with_demos_answers_and_demonstrates(demos, tmp_path):
                           start=0, demo_runner=demos, model_info=demos.load())
     text = buf.getvalue()
     assert result.asked == 1 and result.right == 1
-    assert "Live demonstration: Your prompt as token ids" in text and "Token ids: [" in text
+    assert "Live demonstration: A prompt as token ids (on its own fixed prompt 'The capital of France is'" in text and "Token ids: [" in text
     assert "On this model: This model's vocabulary has 49,152 entries" in text
 
 
@@ -532,3 +532,17 @@ def test_the_kv_chapters_growth_figures_are_derived_from_the_models_shapes():
     assert f"{per_key:,} more for each cached key" in line and f"reaches the rest at {crossover:,} tokens" in line
     text = " ".join(chapter("kv_cache").paragraphs)
     assert "n^3/6 pairs" in text and "grows linearly" in text
+
+
+def test_no_demonstration_claims_to_show_the_learners_own_prompt():
+    """Every demo sends a fixed prompt of its own: no title or 'Watch' line says "your", and the heading
+    that announces a demo names the fixed prompt (trial 7: 'Your prompt as token ids' tokenized a canned one)."""
+    import re
+
+    from nanovllm_core.educational import tutorial as tut
+
+    for d in tut.DEMOS.values():
+        assert not re.search(r"\byour\b", d.title + " " + d.watch, re.I), d.key
+    ch1 = next(c for c in tut.CHAPTERS if c.demo == "tokenization")
+    heading = tut.demo_heading(ch1)
+    assert repr(ch1.demo_prompt) in heading and "not one you typed" in heading

@@ -291,7 +291,11 @@ def _generate(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, pr
         print()
     total = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     info = llm.engine.model_info()
-    print(f"{len(outputs)} prompt(s), {plural(total, 'token')} in {elapsed:.2f} s ({total / max(elapsed, 1e-9):.1f} tokens/s) "
+    # Wall time around generate(): tokenizing, adding the requests, every step, detokenizing and any
+    # teaching view's printing; the dashboard's Overall counts engine steps only, so it is shorter.
+    included = "tokenizing, detokenizing" + (" and the teaching views' output" if views is not None else "")
+    print(f"{len(outputs)} prompt(s), {plural(total, 'token')} in {elapsed:.2f} s of wall time "
+          f"({total / max(elapsed, 1e-9):.1f} tokens/s, {included} included) "
           f"on {llm.engine.device.type}, {str(llm.engine.dtype).replace('torch.', '')}"
           + (f", {llm.engine.model.quantization} weights" if llm.engine.model.quantization else "")
           + (f" ({info['weight_format']})" if llm.engine.model.quantization else "")
@@ -381,6 +385,8 @@ def open_trace_recorders(llm, args: argparse.Namespace) -> list:
 
 
 def print_memory_stats(stats: dict) -> None:
+    from nanovllm_core.educational.commentary import plural
+
     mib = stats["kv_bytes_per_block"] / 2**20
     print("KV cache memory:")
     print(f"  blocks: {stats['kv_blocks_total']} x {stats['block_size']} tokens ({mib:.2f} MiB each, "
@@ -388,7 +394,7 @@ def print_memory_stats(stats: dict) -> None:
     print(f"  in use now: {stats['kv_blocks_used']}, cached-free: {stats['kv_blocks_cached']}, "
           f"free: {stats['kv_blocks_free'] - stats['kv_blocks_cached']}")
     print(f"  slots allocated but unfilled: {stats['kv_slots_wasted']}")
-    print(f"  prefix cache: {stats['prefix_cache_hits']} of {stats['prefix_cache_queries']} tokens looked up hit "
+    print(f"  prefix cache: {stats['prefix_cache_hits']} of {plural(stats['prefix_cache_queries'], 'token')} looked up hit "
           "(prompts, and tokens re-admitted after a preemption) "
           f"({stats['prefix_cache_hit_rate']:.1%})")
     print(f"  preemptions: {stats['num_preemptions']}, steps: {stats['steps']}")

@@ -49,6 +49,15 @@ VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayVi
 NARROW, SHORT = 100, 30  # below these sizes panels fold away (see app.tcss)
 REPLAY_REFUSAL = REPLAY_NOTES[0] + "."  # the toast when a replay is asked for a prompt
 NOT_IN_REPLAY = ("focus_prompt", "toggle_chat", "abort")  # actions a replay cannot carry out
+# What each of them would have done, named when its hidden key is pressed in a replay anyway (trial 7:
+# every refusal said "takes no prompts", also for keys that are not about prompts).
+REPLAY_REFUSALS = {
+    "focus_prompt": REPLAY_REFUSAL,
+    "toggle_chat": ("No chat/raw switch in a replay: it applies to prompts you send, and a replay plays a "
+                    "recording; start without --replay to send one."),
+    "abort": ("No abort in a replay: its requests are recorded and run as they ran; start without --replay to "
+              "abort a request of your own."),
+}
 # The controllers' commands: an EngineError "<command>: why" (no step) is that command refused.
 COMMANDS = ("submit", "pause", "resume", "step", "abort", "xray", "call", "snapshot")
 
@@ -382,7 +391,9 @@ class NanoVLLMApp(App):
                         markup=False)
         elif isinstance(event, ev.EngineError):
             if event.step is None and event.message.startswith("model failed to load"):
-                self.notify(f"{event.message}. Try --model PATH, or --replay FILE.jsonl to watch a recording.",
+                # (true whether or not --model was given: the app does not know, so it does not say "try --model")
+                self.notify(f"{event.message}. Start again with --model naming a checkpoint that loads, or "
+                            "--replay FILE.jsonl to watch a recording.",
                             title="No model", severity="error", timeout=30, markup=False)
             elif event.step is None and event.message.partition(":")[0] in COMMANDS:
                 # a command refused (by the engine, a server or a replay): not a failure of the engine
@@ -538,7 +549,9 @@ class NanoVLLMApp(App):
             text = event.character
         else:
             active = self.screen.active_bindings.get(event.key)
-            if active is None or not active.enabled:
+            if active is None:
+                return self._refuse_hidden_key(event.key)
+            if not active.enabled:
                 return False
             return await self.run_action(active.binding.action, active.node)
         if not isinstance(focused, Input):
@@ -549,6 +562,28 @@ class NanoVLLMApp(App):
         else:
             focused.replace(text, *selection)
         return True
+
+    def _refuse_hidden_key(self, key: str) -> bool:
+        """A key whose action is hidden here (a replay's prompt, chat and abort keys, the Tutorial's
+        ``r`` in a replay or under --connect): say what was refused and why, instead of nothing.
+        True when it was told; False leaves the key to Textual."""
+        for node, bindings in self.screen._modal_binding_chain:
+            for bound, binding in bindings:
+                if bound != key:
+                    continue
+                action = binding.action.partition("(")[0]
+                if node.check_action(action, ()) is not False:
+                    continue
+                refusal = getattr(node, "refusal", None)
+                why = refusal(action) if refusal is not None else None
+                if why:
+                    self.notify(why, severity="warning", markup=False)
+                    return True
+        return False
+
+    def refusal(self, action: str) -> str | None:
+        """Why the app refuses ``action`` here (see :meth:`check_action`), or None."""
+        return REPLAY_REFUSALS.get(action) if action in NOT_IN_REPLAY and not self.live else None
 
     # ------------------------------------------------------------------ tabs and selection
 

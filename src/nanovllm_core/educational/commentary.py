@@ -51,6 +51,12 @@ def plural(n: int, word: str) -> str:
     return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
+def agree(n: int, one: str, many: str) -> str:
+    """The verb (or pronoun) that agrees with a count: ``agree(1, "remains", "remain")`` -> ``"remains"``,
+    ``agree(2, "remains", "remain")`` -> ``"remain"``. Used beside :func:`plural` so "1 token remains" reads right."""
+    return one if n == 1 else many
+
+
 def ordinal(n: int) -> str:
     """``1`` -> ``"1st"``, ``12`` -> ``"12th"``, ``23`` -> ``"23rd"``."""
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")

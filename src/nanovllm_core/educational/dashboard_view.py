@@ -9,7 +9,8 @@ time in the last step.
 Layer progress is shown only when it is measured: the engine's forward pass runs all layers
 in one call and reports nothing per layer, unless X-Ray capture is on (``--xray``), whose
 ``LayerTrace`` events arrive layer by layer. Without them the dashboard shows step progress
-and says that layers are not measured.
+and says that layers are not measured, and why: no ``--xray``, a step X-Ray did not choose, or an
+engine split over ranks (tensor parallel), which X-Ray does not trace.
 
 On a terminal the view is a ``rich.live.Live`` region redrawn as events arrive; anything
 else printed through the same console (the narrator, X-Ray) appears above it. When the
@@ -35,7 +36,7 @@ from nanovllm_core import events as ev
 from nanovllm_core.educational.narrator import human_bytes
 from nanovllm_core.educational.narrator_sampling import table_caption
 from nanovllm_core.educational.rich_parts import topk_table
-from nanovllm_core.educational.tp_facts import dashboard_lines
+from nanovllm_core.educational.tp_facts import dashboard_lines, tp_size
 
 MIN_REDRAW_S = 0.05  # token and layer events redraw at most this often; step ends always redraw
 MAX_REQUEST_ROWS = 8
@@ -88,11 +89,13 @@ class DashboardView:
     Args:
         console: the shared console (a terminal gets live frames; anything else one final snapshot).
         model_info: ``LLMEngine.model_info()`` for the header, layer count and KV sizes.
+        xray: X-Ray capture was asked for (``--xray``), so the Layers row does not tell the reader to add it.
     """
 
-    def __init__(self, console: Console, model_info: dict[str, Any] | None = None) -> None:
+    def __init__(self, console: Console, model_info: dict[str, Any] | None = None, xray: bool = False) -> None:
         self.console = console
         self.info = dict(model_info or {})
+        self.xray = xray
         self.requests: dict[str, _Request] = {}
         self.phase = "idle"
         self.step: int | None = None
@@ -247,6 +250,17 @@ class DashboardView:
                               subtitle=self.top_caption, subtitle_align="left"))
         return Panel(Group(*body), title="nano-vLLM inference dashboard", border_style="cyan")
 
+    def _layers_hint(self) -> str:
+        """Why the Layers row has no per-layer bar, true for the options given: a split engine
+        (tensor parallel) captures nothing, so --xray cannot help there; with --xray on a single
+        engine only the steps X-Ray chooses are traced; only without it does the hint name --xray."""
+        tp = tp_size(self.info)
+        if tp > 1:
+            return f"not measured per layer: an engine split over {tp} ranks is not traced"
+        if self.xray:
+            return "not measured per layer: X-Ray traces chosen steps only"
+        return "not measured per layer; --xray traces them"
+
     def _progress(self) -> Panel:
         grid = Table.grid(padding=(0, 1))
         grid.add_column(style="bold", width=9)
@@ -263,7 +277,7 @@ class DashboardView:
                          Text("X-Ray traces chosen steps only", style="dim"))
         else:
             grid.add_row("Layers", Text(f"all {layers or '?'} in one call", style="dim"),
-                         Text("not measured per layer; --xray traces them", style="dim"))
+                         Text(self._layers_hint(), style="dim"))
         prompt_total = sum(r.prompt_len for r in self.requests.values())
         prompt_done = sum(r.computed for r in self.requests.values())
         grid.add_row("Prefill", ProgressBar(total=max(prompt_total, 1), completed=prompt_done, width=BAR),
@@ -307,7 +321,10 @@ class DashboardView:
             speed.add_row("Decode", f"{rate(last.decode_tokens_per_s)} tok/s (last step)")
             elapsed = (self.ended or 0) - (self.started or 0)
             if elapsed > 0:
-                speed.add_row("Overall", f"{rate(self.total_generated / elapsed)} tok/s ({elapsed:.2f} s)")
+                # engine steps only: from the first step's plan to the last step's end. The command's
+                # own total (cli.py) is wall time around generate(), tokenizing and detokenizing included.
+                speed.add_row("Overall", f"{rate(self.total_generated / elapsed)} tok/s over {elapsed:.2f} s")
+                speed.add_row("", Text("(engine steps only)", style="dim"))
             speed.add_row("Step time", f"{last.wall_time_s * 1000:.1f} ms")
         else:
             speed.add_row("Throughput", "no step yet")

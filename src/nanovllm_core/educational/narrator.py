@@ -19,7 +19,8 @@ Order: events of one engine step arrive as ``StepPlanned``, (``LayerTrace``...),
 (``SpecDecodeStep``, ``TokenSampled``...)..., ``RequestFinished``..., ``BlocksChanged``,
 ``StepTimed``. Scheduler decisions are told at ``StepPlanned``; the rest of the step is
 told at ``StepTimed``, when its wall time is known, in reading order (embedding, prefill,
-tokens, finished, KV cache).
+tokens, a split step's communication, finished, KV cache: every step's communication note directly
+after its tokens, the last step's too).
 
 Readability with many requests: steady decode-only steps produce no scheduler entry, and
 ``max_decode_steps_per_request`` caps the per-token entries of each request (the rest are
@@ -39,12 +40,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanovllm_core import events as ev
-from nanovllm_core.educational.commentary import Commentary, human_bytes, ms, ordinal, plural, show_piece, who
+from nanovllm_core.educational.commentary import (Commentary, agree, human_bytes, ms, ordinal, plural,
+                                                    show_piece, who)
 from nanovllm_core.educational.kv_facts import kv_footprint
 from nanovllm_core.educational.narrator_sampling import (sampling_intro, speculative_entry, token_choice, token_label,
                                                          verification_rule)
 from nanovllm_core.educational.narrator_scheduler import PRIORITY_NOTE, SchedulerNarration
-from nanovllm_core.educational.tp_facts import waited_on_communication
+from nanovllm_core.educational.tp_facts import tp_size, waited_on_communication
 
 __all__ = ["KINDS", "Commentary", "Narrator", "PRIORITY_NOTE", "human_bytes", "ms", "ordinal", "plural", "show_piece"]
 
@@ -80,6 +82,26 @@ class _RequestState:
 class _OpenStep:
     plan: ev.StepPlanned
     events: list[ev.Event] = field(default_factory=list)
+
+
+def _scores_layout(shape: tuple[int, ...], num_heads: int, num_kv_heads: int) -> str:
+    """What each axis of a traced score matrix is, read off its numbers, so a learner who expects
+    [query heads, tokens, keys] sees why X-Ray's is grouped. X-Ray (educational/xray.py) records
+    ``[num_kv_heads, group * tokens, keys]``, the layout of grouped-query attention (Ainslie et al. 2023):
+    each KV head's keys meet the queries of its ``group`` query heads in one product, K never copied.
+    Older traces are ``[batch, heads, tokens, keys]``. Returns "" for a layout it cannot name."""
+    group = num_heads // max(1, num_kv_heads)
+    if len(shape) == 3 and shape[0] == num_kv_heads and group > 1 and shape[1] % group == 0:
+        n, keys = shape[1] // group, shape[2]
+        return (f", [KV head, its {group} query heads x {plural(n, 'token')}, {plural(keys, 'key')}]: the queries "
+                f"are grouped by the KV head they read, so each of the {num_kv_heads} KV heads meets its {group} "
+                f"heads' queries ({group} x {n} = {shape[1]} rows) in one product, not [{num_heads}, {n}, {keys}] "
+                "with its keys copied per query head")
+    if len(shape) == 3 and shape[0] == num_heads:
+        return f", [head, {plural(shape[1], 'query token')}, {plural(shape[2], 'key')}]"
+    if len(shape) == 4 and shape[1] == num_heads:
+        return f", [batch, head, {plural(shape[2], 'query token')}, {plural(shape[3], 'key')}]"
+    return ""
 
 
 class Narrator(SchedulerNarration):
@@ -252,6 +274,7 @@ class Narrator(SchedulerNarration):
         first_kept: dict[int, ev.SpecDecodeStep] = {}  # a verification, until its first kept token is told
         # per sequence: the verification of this step, its rule, and how many of its kept tokens were told
         run: dict[int, list] = {}
+        ends: list[Commentary] = []  # finishes, told after the step's forward pass and its communication note
         for e in events:
             if isinstance(e, ev.TokenSampled):
                 kept_by = None
@@ -270,17 +293,22 @@ class Narrator(SchedulerNarration):
                 run[e.seq_id] = [e, greedy, 0]
                 out.append(speculative_entry(e, self._name(e.request_id), greedy, kept.get(e.seq_id)))
             elif isinstance(e, ev.RequestFinished):
-                out.append(self._finished(e))
+                ends.append(self._finished(e))
             elif isinstance(e, ev.EngineError):
                 out.append(Commentary("error", "Engine error" + (f" in step {e.step}" if e.step is not None else ""),
                                       e.message + (f" (request {e.request_id} was finished because of it)"
                                                    if e.request_id else ""), request_id=e.request_id, step=e.step))
         if timed is not None:
-            out.extend(self._kv_cache(timed, blocks))
+            # The forward pass's communication belongs beside the tokens it produced, in every step: before
+            # a finish and the KV cache entry, so the last step's note does not follow "KV cache: empty"
+            # as if it were a step of its own (trial 7).
             waited = waited_on_communication(timed)  # a step split over ranks (tensor parallel)
             if waited is not None:
                 out.append(Commentary("communication", f"Step {timed.step} waited on communication", waited,
                                       step=timed.step))
+        out.extend(ends)
+        if timed is not None:
+            out.extend(self._kv_cache(timed, blocks))
         return out
 
     def _embedding(self, plan: ev.StepPlanned, s: ev.ScheduledEntry, trace: ev.LayerTrace | None) -> list[Commentary]:
@@ -295,7 +323,8 @@ class Narrator(SchedulerNarration):
         matrix = f"[{vocab}, {hidden}]" if vocab else f"[vocab_size, {hidden}]"
         ids = "The token id" if s.num_tokens == 1 else f"Each of the {s.num_tokens} token ids"
         rows = plan.num_batched_tokens
-        batch = (f"its {s.num_tokens} rows join {plural(rows - s.num_tokens, 'row')} of other sequences in the step's "
+        batch = (f"its {plural(s.num_tokens, 'row')} {agree(s.num_tokens, 'joins', 'join')} "
+                 f"{plural(rows - s.num_tokens, 'row')} of other sequences in the step's "
                  f"flat [{rows}, {hidden}] hidden states" if rows > s.num_tokens
                  else f"the hidden states are [{rows}, {hidden}]")
         text = (f"{ids} of this prefill selects one row of the {matrix} embedding matrix, a lookup without "
@@ -308,7 +337,13 @@ class Narrator(SchedulerNarration):
                 text += f" The last token's vector begins {values}, ... (real values from this run)."
             return [Commentary("embedding", title, text, request_id=s.request_id, step=trace.step),
                     self._attention(trace)]
-        text += " (Real values appear when X-Ray capture is on.)"
+        # True whether or not --xray was given (trial 7: at --tensor-parallel-size 3 with --xray on it
+        # said "Real values appear when X-Ray capture is on").
+        if tp_size(self.info) > 1:
+            text += " (No real values: an engine split over ranks is not traced by X-Ray.)"
+        else:
+            text += (" (Real values appear only in a step X-Ray traces, with --xray or the app's X-Ray tab; this "
+                     "one was not traced.)")
         return [Commentary("embedding", title, text, request_id=s.request_id)]
 
     def _attention(self, t: ev.LayerTrace) -> Commentary:
@@ -319,7 +354,8 @@ class Narrator(SchedulerNarration):
                 f"{list(q.shape) if q else '?'} and K, V {list(k.shape) if k else '?'}: {t.num_heads} query heads share "
                 f"{t.num_kv_heads} KV heads, {group} per KV head (query head h reads KV head h // {group}; no KV head is "
                 f"copied), so the cache keeps {group}x fewer keys and values. The scores S = Q K^T / sqrt({t.head_dim})"
-                + (f" have the shape {list(scores.shape)}" if scores else "")
+                + (f" have the shape {list(scores.shape)}{_scores_layout(scores.shape, t.num_heads, t.num_kv_heads)}"
+                   if scores else "")
                 + "; the causal softmax turns each row into weights that sum to 1.")
         kernel = self.info.get("attention_backend")
         if kernel in ("sdpa", "flash-attn", "cpu-paged"):
@@ -345,7 +381,8 @@ class Narrator(SchedulerNarration):
         name = self._name(s.request_id, s.index)
         cap = f"{name[0].upper()}{name[1:]}"
         rows = plan.num_batched_tokens
-        flat = (f" They are {s.num_tokens} of the step's {rows} token rows, which run through each layer together "
+        flat = (f" {agree(s.num_tokens, 'It is 1', f'They are {s.num_tokens}')} of the step's {rows} token rows, "
+                "which run through each layer together "
                 "as one flat batch." if rows > s.num_tokens else "")
         timing = ""
         if timed is not None and timed.wall_time_s > 0:  # the Dashboard's prefill rate, over this one step
@@ -362,7 +399,8 @@ class Narrator(SchedulerNarration):
             kv = f" Its keys and values, {per_token:,} bytes, are now in the KV cache."
         end = s.start + s.num_tokens
         remaining = s.total_len - end
-        rest = f" {plural(remaining, 'token')} remain for later steps." if remaining else ""
+        rest = (f" {plural(remaining, 'token')} {agree(remaining, 'remains', 'remain')} for later steps."
+                if remaining else "")
         rid = s.request_id
         if self._preemptions(plan, s.seq_id) or s.total_len > s.prompt_len:
             reused = (f"; the {s.num_cached_tokens} before them came back from the prefix cache"
@@ -381,13 +419,16 @@ class Narrator(SchedulerNarration):
         whole = s.start == s.num_cached_tokens and end == s.total_len
         if whole:
             if s.index > 0:
-                tokens = (f"The {plural(s.num_tokens, 'prompt token')} of sample {s.index} after the {s.num_cached_tokens} "
+                tokens = (f"The {plural(s.num_tokens, 'prompt token')} of sample {s.index} after the "
+                          f"{plural(s.num_cached_tokens, 'token')} "
                           "it shares with sample 0" if s.num_cached_tokens else
-                          f"All {s.num_tokens} prompt tokens of sample {s.index} (it shares none with sample 0: "
+                          f"{agree(s.num_tokens, 'The 1 prompt token', f'All {s.num_tokens} prompt tokens')} of sample "
+                          f"{s.index} (it shares none with sample 0: "
                           + ("prefix caching is off)" if self.info.get("prefix_caching") is False
                              else "no block of the prompt was in the prefix cache)"))
             elif s.num_cached_tokens:
-                tokens = f"The {plural(s.num_tokens, 'prompt token')} after the {s.num_cached_tokens} found in the prefix cache"
+                tokens = (f"The {plural(s.num_tokens, 'prompt token')} after the "
+                          f"{plural(s.num_cached_tokens, 'token')} found in the prefix cache")
             else:
                 tokens = f"All {s.num_tokens} prompt tokens" if s.num_tokens > 1 else "The one prompt token"
             verb = "go" if s.num_tokens > 1 else "goes"
@@ -445,7 +486,7 @@ class Narrator(SchedulerNarration):
             per_token = self.info.get("kv_bytes_per_token")
             ctx = e.position
             text += (f"{took} This sequence ran one new token through the layers; its query read the keys and values "
-                     f"of its {ctx} tokens so far from the KV cache"
+                     f"of its {plural(ctx, 'token')} so far from the KV cache"
                      + (f", {ctx} x {per_token:,} = {ctx * per_token:,} bytes: reads of its own, which batching "
                         "with other sequences does not share." if per_token else "."))
             text += self._bandwidth_share(timed)
@@ -549,11 +590,13 @@ class Narrator(SchedulerNarration):
         text += (f" Time to first token {ms(e.ttft_s)}, time per output token {ms(e.tpot_s)}, end to end {ms(e.e2e_s)}"
                  + (" (sample 0's times)." if len(e.samples) > 1 else "."))
         if e.num_cached_prompt_tokens:
-            text += f" {e.num_cached_prompt_tokens} of its {e.num_prompt_tokens} prompt tokens came from the prefix cache."
+            text += (f" {e.num_cached_prompt_tokens} of its {plural(e.num_prompt_tokens, 'prompt token')} came from the "
+                     "prefix cache.")
         if e.num_preemptions:
-            text += f" It was preempted {e.num_preemptions} time{'s' if e.num_preemptions != 1 else ''}."
+            text += f" It was preempted {plural(e.num_preemptions, 'time')}."
         if state is not None and state.decode_untold:
-            text += f" {state.decode_untold} of its tokens were not narrated one by one."
+            text += (f" {agree(state.decode_untold, '1 of its tokens was', f'{state.decode_untold} of its tokens were')} "
+                     "not narrated one by one.")
         if e.error:
             text += f" Error: {e.error}"
         return Commentary("finished", f"Request {e.request_id} finished: {e.finish_reason}", text,

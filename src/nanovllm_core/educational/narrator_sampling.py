@@ -17,7 +17,7 @@ import math
 from typing import Any
 
 from nanovllm_core import events as ev
-from nanovllm_core.educational.commentary import Commentary, join_words, ordinal, plural, show_piece
+from nanovllm_core.educational.commentary import Commentary, agree, join_words, ordinal, plural, show_piece
 
 GREEDY_EPS = 1e-5  # SamplingParams: a temperature below this is greedy
 
@@ -36,7 +36,7 @@ def processors(sampling: dict[str, Any], num_outputs_before: int) -> list[str]:
     """
     out = []
     if num_outputs_before < int(sampling.get("min_tokens", 0)):
-        out.append(f"the min_tokens ban on end-of-sequence and stop tokens (until {sampling['min_tokens']} are generated)")
+        out.append(f"the min_tokens ban on end-of-sequence and stop tokens (until {agree(int(sampling['min_tokens']), '1 is', str(sampling['min_tokens']) + ' are')} generated)")
     if float(sampling.get("repetition_penalty", 1.0)) != 1.0:
         out.append(f"repetition penalty {sampling['repetition_penalty']:g}")
     if num_outputs_before and float(sampling.get("frequency_penalty", 0.0)):
@@ -64,7 +64,7 @@ def sampling_intro(name: str, rid: str, s: dict[str, Any], max_tokens: int | Non
     """The ``sampling`` entry: what this request's settings will do to every next-token choice, in the engine's order."""
     steps = []
     if int(s.get("min_tokens", 0)):
-        steps.append(f"end-of-sequence and stop tokens are banned until {s['min_tokens']} tokens have been generated")
+        steps.append(f"end-of-sequence and stop tokens are banned until {plural(int(s['min_tokens']), 'token')} {agree(int(s['min_tokens']), 'has', 'have')} been generated")
     if float(s.get("repetition_penalty", 1.0)) != 1.0:
         r = s["repetition_penalty"]
         steps.append(f"repetition penalty {r:g} {'lowers' if r > 1 else 'raises'} every token already in the prompt "
@@ -173,6 +173,11 @@ def table_caption(e: ev.TokenSampled, sampling: dict[str, Any]) -> str:
     return ("the target's " if e.speculative else "") + "probabilities after " + join_words(changes) + renorm
 
 
+def _all_kept(k: int) -> str:
+    """``"The 1 draft was kept"`` / ``"All 3 drafts were kept"``."""
+    return agree(k, "The 1 draft was kept", f"All {k} drafts were kept")
+
+
 def kept_mechanism(e: ev.TokenSampled, v: ev.SpecDecodeStep, i: int, greedy: bool | None) -> str:
     """How the ``i``-th token kept by verification ``v`` was produced: an accepted draft, the
     replacement after a rejection, or the token added after every draft was kept."""
@@ -199,8 +204,8 @@ def kept_mechanism(e: ev.TokenSampled, v: ev.SpecDecodeStep, i: int, greedy: boo
             return f"The draft {draft} was rejected, and {piece} was drawn in its place from {rest}."
         return f"The draft {draft} was not kept; {piece} replaced it."
     if greedy:
-        return f"All {k} drafts were kept, and the target added its own highest-scoring next token: {piece}."
-    return f"All {k} drafts were kept, and {piece} was drawn from the target's distribution after the last one."
+        return f"{_all_kept(k)}, and the target added its own highest-scoring next token: {piece}."
+    return f"{_all_kept(k)}, and {piece} was drawn from the target's distribution after the last " + agree(k, "draft.", "one.")
 
 
 def token_choice(e: ev.TokenSampled, sampling: dict[str, Any], vocab: int | None,
@@ -289,7 +294,7 @@ def speculative_entry(e: ev.SpecDecodeStep, name: str, greedy: bool | None, appe
             break
         n_ok += 1
     drafts = " ".join(show_piece(t) for t in e.draft_texts)
-    text = (f"The {e.proposer} proposer drafted {plural(k, 'token')} {drafts}. The target model ran {n_query} tokens "
+    text = (f"The {e.proposer} proposer drafted {plural(k, 'token')} {drafts}. The target model ran {plural(n_query, 'token')} "
             f"of this sequence through all its layers in one forward pass (its newest token and the {plural(k, 'draft')}), "
             f"so it scored {k + 1} next-token positions at once.")
     bonus = show_piece(e.bonus_text) if e.bonus_token is not None else None
@@ -301,7 +306,7 @@ def speculative_entry(e: ev.SpecDecodeStep, name: str, greedy: bool | None, appe
                      f"there, so it and any drafts after it are dropped" + (f", and the target's token {bonus} takes its "
                                                                             "place" if bonus else "") + ".")
         elif bonus:
-            text += f" All {k} matched, and the target's own next token after the last draft, {bonus}, is added."
+            text += f" {agree(k, 'It', f'All {k}')} matched, and the target's own next token after the last draft, {bonus}, is added."
         text += " The text is exactly what greedy decoding without speculation gives."
     elif greedy is False:
         point = all(q == 1.0 for q in e.q)
@@ -319,13 +324,13 @@ def speculative_entry(e: ev.SpecDecodeStep, name: str, greedy: bool | None, appe
                 text += f", and {bonus} was drawn in its place from {rest}"
             text += "."
         elif bonus:
-            text += f" All {k} were kept, and {bonus} was drawn from the target's distribution after the last draft."
+            text += f" {agree(k, 'It was', f'All {k} were')} kept, and {bonus} was drawn from the target's distribution after the last draft."
     else:
-        text += f" The target kept {n_ok} of them" + (f" and added {bonus}" if bonus else "") + "."
+        text += f" The target kept {n_ok} of {agree(k, 'it', 'them')}" + (f" and added {bonus}" if bonus else "") + "."
     made = n_ok + (1 if e.bonus_token is not None else 0)
     text += f" {plural(made, 'token')} from one forward pass."
     if appended is not None and appended < made:
-        text += f" A stop condition ended the sequence after {appended} of them."
+        text += f" A stop condition ended the sequence after {appended} of {agree(made, 'it', 'them')}."
     notes = tuple("accepted" if ok else ("rejected" if i == n_ok else "dropped")
                   for i, ok in enumerate(e.accepted))
     return Commentary("speculative", f"{name[0].upper()}{name[1:]}: {n_ok}/{k} draft tokens accepted", text,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from nanovllm_core import events as ev
-from nanovllm_core.educational.commentary import Commentary, join_words, plural
+from nanovllm_core.educational.commentary import Commentary, agree, join_words, plural
 
 PRIORITY_NOTE = ("here a higher priority value is more important; vLLM's is the opposite: lower values run first, "
                  "and its default policy is fcfs")
@@ -85,7 +85,7 @@ class SchedulerNarration:
             name = self._name(s.request_id, s.index)
             if s.kind == "decode":
                 parts.append(f"{name}: decode, 1 token" if s.num_tokens == 1 else
-                             f"{name}: decode with {s.num_tokens - 1} draft tokens, {s.num_tokens} tokens")
+                             f"{name}: decode with {plural(s.num_tokens - 1, 'draft token')}, {s.num_tokens} tokens")
                 continue
             end = s.start + s.num_tokens - 1
             if self._preemptions(plan, s.seq_id):
@@ -129,7 +129,7 @@ class SchedulerNarration:
         head = plan.waiting[0]
         left = plan.token_budget - plan.num_batched_tokens
         if self.info.get("chunked_prefill") is False and head.num_tokens - head.num_computed_tokens > left:
-            return (f"its {head.num_tokens} tokens do not fit the {left} left of the budget, and chunked prefill is "
+            return (f"its {plural(head.num_tokens, 'token')} {agree(head.num_tokens, 'does', 'do')} not fit the {left} left of the budget, and chunked prefill is "
                     "off")
         return "not enough free KV blocks for it now"
 
@@ -171,11 +171,11 @@ class SchedulerNarration:
         if self._preemptions(plan, s.seq_id):
             again, first = self._split(s.seq_id, c, total)
             text = (f"{name[0].upper()}{name[1:]} is readmitted after its preemption: {c} of its {total} tokens "
-                    f"({s.prompt_len} prompt + {total - s.prompt_len} generated) come back from the prefix "
+                    f"({s.prompt_len} prompt + {total - s.prompt_len} generated) {agree(c, 'comes', 'come')} back from the prefix "
                     f"cache{blocks}, blocks that kept their contents while they were cached-free. Their keys and "
-                    f"values are reused; only the other {total - c} are computed{now}{self._again(again, first)}.")
-            title = (f"{name}: readmitted, {c} tokens reused, {again} recomputed" if again is not None
-                     else f"{name}: readmitted, {c} tokens reused, {total - c} computed")
+                    f"values are reused; only the other {total - c} {agree(total - c, 'is', 'are')} computed{now}{self._again(again, first)}.")
+            title = (f"{name}: readmitted, {plural(c, 'token')} reused, {again} recomputed" if again is not None
+                     else f"{name}: readmitted, {plural(c, 'token')} reused, {total - c} computed")
         elif s.index > 0:
             text = (f"Sample {s.index} shares the first {c} of the {s.prompt_len} prompt tokens with sample 0 "
                     f"through the prefix cache{blocks}, whose reference counts go up. It computes the other "
@@ -183,10 +183,10 @@ class SchedulerNarration:
                     "holds the prompt's last token, whose scores each sample needs.")
             title = f"{name}: shares {c} prompt tokens with sample 0"
         else:
-            text = (f"{name[0].upper()}{name[1:]} found its first {c} of {total} tokens already in the prefix "
-                    f"cache{blocks}. Their keys and values are reused, not computed; only the other {total - c} "
-                    f"are computed{now}.")
-            title = f"{name}: prefix cache hit, {c} tokens"
+            text = (f"{name[0].upper()}{name[1:]} found its first {c} of {plural(total, 'token')} already in the prefix "
+                    f"cache{blocks}. {agree(c, 'Its', 'Their')} keys and values are reused, not computed; only the other "
+                    f"{total - c} {agree(total - c, 'is', 'are')} computed{now}.")
+            title = f"{name}: prefix cache hit, {plural(c, 'token')}"
         return Commentary("prefix_cache", f"{title[0].upper()}{title[1:]}", text, request_id=s.request_id,
                           step=plan.step)
 

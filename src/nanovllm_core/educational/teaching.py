@@ -47,7 +47,7 @@ class TeachingViews:
             views.xray = XRayView(console, engine)
             views.subscriptions.append(views.xray.subscribe())
         if dashboard:
-            views.dashboard = DashboardView(console, info)
+            views.dashboard = DashboardView(console, info, xray=xray)
             views.subscriptions.append(views.dashboard.subscribe(engine))
             views.dashboard.start()
         return views

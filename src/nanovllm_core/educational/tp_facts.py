@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from nanovllm_core import events as ev
+from nanovllm_core.educational.commentary import plural
 
 DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 COMM_SHARE_TOLD = 0.2  # the narrator says a step waited on communication from this share of a rank's time
@@ -335,6 +336,16 @@ SPLIT_RUN_ELSEWHERE = ("the split run itself: `nanovllm --tutorial --tutorial-ch
                        "started with --tensor-parallel-size 3, whose Dashboard, X-Ray and Narrator then show every rank")
 
 
+def split_run_words(info: Mapping[str, Any]) -> str:
+    """Where the Tutorial tab's reader finds the split run: :data:`SPLIT_RUN_ELSEWHERE`, or, when the app's
+    own engine (``info``: its ``model_info()``) is already split, that engine, not an option to add."""
+    n = tp_size(info)
+    if n > 1:
+        return (f"the split run itself is this app's own engine, already split over {n} ranks: its Dashboard, "
+                "X-Ray and Narrator show every rank as you send prompts")
+    return SPLIT_RUN_ELSEWHERE
+
+
 def split_engine_available() -> bool:
     """Does this build's ``EngineConfig`` take ``tensor_parallel_size`` (the engine split over ranks)?"""
     import dataclasses
@@ -359,7 +370,7 @@ def communication_words(m: Any, allreduces: int, decode_steps: list[ev.StepTimed
     if decode_steps:
         one = sum(t.wall_time_s for t in decode_steps) / len(decode_steps)
         text += (f" One process decoded the same prompt at {one * 1000:,.1f} ms a step (mean of "
-                 f"{len(decode_steps)} decode step{'s' if len(decode_steps) != 1 else ''}, measured just now): "
+                 f"{plural(len(decode_steps), 'decode step')}, measured just now): "
                  f"the all-reduces alone are {per_token_ms / one / 1000:.1f}x that, and the split ranks' arithmetic, "
                  "on the same cores, comes on top.")
     return text

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from nanovllm_core.attention.fallbacks import FALLBACK_CONDITIONS, FLASH_ATTN_FALLBACK_CONDITIONS
+from nanovllm_core.educational.commentary import plural
 from nanovllm_core.educational.xray_costs import peak_words
 from nanovllm_core.model.block_formats import FORMATS  # torch-free
 from nanovllm_core.sampling_params import SamplingParams
@@ -165,7 +166,7 @@ _SHARED_PREFIX = (
 )
 
 DEMOS: dict[str, Demo] = {d.key: d for d in (
-    Demo("tokenization", "Your prompt as token ids",
+    Demo("tokenization", "A prompt as token ids",
          "Each piece of text and the integer the model receives for it.",
          kinds=("tokenization",), max_tokens=1),
     Demo("embedding", "Token ids become vectors",
@@ -223,6 +224,19 @@ DEMOS: dict[str, Demo] = {d.key: d for d in (
 )}
 # Repeats itself, so prompt lookup has drafts to offer: the first are kept, a later one is not.
 _SPECULATIVE_PROMPT = "Copy the list: red, green, blue, yellow. Copy: red, green, blue, yellow. Copy: red,"
+
+
+def demo_heading(ch: Chapter) -> str:
+    """The line that announces a chapter's demonstration: its title and the fixed prompt it sends, so a
+    learner who typed a prompt of their own is not told the demo shows theirs. Raises KeyError when the
+    chapter has no demonstration."""
+    demo = DEMOS[ch.demo]
+    if not ch.demo_prompt:
+        return demo.title
+    which = "fixed prompts" if demo.extra_prompts else "fixed prompt"
+    shown = f" {ch.demo_prompt!r}" if len(ch.demo_prompt) <= 40 else ""
+    first = ", the first" if demo.extra_prompts and shown else ""
+    return f"{demo.title} (on its own {which}{shown}{first}; not one you typed)"
 
 
 def _quiz(question: str, choices: tuple[str, str, str, str], answer: int, explanation: str) -> Quiz:
@@ -799,7 +813,7 @@ def _tensor_parallel_facts(info: dict[str, Any]) -> list[str]:
         s = tp_facts.shard_shapes(info, n)[0]
         now = "as this engine runs it" if running > 1 else "if it were split"
         lines.append(f"At N = {n} ({now}) each rank holds {s.q_heads[1] - s.q_heads[0]} query heads and "
-                     f"{s.kv_heads[1] - s.kv_heads[0]} KV head{'s' if s.kv_heads[1] - s.kv_heads[0] > 1 else ''} of "
+                     f"{plural(s.kv_heads[1] - s.kv_heads[0], 'KV head')} of "
                      f"every layer: q [{s.q[0]}, {s.q[1]}], k and v [{s.k[0]}, {s.k[1]}], o [{s.o[0]}, {s.o[1]}], "
                      f"gate and up [{s.gate[0]}, {s.gate[1]}], down [{s.down[0]}, {s.down[1]}] ([in, out]), and "
                      f"{s.embedding[0]:,} of the {d.vocab:,} vocabulary rows.")

@@ -30,7 +30,7 @@ from rich.text import Text
 
 from nanovllm_core.educational.rich_parts import Indent
 from nanovllm_core.educational.tutorial import (CHAPTERS, DEMOS, LETTERS, Chapter, TutorialProgress, choice_index,
-                                                model_facts)
+                                                demo_heading, model_facts)
 
 QUIT = "quit"
 
@@ -186,7 +186,7 @@ def show_chapter(console: Console, ch: Chapter, model_info: dict[str, Any] | Non
 def run_demo_safely(console: Console, ch: Chapter, demo_runner: DemoRunner) -> None:
     """Announce and run the chapter's demonstration; a failure is printed as one line, never raised."""
     demo = DEMOS[ch.demo]
-    console.print(Text(f"Live demonstration: {demo.title}", style="bold magenta"))
+    console.print(Text(f"Live demonstration: {demo_heading(ch)}", style="bold magenta"))
     console.print(Indent(Text("Watch: " + demo.watch, style="magenta")))
     console.print()
     try:

@@ -9,6 +9,7 @@ what they do hold and never claim more.
 from __future__ import annotations
 
 from nanovllm_core import events as ev
+from nanovllm_core.educational.commentary import plural
 from nanovllm_core.educational.narrator import Commentary
 from nanovllm_core.educational.xray_costs import BACKEND_NAMES, intensity, layer_intensity, peak_words
 
@@ -99,9 +100,9 @@ def what_ran(trace: ev.LayerTrace) -> str:
     new, ctx = new_and_context(trace)
     kind = step_kind(trace)
     if kind == "speculative verification":
-        return (f"speculative verification: the newest token + {new - 1} draft{'s' if new != 2 else ''} "
+        return (f"speculative verification: the newest token + {plural(new - 1, 'draft')} "
                 f"checked in one pass, over {ctx} in context")
-    return f"{kind}: {new} new token{'s' if new != 1 else ''} over {ctx} in context"
+    return f"{kind}: {plural(new, 'new token')} over {ctx} in context"
 
 
 def batch_line(trace: ev.LayerTrace) -> str:
@@ -111,8 +112,8 @@ def batch_line(trace: ev.LayerTrace) -> str:
     T, n, a = trace.num_batch_tokens, trace.num_new_tokens, trace.first_row
     rows = f"row {a}" if n == 1 else f"rows {a}-{a + n - 1}"
     others = trace.num_batch_seqs - 1
-    with_others = f" with {others} other sequence{'s' if others != 1 else ''}" if others else " alone"
-    return (f"Continuous batching: the step ran {T} token{'s' if T != 1 else ''}{with_others} as one flat "
+    with_others = f" with {plural(others, 'other sequence')}" if others else " alone"
+    return (f"Continuous batching: the step ran {plural(T, 'token')}{with_others} as one flat "
             f"batch, [{T}, {trace.hidden_size}] through every projection and the MLP; request "
             f"{trace.request_id} is {rows}. Only attention is per sequence, over its own context.")
 
@@ -141,7 +142,7 @@ def gqa_lines(trace: ev.LayerTrace, head: int | None = None, elem_bytes: int | N
                  f"{per_token:,} bytes; one KV head per query head would keep {per_token * g:,} ({g}x more).")
     if ctx:
         read = 2 * nkv * ctx * hd * e
-        lines.append(f"This request: {ctx} tokens in context = {ctx * per_token:,} bytes of KV in all layers; "
+        lines.append(f"This request: {plural(ctx, 'token')} in context = {ctx * per_token:,} bytes of KV in all layers; "
                      f"each layer's attention reads 2 x {nkv} x {ctx} x {hd} x {e} = {read:,} bytes of it.")
     return lines
 
@@ -194,6 +195,6 @@ def roofline_commentary(trace: ev.LayerTrace) -> Commentary:
     """A ``roofline`` entry for a demonstration: the step's batch, its layer against this machine's ridge point."""
     new, _ = new_and_context(trace)
     text = " ".join([batch_line(trace)] + roofline_lines(trace))
-    return Commentary("roofline", f"Request {trace.request_id}: {what_ran(trace).split(':')[0]} of {new} "
-                      f"token{'s' if new != 1 else ''} against the roofline", text,
+    return Commentary("roofline", f"Request {trace.request_id}: {what_ran(trace).split(':')[0]} of "
+                      f"{plural(new, 'token')} against the roofline", text,
                       request_id=trace.request_id, step=trace.step)

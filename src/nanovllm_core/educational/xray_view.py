@@ -33,6 +33,7 @@ from rich.text import Text
 
 from nanovllm_core import events as ev
 from nanovllm_core.educational import xray_facts as facts
+from nanovllm_core.educational.commentary import plural
 from nanovllm_core.educational.narrator import human_bytes, show_piece
 from nanovllm_core.educational.rich_parts import Indent
 from nanovllm_core.educational import tp_facts, xray_blocks
@@ -161,7 +162,7 @@ def step_total(traces: list[ev.LayerTrace], edges: tuple[ev.OpInfo, ...] = ()) -
     flops = sum(o.flops for t in traces for o in t.ops)
     moved = sum(o.bytes for t in traces for o in t.ops)
     n = first.num_batch_tokens
-    batch = (f"the step's batch of {n} token{'s' if n != 1 else ''}" if facts.is_flat(first)
+    batch = (f"the step's batch of {plural(n, 'token')}" if facts.is_flat(first)
              else "this request's tokens")
     layers = (f"All {len(traces)} decoder layers: {si(flops, 'FLOP')} and about {human_bytes(moved)} moved "
               f"for {batch} (K/V writes and attention reads included)")
@@ -220,7 +221,7 @@ def render_split_step(info: dict[str, Any], timed: ev.StepTimed, entry: ev.Sched
     if entry is not None:
         what = (f" · request {entry.request_id}'s {'decode' if entry.kind == 'decode' else 'prefill'}, "
                 f"{entry.num_tokens} of them")
-    head = Rule(Text(f"X-RAY · step {timed.step} · {timed.num_tokens} token{'s' if timed.num_tokens != 1 else ''}"
+    head = Rule(Text(f"X-RAY · step {timed.step} · {plural(timed.num_tokens, 'token')}"
                      f"{what} · split over {tp_facts.tp_size(info)} ranks", style="bold cyan"),
                 align="left", style="cyan")
     body: list[RenderableType] = [Text(lines[0], style="yellow")] + [Text(line) for line in lines[1:]]

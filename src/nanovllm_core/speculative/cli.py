@@ -201,9 +201,9 @@ def slower_note(draft: str, k: int, steps_spec: int, steps_plain: int) -> str:
     if draft == "ngram":
         cost = f"each verification ran the model on {k + 1} tokens instead of 1"
     elif draft.startswith("self:"):
-        cost = f"each step also ran {draft[5:]} of the model's layers {k} times to draft"
+        cost = f"each step also ran {draft[5:]} of the model's layers {plural(k, 'time')} to draft"
     else:
-        cost = f"each step also ran the draft model {k} times"
+        cost = f"each step also ran the draft model {plural(k, 'time')}"
     return (f"drafting cost more than it saved here: {saved} of {steps_plain} target passes saved, but {cost}; "
             "on a small model on the CPU a draft of its own layers rarely pays, n-gram lookup ('--draft-model "
             "ngram') does on text that repeats its prompt, and a smaller --num-speculative-tokens wastes less")

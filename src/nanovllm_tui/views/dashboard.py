@@ -8,6 +8,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal
 from nanovllm_tui.widgets.live import LiveStatic, tail
 
+from nanovllm_core.educational.commentary import plural
 from nanovllm_core.educational.tp_facts import dashboard_lines
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.views.base import EngineView
@@ -44,8 +45,8 @@ def phase_text(state: EngineState, width: int = 0) -> Text:
              first_fitting(width, Text(f"{prefill} prefill · {decode} decode"), Text(f"{prefill} pre · {decode} dec"))]
     if verifying:  # a verification is not a one-token decode: it runs 1 + k tokens of one sequence
         drafts = sum(s.num_spec_tokens for s in verifying)
-        lines.append(first_fitting(width, Text(f"{len(verifying)} verifying {drafts} draft tokens"),
-                                   Text(f"{len(verifying)} verify · {drafts} drafts")))
+        lines.append(first_fitting(width, Text(f"{len(verifying)} verifying {plural(drafts, 'draft token')}"),
+                                   Text(f"{len(verifying)} verify · {plural(drafts, 'draft')}")))
     running, waiting, preempted = state.queue_counts()  # now, not as of the newest step
     queues = [Text(f"{running} running · {waiting} waiting"), Text(f"{running} run · {waiting} wait")]
     if preempted:

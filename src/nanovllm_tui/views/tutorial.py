@@ -21,10 +21,10 @@ from textual.widgets import OptionList, Static
 
 from nanovllm_core.educational import tutorial as tut
 from nanovllm_core.educational.tp_facts import (
-    SPLIT_RUN_ELSEWHERE,
     SPLIT_UNAVAILABLE,
     communication_words,
     split_engine_available,
+    split_run_words,
 )
 from nanovllm_tui.bridge import EngineBridge
 from nanovllm_tui.demo_session import DemoSession
@@ -173,7 +173,7 @@ class TutorialView(EngineView):
             text.append("\n")
         demo = tut.DEMOS.get(c.demo) if c.demo else None
         if demo is not None:
-            text.append(f"Live demonstration: {demo.title}. ", style="bold #3ecf8e")
+            text.append(f"Live demonstration: {tut.demo_heading(c)}. ", style="bold #3ecf8e")
             text.append(f"{demo.watch} Press r to run it on a small engine of its own, over the loaded model.",
                         style="#3ecf8e")
         self.query_one("#chapter-text", Static).update(text)
@@ -282,26 +282,35 @@ class TutorialView(EngineView):
             return False
         return bool(demo.allreduce_ranks) or getattr(self.app.controller, "local_engine", True)
 
-    def action_run_demo(self) -> None:
+    def refusal(self, action: str) -> str | None:
+        """Why ``action`` is not offered here, naming what was refused (the app shows it when the hidden
+        key is pressed anyway); None for an action this view does not refuse."""
+        if action != "run_demo" or self.check_action(action, ()) is not False:
+            return None
         c = self.chapter
         demo = tut.DEMOS.get(c.demo) if c.demo else None
         if demo is None or not c.demo_prompt:
-            self.notify("This chapter has no live demonstration.", severity="warning")
-            return
+            return f"No demonstration to run: chapter {c.number} has none."
         if not self.app.live:
-            self.notify("Demonstrations run on a local engine; this is a replay: start without --replay to "
-                        "run one.", severity="warning", markup=False)
+            return ("No demonstration in a replay: demonstrations run on a local engine and a replay only plays "
+                    "a recording; start without --replay to run one.")
+        return ("No demonstration under --connect: demonstrations run on a local engine of their own, and this app "
+                "watches a server; start nanovllm-tui without --connect to run one.")
+
+    def action_run_demo(self) -> None:
+        c = self.chapter
+        demo = tut.DEMOS.get(c.demo) if c.demo else None
+        if demo is None or not c.demo_prompt or not self.app.live:
+            self.notify(self.refusal("run_demo") or "", severity="warning", markup=False)
             return
         if (self.run is not None and not self.run.finished) or self.measuring:
             self.notify("The demonstration is still running.", severity="warning")
             return
         if demo.allreduce_ranks:
-            self._measure(c, demo)  # the whole demonstration here: the split run is the CLI's (SPLIT_RUN_ELSEWHERE)
+            self._measure(c, demo)  # the whole demonstration here: the split run is the CLI's (split_run_words)
             return
         if not getattr(self.app.controller, "local_engine", True):  # --connect: the engine is the server's
-            self.notify("Demonstrations run on a local engine of their own, and this app watches a server "
-                        "(--connect): start nanovllm-tui without --connect to run one.", severity="warning",
-                        markup=False)
+            self.notify(self.refusal("run_demo") or "", severity="warning", markup=False)
             return
         engine = self.app.controller.engine
         if engine is None:
@@ -339,7 +348,7 @@ class TutorialView(EngineView):
             try:
                 m = tp_measure.measure_allreduce(demo.allreduce_ranks, hidden=hidden, iters=200, warmup=20)
                 text = Text("\n" + communication_words(m, tp_facts.allreduces_per_step(layers), []), style="#ffd166")
-                missing = SPLIT_UNAVAILABLE if not split_engine_available() else SPLIT_RUN_ELSEWHERE
+                missing = SPLIT_UNAVAILABLE if not split_engine_available() else split_run_words(self._info)
                 text.append("\n" + missing[0].upper() + missing[1:] + ".", style="yellow")
             except (RuntimeError, ValueError, OSError) as e:
                 text = Text(f"\nThe all-reduce measurement failed: {e}", style="red")

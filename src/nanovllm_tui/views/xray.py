@@ -42,6 +42,27 @@ shape = facts.shape_str
 tensor = facts.tensor
 
 
+def no_trace_words(state: EngineState, selected: str | None, live: bool) -> str:
+    """Why the X-Ray has nothing to show, true for the selection: X-Ray traces the selected request's
+    next step, so a finished selection never gets one, however often n is pressed (trial 7: it said
+    "No trace yet: ... press n while paused" with a finished request selected). Names the keys that
+    select another request (``]`` / ``[``, commands.py)."""
+    req = state.requests.get(selected) if selected else None
+    if req is None or req.live:
+        return ("No trace yet: send a prompt, or press n while paused (X-Ray records the selected "
+                "request's next step while this tab is open).")
+    running = [rid for rid, r in state.requests.items() if r.live]
+    if running:
+        shown = ", ".join(running[:4]) + (" ..." if len(running) > 4 else "")
+        pick = f"select a running one with ] or [ (running: {shown}), then press n while paused"
+    elif live:
+        pick = "no request is running: send a prompt, then press n while paused"
+    else:
+        pick = "no request of this recording is running now"
+    return (f"No trace: request {selected} is {req.state} (no longer running), and X-Ray records the selected "
+            f"request's next step, which it will never have; {pick}.")
+
+
 def pipeline_text(trace: ev.LayerTrace) -> Text:
     """The step's batch and backend, the layer's operations in order (math, shapes, FLOPs, bytes,
     FLOP/byte against the ridge point), the layer's total and the machine's roofline."""
@@ -229,8 +250,7 @@ class XRayView(EngineView, can_focus=True):
                 else:
                     why += "This recording holds only the layers captured while it was made."
             else:
-                why = ("No trace yet: send a prompt, or press n while paused (X-Ray records the selected "
-                       "request's next step while this tab is open).")
+                why = no_trace_words(state, selected, getattr(self.app, "live", True))
             title.show_content(Text.assemble(
                 ("X-Ray ", "bold"), f"layer {self.layer_index}/{self.num_layers - 1} (↑↓) · head {self.head_index}/"
                 f"{self.num_heads - 1} (←→)\n", (why, "dim")))

@@ -6,6 +6,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
 
+from nanovllm_core.educational.commentary import plural
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.widgets.format import fmt_ms, fmt_rate, sparkline
 from nanovllm_tui.widgets.live import LiveStatic
@@ -42,7 +43,7 @@ class ThroughputPanel(Vertical):
             width = spark.content_region.width
             last = Text()
             if not busy and steps:
-                last = Text(f" last {steps} step{'s' if steps != 1 else ''} {fmt_rate(rate)} tok/s", style="dim")
+                last = Text(f" last {plural(steps, 'step')} {fmt_rate(rate)} tok/s", style="dim")
             line = sparkline(per_step[kind], max(0, width - len(last)), style)
             spark.show_content(line + last)
 
