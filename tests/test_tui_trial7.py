@@ -240,6 +240,12 @@ async def test_esc_then_a_digit_at_once_leaves_the_prompt_bar_and_shows_the_tab(
         app._driver.send_message(event)
         await wait_until(pilot, lambda: visible_tab(app) == tab, timeout=10, what=f"tab {digit}")
         assert app.query_one("#prompt").value == "hi" and app.focused.id != "prompt"
+        # outside the bar too (trial 8: focus on a view, ESC 2 at once left the tab as it was)
+        event = events.Key("alt+2", "2")
+        event.set_sender(app)
+        app._driver.send_message(event)
+        await wait_until(pilot, lambda: visible_tab(app) == "xray", timeout=10, what="tab 2 from outside the bar")
+        assert app.query_one("#prompt").value == "hi"
         app.query_one("#prompt").focus()
         await pilot.press("alt+backspace")  # an alt key the field binds keeps its meaning: delete a word
         await pilot.pause()

@@ -525,12 +525,14 @@ class NanoVLLMApp(App):
             return False
         focused = self.focused
         in_bar = focused is not None and any(isinstance(node, PromptBar) for node in focused.ancestors)
-        if (in_bar and isinstance(event, events.Key) and event.key.startswith("alt+")
+        if (isinstance(event, events.Key) and event.key.startswith("alt+")
                 and event.key not in self.screen.active_bindings):  # alt+backspace (delete a word) stays the field's
             # Esc pressed just before a key reaches Textual as one alt-modified key (ESC 3 -> alt+3; see
             # lifetime.read_esc_digit_as_alt): typed "£" or "3" into the prompt instead of leaving the bar
-            # and showing tab 3 (issue 29, trial 7). So: Esc (leave the bar), then the key's app binding.
-            self.action_focus_view()
+            # and showing tab 3 (issue 29, trial 7), and did nothing outside the bar (trial 8). So: Esc
+            # (in the bar: leave it; elsewhere Esc has no binding), then the key's app binding.
+            if in_bar:
+                self.action_focus_view()
             active = self.screen.active_bindings.get(event.key.removeprefix("alt+"))
             if active is not None and active.enabled:
                 await self.run_action(active.binding.action, active.node)
