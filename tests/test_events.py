@@ -23,7 +23,8 @@ def recorded(make_llm):
     events: list[ev.Event] = []
     llm.engine.subscribe(events.append, topk=5, blocks=True, xray=True)
     llm.engine.select_xray(None, layer=2, head=4, every_layer=True)  # as the CLI's --xray: all layers
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False,
+                        reject_bad_prompts=True)  # the empty prompt is reported as a rejection, as the CLI does
     return llm, events, outs
 
 
