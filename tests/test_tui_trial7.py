@@ -220,14 +220,14 @@ async def test_esc_then_a_digit_at_once_leaves_the_prompt_bar_and_shows_the_tab(
     """`tmux send-keys Escape 3` typed "£" into the prompt (Textual read ESC 3 as WezTerm's Option+3)."""
     from textual import events
 
-    from nanovllm_tui.lifetime import read_esc_digit_as_alt
+    from nanovllm_tui.lifetime import read_esc_key_as_alt
     from tests.tui_helpers import visible_tab
 
     app = tiny_app(tiny_llama_dir, tmp_path)
     app.get_driver_class()  # what `nanovllm-tui` does before its driver starts: the parser's table is set
     [key] = _parsed("\x1b" + digit)
     assert (key.key, key.character) == (f"alt+{digit}", digit)
-    read_esc_digit_as_alt()  # twice is harmless
+    read_esc_key_as_alt()  # twice is harmless
     [pound] = _parsed("£")  # typed as such, it is still the character
     assert (pound.key, pound.character) == ("pound_sign", "£")
     async with app.run_test(size=SIZE) as pilot:
@@ -246,6 +246,16 @@ async def test_esc_then_a_digit_at_once_leaves_the_prompt_bar_and_shows_the_tab(
         app._driver.send_message(event)
         await wait_until(pilot, lambda: visible_tab(app) == "xray", timeout=10, what="tab 2 from outside the bar")
         assert app.query_one("#prompt").value == "hi"
+        # ESC then space at once: Textual dropped the ESC and typed the space (trial 8); now Esc, then pause
+        [space] = _parsed("\x1b ")
+        assert (space.key, space.character) == ("alt+space", " ")
+        app.query_one("#prompt").focus()
+        event = events.Key(space.key, space.character)
+        event.set_sender(app)
+        app._driver.send_message(event)
+        await wait_until(pilot, lambda: app.state.paused or app.state.pending == "pausing", timeout=10,
+                         what="Esc space to pause")
+        assert app.query_one("#prompt").value == "hi" and app.focused.id != "prompt"
         app.query_one("#prompt").focus()
         await pilot.press("alt+backspace")  # an alt key the field binds keeps its meaning: delete a word
         await pilot.pause()

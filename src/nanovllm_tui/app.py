@@ -170,10 +170,10 @@ class NanoVLLMApp(App):
         process when its page or the web server goes away (``lifetime.PageWebDriver``)."""
         from textual.drivers.web_driver import WebDriver
 
-        from nanovllm_tui.lifetime import read_esc_digit_as_alt, tolerate_bad_input
+        from nanovllm_tui.lifetime import read_esc_key_as_alt, tolerate_bad_input
 
         tolerate_bad_input()
-        read_esc_digit_as_alt()
+        read_esc_key_as_alt()
         driver = super().get_driver_class()
         if driver is WebDriver:
             from nanovllm_tui.lifetime import PageWebDriver
@@ -528,7 +528,7 @@ class NanoVLLMApp(App):
         if (isinstance(event, events.Key) and event.key.startswith("alt+")
                 and event.key not in self.screen.active_bindings):  # alt+backspace (delete a word) stays the field's
             # Esc pressed just before a key reaches Textual as one alt-modified key (ESC 3 -> alt+3; see
-            # lifetime.read_esc_digit_as_alt): typed "£" or "3" into the prompt instead of leaving the bar
+            # lifetime.read_esc_key_as_alt): typed "£" or "3" into the prompt instead of leaving the bar
             # and showing tab 3 (issue 29, trial 7), and did nothing outside the bar (trial 8). So: Esc
             # (in the bar: leave it; elsewhere Esc has no binding), then the key's app binding.
             if in_bar:

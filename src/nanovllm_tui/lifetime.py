@@ -173,14 +173,37 @@ ESC_DIGIT_SEQUENCES = ("\x1b§", "\x1b1", "\x1b2", "\x1b3", "\x1b4", "\x1b5", "\
                        "\x1b0", "\x1b-", "\x1b=")
 
 
-def read_esc_digit_as_alt() -> None:
-    """Make Textual's parser read ESC then a digit as ``alt+<digit>`` (as it reads ESC then a letter),
-    not as a macOS Option character, so the app can take it for Esc then the digit (``_handle_now``).
-    A "£" typed as such (shift+3 on a UK keyboard) is one character, not ESC 3, and still types "£";
-    what is lost is WezTerm's Option+digit characters in the prompt. Textual 8's ``ANSI_SEQUENCES_KEYS``."""
+def read_esc_key_as_alt() -> None:
+    """Make Textual's parser read ESC then any one key as ``alt+<key>``, so the app can take it for
+    Esc then that key (``_handle_now``), where Textual reads ESC then a letter so already.
+
+    - ESC then a digit (or -, =, §): Textual's table turned it into the character WezTerm on macOS
+      sends for Option and that key ("£" for ESC 3; issue 29, trial 7). Those entries are removed:
+      a "£" typed as such (shift+3 on a UK keyboard) is one character, not ESC 3, and still types
+      "£"; what is lost is WezTerm's Option+digit characters in the prompt.
+    - ESC then a key that is not a letter or digit (space, [, ], /): Textual dropped the ESC and
+      gave the bare key (ESC space typed a space into the prompt instead of leaving the bar and
+      pausing; trial 8). Such a key now comes as ``alt+space``, ``alt+left_square_bracket``, ...
+
+    Textual 8's ``ANSI_SEQUENCES_KEYS`` and ``XTermParser._sequence_to_key_events``; another
+    Textual keeps its own reading. Calling this twice is harmless."""
     try:
+        from textual import events
         from textual._ansi_sequences import ANSI_SEQUENCES_KEYS
+        from textual._xterm_parser import XTermParser
     except ImportError:  # another Textual: its own reading stays
         return
     for sequence in ESC_DIGIT_SEQUENCES:
         ANSI_SEQUENCES_KEYS.pop(sequence, None)
+    read = getattr(XTermParser, "_sequence_to_key_events", None)
+    if read is None or getattr(read, "esc_as_alt", False):
+        return
+
+    def sequence_to_key_events(self, sequence: str, alt: bool = False):
+        for key in read(self, sequence, alt=alt):
+            if alt and len(sequence) == 1 and not key.key.startswith("alt+"):
+                key = events.Key(f"alt+{key.key}", key.character)
+            yield key
+
+    sequence_to_key_events.esc_as_alt = True
+    XTermParser._sequence_to_key_events = sequence_to_key_events
