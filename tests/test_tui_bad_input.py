@@ -59,6 +59,10 @@ async def test_a_prompt_longer_than_the_model_allows_is_rejected_with_the_reason
         assert "max_model_len is 32" in app.state.requests[rid].error
         # kept, as a bad setting keeps it (newcomer trial 3: the refused prompt was wiped from the bar)
         assert app.query_one("#prompt").value == "word " * 60 and notes.find("the prompt is back in the bar")
+        field = app.query_one("#prompt")  # the cursor after it: typing goes on at its end (trial 8: in front)
+        assert field.has_focus and field.cursor_position == len(field.value)
+        await pilot.press("x")
+        assert field.value == "word " * 60 + "x"
         await send_prompt(pilot, "Hi", max_tokens=2)  # the engine still serves
         await wait_until(pilot, lambda: app.state.requests[app.selected].state == "finished")
 

@@ -385,6 +385,7 @@ class NanoVLLMApp(App):
                 field = self.query_one("#prompt-bar", PromptBar).query_one("#prompt", Input)
                 if not field.value:
                     field.value, kept = prompt, " (the prompt is back in the bar)"
+                    field.cursor_position = len(prompt)  # typing goes on after it, not in front (trial 8)
                 else:
                     kept = " (its prompt was not put back: the bar holds new text)"
             self.notify(f"{event.request_id} was rejected: {event.reason}{kept}", severity="error", timeout=8,
