@@ -447,7 +447,7 @@ def test_a_watcher_that_attaches_mid_run_starts_from_the_engine_as_it_is(tiny_se
 
 
 @pytest.mark.anyio
-async def test_an_app_attached_to_a_server_that_restarts_marks_its_old_requests_lost(make_tiny_engine, tmp_path):
+async def test_an_app_attached_to_a_server_that_restarts_marks_its_old_requests_lost_and_clears_ended_ones(make_tiny_engine, tmp_path):
     """Issue 29: after the server restarted, the app kept four "running" ghost requests and their
     blocks. A new engine behind the same address ends them in the app, with a notice."""
     first = EngineController.from_engine(make_tiny_engine(num_kv_blocks=32))
@@ -460,7 +460,10 @@ async def test_an_app_attached_to_a_server_that_restarts_marks_its_old_requests_
     try:
         async with app.run_test(size=(120, 36), message_hook=notes) as pilot:
             await wait_until(pilot, lambda: app.state.ready, 30, "the server's model facts")
-            await send_prompt(pilot, "Once upon a time")
+            await send_prompt(pilot, "Hi", max_tokens=2)
+            done = app.selected
+            await wait_until(pilot, lambda: app.state.requests[done].state == "finished", 30, "a short request")
+            await send_prompt(pilot, "Once upon a time", max_tokens=200)
             rid = app.selected
             await wait_until(pilot, lambda: app.state.requests[rid].num_output > 2, 30, "the request to run")
             assert server.stop()
@@ -471,6 +474,8 @@ async def test_an_app_attached_to_a_server_that_restarts_marks_its_old_requests_
             await wait_until(pilot, lambda: app.state.requests[rid].state == "lost", 30, "the old request marked lost")
             assert notes.find("restarted with a new engine", "warning")
             assert not app.state.active_requests and app.state.step is None
+            # trial 8: the old engine's finished rows stayed beside the new server's, which knows none of them
+            assert done not in app.state.requests and list(app.state.requests) == [rid]
             await pilot.press("escape", "5")
             await pilot.pause(0.5)
             assert app.state.blocks is None or not any(t.request_id == rid for t in app.state.blocks.tables)

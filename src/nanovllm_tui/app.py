@@ -415,7 +415,8 @@ class NanoVLLMApp(App):
                         markup=False)
         elif event.kind == "ServerRestarted":  # nanovllm_tui.remote's: an attached server came back anew
             self.notify(f"The server at {event.url} restarted with a new engine; requests that were running "
-                        "there are marked lost.", severity="warning", timeout=10, markup=False)
+                        "there are marked lost, and the ones that had ended are cleared.", severity="warning",
+                        timeout=10, markup=False)
         elif isinstance(event, ev.ModelLoading) and event.ready and self.live:
             self.notify(f"{event.model_name} is ready on {event.device} ({event.dtype})", markup=False)
 

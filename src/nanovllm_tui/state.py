@@ -323,10 +323,14 @@ class EngineState:
 
     def _on_ServerRestarted(self, e: Any) -> None:
         """An attached server came back with a new engine: the old one's live requests are lost
-        (kept in the table, marked so), and its step, queues, pool and timings are forgotten."""
-        for req in self.requests.values():
+        (kept in the table, marked so); the ones that had ended are dropped (the new server knows
+        none of them: beside its own rows they read as its history; trial 8), and its step,
+        queues, pool and timings are forgotten."""
+        for rid, req in list(self.requests.items()):
             if req.live:
                 req.state, req.error = "lost", f"the server at {e.url} restarted; this request ended with it"
+            elif req.state != "lost":
+                del self.requests[rid]
         self.step = self.plan = self.blocks = self._kv_now = None
         self.timings.clear()
         self.xray, self.heat = {}, None
