@@ -63,7 +63,19 @@ def test_a_bad_prompt_raises_before_any_prompt_is_queued(make_llm, prompt, param
     ([{"role": "user", "content": "Hi"}, {"role": "robot", "content": "x"}], r"messages\[1\] has role 'robot'"),
     ([{"content": "Hi"}], r"messages\[0\] has role None"),
     ([{"role": "user"}], r"messages\[0\] \(user\) has no content"),
-    ([{"role": "user", "content": 5}], r"messages\[0\] \(user\) content must be text, not int"),
+    ([{"role": "user", "content": 5}], r"messages\[0\] \(user\) content must be text or a list of text parts .*, not int$"),
+    # newcomer trial 8: a non-text content part is refused naming it, as the server refuses it
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}],
+     r"^messages\[0\] \(user\) content\[0\] is an 'image_url' part; only text parts .* are supported$"),
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], r"content\[0\] text must be text, not int"),
+    ([{"role": "user", "content": ["Hi"]}], r"content\[0\] must be a text part .*, not str"),
+    # newcomer trial 8: messages of the wrong type name what was given, not "messages is empty"
+    ("hello", r"^messages must be a list of \{'role', 'content'\} dicts \(or a list of such lists\), got a str$"),
+    (None, r"^messages must be a list of .*, got None$"),
+    ({"role": "user", "content": "Hi"}, r"^messages must be a list of .*, got a dict; put one message in a list"),
+    (["Hi", "there"], r"^messages must be a list of .*, got a list of str$"),
+    (5, r"^messages must be a list of .*, got an int$"),
+    ([[{"role": "user", "content": "Hi"}], "Hi"], r"^conversation 1: a conversation must be a non-empty list .*, got a str$"),
     ([{"role": "user", "content": "Hi"}, "Hi"], r"messages\[1\] must be a dict"),
     ([], "messages is empty"),
     ([[{"role": "user", "content": "Hi"}], [{"role": "bogus", "content": "Hi"}]], r"^conversation 1: messages\[0\] has role 'bogus'"),
@@ -73,6 +85,55 @@ def test_chat_refuses_the_messages_the_server_refuses_before_queueing(make_llm, 
     llm = make_llm()
     with pytest.raises(ValueError, match=message) as e:
         llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert "\n" not in str(e.value)
+    assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
+
+
+def test_chat_takes_the_text_parts_the_server_takes_and_renders_them_the_same(make_llm):
+    """Newcomer trial 8: content as a list of text parts (OpenAI's shape, which the server and vLLM's
+    LLM.chat take) reaches the template as the joined text, through the one helper the server uses."""
+    from nanovllm_core.entrypoints.protocol import ChatCompletionRequest
+
+    llm = make_llm()
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    parts = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]}]
+    as_parts = llm.chat(parts, sp, use_tqdm=False)[0]
+    as_text = llm.chat([parts[0], {"role": "user", "content": "Hi there"}], sp, use_tqdm=False)[0]
+    assert as_parts.error is None and as_parts.prompt_token_ids == as_text.prompt_token_ids
+    server = ChatCompletionRequest.model_validate({"messages": parts}).conversation()
+    assert llm.engine.chat_token_ids(server) == as_parts.prompt_token_ids
+    # the engine path (generate with a conversation as the prompt) takes them too
+    assert llm.generate([parts], sp, use_tqdm=False)[0].prompt_token_ids == as_parts.prompt_token_ids
+
+
+def test_chat_and_the_server_share_one_definition_of_content():
+    """The server's text-part type and its content wording come from nanovllm_core.prompts, so they cannot drift."""
+    from typing import get_args
+
+    from nanovllm_core.entrypoints import protocol
+    from nanovllm_core.prompts import CONTENT_SHAPE, TEXT_PART_TYPES
+
+    assert get_args(protocol.TextPart.model_fields["type"].annotation) == TEXT_PART_TYPES
+    assert protocol.UNION_SHAPES["content"] == CONTENT_SHAPE
+
+
+# Newcomer trial 8: LLM.generate(None) raised a bare "'NoneType' object is not iterable", and a dict was
+# iterated as its keys. Every wrong type for prompts is one ValueError naming what was given.
+@pytest.mark.parametrize("prompts,message", [
+    (None, r"^prompts must be a string, a list of token ids, or a list of prompts .*, got None$"),
+    (5, r"^prompts must be .*, got an int$"),
+    (3.5, r"^prompts must be .*, got a float$"),
+    ({"role": "user", "content": "Hi"}, r"^prompts must be .*, got a dict$"),
+    ([1, 2, "three"], r"^prompts starts as one token-id list but prompts\[2\] is a str; .*, got a list of int and str$"),
+    ([1, [2, 3]], r"^prompts starts as one token-id list but prompts\[1\] is a list of int; .*, got a list of int and list$"),
+    (["Hi", 5], r"^prompts\[1\]: prompt must be a string, a list of token ids, or a list of chat messages .*, got an int$"),
+    ([[1, 2], ["a", 3]], r"^prompts\[1\]: prompt must be .*, got a list of str and int$"),
+])
+def test_prompts_of_the_wrong_type_are_one_line_naming_what_was_given(make_llm, prompts, message):
+    llm = make_llm()
+    with pytest.raises(ValueError, match=message) as e:
+        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
     assert "\n" not in str(e.value)
     assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
 

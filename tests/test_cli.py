@@ -49,17 +49,17 @@ def test_chat_flag_uses_chat_template(capsys, shared_default_loads):
 
 @pytest.mark.parametrize("args,message", [
     (["--max-tokens", "0"], "--max-tokens: expected a whole number from 1 to 2147483647, got 0"),
-    (["--temperature", "-1"], "temperature"),
+    (["--temperature", "-1"], "nanovllm: error: argument --temperature: must be a finite number >= 0 (0 means greedy), got '-1'"),
     (["--prompt", "  "], "--prompt must not be empty"),
     (["--prompt", "a", "--priority", "1", "--priority", "2"], "2 --priority values for 1 --prompt"),
     (["--model", "/does/not/exist"], "does not exist"),
     (["--scheduling-policy", "lottery"], "invalid choice"),
-    (["--top-p", "0"], "top_p"),
+    (["--top-p", "0"], "argument --top-p: must be in (0, 1], got '0'"),
     (["--top-k", "-5"], "--top-k: expected a whole number from -1 to 2147483647"),
-    (["--min-p", "1.5"], "min_p"),
-    (["--repetition-penalty", "0"], "repetition_penalty"),
+    (["--min-p", "1.5"], "argument --min-p: must be in [0, 1], got '1.5'"),
+    (["--repetition-penalty", "0"], "argument --repetition-penalty: must be > 0 (1 means off), got '0'"),
     (["--logprobs", "50"], "logprobs"),
-    (["--stop", ""], "every stop must be a non-empty string"),
+    (["--stop", ""], "argument --stop: a stop string must not be empty, got ''"),
     (["--seed", "99999999999999999999999"], "--seed: a seed is a 64-bit integer"),
     (["--seed", "-9223372036854775809"], "--seed: a seed is a 64-bit integer"),
     (["--prompt", "abc\udcff\udcfe def"], "--prompt: not valid UTF-8: byte 0xff at character 3"),
@@ -82,6 +82,32 @@ def test_bad_arguments_exit_2_with_one_line(capsys, args, message):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], err
     assert "Traceback" not in err
+
+
+# Newcomer trial 8: `--temperature -1` said "SamplingParams.temperature=-1.0 is invalid" (and `1e400` said
+# "temperature=inf"), not argparse's "argument --temperature: ..." that --priority and --max-tokens use.
+@pytest.mark.parametrize("option,value,rule", [
+    ("--temperature", "-1", "must be a finite number >= 0 (0 means greedy)"),
+    ("--temperature", "1e400", "must be a finite number >= 0 (0 means greedy)"),
+    ("--top-p", "0", "must be in (0, 1]"),
+    ("--top-p", "1e400", "must be in (0, 1]"),
+    ("--min-p", "-0.5", "must be in [0, 1]"),
+    ("--repetition-penalty", "-1e400", "must be > 0 (1 means off)"),
+    ("--stop", "", "a stop string must not be empty"),
+])
+def test_bad_sampling_values_are_argparse_lines_naming_the_option_and_the_text_typed(capsys, option, value, rule):
+    from nanovllm_core.speculative import cli as spec_cli
+    from nanovllm_tui import options
+
+    parsers = [("nanovllm", cli.build_parser().parse_args), ("nanovllm-tui", options.parse_args)]
+    if option in ("--temperature", "--top-p"):  # the speculative command's sampling options
+        parsers.append(("nanovllm-spec", spec_cli.build_parser().parse_args))
+    for prog, parse in parsers:
+        with pytest.raises(SystemExit) as e:
+            parse(["--prompt", "hi", f"{option}={value}"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err == f"{prog}: error: argument {option}: {rule}, got {value!r}\n", err
 
 
 def test_an_invalid_utf8_prompt_from_a_real_process_is_one_line():

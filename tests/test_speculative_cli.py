@@ -33,7 +33,7 @@ def test_cli_prints_completion_acceptance_expected_length_and_speedup(capsys):
     (["--num-speculative-tokens", "0"], "--num-speculative-tokens: expected a positive integer"),
     (["--draft-model", "self:x"], "'self:N' needs a layer count"),
     (["--prompt", "  "], "--prompt must not be empty"),
-    (["--temperature", "-1"], "temperature"),
+    (["--temperature", "-1"], "argument --temperature: must be a finite number >= 0 (0 means greedy), got '-1'"),
     (["--target-model", "/no/such/model"], "does not exist"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, args, message):

@@ -40,8 +40,10 @@ async def test_a_start_up_prompt_whose_max_tokens_do_not_fit_after_it_ends_the_a
         await wait_until(pilot, lambda: exits, timeout=60, what="the app to refuse the start-up prompt")
     assert app.return_code == 2 and len(exits) == 1
     line = str(exits[0]["message"])
-    assert line.startswith("nanovllm-tui: error: --prompt was refused: max_tokens 512 does not fit: the prompt has ")
+    # newcomer trial 8: the options, as nanovllm names them ("lower max_tokens or raise max_model_len" before)
+    assert line.startswith("nanovllm-tui: error: --prompt was refused: --max-tokens 512 does not fit: the prompt has ")
     assert "the context (max_model_len) is 512" in line and "\n" not in line
+    assert line.endswith("; lower --max-tokens or raise --max-model-len")
     assert not any(r.state == "finished" and r.finish_reason == "length" for r in app.state.requests.values())
 
 

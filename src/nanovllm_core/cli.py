@@ -35,8 +35,10 @@ from nanovllm_core.cli_args import (  # noqa: F401  (re-exported: the app, bench
     positive_int,
     priority_int,
     prompt_text,
+    sampling_decimal,
     sampling_params,
     seed_int,
+    stop_text,
     tcp_port,
 )
 
@@ -75,13 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"a prompt (repeat for several; default: {DEFAULT_PROMPT!r})")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     g.add_argument("--max-tokens", type=count_int(1), default=50, help="tokens to generate per prompt (default 50)")
-    g.add_argument("--temperature", type=decimal, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--temperature", type=sampling_decimal("temperature"), default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=count_int(-1), default=0, help="keep the k most likely tokens (0 = off)")
-    g.add_argument("--top-p", type=decimal, default=1.0, help="nucleus sampling mass (1 = off)")
-    g.add_argument("--min-p", type=decimal, default=0.0, help="drop tokens below min_p x the top probability")
-    g.add_argument("--repetition-penalty", type=decimal, default=1.0)
+    g.add_argument("--top-p", type=sampling_decimal("top_p"), default=1.0, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--min-p", type=sampling_decimal("min_p"), default=0.0, help="drop tokens below min_p x the top probability")
+    g.add_argument("--repetition-penalty", type=sampling_decimal("repetition_penalty"), default=1.0)
     g.add_argument("--seed", type=seed_int, default=None, help="per-request random seed")
-    g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    g.add_argument("--stop", action="append", default=None, type=stop_text, help="a stop string (repeatable)")
     g.add_argument("--logprobs", type=bounded_int(0, 20), default=None, metavar="N", help="show the top-N log-probabilities per token")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     e = add_engine_arguments(p)

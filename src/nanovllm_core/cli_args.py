@@ -60,6 +60,44 @@ def decimal(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a decimal number in ASCII digits, got {text!r}") from None
 
 
+def sampling_decimal(field: str):
+    """argparse ``type`` for a decimal sampling setting (``--temperature``, ``--top-p``, ...): a decimal
+    number in ASCII digits within ``SamplingParams``' range for ``field``.
+
+    Checked here, not after parsing, so a bad value is argparse's one line naming the option and the
+    text typed (``argument --temperature: must be a finite number >= 0 (0 means greedy), got '-1'``):
+    ``SamplingParams`` would name its field and the parsed number (``temperature=inf`` for ``1e400``).
+
+    Raises:
+        argparse.ArgumentTypeError: not such a number, or outside the field's range.
+    """
+
+    def parse(text: str) -> float:
+        from nanovllm_core.sampling_params import SamplingParams
+
+        value = decimal(text)
+        try:
+            SamplingParams(**{field: value})
+        except ValueError as e:
+            rule = str(e).split(" is invalid: ", 1)[-1]
+            raise argparse.ArgumentTypeError(f"{rule}, got {text!r}") from None
+        return value
+
+    parse.__name__ = field  # argparse names a type by it in its own messages
+    return parse
+
+
+def stop_text(text: str) -> str:
+    """argparse ``type`` for ``--stop``: a non-empty stop string (``SamplingParams``' rule).
+
+    Raises:
+        argparse.ArgumentTypeError: an empty string.
+    """
+    if not text:
+        raise argparse.ArgumentTypeError(f"a stop string must not be empty, got {text!r}")
+    return text
+
+
 def tcp_port(text: str) -> int:
     """argparse ``type``: a TCP port, 1..65535; anything else becomes argparse's one-line usage error.
 

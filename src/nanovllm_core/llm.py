@@ -15,7 +15,7 @@ from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.model.loader import ProgressFn
 from nanovllm_core.outputs import RequestOutput
-from nanovllm_core.prompts import conversation_problem
+from nanovllm_core.prompts import conversation_problem, describe
 from nanovllm_core.sampling_params import SamplingParams, check_priority
 
 
@@ -112,13 +112,13 @@ class LLM:
         (``LLMEngine.fatal_error``) every prompt comes back rejected with that reason.
 
         Raises:
-            ValueError: sampling_params or priority lists of the wrong length or type, a priority
+            ValueError: ``prompts`` of another type (None, a number, a dict; a token-id list holding
+                something other than ints), naming what was given; sampling_params or priority lists
+                of the wrong length or type, a priority
                 outside -1000..1000, or a prompt the engine cannot take (one line naming it,
                 ``prompts[i]`` when there are several); all checked before any prompt is queued.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = self._prompt_list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts; give one or one per prompt")
@@ -168,6 +168,28 @@ class LLM:
                 bar.close()
         return [results[i] for i in ids]
 
+    @staticmethod
+    def _prompt_list(prompts: Any) -> list[Any]:
+        """``prompts`` as a list of prompts: one text or one token-id list becomes a list of one.
+
+        Raises:
+            ValueError: not a string or a list/tuple (None, a number, a dict), or a list that starts
+                as token ids (an int first) but holds something else; one line naming what was given.
+        """
+        shape = ("prompts must be a string, a list of token ids, or a list of prompts (strings, token-id lists "
+                 "or conversations)")
+        if isinstance(prompts, str):
+            return [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"{shape}, got {describe(prompts)}")
+        if prompts and isinstance(prompts[0], int) and not isinstance(prompts[0], bool):
+            for i, t in enumerate(prompts):
+                if not isinstance(t, int) or isinstance(t, bool):
+                    raise ValueError(f"prompts starts as one token-id list but prompts[{i}] is {describe(t)}; "
+                                     f"{shape}, got {describe(prompts)}")
+            return [list(prompts)]
+        return list(prompts)
+
     def prompt_problem(self, prompt: Any, params: SamplingParams) -> str | None:
         """Why the engine would reject ``prompt`` with ``params`` (its one-line reason); None when it can run.
 
@@ -192,17 +214,31 @@ class LLM:
 
         Each message is ``{"role": ..., "content": text}`` with a role the server takes too
         (``prompts.CHAT_ROLES``: system, developer, user, assistant, tool; developer reaches the
-        template as system).
+        template as system). ``content`` may also be a list of text parts
+        (``[{"type": "text", "text": ...}]``), joined into one text as the server joins them
+        (``prompts.content_text``); any other part (an image) is refused, as the server refuses it.
 
         Raises:
-            ValueError: no conversation, a message that is not such a dict or has another role, the
+            ValueError: ``messages`` of another type (a str, None, a dict alone, a list of strings;
+                the message names what was given), no conversation, a message that is not such a
+                dict or has another role or a non-text content part, the
                 tokenizer has no chat template, or a prompt ``generate`` refuses; all checked before
                 any conversation is queued.
         """
-        if not isinstance(messages, (list, tuple)) or not messages:
+        shape = "messages must be a list of {'role', 'content'} dicts (or a list of such lists)"
+        if isinstance(messages, (list, tuple)) and not messages:
             raise ValueError("messages is empty; give a conversation (a list of {'role': ..., 'content': text}) "
                              "or a list of them")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        if isinstance(messages, dict):
+            raise ValueError(f"{shape}, got a dict; put one message in a list: [message]")
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError(f"{shape}, got {describe(messages)}")
+        if isinstance(messages[0], dict):
+            conversations = [messages]
+        elif isinstance(messages[0], (list, tuple)):
+            conversations = list(messages)
+        else:
+            raise ValueError(f"{shape}, got {describe(messages)}")
         for i, conversation in enumerate(conversations):
             problem = conversation_problem(conversation)
             if problem is not None:

@@ -15,11 +15,84 @@ Prompt = str | list[int] | list[dict[str, str]]
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
 
+# The content parts a chat message may carry instead of text: OpenAI's text parts, joined into one
+# text (vLLM's behaviour; images and other parts are not supported). The server's request body
+# (``entrypoints.protocol.TextPart``) and ``LLM.chat`` both take these, from this one definition, and
+# both flatten them with ``content_text``.
+TextPartType = Literal["text"]
+TEXT_PART_TYPES: tuple[str, ...] = get_args(TextPartType)
+CONTENT_SHAPE = 'text or a list of text parts ({"type": "text", "text": ...})'
+
 
 def is_conversation(prompt: Any) -> bool:
     """True for a non-empty list of chat messages: dicts with a text ``role`` and a text ``content``."""
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), (str, list))
+        for m in prompt)
+
+
+def _type_name(value: Any) -> str:
+    """``None``, or ``a str`` / ``an int``: what a value is, for an error message."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[:1] in 'aeiou' else 'a'} {name}"
+
+
+def describe(value: Any) -> str:
+    """What a wrongly typed prompt or message list is, for a one-line error: ``None``, ``a dict``,
+    ``a list of int and str``, ``an empty list`` (the types of a list's items, in first-seen order)."""
+    if isinstance(value, (list, tuple)):
+        kinds = list(dict.fromkeys("None" if v is None else type(v).__name__ for v in value))
+        if not kinds:
+            return f"an empty {type(value).__name__}"
+        return f"a {type(value).__name__} of {' and '.join(kinds[:3])}{' and more' if len(kinds) > 3 else ''}"
+    return _type_name(value)
+
+
+def content_problem(content: Any) -> str | None:
+    """Why ``content`` is not text or a list of text parts (``CONTENT_SHAPE``); None when it is (or is None).
+
+    One line naming the offending part by index and type (``content[1] is an 'image_url' part``).
+    """
+    if content is None or isinstance(content, str):
+        return None
+    if not isinstance(content, (list, tuple)):
+        return f"content must be {CONTENT_SHAPE}, not {type(content).__name__}"
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            return f"content[{j}] must be a text part ({{'type': 'text', 'text': ...}}), not {type(part).__name__}"
+        kind = part.get("type")
+        if kind not in TEXT_PART_TYPES:
+            return (f"content[{j}] is {'an' if str(kind)[:1] in 'aeiou' else 'a'} {kind!r} part; only text parts "
+                    f"({{'type': 'text', 'text': ...}}) are supported")
+        extra = set(part) - {"type", "text"}
+        if extra:
+            return f"content[{j}] has unknown field(s) {', '.join(sorted(extra))}; a text part has only type and text"
+        if not isinstance(part.get("text"), str):
+            return f"content[{j}] text must be text, not {type(part.get('text')).__name__}"
+    return None
+
+
+def content_text(content: Any) -> str:
+    """The text a chat template is given for ``content``: the text itself, its text parts joined
+    (no separator, as vLLM joins them), or ``""`` for None. ``content`` must have passed
+    ``content_problem``; parts may be dicts or objects with a ``text`` attribute (the server's TextPart)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] if isinstance(part, dict) else part.text for part in content)
+
+
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` as a chat template takes it: role through ``template_role``, content as ``content_text``."""
+    out = dict(message)
+    if "role" in out:
+        out["role"] = template_role(out["role"])
+    if "content" in out and out["content"] is not None:
+        out["content"] = content_text(out["content"])
+    return out
 
 
 def template_role(role: str) -> str:
@@ -30,12 +103,16 @@ def template_role(role: str) -> str:
 def conversation_problem(conversation: Any) -> str | None:
     """Why ``conversation`` is not a list of chat messages the server would take; None when it is.
 
-    Each message is a dict with a ``role`` from ``CHAT_ROLES`` and a text ``content`` (an
+    Each message is a dict with a ``role`` from ``CHAT_ROLES`` and a ``content`` that is text or a list
+    of text parts (``content_problem``; an
     ``assistant`` message that carries ``tool_calls`` may leave content out, as OpenAI allows).
     One line, naming the message by its index (``messages[1]``).
     """
-    if not isinstance(conversation, (list, tuple)) or not conversation:
-        return "a conversation must be a non-empty list of chat messages ({'role': ..., 'content': text})"
+    if not isinstance(conversation, (list, tuple)):
+        return ("a conversation must be a non-empty list of chat messages ({'role': ..., 'content': text}), "
+                f"got {describe(conversation)}")
+    if not conversation:
+        return "a conversation must be a non-empty list of chat messages ({'role': ..., 'content': text}), got []"
     for i, m in enumerate(conversation):
         if not isinstance(m, dict):
             return f"messages[{i}] must be a dict {{'role': ..., 'content': text}}, not {type(m).__name__}"
@@ -46,8 +123,9 @@ def conversation_problem(conversation: Any) -> str | None:
         if content is None and not (role == "assistant" and m.get("tool_calls")):
             return (f"messages[{i}] ({role}) has no content; every message needs content, except an "
                     "assistant message that carries tool_calls")
-        if content is not None and not isinstance(content, str):
-            return f"messages[{i}] ({role}) content must be text, not {type(content).__name__}"
+        problem = content_problem(content)
+        if problem is not None:
+            return f"messages[{i}] ({role}) {problem}"
     return None
 
 

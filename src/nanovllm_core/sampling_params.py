@@ -53,9 +53,12 @@ def check_priority(value: object, name: str = "priority") -> int:
                      "higher runs first (vLLM's priority is the opposite); pass a value in that range")
 
 
+OVERFLOW_FIX = "lower max_tokens or raise max_model_len"  # max_tokens_overflow's default advice
+
+
 def max_tokens_overflow(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, *,
                         option: str = "max_tokens", prompt: str = "the prompt has",
-                        fix: str = "lower max_tokens or raise max_model_len") -> str | None:
+                        fix: str = OVERFLOW_FIX) -> str | None:
     """Why ``max_tokens`` does not fit after a prompt of ``num_prompt_tokens`` tokens in a context of
     ``max_model_len`` tokens (vLLM's server rule: prompt + max_tokens <= max_model_len), as one line;
     None when it fits, when ``max_tokens`` is None (up to the context), or when the prompt alone fills
@@ -70,6 +73,18 @@ def max_tokens_overflow(num_prompt_tokens: int, max_tokens: int | None, max_mode
     tokens = f"{num_prompt_tokens} token{'s' if num_prompt_tokens != 1 else ''}"
     return (f"{option} {max_tokens} does not fit: {prompt} {tokens} and the context (max_model_len) is {max_model_len}, "
             f"so at most {max_model_len - num_prompt_tokens} can follow; {fix}")
+
+
+def overflow_with_options(reason: str, option: str = "--max-tokens",
+                          fix: str = "lower --max-tokens or raise --max-model-len") -> str:
+    """An engine refusal worded by :func:`max_tokens_overflow`'s defaults (``max_tokens ... does not fit:
+    ...; lower max_tokens or raise max_model_len``) reworded for a command line: ``option`` in place of
+    ``max_tokens`` and ``fix`` as the advice (what ``nanovllm-tui`` says when a ``--prompt`` given at
+    start is refused, as ``nanovllm`` words it). Any other reason comes back unchanged.
+    """
+    if not (reason.startswith("max_tokens ") and " does not fit: " in reason and reason.endswith(OVERFLOW_FIX)):
+        return reason
+    return f"{option} {reason[len('max_tokens '):-len(OVERFLOW_FIX)]}{fix}"
 
 
 @dataclass

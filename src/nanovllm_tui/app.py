@@ -30,7 +30,7 @@ from nanovllm_core import events as ev
 from nanovllm_core.educational.commentary import plural
 from nanovllm_core.educational.narrator import Narrator
 from nanovllm_core.prompts import user_message
-from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.sampling_params import SamplingParams, overflow_with_options
 from nanovllm_tui.bridge import DEFAULT_FPS, EngineBridge
 from nanovllm_tui.commands import TABS, EngineCommands, app_bindings
 from nanovllm_tui.state import EngineState
@@ -435,7 +435,10 @@ class NanoVLLMApp(App):
         if self.return_code is not None:  # already ending (--max-tokens beyond max_model_len itself): one line
             return True
         which = f"--prompt {place}" if len(self._startup_ids) > 1 else "--prompt"
-        self.exit(return_code=2, message=Text(f"nanovllm-tui: error: {which} was refused: {event.reason}"))
+        # the engine's wording names the fields; the command line's names the options, as nanovllm's does
+        # (a server's refusal under --connect is vLLM's wording and is shown as it came)
+        reason = overflow_with_options(event.reason)
+        self.exit(return_code=2, message=Text(f"nanovllm-tui: error: {which} was refused: {reason}"))
         return True
 
     def _refuse_startup_max_tokens(self, limit: int) -> None:

@@ -54,7 +54,8 @@ from nanovllm_core.model.quantization import (
     linear_weight_count,
 )
 from nanovllm_core.outputs import RequestOutput
-from nanovllm_core.prompts import Prompt, conversation_problem, is_conversation, template_role
+from nanovllm_core.prompts import (Prompt, content_text, conversation_problem, describe, is_conversation,
+                                   template_message)
 from nanovllm_core.sampling.sampler import RowGroup, Sampler, SamplerOutput, SamplingRow
 from nanovllm_core.sampling_params import SamplingParams, check_priority, max_tokens_overflow
 from nanovllm_core.speculative.metrics import SpecDecodeStats
@@ -343,12 +344,12 @@ class LLMEngine(EventSource):
             if problem is not None:
                 raise ValueError(problem)
             for message in prompt:
-                problem = unicode_problem(message["content"])
+                problem = unicode_problem(content_text(message["content"]))
                 if problem is not None:
                     raise ValueError(f"a chat message is not valid Unicode: {problem}")
             return None, self.chat_token_ids(list(prompt))
         raise ValueError("prompt must be a string, a list of token ids, or a list of chat messages "
-                         "({'role': ..., 'content': text})")
+                         f"({{'role': ..., 'content': text}}), got {describe(prompt)}")
 
     def request_problem(self, token_ids: list[int], params: SamplingParams,
                         fit_context: bool = False) -> tuple[str, str] | None:
@@ -477,8 +478,8 @@ class LLMEngine(EventSource):
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; send plain prompts instead of chat")
         try:
-            conversation = [{**m, "role": template_role(m["role"])} if isinstance(m, dict) and "role" in m else m
-                            for m in conversation]  # developer -> system, as the server sends it
+            # developer -> system and text parts joined, as the server sends them (prompts.template_message)
+            conversation = [template_message(m) if isinstance(m, dict) else m for m in conversation]
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                       tokenize=False)
         except Exception as e:  # jinja2's errors: a template that refuses these messages

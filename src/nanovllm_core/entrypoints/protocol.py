@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, StrictBool, StrictFloat, StrictInt, ValidationError
 
-from nanovllm_core.prompts import ChatRole, template_role
+from nanovllm_core.prompts import CONTENT_SHAPE, ChatRole, TextPartType, content_text, template_role
 from nanovllm_core.sampling_params import SamplingParams, check_priority
 
 
@@ -53,7 +53,7 @@ class APIError(Exception):
 UNION_SHAPES = {
     "stop": "a string or a list of strings",
     "prompt": "text, a list of texts, a list of token ids, or a list of lists of token ids",
-    "content": 'text or a list of text parts ({"type": "text", "text": ...})',
+    "content": CONTENT_SHAPE,  # what LLM.chat takes too (nanovllm_core.prompts)
 }
 
 
@@ -226,7 +226,7 @@ class CompletionRequest(_SamplingBody):
 
 
 class TextPart(_Body):
-    type: Literal["text"]
+    type: TextPartType  # the part types LLM.chat takes too (nanovllm_core.prompts.TEXT_PART_TYPES)
     text: str
 
 
@@ -269,9 +269,8 @@ class ChatMessage(_Body):
         return message
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
+        """The content as one text: its text parts joined by ``prompts.content_text``, as ``LLM.chat`` joins them."""
+        return content_text(self.content)
 
 
 class ChatCompletionRequest(_SamplingBody):

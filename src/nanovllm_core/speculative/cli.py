@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from nanovllm_core.cli_args import count_int, decimal, load_progress, positive_int, prompt_text, seed_int
+from nanovllm_core.cli_args import count_int, load_progress, positive_int, prompt_text, sampling_decimal, seed_int
 from nanovllm_core.educational.commentary import plural
 
 DEFAULT_PROMPT = "The future of AI is"
@@ -44,9 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"a prompt (repeatable; default {DEFAULT_PROMPT!r})")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--max-tokens", type=positive_int, default=48, help="tokens per prompt (default 48)")
-    p.add_argument("--temperature", type=decimal, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--temperature", type=sampling_decimal("temperature"), default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=count_int(0), default=0)
-    p.add_argument("--top-p", type=decimal, default=1.0)
+    p.add_argument("--top-p", type=sampling_decimal("top_p"), default=1.0)
     p.add_argument("--seed", type=seed_int, default=None, help="per-request random seed")
     p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens even past end-of-sequence")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
