@@ -115,6 +115,18 @@ def test_a_request_larger_than_the_kv_pool_is_a_400_before_streaming(make_tiny_e
         status, data = post(server, "/v1/chat/completions",
                             {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}, stream=True)
         assert status == 400 and "KV blocks" in data["error"]["message"], data
+        assert data["error"]["param"] == "max_tokens"
+        # a newcomer's trial (issue 29): the prompt alone over the pool named max_tokens; it is the prompt
+        for stream in (False, True):
+            status, data = post(server, "/v1/completions", {"prompt": [5] * 100, "max_tokens": 2}, stream=stream)
+            assert status == 400 and data["error"]["param"] == "prompt", data
+            assert "the prompt has 100 tokens" in data["error"]["message"] and "KV blocks" in data["error"]["message"]
+            status, data = post(server, "/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "hi " * 100}], "max_tokens": 2}, stream=stream)
+            assert status == 400 and data["error"]["param"] == "messages" and "KV blocks" in data["error"]["message"]
+        # the prompt fits with one output token (64 tokens of KV): max_tokens pushes it over
+        status, data = post(server, "/v1/completions", {"prompt": [5] * 60, "max_tokens": 5})
+        assert status == 400 and data["error"]["param"] == "max_tokens" and "KV blocks" in data["error"]["message"]
     finally:
         server.stop()
         controller.shutdown(timeout=5)
@@ -410,10 +422,10 @@ def test_health_answers_while_a_request_is_being_prepared(tiny_server, monkeypat
     entered, release = threading.Event(), threading.Event()
     check = serving.check_prompt
 
-    def held(prompt, params, names=None):
+    def held(prompt, params, names=None, **kwargs):
         entered.set()
         release.wait(60)
-        return check(prompt, params, names)
+        return check(prompt, params, names, **kwargs)
 
     monkeypatch.setattr(serving, "check_prompt", held)
     body = {"command": "submit", "prompt": "hi", "params": {"max_tokens": 1}} if path.endswith("control") else (
