@@ -724,3 +724,16 @@ def test_null_optional_fields_are_served_as_their_defaults(tiny_server, path, bo
 def test_unsupported_fields_with_a_value_and_null_required_fields_are_refused(tiny_server, path, body, param):
     status, answer = post(tiny_server, path, body)
     assert status == 400 and answer["error"]["param"] == param, answer
+
+
+def test_serving_doc_describes_every_control_command():
+    """Newcomer trial (issue 29): the server's own error lists ``snapshot``, which docs/serving.md never described."""
+    from pathlib import Path
+
+    from nanovllm_core.entrypoints.api_server import CONTROL_COMMANDS
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    paragraph = next(p for p in doc.split("\n\n") if "/v1/engine/control" in p and "`step` takes" in p)
+    for command in CONTROL_COMMANDS:  # each named in the paragraph that describes the commands
+        assert f"`{command}`" in paragraph, command
+    assert "`snapshot` takes no field" in paragraph
