@@ -616,3 +616,22 @@ def test_grouped_score_shape_is_explained_from_its_numbers():
     att = next(c for c in n.feed(timed(0, tokens=5)) if c.kind == "attention")
     assert "[3, 15, 5], [KV head, its 3 query heads x 5 tokens, 5 keys]" in att.text
     assert "3 x 5 = 15 rows" in att.text and "not [9, 5, 5]" in att.text
+
+
+def test_long_times_are_told_in_seconds_and_short_ones_in_milliseconds():
+    """Newcomer trial (issue 29): "Time to first token 178924.0 ms" is hard to read; from 1 s up it is seconds."""
+    import dataclasses
+
+    from nanovllm_core.educational.commentary import ms
+
+    assert (ms(0.0421), ms(0.9994), ms(0.99996), ms(1.0), ms(178.924), ms(3725.0), ms(None)) == (
+        "42.1 ms", "999.4 ms", "1.0 s", "1.0 s", "178.9 s", "3,725.0 s", "n/a")
+    assert ms(0.00123, digits=2) == "1.23 ms"
+    n = fresh()
+    n.feed(added())
+    slow = dataclasses.replace(finished(), ttft_s=178.924, tpot_s=10.9849, e2e_s=200.8943)
+    (end,) = n.feed(slow)
+    assert "Time to first token 178.9 s, time per output token 11.0 s, end to end 200.9 s." in end.text, end.text
+    n.feed(added(rid="1"))
+    (end,) = n.feed(finished(rid="1"))  # below 1 s: milliseconds, as before
+    assert "Time to first token 50.0 ms, time per output token 20.0 ms, end to end 70.0 ms." in end.text, end.text

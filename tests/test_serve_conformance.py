@@ -115,6 +115,18 @@ def test_a_request_larger_than_the_kv_pool_is_a_400_before_streaming(make_tiny_e
         status, data = post(server, "/v1/chat/completions",
                             {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}, stream=True)
         assert status == 400 and "KV blocks" in data["error"]["message"], data
+        assert data["error"]["param"] == "max_tokens"
+        # a newcomer's trial (issue 29): the prompt alone over the pool named max_tokens; it is the prompt
+        for stream in (False, True):
+            status, data = post(server, "/v1/completions", {"prompt": [5] * 100, "max_tokens": 2}, stream=stream)
+            assert status == 400 and data["error"]["param"] == "prompt", data
+            assert "the prompt has 100 tokens" in data["error"]["message"] and "KV blocks" in data["error"]["message"]
+            status, data = post(server, "/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "hi " * 100}], "max_tokens": 2}, stream=stream)
+            assert status == 400 and data["error"]["param"] == "messages" and "KV blocks" in data["error"]["message"]
+        # the prompt fits with one output token (64 tokens of KV): max_tokens pushes it over
+        status, data = post(server, "/v1/completions", {"prompt": [5] * 60, "max_tokens": 5})
+        assert status == 400 and data["error"]["param"] == "max_tokens" and "KV blocks" in data["error"]["message"]
     finally:
         server.stop()
         controller.shutdown(timeout=5)
@@ -410,10 +422,10 @@ def test_health_answers_while_a_request_is_being_prepared(tiny_server, monkeypat
     entered, release = threading.Event(), threading.Event()
     check = serving.check_prompt
 
-    def held(prompt, params, names=None):
+    def held(prompt, params, names=None, **kwargs):
         entered.set()
         release.wait(60)
-        return check(prompt, params, names)
+        return check(prompt, params, names, **kwargs)
 
     monkeypatch.setattr(serving, "check_prompt", held)
     body = {"command": "submit", "prompt": "hi", "params": {"max_tokens": 1}} if path.endswith("control") else (
@@ -638,3 +650,90 @@ def test_a_chat_stream_ended_by_shutdown_before_any_token_still_opens_with_its_r
     assert prompt_tokens > 0 and all(c["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
                                                      "total_tokens": prompt_tokens} for c in chunks[:-1])
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == prompt_tokens, chunks[-1]
+
+
+# Newcomer trial (issue 29): null in an optional field means its default, as OpenAI's spec and vLLM
+# allow ("n": null was a 400); a required field keeps refusing null with its one-line 400.
+def _body_models() -> list[type]:
+    """Every request-body model of protocol.py (each _Body subclass, at any depth)."""
+    from nanovllm_core.entrypoints.protocol import _Body
+
+    found, todo = [], list(_Body.__subclasses__())
+    while todo:
+        model = todo.pop()
+        if not model.__name__.startswith("_"):
+            found.append(model)
+        todo.extend(model.__subclasses__())
+    return found
+
+
+# The smallest valid body of each model; a new model must get one here (checked below).
+MINIMAL_BODIES = {
+    "CompletionRequest": {"prompt": "Hi", "max_tokens": 1},
+    "ChatCompletionRequest": {"messages": MESSAGES, "max_tokens": 1},
+    "StreamOptions": {},
+    "TextPart": {"type": "text", "text": "Hi"},
+    "FunctionCall": {"name": "f", "arguments": "{}"},
+    "ToolCall": {"id": "call_1", "function": {"name": "f", "arguments": "{}"}},
+    "ChatMessage": {"role": "user", "content": "Hi"},
+}
+NULL_CASES = [(m, name) for m in _body_models() for name in sorted(set(m.model_fields) | getattr(m, "NULL_ONLY", set()))]
+
+
+def test_every_body_model_has_a_minimal_body():
+    assert {m.__name__ for m in _body_models()} == set(MINIMAL_BODIES)
+
+
+@pytest.mark.parametrize("model, field", NULL_CASES, ids=[f"{m.__name__}.{f}" for m, f in NULL_CASES])
+def test_null_in_an_optional_field_is_its_default_and_a_required_one_refuses_it(model, field):
+    from pydantic import ValidationError
+
+    from nanovllm_core.entrypoints.protocol import validation_error
+
+    base = MINIMAL_BODIES[model.__name__]
+    body = {**base, field: None}
+    info = model.model_fields.get(field)
+    if info is not None and info.is_required():
+        with pytest.raises(ValidationError) as e:
+            model.model_validate(body)
+        error = validation_error(e.value, body)
+        assert error.status == 400 and error.param == field and "\n" not in error.message, error.body()
+    else:  # the field as if not sent
+        assert model.model_validate(body) == model.model_validate({k: v for k, v in base.items() if k != field})
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "n": None, "stream": None, "echo": None,
+                         "response_format": None}),
+    (CHAT, {"messages": MESSAGES, "max_tokens": 1, "n": None, "stream": None, "logprobs": None, "tools": None,
+            "tool_choice": None, "response_format": None}),
+])
+def test_null_optional_fields_are_served_as_their_defaults(tiny_server, path, body):
+    status, answer = post(tiny_server, path, body)
+    assert status == 200 and len(answer["choices"]) == 1, answer
+    assert answer["object"] in ("text_completion", "chat.completion") and answer["usage"]["completion_tokens"] == 1
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (CHAT, {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CHAT, {"messages": MESSAGES, "tool_choice": "auto"}, "tool_choice"),
+    ("/v1/completions", {"prompt": "Hi", "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"prompt": None}, "prompt"),
+    (CHAT, {"messages": None}, "messages"),
+])
+def test_unsupported_fields_with_a_value_and_null_required_fields_are_refused(tiny_server, path, body, param):
+    status, answer = post(tiny_server, path, body)
+    assert status == 400 and answer["error"]["param"] == param, answer
+
+
+def test_serving_doc_describes_every_control_command():
+    """Newcomer trial (issue 29): the server's own error lists ``snapshot``, which docs/serving.md never described."""
+    from pathlib import Path
+
+    from nanovllm_core.entrypoints.api_server import CONTROL_COMMANDS
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    paragraph = next(p for p in doc.split("\n\n") if "/v1/engine/control" in p and "`step` takes" in p)
+    for command in CONTROL_COMMANDS:  # each named in the paragraph that describes the commands
+        assert f"`{command}`" in paragraph, command
+    assert "`snapshot` takes no field" in paragraph

@@ -41,6 +41,7 @@ from rich.console import Console
 from nanovllm_core import LLM, SamplingParams
 from nanovllm_core import events as ev
 from nanovllm_core.config import EngineConfig
+from nanovllm_core.educational.commentary import ms
 from nanovllm_core.config import ModelConfig
 from nanovllm_core.model.loader import load_model
 from nanovllm_core.model.parallel import TensorParallel, check_size, shard_spans, valid_sizes
@@ -382,7 +383,7 @@ def test_n2_greedy_matches_n1_repeats_ignores_batching_times_truly_then_a_killed
                     f"[{h}, {s['gate_up_proj'][0] // 2}] each, down [{down_in}, {down_out}]") in text
         assert f"T = {t.num_tokens}: each all-reduce takes {t.num_tokens} x {h} x 4 bytes" in text
         assert f"{t.tp_all_reduces} all-reduces, {t.tp_all_reduce_bytes:,} bytes per rank" in text
-        assert f"rank 1: compute {t.tp_compute_s[1] * 1000:.2f} ms" in text
+        assert f"rank 1: compute {ms(t.tp_compute_s[1], digits=2)}" in text
     kill_worker_and_check_the_engine_ends(llm, "inside a step")
 
 
@@ -500,7 +501,7 @@ async def test_the_app_at_n3_runs_a_prompt_and_shows_where_each_ranks_time_went(
         t = app.state.timings[-1]
         text = str(panel.render())
         for r in range(3):
-            assert f"rank {r}: compute {t.tp_compute_s[r] * 1000:.2f} ms" in text
+            assert f"rank {r}: compute {ms(t.tp_compute_s[r], digits=2)}" in text
         assert f"{t.tp_all_reduces} all-reduces a rank, {t.tp_all_reduce_bytes:,} bytes from each" in text
         await pilot.press("escape", "q")
     assert smol_n3.engine.block_manager.num_used_blocks == 0

@@ -250,7 +250,7 @@ def check_max_tokens(llm, args: argparse.Namespace, parser: argparse.ArgumentPar
 
 def _generate(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, prompts: list[str], params) -> int:
     """Run ``prompts`` on ``llm`` and print the completions (``main``'s second half)."""
-    from nanovllm_core.educational.commentary import plural
+    from nanovllm_core.educational.commentary import ms, plural
 
     try:
         recorders = open_trace_recorders(llm, args)
@@ -284,7 +284,7 @@ def _generate(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, pr
             ttft = out.metrics.time_to_first_token
             print(f"  [{plural(len(c.token_ids), 'token')}, finish_reason={c.finish_reason}"
                   + (f", stop_reason={c.stop_reason!r}" if c.stop_reason is not None else "")
-                  + (f", TTFT {ttft * 1000:.0f} ms" if ttft is not None else "") + "]")
+                  + (f", TTFT {ms(ttft)}" if ttft is not None else "") + "]")
             if c.logprobs:
                 for token_id, entry in zip(c.token_ids, c.logprobs):
                     cands = ", ".join(f"{tok.decode([t])!r} {lp.logprob:.2f}"

@@ -35,9 +35,16 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"  # pragma: no cover
 
 
-def ms(seconds: float | None) -> str:
-    """Seconds as milliseconds with one decimal; ``"n/a"`` for None."""
-    return "n/a" if seconds is None else f"{seconds * 1000:.1f} ms"
+def ms(seconds: float | None, digits: int = 1) -> str:
+    """A duration for reading: milliseconds below 1 s (``0.0421`` -> ``"42.1 ms"``, ``digits``
+    decimals), seconds with one decimal from 1 s up (``178.924`` -> ``"178.9 s"``, ``3725`` ->
+    ``"3,725.0 s"``); ``"n/a"`` for None. The one duration format of the teaching text and the CLI
+    summary (a raw ``178924.0 ms`` is hard to read)."""
+    if seconds is None:
+        return "n/a"
+    if round(abs(seconds) * 1000, digits) < 1000:
+        return f"{seconds * 1000:,.{digits}f} ms"
+    return f"{seconds:,.1f} s"
 
 
 def show_piece(text: str) -> str:

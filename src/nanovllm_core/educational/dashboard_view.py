@@ -33,7 +33,7 @@ from rich.measure import Measurement
 from rich.text import Text
 
 from nanovllm_core import events as ev
-from nanovllm_core.educational.narrator import human_bytes
+from nanovllm_core.educational.narrator import human_bytes, ms
 from nanovllm_core.educational.narrator_sampling import table_caption
 from nanovllm_core.educational.rich_parts import topk_table
 from nanovllm_core.educational.tp_facts import dashboard_lines, tp_size
@@ -325,7 +325,7 @@ class DashboardView:
                 # own total (cli.py) is wall time around generate(), tokenizing and detokenizing included.
                 speed.add_row("Overall", f"{rate(self.total_generated / elapsed)} tok/s over {elapsed:.2f} s")
                 speed.add_row("", Text("(engine steps only)", style="dim"))
-            speed.add_row("Step time", f"{last.wall_time_s * 1000:.1f} ms")
+            speed.add_row("Step time", ms(last.wall_time_s))
         else:
             speed.add_row("Throughput", "no step yet")
         outer = Table.grid(expand=True, padding=(0, 1))

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from nanovllm_core import events as ev
+from nanovllm_core.educational.commentary import ms
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -160,9 +161,9 @@ def cost_words(m: Measured) -> str:
     """The chapter's measured paragraph: the costs, the formula with them, and the speed-up seen."""
     gain = speedup(m.alpha, m.gamma, m.c, m.v)
     ideal = speedup(m.alpha, m.gamma, m.c)
-    return (f"Measured on this machine just now (medians): a plain decode step {m.decode_s * 1e3:.1f} ms; a step "
-            f"verifying up to {m.gamma} drafts (on average {m.mean_drafts:.1f}) {m.verify_s * 1e3:.1f} ms, of which "
-            f"drafting took {m.draft_s * 1e3:.2f} ms. So the verifying forward pass costs v = {m.v:.2f} decode "
+    return (f"Measured on this machine just now (medians): a plain decode step {ms(m.decode_s)}; a step "
+            f"verifying up to {m.gamma} drafts (on average {m.mean_drafts:.1f}) {ms(m.verify_s)}, of which "
+            f"drafting took {ms(m.draft_s, digits=2)}. So the verifying forward pass costs v = {m.v:.2f} decode "
             f"steps and the {m.proposer} drafter c = {m.c:.3f} of a step per draft. "
             f"The acceptance rate was alpha = {m.alpha:.2f} (accepted drafts over drafts judged). Leviathan et al. "
             f"2023, Theorem 3.8: a step yields (1 - alpha^(gamma+1)) / (1 - alpha) = "
@@ -172,5 +173,5 @@ def cost_words(m: Measured) -> str:
             f"measured v it is over (gamma c + v): {gain:.2f}x (the yield is at gamma = {m.gamma} drafts every step, v at the "
             f"{m.mean_drafts:.1f} drafts verified on average: a longer verification would cost more). Engine step time "
             f"per decoded token in these two runs (time between steps, such as narration, left out): "
-            f"{m.plain_s_per_token * 1e3:.1f} ms plain, {m.spec_s_per_token * 1e3:.1f} ms speculative "
+            f"{ms(m.plain_s_per_token)} plain, {ms(m.spec_s_per_token)} speculative "
             f"({m.plain_s_per_token / m.spec_s_per_token:.2f}x).")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from nanovllm_core import events as ev
-from nanovllm_core.educational.commentary import plural
+from nanovllm_core.educational.commentary import ms, plural
 
 DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 COMM_SHARE_TOLD = 0.2  # the narrator says a step waited on communication from this share of a rank's time
@@ -287,7 +287,7 @@ def _tokens(n: int) -> str:
 
 
 def _ms(s: float) -> str:
-    return f"{s * 1000:.2f} ms"
+    return ms(s, digits=2)
 
 
 def dashboard_lines(t: ev.StepTimed) -> list[str]:
@@ -365,11 +365,11 @@ def communication_words(m: Any, allreduces: int, decode_steps: list[ev.StepTimed
             f"between {m.world_size} processes ({m.backend} over 127.0.0.1, one thread each) took {m.p50_us:,.0f} µs "
             f"at the median and {m.p99_us:,.0f} µs at the 99th percentile, over {m.iters} calls. A decode token of "
             f"this model runs {allreduces} of them one after another: {allreduces} x {m.p50_us:,.0f} µs = "
-            f"{per_token_ms:,.1f} ms of communication a token at the median, before any arithmetic (and before "
+            f"{ms(per_token_ms / 1000)} of communication a token at the median, before any arithmetic (and before "
             "rank 0 gathers the logits).")
     if decode_steps:
         one = sum(t.wall_time_s for t in decode_steps) / len(decode_steps)
-        text += (f" One process decoded the same prompt at {one * 1000:,.1f} ms a step (mean of "
+        text += (f" One process decoded the same prompt at {ms(one)} a step (mean of "
                  f"{plural(len(decode_steps), 'decode step')}, measured just now): "
                  f"the all-reduces alone are {per_token_ms / one / 1000:.1f}x that, and the split ranks' arithmetic, "
                  "on the same cores, comes on top.")

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from nanovllm_core.attention.fallbacks import FALLBACK_CONDITIONS, FLASH_ATTN_FALLBACK_CONDITIONS
-from nanovllm_core.educational.commentary import plural
+from nanovllm_core.educational.commentary import ms, plural
 from nanovllm_core.educational.xray_costs import peak_words
 from nanovllm_core.model.block_formats import FORMATS  # torch-free
 from nanovllm_core.sampling_params import SamplingParams
@@ -886,7 +886,7 @@ def _decode_bytes(info: dict[str, Any]) -> list[str]:
     if g("memory_bandwidth"):
         bw = g("memory_bandwidth")
         lines.append(f"At this machine's measured {bw / 1e9:,.1f} GB/s, reading the weights alone takes "
-                     f"{weights / bw * 1e3:,.1f} ms: at batch 1 no more than {bw / weights:,.0f} tokens/s, "
+                     f"{ms(weights / bw)}: at batch 1 no more than {bw / weights:,.0f} tokens/s, "
                      "however fast the arithmetic.")
     if count and g("quantization"):
         wide = count * 4

@@ -33,7 +33,7 @@ from rich.text import Text
 
 from nanovllm_core import events as ev
 from nanovllm_core.educational import xray_facts as facts
-from nanovllm_core.educational.commentary import plural
+from nanovllm_core.educational.commentary import ms, plural
 from nanovllm_core.educational.narrator import human_bytes, show_piece
 from nanovllm_core.educational.rich_parts import Indent
 from nanovllm_core.educational import tp_facts, xray_blocks
@@ -199,7 +199,7 @@ def render_step(traces: list[ev.LayerTrace], entry: ev.ScheduledEntry | None = N
     others = [t for t in traces if t is not detail]
     total = step_total(traces, edges)
     if wall_time_s is not None:
-        total += f"; the step took {wall_time_s * 1000:.1f} ms (with the X-Ray capture itself)"
+        total += f"; the step took {ms(wall_time_s)} (with the X-Ray capture itself)"
     parts: list[RenderableType] = [head, Indent(render_layer_detail(detail, info))]
     if others:
         parts += [Text(""), Indent(render_other_layers(others))]

@@ -385,9 +385,14 @@ class LLMEngine(EventSource):
         if params.n > self.scheduler.max_num_seqs:  # n sequences run side by side: more could never all be admitted
             return "n", (f"n={params.n} asks for more sequences than this engine runs at once "
                          f"(max_num_seqs={self.scheduler.max_num_seqs}); lower n or raise max_num_seqs")
+        pool = self.block_manager.num_blocks
+        least = self.block_manager.blocks_needed(n_prompt + 1)  # the prompt and one output token: max_tokens=1
+        if least > pool:  # no max_tokens would fit: the prompt is at fault
+            return "prompt", (f"the prompt has {n_prompt} token{'s' if n_prompt != 1 else ''}, which with one output token "
+                    f"needs {least} KV blocks but the pool has only {pool}; shorten the prompt or raise num_kv_blocks")
         limit = min(self.max_model_len, n_prompt + (params.max_tokens or self.max_model_len))
         need = self.block_manager.blocks_needed(limit)
-        if need > self.block_manager.num_blocks:
+        if need > pool:  # the prompt fits: it is max_tokens (or, absent, max_model_len) that pushes it over
             return "max_tokens", (f"the request may need {need} KV blocks ({limit} token{'s' if limit != 1 else ''}) but the pool has only "
                     f"{self.block_manager.num_blocks}; raise num_kv_blocks or lower max_tokens")
         if not self.scheduler.enable_chunked_prefill and n_prompt > self.scheduler.token_budget:

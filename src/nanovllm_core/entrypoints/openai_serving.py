@@ -94,17 +94,27 @@ class OpenAIServing:
             raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}` "
                            "(GET /v1/models lists it)", status=404, param="model", code="model_not_found")
 
-    def check_prompt(self, prompt: str | list[int], params: Any, names: dict[str, str] | None = None) -> list[int]:
+    def check_prompt(self, prompt: str | list[int], params: Any, names: dict[str, str] | None = None,
+                     prompt_field: str = "prompt") -> list[int]:
         """Everything the engine would refuse ``prompt`` for, checked before any answer starts, so
         a streamed request gets the same 400 as a whole one. Returns the prompt's token ids.
         ``names``: the request field behind each ``SamplingParams`` field named otherwise
-        (:meth:`APIError.renamed`), so the error names what the client sent.
+        (:meth:`APIError.renamed`), so the error names what the client sent; ``prompt_field``: the
+        field that gave the prompt (``messages`` for a chat), named as ``param`` where the prompt is at fault.
 
         Raises:
             APIError: 400 naming the field (text that is not valid Unicode, an empty prompt, a
                 token id outside the vocabulary, too long for the context, stop_token_ids outside
                 the vocabulary, more KV blocks than the pool has); 503 when the engine failed for good.
         """
+        try:
+            return self._check_prompt(prompt, params, names)
+        except APIError as e:
+            if e.param == "prompt" and prompt_field != "prompt":
+                e.param = prompt_field
+            raise
+
+    def _check_prompt(self, prompt: str | list[int], params: Any, names: dict[str, str] | None) -> list[int]:
         engine = self._llm.engine
         if engine.fatal_error is not None:
             raise APIError(engine.fatal_error, status=503, type="server_error", code="engine_dead")
@@ -150,7 +160,7 @@ class OpenAIServing:
             raise
         except Exception as e:  # no template, or one that refuses this conversation
             raise APIError(f"the chat template could not render these messages: {e}", param="messages") from None
-        self.check_prompt(ids, params, req.field_names())
+        self.check_prompt(ids, params, req.field_names(), prompt_field="messages")
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], params, req.priority, req.stream,
                         *_usage_options(req), req.return_token_ids, prompt_ids=[list(ids)])
 

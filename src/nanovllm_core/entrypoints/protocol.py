@@ -11,9 +11,10 @@ server answers with OpenAI's JSON shape ``{"error": {"message", "type", "param",
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, StrictBool, StrictFloat, StrictInt, ValidationError
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, StrictBool, StrictFloat, StrictInt, ValidationError,
+                      model_validator)
 
 from nanovllm_core.prompts import CONTENT_SHAPE, ChatRole, TextPartType, content_text, template_role
 from nanovllm_core.sampling_params import SamplingParams, check_priority
@@ -114,7 +115,25 @@ Int = Annotated[StrictInt, BeforeValidator(whole_number)]
 
 
 class _Body(BaseModel):
+    """A request body (or part of one): unknown fields refused; ``null`` in an optional field means its default.
+
+    OpenAI's spec marks its optional fields nullable and vLLM's server takes ``null`` for any of
+    them as "not sent", so ``"n": null`` is ``n=1`` and ``"stream": null`` is ``stream=false``.
+    A required field (``prompt``, ``messages``, a message's ``role``) keeps refusing ``null``
+    with its one-line 400. ``NULL_ONLY``: fields this server does not support but takes as
+    ``null`` (= not sent); any other value of them is refused as an unknown field.
+    """
+
     model_config = ConfigDict(extra="forbid")
+    NULL_ONLY: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        optional = {name for name, f in cls.model_fields.items() if not f.is_required()} | cls.NULL_ONLY
+        return {k: v for k, v in data.items() if not (v is None and k in optional)}
 
 
 class StreamOptions(_Body):
@@ -203,6 +222,7 @@ class CompletionRequest(_SamplingBody):
     logprobs: Int | None = None
     echo: StrictBool = False
     suffix: str | None = None
+    NULL_ONLY = frozenset({"response_format"})  # vLLM's structured output: not supported here
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list (a single text or token list becomes a list of one).
@@ -286,6 +306,8 @@ class ChatCompletionRequest(_SamplingBody):
     logprobs: StrictBool = False
     top_logprobs: Int | None = None
     add_generation_prompt: StrictBool = True
+    # tool calling and structured output are not supported here: null (= not sent) only
+    NULL_ONLY = frozenset({"tools", "tool_choice", "response_format"})
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them.
