@@ -11,6 +11,14 @@ pytestmark = pytest.mark.real_model
 GOOD = "The capital of France is"
 
 
+def assert_refused_before_queueing(llm: LLM, message: str, call) -> None:
+    """``call()`` raises a one-line ValueError matching ``message`` and leaves no request queued."""
+    with pytest.raises(ValueError, match=message) as e:
+        call()
+    assert "\n" not in str(e.value)
+    assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
+
+
 def test_each_bad_prompt_is_rejected_while_the_batch_completes_when_asked(make_llm):
     """reject_bad_prompts=True (the command line's way): each bad prompt comes back rejected, the rest run."""
     llm = make_llm(num_kv_blocks=4, block_size=16, max_model_len=100)
@@ -83,10 +91,7 @@ def test_a_bad_prompt_raises_before_any_prompt_is_queued(make_llm, prompt, param
 ])
 def test_chat_refuses_the_messages_the_server_refuses_before_queueing(make_llm, messages, message):
     llm = make_llm()
-    with pytest.raises(ValueError, match=message) as e:
-        llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
-    assert "\n" not in str(e.value)
-    assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
+    assert_refused_before_queueing(llm, message, lambda: llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False))
 
 
 def test_chat_takes_the_text_parts_the_server_takes_and_renders_them_the_same(make_llm):
@@ -132,10 +137,8 @@ def test_chat_and_the_server_share_one_definition_of_content():
 ])
 def test_prompts_of_the_wrong_type_are_one_line_naming_what_was_given(make_llm, prompts, message):
     llm = make_llm()
-    with pytest.raises(ValueError, match=message) as e:
-        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
-    assert "\n" not in str(e.value)
-    assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
+    assert_refused_before_queueing(llm, message, lambda: llm.generate(prompts, SamplingParams(max_tokens=2),
+                                                                      use_tqdm=False))
 
 
 def test_chat_and_the_server_share_one_list_of_roles(make_llm):

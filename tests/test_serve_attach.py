@@ -6,6 +6,7 @@ The server is the shared in-process ``tiny_server``; the app talks to it only ov
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -267,65 +268,60 @@ def test_a_dropped_stream_reconnects_and_misses_no_event(tiny_server, paced):
         remote.shutdown(timeout=2)
 
 
-@pytest.mark.anyio
-async def test_losing_the_server_shows_in_the_header_the_app_stays_live_and_reconnects(make_tiny_engine, tmp_path):
+@contextlib.asynccontextmanager
+async def attached_app_losing_its_server(make_tiny_engine, tmp_path, api_key: str | None = None):
+    """An app attached to a tiny server, run until the server has stopped and the header says
+    ``disconnected``; yields ``(pilot, app, notes, header, restart)`` where ``restart(api_key)``
+    starts a new server on the same port over the same engine."""
     controller = EngineController.from_engine(make_tiny_engine(num_kv_blocks=32))
-    server = start_server(controller, api_key=None)
-    remote = RemoteController(server.url, reconnect_s=(0.05, 0.2))
-    app = NanoVLLMApp(remote, tutorial_path=tmp_path / "t.json")
-    notes = Notes()
+    server = start_server(controller, api_key=api_key)
+    port = int(server.url.rsplit(":", 1)[1])
+    remote = RemoteController(server.url, api_key=api_key, reconnect_s=(0.05, 0.2))
+    app, notes, started = NanoVLLMApp(remote, tutorial_path=tmp_path / "t.json"), Notes(), []
+
+    def restart(key: str | None = None) -> None:
+        again = APIServer(build_app(controller, api_key=key), log_level="warning", access_log=False)
+        again.start_in_thread(socket.create_server(("127.0.0.1", port)))
+        started.append(again)
+
     try:
         async with app.run_test(size=(120, 36), message_hook=notes) as pilot:
             header = lambda: str(app.query_one("#header").render())  # noqa: E731
             await wait_until(pilot, lambda: "idle" in header(), 30, "the header to show the server idle")
-            port = int(server.url.rsplit(":", 1)[1])
             assert server.stop()
             await wait_until(pilot, lambda: "disconnected" in header(), 10, "the header to show the lost server")
-            assert len(notes.find("lost the connection to " + server.url)) == 1
-            await pilot.press("escape", "5")  # the window still answers while the server is gone
-            assert app.active_tab == "blocks"
-            await pilot.pause(0.5)
-            assert len(notes.find("lost the connection")) == 1  # said once, not at every attempt
-
-            again = APIServer(build_app(controller), log_level="warning", access_log=False)
-            again.start_in_thread(socket.create_server(("127.0.0.1", port)))
-            try:
-                await wait_until(pilot, lambda: "idle" in header(), 30, "the app to reconnect to the new server")
-                assert remote.connected
-            finally:
-                again.stop()
+            yield pilot, app, notes, header, restart
     finally:
+        for again in started:
+            again.stop()
         controller.shutdown(timeout=5)
+
+
+@pytest.mark.anyio
+async def test_losing_the_server_shows_in_the_header_the_app_stays_live_and_reconnects(make_tiny_engine, tmp_path):
+    async with attached_app_losing_its_server(make_tiny_engine, tmp_path) as (pilot, app, notes, header, restart):
+        url = app.controller.url
+        assert len(notes.find("lost the connection to " + url)) == 1
+        await pilot.press("escape", "5")  # the window still answers while the server is gone
+        assert app.active_tab == "blocks"
+        await pilot.pause(0.5)
+        assert len(notes.find("lost the connection")) == 1  # said once, not at every attempt
+        restart()
+        await wait_until(pilot, lambda: "idle" in header(), 30, "the app to reconnect to the new server")
+        assert app.controller.connected
 
 
 @pytest.mark.anyio
 async def test_a_server_back_with_another_api_key_shows_key_refused_without_a_key_press(make_tiny_engine, tmp_path):
     """Trial 7: a server restarted with another --api-key under the app left it 'disconnected' for
     good, retrying; nothing said the key was refused until space was pressed."""
-    controller = EngineController.from_engine(make_tiny_engine(num_kv_blocks=32))
-    server = start_server(controller, api_key="first")
-    remote = RemoteController(server.url, api_key="first", reconnect_s=(0.05, 0.2))
-    app = NanoVLLMApp(remote, tutorial_path=tmp_path / "t.json")
-    notes = Notes()
-    try:
-        async with app.run_test(size=(120, 36), message_hook=notes) as pilot:
-            header = lambda: str(app.query_one("#header").render())  # noqa: E731
-            await wait_until(pilot, lambda: "idle" in header(), 30, "the header to show the server idle")
-            port = int(server.url.rsplit(":", 1)[1])
-            assert server.stop()
-            await wait_until(pilot, lambda: "disconnected" in header(), 10, "the header to show the lost server")
-            again = APIServer(build_app(controller, api_key="other"), log_level="warning", access_log=False)
-            again.start_in_thread(socket.create_server(("127.0.0.1", port)))
-            try:
-                await wait_until(pilot, lambda: "key refused" in header(), 30, "the header to say the key is refused")
-                await wait_until(pilot, lambda: notes.find("refused the API key"), 10, "a note saying why")
-                assert "$NANOVLLM_API_KEY is not the server's" in notes.find("refused the API key")[0].message
-                await pilot.pause(0.6)
-                assert len(notes.find("refused the API key")) == 1  # said once, not at every attempt
-            finally:
-                again.stop()
-    finally:
-        controller.shutdown(timeout=5)
+    async with attached_app_losing_its_server(make_tiny_engine, tmp_path, "first") as (pilot, _, notes, header, restart):
+        restart("other")
+        await wait_until(pilot, lambda: "key refused" in header(), 30, "the header to say the key is refused")
+        await wait_until(pilot, lambda: notes.find("refused the API key"), 10, "a note saying why")
+        assert "$NANOVLLM_API_KEY is not the server's" in notes.find("refused the API key")[0].message
+        await pilot.pause(0.6)
+        assert len(notes.find("refused the API key")) == 1  # said once, not at every attempt
 
 
 def test_a_prompt_sent_as_token_ids_shows_as_its_pieces():
