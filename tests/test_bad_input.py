@@ -88,6 +88,9 @@ def test_a_bad_prompt_raises_before_any_prompt_is_queued(make_llm, prompt, param
     ([], "messages is empty"),
     ([[{"role": "user", "content": "Hi"}], [{"role": "bogus", "content": "Hi"}]], r"^conversation 1: messages\[0\] has role 'bogus'"),
     ([[{"role": "user", "content": "Hi"}], []], r"^conversation 1: a conversation must be a non-empty list"),
+    # trial 9: one that does not fit was named prompts[1]
+    ([[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "word " * 9000}]],
+     r"^conversation 1: the prompt has \d+ tokens"),
 ])
 def test_chat_refuses_the_messages_the_server_refuses_before_queueing(make_llm, messages, message):
     llm = make_llm()

@@ -475,6 +475,10 @@ async def test_an_app_attached_to_a_server_that_restarts_marks_its_old_requests_
             await pilot.press("escape", "5")
             await pilot.pause(0.5)
             assert app.state.blocks is None or not any(t.request_id == rid for t in app.state.blocks.tables)
+            assert app.selected == rid
+            await pilot.press("2")  # X-Ray of the lost request: not asked of the new server (trial 9: a 404 toast)
+            await pilot.pause(1.0)
+            assert not notes.find("xray:") and not notes.find("X-Ray")
     finally:
         if again is not None:
             again.stop()

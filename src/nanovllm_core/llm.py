@@ -88,6 +88,7 @@ class LLM:
         use_tqdm: bool = True,
         *,
         reject_bad_prompts: bool = False,
+        _named: str = "prompts[{i}]",
     ) -> list[RequestOutput]:
         """Generate completions for ``prompts``; outputs come back in input order.
 
@@ -139,7 +140,8 @@ class LLM:
             for i, (p, sp) in enumerate(zip(prompts, params_list)):
                 problem = self.prompt_problem(p, sp)
                 if problem is not None:
-                    raise ValueError(f"prompts[{i}]: {problem}" if len(prompts) > 1 else problem)
+                    # (_named: how a refusal names the i-th prompt; ``chat`` names its conversations)
+                    raise ValueError(f"{_named.format(i=i)}: {problem}" if len(prompts) > 1 else problem)
         ids = [engine.add_request(p, sp, prio) for p, sp, prio in zip(prompts, params_list, priority)]
         wanted = set(ids)
         results: dict[str, RequestOutput] = {}
@@ -244,7 +246,8 @@ class LLM:
             if problem is not None:
                 raise ValueError(f"conversation {i}: {problem}" if len(conversations) > 1 else problem)
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        # a refusal names the conversation given, as the shape checks above do (not prompts[i]; trial 9)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, _named="conversation {i}")
 
     def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template.

@@ -617,13 +617,22 @@ class NanoVLLMApp(App):
         self.bridge.want(xray=tab == "xray", blocks=tab in ("blocks", "narrator"))
         if tab == "xray":
             xray = self.query_one(XRayView)
-            self.controller.xray(self.selected, xray.layer_index, xray.head_index)
+            self._choose_xray(self.selected, xray.layer_index, xray.head_index)
         if tab == "blocks" and self.live:
             bridge = self.bridge  # a snapshot now, so a paused engine still shows its pool
             self.controller.call(lambda engine: bridge(engine.blocks_event(engine.step_index)))
 
     def on_xray_view_choice(self, message: XRayView.Choice) -> None:
-        self.controller.xray(self.selected, message.layer, message.head)
+        self._choose_xray(self.selected, message.layer, message.head)
+
+    def _choose_xray(self, request_id: str | None, layer: int, head: int) -> None:
+        """Tell the engine what X-Ray traces. A request lost with a restarted server is not asked
+        for by its id (the new server knows none such: a 404 toast beside the tab's own 'lost'
+        hint; trial 9): the first request of each step is traced instead."""
+        req = self.state.requests.get(request_id) if request_id is not None else None
+        if req is not None and req.state == "lost":
+            request_id = None
+        self.controller.xray(request_id, layer, head)
 
     def on_request_table_selected(self, message: Any) -> None:
         self.select(message.request_id)
@@ -634,7 +643,7 @@ class NanoVLLMApp(App):
         self.selected = request_id
         if self.active_tab == "xray":
             xray = self.query_one(XRayView)
-            self.controller.xray(request_id, xray.layer_index, xray.head_index)
+            self._choose_xray(request_id, xray.layer_index, xray.head_index)
         self._redraw()
 
     # ------------------------------------------------------------------ actions (keys and command palette)

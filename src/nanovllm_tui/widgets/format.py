@@ -50,10 +50,11 @@ def fmt_rate(per_s: float) -> str:
 
 
 def fmt_ms(seconds: float | None) -> str:
-    """0.0421 -> '42 ms'; from 10 s on in seconds ('12.3 s', '1234 s'), so the figure stays short."""
+    """0.0421 -> '42 ms'; from 1 s on in seconds ('1.2 s', '12.3 s', '1234 s'), as the teaching text
+    (``commentary.ms``) switches, so one figure never reads '1242 ms' in a table and '1.2 s' beside it."""
     if seconds is None:
         return "-"
-    if seconds < 10:
+    if round(seconds * 1000) < 1000:
         return f"{seconds * 1000:.0f} ms"
     return f"{seconds:.1f} s" if seconds < 1000 else f"{seconds:.0f} s"
 
