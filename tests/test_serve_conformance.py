@@ -737,3 +737,11 @@ def test_serving_doc_describes_every_control_command():
     for command in CONTROL_COMMANDS:  # each named in the paragraph that describes the commands
         assert f"`{command}`" in paragraph, command
     assert "`snapshot` takes no field" in paragraph
+
+
+@pytest.mark.parametrize("query, param", [("topk=1000", "topk"), ("topk=-1", "topk"), ("bogus=1", "bogus"),
+                                          ("topk=3&blocks=1&xray=1&top_k=2", "top_k")])
+def test_the_event_stream_refuses_an_unknown_or_out_of_range_query_parameter(tiny_server, query, param):
+    """Trial 9: topk=1000 was clamped and bogus=1 ignored, both answered 200 with a stream."""
+    r = httpx.get(f"{tiny_server.url}/v1/engine/events?{query}", timeout=10, headers=tiny_server.headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

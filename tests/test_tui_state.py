@@ -203,3 +203,15 @@ def test_the_top_k_caption_names_every_processor_and_a_special_token_is_named():
     req = state.requests["r"]
     assert req.top_caption == "probabilities after temperature 0.7, min-p 0.1 and top-k 20, renormalised"
     assert req.last_token == "<|im_end|>"
+
+
+def test_a_request_refused_before_it_was_added_shows_no_made_up_priority():
+    """Trial 9: a replay showed a rejected request's priority as 0 (the event carries none; it was 5)."""
+    from nanovllm_tui.widgets.request_table import row_cells
+
+    state = EngineState()
+    state.apply(ev.RequestRejected(request_id="req-1", reason="too long"))
+    assert state.requests["req-1"].priority is None and row_cells(state.requests["req-1"])[2].plain == "-"
+    state.submitted("req-2", "Hi", 5, 8)  # sent from this app: what it sent is known
+    state.apply(ev.RequestRejected(request_id="req-2", reason="too long"))
+    assert row_cells(state.requests["req-2"])[2].plain == "5"

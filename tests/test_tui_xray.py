@@ -95,3 +95,11 @@ async def test_a_layer_not_captured_is_said_so_and_a_replay_does_not_promise_the
         assert f"Layer 1 was not captured in step {step} (it captured layer 0)" in title
         assert "This recording holds only the layers captured while it was made" in title
         assert "next traced step" not in title
+        # the selected request finished: no step of it will come (trial 9: 'the next traced step captures' it)
+        rid = app.state.xray[0].request_id
+        app.select(rid)
+        app.state.requests[rid].state = "finished"
+        app.query_one("#xray-view").update_view(app.state, rid)
+        await pilot.pause(0.2)
+        title = " ".join(str(app.query_one("#xray-title").render()).split())
+        assert f"Request {rid} is finished (no longer running), so no step of it will capture layer 1" in title

@@ -428,6 +428,7 @@ class RemoteController:
     def _read_stream(self, detail: tuple[int, bool, bool]) -> None:
         """Read the stream until it fails (raises) or the wanted detail changes (returns)."""
         topk, blocks, xray = detail
+        topk = min(topk, 20)  # the most the server sends (more is a 400)
         query = urllib.parse.urlencode({"topk": topk, "blocks": int(blocks), "xray": int(xray)})
         conn = self._server.connection()
         self._stream_conn = conn

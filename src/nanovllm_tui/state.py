@@ -38,7 +38,7 @@ class RequestView:
 
     request_id: str
     prompt: str
-    priority: int = 0
+    priority: int | None = 0  # None: not known (a request refused before the engine added it, seen elsewhere)
     max_tokens: int | None = None
     chat: bool | None = None  # sent as a user's chat message (True), as raw text (False), or not known (sent elsewhere)
     state: str = "submitted"
@@ -259,7 +259,10 @@ class EngineState:
             req.state = "waiting"
 
     def _on_RequestRejected(self, e: ev.RequestRejected) -> None:
+        known = e.request_id in self.requests
         req = self._request(e.request_id)
+        if not known:  # refused before it was added (a replay, another client): its settings are not in the event
+            req.priority = None  # shown as "-", not a made-up 0 (trial 9)
         req.state, req.error = "rejected", e.reason
         self._prune()
 

@@ -57,6 +57,8 @@ from nanovllm_core.prompts import is_conversation
 from nanovllm_core.sampling_params import SamplingParams, check_priority
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+EVENTS_QUERY = ("topk", "blocks", "xray")  # /v1/engine/events' query parameters
+MAX_EVENTS_TOPK = 20
 CONTROL_COMMANDS = ("pause", "resume", "step", "abort", "submit", "xray", "snapshot")
 # The fields each control command takes (besides "command"); any other is refused, naming it.
 CONTROL_FIELDS = {"pause": ("owner",), "resume": ("owner",), "snapshot": (), "step": ("n",), "abort": ("request_id",),
@@ -213,8 +215,15 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
     async def engine_events(request: Request, topk: int = 0, blocks: bool = False, xray: bool = False) -> Response:
         if state.shutting_down:  # a watcher would only be let go again at once
             raise APIError("the server is shutting down", status=503, type="server_error", code="shutting_down")
+        unknown = sorted(set(request.query_params) - set(EVENTS_QUERY))
+        if unknown:  # a misspelt parameter is never ignored, as the control API's fields (trial 9)
+            raise APIError(f"unknown query parameter {unknown[0]!r} on /v1/engine/events; it takes "
+                           f"{', '.join(EVENTS_QUERY)}", param=unknown[0])
+        if not 0 <= topk <= MAX_EVENTS_TOPK:
+            raise APIError(f"topk must be a whole number from 0 to {MAX_EVENTS_TOPK} (the top choices sent with "
+                           f"each sampled token), got {topk}", param="topk")
         last_id = state.hub.parse_last_event_id(request.headers.get("last-event-id"))
-        return StreamingResponse(state.hub.stream(max(0, min(topk, 20)), blocks, xray, last_id),
+        return StreamingResponse(state.hub.stream(topk, blocks, xray, last_id),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
     @v1.post("/v1/engine/control")

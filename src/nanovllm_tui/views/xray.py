@@ -244,7 +244,11 @@ class XRayView(EngineView, can_focus=True):
                 captured = ", ".join(str(n) for n in sorted(state.xray))
                 why = f"Layer {self.layer_index} was not captured in step {newest.step} (it captured layer" \
                       f"{'s' if len(state.xray) > 1 else ''} {captured}). "
-                if getattr(self.app, "live", True):
+                req = state.requests.get(selected) if selected else None
+                if req is not None and not req.live:  # no next step of it will come (trial 9 said one would)
+                    why += (f"Request {selected} is {req.state} (no longer running), so no step of it will capture "
+                            f"layer {self.layer_index}; select a running one with ] or [ to see it.")
+                elif getattr(self.app, "live", True):
                     why += (f"The engine captures only the chosen layer: the next traced step captures layer "
                             f"{self.layer_index} (unless another app watching the same server chooses another).")
                 else:

@@ -41,7 +41,7 @@ def row_cells(req: RequestView) -> tuple[Text, ...]:
     return (
         Text.assemble(("■ ", request_color(req.order)), req.request_id),
         Text(state, style=STATE_STYLES.get(req.state, "")),
-        Text(str(req.priority)),
+        Text(str(req.priority) if req.priority is not None else "-"),
         progress(req.prefilled, req.prompt_len, 8, "cyan") if req.prompt_len else Text("-"),
         progress(req.num_output, req.max_tokens, 8, "green"),
         Text(fmt_ms(req.ttft)),
