@@ -107,7 +107,7 @@ async def test_a_paste_then_enter_sends_the_pasted_prompt(tiny_llama_dir, tmp_pa
     ("temperature", "0.5[red]", "temperature must be a finite number >= 0 (0 = greedy), not '0.5[red]'"),  # not markup
     ("priority", "1.5", "priority must be a whole number from -1000 to 1000 (higher runs first; vLLM's priority is the opposite), not '1.5'"),
     ("priority", "99999999999999999999999", "priority must be a whole number from -1000 to 1000"),
-    ("max-tokens", "100000", "max tokens must be a whole number from 1 to 512 (the model's max_model_len)"),
+    ("max-tokens", "100000", "max tokens must be a whole number from 1 to 512 (the max_model_len of the engine it goes to: here or the server's)"),
 ])
 async def test_a_wrong_setting_is_marked_at_its_field_and_the_prompt_is_kept(tiny_llama_dir, tmp_path, field,
                                                                              typed, why):

@@ -104,7 +104,7 @@ def test_given_options_sees_repeatable_options_and_not_absent_ones():
 
 @pytest.mark.parametrize("argv, message", [
     (["--max-tokens", "9000", "--max-model-len", "8192"],
-     "--max-tokens: max tokens must be a whole number from 1 to 8192 (the model's max_model_len), not '9000'"),
+     "--max-tokens: max tokens must be a whole number from 1 to 8192 (the max_model_len of the engine it goes to: here or the server's), not '9000'"),
     (["--max-tokens", "600", "--max-model-len", "512", "--prompt", "Hi"], "from 1 to 512"),
 ])
 def test_start_up_values_are_checked_by_the_prompt_bars_rules(capsys, argv, message):
@@ -133,7 +133,7 @@ async def test_a_start_up_max_tokens_beyond_the_models_context_ends_the_app_with
         await wait_until(pilot, lambda: exits, timeout=60, what="the app to refuse the start-up max tokens")
     assert app.return_code == 2 and len(exits) == 1
     assert str(exits[0]["message"]) == ("nanovllm-tui: error: --max-tokens: max tokens must be a whole number from 1 "
-                                         "to 512 (the model's max_model_len), not '9000'; lower --max-tokens or raise "
+                                         "to 512 (the max_model_len of the engine it goes to: here or the server's), not '9000'; lower --max-tokens or raise "
                                          "--max-model-len")
 
 

@@ -116,7 +116,7 @@ class Setting(Validator):
 
 def setting_rules(limit: int | None = None) -> dict[str, Setting]:
     """The three settings' rules by field id; ``limit``: the model's max_model_len (None: not known yet)."""
-    max_rule = f"a whole number from 1 to {limit} (the model's max_model_len)" if limit else "a whole number >= 1"
+    max_rule = f"a whole number from 1 to {limit} (the max_model_len of the engine it goes to: here or the server's)" if limit else "a whole number >= 1"
     return {
         "priority": Setting("priority", parse_priority,
                             f"a whole number from -{PRIORITY_LIMIT} to {PRIORITY_LIMIT} (higher runs first; vLLM's "
