@@ -88,7 +88,6 @@ class LLM:
         use_tqdm: bool = True,
         *,
         reject_bad_prompts: bool = False,
-        _named: str = "prompts[{i}]",
     ) -> list[RequestOutput]:
         """Generate completions for ``prompts``; outputs come back in input order.
 
@@ -119,7 +118,20 @@ class LLM:
                 outside -1000..1000, or a prompt the engine cannot take (one line naming it,
                 ``prompts[i]`` when there are several); all checked before any prompt is queued.
         """
-        prompts = self._prompt_list(prompts)
+        return self._generate(self._prompt_list(prompts), sampling_params, priority, use_tqdm,
+                              reject_bad_prompts, label="prompts[{i}]")
+
+    def _generate(
+        self,
+        prompts: list[Any],
+        sampling_params: SamplingParams | list[SamplingParams] | None,
+        priority: list[int] | None,
+        use_tqdm: bool,
+        reject_bad_prompts: bool,
+        label: str,
+    ) -> list[RequestOutput]:
+        """``generate``'s body over a list of prompts; ``label`` names the i-th prompt in a refusal
+        (``"prompts[{i}]"`` for ``generate``, ``"conversation {i}"`` for ``chat``)."""
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts; give one or one per prompt")
@@ -140,8 +152,7 @@ class LLM:
             for i, (p, sp) in enumerate(zip(prompts, params_list)):
                 problem = self.prompt_problem(p, sp)
                 if problem is not None:
-                    # (_named: how a refusal names the i-th prompt; ``chat`` names its conversations)
-                    raise ValueError(f"{_named.format(i=i)}: {problem}" if len(prompts) > 1 else problem)
+                    raise ValueError(f"{label.format(i=i)}: {problem}" if len(prompts) > 1 else problem)
         ids = [engine.add_request(p, sp, prio) for p, sp, prio in zip(prompts, params_list, priority)]
         wanted = set(ids)
         results: dict[str, RequestOutput] = {}
@@ -177,6 +188,8 @@ class LLM:
         Raises:
             ValueError: not a string or a list/tuple (None, a number, a dict), or a list that starts
                 as token ids (an int first) but holds something else; one line naming what was given.
+                A list of prompts may mix texts, token-id lists and conversations: each is encoded
+                and checked on its own.
         """
         shape = ("prompts must be a string, a list of token ids, or a list of prompts (strings, token-id lists "
                  "or conversations)")
@@ -247,7 +260,7 @@ class LLM:
                 raise ValueError(f"conversation {i}: {problem}" if len(conversations) > 1 else problem)
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
         # a refusal names the conversation given, as the shape checks above do (not prompts[i]; trial 9)
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, _named="conversation {i}")
+        return self._generate(prompts, sampling_params, None, use_tqdm, False, label="conversation {i}")
 
     def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template.
