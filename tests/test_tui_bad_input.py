@@ -335,3 +335,45 @@ async def test_at_60x20_the_request_table_keeps_cells_whole_and_scrolls_sideways
             await pilot.press("right")
         await pilot.pause()
         assert table.scroll_x == table.max_scroll_x > 0 and table.render_line(0).text.rstrip().endswith("cached")
+
+
+def test_long_ids_are_shortened_to_distinct_labels():
+    """Trial 9: a server's ids (``chatcmpl-`` and 32 hex digits) made the request column 45 cells wide."""
+    from nanovllm_tui.widgets.request_table import ID_CELLS, short_ids
+
+    a, b = "chatcmpl-" + "0" * 26 + "abcdef", "chatcmpl-" + "1" * 26 + "abcdef"  # same last 6
+    many = [f"cmpl-{'9' * 32}-{i}" for i in range(12)]  # one completions request's prompts
+    labels = short_ids(["req-0", a, b, *many, "c" * 40])
+    assert labels["req-0"] == "req-0"
+    assert len(set(labels.values())) == len(labels)  # distinct, as the ids are
+    assert labels[many[0]] == "cmpl-…99999999-0" and labels[many[11]] == "cmpl-…9999999-11"
+    assert labels["c" * 40] == "…" + "c" * (ID_CELLS - 1)
+    assert labels[a].startswith("chatcmpl-…") and labels[a].endswith("abcdef") and len(labels[a]) > ID_CELLS
+    assert short_ids([a]) == {a: "chatcmpl-…abcdef"}
+
+
+async def test_server_ids_leave_every_column_in_view_at_120_columns(tmp_path):
+    """Trial 9: under --connect the server's 41-character ids pushed TTFT to cached off a 120-column
+    screen. The table shows them shortened; the selected request's panel title keeps the whole id."""
+    import gzip
+    import re
+
+    from nanovllm_tui.widgets.request_table import RequestTable
+
+    ids = {str(i): f"chatcmpl-{i}{'7' * 28}{i}a{i}b" for i in range(3)}
+    text = gzip.open(TRACE, "rt").read()
+    text = re.sub(r'"request_id":"(\d)"', lambda m: f'"request_id":"{ids[m.group(1)]}"', text)
+    trace = tmp_path / "server_ids.jsonl"
+    trace.write_text(text)
+    app = replay_app(tmp_path, trace=trace)
+    async with app.run_test(size=SIZE) as pilot:
+        app.controller.step(4)
+        await wait_until(pilot, lambda: app.state.step == 3, timeout=10, what="four recorded steps")
+        await pilot.press("escape", "1", "down")
+        await pilot.pause()
+        table = app.query_one(RequestTable)
+        header = table.render_line(0).text
+        assert header.rstrip().endswith("cached") and table.max_scroll_x == 0
+        rows = [table.render_line(y).text for y in range(1, 4)]
+        assert all("chatcmpl-…" in row and "77777" not in row for row in rows), rows
+        assert any(full in str(app.screen.query_one("#output").border_title) for full in ids.values())

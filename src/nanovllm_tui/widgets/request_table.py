@@ -1,7 +1,10 @@
 """One row per request: state, priority, prefill and decode progress, TTFT, TPOT.
 
-Every cell shows its whole value: a column is as wide as its widest cell (the table scrolls
-sideways when the terminal is narrower).
+Every cell shows its whole value (a column is as wide as its widest cell; the table scrolls
+sideways when the terminal is narrower), except a request id longer than ``ID_CELLS``: a server's
+ids (``chatcmpl-`` and 32 hex digits) are shown as their prefix, ``…`` and as many last characters
+as keep every row's label distinct (``short_ids``); the selected request's panel title shows
+the whole id.
 
 A Line API widget: each row is rendered once per change and kept as a ``Strip``, so a busy
 engine (every running row changes every step) costs one row render per changed row, not a
@@ -34,12 +37,45 @@ CURSOR = Style(bgcolor="#264f78", bold=True)
 HEADER = Style(bold=True, color="#c0c0c0")
 
 
-def row_cells(req: RequestView) -> tuple[Text, ...]:
+ID_CELLS = 16  # the longest request label shown whole: the engine's "req-12", a client's short ids
+
+
+def short_ids(ids: list[str], limit: int = ID_CELLS) -> dict[str, str]:
+    """Each id's label in the table: itself when at most ``limit`` cells, else its prefix up to the
+    first ``-`` (at most 9 characters: ``chatcmpl-``), ``…`` and its last characters, as many as
+    make every label in ``ids`` distinct (at least enough to fill ``limit``).
+
+    ``short_ids(["chatcmpl-0f3a…9e21c4"])`` -> ``{...: "chatcmpl-…9e21c4"}``. Labels of ids that
+    differ only in their middle grow their tails until they differ (the whole id at worst).
+    """
+    def head(rid: str) -> str:
+        cut = rid.find("-")
+        return rid[:cut + 1] if 0 <= cut < 9 else ""
+
+    def label(rid: str, keep: int) -> str:
+        return rid if len(head(rid)) + 1 + keep >= len(rid) else f"{head(rid)}…{rid[-keep:]}"
+
+    keep = {rid: limit - len(head(rid)) - 1 for rid in ids if len(rid) > limit}
+    labels = {rid: label(rid, keep[rid]) if rid in keep else rid for rid in ids}
+    while True:  # every round lengthens each colliding label by one character; whole ids never collide
+        seen: dict[str, list[str]] = {}
+        for rid, text in labels.items():
+            seen.setdefault(text, []).append(rid)
+        clashing = [rid for group in seen.values() if len(group) > 1 for rid in group if rid in keep and labels[rid] != rid]
+        if not clashing:
+            return labels
+        for rid in clashing:
+            keep[rid] += 1
+            labels[rid] = label(rid, keep[rid])
+
+
+def row_cells(req: RequestView, label: str | None = None) -> tuple[Text, ...]:
+    """The row's cells; ``label``: how the id is shown (``short_ids``; default the whole id)."""
     state = req.state
     if state == "finished" and req.finish_reason:
         state = f"finished ({req.finish_reason})"
     return (
-        Text.assemble(("■ ", request_color(req.order)), req.request_id),
+        Text.assemble(("■ ", request_color(req.order)), label or req.request_id),
         Text(state, style=STATE_STYLES.get(req.state, "")),
         Text(str(req.priority) if req.priority is not None else "-"),
         progress(req.prefilled, req.prompt_len, 8, "cyan") if req.prompt_len else Text("-"),
@@ -92,7 +128,8 @@ class RequestTable(ScrollView, can_focus=True):
 
     def sync(self, state: EngineState, selected: str | None) -> None:
         """Take the rows from ``state.requests`` and the cursor from ``selected``; redraw if anything changed."""
-        rows = {rid: row_cells(req) for rid, req in state.requests.items()}
+        labels = short_ids(list(state.requests))
+        rows = {rid: row_cells(req, labels[rid]) for rid, req in state.requests.items()}
         cursor = list(rows).index(selected) if selected in rows else -1
         if rows == self.rows and cursor == self.cursor and list(rows) == self.ids:
             return
