@@ -377,3 +377,28 @@ async def test_server_ids_leave_every_column_in_view_at_120_columns(tmp_path):
         rows = [table.render_line(y).text for y in range(1, 4)]
         assert all("chatcmpl-…" in row and "77777" not in row for row in rows), rows
         assert any(full in str(app.screen.query_one("#output").border_title) for full in ids.values())
+
+
+async def test_at_60x20_the_block_grid_scrolls_from_the_keyboard(tiny_llama_dir, tmp_path):
+    """Trial 9 (unconfirmed then): at 60x20 the Block Map shows two rows of a 500-block pool; the
+    grid takes focus with the tab and PageDown/↓/End move through the whole pool."""
+    from nanovllm_tui.starter import BackgroundController
+    from nanovllm_tui.widgets.block_grid import BlockGrid
+    from nanovllm_tui.widgets.prompt_bar import PromptSettings
+
+    controller = BackgroundController(lambda: EngineController(model=str(tiny_llama_dir), num_kv_blocks=500))
+    app = NanoVLLMApp(controller, settings=PromptSettings(max_tokens=2, chat=False),
+                      tutorial_path=tmp_path / "tutorial.json")
+    async with app.run_test(size=(60, 20)) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, timeout=60, what="the tiny model")
+        await pilot.press("escape", "5")
+        grid = app.query_one(BlockGrid)
+        await wait_until(pilot, lambda: grid.max_scroll_y > 0, timeout=10, what="the grid of 500 blocks")
+        assert app.focused is grid and grid.max_scroll_y > 0 and grid.scroll_y == 0
+        assert grid.render_line(0).text.split()[0] == "0"
+        await pilot.press("pagedown", "down")
+        await pilot.pause()
+        assert grid.scroll_y > 1 and grid.render_line(0).text.split()[0] == str(16 * int(grid.scroll_y))
+        await pilot.press("end")
+        await pilot.pause()
+        assert grid.scroll_y == grid.max_scroll_y and "496" in " ".join(grid.render_line(y).text for y in range(3))
