@@ -234,6 +234,33 @@ def _backlog_note(i: int):
                       table_title="top", table_notes=("",) * 5)
 
 
+# Newcomer trial 10: once the Narrator had been shown, entries that came while another tab was shown
+# were written on its next showing before the tab was laid out (the log's width still 0), and
+# RichLog wrapped them at its min_width: the whole entry one character a line, for good.
+@pytest.mark.parametrize("at_once", [False, True])
+async def test_entries_that_came_while_the_narrator_was_hidden_are_wrapped_at_its_width(tmp_path, at_once):
+    from nanovllm_tui.views.narrator import NarratorView
+
+    app = replay_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.state.paused, timeout=20, what="the paused replay")
+        await pilot.press("escape", "3")
+        log, view = app.query_one("#narration", RichLog), app.query_one(NarratorView)
+        await wait_until(pilot, lambda: len(log.lines) > 3, timeout=10, what="the first entries")
+        await pilot.press("1")
+        await pilot.pause()
+        view.add([_backlog_note(i) for i in range(3)])  # as the engine narrates while the Dashboard shows
+        if at_once:
+            keys_at_once(app, "2", "3")
+        else:
+            await pilot.press("3")
+        await wait_until(pilot, lambda: not view.pending, timeout=10, what="the hidden entries written")
+        width = log.scrollable_content_region.width
+        assert width > 80 and min(strip.cell_length for strip in log.lines) > 2  # none wrapped at 1 cell
+        assert any("word word word word" in strip.text for strip in log.lines)
+        assert any("newest-check-2" in row for row in _log_rows(app))
+
+
 def _log_rows(app) -> list[str]:
     """The narrator log's rows as the screen shows them (the compositor's full render, borders cut off)."""
     log = app.query_one("#narration", RichLog)

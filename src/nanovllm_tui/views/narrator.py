@@ -5,7 +5,8 @@ same module); the app feeds it every event and this tab shows its entries. While
 hidden, entries wait in a bounded queue and are written when it is shown again, ``WRITE_SLICE``
 at a time, one slice a frame, so a full queue never holds the window still. Entries are
 wrapped at the log's width, and written again from the kept history when that width changes,
-so no line is ever cut at the edge.
+so no line is ever cut at the edge; nothing is written before the log has a width (a tab
+just shown is laid out at the next frame).
 """
 
 from __future__ import annotations
@@ -89,6 +90,13 @@ class NarratorView(EngineView):
         """Write the oldest ``WRITE_SLICE`` pending entries; the rest follow one slice a frame while the
         tab stays on screen (and wait for its next showing if it is hidden meanwhile)."""
         log = self.query_one(RichLog)
+        if not log.scrollable_content_region.width:
+            # Hidden, or just shown and not laid out yet: RichLog would wrap at its min_width, one
+            # character a line, for good (trial 10). Wait for the layout.
+            if (self.pending or self.skipped) and not self._draining:
+                self._draining = True
+                self.call_after_refresh(self._drain)
+            return
         if self.skipped:
             log.write(Text(f"… {self.skipped} earlier entries skipped while this tab was hidden", style="dim"))
             self.skipped = 0
