@@ -362,3 +362,23 @@ def test_serve_answers_at_once_while_its_model_loads_and_connect_waits_for_it(ma
                          on_failed=lambda: failed.append(True))
     asyncio.run(broken._open_when_ready())
     assert failed == [True] and broken.app is None
+
+
+def test_serve_refuses_a_kv_pool_smaller_than_one_max_model_len_sequence(capsys, tiny_llama_dir):
+    """Newcomer trial 10: `nanovllm serve --num-kv-blocks 40` started, and every chat request without
+    max_tokens (chat runs to max_model_len by default) was then refused with a 400 naming a field the
+    client never sent. As vLLM does, the server refuses to start, saying which option fixes it."""
+    code, _, err = run_main(serve_cli.main, capsys, "--model", str(tiny_llama_dir), "--port", str(free_port()),
+                            "--num-kv-blocks", "8", "--no-access-log")
+    assert code == 2 and "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert line.endswith("the KV pool holds 8 blocks x 16 tokens = 128 tokens, fewer than one sequence of "
+                         "max_model_len 512 (a request without max_tokens may run that long); add --max-model-len "
+                         "128 (or less), or raise --num-kv-blocks to 32"), err
+    parser = serve_cli.build_parser()
+    fits = serve_cli.load(parser.parse_args(["--model", str(tiny_llama_dir), "--num-kv-blocks", "8",
+                                             "--max-model-len", "128"]), parser)
+    try:  # what the line proposes is served
+        assert serve_cli.pool_problem(fits) is None
+    finally:
+        fits.shutdown(timeout=5)

@@ -525,16 +525,19 @@ class LoadingGate:
     OpenAI's error body (code ``model_loading``, a ``Retry-After`` header). Once the controller
     is ready it builds the real app with ``make_app`` (in a worker thread), starts its event hub,
     calls ``on_ready(app)`` and hands every request to it. A load that fails calls ``on_failed()``
-    (the command stops the server and reports the error).
+    (the command stops the server and reports the error), as does a loaded engine that ``check``
+    refuses (``check(controller)`` returns a one-line reason, kept in ``refused``; None to serve).
 
     It owns the lifespan: the real app's own lifespan never runs under it; its hub is started
     here and shut down with :meth:`ServerState.begin_shutdown`.
     """
 
     def __init__(self, controller: Any, make_app: Any, on_ready: Any = None, on_failed: Any = None,
-                 poll_s: float = 0.05) -> None:
+                 poll_s: float = 0.05, check: Any = None) -> None:
         self.controller = controller
         self.make_app, self.on_ready, self.on_failed, self.poll_s = make_app, on_ready, on_failed, poll_s
+        self.check = check
+        self.refused: str | None = None
         self.app: FastAPI | None = None
         self._watch: asyncio.Task | None = None
 
@@ -578,7 +581,9 @@ class LoadingGate:
     async def _open_when_ready(self) -> None:
         while self.controller.state == "loading":
             await asyncio.sleep(self.poll_s)
-        if self.controller.state == "failed" or self.controller.engine is None:
+        if self.controller.state != "failed" and self.controller.engine is not None and self.check is not None:
+            self.refused = self.check(self.controller)
+        if self.controller.state == "failed" or self.controller.engine is None or self.refused is not None:
             if self.on_failed is not None:
                 self.on_failed()
             return

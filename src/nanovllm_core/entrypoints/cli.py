@@ -15,7 +15,7 @@ import logging
 import socket
 import sys
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from nanovllm_core.cli_args import (
     _Parser,
@@ -95,6 +95,21 @@ def start_loading(args: argparse.Namespace):
     return controller
 
 
+def pool_problem(controller: Any) -> str | None:
+    """Why the loaded engine cannot serve (one line), or None: its KV pool holds fewer tokens than
+    one sequence of ``max_model_len``, which a request without ``max_tokens`` may run to (chat
+    does by default). vLLM refuses to start so too ("the model's max seq len is larger than the
+    maximum number of tokens that can be stored in KV cache")."""
+    engine = controller.engine
+    blocks, block_size = engine.block_manager.num_blocks, engine.block_manager.block_size
+    pool, limit = blocks * block_size, engine.max_model_len
+    if pool >= limit:
+        return None
+    return (f"the KV pool holds {blocks} blocks x {block_size} tokens = {pool} tokens, fewer than one sequence of "
+            f"max_model_len {limit} (a request without max_tokens may run that long); add --max-model-len {pool} "
+            f"(or less), or raise --num-kv-blocks to {-(-limit // block_size)}")
+
+
 def load(args: argparse.Namespace, parser: argparse.ArgumentParser):
     """Start the engine thread and wait for the model (status 2 and one line if it cannot load)."""
     controller = None
@@ -157,14 +172,15 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr, flush=True)
 
     server: APIServer | None = None
+    gate: LoadingGate | None = None
 
     def failed() -> None:  # the server stops; the error is reported below, once it has
         server.server.should_exit = True
 
     try:
         # Serving starts before the model has loaded: /health answers {"status": "loading"} at once.
-        server = APIServer(LoadingGate(controller, make_app, on_ready=ready, on_failed=failed),
-                           log_level=args.log_level, access_log=not args.no_access_log)
+        gate = LoadingGate(controller, make_app, on_ready=ready, on_failed=failed, check=pool_problem)
+        server = APIServer(gate, log_level=args.log_level, access_log=not args.no_access_log)
         uvicorn_level = uvicorn_log.level  # as the APIServer's config set it (--log-level)
         # uvicorn's own start-up lines wait for the model (ready() restores the level): a model that
         # cannot load still ends the command with one line, not uvicorn's start and stop lines first.
@@ -176,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sock.close()
     if state == "failed":
         parser.error(f"model failed to load: {controller.load_error}")
+    if gate is not None and gate.refused is not None:
+        parser.error(gate.refused)
     return 0
 
 
