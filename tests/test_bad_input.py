@@ -332,3 +332,13 @@ def test_cli_refuses_an_oversized_kv_pool_with_one_line(capsys, shared_default_l
     assert e.value.code == 2 and shared_default_loads == [None]
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "lower num_kv_blocks" in err
+
+
+def test_a_stop_string_that_is_not_valid_unicode_is_refused():
+    """Trial 10: ``stop=["\\udfff"]`` was accepted by the server (a 200 with no stop ever found) while the
+    same character in a prompt was a 400. SamplingParams refuses it, so the server, LLM and CLI do."""
+    with pytest.raises(ValueError, match=r"^SamplingParams.stop contains a string that is not valid Unicode: "
+                                         r"character 1 is a lone surrogate"):
+        SamplingParams(stop=["ok", "x\udfff"])
+    assert SamplingParams(stop="é\u00e9").stop == ["é\u00e9"]
+

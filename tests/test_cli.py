@@ -63,6 +63,7 @@ def test_chat_flag_uses_chat_template(capsys, shared_default_loads):
     (["--seed", "99999999999999999999999"], "--seed: a seed is a 64-bit integer"),
     (["--seed", "-9223372036854775809"], "--seed: a seed is a 64-bit integer"),
     (["--prompt", "abc\udcff\udcfe def"], "--prompt: not valid UTF-8: byte 0xff at character 3"),
+    (["--stop", "x\udcff"], "--stop: not valid UTF-8: byte 0xff at character 1"),  # trial 10: could never match
     # issue 29 item 3: absurd integers are one line, with the range, before anything loads
     (["--priority", str(10**30)], "--priority: expected a whole number from -1000 to 1000 (higher runs first), got 1"),
     (["--priority", "1001"], "--priority: expected a whole number from -1000 to 1000"),

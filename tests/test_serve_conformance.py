@@ -51,6 +51,9 @@ REFUSED_ALIKE = [
     ("/v1/completions", {"prompt": LONE_SURROGATE}, "lone surrogate"),
     ("/v1/completions", {"prompt": ["fine", LONE_SURROGATE]}, "lone surrogate"),
     (CHAT, {"messages": [{"role": "user", "content": LONE_SURROGATE}]}, "lone surrogate"),
+    # trial 10: a stop string that is not valid Unicode could never match; it was accepted
+    ("/v1/completions", {"prompt": "hi", "stop": ["fine", "\udfff"]}, "stop contains a string that is not valid Unicode"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "stop": "\ud800"}, "lone surrogate"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**9]}, "stop_token_ids contains 1000000000"),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [10**9]}, "stop_token_ids"),
     # a newcomer's trial: n beyond what the engine runs at once locked the server; a boolean is no integer

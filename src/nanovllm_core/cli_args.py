@@ -88,14 +88,15 @@ def sampling_decimal(field: str):
 
 
 def stop_text(text: str) -> str:
-    """argparse ``type`` for ``--stop``: a non-empty stop string (``SamplingParams``' rule).
+    """argparse ``type`` for ``--stop``: a non-empty stop string of valid UTF-8 (``SamplingParams``'
+    rule; a byte that is not UTF-8 could never match a decoded text).
 
     Raises:
-        argparse.ArgumentTypeError: an empty string.
+        argparse.ArgumentTypeError: an empty string, or one ``prompt_text`` refuses.
     """
     if not text:
         raise argparse.ArgumentTypeError(f"a stop string must not be empty, got {text!r}")
-    return text
+    return prompt_text(text)
 
 
 def tcp_port(text: str) -> int:

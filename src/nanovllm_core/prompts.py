@@ -132,3 +132,12 @@ def conversation_problem(conversation: Any) -> str | None:
 def user_message(text: str) -> list[dict[str, str]]:
     """``text`` as a one-message conversation from the user (what ``--chat`` and the app's chat toggle send)."""
     return [{"role": "user", "content": text}]
+
+
+def unicode_problem(text: str) -> str | None:
+    """Why ``text`` has no UTF-8 form (a lone surrogate such as ``"\\ud800"``, which JSON's
+    ``\\ud800`` escape can carry), or None when it is valid Unicode."""
+    bad = next((i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff"), None)
+    if bad is None:
+        return None
+    return f"character {bad} is a lone surrogate {text[bad]!r}, which has no UTF-8 form; send UTF-8 text"

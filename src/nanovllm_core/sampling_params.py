@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nanovllm_core.prompts import unicode_problem
+
 _GREEDY_EPS = 1e-5
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # torch.Generator.manual_seed's signed 64-bit range (vLLM's limit too)
 # Counts (n, top_k, max_tokens, min_tokens) fit a signed 32-bit integer, so every tensor and C kernel takes
@@ -195,6 +197,9 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"SamplingParams.stop contains {_shown(s)}: every stop must be a non-empty string")
+            problem = unicode_problem(s)
+            if problem is not None:  # it could never match a decoded text (trial 10)
+                raise ValueError(f"SamplingParams.stop contains a string that is not valid Unicode: {problem}")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"SamplingParams.stop_token_ids contains {_shown(t)}: token ids are integers >= 0")

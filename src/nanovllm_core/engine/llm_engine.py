@@ -57,21 +57,13 @@ from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.prompts import (Prompt, content_text, conversation_problem, describe, is_conversation,
                                    template_message)
 from nanovllm_core.sampling.sampler import RowGroup, Sampler, SamplerOutput, SamplingRow
+from nanovllm_core.prompts import unicode_problem  # noqa: F401  (the server imported it from here)
 from nanovllm_core.sampling_params import SamplingParams, check_priority, max_tokens_overflow
 from nanovllm_core.speculative.metrics import SpecDecodeStats
 from nanovllm_core.speculative.proposer import build_proposer, load_draft_model, needs_draft_model, parse_self_layers
 from nanovllm_core.speculative.speculator import Speculator
 
 FINISHED_IDS_KEPT = 1024  # ended request ids remembered (select_xray accepts them; the app lists at most 200)
-
-
-def unicode_problem(text: str) -> str | None:
-    """Why ``text`` has no UTF-8 form (a lone surrogate such as ``"\\ud800"``, which JSON's
-    ``\\ud800`` escape can carry), or None when it is valid Unicode."""
-    bad = next((i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff"), None)
-    if bad is None:
-        return None
-    return f"character {bad} is a lone surrogate {text[bad]!r}, which has no UTF-8 form; send UTF-8 text"
 
 
 class LLMEngine(EventSource):

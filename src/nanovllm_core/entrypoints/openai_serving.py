@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from nanovllm_core.engine.llm_engine import unicode_problem
+from nanovllm_core.prompts import unicode_problem
 from nanovllm_core.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_length
 from nanovllm_core.entrypoints.request_stream import InFlight, OutputRouter, RequestStream
 from nanovllm_core.outputs import CompletionOutput, Logprob, RequestOutput
