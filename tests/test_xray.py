@@ -436,3 +436,33 @@ def test_sampled_values_say_which_end_of_the_row_they_are():
     assert xray_facts.sample_text(probs) == "..., +0.2436, +0.0477, +0.1246, +0.2987 (the newest 4 keys, its own last)"
     assert xray_facts.sample_text(q) == "+0.5000, -0.2500, +0.1250, +1.0000, ..."
     assert xray_facts.TAIL_SAMPLED == {"scores", "probs"}
+
+
+def test_the_not_traced_note_promises_no_trace_to_a_request_that_finished(make_tiny_engine):
+    """Trial 10: ``--xray`` with two 2-token prompts said of request 0 "a missed decode is traced at that
+    request's next step" in the step where request 0 finished. The note says which requests may still
+    be traced and which ended."""
+    import io
+
+    from rich.console import Console
+
+    from nanovllm_core import LLM, SamplingParams
+    from nanovllm_core.educational.xray_view import XRayView, skipped_note
+
+    engine = make_tiny_engine(num_kv_blocks=64)
+    shown = []
+    xray = XRayView(Console(file=io.StringIO(), width=200), engine, detail_layer=0, on_traced=shown.append)
+    xray.subscribe()
+    LLM.from_engine(engine).generate(["Hello", "The sky is"], SamplingParams(temperature=0, max_tokens=2,
+                                                                             ignore_eos=True), use_tqdm=False)
+    xray.close()
+    console = Console(file=io.StringIO(), width=400)
+    for part in shown:
+        console.print(part)
+    notes = [line for line in console.file.getvalue().splitlines() if "Not traced in this step" in line]
+    assert notes and any("finished in this step and will not be traced" in n for n in notes), notes
+    assert not any("next step" in n for n in notes)
+    assert skipped_note([("1", "prefill"), ("2", "decode")], {"2"}) == (
+        "Not traced in this step: request 1 (prefill), 2 (decode). The engine traces one request per step: "
+        "request 1 may have its decode traced at a later step; request 2 finished in this step and will not be "
+        "traced.")

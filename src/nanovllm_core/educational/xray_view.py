@@ -33,7 +33,7 @@ from rich.text import Text
 
 from nanovllm_core import events as ev
 from nanovllm_core.educational import xray_facts as facts
-from nanovllm_core.educational.commentary import ms, plural
+from nanovllm_core.educational.commentary import agree, ms, plural
 from nanovllm_core.educational.narrator import human_bytes, show_piece
 from nanovllm_core.educational.rich_parts import Indent
 from nanovllm_core.educational import tp_facts, xray_blocks
@@ -237,6 +237,23 @@ class _Target:
     skipped: list[str] = field(default_factory=list)
 
 
+def skipped_note(skipped: list[tuple[str, str]], ended: set[str]) -> str:
+    """Which requests of the step were not traced and what becomes of them. One request is traced
+    a step, so one still running waits for a later step (its decode; a missed prefill is not
+    traced again, its first decode may be); one that ended in this step is never traced (trial 10:
+    the note promised a trace to a request that had just finished)."""
+    names = ", ".join(f"{rid} ({phase})" for rid, phase in skipped)
+    later = list(dict.fromkeys(rid for rid, _ in skipped if rid not in ended))
+    gone = list(dict.fromkeys(rid for rid, _ in skipped if rid in ended))
+    fate = []
+    if later:
+        fate.append(f"request {', '.join(later)} may have {agree(len(later), 'its', 'their')} decode traced at a "
+                    "later step")
+    if gone:
+        fate.append(f"request {', '.join(gone)} finished in this step and will not be traced")
+    return f"Not traced in this step: request {names}. The engine traces one request per step: {'; '.join(fate)}."
+
+
 class XRayView:
     """Chooses which steps the engine traces and prints each traced step.
 
@@ -258,6 +275,7 @@ class XRayView:
         self.sub = None
         self._done: set[tuple[str, str]] = set()  # (request id, "prefill" | "decode") already traced
         self._target: _Target | None = None
+        self._ended: set[str] = set()  # requests seen finishing (RequestFinished)
         self._traces: list[ev.LayerTrace] = []
         self._edges: tuple[ev.OpInfo, ...] = ()
         self.num_traced_steps = 0
@@ -287,6 +305,8 @@ class XRayView:
         elif isinstance(event, ev.LayerTrace):
             if self._target is not None and event.request_id == self._target.entry.request_id:
                 self._traces.append(event)
+        elif isinstance(event, ev.RequestFinished):
+            self._ended.add(event.request_id)
         elif isinstance(event, ev.StepTimed):
             self._finish(event.wall_time_s, event)
 
@@ -308,7 +328,7 @@ class XRayView:
         wanted.sort(key=lambda w: (w[0].request_id in seen, w[1] != "prefill"))
         if wanted:
             s, phase = wanted[0]
-            self._target = _Target(s, [f"{w.request_id} ({p})" for w, p in wanted[1:]])
+            self._target = _Target(s, [(w.request_id, p) for w, p in wanted[1:]])
             self._done.add((s.request_id, phase))
             if self._tp == 1:
                 self.engine.select_xray(s.request_id, layer=self.detail_layer, head=0, every_layer=True)
@@ -352,9 +372,7 @@ class XRayView:
         info = self._info()
         parts: list[RenderableType] = [render_step(traces, target.entry, wall, self.detail_layer, self._edges, info)]
         if target.skipped:
-            parts += [Indent(Text(
-                f"Not traced in this step: request {', '.join(target.skipped)}. The engine traces one request per "
-                "step; a missed decode is traced at that request's next step.", style="dim")), Text("")]
+            parts += [Indent(Text(skipped_note(target.skipped, self._ended), style="dim")), Text("")]
         self._show(Group(*parts))
 
     def _show(self, group: RenderableType) -> None:
