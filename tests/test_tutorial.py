@@ -115,6 +115,24 @@ def test_a_corrupt_progress_file_gives_a_fresh_or_cleaned_progress(tmp_path, con
     assert set(p.answers) <= {"decode"} and all(0 <= v <= 3 for v in p.answers.values())
 
 
+@pytest.mark.parametrize("content,why", [("not json", "is not JSON"), ("[1, 2]", "is a JSON list, not an object")])
+def test_a_malformed_progress_file_is_kept_aside_and_said_so(tmp_path, content, why):
+    """Trial 10: a corrupt --progress-file was overwritten by the next answer without a word."""
+    from rich.console import Console
+
+    from nanovllm_core.educational.tutorial_view import run_tutorial
+
+    path = tmp_path / "progress.json"
+    path.write_text(content)
+    p = TutorialProgress.load(path)
+    assert p.notice.startswith(f"the tutorial progress file {path} {why}") and "kept as" in p.notice
+    assert (tmp_path / "progress.json.bad").read_text() == content and not path.exists()
+    path.write_text(content)
+    console = Console(file=io.StringIO(), width=300)
+    run_tutorial(console, io.StringIO("q\n"), progress_path=path, start=0, demo_runner=None)
+    assert f"Note: the tutorial progress file {path} {why}" in console.file.getvalue()
+
+
 def test_a_missing_progress_file_gives_a_fresh_progress(tmp_path):
     assert TutorialProgress.load(tmp_path / "none.json") == TutorialProgress()
 

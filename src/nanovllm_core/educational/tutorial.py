@@ -925,6 +925,7 @@ class TutorialProgress:
 
     current: int = 0
     answers: dict[str, int] = field(default_factory=dict)
+    notice: str | None = None  # set by load: a malformed file was kept aside (say it to the learner)
 
     @property
     def score(self) -> int:
@@ -950,16 +951,20 @@ class TutorialProgress:
     def load(cls, path: Path | None = None) -> "TutorialProgress":
         """Progress saved at ``path`` (default ``<cache_root()>/tutorial_progress.json``).
 
-        A missing, unreadable or malformed file gives a fresh progress (never an error); unknown
-        chapter keys and out-of-range answers are dropped.
+        A missing or unreadable file gives a fresh progress (never an error); unknown chapter keys
+        and out-of-range answers are dropped. A file that is not progress JSON is renamed to
+        ``<name>.bad`` (so the next save does not destroy what it held) and ``notice`` says so
+        (trial 10: a corrupt file was overwritten without a word).
         """
         path = Path(path) if path is not None else _default_path()
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        except OSError:
             return cls()
+        except ValueError as e:
+            return cls._kept_aside(path, f"not JSON ({e})")
         if not isinstance(data, dict):
-            return cls()
+            return cls._kept_aside(path, f"a JSON {type(data).__name__}, not an object")
         keys = {c.key for c in CHAPTERS}
         raw = data.get("answers")
         answers = {k: v for k, v in raw.items()
@@ -969,6 +974,18 @@ class TutorialProgress:
         if not isinstance(current, int) or isinstance(current, bool) or not 0 <= current < len(CHAPTERS):
             current = 0
         return cls(current=current, answers=answers)
+
+    @classmethod
+    def _kept_aside(cls, path: Path, why: str) -> "TutorialProgress":
+        """A fresh progress, the malformed file at ``path`` renamed to ``<name>.bad`` and said so."""
+        aside = path.with_name(path.name + ".bad")
+        try:
+            os.replace(path, aside)
+            where = f"kept as {aside}"
+        except OSError as e:
+            where = f"left in place ({e.strerror or e}); the next answer overwrites it"
+        return cls(notice=f"the tutorial progress file {path} is {why}; it was {where}, and the tutorial "
+                          "starts afresh")
 
     def save(self, path: Path | None = None) -> None:
         """Write the progress as JSON to ``path`` (default as in :meth:`load`), creating folders.

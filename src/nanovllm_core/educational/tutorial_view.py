@@ -123,6 +123,8 @@ def run_tutorial(console: Console, stream: TextIO | None = None, progress_path: 
     """
     reader = input_for(stream if stream is not None else sys.stdin)
     progress = TutorialProgress.load(progress_path)
+    if progress.notice:
+        console.print(Text(f"Note: {progress.notice}.", style="yellow"))
     if start is None:
         start = progress.current
         if start:

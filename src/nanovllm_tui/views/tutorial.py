@@ -90,6 +90,8 @@ class TutorialView(EngineView):
         model loader, and with it torch: not something to wait for before the window appears)."""
         if self._progress is None:
             self._progress = tut.TutorialProgress.load(self.progress_path)
+            if self._progress.notice:
+                self.app.notify(self._progress.notice, severity="warning", timeout=15)
         return self._progress
 
     @property
