@@ -342,3 +342,18 @@ def test_a_stop_string_that_is_not_valid_unicode_is_refused():
         SamplingParams(stop=["ok", "x\udfff"])
     assert SamplingParams(stop="é\u00e9").stop == ["é\u00e9"]
 
+
+
+def test_sampling_params_of_the_wrong_shape_are_named_as_given(make_llm):
+    """Trial 10: one dict as sampling_params was called "sampling_params[0]", and LLM.chat with two
+    params for one conversation spoke of "prompts"."""
+    llm = make_llm()
+    with pytest.raises(ValueError, match=r"^sampling_params must be a SamplingParams or a list of them \(one per "
+                                         r"prompt\), not dict$"):
+        llm.generate("Hi", {"max_tokens": 2}, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^got 2 sampling params for 1 conversation; give one or one per "
+                                         r"conversation$"):
+        llm.chat([{"role": "user", "content": "Hi"}], [SamplingParams(), SamplingParams()], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^sampling_params\[1\] must be a SamplingParams, not int$"):
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=1), 3], use_tqdm=False)
+    assert llm.stats()["kv_blocks_used"] == 0 and not llm.engine.has_unfinished_requests()

@@ -129,24 +129,32 @@ class LLM:
         use_tqdm: bool,
         reject_bad_prompts: bool,
         label: str,
+        noun: str = "prompts",
     ) -> list[RequestOutput]:
         """``generate``'s body over a list of prompts; ``label`` names the i-th prompt in a refusal
-        (``"prompts[{i}]"`` for ``generate``, ``"conversation {i}"`` for ``chat``)."""
+        (``"prompts[{i}]"`` for ``generate``, ``"conversation {i}"`` for ``chat``) and ``noun`` all
+        of them (``"prompts"``, ``"conversations"``)."""
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
-                raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts; give one or one per prompt")
+                many = noun if len(prompts) != 1 else noun[:-1]
+                raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} {many}; give one or "
+                                 f"one per {noun[:-1]}")
             params_list = list(sampling_params)
+            for i, sp in enumerate(params_list):
+                if not isinstance(sp, SamplingParams):
+                    raise ValueError(f"sampling_params[{i}] must be a SamplingParams, not {type(sp).__name__}")
         else:
+            if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+                raise ValueError("sampling_params must be a SamplingParams or a list of them (one per "
+                                 f"{noun[:-1]}), not {type(sampling_params).__name__}")
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         if priority is None:
             priority = [0] * len(prompts)
         elif len(priority) != len(prompts):
-            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; give one per prompt")
+            many = noun if len(prompts) != 1 else noun[:-1]
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} {many}; give one per {noun[:-1]}")
         for i, prio in enumerate(priority):  # all checked before any is queued: none is left behind half-added
             check_priority(prio, f"priority[{i}]")
-        for i, sp in enumerate(params_list):
-            if not isinstance(sp, SamplingParams):
-                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, not {type(sp).__name__}")
         engine = self.engine
         if not reject_bad_prompts:
             for i, (p, sp) in enumerate(zip(prompts, params_list)):
@@ -260,7 +268,8 @@ class LLM:
                 raise ValueError(f"conversation {i}: {problem}" if len(conversations) > 1 else problem)
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
         # a refusal names the conversation given, as the shape checks above do (not prompts[i]; trial 9)
-        return self._generate(prompts, sampling_params, None, use_tqdm, False, label="conversation {i}")
+        return self._generate(prompts, sampling_params, None, use_tqdm, False, label="conversation {i}",
+                              noun="conversations")
 
     def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template.
