@@ -279,7 +279,7 @@ def test_absurd_engine_counts_are_refused_before_loading(option, value):
 
 
 def test_mismatched_priority_list(make_llm):
-    with pytest.raises(ValueError, match="2 priorities for 1 prompts"):
+    with pytest.raises(ValueError, match="2 priorities for 1 prompt;"):
         make_llm().generate([GOOD], priority=[1, 2])
 
 
