@@ -182,6 +182,8 @@ def test_shapes_are_the_steps_flat_batch_and_slices_are_labelled(traced):
         assert {i.scope for i in t.tensors if i.name in ("k_context", "scores", "probs")} == {"request"}
         assert {i.scope for i in t.tensors if i.name not in ("k_context", "scores", "probs")} == {"batch"}
         assert t.part == entry.kind
+        assert (t.prompt_len, t.total_len, t.num_cached_tokens) == (entry.prompt_len, entry.total_len,
+                                                                    entry.num_cached_tokens)
         ops = {o.name: o for o in t.ops}
         assert ops["qkv_proj"].flops == 2 * T * 576 * 960
     assert any(t[0].num_batch_tokens > t[0].num_new_tokens for t in steps.values()), "some step batches several"
@@ -436,3 +438,57 @@ def test_sampled_values_say_which_end_of_the_row_they_are():
     assert xray_facts.sample_text(probs) == "..., +0.2436, +0.0477, +0.1246, +0.2987 (the newest 4 keys, its own last)"
     assert xray_facts.sample_text(q) == "+0.5000, -0.2500, +0.1250, +1.0000, ..."
     assert xray_facts.TAIL_SAMPLED == {"scores", "probs"}
+
+
+# ------------------------------------------------------------------------------ trial 10: what a chunk costs and is
+
+def _chunk_trace(**kw) -> ev.LayerTrace:
+    fields = dict(step=0, request_id="0", layer=0, num_layers=2, tensors=(), num_heads=9, num_kv_heads=3,
+                  head_dim=64, hidden_size=576, kv_bytes_per_token=46080, num_batch_tokens=8, num_batch_seqs=1,
+                  part="prefill", num_new_tokens=8, context_len=8, prompt_len=9, total_len=9,
+                  ops=(ev.OpInfo("qkv_proj", "", "", 1_000_000, 2_000_000),))
+    fields.update(kw)
+    return ev.LayerTrace(**fields)
+
+
+def test_a_step_that_samples_no_row_reads_no_lm_head_and_only_its_embedding_rows():
+    """Trial 10: the 0..7 chunk of a 9-token prompt samples nothing (the engine skips the LM head), yet its
+    X-Ray counted the whole 28.7 MiB head matrix in "the 0 rows that sample" and the forward pass."""
+    from nanovllm_core.educational.xray_costs import model_edge_ops
+    from nanovllm_core.educational.xray_view import step_total
+
+    h, v, head_bytes, row = 576, 49152, 30_081_024, 612  # the Q8_0 head [49152, 576]; one Q8_0 embedding row
+    edges = {o.name: o for o in model_edge_ops(h, v, 4, head_bytes, 8, 0, row, "q8_0")}
+    assert edges["lm_head"].flops == 0 and edges["lm_head"].bytes == 0 and "not run" in edges["lm_head"].math
+    assert edges["embedding_lookup"].bytes == 8 * row + 8 * h * 4  # the 8 rows read, not the [49152, 576] table
+    sampling = {o.name: o for o in model_edge_ops(h, v, 4, head_bytes, 8, 1, row, "q8_0")}
+    assert sampling["lm_head"].bytes == head_bytes + h * 4 + v * 4  # one row that samples reads the whole head
+    layer = _chunk_trace()
+    text = step_total([layer, layer], tuple(edges.values()))
+    moved = 2 * 2_000_000 + sum(o.bytes for o in edges.values())
+    assert "the LM head does not run" in text and "rows that sample" not in text
+    assert moved < 4_100_000 and "MiB" in text.split("The whole forward pass")[1]
+    assert f"{moved / 2**20:.1f} MiB" in text.split("The whole forward pass")[1]
+
+
+def test_a_prefill_chunk_says_what_it_is_a_chunk_of_in_the_header_and_the_apps_title():
+    """Trial 10: the X-Ray said "prefill, 8 new tokens at positions 0..7" where the narrator said "prefill
+    chunk 0..7 of 9"; now both X-Ray views name the chunk and its prompt."""
+    from rich.console import Console
+
+    from nanovllm_core.educational.xray_view import render_step
+
+    first = _chunk_trace()
+    console = Console(width=200, record=True)
+    console.print(render_step([first]))
+    head = console.export_text().splitlines()[0]
+    assert "prefill chunk, 8 new tokens at positions 0..7 of a 9-token prompt" in head
+    assert facts.what_ran(first) == "prefill chunk: 8 new tokens (positions 0..7 of a 9-token prompt) over 8 in context"
+    last = _chunk_trace(num_new_tokens=1, context_len=9, num_batch_tokens=1)
+    assert facts.what_ran(last) == "prefill chunk: 1 new token (position 8 of a 9-token prompt) over 9 in context"
+    whole = _chunk_trace(prompt_len=8, total_len=8)
+    assert facts.what_ran(whole) == "prefill: 8 new tokens over 8 in context"
+    after_cache = _chunk_trace(num_new_tokens=4, context_len=20, prompt_len=20, total_len=20, num_cached_tokens=16)
+    assert facts.trace_chunk_of(after_cache) == ""  # the rest of the prompt after a prefix hit is no chunk
+    assert facts.chunk_of(0, 8, 9, 12, 0) == "its 12 tokens (9 prompt + 3 generated, recomputed)"
+    assert facts.trace_chunk_of(_chunk_trace(prompt_len=0, total_len=0)) == ""  # an older trace: nothing claimed

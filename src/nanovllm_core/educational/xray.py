@@ -308,6 +308,7 @@ class LayerTracer:
             memory_bandwidth=roof.bandwidth if roof else 0.0, machine=roof.machine if roof else "",
             compute_bound_tokens=self._compute_bound, key_start=self._key_start,
             keys_per_column=self._keys_per_column if heat else 1,
+            prompt_len=seq.num_prompt_tokens, total_len=seq.num_tokens, num_cached_tokens=s.num_cached_tokens,
         ))
 
     @property

@@ -232,7 +232,8 @@ def model_edge_ops(hidden: int, vocab: int, elem: int, lm_head_bytes: int, num_t
     that sample only (the last token of each sampling sequence; 1 + k for a verification).
 
     ``lm_head_bytes``: the head's weight as stored (the embedding matrix when tied; it is read
-    whole however few rows sample); logits are written in float32. ``embedding_row_bytes``:
+    whole however few rows sample, and not at all in a step where no row samples: the engine
+    then skips the head, ``ModelRunner.execute``); logits are written in float32. ``embedding_row_bytes``:
     one stored embedding row (0: ``hidden * elem``; a Q8_0 row of 576 is 18 blocks x 34 =
     612 bytes), read once per token and written as ``hidden`` numbers of ``elem`` bytes;
     ``embedding_kind``: its format when not the model's dtype (``"q8_0"``), named in the math.
@@ -244,8 +245,11 @@ def model_edge_ops(hidden: int, vocab: int, elem: int, lm_head_bytes: int, num_t
         _op("embedding_lookup", f"X = E[token ids]: one row of the embedding matrix per token{stored} (no arithmetic)",
             f"[{T}] ids -> [{T}, {h}]", 0, T * row + T * h * e),
         _op("final_norm", "RMSNorm after the last layer", f"[{T}, {h}] -> [{T}, {h}]", 4 * T * h, (2 * T * h + h) * e),
-        _op("lm_head", "logits = X W_vocab^T, for the rows that sample",
-            f"[{S}, {h}] @ [{h}, {v}] -> [{S}, {v}]", 2 * S * h * v, lm_head_bytes + S * h * e + S * v * 4),
+        _op("lm_head", "logits = X W_vocab^T, for the rows that sample" if S else
+            "not run: no row samples in this step (a prompt chunk that is not its prompt's last), so the "
+            "head's weights are not read",
+            f"[{S}, {h}] @ [{h}, {v}] -> [{S}, {v}]", 2 * S * h * v,
+            (lm_head_bytes + S * h * e + S * v * 4) if S else 0),
     )
 
 

@@ -171,8 +171,14 @@ def step_total(traces: list[ev.LayerTrace], edges: tuple[ev.OpInfo, ...] = ()) -
     head = next((o for o in edges if o.name == "lm_head"), None)
     rows = head.shapes.split("]")[0].strip("[").split(",")[0] if head is not None else "?"
     ef, eb = sum(o.flops for o in edges), sum(o.bytes for o in edges)
-    return (f"{layers}. Embedding lookup, final norm and the LM head over the "
-            f"{'1 row that samples' if rows == '1' else rows + ' rows that sample'}: {si(ef, 'FLOP')} and about {human_bytes(eb)}. The whole "
+    if rows == "0":  # the engine skips the LM head when no row samples (ModelRunner.execute): nothing read
+        outside = ("Embedding lookup (the step's rows of the table, not the table) and final norm; the LM head "
+                   "does not run, as no row samples in this step")
+    else:
+        outside = (f"Embedding lookup (the step's rows of the table), final norm and the LM head over the "
+                   f"{'1 row that samples' if rows == '1' else rows + ' rows that sample'} (its whole weight "
+                   "matrix read once)")
+    return (f"{layers}. {outside}: {si(ef, 'FLOP')} and about {human_bytes(eb)}. The whole "
             f"forward pass: {si(flops + ef, 'FLOP')} and about {human_bytes(moved + eb)}")
 
 
@@ -187,7 +193,13 @@ def render_step(traces: list[ev.LayerTrace], entry: ev.ScheduledEntry | None = N
     new, ctx = facts.new_and_context(first)
     kind = facts.step_kind(first, entry)
     start = entry.start if entry is not None else ctx - new
-    if kind == "speculative verification":
+    of = facts.trace_chunk_of(first)
+    if not of and entry is not None and kind == "prefill":  # a trace recorded before it carried the lengths
+        of = facts.chunk_of(start, new, entry.prompt_len, entry.total_len, entry.num_cached_tokens)
+    if of:
+        where = f"position {start}" if new == 1 else f"positions {start}..{start + new - 1}"
+        what = f"prefill chunk, {plural(new, 'new token')} at {where} of {of}"
+    elif kind == "speculative verification":
         what = f"{kind}, 1 + {new - 1} tokens at positions {start}..{start + new - 1}"
     elif new == 1:
         what = f"{kind}, 1 new token at position {start}"
