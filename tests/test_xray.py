@@ -103,7 +103,7 @@ def test_projections_run_over_the_flat_batch_and_only_gathered_context_is_copied
     assert ops["kv_gather"].bytes == 2 * 2 * 32 * 3 * 64 * 4  # K and V, read and written
     assert "kv_gather" not in {o.name for o in layer_ops(SMOL, [decode, prefill], "flash_attn")}
     this = {o.name: o for o in layer_ops(SMOL, [decode], this=decode)}
-    assert "K, V [3, 32, 64] (30 in context, 2 padding slots masked)" in this["attention"].shapes
+    assert "K, V [32, 3, 64] (30 in context, 2 padding slots masked)" in this["attention"].shapes
     assert "query head h reads KV head h // 3" in this["attention"].shapes
 
 
@@ -177,7 +177,7 @@ def test_shapes_are_the_steps_flat_batch_and_slices_are_labelled(traced):
         assert x["attn_norm"].shape == x["residual_out"].shape == x["attn_out"].shape == (T, 576)
         assert x["q"].shape == (T, 9, 64) and x["k"].shape == x["v"].shape == (T, 3, 64)
         assert x["gate"].shape == x["up"].shape == x["act"].shape == (T, 1536)
-        assert x["k_context"].shape == (3, ctx, 64)
+        assert x["k_context"].shape == (ctx, 3, 64)  # as the cache's slot view holds it, tokens first
         assert x["scores"].shape == x["probs"].shape == (3, 3 * entry.num_tokens, ctx)
         assert {i.scope for i in t.tensors if i.name in ("k_context", "scores", "probs")} == {"request"}
         assert {i.scope for i in t.tensors if i.name not in ("k_context", "scores", "probs")} == {"batch"}
@@ -492,3 +492,19 @@ def test_a_prefill_chunk_says_what_it_is_a_chunk_of_in_the_header_and_the_apps_t
     assert facts.trace_chunk_of(after_cache) == ""  # the rest of the prompt after a prefix hit is no chunk
     assert facts.chunk_of(0, 8, 9, 12, 0) == "its 12 tokens (9 prompt + 3 generated, recomputed)"
     assert facts.trace_chunk_of(_chunk_trace(prompt_len=0, total_len=0)) == ""  # an older trace: nothing claimed
+
+
+def test_attention_shapes_are_the_engines_tokens_first_layout_beside_the_grouped_scores():
+    """Trial 10: the attention row said "Q [9, 2, 64] ... -> O [9, 2, 64]" (heads first) while the q
+    tensor row said [2, 9, 64] and the kernels take and return [T, num_heads, head_dim]."""
+    this = SeqAttention(2, 2, 2)
+    fused = next(o for o in layer_ops(SMOL, [this], "cpu_paged", this) if o.name == "attention")
+    assert fused.shapes.startswith("this request: Q [2, 9, 64], K, V [2, 3, 64] -> O [2, 9, 64]")
+    assert "scores are grouped [3, 6, 2]" in fused.shapes and "[9, 2, 64]" not in fused.shapes
+    math = {o.name: o for o in layer_ops(SMOL, [this], "math", this)}
+    assert math["attention_scores"].shapes.startswith("this request: Q [2, 9, 64] regrouped by KV head as [3, 6, 64]")
+    assert "K [2, 3, 64]" in math["attention_scores"].shapes and "-> S [3, 6, 2]" in math["attention_scores"].shapes
+    assert math["attention_output"].shapes.endswith("back to O [2, 9, 64]")
+    trace = ev.LayerTrace(step=0, request_id="0", layer=0, num_layers=30, tensors=(), ops=(), num_heads=9,
+                          num_kv_heads=3, head_dim=64, hidden_size=576, kv_bytes_per_token=46080)
+    assert "K and V stay [ctx, 3, 64] beside Q [t, 9, 64]" in facts.gqa_lines(trace)[0]

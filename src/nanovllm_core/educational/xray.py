@@ -260,7 +260,7 @@ class LayerTracer:
         mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
         self._tensors += [
-            ev.TensorInfo("k_context", (nkv, ctx, c.head_dim), _sample(keys[-1, 0]), "request"),
+            ev.TensorInfo("k_context", (ctx, nkv, c.head_dim), _sample(keys[-1, 0]), "request"),
             ev.TensorInfo("scores", (nkv, group * t, ctx), _sample(scores[0, 0, -1, -SAMPLE_VALUES:]), "request"),
             ev.TensorInfo("probs", (nkv, group * t, ctx), _sample(probs[0, 0, -1, -SAMPLE_VALUES:]), "request"),
             self._batch("attn_out", out),

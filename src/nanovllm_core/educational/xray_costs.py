@@ -136,7 +136,13 @@ def _op(name: str, math: str, shapes: str, flops: float, nbytes: float) -> OpInf
 
 
 def _attention_shapes(d: LayerDims, this: SeqAttention | None, backend: str) -> tuple[str, str, str]:
-    """Shapes of the traced sequence's attention: (scores, softmax, output), as the kernel sees them."""
+    """Shapes of the traced sequence's attention: (scores, softmax, output).
+
+    Q and O as the engine and every kernel take them, ``[tokens, heads, head_dim]`` (a slice of
+    the batch's ``[T, heads, head_dim]``), K and V as the sequence's context ``[keys, kv_heads,
+    head_dim]`` (``attention/ops.py``, ``attention/cpu_paged.py``); the score matrix in the grouped
+    layout X-Ray records, ``[kv_heads, group x tokens, keys]`` (query head h reads KV head h // group).
+    """
     nh, nkv, hd, g = d.num_heads, d.num_kv_heads, d.head_dim, d.group
     t, k = (this.num_tokens, this.keys_read) if this else ("t", "ctx")
     gt = g * t if isinstance(t, int) else f"{g}t"
@@ -144,12 +150,13 @@ def _attention_shapes(d: LayerDims, this: SeqAttention | None, backend: str) -> 
     if this is not None and this.keys_read > this.context_len:
         padding = f" ({this.context_len} in context, {this.keys_read - this.context_len} padding slots masked)"
     if backend == "math":
-        return (f"this request: Q regrouped [{nkv}, {gt}, {hd}] @ K^T [{nkv}, {hd}, {k}] -> S [{nkv}, {gt}, {k}]"
-                f"{padding}",
+        return (f"this request: Q [{t}, {nh}, {hd}] regrouped by KV head as [{nkv}, {gt}, {hd}] @ K^T "
+                f"[{nkv}, {hd}, {k}] (K [{k}, {nkv}, {hd}]{padding}) -> S [{nkv}, {gt}, {k}]",
                 f"S [{nkv}, {gt}, {k}] -> P, each row over its keys (causal mask)",
-                f"P [{nkv}, {gt}, {k}] @ V [{nkv}, {k}, {hd}] -> O [{nkv}, {gt}, {hd}] = [{t}, {nh}, {hd}]")
-    fused = (f"this request: Q [{nh}, {t}, {hd}], K, V [{nkv}, {k}, {hd}]{padding} -> O [{nh}, {t}, {hd}]; "
-             f"query head h reads KV head h // {g}")
+                f"P [{nkv}, {gt}, {k}] @ V [{nkv}, {k}, {hd}] -> [{nkv}, {gt}, {hd}], back to O [{t}, {nh}, {hd}]")
+    fused = (f"this request: Q [{t}, {nh}, {hd}], K, V [{k}, {nkv}, {hd}]{padding} -> O [{t}, {nh}, {hd}]; "
+             f"query head h reads KV head h // {g}, so its scores are grouped [{nkv}, {gt}, {k}] "
+             f"({g} query heads x {t} tokens a KV head)")
     return fused, "", ""
 
 

@@ -161,7 +161,8 @@ def gqa_lines(trace: ev.LayerTrace, head: int | None = None, elem_bytes: int | N
         f"GQA: {nh} query heads share {nkv} KV heads; query head h reads KV head h // {g} "
         f"(heads {', '.join(f'{k * g}-{k * g + g - 1}' for k in range(nkv))} read KV heads "
         f"{', '.join(str(k) for k in range(nkv))}). No KV head is copied: K and V stay "
-        f"[{nkv}, ctx, {hd}] and the queries are grouped by the KV head they read.",
+        f"[ctx, {nkv}, {hd}] beside Q [t, {nh}, {hd}], and the scores are grouped by the KV head they read, "
+        f"[{nkv}, {g} x t, ctx].",
     ]
     if head is not None:
         lines.append(f"Head {head} reads KV head {head} // {g} = {head // g}.")
