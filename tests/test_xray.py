@@ -508,3 +508,60 @@ def test_attention_shapes_are_the_engines_tokens_first_layout_beside_the_grouped
     trace = ev.LayerTrace(step=0, request_id="0", layer=0, num_layers=30, tensors=(), ops=(), num_heads=9,
                           num_kv_heads=3, head_dim=64, hidden_size=576, kv_bytes_per_token=46080)
     assert "K and V stay [ctx, 3, 64] beside Q [t, 9, 64]" in facts.gqa_lines(trace)[0]
+
+
+def test_the_cli_heatmap_that_shows_only_the_newest_keys_says_which_are_hidden_and_that_rows_sum_less():
+    """Trial 10: at 80 columns the heatmap showed keys 3-12 of 13 under "each row sums to 1 over all its
+    keys" while the shown rows summed to 0.68-0.84 and nothing said keys 0-2 were hidden."""
+    from rich.console import Console
+
+    from nanovllm_core.educational.xray_view import heatmap_caption, render_layer_detail
+
+    rows = tuple(tuple([0.1, 0.1, 0.1] + [0.07] * 10) for _ in range(4))  # 4 queries over 13 keys
+    t = _chunk_trace(part="verify", num_new_tokens=4, context_len=13, head=0, attention=rows,
+                     query_pieces=("a", "b", "c", "d"), key_pieces=tuple("k" * 13), prompt_len=9, total_len=13)
+    caption = heatmap_caption(t)
+    assert "only the newest keys, 3-12, are shown: keys 0-2 are hidden" in caption
+    assert "shown weights sum to less than 1" in caption
+    console = Console(width=80, record=True)
+    console.print(render_layer_detail(t))
+    flat = " ".join(console.export_text().split())
+    assert "keys 0-2 are hidden" in flat
+    few = _chunk_trace(num_new_tokens=4, context_len=4, head=0, attention=tuple(tuple([0.25] * 4) for _ in range(4)))
+    assert heatmap_caption(few) == "each row sums to 1 over all its keys"  # every key shown: no such words
+    many = _chunk_trace(head=0, attention=tuple(tuple([1 / 12] * 12) for _ in range(12)), keys_per_column=3)
+    assert "only the newest keys, 6-35, are shown: keys 0-5 are hidden" in heatmap_caption(many)  # 3 keys a column
+    assert "only the newest 10 query rows are shown" in heatmap_caption(many)
+
+
+def test_the_cli_xray_header_at_80_columns_wraps_rather_than_cuts():
+    """Trial 10: "X-RAY · request 0 · step 1 · speculative verification, 1 + 3 tokens at positi… ─" and
+    "... split over 3 ran… ─" at 80 columns: the heading now wraps whole, with the rule below it."""
+    from rich.console import Console
+
+    from nanovllm_core.educational.xray_view import render_split_step, render_step
+
+    t = _chunk_trace(part="verify", num_new_tokens=4, context_len=13, step=1)
+    console = Console(width=80, record=True)
+    console.print(render_step([t]))
+    text = console.export_text()
+    assert "…" not in text.splitlines()[0]
+    assert "speculative verification, 1 + 3 tokens at positions 9..12" in " ".join(text.split())
+    wide = Console(width=200, record=True)
+    wide.print(render_step([t]))
+    first = wide.export_text().splitlines()[0]
+    assert first.startswith("X-RAY · request 0 · step 1 · speculative verification") and first.endswith("─")
+    info = {"tensor_parallel_size": 3, "hidden_size": 576, "intermediate_size": 1536, "num_heads": 9,
+            "num_kv_heads": 3, "head_dim": 64, "vocab_size": 49152, "num_layers": 30}
+    timed = ev.StepTimed(step=0, wall_time_s=0.02, num_tokens=6, num_prefill_tokens=6, num_decode_tokens=0,
+                         prefill_tokens_per_s=300.0, decode_tokens_per_s=0.0, kv_bytes_used=0,
+                         kv_bytes_total=8 * 16 * 46080, num_running=2, num_waiting=0, num_blocks_used=2,
+                         num_blocks_total=8, tp_size=3, tp_compute_s=(0.01, 0.01, 0.01),
+                         tp_comm_s=(0.005, 0.005, 0.005), tp_all_reduces=61, tp_all_reduce_bytes=61 * 6 * 576 * 4)
+    entry = ev.ScheduledEntry(request_id="0", seq_id=0, index=0, kind="prefill", num_tokens=5, start=0,
+                              prompt_len=5, total_len=5, num_cached_tokens=0, samples=True, priority=0)
+    console = Console(width=80, record=True)
+    console.print(render_split_step(info, timed, entry))
+    text = console.export_text()
+    assert "…" not in text.splitlines()[0]
+    assert "X-RAY · step 0 · 6 tokens · request 0's prefill, 5 of them · split over 3 ranks" in " ".join(text.split())
