@@ -92,3 +92,19 @@ def test_the_cli_memory_stats_and_speculation_notes_say_one_token_and_one_time(c
     assert "0 of 1 token looked up hit" in out
     assert "ran the draft model 1 time;" in slower_note("model", 1, 4, 4)
     assert "layers 1 time to draft" in slower_note("self:8", 1, 4, 4)
+
+
+def test_the_cli_memory_stats_size_the_pool_as_the_narrator_does_never_a_rounded_whole_mib(capsys):
+    """Trial 10: `--num-kv-blocks 3 --block-size 4` printed "(0.18 MiB each, 1 MiB in all)" for a 540 KiB pool
+    the narrator called "540.0 KiB"."""
+    from nanovllm_core.cli import print_memory_stats
+    from nanovllm_core.educational.commentary import human_bytes
+
+    per = 4 * 46080  # 4 tokens of SmolLM2's K/V
+    print_memory_stats(dict(kv_bytes_per_block=per, kv_blocks_total=3, block_size=4, kv_bytes_total=3 * per,
+                            kv_blocks_used=1, kv_blocks_cached=0, kv_blocks_free=2, kv_slots_wasted=2,
+                            prefix_cache_hits=0, prefix_cache_queries=1, prefix_cache_hit_rate=0.0,
+                            num_preemptions=0, steps=1))
+    out = capsys.readouterr().out
+    assert f"blocks: 3 x 4 tokens ({human_bytes(per)} each, 540.0 KiB in all)" in out and "1 MiB" not in out
+    assert human_bytes(per) == "180.0 KiB"

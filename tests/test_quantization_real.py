@@ -83,11 +83,11 @@ def test_gguf_model_reports_its_blocks_bytes_and_the_teaching_uses_them(make_eng
     # The tutorial's decode chapter reads these numbers from the engine in use.
     decode = " ".join(model_facts(chapter("decode"), info))
     b = info["linear_weight_bytes"] / info["linear_weights"]
-    assert f"reads its {info['linear_weight_bytes'] / 2**20:,.0f} MiB of q4_1+q8_0 block ({b:.3f} bytes a weight" in decode
+    assert f"reads its {info['linear_weight_bytes'] / 2**20:.1f} MiB of q4_1+q8_0 block ({b:.3f} bytes a weight" in decode
     assert f"{float_info['linear_weight_bytes'] / info['linear_weight_bytes']:.1f}x the bytes" in decode
     assert "--quantization q8_0 the same" not in decode  # the float engine's forecast, not this one's
     kv = " ".join(model_facts(chapter("kv_cache"), info))
-    assert f"block linear layers and LM head take {info['linear_weight_bytes'] / 2**20:,.0f} MiB" in kv
+    assert f"block linear layers and LM head take {info['linear_weight_bytes'] / 2**20:.1f} MiB" in kv
     assert "M parameters in float32" not in kv  # the float figure is not what this engine holds
 
 

@@ -147,12 +147,12 @@ def test_xray_shapes_equal_the_model_config(xrayed):
     assert shapes["attn_norm"] == shapes["residual_out"] == (T, c.hidden_size)
     assert shapes["q"] == (T, c.num_attention_heads, c.head_dim)
     assert shapes["k"] == shapes["v"] == (T, c.num_key_value_heads, c.head_dim)
-    assert shapes["k_context"] == (c.num_key_value_heads, n, c.head_dim)
+    assert shapes["k_context"] == (n, c.num_key_value_heads, c.head_dim)
     assert shapes["scores"] == shapes["probs"] == (3, 3 * n, n)  # query heads grouped by the KV head they read
     assert shapes["gate"] == shapes["up"] == (T, c.intermediate_size)
     flat = " ".join(prefill.split())
-    assert f"this request: Q [9, {n}, 64], K, V [3, {n}, 64] -> O [9, {n}, 64]; query head h reads KV head h // 3" \
-        in flat
+    assert f"this request: Q [{n}, 9, 64], K, V [{n}, 3, 64] -> O [{n}, 9, 64]; query head h reads KV head h // 3" \
+        in flat  # as the engine holds them, like the q row (trial 10: Q and O were written heads first)
     assert "input_layernorm" in flat and "post_attention_layernorm" in flat
     per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
     assert f"= {per_token:,} bytes; one KV head per query head would keep {per_token * 3:,} (3x more)" in flat
@@ -179,13 +179,13 @@ def test_xray_decode_step_reads_the_whole_context(xrayed):
     position = int(re.search(r"1 new token at position (\d+)", decode).group(1))
     assert n <= position < n + 3
     ctx = position + 1  # the new token's key joins the cached ones
-    assert re.search(rf"^\s+k_context\s+\[3, {ctx}, 64\]", decode, flags=re.M)
+    assert re.search(rf"^\s+k_context\s+\[{ctx}, 3, 64\]", decode, flags=re.M)
     flat = " ".join(decode.split())
     if llm.engine.runner.use_cpu_paged:  # read in place: exactly its context, no padding, nothing gathered
-        assert re.search(rf"this request: Q \[9, 1, 64\], K, V \[3, {ctx}, 64\] -> O", flat)
+        assert re.search(rf"this request: Q \[1, 9, 64\], K, V \[{ctx}, 3, 64\] -> O \[1, 9, 64\]", flat)
         assert "reads the KV blocks in place" in flat and "kv_gather" not in flat
     else:  # gathered with its decode group, padded to the group's longest context
-        assert re.search(rf"this request: Q \[9, 1, 64\], K, V \[3, \d+, 64\] \({ctx} in context", flat)
+        assert re.search(rf"this request: Q \[1, 9, 64\], K, V \[\d+, 3, 64\] \({ctx} in context", flat)
 
 
 # --------------------------------------------------------------------------- dashboard

@@ -261,6 +261,11 @@ def test_tokenization_demo_prints_the_tokenizers_ids(demos, real_model):
 @pytest.mark.real_model
 def test_chunked_prefill_demo_shows_chunks_priority_and_a_preemption(demos):
     text = demo_output(demos, "chunked_prefill")
+    # the engine its numbers come from, stated before them (trial 10: the chapter's facts gave the loaded engine's
+    # 512-token budget, and "56 came back from the prefix cache" assumed 8-token blocks nobody mentioned)
+    flat = " ".join(text.split())
+    assert "On its own engine over the loaded model: 12 KV blocks of 8 tokens, budget 32 tokens a step" in flat
+    assert flat.index("On its own engine") < flat.index("CHUNKED PREFILL")
     assert "CHUNKED PREFILL · Request 0: prefill chunk 0.." in text
     flat = " ".join(text.split())
     assert "PREEMPTION · Step" in text and "preempted request 0 (priority 0)" in flat
@@ -446,19 +451,19 @@ def test_the_decode_chapter_counts_the_weight_bytes_each_step_reads_and_what_q8_
     info = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "kv_bytes_per_token": 46080, "dtype": "float32",
             "num_parameters": 134_515_008, "linear_weights": 134_000_000, "memory_bandwidth": 10e9}
     reads, why, bound, q8, floor = model_facts(chapter("decode"), {**info, "linear_weight_bytes": 536_000_000})
-    assert "reads its 511 MiB of float32 weights" in reads  # 536,000,000 / 2**20
+    assert "reads its 511.2 MiB of float32 weights" in reads  # 536,000,000 / 2**20
     assert "the linear layers of all 30 decoder layers and the LM head" in reads
     assert "2 FLOPs for its 4.000 bytes: 0.5 FLOP per byte read" in why  # 536e6 / 134e6 bytes a weight
     assert "takes 53.6 ms: at batch 1 no more than 19 tokens/s" in bound  # 536 MB at 10 GB/s
-    # Q8_0: 34 bytes per 32 weights, 134e6 x 34 / 32 = 142.4e6 bytes = 136 MiB, 536e6 / 142.4e6 = 3.76x
-    assert "--quantization q8_0 the same 134 M weights would be about 136 MiB" in q8
+    # Q8_0: 34 bytes per 32 weights, 134e6 x 34 / 32 = 142.4e6 bytes = 135.8 MiB, 536e6 / 142.4e6 = 3.76x
+    assert "--quantization q8_0 the same 134 M weights would be about 135.8 MiB" in q8
     assert "3.8x fewer bytes per step" in q8 and "2-core AMD EPYC" in q8
     assert "benchmark_quantization" in floor and "not its time" in floor
     reads, _, bound, q8, _ = model_facts(chapter("decode"), {**info, "linear_weight_bytes": 142_375_000,
                                                              "quantization": "q8_0", "weight_kinds": "q8_0"})
-    assert f"136 MiB of q8_0 block ({34 / 32:.3f} bytes a weight on average, the blocks' scales and mins included)" in reads
+    assert f"135.8 MiB of q8_0 block ({34 / 32:.3f} bytes a weight on average, the blocks' scales and mins included)" in reads
     assert "no more than 70 tokens/s" in bound
-    assert "in float32 would be 511 MiB a step, 3.8x the bytes" in q8
+    assert "in float32 would be 511.2 MiB a step, 3.8x the bytes" in q8
 
 
 def test_the_decode_chapter_in_a_block_mode_counts_its_blocks_bytes_against_the_ridge():
@@ -471,19 +476,19 @@ def test_the_decode_chapter_in_a_block_mode_counts_its_blocks_bytes_against_the_
             "peak_flops": 56e9, "machine": "a CPU (2 threads), float32, gguf weights"}
     reads, why, bound, wide, floor = model_facts(chapter("decode"), info)
     b = weights / count
-    assert f"reads its {weights / 2**20:,.0f} MiB of q4_1+q8_0 block ({b:.3f} bytes a weight" in reads
+    assert f"reads its {weights / 2**20:.1f} MiB of q4_1+q8_0 block ({b:.3f} bytes a weight" in reads
     assert "the embedding lookup reads one row of 576 numbers per token" in reads
     assert f"{2 / b:.1f} FLOP per byte read, below this machine's measured ridge point of {56 / 8:.1f}" in why
     assert "(peak over bandwidth; float matmul peak 56.0 GFLOP/s, the block kernels' own not measured)" in why
     assert f"takes {weights / 8e9 * 1e3:,.1f} ms: at batch 1 no more than {8e9 / weights:,.0f} tokens/s" in bound
-    assert f"in float32 would be {count * 4 / 2**20:,.0f} MiB a step, {count * 4 / weights:.1f}x the bytes" in wide
+    assert f"in float32 would be {count * 4 / 2**20:.1f} MiB a step, {count * 4 / weights:.1f}x the bytes" in wide
     assert "--quantization q8_0" not in " ".join([reads, why, bound, wide, floor])
     assert "do not shrink with the weights" in floor
     # Above the ridge the sentence turns around rather than claim memory is the bound.
     _, why, *_ = model_facts(chapter("decode"), {**info, "peak_flops": 8e9})  # ridge 1.0 FLOP/byte
     assert "not below this machine's measured ridge point of 1.0" in why and "FLOPs, not the bytes" in why
     kv = model_facts(chapter("kv_cache"), info)
-    assert f"q4_1+q8_0 block linear layers and LM head take {weights / 2**20:,.0f} MiB: " \
+    assert f"q4_1+q8_0 block linear layers and LM head take {weights / 2**20:.1f} MiB: " \
            f"{weights // 46080:,} tokens of cache" in kv[1]
 
 
@@ -564,3 +569,26 @@ def test_no_demonstration_claims_to_show_the_learners_own_prompt():
     ch1 = next(c for c in tut.CHAPTERS if c.demo == "tokenization")
     heading = tut.demo_heading(ch1)
     assert repr(ch1.demo_prompt) in heading and "not one you typed" in heading
+
+
+def test_a_demo_on_an_engine_of_its_own_states_that_engines_settings_in_its_heading():
+    """Trial 10: chapter 11 said "On this model: ... a budget of 512 tokens per step" and its demo ran with
+    32, 8-token blocks and 12 KV blocks without saying so. Every demo that sets its own engine names it."""
+    from nanovllm_core.educational import tutorial as tut
+
+    ch = {c.demo: c for c in tut.CHAPTERS if c.demo}
+    assert ("on a small engine of its own with a budget of 32 tokens a step, blocks of 8 tokens, 12 KV blocks"
+            in tut.demo_heading(ch["chunked_prefill"]))
+    assert "at most 2 requests running" in tut.demo_heading(ch["continuous_batching"])
+    assert "blocks of 16 tokens" in tut.demo_heading(ch["prefix_caching"])
+    assert "ngram drafts, up to 4 drafted tokens a step" in tut.demo_heading(ch["speculative_decoding"])
+    for key, c in ch.items():  # every setting a demo sets is named, none is left out
+        heading = tut.demo_heading(c)
+        assert ("on a small engine of its own" in heading) == bool(tut.DEMOS[key].engine), key
+        for _, value in tut.DEMOS[key].engine:
+            assert str(value) in heading, (key, value)
+    info = {"num_kv_blocks": 12, "block_size": 8, "token_budget": 32, "max_num_seqs": 256,
+            "scheduling_policy": "priority"}
+    assert tut.engine_settings_text(info, "ngram", 4) == ("12 KV blocks of 8 tokens, budget 32 tokens a step, "
+                                                          "at most 256 running, priority policy, ngram drafts of "
+                                                          "up to 4 tokens")

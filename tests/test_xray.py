@@ -103,7 +103,7 @@ def test_projections_run_over_the_flat_batch_and_only_gathered_context_is_copied
     assert ops["kv_gather"].bytes == 2 * 2 * 32 * 3 * 64 * 4  # K and V, read and written
     assert "kv_gather" not in {o.name for o in layer_ops(SMOL, [decode, prefill], "flash_attn")}
     this = {o.name: o for o in layer_ops(SMOL, [decode], this=decode)}
-    assert "K, V [3, 32, 64] (30 in context, 2 padding slots masked)" in this["attention"].shapes
+    assert "K, V [32, 3, 64] (30 in context, 2 padding slots masked)" in this["attention"].shapes
     assert "query head h reads KV head h // 3" in this["attention"].shapes
 
 
@@ -177,11 +177,13 @@ def test_shapes_are_the_steps_flat_batch_and_slices_are_labelled(traced):
         assert x["attn_norm"].shape == x["residual_out"].shape == x["attn_out"].shape == (T, 576)
         assert x["q"].shape == (T, 9, 64) and x["k"].shape == x["v"].shape == (T, 3, 64)
         assert x["gate"].shape == x["up"].shape == x["act"].shape == (T, 1536)
-        assert x["k_context"].shape == (3, ctx, 64)
+        assert x["k_context"].shape == (ctx, 3, 64)  # as the cache's slot view holds it, tokens first
         assert x["scores"].shape == x["probs"].shape == (3, 3 * entry.num_tokens, ctx)
         assert {i.scope for i in t.tensors if i.name in ("k_context", "scores", "probs")} == {"request"}
         assert {i.scope for i in t.tensors if i.name not in ("k_context", "scores", "probs")} == {"batch"}
         assert t.part == entry.kind
+        assert (t.prompt_len, t.total_len, t.num_cached_tokens) == (entry.prompt_len, entry.total_len,
+                                                                    entry.num_cached_tokens)
         ops = {o.name: o for o in t.ops}
         assert ops["qkv_proj"].flops == 2 * T * 576 * 960
     assert any(t[0].num_batch_tokens > t[0].num_new_tokens for t in steps.values()), "some step batches several"
@@ -466,3 +468,130 @@ def test_the_not_traced_note_promises_no_trace_to_a_request_that_finished(make_t
         "Not traced in this step: request 1 (prefill), 2 (decode). The engine traces one request per step: "
         "request 1 may have its decode traced at a later step; request 2 finished in this step and will not be "
         "traced.")
+
+
+# ------------------------------------------------------------------------------ trial 10: what a chunk costs and is
+
+def _chunk_trace(**kw) -> ev.LayerTrace:
+    fields = dict(step=0, request_id="0", layer=0, num_layers=2, tensors=(), num_heads=9, num_kv_heads=3,
+                  head_dim=64, hidden_size=576, kv_bytes_per_token=46080, num_batch_tokens=8, num_batch_seqs=1,
+                  part="prefill", num_new_tokens=8, context_len=8, prompt_len=9, total_len=9,
+                  ops=(ev.OpInfo("qkv_proj", "", "", 1_000_000, 2_000_000),))
+    fields.update(kw)
+    return ev.LayerTrace(**fields)
+
+
+def test_a_step_that_samples_no_row_reads_no_lm_head_and_only_its_embedding_rows():
+    """Trial 10: the 0..7 chunk of a 9-token prompt samples nothing (the engine skips the LM head), yet its
+    X-Ray counted the whole 28.7 MiB head matrix in "the 0 rows that sample" and the forward pass."""
+    from nanovllm_core.educational.xray_costs import model_edge_ops
+    from nanovllm_core.educational.xray_view import step_total
+
+    h, v, head_bytes, row = 576, 49152, 30_081_024, 612  # the Q8_0 head [49152, 576]; one Q8_0 embedding row
+    edges = {o.name: o for o in model_edge_ops(h, v, 4, head_bytes, 8, 0, row, "q8_0")}
+    assert edges["lm_head"].flops == 0 and edges["lm_head"].bytes == 0 and "not run" in edges["lm_head"].math
+    assert edges["embedding_lookup"].bytes == 8 * row + 8 * h * 4  # the 8 rows read, not the [49152, 576] table
+    sampling = {o.name: o for o in model_edge_ops(h, v, 4, head_bytes, 8, 1, row, "q8_0")}
+    assert sampling["lm_head"].bytes == head_bytes + h * 4 + v * 4  # one row that samples reads the whole head
+    layer = _chunk_trace()
+    text = step_total([layer, layer], tuple(edges.values()))
+    moved = 2 * 2_000_000 + sum(o.bytes for o in edges.values())
+    assert "the LM head does not run" in text and "rows that sample" not in text
+    assert moved < 4_100_000 and "MiB" in text.split("The whole forward pass")[1]
+    assert f"{moved / 2**20:.1f} MiB" in text.split("The whole forward pass")[1]
+
+
+def test_a_prefill_chunk_says_what_it_is_a_chunk_of_in_the_header_and_the_apps_title():
+    """Trial 10: the X-Ray said "prefill, 8 new tokens at positions 0..7" where the narrator said "prefill
+    chunk 0..7 of 9"; now both X-Ray views name the chunk and its prompt."""
+    from rich.console import Console
+
+    from nanovllm_core.educational.xray_view import render_step
+
+    first = _chunk_trace()
+    console = Console(width=200, record=True)
+    console.print(render_step([first]))
+    head = console.export_text().splitlines()[0]
+    assert "prefill chunk, 8 new tokens at positions 0..7 of a 9-token prompt" in head
+    assert facts.what_ran(first) == "prefill chunk: 8 new tokens (positions 0..7 of a 9-token prompt) over 8 in context"
+    last = _chunk_trace(num_new_tokens=1, context_len=9, num_batch_tokens=1)
+    assert facts.what_ran(last) == "prefill chunk: 1 new token (position 8 of a 9-token prompt) over 9 in context"
+    whole = _chunk_trace(prompt_len=8, total_len=8)
+    assert facts.what_ran(whole) == "prefill: 8 new tokens over 8 in context"
+    after_cache = _chunk_trace(num_new_tokens=4, context_len=20, prompt_len=20, total_len=20, num_cached_tokens=16)
+    assert facts.trace_chunk_of(after_cache) == ""  # the rest of the prompt after a prefix hit is no chunk
+    assert facts.chunk_of(0, 8, 9, 12, 0) == "its 12 tokens (9 prompt + 3 generated, recomputed)"
+    assert facts.trace_chunk_of(_chunk_trace(prompt_len=0, total_len=0)) == ""  # an older trace: nothing claimed
+
+
+def test_attention_shapes_are_the_engines_tokens_first_layout_beside_the_grouped_scores():
+    """Trial 10: the attention row said "Q [9, 2, 64] ... -> O [9, 2, 64]" (heads first) while the q
+    tensor row said [2, 9, 64] and the kernels take and return [T, num_heads, head_dim]."""
+    this = SeqAttention(2, 2, 2)
+    fused = next(o for o in layer_ops(SMOL, [this], "cpu_paged", this) if o.name == "attention")
+    assert fused.shapes.startswith("this request: Q [2, 9, 64], K, V [2, 3, 64] -> O [2, 9, 64]")
+    assert "scores are grouped [3, 6, 2]" in fused.shapes and "[9, 2, 64]" not in fused.shapes
+    math = {o.name: o for o in layer_ops(SMOL, [this], "math", this)}
+    assert math["attention_scores"].shapes.startswith("this request: Q [2, 9, 64] regrouped by KV head as [3, 6, 64]")
+    assert "K [2, 3, 64]" in math["attention_scores"].shapes and "-> S [3, 6, 2]" in math["attention_scores"].shapes
+    assert math["attention_output"].shapes.endswith("back to O [2, 9, 64]")
+    trace = ev.LayerTrace(step=0, request_id="0", layer=0, num_layers=30, tensors=(), ops=(), num_heads=9,
+                          num_kv_heads=3, head_dim=64, hidden_size=576, kv_bytes_per_token=46080)
+    assert "K and V stay [ctx, 3, 64] beside Q [t, 9, 64]" in facts.gqa_lines(trace)[0]
+
+
+def test_the_cli_heatmap_that_shows_only_the_newest_keys_says_which_are_hidden_and_that_rows_sum_less():
+    """Trial 10: at 80 columns the heatmap showed keys 3-12 of 13 under "each row sums to 1 over all its
+    keys" while the shown rows summed to 0.68-0.84 and nothing said keys 0-2 were hidden."""
+    from rich.console import Console
+
+    from nanovllm_core.educational.xray_view import heatmap_caption, render_layer_detail
+
+    rows = tuple(tuple([0.1, 0.1, 0.1] + [0.07] * 10) for _ in range(4))  # 4 queries over 13 keys
+    t = _chunk_trace(part="verify", num_new_tokens=4, context_len=13, head=0, attention=rows,
+                     query_pieces=("a", "b", "c", "d"), key_pieces=tuple("k" * 13), prompt_len=9, total_len=13)
+    caption = heatmap_caption(t)
+    assert "only the newest keys, 3-12, are shown: keys 0-2 are hidden" in caption
+    assert "shown weights sum to less than 1" in caption
+    console = Console(width=80, record=True)
+    console.print(render_layer_detail(t))
+    flat = " ".join(console.export_text().split())
+    assert "keys 0-2 are hidden" in flat
+    few = _chunk_trace(num_new_tokens=4, context_len=4, head=0, attention=tuple(tuple([0.25] * 4) for _ in range(4)))
+    assert heatmap_caption(few) == "each row sums to 1 over all its keys"  # every key shown: no such words
+    many = _chunk_trace(head=0, attention=tuple(tuple([1 / 12] * 12) for _ in range(12)), keys_per_column=3)
+    assert "only the newest keys, 6-35, are shown: keys 0-5 are hidden" in heatmap_caption(many)  # 3 keys a column
+    assert "only the newest 10 query rows are shown" in heatmap_caption(many)
+
+
+def test_the_cli_xray_header_at_80_columns_wraps_rather_than_cuts():
+    """Trial 10: "X-RAY · request 0 · step 1 · speculative verification, 1 + 3 tokens at positi… ─" and
+    "... split over 3 ran… ─" at 80 columns: the heading now wraps whole, with the rule below it."""
+    from rich.console import Console
+
+    from nanovllm_core.educational.xray_view import render_split_step, render_step
+
+    t = _chunk_trace(part="verify", num_new_tokens=4, context_len=13, step=1)
+    console = Console(width=80, record=True)
+    console.print(render_step([t]))
+    text = console.export_text()
+    assert "…" not in text.splitlines()[0]
+    assert "speculative verification, 1 + 3 tokens at positions 9..12" in " ".join(text.split())
+    wide = Console(width=200, record=True)
+    wide.print(render_step([t]))
+    first = wide.export_text().splitlines()[0]
+    assert first.startswith("X-RAY · request 0 · step 1 · speculative verification") and first.endswith("─")
+    info = {"tensor_parallel_size": 3, "hidden_size": 576, "intermediate_size": 1536, "num_heads": 9,
+            "num_kv_heads": 3, "head_dim": 64, "vocab_size": 49152, "num_layers": 30}
+    timed = ev.StepTimed(step=0, wall_time_s=0.02, num_tokens=6, num_prefill_tokens=6, num_decode_tokens=0,
+                         prefill_tokens_per_s=300.0, decode_tokens_per_s=0.0, kv_bytes_used=0,
+                         kv_bytes_total=8 * 16 * 46080, num_running=2, num_waiting=0, num_blocks_used=2,
+                         num_blocks_total=8, tp_size=3, tp_compute_s=(0.01, 0.01, 0.01),
+                         tp_comm_s=(0.005, 0.005, 0.005), tp_all_reduces=61, tp_all_reduce_bytes=61 * 6 * 576 * 4)
+    entry = ev.ScheduledEntry(request_id="0", seq_id=0, index=0, kind="prefill", num_tokens=5, start=0,
+                              prompt_len=5, total_len=5, num_cached_tokens=0, samples=True, priority=0)
+    console = Console(width=80, record=True)
+    console.print(render_split_step(info, timed, entry))
+    text = console.export_text()
+    assert "…" not in text.splitlines()[0]
+    assert "X-RAY · step 0 · 6 tokens · request 0's prefill, 5 of them · split over 3 ranks" in " ".join(text.split())

@@ -387,12 +387,12 @@ def open_trace_recorders(llm, args: argparse.Namespace) -> list:
 
 
 def print_memory_stats(stats: dict) -> None:
-    from nanovllm_core.educational.commentary import plural
+    from nanovllm_core.educational.commentary import human_bytes, plural
 
-    mib = stats["kv_bytes_per_block"] / 2**20
+    # the narrator's byte format: a 540 KiB pool is not "1 MiB in all" (trial 10)
     print("KV cache memory:")
-    print(f"  blocks: {stats['kv_blocks_total']} x {stats['block_size']} tokens ({mib:.2f} MiB each, "
-          f"{stats['kv_bytes_total'] / 2**20:.0f} MiB in all)")
+    print(f"  blocks: {stats['kv_blocks_total']} x {stats['block_size']} tokens ({human_bytes(stats['kv_bytes_per_block'])} "
+          f"each, {human_bytes(stats['kv_bytes_total'])} in all)")
     print(f"  in use now: {stats['kv_blocks_used']}, cached-free: {stats['kv_blocks_cached']}, "
           f"free: {stats['kv_blocks_free'] - stats['kv_blocks_cached']}")
     print(f"  slots allocated but unfilled: {stats['kv_slots_wasted']}")

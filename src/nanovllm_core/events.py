@@ -371,7 +371,9 @@ class LayerTrace(Event):
     ``attention_backend``: what computed attention; the machine's measured roofline
     (``peak_flops`` FLOP/s, ``memory_bandwidth`` bytes/s, ``machine``; 0 when not measured) and
     ``compute_bound_tokens``: the shortest one-sequence prefill whose layer reaches the ridge
-    point on that machine (0: unknown or never).
+    point on that machine (0: unknown or never); ``prompt_len``, ``total_len`` (prompt and
+    generated tokens when the step was planned) and ``num_cached_tokens`` (found in the prefix
+    cache) of the traced sequence, so a prefill chunk can say what it is a chunk of (0: not recorded).
     """
 
     step: int
@@ -402,6 +404,9 @@ class LayerTrace(Event):
     compute_bound_tokens: int = 0
     key_start: int = 0
     keys_per_column: int = 1
+    prompt_len: int = 0
+    total_len: int = 0
+    num_cached_tokens: int = 0
 
 
 # ---------------------------------------------------------------------- speculative

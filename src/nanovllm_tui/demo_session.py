@@ -49,11 +49,9 @@ class DemoRun:
 
 
 def settings_text(info: dict[str, Any]) -> str:
-    """The demo engine's settings that shape scheduling, from its ``model_info()``."""
-    parts = [f"{info['num_kv_blocks']} KV blocks of {info['block_size']} tokens",
-             f"budget {info['token_budget']} tokens a step", f"at most {info['max_num_seqs']} running",
-             f"{info['scheduling_policy']} policy"]
-    return ", ".join(parts)
+    """The demo engine's settings that shape scheduling, from its ``model_info()`` (the CLI's words too:
+    :func:`~nanovllm_core.educational.tutorial.engine_settings_text`)."""
+    return tut.engine_settings_text(info)
 
 
 class DemoSession:
@@ -80,9 +78,8 @@ class DemoSession:
                                         dtype=str(main_engine.dtype).replace("torch.", ""))
         self.engine = demos.engine(**demo.engine_settings())
         info = self.engine.model_info()
-        settings = settings_text(info)
-        if self.engine.speculator is not None:
-            settings += f", {self.engine.speculator.name} drafts of up to {self.engine.speculator.k} tokens"
+        spec = self.engine.speculator
+        settings = tut.engine_settings_text(info, spec.name if spec is not None else "", spec.k if spec else 0)
         self.run = DemoRun(demo, chapter, demo.requests(chapter.demo_prompt), settings=settings)
         self.narrator = Narrator(info, max_decode_steps_per_request=None, kv_every_step=demo.kv_every_step)
         self._traced: set[str] = set()

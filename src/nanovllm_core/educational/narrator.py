@@ -510,7 +510,7 @@ class Narrator(SchedulerNarration):
         if timed is None or timed.num_tokens != 1 or not weights or not bw or timed.wall_time_s <= 0:
             return ""
         floor = weights / bw
-        return (f" Alone in its step, it read the {weights / 2**20:,.0f} MiB of linear-layer and LM-head weights "
+        return (f" Alone in its step, it read the {human_bytes(weights)} of linear-layer and LM-head weights "
                 f"at {weights / timed.wall_time_s / 1e9:,.2f} GB/s, {weights / timed.wall_time_s / bw:.0%} of this "
                 f"machine's measured {bw / 1e9:,.1f} GB/s: reading them takes {ms(floor)} at that bandwidth, "
                 f"so the other {ms(max(0.0, timed.wall_time_s - floor))} of the step were not spent reading weights "

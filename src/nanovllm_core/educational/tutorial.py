@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from nanovllm_core.attention.fallbacks import FALLBACK_CONDITIONS, FLASH_ATTN_FALLBACK_CONDITIONS
-from nanovllm_core.educational.commentary import ms, plural
+from nanovllm_core.educational.commentary import human_bytes, ms, plural
 from nanovllm_core.educational.xray_costs import peak_words
 from nanovllm_core.model.block_formats import FORMATS  # torch-free
 from nanovllm_core.sampling_params import SamplingParams
@@ -226,17 +226,54 @@ DEMOS: dict[str, Demo] = {d.key: d for d in (
 _SPECULATIVE_PROMPT = "Copy the list: red, green, blue, yellow. Copy: red, green, blue, yellow. Copy: red,"
 
 
+# How a demonstration's own engine setting reads in its heading (``Demo.engine``).
+_SETTING_WORDS = {
+    "max_num_batched_tokens": lambda v: f"a budget of {v} tokens a step",
+    "block_size": lambda v: f"blocks of {v} tokens",
+    "num_kv_blocks": lambda v: f"{v} KV blocks",
+    "max_num_seqs": lambda v: f"at most {v} requests running",
+    "speculative_model": lambda v: f"{v} drafts",
+    "num_speculative_tokens": lambda v: f"up to {v} drafted tokens a step",
+    "tensor_parallel_size": lambda v: f"the model split over {v} ranks",
+}
+
+
+def demo_engine_words(demo: Demo) -> str:
+    """The settings a demonstration sets on its own engine, in words (``""`` when it sets none):
+    ``"a budget of 32 tokens a step, blocks of 8 tokens, 12 KV blocks"``. Its numbers depend on them,
+    so the heading states them before the demo runs (trial 10: chapter 11's facts gave the loaded
+    engine's 512-token budget and its demo ran with 32, 8-token blocks and 12 blocks unsaid)."""
+    return ", ".join(_SETTING_WORDS[k](v) if k in _SETTING_WORDS else f"{k} {v}" for k, v in demo.engine)
+
+
+def engine_settings_text(info: dict[str, Any], speculator: str = "", k: int = 0) -> str:
+    """A demonstration engine's settings that shape its numbers, from its ``model_info()``:
+    ``"12 KV blocks of 8 tokens, budget 32 tokens a step, at most 256 running, priority policy"``,
+    then ``", ngram drafts of up to 4 tokens"`` when ``speculator`` names its proposer. Shown by the
+    CLI and the app when a demonstration starts. Raises KeyError when ``info`` lacks a size."""
+    parts = [f"{info['num_kv_blocks']} KV blocks of {info['block_size']} tokens",
+             f"budget {info['token_budget']} tokens a step", f"at most {info['max_num_seqs']} running",
+             f"{info['scheduling_policy']} policy"]
+    text = ", ".join(parts)
+    if speculator:
+        text += f", {speculator} drafts of up to {k} tokens"
+    return text
+
+
 def demo_heading(ch: Chapter) -> str:
-    """The line that announces a chapter's demonstration: its title and the fixed prompt it sends, so a
-    learner who typed a prompt of their own is not told the demo shows theirs. Raises KeyError when the
-    chapter has no demonstration."""
+    """The line that announces a chapter's demonstration: its title, the fixed prompt it sends, so a
+    learner who typed a prompt of their own is not told the demo shows theirs, and the settings of its
+    own engine where it sets any (:func:`demo_engine_words`). Raises KeyError when the chapter has no
+    demonstration."""
     demo = DEMOS[ch.demo]
+    engine = demo_engine_words(demo)
+    own = f"on a small engine of its own with {engine}" if engine else ""
     if not ch.demo_prompt:
-        return demo.title
+        return f"{demo.title} ({own})" if own else demo.title
     which = "fixed prompts" if demo.extra_prompts else "fixed prompt"
     shown = f" {ch.demo_prompt!r}" if len(ch.demo_prompt) <= 40 else ""
     first = ", the first" if demo.extra_prompts and shown else ""
-    return f"{demo.title} (on its own {which}{shown}{first}; not one you typed)"
+    return f"{demo.title} (on its own {which}{shown}{first}; not one you typed{'; ' + own if own else ''})"
 
 
 def _quiz(question: str, choices: tuple[str, str, str, str], answer: int, explanation: str) -> Quiz:
@@ -742,16 +779,16 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
             kv_dtype = g("kv_dtype") or g("dtype")
             lines.append(f"K/V in {kv_dtype}: 2 x {g('num_layers')} layers x {g('num_kv_heads')} KV "
                          f"heads x {g('head_dim')} x {elem} bytes = {per:,} bytes per token; 1,000 tokens take "
-                         f"{per * 1000 / 2**20:.1f} MiB.")
+                         f"{human_bytes(per * 1000)}.")
             if g("quantization") and g("linear_weight_bytes"):
                 weights = g("linear_weight_bytes")
                 kind = f"{g('weight_kinds') or g('quantization')} block"
-                lines.append(f"Its {kind} linear layers and LM head take {weights / 2**20:,.0f} MiB: "
+                lines.append(f"Its {kind} linear layers and LM head take {human_bytes(weights)}: "
                              f"{weights // per:,} tokens of cache weigh as much.")
             elif g("num_parameters"):
                 weights = g("num_parameters") * elem
                 lines.append(f"Its {g('num_parameters') / 1e6:.0f} M parameters in {g('dtype')} take "
-                             f"{weights / 2**20:,.0f} MiB: {weights // per:,} tokens of cache weigh as much.")
+                             f"{human_bytes(weights)}: {weights // per:,} tokens of cache weigh as much.")
             lines.extend(_decode_growth(info))  # after either branch above
         elif key == "decode" and g("kv_bytes_per_token") and g("num_parameters"):
             lines.extend(_decode_bytes(info))
@@ -864,10 +901,10 @@ def _decode_bytes(info: dict[str, Any]) -> list[str]:
     if not (weights and count):  # an older engine's info: all parameters at the activations' width
         weights, count = g("num_parameters") * elem, None
     row = f" of {g('hidden_size')} numbers" if g("hidden_size") else ""
-    lines = [f"A decode step of this model reads its {weights / 2**20:,.0f} MiB of {weights_kind(info)} weights once "
+    lines = [f"A decode step of this model reads its {human_bytes(weights)} of {weights_kind(info)} weights once "
              f"for the whole batch: the linear layers of all {g('num_layers')} decoder layers and the LM head (the "
              f"embedding lookup reads one row{row} per token, not the matrix); and for each request its own "
-             f"{per:,} bytes of keys and values per token of context: {per * 1000 / 2**20:.1f} MiB a step at "
+             f"{per:,} bytes of keys and values per token of context: {human_bytes(per * 1000)} a step at "
              "1,000 tokens, whatever the batch."]
     if count:
         b = weights / count
@@ -891,12 +928,12 @@ def _decode_bytes(info: dict[str, Any]) -> list[str]:
     if count and g("quantization"):
         wide = count * 4
         lines.append(f"Block weights are why: the same "
-                     f"{count / 1e6:,.0f} M weights in float32 would be {wide / 2**20:,.0f} MiB a step, "
+                     f"{count / 1e6:,.0f} M weights in float32 would be {human_bytes(wide)} a step, "
                      f"{wide / weights:.1f}x the bytes.")
     elif count:
         q8 = count * FORMATS["q8_0"].bytes_per_weight
         lines.append(f"With --quantization q8_0 the same {count / 1e6:,.0f} M weights would be about "
-                     f"{q8 / 2**20:,.0f} MiB (blocks of 32 one-byte weights and their 2-byte scale, 34 bytes; a "
+                     f"{human_bytes(q8)} (blocks of 32 one-byte weights and their 2-byte scale, 34 bytes; a "
                      f"layer whose width is not a multiple of 32 would stay float): {weights / q8:.1f}x fewer bytes "
                      "per step, so a batch-1 step could be up to that much faster where reading weights is the bound. "
                      "Measured on a 2-core AMD EPYC (Zen 3) it is faster, but by less than that: the weights shrink, "

@@ -22,7 +22,7 @@ from nanovllm_core.educational.commentary import Commentary
 from nanovllm_core.educational.narrate_view import NarrateView
 from nanovllm_core.educational.rich_parts import Indent
 from nanovllm_core.educational.tp_facts import SPLIT_UNAVAILABLE, communication_words, split_engine_available
-from nanovllm_core.educational.tutorial import DEMOS, Chapter
+from nanovllm_core.educational.tutorial import DEMOS, Chapter, engine_settings_text
 from nanovllm_core.educational.xray import roofline_key
 from nanovllm_core.educational.xray_facts import roofline_commentary
 from nanovllm_core.educational.xray_view import render_layer_detail
@@ -104,6 +104,13 @@ class EngineDemos:
             if not self._communication(demo, chapter, console):
                 return
         engine = self.engine(**demo.engine_settings())
+        spec = getattr(engine, "speculator", None)
+        try:  # the engine the numbers below come from (the app's Tutorial tab says the same)
+            console.print(Indent(Text("On its own engine over the loaded model: " + engine_settings_text(
+                engine.model_info(), spec.name if spec is not None else "", spec.k if spec is not None else 0)
+                + ".", style="dim")))
+        except KeyError:  # an engine that does not report a size: nothing claimed
+            pass
         view = NarrateView(console, engine.model_info(), max_decode_steps=None, kinds=demo.kinds,
                            kv_every_step=demo.kv_every_step)
         layer0: list[ev.LayerTrace] = []

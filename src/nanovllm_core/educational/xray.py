@@ -260,7 +260,7 @@ class LayerTracer:
         mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
         self._tensors += [
-            ev.TensorInfo("k_context", (nkv, ctx, c.head_dim), _sample(keys[-1, 0]), "request"),
+            ev.TensorInfo("k_context", (ctx, nkv, c.head_dim), _sample(keys[-1, 0]), "request"),
             ev.TensorInfo("scores", (nkv, group * t, ctx), _sample(scores[0, 0, -1, -SAMPLE_VALUES:]), "request"),
             ev.TensorInfo("probs", (nkv, group * t, ctx), _sample(probs[0, 0, -1, -SAMPLE_VALUES:]), "request"),
             self._batch("attn_out", out),
@@ -308,6 +308,7 @@ class LayerTracer:
             memory_bandwidth=roof.bandwidth if roof else 0.0, machine=roof.machine if roof else "",
             compute_bound_tokens=self._compute_bound, key_start=self._key_start,
             keys_per_column=self._keys_per_column if heat else 1,
+            prompt_len=seq.num_prompt_tokens, total_len=seq.num_tokens, num_cached_tokens=s.num_cached_tokens,
         ))
 
     @property

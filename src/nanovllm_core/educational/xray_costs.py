@@ -136,7 +136,13 @@ def _op(name: str, math: str, shapes: str, flops: float, nbytes: float) -> OpInf
 
 
 def _attention_shapes(d: LayerDims, this: SeqAttention | None, backend: str) -> tuple[str, str, str]:
-    """Shapes of the traced sequence's attention: (scores, softmax, output), as the kernel sees them."""
+    """Shapes of the traced sequence's attention: (scores, softmax, output).
+
+    Q and O as the engine and every kernel take them, ``[tokens, heads, head_dim]`` (a slice of
+    the batch's ``[T, heads, head_dim]``), K and V as the sequence's context ``[keys, kv_heads,
+    head_dim]`` (``attention/ops.py``, ``attention/cpu_paged.py``); the score matrix in the grouped
+    layout X-Ray records, ``[kv_heads, group x tokens, keys]`` (query head h reads KV head h // group).
+    """
     nh, nkv, hd, g = d.num_heads, d.num_kv_heads, d.head_dim, d.group
     t, k = (this.num_tokens, this.keys_read) if this else ("t", "ctx")
     gt = g * t if isinstance(t, int) else f"{g}t"
@@ -144,12 +150,13 @@ def _attention_shapes(d: LayerDims, this: SeqAttention | None, backend: str) -> 
     if this is not None and this.keys_read > this.context_len:
         padding = f" ({this.context_len} in context, {this.keys_read - this.context_len} padding slots masked)"
     if backend == "math":
-        return (f"this request: Q regrouped [{nkv}, {gt}, {hd}] @ K^T [{nkv}, {hd}, {k}] -> S [{nkv}, {gt}, {k}]"
-                f"{padding}",
+        return (f"this request: Q [{t}, {nh}, {hd}] regrouped by KV head as [{nkv}, {gt}, {hd}] @ K^T "
+                f"[{nkv}, {hd}, {k}] (K [{k}, {nkv}, {hd}]{padding}) -> S [{nkv}, {gt}, {k}]",
                 f"S [{nkv}, {gt}, {k}] -> P, each row over its keys (causal mask)",
-                f"P [{nkv}, {gt}, {k}] @ V [{nkv}, {k}, {hd}] -> O [{nkv}, {gt}, {hd}] = [{t}, {nh}, {hd}]")
-    fused = (f"this request: Q [{nh}, {t}, {hd}], K, V [{nkv}, {k}, {hd}]{padding} -> O [{nh}, {t}, {hd}]; "
-             f"query head h reads KV head h // {g}")
+                f"P [{nkv}, {gt}, {k}] @ V [{nkv}, {k}, {hd}] -> [{nkv}, {gt}, {hd}], back to O [{t}, {nh}, {hd}]")
+    fused = (f"this request: Q [{t}, {nh}, {hd}], K, V [{k}, {nkv}, {hd}]{padding} -> O [{t}, {nh}, {hd}]; "
+             f"query head h reads KV head h // {g}, so its scores are grouped [{nkv}, {gt}, {k}] "
+             f"({g} query heads x {t} tokens a KV head)")
     return fused, "", ""
 
 
@@ -232,7 +239,8 @@ def model_edge_ops(hidden: int, vocab: int, elem: int, lm_head_bytes: int, num_t
     that sample only (the last token of each sampling sequence; 1 + k for a verification).
 
     ``lm_head_bytes``: the head's weight as stored (the embedding matrix when tied; it is read
-    whole however few rows sample); logits are written in float32. ``embedding_row_bytes``:
+    whole however few rows sample, and not at all in a step where no row samples: the engine
+    then skips the head, ``ModelRunner.execute``); logits are written in float32. ``embedding_row_bytes``:
     one stored embedding row (0: ``hidden * elem``; a Q8_0 row of 576 is 18 blocks x 34 =
     612 bytes), read once per token and written as ``hidden`` numbers of ``elem`` bytes;
     ``embedding_kind``: its format when not the model's dtype (``"q8_0"``), named in the math.
@@ -244,8 +252,11 @@ def model_edge_ops(hidden: int, vocab: int, elem: int, lm_head_bytes: int, num_t
         _op("embedding_lookup", f"X = E[token ids]: one row of the embedding matrix per token{stored} (no arithmetic)",
             f"[{T}] ids -> [{T}, {h}]", 0, T * row + T * h * e),
         _op("final_norm", "RMSNorm after the last layer", f"[{T}, {h}] -> [{T}, {h}]", 4 * T * h, (2 * T * h + h) * e),
-        _op("lm_head", "logits = X W_vocab^T, for the rows that sample",
-            f"[{S}, {h}] @ [{h}, {v}] -> [{S}, {v}]", 2 * S * h * v, lm_head_bytes + S * h * e + S * v * 4),
+        _op("lm_head", "logits = X W_vocab^T, for the rows that sample" if S else
+            "not run: no row samples in this step (a prompt chunk that is not its prompt's last), so the "
+            "head's weights are not read",
+            f"[{S}, {h}] @ [{h}, {v}] -> [{S}, {v}]", 2 * S * h * v,
+            (lm_head_bytes + S * h * e + S * v * 4) if S else 0),
     )
 
 

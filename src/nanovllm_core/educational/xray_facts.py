@@ -95,13 +95,40 @@ def step_kind(trace: ev.LayerTrace, entry: ev.ScheduledEntry | None = None) -> s
     return "decode" if new == 1 and ctx > 1 else "prefill"
 
 
+def chunk_of(start: int, new: int, prompt_len: int, total_len: int, num_cached: int) -> str:
+    """What a prefill of ``new`` tokens from position ``start`` is a chunk of: ``"a 9-token prompt"``,
+    or for a sequence readmitted after a preemption ``"its 12 tokens (9 prompt + 3 generated,
+    recomputed)"``; ``""`` when it is the whole rest of its prefill (from the first token the prefix
+    cache did not hold to its last) or the lengths are not known. As the narrator's
+    "prefill chunk 0..7 of 9" (trial 10: the X-Ray said "8 new tokens at positions 0..7" alone)."""
+    if not prompt_len or not total_len or (start == num_cached and start + new >= total_len):
+        return ""
+    if total_len > prompt_len:
+        return f"its {total_len} tokens ({prompt_len} prompt + {total_len - prompt_len} generated, recomputed)"
+    return f"a {prompt_len}-token prompt"
+
+
+def trace_chunk_of(trace: ev.LayerTrace) -> str:
+    """:func:`chunk_of` for a traced prefill (``""`` for other parts and for traces that lack the lengths)."""
+    if step_kind(trace) != "prefill":
+        return ""
+    new, ctx = new_and_context(trace)
+    return chunk_of(ctx - new, new, trace.prompt_len, trace.total_len, trace.num_cached_tokens)
+
+
 def what_ran(trace: ev.LayerTrace) -> str:
-    """``"decode: 1 new token over 43 in context"``; a verification names its 1 + k tokens."""
+    """``"decode: 1 new token over 43 in context"``; a verification names its 1 + k tokens, a prefill
+    chunk what it is a chunk of (``"prefill chunk: 8 new tokens (positions 0..7 of a 9-token prompt) ..."``)."""
     new, ctx = new_and_context(trace)
     kind = step_kind(trace)
     if kind == "speculative verification":
         return (f"speculative verification: the newest token + {plural(new - 1, 'draft')} "
                 f"checked in one pass, over {ctx} in context")
+    of = trace_chunk_of(trace)
+    if of:
+        where = f"position {ctx - 1}" if new == 1 else f"positions {ctx - new}..{ctx - 1}"
+        return (f"prefill chunk: {plural(new, 'new token')} ({where} of {of}) "
+                f"over {ctx} in context")
     return f"{kind}: {plural(new, 'new token')} over {ctx} in context"
 
 
@@ -134,7 +161,8 @@ def gqa_lines(trace: ev.LayerTrace, head: int | None = None, elem_bytes: int | N
         f"GQA: {nh} query heads share {nkv} KV heads; query head h reads KV head h // {g} "
         f"(heads {', '.join(f'{k * g}-{k * g + g - 1}' for k in range(nkv))} read KV heads "
         f"{', '.join(str(k) for k in range(nkv))}). No KV head is copied: K and V stay "
-        f"[{nkv}, ctx, {hd}] and the queries are grouped by the KV head they read.",
+        f"[ctx, {nkv}, {hd}] beside Q [t, {nh}, {hd}], and the scores are grouped by the KV head they read, "
+        f"[{nkv}, {g} x t, ctx].",
     ]
     if head is not None:
         lines.append(f"Head {head} reads KV head {head} // {g} = {head // g}.")

@@ -54,6 +54,22 @@ def si(n: float, unit: str = "") -> str:
 shape_str = facts.shape_str
 
 
+class Header:
+    """A step's heading: ``text`` inside a cyan rule when it fits the width, else wrapped in full over as
+    many lines as it needs with the rule below it, so nothing that matters is cut (trial 10: at 80
+    columns "... 1 + 3 tokens at positi… ─" and "... split over 3 ran… ─")."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __rich_console__(self, console: Console, options):
+        if len(self.text) + 4 <= options.max_width:  # the rule's own margin: "── " is not drawn for align="left"
+            yield Rule(Text(self.text, style="bold cyan"), align="left", style="cyan")
+        else:
+            yield Text(self.text, style="bold cyan")
+            yield Rule(style="cyan")
+
+
 def op_cost(t: ev.LayerTrace, o: ev.OpInfo) -> str:
     """``"5.53 MFLOP, 2.2 MiB, 2.4 FLOP/B, memory-bound"``: an operation's cost against the ridge point."""
     parts = [si(o.flops, "FLOP")] if o.flops else []
@@ -103,8 +119,33 @@ def render_layer_detail(t: ev.LayerTrace, info: dict[str, Any] | None = None) ->
         group = t.num_heads // max(1, t.num_kv_heads)
         parts += [Text(""), Text(f"Layer {t.layer}, head {t.head} (reads KV head {t.head // group} = {t.head} // "
                                  f"{group}): attention weights (rows: queries, "
-                                 "columns: keys; each row sums to 1 over all its keys)"), attention_table(t)]
+                                 f"columns: keys; {heatmap_caption(t)})"), attention_table(t)]
     return Group(*parts)
+
+
+def _key_span(t: ev.LayerTrace, first_column: int, last_column: int) -> str:
+    """The key positions columns ``first_column..last_column`` of the trace's heatmap stand for: ``"0-2"`` or ``"5"``."""
+    per = max(1, t.keys_per_column)
+    a, b = t.key_start + first_column * per, t.key_start + last_column * per + per - 1
+    return str(a) if a == b else f"{a}-{b}"
+
+
+def heatmap_caption(t: ev.LayerTrace) -> str:
+    """What :func:`attention_table` leaves out, in words: each row sums to 1 over all its keys, and when only
+    the newest ``HEATMAP_MAX`` key columns fit, which keys are hidden and that the shown rows sum to less
+    (trial 10: 10 of 13 keys shown under "each row sums to 1 over all its keys", rows summing to 0.68-0.84);
+    likewise the earlier query rows left out."""
+    rows = t.attention[-HEATMAP_MAX:]
+    n_cols = len(rows[-1]) if rows else 0
+    first = max(0, n_cols - HEATMAP_MAX)
+    words = "each row sums to 1 over all its keys"
+    if first:
+        words += (f"; only the newest keys, {_key_span(t, first, n_cols - 1)}, are shown: keys "
+                  f"{_key_span(t, 0, first - 1)} are hidden, so a row's shown weights sum to less than 1 "
+                  "(the hidden keys hold the rest)")
+    if len(t.attention) > len(rows):
+        words += f"; only the newest {len(rows)} query rows are shown"
+    return words
 
 
 def attention_table(t: ev.LayerTrace) -> Table:
@@ -171,8 +212,14 @@ def step_total(traces: list[ev.LayerTrace], edges: tuple[ev.OpInfo, ...] = ()) -
     head = next((o for o in edges if o.name == "lm_head"), None)
     rows = head.shapes.split("]")[0].strip("[").split(",")[0] if head is not None else "?"
     ef, eb = sum(o.flops for o in edges), sum(o.bytes for o in edges)
-    return (f"{layers}. Embedding lookup, final norm and the LM head over the "
-            f"{'1 row that samples' if rows == '1' else rows + ' rows that sample'}: {si(ef, 'FLOP')} and about {human_bytes(eb)}. The whole "
+    if rows == "0":  # the engine skips the LM head when no row samples (ModelRunner.execute): nothing read
+        outside = ("Embedding lookup (the step's rows of the table, not the table) and final norm; the LM head "
+                   "does not run, as no row samples in this step")
+    else:
+        outside = (f"Embedding lookup (the step's rows of the table), final norm and the LM head over the "
+                   f"{'1 row that samples' if rows == '1' else rows + ' rows that sample'} (its whole weight "
+                   "matrix read once)")
+    return (f"{layers}. {outside}: {si(ef, 'FLOP')} and about {human_bytes(eb)}. The whole "
             f"forward pass: {si(flops + ef, 'FLOP')} and about {human_bytes(moved + eb)}")
 
 
@@ -187,14 +234,19 @@ def render_step(traces: list[ev.LayerTrace], entry: ev.ScheduledEntry | None = N
     new, ctx = facts.new_and_context(first)
     kind = facts.step_kind(first, entry)
     start = entry.start if entry is not None else ctx - new
-    if kind == "speculative verification":
+    of = facts.trace_chunk_of(first)
+    if not of and entry is not None and kind == "prefill":  # a trace recorded before it carried the lengths
+        of = facts.chunk_of(start, new, entry.prompt_len, entry.total_len, entry.num_cached_tokens)
+    if of:
+        where = f"position {start}" if new == 1 else f"positions {start}..{start + new - 1}"
+        what = f"prefill chunk, {plural(new, 'new token')} at {where} of {of}"
+    elif kind == "speculative verification":
         what = f"{kind}, 1 + {new - 1} tokens at positions {start}..{start + new - 1}"
     elif new == 1:
         what = f"{kind}, 1 new token at position {start}"
     else:
         what = f"{kind}, {new} new tokens at positions {start}..{start + new - 1}"
-    head = Rule(Text(f"X-RAY · request {first.request_id} · step {first.step} · {what}", style="bold cyan"),
-                align="left", style="cyan")
+    head = Header(f"X-RAY · request {first.request_id} · step {first.step} · {what}")
     detail = next((t for t in traces if t.layer == detail_layer), first)
     others = [t for t in traces if t is not detail]
     total = step_total(traces, edges)
@@ -221,9 +273,8 @@ def render_split_step(info: dict[str, Any], timed: ev.StepTimed, entry: ev.Sched
     if entry is not None:
         what = (f" · request {entry.request_id}'s {'decode' if entry.kind == 'decode' else 'prefill'}, "
                 f"{entry.num_tokens} of them")
-    head = Rule(Text(f"X-RAY · step {timed.step} · {plural(timed.num_tokens, 'token')}"
-                     f"{what} · split over {tp_facts.tp_size(info)} ranks", style="bold cyan"),
-                align="left", style="cyan")
+    head = Header(f"X-RAY · step {timed.step} · {plural(timed.num_tokens, 'token')}"
+                  f"{what} · split over {tp_facts.tp_size(info)} ranks")
     body: list[RenderableType] = [Text(lines[0], style="yellow")] + [Text(line) for line in lines[1:]]
     measured = tp_facts.dashboard_lines(timed)
     if measured:

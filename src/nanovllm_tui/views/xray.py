@@ -124,8 +124,9 @@ def gqa_text(trace: ev.LayerTrace, head: int, block_size: int | None) -> Text:
             text.append(" ")
         text.append(f"→ kv{kv}\n", style="bold reverse" if head // group == kv else "#3ecf8e")
     text.append("query head h reads KV head h // " + str(group), style="bold")
-    text.append(f": head {head} reads KV head {head // group}. K and V stay [{nkv}, ctx, {trace.head_dim}], "
-                "never copied per query head.\n")
+    text.append(f": head {head} reads KV head {head // group}. K and V stay [ctx, {nkv}, {trace.head_dim}] "
+                f"beside Q [t, {nh}, {trace.head_dim}], never copied per query head; the scores are grouped "
+                f"[{nkv}, {group} x t, ctx].\n")
     lines = facts.gqa_lines(trace)[1:]  # bytes per token, and this request's
     text.append("\n".join(lines))
     _, ctx = facts.new_and_context(trace)
