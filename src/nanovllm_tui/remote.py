@@ -422,8 +422,12 @@ class RemoteController:
         kind = "key refused" if self._key_refused else "lost"  # not each new reason: refused, timed out, ...
         if kind != self._outage_reported:
             self._outage_reported = kind
-            self._deliver(ev.EngineError(step=None, message=f"lost the connection to {self.url} ({reason}); "
-                                                            "reconnecting"))
+            if self._key_refused:  # retrying with the same key succeeds only if the server's key changes back
+                message = (f"{reason}; restart the app with the server's key, or restart the server with this one "
+                           "(the app keeps retrying meanwhile)")
+            else:
+                message = f"lost the connection to {self.url} ({reason}); reconnecting"
+            self._deliver(ev.EngineError(step=None, message=message))
 
     def _read_stream(self, detail: tuple[int, bool, bool]) -> None:
         """Read the stream until it fails (raises) or the wanted detail changes (returns)."""
