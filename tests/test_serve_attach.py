@@ -323,6 +323,7 @@ async def test_a_server_back_with_another_api_key_shows_key_refused_without_a_ke
         assert "$NANOVLLM_API_KEY is not the server's" in said
         # trial 10: it read "...(... is not the server's)); reconnecting", a retry that cannot succeed alone
         assert "))" not in said and "reconnecting" not in said and "restart the app with the server's key" in said
+        assert notes.find("refused the API key")[0].title == "Connection"
         await pilot.pause(0.6)
         assert len(notes.find("refused the API key")) == 1  # said once, not at every attempt
 

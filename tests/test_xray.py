@@ -595,3 +595,20 @@ def test_the_cli_xray_header_at_80_columns_wraps_rather_than_cuts():
     text = console.export_text()
     assert "…" not in text.splitlines()[0]
     assert "X-RAY · step 0 · 6 tokens · request 0's prefill, 5 of them · split over 3 ranks" in " ".join(text.split())
+
+
+def test_the_cli_heatmap_shows_pieces_that_look_like_rich_markup():
+    """Trial 10: the prompt's first piece "one" was shown as "[one]" passed to Rich as markup: a style
+    tag, so the first key's header and the first query's label were blank."""
+    from rich.console import Console
+
+    from nanovllm_core.educational.xray_view import attention_table
+
+    pieces = ("one", " two", "bold", "/x")
+    rows = tuple(tuple([1 / (i + 1)] * (i + 1) + [0.0] * (3 - i)) for i in range(4))
+    t = _chunk_trace(num_new_tokens=4, context_len=4, head=0, attention=rows, query_pieces=pieces, key_pieces=pieces)
+    console = Console(width=120, record=True)
+    console.print(attention_table(t))
+    lines = console.export_text().splitlines()
+    assert all(label in lines[0] for label in ("[one]", "[␣two]", "[bold]", "[/x]")), lines[0]
+    assert [line.split()[0] for line in lines[1:5]] == ["[one]", "[␣two]", "[bold]", "[/x]"]

@@ -404,7 +404,8 @@ class NanoVLLMApp(App):
                     self.state.pending = None
                     message += f" (the engine is still {'paused' if self.state.paused else 'running'})"
                 self.notify(message, title="Not done", severity="warning", timeout=10, markup=False)
-            elif event.step is None and event.message.startswith("lost the connection"):
+            elif event.step is None and (event.message.startswith("lost the connection")
+                                         or "refused the API key" in event.message):
                 self.notify(event.message, title="Connection", severity="warning", timeout=10, markup=False)
             else:
                 self.notify(event.message, title="Engine error", severity="error", timeout=10, markup=False)
@@ -704,7 +705,7 @@ class NanoVLLMApp(App):
         elif req is None:
             self.notify("No request is selected: pick one in the Dashboard's table.", severity="warning")
         elif not req.live:
-            self.notify(f"{req.request_id} is already {req.state}; nothing to abort.", severity="warning")
+            self.notify(f"{req.request_id} is already {req.state}; nothing to abort.", severity="warning", markup=False)
         else:
             self.controller.abort(req.request_id)
 

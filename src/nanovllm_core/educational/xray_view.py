@@ -162,14 +162,14 @@ def attention_table(t: ev.LayerTrace) -> Table:
     queries = list(t.query_pieces)[-len(rows):] if t.query_pieces else [str(i) for i in range(len(rows))]
     table = Table(box=None, header_style="bold", padding=(0, 1))
     table.add_column("query \\ key")
-    for label in keys[first:]:
-        table.add_column(label, justify="right")
+    for label in keys[first:]:  # Text, not markup: a piece such as "[one]" is no style tag (trial 10)
+        table.add_column(Text(label), justify="right")
     for piece, row in zip(queries, rows):
         cells = []
         for w in row[first:]:
             style = "bold green" if w >= 0.5 else "green" if w >= 0.2 else "dim" if w < 0.05 else ""
             cells.append(Text(f"{w:.2f}", style=style))
-        table.add_row(show_piece(piece), *cells)
+        table.add_row(Text(show_piece(piece)), *cells)
     return table
 
 

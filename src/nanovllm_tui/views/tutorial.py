@@ -91,7 +91,7 @@ class TutorialView(EngineView):
         if self._progress is None:
             self._progress = tut.TutorialProgress.load(self.progress_path)
             if self._progress.notice:
-                self.app.notify(self._progress.notice, severity="warning", timeout=15)
+                self.app.notify(self._progress.notice, severity="warning", timeout=15, markup=False)
         return self._progress
 
     @property
