@@ -352,7 +352,7 @@ def run_tutorial(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         try:
             info = demos.load()
         except (ModelLoadError, ValueError) as e:
-            console.print(f"No live demonstrations: {e}", style="yellow")
+            console.print(f"No live demonstrations: {e}", style="yellow", markup=False)
             demos = None
     start = args.tutorial_chapter - 1 if args.tutorial_chapter else None
     path = Path(args.progress_file) if args.progress_file else None
