@@ -635,3 +635,37 @@ def test_long_times_are_told_in_seconds_and_short_ones_in_milliseconds():
     n.feed(added(rid="1"))
     (end,) = n.feed(finished(rid="1"))  # below 1 s: milliseconds, as before
     assert "Time to first token 50.0 ms, time per output token 20.0 ms, end to end 70.0 ms." in end.text, end.text
+
+
+def test_a_prompts_last_token_with_drafts_is_told_as_the_last_chunk_and_drafts_not_as_a_recompute():
+    """Trial 10: a chunk left only the prompt's last token, which ran with 3 n-gram drafts (kind
+    prefill, 1 + 3 tokens, total_len counting the drafts); nothing was preempted or recomputed."""
+    pieces = tuple(f" w{i}" for i in range(9))
+    n = fresh()
+    n.feed(added(ids=tuple(range(100, 109)), pieces=pieces))
+    first = entry(num=8, prompt_len=9, total_len=9)
+    feed_all(n, [planned(0, [first], budget=8), timed(0, tokens=8)])
+    last = replace(entry(num=4, start=8, prompt_len=9, total_len=12), num_spec_tokens=3)
+    out = feed_all(n, [planned(1, [last], admitted=(), budget=8), spec(accepted=(True, True, True))]
+                   + [sampled(1, token=5 + i, text=" x", n_out=1 + i, top=()) for i in range(4)]
+                   + [timed(1, tokens=4)])
+    text = " ".join(c.title + " " + c.text for c in out)
+    assert "recompute" not in text and "preempted" not in text and "generated" not in text, text
+    (chunk,) = [c for c in out if c.kind == "chunked_prefill"]
+    assert chunk.title == "Request 0: prefill chunk 8..8 of 9, then 3 drafts"
+    assert "last chunk of request 0's 9-token prompt: token 8 through" in chunk.text
+    assert "Its keys and values, 46,080 bytes" in chunk.text and "3 drafted tokens in the same pass" in chunk.text
+    tokens = [c.title for c in out if c.kind == "decode"]
+    assert tokens[0].startswith("Request 0, first token, from the prefill") and "token #2: " in tokens[1], tokens
+
+
+def test_the_scheduler_entry_counts_a_prompts_last_token_apart_from_its_drafts():
+    n = fresh()
+    n.feed(added(ids=tuple(range(100, 109)), pieces=tuple(f" w{i}" for i in range(9))))
+    feed_all(n, [planned(0, [entry(num=8, prompt_len=9, total_len=9)], budget=8,
+                         waiting=(queued("1", num_tokens=1),)), timed(0, tokens=8)])
+    last = replace(entry(num=4, start=8, prompt_len=9, total_len=12), num_spec_tokens=3)
+    other = entry(rid="1", num=1, prompt_len=1, total_len=1)
+    (sched,) = [c for c in n.feed(planned(1, [last, other], admitted=("1",), budget=8)) if c.kind == "scheduler"]
+    assert ("request 0: prefill chunk of 1 token (token 8 of 9) and 3 draft tokens after it, 4 tokens; "
+            "request 1: prefill of 1 token, newly admitted") in sched.text, sched.text

@@ -321,7 +321,8 @@ class Narrator(SchedulerNarration):
         if hidden is None:
             return []
         matrix = f"[{vocab}, {hidden}]" if vocab else f"[vocab_size, {hidden}]"
-        ids = "The token id" if s.num_tokens == 1 else f"Each of the {s.num_tokens} token ids"
+        ids = "The token id" if s.num_tokens == 1 else f"Each of the {s.num_tokens} token ids" + (
+            f" (the prompt's last token and {plural(s.num_drafts, 'draft')})" if s.num_drafts else "")
         rows = plan.num_batched_tokens
         batch = (f"its {plural(s.num_tokens, 'row')} {agree(s.num_tokens, 'joins', 'join')} "
                  f"{plural(rows - s.num_tokens, 'row')} of other sequences in the step's "
@@ -381,9 +382,15 @@ class Narrator(SchedulerNarration):
         name = self._name(s.request_id, s.index)
         cap = f"{name[0].upper()}{name[1:]}"
         rows = plan.num_batched_tokens
-        flat = (f" {agree(s.num_tokens, 'It is 1', f'They are {s.num_tokens}')} of the step's {rows} token rows, "
+        # A prompt's last token may carry drafts (speculative decoding): count them apart, nothing is recomputed.
+        n, drafts, total = s.num_own_tokens, s.num_drafts, s.seq_len
+        lead = f"With its {plural(drafts, 'draft')}, they" if drafts else "They"
+        flat = (f" {agree(s.num_tokens, 'It is 1', f'{lead} are {s.num_tokens}')} of the step's {rows} token rows, "
                 "which run through each layer together "
                 "as one flat batch." if rows > s.num_tokens else "")
+        drafted = (f" After the prompt's last token come {plural(drafts, 'drafted token')} in the same pass: guesses for the tokens after "
+                   "the prompt, verified at once (the SPECULATIVE DECODING entry tells which are kept); their keys and "
+                   "values fill reserved slots and count only for the drafts kept." if drafts else "")
         timing = ""
         if timed is not None and timed.wall_time_s > 0:  # the Dashboard's prefill rate, over this one step
             rate = timed.num_prefill_tokens / timed.wall_time_s
@@ -393,62 +400,65 @@ class Narrator(SchedulerNarration):
             timing = (f" The step took {ms(timed.wall_time_s)} for its {plural(timed.num_tokens, 'token')}{mixed}: "
                       f"a prefill rate of {figure} tokens/s.{yielded_note(timed)}")
         per_token = self.info.get("kv_bytes_per_token")
-        kv = (f" Their keys and values, {s.num_tokens} x {per_token:,} = {s.num_tokens * per_token:,} bytes, are now in "
+        kv = (f" Their keys and values, {n} x {per_token:,} = {n * per_token:,} bytes, are now in "
               "the KV cache." if per_token else " Their keys and values are now in the KV cache.")
-        if s.num_tokens == 1 and per_token:
+        if n == 1 and per_token:
             kv = f" Its keys and values, {per_token:,} bytes, are now in the KV cache."
-        end = s.start + s.num_tokens
-        remaining = s.total_len - end
+        kv += drafted
+        end = s.start + n
+        remaining = total - end
         rest = (f" {plural(remaining, 'token')} {agree(remaining, 'remains', 'remain')} for later steps."
                 if remaining else "")
         rid = s.request_id
-        if self._preemptions(plan, s.seq_id) or s.total_len > s.prompt_len:
+        if self._preemptions(plan, s.seq_id) or total > s.prompt_len:
             reused = (f"; the {s.num_cached_tokens} before them came back from the prefix cache"
                       if s.num_cached_tokens and s.start == s.num_cached_tokens and rid in plan.admitted else "")
             again, first = self._split(s.seq_id, s.start, end)
             text = (f"{cap} was preempted earlier and lost its blocks. It computes tokens {s.start}..{end - 1} "
-                    f"({s.num_tokens}) of its {s.total_len} ({s.prompt_len} prompt + {s.total_len - s.prompt_len} "
+                    f"({n}) of its {total} ({s.prompt_len} prompt + {total - s.prompt_len} "
                     f"generated) through {through}{self._again(again, first)}{reused}.{rest}{flat}{timing}{kv}")
             if again is None:
-                title = f"{cap}: recompute of {plural(s.num_tokens, 'token')}"
+                title = f"{cap}: recompute of {plural(n, 'token')}"
             elif again:
                 title = f"{cap}: recompute of {plural(again, 'token')}" + (f" and {first} new" if first else "")
             else:
                 title = f"{cap}: {plural(first, 'new token')} after its readmission"
             return [Commentary("prefill", title, text, request_id=rid, step=plan.step)]
-        whole = s.start == s.num_cached_tokens and end == s.total_len
+        whole = s.start == s.num_cached_tokens and end == total
         if whole:
             if s.index > 0:
-                tokens = (f"The {plural(s.num_tokens, 'prompt token')} of sample {s.index} after the "
+                tokens = (f"The {plural(n, 'prompt token')} of sample {s.index} after the "
                           f"{plural(s.num_cached_tokens, 'token')} "
                           "it shares with sample 0" if s.num_cached_tokens else
-                          f"{agree(s.num_tokens, 'The 1 prompt token', f'All {s.num_tokens} prompt tokens')} of sample "
+                          f"{agree(n, 'The 1 prompt token', f'All {n} prompt tokens')} of sample "
                           f"{s.index} (it shares none with sample 0: "
                           + ("prefix caching is off)" if self.info.get("prefix_caching") is False
                              else "no block of the prompt was in the prefix cache)"))
             elif s.num_cached_tokens:
-                tokens = (f"The {plural(s.num_tokens, 'prompt token')} after the "
+                tokens = (f"The {plural(n, 'prompt token')} after the "
                           f"{plural(s.num_cached_tokens, 'token')} found in the prefix cache")
             else:
-                tokens = f"All {s.num_tokens} prompt tokens" if s.num_tokens > 1 else "The one prompt token"
-            verb = "go" if s.num_tokens > 1 else "goes"
+                tokens = f"All {n} prompt tokens" if n > 1 else "The one prompt token"
+            verb = "go" if n > 1 else "goes"
             text = (f"{tokens} {verb} through {through} in one forward pass.{flat}{timing}{kv} Only the last "
                     "position's vocabulary scores are computed: they choose the first new token.")
-            return [Commentary("prefill", f"{cap}: prefill of {plural(s.num_tokens, 'token')} at once", text,
+            return [Commentary("prefill", f"{cap}: prefill of {plural(n, 'token')} at once", text,
                                request_id=rid, step=plan.step)]
         others = rows - s.num_tokens
         budget = (f"The step's budget is {plan.token_budget} tokens"
                   + (f", {others} of them taken by other sequences" if others else "") + ". ")
+        span = f"token {s.start}" if n == 1 else f"tokens {s.start}..{end - 1} ({n})"
         if remaining:
             text = (f"{budget}The prompt of {name} has {s.prompt_len} tokens, more than this step could give it, so it is "
-                    f"read in chunks: this step reads tokens {s.start}..{end - 1} ({s.num_tokens}) through "
+                    f"read in chunks: this step reads {span} through "
                     f"{through}.{rest}")
         else:
-            text = (f"{budget}This is the last chunk of {name}'s {s.prompt_len}-token prompt: tokens "
-                    f"{s.start}..{end - 1} ({s.num_tokens}) through {through}. Its last position chooses the first new "
+            text = (f"{budget}This is the last chunk of {name}'s {s.prompt_len}-token prompt: "
+                    f"{span} through {through}. Its last position chooses the first new "
                     "token.")
         text += self._beside(plan, s) + timing + kv
-        title = f"{cap}: prefill chunk {s.start}..{end - 1} of {s.prompt_len}"
+        title = (f"{cap}: prefill chunk {s.start}..{end - 1} of {s.prompt_len}"
+                 + (f", then {plural(drafts, 'draft')}" if drafts else ""))
         return [Commentary("chunked_prefill", title, text, request_id=rid, step=plan.step)]
 
     def _token(self, e: ev.TokenSampled, entry: ev.ScheduledEntry | None, timed: ev.StepTimed | None,
@@ -470,7 +480,8 @@ class Narrator(SchedulerNarration):
         piece = token_label(e)
         sampling = state.sampling if state is not None else {}
         text, caption = token_choice(e, sampling, self.info.get("vocab_size"), kept_by)
-        recompute = entry is not None and entry.kind == "prefill" and e.num_output_tokens > 1
+        # a prefill entry with drafts is a prompt's last token: its kept drafts are no recompute
+        recompute = entry is not None and entry.kind == "prefill" and not entry.num_drafts and e.num_output_tokens > 1
         which = ("first token, from the prefill" if e.num_output_tokens == 1 else
                  f"token #{e.num_output_tokens}, after the recompute" if recompute else f"token #{e.num_output_tokens}")
         took = f" The step took {ms(timed.wall_time_s)}.{yielded_note(timed)}" if timed is not None else ""

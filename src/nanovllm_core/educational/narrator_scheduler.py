@@ -56,7 +56,8 @@ class SchedulerNarration:
                 self._lost[q.seq_id] = max(self._computed.pop(q.seq_id), self._lost.get(q.seq_id, 0))
         for s in plan.scheduled:
             self._request_of[s.seq_id] = s.request_id
-            self._computed[s.seq_id] = s.start + (s.num_tokens if s.kind == "prefill" else 1)
+            # drafts (after a decode's token or a prompt's last one) count once the verification keeps them
+            self._computed[s.seq_id] = s.start + (s.num_own_tokens if s.kind == "prefill" else 1)
 
     def _forget(self, request_id: str) -> None:
         for seq_id in [q for q, r in self._request_of.items() if r == request_id]:
@@ -87,15 +88,19 @@ class SchedulerNarration:
                 parts.append(f"{name}: decode, 1 token" if s.num_tokens == 1 else
                              f"{name}: decode with {plural(s.num_tokens - 1, 'draft token')}, {s.num_tokens} tokens")
                 continue
-            end = s.start + s.num_tokens - 1
+            n, total = s.num_own_tokens, s.seq_len  # without the drafts a prompt's last token may carry
+            end = s.start + n - 1
             if self._preemptions(plan, s.seq_id):
-                what = f"recompute of {plural(s.num_tokens, 'token')} ({s.start}..{end} of {s.total_len})"
+                what = f"recompute of {plural(n, 'token')} ({s.start}..{end} of {total})"
                 if s.request_id in plan.admitted:
                     what += ", readmitted after preemption"
-            elif s.start > s.num_cached_tokens or end + 1 < s.total_len:
-                what = f"prefill chunk of {plural(s.num_tokens, 'token')} ({s.start}..{end} of {s.prompt_len})"
+            elif s.start > s.num_cached_tokens or end + 1 < total:
+                span = f"{s.start}..{end}" if n > 1 else f"token {s.start}"
+                what = f"prefill chunk of {plural(n, 'token')} ({span} of {s.prompt_len})"
             else:
-                what = f"prefill of {plural(s.num_tokens, 'token')}"
+                what = f"prefill of {plural(n, 'token')}"
+            if s.num_drafts:
+                what += f" and {plural(s.num_drafts, 'draft token')} after it, {s.num_tokens} tokens"
             if s.request_id in plan.admitted and s.start == s.num_cached_tokens and not self._preemptions(plan, s.seq_id):
                 what += ", newly admitted"
             parts.append(f"{name}: {what}")
