@@ -669,3 +669,30 @@ def test_the_scheduler_entry_counts_a_prompts_last_token_apart_from_its_drafts()
     (sched,) = [c for c in n.feed(planned(1, [last, other], admitted=("1",), budget=8)) if c.kind == "scheduler"]
     assert ("request 0: prefill chunk of 1 token (token 8 of 9) and 3 draft tokens after it, 4 tokens; "
             "request 1: prefill of 1 token, newly admitted") in sched.text, sched.text
+
+
+def test_a_block_reserved_for_drafts_that_never_came_is_explained_in_the_kv_entry():
+    """Trial 10: 14 tokens in blocks [0, 2] with 18 slots empty, unexplained. Step 7 reserved slots for
+    the newest token and 4 drafts (positions 13..17, a second block); the proposer drafted none."""
+    n = fresh()
+    n.feed(added(max_tokens=20))
+    n.feed(planned(7, [replace(entry(kind="decode", num=1, start=13, total_len=14), num_spec_tokens=4)],
+                   admitted=()))
+    n.feed(sampled(7, n_out=11))
+    n.feed(ev.BlocksChanged(step=7, block_size=16, bytes_per_block=737280, states="uuf", ref_counts=(1, 0, 1),
+                            tables=(ev.SeqBlocks("0", 0, 0, (0, 2), 15, 14),)))
+    kv = next(c for c in n.feed(timed(7, tokens=1, blocks=2, total=3, per_block=737280)) if c.kind == "kv_cache")
+    assert ("keeps 14 tokens in blocks [0, 2] (18 slots still empty; block 2 holds none of its tokens yet: before "
+            "step 7 the scheduler reserved slots for 1 + 4 tokens, positions 13..17, the newest and up to 4 drafts, "
+            "and took it before block 0 was full; the proposer drafted none") in kv.text, kv.text
+
+
+def test_a_block_table_without_blocks_ahead_of_its_tokens_gets_no_reservation_clause():
+    n = fresh()
+    n.feed(added(max_tokens=20))
+    n.feed(planned(7, [replace(entry(kind="decode", num=5, start=13, total_len=18), num_spec_tokens=4)],
+                   admitted=()))
+    n.feed(ev.BlocksChanged(step=7, block_size=16, bytes_per_block=737280, states="uff", ref_counts=(1, 0, 0),
+                            tables=(ev.SeqBlocks("0", 0, 0, (0,), 16, 15),)))
+    kv = next(c for c in n.feed(timed(7, tokens=5, blocks=1, total=3, per_block=737280)) if c.kind == "kv_cache")
+    assert "keeps 15 tokens in blocks [0] (1 slot still empty)." in kv.text and "reserved slots" not in kv.text

@@ -139,6 +139,9 @@ class Narrator(SchedulerNarration):
         self._computed: dict[int, int] = {}
         self._lost: dict[int, int] = {}
         self._request_of: dict[int, str] = {}
+        # Per sequence: its latest speculative reservation (step, first position, slots 1 + k, drafts proposed),
+        # to tell why a block table holds a block ahead of its tokens.
+        self._reserved: dict[int, tuple[int, int, int, int]] = {}
 
     # ------------------------------------------------------------------ public
 
@@ -261,6 +264,10 @@ class Narrator(SchedulerNarration):
         first_layer = {e.request_id: e for e in events if isinstance(e, ev.LayerTrace) and e.layer == 0}
         blocks = next((e for e in reversed(events) if isinstance(e, ev.BlocksChanged)), None)
         entries = {s.seq_id: s for s in plan.scheduled} if plan is not None else {}
+        for s in entries.values():
+            if s.num_spec_tokens:  # slots for the newest token (or the prompt's last) and k drafts
+                self._reserved[s.seq_id] = (plan.step, s.start + s.num_own_tokens - 1, 1 + s.num_spec_tokens,
+                                            s.num_drafts)
         if plan is not None:
             for s in plan.scheduled:
                 if s.kind != "prefill":
@@ -310,6 +317,32 @@ class Narrator(SchedulerNarration):
         if timed is not None:
             out.extend(self._kv_cache(timed, blocks))
         return out
+
+    def _ahead(self, tb: ev.SeqBlocks, block_size: int) -> str:
+        """Why ``tb`` holds blocks past those its computed tokens fill (speculative decoding), or ``""``.
+
+        Before a step the scheduler reserves slots for a speculating sequence's newest token and up
+        to k drafts, taking a block before the last is full when they need it; the verification gives
+        back blocks past the kept tokens, but a step whose proposer drafted nothing rolls nothing back.
+        """
+        need = -(-tb.num_computed_tokens // block_size) if block_size else len(tb.block_table)
+        ahead = list(tb.block_table[need:])
+        if not ahead:
+            return ""
+        head = (f"; {'block' if len(ahead) == 1 else 'blocks'} {ahead if len(ahead) > 1 else ahead[0]} "
+                f"{'holds' if len(ahead) == 1 else 'hold'} none of its tokens yet")
+        it = "it" if len(ahead) == 1 else "them"
+        seen = self._reserved.get(tb.seq_id)
+        if seen is None:
+            return head + ": reserved ahead of them in a step this narrator did not see"
+        step, start, slots, drafts = seen
+        last = f"block {tb.block_table[need - 1]}" if need else "the last one"
+        why = (f": before step {step} the scheduler reserved slots for 1 + {slots - 1} tokens, positions {start}.."
+               f"{start + slots - 1}, the newest and up to {slots - 1} drafts, and took {it} before {last} was full")
+        if drafts == 0:
+            return head + why + (f"; the proposer drafted none, and only rejected drafts give back blocks past the "
+                                 f"kept tokens, so {it} {'waits' if len(ahead) == 1 else 'wait'} for the tokens to come")
+        return head + why
 
     def _embedding(self, plan: ev.StepPlanned, s: ev.ScheduledEntry, trace: ev.LayerTrace | None) -> list[Commentary]:
         state = self._requests.get(s.request_id)
@@ -571,6 +604,7 @@ class Narrator(SchedulerNarration):
                 shared = [b for b in tb.block_table if b < len(blocks.ref_counts) and blocks.ref_counts[b] > 1]
                 shown.append(f"{self._name(tb.request_id, tb.index)} keeps {plural(tb.num_computed_tokens, 'token')} "
                              f"in blocks {list(tb.block_table)} ({plural(free, 'slot')} still empty"
+                             + self._ahead(tb, blocks.block_size)
                              + (f"; {list(shared)} shared with another sequence" if shared else "") + ")")
             text += " Block tables: " + "; ".join(shown)
             if len(blocks.tables) > MAX_TABLES_SHOWN:

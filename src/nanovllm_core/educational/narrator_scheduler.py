@@ -61,7 +61,7 @@ class SchedulerNarration:
 
     def _forget(self, request_id: str) -> None:
         for seq_id in [q for q, r in self._request_of.items() if r == request_id]:
-            for d in (self._computed, self._lost, self._request_of):
+            for d in (self._computed, self._lost, self._request_of, getattr(self, "_reserved", {})):
                 d.pop(seq_id, None)
 
     def _planned(self, plan: ev.StepPlanned) -> list[Commentary]:
