@@ -696,3 +696,16 @@ def test_a_block_table_without_blocks_ahead_of_its_tokens_gets_no_reservation_cl
                             tables=(ev.SeqBlocks("0", 0, 0, (0,), 16, 15),)))
     kv = next(c for c in n.feed(timed(7, tokens=5, blocks=1, total=3, per_block=737280)) if c.kind == "kv_cache")
     assert "keeps 15 tokens in blocks [0] (1 slot still empty)." in kv.text and "reserved slots" not in kv.text
+
+
+def test_a_prefix_hit_that_stops_before_the_last_tokens_full_block_names_that_block():
+    """Trial 10: 'found its first 16 of 32 tokens' read as if only one block was cached; a hit never
+    includes the full block holding the prompt's last token, cached or not."""
+    (hit,) = fresh().feed(planned(3, [entry("1", num=16, start=16, prompt_len=32, total_len=32, cached=16)]))
+    assert hit.text.endswith("only the other 16 are computed; the block holding the last token (tokens 16..31) is "
+                             "never a hit, even when the cache holds it: sampling needs that token's scores, so it "
+                             "is computed here."), hit.text
+    # a partial last block (40 = 2 x 16 + 8) is never cached: nothing to explain; a hit that stopped early neither
+    (partial,) = fresh().feed(planned(3, [entry("1", num=8, start=32, prompt_len=40, total_len=40, cached=32)]))
+    (early,) = fresh().feed(planned(3, [entry("1", num=32, start=16, prompt_len=48, total_len=48, cached=16)]))
+    assert "never a hit" not in partial.text and "never a hit" not in early.text

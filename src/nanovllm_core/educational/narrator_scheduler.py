@@ -173,12 +173,17 @@ class SchedulerNarration:
         name = self._name(s.request_id, s.index)
         c, total = s.num_cached_tokens, s.total_len
         now = "" if c + s.num_tokens == total else f", {s.num_tokens} of them in this step"
+        # The hit stops before the block of the last token even when that full block is cached too (trial 10).
+        last = (f"; the block holding the last token (tokens {c}..{total - 1}) is never a hit, even when the cache "
+                "holds it: sampling needs that token's scores, so it is computed here"
+                if bs and total % bs == 0 and c == (total - 1) // bs * bs else "")
         if self._preemptions(plan, s.seq_id):
             again, first = self._split(s.seq_id, c, total)
             text = (f"{name[0].upper()}{name[1:]} is readmitted after its preemption: {c} of its {total} tokens "
                     f"({s.prompt_len} prompt + {total - s.prompt_len} generated) {agree(c, 'comes', 'come')} back from the prefix "
                     f"cache{blocks}, blocks that kept their contents while they were cached-free. Their keys and "
-                    f"values are reused; only the other {total - c} {agree(total - c, 'is', 'are')} computed{now}{self._again(again, first)}.")
+                    f"values are reused; only the other {total - c} {agree(total - c, 'is', 'are')} computed{now}{self._again(again, first)}"
+                    f"{last}.")
             title = (f"{name}: readmitted, {plural(c, 'token')} reused, {again} recomputed" if again is not None
                      else f"{name}: readmitted, {plural(c, 'token')} reused, {total - c} computed")
         elif s.index > 0:
@@ -190,7 +195,7 @@ class SchedulerNarration:
         else:
             text = (f"{name[0].upper()}{name[1:]} found its first {c} of {plural(total, 'token')} already in the prefix "
                     f"cache{blocks}. {agree(c, 'Its', 'Their')} keys and values are reused, not computed; only the other "
-                    f"{total - c} {agree(total - c, 'is', 'are')} computed{now}.")
+                    f"{total - c} {agree(total - c, 'is', 'are')} computed{now}{last}.")
             title = f"{name}: prefix cache hit, {plural(c, 'token')}"
         return Commentary("prefix_cache", f"{title[0].upper()}{title[1:]}", text, request_id=s.request_id,
                           step=plan.step)
