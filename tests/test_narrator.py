@@ -709,3 +709,15 @@ def test_a_prefix_hit_that_stops_before_the_last_tokens_full_block_names_that_bl
     (partial,) = fresh().feed(planned(3, [entry("1", num=8, start=32, prompt_len=40, total_len=40, cached=32)]))
     (early,) = fresh().feed(planned(3, [entry("1", num=32, start=16, prompt_len=48, total_len=48, cached=16)]))
     assert "never a hit" not in partial.text and "never a hit" not in early.text
+
+
+def test_the_stop_rule_lists_alternatives_with_or():
+    """Trial 10: 'It stops at an end-of-sequence token and a stop string ('United') or after 20 tokens'."""
+    from nanovllm_core.educational.narrator_sampling import sampling_intro
+
+    greedy = sampling_intro("request 0", "0", {"temperature": 0.0, "stop": ("United",)}, 20).text
+    assert "It stops at an end-of-sequence token, at a stop string ('United') or after 20 tokens." in greedy
+    plain = sampling_intro("request 0", "0", {"temperature": 0.0}, 4).text
+    assert "It stops at an end-of-sequence token or after 4 tokens." in plain
+    no_eos = sampling_intro("request 0", "0", {"temperature": 0.0, "ignore_eos": True}, 4).text
+    assert "It stops after 4 tokens." in no_eos

@@ -742,6 +742,7 @@ class LLMEngine(EventSource):
         return {
             "steps": self.scheduler.step_index,
             "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_caching": bm.enable_prefix_caching,
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
