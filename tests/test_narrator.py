@@ -721,3 +721,23 @@ def test_the_stop_rule_lists_alternatives_with_or():
     assert "It stops at an end-of-sequence token or after 4 tokens." in plain
     no_eos = sampling_intro("request 0", "0", {"temperature": 0.0, "ignore_eos": True}, 4).text
     assert "It stops after 4 tokens." in no_eos
+
+
+def test_speculative_verifications_past_the_decode_cap_are_summed_up_not_told():
+    """Trial 10: with --narrate-steps 2 every later SPECULATIVE DECODING entry was still printed
+    while FINISHED said the tokens were not narrated one by one."""
+    n = fresh(max_decode_steps_per_request=1)
+    n.feed(added(sampling=(("temperature", 0.0),), max_tokens=20))
+    feed_all(n, [planned(0, [entry()]), sampled(0), timed(0)])
+    told = []
+    for step, start in ((1, 3), (2, 6)):
+        n.feed(planned(step, [replace(entry(kind="decode", num=4, start=start, total_len=start + 4),
+                                      num_spec_tokens=3)], admitted=()))
+        n.feed(spec(step=step, accepted=(True, True, False)))
+        for i in range(3):
+            n.feed(sampled(step, token=5 + i, text=" x", n_out=2 + 3 * (step - 1) + i, top=()))
+        told += n.feed(timed(step, tokens=4))
+    told += n.feed(finished(n_out=7, step=2))
+    assert kinds(told).count("speculative") == 0 and kinds(told).count("decode") == 0
+    (end,) = [c for c in told if c.kind == "finished"]
+    assert "6 of its tokens were not narrated one by one, nor 2 later speculative verifications." in end.text, end.text

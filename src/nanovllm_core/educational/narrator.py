@@ -75,6 +75,7 @@ class _RequestState:
     n: int = 1
     decode_told: int = 0
     decode_untold: int = 0
+    verify_untold: int = 0  # speculative verifications past the cap, summed up at the finish
     embedding_told: bool = False
 
 
@@ -298,7 +299,11 @@ class Narrator(SchedulerNarration):
                 greedy = verification_rule(e, self._requests[e.request_id].sampling
                                            if e.request_id in self._requests else None)
                 run[e.seq_id] = [e, greedy, 0]
-                out.append(speculative_entry(e, self._name(e.request_id), greedy, kept.get(e.seq_id)))
+                state = self._requests.get(e.request_id)
+                if state is not None and self.max_decode is not None and state.decode_told >= self.max_decode:
+                    state.verify_untold += 1  # past the cap, as its tokens are (trial 10)
+                else:
+                    out.append(speculative_entry(e, self._name(e.request_id), greedy, kept.get(e.seq_id)))
             elif isinstance(e, ev.RequestFinished):
                 ends.append(self._finished(e))
             elif isinstance(e, ev.EngineError):
@@ -641,7 +646,9 @@ class Narrator(SchedulerNarration):
             text += f" It was preempted {plural(e.num_preemptions, 'time')}."
         if state is not None and state.decode_untold:
             text += (f" {agree(state.decode_untold, '1 of its tokens was', f'{state.decode_untold} of its tokens were')} "
-                     "not narrated one by one.")
+                     "not narrated one by one"
+                     + (f", nor {plural(state.verify_untold, 'later speculative verification')}"
+                        if state.verify_untold else "") + ".")
         if e.error:
             text += f" Error: {e.error}"
         return Commentary("finished", f"Request {e.request_id} finished: {e.finish_reason}", text,
