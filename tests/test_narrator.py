@@ -741,3 +741,31 @@ def test_speculative_verifications_past_the_decode_cap_are_summed_up_not_told():
     assert kinds(told).count("speculative") == 0 and kinds(told).count("decode") == 0
     (end,) = [c for c in told if c.kind == "finished"]
     assert "6 of its tokens were not narrated one by one, nor 2 later speculative verifications." in end.text, end.text
+
+
+def test_a_chat_message_is_told_as_the_users_text_through_the_chat_template_not_as_token_ids():
+    """Trial 10: the app's chat mode sent 'Hi' and the narrator said 'The prompt (given as token ids)'."""
+    ids, pieces = (1, 9690, 198, 22557, 2), ("<|im_start|>", "user", "\n", "Hi", "<|im_end|>")
+    chat = ev.RequestAdded(request_id="0", prompt=None, prompt_token_ids=ids, prompt_pieces=pieces, priority=0,
+                           max_tokens=4, chat=(("user", "Hi"),))
+    (tok, _) = fresh().feed(chat)
+    assert tok.text.startswith("The user's message 'Hi', put through the model's chat template, becomes 5 tokens:")
+    assert "given as token ids" not in tok.text and "marks a space" not in tok.text  # no piece has a space
+    (two, _) = fresh().feed(replace(chat, chat=(("system", "Be brief."), ("user", "Hi"))))
+    assert two.text.startswith("The conversation of 2 messages (the last, the user's: 'Hi'), put through")
+    (raw, _) = fresh().feed(replace(chat, chat=()))
+    assert raw.text.startswith("The prompt (given as token ids) becomes 5 tokens")
+    (spaced, _) = fresh().feed(added())
+    assert "(␣ marks a space.)" in spaced.text
+
+
+def test_the_engine_says_a_request_came_as_a_chat(make_tiny_engine):
+    engine = make_tiny_engine()
+    seen = []
+    engine.subscribe(lambda e: seen.append(e) if isinstance(e, ev.RequestAdded) else None)
+    try:
+        engine.add_request([{"role": "user", "content": "Hi"}])
+    except ValueError as e:  # the tiny tokenizer may lack a chat template
+        pytest.skip(str(e))
+    engine.add_request("Hi")
+    assert [e.chat for e in seen] == [(("user", "Hi"),), ()] and seen[0].prompt is None

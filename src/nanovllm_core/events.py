@@ -46,7 +46,10 @@ class RequestAdded(Event):
     """A request entered the waiting queue.
 
     ``prompt_pieces``: the tokenizer's piece for each prompt token (for the narrator);
-    ``sampling``: the request's non-default sampling settings.
+    ``sampling``: the request's non-default sampling settings. ``prompt`` is the text of a
+    text prompt, None for token ids or a conversation; ``chat``: a conversation's ``(role,
+    text)`` per message, rendered with the model's chat template into the token ids (empty
+    otherwise, and in traces recorded before this field existed).
     """
 
     request_id: str
@@ -57,6 +60,7 @@ class RequestAdded(Event):
     max_tokens: int | None
     n: int = 1
     sampling: tuple[tuple[str, Any], ...] = ()
+    chat: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

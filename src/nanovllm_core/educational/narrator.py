@@ -223,11 +223,20 @@ class Narrator(SchedulerNarration):
         pairs = " ".join(f"{show_piece(p)}={t}" for p, t in zip(e.prompt_pieces[:shown], e.prompt_token_ids[:shown]))
         more = f" ... and {n - shown} more" if n > shown else ""
         ids = ", ".join(str(t) for t in e.prompt_token_ids[:shown])
-        source = f"The prompt {e.prompt!r}" if e.prompt is not None else "The prompt (given as token ids)"
+        if e.prompt is not None:
+            source = f"The prompt {e.prompt!r}"
+        elif e.chat:  # a conversation the chat template turned into ids (the app's chat mode): not ids typed in
+            role, said = e.chat[-1]
+            source = (f"The {role}'s message {said!r}" if len(e.chat) == 1 else
+                      f"The conversation of {len(e.chat)} messages (the last, the {role}'s: {said!r})")
+            source += ", put through the model's chat template,"
+        else:
+            source = "The prompt (given as token ids)"
         vocab = self.info.get("vocab_size")
+        spaced = any(" " in p for p in e.prompt_pieces[:shown])  # the note only where a ␣ is shown
         text = (f"{source} becomes {plural(n, 'token')}: {pairs}{more}.\n"
                 f"Token ids: [{ids}{', ...' if n > shown else ''}]\n"
-                "(␣ marks a space.) The model only ever sees these integers"
+                + ("(␣ marks a space.) " if spaced else "") + "The model only ever sees these integers"
                 + (f", each an index into its vocabulary of {vocab:,} pieces." if vocab else ".")
                 + (" Special tokens such as the start marker count like any other." if n and self._looks_special(e)
                    else ""))

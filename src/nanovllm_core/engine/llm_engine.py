@@ -466,6 +466,7 @@ class LLMEngine(EventSource):
                 request_id=request_id, prompt=text, prompt_token_ids=tuple(token_ids),
                 prompt_pieces=tuple(self.token_pieces(token_ids)), priority=priority, max_tokens=params.max_tokens,
                 n=params.n, sampling=tuple(sorted(_non_default(params).items())),
+                chat=tuple((m["role"], content_text(m["content"])) for m in prompt) if is_conversation(prompt) else (),
             ))
         return request_id
 
