@@ -635,3 +635,137 @@ def test_long_times_are_told_in_seconds_and_short_ones_in_milliseconds():
     n.feed(added(rid="1"))
     (end,) = n.feed(finished(rid="1"))  # below 1 s: milliseconds, as before
     assert "Time to first token 50.0 ms, time per output token 20.0 ms, end to end 70.0 ms." in end.text, end.text
+
+
+def test_a_prompts_last_token_with_drafts_is_told_as_the_last_chunk_and_drafts_not_as_a_recompute():
+    """Trial 10: a chunk left only the prompt's last token, which ran with 3 n-gram drafts (kind
+    prefill, 1 + 3 tokens, total_len counting the drafts); nothing was preempted or recomputed."""
+    pieces = tuple(f" w{i}" for i in range(9))
+    n = fresh()
+    n.feed(added(ids=tuple(range(100, 109)), pieces=pieces))
+    first = entry(num=8, prompt_len=9, total_len=9)
+    feed_all(n, [planned(0, [first], budget=8), timed(0, tokens=8)])
+    last = replace(entry(num=4, start=8, prompt_len=9, total_len=12), num_spec_tokens=3)
+    out = feed_all(n, [planned(1, [last], admitted=(), budget=8), spec(accepted=(True, True, True))]
+                   + [sampled(1, token=5 + i, text=" x", n_out=1 + i, top=()) for i in range(4)]
+                   + [timed(1, tokens=4)])
+    text = " ".join(c.title + " " + c.text for c in out)
+    assert "recompute" not in text and "preempted" not in text and "generated" not in text, text
+    (chunk,) = [c for c in out if c.kind == "chunked_prefill"]
+    assert chunk.title == "Request 0: prefill chunk 8..8 of 9, then 3 drafts"
+    assert "last chunk of request 0's 9-token prompt: token 8 through" in chunk.text
+    assert "Its keys and values, 46,080 bytes" in chunk.text and "3 drafted tokens in the same pass" in chunk.text
+    tokens = [c.title for c in out if c.kind == "decode"]
+    assert tokens[0].startswith("Request 0, first token, from the prefill") and "token #2: " in tokens[1], tokens
+
+
+def test_the_scheduler_entry_counts_a_prompts_last_token_apart_from_its_drafts():
+    n = fresh()
+    n.feed(added(ids=tuple(range(100, 109)), pieces=tuple(f" w{i}" for i in range(9))))
+    feed_all(n, [planned(0, [entry(num=8, prompt_len=9, total_len=9)], budget=8,
+                         waiting=(queued("1", num_tokens=1),)), timed(0, tokens=8)])
+    last = replace(entry(num=4, start=8, prompt_len=9, total_len=12), num_spec_tokens=3)
+    other = entry(rid="1", num=1, prompt_len=1, total_len=1)
+    (sched,) = [c for c in n.feed(planned(1, [last, other], admitted=("1",), budget=8)) if c.kind == "scheduler"]
+    assert ("request 0: prefill chunk of 1 token (token 8 of 9) and 3 draft tokens after it, 4 tokens; "
+            "request 1: prefill of 1 token, newly admitted") in sched.text, sched.text
+
+
+def test_a_block_reserved_for_drafts_that_never_came_is_explained_in_the_kv_entry():
+    """Trial 10: 14 tokens in blocks [0, 2] with 18 slots empty, unexplained. Step 7 reserved slots for
+    the newest token and 4 drafts (positions 13..17, a second block); the proposer drafted none."""
+    n = fresh()
+    n.feed(added(max_tokens=20))
+    n.feed(planned(7, [replace(entry(kind="decode", num=1, start=13, total_len=14), num_spec_tokens=4)],
+                   admitted=()))
+    n.feed(sampled(7, n_out=11))
+    n.feed(ev.BlocksChanged(step=7, block_size=16, bytes_per_block=737280, states="uuf", ref_counts=(1, 0, 1),
+                            tables=(ev.SeqBlocks("0", 0, 0, (0, 2), 15, 14),)))
+    kv = next(c for c in n.feed(timed(7, tokens=1, blocks=2, total=3, per_block=737280)) if c.kind == "kv_cache")
+    assert ("keeps 14 tokens in blocks [0, 2] (18 slots still empty; block 2 holds none of its tokens yet: before "
+            "step 7 the scheduler reserved slots for 1 + 4 tokens, positions 13..17, the newest and up to 4 drafts, "
+            "and took it before block 0 was full; the proposer drafted none") in kv.text, kv.text
+
+
+def test_a_block_table_without_blocks_ahead_of_its_tokens_gets_no_reservation_clause():
+    n = fresh()
+    n.feed(added(max_tokens=20))
+    n.feed(planned(7, [replace(entry(kind="decode", num=5, start=13, total_len=18), num_spec_tokens=4)],
+                   admitted=()))
+    n.feed(ev.BlocksChanged(step=7, block_size=16, bytes_per_block=737280, states="uff", ref_counts=(1, 0, 0),
+                            tables=(ev.SeqBlocks("0", 0, 0, (0,), 16, 15),)))
+    kv = next(c for c in n.feed(timed(7, tokens=5, blocks=1, total=3, per_block=737280)) if c.kind == "kv_cache")
+    assert "keeps 15 tokens in blocks [0] (1 slot still empty)." in kv.text and "reserved slots" not in kv.text
+
+
+def test_a_prefix_hit_that_stops_before_the_last_tokens_full_block_names_that_block():
+    """Trial 10: 'found its first 16 of 32 tokens' read as if only one block was cached; a hit never
+    includes the full block holding the prompt's last token, cached or not."""
+    (hit,) = fresh().feed(planned(3, [entry("1", num=16, start=16, prompt_len=32, total_len=32, cached=16)]))
+    assert hit.text.endswith("only the other 16 are computed; the block holding the last token (tokens 16..31) is "
+                             "never a hit, even when the cache holds it: sampling needs that token's scores, so it "
+                             "is computed here."), hit.text
+    # a partial last block (40 = 2 x 16 + 8) is never cached: nothing to explain; a hit that stopped early neither
+    (partial,) = fresh().feed(planned(3, [entry("1", num=8, start=32, prompt_len=40, total_len=40, cached=32)]))
+    (early,) = fresh().feed(planned(3, [entry("1", num=32, start=16, prompt_len=48, total_len=48, cached=16)]))
+    assert "never a hit" not in partial.text and "never a hit" not in early.text
+
+
+def test_the_stop_rule_lists_alternatives_with_or():
+    """Trial 10: 'It stops at an end-of-sequence token and a stop string ('United') or after 20 tokens'."""
+    from nanovllm_core.educational.narrator_sampling import sampling_intro
+
+    greedy = sampling_intro("request 0", "0", {"temperature": 0.0, "stop": ("United",)}, 20).text
+    assert "It stops at an end-of-sequence token, at a stop string ('United') or after 20 tokens." in greedy
+    plain = sampling_intro("request 0", "0", {"temperature": 0.0}, 4).text
+    assert "It stops at an end-of-sequence token or after 4 tokens." in plain
+    no_eos = sampling_intro("request 0", "0", {"temperature": 0.0, "ignore_eos": True}, 4).text
+    assert "It stops after 4 tokens." in no_eos
+
+
+def test_speculative_verifications_past_the_decode_cap_are_summed_up_not_told():
+    """Trial 10: with --narrate-steps 2 every later SPECULATIVE DECODING entry was still printed
+    while FINISHED said the tokens were not narrated one by one."""
+    n = fresh(max_decode_steps_per_request=1)
+    n.feed(added(sampling=(("temperature", 0.0),), max_tokens=20))
+    feed_all(n, [planned(0, [entry()]), sampled(0), timed(0)])
+    told = []
+    for step, start in ((1, 3), (2, 6)):
+        n.feed(planned(step, [replace(entry(kind="decode", num=4, start=start, total_len=start + 4),
+                                      num_spec_tokens=3)], admitted=()))
+        n.feed(spec(step=step, accepted=(True, True, False)))
+        for i in range(3):
+            n.feed(sampled(step, token=5 + i, text=" x", n_out=2 + 3 * (step - 1) + i, top=()))
+        told += n.feed(timed(step, tokens=4))
+    told += n.feed(finished(n_out=7, step=2))
+    assert kinds(told).count("speculative") == 0 and kinds(told).count("decode") == 0
+    (end,) = [c for c in told if c.kind == "finished"]
+    assert "6 of its tokens were not narrated one by one, nor 2 later speculative verifications." in end.text, end.text
+
+
+def test_a_chat_message_is_told_as_the_users_text_through_the_chat_template_not_as_token_ids():
+    """Trial 10: the app's chat mode sent 'Hi' and the narrator said 'The prompt (given as token ids)'."""
+    ids, pieces = (1, 9690, 198, 22557, 2), ("<|im_start|>", "user", "\n", "Hi", "<|im_end|>")
+    chat = ev.RequestAdded(request_id="0", prompt=None, prompt_token_ids=ids, prompt_pieces=pieces, priority=0,
+                           max_tokens=4, chat=(("user", "Hi"),))
+    (tok, _) = fresh().feed(chat)
+    assert tok.text.startswith("The user's message 'Hi', put through the model's chat template, becomes 5 tokens:")
+    assert "given as token ids" not in tok.text and "marks a space" not in tok.text  # no piece has a space
+    (two, _) = fresh().feed(replace(chat, chat=(("system", "Be brief."), ("user", "Hi"))))
+    assert two.text.startswith("The conversation of 2 messages (the last, the user's: 'Hi'), put through")
+    (raw, _) = fresh().feed(replace(chat, chat=()))
+    assert raw.text.startswith("The prompt (given as token ids) becomes 5 tokens")
+    (spaced, _) = fresh().feed(added())
+    assert "(␣ marks a space.)" in spaced.text
+
+
+def test_the_engine_says_a_request_came_as_a_chat(make_tiny_engine):
+    engine = make_tiny_engine()
+    seen = []
+    engine.subscribe(lambda e: seen.append(e) if isinstance(e, ev.RequestAdded) else None)
+    try:
+        engine.add_request([{"role": "user", "content": "Hi"}])
+    except ValueError as e:  # the tiny tokenizer may lack a chat template
+        pytest.skip(str(e))
+    engine.add_request("Hi")
+    assert [e.chat for e in seen] == [(("user", "Hi"),), ()] and seen[0].prompt is None

@@ -108,3 +108,22 @@ def test_the_cli_memory_stats_size_the_pool_as_the_narrator_does_never_a_rounded
     out = capsys.readouterr().out
     assert f"blocks: 3 x 4 tokens ({human_bytes(per)} each, 540.0 KiB in all)" in out and "1 MiB" not in out
     assert human_bytes(per) == "180.0 KiB"
+
+
+def test_memory_stats_say_the_prefix_cache_is_off_instead_of_counting_lookups(capsys):
+    """Trial 10: --no-prefix-caching printed '0 of 22 tokens looked up hit'; nothing is looked up."""
+    from nanovllm_core.cli import print_memory_stats
+
+    stats = dict(kv_bytes_per_block=1 << 20, kv_blocks_total=4, block_size=16, kv_bytes_total=4 << 20,
+                 kv_blocks_used=1, kv_blocks_cached=0, kv_blocks_free=3, kv_slots_wasted=2, prefix_caching=False,
+                 prefix_cache_hits=0, prefix_cache_queries=22, prefix_cache_hit_rate=0.0, num_preemptions=0, steps=1)
+    print_memory_stats(stats)
+    out = capsys.readouterr().out
+    assert "prefix cache: off (--no-prefix-caching" in out and "looked up hit" not in out
+    print_memory_stats(dict(stats, prefix_caching=True))
+    assert "0 of 22 tokens looked up hit" in capsys.readouterr().out
+
+
+def test_engine_stats_say_whether_prefix_caching_is_on(make_tiny_engine):
+    assert make_tiny_engine(enable_prefix_caching=False).stats()["prefix_caching"] is False
+    assert make_tiny_engine().stats()["prefix_caching"] is True

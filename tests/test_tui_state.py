@@ -155,6 +155,36 @@ def test_a_speculative_verification_step_is_the_verify_phase_and_the_dashboard_c
     assert "1 verifying 3 draft tokens" in texts[verify[0]] and "0 decode" in texts[verify[0]]
 
 
+def test_a_prompts_last_token_with_drafts_is_prefill_and_verify_not_a_four_token_prefill(make_tiny_engine):
+    """Trial 10: a chunk left only the prompt's last token, which ran with 3 drafts (a prefill entry of
+    1 + 3 tokens). The phase, the Dashboard, the tutorial's step line and the step's prefill count
+    treated all 4 as prompt tokens."""
+    from nanovllm_core.sampling_params import SamplingParams
+    from nanovllm_tui.views.dashboard import phase_text
+    from nanovllm_tui.views.tutorial import TutorialView
+
+    engine = make_tiny_engine(speculative_model="self:1", num_speculative_tokens=3, max_num_batched_tokens=8)
+    state, seen = EngineState(), []
+    state.ready = True  # the controller's ready event, which this bare engine does not send
+
+    def watch(e):
+        state.apply(e)
+        if isinstance(e, ev.StepPlanned) and e.step == 1:
+            seen.append((state.phase, phase_text(state, 80).plain, TutorialView._what(e.scheduled[0]), e.scheduled[0]))
+        if isinstance(e, ev.StepTimed) and e.step == 1:
+            seen.append(e)
+
+    engine.subscribe(watch)
+    engine.add_request(list(range(5, 14)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    (phase, text, what, entry), timed = seen
+    assert (entry.kind, entry.start, entry.num_tokens, entry.num_drafts, entry.seq_len) == ("prefill", 8, 4, 3, 9)
+    assert phase == "prefill+verify" and what == "prefill 1 + verify 3"
+    assert "1 prefill · 0 decode" in text and "1 verifying 3 draft tokens" in text, text
+    assert (timed.num_prefill_tokens, timed.num_decode_tokens) == (1, 3)
+
+
 def test_the_dashboards_prefill_rate_is_the_one_the_narrator_tells():
     """Issue 29: the Dashboard's prefill rate was over the last 10 steps, decode-only ones included,
     and the Narrator's over a step's tokens of both kinds; they disagreed. Both are prefill tokens

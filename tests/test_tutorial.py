@@ -592,3 +592,26 @@ def test_a_demo_on_an_engine_of_its_own_states_that_engines_settings_in_its_head
     assert tut.engine_settings_text(info, "ngram", 4) == ("12 KV blocks of 8 tokens, budget 32 tokens a step, "
                                                           "at most 256 running, priority policy, ngram drafts of "
                                                           "up to 4 tokens")
+
+
+def test_chapter_8_bounds_the_empty_slots_as_the_engine_leaves_them_also_while_speculating(make_tiny_engine):
+    """Trial 10: chapter 8 said a request wastes at most its last block's unfilled slots, but speculative
+    decoding reserves 1 + k slots before each step; with no draft proposed the early block stays."""
+    from nanovllm_core import events as ev
+    from nanovllm_core.sampling_params import SamplingParams
+
+    text = " ".join(" ".join(chapter("paged_attention").paragraphs).split())
+    assert "speculative decoding (chapter 12) is the exception" in text
+    assert "reserves slots for 1 + k tokens" in text and "up to block_size - 1 + k empty slots" in text
+    assert "without speculative decoding" in chapter("paged_attention").quiz.explanation
+    k, bs = 4, 16
+    engine = make_tiny_engine(speculative_model="ngram", num_speculative_tokens=k, block_size=bs)
+    empty = []
+    engine.subscribe(lambda e: empty.extend(len(t.block_table) * bs - t.num_computed_tokens for t in e.tables)
+                     if isinstance(e, ev.BlocksChanged) else None)
+    # 13 distinct prompt tokens: a decode at position 13 reserves 13..17, past block 0; sampled (seeded)
+    # tokens rarely repeat, so the n-gram proposer often finds nothing to copy
+    engine.add_request(list(range(20, 33)), SamplingParams(temperature=1.0, seed=0, max_tokens=10, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert max(empty) <= bs - 1 + k and max(empty) > bs - 1, empty  # the early block happened, within the bound

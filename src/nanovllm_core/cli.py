@@ -396,9 +396,12 @@ def print_memory_stats(stats: dict) -> None:
     print(f"  in use now: {stats['kv_blocks_used']}, cached-free: {stats['kv_blocks_cached']}, "
           f"free: {stats['kv_blocks_free'] - stats['kv_blocks_cached']}")
     print(f"  slots allocated but unfilled: {stats['kv_slots_wasted']}")
-    print(f"  prefix cache: {stats['prefix_cache_hits']} of {plural(stats['prefix_cache_queries'], 'token')} looked up hit "
-          "(prompts, and tokens re-admitted after a preemption) "
-          f"({stats['prefix_cache_hit_rate']:.1%})")
+    if stats.get("prefix_caching") is False:  # nothing is looked up (trial 10: "0 of 22 tokens looked up hit")
+        print("  prefix cache: off (--no-prefix-caching, or a backend without paged blocks): nothing is looked up")
+    else:
+        print(f"  prefix cache: {stats['prefix_cache_hits']} of {plural(stats['prefix_cache_queries'], 'token')} looked "
+              "up hit (prompts, and tokens re-admitted after a preemption) "
+              f"({stats['prefix_cache_hit_rate']:.1%})")
     print(f"  preemptions: {stats['num_preemptions']}, steps: {stats['steps']}")
     if stats.get("spec_proposer"):
         print(f"  speculative ({stats['spec_proposer']}, k={stats['spec_num_speculative_tokens']}): "

@@ -46,7 +46,10 @@ class RequestAdded(Event):
     """A request entered the waiting queue.
 
     ``prompt_pieces``: the tokenizer's piece for each prompt token (for the narrator);
-    ``sampling``: the request's non-default sampling settings.
+    ``sampling``: the request's non-default sampling settings. ``prompt`` is the text of a
+    text prompt, None for token ids or a conversation; ``chat``: a conversation's ``(role,
+    text)`` per message, rendered with the model's chat template into the token ids (empty
+    otherwise, and in traces recorded before this field existed).
     """
 
     request_id: str
@@ -57,6 +60,7 @@ class RequestAdded(Event):
     max_tokens: int | None
     n: int = 1
     sampling: tuple[tuple[str, Any], ...] = ()
+    chat: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -121,10 +125,13 @@ class RequestFinished(Event):
 class ScheduledEntry:
     """One sequence in a step plan: ``kind`` ``prefill`` (a chunk) or ``decode``; token counts.
 
-    ``num_spec_tokens``: draft tokens this step verifies for the sequence (speculative
-    decoding); its ``num_tokens`` is then 1 + ``num_spec_tokens``, the last kept token and the
-    drafts in one pass. 0 for a plain decode or prefill, and in traces recorded before this
-    field existed.
+    ``num_spec_tokens``: draft slots this step reserved for the sequence (speculative
+    decoding); its ``num_tokens`` is then 1 + the drafts proposed (at most ``num_spec_tokens``;
+    see :attr:`num_drafts`), the newest token and the drafts in one pass. That newest token is
+    a kept token (``kind`` ``decode``) or, when a chunk left only the prompt's last token, that
+    token (``kind`` ``prefill``): no recompute, the drafts follow it. ``total_len`` counts the
+    drafts (:attr:`seq_len` does not). 0 for a plain decode or prefill, and in traces recorded
+    before this field existed.
     """
 
     request_id: str
@@ -139,6 +146,27 @@ class ScheduledEntry:
     samples: bool
     priority: int
     num_spec_tokens: int = 0
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens among ``num_tokens`` (0 or more): ``num_tokens - 1`` when the sequence speculates.
+
+        Only a sequence with one uncomputed token (its newest: a decode, or a prompt's last
+        token when a chunk left just that one) speculates, so all but one of its tokens are
+        drafts, verified in the same pass. ``num_spec_tokens`` counts the draft slots reserved,
+        which a shorter draft does not fill.
+        """
+        return self.num_tokens - 1 if self.num_spec_tokens else 0
+
+    @property
+    def num_own_tokens(self) -> int:
+        """Tokens of the sequence itself that this step computes (prompt, recomputed or newest), drafts left out."""
+        return self.num_tokens - self.num_drafts
+
+    @property
+    def seq_len(self) -> int:
+        """The sequence's length without this step's drafts (``total_len`` counts them: they are appended before the step)."""
+        return self.total_len - self.num_drafts
 
 
 @dataclass(frozen=True)
@@ -282,7 +310,9 @@ class BlocksChanged(Event):
 class StepTimed(Event):
     """How long a step took and what it processed.
 
-    ``wall_time_s`` seconds; token counts; throughputs in tokens/s over this step;
+    ``wall_time_s`` seconds; token counts (``num_prefill_tokens``: prompt tokens computed,
+    recomputes included; ``num_decode_tokens``: the rest, decodes and every draft verified,
+    also the drafts after a prompt's last token); throughputs in tokens/s over this step;
     KV bytes used and total of the pool (every tensor-parallel rank's slice together).
     ``yielded_s``: seconds the step waited while a front end drew a key's frame
     (``yield_gate.py``; 0 without one); not in ``wall_time_s`` nor the rates, but in the

@@ -379,7 +379,9 @@ class EngineState:
             return "paused"
         if not self.active_requests or self.plan is None or not self.plan.scheduled:
             return "idle"
-        kinds = {"verify" if s.kind == "decode" and s.num_spec_tokens else s.kind for s in self.plan.scheduled}
+        # A verification runs drafts: after a kept token (decode) or after a prompt's last token (prefill with drafts).
+        kinds = {"verify" if s.kind == "decode" and s.num_drafts else s.kind for s in self.plan.scheduled}
+        kinds |= {"verify" for s in self.plan.scheduled if s.kind == "prefill" and s.num_drafts}
         return "+".join(k for k in BUSY_PHASES if k in kinds)
 
     @property

@@ -70,11 +70,11 @@ def ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-def join_words(items: list[str]) -> str:
-    """``["a"]`` -> ``"a"``; ``["a", "b", "c"]`` -> ``"a, b and c"``."""
+def join_words(items: list[str], last: str = "and") -> str:
+    """``["a"]`` -> ``"a"``; ``["a", "b", "c"]`` -> ``"a, b and c"``; ``last="or"`` for alternatives: ``"a, b or c"``."""
     if len(items) <= 1:
         return "".join(items)
-    return ", ".join(items[:-1]) + " and " + items[-1]
+    return ", ".join(items[:-1]) + f" {last} " + items[-1]
 
 
 def who(request_id: str, index: int = 0, n: int = 1) -> str:

@@ -75,6 +75,7 @@ class _RequestState:
     n: int = 1
     decode_told: int = 0
     decode_untold: int = 0
+    verify_untold: int = 0  # speculative verifications past the cap, summed up at the finish
     embedding_told: bool = False
 
 
@@ -139,6 +140,9 @@ class Narrator(SchedulerNarration):
         self._computed: dict[int, int] = {}
         self._lost: dict[int, int] = {}
         self._request_of: dict[int, str] = {}
+        # Per sequence: its latest speculative reservation (step, first position, slots 1 + k, drafts proposed),
+        # to tell why a block table holds a block ahead of its tokens.
+        self._reserved: dict[int, tuple[int, int, int, int]] = {}
 
     # ------------------------------------------------------------------ public
 
@@ -219,11 +223,20 @@ class Narrator(SchedulerNarration):
         pairs = " ".join(f"{show_piece(p)}={t}" for p, t in zip(e.prompt_pieces[:shown], e.prompt_token_ids[:shown]))
         more = f" ... and {n - shown} more" if n > shown else ""
         ids = ", ".join(str(t) for t in e.prompt_token_ids[:shown])
-        source = f"The prompt {e.prompt!r}" if e.prompt is not None else "The prompt (given as token ids)"
+        if e.prompt is not None:
+            source = f"The prompt {e.prompt!r}"
+        elif e.chat:  # a conversation the chat template turned into ids (the app's chat mode): not ids typed in
+            role, said = e.chat[-1]
+            source = (f"The {role}'s message {said!r}" if len(e.chat) == 1 else
+                      f"The conversation of {len(e.chat)} messages (the last, the {role}'s: {said!r})")
+            source += ", put through the model's chat template,"
+        else:
+            source = "The prompt (given as token ids)"
         vocab = self.info.get("vocab_size")
+        spaced = any(" " in p for p in e.prompt_pieces[:shown])  # the note only where a ␣ is shown
         text = (f"{source} becomes {plural(n, 'token')}: {pairs}{more}.\n"
                 f"Token ids: [{ids}{', ...' if n > shown else ''}]\n"
-                "(␣ marks a space.) The model only ever sees these integers"
+                + ("(␣ marks a space.) " if spaced else "") + "The model only ever sees these integers"
                 + (f", each an index into its vocabulary of {vocab:,} pieces." if vocab else ".")
                 + (" Special tokens such as the start marker count like any other." if n and self._looks_special(e)
                    else ""))
@@ -261,6 +274,10 @@ class Narrator(SchedulerNarration):
         first_layer = {e.request_id: e for e in events if isinstance(e, ev.LayerTrace) and e.layer == 0}
         blocks = next((e for e in reversed(events) if isinstance(e, ev.BlocksChanged)), None)
         entries = {s.seq_id: s for s in plan.scheduled} if plan is not None else {}
+        for s in entries.values():
+            if s.num_spec_tokens:  # slots for the newest token (or the prompt's last) and k drafts
+                self._reserved[s.seq_id] = (plan.step, s.start + s.num_own_tokens - 1, 1 + s.num_spec_tokens,
+                                            s.num_drafts)
         if plan is not None:
             for s in plan.scheduled:
                 if s.kind != "prefill":
@@ -291,7 +308,11 @@ class Narrator(SchedulerNarration):
                 greedy = verification_rule(e, self._requests[e.request_id].sampling
                                            if e.request_id in self._requests else None)
                 run[e.seq_id] = [e, greedy, 0]
-                out.append(speculative_entry(e, self._name(e.request_id), greedy, kept.get(e.seq_id)))
+                state = self._requests.get(e.request_id)
+                if state is not None and self.max_decode is not None and state.decode_told >= self.max_decode:
+                    state.verify_untold += 1  # past the cap, as its tokens are (trial 10)
+                else:
+                    out.append(speculative_entry(e, self._name(e.request_id), greedy, kept.get(e.seq_id)))
             elif isinstance(e, ev.RequestFinished):
                 ends.append(self._finished(e))
             elif isinstance(e, ev.EngineError):
@@ -311,6 +332,32 @@ class Narrator(SchedulerNarration):
             out.extend(self._kv_cache(timed, blocks))
         return out
 
+    def _ahead(self, tb: ev.SeqBlocks, block_size: int) -> str:
+        """Why ``tb`` holds blocks past those its computed tokens fill (speculative decoding), or ``""``.
+
+        Before a step the scheduler reserves slots for a speculating sequence's newest token and up
+        to k drafts, taking a block before the last is full when they need it; the verification gives
+        back blocks past the kept tokens, but a step whose proposer drafted nothing rolls nothing back.
+        """
+        need = -(-tb.num_computed_tokens // block_size) if block_size else len(tb.block_table)
+        ahead = list(tb.block_table[need:])
+        if not ahead:
+            return ""
+        head = (f"; {'block' if len(ahead) == 1 else 'blocks'} {ahead if len(ahead) > 1 else ahead[0]} "
+                f"{'holds' if len(ahead) == 1 else 'hold'} none of its tokens yet")
+        it = "it" if len(ahead) == 1 else "them"
+        seen = self._reserved.get(tb.seq_id)
+        if seen is None:
+            return head + ": reserved ahead of them in a step this narrator did not see"
+        step, start, slots, drafts = seen
+        last = f"block {tb.block_table[need - 1]}" if need else "the last one"
+        why = (f": before step {step} the scheduler reserved slots for 1 + {slots - 1} tokens, positions {start}.."
+               f"{start + slots - 1}, the newest and up to {slots - 1} drafts, and took {it} before {last} was full")
+        if drafts == 0:
+            return head + why + (f"; the proposer drafted none, and only rejected drafts give back blocks past the "
+                                 f"kept tokens, so {it} {'waits' if len(ahead) == 1 else 'wait'} for the tokens to come")
+        return head + why
+
     def _embedding(self, plan: ev.StepPlanned, s: ev.ScheduledEntry, trace: ev.LayerTrace | None) -> list[Commentary]:
         state = self._requests.get(s.request_id)
         if state is None or state.embedding_told:
@@ -321,7 +368,8 @@ class Narrator(SchedulerNarration):
         if hidden is None:
             return []
         matrix = f"[{vocab}, {hidden}]" if vocab else f"[vocab_size, {hidden}]"
-        ids = "The token id" if s.num_tokens == 1 else f"Each of the {s.num_tokens} token ids"
+        ids = "The token id" if s.num_tokens == 1 else f"Each of the {s.num_tokens} token ids" + (
+            f" (the prompt's last token and {plural(s.num_drafts, 'draft')})" if s.num_drafts else "")
         rows = plan.num_batched_tokens
         batch = (f"its {plural(s.num_tokens, 'row')} {agree(s.num_tokens, 'joins', 'join')} "
                  f"{plural(rows - s.num_tokens, 'row')} of other sequences in the step's "
@@ -381,9 +429,15 @@ class Narrator(SchedulerNarration):
         name = self._name(s.request_id, s.index)
         cap = f"{name[0].upper()}{name[1:]}"
         rows = plan.num_batched_tokens
-        flat = (f" {agree(s.num_tokens, 'It is 1', f'They are {s.num_tokens}')} of the step's {rows} token rows, "
+        # A prompt's last token may carry drafts (speculative decoding): count them apart, nothing is recomputed.
+        n, drafts, total = s.num_own_tokens, s.num_drafts, s.seq_len
+        lead = f"With its {plural(drafts, 'draft')}, they" if drafts else "They"
+        flat = (f" {agree(s.num_tokens, 'It is 1', f'{lead} are {s.num_tokens}')} of the step's {rows} token rows, "
                 "which run through each layer together "
                 "as one flat batch." if rows > s.num_tokens else "")
+        drafted = (f" After the prompt's last token come {plural(drafts, 'drafted token')} in the same pass: guesses for the tokens after "
+                   "the prompt, verified at once (the SPECULATIVE DECODING entry tells which are kept); their keys and "
+                   "values fill reserved slots and count only for the drafts kept." if drafts else "")
         timing = ""
         if timed is not None and timed.wall_time_s > 0:  # the Dashboard's prefill rate, over this one step
             rate = timed.num_prefill_tokens / timed.wall_time_s
@@ -393,62 +447,65 @@ class Narrator(SchedulerNarration):
             timing = (f" The step took {ms(timed.wall_time_s)} for its {plural(timed.num_tokens, 'token')}{mixed}: "
                       f"a prefill rate of {figure} tokens/s.{yielded_note(timed)}")
         per_token = self.info.get("kv_bytes_per_token")
-        kv = (f" Their keys and values, {s.num_tokens} x {per_token:,} = {s.num_tokens * per_token:,} bytes, are now in "
+        kv = (f" Their keys and values, {n} x {per_token:,} = {n * per_token:,} bytes, are now in "
               "the KV cache." if per_token else " Their keys and values are now in the KV cache.")
-        if s.num_tokens == 1 and per_token:
+        if n == 1 and per_token:
             kv = f" Its keys and values, {per_token:,} bytes, are now in the KV cache."
-        end = s.start + s.num_tokens
-        remaining = s.total_len - end
+        kv += drafted
+        end = s.start + n
+        remaining = total - end
         rest = (f" {plural(remaining, 'token')} {agree(remaining, 'remains', 'remain')} for later steps."
                 if remaining else "")
         rid = s.request_id
-        if self._preemptions(plan, s.seq_id) or s.total_len > s.prompt_len:
+        if self._preemptions(plan, s.seq_id) or total > s.prompt_len:
             reused = (f"; the {s.num_cached_tokens} before them came back from the prefix cache"
                       if s.num_cached_tokens and s.start == s.num_cached_tokens and rid in plan.admitted else "")
             again, first = self._split(s.seq_id, s.start, end)
             text = (f"{cap} was preempted earlier and lost its blocks. It computes tokens {s.start}..{end - 1} "
-                    f"({s.num_tokens}) of its {s.total_len} ({s.prompt_len} prompt + {s.total_len - s.prompt_len} "
+                    f"({n}) of its {total} ({s.prompt_len} prompt + {total - s.prompt_len} "
                     f"generated) through {through}{self._again(again, first)}{reused}.{rest}{flat}{timing}{kv}")
             if again is None:
-                title = f"{cap}: recompute of {plural(s.num_tokens, 'token')}"
+                title = f"{cap}: recompute of {plural(n, 'token')}"
             elif again:
                 title = f"{cap}: recompute of {plural(again, 'token')}" + (f" and {first} new" if first else "")
             else:
                 title = f"{cap}: {plural(first, 'new token')} after its readmission"
             return [Commentary("prefill", title, text, request_id=rid, step=plan.step)]
-        whole = s.start == s.num_cached_tokens and end == s.total_len
+        whole = s.start == s.num_cached_tokens and end == total
         if whole:
             if s.index > 0:
-                tokens = (f"The {plural(s.num_tokens, 'prompt token')} of sample {s.index} after the "
+                tokens = (f"The {plural(n, 'prompt token')} of sample {s.index} after the "
                           f"{plural(s.num_cached_tokens, 'token')} "
                           "it shares with sample 0" if s.num_cached_tokens else
-                          f"{agree(s.num_tokens, 'The 1 prompt token', f'All {s.num_tokens} prompt tokens')} of sample "
+                          f"{agree(n, 'The 1 prompt token', f'All {n} prompt tokens')} of sample "
                           f"{s.index} (it shares none with sample 0: "
                           + ("prefix caching is off)" if self.info.get("prefix_caching") is False
                              else "no block of the prompt was in the prefix cache)"))
             elif s.num_cached_tokens:
-                tokens = (f"The {plural(s.num_tokens, 'prompt token')} after the "
+                tokens = (f"The {plural(n, 'prompt token')} after the "
                           f"{plural(s.num_cached_tokens, 'token')} found in the prefix cache")
             else:
-                tokens = f"All {s.num_tokens} prompt tokens" if s.num_tokens > 1 else "The one prompt token"
-            verb = "go" if s.num_tokens > 1 else "goes"
+                tokens = f"All {n} prompt tokens" if n > 1 else "The one prompt token"
+            verb = "go" if n > 1 else "goes"
             text = (f"{tokens} {verb} through {through} in one forward pass.{flat}{timing}{kv} Only the last "
                     "position's vocabulary scores are computed: they choose the first new token.")
-            return [Commentary("prefill", f"{cap}: prefill of {plural(s.num_tokens, 'token')} at once", text,
+            return [Commentary("prefill", f"{cap}: prefill of {plural(n, 'token')} at once", text,
                                request_id=rid, step=plan.step)]
         others = rows - s.num_tokens
         budget = (f"The step's budget is {plan.token_budget} tokens"
                   + (f", {others} of them taken by other sequences" if others else "") + ". ")
+        span = f"token {s.start}" if n == 1 else f"tokens {s.start}..{end - 1} ({n})"
         if remaining:
             text = (f"{budget}The prompt of {name} has {s.prompt_len} tokens, more than this step could give it, so it is "
-                    f"read in chunks: this step reads tokens {s.start}..{end - 1} ({s.num_tokens}) through "
+                    f"read in chunks: this step reads {span} through "
                     f"{through}.{rest}")
         else:
-            text = (f"{budget}This is the last chunk of {name}'s {s.prompt_len}-token prompt: tokens "
-                    f"{s.start}..{end - 1} ({s.num_tokens}) through {through}. Its last position chooses the first new "
+            text = (f"{budget}This is the last chunk of {name}'s {s.prompt_len}-token prompt: "
+                    f"{span} through {through}. Its last position chooses the first new "
                     "token.")
         text += self._beside(plan, s) + timing + kv
-        title = f"{cap}: prefill chunk {s.start}..{end - 1} of {s.prompt_len}"
+        title = (f"{cap}: prefill chunk {s.start}..{end - 1} of {s.prompt_len}"
+                 + (f", then {plural(drafts, 'draft')}" if drafts else ""))
         return [Commentary("chunked_prefill", title, text, request_id=rid, step=plan.step)]
 
     def _token(self, e: ev.TokenSampled, entry: ev.ScheduledEntry | None, timed: ev.StepTimed | None,
@@ -470,7 +527,8 @@ class Narrator(SchedulerNarration):
         piece = token_label(e)
         sampling = state.sampling if state is not None else {}
         text, caption = token_choice(e, sampling, self.info.get("vocab_size"), kept_by)
-        recompute = entry is not None and entry.kind == "prefill" and e.num_output_tokens > 1
+        # a prefill entry with drafts is a prompt's last token: its kept drafts are no recompute
+        recompute = entry is not None and entry.kind == "prefill" and not entry.num_drafts and e.num_output_tokens > 1
         which = ("first token, from the prefill" if e.num_output_tokens == 1 else
                  f"token #{e.num_output_tokens}, after the recompute" if recompute else f"token #{e.num_output_tokens}")
         took = f" The step took {ms(timed.wall_time_s)}.{yielded_note(timed)}" if timed is not None else ""
@@ -560,6 +618,7 @@ class Narrator(SchedulerNarration):
                 shared = [b for b in tb.block_table if b < len(blocks.ref_counts) and blocks.ref_counts[b] > 1]
                 shown.append(f"{self._name(tb.request_id, tb.index)} keeps {plural(tb.num_computed_tokens, 'token')} "
                              f"in blocks {list(tb.block_table)} ({plural(free, 'slot')} still empty"
+                             + self._ahead(tb, blocks.block_size)
                              + (f"; {list(shared)} shared with another sequence" if shared else "") + ")")
             text += " Block tables: " + "; ".join(shown)
             if len(blocks.tables) > MAX_TABLES_SHOWN:
@@ -596,7 +655,9 @@ class Narrator(SchedulerNarration):
             text += f" It was preempted {plural(e.num_preemptions, 'time')}."
         if state is not None and state.decode_untold:
             text += (f" {agree(state.decode_untold, '1 of its tokens was', f'{state.decode_untold} of its tokens were')} "
-                     "not narrated one by one.")
+                     "not narrated one by one"
+                     + (f", nor {plural(state.verify_untold, 'later speculative verification')}"
+                        if state.verify_untold else "") + ".")
         if e.error:
             text += f" Error: {e.error}"
         return Commentary("finished", f"Request {e.request_id} finished: {e.finish_reason}", text,

@@ -103,7 +103,8 @@ def _stop_rule(s: dict[str, Any], max_tokens: int | None) -> str:
     if s.get("stop"):
         ends.append("a stop string (" + ", ".join(repr(x) for x in s["stop"]) + ")")
     limit = f"after {plural(max_tokens, 'token')}" if max_tokens else "at max_model_len"
-    return f"It stops at {join_words(ends)} or {limit}." if ends else f"It stops {limit}."
+    # alternatives: whichever comes first stops it (trial 10: "an end-of-sequence token and a stop string")
+    return f"It stops {join_words([f'at {x}' for x in ends] + [limit], 'or')}." if ends else f"It stops {limit}."
 
 
 # ---------------------------------------------------------------------- one sampled token

@@ -56,11 +56,12 @@ class SchedulerNarration:
                 self._lost[q.seq_id] = max(self._computed.pop(q.seq_id), self._lost.get(q.seq_id, 0))
         for s in plan.scheduled:
             self._request_of[s.seq_id] = s.request_id
-            self._computed[s.seq_id] = s.start + (s.num_tokens if s.kind == "prefill" else 1)
+            # drafts (after a decode's token or a prompt's last one) count once the verification keeps them
+            self._computed[s.seq_id] = s.start + (s.num_own_tokens if s.kind == "prefill" else 1)
 
     def _forget(self, request_id: str) -> None:
         for seq_id in [q for q, r in self._request_of.items() if r == request_id]:
-            for d in (self._computed, self._lost, self._request_of):
+            for d in (self._computed, self._lost, self._request_of, getattr(self, "_reserved", {})):
                 d.pop(seq_id, None)
 
     def _planned(self, plan: ev.StepPlanned) -> list[Commentary]:
@@ -87,15 +88,19 @@ class SchedulerNarration:
                 parts.append(f"{name}: decode, 1 token" if s.num_tokens == 1 else
                              f"{name}: decode with {plural(s.num_tokens - 1, 'draft token')}, {s.num_tokens} tokens")
                 continue
-            end = s.start + s.num_tokens - 1
+            n, total = s.num_own_tokens, s.seq_len  # without the drafts a prompt's last token may carry
+            end = s.start + n - 1
             if self._preemptions(plan, s.seq_id):
-                what = f"recompute of {plural(s.num_tokens, 'token')} ({s.start}..{end} of {s.total_len})"
+                what = f"recompute of {plural(n, 'token')} ({s.start}..{end} of {total})"
                 if s.request_id in plan.admitted:
                     what += ", readmitted after preemption"
-            elif s.start > s.num_cached_tokens or end + 1 < s.total_len:
-                what = f"prefill chunk of {plural(s.num_tokens, 'token')} ({s.start}..{end} of {s.prompt_len})"
+            elif s.start > s.num_cached_tokens or end + 1 < total:
+                span = f"{s.start}..{end}" if n > 1 else f"token {s.start}"
+                what = f"prefill chunk of {plural(n, 'token')} ({span} of {s.prompt_len})"
             else:
-                what = f"prefill of {plural(s.num_tokens, 'token')}"
+                what = f"prefill of {plural(n, 'token')}"
+            if s.num_drafts:
+                what += f" and {plural(s.num_drafts, 'draft token')} after it, {s.num_tokens} tokens"
             if s.request_id in plan.admitted and s.start == s.num_cached_tokens and not self._preemptions(plan, s.seq_id):
                 what += ", newly admitted"
             parts.append(f"{name}: {what}")
@@ -168,12 +173,17 @@ class SchedulerNarration:
         name = self._name(s.request_id, s.index)
         c, total = s.num_cached_tokens, s.total_len
         now = "" if c + s.num_tokens == total else f", {s.num_tokens} of them in this step"
+        # The hit stops before the block of the last token even when that full block is cached too (trial 10).
+        last = (f"; the block holding the last token (tokens {c}..{total - 1}) is never a hit, even when the cache "
+                "holds it: sampling needs that token's scores, so it is computed here"
+                if bs and total % bs == 0 and c == (total - 1) // bs * bs else "")
         if self._preemptions(plan, s.seq_id):
             again, first = self._split(s.seq_id, c, total)
             text = (f"{name[0].upper()}{name[1:]} is readmitted after its preemption: {c} of its {total} tokens "
                     f"({s.prompt_len} prompt + {total - s.prompt_len} generated) {agree(c, 'comes', 'come')} back from the prefix "
                     f"cache{blocks}, blocks that kept their contents while they were cached-free. Their keys and "
-                    f"values are reused; only the other {total - c} {agree(total - c, 'is', 'are')} computed{now}{self._again(again, first)}.")
+                    f"values are reused; only the other {total - c} {agree(total - c, 'is', 'are')} computed{now}{self._again(again, first)}"
+                    f"{last}.")
             title = (f"{name}: readmitted, {plural(c, 'token')} reused, {again} recomputed" if again is not None
                      else f"{name}: readmitted, {plural(c, 'token')} reused, {total - c} computed")
         elif s.index > 0:
@@ -185,7 +195,7 @@ class SchedulerNarration:
         else:
             text = (f"{name[0].upper()}{name[1:]} found its first {c} of {plural(total, 'token')} already in the prefix "
                     f"cache{blocks}. {agree(c, 'Its', 'Their')} keys and values are reused, not computed; only the other "
-                    f"{total - c} {agree(total - c, 'is', 'are')} computed{now}.")
+                    f"{total - c} {agree(total - c, 'is', 'are')} computed{now}{last}.")
             title = f"{name}: prefix cache hit, {plural(c, 'token')}"
         return Commentary("prefix_cache", f"{title[0].upper()}{title[1:]}", text, request_id=s.request_id,
                           step=plan.step)

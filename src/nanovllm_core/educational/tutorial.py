@@ -501,7 +501,12 @@ CHAPTERS: tuple[Chapter, ...] = (
 
         Each request has a block table that maps its logical blocks (tokens 0..15, 16..31, ...) to
         physical blocks anywhere in the pool. A new block is taken only when the last one is full, so a
-        request wastes at most the unfilled slots of its last block. The slot mapping tells the model
+        request wastes at most the unfilled slots of its last block; speculative decoding (chapter 12)
+        is the exception. Before each of its steps the scheduler reserves slots for 1 + k tokens, the
+        newest and up to k drafts, taking a block early when they cross the last one's end. The
+        verification gives back blocks past the tokens it keeps; when the proposer drafted nothing,
+        nothing is rolled back and the early block waits for the tokens to come, so between steps a
+        request may hold up to block_size - 1 + k empty slots. The slot mapping tells the model
         where to write each new token's key and value. To read them back, this engine's CPU kernel (a
         short C file, attention/paged_attention_cpu.c) walks each query token's context through the
         block table, key by key, reading every block in place; so do vLLM's PagedAttention kernels
@@ -522,7 +527,8 @@ CHAPTERS: tuple[Chapter, ...] = (
               ("2 blocks, 0 unfilled", "35 blocks, 0 unfilled", "3 blocks, 16 unfilled", "3 blocks, 13 unfilled"),
               3,
               "35 tokens need ceil(35 / 16) = 3 blocks = 48 slots, of which 48 - 35 = 13 wait for future tokens. "
-              "Blocks are taken on demand, so the waste is never more than one block per request."),
+              "Blocks are taken on demand, so without speculative decoding the waste is never more than one "
+              "block per request."),
     ),
     Chapter(
         9, "continuous_batching", "Continuous batching: scheduling every step",
@@ -795,7 +801,8 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
         elif key == "paged_attention" and g("block_size"):
             per = g("kv_bytes_per_token") or 0
             lines.append(f"This engine's pool: {g('num_kv_blocks'):,} blocks of {g('block_size')} tokens, "
-                         f"{per * g('block_size'):,} bytes each.")
+                         f"{per * g('block_size'):,} bytes each; a request leaves at most {g('block_size') - 1} "
+                         f"slots empty, {g('block_size') - 1} + k while it speculates with k drafts.")
         elif key == "continuous_batching" and g("max_num_seqs"):
             lines.append(f"This engine runs at most {g('max_num_seqs')} requests at once within "
                          f"{g('token_budget')} tokens per step.")

@@ -272,7 +272,9 @@ def render_split_step(info: dict[str, Any], timed: ev.StepTimed, entry: ev.Sched
     what = ""
     if entry is not None:
         what = (f" · request {entry.request_id}'s {'decode' if entry.kind == 'decode' else 'prefill'}, "
-                f"{entry.num_tokens} of them")
+                f"{entry.num_tokens} of them" if not entry.num_drafts else  # the newest or the prompt's last, + drafts
+                f" · request {entry.request_id}'s {'decode' if entry.kind == 'decode' else 'prefill'} "
+                f"1 + {plural(entry.num_drafts, 'draft')}")
     head = Header(f"X-RAY · step {timed.step} · {plural(timed.num_tokens, 'token')}"
                   f"{what} · split over {tp_facts.tp_size(info)} ranks")
     body: list[RenderableType] = [Text(lines[0], style="yellow")] + [Text(line) for line in lines[1:]]

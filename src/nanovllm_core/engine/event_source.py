@@ -197,7 +197,8 @@ class EventSource:
     def _emit_step_end(self, plan: SchedulerOutput, wall: float, yielded: float = 0.0) -> None:
         if self._blocks_wanted:
             self._emit(self.blocks_event(plan.step))
-        prefill = sum(s.num_new_tokens for s in plan.scheduled if s.kind == "prefill")
+        # A prompt's last token may carry drafts (speculative decoding): they are verified like a decode's, not prefill.
+        prefill = sum(s.num_new_tokens - len(s.spec_tokens) for s in plan.scheduled if s.kind == "prefill")
         decode = plan.num_batched_tokens - prefill
         bm = self.block_manager
         wall = max(wall, 1e-9)

@@ -458,6 +458,7 @@ class LLMEngine(EventSource):
                 request_id=request_id, prompt=text, prompt_token_ids=tuple(token_ids),
                 prompt_pieces=tuple(self.token_pieces(token_ids)), priority=priority, max_tokens=params.max_tokens,
                 n=params.n, sampling=tuple(sorted(_non_default(params).items())),
+                chat=tuple((m["role"], content_text(m["content"])) for m in prompt) if is_conversation(prompt) else (),
             ))
         return request_id
 
@@ -734,6 +735,7 @@ class LLMEngine(EventSource):
         return {
             "steps": self.scheduler.step_index,
             "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_caching": bm.enable_prefix_caching,
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,

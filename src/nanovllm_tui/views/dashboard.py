@@ -33,8 +33,8 @@ def phase_text(state: EngineState, width: int = 0) -> Text:
         text.append("\nno step yet", style="dim")
         return text
     prefill = sum(1 for s in plan.scheduled if s.kind == "prefill")
-    verifying = [s for s in plan.scheduled if s.kind == "decode" and s.num_spec_tokens]
-    decode = len(plan.scheduled) - prefill - len(verifying)
+    verifying = [s for s in plan.scheduled if s.num_drafts]  # a prompt's last token may carry drafts too
+    decode = sum(1 for s in plan.scheduled if s.kind == "decode" and not s.num_drafts)
     used = Text(f"{plan.num_batched_tokens}/{plan.token_budget}", style="bold")
     # The step's figures are current only while steps run; otherwise say they are the last step's.
     step = Text(f"step {plan.step}: ") if state.busy else Text(f"last step {plan.step}", style="dim")
@@ -44,7 +44,7 @@ def phase_text(state: EngineState, width: int = 0) -> Text:
     lines = [first_fitting(width, step + used + " tokens", step + used + " tok", step + used, step),
              first_fitting(width, Text(f"{prefill} prefill · {decode} decode"), Text(f"{prefill} pre · {decode} dec"))]
     if verifying:  # a verification is not a one-token decode: it runs 1 + k tokens of one sequence
-        drafts = sum(s.num_spec_tokens for s in verifying)
+        drafts = sum(s.num_drafts for s in verifying)  # the drafts run, not the slots reserved
         lines.append(first_fitting(width, Text(f"{len(verifying)} verifying {plural(drafts, 'draft token')}"),
                                    Text(f"{len(verifying)} verify · {plural(drafts, 'draft')}")))
     running, waiting, preempted = state.queue_counts()  # now, not as of the newest step

@@ -213,10 +213,11 @@ class TutorialView(EngineView):
 
     @staticmethod
     def _what(s) -> str:
-        """``decode``, ``verify 1 + 4`` (a speculative verification: the newest token and its drafts) or ``prefill 12``."""
+        """``decode``, ``verify 1 + 4`` (a speculative verification: the newest token and its drafts), ``prefill 12``
+        or ``prefill 1 + verify 3`` (a prompt's last token and the drafts after it)."""
         if s.kind == "decode":
             return "decode" if s.num_tokens == 1 else f"verify 1 + {s.num_tokens - 1}"
-        return f"prefill {s.num_tokens}"
+        return f"prefill {s.num_own_tokens}" + (f" + verify {s.num_drafts}" if s.num_drafts else "")
 
     @staticmethod
     def _now(run) -> Text:
