@@ -245,3 +245,15 @@ def test_a_request_refused_before_it_was_added_shows_no_made_up_priority():
     state.submitted("req-2", "Hi", 5, 8)  # sent from this app: what it sent is known
     state.apply(ev.RequestRejected(request_id="req-2", reason="too long"))
     assert row_cells(state.requests["req-2"])[2].plain == "5"
+
+
+def test_the_block_map_summary_says_prefix_caching_is_off_rather_than_a_0_percent_hit_rate(make_tiny_engine):
+    """Trial 10: with --no-prefix-caching the Block Map read "prefix-cache hit rate 0%"."""
+    from nanovllm_tui.views.block_map import summary_text
+
+    engine = make_tiny_engine(enable_prefix_caching=False, num_kv_blocks=8)
+    blocks = engine.blocks_event(0)
+    assert engine.model_info()["prefix_caching"] is False  # what the app's state.model_info holds
+    off = summary_text(blocks, engine.model_info()["prefix_caching"]).plain
+    assert "prefix caching off" in off and "hit rate" not in off
+    assert "prefix-cache hit rate 0%" in summary_text(blocks, True).plain

@@ -14,14 +14,17 @@ from nanovllm_tui.widgets.block_grid import CACHED_COLOR, FREE_COLOR, BlockGrid
 from nanovllm_tui.widgets.format import request_colors
 
 
-def summary_text(blocks: ev.BlocksChanged) -> Text:
+def summary_text(blocks: ev.BlocksChanged, prefix_caching: bool | None = None) -> Text:
+    """The pool in one line; ``prefix_caching`` False (the engine's model info): the hit rate is
+    not shown as 0% but the cache as off (trial 10)."""
     used, cached = blocks.states.count("u"), blocks.states.count("c")
     shared = sum(1 for r in blocks.ref_counts if r > 1)
     text = Text.assemble(
         (f"{blocks.num_blocks} blocks", "bold"), f" × {blocks.block_size} tokens · ",
         (f"{used} used", "bold"), f" ({shared} shared) · ", (f"{cached} cached-free", CACHED_COLOR), " · ",
         (f"{blocks.num_blocks - used - cached} free", "grey62"),
-        f" · prefix-cache hit rate {blocks.prefix_cache_hit_rate:.0%} · after step {blocks.step}")
+        " · prefix caching off" if prefix_caching is False else f" · prefix-cache hit rate {blocks.prefix_cache_hit_rate:.0%}",
+        f" · after step {blocks.step}")
     return text
 
 
@@ -95,7 +98,7 @@ class BlockMapView(EngineView):
             self.query_one(BlockGrid).set_data(None, {}, None)
             return
         colors = request_colors(state.requests)
-        self.query_one("#blocks-summary", LiveStatic).show_content(summary_text(blocks))
+        self.query_one("#blocks-summary", LiveStatic).show_content(summary_text(blocks, state.model_info.get("prefix_caching")))
         self.query_one("#legend", LiveStatic).show_content(legend_text(blocks, colors))
         self.query_one(BlockGrid).set_data(blocks, colors, selected)
         self.query_one("#block-table", LiveStatic).show_content(block_table_text(blocks, selected, colors))
