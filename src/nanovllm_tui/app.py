@@ -41,7 +41,7 @@ from nanovllm_tui.views.narrator import NarratorView
 from nanovllm_tui.views.tutorial import TutorialView
 from nanovllm_tui.views.xray import XRayView
 from nanovllm_tui.widgets.footer import SteadyFooter
-from nanovllm_tui.widgets.prompt_bar import ONE_LINE_WIDTH, REPLAY_NOTES, PromptBar, PromptSettings, settings_errors
+from nanovllm_tui.widgets.prompt_bar import ONE_LINE_WIDTH, REPLAY_NOTES, Field, PromptBar, PromptSettings, settings_errors
 from nanovllm_tui.widgets.status_header import StatusHeader
 
 VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
@@ -382,10 +382,8 @@ class NanoVLLMApp(App):
             kept = ""
             prompt = self._unconfirmed.pop(event.request_id, None)
             if prompt is not None:
-                field = self.query_one("#prompt-bar", PromptBar).query_one("#prompt", Input)
-                if not field.value:
-                    field.value, kept = prompt, " (the prompt is back in the bar)"
-                    field.cursor_position = len(prompt)  # typing goes on after it, not in front (trial 8)
+                if self.query_one("#prompt-bar", PromptBar).put_back(prompt):  # line breaks as ⏎ again
+                    kept = " (the prompt is back in the bar)"
                 else:
                     kept = " (its prompt was not put back: the bar holds new text)"
             self.notify(f"{event.request_id} was rejected: {event.reason}{kept}", severity="error", timeout=8,
@@ -551,7 +549,10 @@ class NanoVLLMApp(App):
                             "for the app's keys.", severity="warning", markup=False)
                 return True  # a key typed into the bar is never an app key
         if isinstance(event, events.Paste):
-            text = event.text.splitlines()[0] if event.text else ""  # an input takes one line, as Input does
+            if isinstance(focused, Field):  # every line kept, as ⏎ (Input keeps the first only: trial 10)
+                focused.paste(event.text)
+                return True
+            text = event.text.splitlines()[0] if event.text else ""  # another input takes one line, as Input does
         elif isinstance(focused, Input) and focused.check_consume_key(event.key, event.character):
             text = event.character
         else:
