@@ -94,3 +94,91 @@ async def test_a_typed_mark_is_a_line_break_and_a_setting_paste_keeps_one_rule(t
         await send_prompt(pilot, f"a {NEWLINE_MARK} b")
         await wait_until(pilot, lambda: app.state.requests, 10, "the prompt sent")
         assert app.state.requests[app.selected].prompt == "a \n b"
+
+
+# ---------------------------------------------------------------- 2: a recording cut in the middle of a step
+
+
+def _trace_cut_before_step_timed(tmp_path, want_prefill: bool = True):
+    """The test trace written up to (not including) the StepTimed of a step that prefilled: as a
+    recording stopped by `q` during that step. Returns (path, the step's number, its StepPlanned)."""
+    import gzip
+    import json
+
+    from nanovllm_core import events as ev
+    from nanovllm_core.tracing import decode_event
+    from tests.tui_helpers import TRACE
+
+    lines = gzip.open(TRACE, "rt", encoding="utf-8").read().splitlines(keepends=True)
+    events = [decode_event(line) for line in lines]
+    for i in range(len(events) - 1, -1, -1):  # the newest such step: steps before it finished
+        e = events[i]
+        if isinstance(e, ev.StepTimed) and (e.num_prefill_tokens > 0) == want_prefill:
+            plan = next(p for p in events[:i] if isinstance(p, ev.StepPlanned) and p.step == e.step)
+            path = tmp_path / "cut_step.jsonl"
+            path.write_text("".join(lines[:i]), encoding="utf-8")
+            assert json.loads(lines[i - 1])  # whole lines only: not a cut line
+            return path, e.step, plan
+    raise AssertionError("the test trace has no such step")
+
+
+def test_a_trace_cut_inside_a_step_leaves_that_step_out_and_says_so(tmp_path):
+    from nanovllm_core import events as ev
+    from nanovllm_tui.replay import load_trace
+
+    path, step, _ = _trace_cut_before_step_timed(tmp_path)
+    trace = load_trace(path)
+    assert trace.cut_step == step and trace.cut_line is None
+    assert not [e for e in trace if getattr(e, "step", None) == step and not isinstance(e, ev.RequestFinished)]
+    assert max(e.step for e in trace if isinstance(e, ev.StepPlanned)) < step
+    whole_steps = _trace_cut_before_step_timed(tmp_path)[0].read_text().splitlines()
+    assert len(whole_steps) > len(trace)  # something was left out
+
+
+async def test_the_replay_of_a_cut_step_ends_on_the_last_whole_step(tmp_path):
+    """Trial 10: "last step 486: 512/512 tok" and the table counting the unfinished chunk as
+    prefilled, beside a KV panel without its blocks. Now the end screen is the last finished step's."""
+    from nanovllm_core import events as ev
+    from nanovllm_tui.replay import load_trace
+
+    path, step, plan = _trace_cut_before_step_timed(tmp_path)
+    whole = [e for e in load_trace(path)]
+    app, notes = replay_app(tmp_path, start_paused=False, trace=path), Notes()
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.controller.state == "idle", 60, "the replay's end")
+        await pilot.pause(0.2)
+        assert notes.find(f"The recording stopped during step {step}, before it finished")
+        assert app.state.step < step and app.state.plan.step < step
+        for s in plan.scheduled:  # the cut chunk is not counted as prefilled
+            req = app.state.requests.get(s.request_id)
+            if req is not None and s.kind == "prefill" and req.prompt_len:
+                assert req.prefilled <= s.start, (s, req.prefilled)
+    assert whole and all(not (isinstance(e, ev.StepPlanned) and e.step >= step) for e in whole)
+
+
+def test_a_step_that_failed_before_it_ended_is_not_counted_as_prefilled():
+    """The live side of the same: the engine failing mid-step (a device failure sends EngineError and
+    no StepTimed) left the planned chunk counted as prefilled and the step called "last step N"."""
+    import dataclasses
+
+    from nanovllm_core import events as ev
+    from nanovllm_tui.replay import load_trace, split_steps
+    from nanovllm_tui.state import EngineState
+    from nanovllm_tui.views.dashboard import phase_text
+    from tests.tui_helpers import TRACE
+
+    prologue, groups = split_steps(load_trace(TRACE))
+    state = EngineState()
+    for e in prologue + groups[0]:
+        state.apply(e)
+    plan = groups[1][0]
+    assert isinstance(plan, ev.StepPlanned) and state.requests["0"].prefilled == 2
+    state.apply(plan)
+    assert state.requests["0"].prefilled == 9  # in flight: the chunk being run
+    state.apply(ev.EngineError(step=plan.step, message="the cpu device failed (RuntimeError: x)"))
+    assert state.requests["0"].prefilled == 2 and state.failed_step == plan.step
+    assert f"step {plan.step} failed" in phase_text(state, 60).plain
+    assert f"last step {plan.step}" not in phase_text(state, 60).plain
+    timed = next(e for e in groups[1] if isinstance(e, ev.StepTimed))
+    state.apply(dataclasses.replace(timed))  # a failure the engine recovered from: retried alone, then timed
+    assert state.requests["0"].prefilled == 9 and state.failed_step is None

@@ -207,6 +207,10 @@ class NanoVLLMApp(App):
         if cut:  # a note, not an error: what came before the cut plays as recorded
             self.notify(f"The recording ends in a cut line (line {cut} is not a whole event, as when a trace is "
                         f"copied while it is written): it plays up to line {cut - 1}.", timeout=10, markup=False)
+        cut_step = getattr(self.controller, "cut_step", None)
+        if cut_step:  # the step had no StepTimed: it never finished, so it is not shown as if it had run
+            self.notify(f"The recording stopped during step {cut_step}, before it finished: that step is not "
+                        "played (the replay ends with the step before it).", timeout=10, markup=False)
         self.set_interval(0.5, self._poll_engine_state)
         for i, (prompt, priority) in enumerate(self._initial_prompts, 1):
             rid = self._submit(prompt, dataclasses.replace(self.settings, priority=priority,

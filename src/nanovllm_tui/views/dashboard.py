@@ -38,7 +38,9 @@ def phase_text(state: EngineState, width: int = 0) -> Text:
     used = Text(f"{plan.num_batched_tokens}/{plan.token_budget}", style="bold")
     # The step's figures are current only while steps run; otherwise say they are the last step's.
     step = Text(f"step {plan.step}: ") if state.busy else Text(f"last step {plan.step}", style="dim")
-    if not state.busy:
+    if state.failed_step == plan.step:  # it never finished: its budget was planned, not used (trial 10)
+        step = Text(f"step {plan.step} failed", style="bold red")
+    if not state.busy or state.failed_step == plan.step:
         used = Text(": ", style="dim") + used
     # "tok" before dropping the unit: "last step 476: 1/512" lost it at 120 columns (issue 29)
     lines = [first_fitting(width, step + used + " tokens", step + used + " tok", step + used, step),
