@@ -70,8 +70,14 @@ async def test_a_refused_multi_line_prompt_comes_back_with_its_marks(tiny_llama_
     app, notes = tiny_app(tiny_llama_dir, tmp_path), Notes()
     async with app.run_test(size=SIZE, message_hook=notes) as pilot:
         await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
-        await send_prompt(pilot, f"Tell me{NEWLINE_MARK}a story", max_tokens=510)
+        app.query_one("#max-tokens", Input).value = "510"
+        app.query_one("#prompt").focus()
+        _paste(app, "Tell me\na story")
+        await wait_until(pilot, lambda: app.query_one("#prompt", Input).value, 10, "the paste")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.state.requests, 10, "the prompt sent")
         rid = app.selected
+        assert app.state.requests[rid].prompt == "Tell me\na story"
         await wait_until(pilot, lambda: notes.find(f"{rid} was rejected: max_tokens 510 does not fit", "error"),
                          timeout=30, what="the refusal")
         assert app.query_one("#prompt", Input).value == f"Tell me{NEWLINE_MARK}a story"
@@ -182,3 +188,57 @@ def test_a_step_that_failed_before_it_ended_is_not_counted_as_prefilled():
     timed = next(e for e in groups[1] if isinstance(e, ev.StepTimed))
     state.apply(dataclasses.replace(timed))  # a failure the engine recovered from: retried alone, then timed
     assert state.requests["0"].prefilled == 9 and state.failed_step is None
+
+
+# ---------------------------------------------------------------- 3: the footer shows the keys that work where the focus is
+
+
+def _footer_keys(app) -> list[str]:
+    from textual.widgets._footer import FooterKey
+
+    return [k.description for k in app.query(FooterKey) if not k.has_class("-command-palette")]
+
+
+async def test_the_footer_follows_the_tab_after_the_terminal_lost_focus(tmp_path):
+    """Trial 10: at 60x20, Narrator -> X-Ray -> Narrator left X-Ray's keys (Layer -, Layer +) in the
+    footer. A terminal that reports focus (tmux does) sends a focus-out; Textual's footer ignores
+    binding changes until a key gives the app its focus back, and the app handles keys itself, so
+    the key never did."""
+    app = replay_app(tmp_path)
+    async with app.run_test(size=(60, 20)) as pilot:
+        await pilot.press("3")
+        await wait_until(pilot, lambda: "Only selected" in _footer_keys(app), 10, "the Narrator's keys")
+        blur = events.AppBlur()
+        blur.set_sender(app)
+        app._driver.send_message(blur)
+        await pilot.pause(0.2)
+        for key, want, gone in (("2", "Layer -", "Only selected"), ("3", "Only selected", "Layer -")):
+            await pilot.press(key)
+            await wait_until(pilot, lambda: want in _footer_keys(app), 10, f"{want} in the footer after {key}")
+            assert gone not in _footer_keys(app)
+
+
+async def test_the_footer_in_the_prompt_bar_offers_no_key_that_types_itself(tiny_llama_dir, tmp_path):
+    """Trial 10: the footer showed "/ Prompt" in the prompt, where `/` types a slash (and a user sent
+    "/Python is a"); space, n, a, q, [ ] type themselves in any field too."""
+    app = tiny_app(tiny_llama_dir, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("escape")  # a live app starts in the prompt
+        await wait_until(pilot, lambda: "Prompt" in _footer_keys(app), 10, "the Dashboard's keys")
+        assert {"Pause/Resume", "Step", "Quit", "Chat/raw"} <= set(_footer_keys(app))
+        app.query_one("#prompt").focus()
+        await wait_until(pilot, lambda: "Leave prompt" in _footer_keys(app), 10, "the prompt's keys")
+        keys = set(_footer_keys(app))
+        assert not keys & {"Prompt", "Pause/Resume", "Step", "Abort", "Quit", "Prev req", "Next req"}, keys
+        assert "Chat/raw" in keys
+        app.query_one("#priority").focus()  # from a setting, / does go to the prompt: offered
+        await wait_until(pilot, lambda: "Prompt" in _footer_keys(app), 10, "/ offered in a setting")
+        assert not set(_footer_keys(app)) & {"Pause/Resume", "Step", "Quit"}
+        app.query_one("#chat").focus()
+        await wait_until(pilot, lambda: app.focused.id == "chat", 10, "the chat box")
+        await pilot.pause(0.2)
+        assert "Prompt" in _footer_keys(app) and not set(_footer_keys(app)) & {"Pause/Resume", "Step", "Quit"}
+        await pilot.press("slash")
+        await wait_until(pilot, lambda: app.focused.id == "prompt", 10, "/ from the chat box")
+        await pilot.press("slash")
+        assert app.query_one("#prompt", Input).value == "/"  # typed, as the docs say

@@ -503,6 +503,13 @@ class NanoVLLMApp(App):
     async def on_event(self, event: events.Event) -> None:
         if isinstance(event, (events.Key, events.Paste, events.MouseDown)) and not event.is_forwarded:
             self._yield_for_frame()
+            if not self.app_focus and not isinstance(event, events.Paste):
+                # What Textual's App.on_event does, which a key handled below never reaches: a key or a
+                # click means the terminal has the focus again. Until then Textual's footer ignores
+                # binding changes: after a focus-out (tmux sends one) it kept X-Ray's keys on the
+                # Narrator (trial 10).
+                self.app_focus = True
+                self.screen.refresh_bindings()
         if isinstance(event, (events.Key, events.Paste)) and not event.is_forwarded and await self._handle_now(event):
             return
         await super().on_event(event)

@@ -178,9 +178,26 @@ def settings_errors(settings: PromptSettings, priorities: Sequence[int] = (),
     return why
 
 
+# The app's keys that are characters: in a field they type themselves (the app's `/` still goes to
+# the prompt from a setting or the chat box), so the footer leaves them out there: it offered
+# "/ Prompt" while `/` typed a slash into the prompt (trial 10).
+TYPED_APP_KEYS = ("space", "n", "a", "q", "left_square_bracket", "right_square_bracket")
+
+
+def typed_keys(*keys: str) -> list[Binding]:
+    """Hidden bindings that shadow the app's bindings of ``keys`` in the footer while a field has the
+    focus. They never run: the app types the character (or refuses it in the chat box) first."""
+    return [Binding(key, "typed", show=False) for key in keys]
+
+
 class Field(Input):
     """A prompt-bar field: Enter asks the bar to send, there and then; a paste keeps all its lines
     (:func:`pasted_text`)."""
+
+    BINDINGS = typed_keys(*TYPED_APP_KEYS)
+
+    def action_typed(self) -> None:
+        """Nothing: see :func:`typed_keys`."""
 
     async def action_submit(self) -> None:
         self.query_ancestor(PromptBar).submit(self)
@@ -202,6 +219,12 @@ class Field(Input):
             self.paste(event.text)
         event.stop()
 
+
+class PromptField(Field):
+    """The prompt's own field: `/` types a slash here, so the footer does not offer "/ Prompt" either."""
+
+    BINDINGS = typed_keys("slash")
+
     def on_blur(self) -> None:
         """Show the value's start once the focus leaves (typing left the view at its end: a cut
         "prio -1000" read "prio 000"). Settings only: the prompt keeps its place for more typing."""
@@ -215,6 +238,10 @@ class ChatBox(Checkbox):
     only: a text capture read ``▐X▌ chat`` after ctrl+t had turned chat off; issue 29, trial 7)."""
 
     LABELS = {True: "chat", False: "raw"}
+    BINDINGS = typed_keys(*(k for k in TYPED_APP_KEYS if k != "space"))  # space toggles the box (Checkbox's own)
+
+    def action_typed(self) -> None:
+        """Nothing: see :func:`typed_keys` (the app refuses a character typed here with a toast)."""
 
     def __init__(self, value: bool, **kwargs) -> None:
         super().__init__(self.LABELS[bool(value)], value, **kwargs)
@@ -264,7 +291,7 @@ class PromptBar(Vertical):
     def compose(self) -> ComposeResult:
         d = self.defaults
         with Horizontal(id="prompt-fields"):
-            yield Field(placeholder=PLACEHOLDERS[0], id="prompt")
+            yield PromptField(placeholder=PLACEHOLDERS[0], id="prompt")
             with Horizontal(id="prompt-settings"):
                 for name, label, value in (("priority", "prio", d.priority), ("max-tokens", "max", d.max_tokens),
                                            ("temperature", "temp", d.temperature)):
