@@ -242,3 +242,29 @@ async def test_the_footer_in_the_prompt_bar_offers_no_key_that_types_itself(tiny
         await wait_until(pilot, lambda: app.focused.id == "prompt", 10, "/ from the chat box")
         await pilot.press("slash")
         assert app.query_one("#prompt", Input).value == "/"  # typed, as the docs say
+
+
+# ---------------------------------------------------------------- 4: the selected request's title fits its panel
+
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)])
+async def test_the_selected_requests_title_fits_and_keeps_its_meaning(tmp_path, size):
+    """Trial 10: "req-6 · running · paused now, 17.9 s before its last token (not in TTFT/T…" at 120
+    columns. The title takes the longest note that fits: the state, and that the time held is not in TTFT/TPOT."""
+    app = replay_app(tmp_path)
+    async with app.run_test(size=size) as pilot:
+        await pilot.press("n", "n")
+        await wait_until(pilot, lambda: app.selected and app.state.requests[app.selected].live, 10, "a live request")
+        await wait_until(pilot, lambda: app.controller.state == "paused", 10, "the steps to end")
+        await pilot.pause(0.3)
+        from tests.test_tui_newcomer import screen_text
+
+        req = app.state.requests[app.selected]
+        req.request_id = "req-6"  # the id of the app's own requests, as in the report
+        req.paused_at_last = req.paused_at_added + 17.9  # held 17.9 s before its newest token
+        app.state.paused = True
+        app.view("dashboard").update_view(app.state, app.selected)
+        await pilot.pause(0.2)
+        top = screen_text(app).splitlines()[app.query_one("#output").region.y]  # the panel's top border
+        assert f"{req.request_id} · {req.state} · paused now" in top, top
+        assert "17.9 s" in top and "not in TTFT/TPOT)" in top and "…" not in top, top
