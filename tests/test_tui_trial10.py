@@ -268,3 +268,56 @@ async def test_the_selected_requests_title_fits_and_keeps_its_meaning(tmp_path, 
         top = screen_text(app).splitlines()[app.query_one("#output").region.y]  # the panel's top border
         assert f"{req.request_id} · {req.state} · paused now" in top, top
         assert "17.9 s" in top and "not in TTFT/TPOT)" in top and "…" not in top, top
+
+
+# ---------------------------------------------------------------- 5: the Narrator rewraps at the width it is shown at
+
+
+async def test_narrator_lines_rewrap_when_the_window_widened_while_it_was_hidden(tmp_path):
+    """Trial 10: after widening 100 -> 120 columns while another tab was shown, old entries stayed
+    wrapped at 100 (the view's own resize came before its log had the new width)."""
+    from textual.widgets import RichLog
+
+    app = replay_app(tmp_path)
+    # (60 -> 100 columns: a headless console measures text at most 80 cells wide, so wider would not show it)
+    async with app.run_test(size=(60, 24)) as pilot:
+        await pilot.press("3", "n", "n", "n")
+        log = app.query_one("#narration", RichLog)
+        await wait_until(pilot, lambda: len(log.lines) > 5, 10, "the Narrator's entries")
+        await pilot.pause(0.3)
+        narrow = log.scrollable_content_region.width
+        assert max(line.cell_length for line in log.lines) <= narrow
+        await pilot.press("1")
+        await pilot.resize_terminal(100, 24)
+        await pilot.pause(0.3)
+        await pilot.press("3")
+        await wait_until(pilot, lambda: log.scrollable_content_region.width > narrow, 10, "the wider log")
+        await pilot.pause(0.5)
+        wide = log.scrollable_content_region.width
+        assert max(line.cell_length for line in log.lines) > narrow, "old entries kept their old wrap width"
+        assert max(line.cell_length for line in log.lines) <= wide
+
+
+async def test_narrator_lines_rewrap_when_the_log_width_changed_without_the_views_resize(tmp_path):
+    """The same fault at its root: the view rewrote on its own resize only, and a log whose width
+    changed when the view's did not (or before the view's resize reached it) kept its old wrap."""
+    from textual.widgets import RichLog
+
+    app = replay_app(tmp_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("3")
+        log = app.query_one("#narration", RichLog)
+        was = log.styles.width
+        log.styles.width = 40
+        await pilot.pause(0.3)
+        await pilot.press("n", "n", "n")
+        await wait_until(pilot, lambda: len(log.lines) > 5, 10, "the Narrator's entries")
+        await pilot.pause(0.3)
+        narrow = log.scrollable_content_region.width
+        assert narrow < 40 and max(line.cell_length for line in log.lines) <= narrow
+        log.styles.width = was
+        await pilot.pause(0.3)
+        app.view("narrator").update_view(app.state, app.selected)  # as the next event or showing does
+        await pilot.pause(0.5)
+        assert log.scrollable_content_region.width > narrow
+        assert max(line.cell_length for line in log.lines) > narrow, "old entries kept their old wrap width"
