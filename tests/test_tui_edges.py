@@ -95,7 +95,7 @@ async def test_a_paste_then_enter_sends_the_pasted_prompt(tiny_llama_dir, tmp_pa
         keys_at_once(app, "enter", "escape", "2")
         await wait_until(pilot, lambda: app.state.requests and visible_tab(app) == "xray", timeout=10,
                          what="the prompt sent and the X-Ray tab")
-        assert app.state.requests[app.selected].prompt == "Once upon a time"  # an input takes the first line
+        assert app.state.requests[app.selected].prompt == "Once upon a time\nand more"  # every line (trial 10)
         assert app.query_one("#prompt", Input).value == "" and visible_tab(app) == "xray"
 
 

@@ -41,7 +41,7 @@ from nanovllm_tui.views.narrator import NarratorView
 from nanovllm_tui.views.tutorial import TutorialView
 from nanovllm_tui.views.xray import XRayView
 from nanovllm_tui.widgets.footer import SteadyFooter
-from nanovllm_tui.widgets.prompt_bar import ONE_LINE_WIDTH, REPLAY_NOTES, PromptBar, PromptSettings, settings_errors
+from nanovllm_tui.widgets.prompt_bar import ONE_LINE_WIDTH, REPLAY_NOTES, Field, PromptBar, PromptSettings, settings_errors
 from nanovllm_tui.widgets.status_header import StatusHeader
 
 VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
@@ -207,6 +207,10 @@ class NanoVLLMApp(App):
         if cut:  # a note, not an error: what came before the cut plays as recorded
             self.notify(f"The recording ends in a cut line (line {cut} is not a whole event, as when a trace is "
                         f"copied while it is written): it plays up to line {cut - 1}.", timeout=10, markup=False)
+        cut_step = getattr(self.controller, "cut_step", None)
+        if cut_step:  # the step had no StepTimed: it never finished, so it is not shown as if it had run
+            self.notify(f"The recording stopped during step {cut_step}, before it finished: that step is not "
+                        "played (the replay ends with the step before it).", timeout=10, markup=False)
         self.set_interval(0.5, self._poll_engine_state)
         for i, (prompt, priority) in enumerate(self._initial_prompts, 1):
             rid = self._submit(prompt, dataclasses.replace(self.settings, priority=priority,
@@ -382,10 +386,8 @@ class NanoVLLMApp(App):
             kept = ""
             prompt = self._unconfirmed.pop(event.request_id, None)
             if prompt is not None:
-                field = self.query_one("#prompt-bar", PromptBar).query_one("#prompt", Input)
-                if not field.value:
-                    field.value, kept = prompt, " (the prompt is back in the bar)"
-                    field.cursor_position = len(prompt)  # typing goes on after it, not in front (trial 8)
+                if self.query_one("#prompt-bar", PromptBar).put_back(prompt):  # line breaks as ⏎ again
+                    kept = " (the prompt is back in the bar)"
                 else:
                     kept = " (its prompt was not put back: the bar holds new text)"
             self.notify(f"{event.request_id} was rejected: {event.reason}{kept}", severity="error", timeout=8,
@@ -502,6 +504,13 @@ class NanoVLLMApp(App):
     async def on_event(self, event: events.Event) -> None:
         if isinstance(event, (events.Key, events.Paste, events.MouseDown)) and not event.is_forwarded:
             self._yield_for_frame()
+            if not self.app_focus and not isinstance(event, events.Paste):
+                # What Textual's App.on_event does, which a key handled below never reaches: a key or a
+                # click means the terminal has the focus again. Until then Textual's footer ignores
+                # binding changes: after a focus-out (tmux sends one) it kept X-Ray's keys on the
+                # Narrator (trial 10).
+                self.app_focus = True
+                self.screen.refresh_bindings()
         if isinstance(event, (events.Key, events.Paste)) and not event.is_forwarded and await self._handle_now(event):
             return
         await super().on_event(event)
@@ -552,7 +561,10 @@ class NanoVLLMApp(App):
                             "for the app's keys.", severity="warning", markup=False)
                 return True  # a key typed into the bar is never an app key
         if isinstance(event, events.Paste):
-            text = event.text.splitlines()[0] if event.text else ""  # an input takes one line, as Input does
+            if isinstance(focused, Field):  # every line kept, as ⏎ (Input keeps the first only: trial 10)
+                focused.paste(event.text)
+                return True
+            text = event.text.splitlines()[0] if event.text else ""  # another input takes one line, as Input does
         elif isinstance(focused, Input) and focused.check_consume_key(event.key, event.character):
             text = event.character
         else:

@@ -74,15 +74,39 @@ class ReplaySubscription:
 
 class Trace(list):
     """A trace's events; ``cut_line``: the number of its last line when that line was cut short
-    (it is not played), else None."""
+    (it is not played), else None; ``cut_step``: the step the recording stopped in, before its
+    ``StepTimed`` (it is not played: it never finished), else None."""
 
     cut_line: int | None = None
+    cut_step: int | None = None
+
+
+# What a step itself sends between its StepPlanned and its StepTimed (left out of a step that never finished).
+STEP_EVENTS = (ev.TokenSampled, ev.BlocksChanged, ev.LayerTrace, ev.SpecDecodeStep)
+
+
+def drop_unfinished_step(events: Trace) -> None:
+    """Leave out the last step when the recording stopped inside it (``q`` during a long prefill
+    chunk: its ``StepPlanned`` and maybe some of its events, no ``StepTimed``), and keep its number
+    in ``events.cut_step``. Played, it read as if it had run: "last step 486: 512/512 tok" and its
+    chunk counted as prefilled while the KV panel had no blocks for it (trial 10). Events between
+    steps (a request added, a pause) are kept. An empty step (nothing scheduled: the engine sends
+    no ``StepTimed`` for it) and a step the engine reported failing (an ``EngineError`` of that
+    step) are whole as recorded."""
+    last = next((i for i in range(len(events) - 1, -1, -1) if isinstance(events[i], ev.StepPlanned)), None)
+    if last is None or not events[last].scheduled:
+        return
+    step, tail = events[last].step, events[last + 1:]
+    if any(isinstance(e, ev.StepTimed) or (isinstance(e, ev.EngineError) and e.step == step) for e in tail):
+        return
+    events[last:] = [e for e in tail if not isinstance(e, STEP_EVENTS)]
+    events.cut_step = step
 
 
 def load_trace(path: str | Path) -> Trace:
     """Events of a ``.jsonl`` trace, or of a gzipped one (``.jsonl.gz``). A last line cut short
     (no newline, not a whole event) is left out and its number kept in ``cut_line``; a bad line
-    anywhere else is an error.
+    anywhere else is an error. A last step that never finished is left out (:func:`drop_unfinished_step`).
 
     Raises:
         OSError: the file cannot be read.
@@ -104,8 +128,10 @@ def load_trace(path: str | Path) -> Trace:
                         raise ValueError(f"line {n}: {e}") from None
     except (EOFError, gzip.BadGzipFile, UnicodeDecodeError) as e:
         raise ValueError(f"not a readable trace: {e}") from None
+    drop_unfinished_step(events)
     if not any(isinstance(e, ev.StepPlanned) for e in events):
-        raise ValueError("no engine steps in this trace; record one with nanovllm --prompt ... --trace FILE.jsonl")
+        during = f" (the recording stopped during step {events.cut_step}, before it finished)" if events.cut_step else ""
+        raise ValueError(f"no engine steps in this trace{during}; record one with nanovllm --prompt ... --trace FILE.jsonl")
     return events
 
 
@@ -147,6 +173,7 @@ class ReplayController:
                  pace: tuple[float, float] = (0.05, 1.0)) -> None:
         self._prologue, self._steps = split_steps(events)
         self.cut_line: int | None = getattr(events, "cut_line", None)  # see Trace
+        self.cut_step: int | None = getattr(events, "cut_step", None)
         self.pace = pace
         self.load_error: str | None = None
         self.engine = None

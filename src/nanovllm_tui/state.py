@@ -139,6 +139,10 @@ class EngineState:
         self.engine_state = "loading"
         self.step: int | None = None
         self.plan: ev.StepPlanned | None = None
+        # The newest step failed before it ended (an EngineError of that step, no StepTimed yet): its
+        # number, else None. Its planned chunks are not counted as prefilled meanwhile (trial 10).
+        self.failed_step: int | None = None
+        self._before_plan: dict[str, int] = {}  # request id -> prefilled before the newest step's chunk
         self.requests: dict[str, RequestView] = {}
         self.timings: deque[ev.StepTimed] = deque(maxlen=HISTORY_STEPS)
         self.yielded_s = 0.0  # seconds the engine's steps waited for this app's key frames (StepTimed.yielded_s)
@@ -193,6 +197,14 @@ class EngineState:
 
     def _on_EngineError(self, e: ev.EngineError) -> None:
         self.last_error = e
+        if e.step is not None and e.step == self.step and e.request_id is None and self.plan is not None \
+                and self.plan.scheduled and self.failed_step is None:
+            # The step failed as a whole: its chunks did not run (a device failure ends the engine with no
+            # StepTimed; otherwise each request is retried alone and the StepTimed re-counts them).
+            self.failed_step = e.step
+            for rid, before in self._before_plan.items():
+                if rid in self.requests:
+                    self.requests[rid].prefilled = before
         if e.step is None and e.message.startswith("model failed to load"):
             self.load_error = e.message.split(": ", 1)[-1]
             self.engine_state = "failed"
@@ -267,7 +279,8 @@ class EngineState:
         self._prune()
 
     def _on_StepPlanned(self, e: ev.StepPlanned) -> None:
-        self.step, self.plan = e.step, e
+        self.step, self.plan, self.failed_step = e.step, e, None
+        self._before_plan = {}
         if e.scheduled:  # a step while paused is engine time
             self._release(e.time)
         for q in e.waiting + e.running:
@@ -283,6 +296,7 @@ class EngineState:
                 continue
             req = self.requests[s.request_id]
             if s.kind == "prefill":
+                self._before_plan[s.request_id] = req.prefilled
                 req.prefilled = min(s.prompt_len, s.start + s.num_tokens)
                 req.num_cached = max(req.num_cached, s.num_cached_tokens)
         for q in e.preempted:
@@ -341,6 +355,14 @@ class EngineState:
         self._prune()
 
     def _on_StepTimed(self, e: ev.StepTimed) -> None:
+        if self.failed_step is not None and self.plan is not None and e.step == self.failed_step:
+            # the step's requests were retried one by one and it ended: the chunks of those still live ran
+            for s in self.plan.scheduled:
+                req = self.requests.get(s.request_id)
+                if s.index == 0 and s.kind == "prefill" and req is not None and req.live:
+                    req.prefilled = max(req.prefilled, min(s.prompt_len, s.start + s.num_tokens))
+            self.failed_step = None
+        self._before_plan = {}
         self.timings.append(e)
         self.yielded_s += e.yielded_s
         self._kv_now = None

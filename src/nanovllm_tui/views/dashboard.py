@@ -3,6 +3,7 @@ engine split over ranks (tensor parallel), each rank's compute and all-reduce ti
 
 from __future__ import annotations
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal
@@ -38,7 +39,9 @@ def phase_text(state: EngineState, width: int = 0) -> Text:
     used = Text(f"{plan.num_batched_tokens}/{plan.token_budget}", style="bold")
     # The step's figures are current only while steps run; otherwise say they are the last step's.
     step = Text(f"step {plan.step}: ") if state.busy else Text(f"last step {plan.step}", style="dim")
-    if not state.busy:
+    if state.failed_step == plan.step:  # it never finished: its budget was planned, not used (trial 10)
+        step = Text(f"step {plan.step} failed", style="bold red")
+    if not state.busy or state.failed_step == plan.step:
         used = Text(": ", style="dim") + used
     # "tok" before dropping the unit: "last step 476: 1/512" lost it at 120 columns (issue 29)
     lines = [first_fitting(width, step + used + " tokens", step + used + " tok", step + used, step),
@@ -111,8 +114,9 @@ class DashboardView(EngineView):
             output.show_content(Text("Type a prompt below and press Enter; its text streams in here.", style="dim"))
             topk.show((), None)
             return
-        output.border_title = f"{req.request_id} · {req.state}"
-        output.border_title += paused_note(req, state.paused)
+        title = f"{req.request_id} · {req.state}"
+        room = output.size.width - 4 - cell_len(title)  # the border's corners and the spaces around the title
+        output.border_title = title + paused_note(req, state.paused, room)
         text = exchange(req)
         if req.state == "running":
             text.append("▌", style="bold")
@@ -143,15 +147,29 @@ def exchange(req) -> Text:
     return text
 
 
-def paused_note(req, engine_paused: bool) -> str:
+def paused_notes(req, engine_paused: bool) -> list[str]:
     """The selected request's title's note on time held paused (its wall time differs from the
-    engine's). Its figure grows only with its tokens (the engine's paused clock, read at each),
-    so while the engine is held the note says "paused now" and counts only what came before:
-    a figure shown as current did not move until the next key (issue 29)."""
+    engine's), longest first: the title takes the longest that fits its panel (cut, it read
+    "...(not in TTFT/T…" at 120 columns: trial 10). Every form but the last keeps what the figure
+    means, that it is not in TTFT/TPOT. Its figure grows only with its tokens (the engine's paused
+    clock, read at each), so while the engine is held the note says "paused now" and counts only
+    what came before: a figure shown as current did not move until the next key (issue 29).
+    ``[""]`` when there is nothing to say."""
     earlier = fmt_ms(req.paused_s) if req.paused_s >= 0.001 else ""
     if req.live and engine_paused:
-        return f" · paused now{f', {earlier} before its last token' if earlier else ''} (not in TTFT/TPOT)"
+        if not earlier:
+            return [" · paused now (not in TTFT/TPOT)", " · paused now"]
+        return [f" · paused now, {earlier} before its last token (not in TTFT/TPOT)",
+                f" · paused now, +{earlier} earlier (not in TTFT/TPOT)",
+                f" · paused now (+{earlier}; not in TTFT/TPOT)", " · paused now"]
     if not earlier:
-        return ""
-    return f" · {earlier} paused{' so far' if req.live else ''} (not in TTFT/TPOT)"
+        return [""]
+    so_far = " so far" if req.live else ""
+    return [f" · {earlier} paused{so_far} (not in TTFT/TPOT)", f" · {earlier} paused (not in TTFT/TPOT)",
+            f" · {earlier} paused, not in TTFT", f" · {earlier} paused"]
 
+
+def paused_note(req, engine_paused: bool, width: int | None = None) -> str:
+    """The longest of :func:`paused_notes` that fits ``width`` cells (None: the longest)."""
+    notes = paused_notes(req, engine_paused)
+    return next((n for n in notes if width is None or cell_len(n) <= width), notes[-1])

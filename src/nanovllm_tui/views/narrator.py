@@ -4,8 +4,9 @@ The words come from ``nanovllm_core.educational.narrator`` (the CLI's ``--narrat
 same module); the app feeds it every event and this tab shows its entries. While the tab is
 hidden, entries wait in a bounded queue and are written when it is shown again, ``WRITE_SLICE``
 at a time, one slice a frame, so a full queue never holds the window still. Entries are
-wrapped at the log's width, and written again from the kept history when that width changes,
-so no line is ever cut at the edge; nothing is written before the log has a width (a tab
+wrapped at the log's width, and written again from the kept history when that width changes
+(checked at each showing and update, also after a resize while the tab was hidden), so no line
+is ever cut at the edge; nothing is written before the log has a width (a tab
 just shown is laid out at the next frame).
 """
 
@@ -58,12 +59,22 @@ class NarratorView(EngineView):
         return self.query_one(RichLog)
 
     def on_resize(self) -> None:
+        if self._width_changed():
+            self.update_view(self.app.state, self.app.selected)
+
+    def _width_changed(self) -> bool:
+        """When the log's width is not the one its lines were wrapped at, queue every kept entry to be
+        written again (:meth:`_rewrite`); True if so. Checked at each showing and update, not only on
+        this view's resize: a window widened while the tab was hidden reached the view before its
+        log had the new width, and the old lines kept the old wrap (trial 10)."""
         width = self.query_one(RichLog).scrollable_content_region.width
-        if width and width != self._width:
-            if self._width is not None:
-                self._rewrite()
-                self.update_view(self.app.state, self.app.selected)
-            self._width = width
+        if not width or width == self._width:
+            return False
+        known, self._width = self._width, width
+        if known is None:  # the first width: nothing was written before it (see _write_slice)
+            return False
+        self._rewrite()
+        return True
 
     def add(self, notes: list[Commentary]) -> None:
         """Queue new entries (shown the next time the tab is drawn)."""
@@ -97,6 +108,7 @@ class NarratorView(EngineView):
                 self._draining = True
                 self.call_after_refresh(self._drain)
             return
+        self._width_changed()
         if self.skipped:
             log.write(Text(f"… {self.skipped} earlier entries skipped while this tab was hidden", style="dim"))
             self.skipped = 0

@@ -14,11 +14,20 @@ Each setting is checked as it is typed (Textual's ``Input`` validators): a wrong
 and the line under the bar says why. Enter sends only when every setting is right, and at once
 (not through a message that would reach the app after the keys pressed behind Enter); a prompt
 is cleared only once it has been sent.
+
+The prompt field is one line, but a prompt may have many: a paste keeps all its lines, each line
+break shown as ``⏎`` (``NEWLINE_MARK``) and sent as a real newline on Enter, chat or raw (Textual's
+``Input`` kept the first line only and dropped the rest without a word: trial 10). The rule is
+simple and has no exception: every ``⏎`` in the field, pasted or typed, is sent as a line break.
+``\r\n`` and ``\r`` count as one line break; a tab is kept; every other control character of a
+paste (an escape sequence whole, with its parameters) is dropped, and a toast says how many were.
 """
 
 from __future__ import annotations
 
 import math
+import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -39,8 +48,35 @@ PLACEHOLDERS = ("Type a prompt, Enter sends it  (Esc: engine keys · / comes bac
 # What a replay shows instead of the prompt bar's fields, longest first (the longest that fits).
 REPLAY_NOTES = ("A replay plays a recording and takes no prompts: start without --replay to type one",
                 "A replay takes no prompts: start without --replay", "A replay takes no prompts")
+NEWLINE_MARK = "\u23ce"  # ⏎: a line break in the one-line prompt field (sent as "\n")
+# An escape sequence as a terminal would act on it, dropped whole from a paste: CSI (ESC [ ... final
+# byte, e.g. ESC[31m), OSC (ESC ] ... BEL or ESC \\), or ESC and one character; a lone ESC at the end too.
+_ESCAPE_SEQUENCE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[ -~])?|\x9b[0-?]*[ -/]*[@-~]")
 PRIORITY_LIMIT = PRIORITY_MAX  # the engine's bound, shared by every entry point: -1000 to 1000
 ONE_LINE_WIDTH = 80  # narrower terminals put the settings under the prompt (the app's Screen class -cramped)
+
+
+def pasted_text(text: str) -> tuple[str, int]:
+    """A paste as the prompt field holds it, and how many characters were dropped from it.
+
+    ``"a\\r\\nb\\x1b[31mc"`` -> ``("a⏎bc", 5)``: line breaks (``\\n``, ``\\r\\n``, ``\\r``) become
+    ``NEWLINE_MARK``, a tab is kept, escape sequences (whole) and every other control character
+    (Unicode category Cc) are dropped. Never raises."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    kept = _ESCAPE_SEQUENCE.sub("", text)
+    kept = "".join(c for c in kept if c in "\n\t" or unicodedata.category(c) != "Cc")
+    return kept.replace("\n", NEWLINE_MARK), len(text) - len(kept)
+
+
+def prompt_from_bar(value: str) -> str:
+    """The prompt the field's ``value`` sends: every ``NEWLINE_MARK`` a newline (``"a⏎b"`` -> ``"a\\nb"``)."""
+    return value.replace(NEWLINE_MARK, "\n")
+
+
+def bar_from_prompt(prompt: str) -> str:
+    """What the field shows for a sent ``prompt`` put back in it (a refused one): the inverse of
+    :func:`prompt_from_bar` (``"a\\r\\nb"`` -> ``"a⏎b"``)."""
+    return prompt.replace("\r\n", "\n").replace("\r", "\n").replace("\n", NEWLINE_MARK)
 
 
 @dataclass
@@ -142,11 +178,52 @@ def settings_errors(settings: PromptSettings, priorities: Sequence[int] = (),
     return why
 
 
+# The app's keys that are characters: in a field they type themselves (the app's `/` still goes to
+# the prompt from a setting or the chat box), so the footer leaves them out there: it offered
+# "/ Prompt" while `/` typed a slash into the prompt (trial 10).
+TYPED_APP_KEYS = ("space", "n", "a", "q", "left_square_bracket", "right_square_bracket")
+
+
+def typed_keys(*keys: str) -> list[Binding]:
+    """Hidden bindings that shadow the app's bindings of ``keys`` in the footer while a field has the
+    focus. They never run: the app types the character (or refuses it in the chat box) first."""
+    return [Binding(key, "typed", show=False) for key in keys]
+
+
 class Field(Input):
-    """A prompt-bar field: Enter asks the bar to send, there and then."""
+    """A prompt-bar field: Enter asks the bar to send, there and then; a paste keeps all its lines
+    (:func:`pasted_text`)."""
+
+    BINDINGS = typed_keys(*TYPED_APP_KEYS)
+
+    def action_typed(self) -> None:
+        """Nothing: see :func:`typed_keys`."""
 
     async def action_submit(self) -> None:
         self.query_ancestor(PromptBar).submit(self)
+
+    def paste(self, text: str) -> None:
+        """Insert a paste at the cursor (over the selection), its line breaks shown as ``⏎``; a toast
+        says how many control characters were dropped from it, if any."""
+        kept, dropped = pasted_text(text)
+        if dropped:
+            self.notify(f"{dropped} character{'s' if dropped > 1 else ''} of control codes (escape sequences and "
+                        "the like) dropped from the paste; the rest is in the bar.", severity="warning", markup=False)
+        if self.selection.is_empty:
+            self.insert_text_at_cursor(kept)
+        else:
+            self.replace(kept, *self.selection)
+
+    def _on_paste(self, event) -> None:  # Textual's own path (the app hands pastes to paste() itself)
+        if event.text:
+            self.paste(event.text)
+        event.stop()
+
+
+class PromptField(Field):
+    """The prompt's own field: `/` types a slash here, so the footer does not offer "/ Prompt" either."""
+
+    BINDINGS = typed_keys("slash")
 
     def on_blur(self) -> None:
         """Show the value's start once the focus leaves (typing left the view at its end: a cut
@@ -161,6 +238,10 @@ class ChatBox(Checkbox):
     only: a text capture read ``▐X▌ chat`` after ctrl+t had turned chat off; issue 29, trial 7)."""
 
     LABELS = {True: "chat", False: "raw"}
+    BINDINGS = typed_keys(*(k for k in TYPED_APP_KEYS if k != "space"))  # space toggles the box (Checkbox's own)
+
+    def action_typed(self) -> None:
+        """Nothing: see :func:`typed_keys` (the app refuses a character typed here with a toast)."""
 
     def __init__(self, value: bool, **kwargs) -> None:
         super().__init__(self.LABELS[bool(value)], value, **kwargs)
@@ -210,7 +291,7 @@ class PromptBar(Vertical):
     def compose(self) -> ComposeResult:
         d = self.defaults
         with Horizontal(id="prompt-fields"):
-            yield Field(placeholder=PLACEHOLDERS[0], id="prompt")
+            yield PromptField(placeholder=PLACEHOLDERS[0], id="prompt")
             with Horizontal(id="prompt-settings"):
                 for name, label, value in (("priority", "prio", d.priority), ("max-tokens", "max", d.max_tokens),
                                            ("temperature", "temp", d.temperature)):
@@ -309,12 +390,22 @@ class PromptBar(Vertical):
         self.set_class(bool(wrong), "-invalid")
         self.query_one("#prompt-error", Label).update(Text("; ".join(why for _, why in wrong)))  # typed text: no markup
 
+    def put_back(self, prompt: str) -> bool:
+        """Put a refused ``prompt`` back in the empty prompt field, line breaks as ``⏎``, the cursor
+        after it. False (nothing changed) when the field holds new text."""
+        field = self.query_one("#prompt", Input)
+        if field.value:
+            return False
+        field.value = bar_from_prompt(prompt)
+        field.cursor_position = len(field.value)  # typing goes on after it, not in front (trial 8)
+        return True
+
     def submit(self, field: Input) -> None:
         """Enter in ``field``: send the prompt with the settings, or say why not and keep it."""
         if self.replay:  # the fields are disabled; a key that still got here sends nothing
             return
         prompt_field = self.query_one("#prompt", Input)
-        prompt = prompt_field.value
+        prompt = prompt_from_bar(prompt_field.value)
         if not prompt.strip():
             self.notify("The prompt is empty: type some text, then press Enter.", severity="warning")
             self.screen.set_focus(prompt_field)
