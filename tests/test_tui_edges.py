@@ -258,7 +258,8 @@ async def test_entries_that_came_while_the_narrator_was_hidden_are_wrapped_at_it
         width = log.scrollable_content_region.width
         assert width > 80 and min(strip.cell_length for strip in log.lines) > 2  # none wrapped at 1 cell
         assert any("word word word word" in strip.text for strip in log.lines)
-        assert any("newest-check-2" in row for row in _log_rows(app))
+        await wait_until(pilot, lambda: any("newest-check-2" in row for row in _log_rows(app)), timeout=10,
+                         what="the newest hidden entry on screen")
 
 
 def _log_rows(app) -> list[str]:
