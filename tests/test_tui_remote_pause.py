@@ -73,3 +73,38 @@ async def test_an_attached_app_shows_the_pause_the_server_confirmed_and_a_refusa
         gate.set()
         remote._server.api_key = tiny_server.api_key
         tiny_server.controller.resume()  # the shared server is left unpaused, whatever happened here
+
+
+def test_prompts_sent_from_an_attached_app_that_quits_are_aborted_on_the_server(tiny_server):
+    """Trial 11: a prompt typed in an attached app ran on to its 2,000 tokens on the server after the app
+    quit, holding a batch slot and KV blocks nobody would read; the server aborts a client's request when
+    the client goes away, and the app now does the same for its own on the way out. Others' requests run on."""
+    from nanovllm_core import events as ev
+    from nanovllm_core.sampling_params import SamplingParams
+    from tests.conftest import poll_until
+
+    ended: dict[str, str] = {}
+    sub = tiny_server.controller.subscribe(
+        lambda e: ended.__setitem__(e.request_id, e.finish_reason) if isinstance(e, ev.RequestFinished) else None,
+        topk=0, blocks=False)
+    other = RemoteController(tiny_server.url, tiny_server.api_key)  # another client, staying
+    remote = RemoteController(tiny_server.url, tiny_server.api_key)
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    try:
+        other.start()
+        remote.start()
+        theirs = other.submit("one two three", long)
+        short = remote.submit("Hi", SamplingParams(temperature=0, max_tokens=1))
+        mine = remote.submit("one two three", long)
+        engine = tiny_server.controller.engine
+        assert poll_until(lambda: mine in engine.requests and short in ended, timeout=20), "the app's prompt running"
+        assert remote.shutdown(timeout=5)
+        assert poll_until(lambda: mine in ended, timeout=10), "the quitting app's prompt ended"
+        assert ended[mine] == "abort" and ended[short] == "length"
+        assert theirs in engine.requests or ended.get(theirs) == "length"  # another client's is left alone
+    finally:
+        other.abort(theirs)
+        other.shutdown(timeout=5)
+        remote.shutdown(timeout=1)
+        tiny_server.controller.unsubscribe(sub)
+        poll_until(lambda: not tiny_server.controller.engine.has_unfinished_requests(), timeout=10)

@@ -253,6 +253,7 @@ class RemoteController:
         self._ids = itertools.count()
         self._session = secrets.token_hex(2)  # ids of prompts sent from this app: tui-<session>-<n>
         self._paused_here = False  # this controller's last word was pause: shutdown resumes the server
+        self._sent_here: set[str] = set()  # prompts sent from this app that have not ended: shutdown aborts them
         # Names this app's pauses to the server, which keeps who made the pause it holds: the resume
         # sent on quitting ends the pause only if it is still this app's (not another client's since).
         self._owner = f"tui-{secrets.token_hex(8)}"
@@ -307,6 +308,8 @@ class RemoteController:
         params = {} if sampling_params is None else {
             f.name: getattr(sampling_params, f.name) for f in dataclasses.fields(sampling_params)}
         body = {"command": "submit", "request_id": rid, "prompt": prompt, "params": params, "priority": priority}
+        with self._lock:
+            self._sent_here.add(rid)
         self._commands.put((body, lambda reason: self._deliver(ev.RequestRejected(request_id=rid, reason=reason))))
         return rid
 
@@ -342,7 +345,16 @@ class RemoteController:
         that quit while paused left the server paused and every client waiting (issue 29). The
         resume names this app as the pause's owner, so the server ends the pause only if it is still
         this app's: a server started paused, paused by another client (also after another client
-        resumed and paused it again), or restarted since, is left as it is."""
+        resumed and paused it again), or restarted since, is left as it is.
+
+        Prompts sent from this app that have not ended are aborted first, as the server aborts a
+        client's request when the client goes away: nobody is left to read them (trial 11: one ran
+        on to its 2,000 tokens after the app quit). An id the server no longer knows is refused
+        there and nothing else happens."""
+        with self._lock:
+            unfinished = sorted(self._sent_here)
+        for rid in unfinished:
+            self._command({"command": "abort", "request_id": rid})
         if self._paused_here:
             # queued behind what is still to be sent; the sender posts it before ending
             self._command({"command": "resume", "owner": self._owner})
@@ -366,6 +378,8 @@ class RemoteController:
     def _deliver(self, event: ev.Event) -> None:
         with self._lock:
             subs = list(self._subs)
+            if isinstance(event, (ev.RequestFinished, ev.RequestRejected)):
+                self._sent_here.discard(event.request_id)
         for sub in subs:
             if sub.wants(event):
                 try:
@@ -479,6 +493,8 @@ class RemoteController:
             instance = event_id.partition(":")[0]
             if self._instance is not None and instance != self._instance:
                 self._paused_here = False  # a new engine: nothing this app did reached it
+                with self._lock:
+                    self._sent_here.clear()
                 self._deliver(ServerRestarted(url=self.url))
             self._instance, self._last_id = instance, event_id
         if isinstance(event, ev.EnginePaused):
