@@ -727,6 +727,22 @@ def test_null_optional_fields_are_served_as_their_defaults(tiny_server, path, bo
 def test_unsupported_fields_with_a_value_and_null_required_fields_are_refused(tiny_server, path, body, param):
     status, answer = post(tiny_server, path, body)
     assert status == 400 and answer["error"]["param"] == param, answer
+    if param in ("tools", "tool_choice", "response_format"):  # trial 11: said as unsupported, not as a typo
+        assert answer["error"]["message"].startswith(f"{param} is not supported by this server"), answer
+        assert "Unrecognized" not in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body", [
+    (CHAT, {"messages": MESSAGES, "max_tokens": 1, "response_format": {"type": "text"}, "tools": [],
+            "tool_choice": "none"}),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "response_format": {"type": "text"}}),
+])
+def test_unsupported_fields_with_the_value_that_asks_for_nothing_are_served(tiny_server, path, body):
+    """Trial 11: response_format {"type": "text"}, tools [] and tool_choice "none" were refused as
+    "Unrecognized request argument" (a client library that always sends them could not use the
+    server); vLLM takes them, and they ask for nothing this server does not do."""
+    status, answer = post(tiny_server, path, body)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 1, answer
 
 
 def test_serving_doc_describes_every_control_command():

@@ -10,6 +10,7 @@ server answers with OpenAI's JSON shape ``{"error": {"message", "type", "param",
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -76,6 +77,10 @@ def validation_error(e: ValidationError, body: Any = None) -> APIError:
                             code="invalid_value")
     field = ".".join(str(p) for p in loc) or None
     if err["type"] == "extra_forbidden":
+        if field in NO_OP_VALUES:  # OpenAI's own field, not a typo: say what this server takes
+            shown = " or ".join(json.dumps(v) for v in NO_OP_VALUES[field])
+            return APIError(f"{field} is not supported by this server ({UNSUPPORTED_WHY[field]}); leave it out or "
+                            f"send {shown}", param=field, code="invalid_value")
         return APIError(f"Unrecognized request argument supplied: {field}", param=field, code="unknown_parameter")
     if err["type"] == "missing":
         return APIError(f"Missing required parameter: {field}", param=field, code="missing_required_parameter")
@@ -121,7 +126,9 @@ class _Body(BaseModel):
     them as "not sent", so ``"n": null`` is ``n=1`` and ``"stream": null`` is ``stream=false``.
     A required field (``prompt``, ``messages``, a message's ``role``) keeps refusing ``null``
     with its one-line 400. ``NULL_ONLY``: fields this server does not support but takes as
-    ``null`` (= not sent); any other value of them is refused as an unknown field.
+    ``null`` or as their value that asks for nothing (``NO_OP_VALUES``: ``response_format``
+    ``{"type": "text"}``, ``tools`` ``[]``, ``tool_choice`` ``"none"``; = not sent); any other
+    value of them is a 400 saying the field is not supported here.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -133,7 +140,20 @@ class _Body(BaseModel):
         if not isinstance(data, dict):
             return data
         optional = {name for name, f in cls.model_fields.items() if not f.is_required()} | cls.NULL_ONLY
-        return {k: v for k, v in data.items() if not (v is None and k in optional)}
+        return {k: v for k, v in data.items() if not (v is None and k in optional)
+                and not (k in cls.NULL_ONLY and v in NO_OP_VALUES.get(k, ()))}
+
+
+# OpenAI fields this server does not support, each with the values that ask for nothing (taken as
+# not sent, as vLLM takes them; trial 11: a client that always sends response_format {"type":
+# "text"} could not use the server) and why any other value is refused.
+NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",)}
+UNSUPPORTED_WHY = {
+    "response_format": "no structured output: the text is whatever the model writes",
+    "tools": "no tool calling; tool messages in messages are rendered through the chat template",
+    "tool_choice": "no tool calling",
+}
 
 
 class StreamOptions(_Body):
