@@ -257,3 +257,4 @@ def test_the_block_map_summary_says_prefix_caching_is_off_rather_than_a_0_percen
     off = summary_text(blocks, engine.model_info()["prefix_caching"]).plain
     assert "prefix caching off" in off and "hit rate" not in off
     assert "prefix-cache hit rate 0%" in summary_text(blocks, True).plain
+

@@ -321,3 +321,31 @@ async def test_narrator_lines_rewrap_when_the_log_width_changed_without_the_view
         await pilot.pause(0.5)
         assert log.scrollable_content_region.width > narrow
         assert max(line.cell_length for line in log.lines) > narrow, "old entries kept their old wrap width"
+
+
+async def test_a_request_with_several_samples_says_the_dashboard_shows_sample_0(tmp_path):
+    """Trial 11: an attached server's n=3 request showed one row and one text with nothing saying the
+    client got three choices; the panel title names the sample shown and where the others are."""
+    import dataclasses
+
+    from nanovllm_core import events as ev
+    from nanovllm_tui.app import NanoVLLMApp
+    from nanovllm_tui.replay import ReplayController, load_trace
+    from tests.tui_helpers import TRACE
+
+    trace = load_trace(TRACE)
+    trace[:] = [dataclasses.replace(e, n=3) if isinstance(e, ev.RequestAdded) and e.request_id == "0" else e
+                for e in trace]
+    app = NanoVLLMApp(ReplayController(trace, start_paused=True), tutorial_path=tmp_path / "t.json")
+    async with app.run_test(size=(120, 40)) as pilot:
+        app.controller.step(2)
+        await wait_until(pilot, lambda: app.state.step == 1, timeout=10, what="two recorded steps")
+        await pilot.press("escape", "1")
+        app.selected = "0"
+        app._redraw()
+        await pilot.pause()
+        assert app.state.requests["0"].n == 3 and app.state.requests["1"].n == 1
+        assert "sample 0 of 3 (all in the Narrator)" in str(app.query_one("#output").border_title)
+        app.selected = "1"
+        app._redraw()
+        assert "sample" not in str(app.query_one("#output").border_title)

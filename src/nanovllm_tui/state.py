@@ -41,6 +41,7 @@ class RequestView:
     priority: int | None = 0  # None: not known (a request refused before the engine added it, seen elsewhere)
     max_tokens: int | None = None
     chat: bool | None = None  # sent as a user's chat message (True), as raw text (False), or not known (sent elsewhere)
+    n: int = 1  # samples of the prompt (a client's n); the app follows sample 0, the Narrator tells them all
     state: str = "submitted"
     prompt_len: int | None = None
     prompt_pieces: tuple[str, ...] = ()
@@ -264,6 +265,7 @@ class EngineState:
         # A prompt sent as token ids (a chat template's rendering) is shown as its pieces.
         req.prompt = e.prompt if e.prompt is not None else (req.prompt or "".join(e.prompt_pieces))
         req.priority, req.max_tokens, req.sampling = e.priority, e.max_tokens, dict(e.sampling)
+        req.n = e.n
         req.prompt_len, req.prompt_pieces = len(e.prompt_token_ids), e.prompt_pieces
         req.added_time = e.time
         req.paused_at_added = req.paused_at_first = req.paused_at_last = self.paused_clock(e.time)

@@ -115,6 +115,8 @@ class DashboardView(EngineView):
             topk.show((), None)
             return
         title = f"{req.request_id} · {req.state}"
+        if req.n > 1:  # the row, this text and its top-k follow sample 0 (trial 11: nothing said there were more)
+            title += f" · sample 0 of {req.n} (all in the Narrator)"
         room = output.size.width - 4 - cell_len(title)  # the border's corners and the spaces around the title
         output.border_title = title + paused_note(req, state.paused, room)
         text = exchange(req)
