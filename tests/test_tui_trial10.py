@@ -349,3 +349,27 @@ async def test_a_request_with_several_samples_says_the_dashboard_shows_sample_0(
         app.selected = "1"
         app._redraw()
         assert "sample" not in str(app.query_one("#output").border_title)
+
+
+@pytest.mark.parametrize("reads", [
+    ["\x1b[200~abc\x1b[31mdef\x1b[201~"],
+    ["\x1b[20", "0~abc\x1b", "[3", "1mdef\x1b[2", "01~"],  # every marker and sequence split across reads
+])
+def test_a_paste_holding_escape_sequences_reaches_the_prompt_bar_whole_and_in_order(reads):
+    """Trial 11: Textual's parser ended a bracketed paste at its first ESC: `abc ESC[31m def` gave the
+    keys `[31mdef` first (typed into the bar, or acting as the app's keys elsewhere), then a paste of
+    `abc`. Filtered in front of the parser, the paste arrives whole; the bar drops the sequence, counted."""
+    from textual._xterm_parser import XTermParser
+
+    from nanovllm_tui.lifetime import filter_escapes_in_pastes, read_esc_key_as_alt
+
+    read_esc_key_as_alt()
+    filter_escapes_in_pastes()
+    filter_escapes_in_pastes()  # twice is harmless
+    parser = XTermParser()
+    got = [e for chunk in [*reads, "x"] for e in parser.feed(chunk)]
+    assert [type(e).__name__ for e in got] == ["Paste", "Key"], got
+    assert pasted_text(got[0].text) == ("abcdef", 5) and got[1].key == "x"
+    alone = XTermParser()  # outside a paste nothing is held or changed: a lone Esc is Esc
+    keys = list(alone.feed("q")) + list(alone.feed("\x1b")) + list(alone.feed(""))
+    assert [e.key for e in keys] == ["q", "escape"], keys

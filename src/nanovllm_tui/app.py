@@ -170,10 +170,11 @@ class NanoVLLMApp(App):
         process when its page or the web server goes away (``lifetime.PageWebDriver``)."""
         from textual.drivers.web_driver import WebDriver
 
-        from nanovllm_tui.lifetime import read_esc_key_as_alt, tolerate_bad_input
+        from nanovllm_tui.lifetime import filter_escapes_in_pastes, read_esc_key_as_alt, tolerate_bad_input
 
         tolerate_bad_input()
         read_esc_key_as_alt()
+        filter_escapes_in_pastes()
         driver = super().get_driver_class()
         if driver is WebDriver:
             from nanovllm_tui.lifetime import PageWebDriver

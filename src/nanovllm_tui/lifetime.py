@@ -19,6 +19,7 @@ from __future__ import annotations
 import codecs
 import functools
 import os
+import re
 import signal
 import sys
 import threading
@@ -207,3 +208,80 @@ def read_esc_key_as_alt() -> None:
 
     sequence_to_key_events.esc_as_alt = True
     XTermParser._sequence_to_key_events = sequence_to_key_events
+
+
+PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"
+HIDDEN = "\x1a"  # what an escape sequence inside a paste becomes: a control character the prompt bar drops and counts
+# an escape sequence: CSI (ESC [ ... final), OSC (ESC ] ... BEL or ST), DCS/SOS/PM/APC (ESC P|X|^|_ ... ST),
+# or ESC and one other printable character
+_SEQUENCE = re.compile(r"\x1b(\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(\x07|\x1b\\)|[PX^_][^\x1b]*\x1b\\|(?![\[\]PX^_])[ -~])")
+
+
+class PasteEscapes:
+    """Keeps escape sequences inside a bracketed paste from reaching Textual's parser as such.
+
+    Textual 8's ``XTermParser`` ends a paste's text at the first ESC inside it: what follows
+    the ESC came as typed keys *before* the paste (``abc ESC[31m def`` gave the keys ``[31mdef``,
+    then a paste of ``abc``; trial 11), and outside the prompt field those keys act as the
+    app's keys. This filter, between the terminal and the parser, turns every character of
+    an escape sequence inside a paste into ``HIDDEN``, so the paste arrives whole and the
+    prompt bar drops them and says how many (``prompt_bar.pasted_text``). Text outside a
+    paste passes unchanged (a lone Esc key press is never held back). A paste's end marker
+    or an escape sequence split across two reads is held until the next read completes it.
+    """
+
+    def __init__(self) -> None:
+        self.in_paste = False
+        self.held = ""  # inside a paste: the start of a sequence or of the end marker not yet complete
+        self.tail = ""  # outside: the last characters passed on, to find a start marker split across reads
+
+    def __call__(self, data: str) -> str:
+        out: list[str] = []
+        data, self.held = self.held + data, ""
+        i = 0
+        while i < len(data):
+            if not self.in_paste:
+                seen = self.tail + data[i:]
+                start = seen.find(PASTE_START)
+                if start < 0:
+                    out.append(data[i:])
+                    self.tail = seen[-(len(PASTE_START) - 1):]
+                    break
+                begin = start + len(PASTE_START) - len(self.tail) + i  # where the paste's text begins in data
+                out.append(data[i:begin])
+                i, self.tail, self.in_paste = begin, "", True
+                continue
+            end = data.find(PASTE_END, i)
+            chunk = data[i:] if end < 0 else data[i:end]
+            if end < 0:  # hold a trailing ESC: it may begin the end marker or a sequence the next read completes
+                cut = chunk.rfind("\x1b")
+                if cut >= 0 and not _SEQUENCE.match(chunk, cut):
+                    chunk, self.held = chunk[:cut], chunk[cut:]
+            out.append(_SEQUENCE.sub(lambda m: HIDDEN * len(m.group(0)), chunk).replace("\x1b", HIDDEN))
+            if end < 0:
+                break
+            out.append(PASTE_END)
+            i, self.in_paste = end + len(PASTE_END), False
+        return "".join(out)
+
+
+def filter_escapes_in_pastes() -> None:
+    """Put a :class:`PasteEscapes` filter (one per parser) in front of Textual's ``XTermParser.feed``.
+    Another Textual keeps its own reading; calling this twice is harmless."""
+    try:
+        from textual._xterm_parser import XTermParser
+    except ImportError:
+        return
+    feed = XTermParser.feed
+    if getattr(feed, "paste_escapes", False):
+        return
+
+    def filtered_feed(self, data: str):
+        if not data:  # the end of input: passed on as it is
+            return feed(self, data)
+        screen = self.__dict__.setdefault("_paste_escapes", PasteEscapes())
+        text = screen(data)
+        return feed(self, text) if text else iter(())  # all held: nothing yet (an empty feed would mean the end)
+
+    filtered_feed.paste_escapes = True
+    XTermParser.feed = filtered_feed
