@@ -769,3 +769,30 @@ def test_the_engine_says_a_request_came_as_a_chat(make_tiny_engine):
         pytest.skip(str(e))
     engine.add_request("Hi")
     assert [e.chat for e in seen] == [(("user", "Hi"),), ()] and seen[0].prompt is None
+
+
+@pytest.mark.parametrize("sampling,greedy,caption", [
+    ((("temperature", 0.8), ("top_k", 5), ("top_p", 0.9)), False,
+     "the target's probability p of each draft, after temperature 0.8, top-k 5 and top-p 0.9, renormalised"),
+    ((("temperature", 0.0), ("repetition_penalty", 1.3)), True,
+     "the target's probability p of each draft, after repetition penalty 1.3"),
+    ((("temperature", 0.0),), True, "the target's probability p of each draft (its own probabilities)"),
+])
+def test_a_verifications_table_of_p_names_every_processor_behind_it(sampling, greedy, caption):
+    """Trial 11: under temperature 0.8, top-k 5 and top-p 0.9 the table read "the target's probability
+    p of each draft" beside 100.0% figures that were the processed, renormalised distribution's."""
+    out = spec_step(sampling, spec(greedy=greedy, num_query_tokens=4))
+    (v,) = [c for c in out if c.kind == "speculative"]
+    assert v.table_title == caption
+
+
+def test_end_to_end_says_how_much_of_it_the_engine_was_held_paused():
+    """Trial 11: "TTFT 3.3 s, TPOT 125.1 ms, end to end 40.6 s": the 34 s held paused were in e2e only."""
+    n = fresh()
+    n.feed(added())
+    held = replace(finished(), e2e_s=40.6, paused_s=33.7)
+    (done,) = [c for c in n.feed(held) if c.kind == "finished"]
+    assert ("end to end 40.6 s (wall time, 33.7 s of it with the engine held paused, which TTFT and TPOT leave out)."
+            in done.text)
+    (plain,) = [c for c in fresh().feed(finished()) if c.kind == "finished"]
+    assert "end to end 70.0 ms." in plain.text and "paused" not in plain.text

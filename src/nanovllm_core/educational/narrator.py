@@ -312,7 +312,9 @@ class Narrator(SchedulerNarration):
                 if state is not None and self.max_decode is not None and state.decode_told >= self.max_decode:
                     state.verify_untold += 1  # past the cap, as its tokens are (trial 10)
                 else:
-                    out.append(speculative_entry(e, self._name(e.request_id), greedy, kept.get(e.seq_id)))
+                    out.append(speculative_entry(e, self._name(e.request_id), greedy, kept.get(e.seq_id),
+                                                 state.sampling if state is not None else None,
+                                                 state.decode_told + state.decode_untold if state is not None else 1))
             elif isinstance(e, ev.RequestFinished):
                 ends.append(self._finished(e))
             elif isinstance(e, ev.EngineError):
@@ -646,7 +648,10 @@ class Narrator(SchedulerNarration):
             text = (f"Request {e.request_id} finished: all {len(e.samples)} samples are done. "
                     + " ".join(f"Sample {x.index} ({x.finish_reason}, {plural(len(x.token_ids), 'token')}): {x.text!r}."
                                for x in e.samples))
+        held = (f", {ms(e.paused_s)} of it with the engine held paused, which TTFT and TPOT leave out"
+                if e.paused_s and e.e2e_s is not None else "")  # trial 11: the three did not add up
         text += (f" Time to first token {ms(e.ttft_s)}, time per output token {ms(e.tpot_s)}, end to end {ms(e.e2e_s)}"
+                 + (f" (wall time{held})" if held else "")
                  + (" (sample 0's times)." if len(e.samples) > 1 else "."))
         if e.num_cached_prompt_tokens:
             text += (f" {e.num_cached_prompt_tokens} of its {plural(e.num_prompt_tokens, 'prompt token')} came from the "

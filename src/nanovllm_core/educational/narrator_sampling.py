@@ -281,11 +281,34 @@ def verification_rule(e: ev.SpecDecodeStep, sampling: dict[str, Any] | None) -> 
     return is_greedy(sampling) if sampling is not None else None
 
 
-def speculative_entry(e: ev.SpecDecodeStep, name: str, greedy: bool | None, appended: int | None) -> Commentary:
+def draft_table_caption(greedy: bool | None, sampling: dict[str, Any] | None, outputs_before: int) -> str:
+    """The caption of a verification's table of p: the target's probability of each draft, naming
+    every processor that made it (the sampler's distribution: penalties; for rejection sampling
+    also temperature and the filters, renormalised; trial 11: shown as if the model's own).
+
+    ``outputs_before``: tokens the sequence had generated before the verification (the
+    presence and frequency penalties act only after the first).
+    """
+    title = "the target's probability p of each draft"
+    if sampling is None:
+        return title
+    changes = processors(sampling, outputs_before)
+    if greedy is False:
+        t = float(sampling.get("temperature", 1.0))
+        changes += ([f"temperature {t:g}"] if t != 1 else []) + _filters(sampling)
+    if not changes:
+        return title + " (its own probabilities)"
+    renorm = ", renormalised" if greedy is False and _filters(sampling) else ""
+    return f"{title}, after {join_words(changes)}{renorm}"
+
+
+def speculative_entry(e: ev.SpecDecodeStep, name: str, greedy: bool | None, appended: int | None,
+                      sampling: dict[str, Any] | None = None, outputs_before: int = 1) -> Commentary:
     """The ``speculative`` entry of one verification: drafts, tokens run, the rule applied, what was kept.
 
     ``appended``: tokens the step actually added to the sequence (a stop condition can end it
-    inside the kept run); None when unknown.
+    inside the kept run); None when unknown. ``sampling`` (the request's non-default settings)
+    and ``outputs_before`` name the processors behind p (:func:`draft_table_caption`).
     """
     k = len(e.draft_tokens)
     n_query = e.num_query_tokens or 1 + k
@@ -336,4 +359,4 @@ def speculative_entry(e: ev.SpecDecodeStep, name: str, greedy: bool | None, appe
                   for i, ok in enumerate(e.accepted))
     return Commentary("speculative", f"{name[0].upper()}{name[1:]}: {n_ok}/{k} draft tokens accepted", text,
                       request_id=e.request_id, step=e.step, table=tuple(zip(e.draft_texts, e.p)),
-                      table_title="the target's probability p of each draft", table_notes=notes)
+                      table_title=draft_table_caption(greedy, sampling, outputs_before), table_notes=notes)
