@@ -357,3 +357,24 @@ def test_sampling_params_of_the_wrong_shape_are_named_as_given(make_llm):
     with pytest.raises(ValueError, match=r"^sampling_params\[1\] must be a SamplingParams, not int$"):
         llm.generate(["a", "b"], [SamplingParams(max_tokens=1), 3], use_tqdm=False)
     assert llm.stats()["kv_blocks_used"] == 0 and not llm.engine.has_unfinished_requests()
+
+
+def test_vllms_prompt_dicts_are_taken_and_their_bad_forms_named(make_llm):
+    """Trial 11: vLLM's TextPrompt / TokensPrompt dicts ({"prompt": ...}, {"prompt_token_ids": ...}) were
+    refused as "a dict", though README says a vLLM script runs here."""
+    llm = make_llm()
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    ids = llm.get_tokenizer().encode("Hello there")
+    plain = llm.generate(["Hello there", ids], sp, use_tqdm=False)
+    dicts = llm.generate([{"prompt": "Hello there"}, {"prompt_token_ids": ids}], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert llm.generate({"prompt": "Hello there"}, sp, use_tqdm=False)[0].outputs[0].text == plain[0].outputs[0].text
+    for prompt, message in [
+        ({"prompt": "a", "multi_modal_data": {}}, r"^prompts\[0\] has 'multi_modal_data': a prompt dict here takes"),
+        ({}, r"^prompts\[0\] must hold one of 'prompt' or 'prompt_token_ids', got an empty dict$"),
+        ({"prompt_token_ids": "12"}, r"^prompts\[0\]\['prompt_token_ids'\] must be a list of token ids, got a str$"),
+        ({"role": "user", "content": "Hi"}, r"^prompts\[0\] is a chat message; a conversation is a list of them"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([prompt], sp, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and llm.stats()["kv_blocks_used"] == 0

@@ -92,7 +92,8 @@ class LLM:
         """Generate completions for ``prompts``; outputs come back in input order.
 
         Args:
-            prompts: one string, a list of strings, or a list of token-id lists.
+            prompts: one string, a list of strings, or a list of token-id lists; vLLM's prompt dicts
+                (``{"prompt": text}``, ``{"prompt_token_ids": ids}``) are taken for either.
             sampling_params: one for all prompts or one per prompt (default ``SamplingParams()``).
             priority: one integer per prompt, -1000 to 1000 (``PRIORITY_MIN``..``PRIORITY_MAX``; higher runs
                 first under the priority policy; vLLM's ``priority`` is the opposite, lower first, and its
@@ -199,10 +200,12 @@ class LLM:
                 A list of prompts may mix texts, token-id lists and conversations: each is encoded
                 and checked on its own.
         """
-        shape = ("prompts must be a string, a list of token ids, or a list of prompts (strings, token-id lists "
-                 "or conversations)")
+        shape = ("prompts must be a string, a list of token ids, or a list of prompts (strings, token-id lists, "
+                 "{'prompt': ...} / {'prompt_token_ids': ...} dicts or conversations)")
         if isinstance(prompts, str):
             return [prompts]
+        if isinstance(prompts, dict) and ("prompt" in prompts or "prompt_token_ids" in prompts):
+            return [LLM._vllm_prompt(prompts, "prompts")]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"{shape}, got {describe(prompts)}")
         if prompts and isinstance(prompts[0], int) and not isinstance(prompts[0], bool):
@@ -211,7 +214,37 @@ class LLM:
                     raise ValueError(f"prompts starts as one token-id list but prompts[{i}] is {describe(t)}; "
                                      f"{shape}, got {describe(prompts)}")
             return [list(prompts)]
-        return list(prompts)
+        return [LLM._vllm_prompt(p, f"prompts[{i}]") if isinstance(p, dict) else p for i, p in enumerate(prompts)]
+
+    @staticmethod
+    def _vllm_prompt(prompt: dict, where: str) -> Any:
+        """vLLM's ``TextPrompt`` / ``TokensPrompt`` dict as this engine's prompt: ``{"prompt": text}``
+        -> text, ``{"prompt_token_ids": ids}`` -> ids (trial 11: both were refused as "a dict").
+
+        Raises:
+            ValueError: neither key, both, or a key this engine does not take (``multi_modal_data``,
+                ``cache_salt``, ...), named.
+        """
+        known = {"prompt", "prompt_token_ids"}
+        if "role" in prompt or "content" in prompt:
+            raise ValueError(f"{where} is a chat message; a conversation is a list of them: "
+                             "generate([conversation]) or chat(conversation)")
+        other = sorted(k for k in prompt if k not in known) if all(isinstance(k, str) for k in prompt) else ["?"]
+        if other:
+            raise ValueError(f"{where} has {', '.join(map(repr, other))}: a prompt dict here takes 'prompt' (text) or "
+                             "'prompt_token_ids' (a list of token ids) only")
+        if len(prompt) != 1:
+            raise ValueError(f"{where} must hold one of 'prompt' or 'prompt_token_ids', got "
+                             f"{' and '.join(map(repr, sorted(prompt))) or 'an empty dict'}")
+        value = next(iter(prompt.values()))
+        if "prompt" in prompt and not isinstance(value, str):
+            raise ValueError(f"{where}['prompt'] must be text, got {describe(value)}")
+        if "prompt_token_ids" in prompt:
+            if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                               for t in value):
+                raise ValueError(f"{where}['prompt_token_ids'] must be a list of token ids, got {describe(value)}")
+            return list(value)
+        return value
 
     def prompt_problem(self, prompt: Any, params: SamplingParams) -> str | None:
         """Why the engine would reject ``prompt`` with ``params`` (its one-line reason); None when it can run.
