@@ -180,7 +180,7 @@ def test_a_step_that_failed_before_it_ended_is_not_counted_as_prefilled():
     plan = groups[1][0]
     assert isinstance(plan, ev.StepPlanned) and state.requests["0"].prefilled == 2
     state.apply(plan)
-    assert state.requests["0"].prefilled == 9  # in flight: the chunk being run
+    assert state.requests["0"].prefilled == 2 and state.step_open  # in flight: counted when it ends (trial 11)
     state.apply(ev.EngineError(step=plan.step, message="the cpu device failed (RuntimeError: x)"))
     assert state.requests["0"].prefilled == 2 and state.failed_step == plan.step
     assert f"step {plan.step} failed" in phase_text(state, 60).plain
@@ -373,3 +373,37 @@ def test_a_paste_holding_escape_sequences_reaches_the_prompt_bar_whole_and_in_or
     alone = XTermParser()  # outside a paste nothing is held or changed: a lone Esc is Esc
     keys = list(alone.feed("q")) + list(alone.feed("\x1b")) + list(alone.feed(""))
     assert [e.key for e in keys] == ["q", "escape"], keys
+
+
+def test_a_step_in_flight_is_not_shown_done_and_a_readmissions_cache_hit_is_counted():
+    """Trial 11: while a step taken with n ran (seconds on a busy host), the Dashboard said "last step 7:
+    14/16 tokens" with the chunks' prompts shown prefilled, and the KV panel still the step before; and a
+    preempted request readmitted with 128 tokens from the prefix cache (planned as a 1-token decode) showed
+    0 in the cached column."""
+    import dataclasses
+
+    from nanovllm_core import events as ev
+    from nanovllm_tui.replay import load_trace, split_steps
+    from nanovllm_tui.state import EngineState
+    from nanovllm_tui.views.dashboard import phase_text
+    from tests.tui_helpers import TRACE
+
+    prologue, groups = split_steps(load_trace(TRACE))
+    state = EngineState()
+    for e in prologue + groups[0]:
+        state.apply(e)
+    state.paused = True  # a single step while paused, as n takes it
+    state.engine_state = "paused"
+    plan = groups[1][0]
+    state.apply(plan)
+    assert state.requests["0"].prefilled == 2 and f"step {plan.step} running" in phase_text(state, 60).plain
+    for e in groups[1][1:]:
+        state.apply(e)
+    assert state.requests["0"].prefilled == 9 and not state.step_open
+    assert f"last step {plan.step}" in phase_text(state, 60).plain
+    readmit = dataclasses.replace(groups[3][0], scheduled=tuple(  # request 2 as if readmitted: 7 from the cache
+        dataclasses.replace(s, num_cached_tokens=7) if s.request_id == "2" else s for s in groups[3][0].scheduled))
+    assert any(s.request_id == "2" and s.kind == "decode" for s in readmit.scheduled)
+    before = state.requests["2"].num_cached
+    state.apply(readmit)
+    assert before == 0 and state.requests["2"].num_cached == 7

@@ -144,6 +144,8 @@ class EngineState:
         # number, else None. Its planned chunks are not counted as prefilled meanwhile (trial 10).
         self.failed_step: int | None = None
         self._before_plan: dict[str, int] = {}  # request id -> prefilled before the newest step's chunk
+        self._planned_prefill: dict[str, int] = {}  # request id -> prefilled once the newest step ends
+        self.step_open = False  # the newest planned step has not ended yet (no StepTimed, no failure)
         self.requests: dict[str, RequestView] = {}
         self.timings: deque[ev.StepTimed] = deque(maxlen=HISTORY_STEPS)
         self.yielded_s = 0.0  # seconds the engine's steps waited for this app's key frames (StepTimed.yielded_s)
@@ -203,6 +205,7 @@ class EngineState:
             # The step failed as a whole: its chunks did not run (a device failure ends the engine with no
             # StepTimed; otherwise each request is retried alone and the StepTimed re-counts them).
             self.failed_step = e.step
+            self.step_open = False
             for rid, before in self._before_plan.items():
                 if rid in self.requests:
                     self.requests[rid].prefilled = before
@@ -282,7 +285,8 @@ class EngineState:
 
     def _on_StepPlanned(self, e: ev.StepPlanned) -> None:
         self.step, self.plan, self.failed_step = e.step, e, None
-        self._before_plan = {}
+        self._before_plan, self._planned_prefill = {}, {}
+        self.step_open = True
         if e.scheduled:  # a step while paused is engine time
             self._release(e.time)
         for q in e.waiting + e.running:
@@ -297,10 +301,13 @@ class EngineState:
             if s.index != 0 or s.request_id not in self.requests:
                 continue
             req = self.requests[s.request_id]
+            # any entry: a readmitted request's prefix-cache hit may be planned as a 1-token "decode" (trial 11)
+            req.num_cached = max(req.num_cached, s.num_cached_tokens)
             if s.kind == "prefill":
+                # counted as prefilled when the step ends (StepTimed), not while it runs: a step taken
+                # with n lasted seconds with its chunks shown done (trial 11)
                 self._before_plan[s.request_id] = req.prefilled
-                req.prefilled = min(s.prompt_len, s.start + s.num_tokens)
-                req.num_cached = max(req.num_cached, s.num_cached_tokens)
+                self._planned_prefill[s.request_id] = min(s.prompt_len, s.start + s.num_tokens)
         for q in e.preempted:
             if q.index == 0 and q.request_id in self.requests:
                 req = self.requests[q.request_id]
@@ -351,12 +358,20 @@ class EngineState:
             elif req.state != "lost":
                 del self.requests[rid]
         self.step = self.plan = self.blocks = self._kv_now = None
+        self.step_open, self._planned_prefill, self._before_plan = False, {}, {}
         self.timings.clear()
         self.xray, self.heat = {}, None
         self.paused, self.pending, self._held, self._paused_since = False, None, False, None
         self._prune()
 
     def _on_StepTimed(self, e: ev.StepTimed) -> None:
+        if self.failed_step is None and e.step == self.step:  # the step ran: its chunks are computed now
+            for rid, done in self._planned_prefill.items():
+                req = self.requests.get(rid)
+                if req is not None and req.state not in ("preempted", "rejected") and req.prefilled < done:
+                    req.prefilled = done
+        self._planned_prefill = {}
+        self.step_open = False
         if self.failed_step is not None and self.plan is not None and e.step == self.failed_step:
             # the step's requests were retried one by one and it ended: the chunks of those still live ran
             for s in self.plan.scheduled:

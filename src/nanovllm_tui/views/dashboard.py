@@ -39,6 +39,8 @@ def phase_text(state: EngineState, width: int = 0) -> Text:
     used = Text(f"{plan.num_batched_tokens}/{plan.token_budget}", style="bold")
     # The step's figures are current only while steps run; otherwise say they are the last step's.
     step = Text(f"step {plan.step}: ") if state.busy else Text(f"last step {plan.step}", style="dim")
+    if state.step_open and not state.busy:  # a single step (n) still running while paused: not done yet (trial 11)
+        step = Text(f"step {plan.step} running")
     if state.failed_step == plan.step:  # it never finished: its budget was planned, not used (trial 10)
         step = Text(f"step {plan.step} failed", style="bold red")
     if not state.busy or state.failed_step == plan.step:
