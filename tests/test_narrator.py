@@ -495,7 +495,7 @@ def test_a_waiting_high_priority_request_that_preempts_is_named():
     plan = planned(3, [urgent], preempted=[queued("0", priority=0, num_tokens=9, preemptions=1)],
                    waiting=[queued("0")], admitted=("2",))
     pre = next(c for c in fresh().feed(plan) if c.kind == "preemption")
-    assert pre.text.startswith("request 2 (priority 10) was waiting and too few KV blocks were free for it")
+    assert pre.text.startswith("Request 2 (priority 10) was waiting and too few KV blocks were free for it")  # a sentence (trial 11)
 
 
 def test_samples_of_one_prompt_share_only_full_blocks_through_the_prefix_cache():
@@ -796,3 +796,11 @@ def test_end_to_end_says_how_much_of_it_the_engine_was_held_paused():
             in done.text)
     (plain,) = [c for c in fresh().feed(finished()) if c.kind == "finished"]
     assert "end to end 70.0 ms." in plain.text and "paused" not in plain.text
+
+
+def test_a_rejection_is_told_as_a_sentence():
+    """Trial 11: the rejected entry was the engine's raw line, lower case and without a full stop."""
+    (note,) = fresh().feed(ev.RequestRejected(request_id="3", reason="the prompt is empty"))
+    assert note.kind == "rejected" and note.text == "The prompt is empty."
+    (kept,) = fresh().feed(ev.RequestRejected(request_id="4", reason="Already a sentence."))
+    assert kept.text == "Already a sentence."

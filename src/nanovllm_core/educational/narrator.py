@@ -167,7 +167,9 @@ class Narrator(SchedulerNarration):
         elif isinstance(event, ev.RequestAdded):
             out.extend(self._added(event))
         elif isinstance(event, ev.RequestRejected):
-            out.append(Commentary("rejected", f"Request {event.request_id} rejected", event.reason,
+            reason = event.reason.strip() or "no reason given"  # the engine's one line, as a sentence (trial 11)
+            out.append(Commentary("rejected", f"Request {event.request_id} rejected",
+                                  reason[0].upper() + reason[1:] + ("" if reason.endswith(".") else "."),
                                   request_id=event.request_id))
         elif isinstance(event, (ev.TokenSampled, ev.LayerTrace, ev.RequestFinished, ev.BlocksChanged,
                                 ev.SpecDecodeStep, ev.EngineError)):

@@ -157,8 +157,10 @@ class SchedulerNarration:
         if self.info.get("prefix_caching") is False:
             back = "when readmitted, their keys and values are all recomputed (prefix caching is off)"
         else:
-            back = ("its full blocks keep their contents as cached-free blocks until the pool needs their space; when "
-                    "it is readmitted, the blocks still in the prefix cache are reused and only the rest is recomputed")
+            back = ("its full blocks keep their contents as cached-free blocks until the pool needs their space (a "
+                    "full block whose contents another block already holds is simply freed); when it is readmitted, "
+                    "the blocks still in the prefix cache are reused and only the rest is recomputed")
+        why = why[0].upper() + why[1:]  # "request 3 (priority 10) was waiting..." begins the entry (trial 11)
         text = (f"{why}. It gave back all its blocks and went back to the waiting queue keeping its "
                 f"{plural(q.num_tokens, 'token')} (prompt and generated): {back}. Preemptions of this request so "
                 f"far: {q.num_preemptions}.")
