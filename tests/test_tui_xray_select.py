@@ -118,3 +118,25 @@ def test_the_xray_hint_says_a_finished_selection_gets_no_trace_and_how_to_pick_a
     two = no_trace_words(state, "0", live)
     assert "select a running one with ] or [ (running: 1)" in two
     assert no_trace_words(state, "1", live).startswith("No trace yet: send a prompt")
+
+
+def test_the_xray_hint_says_the_selection_was_not_in_the_step_just_run():
+    """Trial 11: after n, with the selected request left out of the step (its budget used by others), the
+    X-Ray still said "No trace yet: send a prompt, or press n while paused"."""
+    from nanovllm_core import events as ev
+    from nanovllm_tui.state import EngineState, RequestView
+    from nanovllm_tui.views.xray import no_trace_words
+
+    state = EngineState()
+    state.requests["0"] = RequestView("0", "hi", state="running")
+    state.requests["1"] = RequestView("1", "yo", state="waiting")
+    entry = ev.ScheduledEntry(request_id="0", seq_id=0, index=0, kind="decode", num_tokens=1, start=5, prompt_len=5,
+                              total_len=6, num_cached_tokens=0, samples=True, priority=0)
+    state.apply(ev.StepPlanned(step=7, token_budget=1, num_batched_tokens=1, scheduled=(entry,), preempted=(),
+                               admitted=(), waiting=(), running=(), max_num_seqs=2))
+    assert no_trace_words(state, "1", True).startswith("No trace yet: send a prompt")  # the step is still running
+    state.step_open = False  # (its StepTimed)
+    said = no_trace_words(state, "1", True)
+    assert said == ("No trace yet: request 1 was not in step 7 (it is waiting to be admitted); X-Ray records the next "
+                    "step that runs it: press n again while paused.")
+    assert no_trace_words(state, "0", True).startswith("No trace yet: send a prompt")  # it was in the step

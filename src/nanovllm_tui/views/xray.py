@@ -48,6 +48,14 @@ def no_trace_words(state: EngineState, selected: str | None, live: bool) -> str:
     "No trace yet: ... press n while paused" with a finished request selected). Names the keys that
     select another request (``]`` / ``[``, commands.py)."""
     req = state.requests.get(selected) if selected else None
+    plan = state.plan
+    if req is not None and req.live and plan is not None and not state.step_open \
+            and all(s.request_id != selected for s in plan.scheduled):
+        # trial 11: after n the hint still said "send a prompt, or press n" when the step had not run it
+        why = {"waiting": "it is waiting to be admitted", "preempted": "it is preempted, waiting to be readmitted",
+               "submitted": "the engine has not added it yet"}.get(req.state, "the step's token budget went to others")
+        return (f"No trace yet: request {selected} was not in step {plan.step} ({why}); X-Ray records the next step "
+                "that runs it: press n again while paused.")
     if req is None or req.live:
         return ("No trace yet: send a prompt, or press n while paused (X-Ray records the selected "
                 "request's next step while this tab is open).")
