@@ -142,6 +142,10 @@ class NanoVLLMApp(App):
         self.narrator = Narrator(max_decode_steps_per_request=narrate_steps)
         self.bridge = EngineBridge(self, fps=fps)
         self.selected: str | None = None
+        # The X-Ray has chosen a request and layer (its tab was opened): from then on a new selection
+        # is sent to the engine on any tab, so the traced request follows it (trial 11: it stayed on
+        # the request the tab last showed, and --trace-xray recorded no step of the others).
+        self._xray_chosen = False
         self._shown_tab = "dashboard"
         self._on_screen: dict[tuple[str, str, str], float] = {}  # notifications showing -> until (monotonic s)
         self._flush_pending = False
@@ -646,6 +650,7 @@ class NanoVLLMApp(App):
         req = self.state.requests.get(request_id) if request_id is not None else None
         if req is not None and req.state == "lost":
             request_id = None
+        self._xray_chosen = True
         self.controller.xray(request_id, layer, head)
 
     def on_request_table_selected(self, message: Any) -> None:
@@ -655,7 +660,10 @@ class NanoVLLMApp(App):
         if request_id == self.selected:
             return
         self.selected = request_id
-        if self.active_tab == "xray":
+        # While the tab is hidden only a recorder (--trace-xray) asks for traces, so a choice costs
+        # nothing more; before the tab's first opening the engine traces every layer of each step's
+        # first request, as docs/app.md says, and a choice here would cut that to one layer.
+        if self.active_tab == "xray" or self._xray_chosen:
             xray = self.query_one(XRayView)
             self._choose_xray(request_id, xray.layer_index, xray.head_index)
         self._redraw()

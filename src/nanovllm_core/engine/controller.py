@@ -169,7 +169,7 @@ class EngineController:
         self._commands.put(_Command("abort", (request_id,)))
 
     def xray(self, request_id: str | None, layer: int = 0, head: int = 0) -> None:
-        """Choose which request X-Ray traces (None: whichever runs first in a step) and the heatmap's layer/head.
+        """Choose which request X-Ray traces (None, or a step it is not in: whichever runs first in the step) and the heatmap's layer/head.
 
         An id the engine does not know (not waiting, running, nor among the lately ended: see
         ``LLMEngine.select_xray``), or a layer or head out of range, is refused with an

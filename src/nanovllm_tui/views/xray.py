@@ -63,6 +63,23 @@ def no_trace_words(state: EngineState, selected: str | None, live: bool) -> str:
             f"request's next step, which it will never have; {pick}.")
 
 
+def other_request_words(state: EngineState, trace: ev.LayerTrace, selected: str | None, live: bool) -> str:
+    """The title's note when the trace shown is not the selected request's: which one it is and why
+    (trial 11: "(traced: req-8, not req-9)" said nothing of why or what to do). A step the selected
+    request is not in traces the step's first request; only a shown tab (or ``--trace-xray``) traces."""
+    if selected in (None, trace.request_id):
+        return ""
+    req = state.requests.get(selected)
+    if req is not None and not req.live:
+        why = f"{selected} is {req.state}, so steps trace a running request"
+    elif live and state.step is not None and trace.step < state.step:
+        why = (f"step {trace.step} is the newest traced (steps run while this tab was hidden are not traced for it); "
+               f"the next step traces {selected}" + (", press n" if state.paused else ""))
+    else:
+        why = f"{selected} did not run in step {trace.step}, which traced its first request"
+    return f"  (traced: {trace.request_id}, not {selected}: {why})"
+
+
 def pipeline_text(trace: ev.LayerTrace) -> Text:
     """The step's batch and backend, the layer's operations in order (math, shapes, FLOPs, bytes,
     FLOP/byte against the ridge point), the layer's total and the machine's roofline."""
@@ -263,7 +280,7 @@ class XRayView(EngineView, can_focus=True):
             self.query_one("#gqa", LiveStatic).show_content("")
             heatmap.set_data((), (), ())
             return
-        other = "" if selected in (None, trace.request_id) else f"  (traced: {trace.request_id}, not {selected})"
+        other = other_request_words(state, trace, selected, getattr(self.app, "live", True))
         title.show_content(Text.assemble(
             ("X-Ray ", "bold"), ("request ", "dim"), (trace.request_id, "bold #4ea1ff"), f" · step {trace.step} · ",
             (facts.what_ran(trace), "bold"), " · ",

@@ -1,0 +1,82 @@
+"""Newcomer trial 11's app findings: the X-Ray's traced request follows the selection on every
+tab (and falls back to a running request), a replay's end says what is true of the requests it
+left unfinished, the tutorial's quiz scrolls to its verdict on a small terminal, and ``--paused``
+shows its intent while the model loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanovllm_core import events as ev
+from tests.tui_helpers import send_prompt, tiny_app, wait_until
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class Recorder(list):
+    """A trace writer's stand-in: keeps the events it is given."""
+
+    def __call__(self, event) -> None:
+        self.append(event)
+
+    def close(self) -> None:
+        pass
+
+
+async def test_xray_traces_follow_the_selection_on_the_dashboard_and_outlive_a_finished_request(tiny_llama_dir,
+                                                                                                  tmp_path):
+    recorded = Recorder()
+    app = tiny_app(tiny_llama_dir, tmp_path, start_paused=True, max_tokens=3, recorders=[recorded],
+                   record_xray=True)
+    traces = lambda: [e for e in recorded if isinstance(e, ev.LayerTrace)]  # noqa: E731
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the model")
+        await send_prompt(pilot, "one two three")
+        first = app.selected
+        await send_prompt(pilot, "four five six")
+        await wait_until(pilot, lambda: app.selected not in (None, first), what="the second request")
+        second = app.selected
+        await pilot.press("escape", "2")  # the X-Ray chooses the second request
+        await pilot.pause(0.2)
+        await pilot.press("1")
+        app.select(first)  # as ] / [ on the Dashboard
+        await pilot.pause(0.2)
+        await pilot.press("n")
+        await wait_until(pilot, lambda: traces(), what="a traced step")
+        assert {t.request_id for t in traces()} == {first}, "the Dashboard's selection is what X-Ray traces"
+        # Both finish; a third runs alone, never selected by the X-Ray tab: its steps are traced still.
+        await pilot.press("space")
+        await wait_until(pilot, lambda: not app.state.active_requests, what="both requests to end")
+        app.select(first)  # a finished request stays selected
+        await send_prompt(pilot, "seven eight")
+        await wait_until(pilot, lambda: len(app.state.requests) == 3 and not app.state.active_requests,
+                         what="the third request")
+        third = next(rid for rid in app.state.requests if rid not in (first, second))
+        steps = {e.step for e in recorded if isinstance(e, ev.StepPlanned)
+                 and any(s.request_id == third for s in e.scheduled)}
+        traced = {t.step for t in traces() if t.request_id == third}
+        assert steps and traced == steps, f"steps of {third} {sorted(steps)} but traced {sorted(traced)}"
+
+
+def test_the_xray_note_says_why_the_trace_is_another_requests():
+    from types import SimpleNamespace
+
+    from nanovllm_tui.views.xray import other_request_words
+
+    trace = SimpleNamespace(request_id="req-8", step=652)
+    done = SimpleNamespace(live=False, state="finished")
+    running = SimpleNamespace(live=True, state="running")
+    state = SimpleNamespace(requests={"req-8": done, "req-9": running}, step=659, paused=True)
+    assert other_request_words(state, trace, "req-8", True) == ""
+    note = other_request_words(state, trace, "req-9", True)
+    assert note.startswith("  (traced: req-8, not req-9: step 652 is the newest traced")
+    assert "the next step traces req-9, press n)" in note
+    state.step = 652
+    assert "req-9 did not run in step 652" in other_request_words(state, trace, "req-9", True)
+    state.requests["req-9"] = done
+    assert "req-9 is finished, so steps trace a running request" in other_request_words(state, trace, "req-9", True)
