@@ -76,7 +76,15 @@ def other_request_words(state: EngineState, trace: ev.LayerTrace, selected: str 
         why = (f"step {trace.step} is the newest traced (steps run while this tab was hidden are not traced for it); "
                f"the next step traces {selected}" + (", press n" if state.paused else ""))
     else:
-        why = f"{selected} did not run in step {trace.step}, which traced its first request"
+        plan = state.plan
+        ran = plan is not None and plan.step == trace.step and any(s.request_id == selected for s in plan.scheduled)
+        if not ran:
+            why = f"{selected} did not run in step {trace.step}"
+        elif live:
+            why = f"{selected} was chosen after step {trace.step}; the next step traces it" + (
+                ", press n" if state.paused else "")
+        else:
+            why = f"the recording traced only {trace.request_id} in that step"
     return f"  (traced: {trace.request_id}, not {selected}: {why})"
 
 
