@@ -71,12 +71,38 @@ def test_the_xray_note_says_why_the_trace_is_another_requests():
     trace = SimpleNamespace(request_id="req-8", step=652)
     done = SimpleNamespace(live=False, state="finished")
     running = SimpleNamespace(live=True, state="running")
-    state = SimpleNamespace(requests={"req-8": done, "req-9": running}, step=659, paused=True)
+    state = SimpleNamespace(requests={"req-8": done, "req-9": running}, step=659, paused=True, plan=None)
     assert other_request_words(state, trace, "req-8", True) == ""
     note = other_request_words(state, trace, "req-9", True)
     assert note.startswith("  (traced: req-8, not req-9: step 652 is the newest traced")
     assert "the next step traces req-9, press n)" in note
     state.step = 652
-    assert "req-9 did not run in step 652" in other_request_words(state, trace, "req-9", True)
+    assert "req-9 did not run in step 652)" in other_request_words(state, trace, "req-9", True)
+    state.plan = SimpleNamespace(step=652, scheduled=[SimpleNamespace(request_id="req-8"),
+                                                      SimpleNamespace(request_id="req-9")])
+    assert "req-9 was chosen after step 652; the next step traces it, press n)" in \
+        other_request_words(state, trace, "req-9", True)
+    assert "the recording traced only req-8 in that step" in other_request_words(state, trace, "req-9", False)
     state.requests["req-9"] = done
     assert "req-9 is finished, so steps trace a running request" in other_request_words(state, trace, "req-9", True)
+
+
+def test_a_rejected_requests_priority_and_max_tokens_are_in_its_event_and_a_replay_shows_them(make_tiny_engine):
+    from nanovllm_core.sampling_params import SamplingParams
+    from nanovllm_tui.state import EngineState
+
+    engine = make_tiny_engine()
+    seen: list = []
+    engine.subscribe(seen.append, topk=0, blocks=False)
+    engine.add_request("", SamplingParams(max_tokens=200), priority=7, request_id="empty")  # an empty prompt
+    rejected = [e for e in seen if isinstance(e, ev.RequestRejected)]
+    assert [(e.request_id, e.priority, e.max_tokens) for e in rejected] == [("empty", 7, 200)]
+    back = ev.from_json(ev.to_json(rejected[0]))
+    assert (back.priority, back.max_tokens) == (7, 200)
+    state = EngineState()  # a replay's: the request was never added, so the event is all it knows
+    state.apply(back)
+    req = state.requests["empty"]
+    assert (req.state, req.priority, req.max_tokens) == ("rejected", 7, 200)
+    old = ev.from_json('{"type": "RequestRejected", "request_id": "x", "reason": "r", "time": 1.0}')
+    state.apply(old)  # a trace from before these fields: "-", not a made-up 0
+    assert state.requests["x"].priority is None and state.requests["x"].max_tokens is None

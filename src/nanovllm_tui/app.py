@@ -478,6 +478,10 @@ class NanoVLLMApp(App):
             return
         if self.state.pending is not None:
             self._sync_paused()
+        if not self.live and self.state.unfinished is None and getattr(self.controller, "ended", False):
+            self._take_events()  # the last step's events first: they are the requests' last word
+            self.state.recording_ended()
+            self._redraw()
         failed = self.controller.state == "failed" and self.state.load_error is None
         if failed:  # subscribed after the failure was announced: tell it now
             failure = ev.EngineError(step=None, message=f"model failed to load: {self.controller.load_error}")

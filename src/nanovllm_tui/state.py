@@ -152,6 +152,8 @@ class EngineState:
         self.heat: ev.LayerTrace | None = None
         self._kv_now: ev.StepTimed | None = None
         self.last_error: ev.EngineError | None = None
+        # A replay played to its end: the requests it left unfinished, in arrival order (see recording_ended)
+        self.unfinished: list[str] | None = None
         self.num_events = 0
         self._order = itertools.count()
 
@@ -177,6 +179,17 @@ class EngineState:
     @property
     def active_requests(self) -> list[RequestView]:
         return [r for r in self.requests.values() if r.live]
+
+    def recording_ended(self) -> None:
+        """A replay has played its last step: the requests still live in it are marked ``unfinished``
+        (the recording stopped while they ran; no step of theirs will come) and listed in
+        ``unfinished``. Trial 11: at the end their rows still said running and the Engine panel DECODE."""
+        if self.unfinished is not None:
+            return
+        live = sorted((r for r in self.requests.values() if r.live), key=lambda r: r.order)
+        for req in live:
+            req.state = "unfinished"
+        self.unfinished = [r.request_id for r in live]
 
     # ------------------------------------------------------------------ folding
 
@@ -275,8 +288,9 @@ class EngineState:
     def _on_RequestRejected(self, e: ev.RequestRejected) -> None:
         known = e.request_id in self.requests
         req = self._request(e.request_id)
-        if not known:  # refused before it was added (a replay, another client): its settings are not in the event
-            req.priority = None  # shown as "-", not a made-up 0 (trial 9)
+        if not known:  # refused before it was added (a replay, another client): the event's settings, if any
+            req.priority = e.priority  # None is shown as "-", not a made-up 0 (trial 9)
+            req.max_tokens = e.max_tokens
         req.state, req.error = "rejected", e.reason
         self._prune()
 
@@ -391,7 +405,7 @@ class EngineState:
 
     @property
     def phase(self) -> str:
-        """``loading``, ``failed``, ``paused``, ``idle``, or the newest step's batch: ``prefill``,
+        """``loading``, ``failed``, ``paused``, ``idle``, ``ended`` (a replay played to its end), or the newest step's batch: ``prefill``,
         ``decode``, ``verify`` (a speculative verification: a sequence's last token and its
         drafts in one pass), or those present joined by ``+`` (e.g. ``prefill+decode``).
         """
@@ -401,6 +415,8 @@ class EngineState:
             return "loading"
         if self.paused:
             return "paused"
+        if self.unfinished is not None:  # a replay at its end: no step runs again
+            return "ended"
         if not self.active_requests or self.plan is None or not self.plan.scheduled:
             return "idle"
         # A verification runs drafts: after a kept token (decode) or after a prompt's last token (prefill with drafts).
@@ -411,7 +427,7 @@ class EngineState:
     @property
     def busy(self) -> bool:
         """The engine is running steps now (not idle, paused, loading or failed)."""
-        return (self.phase not in ("failed", "loading", "paused", "idle")) and self.engine_state == "running"
+        return (self.phase not in ("failed", "loading", "paused", "idle", "ended")) and self.engine_state == "running"
 
     def throughput(self) -> tuple[float, float]:
         """(prefill, decode) tokens per second: see :meth:`rate`."""
