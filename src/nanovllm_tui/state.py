@@ -405,7 +405,7 @@ class EngineState:
 
     @property
     def phase(self) -> str:
-        """``loading``, ``failed``, ``paused``, ``idle``, ``ended`` (a replay played to its end), or the newest step's batch: ``prefill``,
+        """``loading``, ``failed``, ``paused``, ``idle``, ``ended`` (a replay ended with requests unfinished), or the newest step's batch: ``prefill``,
         ``decode``, ``verify`` (a speculative verification: a sequence's last token and its
         drafts in one pass), or those present joined by ``+`` (e.g. ``prefill+decode``).
         """
@@ -415,7 +415,7 @@ class EngineState:
             return "loading"
         if self.paused:
             return "paused"
-        if self.unfinished is not None:  # a replay at its end: no step runs again
+        if self.unfinished:  # a replay that ended while requests ran: no step runs again (all done: idle)
             return "ended"
         if not self.active_requests or self.plan is None or not self.plan.scheduled:
             return "idle"
