@@ -106,3 +106,42 @@ def test_a_rejected_requests_priority_and_max_tokens_are_in_its_event_and_a_repl
     old = ev.from_json('{"type": "RequestRejected", "request_id": "x", "reason": "r", "time": 1.0}')
     state.apply(old)  # a trace from before these fields: "-", not a made-up 0
     assert state.requests["x"].priority is None and state.requests["x"].max_tokens is None
+
+
+def _visible_rows(app, widget) -> int:
+    """Rows of ``widget`` on screen now (inside its scrolling parents' views)."""
+    geo = app.screen.find_widget(widget)
+    return geo.region.intersection(geo.clip).height
+
+
+async def test_a_quiz_answer_at_60x20_scrolls_its_verdict_into_view(tmp_path):
+    from tests.tui_helpers import replay_app
+
+    app = replay_app(tmp_path)
+    async with app.run_test(size=(60, 20)) as pilot:
+        await pilot.press("escape", "4")
+        await pilot.pause(0.3)
+        feedback, question = app.query_one("#feedback"), app.query_one("#question")
+        await pilot.press("d")
+        await pilot.pause(0.3)
+        assert "Right." in str(feedback.render()) or "Not quite" in str(feedback.render())
+        assert _visible_rows(app, feedback) >= 2, "the verdict and the start of its explanation are in view"
+        await pilot.press("right")  # the next chapter's quiz starts at its question
+        await pilot.pause(0.3)
+        assert _visible_rows(app, question) >= 1
+
+
+async def test_a_finished_measurement_under_a_long_chapter_is_scrolled_into_view(tmp_path):
+    from rich.text import Text
+
+    from tests.tui_helpers import replay_app
+
+    app = replay_app(tmp_path)
+    async with app.run_test(size=(60, 20)) as pilot:
+        await pilot.press("escape", "4")
+        await pilot.pause(0.3)
+        view, scroll = app.query_one("#tutorial-view"), app.query_one("#chapter-scroll")
+        view._measured(view.chapter, Text("\nall-reduce of 576 floats: 40 µs (measured)"))
+        await pilot.pause(0.3)
+        assert scroll.max_scroll_y > 0 and scroll.scroll_y == scroll.max_scroll_y
+        assert _visible_rows(app, app.query_one("#demo-log")) >= 1
