@@ -145,3 +145,38 @@ async def test_a_finished_measurement_under_a_long_chapter_is_scrolled_into_view
         await pilot.pause(0.3)
         assert scroll.max_scroll_y > 0 and scroll.scroll_y == scroll.max_scroll_y
         assert _visible_rows(app, app.query_one("#demo-log")) >= 1
+
+
+async def test_paused_says_will_start_paused_while_loading_and_n_says_when_it_works(tiny_llama_dir, tmp_path):
+    import threading
+
+    from nanovllm_core.engine.controller import EngineController
+    from nanovllm_tui.app import NanoVLLMApp
+    from nanovllm_tui.starter import BackgroundController
+    from nanovllm_tui.widgets.prompt_bar import PromptSettings
+    from tests.tui_helpers import Notes
+
+    gate = threading.Event()  # the model "loads" until the test lets it
+
+    def build():
+        gate.wait(60)
+        return EngineController(model=str(tiny_llama_dir), num_kv_blocks=32, start_paused=True)
+
+    app = NanoVLLMApp(BackgroundController(build, start_paused=True), tutorial_path=tmp_path / "tutorial.json",
+                      settings=PromptSettings(max_tokens=3, chat=False))
+    notes = Notes()
+    try:
+        async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
+            await pilot.pause(0.2)
+            header = " ".join(str(app.query_one("#header").render()).split())
+            assert "loading model" in header and "will start paused" in header, header
+            await pilot.press("escape", "n")
+            await pilot.pause(0.2)
+            assert notes.find("n runs one step once it has loaded (the engine will start paused)")
+            assert not notes.find("press space to pause first")
+            gate.set()
+            await wait_until(pilot, lambda: app.state.ready, what="the model")
+            await wait_until(pilot, lambda: "● paused" in str(app.query_one("#header").render()), 5, "paused")
+            assert app.controller.state == "paused"
+    finally:
+        gate.set()

@@ -192,6 +192,11 @@ class NanoVLLMApp(App):
 
             quit_on_signals(self)
         self.bridge.connect(self.controller, topk=5, xray=False, blocks=False)
+        if self.live and getattr(self.controller, "start_paused", False) is True and not self.state.ready:
+            # --paused: the loading header says "will start paused" from its first frame, and space or n
+            # act on that intent (trial 11: the header said nothing, n said "press space to pause first",
+            # and a second space undid --paused)
+            self.state.paused = True
         for recorder in self.recorders:
             self.controller.subscribe(recorder, topk=5, blocks=True, xray=self.record_xray)
         self.screen.BLANK = True  # the main screen: its background only, as Pane says
@@ -713,6 +718,12 @@ class NanoVLLMApp(App):
         self._redraw()
 
     def action_step(self) -> None:
+        loading = self.live and not self.state.ready and self.state.load_error is None
+        will_pause = self.state.pending == "pausing" or (self.state.paused and self.state.pending is None)
+        if loading and will_pause:
+            self.notify("The model is still loading: n runs one step once it has loaded (the engine will "
+                        "start paused).", severity="warning")
+            return
         # A pause asked for and not yet confirmed counts: the engine takes the step after the pause.
         if self.state.pending != "pausing" and (not self.state.paused or self.state.pending == "resuming"):
             self.notify("n runs one step while the engine is paused: press space to pause first.",

@@ -47,6 +47,7 @@ class EngineController:
 
     ``state`` is one of ``loading``, ``running`` (stepping), ``paused``, ``idle`` (nothing to
     do), ``stopped`` (after shutdown) or ``failed`` (the model did not load; ``load_error`` says why).
+    ``start_paused``: as given (while ``loading``, whether the engine will come up paused).
     """
 
     def __init__(self, model: str | None = None, *, start_paused: bool = False, _engine: LLMEngine | None = None,
@@ -60,6 +61,7 @@ class EngineController:
         self._sub_lock = threading.Lock()
         self._ids = itertools.count()
         self._paused = start_paused
+        self.start_paused = start_paused
         self._steps_allowed = 0
         self._stop = threading.Event()
         self._state = "loading" if _engine is None else ("paused" if start_paused else "idle")
