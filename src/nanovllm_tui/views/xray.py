@@ -44,13 +44,13 @@ tensor = facts.tensor
 
 def no_trace_words(state: EngineState, selected: str | None, live: bool) -> str:
     """Why the X-Ray has nothing to show, true for the selection: X-Ray traces the selected request's
-    next step, so a finished selection never gets one, however often n is pressed (trial 7: it said
+    next step (a step it is not in: the step's first request's), so a finished selection never gets one (trial 7: it said
     "No trace yet: ... press n while paused" with a finished request selected). Names the keys that
     select another request (``]`` / ``[``, commands.py)."""
     req = state.requests.get(selected) if selected else None
     if req is None or req.live:
-        return ("No trace yet: send a prompt, or press n while paused (X-Ray records the selected "
-                "request's next step while this tab is open).")
+        return ("No trace yet: send a prompt, or press n while paused (X-Ray records the selected request's next "
+                "step, or the step's first request if it did not run, while this tab is open).")
     running = [rid for rid, r in state.requests.items() if r.live]
     if running:
         shown = ", ".join(running[:4]) + (" ..." if len(running) > 4 else "")
@@ -59,8 +59,10 @@ def no_trace_words(state: EngineState, selected: str | None, live: bool) -> str:
         pick = "no request is running: send a prompt, then press n while paused"
     else:
         pick = "no request of this recording is running now"
-    return (f"No trace: request {selected} is {req.state} (no longer running), and X-Ray records the selected "
-            f"request's next step, which it will never have; {pick}.")
+    instead = ("X-Ray records the next step's first request instead" if live
+               else "the recording holds only the traces made while it was recorded")
+    return (f"No trace: request {selected} is {req.state} (no longer running), so no step of it will come; "
+            f"{instead}; {pick}.")
 
 
 def other_request_words(state: EngineState, trace: ev.LayerTrace, selected: str | None, live: bool) -> str:
