@@ -180,3 +180,27 @@ async def test_paused_says_will_start_paused_while_loading_and_n_says_when_it_wo
             assert app.controller.state == "paused"
     finally:
         gate.set()
+
+
+async def test_n_with_an_unscheduled_selection_shows_the_steps_trace_and_says_why(make_tiny_engine, tmp_path):
+    """Trial 11 (11c #5): the selected request waited (the token budget was used up) and after n the
+    X-Ray still said "No trace yet: send a prompt, or press n while paused"."""
+    from tests.tui_helpers import engine_app
+
+    app = engine_app(make_tiny_engine, tmp_path, start_paused=True, max_tokens=4, max_num_batched_tokens=16)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the model")
+        await send_prompt(pilot, "the history of the printing press begins with gutenberg in mainz around 1440 " * 2)
+        await wait_until(pilot, lambda: len(app.state.requests) == 1, what="the first request")
+        first = app.selected
+        await send_prompt(pilot, "describe the water cycle")
+        await wait_until(pilot, lambda: app.selected not in (None, first), what="the second request")
+        second = app.selected
+        await pilot.press("escape", "2", "n")
+        await wait_until(pilot, lambda: app.state.xray, 30, "the step's trace")
+        plan = app.state.plan
+        assert [s.request_id for s in plan.scheduled] == [first], "the first prompt takes the whole budget"
+        await pilot.pause(0.3)
+        title = " ".join(str(app.query_one("#xray-title").render()).split())
+        assert f"request {first} · step {plan.step}" in title
+        assert f"(traced: {first}, not {second}: {second} did not run in step {plan.step})" in title, title
