@@ -204,3 +204,23 @@ async def test_n_with_an_unscheduled_selection_shows_the_steps_trace_and_says_wh
         title = " ".join(str(app.query_one("#xray-title").render()).split())
         assert f"request {first} · step {plan.step}" in title
         assert f"(traced: {first}, not {second}: {second} did not run in step {plan.step})" in title, title
+
+
+def test_the_cached_column_counts_a_readmission_planned_as_a_decode():
+    """Trial 11 (11c #4): a preempted request readmitted with one token left to compute is planned as
+    a decode; its 128 tokens from the prefix cache were not counted (a prefill readmission's were)."""
+    from nanovllm_tui.state import EngineState
+
+    state = EngineState()
+    state.submitted("req-1", "hi", 0, 200)
+
+    def plan(step: int, kind: str, cached: int) -> ev.StepPlanned:
+        entry = ev.ScheduledEntry(request_id="req-1", seq_id=1, index=0, kind=kind, num_tokens=1, start=128,
+                                  prompt_len=36, total_len=129, num_cached_tokens=cached, samples=True, priority=0)
+        return ev.StepPlanned(step=step, token_budget=16, num_batched_tokens=1, scheduled=(entry,), preempted=(),
+                              admitted=("req-1",), waiting=(), running=(), max_num_seqs=8)
+
+    state.apply(plan(94, "decode", 128))
+    assert state.requests["req-1"].num_cached == 128
+    state.apply(plan(95, "decode", 0))  # a later plain decode keeps the figure
+    assert state.requests["req-1"].num_cached == 128

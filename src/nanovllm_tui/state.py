@@ -311,10 +311,13 @@ class EngineState:
             if s.index != 0 or s.request_id not in self.requests:
                 continue
             req = self.requests[s.request_id]
+            # The most tokens one admission took from the prefix cache, a readmission after preemption
+            # included: one with a single token left is planned as a decode, and its 128 cached tokens
+            # were left out where a readmission planned as a prefill counted (trial 11, 11c #4).
+            req.num_cached = max(req.num_cached, s.num_cached_tokens)
             if s.kind == "prefill":
                 self._before_plan[s.request_id] = req.prefilled
                 req.prefilled = min(s.prompt_len, s.start + s.num_tokens)
-                req.num_cached = max(req.num_cached, s.num_cached_tokens)
         for q in e.preempted:
             if q.index == 0 and q.request_id in self.requests:
                 req = self.requests[q.request_id]
