@@ -495,7 +495,7 @@ def test_a_waiting_high_priority_request_that_preempts_is_named():
     plan = planned(3, [urgent], preempted=[queued("0", priority=0, num_tokens=9, preemptions=1)],
                    waiting=[queued("0")], admitted=("2",))
     pre = next(c for c in fresh().feed(plan) if c.kind == "preemption")
-    assert pre.text.startswith("request 2 (priority 10) was waiting and too few KV blocks were free for it")
+    assert pre.text.startswith("Request 2 (priority 10) was waiting and too few KV blocks were free for it")
 
 
 def test_samples_of_one_prompt_share_only_full_blocks_through_the_prefix_cache():

@@ -224,3 +224,22 @@ def test_the_cached_column_counts_a_readmission_planned_as_a_decode():
     assert state.requests["req-1"].num_cached == 128
     state.apply(plan(95, "decode", 0))  # a later plain decode keeps the figure
     assert state.requests["req-1"].num_cached == 128
+
+
+def test_narrator_entries_start_a_sentence():
+    """Trial 11 (11c #7): a rejection's entry was the engine's raw reason (lower case, no full stop)
+    and a priority preemption's began "request req-3 (priority 100) was waiting"."""
+    from nanovllm_core.educational.narrator import Narrator
+
+    narrator = Narrator(model_info={"scheduling_policy": "priority"})
+    [note] = narrator.feed(ev.RequestRejected(request_id="req-2", reason="the request may need 31 KV blocks "
+                                              "(482 tokens) but the pool has only 20; raise num_kv_blocks"))
+    assert note.text.startswith("The request may need 31 KV blocks") and note.text.endswith("num_kv_blocks.")
+    winner = ev.ScheduledEntry(request_id="req-3", seq_id=3, index=0, kind="prefill", num_tokens=16, start=0,
+                               prompt_len=182, total_len=182, num_cached_tokens=0, samples=False, priority=100)
+    victim = ev.QueueEntry(request_id="req-1", seq_id=1, index=0, priority=0, status="waiting", num_tokens=96,
+                           num_computed_tokens=0, num_preemptions=1)
+    plan = ev.StepPlanned(step=93, token_budget=512, num_batched_tokens=16, scheduled=(winner,), preempted=(victim,),
+                          admitted=("req-3",), waiting=(victim,), running=(), max_num_seqs=8)
+    text = narrator._preemption(plan, victim).text
+    assert text[0].isupper() and "(priority 100) was waiting" in text, text
