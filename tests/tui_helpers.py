@@ -36,7 +36,8 @@ def tiny_app(tiny_llama_dir: Path, tmp_path: Path, start_paused: bool = False, m
     from nanovllm_tui.starter import BackgroundController
 
     controller = BackgroundController(lambda: EngineController(model=str(tiny_llama_dir), num_kv_blocks=32,
-                                                               start_paused=start_paused))
+                                                               start_paused=start_paused),
+                                       start_paused=start_paused)  # as nanovllm-tui --paused builds it
     return NanoVLLMApp(controller, settings=PromptSettings(max_tokens=max_tokens, chat=False),
                        tutorial_path=tmp_path / "tutorial.json", **kwargs)
 

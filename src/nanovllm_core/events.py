@@ -65,10 +65,16 @@ class RequestAdded(Event):
 
 @dataclass(frozen=True)
 class RequestRejected(Event):
-    """A request was refused before running; ``reason`` says why and what to do."""
+    """A request was refused before running; ``reason`` says why and what to do.
+
+    ``priority`` / ``max_tokens``: the request's, as asked (None where the refusal came before they
+    were known, and in traces recorded before these fields existed), so a replay's row shows them
+    as the live app's does (trial 11)."""
 
     request_id: str
     reason: str
+    priority: int | None = None
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True)

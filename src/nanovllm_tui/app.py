@@ -142,6 +142,10 @@ class NanoVLLMApp(App):
         self.narrator = Narrator(max_decode_steps_per_request=narrate_steps)
         self.bridge = EngineBridge(self, fps=fps)
         self.selected: str | None = None
+        # The X-Ray has chosen a request and layer (its tab was opened): from then on a new selection
+        # is sent to the engine on any tab, so the traced request follows it (trial 11: it stayed on
+        # the request the tab last showed, and --trace-xray recorded no step of the others).
+        self._xray_chosen = False
         self._shown_tab = "dashboard"
         self._on_screen: dict[tuple[str, str, str], float] = {}  # notifications showing -> until (monotonic s)
         self._flush_pending = False
@@ -188,6 +192,11 @@ class NanoVLLMApp(App):
 
             quit_on_signals(self)
         self.bridge.connect(self.controller, topk=5, xray=False, blocks=False)
+        if self.live and getattr(self.controller, "start_paused", False) is True and not self.state.ready:
+            # --paused: the loading header says "will start paused" from its first frame, and space or n
+            # act on that intent (trial 11: the header said nothing, n said "press space to pause first",
+            # and a second space undid --paused)
+            self.state.paused = True
         for recorder in self.recorders:
             self.controller.subscribe(recorder, topk=5, blocks=True, xray=self.record_xray)
         self.screen.BLANK = True  # the main screen: its background only, as Pane says
@@ -474,6 +483,10 @@ class NanoVLLMApp(App):
             return
         if self.state.pending is not None:
             self._sync_paused()
+        if not self.live and self.state.unfinished is None and getattr(self.controller, "ended", False):
+            self._take_events()  # the last step's events first: they are the requests' last word
+            self.state.recording_ended()
+            self._redraw()
         failed = self.controller.state == "failed" and self.state.load_error is None
         if failed:  # subscribed after the failure was announced: tell it now
             failure = ev.EngineError(step=None, message=f"model failed to load: {self.controller.load_error}")
@@ -646,6 +659,7 @@ class NanoVLLMApp(App):
         req = self.state.requests.get(request_id) if request_id is not None else None
         if req is not None and req.state == "lost":
             request_id = None
+        self._xray_chosen = True
         self.controller.xray(request_id, layer, head)
 
     def on_request_table_selected(self, message: Any) -> None:
@@ -655,7 +669,10 @@ class NanoVLLMApp(App):
         if request_id == self.selected:
             return
         self.selected = request_id
-        if self.active_tab == "xray":
+        # While the tab is hidden only a recorder (--trace-xray) asks for traces, so a choice costs
+        # nothing more; before the tab's first opening the engine traces every layer of each step's
+        # first request, as docs/app.md says, and a choice here would cut that to one layer.
+        if self.active_tab == "xray" or self._xray_chosen:
             xray = self.query_one(XRayView)
             self._choose_xray(request_id, xray.layer_index, xray.head_index)
         self._redraw()
@@ -701,6 +718,12 @@ class NanoVLLMApp(App):
         self._redraw()
 
     def action_step(self) -> None:
+        loading = self.live and not self.state.ready and self.state.load_error is None
+        will_pause = self.state.pending == "pausing" or (self.state.paused and self.state.pending is None)
+        if loading and will_pause:
+            self.notify("The model is still loading: n runs one step once it has loaded (the engine will "
+                        "start paused).", severity="warning")
+            return
         # A pause asked for and not yet confirmed counts: the engine takes the step after the pause.
         if self.state.pending != "pausing" and (not self.state.paused or self.state.pending == "resuming"):
             self.notify("n runs one step while the engine is paused: press space to pause first.",

@@ -208,7 +208,7 @@ def build_app(argv: Sequence[str] | None = None):
         return EngineController(start_paused=args.paused, **kwargs)
 
     recorders = open_recorders(args)
-    return NanoVLLMApp(BackgroundController(start_engine), recorders=recorders, **common)
+    return NanoVLLMApp(BackgroundController(start_engine, start_paused=args.paused), recorders=recorders, **common)
 
 
 def open_recorders(args: argparse.Namespace) -> list:

@@ -164,7 +164,8 @@ class ReplayController:
         start_paused: wait for ``resume`` or ``step`` before the first step.
         pace: (shortest, longest) wait between steps in seconds while playing.
 
-    ``state``: ``running``, ``paused``, ``idle`` (the trace has ended) or ``stopped``.
+    ``state``: ``running``, ``paused``, ``idle`` (the trace has ended) or ``stopped``;
+    ``ended``: every recorded step has been played (and handed to the subscribers).
     """
 
     live = False
@@ -185,6 +186,7 @@ class ReplayController:
         self._stop = False
         self._next = 0
         self._started = False
+        self.ended = False
         self._ids = itertools.count()
         self._state = "paused" if start_paused else "running"
         # Playing starts with the first subscriber, so no listener misses the beginning.
@@ -331,6 +333,7 @@ class ReplayController:
                         self._cond.wait(min(max(gap, self.pace[0]), self.pace[1]))
         with self._cond:
             if not self._stop:
+                self.ended = True
                 self._state = "paused" if self._paused else "idle"
             while not self._stop:
                 self._cond.wait()

@@ -40,12 +40,16 @@ class BackgroundController:
 
     Raises nothing itself: a factory that fails is reported as a failed model load
     (``state == "failed"``, ``load_error``, and an ``EngineError`` to subscribers).
+
+    ``start_paused``: the factory's controller starts paused (``--paused``), known before it is built,
+    so the loading header can say so from its first frame (trial 11).
     """
 
     live = True
 
-    def __init__(self, factory: Callable[[], Any]) -> None:
+    def __init__(self, factory: Callable[[], Any], start_paused: bool = False) -> None:
         self._factory = factory
+        self.start_paused = start_paused
         self._lock = threading.Lock()
         self._real: Any = None
         self._pending: list[Callable[[Any], Any]] = []

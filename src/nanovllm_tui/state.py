@@ -154,6 +154,8 @@ class EngineState:
         self.heat: ev.LayerTrace | None = None
         self._kv_now: ev.StepTimed | None = None
         self.last_error: ev.EngineError | None = None
+        # A replay played to its end: the requests it left unfinished, in arrival order (see recording_ended)
+        self.unfinished: list[str] | None = None
         self.num_events = 0
         self._order = itertools.count()
 
@@ -179,6 +181,17 @@ class EngineState:
     @property
     def active_requests(self) -> list[RequestView]:
         return [r for r in self.requests.values() if r.live]
+
+    def recording_ended(self) -> None:
+        """A replay has played its last step: the requests still live in it are marked ``unfinished``
+        (the recording stopped while they ran; no step of theirs will come) and listed in
+        ``unfinished``. Trial 11: at the end their rows still said running and the Engine panel DECODE."""
+        if self.unfinished is not None:
+            return
+        live = sorted((r for r in self.requests.values() if r.live), key=lambda r: r.order)
+        for req in live:
+            req.state = "unfinished"
+        self.unfinished = [r.request_id for r in live]
 
     # ------------------------------------------------------------------ folding
 
@@ -278,8 +291,9 @@ class EngineState:
     def _on_RequestRejected(self, e: ev.RequestRejected) -> None:
         known = e.request_id in self.requests
         req = self._request(e.request_id)
-        if not known:  # refused before it was added (a replay, another client): its settings are not in the event
-            req.priority = None  # shown as "-", not a made-up 0 (trial 9)
+        if not known:  # refused before it was added (a replay, another client): the event's settings, if any
+            req.priority = e.priority  # None is shown as "-", not a made-up 0 (trial 9)
+            req.max_tokens = e.max_tokens
         req.state, req.error = "rejected", e.reason
         self._prune()
 
@@ -301,7 +315,9 @@ class EngineState:
             if s.index != 0 or s.request_id not in self.requests:
                 continue
             req = self.requests[s.request_id]
-            # any entry: a readmitted request's prefix-cache hit may be planned as a 1-token "decode" (trial 11)
+            # The most tokens one admission took from the prefix cache, a readmission after preemption
+            # included: one with a single token left is planned as a decode, and its 128 cached tokens
+            # were left out where a readmission planned as a prefill counted (trial 11, 11c #4).
             req.num_cached = max(req.num_cached, s.num_cached_tokens)
             if s.kind == "prefill":
                 # counted as prefilled when the step ends (StepTimed), not while it runs: a step taken
@@ -406,7 +422,7 @@ class EngineState:
 
     @property
     def phase(self) -> str:
-        """``loading``, ``failed``, ``paused``, ``idle``, or the newest step's batch: ``prefill``,
+        """``loading``, ``failed``, ``paused``, ``idle``, ``ended`` (a replay ended with requests unfinished), or the newest step's batch: ``prefill``,
         ``decode``, ``verify`` (a speculative verification: a sequence's last token and its
         drafts in one pass), or those present joined by ``+`` (e.g. ``prefill+decode``).
         """
@@ -416,6 +432,8 @@ class EngineState:
             return "loading"
         if self.paused:
             return "paused"
+        if self.unfinished:  # a replay that ended while requests ran: no step runs again (all done: idle)
+            return "ended"
         if not self.active_requests or self.plan is None or not self.plan.scheduled:
             return "idle"
         # A verification runs drafts: after a kept token (decode) or after a prompt's last token (prefill with drafts).
@@ -426,7 +444,7 @@ class EngineState:
     @property
     def busy(self) -> bool:
         """The engine is running steps now (not idle, paused, loading or failed)."""
-        return (self.phase not in ("failed", "loading", "paused", "idle")) and self.engine_state == "running"
+        return (self.phase not in ("failed", "loading", "paused", "idle", "ended")) and self.engine_state == "running"
 
     def throughput(self) -> tuple[float, float]:
         """(prefill, decode) tokens per second: see :meth:`rate`."""

@@ -167,9 +167,10 @@ class Narrator(SchedulerNarration):
         elif isinstance(event, ev.RequestAdded):
             out.extend(self._added(event))
         elif isinstance(event, ev.RequestRejected):
-            reason = event.reason.strip() or "no reason given"  # the engine's one line, as a sentence (trial 11)
-            out.append(Commentary("rejected", f"Request {event.request_id} rejected",
-                                  reason[0].upper() + reason[1:] + ("" if reason.endswith(".") else "."),
+            # the engine's reason as a sentence: it began in lower case with no full stop (trial 11)
+            reason = event.reason.strip() or "no reason given"
+            reason = (reason[:1].upper() + reason[1:]) + ("" if reason.endswith((".", "!", "?", ")")) else ".")
+            out.append(Commentary("rejected", f"Request {event.request_id} rejected", reason,
                                   request_id=event.request_id))
         elif isinstance(event, (ev.TokenSampled, ev.LayerTrace, ev.RequestFinished, ev.BlocksChanged,
                                 ev.SpecDecodeStep, ev.EngineError)):

@@ -148,6 +148,7 @@ class SchedulerNarration:
                    f"few KV blocks were free for it. Under the priority policy a waiting request may take the blocks "
                    f"of running requests of lower priority, lowest first and the latest to arrive among equals, so "
                    f"{name} (priority {q.priority}) was preempted")
+            why = why[0].upper() + why[1:]  # "request req-3 ...": an entry starts a sentence (trial 11)
         else:
             rule = ("the lowest-priority running request, the latest to arrive among equals" if policy == "priority"
                     else "the running request that arrived last")

@@ -153,7 +153,7 @@ class XRayCapture:
     prepare = measure_roofline  # the engine's observer hook calls this between steps (engine/observer.py)
 
     def select(self, request_id: str | None, layer: int = 0, head: int = 0, every_layer: bool = False) -> None:
-        """Trace ``request_id`` (None: the first request in each step); heatmap of ``layer``/``head``.
+        """Trace ``request_id`` (None, or a step it is not in: the step's first request); heatmap of ``layer``/``head``.
 
         Captures only ``layer`` from the next traced step on (one ``LayerTrace`` per step), or every
         layer with ``every_layer`` (the heatmap still only for ``layer``).
@@ -170,18 +170,27 @@ class XRayCapture:
         self.layers = None if every_layer else frozenset((layer,))
 
     def tracer_for(self, plan: "SchedulerOutput") -> "LayerTracer | None":
-        """A tracer for this step if the chosen request runs in it, else None."""
+        """A tracer for this step's chosen request, or, when that one is not in the step (it ended,
+        waits or was preempted), for the step's first request; None for a step with no sample 0.
+
+        The fallback keeps every step traced (trial 11: once the chosen request finished, no step
+        was traced until the app chose again, and ``--trace-xray`` recordings lost those steps);
+        the trace names its request, so a view can say it is another one."""
         from nanovllm_core.engine.model_runner import ModelRunner
 
         order = ModelRunner.batch_order(plan.scheduled)
-        offset = 0
+        offsets, offset = [], 0
         for s in order:
-            if (self.request_id is None or s.seq.request_id == self.request_id) and s.seq.index == 0:
-                return LayerTracer(self.engine, plan.step, s, offset, order, self.layer, self.head,
-                                   self.engine._emit, self.roofline or roofline.cached(*roofline_key(self.engine)),
-                                   pieces=self.pieces, layers=self.layers)
+            offsets.append(offset)
             offset += s.num_new_tokens
-        return None
+        firsts = [i for i, s in enumerate(order) if s.seq.index == 0]
+        chosen = [i for i in firsts if order[i].seq.request_id == self.request_id]
+        pick = (chosen or firsts or [None])[0]
+        if pick is None:
+            return None
+        return LayerTracer(self.engine, plan.step, order[pick], offsets[pick], order, self.layer, self.head,
+                           self.engine._emit, self.roofline or roofline.cached(*roofline_key(self.engine)),
+                           pieces=self.pieces, layers=self.layers)
 
 
 class LayerTracer:

@@ -47,6 +47,7 @@ class EngineController:
 
     ``state`` is one of ``loading``, ``running`` (stepping), ``paused``, ``idle`` (nothing to
     do), ``stopped`` (after shutdown) or ``failed`` (the model did not load; ``load_error`` says why).
+    ``start_paused``: as given (while ``loading``, whether the engine will come up paused).
     """
 
     def __init__(self, model: str | None = None, *, start_paused: bool = False, _engine: LLMEngine | None = None,
@@ -60,6 +61,7 @@ class EngineController:
         self._sub_lock = threading.Lock()
         self._ids = itertools.count()
         self._paused = start_paused
+        self.start_paused = start_paused
         self._steps_allowed = 0
         self._stop = threading.Event()
         self._state = "loading" if _engine is None else ("paused" if start_paused else "idle")
@@ -169,7 +171,7 @@ class EngineController:
         self._commands.put(_Command("abort", (request_id,)))
 
     def xray(self, request_id: str | None, layer: int = 0, head: int = 0) -> None:
-        """Choose which request X-Ray traces (None: whichever runs first in a step) and the heatmap's layer/head.
+        """Choose which request X-Ray traces (None, or a step it is not in: whichever runs first in the step) and the heatmap's layer/head.
 
         An id the engine does not know (not waiting, running, nor among the lately ended: see
         ``LLMEngine.select_xray``), or a layer or head out of range, is refused with an

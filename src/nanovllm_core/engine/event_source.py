@@ -137,7 +137,7 @@ class EventSource:
         ``request_id`` must be known to the engine: waiting, running or preempted (in
         ``requests``), or ended lately (finished, aborted or rejected: one of the newest
         ``llm_engine.FINISHED_IDS_KEPT`` ids in ``finished_ids``). A finished request can be chosen (an app
-        keeps its row selected, its newest trace on show) though no step will trace it again.
+        keeps its row selected, its newest trace on show); a step it is not in traces the step's first request.
 
         From then on only ``layer`` is captured (one ``LayerTrace`` per traced step; the model runs
         the other layers untraced), or every layer with ``every_layer``. Before any choice every

@@ -304,11 +304,13 @@ class LLMEngine(EventSource):
         while len(self.finished_ids) > FINISHED_IDS_KEPT:
             self.finished_ids.popitem(last=False)
 
-    def _reject(self, request_id: str, prompt: Any, token_ids: list[int], reason: str) -> str:
+    def _reject(self, request_id: str, prompt: Any, token_ids: list[int], reason: str,
+                params: SamplingParams | None = None, priority: int | None = None) -> str:
         self._ended(request_id)
         self.output.reject(request_id, prompt, token_ids, reason)
         if self._subscribers:
-            self._emit(ev.RequestRejected(request_id=request_id, reason=reason))
+            self._emit(ev.RequestRejected(request_id=request_id, reason=reason, priority=priority,
+                                          max_tokens=params.max_tokens if params is not None else None))
         return request_id
 
     def new_request_id(self) -> str:
@@ -420,14 +422,14 @@ class LLMEngine(EventSource):
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.fatal_error is not None:
-            return self._reject(request_id, prompt, [], self.fatal_error)
+            return self._reject(request_id, prompt, [], self.fatal_error, params, priority)
         try:
             text, token_ids = self.encode_prompt(prompt)
         except ValueError as e:  # the prompt itself is not kept: it may not even be writable as UTF-8
-            return self._reject(request_id, None, [], str(e))
+            return self._reject(request_id, None, [], str(e), params, priority)
         problem = self.request_problem(token_ids, params, fit_context)
         if problem is not None:
-            return self._reject(request_id, text, token_ids, problem[1])
+            return self._reject(request_id, text, token_ids, problem[1], params, priority)
         n_prompt = len(token_ids)
         req = RequestState(request_id, text, token_ids, params)
         now, paused = self.clock.now(), self.clock.paused_s()

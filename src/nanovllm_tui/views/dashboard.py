@@ -28,7 +28,8 @@ def phase_text(state: EngineState, width: int = 0) -> Text:
     """The phase, what the newest step did with its token budget (labelled the last step while the
     engine is idle or paused), and the queues now; each line in as many words as ``width`` cells hold."""
     phase = state.phase
-    text = Text.assemble((phase.upper(), PHASE_STYLES.get(phase, "bold")))
+    # "ended": a replay played to its end (trial 11: it still said DECODE beside its unfinished requests)
+    text = Text.assemble(("RECORDING ENDED" if phase == "ended" else phase.upper(), PHASE_STYLES.get(phase, "bold")))
     plan = state.plan
     if plan is None:
         text.append("\nno step yet", style="dim")

@@ -149,6 +149,7 @@ class TutorialView(EngineView):
         self.feedback = self._feedback(previous) if previous is not None else None
         self._show_feedback()
         self.query_one("#chapter-scroll", VerticalScroll).scroll_home(animate=False)
+        self.query_one("#quiz").scroll_home(animate=False)  # a short terminal's quiz scrolls: its question first
 
     def _show_list(self) -> None:
         text = Text()
@@ -208,8 +209,12 @@ class TutorialView(EngineView):
         log.show_content(measured + text if measured else text)
         if len(run.notes) != self._notes_shown:  # new output: bring it into view
             self._notes_shown = len(run.notes)
-            scroll = self.query_one("#chapter-scroll", VerticalScroll)
-            self.call_after_refresh(scroll.scroll_end, animate=False)  # once the new lines are laid out
+            self._scroll_to_demo()
+
+    def _scroll_to_demo(self) -> None:
+        """Bring the demonstration's newest output (under the chapter's text) into view."""
+        scroll = self.query_one("#chapter-scroll", VerticalScroll)
+        self.call_after_refresh(scroll.scroll_end, animate=False)  # once the new lines are laid out
 
     @staticmethod
     def _what(s) -> str:
@@ -263,7 +268,13 @@ class TutorialView(EngineView):
         self._save()
         self._show_feedback()
         self._show_list()
+        # A short terminal's quiz box scrolls (app.tcss): the verdict came below its fold, and the
+        # key changed nothing visible (trial 11, 60x20). Bring it into view once laid out.
+        self.call_after_refresh(self._reveal_feedback)
         return right
+
+    def _reveal_feedback(self) -> None:
+        self.query_one("#quiz").scroll_to_widget(self.query_one("#feedback"), animate=False, top=True)
 
     def _save(self) -> None:
         try:
@@ -344,6 +355,7 @@ class TutorialView(EngineView):
         self.measured = (chapter, Text(f"\nMeasuring all-reduces between {demo.allreduce_ranks} processes "
                                        "(gloo over 127.0.0.1)…", style="dim"))
         self._show_demo()
+        self._scroll_to_demo()  # under a long chapter's text it was out of view (trial 11, as the quiz's verdict)
 
         def work() -> None:
             from nanovllm_core.educational import tp_measure
@@ -363,6 +375,8 @@ class TutorialView(EngineView):
         self.measuring = False
         self.measured = (chapter, text)
         self._show_demo()
+        if chapter is self.chapter:
+            self._scroll_to_demo()
 
     def on_engine_bridge_events_ready(self, message: EngineBridge.EventsReady) -> None:
         """The demonstration's engine sent events (its own bridge, never the app's)."""

@@ -44,7 +44,7 @@ tensor = facts.tensor
 
 def no_trace_words(state: EngineState, selected: str | None, live: bool) -> str:
     """Why the X-Ray has nothing to show, true for the selection: X-Ray traces the selected request's
-    next step, so a finished selection never gets one, however often n is pressed (trial 7: it said
+    next step (a step it is not in: the step's first request's), so a finished selection never gets one (trial 7: it said
     "No trace yet: ... press n while paused" with a finished request selected). Names the keys that
     select another request (``]`` / ``[``, commands.py)."""
     req = state.requests.get(selected) if selected else None
@@ -57,8 +57,8 @@ def no_trace_words(state: EngineState, selected: str | None, live: bool) -> str:
         return (f"No trace yet: request {selected} was not in step {plan.step} ({why}); X-Ray records the next step "
                 "that runs it: press n again while paused.")
     if req is None or req.live:
-        return ("No trace yet: send a prompt, or press n while paused (X-Ray records the selected "
-                "request's next step while this tab is open).")
+        return ("No trace yet: send a prompt, or press n while paused (X-Ray records the selected request's next "
+                "step, or the step's first request if it did not run, while this tab is open).")
     running = [rid for rid, r in state.requests.items() if r.live]
     if running:
         shown = ", ".join(running[:4]) + (" ..." if len(running) > 4 else "")
@@ -67,8 +67,35 @@ def no_trace_words(state: EngineState, selected: str | None, live: bool) -> str:
         pick = "no request is running: send a prompt, then press n while paused"
     else:
         pick = "no request of this recording is running now"
-    return (f"No trace: request {selected} is {req.state} (no longer running), and X-Ray records the selected "
-            f"request's next step, which it will never have; {pick}.")
+    instead = ("X-Ray records the next step's first request instead" if live
+               else "the recording holds only the traces made while it was recorded")
+    return (f"No trace: request {selected} is {req.state} (no longer running), so no step of it will come; "
+            f"{instead}; {pick}.")
+
+
+def other_request_words(state: EngineState, trace: ev.LayerTrace, selected: str | None, live: bool) -> str:
+    """The title's note when the trace shown is not the selected request's: which one it is and why
+    (trial 11: "(traced: req-8, not req-9)" said nothing of why or what to do). A step the selected
+    request is not in traces the step's first request; only a shown tab (or ``--trace-xray``) traces."""
+    if selected in (None, trace.request_id):
+        return ""
+    req = state.requests.get(selected)
+    if req is not None and not req.live:
+        why = f"{selected} is {req.state}, so steps trace a running request"
+    elif live and state.step is not None and trace.step < state.step:
+        why = (f"step {trace.step} is the newest traced (steps run while this tab was hidden are not traced for it); "
+               f"the next step traces {selected}" + (", press n" if state.paused else ""))
+    else:
+        plan = state.plan
+        ran = plan is not None and plan.step == trace.step and any(s.request_id == selected for s in plan.scheduled)
+        if not ran:
+            why = f"{selected} did not run in step {trace.step}"
+        elif live:
+            why = f"{selected} was chosen after step {trace.step}; the next step traces it" + (
+                ", press n" if state.paused else "")
+        else:
+            why = f"the recording traced only {trace.request_id} in that step"
+    return f"  (traced: {trace.request_id}, not {selected}: {why})"
 
 
 def pipeline_text(trace: ev.LayerTrace) -> Text:
@@ -271,7 +298,7 @@ class XRayView(EngineView, can_focus=True):
             self.query_one("#gqa", LiveStatic).show_content("")
             heatmap.set_data((), (), ())
             return
-        other = "" if selected in (None, trace.request_id) else f"  (traced: {trace.request_id}, not {selected})"
+        other = other_request_words(state, trace, selected, getattr(self.app, "live", True))
         title.show_content(Text.assemble(
             ("X-Ray ", "bold"), ("request ", "dim"), (trace.request_id, "bold #4ea1ff"), f" · step {trace.step} · ",
             (facts.what_ran(trace), "bold"), " · ",

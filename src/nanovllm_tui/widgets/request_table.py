@@ -29,7 +29,8 @@ from nanovllm_tui.state import EngineState, RequestView
 from nanovllm_tui.widgets.format import fmt_ms, progress, request_color
 
 STATE_STYLES = {"submitted": "magenta", "waiting": "yellow", "running": "green", "preempted": "bold red",
-                "finished": "dim", "rejected": "red", "lost": "red"}
+                "finished": "dim", "rejected": "red", "lost": "red",
+                "unfinished": "yellow"}
 # (title, least width in cells, a separating space included)
 COLUMNS = (("request", 9), ("state", 18), ("prio", 5), ("prefill (prompt)", 19), ("decode (output)", 19),
            ("TTFT", 9), ("TPOT", 8), ("preempted", 10), ("cached", 7))

@@ -93,8 +93,9 @@ class StatusHeader(LiveStatic):
             lost = state.engine_state in ("stopped", "disconnected", "key refused")
             engine_state = "paused" if state.paused and not lost else state.engine_state
             active = len(state.active_requests)
-            cut_short = replay and engine_state == "idle" and active  # the recording stopped mid-request
-            shown = "recording ended" if cut_short else engine_state
+            unfinished = state.unfinished or []  # a replay at its end: the requests the recording stopped in
+            cut_short = replay and bool(unfinished)
+            shown = "recording ended" if cut_short and engine_state == "idle" else engine_state
             style = STATE_STYLES.get(engine_state, "bold")
             if state.pending is not None and not lost:  # asked for, not yet confirmed by the engine
                 shown, style = f"{state.pending}…", "bold yellow"
@@ -102,8 +103,10 @@ class StatusHeader(LiveStatic):
             if state.step is not None:
                 parts.append((Text(f" · step {state.step}"), 3))
             if cut_short:  # they will never finish: the header said "idle" beside requests listed running
-                parts.append((Text(f" · {active} request{'s' if active != 1 else ''} unfinished in it"), 1,
-                              Text(f" · {active} unfinished")))
+                n = len(unfinished)
+                names = ", ".join(unfinished[:3]) + (f" and {n - 3} more" if n > 3 else "")
+                parts.append((Text(f" · {names} unfinished in it"), 1,
+                              Text(f" · {names} unfinished" if n <= 3 else f" · {n} unfinished")))
             else:  # "N active" where the whole line does not fit otherwise (a long model name in a replay)
                 parts.append((Text(f" · {active} active request{'s' if active != 1 else ''}"), 4,
                               Text(f" · {active} active")))
