@@ -172,7 +172,7 @@ async def test_paused_says_will_start_paused_while_loading_and_n_says_when_it_wo
             assert "loading model" in header and "will start paused" in header, header
             await pilot.press("escape", "n")
             await pilot.pause(0.2)
-            assert notes.find("n runs one step once it has loaded (the engine will start paused)")
+            assert notes.find("n then runs one step once it has loaded (the engine will start paused)")  # no prompt yet
             assert not notes.find("press space to pause first")
             gate.set()
             await wait_until(pilot, lambda: app.state.ready, what="the model")

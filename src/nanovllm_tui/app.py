@@ -720,9 +720,14 @@ class NanoVLLMApp(App):
     def action_step(self) -> None:
         loading = self.live and not self.state.ready and self.state.load_error is None
         will_pause = self.state.pending == "pausing" or (self.state.paused and self.state.pending is None)
-        if loading and will_pause:
-            self.notify("The model is still loading: n runs one step once it has loaded (the engine will "
-                        "start paused).", severity="warning")
+        if loading and will_pause and not self.state.active_requests:
+            self.notify("The model is still loading: send a prompt; n then runs one step once it has loaded (the "
+                        "engine will start paused).", severity="warning")
+            return
+        if loading and will_pause:  # queued: the engine takes it once loaded, paused (keys act in order)
+            self.controller.step(1)
+            self.notify("The model is still loading: this step runs once it has loaded (the engine will start "
+                        "paused).")
             return
         # A pause asked for and not yet confirmed counts: the engine takes the step after the pause.
         if self.state.pending != "pausing" and (not self.state.paused or self.state.pending == "resuming"):
