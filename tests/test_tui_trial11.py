@@ -114,13 +114,17 @@ def _visible_rows(app, widget) -> int:
     return geo.region.intersection(geo.clip).height
 
 
+async def _tutorial_tab(pilot) -> None:
+    await pilot.press("escape", "4")
+    await pilot.pause(0.3)
+
+
 async def test_a_quiz_answer_at_60x20_scrolls_its_verdict_into_view(tmp_path):
     from tests.tui_helpers import replay_app
 
     app = replay_app(tmp_path)
     async with app.run_test(size=(60, 20)) as pilot:
-        await pilot.press("escape", "4")
-        await pilot.pause(0.3)
+        await _tutorial_tab(pilot)
         feedback, question = app.query_one("#feedback"), app.query_one("#question")
         await pilot.press("d")
         await pilot.pause(0.3)
@@ -138,8 +142,7 @@ async def test_a_finished_measurement_under_a_long_chapter_is_scrolled_into_view
 
     app = replay_app(tmp_path)
     async with app.run_test(size=(60, 20)) as pilot:
-        await pilot.press("escape", "4")
-        await pilot.pause(0.3)
+        await _tutorial_tab(pilot)
         view, scroll = app.query_one("#tutorial-view"), app.query_one("#chapter-scroll")
         view._measured(view.chapter, Text("\nall-reduce of 576 floats: 40 µs (measured)"))
         await pilot.pause(0.3)
