@@ -4,7 +4,8 @@
 Below both CLIs, so neither imports the other for them: argument types that fail with
 argparse's one-line usage error (status 2), the model and engine option groups, and the
 translation of parsed options into ``LLM(...)`` keyword arguments and ``SamplingParams``.
-Imports only the standard library at import time (torch waits until an engine is built).
+Imports only the standard library and `nanovllm_core.prompts` (standard library only) at import
+time (torch waits until an engine is built).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import argparse
 import os
 import re
 import sys
+
+from nanovllm_core.prompts import unicode_problem
 
 
 # model.quantization.QUANTIZATION_CHOICES, written out: parsing options must not import torch (a test holds them equal)
@@ -239,8 +242,9 @@ def prompt_text(text: str) -> str:
             raise argparse.ArgumentTypeError(
                 f"not valid UTF-8: byte 0x{ord(ch) - 0xDC00:02x} at character {i}; pass UTF-8 text "
                 "(check the terminal's or the file's encoding)")
-        if "\ud800" <= ch <= "\udfff":
-            raise argparse.ArgumentTypeError(f"not valid Unicode: a lone surrogate {ch!r} at character {i}")
+    problem = unicode_problem(text)  # any other lone surrogate (the bytes case is named above)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"not valid Unicode: {problem}")
     return text
 
 

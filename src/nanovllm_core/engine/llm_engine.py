@@ -57,7 +57,7 @@ from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.prompts import (Prompt, content_text, conversation_problem, describe, is_conversation,
                                    template_message)
 from nanovllm_core.sampling.sampler import RowGroup, Sampler, SamplerOutput, SamplingRow
-from nanovllm_core.prompts import unicode_problem  # noqa: F401  (the server imported it from here)
+from nanovllm_core.prompts import unicode_problem
 from nanovllm_core.sampling_params import SamplingParams, check_priority, max_tokens_overflow
 from nanovllm_core.speculative.metrics import SpecDecodeStats
 from nanovllm_core.speculative.proposer import build_proposer, load_draft_model, needs_draft_model, parse_self_layers
