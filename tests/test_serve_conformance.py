@@ -701,8 +701,31 @@ def test_null_in_an_optional_field_is_its_default_and_a_required_one_refuses_it(
             model.model_validate(body)
         error = validation_error(e.value, body)
         assert error.status == 400 and error.param == field and "\n" not in error.message, error.body()
+    elif field in model.NULL_KEPT:  # null is a value of its own (completions' max_tokens: up to the model's length)
+        assert getattr(model.model_validate(body), field) is None
+        assert info.default is not None and getattr(model.model_validate(base), field) is not None
     else:  # the field as if not sent
         assert model.model_validate(body) == model.model_validate({k: v for k, v in base.items() if k != field})
+
+
+# Trial 12: openai-python sends "max_tokens": null for max_tokens=None; vLLM reads it as "up to the
+# model's length", this server read it as "not sent" (16 tokens, and a long prompt refused as
+# asking prompt + 16).
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_max_tokens_null_runs_to_the_models_length(tiny_server, stream):
+    max_model_len = tiny_server.controller.engine.max_model_len
+    prompt = [5] * (max_model_len - 20)
+    body = {"prompt": prompt, "max_tokens": None, "ignore_eos": True, "temperature": 0,
+            "stream_options": {"include_usage": True} if stream else None}
+    status, answer = post(tiny_server, "/v1/completions", body, stream=stream)
+    assert status == 200, answer
+    if stream:
+        events = [json.loads(d) for d in answer if d != "[DONE]"]
+        usage = events[-1]["usage"]
+        finish = [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]
+    else:
+        usage, finish = answer["usage"], [answer["choices"][0]["finish_reason"]]
+    assert usage["completion_tokens"] == 20 and finish == ["length"], answer
 
 
 @pytest.mark.parametrize("path, body", [

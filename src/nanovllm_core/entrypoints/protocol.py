@@ -123,7 +123,8 @@ class _Body(BaseModel):
     """A request body (or part of one): unknown fields refused; ``null`` in an optional field means its default.
 
     OpenAI's spec marks its optional fields nullable and vLLM's server takes ``null`` for any of
-    them as "not sent", so ``"n": null`` is ``n=1`` and ``"stream": null`` is ``stream=false``.
+    them as "not sent", so ``"n": null`` is ``n=1`` and ``"stream": null`` is ``stream=false``;
+    ``NULL_KEPT`` names the exceptions whose null means something else (completions' ``max_tokens``).
     A required field (``prompt``, ``messages``, a message's ``role``) keeps refusing ``null``
     with its one-line 400. ``NULL_ONLY``: fields this server does not support but takes as
     ``null`` or as their value that asks for nothing (``NO_OP_VALUES``: ``response_format``
@@ -133,13 +134,16 @@ class _Body(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     NULL_ONLY: ClassVar[frozenset[str]] = frozenset()
+    # Optional fields whose ``null`` is a value of its own, not "not sent" (completions'
+    # ``max_tokens``: absent is 16, null is "up to the model's length", as vLLM reads it).
+    NULL_KEPT: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        optional = {name for name, f in cls.model_fields.items() if not f.is_required()} | cls.NULL_ONLY
+        optional = ({name for name, f in cls.model_fields.items() if not f.is_required()} | cls.NULL_ONLY) - cls.NULL_KEPT
         return {k: v for k, v in data.items() if not (v is None and k in optional)
                 and not (k in cls.NULL_ONLY and v in NO_OP_VALUES.get(k, ()))}
 
@@ -243,6 +247,7 @@ class CompletionRequest(_SamplingBody):
     echo: StrictBool = False
     suffix: str | None = None
     NULL_ONLY = frozenset({"response_format"})  # vLLM's structured output: not supported here
+    NULL_KEPT = frozenset({"max_tokens"})  # null: up to the model's length (vLLM), absent: 16 (OpenAI)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list (a single text or token list becomes a list of one).
