@@ -100,3 +100,20 @@ def test_full_prefix_hit_on_block_aligned_prompt(make_llm):
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     assert second.metrics.num_cached_prompt_tokens == 16  # the last block is recomputed for its logits
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+# Trial 12: stats()["kv_blocks_free"] counted the cached-free blocks too, so used + cached + free
+# came to more than the pool (11 of 10); the CLI and the app call "free" only what holds nothing.
+def test_stats_kv_blocks_used_cached_and_free_add_up_to_the_pool(make_tiny_engine):
+    from nanovllm_core.sampling_params import SamplingParams
+
+    engine = make_tiny_engine(num_kv_blocks=10, block_size=4)
+    engine.add_request(list(range(1, 14)), SamplingParams(temperature=0, max_tokens=2))
+    for _ in range(20):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    stats = engine.stats()
+    assert not engine.has_unfinished_requests() and stats["kv_blocks_used"] == 0
+    assert stats["kv_blocks_cached"] >= 3, stats  # the prompt's three full blocks stay cached
+    assert stats["kv_blocks_used"] + stats["kv_blocks_cached"] + stats["kv_blocks_free"] == stats["kv_blocks_total"], stats

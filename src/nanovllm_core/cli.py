@@ -394,7 +394,7 @@ def print_memory_stats(stats: dict) -> None:
     print(f"  blocks: {stats['kv_blocks_total']} x {stats['block_size']} tokens ({human_bytes(stats['kv_bytes_per_block'])} "
           f"each, {human_bytes(stats['kv_bytes_total'])} in all)")
     print(f"  in use now: {stats['kv_blocks_used']}, cached-free: {stats['kv_blocks_cached']}, "
-          f"free: {stats['kv_blocks_free'] - stats['kv_blocks_cached']}")
+          f"free: {stats['kv_blocks_free']}")
     print(f"  slots allocated but unfilled: {stats['kv_slots_wasted']}")
     if stats.get("prefix_caching") is False:  # nothing is looked up (trial 10: "0 of 22 tokens looked up hit")
         print("  prefix cache: off (--no-prefix-caching, or a backend without paged blocks): nothing is looked up")

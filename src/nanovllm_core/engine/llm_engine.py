@@ -727,7 +727,10 @@ class LLMEngine(EventSource):
     def stats(self) -> dict[str, Any]:
         """Counters of the engine's life so far (blocks, prefix cache, preemptions, steps).
 
-        ``kv_slots_wasted``: slots allocated to live sequences but not (yet) filled;
+        The pool's blocks in three parts that add up to ``kv_blocks_total``: ``kv_blocks_used``
+        (held by live requests), ``kv_blocks_cached`` (free, still holding a cached prefix a later
+        prompt can hit) and ``kv_blocks_free`` (free, holding nothing; the CLI's and the app's
+        "free"). ``kv_slots_wasted``: slots allocated to live sequences but not (yet) filled;
         ``kv_cache_usage``: used blocks / total (0..1).
         """
         bm = self.block_manager
@@ -742,7 +745,7 @@ class LLMEngine(EventSource):
             "prefix_cache_hits": bm.prefix_cache_hits,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
             "kv_blocks_total": bm.num_blocks,
-            "kv_blocks_free": bm.num_free_blocks,
+            "kv_blocks_free": bm.num_free_blocks - bm.num_cached_free_blocks,
             "kv_blocks_cached": bm.num_cached_free_blocks,
             "kv_blocks_used": bm.num_used_blocks,
             "kv_cache_usage": bm.num_used_blocks / bm.num_blocks,
