@@ -484,10 +484,31 @@ def test_preemption_says_blocks_may_come_back_from_the_prefix_cache_and_names_vl
     plan = planned(5, [entry("0", kind="decode", num=1, start=9, total_len=10)],
                    preempted=[queued("1", num_tokens=12, preemptions=1)], waiting=[queued("1")], admitted=())
     pre = next(c for c in fresh().feed(plan) if c.kind == "preemption")
-    assert "A running request needed a new KV block" in pre.text
+    assert "A running request needed more KV blocks for this step than were free" in pre.text  # a plan without shortfalls
     assert "the blocks still in the prefix cache are reused and only the rest is recomputed" in pre.text
     assert "often" not in pre.text
     assert "vLLM's is the opposite: lower values run first, and its default policy is fcfs" in pre.text
+
+
+def test_preemption_says_how_many_blocks_were_needed_and_how_many_were_free():
+    """Trial 12: "needed a new KV block ... and none was free" for a chunk that needed 4 with 3 free."""
+    chunk = entry("1", num=1, start=8, prompt_len=1, total_len=9, priority=10)
+    why = ev.Shortfall(request_id="0", seq_id=0, index=0, blocks_needed=4, blocks_free=3)
+    plan = replace(planned(2, [chunk], preempted=[queued("0", num_tokens=83, preemptions=1)], waiting=[queued("0")],
+                           admitted=()), shortfalls=(why,))
+    pre = next(c for c in fresh().feed(plan) if c.kind == "preemption")
+    assert pre.text.startswith("Request 0 needed 4 more KV blocks for this step and only 3 were free, so the "
+                               "scheduler preempted request 0 itself"), pre.text
+    assert "none was free" not in pre.text
+    other = ev.Shortfall(request_id="1", seq_id=1, index=0, blocks_needed=1, blocks_free=0)
+    pre = next(c for c in fresh().feed(replace(plan, shortfalls=(other,))) if c.kind == "preemption")
+    assert pre.text.startswith("Request 1 needed 1 more KV block for this step and none was free, so the scheduler "
+                               "preempted request 0 (priority 0)"), pre.text
+    waiting = ev.Shortfall(request_id="1", seq_id=1, index=0, blocks_needed=2, blocks_free=1, waiting=True)
+    pre = next(c for c in fresh().feed(replace(plan, shortfalls=(waiting,))) if c.kind == "preemption")
+    assert pre.text.startswith("Request 1 (priority 10) was waiting and needed 2 more KV blocks to be admitted, and "
+                               "only 1 was free"), pre.text
+    assert ev.from_json(ev.to_json(plan)) == plan
 
 
 def test_a_waiting_high_priority_request_that_preempts_is_named():

@@ -268,7 +268,9 @@ def test_chunked_prefill_demo_shows_chunks_priority_and_a_preemption(demos):
     assert flat.index("On its own engine") < flat.index("CHUNKED PREFILL")
     assert "CHUNKED PREFILL · Request 0: prefill chunk 0.." in text
     flat = " ".join(text.split())
-    assert "PREEMPTION · Step" in text and "preempted request 0 (priority 0)" in flat
+    assert "PREEMPTION · Step" in text and "preempted request 0 itself (priority 0)" in flat
+    # trial 12: not "none was free": request 0's chunk 56..82 needs 4 more blocks while 3 are free
+    assert "Request 0 needed 4 more KV blocks for this step and only 3 were free" in flat
     assert "none of them computed before its preemption" in flat  # tokens 56..82 are new, not recomputed
     assert text.index("Request 1 finished") < text.index("Request 0 finished")  # priority 10 first
 

@@ -141,20 +141,38 @@ class SchedulerNarration:
     def _preemption(self, plan: ev.StepPlanned, q: ev.QueueEntry) -> Commentary:
         policy = self.info.get("scheduling_policy", "priority")
         name = self._name(q.request_id, q.index)
-        admitted = [s for s in plan.scheduled if s.request_id in plan.admitted and s.priority > q.priority]
-        if policy == "priority" and admitted:
+        rule = ("the lowest-priority running request, the latest to arrive among equals" if policy == "priority"
+                else "the running request that arrived last")
+        short = self._shortfall(plan, q)
+        if short is not None:
+            needer = self._name(short.request_id, short.index)
+            need = f"{plural(short.blocks_needed, 'more KV block')}"
+            free = ("none was free" if short.blocks_free == 0
+                    else f"only {short.blocks_free} {agree(short.blocks_free, 'was', 'were')} free")
+            if short.waiting:
+                prio = self._priority_of(plan, short.seq_id)
+                why = (f"{needer}{f' (priority {prio})' if prio is not None else ''} was waiting and needed {need} "
+                       f"to be admitted, and {free}. Under the priority policy a waiting request may take the blocks "
+                       f"of running requests of lower priority, lowest first and the latest to arrive among equals, "
+                       f"so {name} (priority {q.priority}) was preempted")
+            elif short.seq_id == q.seq_id:
+                why = (f"{name} needed {need} for this step and {free}, so the scheduler preempted {name} itself "
+                       f"(priority {q.priority}): it was {rule}")
+            else:
+                why = (f"{needer} needed {need} for this step and {free}, so the scheduler preempted {name} "
+                       f"(priority {q.priority}): it was {rule}")
+        elif policy == "priority" and (admitted := [s for s in plan.scheduled
+                                                    if s.request_id in plan.admitted and s.priority > q.priority]):
+            # A recording made before the plan carried its shortfalls: the admitted request is the likely cause.
             winner = max(admitted, key=lambda s: s.priority)
             why = (f"{self._name(winner.request_id, winner.index)} (priority {winner.priority}) was waiting and too "
                    f"few KV blocks were free for it. Under the priority policy a waiting request may take the blocks "
                    f"of running requests of lower priority, lowest first and the latest to arrive among equals, so "
                    f"{name} (priority {q.priority}) was preempted")
-            why = why[0].upper() + why[1:]  # "request req-3 ...": an entry starts a sentence (trial 11)
         else:
-            rule = ("the lowest-priority running request, the latest to arrive among equals" if policy == "priority"
-                    else "the running request that arrived last")
-            why = (f"A running request needed a new KV block for this step and none was free, so the scheduler "
+            why = (f"A running request needed more KV blocks for this step than were free, so the scheduler "
                    f"preempted {name} (priority {q.priority}): it was {rule}, which can be the very request that "
-                   "needed the block")
+                   "needed them")
         if self.info.get("prefix_caching") is False:
             back = "when readmitted, their keys and values are all recomputed (prefix caching is off)"
         else:
@@ -169,6 +187,21 @@ class SchedulerNarration:
             text += f" ({PRIORITY_NOTE[0].upper()}{PRIORITY_NOTE[1:]}.)"
         return Commentary("preemption", f"Step {plan.step}: {name} preempted", text,
                           request_id=q.request_id, step=plan.step)
+
+    @staticmethod
+    def _shortfall(plan: ev.StepPlanned, q: ev.QueueEntry) -> ev.Shortfall | None:
+        """Why ``q`` was preempted, from the plan (None in recordings made before plans carried it)."""
+        shortfalls = getattr(plan, "shortfalls", ())
+        if len(shortfalls) != len(plan.preempted):
+            return None
+        return next((w for p, w in zip(plan.preempted, shortfalls) if p.seq_id == q.seq_id), None)
+
+    @staticmethod
+    def _priority_of(plan: ev.StepPlanned, seq_id: int) -> int | None:
+        for entry in (*plan.scheduled, *plan.waiting, *plan.running):
+            if entry.seq_id == seq_id:
+                return entry.priority
+        return None
 
     def _prefix_hit(self, plan: ev.StepPlanned, s: ev.ScheduledEntry) -> Commentary:
         bs = self.info.get("block_size")

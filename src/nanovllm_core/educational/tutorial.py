@@ -599,8 +599,9 @@ CHAPTERS: tuple[Chapter, ...] = (
 
         With the priority policy, requests are served and admitted in order of priority, then arrival.
         In this engine a higher priority value is more important; vLLM's convention is the opposite
-        (lower values run first), and its default policy is fcfs. When KV blocks run out, the engine
-        preempts: the running request with the lowest priority, and the latest arrival among equals,
+        (lower values run first), and its default policy is fcfs. When a running request needs more KV
+        blocks than are free (a decode needs one when its last block is full, a chunk may need several
+        while a few are still free), the engine preempts: the running request with the lowest priority, and the latest arrival among equals,
         gives back all its blocks and returns to the waiting queue. It keeps the tokens it generated;
         when it is readmitted, the full blocks of its tokens (prompt and generated) that are still in the
         prefix cache are reused, and only the rest is recomputed. A high-priority request may also preempt lower-priority

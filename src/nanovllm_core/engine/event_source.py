@@ -178,6 +178,9 @@ class EventSource:
             waiting=tuple(self._queue_entry(s) for s in self.scheduler.waiting),
             running=tuple(self._queue_entry(s) for s in self.scheduler.running),
             max_num_seqs=self.scheduler.max_num_seqs,
+            shortfalls=tuple(ev.Shortfall(request_id=w.needer.request_id, seq_id=w.needer.seq_id, index=w.needer.index,
+                                          blocks_needed=w.blocks_needed, blocks_free=w.blocks_free, waiting=w.waiting)
+                             for w in plan.shortfalls),
         )
 
     def blocks_event(self, step: int) -> ev.BlocksChanged:
