@@ -460,6 +460,39 @@ def test_a_readmission_tells_reused_and_recomputed_tokens():
     assert "token #9, after the recompute" in dec.title and "one new token" not in dec.text
 
 
+def test_a_repeated_preemption_counts_itself_and_the_tokens_recomputed_so_far():
+    """Trial 12: a request preempted 7 times, recomputing each time, and no entry said so."""
+    n = fresh()
+    n.feed(added("1", ids=tuple(range(7)), pieces=tuple("y" * 7)))
+    feed_all(n, [planned(7, [entry("1", kind="decode", num=1, start=13, prompt_len=7, total_len=14)], admitted=()),
+                 sampled(7, rid="1", token=8, text=" w", n_out=8), timed(7)])
+
+    def preempt(step, tokens, times):
+        out = n.feed(planned(step, [entry("0", kind="decode", num=1, start=9, total_len=10)], admitted=(),
+                             preempted=[queued("1", num_tokens=tokens, preemptions=times)], waiting=[queued("1")]))
+        n.feed(timed(step))
+        return next(c for c in out if c.kind == "preemption")
+
+    first = preempt(8, 15, 1)  # 14 computed, lost
+    assert "Preemptions of this request so far: 1." in first.text and "2nd" not in first.text
+    feed_all(n, [planned(9, [entry("1", num=3, start=12, prompt_len=7, total_len=15, cached=12)],
+                         running=(queued("1", num_tokens=15, preemptions=1),), admitted=("1",)),
+                 sampled(9, rid="1", token=9, text=" z", n_out=9), timed(9)])  # 12, 13 recomputed
+    second = preempt(10, 16, 2)
+    assert "This is its 2nd preemption: after the earlier 1 preemption it recomputed 2 tokens" in second.text
+    assert "vLLM also preempts by recompute" in second.text and "More KV blocks" in second.text
+    feed_all(n, [planned(11, [entry("1", num=4, start=12, prompt_len=7, total_len=16, cached=12)],
+                         running=(queued("1", num_tokens=16, preemptions=2),), admitted=("1",)),
+                 sampled(11, rid="1", token=9, text=" z", n_out=10), timed(11)])  # 12, 13, 14 recomputed
+    third = preempt(12, 17, 3)
+    assert "This is its 3rd preemption: after the earlier 2 preemptions it recomputed 5 tokens" in third.text
+    unseen = next(c for c in fresh().feed(planned(4, [entry("0", kind="decode", num=1, start=9, total_len=10)],
+                                                  admitted=(), waiting=[queued("1")],
+                                                  preempted=[queued("1", num_tokens=16, preemptions=2)]))
+                  if c.kind == "preemption")
+    assert "This is its 2nd preemption." in unseen.text and "it recomputed" not in unseen.text  # earlier ones unseen
+
+
 def test_a_readmission_the_narrator_did_not_watch_claims_no_recompute_count():
     planned_entries, _ = readmitted_narrator(watched_before=False)
     hit = next(c for c in planned_entries if c.kind == "prefix_cache")

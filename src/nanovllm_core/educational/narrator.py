@@ -140,6 +140,10 @@ class Narrator(SchedulerNarration):
         self._computed: dict[int, int] = {}
         self._lost: dict[int, int] = {}
         self._request_of: dict[int, str] = {}
+        # Per sequence: tokens recomputed over all its readmissions, and the preemptions the narrator saw
+        # (the total is told only when it saw them all).
+        self._recomputed: dict[int, int] = {}
+        self._preempts_seen: dict[int, int] = {}
         # Per sequence: its latest speculative reservation (step, first position, slots 1 + k, drafts proposed),
         # to tell why a block table holds a block ahead of its tokens.
         self._reserved: dict[int, tuple[int, int, int, int]] = {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from nanovllm_core import events as ev
-from nanovllm_core.educational.commentary import Commentary, agree, join_words, plural
+from nanovllm_core.educational.commentary import Commentary, agree, join_words, ordinal, plural
 
 PRIORITY_NOTE = ("here a higher priority value is more important; vLLM's is the opposite: lower values run first, "
                  "and its default policy is fcfs")
@@ -30,6 +30,8 @@ class SchedulerNarration:
     _computed: dict[int, int]
     _lost: dict[int, int]
     _request_of: dict[int, str]
+    _recomputed: dict[int, int]
+    _preempts_seen: dict[int, int]
     _last_signature: tuple | None
 
     @staticmethod
@@ -54,14 +56,19 @@ class SchedulerNarration:
         for q in plan.preempted:
             if q.seq_id in self._computed:  # unknown when the narrator did not see its earlier steps
                 self._lost[q.seq_id] = max(self._computed.pop(q.seq_id), self._lost.get(q.seq_id, 0))
+                self._preempts_seen[q.seq_id] = self._preempts_seen.get(q.seq_id, 0) + 1
         for s in plan.scheduled:
             self._request_of[s.seq_id] = s.request_id
+            if s.kind == "prefill" and s.seq_id in self._lost:
+                again = max(0, min(s.start + s.num_own_tokens, self._lost[s.seq_id]) - s.start)
+                self._recomputed[s.seq_id] = self._recomputed.get(s.seq_id, 0) + again
             # drafts (after a decode's token or a prompt's last one) count once the verification keeps them
             self._computed[s.seq_id] = s.start + (s.num_own_tokens if s.kind == "prefill" else 1)
 
     def _forget(self, request_id: str) -> None:
         for seq_id in [q for q, r in self._request_of.items() if r == request_id]:
-            for d in (self._computed, self._lost, self._request_of, getattr(self, "_reserved", {})):
+            for d in (self._computed, self._lost, self._request_of, getattr(self, "_reserved", {}),
+                      getattr(self, "_recomputed", {}), getattr(self, "_preempts_seen", {})):
                 d.pop(seq_id, None)
 
     def _planned(self, plan: ev.StepPlanned) -> list[Commentary]:
@@ -181,12 +188,27 @@ class SchedulerNarration:
                     "the blocks still in the prefix cache are reused and only the rest is recomputed")
         why = why[0].upper() + why[1:]  # "request 3 (priority 10) was waiting..." begins the entry (trial 11)
         text = (f"{why}. It gave back all its blocks and went back to the waiting queue keeping its "
-                f"{plural(q.num_tokens, 'token')} (prompt and generated): {back}. Preemptions of this request so "
-                f"far: {q.num_preemptions}.")
+                f"{plural(q.num_tokens, 'token')} (prompt and generated): {back}. "
+                + self._again_and_again(q))
         if policy == "priority":
             text += f" ({PRIORITY_NOTE[0].upper()}{PRIORITY_NOTE[1:]}.)"
         return Commentary("preemption", f"Step {plan.step}: {name} preempted", text,
                           request_id=q.request_id, step=plan.step)
+
+    def _again_and_again(self, q: ev.QueueEntry) -> str:
+        """How often ``q`` has been preempted, and from the second time what the repeats cost (trial 12)."""
+        n = q.num_preemptions
+        if n < 2:
+            return f"Preemptions of this request so far: {n}."
+        text = f"This is its {ordinal(n)} preemption"
+        if getattr(self, "_preempts_seen", {}).get(q.seq_id) == n - 1:  # the narrator saw every earlier one
+            redone = self._recomputed.get(q.seq_id, 0)
+            text += (f": after the earlier {plural(n - 1, 'preemption')} it recomputed {plural(redone, 'token')} "
+                     "whose keys and values it had already computed once (tokens the prefix cache gave back are not "
+                     "counted), work this preemption may have to repeat")
+        return (text + ". When the pool is this tight a request can be readmitted and preempted again and again, "
+                "recomputing each time what it lost; vLLM also preempts by recompute, so a pool this small makes it "
+                "repeat the same way. More KV blocks, or fewer requests running at once (max_num_seqs), avoid it.")
 
     @staticmethod
     def _shortfall(plan: ev.StepPlanned, q: ev.QueueEntry) -> ev.Shortfall | None:
