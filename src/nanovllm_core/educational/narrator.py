@@ -401,7 +401,7 @@ class Narrator(SchedulerNarration):
         else:
             text += (" (Real values appear only in a step X-Ray traces, with --xray or the app's X-Ray tab; this "
                      "one was not traced.)")
-        return [Commentary("embedding", title, text, request_id=s.request_id)]
+        return [Commentary("embedding", title, text, request_id=s.request_id, step=plan.step)]
 
     def _attention(self, t: ev.LayerTrace) -> Commentary:
         shapes = {x.name: x for x in t.tensors}
