@@ -858,3 +858,19 @@ def test_a_rejection_is_told_as_a_sentence():
     assert note.kind == "rejected" and note.text == "The prompt is empty."
     (kept,) = fresh().feed(ev.RequestRejected(request_id="4", reason="Already a sentence."))
     assert kept.text == "Already a sentence."
+
+
+def test_an_abort_tells_which_blocks_went_back_and_which_a_shared_prefix_keeps():
+    """Trial 12: "its blocks are free" while block 0 stayed with request 1; the narrator said nothing of KV."""
+    n = fresh()
+    pool = ev.BlocksChanged(step=3, block_size=16, bytes_per_block=737280, states="uuuuff",
+                            ref_counts=(2, 1, 1, 1, 0, 0),
+                            tables=(ev.SeqBlocks("1", 1, 0, (0, 1), 20, 19), ev.SeqBlocks("0", 0, 0, (0, 2, 3), 40, 39)))
+    n.feed(pool)
+    done = next(c for c in n.feed(replace(finished("0"), finish_reason="abort")) if c.kind == "finished")
+    assert ("Its 3 KV blocks [0, 2, 3] were released at once: 1 block [0] is shared with another request through "
+            "the prefix cache and stays in use by it, the other 2 went back to the pool") in done.text, done.text
+    alone = next(c for c in n.feed(replace(finished("1"), finish_reason="abort")) if c.kind == "finished")
+    assert "Its 2 KV blocks [0, 1] were released at once: all went back to the pool" in alone.text  # ref 2 = 1 + req 0
+    waiting = next(c for c in n.feed(replace(finished("5"), finish_reason="abort")) if c.kind == "finished")
+    assert "It held no KV blocks (it was waiting)" in waiting.text

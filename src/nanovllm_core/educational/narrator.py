@@ -36,6 +36,8 @@ narrator_scheduler.py, and splitting the rest would scatter one step's story ove
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +136,7 @@ class Narrator(SchedulerNarration):
         self._open: _OpenStep | None = None
         self._last_signature: tuple | None = None
         self._last_blocks_used: int | None = None
+        self._last_pool: ev.BlocksChanged | None = None  # the newest block tables, for an abort between steps
         # Per sequence: tokens with K/V computed so far (from the plans), and, after a
         # preemption, how many it had computed when it lost its blocks (to tell a recompute
         # from tokens computed for the first time).
@@ -159,6 +162,8 @@ class Narrator(SchedulerNarration):
                 self._introduced = False
         if self.info and not self._introduced:
             out.extend(self.introduction())
+        if isinstance(event, ev.BlocksChanged):
+            self._last_pool = event
         if isinstance(event, ev.StepPlanned):
             out.extend(self.flush())
             self._lost = {q: n for q, n in self._lost.items() if self._computed.get(q, 0) < n}
@@ -646,6 +651,40 @@ class Narrator(SchedulerNarration):
         return {"length": "it reached its token limit", "abort": "it was aborted",
                 "error": "an engine error ended it"}.get(reason, reason)
 
+    def _aborted_blocks(self, request_id: str) -> str:
+        """What an abort did to the KV pool, from the newest block tables (trial 12: the narrator said nothing).
+
+        An abort happens between steps, so the tables after the last step are the ones it changed.
+        A block another request also holds (a prefix-cache hit) stays in use by that request.
+        """
+        pool = self._last_pool
+        if pool is None:
+            return (" Its KV blocks, if it held any, were released at once: a block another request shares (a "
+                    "prefix-cache hit) stays in use by that request.")
+        tables = [t for t in pool.tables if t.request_id == request_id]
+        ids = sorted({b for t in tables for b in t.block_table})
+        if not ids:
+            return " It held no KV blocks (it was waiting), so the pool did not change."
+        shared = [b for b in ids if pool.ref_counts[b] > sum(b in t.block_table for t in tables)]
+        back = len(ids) - len(shared)
+        # a second abort before the next step sees the pool as this one left it
+        refs = list(pool.ref_counts)
+        for t in tables:
+            for b in t.block_table:
+                refs[b] -= 1
+        self._last_pool = dataclasses.replace(pool, ref_counts=tuple(refs),
+                                              tables=tuple(t for t in pool.tables if t.request_id != request_id))
+        text = f" Its {plural(len(ids), 'KV block')} {ids} {agree(len(ids), 'was', 'were')} released at once"
+        if shared:
+            text += (f": {plural(len(shared), 'block')} {shared} {agree(len(shared), 'is', 'are')} shared with another "
+                     f"request through the prefix cache and {agree(len(shared), 'stays', 'stay')} in use by it, "
+                     + (f"the other {back} went back to the pool" if back else "so none went back to the pool"))
+        else:
+            text += f": {agree(back, 'it went', 'all went')} back to the pool"
+        if back and self.info.get("prefix_caching") is not False:
+            text += " (a full block keeps its contents as cached-free, for prefix-cache reuse)"
+        return text + "."
+
     def _finished(self, e: ev.RequestFinished) -> Commentary:
         state = self._requests.pop(e.request_id, None)
         self._forget(e.request_id)
@@ -670,6 +709,8 @@ class Narrator(SchedulerNarration):
                      "not narrated one by one"
                      + (f", nor {plural(state.verify_untold, 'later speculative verification')}"
                         if state.verify_untold else "") + ".")
+        if e.finish_reason == "abort":
+            text += self._aborted_blocks(e.request_id)
         if e.error:
             text += f" Error: {e.error}"
         return Commentary("finished", f"Request {e.request_id} finished: {e.finish_reason}", text,

@@ -544,7 +544,8 @@ CHAPTERS: tuple[Chapter, ...] = (
         priority policy the request that caused the preemption may itself be the one admitted, chapter
         11). Prefill chunks and decodes share one forward pass.
 
-        A request that finishes frees its place and its blocks at once, and the next waiting request
+        A request that finishes gives back its place and its blocks at once (a block another request
+        shares through the prefix cache stays in use by it), and the next waiting request
         joins at the following step.
         """,
         "continuous_batching", "The capital of France is",
@@ -555,7 +556,8 @@ CHAPTERS: tuple[Chapter, ...] = (
                "A waiting request is admitted into the freed place",
                "The engine pauses until a new batch can be formed"),
               2,
-              "The scheduler re-plans every step. The finished request's blocks and place are released, and a "
+              "The scheduler re-plans every step. The finished request's place and blocks are released (a block "
+              "another request shares stays in use), and a "
               "waiting request is admitted at the next step if the budget, max_num_seqs and the free blocks "
               "allow."),
     ),
@@ -617,8 +619,9 @@ CHAPTERS: tuple[Chapter, ...] = (
                "The lowest-priority one, and among equals the latest to arrive"),
               3,
               "The victim is the least important running request: lowest priority first, then latest arrival. Its "
-              "blocks are freed, it goes back to the waiting queue with its generated tokens, and when readmitted "
-              "it reuses what the prefix cache still holds of them and recomputes the rest."),
+              "blocks are released (a block another request shares stays in use), it goes back to the waiting "
+              "queue with its generated tokens, and when readmitted it reuses what the prefix cache still holds "
+              "of them and recomputes the rest."),
     ),
     Chapter(
         12, "speculative_decoding", "Speculative decoding: several tokens per step",

@@ -491,7 +491,7 @@ class LLMEngine(EventSource):
         return [self.tokenizer.decode([t]) for t in token_ids]
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request now; its blocks are freed. Returns False if no such live request."""
+        """Stop a request now; its blocks are released (one another request shares stays in use). False if none such."""
         req = self.requests.get(request_id)
         if req is None:
             return False

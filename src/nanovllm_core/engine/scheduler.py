@@ -133,7 +133,7 @@ class Scheduler:
         bisect.insort_right(self.waiting, seq, key=lambda s: s.sort_key(self.policy))
 
     def remove(self, seq: Sequence) -> None:
-        """Take a sequence out of whichever queue holds it and free its blocks (finish or abort)."""
+        """Take a sequence out of its queue and release its blocks (finish or abort; a shared block stays in use)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
