@@ -617,3 +617,21 @@ def test_chapter_8_bounds_the_empty_slots_as_the_engine_leaves_them_also_while_s
     while engine.has_unfinished_requests():
         engine.step()
     assert max(empty) <= bs - 1 + k and max(empty) > bs - 1, empty  # the early block happened, within the bound
+
+
+def test_the_tensor_parallel_chapter_tells_this_engines_rule_and_vllms_kv_head_replication():
+    """Trial 12: "vLLM and nano-vllm split LLaMA the same way ... N must divide the number of KV heads", and the
+    quiz's "at 12 a KV head is cut between ranks": vLLM runs 12 ranks over 4 KV heads, replicating each on 3."""
+    from nanovllm_core.educational.tp_facts import valid_sizes
+
+    ch = chapter("tensor_parallel")
+    flat = " ".join(ch.text.split())
+    assert "split LLaMA the same way" not in flat
+    assert "In this engine each rank holds its own share of the KV heads" in flat
+    assert "vLLM also accepts an N that is a multiple of the KV heads: it replicates each KV head" in flat
+    assert "num_kv_head_replicas" in flat
+    q = ch.quiz
+    assert q.choices[q.answer] == "1, 2 and 4" and "this engine" in q.question
+    assert valid_sizes(12, 4) == [1, 2, 4]  # what "this engine" means: engine/tp_facts' rule
+    assert "At 12 this engine refuses, but vLLM accepts" in q.explanation
+    assert "At 3 or 6 a rank's query heads would read a KV head cut between ranks, in any engine" in q.explanation

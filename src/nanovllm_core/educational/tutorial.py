@@ -670,7 +670,8 @@ CHAPTERS: tuple[Chapter, ...] = (
         every layer's matrices over N devices, the ranks. Each rank holds a slice of every weight and of
         the KV cache, and all ranks run every layer at the same time on the same tokens. Megatron-LM
         (Shoeybi et al. 2019, section 3) arranges the slices so that a decoder layer needs only two
-        exchanges between the ranks; vLLM and nano-vllm split LLaMA the same way.
+        exchanges between the ranks. vLLM and this engine split LLaMA's layers that way; they differ
+        only in which N they accept when KV heads are few (below).
 
         The projections into attention and into the MLP (q, k, v, gate and up) are column-parallel:
         each rank keeps a slice of their output features, its query heads with the KV heads they read
@@ -685,10 +686,15 @@ CHAPTERS: tuple[Chapter, ...] = (
         each layer needs the previous one's sum.
 
         Grouped-query attention bounds N. Query head h reads KV head h // g, so the rank that computes
-        query head h must hold that KV head's keys and values in its own cache: each rank holds whole KV
-        heads and the query heads that read them. N must divide the number of KV heads (then it divides
-        the query heads too) and the intermediate size. A model whose 9 query heads share 3 KV heads
-        splits over 1 or 3 ranks, never 2: the second rank would need half a KV head.
+        query head h must hold that KV head's keys and values in its own cache, whole. In this engine
+        each rank holds its own share of the KV heads and the query heads that read them, so N must
+        divide the number of KV heads (then it divides the query heads too) and the intermediate size.
+        vLLM also accepts an N that is a multiple of the KV heads: it replicates each KV head on
+        N / KV-heads ranks (QKVParallelLinear's num_kv_head_replicas), so every rank still holds a
+        whole KV head for its query heads, and those ranks store the same keys and values, a cache
+        that is not split further. No engine can use an N that neither divides the KV heads nor is a
+        multiple of them: a model whose 9 query heads share 3 KV heads never splits over 2 ranks, which
+        would each need half a KV head.
 
         On separate GPUs each rank brings its own arithmetic and memory bandwidth, so a decode step
         that waits on reading weights reads a third of them on each of 3 devices at once, and an
@@ -701,13 +707,16 @@ CHAPTERS: tuple[Chapter, ...] = (
         how much communication alone costs here.
         """,
         "tensor_parallel", "The capital of France is",
-        _quiz("A model has 12 query heads sharing 4 KV heads. Over which numbers of ranks can its attention "
-              "be split?",
+        _quiz("A model has 12 query heads sharing 4 KV heads. Over which numbers of ranks can this engine "
+              "split its attention?",
               ("1, 2, 3, 4, 6 and 12", "1, 2 and 4", "Only 1 and 4", "Any number up to 12"),
               1,
-              "Each rank must hold whole KV heads together with the query heads that read them, so N must divide "
-              "the 4 KV heads: 1, 2 or 4 (each of which also divides the 12 query heads). At 3, 6 or 12 a rank's "
-              "query heads would read a KV head that is cut between ranks."),
+              "In this engine each rank holds its share of whole KV heads together with the query heads that read "
+              "them, so N must divide the 4 KV heads: 1, 2 or 4 (each of which also divides the 12 query heads). "
+              "At 3 or 6 a rank's query heads would read a KV head cut between ranks, in any engine. At 12 this "
+              "engine refuses, but vLLM accepts: 12 is a multiple of 4, so it replicates each KV head on 3 ranks "
+              "(num_kv_head_replicas = 12 / 4) and each rank holds 1 query head with a whole copy of its KV head "
+              "(the MLP's intermediate size must still divide by 12)."),
     ),
 )
 
