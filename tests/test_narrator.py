@@ -656,6 +656,27 @@ def test_a_lone_decode_step_says_what_share_of_the_measured_bandwidth_its_weight
     assert "GB/s" not in dec.text
 
 
+def test_a_step_the_xray_traced_names_the_capture_in_its_time_and_tells_no_rate_over_it():
+    """Trial 12: a traced decode step of 1.3 s was put down to "norms, RoPE, attention..." beside 56 ms
+    untraced ones; the capture ran inside the step and is named, and no bandwidth or prefill rate is told."""
+    weights, bw = 96_000_000, 8e9
+    n = Narrator({**INFO, "linear_weight_bytes": weights, "memory_bandwidth": bw}, kv_every_step=False)
+    n.feed(added())
+    n.feed(planned(0, [entry()]))
+    n.feed(sampled(0))
+    pre = next(c for c in n.feed(replace(timed(0, wall=1.2), traced=True)) if c.kind == "prefill")
+    assert "with the X-Ray's capture of its layers inside it, so not the engine's own prefill rate" in pre.text
+    assert "a prefill rate of" not in pre.text
+    n.feed(planned(1, [entry(kind="decode", num=1, start=3, total_len=4)]))
+    n.feed(sampled(1, n_out=2))
+    dec = next(c for c in n.feed(replace(timed(1, wall=1.3, tokens=1), traced=True)) if c.kind == "decode")
+    assert "The step took 1.3 s. That time includes the X-Ray's capture of this step's layers" in dec.text
+    assert "norms, RoPE" not in dec.text and "GB/s" not in dec.text
+    assert "No weight-reading rate is told for this step: the X-Ray's capture is in its time" in dec.text
+    assert ev.from_json(ev.to_json(replace(timed(1), traced=True))).traced
+    assert not ev.from_json(ev.to_json(timed(1)).replace(',"traced":false', "")).traced  # older recordings
+
+
 def test_grouped_score_shape_is_explained_from_its_numbers():
     """Trial 7: Q [5, 9, 64], K [5, 3, 64] and then scores [3, 15, 5] with no word of why; a learner expects
     [9, 5, 5]. The entry names each axis of the grouped layout, with the numbers of this trace."""

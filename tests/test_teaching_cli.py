@@ -232,6 +232,15 @@ def test_all_three_modes_combine_in_reading_order(make_llm):
     assert prefill < xray < board
     assert text.count("nano-vLLM inference dashboard") == 1 and board > text.rindex("▌ ")
     assert "30/30 (X-Ray, request 0)" in text  # layer progress measured from the traces
+    # trial 12: every step here is traced, so its time holds the capture; no figure over it reads as the engine's
+    flat = " ".join(text.split())
+    assert "That time includes the X-Ray's capture of this step's layers" in flat  # the decode entry
+    assert "so not the engine's own prefill rate" in flat and "a prefill rate of" not in flat
+    assert "norms, RoPE" not in flat
+    board_text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", text[board:]).split())  # the panel's wrapped cells
+    assert "(last step, X-Ray" in board_text, board_text
+    assert re.search(r"Step time [\d.]+ (ms|s) \(X-Ray capture included\)", board_text), board_text
+    assert "2 steps with the X-Ray" in board_text, board_text
     assert int(re.search(r"Tokens generated: (\d+)", text).group(1)) == len(outs[0].outputs[0].token_ids)
 
 

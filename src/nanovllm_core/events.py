@@ -344,6 +344,9 @@ class StepTimed(Event):
     ``yielded_s``: seconds the step waited while a front end drew a key's frame
     (``yield_gate.py``; 0 without one); not in ``wall_time_s`` nor the rates, but in the
     TTFT and TPOT of the requests it delayed.
+    ``traced``: the X-Ray captured this step (``LayerTrace``); its capture ran inside the step
+    and counts in ``wall_time_s`` and the rates, so a rate derived from them is not the
+    engine's own (False in recordings made before this field existed).
 
     Tensor parallelism (``tp_size`` > 1; otherwise the ``tp_`` fields keep their defaults):
     per rank (index = rank, rank 0 the engine's process), ``tp_forward_s`` seconds of the
@@ -378,6 +381,7 @@ class StepTimed(Event):
     tp_all_reduce_bytes: int = 0
     tp_gather_bytes: int = 0
     yielded_s: float = 0.0
+    traced: bool = False
 
 
 # ---------------------------------------------------------------------------- x-ray
