@@ -31,7 +31,7 @@ class ThroughputPanel(Vertical):
             yield LiveStatic(id=f"{kind}-spark")
 
     def show(self, state: EngineState) -> None:
-        traced = sum(1 for t in state.timings[-RATE_WINDOW:] if getattr(t, "traced", False))
+        traced = sum(1 for t in list(state.timings)[-RATE_WINDOW:] if getattr(t, "traced", False))  # a deque
         width = self.size.width - 4
         parts = [c for c in (yielded_caption(state.yielded_s, width), traced_caption(traced, width)) if c]
         both = " · ".join(parts)
