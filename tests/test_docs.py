@@ -183,3 +183,20 @@ def test_the_checks_catch_planted_mistakes(tmp_path):
     assert runnable("nanovllm serve --port 1") is None and runnable("nanovllm-tui --replay run.jsonl") is None
     assert runnable("python benchmarks/benchmark_gone.py") == "no script benchmarks/benchmark_gone.py"
     assert commands("```bash\nnanovllm --x \\\n  --y  # note\n```\n") == ["nanovllm --x    --y"]
+
+
+def test_no_page_or_message_says_an_aborted_requests_blocks_all_become_free():
+    """Trial 12: the abort toast said "its blocks are free" and the README "(its KV blocks are freed)", while a
+    block shared through the prefix cache stays with the request that shares it."""
+    texts = {p: p.read_text() for p in PAGES}
+    for rel in ("src/nanovllm_tui/app.py", "src/nanovllm_tui/commands.py", "src/nanovllm_core/engine/llm_engine.py",
+                "src/nanovllm_core/entrypoints/api_server.py", "src/nanovllm_core/educational/tutorial.py"):
+        texts[ROOT / rel] = (ROOT / rel).read_text()
+    for path, text in texts.items():
+        flat = " ".join(text.split())
+        for claim in ("its blocks are free", "blocks are freed", "its KV blocks are freed"):
+            assert claim not in flat, f"{path.name}: {claim!r}"
+    from nanovllm_tui.commands import ACTIONS
+
+    (abort,) = [a for a in ACTIONS if a.action == "abort"]
+    assert "a block another request shares stays in use" in " ".join(str(x) for x in vars(abort).values())

@@ -460,6 +460,39 @@ def test_a_readmission_tells_reused_and_recomputed_tokens():
     assert "token #9, after the recompute" in dec.title and "one new token" not in dec.text
 
 
+def test_a_repeated_preemption_counts_itself_and_the_tokens_recomputed_so_far():
+    """Trial 12: a request preempted 7 times, recomputing each time, and no entry said so."""
+    n = fresh()
+    n.feed(added("1", ids=tuple(range(7)), pieces=tuple("y" * 7)))
+    feed_all(n, [planned(7, [entry("1", kind="decode", num=1, start=13, prompt_len=7, total_len=14)], admitted=()),
+                 sampled(7, rid="1", token=8, text=" w", n_out=8), timed(7)])
+
+    def preempt(step, tokens, times):
+        out = n.feed(planned(step, [entry("0", kind="decode", num=1, start=9, total_len=10)], admitted=(),
+                             preempted=[queued("1", num_tokens=tokens, preemptions=times)], waiting=[queued("1")]))
+        n.feed(timed(step))
+        return next(c for c in out if c.kind == "preemption")
+
+    first = preempt(8, 15, 1)  # 14 computed, lost
+    assert "Preemptions of this request so far: 1." in first.text and "2nd" not in first.text
+    feed_all(n, [planned(9, [entry("1", num=3, start=12, prompt_len=7, total_len=15, cached=12)],
+                         running=(queued("1", num_tokens=15, preemptions=1),), admitted=("1",)),
+                 sampled(9, rid="1", token=9, text=" z", n_out=9), timed(9)])  # 12, 13 recomputed
+    second = preempt(10, 16, 2)
+    assert "This is its 2nd preemption: after the earlier 1 preemption it recomputed 2 tokens" in second.text
+    assert "vLLM also preempts by recompute" in second.text and "More KV blocks" in second.text
+    feed_all(n, [planned(11, [entry("1", num=4, start=12, prompt_len=7, total_len=16, cached=12)],
+                         running=(queued("1", num_tokens=16, preemptions=2),), admitted=("1",)),
+                 sampled(11, rid="1", token=9, text=" z", n_out=10), timed(11)])  # 12, 13, 14 recomputed
+    third = preempt(12, 17, 3)
+    assert "This is its 3rd preemption: after the earlier 2 preemptions it recomputed 5 tokens" in third.text
+    unseen = next(c for c in fresh().feed(planned(4, [entry("0", kind="decode", num=1, start=9, total_len=10)],
+                                                  admitted=(), waiting=[queued("1")],
+                                                  preempted=[queued("1", num_tokens=16, preemptions=2)]))
+                  if c.kind == "preemption")
+    assert "This is its 2nd preemption." in unseen.text and "it recomputed" not in unseen.text  # earlier ones unseen
+
+
 def test_a_readmission_the_narrator_did_not_watch_claims_no_recompute_count():
     planned_entries, _ = readmitted_narrator(watched_before=False)
     hit = next(c for c in planned_entries if c.kind == "prefix_cache")
@@ -484,10 +517,31 @@ def test_preemption_says_blocks_may_come_back_from_the_prefix_cache_and_names_vl
     plan = planned(5, [entry("0", kind="decode", num=1, start=9, total_len=10)],
                    preempted=[queued("1", num_tokens=12, preemptions=1)], waiting=[queued("1")], admitted=())
     pre = next(c for c in fresh().feed(plan) if c.kind == "preemption")
-    assert "A running request needed a new KV block" in pre.text
+    assert "A running request needed more KV blocks for this step than were free" in pre.text  # a plan without shortfalls
     assert "the blocks still in the prefix cache are reused and only the rest is recomputed" in pre.text
     assert "often" not in pre.text
     assert "vLLM's is the opposite: lower values run first, and its default policy is fcfs" in pre.text
+
+
+def test_preemption_says_how_many_blocks_were_needed_and_how_many_were_free():
+    """Trial 12: "needed a new KV block ... and none was free" for a chunk that needed 4 with 3 free."""
+    chunk = entry("1", num=1, start=8, prompt_len=1, total_len=9, priority=10)
+    why = ev.Shortfall(request_id="0", seq_id=0, index=0, blocks_needed=4, blocks_free=3)
+    plan = replace(planned(2, [chunk], preempted=[queued("0", num_tokens=83, preemptions=1)], waiting=[queued("0")],
+                           admitted=()), shortfalls=(why,))
+    pre = next(c for c in fresh().feed(plan) if c.kind == "preemption")
+    assert pre.text.startswith("Request 0 needed 4 more KV blocks for this step and only 3 were free, so the "
+                               "scheduler preempted request 0 itself"), pre.text
+    assert "none was free" not in pre.text
+    other = ev.Shortfall(request_id="1", seq_id=1, index=0, blocks_needed=1, blocks_free=0)
+    pre = next(c for c in fresh().feed(replace(plan, shortfalls=(other,))) if c.kind == "preemption")
+    assert pre.text.startswith("Request 1 needed 1 more KV block for this step and none was free, so the scheduler "
+                               "preempted request 0 (priority 0)"), pre.text
+    waiting = ev.Shortfall(request_id="1", seq_id=1, index=0, blocks_needed=2, blocks_free=1, waiting=True)
+    pre = next(c for c in fresh().feed(replace(plan, shortfalls=(waiting,))) if c.kind == "preemption")
+    assert pre.text.startswith("Request 1 (priority 10) was waiting and needed 2 more KV blocks to be admitted, and "
+                               "only 1 was free"), pre.text
+    assert ev.from_json(ev.to_json(plan)) == plan
 
 
 def test_a_waiting_high_priority_request_that_preempts_is_named():
@@ -600,6 +654,27 @@ def test_a_lone_decode_step_says_what_share_of_the_measured_bandwidth_its_weight
     n2.feed(sampled(1, n_out=2))
     dec = next(c for c in n2.feed(timed(1, wall=wall, tokens=2)) if c.kind == "decode")  # shared with another token
     assert "GB/s" not in dec.text
+
+
+def test_a_step_the_xray_traced_names_the_capture_in_its_time_and_tells_no_rate_over_it():
+    """Trial 12: a traced decode step of 1.3 s was put down to "norms, RoPE, attention..." beside 56 ms
+    untraced ones; the capture ran inside the step and is named, and no bandwidth or prefill rate is told."""
+    weights, bw = 96_000_000, 8e9
+    n = Narrator({**INFO, "linear_weight_bytes": weights, "memory_bandwidth": bw}, kv_every_step=False)
+    n.feed(added())
+    n.feed(planned(0, [entry()]))
+    n.feed(sampled(0))
+    pre = next(c for c in n.feed(replace(timed(0, wall=1.2), traced=True)) if c.kind == "prefill")
+    assert "with the X-Ray's capture of its layers inside it, so not the engine's own prefill rate" in pre.text
+    assert "a prefill rate of" not in pre.text
+    n.feed(planned(1, [entry(kind="decode", num=1, start=3, total_len=4)]))
+    n.feed(sampled(1, n_out=2))
+    dec = next(c for c in n.feed(replace(timed(1, wall=1.3, tokens=1), traced=True)) if c.kind == "decode")
+    assert "The step took 1.3 s. That time includes the X-Ray's capture of this step's layers" in dec.text
+    assert "norms, RoPE" not in dec.text and "GB/s" not in dec.text
+    assert "No weight-reading rate is told for this step: the X-Ray's capture is in its time" in dec.text
+    assert ev.from_json(ev.to_json(replace(timed(1), traced=True))).traced
+    assert not ev.from_json(ev.to_json(timed(1)).replace(',"traced":false', "")).traced  # older recordings
 
 
 def test_grouped_score_shape_is_explained_from_its_numbers():
@@ -804,3 +879,19 @@ def test_a_rejection_is_told_as_a_sentence():
     assert note.kind == "rejected" and note.text == "The prompt is empty."
     (kept,) = fresh().feed(ev.RequestRejected(request_id="4", reason="Already a sentence."))
     assert kept.text == "Already a sentence."
+
+
+def test_an_abort_tells_which_blocks_went_back_and_which_a_shared_prefix_keeps():
+    """Trial 12: "its blocks are free" while block 0 stayed with request 1; the narrator said nothing of KV."""
+    n = fresh()
+    pool = ev.BlocksChanged(step=3, block_size=16, bytes_per_block=737280, states="uuuuff",
+                            ref_counts=(2, 1, 1, 1, 0, 0),
+                            tables=(ev.SeqBlocks("1", 1, 0, (0, 1), 20, 19), ev.SeqBlocks("0", 0, 0, (0, 2, 3), 40, 39)))
+    n.feed(pool)
+    done = next(c for c in n.feed(replace(finished("0"), finish_reason="abort")) if c.kind == "finished")
+    assert ("Its 3 KV blocks [0, 2, 3] were released at once: 1 block [0] is shared with another request through "
+            "the prefix cache and stays in use by it, the other 2 went back to the pool") in done.text, done.text
+    alone = next(c for c in n.feed(replace(finished("1"), finish_reason="abort")) if c.kind == "finished")
+    assert "Its 2 KV blocks [0, 1] were released at once: all went back to the pool" in alone.text  # ref 2 = 1 + req 0
+    waiting = next(c for c in n.feed(replace(finished("5"), finish_reason="abort")) if c.kind == "finished")
+    assert "It held no KV blocks (it was waiting)" in waiting.text

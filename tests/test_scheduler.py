@@ -111,3 +111,29 @@ def test_fcfs_never_preempts_for_a_waiting_request():
     s.add(high)
     plan = run_step(s)
     assert plan.preempted == [] and high in s.waiting
+
+
+def test_each_preemption_records_how_many_blocks_were_needed_and_how_many_were_free():
+    """Trial 12: the narrator said "none was free" for every preemption; a chunk can need 3 with 1 free."""
+    s = make(num_blocks=5, block_size=2, budget=6, policy="priority")
+    hi, lo = seq(2, priority=1), seq(12, priority=0)
+    s.add(hi)
+    s.add(lo)
+    run_step(s)  # hi: 2 tokens (1 block); lo: chunk of 4 (2 blocks); 2 free
+    plan = run_step(s)  # hi's 3rd token takes 1 block; lo's chunk of 5 needs 3 more with 1 free: lo itself goes
+    assert plan.preempted == [lo]
+    (why,) = plan.shortfalls
+    assert (why.needer, why.blocks_needed, why.blocks_free, why.waiting) == (lo, 3, 1, False)
+
+
+def test_a_waiting_request_that_preempts_records_its_shortfall():
+    s = make(num_blocks=4, block_size=4, budget=64, policy="priority")
+    low = seq(12, priority=0)
+    s.add(low)
+    run_step(s)  # low: 3 blocks, 1 free
+    high = seq(8, priority=9)
+    s.add(high)
+    plan = run_step(s)  # low's 13th token takes the last block; high needs 2 with none free
+    assert plan.preempted == [low]
+    (why,) = plan.shortfalls
+    assert (why.needer, why.blocks_needed, why.blocks_free, why.waiting) == (high, 2, 0, True)

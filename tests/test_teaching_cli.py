@@ -120,8 +120,28 @@ def test_narrate_tells_prefill_kv_cache_and_finish_with_real_numbers(narrated):
     assert re.search(r"The step took [\d.]+ ms", prefill)
     kv = sections(text, "KV CACHE")[0]
     assert f"1 block x {llm.engine.bytes_per_block:,} bytes" in kv
+    # trial 12: every heading of a step's entry names the step (a KV CACHE entry could land under a later step's)
+    for line in text.splitlines():
+        if line.startswith(("▌ KV CACHE", "▌ ACT 3", "▌ ACT 4", "▌ FINISHED", "▌ ACT 2")):
+            assert re.match(r"▌ [A-Z0-9 ·]+ · step \d+ · ", line), line
     (done,) = sections(text, "FINISHED")
     assert repr(outs[0].outputs[0].text)[:20] in done.replace("\n", " ")
+
+
+def test_a_narrate_heading_names_its_step_once():
+    from nanovllm_core.educational.commentary import Commentary
+    from nanovllm_core.educational.narrate_view import render_commentary
+
+    def head(c):
+        con, buf = console(120)
+        con.print(render_commentary(c))
+        return buf.getvalue().splitlines()[0]
+
+    assert head(Commentary("kv_cache", "KV cache: 4 of 5 blocks", "x", step=12)) == \
+        "▌ KV CACHE · step 12 · KV cache: 4 of 5 blocks"
+    assert head(Commentary("preemption", "Step 2: request 0 preempted", "x", step=2)) == \
+        "▌ PREEMPTION · Step 2: request 0 preempted"  # the title names it already
+    assert head(Commentary("tokenization", "Request 0: 5 tokens", "x")) == "▌ ACT 1 · TOKENIZATION · Request 0: 5 tokens"
 
 
 # ------------------------------------------------------------------------------- x-ray
@@ -212,6 +232,15 @@ def test_all_three_modes_combine_in_reading_order(make_llm):
     assert prefill < xray < board
     assert text.count("nano-vLLM inference dashboard") == 1 and board > text.rindex("▌ ")
     assert "30/30 (X-Ray, request 0)" in text  # layer progress measured from the traces
+    # trial 12: every step here is traced, so its time holds the capture; no figure over it reads as the engine's
+    flat = " ".join(text.split())
+    assert "That time includes the X-Ray's capture of this step's layers" in flat  # the decode entry
+    assert "so not the engine's own prefill rate" in flat and "a prefill rate of" not in flat
+    assert "norms, RoPE" not in flat
+    board_text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", text[board:]).split())  # the panel's wrapped cells
+    assert "(last step, X-Ray" in board_text, board_text
+    assert re.search(r"Step time [\d.]+ (ms|s) \(X-Ray capture included\)", board_text), board_text
+    assert "2 steps with the X-Ray" in board_text, board_text
     assert int(re.search(r"Tokens generated: (\d+)", text).group(1)) == len(outs[0].outputs[0].token_ids)
 
 

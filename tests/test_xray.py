@@ -107,6 +107,22 @@ def test_projections_run_over_the_flat_batch_and_only_gathered_context_is_copied
     assert "query head h reads KV head h // 3" in this["attention"].shapes
 
 
+@pytest.mark.parametrize("backend", ["cpu_paged", "fused", "math"])
+def test_attention_figures_under_this_request_say_they_are_the_batchs_and_give_its_share(backend):
+    """Trial 12: "this request: Q [5, 9, 64] ... 303.0k FLOPs · 93.0 KiB" was req-0's and req-1's work together."""
+    verify, prefill = SeqAttention(4, 30, 30), SeqAttention(5, 5, 5)
+    both = [o for o in layer_ops(SMOL, [verify, prefill], backend, prefill) if o.shapes.startswith(("this request",
+                                                                                                       "S [", "P ["))]
+    alone = {o.name: o for o in layer_ops(SMOL, [prefill], backend, prefill)}
+    assert both
+    for op in both:
+        mine = alone[op.name]
+        assert (f"this op's FLOPs and bytes are the whole batch's (2 sequences), this request's share "
+                f"{mine.flops:,} FLOPs and {mine.bytes:,} bytes") in op.shapes, op.shapes
+        assert "whole batch's" not in mine.shapes  # alone in its step: the figures are its own
+        assert op.flops > mine.flops
+
+
 def test_a_prefill_turns_compute_bound_where_its_layer_reaches_the_ridge():
     n = compute_bound_tokens(SMOL, ridge=10.0)
     at = layer_intensity(layer_ops(SMOL, [SeqAttention(n, n, n)]))

@@ -146,6 +146,17 @@ def test_the_throughput_panel_says_how_long_steps_waited_for_keys():
     assert all(len(yielded_caption(0.348, w)) <= max(w, len("keys 348 ms")) for w in range(5, 60))
 
 
+def test_the_throughput_border_says_when_xray_capture_is_in_the_rates():
+    """Trial 12: rates over steps the X-Ray traced read as the engine's own; the border names the capture."""
+    from nanovllm_tui.widgets.throughput import traced_caption
+
+    assert traced_caption(0, 60) == ""
+    assert traced_caption(3, 60) == "X-Ray capture counted in 3 recent steps' rates"
+    assert traced_caption(1, 60) == "X-Ray capture counted in a recent step's rate"
+    assert traced_caption(3, 32) == "X-Ray capture counted in rates"
+    assert all(len(traced_caption(3, w)) <= max(w, len("X-Ray in rates")) for w in range(5, 60))
+
+
 @pytest.fixture
 def anyio_backend():
     return "asyncio"  # Textual runs on asyncio

@@ -190,12 +190,32 @@ class QueueEntry:
 
 
 @dataclass(frozen=True)
+class Shortfall:
+    """Why one preemption happened: a sequence needed more KV blocks than were free.
+
+    ``request_id`` / ``seq_id`` / ``index``: the sequence that needed ``blocks_needed`` more
+    blocks for this step while only ``blocks_free`` were free (empty plus cached-free, just
+    before this victim gave its blocks back); ``waiting``: that sequence was a waiting request
+    (priority policy) rather than a running one. It can be the preempted sequence itself.
+    """
+
+    request_id: str
+    seq_id: int
+    index: int
+    blocks_needed: int
+    blocks_free: int
+    waiting: bool = False
+
+
+@dataclass(frozen=True)
 class StepPlanned(Event):
     """The scheduler's plan for one step.
 
     ``token_budget`` and ``num_batched_tokens`` in tokens; ``scheduled`` in batch order;
     ``preempted`` / ``admitted``: request ids (with seq ids) that lost or got blocks this step;
-    ``waiting`` / ``running``: the queues after planning, in order.
+    ``waiting`` / ``running``: the queues after planning, in order; ``shortfalls``: why each
+    preemption happened, one per ``preempted`` entry in the same order (empty in traces
+    recorded before this field existed).
     """
 
     step: int
@@ -207,6 +227,7 @@ class StepPlanned(Event):
     waiting: tuple[QueueEntry, ...]
     running: tuple[QueueEntry, ...]
     max_num_seqs: int
+    shortfalls: tuple[Shortfall, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -323,6 +344,9 @@ class StepTimed(Event):
     ``yielded_s``: seconds the step waited while a front end drew a key's frame
     (``yield_gate.py``; 0 without one); not in ``wall_time_s`` nor the rates, but in the
     TTFT and TPOT of the requests it delayed.
+    ``traced``: the X-Ray captured this step (``LayerTrace``); its capture ran inside the step
+    and counts in ``wall_time_s`` and the rates, so a rate derived from them is not the
+    engine's own (False in recordings made before this field existed).
 
     Tensor parallelism (``tp_size`` > 1; otherwise the ``tp_`` fields keep their defaults):
     per rank (index = rank, rank 0 the engine's process), ``tp_forward_s`` seconds of the
@@ -357,6 +381,7 @@ class StepTimed(Event):
     tp_all_reduce_bytes: int = 0
     tp_gather_bytes: int = 0
     yielded_s: float = 0.0
+    traced: bool = False
 
 
 # ---------------------------------------------------------------------------- x-ray
@@ -524,7 +549,7 @@ class EngineError(Event):
 
 # ----------------------------------------------------------------------------- JSON
 
-_PARTS = (SampleResult, ScheduledEntry, QueueEntry, TopToken, SeqBlocks, TensorInfo, OpInfo)
+_PARTS = (SampleResult, ScheduledEntry, QueueEntry, Shortfall, TopToken, SeqBlocks, TensorInfo, OpInfo)
 EVENT_TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (RequestAdded, RequestRejected, RequestFinished, StepPlanned, TokenSampled, BlocksChanged,

@@ -424,7 +424,8 @@ class NanoVLLMApp(App):
         elif isinstance(event, ev.RequestFinished) and event.finish_reason == "abort" and self._sent_here(event):
             # only this app's own prompts: an attached server's other clients disconnect all the time,
             # and a toast for each piled up over the panels (issue 29); the table shows their state
-            self.notify(f"{event.request_id} aborted after {plural(event.num_output_tokens, 'token')}; its blocks are free",
+            self.notify(f"{event.request_id} aborted after {plural(event.num_output_tokens, 'token')}; its KV blocks are "
+                        "released (a block another request shares stays in use)",
                         markup=False)
         elif event.kind == "ServerRestarted":  # nanovllm_tui.remote's: an attached server came back anew
             self.notify(f"The server at {event.url} restarted with a new engine; requests that were running "

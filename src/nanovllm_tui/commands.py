@@ -35,7 +35,8 @@ ACTIONS: tuple[AppAction, ...] = (
     AppAction("space", "toggle_pause", "Pause/Resume", "Pause or resume the engine",
               "Pausing takes effect at the next step boundary"),
     AppAction("n", "step", "Step", "Run one scheduler step", "While paused: exactly one engine step"),
-    AppAction("a", "abort", "Abort", "Abort the selected request", "It finishes now and its KV blocks are freed"),
+    AppAction("a", "abort", "Abort", "Abort the selected request",
+              "It finishes now and its KV blocks are released (a block another request shares stays in use)"),
     AppAction("left_square_bracket", "select(-1)", "Prev req", "Select the previous request", "Also ↑ in the table"),
     AppAction("right_square_bracket", "select(1)", "Next req", "Select the next request", "Also ↓ in the table"),
     *(AppAction(str(i), f"show_tab('{tab}')", title, f"Show the {title} tab", f"Key {i}", show=False)

@@ -33,6 +33,7 @@ from rich.measure import Measurement
 from rich.text import Text
 
 from nanovllm_core import events as ev
+from nanovllm_core.educational.commentary import plural
 from nanovllm_core.educational.narrator import human_bytes, ms
 from nanovllm_core.educational.narrator_sampling import table_caption
 from nanovllm_core.educational.rich_parts import topk_table
@@ -107,6 +108,7 @@ class DashboardView:
         self.kv: ev.StepTimed | None = None
         self.peak_kv_bytes = 0
         self.last_step: ev.StepTimed | None = None
+        self.traced_steps = 0  # steps the X-Ray captured: their capture is in the step times and rates
         self.top: tuple[ev.TopToken, ...] = ()
         self.top_request: str | None = None
         self.top_chosen: str | None = None
@@ -217,6 +219,7 @@ class DashboardView:
     def _timed(self, t: ev.StepTimed) -> None:
         self.num_steps += 1
         self.kv = self.last_step = t
+        self.traced_steps += bool(getattr(t, "traced", False))
         self.peak_kv_bytes = max(self.peak_kv_bytes, t.kv_bytes_used)
         self.ended = time.perf_counter()
         if self._plan is not None:
@@ -317,15 +320,19 @@ class DashboardView:
         speed = Table.grid(padding=(0, 1))
         last = self.last_step
         if last is not None:
-            speed.add_row("Prefill", f"{rate(last.prefill_tokens_per_s)} tok/s (last step)")
-            speed.add_row("Decode", f"{rate(last.decode_tokens_per_s)} tok/s (last step)")
+            # a step the X-Ray traced has its capture in its time (trial 12): its rates say so
+            which = "(last step, X-Ray capture included)" if getattr(last, "traced", False) else "(last step)"
+            speed.add_row("Prefill", f"{rate(last.prefill_tokens_per_s)} tok/s {which}")
+            speed.add_row("Decode", f"{rate(last.decode_tokens_per_s)} tok/s {which}")
             elapsed = (self.ended or 0) - (self.started or 0)
             if elapsed > 0:
                 # engine steps only: from the first step's plan to the last step's end. The command's
                 # own total (cli.py) is wall time around generate(), tokenizing and detokenizing included.
                 speed.add_row("Overall", f"{rate(self.total_generated / elapsed)} tok/s over {elapsed:.2f} s")
-                speed.add_row("", Text("(engine steps only)", style="dim"))
-            speed.add_row("Step time", ms(last.wall_time_s))
+                speed.add_row("", Text("(engine steps only" + (f", {plural(self.traced_steps, 'step')} with the X-Ray "
+                                       "capture in them)" if self.traced_steps else ")"), style="dim"))
+            speed.add_row("Step time", ms(last.wall_time_s) + (" (X-Ray capture included)"
+                                                               if getattr(last, "traced", False) else ""))
         else:
             speed.add_row("Throughput", "no step yet")
         outer = Table.grid(expand=True, padding=(0, 1))

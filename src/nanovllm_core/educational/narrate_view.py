@@ -37,9 +37,15 @@ ACTS: dict[str, tuple[str, str]] = {  # kind -> (label, style)
     "error": ("ENGINE ERROR", "bold red"),
 }
 def render_commentary(c: Commentary) -> RenderableType:
-    """One entry: ``▌ ACT · title`` then the text indented, then its table if any."""
+    """One entry: ``▌ ACT · step N · title`` then the text indented, then its table if any.
+
+    ``step N`` whenever the entry belongs to a step and its title does not already begin with
+    "Step N" (trial 12: a KV CACHE entry with step 12's numbers printed under step 3's decode,
+    with nothing to tell them apart; the app's narrator names the step the same way).
+    """
     label, style = ACTS.get(c.kind, (c.kind.upper(), "bold"))
-    head = Text.assemble(("▌ " + label, style), f" · {c.title}")
+    step = f" · step {c.step}" if c.step is not None and not c.title.startswith(f"Step {c.step}") else ""
+    head = Text.assemble(("▌ " + label, style), f"{step} · {c.title}")
     parts: list[RenderableType] = [head, Indent(Text(c.text))]
     if c.table:
         if c.table_title:

@@ -36,6 +36,8 @@ narrator_scheduler.py, and splitting the rest would scatter one step's story ove
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +57,18 @@ KINDS = ("model", "tokenization", "embedding", "attention", "prefill", "decode",
          "communication", "error")
 MAX_PIECES_SHOWN = 48  # a longer prompt's pieces and ids are shown up to this many, then counted
 MAX_TABLES_SHOWN = 4   # block tables listed in one KV cache entry
+
+
+def capture_note(timed: ev.StepTimed) -> str:
+    """A traced step's sentence on the X-Ray capture inside its time (``StepTimed.traced``), or "".
+
+    Trial 12: the narrator put a traced step's 1.3 s down to "norms, RoPE, attention..." while the
+    untraced steps beside it took 56 ms: the capture is a processor of that number and is named.
+    """
+    if not getattr(timed, "traced", False):
+        return ""
+    return (" That time includes the X-Ray's capture of this step's layers, which ran inside the step and can be "
+            "most of it: a step the X-Ray does not trace runs faster.")
 
 
 def yielded_note(timed: ev.StepTimed) -> str:
@@ -134,12 +148,17 @@ class Narrator(SchedulerNarration):
         self._open: _OpenStep | None = None
         self._last_signature: tuple | None = None
         self._last_blocks_used: int | None = None
+        self._last_pool: ev.BlocksChanged | None = None  # the newest block tables, for an abort between steps
         # Per sequence: tokens with K/V computed so far (from the plans), and, after a
         # preemption, how many it had computed when it lost its blocks (to tell a recompute
         # from tokens computed for the first time).
         self._computed: dict[int, int] = {}
         self._lost: dict[int, int] = {}
         self._request_of: dict[int, str] = {}
+        # Per sequence: tokens recomputed over all its readmissions, and the preemptions the narrator saw
+        # (the total is told only when it saw them all).
+        self._recomputed: dict[int, int] = {}
+        self._preempts_seen: dict[int, int] = {}
         # Per sequence: its latest speculative reservation (step, first position, slots 1 + k, drafts proposed),
         # to tell why a block table holds a block ahead of its tokens.
         self._reserved: dict[int, tuple[int, int, int, int]] = {}
@@ -155,6 +174,8 @@ class Narrator(SchedulerNarration):
                 self._introduced = False
         if self.info and not self._introduced:
             out.extend(self.introduction())
+        if isinstance(event, ev.BlocksChanged):
+            self._last_pool = event
         if isinstance(event, ev.StepPlanned):
             out.extend(self.flush())
             self._lost = {q: n for q, n in self._lost.items() if self._computed.get(q, 0) < n}
@@ -397,7 +418,7 @@ class Narrator(SchedulerNarration):
         else:
             text += (" (Real values appear only in a step X-Ray traces, with --xray or the app's X-Ray tab; this "
                      "one was not traced.)")
-        return [Commentary("embedding", title, text, request_id=s.request_id)]
+        return [Commentary("embedding", title, text, request_id=s.request_id, step=plan.step)]
 
     def _attention(self, t: ev.LayerTrace) -> Commentary:
         shapes = {x.name: x for x in t.tensors}
@@ -451,6 +472,10 @@ class Narrator(SchedulerNarration):
                      else "")
             timing = (f" The step took {ms(timed.wall_time_s)} for its {plural(timed.num_tokens, 'token')}{mixed}: "
                       f"a prefill rate of {figure} tokens/s.{yielded_note(timed)}")
+            if getattr(timed, "traced", False):  # the capture's time is in the rate: told, and not as the engine's
+                timing = (f" The step took {ms(timed.wall_time_s)} for its {plural(timed.num_tokens, 'token')}{mixed}, "
+                          f"{figure} tokens/s with the X-Ray's capture of its layers inside it, so not the engine's "
+                          f"own prefill rate: a step the X-Ray does not trace runs faster.{yielded_note(timed)}")
         per_token = self.info.get("kv_bytes_per_token")
         kv = (f" Their keys and values, {n} x {per_token:,} = {n * per_token:,} bytes, are now in "
               "the KV cache." if per_token else " Their keys and values are now in the KV cache.")
@@ -536,9 +561,11 @@ class Narrator(SchedulerNarration):
         recompute = entry is not None and entry.kind == "prefill" and not entry.num_drafts and e.num_output_tokens > 1
         which = ("first token, from the prefill" if e.num_output_tokens == 1 else
                  f"token #{e.num_output_tokens}, after the recompute" if recompute else f"token #{e.num_output_tokens}")
-        took = f" The step took {ms(timed.wall_time_s)}.{yielded_note(timed)}" if timed is not None else ""
+        took = (f" The step took {ms(timed.wall_time_s)}.{capture_note(timed)}{yielded_note(timed)}"
+                if timed is not None else "")
         if verification is not None and timed is not None:  # the step's wall time holds the drafting too
-            took = f" The step, drafting included, took {ms(timed.wall_time_s)}.{yielded_note(timed)}"
+            took = (f" The step, drafting included, took {ms(timed.wall_time_s)}.{capture_note(timed)}"
+                    f"{yielded_note(timed)}")
         if verification is not None:
             n_query = verification.num_query_tokens or 1 + len(verification.draft_tokens)
             text += (f" It was kept by the verification above: {n_query} tokens of this sequence went through the "
@@ -567,11 +594,15 @@ class Narrator(SchedulerNarration):
         ``linear_weight_bytes`` (linear layers and LM head, as stored) read once in ``wall_time_s``
         is the rate the step reached; at the machine's measured ``memory_bandwidth`` reading them
         takes ``bytes / bandwidth``, and the rest of the step is time spent on anything else.
-        Empty when the step ran more than one token or a figure is unknown.
+        Empty when the step ran more than one token or a figure is unknown; for a step the X-Ray
+        traced, a sentence saying why no rate is told.
         """
         weights, bw = self.info.get("linear_weight_bytes"), self.info.get("memory_bandwidth")
         if timed is None or timed.num_tokens != 1 or not weights or not bw or timed.wall_time_s <= 0:
             return ""
+        if getattr(timed, "traced", False):  # trial 12: the capture's time was put down to norms, RoPE, attention...
+            return (" No weight-reading rate is told for this step: the X-Ray's capture is in its time, and a rate "
+                    "over it would be the capture's as much as the engine's.")
         floor = weights / bw
         return (f" Alone in its step, it read the {human_bytes(weights)} of linear-layer and LM-head weights "
                 f"at {weights / timed.wall_time_s / 1e9:,.2f} GB/s, {weights / timed.wall_time_s / bw:.0%} of this "
@@ -642,6 +673,40 @@ class Narrator(SchedulerNarration):
         return {"length": "it reached its token limit", "abort": "it was aborted",
                 "error": "an engine error ended it"}.get(reason, reason)
 
+    def _aborted_blocks(self, request_id: str) -> str:
+        """What an abort did to the KV pool, from the newest block tables (trial 12: the narrator said nothing).
+
+        An abort happens between steps, so the tables after the last step are the ones it changed.
+        A block another request also holds (a prefix-cache hit) stays in use by that request.
+        """
+        pool = self._last_pool
+        if pool is None:
+            return (" Its KV blocks, if it held any, were released at once: a block another request shares (a "
+                    "prefix-cache hit) stays in use by that request.")
+        tables = [t for t in pool.tables if t.request_id == request_id]
+        ids = sorted({b for t in tables for b in t.block_table})
+        if not ids:
+            return " It held no KV blocks (it was waiting), so the pool did not change."
+        shared = [b for b in ids if pool.ref_counts[b] > sum(b in t.block_table for t in tables)]
+        back = len(ids) - len(shared)
+        # a second abort before the next step sees the pool as this one left it
+        refs = list(pool.ref_counts)
+        for t in tables:
+            for b in t.block_table:
+                refs[b] -= 1
+        self._last_pool = dataclasses.replace(pool, ref_counts=tuple(refs),
+                                              tables=tuple(t for t in pool.tables if t.request_id != request_id))
+        text = f" Its {plural(len(ids), 'KV block')} {ids} {agree(len(ids), 'was', 'were')} released at once"
+        if shared:
+            text += (f": {plural(len(shared), 'block')} {shared} {agree(len(shared), 'is', 'are')} shared with another "
+                     f"request through the prefix cache and {agree(len(shared), 'stays', 'stay')} in use by it, "
+                     + (f"the other {back} went back to the pool" if back else "so none went back to the pool"))
+        else:
+            text += f": {agree(back, 'it went', 'all went')} back to the pool"
+        if back and self.info.get("prefix_caching") is not False:
+            text += " (a full block keeps its contents as cached-free, for prefix-cache reuse)"
+        return text + "."
+
     def _finished(self, e: ev.RequestFinished) -> Commentary:
         state = self._requests.pop(e.request_id, None)
         self._forget(e.request_id)
@@ -666,6 +731,8 @@ class Narrator(SchedulerNarration):
                      "not narrated one by one"
                      + (f", nor {plural(state.verify_untold, 'later speculative verification')}"
                         if state.verify_untold else "") + ".")
+        if e.finish_reason == "abort":
+            text += self._aborted_blocks(e.request_id)
         if e.error:
             text += f" Error: {e.error}"
         return Commentary("finished", f"Request {e.request_id} finished: {e.finish_reason}", text,

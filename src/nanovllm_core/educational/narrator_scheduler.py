@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from nanovllm_core import events as ev
-from nanovllm_core.educational.commentary import Commentary, agree, join_words, plural
+from nanovllm_core.educational.commentary import Commentary, agree, join_words, ordinal, plural
 
 PRIORITY_NOTE = ("here a higher priority value is more important; vLLM's is the opposite: lower values run first, "
                  "and its default policy is fcfs")
@@ -30,6 +30,8 @@ class SchedulerNarration:
     _computed: dict[int, int]
     _lost: dict[int, int]
     _request_of: dict[int, str]
+    _recomputed: dict[int, int]
+    _preempts_seen: dict[int, int]
     _last_signature: tuple | None
 
     @staticmethod
@@ -54,14 +56,19 @@ class SchedulerNarration:
         for q in plan.preempted:
             if q.seq_id in self._computed:  # unknown when the narrator did not see its earlier steps
                 self._lost[q.seq_id] = max(self._computed.pop(q.seq_id), self._lost.get(q.seq_id, 0))
+                self._preempts_seen[q.seq_id] = self._preempts_seen.get(q.seq_id, 0) + 1
         for s in plan.scheduled:
             self._request_of[s.seq_id] = s.request_id
+            if s.kind == "prefill" and s.seq_id in self._lost:
+                again = max(0, min(s.start + s.num_own_tokens, self._lost[s.seq_id]) - s.start)
+                self._recomputed[s.seq_id] = self._recomputed.get(s.seq_id, 0) + again
             # drafts (after a decode's token or a prompt's last one) count once the verification keeps them
             self._computed[s.seq_id] = s.start + (s.num_own_tokens if s.kind == "prefill" else 1)
 
     def _forget(self, request_id: str) -> None:
         for seq_id in [q for q, r in self._request_of.items() if r == request_id]:
-            for d in (self._computed, self._lost, self._request_of, getattr(self, "_reserved", {})):
+            for d in (self._computed, self._lost, self._request_of, getattr(self, "_reserved", {}),
+                      getattr(self, "_recomputed", {}), getattr(self, "_preempts_seen", {})):
                 d.pop(seq_id, None)
 
     def _planned(self, plan: ev.StepPlanned) -> list[Commentary]:
@@ -141,20 +148,38 @@ class SchedulerNarration:
     def _preemption(self, plan: ev.StepPlanned, q: ev.QueueEntry) -> Commentary:
         policy = self.info.get("scheduling_policy", "priority")
         name = self._name(q.request_id, q.index)
-        admitted = [s for s in plan.scheduled if s.request_id in plan.admitted and s.priority > q.priority]
-        if policy == "priority" and admitted:
+        rule = ("the lowest-priority running request, the latest to arrive among equals" if policy == "priority"
+                else "the running request that arrived last")
+        short = self._shortfall(plan, q)
+        if short is not None:
+            needer = self._name(short.request_id, short.index)
+            need = f"{plural(short.blocks_needed, 'more KV block')}"
+            free = ("none was free" if short.blocks_free == 0
+                    else f"only {short.blocks_free} {agree(short.blocks_free, 'was', 'were')} free")
+            if short.waiting:
+                prio = self._priority_of(plan, short.seq_id)
+                why = (f"{needer}{f' (priority {prio})' if prio is not None else ''} was waiting and needed {need} "
+                       f"to be admitted, and {free}. Under the priority policy a waiting request may take the blocks "
+                       f"of running requests of lower priority, lowest first and the latest to arrive among equals, "
+                       f"so {name} (priority {q.priority}) was preempted")
+            elif short.seq_id == q.seq_id:
+                why = (f"{name} needed {need} for this step and {free}, so the scheduler preempted {name} itself "
+                       f"(priority {q.priority}): it was {rule}")
+            else:
+                why = (f"{needer} needed {need} for this step and {free}, so the scheduler preempted {name} "
+                       f"(priority {q.priority}): it was {rule}")
+        elif policy == "priority" and (admitted := [s for s in plan.scheduled
+                                                    if s.request_id in plan.admitted and s.priority > q.priority]):
+            # A recording made before the plan carried its shortfalls: the admitted request is the likely cause.
             winner = max(admitted, key=lambda s: s.priority)
             why = (f"{self._name(winner.request_id, winner.index)} (priority {winner.priority}) was waiting and too "
                    f"few KV blocks were free for it. Under the priority policy a waiting request may take the blocks "
                    f"of running requests of lower priority, lowest first and the latest to arrive among equals, so "
                    f"{name} (priority {q.priority}) was preempted")
-            why = why[0].upper() + why[1:]  # "request req-3 ...": an entry starts a sentence (trial 11)
         else:
-            rule = ("the lowest-priority running request, the latest to arrive among equals" if policy == "priority"
-                    else "the running request that arrived last")
-            why = (f"A running request needed a new KV block for this step and none was free, so the scheduler "
+            why = (f"A running request needed more KV blocks for this step than were free, so the scheduler "
                    f"preempted {name} (priority {q.priority}): it was {rule}, which can be the very request that "
-                   "needed the block")
+                   "needed them")
         if self.info.get("prefix_caching") is False:
             back = "when readmitted, their keys and values are all recomputed (prefix caching is off)"
         else:
@@ -163,12 +188,42 @@ class SchedulerNarration:
                     "the blocks still in the prefix cache are reused and only the rest is recomputed")
         why = why[0].upper() + why[1:]  # "request 3 (priority 10) was waiting..." begins the entry (trial 11)
         text = (f"{why}. It gave back all its blocks and went back to the waiting queue keeping its "
-                f"{plural(q.num_tokens, 'token')} (prompt and generated): {back}. Preemptions of this request so "
-                f"far: {q.num_preemptions}.")
+                f"{plural(q.num_tokens, 'token')} (prompt and generated): {back}. "
+                + self._again_and_again(q))
         if policy == "priority":
             text += f" ({PRIORITY_NOTE[0].upper()}{PRIORITY_NOTE[1:]}.)"
         return Commentary("preemption", f"Step {plan.step}: {name} preempted", text,
                           request_id=q.request_id, step=plan.step)
+
+    def _again_and_again(self, q: ev.QueueEntry) -> str:
+        """How often ``q`` has been preempted, and from the second time what the repeats cost (trial 12)."""
+        n = q.num_preemptions
+        if n < 2:
+            return f"Preemptions of this request so far: {n}."
+        text = f"This is its {ordinal(n)} preemption"
+        if getattr(self, "_preempts_seen", {}).get(q.seq_id) == n - 1:  # the narrator saw every earlier one
+            redone = self._recomputed.get(q.seq_id, 0)
+            text += (f": after the earlier {plural(n - 1, 'preemption')} it recomputed {plural(redone, 'token')} "
+                     "whose keys and values it had already computed once (tokens the prefix cache gave back are not "
+                     "counted), work this preemption may have to repeat")
+        return (text + ". When the pool is this tight a request can be readmitted and preempted again and again, "
+                "recomputing each time what it lost; vLLM also preempts by recompute, so a pool this small makes it "
+                "repeat the same way. More KV blocks, or fewer requests running at once (max_num_seqs), avoid it.")
+
+    @staticmethod
+    def _shortfall(plan: ev.StepPlanned, q: ev.QueueEntry) -> ev.Shortfall | None:
+        """Why ``q`` was preempted, from the plan (None in recordings made before plans carried it)."""
+        shortfalls = getattr(plan, "shortfalls", ())
+        if len(shortfalls) != len(plan.preempted):
+            return None
+        return next((w for p, w in zip(plan.preempted, shortfalls) if p.seq_id == q.seq_id), None)
+
+    @staticmethod
+    def _priority_of(plan: ev.StepPlanned, seq_id: int) -> int | None:
+        for entry in (*plan.scheduled, *plan.waiting, *plan.running):
+            if entry.seq_id == seq_id:
+                return entry.priority
+        return None
 
     def _prefix_hit(self, plan: ev.StepPlanned, s: ev.ScheduledEntry) -> Commentary:
         bs = self.info.get("block_size")

@@ -19,7 +19,9 @@ a 30-layer model) and one gather of the sampled rows' logits.
 
 Grouped-query attention bounds N: a query head reads KV head ``h // group`` and the two must
 live on the same rank, so each rank holds whole KV heads and the query heads that read them.
-N must divide the KV heads (and then the query heads), and the intermediate size.
+Here N must divide the KV heads (and then the query heads), and the intermediate size. (vLLM
+also accepts a multiple of the KV heads, replicating each KV head on N / KV-heads ranks; this
+engine does not.)
 
 Shapes are written ``[in, out]``, as the X-Ray writes a product's right operand
 (``[T, 576] @ [576, 192]``); the embedding is a table ``[rows, hidden]``.

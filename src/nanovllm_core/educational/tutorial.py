@@ -544,7 +544,8 @@ CHAPTERS: tuple[Chapter, ...] = (
         priority policy the request that caused the preemption may itself be the one admitted, chapter
         11). Prefill chunks and decodes share one forward pass.
 
-        A request that finishes frees its place and its blocks at once, and the next waiting request
+        A request that finishes gives back its place and its blocks at once (a block another request
+        shares through the prefix cache stays in use by it), and the next waiting request
         joins at the following step.
         """,
         "continuous_batching", "The capital of France is",
@@ -555,7 +556,8 @@ CHAPTERS: tuple[Chapter, ...] = (
                "A waiting request is admitted into the freed place",
                "The engine pauses until a new batch can be formed"),
               2,
-              "The scheduler re-plans every step. The finished request's blocks and place are released, and a "
+              "The scheduler re-plans every step. The finished request's place and blocks are released (a block "
+              "another request shares stays in use), and a "
               "waiting request is admitted at the next step if the budget, max_num_seqs and the free blocks "
               "allow."),
     ),
@@ -599,8 +601,9 @@ CHAPTERS: tuple[Chapter, ...] = (
 
         With the priority policy, requests are served and admitted in order of priority, then arrival.
         In this engine a higher priority value is more important; vLLM's convention is the opposite
-        (lower values run first), and its default policy is fcfs. When KV blocks run out, the engine
-        preempts: the running request with the lowest priority, and the latest arrival among equals,
+        (lower values run first), and its default policy is fcfs. When a running request needs more KV
+        blocks than are free (a decode needs one when its last block is full, a chunk may need several
+        while a few are still free), the engine preempts: the running request with the lowest priority, and the latest arrival among equals,
         gives back all its blocks and returns to the waiting queue. It keeps the tokens it generated;
         when it is readmitted, the full blocks of its tokens (prompt and generated) that are still in the
         prefix cache are reused, and only the rest is recomputed. A high-priority request may also preempt lower-priority
@@ -616,8 +619,9 @@ CHAPTERS: tuple[Chapter, ...] = (
                "The lowest-priority one, and among equals the latest to arrive"),
               3,
               "The victim is the least important running request: lowest priority first, then latest arrival. Its "
-              "blocks are freed, it goes back to the waiting queue with its generated tokens, and when readmitted "
-              "it reuses what the prefix cache still holds of them and recomputes the rest."),
+              "blocks are released (a block another request shares stays in use), it goes back to the waiting "
+              "queue with its generated tokens, and when readmitted it reuses what the prefix cache still holds "
+              "of them and recomputes the rest."),
     ),
     Chapter(
         12, "speculative_decoding", "Speculative decoding: several tokens per step",
@@ -666,7 +670,8 @@ CHAPTERS: tuple[Chapter, ...] = (
         every layer's matrices over N devices, the ranks. Each rank holds a slice of every weight and of
         the KV cache, and all ranks run every layer at the same time on the same tokens. Megatron-LM
         (Shoeybi et al. 2019, section 3) arranges the slices so that a decoder layer needs only two
-        exchanges between the ranks; vLLM and nano-vllm split LLaMA the same way.
+        exchanges between the ranks. vLLM and this engine split LLaMA's layers that way; they differ
+        only in which N they accept when KV heads are few (below).
 
         The projections into attention and into the MLP (q, k, v, gate and up) are column-parallel:
         each rank keeps a slice of their output features, its query heads with the KV heads they read
@@ -681,10 +686,15 @@ CHAPTERS: tuple[Chapter, ...] = (
         each layer needs the previous one's sum.
 
         Grouped-query attention bounds N. Query head h reads KV head h // g, so the rank that computes
-        query head h must hold that KV head's keys and values in its own cache: each rank holds whole KV
-        heads and the query heads that read them. N must divide the number of KV heads (then it divides
-        the query heads too) and the intermediate size. A model whose 9 query heads share 3 KV heads
-        splits over 1 or 3 ranks, never 2: the second rank would need half a KV head.
+        query head h must hold that KV head's keys and values in its own cache, whole. In this engine
+        each rank holds its own share of the KV heads and the query heads that read them, so N must
+        divide the number of KV heads (then it divides the query heads too) and the intermediate size.
+        vLLM also accepts an N that is a multiple of the KV heads: it replicates each KV head on
+        N / KV-heads ranks (QKVParallelLinear's num_kv_head_replicas), so every rank still holds a
+        whole KV head for its query heads, and those ranks store the same keys and values, a cache
+        that is not split further. No engine can use an N that neither divides the KV heads nor is a
+        multiple of them: a model whose 9 query heads share 3 KV heads never splits over 2 ranks, which
+        would each need half a KV head.
 
         On separate GPUs each rank brings its own arithmetic and memory bandwidth, so a decode step
         that waits on reading weights reads a third of them on each of 3 devices at once, and an
@@ -697,13 +707,16 @@ CHAPTERS: tuple[Chapter, ...] = (
         how much communication alone costs here.
         """,
         "tensor_parallel", "The capital of France is",
-        _quiz("A model has 12 query heads sharing 4 KV heads. Over which numbers of ranks can its attention "
-              "be split?",
+        _quiz("A model has 12 query heads sharing 4 KV heads. Over which numbers of ranks can this engine "
+              "split its attention?",
               ("1, 2, 3, 4, 6 and 12", "1, 2 and 4", "Only 1 and 4", "Any number up to 12"),
               1,
-              "Each rank must hold whole KV heads together with the query heads that read them, so N must divide "
-              "the 4 KV heads: 1, 2 or 4 (each of which also divides the 12 query heads). At 3, 6 or 12 a rank's "
-              "query heads would read a KV head that is cut between ranks."),
+              "In this engine each rank holds its share of whole KV heads together with the query heads that read "
+              "them, so N must divide the 4 KV heads: 1, 2 or 4 (each of which also divides the 12 query heads). "
+              "At 3 or 6 a rank's query heads would read a KV head cut between ranks, in any engine. At 12 this "
+              "engine refuses, but vLLM accepts: 12 is a multiple of 4, so it replicates each KV head on 3 ranks "
+              "(num_kv_head_replicas = 12 / 4) and each rank holds 1 query head with a whole copy of its KV head "
+              "(the MLP's intermediate size must still divide by 12)."),
     ),
 )
 

@@ -168,7 +168,8 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
         d: the layer's sizes.
         seqs: every scheduled sequence's attention (the batch has ``T = sum(num_tokens)`` rows).
         backend: ``"fused"``, ``"math"``, ``"cpu_paged"`` or ``"flash_attn"`` (see the module docstring).
-        this: the traced sequence (its shapes are written out for attention).
+        this: the traced sequence (its shapes are written out for attention, and, with other sequences
+            in the batch, its share of the attention FLOPs and bytes, which are the batch's).
 
     Returns:
         ``OpInfo`` per operation: math, shapes (``[T, ...]`` for the batch), FLOPs, bytes.
@@ -203,17 +204,35 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
     qk = 2 * nh * pairs * hd
     soft = 5 * nh * pairs
     s_bytes = sum(nh * s.num_tokens * s.keys_read for s in seqs) * e
+    # The attention shapes are the traced request's; the FLOPs and bytes are the whole batch's (trial 12: a
+    # 303k-FLOP figure under "this request" was 2 sequences' work): with others in the batch, say so and give its share.
+    mine = {"scores": (0, 0), "softmax": (0, 0), "output": (0, 0), "fused": (0, 0)}
+    if this is not None:
+        q1, kv1 = nh * this.num_tokens * hd * e, nkv * this.keys_read * hd * kv
+        p1 = score_pairs(this, backend)
+        s1 = nh * this.num_tokens * this.keys_read * e
+        mine = {"scores": (2 * nh * p1 * hd, q1 + kv1 + s1), "softmax": (5 * nh * p1, 2 * s1),
+                "output": (2 * nh * p1 * hd, s1 + kv1 + q1), "fused": (4 * nh * p1 * hd + 5 * nh * p1, 2 * q1 + 2 * kv1)}
+
+    def share(part: str) -> str:
+        if this is None or len(seqs) < 2:
+            return ""
+        f, b = mine[part]
+        return (f"; this op's FLOPs and bytes are the whole batch's ({len(seqs)} sequences), this request's share "
+                f"{int(f):,} FLOPs and {int(b):,} bytes")
+
     if backend == "math":
         ops += [
-            _op("attention_scores", f"S = Q K^T / sqrt({hd}), per sequence", scores_shape, qk, q_bytes + kv_bytes + s_bytes),
-            _op("softmax", "P = softmax(S + causal mask)", softmax_shape, soft, 2 * s_bytes),
-            _op("attention_output", "O = P V", out_shape, qk, s_bytes + kv_bytes + q_bytes),
+            _op("attention_scores", f"S = Q K^T / sqrt({hd}), per sequence", scores_shape + share("scores"), qk,
+                q_bytes + kv_bytes + s_bytes),
+            _op("softmax", "P = softmax(S + causal mask)", softmax_shape + share("softmax"), soft, 2 * s_bytes),
+            _op("attention_output", "O = P V", out_shape + share("output"), qk, s_bytes + kv_bytes + q_bytes),
         ]
     else:
         how = ("one kernel call for the batch, each query reading its context's blocks in place"
                if backend == "cpu_paged" else "one fused kernel per sequence")
         ops.append(_op("attention", f"O = softmax(Q K^T / sqrt({hd}) + causal mask) V, {how}: "
-                       "S and P never reach memory", scores_shape, 2 * qk + soft,
+                       "S and P never reach memory", scores_shape + share("fused"), 2 * qk + soft,
                        2 * q_bytes + 2 * kv_bytes))
     ops += [
         _op("o_proj", "Y = O W_o" + note[1], f"[{T}, {nh * hd}] @ [{nh * hd}, {h}] -> [{T}, {h}]",

@@ -167,7 +167,7 @@ class EngineController:
         self._commands.put(_Command("step", (n,)))
 
     def abort(self, request_id: str) -> None:
-        """Finish a request now with ``finish_reason="abort"``; its blocks are freed."""
+        """Finish a request now with ``finish_reason="abort"``; its blocks are released (shared ones stay in use)."""
         self._commands.put(_Command("abort", (request_id,)))
 
     def xray(self, request_id: str | None, layer: int = 0, head: int = 0) -> None:

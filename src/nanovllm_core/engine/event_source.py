@@ -178,6 +178,9 @@ class EventSource:
             waiting=tuple(self._queue_entry(s) for s in self.scheduler.waiting),
             running=tuple(self._queue_entry(s) for s in self.scheduler.running),
             max_num_seqs=self.scheduler.max_num_seqs,
+            shortfalls=tuple(ev.Shortfall(request_id=w.needer.request_id, seq_id=w.needer.seq_id, index=w.needer.index,
+                                          blocks_needed=w.blocks_needed, blocks_free=w.blocks_free, waiting=w.waiting)
+                             for w in plan.shortfalls),
         )
 
     def blocks_event(self, step: int) -> ev.BlocksChanged:
@@ -202,6 +205,7 @@ class EventSource:
         decode = plan.num_batched_tokens - prefill
         bm = self.block_manager
         wall = max(wall, 1e-9)
+        traced, self._step_traced = getattr(self, "_step_traced", False), False  # set by the step that ran
         self._emit(ev.StepTimed(
             step=plan.step, wall_time_s=wall, num_tokens=plan.num_batched_tokens, num_prefill_tokens=prefill,
             num_decode_tokens=decode, prefill_tokens_per_s=prefill / wall, decode_tokens_per_s=decode / wall,
@@ -209,7 +213,8 @@ class EventSource:
             kv_bytes_total=bm.num_blocks * self.bytes_per_block,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_blocks_used=bm.num_used_blocks, num_blocks_cached=bm.num_cached_free_blocks,
-            num_blocks_total=bm.num_blocks, yielded_s=yielded, **self._tensor_parallel_timing(),
+            num_blocks_total=bm.num_blocks, yielded_s=yielded, traced=traced,
+            **self._tensor_parallel_timing(),
         ))
 
     def _tensor_parallel_timing(self) -> dict:

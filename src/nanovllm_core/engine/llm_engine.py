@@ -144,6 +144,7 @@ class LLMEngine(EventSource):
         self.total_prompt_tokens = 0
         self.fault_injector: Callable[[SchedulerOutput], None] | None = None  # tests: raise inside a step
         self.fatal_error: str | None = None  # set when the device failed for good; new requests are rejected
+        self._step_traced = False  # the step being run is X-Ray captured (StepTimed.traced)
         self.xray = None  # the layer observer (X-Ray capture), made when a subscriber first asks for LayerTrace events
         if config.seed is not None:
             torch.manual_seed(config.seed)
@@ -491,7 +492,7 @@ class LLMEngine(EventSource):
         return [self.tokenizer.decode([t]) for t in token_ids]
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request now; its blocks are freed. Returns False if no such live request."""
+        """Stop a request now; its blocks are released (one another request shares stays in use). False if none such."""
         req = self.requests.get(request_id)
         if req is None:
             return False
@@ -558,7 +559,9 @@ class LLMEngine(EventSource):
             if self.fault_injector is not None:
                 self.fault_injector(plan)
             extra_rows = self.speculator.extra_rows(plan.scheduled) if self.speculator else None
-            result = self.runner.run(plan.scheduled, tracer=self._tracer(plan), extra_rows=extra_rows)
+            tracer = self._tracer(plan)
+            self._step_traced = tracer is not None  # its capture counts in the step's time (StepTimed.traced)
+            result = self.runner.run(plan.scheduled, tracer=tracer, extra_rows=extra_rows)
             sampled = self._sample(result)
         except Exception as e:  # isolate: retry each sequence alone, finish those that still fail
             if isinstance(e, TensorParallelError) or is_fatal_device_error(e, self.device):

@@ -8,8 +8,8 @@ blocks last. A prompt longer than the remaining budget is prefilled in chunks ov
 steps (chunked prefill, Agrawal et al. 2023 "SARATHI"); the running sequences served before
 a chunk keep decoding, and one served after a chunk that used the whole budget waits a step.
 
-Preemption by recompute (Kwon et al. 2023, section 4.5): when a running sequence needs a
-block and none is free, the least important running sequence (lowest priority, latest
+Preemption by recompute (Kwon et al. 2023, section 4.5): when a running sequence needs more
+blocks than are free (one for a decode, several for a chunk), the least important running sequence (lowest priority, latest
 arrival) gives up all its blocks and goes back to the front of the waiting queue, keeping
 the tokens it has generated; when readmitted, its full blocks still in the prefix cache are
 reused and only the rest is recomputed. Under the ``priority`` policy a waiting request may also preempt running ones of
@@ -57,12 +57,30 @@ class ScheduledSequence:
 
 
 @dataclass
+class Shortfall:
+    """Why a sequence was preempted: ``needer`` needed ``blocks_needed`` more KV blocks and only ``blocks_free`` were free.
+
+    ``blocks_free`` counts empty and cached-free blocks just before this victim gave its
+    blocks back (for a waiting ``needer``, less any cached-free blocks its own prefix hit
+    takes); ``waiting``: the needer was a waiting request (priority policy) rather than a
+    running one. The needer can be the victim itself.
+    """
+
+    needer: Sequence
+    blocks_needed: int
+    blocks_free: int
+    waiting: bool = False
+
+
+@dataclass
 class SchedulerOutput:
     """One step's plan.
 
     ``scheduled`` in order (decodes first, then prefill chunks); ``preempted``: sequences
     that lost their blocks this step, in order; ``token_budget`` and ``num_batched_tokens``
-    in tokens; ``admitted``: sequences moved from waiting to running this step.
+    in tokens; ``admitted``: sequences moved from waiting to running this step;
+    ``shortfalls``: why each preemption happened, one :class:`Shortfall` per preempted
+    sequence, in the same order.
     """
 
     step: int
@@ -71,6 +89,7 @@ class SchedulerOutput:
     admitted: list[Sequence]
     token_budget: int
     num_batched_tokens: int
+    shortfalls: list[Shortfall] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -101,6 +120,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._shortfalls: list[Shortfall] = []  # this step's, filled by _preempt
         self.step_index = 0
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
@@ -113,7 +133,7 @@ class Scheduler:
         bisect.insort_right(self.waiting, seq, key=lambda s: s.sort_key(self.policy))
 
     def remove(self, seq: Sequence) -> None:
-        """Take a sequence out of whichever queue holds it and free its blocks (finish or abort)."""
+        """Take a sequence out of its queue and release its blocks (finish or abort; a shared block stays in use)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -131,8 +151,14 @@ class Scheduler:
             return max(self.running, key=lambda s: (-s.priority, s.arrival))
         return max(self.running, key=lambda s: s.arrival)
 
-    def _preempt(self, seq: Sequence, plan: dict[int, ScheduledSequence], out: list[Sequence]) -> int:
-        """Free ``seq``'s blocks and requeue it; return the budget it had taken this step."""
+    def _preempt(self, seq: Sequence, plan: dict[int, ScheduledSequence], out: list[Sequence],
+                 why: Shortfall | None = None) -> int:
+        """Free ``seq``'s blocks and requeue it; return the budget it had taken this step.
+
+        ``why`` (the shortfall that made it the victim) is kept for the step's plan.
+        """
+        if why is not None:
+            self._shortfalls.append(why)
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
@@ -151,6 +177,7 @@ class Scheduler:
         plan: dict[int, ScheduledSequence] = {}
         preempted: list[Sequence] = []
         admitted: list[Sequence] = []
+        self._shortfalls = []
 
         # 1. Running sequences, most important first: decodes and unfinished prefill chunks.
         if self.policy == "priority":
@@ -170,7 +197,9 @@ class Scheduler:
                 num_spec = 0  # drafts only use free blocks; they never cost another sequence its blocks
             while not bm.can_allocate(seq, seq.num_computed_tokens + num_new):
                 victim = self._victim()
-                budget += self._preempt(victim, plan, preempted)
+                why = Shortfall(seq, bm._new_blocks_needed(seq, seq.num_computed_tokens + num_new, ()),
+                                bm.num_free_blocks)
+                budget += self._preempt(victim, plan, preempted, why)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
@@ -217,6 +246,7 @@ class Scheduler:
             admitted=admitted,
             token_budget=self.token_budget,
             num_batched_tokens=sum(p.num_new_tokens for p in scheduled),
+            shortfalls=self._shortfalls if len(self._shortfalls) == len(preempted) else [],
         )
         self.step_index += 1
         return out
@@ -239,7 +269,9 @@ class Scheduler:
         for victim in lower:
             if bm.can_allocate(seq, num_tokens, cached):
                 break
-            self._preempt(victim, plan, preempted)
+            why = Shortfall(seq, bm._new_blocks_needed(seq, num_tokens, cached), bm._available_after_hits(cached),
+                            waiting=True)
+            self._preempt(victim, plan, preempted, why)
         return bm.can_allocate(seq, num_tokens, cached)
 
     def _num_spec_tokens(self, seq: Sequence, budget_left: int) -> int:

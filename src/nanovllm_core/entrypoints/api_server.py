@@ -14,7 +14,8 @@ Endpoints (OpenAI's and vLLM's shapes):
 With an API key every ``/v1`` path needs ``Authorization: Bearer KEY`` (401 otherwise);
 ``/health`` and ``/metrics`` stay open, as in vLLM. Errors are OpenAI's JSON shape with the
 right status, and the server keeps serving. A client that goes away mid-request has its
-engine requests aborted (their KV blocks are freed). On Ctrl-C / SIGTERM in-flight requests
+engine requests aborted (their KV blocks are released; a block another request shares stays in
+use). On Ctrl-C / SIGTERM in-flight requests
 are aborted and their streams end at once with ``finish_reason: "abort"`` and ``[DONE]`` (not
 waiting for the engine's step in progress), and the process exits within a few seconds.
 

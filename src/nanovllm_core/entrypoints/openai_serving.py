@@ -227,7 +227,8 @@ class OpenAIServing:
 
         The request is submitted when the response starts (a client gone before then costs
         nothing); the ``finally`` aborts unfinished engine requests: a client that
-        disconnects ends this generator (the server cancels it), and its KV blocks are freed.
+        disconnects ends this generator (the server cancels it), and its KV blocks are released (a block another request
+        shares stays in use).
         """
         stream = self.open_stream(p)
         sent: dict[int, _Choice] = {}

@@ -91,7 +91,8 @@ class RequestStream:
 
     Use ``async for outputs in stream`` (each item: the newest ``RequestOutput`` per engine
     request that changed), then ``stream.close()`` in a ``finally``: engine requests not yet
-    finished (the client went away) are aborted, so their KV blocks are freed.
+    finished (the client went away) are aborted, so their KV blocks are released (a block another
+    request shares stays in use).
     """
 
     def __init__(self, controller: Any, router: OutputRouter | None = None,

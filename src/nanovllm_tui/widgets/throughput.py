@@ -7,7 +7,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 
 from nanovllm_core.educational.commentary import plural
-from nanovllm_tui.state import EngineState
+from nanovllm_tui.state import RATE_WINDOW, EngineState
 from nanovllm_tui.widgets.format import fmt_ms, fmt_rate, sparkline
 from nanovllm_tui.widgets.live import LiveStatic
 
@@ -21,7 +21,9 @@ class ThroughputPanel(Vertical):
     steps 1,234 tok/s"); sparklines show each step's rate, one cell a step.
 
     The rates leave out the time steps waited while the app drew a key's frame (``StepTimed.yielded_s``,
-    ``nanovllm_core/yield_gate.py``); once there was any, the panel's bottom border says how much in all."""
+    ``nanovllm_core/yield_gate.py``); once there was any, the panel's bottom border says how much in all.
+    Steps the X-Ray traced keep their capture in their rates (it runs inside the step); while any is among
+    the newest ``RATE_WINDOW``, the border says so too."""
 
     def compose(self) -> ComposeResult:
         for kind in STYLES:
@@ -29,7 +31,11 @@ class ThroughputPanel(Vertical):
             yield LiveStatic(id=f"{kind}-spark")
 
     def show(self, state: EngineState) -> None:
-        self.border_subtitle = yielded_caption(state.yielded_s, self.size.width - 4)
+        traced = sum(1 for t in list(state.timings)[-RATE_WINDOW:] if getattr(t, "traced", False))  # a deque
+        width = self.size.width - 4
+        parts = [c for c in (yielded_caption(state.yielded_s, width), traced_caption(traced, width)) if c]
+        both = " · ".join(parts)
+        self.border_subtitle = both if len(both) <= width else parts[0] if parts else ""
         rates = {kind: state.rate(kind) for kind in STYLES}
         per_step = {"prefill": [t.prefill_tokens_per_s for t in state.timings],
                     "decode": [t.decode_tokens_per_s for t in state.timings]}
@@ -46,6 +52,17 @@ class ThroughputPanel(Vertical):
                 last = Text(f" last {plural(steps, 'step')} {fmt_rate(rate)} tok/s", style="dim")
             line = sparkline(per_step[kind], max(0, width - len(last)), style)
             spark.show_content(line + last)
+
+
+def traced_caption(steps: int, width: int) -> str:
+    """The bottom border when X-Ray-traced steps are among the newest ones: their capture ran inside the step
+    and is in their rates (trial 12: rates over traced steps read as the engine's); "" when none."""
+    if not steps:
+        return ""
+    variants = [f"X-Ray capture counted in {plural(steps, 'recent step')}' rates"
+                if steps > 1 else "X-Ray capture counted in a recent step's rate",
+                "X-Ray capture counted in rates", "X-Ray in rates"]
+    return next((v for v in variants if len(v) <= width), variants[-1])
 
 
 def yielded_caption(seconds: float, width: int) -> str:
