@@ -259,6 +259,69 @@ def test_web_visitors_apps_end_with_their_page_and_with_the_web_server(tmp_path)
         web.wait(10)
 
 
+def test_ctrl_c_ends_the_web_server_and_an_open_pages_app_within_seconds(tmp_path):
+    """Trials 10 and 12: with a page open, Ctrl-C on ``nanovllm-tui --web`` took 6-23 s to end (textual-
+    serve left the page's websocket handler to aiohttp's shutdown grace period). Now the shutdown
+    ends each page at once: the web server exits within seconds and the page's app with it."""
+    import asyncio
+    import socket
+
+    import aiohttp  # comes with textual-serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    web = subprocess.Popen([sys.executable, "-m", "nanovllm_tui.app", "--web", "--port", str(port), "--replay",
+                            str(TRACE)], env=ENV, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    took: list[float] = []
+    apps: list[int] = []
+
+    async def visit_then_interrupt() -> None:
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(f"http://127.0.0.1:{port}/ws?width=100&height=30") as ws:
+                frames, deadline = 0, time.monotonic() + 120
+                while frames < 3 and time.monotonic() < deadline:  # the page's app is drawing
+                    try:
+                        message = await asyncio.wait_for(ws.receive(), 0.5)
+                    except asyncio.TimeoutError:
+                        continue
+                    frames += message.type == aiohttp.WSMsgType.BINARY
+                assert frames >= 3, "the page's app did not draw"
+                apps.extend(_app_processes(web.pid))
+                start = time.monotonic()
+                web.send_signal(signal.SIGINT)  # Ctrl-C, with the page still open
+                while web.poll() is None and time.monotonic() - start < 30:
+                    if not ws.closed:  # read on, as a browser does (it answers the server's close)
+                        try:
+                            await asyncio.wait_for(ws.receive(), 0.05)
+                        except asyncio.TimeoutError:
+                            pass
+                    else:
+                        await asyncio.sleep(0.05)
+                took.append(time.monotonic() - start)
+
+    try:
+        deadline = time.monotonic() + 60
+        while socket.socket().connect_ex(("127.0.0.1", port)) != 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        asyncio.run(visit_then_interrupt())
+        assert apps, "no app process served the page"
+        assert web.returncode is not None and took[0] < 8, f"--web took {took[0]:.1f} s to end after Ctrl-C"
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in apps) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"
+                       for p in apps), "the page's app outlived the web server"
+    finally:
+        try:
+            os.killpg(web.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        web.wait(10)
+
+
 @pytest.mark.parametrize("stuck", [False, True])
 def test_after_the_app_ends_an_engine_thread_still_in_a_step_is_not_torn_down(monkeypatch, stuck):
     """An engine thread that outlives the app's one-second stop (a long step) must not meet the

@@ -67,10 +67,44 @@ def app_environment(api_key: str | None) -> dict[str, str | None]:
     return {"NANOVLLM_API_KEY": api_key or None}
 
 
-def serve_in_browser(argv: Sequence[str] | None = None) -> int:
-    """Check the options, then serve the app on ``--host``/``--port`` until Ctrl-C. Bad options: status 2."""
+def page_server(command: str, **kwargs):
+    """textual-serve's ``Server`` running ``command`` for each page, ending every page's app at once on
+    Ctrl-C or SIGTERM.
+
+    textual-serve leaves a page's websocket handler running through aiohttp's shutdown, so each open
+    page held the web server's exit for its grace period (6-23 s seen, trials 10 and 12). Here the
+    shutdown cancels each page's handler, whose own cleanup closes the socket and tells that page's
+    app to quit (the app process ends as when its page closes).
+    """
+    import asyncio
+
     from textual_serve.server import Server
 
+    class PageServer(Server):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.pages: set[asyncio.Task] = set()  # the running websocket handlers, one per open page
+
+        async def handle_websocket(self, request):
+            task = asyncio.current_task()
+            self.pages.add(task)
+            try:
+                return await super().handle_websocket(request)
+            finally:
+                self.pages.discard(task)
+
+        async def on_shutdown(self, app) -> None:
+            pages = set(self.pages)
+            for task in pages:
+                task.cancel()
+            if pages:
+                await asyncio.wait(pages, timeout=10)
+
+    return PageServer(command, **kwargs)
+
+
+def serve_in_browser(argv: Sequence[str] | None = None) -> int:
+    """Check the options, then serve the app on ``--host``/``--port`` until Ctrl-C. Bad options: status 2."""
     from nanovllm_core.entrypoints.api_server import is_loopback
     from nanovllm_tui.options import build_parser, parse_args
 
@@ -92,5 +126,5 @@ def serve_in_browser(argv: Sequence[str] | None = None) -> int:
     command = shlex.join([sys.executable, "-m", "nanovllm_tui.app", *app_arguments(argv, build_parser())])
     public = f"http://{socket.getfqdn() if host in ('0.0.0.0', '::') else host}:{port}"
     print(f"nanovllm-tui --web: open {public} in a browser (Ctrl-C stops)", file=sys.stderr, flush=True)
-    Server(command, host=host, port=port, title="nano-vLLM", public_url=public).serve()
+    page_server(command, host=host, port=port, title="nano-vLLM", public_url=public).serve()
     return 0
