@@ -75,6 +75,8 @@ def row_cells(req: RequestView, label: str | None = None) -> tuple[Text, ...]:
     state = req.state
     if state == "finished" and req.finish_reason:
         state = f"finished ({req.finish_reason})"
+    if state == "unfinished" and req.ended_as:  # a replay's end: as the last step played left it
+        state = f"unfinished ({req.ended_as})"
     return (
         Text.assemble(("■ ", request_color(req.order)), label or req.request_id),
         Text(state, style=STATE_STYLES.get(req.state, "")),

@@ -1,0 +1,97 @@
+"""Newcomer trial 12 (issue 29): a cut recording's end shows the queues the last step played left
+(it said "0 running" beside "2 decode") and keeps the header of the whole recording (it dropped the
+weights' formats), naming the unfinished requests as requests; the Dashboard says when its
+request table has columns off-screen; every quiz option is reachable at 60x20."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from nanovllm_tui.views.dashboard import phase_text
+from nanovllm_tui.widgets.request_table import RequestTable
+from nanovllm_tui.widgets.status_header import unfinished_text
+from tests.tui_helpers import TRACE, replay_app, wait_until
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def plain(app, selector: str) -> str:
+    return str(app.query_one(selector).render())
+
+
+def gguf_trace(tmp_path):
+    """The recorded trace with its model's weights said to be a q4_1+q8_0 gguf file (as trial 12's
+    trace was): the whole trace, and the same cut in the middle of a step's first line."""
+    lines = gzip.open(TRACE, "rt", encoding="utf-8").read().splitlines(keepends=True)
+    first = json.loads(lines[0])
+    first["model_info"] = sorted(first["model_info"] + [["quantization", "gguf"], ["weight_kinds", "q4_1+q8_0"]])
+    lines[0] = json.dumps(first) + "\n"
+    whole = tmp_path / "whole.jsonl"
+    whole.write_text("".join(lines), encoding="utf-8")
+    keep = next(i for i, line in enumerate(lines) if i > len(lines) // 3 and '"StepPlanned"' in line)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("".join(lines[:keep]) + lines[keep][:30], encoding="utf-8")
+    return whole, cut, sum('"StepPlanned"' in line for line in lines[:keep])
+
+
+async def test_a_cut_replays_end_shows_the_last_step_played_as_the_whole_replay_does(tmp_path):
+    whole, cut, steps = gguf_trace(tmp_path)
+    app = replay_app(tmp_path, start_paused=True, trace=whole)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("escape")
+        app.controller.step(steps)
+        await wait_until(pilot, lambda: app.controller.steps_played == steps and app.state.step is not None
+                         and app.state.step_open is False, 10, "the same step in the whole replay")
+        await pilot.pause(0.3)
+        whole_header, whole_engine = plain(app, "#header"), phase_text(app.state).plain
+    app = replay_app(tmp_path, start_paused=False, trace=cut)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: app.state.unfinished is not None, 30, "the cut replay's end")
+        await pilot.pause(0.3)
+        header, engine = plain(app, "#header"), phase_text(app.state).plain
+        unfinished = app.state.unfinished
+        rows = app.query_one(RequestTable).rows
+        row_states = {rid: rows[rid][1].plain for rid in unfinished}
+    assert unfinished, "the cut should fall while requests run"
+    # the Engine panel: the last step's queues, as the whole replay at that step (it said 0 running)
+    assert engine.startswith("RECORDING ENDED"), engine
+    assert engine.splitlines()[1:] == whole_engine.splitlines()[1:], (engine, whole_engine)
+    running = int(engine.splitlines()[-1].split(" running")[0])
+    assert running and running == sum(state == "unfinished (running)" for state in row_states.values()), row_states
+    # the header: the model's facts as the whole replay shows them (it dropped "· q4_1+q8_0 gguf")
+    assert "q4_1+q8_0 gguf" in whole_header
+    assert header.split(" │ ●")[0] == whole_header.split(" │ ●")[0], (header, whole_header)
+    assert "ended" in header and f"{len(unfinished)} requests unfinished" in header or \
+        unfinished_text(unfinished) in header, header
+    assert f"{', '.join(unfinished)} unfinished in it" not in header
+
+
+async def test_a_wide_header_names_the_unfinished_requests(tmp_path):
+    _, cut, _ = gguf_trace(tmp_path)
+    app = replay_app(tmp_path, start_paused=False, trace=cut)
+    async with app.run_test(size=(160, 40)) as pilot:
+        await wait_until(pilot, lambda: app.state.unfinished is not None, 30, "the cut replay's end")
+        await pilot.pause(0.3)
+        header = plain(app, "#header")
+    assert "recording ended" in header and f"· {unfinished_text(app.state.unfinished)}" in header, header
+    assert "q4_1+q8_0 gguf" in header
+
+
+@pytest.mark.parametrize("ids, text", [
+    (["0"], "request 0 unfinished"),
+    (["0", "1"], "requests 0 and 1 unfinished"),
+    (["0", "1", "2"], "requests 0, 1 and 2 unfinished"),
+    (["a", "b", "c", "d"], "requests a, b, c and 1 more unfinished"),
+    ([str(i) for i in range(7)], "requests 0, 1, 2 and 4 more unfinished"),
+])
+def test_the_unfinished_requests_read_as_ids_not_counts(ids, text):
+    assert unfinished_text(ids) == text
