@@ -95,3 +95,29 @@ async def test_a_wide_header_names_the_unfinished_requests(tmp_path):
 ])
 def test_the_unfinished_requests_read_as_ids_not_counts(ids, text):
     assert unfinished_text(ids) == text
+
+
+async def test_the_prompt_bar_marks_a_priority_the_engines_fcfs_policy_refuses(make_tiny_engine, tmp_path):
+    """Trial 12: under `--scheduling-policy fcfs` the bar sent priority 1 and the engine ignored it;
+    vLLM refuses it. The bar marks the field by the engine's rule, as it marks any wrong setting."""
+    from textual.widgets import Input
+
+    from tests.tui_helpers import Notes, engine_app
+
+    app, notes = engine_app(make_tiny_engine, tmp_path, scheduling_policy="fcfs"), Notes()
+    async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, 30, "the engine")
+        await pilot.pause(0.2)
+        field = app.query_one("#priority", Input)
+        assert not field.has_class("-invalid")  # 0 is fcfs's own
+        await pilot.click("#priority")
+        await pilot.press("end", "ctrl+u", "2")
+        why = plain(app, "#prompt-error")
+        assert field.has_class("-invalid") and "priority must be 0 while the engine schedules fcfs" in why, why
+        assert "--scheduling-policy priority" in why and app.query_one("#prompt-error").display
+        await pilot.click("#prompt")
+        await pilot.press(*"Hi", "enter")
+        assert not app.state.requests and app.query_one("#prompt", Input).value == "Hi"  # not sent
+        await pilot.click("#priority")
+        await pilot.press("end", "ctrl+u", "0")
+        assert not field.has_class("-invalid") and not app.query_one("#prompt-error").display
