@@ -121,3 +121,70 @@ async def test_the_prompt_bar_marks_a_priority_the_engines_fcfs_policy_refuses(m
         await pilot.click("#priority")
         await pilot.press("end", "ctrl+u", "0")
         assert not field.has_class("-invalid") and not app.query_one("#prompt-error").display
+
+
+# ---------------------------------------------------------------------------------------------- 3
+
+
+def table_lines(app) -> list[str]:
+    """The request table's lines as drawn now."""
+    table = app.query_one(RequestTable)
+    return ["".join(seg.text for seg in table.render_line(y)) for y in range(table.scrollable_content_region.height)]
+
+
+@pytest.mark.parametrize("size", [(60, 20), (80, 24), (120, 40)])
+async def test_the_request_table_says_when_columns_are_off_screen_and_how_to_reach_them(tmp_path, size):
+    """Trial 12: at 60x20 the table ended at "decode (" and nothing said it scrolls sideways."""
+    app = replay_app(tmp_path, start_paused=True)
+    async with app.run_test(size=size) as pilot:
+        await pilot.press("escape", "1")
+        app.controller.step(3)
+        await wait_until(pilot, lambda: app.controller.steps_played == 3 and len(app.state.requests) == 3, 10,
+                         "three requests")
+        await pilot.pause(0.3)
+        table = app.query_one(RequestTable)
+        lines = table_lines(app)
+        whole = sum(table.widths) + 1 <= table.scrollable_content_region.width
+        if whole:  # every column shown: no hint (and no line taken for one)
+            assert not any("off-screen" in line for line in lines), lines
+            assert "cached" in lines[0]
+            return
+        hidden = table.hidden_columns()[1]
+        assert hidden and "cached" not in lines[0]
+        assert lines[4].strip() == f"→ {hidden} more columns off-screen: ←/→ scroll", lines
+        assert all(f"■ {i}" in lines[1 + i] for i in range(3)), lines  # the hint takes no request's row
+        assert app.focused is table
+        for _ in range(60):
+            await pilot.press("right")
+        await pilot.pause(0.2)
+        lines = table_lines(app)
+        assert "cached" in lines[0] and table.hidden_columns()[1] == 0
+        assert lines[4].strip().startswith(f"← {table.hidden_columns()[0]} more column"), lines
+        app.set_focus(None)  # elsewhere (a live app opens in the prompt bar): the keys say how to get there
+        await pilot.pause(0.2)
+        assert "Esc, then ←/→ scroll" in table_lines(app)[4]
+
+
+async def test_every_quiz_option_is_brought_into_view_at_60x20(tmp_path):
+    """Trial 12: at 60x20 the quiz box cut option D, and ↓ to it moved the highlight out of sight."""
+    from nanovllm_core.educational import tutorial as tut
+
+    app = replay_app(tmp_path)
+    async with app.run_test(size=(60, 20)) as pilot:
+        await pilot.press("escape", "4")
+        await pilot.pause(0.3)
+        quiz, choices = app.query_one("#quiz"), app.query_one("#choices")
+        cut = 0
+        for chapter in range(len(tut.CHAPTERS)):
+            for index in range(1, 4):
+                await pilot.press("down")
+                await pilot.pause(0.1)
+                assert choices.highlighted == index
+                where = choices.option_region(index)
+                shown = quiz.scrollable_content_region
+                rows = range(shown.y + where.y - int(quiz.scroll_y), shown.y + where.bottom - int(quiz.scroll_y))
+                assert shown.y <= rows.start and rows.stop <= shown.bottom, (chapter + 1, index, rows, shown)
+                cut += index == 3 and quiz.scroll_y > 0
+            await pilot.press("right")
+            await pilot.pause(0.2)
+        assert cut, "some chapter's option D should lie below the box's fold at 60x20"
