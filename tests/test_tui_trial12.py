@@ -188,3 +188,39 @@ async def test_every_quiz_option_is_brought_into_view_at_60x20(tmp_path):
             await pilot.press("right")
             await pilot.pause(0.2)
         assert cut, "some chapter's option D should lie below the box's fold at 60x20"
+
+
+# ---------------------------------------------------------------------------------------------- 4
+
+
+async def test_the_readme_says_the_prompt_bar_takes_the_keys_and_ctrl_q_quits_from_it(tiny_llama_dir, tmp_path):
+    """Trial 12: the README's key table listed `1`-`5` and `q` with no word that the app opens in the
+    prompt bar, where they type themselves ("3q"); nor that ctrl+q quits (what ctrl+c points to)."""
+    import re
+    from pathlib import Path
+
+    from textual.widgets import Input
+
+    from tests.tui_helpers import tiny_app, visible_tab
+
+    root = Path(__file__).parents[1]
+    readme = " ".join((root / "README.md").read_text(encoding="utf-8").split())
+    said = readme[:readme.index("| key | action |")].rsplit("|", 1)[1]  # the sentence above the key table
+    assert "opens in the prompt bar" in said and "`Esc` leaves it" in said and "`ctrl+q` quits from anywhere" in said
+    app_doc = " ".join((root / "docs" / "app.md").read_text(encoding="utf-8").split())
+    assert "opens with the focus in the prompt bar" in app_doc and "`ctrl+q` quits from anywhere" in app_doc
+    typed = re.findall(r"`([^`]+)`", said[:said.index("type into")])
+    app = tiny_app(tiny_llama_dir, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, 30, "the tiny model")
+        prompt = app.query_one("#prompt", Input)
+        assert app.focused is prompt  # where the app opens
+        assert typed[:2] == ["1", "5"], typed  # `1`-`5`
+        text = "12345" + "".join({"space": " "}.get(k, k) for k in typed[2:])
+        assert set("3q/na[]") <= set(text), typed
+        await pilot.press(*[{" ": "space"}.get(c, c) for c in text])
+        await pilot.pause(0.2)
+        assert prompt.value == text and visible_tab(app) == "dashboard" and app.is_running
+        await pilot.press("ctrl+q")  # from the prompt bar
+        await pilot.pause(0.5)
+        assert not app.is_running
