@@ -143,8 +143,10 @@ class EngineController:
                 ``fcfs`` policy (``LLMEngine.check_priority``; checked here, in the caller's thread; before
                 the engine has loaded, the engine refuses it with a ``RequestRejected``).
         """
-        engine = self._engine
-        engine.check_priority(priority) if engine is not None else check_priority(priority)
+        if self._engine is not None:
+            self._engine.check_priority(priority)
+        else:  # its policy is not known yet: the range here, the rest at add_request
+            check_priority(priority)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         self._commands.put(_Command("submit", (prompt, sampling_params, priority, rid, on_output, fit_context)))
         return rid
