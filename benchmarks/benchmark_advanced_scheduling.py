@@ -95,7 +95,9 @@ def bench_priority(b: Bench) -> dict[str, Any]:
         low = [engine.add_request(p, params(out_len), priority=0) for p in prompts_low]
         for _ in range(3):  # the low-priority requests are running when the urgent ones arrive
             engine.step()
-        high = [engine.add_request(p, params(out_len), priority=10) for p in prompts_high]
+        # fcfs takes priority 0 only (as vLLM): there the urgent ones are urgent in name only and queue
+        urgent = 10 if policy == "priority" else 0
+        high = [engine.add_request(p, params(out_len), priority=urgent) for p in prompts_high]
         done = drain(engine)
         ttft = {rid: done[rid].metrics.time_to_first_token for rid in low + high}
         results[policy] = {

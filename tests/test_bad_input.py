@@ -378,3 +378,32 @@ def test_vllms_prompt_dicts_are_taken_and_their_bad_forms_named(make_llm):
         with pytest.raises(ValueError, match=message):
             llm.generate([prompt], sp, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests() and llm.stats()["kv_blocks_used"] == 0
+
+
+def test_a_priority_under_fcfs_is_refused_as_vllm_refuses_it_at_every_library_entry_point(make_tiny_engine):
+    """Trial 12: under scheduling_policy="fcfs" a priority other than 0 was accepted and ignored; vLLM
+    refuses it ("Got priority 1 but Priority scheduling is not enabled"). One rule, the engine's."""
+    from nanovllm_core import LLM
+    from nanovllm_core.engine.controller import EngineController
+
+    engine = make_tiny_engine(scheduling_policy="fcfs")
+    llm = LLM.from_engine(engine)
+    fix = "use scheduling_policy='priority' or priority 0"
+    with pytest.raises(ValueError, match=r"priority\[0\] is 1, but the engine schedules fcfs") as e:
+        llm.generate([GOOD, "Hello"], SamplingParams(max_tokens=2), priority=[1, 0], use_tqdm=False)
+    assert "\n" not in str(e.value) and str(e.value).endswith(fix)
+    assert not engine.requests  # nothing queued
+    with pytest.raises(ValueError, match=f"priority is -3, but the engine schedules fcfs.*{fix}"):
+        engine.add_request(GOOD, SamplingParams(max_tokens=2), -3)
+    out = llm.generate([GOOD], SamplingParams(max_tokens=2), priority=[0], use_tqdm=False)  # 0 is fcfs's own
+    assert out[0].error is None
+    controller = EngineController.from_engine(engine, start_paused=True)
+    try:
+        with pytest.raises(ValueError, match="priority is 5, but the engine schedules fcfs"):
+            controller.submit(GOOD, SamplingParams(max_tokens=2), 5)
+    finally:
+        assert controller.shutdown(timeout=5.0)
+    assert not engine.requests
+    # the priority policy takes any priority in range
+    assert LLM.from_engine(make_tiny_engine()).generate([GOOD], SamplingParams(max_tokens=2), priority=[7],
+                                                   use_tqdm=False)[0].error is None

@@ -76,6 +76,10 @@ def test_chat_flag_uses_chat_template(capsys, shared_default_loads):
     (["--num-kv-blocks", str(10**30)], "--num-kv-blocks: expected a positive integer up to 2147483647, got 100"),
     (["--max-model-len", "64", "--max-tokens", "64"],
      "--max-tokens 64 leaves no room for a prompt in --max-model-len 64"),
+    # trial 12: accepted and ignored under fcfs; vLLM refuses it (the engine's rule, before loading)
+    (["--scheduling-policy", "fcfs", "--prompt", "a", "--prompt", "b", "--priority", "0", "--priority", "1"],
+     "--priority is 1, but the engine schedules fcfs (arrival order, priorities unused; vLLM refuses a priority "
+     "other than 0 there too); use --scheduling-policy priority or --priority 0"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, args, message):
     code, out, err = run_cli(capsys, *args)
@@ -344,3 +348,16 @@ def test_numbers_on_the_command_line_are_ascii_digits_in_both_commands(capsys, o
             spec_cli.build_parser().parse_args(["--prompt", "hi", option, value])
         assert value in capsys.readouterr().err
     assert cli.build_parser().parse_args(["--prompt", "hi", option, " 8 " if option != "--top-p" else "0.5"])
+
+
+def test_the_app_refuses_a_priority_under_fcfs_at_start_as_nanovllm_does(capsys):
+    """Trial 12: `nanovllm-tui --scheduling-policy fcfs --priority 1` was accepted and the priority ignored."""
+    from nanovllm_tui import options
+
+    with pytest.raises(SystemExit) as e:
+        options.parse_args(["--scheduling-policy", "fcfs", "--prompt", "hi", "--priority", "-4"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "--priority is -4, but the engine schedules fcfs" in err and err.endswith("--priority 0")
+    assert options.parse_args(["--scheduling-policy", "fcfs", "--prompt", "hi", "--priority", "0"])
+    assert options.parse_args(["--prompt", "hi", "--priority", "-4"])

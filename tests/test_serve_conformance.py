@@ -787,3 +787,27 @@ def test_the_event_stream_refuses_an_unknown_or_out_of_range_query_parameter(tin
     """Trial 9: topk=1000 was clamped and bogus=1 ignored, both answered 200 with a stream."""
     r = httpx.get(f"{tiny_server.url}/v1/engine/events?{query}", timeout=10, headers=tiny_server.headers)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_priority_under_fcfs_is_a_400_before_any_stream_byte_on_every_route(make_tiny_engine):
+    """Trial 12: `--scheduling-policy fcfs` took any priority and ignored it; vLLM's server refuses it
+    ("Priority scheduling is not enabled"). The engine's rule, with param "priority"."""
+    controller = EngineController.from_engine(make_tiny_engine(num_kv_blocks=64, scheduling_policy="fcfs"))
+    server = start_server(controller, api_key="test-key")
+    try:
+        for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2, "priority": 1}),
+                           (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "priority": -2})):
+            whole_status, whole = post(server, path, body)
+            streamed_status, streamed = post(server, path, body, stream=True)
+            assert whole_status == streamed_status == 400 and whole == streamed, (whole, streamed)
+            message = whole["error"]["message"]
+            assert whole["error"]["param"] == "priority" and "the engine schedules fcfs" in message, whole
+            assert message.endswith("send priority 0, or start the server with --scheduling-policy priority")
+        r = control(server, {"command": "submit", "prompt": "hi", "params": {"max_tokens": 2}, "priority": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+        assert "priority is 3, but the engine schedules fcfs" in r.json()["error"]["message"]
+        status, ok = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "priority": 0})
+        assert status == 200, ok
+    finally:
+        server.stop()
+        controller.shutdown(timeout=5)

@@ -33,6 +33,7 @@ from nanovllm_core.cli_args import (  # noqa: F401  (re-exported: the app, bench
     load_progress,
     positive_float,
     positive_int,
+    priorities_problem,
     priority_int,
     prompt_text,
     sampling_decimal,
@@ -137,6 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--prompt must not be empty")
     if args.priority is not None and len(args.priority) != len(prompts):
         parser.error(f"got {len(args.priority)} --priority values for {len(prompts)} --prompt values; give one per prompt")
+    if priorities_problem(args.priority, args.scheduling_policy):  # the engine's rule: fcfs takes priority 0 only
+        parser.error(priorities_problem(args.priority, args.scheduling_policy))
     if args.max_model_len is not None and args.max_tokens >= args.max_model_len:  # before loading: no prompt fits
         parser.error(f"--max-tokens {args.max_tokens} leaves no room for a prompt in --max-model-len "
                      f"{args.max_model_len} (prompt plus output must fit, as the server requires); "

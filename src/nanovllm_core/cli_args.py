@@ -210,6 +210,23 @@ def bounded_int(low: int, high: int, what: str = "") :
     return parse
 
 
+CLI_FCFS_FIX = "use --scheduling-policy priority or --priority 0"
+
+
+def priorities_problem(priorities: list[int] | None, policy: str | None) -> str | None:
+    """Why the engine's ``policy`` (``--scheduling-policy``) refuses one of ``priorities`` (``--priority``),
+    as one line, by the engine's own rule (``sampling_params.check_priority``: under ``fcfs`` only 0,
+    as vLLM); None when it takes them all. Shared by ``nanovllm`` and ``nanovllm-tui``."""
+    from nanovllm_core.sampling_params import check_priority
+
+    for priority in priorities or ():
+        try:
+            check_priority(priority, "--priority", policy=policy, fix=CLI_FCFS_FIX)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
 def priority_int(text: str) -> int:
     """argparse ``type``: a request priority, -1000 to 1000 (``PRIORITY_MIN``..``PRIORITY_MAX``).
 

@@ -16,7 +16,7 @@ from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.model.loader import ProgressFn
 from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.prompts import conversation_problem, describe
-from nanovllm_core.sampling_params import SamplingParams, check_priority
+from nanovllm_core.sampling_params import SamplingParams
 
 
 def console_progress() -> ProgressFn:
@@ -97,7 +97,8 @@ class LLM:
             sampling_params: one for all prompts or one per prompt (default ``SamplingParams()``).
             priority: one integer per prompt, -1000 to 1000 (``PRIORITY_MIN``..``PRIORITY_MAX``; higher runs
                 first under the priority policy; vLLM's ``priority`` is the opposite, lower first, and its
-                default policy is ``fcfs``).
+                default policy is ``fcfs``). Under ``scheduling_policy="fcfs"`` only 0, as vLLM refuses
+                any other there (``LLMEngine.check_priority``).
             use_tqdm: show a progress bar on stderr when there are several prompts and stderr is a terminal.
             reject_bad_prompts: not vLLM's; True returns a prompt the engine cannot take finished with
                 ``finish_reason == "rejected"`` and ``error`` set while the rest run (what ``nanovllm``'s
@@ -116,7 +117,7 @@ class LLM:
             ValueError: ``prompts`` of another type (None, a number, a dict; a token-id list holding
                 something other than ints), naming what was given; sampling_params or priority lists
                 of the wrong length or type, a priority
-                outside -1000..1000, or a prompt the engine cannot take (one line naming it,
+                outside -1000..1000 or not 0 under ``scheduling_policy="fcfs"``, or a prompt the engine cannot take (one line naming it,
                 ``prompts[i]`` when there are several); all checked before any prompt is queued.
         """
         return self._generate(self._prompt_list(prompts), sampling_params, priority, use_tqdm,
@@ -155,7 +156,7 @@ class LLM:
             many = noun if len(prompts) != 1 else noun[:-1]
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} {many}; give one per {noun[:-1]}")
         for i, prio in enumerate(priority):  # all checked before any is queued: none is left behind half-added
-            check_priority(prio, f"priority[{i}]")
+            self.engine.check_priority(prio, f"priority[{i}]")
         engine = self.engine
         if not reject_bad_prompts:
             for i, (p, sp) in enumerate(zip(prompts, params_list)):

@@ -45,14 +45,27 @@ def check_int(name: str, value: object, low: int, high: int, hint: str = "") -> 
     return value
 
 
-def check_priority(value: object, name: str = "priority") -> int:
-    """``value`` if it is a valid request priority (an int in ``[PRIORITY_MIN, PRIORITY_MAX]``).
+FCFS_FIX = "use scheduling_policy='priority' or priority 0"  # check_priority's default advice (the library's names)
+
+
+def check_priority(value: object, name: str = "priority", policy: str | None = None, fix: str = FCFS_FIX) -> int:
+    """``value`` if it is a valid request priority (an int in ``[PRIORITY_MIN, PRIORITY_MAX]``), and
+    under ``policy="fcfs"`` 0 only: requests then run in arrival order, and vLLM refuses any other
+    priority there ("Got priority 1 but Priority scheduling is not enabled"); here it was accepted and
+    ignored (trial 12). The one rule of every entry point: ``LLMEngine.check_priority`` (the engine's own
+    policy) for the library, the server and the controller; ``nanovllm``/``nanovllm-tui --priority``
+    and the app's prompt bar with the policy they start or talk to. ``policy`` None: the range only
+    (the policy is not known yet). ``fix``: what to do, in the caller's own option names.
 
     Raises:
-        ValueError: one line naming ``name``, the range, and which way priority runs.
+        ValueError: one line naming ``name``, the range and which way priority runs, or the policy and ``fix``.
     """
-    return check_int(name, value, PRIORITY_MIN, PRIORITY_MAX,
-                     "higher runs first (vLLM's priority is the opposite); pass a value in that range")
+    check_int(name, value, PRIORITY_MIN, PRIORITY_MAX,
+              "higher runs first (vLLM's priority is the opposite); pass a value in that range")
+    if policy == "fcfs" and value != 0:
+        raise ValueError(f"{name} is {value}, but the engine schedules fcfs (arrival order, priorities unused; "
+                         f"vLLM refuses a priority other than 0 there too); {fix}")
+    return value
 
 
 OVERFLOW_FIX = "lower max_tokens or raise max_model_len"  # max_tokens_overflow's default advice

@@ -322,6 +322,8 @@ class NanoVLLMApp(App):
                 if self.state.model_info.get("max_model_len"):
                     self.query_one(PromptBar).limit_max_tokens(self.state.model_info["max_model_len"])
                     self._refuse_startup_max_tokens(self.state.model_info["max_model_len"])
+                # the engine's policy decides which priorities it takes (fcfs: 0 only; trial 12)
+                self.query_one(PromptBar).use_policy(self.state.model_info.get("scheduling_policy"))
                 if "chat_template" in self.state.model_info:  # (traces from before it was recorded lack it)
                     self.query_one(PromptBar).model_has_chat_template(bool(self.state.model_info["chat_template"]))
                 self._note_fallbacks(self.state.model_info)

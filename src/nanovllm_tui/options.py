@@ -8,7 +8,7 @@ from typing import Sequence
 
 from nanovllm_core.cli import build_parser as build_engine_parser
 from nanovllm_core.cli import engine_kwargs, sampling_params, tcp_port
-from nanovllm_core.cli_args import api_key, api_key_default
+from nanovllm_core.cli_args import api_key, api_key_default, priorities_problem
 from nanovllm_tui.bridge import DEFAULT_FPS
 
 DEFAULT_KV_BLOCKS = 512  # 8,192 tokens at block size 16: room to play, and a block map that fits a screen
@@ -69,6 +69,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.priority is not None and len(args.priority) != len(args.prompt or []):
         parser.error(f"got {len(args.priority)} --priority values for {len(args.prompt or [])} --prompt values; "
                      "give one per prompt")
+    if priorities_problem(args.priority, args.scheduling_policy):  # the engine's rule: fcfs takes priority 0 only
+        parser.error(priorities_problem(args.priority, args.scheduling_policy))
     if not 1 <= args.fps <= 60:
         parser.error(f"--fps must be between 1 and 60, got {args.fps}")
     if args.trace_xray and not args.trace:

@@ -71,6 +71,8 @@ class RequestView:
     error: str | None = None
     num_preemptions: int = 0
     order: int = 0  # arrival number in this session (picks the request's colour)
+    # a replay's end: the state it had at the last step played (it is "unfinished" since; see recording_ended)
+    ended_as: str | None = None
 
     @property
     def live(self) -> bool:
@@ -185,12 +187,14 @@ class EngineState:
     def recording_ended(self) -> None:
         """A replay has played its last step: the requests still live in it are marked ``unfinished``
         (the recording stopped while they ran; no step of theirs will come) and listed in
-        ``unfinished``. Trial 11: at the end their rows still said running and the Engine panel DECODE."""
+        ``unfinished``; each keeps the state it had at that step in ``ended_as``, so the queues
+        still read as the last step left them. Trial 11: at the end their rows still said running
+        and the Engine panel DECODE; trial 12: then the panel said "0 running" beside "2 decode"."""
         if self.unfinished is not None:
             return
         live = sorted((r for r in self.requests.values() if r.live), key=lambda r: r.order)
         for req in live:
-            req.state = "unfinished"
+            req.ended_as, req.state = req.state, "unfinished"
         self.unfinished = [r.request_id for r in live]
 
     # ------------------------------------------------------------------ folding
@@ -470,7 +474,8 @@ class EngineState:
         return self.timings[-1] if self.timings else None
 
     def queue_counts(self) -> tuple[int, int, int]:
-        """Requests (running, waiting, preempted) now, as the request table shows them."""
-        states = [r.state for r in self.requests.values()]
+        """Requests (running, waiting, preempted) now, as the request table shows them; at a
+        replay's end the unfinished ones as the last step played left them (``ended_as``)."""
+        states = [r.ended_as if r.state == "unfinished" and r.ended_as else r.state for r in self.requests.values()]
         return (states.count("running"), states.count("waiting") + states.count("submitted"),
                 states.count("preempted"))

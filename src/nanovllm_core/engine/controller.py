@@ -139,9 +139,14 @@ class EngineController:
         output to a queue (vLLM's per-request output collector plays this part in its server).
 
         Raises:
-            ValueError: ``priority`` is not an int from -1000 to 1000 (checked here, in the caller's thread).
+            ValueError: ``priority`` is not an int from -1000 to 1000, or not 0 under the loaded engine's
+                ``fcfs`` policy (``LLMEngine.check_priority``; checked here, in the caller's thread; before
+                the engine has loaded, the engine refuses it with a ``RequestRejected``).
         """
-        check_priority(priority)
+        if self._engine is not None:
+            self._engine.check_priority(priority)
+        else:  # its policy is not known yet: the range here, the rest at add_request
+            check_priority(priority)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         self._commands.put(_Command("submit", (prompt, sampling_params, priority, rid, on_output, fit_context)))
         return rid

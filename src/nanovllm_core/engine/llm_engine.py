@@ -58,7 +58,7 @@ from nanovllm_core.prompts import (Prompt, content_text, conversation_problem, d
                                    template_message)
 from nanovllm_core.sampling.sampler import RowGroup, Sampler, SamplerOutput, SamplingRow
 from nanovllm_core.prompts import unicode_problem
-from nanovllm_core.sampling_params import SamplingParams, check_priority, max_tokens_overflow
+from nanovllm_core.sampling_params import FCFS_FIX, SamplingParams, check_priority, max_tokens_overflow
 from nanovllm_core.speculative.metrics import SpecDecodeStats
 from nanovllm_core.speculative.proposer import build_proposer, load_draft_model, needs_draft_model, parse_self_layers
 from nanovllm_core.speculative.speculator import Speculator
@@ -395,6 +395,13 @@ class LLMEngine(EventSource):
                     f"({self.scheduler.token_budget}) with chunked prefill off; enable chunked prefill")
         return None
 
+    def check_priority(self, priority: object, name: str = "priority", fix: str = FCFS_FIX) -> int:
+        """``priority`` if this engine takes it: -1000 to 1000, and 0 only under ``scheduling_policy="fcfs"``
+        (as vLLM: "Priority scheduling is not enabled"). The rule of every entry point that has an engine
+        (``LLM.generate``, ``add_request``, the controller, the server); ``fix``: what to do, in the
+        caller's option names. Raises: ValueError, one line (``sampling_params.check_priority``)."""
+        return check_priority(priority, name, policy=self.scheduler.policy, fix=fix)
+
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0,
                     request_id: str | None = None, fit_context: bool = False) -> str:
         """Queue a request; return its id.
@@ -413,12 +420,13 @@ class LLMEngine(EventSource):
 
         Raises:
             ValueError: ``params`` is not a SamplingParams, ``priority`` not an int in
-                ``[PRIORITY_MIN, PRIORITY_MAX]`` (-1000..1000; ``sampling_params.check_priority``), or the id is in use.
+                ``[PRIORITY_MIN, PRIORITY_MAX]`` (-1000..1000) or, under ``scheduling_policy="fcfs"``, not 0
+                (:meth:`check_priority`), or the id is in use.
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
-        check_priority(priority)
+        self.check_priority(priority)
         request_id = str(request_id) if request_id is not None else self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -55,7 +55,7 @@ from nanovllm_core.entrypoints.protocol import (APIError, ChatCompletionRequest,
 from nanovllm_core.model.quantization import describe_weights
 from nanovllm_core.entrypoints.request_stream import InFlight
 from nanovllm_core.prompts import is_conversation
-from nanovllm_core.sampling_params import SamplingParams, check_priority
+from nanovllm_core.sampling_params import SamplingParams
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 EVENTS_QUERY = ("topk", "blocks", "xray")  # /v1/engine/events' query parameters
@@ -488,10 +488,7 @@ def _control_submit(state: ServerState, body: dict) -> str:
         field = message.split("=", 1)[0].split(" ", 1)[0]
         raise APIError(message, param=field if field in names else "params").renamed(names) from None
     priority = body.get("priority", 0)
-    try:
-        check_priority(priority)
-    except ValueError as e:
-        raise APIError(str(e), param="priority", code="invalid_value") from None
+    state.serving.check_priority(priority)  # the engine's rule, as /v1/completions checks it
     state.serving.check_prompt(prompt, params, names)  # exactly what /v1/completions refuses, refused here too
     if body.get("request_id") is None:
         rid = f"ctl-{uuid.uuid4().hex}"

@@ -28,6 +28,10 @@ from nanovllm_core.entrypoints.request_stream import InFlight, OutputRouter, Req
 from nanovllm_core.outputs import CompletionOutput, Logprob, RequestOutput
 
 
+# what a client does about a priority the server's fcfs policy refuses (LLMEngine.check_priority's fix)
+SERVER_FCFS_FIX = "send priority 0, or start the server with --scheduling-policy priority"
+
+
 @dataclass
 class _Choice:
     """What a streaming client has been sent of one choice: characters, tokens, whether it ended."""
@@ -94,6 +98,18 @@ class OpenAIServing:
             raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}` "
                            "(GET /v1/models lists it)", status=404, param="model", code="model_not_found")
 
+    def check_priority(self, priority: object) -> None:
+        """The engine's rule for ``priority`` (``LLMEngine.check_priority``: -1000 to 1000, and 0 only
+        under ``--scheduling-policy fcfs``, as vLLM's server refuses it), checked before any answer starts.
+
+        Raises:
+            APIError: 400 with param ``priority``.
+        """
+        try:
+            self._llm.engine.check_priority(priority, fix=SERVER_FCFS_FIX)
+        except ValueError as e:
+            raise APIError(str(e), param="priority", code="invalid_value") from None
+
     def check_prompt(self, prompt: str | list[int], params: Any, names: dict[str, str] | None = None,
                      prompt_field: str = "prompt") -> list[int]:
         """Everything the engine would refuse ``prompt`` for, checked before any answer starts, so
@@ -139,6 +155,7 @@ class OpenAIServing:
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
         """Check a completions request. Raises: APIError (400) naming what is wrong."""
         self.check_model(req.model)
+        self.check_priority(req.priority)
         params = req.to_sampling_params()
         prompts = req.prompts()
         ids = [self.check_prompt(p, params) for p in prompts]
@@ -148,6 +165,7 @@ class OpenAIServing:
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         """Check a chat request and render its messages with the chat template. Raises: APIError (400)."""
         self.check_model(req.model)
+        self.check_priority(req.priority)
         params = req.to_sampling_params()
         conversation = req.conversation()
         for i, message in enumerate(conversation):

@@ -17,6 +17,8 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
+from textual.geometry import Region
+from textual.widget import Widget
 from textual.widgets import OptionList, Static
 
 from nanovllm_core.educational import tutorial as tut
@@ -57,6 +59,28 @@ class QuizChoices(OptionList):
     def action_answer(self, index: int) -> None:
         self.highlighted = index
         self.action_select()
+
+    def option_region(self, index: int) -> Region | None:
+        """Where option ``index`` lies in the quiz box's scrolled space (None before it is laid out)."""
+        self._update_lines()
+        try:
+            y, height = self._index_to_line[index], self._heights[index]
+        except (KeyError, IndexError):
+            return None
+        box = self.virtual_region
+        return Region(box.x, box.y + self.gutter.top + y, box.width, height)
+
+    def scroll_to_highlight(self, top: bool = False) -> None:
+        """Also bring the highlighted option into the quiz box's view: a short terminal's box scrolls
+        (app.tcss), and ↓ to D moved the highlight below its fold (trial 12, 60x20)."""
+        super().scroll_to_highlight(top)
+        if self.highlighted is not None and self.is_mounted:
+            self.call_after_refresh(self._reveal, self.highlighted)
+
+    def _reveal(self, index: int) -> None:
+        region = self.option_region(index)
+        if region is not None and self.highlighted == index and isinstance(self.parent, Widget):
+            self.parent.scroll_to_region(region, animate=False, immediate=True)
 
     def action_scroll_chapter(self, direction: int) -> None:
         scroll = self.screen.query_one("#chapter-scroll", VerticalScroll)

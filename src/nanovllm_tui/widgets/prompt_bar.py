@@ -39,7 +39,7 @@ from textual.validation import ValidationResult, Validator
 from textual.widgets import Checkbox, Input, Label
 
 from nanovllm_core import cli_args
-from nanovllm_core.sampling_params import PRIORITY_MAX
+from nanovllm_core.sampling_params import PRIORITY_MAX, check_priority
 from nanovllm_tui.widgets.format import quoted
 
 # The prompt field's hint, longest first: the longest that fits is shown (never a cut one).
@@ -150,13 +150,28 @@ class Setting(Validator):
         return self.success()
 
 
-def setting_rules(limit: int | None = None) -> dict[str, Setting]:
-    """The three settings' rules by field id; ``limit``: the model's max_model_len (None: not known yet)."""
+def priority_parser(policy: str | None) -> Callable[[str], int]:
+    """A parser of the priority field under the engine's scheduling ``policy`` (None: not known yet):
+    :func:`parse_priority`, then the engine's rule (``check_priority``: under ``fcfs`` 0 only, as vLLM).
+    Raises ValueError otherwise."""
+
+    def parse(text: str) -> int:
+        return check_priority(parse_priority(text), policy=policy)
+
+    return parse
+
+
+def setting_rules(limit: int | None = None, policy: str | None = None) -> dict[str, Setting]:
+    """The three settings' rules by field id; ``limit``: the model's max_model_len, ``policy``: the
+    engine's scheduling policy (None: not known yet)."""
     max_rule = f"a whole number from 1 to {limit} (the max_model_len of the engine it goes to: here or the server's)" if limit else "a whole number >= 1"
+    priority_rule = (f"a whole number from -{PRIORITY_LIMIT} to {PRIORITY_LIMIT} (higher runs first; vLLM's "
+                     "priority is the opposite)")
+    if policy == "fcfs":  # trial 12: accepted and ignored; vLLM refuses it ("Priority scheduling is not enabled")
+        priority_rule = ("0 while the engine schedules fcfs (arrival order, priorities unused, as in vLLM; "
+                         "start it with --scheduling-policy priority to use them)")
     return {
-        "priority": Setting("priority", parse_priority,
-                            f"a whole number from -{PRIORITY_LIMIT} to {PRIORITY_LIMIT} (higher runs first; vLLM's "
-                            "priority is the opposite)"),
+        "priority": Setting("priority", priority_parser(policy), priority_rule),
         "max-tokens": Setting("max tokens", max_tokens_parser(limit), max_rule),
         "temperature": Setting("temperature", parse_temperature, "a finite number >= 0 (0 = greedy)"),
     }
@@ -354,6 +369,13 @@ class PromptBar(Vertical):
         if event.checkbox.id == "chat" and event.checkbox.has_focus:  # a click or space, not the model's default
             self.chat_chosen = True
 
+    def use_policy(self, policy: str | None) -> None:
+        """The engine is known: its scheduling ``policy`` decides which priorities it takes (``fcfs``: 0 only)."""
+        self.rules["priority"] = setting_rules(policy=policy)["priority"]
+        field = self.query_one("#priority", Input)
+        field.validate(field.value)
+        self._show_errors()
+
     def limit_max_tokens(self, limit: int) -> None:
         """The model is known: max tokens may not exceed its ``max_model_len`` (``limit`` tokens)."""
         self.rules["max-tokens"] = setting_rules(limit)["max-tokens"]
@@ -376,7 +398,7 @@ class PromptBar(Vertical):
         if self.errors():
             return None
         value = {name: self.query_one(f"#{name}", Input).value for name in self.FIELDS}
-        return PromptSettings(parse_priority(value["priority"]), self.rules["max-tokens"].parse(value["max-tokens"]),
+        return PromptSettings(self.rules["priority"].parse(value["priority"]), self.rules["max-tokens"].parse(value["max-tokens"]),
                               parse_temperature(value["temperature"]), chat=self.chat)
 
     def on_input_changed(self, event: Input.Changed) -> None:

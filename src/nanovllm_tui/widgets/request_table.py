@@ -75,6 +75,8 @@ def row_cells(req: RequestView, label: str | None = None) -> tuple[Text, ...]:
     state = req.state
     if state == "finished" and req.finish_reason:
         state = f"finished ({req.finish_reason})"
+    if state == "unfinished" and req.ended_as:  # a replay's end: as the last step played left it
+        state = f"unfinished ({req.ended_as})"
     return (
         Text.assemble(("■ ", request_color(req.order)), label or req.request_id),
         Text(state, style=STATE_STYLES.get(req.state, "")),
@@ -113,7 +115,8 @@ class RequestTable(ScrollView, can_focus=True):
         Binding("home", "move(-1000000)", "First", show=False),
         Binding("end", "move(1000000)", "Last", show=False),
     ]
-    DEFAULT_CSS = "RequestTable { height: 1fr; }"
+    # No horizontal scrollbar: while columns are off-screen its line says so in words (scroll_hint)
+    DEFAULT_CSS = "RequestTable { height: 1fr; scrollbar-size-horizontal: 0; }"
 
     @dataclass
     class Selected(Message):
@@ -136,16 +139,64 @@ class RequestTable(ScrollView, can_focus=True):
             return
         self.ids, self.rows, self.cursor = list(rows), rows, cursor
         self.widths = column_widths(rows.values())
-        self.virtual_size = Size(sum(self.widths) + 1, len(self.ids) + 1)
+        self._size_to_rows()
         self._keep_cursor_visible()
         if len(self._cache) > 4 * len(rows) + 64:
             self._cache.clear()
         self.refresh()
 
+    # ------------------------------------------------------------------ columns off-screen
+
+    def hidden_columns(self) -> tuple[int, int]:
+        """(columns cut or off-screen at the left, at the right) at the current width and scroll:
+        (0, 0) when every column is shown whole."""
+        width, start = self.scrollable_content_region.width, int(self.scroll_x)
+        if width <= 0:
+            return 0, 0
+        left = right = 0
+        x = 1  # the line's leading space
+        for w in self.widths:
+            left += x < start
+            right += x + w - 1 > start + width  # the column's cells, its separating space left out
+            x += w
+        return left, right
+
+    def scroll_hint(self) -> Text | None:
+        """The table's last line while columns are off-screen (trial 12: at 60x20 it ended at
+        "decode (" and nothing said it scrolls): how many, on which side, and the keys; else None."""
+        left, right = self.hidden_columns()
+        if not left and not right:
+            return None
+        sides = ([f"← {left}"] if left else []) + ([f"→ {right}"] if right else [])
+        keys = "←/→ scroll" if self.has_focus else "Esc, then ←/→ scroll"
+        n = left + right
+        return Text(f"{' · '.join(sides)} more column{'s' if n != 1 else ''} off-screen: {keys}", style="dim italic")
+
+    def _hint_line(self) -> int | None:
+        """The viewport line the scroll hint takes (under the last row, or the last line), or None."""
+        if self.scroll_hint() is None:
+            return None
+        return min(len(self.ids) + 1, max(1, self.scrollable_content_region.height - 1))
+
+    def _size_to_rows(self) -> None:
+        cut = any(self.hidden_columns()) if self.is_mounted else False
+        self.virtual_size = Size(sum(self.widths) + 1, len(self.ids) + 1 + cut)  # + the hint's line
+
+    def on_resize(self) -> None:
+        self._size_to_rows()
+        self._cache.clear()
+        self.refresh()
+
+    def on_focus(self) -> None:
+        self.refresh()  # the hint's keys
+
+    def on_blur(self) -> None:
+        self.refresh()
+
     def _keep_cursor_visible(self) -> None:
         if self.cursor < 0:
             return
-        visible = max(1, self.scrollable_content_region.height - 1)
+        visible = max(1, self.scrollable_content_region.height - 1 - (self._hint_line() is not None))
         if self.cursor < self.scroll_y:
             self.scroll_to(y=self.cursor, animate=False, immediate=True)
         elif self.cursor >= self.scroll_y + visible:
@@ -171,6 +222,10 @@ class RequestTable(ScrollView, can_focus=True):
         width = self.scrollable_content_region.width
         scroll_x = int(self.scroll_x)
         at_cursor = False
+        if y and y == self._hint_line():
+            hint = self.scroll_hint()
+            hint.truncate(max(0, width - 1), overflow="ellipsis")
+            return Strip(list((Text(" ") + hint).render(self.app.console))).extend_cell_length(width).crop(0, width)
         if y == 0:
             cells = tuple(Text(name, style=HEADER) for name, _ in COLUMNS)
             key: tuple = ("header", width, scroll_x, self.widths)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
+from nanovllm_core.educational.commentary import plural
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.widgets.format import bar
 from nanovllm_tui.widgets.live import LiveStatic
@@ -16,21 +17,24 @@ STATE_STYLES = {
 }
 
 
-Part = tuple[Text, int] | tuple[Text, int, Text]  # (text, rank) or (text, rank, the same said shorter)
+Part = tuple  # (text, rank) or (text, rank, the same said shorter[, shorter still ...])
 
 
 def fit(parts: list[Part], width: int | None) -> Text:
-    """Join ``parts`` (text, rank[, short text]) in ``width`` cells: the whole line if it fits, else the
-    whole line with the parts that have a shorter wording in it, else (in full words) the highest
-    ranks are left out until the line fits; rank 0 is always kept. What is left is never cut
-    silently: a last part still too long ends in an ellipsis."""
+    """Join ``parts`` (text, rank[, shorter texts]) in ``width`` cells: the whole line if it fits, else
+    the whole line with the parts that have a shorter wording in it (each round the next shorter one,
+    while a part has any), else (in full words) the highest ranks are left out until the line fits;
+    rank 0 is always kept. What is left is never cut silently: a last part still too long ends in an ellipsis."""
     kept = [(p[0], p[1]) for p in parts]
 
     def too_long(line: list[tuple[Text, int]]) -> bool:
         return width is not None and sum(t.cell_len for t, _ in line) > width
 
-    if too_long(kept):
-        shorter = [(p[2] if len(p) > 2 else p[0], p[1]) for p in parts]
+    rounds = max((len(p) - 2 for p in parts), default=0)
+    for level in range(1, rounds + 1):
+        if not too_long(kept):
+            break
+        shorter = [(p[min(level, len(p) - 2) + 1] if len(p) > 2 else p[0], p[1]) for p in parts]
         if not too_long(shorter):
             kept = shorter
     while too_long(kept) and any(r for _, r in kept):
@@ -40,6 +44,15 @@ def fit(parts: list[Part], width: int | None) -> Text:
     if width is not None and line.cell_len > width:
         line.truncate(width, overflow="ellipsis")
     return line
+
+
+def unfinished_text(ids: list[str]) -> str:
+    """The requests a recording left unfinished, named as ids (the first three, then how many
+    more): ``request 0 unfinished``, ``requests 0 and 1 unfinished``, ``requests 0, 1, 2 and 4
+    more unfinished``. Trial 12: "0, 1 unfinished in it" read as two counts."""
+    names = ids[:3] + ([f"{len(ids) - 3} more"] if len(ids) > 3 else [])
+    listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+    return f"{'request' if len(ids) == 1 else 'requests'} {listed} unfinished"
 
 
 class StatusHeader(LiveStatic):
@@ -99,14 +112,20 @@ class StatusHeader(LiveStatic):
             style = STATE_STYLES.get(engine_state, "bold")
             if state.pending is not None and not lost:  # asked for, not yet confirmed by the engine
                 shown, style = f"{state.pending}…", "bold yellow"
-            parts.append((Text.assemble((" │ ", "dim"), (f"● {shown}", style)), 0))
+            state_part = Text.assemble((" │ ", "dim"), (f"● {shown}", style))
+            if shown == "recording ended":  # "ended" where the whole line does not fit otherwise: at 120
+                # columns the weights' formats went first (trial 12: shown in the full replay, not the cut one)
+                parts.append((state_part, 0, Text.assemble((" │ ", "dim"), ("● ended", style))))
+            else:
+                parts.append((state_part, 0))
             if state.step is not None:
                 parts.append((Text(f" · step {state.step}"), 3))
             if cut_short:  # they will never finish: the header said "idle" beside requests listed running
                 n = len(unfinished)
-                names = ", ".join(unfinished[:3]) + (f" and {n - 3} more" if n > 3 else "")
-                parts.append((Text(f" · {names} unfinished in it"), 1,
-                              Text(f" · {names} unfinished" if n <= 3 else f" · {n} unfinished")))
+                # named where the line has room (at 120 columns beside a long model name: counted,
+                # so the weights' formats stay as the whole recording's replay shows them)
+                parts.append((Text(f" · {unfinished_text(unfinished)}"), 1, Text(f" · {unfinished_text(unfinished)}"),
+                              Text(f" · {plural(n, 'request')} unfinished")))
             else:  # "N active" where the whole line does not fit otherwise (a long model name in a replay)
                 parts.append((Text(f" · {active} active request{'s' if active != 1 else ''}"), 4,
                               Text(f" · {active} active")))
