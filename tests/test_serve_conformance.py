@@ -787,3 +787,18 @@ def test_the_event_stream_refuses_an_unknown_or_out_of_range_query_parameter(tin
     """Trial 9: topk=1000 was clamped and bogus=1 ignored, both answered 200 with a stream."""
     r = httpx.get(f"{tiny_server.url}/v1/engine/events?{query}", timeout=10, headers=tiny_server.headers)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# ---------------------------------------------------------------------- trial 12b (issue 29)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "model": ""}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "model": ""}),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "model": None}),
+])
+def test_an_empty_model_name_is_the_served_model(tiny_server, path, body):
+    """Trial 12b: ``"model": ""`` was a 404 model_not_found; vLLM's ``_is_model_supported`` takes an
+    empty name as the served model (UIs send it when no model is picked)."""
+    status, answer = post(tiny_server, path, body)
+    assert status == 200 and answer["model"] == tiny_server.http.app.state.server.model_name, answer

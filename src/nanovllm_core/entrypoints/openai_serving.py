@@ -89,8 +89,11 @@ class OpenAIServing:
     # ------------------------------------------------------------------ checking
 
     def check_model(self, model: str | None) -> None:
-        """Raises: APIError (404, as OpenAI and vLLM's ``_check_model`` answer) when ``model`` names another model."""
-        if model is not None and model != self.model_name:
+        """Raises: APIError (404, as OpenAI and vLLM's ``_check_model`` answer) when ``model`` names another model.
+
+        No ``model``, ``null`` and ``""`` all mean the served model (vLLM's ``_is_model_supported``
+        starts ``if not model_name: return True``; UIs send ``""`` when no model is picked)."""
+        if model and model != self.model_name:
             raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}` "
                            "(GET /v1/models lists it)", status=404, param="model", code="model_not_found")
 
