@@ -802,3 +802,62 @@ def test_an_empty_model_name_is_the_served_model(tiny_server, path, body):
     empty name as the served model (UIs send it when no model is picked)."""
     status, answer = post(tiny_server, path, body)
     assert status == 200 and answer["model"] == tiny_server.http.app.state.server.model_name, answer
+
+
+def _with_id(server, path: str, body: dict, request_id: str | bytes, stream: bool = False) -> httpx.Response:
+    kw = _json(server, body)
+    kw["headers"] = {**kw["headers"], "X-Request-Id": request_id}
+    if not stream:
+        return httpx.post(server.url + path, timeout=60, **kw)
+    with httpx.stream("POST", server.url + path, timeout=60, **{**kw, "content": json.dumps({**body, "stream": True})}) as r:
+        r.read()
+        return r
+
+
+def test_x_request_id_names_the_response_and_comes_back(tiny_server):
+    """Trial 12b: the header was ignored; vLLM answers ``cmpl-{X-Request-Id}`` (``_base_request_id``)."""
+    r = _with_id(tiny_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, "myid123")
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-myid123" and r.headers["x-request-id"] == "myid123"
+    r = _with_id(tiny_server, CHAT, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}, "myid123",
+                 stream=True)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "myid123" and '"id":"chatcmpl-myid123"' in r.text
+    r = _with_id(tiny_server, "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 1}, "Ünï".encode())
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-Ünï" and dict(r.headers.raw)[b"x-request-id"] == "Ünï".encode()
+    plain = httpx.post(tiny_server.url + "/v1/completions", timeout=60, **_json(tiny_server, {"prompt": "Hi", "max_tokens": 1}))
+    assert plain.json()["id"] == "cmpl-" + plain.headers["x-request-id"]  # the server's own id, named alike
+    tiny_server.wait_idle(30)
+
+
+@pytest.mark.parametrize("value, message", [
+    (b"", "non-empty"), (b"x" * 129, "at most 128"), (b"\xff\xfe", "not valid UTF-8")])
+def test_a_bad_x_request_id_is_refused_as_a_control_request_id_is(tiny_server, value, message):
+    r = _with_id(tiny_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, value)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "X-Request-Id" and "\n" not in r.json()["error"]["message"]
+
+
+def test_an_x_request_id_in_use_is_refused_and_freed_when_its_request_ends(tiny_server):
+    """Ids stay unique: a header id held by a request in flight is a 400 (as a control request_id
+    in use), whichever way the other request got it (another header, several prompts' ``-i`` ids)."""
+    control(tiny_server, {"command": "pause"})
+    try:
+        assert poll_until(lambda: tiny_server.controller.state == "paused", 10)
+        with httpx.Client(timeout=60) as client:
+            kw = _json(tiny_server, {"prompt": ["a", "b"], "max_tokens": 2, "stream": True})  # headers come at once
+            kw["headers"] = {**kw["headers"], "X-Request-Id": "dup"}
+            with client.stream("POST", tiny_server.url + "/v1/completions", **kw) as held:  # waits: paused
+                assert poll_until(lambda: "cmpl-dup-1" in tiny_server.http.app.state.server.ids, 10)
+                for value in ("dup-1", "dup-0"):
+                    again = _with_id(tiny_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, value)
+                    assert again.status_code == 400 and "already in use" in again.json()["error"]["message"], again.text
+                    assert again.json()["error"]["code"] == "duplicate_request_id"
+                control(tiny_server, {"command": "resume"})
+                held.read()
+                assert held.status_code == 200 and '"id":"cmpl-dup"' in held.text
+    finally:
+        control(tiny_server, {"command": "resume"})
+    tiny_server.wait_idle(30)
+    assert poll_until(lambda: "cmpl-dup-1" not in tiny_server.http.app.state.server.ids, 10)
+    r = _with_id(tiny_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, "dup-1")
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-dup-1"
+    tiny_server.wait_idle(30)
