@@ -16,6 +16,7 @@ import pytest
 from nanovllm_core import LLM, SamplingParams
 from nanovllm_core import events as ev
 from nanovllm_core.engine.controller import EngineController
+from nanovllm_core.entrypoints.api_server import build_app
 from nanovllm_core.entrypoints.openai_serving import Prepared, _chat_logprobs, _Choice, _completion_logprobs
 from nanovllm_core.outputs import CompletionOutput, Logprob
 from tests.conftest import poll_until
@@ -861,3 +862,43 @@ def test_an_x_request_id_in_use_is_refused_and_freed_when_its_request_ends(tiny_
     r = _with_id(tiny_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, "dup-1")
     assert r.status_code == 200 and r.json()["id"] == "cmpl-dup-1"
     tiny_server.wait_idle(30)
+
+
+def test_a_page_on_another_origin_may_call_the_server_as_vllm_allows(tiny_server):
+    """Trial 12b: ``OPTIONS /v1/completions`` (a browser's preflight) was a 405; vLLM's
+    CORSMiddleware with ``--allowed-origins`` defaulting to ``["*"]`` answers it."""
+    pre = httpx.options(tiny_server.url + "/v1/completions", timeout=10, headers={
+        "Origin": "http://x", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*", pre.text
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    kw = _json(tiny_server, {"prompt": "Hi", "max_tokens": 1})
+    r = httpx.post(tiny_server.url + "/v1/completions", timeout=60, content=kw["content"],
+                   headers={**kw["headers"], "Origin": "http://x"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    tiny_server.wait_idle(30)
+
+
+def test_serve_takes_vllms_cors_options():
+    from nanovllm_core.entrypoints import cli as serve_cli
+
+    parser = serve_cli.build_parser()
+    args = parser.parse_args([])
+    assert serve_cli.cors_options(args) == {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"],
+                                            "allow_credentials": False}
+    args = parser.parse_args(["--allowed-origins", '["http://localhost:3000"]', "--allowed-methods", "GET,POST",
+                              "--allow-credentials"])
+    assert serve_cli.cors_options(args)["allow_origins"] == ["http://localhost:3000"]
+    assert args.allowed_methods == ["GET", "POST"] and args.allow_credentials
+
+
+def test_a_server_limited_to_one_origin_refuses_another(make_tiny_engine):
+    app = build_app(EngineController.from_engine(make_tiny_engine(num_kv_blocks=8)),
+                    cors={"allow_origins": ["http://ok"]})
+    from starlette.testclient import TestClient
+
+    with TestClient(app) as client:
+        headers = {"Access-Control-Request-Method": "POST"}
+        assert client.options("/v1/completions", headers={**headers, "Origin": "http://ok"}).status_code == 200
+        assert client.options("/v1/completions", headers={**headers, "Origin": "http://evil"}).status_code == 400
+    app.state.server.controller.shutdown(timeout=5)

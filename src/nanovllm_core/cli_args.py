@@ -114,6 +114,31 @@ def tcp_port(text: str) -> int:
     return value
 
 
+def text_list(text: str) -> list[str]:
+    """argparse ``type`` of ``nanovllm serve``'s CORS lists: a JSON list of strings, as vLLM's
+    ``--allowed-origins '["http://localhost:3000"]'`` takes it, or the same comma-separated
+    (``http://localhost:3000,http://x``).
+
+    Raises:
+        argparse.ArgumentTypeError: JSON that is not a list of non-empty strings, or an empty list.
+    """
+    import json
+
+    if text.lstrip().startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"*\"]', got {text!r}")
+    else:
+        value = text.split(",")
+    value = [v.strip() for v in value]
+    if not value or not all(value):
+        raise argparse.ArgumentTypeError(f"expected one or more comma-separated values (or a JSON list), got {text!r}")
+    return value
+
+
 def api_key(text: str) -> str | None:
     """``--api-key``: the key, or None for an empty one (no key, as an empty ``$NANOVLLM_API_KEY``
     already means): a server that required the empty key would refuse every client that sends one."""

@@ -40,6 +40,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -117,8 +118,11 @@ def default_max_body_bytes(max_model_len: int) -> int:
     return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
 
 
+DEFAULT_CORS = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"], "allow_credentials": False}
+
+
 def build_app(controller: Any, model_name: str | None = None, api_key: str | None = None,
-              max_body_bytes: int | None = None) -> FastAPI:
+              max_body_bytes: int | None = None, cors: dict[str, Any] | None = None) -> FastAPI:
     """The FastAPI app serving ``controller`` (whose model must have loaded).
 
     Args:
@@ -127,6 +131,9 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
             empty one is no key (as ``--api-key ""`` and an empty ``$NANOVLLM_API_KEY`` are).
         max_body_bytes: a larger request body is refused with 413 before it is parsed
             (default :func:`default_max_body_bytes` of the model's ``max_model_len``).
+        cors: Starlette ``CORSMiddleware``'s ``allow_origins``, ``allow_methods``, ``allow_headers``,
+            ``allow_credentials`` (default :data:`DEFAULT_CORS`: any origin, as vLLM's server), so a
+            browser page on another origin can call the server (its preflight ``OPTIONS`` answered).
 
     Raises:
         ValueError: the controller has no loaded engine.
@@ -144,6 +151,7 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
 
     app = FastAPI(title="nano-vLLM", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
+    app.add_middleware(CORSMiddleware, **{**DEFAULT_CORS, **(cors or {})})
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
