@@ -70,7 +70,7 @@ def test_sigterm_aborts_the_stream_in_flight_and_exits_within_seconds(tiny_llama
 
 def test_serve_bad_options_end_with_one_line(capsys, tiny_llama_dir):
     code, _, err = run_main(serve_cli.main, capsys, "--port", "0")
-    assert code == 2 and "expected a positive integer" in err
+    assert code == 2 and "a TCP port is 1 to 65535, got 0" in err
     for beyond in ("65536", "99999"):  # once a traceback from bind()
         code, _, err = run_main(serve_cli.main, capsys, "--port", beyond)
         assert code == 2 and f"a TCP port is 1 to 65535, got {beyond}" in err and "Traceback" not in err
@@ -86,6 +86,36 @@ def test_serve_bad_options_end_with_one_line(capsys, tiny_llama_dir):
     code, _, err = run_main(serve_cli.main, capsys, "--quantization", "int8")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "--quantization: quantization int8 was removed; use q8_0 (int8 weights in 32-weight blocks" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "-1"], "--port: a TCP port is 1 to 65535, got -1"),  # trial 12b: "expected a positive integer"
+    (["--port", "0"], "--port: a TCP port is 1 to 65535, got 0"),
+    (["--port", "99999"], "--port: a TCP port is 1 to 65535, got 99999"),
+    (["--port", "http"], "--port: a TCP port is a whole number from 1 to 65535, got 'http'"),
+    (["--tp-master-port", "-5"], "--tp-master-port: a TCP port is 1 to 65535, got -5"),
+    (["--served-model-name", ""], "--served-model-name: the name clients send as model must not be empty, got ''; "
+                                  "leave the option out to serve under the model's own name"),
+    (["--served-model-name", "  "], "must not be empty"),
+])
+def test_serve_range_and_empty_name_messages_say_what_to_give(capsys, monkeypatch, argv, message):
+    """Trial 12b: ``--served-model-name ''`` served the model's own name silently, and ``--port -1``
+    and ``--port 99999`` were refused in two wordings."""
+    def no_serving(host, port):  # an option taken would serve: end with another line rather than serve
+        raise OSError(98, "the test does not serve")
+
+    monkeypatch.setattr(serve_cli, "listen", no_serving)
+    code, _, err = run_main(serve_cli.main, capsys, *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--web", "--port", "-1"], "--port: a TCP port is 1 to 65535, got -1"),
+    (["--web", "--port", "70000"], "--port: a TCP port is 1 to 65535, got 70000"),
+])
+def test_the_apps_port_says_the_same(capsys, argv, message):
+    code, _, err = run_main(options.build_app, capsys, *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_nanovllm_serve_is_a_subcommand_of_nanovllm(capsys):

@@ -25,6 +25,7 @@ from nanovllm_core.cli_args import (
     api_key_default,
     engine_kwargs,
     positive_int,
+    served_name,
     tcp_port,
     text_list,
 )
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", type=api_key, default=api_key_default(),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOVLLM_API_KEY, else none; "
                         "an empty KEY is none)")
-    s.add_argument("--served-model-name", default=None,
+    s.add_argument("--served-model-name", type=served_name, default=None,
                    help="the model name clients send (default: the model's own name)")
     s.add_argument("--paused", action="store_true",
                    help="start with the engine paused: requests are accepted and wait until an attached app "
