@@ -412,3 +412,51 @@ def test_serve_refuses_a_kv_pool_smaller_than_one_max_model_len_sequence(capsys,
         assert serve_cli.pool_problem(fits) is None
     finally:
         fits.shutdown(timeout=5)
+
+
+def _other_server(answers: dict[str, tuple[int, bytes]]):
+    """A plain HTTP server on a free port answering ``GET path`` with (status, body); 404 "Not Found" elsewhere."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            status, body = answers.get(self.path.split("?")[0], (404, b"404: Not Found"))
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+@pytest.mark.parametrize("answers, message", [
+    ({}, "has no /v1/models: is it a `nanovllm serve` address?"),  # textual-serve, any web page
+    ({"/v1/models": (200, b'{"object": "list", "data": [{"id": "m", "owned_by": "vllm"}]}')},
+     "serves 'm' but is not `nanovllm serve`"),  # an OpenAI server without the engine's events
+])
+def test_connect_to_a_server_that_is_not_nanovllm_says_so(capsys, answers, message):
+    """Trial 12b: ``--connect`` to textual-serve's port said ``--connect: 404: Not Found (HTTP 404)``."""
+    httpd, url = _other_server(answers)
+    try:
+        code, _, err = run_main(options.parse_args, capsys, "--connect", url)
+    finally:
+        httpd.shutdown()
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert "(HTTP 404)" not in err or "has no" in err
+
+
+def test_the_event_stream_missing_says_what_the_address_is_not():
+    from nanovllm_tui.remote import NotNanoServer, _Server
+
+    error = _Server("http://127.0.0.1:9", None, 5.0).refusal(404, b"404: Not Found", "/v1/engine/events")
+    assert isinstance(error, NotNanoServer)
+    assert str(error).startswith("http://127.0.0.1:9 has no /v1/engine/events: is it a `nanovllm serve` address?")
+    # nano-vLLM's own 404s keep their message (a request id not found, say)
+    body = b'{"error": {"message": "no request x", "code": "request_not_found"}}'
+    assert str(_Server("http://127.0.0.1:9", None, 5.0).refusal(404, body, "/v1/engine/control")) == "no request x (HTTP 404)"
