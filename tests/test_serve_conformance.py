@@ -902,3 +902,41 @@ def test_a_server_limited_to_one_origin_refuses_another(make_tiny_engine):
         assert client.options("/v1/completions", headers={**headers, "Origin": "http://ok"}).status_code == 200
         assert client.options("/v1/completions", headers={**headers, "Origin": "http://evil"}).status_code == 400
     app.state.server.controller.shutdown(timeout=5)
+
+
+def test_a_step_sent_after_a_pause_not_yet_applied_runs_once_paused(tiny_server):
+    """Trial 12b: the attached app's n while its header said "pausing…" got "pause first (HTTP 409)":
+    the server read the engine's state, which turns paused only at the next step boundary. The
+    step is queued behind the pause, as the local engine's controller queues it."""
+    import threading
+
+    busy = threading.Event()
+    held = threading.Event()
+
+    def hold(engine):  # the engine thread in a step: the pause cannot be applied yet
+        held.set()
+        busy.wait(10)
+
+    tiny_server.controller.call(hold)
+    assert held.wait(10)
+    try:
+        assert control(tiny_server, {"command": "pause"}).status_code == 200
+        assert tiny_server.controller.state != "paused"
+        r = control(tiny_server, {"command": "step"})
+        assert r.status_code == 200, r.text
+    finally:
+        busy.set()
+    try:
+        assert poll_until(lambda: tiny_server.controller.state == "paused", 10)
+        before = tiny_server.stats()["steps"]
+        rid = control(tiny_server, {"command": "submit", "prompt": "hi", "params": {"max_tokens": 5}}).json()["request_id"]
+        assert poll_until(lambda: tiny_server.stats()["steps"] == before + 1, 10)
+        time.sleep(0.3)
+        assert tiny_server.stats()["steps"] == before + 1 and tiny_server.controller.state == "paused"
+        assert rid in tiny_server.http.app.state.server.ids  # one step run, the request still going
+    finally:
+        control(tiny_server, {"command": "resume"})
+    tiny_server.wait_idle(30)
+    # without a pause asked, a step is still refused
+    r = control(tiny_server, {"command": "step"})
+    assert r.status_code == 409 and "pause first" in r.json()["error"]["message"]

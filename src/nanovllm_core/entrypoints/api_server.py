@@ -93,6 +93,10 @@ class ServerState:
         # none, or --paused). A resume that names an owner ends only that owner's pause: an app that
         # quits resumes what it paused, never a pause another client made after it (issue 29).
         self.pause_owner: str | None = None
+        # A pause was asked (and no resume since): a step sent before the engine thread has applied
+        # it is queued behind it, as the app's local engine queues it (trial 12b: the attached app's
+        # n while its header said "pausing…" got "pause first", though the user had pressed space).
+        self.pause_asked = False
 
     def begin_shutdown(self) -> None:
         """Abort every request in flight and end the event streams (their clients see them end).
@@ -430,6 +434,7 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
     body = {k: whole_number(v) if k in ("n", "layer", "head", "priority") else v for k, v in body.items()}
     if name == "pause":
         state.pause_owner = _text(body, "owner") if "owner" in body else None
+        state.pause_asked = True
         c.pause()
     elif name == "resume":
         held = c.state == "paused" or state.pause_owner is not None
@@ -440,13 +445,16 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
                     "reason": "the pause held now was not made by this owner; it stays until its owner, or a "
                               "resume without owner, ends it"}
         state.pause_owner = None
+        state.pause_asked = False
         c.resume()
         return {"ok": True, "resumed": True}  # running again (also when it was not paused)
     elif name == "step":
         n = body.get("n", 1)
         if not _is_int(n) or not 1 <= n <= MAX_STEPS:
             raise APIError(f"step needs a whole n from 1 to {MAX_STEPS}, got {n!r}", param="n")
-        if c.state != "paused":
+        # A pause asked and not yet applied counts: the controller applies commands in order, so
+        # the step runs once the engine has paused (at its next step boundary).
+        if c.state != "paused" and not state.pause_asked:
             raise APIError("step runs single steps while the engine is paused; pause first", status=409,
                            code="not_paused")
         c.step(n)
