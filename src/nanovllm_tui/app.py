@@ -42,7 +42,7 @@ from nanovllm_tui.views.tutorial import TutorialView
 from nanovllm_tui.views.xray import XRayView
 from nanovllm_tui.widgets.footer import SteadyFooter
 from nanovllm_tui.widgets.prompt_bar import ONE_LINE_WIDTH, REPLAY_NOTES, Field, PromptBar, PromptSettings, settings_errors
-from nanovllm_tui.widgets.status_header import StatusHeader
+from nanovllm_tui.widgets.status_header import StatusHeader, weights_label
 
 VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
                                       "tutorial": TutorialView, "blocks": BlockMapView}
@@ -431,7 +431,9 @@ class NanoVLLMApp(App):
                         "there are marked lost, and the ones that had ended are cleared.", severity="warning",
                         timeout=10, markup=False)
         elif isinstance(event, ev.ModelLoading) and event.ready and self.live:
-            self.notify(f"{event.model_name} is ready on {event.device} ({event.dtype})", markup=False)
+            weights = weights_label(event.info())  # as the header names it: the dtype alone hid GGUF blocks
+            self.notify(f"{event.model_name} is ready on {event.device} ({event.dtype}"
+                        f"{f' · {weights}' if weights else ''})", markup=False)
 
     def _sent_here(self, event: ev.RequestFinished) -> bool:
         """The request was sent from this app (its bar or ``--prompt``): only those have ``chat`` known."""
