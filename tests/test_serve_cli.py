@@ -70,7 +70,7 @@ def test_sigterm_aborts_the_stream_in_flight_and_exits_within_seconds(tiny_llama
 
 def test_serve_bad_options_end_with_one_line(capsys, tiny_llama_dir):
     code, _, err = run_main(serve_cli.main, capsys, "--port", "0")
-    assert code == 2 and "expected a positive integer" in err
+    assert code == 2 and "a TCP port is 1 to 65535, got 0" in err
     for beyond in ("65536", "99999"):  # once a traceback from bind()
         code, _, err = run_main(serve_cli.main, capsys, "--port", beyond)
         assert code == 2 and f"a TCP port is 1 to 65535, got {beyond}" in err and "Traceback" not in err
@@ -86,6 +86,36 @@ def test_serve_bad_options_end_with_one_line(capsys, tiny_llama_dir):
     code, _, err = run_main(serve_cli.main, capsys, "--quantization", "int8")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "--quantization: quantization int8 was removed; use q8_0 (int8 weights in 32-weight blocks" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "-1"], "--port: a TCP port is 1 to 65535, got -1"),  # trial 12b: "expected a positive integer"
+    (["--port", "0"], "--port: a TCP port is 1 to 65535, got 0"),
+    (["--port", "99999"], "--port: a TCP port is 1 to 65535, got 99999"),
+    (["--port", "http"], "--port: a TCP port is a whole number from 1 to 65535, got 'http'"),
+    (["--tp-master-port", "-5"], "--tp-master-port: a TCP port is 1 to 65535, got -5"),
+    (["--served-model-name", ""], "--served-model-name: the name clients send as model must not be empty, got ''; "
+                                  "leave the option out to serve under the model's own name"),
+    (["--served-model-name", "  "], "must not be empty"),
+])
+def test_serve_range_and_empty_name_messages_say_what_to_give(capsys, monkeypatch, argv, message):
+    """Trial 12b: ``--served-model-name ''`` served the model's own name silently, and ``--port -1``
+    and ``--port 99999`` were refused in two wordings."""
+    def no_serving(host, port):  # an option taken would serve: end with another line rather than serve
+        raise OSError(98, "the test does not serve")
+
+    monkeypatch.setattr(serve_cli, "listen", no_serving)
+    code, _, err = run_main(serve_cli.main, capsys, *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--web", "--port", "-1"], "--port: a TCP port is 1 to 65535, got -1"),
+    (["--web", "--port", "70000"], "--port: a TCP port is 1 to 65535, got 70000"),
+])
+def test_the_apps_port_says_the_same(capsys, argv, message):
+    code, _, err = run_main(options.build_app, capsys, *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_nanovllm_serve_is_a_subcommand_of_nanovllm(capsys):
@@ -382,3 +412,51 @@ def test_serve_refuses_a_kv_pool_smaller_than_one_max_model_len_sequence(capsys,
         assert serve_cli.pool_problem(fits) is None
     finally:
         fits.shutdown(timeout=5)
+
+
+def _other_server(answers: dict[str, tuple[int, bytes]]):
+    """A plain HTTP server on a free port answering ``GET path`` with (status, body); 404 "Not Found" elsewhere."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            status, body = answers.get(self.path.split("?")[0], (404, b"404: Not Found"))
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+@pytest.mark.parametrize("answers, message", [
+    ({}, "has no /v1/models: is it a `nanovllm serve` address?"),  # textual-serve, any web page
+    ({"/v1/models": (200, b'{"object": "list", "data": [{"id": "m", "owned_by": "vllm"}]}')},
+     "serves 'm' but is not `nanovllm serve`"),  # an OpenAI server without the engine's events
+])
+def test_connect_to_a_server_that_is_not_nanovllm_says_so(capsys, answers, message):
+    """Trial 12b: ``--connect`` to textual-serve's port said ``--connect: 404: Not Found (HTTP 404)``."""
+    httpd, url = _other_server(answers)
+    try:
+        code, _, err = run_main(options.parse_args, capsys, "--connect", url)
+    finally:
+        httpd.shutdown()
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert "(HTTP 404)" not in err or "has no" in err
+
+
+def test_the_event_stream_missing_says_what_the_address_is_not():
+    from nanovllm_tui.remote import NotNanoServer, _Server
+
+    error = _Server("http://127.0.0.1:9", None, 5.0).refusal(404, b"404: Not Found", "/v1/engine/events")
+    assert isinstance(error, NotNanoServer)
+    assert str(error).startswith("http://127.0.0.1:9 has no /v1/engine/events: is it a `nanovllm serve` address?")
+    # nano-vLLM's own 404s keep their message (a request id not found, say)
+    body = b'{"error": {"message": "no request x", "code": "request_not_found"}}'
+    assert str(_Server("http://127.0.0.1:9", None, 5.0).refusal(404, body, "/v1/engine/control")) == "no request x (HTTP 404)"

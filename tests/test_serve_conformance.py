@@ -16,6 +16,7 @@ import pytest
 from nanovllm_core import LLM, SamplingParams
 from nanovllm_core import events as ev
 from nanovllm_core.engine.controller import EngineController
+from nanovllm_core.entrypoints.api_server import build_app
 from nanovllm_core.entrypoints.openai_serving import Prepared, _chat_logprobs, _Choice, _completion_logprobs
 from nanovllm_core.outputs import CompletionOutput, Logprob
 from tests.conftest import poll_until
@@ -811,3 +812,155 @@ def test_a_priority_under_fcfs_is_a_400_before_any_stream_byte_on_every_route(ma
     finally:
         server.stop()
         controller.shutdown(timeout=5)
+
+
+# ---------------------------------------------------------------------- trial 12b (issue 29)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "model": ""}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "model": ""}),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "model": None}),
+])
+def test_an_empty_model_name_is_the_served_model(tiny_server, path, body):
+    """Trial 12b: ``"model": ""`` was a 404 model_not_found; vLLM's ``_is_model_supported`` takes an
+    empty name as the served model (UIs send it when no model is picked)."""
+    status, answer = post(tiny_server, path, body)
+    assert status == 200 and answer["model"] == tiny_server.http.app.state.server.model_name, answer
+
+
+def _with_id(server, path: str, body: dict, request_id: str | bytes, stream: bool = False) -> httpx.Response:
+    kw = _json(server, body)
+    kw["headers"] = {**kw["headers"], "X-Request-Id": request_id}
+    if not stream:
+        return httpx.post(server.url + path, timeout=60, **kw)
+    with httpx.stream("POST", server.url + path, timeout=60, **{**kw, "content": json.dumps({**body, "stream": True})}) as r:
+        r.read()
+        return r
+
+
+def test_x_request_id_names_the_response_and_comes_back(tiny_server):
+    """Trial 12b: the header was ignored; vLLM answers ``cmpl-{X-Request-Id}`` (``_base_request_id``)."""
+    r = _with_id(tiny_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, "myid123")
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-myid123" and r.headers["x-request-id"] == "myid123"
+    r = _with_id(tiny_server, CHAT, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}, "myid123",
+                 stream=True)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "myid123" and '"id":"chatcmpl-myid123"' in r.text
+    r = _with_id(tiny_server, "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 1}, "Ünï".encode())
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-Ünï" and dict(r.headers.raw)[b"x-request-id"] == "Ünï".encode()
+    plain = httpx.post(tiny_server.url + "/v1/completions", timeout=60, **_json(tiny_server, {"prompt": "Hi", "max_tokens": 1}))
+    assert plain.json()["id"] == "cmpl-" + plain.headers["x-request-id"]  # the server's own id, named alike
+    tiny_server.wait_idle(30)
+
+
+@pytest.mark.parametrize("value, message", [
+    (b"", "non-empty"), (b"x" * 129, "at most 128"), (b"\xff\xfe", "not valid UTF-8")])
+def test_a_bad_x_request_id_is_refused_as_a_control_request_id_is(tiny_server, value, message):
+    r = _with_id(tiny_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, value)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "X-Request-Id" and "\n" not in r.json()["error"]["message"]
+
+
+def test_an_x_request_id_in_use_is_refused_and_freed_when_its_request_ends(tiny_server):
+    """Ids stay unique: a header id held by a request in flight is a 400 (as a control request_id
+    in use), whichever way the other request got it (another header, several prompts' ``-i`` ids)."""
+    control(tiny_server, {"command": "pause"})
+    try:
+        assert poll_until(lambda: tiny_server.controller.state == "paused", 10)
+        with httpx.Client(timeout=60) as client:
+            kw = _json(tiny_server, {"prompt": ["a", "b"], "max_tokens": 2, "stream": True})  # headers come at once
+            kw["headers"] = {**kw["headers"], "X-Request-Id": "dup"}
+            with client.stream("POST", tiny_server.url + "/v1/completions", **kw) as held:  # waits: paused
+                assert poll_until(lambda: "cmpl-dup-1" in tiny_server.http.app.state.server.ids, 10)
+                for value in ("dup-1", "dup-0"):
+                    again = _with_id(tiny_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, value)
+                    assert again.status_code == 400 and "already in use" in again.json()["error"]["message"], again.text
+                    assert again.json()["error"]["code"] == "duplicate_request_id"
+                control(tiny_server, {"command": "resume"})
+                held.read()
+                assert held.status_code == 200 and '"id":"cmpl-dup"' in held.text
+    finally:
+        control(tiny_server, {"command": "resume"})
+    tiny_server.wait_idle(30)
+    assert poll_until(lambda: "cmpl-dup-1" not in tiny_server.http.app.state.server.ids, 10)
+    r = _with_id(tiny_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, "dup-1")
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-dup-1"
+    tiny_server.wait_idle(30)
+
+
+def test_a_page_on_another_origin_may_call_the_server_as_vllm_allows(tiny_server):
+    """Trial 12b: ``OPTIONS /v1/completions`` (a browser's preflight) was a 405; vLLM's
+    CORSMiddleware with ``--allowed-origins`` defaulting to ``["*"]`` answers it."""
+    pre = httpx.options(tiny_server.url + "/v1/completions", timeout=10, headers={
+        "Origin": "http://x", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*", pre.text
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    kw = _json(tiny_server, {"prompt": "Hi", "max_tokens": 1})
+    r = httpx.post(tiny_server.url + "/v1/completions", timeout=60, content=kw["content"],
+                   headers={**kw["headers"], "Origin": "http://x"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    tiny_server.wait_idle(30)
+
+
+def test_serve_takes_vllms_cors_options():
+    from nanovllm_core.entrypoints import cli as serve_cli
+
+    parser = serve_cli.build_parser()
+    args = parser.parse_args([])
+    assert serve_cli.cors_options(args) == {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"],
+                                            "allow_credentials": False}
+    args = parser.parse_args(["--allowed-origins", '["http://localhost:3000"]', "--allowed-methods", "GET,POST",
+                              "--allow-credentials"])
+    assert serve_cli.cors_options(args)["allow_origins"] == ["http://localhost:3000"]
+    assert args.allowed_methods == ["GET", "POST"] and args.allow_credentials
+
+
+def test_a_server_limited_to_one_origin_refuses_another(make_tiny_engine):
+    app = build_app(EngineController.from_engine(make_tiny_engine(num_kv_blocks=8)),
+                    cors={"allow_origins": ["http://ok"]})
+    from starlette.testclient import TestClient
+
+    with TestClient(app) as client:
+        headers = {"Access-Control-Request-Method": "POST"}
+        assert client.options("/v1/completions", headers={**headers, "Origin": "http://ok"}).status_code == 200
+        assert client.options("/v1/completions", headers={**headers, "Origin": "http://evil"}).status_code == 400
+    app.state.server.controller.shutdown(timeout=5)
+
+
+def test_a_step_sent_after_a_pause_not_yet_applied_runs_once_paused(tiny_server):
+    """Trial 12b: the attached app's n while its header said "pausing…" got "pause first (HTTP 409)":
+    the server read the engine's state, which turns paused only at the next step boundary. The
+    step is queued behind the pause, as the local engine's controller queues it."""
+    import threading
+
+    busy = threading.Event()
+    held = threading.Event()
+
+    def hold(engine):  # the engine thread in a step: the pause cannot be applied yet
+        held.set()
+        busy.wait(10)
+
+    tiny_server.controller.call(hold)
+    assert held.wait(10)
+    try:
+        assert control(tiny_server, {"command": "pause"}).status_code == 200
+        assert tiny_server.controller.state != "paused"
+        r = control(tiny_server, {"command": "step"})
+        assert r.status_code == 200, r.text
+    finally:
+        busy.set()
+    try:
+        assert poll_until(lambda: tiny_server.controller.state == "paused", 10)
+        before = tiny_server.stats()["steps"]
+        rid = control(tiny_server, {"command": "submit", "prompt": "hi", "params": {"max_tokens": 5}}).json()["request_id"]
+        assert poll_until(lambda: tiny_server.stats()["steps"] == before + 1, 10)
+        time.sleep(0.3)
+        assert tiny_server.stats()["steps"] == before + 1 and tiny_server.controller.state == "paused"
+        assert rid in tiny_server.http.app.state.server.ids  # one step run, the request still going
+    finally:
+        control(tiny_server, {"command": "resume"})
+    tiny_server.wait_idle(30)
+    # without a pause asked, a step is still refused
+    r = control(tiny_server, {"command": "step"})
+    assert r.status_code == 409 and "pause first" in r.json()["error"]["message"]

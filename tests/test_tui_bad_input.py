@@ -202,7 +202,9 @@ async def test_a_replay_offers_only_the_keys_that_can_act_and_titles_no_refusal_
     (["--replay", str(TRACE), "--chat"], "--chat does nothing with --replay"),
     (["--tutorial"], "--tutorial is a nanovllm option and not available in the app (its tabs show the same"),
     (["--prompt", " "], "--prompt must not be empty"),
-    (["--fps", "0"], "--fps must be between 1 and 60"),
+    (["--fps", "0"], "--fps: must be between 1 and 60 (screen updates per second), got '0'"),
+    (["--fps", "fast"], "--fps: must be between 1 and 60 (screen updates per second), got 'fast'"),  # trial 12b
+    (["--fps", "٥"], "--fps: must be between 1 and 60"),  # ASCII digits, as every number option
     (["--temperature", "-1"], "temperature"),
     (["--trace-xray"], "--trace-xray records into the --trace file; add --trace FILE.jsonl"),
     (["--replay", str(TRACE), "--model", "x"], "--model does nothing with --replay: a replay plays a recorded trace"),

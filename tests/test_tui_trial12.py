@@ -1,7 +1,8 @@
 """Newcomer trial 12 (issue 29): a cut recording's end shows the queues the last step played left
 (it said "0 running" beside "2 decode") and keeps the header of the whole recording (it dropped the
 weights' formats), naming the unfinished requests as requests; the Dashboard says when its
-request table has columns off-screen; every quiz option is reachable at 60x20."""
+request table has columns off-screen; every quiz option is reachable at 60x20; the ready toast
+names the weight format as the header does (12b)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import json
 
 import pytest
 
+from nanovllm_core import events as ev
 from nanovllm_tui.views.dashboard import phase_text
 from nanovllm_tui.widgets.request_table import RequestTable
 from nanovllm_tui.widgets.status_header import unfinished_text
-from tests.tui_helpers import TRACE, replay_app, wait_until
+from tests.tui_helpers import TRACE, Notes, replay_app, tiny_app, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -224,3 +226,22 @@ async def test_the_readme_says_the_prompt_bar_takes_the_keys_and_ctrl_q_quits_fr
         await pilot.press("ctrl+q")  # from the prompt bar
         await pilot.pause(0.5)
         assert not app.is_running
+
+
+@pytest.mark.parametrize("info, shown", [
+    ({"quantization": "gguf", "weight_kinds": "q4_1+q8_0"}, "is ready on cpu (float32 · q4_1+q8_0 gguf)"),
+    ({"quantization": "q8_0", "weight_kinds": "q8_0"}, "is ready on cpu (float32 · q8_0 weights)"),
+    ({}, "is ready on cpu (float32)"),
+])
+async def test_the_ready_toast_names_the_weight_format_as_the_header_does(tiny_llama_dir, tmp_path, info, shown):
+    """Trial 12b: "SmolLM2-135M-Instruct is ready on cpu (float32)" while Q4_1/Q8_0 GGUF blocks ran
+    (the header beside it said "float32 · q4_1+q8_0 gguf"); the local and the attached app alike
+    announce the engine's ready event so."""
+    notes = Notes()
+    app = tiny_app(tiny_llama_dir, tmp_path)
+    async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the model")
+        app._announce(ev.ModelLoading(stage="ready", done=1, total=1, ready=True, model_name="M", device="cpu",
+                                      dtype="float32", model_info=tuple(info.items())))
+        await pilot.pause(0.1)
+        assert notes.find(f"M {shown}"), [n.message for n in notes.items]

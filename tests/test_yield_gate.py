@@ -185,3 +185,50 @@ async def test_a_key_holds_the_gate_until_its_frame_is_drawn(tiny_llama_dir, tmp
         await pilot.press("escape", "5")
         await pilot.pause(0.2)
         assert calls == []
+
+
+QUIT_DURING_A_STEP = r"""
+import sys, threading, time
+from nanovllm_core.yield_gate import GATE
+from nanovllm_tui.lifetime import leave_when_engines_stop
+
+def step():  # a long step: 100 layers of 0.1 s, the gate looked at between layers as llama.py does
+    for _ in range(100):
+        if GATE.c.until_ns:
+            GATE.wait()
+        end = time.monotonic() + 0.1
+        while time.monotonic() < end:
+            pass
+
+engine = threading.Thread(target=step, name="nanovllm-engine", daemon=True)
+engine.start()
+time.sleep(0.3)
+print(time.monotonic(), flush=True)  # CLOCK_MONOTONIC: the test's clock too
+leave_when_engines_stop(0, seconds=5.0)  # ends the process (os._exit) with the engine thread parked
+"""
+
+
+def test_quitting_stops_a_long_step_at_its_next_layer_rather_than_waiting_for_it(tmp_path):
+    """Trial 12c: q during a 1,520-token prefill took over 6 s to exit (the step was waited for, up
+    to 5 s, after the app's 1 s). On the way out the gate closes for good: the engine thread waits
+    at its next layer boundary, and the process ends then."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "quit.py"
+    script.write_text(QUIT_DURING_A_STEP)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    ended = time.monotonic()
+    assert r.returncode == 0, r.stderr
+    assert ended - float(r.stdout.strip()) < 1.5, (r.stdout, ended)  # it waited 5 s for the step
+
+
+def test_a_closed_gate_shows_a_waiting_engine():
+    gate = YieldGate()
+    assert not gate.held
+    waiting = threading.Thread(target=gate.wait, daemon=True)
+    gate.close()
+    waiting.start()
+    assert gate.held and gate.parked(0.05)

@@ -27,10 +27,12 @@ from nanovllm_core.cli_args import (  # noqa: F401  (re-exported: the app, bench
     _Parser,
     add_engine_arguments,
     add_model_arguments,
+    ascii_int,
     bounded_int,
     count_int,
     engine_kwargs,
     load_progress,
+    non_negative_int,
     positive_float,
     positive_int,
     priorities_problem,
@@ -46,14 +48,7 @@ from nanovllm_core.cli_args import (  # noqa: F401  (re-exported: the app, bench
 DEFAULT_PROMPT = "The capital of France is"
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+_non_negative_int = non_negative_int  # ASCII digits, as every other number option (trial 12b)
 
 
 def _chapter_number(text: str) -> int:
@@ -61,7 +56,7 @@ def _chapter_number(text: str) -> int:
 
     last = len(CHAPTERS)
     try:
-        value = int(text)
+        value = ascii_int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a chapter number 1-{last}, got {text!r}") from None
     if not 1 <= value <= last:

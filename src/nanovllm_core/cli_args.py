@@ -108,9 +108,80 @@ def tcp_port(text: str) -> int:
     Raises:
         argparse.ArgumentTypeError: not an integer, or outside 1..65535.
     """
-    value = positive_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"a TCP port is 1 to 65535, got {value}")
+    try:
+        value = ascii_int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a TCP port is a whole number from 1 to 65535, got {text!r}") from None
+    if not 1 <= value <= 65535:  # one message for both ends (trial 12b: -1 said "expected a positive integer")
+        shown = str(value) if len(str(value)) <= 40 else str(value)[:37] + "..."
+        raise argparse.ArgumentTypeError(f"a TCP port is 1 to 65535, got {shown}")
+    return value
+
+
+def served_name(text: str) -> str:
+    """argparse ``type`` of ``--served-model-name``: a name clients can send as ``model``.
+
+    Raises:
+        argparse.ArgumentTypeError: an empty (or blank) name, which served the model's own name silently.
+    """
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"the name clients send as model must not be empty, got {text!r}; "
+                                         "leave the option out to serve under the model's own name")
+    return prompt_text(text)  # bytes that are not UTF-8 could never be sent back in a JSON answer
+
+
+def non_negative_int(text: str) -> int:
+    """argparse ``type``: an integer from 0 up, in ASCII digits.
+
+    Raises:
+        argparse.ArgumentTypeError: not a whole number in ASCII digits, or below 0 (one message for both).
+    """
+    try:
+        value = ascii_int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def screen_rate(text: str) -> float:
+    """argparse ``type`` of the app's ``--fps``: 1 to 60 screen updates per second.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number in ASCII digits, or outside 1..60 (one message for all).
+    """
+    try:
+        value = ascii_float(text)
+    except ValueError:
+        value = None
+    if value is None or not 1 <= value <= 60:  # NaN fails the comparison too
+        raise argparse.ArgumentTypeError(f"must be between 1 and 60 (screen updates per second), got {text!r}")
+    return value
+
+
+def text_list(text: str) -> list[str]:
+    """argparse ``type`` of ``nanovllm serve``'s CORS lists: a JSON list of strings, as vLLM's
+    ``--allowed-origins '["http://localhost:3000"]'`` takes it, or the same comma-separated
+    (``http://localhost:3000,http://x``).
+
+    Raises:
+        argparse.ArgumentTypeError: JSON that is not a list of non-empty strings, or an empty list.
+    """
+    import json
+
+    if text.lstrip().startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"*\"]', got {text!r}")
+    else:
+        value = text.split(",")
+    value = [v.strip() for v in value]
+    if not value or not all(value):
+        raise argparse.ArgumentTypeError(f"expected one or more comma-separated values (or a JSON list), got {text!r}")
     return value
 
 

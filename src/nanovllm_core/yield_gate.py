@@ -16,7 +16,8 @@ The gate is a ``ctypes`` structure so that the C decoder layers (``decoder_layer
 ``model/block_quant_cpu.c``) read the same memory as Python, without the GIL:
 
     until_ns   int64   CLOCK_MONOTONIC deadline of the hold in ns (time.monotonic_ns); 0 = open
-    waited_ns  int64   ns the engine has waited at the gate, in total (written by the engine thread)
+    waited_ns  int64   ns the engine has waited at the gate, in total (written by the engine thread at
+                       each poll while it waits, so a closed gate shows a parked engine)
 
 A process has one gate, :data:`GATE`: one engine thread reads it, one front end holds it.
 This module imports no torch (the app imports it before the engine is loaded).
@@ -79,13 +80,27 @@ class YieldGate:
         start = now = time.monotonic_ns()
         while now < until:
             time.sleep(min(_POLL_S, (until - now) / 1e9))
+            later = time.monotonic_ns()
+            self.c.waited_ns += later - now  # as it goes: a gate closed for good sees its engine waiting
+            now = later
             until = self.c.until_ns
             if not until:
                 break
-            now = time.monotonic_ns()
-        now = time.monotonic_ns()
-        self.c.waited_ns += now - start
         return (now - start) / 1e9
+
+    def close(self) -> None:
+        """The process is ending: hold the gate for good, so an engine thread still inside a step
+        stops at its next layer (or step) boundary and waits there, off the CPU and out of every
+        native thread pool, until the process ends. Never reopened: call it only on the way out
+        (``nanovllm_tui.lifetime.leave_when_engines_stop``); the step is abandoned, not finished."""
+        self.c.until_ns = 2**63 - 1
+
+    def parked(self, seconds: float = 0.02) -> bool:
+        """After :meth:`close`: True when an engine thread waits at the gate (its waited time grew
+        over ``seconds``)."""
+        before = self.c.waited_ns
+        time.sleep(seconds)
+        return self.c.waited_ns > before
 
 
 GATE = YieldGate()

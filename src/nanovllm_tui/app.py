@@ -42,7 +42,7 @@ from nanovllm_tui.views.tutorial import TutorialView
 from nanovllm_tui.views.xray import XRayView
 from nanovllm_tui.widgets.footer import SteadyFooter
 from nanovllm_tui.widgets.prompt_bar import ONE_LINE_WIDTH, REPLAY_NOTES, Field, PromptBar, PromptSettings, settings_errors
-from nanovllm_tui.widgets.status_header import StatusHeader
+from nanovllm_tui.widgets.status_header import StatusHeader, weights_label
 
 VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
                                       "tutorial": TutorialView, "blocks": BlockMapView}
@@ -151,6 +151,7 @@ class NanoVLLMApp(App):
         self._flush_pending = False
         self._mounted = False
         self._stopped = False
+        self.leaving_process = False  # main(): the process ends with the app (stop_engine abandons a step)
         # Prompts sent from the bar that the engine has not yet accepted: a refusal puts one back
         # (the bar clears on Enter, and a refusal arrives later), as a bad setting keeps it.
         self._unconfirmed: dict[str, str] = {}
@@ -434,7 +435,9 @@ class NanoVLLMApp(App):
                         "there are marked lost, and the ones that had ended are cleared.", severity="warning",
                         timeout=10, markup=False)
         elif isinstance(event, ev.ModelLoading) and event.ready and self.live:
-            self.notify(f"{event.model_name} is ready on {event.device} ({event.dtype})", markup=False)
+            weights = weights_label(event.info())  # as the header names it: the dtype alone hid GGUF blocks
+            self.notify(f"{event.model_name} is ready on {event.device} ({event.dtype}"
+                        f"{f' · {weights}' if weights else ''})", markup=False)
 
     def _sent_here(self, event: ev.RequestFinished) -> bool:
         """The request was sent from this app (its bar or ``--prompt``): only those have ``chat`` known."""
@@ -768,11 +771,25 @@ class NanoVLLMApp(App):
         self.stop_engine()
 
     def stop_engine(self) -> None:
-        """Stop the engine thread (within a second) and close trace files."""
+        """Stop the engine thread (within a second) and close trace files.
+
+        When the process ends with the app (``leaving_process``, set by :func:`main`), a step in
+        flight is not waited for: the yield gate closes for good and the engine thread stops at its
+        next layer boundary (trial 12c: q during a 1,520-token prefill took over 6 s)."""
         if self._stopped:
             return
         self._stopped = True
-        self.controller.shutdown(timeout=1.0)
+        local = self.live and getattr(self.controller, "local_engine", True)  # not a replay, nor a server's
+        if self.leaving_process and local and hasattr(self.controller, "is_alive"):
+            from nanovllm_core import yield_gate
+
+            yield_gate.GATE.close()
+            self.controller.shutdown(timeout=0.0)
+            deadline = time.monotonic() + 1.0
+            while self.controller.is_alive and time.monotonic() < deadline and not yield_gate.GATE.parked():
+                pass
+        else:
+            self.controller.shutdown(timeout=1.0)
         for recorder in self.recorders:
             recorder.close()
 
@@ -823,6 +840,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from nanovllm_tui.lifetime import end_on_early_signals
 
     end_on_early_signals()  # a signal before the app's loop is up still ends the process
+    app.leaving_process = True
     app.run()
     from nanovllm_tui.lifetime import leave_when_engines_stop
 

@@ -8,7 +8,7 @@ from typing import Sequence
 
 from nanovllm_core.cli import build_parser as build_engine_parser
 from nanovllm_core.cli import engine_kwargs, sampling_params, tcp_port
-from nanovllm_core.cli_args import api_key, api_key_default, priorities_problem
+from nanovllm_core.cli_args import api_key, api_key_default, priorities_problem, screen_rate
 from nanovllm_tui.bridge import DEFAULT_FPS
 
 DEFAULT_KV_BLOCKS = 512  # 8,192 tokens at block size 16: room to play, and a block map that fits a screen
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--replay", metavar="FILE.jsonl", default=None,
                    help="play a trace recorded with `nanovllm --trace FILE.jsonl` (no model is loaded)")
     a.add_argument("--paused", action="store_true", help="start with the engine (or the replay) paused")
-    a.add_argument("--fps", type=float, default=DEFAULT_FPS,
+    a.add_argument("--fps", type=screen_rate, default=DEFAULT_FPS,
                    help=f"most screen updates per second from engine events (default {DEFAULT_FPS:g})")
     r = p.add_argument_group("attach and share")
     r.add_argument("--connect", metavar="URL", default=None,
@@ -71,8 +71,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      "give one per prompt")
     if priorities_problem(args.priority, args.scheduling_policy):  # the engine's rule: fcfs takes priority 0 only
         parser.error(priorities_problem(args.priority, args.scheduling_policy))
-    if not 1 <= args.fps <= 60:
-        parser.error(f"--fps must be between 1 and 60, got {args.fps}")
     if args.trace_xray and not args.trace:
         parser.error("--trace-xray records into the --trace file; add --trace FILE.jsonl")
     if args.replay and args.connect is not None:

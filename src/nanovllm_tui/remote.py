@@ -51,6 +51,10 @@ class RemoteError(Exception):
     """The server refused or could not be reached; the message says what to do."""
 
 
+class NotNanoServer(RemoteError):
+    """Something answers at the address, but not ``nanovllm serve`` (a path it has is missing there)."""
+
+
 class ServerLoading(RemoteError):
     """The server is up but still loading its model (503, code ``model_loading``): ask again soon."""
 
@@ -115,12 +119,20 @@ class _Server:
             h["Authorization"] = f"Bearer {self.api_key}"
         return h
 
-    def refusal(self, status: int, body: bytes) -> RemoteError:
+    def refusal(self, status: int, body: bytes, path: str = "") -> RemoteError:
+        """The error for an answer ``status`` to ``path``: the server's own message, or what to do.
+
+        A 404 without nano-vLLM's JSON error body (another web server, or an OpenAI server that is
+        not nano-vLLM's) says that the path is missing there and asks whether the address is a
+        ``nanovllm serve`` one (trial 12b: "404: Not Found (HTTP 404)" said neither)."""
         code = None
         try:
             error = json.loads(body)["error"]
             message, code = error["message"], error.get("code")
         except (ValueError, KeyError, TypeError, AttributeError):
+            if status in (404, 405) and path:
+                return NotNanoServer(f"{self.url} has no {path}: is it a `nanovllm serve` address? (it answered "
+                                     f"HTTP {status}; `nanovllm serve` prints its address when it starts)")
             message = body.decode("utf-8", "replace").strip()[:200] or http.client.responses.get(status, "")
         if status == 503 and code == "model_loading":
             return ServerLoading(f"the server at {self.url} is still loading its model")
@@ -149,7 +161,7 @@ class _Server:
         finally:
             conn.close()
         if resp.status != 200:
-            raise self.refusal(resp.status, raw)
+            raise self.refusal(resp.status, raw, path)
         return json.loads(raw) if raw else None
 
 
@@ -206,9 +218,14 @@ def check_server(url: str, api_key: str | None = None, timeout: float = 5.0, wai
             told = True
             time.sleep(poll_s)
     try:
-        return models["data"][0]["id"]
-    except (KeyError, IndexError, TypeError):
-        raise RemoteError(f"{url} answered /v1/models without a model; is it a nanovllm server?") from None
+        name, owner = models["data"][0]["id"], models["data"][0].get("owned_by")
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise RemoteError(f"{url} answered /v1/models without a model; is it a `nanovllm serve` address?") from None
+    if owner != "nanovllm":  # another OpenAI server (vLLM says "vllm"): it has no engine events to watch
+        raise NotNanoServer(f"{server.url} serves {name!r} but is not `nanovllm serve` (its /v1/models says owned_by "
+                            f"{owner!r}), so it has no /v1/engine/events to watch; connect to a `nanovllm serve` "
+                            "address")
+    return name
 
 
 class RemoteController:
@@ -457,7 +474,7 @@ class RemoteController:
             conn.request("GET", f"{self._server.base}/v1/engine/events?{query}", headers=self._server.headers(**extra))
             resp = conn.getresponse()
             if resp.status != 200:
-                raise self._server.refusal(resp.status, resp.read())
+                raise self._server.refusal(resp.status, resp.read(), "/v1/engine/events")
             self._connected, self._outage_reported, self._key_refused = True, None, False
             kind, data, event_id = "message", [], None
             while not self._stop.is_set():

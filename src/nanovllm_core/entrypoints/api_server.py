@@ -41,6 +41,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -85,14 +86,18 @@ class ServerState:
         self.hub = EventHub(controller)
         self.created = int(time.time())
         self.shutting_down = False
-        # Ids chosen on /v1/engine/control whose requests have not finished: a second submit with
-        # one of them is refused at once (the server's own ids cannot collide: SERVER_ID_PREFIXES).
-        self.control_ids: set[str] = set()
-        self.control_lock = threading.Lock()
+        # Every engine request id in flight (control submits, OpenAI requests with the server's ids or
+        # X-Request-Id's): a client's id that one of them holds is refused at once (a control id
+        # cannot take the server's prefixes: SERVER_ID_PREFIXES).
+        self.ids = self.serving.ids
         # Who made the pause now held (the "owner" its pause command gave; None: a client that gave
         # none, or --paused). A resume that names an owner ends only that owner's pause: an app that
         # quits resumes what it paused, never a pause another client made after it (issue 29).
         self.pause_owner: str | None = None
+        # A pause was asked (and no resume since): a step sent before the engine thread has applied
+        # it is queued behind it, as the app's local engine queues it (trial 12b: the attached app's
+        # n while its header said "pausing…" got "pause first", though the user had pressed space).
+        self.pause_asked = False
 
     def begin_shutdown(self) -> None:
         """Abort every request in flight and end the event streams (their clients see them end).
@@ -118,8 +123,11 @@ def default_max_body_bytes(max_model_len: int) -> int:
     return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
 
 
+DEFAULT_CORS = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"], "allow_credentials": False}
+
+
 def build_app(controller: Any, model_name: str | None = None, api_key: str | None = None,
-              max_body_bytes: int | None = None) -> FastAPI:
+              max_body_bytes: int | None = None, cors: dict[str, Any] | None = None) -> FastAPI:
     """The FastAPI app serving ``controller`` (whose model must have loaded).
 
     Args:
@@ -128,6 +136,9 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
             empty one is no key (as ``--api-key ""`` and an empty ``$NANOVLLM_API_KEY`` are).
         max_body_bytes: a larger request body is refused with 413 before it is parsed
             (default :func:`default_max_body_bytes` of the model's ``max_model_len``).
+        cors: Starlette ``CORSMiddleware``'s ``allow_origins``, ``allow_methods``, ``allow_headers``,
+            ``allow_credentials`` (default :data:`DEFAULT_CORS`: any origin, as vLLM's server), so a
+            browser page on another origin can call the server (its preflight ``OPTIONS`` answered).
 
     Raises:
         ValueError: the controller has no loaded engine.
@@ -145,6 +156,7 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
 
     app = FastAPI(title="nano-vLLM", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
+    app.add_middleware(CORSMiddleware, **{**DEFAULT_CORS, **(cors or {})})
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -205,12 +217,15 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
         body = _parse(CompletionRequest, await _json(request, state.max_body_bytes))
         # Tokenizing a long prompt takes seconds of CPU: off the event loop, so other clients' streams
         # and /health go on meanwhile.
-        return await _respond(request, state, await run_in_threadpool(state.serving.prepare_completion, body))
+        client_id = _client_request_id(request)
+        return await _respond(request, state, await run_in_threadpool(state.serving.prepare_completion, body),
+                              client_id)
 
     @v1.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = _parse(ChatCompletionRequest, await _json(request, state.max_body_bytes))
-        return await _respond(request, state, await run_in_threadpool(state.serving.prepare_chat, body))
+        client_id = _client_request_id(request)
+        return await _respond(request, state, await run_in_threadpool(state.serving.prepare_chat, body), client_id)
 
     @v1.get("/v1/engine/events")
     async def engine_events(request: Request, topk: int = 0, blocks: bool = False, xray: bool = False) -> Response:
@@ -291,11 +306,60 @@ def _parse(model: type, body: Any):
         raise validation_error(e, body) from None
 
 
-async def _respond(request: Request, state: ServerState, p: Prepared) -> Response:
+MAX_REQUEST_ID_CHARS = 128  # a client's id (X-Request-Id, a control request_id): at most this long
+
+
+def _client_request_id(request: Request) -> str | None:
+    """The ``X-Request-Id`` header (vLLM builds the response id from it), or None without one.
+
+    Raises:
+        APIError: 400 for an empty one, one over ``MAX_REQUEST_ID_CHARS`` characters, or bytes that
+            are not UTF-8 (the checks a control ``request_id`` gets).
+    """
+    raw = request.headers.get("x-request-id")
+    if raw is None:
+        return None
+    try:
+        value = raw.encode("latin-1").decode("utf-8")  # HTTP headers arrive as bytes (read as latin-1)
+    except UnicodeError:
+        raise APIError("X-Request-Id is not valid UTF-8; send text (or leave the header out for the server's own id)",
+                       param="X-Request-Id") from None
+    if not value or len(value) > MAX_REQUEST_ID_CHARS:
+        raise APIError(f"X-Request-Id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} characters, got "
+                       f"{len(value)}; send a shorter one (or leave the header out for the server's own id)",
+                       param="X-Request-Id")
+    return value
+
+
+class _EngineStream(StreamingResponse):
+    """A streamed answer that frees its request's ids when the response ends, also when its
+    generator never began (a client gone before the first byte)."""
+
+    def __init__(self, content: Any, on_end: Any, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_end = on_end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_end()
+
+
+async def _respond(request: Request, state: ServerState, p: Prepared, client_id: str | None = None) -> Response:
+    """Reserve ``p``'s ids (400 for an ``X-Request-Id`` in use) and answer it, whole or streamed;
+    the ``X-Request-Id`` response header holds what follows ``cmpl-``/``chatcmpl-`` in the id."""
     serving = state.serving
+    serving.reserve(p, client_id)
+    # as the header came (its UTF-8 bytes, which Starlette writes as latin-1), or the server's own id
+    headers = {"X-Request-Id": p.request_id.split("-", 1)[1].encode("utf-8").decode("latin-1")}
     if p.stream:
-        return StreamingResponse(serving.event_stream(p), media_type="text/event-stream", headers=SSE_HEADERS)
-    stream = serving.open_stream(p)
+        return _EngineStream(serving.event_stream(p), lambda: serving.release_unsubmitted(p),
+                             media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    try:
+        stream = serving.open_stream(p)
+    finally:
+        serving.release_unsubmitted(p)
     answer = asyncio.ensure_future(serving.full_response(p, stream))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -306,8 +370,8 @@ async def _respond(request: Request, state: ServerState, p: Prepared) -> Respons
             answer.cancel()
         stream.close()
     if not answer.done() or answer.cancelled():  # cancel() only asks: the task may not have ended yet
-        return Response(status_code=499)
-    return JSONResponse(answer.result())
+        return Response(status_code=499, headers=headers)
+    return JSONResponse(answer.result(), headers=headers)
 
 
 async def _disconnected(request: Request) -> None:
@@ -371,6 +435,7 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
     body = {k: whole_number(v) if k in ("n", "layer", "head", "priority") else v for k, v in body.items()}
     if name == "pause":
         state.pause_owner = _text(body, "owner") if "owner" in body else None
+        state.pause_asked = True
         c.pause()
     elif name == "resume":
         held = c.state == "paused" or state.pause_owner is not None
@@ -381,20 +446,22 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
                     "reason": "the pause held now was not made by this owner; it stays until its owner, or a "
                               "resume without owner, ends it"}
         state.pause_owner = None
+        state.pause_asked = False
         c.resume()
         return {"ok": True, "resumed": True}  # running again (also when it was not paused)
     elif name == "step":
         n = body.get("n", 1)
         if not _is_int(n) or not 1 <= n <= MAX_STEPS:
             raise APIError(f"step needs a whole n from 1 to {MAX_STEPS}, got {n!r}", param="n")
-        if c.state != "paused":
+        # A pause asked and not yet applied counts: the controller applies commands in order, so
+        # the step runs once the engine has paused (at its next step boundary).
+        if c.state != "paused" and not state.pause_asked:
             raise APIError("step runs single steps while the engine is paused; pause first", status=409,
                            code="not_paused")
         c.step(n)
     elif name == "abort":
         rid = _text(body, "request_id")
-        with state.control_lock:  # a prompt submitted here and not yet added by the engine counts too
-            known = rid in state.control_ids
+        known = rid in state.ids  # a request submitted and not yet added by the engine counts too
         if not known and rid not in state.hub.live_request_ids():
             raise APIError(f"no running or waiting request {json.dumps(rid)} to abort (it finished, or the id is "
                            "wrong: the ids are in GET /v1/engine/events)", status=404, param="request_id",
@@ -414,8 +481,7 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
                 raise APIError(f"xray {key} {value} is out of range: this model has {count} {key}s, numbered "
                                f"0..{count - 1}", param=key)
         if rid is not None:
-            with state.control_lock:  # a prompt submitted here and not yet added by the engine counts too
-                known = rid in state.control_ids
+            known = rid in state.ids  # a request submitted and not yet added by the engine counts too
             if not (known or rid in state.hub.live_request_ids() or rid in state.hub.ended_request_ids()):
                 raise APIError(f"no running, waiting or recently finished request {json.dumps(rid)} to X-Ray (the "
                                "id is wrong, or it ended long ago: the ids are in GET /v1/engine/events)",
@@ -444,8 +510,9 @@ def _is_int(value: Any) -> bool:
 
 def _text(body: dict, key: str) -> str:
     value = body.get(key)
-    if not isinstance(value, str) or not value or len(value) > 128:
-        raise APIError(f"{key} must be a non-empty string of at most 128 characters, got {value!r}", param=key)
+    if not isinstance(value, str) or not value or len(value) > MAX_REQUEST_ID_CHARS:
+        raise APIError(f"{key} must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} characters, got {value!r}",
+                       param=key)
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate: it could never be sent back in a JSON answer
@@ -497,16 +564,13 @@ def _control_submit(state: ServerState, body: dict) -> str:
         if rid.startswith(SERVER_ID_PREFIXES):
             raise APIError(f"request_id {rid!r} starts with {rid.split('-', 1)[0]}-, which the server keeps for "
                            "the ids it assigns; choose another (or leave request_id out)", param="request_id")
-    with state.control_lock:
-        if rid in state.control_ids:
-            raise APIError(f"request_id {rid!r} is already in use by a request that has not finished; "
-                           "choose another", param="request_id", code="duplicate_request_id")
-        state.control_ids.add(rid)
+    if state.ids.reserve([rid]) is not None:
+        raise APIError(f"request_id {rid!r} is already in use by a request that has not finished; "
+                       "choose another", param="request_id", code="duplicate_request_id")
 
     def finished_only(output: Any) -> None:  # a listener keeps the output out of controller.results
         if output.finished:
-            with state.control_lock:
-                state.control_ids.discard(rid)
+            state.ids.release(rid)
             state.metrics.observe(output)
 
     state.controller.submit(prompt, params, priority, request_id=rid, on_output=finished_only)

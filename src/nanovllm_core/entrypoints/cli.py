@@ -25,7 +25,9 @@ from nanovllm_core.cli_args import (
     api_key_default,
     engine_kwargs,
     positive_int,
+    served_name,
     tcp_port,
+    text_list,
 )
 
 
@@ -53,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", type=api_key, default=api_key_default(),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOVLLM_API_KEY, else none; "
                         "an empty KEY is none)")
-    s.add_argument("--served-model-name", default=None,
+    s.add_argument("--served-model-name", type=served_name, default=None,
                    help="the model name clients send (default: the model's own name)")
     s.add_argument("--paused", action="store_true",
                    help="start with the engine paused: requests are accepted and wait until an attached app "
@@ -62,9 +64,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=positive_int, default=None,
                    help="refuse a request body larger than this with 413 (default: 64 bytes per token of "
                         "the model's context, at least 1 MiB)")
+    c = p.add_argument_group("CORS (which web pages on other origins may call the server; vLLM's options)")
+    c.add_argument("--allowed-origins", type=text_list, default=["*"], metavar="LIST",
+                   help="origins whose pages may call the server, a JSON list or comma-separated (default [\"*\"]: "
+                        "any page, as vLLM; e.g. '[\"http://localhost:3000\"]')")
+    c.add_argument("--allowed-methods", type=text_list, default=["*"], metavar="LIST",
+                   help="HTTP methods those pages may use (default [\"*\"])")
+    c.add_argument("--allowed-headers", type=text_list, default=["*"], metavar="LIST",
+                   help="request headers those pages may send (default [\"*\"])")
+    c.add_argument("--allow-credentials", action="store_true",
+                   help="let those pages send cookies and HTTP authentication (default: off)")
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
     s.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
     return p
+
+
+def cors_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``build_app``'s ``cors``: the CORS options given (vLLM's names and defaults)."""
+    return {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
+            "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -156,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # hundreds of ms now and then, and take seconds more when the process exits.
         gc.freeze()
         return build_app(controller, model_name=args.served_model_name, api_key=args.api_key,
-                         max_body_bytes=args.max_body_bytes)
+                         max_body_bytes=args.max_body_bytes, cors=cors_options(args))
 
     uvicorn_log = logging.getLogger("uvicorn.error")
     uvicorn_level = logging.INFO

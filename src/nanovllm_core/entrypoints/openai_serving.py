@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator, Callable
 
 from nanovllm_core.prompts import unicode_problem
 from nanovllm_core.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_length
-from nanovllm_core.entrypoints.request_stream import InFlight, OutputRouter, RequestStream
+from nanovllm_core.entrypoints.request_stream import InFlight, OutputRouter, RequestIds, RequestStream
 from nanovllm_core.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -58,6 +58,8 @@ class Prepared:
     return_token_ids: bool
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_ids: list[list[int]] = field(default_factory=list)  # each prompt's token ids, as checked
+    engine_ids: list[str] = field(default_factory=list)  # reserved by OpenAIServing.reserve; one per prompt
+    submitted: bool = False  # open_stream ran: the engine ids are released as their requests finish
 
 
 def sse(data: Any) -> str:
@@ -83,6 +85,7 @@ class OpenAIServing:
         self.model_name = model_name
         self.metrics = metrics
         self.registry = registry if registry is not None else InFlight()
+        self.ids = RequestIds()  # every engine request id in flight, the control API's too
         engine = controller.engine
         self._llm = LLM.from_engine(engine)  # the offline API's chat template path, read-only here
         self.tokenizer = engine.tokenizer
@@ -93,8 +96,11 @@ class OpenAIServing:
     # ------------------------------------------------------------------ checking
 
     def check_model(self, model: str | None) -> None:
-        """Raises: APIError (404, as OpenAI and vLLM's ``_check_model`` answer) when ``model`` names another model."""
-        if model is not None and model != self.model_name:
+        """Raises: APIError (404, as OpenAI and vLLM's ``_check_model`` answer) when ``model`` names another model.
+
+        No ``model``, ``null`` and ``""`` all mean the served model (vLLM's ``_is_model_supported``
+        starts ``if not model_name: return True``; UIs send ``""`` when no model is picked)."""
+        if model and model != self.model_name:
             raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}` "
                            "(GET /v1/models lists it)", status=404, param="model", code="model_not_found")
 
@@ -182,11 +188,48 @@ class OpenAIServing:
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], params, req.priority, req.stream,
                         *_usage_options(req), req.return_token_ids, prompt_ids=[list(ids)])
 
+    def reserve(self, p: Prepared, client_id: str | None = None) -> None:
+        """Give ``p`` its ids and reserve them until its requests finish: ``cmpl-{client_id}`` /
+        ``chatcmpl-{client_id}`` for an ``X-Request-Id`` header (vLLM's ``_base_request_id``), else
+        the server's own; one engine id per prompt (``{id}-{i}`` for several). Call
+        :meth:`release_unsubmitted` when the response ends (ids never submitted are freed then).
+
+        Raises:
+            APIError: 400 (``duplicate_request_id``) when a request in flight holds one of the ids.
+        """
+        prefix = "chatcmpl" if p.kind == "chat" else "cmpl"
+        while True:
+            base = f"{prefix}-{client_id}" if client_id is not None else p.request_id
+            ids = [base] if len(p.prompts) == 1 else [f"{base}-{i}" for i in range(len(p.prompts))]
+            taken = self.ids.reserve(ids)
+            if taken is None:
+                p.request_id, p.engine_ids = base, ids
+                return
+            if client_id is not None:
+                raise APIError(f"X-Request-Id {client_id!r} gives the request id {taken!r}, which is already in use "
+                               "by a request that has not finished; choose another", param="X-Request-Id",
+                               code="duplicate_request_id")
+            p.request_id = f"{prefix}-{uuid.uuid4().hex}"  # the server's own id met a client's: draw again
+
+    def release_unsubmitted(self, p: Prepared) -> None:
+        """The response is over: free ``p``'s ids if its requests were never submitted (a client
+        gone before a stream began); submitted ones are freed as each request finishes."""
+        if not p.submitted:
+            p.submitted = True
+            self.ids.release(*p.engine_ids)
+
+    def _finished(self, output: RequestOutput) -> None:  # engine thread
+        self.ids.release(output.request_id)
+        if self.metrics is not None:
+            self.metrics.observe(output)
+
     def open_stream(self, p: Prepared) -> RequestStream:
         if self._router is None:  # made on first use, on the server's event loop
             self._router = OutputRouter(asyncio.get_running_loop())
-        stream = RequestStream(self.controller, self._router,
-                               on_finished=self.metrics.observe if self.metrics else None, registry=self.registry)
+        if not p.engine_ids:  # not reserved by the caller (a test's Prepared): reserve the server's id
+            self.reserve(p)
+        stream = RequestStream(self.controller, self._router, on_finished=self._finished, registry=self.registry)
+        p.submitted = True
         stream.submit(p.prompts, p.params, p.priority, p.request_id)
         return stream
 

@@ -79,6 +79,33 @@ class InFlight:
         return len(self._streams)
 
 
+class RequestIds:
+    """The engine request ids in flight on one server (OpenAI requests and control submits alike),
+    so that an id a client chooses (the ``X-Request-Id`` header, a control ``request_id``) is never
+    handed to the engine while a request still holds it, nor one the server assigned. Thread-safe:
+    ids are released on the engine thread as their requests finish."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids: set[str] = set()
+
+    def reserve(self, ids: list[str]) -> str | None:
+        """Reserve every id of ``ids`` (all or none); returns the first one already in use, or None."""
+        with self._lock:
+            taken = next((rid for rid in ids if rid in self._ids), None)
+            if taken is None:
+                self._ids.update(ids)
+            return taken
+
+    def release(self, *ids: str) -> None:
+        with self._lock:
+            self._ids.difference_update(ids)
+
+    def __contains__(self, rid: object) -> bool:
+        with self._lock:
+            return rid in self._ids
+
+
 class RequestStream:
     """Submits prompts to a controller and yields their outputs on the event loop.
 

@@ -400,7 +400,7 @@ typedef struct {
 } layer_weights;
 
 /* yield_gate.py's gate: while until_ns (CLOCK_MONOTONIC, ns) lies ahead, the layers wait before
- * their next layer, polling every 0.5 ms; the wait is added to waited_ns. A front end holds it
+ * their next layer, polling every 0.5 ms; the wait is added to waited_ns at each poll. A front end holds it
  * for a moment so that a key's frame gets the CPU (see yield_gate.py). */
 typedef struct {
     volatile int64_t until_ns, waited_ns;
@@ -414,15 +414,15 @@ static int64_t monotonic_ns(void) {
 
 static void gate_wait(yield_gate *g) {
     if (!g || !g->until_ns) return;
-    const int64_t start = monotonic_ns();
-    int64_t now = start, until;
+    int64_t now = monotonic_ns(), until;
     while ((until = g->until_ns) != 0 && now < until) {
         const int64_t left = until - now;
         struct timespec nap = {0, left < 500000 ? left : 500000};
         nanosleep(&nap, NULL);
-        now = monotonic_ns();
+        const int64_t later = monotonic_ns();
+        g->waited_ns += later - now;  /* as it goes: a gate closed for good sees its engine waiting */
+        now = later;
     }
-    g->waited_ns += now - start;
 }
 
 typedef struct {

@@ -55,6 +55,18 @@ def unfinished_text(ids: list[str]) -> str:
     return f"{'request' if len(ids) == 1 else 'requests'} {listed} unfinished"
 
 
+def weights_label(model_info: dict) -> str:
+    """The weight format beside the dtype, or "" for float weights: "q4_1+q8_0 gguf" (the formats of
+    a gguf file's blocks), else "q8_0 weights". Shared by the header and the ready toast (trial 12b:
+    the toast said "(float32)" alone while GGUF blocks ran). At 120 columns "gguf weights
+    (q4_1+q8_0)" was dropped once the step number showed (issue 29, trial 7)."""
+    quantization = model_info.get("quantization")
+    kinds = model_info.get("weight_kinds")
+    if not quantization:
+        return ""
+    return f"{kinds} {quantization}" if kinds and kinds != quantization else f"{quantization} weights"
+
+
 class StatusHeader(LiveStatic):
     """One line: ``nano-vLLM │ model · device · dtype [· q8_0 weights | · q4_1+q8_0 gguf] │ ● state · step N · k active requests``
     (``k active`` where only that shorter wording lets the whole line fit).
@@ -92,12 +104,8 @@ class StatusHeader(LiveStatic):
         else:
             parts.append((Text(state.model_name or "model", style="bold"), 1))
             # Quantized weights: say which formats run beside the dtype (gguf: the file's own blocks).
-            quantization = state.model_info.get("quantization")
-            kinds = state.model_info.get("weight_kinds")
-            # "q4_1+q8_0 gguf" (the formats of a gguf file's blocks), else "q8_0 weights": at 120 columns
-            # "gguf weights (q4_1+q8_0)" was dropped once the step number showed (issue 29, trial 7)
-            weights = ((f" · {kinds} {quantization}" if kinds and kinds != quantization else f" · {quantization} weights")
-                       if quantization else "")
+            weights = weights_label(state.model_info)
+            weights = f" · {weights}" if weights else ""
             # dropped before the request count (at 120 columns the count went first, issue 29)
             parts.append((Text(f" · {state.device} · {state.dtype}"), 5))
             if weights:
