@@ -132,15 +132,18 @@ def load_modes(modes: list[str]) -> tuple[dict[str, Any], dict[str, dict[str, An
     Memory figures, bytes: ``weight_formats`` / ``weight_bytes`` (the weights as built),
     ``linear_weight_bytes`` (what a decode token reads), ``rss_growth_bytes`` (resident set
     after the load minus before) and ``load_peak_rss_growth_bytes`` (the peak during the load
-    minus before); the last two None where they cannot be read. A throwaway load of the
-    smallest mode comes first, so that the first load's one-time costs land on no mode.
+    minus before); the last two None where they cannot be read. A throwaway load of a
+    small block mode comes first, so that the first load's one-time costs land on no mode:
+    ``q4_0``, or ``gguf`` when no mode is quantized at load (the file's blocks, a load a few
+    seconds cheaper than quantizing, e.g. ``--modes float32,gguf``).
     """
     from nanovllm_core.model.quantization import linear_weight_bytes, weight_formats
 
     loaded: dict[str, Any] = {}
     memory: dict[str, dict[str, Any]] = {}
     if rss_bytes() is not None:
-        load("q4_0")  # the throwaway load: its result is dropped at once
+        at_load = [m for m in modes if m not in ("float32", "gguf")]  # modes quantized from float at load
+        load("q4_0" if at_load else "gguf")  # the throwaway load: its result is dropped at once
     for m in modes:
         before = rss_bytes()
         with PeakRSS() as peak:
