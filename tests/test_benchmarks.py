@@ -30,7 +30,9 @@ def positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
-def test_comparison_quick_writes_the_documented_json(tmp_path):
+def test_comparison_quick_writes_the_documented_json(tmp_path, shared_default_loads):
+    # ours' LLM(quantization="none") gets the session's float32 model (``shared_default_loads``) instead of
+    # reading and building the weights again; hf-padded still loads transformers' own model
     path = tmp_path / "cmp.json"
     benchmark_comparison.main(["--quick", "--systems", "ours,hf-padded", "--json", str(path)])
     data = json.loads(path.read_text())
@@ -45,6 +47,7 @@ def test_comparison_quick_writes_the_documented_json(tmp_path):
     assert positive(data["gemm_peak_flops"]) and positive(data["speedup_vs_best_hf"])
     assert data["roofline_fraction"] == data["systems"]["ours"]["roofline_fraction"]
     assert 0.0 <= data["systems"]["hf-padded"]["same_tokens_as_ours"] <= 1.0
+    assert shared_default_loads == ["none"]  # ours ran on the float32 model, as the benchmark asks
 
 
 def test_comparison_rejects_an_unknown_system(capsys):
@@ -135,7 +138,8 @@ def test_comparison_llamacpp_without_the_package_is_one_line(capsys, monkeypatch
     assert "system llamacpp needs llama-cpp-python" in capsys.readouterr().err
 
 
-def test_advanced_scheduling_quick_exercises_every_feature(tmp_path):
+def test_advanced_scheduling_quick_exercises_every_feature(tmp_path, shared_default_loads):
+    # the benchmark's one load of the default model gets the session's model of the same mode (``shared_default_loads``)
     path = tmp_path / "sched.json"
     benchmark_advanced_scheduling.main(["--all", "--quick", "--json", str(path)])
     data = json.loads(path.read_text())
@@ -149,6 +153,7 @@ def test_advanced_scheduling_quick_exercises_every_feature(tmp_path):
         assert positive(data["chunked_prefill"][mode]["decode_stall_max_s"])
     assert data["chunked_prefill"]["chunked"]["token_budget"] < data["chunked_prefill"]["one piece"]["token_budget"]
     assert data["prefix_caching"]["on"]["hit_rate"] > 0 and data["prefix_caching"]["off"]["hit_rate"] == 0
+    assert shared_default_loads == [None]  # one load, the default (auto) mode, as the benchmark asks
 
 
 def test_advanced_scheduling_needs_a_feature(capsys):

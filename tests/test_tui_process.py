@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -100,16 +101,24 @@ def ends_within(proc: subprocess.Popen, seconds: float) -> int | None:
         return None
 
 
-@pytest.mark.parametrize("how", ["stdin closes", "SIGTERM", "SIGINT"])
-def test_a_web_page_app_ends_when_its_server_goes_away_or_a_signal_comes(how):
+@pytest.mark.parametrize("how, server", [
+    ("stdin closes", "gone"),  # the web server that started it is gone: both its pipes close
+    ("SIGTERM", "reading"),  # textual-serve alive, reading the page's frames as it does
+    ("SIGINT", "reading"),
+    ("SIGTERM", "stalled"),  # a server that stopped reading: the app's writes to a full pipe block
+])
+def test_a_web_page_app_ends_when_its_server_goes_away_or_a_signal_comes(how, server):
     proc = start_web_app()
+    if server == "reading":
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
     time.sleep(1.0)  # the app is up and playing the trace
-    if how == "stdin closes":  # the web server that started it is gone
+    if how == "stdin closes":
         proc.stdin.close()
+        proc.stdout.close()
     else:
         os.kill(proc.pid, getattr(signal, how))
     status = ends_within(proc, 15)
-    assert status is not None, f"the page's app process was still running 15 s after {how}"
+    assert status is not None, f"the page's app process was still running 15 s after {how} (server {server})"
 
 
 def test_sigterm_quits_the_terminal_app_and_gives_the_terminal_back():
