@@ -378,3 +378,33 @@ def test_vllms_prompt_dicts_are_taken_and_their_bad_forms_named(make_llm):
         with pytest.raises(ValueError, match=message):
             llm.generate([prompt], sp, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests() and llm.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("device", ["tpu", "CPU", "mps", "cuda:x", "", 0, ["cpu"]])
+def test_an_unknown_device_is_one_value_error_naming_the_field(device):
+    """Issue 29, trial 12: torch's own error ("Expected one of cpu, cuda, ipu, xpu, ...") was a RuntimeError
+    listing a score of device types this engine does not run on."""
+    from nanovllm_core.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"^device=.* is (unknown;|invalid:) use '?cpu'?, '?cuda'? or '?cuda:N'?") as e:
+        EngineConfig(device=device)
+    assert "\n" not in str(e.value) and "ipu" not in str(e.value)
+    with pytest.raises(ValueError, match=r"^device='tpu' is unknown; use cpu, cuda or cuda:N"):
+        LLM(device="tpu")
+
+
+def test_a_cuda_device_this_machine_lacks_is_named_with_its_index(monkeypatch):
+    import torch
+
+    from nanovllm_core.config import EngineConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^device='cuda:5' was asked for but no CUDA GPU is available; use "):
+        EngineConfig(device="cuda:5")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"^device='cuda:5' was asked for but this machine has 2 CUDA GPU\(s\) "
+                                         r"\(cuda:0 to cuda:1\)"):
+        EngineConfig(device="cuda:5")
+    assert EngineConfig(device="cuda:1", quantization="none").device == "cuda:1"
+    assert EngineConfig(device=torch.device("cpu")).torch_device.type == "cpu"

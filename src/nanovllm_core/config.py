@@ -11,6 +11,7 @@ checks; every check of a setting sits beside the setting's documentation.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -110,7 +111,8 @@ class EngineConfig:
 
     Attributes:
         model: what ``resolve_model`` accepts (None = the embedded default).
-        device: ``"cpu"`` or ``"cuda"`` (None: CUDA if available).
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (None: CUDA if available); anything else is refused
+            by :func:`check_device`.
         dtype: ``"float32"``, ``"float16"``, ``"bfloat16"`` (None: see :func:`default_dtype`).
         block_size: tokens per KV block (None: 256 on a CUDA GPU where flash-attn's paged
             kernel runs, which reads 256-token pages only; else 16; see
@@ -200,10 +202,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend={self.attention_backend!r} is unknown; use one of {', '.join(ATTENTION_BACKENDS)}"
             )
-        if self.device is not None and torch.device(self.device).type not in ("cpu", "cuda"):
-            raise ValueError(f"device={self.device!r} is not supported; use 'cpu' or 'cuda'")
-        if self.device is not None and torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but no CUDA GPU is available; use device='cpu' (--device cpu)")
+        if self.device is not None:
+            check_device(self.device)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is unknown; use float32, float16 or bfloat16")
         if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
@@ -312,6 +312,34 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return 512 if self.enable_chunked_prefill else max_model_len
+
+
+DEVICE_NAME = re.compile(r"(cpu|cuda)(:[0-9]+)?", re.ASCII)
+
+
+def check_device(device: Any) -> None:
+    """Accept ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (N a GPU this process sees), or a ``torch.device`` of them.
+
+    Raises:
+        ValueError: any other name (torch's own error lists a score of device types this engine does
+            not run on), or a CUDA device this machine does not have, in one line naming the field.
+    """
+    if isinstance(device, torch.device):
+        name = str(device)
+    elif isinstance(device, str):
+        name = device
+    else:
+        raise ValueError(f"device={device!r} is invalid: use 'cpu', 'cuda' or 'cuda:N' (a string)")
+    if not DEVICE_NAME.fullmatch(name):
+        raise ValueError(f"device={device!r} is unknown; use cpu, cuda or cuda:N (N: a GPU's index)")
+    if not name.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} was asked for but no CUDA GPU is available; use device='cpu' (--device cpu)")
+    index, count = torch.device(name).index, torch.cuda.device_count()
+    if index is not None and index >= count:
+        raise ValueError(f"device={name!r} was asked for but this machine has {count} CUDA GPU(s) "
+                         f"(cuda:0 to cuda:{count - 1}); use one of them or device='cuda'")
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
