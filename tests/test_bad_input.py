@@ -408,3 +408,16 @@ def test_a_cuda_device_this_machine_lacks_is_named_with_its_index(monkeypatch):
         EngineConfig(device="cuda:5")
     assert EngineConfig(device="cuda:1", quantization="none").device == "cuda:1"
     assert EngineConfig(device=torch.device("cpu")).torch_device.type == "cpu"
+
+
+def test_kv_cache_memory_is_a_byte_count_with_a_64_bit_bound():
+    """Issue 29, trial 12: kv_cache_memory shared the int32 bound of counts (2147483647), so no budget over
+    2 GiB could be set, while the default on a GPU is half its free memory."""
+    from nanovllm_core.config import EngineConfig
+
+    assert EngineConfig(kv_cache_memory=40 * 2**30).kv_cache_memory == 40 * 2**30
+    assert EngineConfig(kv_cache_memory=2**63 - 1).kv_cache_memory == 2**63 - 1
+    for bad in (0, -5, 2**63, True, 1.5, "1GiB"):
+        with pytest.raises(ValueError, match=r"^kv_cache_memory=.* is invalid: it must be a positive number of "
+                                             r"bytes up to 9223372036854775807"):
+            EngineConfig(kv_cache_memory=bad)

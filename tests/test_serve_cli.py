@@ -382,3 +382,14 @@ def test_serve_refuses_a_kv_pool_smaller_than_one_max_model_len_sequence(capsys,
         assert serve_cli.pool_problem(fits) is None
     finally:
         fits.shutdown(timeout=5)
+
+
+def test_max_body_bytes_is_a_byte_count_with_a_64_bit_bound(capsys):
+    """Issue 29, trial 12: --max-body-bytes took positive_int's int32 bound for counts; bytes need 64 bits."""
+    parser = serve_cli.build_parser()
+    assert parser.parse_args(["--max-body-bytes", str(8 * 2**30)]).max_body_bytes == 8 * 2**30
+    for bad in ("0", str(2**63), "1GiB"):
+        with pytest.raises(SystemExit) as e:
+            serve_cli.build_parser().parse_args(["--max-body-bytes", bad])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and len(err.splitlines()) == 1 and "number of bytes" in err, err

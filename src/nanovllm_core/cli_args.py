@@ -146,6 +146,25 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_bytes(text: str) -> int:
+    """argparse ``type``: a number of bytes from 1 to 2**63 - 1 (``BYTES_MAX``: a byte count needs 64 bits,
+    unlike the counts :func:`positive_int` takes).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, below 1, or above 2**63 - 1.
+    """
+    from nanovllm_core.sampling_params import BYTES_MAX
+
+    try:
+        value = ascii_int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of bytes, got {text!r}") from None
+    if not 1 <= value <= BYTES_MAX:
+        shown = str(value) if len(str(value)) <= 40 else str(value)[:37] + "..."
+        raise argparse.ArgumentTypeError(f"expected a positive number of bytes up to {BYTES_MAX}, got {shown}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """argparse ``type``: a finite number above 0 (seconds); anything else becomes argparse's one-line usage error.
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from nanovllm_core.sampling_params import COUNT_MAX, SEED_MAX, SEED_MIN
+from nanovllm_core.sampling_params import BYTES_MAX, COUNT_MAX, SEED_MAX, SEED_MIN
 
 # The quantization modes' names (model/quantization.py builds the layers each one names).
 BLOCK_MODES = ("gguf", "q8_0", "q4_0", "q4_1")  # weights in GGUF blocks (model/block_quant.py)
@@ -118,7 +118,8 @@ class EngineConfig:
             kernel runs, which reads 256-token pages only; else 16; see
             ``attention.selector.default_block_size``).
         num_kv_blocks: size of the KV pool in blocks (None: from ``kv_cache_memory``).
-        kv_cache_memory: KV pool budget in bytes (None: a share of free memory, see ``default_kv_cache_memory``).
+        kv_cache_memory: KV pool budget in bytes, up to :data:`BYTES_MAX` (None: a share of free memory, see
+            ``default_kv_cache_memory``); a budget below one KV block is refused when the block's size is known.
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: the per-step token budget (None: 512, or ``max_model_len``
             when chunked prefill is off, since a whole prompt must then fit one step).
@@ -191,9 +192,15 @@ class EngineConfig:
                                       or not 1 <= value <= COUNT_MAX):
                 raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer up to {COUNT_MAX}")
 
-        for name in ("block_size", "num_kv_blocks", "kv_cache_memory", "max_num_seqs",
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs",
                      "max_num_batched_tokens", "max_model_len", "num_speculative_tokens", "tensor_parallel_size"):
             positive(name)
+        # A byte count, not a count of things: its bound is 64 bits (a GPU's free memory is far above 2**31).
+        memory = self.kv_cache_memory
+        if memory is not None and (not isinstance(memory, int) or isinstance(memory, bool)
+                                   or not 1 <= memory <= BYTES_MAX):
+            raise ValueError(f"kv_cache_memory={memory!r} is invalid: it must be a positive number of bytes up to "
+                             f"{BYTES_MAX} (or None for a share of free memory)")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy={self.scheduling_policy!r} is unknown; use one of {', '.join(SCHEDULING_POLICIES)}"

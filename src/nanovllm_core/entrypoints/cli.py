@@ -24,6 +24,7 @@ from nanovllm_core.cli_args import (
     api_key,
     api_key_default,
     engine_kwargs,
+    positive_bytes,
     positive_int,
     tcp_port,
 )
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start with the engine paused: requests are accepted and wait until an attached app "
                         "(nanovllm-tui --connect URL, space) or POST /v1/engine/control {\"command\": \"resume\"} "
                         "resumes it")
-    s.add_argument("--max-body-bytes", type=positive_int, default=None,
+    s.add_argument("--max-body-bytes", type=positive_bytes, default=None,
                    help="refuse a request body larger than this with 413 (default: 64 bytes per token of "
                         "the model's context, at least 1 MiB)")
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
