@@ -421,3 +421,28 @@ def test_kv_cache_memory_is_a_byte_count_with_a_64_bit_bound():
         with pytest.raises(ValueError, match=r"^kv_cache_memory=.* is invalid: it must be a positive number of "
                                              r"bytes up to 9223372036854775807"):
             EngineConfig(kv_cache_memory=bad)
+
+
+def test_a_kv_budget_below_one_block_is_refused_naming_the_block(make_tiny_engine):
+    """Issue 29, trial 12: kv_cache_memory=1 silently became a one-block pool (720 KiB for SmolLM2)."""
+    import re
+
+    with pytest.raises(ValueError, match=r"^kv_cache_memory=1 bytes is smaller than one KV block of 16 tokens "
+                                         r"\((\d+) bytes, [\d.]+ (KiB|MiB)\); give at least \d+, or size the pool "
+                                         r"in blocks with num_kv_blocks \(--num-kv-blocks\)$") as e:
+        make_tiny_engine(num_kv_blocks=None, kv_cache_memory=1, block_size=16)
+    block = int(re.search(r"\((\d+) bytes", str(e.value)).group(1))
+    with pytest.raises(ValueError, match=rf"kv_cache_memory={block - 1} bytes is smaller than one KV block"):
+        make_tiny_engine(num_kv_blocks=None, kv_cache_memory=block - 1, block_size=16)
+    assert make_tiny_engine(num_kv_blocks=None, kv_cache_memory=block, block_size=16).block_manager.num_blocks == 1
+    assert make_tiny_engine(num_kv_blocks=None, kv_cache_memory=3 * block + 1, block_size=16) \
+        .block_manager.num_blocks == 3
+
+
+def test_num_kv_blocks_and_kv_cache_memory_together_are_refused():
+    """Both size the pool; num_kv_blocks used to win and the byte budget was ignored without a word."""
+    from nanovllm_core.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"^num_kv_blocks=8 and kv_cache_memory=1048576 both size the KV pool .*"
+                                         r"give only one of them$"):
+        EngineConfig(num_kv_blocks=8, kv_cache_memory=2**20)

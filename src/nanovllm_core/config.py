@@ -201,6 +201,9 @@ class EngineConfig:
                                    or not 1 <= memory <= BYTES_MAX):
             raise ValueError(f"kv_cache_memory={memory!r} is invalid: it must be a positive number of bytes up to "
                              f"{BYTES_MAX} (or None for a share of free memory)")
+        if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} and kv_cache_memory={self.kv_cache_memory} both "
+                             "size the KV pool and one would be ignored; give only one of them")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy={self.scheduling_policy!r} is unknown; use one of {', '.join(SCHEDULING_POLICIES)}"
@@ -395,6 +398,27 @@ def default_kv_cache_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return free // 2
     return min(free // 8, 2 << 30)
+
+
+def check_kv_budget(kv_cache_memory: int, block_size: int, bytes_per_block: int) -> None:
+    """Refuse a ``kv_cache_memory`` budget smaller than one KV block (``bytes_per_block``, a draft model's
+    share included), which would otherwise become a one-block pool the user did not ask for.
+
+    Raises:
+        ValueError: ``kv_cache_memory < bytes_per_block``, in one line naming the block's bytes.
+    """
+    if kv_cache_memory < bytes_per_block:
+        raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes is smaller than one KV block of {block_size} "
+                         f"tokens ({bytes_per_block} bytes, {format_bytes(bytes_per_block)}); give at least "
+                         f"{bytes_per_block}, or size the pool in blocks with num_kv_blocks (--num-kv-blocks)")
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in the largest unit of KiB, MiB, GiB that keeps the number at 1 or more (``"720.0 KiB"``)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
 
 def check_kv_pool_fits(num_blocks: int, bytes_per_block: int, device: torch.device) -> None:

@@ -28,7 +28,7 @@ from nanovllm_core import events as ev
 from nanovllm_core import yield_gate
 from nanovllm_core.attention import cpu_paged
 from nanovllm_core.attention.selector import DEFAULT_BLOCK_SIZE, default_block_size
-from nanovllm_core.config import EngineConfig, check_kv_pool_fits, default_kv_cache_memory
+from nanovllm_core.config import EngineConfig, check_kv_budget, check_kv_pool_fits, default_kv_cache_memory
 from nanovllm_core.engine import observer
 from nanovllm_core.engine.block_manager import BlockManager
 from nanovllm_core.engine.clock import EngineClock
@@ -105,9 +105,11 @@ class LLMEngine(EventSource):
         draft_bytes_per_block = draft.config.kv_bytes_per_token(self.dtype) * block_size if draft else 0
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
+        elif config.kv_cache_memory is not None:  # the budget asked for: never silently rounded up to a block
+            check_kv_budget(config.kv_cache_memory, block_size, bytes_per_block + draft_bytes_per_block)
+            num_blocks = config.kv_cache_memory // (bytes_per_block + draft_bytes_per_block)
         else:
-            budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
-            num_blocks = max(1, budget // (bytes_per_block + draft_bytes_per_block))
+            num_blocks = max(1, default_kv_cache_memory(self.device) // (bytes_per_block + draft_bytes_per_block))
         self.bytes_per_block = bytes_per_block
         paged = config.paged
         if paged:
