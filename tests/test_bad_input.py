@@ -446,3 +446,16 @@ def test_num_kv_blocks_and_kv_cache_memory_together_are_refused():
     with pytest.raises(ValueError, match=r"^num_kv_blocks=8 and kv_cache_memory=1048576 both size the KV pool .*"
                                          r"give only one of them$"):
         EngineConfig(num_kv_blocks=8, kv_cache_memory=2**20)
+
+
+@pytest.mark.parametrize("model", ["", "   "])
+def test_an_empty_model_name_is_refused_not_taken_for_the_default(model):
+    """Issue 29, trial 12: LLM(model="") loaded the embedded default without a word; None (or leaving it
+    out) is the way to ask for it."""
+    from nanovllm_core.model.loader import ModelLoadError, resolve_model
+
+    with pytest.raises(ValueError, match=r"^model=.* is invalid: name a Hugging Face repo id, a folder or a \.gguf "
+                                         r"file, or leave it out \(None\) for the embedded default model$"):
+        LLM(model=model)
+    with pytest.raises(ModelLoadError, match=r"is empty; name a repo id, a folder or a \.gguf file, or pass None"):
+        resolve_model(model)

@@ -76,6 +76,11 @@ def test_chat_flag_uses_chat_template(capsys, shared_default_loads):
     (["--num-kv-blocks", str(10**30)], "--num-kv-blocks: expected a positive integer up to 2147483647, got 100"),
     (["--max-model-len", "64", "--max-tokens", "64"],
      "--max-tokens 64 leaves no room for a prompt in --max-model-len 64"),
+    # issue 29, trial 12: an empty model name loaded the embedded default without a word
+    (["--model", ""], "argument --model: a model name must not be empty, got ''; leave the option out for the "
+                      "embedded default model"),
+    (["--model", "  "], "argument --model: a model name must not be empty"),
+    (["--speculative-model", ""], "argument --speculative-model: a model name must not be empty"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, args, message):
     code, out, err = run_cli(capsys, *args)
@@ -124,7 +129,9 @@ def test_an_invalid_utf8_prompt_from_a_real_process_is_one_line():
 def test_bad_speculative_cli_arguments_are_one_line(capsys):
     from nanovllm_core.speculative import cli as spec_cli
 
-    for args, message in ((["--seed", str(2**64)], "64-bit"), (["--prompt", "a\udcff"], "not valid UTF-8")):
+    for args, message in ((["--seed", str(2**64)], "64-bit"), (["--prompt", "a\udcff"], "not valid UTF-8"),
+                          (["--target-model", ""], "--target-model: a model name must not be empty"),
+                          (["--draft-model", ""], "--draft-model: a model name must not be empty")):
         code, _, err = run_main(spec_cli.main, capsys, *args)
         assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
 

@@ -393,3 +393,12 @@ def test_max_body_bytes_is_a_byte_count_with_a_64_bit_bound(capsys):
             serve_cli.build_parser().parse_args(["--max-body-bytes", bad])
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and len(err.splitlines()) == 1 and "number of bytes" in err, err
+
+
+def test_serve_refuses_an_empty_model_name_with_one_line(capsys):
+    """Issue 29, trial 12: ``--model ""`` loaded the embedded default without a word."""
+    with pytest.raises(SystemExit) as e:  # the parser alone: the old code went on to serve the default model
+        serve_cli.build_parser().parse_args(["--model", "", "--port", str(free_port())])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "argument --model: a model name must not be empty" in err

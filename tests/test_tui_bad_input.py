@@ -203,6 +203,7 @@ async def test_a_replay_offers_only_the_keys_that_can_act_and_titles_no_refusal_
     (["--tutorial"], "--tutorial is a nanovllm option and not available in the app (its tabs show the same"),
     (["--prompt", " "], "--prompt must not be empty"),
     (["--fps", "0"], "--fps must be between 1 and 60"),
+    (["--model", ""], "argument --model: a model name must not be empty, got ''; leave the option out"),
     (["--temperature", "-1"], "temperature"),
     (["--trace-xray"], "--trace-xray records into the --trace file; add --trace FILE.jsonl"),
     (["--replay", str(TRACE), "--model", "x"], "--model does nothing with --replay: a replay plays a recorded trace"),

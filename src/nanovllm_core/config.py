@@ -201,6 +201,9 @@ class EngineConfig:
                                    or not 1 <= memory <= BYTES_MAX):
             raise ValueError(f"kv_cache_memory={memory!r} is invalid: it must be a positive number of bytes up to "
                              f"{BYTES_MAX} (or None for a share of free memory)")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
+            raise ValueError(f"model={self.model!r} is invalid: name a Hugging Face repo id, a folder or a .gguf "
+                             "file, or leave it out (None) for the embedded default model")
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} and kv_cache_memory={self.kv_cache_memory} both "
                              "size the KV pool and one would be ignored; give only one of them")

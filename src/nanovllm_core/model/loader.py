@@ -97,10 +97,13 @@ def resolve_model(model: str | os.PathLike | None = None, progress: ProgressFn |
     """Turn what the user gave into a local folder holding config, weights and tokenizer.
 
     Raises:
-        ModelLoadError: path missing, folder without weights, GGUF conversion failed,
+        ModelLoadError: an empty name, path missing, folder without weights, GGUF conversion failed,
             repo id unreachable, default model package missing.
     """
-    if model is None or str(model) == "":
+    if model is not None and not str(model).strip():
+        raise ModelLoadError(f"model={str(model)!r} is empty; name a repo id, a folder or a .gguf file, or pass "
+                             "None for the embedded default model")
+    if model is None:
         gguf_file = default_gguf_path()
         return ResolvedModel(convert_gguf(gguf_file, progress), DEFAULT_MODEL_NAME, "default", gguf_file)
     text = str(model)
