@@ -459,3 +459,50 @@ def test_an_empty_model_name_is_refused_not_taken_for_the_default(model):
         LLM(model=model)
     with pytest.raises(ModelLoadError, match=r"is empty; name a repo id, a folder or a \.gguf file, or pass None"):
         resolve_model(model)
+
+
+def test_a_pool_whose_one_block_does_not_fit_names_block_size(monkeypatch):
+    """Issue 29, trial 12: "a KV pool of 1 blocks needs 42.9 GiB ...; lower num_kv_blocks": the pool was one
+    block already, so only a smaller block could help."""
+    import torch
+
+    from nanovllm_core import config
+
+    monkeypatch.setattr(config, "available_memory_bytes", lambda device: 10 * 2**30)
+    with pytest.raises(config.SettingError, match=r"^a KV pool of 1 block needs 43\.0 GiB \(44032\.00 MiB a block\) "
+                                                  r"but only 10\.0 GiB of cpu memory is free; one block alone does "
+                                                  r"not fit, so lower block_size \(--block-size\)$"):
+        config.check_kv_pool_fits(1, 43 * 2**30, torch.device("cpu"))
+    with pytest.raises(config.SettingError, match=r"^a KV pool of 100 blocks needs .*; lower num_kv_blocks "
+                                                  r"\(--num-kv-blocks\) or kv_cache_memory$"):
+        config.check_kv_pool_fits(100, 2**30, torch.device("cpu"))
+    config.check_kv_pool_fits(4, 2**30, torch.device("cpu"))
+
+
+def test_a_block_longer_than_a_sequence_is_refused_saying_what_to_use(make_tiny_engine):
+    from nanovllm_core.config import EngineConfig, SettingError
+
+    with pytest.raises(SettingError, match=r"^block_size=100 is longer than max_model_len \(64 tokens\), and a block "
+                                           r"holds tokens of one sequence; use block_size 64 or less \(--block-size\)$"):
+        EngineConfig(block_size=100, max_model_len=64)
+    with pytest.raises(SettingError, match=r"^block_size=1000000 is longer than max_model_len \(\d+ tokens\).* "
+                                           r"use block_size \d+ or less \(--block-size\)$"):
+        make_tiny_engine(block_size=10**6)
+    assert make_tiny_engine(block_size=64, max_model_len=64).block_manager.block_size == 64
+
+
+def test_a_context_longer_than_the_models_says_what_to_use(tiny_llama_dir):
+    import torch
+
+    from nanovllm_core.engine.controller import load_failure
+    from nanovllm_core.model.loader import ModelLoadError, load_model
+
+    with pytest.raises(ModelLoadError, match=r"^max_model_len=10000000 is longer than the model's context \((\d+) "
+                                             r"tokens\); use max_model_len \1 or less \(--max-model-len\), or leave it "
+                                             r"out for the whole context$") as e:
+        load_model(str(tiny_llama_dir), torch.device("cpu"), torch.float32, max_model_len=10**7)
+    # a setting, not a model that failed: the app and `nanovllm serve` say so
+    assert load_failure(e.value).startswith("engine setting refused: max_model_len=10000000")
+    assert load_failure(ModelLoadError("no such model")) == "model failed to load: no such model"
+    assert load_failure(ValueError("device='tpu' is unknown")).startswith("engine setting refused: ")
+    assert load_failure(RuntimeError("boom")) == "model failed to load: boom"

@@ -30,6 +30,12 @@ QUANTIZATION_CHOICES = (AUTO, "none", *QUANTIZATION_MODES)  # what --quantizatio
 INT8_REMOVED = ("quantization int8 was removed; use q8_0 (int8 weights in 32-weight blocks, each block with its "
                 "own scale), which is faster and closer to float32")
 
+class SettingError(ValueError):
+    """An engine setting that does not fit this model or this machine (a KV pool larger than free memory,
+    a block longer than a sequence, a context longer than the model's): the model itself is fine, and
+    the message names the option to change. Apps tell it from a model that failed to load by this class."""
+
+
 SCHEDULING_POLICIES = ("priority", "fcfs")
 ATTENTION_BACKENDS = ("flash", "math")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -204,6 +210,8 @@ class EngineConfig:
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
             raise ValueError(f"model={self.model!r} is invalid: name a Hugging Face repo id, a folder or a .gguf "
                              "file, or leave it out (None) for the embedded default model")
+        if self.block_size is not None and self.max_model_len is not None:
+            check_block_size(self.block_size, self.max_model_len)
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} and kv_cache_memory={self.kv_cache_memory} both "
                              "size the KV pool and one would be ignored; give only one of them")
@@ -403,6 +411,18 @@ def default_kv_cache_memory(device: torch.device) -> int:
     return min(free // 8, 2 << 30)
 
 
+def check_block_size(block_size: int, max_model_len: int) -> None:
+    """Refuse a KV block longer than the longest sequence: a block holds tokens of one sequence, so the
+    tokens past ``max_model_len`` could never be filled (a block of a million tokens asked for tens of GiB).
+
+    Raises:
+        ValueError: ``block_size > max_model_len``, in one line saying what to use.
+    """
+    if block_size > max_model_len:
+        raise SettingError(f"block_size={block_size} is longer than max_model_len ({max_model_len} tokens), and a block "
+                         f"holds tokens of one sequence; use block_size {max_model_len} or less (--block-size)")
+
+
 def check_kv_budget(kv_cache_memory: int, block_size: int, bytes_per_block: int) -> None:
     """Refuse a ``kv_cache_memory`` budget smaller than one KV block (``bytes_per_block``, a draft model's
     share included), which would otherwise become a one-block pool the user did not ask for.
@@ -411,7 +431,7 @@ def check_kv_budget(kv_cache_memory: int, block_size: int, bytes_per_block: int)
         ValueError: ``kv_cache_memory < bytes_per_block``, in one line naming the block's bytes.
     """
     if kv_cache_memory < bytes_per_block:
-        raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes is smaller than one KV block of {block_size} "
+        raise SettingError(f"kv_cache_memory={kv_cache_memory} bytes is smaller than one KV block of {block_size} "
                          f"tokens ({bytes_per_block} bytes, {format_bytes(bytes_per_block)}); give at least "
                          f"{bytes_per_block}, or size the pool in blocks with num_kv_blocks (--num-kv-blocks)")
 
@@ -434,10 +454,13 @@ def check_kv_pool_fits(num_blocks: int, bytes_per_block: int, device: torch.devi
         ValueError: ``num_blocks * bytes_per_block`` (bytes) exceeds 90% of the free memory of ``device``.
     """
     need, free = num_blocks * bytes_per_block, available_memory_bytes(device)
-    if need > 0.9 * free:
-        raise ValueError(f"a KV pool of {num_blocks} blocks needs {need / 2**30:.1f} GiB "
-                         f"({bytes_per_block / 2**20:.2f} MiB a block) but only {free / 2**30:.1f} GiB of "
-                         f"{device.type} memory is free; lower num_kv_blocks (--num-kv-blocks) or kv_cache_memory")
+    if need <= 0.9 * free:
+        return
+    pool = f"a KV pool of {num_blocks} block{'s' if num_blocks != 1 else ''} needs {need / 2**30:.1f} GiB " \
+           f"({bytes_per_block / 2**20:.2f} MiB a block) but only {free / 2**30:.1f} GiB of {device.type} memory is free"
+    if bytes_per_block > 0.9 * free:  # one block alone does not fit: fewer blocks cannot help
+        raise SettingError(f"{pool}; one block alone does not fit, so lower block_size (--block-size)")
+    raise SettingError(f"{pool}; lower num_kv_blocks (--num-kv-blocks) or kv_cache_memory")
 
 
 SUPPORTED_MODEL_TYPES = ("llama",)

@@ -124,7 +124,7 @@ def load(args: argparse.Namespace, parser: argparse.ArgumentParser):
         raise
     if controller.state == "failed":
         controller.shutdown(timeout=1.0)
-        parser.error(f"model failed to load: {controller.load_error}")
+        parser.error(controller.load_failure or f"model failed to load: {controller.load_error}")
     return controller
 
 
@@ -192,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         controller.shutdown(timeout=2.0)
         sock.close()
     if state == "failed":
-        parser.error(f"model failed to load: {controller.load_error}")
+        parser.error(controller.load_failure or f"model failed to load: {controller.load_error}")
     if gate is not None and gate.refused is not None:
         parser.error(gate.refused)
     return 0
