@@ -407,3 +407,129 @@ def test_a_priority_under_fcfs_is_refused_as_vllm_refuses_it_at_every_library_en
     # the priority policy takes any priority in range
     assert LLM.from_engine(make_tiny_engine()).generate([GOOD], SamplingParams(max_tokens=2), priority=[7],
                                                    use_tqdm=False)[0].error is None
+@pytest.mark.parametrize("device", ["tpu", "CPU", "mps", "cuda:x", "", 0, ["cpu"]])
+def test_an_unknown_device_is_one_value_error_naming_the_field(device):
+    """Issue 29, trial 12: torch's own error ("Expected one of cpu, cuda, ipu, xpu, ...") was a RuntimeError
+    listing a score of device types this engine does not run on."""
+    from nanovllm_core.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"^device=.* is (unknown;|invalid:) use '?cpu'?, '?cuda'? or '?cuda:N'?") as e:
+        EngineConfig(device=device)
+    assert "\n" not in str(e.value) and "ipu" not in str(e.value)
+    with pytest.raises(ValueError, match=r"^device='tpu' is unknown; use cpu, cuda or cuda:N"):
+        LLM(device="tpu")
+
+
+def test_a_cuda_device_this_machine_lacks_is_named_with_its_index(monkeypatch):
+    import torch
+
+    from nanovllm_core.config import EngineConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^device='cuda:5' was asked for but no CUDA GPU is available; use "):
+        EngineConfig(device="cuda:5")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"^device='cuda:5' was asked for but this machine has 2 CUDA GPU\(s\) "
+                                         r"\(cuda:0 to cuda:1\)"):
+        EngineConfig(device="cuda:5")
+    assert EngineConfig(device="cuda:1", quantization="none").device == "cuda:1"
+    assert EngineConfig(device=torch.device("cpu")).torch_device.type == "cpu"
+
+
+def test_kv_cache_memory_is_a_byte_count_with_a_64_bit_bound():
+    """Issue 29, trial 12: kv_cache_memory shared the int32 bound of counts (2147483647), so no budget over
+    2 GiB could be set, while the default on a GPU is half its free memory."""
+    from nanovllm_core.config import EngineConfig
+
+    assert EngineConfig(kv_cache_memory=40 * 2**30).kv_cache_memory == 40 * 2**30
+    assert EngineConfig(kv_cache_memory=2**63 - 1).kv_cache_memory == 2**63 - 1
+    for bad in (0, -5, 2**63, True, 1.5, "1GiB"):
+        with pytest.raises(ValueError, match=r"^kv_cache_memory=.* is invalid: it must be a positive number of "
+                                             r"bytes up to 9223372036854775807"):
+            EngineConfig(kv_cache_memory=bad)
+
+
+def test_a_kv_budget_below_one_block_is_refused_naming_the_block(make_tiny_engine):
+    """Issue 29, trial 12: kv_cache_memory=1 silently became a one-block pool (720 KiB for SmolLM2)."""
+    import re
+
+    with pytest.raises(ValueError, match=r"^kv_cache_memory=1 bytes is smaller than one KV block of 16 tokens "
+                                         r"\((\d+) bytes, [\d.]+ (KiB|MiB)\); give at least \d+, or size the pool "
+                                         r"in blocks with num_kv_blocks \(--num-kv-blocks\)$") as e:
+        make_tiny_engine(num_kv_blocks=None, kv_cache_memory=1, block_size=16)
+    block = int(re.search(r"\((\d+) bytes", str(e.value)).group(1))
+    with pytest.raises(ValueError, match=rf"kv_cache_memory={block - 1} bytes is smaller than one KV block"):
+        make_tiny_engine(num_kv_blocks=None, kv_cache_memory=block - 1, block_size=16)
+    assert make_tiny_engine(num_kv_blocks=None, kv_cache_memory=block, block_size=16).block_manager.num_blocks == 1
+    assert make_tiny_engine(num_kv_blocks=None, kv_cache_memory=3 * block + 1, block_size=16) \
+        .block_manager.num_blocks == 3
+
+
+def test_num_kv_blocks_and_kv_cache_memory_together_are_refused():
+    """Both size the pool; num_kv_blocks used to win and the byte budget was ignored without a word."""
+    from nanovllm_core.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"^num_kv_blocks=8 and kv_cache_memory=1048576 both size the KV pool .*"
+                                         r"give only one of them$"):
+        EngineConfig(num_kv_blocks=8, kv_cache_memory=2**20)
+
+
+@pytest.mark.parametrize("model", ["", "   "])
+def test_an_empty_model_name_is_refused_not_taken_for_the_default(model):
+    """Issue 29, trial 12: LLM(model="") loaded the embedded default without a word; None (or leaving it
+    out) is the way to ask for it."""
+    from nanovllm_core.model.loader import ModelLoadError, resolve_model
+
+    with pytest.raises(ValueError, match=r"^model=.* is invalid: name a Hugging Face repo id, a folder or a \.gguf "
+                                         r"file, or leave it out \(None\) for the embedded default model$"):
+        LLM(model=model)
+    with pytest.raises(ModelLoadError, match=r"is empty; name a repo id, a folder or a \.gguf file, or pass None"):
+        resolve_model(model)
+
+
+def test_a_pool_whose_one_block_does_not_fit_names_block_size(monkeypatch):
+    """Issue 29, trial 12: "a KV pool of 1 blocks needs 42.9 GiB ...; lower num_kv_blocks": the pool was one
+    block already, so only a smaller block could help."""
+    import torch
+
+    from nanovllm_core import config
+
+    monkeypatch.setattr(config, "available_memory_bytes", lambda device: 10 * 2**30)
+    with pytest.raises(config.SettingError, match=r"^a KV pool of 1 block needs 43\.0 GiB \(44032\.00 MiB a block\) "
+                                                  r"but only 10\.0 GiB of cpu memory is free; one block alone does "
+                                                  r"not fit, so lower block_size \(--block-size\)$"):
+        config.check_kv_pool_fits(1, 43 * 2**30, torch.device("cpu"))
+    with pytest.raises(config.SettingError, match=r"^a KV pool of 100 blocks needs .*; lower num_kv_blocks "
+                                                  r"\(--num-kv-blocks\) or kv_cache_memory$"):
+        config.check_kv_pool_fits(100, 2**30, torch.device("cpu"))
+    config.check_kv_pool_fits(4, 2**30, torch.device("cpu"))
+
+
+def test_a_block_longer_than_a_sequence_is_refused_saying_what_to_use(make_tiny_engine):
+    from nanovllm_core.config import EngineConfig, SettingError
+
+    with pytest.raises(SettingError, match=r"^block_size=100 is longer than max_model_len \(64 tokens\), and a block "
+                                           r"holds tokens of one sequence; use block_size 64 or less \(--block-size\)$"):
+        EngineConfig(block_size=100, max_model_len=64)
+    with pytest.raises(SettingError, match=r"^block_size=1000000 is longer than max_model_len \(\d+ tokens\).* "
+                                           r"use block_size \d+ or less \(--block-size\)$"):
+        make_tiny_engine(block_size=10**6)
+    assert make_tiny_engine(block_size=64, max_model_len=64).block_manager.block_size == 64
+
+
+def test_a_context_longer_than_the_models_says_what_to_use(tiny_llama_dir):
+    import torch
+
+    from nanovllm_core.engine.controller import load_failure
+    from nanovllm_core.model.loader import ModelLoadError, load_model
+
+    with pytest.raises(ModelLoadError, match=r"^max_model_len=10000000 is longer than the model's context \((\d+) "
+                                             r"tokens\); use max_model_len \1 or less \(--max-model-len\), or leave it "
+                                             r"out for the whole context$") as e:
+        load_model(str(tiny_llama_dir), torch.device("cpu"), torch.float32, max_model_len=10**7)
+    # a setting, not a model that failed: the app and `nanovllm serve` say so
+    assert load_failure(e.value).startswith("engine setting refused: max_model_len=10000000")
+    assert load_failure(ModelLoadError("no such model")) == "model failed to load: no such model"
+    assert load_failure(ValueError("device='tpu' is unknown")).startswith("engine setting refused: ")
+    assert load_failure(RuntimeError("boom")) == "model failed to load: boom"

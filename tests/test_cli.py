@@ -80,6 +80,11 @@ def test_chat_flag_uses_chat_template(capsys, shared_default_loads):
     (["--scheduling-policy", "fcfs", "--prompt", "a", "--prompt", "b", "--priority", "0", "--priority", "1"],
      "--priority is 1, but the engine schedules fcfs (arrival order, priorities unused; vLLM refuses a priority "
      "other than 0 there too); use --scheduling-policy priority or --priority 0"),
+    # issue 29, trial 12: an empty model name loaded the embedded default without a word
+    (["--model", ""], "argument --model: a model name must not be empty, got ''; leave the option out for the "
+                      "embedded default model"),
+    (["--model", "  "], "argument --model: a model name must not be empty"),
+    (["--speculative-model", ""], "argument --speculative-model: a model name must not be empty"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, args, message):
     code, out, err = run_cli(capsys, *args)
@@ -128,7 +133,9 @@ def test_an_invalid_utf8_prompt_from_a_real_process_is_one_line():
 def test_bad_speculative_cli_arguments_are_one_line(capsys):
     from nanovllm_core.speculative import cli as spec_cli
 
-    for args, message in ((["--seed", str(2**64)], "64-bit"), (["--prompt", "a\udcff"], "not valid UTF-8")):
+    for args, message in ((["--seed", str(2**64)], "64-bit"), (["--prompt", "a\udcff"], "not valid UTF-8"),
+                          (["--target-model", ""], "--target-model: a model name must not be empty"),
+                          (["--draft-model", ""], "--draft-model: a model name must not be empty")):
         code, _, err = run_main(spec_cli.main, capsys, *args)
         assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
 

@@ -460,3 +460,21 @@ def test_the_event_stream_missing_says_what_the_address_is_not():
     # nano-vLLM's own 404s keep their message (a request id not found, say)
     body = b'{"error": {"message": "no request x", "code": "request_not_found"}}'
     assert str(_Server("http://127.0.0.1:9", None, 5.0).refusal(404, body, "/v1/engine/control")) == "no request x (HTTP 404)"
+def test_max_body_bytes_is_a_byte_count_with_a_64_bit_bound(capsys):
+    """Issue 29, trial 12: --max-body-bytes took positive_int's int32 bound for counts; bytes need 64 bits."""
+    parser = serve_cli.build_parser()
+    assert parser.parse_args(["--max-body-bytes", str(8 * 2**30)]).max_body_bytes == 8 * 2**30
+    for bad in ("0", str(2**63), "1GiB"):
+        with pytest.raises(SystemExit) as e:
+            serve_cli.build_parser().parse_args(["--max-body-bytes", bad])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and len(err.splitlines()) == 1 and "number of bytes" in err, err
+
+
+def test_serve_refuses_an_empty_model_name_with_one_line(capsys):
+    """Issue 29, trial 12: ``--model ""`` loaded the embedded default without a word."""
+    with pytest.raises(SystemExit) as e:  # the parser alone: the old code went on to serve the default model
+        serve_cli.build_parser().parse_args(["--model", "", "--port", str(free_port())])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "argument --model: a model name must not be empty" in err

@@ -205,6 +205,8 @@ async def test_a_replay_offers_only_the_keys_that_can_act_and_titles_no_refusal_
     (["--fps", "0"], "--fps: must be between 1 and 60 (screen updates per second), got '0'"),
     (["--fps", "fast"], "--fps: must be between 1 and 60 (screen updates per second), got 'fast'"),  # trial 12b
     (["--fps", "٥"], "--fps: must be between 1 and 60"),  # ASCII digits, as every number option
+    (["--fps", "0"], "argument --fps: must be between 1 and 60"),
+    (["--model", ""], "argument --model: a model name must not be empty, got ''; leave the option out"),
     (["--temperature", "-1"], "temperature"),
     (["--trace-xray"], "--trace-xray records into the --trace file; add --trace FILE.jsonl"),
     (["--replay", str(TRACE), "--model", "x"], "--model does nothing with --replay: a replay plays a recorded trace"),
@@ -404,3 +406,20 @@ async def test_at_60x20_the_block_grid_scrolls_from_the_keyboard(tiny_llama_dir,
         await pilot.press("end")
         await pilot.pause()
         assert grid.scroll_y == grid.max_scroll_y and "496" in " ".join(grid.render_line(y).text for y in range(3))
+
+
+async def test_an_engine_setting_that_fails_is_not_blamed_on_the_model(tmp_path, tiny_llama_dir):
+    """Issue 29, trial 12: ``--block-size 1000000`` was reported as "model failed to load" with the advice
+    "Start again with --model naming a checkpoint that loads", though the model was fine."""
+    app = NanoVLLMApp(BackgroundController(lambda: EngineController(model=str(tiny_llama_dir), block_size=10**6)),
+                      tutorial_path=tmp_path / "t.json")
+    notes = Notes()
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: notes.find("engine setting refused", "error"), timeout=60,
+                         what="the setting's notification")
+        assert app.state.phase == "failed"
+        header = str(app.query_one("#header").render())
+        assert "engine setting refused: block_size=1000000" in header and "model failed to load" not in header
+        assert notes.find("(--block-size). Start again with that option changed")
+        assert not notes.find("--model naming a checkpoint")
+        await still_answers_keys(pilot)

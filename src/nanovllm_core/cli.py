@@ -34,6 +34,7 @@ from nanovllm_core.cli_args import (  # noqa: F401  (re-exported: the app, bench
     load_progress,
     non_negative_int,
     positive_float,
+    model_name,
     positive_int,
     priorities_problem,
     priority_int,
@@ -182,7 +183,7 @@ def build_worker_parser() -> argparse.ArgumentParser:
                    help="this worker's rank, K..N-1 (default: $RANK)")
     p.add_argument("--tensor-parallel-size", type=positive_int, default=_env_default("WORLD_SIZE"), metavar="N",
                    help="rank 0's --tensor-parallel-size (default: $WORLD_SIZE)")
-    p.add_argument("--model", default=None,
+    p.add_argument("--model", type=model_name, default=None,
                    help="this host's copy of rank 0's model (repo id, folder or .gguf; its config must match rank "
                         "0's); default: rank 0's path, read from a shared disk")
     p.add_argument("--local-rank", type=_non_negative_int, default=_env_default("LOCAL_RANK"), metavar="I",

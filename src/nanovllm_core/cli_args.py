@@ -102,6 +102,19 @@ def stop_text(text: str) -> str:
     return prompt_text(text)
 
 
+def model_name(text: str) -> str:
+    """argparse ``type`` for ``--model`` and its kin: a repo id, folder or ``.gguf`` file, never empty
+    (``--model ""`` used to load the embedded default without a word, issue 29, trial 12).
+
+    Raises:
+        argparse.ArgumentTypeError: an empty or blank name, or text that is not valid UTF-8.
+    """
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"a model name must not be empty, got {text!r}; leave the option out for "
+                                         "the embedded default model")
+    return prompt_text(text)
+
+
 def tcp_port(text: str) -> int:
     """argparse ``type``: a TCP port, 1..65535; anything else becomes argparse's one-line usage error.
 
@@ -214,6 +227,25 @@ def positive_int(text: str) -> int:
     if value > COUNT_MAX:
         shown = str(value) if len(str(value)) <= 40 else str(value)[:37] + "..."
         raise argparse.ArgumentTypeError(f"expected a positive integer up to {COUNT_MAX}, got {shown}")
+    return value
+
+
+def positive_bytes(text: str) -> int:
+    """argparse ``type``: a number of bytes from 1 to 2**63 - 1 (``BYTES_MAX``: a byte count needs 64 bits,
+    unlike the counts :func:`positive_int` takes).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, below 1, or above 2**63 - 1.
+    """
+    from nanovllm_core.sampling_params import BYTES_MAX
+
+    try:
+        value = ascii_int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of bytes, got {text!r}") from None
+    if not 1 <= value <= BYTES_MAX:
+        shown = str(value) if len(str(value)) <= 40 else str(value)[:37] + "..."
+        raise argparse.ArgumentTypeError(f"expected a positive number of bytes up to {BYTES_MAX}, got {shown}")
     return value
 
 
@@ -360,7 +392,7 @@ def load_progress(prog: str):
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """``--model``, ``--device``, ``--dtype`` (shared by ``nanovllm``, ``nanovllm serve`` and the app)."""
     m = p.add_argument_group("model")
-    m.add_argument("--model", default=None,
+    m.add_argument("--model", type=model_name, default=None,
                    help="Hugging Face repo id, local folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     m.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")
     m.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
@@ -388,7 +420,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     e.add_argument("--no-paged-attention", action="store_true", help="contiguous per-request KV cache, one request at a time")
     e.add_argument("--no-flash-attn", action="store_true", help="explicit score-matrix attention instead of the fused kernel")
     e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--speculative-model", default=None, metavar="PROPOSER",
+    e.add_argument("--speculative-model", type=model_name, default=None, metavar="PROPOSER",
                    help="speculative decoding: 'ngram', 'self:N' (first N layers), 'target', or a draft model path/repo")
     e.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
                    help="draft tokens per step with --speculative-model (default 5)")

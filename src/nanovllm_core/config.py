@@ -11,12 +11,13 @@ checks; every check of a setting sits beside the setting's documentation.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
-from nanovllm_core.sampling_params import COUNT_MAX, SEED_MAX, SEED_MIN
+from nanovllm_core.sampling_params import BYTES_MAX, COUNT_MAX, SEED_MAX, SEED_MIN
 
 # The quantization modes' names (model/quantization.py builds the layers each one names).
 BLOCK_MODES = ("gguf", "q8_0", "q4_0", "q4_1")  # weights in GGUF blocks (model/block_quant.py)
@@ -28,6 +29,12 @@ QUANTIZATION_CHOICES = (AUTO, "none", *QUANTIZATION_MODES)  # what --quantizatio
 # run faster at batch 1 and 64 and lose less perplexity (docs/cpu-kernels.md, "int8 weights: what went and why").
 INT8_REMOVED = ("quantization int8 was removed; use q8_0 (int8 weights in 32-weight blocks, each block with its "
                 "own scale), which is faster and closer to float32")
+
+class SettingError(ValueError):
+    """An engine setting that does not fit this model or this machine (a KV pool larger than free memory,
+    a block longer than a sequence, a context longer than the model's): the model itself is fine, and
+    the message names the option to change. Apps tell it from a model that failed to load by this class."""
+
 
 SCHEDULING_POLICIES = ("priority", "fcfs")
 ATTENTION_BACKENDS = ("flash", "math")
@@ -110,13 +117,15 @@ class EngineConfig:
 
     Attributes:
         model: what ``resolve_model`` accepts (None = the embedded default).
-        device: ``"cpu"`` or ``"cuda"`` (None: CUDA if available).
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (None: CUDA if available); anything else is refused
+            by :func:`check_device`.
         dtype: ``"float32"``, ``"float16"``, ``"bfloat16"`` (None: see :func:`default_dtype`).
         block_size: tokens per KV block (None: 256 on a CUDA GPU where flash-attn's paged
             kernel runs, which reads 256-token pages only; else 16; see
             ``attention.selector.default_block_size``).
         num_kv_blocks: size of the KV pool in blocks (None: from ``kv_cache_memory``).
-        kv_cache_memory: KV pool budget in bytes (None: a share of free memory, see ``default_kv_cache_memory``).
+        kv_cache_memory: KV pool budget in bytes, up to :data:`BYTES_MAX` (None: a share of free memory, see
+            ``default_kv_cache_memory``); a budget below one KV block is refused when the block's size is known.
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: the per-step token budget (None: 512, or ``max_model_len``
             when chunked prefill is off, since a whole prompt must then fit one step).
@@ -189,9 +198,23 @@ class EngineConfig:
                                       or not 1 <= value <= COUNT_MAX):
                 raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer up to {COUNT_MAX}")
 
-        for name in ("block_size", "num_kv_blocks", "kv_cache_memory", "max_num_seqs",
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs",
                      "max_num_batched_tokens", "max_model_len", "num_speculative_tokens", "tensor_parallel_size"):
             positive(name)
+        # A byte count, not a count of things: its bound is 64 bits (a GPU's free memory is far above 2**31).
+        memory = self.kv_cache_memory
+        if memory is not None and (not isinstance(memory, int) or isinstance(memory, bool)
+                                   or not 1 <= memory <= BYTES_MAX):
+            raise ValueError(f"kv_cache_memory={memory!r} is invalid: it must be a positive number of bytes up to "
+                             f"{BYTES_MAX} (or None for a share of free memory)")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
+            raise ValueError(f"model={self.model!r} is invalid: name a Hugging Face repo id, a folder or a .gguf "
+                             "file, or leave it out (None) for the embedded default model")
+        if self.block_size is not None and self.max_model_len is not None:
+            check_block_size(self.block_size, self.max_model_len)
+        if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} and kv_cache_memory={self.kv_cache_memory} both "
+                             "size the KV pool and one would be ignored; give only one of them")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy={self.scheduling_policy!r} is unknown; use one of {', '.join(SCHEDULING_POLICIES)}"
@@ -200,10 +223,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend={self.attention_backend!r} is unknown; use one of {', '.join(ATTENTION_BACKENDS)}"
             )
-        if self.device is not None and torch.device(self.device).type not in ("cpu", "cuda"):
-            raise ValueError(f"device={self.device!r} is not supported; use 'cpu' or 'cuda'")
-        if self.device is not None and torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but no CUDA GPU is available; use device='cpu' (--device cpu)")
+        if self.device is not None:
+            check_device(self.device)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is unknown; use float32, float16 or bfloat16")
         if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
@@ -314,6 +335,34 @@ class EngineConfig:
         return 512 if self.enable_chunked_prefill else max_model_len
 
 
+DEVICE_NAME = re.compile(r"(cpu|cuda)(:[0-9]+)?", re.ASCII)
+
+
+def check_device(device: Any) -> None:
+    """Accept ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (N a GPU this process sees), or a ``torch.device`` of them.
+
+    Raises:
+        ValueError: any other name (torch's own error lists a score of device types this engine does
+            not run on), or a CUDA device this machine does not have, in one line naming the field.
+    """
+    if isinstance(device, torch.device):
+        name = str(device)
+    elif isinstance(device, str):
+        name = device
+    else:
+        raise ValueError(f"device={device!r} is invalid: use 'cpu', 'cuda' or 'cuda:N' (a string)")
+    if not DEVICE_NAME.fullmatch(name):
+        raise ValueError(f"device={device!r} is unknown; use cpu, cuda or cuda:N (N: a GPU's index)")
+    if not name.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} was asked for but no CUDA GPU is available; use device='cpu' (--device cpu)")
+    index, count = torch.device(name).index, torch.cuda.device_count()
+    if index is not None and index >= count:
+        raise ValueError(f"device={name!r} was asked for but this machine has {count} CUDA GPU(s) "
+                         f"(cuda:0 to cuda:{count - 1}); use one of them or device='cuda'")
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     """The dtype used when none was asked for: float32 on the CPU (the reference mode); on CUDA
     bfloat16 at compute capability 8.0 (Ampere) or newer, float16 before.
@@ -362,6 +411,39 @@ def default_kv_cache_memory(device: torch.device) -> int:
     return min(free // 8, 2 << 30)
 
 
+def check_block_size(block_size: int, max_model_len: int) -> None:
+    """Refuse a KV block longer than the longest sequence: a block holds tokens of one sequence, so the
+    tokens past ``max_model_len`` could never be filled (a block of a million tokens asked for tens of GiB).
+
+    Raises:
+        ValueError: ``block_size > max_model_len``, in one line saying what to use.
+    """
+    if block_size > max_model_len:
+        raise SettingError(f"block_size={block_size} is longer than max_model_len ({max_model_len} tokens), and a block "
+                         f"holds tokens of one sequence; use block_size {max_model_len} or less (--block-size)")
+
+
+def check_kv_budget(kv_cache_memory: int, block_size: int, bytes_per_block: int) -> None:
+    """Refuse a ``kv_cache_memory`` budget smaller than one KV block (``bytes_per_block``, a draft model's
+    share included), which would otherwise become a one-block pool the user did not ask for.
+
+    Raises:
+        ValueError: ``kv_cache_memory < bytes_per_block``, in one line naming the block's bytes.
+    """
+    if kv_cache_memory < bytes_per_block:
+        raise SettingError(f"kv_cache_memory={kv_cache_memory} bytes is smaller than one KV block of {block_size} "
+                         f"tokens ({bytes_per_block} bytes, {format_bytes(bytes_per_block)}); give at least "
+                         f"{bytes_per_block}, or size the pool in blocks with num_kv_blocks (--num-kv-blocks)")
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in the largest unit of KiB, MiB, GiB that keeps the number at 1 or more (``"720.0 KiB"``)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
 def check_kv_pool_fits(num_blocks: int, bytes_per_block: int, device: torch.device) -> None:
     """Refuse a KV pool larger than 90% of the memory free now, before allocating any of it.
 
@@ -372,10 +454,13 @@ def check_kv_pool_fits(num_blocks: int, bytes_per_block: int, device: torch.devi
         ValueError: ``num_blocks * bytes_per_block`` (bytes) exceeds 90% of the free memory of ``device``.
     """
     need, free = num_blocks * bytes_per_block, available_memory_bytes(device)
-    if need > 0.9 * free:
-        raise ValueError(f"a KV pool of {num_blocks} blocks needs {need / 2**30:.1f} GiB "
-                         f"({bytes_per_block / 2**20:.2f} MiB a block) but only {free / 2**30:.1f} GiB of "
-                         f"{device.type} memory is free; lower num_kv_blocks (--num-kv-blocks) or kv_cache_memory")
+    if need <= 0.9 * free:
+        return
+    pool = f"a KV pool of {num_blocks} block{'s' if num_blocks != 1 else ''} needs {need / 2**30:.1f} GiB " \
+           f"({bytes_per_block / 2**20:.2f} MiB a block) but only {free / 2**30:.1f} GiB of {device.type} memory is free"
+    if bytes_per_block > 0.9 * free:  # one block alone does not fit: fewer blocks cannot help
+        raise SettingError(f"{pool}; one block alone does not fit, so lower block_size (--block-size)")
+    raise SettingError(f"{pool}; lower num_kv_blocks (--num-kv-blocks) or kv_cache_memory")
 
 
 SUPPORTED_MODEL_TYPES = ("llama",)

@@ -536,6 +536,18 @@ class EngineResumed(Event):
     step: int
 
 
+# The two ways an engine fails to start, as the first words of its EngineError (step None): the model could
+# not be found or loaded, or a setting does not fit the model or the machine (the model is fine; the message
+# names the option to change). ``engine.controller.load_failure`` picks one; apps advise differently for each.
+MODEL_FAILED = "model failed to load"
+SETTING_REFUSED = "engine setting refused"
+
+
+def is_load_failure(message: str) -> bool:
+    """True for the EngineError message of an engine that never started, of either kind."""
+    return message.startswith((MODEL_FAILED + ": ", SETTING_REFUSED + ": "))
+
+
 @dataclass(frozen=True)
 class EngineError(Event):
     """A step (or a command) failed; ``request_id`` names the request that was finished because of it,

@@ -16,6 +16,9 @@ SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # torch.Generator.manual_seed's signed 6
 # Counts (n, top_k, max_tokens, min_tokens) fit a signed 32-bit integer, so every tensor and C kernel takes
 # them; anything larger could never be served anyway (no context holds 2**31 tokens).
 COUNT_MAX = 2**31 - 1
+# Byte counts (kv_cache_memory, the server's --max-body-bytes) are not counts of things: a GPU's free memory
+# is far above 2**31, so their bound is 64 bits.
+BYTES_MAX = 2**63 - 1
 # A request's priority, at every entry point (LLM.generate, LLMEngine.add_request, the CLI's --priority,
 # the server's "priority", the app's prompt bar): -1000 to 1000 is plenty of levels, and the app's
 # request table shows each in full. vLLM takes any integer; here a value outside is refused, not clipped.

@@ -406,7 +406,12 @@ class NanoVLLMApp(App):
             self.notify(f"{event.request_id} was rejected: {event.reason}{kept}", severity="error", timeout=8,
                         markup=False)
         elif isinstance(event, ev.EngineError):
-            if event.step is None and event.message.startswith("model failed to load"):
+            if event.step is None and event.message.startswith(ev.SETTING_REFUSED + ": "):
+                # the model is fine: the message names the option to change (trial 12: a huge --block-size
+                # was answered with "Start again with --model naming a checkpoint that loads")
+                self.notify(f"{event.message}. Start again with that option changed, or --replay FILE.jsonl to "
+                            "watch a recording.", title="Engine setting", severity="error", timeout=30, markup=False)
+            elif event.step is None and ev.is_load_failure(event.message):
                 # (true whether or not --model was given: the app does not know, so it does not say "try --model")
                 self.notify(f"{event.message}. Start again with --model naming a checkpoint that loads, or "
                             "--replay FILE.jsonl to watch a recording.",
@@ -495,7 +500,9 @@ class NanoVLLMApp(App):
             self._redraw()
         failed = self.controller.state == "failed" and self.state.load_error is None
         if failed:  # subscribed after the failure was announced: tell it now
-            failure = ev.EngineError(step=None, message=f"model failed to load: {self.controller.load_error}")
+            message = getattr(self.controller, "load_failure", None) \
+                or f"{ev.MODEL_FAILED}: {self.controller.load_error}"
+            failure = ev.EngineError(step=None, message=message)
             self.state.apply(failure)
             self._announce(failure)
         loading = not self.state.ready and self.state.load_error is None

@@ -57,6 +57,7 @@ class BackgroundController:
         self._stop = False
         self._ids = itertools.count()
         self._error: str | None = None
+        self._failure: str | None = None
         self._thread = threading.Thread(target=self._build, name="nanovllm-starter", daemon=True)
 
     def start(self) -> None:
@@ -70,10 +71,13 @@ class BackgroundController:
             real = self._factory()
         except Exception as e:  # an engine that cannot even be built: report it like a failed load
             self._error = str(e) or type(e).__name__
+            from nanovllm_core.engine.controller import load_failure  # torch is loaded (or failed) by now
+
+            self._failure = load_failure(e)
             with self._lock:
                 subs = list(self._subs)
             for sub in subs:
-                sub.callback(ev.EngineError(step=None, message=f"model failed to load: {self._error}"))
+                sub.callback(ev.EngineError(step=None, message=self._failure))
             return
         with self._lock:  # hand over what waited, in order, before anything new can run
             self._real = real
@@ -108,6 +112,11 @@ class BackgroundController:
     @property
     def load_error(self) -> str | None:
         return self._real.load_error if self._real is not None else self._error
+
+    @property
+    def load_failure(self) -> str | None:
+        """``load_error`` with its kind in front (``nanovllm_core.engine.controller.load_failure``)."""
+        return getattr(self._real, "load_failure", None) if self._real is not None else self._failure
 
     @property
     def engine(self) -> Any:

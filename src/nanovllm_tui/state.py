@@ -132,6 +132,7 @@ class EngineState:
         self.ready = False
         self.loading: ev.ModelLoading | None = None
         self.load_error: str | None = None
+        self.load_failure = ev.MODEL_FAILED  # which kind of start failure load_error is (events.SETTING_REFUSED)
         self.paused = False  # what the header shows: the engine (or a replay's playback) confirmed paused
         self.pending: str | None = None  # "pausing" or "resuming": asked by the app, not yet confirmed
         # The engine's own pause accounting (see paused_clock), apart from ``paused``: a replay's
@@ -226,8 +227,8 @@ class EngineState:
             for rid, before in self._before_plan.items():
                 if rid in self.requests:
                     self.requests[rid].prefilled = before
-        if e.step is None and e.message.startswith("model failed to load"):
-            self.load_error = e.message.split(": ", 1)[-1]
+        if e.step is None and ev.is_load_failure(e.message):
+            self.load_failure, _, self.load_error = e.message.partition(": ")
             self.engine_state = "failed"
 
     def paused_clock(self, at: float) -> float:

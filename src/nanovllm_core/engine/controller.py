@@ -27,6 +27,20 @@ from nanovllm_core.engine.llm_engine import LLMEngine, Subscription
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams, check_priority
 
+
+def load_failure(error: BaseException) -> str:
+    """The one-line EngineError message for an engine that could not be built: ``events.MODEL_FAILED: ...``
+    or ``events.SETTING_REFUSED: ...``. A setting: :class:`~nanovllm_core.config.SettingError`, or any other
+    ``ValueError`` than a :class:`~nanovllm_core.model.loader.ModelLoadError` (``EngineConfig``'s checks)."""
+    from nanovllm_core.config import SettingError
+    from nanovllm_core.model.loader import ModelLoadError
+
+    text = str(error) or type(error).__name__
+    setting = isinstance(error, SettingError) or (isinstance(error, ValueError)
+                                                   and not isinstance(error, ModelLoadError))
+    return f"{ev.SETTING_REFUSED if setting else ev.MODEL_FAILED}: {text}"
+
+
 MAX_STEPS = 1000  # single steps a paused engine may be asked for at once (a bigger n is refused)
 STATES = ("loading", "running", "paused", "idle", "stopped", "failed")
 
@@ -68,6 +82,7 @@ class EngineController:
         if _engine is not None and start_paused:
             _engine.clock.stop()
         self.load_error: str | None = None
+        self.load_failure: str | None = None  # load_error with its kind in front (load_failure())
         self.results: dict[str, RequestOutput] = {}
         self._listeners: dict[str, Callable[[RequestOutput], None]] = {}  # engine thread only
         self._results_cond = threading.Condition()
@@ -228,8 +243,9 @@ class EngineController:
             engine = LLMEngine.from_config(config, progress=progress)
         except Exception as e:  # ModelLoadError and bad settings: one line, the thread stays up
             self.load_error = str(e) if str(e) else type(e).__name__
+            self.load_failure = load_failure(e)
             self._state = "failed"
-            self._emit(ev.EngineError(step=None, message=f"model failed to load: {self.load_error}"))
+            self._emit(ev.EngineError(step=None, message=self.load_failure))
             return False
         with self._sub_lock:
             engine._subscribers.extend(self._subscriptions)

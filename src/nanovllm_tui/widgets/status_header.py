@@ -86,7 +86,7 @@ class StatusHeader(LiveStatic):
             parts.append((Text("replay ", style="bold magenta"), 0))
         parts.append((Text("│ ", style="dim"), 0))
         if state.load_error is not None:  # the whole reason, wrapped over a few lines
-            parts.append((Text.assemble(("model failed to load: ", "bold red"), (state.load_error, "red")), 0))
+            parts.append((Text.assemble((f"{state.load_failure}: ", "bold red"), (state.load_error, "red")), 0))
             width = None
         elif not state.ready:
             parts.append((Text("loading model", style="bold magenta"), 0))
