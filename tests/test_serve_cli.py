@@ -28,6 +28,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.real_model
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_model_loads_ends_the_server_cleanly(sig):
+    """Trial 12: SIGTERM (``docker stop``, systemd) or SIGINT while the embedded model was still loading
+    aborted the server: "terminate called without an active exception", status 134 (the interpreter's
+    teardown ran under the loading thread, inside torch). It ends with status 0 as after loading."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), *sys.path) if p),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "nanovllm_core.cli", "serve", "--port", str(free_port()),
+                             "--no-access-log"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        lines, deadline = [], time.monotonic() + 120
+        while time.monotonic() < deadline:  # the first loading stage: the weights are being read
+            line = proc.stderr.readline()
+            lines.append(line)
+            if not line or line.startswith("nanovllm serve: reading"):
+                break
+        assert lines[-1].startswith("nanovllm serve: reading"), "".join(lines)
+        proc.send_signal(sig)
+        code = proc.wait(timeout=60)
+        err = "".join(lines) + proc.stderr.read()
+        assert code == 0 and "terminate called" not in err and "Traceback" not in err, (code, err)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 def test_sigterm_aborts_the_stream_in_flight_and_exits_within_seconds(tiny_llama_dir):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), *sys.path) if p)}

@@ -316,7 +316,7 @@ def test_ctrl_c_ends_the_web_server_and_an_open_pages_app_within_seconds(tmp_pat
             time.sleep(0.2)
         asyncio.run(visit_then_interrupt())
         assert apps, "no app process served the page"
-        assert web.returncode is not None and took[0] < 8, f"--web took {took[0]:.1f} s to end after Ctrl-C"
+        assert web.returncode is not None and took[0] < 12, f"--web took {took[0]:.1f} s to end after Ctrl-C"
         deadline = time.monotonic() + 10
         while any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in apps) \
                 and time.monotonic() < deadline:
@@ -339,6 +339,7 @@ def test_after_the_app_ends_an_engine_thread_still_in_a_step_is_not_torn_down(mo
     and an engine thread that was there before the app (a test process's own) is left alone."""
     import threading
 
+    from nanovllm_core import yield_gate
     from nanovllm_tui import lifetime
 
     release = threading.Event()
@@ -357,4 +358,5 @@ def test_after_the_app_ends_an_engine_thread_still_in_a_step_is_not_torn_down(mo
     finally:
         release.set()
         thread.join(5)
+        yield_gate.GATE.release()  # closed for good only in a process that ends: this one's engines go on
     assert exits == ([3] if stuck else [])

@@ -26,6 +26,9 @@ This module imports no torch (the app imports it before the engine is loaded).
 from __future__ import annotations
 
 import ctypes
+import os
+import sys
+import threading
 import time
 
 MAX_HOLD_S = 0.25  # the longest one hold may stop the engine, whatever the front end does
@@ -92,7 +95,7 @@ class YieldGate:
         """The process is ending: hold the gate for good, so an engine thread still inside a step
         stops at its next layer (or step) boundary and waits there, off the CPU and out of every
         native thread pool, until the process ends. Never reopened: call it only on the way out
-        (``nanovllm_tui.lifetime.leave_when_engines_stop``); the step is abandoned, not finished."""
+        (:func:`leave_when_engines_stop`); the step is abandoned, not finished."""
         self.c.until_ns = 2**63 - 1
 
     def parked(self, seconds: float = 0.02) -> bool:
@@ -104,3 +107,34 @@ class YieldGate:
 
 
 GATE = YieldGate()
+
+
+ENGINE_THREADS = ("nanovllm-engine",)  # threads that run native code (torch, OpenMP, the C kernels)
+
+
+def leave_when_engines_stop(status: int, seconds: float, ignore: frozenset = frozenset()) -> None:
+    """On the way out of a front end (the app, ``nanovllm serve``), after it stopped its engines:
+    stop engine threads still inside a step at their next layer boundary (:meth:`YieldGate.close`),
+    wait up to ``seconds`` for each to stop there or end, and if one is still alive then (inside a
+    step, or still loading the model), end the process with ``os._exit(status)``.
+
+    The interpreter's normal teardown would destroy native thread pools under a thread still using
+    them: "terminate called without an active exception", status 134 (the app on quit in issue 29's
+    trial; ``nanovllm serve`` given SIGTERM while loading, trial 12). The caller has restored the
+    terminal and closed its files by now, so skipping the teardown loses nothing. Returns normally
+    when no engine thread is left. ``ignore``: threads that were there before (a test process's own).
+    """
+    busy = [t for t in threading.enumerate() if t.name in ENGINE_THREADS and t.is_alive() and t not in ignore]
+    if busy:
+        GATE.close()
+        deadline = time.monotonic() + seconds
+        while any(t.is_alive() for t in busy) and time.monotonic() < deadline:
+            if GATE.parked():
+                break
+    if any(t.is_alive() for t in busy):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(status)

@@ -59,41 +59,18 @@ def end_within(seconds: float = EXIT_GRACE_S, status: int = 1, terminal: bool = 
     _watchdog.start()
 
 
-ENGINE_THREADS = ("nanovllm-engine",)  # threads that run native code (torch, OpenMP, the C kernels)
-
-
 def leave_when_engines_stop(status: int, seconds: float = EXIT_GRACE_S, ignore: frozenset = frozenset()) -> None:
-    """After the app has ended: stop engine threads still inside a step at their next layer boundary
-    (the yield gate closed for good: ``YieldGate.close``), wait up to ``seconds`` for one to stop
-    there or end, and if one is still alive then, end the process with ``os._exit(status)``.
+    """After the app has ended: end the process past an engine thread still inside a step
+    (``nanovllm_core.yield_gate.leave_when_engines_stop``, which ``nanovllm serve`` uses too).
 
     The app stops its engines before it ends, but only waits a second for the step in flight (a
-    long prefill on a busy host can take longer, as can a tutorial demo's engine). The interpreter's
-    normal teardown would then destroy native thread pools under a thread still using them
-    ("terminate called without an active exception", status 134, seen once on quit in issue 29's
-    trial). By now the terminal is restored and trace files are closed, so skipping the teardown
-    loses nothing. Returns normally when no engine thread is left. ``ignore``: threads that were
-    there before the app started (not its engines: e.g. a test process's own).
+    long prefill on a busy host can take longer, as can a tutorial demo's engine): that step stops
+    at its next layer boundary (trial 12c: q during a 1,520-token prefill took over 6 s) and the
+    process ends under it, skipping the teardown that would abort (status 134, issue 29's trial).
     """
-    busy = [t for t in threading.enumerate() if t.name in ENGINE_THREADS and t.is_alive() and t not in ignore]
-    if busy:
-        # Stop the step in flight at its next layer boundary rather than wait for it (trial 12c: q
-        # during a 1,520-token prefill took over 6 s): the engine thread then waits at the gate,
-        # off the CPU and out of the native thread pools, so ending the process under it is safe.
-        from nanovllm_core import yield_gate
+    from nanovllm_core import yield_gate
 
-        yield_gate.GATE.close()
-        deadline = time.monotonic() + seconds
-        while any(t.is_alive() for t in busy) and time.monotonic() < deadline:
-            if yield_gate.GATE.parked():
-                break
-    if any(t.is_alive() for t in busy):
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError, AttributeError):
-                pass
-        os._exit(status)
+    yield_gate.leave_when_engines_stop(status, seconds, ignore)
 
 
 def end_on_early_signals() -> None:

@@ -14,6 +14,7 @@ import gc
 import logging
 import socket
 import sys
+import threading
 import time
 from typing import Any, Sequence
 
@@ -154,6 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from nanovllm_core.entrypoints.api_server import APIServer, LoadingGate, bind_warning, build_app
 
+    before = frozenset(threading.enumerate())  # engine threads not this server's (a test process's own)
+
     try:
         sock = listen(args.host, args.port)
     except OSError as e:
@@ -209,6 +212,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         state = controller.state
         controller.shutdown(timeout=2.0)
         sock.close()
+    if state != "failed":
+        # SIGTERM or Ctrl-C while the model still loads (or inside a long step): the engine thread is
+        # in torch's code, and the interpreter's teardown under it aborted (status 134, trial 12).
+        # The server has stopped and answered what it had; end the process past that thread.
+        from nanovllm_core.yield_gate import leave_when_engines_stop
+
+        leave_when_engines_stop(0, seconds=1.0, ignore=before)
     if state == "failed":
         parser.error(controller.load_failure or f"model failed to load: {controller.load_error}")
     if gate is not None and gate.refused is not None:
