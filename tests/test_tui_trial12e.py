@@ -48,3 +48,19 @@ async def test_the_120x40_footer_still_shows_every_key(tmp_path, tab):
         want = KEYS_AT_120[tab]
         await wait_until(pilot, lambda: all(k in _footer_line(app) for k in want), 5, f"every key on tab {tab}")
         assert "^p palette" in _footer_line(app)
+
+
+@pytest.mark.parametrize("size", [(60, 20), (120, 40)], ids=lambda s: f"{s[0]}x{s[1]}")
+async def test_the_prompt_bar_shows_ctrl_q_quit_where_q_types_itself(tiny_llama_dir, tmp_path, size):
+    """Trial 12e: the app opens in the prompt bar, where `q` types a q; its footer read
+    `esc Leave prompt  ^t Chat/raw`, no way out shown although ctrl+q quits from there."""
+    from tests.tui_helpers import tiny_app
+
+    app = tiny_app(tiny_llama_dir, tmp_path)
+    async with app.run_test(size=size) as pilot:
+        for field in ("#prompt", "#priority"):
+            app.query_one(field).focus()
+            await wait_until(pilot, lambda: "^q Quit" in _footer_line(app), 10, f"^q Quit in the footer in {field}")
+            assert "q Quit " not in _footer_line(app).replace("^q Quit", ""), _footer_line(app)  # bare q types here
+        await pilot.press("ctrl+q")
+        await wait_until(pilot, lambda: not app.is_running, 10, "the app to quit on ctrl+q")

@@ -52,4 +52,17 @@ class SteadyFooter(Footer):
             self.rebuilds += 1
         keys = list(super().compose())
         first = [w for w in keys if isinstance(w, FooterKey) and w.action == "quit"]
+        if not first and keys:
+            first = self._ctrl_q()
         yield from first + [w for w in keys if not any(w is f for f in first)]
+
+    def _ctrl_q(self) -> list[FooterKey]:
+        """``^q Quit`` where ``q`` is not offered: in a field, where q types itself. The app opens in
+        the prompt, whose footer offered no way out although ctrl+q (Textual's own, hidden) quits
+        from there (trial 12e)."""
+        found = self.screen.active_bindings.get("ctrl+q")
+        if found is None or not found[2]:
+            return []
+        binding = found[1]
+        return [FooterKey(binding.key, self.app.get_key_display(binding), "Quit", binding.action,
+                          tooltip="Quit from anywhere").data_bind(compact=Footer.compact)]
