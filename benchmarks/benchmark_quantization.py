@@ -2,6 +2,7 @@
 
     python -m benchmarks.benchmark_quantization            # full: 3 interleaved rounds of each speed figure
     python -m benchmarks.benchmark_quantization --quick    # a smoke run: tiny inputs, one round
+    python -m benchmarks.benchmark_quantization --quick --skip-hf --skip-llamacpp   # shorter: no transformers, no llama.cpp
     python -m benchmarks.benchmark_quantization --modes float32,gguf,q8_0 --threads 2 --json quant.json
 
 Modes (``--modes``, default ``float32,gguf,q8_0,q4_0``; float32 is always one, every ratio
@@ -28,8 +29,9 @@ last-level cache, in this process's threads (``nanovllm_core.roofline.memory_ban
 the X-Ray measures it), best of several; measured once per run and used for every mode.
 
 Quality, each mode against float32 on ``benchmarks/corpus.txt`` and a held-out text (the
-project's seed README, ``../shared/seed/original-readme.txt`` beside the repository, or
-``--held-out FILE``; left out with a note when absent):
+repository's ``README.md``, which the model was not tuned on, or ``--held-out FILE``; left out
+with a note when absent; the figures in docs/cpu-kernels.md used the project's seed README,
+which is not shipped):
 - perplexity (windows of 512 tokens, our model run directly; the first 129 tokens with
   ``--quick``) and its relative change;
 - greedy agreement: prompts of 16-64 tokens cut from the text, greedy tokens each (32 x 32;
@@ -105,7 +107,10 @@ MODE_CHOICES = ("float32", "gguf", "q8_0", "q4_0", "q4_1")  # what --modes accep
 DEFAULT_MODES = ("float32", "gguf", "q8_0", "q4_0")
 QUANT = {m: ("none" if m == "float32" else m) for m in MODE_CHOICES}  # mode -> LLM(quantization=...); "none": float32 (no flag would pick the file's blocks)
 BANDWIDTH_BYTES = 512 * 2**20  # the streaming-read buffer: many times any CPU's last-level cache
-HELD_OUT = Path(__file__).resolve().parents[1].parent / "shared" / "seed" / "original-readme.txt"
+# The repository's own README: English the model was not tuned on, in every clone. The figures in
+# docs/cpu-kernels.md used the project's seed README (shared/seed/original-readme.txt beside the
+# repository), which is not shipped.
+HELD_OUT = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def load(quantization: str | None):
@@ -553,7 +558,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=positive_int, default=None, help="interleaved rounds per speed figure (default 3; 1 with --quick)")
     ap.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's own choice)")
     ap.add_argument("--held-out", type=Path, default=HELD_OUT,
-                    help="a held-out text for perplexity and greedy agreement (default: the seed README beside the repository)")
+                    help="a held-out text for perplexity and greedy agreement (default: the repository's README.md, "
+                         "which the model was not tuned on)")
     ap.add_argument("--skip-hf", action="store_true", help="leave transformers out of the batch-1 decode figures")
     ap.add_argument("--skip-llamacpp", action="store_true",
                     help="leave llama.cpp out of the batch-1 decode figures (it is in them when llama-cpp-python "

@@ -258,3 +258,13 @@ def test_tensor_parallel_quick_figures_agree_with_each_other_and_with_the_split(
     assert 0 < two["p50_all_reduce_s"] <= two["p99_all_reduce_s"] <= two["comm_s_rank0"]
     assert "StepTimed = measured" in out and " NO" not in out
     assert f"{two['comm_share']:.0%}" in out and "vs N=1" in out
+
+
+def test_the_quantization_benchmarks_default_held_out_text_ships_with_the_repository():
+    """Trial 12e: the default was ../shared/seed/original-readme.txt beside the repository, absent
+    from a clone, so `--quick` measured no held-out column there."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    held_out = benchmark_quantization.parse_args(["--quick"]).held_out.resolve()
+    assert held_out.is_file() and root in held_out.parents, held_out

@@ -14,6 +14,7 @@ from typing import Any
 
 from textual.screen import Screen
 from textual.widgets import Footer
+from textual.widgets._footer import FooterKey
 
 
 def shown_keys(screen: Screen) -> tuple[tuple[Any, ...], ...]:
@@ -23,7 +24,12 @@ def shown_keys(screen: Screen) -> tuple[tuple[Any, ...], ...]:
 
 
 class SteadyFooter(Footer):
-    """A ``Footer`` that recomposes only when :func:`shown_keys` differs from what it last drew."""
+    """A ``Footer`` that recomposes only when :func:`shown_keys` differs from what it last drew,
+    with ``q Quit`` as its first key.
+
+    The footer cuts off the keys that do not fit, and a tab's own keys come before the app's: on a
+    60-column terminal `q Quit` was the key cut (trial 12), and a newcomer saw no way out.
+    """
 
     drawn: tuple[tuple[Any, ...], ...] | None = None  # shown_keys at the last compose (None: not yet)
     rebuilds = 0  # composes with bindings shown (a test counts them)
@@ -44,4 +50,19 @@ class SteadyFooter(Footer):
         if self._bindings_ready:
             self.drawn = shown_keys(self.screen)
             self.rebuilds += 1
-        yield from super().compose()
+        keys = list(super().compose())
+        first = [w for w in keys if isinstance(w, FooterKey) and w.action == "quit"]
+        if not first and keys:
+            first = self._ctrl_q()
+        yield from first + [w for w in keys if not any(w is f for f in first)]
+
+    def _ctrl_q(self) -> list[FooterKey]:
+        """``^q Quit`` where ``q`` is not offered: in a field, where q types itself. The app opens in
+        the prompt, whose footer offered no way out although ctrl+q (Textual's own, hidden) quits
+        from there (trial 12e)."""
+        found = self.screen.active_bindings.get("ctrl+q")
+        if found is None or not found[2]:
+            return []
+        binding = found[1]
+        return [FooterKey(binding.key, self.app.get_key_display(binding), "Quit", binding.action,
+                          tooltip="Quit from anywhere").data_bind(compact=Footer.compact)]
