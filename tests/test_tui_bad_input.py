@@ -88,10 +88,14 @@ async def test_an_engine_error_is_shown_and_the_next_prompt_still_runs(make_engi
         assert app.state.requests[rid].num_output == 2
 
 
+def _app_loading(tmp_path, **engine) -> tuple[NanoVLLMApp, Notes]:
+    """An app whose engine loads with ``EngineController(**engine)`` in the background, and its notes."""
+    app = NanoVLLMApp(BackgroundController(lambda: EngineController(**engine)), tutorial_path=tmp_path / "t.json")
+    return app, Notes()
+
+
 async def test_a_model_that_cannot_load_is_reported_and_the_app_stays_up(tmp_path):
-    app = NanoVLLMApp(BackgroundController(lambda: EngineController(model=str(tmp_path / "no-such-model"))),
-                      tutorial_path=tmp_path / "t.json")
-    notes = Notes()
+    app, notes = _app_loading(tmp_path, model=str(tmp_path / "no-such-model"))
     async with app.run_test(size=SIZE, message_hook=notes) as pilot:
         await wait_until(pilot, lambda: notes.find("model failed to load", "error"), timeout=30,
                          what="the load failure's notification")
@@ -411,9 +415,7 @@ async def test_at_60x20_the_block_grid_scrolls_from_the_keyboard(tiny_llama_dir,
 async def test_an_engine_setting_that_fails_is_not_blamed_on_the_model(tmp_path, tiny_llama_dir):
     """Issue 29, trial 12: ``--block-size 1000000`` was reported as "model failed to load" with the advice
     "Start again with --model naming a checkpoint that loads", though the model was fine."""
-    app = NanoVLLMApp(BackgroundController(lambda: EngineController(model=str(tiny_llama_dir), block_size=10**6)),
-                      tutorial_path=tmp_path / "t.json")
-    notes = Notes()
+    app, notes = _app_loading(tmp_path, model=str(tiny_llama_dir), block_size=10**6)
     async with app.run_test(size=SIZE, message_hook=notes) as pilot:
         await wait_until(pilot, lambda: notes.find("engine setting refused", "error"), timeout=60,
                          what="the setting's notification")

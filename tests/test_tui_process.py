@@ -195,6 +195,33 @@ def _app_processes(parent: int) -> list[int]:
     return found
 
 
+def _web_replay(cwd) -> tuple[subprocess.Popen, int]:
+    """``nanovllm-tui --web --replay TRACE`` on a free port, in its own session: (process, port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    web = subprocess.Popen([sys.executable, "-m", "nanovllm_tui.app", "--web", "--port", str(port), "--replay",
+                            str(TRACE)], env=ENV, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    return web, port
+
+
+def _any_alive(pids: list[int]) -> bool:
+    """Whether any of ``pids`` still runs (a zombie, ended but not yet reaped, does not)."""
+    return any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in pids)
+
+
+def _end_group(web: subprocess.Popen) -> None:
+    """Kill what is left of ``web``'s process group and reap the web server."""
+    try:
+        os.killpg(web.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    web.wait(10)
+
+
 def test_web_visitors_apps_end_with_their_page_and_with_the_web_server(tmp_path):
     """Issue 29: two visits left two app processes alive for minutes. Here a visitor opens the
     page's websocket as the browser does and leaves; then another stays while the web server is
@@ -204,12 +231,7 @@ def test_web_visitors_apps_end_with_their_page_and_with_the_web_server(tmp_path)
 
     import aiohttp  # comes with textual-serve
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    web = subprocess.Popen([sys.executable, "-m", "nanovllm_tui.app", "--web", "--port", str(port), "--replay",
-                            str(TRACE)], env=ENV, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           start_new_session=True)
+    web, port = _web_replay(tmp_path)
 
     frames: list[int] = []
 
@@ -257,15 +279,9 @@ def test_web_visitors_apps_end_with_their_page_and_with_the_web_server(tmp_path)
         apps: list[int] = []
         asyncio.run(stay())
         assert len(frames) >= 3 and apps and max(rss) < 300_000  # kB: no torch in a replay's app (530 MB with it)
-        assert wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and
-                                        open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in apps), 20), \
-            "an app outlived its web server"
+        assert wait_for(lambda: not _any_alive(apps), 20), "an app outlived its web server"
     finally:
-        try:
-            os.killpg(web.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        web.wait(10)
+        _end_group(web)
 
 
 def test_ctrl_c_ends_the_web_server_and_an_open_pages_app_within_seconds(tmp_path):
@@ -277,12 +293,7 @@ def test_ctrl_c_ends_the_web_server_and_an_open_pages_app_within_seconds(tmp_pat
 
     import aiohttp  # comes with textual-serve
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    web = subprocess.Popen([sys.executable, "-m", "nanovllm_tui.app", "--web", "--port", str(port), "--replay",
-                            str(TRACE)], env=ENV, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           start_new_session=True)
+    web, port = _web_replay(tmp_path)
     took: list[float] = []
     apps: list[int] = []
 
@@ -318,17 +329,11 @@ def test_ctrl_c_ends_the_web_server_and_an_open_pages_app_within_seconds(tmp_pat
         assert apps, "no app process served the page"
         assert web.returncode is not None and took[0] < 12, f"--web took {took[0]:.1f} s to end after Ctrl-C"
         deadline = time.monotonic() + 10
-        while any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in apps) \
-                and time.monotonic() < deadline:
+        while _any_alive(apps) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"
-                       for p in apps), "the page's app outlived the web server"
+        assert not _any_alive(apps), "the page's app outlived the web server"
     finally:
-        try:
-            os.killpg(web.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        web.wait(10)
+        _end_group(web)
 
 
 @pytest.mark.parametrize("stuck", [False, True])

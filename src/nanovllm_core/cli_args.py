@@ -149,13 +149,7 @@ def non_negative_int(text: str) -> int:
     Raises:
         argparse.ArgumentTypeError: not a whole number in ASCII digits, or below 0 (one message for both).
     """
-    try:
-        value = ascii_int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return _whole(text, 0, None, "an integer >= 0")
 
 
 def screen_rate(text: str) -> float:
@@ -209,6 +203,21 @@ def api_key_default() -> str | None:
     return os.environ.get("NANOVLLM_API_KEY") or None
 
 
+def _whole(text: str, least: int, most: int | None, noun: str) -> int:
+    """``text`` (ASCII digits) as an integer from ``least`` to ``most`` (None: no top), or argparse's
+    one-line error naming ``noun`` ("a positive integer")."""
+    try:
+        value = ascii_int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected {noun}, got {value}")
+    if most is not None and value > most:
+        shown = str(value) if len(str(value)) <= 40 else str(value)[:37] + "..."
+        raise argparse.ArgumentTypeError(f"expected {noun} up to {most}, got {shown}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse ``type``: an integer from 1 to 2**31 - 1 (``COUNT_MAX``: every engine count fits 32 bits);
     anything else becomes argparse's one-line usage error (status 2).
@@ -218,16 +227,7 @@ def positive_int(text: str) -> int:
     """
     from nanovllm_core.sampling_params import COUNT_MAX
 
-    try:
-        value = ascii_int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    if value > COUNT_MAX:
-        shown = str(value) if len(str(value)) <= 40 else str(value)[:37] + "..."
-        raise argparse.ArgumentTypeError(f"expected a positive integer up to {COUNT_MAX}, got {shown}")
-    return value
+    return _whole(text, 1, COUNT_MAX, "a positive integer")
 
 
 def positive_bytes(text: str) -> int:
@@ -239,14 +239,7 @@ def positive_bytes(text: str) -> int:
     """
     from nanovllm_core.sampling_params import BYTES_MAX
 
-    try:
-        value = ascii_int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number of bytes, got {text!r}") from None
-    if not 1 <= value <= BYTES_MAX:
-        shown = str(value) if len(str(value)) <= 40 else str(value)[:37] + "..."
-        raise argparse.ArgumentTypeError(f"expected a positive number of bytes up to {BYTES_MAX}, got {shown}")
-    return value
+    return _whole(text, 1, BYTES_MAX, "a positive number of bytes")
 
 
 def positive_float(text: str) -> float:
