@@ -533,3 +533,25 @@ def test_a_context_longer_than_the_models_says_what_to_use(tiny_llama_dir):
     assert load_failure(ModelLoadError("no such model")) == "model failed to load: no such model"
     assert load_failure(ValueError("device='tpu' is unknown")).startswith("engine setting refused: ")
     assert load_failure(RuntimeError("boom")) == "model failed to load: boom"
+
+
+# Trial 13: messages named only the Python setting ("raise num_kv_blocks", "speculative_model='ngram'")
+# where a CLI, server or app user sets an option, and said "the pool has 1 blocks". The library's name
+# stays first; the option follows in parentheses, as the pool-memory messages already did.
+def test_setting_advice_names_the_option_beside_the_setting_and_one_block_is_singular(make_tiny_engine):
+    from nanovllm_core.config import EngineConfig
+    from nanovllm_core.educational.narrator import Narrator
+
+    with pytest.raises(ValueError, match=r"speculative_model='ngram' \(--speculative-model ngram\)$"):
+        EngineConfig(num_speculative_tokens=3)
+    engine = make_tiny_engine(num_kv_blocks=2, block_size=16)
+    field, reason = engine.request_problem([5] * 20, SamplingParams(max_tokens=100))
+    assert field == "max_tokens" and reason.endswith("raise num_kv_blocks (--num-kv-blocks) or lower max_tokens"), reason
+    field, reason = engine.request_problem([5] * 40, SamplingParams(max_tokens=1))
+    assert field == "prompt" and reason.endswith("shorten the prompt or raise num_kv_blocks (--num-kv-blocks)"), reason
+    field, reason = engine.request_problem([5] * 4, SamplingParams(max_tokens=1, n=10**4))
+    assert field == "n" and reason.endswith("raise max_num_seqs (--max-num-seqs)"), reason
+    info = {"model_name": "M", "num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2,
+            "head_dim": 16, "vocab_size": 100, "kv_bytes_per_token": 256, "num_kv_blocks": 1, "block_size": 16}
+    [note] = Narrator(model_info=info).introduction()
+    assert "the pool has 1 block of 16 tokens" in note.text, note.text

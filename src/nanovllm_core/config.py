@@ -297,7 +297,7 @@ class EngineConfig:
         if spec is None:
             if self.num_speculative_tokens is not None:
                 raise ValueError("num_speculative_tokens is set but speculative_model is None; "
-                                 "choose a proposer, e.g. speculative_model='ngram'")
+                                 "choose a proposer, e.g. speculative_model='ngram' (--speculative-model ngram)")
             return
         if not isinstance(spec, str) or not spec.strip():
             raise ValueError(f"speculative_model={spec!r} is invalid: use 'ngram', 'self:N', 'target' or a model path")

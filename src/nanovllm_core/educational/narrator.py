@@ -221,7 +221,7 @@ class Narrator(SchedulerNarration):
                 f"{i.get('num_parameters', 0) / 1e6:.0f} M parameters in {i['num_layers']} decoder layers, "
                 f"hidden size {i['hidden_size']}, {sharing} heads of {i['head_dim']} dimensions, a vocabulary of "
                 f"{i['vocab_size']:,} tokens. Each token kept in the KV cache costs "
-                f"{i['kv_bytes_per_token']:,} bytes; the pool has {i.get('num_kv_blocks', 0):,} blocks of "
+                f"{i['kv_bytes_per_token']:,} bytes; the pool has {plural(i.get('num_kv_blocks', 0), 'block')} of "
                 f"{i.get('block_size', 0)} tokens.")
         return [Commentary("model", "The model", text)]
 

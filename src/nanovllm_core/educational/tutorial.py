@@ -813,7 +813,7 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
             lines.extend(_decode_bytes(info))
         elif key == "paged_attention" and g("block_size"):
             per = g("kv_bytes_per_token") or 0
-            lines.append(f"This engine's pool: {g('num_kv_blocks'):,} blocks of {g('block_size')} tokens, "
+            lines.append(f"This engine's pool: {plural(g('num_kv_blocks'), 'block')} of {g('block_size')} tokens, "
                          f"{per * g('block_size'):,} bytes each; a request leaves at most {g('block_size') - 1} "
                          f"slots empty, {g('block_size') - 1} + k while it speculates with k drafts.")
         elif key == "continuous_batching" and g("max_num_seqs"):

@@ -374,7 +374,7 @@ class LLMEngine(EventSource):
         if n_prompt >= self.max_model_len:
             return "prompt", (f"the prompt has {n_prompt} token{'s' if n_prompt != 1 else ''} but max_model_len is {self.max_model_len}, "
                     "which must also leave room for at least one output token; "
-                    "shorten the prompt or raise max_model_len")
+                    "shorten the prompt or raise max_model_len (--max-model-len)")
         overflow = max_tokens_overflow(n_prompt, params.max_tokens, self.max_model_len) if fit_context else None
         if overflow is not None:
             return "max_tokens", overflow
@@ -383,17 +383,17 @@ class LLMEngine(EventSource):
             return "stop_token_ids", f"stop_token_ids contains {bad[0]}, outside the vocabulary (0..{vocab - 1})"
         if params.n > self.scheduler.max_num_seqs:  # n sequences run side by side: more could never all be admitted
             return "n", (f"n={params.n} asks for more sequences than this engine runs at once "
-                         f"(max_num_seqs={self.scheduler.max_num_seqs}); lower n or raise max_num_seqs")
+                         f"(max_num_seqs={self.scheduler.max_num_seqs}); lower n or raise max_num_seqs (--max-num-seqs)")
         pool = self.block_manager.num_blocks
         least = self.block_manager.blocks_needed(n_prompt + 1)  # the prompt and one output token: max_tokens=1
         if least > pool:  # no max_tokens would fit: the prompt is at fault
             return "prompt", (f"the prompt has {n_prompt} token{'s' if n_prompt != 1 else ''}, which with one output token "
-                    f"needs {least} KV blocks but the pool has only {pool}; shorten the prompt or raise num_kv_blocks")
+                    f"needs {least} KV blocks but the pool has only {pool}; shorten the prompt or raise num_kv_blocks (--num-kv-blocks)")
         limit = min(self.max_model_len, n_prompt + (params.max_tokens or self.max_model_len))
         need = self.block_manager.blocks_needed(limit)
         if need > pool:  # the prompt fits: it is max_tokens (or, absent, max_model_len) that pushes it over
             return "max_tokens", (f"the request may need {need} KV blocks ({limit} token{'s' if limit != 1 else ''}) but the pool has only "
-                    f"{self.block_manager.num_blocks}; raise num_kv_blocks or lower max_tokens")
+                    f"{self.block_manager.num_blocks}; raise num_kv_blocks (--num-kv-blocks) or lower max_tokens")
         if not self.scheduler.enable_chunked_prefill and n_prompt > self.scheduler.token_budget:
             return "prompt", (f"the prompt has {n_prompt} token{'s' if n_prompt != 1 else ''}, more than the per-step budget "
                     f"({self.scheduler.token_budget}) with chunked prefill off; enable chunked prefill")

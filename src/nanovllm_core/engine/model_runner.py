@@ -365,7 +365,7 @@ class ModelRunner:
             used = s.block_table[: -(-k // bs)]
             if len(used) * bs < k or any(not 0 <= b < nb for b in used):
                 raise ValueError(f"sequence {s.seq_id}'s block table {used} cannot hold its {k} token{'s' if k != 1 else ''} "
-                                 f"in a pool of {nb} blocks")
+                                 f"in a pool of {nb} block{'s' if nb != 1 else ''}")
             tables.extend(used)
             tables.extend([0] * (width - len(used)))
             rows.extend([i] * s.num_new_tokens)

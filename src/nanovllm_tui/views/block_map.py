@@ -20,7 +20,7 @@ def summary_text(blocks: ev.BlocksChanged, prefix_caching: bool | None = None) -
     used, cached = blocks.states.count("u"), blocks.states.count("c")
     shared = sum(1 for r in blocks.ref_counts if r > 1)
     text = Text.assemble(
-        (f"{blocks.num_blocks} blocks", "bold"), f" × {blocks.block_size} tokens · ",
+        (plural(blocks.num_blocks, "block"), "bold"), f" × {blocks.block_size} tokens · ",
         (f"{used} used", "bold"), f" ({shared} shared) · ", (f"{cached} cached-free", CACHED_COLOR), " · ",
         (f"{blocks.num_blocks - used - cached} free", "grey62"),
         " · prefix caching off" if prefix_caching is False else f" · prefix-cache hit rate {blocks.prefix_cache_hit_rate:.0%}",

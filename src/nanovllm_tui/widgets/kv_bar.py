@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from nanovllm_tui.state import EngineState
+from nanovllm_core.educational.commentary import plural
 from nanovllm_tui.widgets.format import first_fitting, fmt_bytes
 from nanovllm_tui.widgets.live import LiveStatic
 
@@ -49,6 +50,6 @@ class KVMemoryBar(LiveStatic):
                           "  ", (f"{FREE[0]} free {free}", "grey62"))))
         text.append("\n")
         text.append_text(first_fitting(
-            width, Text(f"of {total} blocks, {fmt_bytes(per_block)} each: {fmt_bytes(bytes_total)} in all", style="dim"),
-            Text(f"of {total} blocks: {fmt_bytes(bytes_total)}", style="dim")))
+            width, Text(f"of {plural(total, 'block')}, {fmt_bytes(per_block)} each: {fmt_bytes(bytes_total)} in all", style="dim"),
+            Text(f"of {plural(total, 'block')}: {fmt_bytes(bytes_total)}", style="dim")))
         self.show_content(text)
