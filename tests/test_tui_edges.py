@@ -270,6 +270,34 @@ def _log_rows(app) -> list[str]:
     return [line.text[region.x:region.right] for line in lines[region.y:region.bottom]]
 
 
+# The "blank Narrator" (trials 7, 11, 12; reproduced in a terminal on 2026-12-07: a prompt answered on the
+# Dashboard, then Esc 3: the Narrator stayed blank, the engine idle): the tab just shown was not laid out when
+# its first slice came due, and the one later look found it not yet on screen; with no engine event after
+# it, nothing looked again. Here the first looks find it off screen, as the terminal did; the entries must
+# still come, with no event and no key.
+async def test_the_narrator_just_shown_fills_itself_though_its_first_looks_find_it_not_laid_out(tmp_path,
+                                                                                                monkeypatch):
+    from nanovllm_tui.views.narrator import NarratorView
+
+    app = replay_app(tmp_path)  # paused: no engine event comes meanwhile
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.state.paused, timeout=20, what="the paused replay")
+        view = app.query_one(NarratorView)
+        view.add([_backlog_note(i) for i in range(20)])
+        real = NarratorView.is_on_screen
+        looks = []
+
+        def late_layout(self) -> bool:
+            looks.append(1)
+            return len(looks) > 3 and real.fget(self)
+
+        monkeypatch.setattr(NarratorView, "is_on_screen", property(late_layout))
+        await pilot.press("escape", "3")
+        await wait_until(pilot, lambda: any("newest-check-19" in row for row in _log_rows(app)), timeout=10,
+                         what="the queued entries on the Narrator with the engine idle")
+        assert len(looks) > 3 and not view.pending
+
+
 # Newcomer trial 7: the Narrator tab, hidden all session (its queue full: MAX_PENDING entries, more lines than
 # the log's MAX_LINES), was once shown blank when first opened with 2 then 3 while paused; End, Home, f and n
 # left it blank, 1 then 3 brought the text back. Not reproduced here (see the report); this holds the case.

@@ -32,6 +32,8 @@ BAR_WIDTH = 20  # cells for a probability of 1 (fixed: the log's width is not kn
 # the UI thread 1.2 s at 120x40 and 1.9 s at 60x20 (2-core AMD EPYC, load ~5; 3-5 ms an entry), the log's box
 # drawn empty and keys unanswered meanwhile (newcomer trial 7: a Narrator first shown blank); 50 take ~0.2 s.
 WRITE_SLICE = 50
+LAYOUT_POLL_S = 0.05  # how soon a tab just shown, not yet laid out, is looked at again
+SLICE_GAP_S = 0.02  # between slices: a frame, and keys, get their turn
 
 
 class NarratorView(EngineView):
@@ -106,7 +108,7 @@ class NarratorView(EngineView):
             # character a line, for good (trial 10). Wait for the layout.
             if (self.pending or self.skipped) and not self._draining:
                 self._draining = True
-                self.call_after_refresh(self._drain)
+                self.set_timer(LAYOUT_POLL_S, self._drain)
             return
         self._width_changed()
         if self.skipped:
@@ -116,14 +118,24 @@ class NarratorView(EngineView):
             note = self.pending.popleft()
             if self._shows(note):
                 log.write(commentary_text(note, BAR_WIDTH))
-        if self.pending and not self._draining:
+        if self.pending and not self._draining:  # the next slice on a timer: it runs with the app idle too
             self._draining = True
-            self.call_after_refresh(self._drain)
+            self.set_timer(SLICE_GAP_S, self._drain)
 
     def _drain(self) -> None:
+        """Write the next slice while the tab is on screen. A tab just shown may not be laid out yet
+        when this runs: then try again shortly for as long as the tab is the one shown. Before, the
+        entries waited for the next engine event, and with the engine idle the tab stayed blank until
+        a key or a resize (the "blank Narrator" of trials 7, 11 and 12)."""
         self._draining = False
-        if self.pending and self.is_attached and self.is_on_screen:
+        if not (self.pending or self.skipped) or not self.is_attached:
+            return
+        laid_out = self.is_on_screen and self.query_one(RichLog).scrollable_content_region.width
+        if laid_out:
             self._write_slice()
+        elif self.app.view() is self:  # shown, not laid out yet
+            self._draining = True
+            self.set_timer(LAYOUT_POLL_S, self._drain)
 
     def action_toggle_filter(self) -> None:
         self.only_selected = not self.only_selected
