@@ -322,8 +322,17 @@ class DashboardView:
         if last is not None:
             # a step the X-Ray traced has its capture in its time (trial 12): its rates say so
             which = "(last step, X-Ray capture included)" if getattr(last, "traced", False) else "(last step)"
-            speed.add_row("Prefill", f"{rate(last.prefill_tokens_per_s)} tok/s {which}")
-            speed.add_row("Decode", f"{rate(last.decode_tokens_per_s)} tok/s {which}")
+            if last.num_prefill_tokens and last.num_decode_tokens:
+                # a mixed step's time is shared by its prefill and decode rows (trial 13b): neither kind's
+                # tokens over it is a rate of that kind, so the rate of all its tokens is told instead
+                speed.add_row("All tokens", f"{rate(last.num_tokens / last.wall_time_s) if last.wall_time_s > 0 else '-'}"
+                              f" tok/s {which}")
+                speed.add_row("", Text(f"(a mixed step: {last.num_prefill_tokens} prefill + {last.num_decode_tokens} "
+                                       "decode or draft tokens share its time, so no prefill or decode rate of "
+                                       "its own)", style="dim"))
+            else:
+                speed.add_row("Prefill", f"{rate(last.prefill_tokens_per_s)} tok/s {which}")
+                speed.add_row("Decode", f"{rate(last.decode_tokens_per_s)} tok/s {which}")
             elapsed = (self.ended or 0) - (self.started or 0)
             if elapsed > 0:
                 # engine steps only: from the first step's plan to the last step's end. The command's

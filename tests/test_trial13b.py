@@ -1,0 +1,84 @@
+"""Trial 13b (issue 29): an inference expert's review of the teaching text."""
+
+from __future__ import annotations
+
+import io
+import re
+from dataclasses import replace
+
+from rich.console import Console
+
+from nanovllm_core import events as ev
+from nanovllm_core.educational.dashboard_view import DashboardView
+from tests.test_narrator import INFO, added, entry, fresh, planned, sampled, timed
+
+
+def mixed_timed(step=1, wall=0.0756, prefill=3, decode=1):
+    return replace(timed(step, wall=wall, tokens=prefill + decode), num_prefill_tokens=prefill,
+                   num_decode_tokens=decode, prefill_tokens_per_s=prefill / wall, decode_tokens_per_s=decode / wall)
+
+
+def mixed_prefill_entry(traced=False):
+    """A prompt's 3 tokens prefilled in a step where request 1 also decodes 1 token."""
+    n = fresh()
+    n.feed(added("1", max_tokens=4))
+    n.feed(planned(0, [entry("1")]))
+    n.feed(sampled(0, rid="1"))
+    n.feed(timed(0))
+    n.feed(added("0"))
+    n.feed(planned(1, [entry("0"), entry("1", kind="decode", num=1, start=3, total_len=4)]))
+    n.feed(sampled(1, rid="0"))
+    n.feed(sampled(1, rid="1", n_out=2))
+    step = mixed_timed()
+    return next(c for c in n.feed(replace(step, traced=traced)) if c.kind == "prefill" and c.request_id == "0")
+
+
+def test_a_mixed_step_tells_the_rate_of_all_its_tokens_and_no_prefill_rate():
+    """Seen: "The step took 75.6 ms for its 4 tokens, 3 of them prefill: a prefill rate of 40 tokens/s":
+    3 prefill tokens over a step that also decoded is no prefill rate."""
+    flat = " ".join(mixed_prefill_entry().text.split())
+    assert "a prefill rate of" not in flat and "40 tokens/s" not in flat, flat
+    assert ("The step took 75.6 ms for its 4 tokens, 3 of them prefill and 1 decoded or verified: 53 tokens/s for all "
+            "of them; a step that also decodes has no prefill rate of its own") in flat, flat
+    traced = " ".join(mixed_prefill_entry(traced=True).text.split())
+    assert "53 tokens/s for all of them with the X-Ray's capture" in traced and "prefill rate of 40" not in traced
+
+
+def test_a_pure_prefill_step_keeps_its_prefill_rate():
+    n = fresh()
+    n.feed(added())
+    n.feed(planned(0, [entry()]))
+    n.feed(sampled(0))
+    pre = next(c for c in n.feed(timed(0, wall=0.05)) if c.kind == "prefill")
+    assert "The step took 50.0 ms for its 3 tokens: a prefill rate of 60 tokens/s." in " ".join(pre.text.split())
+
+
+def render(*events) -> str:
+    buf = io.StringIO()
+    view = DashboardView(Console(file=buf, width=140, highlight=False), INFO)
+    for e in events:
+        view(e)
+    view.stop()
+    return " ".join(re.sub(r"[│╭╮╰╯─]", " ", buf.getvalue()).split())
+
+
+def test_the_cli_dashboard_tells_no_prefill_or_decode_rate_for_a_mixed_step():
+    board = render(mixed_timed())
+    assert "Prefill 40" not in board and "Decode 13" not in board, board
+    assert "All tokens 52.9 tok/s (last step)" in board, board  # 4 / 75.6 ms
+    assert "(a mixed step: 3 prefill + 1 decode or draft tokens" in board, board
+    pure = render(timed(0, wall=0.05))
+    assert "Prefill 60.0 tok/s (last step)" in pure and "All tokens" not in pure, pure
+
+
+def test_the_app_rates_leave_out_mixed_steps_and_the_border_says_so():
+    from nanovllm_tui.state import EngineState
+    from nanovllm_tui.widgets.throughput import mixed_caption
+
+    state = EngineState()
+    state.apply(timed(0, wall=0.1, tokens=10))  # pure prefill: 100 tok/s
+    state.apply(mixed_timed(1, wall=0.1, prefill=3, decode=1))
+    assert state.rate("prefill") == (100.0, 1)  # not (10 + 3) / 0.2
+    assert state.rate("decode") == (0.0, 0)
+    assert mixed_caption(1, 80) == "1 mixed prefill+decode step not in rates"
+    assert mixed_caption(0, 80) == ""
