@@ -82,3 +82,18 @@ def test_the_app_rates_leave_out_mixed_steps_and_the_border_says_so():
     assert state.rate("decode") == (0.0, 0)
     assert mixed_caption(1, 80) == "1 mixed prefill+decode step not in rates"
     assert mixed_caption(0, 80) == ""
+
+
+def test_the_docs_say_what_the_narrator_tells_over_a_traced_step():
+    """docs/app.md said the Narrator "tells no bandwidth or prefill rate" over a traced step, and
+    docs/teaching.md "tells no rate over it"; it gives a rate, labelled as including the capture."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    text = mixed_prefill_entry(traced=True).text
+    assert "tokens/s" in text and "X-Ray's capture" in text  # a rate is told, and labelled
+    app = " ".join((root / "docs" / "app.md").read_text().split())
+    teaching = " ".join((root / "docs" / "teaching.md").read_text().split())
+    assert "tells no bandwidth or prefill rate over it" not in app
+    assert "labelled as including the capture" in app
+    assert "tells no rate over it" not in teaching and "labels the one rate it gives" in teaching
