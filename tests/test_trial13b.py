@@ -97,3 +97,30 @@ def test_the_docs_say_what_the_narrator_tells_over_a_traced_step():
     assert "tells no bandwidth or prefill rate over it" not in app
     assert "labelled as including the capture" in app
     assert "tells no rate over it" not in teaching and "labels the one rate it gives" in teaching
+
+
+def test_a_waiting_requests_preemption_says_vllm_v1_would_let_it_wait():
+    """The scheduler said it "follows vLLM's V1 scheduler", but V1 never preempts for a waiting request
+    (its waiting loop stops at `if new_blocks is None: break`); that was V0's _schedule_priority_preemption.
+    The entry, the scheduler's docstring, docs/engine.md's migration advice and the tutorial say so."""
+    from pathlib import Path
+
+    from nanovllm_core.educational.tutorial import chapter
+    from nanovllm_core.engine import scheduler
+    from tests.test_narrator import queued
+
+    chunk = entry("1", num=3, prompt_len=37, total_len=37, priority=5)
+    waiting = ev.Shortfall(request_id="1", seq_id=1, index=0, blocks_needed=3, blocks_free=2, waiting=True)
+    plan = replace(planned(14, [chunk], preempted=[queued("0", num_tokens=20, preemptions=1)], waiting=[queued("0")],
+                           admitted=("1",)), shortfalls=(waiting,))
+    for p in (plan, replace(plan, shortfalls=())):  # with its shortfall, and a recording made before them
+        pre = next(c for c in fresh().feed(p) if c.kind == "preemption")
+        assert "vLLM V0 did this too; vLLM V1 preempts only for a running request and lets a waiting one wait" \
+            in pre.text, pre.text
+    doc = " ".join(scheduler.__doc__.split())
+    assert "That rule is not vLLM V1's" in doc and "_schedule_priority_preemption" in doc
+    engine = " ".join((Path(__file__).resolve().parent.parent / "docs" / "engine.md").read_text().split())
+    assert "To keep the same order under vLLM, pass" not in engine
+    assert "vLLM V1 never preempts for a waiting request" in engine
+    text = " ".join(chapter("chunked_prefill").text.split())
+    assert "as vLLM V0 did; vLLM V1 does not" in text

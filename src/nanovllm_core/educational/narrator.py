@@ -26,7 +26,8 @@ Readability with many requests: steady decode-only steps produce no scheduler en
 ``max_decode_steps_per_request`` caps the per-token entries of each request (the rest are
 summed up when it finishes).
 
-Sources: the scheduler rules are vLLM's V1 scheduler (see ``engine/scheduler.py``); the
+Sources: the scheduler rules are vLLM's V1 scheduler but for a waiting request's preemption of
+running ones, which was vLLM V0's (see ``engine/scheduler.py``); the
 terms (prefill, decode, token budget, preemption, prefix cache hit, TTFT, TPOT) are vLLM's.
 
 Why past ~400 lines: one class turns every event kind into sentences, in the order a step

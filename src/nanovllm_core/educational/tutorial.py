@@ -606,8 +606,9 @@ CHAPTERS: tuple[Chapter, ...] = (
         while a few are still free), the engine preempts: the running request with the lowest priority, and the latest arrival among equals,
         gives back all its blocks and returns to the waiting queue. It keeps the tokens it generated;
         when it is readmitted, the full blocks of its tokens (prompt and generated) that are still in the
-        prefix cache are reused, and only the rest is recomputed. A high-priority request may also preempt lower-priority
-        ones to get in.
+        prefix cache are reused, and only the rest is recomputed. Here a waiting high-priority request may also
+        preempt lower-priority ones to get in, as vLLM V0 did; vLLM V1 does not: its waiting request waits until blocks
+        free up, and only a running request that needs blocks preempts.
 
         Preemption trades some recomputation for never running out of memory in the middle of a step.
         """,
