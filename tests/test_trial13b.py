@@ -124,3 +124,18 @@ def test_a_waiting_requests_preemption_says_vllm_v1_would_let_it_wait():
     assert "vLLM V1 never preempts for a waiting request" in engine
     text = " ".join(chapter("chunked_prefill").text.split())
     assert "as vLLM V0 did; vLLM V1 does not" in text
+
+
+def test_chapter_13_says_engines_refuse_an_uneven_split_not_that_a_kv_head_is_cut():
+    """Seen: "No engine can use an N ...: ... which would each need half a KV head" and "a KV head cut
+    between ranks, in any engine". A KV head is never halved: the query heads would split unevenly and a
+    KV head would be needed on two ranks; vLLM and this engine refuse it by their divisibility checks."""
+    from nanovllm_core.educational.tutorial import chapter
+
+    c = chapter("tensor_parallel")
+    text = " ".join(c.text.split()) + " " + " ".join(c.quiz.explanation.split())
+    for wrong in ("No engine can", "half a KV head", "cut between ranks", "in any engine"):
+        assert wrong not in text, wrong
+    assert "vLLM and this engine both refuse (their divisibility checks)" in text
+    assert "split its query heads unevenly (5 and 4)" in text and "needed whole on both ranks" in text
+    assert "vLLM and this engine both refuse such an N" in text
