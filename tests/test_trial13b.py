@@ -139,3 +139,25 @@ def test_chapter_13_says_engines_refuse_an_uneven_split_not_that_a_kv_head_is_cu
     assert "vLLM and this engine both refuse (their divisibility checks)" in text
     assert "split its query heads unevenly (5 and 4)" in text and "needed whole on both ranks" in text
     assert "vLLM and this engine both refuse such an N" in text
+
+
+def test_the_cli_dashboard_shows_preemptions_and_the_recompute_beside_the_prompt_bar():
+    """Seen: "Prefill 11/11 prompt tokens" and no preemption anywhere while --show-memory-stats said
+    "preemptions: 1". The dashboard shows each request's preemptions (and tokens computed again) and a total,
+    and says the prompt bar does not count the recompute."""
+    from tests.test_narrator import queued
+
+    steps = [added("0"), added("1", ids=(1, 2, 3), pieces=("a", "b", "c")),
+             planned(0, [entry("0"), entry("1")]), timed(0, tokens=6),
+             planned(1, [entry("0", kind="decode", num=1, start=3, total_len=4),
+                         entry("1", kind="decode", num=1, start=3, total_len=4)]), timed(1, tokens=2),
+             # request 1 gives back its blocks (5 tokens: 3 prompt + 2 generated, 4 computed)
+             planned(2, [entry("0", kind="decode", num=1, start=4, total_len=5)],
+                     preempted=[queued("1", num_tokens=5, preemptions=1)], waiting=[queued("1")], admitted=()),
+             timed(2, tokens=1),
+             planned(3, [entry("1", num=5, start=0, prompt_len=3, total_len=5)]), timed(3, tokens=5)]
+    board = render(*steps)
+    assert "6/6 prompt tokens; 1 preemption, 4 tokens recomputed (not in the bar)" in board, board
+    assert "preempted" in board and "1 (4 again)" in board, board
+    quiet = render(*steps[:4])
+    assert "recomputed" not in quiet and "preemption," not in quiet
