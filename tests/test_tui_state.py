@@ -68,9 +68,10 @@ def test_throughput_is_tokens_over_engine_time(steps):
     state = fold(prologue, groups, 2)
     timed = [e for g in groups[:2] for e in g if isinstance(e, ev.StepTimed)]
     prefill, decode = state.throughput()  # each over the steps that did that kind of work
-    prefilled = [t for t in timed if t.num_prefill_tokens]
+    prefilled = [t for t in timed if t.num_prefill_tokens and not t.num_decode_tokens]
     assert prefill == pytest.approx(sum(t.num_prefill_tokens for t in prefilled) / sum(t.wall_time_s for t in prefilled))
-    assert decode == pytest.approx(1 / timed[1].wall_time_s)  # one decode token in step 1, none in step 0
+    # step 1 prefilled and decoded one token: its time is shared, so it is in neither rate (trial 13b)
+    assert timed[1].num_prefill_tokens and timed[1].num_decode_tokens == 1 and decode == 0
 
 
 def test_layer_traces_keep_only_the_newest_step(steps):
@@ -207,7 +208,7 @@ def test_the_dashboards_prefill_rate_is_the_one_the_narrator_tells():
             assert timed.num_prefill_tokens and found.group(1) == f"{alone.rate('prefill')[0]:,.0f}"
             checked += 1
     assert checked
-    prefill_steps = [t for t in state.timings if t.num_prefill_tokens][-10:]
+    prefill_steps = [t for t in state.timings if t.num_prefill_tokens and not t.num_decode_tokens][-10:]
     rate, steps = state.rate("prefill")
     assert steps == len(prefill_steps)
     assert rate == pytest.approx(sum(t.num_prefill_tokens for t in prefill_steps)
@@ -215,8 +216,8 @@ def test_the_dashboards_prefill_rate_is_the_one_the_narrator_tells():
 
     one = EngineState()  # a prompt prefilled in one step, then 9 decode steps: the rate is that step's
     step = dict(num_running=1, num_waiting=0, kv_bytes_used=0, kv_bytes_total=1)
-    one.apply(ev.StepTimed(step=0, wall_time_s=0.1, num_tokens=102, num_prefill_tokens=100, num_decode_tokens=2,
-                           prefill_tokens_per_s=1000.0, decode_tokens_per_s=20.0, **step))
+    one.apply(ev.StepTimed(step=0, wall_time_s=0.1, num_tokens=100, num_prefill_tokens=100, num_decode_tokens=0,
+                           prefill_tokens_per_s=1000.0, decode_tokens_per_s=0.0, **step))
     for i in range(1, 10):
         one.apply(ev.StepTimed(step=i, wall_time_s=0.05, num_tokens=1, num_prefill_tokens=0, num_decode_tokens=1,
                                prefill_tokens_per_s=0.0, decode_tokens_per_s=20.0, **step))

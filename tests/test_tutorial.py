@@ -634,4 +634,6 @@ def test_the_tensor_parallel_chapter_tells_this_engines_rule_and_vllms_kv_head_r
     assert q.choices[q.answer] == "1, 2 and 4" and "this engine" in q.question
     assert valid_sizes(12, 4) == [1, 2, 4]  # what "this engine" means: engine/tp_facts' rule
     assert "At 12 this engine refuses, but vLLM accepts" in q.explanation
-    assert "At 3 or 6 a rank's query heads would read a KV head cut between ranks, in any engine" in q.explanation
+    # trial 13b: no KV head is cut, and engines refuse such an N by their checks, not by impossibility
+    assert "At 3 or 6 some KV head's query heads would fall on two ranks" in q.explanation
+    assert "vLLM and this engine both refuse such an N" in q.explanation

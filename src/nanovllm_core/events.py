@@ -339,7 +339,9 @@ class StepTimed(Event):
 
     ``wall_time_s`` seconds; token counts (``num_prefill_tokens``: prompt tokens computed,
     recomputes included; ``num_decode_tokens``: the rest, decodes and every draft verified,
-    also the drafts after a prompt's last token); throughputs in tokens/s over this step;
+    also the drafts after a prompt's last token); throughputs in tokens/s over this step (in a
+    step with both kinds of rows, each kind's tokens over the whole step's time, which is no rate of
+    that kind: the teaching views tell such a step's rate for all its tokens instead);
     KV bytes used and total of the pool (every tensor-parallel rank's slice together).
     ``yielded_s``: seconds the step waited while a front end drew a key's frame
     (``yield_gate.py``; 0 without one); not in ``wall_time_s`` nor the rates, but in the

@@ -457,12 +457,15 @@ class EngineState:
 
     def rate(self, kind: str) -> tuple[float, int]:
         """(tokens/s, steps): ``kind`` (``prefill`` or ``decode``) tokens over the wall time of the
-        newest ``RATE_WINDOW`` steps that processed any, and how many steps that is.
+        newest ``RATE_WINDOW`` steps that processed only that kind, and how many steps that is.
 
         Over one step this is that step's ``StepTimed.<kind>_tokens_per_s``, the rate the Narrator
-        tells for a prefill step, so the two agree; steps without such tokens do not dilute it.
+        tells for a prefill step, so the two agree; steps without such tokens do not dilute it. A
+        mixed step (prefill rows beside decode or draft rows, ``mixed_step``) counts in neither: its
+        time is shared by both kinds, so its tokens of one kind over it are no rate of that kind
+        (trial 13b); the Throughput panel's border says when such steps are among the newest.
         """
-        steps = [t for t in self.timings if getattr(t, f"num_{kind}_tokens")][-RATE_WINDOW:]
+        steps = [t for t in self.timings if getattr(t, f"num_{kind}_tokens") and not mixed_step(t)][-RATE_WINDOW:]
         wall = sum(t.wall_time_s for t in steps)
         return (sum(getattr(t, f"num_{kind}_tokens") for t in steps) / wall if wall > 0 else 0.0), len(steps)
 
@@ -480,3 +483,9 @@ class EngineState:
         states = [r.ended_as if r.state == "unfinished" and r.ended_as else r.state for r in self.requests.values()]
         return (states.count("running"), states.count("waiting") + states.count("submitted"),
                 states.count("preempted"))
+
+
+def mixed_step(t: ev.StepTimed) -> bool:
+    """A step that prefilled and also decoded or verified drafts: its time is shared by both kinds of
+    rows, so neither kind's tokens over it is a rate of that kind (trial 13b)."""
+    return bool(t.num_prefill_tokens and t.num_decode_tokens)

@@ -1,7 +1,9 @@
 """``--dashboard``: a Rich live view of the engine while it generates.
 
 It shows the phase of the current step (prefill, decode or both), progress through the
-layers, each request's prefill and decode progress, the KV cache (blocks and bytes), tokens
+layers, each request's prefill and decode progress and its preemptions (the prompt bar counts
+each prompt token once; the tokens a preemption made the engine compute again are told beside it),
+the KV cache (blocks and bytes), tokens
 per second, the text being generated and the latest top predictions, all from the engine's
 events; for an engine split over ranks (tensor parallel), each rank's compute and all-reduce
 time in the last step.
@@ -82,6 +84,8 @@ class _Request:
     generated: int = 0
     text: str = ""
     finish_reason: str | None = None
+    preemptions: int = 0  # of any of its samples
+    recomputed: int = 0   # tokens computed again after a preemption (prompt and generated)
 
 
 class DashboardView:
@@ -118,6 +122,12 @@ class DashboardView:
         self.started: float | None = None
         self.ended: float | None = None
         self._plan: ev.StepPlanned | None = None
+        # Preemptions and their recompute (trial 13b: the panel showed "Prefill 11/11 prompt tokens" and
+        # no preemption while the engine counted one): seq id -> tokens computed, and -> computed when preempted.
+        self.preemptions = 0
+        self.recomputed = 0
+        self._computed: dict[int, int] = {}
+        self._lost: dict[int, int] = {}
         self._live: Live | None = None
         self._last_draw = 0.0
 
@@ -207,14 +217,27 @@ class DashboardView:
         self.phase = "prefill + decode" if len(kinds) > 1 else kinds.pop()
         self.layers_done = 0
         self.layers_traced_now = False
+        self._lost = {q: n for q, n in self._lost.items() if self._computed.get(q, 0) < n}
         for q in plan.preempted:
+            self.preemptions += 1
             r = self.requests.get(q.request_id)
             if r is not None:
-                r.state, r.computed = "preempted", 0
+                r.preemptions += 1
+                if q.index == 0:
+                    r.state, r.computed = "preempted", 0
+            if q.seq_id in self._computed:
+                self._lost[q.seq_id] = max(self._computed.pop(q.seq_id), self._lost.get(q.seq_id, 0))
         for s in plan.scheduled:
             r = self.requests.get(s.request_id)
             if r is not None and s.index == 0:
                 r.state = "running"
+            if s.kind == "prefill" and s.seq_id in self._lost:  # the part it had computed before: again
+                again = max(0, min(s.start + s.num_own_tokens, self._lost[s.seq_id]) - s.start)
+                self.recomputed += again
+                if r is not None:
+                    r.recomputed += again
+            # drafts count once kept: the next plan's start says so
+            self._computed[s.seq_id] = s.start + (s.num_own_tokens if s.kind == "prefill" else 1)
 
     def _timed(self, t: ev.StepTimed) -> None:
         self.num_steps += 1
@@ -283,8 +306,12 @@ class DashboardView:
                          Text(self._layers_hint(), style="dim"))
         prompt_total = sum(r.prompt_len for r in self.requests.values())
         prompt_done = sum(r.computed for r in self.requests.values())
+        note = ""
+        if self.preemptions:  # the bar counts prompt tokens once: a preemption's recompute is told beside it
+            note = (f"; {plural(self.preemptions, 'preemption')}, {plural(self.recomputed, 'token')} recomputed "
+                    "(not in the bar)")
         grid.add_row("Prefill", ProgressBar(total=max(prompt_total, 1), completed=prompt_done, width=BAR),
-                     f"{prompt_done}/{prompt_total} prompt tokens")
+                     f"{prompt_done}/{prompt_total} prompt tokens{note}")
         limits = [r.max_tokens for r in self.requests.values() if r.state != "rejected"]
         total = sum(m for m in limits if m) if limits and all(limits) else None
         gen = self.total_generated
@@ -296,15 +323,16 @@ class DashboardView:
         if len(self.requests) <= 1:
             return Text("")
         table = Table(box=None, header_style="bold", padding=(0, 1))
-        for col in ("request", "state", "prefill", "decode", "text"):
+        for col in ("request", "state", "prefill", "decode", "preempted", "text"):
             table.add_column(col)
         for rid, r in list(self.requests.items())[:MAX_REQUEST_ROWS]:
             state = r.state + (f" ({r.finish_reason})" if r.finish_reason else "")
             table.add_row(rid, state, f"{r.computed}/{r.prompt_len}",
                           f"{r.generated}/{r.max_tokens if r.max_tokens else '?'}",
+                          str(r.preemptions) + (f" ({r.recomputed} again)" if r.recomputed else ""),
                           NewestText(r.text.replace("\n", " ")))
         if len(self.requests) > MAX_REQUEST_ROWS:
-            table.add_row("...", f"{len(self.requests) - MAX_REQUEST_ROWS} more", "", "", "")
+            table.add_row("...", f"{len(self.requests) - MAX_REQUEST_ROWS} more", "", "", "", "")
         return Panel(table, title="Requests", title_align="left")
 
     def _memory_and_speed(self) -> Table:
@@ -322,8 +350,17 @@ class DashboardView:
         if last is not None:
             # a step the X-Ray traced has its capture in its time (trial 12): its rates say so
             which = "(last step, X-Ray capture included)" if getattr(last, "traced", False) else "(last step)"
-            speed.add_row("Prefill", f"{rate(last.prefill_tokens_per_s)} tok/s {which}")
-            speed.add_row("Decode", f"{rate(last.decode_tokens_per_s)} tok/s {which}")
+            if last.num_prefill_tokens and last.num_decode_tokens:
+                # a mixed step's time is shared by its prefill and decode rows (trial 13b): neither kind's
+                # tokens over it is a rate of that kind, so the rate of all its tokens is told instead
+                speed.add_row("All tokens", f"{rate(last.num_tokens / last.wall_time_s) if last.wall_time_s > 0 else '-'}"
+                              f" tok/s {which}")
+                speed.add_row("", Text(f"(a mixed step: {last.num_prefill_tokens} prefill + {last.num_decode_tokens} "
+                                       "decode or draft tokens share its time, so no prefill or decode rate of "
+                                       "its own)", style="dim"))
+            else:
+                speed.add_row("Prefill", f"{rate(last.prefill_tokens_per_s)} tok/s {which}")
+                speed.add_row("Decode", f"{rate(last.decode_tokens_per_s)} tok/s {which}")
             elapsed = (self.ended or 0) - (self.started or 0)
             if elapsed > 0:
                 # engine steps only: from the first step's plan to the last step's end. The command's

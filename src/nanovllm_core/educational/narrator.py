@@ -26,7 +26,8 @@ Readability with many requests: steady decode-only steps produce no scheduler en
 ``max_decode_steps_per_request`` caps the per-token entries of each request (the rest are
 summed up when it finishes).
 
-Sources: the scheduler rules are vLLM's V1 scheduler (see ``engine/scheduler.py``); the
+Sources: the scheduler rules are vLLM's V1 scheduler but for a waiting request's preemption of
+running ones, which was vLLM V0's (see ``engine/scheduler.py``); the
 terms (prefill, decode, token budget, preemption, prefix cache hit, TTFT, TPOT) are vLLM's.
 
 Why past ~400 lines: one class turns every event kind into sentences, in the order a step
@@ -466,16 +467,28 @@ class Narrator(SchedulerNarration):
                    "values fill reserved slots and count only for the drafts kept." if drafts else "")
         timing = ""
         if timed is not None and timed.wall_time_s > 0:  # the Dashboard's prefill rate, over this one step
-            rate = timed.num_prefill_tokens / timed.wall_time_s
+            others = timed.num_tokens - timed.num_prefill_tokens
+            # A step that also decodes or verifies drafts (trial 13b) shares its time between both kinds of
+            # rows: prefill tokens over it are no prefill rate, so tell the rate of all its tokens instead.
+            counted = timed.num_tokens if others else timed.num_prefill_tokens
+            rate = counted / timed.wall_time_s
             figure = f"{rate:,.0f}" if rate >= 10 else f"{rate:.1f}"
-            mixed = (f", {timed.num_prefill_tokens} of them prefill" if timed.num_prefill_tokens != timed.num_tokens
-                     else "")
-            timing = (f" The step took {ms(timed.wall_time_s)} for its {plural(timed.num_tokens, 'token')}{mixed}: "
-                      f"a prefill rate of {figure} tokens/s.{yielded_note(timed)}")
+            took = f" The step took {ms(timed.wall_time_s)} for its {plural(timed.num_tokens, 'token')}"
+            if others:
+                took += (f", {timed.num_prefill_tokens} of them prefill and {others} decoded or verified: "
+                         f"{figure} tokens/s for all of them")
+                own = ("; a step that also decodes has no prefill rate of its own, its time is shared by both "
+                       "kinds of rows")
+            else:
+                own = ""
             if getattr(timed, "traced", False):  # the capture's time is in the rate: told, and not as the engine's
-                timing = (f" The step took {ms(timed.wall_time_s)} for its {plural(timed.num_tokens, 'token')}{mixed}, "
-                          f"{figure} tokens/s with the X-Ray's capture of its layers inside it, so not the engine's "
-                          f"own prefill rate: a step the X-Ray does not trace runs faster.{yielded_note(timed)}")
+                timing = (f"{took}, {figure} tokens/s" if not others else took) + (
+                    " with the X-Ray's capture of its layers inside it, so not the engine's own "
+                    f"{'prefill ' if not others else ''}rate: a step the X-Ray does not trace runs faster"
+                    f"{own}.{yielded_note(timed)}")
+            else:
+                timing = (f"{took}: a prefill rate of {figure} tokens/s" if not others else took) + \
+                    f"{own}.{yielded_note(timed)}"
         per_token = self.info.get("kv_bytes_per_token")
         kv = (f" Their keys and values, {n} x {per_token:,} = {n * per_token:,} bytes, are now in "
               "the KV cache." if per_token else " Their keys and values are now in the KV cache.")

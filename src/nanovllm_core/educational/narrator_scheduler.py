@@ -4,12 +4,18 @@ Only what a step's ``StepPlanned`` shows is told: the sequences it scheduled and
 tokens each, the running ones it could not reach, the waiting queue, the preempted, the
 admitted with their prefix-cache hits. The rules quoted are this engine's
 (``engine/scheduler.py``, ``engine/block_manager.py``), which follow vLLM's V1 scheduler,
-except the priority convention (see :data:`PRIORITY_NOTE`).
+except the priority convention (see :data:`PRIORITY_NOTE`) and a waiting request's preemption of running
+ones of lower priority (vLLM V0's rule: in V1 a waiting request that gets no blocks waits), which the
+preemption entry says where it happens.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+# Said wherever a waiting request preempts running ones (trial 13b): this engine's rule is not vLLM V1's.
+V0_RULE = ("vLLM V0 did this too; vLLM V1 preempts only for a running request and lets a waiting one wait "
+           "until blocks free up")
 
 from nanovllm_core import events as ev
 from nanovllm_core.educational.commentary import Commentary, agree, join_words, ordinal, plural
@@ -161,7 +167,7 @@ class SchedulerNarration:
                 why = (f"{needer}{f' (priority {prio})' if prio is not None else ''} was waiting and needed {need} "
                        f"to be admitted, and {free}. Under the priority policy a waiting request may take the blocks "
                        f"of running requests of lower priority, lowest first and the latest to arrive among equals, "
-                       f"so {name} (priority {q.priority}) was preempted")
+                       f"so {name} (priority {q.priority}) was preempted ({V0_RULE})")
             elif short.seq_id == q.seq_id:
                 why = (f"{name} needed {need} for this step and {free}, so the scheduler preempted {name} itself "
                        f"(priority {q.priority}): it was {rule}")
@@ -175,7 +181,7 @@ class SchedulerNarration:
             why = (f"{self._name(winner.request_id, winner.index)} (priority {winner.priority}) was waiting and too "
                    f"few KV blocks were free for it. Under the priority policy a waiting request may take the blocks "
                    f"of running requests of lower priority, lowest first and the latest to arrive among equals, so "
-                   f"{name} (priority {q.priority}) was preempted")
+                   f"{name} (priority {q.priority}) was preempted ({V0_RULE})")
         else:
             why = (f"A running request needed more KV blocks for this step than were free, so the scheduler "
                    f"preempted {name} (priority {q.priority}): it was {rule}, which can be the very request that "

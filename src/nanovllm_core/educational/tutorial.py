@@ -606,8 +606,9 @@ CHAPTERS: tuple[Chapter, ...] = (
         while a few are still free), the engine preempts: the running request with the lowest priority, and the latest arrival among equals,
         gives back all its blocks and returns to the waiting queue. It keeps the tokens it generated;
         when it is readmitted, the full blocks of its tokens (prompt and generated) that are still in the
-        prefix cache are reused, and only the rest is recomputed. A high-priority request may also preempt lower-priority
-        ones to get in.
+        prefix cache are reused, and only the rest is recomputed. Here a waiting high-priority request may also
+        preempt lower-priority ones to get in, as vLLM V0 did; vLLM V1 does not: its waiting request waits until blocks
+        free up, and only a running request that needs blocks preempts.
 
         Preemption trades some recomputation for never running out of memory in the middle of a step.
         """,
@@ -692,9 +693,11 @@ CHAPTERS: tuple[Chapter, ...] = (
         vLLM also accepts an N that is a multiple of the KV heads: it replicates each KV head on
         N / KV-heads ranks (QKVParallelLinear's num_kv_head_replicas), so every rank still holds a
         whole KV head for its query heads, and those ranks store the same keys and values, a cache
-        that is not split further. No engine can use an N that neither divides the KV heads nor is a
-        multiple of them: a model whose 9 query heads share 3 KV heads never splits over 2 ranks, which
-        would each need half a KV head.
+        that is not split further. An N that neither divides the KV heads nor is a multiple of them,
+        vLLM and this engine both refuse (their divisibility checks): over 2 ranks, a model whose 9 query
+        heads share 3 KV heads would split its query heads unevenly (5 and 4), and KV head 1, read by
+        query heads 3, 4 and 5, would be needed whole on both ranks. No KV head is ever cut in half; an
+        engine would have to copy that one to both, which neither does.
 
         On separate GPUs each rank brings its own arithmetic and memory bandwidth, so a decode step
         that waits on reading weights reads a third of them on each of 3 devices at once, and an
@@ -713,7 +716,8 @@ CHAPTERS: tuple[Chapter, ...] = (
               1,
               "In this engine each rank holds its share of whole KV heads together with the query heads that read "
               "them, so N must divide the 4 KV heads: 1, 2 or 4 (each of which also divides the 12 query heads). "
-              "At 3 or 6 a rank's query heads would read a KV head cut between ranks, in any engine. At 12 this "
+              "At 3 or 6 some KV head's query heads would fall on two ranks, so that whole KV head would be needed on "
+              "both; vLLM and this engine both refuse such an N (their divisibility checks). At 12 this "
               "engine refuses, but vLLM accepts: 12 is a multiple of 4, so it replicates each KV head on 3 ranks "
               "(num_kv_head_replicas = 12 / 4) and each rank holds 1 query head with a whole copy of its KV head "
               "(the MLP's intermediate size must still divide by 12)."),

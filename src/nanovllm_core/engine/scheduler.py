@@ -1,7 +1,8 @@
 """The scheduler: each engine step, decide which sequences run and how many tokens each.
 
-It follows vLLM's V1 scheduler (continuous batching, Yu et al. 2022 "Orca" iteration-level
-scheduling): one *token budget* per step shared by prefill and decode, *running* sequences
+It follows vLLM's V1 scheduler but for one rule of the ``priority`` policy (a waiting request's
+preemption of running ones, below): continuous batching (Yu et al. 2022 "Orca" iteration-level
+scheduling), one *token budget* per step shared by prefill and decode, *running* sequences
 served first (a decode costs one token; an unfinished prefill continues with its next
 chunk), then *waiting* ones admitted in policy order while budget, ``max_num_seqs`` and KV
 blocks last. A prompt longer than the remaining budget is prefilled in chunks over several
@@ -13,7 +14,9 @@ blocks than are free (one for a decode, several for a chunk), the least importan
 arrival) gives up all its blocks and goes back to the front of the waiting queue, keeping
 the tokens it has generated; when readmitted, its full blocks still in the prefix cache are
 reused and only the rest is recomputed. Under the ``priority`` policy a waiting request may also preempt running ones of
-lower priority when blocks are short.
+lower priority when blocks are short (``_preempt_for``). That rule is not vLLM V1's: V1 preempts only for a running
+request, and a waiting request that gets no blocks just waits (its waiting loop stops: ``if new_blocks is None: break``);
+preempting for a waiting request of higher priority was vLLM V0's (``_schedule_priority_preemption``).
 
 Speculative decoding (``num_speculative_tokens`` = k > 0): a sequence in decode is planned
 with ``1 + k`` tokens (its newest token plus up to k draft slots), all counted against the

@@ -7,7 +7,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 
 from nanovllm_core.educational.commentary import plural
-from nanovllm_tui.state import RATE_WINDOW, EngineState
+from nanovllm_tui.state import RATE_WINDOW, EngineState, mixed_step
 from nanovllm_tui.widgets.format import fmt_ms, fmt_rate, sparkline
 from nanovllm_tui.widgets.live import LiveStatic
 
@@ -23,7 +23,9 @@ class ThroughputPanel(Vertical):
     The rates leave out the time steps waited while the app drew a key's frame (``StepTimed.yielded_s``,
     ``nanovllm_core/yield_gate.py``); once there was any, the panel's bottom border says how much in all.
     Steps the X-Ray traced keep their capture in their rates (it runs inside the step); while any is among
-    the newest ``RATE_WINDOW``, the border says so too."""
+    the newest ``RATE_WINDOW``, the border says so too. A step that prefilled and decoded together
+    (``mixed_step``) is in neither rate nor sparkline (its time is shared by both kinds of rows); while any
+    is among the newest ``RATE_WINDOW``, the border says so (trial 13b)."""
 
     def compose(self) -> ComposeResult:
         for kind in STYLES:
@@ -33,18 +35,20 @@ class ThroughputPanel(Vertical):
     def show(self, state: EngineState) -> None:
         traced = sum(1 for t in list(state.timings)[-RATE_WINDOW:] if getattr(t, "traced", False))  # a deque
         width = self.size.width - 4
-        parts = [c for c in (yielded_caption(state.yielded_s, width), traced_caption(traced, width)) if c]
+        mixed = sum(1 for t in list(state.timings)[-RATE_WINDOW:] if mixed_step(t))
+        parts = [c for c in (yielded_caption(state.yielded_s, width), traced_caption(traced, width),
+                             mixed_caption(mixed, width)) if c]
         both = " · ".join(parts)
         self.border_subtitle = both if len(both) <= width else parts[0] if parts else ""
         rates = {kind: state.rate(kind) for kind in STYLES}
-        per_step = {"prefill": [t.prefill_tokens_per_s for t in state.timings],
-                    "decode": [t.decode_tokens_per_s for t in state.timings]}
+        per_step = {"prefill": [0.0 if mixed_step(t) else t.prefill_tokens_per_s for t in state.timings],
+                    "decode": [0.0 if mixed_step(t) else t.decode_tokens_per_s for t in state.timings]}
         busy = state.busy
         for kind, style in STYLES.items():
             rate, steps = rates[kind]
             now = rate if busy else 0.0
-            self.query_one(f"#{kind}-rate", LiveStatic).show_content(
-                Text.assemble((f"{kind:<8}", "bold"), f"{fmt_rate(now)} tok/s"))
+            figure = "- (only mixed steps)" if busy and not steps and mixed else f"{fmt_rate(now)} tok/s"
+            self.query_one(f"#{kind}-rate", LiveStatic).show_content(Text.assemble((f"{kind:<8}", "bold"), figure))
             spark = self.query_one(f"#{kind}-spark", LiveStatic)
             width = spark.content_region.width
             last = Text()
@@ -62,6 +66,16 @@ def traced_caption(steps: int, width: int) -> str:
     variants = [f"X-Ray capture counted in {plural(steps, 'recent step')}' rates"
                 if steps > 1 else "X-Ray capture counted in a recent step's rate",
                 "X-Ray capture counted in rates", "X-Ray in rates"]
+    return next((v for v in variants if len(v) <= width), variants[-1])
+
+
+def mixed_caption(steps: int, width: int) -> str:
+    """The bottom border when steps that prefilled and decoded together are among the newest ones: their time
+    is shared by both kinds of rows, so they are in neither rate (trial 13b); "" when none."""
+    if not steps:
+        return ""
+    variants = [f"{plural(steps, 'mixed prefill+decode step')} not in rates", "mixed steps not in rates",
+                "mixed not in rates"]
     return next((v for v in variants if len(v) <= width), variants[-1])
 
 
