@@ -108,6 +108,27 @@ async def test_a_model_that_cannot_load_is_reported_and_the_app_stays_up(tmp_pat
         await still_answers_keys(pilot)
 
 
+async def test_after_a_failed_load_every_tab_says_there_is_no_engine(tmp_path):
+    """Trial 13: after a failed load the KV panel said "waiting for the model", the Block Map and the X-Ray
+    "send a prompt": nothing will ever step. Each empty state now says there is no engine."""
+    app, notes = _app_loading(tmp_path, model=str(tmp_path / "no-such-model"))
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.phase == "failed", timeout=30, what="the load failure")
+        await pilot.press("escape", "1")
+        await pilot.pause()
+        shown = {"KV": str(app.query_one("#kv").render()), "output": str(app.query_one("#output").render())}
+        await pilot.press("escape", "5")
+        await pilot.pause()
+        shown["Block Map"] = str(app.query_one("#blocks-summary").render())
+        await pilot.press("escape", "2")
+        await pilot.pause()
+        shown["X-Ray"] = str(app.query_one("#xray-title").render())
+        for where, text in shown.items():
+            flat = " ".join(text.split())
+            assert "No engine: model failed to load (see the header)" in flat, (where, flat)
+            assert "send a prompt" not in flat.lower() and "waiting for" not in flat and "0/0" not in flat, (where, flat)
+
+
 async def test_a_60x20_terminal_folds_panels_away_and_keeps_working(tmp_path):
     app = replay_app(tmp_path)
     async with app.run_test(size=SIZE) as pilot:

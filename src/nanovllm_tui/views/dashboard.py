@@ -114,7 +114,8 @@ class DashboardView(EngineView):
         topk = self.query_one(TopKBars)
         if req is None:
             output.border_title = "Selected request"
-            output.show_content(Text("Type a prompt below and press Enter; its text streams in here.", style="dim"))
+            output.show_content(Text(state.no_engine or "Type a prompt below and press Enter; its text streams in here.",
+                                     style="dim"))
             topk.show((), None)
             return
         title = f"{req.request_id} · {req.state}"

@@ -22,6 +22,9 @@ class KVMemoryBar(LiveStatic):
     def show(self, state: EngineState) -> None:
         kv = state.kv
         info = state.model_info
+        if state.no_engine:
+            self.show_content(Text(f"KV cache: {state.no_engine}", style="dim"))
+            return
         if kv is not None and kv.num_blocks_total:
             total, used, cached = kv.num_blocks_total, kv.num_blocks_used, kv.num_blocks_cached
             bytes_total = kv.kv_bytes_total
