@@ -129,6 +129,28 @@ async def test_after_a_failed_load_every_tab_says_there_is_no_engine(tmp_path):
             assert "send a prompt" not in flat.lower() and "waiting for" not in flat and "0/0" not in flat, (where, flat)
 
 
+@pytest.mark.parametrize("size", [(120, 40), (60, 20)])
+async def test_the_kv_panel_names_the_step_its_figures_are_after(tmp_path, size):
+    """Trial 13: while step 46 ran the header said "running · step 46" and the KV panel showed the pool as
+    step 45 left it, unlabelled. Its title now says which step its figures are after."""
+    import dataclasses
+
+    app = replay_app(tmp_path)
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause()
+        assert "before any step" in app.query_one("#kv").border_title
+        app.controller.step(4)
+        await wait_until(pilot, lambda: app.state.kv is not None and app.state.kv.step == 3)
+        await pilot.pause()
+        assert app.query_one("#kv").border_title.endswith("after step 3")
+        app.state.apply(dataclasses.replace(app.state.plan, step=4))  # step 4 in flight: the header names it
+        app._redraw()
+        await pilot.pause()
+        assert app.state.step == 4 and ("step 4" in str(app.query_one("#header").render()) or size[0] < 100)
+        assert app.query_one("#kv").border_title.endswith("after step 3")
+        assert len(app.query_one("#kv").border_title) <= app.query_one("#kv").size.width - 4
+
+
 async def test_a_60x20_terminal_folds_panels_away_and_keeps_working(tmp_path):
     app = replay_app(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
