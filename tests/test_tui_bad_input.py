@@ -47,6 +47,30 @@ async def test_a_setting_that_is_not_a_number_is_not_sent(tiny_llama_dir, tmp_pa
         assert not app.state.requests and app.query_one("#prompt").value == "Hello"
 
 
+async def test_a_refused_settings_toast_goes_once_the_field_is_fixed(tiny_llama_dir, tmp_path):
+    """Trial 13: max "0" then Enter: the "Not sent: max tokens ..." toast stayed on screen after the field was
+    fixed and focus had moved. It goes when the field it names becomes valid, and shows again if it is broken again."""
+    app, notes = tiny_app(tiny_llama_dir, tmp_path), Notes()
+
+    def toasts() -> list[str]:
+        return [n.message for n in app._notifications if n.message.startswith("Not sent")]
+
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
+        app.query_one("#prompt").focus()
+        await pilot.press(*"Hello", "tab", "tab")
+        assert app.focused.id == "max-tokens"
+        await pilot.press("end", *["backspace"] * 5, "0", "enter")
+        await wait_until(pilot, lambda: toasts(), timeout=5, what="the refusal")
+        assert "max tokens must be a whole number" in toasts()[0]
+        await pilot.press("backspace", "5", "shift+tab")
+        await pilot.pause()
+        assert not toasts() and not str(app.query_one("#prompt-error").render())
+        await pilot.press("tab", "backspace", "0", "enter")  # broken again: said again, at once
+        await wait_until(pilot, lambda: toasts(), timeout=5, what="the refusal again")
+        assert not app.state.requests
+
+
 @pytest.mark.real_model
 async def test_a_prompt_longer_than_the_model_allows_is_rejected_with_the_reason(make_engine, tmp_path):
     app, notes = engine_app(make_engine, tmp_path, max_model_len=32), Notes()

@@ -378,6 +378,17 @@ class NanoVLLMApp(App):
         if self._mounted:  # the rack mounts the toast a refresh or two later
             self.set_timer(0.1, self._fit_toasts)
 
+    def withdraw(self, message: str) -> None:
+        """Take a notification off the screen before its time, once what it says is no longer true (a
+        prompt-bar setting it named was fixed; trial 13: "Not sent: max tokens ..." stayed after), and
+        let the same one show again at once."""
+        self._on_screen = {k: until for k, until in self._on_screen.items() if k[0] != message}
+        stale = [n for n in self._notifications if n.message == message]
+        for n in stale:
+            self._unnotify(n, refresh=False)
+        if stale:
+            self._refresh_notifications()
+
     def _narrator_failed(self, event: ev.Event, error: Exception) -> None:
         if not self._narrator_error_shown:
             self._narrator_error_shown = True
