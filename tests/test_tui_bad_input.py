@@ -210,9 +210,25 @@ async def test_abort_with_no_request_selected_says_so(tmp_path):
                       tutorial_path=tmp_path / "t.json")
     notes = Notes()
     async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.phase == "failed", timeout=30, what="the load failure")
         await pilot.press("escape", "a")
         await pilot.pause()
-        assert notes.find("No request is selected", "warning")
+        # trial 13: no model, so no request will come: neither "pick one" nor "send a prompt"
+        assert notes.find("No engine: model failed to load (see the header)", "warning")
+        await pilot.press("n")
+        await pilot.pause()
+        assert not notes.find("press space to pause first") and not notes.find("send a prompt")
+
+
+async def test_abort_with_no_request_at_all_says_to_send_one(tiny_llama_dir, tmp_path):
+    """Trial 13: ``a`` before any prompt said "pick one in the Dashboard's table" over an empty table."""
+    app, notes = tiny_app(tiny_llama_dir, tmp_path), Notes()
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
+        await pilot.press("escape", "a")
+        await pilot.pause()
+        assert notes.find("No request to abort: send a prompt first.", "warning")
+        assert not notes.find("pick one in the Dashboard's table")
 
 
 @pytest.mark.parametrize("size", [(120, 40), (60, 20)])

@@ -753,6 +753,9 @@ class NanoVLLMApp(App):
             self.notify("The model is still loading: this step runs once it has loaded (the engine will start "
                         "paused).")
             return
+        if self.state.no_engine:  # "press space to pause first" / "send a prompt first" would not help
+            self.notify(self.state.no_engine, severity="warning")
+            return
         # A pause asked for and not yet confirmed counts: the engine takes the step after the pause.
         if self.state.pending != "pausing" and (not self.state.paused or self.state.pending == "resuming"):
             self.notify("n runs one step while the engine is paused: press space to pause first.",
@@ -767,6 +770,10 @@ class NanoVLLMApp(App):
         req = self.state.requests.get(self.selected) if self.selected else None
         if not self.live:  # the key is hidden in a replay; the palette or a binding that still got here
             self.notify("A replay plays a recording: its requests cannot be aborted.", severity="warning")
+        elif req is None and self.state.no_engine:  # nothing was or will be sent (trial 13's kind)
+            self.notify(self.state.no_engine, severity="warning")
+        elif req is None and not self.state.requests:  # the table is empty: "pick one" had nothing to pick (trial 13)
+            self.notify("No request to abort: send a prompt first.", severity="warning")
         elif req is None:
             self.notify("No request is selected: pick one in the Dashboard's table.", severity="warning")
         elif not req.live:
