@@ -263,3 +263,34 @@ async def test_a_narrow_header_of_a_cut_replay_never_shows_an_empty_segment(tmp_
     assert "ended" in header and len(header.rstrip()) <= width - 2, header
     if width >= 80:  # the line has room for the model and the count (trial 13)
         assert "SmolLM2-135M-Instruct" in header and " │ ● " in header and f"{n} unfinished" in header.replace(f"{n} requests", f"{n}"), header
+
+
+async def test_right_and_left_scroll_the_request_table_a_column_a_press(tmp_path):
+    """Trial 13: at 60x20 ten presses of → moved the table ten characters (the hint counted columns: about 50
+    presses to reach TTFT). Each press now brings the next column to the left edge, and the hint's count drops by one."""
+    app = replay_app(tmp_path, start_paused=True)
+    async with app.run_test(size=(60, 20)) as pilot:
+        await pilot.press("escape", "1")
+        app.controller.step(3)
+        await wait_until(pilot, lambda: app.controller.steps_played == 3 and len(app.state.requests) == 3, 10,
+                         "three requests")
+        await pilot.pause(0.3)
+        table = app.query_one(RequestTable)
+        assert app.focused is table
+        starts = table.column_starts()
+        hidden = table.hidden_columns()
+        await pilot.press("right")
+        await pilot.pause()
+        assert int(table.scroll_x) == starts[1] and table.hidden_columns()[0] == 1, (table.scroll_x, starts)
+        assert table.hidden_columns()[1] <= hidden[1]
+        for _ in range(len(starts)):  # at most a press a column reaches the end
+            await pilot.press("right")
+        await pilot.pause()
+        assert table.hidden_columns()[1] == 0 and table.scroll_x == table.max_scroll_x
+        await pilot.press("left")
+        await pilot.pause()
+        assert int(table.scroll_x) in starts and table.scroll_x < table.max_scroll_x
+        for _ in range(len(starts)):
+            await pilot.press("left")
+        await pilot.pause()
+        assert table.scroll_x == 0 and table.hidden_columns()[0] == 0
