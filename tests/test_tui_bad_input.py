@@ -47,6 +47,30 @@ async def test_a_setting_that_is_not_a_number_is_not_sent(tiny_llama_dir, tmp_pa
         assert not app.state.requests and app.query_one("#prompt").value == "Hello"
 
 
+async def test_a_refused_settings_toast_goes_once_the_field_is_fixed(tiny_llama_dir, tmp_path):
+    """Trial 13: max "0" then Enter: the "Not sent: max tokens ..." toast stayed on screen after the field was
+    fixed and focus had moved. It goes when the field it names becomes valid, and shows again if it is broken again."""
+    app, notes = tiny_app(tiny_llama_dir, tmp_path), Notes()
+
+    def toasts() -> list[str]:
+        return [n.message for n in app._notifications if n.message.startswith("Not sent")]
+
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
+        app.query_one("#prompt").focus()
+        await pilot.press(*"Hello", "tab", "tab")
+        assert app.focused.id == "max-tokens"
+        await pilot.press("end", *["backspace"] * 5, "0", "enter")
+        await wait_until(pilot, lambda: toasts(), timeout=5, what="the refusal")
+        assert "max tokens must be a whole number" in toasts()[0]
+        await pilot.press("backspace", "5", "shift+tab")
+        await pilot.pause()
+        assert not toasts() and not str(app.query_one("#prompt-error").render())
+        await pilot.press("tab", "backspace", "0", "enter")  # broken again: said again, at once
+        await wait_until(pilot, lambda: toasts(), timeout=5, what="the refusal again")
+        assert not app.state.requests
+
+
 @pytest.mark.real_model
 async def test_a_prompt_longer_than_the_model_allows_is_rejected_with_the_reason(make_engine, tmp_path):
     app, notes = engine_app(make_engine, tmp_path, max_model_len=32), Notes()
@@ -108,6 +132,49 @@ async def test_a_model_that_cannot_load_is_reported_and_the_app_stays_up(tmp_pat
         await still_answers_keys(pilot)
 
 
+async def test_after_a_failed_load_every_tab_says_there_is_no_engine(tmp_path):
+    """Trial 13: after a failed load the KV panel said "waiting for the model", the Block Map and the X-Ray
+    "send a prompt": nothing will ever step. Each empty state now says there is no engine."""
+    app, notes = _app_loading(tmp_path, model=str(tmp_path / "no-such-model"))
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.phase == "failed", timeout=30, what="the load failure")
+        await pilot.press("escape", "1")
+        await pilot.pause()
+        shown = {"KV": str(app.query_one("#kv").render()), "output": str(app.query_one("#output").render())}
+        await pilot.press("escape", "5")
+        await pilot.pause()
+        shown["Block Map"] = str(app.query_one("#blocks-summary").render())
+        await pilot.press("escape", "2")
+        await pilot.pause()
+        shown["X-Ray"] = str(app.query_one("#xray-title").render())
+        for where, text in shown.items():
+            flat = " ".join(text.split())
+            assert "No engine: model failed to load (see the header)" in flat, (where, flat)
+            assert "send a prompt" not in flat.lower() and "waiting for" not in flat and "0/0" not in flat, (where, flat)
+
+
+@pytest.mark.parametrize("size", [(120, 40), (60, 20)])
+async def test_the_kv_panel_names_the_step_its_figures_are_after(tmp_path, size):
+    """Trial 13: while step 46 ran the header said "running · step 46" and the KV panel showed the pool as
+    step 45 left it, unlabelled. Its title now says which step its figures are after."""
+    import dataclasses
+
+    app = replay_app(tmp_path)
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause()
+        assert "before any step" in app.query_one("#kv").border_title
+        app.controller.step(4)
+        await wait_until(pilot, lambda: app.state.kv is not None and app.state.kv.step == 3)
+        await pilot.pause()
+        assert app.query_one("#kv").border_title.endswith("after step 3")
+        app.state.apply(dataclasses.replace(app.state.plan, step=4))  # step 4 in flight: the header names it
+        app._redraw()
+        await pilot.pause()
+        assert app.state.step == 4 and ("step 4" in str(app.query_one("#header").render()) or size[0] < 100)
+        assert app.query_one("#kv").border_title.endswith("after step 3")
+        assert len(app.query_one("#kv").border_title) <= app.query_one("#kv").size.width - 4
+
+
 async def test_a_60x20_terminal_folds_panels_away_and_keeps_working(tmp_path):
     app = replay_app(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
@@ -143,9 +210,25 @@ async def test_abort_with_no_request_selected_says_so(tmp_path):
                       tutorial_path=tmp_path / "t.json")
     notes = Notes()
     async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.phase == "failed", timeout=30, what="the load failure")
         await pilot.press("escape", "a")
         await pilot.pause()
-        assert notes.find("No request is selected", "warning")
+        # trial 13: no model, so no request will come: neither "pick one" nor "send a prompt"
+        assert notes.find("No engine: model failed to load (see the header)", "warning")
+        await pilot.press("n")
+        await pilot.pause()
+        assert not notes.find("press space to pause first") and not notes.find("send a prompt")
+
+
+async def test_abort_with_no_request_at_all_says_to_send_one(tiny_llama_dir, tmp_path):
+    """Trial 13: ``a`` before any prompt said "pick one in the Dashboard's table" over an empty table."""
+    app, notes = tiny_app(tiny_llama_dir, tmp_path), Notes()
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
+        await pilot.press("escape", "a")
+        await pilot.pause()
+        assert notes.find("No request to abort: send a prompt first.", "warning")
+        assert not notes.find("pick one in the Dashboard's table")
 
 
 @pytest.mark.parametrize("size", [(120, 40), (60, 20)])

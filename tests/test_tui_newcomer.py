@@ -261,6 +261,28 @@ def test_the_engine_panel_keeps_the_token_unit_at_120_columns():
     assert phase_text(state, 40).plain.splitlines()[1] == "last step 476: 1/512 tokens"
 
 
+def test_the_engine_panel_says_one_token_unit_in_every_state_at_a_width():
+    """Trial 13: at 120x40 (26 cells) `step 23 running: 1/512 tok` while the running and idle states said
+    `tokens`: the unit is chosen once for the width and step, so every state says the same."""
+    from nanovllm_tui.state import EngineState
+    from nanovllm_tui.views.dashboard import phase_text
+
+    class Shown(EngineState):
+        busy = False  # running steps, or idle / paused (each state's wording)
+
+    state = Shown()
+    for e in load_trace(TRACE):
+        state.apply(e)
+    state.plan = dataclasses.replace(state.plan, step=23, token_budget=512, num_batched_tokens=1)
+    for width, unit in ((26, "tok"), (40, "tokens")):
+        seen = {}
+        for busy, step_open in ((False, False), (False, True), (True, False)):
+            state.step_open, state.busy = step_open, busy
+            line = phase_text(state, width).plain.splitlines()[1]
+            seen[line] = line.endswith("1/512 " + unit) and len(line) <= width
+        assert len(seen) == 3 and all(seen.values()), (width, seen)
+
+
 async def test_the_last_runs_rate_has_its_unit(tmp_path):
     """The idle throughput label read `last 1 step 35`, no unit."""
     app = NanoVLLMApp(ReplayController(load_trace(TRACE), pace=(0.0, 0.0)), tutorial_path=tmp_path / "t.json")
@@ -289,7 +311,8 @@ def test_the_header_keeps_the_active_request_count_before_device_and_weights():
     header.show_content = shown.append
     header.show(state, width=96)
     line = shown[-1].plain
-    assert "3 active requests" in line and "step 476" in line and len(line) <= 96, line
+    # the count stays (trial 13's fit: after the weights went, "3 active" lets the device stay too)
+    assert "· 3 active" in line and "step 476" in line and len(line) <= 96, line
 
 
 @pytest.mark.parametrize("size", [(60, 20), (120, 25)])

@@ -245,3 +245,52 @@ async def test_the_ready_toast_names_the_weight_format_as_the_header_does(tiny_l
                                       dtype="float32", model_info=tuple(info.items())))
         await pilot.pause(0.1)
         assert notes.find(f"M {shown}"), [n.message for n in notes.items]
+
+
+@pytest.mark.parametrize("width", [60, 80, 100])
+async def test_a_narrow_header_of_a_cut_replay_never_shows_an_empty_segment(tmp_path, width):
+    """Trial 13: at 60 and 80 columns the cut replay's header read ``nano-vLLM replay │  │ ● recording ended``:
+    the model and the unfinished count were dropped together, the separators kept. Parts now go whole
+    (the model with its separator), the count first, and a shorter wording is tried after each drop."""
+    _, cut, _ = gguf_trace(tmp_path)
+    app = replay_app(tmp_path, start_paused=False, trace=cut)
+    async with app.run_test(size=(width, 24)) as pilot:
+        await wait_until(pilot, lambda: app.state.unfinished is not None, 30, "the cut replay's end")
+        await pilot.pause(0.3)
+        header = plain(app, "#header")
+        n = len(app.state.unfinished)
+    assert "│  │" not in header and not header.rstrip().endswith("│"), header
+    assert "ended" in header and len(header.rstrip()) <= width - 2, header
+    if width >= 80:  # the line has room for the model and the count (trial 13)
+        assert "SmolLM2-135M-Instruct" in header and " │ ● " in header and f"{n} unfinished" in header.replace(f"{n} requests", f"{n}"), header
+
+
+async def test_right_and_left_scroll_the_request_table_a_column_a_press(tmp_path):
+    """Trial 13: at 60x20 ten presses of → moved the table ten characters (the hint counted columns: about 50
+    presses to reach TTFT). Each press now brings the next column to the left edge, and the hint's count drops by one."""
+    app = replay_app(tmp_path, start_paused=True)
+    async with app.run_test(size=(60, 20)) as pilot:
+        await pilot.press("escape", "1")
+        app.controller.step(3)
+        await wait_until(pilot, lambda: app.controller.steps_played == 3 and len(app.state.requests) == 3, 10,
+                         "three requests")
+        await pilot.pause(0.3)
+        table = app.query_one(RequestTable)
+        assert app.focused is table
+        starts = table.column_starts()
+        hidden = table.hidden_columns()
+        await pilot.press("right")
+        await pilot.pause()
+        assert int(table.scroll_x) == starts[1] and table.hidden_columns()[0] == 1, (table.scroll_x, starts)
+        assert table.hidden_columns()[1] <= hidden[1]
+        for _ in range(len(starts)):  # at most a press a column reaches the end
+            await pilot.press("right")
+        await pilot.pause()
+        assert table.hidden_columns()[1] == 0 and table.scroll_x == table.max_scroll_x
+        await pilot.press("left")
+        await pilot.pause()
+        assert int(table.scroll_x) in starts and table.scroll_x < table.max_scroll_x
+        for _ in range(len(starts)):
+            await pilot.press("left")
+        await pilot.pause()
+        assert table.scroll_x == 0 and table.hidden_columns()[0] == 0

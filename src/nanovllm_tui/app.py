@@ -378,6 +378,17 @@ class NanoVLLMApp(App):
         if self._mounted:  # the rack mounts the toast a refresh or two later
             self.set_timer(0.1, self._fit_toasts)
 
+    def withdraw(self, message: str) -> None:
+        """Take a notification off the screen before its time, once what it says is no longer true (a
+        prompt-bar setting it named was fixed; trial 13: "Not sent: max tokens ..." stayed after), and
+        let the same one show again at once."""
+        self._on_screen = {k: until for k, until in self._on_screen.items() if k[0] != message}
+        stale = [n for n in self._notifications if n.message == message]
+        for n in stale:
+            self._unnotify(n, refresh=False)
+        if stale:
+            self._refresh_notifications()
+
     def _narrator_failed(self, event: ev.Event, error: Exception) -> None:
         if not self._narrator_error_shown:
             self._narrator_error_shown = True
@@ -742,6 +753,9 @@ class NanoVLLMApp(App):
             self.notify("The model is still loading: this step runs once it has loaded (the engine will start "
                         "paused).")
             return
+        if self.state.no_engine:  # "press space to pause first" / "send a prompt first" would not help
+            self.notify(self.state.no_engine, severity="warning")
+            return
         # A pause asked for and not yet confirmed counts: the engine takes the step after the pause.
         if self.state.pending != "pausing" and (not self.state.paused or self.state.pending == "resuming"):
             self.notify("n runs one step while the engine is paused: press space to pause first.",
@@ -756,6 +770,10 @@ class NanoVLLMApp(App):
         req = self.state.requests.get(self.selected) if self.selected else None
         if not self.live:  # the key is hidden in a replay; the palette or a binding that still got here
             self.notify("A replay plays a recording: its requests cannot be aborted.", severity="warning")
+        elif req is None and self.state.no_engine:  # nothing was or will be sent (trial 13's kind)
+            self.notify(self.state.no_engine, severity="warning")
+        elif req is None and not self.state.requests:  # the table is empty: "pick one" had nothing to pick (trial 13)
+            self.notify("No request to abort: send a prompt first.", severity="warning")
         elif req is None:
             self.notify("No request is selected: pick one in the Dashboard's table.", severity="warning")
         elif not req.live:

@@ -426,6 +426,15 @@ class EngineState:
     # ------------------------------------------------------------------ derived figures
 
     @property
+    def no_engine(self) -> str | None:
+        """The sentence every panel shows in place of its empty state once the engine failed to start
+        (None while it loads or runs): nothing will step in this run, so "send a prompt" or "waiting for the
+        model" would be false (trial 13)."""
+        if self.load_error is None:
+            return None
+        return f"No engine: {self.load_failure} (see the header), so no step will run; start the app again with that fixed."
+
+    @property
     def phase(self) -> str:
         """``loading``, ``failed``, ``paused``, ``idle``, ``ended`` (a replay ended with requests unfinished), or the newest step's batch: ``prefill``,
         ``decode``, ``verify`` (a speculative verification: a sequence's last token and its

@@ -91,7 +91,8 @@ class BlockMapView(EngineView):
         blocks = state.blocks
         if blocks is None:
             self.query_one("#blocks-summary", LiveStatic).show_content(
-                Text("The block map appears after the next engine step (send a prompt, or press n while paused).",
+                Text(state.no_engine or
+                     "The block map appears after the next engine step (send a prompt, or press n while paused).",
                      style="dim"))
             self.query_one("#legend", LiveStatic).show_content("")
             self.query_one("#block-table", LiveStatic).show_content("")

@@ -46,8 +46,11 @@ def phase_text(state: EngineState, width: int = 0) -> Text:
         step = Text(f"step {plan.step} failed", style="bold red")
     if not state.busy or state.failed_step == plan.step:
         used = Text(": ", style="dim") + used
-    # "tok" before dropping the unit: "last step 476: 1/512" lost it at 120 columns (issue 29)
-    lines = [first_fitting(width, step + used + " tokens", step + used + " tok", step + used, step),
+    # "tok" before dropping the unit: "last step 476: 1/512" lost it at 120 columns (issue 29). One unit for
+    # every state at this width and step: trial 13 saw "step 23 running: 1/512 tok" beside "step 22: ... tokens".
+    widest = f"step {plan.step} running: {plan.token_budget}/{plan.token_budget} tokens"
+    unit = " tokens" if not width or len(widest) <= width else " tok"
+    lines = [first_fitting(width, step + used + unit, step + used, step),
              first_fitting(width, Text(f"{prefill} prefill · {decode} decode"), Text(f"{prefill} pre · {decode} dec"))]
     if verifying:  # a verification is not a one-token decode: it runs 1 + k tokens of one sequence
         drafts = sum(s.num_drafts for s in verifying)  # the drafts run, not the slots reserved
@@ -114,7 +117,8 @@ class DashboardView(EngineView):
         topk = self.query_one(TopKBars)
         if req is None:
             output.border_title = "Selected request"
-            output.show_content(Text("Type a prompt below and press Enter; its text streams in here.", style="dim"))
+            output.show_content(Text(state.no_engine or "Type a prompt below and press Enter; its text streams in here.",
+                                     style="dim"))
             topk.show((), None)
             return
         title = f"{req.request_id} · {req.state}"

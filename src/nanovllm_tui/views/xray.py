@@ -271,6 +271,12 @@ class XRayView(EngineView, can_focus=True):
         title = self.query_one("#xray-title", LiveStatic)
         trace = state.xray.get(self.layer_index)
         heatmap = self.query_one(AttentionHeatmap)
+        if state.no_engine:  # no model: no layers to choose and no step to come (trial 13: "layer 0/0 ... send a prompt")
+            title.show_content(Text.assemble(("X-Ray ", "bold"), (state.no_engine, "dim")))
+            self.query_one("#pipeline", LiveStatic).show_content("")
+            self.query_one("#gqa", LiveStatic).show_content("")
+            heatmap.set_data((), (), ())
+            return
         if trace is None and tp_facts.tp_size(info) > 1:
             self._show_split(state, title, heatmap)
             return

@@ -302,6 +302,7 @@ class PromptBar(Vertical):
         self.chat_chosen = False  # the person toggled chat: the model's default no longer applies
         self.send = send or (lambda prompt, settings: None)
         self.rules = setting_rules()
+        self._refusals: dict[str, str] = {}  # field id -> the "Not sent: ..." toast naming it, while on screen
 
     def compose(self) -> ComposeResult:
         d = self.defaults
@@ -411,6 +412,11 @@ class PromptBar(Vertical):
             self.query_one(f"#{name}", Input).set_class(name in dict(wrong), "-invalid")
         self.set_class(bool(wrong), "-invalid")
         self.query_one("#prompt-error", Label).update(Text("; ".join(why for _, why in wrong)))  # typed text: no markup
+        withdraw = getattr(self.app, "withdraw", None)
+        for name in [n for n in self._refusals if n not in dict(wrong)]:
+            message = self._refusals.pop(name)
+            if withdraw is not None:
+                withdraw(message)
 
     def put_back(self, prompt: str) -> bool:
         """Put a refused ``prompt`` back in the empty prompt field, line breaks as ``⏎``, the cursor
@@ -435,7 +441,9 @@ class PromptBar(Vertical):
         wrong = self.errors()
         if wrong:
             self._show_errors()
-            self.notify(f"Not sent: {wrong[0][1]}. The prompt is kept.", severity="error", markup=False)
+            message = f"Not sent: {wrong[0][1]}. The prompt is kept."
+            self._refusals[wrong[0][0]] = message  # withdrawn once that field is right (_show_errors)
+            self.notify(message, severity="error", markup=False)
             self.screen.set_focus(self.query_one(f"#{wrong[0][0]}", Input))
             return
         if self.send(prompt, self.read_settings()) is not None:

@@ -23,23 +23,29 @@ Part = tuple  # (text, rank) or (text, rank, the same said shorter[, shorter sti
 def fit(parts: list[Part], width: int | None) -> Text:
     """Join ``parts`` (text, rank[, shorter texts]) in ``width`` cells: the whole line if it fits, else
     the whole line with the parts that have a shorter wording in it (each round the next shorter one,
-    while a part has any), else (in full words) the highest ranks are left out until the line fits;
-    rank 0 is always kept. What is left is never cut silently: a last part still too long ends in an ellipsis."""
-    kept = [(p[0], p[1]) for p in parts]
-
+    while a part has any), else the highest ranks are left out, whole, one rank at a time, each time
+    trying the full words and then the shorter ones again (trial 13: at 80 columns the unfinished count
+    went with the full words while its shorter wording fit); rank 0 is always kept. What is left is
+    never cut silently: a last part still too long ends in an ellipsis."""
     def too_long(line: list[tuple[Text, int]]) -> bool:
         return width is not None and sum(t.cell_len for t, _ in line) > width
 
+    def worded(ps: list[Part], level: int) -> list[tuple[Text, int]]:
+        return [(p[min(level, len(p) - 2) + 1] if level and len(p) > 2 else p[0], p[1]) for p in ps]
+
     rounds = max((len(p) - 2 for p in parts), default=0)
-    for level in range(1, rounds + 1):
-        if not too_long(kept):
+    alive = list(parts)
+    kept = worded(alive, 0)
+    while too_long(kept):
+        fitting = next((w for w in (worded(alive, level) for level in range(1, rounds + 1)) if not too_long(w)), None)
+        if fitting is not None:
+            kept = fitting
             break
-        shorter = [(p[min(level, len(p) - 2) + 1] if len(p) > 2 else p[0], p[1]) for p in parts]
-        if not too_long(shorter):
-            kept = shorter
-    while too_long(kept) and any(r for _, r in kept):
-        worst = max(r for _, r in kept)
-        kept = [(t, r) for t, r in kept if r != worst]
+        if not any(p[1] for p in alive):
+            break
+        worst = max(p[1] for p in alive)
+        alive = [p for p in alive if p[1] != worst]
+        kept = worded(alive, 0)
     line = Text().join(t for t, _ in kept)
     if width is not None and line.cell_len > width:
         line.truncate(width, overflow="ellipsis")
@@ -69,7 +75,7 @@ def weights_label(model_info: dict) -> str:
 
 class StatusHeader(LiveStatic):
     """One line: ``nano-vLLM │ model · device · dtype [· q8_0 weights | · q4_1+q8_0 gguf] │ ● state · step N · k active requests``
-    (``k active`` where only that shorter wording lets the whole line fit).
+    (``k active`` where only that shorter wording lets the line fit, once less needed parts went; see ``fit``).
 
     The state is the one the engine confirmed (its events); ``pausing…`` / ``resuming…`` while the
     app's own pause or resume has not been answered yet. While the model loads it shows the loading stage and a progress bar instead, and a model that
@@ -102,6 +108,7 @@ class StatusHeader(LiveStatic):
                                             f" {loading.done}/{loading.total}"), 4))
             parts.append((Text("  (prompts sent now wait in the queue)", style="dim"), 5))
         else:
+            # The model and the separator after it go together: "│  │" was left at 60 columns (trial 13)
             parts.append((Text(state.model_name or "model", style="bold"), 1))
             # Quantized weights: say which formats run beside the dtype (gguf: the file's own blocks).
             weights = weights_label(state.model_info)
@@ -120,10 +127,11 @@ class StatusHeader(LiveStatic):
             style = STATE_STYLES.get(engine_state, "bold")
             if state.pending is not None and not lost:  # asked for, not yet confirmed by the engine
                 shown, style = f"{state.pending}…", "bold yellow"
-            state_part = Text.assemble((" │ ", "dim"), (f"● {shown}", style))
+            parts.append((Text(" │ ", style="dim"), 1))
+            state_part = Text(f"● {shown}", style=style)
             if shown == "recording ended":  # "ended" where the whole line does not fit otherwise: at 120
                 # columns the weights' formats went first (trial 12: shown in the full replay, not the cut one)
-                parts.append((state_part, 0, Text.assemble((" │ ", "dim"), ("● ended", style))))
+                parts.append((state_part, 0, Text("● ended", style=style)))
             else:
                 parts.append((state_part, 0))
             if state.step is not None:
@@ -132,8 +140,9 @@ class StatusHeader(LiveStatic):
                 n = len(unfinished)
                 # named where the line has room (at 120 columns beside a long model name: counted,
                 # so the weights' formats stay as the whole recording's replay shows them)
-                parts.append((Text(f" · {unfinished_text(unfinished)}"), 1, Text(f" · {unfinished_text(unfinished)}"),
-                              Text(f" · {plural(n, 'request')} unfinished")))
+                # (rank 2: after the step, before the model; trial 13 saw both dropped at once at 80 columns)
+                parts.append((Text(f" · {unfinished_text(unfinished)}"), 2, Text(f" · {unfinished_text(unfinished)}"),
+                              Text(f" · {plural(n, 'request')} unfinished"), Text(f" · {n} unfinished")))
             else:  # "N active" where the whole line does not fit otherwise (a long model name in a replay)
                 parts.append((Text(f" · {active} active request{'s' if active != 1 else ''}"), 4,
                               Text(f" · {active} active")))
