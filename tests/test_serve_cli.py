@@ -50,6 +50,7 @@ def test_a_signal_while_the_model_loads_ends_the_server_cleanly(sig):
         code = proc.wait(timeout=60)
         err = "".join(lines) + proc.stderr.read()
         assert code == 0 and "terminate called" not in err and "Traceback" not in err, (code, err)
+        assert err.rstrip().endswith("nanovllm serve: stopped before the model had loaded; nothing was served"), err
     finally:
         if proc.poll() is None:
             proc.kill()

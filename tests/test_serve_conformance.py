@@ -853,12 +853,22 @@ def test_x_request_id_names_the_response_and_comes_back(tiny_server):
     tiny_server.wait_idle(30)
 
 
+# Trial 13: an empty header was told "got 0; send a shorter one", and a control character went back
+# raw in the response's X-Request-Id header (HTTP allows none); the control request_id says the same.
 @pytest.mark.parametrize("value, message", [
-    (b"", "non-empty"), (b"x" * 129, "at most 128"), (b"\xff\xfe", "not valid UTF-8")])
+    (b"", "X-Request-Id is empty; send 1 to 128 characters"),
+    (b"x" * 129, "X-Request-Id has 129 characters, more than 128; send a shorter one"),
+    (b"\xff\xfe", "not valid UTF-8"),
+    (b"a\x01b", "X-Request-Id holds the control character '\\x01' at position 1; send printable text")])
 def test_a_bad_x_request_id_is_refused_as_a_control_request_id_is(tiny_server, value, message):
     r = _with_id(tiny_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, value)
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
     assert r.json()["error"]["param"] == "X-Request-Id" and "\n" not in r.json()["error"]["message"]
+    rid = value.decode("utf-8", "surrogateescape")
+    if value != b"\xff\xfe":  # the same id as a control submit's request_id: the same sentence
+        c = control(tiny_server, {"command": "submit", "prompt": "Hi", "params": {"max_tokens": 1}, "request_id": rid})
+        assert c.status_code == 400 and c.json()["error"]["param"] == "request_id", c.text
+        assert c.json()["error"]["message"] == message.replace("X-Request-Id", "request_id"), c.text
 
 
 def test_an_x_request_id_in_use_is_refused_and_freed_when_its_request_ends(tiny_server):
@@ -914,6 +924,25 @@ def test_serve_takes_vllms_cors_options():
                               "--allow-credentials"])
     assert serve_cli.cors_options(args)["allow_origins"] == ["http://localhost:3000"]
     assert args.allowed_methods == ["GET", "POST"] and args.allow_credentials
+    args = parser.parse_args(["--allowed-origins", "https://a.example:8443, http://[::1]:3000"])
+    assert args.allowed_origins == ["https://a.example:8443", "http://[::1]:3000"]
+
+
+# Trial 13: 'notjson[' and '{"a": 1}' were taken as literal origins and the server started; vLLM reads
+# the option as JSON and refuses both. An origin is '*' or scheme://host[:port].
+@pytest.mark.parametrize("value, message", [
+    ("notjson[", "'notjson[' is not an origin"),
+    ('{"a": 1}', "expected a JSON list of strings"),
+    ("http://ok/path", "'http://ok/path' is not an origin"),
+    ("[]", "expected one or more comma-separated values (or a JSON list)"),
+])
+def test_serve_refuses_allowed_origins_that_name_no_origin(capsys, value, message):
+    from nanovllm_core.entrypoints import cli as serve_cli
+
+    with pytest.raises(SystemExit) as e:
+        serve_cli.build_parser().parse_args(["--allowed-origins", value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_a_server_limited_to_one_origin_refuses_another(make_tiny_engine):

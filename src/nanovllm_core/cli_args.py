@@ -177,7 +177,7 @@ def text_list(text: str) -> list[str]:
     """
     import json
 
-    if text.lstrip().startswith("["):
+    if text.lstrip().startswith(("[", "{")):
         try:
             value = json.loads(text)
         except ValueError:
@@ -190,6 +190,24 @@ def text_list(text: str) -> list[str]:
     if not value or not all(value):
         raise argparse.ArgumentTypeError(f"expected one or more comma-separated values (or a JSON list), got {text!r}")
     return value
+
+
+ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s?#]+")  # scheme://host[:port], as a browser sends Origin
+
+
+def origin_list(text: str) -> list[str]:
+    """argparse ``type`` of ``--allowed-origins``: :func:`text_list` whose items are ``*`` or origins
+    (``scheme://host[:port]``, no path), as a browser's ``Origin`` header names a page's origin.
+
+    Raises:
+        argparse.ArgumentTypeError: what :func:`text_list` refuses, or an item that is no origin.
+    """
+    origins = text_list(text)
+    bad = next((o for o in origins if o != "*" and not ORIGIN.fullmatch(o)), None)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(f"{bad!r} is not an origin: give '*' or scheme://host[:port] such as "
+                                         "http://localhost:3000, in a JSON list or comma-separated")
+    return origins
 
 
 def api_key(text: str) -> str | None:

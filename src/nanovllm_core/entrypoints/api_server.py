@@ -35,6 +35,7 @@ import secrets
 import signal
 import threading
 import time
+import unicodedata
 import uuid
 from contextlib import asynccontextmanager
 from typing import Any
@@ -55,7 +56,7 @@ from nanovllm_core.entrypoints.protocol import (APIError, ChatCompletionRequest,
                                                 whole_number)
 from nanovllm_core.model.quantization import describe_weights
 from nanovllm_core.entrypoints.request_stream import InFlight
-from nanovllm_core.prompts import is_conversation
+from nanovllm_core.prompts import is_conversation, unicode_problem
 from nanovllm_core.sampling_params import SamplingParams
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -324,11 +325,26 @@ def _client_request_id(request: Request) -> str | None:
     except UnicodeError:
         raise APIError("X-Request-Id is not valid UTF-8; send text (or leave the header out for the server's own id)",
                        param="X-Request-Id") from None
-    if not value or len(value) > MAX_REQUEST_ID_CHARS:
-        raise APIError(f"X-Request-Id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} characters, got "
-                       f"{len(value)}; send a shorter one (or leave the header out for the server's own id)",
-                       param="X-Request-Id")
+    problem = id_problem("X-Request-Id", value)
+    if problem is not None:
+        raise APIError(f"{problem} (or leave the header out for the server's own id)", param="X-Request-Id")
     return value
+
+
+def id_problem(name: str, value: str) -> str | None:
+    """Why ``value`` cannot be a client's id or owner name (one line naming ``name``), or None: it
+    must hold 1 to ``MAX_REQUEST_ID_CHARS`` characters, none of them a control character (an id
+    goes back in the ``X-Request-Id`` header, where HTTP allows none, and into logs) or a lone
+    surrogate (it could never be sent back in a JSON answer)."""
+    if not value:
+        return f"{name} is empty; send 1 to {MAX_REQUEST_ID_CHARS} characters"
+    if len(value) > MAX_REQUEST_ID_CHARS:
+        return f"{name} has {len(value)} characters, more than {MAX_REQUEST_ID_CHARS}; send a shorter one"
+    bad = next((i for i, ch in enumerate(value) if unicodedata.category(ch) == "Cc"), None)
+    if bad is not None:
+        return f"{name} holds the control character {value[bad]!r} at position {bad}; send printable text"
+    problem = unicode_problem(value)
+    return f"{name} is not valid Unicode: {problem}" if problem is not None else None
 
 
 class _EngineStream(StreamingResponse):
@@ -510,13 +526,11 @@ def _is_int(value: Any) -> bool:
 
 def _text(body: dict, key: str) -> str:
     value = body.get(key)
-    if not isinstance(value, str) or not value or len(value) > MAX_REQUEST_ID_CHARS:
-        raise APIError(f"{key} must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} characters, got {value!r}",
-                       param=key)
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:  # a lone surrogate: it could never be sent back in a JSON answer
-        raise APIError(f"{key} is not valid Unicode ({e.reason} at position {e.start}); send text", param=key) from None
+    if not isinstance(value, str):
+        raise APIError(f"{key} must be a string of 1 to {MAX_REQUEST_ID_CHARS} characters, got {value!r}", param=key)
+    problem = id_problem(key, value)
+    if problem is not None:
+        raise APIError(problem, param=key)
     return value
 
 

@@ -25,6 +25,7 @@ from nanovllm_core.cli_args import (
     api_key,
     api_key_default,
     engine_kwargs,
+    origin_list,
     positive_bytes,
     positive_int,
     served_name,
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse a request body larger than this with 413 (default: 64 bytes per token of "
                         "the model's context, at least 1 MiB)")
     c = p.add_argument_group("CORS (which web pages on other origins may call the server; vLLM's options)")
-    c.add_argument("--allowed-origins", type=text_list, default=["*"], metavar="LIST",
+    c.add_argument("--allowed-origins", type=origin_list, default=["*"], metavar="LIST",
                    help="origins whose pages may call the server, a JSON list or comma-separated (default [\"*\"]: "
                         "any page, as vLLM; e.g. '[\"http://localhost:3000\"]')")
     c.add_argument("--allowed-methods", type=text_list, default=["*"], metavar="LIST",
@@ -212,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         state = controller.state
         controller.shutdown(timeout=2.0)
         sock.close()
+    if state == "loading":  # stopped (SIGTERM, Ctrl-C) before the model was ready: say so, not nothing (trial 13)
+        print("nanovllm serve: stopped before the model had loaded; nothing was served", file=sys.stderr, flush=True)
     if state != "failed":
         # SIGTERM or Ctrl-C while the model still loads (or inside a long step): the engine thread is
         # in torch's code, and the interpreter's teardown under it aborted (status 134, trial 12).
