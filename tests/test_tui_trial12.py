@@ -134,17 +134,23 @@ def table_lines(app) -> list[str]:
     return ["".join(seg.text for seg in table.render_line(y)) for y in range(table.scrollable_content_region.height)]
 
 
+async def _three_requests_on_the_dashboard(pilot) -> RequestTable:
+    """Show the Dashboard of a paused replay, play three steps (three requests), return its request table."""
+    app = pilot.app
+    await pilot.press("escape", "1")
+    app.controller.step(3)
+    await wait_until(pilot, lambda: app.controller.steps_played == 3 and len(app.state.requests) == 3, 10,
+                     "three requests")
+    await pilot.pause(0.3)
+    return app.query_one(RequestTable)
+
+
 @pytest.mark.parametrize("size", [(60, 20), (80, 24), (120, 40)])
 async def test_the_request_table_says_when_columns_are_off_screen_and_how_to_reach_them(tmp_path, size):
     """Trial 12: at 60x20 the table ended at "decode (" and nothing said it scrolls sideways."""
     app = replay_app(tmp_path, start_paused=True)
     async with app.run_test(size=size) as pilot:
-        await pilot.press("escape", "1")
-        app.controller.step(3)
-        await wait_until(pilot, lambda: app.controller.steps_played == 3 and len(app.state.requests) == 3, 10,
-                         "three requests")
-        await pilot.pause(0.3)
-        table = app.query_one(RequestTable)
+        table = await _three_requests_on_the_dashboard(pilot)
         lines = table_lines(app)
         whole = sum(table.widths) + 1 <= table.scrollable_content_region.width
         if whole:  # every column shown: no hint (and no line taken for one)
@@ -270,12 +276,7 @@ async def test_right_and_left_scroll_the_request_table_a_column_a_press(tmp_path
     presses to reach TTFT). Each press now brings the next column to the left edge, and the hint's count drops by one."""
     app = replay_app(tmp_path, start_paused=True)
     async with app.run_test(size=(60, 20)) as pilot:
-        await pilot.press("escape", "1")
-        app.controller.step(3)
-        await wait_until(pilot, lambda: app.controller.steps_played == 3 and len(app.state.requests) == 3, 10,
-                         "three requests")
-        await pilot.pause(0.3)
-        table = app.query_one(RequestTable)
+        table = await _three_requests_on_the_dashboard(pilot)
         assert app.focused is table
         starts = table.column_starts()
         hidden = table.hidden_columns()
