@@ -137,6 +137,39 @@ async def test_a_start_up_max_tokens_beyond_the_models_context_ends_the_app_with
                                          "--max-model-len")
 
 
+async def test_a_start_up_refusal_that_comes_before_the_model_is_known_ends_with_the_max_tokens_line(tiny_llama_dir,
+                                                                                                   tmp_path):
+    """Under --connect the server's 400 for a --prompt can come before its ready event; the app then
+    ended with the server's wording, or with the --max-tokens line when ready came first (a CI run
+    on 2026-12-07 got the first). Now the refusal waits for the context length and the line is one."""
+    import threading
+
+    from nanovllm_core.engine.controller import EngineController
+    from nanovllm_tui.starter import BackgroundController
+    from nanovllm_tui.widgets.prompt_bar import PromptSettings
+
+    loaded = threading.Event()
+    controller = BackgroundController(lambda: (loaded.wait(30), EngineController(model=str(tiny_llama_dir),
+                                                                                 num_kv_blocks=32))[1])
+    app = NanoVLLMApp(controller, settings=PromptSettings(max_tokens=9000, chat=False), prompts=[("Hi", 0)],
+                      tutorial_path=tmp_path / "t.json")
+    exits, exit_app = [], app.exit
+    app.exit = lambda *a, **kw: (exits.append(kw), exit_app(*a, **kw))[1]
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app._startup_ids, timeout=20, what="the start-up prompt sent")
+        assert not app.state.model_info.get("max_model_len")  # the model is still loading
+        [rid] = app._startup_ids
+        app._announce(ev.RequestRejected(request_id=rid, reason="This model's maximum context length is 512 tokens. "
+                                         "However, you requested 9001 tokens (1 in the prompt, 9000 for the "
+                                         "completion). Please reduce the length of the prompt or max_tokens. (HTTP 400)"))
+        await pilot.pause(0.2)
+        assert not exits  # not yet: the context length is not known
+        loaded.set()
+        await wait_until(pilot, lambda: exits, timeout=60, what="the app to refuse the start-up max tokens")
+    assert app.return_code == 2 and len(exits) == 1
+    assert str(exits[0]["message"]).endswith("; lower --max-tokens or raise --max-model-len"), exits
+
+
 async def test_under_connect_the_start_up_max_tokens_refusal_points_at_the_server(tiny_server, tmp_path):
     """--connect refuses --max-model-len, so the hint names the server's option (trial 6)."""
     from nanovllm_tui.remote import RemoteController

@@ -156,6 +156,7 @@ class NanoVLLMApp(App):
         # (the bar clears on Enter, and a refusal arrives later), as a bad setting keeps it.
         self._unconfirmed: dict[str, str] = {}
         self._startup_ids: dict[str, int] = {}  # request id -> its --prompt's place (1, 2, ...)
+        self._early_refusals: list[ev.RequestRejected] = []  # theirs, before the model's length was known
         self._narrator_error_shown = False
         self._started = time.monotonic()
 
@@ -323,6 +324,9 @@ class NanoVLLMApp(App):
                 if self.state.model_info.get("max_model_len"):
                     self.query_one(PromptBar).limit_max_tokens(self.state.model_info["max_model_len"])
                     self._refuse_startup_max_tokens(self.state.model_info["max_model_len"])
+                    for early in self._early_refusals:
+                        self._refuse_startup_prompt(early)
+                    self._early_refusals.clear()
                 # the engine's policy decides which priorities it takes (fcfs: 0 only; trial 12)
                 self.query_one(PromptBar).use_policy(self.state.model_info.get("scheduling_policy"))
                 if "chat_template" in self.state.model_info:  # (traces from before it was recorded lack it)
@@ -467,6 +471,12 @@ class NanoVLLMApp(App):
         place = self._startup_ids.get(event.request_id)
         if place is None or not is_context_overflow(event.reason):
             return False
+        if not self.state.model_info.get("max_model_len"):
+            # A server's refusal can come before its ready event: once the context length is known,
+            # --max-tokens beyond it is refused as such (naming the server's option), else this one
+            # (the order of the two once decided which line the app ended with).
+            self._early_refusals.append(event)
+            return True
         if self.return_code is not None:  # already ending (--max-tokens beyond max_model_len itself): one line
             return True
         which = f"--prompt {place}" if len(self._startup_ids) > 1 else "--prompt"
