@@ -73,8 +73,8 @@ class SchedulerNarration:
 
     def _forget(self, request_id: str) -> None:
         for seq_id in [q for q, r in self._request_of.items() if r == request_id]:
-            for d in (self._computed, self._lost, self._request_of, getattr(self, "_reserved", {}),
-                      getattr(self, "_recomputed", {}), getattr(self, "_preempts_seen", {})):
+            for d in (self._computed, self._lost, self._request_of, self._reserved, self._recomputed,
+                      self._preempts_seen):
                 d.pop(seq_id, None)
 
     def _planned(self, plan: ev.StepPlanned) -> list[Commentary]:
@@ -207,7 +207,7 @@ class SchedulerNarration:
         if n < 2:
             return f"Preemptions of this request so far: {n}."
         text = f"This is its {ordinal(n)} preemption"
-        if getattr(self, "_preempts_seen", {}).get(q.seq_id) == n - 1:  # the narrator saw every earlier one
+        if self._preempts_seen.get(q.seq_id) == n - 1:  # the narrator saw every earlier one
             redone = self._recomputed.get(q.seq_id, 0)
             text += (f": after the earlier {plural(n - 1, 'preemption')} it recomputed {plural(redone, 'token')} "
                      "whose keys and values it had already computed once (tokens the prefix cache gave back are not "

@@ -205,7 +205,7 @@ class EventSource:
         decode = plan.num_batched_tokens - prefill
         bm = self.block_manager
         wall = max(wall, 1e-9)
-        traced, self._step_traced = getattr(self, "_step_traced", False), False  # set by the step that ran
+        traced, self._step_traced = self._step_traced, False  # set by the step that ran (LLMEngine.__init__ first)
         self._emit(ev.StepTimed(
             step=plan.step, wall_time_s=wall, num_tokens=plan.num_batched_tokens, num_prefill_tokens=prefill,
             num_decode_tokens=decode, prefill_tokens_per_s=prefill / wall, decode_tokens_per_s=decode / wall,
