@@ -44,7 +44,10 @@ Figures:
   4-round comparison, 50% -> 54% in another; load 7-9), and a person's key presses would have
   lengthened the TTFT and TPOT the app shows. Beside 2 burners and the host's other work the
   UI thread ran ~20% of a key's time, so p95 < 150 ms would take ~25 ms of CPU per key, less
-  than Textual's repaint of a 120x40 tab: that target is not met on such a host.
+  than Textual's repaint of a 120x40 tab: that target was not met on such a host then. Since, a
+  key holds the engine at its next decoder layer while its frame is drawn (yield_gate.py); on
+  2026-12-07 (2-core AMD EPYC, no other agents, the default workload, ``--burners 2
+  --key-interval 0.5``) p95 was 81 ms over 60 presses (docs/benchmarks.md).
 - key-to-screen latency: from posting the key press to the first frame the compositor
   produces that shows the new tab (``App._display`` is wrapped to timestamp frames); p50 and
   p95 over all presses (target p95 < 100 ms; with ``--burners 2``, two other processes spinning
