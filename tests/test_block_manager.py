@@ -129,6 +129,26 @@ def test_freed_cached_block_is_evicted_lru_only_when_needed():
     assert bm.find_cached_prefix(make_seq(3, [1, 2, 7])) != []
 
 
+def test_a_cached_free_hit_is_shared_not_taken_anew_but_leaves_the_free_pool():
+    """The two counts a preemption's shortfall is told in (Shortfall: needed vs free)."""
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = make_seq(0, [1, 2, 3, 4])
+    bm.allocate(a, 4)
+    a.num_computed_tokens = 4
+    bm.cache_full_blocks(a)
+    bm.free(a)  # both blocks cached-free: still in the free pool of 4
+    b = make_seq(1, [1, 2, 3, 4, 5, 6])
+    hits = bm.find_cached_prefix(b)
+    assert len(hits) == 2
+    assert bm.new_blocks_needed(b, 6) == 3          # nothing shared: ceil(6 / 2)
+    assert bm.new_blocks_needed(b, 6, hits) == 1    # the two hits count towards the three
+    assert bm.free_blocks_after_hits() == 4
+    assert bm.free_blocks_after_hits(hits) == 2     # sharing a cached-free block takes it from the pool
+    assert bm.can_allocate(b, 6, hits) and bm.allocate(b, 6, hits)
+    assert bm.num_free_blocks == 1
+    bm.check_invariants([b])
+
+
 def test_hash_collision_is_a_miss(monkeypatch):
     from nanovllm_core.engine import block_manager as mod
 

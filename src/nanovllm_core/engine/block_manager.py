@@ -128,13 +128,21 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence, num_tokens: int, cached: list[int] = ()) -> bool:
         """Would :meth:`allocate` succeed for ``seq`` to hold ``num_tokens`` tokens?"""
-        return self._new_blocks_needed(seq, num_tokens, cached) <= self._available_after_hits(cached)
+        return self.new_blocks_needed(seq, num_tokens, cached) <= self.free_blocks_after_hits(cached)
 
-    def _new_blocks_needed(self, seq: Sequence, num_tokens: int, cached) -> int:
+    def new_blocks_needed(self, seq: Sequence, num_tokens: int, cached: list[int] = ()) -> int:
+        """Blocks ``seq`` must take from the free pool to hold ``num_tokens`` tokens.
+
+        Its block table's blocks and the prefix-cache hits ``cached`` (shared, not taken
+        anew) count towards the ``ceil(num_tokens / block_size)`` it needs; 0 when it has them.
+        """
         return max(0, self.blocks_needed(num_tokens) - len(seq.block_table) - len(cached))
 
-    def _available_after_hits(self, cached) -> int:
-        # Hitting a cached-free block takes it out of the free pool too.
+    def free_blocks_after_hits(self, cached: list[int] = ()) -> int:
+        """Free blocks (empty or cached-free) left once the prefix-cache hits ``cached`` are shared.
+
+        Hitting a cached-free block takes it out of the free pool too (its ref count goes 0 -> 1).
+        """
         taken = sum(1 for b in cached if self.blocks[b].ref_count == 0)
         return self.num_free_blocks - taken
 
@@ -149,8 +157,8 @@ class BlockManager:
         """
         if cached and seq.block_table:
             raise ValueError("cached prefix blocks can only start an empty block table")
-        needed = self._new_blocks_needed(seq, num_tokens, cached)
-        if needed > self._available_after_hits(cached):
+        needed = self.new_blocks_needed(seq, num_tokens, cached)
+        if needed > self.free_blocks_after_hits(cached):
             return False
         for block_id in cached:
             block = self.blocks[block_id]

@@ -200,7 +200,7 @@ class Scheduler:
                 num_spec = 0  # drafts only use free blocks; they never cost another sequence its blocks
             while not bm.can_allocate(seq, seq.num_computed_tokens + num_new):
                 victim = self._victim()
-                why = Shortfall(seq, bm._new_blocks_needed(seq, seq.num_computed_tokens + num_new, ()),
+                why = Shortfall(seq, bm.new_blocks_needed(seq, seq.num_computed_tokens + num_new, ()),
                                 bm.num_free_blocks)
                 budget += self._preempt(victim, plan, preempted, why)
                 if victim is seq:
@@ -266,13 +266,13 @@ class Scheduler:
         lower = sorted((s for s in self.running if s.priority < seq.priority),
                        key=lambda s: (s.priority, -s.arrival))
         freeable = sum(1 for s in lower for b in s.block_table if bm.blocks[b].ref_count == 1)
-        shortfall = bm._new_blocks_needed(seq, num_tokens, cached) - bm._available_after_hits(cached)
+        shortfall = bm.new_blocks_needed(seq, num_tokens, cached) - bm.free_blocks_after_hits(cached)
         if not lower or freeable < shortfall:
             return False
         for victim in lower:
             if bm.can_allocate(seq, num_tokens, cached):
                 break
-            why = Shortfall(seq, bm._new_blocks_needed(seq, num_tokens, cached), bm._available_after_hits(cached),
+            why = Shortfall(seq, bm.new_blocks_needed(seq, num_tokens, cached), bm.free_blocks_after_hits(cached),
                             waiting=True)
             self._preempt(victim, plan, preempted, why)
         return bm.can_allocate(seq, num_tokens, cached)
