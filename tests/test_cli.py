@@ -313,6 +313,15 @@ def test_one_token_is_one_token_not_1_tokens(capsys, cli_on_shared_model):
 
 
 @pytest.mark.real_model
+def test_the_summary_names_float_weights_and_their_bytes_as_it_does_block_ones(capsys, cli_on_shared_model):
+    """Trial 14: README says `--quantization none` runs 538 MB of float32 weights, but the summary line
+    named the weights' format and bytes only for block modes."""
+    code, out, err = run_cli(capsys, "--max-tokens", "1", "--num-kv-blocks", "64")
+    assert code == 0, err
+    assert re.search(r"on cpu, float32, float weights \(float32 5\d\d MB of weights\), model ", out), out
+
+
+@pytest.mark.real_model
 def test_the_summary_and_the_dashboard_each_say_what_their_time_includes(capsys, cli_on_shared_model):
     """Trial 7: the dashboard said "Overall 1.4 tok/s (1.43 s)" and the summary "2 tokens in 1.49 s
     (1.3 tokens/s)", two timings of one run with no word of why they differ. Each says what it counts."""

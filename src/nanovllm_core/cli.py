@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--trace", metavar="FILE.jsonl", default=None,
                    help="record every engine event as JSON lines (replay with nanovllm-tui --replay)")
     t.add_argument("--trace-xray", action="store_true",
-                   help="with --trace: also record X-Ray layer traces of each step (large: ~100 KB a step)")
+                   help="with --trace: also record X-Ray layer traces of each step (large: ~156 KB a step for the default model)")
     t.add_argument("--trace-chrome", metavar="FILE.json", default=None,
                    help="write a Chrome trace-event file (open in ui.perfetto.dev or chrome://tracing)")
     return p
@@ -298,8 +298,8 @@ def _generate(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, pr
     print(f"{len(outputs)} prompt(s), {plural(total, 'token')} in {elapsed:.2f} s of wall time "
           f"({total / max(elapsed, 1e-9):.1f} tokens/s, {included} included) "
           f"on {llm.engine.device.type}, {str(llm.engine.dtype).replace('torch.', '')}"
-          + (f", {llm.engine.model.quantization} weights" if llm.engine.model.quantization else "")
-          + (f" ({info['weight_format']})" if llm.engine.model.quantization else "")
+          + f", {llm.engine.model.quantization or 'float'} weights ("
+          + ("rank 0's shard: " if info.get("tensor_parallel_size", 1) > 1 else "") + f"{info['weight_format']})"
           + f", model {llm.engine.model_name}"
           + (f", tensor parallel over {info['tensor_parallel_size']} ranks ({info['tensor_parallel_backend']})"
              if info.get("tensor_parallel_size", 1) > 1 else ""))

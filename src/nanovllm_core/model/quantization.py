@@ -307,10 +307,13 @@ def weight_formats(model: nn.Module) -> dict[str, int]:
 
 
 def describe_weights(model: nn.Module) -> str:
-    """One line naming what runs: ``q4_1 (file blocks) + q8_0 embedding`` style, from :func:`weight_formats`."""
+    """One line naming what runs, by format and bytes, from :func:`weight_formats`:
+    ``q4_1 66 MB + q8_0 30 MB (96 MB of weights)``, or ``float32 538 MB of weights`` for one format."""
     formats = weight_formats(model)
     total = sum(formats.values())
     parts = [f"{k} {v / 1e6:.0f} MB" for k, v in sorted(formats.items(), key=lambda kv: -kv[1])]
+    if len(parts) == 1:
+        return f"{parts[0]} of weights"
     return f"{' + '.join(parts)} ({total / 1e6:.0f} MB of weights)"
 
 
