@@ -60,6 +60,7 @@ class Row:
     p50_all_reduce_s: float | None
     p99_all_reduce_s: float | None
     events_agree: bool
+    weight_format: str  # what the weights ran as (model_info's weight_format; N > 1: rank 0's shard)
 
 
 def measure(model: str | None, n: int, prompts: list[str], max_tokens: int) -> Row:
@@ -68,8 +69,12 @@ def measure(model: str | None, n: int, prompts: list[str], max_tokens: int) -> R
     from nanovllm_core import events as ev
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    with LLM(model, device="cpu", num_kv_blocks=64, tensor_parallel_size=n, progress=lambda *a: None) as llm:
+    # Float weights at every N: tensor parallelism splits float weights only, so N = 1 in the file's blocks
+    # (the default on the CPU) would compare weight formats, not sizes.
+    with LLM(model, device="cpu", num_kv_blocks=64, tensor_parallel_size=n, quantization="none",
+             progress=lambda *a: None) as llm:
         engine = llm.engine
+        weight_format = engine.model_info()["weight_format"]
         workers = engine.runner.workers
         threads = workers.worker_threads if workers is not None else torch.get_num_threads()
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # warm
@@ -101,7 +106,7 @@ def measure(model: str | None, n: int, prompts: list[str], max_tokens: int) -> R
                comm_per_token_s=comm0 / max(tokens, 1), comm_share=comm0 / forward0 if forward0 else 0.0,
                all_reduces=sum(t.all_reduces for t in timings), all_reduce_bytes=sum(t.all_reduce_bytes for t in timings),
                p50_all_reduce_s=percentile(latencies, 50), p99_all_reduce_s=percentile(latencies, 99),
-               events_agree=agree)
+               events_agree=agree, weight_format=weight_format)
 
 
 def print_table(rows: list[Row]) -> None:
@@ -151,13 +156,16 @@ def main(argv: list[str] | None = None) -> list[Row]:
     prompts = PROMPTS[:2] if args.quick else PROMPTS
     max_tokens = args.max_tokens or (8 if args.quick else 32)
     host = HostCheck()
-    print(f"tensor parallelism, {cfg.num_attention_heads} query / {cfg.num_key_value_heads} KV heads, cpu float32 "
-          f"(gloo), {len(prompts)} prompts x {max_tokens} tokens, {cpu_name()} ({os.cpu_count()} cores)", flush=True)
+    print(f"tensor parallelism, {cfg.num_attention_heads} query / {cfg.num_key_value_heads} KV heads, cpu, float weights "
+          f"at every N (--quantization none; N > 1 splits float weights only), gloo, {len(prompts)} prompts x "
+          f"{max_tokens} tokens, {cpu_name()} ({os.cpu_count()} cores)", flush=True)
     rows = []
     for n in sizes:
         rows.append(measure(args.model, n, prompts, max_tokens))
         print(f"  measured N={n}", file=sys.stderr, flush=True)
     print_table(rows)
+    print("weights: " + "; ".join(f"N={r.tp_size} {r.weight_format}" + (" (rank 0's shard)" if r.tp_size > 1 else "")
+                                  for r in rows))
     host.report()
     write_json(args.json, [asdict(r) for r in rows])
     return rows

@@ -225,6 +225,27 @@ def test_serving_rejects_a_bad_rate(rate, capsys):
     assert e.value.code == 2 and "--request-rate" in capsys.readouterr().err
 
 
+def test_tensor_parallel_runs_float_weights_at_every_size_n_1_included(monkeypatch):
+    """Trial 14e: N = 1 took the default (the GGUF file's Q4_1 blocks on the CPU) while N > 1 runs float
+    weights, so "vs N=1" compared weight formats; every N must ask for the same (float) weights."""
+    import nanovllm_core
+
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(model, **kw):
+        asked.append((kw["tensor_parallel_size"], kw.get("quantization")))
+        raise Stop
+
+    monkeypatch.setattr(nanovllm_core, "LLM", spy)
+    for n in (1, 3):
+        with pytest.raises(Stop):
+            benchmark_tensor_parallel.measure(None, n, ["Hi"], 1)
+    assert asked == [(1, "none"), (3, "none")]
+
+
 def test_tensor_parallel_quick_figures_agree_with_each_other_and_with_the_split(tmp_path, tiny_llama_dir, capsys):
     """N = 1 and 2 on the tiny LLaMA (4 query / 2 KV heads, 2 layers): every figure derives from the ones it
     says it does (share = comm / forward, comm per token, tokens/s), the counts are the split's (2 x layers + 1
@@ -257,6 +278,9 @@ def test_tensor_parallel_quick_figures_agree_with_each_other_and_with_the_split(
     assert two["comm_per_token_s"] == pytest.approx(two["comm_s_rank0"] / two["output_tokens"])
     assert 0 < two["p50_all_reduce_s"] <= two["p99_all_reduce_s"] <= two["comm_s_rank0"]
     assert "StepTimed = measured" in out and " NO" not in out
+    # trial 14e: N = 1 ran the default model's Q4_1 blocks and N = 3 float32, so "vs N=1" compared formats
+    assert all(r["weight_format"].startswith("float32 ") for r in data), [r["weight_format"] for r in data]
+    assert "float weights at every N" in out and f"N=1 {one['weight_format']}" in out
     assert f"{two['comm_share']:.0%}" in out and "vs N=1" in out
 
 
