@@ -86,5 +86,48 @@ def test_a_slower_run_says_why_and_what_pays_off(capsys, monkeypatch):
     assert "speed-up 0.25x" in out
     assert ("drafting cost more than it saved here: 16 of 24 target passes saved, but each step also ran 8 of the "
             "model's layers 2 times to draft") in out
+    # each run's wall time per step, from the runs themselves: 40 s / 8 steps against 10 s / 24
+    assert "a step took 5,000 ms on average against 417 ms without speculation (wall time / steps, 12.0x)" in out
+    assert "n-gram lookup ('--draft-model ngram') drafts with no model pass" in out
     assert cli.slower_note("ngram", 4, 10, 12).startswith("drafting cost more than it saved here: 2 of 12 target "
-                                                          "passes saved, but each verification ran the model on 5 tokens")
+                                                          "passes saved, but each verification ran the model on up to "
+                                                          "5 tokens")
+
+
+def test_a_slower_n_gram_run_gives_its_mean_rows_and_does_not_advise_n_gram():
+    """Trial 14e: after an n-gram run at 0.57x the note advised n-gram lookup on repeating text (what had just
+    run) and said each verification ran 6 tokens where 54 drafts over 12 verifications is 5.5 on average."""
+    stats = {"spec_verifications": 12, "spec_draft_tokens": 54}
+    spec = cli.TimedRun([], 8.5, 48, 17, stats)
+    plain = cli.TimedRun([], 4.8, 48, 48, {})
+    note = cli.slower_note("ngram", 5, 17, 48, spec=spec, plain=plain)
+    assert "ran the model on 5.5 tokens on average instead of 1" in note
+    assert "a step took 500 ms on average against 100 ms without speculation (wall time / steps, 5.0x)" in note
+    assert "'--draft-model ngram'" not in note and "--num-speculative-tokens" in note
+
+
+def test_a_busy_host_is_named_beside_the_speed_up(monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (7.5, 7.0, 6.0))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert cli.busy_host().startswith("the host was busy (load average 7.5 on 2 cores): the speed-up is a wall-clock")
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    assert cli.busy_host() is None
+
+
+def test_quantization_chooses_the_targets_weights_as_nanovllm_does(capsys, monkeypatch):
+    """The speculative CLI had no --quantization: its runs always took the file's blocks (auto)."""
+    from nanovllm_core.model import loader
+
+    asked = []
+
+    def load(*a, quantization=None, **kw):
+        asked.append(quantization)
+        raise loader.ModelLoadError("stop here")
+
+    monkeypatch.setattr(loader, "load_model", load)
+    code, _, err = run_cli(capsys, "--quantization", "NONE")
+    assert code == 2 and asked == ["none"] and "stop here" in err
+    code, _, err = run_cli(capsys, "--quantization", "int4")
+    assert code == 2 and "--quantization" in err and len(err.strip().splitlines()) == 1

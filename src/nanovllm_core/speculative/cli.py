@@ -19,7 +19,17 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from nanovllm_core.cli_args import count_int, load_progress, model_name, positive_int, prompt_text, sampling_decimal, seed_int
+from nanovllm_core.cli_args import (
+    QUANTIZATION_CHOICES,
+    count_int,
+    load_progress,
+    model_name,
+    positive_int,
+    prompt_text,
+    quantization_name,
+    sampling_decimal,
+    seed_int,
+)
 from nanovllm_core.educational.commentary import plural
 
 DEFAULT_PROMPT = "The future of AI is"
@@ -51,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens even past end-of-sequence")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None, type=quantization_name,
+                   help="the target's weights, as nanovllm's --quantization (default auto: the embedded model's "
+                        "Q4_1 blocks on the CPU; none: float32)")
     p.add_argument("--block-size", type=positive_int, default=None,
                    help="tokens per KV block (default 16; 256 on a GPU where flash-attn runs)")
     p.add_argument("--num-kv-blocks", type=positive_int, default=None,
@@ -139,7 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 block_size=args.block_size)
         EngineConfig(speculative_model=draft, num_speculative_tokens=args.num_speculative_tokens)  # check early
         model, tokenizer, resolved = load_model(args.target_model, base_cfg.torch_device, base_cfg.torch_dtype,
-                                                progress=load_progress("nanovllm-spec"))
+                                                progress=load_progress("nanovllm-spec"),
+                                                quantization=args.quantization)
     except (ModelLoadError, ValueError) as e:
         parser.error(str(e))
     if args.chat and not getattr(tokenizer, "chat_template", None):
@@ -183,7 +197,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             note += " (expected when sampling: same distribution, other random draws)"
         print(f"  [{plural(len(c.token_ids), 'token')}, finish_reason={c.finish_reason}; {note}]\n")
     k = args.num_speculative_tokens
-    print(f"Speculative decoding with draft {draft!r}, k={k}, target {spec.engine.model_name}:")
+    weights = spec.engine.model_info()["weight_format"]
+    print(f"Speculative decoding with draft {draft!r}, k={k}, target {spec.engine.model_name} "
+          f"({spec.engine.model.quantization or 'float'} weights: {weights}):")
     for line in speculation_report(fast.stats, k):
         print(line)
     print(f"  engine steps (target forward passes): {fast.steps} with speculation, {base.steps} without")
@@ -191,22 +207,57 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{base.tokens_per_s:.1f} tokens/s without ({base.num_tokens} in {base.seconds:.2f} s): "
           f"speed-up {fast.tokens_per_s / max(base.tokens_per_s, 1e-9):.2f}x")
     if fast.tokens_per_s < base.tokens_per_s:
-        print("  " + slower_note(draft, k, fast.steps, base.steps))
+        print("  " + slower_note(draft, k, fast.steps, base.steps, spec=fast, plain=base))
+    busy = busy_host()
+    if busy:
+        print(f"  {busy}")
     return 0
 
 
-def slower_note(draft: str, k: int, steps_spec: int, steps_plain: int) -> str:
-    """Why speculation was slower than plain decoding in a run, and what tends to pay off (one line)."""
+def busy_host() -> str | None:
+    """A line when the host's load average (1 minute) exceeds its cores: the speed-up is a wall-clock ratio."""
+    import os
+
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform
+        return None
+    cores = os.cpu_count() or 1
+    if load <= cores:
+        return None
+    return (f"the host was busy (load average {load:.1f} on {plural(cores, 'core')}): the speed-up is a wall-clock "
+            "ratio and follows the load; the step and acceptance counts do not")
+
+
+def slower_note(draft: str, k: int, steps_spec: int, steps_plain: int, spec: TimedRun | None = None,
+                plain: TimedRun | None = None) -> str:
+    """Why speculation was slower than plain decoding in a run, and what tends to pay off (one line).
+
+    ``spec``/``plain``: the two timed runs, for the draft tokens per verification and each run's
+    wall time per engine step.
+    """
     saved = steps_plain - steps_spec
+    stats = spec.stats if spec is not None else {}
+    verifications = stats.get("spec_verifications") or 0
     if draft == "ngram":
-        cost = f"each verification ran the model on {k + 1} tokens instead of 1"
+        if verifications:
+            rows = 1 + stats.get("spec_draft_tokens", 0) / verifications
+            cost = f"each verification ran the model on {rows:.1f} tokens on average instead of 1"
+        else:
+            cost = f"each verification ran the model on up to {k + 1} tokens instead of 1"
     elif draft.startswith("self:"):
         cost = f"each step also ran {draft[5:]} of the model's layers {plural(k, 'time')} to draft"
     else:
         cost = f"each step also ran the draft model {plural(k, 'time')}"
-    return (f"drafting cost more than it saved here: {saved} of {steps_plain} target passes saved, but {cost}; "
-            "on a small model on the CPU a draft of its own layers rarely pays, n-gram lookup ('--draft-model "
-            "ngram') does on text that repeats its prompt, and a smaller --num-speculative-tokens wastes less")
+    if spec is not None and plain is not None and spec.steps and plain.steps:
+        per_spec, per_plain = spec.seconds / spec.steps, plain.seconds / plain.steps
+        cost += (f"; a step took {per_spec * 1e3:,.0f} ms on average against {per_plain * 1e3:,.0f} ms without "
+                 f"speculation (wall time / steps, {per_spec / max(per_plain, 1e-12):.1f}x)")
+    advice = "speculation pays where a pass over a few tokens costs little more than a pass over one"
+    if draft != "ngram":
+        advice += "; n-gram lookup ('--draft-model ngram') drafts with no model pass, on text that repeats its prompt"
+    advice += "; a smaller --num-speculative-tokens wastes less"
+    return f"drafting cost more than it saved here: {saved} of {steps_plain} target passes saved, but {cost}; {advice}"
 
 
 if __name__ == "__main__":
