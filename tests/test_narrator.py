@@ -895,3 +895,30 @@ def test_an_abort_tells_which_blocks_went_back_and_which_a_shared_prefix_keeps()
     assert "Its 2 KV blocks [0, 1] were released at once: all went back to the pool" in alone.text  # ref 2 = 1 + req 0
     waiting = next(c for c in n.feed(replace(finished("5"), finish_reason="abort")) if c.kind == "finished")
     assert "It held no KV blocks (it was waiting)" in waiting.text
+
+
+# ------------------------------------------------------------------ trial 14c #2: cached tokens, one definition
+
+
+@pytest.mark.parametrize("first,again,preemptions,told,not_told", [
+    # the report's case: the Dashboard showed 16, the finish said "8 of its 32 prompt tokens" and stopped
+    (8, 16, 1, ["At its first admission 8 of its 32 prompt tokens came from the prefix cache; after its preemption, "
+                "its readmission found 16 tokens there, prompt and generated tokens alike."], []),
+    (0, 16, 2, ["At its first admission none of its 32 prompt tokens were in the prefix cache; after its preemption, "
+                "the readmission that found the most found 16 tokens there"], []),
+    (8, 0, 1, ["8 of its 32 prompt tokens came from the prefix cache; after its preemption, its readmission found "
+               "none there."], []),
+    (8, None, 0, [" 8 of its 32 prompt tokens came from the prefix cache."], ["admission", "readmission"]),
+    (8, None, 1, ["8 of its 32 prompt tokens came from the prefix cache at its first admission."], ["readmission"]),
+    (0, 0, 1, [], ["prefix cache"]),
+])
+def test_a_finish_tells_the_first_admissions_and_a_readmissions_cached_tokens_apart(first, again, preemptions, told,
+                                                                                     not_told):
+    e = replace(finished(), num_prompt_tokens=32, num_preemptions=preemptions, num_cached_prompt_tokens=first,
+                num_cached_tokens_readmitted=again)
+    (c,) = [c for c in feed_all(fresh(), [e]) if c.kind == "finished"]
+    for text in told:
+        assert text in c.text
+    for text in not_told:
+        assert text not in c.text
+

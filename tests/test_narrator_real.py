@@ -150,6 +150,25 @@ def test_a_preemption_readmitted_from_the_prefix_cache_is_told_with_reused_and_r
     assert "the blocks still in the prefix cache are reused and only the rest is recomputed" in pre.text
 
 
+def test_a_readmitted_requests_finish_tells_the_cached_tokens_the_dashboard_shows(readmitted):
+    """Trial 14c #2: the finish told only the first admission's hits (none here) while the Dashboard's
+    cached column and the readmission entry told the readmission's."""
+    from nanovllm_tui.state import EngineState
+
+    state = EngineState()
+    for e in readmitted.events:
+        state.apply(e)
+    back = [s for plan in readmitted.of(ev.StepPlanned) for s in plan.scheduled
+            if s.request_id in plan.admitted and any(q.seq_id == s.seq_id and q.num_preemptions for q in plan.running)]
+    (rid,) = {s.request_id for s in back}
+    again = max(s.num_cached_tokens for s in back)
+    (done,) = [e for e in readmitted.of(ev.RequestFinished) if e.request_id == rid]
+    assert done.num_preemptions >= 1 and done.num_cached_tokens_readmitted == again > 0
+    assert state.requests[rid].num_cached == max(done.num_cached_prompt_tokens, again)
+    (told,) = [c for c in readmitted.entries("finished") if c.request_id == rid]
+    assert f"found {again} tokens there, prompt and generated tokens alike" in told.text
+
+
 # ---------------------------------------------------------------------- teaching truth, by kind (issue 28)
 
 FILTERED = dict(temperature=0.9, top_k=20, top_p=0.95, min_p=0.02, seed=7, logprobs=20, ignore_eos=True)

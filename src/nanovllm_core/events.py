@@ -101,6 +101,10 @@ class RequestFinished(Event):
     ``kv_blocks_used`` / ``kv_blocks_cached``: the KV pool's used and cached-free blocks right
     after this request's blocks were returned, so a view stays true after an abort between
     steps (None in traces recorded before these fields existed).
+    Prefix-cache hits of sample 0 (``RequestMetrics``), in tokens: ``num_cached_prompt_tokens``: prompt
+    tokens the cache held at its first admission (vLLM's ``num_cached_tokens``);
+    ``num_cached_tokens_readmitted``: the most one readmission after a preemption found there, prompt
+    and generated tokens (None: never readmitted, or a trace recorded before this field existed).
     """
 
     request_id: str
@@ -122,6 +126,7 @@ class RequestFinished(Event):
     kv_blocks_used: int | None = None
     kv_blocks_cached: int | None = None
     paused_s: float | None = None
+    num_cached_tokens_readmitted: int | None = None
 
 
 # ------------------------------------------------------------------------------ steps

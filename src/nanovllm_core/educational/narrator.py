@@ -676,6 +676,29 @@ class Narrator(SchedulerNarration):
         return [Commentary("kv_cache", title, text, step=t.step)]
 
     @staticmethod
+    def _cached_summary(e: ev.RequestFinished) -> str:
+        """A finish's prefix-cache hits: the first admission's, and a readmission's apart (trial 14c #2).
+
+        The first admission's count is of prompt tokens (vLLM's ``num_cached_tokens``); a readmission
+        after a preemption can find more (such as its own full blocks, kept cached-free), generated
+        tokens among them. The Dashboard's cached column shows the larger of the two.
+        """
+        first, again = e.num_cached_prompt_tokens, getattr(e, "num_cached_tokens_readmitted", None)
+        prompt = plural(e.num_prompt_tokens, "prompt token")
+        if again is None:  # never readmitted (or a trace from before the field): one admission to tell
+            if not first:
+                return ""
+            at = " at its first admission" if e.num_preemptions else ""
+            return f" {first} of its {prompt} came from the prefix cache{at}."
+        if not first and not again:
+            return ""
+        told = (f" At its first admission {first} of its {prompt} came from the prefix cache" if first else
+                f" At its first admission none of its {prompt} were in the prefix cache")
+        which = "its readmission" if e.num_preemptions == 1 else "the readmission that found the most"
+        return told + (f"; after its preemption, {which} found {plural(again, 'token')} there, prompt and generated "
+                       "tokens alike." if again else f"; after its preemption, {which} found none there.")
+
+    @staticmethod
     def _why(reason: str, stop_reason: str | int | None) -> str:
         if reason == "stop":
             if stop_reason is None:
@@ -734,9 +757,7 @@ class Narrator(SchedulerNarration):
         text += (f" Time to first token {ms(e.ttft_s)}, time per output token {ms(e.tpot_s)}, end to end {ms(e.e2e_s)}"
                  + (f" (wall time{held})" if held else "")
                  + (" (sample 0's times)." if len(e.samples) > 1 else "."))
-        if e.num_cached_prompt_tokens:
-            text += (f" {e.num_cached_prompt_tokens} of its {plural(e.num_prompt_tokens, 'prompt token')} came from the "
-                     "prefix cache.")
+        text += self._cached_summary(e)
         if e.num_preemptions:
             text += f" It was preempted {plural(e.num_preemptions, 'time')}."
         if state is not None and state.decode_untold:

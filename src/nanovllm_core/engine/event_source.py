@@ -99,6 +99,7 @@ class EventSource:
             num_cached_prompt_tokens=m.num_cached_prompt_tokens, error=first.error, samples=samples,
             kv_blocks_used=self.block_manager.num_used_blocks,
             kv_blocks_cached=self.block_manager.num_cached_free_blocks, paused_s=m.paused_time,
+            num_cached_tokens_readmitted=m.num_cached_tokens_readmitted,
         )
 
     # ------------------------------------------------------------------ events of a step

@@ -236,6 +236,9 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             if seq.metrics.num_preemptions == 0:
                 seq.metrics.num_cached_prompt_tokens = num_computed
+            else:  # a readmission: its hit can hold generated tokens too, so it is kept apart from the first
+                seq.metrics.num_cached_tokens_readmitted = max(seq.metrics.num_cached_tokens_readmitted or 0,
+                                                               num_computed)
             self.running.append(seq)
             admitted.append(seq)
             plan[seq.seq_id] = self._scheduled(seq, num_new, num_cached=num_computed)
