@@ -922,3 +922,54 @@ def test_a_finish_tells_the_first_admissions_and_a_readmissions_cached_tokens_ap
     for text in not_told:
         assert text not in c.text
 
+
+
+# ------------------------------------------------------------------ trial 14c #3: why a step had fewer drafts
+
+
+@pytest.mark.parametrize("limits,slots,drafts,told", [
+    (("kv_blocks",), 0, 0, "this step reserved no draft slot for it, held down by the free KV slots (drafts get only "
+                           "the blocks still free once every running request's own tokens have theirs"),
+    (("budget",), 0, 0, "held down by the step's token budget (a token is kept for each running request served "
+                        "after it)"),
+    (("max_model_len",), 0, 0, "held down by the model's length limit, max_model_len"),
+    (("proposer",), 3, 0, "the ngram proposer found no earlier occurrence of the sequence's last tokens"),
+    (("proposer", "min_tokens"), 3, 0, "the n-gram proposer proposes what followed the latest earlier occurrence of "
+                                       "the sequence's last tokens, and fewer followed it and a drafted token was one "
+                                       "the request may not produce yet (min_tokens"),
+    (("kv_blocks", "failed_step"), 0, 0, "the free KV slots (drafts get only the blocks still free once every "
+                                         "running request's own tokens have theirs, and never take one by "
+                                         "preemption); the step's batched forward pass failed"),
+])
+def test_a_decode_without_drafts_says_why_from_the_engines_reasons(limits, slots, drafts, told):
+    info = {**INFO, "speculative_model": "ngram", "num_speculative_tokens": 4}
+    s = replace(entry(kind="decode", num=1, start=3, total_len=4), max_drafts=4, num_spec_tokens=slots,
+                draft_limits=limits)
+    n = Narrator(info)
+    n.introduction()
+    out = feed_all(n, [added(), planned(1, [s], waiting=(queued("1"),), admitted=()),
+                       sampled(1, n_out=2), timed(1, tokens=1)])
+    (decode,) = [c for c in out if c.kind == "decode"]
+    assert "It ran without drafts. Speculative decoding verifies up to 4 drafts a step; " in decode.text
+    assert told.replace("ngram proposer", "n-gram proposer") in decode.text
+    (plan,) = [c for c in out if c.kind == "scheduler"]
+    assert "request 0: decode, 1 token (no drafts, limited by " in plan.text
+
+
+def test_a_decode_with_all_its_drafts_or_without_the_engines_reasons_says_nothing_of_them():
+    for s in (replace(entry(kind="decode", num=1, start=3, total_len=4), max_drafts=0),  # no speculation
+              replace(entry(kind="decode", num=1, start=3, total_len=4), max_drafts=4, num_spec_tokens=4)):  # old trace
+        out = feed_all(fresh(), [added(), planned(1, [s]), sampled(1, n_out=2), timed(1, tokens=1)])
+        assert not any("without drafts" in c.text or "limited by" in c.text for c in out)
+
+
+def test_a_verification_with_fewer_drafts_than_k_says_why():
+    s = replace(entry(kind="decode", num=3, start=3, total_len=6), max_drafts=4, num_spec_tokens=2,
+                draft_limits=("max_tokens",))
+    v = ev.SpecDecodeStep(step=1, request_id="0", seq_id=0, proposer="ngram", draft_tokens=(5, 6),
+                          draft_texts=(" a", " b"), p=(0.9, 0.8), q=(1.0, 1.0), accepted=(True, True), bonus_token=7,
+                          bonus_text=" c", greedy=True, num_query_tokens=3)
+    out = feed_all(fresh(), [added(), planned(1, [s]), v, sampled(1, n_out=2), timed(1, tokens=3)])
+    (spec,) = [c for c in out if c.kind == "speculative"]
+    assert ("Speculative decoding verifies up to 4 drafts a step; this step reserved slots for 2 drafts for it, held "
+            "down by its max_tokens (a draft gets a slot only if it could be kept).") in spec.text

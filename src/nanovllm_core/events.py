@@ -143,6 +143,14 @@ class ScheduledEntry:
     token (``kind`` ``prefill``): no recompute, the drafts follow it. ``total_len`` counts the
     drafts (:attr:`seq_len` does not). 0 for a plain decode or prefill, and in traces recorded
     before this field existed.
+
+    ``max_drafts``: k, the drafts the sequence could have had this step (it had one uncomputed
+    token and the engine speculates; 0 otherwise); ``draft_limits``: why it had fewer, the engine's
+    reasons in the order they applied (``engine.scheduler.DRAFT_LIMITS``): ``budget``,
+    ``max_tokens``, ``max_model_len`` (fewer slots), ``kv_blocks`` (only the slots free blocks
+    hold), then ``proposer`` (it proposed fewer than the slots), ``min_tokens`` (drafts cut before
+    a banned token), ``failed_step`` (retried alone without drafts). Empty when it had all k, and
+    in traces recorded before these fields existed.
     """
 
     request_id: str
@@ -157,6 +165,8 @@ class ScheduledEntry:
     samples: bool
     priority: int
     num_spec_tokens: int = 0
+    max_drafts: int = 0
+    draft_limits: tuple[str, ...] = ()
 
     @property
     def num_drafts(self) -> int:

@@ -46,8 +46,8 @@ from nanovllm_core import events as ev
 from nanovllm_core.educational.commentary import (Commentary, agree, human_bytes, ms, ordinal, plural,
                                                     show_piece, who)
 from nanovllm_core.educational.kv_facts import kv_footprint
-from nanovllm_core.educational.narrator_sampling import (sampling_intro, speculative_entry, token_choice, token_label,
-                                                         verification_rule)
+from nanovllm_core.educational.narrator_sampling import (draft_limits_sentence, sampling_intro, speculative_entry,
+                                                         token_choice, token_label, verification_rule)
 from nanovllm_core.educational.narrator_scheduler import PRIORITY_NOTE, SchedulerNarration
 from nanovllm_core.educational.tp_facts import tp_size, waited_on_communication
 
@@ -339,7 +339,8 @@ class Narrator(SchedulerNarration):
                 else:
                     out.append(speculative_entry(e, self._name(e.request_id), greedy, kept.get(e.seq_id),
                                                  state.sampling if state is not None else None,
-                                                 state.decode_told + state.decode_untold if state is not None else 1))
+                                                 state.decode_told + state.decode_untold if state is not None else 1,
+                                                 draft_limits_sentence(entries.get(e.seq_id), e.proposer)))
             elif isinstance(e, ev.RequestFinished):
                 ends.append(self._finished(e))
             elif isinstance(e, ev.EngineError):
@@ -593,6 +594,9 @@ class Narrator(SchedulerNarration):
                      + (f", {ctx} x {per_token:,} = {ctx * per_token:,} bytes: reads of its own, which batching "
                         "with other sequences does not share." if per_token else "."))
             text += self._bandwidth_share(timed)
+        if verification is None and not speculative:  # a step that could have verified drafts and had none
+            why = draft_limits_sentence(entry, self.info.get("speculative_model"))
+            text += f" It ran without drafts.{why}" if why else ""
         if state is not None and self.max_decode is not None and state.decode_told == self.max_decode:
             text += " (Later tokens of this request are summed up when it finishes.)"
         notes = tuple("chosen" if t.token_id == e.token_id else "" for t in e.top)

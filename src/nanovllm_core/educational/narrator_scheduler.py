@@ -19,6 +19,7 @@ V0_RULE = ("vLLM V0 did this too; vLLM V1 preempts only for a running request an
 
 from nanovllm_core import events as ev
 from nanovllm_core.educational.commentary import Commentary, agree, join_words, ordinal, plural
+from nanovllm_core.educational.narrator_sampling import draft_limits_tag
 
 PRIORITY_NOTE = ("here a higher priority value is more important; vLLM's is the opposite: lower values run first, "
                  "and its default policy is fcfs")
@@ -98,8 +99,9 @@ class SchedulerNarration:
         for s in plan.scheduled:
             name = self._name(s.request_id, s.index)
             if s.kind == "decode":
-                parts.append(f"{name}: decode, 1 token" if s.num_tokens == 1 else
-                             f"{name}: decode with {plural(s.num_tokens - 1, 'draft token')}, {s.num_tokens} tokens")
+                parts.append((f"{name}: decode, 1 token" if s.num_tokens == 1 else
+                              f"{name}: decode with {plural(s.num_tokens - 1, 'draft token')}, {s.num_tokens} tokens")
+                             + draft_limits_tag(s))
                 continue
             n, total = s.num_own_tokens, s.seq_len  # without the drafts a prompt's last token may carry
             end = s.start + n - 1
@@ -114,6 +116,7 @@ class SchedulerNarration:
                 what = f"prefill of {plural(n, 'token')}"
             if s.num_drafts:
                 what += f" and {plural(s.num_drafts, 'draft token')} after it, {s.num_tokens} tokens"
+            what += draft_limits_tag(s)
             if s.request_id in plan.admitted and s.start == s.num_cached_tokens and not self._preemptions(plan, s.seq_id):
                 what += ", newly admitted"
             parts.append(f"{name}: {what}")

@@ -169,7 +169,8 @@ class EventSource:
             ev.ScheduledEntry(request_id=s.seq.request_id, seq_id=s.seq.seq_id, index=s.seq.index, kind=s.kind,
                               num_tokens=s.num_new_tokens, start=s.start, prompt_len=s.seq.num_prompt_tokens,
                               total_len=s.seq.num_tokens, num_cached_tokens=s.num_cached_tokens, samples=s.samples,
-                              priority=s.seq.priority, num_spec_tokens=s.num_spec_tokens)
+                              priority=s.seq.priority, num_spec_tokens=s.num_spec_tokens,
+                              max_drafts=s.max_drafts, draft_limits=tuple(s.draft_limits))
             for s in plan.scheduled
         )
         return ev.StepPlanned(
