@@ -973,3 +973,54 @@ def test_a_verification_with_fewer_drafts_than_k_says_why():
     (spec,) = [c for c in out if c.kind == "speculative"]
     assert ("Speculative decoding verifies up to 4 drafts a step; this step reserved slots for 2 drafts for it, held "
             "down by its max_tokens (a draft gets a slot only if it could be kept).") in spec.text
+
+
+# ------------------------------------------------------------------ trial 14c #4: every step a request waits
+
+
+def test_every_step_in_which_a_request_keeps_waiting_says_so():
+    """Steps 1..3 of a chunked 32-token prompt gave the whole budget of 8 to it while request 1 waited:
+    only step 0 said so."""
+    n = fresh()
+    n.feed(added("0", ids=tuple(range(32)), pieces=tuple("x" * 32)))
+    n.feed(added("1"))
+    told = []
+    for step in range(4):
+        chunk = entry("0", num=8, start=8 * step, prompt_len=32, total_len=32)
+        plan = replace(planned(step, [chunk], waiting=(queued("1"),), admitted=("0",) if step == 0 else (),
+                               budget=8, max_num_seqs=4), wait_reason="budget")
+        told.append([c for c in n.feed(plan) if c.kind == "scheduler"])
+        n.feed(timed(step, tokens=8))
+    assert "Waiting: request 1 (the step's token budget of 8 is used up)" in told[0][0].text
+    for step, entries in enumerate(told[1:], 1):
+        (c,) = entries
+        assert (c.title, c.text) == (f"Step {step}: request 1 keeps waiting",
+                                     "Request 1 keeps waiting (the step's token budget of 8 is used up).")
+
+
+def test_a_running_request_that_again_gets_no_token_is_told_each_step():
+    n = fresh()
+    for rid in "01":
+        n.feed(added(rid))
+    running = (queued("0"), queued("1"))
+    told = []
+    for step in range(2):
+        plan = planned(step, [entry("0", num=8, start=8 * step, prompt_len=40, total_len=40)], running=running,
+                       admitted=(), budget=8, max_num_seqs=4)
+        told.append([c for c in n.feed(plan) if c.kind == "scheduler"])
+    assert "Request 1 is running but got no token" in told[0][0].text
+    (c,) = told[1]
+    assert c.title == "Step 1: request 1 again got no token"
+    assert c.text == "Request 1 is running but again got no token (the budget was used up before its turn)."
+
+
+@pytest.mark.parametrize("wait_reason", ["budget", ""])
+def test_a_budget_taken_by_draft_slots_the_proposer_left_empty_is_still_used_up(wait_reason):
+    """The plan's tokens (1: the proposer drafted none) are fewer than the budget its 1 + 4 slots took:
+    "not enough free KV blocks" was said. The engine's reason decides; an older trace counts the slots."""
+    s = replace(entry("0", kind="decode", num=1, start=3, total_len=4), num_spec_tokens=4, max_drafts=4,
+                draft_limits=("proposer",))
+    plan = replace(planned(1, [s], waiting=(queued("1"),), admitted=(), budget=5, max_num_seqs=4),
+                   wait_reason=wait_reason)
+    (sched,) = [c for c in fresh().feed(plan) if c.kind == "scheduler"]
+    assert "Waiting: request 1 (the step's token budget of 5 is used up)" in sched.text

@@ -230,7 +230,10 @@ class StepPlanned(Event):
     ``preempted`` / ``admitted``: request ids (with seq ids) that lost or got blocks this step;
     ``waiting`` / ``running``: the queues after planning, in order; ``shortfalls``: why each
     preemption happened, one per ``preempted`` entry in the same order (empty in traces
-    recorded before this field existed).
+    recorded before this field existed). ``wait_reason``: why the first of ``waiting`` was not
+    admitted (``engine.scheduler.WAIT_REASONS``: ``preempted``, ``max_num_seqs``, ``budget``,
+    ``chunked_prefill_off``, ``kv_blocks``); "" when none waits, and in traces recorded before
+    this field existed.
     """
 
     step: int
@@ -243,6 +246,7 @@ class StepPlanned(Event):
     running: tuple[QueueEntry, ...]
     max_num_seqs: int
     shortfalls: tuple[Shortfall, ...] = ()
+    wait_reason: str = ""
 
 
 @dataclass(frozen=True)

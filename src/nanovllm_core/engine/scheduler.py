@@ -49,6 +49,18 @@ DRAFT_LIMITS = {
 }
 
 
+# Why the head of the waiting queue was not admitted in a step (``SchedulerOutput.wait_reason``); the
+# sequences behind it wait behind it (admission is in policy order and stops at the first that cannot go).
+WAIT_REASONS = {
+    "preempted": "the step preempted a running sequence, and a step that preempts admits no one after that",
+    "max_num_seqs": "max_num_seqs sequences are running",
+    "budget": "the step's token budget is used up",
+    "chunked_prefill_off": "its prompt does not fit the budget left and chunked prefill is off",
+    "kv_blocks": "too few free KV blocks for it (and, under the priority policy, no lower-priority running "
+                 "sequences whose blocks would be enough)",
+}
+
+
 @dataclass
 class ScheduledSequence:
     """One sequence's part of a step.
@@ -102,7 +114,8 @@ class SchedulerOutput:
     that lost their blocks this step, in order; ``token_budget`` and ``num_batched_tokens``
     in tokens; ``admitted``: sequences moved from waiting to running this step;
     ``shortfalls``: why each preemption happened, one :class:`Shortfall` per preempted
-    sequence, in the same order.
+    sequence, in the same order. ``wait_reason``: why the first sequence still waiting was not
+    admitted (:data:`WAIT_REASONS`; "" when none waits).
     """
 
     step: int
@@ -112,6 +125,7 @@ class SchedulerOutput:
     token_budget: int
     num_batched_tokens: int
     shortfalls: list[Shortfall] = field(default_factory=list)
+    wait_reason: str = ""
 
     @property
     def is_empty(self) -> bool:
@@ -233,23 +247,38 @@ class Scheduler:
             budget -= num_new + num_spec
         budget += self._reserve_draft_blocks(plan)
 
-        # 2. Waiting sequences, in policy order, unless this step already had to preempt.
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        # 2. Waiting sequences, in policy order, unless this step already had to preempt. Why the head of
+        # the queue left waiting was not admitted is kept for the views (``SchedulerOutput.wait_reason``).
+        wait_reason = ""
+        while self.waiting:
+            if preempted:
+                wait_reason = "preempted"
+                break
+            if len(self.running) >= self.max_num_seqs:
+                wait_reason = "max_num_seqs"
+                break
+            if budget <= 0:
+                wait_reason = "budget"
+                break
             seq = self.waiting[0]
             cached = bm.find_cached_prefix(seq)
             num_computed = len(cached) * bm.block_size
             num_new = seq.num_tokens - num_computed
             if not self.enable_chunked_prefill and num_new > budget:
+                wait_reason = "chunked_prefill_off"
                 break
             num_new = min(num_new, budget)
             if not bm.can_allocate(seq, num_computed + num_new, cached):
                 if not self._preempt_for(seq, num_computed + num_new, cached, plan, preempted):
+                    wait_reason = "kv_blocks"
                     break
                 budget = self.token_budget - sum(p.num_new_tokens for p in plan.values())
                 if not self.enable_chunked_prefill and seq.num_tokens - num_computed > budget:
+                    wait_reason = "chunked_prefill_off"
                     break
                 num_new = min(seq.num_tokens - num_computed, budget)
                 if num_new <= 0:
+                    wait_reason = "budget"
                     break
             bm.record_lookup(seq.num_tokens, num_computed)
             bm.allocate(seq, num_computed + num_new, cached)
@@ -275,6 +304,7 @@ class Scheduler:
             token_budget=self.token_budget,
             num_batched_tokens=sum(p.num_new_tokens for p in scheduled),
             shortfalls=self._shortfalls if len(self._shortfalls) == len(preempted) else [],
+            wait_reason=wait_reason,
         )
         self.step_index += 1
         return out
