@@ -895,3 +895,132 @@ def test_an_abort_tells_which_blocks_went_back_and_which_a_shared_prefix_keeps()
     assert "Its 2 KV blocks [0, 1] were released at once: all went back to the pool" in alone.text  # ref 2 = 1 + req 0
     waiting = next(c for c in n.feed(replace(finished("5"), finish_reason="abort")) if c.kind == "finished")
     assert "It held no KV blocks (it was waiting)" in waiting.text
+
+
+# ------------------------------------------------------------------ trial 14c #2: cached tokens, one definition
+
+
+@pytest.mark.parametrize("first,again,preemptions,told,not_told", [
+    # the report's case: the Dashboard showed 16, the finish said "8 of its 32 prompt tokens" and stopped
+    (8, 16, 1, ["At its first admission 8 of its 32 prompt tokens came from the prefix cache; after its preemption, "
+                "its readmission found 16 tokens there, prompt and generated tokens alike."], []),
+    (0, 16, 2, ["At its first admission none of its 32 prompt tokens were in the prefix cache; after its preemption, "
+                "the readmission that found the most found 16 tokens there"], []),
+    (8, 0, 1, ["8 of its 32 prompt tokens came from the prefix cache; after its preemption, its readmission found "
+               "none there."], []),
+    (8, None, 0, [" 8 of its 32 prompt tokens came from the prefix cache."], ["admission", "readmission"]),
+    (8, None, 1, ["8 of its 32 prompt tokens came from the prefix cache at its first admission."], ["readmission"]),
+    (0, 0, 1, [], ["prefix cache"]),
+])
+def test_a_finish_tells_the_first_admissions_and_a_readmissions_cached_tokens_apart(first, again, preemptions, told,
+                                                                                     not_told):
+    e = replace(finished(), num_prompt_tokens=32, num_preemptions=preemptions, num_cached_prompt_tokens=first,
+                num_cached_tokens_readmitted=again)
+    (c,) = [c for c in feed_all(fresh(), [e]) if c.kind == "finished"]
+    for text in told:
+        assert text in c.text
+    for text in not_told:
+        assert text not in c.text
+
+
+
+# ------------------------------------------------------------------ trial 14c #3: why a step had fewer drafts
+
+
+@pytest.mark.parametrize("limits,slots,drafts,told", [
+    (("kv_blocks",), 0, 0, "this step reserved no draft slot for it, held down by the free KV slots (drafts get only "
+                           "the blocks still free once every running request's own tokens have theirs"),
+    (("budget",), 0, 0, "held down by the step's token budget (a token is kept for each running request served "
+                        "after it)"),
+    (("max_model_len",), 0, 0, "held down by the model's length limit, max_model_len"),
+    (("proposer",), 3, 0, "the ngram proposer found no earlier occurrence of the sequence's last tokens"),
+    (("proposer", "min_tokens"), 3, 0, "the n-gram proposer proposes what followed the latest earlier occurrence of "
+                                       "the sequence's last tokens, and fewer followed it and a drafted token was one "
+                                       "the request may not produce yet (min_tokens"),
+    (("kv_blocks", "failed_step"), 0, 0, "the free KV slots (drafts get only the blocks still free once every "
+                                         "running request's own tokens have theirs, and never take one by "
+                                         "preemption); the step's batched forward pass failed"),
+])
+def test_a_decode_without_drafts_says_why_from_the_engines_reasons(limits, slots, drafts, told):
+    info = {**INFO, "speculative_model": "ngram", "num_speculative_tokens": 4}
+    s = replace(entry(kind="decode", num=1, start=3, total_len=4), max_drafts=4, num_spec_tokens=slots,
+                draft_limits=limits)
+    n = Narrator(info)
+    n.introduction()
+    out = feed_all(n, [added(), planned(1, [s], waiting=(queued("1"),), admitted=()),
+                       sampled(1, n_out=2), timed(1, tokens=1)])
+    (decode,) = [c for c in out if c.kind == "decode"]
+    assert "It ran without drafts. Speculative decoding verifies up to 4 drafts a step; " in decode.text
+    assert told.replace("ngram proposer", "n-gram proposer") in decode.text
+    (plan,) = [c for c in out if c.kind == "scheduler"]
+    assert "request 0: decode, 1 token (no drafts, limited by " in plan.text
+
+
+def test_a_decode_with_all_its_drafts_or_without_the_engines_reasons_says_nothing_of_them():
+    for s in (replace(entry(kind="decode", num=1, start=3, total_len=4), max_drafts=0),  # no speculation
+              replace(entry(kind="decode", num=1, start=3, total_len=4), max_drafts=4, num_spec_tokens=4)):  # old trace
+        out = feed_all(fresh(), [added(), planned(1, [s]), sampled(1, n_out=2), timed(1, tokens=1)])
+        assert not any("without drafts" in c.text or "limited by" in c.text for c in out)
+
+
+def test_a_verification_with_fewer_drafts_than_k_says_why():
+    s = replace(entry(kind="decode", num=3, start=3, total_len=6), max_drafts=4, num_spec_tokens=2,
+                draft_limits=("max_tokens",))
+    v = ev.SpecDecodeStep(step=1, request_id="0", seq_id=0, proposer="ngram", draft_tokens=(5, 6),
+                          draft_texts=(" a", " b"), p=(0.9, 0.8), q=(1.0, 1.0), accepted=(True, True), bonus_token=7,
+                          bonus_text=" c", greedy=True, num_query_tokens=3)
+    out = feed_all(fresh(), [added(), planned(1, [s]), v, sampled(1, n_out=2), timed(1, tokens=3)])
+    (spec,) = [c for c in out if c.kind == "speculative"]
+    assert ("Speculative decoding verifies up to 4 drafts a step; this step reserved slots for 2 drafts for it, held "
+            "down by its max_tokens (a draft gets a slot only if it could be kept).") in spec.text
+
+
+# ------------------------------------------------------------------ trial 14c #4: every step a request waits
+
+
+def test_every_step_in_which_a_request_keeps_waiting_says_so():
+    """Steps 1..3 of a chunked 32-token prompt gave the whole budget of 8 to it while request 1 waited:
+    only step 0 said so."""
+    n = fresh()
+    n.feed(added("0", ids=tuple(range(32)), pieces=tuple("x" * 32)))
+    n.feed(added("1"))
+    told = []
+    for step in range(4):
+        chunk = entry("0", num=8, start=8 * step, prompt_len=32, total_len=32)
+        plan = replace(planned(step, [chunk], waiting=(queued("1"),), admitted=("0",) if step == 0 else (),
+                               budget=8, max_num_seqs=4), wait_reason="budget")
+        told.append([c for c in n.feed(plan) if c.kind == "scheduler"])
+        n.feed(timed(step, tokens=8))
+    assert "Waiting: request 1 (the step's token budget of 8 is used up)" in told[0][0].text
+    for step, entries in enumerate(told[1:], 1):
+        (c,) = entries
+        assert (c.title, c.text) == (f"Step {step}: request 1 keeps waiting",
+                                     "Request 1 keeps waiting (the step's token budget of 8 is used up).")
+
+
+def test_a_running_request_that_again_gets_no_token_is_told_each_step():
+    n = fresh()
+    for rid in "01":
+        n.feed(added(rid))
+    running = (queued("0"), queued("1"))
+    told = []
+    for step in range(2):
+        plan = planned(step, [entry("0", num=8, start=8 * step, prompt_len=40, total_len=40)], running=running,
+                       admitted=(), budget=8, max_num_seqs=4)
+        told.append([c for c in n.feed(plan) if c.kind == "scheduler"])
+    assert "Request 1 is running but got no token" in told[0][0].text
+    (c,) = told[1]
+    assert c.title == "Step 1: request 1 again got no token"
+    assert c.text == "Request 1 is running but again got no token (the budget was used up before its turn)."
+
+
+@pytest.mark.parametrize("wait_reason", ["budget", ""])
+def test_a_budget_taken_by_draft_slots_the_proposer_left_empty_is_still_used_up(wait_reason):
+    """The plan's tokens (1: the proposer drafted none) are fewer than the budget its 1 + 4 slots took:
+    "not enough free KV blocks" was said. The engine's reason decides; an older trace counts the slots."""
+    s = replace(entry("0", kind="decode", num=1, start=3, total_len=4), num_spec_tokens=4, max_drafts=4,
+                draft_limits=("proposer",))
+    plan = replace(planned(1, [s], waiting=(queued("1"),), admitted=(), budget=5, max_num_seqs=4),
+                   wait_reason=wait_reason)
+    (sched,) = [c for c in fresh().feed(plan) if c.kind == "scheduler"]
+    assert "Waiting: request 1 (the step's token budget of 5 is used up)" in sched.text

@@ -150,6 +150,25 @@ def test_a_preemption_readmitted_from_the_prefix_cache_is_told_with_reused_and_r
     assert "the blocks still in the prefix cache are reused and only the rest is recomputed" in pre.text
 
 
+def test_a_readmitted_requests_finish_tells_the_cached_tokens_the_dashboard_shows(readmitted):
+    """Trial 14c #2: the finish told only the first admission's hits (none here) while the Dashboard's
+    cached column and the readmission entry told the readmission's."""
+    from nanovllm_tui.state import EngineState
+
+    state = EngineState()
+    for e in readmitted.events:
+        state.apply(e)
+    back = [s for plan in readmitted.of(ev.StepPlanned) for s in plan.scheduled
+            if s.request_id in plan.admitted and any(q.seq_id == s.seq_id and q.num_preemptions for q in plan.running)]
+    (rid,) = {s.request_id for s in back}
+    again = max(s.num_cached_tokens for s in back)
+    (done,) = [e for e in readmitted.of(ev.RequestFinished) if e.request_id == rid]
+    assert done.num_preemptions >= 1 and done.num_cached_tokens_readmitted == again > 0
+    assert state.requests[rid].num_cached == max(done.num_cached_prompt_tokens, again)
+    (told,) = [c for c in readmitted.entries("finished") if c.request_id == rid]
+    assert f"found {again} tokens there, prompt and generated tokens alike" in told.text
+
+
 # ---------------------------------------------------------------------- teaching truth, by kind (issue 28)
 
 FILTERED = dict(temperature=0.9, top_k=20, top_p=0.95, min_p=0.02, seed=7, logprobs=20, ignore_eos=True)
@@ -249,3 +268,47 @@ def test_a_verified_token_is_told_by_the_mechanism_that_produced_it_not_as_a_dra
                 k = len(v.draft_tokens)  # (one draft: "The 1 draft was kept", not "All 1 drafts were kept")
                 assert (f"All {k} drafts were kept" if k > 1 else "The 1 draft was kept") in c.text
     assert seen["accepted"] and seen["after"]
+
+
+# ---------------------------------------------------------------------- trial 14c #3: drafts under KV pressure
+
+_P16 = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen"
+_CONTENDED = (f"{_P16} {_P16}", "one two three four five six seven eight nine ten", "a b c d e f g h i j k")
+
+
+def _contended(make_engine, **spec) -> Run:
+    run = Run(make_engine(num_kv_blocks=8, block_size=8, **spec))
+    for prompt in _CONTENDED:
+        run.engine.add_request(prompt, SamplingParams(max_tokens=12, **GREEDY))
+    return run.finish()
+
+
+@pytest.fixture(scope="module")
+def contended(make_engine):
+    return _contended(make_engine, speculative_model="ngram", num_speculative_tokens=4)
+
+
+def test_drafts_are_sized_after_a_preemption_and_every_step_short_of_drafts_says_why(make_engine, contended):
+    plain = _contended(make_engine)
+    texts = lambda run: {e.request_id: e.output_token_ids for e in run.of(ev.RequestFinished)}  # noqa: E731
+    assert texts(contended) == texts(plain)  # greedy output never depends on the drafts
+    plans = contended.of(ev.StepPlanned)
+    (first,) = [p for p in plans if p.preempted and p.step == 1]
+    # the report's step: request 2's blocks freed for request 0's newest token hold its 4 drafts too
+    assert next(s for s in first.scheduled if s.request_id == "0").num_drafts == 4
+    short = [(p, s) for p in plans for s in p.scheduled if s.max_drafts and s.num_drafts < s.max_drafts]
+    assert short and all(s.draft_limits for _, s in short)
+    assert {"proposer", "max_tokens"} <= {why for _, s in short for why in s.draft_limits}
+    for plan, s in short:
+        token = next(e for e in contended.of(ev.TokenSampled) if e.step == plan.step and e.seq_id == s.seq_id)
+        if s.num_drafts:  # a verification: its entry tells why it had fewer
+            (told,) = [c for c in contended.entries("speculative", plan.step) if c.request_id == s.request_id]
+        else:  # no verification: the decode entry of its token tells it
+            (told,) = [c for c in contended.entries("decode", plan.step) if c.request_id == s.request_id
+                       and f"token #{token.num_output_tokens}" in c.title]
+            assert "It ran without drafts." in told.text
+        assert "Speculative decoding verifies up to 4 drafts a step; " in told.text
+        if "max_tokens" in s.draft_limits:
+            assert "held down by its max_tokens" in told.text
+        if "proposer" in s.draft_limits:
+            assert "the n-gram proposer" in told.text

@@ -137,3 +137,30 @@ def test_a_waiting_request_that_preempts_records_its_shortfall():
     assert plan.preempted == [low]
     (why,) = plan.shortfalls
     assert (why.needer, why.blocks_needed, why.blocks_free, why.waiting) == (high, 2, 0, True)
+
+
+def test_each_plan_says_why_the_head_of_the_waiting_queue_was_not_admitted():
+    """Trial 14c #4: the views told why a request waits by guessing from the plan's figures."""
+    s = make(max_num_seqs=2, budget=100)
+    for _ in range(3):
+        s.add(seq(3))
+    assert run_step(s).wait_reason == "max_num_seqs"
+    s = make(budget=8)
+    s.add(seq(32))
+    s.add(seq(2))
+    assert [run_step(s).wait_reason for _ in range(4)] == ["budget"] * 4  # a 32-token prompt in chunks of 8
+    assert run_step(s).wait_reason == ""  # the short one is admitted beside the first decode
+    s = make(budget=16, chunked=False)
+    s.add(seq(10))
+    s.add(seq(10))
+    assert run_step(s).wait_reason == "chunked_prefill_off"
+    s = make(num_blocks=3, block_size=4, budget=64)
+    s.add(seq(8))
+    s.add(seq(8))
+    assert run_step(s).wait_reason == "kv_blocks"
+    s = make(num_blocks=4, block_size=2, budget=64, policy="priority")
+    s.add(seq(4, priority=1))
+    s.add(seq(4, priority=0))
+    run_step(s)
+    plan = run_step(s)  # the first needs a block: the second is preempted and waits
+    assert plan.preempted and plan.wait_reason == "preempted"

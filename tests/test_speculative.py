@@ -16,7 +16,7 @@ from nanovllm_core import events as ev
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.block_manager import BlockManager
 from nanovllm_core.engine.scheduler import Scheduler
-from nanovllm_core.engine.sequence import Sequence
+from nanovllm_core.engine.sequence import Sequence, SequenceStatus
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.speculative.ngram import propose_ngram
 from nanovllm_core.speculative.metrics import expected_accepted_length
@@ -82,17 +82,59 @@ def test_scheduler_counts_draft_slots_against_budget_and_caps_them_by_max_tokens
     assert slots[1] == 1  # max_tokens=3 with one output: two more tokens at most, so one draft
     assert plan.num_batched_tokens == 6 + 2
     assert len(a.block_table) == bm.blocks_needed(a.num_tokens + 5)  # blocks reserved for the drafts
+    # what held each below k, for the views (trial 14c #3): b's 1 slot is all the budget and max_tokens leave
+    limits = {s.seq.seq_id: (s.max_drafts, s.draft_limits) for s in plan.scheduled}
+    assert limits == {0: (5, ()), 1: (5, ("budget", "max_tokens"))}
 
 
-def test_scheduler_drops_draft_slots_rather_than_preempt():
+def test_scheduler_trims_draft_slots_to_the_free_slots_rather_than_preempt():
     bm = BlockManager(num_blocks=2, block_size=4, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=8, token_budget=64, policy="fcfs", num_speculative_tokens=5)
-    a = _decoding_seq(0, 4, 1, max_tokens=50)  # 5 tokens: 2 blocks; drafts would need a third
+    a = _decoding_seq(0, 4, 1, max_tokens=50)  # 5 tokens: 2 blocks; 5 drafts would need a third
     sched.add(a)
     sched.schedule()
     a.num_computed_tokens = 4
     plan = sched.schedule()
-    assert plan.scheduled[0].num_spec_tokens == 0 and plan.preempted == []
+    (s,) = plan.scheduled
+    assert plan.preempted == [] and len(a.block_table) == 2
+    assert (s.num_spec_tokens, s.num_new_tokens, s.draft_limits) == (3, 4, ("kv_blocks",))  # positions 5..7 fit
+    assert plan.num_batched_tokens == 4
+
+
+def _running(sched: Scheduler, seq: Sequence) -> Sequence:
+    """Put ``seq`` in the running set with every token but its newest computed, as after a decode."""
+    seq.num_computed_tokens = seq.num_tokens - 1
+    assert sched.block_manager.allocate(seq, seq.num_computed_tokens)
+    seq.status = SequenceStatus.RUNNING
+    sched.running.append(seq)
+    return seq
+
+
+def test_draft_slots_are_sized_after_the_preemption_that_freed_blocks():
+    """Trial 14c #3: sized before the preemption loop, request 0's drafts were dropped though the
+    block freed for its newest token had room for them all."""
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, token_budget=64, policy="fcfs", num_speculative_tokens=3)
+    a = _running(sched, _decoding_seq(0, 8, 1, max_tokens=50))  # 8 computed in 2 blocks; position 8 needs a third
+    b = _running(sched, _decoding_seq(1, 8, 1, max_tokens=50))  # the other 2 blocks: none free
+    plan = sched.schedule()
+    assert plan.preempted == [b]
+    (s,) = plan.scheduled
+    assert (s.seq, s.num_spec_tokens) == (a, 3)  # positions 9..11 share position 8's block
+    assert s.draft_limits == ()
+
+
+def test_drafts_never_take_the_block_a_later_running_sequence_needs():
+    bm = BlockManager(num_blocks=5, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, token_budget=64, policy="fcfs", num_speculative_tokens=3)
+    a = _running(sched, _decoding_seq(0, 4, 2, max_tokens=50))  # position 5 fits its 2 blocks; drafts past 7 do not
+    b = _running(sched, _decoding_seq(1, 8, 1, max_tokens=50))  # position 8 needs the one free block
+    plan = sched.schedule()
+    assert plan.preempted == [] and {s.seq for s in plan.scheduled} == {a, b}
+    by = {s.seq.seq_id: s for s in plan.scheduled}
+    assert (by[0].num_spec_tokens, by[0].draft_limits) == (2, ("kv_blocks",))  # positions 6, 7
+    assert (by[1].num_spec_tokens, by[1].draft_limits) == (3, ())  # 9..11 in the block it took for 8
+    bm.check_invariants([a, b])
 
 
 @pytest.mark.parametrize("bad,message", [

@@ -343,3 +343,17 @@ def test_the_dashboard_layers_hint_is_true_for_the_options_given(info, xray, say
     console.print(DashboardView(console, info, xray=xray).render())
     text = console.export_text()
     assert "all 30 in one call" in text and says in text and never not in text
+
+
+@pytest.mark.real_model
+def test_cli_narrate_says_in_every_step_that_a_request_keeps_waiting(capsys, shared_default_loads):
+    """Trial 14c #4: request 1 waited through the 4 chunks of a 32-token prompt (budget 8); only step 0 said so."""
+    p16 = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen"
+    code, out, _ = run_main(cli.main, capsys, "--prompt", f"{p16} {p16}", "--prompt", "Hi", "--max-tokens", "3",
+                            "--max-prefill-tokens", "8", "--num-kv-blocks", "32", "--narrate", "--narrate-steps", "0")
+    assert code == 0
+    flat = " ".join(out.split())
+    assert "Waiting: request 1 (the step's token budget of 8 is used up)" in flat  # step 0's full entry
+    for step in (1, 2, 3):
+        assert f"▌ SCHEDULER · Step {step}: request 1 keeps waiting" in out
+    assert flat.count("Request 1 keeps waiting (the step's token budget of 8 is used up).") == 3

@@ -259,3 +259,15 @@ def test_the_block_map_summary_says_prefix_caching_is_off_rather_than_a_0_percen
     assert "prefix caching off" in off and "hit rate" not in off
     assert "prefix-cache hit rate 0%" in summary_text(blocks, True).plain
 
+
+
+def test_the_cached_column_is_the_larger_of_a_finishs_first_admission_and_readmission_figures():
+    """Trial 14c #2: a replay that missed the readmission's plan still shows what the finish reports."""
+    from dataclasses import replace
+
+    from tests.test_narrator import added, finished
+
+    state = EngineState()
+    state.apply(added())
+    state.apply(replace(finished(), num_preemptions=1, num_cached_prompt_tokens=8, num_cached_tokens_readmitted=16))
+    assert state.requests["0"].num_cached == 16

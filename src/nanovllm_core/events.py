@@ -101,6 +101,10 @@ class RequestFinished(Event):
     ``kv_blocks_used`` / ``kv_blocks_cached``: the KV pool's used and cached-free blocks right
     after this request's blocks were returned, so a view stays true after an abort between
     steps (None in traces recorded before these fields existed).
+    Prefix-cache hits of sample 0 (``RequestMetrics``), in tokens: ``num_cached_prompt_tokens``: prompt
+    tokens the cache held at its first admission (vLLM's ``num_cached_tokens``);
+    ``num_cached_tokens_readmitted``: the most one readmission after a preemption found there, prompt
+    and generated tokens (None: never readmitted, or a trace recorded before this field existed).
     """
 
     request_id: str
@@ -122,6 +126,7 @@ class RequestFinished(Event):
     kv_blocks_used: int | None = None
     kv_blocks_cached: int | None = None
     paused_s: float | None = None
+    num_cached_tokens_readmitted: int | None = None
 
 
 # ------------------------------------------------------------------------------ steps
@@ -138,6 +143,14 @@ class ScheduledEntry:
     token (``kind`` ``prefill``): no recompute, the drafts follow it. ``total_len`` counts the
     drafts (:attr:`seq_len` does not). 0 for a plain decode or prefill, and in traces recorded
     before this field existed.
+
+    ``max_drafts``: k, the drafts the sequence could have had this step (it had one uncomputed
+    token and the engine speculates; 0 otherwise); ``draft_limits``: why it had fewer, the engine's
+    reasons in the order they applied (``engine.scheduler.DRAFT_LIMITS``): ``budget``,
+    ``max_tokens``, ``max_model_len`` (fewer slots), ``kv_blocks`` (only the slots free blocks
+    hold), then ``proposer`` (it proposed fewer than the slots), ``min_tokens`` (drafts cut before
+    a banned token), ``failed_step`` (retried alone without drafts). Empty when it had all k, and
+    in traces recorded before these fields existed.
     """
 
     request_id: str
@@ -152,6 +165,8 @@ class ScheduledEntry:
     samples: bool
     priority: int
     num_spec_tokens: int = 0
+    max_drafts: int = 0
+    draft_limits: tuple[str, ...] = ()
 
     @property
     def num_drafts(self) -> int:
@@ -215,7 +230,10 @@ class StepPlanned(Event):
     ``preempted`` / ``admitted``: request ids (with seq ids) that lost or got blocks this step;
     ``waiting`` / ``running``: the queues after planning, in order; ``shortfalls``: why each
     preemption happened, one per ``preempted`` entry in the same order (empty in traces
-    recorded before this field existed).
+    recorded before this field existed). ``wait_reason``: why the first of ``waiting`` was not
+    admitted (``engine.scheduler.WAIT_REASONS``: ``preempted``, ``max_num_seqs``, ``budget``,
+    ``chunked_prefill_off``, ``kv_blocks``); "" when none waits, and in traces recorded before
+    this field existed.
     """
 
     step: int
@@ -228,6 +246,7 @@ class StepPlanned(Event):
     running: tuple[QueueEntry, ...]
     max_num_seqs: int
     shortfalls: tuple[Shortfall, ...] = ()
+    wait_reason: str = ""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,12 @@ class RequestMetrics:
     vLLM's mean inter-token latency: an abort after the last token does not change it.
     ``paused_time``: seconds of the request's life the engine was held paused (wall time =
     engine time + paused_time); ``paused_at_arrival`` is the clock's paused total when it arrived.
+
+    Prefix-cache hits, in tokens: ``num_cached_prompt_tokens``: prompt tokens the prefix cache held
+    at the request's first admission (vLLM's ``num_cached_tokens``, also set once);
+    ``num_cached_tokens_readmitted``: the most tokens one readmission after a preemption found there,
+    prompt and generated tokens alike (None while it has not been readmitted). A preempted request
+    can find more at its readmission than at first: its own full blocks, kept cached-free.
     """
 
     arrival_time: float = 0.0
@@ -27,6 +33,7 @@ class RequestMetrics:
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens_readmitted: int | None = None
     last_token_time: float | None = None
     paused_at_arrival: float = 0.0
     paused_time: float = 0.0

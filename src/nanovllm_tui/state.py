@@ -358,7 +358,8 @@ class EngineState:
         req.text, req.num_output = e.output_text, e.num_output_tokens
         req.finished_ttft, req.finished_tpot, req.finished_paused = e.ttft_s, e.tpot_s, e.paused_s
         req.num_preemptions = e.num_preemptions
-        req.num_cached = max(req.num_cached, e.num_cached_prompt_tokens)
+        # the column's figure, the larger of the first admission's and the best readmission's (trial 14c #2)
+        req.num_cached = max(req.num_cached, e.num_cached_prompt_tokens, e.num_cached_tokens_readmitted or 0)
         self._prune()
         last = self.kv
         if e.kv_blocks_used is not None and last is not None and last.num_blocks_total:

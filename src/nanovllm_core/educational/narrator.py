@@ -46,8 +46,8 @@ from nanovllm_core import events as ev
 from nanovllm_core.educational.commentary import (Commentary, agree, human_bytes, ms, ordinal, plural,
                                                     show_piece, who)
 from nanovllm_core.educational.kv_facts import kv_footprint
-from nanovllm_core.educational.narrator_sampling import (sampling_intro, speculative_entry, token_choice, token_label,
-                                                         verification_rule)
+from nanovllm_core.educational.narrator_sampling import (draft_limits_sentence, sampling_intro, speculative_entry,
+                                                         token_choice, token_label, verification_rule)
 from nanovllm_core.educational.narrator_scheduler import PRIORITY_NOTE, SchedulerNarration
 from nanovllm_core.educational.tp_facts import tp_size, waited_on_communication
 
@@ -339,7 +339,8 @@ class Narrator(SchedulerNarration):
                 else:
                     out.append(speculative_entry(e, self._name(e.request_id), greedy, kept.get(e.seq_id),
                                                  state.sampling if state is not None else None,
-                                                 state.decode_told + state.decode_untold if state is not None else 1))
+                                                 state.decode_told + state.decode_untold if state is not None else 1,
+                                                 draft_limits_sentence(entries.get(e.seq_id), e.proposer)))
             elif isinstance(e, ev.RequestFinished):
                 ends.append(self._finished(e))
             elif isinstance(e, ev.EngineError):
@@ -593,6 +594,9 @@ class Narrator(SchedulerNarration):
                      + (f", {ctx} x {per_token:,} = {ctx * per_token:,} bytes: reads of its own, which batching "
                         "with other sequences does not share." if per_token else "."))
             text += self._bandwidth_share(timed)
+        if verification is None and not speculative:  # a step that could have verified drafts and had none
+            why = draft_limits_sentence(entry, self.info.get("speculative_model"))
+            text += f" It ran without drafts.{why}" if why else ""
         if state is not None and self.max_decode is not None and state.decode_told == self.max_decode:
             text += " (Later tokens of this request are summed up when it finishes.)"
         notes = tuple("chosen" if t.token_id == e.token_id else "" for t in e.top)
@@ -676,6 +680,29 @@ class Narrator(SchedulerNarration):
         return [Commentary("kv_cache", title, text, step=t.step)]
 
     @staticmethod
+    def _cached_summary(e: ev.RequestFinished) -> str:
+        """A finish's prefix-cache hits: the first admission's, and a readmission's apart (trial 14c #2).
+
+        The first admission's count is of prompt tokens (vLLM's ``num_cached_tokens``); a readmission
+        after a preemption can find more (such as its own full blocks, kept cached-free), generated
+        tokens among them. The Dashboard's cached column shows the larger of the two.
+        """
+        first, again = e.num_cached_prompt_tokens, getattr(e, "num_cached_tokens_readmitted", None)
+        prompt = plural(e.num_prompt_tokens, "prompt token")
+        if again is None:  # never readmitted (or a trace from before the field): one admission to tell
+            if not first:
+                return ""
+            at = " at its first admission" if e.num_preemptions else ""
+            return f" {first} of its {prompt} came from the prefix cache{at}."
+        if not first and not again:
+            return ""
+        told = (f" At its first admission {first} of its {prompt} came from the prefix cache" if first else
+                f" At its first admission none of its {prompt} were in the prefix cache")
+        which = "its readmission" if e.num_preemptions == 1 else "the readmission that found the most"
+        return told + (f"; after its preemption, {which} found {plural(again, 'token')} there, prompt and generated "
+                       "tokens alike." if again else f"; after its preemption, {which} found none there.")
+
+    @staticmethod
     def _why(reason: str, stop_reason: str | int | None) -> str:
         if reason == "stop":
             if stop_reason is None:
@@ -734,9 +761,7 @@ class Narrator(SchedulerNarration):
         text += (f" Time to first token {ms(e.ttft_s)}, time per output token {ms(e.tpot_s)}, end to end {ms(e.e2e_s)}"
                  + (f" (wall time{held})" if held else "")
                  + (" (sample 0's times)." if len(e.samples) > 1 else "."))
-        if e.num_cached_prompt_tokens:
-            text += (f" {e.num_cached_prompt_tokens} of its {plural(e.num_prompt_tokens, 'prompt token')} came from the "
-                     "prefix cache.")
+        text += self._cached_summary(e)
         if e.num_preemptions:
             text += f" It was preempted {plural(e.num_preemptions, 'time')}."
         if state is not None and state.decode_untold:

@@ -303,12 +303,13 @@ def draft_table_caption(greedy: bool | None, sampling: dict[str, Any] | None, ou
 
 
 def speculative_entry(e: ev.SpecDecodeStep, name: str, greedy: bool | None, appended: int | None,
-                      sampling: dict[str, Any] | None = None, outputs_before: int = 1) -> Commentary:
+                      sampling: dict[str, Any] | None = None, outputs_before: int = 1, fewer: str = "") -> Commentary:
     """The ``speculative`` entry of one verification: drafts, tokens run, the rule applied, what was kept.
 
     ``appended``: tokens the step actually added to the sequence (a stop condition can end it
     inside the kept run); None when unknown. ``sampling`` (the request's non-default settings)
-    and ``outputs_before`` name the processors behind p (:func:`draft_table_caption`).
+    and ``outputs_before`` name the processors behind p (:func:`draft_table_caption`). ``fewer``:
+    why it had fewer drafts than k (:func:`draft_limits_sentence`), told after the drafts.
     """
     k = len(e.draft_tokens)
     n_query = e.num_query_tokens or 1 + k
@@ -320,7 +321,7 @@ def speculative_entry(e: ev.SpecDecodeStep, name: str, greedy: bool | None, appe
     drafts = " ".join(show_piece(t) for t in e.draft_texts)
     text = (f"The {e.proposer} proposer drafted {plural(k, 'token')} {drafts}. The target model ran {plural(n_query, 'token')} "
             f"of this sequence through all its layers in one forward pass (its newest token and the {plural(k, 'draft')}), "
-            f"so it scored {k + 1} next-token positions at once.")
+            f"so it scored {k + 1} next-token positions at once.{fewer}")
     bonus = show_piece(e.bonus_text) if e.bonus_token is not None else None
     if greedy:
         text += (" Greedy verification (temperature 0): a draft is kept while it equals the target's highest-scoring "
@@ -360,3 +361,70 @@ def speculative_entry(e: ev.SpecDecodeStep, name: str, greedy: bool | None, appe
     return Commentary("speculative", f"{name[0].upper()}{name[1:]}: {n_ok}/{k} draft tokens accepted", text,
                       request_id=e.request_id, step=e.step, table=tuple(zip(e.draft_texts, e.p)),
                       table_title=draft_table_caption(greedy, sampling, outputs_before), table_notes=notes)
+
+
+# ---------------------------------------------------------------------- drafts a step did not get
+
+
+def _proposer_found(s: ev.ScheduledEntry, proposer: str | None) -> str:
+    """What the proposer found for ``s``: its number only when no later cut hides it."""
+    n = None if "min_tokens" in s.draft_limits else s.num_drafts
+    if proposer == "ngram":
+        if n == 0:
+            return ("the n-gram proposer found no earlier occurrence of the sequence's last tokens in its prompt and "
+                    "text so far, so it proposed nothing")
+        return ("the n-gram proposer proposes what followed the latest earlier occurrence of the sequence's last "
+                "tokens, and " + (f"only {plural(n, 'token')} followed it" if n is not None else "fewer followed it"))
+    name = f"the {proposer} proposer" if proposer else "the proposer"
+    return f"{name} proposed " + ("none" if n == 0 else f"only {n}" if n is not None else "fewer")
+
+
+# The scheduler's reasons for fewer draft slots, as what held the slots down (engine.scheduler.DRAFT_LIMITS).
+_SLOT_LIMITS = {
+    "budget": "the step's token budget (a token is kept for each running request served after it)",
+    "max_tokens": "its max_tokens (a draft gets a slot only if it could be kept)",
+    "max_model_len": "the model's length limit, max_model_len",
+    "kv_blocks": "the free KV slots (drafts get only the blocks still free once every running request's own tokens "
+                 "have theirs, and never take one by preemption)",
+}
+# The speculator's reasons for fewer drafts than slots.
+_DRAFT_LIMITS = {
+    "min_tokens": "a drafted token was one the request may not produce yet (min_tokens holds back end-of-sequence "
+                  "and stop tokens), so the drafts stop before it",
+    "failed_step": "the step's batched forward pass failed and the sequence was run again alone, without drafts",
+}
+
+
+def draft_limits_sentence(s: ev.ScheduledEntry | None, proposer: str | None = None) -> str:
+    """Why ``s`` ran with fewer drafts than k: `` Speculative decoding verifies up to 4 drafts a step; this
+    step reserved no draft slot for it, held down by the free KV slots (...).``; "" when none is missing.
+
+    Only for a sequence that could speculate in its step (``max_drafts`` > 0) and got fewer drafts,
+    and only with the engine's reasons (``ScheduledEntry.draft_limits``: the scheduler's for the
+    slots, ``num_spec_tokens``, then the speculator's for the drafts proposed into them); a trace
+    recorded before those fields tells nothing.
+    """
+    if s is None or not s.max_drafts or s.num_drafts >= s.max_drafts or not s.draft_limits:
+        return ""
+    slots = [_SLOT_LIMITS.get(why, why) for why in s.draft_limits if why in _SLOT_LIMITS]
+    fewer = [_proposer_found(s, proposer) if why == "proposer" else _DRAFT_LIMITS.get(why, why)
+             for why in s.draft_limits if why not in _SLOT_LIMITS]
+    parts = []
+    if slots:
+        got = f"slots for {plural(s.num_spec_tokens, 'draft')}" if s.num_spec_tokens else "no draft slot"
+        parts.append(f"this step reserved {got} for it, held down by {join_words(slots)}")
+    if fewer:
+        parts.append(join_words(fewer))
+    return f" Speculative decoding verifies up to {plural(s.max_drafts, 'draft')} a step; " + "; ".join(parts) + "."
+
+
+def draft_limits_tag(s: ev.ScheduledEntry) -> str:
+    """The scheduler entry's short form: ``" (no drafts, limited by free KV slots)"``; "" when none is missing."""
+    if not s.max_drafts or s.num_drafts >= s.max_drafts or not s.draft_limits:
+        return ""
+    short = {"budget": "the token budget", "max_tokens": "max_tokens", "max_model_len": "max_model_len",
+             "kv_blocks": "free KV slots", "proposer": "what the proposer found", "min_tokens": "min_tokens",
+             "failed_step": "a failed batch"}
+    by = join_words([short.get(why, why) for why in s.draft_limits])
+    got = "no drafts" if not s.num_drafts else f"{s.num_drafts} of up to {s.max_drafts} drafts"
+    return f" ({got}, limited by {by})"

@@ -19,6 +19,7 @@ V0_RULE = ("vLLM V0 did this too; vLLM V1 preempts only for a running request an
 
 from nanovllm_core import events as ev
 from nanovllm_core.educational.commentary import Commentary, agree, join_words, ordinal, plural
+from nanovllm_core.educational.narrator_sampling import draft_limits_tag
 
 PRIORITY_NOTE = ("here a higher priority value is more important; vLLM's is the opposite: lower values run first, "
                  "and its default policy is fcfs")
@@ -90,16 +91,43 @@ class SchedulerNarration:
         busy = len(plan.scheduled) > 1 or plan.waiting or plan.preempted or idle
         if busy and (signature != self._last_signature or plan.admitted or plan.preempted):
             out.insert(0, self._schedule(plan, idle))
+        elif plan.waiting or idle:  # the same queue as the step before: one line, every step (trial 14c #4)
+            out.insert(0, self._still_waiting(plan, idle))
         self._last_signature = signature
         return out
+
+    def _still_waiting(self, plan: ev.StepPlanned, idle: list[ev.QueueEntry]) -> Commentary:
+        """A step whose waiting queue and idle running sequences are those of the step before, in one line:
+        ``Request 1 keeps waiting (the step's token budget of 8 is used up).``"""
+        said = []
+        if plan.waiting:
+            head = plan.waiting[0]
+            name = self._name(head.request_id, head.index)
+            text = f"{name[0].upper()}{name[1:]} keeps waiting ({self._waiting_reason(plan)})"
+            behind = [self._name(q.request_id, q.index) for q in plan.waiting[1:6]]
+            if len(plan.waiting) > 6:
+                behind.append(f"{len(plan.waiting) - 6} more")
+            if behind:
+                text += f", and {join_words(behind)} behind it"
+            said.append(text + ".")
+            title = f"Step {plan.step}: {name} keeps waiting"
+        if idle:
+            names = join_words([self._name(q.request_id, q.index) for q in idle])
+            one = len(idle) == 1
+            said.append(f"{names[0].upper()}{names[1:]} {'is' if one else 'are'} running but again got no token (the "
+                        f"budget was used up before {'its' if one else 'their'} turn).")
+            if not plan.waiting:
+                title = f"Step {plan.step}: {names} again got no token"
+        return Commentary("scheduler", title, " ".join(said), step=plan.step)
 
     def _schedule(self, plan: ev.StepPlanned, idle: list[ev.QueueEntry]) -> Commentary:
         parts = []
         for s in plan.scheduled:
             name = self._name(s.request_id, s.index)
             if s.kind == "decode":
-                parts.append(f"{name}: decode, 1 token" if s.num_tokens == 1 else
-                             f"{name}: decode with {plural(s.num_tokens - 1, 'draft token')}, {s.num_tokens} tokens")
+                parts.append((f"{name}: decode, 1 token" if s.num_tokens == 1 else
+                              f"{name}: decode with {plural(s.num_tokens - 1, 'draft token')}, {s.num_tokens} tokens")
+                             + draft_limits_tag(s))
                 continue
             n, total = s.num_own_tokens, s.seq_len  # without the drafts a prompt's last token may carry
             end = s.start + n - 1
@@ -114,6 +142,7 @@ class SchedulerNarration:
                 what = f"prefill of {plural(n, 'token')}"
             if s.num_drafts:
                 what += f" and {plural(s.num_drafts, 'draft token')} after it, {s.num_tokens} tokens"
+            what += draft_limits_tag(s)
             if s.request_id in plan.admitted and s.start == s.num_cached_tokens and not self._preemptions(plan, s.seq_id):
                 what += ", newly admitted"
             parts.append(f"{name}: {what}")
@@ -137,18 +166,29 @@ class SchedulerNarration:
                           text, step=plan.step)
 
     def _waiting_reason(self, plan: ev.StepPlanned) -> str:
-        if plan.preempted:
+        """Why the head of the waiting queue waits: the engine's ``StepPlanned.wait_reason``, or for a trace
+        recorded before it, what the plan's figures show."""
+        why = plan.wait_reason
+        head = plan.waiting[0]
+        # The budget the plan took: own tokens and every draft slot reserved, filled or not (a proposer
+        # that drafted fewer leaves num_batched_tokens below what the scheduler counted).
+        left = plan.token_budget - sum(s.num_own_tokens + s.num_spec_tokens for s in plan.scheduled)
+        if not why:  # a trace recorded before the engine said why
+            why = ("preempted" if plan.preempted else "max_num_seqs" if len(plan.running) >= plan.max_num_seqs
+                   else "budget" if left <= 0
+                   else "chunked_prefill_off" if (self.info.get("chunked_prefill") is False
+                                                  and head.num_tokens - head.num_computed_tokens > left)
+                   else "kv_blocks")
+        if why == "preempted":
             return ("a step that preempts admits no one after that" if plan.admitted
                     else "this step had to preempt, so no new request is admitted")
-        if len(plan.running) >= plan.max_num_seqs:
+        if why == "max_num_seqs":
             return f"max_num_seqs: {plan.max_num_seqs} requests are already running"
-        if plan.num_batched_tokens >= plan.token_budget:
+        if why == "budget":
             return f"the step's token budget of {plan.token_budget} is used up"
-        head = plan.waiting[0]
-        left = plan.token_budget - plan.num_batched_tokens
-        if self.info.get("chunked_prefill") is False and head.num_tokens - head.num_computed_tokens > left:
-            return (f"its {plural(head.num_tokens, 'token')} {agree(head.num_tokens, 'does', 'do')} not fit the {left} left of the budget, and chunked prefill is "
-                    "off")
+        if why == "chunked_prefill_off":
+            return (f"its {plural(head.num_tokens, 'token')} {agree(head.num_tokens, 'does', 'do')} not fit the "
+                    f"{left} left of the budget, and chunked prefill is off")
         return "not enough free KV blocks for it now"
 
     def _preemption(self, plan: ev.StepPlanned, q: ev.QueueEntry) -> Commentary:

@@ -99,6 +99,7 @@ class EventSource:
             num_cached_prompt_tokens=m.num_cached_prompt_tokens, error=first.error, samples=samples,
             kv_blocks_used=self.block_manager.num_used_blocks,
             kv_blocks_cached=self.block_manager.num_cached_free_blocks, paused_s=m.paused_time,
+            num_cached_tokens_readmitted=m.num_cached_tokens_readmitted,
         )
 
     # ------------------------------------------------------------------ events of a step
@@ -168,7 +169,8 @@ class EventSource:
             ev.ScheduledEntry(request_id=s.seq.request_id, seq_id=s.seq.seq_id, index=s.seq.index, kind=s.kind,
                               num_tokens=s.num_new_tokens, start=s.start, prompt_len=s.seq.num_prompt_tokens,
                               total_len=s.seq.num_tokens, num_cached_tokens=s.num_cached_tokens, samples=s.samples,
-                              priority=s.seq.priority, num_spec_tokens=s.num_spec_tokens)
+                              priority=s.seq.priority, num_spec_tokens=s.num_spec_tokens,
+                              max_drafts=s.max_drafts, draft_limits=tuple(s.draft_limits))
             for s in plan.scheduled
         )
         return ev.StepPlanned(
@@ -181,6 +183,7 @@ class EventSource:
             shortfalls=tuple(ev.Shortfall(request_id=w.needer.request_id, seq_id=w.needer.seq_id, index=w.needer.index,
                                           blocks_needed=w.blocks_needed, blocks_free=w.blocks_free, waiting=w.waiting)
                              for w in plan.shortfalls),
+            wait_reason=plan.wait_reason,
         )
 
     def blocks_event(self, step: int) -> ev.BlocksChanged:

@@ -250,6 +250,9 @@ class LLMEngine(EventSource):
             "max_num_seqs": self.scheduler.max_num_seqs, "token_budget": self.scheduler.token_budget,
             "scheduling_policy": self.scheduler.policy, "prefix_caching": self.block_manager.enable_prefix_caching,
             "chunked_prefill": self.scheduler.enable_chunked_prefill, "chat_template": self.has_chat_template,
+            # Speculative decoding: the proposer's name (None: off) and k, the most drafts a step verifies.
+            "speculative_model": self.speculator.name if self.speculator else None,
+            "num_speculative_tokens": self.speculator.k if self.speculator else 0,
             "paged": self.config.paged, "attention_backend": self.runner.attention_kernel,
             # Why the CPU paged kernel is not the one running (no compiler, a failed build, ...), or None.
             "cpu_paged_unavailable": (None if self.runner.use_cpu_paged else

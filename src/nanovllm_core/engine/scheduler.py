@@ -22,8 +22,9 @@ Speculative decoding (``num_speculative_tokens`` = k > 0): a sequence in decode 
 with ``1 + k`` tokens (its newest token plus up to k draft slots), all counted against the
 token budget, with blocks reserved for them. Fewer drafts when the budget (after one token
 for every other running sequence), ``max_tokens`` or ``max_model_len`` leave less room, and
-none when the reservation would need a block that is not free: drafts never preempt or
-starve another sequence.
+only as many as the blocks free once every running sequence's own tokens fit (after any
+preemption for them) can hold: drafts never preempt or starve another sequence. Each
+sequence's plan names what held its drafts below k (``draft_limits``), for the views.
 """
 
 from __future__ import annotations
@@ -33,6 +34,31 @@ from dataclasses import dataclass, field
 
 from nanovllm_core.engine.block_manager import BlockManager
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
+
+
+# Why a sequence that could speculate got fewer than k drafts in a step (``ScheduledSequence.draft_limits``):
+# the scheduler's reasons for fewer draft slots, then the speculator's for fewer drafts than slots.
+DRAFT_LIMITS = {
+    "budget": "the step's token budget left fewer slots (after one token for every later running sequence)",
+    "max_tokens": "the request's max_tokens leaves fewer tokens to generate",
+    "max_model_len": "max_model_len leaves fewer positions",
+    "kv_blocks": "more slots would need a KV block that is not free (drafts never preempt)",
+    "proposer": "the proposer proposed fewer (an n-gram proposer: no earlier match, or one near the end)",
+    "min_tokens": "a draft was a token the request bans at its position (min_tokens), so the drafts stop before it",
+    "failed_step": "the step's batched forward pass failed and each sequence was retried alone without drafts",
+}
+
+
+# Why the head of the waiting queue was not admitted in a step (``SchedulerOutput.wait_reason``); the
+# sequences behind it wait behind it (admission is in policy order and stops at the first that cannot go).
+WAIT_REASONS = {
+    "preempted": "the step preempted a running sequence, and a step that preempts admits no one after that",
+    "max_num_seqs": "max_num_seqs sequences are running",
+    "budget": "the step's token budget is used up",
+    "chunked_prefill_off": "its prompt does not fit the budget left and chunked prefill is off",
+    "kv_blocks": "too few free KV blocks for it (and, under the priority policy, no lower-priority running "
+                 "sequences whose blocks would be enough)",
+}
 
 
 @dataclass
@@ -46,7 +72,10 @@ class ScheduledSequence:
 
     Speculative decoding: ``num_spec_tokens`` draft slots are reserved (and counted in
     ``num_new_tokens``); the engine then puts the proposed drafts in ``spec_tokens`` and sets
-    ``num_new_tokens = 1 + len(spec_tokens)`` before the forward pass.
+    ``num_new_tokens = 1 + len(spec_tokens)`` before the forward pass. ``max_drafts``: k when the
+    sequence could speculate this step (one uncomputed token), else 0; ``draft_limits``: why it got
+    fewer than ``max_drafts`` drafts, from :data:`DRAFT_LIMITS` in the order they applied (the
+    scheduler's for the slots, then the speculator's for the drafts proposed).
     """
 
     seq: Sequence
@@ -57,6 +86,8 @@ class ScheduledSequence:
     num_cached_tokens: int = 0
     num_spec_tokens: int = 0
     spec_tokens: list[int] = field(default_factory=list)
+    max_drafts: int = 0
+    draft_limits: tuple[str, ...] = ()
 
 
 @dataclass
@@ -83,7 +114,8 @@ class SchedulerOutput:
     that lost their blocks this step, in order; ``token_budget`` and ``num_batched_tokens``
     in tokens; ``admitted``: sequences moved from waiting to running this step;
     ``shortfalls``: why each preemption happened, one :class:`Shortfall` per preempted
-    sequence, in the same order.
+    sequence, in the same order. ``wait_reason``: why the first sequence still waiting was not
+    admitted (:data:`WAIT_REASONS`; "" when none waits).
     """
 
     step: int
@@ -93,6 +125,7 @@ class SchedulerOutput:
     token_budget: int
     num_batched_tokens: int
     shortfalls: list[Shortfall] = field(default_factory=list)
+    wait_reason: str = ""
 
     @property
     def is_empty(self) -> bool:
@@ -190,14 +223,6 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or budget <= 0:
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
-            # Draft slots come out of what is left once every later running sequence has its one token
-            # (counted only when the budget could bind: counting every step is quadratic in the batch).
-            later = 0
-            if self.num_speculative_tokens and budget - num_new - (len(queue) - i - 1) < self.num_speculative_tokens:
-                later = sum(1 for other in queue[i + 1:] if other.status is SequenceStatus.RUNNING)
-            num_spec = self._num_spec_tokens(seq, budget - num_new - later)
-            if num_spec and not bm.can_allocate(seq, seq.num_computed_tokens + num_new + num_spec):
-                num_spec = 0  # drafts only use free blocks; they never cost another sequence its blocks
             while not bm.can_allocate(seq, seq.num_computed_tokens + num_new):
                 victim = self._victim()
                 why = Shortfall(seq, bm.new_blocks_needed(seq, seq.num_computed_tokens + num_new, ()),
@@ -207,27 +232,53 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            bm.allocate(seq, seq.num_computed_tokens + num_new + num_spec)
+            # Draft slots come out of the budget left once every later running sequence has its one token
+            # (counted only when the budget could bind: counting every step is quadratic in the batch); their
+            # blocks are taken below, once every running sequence's own tokens have theirs.
+            later = 0
+            if self.num_speculative_tokens and budget - num_new - (len(queue) - i - 1) < self.num_speculative_tokens:
+                later = sum(1 for other in queue[i + 1:] if other.status is SequenceStatus.RUNNING)
+            num_spec, limits = self._num_spec_tokens(seq, budget - num_new - later)
+            bm.allocate(seq, seq.num_computed_tokens + num_new)
             plan[seq.seq_id] = self._scheduled(seq, num_new, num_spec=num_spec)
+            if seq.num_uncomputed_tokens == 1 and self.num_speculative_tokens:
+                plan[seq.seq_id].max_drafts = self.num_speculative_tokens
+                plan[seq.seq_id].draft_limits = limits
             budget -= num_new + num_spec
+        budget += self._reserve_draft_blocks(plan)
 
-        # 2. Waiting sequences, in policy order, unless this step already had to preempt.
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        # 2. Waiting sequences, in policy order, unless this step already had to preempt. Why the head of
+        # the queue left waiting was not admitted is kept for the views (``SchedulerOutput.wait_reason``).
+        wait_reason = ""
+        while self.waiting:
+            if preempted:
+                wait_reason = "preempted"
+                break
+            if len(self.running) >= self.max_num_seqs:
+                wait_reason = "max_num_seqs"
+                break
+            if budget <= 0:
+                wait_reason = "budget"
+                break
             seq = self.waiting[0]
             cached = bm.find_cached_prefix(seq)
             num_computed = len(cached) * bm.block_size
             num_new = seq.num_tokens - num_computed
             if not self.enable_chunked_prefill and num_new > budget:
+                wait_reason = "chunked_prefill_off"
                 break
             num_new = min(num_new, budget)
             if not bm.can_allocate(seq, num_computed + num_new, cached):
                 if not self._preempt_for(seq, num_computed + num_new, cached, plan, preempted):
+                    wait_reason = "kv_blocks"
                     break
                 budget = self.token_budget - sum(p.num_new_tokens for p in plan.values())
                 if not self.enable_chunked_prefill and seq.num_tokens - num_computed > budget:
+                    wait_reason = "chunked_prefill_off"
                     break
                 num_new = min(seq.num_tokens - num_computed, budget)
                 if num_new <= 0:
+                    wait_reason = "budget"
                     break
             bm.record_lookup(seq.num_tokens, num_computed)
             bm.allocate(seq, num_computed + num_new, cached)
@@ -236,6 +287,9 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             if seq.metrics.num_preemptions == 0:
                 seq.metrics.num_cached_prompt_tokens = num_computed
+            else:  # a readmission: its hit can hold generated tokens too, so it is kept apart from the first
+                seq.metrics.num_cached_tokens_readmitted = max(seq.metrics.num_cached_tokens_readmitted or 0,
+                                                               num_computed)
             self.running.append(seq)
             admitted.append(seq)
             plan[seq.seq_id] = self._scheduled(seq, num_new, num_cached=num_computed)
@@ -250,9 +304,36 @@ class Scheduler:
             token_budget=self.token_budget,
             num_batched_tokens=sum(p.num_new_tokens for p in scheduled),
             shortfalls=self._shortfalls if len(self._shortfalls) == len(preempted) else [],
+            wait_reason=wait_reason,
         )
         self.step_index += 1
         return out
+
+    def _reserve_draft_blocks(self, plan: dict[int, ScheduledSequence]) -> int:
+        """Take the blocks of the running sequences' draft slots, in plan order; return the budget given back.
+
+        Only blocks free once every running sequence's own tokens have theirs, after any preemption
+        for them: drafts never cost another sequence its blocks (trial 14c #3: slots sized before a
+        preemption were dropped for the block it then freed, and a block taken for drafts could make
+        a later running sequence preempt one). A sequence whose slots do not all fit gets as many as
+        do, ``"kv_blocks"`` added to its ``draft_limits``; its unused slots go back to the budget.
+        """
+        bm = self.block_manager
+        returned = 0
+        for p in plan.values():
+            if not p.num_spec_tokens:
+                continue
+            own = p.num_new_tokens - p.num_spec_tokens
+            fit = p.num_spec_tokens
+            while fit and not bm.can_allocate(p.seq, p.start + own + fit):
+                fit -= 1
+            if fit < p.num_spec_tokens:
+                returned += p.num_spec_tokens - fit
+                p.draft_limits += ("kv_blocks",)
+                p.num_spec_tokens, p.num_new_tokens = fit, own + fit
+            if fit:
+                bm.allocate(p.seq, p.start + own + fit)
+        return returned
 
     def _preempt_for(self, seq: Sequence, num_tokens: int, cached: list[int],
                      plan: dict[int, ScheduledSequence], preempted: list[Sequence]) -> bool:
@@ -277,21 +358,25 @@ class Scheduler:
             self._preempt(victim, plan, preempted, why)
         return bm.can_allocate(seq, num_tokens, cached)
 
-    def _num_spec_tokens(self, seq: Sequence, budget_left: int) -> int:
-        """Draft slots for ``seq`` this step: k, or fewer where the budget or the request's limits leave less room.
+    def _num_spec_tokens(self, seq: Sequence, budget_left: int) -> tuple[int, tuple[str, ...]]:
+        """Draft slots for ``seq`` this step, and what held them below k (:data:`DRAFT_LIMITS`).
 
-        Only a sequence with exactly one uncomputed token (its newest) speculates. The
-        verification pass runs positions ``num_tokens - 1 .. num_tokens - 1 + drafts``, all
-        below ``max_model_len``; drafts beyond ``max_tokens - 1`` more tokens could never be kept.
+        k, or fewer where the budget (``"budget"``) or the request's limits (``"max_tokens"``,
+        ``"max_model_len"``) leave less room; every limit that allows no more than the slots given
+        is named. Only a sequence with exactly one uncomputed token (its newest) speculates (0, ()
+        otherwise). The verification pass runs positions ``num_tokens - 1 .. num_tokens - 1 + drafts``,
+        all below ``max_model_len``; drafts beyond ``max_tokens - 1`` more tokens could never be kept.
         """
-        if not self.num_speculative_tokens or seq.num_uncomputed_tokens != 1:
-            return 0
-        room = [self.num_speculative_tokens, budget_left]
-        if self.max_model_len is not None:
-            room.append(self.max_model_len - seq.num_tokens)
+        k = self.num_speculative_tokens
+        if not k or seq.num_uncomputed_tokens != 1:
+            return 0, ()
+        room = {"budget": budget_left}
         if seq.params.max_tokens is not None:
-            room.append(seq.params.max_tokens - seq.num_output_tokens - 1)
-        return max(0, min(room))
+            room["max_tokens"] = seq.params.max_tokens - seq.num_output_tokens - 1
+        if self.max_model_len is not None:
+            room["max_model_len"] = self.max_model_len - seq.num_tokens
+        slots = max(0, min(k, *room.values()))
+        return slots, tuple(name for name, r in room.items() if r <= slots < k)
 
     @staticmethod
     def _scheduled(seq: Sequence, num_new: int, num_cached: int = 0, num_spec: int = 0) -> ScheduledSequence:

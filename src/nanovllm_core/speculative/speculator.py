@@ -63,14 +63,20 @@ class Speculator:
         """Draft for every entry with ``num_spec_tokens`` > 0 and append the drafts provisionally.
 
         Afterwards each such entry has ``spec_tokens`` set and ``num_new_tokens = 1 + len(spec_tokens)``
-        (a sequence with no draft runs as a plain decode).
+        (a sequence with no draft runs as a plain decode). Fewer drafts than slots add their reason to
+        ``draft_limits``: ``"proposer"`` (it proposed fewer) or ``"min_tokens"`` (cut at a banned token).
         """
         self._drafts = self.proposer.propose(scheduled)
         for s in scheduled:
             if not s.num_spec_tokens:
                 continue
             draft = self._drafts.get(s.seq.seq_id)
-            s.spec_tokens = cut_at_ban(s.seq, list(draft.tokens[:s.num_spec_tokens])) if draft else []
+            proposed = list(draft.tokens[:s.num_spec_tokens]) if draft else []
+            s.spec_tokens = cut_at_ban(s.seq, proposed)
+            if len(proposed) < s.num_spec_tokens:
+                s.draft_limits += ("proposer",)
+            if len(s.spec_tokens) < len(proposed):
+                s.draft_limits += ("min_tokens",)
             s.num_new_tokens = 1 + len(s.spec_tokens)
             s.seq.token_ids.extend(s.spec_tokens)
 
@@ -83,6 +89,7 @@ class Speculator:
             s.spec_tokens = []
             if s.num_spec_tokens:
                 s.num_new_tokens = 1
+                s.draft_limits += ("failed_step",)
             s.num_spec_tokens = 0
         self._drafts = {}
 
