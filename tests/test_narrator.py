@@ -645,6 +645,15 @@ def test_a_lone_decode_step_says_what_share_of_the_measured_bandwidth_its_weight
     assert f"at {weights / wall / 1e9:,.2f} GB/s, {weights / wall / bw:.0%} of this machine's measured 8.0 GB/s" \
         in dec.text  # 3.20 GB/s, 40%
     assert "reading them takes 12.0 ms at that bandwidth, so the other 18.0 ms of the step" in dec.text
+    assert "busy" not in dec.text
+    # A bandwidth measured while the host was busy says so where the share rests on it.
+    busy = Narrator({**INFO, "linear_weight_bytes": weights, "memory_bandwidth": bw, "machine": "a CPU (2 threads), "
+                     "float32; measured while the host was busy (its threads got 24% of their cores)"})
+    for e in (added(), planned(0, [entry()]), sampled(0), timed(0),
+              planned(1, [entry(kind="decode", num=1, start=3, total_len=4)]), sampled(1, n_out=2)):
+        busy.feed(e)
+    dec = next(c for c in busy.feed(timed(1, wall=wall, tokens=1)) if c.kind == "decode")
+    assert "of this machine's measured 8.0 GB/s (measured while the host was busy, so likely low):" in dec.text
     n2 = Narrator({**INFO, "linear_weight_bytes": weights, "memory_bandwidth": bw})
     n2.feed(added())
     n2.feed(planned(0, [entry()]))

@@ -10,7 +10,7 @@ from nanovllm_core import SamplingParams, roofline
 from nanovllm_core import events as ev
 from nanovllm_core.educational import xray_facts as facts
 from nanovllm_core.educational.xray_costs import (LayerDims, SeqAttention, compute_bound_tokens, layer_intensity,
-                                                  layer_ops, peak_words)
+                                                  layer_ops, layer_roof, peak_words)
 from nanovllm_core.roofline import Roofline
 
 SMOL = LayerDims(hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3, head_dim=64, elem=4)
@@ -56,10 +56,14 @@ def test_the_roofline_is_measured_once_then_read_back(tmp_path, monkeypatch):
     assert len(calls) == 3 and calls[-1] == 1e10
 
 
-def test_block_weights_are_named_and_take_the_float_matmuls_peak():
+def test_block_weights_are_named_and_their_kernels_peak_named_apart_from_the_float_matmuls():
     r = roofline.measure("cpu", torch.float32, gemm_n=128, stream_bytes=8 << 20, repeats=1, quantization="q8_0")
     assert r.peak_flops > 1e8 and r.machine.endswith("float32, q8_0 weights")
-    assert peak_words(r.machine, 3.3e11) == "float matmul peak 330.0 GFLOP/s, the block kernels' own not measured"
+    assert peak_words(r.machine, 3.3e11) == ("float matmul peak 330.0 GFLOP/s (the float operations), the block "
+                                             "kernels' own not measured")
+    assert peak_words(r.machine, 3.3e11, (("q8_0", 4.4e11),)) == (
+        "float matmul peak 330.0 GFLOP/s (the float operations), Q8_0 block kernel peak 440.0 GFLOP/s (the projection "
+        "in that format, timed on this model's weights)")
     assert peak_words("a CPU, float32", 3.3e11) == "matmul peak 330.0 GFLOP/s"
 
 
@@ -442,6 +446,125 @@ def test_a_block_mode_shares_float_s_roofline_and_names_its_weights(tmp_path, mo
     assert peak_words(block.machine, 1e11).endswith("the block kernels' own not measured")
     plain = roofline.machine_roofline("cpu", torch.float32, path)
     assert calls == [(None, None)] and plain.machine.endswith("float32") and plain.peak_flops == block.peak_flops
+
+
+# SmolLM2's layer in Q4_1 blocks, as the default model runs it: 20 bytes per 32 weights.
+Q4_1_SMOL = LayerDims(576, 1536, 9, 3, 64, 4, weight_elem=20 / 32, linear_kinds=("q4_1",) * 4)
+BUSY_HOST = "AMD EPYC (2 threads), float32, gguf weights"
+
+
+def decode_trace(kernel_peaks=(), machine=BUSY_HOST, peak=44.4e9, bandwidth=9.6e9, kinds=True) -> ev.LayerTrace:
+    """Trial 14c's step: a decode of 2 tokens (two sequences, 1 token each) in Q4_1, against its roofline."""
+    d = Q4_1_SMOL if kinds else LayerDims(576, 1536, 9, 3, 64, 4, weight_elem=20 / 32)
+    ops = layer_ops(d, [SeqAttention(1, 33, 33), SeqAttention(1, 2, 2)], "cpu_paged")
+    if not kinds:  # a trace recorded before ops named their kernel: the math still says the format
+        ops = tuple(ev.OpInfo(o.name, o.math + ("; W in Q4_1 blocks, 20 bytes per 32 weights" if o.name in
+                                                 ("qkv_proj", "o_proj", "mlp_gate_up", "mlp_down") else ""),
+                              o.shapes, o.flops, o.bytes) for o in ops)
+    ridges = tuple((k, v / bandwidth) for k, v in kernel_peaks)
+    return ev.LayerTrace(step=1, request_id="1", layer=0, num_layers=30, tensors=(), ops=ops, num_heads=9,
+                         num_kv_heads=3, head_dim=64, hidden_size=576, kv_bytes_per_token=46080, part="decode",
+                         num_new_tokens=1, context_len=33, num_batch_tokens=2, num_batch_seqs=2,
+                         attention_backend="cpu_paged", peak_flops=peak, memory_bandwidth=bandwidth, machine=machine,
+                         compute_bound_tokens=compute_bound_tokens(d, peak / bandwidth, "cpu_paged",
+                                                                   block_ridges=ridges) if kinds else 2,
+                         kernel_peaks=tuple(kernel_peaks))
+
+
+def test_a_block_projection_is_judged_against_its_block_kernels_peak_not_the_float_matmuls():
+    """Trial 14c: a 2-token Q4_1 decode's qkv_proj (6.2 FLOP/byte) was called compute-bound against the
+    float matmul's ridge of 4.6 FLOP/byte, and "a prefill becomes compute-bound from about 2 tokens".
+    The Q4_1 kernel that ran it peaks at about 8x that float figure (a 2-core AMD EPYC), so its ridge
+    is 37.5 FLOP/byte: memory-bound, and the crossing comes about ten tokens later."""
+    t = decode_trace(kernel_peaks=(("q4_1", 3.6e11),))
+    ops = {o.name: o for o in t.ops}
+    qkv = ops["qkv_proj"]
+    assert qkv.kernel == "q4_1" and 6.0 < facts.op_intensity(qkv) < 6.5 and facts.op_intensity(qkv) > facts.ridge(t)
+    assert facts.bound(t, qkv) == "memory-bound"  # 6.2 against the Q4_1 kernel's 37.5, not the float matmul's 4.6
+    assert all(facts.bound(t, ops[n]) == "memory-bound" for n in ("o_proj", "mlp_gate_up", "mlp_down"))
+    assert ops["input_layernorm"].kernel == "" and facts.op_peak(t, ops["input_layernorm"]) == 44.4e9
+    assert t.compute_bound_tokens > 10  # each projection against 37.5 FLOP/byte: not 2 tokens
+    assert compute_bound_tokens(Q4_1_SMOL, 4.625, "cpu_paged") == 0  # its kernel's ridge not given: no answer
+    text = " ".join(facts.roofline_lines(t))
+    assert "Q4_1 block kernel peak 360.0 GFLOP/s" in text and "a Q4_1 projection above 37.5" in text
+    assert "a float operation is compute-bound above 4.6 FLOP/byte" in text
+    assert f"about {t.compute_bound_tokens:,} tokens in one step, each operation against its kernel's peak" in text
+    roof = layer_roof(t.ops, t.peak_flops, t.memory_bandwidth, t.kernel_peaks)
+    assert roof.bound == "memory-bound" and f"own ridge point of {roof.ridge:.1f} FLOP/byte" in text
+    assert "FLOP/byte (its operations each at their kernel's peak): memory-bound" in text
+    line = facts.verdict_line(t)
+    assert "each Q4_1 projection against its block kernel's ridge point" in line and "busy" not in line
+    # The CLI's operation list and the app's pipeline label the projections from the same judgement.
+    from nanovllm_core.educational.xray_view import op_cost
+    from nanovllm_tui.views.xray import pipeline_text
+
+    assert op_cost(t, qkv).endswith("6.2 FLOP/B, memory-bound")
+    assert "compute-bound" not in pipeline_text(t).plain.split("Verdicts")[0]
+
+
+def test_a_block_trace_without_its_kernels_peak_judges_no_projection():
+    """A trace whose block kernel was not measured (one recorded before it was): its projections get no
+    verdict rather than the float matmul's, and no prefill crossing is told; the float operations keep theirs."""
+    for t in (decode_trace(), decode_trace(kinds=False)):
+        ops = {o.name: o for o in t.ops}
+        assert facts.op_kernel(t, ops["qkv_proj"]) == "q4_1"
+        assert facts.bound(t, ops["qkv_proj"]) == "" and facts.bound(t, ops["input_layernorm"]) == "memory-bound"
+        text = " ".join(facts.roofline_lines(t))
+        assert "the block kernels' own not measured" in text and "not known for this trace" in text
+        assert "compute-bound from about" not in text and "the float matmul's is not theirs" in facts.verdict_line(t)
+
+
+def test_a_verdict_on_a_roofline_measured_on_a_busy_host_says_so():
+    busy = BUSY_HOST + "; measured while the host was busy (its threads got 24% of their cores), so likely low"
+    t = decode_trace(kernel_peaks=(("q4_1", 3.6e11),), machine=busy)
+    assert "measured while the host was busy" in facts.verdict_line(t)
+    text = " ".join(facts.roofline_lines(t))
+    assert "memory-bound (against peaks measured while the host was busy" in text
+    assert "On the roofline measured on the busy host, a prefill becomes compute-bound" in text
+
+
+def test_the_block_kernels_peak_is_timed_on_the_weights_kept_when_quiet_and_named_when_busy(tmp_path, monkeypatch):
+    from nanovllm_core.model.block_quant import BlockLinear
+
+    torch.manual_seed(0)
+    module = BlockLinear.from_float(torch.randn(64, 128), "q4_1")
+    measured = roofline.measure_block_peak(module, tokens=16, seconds=0.01)
+    assert measured.kind == "q4_1" and measured.peak_flops > 0 and measured.timed_on == "[64, 128] at 16 tokens"
+    calls = []
+
+    def fake(m, tokens=roofline.BLOCK_PEAK_TOKENS, share=1.0):
+        calls.append(m)
+        return roofline.BlockPeak(m.kind, 3e11, f"[{m.out_features}, {m.in_features}] at {tokens} tokens", share)
+
+    monkeypatch.setattr(roofline, "_block_peaks", {})
+    monkeypatch.setattr(roofline, "measure_block_peak", fake)
+    path = tmp_path / "roofline.json"
+    first = roofline.block_peak(module, "cpu", path)
+    assert roofline.block_peak(module, "cpu", path) == first and len(calls) == 1
+    monkeypatch.setattr(roofline, "_block_peaks", {})  # a new process reads it back
+    assert roofline.cached_block_peak(module, "cpu", path) == first and len(calls) == 1
+    assert roofline.cached_block_peak(module.first_rows(8), "cpu", path) is None  # another shape: not this one
+    float_roof = Roofline(1e11, 1e10, "a CPU (2 threads), float32, q4_1 weights")
+    assert roofline.with_block_peaks(float_roof, [first]).block_peaks == (("q4_1", 3e11),)
+    # Busy: used by this process, not kept, and the roofline's machine says so.
+    monkeypatch.setattr(roofline, "_block_peaks", {})
+    monkeypatch.setattr(roofline, "measure_block_peak", lambda m, tokens=128: fake(m, tokens, share=0.3))
+    path2 = tmp_path / "busy.json"
+    busy = roofline.block_peak(module, "cpu", path2)
+    assert not busy.quiet and not path2.exists()
+    named = roofline.with_block_peaks(float_roof, [busy]).machine
+    assert "the Q4_1 block kernel's peak measured while the host was busy (its threads got 30% of their cores)" in named
+
+
+def test_first_rows_is_a_view_that_computes_the_same_rows():
+    from nanovllm_core.model.block_quant import BlockLinear
+
+    torch.manual_seed(0)
+    module = BlockLinear.from_float(torch.randn(40, 64), "q8_0")
+    part = module.first_rows(12)  # rounded up to 16: two packed groups of 8 rows
+    x = torch.randn(3, 64)
+    assert part.out_features == 16 and part.packed.data_ptr() == module.packed.data_ptr()
+    assert torch.equal(part(x), module(x)[:, :16])
 
 
 def test_sampled_values_say_which_end_of_the_row_they_are():

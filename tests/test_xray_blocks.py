@@ -130,7 +130,7 @@ def test_the_embedding_lookup_reads_one_stored_row_a_token():
     assert plain["embedding_lookup"].bytes == 2 * 5 * h * 4 and "blocks" not in plain["embedding_lookup"].math
 
 
-def test_the_block_peak_is_named_as_the_float_matmuls():
+def test_a_block_roofline_without_its_kernels_peak_says_it_is_the_float_matmuls():
     from nanovllm_core.educational.xray_costs import peak_words
 
     words = peak_words("a CPU (2 threads), float32, gguf weights", 5.6e10)
@@ -221,6 +221,20 @@ def test_the_xray_of_a_gguf_engine_draws_its_own_blocks_and_counts_their_bytes(m
     dims = layer_dims(engine)
     assert dims.linear_kinds == ("q4_1",) * 4
     assert dims.linear_weight_bytes[0] == 960 * 576 // 32 * 20
+    # Each projection is judged against the Q4_1 kernel that ran it, timed on these weights (trial 14c).
+    from nanovllm_core.educational import xray_facts as facts
+    from nanovllm_core.educational.xray_costs import compute_bound_tokens
+
+    t = traces[0]
+    peaks = dict(t.kernel_peaks)
+    assert peaks.get("q4_1", 0) > 0 and t.peak_flops > 0
+    ops = {o.name: o for o in t.ops}
+    assert [ops[n].kernel for n in ("qkv_proj", "o_proj", "mlp_gate_up", "mlp_down")] == ["q4_1"] * 4
+    assert facts.op_peak(t, ops["qkv_proj"]) == peaks["q4_1"] and facts.op_peak(t, ops["rope"]) == t.peak_flops
+    ridges = (("q4_1", peaks["q4_1"] / t.memory_bandwidth),)
+    assert t.compute_bound_tokens == compute_bound_tokens(dims, facts.ridge(t), t.attention_backend, block_ridges=ridges)
+    info = engine.model_info()  # the tutorial's facts: the LM head's Q8_0 kernel too (tied to the embedding)
+    assert dict(info["block_peaks"])["q4_1"] == peaks["q4_1"] and dict(info["block_peaks"]).get("q8_0", 0) > 0
 
 
 @pytest.mark.real_model

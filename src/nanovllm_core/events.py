@@ -426,13 +426,18 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class OpInfo:
-    """One operation of a layer: its math, operand shapes, cost in FLOPs and bytes moved."""
+    """One operation of a layer: its math, operand shapes, cost in FLOPs and bytes moved.
+
+    ``kernel``: for a projection, the format of the weights it multiplies, which names the kernel
+    that ran it (``"q4_1"``, ``"q8_0"``: a block kernel; ``"float32"``: the float matmul); ``""`` for
+    every other operation and in traces recorded before this field existed."""
 
     name: str
     math: str
     shapes: str
     flops: int
     bytes: int
+    kernel: str = ""
 
 
 @dataclass(frozen=True)
@@ -451,9 +456,12 @@ class LayerTrace(Event):
     tokens); its ``num_new_tokens`` and ``context_len`` (tokens); ``first_row`` of its slice in
     the flat batch of ``num_batch_tokens`` rows over ``num_batch_seqs`` sequences;
     ``attention_backend``: what computed attention; the machine's measured roofline
-    (``peak_flops`` FLOP/s, ``memory_bandwidth`` bytes/s, ``machine``; 0 when not measured) and
-    ``compute_bound_tokens``: the shortest one-sequence prefill whose layer reaches the ridge
-    point on that machine (0: unknown or never); ``prompt_len``, ``total_len`` (prompt and
+    (``peak_flops`` FLOP/s of the float matmul, ``memory_bandwidth`` bytes/s, ``machine``; 0 when
+    not measured; ``kernel_peaks``: ``(format, FLOP/s)`` of each block kernel the projections ran,
+    measured on this model's weights, empty for float weights and in traces recorded before it
+    was measured) and ``compute_bound_tokens``: the shortest one-sequence prefill whose layer
+    reaches the ridge point on that machine, each operation against its kernel's peak (0: unknown
+    or never); ``prompt_len``, ``total_len`` (prompt and
     generated tokens when the step was planned) and ``num_cached_tokens`` (found in the prefix
     cache) of the traced sequence, so a prefill chunk can say what it is a chunk of (0: not recorded).
     """
@@ -489,6 +497,7 @@ class LayerTrace(Event):
     prompt_len: int = 0
     total_len: int = 0
     num_cached_tokens: int = 0
+    kernel_peaks: tuple[tuple[str, float], ...] = ()
 
 
 # ---------------------------------------------------------------------- speculative

@@ -12,9 +12,9 @@ matrices (the one our linear layers take among them), ``W`` a streaming read of 
 larger than the last-level cache. The measurement takes about a second; it is kept in memory
 and in ``<cache_root()>/roofline.json``, so later runs read it back. The bandwidth is a
 property of the machine: it is measured once per device (CPU model and thread count, or GPU)
-and reused in every dtype and quantization mode; the peak once per (device, dtype): the float
-matmul's, in every mode (float and the block modes share one entry). The X-Ray and the
-tutorial show it as the machine's ridge point.
+and reused in every dtype and quantization mode; the float matmul's peak once per (device,
+dtype), in every mode (float and the block modes share one entry). The X-Ray and the
+tutorial show it as the machine's ridge point for float operations.
 
 A CPU measurement is only as good as the cores it got: with other work on the host the peak
 comes out low (39 GFLOP/s measured under load where the same host reached 78-85, issue 29).
@@ -24,8 +24,17 @@ process only, never kept (neither the peak nor the bandwidth), and ``machine`` s
 was busy and how to measure again: ``python -m nanovllm_core.roofline`` (it measures both now
 and keeps a quiet result, replacing what was kept).
 
-Under a block mode (``gguf``, ``q8_0``, ``q4_0``, ``q4_1``) ``P`` is the float matmul's peak:
-the block kernels' own is not measured (``educational.xray_costs.peak_words`` says so).
+Under a block mode (``gguf``, ``q8_0``, ``q4_0``, ``q4_1``) the projections do not run the float
+matmul: they run ``model/block_quant.py``'s block kernel, whose peak is its own (int8 products
+over 4- and 8-bit weights: on a 2-core AMD EPYC about 3x the float matmul's). Judged against
+the float peak, a Q4_1 decode of 2 tokens came out "compute-bound" (trial 14c). So the block
+kernel is timed too (:func:`block_peak`: the loaded model's largest projection of each format in
+layer 0, at ``BLOCK_PEAK_TOKENS`` rows, far past its crossing, the best of the runs that fit in
+``BLOCK_PEAK_SECONDS``: about half a second for two formats), kept per device, format, shape and kernel source like the float peak (not when the
+host was busy), and :func:`with_block_peaks` adds it to the roofline: an operation is judged
+against the peak of the kernel that ran it (``educational.xray_costs.kernel_peak``), the
+block-format projections against their block kernel's, every other operation against the
+float matmul's, and the views say so.
 
 Where a layer crosses the ridge moves by less than the ridge does. A linear layer ``[N, K]``
 over ``T`` tokens does ``2 T N K`` FLOPs and moves ``N K b`` bytes of weights (``b`` bytes a
@@ -45,6 +54,8 @@ whole layer's crossing, attention included).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import sys
@@ -63,6 +74,11 @@ STREAM_MIN_BYTES = 256 * 2**20
 STREAM_MAX_BYTES = 2**30
 QUIET_CPU_SHARE = 0.8  # below this share of its threads' CPU time, a measurement shared the cores
 REMEASURE = "python -m nanovllm_core.roofline"
+# Rows a block kernel is timed at: a projection of SmolLM2 over 128 tokens does over 100 FLOP a
+# byte, past any ridge point measured here (the Q4_1 kernel's is 17-36 FLOP/byte on a 2-core AMD
+# EPYC, docs/cpu-kernels.md), so the time is the kernel's arithmetic, not its reading of the weights.
+BLOCK_PEAK_TOKENS = 128
+BLOCK_PEAK_SECONDS = 0.25  # per format timed: the best of the runs that fit (two formats: about half a second)
 
 
 @dataclass(frozen=True)
@@ -77,10 +93,13 @@ class Roofline:
     bandwidth: float
     machine: str
     cpu_share: float = 1.0  # CPU time its threads got / (wall time x threads) while measuring (1.0 on a GPU)
+    # (format, FLOP/s) of each block kernel the loaded weights run, measured by block_peak (empty: none
+    # measured, or float weights); ``peak_flops`` stays the float matmul's, for every other operation.
+    block_peaks: tuple[tuple[str, float], ...] = ()
 
     @property
     def quiet(self) -> bool:
-        """The measurement had the cores to itself (``cpu_share >= QUIET_CPU_SHARE``)."""
+        """The float measurement had the cores to itself (``cpu_share >= QUIET_CPU_SHARE``)."""
         return self.cpu_share >= QUIET_CPU_SHARE
 
     @property
@@ -89,7 +108,9 @@ class Roofline:
         return self.peak_flops / self.bandwidth
 
     def bound(self, flops: float, nbytes: float) -> str:
-        """``"memory"`` or ``"compute"``: which limit an operation of this size hits first."""
+        """``"memory"`` or ``"compute"``: which limit an operation of this size hits first, at the float
+        matmul's peak (a block projection is judged against its block kernel's:
+        ``educational.xray_costs.kernel_peak``)."""
         return "compute" if nbytes <= 0 or flops / nbytes >= self.ridge else "memory"
 
     def min_time_s(self, flops: float, nbytes: float) -> float:
@@ -179,8 +200,9 @@ def memory_bandwidth(nbytes: int | None = None, repeats: int = 5, device: torch.
 
 def machine_name(device: torch.device | str, dtype: torch.dtype, quantization: str | None = None) -> str:
     """Where a roofline holds: ``"Intel Xeon ... (2 threads), float32"`` (``", q4_1 weights"`` and
-    the like added under a block mode, whose peak is the float matmul's:
-    ``educational.xray_costs.peak_words`` says so) or the GPU's name."""
+    the like added under a block mode: its ``peak_flops`` is still the float matmul's, for the
+    operations that are no block projection; :func:`with_block_peaks` adds the block kernels') or
+    the GPU's name."""
     weights = f", {quantization} weights" if quantization else ""
     return f"{device_name(device)}, {str(dtype).replace('torch.', '')}{weights}"
 
@@ -231,6 +253,119 @@ def busy_note(roof: Roofline) -> Roofline:
                                  f"`{REMEASURE}` measures again")
 
 
+@dataclass(frozen=True)
+class BlockPeak:
+    """A block kernel's measured peak: ``kind`` (``"q4_1"``), ``peak_flops`` (FLOP/s, a multiply-add
+    counted as 2 as the X-Ray counts it), ``timed_on`` (what ran: ``"[3072, 576] at 128 tokens"``) and
+    ``cpu_share`` as :class:`Roofline`'s."""
+
+    kind: str
+    peak_flops: float
+    timed_on: str
+    cpu_share: float = 1.0
+
+    @property
+    def quiet(self) -> bool:
+        return self.cpu_share >= QUIET_CPU_SHARE
+
+
+def measure_block_peak(module, tokens: int = BLOCK_PEAK_TOKENS, seconds: float = BLOCK_PEAK_SECONDS) -> BlockPeak:
+    """Time ``module`` (a ``model.block_quant.BlockLinear``: whatever kernel it runs, the C one or its
+    PyTorch fallback) on ``tokens`` rows of random activations: ``2 x tokens x out x in`` FLOPs over
+    the best run of as many as fit in ``seconds`` (at least 3). One run of the default model's
+    ``[3072, 576]`` Q4_1 gate/up projection takes about 0.6 ms on a 2-core AMD EPYC, so a quiet host
+    gives hundreds of runs; a busy one still a few clean ones (there, of 20 runs in 0.3 s the best
+    reached 242 GFLOP/s, the median 19: a fixed few runs would have kept a low figure)."""
+    x = torch.randn(tokens, module.in_features, generator=torch.Generator().manual_seed(0))
+    best, runs = float("inf"), 0
+    with torch.no_grad():
+        module(x)  # warm-up: thread pool, scratch buffer
+        cpu, wall = time.process_time(), time.perf_counter()
+        while runs < 3 or (time.perf_counter() - wall < seconds and runs < 1000):
+            t = time.perf_counter()
+            module(x)
+            best, runs = min(best, time.perf_counter() - t), runs + 1
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    share = cpu / max(1e-9, wall * torch.get_num_threads())
+    flops = 2.0 * tokens * module.out_features * module.in_features / best
+    return BlockPeak(str(module.kind), flops, f"[{module.out_features}, {module.in_features}] at {tokens} tokens",
+                     round(min(share, 1.0), 3))
+
+
+@functools.cache
+def _block_kernel_id() -> str:
+    """Which block kernel runs: a hash of ``block_quant_cpu.c`` (a changed kernel is measured again), or
+    its PyTorch fallback when the C library is not loaded."""
+    from nanovllm_core.model import block_quant
+
+    if block_quant.library() is None:
+        return "PyTorch fallback"
+    return hashlib.sha256(block_quant.SOURCE.read_bytes()).hexdigest()[:12]
+
+
+def _block_key(kind: str, shape: str, device: torch.device | str) -> str:
+    """The cache key of a block kernel's peak: device (CPU and threads), format, shape timed, kernel."""
+    return f"block kernel peak · {device_name(device)} · {kind} {shape} · {_block_kernel_id()}"
+
+
+_block_peaks: dict[str, BlockPeak] = {}
+
+
+def cached_block_peak(module, device: torch.device | str = "cpu", path: Path | None = None,
+                      tokens: int = BLOCK_PEAK_TOKENS) -> BlockPeak | None:
+    """``module``'s block kernel peak measured earlier (in this process, or kept in ``path`` from a quiet
+    host), or None; never measures."""
+    shape = f"[{module.out_features}, {module.in_features}] at {tokens} tokens"
+    key = _block_key(str(module.kind), shape, device)
+    with _lock:
+        if key in _block_peaks:
+            return _block_peaks[key]
+    entry = _read_cache(path or default_cache_path()).get(key)
+    try:
+        peak = BlockPeak(str(entry["kind"]), float(entry["peak_flops"]), str(entry["timed_on"]),
+                         float(entry["cpu_share"]))
+    except (TypeError, KeyError, ValueError):
+        return None
+    if peak.peak_flops <= 0 or not peak.quiet:
+        return None
+    with _lock:
+        _block_peaks[key] = peak
+    return peak
+
+
+def block_peak(module, device: torch.device | str = "cpu", path: Path | None = None,
+               tokens: int = BLOCK_PEAK_TOKENS) -> BlockPeak:
+    """``module``'s block kernel peak: read back when kept, else measured now (:func:`measure_block_peak`)
+    and kept in ``path`` when the host was quiet (a busy measurement serves this process only)."""
+    peak = cached_block_peak(module, device, path, tokens)
+    if peak is not None:
+        return peak
+    peak = measure_block_peak(module, tokens)
+    key = _block_key(peak.kind, peak.timed_on, device)
+    with _lock:
+        _block_peaks[key] = peak
+    if peak.quiet:
+        _keep(path or default_cache_path(), {key: asdict(peak)})
+    return peak
+
+
+def with_block_peaks(roof: Roofline, peaks: list[BlockPeak] | tuple[BlockPeak, ...]) -> Roofline:
+    """``roof`` with the block kernels' peaks added (``block_peaks``), its ``machine`` naming a busy
+    host for any of them measured while it was busy."""
+    if not peaks:
+        return roof
+    machine = roof.machine
+    busy = [p for p in peaks if not p.quiet]
+    if busy and "block kernel" not in machine:
+        names = " and ".join(p.kind.upper() for p in busy)
+        shares = ", ".join(f"{p.cpu_share:.0%}" for p in busy)
+        whose = "kernels' peaks" if len(busy) > 1 else "kernel's peak"
+        machine += (f"; the {names} block {whose} measured while the host "
+                    f"was busy (its threads got {shares} of their cores), so likely low and not kept: the next "
+                    f"X-Ray measures {'them' if len(busy) > 1 else 'it'} again")
+    return replace(roof, machine=machine, block_peaks=tuple((p.kind, p.peak_flops) for p in peaks))
+
+
 def default_cache_path() -> Path:
     return cache_root() / "roofline.json"
 
@@ -241,7 +376,8 @@ _bandwidths: dict[str, float] = {}
 
 
 def _key(device: torch.device | str, dtype: torch.dtype, quantization: str | None = None) -> str:
-    """The cache key of a roofline: device and dtype, not the mode (every mode's peak is the float matmul's)."""
+    """The cache key of a roofline: device and dtype, not the mode (its float matmul peak is every mode's;
+    a block kernel's peak is kept under its own key, :func:`_block_key`)."""
     return f"{machine_name(device, dtype)} · torch {torch.__version__}"
 
 
@@ -344,6 +480,12 @@ def remeasure(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
         data[_bandwidth_key(device)] = {"bandwidth": roof.bandwidth, "cpu_share": roof.cpu_share}
     with _lock:
         _bandwidths[_bandwidth_key(device)] = roof.bandwidth
+    _write(path, data)
+    return _named_for(roof, device, dtype, quantization)
+
+
+def _write(path: Path, data: dict) -> None:
+    """Replace ``path`` with ``data`` as JSON (a file that cannot be written only means measuring again)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -351,7 +493,13 @@ def remeasure(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
         os.replace(tmp, path)
     except OSError:
         pass
-    return _named_for(roof, device, dtype, quantization)
+
+
+def _keep(path: Path, entries: dict) -> None:
+    """Add ``entries`` to the file at ``path``, keeping what it holds."""
+    data = _read_cache(path)
+    data.update(entries)
+    _write(path, data)
 
 
 def main() -> int:

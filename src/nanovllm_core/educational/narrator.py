@@ -621,9 +621,11 @@ class Narrator(SchedulerNarration):
             return (" No weight-reading rate is told for this step: the X-Ray's capture is in its time, and a rate "
                     "over it would be the capture's as much as the engine's.")
         floor = weights / bw
+        busy = (" (measured while the host was busy, so likely low)"
+                if "host was busy" in str(self.info.get("machine") or "") else "")
         return (f" Alone in its step, it read the {human_bytes(weights)} of linear-layer and LM-head weights "
                 f"at {weights / timed.wall_time_s / 1e9:,.2f} GB/s, {weights / timed.wall_time_s / bw:.0%} of this "
-                f"machine's measured {bw / 1e9:,.1f} GB/s: reading them takes {ms(floor)} at that bandwidth, "
+                f"machine's measured {bw / 1e9:,.1f} GB/s{busy}: reading them takes {ms(floor)} at that bandwidth, "
                 f"so the other {ms(max(0.0, timed.wall_time_s - floor))} of the step were not spent reading weights "
                 "at that rate: norms, RoPE, attention, the KV write, sampling, the calls between operations, or "
                 "reading them slower.")

@@ -35,7 +35,7 @@ from typing import Any
 
 from nanovllm_core.attention.fallbacks import FALLBACK_CONDITIONS, FLASH_ATTN_FALLBACK_CONDITIONS
 from nanovllm_core.educational.commentary import human_bytes, ms, plural
-from nanovllm_core.educational.xray_costs import peak_words
+from nanovllm_core.educational.xray_costs import is_block, kernel_peak, peak_words, ridge_position
 from nanovllm_core.model.block_formats import FORMATS  # torch-free
 from nanovllm_core.sampling_params import SamplingParams
 
@@ -430,11 +430,15 @@ CHAPTERS: tuple[Chapter, ...] = (
         cached keys, its key and value are appended, and the last layer's output becomes scores over
         the vocabulary.
 
-        One token is very little arithmetic for the amount of weight data that must be read from
-        memory: its arithmetic intensity is far below the ridge point, so reading the weights sets a
-        floor under a lone decode step's time that no faster arithmetic can lower. On a GPU that floor
-        is most of the step; on a CPU the step can take many times the floor, spent on per-call and
-        Python overhead (the demonstration measures how much here). Batching many requests' decode
+        One token is little arithmetic for the amount of weight data that must be read from memory:
+        each weight read serves one multiply-add, 2 FLOPs over the bytes it takes, so its arithmetic
+        intensity is low. Where it is below the ridge point of the kernel that multiplies the weights
+        (as on GPUs), reading the weights sets a floor under a lone decode step's time that no faster
+        arithmetic can lower; where it is near that ridge point, the arithmetic takes about as long as
+        the reading. The figures below place it for this model and this machine, each weight format
+        against its own kernel's measured ridge point. On a GPU that floor is most of the step; on a
+        CPU the step can take many times the floor, spent on per-call and Python overhead (the
+        demonstration measures how much here). Batching many requests' decode
         tokens into one step shares that weight read: every weight loaded serves every token of the
         batch. It does not share the reads of the KV cache: each request's query reads its own cached
         keys and values, bytes that grow with its context and that no batching reduces.
@@ -458,9 +462,11 @@ CHAPTERS: tuple[Chapter, ...] = (
                "Decode runs on the CPU while prefill runs on the accelerator"),
               0,
               "Each weight read from memory is used for one multiply-add per token in the batch. With one token, "
-              "loading the weights takes far longer than their arithmetic (what else the step spends, such as "
-              "per-call overhead on a CPU, comes on top); batching many requests' decode tokens "
-              "reuses every loaded weight many times, while each request still reads its own keys and values."),
+              "that is 2 FLOPs for each weight's bytes, an intensity below the ridge point of most machines and "
+              "kernels (the figures above place it for this one), so loading the weights takes longer than their "
+              "arithmetic (what else the step spends, such as per-call overhead on a CPU, comes on top); batching "
+              "many requests' decode tokens reuses every loaded weight many times, while each request still "
+              "reads its own keys and values."),
     ),
     Chapter(
         7, "sampling", "Sampling: choosing the next token",
@@ -790,12 +796,17 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
                       else "chunked prefill is off, so a longer prompt is refused")
             lines.append(f"This engine's token budget is {g('token_budget')} tokens per step; {chunks}.")
             if g("peak_flops") and g("memory_bandwidth"):
-                ridge = g("peak_flops") / g("memory_bandwidth")
-                lines.append(f"This machine, measured ({g('machine')}): {peak_words(g('machine'), g('peak_flops'))}, "
-                             f"memory {g('memory_bandwidth') / 1e9:,.1f} GB/s, ridge point {ridge:.1f} "
-                             "FLOP/byte" + (f"; a prefill becomes compute-bound from about "
-                                            f"{g('compute_bound_tokens'):,} tokens." if g("compute_bound_tokens")
-                                            else "."))
+                bw, blocks = g("memory_bandwidth"), tuple(g("block_peaks") or ())
+                ridge = f"ridge point {g('peak_flops') / bw:.1f} FLOP/byte"
+                if blocks:
+                    ridge += " for float operations, " + ", ".join(f"{v / bw:.1f} for {k.upper()} projections"
+                                                                    for k, v in blocks)
+                each = ", each operation against its kernel's peak" if blocks else ""
+                lines.append(f"This machine, measured ({g('machine')}): "
+                             f"{peak_words(g('machine'), g('peak_flops'), blocks)}, memory {bw / 1e9:,.1f} GB/s, "
+                             + ridge + (f"; a prefill becomes compute-bound from about "
+                                        f"{plural(g('compute_bound_tokens'), 'token')}{each}." if g("compute_bound_tokens")
+                                        else "."))
         elif key == "kv_cache" and g("kv_bytes_per_token"):
             per = g("kv_bytes_per_token")
             elem = per // (2 * g("num_layers") * g("num_kv_heads") * g("head_dim"))
@@ -910,6 +921,77 @@ def weights_kind(info: dict[str, Any]) -> str:
     return str(g("dtype"))
 
 
+ELEMENT_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
+
+POSITION_WORDS = {
+    "below": "below it",
+    "just below": "just below it (within 2x: near it)",
+    "just above": "just above it (within 2x: near it)",
+    "above": "above it",
+}
+
+
+def batch_one_against_ridge(info: dict[str, Any], average: float) -> str:
+    """Where a batch-1 decode's weight arithmetic sits against the ridge point of the kernel that runs
+    it, derived from the figures the sentence shows (trial 14c: the chapter said "far below" beside
+    a box whose 2.8 FLOP/byte sat at 0.6x a ridge of 4.6, itself the float matmul's, not the Q4_1
+    kernel's that ran).
+
+    Each weight format (``weight_kinds``) at batch 1 does 2 FLOPs over its bytes a weight; its
+    ridge point is its kernel's measured peak over the bandwidth: a block kernel's
+    (``block_peaks``, timed on this model's weights) or the float matmul's (``peak_flops``).
+    ``average``: the step's whole intensity, 2 over the average bytes a weight, used when the
+    formats are not known. Returns the rest of the sentence, from ``", "`` to its full stop.
+    """
+    g = info.get
+    bw, peak, machine = g("memory_bandwidth"), g("peak_flops"), g("machine") or ""
+    blocks = tuple(g("block_peaks") or ())
+    kinds = [k for k in (g("weight_kinds") or "").split("+") if k]
+    if not kinds and not g("quantization"):
+        kinds = [str(g("dtype") or "float32")]
+    parts, positions, unknown = [], [], []
+    for k in kinds:
+        per = FORMATS[k].bytes_per_weight if is_block(k) else ELEMENT_BYTES.get(k)
+        kernel = f"the {k.upper()} block kernel's" if is_block(k) else "the float matmul's"
+        p = kernel_peak(k, peak, blocks)
+        if per is None:
+            continue
+        x = 2 / per
+        if not p:
+            unknown.append(k.upper())
+            parts.append(f"{k.upper()} weights: 2 FLOPs for {per:.3f} bytes = {x:.1f} FLOP/byte, against {kernel} ridge "
+                         "point, not measured here (the float matmul's is not its own), so not placed")
+            continue
+        r = p / bw
+        where = ridge_position(x, r)
+        positions.append(where)
+        parts.append(f"{k.upper()} weights: 2 FLOPs for {per:.3f} bytes = {x:.1f} FLOP/byte, {x / r:.2f}x {kernel} "
+                     f"ridge point of {r:.1f} FLOP/byte ({p / 1e9:,.1f} GFLOP/s over {bw / 1e9:,.1f} GB/s): "
+                     f"{POSITION_WORDS[where]}")
+    busy = " (measured while the host was busy, so the peaks are likely low)" if "host was busy" in machine else ""
+    if not parts:  # formats not known (an older engine's info): the whole step against the float ridge
+        r = peak / bw
+        where = ridge_position(average, r)
+        positions.append(where)
+        parts.append(f"{average / r:.2f}x this machine's measured ridge point of {r:.1f} FLOP/byte "
+                     f"({peak_words(machine, peak, blocks)}, over {bw / 1e9:,.1f} GB/s): {POSITION_WORDS[where]}")
+        text = ", " + parts[0]
+    else:
+        text = ". Against the ridge point of the kernel that multiplies them" + busy + ": " + "; ".join(parts)
+        busy = ""
+    which = f" ({' and '.join(unknown)} aside)" if unknown and positions else ""
+    if not positions:
+        return text + busy + "."
+    if all(w == "below" for w in positions):
+        return text + busy + f": the arithmetic waits on memory{which}, reading the bytes takes longer than the FLOPs."
+    if all(w == "above" for w in positions):
+        return text + busy + f": on this measurement the FLOPs, not the bytes, take the longer{which}."
+    if any(w.startswith("just") for w in positions):
+        return text + busy + (": near a ridge point, reading the bytes and doing the FLOPs take about as long, so "
+                              "neither alone sets the floor, and a busier host or another kernel can tip it.")
+    return text + busy + ": a format below its ridge point waits on memory, one above it on the arithmetic."
+
+
 def _decode_bytes(info: dict[str, Any]) -> list[str]:
     """The decode chapter's numbers: the bytes one step reads, why that bounds batch 1, and what else costs time.
 
@@ -933,20 +1015,17 @@ def _decode_bytes(info: dict[str, Any]) -> list[str]:
     if count:
         b = weights / count
         why = (f"At batch 1 each of those {count / 1e6:,.0f} M weights serves one multiply-add, 2 FLOPs for its "
-               f"{b:.3f} bytes: {2 / b:.1f} FLOP per byte read")
+               f"{b:.3f} bytes{' on average' if '+' in (g('weight_kinds') or '') else ''}: "
+               f"{2 / b:.1f} FLOP per byte read")
         if g("peak_flops") and g("memory_bandwidth"):
-            ridge = g("peak_flops") / g("memory_bandwidth")
-            where = ("below" if 2 / b < ridge else "not below")
-            why += (f", {where} this machine's measured ridge point of {ridge:.1f} FLOP/byte (peak over bandwidth; "
-                    f"{peak_words(g('machine') or '', g('peak_flops'))})")
-            why += (": the arithmetic waits on memory, reading the bytes takes longer than the FLOPs." if 2 / b < ridge
-                    else ": on this measurement the FLOPs, not the bytes, take the longer.")
+            why += batch_one_against_ridge(info, 2 / b)
         else:
             why += "; a machine whose ridge point (peak FLOP/s over bandwidth) is higher waits on memory."
         lines.append(why)
     if g("memory_bandwidth"):
         bw = g("memory_bandwidth")
-        lines.append(f"At this machine's measured {bw / 1e9:,.1f} GB/s, reading the weights alone takes "
+        busy = " (measured while the host was busy, so likely low)" if "host was busy" in str(g("machine") or "") else ""
+        lines.append(f"At this machine's measured {bw / 1e9:,.1f} GB/s{busy}, reading the weights alone takes "
                      f"{ms(weights / bw)}: at batch 1 no more than {bw / weights:,.0f} tokens/s, "
                      "however fast the arithmetic.")
     if count and g("quantization"):

@@ -16,14 +16,13 @@ from rich.console import Console
 from rich.text import Text
 
 from nanovllm_core import events as ev
-from nanovllm_core import roofline
 from nanovllm_core.educational import speculative_costs
 from nanovllm_core.educational.commentary import Commentary
 from nanovllm_core.educational.narrate_view import NarrateView
 from nanovllm_core.educational.rich_parts import Indent
 from nanovllm_core.educational.tp_facts import SPLIT_UNAVAILABLE, communication_words, split_engine_available
 from nanovllm_core.educational.tutorial import DEMOS, Chapter, engine_settings_text
-from nanovllm_core.educational.xray import roofline_key
+from nanovllm_core.educational.xray import engine_roofline
 from nanovllm_core.educational.xray_facts import roofline_commentary
 from nanovllm_core.educational.xray_view import render_layer_detail
 
@@ -66,7 +65,7 @@ class EngineDemos:
             self._loaded = load_model(cfg.model, cfg.torch_device, cfg.torch_dtype, progress=console_progress(),
                                       quantization=cfg.quantization)
         engine = self.engine()
-        roofline.machine_roofline(*roofline_key(engine))  # once per machine: the prefill chapter's facts
+        engine_roofline(engine)  # once per machine (and block kernel): the prefill and decode chapters' facts
         return engine.model_info()
 
     def engine(self, **settings: Any):

@@ -83,19 +83,67 @@ def _kind(module) -> str:
 
 
 def roofline_key(engine: "LLMEngine") -> tuple:
-    """(device, dtype, path, quantization): the arguments naming this engine's roofline in
-    ``nanovllm_core.roofline`` (the peak is the float matmul's in every mode; the mode names the weights)."""
+    """(device, dtype, path, quantization): the arguments naming this engine's float roofline in
+    ``nanovllm_core.roofline`` (the float matmul's peak serves every mode; the mode names the weights)."""
     return engine.device, engine.dtype, None, getattr(engine.model, "quantization", None)
+
+
+def block_modules(engine: "LLMEngine") -> list:
+    """What ``roofline.block_peak`` times for each block format's kernel: layer 0's projections, the
+    largest of each format, and the LM head when its format is none of theirs (a Q8_0 head tied to
+    the embedding beside Q4_1 layers: the decode chapter places its weights too). Empty for float weights."""
+    model = engine.model
+    layer = model.layers[0]
+    largest: dict[str, object] = {}
+    for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        if getattr(m, "packed", None) is None or not getattr(m, "kind", None):
+            continue
+        best = largest.get(m.kind)
+        if best is None or m.out_features * m.in_features > best.out_features * best.in_features:
+            largest[m.kind] = m
+    head = model._modules.get("lm_head")
+    if getattr(head, "packed", None) is not None and getattr(head, "kind", None) and head.kind not in largest:
+        # its first rows, as many as a layer's widest projection has: the same kernel over a slice, not
+        # 49,152 rows of vocabulary (7 GFLOP a run at 128 tokens)
+        rows = max([m.out_features for m in largest.values()] + [4 * engine.model_config.hidden_size])
+        largest[head.kind] = head.first_rows(rows) if hasattr(head, "first_rows") else head
+    return list(largest.values())
+
+
+def engine_roofline(engine: "LLMEngine", measure: bool = True) -> roofline.Roofline | None:
+    """This engine's roofline: the float matmul's peak and the bandwidth (``roofline.machine_roofline``)
+    with, under a block mode, the peak of each block kernel its projections run, timed on layer 0's
+    weights (``roofline.block_peak``), so each operation is judged against the kernel that ran it.
+
+    ``measure`` False: only what was measured before (this process, or kept on a quiet host); None
+    when the float roofline was not (a block kernel not measured yet is left out, and the views say
+    its peak is not known)."""
+    key = roofline_key(engine)
+    roof = roofline.machine_roofline(*key) if measure else roofline.cached(*key)
+    if roof is None:
+        return None
+    device = engine.device
+    peaks = [roofline.block_peak(m, device) if measure else roofline.cached_block_peak(m, device)
+             for m in block_modules(engine)]
+    return roofline.with_block_peaks(roof, [p for p in peaks if p is not None])
+
+
+def block_ridges(roof: roofline.Roofline) -> tuple[tuple[str, float], ...]:
+    """``(format, FLOP/byte)``: each block kernel's ridge point, its peak over the bandwidth."""
+    return tuple((k, v / roof.bandwidth) for k, v in roof.block_peaks)
 
 
 def roofline_info(engine: "LLMEngine") -> dict:
     """The machine's roofline for ``model_info()`` when it was measured before (never measures):
-    ``peak_flops`` FLOP/s, ``memory_bandwidth`` bytes/s, ``machine``, ``compute_bound_tokens``."""
-    roof = roofline.cached(*roofline_key(engine))
+    ``peak_flops`` FLOP/s (the float matmul's), ``block_peaks`` (``(format, FLOP/s)`` of the block
+    kernels measured), ``memory_bandwidth`` bytes/s, ``machine``, ``compute_bound_tokens``."""
+    roof = engine_roofline(engine, measure=False)
     if roof is None:
         return {}
-    return {"peak_flops": roof.peak_flops, "memory_bandwidth": roof.bandwidth, "machine": roof.machine,
-            "compute_bound_tokens": compute_bound_tokens(layer_dims(engine), roof.ridge, backend_of(engine))}
+    return {"peak_flops": roof.peak_flops, "block_peaks": roof.block_peaks, "memory_bandwidth": roof.bandwidth,
+            "machine": roof.machine,
+            "compute_bound_tokens": compute_bound_tokens(layer_dims(engine), roof.ridge, backend_of(engine),
+                                                         block_ridges=block_ridges(roof))}
 
 
 def bin_columns(probs: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
@@ -117,7 +165,8 @@ class XRayCapture:
     ``nanovllm_core/__init__.py``: the engine makes one when a subscriber first asks for X-Ray.
 
     Made when a subscriber first asks for X-Ray (outside any step): it measures the machine's
-    roofline then, once per process (``roofline.machine_roofline``), so no step's time includes it.
+    roofline then, once per process (:func:`engine_roofline`: the float matmul, the bandwidth and
+    any block kernel the weights run), so no step's time includes it.
     """
 
     def __init__(self, engine: "LLMEngine", measure: bool = True) -> None:
@@ -148,7 +197,7 @@ class XRayCapture:
     def measure_roofline(self) -> None:
         """Measure (or read back) this machine's roofline for the engine's device, dtype and weights."""
         if self.roofline is None:
-            self.roofline = roofline.machine_roofline(*roofline_key(self.engine))
+            self.roofline = engine_roofline(self.engine)
 
     prepare = measure_roofline  # the engine's observer hook calls this between steps (engine/observer.py)
 
@@ -189,7 +238,7 @@ class XRayCapture:
         if pick is None:
             return None
         return LayerTracer(self.engine, plan.step, order[pick], offsets[pick], order, self.layer, self.head,
-                           self.engine._emit, self.roofline or roofline.cached(*roofline_key(self.engine)),
+                           self.engine._emit, self.roofline or engine_roofline(self.engine, measure=False),
                            pieces=self.pieces, layers=self.layers)
 
 
@@ -226,7 +275,8 @@ class LayerTracer:
         self._attention: tuple = ()
         self._key_start, self._keys_per_column = 0, 1
         self._embedding: ev.TensorInfo | None = None
-        self._compute_bound = compute_bound_tokens(self.dims, roof.ridge, self.backend) if roof else 0
+        self._compute_bound = (compute_bound_tokens(self.dims, roof.ridge, self.backend, block_ridges=block_ridges(roof))
+                               if roof else 0)
 
     # ------------------------------------------------------------------ hooks
 
@@ -318,6 +368,7 @@ class LayerTracer:
             compute_bound_tokens=self._compute_bound, key_start=self._key_start,
             keys_per_column=self._keys_per_column if heat else 1,
             prompt_len=seq.num_prompt_tokens, total_len=seq.num_tokens, num_cached_tokens=s.num_cached_tokens,
+            kernel_peaks=roof.block_peaks if roof else (),
         ))
 
     @property

@@ -131,8 +131,8 @@ def weight_note(d: LayerDims, index: int) -> str:
     return ""
 
 
-def _op(name: str, math: str, shapes: str, flops: float, nbytes: float) -> OpInfo:
-    return OpInfo(name, math, shapes, int(flops), int(nbytes))
+def _op(name: str, math: str, shapes: str, flops: float, nbytes: float, kernel: str = "") -> OpInfo:
+    return OpInfo(name, math, shapes, int(flops), int(nbytes), kernel)
 
 
 def _attention_shapes(d: LayerDims, this: SeqAttention | None, backend: str) -> tuple[str, str, str]:
@@ -176,8 +176,9 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
     """
     h, i, nh, nkv, hd, e = d.hidden, d.intermediate, d.num_heads, d.num_kv_heads, d.head_dim, d.elem
     w, kv = d.weight_elem or e, d.kv_elem or e  # block modes: weights as stored; K/V as the cache stores them
-    # what each product really multiplies (a block format's layout)
+    # what each product really multiplies (a block format's layout), and so which kernel ran it
     note = [weight_note(d, k) for k in range(4)]
+    kern = [d.linear_kinds[k] if k < len(d.linear_kinds) else "" for k in range(4)]
     T = sum(s.num_tokens for s in seqs)
     qkv = (nh + 2 * nkv) * hd
     w_qkv, w_o, w_gate_up, w_down = d.linear_weight_bytes or (h * qkv * w, nh * hd * h * w, h * 2 * i * w, i * h * w)
@@ -186,7 +187,7 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
             f"residual [{T}, {h}] -> [{T}, {h}]", 4 * T * h, (2 * T * h + h) * e),
         _op("qkv_proj", "Q, K, V = X W_qkv  (one packed matrix)" + note[0],
             f"[{T}, {h}] @ [{h}, {qkv}] -> Q [{T}, {nh}, {hd}] | K [{T}, {nkv}, {hd}] | V [{T}, {nkv}, {hd}]",
-            2 * T * h * qkv, w_qkv + (T * h + T * qkv) * e),
+            2 * T * h * qkv, w_qkv + (T * h + T * qkv) * e, kern[0]),
         _op("rope", "rotate each (x_i, x_i+d/2) pair of Q and K by position · theta^(-2i/d)",
             f"Q and K together [{T}, {nh + nkv}, {hd}]", 3 * T * (nh + nkv) * hd, 2 * T * (nh + nkv) * hd * e),
         _op("kv_cache_write", "K, V of the new tokens -> their slots (slot_mapping)",
@@ -236,15 +237,16 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
                        2 * q_bytes + 2 * kv_bytes))
     ops += [
         _op("o_proj", "Y = O W_o" + note[1], f"[{T}, {nh * hd}] @ [{nh * hd}, {h}] -> [{T}, {h}]",
-            2 * T * nh * hd * h, w_o + (T * nh * hd + T * h) * e),
+            2 * T * nh * hd * h, w_o + (T * nh * hd + T * h) * e, kern[1]),
         _op("residual_add", "residual += attention output", f"[{T}, {h}] + [{T}, {h}]", T * h, 3 * T * h * e),
         _op("post_attention_layernorm", "RMSNorm before the MLP: x / sqrt(mean(x²) + eps) · w",
             f"residual [{T}, {h}] -> [{T}, {h}]", 4 * T * h, (2 * T * h + h) * e),
         _op("mlp_gate_up", "G, U = X W_gate, X W_up  (one packed matrix)" + note[2],
-            f"[{T}, {h}] @ [{h}, {2 * i}] -> G, U [{T}, {i}]", 2 * T * h * 2 * i, w_gate_up + (T * h + 2 * T * i) * e),
+            f"[{T}, {h}] @ [{h}, {2 * i}] -> G, U [{T}, {i}]", 2 * T * h * 2 * i, w_gate_up + (T * h + 2 * T * i) * e,
+            kern[2]),
         _op("swiglu", "A = SiLU(G) · U", f"[{T}, {i}] -> [{T}, {i}]", 5 * T * i, 3 * T * i * e),
         _op("mlp_down", "Y = A W_down" + note[3], f"[{T}, {i}] @ [{i}, {h}] -> [{T}, {h}]", 2 * T * i * h,
-            w_down + (T * i + T * h) * e),
+            w_down + (T * i + T * h) * e, kern[3]),
         _op("residual_add", "residual += MLP output", f"[{T}, {h}] + [{T}, {h}]", T * h, 3 * T * h * e),
     ]
     return tuple(ops)
@@ -336,15 +338,90 @@ def crossing_shift(ridge_ratio: float, bytes_per_weight_ratio: float) -> float:
     return ridge_ratio / bytes_per_weight_ratio
 
 
-def compute_bound_tokens(d: LayerDims, ridge: float, backend: str = "fused", limit: int = 1 << 16) -> int:
-    """The fewest tokens a one-sequence prefill (from position 0) needs for its layer to reach ``ridge``.
+LINEAR_OPS = ("qkv_proj", "o_proj", "mlp_gate_up", "mlp_down")  # the projections: the ops with a weight kernel
 
-    ``ridge`` in FLOP/byte (a machine's peak FLOP/s over its bandwidth). Returns 0 when even
-    ``limit`` tokens stay below it. The layer's intensity grows with the tokens (each weight
-    read serves more rows), so a doubling search then a bisection finds the crossing.
+
+def is_block(kind: str) -> bool:
+    """Whether weights of ``kind`` run a block kernel (``"q4_1"``, ...: ``model/block_formats.FORMATS``)."""
+    from nanovllm_core.model.block_formats import FORMATS  # torch-free
+
+    return kind in FORMATS
+
+
+def kernel_peak(kind: str, float_peak: float, block_peaks: tuple[tuple[str, float], ...] | dict = ()) -> float:
+    """The peak FLOP/s an operation on weights of ``kind`` is judged against: the block kernel's
+    measured peak for a block format (``block_peaks[kind]``, from ``roofline.block_peak``; 0.0 when
+    it was not measured, and then the operation gets no verdict), the float matmul's for anything
+    else (float weights, and ``""``: an operation that is no projection, whose own kernel's peak is
+    not measured: norms, RoPE, attention).
+
+    Trial 14c: judged against the float matmul's 44 GFLOP/s, a Q4_1 decode of 2 tokens was called
+    compute-bound; the Q4_1 kernel's own peak is about 3x the float one's on the same 2-core AMD EPYC.
     """
+    if is_block(kind):
+        return float(dict(block_peaks).get(kind, 0.0))
+    return float_peak
+
+
+def unjudged_kinds(ops, block_peaks: tuple[tuple[str, float], ...] | dict = ()) -> list[str]:
+    """The block formats among ``ops``' kernels whose peak is not in ``block_peaks`` (sorted, once each)."""
+    known = dict(block_peaks)
+    return sorted({o.kernel for o in ops if is_block(o.kernel) and not known.get(o.kernel)})
+
+
+@dataclass(frozen=True)
+class LayerRoof:
+    """A layer against the roofline, each operation at its own kernel's peak.
+
+    ``compute_s``: the sum of each operation's FLOPs over its kernel's peak; ``memory_s``: all its
+    bytes over the bandwidth; ``min_s``: the sum of each operation's larger of the two (they run one
+    after another); ``ridge``: the layer's own ridge point, FLOP/byte (its FLOPs over ``compute_s``,
+    over the bandwidth: the float ridge when every operation is judged against the float peak).
+    """
+
+    compute_s: float
+    memory_s: float
+    min_s: float
+    ridge: float
+
+    @property
+    def bound(self) -> str:
+        return "compute-bound" if self.compute_s >= self.memory_s else "memory-bound"
+
+
+def layer_roof(ops, float_peak: float, bandwidth: float,
+               block_peaks: tuple[tuple[str, float], ...] | dict = ()) -> LayerRoof | None:
+    """:class:`LayerRoof` of ``ops``, or None when a block kernel among them has no measured peak."""
+    if float_peak <= 0 or bandwidth <= 0 or unjudged_kinds(ops, block_peaks):
+        return None
+    compute = memory = least = 0.0
+    for o in ops:
+        c = o.flops / kernel_peak(o.kernel, float_peak, block_peaks) if o.flops else 0.0
+        m = o.bytes / bandwidth
+        compute, memory, least = compute + c, memory + m, least + max(c, m)
+    flops = sum(o.flops for o in ops)
+    return LayerRoof(compute, memory, least, flops / compute / bandwidth if compute else float_peak / bandwidth)
+
+
+def compute_bound_tokens(d: LayerDims, ridge: float, backend: str = "fused", limit: int = 1 << 16,
+                         block_ridges: tuple[tuple[str, float], ...] | dict = ()) -> int:
+    """The fewest tokens a one-sequence prefill (from position 0) needs for its layer to reach its ridge point.
+
+    ``ridge`` in FLOP/byte (the float matmul's peak FLOP/s over the bandwidth): what every
+    operation is judged against but a block-format projection, which is judged against its block
+    kernel's ridge in ``block_ridges`` (``(format, FLOP/byte)``). The layer is compute-bound once the
+    sum of each operation's FLOPs over its ridge reaches its bytes (:func:`layer_roof`; with one
+    ridge for all, once its intensity reaches it). Returns 0 when even ``limit`` tokens stay below
+    it, or when a block format of ``d`` has no ridge in ``block_ridges`` (not known: no answer).
+    The layer's intensity grows with the tokens (each weight read serves more rows), so a doubling
+    search then a bisection finds the crossing.
+    """
+    if unjudged_kinds(layer_ops(d, [SeqAttention(1, 1, 1)], backend), block_ridges):
+        return 0
+
     def reaches(t: int) -> bool:
-        return layer_intensity(layer_ops(d, [SeqAttention(t, t, t)], backend)) >= ridge
+        roof = layer_roof(layer_ops(d, [SeqAttention(t, t, t)], backend), ridge, 1.0, block_ridges)
+        return roof is not None and roof.compute_s >= roof.memory_s
 
     hi = 1
     while not reaches(hi):
@@ -358,11 +435,34 @@ def compute_bound_tokens(d: LayerDims, ridge: float, backend: str = "fused", lim
     return hi
 
 
-def peak_words(machine: str, peak_flops: float) -> str:
-    """"matmul peak 330.0 GFLOP/s"; for block weights (``gguf``, ``q8_0``, ``q4_0``, ``q4_1``;
-    ``machine`` says so) it says the peak is the float matmul's, which is what
-    ``roofline.measure`` times for them."""
-    if any(f", {mode} weights" in machine for mode in ("gguf", "q8_0", "q4_0", "q4_1")):
-        # roofline.measure times the float matmul for these: the block kernels' own peak is not measured
-        return f"float matmul peak {peak_flops / 1e9:,.1f} GFLOP/s, the block kernels' own not measured"
-    return f"matmul peak {peak_flops / 1e9:,.1f} GFLOP/s"
+BLOCK_MACHINE_WORDS = tuple(f", {mode} weights" for mode in ("gguf", "q8_0", "q4_0", "q4_1"))
+
+
+def peak_words(machine: str, peak_flops: float, block_peaks: tuple[tuple[str, float], ...] | dict = ()) -> str:
+    """The peaks a roofline judges against: ``"matmul peak 330.0 GFLOP/s"`` for float weights; under a
+    block mode (``machine`` names ``gguf``, ``q8_0``, ``q4_0`` or ``q4_1`` weights) the float matmul's
+    for the operations that are no block projection, then each block kernel's, measured on this
+    model's weights (``roofline.block_peak``), or, when they were not measured (a trace recorded
+    before they were), that they were not."""
+    if not any(w in machine for w in BLOCK_MACHINE_WORDS) and not block_peaks:
+        return f"matmul peak {peak_flops / 1e9:,.1f} GFLOP/s"
+    words = f"float matmul peak {peak_flops / 1e9:,.1f} GFLOP/s (the float operations)"
+    if not block_peaks:
+        return words + ", the block kernels' own not measured"
+    kernels = ", ".join(f"{k.upper()} block kernel peak {v / 1e9:,.1f} GFLOP/s" for k, v in dict(block_peaks).items())
+    return f"{words}, {kernels} (the {'projection' if len(dict(block_peaks)) == 1 else 'projections'} in that "\
+           "format, timed on this model's weights)"
+
+
+def ridge_position(intensity_: float, ridge: float) -> str:
+    """Where an intensity sits against a ridge point, from their ratio: ``"below"`` (under half of it),
+    ``"just below"``, ``"just above"`` (within 2x either side: near it, where a busier host or
+    another kernel could tip it) or ``"above"`` (twice it or more)."""
+    r = intensity_ / ridge if ridge else float("inf")
+    if r < 0.5:
+        return "below"
+    if r < 1:
+        return "just below"
+    if r < 2:
+        return "just above"
+    return "above"

@@ -11,7 +11,10 @@ from __future__ import annotations
 from nanovllm_core import events as ev
 from nanovllm_core.educational.commentary import plural
 from nanovllm_core.educational.narrator import Commentary
-from nanovllm_core.educational.xray_costs import BACKEND_NAMES, intensity, layer_intensity, peak_words
+import re
+
+from nanovllm_core.educational.xray_costs import (BACKEND_NAMES, BLOCK_MACHINE_WORDS, LINEAR_OPS, intensity, is_block,
+                                                  kernel_peak, layer_intensity, layer_roof, peak_words)
 
 # What each captured tensor is. Names of older traces are kept readable (their "hidden_states"
 # was input_layernorm's output, not the residual stream).
@@ -184,38 +187,135 @@ def roofline_known(trace: ev.LayerTrace) -> bool:
 
 
 def ridge(trace: ev.LayerTrace) -> float:
-    """The machine's ridge point in FLOP/byte (0 when the trace has no roofline)."""
+    """The machine's float ridge point in FLOP/byte: the float matmul's peak over the bandwidth (0 when
+    the trace has no roofline). A block kernel's is :func:`kernel_ridge`'s."""
     return trace.peak_flops / trace.memory_bandwidth if roofline_known(trace) else 0.0
 
 
-def bound(trace: ev.LayerTrace, flops: float, nbytes: float) -> str:
-    """``"compute-bound"``, ``"memory-bound"`` or ``""`` (no roofline in the trace)."""
-    if not roofline_known(trace) or not nbytes:
+def busy(trace: ev.LayerTrace) -> bool:
+    """The trace's roofline (or a block kernel's peak in it) was measured while the host was busy."""
+    return "host was busy" in trace.machine
+
+
+def op_kernel(trace: ev.LayerTrace, op: ev.OpInfo) -> str:
+    """The format of the weights ``op`` multiplies, naming its kernel (``"q4_1"``, ``"float32"``; ``""``
+    for an operation that is no projection). A trace recorded before ops carried it: read from the
+    math's ``W in Q4_1 blocks``, or ``"block"`` (a block kernel, which one unknown) for a projection of
+    a block model whose math does not say."""
+    if op.kernel or op.name not in LINEAR_OPS or not any(w in trace.machine for w in BLOCK_MACHINE_WORDS):
+        return op.kernel
+    m = re.search(r"W in (Q\w+) blocks", op.math)
+    return m.group(1).lower() if m else "block"
+
+
+def _blockish(kind: str) -> bool:
+    return kind == "block" or is_block(kind)
+
+
+def kind_peak(trace: ev.LayerTrace, kind: str) -> float:
+    """FLOP/s of the kernel that runs ``kind`` weights in this trace: a block format's measured peak
+    (0.0 when the trace does not hold it), the float matmul's for anything else."""
+    return 0.0 if kind == "block" else kernel_peak(kind, trace.peak_flops, trace.kernel_peaks)
+
+
+def op_peak(trace: ev.LayerTrace, op: ev.OpInfo) -> float:
+    """FLOP/s ``op`` is judged against: its block kernel's measured peak for a block-format projection
+    (0.0 when the trace does not hold it), the float matmul's for every other operation."""
+    return kind_peak(trace, op_kernel(trace, op))
+
+
+def kernel_ridge(trace: ev.LayerTrace, kind: str) -> float:
+    """The ridge point (FLOP/byte) of the kernel that runs ``kind`` weights (0.0 when not known)."""
+    return kind_peak(trace, kind) / trace.memory_bandwidth if roofline_known(trace) else 0.0
+
+
+def bound(trace: ev.LayerTrace, op: ev.OpInfo) -> str:
+    """``"compute-bound"`` or ``"memory-bound"``: ``op``'s intensity against the ridge point of the kernel
+    that ran it (:func:`op_peak`); ``""`` when the trace has no roofline or that kernel's peak is not in it."""
+    peak = op_peak(trace, op)
+    if not roofline_known(trace) or not op.bytes or peak <= 0:
         return ""
-    return "compute-bound" if flops / nbytes >= ridge(trace) else "memory-bound"
+    return "compute-bound" if op.flops / op.bytes >= peak / trace.memory_bandwidth else "memory-bound"
+
+
+def _kinds(trace: ev.LayerTrace, known: bool) -> list[str]:
+    """The block formats of the trace's projections whose peak the trace holds (``known``) or not."""
+    kinds = sorted({op_kernel(trace, o) for o in trace.ops if _blockish(op_kernel(trace, o))})
+    return [k for k in kinds if (kind_peak(trace, k) > 0) == known]
+
+
+def _names(kinds: list[str]) -> str:
+    return " and ".join("block" if k == "block" else k.upper() for k in kinds)
+
+
+def verdict_line(trace: ev.LayerTrace) -> str:
+    """What the operations' compute-bound / memory-bound labels are judged against, in one line: each
+    against the ridge point of the kernel that ran it where that kernel's peak was measured, the float
+    matmul's for the rest (whose own kernels are not measured), none where a block kernel's peak is not
+    known; and that the host was busy when it was. ``""`` without a roofline."""
+    if not roofline_known(trace):
+        return ""
+    known, unknown = _kinds(trace, True), _kinds(trace, False)
+    if known:
+        text = (f"Verdicts: each {_names(known)} projection against its block kernel's ridge point, every other "
+                "operation against the float matmul's")
+    elif unknown:
+        text = "Verdicts: the float operations against the float matmul's ridge point"
+    else:
+        text = "Verdicts: each operation against the matmul's ridge point, the projections' own kernel"
+    text += " (RMSNorm, RoPE and attention run kernels whose own peaks are not measured)"
+    if unknown:
+        text += (f"; the {_names(unknown)} projections get none, as their block kernel's own peak is not in this "
+                 "trace (the float matmul's is not theirs)")
+    if busy(trace):
+        text += "; the peaks were measured while the host was busy, so likely low: a verdict near a ridge point may be wrong"
+    return text + "."
 
 
 def roofline_lines(trace: ev.LayerTrace) -> list[str]:
-    """The machine's measured ridge point, this step's layer against it, and where a prefill crosses it."""
+    """The machine's measured ridge points, this step's layer against them, and where a prefill crosses them.
+
+    Each operation is judged against the peak of the kernel that ran it (:func:`op_peak`): a block
+    projection against its block kernel's, timed on the model's weights, and everything else against
+    the float matmul's. A trace whose block kernels' peaks are not known gives no layer verdict."""
     layer = layer_intensity(trace.ops)
     flops, moved = sum(o.flops for o in trace.ops), sum(o.bytes for o in trace.ops)
     step = f"This step's layer: {flops:,} FLOPs over {moved:,} bytes = {layer:.1f} FLOP/byte"
     if not roofline_known(trace):
         return [step + " (the machine's ridge point was not measured for this trace)."]
     r = ridge(trace)
-    lines = [
-        f"Roofline of this machine ({trace.machine}), measured: {peak_words(trace.machine, trace.peak_flops)}, "
-        f"memory {trace.memory_bandwidth / 1e9:,.1f} GB/s, so an operation is compute-bound above "
-        f"{r:.1f} FLOP/byte (the ridge point).",
-        f"{step}: {bound(trace, flops, moved)}; at this machine's limits it needs at least "
-        f"{1e6 * max(flops / trace.peak_flops, moved / trace.memory_bandwidth):,.0f} µs.",
-    ]
+    known, unknown = _kinds(trace, True), _kinds(trace, False)
+    words = peak_words(trace.machine, trace.peak_flops, trace.kernel_peaks)
+    if known or unknown:
+        ridges = f"a float operation is compute-bound above {r:.1f} FLOP/byte"
+        ridges += "".join(f" and a {k.upper()} projection above {kernel_ridge(trace, k):.1f}" for k in known)
+        ridges += " (the ridge points: each peak over the bandwidth)" if known else " (the ridge point)"
+        if unknown:
+            ridges += f"; the {_names(unknown)} projections' own ridge point is not known for this trace"
+    else:
+        ridges = f"an operation is compute-bound above {r:.1f} FLOP/byte (the ridge point)"
+    lines = [f"Roofline of this machine ({trace.machine}), measured: {words}, memory "
+             f"{trace.memory_bandwidth / 1e9:,.1f} GB/s, so {ridges}."]
+    if unknown:
+        lines.append(f"{step}; no verdict for the whole layer, as its {_names(unknown)} projections' kernel peak is "
+                     "not known for this trace.")
+        lines.append("Where a prefill turns compute-bound is not told for this trace, for the same reason.")
+        return lines
+    roof = layer_roof([ev.OpInfo(o.name, "", "", o.flops, o.bytes, op_kernel(trace, o)) for o in trace.ops],
+                      trace.peak_flops, trace.memory_bandwidth, trace.kernel_peaks)
+    hedge = " (against peaks measured while the host was busy, so likely low: it may well be wrong)" if busy(trace) else ""
+    against = (f" against the layer's own ridge point of {roof.ridge:.1f} FLOP/byte (its operations each at their "
+               "kernel's peak)" if known else "")
+    lines.append(f"{step}{against}: {roof.bound}{hedge}; at this machine's limits, one operation after another, it "
+                 f"needs at least {1e6 * roof.min_s:,.0f} µs.")
     n = trace.compute_bound_tokens
+    each = ", each operation against its kernel's peak" if known else ""
+    where = "On the roofline measured on the busy host," if busy(trace) else "On this machine"
     if n:
-        lines.append(f"On this machine a prefill becomes compute-bound from about {n:,} tokens in one step; "
+        lines.append(f"{where} a prefill becomes compute-bound from about {plural(n, 'token')} in one step{each}; "
                      "fewer tokens leave each weight read serving too little arithmetic.")
     else:
-        lines.append("On this machine no prefill length makes this layer compute-bound.")
+        lines.append(f"{where} no prefill length makes this layer compute-bound{each}.")
     return lines
 
 

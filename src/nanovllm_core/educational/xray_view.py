@@ -4,7 +4,8 @@ For each prompt, two steps are traced: its prefill (the first chunk when it is c
 its first decode step. Layer 0 is shown in full: every operation with its math, its shapes
 as the engine holds them (the step's flat batch ``[T, 576]``, ``[T, 9, 64]``; attention per
 sequence, query heads grouped by the KV head they read), FLOPs, bytes as the attention
-backend moves them and the arithmetic intensity against this machine's measured ridge point;
+backend moves them and the arithmetic intensity against this machine's measured ridge point of
+the kernel that ran each (a block projection's block kernel, the float matmul for the rest);
 in a block mode, how its weights sit in a block, with a real block of the running model
 (``educational/xray_blocks.py``); the named tensors with what each one is and a few real values; grouped-query attention and
 the KV bytes; and layer 0's attention weights for head 0. The other layers get one compact
@@ -71,12 +72,13 @@ class Header:
 
 
 def op_cost(t: ev.LayerTrace, o: ev.OpInfo) -> str:
-    """``"5.53 MFLOP, 2.2 MiB, 2.4 FLOP/B, memory-bound"``: an operation's cost against the ridge point."""
+    """``"5.53 MFLOP, 2.2 MiB, 2.4 FLOP/B, memory-bound"``: an operation's cost against the ridge point of
+    the kernel that ran it (:func:`~nanovllm_core.educational.xray_facts.bound`)."""
     parts = [si(o.flops, "FLOP")] if o.flops else []
     parts.append(human_bytes(o.bytes))
     if o.flops and o.bytes:
         parts.append(f"{facts.op_intensity(o):.1f} FLOP/B")
-        bound = facts.bound(t, o.flops, o.bytes)
+        bound = facts.bound(t, o)
         if bound:
             parts.append(bound)
     return ", ".join(parts)
@@ -105,7 +107,11 @@ def render_layer_detail(t: ev.LayerTrace, info: dict[str, Any] | None = None) ->
     parts: list[RenderableType] = [Text(facts.batch_line(t))]
     if t.attention_backend:
         parts.append(Text(facts.backend_line(t)))
-    parts += [Text(""), ops, Text("")]
+    parts += [Text(""), ops]
+    verdicts = facts.verdict_line(t)
+    if verdicts:
+        parts.append(Text(verdicts, style="dim"))
+    parts.append(Text(""))
     block = xray_blocks.block_lines(t)
     if block:
         parts += [Text(line) for line in block] + [Text("")]

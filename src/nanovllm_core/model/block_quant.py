@@ -286,6 +286,17 @@ class BlockLinear(nn.Module):
         head._init(embedding.packed, embedding.num_embeddings, embedding.embedding_dim, None)
         return head
 
+    def first_rows(self, rows: int) -> "BlockLinear":
+        """A ``BlockLinear`` over this one's first ``rows`` output rows (rounded up to a multiple of 8):
+        a view of the same packed blocks, no copy, no bias (``roofline.block_peak`` times an LM head on
+        a slice of it, as long as a layer's projection)."""
+        rows = min(self.out_features, -(-rows // PACK_ROWS) * PACK_ROWS)
+        part = type(self).__new__(type(self))
+        nn.Module.__init__(part)
+        part.format = self.format
+        part._init(self.packed[:rows // PACK_ROWS], rows, self.in_features, None)
+        return part
+
     @classmethod
     def from_float(cls, weight: torch.Tensor, fmt: BlockFormat | str, bias: torch.Tensor | None = None) -> "BlockLinear":
         """Quantize a float weight ``[out_features, in_features]`` into ``fmt`` blocks (see :func:`quantize`)."""

@@ -3,7 +3,8 @@
 What it says is computed from the step's ``LayerTrace`` events by ``nanovllm_core.educational.xray_facts``,
 the same sentences ``nanovllm --xray`` prints: the step's flat batch and the request's slice of
 it, the attention backend that ran, each operation's FLOPs, bytes and FLOP/byte against the
-machine's measured ridge point, in a block mode how the weights sit in a block with a real one
+machine's measured ridge point of the kernel that ran it (a block projection's block kernel, the
+float matmul for the rest), in a block mode how the weights sit in a block with a real one
 (``educational/xray_blocks``), grouped-query attention as the engine does it, and what
 each captured tensor is; and, when the engine is split over ranks, each rank's shard of the
 layer and the bytes of its two all-reduces (``educational/tp_facts``).
@@ -113,13 +114,16 @@ def pipeline_text(trace: ev.LayerTrace) -> Text:
         cost = f"{fmt_count(op.flops)} FLOPs · " if op.flops else ""
         text.append(f"\n    {cost}{fmt_bytes(op.bytes)} moved", style="dim")
         if op.flops and op.bytes:
-            bound = facts.bound(trace, op.flops, op.bytes)
+            bound = facts.bound(trace, op)
             text.append(f" · {facts.op_intensity(op):.1f} FLOP/B", style="dim")
             if bound:
                 text.append(f" {bound}", style="#3ecf8e" if bound == "compute-bound" else "#ff8a5b")
         text.append("\n")
     flops, moved = sum(o.flops for o in trace.ops), sum(o.bytes for o in trace.ops)
     text.append(f"  layer total: {fmt_count(flops)} FLOPs · {fmt_bytes(moved)} moved\n", style="bold")
+    verdicts = facts.verdict_line(trace)
+    if verdicts:
+        text.append(f"  {verdicts}\n", style="dim")
     block = xray_blocks.block_lines(trace)  # block modes: how the weights sit in a block, a real one
     if block:
         text.append("\n" + "\n".join(block) + "\n\n", style="#c9b8ff")
