@@ -130,7 +130,8 @@ def load_trace(path: str | Path) -> Trace:
         raise ValueError(f"not a readable trace: {e}") from None
     drop_unfinished_step(events)
     if not any(isinstance(e, ev.StepPlanned) for e in events):
-        during = f" (the recording stopped during step {events.cut_step}, before it finished)" if events.cut_step else ""
+        during = ("" if events.cut_step is None
+                  else f" (the recording stopped during step {events.cut_step}, before it finished)")
         raise ValueError(f"no engine steps in this trace{during}; record one with nanovllm --prompt ... --trace FILE.jsonl")
     return events
 
