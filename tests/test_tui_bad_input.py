@@ -315,6 +315,38 @@ def test_bad_options_end_with_one_line_and_status_2(capsys, argv, message):
     assert exit_info.value.code == 2 and message in err and len(err.splitlines()) == 1
 
 
+def _damaged_trace(tmp_path, how: str):
+    """The test trace with one line damaged as trial 14a damaged it; returns (path, that line's number)."""
+    import gzip
+    import json
+
+    lines = gzip.open(TRACE, "rt", encoding="utf-8").read().splitlines()
+    if how == "wrong types":  # a StepTimed whose every field but its type says BOGUS
+        i = next(k for k in range(len(lines) // 2, len(lines)) if '"type":"StepTimed"' in lines[k])
+        lines[i] = json.dumps({k: v if k == "type" else "BOGUS" for k, v in json.loads(lines[i]).items()})
+    elif how == "cut mid-file":  # line 101 cut to 50 characters, the later lines kept
+        i = 100
+        lines[i] = lines[i][:50]
+    else:  # the last line whole but with a field of the wrong type, and no newline after it
+        i = len(lines) - 1
+        lines[i] = json.dumps({**json.loads(lines[i]), "time": "soon"})
+    path = tmp_path / "damaged.jsonl"
+    path.write_text("\n".join(lines) + ("" if how == "last line" else "\n"), encoding="utf-8")
+    return path, i + 1
+
+
+@pytest.mark.parametrize("how, message", [
+    ("wrong types", 'StepTimed.time must be a number, got "BOGUS"'),  # was: the app's Rich traceback, status 1
+])
+def test_a_damaged_trace_is_refused_with_its_line_and_what_is_wrong(capsys, tmp_path, how, message):
+    path, line = _damaged_trace(tmp_path, how)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--replay", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"nanovllm-tui: error: cannot replay {path}: line {line}: ") and err.endswith(message)
+
+
 def test_every_option_the_app_accepts_does_something_in_it_or_is_refused():
     """Each option of ``nanovllm-tui`` is listed here with where it acts, or is refused with one line
     (``NOT_IN_APP``; ``NOT_WITH_REPLAY`` beside ``--replay``). A new option must be placed here."""

@@ -106,11 +106,13 @@ def drop_unfinished_step(events: Trace) -> None:
 def load_trace(path: str | Path) -> Trace:
     """Events of a ``.jsonl`` trace, or of a gzipped one (``.jsonl.gz``). A last line cut short
     (no newline, not a whole event) is left out and its number kept in ``cut_line``; a bad line
-    anywhere else is an error. A last step that never finished is left out (:func:`drop_unfinished_step`).
+    anywhere else, a field of another type than its event declares included, is an error. A last step that
+    never finished is left out (:func:`drop_unfinished_step`).
 
     Raises:
         OSError: the file cannot be read.
-        ValueError: a line is not an engine event (its number is given), or the file holds no engine step.
+        ValueError: a line is not an engine event (its number is given, and the field whose type is
+            wrong: ``line 101: StepTimed.time must be a number, got "BOGUS"``), or the file holds no engine step.
     """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
