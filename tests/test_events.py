@@ -240,3 +240,15 @@ def test_nan_comes_back_as_nan_and_optional_numbers_as_none():
     back = ev.from_json(ev.to_json(sampled))  # to_json writes NaN as null; a float field reads it back as NaN
     assert math.isnan(back.top[0].prob) and back.logprob is None
 
+
+@pytest.mark.parametrize("line, message", [
+    ('{"type":"StepTimed","time":1.5,"st', "not complete JSON, cut short or corrupted (it stops after 34 characters)"),
+    ('{"type":"EnginePaused","time":1.5,"step":3\n', "not complete JSON, cut short or corrupted (it stops after 42 "),
+    ('{"type":"EnginePaused" "time":1}', "not complete JSON, cut short or corrupted (it goes wrong at character 24 of"),
+    ("hello", "not JSON (Expecting value at character 1); a trace holds one engine event, a JSON object, a line"),
+])
+def test_a_line_that_is_not_whole_json_says_so_not_what_json_guessed(line, message):
+    """Trial 14a: a line cut mid-file was reported as json's "Invalid control character at: line 1 column 51"."""
+    with pytest.raises(ValueError) as refused:
+        ev.from_json(line)
+    assert str(refused.value).startswith(message) and "control character" not in str(refused.value)

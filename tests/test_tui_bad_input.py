@@ -337,6 +337,8 @@ def _damaged_trace(tmp_path, how: str):
 
 @pytest.mark.parametrize("how, message", [
     ("wrong types", 'StepTimed.time must be a number, got "BOGUS"'),  # was: the app's Rich traceback, status 1
+    ("cut mid-file", "not complete JSON, cut short or corrupted (it stops after 50 characters)"),  # was: "Invalid
+    ("last line", 'must be a number, got "soon"'),  # control character at: line 1 column 51"; was: read as a cut line
 ])
 def test_a_damaged_trace_is_refused_with_its_line_and_what_is_wrong(capsys, tmp_path, how, message):
     path, line = _damaged_trace(tmp_path, how)

@@ -769,15 +769,31 @@ def to_json(event: Event) -> str:
     return json.dumps(_encode(event), ensure_ascii=False, separators=(",", ":"))
 
 
+class IncompleteJSON(ValueError):
+    """A line that begins as a JSON object and is not a whole one: cut short (a trace copied while it
+    was written, a ``head -c``) or corrupted."""
+
+
 def from_json(line: str) -> Event:
     """Rebuild an event from :func:`to_json`'s output, each field checked against the type its
     dataclass declares (a trace is a file anyone can edit, and the server's stream comes over a network).
 
     Raises:
-        ValueError: not JSON, no known ``type``, or a field of another type (:class:`FieldTypeError`,
-            naming the field). TypeError: a field the event does not have, or one it needs missing.
+        ValueError: not JSON, not a whole JSON object (:class:`IncompleteJSON`), no known ``type``, or
+            a field of another type (:class:`FieldTypeError`, naming the field). TypeError: a field the
+            event does not have, or one it needs missing.
     """
-    data = json.loads(line)
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as e:
+        text = line.strip()
+        if text.startswith("{"):  # json's own words ("Invalid control character at: ...") guess at the cause
+            ended = e.pos >= len(text) or e.msg.startswith("Unterminated")  # the text ends inside the object
+            where = (f"it stops after {len(text)} characters" if ended
+                     else f"it goes wrong at character {e.pos + 1} of {len(text)}")
+            raise IncompleteJSON(f"not complete JSON, cut short or corrupted ({where})") from None
+        raise ValueError(f"not JSON ({e.msg} at character {e.pos + 1}); a trace holds one engine event, "
+                         "a JSON object, a line") from None
     if not isinstance(data, dict) or data.get("type") not in EVENT_TYPES:
         raise ValueError(f"not an engine event: {line[:80]!r}")
     cls = EVENT_TYPES[data["type"]]

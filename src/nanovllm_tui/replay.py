@@ -105,8 +105,8 @@ def drop_unfinished_step(events: Trace) -> None:
 
 def load_trace(path: str | Path) -> Trace:
     """Events of a ``.jsonl`` trace, or of a gzipped one (``.jsonl.gz``). A last line cut short
-    (no newline, not a whole event) is left out and its number kept in ``cut_line``; a bad line
-    anywhere else, a field of another type than its event declares included, is an error. A last step that
+    (no newline, not complete JSON) is left out and its number kept in ``cut_line``; a bad line
+    anywhere else, or a field of another type than its event declares, is an error. A last step that
     never finished is left out (:func:`drop_unfinished_step`).
 
     Raises:
@@ -124,8 +124,10 @@ def load_trace(path: str | Path) -> Trace:
                     try:
                         events.append(decode_event(line))
                     except ValueError as e:
-                        if not line.endswith("\n"):  # the last line, cut short (a recording copied while written,
-                            events.cut_line = n       # or `head -c`): play what came before it
+                        # the last line, cut short (a recording copied while written, or `head -c`): play what
+                        # came before it; a whole line whose fields do not fit is an error wherever it is
+                        if not line.endswith("\n") and isinstance(e, ev.IncompleteJSON):
+                            events.cut_line = n
                             break
                         raise ValueError(f"line {n}: {e}") from None
     except (EOFError, gzip.BadGzipFile, UnicodeDecodeError) as e:
