@@ -349,6 +349,31 @@ def test_a_damaged_trace_is_refused_with_its_line_and_what_is_wrong(capsys, tmp_
     assert err.startswith(f"nanovllm-tui: error: cannot replay {path}: line {line}: ") and err.endswith(message)
 
 
+def test_the_apps_help_lists_only_options_the_app_takes(capsys):
+    """Trial 14e: ``nanovllm-tui --help`` offered --narrate, --xray, --dashboard, --tutorial, --no-demos,
+    --tutorial-chapter and --show-memory-stats, which the app always refuses. They are left out of
+    its help and usage; typed, each is still refused with the line that names the tabs."""
+    import argparse
+    import re
+
+    from nanovllm_tui.options import NOT_IN_APP, build_parser
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "The capital of France" not in out  # nanovllm's default prompt: the app sends none unless given one
+    shown = set(re.findall(r"--[a-z][a-z-]*", out))
+    refused = {f"--{name.replace('_', '-')}" for name in NOT_IN_APP}
+    assert shown and not shown & refused, shown & refused
+    offered = {o for a in build_parser()._actions if a.help != argparse.SUPPRESS for o in a.option_strings}
+    assert shown >= offered - {"-h"} and "--narrate-steps" in shown and "--progress-file" in shown
+    for option in sorted(refused):
+        argv = [option, "3"] if option == "--tutorial-chapter" else [option]
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert "is a nanovllm option and not available in the app" in capsys.readouterr().err
+
+
 def test_every_option_the_app_accepts_does_something_in_it_or_is_refused():
     """Each option of ``nanovllm-tui`` is listed here with where it acts, or is refused with one line
     (``NOT_IN_APP``; ``NOT_WITH_REPLAY`` beside ``--replay``). A new option must be placed here."""
