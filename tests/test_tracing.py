@@ -60,17 +60,13 @@ def test_a_trace_closed_between_steps_ends_whole_and_says_nothing(make_tiny_engi
     assert writer.ended_early() is None and writer.dropped == 0
 
 
-def test_late_events_after_close_are_counted_and_said():
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as d:
-        writer = JsonlTraceWriter(Path(d) / "t.jsonl")
-        writer(ev.EnginePaused(step=3))
-        writer.close()
-        writer(ev.EngineResumed(step=3))  # a remote app's reader thread, one event late
-        assert writer.count == 1 and writer.dropped == 1
-        assert writer.ended_early().endswith("ends early: 1 event that came after the recording closed are not in it")
+def test_late_events_after_close_are_counted_and_said(tmp_path):
+    writer = JsonlTraceWriter(tmp_path / "t.jsonl")
+    writer(ev.EnginePaused(step=3))
+    writer.close()
+    writer(ev.EngineResumed(step=3))  # a remote app's reader thread, one event late
+    assert writer.count == 1 and writer.dropped == 1
+    assert writer.ended_early().endswith("ends early: 1 event that came after the recording closed is not in it")
 
 
 def test_a_write_that_fails_ends_the_recording_and_close_says_why(make_tiny_engine, tmp_path):

@@ -74,8 +74,9 @@ class _Recording:
             return (f"the trace {self.path} ends during step {self.unfinished_step}, which was still running when "
                     "the recording closed: --replay plays the steps before it")
         if self.dropped:
-            return (f"the trace {self.path} ends early: {self.dropped:,} event{'s' if self.dropped != 1 else ''} "
-                    "that came after the recording closed are not in it")
+            one = self.dropped == 1
+            return (f"the trace {self.path} ends early: {self.dropped:,} event{'' if one else 's'} that came after "
+                    f"the recording closed {'is' if one else 'are'} not in it")
         return None
 
     def _record(self, event: ev.Event) -> None:
