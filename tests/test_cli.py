@@ -205,6 +205,51 @@ def test_trace_xray_adds_layer_traces_to_the_trace(capsys, tmp_path, shared_defa
     assert len(traces) == 2 * 30  # every layer of both steps
 
 
+def test_ctrl_c_inside_a_step_says_once_where_the_trace_ends(capsys, tmp_path, tiny_llama_dir, monkeypatch):
+    """Ctrl-C inside a step: the trace closes with that step unfinished (its StepPlanned and layer
+    traces, no StepTimed); the command says so in one line, and the file replays up to it."""
+    from nanovllm_core.engine.llm_engine import LLMEngine
+    from nanovllm_tui.replay import load_trace
+
+    sample, calls = LLMEngine._sample, []
+
+    def ctrl_c_in_step_2(self, result):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return sample(self, result)
+
+    monkeypatch.setattr(LLMEngine, "_sample", ctrl_c_in_step_2)
+    jsonl = tmp_path / "run.jsonl"
+    code, _, err = run_cli(capsys, "--model", str(tiny_llama_dir), "--prompt", "Hi", "--max-tokens", "8",
+                           "--num-kv-blocks", "32", "--trace", str(jsonl), "--trace-xray")
+    assert code == 130
+    assert err.strip().splitlines()[-2:] == [
+        "interrupted", f"nanovllm: the trace {jsonl} ends during step 2, which was still running when the recording "
+                       "closed: --replay plays the steps before it"]
+    trace = load_trace(jsonl)
+    assert trace.cut_step == 2 and [e.finish_reason for e in trace if e.kind == "RequestFinished"] == ["abort"]
+
+
+def test_a_trace_that_cannot_be_finished_ends_the_command_with_one_line(capsys, tmp_path, tiny_llama_dir,
+                                                                        monkeypatch):
+    from pathlib import Path
+
+    chrome, write_text = tmp_path / "run.json", Path.write_text
+
+    def full_disk(self, *args, **kwargs):  # the Chrome trace is written when it closes: the disk is full by then
+        if self == chrome:
+            raise OSError(28, "No space left on device")
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    code, out, err = run_cli(capsys, "--model", str(tiny_llama_dir), "--prompt", "Hi", "--max-tokens", "2",
+                             "--num-kv-blocks", "32", "--trace-chrome", str(chrome))
+    assert code == 1 and "Completion" in out  # what was generated is still shown
+    assert err.strip().splitlines()[-1] == (f"nanovllm: the trace {chrome} could not be written: "
+                                            "[Errno 28] No space left on device")
+
+
 def test_trace_xray_without_trace_is_one_line(capsys):
     code, _, err = run_cli(capsys, "--trace-xray", "--num-kv-blocks", "8")
     assert code == 2 and "add --trace FILE.jsonl" in err and len(err.strip().splitlines()) == 1

@@ -169,3 +169,86 @@ def test_a_layer_trace_written_with_the_old_field_name_still_loads():
     old = ev.to_json(trace).replace('"part":', '"kind":')
     back = ev.from_json(old)
     assert back.kind == "LayerTrace" and back.part == "decode"
+
+
+def _wrong_for(tp) -> list:
+    """JSON values that a field declared ``tp`` must refuse (an object without a type fits none but Any)."""
+    import typing
+
+    wrong = [{"no": "type"}]
+    if tp is int:
+        wrong += ["3", 3.0, True]
+    elif tp is float:
+        wrong += ["BOGUS", True]
+    elif tp is str:
+        wrong += [5, None]
+    elif tp is bool:
+        wrong += [1, "true"]
+    elif typing.get_origin(tp) is tuple:
+        wrong += ["1,2", 5]
+    return wrong
+
+
+def test_every_field_of_every_event_type_is_checked_against_its_declared_type(recorded):
+    """Trial 14a: a trace line whose fields have the wrong types (a StepTimed with time "BOGUS") was
+    read as an event and crashed the replay's app later. Each field is checked on reading, from the
+    dataclasses' own annotations, and the error names the event and field."""
+    import typing
+
+    _, events, _ = recorded
+    extra = [ev.SpecDecodeStep(step=3, request_id="r", seq_id=1, proposer="ngram", draft_tokens=(5,), draft_texts=("a",),
+                               p=(0.5,), q=(1.0,), accepted=(True,), bonus_token=9),
+             ev.ModelLoading(stage="converting GGUF", done=3, total=10), ev.EnginePaused(step=4),
+             ev.EngineResumed(step=4), ev.EngineError(step=None, message="boom")]
+    one_of_each = {type(e): e for e in events + extra}
+    assert {cls for cls in ev.EVENT_TYPES.values() if issubclass(cls, ev.Event)} <= set(one_of_each)
+    for cls, event in one_of_each.items():
+        data = json.loads(ev.to_json(event))
+        for name, tp in typing.get_type_hints(cls).items():
+            for bad in _wrong_for(tp):
+                line = json.dumps({**data, name: bad})
+                with pytest.raises(ev.FieldTypeError) as refused:
+                    ev.from_json(line)
+                assert str(refused.value).startswith(f"{cls.__name__}.{name} must be "), (line[:200], refused.value)
+
+
+def test_a_wrong_type_is_named_with_its_field_path_and_value():
+    timed = ev.StepTimed(step=1, wall_time_s=0.1, num_tokens=1, num_prefill_tokens=0, num_decode_tokens=1,
+                         prefill_tokens_per_s=0.0, decode_tokens_per_s=10.0, kv_bytes_used=0, kv_bytes_total=1,
+                         num_running=1, num_waiting=0)
+    bogus = json.dumps({k: (v if k == "type" else "BOGUS") for k, v in json.loads(ev.to_json(timed)).items()})
+    with pytest.raises(ValueError, match='^StepTimed.time must be a number, got "BOGUS"$'):
+        ev.from_json(bogus)
+    entry = ev.ScheduledEntry(request_id="r", seq_id=0, index=0, kind="prefill", num_tokens=4, start=0, prompt_len=4,
+                              total_len=4, num_cached_tokens=0, samples=True, priority=0)
+    plan = ev.StepPlanned(step=0, token_budget=8, num_batched_tokens=4, scheduled=(entry,), preempted=(), admitted=(),
+                          waiting=(), running=(), max_num_seqs=4)
+    line = ev.to_json(plan).replace('"num_tokens":4', '"num_tokens":"4"')
+    with pytest.raises(ValueError, match=r'^StepPlanned.scheduled\[0\].num_tokens must be a whole number, got "4"$'):
+        ev.from_json(line)
+    line = ev.to_json(plan).replace('"type":"ScheduledEntry"', '"type":"QueueEntry"')
+    with pytest.raises(ValueError, match=r"^StepPlanned.scheduled\[0\] must be a ScheduledEntry object, got "):
+        ev.from_json(line)
+
+
+def test_nan_comes_back_as_nan_and_optional_numbers_as_none():
+    import math
+
+    top = ev.TopToken(token_id=1, text="a", prob=math.nan)
+    sampled = ev.TokenSampled(step=0, request_id="r", seq_id=0, index=0, token_id=1, text="a", position=0,
+                              num_output_tokens=1, top=(top,), logprob=None)
+    back = ev.from_json(ev.to_json(sampled))  # to_json writes NaN as null; a float field reads it back as NaN
+    assert math.isnan(back.top[0].prob) and back.logprob is None
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"type":"StepTimed","time":1.5,"st', "not complete JSON, cut short or corrupted (it stops after 34 characters)"),
+    ('{"type":"EnginePaused","time":1.5,"step":3\n', "not complete JSON, cut short or corrupted (it stops after 42 "),
+    ('{"type":"EnginePaused" "time":1}', "not complete JSON, cut short or corrupted (it goes wrong at character 24 of"),
+    ("hello", "not JSON (Expecting value at character 1); a trace holds one engine event, a JSON object, a line"),
+])
+def test_a_line_that_is_not_whole_json_says_so_not_what_json_guessed(line, message):
+    """Trial 14a: a line cut mid-file was reported as json's "Invalid control character at: line 1 column 51"."""
+    with pytest.raises(ValueError) as refused:
+        ev.from_json(line)
+    assert str(refused.value).startswith(message) and "control character" not in str(refused.value)

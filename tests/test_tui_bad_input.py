@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from textual.widgets import TabbedContent
 
@@ -313,6 +315,65 @@ def test_bad_options_end_with_one_line_and_status_2(capsys, argv, message):
     assert exit_info.value.code == 2 and message in err and len(err.splitlines()) == 1
 
 
+def _damaged_trace(tmp_path, how: str):
+    """The test trace with one line damaged as trial 14a damaged it; returns (path, that line's number)."""
+    import gzip
+    import json
+
+    lines = gzip.open(TRACE, "rt", encoding="utf-8").read().splitlines()
+    if how == "wrong types":  # a StepTimed whose every field but its type says BOGUS
+        i = next(k for k in range(len(lines) // 2, len(lines)) if '"type":"StepTimed"' in lines[k])
+        lines[i] = json.dumps({k: v if k == "type" else "BOGUS" for k, v in json.loads(lines[i]).items()})
+    elif how == "cut mid-file":  # line 101 cut to 50 characters, the later lines kept
+        i = 100
+        lines[i] = lines[i][:50]
+    else:  # the last line whole but with a field of the wrong type, and no newline after it
+        i = len(lines) - 1
+        lines[i] = json.dumps({**json.loads(lines[i]), "time": "soon"})
+    path = tmp_path / "damaged.jsonl"
+    path.write_text("\n".join(lines) + ("" if how == "last line" else "\n"), encoding="utf-8")
+    return path, i + 1
+
+
+@pytest.mark.parametrize("how, message", [
+    ("wrong types", 'StepTimed.time must be a number, got "BOGUS"'),  # was: the app's Rich traceback, status 1
+    ("cut mid-file", "not complete JSON, cut short or corrupted (it stops after 50 characters)"),  # was: "Invalid
+    ("last line", 'must be a number, got "soon"'),  # control character at: line 1 column 51"; was: read as a cut line
+])
+def test_a_damaged_trace_is_refused_with_its_line_and_what_is_wrong(capsys, tmp_path, how, message):
+    path, line = _damaged_trace(tmp_path, how)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--replay", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"nanovllm-tui: error: cannot replay {path}: line {line}: ") and err.endswith(message)
+
+
+def test_the_apps_help_lists_only_options_the_app_takes(capsys):
+    """Trial 14e: ``nanovllm-tui --help`` offered --narrate, --xray, --dashboard, --tutorial, --no-demos,
+    --tutorial-chapter and --show-memory-stats, which the app always refuses. They are left out of
+    its help and usage; typed, each is still refused with the line that names the tabs."""
+    import argparse
+    import re
+
+    from nanovllm_tui.options import NOT_IN_APP, build_parser
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "The capital of France" not in out  # nanovllm's default prompt: the app sends none unless given one
+    shown = set(re.findall(r"--[a-z][a-z-]*", out))
+    refused = {f"--{name.replace('_', '-')}" for name in NOT_IN_APP}
+    assert shown and not shown & refused, shown & refused
+    offered = {o for a in build_parser()._actions if a.help != argparse.SUPPRESS for o in a.option_strings}
+    assert shown >= offered - {"-h"} and "--narrate-steps" in shown and "--progress-file" in shown
+    for option in sorted(refused):
+        argv = [option, "3"] if option == "--tutorial-chapter" else [option]
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert "is a nanovllm option and not available in the app" in capsys.readouterr().err
+
+
 def test_every_option_the_app_accepts_does_something_in_it_or_is_refused():
     """Each option of ``nanovllm-tui`` is listed here with where it acts, or is refused with one line
     (``NOT_IN_APP``; ``NOT_WITH_REPLAY`` beside ``--replay``). A new option must be placed here."""
@@ -349,6 +410,76 @@ async def test_trace_xray_records_the_layer_traces_of_each_step(tiny_llama_dir, 
     layers = [e for e in events if e.kind == "LayerTrace"]
     steps = [e for e in events if e.kind == "StepPlanned"]
     assert len(steps) == 3 and len(layers) == 2 * len(steps)  # the tiny model's 2 layers, every step
+
+
+@pytest.mark.real_model
+async def test_quitting_inside_a_traced_step_closes_the_trace_without_a_traceback(tiny_llama_dir, tmp_path,
+                                                                                 monkeypatch):
+    """Trial 14a: q while a step ran under --trace --trace-xray closed the trace file under the engine
+    thread, which then wrote to it: three chained tracebacks, the thread dead, status 0. The app
+    does not wait for a long step; the late events are dropped and the app says once that the
+    recording ends inside that step, and it still replays up to there."""
+    import threading
+
+    from nanovllm_core import events as ev
+
+    died = []
+    monkeypatch.setattr(threading, "excepthook", died.append)
+    trace = tmp_path / "run.jsonl"
+    app = build_app(["--model", str(tiny_llama_dir), "--trace", str(trace), "--trace-xray", "--paused",
+                     "--prompt", "Hello there", "--max-tokens", "3", "--progress-file", str(tmp_path / "p.json")])
+    inside, go_on = threading.Event(), threading.Event()
+
+    def long_step(event: ev.Event) -> None:  # the step's first event holds the engine thread, as a long prefill would
+        if isinstance(event, ev.StepPlanned) and event.scheduled:
+            inside.set()
+            go_on.wait(30)
+
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.state.ready and app.state.requests, what="the tiny model and the prompt")
+        app.controller.subscribe(long_step, topk=0, blocks=False)
+        app.controller.step(1)
+        await wait_until(pilot, inside.is_set, what="step 0 to begin")
+        await pilot.press("ctrl+q")  # the engine is still inside step 0: the app stops waiting for it after 1 s
+    go_on.set()  # the step goes on, and its events meet a closed trace
+    deadline = time.monotonic() + 30
+    while app.controller.is_alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not app.controller.is_alive and died == []  # before: "Exception in thread nanovllm-engine"
+    assert app.exit_lines == [f"the trace {trace} ends during step 0, which was still running when the recording "
+                              "closed: --replay plays the steps before it"]
+    assert not app.recording_failed
+    with pytest.raises(ValueError, match="the recording stopped during step 0"):
+        load_trace(trace)  # as it says: the one step it began is not played
+
+
+def test_a_trace_that_cannot_be_written_at_quit_is_one_line_and_a_failing_status(tmp_path, monkeypatch, capsys):
+    from pathlib import Path
+
+    from nanovllm_core.tracing import ChromeTraceRecorder
+    from nanovllm_tui import app as app_module
+
+    chrome, write_text = tmp_path / "run.json", Path.write_text
+
+    def full_disk(self, *args, **kwargs):
+        if self == chrome:
+            raise OSError(28, "No space left on device")
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    app = replay_app(tmp_path, recorders=[ChromeTraceRecorder(chrome)])
+    app.stop_engine()
+    assert app.exit_lines == [f"the trace {chrome} could not be written: [Errno 28] No space left on device"]
+    # main() as the console script runs it, the app's run being a quit at once
+    monkeypatch.setattr(app_module.NanoVLLMApp, "run", lambda self: self.stop_engine())
+    monkeypatch.setattr(app_module.NanoVLLMApp, "return_code", None)
+    monkeypatch.setattr("nanovllm_tui.lifetime.end_on_early_signals", lambda: None)  # this test runner's signals stay
+    monkeypatch.setattr("nanovllm_tui.options.build_app", lambda argv: replay_app(
+        tmp_path, recorders=[ChromeTraceRecorder(chrome)]))
+    capsys.readouterr()
+    assert app_module.main(["--replay", str(TRACE)]) == 1
+    assert capsys.readouterr().err == (f"nanovllm-tui: the trace {chrome} could not be written: [Errno 28] No space "
+                                       "left on device\n")
 
 
 def test_a_good_replay_option_loads_the_trace():

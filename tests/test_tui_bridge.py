@@ -208,3 +208,16 @@ def test_an_engine_that_cannot_be_built_is_a_failed_load():
     assert [e.message for e in rec.events] == ["model failed to load: no such device"]
     starter.submit("Hello")
     assert isinstance(rec.events[-1], ev.RequestRejected)
+
+
+def test_an_event_after_the_apps_loop_has_closed_is_kept_quietly():
+    """The app quit inside a step: Textual's post_message from the engine thread meets a closed event
+    loop (RuntimeError). The engine's step must not fail for it (a listener's error fails the step)."""
+
+    class Gone:
+        def post_message(self, message):
+            raise RuntimeError("Event loop is closed")
+
+    bridge = EngineBridge(Gone())
+    bridge(ev.EnginePaused(step=1))  # before: RuntimeError into the engine's step
+    assert bridge.received == 1

@@ -365,3 +365,70 @@ def test_after_the_app_ends_an_engine_thread_still_in_a_step_is_not_torn_down(mo
         thread.join(5)
         yield_gate.GATE.release()  # closed for good only in a process that ends: this one's engines go on
     assert exits == ([3] if stuck else [])
+
+
+QUIT_INSIDE_A_TRACED_STEP = """
+    import pathlib, sys, time
+    from nanovllm_core import events as ev
+    from nanovllm_core import tracing
+
+    flag, argv = pathlib.Path(sys.argv[1]), sys.argv[2:]
+    record = tracing.JsonlTraceWriter.__call__
+
+    def slow_layer(self, event):  # the first layer trace takes 3 s, as a layer of a long prefill on a busy host
+        if isinstance(event, ev.LayerTrace) and not flag.exists():
+            flag.write_text("inside step")
+            time.sleep(3)
+        record(self, event)
+
+    tracing.JsonlTraceWriter.__call__ = slow_layer
+    from nanovllm_tui.app import main
+    sys.exit(main(argv))
+"""
+
+
+@pytest.mark.real_model
+def test_quitting_the_terminal_app_inside_a_traced_step_ends_it_without_a_traceback(tiny_llama_dir, tmp_path):
+    """Trial 14a: ``nanovllm-tui --trace F --trace-xray``, ctrl+q while a step ran: the app closed
+    the trace and ended, and its engine thread, still in the step, wrote to the closed file: three
+    chained tracebacks ("Exception in thread nanovllm-engine") after the app, and status 0. Now
+    the late events are dropped, one line says where the recording ends, and the status is 0."""
+    from nanovllm_tui.replay import load_trace
+
+    flag, trace = tmp_path / "inside", tmp_path / "run.jsonl"
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execve(sys.executable, [sys.executable, "-c", textwrap.dedent(QUIT_INSIDE_A_TRACED_STEP), str(flag),
+                                   "--model", str(tiny_llama_dir), "--trace", str(trace), "--trace-xray",
+                                   "--prompt", "Hello there", "--max-tokens", "3",
+                                   "--progress-file", str(tmp_path / "p.json")],
+                  {**ENV, "TERM": "xterm-256color", "COLUMNS": "100", "LINES": "30"})
+    seen, deadline, quit_at, status = b"", time.monotonic() + 120, None, None
+    try:
+        while time.monotonic() < deadline:
+            if quit_at is None and flag.exists():
+                os.write(fd, b"\x11")  # ctrl+q, from the prompt bar
+                quit_at = time.monotonic()
+            ready, _, _ = select.select([fd], [], [], 0.1)
+            if ready:
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:  # the app ended and closed the terminal
+                    break
+                if not chunk:
+                    break
+                seen += chunk
+        _, status = os.waitpid(pid, 0) if time.monotonic() < deadline else (None, None)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+    text = seen.decode(errors="replace")
+    assert quit_at is not None, "the step never reached its first layer trace"
+    assert "Traceback" not in text and "Exception in thread" not in text, text[-3000:]
+    assert f"nanovllm-tui: the trace {trace} ends during step 0" in text.replace("\r\n", "\n")
+    assert status is not None and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    with pytest.raises(ValueError, match="the recording stopped during step 0"):
+        load_trace(trace)  # whole lines only: what it holds reads back

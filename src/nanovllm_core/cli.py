@@ -259,17 +259,18 @@ def _generate(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, pr
     check_max_tokens(llm, args, parser, inputs)
     views = attach_teaching_views(llm, args)
     start = time.perf_counter()
+    outputs = None
     try:
         outputs = llm.generate(inputs, params, priority=args.priority, use_tqdm=views is None,
                                reject_bad_prompts=True)  # each bad prompt reported as rejected; the others run
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
-        return 130
     finally:
         if views is not None:
             views.close()
-        for r in recorders:
-            r.close()
+        written = close_trace_recorders(recorders)
+    if outputs is None:
+        return 130
     elapsed = time.perf_counter() - start
     tok = llm.tokenizer
     for prompt, out in zip(prompts, outputs):
@@ -315,7 +316,7 @@ def _generate(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, pr
     if all(c.finish_reason == "rejected" for o in outputs for c in o.outputs):
         print("nanovllm: every prompt was rejected (reasons above)", file=sys.stderr)
         return 1
-    return 0
+    return 0 if written else 1  # the completions are shown; the trace's failure was said when it closed
 
 
 def teaching_console():
@@ -383,6 +384,24 @@ def open_trace_recorders(llm, args: argparse.Namespace) -> list:
         llm.engine.subscribe(chrome, topk=0, blocks=False)
         recorders.append(chrome)
     return recorders
+
+
+def close_trace_recorders(recorders: list, prog: str = "nanovllm") -> bool:
+    """Close the recorders of :func:`open_trace_recorders`; say on stderr, one line each, a recording
+    that ends early (Ctrl-C inside a step: ``_Recording.ended_early``) or could not be written.
+    Returns False when one could not be written (the command then ends with status 1)."""
+    written = True
+    for r in recorders:
+        try:
+            r.close()
+        except OSError as e:
+            written = False
+            print(f"{prog}: the trace {r.path} could not be written: {e}", file=sys.stderr, flush=True)
+            continue
+        ended = r.ended_early()
+        if ended:
+            print(f"{prog}: {ended}", file=sys.stderr, flush=True)
+    return written
 
 
 def print_memory_stats(stats: dict) -> None:

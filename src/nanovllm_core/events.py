@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 
 def _now() -> float:
@@ -614,15 +617,165 @@ def _encode(value: Any) -> Any:
 
 
 def _decode(value: Any) -> Any:
+    """A value of a field typed ``Any`` (``sampling``, ``model_info``): lists as tuples, objects that
+    name an event type as that event; nothing else is checked."""
     if isinstance(value, dict) and "type" in value and value["type"] in EVENT_TYPES:
-        cls = EVENT_TYPES[value["type"]]
-        kwargs = {k: _decode(v) for k, v in value.items() if k != "type"}
-        if cls is LayerTrace and "kind" in kwargs:  # traces written while this field was called ``kind``
-            kwargs["part"] = kwargs.pop("kind")
-        return cls(**kwargs)
+        return _build(EVENT_TYPES[value["type"]], value)
     if isinstance(value, list):
         return tuple(_decode(v) for v in value)
     return value
+
+
+class FieldTypeError(ValueError):
+    """A trace line's field does not hold the type its event declares (``StepTimed.time`` a string).
+
+    ``where``: the field's path, built on the way out of the nested objects
+    (``StepPlanned.scheduled[0].start``); ``expected``: the declared type in words; ``value``: what
+    the line holds."""
+
+    def __init__(self, expected: str, value: Any) -> None:
+        super().__init__(expected, value)
+        self.expected, self.value, self.where = expected, value, ""
+
+    def __str__(self) -> str:
+        got = json.dumps(self.value, ensure_ascii=False)
+        return f"{self.where.lstrip('.')} must be {self.expected}, got {got if len(got) <= 40 else got[:39] + '…'}"
+
+
+def _type_words(tp: Any) -> str:
+    """How an error names a declared type: ``int`` -> "a whole number", ``str | None`` -> "text or null"."""
+    words = {int: "a whole number", float: "a number", str: "text", bool: "true or false", type(None): "null"}
+    if tp in words:
+        return words[tp]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_words(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is tuple:
+        return "a list"
+    if dataclasses.is_dataclass(tp):
+        return f"a {tp.__name__} object"
+    return str(tp)
+
+
+_CHECKS: dict[Any, Callable[[Any], Any]] = {}
+_FIELD_CHECKS: dict[type, dict[str, Callable[[Any], Any]]] = {}
+
+
+def _check_for(tp: Any) -> Callable[[Any], Any]:
+    """The function that takes a value as JSON gave it as a field declared ``tp`` (made once per
+    type, from the dataclasses' annotations): lists become tuples, objects the event parts they
+    name, ``null`` in a float field NaN (:func:`to_json` writes NaN so); a value of another type
+    raises :class:`FieldTypeError`."""
+    check = _CHECKS.get(tp)
+    if check is None:
+        check = _CHECKS[tp] = _make_check(tp)
+    return check
+
+
+def _make_check(tp: Any) -> Callable[[Any], Any]:
+    words = _type_words(tp)
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return _decode
+    if tp is float:
+        def check(value: Any) -> Any:
+            kind = type(value)
+            if kind is float or kind is int:
+                return value
+            if value is None:
+                return math.nan
+            raise FieldTypeError(words, value)
+    elif tp in (int, str, bool, type(None)):
+        exact = type(None) if tp is type(None) else tp
+
+        def check(value: Any) -> Any:
+            if type(value) is exact:  # a bool is not a count, nor an int a flag
+                return value
+            raise FieldTypeError(words, value)
+    elif origin in (typing.Union, types.UnionType):
+        nullable = type(None) in typing.get_args(tp)
+        options = [_check_for(a) for a in typing.get_args(tp) if a is not type(None)]
+
+        def check(value: Any) -> Any:
+            if value is None and nullable:
+                return None
+            for option in options:
+                try:
+                    return option(value)
+                except FieldTypeError:
+                    pass
+            raise FieldTypeError(words, value)
+    elif origin is tuple and typing.get_args(tp)[1:] == (Ellipsis,):
+        item = typing.get_args(tp)[0]
+        each = _check_for(item)
+        plain = item if item in (int, str, bool) else None  # one pass over a list of them (a layer's attention)
+
+        def check(value: Any) -> Any:
+            if type(value) is not list:
+                raise FieldTypeError(words, value)
+            if plain is not None and all(type(v) is plain for v in value):
+                return tuple(value)
+            if item is float and all(type(v) is float or type(v) is int for v in value):
+                return tuple(value)
+            out = []
+            for i, v in enumerate(value):
+                try:
+                    out.append(each(v))
+                except FieldTypeError as e:
+                    e.where = f"[{i}]{e.where}"
+                    raise
+            return tuple(out)
+    elif origin is tuple:
+        items = [_check_for(a) for a in typing.get_args(tp)]
+
+        def check(value: Any) -> Any:
+            if type(value) is not list or len(value) != len(items):
+                raise FieldTypeError(f"{words} of {len(items)}", value)
+            out = []
+            for i, (v, each) in enumerate(zip(value, items)):
+                try:
+                    out.append(each(v))
+                except FieldTypeError as e:
+                    e.where = f"[{i}]{e.where}"
+                    raise
+            return tuple(out)
+    elif dataclasses.is_dataclass(tp):
+        name = tp.__name__
+
+        def check(value: Any) -> Any:
+            if type(value) is dict and value.get("type") == name:
+                return _build(tp, value)
+            raise FieldTypeError(words, value)
+    else:  # a type the codec does not know: as before, unchecked
+        return _decode
+    return check
+
+
+def _build(cls: type, data: dict) -> Any:
+    """The event (or event part) ``cls`` from its JSON object, every field checked against its declared type.
+
+    Raises:
+        FieldTypeError: a field of another type (its ``where`` starts at this object: ``.scheduled[0].start``).
+        TypeError: a field ``cls`` does not have, or one it needs missing.
+    """
+    checks = _FIELD_CHECKS.get(cls)
+    if checks is None:
+        checks = _FIELD_CHECKS[cls] = {name: _check_for(tp) for name, tp in typing.get_type_hints(cls).items()}
+    kwargs = {}
+    for name, value in data.items():
+        if name == "type":
+            continue
+        if cls is LayerTrace and name == "kind":  # traces written while this field was called ``kind``
+            name = "part"
+        check = checks.get(name)
+        if check is None:  # a field it does not have: cls() names it
+            kwargs[name] = value
+            continue
+        try:
+            kwargs[name] = check(value)
+        except FieldTypeError as e:
+            e.where = f".{name}{e.where}"
+            raise
+    return cls(**kwargs)
 
 
 def asked_for(event: Event, *, blocks: bool, xray: bool) -> bool:
@@ -644,13 +797,36 @@ def to_json(event: Event) -> str:
     return json.dumps(_encode(event), ensure_ascii=False, separators=(",", ":"))
 
 
+class IncompleteJSON(ValueError):
+    """A line that begins as a JSON object and is not a whole one: cut short (a trace copied while it
+    was written, a ``head -c``) or corrupted."""
+
+
 def from_json(line: str) -> Event:
-    """Rebuild an event from :func:`to_json`'s output.
+    """Rebuild an event from :func:`to_json`'s output, each field checked against the type its
+    dataclass declares (a trace is a file anyone can edit, and the server's stream comes over a network).
 
     Raises:
-        ValueError: not JSON, or no known ``type``.
+        ValueError: not JSON, not a whole JSON object (:class:`IncompleteJSON`), no known ``type``, or
+            a field of another type (:class:`FieldTypeError`, naming the field). TypeError: a field the
+            event does not have, or one it needs missing.
     """
-    data = json.loads(line)
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as e:
+        text = line.strip()
+        if text.startswith("{"):  # json's own words ("Invalid control character at: ...") guess at the cause
+            ended = e.pos >= len(text) or e.msg.startswith("Unterminated")  # the text ends inside the object
+            where = (f"it stops after {len(text)} characters" if ended
+                     else f"it goes wrong at character {e.pos + 1} of {len(text)}")
+            raise IncompleteJSON(f"not complete JSON, cut short or corrupted ({where})") from None
+        raise ValueError(f"not JSON ({e.msg} at character {e.pos + 1}); a trace holds one engine event, "
+                         "a JSON object, a line") from None
     if not isinstance(data, dict) or data.get("type") not in EVENT_TYPES:
         raise ValueError(f"not an engine event: {line[:80]!r}")
-    return _decode(data)
+    cls = EVENT_TYPES[data["type"]]
+    try:
+        return _build(cls, data)
+    except FieldTypeError as e:
+        e.where = cls.__name__ + e.where
+        raise

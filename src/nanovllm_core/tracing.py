@@ -11,30 +11,110 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Iterable
 
 from nanovllm_core import events as ev
 
 
-class JsonlTraceWriter:
+class _Recording:
+    """What a recorder shares: closing while the engine thread may still be sending, and saying
+    whether the recording ends early.
+
+    A front end closes its recorders when it quits, and the engine thread need not have stopped
+    by then: the app abandons a step in flight at its next layer boundary rather than wait for it
+    (``yield_gate.GATE.close``), and a remote app's reader thread may deliver one more event. So
+    an event that arrives after :meth:`close` is dropped and counted (``dropped``), never written
+    to a closed file (trial 14a: three chained tracebacks and a dead engine thread on ``q`` under
+    ``--trace-xray``); :meth:`ended_early` says in one sentence what the recording then lacks.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.count = 0  # events recorded
+        self.dropped = 0  # events that came after close
+        self.unfinished_step: int | None = None  # a step whose StepPlanned is recorded and its end is not
+        self._lock = threading.Lock()
+        self._closed = False  # close() was called
+        self._stopped = False  # nothing more is recorded: closed, or a write failed
+
+    def __call__(self, event: ev.Event) -> None:
+        with self._lock:
+            if self._stopped:
+                self.dropped += 1
+                return
+            self._record(event)
+            if self._stopped:  # the write failed: the recording ended there (close() raises why)
+                self.dropped += 1
+                return
+            self.count += 1
+            if isinstance(event, ev.StepPlanned) and event.scheduled:
+                self.unfinished_step = event.step
+            elif isinstance(event, ev.StepTimed) or (isinstance(event, ev.EngineError) and event.step is not None
+                                                     and event.step == self.unfinished_step):
+                self.unfinished_step = None  # ended (a failed step's EngineError ends it too, as a replay reads it)
+
+    def close(self) -> None:
+        """Finish the file; events from now on are dropped (idempotent).
+
+        Raises:
+            OSError: the file could not be written (a write during the run, or this last one).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = self._stopped = True
+            self._finish()
+
+    def ended_early(self) -> str | None:
+        """After :meth:`close`: one sentence when the recording stops short of what the engine did
+        (a step it was still running, or events after the close), else None."""
+        if self.unfinished_step is not None:
+            return (f"the trace {self.path} ends during step {self.unfinished_step}, which was still running when "
+                    "the recording closed: --replay plays the steps before it")
+        if self.dropped:
+            one = self.dropped == 1
+            return (f"the trace {self.path} ends early: {self.dropped:,} event{'' if one else 's'} that came after "
+                    f"the recording closed {'is' if one else 'are'} not in it")
+        return None
+
+    def _record(self, event: ev.Event) -> None:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+
+class JsonlTraceWriter(_Recording):
     """A subscriber that appends each event to a ``.jsonl`` file (use as ``engine.subscribe(writer, ...)``).
+
+    Safe to close from another thread than the engine's: see :class:`_Recording`. A write that
+    fails (a full disk) ends the recording there rather than fail the engine's step: the
+    events after it are dropped and :meth:`close` raises the error.
 
     Raises:
         OSError: the file cannot be created (checked at construction).
     """
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+        super().__init__(path)
         self._f = open(self.path, "w", encoding="utf-8")
-        self.count = 0
+        self._error: OSError | None = None
 
-    def __call__(self, event: ev.Event) -> None:
-        self._f.write(ev.to_json(event) + "\n")
-        self.count += 1
+    def _record(self, event: ev.Event) -> None:
+        try:
+            self._f.write(ev.to_json(event) + "\n")
+        except OSError as e:
+            self._error, self._stopped = e, True
 
-    def close(self) -> None:
-        self._f.close()
+    def _finish(self) -> None:
+        try:
+            self._f.close()
+        except OSError as e:
+            self._error = self._error or e
+        if self._error is not None:
+            raise self._error
 
 
 def decode_event(line: str) -> ev.Event:
@@ -69,19 +149,24 @@ def read_jsonl(path: str | Path) -> list[ev.Event]:
     return out
 
 
-class ChromeTraceRecorder:
-    """A subscriber that keeps events and writes a Chrome trace JSON file on :meth:`close`."""
+class ChromeTraceRecorder(_Recording):
+    """A subscriber that keeps events and writes a Chrome trace JSON file on :meth:`close`
+    (safe to close from another thread than the engine's: see :class:`_Recording`).
+
+    Raises:
+        OSError: the file cannot be created (checked at construction).
+    """
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+        super().__init__(path)
         self.path.open("w").close()  # fail early on a bad path
         self.events: list[ev.Event] = []
 
-    def __call__(self, event: ev.Event) -> None:
+    def _record(self, event: ev.Event) -> None:
         if not isinstance(event, (ev.LayerTrace, ev.BlocksChanged)):
             self.events.append(event)
 
-    def close(self) -> None:
+    def _finish(self) -> None:
         self.path.write_text(json.dumps(chrome_trace(self.events)))
 
 

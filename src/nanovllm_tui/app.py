@@ -152,6 +152,8 @@ class NanoVLLMApp(App):
         self._mounted = False
         self._stopped = False
         self.leaving_process = False  # main(): the process ends with the app (stop_engine abandons a step)
+        self.exit_lines: list[str] = []  # said on stderr once the app has ended (close_recorders)
+        self.recording_failed = False  # a trace file could not be written: the process ends with status 1
         # Prompts sent from the bar that the engine has not yet accepted: a refusal puts one back
         # (the bar clears on Enter, and a refusal arrives later), as a bad setting keeps it.
         self._unconfirmed: dict[str, str] = {}
@@ -220,7 +222,7 @@ class NanoVLLMApp(App):
             self.notify(f"The recording ends in a cut line (line {cut} is not a whole event, as when a trace is "
                         f"copied while it is written): it plays up to line {cut - 1}.", timeout=10, markup=False)
         cut_step = getattr(self.controller, "cut_step", None)
-        if cut_step:  # the step had no StepTimed: it never finished, so it is not shown as if it had run
+        if cut_step is not None:  # the step had no StepTimed: it never finished, so it is not shown as if it had run
             self.notify(f"The recording stopped during step {cut_step}, before it finished: that step is not "
                         "played (the replay ends with the step before it).", timeout=10, markup=False)
         self.set_interval(0.5, self._poll_engine_state)
@@ -825,8 +827,25 @@ class NanoVLLMApp(App):
                 pass
         else:
             self.controller.shutdown(timeout=1.0)
+        self.close_recorders()
+
+    def close_recorders(self) -> None:
+        """Close the trace files (``--trace``, ``--trace-chrome``), keeping for :func:`main` one line
+        each about a recording that ends early (a step still running: its events after this are
+        dropped, see ``tracing._Recording``) or could not be written (``recording_failed``).
+
+        The engine thread may still be inside a step here (``stop_engine`` does not wait for it),
+        so the recorders must take its late events quietly, as ``nanovllm_core.tracing``'s do."""
         for recorder in self.recorders:
-            recorder.close()
+            try:
+                recorder.close()
+            except OSError as e:
+                self.recording_failed = True
+                self.exit_lines.append(f"the trace {getattr(recorder, 'path', '')} could not be written: {e}")
+                continue
+            ended = getattr(recorder, "ended_early", lambda: None)()
+            if ended:
+                self.exit_lines.append(ended)
 
     # ------------------------------------------------------------------ prompts
 
@@ -877,10 +896,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     end_on_early_signals()  # a signal before the app's loop is up still ends the process
     app.leaving_process = True
     app.run()
+    status = app.return_code or (1 if app.recording_failed else 0)
+    for line in app.exit_lines:  # the terminal is the user's again: what the recordings lack, once each
+        print(f"nanovllm-tui: {line}", file=sys.stderr, flush=True)
     from nanovllm_tui.lifetime import leave_when_engines_stop
 
-    leave_when_engines_stop(app.return_code or 0, ignore=before)  # an engine thread still in a step: no teardown under it
-    return app.return_code or 0
+    leave_when_engines_stop(status, ignore=before)  # an engine thread still in a step: no teardown under it
+    return status
 
 
 if __name__ == "__main__":

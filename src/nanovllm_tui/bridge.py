@@ -86,7 +86,10 @@ class EngineBridge:
             post = not self._posted
             self._posted = True
         if post:
-            self.target.post_message(self.EventsReady())
+            try:
+                self.target.post_message(self.EventsReady())
+            except RuntimeError:  # the app's event loop has closed (the app quit inside a step): nobody is left to draw
+                pass
 
     # ------------------------------------------------------------------ UI thread
 

@@ -28,6 +28,16 @@ def build_parser() -> argparse.ArgumentParser:
     """``nanovllm``'s parser (model, sampling, engine, trace options) with the app's options added."""
     p = build_engine_parser()
     p.prog = "nanovllm-tui"
+    # What nanovllm's help says that the app does not: its teaching modes are the app's tabs (typed,
+    # they are refused with a line that says so, parse_args), and it sends no prompt unless given one.
+    for action in p._actions:
+        if action.dest in NOT_IN_APP:
+            action.help = argparse.SUPPRESS  # left out of --help and its usage line (trial 14e)
+        elif action.dest == "prompt":
+            action.help = "a prompt sent when the app starts (repeat for several; default: none, type one in the app)"
+    for group in p._action_groups:
+        if group.title == "teaching modes":
+            group.title = "narrator and tutorial tabs"
     p.description = ("Watch the nano-vLLM engine serve your prompts: dashboard, X-Ray, narrator, tutorial and "
                      "block map. --prompt, --priority, --max-tokens and --temperature seed the prompt bar; the "
                      "other sampling options apply to every prompt you send; --narrate-steps and --progress-file "

@@ -105,12 +105,14 @@ def drop_unfinished_step(events: Trace) -> None:
 
 def load_trace(path: str | Path) -> Trace:
     """Events of a ``.jsonl`` trace, or of a gzipped one (``.jsonl.gz``). A last line cut short
-    (no newline, not a whole event) is left out and its number kept in ``cut_line``; a bad line
-    anywhere else is an error. A last step that never finished is left out (:func:`drop_unfinished_step`).
+    (no newline, not complete JSON) is left out and its number kept in ``cut_line``; a bad line
+    anywhere else, or a field of another type than its event declares, is an error. A last step that
+    never finished is left out (:func:`drop_unfinished_step`).
 
     Raises:
         OSError: the file cannot be read.
-        ValueError: a line is not an engine event (its number is given), or the file holds no engine step.
+        ValueError: a line is not an engine event (its number is given, and the field whose type is
+            wrong: ``line 101: StepTimed.time must be a number, got "BOGUS"``), or the file holds no engine step.
     """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
@@ -122,15 +124,18 @@ def load_trace(path: str | Path) -> Trace:
                     try:
                         events.append(decode_event(line))
                     except ValueError as e:
-                        if not line.endswith("\n"):  # the last line, cut short (a recording copied while written,
-                            events.cut_line = n       # or `head -c`): play what came before it
+                        # the last line, cut short (a recording copied while written, or `head -c`): play what
+                        # came before it; a whole line whose fields do not fit is an error wherever it is
+                        if not line.endswith("\n") and isinstance(e, ev.IncompleteJSON):
+                            events.cut_line = n
                             break
                         raise ValueError(f"line {n}: {e}") from None
     except (EOFError, gzip.BadGzipFile, UnicodeDecodeError) as e:
         raise ValueError(f"not a readable trace: {e}") from None
     drop_unfinished_step(events)
     if not any(isinstance(e, ev.StepPlanned) for e in events):
-        during = f" (the recording stopped during step {events.cut_step}, before it finished)" if events.cut_step else ""
+        during = ("" if events.cut_step is None
+                  else f" (the recording stopped during step {events.cut_step}, before it finished)")
         raise ValueError(f"no engine steps in this trace{during}; record one with nanovllm --prompt ... --trace FILE.jsonl")
     return events
 
