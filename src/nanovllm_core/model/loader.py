@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import torch
 
+from nanovllm_core.model.checkpoint_files import open_gguf, safetensors_problem
 from nanovllm_core.model.gguf_names import gguf_to_hf_name as _gguf_to_hf_name
 from nanovllm_core.model.gguf_names import unpermute_rotary_rows  # re-exported: tests and callers use loader's
 from nanovllm_core.paths import cache_root  # re-exported: loader.cache_root() is used by callers
@@ -228,20 +229,19 @@ def convert_gguf(gguf_file: Path, progress: ProgressFn | None = None) -> Path:
     (pairs (2i, 2i+1)); they are permuted back to Hugging Face's half-split order here.
 
     Raises:
-        ModelLoadError: the file is not a readable GGUF, or not a LLaMA model.
+        ModelLoadError: the file is not a GGUF file, is cut short, or is not a LLaMA model.
     """
     target = _gguf_cache_dir(gguf_file)
     if is_converted(target):
         return target
     try:
-        import gguf
         from gguf.quants import dequantize
     except ImportError:  # pragma: no cover - a declared dependency
         raise ModelLoadError("the gguf package is needed to read .gguf files; pip install gguf") from None
     try:
-        reader = gguf.GGUFReader(str(gguf_file))
-    except Exception as e:
-        raise ModelLoadError(f"{gguf_file} is not a readable GGUF file ({type(e).__name__}: {e}); it may be truncated") from None
+        reader = open_gguf(gguf_file)
+    except ValueError as e:  # one line: not a GGUF file, cut short, ... and what to do
+        raise ModelLoadError(str(e)) from None
     arch_field = reader.fields.get("general.architecture")
     arch = arch_field.contents() if arch_field is not None else None
     if arch != "llama":
@@ -343,6 +343,24 @@ def load_tokenizer(path: Path) -> Any:
         raise ModelLoadError(f"could not load a tokenizer from {path} ({type(e).__name__}: {str(e)[:160]})") from None
 
 
+def checkpoint_remedy(folder: Path) -> str:
+    """What to do about a broken or corrupt checkpoint in ``folder``: a folder this loader converted from
+    a GGUF file is deleted and converted again (a broken cache is never trusted); any other is re-downloaded."""
+    if is_converted(folder):
+        try:
+            source = Path(json.loads((folder / "nanovllm_converted.json").read_text())["source"]).name
+        except (OSError, ValueError, KeyError, TypeError):
+            source = "a GGUF file"
+        return f"delete the folder {folder} (this engine's converted copy of {source}) and run again to convert it anew"
+    return f"re-download the model in {folder} (or convert it again)"
+
+
+def unreadable_tensor(folder: Path, file: Path, key: str, error: Exception) -> ModelLoadError:
+    """One line for a tensor whose bytes could not be read from an opened safetensors ``file``."""
+    return ModelLoadError(f"tensor {key} in {file.name} could not be read ({type(error).__name__}); "
+                          f"{checkpoint_remedy(folder)}")
+
+
 def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None = None,
                  skip: set[str] | frozenset[str] = frozenset(), tensor_parallel=None) -> None:
     """Copy safetensors weights from ``path`` into ``model`` (our packed LLaMA), checking names and shapes.
@@ -354,7 +372,8 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
     the whole tensor; the file's whole shape is still checked against the config.
 
     Raises:
-        ModelLoadError: a tensor missing, of the wrong shape, or a file truncated/corrupt.
+        ModelLoadError: a tensor missing, of the wrong shape, or a file that is not safetensors or is cut short
+            (``checkpoint_files.safetensors_problem``).
     """
     from safetensors import safe_open
 
@@ -369,10 +388,8 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
     for n, file in enumerate(files, 1):
         try:
             handle = safe_open(str(file), framework="pt")
-        except Exception as e:
-            raise ModelLoadError(
-                f"{file.name} is truncated or corrupt ({type(e).__name__}: {str(e)[:120]}); delete it and download/convert again"
-            ) from None
+        except Exception:  # one line saying what the file is (not safetensors, cut short), not the parser's words
+            raise ModelLoadError(f"{safetensors_problem(file)}; {checkpoint_remedy(path)}") from None
         with handle as f:
             keys = list(f.keys())
             for key in keys:
@@ -391,7 +408,7 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
                         tensor = f.get_tensor(key)
                         shape = tuple(tensor.shape)
                 except Exception as e:
-                    raise ModelLoadError(f"tensor {key} in {file.name} could not be read ({e}); the file may be truncated") from None
+                    raise unreadable_tensor(path, file, key, e) from None
                 want = expected.get(key)
                 if want is not None and shape != want:
                     raise ModelLoadError(
@@ -402,7 +419,7 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
                     try:
                         tensor = read_shard(key, part, model.config, tensor_parallel)
                     except Exception as e:
-                        raise ModelLoadError(f"tensor {key} in {file.name} could not be read ({e}); the file may be truncated") from None
+                        raise unreadable_tensor(path, file, key, e) from None
                 with torch.no_grad():
                     target = param if rows is None else param[rows]
                     if tuple(target.shape) != tuple(tensor.shape):
@@ -415,6 +432,15 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ModelLoadError(f"tensor {missing[0]} is missing from the checkpoint{more}; the weights are incomplete")
+
+
+def _naming(resolved: ResolvedModel, e: Exception) -> ModelLoadError:
+    """``e`` as a one-line ModelLoadError that names the model: prefixed with its name unless the line
+    names it already (a GGUF file's own problems do); a ModelLoadError is kept as it is."""
+    if isinstance(e, ModelLoadError):
+        return e
+    text = str(e)
+    return ModelLoadError(text if resolved.name in text else f"{resolved.name}: {text}")
 
 
 def load_model(model: str | os.PathLike | None, device: torch.device, dtype: torch.dtype,
@@ -466,13 +492,13 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
         mode, auto_note = resolve_quantization(requested, resolved.gguf_file, device, dtype,
                                                tensor_parallel_size=world_size, tensor_types=types)
     except ValueError as e:
-        raise ModelLoadError(f"{resolved.name}: {e}") from None
+        raise _naming(resolved, e) from None
     cfg = model_config
     if cfg is None:
         try:
             cfg = ModelConfig.from_hf(load_hf_config(resolved.path))
         except (ValueError, AttributeError) as e:
-            raise ModelLoadError(f"{resolved.name}: {e}") from None
+            raise _naming(resolved, e) from None
     if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
         raise ContextTooLong(
             f"max_model_len={max_model_len} is longer than the model's context ({cfg.max_position_embeddings} "
@@ -494,7 +520,7 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
         try:
             kept = keep_file_blocks(net, gguf_blocks_cached(resolved, cfg))
         except ValueError as e:
-            raise ModelLoadError(f"{resolved.name}: {e}") from None
+            raise _naming(resolved, e) from None
         if progress:
             progress("reading the GGUF file's blocks", 1, 1)
     if world_size > 1:  # this rank's shard shapes, still on the meta device; load_weights reads only its rows
@@ -511,7 +537,7 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     try:
         prepare_linear_layers(net, mode, gguf_file=resolved.gguf_file)
     except ValueError as e:
-        raise ModelLoadError(f"{resolved.name}: {e}") from None
+        raise _naming(resolved, e) from None
     if auto_note is not None:
         net.quantization_note = auto_note
     net.quantization_requested = AUTO if requested is None else requested

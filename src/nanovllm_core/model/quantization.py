@@ -54,14 +54,12 @@ def _gguf_reader(gguf_file):
     """``gguf.GGUFReader`` over ``gguf_file`` (it maps the file; nothing is copied).
 
     Raises:
-        ValueError: the file cannot be read, in one line naming it and why.
+        ValueError: the file cannot be read, in one line naming it, what it is and what to do
+            (``checkpoint_files.open_gguf``).
     """
-    import gguf
+    from nanovllm_core.model.checkpoint_files import open_gguf
 
-    try:
-        return gguf.GGUFReader(str(gguf_file))
-    except Exception as e:
-        raise ValueError(f"{gguf_file} could not be read ({type(e).__name__}: {e})") from None
+    return open_gguf(gguf_file)
 
 
 def gguf_block_tensors(gguf_file, cfg) -> dict[str, tuple[str, torch.Tensor | None]]:
