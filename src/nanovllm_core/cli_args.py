@@ -397,6 +397,7 @@ def load_progress(prog: str):
             print(f"{prog}: {stage}...", file=sys.stderr, flush=True)
         bars(stage, done, total)
 
+    progress.close = bars.close
     return progress
 
 

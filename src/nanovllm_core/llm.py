@@ -20,10 +20,18 @@ from nanovllm_core.sampling_params import SamplingParams
 
 
 def console_progress() -> ProgressFn:
-    """A progress callback that draws one tqdm bar per stage on stderr (used while converting GGUF)."""
+    """A progress callback that draws one tqdm bar per stage on stderr (used while converting GGUF).
+
+    Its ``close()`` clears the bars still drawn: a load that fails mid-stage calls it before its error
+    line, which would otherwise start on the bar's line (``LLM.__init__`` does, through :func:`close_progress`).
+    """
     from tqdm.auto import tqdm
 
     bars: dict[str, Any] = {}
+
+    def close() -> None:
+        for bar in bars.values():
+            bar.close()  # closing twice is harmless
 
     def progress(stage: str, done: int, total: int) -> None:
         bar = bars.get(stage)
@@ -35,7 +43,15 @@ def console_progress() -> ProgressFn:
         if done >= total:
             bar.close()
 
+    progress.close = close
     return progress
+
+
+def close_progress(progress: Any) -> None:
+    """Clear what a progress callback still draws (its ``close()``, when it has one)."""
+    close = getattr(progress, "close", None)
+    if callable(close):
+        close()
 
 
 class LLM:
@@ -62,7 +78,11 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
         self.config = EngineConfig(model=model, device=device, dtype=dtype, **engine_kwargs)
-        self.engine = LLMEngine.from_config(self.config, progress=progress or console_progress())
+        progress = progress or console_progress()
+        try:
+            self.engine = LLMEngine.from_config(self.config, progress=progress)
+        finally:  # a failed load's error line must not start on a half-drawn bar
+            close_progress(progress)
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":

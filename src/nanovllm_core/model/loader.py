@@ -36,6 +36,7 @@ import torch
 from nanovllm_core.model.checkpoint_files import open_gguf, safetensors_problem
 from nanovllm_core.model.gguf_names import gguf_to_hf_name as _gguf_to_hf_name
 from nanovllm_core.model.gguf_names import unpermute_rotary_rows  # re-exported: tests and callers use loader's
+from nanovllm_core.model.weight_checks import blocks_phrase, first_nonfinite_blocks, nonfinite_floats, values_phrase
 from nanovllm_core.paths import cache_root  # re-exported: loader.cache_root() is used by callers
 from nanovllm_core.config import SettingError
 
@@ -228,8 +229,12 @@ def convert_gguf(gguf_file: Path, progress: ProgressFn | None = None) -> Path:
     GGUF stores LLaMA's q_proj and k_proj rows in llama.cpp's interleaved rotary order
     (pairs (2i, 2i+1)); they are permuted back to Hugging Face's half-split order here.
 
+    Every tensor is checked to be finite (``weight_checks``): a file with NaN or infinite weights
+    is refused, naming the tensor, and nothing is cached.
+
     Raises:
-        ModelLoadError: the file is not a GGUF file, is cut short, or is not a LLaMA model.
+        ModelLoadError: the file is not a GGUF file, is cut short, is corrupt (non-finite weights),
+            or is not a LLaMA model.
     """
     target = _gguf_cache_dir(gguf_file)
     if is_converted(target):
@@ -262,6 +267,10 @@ def convert_gguf(gguf_file: Path, progress: ProgressFn | None = None) -> Path:
                 continue
             arr = dequantize(t.data, t.tensor_type)
             w = torch.from_numpy(arr.copy()).float()
+            bad = nonfinite_floats(w)
+            if bad:  # a NaN scale or float: every logit would be NaN (weight_checks)
+                raise ModelLoadError(f"{gguf_file.name} is corrupt: tensor {t.name} {values_phrase(bad)}; re-download "
+                                     "it or convert it to GGUF again")
             if name.endswith("self_attn.q_proj.weight"):
                 w = unpermute_rotary_rows(w, num_heads)
             elif name.endswith("self_attn.k_proj.weight"):
@@ -355,6 +364,12 @@ def checkpoint_remedy(folder: Path) -> str:
     return f"re-download the model in {folder} (or convert it again)"
 
 
+def corrupt_checkpoint(folder: Path, what: str) -> ModelLoadError:
+    """The one-line refusal of a checkpoint whose weights are not all finite: ``what`` (the tensor and
+    its problem), then what to do (:func:`checkpoint_remedy`)."""
+    return ModelLoadError(f"{what}: the checkpoint is corrupt; {checkpoint_remedy(folder)}")
+
+
 def unreadable_tensor(folder: Path, file: Path, key: str, error: Exception) -> ModelLoadError:
     """One line for a tensor whose bytes could not be read from an opened safetensors ``file``."""
     return ModelLoadError(f"tensor {key} in {file.name} could not be read ({type(error).__name__}); "
@@ -371,8 +386,11 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
     rank are read from the file (``parallel.read_shard`` over safetensors' ``get_slice``), never
     the whole tensor; the file's whole shape is still checked against the config.
 
+    Every tensor read is checked to be finite (``weight_checks``; a tensor-parallel rank checks its shard).
+
     Raises:
-        ModelLoadError: a tensor missing, of the wrong shape, or a file that is not safetensors or is cut short
+        ModelLoadError: a tensor missing, of the wrong shape, holding NaN or infinite values
+            (:func:`corrupt_checkpoint`), or a file that is not safetensors or is cut short
             (``checkpoint_files.safetensors_problem``).
     """
     from safetensors import safe_open
@@ -420,6 +438,9 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
                         tensor = read_shard(key, part, model.config, tensor_parallel)
                     except Exception as e:
                         raise unreadable_tensor(path, file, key, e) from None
+                bad = nonfinite_floats(tensor)
+                if bad:
+                    raise corrupt_checkpoint(path, f"tensor {key} in {file.name} {values_phrase(bad)}")
                 with torch.no_grad():
                     target = param if rows is None else param[rows]
                     if tuple(target.shape) != tuple(tensor.shape):
@@ -580,9 +601,11 @@ def gguf_blocks_cached(resolved: ResolvedModel, cfg) -> dict[str, tuple[str, tor
     The first load reads them from the GGUF file (its header parse and the q/k row
     unpermutation take seconds) and writes :data:`GGUF_BLOCKS_FILE` (uint8 safetensors, the
     file's size); later loads read that back. Tensors in other formats map to ``(type, None)``.
+    Blocks read back are checked as the file's are (``weight_checks.nonfinite_scales``).
 
     Raises:
-        ValueError: the GGUF file cannot be read.
+        ValueError: the GGUF file cannot be read, or its blocks have a NaN or infinite scale.
+        ModelLoadError: the kept copy's blocks have one (:func:`corrupt_checkpoint`).
     """
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -590,12 +613,19 @@ def gguf_blocks_cached(resolved: ResolvedModel, cfg) -> dict[str, tuple[str, tor
     from nanovllm_core.model.quantization import gguf_block_tensors
 
     path = resolved.path / GGUF_BLOCKS_FILE
+    blocks = None
     try:
         with safe_open(str(path), framework="pt") as f:
             types = json.loads((f.metadata() or {})["types"])
-            return {name: (kind, f.get_tensor(name) if name in f.keys() else None) for name, kind in types.items()}
+            blocks = {name: (kind, f.get_tensor(name) if name in f.keys() else None) for name, kind in types.items()}
     except Exception:  # missing, truncated or from another layout: read the GGUF file again
         pass
+    if blocks is not None:
+        bad = first_nonfinite_blocks(blocks)
+        if bad is not None:
+            name, kind, count = bad
+            raise corrupt_checkpoint(resolved.path, f"tensor {name} in {GGUF_BLOCKS_FILE} {blocks_phrase(count, kind)}")
+        return blocks
     blocks = gguf_block_tensors(resolved.gguf_file, cfg)
     meta = {"types": json.dumps({n: kind for n, (kind, _b) in blocks.items()})}
     _write_atomically(path, lambda tmp: save_file({n: b for n, (_k, b) in blocks.items() if b is not None},
