@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from nanovllm_core import LLM, SamplingParams
@@ -281,6 +283,23 @@ def test_absurd_engine_counts_are_refused_before_loading(option, value):
 def test_mismatched_priority_list(make_llm):
     with pytest.raises(ValueError, match="2 priorities for 1 prompt;"):
         make_llm().generate([GOOD], priority=[1, 2])
+
+
+# Trial 14d: priority=3 (an int) raised "TypeError: object of type 'int' has no len()"; a string was
+# read one character a priority, and a dict or a set by its keys (accepted).
+@pytest.mark.parametrize("priority, prompts, given", [
+    (3, [GOOD], "an int; for one prompt give [3]"),
+    (3, [GOOD, "Hello"], "an int"),
+    ("34", [GOOD, "Hello"], "a str"),
+    ({0: 1, 1: 2}, [GOOD, "Hello"], "a dict"),
+    ({5}, [GOOD], "a set"),
+    ((p for p in [1]), [GOOD], "a generator"),
+])
+def test_a_priority_that_is_not_a_list_is_one_line_naming_what_was_given(make_llm, priority, prompts, given):
+    llm = make_llm()
+    assert_refused_before_queueing(
+        llm, rf"^priority must be a list of whole numbers, one per prompt, got {re.escape(given)}$",
+        lambda: llm.generate(prompts, SamplingParams(max_tokens=2), priority=priority, use_tqdm=False))
 
 
 def test_abort_frees_blocks_and_reports_abort(make_engine):

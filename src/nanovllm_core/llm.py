@@ -136,7 +136,7 @@ class LLM:
         Raises:
             ValueError: ``prompts`` of another type (None, a number, a dict; a token-id list holding
                 something other than ints), naming what was given; sampling_params or priority lists
-                of the wrong length or type, a priority
+                of the wrong length or type, a priority that is not a list or tuple (one int: ``[3]``), a priority
                 outside -1000..1000 or not 0 under ``scheduling_policy="fcfs"``, or a prompt the engine cannot take (one line naming it,
                 ``prompts[i]`` when there are several); all checked before any prompt is queued.
         """
@@ -172,6 +172,10 @@ class LLM:
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         if priority is None:
             priority = [0] * len(prompts)
+        elif not isinstance(priority, (list, tuple)):  # an int, a string, a dict, a generator: not one per prompt
+            one = f"; for one {noun[:-1]} give [{priority!r}]" if type(priority) is int and len(prompts) == 1 else ""
+            raise ValueError(f"priority must be a list of whole numbers, one per {noun[:-1]}, got "
+                             f"{describe(priority)}{one}")
         elif len(priority) != len(prompts):
             many = noun if len(prompts) != 1 else noun[:-1]
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} {many}; give one per {noun[:-1]}")
