@@ -272,6 +272,27 @@ def test_unknown_policy_and_bad_engine_options_raise():
         LLM(max_batch=3)
 
 
+# Trial 14d: LLM(bogus=1) said only "unknown LLM option(s): bogus".
+@pytest.mark.parametrize("kwargs, hint", [
+    ({"bogus": 1}, ""),
+    ({"blok_size": 4}, " (did you mean block_size?)"),
+    ({"speculative_config": {}}, " (did you mean speculative_model= and num_speculative_tokens=?)"),
+])
+def test_an_unknown_llm_option_names_the_nearest_and_every_valid_one(kwargs, hint):
+    with pytest.raises(ValueError) as e:
+        LLM(**kwargs)
+    name = next(iter(kwargs))
+    assert str(e.value).startswith(f"unknown LLM option {name}{hint}; LLM takes attention_backend, block_size, ")
+    assert ", progress, " in str(e.value) and str(e.value).endswith("(help(EngineConfig) says what each does)")
+
+
+def test_an_unknown_controller_option_is_refused_before_its_thread_starts():
+    from nanovllm_core.engine.controller import EngineController
+
+    with pytest.raises(ValueError, match=r"^unknown EngineController option blocksize \(did you mean block_size\?\)"):
+        EngineController(blocksize=4)
+
+
 @pytest.mark.parametrize("option", ["num_speculative_tokens", "block_size", "max_model_len", "max_num_seqs"])
 @pytest.mark.parametrize("value", [HUGE, True])
 def test_absurd_engine_counts_are_refused_before_loading(option, value):

@@ -74,9 +74,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, device: str | None = None, dtype: str | None = None,
                  progress: ProgressFn | None = None, **engine_kwargs: Any) -> None:
-        unknown = set(engine_kwargs) - EngineConfig.field_names()
+        unknown = EngineConfig.unknown_options(engine_kwargs, "LLM", extra=("progress",))
         if unknown:
-            raise ValueError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
+            raise ValueError(unknown)
         self.config = EngineConfig(model=model, device=device, dtype=dtype, **engine_kwargs)
         progress = progress or console_progress()
         try:

@@ -98,6 +98,8 @@ def default_gguf_path() -> Path:
 
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+# What a model may be: the next step of every "this is not a model" line.
+MODEL_KINDS = "a .gguf file, a folder with config.json and *.safetensors weights, or a Hugging Face repo id like 'org/name'"
 
 
 def resolve_model(model: str | os.PathLike | None = None, progress: ProgressFn | None = None) -> ResolvedModel:
@@ -119,19 +121,14 @@ def resolve_model(model: str | os.PathLike | None = None, progress: ProgressFn |
         if path.is_file():
             if path.suffix.lower() == ".gguf":
                 return ResolvedModel(convert_gguf(path, progress), path.name, "gguf", path)
-            raise ModelLoadError(
-                f"{text} is a file but not a .gguf model; pass a .gguf file, a folder with "
-                "config.json and *.safetensors, or a Hugging Face repo id"
-            )
+            raise ModelLoadError(f"{text} is a file but not a .gguf model; pass {MODEL_KINDS}")
         check_model_folder(path)
         return ResolvedModel(path, path.name, "folder")
     if text.startswith((".", "/", "~")) or text.lower().endswith(".gguf") or text.count("/") > 1:
         raise ModelLoadError(f"model path {text} does not exist; check the path (or omit --model for the embedded default)")
     if _REPO_ID.match(text):
         return ResolvedModel(download_from_hub(text), text, "hub")
-    raise ModelLoadError(
-        f"model {text!r} is neither an existing path nor a Hugging Face repo id like 'org/name'"
-    )
+    raise ModelLoadError(f"model {text!r} is neither an existing path nor a Hugging Face repo id; pass {MODEL_KINDS}")
 
 
 def check_model_folder(path: Path) -> None:
@@ -141,12 +138,14 @@ def check_model_folder(path: Path) -> None:
         ModelLoadError: no config.json, or no model.safetensors / index / *.safetensors.
     """
     if not (path / "config.json").is_file():
-        raise ModelLoadError(f"folder {path} has no config.json; it is not a Hugging Face model folder")
+        raise ModelLoadError(f"folder {path} has no config.json, so it is not a Hugging Face model folder; pass "
+                             f"{MODEL_KINDS}")
     if not safetensors_files(path):
         found = ", ".join(sorted(p.name for p in path.iterdir())[:6]) or "nothing"
         raise ModelLoadError(
             f"folder {path} has no safetensors weights (model.safetensors or "
-            f"model.safetensors.index.json); found: {found}"
+            f"model.safetensors.index.json); found: {found}. This engine reads safetensors or GGUF: save the "
+            "model with safe_serialization=True, or pass a .gguf file or a repo id"
         )
 
 
@@ -161,7 +160,8 @@ def safetensors_files(path: Path) -> list[Path]:
         files = sorted({path / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise ModelLoadError(f"{index.name} names shards that are missing: {', '.join(missing[:4])}")
+            raise ModelLoadError(f"{index.name} names shards that are missing: {', '.join(missing[:4])}; download them "
+                                 "(or the model again)")
         return files
     return sorted(path.glob("*.safetensors"))
 
@@ -199,7 +199,8 @@ def download_from_hub(repo_id: str) -> Path:
         ) from None
     path = Path(folder)
     if not safetensors_files(path):
-        raise ModelLoadError(f"{repo_id} has no safetensors weights on the Hub; this engine loads safetensors or GGUF only")
+        raise ModelLoadError(f"{repo_id} has no safetensors weights on the Hub; this engine loads safetensors or GGUF "
+                             "only: pass a .gguf file of the model, or another repo id")
     return path
 
 
@@ -251,7 +252,8 @@ def convert_gguf(gguf_file: Path, progress: ProgressFn | None = None) -> Path:
     arch = arch_field.contents() if arch_field is not None else None
     if arch != "llama":
         raise ModelLoadError(
-            f"{gguf_file.name} holds a {arch!r} model; this engine runs LLaMA-family models (general.architecture 'llama')"
+            f"{gguf_file.name} holds a {arch!r} model; this engine runs LLaMA-family models (general.architecture "
+            "'llama'): pass a GGUF file of one"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
@@ -335,7 +337,8 @@ def load_hf_config(path: Path) -> Any:
             obj = _Raw()
             obj.__dict__.update(raw)
             return obj
-        raise ModelLoadError(f"could not read {path / 'config.json'} ({type(e).__name__}: {e})") from None
+        raise ModelLoadError(f"could not read {path / 'config.json'} ({type(e).__name__}: {e}); it must be the model's "
+                             "JSON config: re-download it") from None
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -349,7 +352,8 @@ def load_tokenizer(path: Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:
-        raise ModelLoadError(f"could not load a tokenizer from {path} ({type(e).__name__}: {str(e)[:160]})") from None
+        raise ModelLoadError(f"could not load a tokenizer from {path} ({type(e).__name__}: {str(e)[:160]}); the folder "
+                             "needs the model's tokenizer files (tokenizer.json, tokenizer_config.json)") from None
 
 
 def checkpoint_remedy(folder: Path) -> str:
@@ -430,8 +434,8 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
                 want = expected.get(key)
                 if want is not None and shape != want:
                     raise ModelLoadError(
-                        f"tensor {key} has shape {list(tensor.shape)} but the config implies {list(want)}; "
-                        "the weights do not match config.json"
+                        f"tensor {key} has shape {list(shape)} but the config implies {list(want)}; the weights do "
+                        "not match config.json: take both from one download of the model"
                     )
                 if split:
                     try:
@@ -444,7 +448,8 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
                 with torch.no_grad():
                     target = param if rows is None else param[rows]
                     if tuple(target.shape) != tuple(tensor.shape):
-                        raise ModelLoadError(f"tensor {key} has shape {list(tensor.shape)}, expected {list(target.shape)}")
+                        raise ModelLoadError(f"tensor {key} has shape {list(tensor.shape)}, expected {list(target.shape)}; "
+                                             "the weights do not match config.json: take both from one download")
                     target.copy_(tensor.to(param.dtype))
                 seen.add(key)
         if progress:
@@ -452,7 +457,8 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
     missing = [k for k in expected if k not in seen]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ModelLoadError(f"tensor {missing[0]} is missing from the checkpoint{more}; the weights are incomplete")
+        raise ModelLoadError(f"tensor {missing[0]} is missing from the checkpoint{more}; the weights are incomplete: "
+                             f"{checkpoint_remedy(path)}")
 
 
 def _naming(resolved: ResolvedModel, e: Exception) -> ModelLoadError:
