@@ -323,6 +323,20 @@ def test_a_priority_that_is_not_a_list_is_one_line_naming_what_was_given(make_ll
         lambda: llm.generate(prompts, SamplingParams(max_tokens=2), priority=priority, use_tqdm=False))
 
 
+# Trial 14d: llm.close(); llm.generate(...) ran as if nothing had happened.
+def test_a_closed_llm_refuses_new_work_in_one_line(make_llm):
+    llm = make_llm()
+    with llm:
+        assert llm.generate([GOOD], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    closed = r"^this LLM is closed; create a new LLM\(\.\.\.\)$"
+    for call in (lambda: llm.generate([GOOD], SamplingParams(max_tokens=2), use_tqdm=False),
+                 lambda: llm.generate(None),  # closed is said first, before the arguments are looked at
+                 lambda: llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False)):
+        assert_refused_before_queueing(llm, closed, call)
+    llm.close()  # idempotent
+    assert llm.stats()["kv_blocks_used"] == 0 and llm.get_tokenizer() is not None  # these run nothing
+
+
 def test_abort_frees_blocks_and_reports_abort(make_engine):
     engine = make_engine()
     rid = engine.add_request(GOOD, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
