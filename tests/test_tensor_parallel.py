@@ -308,9 +308,11 @@ def kill_worker_and_check_the_engine_ends(llm: LLM, when: str, worker_pid: int |
     assert names in engine.fatal_error, engine.fatal_error
     assert errors and errors[-1].message == engine.fatal_error
     assert_no_group_left(port)
-    llm.close()  # idempotent after the failure
-    refused = llm.generate(["again"], GREEDY, use_tqdm=False)[0]
-    assert refused.outputs[0].finish_reason == "rejected"
+    refused = llm.generate(["again"], GREEDY, use_tqdm=False)[0]  # the dead engine rejects, with its reason
+    assert refused.outputs[0].finish_reason == "rejected" and refused.error == engine.fatal_error
+    llm.close()  # idempotent after the failure; then the LLM itself refuses new work
+    with pytest.raises(ValueError, match=r"^this LLM is closed; create a new LLM\(\.\.\.\)$"):
+        llm.generate(["again"], GREEDY, use_tqdm=False)
 
 
 def test_n2_greedy_matches_n1_repeats_ignores_batching_times_truly_then_a_killed_worker(

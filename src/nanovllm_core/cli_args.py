@@ -11,6 +11,7 @@ time (torch waits until an engine is built).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -70,20 +71,31 @@ def sampling_decimal(field: str):
     Checked here, not after parsing, so a bad value is argparse's one line naming the option and the
     text typed (``argument --temperature: must be a finite number >= 0 (0 means greedy), got '-1'``):
     ``SamplingParams`` would name its field and the parsed number (``temperature=inf`` for ``1e400``).
+    Text that is no number (``nan``, ``inf``, ``٥``) gets the same range (trial 14d: it said only
+    "expected a decimal number in ASCII digits").
 
     Raises:
         argparse.ArgumentTypeError: not such a number, or outside the field's range.
     """
 
-    def parse(text: str) -> float:
+    def rule(value: float) -> str | None:
+        """The field's range in ``SamplingParams``' words when ``value`` breaks it, else None."""
         from nanovllm_core.sampling_params import SamplingParams
 
-        value = decimal(text)
         try:
             SamplingParams(**{field: value})
         except ValueError as e:
-            rule = str(e).split(" is invalid: ", 1)[-1]
-            raise argparse.ArgumentTypeError(f"{rule}, got {text!r}") from None
+            return str(e).split(" is invalid: ", 1)[-1]
+        return None
+
+    def parse(text: str) -> float:
+        try:
+            value = ascii_float(text)
+        except ValueError:  # NaN breaks every range: its rule is the field's range
+            raise argparse.ArgumentTypeError(f"{rule(math.nan)}, written in ASCII digits, got {text!r}") from None
+        problem = rule(value)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(f"{problem}, got {text!r}")
         return value
 
     parse.__name__ = field  # argparse names a type by it in its own messages
@@ -266,14 +278,12 @@ def positive_float(text: str) -> float:
     Raises:
         argparse.ArgumentTypeError: not a number, not finite, or not above 0.
     """
-    import math
-
     try:
         value = ascii_float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text}")
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:  # one message for all, the range in each (trial 14d)
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, in ASCII digits, got {text!r}")
     return value
 
 
@@ -285,12 +295,13 @@ def seed_int(text: str) -> int:
     """
     from nanovllm_core.sampling_params import SEED_MAX, SEED_MIN
 
+    rule = f"a seed is a 64-bit integer ({SEED_MIN} to {SEED_MAX})"
     try:
         value = ascii_int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"{rule} in ASCII digits, got {text!r}") from None
     if not SEED_MIN <= value <= SEED_MAX:
-        raise argparse.ArgumentTypeError(f"a seed is a 64-bit integer ({SEED_MIN} to {SEED_MAX}), got {value}")
+        raise argparse.ArgumentTypeError(f"{rule}, got {value}")
     return value
 
 
@@ -397,6 +408,7 @@ def load_progress(prog: str):
             print(f"{prog}: {stage}...", file=sys.stderr, flush=True)
         bars(stage, done, total)
 
+    progress.close = bars.close
     return progress
 
 

@@ -111,6 +111,13 @@ def tensor_parallel_quantization(mode: str | None, tensor_parallel_size: int) ->
     raise ValueError(f"--quantization {mode} does not run with --tensor-parallel-size > 1 yet; use --quantization none")
 
 
+# vLLM's LLM(...) keywords that are spelled otherwise here (docs/engine.md, "Moving to vLLM").
+VLLM_SPELLINGS = {
+    "speculative_config": "speculative_model= and num_speculative_tokens=",
+    "gpu_memory_utilization": "kv_cache_memory= (bytes) or num_kv_blocks=",
+}
+
+
 @dataclass
 class EngineConfig:
     """Settings of one engine.
@@ -315,6 +322,29 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+    @classmethod
+    def unknown_options(cls, given: Any, takes: str = "LLM", extra: tuple[str, ...] = ()) -> str | None:
+        """One line naming the names in ``given`` that are not settings (``EngineConfig`` fields or ``extra``,
+        the caller's own keywords), with the nearest valid name and every valid one; None when all are known.
+
+        vLLM's names with another spelling here are pointed to (``speculative_config``,
+        ``gpu_memory_utilization``); otherwise the nearest name by spelling (``difflib``).
+        """
+        import difflib
+
+        valid = sorted(cls.field_names() | set(extra))
+        unknown = sorted(set(given) - set(valid))
+        if not unknown:
+            return None
+        hints = []
+        for name in unknown:
+            near = VLLM_SPELLINGS.get(name) or " or ".join(difflib.get_close_matches(name, valid, n=2, cutoff=0.6))
+            if near:
+                hints.append(f"did you mean {near}?" if len(unknown) == 1 else f"{name}: did you mean {near}?")
+        hint = f" ({'; '.join(hints)})" if hints else ""
+        return (f"unknown {takes} option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}{hint}; {takes} takes "
+                f"{', '.join(valid)} (help(EngineConfig) says what each does)")
 
     @property
     def torch_device(self) -> torch.device:

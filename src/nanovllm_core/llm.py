@@ -20,10 +20,18 @@ from nanovllm_core.sampling_params import SamplingParams
 
 
 def console_progress() -> ProgressFn:
-    """A progress callback that draws one tqdm bar per stage on stderr (used while converting GGUF)."""
+    """A progress callback that draws one tqdm bar per stage on stderr (used while converting GGUF).
+
+    Its ``close()`` clears the bars still drawn: a load that fails mid-stage calls it before its error
+    line, which would otherwise start on the bar's line (``LLM.__init__`` does, through :func:`close_progress`).
+    """
     from tqdm.auto import tqdm
 
     bars: dict[str, Any] = {}
+
+    def close() -> None:
+        for bar in bars.values():
+            bar.close()  # closing twice is harmless
 
     def progress(stage: str, done: int, total: int) -> None:
         bar = bars.get(stage)
@@ -35,7 +43,18 @@ def console_progress() -> ProgressFn:
         if done >= total:
             bar.close()
 
+    progress.close = close
     return progress
+
+
+def close_progress(progress: Any) -> None:
+    """Clear what a progress callback still draws (its ``close()``, when it has one)."""
+    close = getattr(progress, "close", None)
+    if callable(close):
+        close()
+
+
+CLOSED = "this LLM is closed; create a new LLM(...)"  # what generate and chat raise after close()
 
 
 class LLM:
@@ -51,6 +70,10 @@ class LLM:
             (N > 1) N-1 worker processes hold the other shards; :meth:`close` (or ``with``) stops them.
         progress: loading progress callback (default: a console bar while converting).
 
+    After :meth:`close` (or the end of a ``with`` block) it refuses new work: ``generate`` and
+    ``chat`` raise ``ValueError(CLOSED)``, as a closed file refuses a read; ``stats``, the tokenizer
+    and ``apply_chat_template`` still answer (they run nothing).
+
     Raises:
         ModelLoadError: the model cannot be found or loaded.
         ValueError: an invalid engine setting, or an unknown keyword argument.
@@ -58,16 +81,22 @@ class LLM:
 
     def __init__(self, model: str | None = None, device: str | None = None, dtype: str | None = None,
                  progress: ProgressFn | None = None, **engine_kwargs: Any) -> None:
-        unknown = set(engine_kwargs) - EngineConfig.field_names()
+        self._closed = False
+        unknown = EngineConfig.unknown_options(engine_kwargs, "LLM", extra=("progress",))
         if unknown:
-            raise ValueError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
+            raise ValueError(unknown)
         self.config = EngineConfig(model=model, device=device, dtype=dtype, **engine_kwargs)
-        self.engine = LLMEngine.from_config(self.config, progress=progress or console_progress())
+        progress = progress or console_progress()
+        try:
+            self.engine = LLMEngine.from_config(self.config, progress=progress)
+        finally:  # a failed load's error line must not start on a half-drawn bar
+            close_progress(progress)
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":
         """Wrap an engine built elsewhere (tests, the controller)."""
         self = cls.__new__(cls)
+        self._closed = False
         self.config = engine.config
         self.engine = engine
         return self
@@ -114,14 +143,21 @@ class LLM:
         (``LLMEngine.fatal_error``) every prompt comes back rejected with that reason.
 
         Raises:
+            ValueError: this LLM was closed (:data:`CLOSED`), before anything else is looked at.
             ValueError: ``prompts`` of another type (None, a number, a dict; a token-id list holding
                 something other than ints), naming what was given; sampling_params or priority lists
-                of the wrong length or type, a priority
+                of the wrong length or type, a priority that is not a list or tuple (one int: ``[3]``), a priority
                 outside -1000..1000 or not 0 under ``scheduling_policy="fcfs"``, or a prompt the engine cannot take (one line naming it,
                 ``prompts[i]`` when there are several); all checked before any prompt is queued.
         """
+        self._check_open()
         return self._generate(self._prompt_list(prompts), sampling_params, priority, use_tqdm,
                               reject_bad_prompts, label="prompts[{i}]")
+
+    def _check_open(self) -> None:
+        """Raise ValueError(:data:`CLOSED`) once :meth:`close` has run: a closed LLM takes no new work."""
+        if getattr(self, "_closed", False):
+            raise ValueError(CLOSED)
 
     def _generate(
         self,
@@ -152,6 +188,10 @@ class LLM:
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         if priority is None:
             priority = [0] * len(prompts)
+        elif not isinstance(priority, (list, tuple)):  # an int, a string, a dict, a generator: not one per prompt
+            one = f"; for one {noun[:-1]} give [{priority!r}]" if type(priority) is int and len(prompts) == 1 else ""
+            raise ValueError(f"priority must be a list of whole numbers, one per {noun[:-1]}, got "
+                             f"{describe(priority)}{one}")
         elif len(priority) != len(prompts):
             many = noun if len(prompts) != 1 else noun[:-1]
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} {many}; give one per {noun[:-1]}")
@@ -276,12 +316,13 @@ class LLM:
         (``prompts.content_text``); any other part (an image) is refused, as the server refuses it.
 
         Raises:
-            ValueError: ``messages`` of another type (a str, None, a dict alone, a list of strings;
-                the message names what was given), no conversation, a message that is not such a
-                dict or has another role or a non-text content part, the
-                tokenizer has no chat template, or a prompt ``generate`` refuses; all checked before
-                any conversation is queued.
+            ValueError: this LLM was closed (:data:`CLOSED`); ``messages`` of another type (a str,
+                None, a dict alone, a list of strings; the message names what was given), no
+                conversation, a message that is not such a dict or has another role or a non-text
+                content part, the tokenizer has no chat template, or a prompt ``generate`` refuses;
+                all checked before any conversation is queued.
         """
+        self._check_open()
         shape = "messages must be a list of {'role', 'content'} dicts (or a list of such lists)"
         if isinstance(messages, (list, tuple)) and not messages:
             raise ValueError("messages is empty; give a conversation (a list of {'role': ..., 'content': text}) "
@@ -314,9 +355,12 @@ class LLM:
         return self.engine.chat_token_ids(conversation, add_generation_prompt)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (``tensor_parallel_size`` > 1) and destroy the process group;
-        nothing to do with one process. Idempotent; also run by ``with LLM(...) as llm:``, at
+        """End this LLM: later ``generate`` and ``chat`` calls raise ``ValueError(CLOSED)``; the
+        tensor-parallel workers (``tensor_parallel_size`` > 1) are stopped and the process group
+        destroyed. With one process nothing else is released: the weights and the KV pool go when
+        the object is garbage-collected. Idempotent; also run by ``with LLM(...) as llm:``, at
         garbage collection and at interpreter exit."""
+        self._closed = True
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()

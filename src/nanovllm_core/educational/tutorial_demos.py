@@ -58,12 +58,16 @@ class EngineDemos:
         """Load the weights (once) and return the model's facts (``LLMEngine.model_info()``)."""
         if self._loaded is None:
             from nanovllm_core.config import EngineConfig
-            from nanovllm_core.llm import console_progress
+            from nanovllm_core.llm import close_progress, console_progress
             from nanovllm_core.model.loader import load_model
 
             cfg = EngineConfig(model=self.model, device=self.device, dtype=self.dtype, quantization=self.quantization)
-            self._loaded = load_model(cfg.model, cfg.torch_device, cfg.torch_dtype, progress=console_progress(),
-                                      quantization=cfg.quantization)
+            progress = console_progress()
+            try:
+                self._loaded = load_model(cfg.model, cfg.torch_device, cfg.torch_dtype, progress=progress,
+                                          quantization=cfg.quantization)
+            finally:  # a failed load's error line must not start on a half-drawn bar
+                close_progress(progress)
         engine = self.engine()
         engine_roofline(engine)  # once per machine (and block kernel): the prefill and decode chapters' facts
         return engine.model_info()

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from nanovllm_core import events as ev
 from nanovllm_core import yield_gate
+from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.llm_engine import LLMEngine, Subscription
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams, check_priority
@@ -59,6 +60,9 @@ class EngineController:
         start_paused: begin paused (the app's tutorial and tests use it).
         **llm_kwargs: engine settings (``EngineConfig`` fields: block_size, num_kv_blocks, ...).
 
+    Raises:
+        ValueError: a keyword that is not a setting (``EngineConfig.unknown_options``).
+
     ``state`` is one of ``loading``, ``running`` (stepping), ``paused``, ``idle`` (nothing to
     do), ``stopped`` (after shutdown) or ``failed`` (the model did not load; ``load_error`` says why).
     ``start_paused``: as given (while ``loading``, whether the engine will come up paused).
@@ -66,6 +70,9 @@ class EngineController:
 
     def __init__(self, model: str | None = None, *, start_paused: bool = False, _engine: LLMEngine | None = None,
                  **llm_kwargs: Any) -> None:
+        unknown = EngineConfig.unknown_options(llm_kwargs, "EngineController", extra=("start_paused",))
+        if unknown:  # before the thread starts: its load would fail on a TypeError without a hint
+            raise ValueError(unknown)
         self._engine: LLMEngine | None = _engine
         self._owns_engine = _engine is None  # loaded on this controller's thread: closed when it stops
         self._model = model
@@ -232,8 +239,6 @@ class EngineController:
                 traceback.print_exc()
 
     def _load(self) -> bool:
-        from nanovllm_core.config import EngineConfig
-
         def progress(stage: str, done: int, total: int) -> None:
             self._emit(ev.ModelLoading(stage=stage, done=done, total=total))
 

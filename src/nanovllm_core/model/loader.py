@@ -33,8 +33,10 @@ from typing import Any, Callable
 
 import torch
 
+from nanovllm_core.model.checkpoint_files import open_gguf, safetensors_problem
 from nanovllm_core.model.gguf_names import gguf_to_hf_name as _gguf_to_hf_name
 from nanovllm_core.model.gguf_names import unpermute_rotary_rows  # re-exported: tests and callers use loader's
+from nanovllm_core.model.weight_checks import blocks_phrase, first_nonfinite_blocks, nonfinite_floats, values_phrase
 from nanovllm_core.paths import cache_root  # re-exported: loader.cache_root() is used by callers
 from nanovllm_core.config import SettingError
 
@@ -96,6 +98,8 @@ def default_gguf_path() -> Path:
 
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+# What a model may be: the next step of every "this is not a model" line.
+MODEL_KINDS = "a .gguf file, a folder with config.json and *.safetensors weights, or a Hugging Face repo id like 'org/name'"
 
 
 def resolve_model(model: str | os.PathLike | None = None, progress: ProgressFn | None = None) -> ResolvedModel:
@@ -117,19 +121,14 @@ def resolve_model(model: str | os.PathLike | None = None, progress: ProgressFn |
         if path.is_file():
             if path.suffix.lower() == ".gguf":
                 return ResolvedModel(convert_gguf(path, progress), path.name, "gguf", path)
-            raise ModelLoadError(
-                f"{text} is a file but not a .gguf model; pass a .gguf file, a folder with "
-                "config.json and *.safetensors, or a Hugging Face repo id"
-            )
+            raise ModelLoadError(f"{text} is a file but not a .gguf model; pass {MODEL_KINDS}")
         check_model_folder(path)
         return ResolvedModel(path, path.name, "folder")
     if text.startswith((".", "/", "~")) or text.lower().endswith(".gguf") or text.count("/") > 1:
         raise ModelLoadError(f"model path {text} does not exist; check the path (or omit --model for the embedded default)")
     if _REPO_ID.match(text):
         return ResolvedModel(download_from_hub(text), text, "hub")
-    raise ModelLoadError(
-        f"model {text!r} is neither an existing path nor a Hugging Face repo id like 'org/name'"
-    )
+    raise ModelLoadError(f"model {text!r} is neither an existing path nor a Hugging Face repo id; pass {MODEL_KINDS}")
 
 
 def check_model_folder(path: Path) -> None:
@@ -139,12 +138,14 @@ def check_model_folder(path: Path) -> None:
         ModelLoadError: no config.json, or no model.safetensors / index / *.safetensors.
     """
     if not (path / "config.json").is_file():
-        raise ModelLoadError(f"folder {path} has no config.json; it is not a Hugging Face model folder")
+        raise ModelLoadError(f"folder {path} has no config.json, so it is not a Hugging Face model folder; pass "
+                             f"{MODEL_KINDS}")
     if not safetensors_files(path):
         found = ", ".join(sorted(p.name for p in path.iterdir())[:6]) or "nothing"
         raise ModelLoadError(
             f"folder {path} has no safetensors weights (model.safetensors or "
-            f"model.safetensors.index.json); found: {found}"
+            f"model.safetensors.index.json); found: {found}. This engine reads safetensors or GGUF: save the "
+            "model with safe_serialization=True, or pass a .gguf file or a repo id"
         )
 
 
@@ -159,7 +160,8 @@ def safetensors_files(path: Path) -> list[Path]:
         files = sorted({path / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise ModelLoadError(f"{index.name} names shards that are missing: {', '.join(missing[:4])}")
+            raise ModelLoadError(f"{index.name} names shards that are missing: {', '.join(missing[:4])}; download them "
+                                 "(or the model again)")
         return files
     return sorted(path.glob("*.safetensors"))
 
@@ -197,7 +199,8 @@ def download_from_hub(repo_id: str) -> Path:
         ) from None
     path = Path(folder)
     if not safetensors_files(path):
-        raise ModelLoadError(f"{repo_id} has no safetensors weights on the Hub; this engine loads safetensors or GGUF only")
+        raise ModelLoadError(f"{repo_id} has no safetensors weights on the Hub; this engine loads safetensors or GGUF "
+                             "only: pass a .gguf file of the model, or another repo id")
     return path
 
 
@@ -227,26 +230,30 @@ def convert_gguf(gguf_file: Path, progress: ProgressFn | None = None) -> Path:
     GGUF stores LLaMA's q_proj and k_proj rows in llama.cpp's interleaved rotary order
     (pairs (2i, 2i+1)); they are permuted back to Hugging Face's half-split order here.
 
+    Every tensor is checked to be finite (``weight_checks``): a file with NaN or infinite weights
+    is refused, naming the tensor, and nothing is cached.
+
     Raises:
-        ModelLoadError: the file is not a readable GGUF, or not a LLaMA model.
+        ModelLoadError: the file is not a GGUF file, is cut short, is corrupt (non-finite weights),
+            or is not a LLaMA model.
     """
     target = _gguf_cache_dir(gguf_file)
     if is_converted(target):
         return target
     try:
-        import gguf
         from gguf.quants import dequantize
     except ImportError:  # pragma: no cover - a declared dependency
         raise ModelLoadError("the gguf package is needed to read .gguf files; pip install gguf") from None
     try:
-        reader = gguf.GGUFReader(str(gguf_file))
-    except Exception as e:
-        raise ModelLoadError(f"{gguf_file} is not a readable GGUF file ({type(e).__name__}: {e}); it may be truncated") from None
+        reader = open_gguf(gguf_file)
+    except ValueError as e:  # one line: not a GGUF file, cut short, ... and what to do
+        raise ModelLoadError(str(e)) from None
     arch_field = reader.fields.get("general.architecture")
     arch = arch_field.contents() if arch_field is not None else None
     if arch != "llama":
         raise ModelLoadError(
-            f"{gguf_file.name} holds a {arch!r} model; this engine runs LLaMA-family models (general.architecture 'llama')"
+            f"{gguf_file.name} holds a {arch!r} model; this engine runs LLaMA-family models (general.architecture "
+            "'llama'): pass a GGUF file of one"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
@@ -262,6 +269,10 @@ def convert_gguf(gguf_file: Path, progress: ProgressFn | None = None) -> Path:
                 continue
             arr = dequantize(t.data, t.tensor_type)
             w = torch.from_numpy(arr.copy()).float()
+            bad = nonfinite_floats(w)
+            if bad:  # a NaN scale or float: every logit would be NaN (weight_checks)
+                raise ModelLoadError(f"{gguf_file.name} is corrupt: tensor {t.name} {values_phrase(bad)}; re-download "
+                                     "it or convert it to GGUF again")
             if name.endswith("self_attn.q_proj.weight"):
                 w = unpermute_rotary_rows(w, num_heads)
             elif name.endswith("self_attn.k_proj.weight"):
@@ -326,7 +337,8 @@ def load_hf_config(path: Path) -> Any:
             obj = _Raw()
             obj.__dict__.update(raw)
             return obj
-        raise ModelLoadError(f"could not read {path / 'config.json'} ({type(e).__name__}: {e})") from None
+        raise ModelLoadError(f"could not read {path / 'config.json'} ({type(e).__name__}: {e}); it must be the model's "
+                             "JSON config: re-download it") from None
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -340,7 +352,32 @@ def load_tokenizer(path: Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:
-        raise ModelLoadError(f"could not load a tokenizer from {path} ({type(e).__name__}: {str(e)[:160]})") from None
+        raise ModelLoadError(f"could not load a tokenizer from {path} ({type(e).__name__}: {str(e)[:160]}); the folder "
+                             "needs the model's tokenizer files (tokenizer.json, tokenizer_config.json)") from None
+
+
+def checkpoint_remedy(folder: Path) -> str:
+    """What to do about a broken or corrupt checkpoint in ``folder``: a folder this loader converted from
+    a GGUF file is deleted and converted again (a broken cache is never trusted); any other is re-downloaded."""
+    if is_converted(folder):
+        try:
+            source = Path(json.loads((folder / "nanovllm_converted.json").read_text())["source"]).name
+        except (OSError, ValueError, KeyError, TypeError):
+            source = "a GGUF file"
+        return f"delete the folder {folder} (this engine's converted copy of {source}) and run again to convert it anew"
+    return f"re-download the model in {folder} (or convert it again)"
+
+
+def corrupt_checkpoint(folder: Path, what: str) -> ModelLoadError:
+    """The one-line refusal of a checkpoint whose weights are not all finite: ``what`` (the tensor and
+    its problem), then what to do (:func:`checkpoint_remedy`)."""
+    return ModelLoadError(f"{what}: the checkpoint is corrupt; {checkpoint_remedy(folder)}")
+
+
+def unreadable_tensor(folder: Path, file: Path, key: str, error: Exception) -> ModelLoadError:
+    """One line for a tensor whose bytes could not be read from an opened safetensors ``file``."""
+    return ModelLoadError(f"tensor {key} in {file.name} could not be read ({type(error).__name__}); "
+                          f"{checkpoint_remedy(folder)}")
 
 
 def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None = None,
@@ -353,8 +390,12 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
     rank are read from the file (``parallel.read_shard`` over safetensors' ``get_slice``), never
     the whole tensor; the file's whole shape is still checked against the config.
 
+    Every tensor read is checked to be finite (``weight_checks``; a tensor-parallel rank checks its shard).
+
     Raises:
-        ModelLoadError: a tensor missing, of the wrong shape, or a file truncated/corrupt.
+        ModelLoadError: a tensor missing, of the wrong shape, holding NaN or infinite values
+            (:func:`corrupt_checkpoint`), or a file that is not safetensors or is cut short
+            (``checkpoint_files.safetensors_problem``).
     """
     from safetensors import safe_open
 
@@ -369,10 +410,8 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
     for n, file in enumerate(files, 1):
         try:
             handle = safe_open(str(file), framework="pt")
-        except Exception as e:
-            raise ModelLoadError(
-                f"{file.name} is truncated or corrupt ({type(e).__name__}: {str(e)[:120]}); delete it and download/convert again"
-            ) from None
+        except Exception:  # one line saying what the file is (not safetensors, cut short), not the parser's words
+            raise ModelLoadError(f"{safetensors_problem(file)}; {checkpoint_remedy(path)}") from None
         with handle as f:
             keys = list(f.keys())
             for key in keys:
@@ -391,22 +430,26 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
                         tensor = f.get_tensor(key)
                         shape = tuple(tensor.shape)
                 except Exception as e:
-                    raise ModelLoadError(f"tensor {key} in {file.name} could not be read ({e}); the file may be truncated") from None
+                    raise unreadable_tensor(path, file, key, e) from None
                 want = expected.get(key)
                 if want is not None and shape != want:
                     raise ModelLoadError(
-                        f"tensor {key} has shape {list(tensor.shape)} but the config implies {list(want)}; "
-                        "the weights do not match config.json"
+                        f"tensor {key} has shape {list(shape)} but the config implies {list(want)}; the weights do "
+                        "not match config.json: take both from one download of the model"
                     )
                 if split:
                     try:
                         tensor = read_shard(key, part, model.config, tensor_parallel)
                     except Exception as e:
-                        raise ModelLoadError(f"tensor {key} in {file.name} could not be read ({e}); the file may be truncated") from None
+                        raise unreadable_tensor(path, file, key, e) from None
+                bad = nonfinite_floats(tensor)
+                if bad:
+                    raise corrupt_checkpoint(path, f"tensor {key} in {file.name} {values_phrase(bad)}")
                 with torch.no_grad():
                     target = param if rows is None else param[rows]
                     if tuple(target.shape) != tuple(tensor.shape):
-                        raise ModelLoadError(f"tensor {key} has shape {list(tensor.shape)}, expected {list(target.shape)}")
+                        raise ModelLoadError(f"tensor {key} has shape {list(tensor.shape)}, expected {list(target.shape)}; "
+                                             "the weights do not match config.json: take both from one download")
                     target.copy_(tensor.to(param.dtype))
                 seen.add(key)
         if progress:
@@ -414,7 +457,17 @@ def load_weights(model: torch.nn.Module, path: Path, progress: ProgressFn | None
     missing = [k for k in expected if k not in seen]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ModelLoadError(f"tensor {missing[0]} is missing from the checkpoint{more}; the weights are incomplete")
+        raise ModelLoadError(f"tensor {missing[0]} is missing from the checkpoint{more}; the weights are incomplete: "
+                             f"{checkpoint_remedy(path)}")
+
+
+def _naming(resolved: ResolvedModel, e: Exception) -> ModelLoadError:
+    """``e`` as a one-line ModelLoadError that names the model: prefixed with its name unless the line
+    names it already (a GGUF file's own problems do); a ModelLoadError is kept as it is."""
+    if isinstance(e, ModelLoadError):
+        return e
+    text = str(e)
+    return ModelLoadError(text if resolved.name in text else f"{resolved.name}: {text}")
 
 
 def load_model(model: str | os.PathLike | None, device: torch.device, dtype: torch.dtype,
@@ -466,13 +519,13 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
         mode, auto_note = resolve_quantization(requested, resolved.gguf_file, device, dtype,
                                                tensor_parallel_size=world_size, tensor_types=types)
     except ValueError as e:
-        raise ModelLoadError(f"{resolved.name}: {e}") from None
+        raise _naming(resolved, e) from None
     cfg = model_config
     if cfg is None:
         try:
             cfg = ModelConfig.from_hf(load_hf_config(resolved.path))
         except (ValueError, AttributeError) as e:
-            raise ModelLoadError(f"{resolved.name}: {e}") from None
+            raise _naming(resolved, e) from None
     if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
         raise ContextTooLong(
             f"max_model_len={max_model_len} is longer than the model's context ({cfg.max_position_embeddings} "
@@ -494,7 +547,7 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
         try:
             kept = keep_file_blocks(net, gguf_blocks_cached(resolved, cfg))
         except ValueError as e:
-            raise ModelLoadError(f"{resolved.name}: {e}") from None
+            raise _naming(resolved, e) from None
         if progress:
             progress("reading the GGUF file's blocks", 1, 1)
     if world_size > 1:  # this rank's shard shapes, still on the meta device; load_weights reads only its rows
@@ -511,7 +564,7 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     try:
         prepare_linear_layers(net, mode, gguf_file=resolved.gguf_file)
     except ValueError as e:
-        raise ModelLoadError(f"{resolved.name}: {e}") from None
+        raise _naming(resolved, e) from None
     if auto_note is not None:
         net.quantization_note = auto_note
     net.quantization_requested = AUTO if requested is None else requested
@@ -554,9 +607,11 @@ def gguf_blocks_cached(resolved: ResolvedModel, cfg) -> dict[str, tuple[str, tor
     The first load reads them from the GGUF file (its header parse and the q/k row
     unpermutation take seconds) and writes :data:`GGUF_BLOCKS_FILE` (uint8 safetensors, the
     file's size); later loads read that back. Tensors in other formats map to ``(type, None)``.
+    Blocks read back are checked as the file's are (``weight_checks.nonfinite_scales``).
 
     Raises:
-        ValueError: the GGUF file cannot be read.
+        ValueError: the GGUF file cannot be read, or its blocks have a NaN or infinite scale.
+        ModelLoadError: the kept copy's blocks have one (:func:`corrupt_checkpoint`).
     """
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -564,12 +619,19 @@ def gguf_blocks_cached(resolved: ResolvedModel, cfg) -> dict[str, tuple[str, tor
     from nanovllm_core.model.quantization import gguf_block_tensors
 
     path = resolved.path / GGUF_BLOCKS_FILE
+    blocks = None
     try:
         with safe_open(str(path), framework="pt") as f:
             types = json.loads((f.metadata() or {})["types"])
-            return {name: (kind, f.get_tensor(name) if name in f.keys() else None) for name, kind in types.items()}
+            blocks = {name: (kind, f.get_tensor(name) if name in f.keys() else None) for name, kind in types.items()}
     except Exception:  # missing, truncated or from another layout: read the GGUF file again
         pass
+    if blocks is not None:
+        bad = first_nonfinite_blocks(blocks)
+        if bad is not None:
+            name, kind, count = bad
+            raise corrupt_checkpoint(resolved.path, f"tensor {name} in {GGUF_BLOCKS_FILE} {blocks_phrase(count, kind)}")
+        return blocks
     blocks = gguf_block_tensors(resolved.gguf_file, cfg)
     meta = {"types": json.dumps({n: kind for n, (kind, _b) in blocks.items()})}
     _write_atomically(path, lambda tmp: save_file({n: b for n, (_k, b) in blocks.items() if b is not None},

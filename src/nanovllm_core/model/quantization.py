@@ -22,6 +22,8 @@ docs/cpu-kernels.md, "int8 weights: what went and why").
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -54,14 +56,12 @@ def _gguf_reader(gguf_file):
     """``gguf.GGUFReader`` over ``gguf_file`` (it maps the file; nothing is copied).
 
     Raises:
-        ValueError: the file cannot be read, in one line naming it and why.
+        ValueError: the file cannot be read, in one line naming it, what it is and what to do
+            (``checkpoint_files.open_gguf``).
     """
-    import gguf
+    from nanovllm_core.model.checkpoint_files import open_gguf
 
-    try:
-        return gguf.GGUFReader(str(gguf_file))
-    except Exception as e:
-        raise ValueError(f"{gguf_file} could not be read ({type(e).__name__}: {e})") from None
+    return open_gguf(gguf_file)
 
 
 def gguf_block_tensors(gguf_file, cfg) -> dict[str, tuple[str, torch.Tensor | None]]:
@@ -72,9 +72,11 @@ def gguf_block_tensors(gguf_file, cfg) -> dict[str, tuple[str, torch.Tensor | No
     so every block stays as shipped); None for any other type (F32, F16, K-quants ...).
 
     Raises:
-        ValueError: the file cannot be read.
+        ValueError: the file cannot be read, or a block's scale is NaN or infinite (the file is
+            corrupt: ``weight_checks``), naming the tensor.
     """
     from nanovllm_core.model.gguf_names import gguf_to_hf_name, unpermute_rotary_rows
+    from nanovllm_core.model.weight_checks import blocks_phrase, nonfinite_scales
 
     reader = _gguf_reader(gguf_file)
     out: dict[str, tuple[str, torch.Tensor | None]] = {}
@@ -86,6 +88,10 @@ def gguf_block_tensors(gguf_file, cfg) -> dict[str, tuple[str, torch.Tensor | No
         blocks = None
         if fmt is not None:
             blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
+            bad = nonfinite_scales(blocks, fmt)
+            if bad:
+                raise ValueError(f"{Path(gguf_file).name} is corrupt: tensor {t.name} {blocks_phrase(bad, fmt.name)}; "
+                                 "re-download it or convert it to GGUF again")
             if name.endswith("self_attn.q_proj.weight"):
                 blocks = unpermute_rotary_rows(blocks, cfg.num_attention_heads).contiguous()
             elif name.endswith("self_attn.k_proj.weight"):

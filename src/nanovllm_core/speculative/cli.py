@@ -141,10 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from nanovllm_core.attention.selector import default_block_size
     from nanovllm_core.config import EngineConfig
     from nanovllm_core.engine.llm_engine import LLMEngine
-    from nanovllm_core.llm import LLM
+    from nanovllm_core.llm import LLM, close_progress
     from nanovllm_core.model.loader import ModelLoadError, load_model
     from nanovllm_core.sampling_params import SamplingParams
 
+    progress = load_progress("nanovllm-spec")
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                 max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
@@ -152,9 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 block_size=args.block_size)
         EngineConfig(speculative_model=draft, num_speculative_tokens=args.num_speculative_tokens)  # check early
         model, tokenizer, resolved = load_model(args.target_model, base_cfg.torch_device, base_cfg.torch_dtype,
-                                                progress=load_progress("nanovllm-spec"),
-                                                quantization=args.quantization)
+                                                progress=progress, quantization=args.quantization)
     except (ModelLoadError, ValueError) as e:
+        close_progress(progress)  # the error line starts on a line of its own, not on a half-drawn bar
         parser.error(str(e))
     if args.chat and not getattr(tokenizer, "chat_template", None):
         parser.error("this model's tokenizer has no chat template; drop --chat")
