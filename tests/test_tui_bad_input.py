@@ -362,6 +362,8 @@ def test_the_apps_help_lists_only_options_the_app_takes(capsys):
         parse_args(["--help"])
     out = capsys.readouterr().out
     assert "The capital of France" not in out  # nanovllm's default prompt: the app sends none unless given one
+    # --logprobs: the engine computes them, the app shows its own top-5 panel instead (fix15c's note)
+    assert "show the top-N log-probabilities" not in out and "the app does not show them" in " ".join(out.split())
     shown = set(re.findall(r"--[a-z][a-z-]*", out))
     refused = {f"--{name.replace('_', '-')}" for name in NOT_IN_APP}
     assert shown and not shown & refused, shown & refused

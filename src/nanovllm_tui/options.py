@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
             action.help = argparse.SUPPRESS  # left out of --help and its usage line (trial 14e)
         elif action.dest == "prompt":
             action.help = "a prompt sent when the app starts (repeat for several; default: none, type one in the app)"
+        elif action.dest == "logprobs":  # the engine computes them; the app's own Top-k panel is what it shows
+            action.help = ("have the engine compute the top-N log-probabilities of each token, as nanovllm does "
+                           "(the app does not show them: its Top-k panel shows the top 5 either way)")
     for group in p._action_groups:
         if group.title == "teaching modes":
             group.title = "narrator and tutorial tabs"
