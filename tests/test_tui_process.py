@@ -6,6 +6,7 @@ would, with bounded waits, and kills what it started if a wait runs out.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pty
 import select
@@ -27,6 +28,44 @@ WEB_DRIVER = "textual.drivers.web_driver:WebDriver"  # what textual-serve sets f
 def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=ENV, capture_output=True, text=True,
                           timeout=timeout)
+
+
+@contextlib.contextmanager
+def app_in_a_terminal(*argv: str):
+    """``python *argv`` in a pseudo-terminal of its own (100x30): yields ``(pid, fd)``; killed at the end."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the app in a terminal of its own
+        os.execve(sys.executable, [sys.executable, *argv],
+                  {**ENV, "TERM": "xterm-256color", "COLUMNS": "100", "LINES": "30"})
+    try:
+        yield pid, fd
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+
+
+def read_terminal(fd: int, act, timeout: float = 120, poll: float = 0.2) -> tuple[bytearray, bool]:
+    """Read what the app draws until its terminal closes, ``act(seen)`` returns True, or ``timeout`` s pass.
+
+    ``act`` runs before each read (it may press keys, signal, or clear ``seen``). Returns what was
+    read and whether the time ran out."""
+    seen, deadline = bytearray(), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if act(seen):
+            return seen, False
+        ready, _, _ = select.select([fd], [], [], poll)
+        if ready:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # the app ended and closed the terminal
+                return seen, False
+            if not chunk:
+                return seen, False
+            seen += chunk
+    return seen, True
 
 
 def test_a_bad_option_ends_with_one_line_before_torch_is_imported():
@@ -122,63 +161,39 @@ def test_a_web_page_app_ends_when_its_server_goes_away_or_a_signal_comes(how, se
 
 
 def test_sigterm_quits_the_terminal_app_and_gives_the_terminal_back():
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: the app in a terminal of its own
-        os.execve(sys.executable, [sys.executable, "-m", "nanovllm_tui.app", "--replay", str(TRACE)],
-                  {**ENV, "TERM": "xterm-256color", "COLUMNS": "100", "LINES": "30"})
-    seen, deadline, signalled = b"", time.monotonic() + 120, False
-    try:
-        while time.monotonic() < deadline:
-            if not signalled and b"Dashboard" in seen:
-                os.kill(pid, signal.SIGTERM)
-                signalled, seen = True, b""
-            ready, _, _ = select.select([fd], [], [], 0.2)
-            if ready:
-                try:
-                    chunk = os.read(fd, 65536)
-                except OSError:  # the app ended and closed the terminal
-                    break
-                if not chunk:
-                    break
-                seen += chunk
+    signalled = False
+
+    def act(seen: bytearray) -> bool:
+        nonlocal signalled
+        if not signalled and b"Dashboard" in seen:
+            os.kill(pid, signal.SIGTERM)
+            signalled = True
+            seen.clear()
+        return False
+
+    with app_in_a_terminal("-m", "nanovllm_tui.app", "--replay", str(TRACE)) as (pid, fd):
+        seen, _ = read_terminal(fd, act)
         _, status = os.waitpid(pid, 0) if signalled else (None, None)
-    finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except OSError:
-            pass
     assert signalled, "the app never drew its Dashboard"
     assert b"\x1b[?1049l" in seen  # left the alternate screen
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGTERM
 
 
 def test_pasting_invalid_utf8_into_the_terminal_app_does_not_end_it():
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.execve(sys.executable, [sys.executable, "-m", "nanovllm_tui.app", "--replay", str(TRACE)],
-                  {**ENV, "TERM": "xterm-256color", "COLUMNS": "100", "LINES": "30"})
-    seen, deadline, sent, alive = b"", time.monotonic() + 120, None, None
-    try:
-        while time.monotonic() < deadline:
-            if sent is None and b"Dashboard" in seen:
-                os.write(fd, b"\x1b[200~abc\xff\xfe def\x1b[201~")  # a bracketed paste of invalid UTF-8
-                sent = time.monotonic()
-            if sent is not None and time.monotonic() - sent > 3:
-                alive = os.waitpid(pid, os.WNOHANG) == (0, 0)
-                break
-            ready, _, _ = select.select([fd], [], [], 0.2)
-            if ready:
-                try:
-                    seen += os.read(fd, 65536)
-                except OSError:
-                    break
-    finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except OSError:
-            pass
+    sent, alive = None, None
+
+    def act(seen: bytearray) -> bool:
+        nonlocal sent, alive
+        if sent is None and b"Dashboard" in seen:
+            os.write(fd, b"\x1b[200~abc\xff\xfe def\x1b[201~")  # a bracketed paste of invalid UTF-8
+            sent = time.monotonic()
+        if sent is not None and time.monotonic() - sent > 3:
+            alive = os.waitpid(pid, os.WNOHANG) == (0, 0)
+            return True
+        return False
+
+    with app_in_a_terminal("-m", "nanovllm_tui.app", "--replay", str(TRACE)) as (pid, fd):
+        read_terminal(fd, act)
     assert sent is not None, "the app never drew its Dashboard"
     assert alive, "the app ended after invalid UTF-8 was pasted"
 
@@ -396,35 +411,21 @@ def test_quitting_the_terminal_app_inside_a_traced_step_ends_it_without_a_traceb
     from nanovllm_tui.replay import load_trace
 
     flag, trace = tmp_path / "inside", tmp_path / "run.jsonl"
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.execve(sys.executable, [sys.executable, "-c", textwrap.dedent(QUIT_INSIDE_A_TRACED_STEP), str(flag),
-                                   "--model", str(tiny_llama_dir), "--trace", str(trace), "--trace-xray",
-                                   "--prompt", "Hello there", "--max-tokens", "3",
-                                   "--progress-file", str(tmp_path / "p.json")],
-                  {**ENV, "TERM": "xterm-256color", "COLUMNS": "100", "LINES": "30"})
-    seen, deadline, quit_at, status = b"", time.monotonic() + 120, None, None
-    try:
-        while time.monotonic() < deadline:
-            if quit_at is None and flag.exists():
-                os.write(fd, b"\x11")  # ctrl+q, from the prompt bar
-                quit_at = time.monotonic()
-            ready, _, _ = select.select([fd], [], [], 0.1)
-            if ready:
-                try:
-                    chunk = os.read(fd, 65536)
-                except OSError:  # the app ended and closed the terminal
-                    break
-                if not chunk:
-                    break
-                seen += chunk
-        _, status = os.waitpid(pid, 0) if time.monotonic() < deadline else (None, None)
-    finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except OSError:
-            pass
+    quit_at = None
+
+    def act(seen: bytearray) -> bool:
+        nonlocal quit_at
+        if quit_at is None and flag.exists():
+            os.write(fd, b"\x11")  # ctrl+q, from the prompt bar
+            quit_at = time.monotonic()
+        return False
+
+    with app_in_a_terminal("-c", textwrap.dedent(QUIT_INSIDE_A_TRACED_STEP), str(flag),
+                           "--model", str(tiny_llama_dir), "--trace", str(trace), "--trace-xray",
+                           "--prompt", "Hello there", "--max-tokens", "3",
+                           "--progress-file", str(tmp_path / "p.json")) as (pid, fd):
+        seen, timed_out = read_terminal(fd, act, poll=0.1)
+        _, status = os.waitpid(pid, 0) if not timed_out else (None, None)
     text = seen.decode(errors="replace")
     assert quit_at is not None, "the step never reached its first layer trace"
     assert "Traceback" not in text and "Exception in thread" not in text, text[-3000:]

@@ -660,6 +660,18 @@ _CHECKS: dict[Any, Callable[[Any], Any]] = {}
 _FIELD_CHECKS: dict[type, dict[str, Callable[[Any], Any]]] = {}
 
 
+def _checked_items(pairs) -> tuple:
+    """``(check, value)`` pairs -> the checked values as a tuple; a failure names its index (``[2].field``)."""
+    out = []
+    for i, (check, v) in enumerate(pairs):
+        try:
+            out.append(check(v))
+        except FieldTypeError as e:
+            e.where = f"[{i}]{e.where}"
+            raise
+    return tuple(out)
+
+
 def _check_for(tp: Any) -> Callable[[Any], Any]:
     """The function that takes a value as JSON gave it as a field declared ``tp`` (made once per
     type, from the dataclasses' annotations): lists become tuples, objects the event parts they
@@ -716,28 +728,14 @@ def _make_check(tp: Any) -> Callable[[Any], Any]:
                 return tuple(value)
             if item is float and all(type(v) is float or type(v) is int for v in value):
                 return tuple(value)
-            out = []
-            for i, v in enumerate(value):
-                try:
-                    out.append(each(v))
-                except FieldTypeError as e:
-                    e.where = f"[{i}]{e.where}"
-                    raise
-            return tuple(out)
+            return _checked_items(zip([each] * len(value), value))
     elif origin is tuple:
         items = [_check_for(a) for a in typing.get_args(tp)]
 
         def check(value: Any) -> Any:
             if type(value) is not list or len(value) != len(items):
                 raise FieldTypeError(f"{words} of {len(items)}", value)
-            out = []
-            for i, (v, each) in enumerate(zip(value, items)):
-                try:
-                    out.append(each(v))
-                except FieldTypeError as e:
-                    e.where = f"[{i}]{e.where}"
-                    raise
-            return tuple(out)
+            return _checked_items(zip(items, value))
     elif dataclasses.is_dataclass(tp):
         name = tp.__name__
 
