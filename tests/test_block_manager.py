@@ -112,13 +112,19 @@ def test_shared_prefix_is_reused_and_refcounted():
     bm.check_invariants([b])
 
 
+def cached_then_freed(bm: BlockManager, token_ids: list[int]) -> Sequence:
+    """A sequence computed in full, its full blocks cached, then freed: its blocks are cached-free."""
+    seq = make_seq(0, token_ids)
+    bm.allocate(seq, len(token_ids))
+    seq.num_computed_tokens = len(token_ids)
+    bm.cache_full_blocks(seq)
+    bm.free(seq)
+    return seq
+
+
 def test_freed_cached_block_is_evicted_lru_only_when_needed():
     bm = BlockManager(num_blocks=3, block_size=2)
-    a = make_seq(0, [1, 2, 3, 4])
-    bm.allocate(a, 4)
-    a.num_computed_tokens = 4
-    bm.cache_full_blocks(a)
-    bm.free(a)
+    cached_then_freed(bm, [1, 2, 3, 4])
     assert bm.num_cached_free_blocks == 2 and bm.num_free_blocks == 3
     c = make_seq(1, [9, 9])
     bm.allocate(c, 2)  # takes the empty block first
@@ -132,11 +138,7 @@ def test_freed_cached_block_is_evicted_lru_only_when_needed():
 def test_a_cached_free_hit_is_shared_not_taken_anew_but_leaves_the_free_pool():
     """The two counts a preemption's shortfall is told in (Shortfall: needed vs free)."""
     bm = BlockManager(num_blocks=4, block_size=2)
-    a = make_seq(0, [1, 2, 3, 4])
-    bm.allocate(a, 4)
-    a.num_computed_tokens = 4
-    bm.cache_full_blocks(a)
-    bm.free(a)  # both blocks cached-free: still in the free pool of 4
+    cached_then_freed(bm, [1, 2, 3, 4])  # both blocks cached-free: still in the free pool of 4
     b = make_seq(1, [1, 2, 3, 4, 5, 6])
     hits = bm.find_cached_prefix(b)
     assert len(hits) == 2
