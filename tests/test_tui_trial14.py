@@ -7,7 +7,14 @@ import pytest
 from textual.app import App, ComposeResult
 from textual.widgets import Input
 
+from nanovllm_core import events as ev
+from nanovllm_tui import hints
+from nanovllm_tui.replay import load_trace
+from nanovllm_tui.state import EngineState, RequestView
+from nanovllm_tui.views.xray import no_trace_words
 from nanovllm_tui.widgets.prompt_bar import TAB_MARK, PromptBar, prompt_from_bar
+from tests.test_tui_newcomer import screen_text
+from tests.tui_helpers import TRACE, Notes, replay_app, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -64,3 +71,65 @@ async def test_a_first_paste_into_the_field_shows_its_end_with_the_cursor():
         field.paste(TABBED.replace("\t", " "))
         await pilot.pause()
         assert shown(field).rstrip().endswith("w39 END")
+
+
+# ---------------------------------------------------------------- 14a item 4: key hints true of the state
+
+
+def state_after_step_0(paused: bool, pending: str | None = None) -> EngineState:
+    """The test recording folded up to the end of step 0, and a request "late" waiting behind it
+    (not in step 0); the engine paused or running."""
+    state = EngineState()
+    for e in load_trace(TRACE):
+        state.apply(e)
+        if isinstance(e, ev.StepTimed):
+            break
+    state.requests["late"] = RequestView("late", "a prompt", state="waiting")
+    state.paused, state.pending = paused, pending
+    return state
+
+
+def test_the_xray_names_n_only_while_n_runs_a_step():
+    """Trial 14a: "X-Ray records the next step that runs it: press n again while paused" while the
+    engine ran unpaused (n does nothing then)."""
+    running = no_trace_words(state_after_step_0(paused=False), "late", live=True)
+    assert "was not in step 0 (it is waiting to be admitted)" in running
+    assert "press n" not in running and "steps come on their own while the engine runs" in running
+    resuming = no_trace_words(state_after_step_0(paused=True, pending="resuming"), "late", live=True)
+    assert "press n" not in resuming
+    for paused in (state_after_step_0(paused=True), state_after_step_0(paused=False, pending="pausing")):
+        assert "press n to run a step" in no_trace_words(paused, "late", live=True)
+    assert "press n to play a step" in no_trace_words(state_after_step_0(paused=True), "late", live=False)
+
+
+def test_next_step_hints_per_state():
+    state = state_after_step_0(paused=False)
+    assert hints.next_step(state, live=True) == "steps come on their own while the engine runs"
+    assert hints.next_step(state, live=False) == "the replay plays its steps on its own"
+    state.requests.clear()
+    assert hints.next_step(state, live=True) == "send a prompt first"
+    assert hints.next_step(state, live=False) == "the recording has no more steps"
+    state.paused = True
+    assert hints.next_step(state, live=True) == "send a prompt first (it waits while paused: then n runs one step)"
+
+
+async def test_a_replay_never_hints_at_prompts_or_keys_it_refuses(tmp_path):
+    """A replay takes no prompts and runs no demonstration: its X-Ray and Block Map said "send a
+    prompt", its Tutorial "Press r to run it", and n at its end "send a prompt first"."""
+    app, notes = replay_app(tmp_path), Notes()
+    async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, 20, "the recording's model facts")
+        seen = {}
+        for key in ("2", "5", "4"):
+            await pilot.press("escape", key)
+            await pilot.pause(0.2)
+            seen[key] = screen_text(app)
+        assert "press n to play a step" in seen["2"] and "press n to play a step" in seen["5"]
+        assert "No demonstration in a replay" in seen["4"] and "Press r" not in seen["4"]
+        for text in seen.values():
+            assert "send a prompt" not in text and "while paused" not in text
+        app.controller.step(app.controller.num_steps)
+        await wait_until(pilot, lambda: app.controller.ended and app.state.unfinished is not None, 30, "the end")
+        await pilot.press("n")
+        await wait_until(pilot, lambda: notes.items, 10, "a toast")
+        assert [n.message for n in notes.items] == ["Nothing to step: the recording has no more steps."]

@@ -31,6 +31,7 @@ from nanovllm_core.educational.commentary import plural
 from nanovllm_core.educational.narrator import Narrator
 from nanovllm_core.prompts import user_message
 from nanovllm_core.sampling_params import SamplingParams, overflow_with_options
+from nanovllm_tui import hints
 from nanovllm_tui.bridge import DEFAULT_FPS, EngineBridge
 from nanovllm_tui.commands import TABS, EngineCommands, app_bindings
 from nanovllm_tui.state import EngineState
@@ -755,7 +756,7 @@ class NanoVLLMApp(App):
 
     def action_step(self) -> None:
         loading = self.live and not self.state.ready and self.state.load_error is None
-        will_pause = self.state.pending == "pausing" or (self.state.paused and self.state.pending is None)
+        will_pause = hints.steps_on_n(self.state)
         if loading and will_pause and not self.state.active_requests:
             self.notify("The model is still loading: send a prompt; n then runs one step once it has loaded (the "
                         "engine will start paused).", severity="warning")
@@ -768,8 +769,11 @@ class NanoVLLMApp(App):
         if self.state.no_engine:  # "press space to pause first" / "send a prompt first" would not help
             self.notify(self.state.no_engine, severity="warning")
             return
+        if hints.recording_over(self.state, self.live):  # "send a prompt first" is no way on in a replay
+            self.notify("Nothing to step: the recording has no more steps.", severity="warning")
+            return
         # A pause asked for and not yet confirmed counts: the engine takes the step after the pause.
-        if self.state.pending != "pausing" and (not self.state.paused or self.state.pending == "resuming"):
+        if not will_pause:
             self.notify("n runs one step while the engine is paused: press space to pause first.",
                         severity="warning")
             return

@@ -8,6 +8,7 @@ from nanovllm_tui.widgets.live import LiveStatic
 
 from nanovllm_core import events as ev
 from nanovllm_core.educational.commentary import plural
+from nanovllm_tui import hints
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.views.base import EngineView
 from nanovllm_tui.widgets.block_grid import CACHED_COLOR, FREE_COLOR, BlockGrid
@@ -90,10 +91,9 @@ class BlockMapView(EngineView):
     def update_view(self, state: EngineState, selected: str | None) -> None:
         blocks = state.blocks
         if blocks is None:
+            step = hints.next_step(state, getattr(self.app, "live", True))
             self.query_one("#blocks-summary", LiveStatic).show_content(
-                Text(state.no_engine or
-                     "The block map appears after the next engine step (send a prompt, or press n while paused).",
-                     style="dim"))
+                Text(state.no_engine or f"The block map appears after the next engine step ({step}).", style="dim"))
             self.query_one("#legend", LiveStatic).show_content("")
             self.query_one("#block-table", LiveStatic).show_content("")
             self.query_one(BlockGrid).set_data(None, {}, None)

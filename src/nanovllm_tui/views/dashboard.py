@@ -117,8 +117,9 @@ class DashboardView(EngineView):
         topk = self.query_one(TopKBars)
         if req is None:
             output.border_title = "Selected request"
-            output.show_content(Text(state.no_engine or "Type a prompt below and press Enter; its text streams in here.",
-                                     style="dim"))
+            empty = ("Type a prompt below and press Enter; its text streams in here." if getattr(self.app, "live", True)
+                     else "No request selected: pick one of the recording's with ] or [.")  # a replay takes no prompts
+            output.show_content(Text(state.no_engine or empty, style="dim"))
             topk.show((), None)
             return
         title = f"{req.request_id} · {req.state}"
