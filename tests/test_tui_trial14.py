@@ -9,8 +9,10 @@ from textual.widgets import Input
 
 from nanovllm_core import events as ev
 from nanovllm_tui import hints
-from nanovllm_tui.replay import load_trace
+from nanovllm_tui.app import NanoVLLMApp
+from nanovllm_tui.replay import ReplayController, load_trace
 from nanovllm_tui.state import EngineState, RequestView
+from nanovllm_tui.views.block_map import summary_text
 from nanovllm_tui.views.xray import no_trace_words
 from nanovllm_tui.widgets.prompt_bar import TAB_MARK, PromptBar, prompt_from_bar
 from tests.test_tui_newcomer import screen_text
@@ -133,3 +135,43 @@ async def test_a_replay_never_hints_at_prompts_or_keys_it_refuses(tmp_path):
         await pilot.press("n")
         await wait_until(pilot, lambda: notes.items, 10, "a toast")
         assert [n.message for n in notes.items] == ["Nothing to step: the recording has no more steps."]
+
+
+# ---------------------------------------------------------------- 14a item 5: a Block Map older than the engine
+
+
+def folded(until, drop_blocks_after: int | None = None) -> EngineState:
+    """The test recording folded until ``until(event)`` holds (that event included), leaving out its
+    BlocksChanged after step ``drop_blocks_after`` (as a hidden Block Map gets none)."""
+    state = EngineState()
+    for e in load_trace(TRACE):
+        if not (isinstance(e, ev.BlocksChanged) and drop_blocks_after is not None and e.step > drop_blocks_after):
+            state.apply(e)
+        if until(e):
+            break
+    return state
+
+
+def test_a_block_map_older_than_the_newest_step_says_so_and_when_it_refreshes():
+    """Trial 14a: opened on a busy engine at step 119, the map read "after step 53" for seconds, its
+    counts beside the Dashboard's newer ones, with nothing saying it was old."""
+    running = folded(lambda e: isinstance(e, ev.StepPlanned) and e.step == 4, drop_blocks_after=1)
+    line = summary_text(running.blocks, True, running, live=True).plain
+    assert line.endswith("after step 1 · old (the engine is at step 4): a new map comes at the end of that step")
+    between = folded(lambda e: isinstance(e, ev.StepTimed) and e.step == 3, drop_blocks_after=1)
+    assert summary_text(between.blocks, True, between).plain.endswith(
+        "after step 1 · old (step 3 has ended): a new map is on its way")
+    fresh = folded(lambda e: isinstance(e, ev.StepTimed) and e.step == 3)
+    assert summary_text(fresh.blocks, True, fresh).plain.endswith("after step 3")  # nothing to add
+
+
+async def test_a_replay_without_newer_maps_says_its_map_is_old(tmp_path):
+    events = [e for e in load_trace(TRACE) if not (isinstance(e, ev.BlocksChanged) and e.step > 1)]
+    app = NanoVLLMApp(ReplayController(events, start_paused=True), tutorial_path=tmp_path / "tutorial.json")
+    async with app.run_test(size=(120, 40)) as pilot:
+        app.controller.step(4)
+        await wait_until(pilot, lambda: app.state.kv is not None and app.state.kv.step == 3, 20, "step 3")
+        await pilot.press("escape", "5")
+        await pilot.pause(0.3)
+        assert "after step 1 · the recording holds no map after it (step 3 has ended)" in \
+            " ".join(screen_text(app).split())
