@@ -3,11 +3,15 @@ Map no older than it says, the Top-k panel's byte pieces, and the Dashboard at 1
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 from textual.app import App, ComposeResult
 from textual.widgets import Input
 
 from nanovllm_core import events as ev
+from nanovllm_core.engine.detokenizer import byte_text
 from nanovllm_tui import hints
 from nanovllm_tui.app import NanoVLLMApp
 from nanovllm_tui.replay import ReplayController, load_trace
@@ -15,6 +19,7 @@ from nanovllm_tui.state import EngineState, RequestView
 from nanovllm_tui.views.block_map import summary_text
 from nanovllm_tui.views.xray import no_trace_words
 from nanovllm_tui.widgets.prompt_bar import TAB_MARK, PromptBar, prompt_from_bar
+from nanovllm_tui.widgets.topk_bars import chosen_piece
 from tests.test_tui_newcomer import screen_text
 from tests.tui_helpers import TRACE, Notes, replay_app, wait_until
 
@@ -175,3 +180,74 @@ async def test_a_replay_without_newer_maps_says_its_map_is_old(tmp_path):
         await pilot.pause(0.3)
         assert "after step 1 · the recording holds no map after it (step 3 has ended)" in \
             " ".join(screen_text(app).split())
+
+
+# ---------------------------------------------------------------- 14a, not counted 1: a token that is bytes of a character
+
+JAPANESE = "日本語のテキストです"
+
+
+def test_byte_text_writes_each_byte_of_an_unfinished_character():
+    assert byte_text(b" \xe3\x81") == " <0xE3><0x81>" and byte_text("の".encode()) == "の"
+
+
+def test_a_token_holding_part_of_a_character_shows_its_bytes_not_a_replacement_character(make_tiny_engine):
+    """Trial 14a: a Japanese reply's top-k rows all read "�" (each token decoded alone). The engine's
+    pieces (top-k candidates, prompt pieces, drafts) now show those bytes, each token its own."""
+    engine = make_tiny_engine(num_kv_blocks=16)
+    ids = engine.tokenizer.encode(JAPANESE)
+    pieces = engine.token_pieces(ids)
+    assert pieces[:4] == ["<0xE6><0x97>", "<0xA5>", "本", "<0xE8>"] and "\ufffd" not in "".join(pieces)
+    sampled = SimpleNamespace(sampled_top=[[(ids[0], 0.5), (ids[1], 0.3), (ids[2], 0.2)]], processed=[False])
+    top, _ = engine.output._candidates(sampled, 0, 5)
+    assert [t.text for t in top] == ["<0xE6><0x97>", "<0xA5>", "本"]
+
+
+BYTE_ROWS = (ev.TopToken(101, "<0xE3><0x81>", 0.6), ev.TopToken(102, "<0xE3><0x82>", 0.3), ev.TopToken(103, "、", 0.1))
+
+
+def test_the_heading_names_the_sampled_token_as_its_bar_does():
+    assert chosen_piece(BYTE_ROWS, 101, "") == "<0xE3><0x81>"  # it spelled nothing yet: was "∅"
+    assert chosen_piece(BYTE_ROWS, 102, "の") == "<0xE3><0x82> → の"  # completed a character
+    assert chosen_piece(BYTE_ROWS, 103, "、") == "、"
+    assert chosen_piece(BYTE_ROWS, 999, "") == "id 999 (part of a character)"  # not a row
+    assert chosen_piece((), 7, " Paris") == "␣Paris"
+
+
+async def test_the_top_k_panel_heading_and_its_bars_agree_on_a_byte_token(tmp_path):
+    """Trial 14a: "token #4: ∅" above five bars reading "�"."""
+    events = list(load_trace(TRACE))
+    last = max(i for i, e in enumerate(events) if isinstance(e, ev.TokenSampled) and e.request_id == "0" and e.step <= 2)
+    events[last] = dataclasses.replace(events[last], token_id=101, token_text="", text="", top=BYTE_ROWS)
+    app = NanoVLLMApp(ReplayController(events, start_paused=True), tutorial_path=tmp_path / "tutorial.json")
+    async with app.run_test(size=(120, 40)) as pilot:
+        app.controller.step(3)
+        await wait_until(pilot, lambda: app.state.kv is not None and app.state.kv.step == 2, 20, "step 2")
+        app.select("0")
+        await pilot.pause(0.3)
+        panel = str(app.query_one("#topk").render())
+        n = events[last].num_output_tokens
+        assert f"token #{n}: <0xE3><0x81>\n" in panel and "∅" not in panel
+        assert "<0xE3><0x81>  60.0%" in panel and "<0xE3><0x82>  30.0%" in panel
+
+
+def test_the_cli_dashboard_and_narrator_mark_a_byte_token_by_its_id():
+    """The same kind in ``nanovllm --dashboard``: the chosen row was found by its text, so a token that
+    spelled nothing yet ("") marked no row (and of rows alike, the first); the Narrator named it by id alone."""
+    import io
+
+    from rich.console import Console
+
+    from nanovllm_core.educational.dashboard_view import DashboardView
+    from nanovllm_core.educational.narrator_sampling import token_words
+    from tests.test_narrator import INFO, added, sampled
+
+    console = Console(file=io.StringIO(), width=140)
+    view = DashboardView(console, INFO)
+    view(added())
+    e = sampled(0, token=102, text="", top=[(t.token_id, t.text, t.prob) for t in BYTE_ROWS])
+    view(e)
+    console.print(view.render())
+    rows = [line for line in console.file.getvalue().splitlines() if "<0xE3>" in line]
+    assert ["← chosen" in line for line in rows] == [False, True], rows
+    assert token_words(e) == "[<0xE3><0x82>] (id 102) (bytes of a character that is not complete yet)"

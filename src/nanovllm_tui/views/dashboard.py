@@ -13,11 +13,11 @@ from nanovllm_core.educational.commentary import plural
 from nanovllm_core.educational.tp_facts import dashboard_lines
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.views.base import EngineView
-from nanovllm_tui.widgets.format import first_fitting, fmt_ms, request_color, visible_piece
+from nanovllm_tui.widgets.format import first_fitting, fmt_ms, request_color
 from nanovllm_tui.widgets.kv_bar import KVMemoryBar
 from nanovllm_tui.widgets.request_table import RequestTable
 from nanovllm_tui.widgets.throughput import ThroughputPanel
-from nanovllm_tui.widgets.topk_bars import TopKBars
+from nanovllm_tui.widgets.topk_bars import TopKBars, chosen_piece
 
 PHASE_STYLES = {"prefill": "bold #f5a524", "decode": "bold #3ecf8e", "prefill+decode": "bold #4ea1ff",
                 "verify": "bold #c678dd",
@@ -134,7 +134,7 @@ class DashboardView(EngineView):
             text.append(f"\n{req.error}", style="red")
         region = output.content_region  # show the end of the stream, as a terminal would
         output.show_content(tail(text, region.width, region.height, self.app.console))
-        label = f"token #{req.num_output}: {visible_piece(req.last_token)!s}" if req.num_output else ""
+        label = f"token #{req.num_output}: {chosen_piece(req.top, req.last_token_id, req.last_token)}" if req.num_output else ""
         if label and req.top_caption and not req.top_caption.endswith("own probabilities"):
             label += f" ({req.top_caption})"  # a processor changed these numbers: name each one
         topk.show(req.top, req.last_token_id, label)
