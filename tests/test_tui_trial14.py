@@ -7,6 +7,7 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
+from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.widgets import Input
 
@@ -251,3 +252,48 @@ def test_the_cli_dashboard_and_narrator_mark_a_byte_token_by_its_id():
     rows = [line for line in console.file.getvalue().splitlines() if "<0xE3>" in line]
     assert ["← chosen" in line for line in rows] == [False, True], rows
     assert token_words(e) == "[<0xE3><0x82>] (id 102) (bytes of a character that is not complete yet)"
+
+
+# ---------------------------------------------------------------- 14e item 2: the Dashboard's top panels at 100x30
+
+
+def scaled_trace(scale: float) -> list[ev.Event]:
+    """The test recording with every step ``scale`` times as long (its rates 1/``scale`` as high)."""
+    out = []
+    for e in load_trace(TRACE):
+        if isinstance(e, ev.StepTimed):
+            e = dataclasses.replace(e, wall_time_s=e.wall_time_s * scale,
+                                    prefill_tokens_per_s=e.prefill_tokens_per_s / scale,
+                                    decode_tokens_per_s=e.decode_tokens_per_s / scale)
+        out.append(e)
+    return out
+
+
+def lines_needed(app, panel) -> int:
+    """Rows the panel's text takes wrapped at its width (each LiveStatic inside it, or itself)."""
+    statics = [panel] if hasattr(panel, "_shown") else list(panel.query("LiveStatic"))
+    return sum(len(s._shown.wrap(app.console, s.content_region.width)) for s in statics
+               if isinstance(s._shown, Text) and s.display)
+
+
+@pytest.mark.parametrize("size", [(100, 30), (80, 24), (120, 40)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("scale", [14.0, 1 / 500], ids=["slow", "fast"])
+@pytest.mark.parametrize("steps", [3, 6])
+async def test_every_dashboard_top_panel_fits_its_text(tmp_path, size, scale, steps):
+    """Trial 14e: at the README's 100x30 the Throughput panel wrapped " last 1 step 1.9 tok/s" (its
+    unit on a row of its own) and its 4 rows cut the decode sparkline and rate; at 80x24 the Engine
+    panel had 2 rows for its 4 lines. Slow (1.9 tok/s) and fast (13.5k tok/s) rates, mixed and
+    decode-only steps: each panel's text fits its rows."""
+    app = NanoVLLMApp(ReplayController(scaled_trace(scale), start_paused=True), tutorial_path=tmp_path / "t.json")
+    async with app.run_test(size=size) as pilot:
+        app.controller.step(steps)
+        await wait_until(pilot, lambda: app.state.kv is not None and app.state.kv.step == steps - 1, 20, "the steps")
+        await pilot.press("escape")
+        await pilot.pause(0.3)
+        for name in ("#phase", "#kv", "#throughput"):
+            panel = app.query_one(name)
+            if panel.display:
+                assert lines_needed(app, panel) <= panel.content_region.height, (name, screen_text(app))
+        if app.query_one("#throughput").display and steps == 6:
+            spark = str(app.query_one("#decode-spark").render())
+            assert spark.endswith("tok/s") and spark.strip()[0] in "▁▂▃▄▅▆▇█", spark  # its rate and a sparkline

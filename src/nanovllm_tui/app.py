@@ -48,6 +48,9 @@ from nanovllm_tui.widgets.status_header import StatusHeader, weights_label
 VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
                                       "tutorial": TutorialView, "blocks": BlockMapView}
 NARROW, SHORT = 100, 30  # below these sizes panels fold away (see app.tcss)
+# Below this many rows the Dashboard's top panels keep 2 rows of text (at 80x24 there is room for 4:
+# with 2, the Engine panel's batch and queue lines were cut; the table and the request text keep 4 each).
+VERY_SHORT = 24
 REPLAY_REFUSAL = REPLAY_NOTES[0] + "."  # the toast when a replay is asked for a prompt
 NOT_IN_REPLAY = ("focus_prompt", "toggle_chat", "abort")  # actions a replay cannot carry out
 # What each of them would have done, named when its hidden key is pressed in a replay anyway (trial 7:
@@ -292,6 +295,7 @@ class NanoVLLMApp(App):
         width, height = size or self.size
         self.screen.set_class(width < NARROW, "-narrow")
         self.screen.set_class(height < SHORT, "-short")
+        self.screen.set_class(height < VERY_SHORT, "-very-short")
         self.screen.set_class(width < ONE_LINE_WIDTH, "-cramped")
 
     # ------------------------------------------------------------------ engine events
