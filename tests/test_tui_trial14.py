@@ -18,6 +18,7 @@ from nanovllm_tui.app import NanoVLLMApp
 from nanovllm_tui.replay import ReplayController, load_trace
 from nanovllm_tui.state import EngineState, RequestView
 from nanovllm_tui.views.block_map import summary_text
+from nanovllm_tui.views.dashboard import phase_text
 from nanovllm_tui.views.xray import no_trace_words
 from nanovllm_tui.widgets.prompt_bar import TAB_MARK, PromptBar, prompt_from_bar
 from nanovllm_tui.widgets.topk_bars import chosen_piece
@@ -297,3 +298,17 @@ async def test_every_dashboard_top_panel_fits_its_text(tmp_path, size, scale, st
         if app.query_one("#throughput").display and steps == 6:
             spark = str(app.query_one("#decode-spark").render())
             assert spark.endswith("tok/s") and spark.strip()[0] in "▁▂▃▄▅▆▇█", spark  # its rate and a sparkline
+
+
+def test_the_engine_panel_joins_lines_to_fit_its_rows():
+    """A verification adds a fifth line to the Engine panel's four rows: two neighbours share a line
+    where they fit the width, so none is left below the panel's edge."""
+    state = folded(lambda e: isinstance(e, ev.StepTimed) and e.step == 5)
+    plan = state.plan
+    state.plan = dataclasses.replace(plan, scheduled=tuple(
+        dataclasses.replace(s, num_spec_tokens=4, num_tokens=5) if s.kind == "decode" else s for s in plan.scheduled))
+    five = phase_text(state, 21).plain.splitlines()
+    assert len(five) == 5 and "verify" in five[3]
+    four = phase_text(state, 21, rows=4).plain.splitlines()
+    assert len(four) == 4 and all(len(line) <= 21 for line in four), four
+    assert four[0].startswith("VERIFY · last step 5") and four[-1] == "2 running · 0 waiting"
