@@ -71,7 +71,7 @@ def test_the_xray_note_says_why_the_trace_is_another_requests():
     trace = SimpleNamespace(request_id="req-8", step=652)
     done = SimpleNamespace(live=False, state="finished")
     running = SimpleNamespace(live=True, state="running")
-    state = SimpleNamespace(requests={"req-8": done, "req-9": running}, step=659, paused=True, plan=None)
+    state = SimpleNamespace(requests={"req-8": done, "req-9": running}, step=659, paused=True, pending=None, plan=None)
     assert other_request_words(state, trace, "req-8", True) == ""
     note = other_request_words(state, trace, "req-9", True)
     assert note.startswith("  (traced: req-8, not req-9: step 652 is the newest traced")

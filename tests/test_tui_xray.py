@@ -47,7 +47,8 @@ async def test_the_heatmap_shows_every_key_and_its_notes_at_every_width(tiny_lla
         await wait_until(pilot, lambda: app.state.ready)
         await pilot.press("escape", "2")
         await pilot.pause(0.2)
-        assert "while this tab is open)." in " ".join(screen_text(app).split())  # the whole hint, not cut
+        assert "while this tab is open: send a prompt first (it waits while paused: then n runs one step)." in \
+            " ".join(screen_text(app).split())  # the whole hint, not cut; paused with nothing sent
         n = len(engine.tokenizer.encode(PROMPT))
         assert n == 43
         await send_prompt(pilot, PROMPT, max_tokens=2)

@@ -110,6 +110,7 @@ def test_the_xray_hint_says_a_finished_selection_gets_no_trace_and_how_to_pick_a
     from nanovllm_tui.views.xray import no_trace_words
 
     state = EngineState()
+    state.ready = True
     state.requests["0"] = RequestView("0", "hi", state="finished")
     alone = no_trace_words(state, "0", live)
     assert "request 0 is finished" in alone and "press n while paused" not in alone.split(";")[0]
@@ -117,7 +118,7 @@ def test_the_xray_hint_says_a_finished_selection_gets_no_trace_and_how_to_pick_a
     state.requests["1"] = RequestView("1", "yo", state="running")
     two = no_trace_words(state, "0", live)
     assert "select a running one with ] or [ (running: 1)" in two
-    assert no_trace_words(state, "1", live).startswith("No trace yet: send a prompt")
+    assert no_trace_words(state, "1", live).startswith("No trace yet: X-Ray records" if live else "No trace yet: a replay")
 
 
 def test_the_xray_hint_says_the_selection_was_not_in_the_step_just_run():
@@ -128,15 +129,18 @@ def test_the_xray_hint_says_the_selection_was_not_in_the_step_just_run():
     from nanovllm_tui.views.xray import no_trace_words
 
     state = EngineState()
+    state.ready = True
     state.requests["0"] = RequestView("0", "hi", state="running")
     state.requests["1"] = RequestView("1", "yo", state="waiting")
     entry = ev.ScheduledEntry(request_id="0", seq_id=0, index=0, kind="decode", num_tokens=1, start=5, prompt_len=5,
                               total_len=6, num_cached_tokens=0, samples=True, priority=0)
     state.apply(ev.StepPlanned(step=7, token_budget=1, num_batched_tokens=1, scheduled=(entry,), preempted=(),
                                admitted=(), waiting=(), running=(), max_num_seqs=2))
-    assert no_trace_words(state, "1", True).startswith("No trace yet: send a prompt")  # the step is still running
+    general = "No trace yet: X-Ray records the selected request's next step"
+    assert no_trace_words(state, "1", True).startswith(general)  # the step is still running
     state.step_open = False  # (its StepTimed)
+    state.paused = True
     said = no_trace_words(state, "1", True)
     assert said == ("No trace yet: request 1 was not in step 7 (it is waiting to be admitted); X-Ray records the next "
-                    "step that runs it: press n again while paused.")
-    assert no_trace_words(state, "0", True).startswith("No trace yet: send a prompt")  # it was in the step
+                    "step that runs it (press n to run a step).")
+    assert no_trace_words(state, "0", True).startswith(general)  # it was in the step

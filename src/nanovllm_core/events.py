@@ -48,7 +48,8 @@ class Event:
 class RequestAdded(Event):
     """A request entered the waiting queue.
 
-    ``prompt_pieces``: the tokenizer's piece for each prompt token (for the narrator);
+    ``prompt_pieces``: the tokenizer's piece for each prompt token (for the narrator; as
+    :class:`TopToken` ``text``, bytes of a character as ``<0xE3>``);
     ``sampling``: the request's non-default sampling settings. ``prompt`` is the text of a
     text prompt, None for token ids or a conversation; ``chat``: a conversation's ``(role,
     text)`` per message, rendered with the model's chat template into the token ids (empty
@@ -254,7 +255,10 @@ class StepPlanned(Event):
 
 @dataclass(frozen=True)
 class TopToken:
-    """A candidate next token: id, its text, its probability under the model (0..1)."""
+    """A candidate next token: id, its text, its probability under the model (0..1).
+
+    ``text``: the token decoded alone; a token holding only part of a character's bytes as those
+    bytes, ``<0xE3>`` (decoded alone every such token is "�"; traces recorded before hold "�")."""
 
     token_id: int
     text: str

@@ -31,6 +31,7 @@ from nanovllm_core.educational.commentary import plural
 from nanovllm_core.educational.narrator import Narrator
 from nanovllm_core.prompts import user_message
 from nanovllm_core.sampling_params import SamplingParams, overflow_with_options
+from nanovllm_tui import hints
 from nanovllm_tui.bridge import DEFAULT_FPS, EngineBridge
 from nanovllm_tui.commands import TABS, EngineCommands, app_bindings
 from nanovllm_tui.state import EngineState
@@ -47,6 +48,9 @@ from nanovllm_tui.widgets.status_header import StatusHeader, weights_label
 VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
                                       "tutorial": TutorialView, "blocks": BlockMapView}
 NARROW, SHORT = 100, 30  # below these sizes panels fold away (see app.tcss)
+# Below this many rows the Dashboard's top panels keep 2 rows of text (at 80x24 there is room for 4:
+# with 2, the Engine panel's batch and queue lines were cut; the table and the request text keep 4 each).
+VERY_SHORT = 24
 REPLAY_REFUSAL = REPLAY_NOTES[0] + "."  # the toast when a replay is asked for a prompt
 NOT_IN_REPLAY = ("focus_prompt", "toggle_chat", "abort")  # actions a replay cannot carry out
 # What each of them would have done, named when its hidden key is pressed in a replay anyway (trial 7:
@@ -291,6 +295,7 @@ class NanoVLLMApp(App):
         width, height = size or self.size
         self.screen.set_class(width < NARROW, "-narrow")
         self.screen.set_class(height < SHORT, "-short")
+        self.screen.set_class(height < VERY_SHORT, "-very-short")
         self.screen.set_class(width < ONE_LINE_WIDTH, "-cramped")
 
     # ------------------------------------------------------------------ engine events
@@ -755,7 +760,7 @@ class NanoVLLMApp(App):
 
     def action_step(self) -> None:
         loading = self.live and not self.state.ready and self.state.load_error is None
-        will_pause = self.state.pending == "pausing" or (self.state.paused and self.state.pending is None)
+        will_pause = hints.steps_on_n(self.state)
         if loading and will_pause and not self.state.active_requests:
             self.notify("The model is still loading: send a prompt; n then runs one step once it has loaded (the "
                         "engine will start paused).", severity="warning")
@@ -768,8 +773,11 @@ class NanoVLLMApp(App):
         if self.state.no_engine:  # "press space to pause first" / "send a prompt first" would not help
             self.notify(self.state.no_engine, severity="warning")
             return
+        if hints.recording_over(self.state, self.live):  # "send a prompt first" is no way on in a replay
+            self.notify("Nothing to step: the recording has no more steps.", severity="warning")
+            return
         # A pause asked for and not yet confirmed counts: the engine takes the step after the pause.
-        if self.state.pending != "pausing" and (not self.state.paused or self.state.pending == "resuming"):
+        if not will_pause:
             self.notify("n runs one step while the engine is paused: press space to pause first.",
                         severity="warning")
             return

@@ -116,6 +116,7 @@ class DashboardView:
         self.top: tuple[ev.TopToken, ...] = ()
         self.top_request: str | None = None
         self.top_chosen: str | None = None
+        self.top_chosen_id: int | None = None  # the row marked chosen: by id (a byte piece's text is "" or one of many alike)
         self.top_caption = ""
         self._sampling: dict[str, dict] = {}
         self.focus: str | None = None
@@ -185,7 +186,7 @@ class DashboardView:
                 r.generated = event.num_output_tokens
                 r.text += event.text
             self.top, self.top_request = event.top, event.request_id
-            self.top_chosen = event.token_text or event.special
+            self.top_chosen, self.top_chosen_id = event.token_text or event.special, event.token_id
             self.top_caption = table_caption(event, self._sampling.get(event.request_id, {}))
             self.focus = event.request_id if self.focus not in self._active() else self.focus
             redraw = self._due()
@@ -271,7 +272,8 @@ class DashboardView:
                               title_align="left"))
         body.append(self._text_panel())
         if self.top:
-            body.append(Panel(topk_table([(t.text, t.prob) for t in self.top], self.top_chosen),
+            chosen = tuple("chosen" if t.token_id == self.top_chosen_id else "" for t in self.top)
+            body.append(Panel(topk_table([(t.text, t.prob) for t in self.top], notes=chosen),
                               title=f"Top predictions (request {self.top_request}, latest token)", title_align="left",
                               subtitle=self.top_caption, subtitle_align="left"))
         return Panel(Group(*body), title="nano-vLLM inference dashboard", border_style="cyan")

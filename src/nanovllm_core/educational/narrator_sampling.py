@@ -129,14 +129,20 @@ def _shows_model_own(e: ev.TokenSampled, procs: list[str]) -> bool:
     return False
 
 
+def _bytes_piece(e: ev.TokenSampled) -> str:
+    """The top-k row's text of a token that is bytes of a character (``<0xE3>``), as the table shows it; "" if not a row."""
+    row = next((t for t in e.top if t.token_id == e.token_id), None)
+    return show_piece(row.text) + " " if row is not None else ""
+
+
 def token_label(e: ev.TokenSampled) -> str:
-    """The token as a title shows it: its text, the special token's name, or its id while it is
-    bytes of a character that a later token completes."""
+    """The token as a title shows it: its text, the special token's name, or while it is bytes of a
+    character that a later token completes, those bytes as its table row shows them and its id."""
     if e.token_text:
         return show_piece(e.token_text)
     if e.special:
         return e.special
-    return f"(id {e.token_id}, part of a character)"
+    return f"{_bytes_piece(e)}(id {e.token_id}, part of a character)"
 
 
 def token_words(e: ev.TokenSampled) -> str:
@@ -145,7 +151,9 @@ def token_words(e: ev.TokenSampled) -> str:
         return f"{show_piece(e.token_text)} (id {e.token_id})"
     if e.special:
         return f"the special token {e.special} (id {e.token_id})"
-    return f"id {e.token_id} (bytes of a character that is not complete yet)"
+    piece = _bytes_piece(e)
+    named = f"{piece}(id {e.token_id})" if piece else f"id {e.token_id}"
+    return f"{named} (bytes of a character that is not complete yet)"
 
 
 def caption_changes(e: ev.TokenSampled, sampling: dict[str, Any]) -> list[str]:

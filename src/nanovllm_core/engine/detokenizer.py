@@ -41,6 +41,65 @@ def detokenize_new_token(tokenizer: Any, seq: Sequence) -> str:
     return ""
 
 
+class TokenBytes:
+    """A token's own bytes, as OpenAI's chat logprobs give them: ``token_bytes(token_id, text)``.
+
+    Decoding one token alone gives U+FFFD for a token holding part of a UTF-8 character, so the
+    bytes come from the vocabulary entry: byte-level BPE (GPT-2's alphabet, SmolLM's and LLaMA 3's
+    tokenizers) maps each character of the entry to one byte; SentencePiece's byte fallback
+    writes a byte as ``<0xE5>``. Other tokens: ``text`` (the token decoded alone) as UTF-8.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_level = "ByteLevel" in repr(decoder)
+        self._bytes = _byte_decoder()
+
+    def __call__(self, token_id: int, text: str) -> bytes:
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if self._byte_level and all(ch in self._bytes for ch in piece):
+                return bytes(self._bytes[ch] for ch in piece)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+        return text.encode("utf-8", errors="replace")
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the printable character standing for each byte -> that byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+def byte_text(data: bytes) -> str:
+    """``data`` as text, each byte that is not part of a whole UTF-8 character written ``<0xE3>``
+    (SentencePiece's name of a byte token): ``b" \xe3\x81"`` -> ``" <0xE3><0x81>"``."""
+    text = data.decode("utf-8", errors="surrogateescape")  # a stray byte b -> U+DC00 + b
+    return "".join(f"<0x{ord(c) - 0xDC00:02X}>" if 0xDC80 <= ord(c) <= 0xDCFF else c for c in text)
+
+
+class TokenPieces:
+    """A token's text on its own, for showing it (a top-k candidate, a prompt's pieces, a draft):
+    ``pieces(token_id)``. The token decoded alone, except a token holding only part of a character's
+    bytes: decoded alone it is U+FFFD, the same for every such token (trial 14a: five top-k rows of a
+    Japanese reply all read "�"), so those bytes are written ``<0xE3>`` (:func:`byte_text`)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._decode = tokenizer.decode
+        self._bytes = TokenBytes(tokenizer)
+
+    def __call__(self, token_id: int) -> str:
+        text = self._decode([token_id])
+        if "\ufffd" not in text:
+            return text
+        return byte_text(self._bytes(token_id, text))
+
+
 def find_stop_string(seq: Sequence, new_text_len: int) -> tuple[str, int] | None:
     """The first stop string that appears in the output text's newest part, and where it starts.
 

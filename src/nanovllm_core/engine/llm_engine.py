@@ -503,8 +503,9 @@ class LLMEngine(EventSource):
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def token_pieces(self, token_ids: list[int]) -> list[str]:
-        """The text of each token on its own (for showing tokenization)."""
-        return [self.tokenizer.decode([t]) for t in token_ids]
+        """The text of each token on its own (for showing tokenization): a token holding only part of
+        a character's bytes as those bytes, ``<0xE3>`` (``detokenizer.TokenPieces``), not "�"."""
+        return [self.output.pieces(t) for t in token_ids]
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now; its blocks are released (one another request shares stays in use). False if none such."""
@@ -664,7 +665,7 @@ class LLMEngine(EventSource):
                         step=step, request_id=seq.request_id, seq_id=seq.seq_id, proposer=self.speculator.name,
                         draft_tokens=tuple(s.spec_tokens), draft_texts=tuple(self.token_pieces(s.spec_tokens)),
                         p=tuple(v.p), q=tuple(v.q), accepted=tuple(v.accepted), bonus_token=v.tokens[-1],
-                        bonus_text=self.tokenizer.decode([v.tokens[-1]]), greedy=v.greedy,
+                        bonus_text=self.output.pieces(v.tokens[-1]), greedy=v.greedy,
                         num_query_tokens=s.num_new_tokens,
                     ))
             for i in range(first, first + n):

@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 from nanovllm_core import events as ev
 from nanovllm_core.engine.clock import EngineClock
-from nanovllm_core.engine.detokenizer import detokenize_new_token, find_stop_string, release_text, streamed_text
+from nanovllm_core.engine.detokenizer import (TokenPieces, detokenize_new_token, find_stop_string, release_text,
+                                              streamed_text)
 from nanovllm_core.engine.sequence import Sequence
 from nanovllm_core.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm_core.sampling.sampler import SamplerOutput
@@ -59,6 +60,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any, max_model_len: int, clock: EngineClock | None = None) -> None:
         self.tokenizer = tokenizer
+        self.pieces = TokenPieces(tokenizer)  # a candidate's text: "<0xE3>" for bytes of a character, not "�"
         self.clock = clock or EngineClock()  # request times on the engine's clock (paused time left out)
         self.max_model_len = max_model_len
         self.pending: list[RequestOutput] = []  # finished outputs not yet returned by a step
@@ -118,11 +120,11 @@ class OutputProcessor:
         """``TokenSampled.top`` (the distribution chosen from) and ``model_top`` (raw, only if a processor changed it)."""
         if not topk or sampled.sampled_top is None:
             return (), ()
-        decode = self.tokenizer.decode
-        top = tuple(ev.TopToken(t, decode([t]), p) for t, p in sampled.sampled_top[i][:topk])
+        piece = self.pieces
+        top = tuple(ev.TopToken(t, piece(t), p) for t, p in sampled.sampled_top[i][:topk])
         model_top: tuple[ev.TopToken, ...] = ()
         if sampled.processed[i]:
-            model_top = tuple(ev.TopToken(t, decode([t]), math.exp(lp)) for t, lp in sampled.top[i][:topk])
+            model_top = tuple(ev.TopToken(t, piece(t), math.exp(lp)) for t, lp in sampled.top[i][:topk])
         return top, model_top
 
     def logprob_entry(self, seq: Sequence, sampled: SamplerOutput, i: int) -> dict[int, Logprob]:

@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+from nanovllm_core.engine.detokenizer import TokenBytes
 from nanovllm_core.prompts import unicode_problem
 from nanovllm_core.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_length
 from nanovllm_core.entrypoints.request_stream import InFlight, OutputRouter, RequestIds, RequestStream
@@ -404,41 +405,6 @@ class OpenAIServing:
             choice["token_ids"] = list(new_tokens)
         s.chars, s.tokens, s.started, s.done = len(c.text), len(c.token_ids), True, finished
         return choice
-
-
-class TokenBytes:
-    """A token's own bytes, as OpenAI's chat logprobs give them: ``token_bytes(token_id, text)``.
-
-    Decoding one token alone gives U+FFFD for a token holding part of a UTF-8 character, so the
-    bytes come from the vocabulary entry: byte-level BPE (GPT-2's alphabet, SmolLM's and LLaMA 3's
-    tokenizers) maps each character of the entry to one byte; SentencePiece's byte fallback
-    writes a byte as ``<0xE5>``. Other tokens: ``text`` (the token decoded alone) as UTF-8.
-    """
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-        self._byte_level = "ByteLevel" in repr(decoder)
-        self._bytes = _byte_decoder()
-
-    def __call__(self, token_id: int, text: str) -> bytes:
-        piece = self._tokenizer.convert_ids_to_tokens(token_id)
-        if isinstance(piece, str):
-            if self._byte_level and all(ch in self._bytes for ch in piece):
-                return bytes(self._bytes[ch] for ch in piece)
-            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-                try:
-                    return bytes([int(piece[3:5], 16)])
-                except ValueError:
-                    pass
-        return text.encode("utf-8", errors="replace")
-
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet reversed: the printable character standing for each byte -> that byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
 
 SERVER_ID_PREFIXES = ("cmpl-", "chatcmpl-", "ctl-")  # ids the server makes; a client may not choose them

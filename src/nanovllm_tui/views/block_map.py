@@ -8,15 +8,18 @@ from nanovllm_tui.widgets.live import LiveStatic
 
 from nanovllm_core import events as ev
 from nanovllm_core.educational.commentary import plural
+from nanovllm_tui import hints
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.views.base import EngineView
 from nanovllm_tui.widgets.block_grid import CACHED_COLOR, FREE_COLOR, BlockGrid
 from nanovllm_tui.widgets.format import request_colors
 
 
-def summary_text(blocks: ev.BlocksChanged, prefix_caching: bool | None = None) -> Text:
+def summary_text(blocks: ev.BlocksChanged, prefix_caching: bool | None = None, state: EngineState | None = None,
+                 live: bool = True) -> Text:
     """The pool in one line; ``prefix_caching`` False (the engine's model info): the hit rate is
-    not shown as 0% but the cache as off (trial 10)."""
+    not shown as 0% but the cache as off (trial 10). ``state``: the engine's, to say when the
+    snapshot is older than its newest ended step (:func:`snapshot_age`)."""
     used, cached = blocks.states.count("u"), blocks.states.count("c")
     shared = sum(1 for r in blocks.ref_counts if r > 1)
     text = Text.assemble(
@@ -25,7 +28,26 @@ def summary_text(blocks: ev.BlocksChanged, prefix_caching: bool | None = None) -
         (f"{blocks.num_blocks - used - cached} free", "grey62"),
         " · prefix caching off" if prefix_caching is False else f" · prefix-cache hit rate {blocks.prefix_cache_hit_rate:.0%}",
         f" · after step {blocks.step}")
+    age = snapshot_age(blocks, state, live) if state is not None else ""
+    if age:
+        text.append(f" · {age}", style="bold yellow")
     return text
+
+
+def snapshot_age(blocks: ev.BlocksChanged, state: EngineState, live: bool = True) -> str:
+    """"" while ``blocks`` is the pool after the newest ended step; else what a reader needs to know
+    beside its older figures: a snapshot is sent only while a tab shows it, so the map last seen
+    came back at first (trial 14a: "after step 53" at step 119 while the Dashboard had newer counts).
+    The app asks for a fresh one when the tab is shown (``NanoVLLMApp._set_detail``): the engine
+    takes it at the end of the step it is running. A replay has only what was recorded."""
+    newest = state.timings[-1].step if state.timings else None
+    if newest is None or blocks.step >= newest:
+        return ""
+    if not live:
+        return f"the recording holds no map after it (step {newest} has ended)"
+    if state.step_open and state.step is not None and state.step > newest:
+        return f"old (the engine is at step {state.step}): a new map comes at the end of that step"
+    return f"old (step {newest} has ended): a new map is on its way"
 
 
 def legend_text(blocks: ev.BlocksChanged, colors: dict[str, str]) -> Text:
@@ -90,16 +112,16 @@ class BlockMapView(EngineView):
     def update_view(self, state: EngineState, selected: str | None) -> None:
         blocks = state.blocks
         if blocks is None:
+            step = hints.next_step(state, getattr(self.app, "live", True))
             self.query_one("#blocks-summary", LiveStatic).show_content(
-                Text(state.no_engine or
-                     "The block map appears after the next engine step (send a prompt, or press n while paused).",
-                     style="dim"))
+                Text(state.no_engine or f"The block map appears after the next engine step ({step}).", style="dim"))
             self.query_one("#legend", LiveStatic).show_content("")
             self.query_one("#block-table", LiveStatic).show_content("")
             self.query_one(BlockGrid).set_data(None, {}, None)
             return
         colors = request_colors(state.requests)
-        self.query_one("#blocks-summary", LiveStatic).show_content(summary_text(blocks, state.model_info.get("prefix_caching")))
+        self.query_one("#blocks-summary", LiveStatic).show_content(
+            summary_text(blocks, state.model_info.get("prefix_caching"), state, getattr(self.app, "live", True)))
         self.query_one("#legend", LiveStatic).show_content(legend_text(blocks, colors))
         self.query_one(BlockGrid).set_data(blocks, colors, selected)
         self.query_one("#block-table", LiveStatic).show_content(block_table_text(blocks, selected, colors))

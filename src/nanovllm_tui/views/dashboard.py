@@ -13,27 +13,29 @@ from nanovllm_core.educational.commentary import plural
 from nanovllm_core.educational.tp_facts import dashboard_lines
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.views.base import EngineView
-from nanovllm_tui.widgets.format import first_fitting, fmt_ms, request_color, visible_piece
+from nanovllm_tui.widgets.format import first_fitting, fmt_ms, request_color
 from nanovllm_tui.widgets.kv_bar import KVMemoryBar
 from nanovllm_tui.widgets.request_table import RequestTable
 from nanovllm_tui.widgets.throughput import ThroughputPanel
-from nanovllm_tui.widgets.topk_bars import TopKBars
+from nanovllm_tui.widgets.topk_bars import TopKBars, chosen_piece
 
 PHASE_STYLES = {"prefill": "bold #f5a524", "decode": "bold #3ecf8e", "prefill+decode": "bold #4ea1ff",
                 "verify": "bold #c678dd",
                 "idle": "bold cyan", "paused": "bold yellow", "loading": "bold magenta", "failed": "bold red"}
 
 
-def phase_text(state: EngineState, width: int = 0) -> Text:
+def phase_text(state: EngineState, width: int = 0, rows: int = 0) -> Text:
     """The phase, what the newest step did with its token budget (labelled the last step while the
-    engine is idle or paused), and the queues now; each line in as many words as ``width`` cells hold."""
+    engine is idle or paused), and the queues now; each line in as many words as ``width`` cells hold,
+    and in at most ``rows`` lines (0: no limit) by sharing lines (:func:`packed`): at 80x24 the
+    panel has 2 rows and its batch and queue lines were cut (trial 14e's check)."""
     phase = state.phase
     # "ended": a replay played to its end (trial 11: it still said DECODE beside its unfinished requests)
-    text = Text.assemble(("RECORDING ENDED" if phase == "ended" else phase.upper(), PHASE_STYLES.get(phase, "bold")))
+    parts = [[Text("RECORDING ENDED" if phase == "ended" else phase.upper(), PHASE_STYLES.get(phase, "bold"))]]
     plan = state.plan
     if plan is None:
-        text.append("\nno step yet", style="dim")
-        return text
+        parts.append([Text("no step yet", style="dim")])
+        return packed(parts, width, rows)
     prefill = sum(1 for s in plan.scheduled if s.kind == "prefill")
     verifying = [s for s in plan.scheduled if s.num_drafts]  # a prompt's last token may carry drafts too
     decode = sum(1 for s in plan.scheduled if s.kind == "decode" and not s.num_drafts)
@@ -50,22 +52,38 @@ def phase_text(state: EngineState, width: int = 0) -> Text:
     # every state at this width and step: trial 13 saw "step 23 running: 1/512 tok" beside "step 22: ... tokens".
     widest = f"step {plan.step} running: {plan.token_budget}/{plan.token_budget} tokens"
     unit = " tokens" if not width or len(widest) <= width else " tok"
-    lines = [first_fitting(width, step + used + unit, step + used, step),
-             first_fitting(width, Text(f"{prefill} prefill · {decode} decode"), Text(f"{prefill} pre · {decode} dec"))]
+    parts.append([step + used + unit, step + used, step])
+    parts.append([Text(f"{prefill} prefill · {decode} decode"), Text(f"{prefill} pre · {decode} dec")])
     if verifying:  # a verification is not a one-token decode: it runs 1 + k tokens of one sequence
         drafts = sum(s.num_drafts for s in verifying)  # the drafts run, not the slots reserved
-        lines.append(first_fitting(width, Text(f"{len(verifying)} verifying {plural(drafts, 'draft token')}"),
-                                   Text(f"{len(verifying)} verify · {plural(drafts, 'draft')}")))
+        parts.append([Text(f"{len(verifying)} verifying {plural(drafts, 'draft token')}"),
+                      Text(f"{len(verifying)} verify · {plural(drafts, 'draft')}")])
     running, waiting, preempted = state.queue_counts()  # now, not as of the newest step
     queues = [Text(f"{running} running · {waiting} waiting"), Text(f"{running} run · {waiting} wait")]
     if preempted:
         queues = [q + Text(f" · {preempted} preempted", style="bold red") for q in queues] + \
                  [queues[1] + Text(f" · {preempted} pre", style="bold red")]
-    lines.append(first_fitting(width, *queues))
-    for line in lines:
-        text.append("\n")
-        text.append_text(line)
-    return text
+    parts.append(queues)
+    return packed(parts, width, rows)
+
+
+def packed(parts: list[list[Text]], width: int, rows: int) -> Text:
+    """``parts`` (each its wordings, longest first) one a line, each in the longest wording that fits
+    ``width`` (:func:`first_fitting`). While there are more lines than ``rows`` (0: no limit), two
+    neighbours share a line, joined by " · ", where their joined wording fits ``width`` (the pair
+    shortest together first), so a panel of fixed height shows them all; when none fits (a 60x20
+    terminal) the lines past ``rows`` stay below the panel's edge, the least needed last (the queues:
+    the header counts the active requests and the table lists them)."""
+    lines = [list(p) for p in parts]
+    while rows and len(lines) > rows:
+        fits = [k for k in range(len(lines) - 1)
+                if not width or lines[k][-1].cell_len + 3 + lines[k + 1][-1].cell_len <= width]
+        if not fits:
+            break
+        i = min(fits, key=lambda k: lines[k][-1].cell_len + lines[k + 1][-1].cell_len)
+        joined = [a + Text(" · ", style="dim") + b for a in lines[i] for b in lines[i + 1]]
+        lines[i:i + 2] = [sorted(joined, key=lambda t: -t.cell_len)]
+    return Text("\n").join(first_fitting(width, *line) for line in lines)
 
 
 class DashboardView(EngineView):
@@ -107,7 +125,7 @@ class DashboardView(EngineView):
 
     def update_view(self, state: EngineState, selected: str | None) -> None:
         phase = self.query_one("#phase", LiveStatic)
-        phase.show_content(phase_text(state, phase.content_region.width))
+        phase.show_content(phase_text(state, phase.content_region.width, phase.content_region.height))
         self.query_one(KVMemoryBar).show(state)
         self.query_one(ThroughputPanel).show(state)
         self._show_split(state)
@@ -117,8 +135,9 @@ class DashboardView(EngineView):
         topk = self.query_one(TopKBars)
         if req is None:
             output.border_title = "Selected request"
-            output.show_content(Text(state.no_engine or "Type a prompt below and press Enter; its text streams in here.",
-                                     style="dim"))
+            empty = ("Type a prompt below and press Enter; its text streams in here." if getattr(self.app, "live", True)
+                     else "No request selected: pick one of the recording's with ] or [.")  # a replay takes no prompts
+            output.show_content(Text(state.no_engine or empty, style="dim"))
             topk.show((), None)
             return
         title = f"{req.request_id} · {req.state}"
@@ -133,7 +152,7 @@ class DashboardView(EngineView):
             text.append(f"\n{req.error}", style="red")
         region = output.content_region  # show the end of the stream, as a terminal would
         output.show_content(tail(text, region.width, region.height, self.app.console))
-        label = f"token #{req.num_output}: {visible_piece(req.last_token)!s}" if req.num_output else ""
+        label = f"token #{req.num_output}: {chosen_piece(req.top, req.last_token_id, req.last_token)}" if req.num_output else ""
         if label and req.top_caption and not req.top_caption.endswith("own probabilities"):
             label += f" ({req.top_caption})"  # a processor changed these numbers: name each one
         topk.show(req.top, req.last_token_id, label)

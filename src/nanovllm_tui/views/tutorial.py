@@ -201,8 +201,9 @@ class TutorialView(EngineView):
         demo = tut.DEMOS.get(c.demo) if c.demo else None
         if demo is not None:
             text.append(f"Live demonstration: {tut.demo_heading(c)}. ", style="bold #3ecf8e")
-            text.append(f"{demo.watch} Press r to run it on a small engine of its own, over the loaded model.",
-                        style="#3ecf8e")
+            refused = self.refusal("run_demo")  # a replay or --connect hides r: say why, not "Press r" (trial 14a's kind)
+            text.append(f"{demo.watch} " + (refused or "Press r to run it on a small engine of its own, over the loaded "
+                                                       "model."), style="#3ecf8e")
         self.query_one("#chapter-text", Static).update(text)
 
     @property

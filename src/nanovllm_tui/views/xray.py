@@ -30,6 +30,7 @@ from nanovllm_core import events as ev
 from nanovllm_core.educational import tp_facts, xray_blocks
 from nanovllm_core.educational import xray_facts as facts
 from nanovllm_core.educational.commentary import plural
+from nanovllm_tui import hints
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.views.base import EngineView
 from nanovllm_tui.widgets.format import fmt_bytes, fmt_count
@@ -47,25 +48,32 @@ def no_trace_words(state: EngineState, selected: str | None, live: bool) -> str:
     """Why the X-Ray has nothing to show, true for the selection: X-Ray traces the selected request's
     next step (a step it is not in: the step's first request's), so a finished selection never gets one (trial 7: it said
     "No trace yet: ... press n while paused" with a finished request selected). Names the keys that
-    select another request (``]`` / ``[``, commands.py)."""
+    select another request (``]`` / ``[``, commands.py), and ``n`` only while it runs a step (trial 14a:
+    "press n again while paused" while the engine ran; :mod:`nanovllm_tui.hints`). A replay shows
+    only the traces it recorded and takes no prompts."""
     req = state.requests.get(selected) if selected else None
     plan = state.plan
+    step = hints.next_step(state, live)
     if req is not None and req.live and plan is not None and not state.step_open \
             and all(s.request_id != selected for s in plan.scheduled):
         # trial 11: after n the hint still said "send a prompt, or press n" when the step had not run it
         why = {"waiting": "it is waiting to be admitted", "preempted": "it is preempted, waiting to be readmitted",
                "submitted": "the engine has not added it yet"}.get(req.state, "the step's token budget went to others")
-        return (f"No trace yet: request {selected} was not in step {plan.step} ({why}); X-Ray records the next step "
-                "that runs it: press n again while paused.")
+        records = "X-Ray records the next step that runs it" if live else \
+            "the recording's next step that runs it shows here if it was traced"
+        return f"No trace yet: request {selected} was not in step {plan.step} ({why}); {records} ({step})."
     if req is None or req.live:
-        return ("No trace yet: send a prompt, or press n while paused (X-Ray records the selected request's next "
-                "step, or the step's first request if it did not run, while this tab is open).")
+        if live:
+            return (f"No trace yet: X-Ray records the selected request's next step, or the step's first request "
+                    f"if it did not run, while this tab is open: {step}.")
+        return ("No trace yet: a replay shows the X-Ray traces its recording holds (of steps run while the X-Ray "
+                f"tab was open, or every step with --trace-xray): {step}.")
     running = [rid for rid, r in state.requests.items() if r.live]
     if running:
         shown = ", ".join(running[:4]) + (" ..." if len(running) > 4 else "")
-        pick = f"select a running one with ] or [ (running: {shown}), then press n while paused"
+        pick = f"select a running one with ] or [ (running: {shown}); {step}"
     elif live:
-        pick = "no request is running: send a prompt, then press n while paused"
+        pick = f"no request is running: {step}"
     else:
         pick = "no request of this recording is running now"
     instead = ("X-Ray records the next step's first request instead" if live
@@ -85,7 +93,7 @@ def other_request_words(state: EngineState, trace: ev.LayerTrace, selected: str 
         why = f"{selected} is {req.state}, so steps trace a running request"
     elif live and state.step is not None and trace.step < state.step:
         why = (f"step {trace.step} is the newest traced (steps run while this tab was hidden are not traced for it); "
-               f"the next step traces {selected}" + (", press n" if state.paused else ""))
+               f"the next step traces {selected}" + (", press n" if hints.steps_on_n(state) else ""))
     else:
         plan = state.plan
         ran = plan is not None and plan.step == trace.step and any(s.request_id == selected for s in plan.scheduled)
@@ -93,7 +101,7 @@ def other_request_words(state: EngineState, trace: ev.LayerTrace, selected: str 
             why = f"{selected} did not run in step {trace.step}"
         elif live:
             why = f"{selected} was chosen after step {trace.step}; the next step traces it" + (
-                ", press n" if state.paused else "")
+                ", press n" if hints.steps_on_n(state) else "")
         else:
             why = f"the recording traced only {trace.request_id} in that step"
     return f"  (traced: {trace.request_id}, not {selected}: {why})"
@@ -344,7 +352,7 @@ class XRayView(EngineView, can_focus=True):
             if measured:
                 body.append("\nMeasured in this step:\n" + "\n".join(measured), style="#8fa8ff")
         else:
-            body.append("No step has run yet: send a prompt, or press n while paused.", style="dim")
+            body.append(f"No step has run yet: {hints.next_step(state, getattr(self.app, 'live', True))}.", style="dim")
             shards = tp_facts.shard_lines(info, self.layer_index, self.num_layers, 0)
             if shards:
                 body.append("\n\n" + "\n".join(shards), style="#c9b8ff")

@@ -19,8 +19,9 @@ The prompt field is one line, but a prompt may have many: a paste keeps all its 
 break shown as ``⏎`` (``NEWLINE_MARK``) and sent as a real newline on Enter, chat or raw (Textual's
 ``Input`` kept the first line only and dropped the rest without a word: trial 10). The rule is
 simple and has no exception: every ``⏎`` in the field, pasted or typed, is sent as a line break.
-``\r\n`` and ``\r`` count as one line break; a tab is kept; every other control character of a
-paste (an escape sequence whole, with its parameters) is dropped, and a toast says how many were.
+``\r\n`` and ``\r`` count as one line break; a tab is kept (sent as a tab, shown as one cell ``⇥``,
+``TAB_MARK``); every other control character of a paste (an escape sequence whole, with its
+parameters) is dropped, and a toast says how many were.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from rich.cells import cell_len, get_character_cell_size
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.geometry import Region
 from textual.validation import ValidationResult, Validator
 from textual.widgets import Checkbox, Input, Label
 
@@ -49,6 +52,7 @@ PLACEHOLDERS = ("Type a prompt, Enter sends it  (Esc: engine keys · / comes bac
 REPLAY_NOTES = ("A replay plays a recording and takes no prompts: start without --replay to type one",
                 "A replay takes no prompts: start without --replay", "A replay takes no prompts")
 NEWLINE_MARK = "\u23ce"  # ⏎: a line break in the one-line prompt field (sent as "\n")
+TAB_MARK = "\u21e5"  # ⇥: a kept tab as a field shows it, one cell wide (sent as "\t"; as visible_piece shows one)
 # An escape sequence as a terminal would act on it, dropped whole from a paste: CSI (ESC [ ... final
 # byte, e.g. ESC[31m), OSC (ESC ] ... BEL or ESC \\), or ESC and one character; a lone ESC at the end too.
 _ESCAPE_SEQUENCE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[ -~])?|\x9b[0-?]*[ -/]*[@-~]")
@@ -207,9 +211,39 @@ def typed_keys(*keys: str) -> list[Binding]:
 
 class Field(Input):
     """A prompt-bar field: Enter asks the bar to send, there and then; a paste keeps all its lines
-    (:func:`pasted_text`)."""
+    (:func:`pasted_text`); a tab in the value is shown as one dim ``TAB_MARK`` cell.
+
+    Why the tab mark: Textual's ``Input`` (8.2) measures a tab three ways: 0 cells for the scroll
+    width (``rich.cells.cell_len``), 4 for the cursor (``expand_tabs_inline(..., 4)``) and up to 8 as
+    drawn (Rich expands tabs to 8). With tabs in the value, End could not scroll to the end: a
+    40-tab prompt's last 200 cells could be neither seen nor edited (trial 14a). One cell each way
+    makes the three measures the same; the value (what is sent) keeps the real tab."""
 
     BINDINGS = typed_keys(*TYPED_APP_KEYS)
+
+    @property
+    def _value(self) -> Text:
+        """The value as drawn: each tab as one dim ``TAB_MARK`` (Input's own measures follow this)."""
+        text = Text(self.value.replace("\t", TAB_MARK), no_wrap=True, overflow="ignore", end="")
+        for index, char in enumerate(self.value):
+            if char == "\t":
+                text.stylize("dim", index, index + 1)
+        return text
+
+    def _position_to_cell(self, position: int) -> int:
+        """The cell where character ``position`` is drawn, a tab one cell (see the class docstring)."""
+        return cell_len(self.value[:position].replace("\t", TAB_MARK))
+
+    def _cell_offset_to_index(self, offset: int) -> int:
+        """The character drawn at cell ``offset`` of the view (a click), a tab one cell."""
+        offset += self.scroll_offset.x
+        cell = 0
+        for index, char in enumerate(self.value.replace("\t", TAB_MARK)):
+            width = get_character_cell_size(char)
+            if cell <= offset < cell + width:
+                return index
+            cell += width
+        return max(0, min(offset, len(self.value)))
 
     def action_typed(self) -> None:
         """Nothing: see :func:`typed_keys`."""
@@ -228,6 +262,13 @@ class Field(Input):
             self.insert_text_at_cursor(kept)
         else:
             self.replace(kept, *self.selection)
+        self.scroll_to_cursor()
+
+    def scroll_to_cursor(self) -> None:
+        """Scroll the view to the cursor. Input does so on each move but one: the field's first value
+        ever (Textual takes it for the value it was built with, shown from its start), so a first
+        paste left the cursor past the right edge, and End, already there, did not move the view."""
+        self.scroll_to_region(Region(self._cursor_offset, 0, width=1, height=1), force=True, animate=False)
 
     def _on_paste(self, event) -> None:  # Textual's own path (the app hands pastes to paste() itself)
         if event.text:
@@ -426,6 +467,7 @@ class PromptBar(Vertical):
             return False
         field.value = bar_from_prompt(prompt)
         field.cursor_position = len(field.value)  # typing goes on after it, not in front (trial 8)
+        field.scroll_to_cursor()
         return True
 
     def submit(self, field: Input) -> None:

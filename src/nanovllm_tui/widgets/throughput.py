@@ -8,7 +8,7 @@ from textual.containers import Vertical
 
 from nanovllm_core.educational.commentary import plural
 from nanovllm_tui.state import RATE_WINDOW, EngineState, mixed_step
-from nanovllm_tui.widgets.format import fmt_ms, fmt_rate, sparkline
+from nanovllm_tui.widgets.format import first_fitting, fmt_ms, fmt_rate, sparkline
 from nanovllm_tui.widgets.live import LiveStatic
 
 STYLES = {"prefill": "#f5a524", "decode": "#3ecf8e"}
@@ -44,18 +44,40 @@ class ThroughputPanel(Vertical):
         per_step = {"prefill": [0.0 if mixed_step(t) else t.prefill_tokens_per_s for t in state.timings],
                     "decode": [0.0 if mixed_step(t) else t.decode_tokens_per_s for t in state.timings]}
         busy = state.busy
+        sparks = {kind: self.query_one(f"#{kind}-spark", LiveStatic) for kind in STYLES}
+        tails = last_rates({kind: None if busy or not rates[kind][1] else rates[kind] for kind in STYLES},
+                           {kind: sparks[kind].content_region.width - min(KEEP_CELLS, len(per_step[kind]))
+                            for kind in STYLES})
         for kind, style in STYLES.items():
             rate, steps = rates[kind]
             now = rate if busy else 0.0
-            figure = "- (only mixed steps)" if busy and not steps and mixed else f"{fmt_rate(now)} tok/s"
-            self.query_one(f"#{kind}-rate", LiveStatic).show_content(Text.assemble((f"{kind:<8}", "bold"), figure))
-            spark = self.query_one(f"#{kind}-spark", LiveStatic)
-            width = spark.content_region.width
-            last = Text()
-            if not busy and steps:
-                last = Text(f" last {plural(steps, 'step')} {fmt_rate(rate)} tok/s", style="dim")
-            line = sparkline(per_step[kind], max(0, width - len(last)), style)
-            spark.show_content(line + last)
+            figures = (["- (only mixed steps)", "- (mixed only)", "-"] if busy and not steps and mixed
+                       else [f"{fmt_rate(now)} tok/s", fmt_rate(now)])
+            label = self.query_one(f"#{kind}-rate", LiveStatic)
+            label.show_content(first_fitting(label.content_region.width,
+                                             *[Text.assemble((f"{kind:<8}", "bold"), f) for f in figures]))
+            tail = Text(tails[kind], style="dim")
+            width = sparks[kind].content_region.width
+            sparks[kind].show_content(sparkline(per_step[kind], max(0, width - tail.cell_len), style) + tail)
+
+
+KEEP_CELLS = 2  # sparkline cells a rate's wording leaves at least (the newest steps)
+
+
+def last_rates(last: dict[str, tuple[float, int] | None], room: dict[str, int]) -> dict[str, str]:
+    """Each kind's rate of its newest steps, written after its sparkline while the engine is idle or
+    paused (``last[kind]``: (tok/s, steps), None: nothing to write), in one wording for both kinds:
+    the longest in which each fits its ``room`` (cells; 0 or less: not laid out yet, the longest).
+    Trial 14e: at 100 columns " last 1 step 1.9 tok/s" wrapped its unit onto a row of its own, and
+    the panel's 4 rows lost the decode sparkline and rate."""
+    def wordings(rate: float, steps: int) -> list[str]:
+        figure = f"{fmt_rate(rate)} tok/s"
+        return [f" last {plural(steps, 'step')} {figure}", f" {plural(steps, 'step')} {figure}",
+                f" last {figure}", f" {figure}", f" {fmt_rate(rate)}"]
+
+    options = {kind: wordings(*v) if v is not None else [""] * 5 for kind, v in last.items()}
+    level = next((i for i in range(5) if all(room[k] <= 0 or len(options[k][i]) <= room[k] for k in options)), 4)
+    return {kind: words[level] for kind, words in options.items()}
 
 
 def traced_caption(steps: int, width: int) -> str:
