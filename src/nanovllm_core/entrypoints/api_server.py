@@ -58,6 +58,7 @@ from nanovllm_core.model.quantization import describe_weights
 from nanovllm_core.entrypoints.request_stream import InFlight
 from nanovllm_core.prompts import is_conversation, unicode_problem
 from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core import untrusted
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 EVENTS_QUERY = ("topk", "blocks", "xray")  # /v1/engine/events' query parameters
@@ -278,7 +279,8 @@ async def _json(request: Request, limit: int) -> Any:
 
     Raises:
         APIError: 413 for a body over ``limit`` bytes (its Content-Length, or the bytes read so
-            far, is over it: read no further); 400 for a body that is not JSON.
+            far, is over it: read no further); 400 ``invalid_json`` for a body that is not JSON,
+            also one nested past the parser's depth (``untrusted.loads``).
     """
     too_big = APIError(f"the request body is larger than this server's limit of {limit} bytes; send a shorter "
                        "prompt or fewer prompts per request (the limit is nanovllm serve --max-body-bytes)",
@@ -293,7 +295,10 @@ async def _json(request: Request, limit: int) -> Any:
             raise too_big
         chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
+        return untrusted.loads(b"".join(chunks))
+    except untrusted.JSONTooDeep as e:  # json.loads' RecursionError was a 500 and a traceback (trial 14b)
+        raise APIError(f"the request body is nested too deeply ({e}); send a JSON object whose fields nest a few "
+                       "levels at most, as OpenAI's request fields do", code="invalid_json") from None
     except ValueError as e:
         raise APIError(f"the request body is not valid JSON ({e}); send a JSON object", code="invalid_json") from None
 
