@@ -119,3 +119,137 @@ def test_json_from_outside_nested_too_deeply_is_a_one_line_refusal_wherever_it_i
     # a command-line list (nanovllm serve --allowed-origins)
     with pytest.raises(argparse.ArgumentTypeError, match="expected a JSON list of strings"):
         text_list(deep)
+
+
+# ---------------------------------------------------------------------- 2. steps past the 1000 pending
+
+
+def control(server, body: dict) -> httpx.Response:
+    return httpx.post(server.url + "/v1/engine/control", json=body, headers=server.headers, timeout=30)
+
+
+def test_a_step_that_would_pass_the_pending_cap_is_refused_with_what_may_be_asked(tiny_server):
+    """Trial 14b: 600 then 500 steps both answered {"ok": true}, and only the steps up to the cap ran.
+    The command that would pass it is a 400 naming n, the steps pending and the most that may be asked."""
+    assert control(tiny_server, {"command": "pause"}).json() == {"ok": True}
+    try:  # nothing to run: the steps stay pending
+        assert control(tiny_server, {"command": "step", "n": 600}).json() == {"ok": True}
+        r = control(tiny_server, {"command": "step", "n": 500})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "n" and error["code"] == "too_many_steps"
+        assert error["message"] == ("n=500 would make 1100 steps pending, more than the 1000 that may wait at "
+                                    "once: 600 are pending already (asked for and not yet run); ask for at most 400 "
+                                    "now, or wait until some have run")
+        assert control(tiny_server, {"command": "step", "n": 400}).json() == {"ok": True}
+        r = control(tiny_server, {"command": "step", "n": 1})
+        assert r.status_code == 400 and r.json()["error"]["message"].endswith(
+            "1000 are pending already (asked for and not yet run); ask again once some have run")
+        assert tiny_server.controller.steps_pending() == 1000
+        # a pause while paused drops them: the whole 1000 may be asked again at once, even before it is applied
+        assert control(tiny_server, {"command": "pause"}).json() == {"ok": True}
+        assert control(tiny_server, {"command": "step", "n": 1000}).json() == {"ok": True}
+    finally:
+        assert control(tiny_server, {"command": "resume"}).json()["resumed"] is True
+    assert tiny_server.controller.steps_pending() == 0
+
+
+def test_every_step_accepted_runs_and_the_pending_count_falls_as_they_do(make_tiny_engine):
+    """The steps asked for while paused run one for one (trial 14b's 600 + 500 ran 1001: the second
+    command came after one step had run, and the cap cut it to what fitted beside the 599 left)."""
+    from nanovllm_core.engine.controller import EngineController, StepsPending
+    from nanovllm_core.sampling_params import SamplingParams
+    from tests.conftest import poll_until
+
+    engine = make_tiny_engine(max_num_seqs=1)
+    c = EngineController.from_engine(engine, start_paused=True)
+    try:
+        c.step(990)  # nothing to run yet: they wait
+        start = engine.scheduler.step_index
+        rid = c.submit("Tell me a story", SamplingParams(max_tokens=20, ignore_eos=True))
+        assert c.wait(rid, timeout=30) is not None  # 20 steps ran
+        assert engine.scheduler.step_index - start == 20
+        assert poll_until(lambda: c.steps_pending() == 970)
+        with pytest.raises(StepsPending, match="970 are pending already .*; ask for at most 30 now") as refused:
+            c.step(31)
+        assert (refused.value.n, refused.value.pending, refused.value.room) == (31, 970, 30)
+        c.step(30)
+        assert c.steps_pending() == 1000
+    finally:
+        c.shutdown(timeout=5)
+
+
+def test_the_local_apps_step_refused_reaches_its_subscribers_as_a_command_refused(make_tiny_engine):
+    """nanovllm-tui's BackgroundController: a refused step is an EngineError "step: ..." (the app's
+    "Not done" toast), also for a step that waited for the engine to be built."""
+    from nanovllm_core import events as ev
+    from nanovllm_core.engine.controller import EngineController
+    from nanovllm_tui.starter import BackgroundController
+    from tests.conftest import poll_until
+
+    seen = []
+    background = BackgroundController(lambda: EngineController.from_engine(make_tiny_engine(), start_paused=True))
+    background.subscribe(seen.append, topk=0, blocks=False)
+    background.step(1000)
+    background.step(1)  # both wait for the engine to be built
+    background.start()
+    try:
+        refused = lambda: [e for e in seen if isinstance(e, ev.EngineError) and e.message.startswith("step: ")]
+        assert poll_until(lambda: len(refused()) == 1, 30)
+        assert refused()[0].message.startswith("step: n=1 would make 1001 steps pending")
+        background.step(2)  # built now: refused at once, the same way
+        assert poll_until(lambda: len(refused()) == 2, 10)
+    finally:
+        background.shutdown(timeout=5)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_n_under_connect_shows_the_servers_refusal_as_one_line(tiny_server, tmp_path):
+    """The app's n, attached to a server with 1000 steps pending: the 400 is a "Not done" toast of one line."""
+    from nanovllm_tui.app import NanoVLLMApp
+    from nanovllm_tui.remote import RemoteController
+    from tests.tui_helpers import Notes, wait_until
+
+    engine, gate = tiny_server.controller.engine, threading.Event()
+    app = NanoVLLMApp(RemoteController(tiny_server.url, tiny_server.api_key), tutorial_path=tmp_path / "t.json")
+    notes = Notes()
+    try:
+        async with app.run_test(size=(120, 36), message_hook=notes) as pilot:
+            await wait_until(pilot, lambda: app.state.ready and app.controller.connected, 30, "the attached server")
+            await pilot.press("escape", "space")
+            await wait_until(pilot, lambda: tiny_server.controller.state == "paused", 10, "the server to pause")
+            r = control(tiny_server, {"command": "submit", "prompt": "Once upon a time", "request_id": "steps-14b",
+                                      "params": {"max_tokens": 50, "ignore_eos": True}})
+            assert r.status_code == 200, r.text
+            await wait_until(pilot, lambda: "steps-14b" in app.state.requests, 10, "the request in the app")
+            engine.fault_injector = lambda plan: gate.wait(30)  # the first step holds: 1000 stay pending
+            assert control(tiny_server, {"command": "step", "n": 1000}).json() == {"ok": True}
+            await pilot.press("n")
+            await wait_until(pilot, lambda: notes.find("would make 1001 steps pending"), 10, "the refusal")
+            (note,) = notes.find("would make 1001 steps pending")
+            assert note.message == ("step: n=1 would make 1001 steps pending, more than the 1000 that may wait at "
+                                    "once: 1000 are pending already (asked for and not yet run); ask again once some "
+                                    "have run (HTTP 400)")
+            assert note.title == "Not done" and note.severity == "warning"
+            gate.set()
+            control(tiny_server, {"command": "pause"})  # drops the steps left
+            control(tiny_server, {"command": "abort", "request_id": "steps-14b"})
+    finally:
+        gate.set()
+        engine.fault_injector = None
+    assert poll_until_idle(tiny_server)
+
+
+def poll_until_idle(server) -> bool:
+    """The shared server left as the other tests expect it: running, no request."""
+    from tests.conftest import poll_until
+
+    if server.controller.state == "paused":
+        control(server, {"command": "resume"})
+    server.wait_idle()
+    return poll_until(lambda: server.controller.state != "paused", 5)

@@ -48,7 +48,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanovllm_core.engine.controller import MAX_STEPS
+from nanovllm_core.engine.controller import MAX_STEPS, StepsPending
 from nanovllm_core.entrypoints.event_hub import EventHub
 from nanovllm_core.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm_core.entrypoints.openai_serving import SERVER_ID_PREFIXES, OpenAIServing, Prepared
@@ -479,7 +479,10 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
         if c.state != "paused" and not state.pause_asked:
             raise APIError("step runs single steps while the engine is paused; pause first", status=409,
                            code="not_paused")
-        c.step(n)
+        try:
+            c.step(n)
+        except StepsPending as e:  # was {"ok": true}, and the steps past the cap never ran (trial 14b)
+            raise APIError(str(e), param="n", code="too_many_steps") from None
     elif name == "abort":
         rid = _text(body, "request_id")
         known = rid in state.ids  # a request submitted and not yet added by the engine counts too
