@@ -253,3 +253,77 @@ def poll_until_idle(server) -> bool:
         control(server, {"command": "resume"})
     server.wait_idle()
     return poll_until(lambda: server.controller.state != "paused", 5)
+
+
+# ---------------------------------------------------------------------- 3. errors quote a value cut short
+
+BIG_TEXT = "x" * 100_000
+BIG_LIST = list(range(30_000))
+MOST_ERROR_BYTES = 1000  # a one-line error; the trial's came back at 900 KB
+
+
+def _fields(model) -> list[str]:
+    return sorted(model.model_fields)
+
+
+def _short_answer(r: httpx.Response, what) -> None:
+    assert r.status_code < 500, (what, r.status_code, r.text[:300])
+    assert len(r.content) < MOST_ERROR_BYTES, (what, len(r.content), r.text[:300])
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", CHAT])
+def test_every_field_of_a_request_is_quoted_short_in_its_error(tiny_server, path):
+    """Trial 14b: a 900 KB temperature came back as a 900 KB error. Every field, sent a long text or a
+    long list, and a long unknown field name get an answer of one short line."""
+    from nanovllm_core.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+
+    model = CompletionRequest if path == "/v1/completions" else ChatCompletionRequest
+    base = {"prompt": "hi"} if model is CompletionRequest else {"messages": [{"role": "user", "content": "hi"}]}
+    base["max_tokens"] = 1
+    with httpx.Client(base_url=tiny_server.url, headers=tiny_server.headers, timeout=60) as http:
+        for field in [*_fields(model), BIG_TEXT]:
+            for value in (BIG_TEXT, BIG_LIST):
+                _short_answer(http.post(path, json={**base, field: value}), (field[:20], type(value)))
+        message = {"role": "user", "content": "hi"}
+        for key in ("role", "content", BIG_TEXT):  # inside a chat message, and a text part
+            _short_answer(http.post(CHAT, json={"messages": [{**message, key: BIG_TEXT}]}), key[:20])
+        _short_answer(http.post(CHAT, json={"messages": [{"role": "user", "content": [{"type": BIG_TEXT}]}]}), "part")
+
+
+def test_every_control_field_is_quoted_short_in_its_error(tiny_server):
+    from nanovllm_core.entrypoints.api_server import CONTROL_FIELDS
+    from nanovllm_core.sampling_params import SamplingParams
+
+    with httpx.Client(base_url=tiny_server.url, headers=tiny_server.headers, timeout=60) as http:
+        try:
+            for command in (BIG_TEXT, BIG_LIST):  # the trial's "unknown command [[[[..." came back at 2 KB
+                _short_answer(http.post("/v1/engine/control", json={"command": command}), "command")
+            for name, fields in CONTROL_FIELDS.items():
+                for field in [*fields, BIG_TEXT]:
+                    for value in (BIG_TEXT, BIG_LIST):
+                        r = http.post("/v1/engine/control", json={"command": name, field: value})
+                        _short_answer(r, (name, field[:20], type(value)))
+            for field in [*SamplingParams.__dataclass_fields__, BIG_TEXT]:
+                for value in (BIG_TEXT, BIG_LIST):
+                    body = {"command": "submit", "prompt": "hi", "params": {"max_tokens": 1, field: value}}
+                    _short_answer(http.post("/v1/engine/control", json=body), ("params", field[:20]))
+            _short_answer(http.post("/v1/engine/control", json={"command": "xray", "layer": 10 ** 4000}), "layer")
+            _short_answer(http.get("/v1/" + "y" * 8000), "path")
+            _short_answer(http.get("/v1/engine/events?" + "z" * 8000 + "=1"), "query")
+        finally:
+            http.post("/v1/engine/control", json={"command": "resume"})
+    tiny_server.wait_idle()
+
+
+def test_a_quoted_value_keeps_its_start_and_says_its_size():
+    from nanovllm_core import untrusted
+
+    assert untrusted.shown("0.5") == "'0.5'" and untrusted.shown([5]) == "[5]"  # short: the repr, as before
+    assert untrusted.shown("x" * 900_000) == f"'{'x' * 40}'… (900000 characters)"
+    assert untrusted.shown(list(range(5000))) == "[0, 1, 2, 3, 4, 5, 6, 7, ...] (a list of 5000 items)"
+    assert untrusted.shown(10 ** 4000) == f"1{'0' * 39}… (4001 digits)"
+    assert untrusted.shown("explode", as_json=True) == '"explode"' and untrusted.shown(True, as_json=True) == "true"
+    assert untrusted.listed(["a" * 100, "b", "c", "d", "e", "f"]) == (f"{'a' * 60}… (100 characters), b, c, d, e "
+                                                                      "and 1 more")
+    deep = untrusted.loads(nested(900))
+    assert untrusted.shown(deep) == "[[[[[...]]]]] (a list of 1 item)"

@@ -26,6 +26,7 @@ from nanovllm_core import yield_gate
 from nanovllm_core.engine.llm_engine import LLMEngine, Subscription
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams, check_priority
+from nanovllm_core.untrusted import shown
 
 
 def load_failure(error: BaseException) -> str:
@@ -215,7 +216,7 @@ class EngineController:
             StepsPending: (a ValueError) ``n`` more would leave more than ``MAX_STEPS`` pending; none is queued.
         """
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_STEPS:
-            raise ValueError(f"step(n) needs a whole n from 1 to {MAX_STEPS}, got {n!r}")
+            raise ValueError(f"step(n) needs a whole n from 1 to {MAX_STEPS}, got {shown(n)}")
         with self._steps_lock:
             pending = self._pending_locked()
             if pending + n > MAX_STEPS:

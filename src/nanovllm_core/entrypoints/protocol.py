@@ -19,6 +19,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, StrictBool, Strict
 
 from nanovllm_core.prompts import CONTENT_SHAPE, ChatRole, TextPartType, content_text, template_role
 from nanovllm_core.sampling_params import SamplingParams, check_priority
+from nanovllm_core.untrusted import clipped, shown
 
 
 class APIError(Exception):
@@ -34,7 +35,8 @@ class APIError(Exception):
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        param = None if self.param is None else clipped(self.param)  # a client's own key may be any length (trial 14b)
+        return {"error": {"message": self.message, "type": self.type, "param": param, "code": self.code}}
 
     def renamed(self, names: dict[str, str] | None) -> "APIError":
         """This error with its fields named as the client sent them: ``names`` maps an engine field
@@ -64,7 +66,8 @@ def validation_error(e: ValidationError, body: Any = None) -> APIError:
 
     A value that fits none of a union field's shapes (:data:`UNION_SHAPES`) is reported once, for
     the field as sent (``stop``, ``messages.0.content``), saying what it takes; ``body`` (the
-    request as parsed) gives the value shown.
+    request as parsed) gives the value shown. Values and a client's own field names are quoted
+    cut short (``untrusted.shown``, ``untrusted.clipped``).
     """
     err = e.errors()[0]
     loc = [p for p in err["loc"] if p != "body"]
@@ -72,19 +75,21 @@ def validation_error(e: ValidationError, body: Any = None) -> APIError:
         if part in UNION_SHAPES and i + 1 < len(loc) and isinstance(loc[i + 1], str):  # the next is a shape's tag
             field = ".".join(str(p) for p in loc[:i + 1])
             value = _at(body, loc[:i + 1])
-            shown = f" (got {value!r})" if value is not _MISSING else ""
-            return APIError(f"Invalid value for {field}: {part} must be {UNION_SHAPES[part]}{shown}", param=field,
-                            code="invalid_value")
+            got = f" (got {shown(value)})" if value is not _MISSING else ""
+            return APIError(f"Invalid value for {clipped(field)}: {part} must be {UNION_SHAPES[part]}{got}",
+                            param=field, code="invalid_value")
     field = ".".join(str(p) for p in loc) or None
     if err["type"] == "extra_forbidden":
         if field in NO_OP_VALUES:  # OpenAI's own field, not a typo: say what this server takes
-            shown = " or ".join(json.dumps(v) for v in NO_OP_VALUES[field])
+            values = " or ".join(json.dumps(v) for v in NO_OP_VALUES[field])
             return APIError(f"{field} is not supported by this server ({UNSUPPORTED_WHY[field]}); leave it out or "
-                            f"send {shown}", param=field, code="invalid_value")
-        return APIError(f"Unrecognized request argument supplied: {field}", param=field, code="unknown_parameter")
+                            f"send {values}", param=field, code="invalid_value")
+        return APIError(f"Unrecognized request argument supplied: {clipped(field)}", param=field,
+                        code="unknown_parameter")
     if err["type"] == "missing":
         return APIError(f"Missing required parameter: {field}", param=field, code="missing_required_parameter")
-    return APIError(f"Invalid value for {field}: {err['msg']} (got {err.get('input')!r})", param=field,
+    # the value as sent, cut short: a 900 KB temperature came back as a 900 KB error (trial 14b)
+    return APIError(f"Invalid value for {clipped(field)}: {err['msg']} (got {shown(err.get('input'))})", param=field,
                     code="invalid_value")
 
 
