@@ -327,3 +327,14 @@ def test_a_quoted_value_keeps_its_start_and_says_its_size():
                                                                       "and 1 more")
     deep = untrusted.loads(nested(900))
     assert untrusted.shown(deep) == "[[[[[...]]]]] (a list of 1 item)"
+
+
+@pytest.mark.parametrize("seq", [b"\xb2", b"9" * 5000], ids=["superscript-two", "5000-digits"])
+def test_a_last_event_id_that_int_refuses_is_a_fresh_start_not_a_500(tiny_server, seq):
+    """Trial 14b's kind in a header: "²" (the byte 0xB2, read as latin-1) passes isdigit(), and so do
+    5000 digits; int() refused both with a ValueError, a 500."""
+    instance = tiny_server.http.app.state.server.hub.instance
+    headers = {**tiny_server.headers, "Last-Event-ID": f"{instance}:".encode() + seq}
+    with httpx.stream("GET", tiny_server.url + "/v1/engine/events", headers=headers, timeout=30) as r:
+        assert r.status_code == 200
+        assert next(r.iter_lines()).startswith("event: state")
