@@ -338,3 +338,54 @@ def test_a_last_event_id_that_int_refuses_is_a_fresh_start_not_a_500(tiny_server
     with httpx.stream("GET", tiny_server.url + "/v1/engine/events", headers=headers, timeout=30) as r:
         assert r.status_code == 200
         assert next(r.iter_lines()).startswith("event: state")
+
+
+# ---------------------------------------------------------------------- 4. OpenAI chat fields that ask for nothing here
+
+MESSAGES = [{"role": "user", "content": "Say hi"}]
+
+
+def chat(server, **fields) -> httpx.Response:
+    return httpx.post(server.url + CHAT, json={"messages": MESSAGES, "max_tokens": 1, **fields},
+                      headers=server.headers, timeout=60)
+
+
+@pytest.mark.parametrize("fields", [
+    {"parallel_tool_calls": False}, {"parallel_tool_calls": True}, {"parallel_tool_calls": None},
+    {"store": False}, {"store": None}, {"metadata": {}}, {"metadata": None},
+    {"metadata": {"team": "docs", "run": "14b"}},
+    {"parallel_tool_calls": False, "store": False, "metadata": {"a": "b"}, "tools": [], "tool_choice": "none"},
+], ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_openai_chat_fields_that_ask_for_nothing_are_served(tiny_server, fields):
+    """Trial 14b: parallel_tool_calls, store and metadata, standard OpenAI chat fields some client
+    frameworks always send, were refused as "Unrecognized request argument"; vLLM takes them."""
+    r = chat(tiny_server, **fields)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
+
+
+@pytest.mark.parametrize("fields, param, message", [
+    ({"store": True}, "store", "store is not supported by this server (it keeps no completions to list or distill "
+                               "later); leave it out or send false"),
+    ({"store": 0}, "store", "store is not supported by this server"),  # 0 == False in Python, not in JSON
+    ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "Invalid value for parallel_tool_calls"),
+    ({"metadata": {"n": 1}}, "metadata.n", "Invalid value for metadata.n"),
+    ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", "metadata holds at most 16 key-value pairs, got 17"),
+    ({"metadata": {"k": "v" * 513}}, "metadata", "metadata keys hold at most 64 characters and values at most 512"),
+    ({"echo": True}, "echo", "echo=true is not supported by this server (a response holds the generated text only, "
+                             "not the prompt); leave it out or send false"),
+], ids=["store-true", "store-0", "parallel_tool_calls-text", "metadata-number", "metadata-17", "metadata-long",
+        "echo"])
+def test_chat_fields_that_ask_for_what_this_server_lacks_are_refused_clearly(tiny_server, fields, param, message):
+    r = chat(tiny_server, **fields)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and message in error["message"] and "Unrecognized" not in error["message"], error
+
+
+def test_echo_is_refused_in_the_same_words_on_both_routes(tiny_server):
+    """Trial 14b: completions said "echo=true is not supported by this server; leave it out", chat
+    "Unrecognized request argument supplied: echo"."""
+    completion = httpx.post(tiny_server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "echo": True},
+                            headers=tiny_server.headers, timeout=60).json()["error"]
+    assert completion == chat(tiny_server, echo=True).json()["error"]
+    assert chat(tiny_server, echo=False).status_code == 200
