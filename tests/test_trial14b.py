@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import http.server
+import json
 import threading
 
 import httpx
@@ -389,3 +390,66 @@ def test_echo_is_refused_in_the_same_words_on_both_routes(tiny_server):
                             headers=tiny_server.headers, timeout=60).json()["error"]
     assert completion == chat(tiny_server, echo=True).json()["error"]
     assert chat(tiny_server, echo=False).status_code == 200
+
+
+# ---------------------------------------------------------------------- 5. one shape for an aborted chat stream's end
+
+
+def test_a_chat_stream_ends_alike_aborted_by_the_control_api_or_by_shutdown(make_tiny_engine):
+    """Trial 14b: a control API abort ended a chat stream with "delta": {"content": ""}, a shutdown
+    with "delta": {}; both are now the first, as vLLM sends a finish with no new text."""
+    from nanovllm_core.engine.controller import EngineController
+    from tests.conftest import poll_until
+    from tests.serve_helpers import start_server
+
+    controller = EngineController.from_engine(make_tiny_engine(num_kv_blocks=64), start_paused=True)
+    server = start_server(controller, api_key=None)
+    ends: dict[str, dict] = {}
+
+    def read(how: str) -> None:
+        body = {"messages": MESSAGES, "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", server.url + CHAT, json=body, headers={"X-Request-Id": how}, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        ends[how] = chunks[-1]["choices"][0]
+
+    try:
+        for how in ("control", "shutdown"):
+            reader = threading.Thread(target=read, args=(how,))
+            reader.start()
+            assert poll_until(lambda: server.stats()["num_waiting"] == 1, 30)  # queued; paused, so no token
+            if how == "control":
+                assert control(server, {"command": "abort", "request_id": "chatcmpl-control"}).json() == {"ok": True}
+            else:
+                server.http.app.state.server.begin_shutdown()
+            reader.join(30)
+            assert not reader.is_alive()
+    finally:
+        server.stop()
+        controller.shutdown(timeout=5)
+    assert ends["control"] == ends["shutdown"] == {"index": 0, "delta": {"content": ""}, "logprobs": None,
+                                                   "finish_reason": "abort", "stop_reason": None}
+
+
+def test_the_serving_doc_says_steps_total_counts_steps_run_while_the_app_numbers_them_from_0(tiny_server):
+    """Trial 14b: /metrics said 199 while the app said "step 198", and neither the docs nor the
+    screen said why. The doc's sentence, and the fact it states."""
+    from pathlib import Path
+
+    from nanovllm_core import events as ev
+
+    doc = " ".join((Path(__file__).parent.parent / "docs" / "serving.md").read_text().split())
+    assert ("`nanovllm:steps_total` counts the engine steps run, while the app's header, its tabs and the event "
+            "stream number each step from 0 (after the app's \"step 198\", 199 have run)") in doc
+    planned: list[int] = []
+    sub = tiny_server.controller.subscribe(lambda e: planned.append(e.step) if isinstance(e, ev.StepPlanned) else None,
+                                           topk=0, blocks=False)
+    try:
+        r = httpx.post(tiny_server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3},
+                       headers=tiny_server.headers, timeout=60)
+        assert r.status_code == 200
+        tiny_server.wait_idle()
+    finally:
+        tiny_server.controller.unsubscribe(sub)
+    metrics = httpx.get(tiny_server.url + "/metrics").text
+    total = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("nanovllm:steps_total"))
+    assert planned and total == planned[-1] + 1

@@ -370,9 +370,12 @@ class OpenAIServing:
 
     @staticmethod
     def _aborted(p: Prepared, index: int) -> dict[str, Any]:
-        """The last chunk choice of a choice the server's shutdown ended."""
-        choice = {"index": index, **({"delta": {}} if p.kind == "chat" else {"text": ""}), "logprobs": None,
-                  "finish_reason": "abort", "stop_reason": None}
+        """The last chunk choice of a choice the server's shutdown ended: shaped as the engine's own
+        abort (a control API ``abort``, a client gone) ends one in :meth:`_delta`, with no new text
+        (``"delta": {"content": ""}``, vLLM's ``DeltaMessage(content=delta_text)``; it was
+        ``"delta": {}`` here, trial 14b)."""
+        choice = {"index": index, **({"delta": {"content": ""}} if p.kind == "chat" else {"text": ""}),
+                  "logprobs": None, "finish_reason": "abort", "stop_reason": None}
         if p.return_token_ids:
             choice["token_ids"] = []
         return choice
