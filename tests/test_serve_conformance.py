@@ -649,7 +649,8 @@ def test_a_chat_stream_ended_by_shutdown_before_any_token_still_opens_with_its_r
     chunks = [json.loads(e) for e in events[:-1]]
     assert [(c["choices"][0]["index"], c["choices"][0]["delta"], c["choices"][0]["finish_reason"])
             for c in chunks[:-1]] == [(0, {"role": "assistant", "content": ""}, None),
-                                      (1, {"role": "assistant", "content": ""}, None), (0, {}, "abort"), (1, {}, "abort")]
+                                      (1, {"role": "assistant", "content": ""}, None), (0, {"content": ""}, "abort"),
+                                      (1, {"content": ""}, "abort")]
     prompt_tokens = chunks[0]["usage"]["prompt_tokens"]
     assert prompt_tokens > 0 and all(c["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
                                                      "total_tokens": prompt_tokens} for c in chunks[:-1])

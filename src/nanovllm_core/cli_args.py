@@ -16,6 +16,7 @@ import os
 import re
 import sys
 
+from nanovllm_core import untrusted
 from nanovllm_core.prompts import unicode_problem
 
 
@@ -187,11 +188,9 @@ def text_list(text: str) -> list[str]:
     Raises:
         argparse.ArgumentTypeError: JSON that is not a list of non-empty strings, or an empty list.
     """
-    import json
-
     if text.lstrip().startswith(("[", "{")):
         try:
-            value = json.loads(text)
+            value = untrusted.loads(text)
         except ValueError:
             value = None
         if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):

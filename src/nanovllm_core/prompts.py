@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_args
 
+from nanovllm_core.untrusted import shown
+
 Prompt = str | list[int] | list[dict[str, str]]
 
 # The roles a chat message may have: OpenAI's (vLLM's server takes the same). The server's request body
@@ -64,7 +66,7 @@ def content_problem(content: Any) -> str | None:
             return f"content[{j}] must be a text part ({{'type': 'text', 'text': ...}}), not {type(part).__name__}"
         kind = part.get("type")
         if kind not in TEXT_PART_TYPES:
-            return (f"content[{j}] is {'an' if str(kind)[:1] in 'aeiou' else 'a'} {kind!r} part; only text parts "
+            return (f"content[{j}] is {'an' if str(kind)[:1] in 'aeiou' else 'a'} {shown(kind)} part; only text parts "
                     f"({{'type': 'text', 'text': ...}}) are supported")
         extra = set(part) - {"type", "text"}
         if extra:
@@ -118,7 +120,7 @@ def conversation_problem(conversation: Any) -> str | None:
             return f"messages[{i}] must be a dict {{'role': ..., 'content': text}}, not {type(m).__name__}"
         role = m.get("role")
         if role not in CHAT_ROLES:
-            return f"messages[{i}] has role {role!r}; a role is one of {', '.join(CHAT_ROLES)}"
+            return f"messages[{i}] has role {shown(role)}; a role is one of {', '.join(CHAT_ROLES)}"
         content = m.get("content")
         if content is None and not (role == "assistant" and m.get("tool_calls")):
             return (f"messages[{i}] ({role}) has no content; every message needs content, except an "

@@ -67,6 +67,7 @@ from typing import Callable
 
 import torch
 
+from nanovllm_core import untrusted
 from nanovllm_core.paths import cache_root
 
 GEMM_N = 2048  # square matmul side for the peak: large enough to reach it on CPUs and small GPUs
@@ -417,7 +418,7 @@ def cached_bandwidth(device: torch.device | str = "cpu", path: Path | None = Non
 
 def _read_cache(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = untrusted.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nanovllm_core.prompts import unicode_problem
+from nanovllm_core.untrusted import shown
 
 _GREEDY_EPS = 1e-5
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # torch.Generator.manual_seed's signed 64-bit range (vLLM's limit too)
@@ -26,9 +27,9 @@ PRIORITY_MIN, PRIORITY_MAX = -1000, 1000
 
 
 def _shown(value: object) -> str:
-    """``repr(value)`` on one line of at most 40 characters, for an error message."""
-    text = repr(value).replace("\n", "\\n")
-    return text if len(text) <= 40 else text[:37] + "..."
+    """``value`` quoted for an error message on one line: its ``repr`` of at most 40 characters, or its
+    start and its size (``untrusted.shown``: a 900 KB text is not quoted whole)."""
+    return shown(value).replace("\n", "\\n")
 
 
 def check_int(name: str, value: object, low: int, high: int, hint: str = "") -> int:

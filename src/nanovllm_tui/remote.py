@@ -26,6 +26,7 @@ import json
 import queue
 import secrets
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from nanovllm_core import events as ev
+from nanovllm_core import untrusted
 from nanovllm_core.tracing import decode_event
 from nanovllm_tui.widgets.format import quoted
 
@@ -127,7 +129,7 @@ class _Server:
         ``nanovllm serve`` one (trial 12b: "404: Not Found (HTTP 404)" said neither)."""
         code = None
         try:
-            error = json.loads(body)["error"]
+            error = untrusted.loads(body)["error"]
             message, code = error["message"], error.get("code")
         except (ValueError, KeyError, TypeError, AttributeError):
             if status in (404, 405) and path:
@@ -146,7 +148,8 @@ class _Server:
         """One JSON request; the decoded answer.
 
         Raises:
-            RemoteError: the server answered with an error (its message), or could not be reached.
+            RemoteError: the server answered with an error (its message), or could not be reached;
+                (:class:`NotNanoServer`) it answered 200 with something other than JSON.
         """
         conn = self.connection()
         try:
@@ -162,7 +165,11 @@ class _Server:
             conn.close()
         if resp.status != 200:
             raise self.refusal(resp.status, raw, path)
-        return json.loads(raw) if raw else None
+        try:
+            return untrusted.loads(raw) if raw else None
+        except ValueError as e:  # not JSON, or nested past the parser's depth: not this server's answer
+            raise NotNanoServer(f"{self.url} answered {path} with something other than JSON ({e}); is it a "
+                                "`nanovllm serve` address?") from None
 
 
 def _reason(e: BaseException) -> str:
@@ -503,9 +510,19 @@ class RemoteController:
 
     def _dispatch(self, kind: str, data: str, event_id: str | None) -> None:
         if kind == "state":
-            self._server_state = json.loads(data)["state"]
+            try:
+                state = untrusted.loads(data)
+            except ValueError as e:
+                raise ValueError(f"the server sent a state event that is not JSON ({e})") from None
+            if not isinstance(state, dict) or not isinstance(state.get("state"), str):
+                raise ValueError(f"the server sent a state event without a state: {data[:80]!r}")
+            self._server_state = state["state"]
             return
-        event = decode_event(data)
+        try:
+            event = decode_event(data)
+        except RecursionError:  # json.loads in from_json, or its decoder: a ValueError as any bad line
+            raise ValueError(f"the server sent an event nested too deeply to decode (more than about "
+                             f"{sys.getrecursionlimit()} levels deep)") from None
         if event_id is not None:
             instance = event_id.partition(":")[0]
             if self._instance is not None and instance != self._instance:

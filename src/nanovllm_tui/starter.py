@@ -167,9 +167,21 @@ class BackgroundController:
         self._do(lambda c: c.resume())
 
     def step(self, n: int = 1) -> None:
+        """``EngineController.step``; a refusal (``StepsPending``: as many steps are pending as may be)
+        reaches the subscribers as an ``EngineError`` "step: ...", as a server's refusal does under
+        ``--connect``, also when the step waited for the engine to be built."""
         if n < 1:
             raise ValueError(f"step(n) needs n >= 1, got {n}")
-        self._do(lambda c: c.step(n))
+
+        def step(c: Any) -> None:
+            try:
+                c.step(n)
+            except ValueError as e:
+                # (no self._lock: _build runs the steps that waited with it held; copying the list is atomic)
+                for sub in list(self._subs):
+                    sub.callback(ev.EngineError(step=None, message=f"step: {e}"))
+
+        self._do(step)
 
     def abort(self, request_id: str) -> None:
         self._do(lambda c: c.abort(request_id))

@@ -38,6 +38,7 @@ from nanovllm_core.educational.commentary import human_bytes, ms, plural
 from nanovllm_core.educational.xray_costs import is_block, kernel_peak, peak_words, ridge_position
 from nanovllm_core.model.block_formats import FORMATS  # torch-free
 from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core import untrusted
 
 LETTERS = "ABCD"
 
@@ -1098,7 +1099,7 @@ class TutorialProgress:
         """
         path = Path(path) if path is not None else _default_path()
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = untrusted.loads(path.read_text(encoding="utf-8"))
         except OSError:
             return cls()
         except ValueError as e:

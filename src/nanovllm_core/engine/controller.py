@@ -27,6 +27,7 @@ from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.llm_engine import LLMEngine, Subscription
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams, check_priority
+from nanovllm_core.untrusted import shown
 
 
 def load_failure(error: BaseException) -> str:
@@ -42,8 +43,25 @@ def load_failure(error: BaseException) -> str:
     return f"{ev.SETTING_REFUSED if setting else ev.MODEL_FAILED}: {text}"
 
 
-MAX_STEPS = 1000  # single steps a paused engine may be asked for at once (a bigger n is refused)
+MAX_STEPS = 1000  # single steps that may be pending (asked for and not yet run) at once; more is refused
 STATES = ("loading", "running", "paused", "idle", "stopped", "failed")
+
+
+class StepsPending(ValueError):
+    """A ``step(n)`` that would leave more than ``MAX_STEPS`` steps pending; nothing was queued.
+
+    ``n``: the steps asked for; ``pending``: those asked for before and not yet run; ``room``: the
+    most that may be asked now (``MAX_STEPS - pending``). The message says all three (trial 14b: a
+    server answered ``{"ok": true}`` to 600 + 500 steps and ran 1000 of them).
+    """
+
+    def __init__(self, n: int, pending: int) -> None:
+        self.n, self.pending, self.room = n, pending, MAX_STEPS - pending
+        advice = (f"ask for at most {self.room} now, or wait until some have run" if self.room > 0
+                  else "ask again once some have run")
+        super().__init__(f"n={n} would make {pending + n} steps pending, more than the {MAX_STEPS} that may wait at "
+                         f"once: {pending} {'is' if pending == 1 else 'are'} pending already (asked for and not yet "
+                         f"run); {advice}")
 
 
 @dataclass
@@ -83,7 +101,14 @@ class EngineController:
         self._ids = itertools.count()
         self._paused = start_paused
         self.start_paused = start_paused
-        self._steps_allowed = 0
+        self._steps_allowed = 0  # steps the engine thread may still run while paused
+        # Pending steps are counted when step() is called, so a caller is refused at once (steps_pending).
+        # A pause or resume drops the steps asked before it: each step command carries how many pause
+        # and resume calls came before it, and only those asked since the last call still count.
+        self._steps_lock = threading.Lock()
+        self._drops = 0  # pause() and resume() calls so far
+        self._drops_applied = 0  # of them, applied by the engine thread
+        self._steps_queued = 0  # steps of step() calls since the last pause()/resume(), not yet applied
         self._stop = threading.Event()
         self._state = "loading" if _engine is None else ("paused" if start_paused else "idle")
         if _engine is not None and start_paused:
@@ -174,24 +199,47 @@ class EngineController:
         return rid
 
     def pause(self) -> None:
-        """Stop stepping after the current step."""
-        self._commands.put(_Command("pause"))
+        """Stop stepping after the current step (steps asked for and not yet run are dropped)."""
+        self._drop_steps("pause")
 
     def resume(self) -> None:
-        self._commands.put(_Command("resume"))
+        """Run freely again (steps asked for and not yet run are dropped: they were for a paused engine)."""
+        self._drop_steps("resume")
+
+    def _drop_steps(self, name: str) -> None:
+        with self._steps_lock:
+            self._drops += 1
+            self._steps_queued = 0
+            self._commands.put(_Command(name, (self._drops,)))
 
     def step(self, n: int = 1) -> None:
         """While paused, run exactly ``n`` engine steps (steps with nothing to do are not counted).
 
-        Steps asked for add up, to at most ``MAX_STEPS`` waiting at once; a ``pause`` while paused
-        drops the ones not yet run (the engine stays paused; issue 29, trial 7).
+        Steps asked for add up while at most ``MAX_STEPS`` are pending (:meth:`steps_pending`); a
+        ``pause`` while paused drops the ones not yet run (the engine stays paused; issue 29, trial 7).
 
         Raises:
             ValueError: ``n`` is not a whole number from 1 to ``MAX_STEPS``.
+            StepsPending: (a ValueError) ``n`` more would leave more than ``MAX_STEPS`` pending; none is queued.
         """
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_STEPS:
-            raise ValueError(f"step(n) needs a whole n from 1 to {MAX_STEPS}, got {n!r}")
-        self._commands.put(_Command("step", (n,)))
+            raise ValueError(f"step(n) needs a whole n from 1 to {MAX_STEPS}, got {shown(n)}")
+        with self._steps_lock:
+            pending = self._pending_locked()
+            if pending + n > MAX_STEPS:
+                raise StepsPending(n, pending)
+            self._steps_queued += n
+            self._commands.put(_Command("step", (n, self._drops)))
+
+    def steps_pending(self) -> int:
+        """Steps asked for with :meth:`step` that have not run yet and will (not those a pause or
+        resume sent since will drop), at most ``MAX_STEPS``."""
+        with self._steps_lock:
+            return self._pending_locked()
+
+    def _pending_locked(self) -> int:
+        allowed = self._steps_allowed if self._drops_applied == self._drops else 0  # else a pause on its way drops them
+        return self._steps_queued + allowed
 
     def abort(self, request_id: str) -> None:
         """Finish a request now with ``finish_reason="abort"``; its blocks are released (shared ones stay in use)."""
@@ -308,11 +356,13 @@ class EngineController:
                 before = engine.scheduler.step_index
                 self._step(engine)
                 if self._paused and self._steps_allowed > 0 and engine.scheduler.step_index > before:
-                    self._steps_allowed -= 1  # only real scheduler steps count
+                    with self._steps_lock:
+                        self._steps_allowed -= 1  # only real scheduler steps count
             elif not self._paused:
                 self._state = "idle"
                 if self._steps_allowed:
-                    self._steps_allowed = 0
+                    with self._steps_lock:
+                        self._steps_allowed = 0
             else:
                 self._state = "paused"
         if self._owns_engine:
@@ -358,20 +408,27 @@ class EngineController:
                 engine.add_request(prompt, params, priority, request_id=rid, fit_context=fit_context)
                 self._collect(engine.pop_finished_outputs())  # a refusal reaches its listener now
             elif cmd.name == "pause":
-                self._steps_allowed = 0  # also while paused: the steps asked for and not yet run are dropped
+                with self._steps_lock:  # also while paused: the steps asked for and not yet run are dropped
+                    self._steps_allowed, self._drops_applied = 0, cmd.args[0]
                 if not self._paused:
                     self._paused = True
                     self._state = "paused"
                     engine.clock.stop()
                     self._emit(ev.EnginePaused(step=engine.scheduler.step_index))
             elif cmd.name == "resume":
+                with self._steps_lock:
+                    self._steps_allowed, self._drops_applied = 0, cmd.args[0]
                 if self._paused:
                     self._paused = False
                     engine.clock.start()
                     self._emit(ev.EngineResumed(step=engine.scheduler.step_index))
             elif cmd.name == "step":
-                if self._paused:
-                    self._steps_allowed = min(MAX_STEPS, self._steps_allowed + cmd.args[0])
+                n, drops = cmd.args
+                with self._steps_lock:
+                    if drops == self._drops:  # asked since the last pause/resume call: no longer queued
+                        self._steps_queued -= n
+                    if self._paused:  # (step() keeps the total within MAX_STEPS)
+                        self._steps_allowed += n
             elif cmd.name == "abort":
                 if not engine.abort_request(cmd.args[0]):
                     self._emit(ev.EngineError(step=None, request_id=cmd.args[0],

@@ -62,6 +62,7 @@ from nanovllm_core.sampling_params import FCFS_FIX, SamplingParams, check_priori
 from nanovllm_core.speculative.metrics import SpecDecodeStats
 from nanovllm_core.speculative.proposer import build_proposer, load_draft_model, needs_draft_model, parse_self_layers
 from nanovllm_core.speculative.speculator import Speculator
+from nanovllm_core.untrusted import shown
 
 FINISHED_IDS_KEPT = 1024  # ended request ids remembered (select_xray accepts them; the app lists at most 200)
 
@@ -373,7 +374,7 @@ class LLMEngine(EventSource):
             return "prompt", "the prompt is empty; give at least one token of text"
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
-            return "prompt", f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+            return "prompt", f"token id {shown(bad[0])} is outside the vocabulary (0..{vocab - 1})"
         if n_prompt >= self.max_model_len:
             return "prompt", (f"the prompt has {n_prompt} token{'s' if n_prompt != 1 else ''} but max_model_len is {self.max_model_len}, "
                     "which must also leave room for at least one output token; "
@@ -383,7 +384,7 @@ class LLMEngine(EventSource):
             return "max_tokens", overflow
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
-            return "stop_token_ids", f"stop_token_ids contains {bad[0]}, outside the vocabulary (0..{vocab - 1})"
+            return "stop_token_ids", f"stop_token_ids contains {shown(bad[0])}, outside the vocabulary (0..{vocab - 1})"
         if params.n > self.scheduler.max_num_seqs:  # n sequences run side by side: more could never all be admitted
             return "n", (f"n={params.n} asks for more sequences than this engine runs at once "
                          f"(max_num_seqs={self.scheduler.max_num_seqs}); lower n or raise max_num_seqs (--max-num-seqs)")

@@ -48,7 +48,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanovllm_core.engine.controller import MAX_STEPS
+from nanovllm_core.engine.controller import MAX_STEPS, StepsPending
 from nanovllm_core.entrypoints.event_hub import EventHub
 from nanovllm_core.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm_core.entrypoints.openai_serving import SERVER_ID_PREFIXES, OpenAIServing, Prepared
@@ -58,6 +58,7 @@ from nanovllm_core.model.quantization import describe_weights
 from nanovllm_core.entrypoints.request_stream import InFlight
 from nanovllm_core.prompts import is_conversation, unicode_problem
 from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core import untrusted
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 EVENTS_QUERY = ("topk", "blocks", "xray")  # /v1/engine/events' query parameters
@@ -165,12 +166,13 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405: OpenAI's body too
+        path = untrusted.clipped(request.url.path)  # as sent: a 16 KB path came back whole
         if e.status_code == 404:
-            message = (f"Not Found: no route {request.method} {request.url.path}; this server serves "
+            message = (f"Not Found: no route {untrusted.clipped(request.method)} {path}; this server serves "
                        "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics")
         elif e.status_code == 405:
             allowed = (e.headers or {}).get("allow") or (e.headers or {}).get("Allow")
-            message = f"Method Not Allowed: {request.url.path} does not take {request.method}" + (
+            message = f"Method Not Allowed: {path} does not take {untrusted.clipped(request.method)}" + (
                 f"; use {allowed}" if allowed else "")
         else:
             message = str(e.detail)
@@ -234,7 +236,7 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
             raise APIError("the server is shutting down", status=503, type="server_error", code="shutting_down")
         unknown = sorted(set(request.query_params) - set(EVENTS_QUERY))
         if unknown:  # a misspelt parameter is never ignored, as the control API's fields (trial 9)
-            raise APIError(f"unknown query parameter {unknown[0]!r} on /v1/engine/events; it takes "
+            raise APIError(f"unknown query parameter {untrusted.shown(unknown[0])} on /v1/engine/events; it takes "
                            f"{', '.join(EVENTS_QUERY)}", param=unknown[0])
         if not 0 <= topk <= MAX_EVENTS_TOPK:
             raise APIError(f"topk must be a whole number from 0 to {MAX_EVENTS_TOPK} (the top choices sent with "
@@ -278,7 +280,8 @@ async def _json(request: Request, limit: int) -> Any:
 
     Raises:
         APIError: 413 for a body over ``limit`` bytes (its Content-Length, or the bytes read so
-            far, is over it: read no further); 400 for a body that is not JSON.
+            far, is over it: read no further); 400 ``invalid_json`` for a body that is not JSON,
+            also one nested past the parser's depth (``untrusted.loads``).
     """
     too_big = APIError(f"the request body is larger than this server's limit of {limit} bytes; send a shorter "
                        "prompt or fewer prompts per request (the limit is nanovllm serve --max-body-bytes)",
@@ -293,7 +296,10 @@ async def _json(request: Request, limit: int) -> Any:
             raise too_big
         chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
+        return untrusted.loads(b"".join(chunks))
+    except untrusted.JSONTooDeep as e:  # json.loads' RecursionError was a 500 and a traceback (trial 14b)
+        raise APIError(f"the request body is nested too deeply ({e}); send a JSON object whose fields nest a few "
+                       "levels at most, as OpenAI's request fields do", code="invalid_json") from None
     except ValueError as e:
         raise APIError(f"the request body is not valid JSON ({e}); send a JSON object", code="invalid_json") from None
 
@@ -438,14 +444,14 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
     if "command" not in body:
         raise APIError(f"the command is missing; {one_of}", param="command")
     if body["command"] not in CONTROL_COMMANDS:
-        raise APIError(f"unknown command {json.dumps(body['command'])}; {one_of}", param="command")
+        raise APIError(f"unknown command {untrusted.shown(body['command'], as_json=True)}; {one_of}", param="command")
     name = body["command"]
     unknown = sorted(set(body) - {"command", *CONTROL_FIELDS[name]})
     if unknown:
         takes = ", ".join(CONTROL_FIELDS[name]) or "no other field"
         hint = ('; sampling settings such as max_tokens go in params, with SamplingParams field names '
                 '({"params": {"max_tokens": 3}})') if name == "submit" else ""
-        raise APIError(f"{name} does not take {', '.join(unknown)} (it takes {takes}){hint}", param=unknown[0],
+        raise APIError(f"{name} does not take {untrusted.listed(unknown)} (it takes {takes}){hint}", param=unknown[0],
                        code="unknown_parameter")
     # the one rule of every integer field (protocol.whole_number): 3.0 is 3; 3.5, "3" and true are refused
     body = {k: whole_number(v) if k in ("n", "layer", "head", "priority") else v for k, v in body.items()}
@@ -468,13 +474,16 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
     elif name == "step":
         n = body.get("n", 1)
         if not _is_int(n) or not 1 <= n <= MAX_STEPS:
-            raise APIError(f"step needs a whole n from 1 to {MAX_STEPS}, got {n!r}", param="n")
+            raise APIError(f"step needs a whole n from 1 to {MAX_STEPS}, got {untrusted.shown(n)}", param="n")
         # A pause asked and not yet applied counts: the controller applies commands in order, so
         # the step runs once the engine has paused (at its next step boundary).
         if c.state != "paused" and not state.pause_asked:
             raise APIError("step runs single steps while the engine is paused; pause first", status=409,
                            code="not_paused")
-        c.step(n)
+        try:
+            c.step(n)
+        except StepsPending as e:  # was {"ok": true}, and the steps past the cap never ran (trial 14b)
+            raise APIError(str(e), param="n", code="too_many_steps") from None
     elif name == "abort":
         rid = _text(body, "request_id")
         known = rid in state.ids  # a request submitted and not yet added by the engine counts too
@@ -490,16 +499,17 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
                                  ("layer", _is_int(layer)), ("head", _is_int(head))) if not ok]
         if wrong:
             raise APIError(f"xray needs request_id (text or null), layer and head (integers); {wrong[0]} is "
-                           f"{body[wrong[0]]!r}", param=wrong[0])
+                           f"{untrusted.shown(body[wrong[0]])}", param=wrong[0])
         config = c.engine.model_config  # refused here, not broadcast to every watcher as an engine error (trial 7)
         for key, value, count in (("layer", layer, config.num_hidden_layers), ("head", head, config.num_attention_heads)):
             if not 0 <= value < count:
-                raise APIError(f"xray {key} {value} is out of range: this model has {count} {key}s, numbered "
-                               f"0..{count - 1}", param=key)
+                raise APIError(f"xray {key} {untrusted.shown(value)} is out of range: this model has {count} {key}s, "
+                               f"numbered 0..{count - 1}", param=key)
         if rid is not None:
             known = rid in state.ids  # a request submitted and not yet added by the engine counts too
             if not (known or rid in state.hub.live_request_ids() or rid in state.hub.ended_request_ids()):
-                raise APIError(f"no running, waiting or recently finished request {json.dumps(rid)} to X-Ray (the "
+                raise APIError(f"no running, waiting or recently finished request "
+                               f"{untrusted.shown(rid, MAX_REQUEST_ID_CHARS, as_json=True)} to X-Ray (the "
                                "id is wrong, or it ended long ago: the ids are in GET /v1/engine/events)",
                                status=404, param="request_id", code="request_not_found")
         c.xray(rid, layer, head)
@@ -527,7 +537,8 @@ def _is_int(value: Any) -> bool:
 def _text(body: dict, key: str) -> str:
     value = body.get(key)
     if not isinstance(value, str):
-        raise APIError(f"{key} must be a string of 1 to {MAX_REQUEST_ID_CHARS} characters, got {value!r}", param=key)
+        raise APIError(f"{key} must be a string of 1 to {MAX_REQUEST_ID_CHARS} characters, got "
+                       f"{untrusted.shown(value)}", param=key)
     problem = id_problem(key, value)
     if problem is not None:
         raise APIError(problem, param=key)
@@ -554,12 +565,13 @@ def _control_submit(state: ServerState, body: dict) -> str:
                        "({\"role\": ..., \"content\": text}, rendered with the model's chat template)", param="prompt")
     fields = body.get("params") or {}
     if not isinstance(fields, dict):
-        raise APIError(f"params must be an object of SamplingParams fields, got {fields!r}", param="params")
+        raise APIError(f"params must be an object of SamplingParams fields, got {untrusted.shown(fields)}",
+                       param="params")
     known = [f.name for f in dataclasses.fields(SamplingParams)]
     names = {name: f"params.{name}" for name in known}  # errors name the field as sent: params.temperature
     unknown = sorted(set(fields) - set(known))
     if unknown:
-        raise APIError(f"params has unknown field(s) {', '.join(unknown)}; use SamplingParams field names",
+        raise APIError(f"params has unknown field(s) {untrusted.listed(unknown)}; use SamplingParams field names",
                        param=f"params.{unknown[0]}", code="unknown_parameter")
     fields = {k: _whole_numbers(v) if k in _INT_PARAMS else v for k, v in fields.items()}
     try:

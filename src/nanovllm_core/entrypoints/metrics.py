@@ -13,7 +13,7 @@ figures (``LLMEngine.stats()``, read on the engine thread between steps), so the
 | ``vllm:prompt_tokens`` / ``vllm:generation_tokens`` | counter | prompt tokens of accepted requests / tokens generated |
 | ``vllm:request_success`` | counter | finished requests by ``finished_reason`` |
 | ``vllm:time_to_first_token_seconds``, ``vllm:time_per_output_token_seconds``, ``vllm:e2e_request_latency_seconds`` | histogram | per finished request |
-| ``nanovllm:kv_blocks_total`` / ``_used`` / ``_cached``, ``nanovllm:steps`` | gauge / counter | no vLLM equivalent |
+| ``nanovllm:kv_blocks_total`` / ``_used`` / ``_cached``, ``nanovllm:steps`` | gauge / counter | no vLLM equivalent (``steps``: steps run; events number them from 0) |
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ class _StatsCollector:
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s["num_preemptions"])
         yield counter("vllm:prompt_tokens", "Number of prompt tokens of accepted requests.", s["total_prompt_tokens"])
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s["total_output_tokens"])
-        yield counter("nanovllm:steps", "Engine steps (one scheduler plan and forward pass each).", s["steps"])
+        yield counter("nanovllm:steps", "Engine steps run (one scheduler plan and forward pass each); events and the "
+                      "app number steps from 0, so after step N this is N + 1.", s["steps"])
         yield gauge("nanovllm:kv_blocks_total", "KV blocks in the pool.", s["kv_blocks_total"])
         yield gauge("nanovllm:kv_blocks_used", "KV blocks held by live requests.", s["kv_blocks_used"])
         yield gauge("nanovllm:kv_blocks_cached", "Free KV blocks still holding a cached prefix.", s["kv_blocks_cached"])

@@ -27,6 +27,7 @@ from nanovllm_core.prompts import unicode_problem
 from nanovllm_core.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_length
 from nanovllm_core.entrypoints.request_stream import InFlight, OutputRouter, RequestIds, RequestStream
 from nanovllm_core.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm_core.untrusted import SHOWN_CHARS, clipped
 
 
 # what a client does about a priority the server's fcfs policy refuses (LLMEngine.check_priority's fix)
@@ -102,8 +103,9 @@ class OpenAIServing:
         No ``model``, ``null`` and ``""`` all mean the served model (vLLM's ``_is_model_supported``
         starts ``if not model_name: return True``; UIs send ``""`` when no model is picked)."""
         if model and model != self.model_name:
-            raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}` "
-                           "(GET /v1/models lists it)", status=404, param="model", code="model_not_found")
+            raise APIError(f"The model `{clipped(model, SHOWN_CHARS)}` does not exist; this server serves "
+                           f"`{self.model_name}` (GET /v1/models lists it)", status=404, param="model",
+                           code="model_not_found")
 
     def check_priority(self, priority: object) -> None:
         """The engine's rule for ``priority`` (``LLMEngine.check_priority``: -1000 to 1000, and 0 only
@@ -369,9 +371,12 @@ class OpenAIServing:
 
     @staticmethod
     def _aborted(p: Prepared, index: int) -> dict[str, Any]:
-        """The last chunk choice of a choice the server's shutdown ended."""
-        choice = {"index": index, **({"delta": {}} if p.kind == "chat" else {"text": ""}), "logprobs": None,
-                  "finish_reason": "abort", "stop_reason": None}
+        """The last chunk choice of a choice the server's shutdown ended: shaped as the engine's own
+        abort (a control API ``abort``, a client gone) ends one in :meth:`_delta`, with no new text
+        (``"delta": {"content": ""}``, vLLM's ``DeltaMessage(content=delta_text)``; it was
+        ``"delta": {}`` here, trial 14b)."""
+        choice = {"index": index, **({"delta": {"content": ""}} if p.kind == "chat" else {"text": ""}),
+                  "logprobs": None, "finish_reason": "abort", "stop_reason": None}
         if p.return_token_ids:
             choice["token_ids"] = []
         return choice

