@@ -79,6 +79,23 @@ def test_unsupported_model_type_lists_supported(tmp_path, default_model_dir):
         load_model(str(path), torch.device("cpu"), torch.float32)
 
 
+@pytest.mark.parametrize("config_json", ["[1, 2]", '"llama"', "[[[" * 5000 + "]]]" * 5000])
+def test_a_config_that_is_json_but_not_an_object_is_one_line(tmp_path, default_model_dir, config_json):
+    """fix15f's note: a config.json holding a JSON list crashed the loader with AttributeError."""
+    path = save_tiny_llama(tmp_path / "m", default_model_dir)
+    (path / "config.json").write_text(config_json)
+    with pytest.raises(ModelLoadError, match=r"config\.json .*re-download it"):
+        load_model(str(path), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("index_json", ["[1, 2]", '{"weight_map": [1]}', '{"weight_map": {"a": 3}}', "{}"])
+def test_a_shard_index_that_is_not_one_is_one_line(tmp_path, default_model_dir, index_json):
+    path = save_tiny_llama(tmp_path / "m", default_model_dir)
+    (path / "model.safetensors.index.json").write_text(index_json)
+    with pytest.raises(ModelLoadError, match=r"is not a valid shard index \(.+\); re-download the model"):
+        load_model(str(path), torch.device("cpu"), torch.float32)
+
+
 def _rewrite_tensors(path: Path, change) -> None:
     from safetensors.torch import load_file, save_file
 

@@ -25,6 +25,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from nanovllm_core import untrusted
+
 
 def _now() -> float:
     return time.time()
@@ -814,7 +816,9 @@ def from_json(line: str) -> Event:
             event does not have, or one it needs missing.
     """
     try:
-        data = json.loads(line)
+        data = untrusted.loads(line)
+    except untrusted.JSONTooDeep as e:  # json.loads' RecursionError, which no ValueError handler would catch
+        raise ValueError(f"not an engine event: {e}") from None
     except json.JSONDecodeError as e:
         text = line.strip()
         if text.startswith("{"):  # json's own words ("Invalid control character at: ...") guess at the cause

@@ -156,8 +156,11 @@ def safetensors_files(path: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = untrusted.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
-            raise ModelLoadError(f"{index} is not a valid shard index ({e}); re-download the model") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise ValueError("its weight_map is not an object of tensor name -> file name")
+        except (ValueError, KeyError, TypeError, OSError) as e:  # TypeError: JSON that is not an object
+            why = "no weight_map" if isinstance(e, KeyError) else untrusted.clipped(str(e), 120)
+            raise ModelLoadError(f"{index} is not a valid shard index ({why}); re-download the model") from None
         files = sorted({path / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -327,10 +330,10 @@ def load_hf_config(path: Path) -> Any:
     except Exception as e:
         raw = {}
         try:
-            raw = json.loads((path / "config.json").read_text())
+            raw = untrusted.loads((path / "config.json").read_text())
         except Exception:
             pass
-        if raw.get("model_type"):
+        if isinstance(raw, dict) and raw.get("model_type"):  # JSON that is not an object is no config either
             # transformers does not know this model type; let ModelConfig.from_hf name it.
             class _Raw:
                 pass
