@@ -609,3 +609,18 @@ def test_setting_advice_names_the_option_beside_the_setting_and_one_block_is_sin
             "head_dim": 16, "vocab_size": 100, "kv_bytes_per_token": 256, "num_kv_blocks": 1, "block_size": 16}
     [note] = Narrator(model_info=info).introduction()
     assert "the pool has 1 block of 16 tokens" in note.text, note.text
+
+
+def test_errors_quote_a_long_request_id_or_template_error_short(make_tiny_engine):
+    """fix15f's note: the library's duplicate-id error and the chat template's error quoted the whole value
+    (the server's ids are 128 characters at most, the library's any length)."""
+    engine = make_tiny_engine()
+    long_id = "r" * 100_000
+    engine.add_request(GOOD, SamplingParams(max_tokens=1), request_id=long_id)
+    with pytest.raises(ValueError) as e:
+        engine.add_request(GOOD, SamplingParams(max_tokens=1), request_id=long_id)
+    assert "is already in use" in str(e.value) and len(str(e.value)) < 200 and "100000 characters" in str(e.value)
+    engine.abort_request(long_id)
+    with pytest.raises(ValueError) as e:
+        engine.select_xray("q" * 100_000)
+    assert "to X-Ray" in str(e.value) and len(str(e.value)) < 400

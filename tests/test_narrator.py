@@ -225,7 +225,7 @@ def test_waiting_request_is_explained_by_max_num_seqs():
     plan = planned(0, [entry("0"), entry("1")], waiting=[queued("2"), queued("3")], max_num_seqs=2)
     (sched,) = n.feed(plan)
     assert sched.kind == "scheduler"
-    assert "request 2 (max_num_seqs: 2 requests are already running)" in sched.text
+    assert "request 2 (max_num_seqs: 2 sequences are already running (a request with n samples runs n))" in sched.text
     assert "behind it, in priority order: request 3" in sched.text
 
 

@@ -183,7 +183,7 @@ class SchedulerNarration:
             return ("a step that preempts admits no one after that" if plan.admitted
                     else "this step had to preempt, so no new request is admitted")
         if why == "max_num_seqs":
-            return f"max_num_seqs: {plan.max_num_seqs} requests are already running"
+            return f"max_num_seqs: {plan.max_num_seqs} sequences are already running (a request with n samples runs n)"
         if why == "budget":
             return f"the step's token budget of {plan.token_budget} is used up"
         if why == "chunked_prefill_off":

@@ -403,7 +403,7 @@ class EngineController:
                 prompt, params, priority, rid, listener, fit_context = cmd.args
                 if listener is not None:
                     if rid in self._listeners:
-                        raise ValueError(f"request id {rid!r} is already in use")
+                        raise ValueError(f"request id {shown(rid)} is already in use")
                     self._listeners[rid] = listener
                 engine.add_request(prompt, params, priority, request_id=rid, fit_context=fit_context)
                 self._collect(engine.pop_finished_outputs())  # a refusal reaches its listener now

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from nanovllm_core import events as ev
+from nanovllm_core import untrusted
 from nanovllm_core.engine import observer
 from nanovllm_core.engine.output_processor import RequestState
 from nanovllm_core.engine.scheduler import SchedulerOutput
@@ -148,7 +149,7 @@ class EventSource:
             ValueError: layer or head out of range, or an id no request has (the message names it).
         """
         if request_id is not None and not self.knows_request(request_id):
-            raise ValueError(f"no running, waiting or recently finished request {request_id!r} to X-Ray; "
+            raise ValueError(f"no running, waiting or recently finished request {untrusted.shown(request_id)} to X-Ray; "
                              "choose one of the ids in the request events (or none: the first in each step)")
         if every_layer:
             self._xray_capture().select(request_id, layer, head, every_layer=True)

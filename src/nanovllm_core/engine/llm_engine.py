@@ -62,6 +62,7 @@ from nanovllm_core.sampling_params import FCFS_FIX, SamplingParams, check_priori
 from nanovllm_core.speculative.metrics import SpecDecodeStats
 from nanovllm_core.speculative.proposer import build_proposer, load_draft_model, needs_draft_model, parse_self_layers
 from nanovllm_core.speculative.speculator import Speculator
+from nanovllm_core import untrusted
 from nanovllm_core.untrusted import shown
 
 FINISHED_IDS_KEPT = 1024  # ended request ids remembered (select_xray accepts them; the app lists at most 200)
@@ -437,7 +438,7 @@ class LLMEngine(EventSource):
         self.check_priority(priority)
         request_id = str(request_id) if request_id is not None else self.new_request_id()
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise ValueError(f"request id {untrusted.shown(request_id)} is already in use")
         if self.fatal_error is not None:
             return self._reject(request_id, prompt, [], self.fatal_error, params, priority)
         try:
@@ -500,7 +501,7 @@ class LLMEngine(EventSource):
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                       tokenize=False)
         except Exception as e:  # jinja2's errors: a template that refuses these messages
-            raise ValueError(f"the chat template could not render these messages: {e}") from None
+            raise ValueError(f"the chat template could not render these messages: {untrusted.clipped(str(e), 200)}") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def token_pieces(self, token_ids: list[int]) -> list[str]:

@@ -186,7 +186,7 @@ class OpenAIServing:
         except APIError:
             raise
         except Exception as e:  # no template, or one that refuses this conversation
-            raise APIError(f"the chat template could not render these messages: {e}", param="messages") from None
+            raise APIError(f"the chat template could not render these messages: {clipped(str(e), 200)}", param="messages") from None
         self.check_prompt(ids, params, req.field_names(), prompt_field="messages")
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], params, req.priority, req.stream,
                         *_usage_options(req), req.return_token_ids, prompt_ids=[list(ids)])
