@@ -257,5 +257,5 @@ def test_a_line_that_is_not_whole_json_says_so_not_what_json_guessed(line, messa
 def test_a_line_nested_past_the_parsers_depth_is_a_value_error_not_a_recursion_error():
     """fix15f's note: the --replay loader still crashed on `[[[[...]]]]` 100,000 deep (RecursionError, which
     no ValueError handler catches); every other reader of outside JSON already refused it in one line."""
-    with pytest.raises(ValueError, match="not an engine event: arrays or objects nested"):
+    with pytest.raises(ValueError, match="nested too deeply to be an engine event: arrays or objects nested"):
         ev.from_json('{"type":"StepTimed","time":' + "[" * 100_000 + "]" * 100_000 + "}")

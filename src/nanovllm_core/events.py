@@ -818,7 +818,7 @@ def from_json(line: str) -> Event:
     try:
         data = untrusted.loads(line)
     except untrusted.JSONTooDeep as e:  # json.loads' RecursionError, which no ValueError handler would catch
-        raise ValueError(f"not an engine event: {e}") from None
+        raise ValueError(f"nested too deeply to be an engine event: {e}") from None
     except json.JSONDecodeError as e:
         text = line.strip()
         if text.startswith("{"):  # json's own words ("Invalid control character at: ...") guess at the cause
