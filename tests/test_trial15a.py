@@ -75,3 +75,16 @@ def test_a_kept_quiet_block_peak_is_used_and_the_command_measures_block_peaks(tm
     seen = []
     monkeypatch.setattr(roofline, "block_peak", lambda m, **kw: seen.append(kw) or _peak(380e9))
     assert roofline.main() == 0 and seen and seen[0]["again"]
+
+
+def test_a_byte_token_that_completes_a_character_is_named_as_its_table_row():
+    """Trial 15a item 2: "the favourite is [<0x93>] at 21.99%. Greedy decoding takes it: [こ] (id 237)"."""
+    from nanovllm_core.educational.narrator_sampling import token_choice
+    from tests.test_narrator import sampled
+
+    e = sampled(2, token=237, text="こ", top=((237, "<0x93>", 0.2199), (260, " the", 0.05)))
+    text, _ = token_choice(e, {}, 49152)
+    assert "Greedy decoding takes it: [<0x93>] (id 237), which completes こ." in text, text
+    assert "[こ] (id 237)" not in text
+    plain, _ = token_choice(sampled(1), {}, 49152)  # an ordinary token keeps its text
+    assert "takes it: [ Paris] (id 7042)." in plain or "(id 7042)." in plain
