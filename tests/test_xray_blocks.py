@@ -227,14 +227,19 @@ def test_the_xray_of_a_gguf_engine_draws_its_own_blocks_and_counts_their_bytes(m
 
     t = traces[0]
     peaks = dict(t.kernel_peaks)
-    assert peaks.get("q4_1", 0) > 0 and t.peak_flops > 0
+    if "q4_1" not in peaks:  # timed on a busy host (trial 15a): left out, and the machine line says why
+        assert "Q4_1 kernel's peak could not be measured reliably" in t.machine
+        assert facts.bound(t, next(o for o in t.ops if o.name == "qkv_proj")) == ""
+        return
+    assert peaks["q4_1"] > 0 and t.peak_flops > 0
     ops = {o.name: o for o in t.ops}
     assert [ops[n].kernel for n in ("qkv_proj", "o_proj", "mlp_gate_up", "mlp_down")] == ["q4_1"] * 4
     assert facts.op_peak(t, ops["qkv_proj"]) == peaks["q4_1"] and facts.op_peak(t, ops["rope"]) == t.peak_flops
     ridges = (("q4_1", peaks["q4_1"] / t.memory_bandwidth),)
     assert t.compute_bound_tokens == compute_bound_tokens(dims, facts.ridge(t), t.attention_backend, block_ridges=ridges)
     info = engine.model_info()  # the tutorial's facts: the LM head's Q8_0 kernel too (tied to the embedding)
-    assert dict(info["block_peaks"])["q4_1"] == peaks["q4_1"] and dict(info["block_peaks"]).get("q8_0", 0) > 0
+    assert dict(info["block_peaks"])["q4_1"] == peaks["q4_1"] and (dict(info["block_peaks"]).get("q8_0", 0) > 0
+                                                                  or "could not be measured reliably" in info["machine"])
 
 
 @pytest.mark.real_model

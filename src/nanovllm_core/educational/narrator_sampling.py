@@ -146,7 +146,12 @@ def token_label(e: ev.TokenSampled) -> str:
 
 
 def token_words(e: ev.TokenSampled) -> str:
-    """The token with its id, as a sentence names it (see :func:`token_label`)."""
+    """The token with its id, as a sentence names it (see :func:`token_label`). A byte token that completes
+    a character is named as its table row shows it, then what it completes: ``[<0x93>] (id 237), which
+    completes こ`` (trial 15a: "the favourite is [<0x93>] ... takes it: [こ]" named one token two ways)."""
+    row = next((t for t in e.top if t.token_id == e.token_id), None)
+    if e.token_text and row is not None and row.text.startswith("<0x") and row.text != e.token_text:
+        return f"{show_piece(row.text)} (id {e.token_id}), which completes {e.token_text}"
     if e.token_text:
         return f"{show_piece(e.token_text)} (id {e.token_id})"
     if e.special:

@@ -35,7 +35,8 @@ from typing import Any
 
 from nanovllm_core.attention.fallbacks import FALLBACK_CONDITIONS, FLASH_ATTN_FALLBACK_CONDITIONS
 from nanovllm_core.educational.commentary import human_bytes, ms, plural
-from nanovllm_core.educational.xray_costs import is_block, kernel_peak, peak_words, ridge_position
+from nanovllm_core.educational.xray_costs import (REMEASURE, UNRELIABLE, is_block, kernel_peak, peak_words, ridge_position,
+                                                  unknown_peak_reason)
 from nanovllm_core.model.block_formats import FORMATS  # torch-free
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core import untrusted
@@ -803,11 +804,19 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
                     ridge += " for float operations, " + ", ".join(f"{v / bw:.1f} for {k.upper()} projections"
                                                                     for k, v in blocks)
                 each = ", each operation against its kernel's peak" if blocks else ""
-                lines.append(f"This machine, measured ({g('machine')}): "
-                             f"{peak_words(g('machine'), g('peak_flops'), blocks)}, memory {bw / 1e9:,.1f} GB/s, "
-                             + ridge + (f"; a prefill becomes compute-bound from about "
-                                        f"{plural(g('compute_bound_tokens'), 'token')}{each}." if g("compute_bound_tokens")
-                                        else "."))
+                n, machine = int(g("compute_bound_tokens") or 0), str(g("machine") or "")
+                if "host was busy" in machine or UNRELIABLE in machine:  # trial 15a: no crossing from an untrusted peak
+                    cross = (f"; where a prefill turns compute-bound is not told, as a peak was measured on a busy host "
+                             f"(run `{REMEASURE}` when the machine is quiet).")
+                elif n > 1:
+                    cross = f"; a prefill becomes compute-bound from about {plural(n, 'token')}{each}."
+                elif n == 1:
+                    cross = f"; even a 1-token step is compute-bound{each}."
+                else:
+                    cross = "."
+                lines.append(f"This machine, measured ({machine}): "
+                             f"{peak_words(machine, g('peak_flops'), blocks)}, memory {bw / 1e9:,.1f} GB/s, "
+                             + ridge + cross)
         elif key == "kv_cache" and g("kv_bytes_per_token"):
             per = g("kv_bytes_per_token")
             elem = per // (2 * g("num_layers") * g("num_kv_heads") * g("head_dim"))
@@ -960,8 +969,8 @@ def batch_one_against_ridge(info: dict[str, Any], average: float) -> str:
         x = 2 / per
         if not p:
             unknown.append(k.upper())
-            parts.append(f"{k.upper()} weights: 2 FLOPs for {per:.3f} bytes = {x:.1f} FLOP/byte, against {kernel} ridge "
-                         "point, not measured here (the float matmul's is not its own), so not placed")
+            parts.append(f"{k.upper()} weights: 2 FLOPs for {per:.3f} bytes = {x:.1f} FLOP/byte, not placed against "
+                         f"a ridge point: {unknown_peak_reason(machine, [k])}")
             continue
         r = p / bw
         where = ridge_position(x, r)

@@ -123,7 +123,7 @@ def engine_roofline(engine: "LLMEngine", measure: bool = True) -> roofline.Roofl
     if roof is None:
         return None
     device = engine.device
-    peaks = [roofline.block_peak(m, device) if measure else roofline.cached_block_peak(m, device)
+    peaks = [roofline.block_peak(m, device, float_peak=roof.peak_flops) if measure else roofline.cached_block_peak(m, device)
              for m in block_modules(engine)]
     return roofline.with_block_peaks(roof, [p for p in peaks if p is not None])
 

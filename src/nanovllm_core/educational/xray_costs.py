@@ -447,11 +447,27 @@ def peak_words(machine: str, peak_flops: float, block_peaks: tuple[tuple[str, fl
     if not any(w in machine for w in BLOCK_MACHINE_WORDS) and not block_peaks:
         return f"matmul peak {peak_flops / 1e9:,.1f} GFLOP/s"
     words = f"float matmul peak {peak_flops / 1e9:,.1f} GFLOP/s (the float operations)"
+    if UNRELIABLE in machine and not block_peaks:
+        return words + f", the block kernels' own not reliably measured on this busy host"
     if not block_peaks:
         return words + ", the block kernels' own not measured"
     kernels = ", ".join(f"{k.upper()} block kernel peak {v / 1e9:,.1f} GFLOP/s" for k, v in dict(block_peaks).items())
     return f"{words}, {kernels} (the {'projection' if len(dict(block_peaks)) == 1 else 'projections'} in that "\
            "format, timed on this model's weights)"
+
+
+UNRELIABLE = "could not be measured reliably on this busy host"  # roofline.UNRELIABLE (torch-free copy)
+REMEASURE = "python -m nanovllm_core.roofline"
+
+
+def unknown_peak_reason(machine: str, kinds: list[str]) -> str:
+    """Why the projections of block formats ``kinds`` get no compute/memory verdict: their kernel's peak
+    was measured but not trusted (``machine`` says so: ``roofline.with_block_peaks``), or not measured."""
+    names = " and ".join("block" if k == "block" else k.upper() for k in kinds)
+    whose = "kernels' peaks" if len(kinds) > 1 else "kernel's peak"
+    if UNRELIABLE in machine:
+        return f"the {names} {whose} {UNRELIABLE}; run `{REMEASURE}` when the machine is quiet"
+    return f"the {names} {whose} {'were' if len(kinds) > 1 else 'was'} not measured (the float matmul's is not theirs)"
 
 
 def ridge_position(intensity_: float, ridge: float) -> str:

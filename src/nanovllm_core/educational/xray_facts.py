@@ -13,8 +13,8 @@ from nanovllm_core.educational.commentary import plural
 from nanovllm_core.educational.narrator import Commentary
 import re
 
-from nanovllm_core.educational.xray_costs import (BACKEND_NAMES, BLOCK_MACHINE_WORDS, LINEAR_OPS, intensity, is_block,
-                                                  kernel_peak, layer_intensity, layer_roof, peak_words)
+from nanovllm_core.educational.xray_costs import (REMEASURE, BACKEND_NAMES, BLOCK_MACHINE_WORDS, LINEAR_OPS, intensity, is_block,
+                                                  kernel_peak, layer_intensity, layer_roof, unknown_peak_reason, peak_words)
 
 # What each captured tensor is. Names of older traces are kept readable (their "hidden_states"
 # was input_layernorm's output, not the residual stream).
@@ -265,8 +265,7 @@ def verdict_line(trace: ev.LayerTrace) -> str:
         text = "Verdicts: each operation against the matmul's ridge point, the projections' own kernel"
     text += " (RMSNorm, RoPE and attention run kernels whose own peaks are not measured)"
     if unknown:
-        text += (f"; the {_names(unknown)} projections get none, as their block kernel's own peak is not in this "
-                 "trace (the float matmul's is not theirs)")
+        text += f"; the {_names(unknown)} projections get none: {unknown_peak_reason(trace.machine, unknown)}"
     if busy(trace):
         text += "; the peaks were measured while the host was busy, so likely low: a verdict near a ridge point may be wrong"
     return text + "."
@@ -291,14 +290,14 @@ def roofline_lines(trace: ev.LayerTrace) -> list[str]:
         ridges += "".join(f" and a {k.upper()} projection above {kernel_ridge(trace, k):.1f}" for k in known)
         ridges += " (the ridge points: each peak over the bandwidth)" if known else " (the ridge point)"
         if unknown:
-            ridges += f"; the {_names(unknown)} projections' own ridge point is not known for this trace"
+            ridges += f"; the {_names(unknown)} projections' own ridge point is not known"
     else:
         ridges = f"an operation is compute-bound above {r:.1f} FLOP/byte (the ridge point)"
     lines = [f"Roofline of this machine ({trace.machine}), measured: {words}, memory "
              f"{trace.memory_bandwidth / 1e9:,.1f} GB/s, so {ridges}."]
     if unknown:
-        lines.append(f"{step}; no verdict for the whole layer, as its {_names(unknown)} projections' kernel peak is "
-                     "not known for this trace.")
+        lines.append(f"{step}; no compute/memory verdict for the {_names(unknown)} projections or the whole layer: "
+                     f"{unknown_peak_reason(trace.machine, unknown)}.")
         lines.append("Where a prefill turns compute-bound is not told for this trace, for the same reason.")
         return lines
     roof = layer_roof([ev.OpInfo(o.name, "", "", o.flops, o.bytes, op_kernel(trace, o)) for o in trace.ops],
@@ -310,12 +309,16 @@ def roofline_lines(trace: ev.LayerTrace) -> list[str]:
                  f"needs at least {1e6 * roof.min_s:,.0f} µs.")
     n = trace.compute_bound_tokens
     each = ", each operation against its kernel's peak" if known else ""
-    where = "On the roofline measured on the busy host," if busy(trace) else "On this machine"
-    if n:
-        lines.append(f"{where} a prefill becomes compute-bound from about {plural(n, 'token')} in one step{each}; "
+    if busy(trace):  # trial 15a: a busy host's peak put the crossing at "1 token", a quiet one's far past it
+        lines.append("Where a prefill turns compute-bound is not told: the peaks were measured while the host was "
+                     f"busy; run `{REMEASURE}` when the machine is quiet.")
+    elif n > 1:
+        lines.append(f"On this machine a prefill becomes compute-bound from about {plural(n, 'token')} in one step{each}; "
                      "fewer tokens leave each weight read serving too little arithmetic.")
+    elif n == 1:
+        lines.append(f"On this machine even a step of 1 token makes this layer compute-bound{each}.")
     else:
-        lines.append(f"{where} no prefill length makes this layer compute-bound{each}.")
+        lines.append(f"On this machine no prefill length makes this layer compute-bound{each}.")
     return lines
 
 
