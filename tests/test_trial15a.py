@@ -88,3 +88,10 @@ def test_a_byte_token_that_completes_a_character_is_named_as_its_table_row():
     assert "[こ] (id 237)" not in text
     plain, _ = token_choice(sampled(1), {}, 49152)  # an ordinary token keeps its text
     assert "takes it: [ Paris] (id 7042)." in plain or "(id 7042)." in plain
+
+
+def test_the_torch_free_copy_of_the_unreliable_peak_wording_matches_the_roofline_s():
+    from nanovllm_core import roofline
+    from nanovllm_core.educational import xray_costs
+
+    assert xray_costs.UNRELIABLE == roofline.UNRELIABLE
