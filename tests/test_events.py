@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -231,14 +232,80 @@ def test_a_wrong_type_is_named_with_its_field_path_and_value():
         ev.from_json(line)
 
 
-def test_nan_comes_back_as_nan_and_optional_numbers_as_none():
+def test_nan_comes_back_as_nan_where_a_field_may_hold_it_and_optional_numbers_as_none():
     import math
 
-    top = ev.TopToken(token_id=1, text="a", prob=math.nan)
+    tensor = ev.TensorInfo(name="x", shape=(1, 3), sample=(math.nan, math.inf, -1.5))  # the forward pass's own values
+    back = ev.from_json(json.dumps(json.loads(ev.to_json(ev.RequestFinished(
+        request_id="r", step=1, index=0, finish_reason="stop", stop_reason=None, output_text="", output_token_ids=(),
+        num_prompt_tokens=1, num_output_tokens=0, ttft_s=None, tpot_s=None, e2e_s=None, num_preemptions=0,
+        num_cached_prompt_tokens=0)))))
+    assert back.ttft_s is None
+    part = ev._build(ev.TensorInfo, json.loads(ev.to_json(tensor)))  # to_json writes NaN as null; read back as NaN
+    assert math.isnan(part.sample[0]) and part.sample[1:] == (math.inf, -1.5)
+
+
+def _timed(**changes) -> str:
+    timed = ev.StepTimed(step=1, wall_time_s=0.1, num_tokens=1, num_prefill_tokens=0, num_decode_tokens=1,
+                         prefill_tokens_per_s=0.0, decode_tokens_per_s=10.0, kv_bytes_used=0, kv_bytes_total=1,
+                         num_running=1, num_waiting=0, num_blocks_used=1, num_blocks_total=4)
+    return json.dumps({**json.loads(ev.to_json(timed)), **changes})
+
+
+def _sampled(prob, **changes) -> str:
+    top = {"type": "TopToken", "token_id": 1, "text": "a", "prob": prob}
     sampled = ev.TokenSampled(step=0, request_id="r", seq_id=0, index=0, token_id=1, text="a", position=0,
-                              num_output_tokens=1, top=(top,), logprob=None)
-    back = ev.from_json(ev.to_json(sampled))  # to_json writes NaN as null; a float field reads it back as NaN
-    assert math.isnan(back.top[0].prob) and back.logprob is None
+                              num_output_tokens=1)
+    return json.dumps({**json.loads(ev.to_json(sampled)), "top": [top], **changes})
+
+
+@pytest.mark.parametrize("line, message", [
+    # report 15b, finding 1: NaN and infinities passed as "a number" and crashed the app while it drew them
+    (_timed(yielded_s=math.nan), "StepTimed.yielded_s must be a finite number >= 0, got NaN"),
+    (_timed(yielded_s=math.inf), "StepTimed.yielded_s must be a finite number >= 0, got Infinity"),
+    (_timed(wall_time_s=None), "StepTimed.wall_time_s must be a finite number >= 0, got null"),
+    (_timed(decode_tokens_per_s=-math.inf), "StepTimed.decode_tokens_per_s must be a finite number >= 0, got -Infinity"),
+    (_timed(time=math.nan), "StepTimed.time must be a finite number >= 0, got NaN"),
+    (_timed(tp_forward_s=[0.1, math.nan]), "StepTimed.tp_forward_s[1] must be a finite number >= 0, got NaN"),
+    (_sampled(math.nan), "TokenSampled.top[0].prob must be a number from 0 to 1, got NaN"),
+    (_sampled(None), "TokenSampled.top[0].prob must be a number from 0 to 1, got null"),
+    # report 15b, finding 3: impossible values drawn as facts
+    (_sampled(-3.0), "TokenSampled.top[0].prob must be a number from 0 to 1, got -3.0"),
+    (_sampled(1.5), "TokenSampled.top[0].prob must be a number from 0 to 1, got 1.5"),
+    (_timed(num_blocks_used=-3), "StepTimed.num_blocks_used must be >= 0, got -3"),
+    (_timed(step=-1), "StepTimed.step must be >= 0, got -1"),
+    (_timed(tp_size=0), "StepTimed.tp_size must be >= 1, got 0"),
+    (_timed(wall_time_s=-0.5), "StepTimed.wall_time_s must be a finite number >= 0, got -0.5"),
+    (_sampled(0.5, position=-1), "TokenSampled.position must be >= 0, got -1"),
+    (_sampled(0.5, logprob=0.5), "TokenSampled.logprob must be a finite number <= 0, got 0.5"),
+    ('{"type":"StepPlanned","step":7,"token_budget":-5,"num_batched_tokens":2,"scheduled":[],"preempted":[],'
+     '"admitted":[],"waiting":[],"running":[],"max_num_seqs":4}', "StepPlanned.token_budget must be >= 0, got -5"),
+    ('{"type":"BlocksChanged","step":1,"block_size":0,"bytes_per_block":8,"states":"uf","ref_counts":[1,0],"tables":[]}',
+     "BlocksChanged.block_size must be >= 1, got 0"),
+    ('{"type":"BlocksChanged","step":1,"block_size":16,"bytes_per_block":8,"states":"uf","ref_counts":[1,-1],'
+     '"tables":[]}', "BlocksChanged.ref_counts[1] must be >= 0, got -1"),
+    ('{"type":"RequestFinished","request_id":"r","step":-2,"index":0,"finish_reason":"stop","stop_reason":-7,'
+     '"output_text":"","output_token_ids":[],"num_prompt_tokens":1,"num_output_tokens":0,"ttft_s":null,"tpot_s":null,'
+     '"e2e_s":null,"num_preemptions":0,"num_cached_prompt_tokens":0}', "RequestFinished.step must be >= 0, got -2"),
+    ('{"type":"RequestFinished","request_id":"r","step":2,"index":0,"finish_reason":"stop","stop_reason":-7,'
+     '"output_text":"","output_token_ids":[],"num_prompt_tokens":1,"num_output_tokens":0,"ttft_s":-1,"tpot_s":null,'
+     '"e2e_s":null,"num_preemptions":0,"num_cached_prompt_tokens":0}', "RequestFinished.stop_reason must be >= 0, got -7"),
+])
+def test_a_number_its_field_never_holds_is_refused_naming_the_field_and_rule(line, message):
+    with pytest.raises(ev.FieldTypeError) as refused:
+        ev.from_json(line)
+    assert str(refused.value) == message
+
+
+def test_the_values_the_engine_makes_outside_the_default_rules_are_taken():
+    """A priority is any whole number (vLLM's), a refused request's max_tokens is what it asked, and a
+    probability of exactly 0 or 1 is one."""
+    added = ev.RequestAdded(request_id="r", prompt="x", prompt_token_ids=(1,), prompt_pieces=("x",), priority=-5,
+                            max_tokens=4)
+    assert ev.from_json(ev.to_json(added)).priority == -5
+    rejected = ev.RequestRejected(request_id="r", reason="max_tokens must be >= 1", priority=-1, max_tokens=-3)
+    assert ev.from_json(ev.to_json(rejected)).max_tokens == -3
+    assert [t.prob for t in ev.from_json(_sampled(1)).top] == [1] and ev.from_json(_sampled(0.0)).top[0].prob == 0.0
 
 
 @pytest.mark.parametrize("line, message", [

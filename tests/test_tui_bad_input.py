@@ -324,6 +324,18 @@ def _damaged_trace(tmp_path, how: str):
     if how == "wrong types":  # a StepTimed whose every field but its type says BOGUS
         i = next(k for k in range(len(lines) // 2, len(lines)) if '"type":"StepTimed"' in lines[k])
         lines[i] = json.dumps({k: v if k == "type" else "BOGUS" for k, v in json.loads(lines[i]).items()})
+    elif how in ("NaN yielded", "negative prob", "negative blocks"):  # report 15b, findings 1 and 3: one field edited
+        field, value, kind = {"NaN yielded": ("yielded_s", float("nan"), "StepTimed"),
+                              "negative blocks": ("num_blocks_used", -3, "StepTimed"),
+                              "negative prob": (None, -3.0, "TokenSampled")}[how]
+        i = next(k for k in range(len(lines) // 2, len(lines))
+                 if f'"type":"{kind}"' in lines[k] and (field or '"type":"TopToken"' in lines[k]))
+        x = json.loads(lines[i])
+        if field:
+            x[field] = value
+        else:
+            x["top"][0]["prob"] = value
+        lines[i] = json.dumps(x)
     elif how == "cut mid-file":  # line 101 cut to 50 characters, the later lines kept
         i = 100
         lines[i] = lines[i][:50]
@@ -339,6 +351,9 @@ def _damaged_trace(tmp_path, how: str):
     ("wrong types", 'StepTimed.time must be a number, got "BOGUS"'),  # was: the app's Rich traceback, status 1
     ("cut mid-file", "not complete JSON, cut short or corrupted (it stops after 50 characters)"),  # was: "Invalid
     ("last line", 'must be a number, got "soon"'),  # control character at: line 1 column 51"; was: read as a cut line
+    ("NaN yielded", "StepTimed.yielded_s must be a finite number >= 0, got NaN"),  # was: the app's traceback, status 1
+    ("negative prob", "TokenSampled.top[0].prob must be a number from 0 to 1, got -3.0"),  # was: drawn as -300.0%
+    ("negative blocks", "StepTimed.num_blocks_used must be >= 0, got -3"),  # was: "used -3" of the pool
 ])
 def test_a_damaged_trace_is_refused_with_its_line_and_what_is_wrong(capsys, tmp_path, how, message):
     path, line = _damaged_trace(tmp_path, how)

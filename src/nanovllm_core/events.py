@@ -648,6 +648,11 @@ class FieldTypeError(ValueError):
         return f"{self.where.lstrip('.')} must be {self.expected}, got {got if len(got) <= 40 else got[:39] + '…'}"
 
 
+class OutOfRange(FieldTypeError):
+    """A trace line's number of the declared type that its field never holds (``TopToken.prob`` -3, a negative
+    count, an infinite or NaN time): ``expected`` is the field's rule (``>= 0``, ``a number from 0 to 1``)."""
+
+
 def _type_words(tp: Any) -> str:
     """How an error names a declared type: ``int`` -> "a whole number", ``str | None`` -> "text or null"."""
     words = {int: "a whole number", float: "a number", str: "text", bool: "true or false", type(None): "null"}
@@ -660,6 +665,64 @@ def _type_words(tp: Any) -> str:
     if dataclasses.is_dataclass(tp):
         return f"a {tp.__name__} object"
     return str(tp)
+
+
+@dataclass(frozen=True)
+class _Range:
+    """The values a numeric field may hold beyond its type: ``lo <= value <= hi`` (a bound of a float field
+    at ``sys.float_info.max`` keeps it finite); ``nan``: any float at all, NaN and infinities included
+    (to_json writes NaN as null, read back as NaN); ``words``: the rule as an error says it."""
+
+    lo: float
+    hi: float
+    words: str
+    nan: bool = False
+
+
+_FINITE = 1.7976931348623157e308  # sys.float_info.max: a bound that refuses the infinities
+_COUNT = _Range(0, math.inf, ">= 0")  # counts, steps, positions, ids, sizes: what every int field holds by default
+_POSITIVE = _Range(1, math.inf, ">= 1")
+_ANY_INT = _Range(-math.inf, math.inf, "a whole number")
+_SECONDS = _Range(0.0, _FINITE, "a finite number >= 0")  # times, durations, rates: every float field by default
+_PROBABILITY = _Range(0.0, 1.0, "a number from 0 to 1")
+_LOGPROB = _Range(-_FINITE, 0.0, "a finite number <= 0")
+_ANY_FLOAT = _Range(-math.inf, math.inf, "a number", nan=True)
+
+# The fields whose values differ from their type's default rule (an int field >= 0, a float field finite and
+# >= 0), as the engine makes them: a priority is any whole number (vLLM's; lower runs first), a refused
+# request's max_tokens is what it asked for (the refusal says why); a tensor's sample is what the forward pass
+# computed, whatever it is (the only float the engine may hand on as NaN or infinite).
+_FIELD_RULES: dict[tuple[str, str], _Range] = {
+    **{(cls, "priority"): _ANY_INT for cls in ("RequestAdded", "RequestRejected", "ScheduledEntry", "QueueEntry")},
+    ("RequestRejected", "max_tokens"): _ANY_INT,
+    ("RequestAdded", "n"): _POSITIVE,
+    ("BlocksChanged", "block_size"): _POSITIVE,
+    ("StepTimed", "tp_size"): _POSITIVE,
+    ("LayerTrace", "keys_per_column"): _POSITIVE,
+    ("TopToken", "prob"): _PROBABILITY,
+    ("SpecDecodeStep", "p"): _PROBABILITY,
+    ("SpecDecodeStep", "q"): _PROBABILITY,
+    ("BlocksChanged", "prefix_cache_hit_rate"): _PROBABILITY,
+    ("LayerTrace", "attention"): _PROBABILITY,  # softmax weights
+    ("TokenSampled", "logprob"): _LOGPROB,
+    ("TensorInfo", "sample"): _ANY_FLOAT,
+}
+
+
+def _numbers_in(tp: Any) -> set[type]:
+    """The number types (int, float) a declared type holds, in unions and tuples too."""
+    if tp in (int, float):
+        return {tp}
+    return {n for a in typing.get_args(tp) if a is not Ellipsis for n in _numbers_in(a)}
+
+
+def _rule_for(cls: type, name: str, tp: Any) -> _Range | None:
+    """The value rule of field ``name`` of ``cls`` (declared ``tp``): :data:`_FIELD_RULES`, else by type."""
+    rule = _FIELD_RULES.get((cls.__name__, name))
+    if rule is not None:
+        return rule
+    numbers = _numbers_in(tp)
+    return _SECONDS if float in numbers else _COUNT if int in numbers else None
 
 
 _CHECKS: dict[Any, Callable[[Any], Any]] = {}
@@ -678,40 +741,56 @@ def _checked_items(pairs) -> tuple:
     return tuple(out)
 
 
-def _check_for(tp: Any) -> Callable[[Any], Any]:
+def _check_for(tp: Any, rule: _Range | None = None) -> Callable[[Any], Any]:
     """The function that takes a value as JSON gave it as a field declared ``tp`` (made once per
-    type, from the dataclasses' annotations): lists become tuples, objects the event parts they
-    name, ``null`` in a float field NaN (:func:`to_json` writes NaN so); a value of another type
-    raises :class:`FieldTypeError`."""
-    check = _CHECKS.get(tp)
+    type and rule, from the dataclasses' annotations): lists become tuples, objects the event parts
+    they name; a value of another type, or a number outside ``rule`` (every number in the field:
+    :func:`_rule_for`), raises :class:`FieldTypeError`. ``null`` in a float field is the NaN
+    :func:`to_json` wrote, taken only where the rule allows NaN."""
+    check = _CHECKS.get((tp, rule))
     if check is None:
-        check = _CHECKS[tp] = _make_check(tp)
+        check = _CHECKS[(tp, rule)] = _make_check(tp, rule)
     return check
 
 
-def _make_check(tp: Any) -> Callable[[Any], Any]:
+def _make_check(tp: Any, rule: _Range | None) -> Callable[[Any], Any]:
     words = _type_words(tp)
     origin = typing.get_origin(tp)
+    lo, hi = (rule.lo, rule.hi) if rule is not None else (-math.inf, math.inf)
     if tp is Any:
         return _decode
     if tp is float:
+        nan_ok = rule is None or rule.nan
+        bounded = not nan_ok  # a rule that allows NaN allows every float
+
         def check(value: Any) -> Any:
             kind = type(value)
             if kind is float or kind is int:
-                return value
+                if not bounded or lo <= value <= hi:  # NaN fails both comparisons
+                    return value
+                raise OutOfRange(rule.words, value)
             if value is None:
-                return math.nan
+                if nan_ok:
+                    return math.nan
+                raise OutOfRange(rule.words, value)
             raise FieldTypeError(words, value)
-    elif tp in (int, str, bool, type(None)):
+    elif tp is int:
+        def check(value: Any) -> Any:
+            if type(value) is int:  # a bool is not a count
+                if lo <= value <= hi:
+                    return value
+                raise OutOfRange(rule.words, value)
+            raise FieldTypeError(words, value)
+    elif tp in (str, bool, type(None)):
         exact = type(None) if tp is type(None) else tp
 
         def check(value: Any) -> Any:
-            if type(value) is exact:  # a bool is not a count, nor an int a flag
+            if type(value) is exact:  # nor an int a flag
                 return value
             raise FieldTypeError(words, value)
     elif origin in (typing.Union, types.UnionType):
         nullable = type(None) in typing.get_args(tp)
-        options = [_check_for(a) for a in typing.get_args(tp) if a is not type(None)]
+        options = [_check_for(a, rule) for a in typing.get_args(tp) if a is not type(None)]
 
         def check(value: Any) -> Any:
             if value is None and nullable:
@@ -719,24 +798,30 @@ def _make_check(tp: Any) -> Callable[[Any], Any]:
             for option in options:
                 try:
                     return option(value)
+                except OutOfRange:
+                    raise  # the right type, out of range: say the range, not the types
                 except FieldTypeError:
                     pass
             raise FieldTypeError(words, value)
     elif origin is tuple and typing.get_args(tp)[1:] == (Ellipsis,):
         item = typing.get_args(tp)[0]
-        each = _check_for(item)
+        each = _check_for(item, rule)
         plain = item if item in (int, str, bool) else None  # one pass over a list of them (a layer's attention)
+        unbounded = rule is None or rule.nan or (lo == -math.inf and hi == math.inf)
 
         def check(value: Any) -> Any:
             if type(value) is not list:
                 raise FieldTypeError(words, value)
             if plain is not None and all(type(v) is plain for v in value):
-                return tuple(value)
-            if item is float and all(type(v) is float or type(v) is int for v in value):
-                return tuple(value)
+                if plain is not int or unbounded or not value or (lo <= min(value) and max(value) <= hi):
+                    return tuple(value)
+            elif item is float and all(type(v) is float or type(v) is int for v in value):
+                # min and max may step over a NaN; a sum holding one is NaN (an overflowing one is checked below)
+                if unbounded or not value or (lo <= min(value) and max(value) <= hi and (s := sum(value)) == s):
+                    return tuple(value)
             return _checked_items(zip([each] * len(value), value))
     elif origin is tuple:
-        items = [_check_for(a) for a in typing.get_args(tp)]
+        items = [_check_for(a, rule) for a in typing.get_args(tp)]
 
         def check(value: Any) -> Any:
             if type(value) is not list or len(value) != len(items):
@@ -763,7 +848,8 @@ def _build(cls: type, data: dict) -> Any:
     """
     checks = _FIELD_CHECKS.get(cls)
     if checks is None:
-        checks = _FIELD_CHECKS[cls] = {name: _check_for(tp) for name, tp in typing.get_type_hints(cls).items()}
+        checks = _FIELD_CHECKS[cls] = {name: _check_for(tp, _rule_for(cls, name, tp))
+                                       for name, tp in typing.get_type_hints(cls).items()}
     kwargs = {}
     for name, value in data.items():
         if name == "type":

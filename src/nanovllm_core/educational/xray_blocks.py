@@ -20,6 +20,7 @@ w[0..3])`` (``m`` is 0 in the formats without one). :func:`block_lines` draws it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from nanovllm_core import events as ev
@@ -109,13 +110,16 @@ def block_tensor(module) -> ev.TensorInfo | None:
 
 
 def from_trace(trace: ev.LayerTrace) -> BlockSample | None:
-    """The block a trace carries (None: the layer was not in a block format, or an older trace)."""
+    """The block a trace carries (None: the layer was not in a block format, an older trace, or an edited
+    one whose block values are not all finite)."""
     x = next((t for t in trace.tensors if t.name in (BLOCK_TENSOR, BLOCK_TENSOR_AT_LOAD)), None)
     if x is None or len(x.shape) != 3 or x.shape[2] not in BY_BLOCK_BYTES:
         return None
     fmt = BY_BLOCK_BYTES[x.shape[2]]
     n = (len(x.sample) - 2) // 2
     v = x.sample
+    if not all(math.isfinite(a) for a in v[:2 + 2 * n]):  # a sample may hold NaN (events._FIELD_RULES); a block never
+        return None
     return BlockSample(fmt, x.shape[0], x.shape[1] * BLOCK_SIZE, v[0], v[1] if fmt.name == "q4_1" else None,
                        tuple(int(round(q)) for q in v[2:2 + n]), tuple(v[2 + n:2 + 2 * n]), x.name == BLOCK_TENSOR)
 
