@@ -364,6 +364,27 @@ def test_a_damaged_trace_is_refused_with_its_line_and_what_is_wrong(capsys, tmp_
     assert err.startswith(f"nanovllm-tui: error: cannot replay {path}: line {line}: ") and err.endswith(message)
 
 
+@pytest.mark.parametrize("content, message", [
+    (b'{"type":"ModelLoading","time":1.0,"stage":"x","done":1,"total":2,"zzz":1}\n',
+     'line 1: ModelLoading has no field "zzz" (it has "time", '),
+    (b'{"type":"EnginePaused","time":1.0}\n', 'line 1: EnginePaused lacks "step", which every EnginePaused has; the line '
+     "was edited or not written by nanovllm: record a trace with nanovllm --trace FILE.jsonl"),
+    (b"\xff\xfe\x00\x01binary", "not a trace: it holds bytes that are not UTF-8 text (0xff), as a binary file does; "
+     "record a trace with nanovllm --trace FILE.jsonl"),
+])
+def test_a_trace_that_does_not_fit_is_refused_in_our_words_with_what_to_do(capsys, tmp_path, content, message):
+    """Report 15b, finding 7: these said "TokenSampled.__init__() missing 1 required positional argument",
+    "got an unexpected keyword argument 'zzz'" and "'utf-8' codec can't decode byte 0xff"."""
+    path = tmp_path / "edited.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--replay", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"nanovllm-tui: error: cannot replay {path}: {message}"), err
+    assert "__init__" not in err and "codec" not in err and "record a trace with nanovllm --trace FILE.jsonl" in err
+
+
 def test_the_apps_help_lists_only_options_the_app_takes(capsys):
     """Trial 14e: ``nanovllm-tui --help`` offered --narrate, --xray, --dashboard, --tutorial, --no-demos,
     --tutorial-chapter and --show-memory-stats, which the app always refuses. They are left out of

@@ -648,6 +648,17 @@ class FieldTypeError(ValueError):
         return f"{self.where.lstrip('.')} must be {self.expected}, got {got if len(got) <= 40 else got[:39] + '…'}"
 
 
+class FieldsDoNotFit(FieldTypeError):
+    """A trace line's object lacks a field its type always has, or has one it never has (an edited line, or
+    one written by another program); ``str()`` names the object's path and the fields."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text, None)
+
+    def __str__(self) -> str:
+        return f"{self.where.lstrip('.')} {self.expected}"
+
+
 class OutOfRange(FieldTypeError):
     """A trace line's number of the declared type that its field never holds (``TopToken.prob`` -3, a negative
     count, an infinite or NaN time): ``expected`` is the field's rule (``>= 0``, ``a number from 0 to 1``)."""
@@ -844,7 +855,7 @@ def _build(cls: type, data: dict) -> Any:
 
     Raises:
         FieldTypeError: a field of another type (its ``where`` starts at this object: ``.scheduled[0].start``).
-        TypeError: a field ``cls`` does not have, or one it needs missing.
+        FieldsDoNotFit: a field ``cls`` does not have, or one it needs missing (a :class:`FieldTypeError` too).
     """
     checks = _FIELD_CHECKS.get(cls)
     if checks is None:
@@ -857,7 +868,7 @@ def _build(cls: type, data: dict) -> Any:
         if cls is LayerTrace and name == "kind":  # traces written while this field was called ``kind``
             name = "part"
         check = checks.get(name)
-        if check is None:  # a field it does not have: cls() names it
+        if check is None:  # a field it does not have: named below
             kwargs[name] = value
             continue
         try:
@@ -865,7 +876,27 @@ def _build(cls: type, data: dict) -> Any:
         except FieldTypeError as e:
             e.where = f".{name}{e.where}"
             raise
+    required = _REQUIRED.get(cls)
+    if required is None:
+        required = _REQUIRED[cls] = {f.name for f in dataclasses.fields(cls) if f.init
+                                     and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    if not (kwargs.keys() >= required and kwargs.keys() <= checks.keys()):
+        unknown = [name for name in kwargs if name not in checks]
+        missing = [f.name for f in dataclasses.fields(cls) if f.name in required and f.name not in kwargs]
+        if unknown:
+            raise FieldsDoNotFit(f"has no field {_names(unknown)} (it has {_names(list(checks))})")
+        if missing:
+            raise FieldsDoNotFit(f"lacks {_names(missing)}, which every {cls.__name__} has")
     return cls(**kwargs)
+
+
+_REQUIRED: dict[type, set[str]] = {}
+
+
+def _names(names: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c`` (quoted as JSON keys), for an error."""
+    quoted = [json.dumps(n, ensure_ascii=False)[:42] for n in names]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
 
 
 def asked_for(event: Event, *, blocks: bool, xray: bool) -> bool:
@@ -898,8 +929,8 @@ def from_json(line: str) -> Event:
 
     Raises:
         ValueError: not JSON, not a whole JSON object (:class:`IncompleteJSON`), no known ``type``, or
-            a field of another type (:class:`FieldTypeError`, naming the field). TypeError: a field the
-            event does not have, or one it needs missing.
+            a field of another type or range (:class:`FieldTypeError`, naming the field), or a field the
+            event does not have, or one it needs missing (:class:`FieldsDoNotFit`).
     """
     try:
         data = untrusted.loads(line)

@@ -129,8 +129,13 @@ def load_trace(path: str | Path) -> Trace:
                         if not line.endswith("\n") and isinstance(e, ev.IncompleteJSON):
                             events.cut_line = n
                             break
-                        raise ValueError(f"line {n}: {e}") from None
-    except (EOFError, gzip.BadGzipFile, UnicodeDecodeError) as e:
+                        advice = ("; the line was edited or not written by nanovllm: record a trace with "
+                                  "nanovllm --trace FILE.jsonl" if isinstance(e, ev.FieldsDoNotFit) else "")
+                        raise ValueError(f"line {n}: {e}{advice}") from None
+    except UnicodeDecodeError as e:  # its own words name a codec and a byte (report 15b, finding 7)
+        raise ValueError(f"not a trace: it holds bytes that are not UTF-8 text (0x{e.object[e.start:e.start + 1].hex()}), "
+                         "as a binary file does; record a trace with nanovllm --trace FILE.jsonl") from None
+    except (EOFError, gzip.BadGzipFile) as e:
         raise ValueError(f"not a readable trace: {e}") from None
     drop_unfinished_step(events)
     if not any(isinstance(e, ev.StepPlanned) for e in events):
