@@ -174,6 +174,21 @@ ECHO_REFUSED = ("echo=true is not supported by this server (a response holds the
                 "prompt); leave it out or send false")
 
 
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
+
+
+def _openai_metadata(value: dict[str, str]) -> dict[str, str]:
+    """Chat's ``metadata``, as OpenAI bounds it: at most 16 pairs, keys of at most 64 characters,
+    values of at most 512."""
+    if len(value) > METADATA_PAIRS:
+        raise ValueError(f"metadata holds at most {METADATA_PAIRS} key-value pairs, got {len(value)}")
+    for key, text in value.items():
+        if len(key) > METADATA_KEY_CHARS or len(text) > METADATA_VALUE_CHARS:
+            raise ValueError(f"metadata keys hold at most {METADATA_KEY_CHARS} characters and values at most "
+                             f"{METADATA_VALUE_CHARS}; {shown(key)} does not fit")
+    return value
+
+
 class StreamOptions(_Body):
     """``include_usage``: one more chunk before ``[DONE]`` with the request's token counts."""
 
@@ -209,6 +224,15 @@ class _SamplingBody(_Body):
     priority: Int = 0
     return_token_ids: StrictBool = False
     echo: StrictBool = False  # vLLM's, on both routes: refused when true (ECHO_REFUSED)
+    # OpenAI's, taken and ignored as vLLM does, on both routes (vLLM's request models take any extra
+    # field; trial 15b: completions refused them while docs/serving.md said they are taken): with no
+    # tools (tools may only be [] here) no call is made, in parallel or not; metadata tags a stored
+    # completion, and none is stored (store: false)
+    parallel_tool_calls: StrictBool | None = None
+    metadata: Annotated[dict[str, str], AfterValidator(_openai_metadata)] | None = None
+    # tool calling, structured output and stored completions are not supported here: null (= not
+    # sent), or the value that asks for nothing (NO_OP_VALUES), only; the same on both routes
+    NULL_ONLY = frozenset({"tools", "tool_choice", "response_format", "store"})
 
     def _check_common(self) -> None:
         if self.echo:  # one message for both routes (chat said "Unrecognized request argument", trial 14b)
@@ -262,7 +286,6 @@ class CompletionRequest(_SamplingBody):
     max_tokens: Int | None = 16
     logprobs: Int | None = None
     suffix: str | None = None
-    NULL_ONLY = frozenset({"response_format"})  # vLLM's structured output: not supported here
     NULL_KEPT = frozenset({"max_tokens"})  # null: up to the model's length (vLLM), absent: 16 (OpenAI)
 
     def prompts(self) -> list[str | list[int]]:
@@ -332,27 +355,13 @@ class ChatMessage(_Body):
         return content_text(self.content)
 
 
-METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
-
-
-def _openai_metadata(value: dict[str, str]) -> dict[str, str]:
-    """Chat's ``metadata``, as OpenAI bounds it: at most 16 pairs, keys of at most 64 characters,
-    values of at most 512."""
-    if len(value) > METADATA_PAIRS:
-        raise ValueError(f"metadata holds at most {METADATA_PAIRS} key-value pairs, got {len(value)}")
-    for key, text in value.items():
-        if len(key) > METADATA_KEY_CHARS or len(text) > METADATA_VALUE_CHARS:
-            raise ValueError(f"metadata keys hold at most {METADATA_KEY_CHARS} characters and values at most "
-                             f"{METADATA_VALUE_CHARS}; {shown(key)} does not fit")
-    return value
-
-
 class ChatCompletionRequest(_SamplingBody):
     """``POST /v1/chat/completions``: the model's chat template renders ``messages``.
 
     ``max_tokens`` (or ``max_completion_tokens``) absent: up to the model's length, as vLLM does.
     ``logprobs`` is a yes/no here, with ``top_logprobs`` candidates per token. ``parallel_tool_calls``
-    (any boolean) and ``metadata`` (OpenAI's string pairs) are taken and ignored, as vLLM takes them.
+    (any boolean) and ``metadata`` (OpenAI's string pairs) are taken and ignored, as vLLM takes them
+    (on completions too: ``_SamplingBody``).
     """
 
     messages: list[ChatMessage]
@@ -361,13 +370,6 @@ class ChatCompletionRequest(_SamplingBody):
     logprobs: StrictBool = False
     top_logprobs: Int | None = None
     add_generation_prompt: StrictBool = True
-    # OpenAI's, taken and ignored as vLLM does: with no tools (tools may only be [] here) no call is
-    # made, in parallel or not; metadata tags a stored completion, and none is stored (store: false)
-    parallel_tool_calls: StrictBool | None = None
-    metadata: Annotated[dict[str, str], AfterValidator(_openai_metadata)] | None = None
-    # tool calling, structured output and stored completions are not supported here: null (= not
-    # sent), or the value that asks for nothing (NO_OP_VALUES), only
-    NULL_ONLY = frozenset({"tools", "tool_choice", "response_format", "store"})
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them.
