@@ -367,7 +367,7 @@ def test_openai_chat_fields_that_ask_for_nothing_are_served(tiny_server, fields)
 @pytest.mark.parametrize("fields, param, message", [
     ({"store": True}, "store", "store is not supported by this server (it keeps no completions to list or distill "
                                "later); leave it out or send false"),
-    ({"store": 0}, "store", "store is not supported by this server"),  # 0 == False in Python, not in JSON
+    ({"store": 0}, "store", "Invalid value for store: Input should be a valid boolean (got 0)"),  # 0 == False in Python, not in JSON
     ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "Invalid value for parallel_tool_calls"),
     ({"metadata": {"n": 1}}, "metadata.n", "Invalid value for metadata.n"),
     ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", "metadata holds at most 16 key-value pairs, got 17"),

@@ -38,3 +38,25 @@ def test_completions_refuse_those_fields_bad_values_in_chats_words(tiny_server, 
     completion, chat = post(tiny_server, COMPLETIONS, **fields), post(tiny_server, CHAT, **fields)
     assert completion.status_code == chat.status_code == 400, completion.text
     assert completion.json() == chat.json()
+
+
+# ---------------------------------------------------------------------- 5. a non-boolean store is a type error
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("value, shown", [("false", "'false'"), (1, "1"), ([], "[]")])
+def test_a_store_that_is_no_boolean_gets_the_type_error_other_booleans_get(tiny_server, path, value, shown):
+    """Trial 15b: "store": "false" was told "store is not supported ...; leave it out or send false"."""
+    error = post(tiny_server, path, store=value).json()["error"]
+    assert error == {"message": f"Invalid value for store: Input should be a valid boolean (got {shown})",
+                     "type": "invalid_request_error", "param": "store", "code": "invalid_value"}
+    stream = post(tiny_server, path, stream="false").json()["error"]  # the wording every boolean field has
+    assert stream["message"].startswith("Invalid value for stream: Input should be a valid boolean")
+
+
+@pytest.mark.parametrize("path, fields", [(COMPLETIONS, {"echo": True}), (CHAT, {"echo": True}),
+                                          (COMPLETIONS, {"suffix": "x"}), (COMPLETIONS, {"best_of": 2}),
+                                          (CHAT, {"logit_bias": {"1": 1.0}}), (CHAT, {"store": True})])
+def test_every_value_this_server_does_not_support_carries_the_code_invalid_value(tiny_server, path, fields):
+    """Trial 15b: echo=true answered "code": null where store and tools answer "invalid_value"."""
+    r = post(tiny_server, path, **fields)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value", r.text

@@ -80,6 +80,10 @@ def validation_error(e: ValidationError, body: Any = None) -> APIError:
                             param=field, code="invalid_value")
     field = ".".join(str(p) for p in loc) or None
     if err["type"] == "extra_forbidden":
+        if field in NO_OP_VALUES and not isinstance(err.get("input"), NO_OP_TYPES[field]):
+            # the type every other field of that type gets ("store": "false" is not told to "send false")
+            return APIError(f"Invalid value for {field}: Input should be {NO_OP_TYPES_SHOWN[field]} "
+                            f"(got {shown(err.get('input'))})", param=field, code="invalid_value")
         if field in NO_OP_VALUES:  # OpenAI's own field, not a typo: say what this server takes
             values = " or ".join(json.dumps(v) for v in NO_OP_VALUES[field])
             return APIError(f"{field} is not supported by this server ({UNSUPPORTED_WHY[field]}); leave it out or "
@@ -164,6 +168,12 @@ def asks_nothing(field: str, value: Any) -> bool:
 # "text"} could not use the server) and why any other value is refused.
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "store": (False,)}
+# the JSON types OpenAI gives those fields (tool_choice: "none"/"auto"/... or an object naming a tool);
+# a value of another type is a type error, as for any other field
+NO_OP_TYPES: dict[str, tuple[type, ...]] = {
+    "response_format": (dict,), "tools": (list,), "tool_choice": (str, dict), "store": (bool,)}
+NO_OP_TYPES_SHOWN = {"response_format": "a valid dictionary", "tools": "a valid list",
+                     "tool_choice": "a valid string or dictionary", "store": "a valid boolean"}
 UNSUPPORTED_WHY = {
     "response_format": "no structured output: the text is whatever the model writes",
     "tools": "no tool calling; tool messages in messages are rendered through the chat template",
@@ -236,11 +246,12 @@ class _SamplingBody(_Body):
 
     def _check_common(self) -> None:
         if self.echo:  # one message for both routes (chat said "Unrecognized request argument", trial 14b)
-            raise APIError(ECHO_REFUSED, param="echo")
-        if self.best_of is not None and self.best_of != self.n:
-            raise APIError("best_of other than n is not supported; leave it out", param="best_of")
+            raise APIError(ECHO_REFUSED, param="echo", code="invalid_value")
+        if self.best_of is not None and self.best_of != self.n:  # (every "not supported" value: invalid_value)
+            raise APIError("best_of other than n is not supported; leave it out", param="best_of", code="invalid_value")
         if self.logit_bias:
-            raise APIError("logit_bias is not supported by this server; leave it out", param="logit_bias")
+            raise APIError("logit_bias is not supported by this server; leave it out", param="logit_bias",
+                           code="invalid_value")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed with stream=true", param="stream_options")
         try:  # the bound every entry point shares (vLLM takes any integer; a huge one is refused here)
@@ -295,7 +306,7 @@ class CompletionRequest(_SamplingBody):
             APIError: an empty prompt list, or ``suffix`` (not supported).
         """
         if self.suffix:
-            raise APIError("suffix is not supported by this server; leave it out", param="suffix")
+            raise APIError("suffix is not supported by this server; leave it out", param="suffix", code="invalid_value")
         p = self.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
