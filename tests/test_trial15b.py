@@ -60,3 +60,50 @@ def test_every_value_this_server_does_not_support_carries_the_code_invalid_value
     """Trial 15b: echo=true answered "code": null where store and tools answer "invalid_value"."""
     r = post(tiny_server, path, **fields)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value", r.text
+
+
+# ---------------------------------------------------------------------- 8. an abort asked twice before it applies
+
+def test_a_second_abort_before_the_first_is_applied_is_a_409_that_says_so(make_tiny_engine):
+    """Trial 15b: four aborts of one running request during a step all answered {"ok": true}. The
+    engine thread is held inside a step here, so the first abort is not applied until it ends."""
+    import threading
+
+    from nanovllm_core.engine.controller import EngineController
+    from tests.conftest import poll_until
+    from tests.serve_helpers import start_server
+
+    engine = make_tiny_engine(num_kv_blocks=64)
+    controller = EngineController.from_engine(engine, start_paused=True)
+    server = start_server(controller, api_key=None)
+    entered, release = threading.Event(), threading.Event()
+    real_step = engine.step
+
+    def held_step():
+        entered.set()
+        release.wait(30)
+        return real_step()
+
+    try:
+        rid = control(server, {"command": "submit", "prompt": "Tell me a story", "params": {"max_tokens": 50},
+                               "request_id": "long1"}).json()["request_id"]
+        engine.step = held_step
+        assert control(server, {"command": "step", "n": 1}).json() == {"ok": True}
+        assert entered.wait(30)
+        assert control(server, {"command": "abort", "request_id": rid}).json() == {"ok": True}
+        for _ in range(2):
+            r = control(server, {"command": "abort", "request_id": rid})
+            assert r.status_code == 409, r.text
+            assert r.json()["error"] == {
+                "message": 'an abort of request "long1" was already asked and is not applied yet; it takes effect '
+                           "at the end of the engine's step in progress",
+                "type": "invalid_request_error", "param": "request_id", "code": "abort_pending"}
+        release.set()
+        assert poll_until(lambda: not controller.abort_pending(rid))
+        r = control(server, {"command": "abort", "request_id": rid})  # ended: the documented 404
+        assert r.status_code == 404 and r.json()["error"]["code"] == "request_not_found", r.text
+    finally:
+        release.set()
+        engine.step = real_step
+        server.stop()
+        controller.shutdown(timeout=5)
