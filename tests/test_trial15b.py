@@ -107,3 +107,81 @@ def test_a_second_abort_before_the_first_is_applied_is_a_409_that_says_so(make_t
         engine.step = real_step
         server.stop()
         controller.shutdown(timeout=5)
+
+
+# ---------------------------------------------------------------------- 2. steps never wait for work that does not exist
+
+def test_a_step_with_no_request_is_refused_and_banks_nothing(tiny_server):
+    """Trial 15b: pause, step n=1000 with nothing to run answered {"ok": true}; the next request then
+    ran all its tokens while the server said "paused"."""
+    assert control(tiny_server, {"command": "pause"}).json() == {"ok": True}
+    try:
+        r = control(tiny_server, {"command": "step", "n": 1000})
+        assert r.status_code == 409, r.text
+        assert r.json()["error"] == {"message": "nothing to step: no request is running or waiting; submit one first",
+                                     "type": "invalid_request_error", "param": None, "code": "nothing_to_step"}
+        assert tiny_server.controller.steps_pending() == 0
+        before = tiny_server.stats()["steps"]
+        rid = control(tiny_server, {"command": "submit", "prompt": "hi", "params": {"max_tokens": 20}}).json()["request_id"]
+        assert tiny_server.stats()["steps"] == before and tiny_server.controller.state == "paused"
+        assert control(tiny_server, {"command": "step", "n": 1}).json() == {"ok": True}  # with a request: taken
+        control(tiny_server, {"command": "abort", "request_id": rid})
+    finally:
+        control(tiny_server, {"command": "resume"})
+    tiny_server.wait_idle(30)
+
+
+def test_steps_left_when_the_last_request_finishes_are_dropped_and_the_pause_holds(make_tiny_engine):
+    """The kind of trial 15b's #2 in the controller: steps asked for while a request ran, left over
+    when it finished, ran the next request while the engine said "paused"."""
+    from nanovllm_core.engine.controller import EngineController
+    from nanovllm_core.sampling_params import SamplingParams
+    from tests.conftest import poll_until
+
+    c = EngineController.from_engine(make_tiny_engine(), start_paused=True)
+    try:
+        first = c.submit("hi", SamplingParams(max_tokens=3, ignore_eos=True))
+        c.step(50)
+        assert c.wait(first, timeout=30) is not None
+        assert poll_until(lambda: c.steps_pending() == 0, 10)
+        second = c.submit("hello", SamplingParams(max_tokens=3, ignore_eos=True))
+        steps = []
+        c.call(lambda engine: steps.append(engine.scheduler.step_index))  # after the submit: applied in order
+        c.call(lambda engine: steps.append(engine.scheduler.step_index))  # a pass of the engine loop later
+        assert poll_until(lambda: len(steps) == 2, 10)
+        assert steps[0] == steps[1] and c.state == "paused" and second not in c.results
+        c.step(1)  # steps run again once a request waits
+        assert poll_until(lambda: c.engine.scheduler.step_index == steps[0] + 1, 10)
+    finally:
+        c.shutdown(timeout=5)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_n_under_connect_shows_the_nothing_to_step_refusal_as_one_line(tiny_server, tmp_path):
+    """The app sends no step with nothing to run; one that reaches the server anyway (the app had not
+    seen the last request end) is a "Not done" toast of one line."""
+    from nanovllm_tui.app import NanoVLLMApp
+    from nanovllm_tui.remote import RemoteController
+    from tests.tui_helpers import Notes, wait_until
+
+    app = NanoVLLMApp(RemoteController(tiny_server.url, tiny_server.api_key), tutorial_path=tmp_path / "t.json")
+    notes = Notes()
+    try:
+        async with app.run_test(size=(120, 36), message_hook=notes) as pilot:
+            await wait_until(pilot, lambda: app.state.ready and app.controller.connected, 30, "the attached server")
+            await pilot.press("escape", "space")
+            await wait_until(pilot, lambda: tiny_server.controller.state == "paused", 10, "the server to pause")
+            app.controller.step(1)  # what n sends once the app believes a request is there
+            await wait_until(pilot, lambda: notes.find("nothing to step"), 10, "the refusal")
+            (note,) = notes.find("nothing to step")
+            assert note.message == ("step: nothing to step: no request is running or waiting; submit one first "
+                                    "(HTTP 409)")
+            assert note.title == "Not done" and note.severity == "warning"
+    finally:
+        if tiny_server.controller.state == "paused":
+            control(tiny_server, {"command": "resume"})

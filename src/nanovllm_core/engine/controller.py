@@ -219,6 +219,10 @@ class EngineController:
 
         Steps asked for add up while at most ``MAX_STEPS`` are pending (:meth:`steps_pending`); a
         ``pause`` while paused drops the ones not yet run (the engine stays paused; issue 29, trial 7).
+        Steps never wait for work that does not exist: those the engine thread holds when no request
+        is running or waiting (none was, or the last one finished or was aborted) are dropped, and the
+        pause holds (trial 15b: kept, they ran the next request to its end while the engine said
+        "paused"). A ``submit`` sent before the step counts: commands apply in order.
 
         Raises:
             ValueError: ``n`` is not a whole number from 1 to ``MAX_STEPS``.
@@ -382,6 +386,9 @@ class EngineController:
                         self._steps_allowed = 0
             else:
                 self._state = "paused"
+                if self._steps_allowed and not engine.has_unfinished_requests():
+                    with self._steps_lock:  # steps never wait for work that does not exist (trial 15b):
+                        self._steps_allowed = 0  # kept, they would run the next request while "paused"
         if self._owns_engine:
             engine.close()  # tensor-parallel workers stop with the thread that loaded them
         self._state = "stopped"
@@ -437,6 +444,8 @@ class EngineController:
                     self._steps_allowed, self._drops_applied = 0, cmd.args[0]
                 if self._paused:
                     self._paused = False
+                    # before the event: a watcher told "resumed" must not read state "paused"
+                    self._state = "running" if engine.has_unfinished_requests() else "idle"
                     engine.clock.start()
                     self._emit(ev.EngineResumed(step=engine.scheduler.step_index))
             elif cmd.name == "step":
