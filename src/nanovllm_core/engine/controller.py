@@ -400,6 +400,9 @@ class EngineController:
                 cmd = self._commands.get(timeout=0.1)
             except queue.Empty:
                 continue
+            if cmd.name == "abort":  # nothing to abort: no longer pending
+                with self._aborts_lock:
+                    self._aborts_asked.discard(cmd.args[0])
             if cmd.name == "submit":
                 rid, listener = cmd.args[3], cmd.args[4]
                 reason = f"no model loaded: {self.load_error}"
