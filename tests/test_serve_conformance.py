@@ -971,9 +971,11 @@ def test_a_step_sent_after_a_pause_not_yet_applied_runs_once_paused(tiny_server)
         held.set()
         busy.wait(10)
 
+    before = tiny_server.stats()["steps"]
     tiny_server.controller.call(hold)
     assert held.wait(10)
-    try:
+    try:  # (a step needs a request to run, trial 15b: this one is queued behind the step in progress)
+        rid = control(tiny_server, {"command": "submit", "prompt": "hi", "params": {"max_tokens": 5}}).json()["request_id"]
         assert control(tiny_server, {"command": "pause"}).status_code == 200
         assert tiny_server.controller.state != "paused"
         r = control(tiny_server, {"command": "step"})
@@ -982,8 +984,6 @@ def test_a_step_sent_after_a_pause_not_yet_applied_runs_once_paused(tiny_server)
         busy.set()
     try:
         assert poll_until(lambda: tiny_server.controller.state == "paused", 10)
-        before = tiny_server.stats()["steps"]
-        rid = control(tiny_server, {"command": "submit", "prompt": "hi", "params": {"max_tokens": 5}}).json()["request_id"]
         assert poll_until(lambda: tiny_server.stats()["steps"] == before + 1, 10)
         time.sleep(0.3)
         assert tiny_server.stats()["steps"] == before + 1 and tiny_server.controller.state == "paused"

@@ -133,7 +133,12 @@ def test_a_step_that_would_pass_the_pending_cap_is_refused_with_what_may_be_aske
     """Trial 14b: 600 then 500 steps both answered {"ok": true}, and only the steps up to the cap ran.
     The command that would pass it is a 400 naming n, the steps pending and the most that may be asked."""
     assert control(tiny_server, {"command": "pause"}).json() == {"ok": True}
-    try:  # nothing to run: the steps stay pending
+    control(tiny_server, {"command": "submit", "prompt": "hi", "params": {"max_tokens": 8}}).raise_for_status()
+    held, entered = threading.Event(), threading.Event()
+    # the engine thread waits here, so the steps asked stay pending (a step needs a request: trial 15b)
+    tiny_server.controller.call(lambda engine: (entered.set(), held.wait(30)))
+    try:
+        assert entered.wait(30)
         assert control(tiny_server, {"command": "step", "n": 600}).json() == {"ok": True}
         r = control(tiny_server, {"command": "step", "n": 500})
         assert r.status_code == 400, r.text
@@ -151,8 +156,12 @@ def test_a_step_that_would_pass_the_pending_cap_is_refused_with_what_may_be_aske
         assert control(tiny_server, {"command": "pause"}).json() == {"ok": True}
         assert control(tiny_server, {"command": "step", "n": 1000}).json() == {"ok": True}
     finally:
+        held.set()
         assert control(tiny_server, {"command": "resume"}).json()["resumed"] is True
     assert tiny_server.controller.steps_pending() == 0
+    from tests.conftest import poll_until
+
+    assert poll_until(lambda: not tiny_server.controller.engine.has_unfinished_requests())  # left idle
 
 
 def test_every_step_accepted_runs_and_the_pending_count_falls_as_they_do(make_tiny_engine):
@@ -191,8 +200,11 @@ def test_the_local_apps_step_refused_reaches_its_subscribers_as_a_command_refuse
     seen = []
     background = BackgroundController(lambda: EngineController.from_engine(make_tiny_engine(), start_paused=True))
     background.subscribe(seen.append, topk=0, blocks=False)
+    held = threading.Event()
+    background.submit("hi")  # steps need a request to run (trial 15b: else they are dropped)
+    background.call(lambda engine: held.wait(30))  # the engine thread waits: the steps stay pending
     background.step(1000)
-    background.step(1)  # both wait for the engine to be built
+    background.step(1)  # all wait for the engine to be built
     background.start()
     try:
         refused = lambda: [e for e in seen if isinstance(e, ev.EngineError) and e.message.startswith("step: ")]
@@ -201,6 +213,7 @@ def test_the_local_apps_step_refused_reaches_its_subscribers_as_a_command_refuse
         background.step(2)  # built now: refused at once, the same way
         assert poll_until(lambda: len(refused()) == 2, 10)
     finally:
+        held.set()
         background.shutdown(timeout=5)
 
 
@@ -367,7 +380,7 @@ def test_openai_chat_fields_that_ask_for_nothing_are_served(tiny_server, fields)
 @pytest.mark.parametrize("fields, param, message", [
     ({"store": True}, "store", "store is not supported by this server (it keeps no completions to list or distill "
                                "later); leave it out or send false"),
-    ({"store": 0}, "store", "store is not supported by this server"),  # 0 == False in Python, not in JSON
+    ({"store": 0}, "store", "Invalid value for store: Input should be a valid boolean (got 0)"),  # 0 == False in Python, not in JSON
     ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "Invalid value for parallel_tool_calls"),
     ({"metadata": {"n": 1}}, "metadata.n", "Invalid value for metadata.n"),
     ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", "metadata holds at most 16 key-value pairs, got 17"),

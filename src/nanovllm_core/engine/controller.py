@@ -109,6 +109,8 @@ class EngineController:
         self._drops = 0  # pause() and resume() calls so far
         self._drops_applied = 0  # of them, applied by the engine thread
         self._steps_queued = 0  # steps of step() calls since the last pause()/resume(), not yet applied
+        self._aborts_lock = threading.Lock()
+        self._aborts_asked: set[str] = set()  # ids of abort() calls the engine thread has not applied yet
         self._stop = threading.Event()
         self._state = "loading" if _engine is None else ("paused" if start_paused else "idle")
         if _engine is not None and start_paused:
@@ -217,6 +219,10 @@ class EngineController:
 
         Steps asked for add up while at most ``MAX_STEPS`` are pending (:meth:`steps_pending`); a
         ``pause`` while paused drops the ones not yet run (the engine stays paused; issue 29, trial 7).
+        Steps never wait for work that does not exist: those the engine thread holds when no request
+        is running or waiting (none was, or the last one finished or was aborted) are dropped, and the
+        pause holds (trial 15b: kept, they ran the next request to its end while the engine said
+        "paused"). A ``submit`` sent before the step counts: commands apply in order.
 
         Raises:
             ValueError: ``n`` is not a whole number from 1 to ``MAX_STEPS``.
@@ -241,9 +247,24 @@ class EngineController:
         allowed = self._steps_allowed if self._drops_applied == self._drops else 0  # else a pause on its way drops them
         return self._steps_queued + allowed
 
-    def abort(self, request_id: str) -> None:
-        """Finish a request now with ``finish_reason="abort"``; its blocks are released (shared ones stay in use)."""
+    def abort(self, request_id: str) -> bool:
+        """Finish a request with ``finish_reason="abort"`` between steps (at the end of the step in
+        progress); its blocks are released (shared ones stay in use).
+
+        Returns True when the abort was queued, False when an abort of ``request_id`` is queued
+        already and not yet applied (nothing more is queued; :meth:`abort_pending`).
+        """
+        with self._aborts_lock:
+            if request_id in self._aborts_asked:
+                return False
+            self._aborts_asked.add(request_id)
         self._commands.put(_Command("abort", (request_id,)))
+        return True
+
+    def abort_pending(self, request_id: str) -> bool:
+        """Whether an abort of ``request_id`` was asked and the engine thread has not applied it yet."""
+        with self._aborts_lock:
+            return request_id in self._aborts_asked
 
     def xray(self, request_id: str | None, layer: int = 0, head: int = 0) -> None:
         """Choose which request X-Ray traces (None, or a step it is not in: whichever runs first in the step) and the heatmap's layer/head.
@@ -365,6 +386,9 @@ class EngineController:
                         self._steps_allowed = 0
             else:
                 self._state = "paused"
+                if self._steps_allowed and not engine.has_unfinished_requests():
+                    with self._steps_lock:  # steps never wait for work that does not exist (trial 15b):
+                        self._steps_allowed = 0  # kept, they would run the next request while "paused"
         if self._owns_engine:
             engine.close()  # tensor-parallel workers stop with the thread that loaded them
         self._state = "stopped"
@@ -376,6 +400,9 @@ class EngineController:
                 cmd = self._commands.get(timeout=0.1)
             except queue.Empty:
                 continue
+            if cmd.name == "abort":  # nothing to abort: no longer pending
+                with self._aborts_lock:
+                    self._aborts_asked.discard(cmd.args[0])
             if cmd.name == "submit":
                 rid, listener = cmd.args[3], cmd.args[4]
                 reason = f"no model loaded: {self.load_error}"
@@ -420,6 +447,8 @@ class EngineController:
                     self._steps_allowed, self._drops_applied = 0, cmd.args[0]
                 if self._paused:
                     self._paused = False
+                    # before the event: a watcher told "resumed" must not read state "paused"
+                    self._state = "running" if engine.has_unfinished_requests() else "idle"
                     engine.clock.start()
                     self._emit(ev.EngineResumed(step=engine.scheduler.step_index))
             elif cmd.name == "step":
@@ -430,10 +459,14 @@ class EngineController:
                     if self._paused:  # (step() keeps the total within MAX_STEPS)
                         self._steps_allowed += n
             elif cmd.name == "abort":
-                if not engine.abort_request(cmd.args[0]):
-                    self._emit(ev.EngineError(step=None, request_id=cmd.args[0],
-                                              message=f"abort: no running or waiting request {cmd.args[0]!r}"))
-                self._collect(engine.pop_finished_outputs())
+                try:
+                    if not engine.abort_request(cmd.args[0]):
+                        self._emit(ev.EngineError(step=None, request_id=cmd.args[0],
+                                                  message=f"abort: no running or waiting request {cmd.args[0]!r}"))
+                    self._collect(engine.pop_finished_outputs())
+                finally:  # after its output went out: a later abort of the id is answered as for an ended request
+                    with self._aborts_lock:
+                        self._aborts_asked.discard(cmd.args[0])
             elif cmd.name == "xray":
                 engine.select_xray(*cmd.args)
             elif cmd.name == "call":

@@ -435,7 +435,10 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
 
     Raises:
         APIError: an unknown command or a bad argument (400); an abort or xray of a request id
-            the server does not know (404; for xray, one neither live nor among the lately ended).
+            the server does not know (404; for xray, one neither live nor among the lately ended);
+            an abort of a request whose abort was asked and is not applied yet (409, ``abort_pending``);
+            a step while not paused (409, ``not_paused``) or with no request running or waiting (409,
+            ``nothing_to_step``).
     """
     c = state.controller
     one_of = f"send {{\"command\": ...}} with one of {', '.join(CONTROL_COMMANDS)}"
@@ -480,6 +483,11 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
         if c.state != "paused" and not state.pause_asked:
             raise APIError("step runs single steps while the engine is paused; pause first", status=409,
                            code="not_paused")
+        if not len(state.ids) and not state.hub.live_request_ids():  # submitted and not yet added count too
+            # steps never wait for work that does not exist: banked, they ran the next request to its end
+            # while the server said "paused" (trial 15b)
+            raise APIError("nothing to step: no request is running or waiting; submit one first", status=409,
+                           code="nothing_to_step")
         try:
             c.step(n)
         except StepsPending as e:  # was {"ok": true}, and the steps past the cap never ran (trial 14b)
@@ -491,7 +499,10 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
             raise APIError(f"no running or waiting request {json.dumps(rid)} to abort (it finished, or the id is "
                            "wrong: the ids are in GET /v1/engine/events)", status=404, param="request_id",
                            code="request_not_found")
-        c.abort(rid)
+        if not c.abort(rid):  # four {"ok": true} for one abort misled a script that retries (trial 15b)
+            raise APIError(f"an abort of request {json.dumps(rid)} was already asked and is not applied yet; it "
+                           "takes effect at the end of the engine's step in progress", status=409,
+                           param="request_id", code="abort_pending")
     elif name == "xray":
         rid = body.get("request_id")
         layer, head = body.get("layer", 0), body.get("head", 0)

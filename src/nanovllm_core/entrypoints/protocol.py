@@ -80,6 +80,10 @@ def validation_error(e: ValidationError, body: Any = None) -> APIError:
                             param=field, code="invalid_value")
     field = ".".join(str(p) for p in loc) or None
     if err["type"] == "extra_forbidden":
+        if field in NO_OP_VALUES and not isinstance(err.get("input"), NO_OP_TYPES[field]):
+            # the type every other field of that type gets ("store": "false" is not told to "send false")
+            return APIError(f"Invalid value for {field}: Input should be {NO_OP_TYPES_SHOWN[field]} "
+                            f"(got {shown(err.get('input'))})", param=field, code="invalid_value")
         if field in NO_OP_VALUES:  # OpenAI's own field, not a typo: say what this server takes
             values = " or ".join(json.dumps(v) for v in NO_OP_VALUES[field])
             return APIError(f"{field} is not supported by this server ({UNSUPPORTED_WHY[field]}); leave it out or "
@@ -164,6 +168,12 @@ def asks_nothing(field: str, value: Any) -> bool:
 # "text"} could not use the server) and why any other value is refused.
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "store": (False,)}
+# the JSON types OpenAI gives those fields (tool_choice: "none"/"auto"/... or an object naming a tool);
+# a value of another type is a type error, as for any other field
+NO_OP_TYPES: dict[str, tuple[type, ...]] = {
+    "response_format": (dict,), "tools": (list,), "tool_choice": (str, dict), "store": (bool,)}
+NO_OP_TYPES_SHOWN = {"response_format": "a valid dictionary", "tools": "a valid list",
+                     "tool_choice": "a valid string or dictionary", "store": "a valid boolean"}
 UNSUPPORTED_WHY = {
     "response_format": "no structured output: the text is whatever the model writes",
     "tools": "no tool calling; tool messages in messages are rendered through the chat template",
@@ -172,6 +182,21 @@ UNSUPPORTED_WHY = {
 }
 ECHO_REFUSED = ("echo=true is not supported by this server (a response holds the generated text only, not the "
                 "prompt); leave it out or send false")
+
+
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
+
+
+def _openai_metadata(value: dict[str, str]) -> dict[str, str]:
+    """Chat's ``metadata``, as OpenAI bounds it: at most 16 pairs, keys of at most 64 characters,
+    values of at most 512."""
+    if len(value) > METADATA_PAIRS:
+        raise ValueError(f"metadata holds at most {METADATA_PAIRS} key-value pairs, got {len(value)}")
+    for key, text in value.items():
+        if len(key) > METADATA_KEY_CHARS or len(text) > METADATA_VALUE_CHARS:
+            raise ValueError(f"metadata keys hold at most {METADATA_KEY_CHARS} characters and values at most "
+                             f"{METADATA_VALUE_CHARS}; {shown(key)} does not fit")
+    return value
 
 
 class StreamOptions(_Body):
@@ -209,14 +234,24 @@ class _SamplingBody(_Body):
     priority: Int = 0
     return_token_ids: StrictBool = False
     echo: StrictBool = False  # vLLM's, on both routes: refused when true (ECHO_REFUSED)
+    # OpenAI's, taken and ignored as vLLM does, on both routes (vLLM's request models take any extra
+    # field; trial 15b: completions refused them while docs/serving.md said they are taken): with no
+    # tools (tools may only be [] here) no call is made, in parallel or not; metadata tags a stored
+    # completion, and none is stored (store: false)
+    parallel_tool_calls: StrictBool | None = None
+    metadata: Annotated[dict[str, str], AfterValidator(_openai_metadata)] | None = None
+    # tool calling, structured output and stored completions are not supported here: null (= not
+    # sent), or the value that asks for nothing (NO_OP_VALUES), only; the same on both routes
+    NULL_ONLY = frozenset({"tools", "tool_choice", "response_format", "store"})
 
     def _check_common(self) -> None:
         if self.echo:  # one message for both routes (chat said "Unrecognized request argument", trial 14b)
-            raise APIError(ECHO_REFUSED, param="echo")
-        if self.best_of is not None and self.best_of != self.n:
-            raise APIError("best_of other than n is not supported; leave it out", param="best_of")
+            raise APIError(ECHO_REFUSED, param="echo", code="invalid_value")
+        if self.best_of is not None and self.best_of != self.n:  # (every "not supported" value: invalid_value)
+            raise APIError("best_of other than n is not supported; leave it out", param="best_of", code="invalid_value")
         if self.logit_bias:
-            raise APIError("logit_bias is not supported by this server; leave it out", param="logit_bias")
+            raise APIError("logit_bias is not supported by this server; leave it out", param="logit_bias",
+                           code="invalid_value")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed with stream=true", param="stream_options")
         try:  # the bound every entry point shares (vLLM takes any integer; a huge one is refused here)
@@ -262,7 +297,6 @@ class CompletionRequest(_SamplingBody):
     max_tokens: Int | None = 16
     logprobs: Int | None = None
     suffix: str | None = None
-    NULL_ONLY = frozenset({"response_format"})  # vLLM's structured output: not supported here
     NULL_KEPT = frozenset({"max_tokens"})  # null: up to the model's length (vLLM), absent: 16 (OpenAI)
 
     def prompts(self) -> list[str | list[int]]:
@@ -272,7 +306,7 @@ class CompletionRequest(_SamplingBody):
             APIError: an empty prompt list, or ``suffix`` (not supported).
         """
         if self.suffix:
-            raise APIError("suffix is not supported by this server; leave it out", param="suffix")
+            raise APIError("suffix is not supported by this server; leave it out", param="suffix", code="invalid_value")
         p = self.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
@@ -332,27 +366,13 @@ class ChatMessage(_Body):
         return content_text(self.content)
 
 
-METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
-
-
-def _openai_metadata(value: dict[str, str]) -> dict[str, str]:
-    """Chat's ``metadata``, as OpenAI bounds it: at most 16 pairs, keys of at most 64 characters,
-    values of at most 512."""
-    if len(value) > METADATA_PAIRS:
-        raise ValueError(f"metadata holds at most {METADATA_PAIRS} key-value pairs, got {len(value)}")
-    for key, text in value.items():
-        if len(key) > METADATA_KEY_CHARS or len(text) > METADATA_VALUE_CHARS:
-            raise ValueError(f"metadata keys hold at most {METADATA_KEY_CHARS} characters and values at most "
-                             f"{METADATA_VALUE_CHARS}; {shown(key)} does not fit")
-    return value
-
-
 class ChatCompletionRequest(_SamplingBody):
     """``POST /v1/chat/completions``: the model's chat template renders ``messages``.
 
     ``max_tokens`` (or ``max_completion_tokens``) absent: up to the model's length, as vLLM does.
     ``logprobs`` is a yes/no here, with ``top_logprobs`` candidates per token. ``parallel_tool_calls``
-    (any boolean) and ``metadata`` (OpenAI's string pairs) are taken and ignored, as vLLM takes them.
+    (any boolean) and ``metadata`` (OpenAI's string pairs) are taken and ignored, as vLLM takes them
+    (on completions too: ``_SamplingBody``).
     """
 
     messages: list[ChatMessage]
@@ -361,13 +381,6 @@ class ChatCompletionRequest(_SamplingBody):
     logprobs: StrictBool = False
     top_logprobs: Int | None = None
     add_generation_prompt: StrictBool = True
-    # OpenAI's, taken and ignored as vLLM does: with no tools (tools may only be [] here) no call is
-    # made, in parallel or not; metadata tags a stored completion, and none is stored (store: false)
-    parallel_tool_calls: StrictBool | None = None
-    metadata: Annotated[dict[str, str], AfterValidator(_openai_metadata)] | None = None
-    # tool calling, structured output and stored completions are not supported here: null (= not
-    # sent), or the value that asks for nothing (NO_OP_VALUES), only
-    NULL_ONLY = frozenset({"tools", "tool_choice", "response_format", "store"})
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them.

@@ -105,6 +105,10 @@ class RequestIds:
         with self._lock:
             return rid in self._ids
 
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._ids)
+
 
 class RequestStream:
     """Submits prompts to a controller and yields their outputs on the event loop.

@@ -6,7 +6,8 @@ in its parser's ("Error while deserializing header: invalid header length"). Her
 layout is read to tell the two usual cases apart, and to say what to do about each:
 
 - not a file of that format at all (a text file, another format);
-- a file cut short: fewer bytes than its header says (an interrupted download or copy).
+- a file cut short: fewer bytes than its header says (an interrupted download or copy);
+- (GGUF) a corrupt header: a field holding a value no writer makes (overwritten bytes).
 
 GGUF (versions 2 and 3, little-endian; ggml's ``docs/gguf.md``): the magic ``GGUF``, uint32
 version, uint64 tensor count, uint64 metadata count; each metadata entry a string key, a uint32
@@ -42,13 +43,28 @@ class _EndsInHeader(Exception):
     """The file ends before its header does."""
 
 
+class _CorruptHeader(Exception):
+    """A header field holds a value no GGUF writer makes (``str(self)``: which, where, what it holds):
+    overwritten bytes, not a file cut short (trial 15b: a full-length file whose header bytes were
+    overwritten was said to be "cut short")."""
+
+
+# No field of a real GGUF header asks for more: a string or array of more than a TiB, more
+# tensors or metadata entries than that, a key longer than the format's 65,535 bytes, a tensor of
+# more than ggml's 4 dimensions. A field past these is overwritten bytes (random bytes make huge
+# numbers), while a file cut short inside its header stops at a field of a plausible size.
+MAX_PLAUSIBLE = 2**40
+MAX_KEY_BYTES = 65_535
+MAX_DIMS = 4
+
+
 def open_gguf(path: str | Path) -> Any:
     """``gguf.GGUFReader`` over ``path`` (it maps the file; nothing is copied).
 
     Raises:
         ValueError: the file will not open, in one line naming it, saying what it is (empty, not a
             GGUF file, cut short: N bytes where the header says M, an unsupported version, a
-            malformed header) and what to do; never the reader's numpy wording.
+            corrupt or malformed header) and what to do; never the reader's numpy wording.
     """
     import gguf
 
@@ -76,6 +92,8 @@ def gguf_problem(path: Path, error: BaseException | None = None) -> str:
             expected = expected_size(f, size)
     except _EndsInHeader:
         return f"{path} is cut short: its {size:,} bytes end inside its header; {REDOWNLOAD}"
+    except _CorruptHeader as e:
+        return f"{path} has a corrupt GGUF header: {e}; {REDOWNLOAD}"
     except OSError as e:
         return f"{path} could not be read ({type(e).__name__}: {e.strerror or e}); check the file and its permissions"
     except ValueError as e:
@@ -91,14 +109,24 @@ def expected_size(f: BinaryIO, size: int) -> int:
     Reads the header only, skipping over values (a 49,152-token vocabulary is skipped, not read).
 
     Raises:
-        _EndsInHeader: the file ends before the header does.
+        _EndsInHeader: the file ends before the header does (a plausible header, cut short).
+        _CorruptHeader: a field holds a value no GGUF writer makes (:data:`MAX_PLAUSIBLE`, ...).
         ValueError: an unsupported version, or a type number the format does not define.
     """
+    def plausible(value: int, what: str, at: int, most: int = MAX_PLAUSIBLE) -> int:
+        if value > most:
+            raise _CorruptHeader(f"{what} at byte {at:,} is {value:,}, more than any GGUF file holds")
+        return value
+
     def skip(n: int) -> None:
         end = f.tell() + n
         if end > size:
             raise _EndsInHeader
         f.seek(end)
+
+    def length(what: str) -> int:
+        at = f.tell()
+        return plausible(read("<Q"), what, at)
 
     def read(fmt: str) -> int:
         raw = f.read(struct.calcsize(fmt))
@@ -108,9 +136,9 @@ def expected_size(f: BinaryIO, size: int) -> int:
 
     def skip_value(kind: int) -> None:
         if kind == _STRING:
-            skip(read("<Q"))
+            skip(length("a string's length"))
         elif kind == _ARRAY:
-            item, count = read("<I"), read("<Q")
+            item, count = read("<I"), length("an array's length")
             if item in _SCALAR_BYTES:
                 skip(count * _SCALAR_BYTES[item])
             else:
@@ -118,8 +146,8 @@ def expected_size(f: BinaryIO, size: int) -> int:
                     skip_value(item)
         elif kind in _SCALAR_BYTES:
             skip(_SCALAR_BYTES[kind])
-        else:
-            raise ValueError(f"metadata type {kind} is not one GGUF defines; {REDOWNLOAD}")
+        else:  # GGUF's value types are 0 to 12 in every version: another number is an overwritten byte
+            raise _CorruptHeader(f"a metadata value's type at byte {f.tell() - 4:,} is {kind}, not one GGUF defines")
 
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -128,11 +156,12 @@ def expected_size(f: BinaryIO, size: int) -> int:
     if version not in VERSIONS:
         raise ValueError(f"GGUF version {version}, where this engine reads versions "
                          f"{' and '.join(map(str, VERSIONS))}; convert the model again with a current llama.cpp")
-    tensors, entries = read("<Q"), read("<Q")
+    tensors, entries = length("the tensor count"), length("the metadata count")
     alignment = DEFAULT_ALIGNMENT
     for _ in range(entries):
-        key_len = read("<Q")
-        if key_len > size:
+        at = f.tell()
+        key_len = plausible(read("<Q"), "a metadata key's length", at, MAX_KEY_BYTES)
+        if f.tell() + key_len > size:
             raise _EndsInHeader
         key = f.read(key_len)
         kind = read("<I")
@@ -142,8 +171,10 @@ def expected_size(f: BinaryIO, size: int) -> int:
             skip_value(kind)
     end = 0
     for _ in range(tensors):
-        skip(read("<Q"))  # the name
-        dims = [read("<Q") for _ in range(read("<I"))]
+        skip(length("a tensor name's length"))
+        at = f.tell()
+        dims = [length("a tensor dimension") for _ in range(plausible(read("<I"), "a tensor's dimension count", at,
+                                                                        MAX_DIMS))]
         kind, offset = read("<I"), read("<Q")
         try:
             block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
