@@ -225,18 +225,11 @@ def anyio_backend():
 @pytest.mark.anyio
 async def test_n_under_connect_shows_the_servers_refusal_as_one_line(tiny_server, tmp_path):
     """The app's n, attached to a server with 1000 steps pending: the 400 is a "Not done" toast of one line."""
-    from nanovllm_tui.app import NanoVLLMApp
-    from nanovllm_tui.remote import RemoteController
-    from tests.tui_helpers import Notes, wait_until
+    from tests.tui_helpers import attached_and_paused, wait_until
 
     engine, gate = tiny_server.controller.engine, threading.Event()
-    app = NanoVLLMApp(RemoteController(tiny_server.url, tiny_server.api_key), tutorial_path=tmp_path / "t.json")
-    notes = Notes()
     try:
-        async with app.run_test(size=(120, 36), message_hook=notes) as pilot:
-            await wait_until(pilot, lambda: app.state.ready and app.controller.connected, 30, "the attached server")
-            await pilot.press("escape", "space")
-            await wait_until(pilot, lambda: tiny_server.controller.state == "paused", 10, "the server to pause")
+        async with attached_and_paused(tiny_server, tmp_path) as (app, pilot, notes):
             r = control(tiny_server, {"command": "submit", "prompt": "Once upon a time", "request_id": "steps-14b",
                                       "params": {"max_tokens": 50, "ignore_eos": True}})
             assert r.status_code == 200, r.text

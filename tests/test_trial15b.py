@@ -165,17 +165,10 @@ def anyio_backend():
 async def test_n_under_connect_shows_the_nothing_to_step_refusal_as_one_line(tiny_server, tmp_path):
     """The app sends no step with nothing to run; one that reaches the server anyway (the app had not
     seen the last request end) is a "Not done" toast of one line."""
-    from nanovllm_tui.app import NanoVLLMApp
-    from nanovllm_tui.remote import RemoteController
-    from tests.tui_helpers import Notes, wait_until
+    from tests.tui_helpers import attached_and_paused, wait_until
 
-    app = NanoVLLMApp(RemoteController(tiny_server.url, tiny_server.api_key), tutorial_path=tmp_path / "t.json")
-    notes = Notes()
     try:
-        async with app.run_test(size=(120, 36), message_hook=notes) as pilot:
-            await wait_until(pilot, lambda: app.state.ready and app.controller.connected, 30, "the attached server")
-            await pilot.press("escape", "space")
-            await wait_until(pilot, lambda: tiny_server.controller.state == "paused", 10, "the server to pause")
+        async with attached_and_paused(tiny_server, tmp_path) as (app, pilot, notes):
             app.controller.step(1)  # what n sends once the app believes a request is there
             await wait_until(pilot, lambda: notes.find("nothing to step"), 10, "the refusal")
             (note,) = notes.find("nothing to step")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -108,3 +109,18 @@ def visible_tab(app) -> str:
     from textual.widgets import TabbedContent
 
     return app.query_one(TabbedContent).active
+
+
+@contextlib.asynccontextmanager
+async def attached_and_paused(server, tmp_path: Path, size: tuple[int, int] = (120, 36)):
+    """The app attached to ``server`` (``--connect``), ready, with the server paused from the app (Esc, space):
+    yields ``(app, pilot, notes)``, the app's toasts collected in ``notes``."""
+    from nanovllm_tui.remote import RemoteController
+
+    app = NanoVLLMApp(RemoteController(server.url, server.api_key), tutorial_path=tmp_path / "t.json")
+    notes = Notes()
+    async with app.run_test(size=size, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready and app.controller.connected, 30, "the attached server")
+        await pilot.press("escape", "space")
+        await wait_until(pilot, lambda: server.controller.state == "paused", 10, "the server to pause")
+        yield app, pilot, notes
