@@ -46,7 +46,7 @@ Figures:
   UI thread ran ~20% of a key's time, so p95 < 150 ms would take ~25 ms of CPU per key, less
   than Textual's repaint of a 120x40 tab: that target was not met on such a host then. Since, a
   key holds the engine at its next decoder layer while its frame is drawn (yield_gate.py); on
-  2026-12-07 (2-core AMD EPYC, no other agents, the default workload, ``--burners 2
+  2026-12-07 (2-core AMD EPYC, Zen 4 with AVX-512, no other agents, the default workload, ``--burners 2
   --key-interval 0.5``) p95 was 81 ms over 60 presses (docs/benchmarks.md).
 - key-to-screen latency: from posting the key press to the first frame the compositor
   produces that shows the new tab (``App._display`` is wrapped to timestamp frames); p50 and

@@ -184,3 +184,27 @@ def test_rss_is_read_after_freeing_what_python_and_malloc_hold():
     assert rss_bytes() - before > 48 * 2**20
     del block
     assert rss_bytes() - before < 16 * 2**20
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ("fpu sse2 avx avx2 fma", "AMD EPYC (AVX2)"),                                   # Zen 3
+    ("avx2 avx512f avx512bw avx512_vnni avx512_bf16", "AMD EPYC (AVX-512, VNNI)"),    # Zen 4
+    ("avx2 avx512f avx512_vnni amx_bf16 amx_tile amx_int8", "AMD EPYC (AVX-512, VNNI, AMX)"),
+    ("sse2 sse4_2", "AMD EPYC"),
+])
+def test_every_figures_machine_names_the_instruction_sets_its_kernels_used(tmp_path, flags, expected):
+    # trial 16e: "2-core AMD EPYC" named a Zen 3 with AVX2 in some figures and a Zen 4 with
+    # AVX-512 in others (the block kernel's peak differs 2x between them); the model name alone
+    # did not say which machine a figure came from.
+    from nanovllm_core.native import cpu_name
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n\nprocessor\t: 1\n"
+                    f"model name\t: AMD EPYC\nflags\t\t: {flags}\n")
+    assert cpu_name(str(info)) == expected
+
+
+def test_the_benchmarks_and_the_tensor_parallel_measurement_name_the_cpu_one_way():
+    import benchmarks.common
+    from nanovllm_core import native, roofline
+    from nanovllm_core.educational import tp_measure
+    assert benchmarks.common.cpu_name is roofline.cpu_name is tp_measure.cpu_name is native.cpu_name

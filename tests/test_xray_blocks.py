@@ -228,7 +228,10 @@ def test_the_xray_of_a_gguf_engine_draws_its_own_blocks_and_counts_their_bytes(m
     t = traces[0]
     peaks = dict(t.kernel_peaks)
     if "q4_1" not in peaks:  # timed on a busy host (trial 15a): left out, and the machine line says why
-        assert "Q4_1 kernel's peak could not be measured reliably" in t.machine
+        # "the Q4_1 kernel's peak could not ..." or, when the Q8_0 head's was busy too, "the Q4_1 and
+        # Q8_0 kernels' peaks could not ...": which of the two a loaded host spoils varies run to run.
+        named = t.machine.split("could not be measured reliably")[0].rsplit("; the ", 1)[-1]
+        assert "could not be measured reliably" in t.machine and "Q4_1" in named, t.machine
         assert facts.bound(t, next(o for o in t.ops if o.name == "qkv_proj")) == ""
         return
     assert peaks["q4_1"] > 0 and t.peak_flops > 0

@@ -42,6 +42,41 @@ def _compiler() -> str | None:
     return None if path is None else shlex.join([path, *parts[1:]])
 
 
+def cpu_features(flags: set[str]) -> list[str]:
+    """The vector instruction sets ``-march=native`` builds the kernels with, widest first, from
+    /proc/cpuinfo's ``flags``: ``["AVX-512", "VNNI", "AMX"]`` on a Sapphire Rapids Xeon,
+    ``["AVX-512", "VNNI"]`` on a Zen 4 EPYC, ``["AVX2"]`` on a Zen 3 EPYC, ``[]`` below AVX2."""
+    found = ["AVX-512"] if "avx512f" in flags else ["AVX2"] if "avx2" in flags else []
+    if {"avx512_vnni", "avx_vnni"} & flags:
+        found.append("VNNI")
+    if "amx_tile" in flags:
+        found.append("AMX")
+    return found
+
+
+def cpu_name(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name and the instruction sets its kernels are built with, as every figure
+    names its machine: ``"AMD EPYC (AVX-512, VNNI)"``. Two CPUs of one model name differ here
+    (an "AMD EPYC" of 2026 may be a Zen 3 with AVX2 or a Zen 4 with AVX-512, and the block
+    kernels' speed with them), so the name alone does not say which machine a figure is from.
+    From ``cpuinfo`` (Linux's /proc/cpuinfo); elsewhere the platform's processor string alone."""
+    name, flags = "", set()
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name") and not name:
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+                if name and flags:
+                    break
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine() or "unknown CPU"
+    features = cpu_features(flags)
+    return f"{name} ({', '.join(features)})" if features else name
+
+
 def _cpu_identity() -> str:
     """What ``-march=native`` compiles for: the CPU's model name and flags."""
     try:

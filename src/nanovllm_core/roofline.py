@@ -26,7 +26,8 @@ and keeps a quiet result, replacing what was kept).
 
 Under a block mode (``gguf``, ``q8_0``, ``q4_0``, ``q4_1``) the projections do not run the float
 matmul: they run ``model/block_quant.py``'s block kernel, whose peak is its own (int8 products
-over 4- and 8-bit weights: on a 2-core AMD EPYC about 3x the float matmul's). Judged against
+over 4- and 8-bit weights: 1.6-3x the float matmul's in measurements on a shared 2-core AMD EPYC
+(Zen 4, AVX-512 with VNNI)). Judged against
 the float peak, a Q4_1 decode of 2 tokens came out "compute-bound" (trial 14c). So the block
 kernel is timed too (:func:`block_peak`: the loaded model's largest projection of each format in
 layer 0, at ``BLOCK_PEAK_TOKENS`` rows, far past its crossing, the best of the runs that fit in
@@ -68,6 +69,7 @@ from typing import Callable
 import torch
 
 from nanovllm_core import untrusted
+from nanovllm_core.native import cpu_name  # noqa: F401 (the machine a figure is from; benchmarks import it here)
 from nanovllm_core.paths import cache_root
 
 GEMM_N = 2048  # square matmul side for the peak: large enough to reach it on CPUs and small GPUs
@@ -219,20 +221,6 @@ def device_name(device: torch.device | str) -> str:
     if device.type == "cuda":  # pragma: no cover - needs CUDA
         return torch.cuda.get_device_name(device)
     return f"{cpu_name()} ({torch.get_num_threads()} threads)"
-
-
-def cpu_name() -> str:
-    """The CPU's model name from /proc/cpuinfo, or the platform's guess."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def measure(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, gemm_n: int = GEMM_N,

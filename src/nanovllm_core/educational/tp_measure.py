@@ -26,6 +26,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from nanovllm_core.native import cpu_name
+
 
 def _rank(host: str, port: int, rank: int, world: int, hidden: int, iters: int, warmup: int,
           timeout: float) -> dict:
@@ -205,20 +207,6 @@ def _run_fresh_ranks(args: tuple, world: int, hidden: int, iters: int, warmup: i
             if p.poll() is None:
                 p.kill()
                 p.wait()
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def percentile(values: list[float], q: float) -> float:
