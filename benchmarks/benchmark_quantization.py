@@ -20,7 +20,9 @@ Memory (per mode):
   arenas; a mode's own first use, e.g. building its C kernel, stays in its figure). It counts all the load leaves
   resident: weights, packed copies (float32 keeps its weight and oneDNN's packed copy),
   rotary tables, a tokenizer; the peak during the load (``load_peak_rss_growth_bytes``)
-  shows transient copies (every mode is built from float32 weights first, ``gguf`` included);
+  shows transient copies (the quantize-at-load modes, ``q8_0``/``q4_0``/``q4_1``, are built from
+  float32 weights first; ``gguf`` builds its blocks straight from the file's tensors, so its peak
+  is the mapped blocks beside their packed copy, docs/cpu-kernels.md);
 - bytes a decode token reads: the linear layers' and LM head's weights with their scales
   (``linear_weight_bytes``); the embedding row and the KV cache are left out.
 
