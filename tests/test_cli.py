@@ -182,7 +182,7 @@ def test_bad_model_path_from_a_real_process_prints_no_traceback():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("nanovllm: error: model path /no/such/dir does not exist; check the path "
-                                   "(or omit --model for the embedded default)")
+                                   "(or omit model (--model) for the embedded default)")
 
 
 @pytest.mark.real_model
