@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.common, when run as a script
-from benchmarks.common import HostCheck, write_json  # noqa: E402
+from benchmarks.common import HostCheck, check_json_path, write_json  # noqa: E402
 from nanovllm_core.config import EngineConfig  # noqa: E402
 from nanovllm_core.engine.llm_engine import LLMEngine  # noqa: E402
 from nanovllm_core.llm import LLM  # noqa: E402
@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
     args = p.parse_args(argv)
+    check_json_path(p, args.json)
     if args.threads:
         torch.set_num_threads(args.threads)
     settings = QUICK if args.quick else FULL

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.commo
 
 import torch  # noqa: E402
 
-from benchmarks.common import HostCheck, cpu_name, fmt, percentile, table, write_json  # noqa: E402
+from benchmarks.common import HostCheck, check_json_path, cpu_name, fmt, percentile, table, write_json  # noqa: E402
 
 PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "Explain what a KV cache is.",
            "List three prime numbers:"]
@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: the cores); each of N ranks gets min(this, cores // N), at least 1")
     args = p.parse_args(argv)
+    check_json_path(p, args.json)
     if args.threads:
         torch.set_num_threads(args.threads)
     from nanovllm_core.config import ModelConfig

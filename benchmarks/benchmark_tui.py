@@ -71,7 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))  # benchmarks.common, when run as a script
 
-from benchmarks.common import HostCheck  # noqa: E402
+from benchmarks.common import HostCheck, check_json_path  # noqa: E402
 from nanovllm_tui.bridge import DEFAULT_FPS  # noqa: E402  (after the path, for an uninstalled checkout)
 
 PROMPTS = ["The capital of France is", "Python is a programming language that", "Once upon a time",
@@ -226,6 +226,7 @@ def main(argv=None) -> int:
                    help="CPU-burning processes running beside every run, as on a busy host (default 0)")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args(argv)
+    check_json_path(p, args.json)
     if args.burners < 0:
         p.error(f"--burners must be 0 or more, got {args.burners}")
     host = HostCheck()

@@ -284,12 +284,11 @@ def write_json(path: str | None, data: Any) -> None:
 
 
 def check_json_path(parser: Any, path: str | None) -> None:
-    """Fail at once, with one line, when ``--json FILE`` could not be written after the run."""
-    if not path:
-        return
-    folder = Path(path).resolve().parent
-    if Path(path).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
-        parser.error(f"--json {path}: cannot write there (is the folder missing or read-only?)")
+    """Fail at once, with one line (``nanovllm_core.cli_args.output_path_problem``: what is wrong with the
+    path and what to do), when ``--json FILE`` could not be written after the run; None: not given."""
+    from nanovllm_core.cli_args import check_output_paths
+
+    check_output_paths(parser, ("--json", path))
 
 
 def cpu_flags() -> list[str]:

@@ -60,12 +60,38 @@ def test_a_bad_prompt_raises_before_any_prompt_is_queued(make_llm, prompt, param
     with pytest.raises(ValueError, match=message) as e:  # alone: the reason as the engine words it
         llm.generate(prompt if isinstance(prompt, str) else [prompt], sp, use_tqdm=False)
     assert "\n" not in str(e.value)
+    # a list of one names its index too (trial 16e: generate([[999999]]) did not); one text has no index
+    assert str(e.value).startswith("prompts[0]: ") == (not isinstance(prompt, str)), str(e.value)
     with pytest.raises(ValueError, match=rf"^prompts\[1\]: .*{message}") as e:  # among good ones: which one
         llm.generate([GOOD, prompt, "Hello"], [ok, sp, ok], use_tqdm=False)
     assert not llm.engine.requests and not llm.engine.has_unfinished_requests()  # GOOD was not queued either
     assert llm.stats()["kv_blocks_used"] == 0
     good = llm.generate([GOOD, "Hello"], ok, use_tqdm=False)
     assert [o.outputs[0].finish_reason for o in good] == ["length", "length"] and all(o.error is None for o in good)
+
+
+def test_every_per_prompt_refusal_names_the_index_of_a_list_even_of_one(make_llm):
+    """Trial 16e: engine.md promises ``prompts[N]: ...``, but ``generate([[999999]])`` said only "token id
+    999999 is outside the vocabulary". A list of prompts (or of conversations) names the index of the bad
+    one, also when it holds one; a single prompt (a text, one token-id list, one conversation) has none."""
+    llm = make_llm(num_kv_blocks=4, block_size=16, max_model_len=100)
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    with pytest.raises(ValueError, match=r"^prompts\[0\]: token id 999999 is outside the vocabulary"):
+        llm.generate([[999999]], sp, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^prompts\[2\]: token id 999999 is outside the vocabulary"):
+        llm.generate([[1, 2], [3], [999999]], sp, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^token id 999999 is outside the vocabulary"):
+        llm.generate([999999], sp, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^prompts\[0\]: the prompt is empty"):
+        llm.generate([{"prompt": ""}], sp, use_tqdm=False)
+    long_chat = [{"role": "user", "content": "word " * 200}]
+    with pytest.raises(ValueError, match=r"^conversation 0: the prompt has \d+ tokens but max_model_len is 100"):
+        llm.chat([long_chat], sp, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^the prompt has \d+ tokens but max_model_len is 100"):
+        llm.chat(long_chat, sp, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^conversation 0: messages\[0\] has role 'robot'"):
+        llm.chat([[{"role": "robot", "content": "Hi"}]], sp, use_tqdm=False)
+    assert not llm.engine.requests and llm.stats()["kv_blocks_used"] == 0
 
 
 @pytest.mark.parametrize("messages,message", [

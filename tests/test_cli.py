@@ -177,12 +177,52 @@ def test_the_loader_reports_its_stages_as_they_begin(tmp_path, monkeypatch):
     assert calls[0] == ("loading weights", 0) and ("packing linear layers", 0) in calls
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--trace", "{tmp}/no/such/x.jsonl"], "--trace {tmp}/no/such/x.jsonl: the folder {tmp}/no/such does not exist; "
+                                           "create it first or choose another path"),
+    (["--trace-chrome", "{tmp}"], "--trace-chrome {tmp} is a folder; give a file name in it"),
+    (["--trace", ""], "--trace needs a file name"),
+    (["--trace", "{tmp}/file/x.jsonl"], "--trace {tmp}/file/x.jsonl: {tmp}/file is not a folder; choose another path"),
+    (["--trace", "{tmp}/t.json", "--trace-chrome", "{tmp}/t.json"],
+     "--trace and --trace-chrome name the same file {tmp}/t.json; give each its own"),
+    (["--tutorial", "--no-demos", "--progress-file", "{tmp}"], "--progress-file {tmp} is a folder"),
+    (["--tutorial", "--progress-file", "{tmp}/file/p.json"], "--progress-file {tmp}/file/p.json: {tmp}/file is not a folder"),
+])
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_model_loads(capsys, monkeypatch, tmp_path,
+                                                                                 argv, message):
+    """Trial 16e: ``--trace /nonexistent/dir/x.jsonl`` was refused only after the model had loaded (52-120 s).
+    Every output path is checked while the options are parsed: one line, status 2, nothing loaded."""
+    import nanovllm_core.educational.tutorial_demos as demos
+    import nanovllm_core.llm
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the output path was checked")
+
+    monkeypatch.setattr(nanovllm_core.llm, "LLM", no_load)
+    monkeypatch.setattr(demos.EngineDemos, "load", no_load)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as e:
+        cli.main([a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].startswith("nanovllm: error: " + message.format(tmp=tmp_path)), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # the check left no file behind
+
+
+def test_a_writable_trace_path_is_not_created_by_the_check_when_another_option_fails(capsys, tmp_path):
+    """The check creates and removes a new file at once: a run refused later (here: its model) leaves none."""
+    trace, chrome = tmp_path / "t.jsonl", tmp_path / "c.json"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--model", str(tmp_path / "no-such-model"), "--trace", str(trace), "--trace-chrome", str(chrome)])
+    assert e.value.code == 2 and "no-such-model does not exist" in capsys.readouterr().err
+    assert not trace.exists() and not chrome.exists()
+
+
 def test_bad_model_path_from_a_real_process_prints_no_traceback():
     proc = subprocess.run([sys.executable, "-m", "nanovllm_core.cli", "--model", "/no/such/dir"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("nanovllm: error: model path /no/such/dir does not exist; check the path "
-                                   "(or omit --model for the embedded default)")
+                                   "(or omit model (--model) for the embedded default)")
 
 
 @pytest.mark.real_model
@@ -270,8 +310,9 @@ def test_trace_xray_without_trace_is_one_line(capsys):
 
 def test_trace_to_unwritable_path_is_one_line(capsys, shared_default_loads):
     code, _, err = run_cli(capsys, "--trace", "/no/such/dir/run.jsonl", "--num-kv-blocks", "8")
-    assert code == 2 and "cannot write the trace file" in err and len(err.strip().splitlines()) == 1
-    assert shared_default_loads == [None]  # refused once the model is known, as without the shared load
+    assert code == 2 and "--trace /no/such/dir/run.jsonl: the folder /no/such/dir does not exist" in err
+    assert len(err.strip().splitlines()) == 1
+    assert shared_default_loads == []  # refused before the model loads (trial 16e: it was after, 52-120 s)
 
 
 def test_sampling_flags_map_to_sampling_params():

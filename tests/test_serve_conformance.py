@@ -994,3 +994,17 @@ def test_a_step_sent_after_a_pause_not_yet_applied_runs_once_paused(tiny_server)
     # without a pause asked, a step is still refused
     r = control(tiny_server, {"command": "step"})
     assert r.status_code == 409 and "pause first" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("prompt, start", [
+    ([[1, 2], [10**9]], "prompt[1]: prompt holds a token id outside the vocabulary"),
+    ([[10**9]], "prompt[0]: prompt holds a token id outside the vocabulary"),
+    (["hi", ""], "prompt[1]: prompt is empty"),
+    (["hi", "word " * 600], "prompt[1]: This model's maximum context length"),
+    ([10**9], "prompt holds a token id outside the vocabulary"),  # one prompt: no index to name
+])
+def test_a_refused_prompt_of_a_list_is_named_by_its_index(tiny_server, prompt, start):
+    """Trial 16e: a per-prompt refusal names the prompt in a batch, as LLM.generate's ``prompts[i]`` does."""
+    status, data = post(tiny_server, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    assert status == 400 and data["error"]["message"].startswith(start), data
+    assert data["error"]["param"] == "prompt"

@@ -102,9 +102,10 @@ def test_valid_sizes_follow_the_heads():
     (dict(tensor_parallel_size=0), "tensor_parallel_size=0 is invalid"),
     (dict(tensor_parallel_size=None), "tensor_parallel_size=None is invalid"),
     (dict(tensor_parallel_size=2, quantization="gguf"),
-     "--quantization gguf does not run with --tensor-parallel-size > 1 yet; use --quantization none"),
+     "quantization='gguf' (--quantization gguf) does not run with tensor_parallel_size > 1 (--tensor-parallel-size) "
+     "yet; use quantization='none' (--quantization none)"),
     (dict(tensor_parallel_size=2, quantization="q8_0"),
-     "--quantization q8_0 does not run with --tensor-parallel-size > 1 yet; use --quantization none"),
+     "quantization='q8_0' (--quantization q8_0) does not run with tensor_parallel_size > 1"),
     (dict(tensor_parallel_size=2, paged=False), "needs the paged engine"),
     (dict(tensor_parallel_size=2, speculative_model="ngram"), "speculative decoding does not run with"),
 ])
@@ -112,6 +113,34 @@ def test_bad_settings_are_one_line_errors(kwargs, message):
     with pytest.raises(ValueError) as e:
         EngineConfig(**kwargs)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(tensor_parallel_size=3, quantization="gguf"),
+    dict(tensor_parallel_size=1, tp_master_port=29500),
+    dict(tensor_parallel_size=2, paged=False),
+    dict(tensor_parallel_size=2, speculative_model="ngram"),
+    dict(quantization="q8_0", dtype="bfloat16"),
+    dict(num_speculative_tokens=3),
+])
+def test_a_settings_error_names_the_python_keyword_of_each_flag_it_names(kwargs):
+    """Trial 16e: ``LLM(tensor_parallel_size=3, quantization="gguf")`` answered in CLI flags only
+    (``use --quantization none``). Each flag such an error names comes with the keyword LLM(...) takes."""
+    with pytest.raises(ValueError) as e:
+        EngineConfig(**kwargs)
+    text = str(e.value)
+    for flag in re.findall(r"--([a-z][a-z-]*)", text):
+        keyword = {"no-paged-attention": "paged"}.get(flag, flag.replace("-", "_"))
+        assert re.search(rf"\b{keyword}\b[=)( ]", text.replace(f"--{flag}", "")), (flag, text)
+
+
+def test_the_python_api_and_the_cli_read_their_own_name_in_one_message(tiny_llama_dir):
+    """The same refusal through LLM(...) and ``nanovllm``: each caller finds the name it typed."""
+    with pytest.raises(ValueError) as e:
+        LLM(str(tiny_llama_dir), device="cpu", tensor_parallel_size=3, quantization="gguf", **QUIET)
+    assert "quantization='gguf'" in str(e.value) and "quantization='none'" in str(e.value)
+    assert "tensor_parallel_size > 1" in str(e.value)
+    assert "--quantization none" in str(e.value) and "--tensor-parallel-size" in str(e.value)
 
 
 def test_a_size_that_does_not_divide_the_heads_fails_before_any_process_starts(tiny_llama_dir):
@@ -140,7 +169,7 @@ def test_no_quantization_with_tp_means_float_weights():
     assert EngineConfig(tensor_parallel_size=2, quantization="none").quantization == "none"
     mode, note = resolve_quantization(None, Path("model.gguf"), "cpu", torch.float32, tensor_parallel_size=2)
     assert mode is None and "tensor parallelism (2 ranks)" in note
-    with pytest.raises(ValueError, match="does not run with --tensor-parallel-size > 1 yet"):
+    with pytest.raises(ValueError, match="does not run with tensor_parallel_size > 1"):
         EngineConfig(tensor_parallel_size=2, quantization="gguf")
 
 

@@ -217,7 +217,7 @@ def test_a_rank_that_never_joins_ends_rank_0_with_the_command_to_start_it(tiny_l
     assert time.monotonic() - t0 < 30
     assert str(e.value) == (f"tensor-parallel rank 1 did not join rank 0 at 127.0.0.1:{port} within 1 s; on each "
                             f"one's host run `nanovllm worker --master-addr 127.0.0.1 --master-port {port} --rank R "
-                            "--tensor-parallel-size 2` (R = 1), or raise --tp-rendezvous-timeout")
+                            "--tensor-parallel-size 2` (R = 1), or raise tp_rendezvous_timeout (--tp-rendezvous-timeout)")
     assert_no_group_left(port)
 
 
@@ -297,7 +297,8 @@ def test_a_port_rank_0_cannot_listen_on_is_one_line(tiny_llama_dir):
             LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=16, tensor_parallel_size=2, tp_master_port=port,
                 tp_local_ranks=1, **QUIET)
     assert str(e.value).startswith(f"cannot listen on 127.0.0.1:{port} for the tensor-parallel workers (")
-    assert str(e.value).endswith("choose another --tp-master-port, or an address of this host for --tp-master-addr")
+    assert str(e.value).endswith("choose another tp_master_port (--tp-master-port), or an address of this host for "
+                                "tp_master_addr (--tp-master-addr)")
     assert_no_group_left()
 
 

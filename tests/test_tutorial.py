@@ -221,12 +221,14 @@ def test_q_at_press_enter_quits_before_the_next_chapter(capsys, monkeypatch, tmp
 
 
 def test_an_unwritable_progress_file_is_reported_once_and_the_tutorial_goes_on(capsys, monkeypatch, tmp_path):
+    """The default file (no --progress-file: one given is checked before the tutorial starts, and refused)."""
     blocker = tmp_path / "file"
     blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # the default folder <blocker>/nanovllm cannot be made
     monkeypatch.setattr("sys.stdin", io.StringIO(script(["a", "b"])))
     from nanovllm_core import cli
 
-    code = cli.main(["--tutorial", "--no-demos", "--progress-file", str(blocker / "p.json")])
+    code = cli.main(["--tutorial", "--no-demos"])
     out = capsys.readouterr().out
     assert code == 0 and out.count("progress cannot be saved") == 1 and "Final score:" in out
     assert "Progress (not saved):" in out and "Saved progress" not in out

@@ -29,6 +29,7 @@ from nanovllm_core.cli_args import (  # noqa: F401  (re-exported: the app, bench
     add_model_arguments,
     ascii_int,
     bounded_int,
+    check_output_paths,
     count_int,
     engine_kwargs,
     load_progress,
@@ -128,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tutorial:
         if args.narrate or args.xray or args.dashboard:
             parser.error("--tutorial runs on its own; leave out --narrate, --xray and --dashboard")
+        check_output_paths(parser, ("--progress-file", args.progress_file), make_folders=("--progress-file",))
         return run_tutorial(args, parser)
     prompts = args.prompt or [DEFAULT_PROMPT]
     if any(not p.strip() for p in prompts):
@@ -142,6 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "lower --max-tokens or raise --max-model-len")
     if args.trace_xray and not args.trace:
         parser.error("--trace-xray records into the --trace file; add --trace FILE.jsonl")
+    check_output_paths(parser, ("--trace", args.trace), ("--trace-chrome", args.trace_chrome))  # before the load
     try:
         params = sampling_params(args)
     except ValueError as e:

@@ -94,6 +94,19 @@ def check_quantization(mode: str | None) -> None:
     normalize_quantization(mode)
 
 
+_NO_VALUE = object()
+
+
+def setting(name: str, value: Any = _NO_VALUE) -> str:
+    """A setting named for both callers: ``"num_kv_blocks (--num-kv-blocks)"``, or with ``value``
+    ``"quantization='none' (--quantization none)"``. Errors that ``LLM(...)`` and the CLI share use it, so
+    each caller reads the name it typed: the ``LLM`` keyword first, the CLI flag beside it."""
+    flag = "--" + name.replace("_", "-")
+    if value is _NO_VALUE:
+        return f"{name} ({flag})"
+    return f"{name}={value!r} ({flag} {value})"
+
+
 def tensor_parallel_quantization(mode: str | None, tensor_parallel_size: int) -> str | None:
     """THE one place that decides which weight formats run split over ranks: float only, for now.
 
@@ -108,7 +121,8 @@ def tensor_parallel_quantization(mode: str | None, tensor_parallel_size: int) ->
     """
     if tensor_parallel_size is None or tensor_parallel_size <= 1 or mode in (None, "none"):
         return mode
-    raise ValueError(f"--quantization {mode} does not run with --tensor-parallel-size > 1 yet; use --quantization none")
+    raise ValueError(f"{setting('quantization', mode)} does not run with tensor_parallel_size > 1 "
+                     f"(--tensor-parallel-size) yet; use {setting('quantization', 'none')}")
 
 
 # vLLM's LLM(...) keywords that are spelled otherwise here (docs/engine.md, "Moving to vLLM").
@@ -249,11 +263,11 @@ class EngineConfig:
                                                          self.tensor_parallel_size)
         if explicit_quantized(self.quantization) and self.torch_device.type != "cpu":
             raise ValueError(f"quantization={self.quantization!r} runs on the CPU (this engine's C kernels); "
-                             "use device='cpu' (--device cpu) or --quantization none")
+                             f"use {setting('device', 'cpu')} or {setting('quantization', 'none')}")
         if explicit_quantized(self.quantization) and self.dtype is not None \
                 and DTYPES[self.dtype] != torch.float32:
             raise ValueError(f"quantization={self.quantization!r} computes in float32; use dtype='float32' "
-                             "(--dtype float32) or --quantization none")
+                             f"(--dtype float32) or {setting('quantization', 'none')}")
         self._check_speculative()
         self._check_tensor_parallel()
 
@@ -267,20 +281,20 @@ class EngineConfig:
             given = [k for k, v in launch.items() if v is not None]
             if given:
                 raise ValueError(f"{given[0]}={launch[given[0]]!r} places tensor-parallel ranks, but "
-                                 "tensor_parallel_size=1 runs one process; drop it or raise --tensor-parallel-size")
+                                 f"tensor_parallel_size=1 runs one process; drop it or raise {setting('tensor_parallel_size')}")
             return
         self._check_tp_launch(n)
         if not self.paged:
             raise ValueError(f"tensor_parallel_size={n} needs the paged engine; drop paged=False "
-                             "(--no-paged-attention) or use --tensor-parallel-size 1")
+                             f"(--no-paged-attention) or use {setting('tensor_parallel_size', 1)}")
         if self.speculative_model is not None:
             raise ValueError(f"speculative decoding does not run with tensor_parallel_size={n} yet; "
-                             "drop --speculative-model or use --tensor-parallel-size 1")
+                             f"drop {setting('speculative_model')} or use {setting('tensor_parallel_size', 1)}")
         local = self.tp_local_ranks or n
         if self.torch_device.type == "cuda" and torch.cuda.device_count() < local:
             raise ValueError(f"tensor_parallel_size={n} with {local} rank(s) on this host on CUDA needs {local} GPUs, "
-                             f"one per rank, but {torch.cuda.device_count()} are visible; lower --tensor-parallel-size "
-                             "(or --tp-local-ranks) or use --device cpu")
+                             f"one per rank, but {torch.cuda.device_count()} are visible; lower {setting('tensor_parallel_size')} "
+                             f"(or {setting('tp_local_ranks')}) or use {setting('device', 'cpu')}")
 
     def _check_tp_launch(self, n: int) -> None:
         """Where the ranks run: the listening address and port, the ranks on this host, the rendezvous timeout."""

@@ -148,11 +148,11 @@ class LLM:
                 something other than ints), naming what was given; sampling_params or priority lists
                 of the wrong length or type, a priority that is not a list or tuple (one int: ``[3]``), a priority
                 outside -1000..1000 or not 0 under ``scheduling_policy="fcfs"``, or a prompt the engine cannot take (one line naming it,
-                ``prompts[i]`` when there are several); all checked before any prompt is queued.
+                ``prompts[i]`` when prompts is a list, even of one); all checked before any prompt is queued.
         """
         self._check_open()
         return self._generate(self._prompt_list(prompts), sampling_params, priority, use_tqdm,
-                              reject_bad_prompts, label="prompts[{i}]")
+                              reject_bad_prompts, label="prompts[{i}]" if self._is_batch(prompts) else None)
 
     def _check_open(self) -> None:
         """Raise ValueError(:data:`CLOSED`) once :meth:`close` has run: a closed LLM takes no new work."""
@@ -166,12 +166,13 @@ class LLM:
         priority: list[int] | None,
         use_tqdm: bool,
         reject_bad_prompts: bool,
-        label: str,
+        label: str | None,
         noun: str = "prompts",
     ) -> list[RequestOutput]:
         """``generate``'s body over a list of prompts; ``label`` names the i-th prompt in a refusal
-        (``"prompts[{i}]"`` for ``generate``, ``"conversation {i}"`` for ``chat``) and ``noun`` all
-        of them (``"prompts"``, ``"conversations"``)."""
+        (``"prompts[{i}]"`` for ``generate``, ``"conversation {i}"`` for ``chat``; None when the caller
+        gave one prompt, not a list of them, so there is no index to name) and ``noun`` all of them
+        (``"prompts"``, ``"conversations"``)."""
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 many = noun if len(prompts) != 1 else noun[:-1]
@@ -202,7 +203,7 @@ class LLM:
             for i, (p, sp) in enumerate(zip(prompts, params_list)):
                 problem = self.prompt_problem(p, sp)
                 if problem is not None:
-                    raise ValueError(f"{label.format(i=i)}: {problem}" if len(prompts) > 1 else problem)
+                    raise ValueError(f"{label.format(i=i)}: {problem}" if label is not None else problem)
         ids = [engine.add_request(p, sp, prio) for p, sp, prio in zip(prompts, params_list, priority)]
         wanted = set(ids)
         results: dict[str, RequestOutput] = {}
@@ -230,6 +231,13 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]
+
+    @staticmethod
+    def _is_batch(prompts: Any) -> bool:
+        """Whether ``prompts`` is a list of prompts (``["a"]``, ``[[1, 2]]``; its refusals name
+        ``prompts[i]``, also for a list of one) rather than one prompt (a text, one token-id list, one dict)."""
+        return isinstance(prompts, (list, tuple)) and not (
+            prompts and isinstance(prompts[0], int) and not isinstance(prompts[0], bool))
 
     @staticmethod
     def _prompt_list(prompts: Any) -> list[Any]:
@@ -331,6 +339,7 @@ class LLM:
             raise ValueError(f"{shape}, got a dict; put one message in a list: [message]")
         if not isinstance(messages, (list, tuple)):
             raise ValueError(f"{shape}, got {describe(messages)}")
+        batch = not isinstance(messages[0], dict)  # a list of conversations: refusals name conversation i
         if isinstance(messages[0], dict):
             conversations = [messages]
         elif isinstance(messages[0], (list, tuple)):
@@ -340,10 +349,11 @@ class LLM:
         for i, conversation in enumerate(conversations):
             problem = conversation_problem(conversation)
             if problem is not None:
-                raise ValueError(f"conversation {i}: {problem}" if len(conversations) > 1 else problem)
+                raise ValueError(f"conversation {i}: {problem}" if batch else problem)
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
         # a refusal names the conversation given, as the shape checks above do (not prompts[i]; trial 9)
-        return self._generate(prompts, sampling_params, None, use_tqdm, False, label="conversation {i}",
+        return self._generate(prompts, sampling_params, None, use_tqdm, False,
+                              label="conversation {i}" if batch else None,
                               noun="conversations")
 
     def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:

@@ -74,6 +74,7 @@ from nanovllm_core.engine.tp_launch import (  # noqa: F401  (re-exported: the en
     free_port,
     join_rank0,
 )
+from nanovllm_core.config import setting
 from nanovllm_core.model.parallel import CommStats, TensorParallel
 
 # A collective waits this long for a peer (a hung worker ends the engine after it); a step of
@@ -124,7 +125,7 @@ def backend_for(device: torch.device) -> str:
 
     if device.type == "cuda":
         if not dist.is_nccl_available():
-            raise ValueError("tensor parallelism on CUDA needs NCCL, which this torch build lacks; use --device cpu")
+            raise ValueError(f"tensor parallelism on CUDA needs NCCL, which this torch build lacks; use {setting('device', 'cpu')}")
         return "nccl"
     return "gloo"
 

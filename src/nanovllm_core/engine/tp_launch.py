@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from nanovllm_core.config import setting
+
 # How long rank 0 waits for every worker to connect, and a worker for rank 0 to listen (torchrun's
 # rendezvous waits 900 s; the ranks here are started by hand or by rank 0, so minutes suffice).
 RENDEZVOUS_TIMEOUT_S = 300.0
@@ -292,12 +294,12 @@ class Rendezvous:
             self._listener: socket.socket | None = socket.create_server((bind, master_port or 0),
                                                                         backlog=max(8, world_size))
         except socket.gaierror as e:
-            raise TensorParallelError(f"--tp-master-addr {bind!r} does not resolve ({e.strerror}); give an address "
+            raise TensorParallelError(f"{setting('tp_master_addr', bind)} does not resolve ({e.strerror}); give an address "
                                       "of this host") from None
         except OSError as e:
             raise TensorParallelError(f"cannot listen on {bind}:{master_port} for the tensor-parallel workers "
-                                      f"({e.strerror}); choose another --tp-master-port, or an address of this host "
-                                      "for --tp-master-addr") from None
+                                      f"({e.strerror}); choose another {setting('tp_master_port')}, or an address of this host "
+                                      f"for {setting('tp_master_addr')}") from None
         self.master_port = self._listener.getsockname()[1]
 
     def start(self, welcome: dict, procs: dict[int, Any]) -> None:
@@ -367,7 +369,7 @@ class Rendezvous:
         if remote:
             return (text + f"; on each one's host run `nanovllm worker --master-addr {where.rsplit(':', 1)[0]} "
                     f"--master-port {self.master_port} --rank R --tensor-parallel-size {self.world_size}` (R = "
-                    f"{', '.join(map(str, remote))}), or raise --tp-rendezvous-timeout")
+                    f"{', '.join(map(str, remote))}), or raise {setting('tp_rendezvous_timeout')}")
         return text + " (workers this host started); the engine has stopped"
 
     def _admit(self, sock: socket.socket, peer: str) -> int | None:
@@ -425,9 +427,9 @@ class Rendezvous:
         if rank < local and not hello.get("local"):
             if local == n:
                 return (f"{who} asked for rank {rank}, but rank 0 runs all {n} ranks on its own host; start rank 0 "
-                        "with --tp-local-ranks K so that ranks K to N-1 join from other hosts")
-            return (f"{who} asked for rank {rank}, which rank 0 runs on its own host (--tp-local-ranks {local}: "
-                    f"ranks 0 to {local - 1}); give it a rank from {local} to {n - 1}")
+                        "with tp_local_ranks=K (--tp-local-ranks K) so that ranks K to N-1 join from other hosts")
+            return (f"{who} asked for rank {rank}, which rank 0 runs on its own host (ranks 0 to {local - 1}, "
+                    f"{setting('tp_local_ranks', local)}); give it a rank from {local} to {n - 1}")
         if self.conns[rank - 1] is not None:
             return f"{who} asked for rank {rank}, which {self.where[rank]} already holds; give each worker its own --rank"
         theirs = hello.get("model_config")

@@ -167,7 +167,16 @@ class OpenAIServing:
         self.check_priority(req.priority)
         params = req.to_sampling_params()
         prompts = req.prompts()
-        ids = [self.check_prompt(p, params) for p in prompts]
+        batch = not (isinstance(req.prompt, str) or isinstance(req.prompt[0], int))  # a list of prompts
+        ids = []
+        for i, p in enumerate(prompts):
+            try:
+                ids.append(self.check_prompt(p, params))
+            except APIError as e:  # name which prompt of the list, as LLM.generate's prompts[i] does
+                if batch and e.status == 400:
+                    e.message = f"prompt[{i}]: {e.message}"
+                    e.args = (e.message,)
+                raise
         return Prepared("completion", f"cmpl-{uuid.uuid4().hex}", prompts, params, req.priority, req.stream,
                         *_usage_options(req), req.return_token_ids, prompt_ids=ids)
 

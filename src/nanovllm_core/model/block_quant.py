@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from nanovllm_core import native, yield_gate
+from nanovllm_core.config import setting
 from nanovllm_core.model.block_formats import (  # noqa: F401 (re-exported: the formats are part of this module's API)
     ACTIVATIONS,
     BLOCK_SIZE,
@@ -179,7 +180,7 @@ def quantize(weight: torch.Tensor, fmt: BlockFormat | str) -> torch.Tensor:
     fmt = block_format(fmt) if isinstance(fmt, str) else fmt
     if weight.dim() != 2 or weight.shape[1] % BLOCK_SIZE:
         raise ValueError(f"a {list(weight.shape)} weight cannot be cut into {fmt.name} blocks of {BLOCK_SIZE} "
-                         "(its last dimension must be a multiple of 32); load it with --quantization none")
+                         f"(its last dimension must be a multiple of 32); load it with {setting('quantization', 'none')}")
     arr = weight.detach().to(torch.float32).cpu().numpy()
     out = gguf_quantize(arr, GGMLQuantizationType(fmt.ggml_type))
     return torch.from_numpy(np.ascontiguousarray(out)).reshape(weight.shape[0], -1)

