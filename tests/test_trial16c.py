@@ -1,0 +1,143 @@
+"""Trial 16c: what the teaching says under tensor parallelism (KV sizes are totals over the ranks and
+say so; what each rank holds of the KV cache; the divisibility rule the engine checks), where a
+readmission's prefix hit came from, and a speculative cost figure made of noise."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import replace
+
+import pytest
+from rich.console import Console
+
+from nanovllm_core import events as ev
+from nanovllm_core.educational import tp_facts
+from nanovllm_core.educational.tutorial import chapter, model_facts
+from tests.test_tp_teaching import INFO, ONE_PROCESS, SMOLLM2, feed, render_cli_dashboard, timed
+
+SPLIT = {**INFO, "tensor_parallel_size": 3}
+
+
+def kv_step(n=3) -> ev.StepTimed:
+    """A step that took one 737,280-byte block (SmolLM2 float32: 16 x 46,080) of an 8-block pool."""
+    return replace(timed(n=n), kv_bytes_used=16 * 46080, num_blocks_used=1)
+
+
+# ------------------------------------------------------------------ bug 1: KV sizes say they are totals
+
+
+def test_the_narrator_labels_every_kv_byte_figure_as_a_total_over_the_ranks():
+    from nanovllm_core.educational.narrator import Narrator
+
+    narrator = Narrator(SPLIT)
+    model = " ".join(c.text for c in narrator.feed(ev.ModelLoading(stage="ready", done=1, total=1, ready=True,
+                                                                    model_info=tuple(SPLIT.items()))))
+    assert "Each token kept in the KV cache costs 46,080 bytes across 3 ranks (15,360 bytes on each)" in model
+    notes = feed(narrator, kv_step())
+    (kv,) = [c for c in notes if c.kind == "kv_cache"]
+    assert "across 3 ranks" in kv.title
+    assert "These bytes are totals across 3 ranks" in kv.text and "240.0 KiB of the reserved bytes" in kv.text
+    one = Narrator(INFO)
+    (kv1,) = [c for c in feed(one, replace(kv_step(), tp_size=1, tp_compute_s=(), tp_comm_s=()))
+              if c.kind == "kv_cache"]
+    assert "ranks" not in kv1.text + kv1.title  # one process: as it was
+
+
+def test_memory_stats_and_the_cli_dashboard_say_the_kv_sizes_are_totals(capsys):
+    from nanovllm_core.cli import print_memory_stats
+
+    stats = {"kv_blocks_total": 4, "block_size": 16, "kv_bytes_per_block": 16 * 46080, "kv_bytes_total": 4 * 16 * 46080,
+             "kv_blocks_used": 0, "kv_blocks_cached": 0, "kv_blocks_free": 4, "kv_slots_wasted": 0,
+             "prefix_caching": False, "num_preemptions": 0, "steps": 1, "tensor_parallel_size": 3}
+    print_memory_stats(stats)
+    out = capsys.readouterr().out
+    assert ("blocks: 4 x 16 tokens (720.0 KiB a block across 3 ranks (240.0 KiB on each); 2.8 MiB in all across "
+            "3 ranks (960.0 KiB on each))") in out
+    print_memory_stats({**stats, "tensor_parallel_size": 1})
+    assert "blocks: 4 x 16 tokens (720.0 KiB each, 2.8 MiB in all)" in capsys.readouterr().out
+
+    from nanovllm_core.educational.dashboard_view import DashboardView
+
+    buf = io.StringIO()
+    view = DashboardView(Console(file=buf, width=160, highlight=False), SPLIT)
+    view(kv_step())
+    view.stop()
+    out = buf.getvalue()
+    assert "720.0 KiB of 5.6 MiB (whole blocks) across 3 ranks" in out and "240.0 KiB of 1.9 MiB on each rank" in out
+    assert "across" not in render_cli_dashboard(ONE_PROCESS).split("KV reserved")[1].split("\n")[0]
+
+
+def test_the_tutorial_says_what_a_rank_holds_of_the_kv_cache():
+    ch13 = " ".join(model_facts(chapter("tensor_parallel"), SPLIT))
+    assert ("Each rank's KV cache keeps only its 1 KV head: 2 (K and V) x 30 layers x 1 x 64 x 4 bytes = 15,360 "
+            "bytes a token on each rank, 1/3 of the 46,080 the whole model's cache takes; a block of 16 tokens "
+            "holds 245,760 bytes on each rank.") in ch13
+    assert "15,360 bytes a token on each rank" in " ".join(model_facts(chapter("tensor_parallel"), INFO))  # if split
+    kv = " ".join(model_facts(chapter("kv_cache"), SPLIT))
+    assert "= 46,080 bytes per token across 3 ranks (15,360 bytes on each)" in kv
+    paged = " ".join(model_facts(chapter("paged_attention"), SPLIT))
+    assert "737,280 bytes each across 3 ranks (245,760 bytes on each)" in paged
+    assert "ranks" not in " ".join(model_facts(chapter("kv_cache"), INFO) + model_facts(chapter("paged_attention"), INFO))
+
+
+# ------------------------------------------------------------------ bug 4: the X-Ray's GQA panel when split
+
+
+def test_the_split_xray_says_what_each_rank_holds_of_the_kv_cache():
+    lines = tp_facts.rank_kv_lines(SPLIT)
+    assert lines[0].startswith("GQA over 3 ranks: 9 query heads share 3 KV heads")
+    assert ("  rank 1: KV head 1, query heads 3-5: 2 (K, V) x 30 layers x 1 x 64 x 4 bytes = 15,360 bytes a token, "
+            "245,760 a block of 16") in lines
+    assert lines[-1].startswith("Together 46,080 bytes a token across the 3 ranks")
+    assert tp_facts.rank_kv_lines(INFO) == [] and tp_facts.rank_kv_lines({**SPLIT, "kv_bytes_per_token": None}) == []
+
+    from nanovllm_core.educational.xray_view import render_split_step
+
+    buf = io.StringIO()
+    Console(file=buf, width=400, highlight=False).print(render_split_step(SPLIT, timed()))
+    assert "rank 2: KV head 2, query heads 6-8" in buf.getvalue()
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_the_app_xray_and_dashboard_of_a_split_engine_show_each_ranks_kv(tmp_path):
+    from nanovllm_tui.app import NanoVLLMApp
+    from nanovllm_tui.replay import ReplayController
+    from tests.test_tp_teaching import play, split_trace
+    from tests.tui_helpers import TRACE
+
+    events = [e for e in split_trace(TRACE) if not isinstance(e, ev.LayerTrace)]
+    app = NanoVLLMApp(ReplayController(events, start_paused=True), tutorial_path=tmp_path / "t.json")
+    async with app.run_test(size=(200, 60)) as pilot:
+        await play(pilot, 2)
+        bar = " ".join(str(app.query_one("#kv").render()).split())
+        assert "over 3 ranks)" in bar and "MiB across 3 ranks (" in bar  # the used bytes and the pool: totals
+        await pilot.press("2")
+        await pilot.pause(0.3)
+        gqa = " ".join(str(app.query_one("#gqa").render()).split())
+        assert "GQA over 3 ranks" in gqa and "rank 2: KV head 2, query heads 6-8" in gqa
+
+
+# ------------------------------------------------------------------ bug 5: the divisibility rule
+
+
+def test_the_taught_split_rule_is_the_engines_vocabulary_included():
+    from nanovllm_core.model import parallel
+
+    text = " ".join(chapter("tensor_parallel").text.split())
+    rule = text[text.index("so N must divide"):text.index("vLLM also accepts")]
+    for size in parallel.SPLIT_SIZES:
+        assert size.split()[0] in rule, size
+    assert "the vocabulary" in rule
+    # the teaching's sizes are the engine's: a vocabulary of 1001 does not split in 2, whatever the heads
+    assert tp_facts.valid_sizes(4, 2, 128, 1001) == [1] == parallel.split_sizes(2, 4, 2, 128, 1001)
+    assert tp_facts.valid_sizes(9, 3, 1536, 49152) == parallel.valid_sizes(SMOLLM2, 3) == [1, 3]
+    with pytest.raises(ValueError, match="vocabulary of 1001: use one of 1$"):
+        tp_facts.check_size(2, tp_facts.dims({**INFO, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128,
+                                              "vocab_size": 1001}))
+    odd = {**INFO, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128, "vocab_size": 1001, "head_dim": 16}
+    assert "splits over 1 rank; 2 would cut the vocabulary unevenly." in model_facts(chapter("tensor_parallel"), odd)[0]
