@@ -141,3 +141,64 @@ def test_the_taught_split_rule_is_the_engines_vocabulary_included():
                                               "vocab_size": 1001}))
     odd = {**INFO, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128, "vocab_size": 1001, "head_dim": 16}
     assert "splits over 1 rank; 2 would cut the vocabulary unevenly." in model_facts(chapter("tensor_parallel"), odd)[0]
+
+
+# ------------------------------------------------------------------ bug 3: where a readmission's hit came from
+
+PROMPT = "The quick brown fox jumps over the lazy dog and then the cat sat on the mat"
+
+
+def test_a_readmissions_hit_says_whether_its_block_was_held_live_or_cached_free(make_tiny_engine):
+    """Two identical 17-token prompts and a higher-priority third in a 5-block pool (the trial's repro):
+    request 1 is preempted and readmitted while request 0 still holds the shared block, then again
+    after request 0 finished. The engine says which, and so does the narrator."""
+    from nanovllm_core.educational.narrator import Narrator
+    from nanovllm_core.sampling_params import SamplingParams
+
+    engine = make_tiny_engine(num_kv_blocks=5)
+    events: list[ev.Event] = []
+    engine.subscribe(events.append)
+    narrator = Narrator(engine.model_info())
+    params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0)
+    for prompt, priority in ((PROMPT, 0), (PROMPT, 0), ("Python is a", 5)):
+        engine.add_request(prompt, params, priority=priority)
+    steps = 0
+    while engine.has_unfinished_requests() and steps < 200:
+        engine.step()
+        steps += 1
+    told = [c for e in events for c in narrator.feed(e)]
+    readmissions = [(e, s) for e in events if isinstance(e, ev.StepPlanned) for s in e.scheduled
+                    if s.request_id in e.admitted and s.num_cached_tokens and any(
+                        q.seq_id == s.seq_id and q.num_preemptions for q in e.running)]
+    assert readmissions, "the repro no longer preempts and readmits with a hit"
+    kinds = set()
+    for plan, s in readmissions:
+        assert s.num_cached_blocks_in_use is not None
+        (hit,) = [c for c in told if c.kind == "prefix_cache" and c.step == plan.step and c.request_id == s.request_id]
+        if s.num_cached_blocks_in_use:
+            kinds.add("live")
+            assert "another running request holds for the same tokens" in hit.text
+            assert "cached-free" not in hit.text.replace("not a block that had been cached-free", "")
+        else:
+            kinds.add("cached")
+            assert "kept its contents while it was cached-free" in hit.text
+    assert kinds == {"live", "cached"}  # the trial's step 15 and step 20
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_an_older_trace_without_the_count_claims_nothing_about_where_the_hit_was():
+    from tests.test_narrator import entry, planned, queued
+    from nanovllm_core.educational.narrator import Narrator
+
+    def told(in_use):
+        back = replace(entry("1", num=3, start=32, prompt_len=17, total_len=35, cached=32),
+                       num_cached_blocks_in_use=in_use)
+        n = Narrator({"block_size": 16})
+        out = n.feed(planned(9, [back], running=(queued("1", num_tokens=35, preemptions=1),), admitted=("1",)))
+        return next(c.text for c in out if c.kind == "prefix_cache")
+
+    assert "cached-free" not in told(None) and "running request" not in told(None)
+    assert "2 blocks that running requests hold" in told(2) and "not blocks that had been cached-free" in told(2)
+    mixed = told(1)
+    assert "the block that another running request holds" in mixed and "and 1 block that kept its contents" in mixed
+    assert "blocks that kept their contents while they were cached-free" in told(0)
