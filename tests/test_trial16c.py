@@ -202,3 +202,41 @@ def test_an_older_trace_without_the_count_claims_nothing_about_where_the_hit_was
     mixed = told(1)
     assert "the block that another running request holds" in mixed and "and 1 block that kept its contents" in mixed
     assert "blocks that kept their contents while they were cached-free" in told(0)
+
+
+# ------------------------------------------------------------------ bug 2: the app's chapter 13 promise
+
+
+@pytest.mark.anyio
+async def test_the_app_chapter_13_promises_only_what_it_measures(tiny_model, tmp_path, monkeypatch):
+    """The tab measures the all-reduces only: it must not promise a one-process decode step, nor a small
+    engine of its own split over 3 ranks, and it says where the comparison is."""
+    from nanovllm_core.educational import tp_measure
+    from nanovllm_core.educational.tutorial import CHAPTERS, DEMOS, demo_heading
+    from nanovllm_tui.views.tutorial import TutorialView
+    from tests.test_tui_demos import app_at_chapter, shown
+    from tests.tui_helpers import wait_until
+
+    def fake(world_size, hidden, iters, warmup):
+        return tp_measure.AllReduceLatency(p50_us=250.0, p99_us=900.0, world_size=world_size, iters=iters,
+                                           hidden=hidden, nbytes=hidden * 4, backend="gloo", machine="a test CPU")
+
+    monkeypatch.setattr(tp_measure, "measure_allreduce", fake)
+    assert "one-process decode step" in DEMOS["tensor_parallel"].watch  # the CLI does time one
+    assert "split over 3 ranks" in demo_heading(CHAPTERS[12])
+    app = app_at_chapter(tiny_model, tmp_path, 13)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the ready event")
+        await pilot.press("escape", "4")
+        tutorial = app.query_one(TutorialView)
+        await pilot.pause(0.2)
+        before = " ".join(str(app.query_one("#chapter-text").render()).split())
+        assert "beside a one-process decode step measured now" not in before
+        assert "small engine of its own" not in before and "Press r to measure it." in before
+        assert "would each load another copy of the model" in before
+        await pilot.press("r")
+        await wait_until(pilot, lambda: not tutorial.measuring and tutorial.measured is not None, what="the measurement")
+        await pilot.pause(0.1)
+        text = " ".join(shown(tutorial).split())
+        assert "One process decoded" not in text
+        assert "No one-process decode step is timed in this tab to compare with" in text

@@ -389,6 +389,13 @@ SPLIT_RUN_ELSEWHERE = ("the split run itself: `nanovllm --tutorial --tutorial-ch
                        "started with --tensor-parallel-size 3, whose Dashboard, X-Ray and Narrator then show every rank")
 
 
+# The app's Tutorial tab times no one-process decode step beside its all-reduces (trial 16c): say so
+# where the command line's demonstration prints the comparison.
+APP_NO_BASELINE = ("No one-process decode step is timed in this tab to compare with: that would load another copy "
+                   "of the model beside this app's engine; `nanovllm --tutorial --tutorial-chapter 13` prints the "
+                   "comparison")
+
+
 def split_run_words(info: Mapping[str, Any]) -> str:
     """Where the Tutorial tab's reader finds the split run: :data:`SPLIT_RUN_ELSEWHERE`, or, when the app's
     own engine (``info``: its ``model_info()``) is already split, that engine, not an option to add."""

@@ -108,6 +108,9 @@ class Demo:
         allreduce_ranks: before the requests, measure one all-reduce's latency across this many
             local processes (``educational/tp_measure.py``) and time a one-process decode for
             comparison (0: no measurement).
+        app_watch: what the app's Tutorial tab shows instead of ``watch`` where it runs less than the
+            command line (empty: the same). The tab measures only the all-reduces of an
+            ``allreduce_ranks`` demonstration (see ``nanovllm_tui/views/tutorial.py``).
     """
 
     key: str
@@ -127,6 +130,7 @@ class Demo:
     engine: tuple[tuple[str, Any], ...] = ()
     kv_every_step: bool = False
     allreduce_ranks: int = 0
+    app_watch: str = ""
 
     def requests(self, prompt: str) -> list[DemoRequest]:
         """The requests to send, in order: ``prompt`` (the chapter's ``demo_prompt``) then the extras."""
@@ -222,7 +226,12 @@ DEMOS: dict[str, Demo] = {d.key: d for d in (
          "that speed beside a one-process decode step measured now, and, where this build's engine splits a "
          "model, the same prompt at N = 3 with each step's time in all-reduces.",
          kinds=("communication", "decode"), max_tokens=4, engine=(("tensor_parallel_size", 3),),
-         allreduce_ranks=3),
+         allreduce_ranks=3,
+         app_watch="How long one all-reduce takes between processes on this machine, and what a token's "
+         "all-reduces cost at that speed. Here the tab measures only that: a one-process decode step to compare "
+         "with, or the model split over 3 ranks, would each load another copy of the model beside this app's own "
+         "engine and share its cores while it serves you; `nanovllm --tutorial --tutorial-chapter 13` in a "
+         "terminal runs both."),
 )}
 # Repeats itself, so prompt lookup has drafts to offer: the first are kept, a later one is not.
 _SPECULATIVE_PROMPT = "Copy the list: red, green, blue, yellow. Copy: red, green, blue, yellow. Copy: red,"
@@ -262,12 +271,15 @@ def engine_settings_text(info: dict[str, Any], speculator: str = "", k: int = 0)
     return text
 
 
-def demo_heading(ch: Chapter) -> str:
+def demo_heading(ch: Chapter, app: bool = False) -> str:
     """The line that announces a chapter's demonstration: its title, the fixed prompt it sends, so a
     learner who typed a prompt of their own is not told the demo shows theirs, and the settings of its
-    own engine where it sets any (:func:`demo_engine_words`). Raises KeyError when the chapter has no
-    demonstration."""
+    own engine where it sets any (:func:`demo_engine_words`). ``app``: the app's Tutorial tab, which
+    runs no engine for an ``allreduce_ranks`` demonstration (its measurement only): the title alone.
+    Raises KeyError when the chapter has no demonstration."""
     demo = DEMOS[ch.demo]
+    if app and demo.allreduce_ranks:
+        return "All-reduces measured here"
     engine = demo_engine_words(demo)
     own = f"on a small engine of its own with {engine}" if engine else ""
     if not ch.demo_prompt:
