@@ -52,4 +52,7 @@ def test_the_measured_costs_come_from_the_runs_own_steps(make_engine):
     assert m.decode_s > 0 and m.verify_s > m.draft_s > 0 and 0 <= m.alpha <= 1
     words = sc.cost_words(m)
     assert f"v = {m.v:.2f}" in words and f"alpha = {m.alpha:.2f}" in words
-    assert f"{sc.speedup(m.alpha, m.gamma, m.c, m.v):.2f}x" in words
+    if m.v >= 1:
+        assert f"{sc.speedup(m.alpha, m.gamma, m.c, m.v):.2f}x" in words
+    else:  # a busy host's two medians: told as noise (trial 16c), no speed-up claimed from it
+        assert "is below 1" in words and f"{sc.speedup(m.alpha, m.gamma, m.c, m.v):.2f}x" not in words

@@ -286,7 +286,7 @@ def test_speculative_demo_shows_drafts_checked_in_one_pass(demos):
     # the cost is measured here, and the speed-up formula includes the drafter's cost and the verification's
     assert "SPECULATIVE_COST · What a verification costs here" in text
     assert re.search(r"verifying forward pass costs v = [\d.]+ decode steps and the ngram drafter c = [\d.]+", text)
-    assert "over (gamma c + v)" in text and "Theorem 3.8" in text
+    assert ("over (gamma c + v)" in text or "is below 1" in text) and "Theorem 3.8" in text  # v < 1: noise (16c)
     assert "costs almost the same as producing one" not in " ".join(chapter("speculative_decoding").paragraphs)
 
 

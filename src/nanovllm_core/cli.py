@@ -409,11 +409,18 @@ def close_trace_recorders(recorders: list, prog: str = "nanovllm") -> bool:
 
 def print_memory_stats(stats: dict) -> None:
     from nanovllm_core.educational.commentary import human_bytes, plural
+    from nanovllm_core.educational.tp_facts import across_ranks
 
     # the narrator's byte format: a 540 KiB pool is not "1 MiB in all" (trial 10)
     print("KV cache memory:")
-    print(f"  blocks: {stats['kv_blocks_total']} x {stats['block_size']} tokens ({human_bytes(stats['kv_bytes_per_block'])} "
-          f"each, {human_bytes(stats['kv_bytes_total'])} in all)")
+    n = stats.get("tensor_parallel_size", 1) or 1
+    if n > 1:  # the engine's byte figures are whole-pool totals; each rank holds its KV heads' slice
+        print(f"  blocks: {stats['kv_blocks_total']} x {stats['block_size']} tokens ({human_bytes(stats['kv_bytes_per_block'])} "
+              f"a block{across_ranks(stats['kv_bytes_per_block'], n, human_bytes)}; "
+              f"{human_bytes(stats['kv_bytes_total'])} in all{across_ranks(stats['kv_bytes_total'], n, human_bytes)})")
+    else:
+        print(f"  blocks: {stats['kv_blocks_total']} x {stats['block_size']} tokens ({human_bytes(stats['kv_bytes_per_block'])} "
+              f"each, {human_bytes(stats['kv_bytes_total'])} in all)")
     print(f"  in use now: {stats['kv_blocks_used']}, cached-free: {stats['kv_blocks_cached']}, "
           f"free: {stats['kv_blocks_free']}")
     print(f"  slots allocated but unfilled: {stats['kv_slots_wasted']}")

@@ -448,7 +448,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="draft tokens per step with --speculative-model (default 5)")
     e.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
                    help="split the model over N processes (Megatron tensor parallelism on torch.distributed: gloo on "
-                        "cpu, NCCL on N GPUs); N must divide the heads (SmolLM2: 1 or 3); float weights only")
+                        "cpu, NCCL on N GPUs); N must divide the heads, intermediate size and vocabulary (SmolLM2: 1 or 3); float weights only")
     e.add_argument("--tp-master-addr", default=None, metavar="ADDR",
                    help="tensor parallelism across hosts: the address this rank 0 listens on for its workers "
                         "(default 127.0.0.1; 0.0.0.0: every interface)")

@@ -157,6 +157,11 @@ class ScheduledEntry:
     hold), then ``proposer`` (it proposed fewer than the slots), ``min_tokens`` (drafts cut before
     a banned token), ``failed_step`` (retried alone without drafts). Empty when it had all k, and
     in traces recorded before these fields existed.
+
+    ``num_cached_blocks_in_use``: of the ``num_cached_tokens // block_size`` prefix-cache hit
+    blocks, how many another running sequence was holding when this one shared them (the rest
+    were cached-free: freed, contents kept); None when the sequence was not admitted in this
+    step, and in traces recorded before this field existed.
     """
 
     request_id: str
@@ -173,6 +178,7 @@ class ScheduledEntry:
     num_spec_tokens: int = 0
     max_drafts: int = 0
     draft_limits: tuple[str, ...] = ()
+    num_cached_blocks_in_use: int | None = None
 
     @property
     def num_drafts(self) -> int:

@@ -39,7 +39,7 @@ from nanovllm_core.educational.commentary import plural
 from nanovllm_core.educational.narrator import human_bytes, ms
 from nanovllm_core.educational.narrator_sampling import table_caption
 from nanovllm_core.educational.rich_parts import topk_table
-from nanovllm_core.educational.tp_facts import dashboard_lines, tp_size
+from nanovllm_core.educational.tp_facts import across_ranks, dashboard_lines, tp_size
 
 MIN_REDRAW_S = 0.05  # token and layer events redraw at most this often; step ends always redraw
 MAX_REQUEST_ROWS = 8
@@ -341,8 +341,12 @@ class DashboardView:
         kv = self.kv
         mem = Table.grid(padding=(0, 1))
         if kv is not None and kv.num_blocks_total:
-            mem.add_row("KV reserved", f"{human_bytes(kv.kv_bytes_used)} of {human_bytes(kv.kv_bytes_total)} (whole blocks)")
-            mem.add_row("Peak", f"{human_bytes(self.peak_kv_bytes)} reserved")
+            n = tp_size(self.info)
+            mem.add_row("KV reserved", f"{human_bytes(kv.kv_bytes_used)} of {human_bytes(kv.kv_bytes_total)} (whole blocks)"
+                        + (f" across {n} ranks" if n > 1 else ""))
+            if n > 1:  # the engine's KV bytes are totals over the ranks: each holds its KV heads' slice
+                mem.add_row("", f"{human_bytes(kv.kv_bytes_used / n)} of {human_bytes(kv.kv_bytes_total / n)} on each rank")
+            mem.add_row("Peak", f"{human_bytes(self.peak_kv_bytes)} reserved{across_ranks(self.peak_kv_bytes, n, human_bytes)}")
             mem.add_row("", ProgressBar(total=kv.num_blocks_total, completed=kv.num_blocks_used, width=24))
             mem.add_row("Blocks", f"{kv.num_blocks_used}/{kv.num_blocks_total} used, {kv.num_blocks_cached} cached-free")
         else:

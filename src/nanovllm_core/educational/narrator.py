@@ -49,7 +49,7 @@ from nanovllm_core.educational.kv_facts import kv_footprint
 from nanovllm_core.educational.narrator_sampling import (draft_limits_sentence, sampling_intro, speculative_entry,
                                                          token_choice, token_label, verification_rule)
 from nanovllm_core.educational.narrator_scheduler import PRIORITY_NOTE, SchedulerNarration
-from nanovllm_core.educational.tp_facts import tp_size, waited_on_communication
+from nanovllm_core.educational.tp_facts import across_ranks, tp_size, waited_on_communication
 
 __all__ = ["KINDS", "Commentary", "Narrator", "PRIORITY_NOTE", "human_bytes", "ms", "ordinal", "plural", "show_piece"]
 
@@ -222,9 +222,13 @@ class Narrator(SchedulerNarration):
                 f"{i.get('num_parameters', 0) / 1e6:.0f} M parameters in {i['num_layers']} decoder layers, "
                 f"hidden size {i['hidden_size']}, {sharing} heads of {i['head_dim']} dimensions, a vocabulary of "
                 f"{i['vocab_size']:,} tokens. Each token kept in the KV cache costs "
-                f"{i['kv_bytes_per_token']:,} bytes; the pool has {plural(i.get('num_kv_blocks', 0), 'block')} of "
-                f"{i.get('block_size', 0)} tokens.")
+                f"{i['kv_bytes_per_token']:,} bytes{self._ranks(i['kv_bytes_per_token'])}; the pool has "
+                f"{plural(i.get('num_kv_blocks', 0), 'block')} of {i.get('block_size', 0)} tokens.")
         return [Commentary("model", "The model", text)]
+
+    def _ranks(self, nbytes: float, fmt: Any = None) -> str:
+        """" across N ranks (X on each)" when the engine is split (KV byte figures are totals over the ranks)."""
+        return across_ranks(nbytes, tp_size(self.info), fmt)
 
     def flush(self) -> list[Commentary]:
         """Tell what an unfinished step buffered (a step cut short has no ``StepTimed``)."""
@@ -491,10 +495,10 @@ class Narrator(SchedulerNarration):
                 timing = (f"{took}: a prefill rate of {figure} tokens/s" if not others else took) + \
                     f"{own}.{yielded_note(timed)}"
         per_token = self.info.get("kv_bytes_per_token")
-        kv = (f" Their keys and values, {n} x {per_token:,} = {n * per_token:,} bytes, are now in "
-              "the KV cache." if per_token else " Their keys and values are now in the KV cache.")
+        kv = (f" Their keys and values, {n} x {per_token:,} = {n * per_token:,} bytes{self._ranks(n * per_token)}, "
+              "are now in the KV cache." if per_token else " Their keys and values are now in the KV cache.")
         if n == 1 and per_token:
-            kv = f" Its keys and values, {per_token:,} bytes, are now in the KV cache."
+            kv = f" Its keys and values, {per_token:,} bytes{self._ranks(per_token)}, are now in the KV cache."
         kv += drafted
         end = s.start + n
         remaining = total - end
@@ -591,7 +595,8 @@ class Narrator(SchedulerNarration):
             ctx = e.position
             text += (f"{took} This sequence ran one new token through the layers; its query read the keys and values "
                      f"of its {plural(ctx, 'token')} so far from the KV cache"
-                     + (f", {ctx} x {per_token:,} = {ctx * per_token:,} bytes: reads of its own, which batching "
+                     + (f", {ctx} x {per_token:,} = {ctx * per_token:,} bytes{self._ranks(ctx * per_token)}: reads of "
+                        "its own, which batching "
                         "with other sequences does not share." if per_token else "."))
             text += self._bandwidth_share(timed)
         if verification is None and not speculative:  # a step that could have verified drafts and had none
@@ -654,13 +659,19 @@ class Narrator(SchedulerNarration):
         text = (f"Live requests now hold {plural(t.num_blocks_used, 'block')}"
                 + (f" x {per_block:,} bytes" if per_block else "")
                 + f" = {t.kv_bytes_used:,} bytes ({human_bytes(t.kv_bytes_used)}) reserved, of the pool's "
-                f"{human_bytes(t.kv_bytes_total)} ({t.num_blocks_used} of {t.num_blocks_total} blocks in use).")
-        title = f"KV cache: {human_bytes(t.kv_bytes_used)} reserved in {plural(t.num_blocks_used, 'block')}"
+                f"{human_bytes(t.kv_bytes_total)} ({t.num_blocks_used} of {t.num_blocks_total} blocks in use)"
+                + ("." if tp_size(self.info) <= 1 else
+                   f". These bytes are totals across {tp_size(self.info)} ranks: each rank holds its own KV heads' "
+                   f"slice of every block, {human_bytes(t.kv_bytes_used / tp_size(self.info))} of the reserved bytes "
+                   f"and {human_bytes(t.kv_bytes_total / tp_size(self.info))} of the pool."))
+        title = (f"KV cache: {human_bytes(t.kv_bytes_used)} reserved in {plural(t.num_blocks_used, 'block')}"
+                 + (f" across {tp_size(self.info)} ranks" if tp_size(self.info) > 1 else ""))
         if blocks is not None and blocks.tables:
             fp = kv_footprint(blocks)
             if fp.blocks == t.num_blocks_used:
                 text += (f" Their tokens store {plural(fp.tokens, 'token')} x {fp.bytes_per_token:,} bytes = "
-                         f"{fp.stored_bytes:,} bytes ({human_bytes(fp.stored_bytes)}) of keys and values"
+                         f"{fp.stored_bytes:,} bytes ({human_bytes(fp.stored_bytes)}"
+                         f"{self._ranks(fp.stored_bytes, human_bytes)}) of keys and values"
                          + ("." if not fp.empty_slots else
                             f"; the other {plural(fp.empty_slots, 'slot')} {'is' if fp.empty_slots == 1 else 'are'} "
                             "reserved but still empty."))

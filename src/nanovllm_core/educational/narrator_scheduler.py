@@ -285,7 +285,7 @@ class SchedulerNarration:
             again, first = self._split(s.seq_id, c, total)
             text = (f"{name[0].upper()}{name[1:]} is readmitted after its preemption: {c} of its {total} tokens "
                     f"({s.prompt_len} prompt + {total - s.prompt_len} generated) {agree(c, 'comes', 'come')} back from the prefix "
-                    f"cache{blocks}, blocks that kept their contents while they were cached-free. Their keys and "
+                    f"cache{blocks}{self._hit_source(s, bs)}. Their keys and "
                     f"values are reused; only the other {total - c} {agree(total - c, 'is', 'are')} computed{now}{self._again(again, first)}"
                     f"{last}.")
             title = (f"{name}: readmitted, {plural(c, 'token')} reused, {again} recomputed" if again is not None
@@ -303,6 +303,27 @@ class SchedulerNarration:
             title = f"{name}: prefix cache hit, {plural(c, 'token')}"
         return Commentary("prefix_cache", f"{title[0].upper()}{title[1:]}", text, request_id=s.request_id,
                           step=plan.step)
+
+    @staticmethod
+    def _hit_source(s: ev.ScheduledEntry, bs: int | None) -> str:
+        """Where a readmission's hit blocks were, from the engine's count of those another sequence
+        held (``ScheduledEntry.num_cached_blocks_in_use``); empty when unknown (an older trace)."""
+        shared = s.num_cached_blocks_in_use
+        if shared is None or not bs:
+            return ""
+        hit = s.num_cached_tokens // bs
+        free = hit - shared
+        if shared <= 0:
+            return (", blocks that kept their contents while they were cached-free" if free > 1 else
+                    ", a block that kept its contents while it was cached-free")
+        held = ("the block that another running request holds for the same tokens, shared with it (its reference "
+                "count goes up)" if shared == 1 else
+                f"{shared} blocks that running requests hold for the same tokens, shared with them (their reference "
+                "counts go up)")
+        if free <= 0:
+            return f": {held}, not {'a block' if shared == 1 else 'blocks'} that had been cached-free"
+        return (f": {held}, and {plural(free, 'block')} that kept {'its' if free == 1 else 'their'} contents while "
+                "cached-free")
 
     @staticmethod
     def _again(again: int | None, first: int) -> str:

@@ -157,9 +157,40 @@ def _run(engine: Any, prompt: str, params: Any, on_event: Callable[[ev.Event], N
     return events
 
 
-def cost_words(m: Measured) -> str:
-    """The chapter's measured paragraph: the costs, the formula with them, and the speed-up seen."""
-    gain = speedup(m.alpha, m.gamma, m.c, m.v)
+def host_load() -> str:
+    """``" (load average 6.2 on 2 cores)"`` when the host's 1-minute load exceeds its cores, else ``""``
+    (also where the platform has no load average)."""
+    import os
+
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return ""
+    cores = os.cpu_count() or 1
+    return f" (load average {load:.1f} on {cores} core{'' if cores == 1 else 's'})" if load > cores else ""
+
+
+def measured_v_words(m: Measured, load: str | None = None) -> str:
+    """The sentence on the speed-up with the measured v: the formula's figure, or, when v < 1 (a
+    verification of 1 + drafts tokens measured cheaper than a one-token decode step, which more work
+    cannot be), that the figure is noise and none is claimed. ``load``: :func:`host_load`'s words
+    (None: read now)."""
+    if m.v >= 1:
+        gain = speedup(m.alpha, m.gamma, m.c, m.v)
+        return (f"with the measured v it is over (gamma c + v): {gain:.2f}x (the yield is at gamma = {m.gamma} drafts "
+                f"every step, v at the {m.mean_drafts:.1f} drafts verified on average: a longer verification would "
+                "cost more)")
+    load = host_load() if load is None else load
+    busy = f"the host was busy{load}" if load else "other work on the machine, or the cache warming up"
+    return (f"the measured v = {m.v:.2f} is below 1, a verification of 1 + {m.mean_drafts:.1f} tokens cheaper than a "
+            f"one-token decode step, which more work cannot be: it is noise between two medians ({busy}), so no "
+            f"speed-up is computed from it; the v = 1 figure above is the most the formula allows. Rerun on a quiet "
+            "machine for a true v")
+
+
+def cost_words(m: Measured, load: str | None = None) -> str:
+    """The chapter's measured paragraph: the costs, the formula with them, and the speed-up seen.
+    ``load``: the host's load in words for a v below 1 (None: :func:`host_load` now)."""
     ideal = speedup(m.alpha, m.gamma, m.c)
     return (f"Measured on this machine just now (medians): a plain decode step {ms(m.decode_s)}; a step "
             f"verifying up to {m.gamma} drafts (on average {m.mean_drafts:.1f}) {ms(m.verify_s)}, of which "
@@ -169,9 +200,8 @@ def cost_words(m: Measured) -> str:
             f"2023, Theorem 3.8: a step yields (1 - alpha^(gamma+1)) / (1 - alpha) = "
             f"{expected_tokens(m.alpha, m.gamma):.2f} tokens on average at gamma = {m.gamma} drafts every step "
             f"(measured: {m.tokens_per_verify:.2f}, with {m.mean_drafts:.1f} drafts proposed per step), and "
-            f"the speed-up is that over (gamma c + 1) = {ideal:.2f}x if verification cost one decode step; with the "
-            f"measured v it is over (gamma c + v): {gain:.2f}x (the yield is at gamma = {m.gamma} drafts every step, v at the "
-            f"{m.mean_drafts:.1f} drafts verified on average: a longer verification would cost more). Engine step time "
+            f"the speed-up is that over (gamma c + 1) = {ideal:.2f}x if verification cost one decode step; "
+            f"{measured_v_words(m, load)}. Engine step time "
             f"per decoded token in these two runs (time between steps, such as narration, left out): "
             f"{ms(m.plain_s_per_token)} plain, {ms(m.spec_s_per_token)} speculative "
             f"({m.plain_s_per_token / m.spec_s_per_token:.2f}x).")

@@ -1,5 +1,5 @@
 """Tensor parallelism in numbers: which sizes split a model, each rank's shard shapes, the
-bytes its all-reduces carry, and where a split step's time went. Pure arithmetic, no torch.
+bytes its all-reduces carry, and where a split step's time went. Pure arithmetic.
 
 The split is Megatron-LM's (Shoeybi et al. 2019, section 3), as vLLM and nano-vllm run it:
 
@@ -19,7 +19,8 @@ a 30-layer model) and one gather of the sampled rows' logits.
 
 Grouped-query attention bounds N: a query head reads KV head ``h // group`` and the two must
 live on the same rank, so each rank holds whole KV heads and the query heads that read them.
-Here N must divide the KV heads (and then the query heads), and the intermediate size. (vLLM
+Here N must divide the KV heads (and then the query heads), the intermediate size and the
+vocabulary: the engine's own rule (``model.parallel.split_sizes``), which this module calls. (vLLM
 also accepts a multiple of the KV heads, replicating each KV head on N / KV-heads ranks; this
 engine does not.)
 
@@ -30,7 +31,7 @@ Shapes are written ``[in, out]``, as the X-Ray writes a product's right operand
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from nanovllm_core import events as ev
 from nanovllm_core.educational.commentary import ms, plural
@@ -76,10 +77,13 @@ def dims(model: Any) -> TPDims:
     return TPDims(**got)
 
 
-def valid_sizes(num_heads: int, num_kv_heads: int, intermediate_size: int | None = None) -> list[int]:
+def valid_sizes(num_heads: int, num_kv_heads: int, intermediate_size: int | None = None,
+                vocab_size: int | None = None) -> list[int]:
     """Tensor-parallel sizes N that split a model: N divides the KV heads (each rank holds whole KV
     heads and the query heads that read them, so it also divides the query heads) and, when given,
-    the MLP's intermediate size. SmolLM2-135M (9 query, 3 KV heads, 1536): ``[1, 3]``.
+    the MLP's intermediate size and the vocabulary (each rank's rows of the embedding and the LM
+    head). The engine's own check (``model.parallel.split_sizes``), so the two cannot disagree.
+    SmolLM2-135M (9 query, 3 KV heads, 1536, 49152): ``[1, 3]``.
 
     Raises:
         ValueError: a head count that is not positive, or query heads not a multiple of KV heads.
@@ -87,16 +91,18 @@ def valid_sizes(num_heads: int, num_kv_heads: int, intermediate_size: int | None
     if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(f"heads must be positive with query heads a multiple of KV heads, got {num_heads} "
                          f"query and {num_kv_heads} KV heads")
-    return [n for n in range(1, num_kv_heads + 1)
-            if num_kv_heads % n == 0 and num_heads % n == 0 and (intermediate_size is None or intermediate_size % n == 0)]
+    from nanovllm_core.model.parallel import split_sizes
+
+    return split_sizes(num_kv_heads, num_heads, num_kv_heads, intermediate_size, vocab_size)
 
 
 def check_size(n: int, d: TPDims) -> None:
     """Raise a one-line ``ValueError`` naming the sizes that work unless ``n`` splits ``d``."""
-    ok = valid_sizes(d.num_heads, d.num_kv_heads, d.intermediate)
+    ok = valid_sizes(d.num_heads, d.num_kv_heads, d.intermediate, d.vocab)
     if isinstance(n, bool) or not isinstance(n, int) or n not in ok:
-        raise ValueError(f"tensor_parallel_size {n!r} does not split {d.num_heads} query / {d.num_kv_heads} KV heads "
-                         f"and {d.intermediate} intermediate features: use one of {', '.join(map(str, ok))}")
+        raise ValueError(f"tensor_parallel_size {n!r} does not split {d.num_heads} query / {d.num_kv_heads} KV heads, "
+                         f"{d.intermediate} intermediate features and a vocabulary of {d.vocab}: use one of "
+                         f"{', '.join(map(str, ok))}")
 
 
 @dataclass(frozen=True)
@@ -104,8 +110,8 @@ class RankShard:
     """What rank ``rank`` of ``n`` holds of each decoder layer (shapes ``[in, out]``) and of the vocabulary.
 
     ``q_heads`` / ``kv_heads``: ``(first, last + 1)`` of its query and KV heads;
-    ``vocab_rows``: ``(first, last + 1)`` of its vocabulary rows (``ceil(vocab / n)`` each, the
-    last rank fewer when n does not divide the vocabulary).
+    ``vocab_rows``: ``(first, last + 1)`` of its vocabulary rows (``vocab / n`` each: n divides the
+    vocabulary, as the engine requires).
     """
 
     rank: int
@@ -181,6 +187,18 @@ def tp_size(info: Mapping[str, Any]) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
+def across_ranks(nbytes: float, n: int, fmt: Callable[[float], str] | None = None) -> str:
+    """What a KV-cache byte figure includes under tensor parallelism: ``""`` at ``n`` <= 1, else
+    ``" across 3 ranks (240.0 KiB on each)"`` (``fmt`` formats the share; default ``"15,360 bytes"``).
+
+    The engine's KV sizes (``kv_bytes_per_token``, a block's bytes, the pool) are whole-model
+    totals: every rank holds each block's slice of its own KV heads, ``nbytes / n``."""
+    if n <= 1:
+        return ""
+    each = nbytes / n
+    return f" across {n} ranks ({fmt(each) if fmt else f'{round(each):,} bytes'} on each)"
+
+
 def _span(a: tuple[int, int]) -> str:
     return str(a[0]) if a[1] - a[0] == 1 else f"{a[0]}-{a[1] - 1}"
 
@@ -225,6 +243,39 @@ def shard_lines(info: Mapping[str, Any], layer: int, num_layers: int, num_tokens
                      f"rank ({2 * per:,} for the layer; over the {num_layers} layers and the embedding's one, "
                      f"{allreduces_per_step(num_layers)} all-reduces, {allreduces_per_step(num_layers) * per:,} "
                      "bytes per rank).")
+    return lines
+
+
+def rank_kv_lines(info: Mapping[str, Any]) -> list[str]:
+    """Grouped-query attention and the KV cache under the split, rank by rank: each rank's KV
+    heads, the query heads that read them, and the KV bytes it keeps a token and a block (from
+    ``model_info()``: the engine's ``kv_bytes_per_token`` is the whole model's, summed over the
+    ranks; each holds ``1/N``). The X-Ray's "GQA and KV memory" panel of a split engine.
+
+    Empty at N = 1 and when ``info`` lacks a size (nothing is guessed)."""
+    n = tp_size(info)
+    per = info.get("kv_bytes_per_token")
+    if n == 1 or not isinstance(per, int) or per <= 0:
+        return []
+    try:
+        d = dims(info)
+        shards = shard_shapes(info, n)
+    except ValueError:
+        return []
+    group = d.num_heads // d.num_kv_heads
+    kvh = d.num_kv_heads // n
+    elem = per // (2 * d.num_layers * d.num_kv_heads * d.head_dim)
+    each = per // n
+    block = info.get("block_size")
+    lines = [f"GQA over {n} ranks: {d.num_heads} query heads share {d.num_kv_heads} KV heads (query head h reads KV "
+             f"head h // {group}); each rank holds whole KV heads and the query heads that read them, so attention "
+             "needs no communication. Each rank's KV cache keeps only its own KV heads:"]
+    for s in shards:
+        lines.append(f"  rank {s.rank}: KV head{'s' if kvh > 1 else ''} {_span(s.kv_heads)}, query heads "
+                     f"{_span(s.q_heads)}: 2 (K, V) x {d.num_layers} layers x {kvh} x {d.head_dim} x {elem} bytes = "
+                     f"{each:,} bytes a token" + (f", {each * block:,} a block of {block}" if block else ""))
+    lines.append(f"Together {per:,} bytes a token across the {n} ranks: the KV sizes the Dashboard and Narrator "
+                 "give are these totals.")
     return lines
 
 
@@ -336,6 +387,13 @@ SPLIT_UNAVAILABLE = ("the split engine (tensor_parallel_size) is not available i
 # (seconds of loading the UI must not wait on) and starts processes of its own.
 SPLIT_RUN_ELSEWHERE = ("the split run itself: `nanovllm --tutorial --tutorial-chapter 13` in a terminal, or this app "
                        "started with --tensor-parallel-size 3, whose Dashboard, X-Ray and Narrator then show every rank")
+
+
+# The app's Tutorial tab times no one-process decode step beside its all-reduces (trial 16c): say so
+# where the command line's demonstration prints the comparison.
+APP_NO_BASELINE = ("No one-process decode step is timed in this tab to compare with: that would load another copy "
+                   "of the model beside this app's engine; `nanovllm --tutorial --tutorial-chapter 13` prints the "
+                   "comparison")
 
 
 def split_run_words(info: Mapping[str, Any]) -> str:

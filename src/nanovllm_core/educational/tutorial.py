@@ -108,6 +108,9 @@ class Demo:
         allreduce_ranks: before the requests, measure one all-reduce's latency across this many
             local processes (``educational/tp_measure.py``) and time a one-process decode for
             comparison (0: no measurement).
+        app_watch: what the app's Tutorial tab shows instead of ``watch`` where it runs less than the
+            command line (empty: the same). The tab measures only the all-reduces of an
+            ``allreduce_ranks`` demonstration (see ``nanovllm_tui/views/tutorial.py``).
     """
 
     key: str
@@ -127,6 +130,7 @@ class Demo:
     engine: tuple[tuple[str, Any], ...] = ()
     kv_every_step: bool = False
     allreduce_ranks: int = 0
+    app_watch: str = ""
 
     def requests(self, prompt: str) -> list[DemoRequest]:
         """The requests to send, in order: ``prompt`` (the chapter's ``demo_prompt``) then the extras."""
@@ -222,7 +226,12 @@ DEMOS: dict[str, Demo] = {d.key: d for d in (
          "that speed beside a one-process decode step measured now, and, where this build's engine splits a "
          "model, the same prompt at N = 3 with each step's time in all-reduces.",
          kinds=("communication", "decode"), max_tokens=4, engine=(("tensor_parallel_size", 3),),
-         allreduce_ranks=3),
+         allreduce_ranks=3,
+         app_watch="How long one all-reduce takes between processes on this machine, and what a token's "
+         "all-reduces cost at that speed. Here the tab measures only that: a one-process decode step to compare "
+         "with, or the model split over 3 ranks, would each load another copy of the model beside this app's own "
+         "engine and share its cores while it serves you; `nanovllm --tutorial --tutorial-chapter 13` in a "
+         "terminal runs both."),
 )}
 # Repeats itself, so prompt lookup has drafts to offer: the first are kept, a later one is not.
 _SPECULATIVE_PROMPT = "Copy the list: red, green, blue, yellow. Copy: red, green, blue, yellow. Copy: red,"
@@ -262,12 +271,15 @@ def engine_settings_text(info: dict[str, Any], speculator: str = "", k: int = 0)
     return text
 
 
-def demo_heading(ch: Chapter) -> str:
+def demo_heading(ch: Chapter, app: bool = False) -> str:
     """The line that announces a chapter's demonstration: its title, the fixed prompt it sends, so a
     learner who typed a prompt of their own is not told the demo shows theirs, and the settings of its
-    own engine where it sets any (:func:`demo_engine_words`). Raises KeyError when the chapter has no
-    demonstration."""
+    own engine where it sets any (:func:`demo_engine_words`). ``app``: the app's Tutorial tab, which
+    runs no engine for an ``allreduce_ranks`` demonstration (its measurement only): the title alone.
+    Raises KeyError when the chapter has no demonstration."""
     demo = DEMOS[ch.demo]
+    if app and demo.allreduce_ranks:
+        return "All-reduces measured here"
     engine = demo_engine_words(demo)
     own = f"on a small engine of its own with {engine}" if engine else ""
     if not ch.demo_prompt:
@@ -697,7 +709,10 @@ CHAPTERS: tuple[Chapter, ...] = (
         Grouped-query attention bounds N. Query head h reads KV head h // g, so the rank that computes
         query head h must hold that KV head's keys and values in its own cache, whole. In this engine
         each rank holds its own share of the KV heads and the query heads that read them, so N must
-        divide the number of KV heads (then it divides the query heads too) and the intermediate size.
+        divide the number of KV heads (then it divides the query heads too); it must also divide the
+        intermediate size (each rank's MLP features) and the vocabulary (each rank's rows of the
+        embedding and the LM head). Each rank's KV cache then holds only its KV heads: per token,
+        2 (K and V) x layers x (KV heads / N) x head_dim numbers, a 1/N share of the whole cache.
         vLLM also accepts an N that is a multiple of the KV heads: it replicates each KV head on
         N / KV-heads ranks (QKVParallelLinear's num_kv_head_replicas), so every rank still holds a
         whole KV head for its query heads, and those ranks store the same keys and values, a cache
@@ -822,8 +837,8 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
             elem = per // (2 * g("num_layers") * g("num_kv_heads") * g("head_dim"))
             kv_dtype = g("kv_dtype") or g("dtype")
             lines.append(f"K/V in {kv_dtype}: 2 x {g('num_layers')} layers x {g('num_kv_heads')} KV "
-                         f"heads x {g('head_dim')} x {elem} bytes = {per:,} bytes per token; 1,000 tokens take "
-                         f"{human_bytes(per * 1000)}.")
+                         f"heads x {g('head_dim')} x {elem} bytes = {per:,} bytes per token{_ranks(info, per)}; "
+                         f"1,000 tokens take {human_bytes(per * 1000)}{_ranks(info, per * 1000, human_bytes)}.")
             if g("quantization") and g("linear_weight_bytes"):
                 weights = g("linear_weight_bytes")
                 kind = f"{g('weight_kinds') or g('quantization')} block"
@@ -839,7 +854,7 @@ def model_facts(chapter: Chapter, info: dict[str, Any]) -> list[str]:
         elif key == "paged_attention" and g("block_size"):
             per = g("kv_bytes_per_token") or 0
             lines.append(f"This engine's pool: {plural(g('num_kv_blocks'), 'block')} of {g('block_size')} tokens, "
-                         f"{per * g('block_size'):,} bytes each; a request leaves at most {g('block_size') - 1} "
+                         f"{per * g('block_size'):,} bytes each{_ranks(info, per * g('block_size'))}; a request leaves at most {g('block_size') - 1} "
                          f"slots empty, {g('block_size') - 1} + k while it speculates with k drafts.")
         elif key == "continuous_batching" and g("max_num_seqs"):
             lines.append(f"This engine runs at most {g('max_num_seqs')} requests at once within "
@@ -884,11 +899,13 @@ def _tensor_parallel_facts(info: dict[str, Any]) -> list[str]:
         d = tp_facts.dims(info)
     except ValueError:
         return []
-    ok = tp_facts.valid_sizes(d.num_heads, d.num_kv_heads, d.intermediate)
+    ok = tp_facts.valid_sizes(d.num_heads, d.num_kv_heads, d.intermediate, d.vocab)
     bad = next(n for n in range(2, d.num_kv_heads + 2) if n not in ok)
-    lines = [f"Its {d.num_heads} query heads share {d.num_kv_heads} KV heads, and the MLP has {d.intermediate:,} "
-             f"intermediate features: it splits over {_sizes_words(ok)} rank{'s' if ok != [1] else ''}; {bad} would cut "
-             + ("a KV head." if d.num_kv_heads % bad else "the MLP's features unevenly.")]
+    cut = ("a KV head" if d.num_kv_heads % bad else "the MLP's features unevenly" if d.intermediate % bad
+           else "the vocabulary unevenly")
+    lines = [f"Its {d.num_heads} query heads share {d.num_kv_heads} KV heads, the MLP has {d.intermediate:,} "
+             f"intermediate features and the vocabulary {d.vocab:,} entries: it splits over {_sizes_words(ok)} "
+             f"rank{'s' if ok != [1] else ''}; {bad} would cut {cut}."]
     running = tp_facts.tp_size(info)
     n = running if running > 1 else next((k for k in ok if k > 1), 1)
     if n > 1:
@@ -899,6 +916,15 @@ def _tensor_parallel_facts(info: dict[str, Any]) -> list[str]:
                      f"every layer: q [{s.q[0]}, {s.q[1]}], k and v [{s.k[0]}, {s.k[1]}], o [{s.o[0]}, {s.o[1]}], "
                      f"gate and up [{s.gate[0]}, {s.gate[1]}], down [{s.down[0]}, {s.down[1]}] ([in, out]), and "
                      f"{s.embedding[0]:,} of the {d.vocab:,} vocabulary rows.")
+        per = info.get("kv_bytes_per_token")
+        if isinstance(per, int) and per > 0:
+            kvh = s.kv_heads[1] - s.kv_heads[0]
+            elem = per // (2 * d.num_layers * d.num_kv_heads * d.head_dim)
+            block = info.get("block_size")
+            lines.append(f"Each rank's KV cache keeps only its {plural(kvh, 'KV head')}: 2 (K and V) x {d.num_layers} layers x "
+                         f"{kvh} x {d.head_dim} x {elem} bytes = {per // n:,} bytes a token on each rank, 1/{n} of the "
+                         f"{per:,} the whole model's cache takes"
+                         + (f"; a block of {block} tokens holds {per // n * block:,} bytes on each rank." if block else "."))
     elem = tp_facts.dtype_bytes(info)
     count = tp_facts.allreduces_per_step(d.num_layers)
     lines.append(f"A decode token runs 2 x {d.num_layers} + 1 = {count} all-reduces of [1, {d.hidden}] in "
@@ -1002,6 +1028,13 @@ def batch_one_against_ridge(info: dict[str, Any], average: float) -> str:
     return text + busy + ": a format below its ridge point waits on memory, one above it on the arithmetic."
 
 
+def _ranks(info: dict[str, Any], nbytes: float, fmt: Any = None) -> str:
+    """" across N ranks (X on each)" under tensor parallelism: ``model_info``'s KV sizes are whole-model totals."""
+    from nanovllm_core.educational import tp_facts
+
+    return tp_facts.across_ranks(nbytes, tp_facts.tp_size(info), fmt)
+
+
 def _decode_bytes(info: dict[str, Any]) -> list[str]:
     """The decode chapter's numbers: the bytes one step reads, why that bounds batch 1, and what else costs time.
 
@@ -1020,8 +1053,8 @@ def _decode_bytes(info: dict[str, Any]) -> list[str]:
     lines = [f"A decode step of this model reads its {human_bytes(weights)} of {weights_kind(info)} weights once "
              f"for the whole batch: the linear layers of all {g('num_layers')} decoder layers and the LM head (the "
              f"embedding lookup reads one row{row} per token, not the matrix); and for each request its own "
-             f"{per:,} bytes of keys and values per token of context: {human_bytes(per * 1000)} a step at "
-             "1,000 tokens, whatever the batch."]
+             f"{per:,} bytes of keys and values per token of context{_ranks(info, per)}: "
+             f"{human_bytes(per * 1000)} a step at 1,000 tokens, whatever the batch."]
     if count:
         b = weights / count
         why = (f"At batch 1 each of those {count / 1e6:,.0f} M weights serves one multiply-add, 2 FLOPs for its "

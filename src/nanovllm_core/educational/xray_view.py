@@ -284,6 +284,9 @@ def render_split_step(info: dict[str, Any], timed: ev.StepTimed, entry: ev.Sched
     head = Header(f"X-RAY · step {timed.step} · {plural(timed.num_tokens, 'token')}"
                   f"{what} · split over {tp_facts.tp_size(info)} ranks")
     body: list[RenderableType] = [Text(lines[0], style="yellow")] + [Text(line) for line in lines[1:]]
+    kv = tp_facts.rank_kv_lines(info)
+    if kv:
+        body += [Text("")] + [Text(line) for line in kv]
     measured = tp_facts.dashboard_lines(timed)
     if measured:
         body += [Text(""), Text("Measured in this step:")] + [Text(line) for line in measured]

@@ -171,7 +171,8 @@ class EventSource:
                               num_tokens=s.num_new_tokens, start=s.start, prompt_len=s.seq.num_prompt_tokens,
                               total_len=s.seq.num_tokens, num_cached_tokens=s.num_cached_tokens, samples=s.samples,
                               priority=s.seq.priority, num_spec_tokens=s.num_spec_tokens,
-                              max_drafts=s.max_drafts, draft_limits=tuple(s.draft_limits))
+                              max_drafts=s.max_drafts, draft_limits=tuple(s.draft_limits),
+                              num_cached_blocks_in_use=s.num_cached_blocks_in_use)
             for s in plan.scheduled
         )
         return ev.StepPlanned(

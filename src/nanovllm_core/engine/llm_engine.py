@@ -774,6 +774,8 @@ class LLMEngine(EventSource):
             "kv_bytes_per_block": self.bytes_per_block,
             "kv_bytes_total": bm.num_blocks * self.bytes_per_block,
             "block_size": bm.block_size,
+            # the KV byte figures above are the whole pool's, over every rank (each holds 1/N: its KV heads)
+            "tensor_parallel_size": self.config.tensor_parallel_size,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "total_prompt_tokens": self.total_prompt_tokens,

@@ -68,7 +68,9 @@ class ScheduledSequence:
     ``num_new_tokens``: tokens it runs through the model this step; ``kind``: ``"prefill"``
     (a prompt chunk, or a recompute after preemption) or ``"decode"``; ``samples``: whether
     this step ends at its last token, so a new token is sampled; ``num_cached_tokens``:
-    prompt tokens served from the prefix cache when it was admitted in this step.
+    prompt tokens served from the prefix cache when it was admitted in this step;
+    ``num_cached_blocks_in_use``: how many of those hit blocks another sequence was holding when
+    they were shared (ref count above 0); the rest were cached-free (None: not admitted this step).
 
     Speculative decoding: ``num_spec_tokens`` draft slots are reserved (and counted in
     ``num_new_tokens``); the engine then puts the proposed drafts in ``spec_tokens`` and sets
@@ -84,6 +86,7 @@ class ScheduledSequence:
     samples: bool
     start: int  # num_computed_tokens before this step
     num_cached_tokens: int = 0
+    num_cached_blocks_in_use: int | None = None
     num_spec_tokens: int = 0
     spec_tokens: list[int] = field(default_factory=list)
     max_drafts: int = 0
@@ -281,6 +284,7 @@ class Scheduler:
                     wait_reason = "budget"
                     break
             bm.record_lookup(seq.num_tokens, num_computed)
+            in_use = sum(1 for b in cached if bm.blocks[b].ref_count > 0)  # held live, not cached-free
             bm.allocate(seq, num_computed + num_new, cached)
             self.waiting.pop(0)
             seq.num_computed_tokens = num_computed
@@ -293,6 +297,7 @@ class Scheduler:
             self.running.append(seq)
             admitted.append(seq)
             plan[seq.seq_id] = self._scheduled(seq, num_new, num_cached=num_computed)
+            plan[seq.seq_id].num_cached_blocks_in_use = in_use
             budget -= num_new
 
         scheduled = sorted(plan.values(), key=lambda p: p.kind != "decode")

@@ -200,10 +200,11 @@ class TutorialView(EngineView):
             text.append("\n")
         demo = tut.DEMOS.get(c.demo) if c.demo else None
         if demo is not None:
-            text.append(f"Live demonstration: {tut.demo_heading(c)}. ", style="bold #3ecf8e")
+            text.append(f"Live demonstration: {tut.demo_heading(c, app=True)}. ", style="bold #3ecf8e")
             refused = self.refusal("run_demo")  # a replay or --connect hides r: say why, not "Press r" (trial 14a's kind)
-            text.append(f"{demo.watch} " + (refused or "Press r to run it on a small engine of its own, over the loaded "
-                                                       "model."), style="#3ecf8e")
+            press = ("Press r to measure it." if demo.allreduce_ranks else  # no engine of its own (trial 16c)
+                     "Press r to run it on a small engine of its own, over the loaded model.")
+            text.append(f"{demo.app_watch or demo.watch} " + (refused or press), style="#3ecf8e")
         self.query_one("#chapter-text", Static).update(text)
 
     @property
@@ -387,7 +388,8 @@ class TutorialView(EngineView):
 
             try:
                 m = tp_measure.measure_allreduce(demo.allreduce_ranks, hidden=hidden, iters=200, warmup=20)
-                text = Text("\n" + communication_words(m, tp_facts.allreduces_per_step(layers), []), style="#ffd166")
+                text = Text("\n" + communication_words(m, tp_facts.allreduces_per_step(layers), [])
+                            + " " + tp_facts.APP_NO_BASELINE + ".", style="#ffd166")
                 missing = SPLIT_UNAVAILABLE if not split_engine_available() else split_run_words(self._info)
                 text.append("\n" + missing[0].upper() + missing[1:] + ".", style="yellow")
             except (RuntimeError, ValueError, OSError) as e:

@@ -356,8 +356,13 @@ class XRayView(EngineView, can_focus=True):
             shards = tp_facts.shard_lines(info, self.layer_index, self.num_layers, 0)
             if shards:
                 body.append("\n\n" + "\n".join(shards), style="#c9b8ff")
+        kv = tp_facts.rank_kv_lines(info)
+        gqa = Text("\n".join(kv) if kv else "GQA and KV memory: not shown, the model's sizes are not known yet.",
+                   style="#c9b8ff" if kv else "dim")
+        if self.folded and kv:  # the GQA panel is hidden: its facts go into the pipeline
+            body.append_text(Text.assemble("\n\n", gqa))
         self.query_one("#pipeline", LiveStatic).show_content(body)
-        self.query_one("#gqa", LiveStatic).show_content("")
+        self.query_one("#gqa", LiveStatic).show_content(gqa)
         heatmap.border_title = "Attention (not captured when split over ranks)"
         heatmap.set_data((), (), ())
 

@@ -6,6 +6,7 @@ from rich.text import Text
 
 from nanovllm_tui.state import EngineState
 from nanovllm_core.educational.commentary import plural
+from nanovllm_core.educational.tp_facts import across_ranks, tp_size
 from nanovllm_tui.widgets.format import first_fitting, fmt_bytes
 from nanovllm_tui.widgets.live import LiveStatic
 
@@ -65,12 +66,22 @@ class KVMemoryBar(LiveStatic):
         width = self.content_region.width
         text.append("\n")
         text.append_text(first_fitting(width, Text.assemble(
-            (f"{USED[0]} used {used}", USED[1]), f" ({fmt_bytes(used * per_block)})  ",
+            (f"{USED[0]} used {used}", USED[1]),
+            f" ({fmt_bytes(used * per_block)}{f' over {tp_size(info or {})} ranks' if tp_size(info or {}) > 1 else ''})  ",
             (f"{CACHED[0]} cached-free {cached}", CACHED[1]), "  ", (f"{FREE[0]} free {free}", "grey62")),
             Text.assemble((f"{USED[0]} used {used}", USED[1]), "  ", (f"{CACHED[0]} cached {cached}", CACHED[1]),
                           "  ", (f"{FREE[0]} free {free}", "grey62"))))
         text.append("\n")
-        text.append_text(first_fitting(
-            width, Text(f"of {plural(total, 'block')}, {fmt_bytes(per_block)} each: {fmt_bytes(bytes_total)} in all", style="dim"),
-            Text(f"of {plural(total, 'block')}: {fmt_bytes(bytes_total)}", style="dim")))
+        n = tp_size(info or {})
+        if n > 1:  # the engine's KV byte figures are totals over the ranks: say so (trial 16c)
+            text.append_text(first_fitting(
+                width, Text(f"of {plural(total, 'block')}, {fmt_bytes(per_block)} a block{across_ranks(per_block, n, fmt_bytes)}: "
+                            f"{fmt_bytes(bytes_total)} in all{across_ranks(bytes_total, n, fmt_bytes)}", style="dim"),
+                Text(f"of {plural(total, 'block')}: {fmt_bytes(bytes_total)}{across_ranks(bytes_total, n, fmt_bytes)}",
+                     style="dim"),
+                Text(f"of {plural(total, 'block')}: {fmt_bytes(bytes_total)} over {n} ranks", style="dim")))
+        else:
+            text.append_text(first_fitting(
+                width, Text(f"of {plural(total, 'block')}, {fmt_bytes(per_block)} each: {fmt_bytes(bytes_total)} in all", style="dim"),
+                Text(f"of {plural(total, 'block')}: {fmt_bytes(bytes_total)}", style="dim")))
         self.show_content(text)
