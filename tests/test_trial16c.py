@@ -231,15 +231,23 @@ async def test_the_app_chapter_13_promises_only_what_it_measures(tiny_model, tmp
         tutorial = app.query_one(TutorialView)
         await pilot.pause(0.2)
         before = " ".join(str(app.query_one("#chapter-text").render()).split())
-        assert "beside a one-process decode step measured now" not in before
+        # it times a one-process decode step over the loaded model (trial 16a #3), not the split run
+        assert "beside a one-process decode step timed now over the loaded model" in before
         assert "small engine of its own" not in before and "Press r to measure it." in before
-        assert "would each load another copy of the model" in before
+        assert "The model split over 3 ranks is not run here" in before
         await pilot.press("r")
         await wait_until(pilot, lambda: not tutorial.measuring and tutorial.measured is not None, what="the measurement")
         await pilot.pause(0.1)
         text = " ".join(shown(tutorial).split())
-        assert "One process decoded" not in text
-        assert "No one-process decode step is timed in this tab to compare with" in text
+        assert "One process decoded the same prompt at" in text and "No one-process decode step" not in text
+
+
+def test_the_app_says_why_it_timed_no_one_process_step_where_it_cannot():
+    # attached to a server there is no model here; a split engine's model here is rank 0's shard
+    attached, split, early = (tp_facts.app_no_baseline(*a) for a in ((False, 1), (True, 3), (True, 1)))
+    assert "watches a server and runs no model of its own" in attached and "tutorial-chapter 13" in attached
+    assert "split over 3 ranks" in split and "rank 0's shard" in split and "tutorial-chapter 13" in split
+    assert "not loaded yet; press r again" in early
 
 
 # ------------------------------------------------------------------ observation: v < 1 is noise

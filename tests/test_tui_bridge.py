@@ -69,6 +69,14 @@ def test_layer_traces_of_an_older_step_are_dropped():
     assert [(e.step, e.layer) for e in bridge.drain()] == [(2, 0)]
 
 
+def test_a_bridge_that_does_not_coalesce_keeps_every_steps_snapshot_and_traces():
+    bridge = EngineBridge(Target(), coalesce=False)  # a Tutorial demonstration's: its notes tell every step
+    for e in (blocks(1), trace(1, 0), blocks(2), trace(2, 0)):
+        bridge(e)
+    assert [(type(e).__name__, e.step) for e in bridge.drain()] == [
+        ("BlocksChanged", 1), ("LayerTrace", 1), ("BlocksChanged", 2), ("LayerTrace", 2)]
+
+
 def test_events_from_another_thread_all_arrive():
     bridge = EngineBridge(Target())
     n = 2000

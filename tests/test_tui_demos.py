@@ -175,8 +175,47 @@ async def test_chapter_13_measures_all_reduces_and_says_when_the_split_engine_is
         text = " ".join(shown(tutorial).split())
         assert "Measured now on a test CPU" in text
         assert f"runs {layers} of them one after another: {layers} x 250 µs = {layers * 0.25:,.1f} ms" in text
+        # the heading's "beside a one-process decode step measured now" (trial 16a #3: the app showed none)
+        assert "One process decoded the same prompt at" in text and "measured just now" in text
         if not split_engine_available():
             assert "The split engine (tensor_parallel_size) is not available in this build" in text
         else:  # the split run is the CLI's: the app points there and starts no processes
             assert "The split run itself: `nanovllm --tutorial --tutorial-chapter 13` in a terminal" in text
         assert tutorial.run is None  # no engine was started for it
+
+
+class _Silent:
+    """A bridge target that never drains by itself: the test drains once, as a busy app's one frame would."""
+
+    def post_message(self, message) -> bool:
+        return True
+
+
+def test_every_kv_cache_step_of_chapter_5_shows_stored_bytes_and_block_tables_even_in_one_frame(tiny_model):
+    """Chapter 5 promises, after each step, the bytes reserved, the bytes stored and the blocks behind them.
+    The app's bridge kept only the newest block snapshot of a frame, so the steps that shared a frame with a
+    later one lost theirs and told only the reserved line (trial 16a bug 2): a demonstration keeps every one."""
+    from nanovllm_core import events as ev
+    from nanovllm_core.educational import tutorial as tut
+    from nanovllm_tui.demo_session import DemoSession
+    from tests.conftest import poll_until
+
+    chapter = next(c for c in CHAPTERS if c.demo == "kv_cache")
+    demo = tut.DEMOS["kv_cache"]
+    main = LLMEngine(EngineConfig(num_kv_blocks=64), *tiny_model)
+    session = DemoSession(_Silent(), main, demo, chapter, fps=5)
+    timed: list[int] = []
+    session.controller.subscribe(lambda e: timed.append(e.step) if isinstance(e, ev.StepTimed) else None,
+                                 topk=0, blocks=False)
+    try:
+        session.start()
+        assert poll_until(lambda: len(timed) >= demo.max_tokens, timeout=60)
+        session.take(session.bridge.drain())  # every step in one frame
+    finally:
+        session.stop()
+    kv = [n for n in session.run.notes if n.kind == "kv_cache"]
+    live = [n for n in kv if n.title != "KV cache: empty"]
+    assert len(kv) == demo.max_tokens and len(live) == demo.max_tokens - 1, [n.title for n in kv]
+    for n in live:  # the promise, kept in every step
+        assert "reserved" in n.title and "stored" in n.title, n.title
+        assert "Their tokens store" in n.text and "Block tables:" in n.text, n.text

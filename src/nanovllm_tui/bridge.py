@@ -9,7 +9,9 @@ becomes one screen update per frame.
 
 High-rate snapshots are coalesced while they wait: only the newest ``BlocksChanged``
 (the whole KV pool) is kept, and only the newest step's ``LayerTrace`` events; what is
-kept stays in arrival order (the narrator reads a step's events in order).
+kept stays in arrival order (the narrator reads a step's events in order). A Tutorial
+demonstration's bridge keeps every one (``coalesce=False``): its notes tell each step's
+block tables, and a step whose snapshot a later step's had replaced told none (trial 16a).
 
 Every event leaves :meth:`EngineBridge.drain` with its text made safe to draw (:func:`visible_event`):
 prompts, outputs, token pieces, stop strings and error messages come from clients and the model,
@@ -46,13 +48,17 @@ class EngineBridge:
     Args:
         target: what receives ``EventsReady`` (the app).
         fps: the most drains per second the app should do (frames per second).
+        coalesce: keep only the newest ``BlocksChanged`` and the newest step's ``LayerTrace``
+            events of a frame (the app's views draw the newest state); False keeps every event
+            (a demonstration narrates every step from its own snapshot: a few short requests).
     """
 
     class EventsReady(Message):
         """Events are waiting in the bridge; call ``drain`` (posted at most once per drain)."""
 
-    def __init__(self, target: MessagePump, fps: float = DEFAULT_FPS) -> None:
+    def __init__(self, target: MessagePump, fps: float = DEFAULT_FPS, coalesce: bool = True) -> None:
         self.target = target
+        self.coalesce = coalesce
         self.frame_s = 1.0 / fps
         self._lock = threading.Lock()
         self._events: list[ev.Event | None] = []  # None: a snapshot superseded by a newer one
@@ -70,7 +76,9 @@ class EngineBridge:
         with self._lock:
             self.received += 1
             events = self._events
-            if isinstance(event, ev.BlocksChanged):
+            if not self.coalesce:
+                pass
+            elif isinstance(event, ev.BlocksChanged):
                 if self._blocks_at is not None:
                     events[self._blocks_at] = None
                 self._blocks_at = len(events)

@@ -85,7 +85,8 @@ class DemoSession:
         self._traced: set[str] = set()
         self._ids = iter(range(1, 1 << 30))
         self.controller = EngineController.from_engine(self.engine)
-        self.bridge = EngineBridge(target, fps=fps)
+        # every step's own block snapshot and traces: the notes tell each step (chapter 5's per-step tables)
+        self.bridge = EngineBridge(target, fps=fps, coalesce=False)
         self.bridge.connect(self.controller, topk=5, xray=demo.xray, blocks=True)
         if demo.xray:
             self.controller.xray(None, 0, 0)  # layer 0 of whichever request runs first

@@ -389,11 +389,17 @@ SPLIT_RUN_ELSEWHERE = ("the split run itself: `nanovllm --tutorial --tutorial-ch
                        "started with --tensor-parallel-size 3, whose Dashboard, X-Ray and Narrator then show every rank")
 
 
-# The app's Tutorial tab times no one-process decode step beside its all-reduces (trial 16c): say so
-# where the command line's demonstration prints the comparison.
-APP_NO_BASELINE = ("No one-process decode step is timed in this tab to compare with: that would load another copy "
-                   "of the model beside this app's engine; `nanovllm --tutorial --tutorial-chapter 13` prints the "
-                   "comparison")
+def app_no_baseline(local: bool, split: int) -> str:
+    """Why the app's Tutorial tab timed no one-process decode step beside its all-reduces (trial 16c,
+    16a): it watches a server (``local`` False), its own engine is split over ``split`` ranks (its
+    model there is rank 0's shard), or the model was not loaded yet; where the comparison is printed."""
+    cli = "`nanovllm --tutorial --tutorial-chapter 13` prints the comparison"
+    if not local:
+        return f"No one-process decode step was timed to compare with: this app watches a server and runs no model of its own; {cli}"
+    if split > 1:
+        return (f"No one-process decode step was timed to compare with: this app's own engine is split over {split} "
+                f"ranks, so what is loaded here is rank 0's shard, not the whole model; {cli}")
+    return "No one-process decode step was timed to compare with: the model was not loaded yet; press r again once it is ready"
 
 
 def split_run_words(info: Mapping[str, Any]) -> str:

@@ -228,10 +228,10 @@ DEMOS: dict[str, Demo] = {d.key: d for d in (
          kinds=("communication", "decode"), max_tokens=4, engine=(("tensor_parallel_size", 3),),
          allreduce_ranks=3,
          app_watch="How long one all-reduce takes between processes on this machine, and what a token's "
-         "all-reduces cost at that speed. Here the tab measures only that: a one-process decode step to compare "
-         "with, or the model split over 3 ranks, would each load another copy of the model beside this app's own "
-         "engine and share its cores while it serves you; `nanovllm --tutorial --tutorial-chapter 13` in a "
-         "terminal runs both."),
+         "all-reduces cost at that speed beside a one-process decode step timed now over the loaded model (where "
+         "this app's own engine is one process). The model split over 3 ranks is not run here: it would start "
+         "three more processes, each loading its shard of the model, beside this app's engine while it serves "
+         "you; `nanovllm --tutorial --tutorial-chapter 13` in a terminal runs it."),
 )}
 # Repeats itself, so prompt lookup has drafts to offer: the first are kept, a later one is not.
 _SPECULATIVE_PROMPT = "Copy the list: red, green, blue, yellow. Copy: red, green, blue, yellow. Copy: red,"

@@ -152,17 +152,11 @@ class EngineDemos:
         decode step timed now for comparison. Returns whether this build's engine takes the demo's
         settings (False: one line says the split engine is not available, and the demo ends here)."""
         from nanovllm_core.educational import tp_facts, tp_measure
-        from nanovllm_core.llm import LLM
 
         info = self.load()
         hidden, layers = int(info["hidden_size"]), int(info["num_layers"])
         m = tp_measure.measure_allreduce(demo.allreduce_ranks, hidden=hidden, iters=200, warmup=20)
-        (request,) = demo.requests(chapter.demo_prompt)[:1]
-        timed: list[ev.StepTimed] = []
-        one = self.engine()
-        one.subscribe(lambda e: timed.append(e) if isinstance(e, ev.StepTimed) and e.num_decode_tokens else None,
-                      topk=0, blocks=False, xray=False)
-        LLM.from_engine(one).generate([request.prompt], request.params, use_tqdm=False)
+        timed = self.one_process_decode_steps(demo, chapter)
         console.print(Indent(Text(communication_words(m, tp_facts.allreduces_per_step(layers), timed))))
         console.print()
         if not split_engine_available():
@@ -170,6 +164,20 @@ class EngineDemos:
             console.print()
             return False
         return True
+
+    def one_process_decode_steps(self, demo: Any, chapter: Chapter) -> list[ev.StepTimed]:
+        """The chapter's first request run now on one process (a fresh engine over the loaded model):
+        the ``StepTimed`` of each step that decoded, for :func:`communication_words`'s comparison
+        (the CLI's and the app's chapter 13 alike)."""
+        from nanovllm_core.llm import LLM
+
+        (request,) = demo.requests(chapter.demo_prompt)[:1]
+        timed: list[ev.StepTimed] = []
+        one = self.engine()
+        one.subscribe(lambda e: timed.append(e) if isinstance(e, ev.StepTimed) and e.num_decode_tokens else None,
+                      topk=0, blocks=False, xray=False)
+        LLM.from_engine(one).generate([request.prompt], request.params, use_tqdm=False)
+        return timed
 
     def _speculative_cost(self, demo: Any, prompt: str) -> Commentary:
         """The verification's cost on this machine and Theorem 3.8's speed-up with it (two more runs, timed)."""

@@ -82,8 +82,11 @@ class EventSource:
 
     # ------------------------------------------------------------------ events of a request
 
-    def _finished_event(self, req: RequestState) -> ev.RequestFinished:
-        """One event per request, when its last sample ends; top-level fields describe sample 0."""
+    def _finished_event(self, req: RequestState, wall_s: float) -> ev.RequestFinished:
+        """One event per request, when its last sample ends; top-level fields describe sample 0.
+
+        ``wall_s``: its ``time`` (seconds since the epoch): the finishing step's stamp, or now for an abort.
+        """
         first = req.seqs[0]
         m = first.metrics
         samples = tuple(
@@ -100,7 +103,7 @@ class EventSource:
             num_cached_prompt_tokens=m.num_cached_prompt_tokens, error=first.error, samples=samples,
             kv_blocks_used=self.block_manager.num_used_blocks,
             kv_blocks_cached=self.block_manager.num_cached_free_blocks, paused_s=m.paused_time,
-            num_cached_tokens_readmitted=m.num_cached_tokens_readmitted,
+            num_cached_tokens_readmitted=m.num_cached_tokens_readmitted, time=wall_s,
         )
 
     # ------------------------------------------------------------------ events of a step

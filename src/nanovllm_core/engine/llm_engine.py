@@ -36,7 +36,7 @@ from nanovllm_core.engine.device_errors import is_fatal_device_error
 from nanovllm_core.engine.detokenizer import start_detokenizer
 from nanovllm_core.engine.event_source import EventSource, Subscription  # noqa: F401  (Subscription re-exported)
 from nanovllm_core.engine.model_runner import ForwardResult, ModelRunner
-from nanovllm_core.engine.output_processor import OutputProcessor, RequestState
+from nanovllm_core.engine.output_processor import OutputProcessor, RequestState, StepStamp
 from nanovllm_core.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
 from nanovllm_core.model import block_quant, native_ops
@@ -581,6 +581,7 @@ class LLMEngine(EventSource):
             self._step_traced = tracer is not None  # its capture counts in the step's time (StepTimed.traced)
             result = self.runner.run(plan.scheduled, tracer=tracer, extra_rows=extra_rows)
             sampled = self._sample(result)
+            stamp = StepStamp.now(self.clock)  # every token and finish of this step carries it
         except Exception as e:  # isolate: retry each sequence alone, finish those that still fail
             if isinstance(e, TensorParallelError) or is_fatal_device_error(e, self.device):
                 outputs.extend(self._stop_after_device_error(plan.step, e))
@@ -599,14 +600,15 @@ class LLMEngine(EventSource):
                     continue
                 try:
                     result = self.runner.run([s])
-                    self._update([s], result, self._sample(result), plan.step, touched)
+                    sampled = self._sample(result)
+                    self._update([s], result, sampled, plan.step, touched, StepStamp.now(self.clock))
                 except Exception as e2:
                     self._emit(ev.EngineError(step=plan.step, message=f"{type(e2).__name__}: {e2}",
                                               request_id=s.seq.request_id, traceback=traceback.format_exc()))
                     self._finish(s.seq, "error", None, error=f"engine error: {type(e2).__name__}: {e2}")
                     touched[s.seq.request_id] = None
         else:
-            self._update(plan.scheduled, result, sampled, plan.step, touched)
+            self._update(plan.scheduled, result, sampled, plan.step, touched, stamp)
         if self.speculator is not None:
             self.speculator.step_done()
         if self._subscribers:
@@ -643,12 +645,13 @@ class LLMEngine(EventSource):
         return self.sampler(result.logits, rows, self._topk_wanted, groups)
 
     def _update(self, scheduled: list[ScheduledSequence], result: ForwardResult, sampled: SamplerOutput,
-                step: int, touched: dict[str, None]) -> None:
+                step: int, touched: dict[str, None], stamp: StepStamp) -> None:
         """Advance every scheduled sequence by what the step computed, then append its kept tokens.
 
         Kept tokens go through the output processor one by one, whether sampled or kept by a
         verification, so an EOS, stop string or ``max_tokens`` inside an accepted run ends the
-        sequence there.
+        sequence there. ``stamp`` (when the forward pass and sampling finished) is the time of
+        every kept token, of every request this ends and of the events sent about them.
         """
         groups, first = [], 0
         for n, v in zip(sampled.num_kept, sampled.verifications):
@@ -668,12 +671,13 @@ class LLMEngine(EventSource):
                         draft_tokens=tuple(s.spec_tokens), draft_texts=tuple(self.token_pieces(s.spec_tokens)),
                         p=tuple(v.p), q=tuple(v.q), accepted=tuple(v.accepted), bonus_token=v.tokens[-1],
                         bonus_text=self.output.pieces(v.tokens[-1]), greedy=v.greedy,
-                        num_query_tokens=s.num_new_tokens,
+                        num_query_tokens=s.num_new_tokens, time=stamp.wall_s,
                     ))
             for i in range(first, first + n):
-                stop = self.output.append_token(seq, sampled, i, step, speculative=v is not None, emit=emit, topk=topk)
+                stop = self.output.append_token(seq, sampled, i, step, speculative=v is not None, emit=emit, topk=topk,
+                                                stamp=stamp)
                 if stop is not None:
-                    self._finish(seq, *stop)
+                    self._finish(seq, *stop, stamp=stamp)
                     break
 
     def _advance(self, s: ScheduledSequence, num_accepted: int, touched: dict[str, None]) -> None:
@@ -714,11 +718,18 @@ class LLMEngine(EventSource):
                 self.scheduler.add(sib)
             req.pending_siblings = []
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None, error: str | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None, error: str | None = None,
+                stamp: StepStamp | None = None) -> None:
+        """End ``seq`` and release its blocks; the request's last sample ending sends ``RequestFinished``.
+
+        ``stamp``: the step whose token ended it (its finish time and the event's); None (an
+        abort, an error outside a step's output): now.
+        """
+        stamp = stamp or StepStamp.now(self.clock)
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         seq.error = error
-        seq.metrics.finished_time = self.clock.now()
+        seq.metrics.finished_time = stamp.engine_s
         seq.metrics.paused_time = self.clock.paused_s() - seq.metrics.paused_at_arrival
         seq.metrics.finished_step = self.step_index
         self.scheduler.remove(seq)
@@ -736,7 +747,7 @@ class LLMEngine(EventSource):
             self._ended(seq.request_id)
             self.output.finished(req)
             if self._subscribers:
-                self._emit(self._finished_event(req))
+                self._emit(self._finished_event(req, stamp.wall_s))
 
     # ------------------------------------------------------------------ statistics
 

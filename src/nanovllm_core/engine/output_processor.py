@@ -7,6 +7,9 @@ verification kept it (an accepted draft, a correction or a bonus token):
 
 1. append it to the sequence, with its metrics (first-token time) and logprobs (the top
    ``logprobs`` candidates plus the chosen token, with ranks);
+   every token of one step carries the step's one :class:`StepStamp` (when its forward pass
+   and sampling finished), like vLLM V1's ``IterationStats.iteration_timestamp``: how long the
+   step's other requests took to process does not count in a request's TTFT, TPOT or E2E;
 2. detokenize it incrementally (``detokenizer.py``);
 3. check stops in vLLM's order: EOS, ``stop_token_ids`` and stop strings (none of them within
    the first ``min_tokens`` tokens), then ``max_tokens`` and ``max_model_len``;
@@ -19,6 +22,7 @@ The engine then frees a finished sequence's blocks; :meth:`OutputProcessor.finis
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -32,6 +36,25 @@ from nanovllm_core.sampling.sampler import SamplerOutput
 from nanovllm_core.sampling_params import SamplingParams
 
 Stop = tuple[str, "str | int | None"]  # (finish_reason, stop_reason)
+
+
+@dataclass(frozen=True)
+class StepStamp:
+    """When one step's forward pass and sampling finished: the time every token it made carries.
+
+    ``engine_s``: seconds on the engine's clock (``EngineClock.now()``: the request metrics'
+    first/last-token and finish times); ``wall_s``: seconds since the epoch (``time.time()``:
+    the ``time`` of the events the step's output processing sends). Taken once per forward
+    pass, before any request's output is processed, so a slow detokenizer or listener delays
+    no request's times (vLLM V1 stamps an iteration's outputs the same way).
+    """
+
+    engine_s: float
+    wall_s: float
+
+    @classmethod
+    def now(cls, clock: EngineClock) -> "StepStamp":
+        return cls(clock.now(), time.time())
 
 
 @dataclass
@@ -70,18 +93,22 @@ class OutputProcessor:
     # ------------------------------------------------------------------ one token
 
     def append_token(self, seq: Sequence, sampled: SamplerOutput, i: int, step: int, *, speculative: bool = False,
-                     emit: Callable[[ev.Event], None] | None = None, topk: int = 0) -> Stop | None:
+                     emit: Callable[[ev.Event], None] | None = None, topk: int = 0,
+                     stamp: StepStamp | None = None) -> Stop | None:
         """Add kept token ``i`` of ``sampled`` to ``seq``; return (finish_reason, stop_reason) if it must stop.
 
         Args:
             speculative: the token was kept by a speculative verification.
+            stamp: when the step's forward pass and sampling finished (the token's time in the
+                metrics and in ``TokenSampled.time``); None: now.
             emit: where to send the ``TokenSampled`` event (None: nobody listens).
             topk: candidates per token the listeners asked for.
         """
         token = sampled.token_ids[i]
         seq.token_ids.append(token)
         m = seq.metrics
-        now = self.clock.now()
+        stamp = stamp or StepStamp.now(self.clock)
+        now = stamp.engine_s
         if m.first_token_time is None:
             m.first_token_time = now
             m.first_token_step = step
@@ -105,7 +132,7 @@ class OutputProcessor:
                 text=released, position=seq.num_tokens - 1, num_output_tokens=seq.num_output_tokens, top=top,
                 logprob=logprob, temperature=seq.params.temperature, greedy=seq.params.greedy, token_text=piece,
                 model_top=model_top, speculative=speculative, special=self._special_name(token),
-                ttft_s=m.time_to_first_token, tpot_s=m.time_per_output_token,
+                ttft_s=m.time_to_first_token, tpot_s=m.time_per_output_token, time=stamp.wall_s,
             ))
         return stop
 

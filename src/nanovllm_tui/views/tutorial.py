@@ -382,14 +382,27 @@ class TutorialView(EngineView):
                                        "(gloo over 127.0.0.1)…", style="dim"))
         self._show_demo()
         self._scroll_to_demo()  # under a long chapter's text it was out of view (trial 11, as the quiz's verdict)
+        # the heading promises a one-process decode step measured now beside the all-reduces (trial 16a #3)
+        local = getattr(self.app.controller, "local_engine", True)
+        split = tp_facts.tp_size(self._info)  # a split engine's model here is rank 0's shard: no one-process run
+        main_engine = getattr(self.app.controller, "engine", None) if local and split == 1 else None
 
         def work() -> None:
             from nanovllm_core.educational import tp_measure
+            from nanovllm_core.educational.tutorial_demos import EngineDemos
 
             try:
                 m = tp_measure.measure_allreduce(demo.allreduce_ranks, hidden=hidden, iters=200, warmup=20)
-                text = Text("\n" + communication_words(m, tp_facts.allreduces_per_step(layers), [])
-                            + " " + tp_facts.APP_NO_BASELINE + ".", style="#ffd166")
+                timed = []
+                if main_engine is not None:  # the chapter's prompt on one process, over the loaded model
+                    demos = EngineDemos.from_loaded(main_engine.model, main_engine.tokenizer, main_engine.resolved,
+                                                    device=str(main_engine.device),
+                                                    dtype=str(main_engine.dtype).replace("torch.", ""))
+                    timed = demos.one_process_decode_steps(demo, chapter)
+                text = Text("\n" + communication_words(m, tp_facts.allreduces_per_step(layers), timed),
+                            style="#ffd166")
+                if not timed:
+                    text.append(" " + tp_facts.app_no_baseline(local, split) + ".")
                 missing = SPLIT_UNAVAILABLE if not split_engine_available() else split_run_words(self._info)
                 text.append("\n" + missing[0].upper() + missing[1:] + ".", style="yellow")
             except (RuntimeError, ValueError, OSError) as e:
