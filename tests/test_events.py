@@ -249,14 +249,14 @@ def _timed(**changes) -> str:
     timed = ev.StepTimed(step=1, wall_time_s=0.1, num_tokens=1, num_prefill_tokens=0, num_decode_tokens=1,
                          prefill_tokens_per_s=0.0, decode_tokens_per_s=10.0, kv_bytes_used=0, kv_bytes_total=1,
                          num_running=1, num_waiting=0, num_blocks_used=1, num_blocks_total=4)
-    return json.dumps({**json.loads(ev.to_json(timed)), **changes})
+    return json.dumps({**json.loads(ev.to_json(timed)), "time": 1.0, **changes})  # a fixed time: the same test id each run
 
 
 def _sampled(prob, **changes) -> str:
     top = {"type": "TopToken", "token_id": 1, "text": "a", "prob": prob}
     sampled = ev.TokenSampled(step=0, request_id="r", seq_id=0, index=0, token_id=1, text="a", position=0,
                               num_output_tokens=1)
-    return json.dumps({**json.loads(ev.to_json(sampled)), "top": [top], **changes})
+    return json.dumps({**json.loads(ev.to_json(sampled)), "time": 1.0, "top": [top], **changes})
 
 
 @pytest.mark.parametrize("line, message", [

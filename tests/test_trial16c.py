@@ -270,3 +270,25 @@ def test_a_verification_measured_cheaper_than_a_decode_step_is_told_as_noise_not
     assert "other work on the machine, or the cache warming up" in quiet
     fine = replace(m, verify_s=0.30)  # v = 1.49: the formula's figure, as before
     assert f"over (gamma c + v): {sc.speedup(fine.alpha, fine.gamma, fine.c, fine.v):.2f}x" in sc.cost_words(fine, load="")
+
+
+# ------------------------------------------------------------------ the weights a split step reads
+
+
+def test_a_split_decode_step_says_the_weights_it_counts_are_rank_0s_shard():
+    # fix 18c, noticed: under tensor parallelism linear_weight_bytes is rank 0's shard, yet the decode
+    # chapter called it "this model's weights" and the narrator measured one rank's reading rate
+    # against the whole machine's bandwidth while the other ranks read theirs from the same memory.
+    from nanovllm_core.educational.narrator import Narrator
+
+    weights = {"linear_weight_bytes": 60_000_000, "linear_weights": 45_000_000, "memory_bandwidth": 20e9,
+               "peak_flops": 1e11, "machine": "a CPU (2 threads)"}
+    split = " ".join(model_facts(chapter("decode"), {**SPLIT, **weights}))
+    assert "rank 0 of its 3 ranks reads its shard's 57.2 MiB" in split and "this model reads its" not in split
+    assert "reading the weights (rank 0's shard; the 3 ranks read theirs at once" in split
+    one = " ".join(model_facts(chapter("decode"), {**INFO, **weights}))
+    assert "this model reads its 57.2 MiB" in one and "rank" not in one
+    told = Narrator({**SPLIT, **weights})._bandwidth_share(replace(timed(n=3, tokens=1), tp_size=3))
+    assert "No weight-reading rate is told" in told and "rank 0's is 57.2 MiB" in told and "GB/s" not in told
+    alone = Narrator({**INFO, **weights})._bandwidth_share(ONE_PROCESS)
+    assert "Alone in its step, it read the 57.2 MiB" in alone

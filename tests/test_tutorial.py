@@ -309,7 +309,10 @@ def test_prefill_demo_measures_its_step_against_the_ridge_point(demos):
     text = " ".join(demo_output(demos, "prefill").split())
     assert re.search(r"ROOFLINE · step \d+ · Request 0: prefill of 5 tokens against the roofline", text)
     assert re.search(r"This step's layer: [\d,]+ FLOPs over [\d,]+ bytes = [\d.]+ FLOP/byte: memory-bound", text)
-    assert re.search(r"a prefill becomes compute-bound from about [\d,]+ tokens", text)
+    if "measured while the host was busy" in text:  # a loaded host's roofline: no token count is told (trial 15a)
+        assert "compute-bound from about" not in text and "run `python -m nanovllm_core.roofline`" in text, text
+    else:
+        assert re.search(r"a prefill becomes compute-bound from about [\d,]+ tokens", text), text
 
 
 def test_the_prefill_chapter_states_the_measured_ridge_point_when_known():

@@ -625,6 +625,11 @@ class Narrator(SchedulerNarration):
         if getattr(timed, "traced", False):  # trial 12: the capture's time was put down to norms, RoPE, attention...
             return (" No weight-reading rate is told for this step: the X-Ray's capture is in its time, and a rate "
                     "over it would be the capture's as much as the engine's.")
+        n = tp_size(self.info)
+        if n > 1:  # linear_weight_bytes is rank 0's shard, and the other ranks read theirs from the same memory
+            return (f" No weight-reading rate is told for this step: split over {n} ranks, each read its own shard "
+                    f"of the weights at once (rank 0's is {human_bytes(weights)}), so one rank's rate is not the "
+                    "machine's.")
         floor = weights / bw
         busy = (" (measured while the host was busy, so likely low)"
                 if "host was busy" in str(self.info.get("machine") or "") else "")

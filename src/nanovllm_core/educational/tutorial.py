@@ -1050,7 +1050,14 @@ def _decode_bytes(info: dict[str, Any]) -> list[str]:
     if not (weights and count):  # an older engine's info: all parameters at the activations' width
         weights, count = g("num_parameters") * elem, None
     row = f" of {g('hidden_size')} numbers" if g("hidden_size") else ""
-    lines = [f"A decode step of this model reads its {human_bytes(weights)} of {weights_kind(info)} weights once "
+    from nanovllm_core.educational import tp_facts
+
+    n = tp_facts.tp_size(info)
+    # Under tensor parallelism model_info's linear_weight_bytes is rank 0's shard (trial 16c): say so.
+    whose = (f"rank 0 of its {n} ranks reads its shard's {human_bytes(weights)} of {weights_kind(info)} weights "
+             f"(each rank reads its own shard at the same time)" if n > 1 else
+             f"this model reads its {human_bytes(weights)} of {weights_kind(info)} weights")
+    lines = [f"A decode step of {whose} once "
              f"for the whole batch: the linear layers of all {g('num_layers')} decoder layers and the LM head (the "
              f"embedding lookup reads one row{row} per token, not the matrix); and for each request its own "
              f"{per:,} bytes of keys and values per token of context{_ranks(info, per)}: "
@@ -1068,7 +1075,9 @@ def _decode_bytes(info: dict[str, Any]) -> list[str]:
     if g("memory_bandwidth"):
         bw = g("memory_bandwidth")
         busy = " (measured while the host was busy, so likely low)" if "host was busy" in str(g("machine") or "") else ""
-        lines.append(f"At this machine's measured {bw / 1e9:,.1f} GB/s{busy}, reading the weights alone takes "
+        shard = (f" (rank 0's shard; the {n} ranks read theirs at once from the one memory, so its share of the "
+                 "bandwidth is less)") if n > 1 else ""
+        lines.append(f"At this machine's measured {bw / 1e9:,.1f} GB/s{busy}, reading the weights{shard} alone takes "
                      f"{ms(weights / bw)}: at batch 1 no more than {bw / weights:,.0f} tokens/s, "
                      "however fast the arithmetic.")
     if count and g("quantization"):
