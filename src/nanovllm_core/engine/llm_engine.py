@@ -358,7 +358,7 @@ class LLMEngine(EventSource):
     def request_problem(self, token_ids: list[int], params: SamplingParams,
                         fit_context: bool = False) -> tuple[str, str] | None:
         """Why this engine could never serve ``token_ids`` with ``params``: ``(field, one-line reason)``
-        where field is ``"prompt"``, ``"stop_token_ids"``, ``"n"`` or ``"max_tokens"``; None when it can.
+        where field is ``"prompt"``, ``"stop_token_ids"``, ``"logit_bias"``, ``"n"`` or ``"max_tokens"``; None when it can.
 
         ``fit_context``: also refuse a ``max_tokens`` that does not fit after the prompt in
         ``max_model_len`` (vLLM's server rule, :func:`~nanovllm_core.sampling_params.max_tokens_overflow`);
@@ -386,6 +386,9 @@ class LLMEngine(EventSource):
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             return "stop_token_ids", f"stop_token_ids contains {shown(bad[0])}, outside the vocabulary (0..{vocab - 1})"
+        bad = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad:
+            return "logit_bias", f"logit_bias has the token id {shown(bad[0])}, outside the vocabulary (0..{vocab - 1})"
         if params.n > self.scheduler.max_num_seqs:  # n sequences run side by side: more could never all be admitted
             return "n", (f"n={params.n} asks for more sequences than this engine runs at once "
                          f"(max_num_seqs={self.scheduler.max_num_seqs}); lower n or raise max_num_seqs (--max-num-seqs)")
@@ -422,7 +425,7 @@ class LLMEngine(EventSource):
 
         A request the engine can never serve (text that is not valid Unicode, an empty prompt, one longer than
         ``max_model_len`` or needing more KV blocks than the whole pool, prompt or
-        ``stop_token_ids`` outside the vocabulary, or any request after the device failed for
+        ``stop_token_ids`` or ``logit_bias`` ids outside the vocabulary, or any request after the device failed for
         good, see ``fatal_error``) is *rejected*: a ``RequestRejected`` event
         and, from the next :meth:`step`, a finished ``RequestOutput`` with
         ``finish_reason="rejected"`` and ``error`` set.
@@ -794,4 +797,6 @@ def _non_default(params: SamplingParams) -> dict[str, Any]:
             out[name] = value
     if params.stop:
         out["stop"] = tuple(params.stop)
+    if params.logit_bias:  # (token id, bias) pairs: hashable, and JSON in a trace
+        out["logit_bias"] = tuple(sorted(params.logit_bias.items()))
     return out

@@ -53,7 +53,7 @@ from nanovllm_core.entrypoints.event_hub import EventHub
 from nanovllm_core.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm_core.entrypoints.openai_serving import SERVER_ID_PREFIXES, OpenAIServing, Prepared
 from nanovllm_core.entrypoints.protocol import (APIError, ChatCompletionRequest, CompletionRequest, validation_error,
-                                                whole_number)
+                                                logit_bias_ids, whole_number)
 from nanovllm_core.model.quantization import describe_weights
 from nanovllm_core.entrypoints.request_stream import InFlight
 from nanovllm_core.prompts import is_conversation, unicode_problem
@@ -585,6 +585,8 @@ def _control_submit(state: ServerState, body: dict) -> str:
         raise APIError(f"params has unknown field(s) {untrusted.listed(unknown)}; use SamplingParams field names",
                        param=f"params.{unknown[0]}", code="unknown_parameter")
     fields = {k: _whole_numbers(v) if k in _INT_PARAMS else v for k, v in fields.items()}
+    if isinstance(fields.get("logit_bias"), dict):  # JSON keys are text: {"1234": -100}, as on /v1/completions
+        fields["logit_bias"] = logit_bias_ids(fields["logit_bias"], "params.logit_bias")
     try:
         params = SamplingParams(**fields)
     except (TypeError, ValueError) as e:

@@ -146,19 +146,20 @@ class OpenAIServing:
         try:
             _, ids = engine.encode_prompt(prompt)
         except ValueError as e:
-            raise APIError(str(e), param="prompt") from None
+            raise APIError(str(e), param="prompt", code="invalid_value") from None
         vocab = engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
-            raise APIError(f"prompt holds a token id outside the vocabulary (0..{vocab - 1})", param="prompt")
+            raise APIError(f"prompt holds a token id outside the vocabulary (0..{vocab - 1})", param="prompt",
+                           code="invalid_value")
         if not ids:
-            raise APIError("prompt is empty; send at least one token of text", param="prompt")
+            raise APIError("prompt is empty; send at least one token of text", param="prompt", code="invalid_value")
         try:
             check_length(len(ids), params.max_tokens, self.max_model_len)
         except APIError as e:
             raise e.renamed(names) from None
         problem = engine.request_problem(ids, params)
         if problem is not None:
-            raise APIError(problem[1], param=problem[0]).renamed(names)
+            raise APIError(problem[1], param=problem[0], code="invalid_value").renamed(names)
         return ids
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:

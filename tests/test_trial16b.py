@@ -1,0 +1,109 @@
+"""Trial 16b: ``logit_bias`` (vLLM's field, refused here before), the Content-Type of POST bodies,
+JSON spelling and a ``code`` on every error, and how ``n`` counts in the prompt metrics."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from nanovllm_core.llm import LLM
+from nanovllm_core.sampling_params import SamplingParams
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+PROMPT = [1, 2, 3, 4, 5]
+
+
+def post(server, path: str, **fields) -> httpx.Response:
+    body = {"prompt": "Hi"} if path == COMPLETIONS else {"messages": [{"role": "user", "content": "Say hi"}]}
+    return httpx.post(server.url + path, json={**body, "max_tokens": 1, **fields}, headers=server.headers, timeout=60)
+
+
+def greedy(llm: LLM, prompt=PROMPT, **fields) -> list[int]:
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, **fields)
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+# ---------------------------------------------------------------------- 1. logit_bias
+
+def test_logit_bias_plus_100_makes_greedy_pick_a_token_and_minus_100_bans_the_greedy_one(make_tiny_engine):
+    llm = LLM.from_engine(make_tiny_engine())
+    plain = greedy(llm)
+    target = next(t for t in range(7, 100) if t not in plain)
+    assert greedy(llm, logit_bias={target: 100}) == [target] * 3
+    banned = greedy(llm, logit_bias={plain[0]: -100})
+    assert banned[0] != plain[0]
+    assert greedy(llm, logit_bias={target: 1e9}) == [target] * 3  # clamped to 100, still a huge push
+    assert SamplingParams(logit_bias={5: 1e9, 6: -1e9}).logit_bias == {5: 100.0, 6: -100.0}
+
+
+@pytest.mark.parametrize("spec", [{}, {"speculative_model": "ngram", "num_speculative_tokens": 3}],
+                         ids=["plain", "ngram-speculation"])
+def test_biased_and_unbiased_requests_in_one_batch_each_get_their_own_tokens(make_tiny_engine, spec):
+    llm = LLM.from_engine(make_tiny_engine(**spec))
+    alone = greedy(llm, prompt=[9, 9, 9, 9, 9, 9])
+    target = next(t for t in range(7, 100) if t not in alone)
+    biased = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={target: 100})
+    plain = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=6, ignore_eos=True, logit_bias={target: 100})
+    outs = llm.generate([[9, 9, 9, 9, 9, 9]] * 3, [biased, plain, sampled], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == [target] * 6
+    assert outs[1].outputs[0].token_ids == alone
+    assert outs[2].outputs[0].token_ids == [target] * 6  # +100 outweighs any temperature-0.8 draw here
+
+
+def test_logprobs_are_those_of_the_raw_unbiased_logits(make_tiny_engine):
+    """vLLM's default logprobs_mode "raw_logprobs": the bias changes the choice, not the logprobs."""
+    llm = LLM.from_engine(make_tiny_engine())
+    plain = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1, logprobs=2), use_tqdm=False)[0]
+    token = plain.outputs[0].token_ids[0]
+    target = next(t for t in range(7, 100) if t != token)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1, logprobs=2, logit_bias={target: 100}),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [target]
+    assert out.logprobs[0][target].rank > 1  # its raw rank, not first
+    assert abs(out.logprobs[0][token].logprob - plain.outputs[0].logprobs[0][token].logprob) < 1e-5
+
+
+@pytest.mark.parametrize("bias, words", [({-1: 1}, "integers >= 0"), ({True: 1}, "integers >= 0"),
+                                         ({"5": 1}, "integers >= 0"), ({5: float("nan")}, "finite number"),
+                                         ({5: "1"}, "finite number"), ([5], "map of token id")])
+def test_bad_logit_bias_is_refused_in_one_line(bias, words):
+    with pytest.raises(ValueError, match=words) as e:
+        SamplingParams(logit_bias=bias)
+    assert "\n" not in str(e.value)
+
+
+def test_a_logit_bias_id_outside_the_vocabulary_is_refused_by_the_library(make_tiny_engine):
+    llm = LLM.from_engine(make_tiny_engine())
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(ValueError, match="logit_bias has the token id .* outside the vocabulary"):
+        llm.generate([PROMPT], SamplingParams(logit_bias={vocab: 5}), use_tqdm=False)
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_the_server_takes_logit_bias_on_both_routes(tiny_server, path):
+    plain = post(tiny_server, path, temperature=0, max_tokens=3, return_token_ids=True).json()["choices"][0]
+    ids = plain["token_ids"]
+    target = next(t for t in range(7, 100) if t not in ids)
+    r = post(tiny_server, path, temperature=0, max_tokens=3, return_token_ids=True, ignore_eos=True,
+             logit_bias={str(target): 100, str(ids[0]): -100}, presence_penalty=2, frequency_penalty=2,
+             repetition_penalty=1.5)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"][0] == target
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("bias, words", [({"abc": 1}, "not a token id"), ({"-3": 1}, "integers >= 0"),
+                                         ({"99999999": 1}, "outside the vocabulary"),
+                                         ({"5": "x"}, "Input should be a valid number")])
+def test_the_server_refuses_bad_logit_bias_keys_with_a_400_naming_the_field(tiny_server, path, bias, words):
+    r = post(tiny_server, path, logit_bias=bias)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert words in error["message"] and error["param"].startswith("logit_bias") and error["code"], error
+
+
+def test_the_narrator_names_the_logit_bias_among_the_processors():
+    from nanovllm_core.educational.narrator_sampling import processors
+
+    assert processors({"logit_bias": [[5, 100.0], [6, -100.0]]}, 0) == ["the logit bias on 2 tokens"]
