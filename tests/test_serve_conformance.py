@@ -461,8 +461,8 @@ def test_a_body_over_the_limit_is_a_413_with_the_openai_body(tiny_server):
     assert r.status_code == 413 and f"limit of {limit} bytes" in r.json()["error"]["message"], r.text[:300]
     assert r.json()["error"]["code"] == "request_too_large"
     data = json.dumps(body).encode()  # sent in chunks without Content-Length: counted while read
-    r = httpx.post(tiny_server.url + "/v1/chat/completions", timeout=60, headers=tiny_server.headers,
-                   content=(data[i:i + 65536] for i in range(0, len(data), 65536)))
+    r = httpx.post(tiny_server.url + "/v1/chat/completions", timeout=60,
+                   headers={**tiny_server.headers, "Content-Type": "application/json"}, content=(data[i:i + 65536] for i in range(0, len(data), 65536)))
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text[:300]
     r = httpx.post(tiny_server.url + "/v1/engine/control", timeout=60,
                    **_json(tiny_server, {"command": "submit", "prompt": body["prompt"]}))

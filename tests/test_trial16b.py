@@ -3,6 +3,9 @@ JSON spelling and a ``code`` on every error, and how ``n`` counts in the prompt 
 
 from __future__ import annotations
 
+import json
+import re
+
 import httpx
 import pytest
 
@@ -107,3 +110,42 @@ def test_the_narrator_names_the_logit_bias_among_the_processors():
     from nanovllm_core.educational.narrator_sampling import processors
 
     assert processors({"logit_bias": [[5, 100.0], [6, -100.0]]}, 0) == ["the logit bias on 2 tokens"]
+
+
+# ---------------------------------------------------------------------- 2. the Content-Type of a POST body
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT, "/v1/engine/control"])
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None,
+                                          "application/jsonx", "multipart/form-data; boundary=x"])
+def test_a_body_not_sent_as_application_json_is_refused_naming_the_content_type(tiny_server, path, content_type):
+    """Trial 16b: a JSON body sent as text/plain was served (vLLM's validate_json_request refuses it), and a
+    form body got "not valid JSON", never naming the Content-Type."""
+    body = {"prompt": "Hi", "max_tokens": 1} if path == COMPLETIONS else (
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1} if path == CHAT else {"command": "pause"})
+    headers = {**tiny_server.headers, **({"Content-Type": content_type} if content_type else {})}
+    r = httpx.post(tiny_server.url + path, content=json.dumps(body), headers=headers, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "unsupported_media_type" and error["param"] == "Content-Type"
+    assert "Only 'application/json' is allowed" in error["message"]
+    assert (json.dumps(content_type) if content_type else "no Content-Type header") in error["message"]
+    assert "Content-Type: application/json" in error["message"] and "\n" not in error["message"]
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8",
+                                          "Application/JSON;charset=UTF-8"])
+def test_application_json_with_or_without_a_charset_is_served(tiny_server, content_type):
+    r = httpx.post(tiny_server.url + COMPLETIONS, content=json.dumps({"prompt": "Hi", "max_tokens": 1}),
+                   headers={**tiny_server.headers, "Content-Type": content_type}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_every_curl_with_a_body_in_the_docs_sends_the_json_content_type():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        for command in re.findall(r"curl\b(?:[^\n]*\\\n)*[^\n]*", text):
+            if re.search(r"\s(-d|--data\S*)\s", command):
+                assert 'Content-Type: application/json' in command, f"{doc.name}: {command}"

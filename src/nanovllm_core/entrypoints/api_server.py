@@ -275,14 +275,36 @@ def _api_key_check(api_key: str | None):
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
-async def _json(request: Request, limit: int) -> Any:
-    """The request body parsed as JSON.
+def _check_media_type(content_type: str | None) -> None:
+    """Refuse a POST body not sent as ``application/json`` (a ``charset`` or other parameter is allowed),
+    as vLLM's ``validate_json_request`` does on every POST route, before the body is read.
+
+    vLLM answers 400 ("Unsupported Media Type: Only 'application/json' is allowed", a
+    ``RequestValidationError``; older versions 415); so does this server, with the Content-Type it got
+    and the header to send. Trial 16b: a body sent as ``text/plain`` was served, which lets a web
+    page on any origin post to the server as a "simple" request with no CORS preflight.
 
     Raises:
-        APIError: 413 for a body over ``limit`` bytes (its Content-Length, or the bytes read so
-            far, is over it: read no further); 400 ``invalid_json`` for a body that is not JSON,
+        APIError: 400 ``unsupported_media_type``.
+    """
+    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    if media_type == "application/json":
+        return
+    got = "no Content-Type header" if content_type is None else f"Content-Type {untrusted.shown(content_type, as_json=True)}"
+    raise APIError(f"Unsupported Media Type: Only 'application/json' is allowed; the request was sent with {got}. Send "
+                   "the body as JSON with the header 'Content-Type: application/json' (curl: -H \"Content-Type: "
+                   "application/json\")", param="Content-Type", code="unsupported_media_type")
+
+
+async def _json(request: Request, limit: int) -> Any:
+    """The request body parsed as JSON, once its Content-Type is ``application/json`` (:func:`_check_media_type`).
+
+    Raises:
+        APIError: 400 ``unsupported_media_type`` for another Content-Type or none; 413 for a body
+            over ``limit`` bytes (its Content-Length, or the bytes read so far, is over it: read no further); 400 ``invalid_json`` for a body that is not JSON,
             also one nested past the parser's depth (``untrusted.loads``).
     """
+    _check_media_type(request.headers.get("content-type"))
     too_big = APIError(f"the request body is larger than this server's limit of {limit} bytes; send a shorter "
                        "prompt or fewer prompts per request (the limit is nanovllm serve --max-body-bytes)",
                        status=413, code="request_too_large")
