@@ -43,7 +43,7 @@ def test_completions_refuse_those_fields_bad_values_in_chats_words(tiny_server, 
 # ---------------------------------------------------------------------- 5. a non-boolean store is a type error
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
-@pytest.mark.parametrize("value, shown", [("false", "'false'"), (1, "1"), ([], "[]")])
+@pytest.mark.parametrize("value, shown", [("false", '"false"'), (1, "1"), ([], "[]")])
 def test_a_store_that_is_no_boolean_gets_the_type_error_other_booleans_get(tiny_server, path, value, shown):
     """Trial 15b: "store": "false" was told "store is not supported ...; leave it out or send false"."""
     error = post(tiny_server, path, store=value).json()["error"]

@@ -149,3 +149,51 @@ def test_every_curl_with_a_body_in_the_docs_sends_the_json_content_type():
         for command in re.findall(r"curl\b(?:[^\n]*\\\n)*[^\n]*", text):
             if re.search(r"\s(-d|--data\S*)\s", command):
                 assert 'Content-Type: application/json' in command, f"{doc.name}: {command}"
+
+
+# ---------------------------------------------------------------------- 3. JSON spelling and a code on every error
+
+CONTROL = "/v1/engine/control"
+HI = [{"role": "user", "content": "Hi"}]
+ERRORS = [  # (path, body, extra headers): each a 4xx the server answers before any work
+    (CONTROL, {"command": "step", "n": True}, {}), (CONTROL, {"command": "step", "n": 0}, {}),
+    (CONTROL, {"command": "step", "n": None}, {}), (CONTROL, {"command": "fly"}, {}), (CONTROL, {}, {}),
+    (CONTROL, [1], {}), (CONTROL, {"command": "submit"}, {}), (CONTROL, {"command": "submit", "prompt": "hi", "params": 5}, {}),
+    (CONTROL, {"command": "submit", "prompt": "hi", "params": {"n": True}}, {}),
+    (CONTROL, {"command": "submit", "prompt": "hi", "params": {"bogus": 1}}, {}),
+    (CONTROL, {"command": "submit", "prompt": "hi", "request_id": "cmpl-1"}, {}),
+    (CONTROL, {"command": "submit", "prompt": "hi", "params": {"logit_bias": {"x": 1}}}, {}),
+    (CONTROL, {"command": "abort", "request_id": "nobody"}, {}),
+    (CONTROL, {"command": "xray", "request_id": None, "layer": "a", "head": 0}, {}),
+    (CONTROL, {"command": "xray", "request_id": None, "layer": 999, "head": 0}, {}),
+    (CONTROL, {"command": "pause", "extra": True}, {}),
+    (CHAT, {"messages": HI, "top_logprobs": 2}, {}), (CHAT, {"messages": []}, {}),
+    (CHAT, {"messages": [{"role": "user", "content": None}]}, {}), (CHAT, {"messages": HI, "stream_options": {}}, {}),
+    (COMPLETIONS, {"prompt": []}, {}), (COMPLETIONS, {"prompt": ""}, {}), (COMPLETIONS, {"prompt": [99999999]}, {}),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, {}), (COMPLETIONS, {"prompt": "hi", "n": True}, {}),
+    (COMPLETIONS, {"prompt": "hi", "max_token": 1}, {}), (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [99999999]}, {}),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"1": None, "2": True}}, {}), (COMPLETIONS, {"prompt": "hi", "model": "x"}, {}),
+    (COMPLETIONS, {"prompt": "hi"}, {"X-Request-Id": "x" * 129}), (COMPLETIONS, {"prompt": "hi"}, {"X-Request-Id": ""}),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 99999}, {}), (COMPLETIONS, {"prompt": "hi", "echo": True}, {}),
+    (COMPLETIONS, {"prompt": "hi", "priority": True}, {}), (COMPLETIONS, {"prompt": "hi", "suffix": "x"}, {}),
+]
+
+
+@pytest.mark.parametrize("path, body, headers", ERRORS, ids=[f"{p.rsplit('/', 1)[-1]}-{json.dumps(b)[:40]}-{list(h)}"
+                                                               for p, b, h in ERRORS])
+def test_every_error_carries_a_code_and_spells_values_as_json(tiny_server, path, body, headers):
+    """Trial 16b: "step needs a whole n from 1 to 1000, got True" (the client sent true), and code null
+    on control errors, top_logprobs without logprobs, an empty prompt, X-Request-Id errors and an
+    out-of-vocabulary prompt. A client must be able to branch on code."""
+    r = httpx.post(tiny_server.url + path, json=body, headers={**tiny_server.headers, **headers}, timeout=60)
+    assert 400 <= r.status_code < 500, r.text
+    error = r.json()["error"]
+    assert isinstance(error["code"], str) and error["code"], error
+    assert not re.search(r"\b(True|False|None)\b(?!,? JSON null| \(JSON null)|(got|=|key|id|command|n) '", error["message"]), error["message"]
+
+def test_shown_spells_values_as_json():
+    from nanovllm_core.untrusted import shown
+
+    assert [shown(v) for v in (True, None, "a", [1, False, None], {"k": "v"}, 2.5)] == \
+        ["true", "null", '"a"', "[1, false, null]", '{"k": "v"}', "2.5"]
+    assert shown(list(range(5000))) == "[0, 1, 2, 3, 4, 5, 6, 7, ...] (a list of 5000 items)"

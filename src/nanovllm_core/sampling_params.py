@@ -120,7 +120,7 @@ def clamped_logit_bias(bias: object) -> dict[int, float] | None:
         return None
     if not isinstance(bias, dict):
         raise ValueError(f"SamplingParams.logit_bias={_shown(bias)} is invalid: must be a map of token id to bias "
-                         "(e.g. {50256: -100}) or None")
+                         "(e.g. {50256: -100}) or None (JSON null)")
     out: dict[int, float] = {}
     for token, value in bias.items():
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
@@ -199,10 +199,10 @@ class SamplingParams:
             self.stop = [self.stop]
         elif self.stop is not None and not isinstance(self.stop, (list, tuple, set, frozenset)):
             raise ValueError(f"SamplingParams.stop={_shown(self.stop)} is invalid: "
-                             "must be a string, a list of strings, or None")
+                             "must be a string, a list of strings, or None (JSON null)")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
             raise ValueError(f"SamplingParams.stop_token_ids={_shown(self.stop_token_ids)} is invalid: "
-                             "must be a list of token ids (integers >= 0) or None")
+                             "must be a list of token ids (integers >= 0) or None (JSON null)")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = clamped_logit_bias(self.logit_bias)
@@ -240,7 +240,7 @@ class SamplingParams:
         if not (-2 <= self.frequency_penalty <= 2):
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if self.max_tokens is not None and not is_int(self.max_tokens, 1):
-            raise bad("max_tokens", f"must be an integer from 1 to {COUNT_MAX} (or None for 'up to max_model_len')")
+            raise bad("max_tokens", f"must be an integer from 1 to {COUNT_MAX} (or None, JSON null, for up to max_model_len)")
         if not is_int(self.min_tokens, 0):
             raise bad("min_tokens", f"must be an integer from 0 to {COUNT_MAX}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -258,7 +258,7 @@ class SamplingParams:
             raise bad("logprobs", "must be an integer in [0, 20]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not SEED_MIN <= self.seed <= SEED_MAX):
-            raise bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits) or None")
+            raise bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits) or None (JSON null)")
 
     @property
     def greedy(self) -> bool:

@@ -268,7 +268,7 @@ class _SamplingBody(_Body):
         if self.best_of is not None and self.best_of != self.n:  # (every "not supported" value: invalid_value)
             raise APIError("best_of other than n is not supported; leave it out", param="best_of", code="invalid_value")
         if self.stream_options is not None and not self.stream:
-            raise APIError("stream_options is only allowed with stream=true", param="stream_options")
+            raise APIError("stream_options is only allowed with stream=true", param="stream_options", code="invalid_value")
         try:  # the bound every entry point shares (vLLM takes any integer; a huge one is refused here)
             check_priority(self.priority)
         except ValueError as e:
@@ -330,7 +330,7 @@ class CompletionRequest(_SamplingBody):
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         if not p:
-            raise APIError("prompt is empty; send text or a list of token ids", param="prompt")
+            raise APIError("prompt is empty; send text or a list of token ids", param="prompt", code="invalid_value")
         return list(p)
 
     def to_sampling_params(self) -> SamplingParams:
@@ -409,7 +409,7 @@ class ChatCompletionRequest(_SamplingBody):
                 ``tool_calls`` may leave it out, as OpenAI and vLLM allow).
         """
         if not self.messages:
-            raise APIError("messages is empty; send at least one message", param="messages")
+            raise APIError("messages is empty; send at least one message", param="messages", code="invalid_value")
         for i, m in enumerate(self.messages):
             if m.content is None and not (m.role == "assistant" and m.tool_calls):
                 raise APIError(f"message {i} ({m.role}) has no content; every message needs content, except an "
@@ -424,7 +424,7 @@ class ChatCompletionRequest(_SamplingBody):
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
-            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.sampling_params(limit, (self.top_logprobs or 0) if self.logprobs else None)
 
