@@ -197,3 +197,20 @@ def test_shown_spells_values_as_json():
     assert [shown(v) for v in (True, None, "a", [1, False, None], {"k": "v"}, 2.5)] == \
         ["true", "null", '"a"', "[1, false, null]", '{"k": "v"}', "2.5"]
     assert shown(list(range(5000))) == "[0, 1, 2, 3, 4, 5, 6, 7, ...] (a list of 5000 items)"
+
+
+# ---------------------------------------------------------------------- 4. how n counts in the prompt metrics
+
+def test_n_samples_count_their_prompt_once_each_in_both_prompt_metrics_as_vllm_does(make_tiny_engine):
+    """Trial 16b: an n=2 request counted its prompt once in vllm:prompt_tokens but twice in
+    vllm:prefix_cache_queries. vLLM V1 runs n as n child requests, and both counters add each child's
+    prompt (vllm/v1/metrics/stats.py IterationStats.update_from_output; vllm/v1/core/kv_cache_manager.py
+    get_computed_blocks), so both count it twice."""
+    llm = LLM.from_engine(make_tiny_engine())
+    before = llm.stats()
+    out = llm.generate([PROMPT, [7, 8, 9]], [SamplingParams(n=2, max_tokens=2, seed=0), SamplingParams(max_tokens=2)],
+                       use_tqdm=False)
+    after = llm.stats()
+    assert after["total_prompt_tokens"] - before["total_prompt_tokens"] == 2 * len(PROMPT) + 3
+    assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == 2 * len(PROMPT) + 3
+    assert len(out[0].prompt_token_ids) == len(PROMPT)  # what usage counts: the prompt once

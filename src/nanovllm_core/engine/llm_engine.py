@@ -147,7 +147,6 @@ class LLMEngine(EventSource):
         self.step_index = 0
         self.clock = EngineClock()  # request times; a controller stops it while it holds the engine paused
         self.output = OutputProcessor(tokenizer, self.max_model_len, self.clock)
-        self.total_prompt_tokens = 0
         self.fault_injector: Callable[[SchedulerOutput], None] | None = None  # tests: raise inside a step
         self.fatal_error: str | None = None  # set when the device failed for good; new requests are rejected
         self._step_traced = False  # the step being run is X-Ray captured (StepTimed.traced)
@@ -475,7 +474,6 @@ class LLMEngine(EventSource):
         self.scheduler.add(first)
         for seq in rest:
             self.scheduler.add(seq)
-        self.total_prompt_tokens += n_prompt
         if self._subscribers:
             self._emit(ev.RequestAdded(
                 request_id=request_id, prompt=text, prompt_token_ids=tuple(token_ids),
@@ -779,7 +777,7 @@ class LLMEngine(EventSource):
             "block_size": bm.block_size,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "total_prompt_tokens": self.total_prompt_tokens,
+            "total_prompt_tokens": self.output.total_prompt_tokens,  # per sample, at its first token (vLLM's count)
             "total_output_tokens": self.output.total_output_tokens,
             "spec_proposer": self.speculator.name if self.speculator else None,
             "spec_num_speculative_tokens": self.speculator.k if self.speculator else 0,
