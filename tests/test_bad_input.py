@@ -52,7 +52,7 @@ def test_each_bad_prompt_is_rejected_while_the_batch_completes_when_asked(make_l
     ("Hello there", {"max_tokens": 200}, "KV blocks .* pool has only 4"),
     ("Hello there", {"stop_token_ids": [49152]}, "stop_token_ids contains 49152, outside the vocabulary"),
     ("Hello there", {"n": 300}, "max_num_seqs"),
-    ([{"role": "bogus", "content": "Hi"}], {}, "messages\\[0\\] has role 'bogus'; a role is one of system, developer"),
+    ([{"role": "bogus", "content": "Hi"}], {}, "messages\\[0\\] has role \"bogus\"; a role is one of system, developer"),
 ])
 def test_a_bad_prompt_raises_before_any_prompt_is_queued(make_llm, prompt, params, message):
     llm = make_llm(num_kv_blocks=4, block_size=16, max_model_len=100)
@@ -95,14 +95,14 @@ def test_every_per_prompt_refusal_names_the_index_of_a_list_even_of_one(make_llm
 
 
 @pytest.mark.parametrize("messages,message", [
-    ([{"role": "bogus", "content": "Hi"}], r"^messages\[0\] has role 'bogus'; a role is one of system, developer, user, assistant, tool$"),
-    ([{"role": "user", "content": "Hi"}, {"role": "robot", "content": "x"}], r"messages\[1\] has role 'robot'"),
-    ([{"content": "Hi"}], r"messages\[0\] has role None"),
+    ([{"role": "bogus", "content": "Hi"}], r'^messages\[0\] has role "bogus"; a role is one of system, developer, user, assistant, tool$'),
+    ([{"role": "user", "content": "Hi"}, {"role": "robot", "content": "x"}], r'messages\[1\] has role "robot"'),
+    ([{"content": "Hi"}], r"messages\[0\] has role null"),
     ([{"role": "user"}], r"messages\[0\] \(user\) has no content"),
     ([{"role": "user", "content": 5}], r"messages\[0\] \(user\) content must be text or a list of text parts .*, not int$"),
     # newcomer trial 8: a non-text content part is refused naming it, as the server refuses it
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}],
-     r"^messages\[0\] \(user\) content\[0\] is an 'image_url' part; only text parts .* are supported$"),
+     r'^messages\[0\] \(user\) content\[0\] is an "image_url" part; only text parts .* are supported$'),
     ([{"role": "user", "content": [{"type": "text", "text": 5}]}], r"content\[0\] text must be text, not int"),
     ([{"role": "user", "content": ["Hi"]}], r"content\[0\] must be a text part .*, not str"),
     # newcomer trial 8: messages of the wrong type name what was given, not "messages is empty"
@@ -114,7 +114,7 @@ def test_every_per_prompt_refusal_names_the_index_of_a_list_even_of_one(make_llm
     ([[{"role": "user", "content": "Hi"}], "Hi"], r"^conversation 1: a conversation must be a non-empty list .*, got a str$"),
     ([{"role": "user", "content": "Hi"}, "Hi"], r"messages\[1\] must be a dict"),
     ([], "messages is empty"),
-    ([[{"role": "user", "content": "Hi"}], [{"role": "bogus", "content": "Hi"}]], r"^conversation 1: messages\[0\] has role 'bogus'"),
+    ([[{"role": "user", "content": "Hi"}], [{"role": "bogus", "content": "Hi"}]], r'^conversation 1: messages\[0\] has role "bogus"'),
     ([[{"role": "user", "content": "Hi"}], []], r"^conversation 1: a conversation must be a non-empty list"),
     # trial 9: one that does not fit was named prompts[1]
     ([[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "word " * 9000}]],
@@ -190,23 +190,23 @@ def test_chat_and_the_server_share_one_list_of_roles(make_llm):
     engine = llm.engine  # the engine path (the app's prompt bar, the server's control submit) rejects it too
     engine.add_request([{"role": "bogus", "content": "Hi"}], sp)
     (out,) = engine.step()
-    assert out.outputs[0].finish_reason == "rejected" and "has role 'bogus'" in out.error
+    assert out.outputs[0].finish_reason == "rejected" and 'has role "bogus"' in out.error
 
 
 @pytest.mark.parametrize("field,value,message", [
     ("max_tokens", 0, "max_tokens"),
     ("temperature", -0.5, "temperature"),
-    ("temperature", float("inf"), r"temperature=inf is invalid: must be a finite number >= 0"),
+    ("temperature", float("inf"), r"temperature=Infinity is invalid: must be a finite number >= 0"),
     ("top_p", 0.0, "top_p"),
     ("top_k", -5, "top_k"),
     ("n", 0, "n="),
     ("stop", [3], "stop"),
-    ("top_p", "0.5", "top_p='0.5' is invalid: must be a number"),
+    ("top_p", "0.5", "top_p=\"0.5\" is invalid: must be a number"),
     ("logprobs", 21, r"logprobs=21 is invalid: must be an integer in \[0, 20\]"),
     # flags: "no" would be truthy (newcomer trial, issue 29: the server's control submit passed it on)
-    ("ignore_eos", "no", r"ignore_eos='no' is invalid: must be true or false"),
+    ("ignore_eos", "no", r"ignore_eos=\"no\" is invalid: must be true or false"),
     ("skip_special_tokens", 0, r"skip_special_tokens=0 is invalid: must be true or false"),
-    ("include_stop_str_in_output", None, r"include_stop_str_in_output=None is invalid"),
+    ("include_stop_str_in_output", None, r"include_stop_str_in_output=null is invalid"),
 ])
 def test_invalid_sampling_params_raise_value_error_naming_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -233,16 +233,16 @@ HUGE = 10**30  # issue 29 item 3: an absurd integer, and a bool, where an intege
 
 @pytest.mark.parametrize("field,value,message", [
     ("n", HUGE, r"n=1000000000000000000000000000000 is invalid: must be an integer from 1 to 2147483647"),
-    ("n", True, r"n=True is invalid: must be an integer from 1 to 2147483647"),
+    ("n", True, r"n=true is invalid: must be an integer from 1 to 2147483647"),
     ("top_k", HUGE, r"top_k=1000000000000000000000000000000 is invalid: .* up to 2147483647"),
-    ("top_k", True, r"top_k=True is invalid"),
+    ("top_k", True, r"top_k=true is invalid"),
     ("max_tokens", HUGE, r"max_tokens=1000000000000000000000000000000 is invalid: must be an integer from 1 to 2147483647"),
-    ("max_tokens", True, r"max_tokens=True is invalid"),
+    ("max_tokens", True, r"max_tokens=true is invalid"),
     ("min_tokens", HUGE, r"min_tokens=1000000000000000000000000000000 is invalid: must be an integer from 0 to 2147483647"),
-    ("min_tokens", False, r"min_tokens=False is invalid"),
-    ("logprobs", True, r"logprobs=True is invalid: must be an integer in \[0, 20\]"),
+    ("min_tokens", False, r"min_tokens=false is invalid"),
+    ("logprobs", True, r"logprobs=true is invalid: must be an integer in \[0, 20\]"),
     ("logprobs", HUGE, r"logprobs=1000000000000000000000000000000 is invalid"),
-    ("stop_token_ids", [True], r"stop_token_ids contains True: token ids are integers >= 0"),
+    ("stop_token_ids", [True], r"stop_token_ids contains true: token ids are integers >= 0"),
 ])
 def test_absurd_integers_and_bools_in_sampling_params_are_refused(field, value, message):
     with pytest.raises(ValueError, match=message) as e:

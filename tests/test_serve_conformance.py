@@ -250,10 +250,10 @@ def test_control_refuses_a_request_id_that_is_not_valid_unicode_and_a_huge_n(tin
 @pytest.mark.parametrize("body, message", [
     ({"priority": 10**30}, "priority must be a whole number from -1000 to 1000, got 1000000"),
     ({"priority": -1001}, "priority must be a whole number from -1000 to 1000, got -1001"),
-    ({"priority": True}, "priority must be a whole number from -1000 to 1000, got True"),
-    ({"priority": "3"}, "priority must be a whole number from -1000 to 1000, got '3'"),
+    ({"priority": True}, "priority must be a whole number from -1000 to 1000, got true"),
+    ({"priority": "3"}, "priority must be a whole number from -1000 to 1000, got \"3\""),
     ({"params": {"max_tokens": 2, "top_k": 10**30}}, "top_k=1000000000000000000000000000000 is invalid"),
-    ({"params": {"max_tokens": 2, "n": True}}, "n=True is invalid"),
+    ({"params": {"max_tokens": 2, "n": True}}, "n=true is invalid"),
     ({"params": {"max_tokens": 10**30}}, "max_tokens=1000000000000000000000000000000 is invalid"),
 ])
 def test_control_submit_refuses_absurd_integers_with_a_400(tiny_server, body, message):
@@ -294,7 +294,7 @@ def test_the_engine_rejects_a_lone_surrogate_with_a_reason_rather_than_raising(m
     engine = make_tiny_engine(num_kv_blocks=8)
     rid = engine.add_request(LONE_SURROGATE)
     out = next(o for o in engine.step() if o.request_id == rid)
-    assert out.outputs[0].finish_reason == "rejected" and "lone surrogate '\\ud800'" in out.error
+    assert out.outputs[0].finish_reason == "rejected" and "lone surrogate \"\\ud800\"" in out.error
     assert engine.block_manager.num_free_blocks == 8
 
 
@@ -397,15 +397,15 @@ FIELD_AT_FAULT = [
     (CHAT, {"messages": MESSAGES, "stream": True, "stream_options": {"include_usage": "yes"}},
      "stream_options.include_usage", "Invalid value for stream_options.include_usage"),
     ("/v1/engine/control", {"command": "submit", "prompt": "hi", "params": {"temperature": "0.5"}},
-     "params.temperature", "params.temperature='0.5' is invalid"),
+     "params.temperature", "params.temperature=\"0.5\" is invalid"),
     ("/v1/engine/control", {"command": "submit", "prompt": "hi", "params": {"ignore_eos": "no"}},
-     "params.ignore_eos", "params.ignore_eos='no' is invalid: must be true or false"),
+     "params.ignore_eos", "params.ignore_eos=\"no\" is invalid: must be true or false"),
     ("/v1/engine/control", {"command": "submit", "prompt": "hi", "params": {"logprobs": 21}},
      "params.logprobs", "params.logprobs=21"),
     ("/v1/engine/control", {"command": "submit", "prompt": "hi", "params": {"temprature": 0}},
      "params.temprature", "unknown field(s) temprature"),
     ("/v1/engine/control", {"command": "submit", "prompt": "hi", "params": [1]}, "params", "params must be an object"),
-    ("/v1/engine/control", {"command": "xray", "layer": "0"}, "layer", "layer is '0'"),
+    ("/v1/engine/control", {"command": "xray", "layer": "0"}, "layer", 'layer is "0"'),
     ("/v1/engine/control", {"command": "xray", "request_id": 5}, "request_id", "request_id is 5"),
 ]
 
@@ -461,8 +461,8 @@ def test_a_body_over_the_limit_is_a_413_with_the_openai_body(tiny_server):
     assert r.status_code == 413 and f"limit of {limit} bytes" in r.json()["error"]["message"], r.text[:300]
     assert r.json()["error"]["code"] == "request_too_large"
     data = json.dumps(body).encode()  # sent in chunks without Content-Length: counted while read
-    r = httpx.post(tiny_server.url + "/v1/chat/completions", timeout=60, headers=tiny_server.headers,
-                   content=(data[i:i + 65536] for i in range(0, len(data), 65536)))
+    r = httpx.post(tiny_server.url + "/v1/chat/completions", timeout=60,
+                   headers={**tiny_server.headers, "Content-Type": "application/json"}, content=(data[i:i + 65536] for i in range(0, len(data), 65536)))
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text[:300]
     r = httpx.post(tiny_server.url + "/v1/engine/control", timeout=60,
                    **_json(tiny_server, {"command": "submit", "prompt": body["prompt"]}))
@@ -501,9 +501,9 @@ def test_a_pause_shows_on_health_and_metrics(tiny_server):
     ({"command": "step", "n": 10**20}, "n", "step needs a whole n from 1 to 1000"),
     ({"command": "step", "n": 0}, "n", "step needs a whole n from 1 to 1000, got 0"),
     ({"command": "step", "n": 1.5}, "n", "step needs a whole n from 1 to 1000, got 1.5"),
-    ({"command": "step", "n": "1"}, "n", "step needs a whole n from 1 to 1000, got '1'"),
+    ({"command": "step", "n": "1"}, "n", "step needs a whole n from 1 to 1000, got \"1\""),
     ({"command": "xray", "layer": 0.5}, "layer", "layer is 0.5"),
-    ({"command": "xray", "head": True}, "head", "head is True"),
+    ({"command": "xray", "head": True}, "head", "head is true"),
     ({"command": "xray", "layer": 999.0}, "layer", "xray layer 999 is out of range"),
 ])
 def test_control_refuses_an_xray_layer_or_head_and_a_step_count_out_of_range(tiny_server, body, param, message):
@@ -860,7 +860,7 @@ def test_x_request_id_names_the_response_and_comes_back(tiny_server):
     (b"", "X-Request-Id is empty; send 1 to 128 characters"),
     (b"x" * 129, "X-Request-Id has 129 characters, more than 128; send a shorter one"),
     (b"\xff\xfe", "not valid UTF-8"),
-    (b"a\x01b", "X-Request-Id holds the control character '\\x01' at position 1; send printable text")])
+    (b"a\x01b", "X-Request-Id holds the control character \"\\u0001\" at position 1; send printable text")])
 def test_a_bad_x_request_id_is_refused_as_a_control_request_id_is(tiny_server, value, message):
     r = _with_id(tiny_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, value)
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.text

@@ -325,8 +325,8 @@ def test_every_control_field_is_quoted_short_in_its_error(tiny_server):
 def test_a_quoted_value_keeps_its_start_and_says_its_size():
     from nanovllm_core import untrusted
 
-    assert untrusted.shown("0.5") == "'0.5'" and untrusted.shown([5]) == "[5]"  # short: the repr, as before
-    assert untrusted.shown("x" * 900_000) == f"'{'x' * 40}'… (900000 characters)"
+    assert untrusted.shown("0.5") == '"0.5"' and untrusted.shown([5]) == "[5]"  # short: its JSON text
+    assert untrusted.shown("x" * 900_000) == '"' + "x" * 40 + '"… (900000 characters)'
     assert untrusted.shown(list(range(5000))) == "[0, 1, 2, 3, 4, 5, 6, 7, ...] (a list of 5000 items)"
     assert untrusted.shown(10 ** 4000) == f"1{'0' * 39}… (4001 digits)"
     assert untrusted.shown("explode", as_json=True) == '"explode"' and untrusted.shown(True, as_json=True) == "true"

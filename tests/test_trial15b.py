@@ -43,7 +43,7 @@ def test_completions_refuse_those_fields_bad_values_in_chats_words(tiny_server, 
 # ---------------------------------------------------------------------- 5. a non-boolean store is a type error
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
-@pytest.mark.parametrize("value, shown", [("false", "'false'"), (1, "1"), ([], "[]")])
+@pytest.mark.parametrize("value, shown", [("false", '"false"'), (1, "1"), ([], "[]")])
 def test_a_store_that_is_no_boolean_gets_the_type_error_other_booleans_get(tiny_server, path, value, shown):
     """Trial 15b: "store": "false" was told "store is not supported ...; leave it out or send false"."""
     error = post(tiny_server, path, store=value).json()["error"]
@@ -55,7 +55,7 @@ def test_a_store_that_is_no_boolean_gets_the_type_error_other_booleans_get(tiny_
 
 @pytest.mark.parametrize("path, fields", [(COMPLETIONS, {"echo": True}), (CHAT, {"echo": True}),
                                           (COMPLETIONS, {"suffix": "x"}), (COMPLETIONS, {"best_of": 2}),
-                                          (CHAT, {"logit_bias": {"1": 1.0}}), (CHAT, {"store": True})])
+                                          (CHAT, {"store": True})])
 def test_every_value_this_server_does_not_support_carries_the_code_invalid_value(tiny_server, path, fields):
     """Trial 15b: echo=true answered "code": null where store and tools answer "invalid_value"."""
     r = post(tiny_server, path, **fields)

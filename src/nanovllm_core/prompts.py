@@ -5,6 +5,7 @@ A value-type module (no torch): the engine, the server and the app's controllers
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, get_args
 
 from nanovllm_core.untrusted import shown
@@ -142,4 +143,4 @@ def unicode_problem(text: str) -> str | None:
     bad = next((i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff"), None)
     if bad is None:
         return None
-    return f"character {bad} is a lone surrogate {text[bad]!r}, which has no UTF-8 form; send UTF-8 text"
+    return f"character {bad} is a lone surrogate {json.dumps(text[bad])}, which has no UTF-8 form; send UTF-8 text"

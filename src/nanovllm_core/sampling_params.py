@@ -106,6 +106,32 @@ def overflow_with_options(reason: str, option: str = "--max-tokens",
     return f"{option} {reason[len('max_tokens '):-len(OVERFLOW_FIX)]}{fix}"
 
 
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's documented range for a logit_bias value: [-100, 100]
+
+
+def clamped_logit_bias(bias: object) -> dict[int, float] | None:
+    """``bias`` checked and each value clamped to [-100, 100] (OpenAI's range; vLLM clamps the same way):
+    None for None or an empty map, else a new ``{token_id: bias}`` dict.
+
+    Raises:
+        ValueError: not a dict, a key that is not an integer >= 0, or a value that is not a finite number.
+    """
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"SamplingParams.logit_bias={_shown(bias)} is invalid: must be a map of token id to bias "
+                         "(e.g. {50256: -100}) or None (JSON null)")
+    out: dict[int, float] = {}
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"SamplingParams.logit_bias has the key {_shown(token)}: keys are token ids (integers >= 0)")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+            raise ValueError(f"SamplingParams.logit_bias has the bias {_shown(value)} for token {token}: a bias must be "
+                             f"a finite number (clamped to [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}])")
+        out[token] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(value)))
+    return out or None
+
+
 @dataclass
 class SamplingParams:
     """Per-request decoding settings.
@@ -136,6 +162,12 @@ class SamplingParams:
         logprobs: per generated token, the log-probabilities of this many most likely tokens
             (0 to 20) plus the chosen one's, with ranks, under the model's raw distribution.
         skip_special_tokens: leave special tokens out of the decoded text.
+        logit_bias: ``{token_id: bias}`` added to the model's logits before sampling, greedy included
+            (vLLM's and OpenAI's field): each bias is clamped to [-100, 100] as OpenAI documents (+100
+            all but forces a token, -100 all but bans it); ids must be integers >= 0 inside the
+            vocabulary (the engine checks that: ``LLMEngine.request_problem``). Applied after the
+            ``min_tokens`` ban and before the penalties, vLLM V1's order. ``logprobs`` stay those of the
+            raw, unbiased logits, as vLLM returns them by default (``logprobs_mode="raw_logprobs"``).
 
     Integer fields take ints, never bools; the flags take bools only; the counts (``n``, ``top_k``, ``max_tokens``,
     ``min_tokens``) are at most ``COUNT_MAX`` (2**31 - 1).
@@ -158,6 +190,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         # The two list fields are checked for their type before they are copied: list(5) would raise a
@@ -166,12 +199,13 @@ class SamplingParams:
             self.stop = [self.stop]
         elif self.stop is not None and not isinstance(self.stop, (list, tuple, set, frozenset)):
             raise ValueError(f"SamplingParams.stop={_shown(self.stop)} is invalid: "
-                             "must be a string, a list of strings, or None")
+                             "must be a string, a list of strings, or None (JSON null)")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
             raise ValueError(f"SamplingParams.stop_token_ids={_shown(self.stop_token_ids)} is invalid: "
-                             "must be a list of token ids (integers >= 0) or None")
+                             "must be a list of token ids (integers >= 0) or None (JSON null)")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = clamped_logit_bias(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -206,7 +240,7 @@ class SamplingParams:
         if not (-2 <= self.frequency_penalty <= 2):
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if self.max_tokens is not None and not is_int(self.max_tokens, 1):
-            raise bad("max_tokens", f"must be an integer from 1 to {COUNT_MAX} (or None for 'up to max_model_len')")
+            raise bad("max_tokens", f"must be an integer from 1 to {COUNT_MAX} (or None, JSON null, for up to max_model_len)")
         if not is_int(self.min_tokens, 0):
             raise bad("min_tokens", f"must be an integer from 0 to {COUNT_MAX}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -224,7 +258,7 @@ class SamplingParams:
             raise bad("logprobs", "must be an integer in [0, 20]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not SEED_MIN <= self.seed <= SEED_MAX):
-            raise bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits) or None")
+            raise bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits) or None (JSON null)")
 
     @property
     def greedy(self) -> bool:

@@ -4,8 +4,8 @@ A request body, a server's answer, a file on disk may be anything. :func:`loads`
 ``json.loads`` whose every failure is a ``ValueError``: a text nested past the interpreter's
 recursion limit (``[[[[...]]]]`` 2000 deep, 4 KB) raises ``RecursionError`` in ``json.loads``,
 which an ``except ValueError`` does not catch (trial 14b: a 500 and a traceback on every POST
-endpoint of ``nanovllm serve``). :func:`shown`, :func:`clipped` and :func:`listed` quote a value,
-a name or a list of names in a one-line error a few dozen characters long at most, with its size
+endpoint of ``nanovllm serve``). :func:`shown`, :func:`clipped` and :func:`listed` quote a value
+(in JSON's spelling), a name or a list of names in a one-line error a few dozen characters long at most, with its size
 when cut (trial 14b: a 900 KB ``temperature`` came back as a 900 KB error).
 """
 
@@ -39,20 +39,51 @@ def loads(data: str | bytes | bytearray) -> Any:
                           "levels deep, past what the JSON parser follows") from None
 
 
-# A repr of bounded cost and length: nested containers, long lists and long texts inside a value
-# are elided with "..." (a repr of the whole value could take as long as the value is, or recurse
-# past the limit on a deeply nested one).
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict = 4, 8, 8, 6
+# Bounds on what a quoted value shows: nested containers, long lists and long texts inside a value
+# are elided with "..." (quoting the whole value could take as long as the value is, or recurse past
+# the limit on a deeply nested one).
+_MAX_LEVEL, _MAX_ITEMS, _MAX_KEYS = 4, 8, 6
+_REPR = reprlib.Repr()  # for values JSON has no spelling for (an object a library caller passed)
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict = _MAX_LEVEL, _MAX_ITEMS, _MAX_ITEMS, _MAX_KEYS
 _REPR.maxstring = _REPR.maxother = _REPR.maxlong = SHOWN_CHARS
 
 
-def shown(value: Any, limit: int = SHOWN_CHARS, *, as_json: bool = False) -> str:
-    """``value`` quoted for a one-line error: its ``repr`` (``as_json``: its JSON text) when that is at
-    most ``limit`` characters, else its start, "…" and its size (``'xxxx…' (900000 characters)``,
+def _spelled(value: Any, level: int) -> str:
+    """``value`` in JSON's spelling (``true``, ``null``, ``"text"``, ``[1, 2]``, ``{"a": 1}``), bounded:
+    at most ``_MAX_ITEMS`` items and ``_MAX_KEYS`` keys, ``_MAX_LEVEL`` levels, ``SHOWN_CHARS``
+    characters of a text or digits of a number, the rest ``...``. A tuple or set reads as a list, a
+    non-text key as its text; any other object as its bounded ``repr``."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, int):
+        text = str(value) if -10 ** SHOWN_CHARS < value < 10 ** SHOWN_CHARS else None
+        return text if text is not None else "..."
+    if isinstance(value, float):
+        return json.dumps(value)  # nan, inf: NaN, Infinity (what Python's JSON parser reads)
+    if isinstance(value, str):
+        cut = len(value) > SHOWN_CHARS
+        return json.dumps(value[:SHOWN_CHARS], ensure_ascii=False) + ("..." if cut else "")
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        if level >= _MAX_LEVEL:
+            return "{...}" if isinstance(value, dict) else "[...]"
+        if isinstance(value, dict):
+            items = [f"{json.dumps(k if isinstance(k, str) else str(k), ensure_ascii=False)}: {_spelled(v, level + 1)}"
+                     for k, v in list(value.items())[:_MAX_KEYS]]
+            return "{" + ", ".join(items + (["..."] if len(value) > _MAX_KEYS else [])) + "}"
+        head = list(value)[:_MAX_ITEMS] if not isinstance(value, (list, tuple)) else value[:_MAX_ITEMS]
+        items = [_spelled(v, level + 1) for v in head]
+        return "[" + ", ".join(items + (["..."] if len(value) > _MAX_ITEMS else [])) + "]"
+    return _REPR.repr(value)
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS, *, as_json: bool = True) -> str:
+    """``value`` quoted for a one-line error in JSON's spelling (``true``, ``null``, ``"text"``: what a
+    client sent, not Python's ``True``/``None``/``'text'``; trial 16b) when that is at most ``limit``
+    characters, else its start, "…" and its size (``"xxxx"… (900000 characters)``,
     ``[0, 1, 2, 3, 4, 5, 6, 7, ...] (a list of 5000 items)``, ``1000… (4001 digits)``). Never longer
-    than about ``limit`` + 30 characters, and quick for any value JSON can hold (no full repr of a
-    big or deeply nested one)."""
+    than about ``limit`` + 30 characters, and quick for any value JSON can hold (no full rendering of
+    a big or deeply nested one). ``as_json=False``: Python's ``repr`` spelling (for a Python value
+    named in Python, e.g. a keyword argument's default)."""
     if isinstance(value, str):
         quote = (lambda s: json.dumps(s, ensure_ascii=False)) if as_json else repr
         return quote(value) if len(value) <= limit else f"{quote(value[:limit])}… ({len(value)} characters)"
@@ -62,13 +93,12 @@ def shown(value: Any, limit: int = SHOWN_CHARS, *, as_json: bool = False) -> str
         except ValueError:  # past int's 4300-digit str limit (JSON refuses such a number already)
             return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
         return f"{text[:limit]}… ({len(text)} digits)"
-    if as_json and (value is None or isinstance(value, (bool, int, float))):
-        return json.dumps(value)
-    text = _REPR.repr(value)
+    text = _spelled(value, 0) if as_json else _REPR.repr(value)
     if len(text) <= limit and "..." not in text:
         return text
-    size = len(value) if isinstance(value, (list, tuple, dict)) else None
-    kind = "an object" if isinstance(value, dict) else f"a {type(value).__name__}"
+    size = len(value) if isinstance(value, (list, tuple, dict, set, frozenset)) else None
+    kind = "an object" if isinstance(value, dict) else ("a list" if as_json and size is not None
+                                                        else f"a {type(value).__name__}")
     unit = "key" if isinstance(value, dict) else "item"
     tail = f" ({kind} of {size} {unit}{'s' if size != 1 else ''})" if size is not None else ""
     return (text[:limit] + "…" if len(text) > limit else text) + tail

@@ -7,7 +7,7 @@ why, and which rule a speculative verification applied (``SpecDecodeStep.greedy`
 traces recorded before that field existed, the request's own temperature decides).
 
 The engine's order of work on a row (``sampling/sampler.py``, vLLM V1's order): the
-``min_tokens`` ban and the penalties change the raw scores; greedy rows take the argmax
+``min_tokens`` ban, the ``logit_bias`` and the penalties change the raw scores; greedy rows take the argmax
 of the result; sampled rows then apply temperature, min-p, top-k and top-p and draw.
 """
 
@@ -37,6 +37,8 @@ def processors(sampling: dict[str, Any], num_outputs_before: int) -> list[str]:
     out = []
     if num_outputs_before < int(sampling.get("min_tokens", 0)):
         out.append(f"the min_tokens ban on end-of-sequence and stop tokens (until {agree(int(sampling['min_tokens']), '1 is', str(sampling['min_tokens']) + ' are')} generated)")
+    if sampling.get("logit_bias"):
+        out.append(f"the logit bias on {plural(len(sampling['logit_bias']), 'token')}")
     if float(sampling.get("repetition_penalty", 1.0)) != 1.0:
         out.append(f"repetition penalty {sampling['repetition_penalty']:g}")
     if num_outputs_before and float(sampling.get("frequency_penalty", 0.0)):
@@ -65,6 +67,9 @@ def sampling_intro(name: str, rid: str, s: dict[str, Any], max_tokens: int | Non
     steps = []
     if int(s.get("min_tokens", 0)):
         steps.append(f"end-of-sequence and stop tokens are banned until {plural(int(s['min_tokens']), 'token')} {agree(int(s['min_tokens']), 'has', 'have')} been generated")
+    if s.get("logit_bias"):
+        n = len(s["logit_bias"])
+        steps.append(f"logit_bias adds its fixed amount (-100 to 100) to the score of {agree(n, 'one token', f'each of {n:,} tokens')}")
     if float(s.get("repetition_penalty", 1.0)) != 1.0:
         r = s["repetition_penalty"]
         steps.append(f"repetition penalty {r:g} {'lowers' if r > 1 else 'raises'} every token already in the prompt "

@@ -14,6 +14,7 @@ events. A failing step becomes an ``EngineError`` event and the thread keeps ser
 from __future__ import annotations
 
 import itertools
+import json
 import queue
 import threading
 import time
@@ -462,7 +463,7 @@ class EngineController:
                 try:
                     if not engine.abort_request(cmd.args[0]):
                         self._emit(ev.EngineError(step=None, request_id=cmd.args[0],
-                                                  message=f"abort: no running or waiting request {cmd.args[0]!r}"))
+                                                  message=f"abort: no running or waiting request {json.dumps(cmd.args[0])}"))
                     self._collect(engine.pop_finished_outputs())
                 finally:  # after its output went out: a later abort of the id is answered as for an ended request
                     with self._aborts_lock:

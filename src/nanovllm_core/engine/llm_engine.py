@@ -147,7 +147,6 @@ class LLMEngine(EventSource):
         self.step_index = 0
         self.clock = EngineClock()  # request times; a controller stops it while it holds the engine paused
         self.output = OutputProcessor(tokenizer, self.max_model_len, self.clock)
-        self.total_prompt_tokens = 0
         self.fault_injector: Callable[[SchedulerOutput], None] | None = None  # tests: raise inside a step
         self.fatal_error: str | None = None  # set when the device failed for good; new requests are rejected
         self._step_traced = False  # the step being run is X-Ray captured (StepTimed.traced)
@@ -358,7 +357,7 @@ class LLMEngine(EventSource):
     def request_problem(self, token_ids: list[int], params: SamplingParams,
                         fit_context: bool = False) -> tuple[str, str] | None:
         """Why this engine could never serve ``token_ids`` with ``params``: ``(field, one-line reason)``
-        where field is ``"prompt"``, ``"stop_token_ids"``, ``"n"`` or ``"max_tokens"``; None when it can.
+        where field is ``"prompt"``, ``"stop_token_ids"``, ``"logit_bias"``, ``"n"`` or ``"max_tokens"``; None when it can.
 
         ``fit_context``: also refuse a ``max_tokens`` that does not fit after the prompt in
         ``max_model_len`` (vLLM's server rule, :func:`~nanovllm_core.sampling_params.max_tokens_overflow`);
@@ -386,6 +385,9 @@ class LLMEngine(EventSource):
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             return "stop_token_ids", f"stop_token_ids contains {shown(bad[0])}, outside the vocabulary (0..{vocab - 1})"
+        bad = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad:
+            return "logit_bias", f"logit_bias has the token id {shown(bad[0])}, outside the vocabulary (0..{vocab - 1})"
         if params.n > self.scheduler.max_num_seqs:  # n sequences run side by side: more could never all be admitted
             return "n", (f"n={params.n} asks for more sequences than this engine runs at once "
                          f"(max_num_seqs={self.scheduler.max_num_seqs}); lower n or raise max_num_seqs (--max-num-seqs)")
@@ -422,7 +424,7 @@ class LLMEngine(EventSource):
 
         A request the engine can never serve (text that is not valid Unicode, an empty prompt, one longer than
         ``max_model_len`` or needing more KV blocks than the whole pool, prompt or
-        ``stop_token_ids`` outside the vocabulary, or any request after the device failed for
+        ``stop_token_ids`` or ``logit_bias`` ids outside the vocabulary, or any request after the device failed for
         good, see ``fatal_error``) is *rejected*: a ``RequestRejected`` event
         and, from the next :meth:`step`, a finished ``RequestOutput`` with
         ``finish_reason="rejected"`` and ``error`` set.
@@ -472,7 +474,6 @@ class LLMEngine(EventSource):
         self.scheduler.add(first)
         for seq in rest:
             self.scheduler.add(seq)
-        self.total_prompt_tokens += n_prompt
         if self._subscribers:
             self._emit(ev.RequestAdded(
                 request_id=request_id, prompt=text, prompt_token_ids=tuple(token_ids),
@@ -789,7 +790,7 @@ class LLMEngine(EventSource):
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "total_prompt_tokens": self.total_prompt_tokens,
+            "total_prompt_tokens": self.output.total_prompt_tokens,  # per sample, at its first token (vLLM's count)
             "total_output_tokens": self.output.total_output_tokens,
             "spec_proposer": self.speculator.name if self.speculator else None,
             "spec_num_speculative_tokens": self.speculator.k if self.speculator else 0,
@@ -807,4 +808,6 @@ def _non_default(params: SamplingParams) -> dict[str, Any]:
             out[name] = value
     if params.stop:
         out["stop"] = tuple(params.stop)
+    if params.logit_bias:  # (token id, bias) pairs: hashable, and JSON in a trace
+        out["logit_bias"] = tuple(sorted(params.logit_bias.items()))
     return out

@@ -88,6 +88,10 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.pending: list[RequestOutput] = []  # finished outputs not yet returned by a step
         self.total_output_tokens = 0
+        # Prompt tokens of every sample (sequence) whose first token came out, counted then: vLLM V1's
+        # vllm:prompt_tokens (vllm/v1/metrics/stats.py IterationStats.update_from_output adds prompt_len
+        # on a request's first output, and n fans out into n child requests; trial 16b)
+        self.total_prompt_tokens = 0
         self._special: set[int] | None = None  # the tokenizer's special token ids, read on first use
 
     # ------------------------------------------------------------------ one token
@@ -112,6 +116,7 @@ class OutputProcessor:
         if m.first_token_time is None:
             m.first_token_time = now
             m.first_token_step = step
+            self.total_prompt_tokens += seq.num_prompt_tokens
         m.last_token_time = now
         m.num_output_tokens = seq.num_output_tokens
         self.total_output_tokens += 1

@@ -53,7 +53,7 @@ from nanovllm_core.entrypoints.event_hub import EventHub
 from nanovllm_core.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm_core.entrypoints.openai_serving import SERVER_ID_PREFIXES, OpenAIServing, Prepared
 from nanovllm_core.entrypoints.protocol import (APIError, ChatCompletionRequest, CompletionRequest, validation_error,
-                                                whole_number)
+                                                logit_bias_ids, whole_number)
 from nanovllm_core.model.quantization import describe_weights
 from nanovllm_core.entrypoints.request_stream import InFlight
 from nanovllm_core.prompts import is_conversation, unicode_problem
@@ -237,10 +237,10 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
         unknown = sorted(set(request.query_params) - set(EVENTS_QUERY))
         if unknown:  # a misspelt parameter is never ignored, as the control API's fields (trial 9)
             raise APIError(f"unknown query parameter {untrusted.shown(unknown[0])} on /v1/engine/events; it takes "
-                           f"{', '.join(EVENTS_QUERY)}", param=unknown[0])
+                           f"{', '.join(EVENTS_QUERY)}", param=unknown[0], code="unknown_parameter")
         if not 0 <= topk <= MAX_EVENTS_TOPK:
             raise APIError(f"topk must be a whole number from 0 to {MAX_EVENTS_TOPK} (the top choices sent with "
-                           f"each sampled token), got {topk}", param="topk")
+                           f"each sampled token), got {topk}", param="topk", code="invalid_value")
         last_id = state.hub.parse_last_event_id(request.headers.get("last-event-id"))
         return StreamingResponse(state.hub.stream(topk, blocks, xray, last_id),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
@@ -275,14 +275,36 @@ def _api_key_check(api_key: str | None):
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
-async def _json(request: Request, limit: int) -> Any:
-    """The request body parsed as JSON.
+def _check_media_type(content_type: str | None) -> None:
+    """Refuse a POST body not sent as ``application/json`` (a ``charset`` or other parameter is allowed),
+    as vLLM's ``validate_json_request`` does on every POST route, before the body is read.
+
+    vLLM answers 400 ("Unsupported Media Type: Only 'application/json' is allowed", a
+    ``RequestValidationError``; older versions 415); so does this server, with the Content-Type it got
+    and the header to send. Trial 16b: a body sent as ``text/plain`` was served, which lets a web
+    page on any origin post to the server as a "simple" request with no CORS preflight.
 
     Raises:
-        APIError: 413 for a body over ``limit`` bytes (its Content-Length, or the bytes read so
-            far, is over it: read no further); 400 ``invalid_json`` for a body that is not JSON,
+        APIError: 400 ``unsupported_media_type``.
+    """
+    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    if media_type == "application/json":
+        return
+    got = "no Content-Type header" if content_type is None else f"Content-Type {untrusted.shown(content_type, as_json=True)}"
+    raise APIError(f"Unsupported Media Type: Only 'application/json' is allowed; the request was sent with {got}. Send "
+                   "the body as JSON with the header 'Content-Type: application/json' (curl: -H \"Content-Type: "
+                   "application/json\")", param="Content-Type", code="unsupported_media_type")
+
+
+async def _json(request: Request, limit: int) -> Any:
+    """The request body parsed as JSON, once its Content-Type is ``application/json`` (:func:`_check_media_type`).
+
+    Raises:
+        APIError: 400 ``unsupported_media_type`` for another Content-Type or none; 413 for a body
+            over ``limit`` bytes (its Content-Length, or the bytes read so far, is over it: read no further); 400 ``invalid_json`` for a body that is not JSON,
             also one nested past the parser's depth (``untrusted.loads``).
     """
+    _check_media_type(request.headers.get("content-type"))
     too_big = APIError(f"the request body is larger than this server's limit of {limit} bytes; send a shorter "
                        "prompt or fewer prompts per request (the limit is nanovllm serve --max-body-bytes)",
                        status=413, code="request_too_large")
@@ -330,10 +352,11 @@ def _client_request_id(request: Request) -> str | None:
         value = raw.encode("latin-1").decode("utf-8")  # HTTP headers arrive as bytes (read as latin-1)
     except UnicodeError:
         raise APIError("X-Request-Id is not valid UTF-8; send text (or leave the header out for the server's own id)",
-                       param="X-Request-Id") from None
+                       param="X-Request-Id", code="invalid_value") from None
     problem = id_problem("X-Request-Id", value)
     if problem is not None:
-        raise APIError(f"{problem} (or leave the header out for the server's own id)", param="X-Request-Id")
+        raise APIError(f"{problem} (or leave the header out for the server's own id)", param="X-Request-Id",
+                       code="invalid_value")
     return value
 
 
@@ -348,7 +371,7 @@ def id_problem(name: str, value: str) -> str | None:
         return f"{name} has {len(value)} characters, more than {MAX_REQUEST_ID_CHARS}; send a shorter one"
     bad = next((i for i, ch in enumerate(value) if unicodedata.category(ch) == "Cc"), None)
     if bad is not None:
-        return f"{name} holds the control character {value[bad]!r} at position {bad}; send printable text"
+        return f"{name} holds the control character {json.dumps(value[bad])} at position {bad}; send printable text"
     problem = unicode_problem(value)
     return f"{name} is not valid Unicode: {problem}" if problem is not None else None
 
@@ -443,11 +466,11 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
     c = state.controller
     one_of = f"send {{\"command\": ...}} with one of {', '.join(CONTROL_COMMANDS)}"
     if not isinstance(body, dict):
-        raise APIError(f"the control body must be a JSON object; {one_of}", param="command")
+        raise APIError(f"the control body must be a JSON object; {one_of}", param="command", code="invalid_json")
     if "command" not in body:
-        raise APIError(f"the command is missing; {one_of}", param="command")
+        raise APIError(f"the command is missing; {one_of}", param="command", code="missing_required_parameter")
     if body["command"] not in CONTROL_COMMANDS:
-        raise APIError(f"unknown command {untrusted.shown(body['command'], as_json=True)}; {one_of}", param="command")
+        raise APIError(f"unknown command {untrusted.shown(body['command'], as_json=True)}; {one_of}", param="command", code="invalid_value")
     name = body["command"]
     unknown = sorted(set(body) - {"command", *CONTROL_FIELDS[name]})
     if unknown:
@@ -477,7 +500,7 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
     elif name == "step":
         n = body.get("n", 1)
         if not _is_int(n) or not 1 <= n <= MAX_STEPS:
-            raise APIError(f"step needs a whole n from 1 to {MAX_STEPS}, got {untrusted.shown(n)}", param="n")
+            raise APIError(f"step needs a whole n from 1 to {MAX_STEPS}, got {untrusted.shown(n)}", param="n", code="invalid_value")
         # A pause asked and not yet applied counts: the controller applies commands in order, so
         # the step runs once the engine has paused (at its next step boundary).
         if c.state != "paused" and not state.pause_asked:
@@ -510,12 +533,12 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
                                  ("layer", _is_int(layer)), ("head", _is_int(head))) if not ok]
         if wrong:
             raise APIError(f"xray needs request_id (text or null), layer and head (integers); {wrong[0]} is "
-                           f"{untrusted.shown(body[wrong[0]])}", param=wrong[0])
+                           f"{untrusted.shown(body[wrong[0]])}", param=wrong[0], code="invalid_value")
         config = c.engine.model_config  # refused here, not broadcast to every watcher as an engine error (trial 7)
         for key, value, count in (("layer", layer, config.num_hidden_layers), ("head", head, config.num_attention_heads)):
             if not 0 <= value < count:
                 raise APIError(f"xray {key} {untrusted.shown(value)} is out of range: this model has {count} {key}s, "
-                               f"numbered 0..{count - 1}", param=key)
+                               f"numbered 0..{count - 1}", param=key, code="invalid_value")
         if rid is not None:
             known = rid in state.ids  # a request submitted and not yet added by the engine counts too
             if not (known or rid in state.hub.live_request_ids() or rid in state.hub.ended_request_ids()):
@@ -549,10 +572,10 @@ def _text(body: dict, key: str) -> str:
     value = body.get(key)
     if not isinstance(value, str):
         raise APIError(f"{key} must be a string of 1 to {MAX_REQUEST_ID_CHARS} characters, got "
-                       f"{untrusted.shown(value)}", param=key)
+                       f"{untrusted.shown(value)}", param=key, code="invalid_value")
     problem = id_problem(key, value)
     if problem is not None:
-        raise APIError(problem, param=key)
+        raise APIError(problem, param=key, code="invalid_value")
     return value
 
 
@@ -573,11 +596,11 @@ def _control_submit(state: ServerState, body: dict) -> str:
     token_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     if not (isinstance(prompt, str) or token_ids or is_conversation(prompt)):
         raise APIError("submit needs prompt: text, a list of token ids, or a list of chat messages "
-                       "({\"role\": ..., \"content\": text}, rendered with the model's chat template)", param="prompt")
+                       "({\"role\": ..., \"content\": text}, rendered with the model's chat template)", param="prompt", code="invalid_value")
     fields = body.get("params") or {}
     if not isinstance(fields, dict):
         raise APIError(f"params must be an object of SamplingParams fields, got {untrusted.shown(fields)}",
-                       param="params")
+                       param="params", code="invalid_value")
     known = [f.name for f in dataclasses.fields(SamplingParams)]
     names = {name: f"params.{name}" for name in known}  # errors name the field as sent: params.temperature
     unknown = sorted(set(fields) - set(known))
@@ -585,12 +608,14 @@ def _control_submit(state: ServerState, body: dict) -> str:
         raise APIError(f"params has unknown field(s) {untrusted.listed(unknown)}; use SamplingParams field names",
                        param=f"params.{unknown[0]}", code="unknown_parameter")
     fields = {k: _whole_numbers(v) if k in _INT_PARAMS else v for k, v in fields.items()}
+    if isinstance(fields.get("logit_bias"), dict):  # JSON keys are text: {"1234": -100}, as on /v1/completions
+        fields["logit_bias"] = logit_bias_ids(fields["logit_bias"], "params.logit_bias")
     try:
         params = SamplingParams(**fields)
     except (TypeError, ValueError) as e:
         message = str(e).removeprefix("SamplingParams.")
         field = message.split("=", 1)[0].split(" ", 1)[0]
-        raise APIError(message, param=field if field in names else "params").renamed(names) from None
+        raise APIError(message, param=field if field in names else "params", code="invalid_value").renamed(names) from None
     priority = body.get("priority", 0)
     state.serving.check_priority(priority)  # the engine's rule, as /v1/completions checks it
     state.serving.check_prompt(prompt, params, names)  # exactly what /v1/completions refuses, refused here too
@@ -599,10 +624,10 @@ def _control_submit(state: ServerState, body: dict) -> str:
     else:
         rid = _text(body, "request_id")
         if rid.startswith(SERVER_ID_PREFIXES):
-            raise APIError(f"request_id {rid!r} starts with {rid.split('-', 1)[0]}-, which the server keeps for "
-                           "the ids it assigns; choose another (or leave request_id out)", param="request_id")
+            raise APIError(f"request_id {json.dumps(rid)} starts with {rid.split('-', 1)[0]}-, which the server keeps for "
+                           "the ids it assigns; choose another (or leave request_id out)", param="request_id", code="invalid_value")
     if state.ids.reserve([rid]) is not None:
-        raise APIError(f"request_id {rid!r} is already in use by a request that has not finished; "
+        raise APIError(f"request_id {json.dumps(rid)} is already in use by a request that has not finished; "
                        "choose another", param="request_id", code="duplicate_request_id")
 
     def finished_only(output: Any) -> None:  # a listener keeps the output out of controller.results

@@ -4,13 +4,20 @@ A dashboard built for vLLM reads these unchanged. Counters and gauges are the en
 figures (``LLMEngine.stats()``, read on the engine thread between steps), so they agree with
 ``llm.stats()`` exactly; latency histograms are filled from each finished request's metrics.
 
+``n`` samples count as vLLM V1 counts them, which fans a request out into ``n`` child requests
+(``vllm/v1/engine/parallel_sampling.py``): ``vllm:prompt_tokens`` adds each child's prompt length at its
+first output (``vllm/v1/metrics/stats.py``, ``IterationStats.update_from_output``) and
+``vllm:prefix_cache_queries`` each child's tokens at its lookup (``vllm/v1/core/kv_cache_manager.py``,
+``get_computed_blocks``), so an ``n=2`` request on a 5-token prompt adds 10 to both; ``usage`` in a
+response counts the prompt once, as vLLM's does.
+
 | metric | kind | from |
 |---|---|---|
 | ``vllm:num_requests_running`` / ``_waiting`` | gauge | scheduler queues |
 | ``vllm:kv_cache_usage_perc`` | gauge | used KV blocks / all (0..1) |
-| ``vllm:prefix_cache_queries`` / ``_hits`` | counter | prompt tokens looked up / found in the prefix cache |
+| ``vllm:prefix_cache_queries`` / ``_hits`` | counter | tokens looked up / found in the prefix cache, per sequence admitted (a sample of ``n`` counts its prompt) |
 | ``vllm:num_preemptions`` | counter | preemptions |
-| ``vllm:prompt_tokens`` / ``vllm:generation_tokens`` | counter | prompt tokens of accepted requests / tokens generated |
+| ``vllm:prompt_tokens`` / ``vllm:generation_tokens`` | counter | prompt tokens of each sequence (each of ``n`` samples) at its first token / tokens generated |
 | ``vllm:request_success`` | counter | finished requests by ``finished_reason`` |
 | ``vllm:time_to_first_token_seconds``, ``vllm:time_per_output_token_seconds``, ``vllm:e2e_request_latency_seconds`` | histogram | per finished request |
 | ``nanovllm:kv_blocks_total`` / ``_used`` / ``_cached``, ``nanovllm:steps`` | gauge / counter | no vLLM equivalent (``steps``: steps run; events number them from 0) |
@@ -66,7 +73,7 @@ class _StatsCollector:
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                       s["prefix_cache_hits"])
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s["num_preemptions"])
-        yield counter("vllm:prompt_tokens", "Number of prompt tokens of accepted requests.", s["total_prompt_tokens"])
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed: each sample's prompt, counted at its first token.", s["total_prompt_tokens"])
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s["total_output_tokens"])
         yield counter("nanovllm:steps", "Engine steps run (one scheduler plan and forward pass each); events and the "
                       "app number steps from 0, so after step N this is N + 1.", s["steps"])

@@ -146,19 +146,20 @@ class OpenAIServing:
         try:
             _, ids = engine.encode_prompt(prompt)
         except ValueError as e:
-            raise APIError(str(e), param="prompt") from None
+            raise APIError(str(e), param="prompt", code="invalid_value") from None
         vocab = engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
-            raise APIError(f"prompt holds a token id outside the vocabulary (0..{vocab - 1})", param="prompt")
+            raise APIError(f"prompt holds a token id outside the vocabulary (0..{vocab - 1})", param="prompt",
+                           code="invalid_value")
         if not ids:
-            raise APIError("prompt is empty; send at least one token of text", param="prompt")
+            raise APIError("prompt is empty; send at least one token of text", param="prompt", code="invalid_value")
         try:
             check_length(len(ids), params.max_tokens, self.max_model_len)
         except APIError as e:
             raise e.renamed(names) from None
         problem = engine.request_problem(ids, params)
         if problem is not None:
-            raise APIError(problem[1], param=problem[0]).renamed(names)
+            raise APIError(problem[1], param=problem[0], code="invalid_value").renamed(names)
         return ids
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
@@ -189,13 +190,13 @@ class OpenAIServing:
         for i, message in enumerate(conversation):
             problem = unicode_problem(message["content"])
             if problem is not None:
-                raise APIError(f"message {i}'s content is not valid Unicode: {problem}", param=f"messages.{i}.content")
+                raise APIError(f"message {i}'s content is not valid Unicode: {problem}", param=f"messages.{i}.content", code="invalid_value")
         try:
             ids = self._llm.apply_chat_template(conversation, add_generation_prompt=req.add_generation_prompt)
         except APIError:
             raise
         except Exception as e:  # no template, or one that refuses this conversation
-            raise APIError(f"the chat template could not render these messages: {clipped(str(e), 200)}", param="messages") from None
+            raise APIError(f"the chat template could not render these messages: {clipped(str(e), 200)}", param="messages", code="invalid_value") from None
         self.check_prompt(ids, params, req.field_names(), prompt_field="messages")
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], params, req.priority, req.stream,
                         *_usage_options(req), req.return_token_ids, prompt_ids=[list(ids)])
@@ -218,7 +219,7 @@ class OpenAIServing:
                 p.request_id, p.engine_ids = base, ids
                 return
             if client_id is not None:
-                raise APIError(f"X-Request-Id {client_id!r} gives the request id {taken!r}, which is already in use "
+                raise APIError(f"X-Request-Id {json.dumps(client_id)} gives the request id {json.dumps(taken)}, which is already in use "
                                "by a request that has not finished; choose another", param="X-Request-Id",
                                code="duplicate_request_id")
             p.request_id = f"{prefix}-{uuid.uuid4().hex}"  # the server's own id met a client's: draw again

@@ -206,6 +206,24 @@ class StreamOptions(_Body):
     continuous_usage_stats: StrictBool = False
 
 
+def logit_bias_ids(bias: dict[Any, Any], param: str = "logit_bias") -> dict[Any, Any]:
+    """``bias`` with its JSON keys (token ids written as text, OpenAI's shape) as ints, as vLLM's
+    ``SamplingParams.from_optional`` converts them (``int(token)``); ``SamplingParams`` then clamps each
+    bias to [-100, 100] and refuses a negative id, and the engine checks the ids against the vocabulary.
+    ``param``: the field as the client named it (``params.logit_bias`` on the control API).
+
+    Raises:
+        APIError: a key that is not a whole number written in decimal digits.
+    """
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and re.fullmatch(r"-?[0-9]{1,19}", key)):
+            raise APIError(f"{param} has the key {shown(key)}, which is not a token id; keys are token ids "
+                           'written as text, e.g. {"1234": -100}', param=param, code="invalid_value")
+        out[int(key)] = value
+    return out
+
+
 class _SamplingBody(_Body):
     """The fields completions and chat share (OpenAI's, then vLLM's extras)."""
 
@@ -249,11 +267,8 @@ class _SamplingBody(_Body):
             raise APIError(ECHO_REFUSED, param="echo", code="invalid_value")
         if self.best_of is not None and self.best_of != self.n:  # (every "not supported" value: invalid_value)
             raise APIError("best_of other than n is not supported; leave it out", param="best_of", code="invalid_value")
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported by this server; leave it out", param="logit_bias",
-                           code="invalid_value")
         if self.stream_options is not None and not self.stream:
-            raise APIError("stream_options is only allowed with stream=true", param="stream_options")
+            raise APIError("stream_options is only allowed with stream=true", param="stream_options", code="invalid_value")
         try:  # the bound every entry point shares (vLLM takes any integer; a huge one is refused here)
             check_priority(self.priority)
         except ValueError as e:
@@ -275,7 +290,7 @@ class _SamplingBody(_Body):
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self.token_logit_bias(),
         )
         try:
             return SamplingParams(**values)
@@ -284,6 +299,10 @@ class _SamplingBody(_Body):
             field = message.split("=", 1)[0].split(" ", 1)[0]
             raise APIError(message, param=field if field in values else None,
                            code="invalid_value").renamed(self.field_names()) from None
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with its JSON keys as ints (:func:`logit_bias_ids`)."""
+        return None if self.logit_bias is None else logit_bias_ids(self.logit_bias)
 
     def field_names(self) -> dict[str, str]:
         """The request field that gave each ``SamplingParams`` field named otherwise here (errors name it)."""
@@ -311,7 +330,7 @@ class CompletionRequest(_SamplingBody):
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         if not p:
-            raise APIError("prompt is empty; send text or a list of token ids", param="prompt")
+            raise APIError("prompt is empty; send text or a list of token ids", param="prompt", code="invalid_value")
         return list(p)
 
     def to_sampling_params(self) -> SamplingParams:
@@ -390,7 +409,7 @@ class ChatCompletionRequest(_SamplingBody):
                 ``tool_calls`` may leave it out, as OpenAI and vLLM allow).
         """
         if not self.messages:
-            raise APIError("messages is empty; send at least one message", param="messages")
+            raise APIError("messages is empty; send at least one message", param="messages", code="invalid_value")
         for i, m in enumerate(self.messages):
             if m.content is None and not (m.role == "assistant" and m.tool_calls):
                 raise APIError(f"message {i} ({m.role}) has no content; every message needs content, except an "
@@ -405,7 +424,7 @@ class ChatCompletionRequest(_SamplingBody):
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
-            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.sampling_params(limit, (self.top_logprobs or 0) if self.logprobs else None)
 

@@ -5,7 +5,7 @@ One code path for every row of a step, plain decodes and speculative verificatio
 
 1. :class:`Distributions` puts every row through the request's logits processors, each one
    tensor operation over the whole batch, in vLLM V1's order: the ``min_tokens`` ban on
-   end-of-sequence and stop tokens; penalties on the raw logits (repetition over prompt and
+   end-of-sequence and stop tokens; the request's ``logit_bias`` added; penalties on the raw logits (repetition over prompt and
    output tokens, positive logits divided and negative multiplied, Keskar et al. 2019, CTRL;
    then frequency per occurrence and presence once, over output tokens); then for rows that
    sample, temperature, min-p (Nguyen et al. 2024), top-k, and top-p on what top-k left
@@ -106,6 +106,31 @@ def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
 
 
 _NUMPY_FLOATS = (torch.float32, torch.float64)
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs: list) -> torch.Tensor:
+    """Add each row's ``logit_bias`` (``{token_id: bias}``, clamped to [-100, 100] by ``SamplingParams``).
+
+    logits ``[S, vocab]`` float32; returns a new tensor when some row has a bias (vLLM V1's
+    ``LogitBiasLogitsProcessor``, after the ``min_tokens`` ban: a banned token stays at -inf).
+    Token ids must be inside the vocabulary (the engine checks: ``LLMEngine.request_problem``).
+    """
+    rows, cols, bias = [], [], []
+    for row, q in enumerate(seqs):
+        for token, value in (q.params.logit_bias or {}).items():
+            rows.append(row)
+            cols.append(token)
+            bias.append(value)
+    if not rows:
+        return logits
+    out = logits.clone()
+    if out.is_cpu and out.dtype in _NUMPY_FLOATS:  # (row, token) pairs are unique: a plain fancy-index add
+        out.numpy()[rows, cols] += np.asarray(bias, dtype=out.numpy().dtype)
+    else:
+        dev = logits.device
+        out.index_put_((to_device(rows, torch.long, dev), to_device(cols, torch.long, dev)),
+                       to_device(bias, out.dtype, dev), accumulate=True)
+    return out
 
 
 def argmax_rows(t: torch.Tensor) -> list[int]:
@@ -264,15 +289,15 @@ class Distributions:
     Attributes:
         logits: ``[R, vocab]`` float32, the model's raw logits.
         rows: ``R`` rows (:class:`Sequence` or :class:`SamplingRow`), what the processors read.
-        processed: ``[R, vocab]``, after the ``min_tokens`` ban and the penalties (``logits``
-            itself when no processor applies).
+        processed: ``[R, vocab]``, after the ``min_tokens`` ban, the ``logit_bias`` and the penalties
+            (``logits`` itself when no processor applies).
         greedy: per row, True when the request takes the argmax (temperature ~ 0).
     """
 
     def __init__(self, logits: torch.Tensor, rows: list) -> None:
         self.logits = logits
         self.rows = rows
-        self.processed = apply_penalties(apply_min_tokens(logits, rows), rows)
+        self.processed = apply_penalties(apply_logit_bias(apply_min_tokens(logits, rows), rows), rows)
         self.greedy = [r.params.greedy for r in rows]
         sampled = [i for i, g in enumerate(self.greedy) if not g]
         self._slot = {row: j for j, row in enumerate(sampled)}
@@ -304,7 +329,7 @@ class Distributions:
     def changed(self, index: list[int]) -> list[bool]:
         """Per listed row: did a processor make its distribution differ from the model's own?
 
-        True when the ban or a penalty changed a logit of the row, or when the row samples
+        True when the ban, a logit bias or a penalty changed a logit of the row, or when the row samples
         with a temperature other than 1 or with min-p, top-k or top-p on.
         """
         out = [False] * len(index)
@@ -320,9 +345,9 @@ class Distributions:
         return out
 
     def _touched(self, i: int) -> bool:
-        """Could a logits processor (penalties, the ``min_tokens`` ban) have changed row ``i``?"""
+        """Could a logits processor (penalties, ``logit_bias``, the ``min_tokens`` ban) have changed row ``i``?"""
         r = self.rows[i]
-        return penalized(r.params) or bool(min_tokens_ban(r.params, r.eos_token_ids, r.num_output_tokens))
+        return penalized(r.params) or bool(r.params.logit_bias) or bool(min_tokens_ban(r.params, r.eos_token_ids, r.num_output_tokens))
 
     def choose(self, picks: list[tuple[int, torch.Tensor | None]]) -> list[int]:
         """One token per ``(row, replacement)``, drawn in one batch.
