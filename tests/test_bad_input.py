@@ -89,7 +89,7 @@ def test_every_per_prompt_refusal_names_the_index_of_a_list_even_of_one(make_llm
         llm.chat([long_chat], sp, use_tqdm=False)
     with pytest.raises(ValueError, match=r"^the prompt has \d+ tokens but max_model_len is 100"):
         llm.chat(long_chat, sp, use_tqdm=False)
-    with pytest.raises(ValueError, match=r"^conversation 0: messages\[0\] has role 'robot'"):
+    with pytest.raises(ValueError, match=r'^conversation 0: messages\[0\] has role "robot"'):
         llm.chat([[{"role": "robot", "content": "Hi"}]], sp, use_tqdm=False)
     assert not llm.engine.requests and llm.stats()["kv_blocks_used"] == 0
 
