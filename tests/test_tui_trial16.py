@@ -4,9 +4,18 @@ of spaces was refused as empty."""
 
 from __future__ import annotations
 
+import pytest
+
 from nanovllm_core import events as ev
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.widgets.status_header import StatusHeader, unfinished_text
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
 
 
 def header_line(state: EngineState, width: int, replay: bool = True) -> str:
@@ -33,3 +42,43 @@ def test_a_cut_replays_end_names_the_unfinished_requests_where_they_fit_at_120_c
     for width in (60, 80, 100):  # narrower: the names (or their count) and the model stay as long as they fit
         line = header_line(state, width)
         assert len(line) <= width and "SmolLM2-135M-Instruct" in line and "ended" in line, line
+
+
+# ---------------------------------------------------------------- 7: a prompt of only spaces is a prompt
+
+
+async def test_a_prompt_of_only_spaces_is_sent_from_the_bar_as_vllm_takes_it(tiny_llama_dir, tmp_path):
+    """Trial 16: "   " was refused as "The prompt is empty"; vLLM tokenizes it and generates."""
+    from tests.tui_helpers import Notes, send_prompt, tiny_app, wait_until
+
+    app, notes = tiny_app(tiny_llama_dir, tmp_path), Notes()
+    async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
+        await send_prompt(pilot, "   ")
+        await wait_until(pilot, lambda: any(r.state == "finished" for r in app.state.requests.values()),
+                         30, "the spaces' request to finish")
+        assert not notes.find("The prompt is empty"), [n.message for n in notes.items]
+
+
+def test_only_spaces_is_a_prompt_for_the_engine_the_server_and_both_command_lines(make_tiny_engine, tiny_server,
+                                                                                 capsys):
+    import httpx
+
+    from nanovllm_core import SamplingParams, cli
+    from nanovllm_core.speculative import cli as spec_cli
+    from nanovllm_tui.options import parse_args
+    from tests.conftest import run_main
+    from tests.serve_helpers import API_KEY
+
+    engine = make_tiny_engine()
+    assert engine.request_problem(engine.encode_prompt("   ")[1], SamplingParams()) is None
+    r = httpx.post(tiny_server.url + "/v1/completions", timeout=60, headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"prompt": "   ", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert parse_args(["--prompt", "   "]).prompt == ["   "]
+    for main in (cli.main, spec_cli.main):  # gets past the prompt check to the (missing) model
+        code, _, err = run_main(main, capsys, "--prompt", "   ", "--model" if main is cli.main else "--target-model",
+                                "/does/not/exist")
+        assert code == 2 and "--prompt must not be empty" not in err, err
+        code, _, err = run_main(main, capsys, "--prompt", "")
+        assert code == 2 and "--prompt must not be empty" in err, err
