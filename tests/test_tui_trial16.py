@@ -82,3 +82,50 @@ def test_only_spaces_is_a_prompt_for_the_engine_the_server_and_both_command_line
         assert code == 2 and "--prompt must not be empty" not in err, err
         code, _, err = run_main(main, capsys, "--prompt", "")
         assert code == 2 and "--prompt must not be empty" in err, err
+
+
+# ---------------------------------------------------------------- 4: an answered quiz keeps its answer
+
+
+async def test_an_answered_quiz_keeps_its_answer_and_x_clears_it_to_try_again(tmp_path):
+    """Trial 16: on an answered chapter ``a`` (Abort everywhere else) answered A and replaced a correct,
+    saved answer (13/13 became 12/13) without a word."""
+    from textual.widgets import Static
+
+    from nanovllm_tui.views.tutorial import QuizChoices, TutorialView
+    from nanovllm_tui.widgets.footer import shown_keys
+    from tests.tui_helpers import replay_app, wait_until
+
+    app = replay_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("escape", "4")
+        await wait_until(pilot, lambda: isinstance(app.focused, QuizChoices), what="the quiz to have the focus")
+        tutorial = app.query_one(TutorialView)
+        quiz = tutorial.chapter.quiz
+        right, wrong = "abcd"[quiz.answer], "abcd"[(quiz.answer + 1) % 4]
+        footer = lambda: [(k[0], k[1]) for k in shown_keys(app.screen)]  # noqa: E731
+        assert ("a", "Answer A-D") in footer() and not any(k == "x" for k, _ in footer())
+        await pilot.press(right)
+        await pilot.pause()
+        assert (tutorial.progress.score, tutorial.progress.answered) == (1, 1)
+        assert ("x", "Retry quiz") in footer() and ("a", "Answer A-D") not in footer(), footer()
+        for key in (wrong, "enter"):  # another letter, or Enter on another option: the answer stays
+            if key == "enter":
+                await pilot.press("down")
+            await pilot.press(key)
+            await pilot.pause()
+            feedback = str(app.query_one("#feedback", Static).render())
+            assert "Already answered" in feedback and "x to clear" in feedback and "Right" in feedback, feedback
+            assert (tutorial.progress.score, tutorial.progress.answered) == (1, 1)
+            assert tutorial.progress.answers[tutorial.chapter.key] == quiz.answer
+        await pilot.press("x")  # clear it: a-d answer again
+        await pilot.pause()
+        assert (tutorial.progress.score, tutorial.progress.answered) == (0, 0)
+        assert ("a", "Answer A-D") in footer() and not any(k == "x" for k, _ in footer())
+        await pilot.press(wrong)
+        await pilot.pause()
+        assert "Not quite" in str(app.query_one("#feedback", Static).render())
+        assert (tutorial.progress.score, tutorial.progress.answered) == (0, 1)
+    again = replay_app(tmp_path)  # the kept answer is the one saved
+    async with again.run_test(size=(120, 40)):
+        assert again.query_one(TutorialView).progress.answered == 1
