@@ -129,3 +129,105 @@ async def test_an_answered_quiz_keeps_its_answer_and_x_clears_it_to_try_again(tm
     again = replay_app(tmp_path)  # the kept answer is the one saved
     async with again.run_test(size=(120, 40)):
         assert again.query_one(TutorialView).progress.answered == 1
+
+
+# ---------------------------------------------------------------- 1: every panel from the same point of the stream
+
+
+def _entry(rid: str) -> ev.ScheduledEntry:
+    return ev.ScheduledEntry(request_id=rid, seq_id=int(rid), index=0, kind="decode", num_tokens=1, start=9,
+                             prompt_len=5, total_len=10, num_cached_tokens=0, samples=True, priority=0)
+
+
+def _planned(step: int, rids=("6", "7", "8")) -> ev.StepPlanned:
+    return ev.StepPlanned(step=step, token_budget=512, num_batched_tokens=len(rids),
+                          scheduled=tuple(_entry(r) for r in rids), preempted=(), admitted=(), waiting=(), running=(),
+                          max_num_seqs=8)
+
+
+def _token(step: int, rid: str, n: int) -> ev.TokenSampled:
+    return ev.TokenSampled(step=step, request_id=rid, seq_id=int(rid), index=0, token_id=1, text="x", position=9,
+                           num_output_tokens=n)
+
+
+def _timed(step: int) -> ev.StepTimed:
+    return ev.StepTimed(step=step, wall_time_s=0.1, num_tokens=3, num_prefill_tokens=0, num_decode_tokens=3,
+                        prefill_tokens_per_s=0.0, decode_tokens_per_s=30.0, kv_bytes_used=0, kv_bytes_total=1,
+                        num_running=3, num_waiting=0)
+
+
+def _blocks(step: int) -> ev.BlocksChanged:
+    return ev.BlocksChanged(step=step, block_size=4, bytes_per_block=1, states="uf", ref_counts=(1, 0), tables=())
+
+
+class _Target:
+    def post_message(self, message):
+        return True
+
+
+def test_a_drain_never_hands_over_part_of_a_steps_results():
+    """Trial 16: a frame showed req-7 with step 111's token beside req-6 and req-8 without theirs."""
+    from nanovllm_tui.bridge import EngineBridge
+
+    bridge = EngineBridge(_Target())
+    bridge(_planned(111))
+    bridge(_token(111, "6", 11))
+    bridge(_token(111, "7", 10))
+    # a frame now: the plan (step 111 running) is drawn, none of its tokens
+    assert [type(e).__name__ for e in bridge.drain()] == ["StepPlanned"] and bridge.pending()
+    bridge(_token(111, "8", 10))
+    bridge(_blocks(111))
+    assert bridge.drain() == []  # still open
+    bridge(_timed(111))
+    assert [(type(e).__name__, getattr(e, "request_id", None)) for e in bridge.drain()] == [
+        ("TokenSampled", "6"), ("TokenSampled", "7"), ("TokenSampled", "8"), ("BlocksChanged", None),
+        ("StepTimed", None)]
+    assert not bridge.pending()
+    # an abort between steps (its step is the last one, ended) and an empty plan hold nothing
+    bridge(ev.StepPlanned(step=112, token_budget=512, num_batched_tokens=0, scheduled=(), preempted=(), admitted=(),
+                          waiting=(), running=(), max_num_seqs=8))
+    bridge(ev.RequestFinished(request_id="6", step=112, index=0, finish_reason="abort", stop_reason=None,
+                              output_text="", output_token_ids=(), num_prompt_tokens=5, num_output_tokens=11,
+                              ttft_s=None, tpot_s=None, e2e_s=None, num_preemptions=0,
+                              num_cached_prompt_tokens=0))
+    bridge(_blocks(112))
+    assert len(bridge.drain()) == 3
+    # a step that stops without its StepTimed (a device failure: an error, then its requests end): not held
+    bridge(_planned(113))
+    bridge(_token(113, "7", 11))
+    bridge(ev.EngineError(step=113, message="the cpu device failed"))
+    assert len(bridge.drain()) == 3
+    # one whose engine went silent inside it: held until flushed (the app does when it is stale)
+    bridge(_planned(114))
+    bridge(_token(114, "7", 12))
+    assert len(bridge.drain()) == 1 and bridge.stale(0.0) and not bridge.stale(60.0)
+    assert [type(e).__name__ for e in bridge.drain(flush=True)] == ["TokenSampled"] and not bridge.pending()
+
+
+async def test_the_paused_header_waits_until_the_last_steps_events_are_drawn(tiny_llama_dir, tmp_path, monkeypatch):
+    """Trial 16: the header said "● paused" (the controller's flag, polled) while the last step's events
+    still waited in the bridge: the Engine panel said "step 111 running" and the rows mixed two steps."""
+    from tests.tui_helpers import send_prompt, tiny_app, wait_until
+
+    app = tiny_app(tiny_llama_dir, tmp_path, max_tokens=400)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
+        await send_prompt(pilot, "Once upon a time")
+        await send_prompt(pilot, "The capital of France is")
+        await wait_until(pilot, lambda: sum(r.num_output for r in app.state.requests.values()) >= 4, 30,
+                         "a few tokens")
+        monkeypatch.setattr(app.bridge, "delay", lambda: 3600.0)  # a slow frame: the events wait in the bridge
+        await pilot.press("escape", "space")
+        await wait_until(pilot, lambda: app.controller.state == "paused" and app.bridge._events, 30,
+                         "the engine to pause with its events undrawn")
+        app._poll_engine_state()  # the twice-a-second look at the controller
+        await pilot.pause()
+        header = str(app.query_one("#header").render())
+        assert "● paused" not in header and "pausing…" in header, header
+        monkeypatch.undo()
+        app._take_events()  # the frame comes: the step's events and the EnginePaused
+        await pilot.pause()
+        header = str(app.query_one("#header").render())
+        assert "● paused" in header, header
+        assert not app.state.step_open and app.state.timings[-1].step == app.state.step, "the last step is drawn whole"
+        await pilot.press("space")  # resume: the same for "running"
