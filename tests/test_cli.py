@@ -63,7 +63,7 @@ def test_chat_flag_uses_chat_template(capsys, shared_default_loads):
                         "digits, got 'abc'"),
     (["--tp-rendezvous-timeout", "nan"], "--tp-rendezvous-timeout: expected a number of seconds above 0, in ASCII "
                                          "digits, got 'nan'"),
-    (["--prompt", "  "], "--prompt must not be empty"),
+    (["--prompt", ""], "--prompt must not be empty"),  # (only spaces is a prompt, as in vLLM: trial 16)
     (["--prompt", "a", "--priority", "1", "--priority", "2"], "2 --priority values for 1 --prompt"),
     (["--model", "/does/not/exist"], "does not exist"),
     (["--scheduling-policy", "lottery"], "invalid choice"),

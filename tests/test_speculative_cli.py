@@ -32,7 +32,7 @@ def test_cli_prints_completion_acceptance_expected_length_and_speedup(capsys):
 @pytest.mark.parametrize("args,message", [
     (["--num-speculative-tokens", "0"], "--num-speculative-tokens: expected a positive integer"),
     (["--draft-model", "self:x"], "'self:N' needs a layer count"),
-    (["--prompt", "  "], "--prompt must not be empty"),
+    (["--prompt", ""], "--prompt must not be empty"),
     (["--temperature", "-1"], "argument --temperature: must be a finite number >= 0 (0 means greedy), got '-1'"),
     (["--target-model", "/no/such/model"], "does not exist"),
 ])

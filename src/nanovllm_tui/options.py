@@ -77,7 +77,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if given:
             parser.error(f"--{given[0].replace('_', '-')} does nothing with --replay: a replay plays a recorded "
                          "trace (no model, no new prompts); leave it out, or start without --replay")
-    if args.prompt and any(not p.strip() for p in args.prompt):
+    if args.prompt and any(p == "" for p in args.prompt):  # only spaces is a prompt (vLLM takes it), "" is none
         parser.error("--prompt must not be empty")
     if args.priority is not None and len(args.priority) != len(args.prompt or []):
         parser.error(f"got {len(args.priority)} --priority values for {len(args.prompt or [])} --prompt values; "

@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     prompts = args.prompt or [DEFAULT_PROMPT]
-    if any(not p.strip() for p in prompts):
+    if any(p == "" for p in prompts):  # only spaces is a prompt: it tokenizes to tokens, as vLLM takes it
         parser.error("--prompt must not be empty")
     draft = args.draft_model or default_draft(args.target_model)
     from nanovllm_core.attention.selector import default_block_size

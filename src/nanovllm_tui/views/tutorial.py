@@ -2,7 +2,8 @@
 
 The chapters, demonstrations, grading and saved progress come from
 ``nanovllm_core.educational.tutorial`` (the CLI's ``--tutorial`` reads the same), so this tab
-only lays them out and wires the keys: ←/→ chapters, A-D (or ↑/↓ and Enter) answers,
+only lays them out and wires the keys: ←/→ chapters, A-D (or ↑/↓ and Enter) answers (an answered
+quiz keeps its answer; ``x`` clears it to answer again),
 ``r`` runs the chapter's demonstration (the tensor-parallel chapter's first measures all-reduces
 between local processes on a worker thread). Progress is saved after every answer and chapter
 change, and loaded at start.
@@ -39,13 +40,21 @@ MAX_DEMO_NOTES = 60
 
 
 class QuizChoices(OptionList):
-    """The four answers. A-D answer at once; ↑/↓ and Enter too; PageUp/PageDown scroll the chapter."""
+    """The four answers. A-D answer at once; ↑/↓ and Enter too; PageUp/PageDown scroll the chapter.
+
+    An answered quiz keeps its answer: A-D (and Enter) then say it is answered and that ``x`` clears it
+    to answer again, and the footer offers ``x Retry quiz`` in place of ``a Answer A-D``. Trial 16: a
+    learner pressed ``a`` (Abort everywhere else) on an answered chapter and lost a correct answer
+    that is kept between launches (13/13 became 12/13) without a word."""
 
     BINDINGS = [
         Binding("a,A", "answer(0)", "Answer A-D"),
         Binding("b,B", "answer(1)", "B", show=False),
         Binding("c,C", "answer(2)", "C", show=False),
         Binding("d,D", "answer(3)", "D", show=False),
+        # an answered quiz (check_action): the same keys say so and keep the answer
+        Binding("a,A,b,B,c,C,d,D", "answered", "Answered", show=False),
+        Binding("x", "retry", "Retry quiz"),
         Binding("left", "chapter(-1)", "Prev chapter"),
         Binding("right", "chapter(1)", "Next chapter"),
         Binding("pageup", "scroll_chapter(-1)", "Scroll up", show=False),
@@ -56,9 +65,24 @@ class QuizChoices(OptionList):
         # OptionList binds ←/→ to scrolling; here they turn the tutorial's pages.
         self.query_ancestor(TutorialView).action_chapter(delta)
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """A-D answer an unanswered quiz; on an answered one they say so (``answered``) and ``x`` clears it."""
+        if action in ("answer", "answered", "retry"):
+            views = self.ancestors_with_self
+            view = next((v for v in views if isinstance(v, TutorialView)), None)
+            answered = view is not None and view.answered
+            return answered if action != "answer" else not answered
+        return super().check_action(action, parameters)
+
     def action_answer(self, index: int) -> None:
         self.highlighted = index
         self.action_select()
+
+    def action_answered(self) -> None:
+        self.query_ancestor(TutorialView).say_answered()
+
+    def action_retry(self) -> None:
+        self.query_ancestor(TutorialView).retry()
 
     def option_region(self, index: int) -> Region | None:
         """Where option ``index`` lies in the quiz box's scrolled space (None before it is laid out)."""
@@ -268,13 +292,42 @@ class TutorialView(EngineView):
         self.query_one("#feedback", Static).update(self.feedback or Text("A-D, or ↑/↓ and Enter, to answer.",
                                                                          style="dim"))
 
-    def _feedback(self, choice: int) -> Text:
+    def _feedback(self, choice: int, again: bool = False) -> Text:
+        """The verdict on ``choice`` with the explanation, and how to answer again (``again``: a key
+        tried to answer the answered quiz, said first)."""
         quiz = self.chapter.quiz
         right = choice == quiz.answer
-        text = Text("✓ Right. " if right else f"✗ Not quite: the answer is {tut.LETTERS[quiz.answer]}. ",
+        text = Text()
+        if again:
+            text.append(f"Already answered ({tut.LETTERS[choice]}): the answer is kept. ", style="bold yellow")
+        text.append("✓ Right. " if right else f"✗ Not quite: the answer is {tut.LETTERS[quiz.answer]}. ",
                     style="bold green" if right else "bold red")
         text.append(quiz.explanation)
+        text.append("\nPress x to clear this answer and try again.", style="dim")
         return text
+
+    @property
+    def answered(self) -> bool:
+        """The current chapter's quiz has a kept answer."""
+        return self.chapter.key in self.progress.answers
+
+    def say_answered(self) -> None:
+        """A-D or Enter on an answered quiz: keep the answer, say so and how to answer again."""
+        previous = self.progress.answers[self.chapter.key]
+        self.query_one(QuizChoices).highlighted = previous
+        self.feedback = self._feedback(previous, again=True)
+        self._show_feedback()
+        self.call_after_refresh(self._reveal_feedback)
+
+    def retry(self) -> None:
+        """``x``: clear the current chapter's answer (saved), so A-D answer it again."""
+        if self.progress.answers.pop(self.chapter.key, None) is None:
+            return
+        self._save()
+        self.feedback = None
+        self._show_feedback()
+        self._show_list()
+        self.refresh_bindings()  # a-d answer again; x goes from the footer
 
     # ------------------------------------------------------------------ keys
 
@@ -288,8 +341,13 @@ class TutorialView(EngineView):
         self.answer(event.option_index)
 
     def answer(self, choice: int) -> bool:
-        """Grade ``choice`` (0-3) for the current chapter, show the feedback, keep the progress."""
+        """Grade ``choice`` (0-3) for the current chapter, show the feedback, keep the progress; on an
+        answered chapter, keep its answer and say so (True: the kept answer is right)."""
+        if self.answered:
+            self.say_answered()
+            return self.progress.answers[self.chapter.key] == self.chapter.quiz.answer
         right = self.progress.record(self.chapter, choice)
+        self.refresh_bindings()  # answered: x retries, a-d say so
         self.feedback = self._feedback(choice)
         self._save()
         self._show_feedback()

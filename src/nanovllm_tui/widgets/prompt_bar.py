@@ -476,7 +476,8 @@ class PromptBar(Vertical):
             return
         prompt_field = self.query_one("#prompt", Input)
         prompt = prompt_from_bar(prompt_field.value)
-        if not prompt.strip():
+        if not prompt:  # only spaces is sent: it tokenizes to tokens, as vLLM takes it (trial 16); the engine
+            # refuses a prompt of no tokens with its own reason
             self.notify("The prompt is empty: type some text, then press Enter.", severity="warning")
             self.screen.set_focus(prompt_field)
             return

@@ -17,7 +17,7 @@ STATE_STYLES = {
 }
 
 
-Part = tuple  # (text, rank) or (text, rank, the same said shorter[, shorter still ...])
+Part = tuple  # (text, rank) or (text, rank, the same said shorter[, shorter still ...]); a shorter one may be (text, gate)
 
 
 def fit(parts: list[Part], width: int | None) -> Text:
@@ -26,12 +26,26 @@ def fit(parts: list[Part], width: int | None) -> Text:
     while a part has any), else the highest ranks are left out, whole, one rank at a time, each time
     trying the full words and then the shorter ones again (trial 13: at 80 columns the unfinished count
     went with the full words while its shorter wording fit); rank 0 is always kept. What is left is
-    never cut silently: a last part still too long ends in an ellipsis."""
+    never cut silently: a last part still too long ends in an ellipsis.
+
+    A shorter wording given as ``(text, gate)`` is used only once every part ranked above ``gate`` has
+    gone (trial 16: at 120 columns the unfinished requests were counted, "2 requests unfinished", while
+    their names fit once the weights' formats, a less needed part, went)."""
     def too_long(line: list[tuple[Text, int]]) -> bool:
         return width is not None and sum(t.cell_len for t, _ in line) > width
 
+    def wording(p: Part, level: int, top: int) -> Text:
+        chosen = p[0]
+        for shorter in p[2:2 + level]:
+            text, gate = shorter if isinstance(shorter, tuple) else (shorter, None)
+            if gate is not None and top > gate:  # kept until the parts less needed than ``gate`` are gone
+                break
+            chosen = text
+        return chosen
+
     def worded(ps: list[Part], level: int) -> list[tuple[Text, int]]:
-        return [(p[min(level, len(p) - 2) + 1] if level and len(p) > 2 else p[0], p[1]) for p in ps]
+        top = max((p[1] for p in ps), default=0)
+        return [(wording(p, level, top), p[1]) for p in ps]
 
     rounds = max((len(p) - 2 for p in parts), default=0)
     alive = list(parts)
@@ -138,11 +152,12 @@ class StatusHeader(LiveStatic):
                 parts.append((Text(f" · step {state.step}"), 3))
             if cut_short:  # they will never finish: the header said "idle" beside requests listed running
                 n = len(unfinished)
-                # named where the line has room (at 120 columns beside a long model name: counted,
-                # so the weights' formats stay as the whole recording's replay shows them)
-                # (rank 2: after the step, before the model; trial 13 saw both dropped at once at 80 columns)
+                # named where the line has room: counted only once the less needed parts (weights' formats,
+                # device, step) have gone and the names still do not fit (trial 16: counted at 120 columns
+                # while the weights' formats stayed). (rank 2: after the step, before the model; trial 13
+                # saw both dropped at once at 80 columns)
                 parts.append((Text(f" · {unfinished_text(unfinished)}"), 2, Text(f" · {unfinished_text(unfinished)}"),
-                              Text(f" · {plural(n, 'request')} unfinished"), Text(f" · {n} unfinished")))
+                              (Text(f" · {plural(n, 'request')} unfinished"), 2), (Text(f" · {n} unfinished"), 2)))
             else:  # "N active" where the whole line does not fit otherwise (a long model name in a replay)
                 parts.append((Text(f" · {active} active request{'s' if active != 1 else ''}"), 4,
                               Text(f" · {active} active")))
