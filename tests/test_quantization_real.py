@@ -124,4 +124,8 @@ def test_the_tutorials_demonstrations_run_in_the_quantization_asked_for(capsys, 
     assert info["machine"] == engine_roofline(demos.engine(), measure=False).machine  # a busy block kernel adds its own
     assert info["peak_flops"] == roof.peak_flops == roofline.cached("cpu", torch.float32, None).peak_flops
     assert "float matmul peak" in " ".join(model_facts(chapter("prefill"), info))
-    assert "Q4_1 block kernel peak" in " ".join(model_facts(chapter("prefill"), info)) and dict(info["block_peaks"])["q4_1"]
+    prefill = " ".join(model_facts(chapter("prefill"), info))
+    if dict(info["block_peaks"]).get("q4_1"):  # measured on a quiet host: the block kernel's own peak is named
+        assert "Q4_1 block kernel peak" in prefill
+    else:  # a busy host's block peak is not trusted (trial 15a): the chapter says so instead of a verdict
+        assert "measured on a busy host" in prefill and "python -m nanovllm_core.roofline" in prefill, prefill
