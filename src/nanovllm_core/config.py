@@ -10,6 +10,7 @@ checks; every check of a setting sits beside the setting's documentation.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -509,6 +510,80 @@ def check_kv_pool_fits(num_blocks: int, bytes_per_block: int, device: torch.devi
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 
+# What to do about a model file whose numbers cannot be right: the fault is in the file, not a cache.
+FILE_FAULT = "the file is corrupt or not a LLaMA-family model; get a fresh copy"
+# The size fields of a Hugging Face LLaMA config (head_dim may be absent: hidden_size / heads).
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings")
+# Past these no LLaMA-family model goes (Llama 3.1 405B: 126 layers, 16,384 wide, 128K context):
+# a bigger number is overwritten bytes, and building a model that size would hang or exhaust memory.
+MAX_LAYERS = 4096
+MAX_SIZE = 2**31 - 1
+
+
+def config_fault(where: str, key: str, value: Any, why: str) -> str:
+    """The one-line refusal of a model configuration's field: ``<where>: <key> is <value>, <why>; <what to do>``."""
+    return f"{where}: {key} is {value!r}, {why}; {FILE_FAULT}"
+
+
+def architecture_problem(raw: dict[str, Any]) -> tuple[str, Any, str] | None:
+    """The first number of a LLaMA configuration that cannot be right, as ``(field, value, why)``; None when all can.
+
+    ``raw`` maps Hugging Face field names (:data:`_SIZE_FIELDS`, ``rms_norm_eps``, ``rope_theta``,
+    ``rope_scaling``) to the values read from the file; ``head_dim`` None means hidden_size / heads.
+    Checked: every size a whole number from 1 up (layers at most :data:`MAX_LAYERS`, others
+    :data:`MAX_SIZE`); the KV heads dividing the query heads; the head size even (rotary pairs)
+    and, when not given, hidden_size a multiple of the heads; rms_norm_eps finite in (0, 1);
+    rope_theta finite and above 0; a rope scaling's factors finite and above 0 (llama3's
+    high_freq_factor above its low_freq_factor, its original context a whole number from 1).
+    """
+    for key in _SIZE_FIELDS:
+        value = raw.get(key)
+        if key == "head_dim" and value is None:
+            continue
+        most = MAX_LAYERS if key == "num_hidden_layers" else MAX_SIZE
+        if isinstance(value, bool) or not isinstance(value, int):
+            return key, value, "not a whole number"
+        if not 1 <= value <= most:
+            return key, value, f"outside 1 to {most:,}"
+    heads, kv = raw["num_attention_heads"], raw["num_key_value_heads"]
+    if heads % kv:
+        return "num_key_value_heads", kv, f"which does not divide the {heads} attention heads"
+    head_dim = raw.get("head_dim")
+    if head_dim is None:
+        if raw["hidden_size"] % heads:
+            return "hidden_size", raw["hidden_size"], f"not a multiple of the {heads} attention heads"
+        head_dim = raw["hidden_size"] // heads
+    if head_dim % 2:
+        return "head_dim", head_dim, "odd, where rotary embedding turns pairs of numbers"
+    eps = raw.get("rms_norm_eps")
+    if not _real(eps) or not 0 < eps < 1:
+        return "rms_norm_eps", eps, "not a number in (0, 1)"
+    theta = raw.get("rope_theta")
+    if not _real(theta) or not theta > 0:
+        return "rope_theta", theta, "not a finite number above 0"
+    scaling = raw.get("rope_scaling")
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        needed = ("factor", "low_freq_factor", "high_freq_factor") if kind == "llama3" else ("factor",)
+        for key in needed:
+            if not _real(scaling.get(key)) or not scaling[key] > 0:
+                return f"rope_scaling.{key}", scaling.get(key), "not a finite number above 0"
+        if kind == "llama3":
+            if not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+                return ("rope_scaling.high_freq_factor", scaling["high_freq_factor"],
+                        f"not above low_freq_factor {scaling['low_freq_factor']!r}")
+            old = scaling.get("original_max_position_embeddings")
+            if isinstance(old, bool) or not isinstance(old, int) or not 1 <= old <= MAX_SIZE:
+                return ("rope_scaling.original_max_position_embeddings", old,
+                        f"not a whole number from 1 to {MAX_SIZE:,}")
+    return None
+
+
+def _real(value: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -542,11 +617,16 @@ class ModelConfig:
         return self.num_attention_heads // self.num_key_value_heads
 
     @staticmethod
-    def from_hf(hf_config: Any) -> "ModelConfig":
-        """Read a transformers config (v4 or v5 field layout).
+    def from_hf(hf_config: Any, where: str = "config.json", names: dict[str, str] | None = None) -> "ModelConfig":
+        """Read a transformers config (v4 or v5 field layout), checking every number first.
+
+        ``where`` names the file in the refusal (a config.json path, or the GGUF file it came from);
+        ``names`` spells a field as that file does (``{"num_hidden_layers": "llama.block_count"}``).
 
         Raises:
-            ValueError: the model type is not LLaMA-family, or a needed field is missing.
+            ValueError: the model type is not LLaMA-family, a needed field is missing, or a number
+                cannot be right (:func:`architecture_problem`), in one line naming ``where``, the field
+                and its value, and what to do.
         """
         model_type = getattr(hf_config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -554,10 +634,6 @@ class ModelConfig:
                 f"model type {model_type!r} is not supported; this engine runs LLaMA-family "
                 f"models (model_type in {list(SUPPORTED_MODEL_TYPES)}, e.g. SmolLM2, TinyLlama, Llama 2/3)"
             )
-        num_heads = hf_config.num_attention_heads
-        num_kv = getattr(hf_config, "num_key_value_heads", None) or num_heads
-        hidden = hf_config.hidden_size
-        head_dim = getattr(hf_config, "head_dim", None) or hidden // num_heads
         # transformers v5 keeps rope settings in `rope_parameters`; v4 in rope_theta/rope_scaling.
         rope_params = dict(getattr(hf_config, "rope_parameters", None) or {})
         rope_theta = rope_params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -565,6 +641,9 @@ class ModelConfig:
         if not rope_scaling and rope_params.get("rope_type", "default") != "default":
             rope_scaling = rope_params
         if rope_scaling:
+            if not isinstance(rope_scaling, dict):
+                raise ValueError(config_fault(where, (names or {}).get("rope_scaling", "rope_scaling"), rope_scaling,
+                                              "is not an object of rope settings"))
             rope_scaling = dict(rope_scaling)
             kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             if kind == "default":
@@ -573,19 +652,33 @@ class ModelConfig:
                 raise ValueError(
                     f"rope_scaling of type {kind!r} is not supported (supported: 'llama3', 'linear')"
                 )
+        raw = {key: getattr(hf_config, key, None) for key in _SIZE_FIELDS}
+        if raw["num_key_value_heads"] is None:  # absent: multi-head attention (0 is a value, and refused)
+            raw["num_key_value_heads"] = raw["num_attention_heads"]
+        if raw["max_position_embeddings"] is None:
+            raw["max_position_embeddings"] = 2048
+        raw["rms_norm_eps"] = getattr(hf_config, "rms_norm_eps", None)
+        raw["rope_theta"] = rope_theta
+        raw["rope_scaling"] = rope_scaling
+        problem = architecture_problem(raw)
+        if problem is not None:
+            key, value, why = problem
+            raise ValueError(config_fault(where, (names or {}).get(key, key), value, why))
+        num_heads, hidden = raw["num_attention_heads"], raw["hidden_size"]
+        head_dim = raw["head_dim"] or hidden // num_heads
         eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         return ModelConfig(
-            vocab_size=hf_config.vocab_size,
+            vocab_size=raw["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=hf_config.intermediate_size,
-            num_hidden_layers=hf_config.num_hidden_layers,
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=num_heads,
-            num_key_value_heads=num_kv,
+            num_key_value_heads=raw["num_key_value_heads"],
             head_dim=head_dim,
-            rms_norm_eps=float(hf_config.rms_norm_eps),
+            rms_norm_eps=float(raw["rms_norm_eps"]),
             rope_theta=float(rope_theta),
-            max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", 2048)),
+            max_position_embeddings=int(raw["max_position_embeddings"]),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             rope_scaling=rope_scaling,
             attention_bias=bool(getattr(hf_config, "attention_bias", False)),
@@ -594,6 +687,37 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             model_type=model_type,
         )
+
+    def hf_tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every Hugging Face tensor name a model of this configuration needs, with its whole shape
+        (elements; ``[out, in]`` for a linear layer's weight)."""
+        h, i = self.hidden_size, self.intermediate_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        names: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h),
+                                             "model.norm.weight": (h,)}
+        if not self.tie_word_embeddings:
+            names["lm_head.weight"] = (self.vocab_size, h)
+        for n in range(self.num_hidden_layers):
+            p = f"model.layers.{n}."
+            names.update({
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+            })
+            if self.attention_bias:
+                names.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                              p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (h,)})
+            if self.mlp_bias:
+                names.update({p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,),
+                              p + "mlp.down_proj.bias": (h,)})
+        return names
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of KV cache one token occupies: 2 (K and V) x layers x kv_heads x head_dim x dtype size."""

@@ -182,14 +182,11 @@ class LLMEngine(EventSource):
             ValueError: the size does not split the model (before any process starts).
             TensorParallelError: a worker failed to start, join or load.
         """
-        from nanovllm_core.model.loader import ModelLoadError, load_hf_config, load_model, resolve_model
+        from nanovllm_core.model.loader import load_model, read_model_config, resolve_model
 
         n = config.tensor_parallel_size
         resolved = resolve_model(config.model, progress)  # converts a GGUF file once, before any worker reads it
-        try:
-            model_config = ModelConfig.from_hf(load_hf_config(resolved.path))
-        except (ValueError, AttributeError) as e:
-            raise ModelLoadError(f"{resolved.name}: {e}") from None
+        model_config = read_model_config(resolved)
         parallel.check_size(model_config, n, resolved.name)
         local = config.tp_local_ranks or n
         if progress and local > 1:

@@ -200,14 +200,10 @@ def check_worker_rank(rank: int, world_size: int) -> None:
 
 def _own_model_config(model: str):
     """The ``ModelConfig`` of this host's copy of ``model`` (what rank 0 compares with its own), and its path."""
-    from nanovllm_core.config import ModelConfig
-    from nanovllm_core.model.loader import ModelLoadError, load_hf_config, resolve_model
+    from nanovllm_core.model.loader import read_model_config, resolve_model
 
     resolved = resolve_model(model)
-    try:
-        return ModelConfig.from_hf(load_hf_config(resolved.path)), str(resolved.path)
-    except (ValueError, AttributeError) as e:
-        raise ModelLoadError(f"{resolved.name}: {e}") from None
+    return read_model_config(resolved), str(resolved.path)
 
 
 def join_rank0(opts: WorkerOptions) -> tuple[Connection, dict]:

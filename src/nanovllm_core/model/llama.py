@@ -428,31 +428,5 @@ class LlamaForCausalLM(nn.Module):
             raise KeyError(name) from None
 
     def expected_hf_tensors(self) -> dict[str, tuple[int, ...]]:
-        """Every Hugging Face tensor name this model needs, with its expected shape."""
-        cfg = self.config
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        q = cfg.num_attention_heads * cfg.head_dim
-        kv = cfg.num_key_value_heads * cfg.head_dim
-        names: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-        if not cfg.tie_word_embeddings:
-            names["lm_head.weight"] = (cfg.vocab_size, h)
-        for n in range(cfg.num_hidden_layers):
-            p = f"model.layers.{n}."
-            names.update({
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (q, h),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q),
-                p + "mlp.gate_proj.weight": (i, h),
-                p + "mlp.up_proj.weight": (i, h),
-                p + "mlp.down_proj.weight": (h, i),
-            })
-            if cfg.attention_bias:
-                names.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                              p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (h,)})
-            if cfg.mlp_bias:
-                names.update({p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,),
-                              p + "mlp.down_proj.bias": (h,)})
-        return names
+        """Every Hugging Face tensor name this model needs, with its shape (``ModelConfig.hf_tensor_shapes``)."""
+        return self.config.hf_tensor_shapes()

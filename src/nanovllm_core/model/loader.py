@@ -38,7 +38,8 @@ from nanovllm_core.model.gguf_names import gguf_to_hf_name as _gguf_to_hf_name
 from nanovllm_core.model.gguf_names import unpermute_rotary_rows  # re-exported: tests and callers use loader's
 from nanovllm_core.model.weight_checks import blocks_phrase, first_nonfinite_blocks, nonfinite_floats, values_phrase
 from nanovllm_core.paths import cache_root  # re-exported: loader.cache_root() is used by callers
-from nanovllm_core.config import SettingError, setting
+from nanovllm_core.config import FILE_FAULT, ModelConfig, SettingError, setting
+from nanovllm_core.model.gguf_header import GGUF_NAMES, check_gguf_header, check_gguf_tensors
 from nanovllm_core import untrusted
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -235,12 +236,18 @@ def convert_gguf(gguf_file: Path, progress: ProgressFn | None = None) -> Path:
     GGUF stores LLaMA's q_proj and k_proj rows in llama.cpp's interleaved rotary order
     (pairs (2i, 2i+1)); they are permuted back to Hugging Face's half-split order here.
 
+    Before anything is dequantized, the header's numbers are checked (``gguf_header``: sizes whole
+    numbers from 1, KV heads dividing the heads, a finite epsilon and RoPE base, token ids in the
+    vocabulary), then the configuration transformers makes of it (``ModelConfig.from_hf``), then
+    the tensors against it (as many blocks as ``llama.block_count``, shapes the sizes imply).
     Every tensor is checked to be finite (``weight_checks``): a file with NaN or infinite weights
-    is refused, naming the tensor, and nothing is cached.
+    is refused, naming the tensor. Nothing is cached from a file that fails any check, nor from
+    an interrupted conversion: the temporary folder is removed.
 
     Raises:
-        ModelLoadError: the file is not a GGUF file, is cut short, is corrupt (non-finite weights),
-            or is not a LLaMA model.
+        ModelLoadError: the file is not a GGUF file, is cut short, is corrupt (a header value that
+            cannot be right, tensors that disagree with it, non-finite weights), or is not a
+            LLaMA model; each as one line naming the file and to get a fresh copy.
     """
     target = _gguf_cache_dir(gguf_file)
     if is_converted(target):
@@ -260,12 +267,21 @@ def convert_gguf(gguf_file: Path, progress: ProgressFn | None = None) -> Path:
             f"{gguf_file.name} holds a {arch!r} model; this engine runs LLaMA-family models (general.architecture "
             "'llama'): pass a GGUF file of one"
         )
+    try:  # the header's numbers, before transformers reads them (it divides by the heads, indexes the tokens)
+        check_gguf_header(reader, gguf_file)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    finished = False
     try:
         hf_config = _gguf_config_and_tokenizer(gguf_file, tmp)
-        num_heads = hf_config.num_attention_heads
-        num_kv = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        try:  # the configuration transformers made of it, then the tensors against it: before any is dequantized
+            cfg = ModelConfig.from_hf(hf_config, where=gguf_file.name, names=GGUF_NAMES)
+            check_gguf_tensors(reader, gguf_file, cfg)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
+        num_heads, num_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         tensors: dict[str, torch.Tensor] = {}
         total = len(reader.tensors)
         for done, t in enumerate(reader.tensors, 1):
@@ -292,12 +308,16 @@ def convert_gguf(gguf_file: Path, progress: ProgressFn | None = None) -> Path:
         if target.exists():  # a stale or partial folder from an older run
             shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
+        finished = True
     except ModelLoadError:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise
-    except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ModelLoadError(f"converting {gguf_file.name} failed ({type(e).__name__}: {e})") from None
+    except Exception as e:  # transformers or the dequantizer refused something the checks above let through
+        reason = untrusted.clipped(" ".join(str(e).split()), 160) or "no message"
+        raise ModelLoadError(f"converting {gguf_file.name} failed ({type(e).__name__}: {reason}): its header or "
+                             f"tensors are not what a LLaMA GGUF file holds; {FILE_FAULT}") from None
+    finally:  # nothing of a failed or interrupted conversion stays in the cache
+        if not finished:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -344,6 +364,25 @@ def load_hf_config(path: Path) -> Any:
             return obj
         raise ModelLoadError(f"could not read {path / 'config.json'} ({type(e).__name__}: {e}); it must be the model's "
                              "JSON config: re-download it") from None
+
+
+def read_model_config(resolved: ResolvedModel) -> ModelConfig:
+    """The checked ``ModelConfig`` of a resolved model's ``config.json``.
+
+    A folder converted from a GGUF file names that file and its keys (the numbers came from its
+    header); any other names its config.json.
+
+    Raises:
+        ModelLoadError: unreadable config, not LLaMA-family, or a number that cannot be right
+            (``ModelConfig.from_hf``), as one line.
+    """
+    hf_config = load_hf_config(resolved.path)
+    try:
+        if resolved.gguf_file is not None:
+            return ModelConfig.from_hf(hf_config, where=resolved.gguf_file.name, names=GGUF_NAMES)
+        return ModelConfig.from_hf(hf_config, where=str(resolved.path / "config.json"))
+    except (ValueError, AttributeError) as e:
+        raise _naming(resolved, e) from None
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -503,7 +542,7 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
             model that is not a GGUF file.
         ValueError: an unknown ``quantization``, or a quantized mode on a device other than the CPU.
     """
-    from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
+    from nanovllm_core.model.llama import LlamaForCausalLM
     from nanovllm_core.model.quantization import (
         AUTO,
         keep_file_blocks,
@@ -527,10 +566,7 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
         raise _naming(resolved, e) from None
     cfg = model_config
     if cfg is None:
-        try:
-            cfg = ModelConfig.from_hf(load_hf_config(resolved.path))
-        except (ValueError, AttributeError) as e:
-            raise _naming(resolved, e) from None
+        cfg = read_model_config(resolved)
     if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
         raise ContextTooLong(
             f"max_model_len={max_model_len} is longer than the model's context ({cfg.max_position_embeddings} "
