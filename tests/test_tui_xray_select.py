@@ -24,7 +24,7 @@ def anyio_backend():
 
 def test_the_engine_refuses_an_unknown_id_and_keeps_live_and_finished_ones(make_tiny_engine):
     engine = make_tiny_engine(num_kv_blocks=32)
-    with pytest.raises(ValueError, match="no running, waiting or recently finished request 'nope'"):
+    with pytest.raises(ValueError, match='no running, waiting or recently finished request "nope"'):
         engine.select_xray("nope")
     engine.add_request("one two", GREEDY, request_id="r")
     rid = "r"
@@ -45,7 +45,7 @@ def test_the_known_finished_ids_are_bounded(make_tiny_engine, monkeypatch):
     for rid in ("a", "b", "c"):
         engine.add_request([10**8], GREEDY, request_id=rid)  # each rejected at once: ended
     assert list(engine.finished_ids) == ["b", "c"]
-    with pytest.raises(ValueError, match="'a'"):
+    with pytest.raises(ValueError, match='"a"'):
         engine.select_xray("a")
 
 
@@ -61,7 +61,7 @@ def test_the_controller_answers_an_unknown_id_with_an_engine_error_naming_it(mak
         assert poll_until(lambda: any(isinstance(e, ev.EngineError) for e in got), 10)
         errors = [e for e in got if isinstance(e, ev.EngineError)]
         assert len(errors) == 1 and errors[0].request_id == "nope" and errors[0].step is None
-        assert errors[0].message.startswith("xray: ") and "'nope'" in errors[0].message
+        assert errors[0].message.startswith("xray: ") and '"nope"' in errors[0].message
     finally:
         controller.shutdown(timeout=5)
 
@@ -99,7 +99,7 @@ async def test_the_app_shows_a_refused_xray_as_not_done_and_a_finished_row_stays
         app.select("nope")  # an id no request has (the table never offers one; the controller is asked)
         await wait_until(pilot, lambda: notes.find("xray:"), 10, "the refusal")
         note = notes.find("xray:")[0]
-        assert note.title == "Not done" and "'nope'" in note.message and note.severity == "warning"
+        assert note.title == "Not done" and '"nope"' in note.message and note.severity == "warning"
 
 
 @pytest.mark.parametrize("live", [True, False])
