@@ -68,6 +68,12 @@ from nanovllm_core.untrusted import shown
 FINISHED_IDS_KEPT = 1024  # ended request ids remembered (select_xray accepts them; the app lists at most 200)
 
 
+class EngineDeadError(RuntimeError):
+    """The engine has stopped for good (a tensor-parallel worker died, hung or failed; the device failed)
+    and takes no new work: ``LLM.generate`` and ``LLM.chat`` raise it, as vLLM's ``EngineDeadError``.
+    The message is ``LLMEngine.fatal_error``: one line naming the cause and saying to restart."""
+
+
 class LLMEngine(EventSource):
     """A paged-attention inference engine over one model.
 
