@@ -41,7 +41,7 @@ from nanovllm_core.engine.scheduler import ScheduledSequence, Scheduler, Schedul
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
 from nanovllm_core.model import block_quant, native_ops
 from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
-from nanovllm_core.engine.tensor_parallel import TensorParallelError, WorkerGroup
+from nanovllm_core.engine.tensor_parallel import TensorParallelError, WorkerGroup, refuse_in_spawned_import
 from nanovllm_core.model import parallel
 from nanovllm_core.model.loader import ProgressFn, ResolvedModel
 from nanovllm_core.model.quantization import (
@@ -190,6 +190,7 @@ class LLMEngine(EventSource):
         """
         from nanovllm_core.model.loader import ModelLoadError, load_hf_config, load_model, resolve_model
 
+        refuse_in_spawned_import()  # a worker re-importing a script without the __main__ guard: one line, no load
         n = config.tensor_parallel_size
         resolved = resolve_model(config.model, progress)  # converts a GGUF file once, before any worker reads it
         try:
