@@ -193,3 +193,24 @@ def test_a_remote_worker_whose_rank_0_dies_inside_a_step_says_rank_0_went_away(t
     last = err.strip().splitlines()[-1]
     assert last == (f"nanovllm worker: rank 1: rank 0 at 127.0.0.1:{port} went away during a step (its connection "
                     "closed); this worker stopped: start rank 0 again, then this worker"), err
+
+
+def test_serve_logs_a_dead_engine_once(tiny_llama_dir, capsys):
+    """``nanovllm serve``'s engine stops for good while serving: its log says why once, in one line."""
+    from nanovllm_core.entrypoints import cli as serve_cli
+
+    parser = serve_cli.build_parser()
+    args = parser.parse_args(["--model", str(tiny_llama_dir), "--device", "cpu", "--num-kv-blocks", "16"])
+    controller = serve_cli.load(args, parser)
+    try:
+        dies_at_step(controller.engine, step=1)
+        ids = [controller.submit(p, SamplingParams(max_tokens=4)) for p in ("hi", "there")]
+        outs = [controller.wait(i, timeout=30) for i in ids]
+        assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
+        assert controller.engine_died == f"{DEATH}, restart it"
+    finally:
+        controller.shutdown(timeout=5)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if DEATH in line]
+    assert lines == [f"nanovllm serve: error: {DEATH}, restart it; requests in flight ended with it, new ones get 503 "
+                     "engine_dead; restart nanovllm serve"], err
