@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from nanovllm_core import LLM, SamplingParams
+from nanovllm_core import LLM, EngineDeadError, SamplingParams
 from nanovllm_core import events as ev
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.educational.commentary import ms
@@ -337,8 +337,9 @@ def kill_worker_and_check_the_engine_ends(llm: LLM, when: str, worker_pid: int |
     assert names in engine.fatal_error, engine.fatal_error
     assert errors and errors[-1].message == engine.fatal_error
     assert_no_group_left(port)
-    refused = llm.generate(["again"], GREEDY, use_tqdm=False)[0]  # the dead engine rejects, with its reason
-    assert refused.outputs[0].finish_reason == "rejected" and refused.error == engine.fatal_error
+    with pytest.raises(EngineDeadError) as dead:  # the dead engine refuses new work, with its reason
+        llm.generate(["again"], GREEDY, use_tqdm=False)
+    assert str(dead.value) == engine.fatal_error
     llm.close()  # idempotent after the failure; then the LLM itself refuses new work
     with pytest.raises(ValueError, match=r"^this LLM is closed; create a new LLM\(\.\.\.\)$"):
         llm.generate(["again"], GREEDY, use_tqdm=False)

@@ -21,12 +21,14 @@ _EXPORTS = {
     "RequestMetrics": "nanovllm_core.outputs",
     "EngineConfig": "nanovllm_core.config",
     "ModelLoadError": "nanovllm_core.model.loader",
+    "EngineDeadError": "nanovllm_core.engine.llm_engine",
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # pragma: no cover
     from nanovllm_core.config import EngineConfig
+    from nanovllm_core.engine.llm_engine import EngineDeadError
     from nanovllm_core.llm import LLM
     from nanovllm_core.model.loader import ModelLoadError
     from nanovllm_core.outputs import CompletionOutput, RequestMetrics, RequestOutput

@@ -2,7 +2,10 @@
 
 Prints each prompt and its completion; engine and sampling options mirror ``LLM`` and
 ``SamplingParams``. Bad arguments end with exit status 2 and one line on stderr, never a
-traceback.
+traceback. A run that fails at run time ends with status 1 and one line on stderr: a request
+that ended with an error (a tensor-parallel worker died, the device failed; the reason is
+printed once, after the completions), every prompt rejected, or a trace file that could not be
+written. Ctrl-C ends with 130.
 
 Teaching modes (``nanovllm_core.educational``): ``--narrate`` tells each act of inference
 with the run's real numbers, ``--xray`` shows the tensors and math inside the layers,
@@ -253,6 +256,7 @@ def check_max_tokens(llm, args: argparse.Namespace, parser: argparse.ArgumentPar
 def _generate(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, prompts: list[str], params) -> int:
     """Run ``prompts`` on ``llm`` and print the completions (``main``'s second half)."""
     from nanovllm_core.educational.commentary import ms, plural
+    from nanovllm_core.outputs import error_summary
 
     try:
         recorders = open_trace_recorders(llm, args)
@@ -316,6 +320,10 @@ def _generate(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, pr
             print(f"note: {what}: {info[key]}")
     if args.show_memory_stats:
         print_memory_stats(llm.stats())
+    failed = error_summary(outputs)
+    if failed is not None:  # the completions above were cut short: say why once, and fail the command
+        print(f"nanovllm: error: {failed}", file=sys.stderr, flush=True)
+        return 1
     if all(c.finish_reason == "rejected" for o in outputs for c in o.outputs):
         print("nanovllm: every prompt was rejected (reasons above)", file=sys.stderr)
         return 1

@@ -12,7 +12,7 @@ import sys
 from typing import Any, Sequence as Seq
 
 from nanovllm_core.config import EngineConfig
-from nanovllm_core.engine.llm_engine import LLMEngine
+from nanovllm_core.engine.llm_engine import EngineDeadError, LLMEngine
 from nanovllm_core.model.loader import ProgressFn
 from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.prompts import conversation_problem, describe
@@ -139,11 +139,17 @@ class LLM:
         vocabulary) raises before any prompt is queued, as vLLM's ``LLM.generate`` does, so nothing
         is half-done. A ``max_tokens`` beyond what the context leaves is not an error here (unlike
         the server, which refuses it as vLLM's does): generation stops when prompt plus output
-        reach ``max_model_len``, with ``finish_reason == "length"``. After the device failed for good
-        (``LLMEngine.fatal_error``) every prompt comes back rejected with that reason.
+        reach ``max_model_len``, with ``finish_reason == "length"``.
+
+        When the engine stops for good during this call (a tensor-parallel worker died, hung or failed;
+        the device failed), the call returns: every request that was not done finishes with
+        ``finish_reason == "error"`` and the one-line reason in ``RequestOutput.error`` (check it: the
+        text is cut short), every KV block freed. Every later call raises :class:`EngineDeadError`
+        with that reason.
 
         Raises:
             ValueError: this LLM was closed (:data:`CLOSED`), before anything else is looked at.
+            EngineDeadError: the engine stopped for good in an earlier call (its reason, one line).
             ValueError: ``prompts`` of another type (None, a number, a dict; a token-id list holding
                 something other than ints), naming what was given; sampling_params or priority lists
                 of the wrong length or type, a priority that is not a list or tuple (one int: ``[3]``), a priority
@@ -155,9 +161,13 @@ class LLM:
                               reject_bad_prompts, label="prompts[{i}]" if self._is_batch(prompts) else None)
 
     def _check_open(self) -> None:
-        """Raise ValueError(:data:`CLOSED`) once :meth:`close` has run: a closed LLM takes no new work."""
+        """Raise ValueError(:data:`CLOSED`) once :meth:`close` has run, and :class:`EngineDeadError` once the
+        engine has stopped for good (``LLMEngine.fatal_error``): neither takes new work."""
         if getattr(self, "_closed", False):
             raise ValueError(CLOSED)
+        engine = getattr(self, "engine", None)
+        if engine is not None and engine.fatal_error is not None:
+            raise EngineDeadError(engine.fatal_error)
 
     def _generate(
         self,
@@ -324,7 +334,8 @@ class LLM:
         (``prompts.content_text``); any other part (an image) is refused, as the server refuses it.
 
         Raises:
-            ValueError: this LLM was closed (:data:`CLOSED`); ``messages`` of another type (a str,
+            EngineDeadError: the engine stopped for good in an earlier call (its reason, one line).
+            ValueError: this LLM was closed (:data:`CLOSED`); ``messages of another type (a str,
                 None, a dict alone, a list of strings; the message names what was given), no
                 conversation, a message that is not such a dict or has another role or a non-text
                 content part, the tokenizer has no chat template, or a prompt ``generate`` refuses;

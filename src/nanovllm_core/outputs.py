@@ -103,3 +103,19 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     error: str | None = None
+
+
+def error_summary(outputs: list[RequestOutput], noun: str = "prompt") -> str | None:
+    """One line for the requests of ``outputs`` that ended with ``finish_reason == "error"`` (a tensor-parallel
+    worker died, the device failed, a step failed), or None when none did.
+
+    The reason is said once, however many requests share it: ``"2 of 3 prompts ended with an error: <reason>"``
+    (``; N other reasons`` when they differ). The commands print it on stderr and end with status 1.
+    """
+    failed = [o for o in outputs if any(c.finish_reason == "error" for c in o.outputs)]
+    if not failed:
+        return None
+    reasons = list(dict.fromkeys(o.error or "an engine error (no reason recorded)" for o in failed))
+    more = f"; {len(reasons) - 1} other reason{'s' if len(reasons) > 2 else ''}" if len(reasons) > 1 else ""
+    many = f"{noun}s" if len(outputs) != 1 else noun
+    return f"{len(failed)} of {len(outputs)} {many} ended with an error: {reasons[0]}{more}"

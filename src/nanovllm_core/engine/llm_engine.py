@@ -41,7 +41,7 @@ from nanovllm_core.engine.scheduler import ScheduledSequence, Scheduler, Schedul
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
 from nanovllm_core.model import block_quant, native_ops
 from nanovllm_core.model.llama import LlamaForCausalLM, ModelConfig
-from nanovllm_core.engine.tensor_parallel import TensorParallelError, WorkerGroup
+from nanovllm_core.engine.tensor_parallel import TensorParallelError, WorkerGroup, refuse_in_spawned_import
 from nanovllm_core.model import parallel
 from nanovllm_core.model.loader import ProgressFn, ResolvedModel
 from nanovllm_core.model.quantization import (
@@ -66,6 +66,12 @@ from nanovllm_core import untrusted
 from nanovllm_core.untrusted import shown
 
 FINISHED_IDS_KEPT = 1024  # ended request ids remembered (select_xray accepts them; the app lists at most 200)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine has stopped for good (a tensor-parallel worker died, hung or failed; the device failed)
+    and takes no new work: ``LLM.generate`` and ``LLM.chat`` raise it, as vLLM's ``EngineDeadError``.
+    The message is ``LLMEngine.fatal_error``: one line naming the cause and saying to restart."""
 
 
 class LLMEngine(EventSource):
@@ -184,6 +190,7 @@ class LLMEngine(EventSource):
         """
         from nanovllm_core.model.loader import load_model, read_model_config, resolve_model
 
+        refuse_in_spawned_import()  # a worker re-importing a script without the __main__ guard: one line, no load
         n = config.tensor_parallel_size
         resolved = resolve_model(config.model, progress)  # converts a GGUF file once, before any worker reads it
         model_config = read_model_config(resolved)

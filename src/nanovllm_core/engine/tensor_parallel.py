@@ -68,8 +68,11 @@ import torch
 from nanovllm_core.engine.tp_launch import (  # noqa: F401  (re-exported: the engine and the CLI import them from here)
     RENDEZVOUS_TIMEOUT_S,
     Rendezvous,
+    MAIN_GUARD_EXIT,
+    MAIN_GUARD_FIX,
     TensorParallelError,
     WorkerOptions,
+    how_it_ended,
     _recv_by,
     free_port,
     join_rank0,
@@ -89,6 +92,46 @@ def collective_timeout_s() -> float:
         return max(0.5, float(os.environ.get("NANOVLLM_TP_TIMEOUT_S", COLLECTIVE_TIMEOUT_S)))
     except ValueError:
         return COLLECTIVE_TIMEOUT_S
+
+
+def refuse_in_spawned_import() -> None:
+    """Stop a worker process that is still importing rank 0's script (spawn's re-import of ``__main__``)
+    and was about to create an engine of its own: one line on stderr, exit :data:`MAIN_GUARD_EXIT`.
+
+    Without this, multiprocessing's ``freeze_support`` traceback fills the screen and rank 0 reports only
+    that the worker exited before it joined. Nothing happens in any other process.
+    """
+    import multiprocessing.process as mp_process
+
+    if getattr(mp_process.current_process(), "_inheriting", False):
+        print(f"nanovllm tensor-parallel worker (pid {os.getpid()}): the script creates a tensor-parallel engine "
+              f"when it is imported; {MAIN_GUARD_FIX}", file=sys.stderr, flush=True)
+        raise SystemExit(MAIN_GUARD_EXIT)
+
+
+# What gloo (and NCCL) say when the other end of a collective went away or stopped answering: the
+# rank that reports it is not the cause, the rank that went away is.
+_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
+              "timed out", "timeout", "socket closed", "remote process exited", "read error", "write error")
+
+
+def peer_lost(text: str) -> bool:
+    """Whether an error text says that a peer of a collective went away (rather than this rank failing)."""
+    low = text.lower()
+    return any(p in low for p in _PEER_LOST)
+
+
+def short_reason(text: str, limit: int = 200) -> str:
+    """The first line of a collective's error without its source location and its advice
+    (gloo: ``[../pair.cc:545] Read error [127.0.0.1]:50599: Connection reset by peer. This is
+    typically caused by ...`` -> ``Read error [127.0.0.1]:50599: Connection reset by peer``)."""
+    import re
+
+    first = (str(text).strip().splitlines() or [""])[0]
+    first = re.sub(r"\[[^\]]*\.(?:cc|cpp|cu|h|hpp):\d+\]\s*", "", first)
+    first = first.split(". This is typically")[0].split(" This is typically")[0].rstrip(". ")
+    first = first.encode("ascii", "ignore").decode().strip()
+    return first[:limit]
 
 
 @dataclass(frozen=True)
@@ -163,6 +206,21 @@ def _recv(conn: Connection, parent_pid: int | None):
     return _recv_by(conn, float("inf"), parent_pid)
 
 
+def _rank0_gone(conn: Connection, parent_pid: int | None, grace_s: float = 2.0) -> bool:
+    """Whether rank 0 has gone (its connection closed, or the parent process ended) within ``grace_s``
+    seconds; False when it is still there (it sends ``stop`` once it has seen the failure, or nothing)."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if parent_pid is not None and os.getppid() != parent_pid:
+            return True
+        try:
+            if conn.poll(0.1) and conn.recv()[0] == "stop":
+                return False
+        except (EOFError, OSError):
+            return True
+    return False
+
+
 def run_worker(opts: WorkerOptions, conn: Connection | None = None, welcome: dict | None = None) -> tuple[int, str]:
     """A worker rank's life: join rank 0 (unless ``conn``/``welcome`` say it has), load its shard (while rank 0
     loads its own), join the process group, then run each step rank 0 sends until told to stop.
@@ -221,12 +279,17 @@ def run_worker(opts: WorkerOptions, conn: Connection | None = None, welcome: dic
                 wall = time.perf_counter() - t0
                 conn.send(("step", (wall, tp.reset_stats().as_tuple())))
     except BaseException as e:  # noqa: BLE001 - the reason goes to rank 0, which reports it
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        code, why = 1, f"{type(e).__name__}: {first}"
-        try:
-            conn.send(("error", why))
-        except Exception:
-            pass
+        code, why = 1, f"{type(e).__name__}: {short_reason(e)}"
+        if peer_lost(why) and _rank0_gone(conn, opts.parent_pid):
+            why = (f"rank 0 at {opts.master_addr}:{opts.master_port} went away during a step (its connection "
+                   "closed); this worker stopped: start rank 0 again, then this worker")
+        else:
+            if peer_lost(why):
+                why += " (another rank went away; rank 0 names it)"
+            try:
+                conn.send(("error", why))
+            except Exception:
+                pass
     finally:
         _destroy_group()
         try:
@@ -328,6 +391,7 @@ class WorkerGroup:
         self.threads = threads_per_rank(self.local_ranks)  # this host's cores, shared by the ranks it runs
         self._old_threads = torch.get_num_threads()
         self._closed = False
+        self._reported: dict[int, str] = {}  # rank -> the error it sent (kept to name the cause; see _blame)
         self.timeout_s = collective_timeout_s()
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.tp = TensorParallel(0, world_size)  # rank 0's; its group is joined in wait_loaded
@@ -383,7 +447,7 @@ class WorkerGroup:
             try:
                 conn.send(msg)
             except (BrokenPipeError, OSError, EOFError):
-                raise self._dead(rank, "closed its connection") from None
+                raise self._end_of(rank, "closed its connection") from None
 
     def _dead(self, rank: int, what: str) -> TensorParallelError:
         p, conn = self.procs.get(rank), self.conns[rank - 1]
@@ -391,23 +455,85 @@ class WorkerGroup:
         if p is not None:
             p.join(1.0)
             if p.exitcode is not None:
-                state = f"exited with code {p.exitcode}"
+                state = how_it_ended(p.exitcode)
         try:  # a worker that failed on its own said why before it exited
             while conn is not None and conn.poll(0):
                 msg = conn.recv()
                 if msg[0] == "error":
-                    state = f"failed ({msg[1]}) and {state}"
+                    self._reported.setdefault(rank, msg[1])
         except (EOFError, OSError):
             pass
+        said = self._reported.get(rank)
+        if said is not None and not peer_lost(said):
+            state = f"failed ({short_reason(said)}) and {state}"
         return TensorParallelError(f"tensor-parallel worker rank {rank} ({self.where.get(rank, 'not joined')}) "
                                    f"{state}; the engine has stopped")
+
+    def _failed(self, rank: int, why: str) -> TensorParallelError:
+        """Rank ``rank`` reported ``why`` (its step failed) and is still there."""
+        return TensorParallelError(f"tensor-parallel worker rank {rank} ({self.where.get(rank)}) failed: "
+                                   f"{short_reason(why)}; the engine has stopped")
+
+    def _went_away(self, rank: int) -> TensorParallelError | None:
+        """Rank ``rank``'s end if its process ended or its connection closed, else None; an error it sent
+        meanwhile is kept in ``_reported`` (another message, a step's late reply, is dropped)."""
+        p, conn = self.procs.get(rank), self.conns[rank - 1]
+        if p is not None and not p.is_alive():
+            return self._dead(rank, "died")
+        if conn is None:
+            return None
+        try:
+            while conn.poll(0):
+                msg = conn.recv()
+                if msg[0] == "error":
+                    self._reported.setdefault(rank, msg[1])
+        except (EOFError, OSError):
+            return self._dead(rank, "closed its connection")
+        return None
+
+    def _blame(self, rank: int, why: str | None, fallback: TensorParallelError,
+               grace_s: float = 2.0) -> TensorParallelError:
+        """The error that names the cause of a failed step.
+
+        ``rank`` (0: rank 0's own step) failed with ``why``. A collective whose peer went away fails on every
+        rank that was left in it (gloo: "Connection reset by peer"), the first to say so is not the cause:
+        for such a ``why`` (or none) wait up to ``grace_s`` seconds for a rank whose process ended or whose
+        connection closed, and name it; else a rank that reported a failure of its own; else ``fallback``.
+        """
+        if why is not None and not peer_lost(why):
+            return fallback
+        deadline = time.monotonic() + grace_s
+        after: TensorParallelError | None = None  # a rank that went away after saying a peer had gone
+        while True:
+            for r in range(1, self.world_size):
+                if r == rank:
+                    continue
+                gone = self._went_away(r)
+                if gone is not None and r not in self._reported:
+                    return gone  # killed, or its host vanished: it said nothing first
+                if gone is not None and not peer_lost(self._reported[r]):
+                    return gone  # it failed on its own (its reason is in the line) and exited
+                if gone is not None and after is None:
+                    after = gone
+            own = [r for r, said in sorted(self._reported.items()) if r != rank and not peer_lost(said)]
+            if own:
+                return self._failed(own[0], self._reported[own[0]])
+            if time.monotonic() > deadline:
+                return fallback if rank != 0 or after is None else after
+            time.sleep(0.05)
+
+    def _end_of(self, rank: int, what: str) -> TensorParallelError:
+        """Rank ``rank`` has gone (``what``): its line, unless it first said that a peer had gone (then that peer's)."""
+        gone = self._dead(rank, what)
+        said = self._reported.get(rank)
+        return self._blame(rank, said, gone) if said is not None and peer_lost(said) else gone
 
     def _gone(self, rank: int, strict: bool) -> TensorParallelError | None:
         """Rank ``rank``'s end if it has died, failed or closed its connection, else None; a message it sent
         unasked is an error when ``strict`` (between steps), else read and dropped (a step's late reply)."""
         p, conn = self.procs.get(rank), self.conns[rank - 1]
         if p is not None and not p.is_alive():
-            return self._dead(rank, "died")
+            return self._end_of(rank, "died")
         if conn is None:
             return TensorParallelError(f"tensor-parallel rank {rank} never joined; the engine has stopped")
         try:
@@ -415,10 +541,10 @@ class WorkerGroup:
                 return None
             msg = conn.recv()
         except (EOFError, OSError):
-            return self._dead(rank, "closed its connection")
+            return self._end_of(rank, "closed its connection")
         if msg[0] == "error":
-            return TensorParallelError(f"tensor-parallel worker rank {rank} ({self.where.get(rank)}) failed: "
-                                       f"{msg[1]}; the engine has stopped")
+            self._reported.setdefault(rank, msg[1])
+            return self._blame(rank, msg[1], self._failed(rank, msg[1]))
         if strict:
             return TensorParallelError(f"tensor-parallel worker rank {rank} sent {msg[0]!r} unasked; the engine "
                                        "has stopped")
@@ -450,10 +576,10 @@ class WorkerGroup:
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
-                    raise self._dead(i + 1, "closed its connection") from None
+                    raise self._end_of(i + 1, "closed its connection") from None
                 if msg[0] == "error":
-                    raise TensorParallelError(f"tensor-parallel worker rank {i + 1} ({self.where.get(i + 1)}) failed: "
-                                              f"{msg[1]}; the engine has stopped")
+                    self._reported.setdefault(i + 1, msg[1])
+                    raise self._blame(i + 1, msg[1], self._failed(i + 1, msg[1]))
                 if msg[0] != kind:
                     raise TensorParallelError(f"tensor-parallel worker rank {i + 1} answered {msg[0]!r} to "
                                               f"{kind!r}; the engine has stopped")
@@ -462,7 +588,7 @@ class WorkerGroup:
             for i in sorted(pending.values()):
                 p = self.procs.get(i + 1)
                 if p is not None and not p.is_alive():
-                    raise self._dead(i + 1, "died")
+                    raise self._end_of(i + 1, "died")
             if pending and time.monotonic() > deadline:
                 late = min(pending.values()) + 1
                 raise TensorParallelError(f"tensor-parallel worker rank {late} ({self.where.get(late)}) did "
@@ -518,19 +644,10 @@ class WorkerGroup:
         if isinstance(error, TensorParallelError):
             self.shutdown()
             return error
-        deadline = time.monotonic() + 2.0  # a killed peer's exit is seen within moments
-        reason = None
-        while reason is None and time.monotonic() < deadline:
-            for rank in range(1, self.world_size):
-                reason = self._gone(rank, strict=False)
-                if reason is not None:
-                    break
-            else:
-                time.sleep(0.05)
-        if reason is None:
-            first = (str(error).strip().splitlines() or [""])[0][:200]
-            reason = TensorParallelError(f"a tensor-parallel step failed on rank 0 ({type(error).__name__}: {first}); "
-                                         "the engine has stopped")
+        first = short_reason(error)
+        fallback = TensorParallelError(f"a tensor-parallel step failed on rank 0 ({type(error).__name__}: {first}); "
+                                       "the engine has stopped")
+        reason = self._blame(0, None, fallback)  # a dead or failing worker is the likelier cause: looked for first
         self.shutdown()
         return reason
 

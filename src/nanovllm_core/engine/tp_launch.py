@@ -53,6 +53,32 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel worker died, hung, failed or could not join; the engine cannot continue (one-line message)."""
 
 
+# A local worker that the spawn start method started re-imports the script that created the engine; a
+# script without the ``if __name__ == "__main__":`` guard then creates a second engine inside the
+# worker. The worker says so in one line and exits with this code, which rank 0 names as the cause.
+MAIN_GUARD_EXIT = 3
+MAIN_GUARD_FIX = 'put the code that creates LLM(tensor_parallel_size=N) under `if __name__ == "__main__":`'
+MAIN_GUARD_WHY = ('the script has no `if __name__ == "__main__":` guard, so each worker process, which imports the '
+                  "script again (the spawn start method), started an engine of its own")
+
+
+def how_it_ended(exitcode: int | None) -> str:
+    """A worker process's end in words: ``"was killed by SIGKILL"``, ``"exited with code 1"``, or, for
+    :data:`MAIN_GUARD_EXIT`, the missing ``__main__`` guard and what to do."""
+    if exitcode is None:
+        return "is still running"
+    if exitcode < 0:
+        import signal
+
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    if exitcode == MAIN_GUARD_EXIT:
+        return f"exited before it joined because {MAIN_GUARD_WHY}; {MAIN_GUARD_FIX}"
+    return f"exited with code {exitcode}"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` free right now (the OS picks it; several runs side by side get different ones)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -336,8 +362,9 @@ class Rendezvous:
             while not self._stop.is_set() and None in self.conns:
                 for rank, p in self.procs.items():
                     if self.conns[rank - 1] is None and not p.is_alive():
-                        raise _Refused(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code "
-                                       f"{p.exitcode} before it joined; the engine has stopped")
+                        raise _Refused(f"tensor-parallel worker rank {rank} (pid {p.pid}) {how_it_ended(p.exitcode)}"
+                                       + ("" if p.exitcode == MAIN_GUARD_EXIT else " before it joined")
+                                       + "; the engine has stopped")
                 if time.monotonic() > self._deadline:
                     raise _Refused(self._missing())
                 ready, _, _ = select.select([self._listener], [], [], 0.2)

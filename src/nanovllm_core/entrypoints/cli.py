@@ -109,9 +109,16 @@ def start_loading(args: argparse.Namespace):
         if isinstance(event, ev.ModelLoading) and event.stage not in seen and not event.ready:
             seen.add(event.stage)
             print(f"nanovllm serve: {event.stage}...", file=sys.stderr, flush=True)
+        elif isinstance(event, ev.EngineError) and controller.engine_died is None:
+            engine = controller.engine  # the engine stopped for good (a tensor-parallel rank died): said once
+            if engine is not None and engine.fatal_error is not None and event.message == engine.fatal_error:
+                controller.engine_died = event.message
+                print(f"nanovllm serve: error: {event.message}; requests in flight ended with it, new ones get 503 "
+                      "engine_dead; restart nanovllm serve", file=sys.stderr, flush=True)
 
     kwargs = engine_kwargs(args)
     controller = EngineController(kwargs.pop("model"), start_paused=args.paused, **kwargs)
+    controller.engine_died = None  # the engine's fatal error once it stopped for good (the exit status is then 1)
     controller.subscribe(progress, topk=0, blocks=False)
     return controller
 
@@ -221,12 +228,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The server has stopped and answered what it had; end the process past that thread.
         from nanovllm_core.yield_gate import leave_when_engines_stop
 
-        leave_when_engines_stop(0, seconds=1.0, ignore=before)
+        leave_when_engines_stop(1 if controller.engine_died else 0, seconds=1.0, ignore=before)
     if state == "failed":
         parser.error(controller.load_failure or f"model failed to load: {controller.load_error}")
     if gate is not None and gate.refused is not None:
         parser.error(gate.refused)
-    return 0
+    return 1 if getattr(controller, "engine_died", None) else 0  # the engine died while serving: said when it did
 
 
 if __name__ == "__main__":

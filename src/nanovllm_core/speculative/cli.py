@@ -126,7 +126,8 @@ def speculation_report(stats: dict, k: int) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the prompts without and with speculation; print completions, acceptance and speed-up. Returns 0.
+    """Run the prompts without and with speculation; print completions, acceptance and speed-up. Returns 0,
+    or 1 (one line on stderr) when a request ended with an error.
 
     Raises:
         SystemExit: status 2 with one line on stderr for bad arguments, a model that cannot
@@ -212,6 +213,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     busy = busy_host()
     if busy:
         print(f"  {busy}")
+    from nanovllm_core.outputs import error_summary
+
+    for run, outputs in (("with speculation", fast.outputs), ("without speculation", base.outputs)):
+        failed = error_summary(outputs)
+        if failed is not None:  # cut short: say why once, and fail the command (as nanovllm does)
+            print(f"nanovllm-spec: error: {failed} ({run})", file=sys.stderr, flush=True)
+            return 1
     return 0
 
 
