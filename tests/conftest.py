@@ -27,7 +27,10 @@ from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.llm import LLM
 
-torch.set_num_threads(max(1, torch.get_num_threads()))
+# Under pytest-xdist (`pytest -n 2`, the README's command) each worker computes on its share of the
+# cores, so the workers do not wait for each other's threads (one thread each on 2 cores).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
 
 
 @pytest.fixture(scope="session")

