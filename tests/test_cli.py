@@ -89,6 +89,10 @@ def test_chat_flag_uses_chat_template(capsys, shared_default_loads):
     (["--num-kv-blocks", str(10**30)], "--num-kv-blocks: expected a positive integer up to 2147483647, got 100"),
     (["--max-model-len", "64", "--max-tokens", "64"],
      "--max-tokens 64 leaves no room for a prompt in --max-model-len 64"),
+    # trial 16d: the tutorial's own options were ignored without --tutorial
+    (["--progress-file", "p.json"], "--progress-file applies only with --tutorial; add --tutorial or leave it out"),
+    (["--tutorial-chapter", "3", "--no-demos"],
+     "--tutorial-chapter and --no-demos apply only with --tutorial; add --tutorial or leave it out"),
     # trial 12: accepted and ignored under fcfs; vLLM refuses it (the engine's rule, before loading)
     (["--scheduling-policy", "fcfs", "--prompt", "a", "--prompt", "b", "--priority", "0", "--priority", "1"],
      "--priority is 1, but the engine schedules fcfs (arrival order, priorities unused; vLLM refuses a priority "

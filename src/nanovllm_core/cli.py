@@ -134,6 +134,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--tutorial runs on its own; leave out --narrate, --xray and --dashboard")
         check_output_paths(parser, ("--progress-file", args.progress_file), make_folders=("--progress-file",))
         return run_tutorial(args, parser)
+    # The tutorial's own options do nothing without it: say so rather than ignore them (trial 16d #9)
+    alone = [o for o, v in (("--progress-file", args.progress_file), ("--tutorial-chapter", args.tutorial_chapter),
+                            ("--no-demos", args.no_demos)) if v not in (None, False)]
+    if alone:
+        parser.error(f"{' and '.join(alone)} {'apply' if len(alone) > 1 else 'applies'} only with --tutorial; "
+                     "add --tutorial or leave it out")
     prompts = args.prompt or [DEFAULT_PROMPT]
     if any(p == "" for p in prompts):  # only spaces is a prompt: it tokenizes to tokens, as vLLM takes it
         parser.error("--prompt must not be empty")

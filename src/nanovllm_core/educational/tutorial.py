@@ -109,8 +109,9 @@ class Demo:
             local processes (``educational/tp_measure.py``) and time a one-process decode for
             comparison (0: no measurement).
         app_watch: what the app's Tutorial tab shows instead of ``watch`` where it runs less than the
-            command line (empty: the same). The tab measures only the all-reduces of an
-            ``allreduce_ranks`` demonstration (see ``nanovllm_tui/views/tutorial.py``).
+            command line (empty: the same). Of an ``allreduce_ranks`` demonstration the tab runs the
+            all-reduces and, where its own engine is one process, the one-process decode step, never
+            the split run (see ``nanovllm_tui/views/tutorial.py``).
     """
 
     key: str
