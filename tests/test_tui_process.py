@@ -7,6 +7,7 @@ would, with bounded waits, and kills what it started if a wait runs out.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pty
 import select
@@ -104,9 +105,16 @@ APP_WITHOUT_TORCH = """
 """
 
 
-def test_a_replay_never_imports_torch():
+@pytest.mark.parametrize("chapter", [None, 12])
+def test_a_replay_never_imports_torch(tmp_path, chapter):
+    # The Tutorial tab opens where the learner stopped: chapter 13's facts imported torch through the
+    # engine's split rule (model.parallel), which only a full run whose progress file another test had
+    # left at chapter 13 showed. A cache of its own, with the progress at that chapter or none.
+    if chapter is not None:
+        (tmp_path / "nanovllm").mkdir()
+        (tmp_path / "nanovllm" / "tutorial_progress.json").write_text(json.dumps({"current": chapter, "answers": {}}))
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(APP_WITHOUT_TORCH), "--replay", str(TRACE)],
-                         env=ENV, capture_output=True, text=True, timeout=180)
+                         env={**ENV, "XDG_CACHE_HOME": str(tmp_path)}, capture_output=True, text=True, timeout=180)
     assert out.stdout.strip() == "requests True torch False transformers False", out.stderr[-2000:]
 
 

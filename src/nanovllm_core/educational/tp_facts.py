@@ -20,7 +20,7 @@ a 30-layer model) and one gather of the sampled rows' logits.
 Grouped-query attention bounds N: a query head reads KV head ``h // group`` and the two must
 live on the same rank, so each rank holds whole KV heads and the query heads that read them.
 Here N must divide the KV heads (and then the query heads), the intermediate size and the
-vocabulary: the engine's own rule (``model.parallel.split_sizes``), which this module calls. (vLLM
+vocabulary: the engine's own rule (``split_rule.split_sizes``, which ``model.parallel`` applies), which this module calls. (vLLM
 also accepts a multiple of the KV heads, replicating each KV head on N / KV-heads ranks; this
 engine does not.)
 
@@ -82,7 +82,7 @@ def valid_sizes(num_heads: int, num_kv_heads: int, intermediate_size: int | None
     """Tensor-parallel sizes N that split a model: N divides the KV heads (each rank holds whole KV
     heads and the query heads that read them, so it also divides the query heads) and, when given,
     the MLP's intermediate size and the vocabulary (each rank's rows of the embedding and the LM
-    head). The engine's own check (``model.parallel.split_sizes``), so the two cannot disagree.
+    head). The engine's own check (``split_rule.split_sizes``, which ``model.parallel`` applies), so the two cannot disagree.
     SmolLM2-135M (9 query, 3 KV heads, 1536, 49152): ``[1, 3]``.
 
     Raises:
@@ -91,7 +91,7 @@ def valid_sizes(num_heads: int, num_kv_heads: int, intermediate_size: int | None
     if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(f"heads must be positive with query heads a multiple of KV heads, got {num_heads} "
                          f"query and {num_kv_heads} KV heads")
-    from nanovllm_core.model.parallel import split_sizes
+    from nanovllm_core.split_rule import split_sizes
 
     return split_sizes(num_kv_heads, num_heads, num_kv_heads, intermediate_size, vocab_size)
 

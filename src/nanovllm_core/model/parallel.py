@@ -45,22 +45,12 @@ import torch
 from torch import nn
 
 from nanovllm_core.config import ModelConfig
+from nanovllm_core.split_rule import SPLIT_SIZES, split_sizes  # noqa: F401 (the rule lives without torch)
 
 
 # The sizes every N must divide, in the words the teaching uses (tutorial chapter 13, the
 # X-Ray, docs/engine.md): one list, so the rule the engine checks and the rule it teaches
 # cannot drift apart (``educational.tp_facts.valid_sizes`` calls :func:`split_sizes`).
-SPLIT_SIZES = ("query heads", "KV heads", "intermediate size", "vocabulary")
-
-
-def split_sizes(limit: int, num_heads: int, num_kv_heads: int, intermediate_size: int | None = None,
-                vocab_size: int | None = None) -> list[int]:
-    """Every N in 1..``limit`` that divides each of the :data:`SPLIT_SIZES` given (None: not
-    given, so not checked; pure arithmetic). SmolLM2-135M (9, 3, 1536, 49152): ``[1, 3]``."""
-    sizes = [s for s in (num_heads, num_kv_heads, intermediate_size, vocab_size) if s is not None]
-    return [n for n in range(1, limit + 1) if all(s % n == 0 for s in sizes)]
-
-
 def valid_sizes(cfg: ModelConfig, limit: int = 64) -> list[int]:
     """Every N <= ``limit`` that divides the query heads, KV heads, intermediate size and vocabulary."""
     return split_sizes(limit, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size,
