@@ -637,7 +637,15 @@ async def test_a_split_apps_tutorial_refuses_engine_demos_and_keeps_serving(tiny
                 tutorial.progress.current = n.number - 1
                 if n.demo:
                     assert tutorial.check_action("run_demo", ()) is bool(tut_demo(n).allreduce_ranks), n.number
-            tutorial.progress.current = number - 1
+            # chapter 13's intro in a split app: the app's engine is the split run, not three processes to add
+            tutorial.progress.current = len(CHAPTERS) - 2
+            await pilot.press("right")  # to the last chapter, 13
+            await pilot.pause(0.2)
+            assert tutorial.chapter.demo == "tensor_parallel"
+            text = " ".join(str(tutorial.query_one("#chapter-text").render()).split())
+            assert "This app's own engine is already the model split over 2 ranks" in text
+            assert "three more processes" not in text and "where this app's own engine is one process" not in text
+            assert "Press r to measure it." in text and tutorial.check_action("run_demo", ()) is True
             await pilot.press("escape", "1")
             await send_prompt(pilot, "Hello there")
             await wait_until(pilot, lambda: any(r.state == "finished" for r in app.state.requests.values()),

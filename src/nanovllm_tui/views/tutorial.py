@@ -229,7 +229,8 @@ class TutorialView(EngineView):
             refused = self.refusal("run_demo")  # a replay or --connect hides r: say why, not "Press r" (trial 14a's kind)
             press = ("Press r to measure it." if demo.allreduce_ranks else  # no engine of its own (trial 16c)
                      "Press r to run it on a small engine of its own, over the loaded model.")
-            text.append(f"{demo.app_watch or demo.watch} " + (refused or press), style="#3ecf8e")
+            split = self._split_ranks() if self.app.live else 1  # a split app is its own split run (trial 17b #3)
+            text.append(f"{demo.app_text(split)} " + (refused or press), style="#3ecf8e")
         self.query_one("#chapter-text", Static).update(text)
 
     @property
