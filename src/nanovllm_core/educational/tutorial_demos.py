@@ -170,7 +170,8 @@ class EngineDemos:
         hidden, layers = int(info["hidden_size"]), int(info["num_layers"])
         m = tp_measure.measure_allreduce(demo.allreduce_ranks, hidden=hidden, iters=200, warmup=20)
         timed = self.one_process_decode_steps(demo, chapter)
-        console.print(Indent(Text(communication_words(m, tp_facts.allreduces_per_step(layers), timed))))
+        console.print(Indent(Text(communication_words(m, tp_facts.allreduces_per_step(layers), timed,
+                                                      chapter.demo_prompt))))
         console.print()
         if not split_engine_available():
             console.print(Indent(Text(SPLIT_UNAVAILABLE[0].upper() + SPLIT_UNAVAILABLE[1:] + ".", style="yellow")))

@@ -474,7 +474,8 @@ class TutorialView(EngineView):
                                                     device=str(main_engine.device),
                                                     dtype=str(main_engine.dtype).replace("torch.", ""))
                     timed = demos.one_process_decode_steps(demo, chapter)
-                text = Text("\n" + communication_words(m, tp_facts.allreduces_per_step(layers), timed),
+                text = Text("\n" + communication_words(m, tp_facts.allreduces_per_step(layers), timed,
+                                                        chapter.demo_prompt),
                             style="#ffd166")
                 if not timed:
                     text.append(" " + tp_facts.app_no_baseline(local, split) + ".")
