@@ -448,13 +448,13 @@ def readmitted_narrator(watched_before: bool = True):
 def test_a_readmission_tells_reused_and_recomputed_tokens():
     planned_entries, told = readmitted_narrator()
     hit = next(c for c in planned_entries if c.kind == "prefix_cache")
-    assert "readmitted after its preemption: 12 of its 15 tokens (7 prompt + 8 generated) come back" in hit.text
+    assert "readmitted after its preemption: 12 of its 15 tokens (7 prompt + 8 generated) are found in the prefix cache" in hit.text
     assert ("only the other 3 are computed: 2 recomputed, their keys and values lost with its blocks, and 1 "
             "computed for the first time") in hit.text
     assert hit.title.endswith("readmitted, 12 tokens reused, 2 recomputed")
     pre = next(c for c in told if c.kind == "prefill")
     assert "It computes tokens 12..14 (3) of its 15 (7 prompt + 8 generated)" in pre.text
-    assert "the 12 before them came back from the prefix cache" in pre.text
+    assert "the 12 before them were found in the prefix cache" in pre.text
     assert pre.title == "Request 1: recompute of 2 tokens and 1 new"
     dec = next(c for c in told if c.kind == "decode")
     assert "token #9, after the recompute" in dec.title and "one new token" not in dec.text
@@ -912,7 +912,10 @@ def test_an_abort_tells_which_blocks_went_back_and_which_a_shared_prefix_keeps()
 @pytest.mark.parametrize("first,again,preemptions,told,not_told", [
     # the report's case: the Dashboard showed 16, the finish said "8 of its 32 prompt tokens" and stopped
     (8, 16, 1, ["At its first admission 8 of its 32 prompt tokens came from the prefix cache; after its preemption, "
-                "its readmission found 16 tokens there, prompt and generated tokens alike."], []),
+                "its readmission found 16 tokens there (all of them prompt tokens)."], ["generated"]),
+    # trial 17b #2: only a hit longer than the prompt holds generated tokens, and the sentence says how many
+    (8, 40, 1, ["its readmission found 40 tokens there (32 prompt + 8 generated)."], ["alike"]),
+    (0, 1, 1, ["its readmission found 1 token there (a prompt token)."], ["generated"]),
     (0, 16, 2, ["At its first admission none of its 32 prompt tokens were in the prefix cache; after its preemption, "
                 "the readmission that found the most found 16 tokens there"], []),
     (8, 0, 1, ["8 of its 32 prompt tokens came from the prefix cache; after its preemption, its readmission found "

@@ -166,7 +166,9 @@ def test_a_readmitted_requests_finish_tells_the_cached_tokens_the_dashboard_show
     assert done.num_preemptions >= 1 and done.num_cached_tokens_readmitted == again > 0
     assert state.requests[rid].num_cached == max(done.num_cached_prompt_tokens, again)
     (told,) = [c for c in readmitted.entries("finished") if c.request_id == rid]
-    assert f"found {again} tokens there, prompt and generated tokens alike" in told.text
+    made = again - min(again, done.num_prompt_tokens)  # a hit is a prefix: the prompt's tokens first (trial 17b #2)
+    what = f"{again - made} prompt + {made} generated" if made else "all of them prompt tokens"
+    assert f"found {again} tokens there ({what})" in told.text and "alike" not in told.text
 
 
 # ---------------------------------------------------------------------- teaching truth, by kind (issue 28)
@@ -312,3 +314,39 @@ def test_drafts_are_sized_after_a_preemption_and_every_step_short_of_drafts_says
             assert "held down by its max_tokens" in told.text
         if "proposer" in s.draft_limits:
             assert "the n-gram proposer" in told.text
+
+
+def test_a_readmission_names_whose_cached_free_block_it_hit(make_tiny_engine):
+    """Trial 17b #2: three requests share a 16-token prefix in a 6-block pool. Request 2 is preempted; its own
+    copy of the prefix block duplicated request 0's, so it was simply freed; at its readmission the hit is request
+    0's block, left cached-free when request 0 finished. The narrator said the tokens "come back" (its own blocks
+    surviving) and the finish said "prompt and generated tokens alike" of 16 prompt tokens. Now the readmission
+    names each cached-free hit block's owner from the engine's count, and the finish splits the hit by the prompt."""
+    p = "Once upon a time in a small village near the mountains there lived an old man who"
+    run = Run(make_tiny_engine(num_kv_blocks=6, block_size=16))
+    for i, end in enumerate((" loved", " hated", " sang")):
+        run.engine.add_request(p + end, SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0),
+                               request_id=str(i))
+    run.finish()
+    back = [(plan, s) for plan in run.of(ev.StepPlanned) for s in plan.scheduled
+            if s.request_id in plan.admitted and s.num_cached_blocks_own is not None]
+    assert back, "the pool of 6 blocks must preempt a request and readmit it"
+    for plan, s in back:
+        hit = s.num_cached_tokens // 16
+        own, shared = s.num_cached_blocks_own, s.num_cached_blocks_in_use
+        assert 0 <= own <= hit - shared
+        (told,) = [c for c in run.entries("prefix_cache", plan.step) if c.request_id == s.request_id]
+        assert "come back" not in told.text and "are found in the prefix cache" in told.text
+        if hit - shared - own:
+            assert "that another request left cached-free with the same tokens" in told.text
+        if own:
+            assert "from before the preemption, kept cached-free" in told.text
+    # the report's case: a hit that was another request's block, not its own
+    assert any(s.num_cached_blocks_own == 0 and s.num_cached_tokens for _, s in back), [s for _, s in back]
+    for done in run.of(ev.RequestFinished):
+        again = done.num_cached_tokens_readmitted
+        if again:
+            (told,) = [c for c in run.entries("finished") if c.request_id == done.request_id]
+            assert "alike" not in told.text
+            if again <= done.num_prompt_tokens:
+                assert f"found {again} tokens there (all of them prompt tokens)" in told.text

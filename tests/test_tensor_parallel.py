@@ -586,3 +586,80 @@ def test_workers_start_inside_an_app_whose_stderr_has_no_file_descriptor(monkeyp
     with _stderr_with_a_file_descriptor():
         assert sys.stderr is not capture and sys.stderr.fileno() >= 0
     assert sys.stderr is capture
+
+
+# ----------------------------------------------------------------------------- the app's demos beside a split engine
+
+
+@pytest.mark.anyio
+async def test_a_split_apps_tutorial_refuses_engine_demos_and_keeps_serving(tiny_llama_dir, tmp_path):
+    """Trial 17b #1: under ``nanovllm-tui --tensor-parallel-size N``, ``r`` on chapter 5 or 12 built a demo engine
+    over the loaded model (rank 0's shard), whose all-reduces waited on ranks that never joined; gloo timed out
+    and the app's own engine died (every later prompt failed). Now ``r`` there is refused at once in one line
+    naming the terminal command, the chapter text does not invite it, no demonstration engine is built (the
+    library refuses the shard too), and the app's engine still answers a prompt."""
+    from nanovllm_core.educational.tutorial import CHAPTERS, TutorialProgress
+    from nanovllm_core.educational.tutorial_demos import EngineDemos
+    from nanovllm_core.engine.controller import EngineController
+    from nanovllm_tui.app import NanoVLLMApp
+    from nanovllm_tui.views.tutorial import TutorialView
+    from nanovllm_tui.widgets.prompt_bar import PromptSettings
+    from tests.tui_helpers import Notes, send_prompt, wait_until
+
+    llm = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, tensor_parallel_size=2, **QUIET)
+    engine = llm.engine
+    with pytest.raises(ValueError, match=r"^No demonstration over rank 0's shard of a model split over 2 ranks: .*"
+                                         r"run `nanovllm --tutorial` in a terminal$"):
+        EngineDemos.from_loaded(engine.model, engine.tokenizer, engine.resolved)
+    number = next(c.number for c in CHAPTERS if c.demo == "kv_cache")
+    path = tmp_path / "tutorial.json"
+    TutorialProgress(current=number - 1).save(path)
+    app = NanoVLLMApp(EngineController.from_llm(llm), settings=PromptSettings(max_tokens=3, chat=False),
+                      tutorial_path=path)
+    notes = Notes()
+    try:
+        async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
+            await wait_until(pilot, lambda: app.state.ready, what="the ready event")
+            await pilot.press("escape", "4")
+            await pilot.pause(0.2)
+            tutorial = app.query_one(TutorialView)
+            assert tutorial.chapter.number == number
+            text = " ".join(str(tutorial.query_one("#chapter-text").render()).split())
+            assert "Press r" not in text
+            want = (f"No demonstration beside an engine split over 2 ranks: a demonstration builds an engine over the "
+                    f"whole loaded model, and here that is rank 0's shard; run `nanovllm --tutorial "
+                    f"--tutorial-chapter {number}` in a terminal.")
+            assert want in text
+            await pilot.press("r")
+            await pilot.pause(0.3)
+            assert tutorial.session is None
+            assert notes.find(want, "warning")
+            for n in CHAPTERS:  # every engine demonstration is refused; chapter 13's measurement is not
+                tutorial.progress.current = n.number - 1
+                if n.demo:
+                    assert tutorial.check_action("run_demo", ()) is bool(tut_demo(n).allreduce_ranks), n.number
+            # chapter 13's intro in a split app: the app's engine is the split run, not three processes to add
+            tutorial.progress.current = len(CHAPTERS) - 2
+            await pilot.press("right")  # to the last chapter, 13
+            await pilot.pause(0.2)
+            assert tutorial.chapter.demo == "tensor_parallel"
+            text = " ".join(str(tutorial.query_one("#chapter-text").render()).split())
+            assert "This app's own engine is already the model split over 2 ranks" in text
+            assert "three more processes" not in text and "where this app's own engine is one process" not in text
+            assert "Press r to measure it." in text and tutorial.check_action("run_demo", ()) is True
+            await pilot.press("escape", "1")
+            await send_prompt(pilot, "Hello there")
+            await wait_until(pilot, lambda: any(r.state == "finished" for r in app.state.requests.values()),
+                             what="the prompt to finish")
+            (req,) = app.state.requests.values()
+            assert req.num_output == 3 and not req.error
+            await pilot.press("escape", "q")
+    finally:
+        llm.close()
+    assert_no_group_left()
+
+
+def tut_demo(chapter):
+    from nanovllm_core.educational.tutorial import DEMOS
+
+    return DEMOS[chapter.demo]

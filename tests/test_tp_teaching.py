@@ -261,10 +261,12 @@ def test_the_demonstration_words_derive_a_tokens_communication_from_the_measured
     m = AllReduceLatency(p50_us=100.0, p99_us=350.0, world_size=3, iters=200, hidden=576, nbytes=2304,
                          backend="gloo", machine="AMD EPYC")
     steps = [replace(ONE_PROCESS, wall_time_s=0.004), replace(ONE_PROCESS, wall_time_s=0.006)]
-    text = communication_words(m, 61, steps)
+    text = communication_words(m, 61, steps, "The capital of France is")
     assert "Measured now on AMD EPYC" in text and "took 100 µs at the median and 350 µs at the 99th" in text
     assert "61 x 100 µs = 6.1 ms of communication a token" in text
-    assert "decoded the same prompt at 5.0 ms a step (mean of 2 decode steps" in text and "1.2x that" in text
+    # the prompt is named: nothing before the sentence shows one (trial 17b #4: "the same prompt" had no referent)
+    assert ("One process decoded the chapter's demo prompt ('The capital of France is') at 5.0 ms a step (mean of 2 "
+            "decode steps") in text and "1.2x that" in text and "same prompt" not in text
     assert "One process" not in communication_words(m, 61, [])
 
 
@@ -514,3 +516,17 @@ def test_the_embedding_entry_does_not_ask_for_xray_where_a_split_engine_is_not_t
         n.feed(planned(0, [entry()]))
         emb = next(c for c in n.feed(one_step(0)) if c.kind == "embedding")
         assert says in emb.text and "when X-Ray capture is on" not in emb.text
+
+
+def test_the_tensor_parallel_demo_tells_a_split_app_its_engine_is_the_split_run():
+    """Trial 17b #3: at TP 3 the app's intro said the split run "would start three more processes beside this
+    app's engine", the one-process app's words, while the result said the app's engine is that split run."""
+    from nanovllm_core.educational.tutorial import DEMOS
+
+    demo = DEMOS["tensor_parallel"]
+    one, split = demo.app_text(1), demo.app_text(3)
+    assert "would start three more processes" in one and "where this app's own engine is one process" in one
+    assert "This app's own engine is already the model split over 3 ranks" in split
+    assert "three more processes" not in split and "one process)" not in split
+    assert "rank 0's shard" in split and "`nanovllm --tutorial --tutorial-chapter 13`" in split
+    assert DEMOS["kv_cache"].app_text(3) == DEMOS["kv_cache"].watch  # no split words: the usual ones

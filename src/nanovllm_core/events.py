@@ -162,6 +162,11 @@ class ScheduledEntry:
     blocks, how many another running sequence was holding when this one shared them (the rest
     were cached-free: freed, contents kept); None when the sequence was not admitted in this
     step, and in traces recorded before this field existed.
+
+    ``num_cached_blocks_own``: at a readmission after a preemption, how many of the cached-free hit
+    blocks are the sequence's own blocks from before its preemption (the rest of the cached-free
+    hits another request left there with the same tokens); None when not a readmission, and in
+    traces recorded before this field existed.
     """
 
     request_id: str
@@ -179,6 +184,7 @@ class ScheduledEntry:
     max_drafts: int = 0
     draft_limits: tuple[str, ...] = ()
     num_cached_blocks_in_use: int | None = None
+    num_cached_blocks_own: int | None = None
 
     @property
     def num_drafts(self) -> int:

@@ -506,7 +506,7 @@ class Narrator(SchedulerNarration):
                 if remaining else "")
         rid = s.request_id
         if self._preemptions(plan, s.seq_id) or total > s.prompt_len:
-            reused = (f"; the {s.num_cached_tokens} before them came back from the prefix cache"
+            reused = (f"; the {s.num_cached_tokens} before them were found in the prefix cache"
                       if s.num_cached_tokens and s.start == s.num_cached_tokens and rid in plan.admitted else "")
             again, first = self._split(s.seq_id, s.start, end)
             text = (f"{cap} was preempted earlier and lost its blocks. It computes tokens {s.start}..{end - 1} "
@@ -717,8 +717,14 @@ class Narrator(SchedulerNarration):
         told = (f" At its first admission {first} of its {prompt} came from the prefix cache" if first else
                 f" At its first admission none of its {prompt} were in the prefix cache")
         which = "its readmission" if e.num_preemptions == 1 else "the readmission that found the most"
-        return told + (f"; after its preemption, {which} found {plural(again, 'token')} there, prompt and generated "
-                       "tokens alike." if again else f"; after its preemption, {which} found none there.")
+        if not again:
+            return told + f"; after its preemption, {which} found none there."
+        # a hit is a prefix: its first num_prompt_tokens are prompt tokens, the rest generated (trial 17b #2)
+        in_prompt = min(again, e.num_prompt_tokens)
+        made = again - in_prompt
+        what = (("all of them prompt tokens" if again > 1 else "a prompt token") if not made else
+                f"{in_prompt} prompt + {made} generated")
+        return told + f"; after its preemption, {which} found {plural(again, 'token')} there ({what})."
 
     @staticmethod
     def _why(reason: str, stop_reason: str | int | None) -> str:

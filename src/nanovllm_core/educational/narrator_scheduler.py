@@ -284,7 +284,7 @@ class SchedulerNarration:
         if self._preemptions(plan, s.seq_id):
             again, first = self._split(s.seq_id, c, total)
             text = (f"{name[0].upper()}{name[1:]} is readmitted after its preemption: {c} of its {total} tokens "
-                    f"({s.prompt_len} prompt + {total - s.prompt_len} generated) {agree(c, 'comes', 'come')} back from the prefix "
+                    f"({s.prompt_len} prompt + {total - s.prompt_len} generated) {agree(c, 'is', 'are')} found in the prefix "
                     f"cache{blocks}{self._hit_source(s, bs)}. Their keys and "
                     f"values are reused; only the other {total - c} {agree(total - c, 'is', 'are')} computed{now}{self._again(again, first)}"
                     f"{last}.")
@@ -307,23 +307,38 @@ class SchedulerNarration:
     @staticmethod
     def _hit_source(s: ev.ScheduledEntry, bs: int | None) -> str:
         """Where a readmission's hit blocks were, from the engine's count of those another sequence
-        held (``ScheduledEntry.num_cached_blocks_in_use``); empty when unknown (an older trace)."""
+        held (``ScheduledEntry.num_cached_blocks_in_use``) and of the cached-free ones that were its own
+        before its preemption (``num_cached_blocks_own``; the others another request left cached-free:
+        trial 17b #2); empty when unknown (an older trace)."""
         shared = s.num_cached_blocks_in_use
         if shared is None or not bs:
             return ""
         hit = s.num_cached_tokens // bs
         free = hit - shared
         if shared <= 0:
-            return (", blocks that kept their contents while they were cached-free" if free > 1 else
-                    ", a block that kept its contents while it was cached-free")
+            return ", " + SchedulerNarration._free_hits(free, getattr(s, "num_cached_blocks_own", None))
         held = ("the block that another running request holds for the same tokens, shared with it (its reference "
                 "count goes up)" if shared == 1 else
                 f"{shared} blocks that running requests hold for the same tokens, shared with them (their reference "
                 "counts go up)")
         if free <= 0:
             return f": {held}, not {'a block' if shared == 1 else 'blocks'} that had been cached-free"
-        return (f": {held}, and {plural(free, 'block')} that kept {'its' if free == 1 else 'their'} contents while "
-                "cached-free")
+        return f": {held}, and " + SchedulerNarration._free_hits(free, getattr(s, "num_cached_blocks_own", None))
+
+    @staticmethod
+    def _free_hits(free: int, own: int | None) -> str:
+        """``free`` cached-free hit blocks of a readmission, ``own`` of them its own from before its
+        preemption (None: not known, an older trace): whose they were."""
+        if own is None:
+            return ("blocks that kept their contents while they were cached-free" if free > 1 else
+                    "a block that kept its contents while it was cached-free")
+        own = max(0, min(own, free))
+        others = free - own
+        mine = (f"its own {'block' if own == 1 else f'{own} blocks'} from before the preemption, kept cached-free "
+                "with {} contents".format("its" if own == 1 else "their")) if own else ""
+        theirs = (f"{'a block' if others == 1 else f'{others} blocks'} that another request left cached-free "
+                  "with the same tokens") if others else ""
+        return " and ".join(p for p in (mine, theirs) if p)
 
     @staticmethod
     def _again(again: int | None, first: int) -> str:

@@ -421,11 +421,12 @@ def split_engine_available() -> bool:
     return "tensor_parallel_size" in {f.name for f in dataclasses.fields(EngineConfig)}
 
 
-def communication_words(m: Any, allreduces: int, decode_steps: list[ev.StepTimed]) -> str:
+def communication_words(m: Any, allreduces: int, decode_steps: list[ev.StepTimed], prompt: str = "") -> str:
     """The tensor-parallel demonstration's sentences: the measured all-reduce latency (``m``: a
     ``tp_measure.AllReduceLatency``), what ``allreduces`` of them cost a token at the median, and
     beside it the mean wall time of the one-process decode steps in ``decode_steps`` (measured in
-    the same run; left out when there are none)."""
+    the same run; left out when there are none), named by ``prompt``, the one they decoded (the
+    chapter's ``demo_prompt``: nothing before the sentence shows it, trial 17b #4)."""
     per_token_ms = m.per_token_us(allreduces) / 1000
     text = (f"Measured now on {m.machine}: one all-reduce of a [1, {m.hidden}] float32 tensor ({m.nbytes:,} bytes) "
             f"between {m.world_size} processes ({m.backend} over 127.0.0.1, one thread each) took {m.p50_us:,.0f} µs "
@@ -435,7 +436,8 @@ def communication_words(m: Any, allreduces: int, decode_steps: list[ev.StepTimed
             "rank 0 gathers the logits).")
     if decode_steps:
         one = sum(t.wall_time_s for t in decode_steps) / len(decode_steps)
-        text += (f" One process decoded the same prompt at {ms(one)} a step (mean of "
+        which = f"the chapter's demo prompt ({prompt!r})" if prompt else "the chapter's demo prompt"
+        text += (f" One process decoded {which} at {ms(one)} a step (mean of "
                  f"{plural(len(decode_steps), 'decode step')}, measured just now): "
                  f"the all-reduces alone are {per_token_ms / one / 1000:.1f}x that, and the split ranks' arithmetic, "
                  "on the same cores, comes on top.")

@@ -109,9 +109,11 @@ class Demo:
             local processes (``educational/tp_measure.py``) and time a one-process decode for
             comparison (0: no measurement).
         app_watch: what the app's Tutorial tab shows instead of ``watch`` where it runs less than the
-            command line (empty: the same). Of an ``allreduce_ranks`` demonstration the tab runs the
-            all-reduces and, where its own engine is one process, the one-process decode step, never
-            the split run (see ``nanovllm_tui/views/tutorial.py``).
+            command line (empty: the same); ``app_watch_split``: instead of that where the app's own
+            engine is split over ranks (``{n}``: how many; empty: ``app_watch``), see :meth:`app_text`.
+            Of an ``allreduce_ranks`` demonstration the tab runs the all-reduces and, where its own
+            engine is one process, the one-process decode step, never the split run (see
+            ``nanovllm_tui/views/tutorial.py``).
     """
 
     key: str
@@ -132,6 +134,16 @@ class Demo:
     kv_every_step: bool = False
     allreduce_ranks: int = 0
     app_watch: str = ""
+    app_watch_split: str = ""
+
+    def app_text(self, split: int = 1) -> str:
+        """What the app's Tutorial tab says this demonstration shows: ``app_watch_split`` (``{n}``: the ranks)
+        where the app's own engine is split over ``split`` > 1 ranks and the demo has such words (trial 17b
+        #3: the one-process words told a split app its split run "would start three more processes"), else
+        ``app_watch``, else ``watch``."""
+        if split > 1 and self.app_watch_split:
+            return self.app_watch_split.format(n=split)
+        return self.app_watch or self.watch
 
     def requests(self, prompt: str) -> list[DemoRequest]:
         """The requests to send, in order: ``prompt`` (the chapter's ``demo_prompt``) then the extras."""
@@ -232,7 +244,12 @@ DEMOS: dict[str, Demo] = {d.key: d for d in (
          "all-reduces cost at that speed beside a one-process decode step timed now over the loaded model (where "
          "this app's own engine is one process). The model split over 3 ranks is not run here: it would start "
          "three more processes, each loading its shard of the model, beside this app's engine while it serves "
-         "you; `nanovllm --tutorial --tutorial-chapter 13` in a terminal runs it."),
+         "you; `nanovllm --tutorial --tutorial-chapter 13` in a terminal runs it.",
+         app_watch_split="How long one all-reduce takes between processes on this machine, and what a token's "
+         "all-reduces cost at that speed. This app's own engine is already the model split over {n} ranks: its "
+         "Dashboard, X-Ray and Narrator show every rank as you send prompts. No one-process decode step is timed "
+         "beside the all-reduces: what is loaded here is rank 0's shard, not the whole model; "
+         "`nanovllm --tutorial --tutorial-chapter 13` in a terminal prints that comparison."),
 )}
 # Repeats itself, so prompt lookup has drafts to offer: the first are kept, a later one is not.
 _SPECULATIVE_PROMPT = "Copy the list: red, green, blue, yellow. Copy: red, green, blue, yellow. Copy: red,"

@@ -49,7 +49,20 @@ class EngineDemos:
     def from_loaded(cls, model: Any, tokenizer: Any, resolved: Any, device: str | None = None,
                     dtype: str | None = None) -> "EngineDemos":
         """Demonstrations over a model already loaded (``load_model``'s result), e.g. shared by tests;
-        its quantization is the one its layers were built with."""
+        its quantization is the one its layers were built with.
+
+        Raises:
+            ValueError: ``model`` is one rank's shard of a split engine (``model.tp.world_size`` > 1): it is
+                not the whole model, and its all-reduces belong to that engine's process group, whose other
+                ranks would never join a demonstration's steps (the group's timeout would then kill the
+                split engine: trial 17b). Nothing is touched.
+        """
+        tp = getattr(model, "tp", None)
+        ranks = getattr(tp, "world_size", 1)
+        if isinstance(ranks, int) and ranks > 1:
+            raise ValueError(f"No demonstration over rank {getattr(tp, 'rank', 0)}'s shard of a model split over "
+                             f"{ranks} ranks: a demonstration needs the whole model, and this shard's all-reduces "
+                             "belong to its engine's process group; run `nanovllm --tutorial` in a terminal")
         self = cls(None, device, dtype, getattr(model, "quantization", None))
         self._loaded = (model, tokenizer, resolved)
         return self
@@ -157,7 +170,8 @@ class EngineDemos:
         hidden, layers = int(info["hidden_size"]), int(info["num_layers"])
         m = tp_measure.measure_allreduce(demo.allreduce_ranks, hidden=hidden, iters=200, warmup=20)
         timed = self.one_process_decode_steps(demo, chapter)
-        console.print(Indent(Text(communication_words(m, tp_facts.allreduces_per_step(layers), timed))))
+        console.print(Indent(Text(communication_words(m, tp_facts.allreduces_per_step(layers), timed,
+                                                      chapter.demo_prompt))))
         console.print()
         if not split_engine_available():
             console.print(Indent(Text(SPLIT_UNAVAILABLE[0].upper() + SPLIT_UNAVAILABLE[1:] + ".", style="yellow")))

@@ -175,7 +175,8 @@ class EventSource:
                               total_len=s.seq.num_tokens, num_cached_tokens=s.num_cached_tokens, samples=s.samples,
                               priority=s.seq.priority, num_spec_tokens=s.num_spec_tokens,
                               max_drafts=s.max_drafts, draft_limits=tuple(s.draft_limits),
-                              num_cached_blocks_in_use=s.num_cached_blocks_in_use)
+                              num_cached_blocks_in_use=s.num_cached_blocks_in_use,
+                              num_cached_blocks_own=s.num_cached_blocks_own)
             for s in plan.scheduled
         )
         return ev.StepPlanned(

@@ -71,6 +71,9 @@ class ScheduledSequence:
     prompt tokens served from the prefix cache when it was admitted in this step;
     ``num_cached_blocks_in_use``: how many of those hit blocks another sequence was holding when
     they were shared (ref count above 0); the rest were cached-free (None: not admitted this step).
+    ``num_cached_blocks_own``: at a readmission after a preemption, how many of the cached-free hit
+    blocks are the very blocks (same id, same position) it held when it was preempted; the other
+    cached-free hits were another request's, holding the same tokens (None: not a readmission).
 
     Speculative decoding: ``num_spec_tokens`` draft slots are reserved (and counted in
     ``num_new_tokens``); the engine then puts the proposed drafts in ``spec_tokens`` and sets
@@ -87,6 +90,7 @@ class ScheduledSequence:
     start: int  # num_computed_tokens before this step
     num_cached_tokens: int = 0
     num_cached_blocks_in_use: int | None = None
+    num_cached_blocks_own: int | None = None
     num_spec_tokens: int = 0
     spec_tokens: list[int] = field(default_factory=list)
     max_drafts: int = 0
@@ -199,6 +203,7 @@ class Scheduler:
         if why is not None:
             self._shortfalls.append(why)
         self.running.remove(seq)
+        seq.preempted_block_table = list(seq.block_table)  # whose blocks its readmission's hits are
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.metrics.num_preemptions += 1
@@ -285,6 +290,9 @@ class Scheduler:
                     break
             bm.record_lookup(seq.num_tokens, num_computed)
             in_use = sum(1 for b in cached if bm.blocks[b].ref_count > 0)  # held live, not cached-free
+            former = seq.preempted_block_table
+            own = (sum(1 for i, b in enumerate(cached) if i < len(former) and former[i] == b
+                       and bm.blocks[b].ref_count == 0) if seq.metrics.num_preemptions else None)
             bm.allocate(seq, num_computed + num_new, cached)
             self.waiting.pop(0)
             seq.num_computed_tokens = num_computed
@@ -298,6 +306,7 @@ class Scheduler:
             admitted.append(seq)
             plan[seq.seq_id] = self._scheduled(seq, num_new, num_cached=num_computed)
             plan[seq.seq_id].num_cached_blocks_in_use = in_use
+            plan[seq.seq_id].num_cached_blocks_own = own
             budget -= num_new
 
         scheduled = sorted(plan.values(), key=lambda p: p.kind != "decode")

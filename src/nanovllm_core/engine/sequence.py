@@ -42,6 +42,9 @@ class Sequence:
         num_computed_tokens: tokens whose K/V are cached (0 after preemption).
         block_table: physical block ids holding this sequence's K/V, in logical order.
         block_hashes: chained hashes of its full blocks (filled lazily by the block manager).
+        preempted_block_table: its block table when it was last preempted (empty until then): which
+            prefix-cache hits at its readmission are its own blocks, kept cached-free, and which are
+            another request's.
         priority: higher is more important (used by the ``priority`` policy).
         arrival: a global counter; ties between equal priorities go to the earlier arrival.
     """
@@ -59,6 +62,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    preempted_block_table: list[int] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     finish_reason: str | None = None
     stop_reason: str | int | None = None

@@ -22,6 +22,7 @@ from textual.geometry import Region
 from textual.widget import Widget
 from textual.widgets import OptionList, Static
 
+from nanovllm_core.educational import tp_facts
 from nanovllm_core.educational import tutorial as tut
 from nanovllm_core.educational.tp_facts import (
     SPLIT_UNAVAILABLE,
@@ -228,7 +229,8 @@ class TutorialView(EngineView):
             refused = self.refusal("run_demo")  # a replay or --connect hides r: say why, not "Press r" (trial 14a's kind)
             press = ("Press r to measure it." if demo.allreduce_ranks else  # no engine of its own (trial 16c)
                      "Press r to run it on a small engine of its own, over the loaded model.")
-            text.append(f"{demo.app_watch or demo.watch} " + (refused or press), style="#3ecf8e")
+            split = self._split_ranks() if self.app.live else 1  # a split app is its own split run (trial 17b #3)
+            text.append(f"{demo.app_text(split)} " + (refused or press), style="#3ecf8e")
         self.query_one("#chapter-text", Static).update(text)
 
     @property
@@ -378,7 +380,19 @@ class TutorialView(EngineView):
         demo = tut.DEMOS.get(c.demo) if c.demo else None
         if demo is None or not c.demo_prompt or not self.app.live:
             return False
-        return bool(demo.allreduce_ranks) or getattr(self.app.controller, "local_engine", True)
+        if demo.allreduce_ranks:
+            return True  # separate processes of its own: runs beside any engine (trial 16c)
+        return bool(getattr(self.app.controller, "local_engine", True)) and self._split_ranks() == 1
+
+    def _split_ranks(self) -> int:
+        """Over how many ranks the app's own engine is split (1: one process, or not known yet). Its loaded
+        model is then rank 0's shard whose all-reduces belong to that engine's process group: a demonstration
+        engine over it would wait on ranks that never join, and the group's timeout kills the app's engine
+        (trial 17b #1). From the model's facts, or from the engine's settings before they arrive."""
+        engine = getattr(self.app.controller, "engine", None) if self.app.live else None
+        config = getattr(engine, "config", None)
+        n = getattr(config, "tensor_parallel_size", 1)
+        return max(tp_facts.tp_size(self._info), n if isinstance(n, int) and not isinstance(n, bool) else 1, 1)
 
     def refusal(self, action: str) -> str | None:
         """Why ``action`` is not offered here, naming what was refused (the app shows it when the hidden
@@ -392,6 +406,11 @@ class TutorialView(EngineView):
         if not self.app.live:
             return ("No demonstration in a replay: demonstrations run on a local engine and a replay only plays "
                     "a recording; start without --replay to run one.")
+        split = self._split_ranks()
+        if split > 1 and getattr(self.app.controller, "local_engine", True):
+            return (f"No demonstration beside an engine split over {split} ranks: a demonstration builds an engine "
+                    "over the whole loaded model, and here that is rank 0's shard; run `nanovllm --tutorial "
+                    f"--tutorial-chapter {c.number}` in a terminal.")
         return ("No demonstration under --connect: demonstrations run on a local engine of their own, and this app "
                 "watches a server; start nanovllm-tui without --connect to run one.")
 
@@ -407,7 +426,7 @@ class TutorialView(EngineView):
         if demo.allreduce_ranks:
             self._measure(c, demo)  # the whole demonstration here: the split run is the CLI's (split_run_words)
             return
-        if not getattr(self.app.controller, "local_engine", True):  # --connect: the engine is the server's
+        if not self.check_action("run_demo", ()):  # --connect (the server's engine), or a split app engine
             self.notify(self.refusal("run_demo") or "", severity="warning", markup=False)
             return
         engine = self.app.controller.engine
@@ -427,8 +446,6 @@ class TutorialView(EngineView):
     def _measure(self, chapter: tut.Chapter, demo: tut.Demo) -> None:
         """Time all-reduces between ``demo.allreduce_ranks`` local processes on a worker thread (the ranks
         start as fresh interpreters from this many-threaded process: seconds), then show the figures."""
-        from nanovllm_core.educational import tp_facts
-
         try:
             hidden, layers = int(self._info["hidden_size"]), int(self._info["num_layers"])
         except (KeyError, TypeError, ValueError):
@@ -457,7 +474,8 @@ class TutorialView(EngineView):
                                                     device=str(main_engine.device),
                                                     dtype=str(main_engine.dtype).replace("torch.", ""))
                     timed = demos.one_process_decode_steps(demo, chapter)
-                text = Text("\n" + communication_words(m, tp_facts.allreduces_per_step(layers), timed),
+                text = Text("\n" + communication_words(m, tp_facts.allreduces_per_step(layers), timed,
+                                                        chapter.demo_prompt),
                             style="#ffd166")
                 if not timed:
                     text.append(" " + tp_facts.app_no_baseline(local, split) + ".")
