@@ -1,0 +1,85 @@
+"""Trial 17a: nanovllm-tui's output paths checked before anything starts (local, --web, --connect),
+in the words of ``nanovllm``; ``--progress-file`` without ``--tutorial``."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanovllm_core import cli
+
+
+def _refused(capsys, call) -> str:
+    with pytest.raises(SystemExit) as e:
+        call()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2, err
+    return err[-1]
+
+
+PATHS = [
+    (["--trace", "{tmp}/BAD/x.jsonl"], "--trace {tmp}/BAD/x.jsonl: the folder {tmp}/BAD does not exist; create it "
+                                       "first or choose another path"),
+    (["--trace-chrome", "{tmp}"], "--trace-chrome {tmp} is a folder; give a file name in it"),
+    (["--progress-file", "{tmp}/file/p.json"], "--progress-file {tmp}/file/p.json: {tmp}/file is not a folder"),
+    (["--trace", "{tmp}/t.json", "--trace-chrome", "{tmp}/t.json"],
+     "--trace and --trace-chrome name the same file {tmp}/t.json; give each its own"),
+]
+
+
+@pytest.mark.parametrize("mode", ["local", "web", "connect"])
+@pytest.mark.parametrize("argv, message", PATHS)
+def test_tui_output_paths_are_refused_before_anything_starts(capsys, monkeypatch, tmp_path, mode, argv, message):
+    """``nanovllm-tui --web --trace BAD/x.jsonl`` served anyway and every visitor's app failed to start;
+    plain ``nanovllm-tui`` said ``cannot write the trace file: [Errno 21] ...`` for ``--trace-chrome``."""
+    import nanovllm_tui.remote as remote
+    import nanovllm_tui.web as web
+    from nanovllm_tui.options import build_app
+
+    def never(*a, **k):
+        raise AssertionError("started before the output paths were checked")
+
+    monkeypatch.setattr(web, "page_server", never)
+    monkeypatch.setattr(remote, "check_server", never)
+    (tmp_path / "file").write_text("")
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    if mode == "web":
+        line = _refused(capsys, lambda: web.serve_in_browser(["--web", "--port", "18417", *argv]))
+    elif mode == "connect":
+        line = _refused(capsys, lambda: build_app(["--connect", "http://127.0.0.1:9", *argv]))
+    else:
+        line = _refused(capsys, lambda: build_app(argv))
+    assert line.startswith("nanovllm-tui: error: " + message.format(tmp=tmp_path)), line
+    assert "Errno" not in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_a_trace_file_that_fails_late_is_named_by_its_option(capsys, monkeypatch, tmp_path):
+    """A file that passed the check and then cannot be created: the line names the option (the Chrome
+    trace is not "the trace file") and says what to do, not errno text."""
+    import argparse
+
+    import nanovllm_core.tracing as tracing
+    from nanovllm_tui.options import open_recorders
+
+    def fail(self, path):
+        raise IsADirectoryError(21, "Is a directory", str(path))
+
+    monkeypatch.setattr(tracing.ChromeTraceRecorder, "__init__", fail)
+    args = argparse.Namespace(trace=None, trace_chrome=str(tmp_path / "c.json"))
+    line = _refused(capsys, lambda: open_recorders(args))
+    assert line == (f"nanovllm-tui: error: --trace-chrome {tmp_path / 'c.json'} cannot be written (Is a directory); "
+                    "choose a path you can write")
+
+
+def test_progress_file_without_tutorial_is_refused_in_one_line(capsys):
+    line = _refused(capsys, lambda: cli.main(["--prompt", "hi", "--max-tokens", "1", "--progress-file", "x.json"]))
+    assert line == ("nanovllm: error: --progress-file is where the tutorial keeps its progress and does nothing "
+                    "without --tutorial; add --tutorial or leave it out")
+
+
+def test_a_progress_file_whose_folder_exists_is_tried_before_the_tutorial(capsys):
+    """``--progress-file /proc/x.json`` passed the check (the folder exists, and root may write) and the
+    whole tutorial ran before a note named an internal temp file."""
+    line = _refused(capsys, lambda: cli.main(["--tutorial", "--no-demos", "--progress-file", "/proc/x.json"]))
+    assert line.startswith("nanovllm: error: --progress-file /proc/x.json cannot be written ("), line
+    assert line.endswith("); choose a path you can write")
