@@ -83,3 +83,54 @@ def test_a_progress_file_whose_folder_exists_is_tried_before_the_tutorial(capsys
     line = _refused(capsys, lambda: cli.main(["--tutorial", "--no-demos", "--progress-file", "/proc/x.json"]))
     assert line.startswith("nanovllm: error: --progress-file /proc/x.json cannot be written ("), line
     assert line.endswith("); choose a path you can write")
+
+
+# ------------------------------------------------------------------ errors quote values as JSON spells them
+
+def _error(server, path, body):
+    import httpx
+
+    r = httpx.post(server.url + path, json=body, headers=server.headers, timeout=60)
+    assert r.status_code == 400, r.text
+    return r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field, value, shown", [
+    ("temperature", -1, "temperature=-1 is invalid"), ("top_p", 0, "top_p=0 is invalid"),
+    ("frequency_penalty", 3, "frequency_penalty=3 is invalid"),
+    ("repetition_penalty", 0, "repetition_penalty=0 is invalid"),
+    ("temperature", -1.0, "temperature=-1.0 is invalid"),  # a float sent as a float stays one
+])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/engine/control"])
+def test_an_integer_sent_is_quoted_as_an_integer(tiny_server, path, field, value, shown):
+    """Trial 17a: ``"temperature": -1`` came back as ``temperature=-1.0`` (pydantic's StrictFloat made it
+    a float before SamplingParams quoted it)."""
+    body = ({"prompt": "x", "max_tokens": 1, field: value} if path == "/v1/completions"
+            else {"command": "submit", "prompt": "x", "params": {"max_tokens": 1, field: value}})
+    assert shown in _error(tiny_server, path, body)
+
+
+def test_integer_sampling_values_still_reach_the_engine_as_floats(tiny_server):
+    from nanovllm_core.entrypoints.protocol import CompletionRequest
+
+    params = CompletionRequest(prompt="x", temperature=1, top_p=1, repetition_penalty=2).sampling_params(3, None)
+    assert all(type(getattr(params, f)) is float for f in ("temperature", "top_p", "repetition_penalty", "min_p"))
+
+
+def test_logit_bias_errors_spell_json(tiny_server):
+    """The example is valid JSON, a key is quoted as sent (text), and 1e400 is clamped as vLLM clamps it."""
+    control = {"command": "submit", "prompt": "x", "params": {"max_tokens": 1, "logit_bias": [[30, 1]]}}
+    message = _error(tiny_server, "/v1/engine/control", control)
+    assert message.startswith("params.logit_bias=[[30, 1]] is invalid") and '{"50256": -100}' in message
+    for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 1, "logit_bias": {"-1": 5}}),
+                       ("/v1/engine/control", {"command": "submit", "prompt": "x",
+                                               "params": {"max_tokens": 1, "logit_bias": {"-1": 5}}})):
+        message = _error(tiny_server, path, body)
+        assert 'has the key "-1", which is not a token id' in message, message
+    import httpx
+
+    r = httpx.post(tiny_server.url + "/v1/completions", headers={**tiny_server.headers, "Content-Type": "application/json"},
+                   content='{"prompt": "x", "max_tokens": 2, "temperature": 0, "return_token_ids": true, '
+                           '"logit_bias": {"30": 1e400}}', timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == [30, 30]  # clamped to +100: forced

@@ -608,7 +608,7 @@ def _control_submit(state: ServerState, body: dict) -> str:
         raise APIError(f"params has unknown field(s) {untrusted.listed(unknown)}; use SamplingParams field names",
                        param=f"params.{unknown[0]}", code="unknown_parameter")
     fields = {k: _whole_numbers(v) if k in _INT_PARAMS else v for k, v in fields.items()}
-    if isinstance(fields.get("logit_bias"), dict):  # JSON keys are text: {"1234": -100}, as on /v1/completions
+    if fields.get("logit_bias") is not None:  # JSON keys are text: {"1234": -100}, as on /v1/completions
         fields["logit_bias"] = logit_bias_ids(fields["logit_bias"], "params.logit_bias")
     try:
         params = SamplingParams(**fields)
