@@ -134,3 +134,23 @@ def test_logit_bias_errors_spell_json(tiny_server):
                            '"logit_bias": {"30": 1e400}}', timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == [30, 30]  # clamped to +100: forced
+
+
+@pytest.mark.parametrize("content_type, status", [
+    ("application/json; charset=latin-1", 400), ("application/json; charset=\"ISO-8859-1\"", 400),
+    ("application/json; charset=utf-16", 400), ("application/json; charset=UTF-8", 200),
+    ("application/json;charset=\"utf-8\"", 200), ("application/json; charset=utf8", 200),
+    ("application/json; foo=bar", 200),
+])
+def test_a_charset_other_than_utf8_is_refused_in_one_line(tiny_server, content_type, status):
+    """Trial 17a: ``charset=latin-1`` passed the Content-Type check and the body was then read as UTF-8
+    ("not valid JSON"); a JSON body is UTF-8 (RFC 8259), and the refusal now says so."""
+    import httpx
+
+    r = httpx.post(tiny_server.url + "/v1/completions", content='{"prompt": "caf\u00e9", "max_tokens": 1}'.encode(),
+                   headers={**tiny_server.headers, "Content-Type": content_type}, timeout=60)
+    assert r.status_code == status, r.text
+    if status == 400:
+        error = r.json()["error"]
+        assert error["code"] == "unsupported_media_type" and "a JSON body is UTF-8 (RFC 8259)" in error["message"]
+        assert "\n" not in error["message"]
