@@ -154,3 +154,21 @@ def test_a_charset_other_than_utf8_is_refused_in_one_line(tiny_server, content_t
         error = r.json()["error"]
         assert error["code"] == "unsupported_media_type" and "a JSON body is UTF-8 (RFC 8259)" in error["message"]
         assert "\n" not in error["message"]
+
+
+@pytest.mark.parametrize("key", ["30", "030", " 30", "+30", "3_0", "30 "])
+def test_logit_bias_keys_are_read_as_vllm_reads_them_with_int(tiny_server, key):
+    """Trial 17a: ``" 30"`` and ``"+30"`` were refused while ``"030"`` was taken; vLLM takes ``int(key)``."""
+    import httpx
+
+    body = {"prompt": "x", "max_tokens": 2, "temperature": 0, "return_token_ids": True, "logit_bias": {key: 100}}
+    r = httpx.post(tiny_server.url + "/v1/completions", json=body, headers=tiny_server.headers, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == [30, 30]
+
+
+@pytest.mark.parametrize("key", ["abc", "3.0", "", "-1", "30x", "9" * 5000, "99999999999999999999999"])
+def test_a_logit_bias_key_int_refuses_or_outside_the_vocabulary_is_one_line(tiny_server, key):
+    message = _error(tiny_server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "logit_bias": {key: 1}})
+    assert "\n" not in message and len(message) < 400, message
+    assert ("not a token id" in message) or ("vocabulary" in message), message

@@ -230,20 +230,33 @@ def logit_bias_ids(bias: Any, param: str = "logit_bias") -> dict[Any, Any]:
     (``params.logit_bias`` on the control API). Errors quote a key as the client sent it (text).
 
     Raises:
-        APIError: not an object, or a key that is not a token id (a whole number >= 0 in decimal digits).
+        APIError: not an object, or a key that is not a token id (text ``int()`` reads as an integer >= 0).
     """
     if not isinstance(bias, dict):
         raise APIError(f"{param}={shown(bias)} is invalid: must be an object of token id to bias "
                        '(e.g. {"50256": -100}) or null', param=param, code="invalid_value")
     out = {}
     for key, value in bias.items():
-        if not (isinstance(key, str) and re.fullmatch(r"-?[0-9]{1,19}", key)) or int(key) < 0:
+        token = _token_key(key)
+        if token is None or token < 0:
             raise APIError(f"{param} has the key {shown(key)}, which is not a token id; keys are token ids "
                            '(integers >= 0) written as text, e.g. {"1234": -100}', param=param, code="invalid_value")
         if isinstance(value, float) and abs(value) == float("inf"):
             value = LOGIT_BIAS_LIMIT if value > 0 else -LOGIT_BIAS_LIMIT
-        out[int(key)] = value
+        out[token] = value
     return out
+
+
+def _token_key(key: Any) -> int | None:
+    """A logit_bias key as vLLM reads it, Python's ``int(key)``: ``"30"``, ``"030"``, ``" 30"``, ``"+30"``
+    and ``"3_0"`` are all token 30 (trial 17a: only the first two were taken); None for text ``int()``
+    refuses (``"abc"``, ``"3.0"``, more than 4300 digits) or a key that is not text."""
+    if not isinstance(key, str):
+        return None
+    try:
+        return int(key)
+    except ValueError:
+        return None
 
 
 class _SamplingBody(_Body):
