@@ -42,7 +42,7 @@ def test_tui_output_paths_are_refused_before_anything_starts(capsys, monkeypatch
     monkeypatch.setattr(remote, "check_server", never)
     (tmp_path / "file").write_text("")
     argv = [a.format(tmp=tmp_path) for a in argv]
-    if mode == "web":
+    if mode == "web":  # the paths are checked before --web's own rule on traces
         line = _refused(capsys, lambda: web.serve_in_browser(["--web", "--port", "18417", *argv]))
     elif mode == "connect":
         line = _refused(capsys, lambda: build_app(["--connect", "http://127.0.0.1:9", *argv]))
@@ -51,6 +51,16 @@ def test_tui_output_paths_are_refused_before_anything_starts(capsys, monkeypatch
     assert line.startswith("nanovllm-tui: error: " + message.format(tmp=tmp_path)), line
     assert "Errno" not in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.mark.parametrize("option", ["--trace", "--trace-chrome"])
+def test_web_refuses_a_trace_every_visitor_would_write(capsys, monkeypatch, tmp_path, option):
+    """One app process per visitor: each would open the same trace file afresh."""
+    import nanovllm_tui.web as web
+
+    monkeypatch.setattr(web, "page_server", lambda *a, **k: pytest.fail("served"))
+    line = _refused(capsys, lambda: web.serve_in_browser(["--web", "--port", "18417", option, str(tmp_path / "t")]))
+    assert line.startswith(f"nanovllm-tui: error: {option} cannot be used with --web: every visitor's app"), line
 
 
 def test_a_trace_file_that_fails_late_is_named_by_its_option(capsys, monkeypatch, tmp_path):
