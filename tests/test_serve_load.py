@@ -140,6 +140,58 @@ def test_metrics_parse_and_match_the_engine_stats(tiny_server):
         assert m[f"vllm:{name}_sum"] > before.get(f"vllm:{name}_sum", 0)
 
 
+def test_n_samples_are_each_counted_in_metrics_with_their_own_finish_reason_and_times(tiny_server):
+    """Trial 17a: with ``n`` > 1, ``/metrics`` counted sample 0 alone (its finish reason for the whole
+    request, its TTFT and its e2e) while ``vllm:prompt_tokens`` counted every sample. vLLM V1 records
+    each child request: 3 successes under their own reasons, 3 observations per histogram."""
+    body = {"prompt": "the cat sat on the mat", "max_tokens": 8, "temperature": 1.0, "seed": 4, "n": 3,
+            "ignore_eos": True, "return_token_ids": True}
+    with httpx.Client(base_url=tiny_server.url, headers=tiny_server.headers, timeout=60) as http:
+        first = http.post("/v1/completions", json=body).json()
+        ids = [c["token_ids"] for c in sorted(first["choices"], key=lambda c: c["index"])]
+        # a token sample 0 makes second and the others never make: stopping on it ends sample 0 early
+        stop = next(t for t in ids[0][1:4] if t not in ids[1] and t not in ids[2] and t not in ids[0][:1])
+        tiny_server.wait_idle()
+        before = scrape(tiny_server)
+        r = http.post("/v1/completions", json={**body, "stop_token_ids": [stop]}).json()
+    tiny_server.wait_idle()
+    m = scrape(tiny_server)
+    reasons = sorted(c["finish_reason"] for c in r["choices"])
+    assert reasons == ["length", "length", "stop"], r["choices"]
+
+    def delta(key):
+        return m.get(key, 0) - before.get(key, 0)
+
+    assert delta("vllm:request_success_total[stop]") == 1
+    assert delta("vllm:request_success_total[length]") == 2
+    assert delta("vllm:prompt_tokens_total") == 3 * r["usage"]["prompt_tokens"]
+    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert delta(f"vllm:{name}_count") == 3, name
+
+
+def test_metrics_observe_each_samples_own_latency():
+    """Each sample's own e2e and TTFT go into the histograms (not sample 0's three times)."""
+    from nanovllm_core.entrypoints.metrics import ServerMetrics
+    from nanovllm_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    def sample(i, reason, first, last, finished, tokens):
+        return CompletionOutput(index=i, text="", token_ids=[1] * tokens, finish_reason=reason, metrics=RequestMetrics(
+            arrival_time=10.0, first_token_time=first, last_token_time=last, finished_time=finished,
+            num_output_tokens=tokens))
+
+    metrics = ServerMetrics("m")
+    outs = [sample(0, "stop", 10.5, 11.0, 11.0, 2), sample(1, "length", 11.0, 19.0, 19.0, 9),
+            sample(2, "length", 11.5, 17.5, 17.5, 7)]
+    metrics.observe(RequestOutput("r", "p", [1], outs, True, metrics=outs[0].metrics))
+    text = metrics.registry
+    get = text.get_sample_value
+    assert get("vllm:e2e_request_latency_seconds_sum", {"model_name": "m"}) == 1.0 + 9.0 + 7.5
+    assert get("vllm:time_to_first_token_seconds_sum", {"model_name": "m"}) == 0.5 + 1.0 + 1.5
+    assert get("vllm:time_per_output_token_seconds_sum", {"model_name": "m"}) == 0.5 + 1.0 + 1.0
+    assert get("vllm:request_success_total", {"model_name": "m", "finished_reason": "length"}) == 2
+    assert get("vllm:request_success_total", {"model_name": "m", "finished_reason": "stop"}) == 1
+
+
 def test_a_whole_answer_client_that_leaves_gets_a_quiet_499_and_its_blocks_are_freed(tiny_server, caplog):
     """Issue 29: a non-streaming request whose client disconnects is aborted, its KV blocks freed, and
     nothing is logged as an error (the server answers 499 to nobody). The engine is paused and stepped

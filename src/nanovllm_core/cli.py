@@ -33,6 +33,7 @@ from nanovllm_core.cli_args import (  # noqa: F401  (re-exported: the app, bench
     ascii_int,
     bounded_int,
     check_output_paths,
+    output_file_error,
     count_int,
     engine_kwargs,
     load_progress,
@@ -266,8 +267,8 @@ def _generate(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, pr
 
     try:
         recorders = open_trace_recorders(llm, args)
-    except OSError as e:
-        parser.error(f"cannot write the trace file: {e}")
+    except TraceFileError as e:
+        parser.error(str(e))
     inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p for p in prompts]
     check_max_tokens(llm, args, parser, inputs)
     views = attach_teaching_views(llm, args)
@@ -381,23 +382,39 @@ def run_tutorial(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     return 0
 
 
+class TraceFileError(ValueError):
+    """A ``--trace`` / ``--trace-chrome`` file that could not be created; the message is one line
+    naming the option and what to do (:func:`cli_args.output_file_error`)."""
+
+
+def open_trace_file(option: str, path: str):
+    """The recorder of ``option`` (``--trace``: JSON lines; ``--trace-chrome``: Chrome's format) writing
+    ``path``. Raises :class:`TraceFileError` when the file cannot be created (the paths are checked
+    before the model loads, so only a file that changed since gets here)."""
+    from nanovllm_core.tracing import ChromeTraceRecorder, JsonlTraceWriter
+
+    try:
+        return (JsonlTraceWriter if option == "--trace" else ChromeTraceRecorder)(path)
+    except OSError as e:
+        raise TraceFileError(output_file_error(option, path, e)) from None
+
+
 def open_trace_recorders(llm, args: argparse.Namespace) -> list:
     """Subscribe the ``--trace`` / ``--trace-chrome`` recorders to the engine; returns them (close when done).
 
     Raises:
-        OSError: a trace file cannot be created.
+        TraceFileError: a trace file cannot be created (its message names the option).
     """
     from nanovllm_core.engine.controller import EngineController
-    from nanovllm_core.tracing import ChromeTraceRecorder, JsonlTraceWriter
 
     recorders = []
     if args.trace:
-        writer = JsonlTraceWriter(args.trace)
+        writer = open_trace_file("--trace", args.trace)
         writer(EngineController.ready_event(llm.engine))  # a replay needs the model's facts first
         llm.engine.subscribe(writer, topk=5, blocks=True, xray=args.trace_xray)
         recorders.append(writer)
     if args.trace_chrome:
-        chrome = ChromeTraceRecorder(args.trace_chrome)
+        chrome = open_trace_file("--trace-chrome", args.trace_chrome)
         llm.engine.subscribe(chrome, topk=0, blocks=False)
         recorders.append(chrome)
     return recorders

@@ -515,7 +515,7 @@ def output_path_problem(option: str, path: str, make_folders: bool = False) -> s
         return f"{option} {path}: the folder {folder} does not exist; create it first or choose another path"
     if not folder.is_dir():
         return f"{option} {path}: {folder} is not a folder; choose another path"
-    if make_folders and not p.exists():
+    if make_folders and not p.exists() and folder != p.parent:  # folders to create: nothing to try yet
         if not os.access(folder, os.W_OK | os.X_OK):
             return f"{option} {path}: the folder {folder} is not writable; choose another path"
         return None
@@ -526,8 +526,14 @@ def output_path_problem(option: str, path: str, make_folders: bool = False) -> s
             open(p, "x").close()
             p.unlink()
     except OSError as e:
-        return f"{option} {path} cannot be written ({e.strerror or type(e).__name__}); choose a path you can write"
+        return output_file_error(option, path, e)
     return None
+
+
+def output_file_error(option: str, path: str, e: OSError) -> str:
+    """One line for the file ``path`` of ``option`` that could not be written (``e``): the option, the
+    path, the system's reason in words (not its errno text) and what to do."""
+    return f"{option} {path} cannot be written ({e.strerror or type(e).__name__}); choose a path you can write"
 
 
 def check_output_paths(parser: argparse.ArgumentParser, *given: tuple[str, str | None],

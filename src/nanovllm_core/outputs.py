@@ -75,6 +75,8 @@ class CompletionOutput:
     max_model_len), ``"abort"``, ``"rejected"`` (never ran; see ``RequestOutput.error``), or
     None while running. ``stop_reason``: the stop string or token id that ended it.
     ``logprobs``: per generated token, a dict token_id -> Logprob (top-k plus the chosen one).
+    ``metrics``: this sample's own times (vLLM V1 runs each of ``n`` samples as a child request with
+    its own TTFT, TPOT and finish time); None where no engine sample stands behind it (a rejection).
     """
 
     index: int
@@ -84,6 +86,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
+    metrics: RequestMetrics | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -92,6 +95,8 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """The result of one request: its prompt, its samples, its metrics.
+
+    ``metrics`` are sample 0's (each sample's own are in ``outputs[i].metrics``).
 
     ``error`` holds the one-line reason when the request was rejected or failed.
     """

@@ -8,7 +8,7 @@ from typing import Sequence
 
 from nanovllm_core.cli import build_parser as build_engine_parser
 from nanovllm_core.cli import engine_kwargs, sampling_params, tcp_port
-from nanovllm_core.cli_args import api_key, api_key_default, priorities_problem, screen_rate
+from nanovllm_core.cli_args import api_key, api_key_default, check_output_paths, priorities_problem, screen_rate
 from nanovllm_tui.bridge import DEFAULT_FPS
 
 DEFAULT_KV_BLOCKS = 512  # 8,192 tokens at block size 16: room to play, and a block map that fits a screen
@@ -100,6 +100,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                 args.priority or (), limit=args.max_model_len)
         if wrong:
             parser.error(f"--{wrong[0][0]}: {wrong[0][1]}")
+    # Output files before anything starts (a model load, a --connect wait, a --web server whose every
+    # visitor's app would fail on them), with the rule and the words of `nanovllm` (trial 17a)
+    check_output_paths(parser, ("--trace", args.trace), ("--trace-chrome", args.trace_chrome),
+                       ("--progress-file", args.progress_file), make_folders=("--progress-file",))
     if (args.host is not None or args.port is not None) and not args.web:
         parser.error("--host and --port are where --web listens; add --web (the server you attach to is --connect URL)")
     if args.connect is not None:  # "" too: an empty address is refused, not read as "no --connect"
@@ -225,15 +229,19 @@ def build_app(argv: Sequence[str] | None = None):
 
 
 def open_recorders(args: argparse.Namespace) -> list:
-    """``--trace`` / ``--trace-chrome`` recorders for this session (closed when the app quits)."""
-    from nanovllm_core.tracing import ChromeTraceRecorder, JsonlTraceWriter
+    """``--trace`` / ``--trace-chrome`` recorders for this session (closed when the app quits).
+
+    The paths were checked by :func:`parse_args`; a file that still cannot be created ends the
+    command with status 2 and one line naming its option."""
+    from nanovllm_core.cli import TraceFileError, open_trace_file
 
     recorders = []
     try:
-        if args.trace:
-            recorders.append(JsonlTraceWriter(args.trace))
-        if args.trace_chrome:
-            recorders.append(ChromeTraceRecorder(args.trace_chrome))
-    except OSError as e:
-        build_parser().error(f"cannot write the trace file: {e}")
+        for option, path in (("--trace", args.trace), ("--trace-chrome", args.trace_chrome)):
+            if path:
+                recorders.append(open_trace_file(option, path))
+    except TraceFileError as e:
+        for recorder in recorders:
+            recorder.close()
+        build_parser().error(str(e))
     return recorders

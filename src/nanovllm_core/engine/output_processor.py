@@ -233,7 +233,7 @@ class OutputProcessor:
                              token_ids=list(s.output_token_ids),
                              finish_reason=s.finish_reason, stop_reason=s.stop_reason,
                              cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                             logprobs=list(s.logprobs) if s.logprobs is not None else None)
+                             logprobs=list(s.logprobs) if s.logprobs is not None else None, metrics=s.metrics)
             for s in req.seqs
         ]
         errors = [s.error for s in req.seqs if s.error]

@@ -276,8 +276,11 @@ _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
 def _check_media_type(content_type: str | None) -> None:
-    """Refuse a POST body not sent as ``application/json`` (a ``charset`` or other parameter is allowed),
-    as vLLM's ``validate_json_request`` does on every POST route, before the body is read.
+    """Refuse a POST body not sent as ``application/json`` (another parameter is allowed, and a
+    ``charset`` of UTF-8), as vLLM's ``validate_json_request`` does on every POST route, before the body
+    is read. Another charset is refused too: the body is read as JSON is, UTF-8 (RFC 8259; vLLM's
+    Starlette ignores the charset and decodes UTF-8 too), so a ``charset=latin-1`` body was refused as
+    "not valid JSON" without saying why, or read as something it was not (trial 17a).
 
     vLLM answers 400 ("Unsupported Media Type: Only 'application/json' is allowed", a
     ``RequestValidationError``; older versions 415); so does this server, with the Content-Type it got
@@ -287,13 +290,27 @@ def _check_media_type(content_type: str | None) -> None:
     Raises:
         APIError: 400 ``unsupported_media_type``.
     """
-    media_type = (content_type or "").split(";", 1)[0].strip().lower()
-    if media_type == "application/json":
-        return
+    media_type, _, parameters = (content_type or "").partition(";")
+    if media_type.strip().lower() == "application/json":
+        charset = _charset(parameters)
+        if charset is None or charset.lower() in ("utf-8", "utf8"):
+            return
+        raise APIError(f"the request declares charset {untrusted.shown(charset)}, but a JSON body is UTF-8 (RFC 8259) "
+                       "and is read as UTF-8; send the body as UTF-8 with 'Content-Type: application/json' (or "
+                       "charset=utf-8)", param="Content-Type", code="unsupported_media_type")
     got = "no Content-Type header" if content_type is None else f"Content-Type {untrusted.shown(content_type, as_json=True)}"
     raise APIError(f"Unsupported Media Type: Only 'application/json' is allowed; the request was sent with {got}. Send "
                    "the body as JSON with the header 'Content-Type: application/json' (curl: -H \"Content-Type: "
                    "application/json\")", param="Content-Type", code="unsupported_media_type")
+
+
+def _charset(parameters: str) -> str | None:
+    """The ``charset`` of a Content-Type's parameters (``"; charset=utf-8"``, quotes removed), or None."""
+    for parameter in parameters.split(";"):
+        name, eq, value = parameter.partition("=")
+        if eq and name.strip().lower() == "charset":
+            return value.strip().strip('"').strip()
+    return None
 
 
 async def _json(request: Request, limit: int) -> Any:
@@ -608,7 +625,7 @@ def _control_submit(state: ServerState, body: dict) -> str:
         raise APIError(f"params has unknown field(s) {untrusted.listed(unknown)}; use SamplingParams field names",
                        param=f"params.{unknown[0]}", code="unknown_parameter")
     fields = {k: _whole_numbers(v) if k in _INT_PARAMS else v for k, v in fields.items()}
-    if isinstance(fields.get("logit_bias"), dict):  # JSON keys are text: {"1234": -100}, as on /v1/completions
+    if fields.get("logit_bias") is not None:  # JSON keys are text: {"1234": -100}, as on /v1/completions
         fields["logit_bias"] = logit_bias_ids(fields["logit_bias"], "params.logit_bias")
     try:
         params = SamplingParams(**fields)

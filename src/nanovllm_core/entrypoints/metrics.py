@@ -9,7 +9,9 @@ figures (``LLMEngine.stats()``, read on the engine thread between steps), so the
 first output (``vllm/v1/metrics/stats.py``, ``IterationStats.update_from_output``) and
 ``vllm:prefix_cache_queries`` each child's tokens at its lookup (``vllm/v1/core/kv_cache_manager.py``,
 ``get_computed_blocks``), so an ``n=2`` request on a 5-token prompt adds 10 to both; ``usage`` in a
-response counts the prompt once, as vLLM's does.
+response counts the prompt once, as vLLM's does. Each child is also a finished request of its own
+(``vllm/v1/metrics/loggers.py``): ``vllm:request_success`` counts each sample under its own finish
+reason, and the latency histograms get one observation per sample, its own TTFT, TPOT and e2e.
 
 | metric | kind | from |
 |---|---|---|
@@ -18,8 +20,8 @@ response counts the prompt once, as vLLM's does.
 | ``vllm:prefix_cache_queries`` / ``_hits`` | counter | tokens looked up / found in the prefix cache, per sequence admitted (a sample of ``n`` counts its prompt) |
 | ``vllm:num_preemptions`` | counter | preemptions |
 | ``vllm:prompt_tokens`` / ``vllm:generation_tokens`` | counter | prompt tokens of each sequence (each of ``n`` samples) at its first token / tokens generated |
-| ``vllm:request_success`` | counter | finished requests by ``finished_reason`` |
-| ``vllm:time_to_first_token_seconds``, ``vllm:time_per_output_token_seconds``, ``vllm:e2e_request_latency_seconds`` | histogram | per finished request |
+| ``vllm:request_success`` | counter | finished samples (each of ``n``) by their own ``finished_reason`` |
+| ``vllm:time_to_first_token_seconds``, ``vllm:time_per_output_token_seconds``, ``vllm:e2e_request_latency_seconds`` | histogram | one observation per finished sample (each of ``n``), its own times |
 | ``nanovllm:kv_blocks_total`` / ``_used`` / ``_cached``, ``nanovllm:steps`` | gauge / counter | no vLLM equivalent (``steps``: steps run; events number them from 0) |
 """
 
@@ -108,22 +110,29 @@ class ServerMetrics:
         self.model_name = model_name
 
     def observe(self, output: RequestOutput) -> None:
-        """Count one finished request: its finish reason and, if it ran, its TTFT, TPOT and latency.
+        """Count one finished request, sample by sample: each sample's finish reason and, if it ran,
+        its own TTFT, TPOT and latency.
 
+        vLLM V1 runs ``n`` samples as ``n`` child requests (``vllm/v1/engine/parallel_sampling.py``)
+        and records each child as it finishes (``vllm/v1/metrics/loggers.py``
+        ``PrometheusStatLogger.record``, one observation per finished request): an ``n=3`` request
+        whose samples end ``stop``, ``length``, ``length`` adds 1 to ``finished_reason="stop"``, 2 to
+        ``"length"`` and 3 observations to each histogram, the longest as long as the whole request.
         A request the engine refused never ran: it is not counted (vLLM refuses such requests
         before they reach its engine).
         """
-        reason = output.outputs[0].finish_reason if output.outputs else None
-        if reason == "rejected":
-            return
-        self._success.labels(self.model_name, reason or "unknown").inc()
-        m = output.metrics
-        if m.time_to_first_token is not None:
-            self._ttft.observe(m.time_to_first_token)
-        if m.time_per_output_token is not None:
-            self._tpot.observe(m.time_per_output_token)
-        if m.finished_time is not None and m.arrival_time:
-            self._e2e.observe(m.finished_time - m.arrival_time)
+        for sample in output.outputs:
+            reason = sample.finish_reason
+            if reason == "rejected":
+                continue
+            self._success.labels(self.model_name, reason or "unknown").inc()
+            m = sample.metrics if sample.metrics is not None else output.metrics
+            if m.time_to_first_token is not None:
+                self._ttft.observe(m.time_to_first_token)
+            if m.time_per_output_token is not None:
+                self._tpot.observe(m.time_per_output_token)
+            if m.finished_time is not None and m.arrival_time:
+                self._e2e.observe(m.finished_time - m.arrival_time)
 
     def render(self, stats: dict[str, Any]) -> bytes:
         self._stats.stats = stats

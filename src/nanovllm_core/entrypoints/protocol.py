@@ -15,10 +15,10 @@ import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, StrictBool, StrictFloat, StrictInt,
-                      ValidationError, model_validator)
+                      ValidationError, WrapValidator, model_validator)
 
 from nanovllm_core.prompts import CONTENT_SHAPE, ChatRole, TextPartType, content_text, template_role
-from nanovllm_core.sampling_params import SamplingParams, check_priority
+from nanovllm_core.sampling_params import LOGIT_BIAS_LIMIT, SamplingParams, check_priority
 from nanovllm_core.untrusted import clipped, shown
 
 
@@ -128,6 +128,21 @@ def whole_number(value: Any) -> Any:
 Int = Annotated[StrictInt, BeforeValidator(whole_number)]
 
 
+def _int_as_sent(value: Any, handler: Any) -> Any:
+    """A number field's value: an integer the client sent stays an int (so an error quotes ``-1`` as it
+    was sent, not pydantic's ``-1.0``; trial 17a), while one past a float's exact range and any other
+    input go through ``StrictFloat`` (a float, or pydantic's own refusal)."""
+    if type(value) is int and -2 ** 53 <= value <= 2 ** 53:
+        return value
+    return handler(value)
+
+
+# A JSON number field (temperature, a bias): StrictFloat, except that an integer stays an int until
+# SamplingParams has checked it (``_SamplingBody.sampling_params`` makes it a float after)
+Number = Annotated[StrictFloat, WrapValidator(_int_as_sent)]
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
 class _Body(BaseModel):
     """A request body (or part of one): unknown fields refused; ``null`` in an optional field means its default.
 
@@ -206,22 +221,42 @@ class StreamOptions(_Body):
     continuous_usage_stats: StrictBool = False
 
 
-def logit_bias_ids(bias: dict[Any, Any], param: str = "logit_bias") -> dict[Any, Any]:
+def logit_bias_ids(bias: Any, param: str = "logit_bias") -> dict[Any, Any]:
     """``bias`` with its JSON keys (token ids written as text, OpenAI's shape) as ints, as vLLM's
     ``SamplingParams.from_optional`` converts them (``int(token)``); ``SamplingParams`` then clamps each
-    bias to [-100, 100] and refuses a negative id, and the engine checks the ids against the vocabulary.
-    ``param``: the field as the client named it (``params.logit_bias`` on the control API).
+    bias to [-100, 100], and the engine checks the ids against the vocabulary. A bias too large for a
+    float (``1e400``, which JSON's parser reads as infinity) is clamped too, as vLLM's
+    ``min(100, max(-100, bias))`` clamps it. ``param``: the field as the client named it
+    (``params.logit_bias`` on the control API). Errors quote a key as the client sent it (text).
 
     Raises:
-        APIError: a key that is not a whole number written in decimal digits.
+        APIError: not an object, or a key that is not a token id (text ``int()`` reads as an integer >= 0).
     """
+    if not isinstance(bias, dict):
+        raise APIError(f"{param}={shown(bias)} is invalid: must be an object of token id to bias "
+                       '(e.g. {"50256": -100}) or null', param=param, code="invalid_value")
     out = {}
     for key, value in bias.items():
-        if not (isinstance(key, str) and re.fullmatch(r"-?[0-9]{1,19}", key)):
+        token = _token_key(key)
+        if token is None or token < 0:
             raise APIError(f"{param} has the key {shown(key)}, which is not a token id; keys are token ids "
-                           'written as text, e.g. {"1234": -100}', param=param, code="invalid_value")
-        out[int(key)] = value
+                           '(integers >= 0) written as text, e.g. {"1234": -100}', param=param, code="invalid_value")
+        if isinstance(value, float) and abs(value) == float("inf"):
+            value = LOGIT_BIAS_LIMIT if value > 0 else -LOGIT_BIAS_LIMIT
+        out[token] = value
     return out
+
+
+def _token_key(key: Any) -> int | None:
+    """A logit_bias key as vLLM reads it, Python's ``int(key)``: ``"30"``, ``"030"``, ``" 30"``, ``"+30"``
+    and ``"3_0"`` are all token 30 (trial 17a: only the first two were taken); None for text ``int()``
+    refuses (``"abc"``, ``"3.0"``, more than 4300 digits) or a key that is not text."""
+    if not isinstance(key, str):
+        return None
+    try:
+        return int(key)
+    except ValueError:
+        return None
 
 
 class _SamplingBody(_Body):
@@ -230,20 +265,20 @@ class _SamplingBody(_Body):
     model: str | None = None
     n: Int = 1
     best_of: Int | None = None
-    temperature: StrictFloat | None = None
-    top_p: StrictFloat | None = None
-    presence_penalty: StrictFloat | None = None
-    frequency_penalty: StrictFloat | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
     seed: Int | None = None
     stop: str | list[str] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, StrictFloat] | None = None
+    logit_bias: dict[str, Number] | None = None
     # vLLM's extra sampling parameters
     top_k: Int | None = None
-    min_p: StrictFloat | None = None
-    repetition_penalty: StrictFloat | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
     stop_token_ids: list[Int] | None = None
     ignore_eos: StrictBool = False
     min_tokens: Int = 0
@@ -293,12 +328,15 @@ class _SamplingBody(_Body):
             skip_special_tokens=self.skip_special_tokens, logit_bias=self.token_logit_bias(),
         )
         try:
-            return SamplingParams(**values)
+            params = SamplingParams(**values)  # an int as sent, so that an error quotes it so
         except ValueError as e:
             message = str(e).removeprefix("SamplingParams.")
             field = message.split("=", 1)[0].split(" ", 1)[0]
             raise APIError(message, param=field if field in values else None,
                            code="invalid_value").renamed(self.field_names()) from None
+        for name in FLOAT_FIELDS:  # what the engine got before: floats, as pydantic made them
+            setattr(params, name, float(getattr(params, name)))
+        return params
 
     def token_logit_bias(self) -> dict[int, float] | None:
         """``logit_bias`` with its JSON keys as ints (:func:`logit_bias_ids`)."""
