@@ -83,8 +83,7 @@ def test_a_trace_file_that_fails_late_is_named_by_its_option(capsys, monkeypatch
 
 def test_progress_file_without_tutorial_is_refused_in_one_line(capsys):
     line = _refused(capsys, lambda: cli.main(["--prompt", "hi", "--max-tokens", "1", "--progress-file", "x.json"]))
-    assert line == ("nanovllm: error: --progress-file is where the tutorial keeps its progress and does nothing "
-                    "without --tutorial; add --tutorial or leave it out")
+    assert line == "nanovllm: error: --progress-file applies only with --tutorial; add --tutorial or leave it out"
 
 
 def test_a_progress_file_whose_folder_exists_is_tried_before_the_tutorial(capsys):
