@@ -444,8 +444,8 @@ def test_the_serving_doc_says_steps_total_counts_steps_run_while_the_app_numbers
     from nanovllm_core import events as ev
 
     doc = " ".join((Path(__file__).parent.parent / "docs" / "serving.md").read_text().split())
-    assert ("`nanovllm:steps_total` counts the engine steps run, while the app's header, its tabs and the event "
-            "stream number each step from 0 (after the app's \"step 198\", 199 have run)") in doc
+    assert ("| `nanovllm:steps_total` | counter | engine steps run; the app's header, its tabs and the event stream "
+            "number steps from 0 (after the app's \"step 198\", 199 have run) |") in doc  # the metrics table (fix20a)
     planned: list[int] = []
     sub = tiny_server.controller.subscribe(lambda e: planned.append(e.step) if isinstance(e, ev.StepPlanned) else None,
                                            topk=0, blocks=False)

@@ -203,7 +203,7 @@ def test_an_older_trace_without_the_count_claims_nothing_about_where_the_hit_was
     assert "cached-free" not in told(None) and "running request" not in told(None)
     assert "2 blocks that running requests hold" in told(2) and "not blocks that had been cached-free" in told(2)
     mixed = told(1)
-    assert "the block that another running request holds" in mixed and "and 1 block that kept its contents" in mixed
+    assert "the block that another running request holds" in mixed and "and a block that kept its contents" in mixed
     assert "blocks that kept their contents while they were cached-free" in told(0)
 
 

@@ -170,8 +170,14 @@ async def test_paused_says_will_start_paused_while_loading_and_n_says_when_it_wo
     notes = Notes()
     try:
         async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
-            await pilot.pause(0.2)
-            header = " ".join(str(app.query_one("#header").render()).split())
+            from tests.tui_helpers import wait_until
+
+            def header_text() -> str:
+                return " ".join(str(app.query_one("#header").render()).split())
+
+            # drawn at the first look at the controller, which a loaded host delays past a fixed 0.2 s
+            await wait_until(pilot, lambda: "loading model" in header_text(), 30, "the loading header")
+            header = header_text()
             assert "loading model" in header and "will start paused" in header, header
             await pilot.press("escape", "n")
             await pilot.pause(0.2)
