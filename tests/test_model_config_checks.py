@@ -147,3 +147,28 @@ def test_a_config_json_number_that_cannot_be_right_is_refused_naming_the_file(ti
     key = {"rope_scaling": "rope_scaling.factor", "rope_parameters": "rope_theta"}.get(field, field)
     assert message.startswith(f"{folder / 'config.json'}: {key} is ")
     assert why in message and message.endswith(FILE_FAULT)
+
+
+@pytest.mark.parametrize("keep_time", [False, True])
+def test_a_file_replaced_at_the_same_path_is_converted_afresh(tiny_gguf, cache, tmp_path, keep_time):
+    """Trial 18b: the conversion cache was keyed by path and size only, so a file replaced at the same
+    path (same size: one header number changed) ran with the old conversion, a NaN rope base included.
+    ``keep_time``: the replacement keeps the old modification time (``cp -p``), so only the header's
+    hash tells the two apart."""
+    import os
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(tiny_gguf.read_bytes())
+    first = load_model(str(path), torch.device("cpu"), torch.float32)
+    theta = first[0].config.rope_theta
+    before = os.stat(path)
+    with_value(tiny_gguf, path, "llama.rope.freq_base", theta * 2)
+    if keep_time:
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert os.stat(path).st_size == before.st_size
+    again = load_model(str(path), torch.device("cpu"), torch.float32)
+    assert again[0].config.rope_theta == theta * 2  # not the first conversion's
+    with_value(tiny_gguf, path, "llama.rope.freq_base", np.nan)
+    if keep_time:
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert "not a finite number above 0" in refusal(path)  # refused as at a new path, not run from the cache

@@ -997,7 +997,7 @@ def test_a_step_sent_after_a_pause_not_yet_applied_runs_once_paused(tiny_server)
 
 
 @pytest.mark.parametrize("prompt, start", [
-    ([[1, 2], [10**9]], "prompt[1]: prompt holds a token id outside the vocabulary"),
+    ([[1, 2], [10**9]], "prompt[1]: prompt holds a token id outside the vocabulary (0..49151): 1000000000 at position 0"),
     ([[10**9]], "prompt[0]: prompt holds a token id outside the vocabulary"),
     (["hi", ""], "prompt[1]: prompt is empty"),
     (["hi", "word " * 600], "prompt[1]: This model's maximum context length"),

@@ -276,6 +276,12 @@ def run_cli(capsys, monkeypatch, stdin: str, *args):
 
 @pytest.mark.parametrize("args,message", [
     (["--tutorial", "--narrate"], "--tutorial runs on its own"),
+    # trial 18b: accepted and ignored (no prompt run, no trace written, exit 0)
+    (["--tutorial", "--no-demos", "--prompt", "hi", "--max-tokens", "3", "--trace", "t.jsonl"],
+     "--tutorial runs its own demonstrations and uses only the model options (--model, --device, --dtype, "
+     "--quantization); leave out --prompt, --max-tokens, --trace"),
+    (["--tutorial", "--temperature", "0.5", "--trace-chrome", "c.json", "--tensor-parallel-size", "3"],
+     "leave out --temperature, --tensor-parallel-size, --trace-chrome"),
     (["--narrate-steps", "-1"], "--narrate-steps: expected an integer >= 0"),
     (["--tutorial", "--tutorial-chapter", "14"], "expected a chapter number 1-13"),
 ])

@@ -120,6 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# What --tutorial reads besides its own options: the model its demonstrations load (run_tutorial).
+_TUTORIAL_USES = {"tutorial", "no_demos", "tutorial_chapter", "progress_file", "model", "device", "dtype",
+                  "quantization", "narrate", "xray", "dashboard", "help"}
+
+
+def _ignored_by_tutorial(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The options given (a value other than their default) that ``--tutorial`` would not use."""
+    return [a.option_strings[0] for a in parser._actions
+            if a.option_strings and a.dest not in _TUTORIAL_USES and getattr(args, a.dest, None) != a.default]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # vLLM's spelling: `vllm serve`
@@ -133,6 +144,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tutorial:
         if args.narrate or args.xray or args.dashboard:
             parser.error("--tutorial runs on its own; leave out --narrate, --xray and --dashboard")
+        ignored = _ignored_by_tutorial(parser, args)
+        if ignored:  # trial 18b: --prompt, --max-tokens, --trace ... were accepted and did nothing
+            parser.error(f"--tutorial runs its own demonstrations and uses only the model options (--model, --device, "
+                         f"--dtype, --quantization); leave out {', '.join(ignored)}")
         check_output_paths(parser, ("--progress-file", args.progress_file), make_folders=("--progress-file",))
         return run_tutorial(args, parser)
     # The tutorial's own options do nothing without it: say so rather than ignore them (trial 16d #9)

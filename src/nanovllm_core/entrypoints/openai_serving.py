@@ -27,7 +27,7 @@ from nanovllm_core.prompts import unicode_problem
 from nanovllm_core.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_length
 from nanovllm_core.entrypoints.request_stream import InFlight, OutputRouter, RequestIds, RequestStream
 from nanovllm_core.outputs import CompletionOutput, Logprob, RequestOutput
-from nanovllm_core.untrusted import SHOWN_CHARS, clipped
+from nanovllm_core.untrusted import SHOWN_CHARS, clipped, shown
 
 
 # what a client does about a priority the server's fcfs policy refuses (LLMEngine.check_priority's fix)
@@ -148,9 +148,10 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(str(e), param="prompt", code="invalid_value") from None
         vocab = engine.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise APIError(f"prompt holds a token id outside the vocabulary (0..{vocab - 1})", param="prompt",
-                           code="invalid_value")
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:  # trial 18b: name the id and where it is, as the library does
+            raise APIError(f"prompt holds a token id outside the vocabulary (0..{vocab - 1}): {shown(ids[bad])} at "
+                           f"position {bad}", param="prompt", code="invalid_value")
         if not ids:
             raise APIError("prompt is empty; send at least one token of text", param="prompt", code="invalid_value")
         try:

@@ -213,9 +213,19 @@ def download_from_hub(repo_id: str) -> Path:
 # --------------------------------------------------------------------------------- GGUF
 
 
+HEADER_BYTES = 1 << 20  # a GGUF's header (metadata, tensor table) is in its first MiB for models of this size
+
+
 def _gguf_cache_dir(gguf_file: Path) -> Path:
+    """Where ``gguf_file``'s conversion is cached: a name that changes when the file does. The key is the
+    path, the size, the modification time and a hash of the first MiB (the header: every setting and
+    the tensor table), so a file replaced at the same path, even by one of the same size copied with
+    its old time (``cp -p``), is converted afresh (trial 18b: a file with a new ``rope.freq_base`` ran
+    with the old conversion's)."""
     st = gguf_file.stat()
-    key = f"{gguf_file.resolve()}|{st.st_size}|{CONVERTER_VERSION}"
+    with open(gguf_file, "rb") as f:
+        head = hashlib.sha256(f.read(HEADER_BYTES)).hexdigest()
+    key = f"{gguf_file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{head}|{CONVERTER_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return cache_root() / "gguf" / f"{gguf_file.stem}-{digest}"
 
