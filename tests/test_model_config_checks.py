@@ -49,6 +49,19 @@ def with_value(source, path, key: str, value):
     return path
 
 
+def with_config(source, tmp_path, **changes):
+    """A folder under ``tmp_path`` linking ``source``'s files, with ``changes`` made to its config.json."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for f in source.iterdir():
+        (folder / f.name).symlink_to(f)
+    config = json.loads((source / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").unlink()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 def refusal(path) -> str:
     with pytest.raises(ModelLoadError) as e:
         load_model(str(path), torch.device("cpu"), torch.float32)
@@ -58,7 +71,7 @@ def refusal(path) -> str:
 
 
 @pytest.mark.parametrize("key, value, why", [
-    ("llama.attention.head_count_kv", 3, "which does not divide the 4 attention heads"),  # bug 2: reshape traceback
+    ("llama.attention.head_count_kv", 3, "which does not divide llama.attention.head_count 4"),  # bug 2: reshape traceback
     ("llama.block_count", 0, "outside 1 to"),  # bug 2: ZeroDivisionError sizing the KV pool
     ("llama.context_length", 0, "outside 1 to"),  # bug 2: index_select traceback in the rotary table
     ("llama.attention.layer_norm_rms_epsilon", np.nan, "not a number in (0, 1)"),  # bug 3: loaded, garbage
@@ -107,7 +120,8 @@ def test_the_cli_refuses_a_bad_header_in_one_line_with_status_2(tiny_gguf, cache
     code, out, err = run_main(main, capsys, "--model", str(path), "--max-tokens", "2")
     assert code == 2 and "Completion" not in out and "Traceback" not in err
     assert err.strip().splitlines()[-1].endswith("kv3.gguf: llama.attention.head_count_kv is 3, which does not "
-                                                 f"divide the 4 attention heads; {FILE_FAULT}")
+                                                 "divide llama.attention.head_count 4 (one of the two is wrong); "
+                                                 f"{FILE_FAULT}")
 
 
 def test_a_conversion_failure_the_checks_miss_still_says_what_to_do(tiny_gguf, cache, tmp_path, monkeypatch):
@@ -125,7 +139,7 @@ def test_a_conversion_failure_the_checks_miss_still_says_what_to_do(tiny_gguf, c
 
 
 @pytest.mark.parametrize("field, value, why", [
-    ("num_key_value_heads", 3, "which does not divide the 4 attention heads"),
+    ("num_key_value_heads", 3, "which does not divide num_attention_heads 4"),
     ("num_hidden_layers", 0, "outside 1 to"),
     ("max_position_embeddings", -5, "outside 1 to"),
     ("rms_norm_eps", float("nan"), "not a number in (0, 1)"),
@@ -135,14 +149,7 @@ def test_a_conversion_failure_the_checks_miss_still_says_what_to_do(tiny_gguf, c
 ], ids=["kv3", "layers0", "ctx-neg", "eps-nan", "rope-0", "vocab-float", "scaling-inf"])
 def test_a_config_json_number_that_cannot_be_right_is_refused_naming_the_file(tiny_llama_dir, tmp_path, field, value,
                                                                               why):
-    folder = tmp_path / "model"
-    folder.mkdir()
-    for f in tiny_llama_dir.iterdir():
-        (folder / f.name).symlink_to(f)
-    config = json.loads((tiny_llama_dir / "config.json").read_text())
-    config[field] = value
-    (folder / "config.json").unlink()
-    (folder / "config.json").write_text(json.dumps(config))
+    folder = with_config(tiny_llama_dir, tmp_path, **{field: value})
     message = refusal(folder)
     key = {"rope_scaling": "rope_scaling.factor", "rope_parameters": "rope_theta"}.get(field, field)
     assert message.startswith(f"{folder / 'config.json'}: {key} is ")
@@ -172,3 +179,47 @@ def test_a_file_replaced_at_the_same_path_is_converted_afresh(tiny_gguf, cache, 
     if keep_time:
         os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert "not a finite number above 0" in refusal(path)  # refused as at a new path, not run from the cache
+
+
+def test_a_gguf_whose_head_count_is_wrong_names_both_head_fields(tiny_gguf, cache, tmp_path):
+    """Trial 18b #6: head_count 7 (the changed field) was reported as head_count_kv 2 not dividing it."""
+    path = with_value(tiny_gguf, tmp_path / "heads7.gguf", "llama.attention.head_count", 7)
+    assert refusal(path) == ("heads7.gguf: llama.attention.head_count_kv is 2, which does not divide "
+                             "llama.attention.head_count 7 (one of the two is wrong); " + FILE_FAULT)
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_config_json_layer_count_that_disagrees_with_the_checkpoint_is_refused(tiny_llama_dir, tmp_path, layers):
+    """Trial 18b #3: one layer fewer than the checkpoint's loaded and left the last layer's weights unused."""
+    folder = with_config(tiny_llama_dir, tmp_path, num_hidden_layers=layers)
+    assert refusal(folder) == (f"{folder / 'config.json'}: num_hidden_layers is {layers} but the checkpoint's tensors "
+                               "hold layers model.layers.0 to model.layers.1 (2 in all); the weights do not match "
+                               "config.json: take both from one download of the model")
+
+
+@pytest.mark.parametrize("act", ["gelu", "relu", "swish", None])
+def test_a_config_json_activation_other_than_silu_is_refused(tiny_llama_dir, tmp_path, act):
+    """Trial 18b #3: hidden_act "gelu" ran with SiLU, silently (vLLM's LlamaMLP refuses it)."""
+    folder = with_config(tiny_llama_dir, tmp_path, hidden_act=act)
+    assert refusal(folder) == (f"{folder / 'config.json'}: hidden_act is {act!r}, not an activation this engine "
+                               "runs (LLaMA-family models use silu, the only one supported); " + FILE_FAULT)
+
+
+@pytest.mark.parametrize("field, value, bad", [
+    ("eos_token_id", 99999999, 99999999),
+    ("eos_token_id", [2, 49152], 49152),
+    ("bos_token_id", -1, -1),
+    ("eos_token_id", True, True),
+    ("bos_token_id", "1", "1"),
+], ids=["eos-big", "eos-list", "bos-neg", "eos-bool", "bos-str"])
+def test_a_config_json_special_token_outside_the_vocabulary_is_refused(tiny_llama_dir, tmp_path, field, value, bad):
+    """Trial 18b #3: eos_token_id 99999999 was accepted; the GGUF path refuses the same fault."""
+    folder = with_config(tiny_llama_dir, tmp_path, **{field: value})
+    assert refusal(folder) == (f"{folder / 'config.json'}: {field} is {bad!r}, not a token id of the 49,152-token "
+                               "vocabulary (vocab_size); " + FILE_FAULT)
+
+
+def test_a_config_json_without_special_tokens_or_activation_still_loads(tiny_llama_dir, tmp_path):
+    folder = with_config(tiny_llama_dir, tmp_path, eos_token_id=None, bos_token_id=None, hidden_act="silu")
+    net, _, _ = load_model(str(folder), torch.device("cpu"), torch.float32)
+    assert net.config.eos_token_ids == ()

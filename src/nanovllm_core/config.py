@@ -526,7 +526,7 @@ def config_fault(where: str, key: str, value: Any, why: str) -> str:
     return f"{where}: {key} is {value!r}, {why}; {FILE_FAULT}"
 
 
-def architecture_problem(raw: dict[str, Any]) -> tuple[str, Any, str] | None:
+def architecture_problem(raw: dict[str, Any], names: dict[str, str] | None = None) -> tuple[str, Any, str] | None:
     """The first number of a LLaMA configuration that cannot be right, as ``(field, value, why)``; None when all can.
 
     ``raw`` maps Hugging Face field names (:data:`_SIZE_FIELDS`, ``rms_norm_eps``, ``rope_theta``,
@@ -536,7 +536,12 @@ def architecture_problem(raw: dict[str, Any]) -> tuple[str, Any, str] | None:
     and, when not given, hidden_size a multiple of the heads; rms_norm_eps finite in (0, 1);
     rope_theta finite and above 0; a rope scaling's factors finite and above 0 (llama3's
     high_freq_factor above its low_freq_factor, its original context a whole number from 1).
+    ``names`` spells a field as the file does; a fault between two fields (the KV heads not dividing
+    the query heads) names the other one in ``why`` too, since either may be the one that is wrong.
     """
+    def name(key: str) -> str:
+        return (names or {}).get(key, key)
+
     for key in _SIZE_FIELDS:
         value = raw.get(key)
         if key == "head_dim" and value is None:
@@ -548,11 +553,13 @@ def architecture_problem(raw: dict[str, Any]) -> tuple[str, Any, str] | None:
             return key, value, f"outside 1 to {most:,}"
     heads, kv = raw["num_attention_heads"], raw["num_key_value_heads"]
     if heads % kv:
-        return "num_key_value_heads", kv, f"which does not divide the {heads} attention heads"
+        return ("num_key_value_heads", kv,
+                f"which does not divide {name('num_attention_heads')} {heads} (one of the two is wrong)")
     head_dim = raw.get("head_dim")
     if head_dim is None:
         if raw["hidden_size"] % heads:
-            return "hidden_size", raw["hidden_size"], f"not a multiple of the {heads} attention heads"
+            return ("hidden_size", raw["hidden_size"],
+                    f"not a multiple of {name('num_attention_heads')} {heads} (one of the two is wrong)")
         head_dim = raw["hidden_size"] // heads
     if head_dim % 2:
         return "head_dim", head_dim, "odd, where rotary embedding turns pairs of numbers"
@@ -660,14 +667,28 @@ class ModelConfig:
         raw["rms_norm_eps"] = getattr(hf_config, "rms_norm_eps", None)
         raw["rope_theta"] = rope_theta
         raw["rope_scaling"] = rope_scaling
-        problem = architecture_problem(raw)
+        problem = architecture_problem(raw, names)
         if problem is not None:
             key, value, why = problem
             raise ValueError(config_fault(where, (names or {}).get(key, key), value, why))
+        # vLLM's LlamaMLP refuses any other activation; running SiLU in its place gave plausible garbage.
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(config_fault(where, (names or {}).get("hidden_act", "hidden_act"), act,
+                                          "not an activation this engine runs (LLaMA-family models use silu, the "
+                                          "only one supported)"))
         num_heads, hidden = raw["num_attention_heads"], raw["hidden_size"]
         head_dim = raw["head_dim"] or hidden // num_heads
         eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        bos = getattr(hf_config, "bos_token_id", None)
+        vocab = raw["vocab_size"]
+        for key, ids in (("bos_token_id", () if bos is None else (bos,)), ("eos_token_id", eos_ids)):
+            for token in ids:  # an id past the vocabulary would index past the embedding, or never stop a request
+                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                    raise ValueError(config_fault(where, (names or {}).get(key, key), token,
+                                                  f"not a token id of the {vocab:,}-token vocabulary "
+                                                  f"({(names or {}).get('vocab_size', 'vocab_size')})"))
         return ModelConfig(
             vocab_size=raw["vocab_size"],
             hidden_size=hidden,
@@ -683,7 +704,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             attention_bias=bool(getattr(hf_config, "attention_bias", False)),
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            bos_token_id=getattr(hf_config, "bos_token_id", None),
+            bos_token_id=bos,
             eos_token_ids=eos_ids,
             model_type=model_type,
         )

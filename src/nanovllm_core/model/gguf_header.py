@@ -40,6 +40,8 @@ GGUF_NAMES = {
     "rope_theta": "llama.rope.freq_base",
     "rope_scaling": "llama.rope.scaling.type",
     "rope_scaling.factor": "llama.rope.scaling.factor",
+    "bos_token_id": "tokenizer.ggml.bos_token_id",
+    "eos_token_id": "tokenizer.ggml.eos_token_id",
 }
 TOKENS = "tokenizer.ggml.tokens"
 TOKEN_ID_KEYS = tuple(f"tokenizer.ggml.{kind}_token_id"
@@ -80,7 +82,7 @@ def check_gguf_header(reader: Any, path: Path) -> None:
         raise fault(GGUF_NAMES["rope_scaling"], kind, "not a RoPE scaling kind (none, linear, yarn)")
     if kind not in (None, "none"):
         raw["rope_scaling"] = {"rope_type": "linear", "factor": _value(reader, GGUF_NAMES["rope_scaling.factor"])}
-    problem = architecture_problem(raw)
+    problem = architecture_problem(raw, GGUF_NAMES)
     if problem is not None:
         name, value, why = problem
         raise fault(GGUF_NAMES.get(name, name), value, why)
