@@ -1,0 +1,86 @@
+"""Newcomer trial 18a: the paused Block Map kept an aborted request's blocks, its block table was cut
+at 120x40 with no sign of more, and a 15/16 block was drawn with the "full" glyph."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanovllm_core import SamplingParams
+from nanovllm_core import events as ev
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+# ---------------------------------------------------------------- 1: blocks released outside a step
+
+
+def test_an_abort_or_a_failure_between_steps_sends_the_pool_to_a_watcher_of_blocks(make_tiny_engine):
+    """The pool changes outside a step's end (an abort, every request failed): a subscriber that
+    asked for block snapshots gets one after the release, and the last one shows it."""
+    engine = make_tiny_engine(num_kv_blocks=64)
+    seen: list[ev.Event] = []
+    engine.subscribe(seen.append, topk=0, blocks=True)
+    for rid in ("a", "b"):
+        engine.add_request("one two three four five six seven", SamplingParams(max_tokens=50), request_id=rid)
+    engine.step()
+    engine.step()
+    assert {t.request_id for t in engine.blocks_event(engine.step_index).tables} == {"a", "b"}
+    seen.clear()
+    engine.abort_request("a")
+    kinds = [type(e).__name__ for e in seen]
+    assert kinds[-1] == "BlocksChanged" and "RequestFinished" in kinds, kinds
+    assert kinds.index("RequestFinished") < kinds.index("BlocksChanged"), kinds  # the narrator reads the pool before
+    pool = seen[-1]
+    assert {t.request_id for t in pool.tables} == {"b"} and pool.states.count("u") == engine.block_manager.num_used_blocks
+    seen.clear()
+    engine.fail_running("test failure")
+    assert isinstance(seen[-1], ev.BlocksChanged) and not seen[-1].tables and "u" not in seen[-1].states, seen[-1:]
+
+
+def test_nothing_more_is_computed_for_an_abort_when_no_one_watches_the_pool(make_tiny_engine):
+    engine = make_tiny_engine(num_kv_blocks=64)
+    seen: list[ev.Event] = []
+    engine.subscribe(seen.append, topk=0, blocks=False)
+    engine.add_request("one two three", SamplingParams(max_tokens=50), request_id="a")
+    engine.step()
+    seen.clear()
+    engine.abort_request("a")
+    assert not any(isinstance(e, ev.BlocksChanged) for e in seen), seen
+
+
+async def test_the_paused_block_map_redraws_from_an_abort(tiny_llama_dir, tmp_path):
+    """Trial 18a: paused on the Block Map, ``a`` released the blocks (header, toast, Dashboard) but the map
+    kept the aborted request's blocks and legend entry until the tab was left and shown again."""
+    from tests.tui_helpers import send_prompt, tiny_app, wait_until
+
+    app = tiny_app(tiny_llama_dir, tmp_path, start_paused=True, max_tokens=40)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
+        await send_prompt(pilot, "Write a very long story about a dragon")
+        await send_prompt(pilot, "Explain the history of Rome")
+        await wait_until(pilot, lambda: len(app.state.requests) == 2, 20, "both requests")
+        await pilot.press("escape", "5")
+        app.controller.step(2)
+        await wait_until(pilot, lambda: len(app.state.timings) == 2 and app.state.blocks is not None
+                         and len(app.state.blocks.tables) == 2, 30,
+                         lambda: f"two steps' pool ({len(app.state.timings)} steps, {app.state.blocks})")
+        first, second = app.state.request_ids()[:2]
+        app.select(first)
+        await pilot.pause(0.1)
+        legend = app.query_one("#legend")
+        assert first in str(legend.render()), str(legend.render())
+        await pilot.press("a")
+        await wait_until(pilot, lambda: app.state.requests[first].finish_reason == "abort", 20, "the abort")
+        await wait_until(pilot, lambda: app.state.blocks is not None
+                         and {t.request_id for t in app.state.blocks.tables} == {second}, 5,
+                         "the pool after the abort")
+        await pilot.pause(0.3)
+        assert first not in str(legend.render()) and second in str(legend.render()), str(legend.render())
+        summary = str(app.query_one("#blocks-summary").render())
+        used = app.state.blocks.states.count("u")
+        assert f"{used} used" in summary and "old" not in summary, summary
