@@ -84,3 +84,50 @@ async def test_the_paused_block_map_redraws_from_an_abort(tiny_llama_dir, tmp_pa
         summary = str(app.query_one("#blocks-summary").render())
         used = app.state.blocks.states.count("u")
         assert f"{used} used" in summary and "old" not in summary, summary
+
+
+# ---------------------------------------------------------------- 3: "full" only when every slot is
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 8, 16, 32, 256])
+def test_a_block_is_drawn_full_only_when_every_slot_holds_kv(block_size):
+    """Trial 18a: a block with 15 of 16 slots was drawn ``██``, the legend's "full"."""
+    from nanovllm_tui.widgets.block_grid import LEVELS, fill_glyph
+
+    assert fill_glyph(block_size, block_size) == "█"
+    glyphs = [fill_glyph(n, block_size) for n in range(1, block_size)]
+    assert "█" not in glyphs, glyphs
+    assert all(LEVELS.index(a) <= LEVELS.index(b) for a, b in zip(glyphs, glyphs[1:])), glyphs  # grows with the fill
+    assert fill_glyph(1, block_size) != " "  # any KV shows
+
+
+def test_the_trials_blocks_keep_their_glyphs_but_the_15_of_16_one():
+    from nanovllm_tui.widgets.block_grid import fill_glyph
+
+    assert (fill_glyph(6, 16), fill_glyph(1, 16), fill_glyph(14, 16), fill_glyph(15, 16)) == ("▃", "▁", "▇", "▇")
+
+
+def test_the_grid_draws_a_15_of_16_block_part_filled(make_tiny_engine):
+    from nanovllm_tui.widgets.block_grid import BlockGrid, block_cells
+
+    engine = make_tiny_engine(num_kv_blocks=8)
+    engine.add_request(list(range(5, 36)), SamplingParams(max_tokens=4), request_id="r")  # 31 tokens: 16 + 15
+    engine.step()
+    blocks = engine.blocks_event(engine.step_index)
+    grid = BlockGrid()
+    grid.owner_colors = {}
+    drawn = {c.filled: grid.glyphs(c)[0] for c in block_cells(blocks, None) if c.state == "u"}
+    assert drawn[16] == "██" and drawn[15] != "██" and drawn[15] == "▇▇", drawn
+
+
+@pytest.mark.parametrize("width", [1, 10, 40])
+def test_a_bar_is_drawn_to_its_end_only_at_one(width):
+    """The kind of trial 18a's 15/16 block: ``bar`` rounded 0.999 (511/512 prefilled) up to a full bar."""
+    from nanovllm_tui.widgets.format import BAR_FULL, bar
+
+    assert bar(1.0, width).plain == BAR_FULL * width
+    for fraction in (0.999, 511 / 512, 1 - 1e-9, 15 / 16):
+        assert bar(fraction, width).plain != BAR_FULL * width, (fraction, bar(fraction, width).plain)
+        assert bar(fraction, width).cell_len == width
+    assert bar(0.5, 0).plain == ""
+
