@@ -131,3 +131,69 @@ def test_a_bar_is_drawn_to_its_end_only_at_one(width):
         assert bar(fraction, width).cell_len == width
     assert bar(0.5, 0).plain == ""
 
+
+# ---------------------------------------------------------------- 2: the block table says what it hides
+
+
+def trial_pool(num_blocks: int = 22, computed: int = 21 * 16 + 15) -> ev.BlocksChanged:
+    """req-12 as in trial 18a: 22 blocks #56, #58 ... #98, the last holding 15 of 16 slots."""
+    table = tuple(56 + 2 * i for i in range(num_blocks))
+    states = "".join("u" if b in table else "f" for b in range(512))
+    return ev.BlocksChanged(step=511, block_size=16, bytes_per_block=737280, states=states,
+                            ref_counts=tuple(1 if b in table else 0 for b in range(512)),
+                            tables=(ev.SeqBlocks(request_id="req-12", seq_id=0, index=0, block_table=table,
+                                                 num_tokens=computed + 1, num_computed_tokens=computed),),
+                            prefix_cache_hit_rate=0.3)
+
+
+@pytest.mark.parametrize("width,height", [(114, 3), (74, 3), (56, 3), (154, 3), (114, 8)])
+def test_the_block_table_keeps_its_last_entry_and_says_how_many_it_hides(width, height):
+    """Trial 18a: at 120x40 the panel ended at "20→#96" with no sign of "21→#98 15/16" or of more."""
+    from rich.console import Console
+
+    from nanovllm_tui.views.block_map import block_table_text
+
+    console = Console(width=200)
+    text = block_table_text(trial_pool(), "req-12", {}, width, height, console)
+    lines = text.wrap(console, width)
+    assert len(lines) <= height, [line.plain for line in lines]
+    plain = text.plain
+    assert "21→#98 15/16" in plain and "0→#56 16/16" in plain and "unfilled" in plain, plain
+    assert ("allocated but unfilled" in plain) == (width >= 114), plain  # the short wording only where needed
+    shown = sum(f"{i}→#{56 + 2 * i} " in plain for i in range(22))
+    if shown < 22:
+        assert f"… {22 - shown} more (" in plain, plain
+    else:
+        assert "more (" not in plain
+
+
+def test_a_block_table_that_fits_is_shown_whole():
+    from rich.console import Console
+
+    from nanovllm_tui.views.block_map import block_table_text
+
+    whole = block_table_text(trial_pool(3, 40), "req-12", {}).plain
+    assert block_table_text(trial_pool(3, 40), "req-12", {}, 114, 3, Console()).plain == whole
+    assert "more" not in whole and "2→#60 8/16" in whole
+
+
+async def test_at_120x40_the_block_map_panel_shows_the_last_block_of_a_long_table(tiny_llama_dir, tmp_path):
+    from tests.tui_helpers import tiny_app, wait_until
+
+    app = tiny_app(tiny_llama_dir, tmp_path, start_paused=True)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
+        await pilot.press("escape", "5")
+        app.state.blocks = trial_pool()
+        app.select("req-12")
+        app.view().update_view(app.state, "req-12")
+        await pilot.pause(0.2)
+        panel = app.query_one("#block-table")
+
+        def rows() -> list[str]:
+            return ["".join(s.text for s in panel.render_line(y)) for y in range(panel.size.height)]
+
+        assert any("21→#98 15/16" in row for row in rows()) and any(" more (" in row for row in rows()), rows()
+        await pilot.resize_terminal(80, 24)  # paused: no frame of events redraws it, the resize does
+        await wait_until(pilot, lambda: panel.content_region.width < 100 and any("21→#98 15/16" in row for row in rows())
+                         and any("unfilled" in row for row in rows()), 5, lambda: f"the table refitted: {rows()}")
