@@ -36,7 +36,8 @@ def test_an_abort_or_a_failure_between_steps_sends_the_pool_to_a_watcher_of_bloc
     assert kinds[-1] == "BlocksChanged" and "RequestFinished" in kinds, kinds
     assert kinds.index("RequestFinished") < kinds.index("BlocksChanged"), kinds  # the narrator reads the pool before
     pool = seen[-1]
-    assert {t.request_id for t in pool.tables} == {"b"} and pool.states.count("u") == engine.block_manager.num_used_blocks
+    assert {t.request_id for t in pool.tables} == {"b"}
+    assert pool.states.count("u") == engine.block_manager.num_used_blocks
     seen.clear()
     engine.fail_running("test failure")
     assert isinstance(seen[-1], ev.BlocksChanged) and not seen[-1].tables and "u" not in seen[-1].states, seen[-1:]
@@ -104,7 +105,8 @@ def test_a_block_is_drawn_full_only_when_every_slot_holds_kv(block_size):
 def test_the_trials_blocks_keep_their_glyphs_but_the_15_of_16_one():
     from nanovllm_tui.widgets.block_grid import fill_glyph
 
-    assert (fill_glyph(6, 16), fill_glyph(1, 16), fill_glyph(14, 16), fill_glyph(15, 16)) == ("▃", "▁", "▇", "▇")
+    glyphs = (fill_glyph(6, 16), fill_glyph(1, 16), fill_glyph(14, 16), fill_glyph(15, 16))
+    assert glyphs == ("▃", "▁", "▇", "▇")
 
 
 def test_the_grid_draws_a_15_of_16_block_part_filled(make_tiny_engine):
@@ -195,5 +197,6 @@ async def test_at_120x40_the_block_map_panel_shows_the_last_block_of_a_long_tabl
 
         assert any("21→#98 15/16" in row for row in rows()) and any(" more (" in row for row in rows()), rows()
         await pilot.resize_terminal(80, 24)  # paused: no frame of events redraws it, the resize does
-        await wait_until(pilot, lambda: panel.content_region.width < 100 and any("21→#98 15/16" in row for row in rows())
-                         and any("unfilled" in row for row in rows()), 5, lambda: f"the table refitted: {rows()}")
+        await wait_until(pilot, lambda: panel.content_region.width < 100
+                         and any("21→#98 15/16" in row for row in rows()) and any("unfilled" in row for row in rows()),
+                         5, lambda: f"the table refitted: {rows()}")

@@ -164,5 +164,6 @@ class BlockMapView(EngineView):
 
     def _refit(self) -> None:
         app = self.app
-        if app.is_running and getattr(app, "_mounted", False) and app.query(f"#{app.active_tab}-view").first(None) is self:
+        shown = app.query(f"#{app.active_tab}-view").first(None) if app.is_running else None
+        if shown is self and getattr(app, "_mounted", False):
             self.update_view(app.state, app.selected)
