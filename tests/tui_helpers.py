@@ -68,7 +68,7 @@ async def wait_until(pilot, condition, timeout: float = 60.0, what: str = "condi
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout} s waiting for {what() if callable(what) else what}")
         await pilot.pause(0.05)
 
 

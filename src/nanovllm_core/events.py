@@ -345,7 +345,8 @@ class SeqBlocks:
 
 @dataclass(frozen=True)
 class BlocksChanged(Event):
-    """The KV pool after a step.
+    """The KV pool after a step, or after an abort or failure released blocks between steps
+    (``step``: the last step that ended then), or when asked for (a tab shown, a server's ``snapshot``).
 
     ``states``: one character per physical block, ``u`` used, ``c`` cached-free, ``f`` free;
     ``ref_counts``: per block; ``tables``: every live sequence's block table.

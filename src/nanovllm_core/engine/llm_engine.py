@@ -522,7 +522,15 @@ class LLMEngine(EventSource):
         for seq in req.seqs:
             if not seq.is_finished:
                 self._finish(seq, "abort", None)
+        self._blocks_released()
         return True
+
+    def _blocks_released(self) -> None:
+        """Blocks were released outside a step's end (an abort, every live request failed): a watcher
+        of the pool gets the new snapshot now, as a step's end sends one. Without it a paused engine's
+        Block Map kept an aborted request's blocks until the next step (newcomer trial 18a)."""
+        if self._blocks_wanted:
+            self._emit(self.blocks_event(self.step_index))
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued or running, or a finished output has not been returned yet."""
@@ -539,6 +547,7 @@ class LLMEngine(EventSource):
             for seq in req.seqs:
                 if not seq.is_finished:
                     self._finish(seq, "error", None, error=reason)
+        self._blocks_released()
         return self.pop_finished_outputs()
 
     # ------------------------------------------------------------------ the step

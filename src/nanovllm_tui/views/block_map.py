@@ -70,8 +70,14 @@ def legend_text(blocks: ev.BlocksChanged, colors: dict[str, str]) -> Text:
     return text
 
 
-def block_table_text(blocks: ev.BlocksChanged, selected: str | None, colors: dict[str, str]) -> Text:
-    """The selected request's block table: logical block -> physical block, and slots filled."""
+def block_table_text(blocks: ev.BlocksChanged, selected: str | None, colors: dict[str, str],
+                     width: int = 0, height: int = 0, console=None) -> Text:
+    """The selected request's block table: logical block -> physical block, and slots filled.
+
+    ``width``/``height``: the panel's content cells, and ``console`` to wrap with; a table longer than
+    fits keeps its first and last entries (the last is the part-filled one a reader looks for) and
+    says how many between are hidden (trial 18a: at 120x40 the panel cut "21→#98 15/16" off with no
+    sign of more). 0 or no ``console``: every entry."""
     table = next((t for t in blocks.tables if t.request_id == selected and t.index == 0), None)
     if table is None:
         who = selected or "no request selected"
@@ -79,19 +85,42 @@ def block_table_text(blocks: ev.BlocksChanged, selected: str | None, colors: dic
                     style="dim")
     bs = blocks.block_size
     color = colors.get(table.request_id, "white")
-    text = Text.assemble(("Block table ", "bold"), (table.request_id, f"bold {color}"),
-                         " (logical → physical, slots with KV):  ")
+    entries = []
     for i, b in enumerate(table.block_table):
         filled = min(bs, max(0, table.num_computed_tokens - i * bs))
         ref = blocks.ref_counts[b]
-        text.append(f"{i}→#{b}", style=f"bold {color}")
-        text.append(f" {filled}/{bs}" + (f" ref {ref}" if ref > 1 else "") + "  ")
+        entries.append(Text.assemble((f"{i}→#{b}", f"bold {color}"),
+                                     f" {filled}/{bs}" + (f" ref {ref}" if ref > 1 else "") + "  "))
     allocated = len(table.block_table) * bs
     unfilled = allocated - table.num_computed_tokens
-    text.append(f"\n{table.num_computed_tokens} of its {plural(table.num_tokens, 'token')} "
-                f"{'has' if table.num_computed_tokens == 1 else 'have'} KV, in {plural(len(table.block_table), 'block')} = "
-                f"{plural(allocated, 'slot')}: {plural(unfilled, 'slot')} allocated but unfilled")
-    return text
+    computed, blocks_held = table.num_computed_tokens, plural(len(table.block_table), 'block')
+    footers = (f"\n{computed} of its {plural(table.num_tokens, 'token')} {'has' if computed == 1 else 'have'} KV, "
+               f"in {blocks_held} = {plural(allocated, 'slot')}: {plural(unfilled, 'slot')} allocated but unfilled",
+               f"\n{computed}/{table.num_tokens} tokens have KV in {blocks_held}; {unfilled} unfilled")
+    heads = (" (logical → physical, slots with KV):  ", ":  ")
+
+    def assemble(head: int, tail: int, short: int = 0) -> Text:
+        text = Text.assemble(("Block table ", "bold"), (table.request_id, f"bold {color}"), heads[short])
+        hidden = len(entries) - head - tail
+        for entry in entries[:head]:
+            text.append_text(entry)
+        if hidden > 0:
+            text.append(f"… {hidden} more ({head}–{len(entries) - tail - 1}) …  ", style="bold")
+        for entry in entries[len(entries) - tail:] if tail else []:
+            text.append_text(entry)
+        text.append(footers[short])
+        return text
+
+    whole = assemble(len(entries), 0)
+    if width <= 0 or height <= 0 or console is None or len(whole.wrap(console, width)) <= height:
+        return whole
+    for short in (0, 1):  # the long wording first; fewer entries until they fit, the last one always
+        for shown in range(len(entries) - 1, 0, -1):
+            tail = max(1, shown // 3)
+            text = assemble(shown - tail, tail, short)
+            if len(text.wrap(console, width)) <= height:
+                return text
+    return assemble(0, 1, 1)  # narrower than any fit: the panel cuts its end
 
 
 class BlockMapView(EngineView):
@@ -124,4 +153,17 @@ class BlockMapView(EngineView):
             summary_text(blocks, state.model_info.get("prefix_caching"), state, getattr(self.app, "live", True)))
         self.query_one("#legend", LiveStatic).show_content(legend_text(blocks, colors))
         self.query_one(BlockGrid).set_data(blocks, colors, selected)
-        self.query_one("#block-table", LiveStatic).show_content(block_table_text(blocks, selected, colors))
+        panel = self.query_one("#block-table", LiveStatic)
+        region = panel.content_region
+        panel.show_content(block_table_text(blocks, selected, colors, region.width, region.height, self.app.console))
+
+    def on_resize(self) -> None:
+        """The panel's room changed: fit the block table to it again (also while paused, when no
+        frame of events would redraw it)."""
+        self.call_after_refresh(self._refit)
+
+    def _refit(self) -> None:
+        app = self.app
+        shown = app.query(f"#{app.active_tab}-view").first(None) if app.is_running else None
+        if shown is self and getattr(app, "_mounted", False):
+            self.update_view(app.state, app.selected)

@@ -22,6 +22,15 @@ LEVELS = "▁▂▃▄▅▆▇█"
 FREE_COLOR, CACHED_COLOR = "grey35", "#2ec4d6"
 
 
+def fill_glyph(filled: int, block_size: int) -> str:
+    """The glyph of a used block with ``filled`` of ``block_size`` slots written (``filled`` > 0):
+    eighths rounded up, so any KV shows at least ``▁``, but ``█`` (the legend's "full") only when
+    every slot is: 15/16 rounded up to ``█`` too and looked full (newcomer trial 18a)."""
+    if filled >= block_size:
+        return LEVELS[-1]
+    return LEVELS[max(0, min(len(LEVELS) - 2, -(-filled * 8 // max(block_size, 1)) - 1))]
+
+
 @dataclass(frozen=True)
 class BlockCell:
     """How one physical block looks: its state (``u``/``c``/``f``), owner, ref count and tokens filled."""
@@ -106,8 +115,7 @@ class BlockGrid(ScrollView, can_focus=True):
             return "◆◆", self._style(color, cell.selected, bold=True)
         if not cell.filled:  # allocated for this step's tokens, nothing written yet
             return "╌╌", self._style(color, cell.selected)
-        level = LEVELS[max(0, min(7, -(-cell.filled * 8 // max(self.block_size, 1)) - 1))]
-        return level * 2, self._style(color, cell.selected)
+        return fill_glyph(cell.filled, self.block_size) * 2, self._style(color, cell.selected)
 
     def render_line(self, y: int) -> Strip:
         scroll_x, scroll_y = self.scroll_offset

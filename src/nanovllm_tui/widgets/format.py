@@ -69,9 +69,12 @@ def first_fitting(width: int, *variants: Text) -> Text:
 
 
 def bar(fraction: float, width: int, style: str = "", empty_style: str = "dim") -> Text:
-    """A horizontal bar ``width`` cells wide, filled to ``fraction`` (0..1) with eighth-cell precision."""
+    """A horizontal bar ``width`` cells wide, filled to ``fraction`` (0..1) with eighth-cell precision;
+    filled to its end only at 1 (a rounded 0.999 read as done, as a 15/16 KV block read as full)."""
     fraction = min(max(fraction, 0.0), 1.0)
     eighths = round(fraction * width * 8)
+    if fraction < 1:
+        eighths = max(0, min(eighths, width * 8 - 1))
     full, part = divmod(eighths, 8)
     text = Text(BAR_FULL * full, style=style)
     if part and full < width:
