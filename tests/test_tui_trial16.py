@@ -216,7 +216,17 @@ async def test_the_paused_header_waits_until_the_last_steps_events_are_drawn(tin
         await send_prompt(pilot, "The capital of France is")
         await wait_until(pilot, lambda: sum(r.num_output for r in app.state.requests.values()) >= 4, 30,
                          "a few tokens")
+        drains, drain = [], app.bridge.drain
+
+        def counted(*args, **kwargs):
+            drains.append(1)
+            return drain(*args, **kwargs)
+
+        monkeypatch.setattr(app.bridge, "drain", counted)
+        armed = app._flush_pending  # a frame timer set before the slow frames began would still drain
         monkeypatch.setattr(app.bridge, "delay", lambda: 3600.0)  # a slow frame: the events wait in the bridge
+        if armed:  # let it fire first (under load it came after the pause and drew everything)
+            await wait_until(pilot, lambda: drains, 30, "the frame armed before")
         await pilot.press("escape", "space")
         await wait_until(pilot, lambda: app.controller.state == "paused" and app.bridge._events, 30,
                          "the engine to pause with its events undrawn")
