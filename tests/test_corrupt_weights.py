@@ -96,12 +96,33 @@ def test_a_corrupt_converted_copy_is_refused_with_the_folder_to_delete(tokenizer
     assert load(path, quantization)[0] is not None
 
 
-def test_a_gguf_file_damaged_after_its_conversion_is_refused_when_its_blocks_are_read(tokenizer, cache, tmp_path):
+def test_a_gguf_file_damaged_after_its_conversion_is_refused_when_its_blocks_are_read(tokenizer, cache, tmp_path,
+                                                                                     monkeypatch):
+    """The conversion is reused while the file's size, time and header are unchanged: damage past the
+    header of a large file whose time was kept is caught where the blocks are read from the file.
+    (The tiny file is all header, so only its first 64 bytes are hashed here.)"""
+    import os
+
+    from nanovllm_core.model import loader
+
+    monkeypatch.setattr(loader, "HEADER_BYTES", 64)
     path = write_tiny_gguf(tmp_path / "tiny.gguf", tokenizer)
     load(path, "none")  # converted while sound: float weights, no blocks kept yet
+    before = os.stat(path)
     overwrite_tensor(path, "blk.1.attn_v.weight", b"\x00\x7c")  # block 0's scale: fp16 +inf; the size is unchanged
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     message = refusal(path, "gguf")  # the same converted folder, but the blocks come from the file
     assert message.startswith("tiny.gguf is corrupt: tensor blk.1.attn_v.weight has 1 q4_1 block whose scale is NaN")
+    assert message.count("tiny.gguf") == 1 and "re-download it" in message
+
+
+def test_a_gguf_file_damaged_after_its_conversion_is_converted_afresh_and_refused(tokenizer, cache, tmp_path):
+    """Trial 18b: a file changed at the same path is not run from the old conversion."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tokenizer)
+    load(path, "none")
+    overwrite_tensor(path, "blk.1.attn_v.weight", b"\x00\x7c")
+    message = refusal(path, "none")
+    assert message.startswith("tiny.gguf is corrupt: tensor blk.1.attn_v.weight holds 32 values that are NaN or infinite")
     assert message.count("tiny.gguf") == 1 and "re-download it" in message
 
 
