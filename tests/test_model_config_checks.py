@@ -175,6 +175,7 @@ def test_a_file_replaced_at_the_same_path_is_converted_afresh(tiny_gguf, cache, 
     assert os.stat(path).st_size == before.st_size
     again = load_model(str(path), torch.device("cpu"), torch.float32)
     assert again[0].config.rope_theta == theta * 2  # not the first conversion's
+    assert len([f for f in cache.iterdir() if f.name.startswith("model-")]) == 1  # the first one is gone
     with_value(tiny_gguf, path, "llama.rope.freq_base", np.nan)
     if keep_time:
         os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))

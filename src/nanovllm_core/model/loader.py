@@ -230,6 +230,23 @@ def _gguf_cache_dir(gguf_file: Path) -> Path:
     return cache_root() / "gguf" / f"{gguf_file.stem}-{digest}"
 
 
+def _drop_older_conversions(gguf_file: Path, kept: Path) -> None:
+    """Remove the cache's earlier conversions of the file at ``gguf_file``'s path (made before it was
+    replaced or changed: the key holds its time and header, so each change converts afresh and would
+    otherwise leave a 100-600 MB folder behind). Only finished folders whose marker names this same
+    absolute path; a folder that cannot be read or removed is left."""
+    source = str(gguf_file.resolve())
+    for folder in kept.parent.glob(f"{gguf_file.stem}-*"):
+        if folder == kept or ".tmp-" in folder.name or not is_converted(folder):
+            continue
+        try:
+            marker = untrusted.loads((folder / "nanovllm_converted.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(marker, dict) and marker.get("source") == source:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def is_converted(folder: Path) -> bool:
     """True when ``folder`` holds a finished conversion (written last, after all files)."""
     return (folder / "nanovllm_converted.json").is_file()
@@ -314,11 +331,13 @@ def convert_gguf(gguf_file: Path, progress: ProgressFn | None = None) -> Path:
         from safetensors.torch import save_file
 
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "nanovllm_converted.json").write_text(json.dumps({"source": str(gguf_file), "version": CONVERTER_VERSION}))
+        (tmp / "nanovllm_converted.json").write_text(json.dumps({"source": str(gguf_file.resolve()),
+                                                                 "version": CONVERTER_VERSION}))
         if target.exists():  # a stale or partial folder from an older run
             shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
         finished = True
+        _drop_older_conversions(gguf_file, target)
     except ModelLoadError:
         raise
     except Exception as e:  # transformers or the dequantizer refused something the checks above let through
