@@ -902,6 +902,9 @@ def test_an_abort_tells_which_blocks_went_back_and_which_a_shared_prefix_keeps()
             "the prefix cache and stays in use by it, the other 2 went back to the pool") in done.text, done.text
     alone = next(c for c in n.feed(replace(finished("1"), finish_reason="abort")) if c.kind == "finished")
     assert "Its 2 KV blocks [0, 1] were released at once: all went back to the pool" in alone.text  # ref 2 = 1 + req 0
+    # trial 19a: a full block duplicating another's tokens (the same prefix prefilled in one step) went back
+    # empty while the sentence said every full block keeps its contents as cached-free
+    assert "unless another block already holds the same tokens: then it is simply freed" in alone.text
     waiting = next(c for c in n.feed(replace(finished("5"), finish_reason="abort")) if c.kind == "finished")
     assert "It held no KV blocks (it was waiting)" in waiting.text
 

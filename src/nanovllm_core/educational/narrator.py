@@ -768,7 +768,10 @@ class Narrator(SchedulerNarration):
         else:
             text += f": {agree(back, 'it went', 'all went')} back to the pool"
         if back and self.info.get("prefix_caching") is not False:
-            text += " (a full block keeps its contents as cached-free, for prefix-cache reuse)"
+            # trial 19a: a full block whose tokens another block already holds (two requests prefilled the same
+            # prefix in one step) goes back empty, as the preemption sentence says
+            text += (" (a full block keeps its contents as cached-free, for prefix-cache reuse, unless another block "
+                     "already holds the same tokens: then it is simply freed)")
         return text + "."
 
     def _finished(self, e: ev.RequestFinished) -> Commentary:
