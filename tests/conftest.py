@@ -33,6 +33,12 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
 torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
 
 
+@pytest.fixture
+def anyio_backend():
+    """The async tests (Textual's Pilot, httpx clients) run on asyncio, the loop Textual runs on."""
+    return "asyncio"
+
+
 @pytest.fixture(scope="session")
 def real_model():
     """(model, tokenizer, resolved) of the embedded default model, float32 on the CPU (``quantization="none"``:

@@ -27,11 +27,6 @@ from tests.serve_helpers import start_server
 from tests.tui_helpers import Notes, send_prompt, wait_until
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 class Streamer:
     """An ``openai`` client streaming one long completion on its own thread, counting tokens as they arrive."""
 

@@ -496,11 +496,6 @@ def test_smollm2_at_n3_from_llm_gives_the_n1_text(smol_n3, smol_n1):
         LLM(num_kv_blocks=32, tensor_parallel_size=2, device="cpu", **QUIET)
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.mark.real_model
 @pytest.mark.anyio
 async def test_the_app_at_n3_runs_a_prompt_and_shows_where_each_ranks_time_went(smol_n3, tmp_path, monkeypatch):

@@ -366,11 +366,6 @@ async def play(pilot, steps: int, *keys: str) -> None:
     await pilot.pause(0.2)
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.mark.anyio
 async def test_the_app_dashboard_shows_where_a_split_steps_time_went_and_hides_it_for_one_process(tmp_path):
     from tests.tui_helpers import TRACE, replay_app

@@ -217,11 +217,6 @@ def test_the_local_apps_step_refused_reaches_its_subscribers_as_a_command_refuse
         background.shutdown(timeout=5)
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.mark.anyio
 async def test_n_under_connect_shows_the_servers_refusal_as_one_line(tiny_server, tmp_path):
     """The app's n, attached to a server with 1000 steps pending: the 400 is a "Not done" toast of one line."""

@@ -156,11 +156,6 @@ def test_steps_left_when_the_last_request_finishes_are_dropped_and_the_pause_hol
         c.shutdown(timeout=5)
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.mark.anyio
 async def test_n_under_connect_shows_the_nothing_to_step_refusal_as_one_line(tiny_server, tmp_path):
     """The app sends no step with nothing to run; one that reaches the server anyway (the app had not

@@ -98,11 +98,6 @@ def test_the_split_xray_says_what_each_rank_holds_of_the_kv_cache():
     assert "rank 2: KV head 2, query heads 6-8" in buf.getvalue()
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.mark.anyio
 async def test_the_app_xray_and_dashboard_of_a_split_engine_show_each_ranks_kv(tmp_path):
     from nanovllm_tui.app import NanoVLLMApp

@@ -15,11 +15,6 @@ pytestmark = [pytest.mark.real_model, pytest.mark.anyio]
 SIZE = (120, 40)
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"  # Textual runs on asyncio
-
-
 async def test_a_prompt_from_the_bar_streams_its_tokens_in(make_engine, tmp_path):
     app = engine_app(make_engine, tmp_path)
     async with app.run_test(size=SIZE) as pilot:

@@ -18,11 +18,6 @@ pytestmark = pytest.mark.anyio
 SIZE = (120, 40)
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 async def still_answers_keys(pilot) -> None:
     """The app is up: a number key still switches the tab."""
     await pilot.press("escape", "5")

@@ -22,11 +22,6 @@ pytestmark = pytest.mark.anyio
 SIZE = (120, 40)
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tiny_llama_dir):
     import torch

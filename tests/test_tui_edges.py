@@ -19,11 +19,6 @@ pytestmark = pytest.mark.anyio
 TABS = {"1": "dashboard", "2": "xray", "3": "narrator", "4": "tutorial", "5": "blocks"}
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def plain(app, selector: str) -> str:
     return str(app.query_one(selector).render())
 

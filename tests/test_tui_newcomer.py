@@ -21,11 +21,6 @@ NASTY = "Only escape \x1b[31mRED\x1b[0m bell\x07 cr\r csi\x9b2J end"
 RAW = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def screen_text(app) -> str:
     """What the terminal shows, line by line (the text of every segment drawn)."""
     return "\n".join("".join(seg.text for seg in strip) for strip in app.screen._compositor.render_strips())

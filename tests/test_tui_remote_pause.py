@@ -12,11 +12,6 @@ from nanovllm_tui.remote import RemoteController
 from tests.tui_helpers import Notes, wait_until
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.mark.anyio
 async def test_an_attached_app_shows_the_pause_the_server_confirmed_and_a_refusal_keeps_the_state(tiny_server, tmp_path):
     """Before the fix the header said paused as soon as space was pressed, and kept saying it when

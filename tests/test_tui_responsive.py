@@ -9,10 +9,6 @@ import pytest
 from nanovllm_tui.widgets.footer import SteadyFooter, shown_keys
 from tests.tui_helpers import tiny_app, visible_tab, wait_until
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
 
 @pytest.mark.anyio
 async def test_tab_keys_leave_the_footer_alone_and_a_change_of_keys_redraws_it(tiny_llama_dir, tmp_path):

@@ -37,11 +37,6 @@ OTHER_KEYS = ["escape", "enter", "tab", "shift+tab", "up", "down", "left", "righ
 WORDS = ("the", "brave", "knight", "rode", "to", "a", "castle", "and", "sang", "of", "dragons", "42")
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def draw_key(rng: random.Random, typing: bool) -> str:
     pool = rng.random()
     if pool < 0.35:

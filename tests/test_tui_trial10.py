@@ -14,11 +14,6 @@ SIZE = (120, 40)
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def _paste(app, text: str) -> None:
     """A bracketed paste, as the terminal's driver delivers it."""
     paste = events.Paste(text)

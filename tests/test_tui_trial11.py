@@ -13,11 +13,6 @@ from tests.tui_helpers import send_prompt, tiny_app, wait_until
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 class Recorder(list):
     """A trace writer's stand-in: keeps the events it is given."""
 

@@ -20,11 +20,6 @@ from tests.tui_helpers import TRACE, Notes, replay_app, tiny_app, wait_until
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def plain(app, selector: str) -> str:
     return str(app.query_one(selector).render())
 

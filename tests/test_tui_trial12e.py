@@ -9,11 +9,6 @@ from tests.tui_helpers import replay_app, wait_until
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def _footer_line(app) -> str:
     """The screen's last line, as a full repaint draws it: the footer, cut where the terminal ends."""
     return app.screen._compositor.render_strips()[-1].text

@@ -28,11 +28,6 @@ from tests.tui_helpers import TRACE, Notes, replay_app, wait_until
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 class BarApp(App):
     """The prompt bar alone, 100 columns wide: the prompt field is 94 cells."""
 

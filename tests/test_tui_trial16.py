@@ -13,11 +13,6 @@ from nanovllm_tui.widgets.status_header import StatusHeader, unfinished_text
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def header_line(state: EngineState, width: int, replay: bool = True) -> str:
     header = StatusHeader()
     shown = []

@@ -11,11 +11,6 @@ from nanovllm_core import events as ev
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 # ---------------------------------------------------------------- 1: blocks released outside a step
 
 

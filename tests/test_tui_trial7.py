@@ -12,11 +12,6 @@ SIZE = (120, 40)
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def _record_exits(app: NanoVLLMApp) -> list:
     exits, exit_app = [], app.exit
     app.exit = lambda *a, **kw: (exits.append(kw), exit_app(*a, **kw))[1]

@@ -21,11 +21,6 @@ PROMPT = ("Once upon a time, in a small village at the edge of a great forest, t
           "came up")
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def screen_text(app) -> str:
     """What the terminal shows, line by line."""
     return "\n".join("".join(seg.text for seg in strip) for strip in app.screen._compositor.render_strips())

@@ -17,11 +17,6 @@ from tests.tui_helpers import Notes, tiny_app, wait_until
 GREEDY = SamplingParams(temperature=0.0, max_tokens=2)
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def test_the_engine_refuses_an_unknown_id_and_keeps_live_and_finished_ones(make_tiny_engine):
     engine = make_tiny_engine(num_kv_blocks=32)
     with pytest.raises(ValueError, match='no running, waiting or recently finished request "nope"'):

@@ -164,11 +164,6 @@ def test_the_throughput_border_says_when_xray_capture_is_in_the_rates():
     assert all(len(traced_caption(3, w)) <= max(w, len("X-Ray in rates")) for w in range(5, 60))
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"  # Textual runs on asyncio
-
-
 @pytest.mark.anyio
 async def test_a_key_holds_the_gate_until_its_frame_is_drawn(tiny_llama_dir, tmp_path, monkeypatch):
     from tests.tui_helpers import replay_app, tiny_app, wait_until
