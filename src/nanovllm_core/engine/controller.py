@@ -1,7 +1,7 @@
 """``EngineController``: the engine on its own thread, driven by a command queue.
 
 The app (and anything else interactive) never calls the engine directly. It sends commands
-(``submit``, ``pause``, ``resume``, ``step(n)``, ``abort``, ``shutdown``), which are
+(``submit``, ``pause``, ``resume``, ``step(n)``, ``abort``, ``abort_all``, ``shutdown``), which are
 thread-safe and return at once; the engine thread applies them *between* steps, so pausing
 and single-stepping act on step boundaries. Everything the engine does comes back as
 events (``nanovllm_core.events``) through ``subscribe``.
@@ -262,6 +262,18 @@ class EngineController:
         self._commands.put(_Command("abort", (request_id,)))
         return True
 
+    def abort_all(self) -> None:
+        """Finish every request the engine holds (waiting, running, preempted; each of an ``n > 1``
+        request's samples) with ``finish_reason="abort"`` between steps, whoever submitted it.
+
+        Each gets its ``RequestFinished`` (the last one's ``kv_blocks_used`` counts the blocks left in
+        use: 0 when nothing else holds any) and its listener its final output. Commands sent before it
+        apply first (a submit queued earlier is added, then aborted). The server calls it at shutdown
+        so that every watcher sees each request end, not only the OpenAI clients' (trial 20d: a prompt
+        typed in an attached app stayed "running" on a server that had stopped).
+        """
+        self._commands.put(_Command("abort_all"))
+
     def abort_pending(self, request_id: str) -> bool:
         """Whether an abort of ``request_id`` was asked and the engine thread has not applied it yet."""
         with self._aborts_lock:
@@ -468,6 +480,10 @@ class EngineController:
                 finally:  # after its output went out: a later abort of the id is answered as for an ended request
                     with self._aborts_lock:
                         self._aborts_asked.discard(cmd.args[0])
+            elif cmd.name == "abort_all":
+                for rid in list(engine.requests):
+                    engine.abort_request(rid)
+                self._collect(engine.pop_finished_outputs())
             elif cmd.name == "xray":
                 engine.select_xray(*cmd.args)
             elif cmd.name == "call":

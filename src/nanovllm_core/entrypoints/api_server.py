@@ -109,6 +109,10 @@ class ServerState:
         """
         self.shutting_down = True
         self.in_flight.end_all()
+        # Every request the engine holds ends too, whoever sent it: control submits (each prompt typed
+        # in an attached app), and any an OpenAI stream did not name. Without it an attached app kept a
+        # control-submitted request "running", holding its blocks, while the server was down (trial 20d).
+        self.controller.abort_all()
         # The hub closes after the engine thread has applied the aborts, so watching apps see the
         # requests end; a second close a moment later covers an engine that no longer answers.
         hub = self.hub
@@ -652,6 +656,10 @@ def _control_submit(state: ServerState, body: dict) -> str:
             state.ids.release(rid)
             state.metrics.observe(output)
 
+    if state.shutting_down:  # after the shutdown's abort of everything: it would run unwatched
+        state.ids.release(rid)
+        raise APIError("the server is shutting down; this prompt was not queued", status=503, type="server_error",
+                       code="shutting_down")
     state.controller.submit(prompt, params, priority, request_id=rid, on_output=finished_only)
     return rid
 
