@@ -93,3 +93,52 @@ def test_shutdown_publishes_an_abort_for_every_request_whoever_submitted_it(make
         controller.shutdown(timeout=5)
         for t in streams:
             t.join(10)
+
+
+def test_each_subscriber_gets_the_top_choices_and_detail_it_asked_for(make_tiny_engine):
+    """Trial 20d, bug 3, in process: the engine computes the most top choices any subscriber asked for,
+    and sent that list to every subscriber; each now gets its own topk, and block maps only with blocks."""
+    from nanovllm_core import LLM, SamplingParams
+
+    engine = make_tiny_engine(num_kv_blocks=64)
+    got: dict[str, list[ev.Event]] = {"none": [], "two": [], "seven": []}
+    engine.subscribe(got["none"].append, topk=0, blocks=False)
+    engine.subscribe(got["two"].append, topk=2, blocks=False)
+    engine.subscribe(got["seven"].append, topk=7, blocks=True)
+    LLM.from_engine(engine).generate(["Once upon a time"], SamplingParams(max_tokens=4, ignore_eos=True),
+                                     use_tqdm=False)
+    for name, k in (("none", 0), ("two", 2), ("seven", 7)):
+        tokens = [e for e in got[name] if isinstance(e, ev.TokenSampled)]
+        assert len(tokens) == 4 and all(len(t.top) == k and len(t.model_top) <= k for t in tokens), name
+    assert not any(isinstance(e, ev.BlocksChanged) for e in got["none"] + got["two"])
+    assert any(isinstance(e, ev.BlocksChanged) for e in got["seven"])
+
+
+def test_each_event_stream_watcher_gets_the_topk_it_asked_for(make_tiny_engine):
+    """Trial 20d, bug 3: /v1/engine/events?topk=0 got the 5 an attached app asked for, topk=2 got 10:
+    every watcher got the largest topk any watcher asked for. Each now gets its own number (default 0),
+    in the live stream and in the snapshot a watcher joining mid-request gets."""
+    controller = EngineController.from_engine(make_tiny_engine(num_kv_blocks=64), start_paused=True)
+    server = start_server(controller, api_key=None)
+    try:
+        watchers = {k: Watcher(server, "" if k is None else f"?topk={k}") for k in (None, 0, 2, 10)}
+        hub = server.http.app.state.server.hub
+        assert poll_until(lambda: hub.num_watchers == 4 and hub._sub.topk == 10, 30)
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            control(http, command="submit", prompt="Once upon a time", request_id="topk-run",
+                    params={"max_tokens": 50, "ignore_eos": True})
+            assert poll_until(lambda: "topk-run" in hub.live_request_ids(), 30)
+            control(http, command="step", n=3)
+            three = lambda w: sum(isinstance(e, ev.TokenSampled) for e in w.events) >= 3  # noqa: E731
+            assert poll_until(lambda: all(three(w) for w in watchers.values()), 30)
+            late = Watcher(server, "?topk=1")  # joins mid-request: the snapshot holds the tokens so far
+            assert poll_until(lambda: three(late), 30)
+            control(http, command="resume")
+        assert server.stop(timeout=30)
+        for k, w in [*watchers.items(), (1, late)]:
+            assert w.closed.wait(30)
+            tokens = [e for e in w.events if isinstance(e, ev.TokenSampled)]
+            assert tokens and {len(t.top) for t in tokens} == {k or 0}, (k, {len(t.top) for t in tokens})
+            assert all(len(t.model_top) <= (k or 0) for t in tokens)
+    finally:
+        controller.shutdown(timeout=5)

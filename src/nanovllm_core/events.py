@@ -926,6 +926,19 @@ def asked_for(event: Event, *, blocks: bool, xray: bool) -> bool:
     return True
 
 
+def with_topk(event: Event, topk: int) -> Event:
+    """``event`` as a listener that asked for ``topk`` top choices gets it: a ``TokenSampled`` with
+    ``top`` and ``model_top`` cut to their first ``topk`` (none for 0), any other event unchanged (the
+    very object, as is a token whose lists are short enough).
+
+    The engine computes the most any listener asked for; each listener is sent only its own number
+    (trial 20d: a ``topk=0`` watcher of the server's stream got the 5 an attached app asked for).
+    """
+    if not isinstance(event, TokenSampled) or (len(event.top) <= topk and len(event.model_top) <= topk):
+        return event
+    return dataclasses.replace(event, top=event.top[:topk], model_top=event.model_top[:topk])
+
+
 def to_json(event: Event) -> str:
     """One JSON line (no newline) with a ``type`` field naming the event class."""
     return json.dumps(_encode(event), ensure_ascii=False, separators=(",", ":"))

@@ -407,7 +407,7 @@ class RemoteController:
         for sub in subs:
             if sub.wants(event):
                 try:
-                    sub.callback(event)
+                    sub.callback(ev.with_topk(event, sub.topk))  # its own topk, not the most any asked
                 except Exception:  # a broken listener must not stop the stream
                     traceback.print_exc()
 

@@ -69,8 +69,17 @@ class EventSource:
             self._subscribers.remove(sub)
 
     def _emit(self, event: ev.Event) -> None:
+        """Send ``event`` to each subscriber as it asked for it: a ``TokenSampled``'s top choices cut to
+        its own ``topk`` (the engine computed the most any asked for; trial 20d: every subscriber got
+        that most), ``BlocksChanged`` only with ``blocks``, ``LayerTrace`` only with ``xray``."""
+        cut: dict[int, ev.Event] = {}  # one trimmed copy per topk asked for
         for sub in list(self._subscribers):
-            sub.callback(event)
+            if not ev.asked_for(event, blocks=sub.blocks, xray=sub.xray):
+                continue
+            mine = cut.get(sub.topk)
+            if mine is None:
+                mine = cut[sub.topk] = ev.with_topk(event, sub.topk)
+            sub.callback(mine)
 
     @property
     def _topk_wanted(self) -> int:

@@ -23,7 +23,7 @@ of blocks) ``BlocksChanged``,
 so an app that attaches mid-run shows the same step, queues and pool as one that watched
 from the start. Watchers ask for detail (``topk``, ``blocks``,
 ``xray``); the engine computes the most any watcher asked for, and each watcher is sent
-only what it asked for. Nothing here blocks the engine thread: it appends to the log and
+only what it asked for (its own number of top choices per token: ``events.with_topk``). Nothing here blocks the engine thread: it appends to the log and
 wakes the event loop only when a watcher is waiting; watchers are sent what accumulated,
 at most ``1 / BATCH_INTERVAL_S`` times a second.
 """
@@ -61,6 +61,10 @@ class _Watcher:
     def wants(self, event: ev.Event) -> bool:
         return ev.asked_for(event, blocks=self.blocks, xray=self.xray)
 
+    def cuts(self, event: ev.Event) -> bool:
+        """The event as logged carries more top choices than this watcher asked for (another asked more)."""
+        return ev.with_topk(event, self.topk) is not event
+
 
 class EventHub:
     """Publishes a controller's events to any number of SSE watchers.
@@ -77,7 +81,8 @@ class EventHub:
         self.instance = secrets.token_hex(3)  # a restarted server's numbers are not this one's
         self.heartbeat_s = heartbeat_s
         self._lock = threading.Lock()
-        self._log: list[list] = []  # [seq, event, encoded line or None]
+        # [seq, event, encoded line or None, {topk: encoded line of the event cut to topk} or None]
+        self._log: list[list] = []
         self._first_seq = 1
         self._seq = 0
         self._ready: ev.ModelLoading | None = None
@@ -130,7 +135,7 @@ class EventHub:
         """Append one event to the log and wake the watchers (called on the engine thread)."""
         with self._lock:
             self._seq += 1
-            self._log.append([self._seq, event, None])
+            self._log.append([self._seq, event, None, None])
             if len(self._log) > 2 * self.log_events:
                 del self._log[: len(self._log) - self.log_events]
                 self._first_seq = self._log[0][0]
@@ -247,7 +252,14 @@ class EventHub:
         ok = instance == self.instance and seq.isascii() and seq.isdigit() and len(seq) <= 18
         return int(seq) if ok else None
 
-    def _encoded(self, entry: list) -> str:
+    def _encoded(self, entry: list, w: _Watcher) -> str:
+        """The log entry's frame as ``w`` gets it: its own ``topk`` (encoded once per topk asked)."""
+        if w.cuts(entry[1]):
+            if entry[3] is None:
+                entry[3] = {}
+            if w.topk not in entry[3]:
+                entry[3][w.topk] = self._frame(entry[0], ev.with_topk(entry[1], w.topk))
+            return entry[3][w.topk]
         if entry[2] is None:
             entry[2] = self._frame(entry[0], entry[1])
         return entry[2]
@@ -266,7 +278,7 @@ class EventHub:
                 resume = last_event_id is not None and self._first_seq - 1 <= last_event_id <= self._seq
                 cursor = last_event_id if resume else self._seq
                 snapshot = [] if resume else self._snapshot(w)
-            yield self._state_frame() + "".join(self._frame(cursor, e) for e in snapshot)
+            yield self._state_frame() + "".join(self._frame(cursor, ev.with_topk(e, w.topk)) for e in snapshot)
             last_state = time.monotonic()
             while True:
                 # Re-arm the wake-up before reading: an event published from here on wakes this loop,
@@ -279,10 +291,10 @@ class EventHub:
                         cursor, batch, snapshot = self._seq, [], self._snapshot(w)
                     else:
                         batch, snapshot = self._log[cursor - self._first_seq + 1:], []
-                out = [self._frame(cursor, e) for e in snapshot]
+                out = [self._frame(cursor, ev.with_topk(e, w.topk)) for e in snapshot]
                 for entry in batch:
                     if w.wants(entry[1]):
-                        out.append(self._encoded(entry))
+                        out.append(self._encoded(entry, w))
                     cursor = entry[0]
                 if time.monotonic() - last_state >= self.heartbeat_s:
                     out.append(self._state_frame())
