@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nanovllm_core import events as ev
+from nanovllm_core import untrusted
 from nanovllm_core.tracing import decode_event
+from nanovllm_tui.remote import ServerRestarted
 
 NO_NEW_PROMPTS = "a replay plays a recorded trace and cannot run new prompts; start nanovllm-tui without --replay"
 
@@ -81,6 +83,29 @@ class Trace(list):
     cut_step: int | None = None
 
 
+# Events an app itself makes and its recorder writes beside the engine's (``--connect --trace``): a
+# server that restarted under an attached app is a line of the trace, and was "not an engine event".
+APP_EVENTS: dict[str, type] = {"ServerRestarted": ServerRestarted}
+
+
+def decode_line(line: str) -> ev.Event:
+    """One trace line: an engine event (``decode_event``) or one of :data:`APP_EVENTS`.
+
+    Raises:
+        ValueError: as ``decode_event``.
+    """
+    try:
+        return decode_event(line)
+    except ValueError:
+        try:
+            data = untrusted.loads(line)
+        except (ValueError, RecursionError):
+            data = None
+        if not (isinstance(data, dict) and data.get("type") in APP_EVENTS):
+            raise
+        return ev._build(APP_EVENTS[data["type"]], data)
+
+
 # What a step itself sends between its StepPlanned and its StepTimed (left out of a step that never finished).
 STEP_EVENTS = (ev.TokenSampled, ev.BlocksChanged, ev.LayerTrace, ev.SpecDecodeStep)
 
@@ -122,7 +147,7 @@ def load_trace(path: str | Path) -> Trace:
             for n, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        events.append(decode_event(line))
+                        events.append(decode_line(line))
                     except ValueError as e:
                         # the last line, cut short (a recording copied while written, or `head -c`): play what
                         # came before it; a whole line whose fields do not fit is an error wherever it is
