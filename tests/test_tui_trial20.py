@@ -113,3 +113,45 @@ def test_a_connect_trace_across_a_server_restart_loads_and_marks_the_old_request
         state.apply(e)
     assert state.requests and {r.state for r in state.requests.values()} <= {"lost", "finished"}
     assert state.step is None
+
+
+# ---------------------------------------------------------------- 4: a trace without the model's facts
+
+
+def test_a_trace_without_its_model_facts_is_refused_naming_the_first_step_line(tmp_path, capsys):
+    """``tail -n +2 run.jsonl``: played, the header said "loading model ... (prompts sent now wait in the
+    queue)" and the Engine panel LOADING while its steps ran, forever. Every recorder writes the model's
+    facts (a ready ModelLoading) before the first step, so it is a corrupt trace: one line, status 2."""
+    from nanovllm_tui.options import parse_args
+
+    lines = _lines()
+    path = tmp_path / "no_model.jsonl"
+    path.write_text("".join(lines[1:]), encoding="utf-8")
+    first_step = next(n for n, line in enumerate(lines[1:], 1) if '"type":"StepPlanned"' in line)
+    with pytest.raises(ValueError, match=rf"^line {first_step}: step 0 comes before the model's facts"):
+        load_trace(path)
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--replay", str(path)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"line {first_step}: step 0 comes before the model's facts" in err and "record one" in err
+    # the facts later than a step are as missing (a ModelLoading moved below it)
+    moved = tmp_path / "moved.jsonl"
+    moved.write_text("".join(lines[1:first_step + 1]) + lines[0] + "".join(lines[first_step + 1:]), encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"^line {first_step}: step 0 comes before"):
+        load_trace(moved)
+
+
+def test_a_replay_header_before_its_first_events_claims_no_model_loading_nor_prompts():
+    from nanovllm_tui.state import EngineState
+    from nanovllm_tui.widgets.status_header import StatusHeader
+
+    header = StatusHeader()
+    texts = {}
+    header.show_content = lambda text: texts.setdefault("line", text.plain)
+    header.show(EngineState(), replay=True, loading_s=3.0, width=120)
+    assert "reading the recording" in texts["line"]
+    assert "loading model" not in texts["line"] and "prompts" not in texts["line"]
+    texts.clear()
+    header.show(EngineState(), replay=False, loading_s=3.0, width=120)
+    assert "loading model" in texts["line"] and "prompts sent now wait in the queue" in texts["line"]
