@@ -155,3 +155,37 @@ def test_a_replay_header_before_its_first_events_claims_no_model_loading_nor_pro
     texts.clear()
     header.show(EngineState(), replay=False, loading_s=3.0, width=120)
     assert "loading model" in texts["line"] and "prompts sent now wait in the queue" in texts["line"]
+
+
+# ---------------------------------------------------------------- 5: requests and samples
+
+
+def test_the_engine_panel_counts_running_samples_as_the_engine_does_and_names_the_requests(make_tiny_engine):
+    """A request with n = 2 runs two samples: the panel said "2 running" beside "3 decode" while the
+    step's StepTimed.num_running (and /metrics num_requests_running) said 3."""
+    from nanovllm_core import SamplingParams
+    from nanovllm_tui.state import EngineState
+    from nanovllm_tui.views.dashboard import phase_text
+
+    engine = make_tiny_engine(num_kv_blocks=64)
+    state = EngineState()
+    engine.subscribe(state.apply, topk=0)
+    engine.add_request("one two three", SamplingParams(max_tokens=6, n=2, ignore_eos=True), request_id="pair")
+    engine.add_request("four five", SamplingParams(max_tokens=6, ignore_eos=True), request_id="one")
+    engine.add_request("six seven", SamplingParams(max_tokens=6, n=2, ignore_eos=True), request_id="later")
+    for _ in range(3):
+        engine.step()
+    timed = state.timings[-1]
+    assert state.queue_counts()[0] == 3 and state.queue_samples()[0] == timed.num_running == 5
+    text = phase_text(state).plain
+    assert "5 running (3 requests) · 0 waiting" in text and "5 decode" in text, text
+    assert "5 run (3 req)" in phase_text(state, width=26).plain
+    engine.abort_request("pair")  # between steps: its two samples leave with it
+    assert state.queue_samples()[0] == 3 and "3 running (2 requests)" in phase_text(state).plain
+    # one sample each: the plain words, as before
+    solo = EngineState()
+    engine2 = make_tiny_engine(num_kv_blocks=64)
+    engine2.subscribe(solo.apply, topk=0)
+    engine2.add_request("four five", SamplingParams(max_tokens=6, ignore_eos=True), request_id="one")
+    engine2.step()
+    assert "1 running · 0 waiting" in phase_text(solo).plain
