@@ -412,7 +412,7 @@ class EngineState:
                     req.prefilled = max(req.prefilled, min(s.prompt_len, s.start + s.num_tokens))
             self.failed_step = None
         self._before_plan = {}
-        if self.plan is not None and e.step == self.plan.step:  # the engine's count after the step, as planned less ended
+        if self.plan is not None and e.step == self.plan.step:  # the engine's count after the step: planned less ended
             self._samples_ended = max(0, self._samples_queued()[0] - e.num_running)
         self.timings.append(e)
         self.yielded_s += e.yielded_s
