@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from nanovllm_core import events as ev
+from nanovllm_core.engine.controller import EngineController
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.tracing import ChromeTraceRecorder, JsonlTraceWriter
 
@@ -32,6 +33,7 @@ def test_a_trace_closed_inside_a_step_drops_the_rest_and_the_step_finishes(make_
 
     engine = make_tiny_engine(num_kv_blocks=32)
     writer, chrome = JsonlTraceWriter(tmp_path / "run.jsonl"), ChromeTraceRecorder(tmp_path / "run.json")
+    writer(EngineController.ready_event(engine))  # the model's facts first, as nanovllm --trace writes them
     close_inside_step(engine, [writer, chrome], step=1)
     engine.add_request("Hello there", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     outputs = []

@@ -112,7 +112,11 @@ def test_next_step_hints_per_state():
     assert hints.next_step(state, live=False) == "the replay plays its steps on its own"
     state.requests.clear()
     assert hints.next_step(state, live=True) == "send a prompt first"
+    # no request known is not the end of a replay (one recorded by an attached app starts so; trial 20d)
+    assert hints.next_step(state, live=False) == "the replay plays its steps on its own"
+    state.recording_ended()
     assert hints.next_step(state, live=False) == "the recording has no more steps"
+    state.unfinished = None
     state.paused = True
     assert hints.next_step(state, live=True) == "send a prompt first (it waits while paused: then n runs one step)"
 

@@ -89,6 +89,10 @@ class _Recording:
 class JsonlTraceWriter(_Recording):
     """A subscriber that appends each event to a ``.jsonl`` file (use as ``engine.subscribe(writer, ...)``).
 
+    A replay needs the model's facts before the first step: subscribed to an ``LLMEngine`` (which
+    sends no ``ModelLoading``), write ``EngineController.ready_event(engine)`` first, as
+    ``nanovllm --trace`` does; a controller's subscribers get it from the controller.
+
     Safe to close from another thread than the engine's: see :class:`_Recording`. A write that
     fails (a full disk) ends the recording there rather than fail the engine's step: the
     events after it are dropped and :meth:`close` raises the error.

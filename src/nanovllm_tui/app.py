@@ -804,7 +804,7 @@ class NanoVLLMApp(App):
             self.notify("n runs one step while the engine is paused: press space to pause first.",
                         severity="warning")
             return
-        if not self.state.active_requests:
+        if self.live and not self.state.active_requests:  # a replay's next step may bring its requests
             self.notify("Nothing to step: send a prompt first (it waits while paused).", severity="warning")
             return
         self.controller.step(1)

@@ -22,8 +22,11 @@ def steps_on_n(state: EngineState) -> bool:
 
 
 def recording_over(state: EngineState, live: bool) -> bool:
-    """A replay that has played its last step: no step will come."""
-    return not live and (state.unfinished is not None or not state.active_requests)
+    """A replay that has played its last step (the app marks it so, ``EngineState.recording_ended``): no
+    step will come. Not "no live request": a recording that starts mid-run (an app attached to a
+    server, whose first step is the server's newest before the attach) has no request known before
+    its first step, and ``n`` said "the recording has no more steps" before any had played (trial 20d)."""
+    return not live and state.unfinished is not None
 
 
 def next_step(state: EngineState, live: bool) -> str:

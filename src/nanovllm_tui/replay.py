@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nanovllm_core import events as ev
+from nanovllm_core import untrusted
 from nanovllm_core.tracing import decode_event
+from nanovllm_tui.remote import ServerRestarted
 
 NO_NEW_PROMPTS = "a replay plays a recorded trace and cannot run new prompts; start nanovllm-tui without --replay"
 
@@ -81,6 +83,29 @@ class Trace(list):
     cut_step: int | None = None
 
 
+# Events an app itself makes and its recorder writes beside the engine's (``--connect --trace``): a
+# server that restarted under an attached app is a line of the trace, and was "not an engine event".
+APP_EVENTS: dict[str, type] = {"ServerRestarted": ServerRestarted}
+
+
+def decode_line(line: str) -> ev.Event:
+    """One trace line: an engine event (``decode_event``) or one of :data:`APP_EVENTS`.
+
+    Raises:
+        ValueError: as ``decode_event``.
+    """
+    try:
+        return decode_event(line)
+    except ValueError:
+        try:
+            data = untrusted.loads(line)
+        except (ValueError, RecursionError):
+            data = None
+        if not (isinstance(data, dict) and data.get("type") in APP_EVENTS):
+            raise
+        return ev._build(APP_EVENTS[data["type"]], data)
+
+
 # What a step itself sends between its StepPlanned and its StepTimed (left out of a step that never finished).
 STEP_EVENTS = (ev.TokenSampled, ev.BlocksChanged, ev.LayerTrace, ev.SpecDecodeStep)
 
@@ -103,6 +128,13 @@ def drop_unfinished_step(events: Trace) -> None:
     events.cut_step = step
 
 
+class NoModelFacts(ValueError):
+    """A step before the trace's ready ``ModelLoading``: every recorder writes the model's facts
+    before the first step (the engine sends them when it has loaded; a server's attach snapshot and a
+    restarted server's begin with them), and the views need them (the model's sizes, its KV bytes).
+    Played, such a trace stayed "loading model" while its steps ran (trial 20d)."""
+
+
 def load_trace(path: str | Path) -> Trace:
     """Events of a ``.jsonl`` trace, or of a gzipped one (``.jsonl.gz``). A last line cut short
     (no newline, not complete JSON) is left out and its number kept in ``cut_line``; a bad line
@@ -112,17 +144,26 @@ def load_trace(path: str | Path) -> Trace:
     Raises:
         OSError: the file cannot be read.
         ValueError: a line is not an engine event (its number is given, and the field whose type is
-            wrong: ``line 101: StepTimed.time must be a number, got "BOGUS"``), or the file holds no engine step.
+            wrong: ``line 101: StepTimed.time must be a number, got "BOGUS"``), a step comes before the
+            model's facts (:class:`NoModelFacts`, naming the step's line), or the file holds no engine step.
     """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     events = Trace()
+    facts = False  # a ready ModelLoading has come (the model's facts)
     try:
         with opener(path, "rt", encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        events.append(decode_event(line))
+                        event = decode_line(line)
+                        events.append(event)
+                        facts = facts or (isinstance(event, ev.ModelLoading) and event.ready)
+                        if isinstance(event, ev.StepPlanned) and not facts:
+                            raise NoModelFacts(f"step {event.step} comes before the model's facts (a ModelLoading "
+                                               "event with ready true), which every recording holds first; the "
+                                               "trace was cut at its start or edited: keep its first line, or "
+                                               "record one with nanovllm --trace FILE.jsonl")
                     except ValueError as e:
                         # the last line, cut short (a recording copied while written, or `head -c`): play what
                         # came before it; a whole line whose fields do not fit is an error wherever it is

@@ -8,6 +8,7 @@ fields, never from the clock, so a replayed trace always looks the same.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import itertools
@@ -149,6 +150,11 @@ class EngineState:
         self._before_plan: dict[str, int] = {}  # request id -> prefilled before the newest step's chunk
         self._planned_prefill: dict[str, int] = {}  # request id -> prefilled once the newest step ends
         self.step_open = False  # the newest planned step has not ended yet (no StepTimed, no failure)
+        # Samples (sequences: a request with n > 1 has n) per request in the newest plan's queues, and how
+        # many of the running ones ended inside that step while their request ran on (a sample that met
+        # EOS; no event names it: the step's StepTimed.num_running, the engine's count, tells)
+        self._seqs: dict[str, dict[str, int]] = {"running": {}, "waiting": {}}
+        self._samples_ended = 0
         self.requests: dict[str, RequestView] = {}
         self.timings: deque[ev.StepTimed] = deque(maxlen=HISTORY_STEPS)
         self.yielded_s = 0.0  # seconds the engine's steps waited for this app's key frames (StepTimed.yielded_s)
@@ -306,6 +312,9 @@ class EngineState:
         self.step, self.plan, self.failed_step = e.step, e, None
         self._before_plan, self._planned_prefill = {}, {}
         self.step_open = True
+        self._seqs = {"running": collections.Counter(q.request_id for q in e.running),
+                      "waiting": collections.Counter(q.request_id for q in e.waiting)}
+        self._samples_ended = 0
         if e.scheduled:  # a step while paused is engine time
             self._release(e.time)
         for q in e.waiting + e.running:
@@ -381,6 +390,7 @@ class EngineState:
                 del self.requests[rid]
         self.step = self.plan = self.blocks = self._kv_now = None
         self.step_open, self._planned_prefill, self._before_plan = False, {}, {}
+        self._seqs, self._samples_ended = {"running": {}, "waiting": {}}, 0
         self.timings.clear()
         self.xray, self.heat = {}, None
         self.paused, self.pending, self._held, self._paused_since = False, None, False, None
@@ -402,6 +412,8 @@ class EngineState:
                     req.prefilled = max(req.prefilled, min(s.prompt_len, s.start + s.num_tokens))
             self.failed_step = None
         self._before_plan = {}
+        if self.plan is not None and e.step == self.plan.step:  # the engine's count after the step: planned less ended
+            self._samples_ended = max(0, self._samples_queued()[0] - e.num_running)
         self.timings.append(e)
         self.yielded_s += e.yielded_s
         self._kv_now = None
@@ -486,6 +498,26 @@ class EngineState:
         if self._kv_now is not None:
             return self._kv_now
         return self.timings[-1] if self.timings else None
+
+    def queue_samples(self) -> tuple[int, int]:
+        """Samples (sequences, what the engine's queues, ``StepTimed.num_running`` and /metrics
+        ``num_requests_running`` count) (running, waiting) now, where :meth:`queue_counts` counts
+        requests: a request with n > 1 runs n samples until each ends (trial 20d: "3 running" beside
+        "5 decode" in the same panel). Each request's as the newest plan queued it (its ``n`` when the
+        plan has none of it), less those that ended inside the newest step (the engine's count then)."""
+        running, waiting = self._samples_queued()
+        return max(running - self._samples_ended, self.queue_counts()[0]), waiting
+
+    def _samples_queued(self) -> tuple[int, int]:
+        """(running, waiting) samples of the requests in those states now, as the newest plan queued them."""
+        running = waiting = 0
+        for rid, r in self.requests.items():
+            state = r.ended_as if r.state == "unfinished" and r.ended_as else r.state
+            if state == "running":
+                running += self._seqs["running"].get(rid) or r.n
+            elif state in ("waiting", "submitted"):
+                waiting += self._seqs["waiting"].get(rid) or r.n
+        return running, waiting
 
     def queue_counts(self) -> tuple[int, int, int]:
         """Requests (running, waiting, preempted) now, as the request table shows them; at a

@@ -59,7 +59,19 @@ def phase_text(state: EngineState, width: int = 0, rows: int = 0) -> Text:
         parts.append([Text(f"{len(verifying)} verifying {plural(drafts, 'draft token')}"),
                       Text(f"{len(verifying)} verify · {plural(drafts, 'draft')}")])
     running, waiting, preempted = state.queue_counts()  # now, not as of the newest step
-    queues = [Text(f"{running} running · {waiting} waiting"), Text(f"{running} run · {waiting} wait")]
+    # The engine counts samples (a request with n > 1 runs n), as the batch line above, StepTimed and
+    # /metrics do: its number first, the requests beside it where they differ (trial 20d: "3 running"
+    # beside "5 decode" while the engine's num_running was 5)
+    samples_running, samples_waiting = state.queue_samples()
+    run_words = [f"{running} running", f"{running} run"]
+    if samples_running != running:
+        run_words = [f"{samples_running} running ({plural(running, 'request')})",
+                     f"{samples_running} run ({running} req)"]
+    wait_words = [f"{waiting} waiting", f"{waiting} wait"]
+    if samples_waiting != waiting:
+        wait_words = [f"{samples_waiting} waiting ({plural(waiting, 'request')})",
+                      f"{samples_waiting} wait ({waiting} req)"]
+    queues = [Text(f"{run_words[0]} · {wait_words[0]}"), Text(f"{run_words[1]} · {wait_words[1]}")]
     if preempted:
         queues = [q + Text(f" · {preempted} preempted", style="bold red") for q in queues] + \
                  [queues[1] + Text(f" · {preempted} pre", style="bold red")]

@@ -108,6 +108,11 @@ class StatusHeader(LiveStatic):
         if state.load_error is not None:  # the whole reason, wrapped over a few lines
             parts.append((Text.assemble((f"{state.load_failure}: ", "bold red"), (state.load_error, "red")), 0))
             width = None
+        elif not state.ready and replay:
+            # a replay loads no model and takes no prompts: its first events (the model's facts, which
+            # load_trace requires before the first step) are on their way (trial 20d: "loading model ...
+            # (prompts sent now wait in the queue)" under a replay)
+            parts.append((Text("reading the recording", style="bold magenta"), 0))
         elif not state.ready:
             parts.append((Text("loading model", style="bold magenta"), 0))
             if state.pending == "pausing" or (state.paused and state.pending is None):  # space pressed while loading
