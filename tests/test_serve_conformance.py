@@ -210,6 +210,43 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(tiny_server, path, body
     assert [("usage" in c and c["usage"] is not None) for c in without] == [False] * (len(without) - 1) + [True]
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": ["Once upon a time", "hi"]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+])
+@pytest.mark.parametrize("options, per_chunk, last_chunk", [
+    (None, False, False),
+    ({}, False, True),  # vLLM's StreamOptions.include_usage defaults to true
+    ({"include_usage": False}, False, False),
+    ({"include_usage": True}, False, True),
+    ({"continuous_usage_stats": True}, True, True),  # per-chunk usage AND the final usage chunk
+    ({"include_usage": False, "continuous_usage_stats": True}, False, False),  # needs include_usage
+    ({"include_usage": True, "continuous_usage_stats": True}, True, True),
+    ({"include_usage": True, "continuous_usage_stats": False}, False, True),
+])
+def test_stream_options_are_read_as_vllm_reads_them(tiny_server, path, body, options, per_chunk, last_chunk):
+    """Trial 20b #1: ``stream_options: {}`` sent no usage, and ``continuous_usage_stats`` alone put
+    usage on every chunk but sent no final usage chunk. vLLM (``should_include_usage``):
+    ``include_usage`` defaults to true once the object is sent, ``continuous_usage_stats`` applies
+    only with it on; n=2 and (for completions) two prompts."""
+    body = {**body, "n": 2, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    if options is not None:
+        body["stream_options"] = options
+    status, events = post(tiny_server, path, body, stream=True)
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    ends_with_usage = chunks[-1]["choices"] == []
+    assert ends_with_usage == last_chunk
+    per_choice = chunks[:-1] if ends_with_usage else chunks
+    assert per_choice and all(len(c["choices"]) == 1 for c in per_choice)
+    assert all(("usage" in c) == per_chunk for c in per_choice), per_choice
+    if last_chunk:
+        whole = post(tiny_server, path, {k: v for k, v in body.items() if k != "stream_options"})[1]
+        usage = chunks[-1]["usage"]
+        assert usage["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+        assert usage["completion_tokens"] == whole["usage"]["completion_tokens"] == 2 * len(whole["choices"])
+
+
 def test_tool_calls_and_tool_results_go_through_the_chat_template(tiny_server):
     call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
     messages = [{"role": "user", "content": "Weather in Paris?"},

@@ -298,7 +298,8 @@ class OpenAIServing:
         ``index``: prompt number * n + sample number), the last one its ``finish_reason``. With
         ``continuous_usage_stats`` each chunk's ``usage`` counts that choice's prompt and the
         tokens it has generated so far (vLLM's serving_chat.py / serving_completion.py); with
-        ``include_usage`` a last chunk with no choices sums every prompt and choice.
+        ``include_usage`` (on whenever ``stream_options`` is sent, unless sent false) a last
+        chunk with no choices sums every prompt and choice, also after continuous usage.
 
         The request is submitted when the response starts (a client gone before then costs
         nothing); the ``finally`` aborts unfinished engine requests: a client that
@@ -427,10 +428,13 @@ SERVER_ID_PREFIXES = ("cmpl-", "chatcmpl-", "ctl-")  # ids the server makes; a c
 
 
 def _usage_options(req: Any) -> tuple[bool, bool]:
-    """(usage chunk at the end, usage on every chunk) from ``stream_options`` (vLLM's
-    ``continuous_usage_stats`` alone also puts usage on every chunk rather than being ignored)."""
+    """(usage chunk at the end, usage on every chunk) from ``stream_options``, as vLLM's
+    ``should_include_usage`` reads them: ``include_usage`` is true unless sent false
+    (``StreamOptions``), and usage on every chunk needs it on (``{"include_usage": false,
+    "continuous_usage_stats": true}`` sends no usage at all); no ``stream_options``, no usage."""
     o = req.stream_options
-    return bool(o and o.include_usage), bool(o and o.continuous_usage_stats)
+    include = bool(o and o.include_usage)
+    return include, include and bool(o.continuous_usage_stats)
 
 
 def _error_of(out: RequestOutput) -> APIError:

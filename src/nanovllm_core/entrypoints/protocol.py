@@ -215,9 +215,16 @@ def _openai_metadata(value: dict[str, str]) -> dict[str, str]:
 
 
 class StreamOptions(_Body):
-    """``include_usage``: one more chunk before ``[DONE]`` with the request's token counts."""
+    """How a stream reports usage, read as vLLM's ``StreamOptions`` reads it.
 
-    include_usage: StrictBool = False
+    ``include_usage`` (true unless sent false, vLLM's default: sending ``stream_options`` at all
+    asks for usage): one more chunk before ``[DONE]`` with no choices and the request's token
+    counts. ``continuous_usage_stats`` (false unless sent): also usage on every chunk, only when
+    ``include_usage`` is on (vLLM's ``include_usage and continuous_usage_stats``). No
+    ``stream_options``: no usage in the stream.
+    """
+
+    include_usage: StrictBool = True
     continuous_usage_stats: StrictBool = False
 
 
