@@ -631,7 +631,9 @@ def test_stream_chunks_hold_one_choice_each_as_vllm_sends_them(tiny_server, path
     num_choices = len(whole["choices"])
     assert num_choices == 2 * (len(body["prompt"]) if "prompt" in body else 1)
     *per_choice, last = chunks
-    assert last["choices"] == [] and last["usage"] == whole["usage"]
+    # the stream's usage has no prompt_tokens_details: vLLM's stream chunks leave out what is unset
+    assert last["choices"] == [] and {**last["usage"], "prompt_tokens_details": None} == whole["usage"]
+    assert "prompt_tokens_details" not in last["usage"]
     assert all(len(c["choices"]) == 1 for c in per_choice)
     if path == CHAT:  # the opening: a role chunk for each choice, nothing else in it
         opening, per_choice = per_choice[:num_choices], per_choice[num_choices:]
@@ -1045,3 +1047,47 @@ def test_a_refused_prompt_of_a_list_is_named_by_its_index(tiny_server, prompt, s
     status, data = post(tiny_server, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
     assert status == 400 and data["error"]["message"].startswith(start), data
     assert data["error"]["param"] == "prompt"
+
+
+# vLLM's protocol.py response models, dumped whole (model_dump(), None included): the keys a client
+# that checks them strictly expects (trial 20b #4); this server adds return_token_ids' fields only
+# when asked.
+VLLM_COMPLETION_KEYS = {"id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
+                        "kv_transfer_params"}
+VLLM_CHAT_KEYS = VLLM_COMPLETION_KEYS | {"prompt_logprobs"}
+VLLM_COMPLETION_CHOICE_KEYS = {"index", "text", "logprobs", "finish_reason", "stop_reason", "prompt_logprobs"}
+VLLM_CHAT_CHOICE_KEYS = {"index", "message", "logprobs", "finish_reason", "stop_reason"}
+VLLM_USAGE_KEYS = {"prompt_tokens", "total_tokens", "completion_tokens", "prompt_tokens_details"}
+VLLM_MODEL_CARD_KEYS = {"id", "object", "created", "owned_by", "root", "parent", "max_model_len", "permission"}
+VLLM_MODEL_PERMISSION_KEYS = {"id", "object", "created", "allow_create_engine", "allow_sampling", "allow_logprobs",
+                              "allow_search_indices", "allow_view", "allow_fine_tuning", "organization", "group",
+                              "is_blocking"}
+
+
+@pytest.mark.parametrize("path, body, keys, choice_keys", [
+    ("/v1/completions", {"prompt": "Hi"}, VLLM_COMPLETION_KEYS, VLLM_COMPLETION_CHOICE_KEYS),
+    (CHAT, {"messages": MESSAGES}, VLLM_CHAT_KEYS, VLLM_CHAT_CHOICE_KEYS),
+])
+def test_whole_responses_carry_the_keys_vllm_sends(tiny_server, path, body, keys, choice_keys):
+    status, data = post(tiny_server, path, {**body, "max_tokens": 1})
+    assert status == 200, data
+    assert set(data) == keys, set(data) ^ keys
+    assert set(data["choices"][0]) == choice_keys
+    assert set(data["usage"]) == VLLM_USAGE_KEYS
+    assert all(data[k] is None for k in keys - {"id", "object", "created", "model", "choices", "usage"})
+    assert data["usage"]["prompt_tokens_details"] is None
+    if path == CHAT:
+        assert data["choices"][0]["message"]["role"] == "assistant"
+    else:
+        assert data["choices"][0]["prompt_logprobs"] is None
+
+
+def test_model_cards_carry_the_keys_vllm_sends(tiny_server):
+    r = httpx.get(tiny_server.url + "/v1/models", headers=tiny_server.headers, timeout=30)
+    card = r.json()["data"][0]
+    assert set(card) - {"quantization", "weight_format"} == VLLM_MODEL_CARD_KEYS
+    assert card["parent"] is None and card["root"] == tiny_server.controller.engine.model_name
+    [permission] = card["permission"]
+    assert set(permission) == VLLM_MODEL_PERMISSION_KEYS
+    assert permission["object"] == "model_permission" and permission["id"].startswith("modelperm-")
+    assert permission["allow_sampling"] and permission["allow_logprobs"] and not permission["allow_fine_tuning"]

@@ -132,6 +132,15 @@ def default_max_body_bytes(max_model_len: int) -> int:
 DEFAULT_CORS = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"], "allow_credentials": False}
 
 
+
+def model_permission() -> dict[str, Any]:
+    """One ``/v1/models`` card's permission entry, shaped as vLLM's ``ModelPermission`` with its
+    defaults (sampling, logprobs and viewing allowed; fine-tuning and engine creation not)."""
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": int(time.time()),
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}
+
 def build_app(controller: Any, model_name: str | None = None, api_key: str | None = None,
               max_body_bytes: int | None = None, cors: dict[str, Any] | None = None) -> FastAPI:
     """The FastAPI app serving ``controller`` (whose model must have loaded).
@@ -213,9 +222,12 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
     @v1.get("/v1/models")
     async def models() -> dict:
         model = controller.engine.model
+        # vLLM's ModelCard keys and order (root: the model loaded, parent: null for a base model,
+        # permission: one default ModelPermission, made per call as vLLM makes it), then our two
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": state.created, "owned_by": "nanovllm",
-            "root": controller.engine.model_name, "max_model_len": state.serving.max_model_len,
+            "root": controller.engine.model_name, "parent": None, "max_model_len": state.serving.max_model_len,
+            "permission": [model_permission()],
             # what runs (auto, the default, decided it at load): "gguf", "q8_0", ... or "none" for float
             "quantization": model.quantization or "none", "weight_format": describe_weights(model)}]}
 

@@ -274,14 +274,18 @@ class OpenAIServing:
                     choice = {"index": index, "text": c.text,
                               "logprobs": _completion_logprobs(c.logprobs, c.token_ids, p.params.logprobs, 0)
                               if c.logprobs is not None else None,
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, "prompt_logprobs": None}
                 if p.return_token_ids:  # vLLM's places: the prompt's ids per completion choice, once for a chat
                     if p.kind == "completion":
                         choice["prompt_token_ids"] = list(out.prompt_token_ids)
                     choice["token_ids"] = list(c.token_ids)
                 choices.append(choice)
         body = {"id": p.request_id, "object": "chat.completion" if p.kind == "chat" else "text_completion",
-                "created": p.created, "model": self.model_name, "choices": choices, "usage": _usage(outs)}
+                "created": p.created, "model": self.model_name, "choices": choices, **RESPONSE_NULLS,
+                "usage": {**_usage(outs), "prompt_tokens_details": None}}
+        if p.kind == "chat":  # vLLM's ChatCompletionResponse has it once, a completion choice each its own
+            body["prompt_logprobs"] = None
+        body["kv_transfer_params"] = None
         if p.return_token_ids and p.kind == "chat":
             body["prompt_token_ids"] = list(outs[0].prompt_token_ids)
         return body
@@ -423,6 +427,15 @@ class OpenAIServing:
         s.chars, s.tokens, s.started, s.done = len(c.text), len(c.token_ids), True, finished
         return choice
 
+
+# Keys vLLM's whole (not streamed) responses always carry (its protocol.py models dumped with
+# model_dump(), None included) for what this server never makes: no service tiers, no system
+# fingerprint, no prompt logprobs (prompt_logprobs is not a request field here), no cached-token
+# counts (usage.prompt_tokens_details), no disaggregated KV transfer. A client that checks the key
+# set finds vLLM's. Streamed chunks leave them out, as vLLM's (exclude_unset) do. The chat message
+# keeps role and content only: a client that sends the message back in its next request would meet
+# this server's refusal of unknown message fields (vLLM's refusal, audio, ... nulls).
+RESPONSE_NULLS: dict[str, Any] = {"service_tier": None, "system_fingerprint": None}
 
 SERVER_ID_PREFIXES = ("cmpl-", "chatcmpl-", "ctl-")  # ids the server makes; a client may not choose them
 
