@@ -1091,3 +1091,80 @@ def test_model_cards_carry_the_keys_vllm_sends(tiny_server):
     assert set(permission) == VLLM_MODEL_PERMISSION_KEYS
     assert permission["object"] == "model_permission" and permission["id"].startswith("modelperm-")
     assert permission["allow_sampling"] and permission["allow_logprobs"] and not permission["allow_fine_tuning"]
+
+
+def _rendered(server, path_body: dict) -> str:
+    """The prompt a chat request's template gave, as text (from return_token_ids)."""
+    status, data = post(server, CHAT, {**path_body, "max_tokens": 1, "temperature": 0, "return_token_ids": True})
+    assert status == 200, data
+    return server.controller.engine.tokenizer.decode(data["prompt_token_ids"])
+
+
+def test_continue_final_message_leaves_the_last_message_open(tiny_server):
+    """Trial 20b #3: vLLM's continue_final_message was a 400 unknown_parameter. With
+    add_generation_prompt false the prompt ends in the assistant's own words (no end of turn, no
+    new turn), through SmolLM2's real chat template."""
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    open_ended = _rendered(tiny_server, {"messages": messages, "continue_final_message": True,
+                                         "add_generation_prompt": False})
+    closed = _rendered(tiny_server, {"messages": messages, "add_generation_prompt": False})
+    assert open_ended.endswith("The colour is") and closed.rstrip().endswith("<|im_end|>")
+    assert closed.startswith(open_ended)
+    status, data = post(tiny_server, CHAT, {"messages": messages, "continue_final_message": True, "max_tokens": 1})
+    assert status == 400 and data["error"]["param"] == "continue_final_message", data
+    assert "add_generation_prompt: false" in data["error"]["message"]
+    status, data = post(tiny_server, CHAT, {"messages": messages, "continue_final_message": "yes",
+                                            "add_generation_prompt": False, "max_tokens": 1})
+    assert status == 400 and data["error"]["param"] == "continue_final_message", data
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_server):
+    """Trial 20b #3: vLLM's chat_template_kwargs was a 400 unknown_parameter. Its variables reach
+    the template (SmolLM2's reads none, so the prompt is the same as without; a template that
+    reads one is checked through the engine below); a value that is no object, or a key that is a
+    renderer setting, is a one-line 400 naming the field."""
+    base = {"messages": MESSAGES}
+    assert _rendered(tiny_server, {**base, "chat_template_kwargs": {"enable_thinking": False}}) == \
+        _rendered(tiny_server, base) == _rendered(tiny_server, {**base, "chat_template_kwargs": None})
+    for value in ([1], "x", 3):
+        status, data = post(tiny_server, CHAT, {**base, "chat_template_kwargs": value, "max_tokens": 1})
+        assert status == 400 and data["error"]["param"] == "chat_template_kwargs", data
+        assert "\n" not in data["error"]["message"]
+    status, data = post(tiny_server, CHAT, {**base, "chat_template_kwargs": {"tokenize": True}, "max_tokens": 1})
+    assert status == 400 and data["error"]["param"] == "chat_template_kwargs"
+    assert "'tokenize'" in data["error"]["message"]
+
+
+def test_chat_template_kwargs_are_template_variables(tiny_server, monkeypatch):
+    """A template that reads a variable sees the value sent (LLMEngine.chat_token_ids, which the
+    server and LLM.chat share); the library refuses what the server refuses."""
+    engine = tiny_server.controller.engine
+    tokenizer = engine.tokenizer
+    monkeypatch.setattr(tokenizer, "chat_template",
+                        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %}!!{% endif %}")
+    ids = engine.chat_token_ids(MESSAGES, add_generation_prompt=False, chat_template_kwargs={"shout": True})
+    assert tokenizer.decode(ids) == "hi!!"
+    assert tokenizer.decode(engine.chat_token_ids(MESSAGES, add_generation_prompt=False)) == "hi"
+    with pytest.raises(ValueError, match="cannot both be true"):
+        engine.chat_token_ids(MESSAGES, continue_final_message=True)
+    with pytest.raises(ValueError, match="may not set 'messages'"):
+        engine.chat_token_ids(MESSAGES, chat_template_kwargs={"messages": []})
+
+
+# docs/serving.md lists these vLLM request fields as refused here, each with why
+VLLM_FIELDS_REFUSED = ("reasoning_effort include_reasoning service_tier functions function_call guided_json "
+                       "guided_regex guided_choice guided_grammar structural_tag use_beam_search length_penalty prompt_logprobs "
+                       "allowed_token_ids bad_words logits_processors truncate_prompt_tokens add_special_tokens "
+                       "spaces_between_special_tokens return_tokens_as_token_ids chat_template documents "
+                       "mm_processor_kwargs prompt_embeds request_id cache_salt kv_transfer_params vllm_xargs").split()
+
+
+def test_the_vllm_fields_the_docs_list_as_refused_are_refused_and_listed():
+    from pathlib import Path
+
+    from nanovllm_core.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+
+    docs = (Path(__file__).parent.parent / "docs" / "serving.md").read_text()
+    for name in VLLM_FIELDS_REFUSED:
+        assert f"`{name}`" in docs, name
+        assert name not in ChatCompletionRequest.model_fields and name not in CompletionRequest.model_fields, name

@@ -38,3 +38,22 @@ def test_default_model_greedy_text_and_usage_equal_llm_generate_and_chat(make_en
     finally:
         server.stop()
         controller.shutdown(timeout=5)
+
+
+def test_llm_chat_continue_final_message_equals_generate_on_the_open_prompt(make_llm):
+    """Trial 20b #3: LLM.chat takes vLLM's continue_final_message and chat_template_kwargs, on the
+    embedded model's real chat template: continuing the assistant's words generates what the
+    same prompt, rendered open and sent as token ids, generates (greedy, 2 tokens)."""
+    llm = make_llm(num_kv_blocks=64)
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    ids = llm.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert llm.tokenizer.decode(ids).endswith("The capital of France is")
+    got = llm.chat(messages, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True,
+                   chat_template_kwargs={"enable_thinking": False})[0]
+    assert got.prompt_token_ids == ids
+    want = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(messages, params, use_tqdm=False, continue_final_message=True)

@@ -15,7 +15,7 @@ from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.llm_engine import EngineDeadError, LLMEngine
 from nanovllm_core.model.loader import ProgressFn
 from nanovllm_core.outputs import RequestOutput
-from nanovllm_core.prompts import conversation_problem, describe
+from nanovllm_core.prompts import chat_template_problem, conversation_problem, describe
 from nanovllm_core.sampling_params import SamplingParams
 
 
@@ -324,8 +324,14 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list) and generate.
+
+        ``continue_final_message`` (with ``add_generation_prompt=False``, vLLM's rule) leaves the
+        last message open for the model to go on with; ``chat_template_kwargs`` are extra
+        variables for the template (vLLM's ``LLM.chat`` arguments; ``LLMEngine.chat_token_ids``).
 
         Each message is ``{"role": ..., "content": text}`` with a role the server takes too
         (``prompts.CHAT_ROLES``: system, developer, user, assistant, tool; developer reaches the
@@ -361,19 +367,27 @@ class LLM:
             problem = conversation_problem(conversation)
             if problem is not None:
                 raise ValueError(f"conversation {i}: {problem}" if batch else problem)
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        problem = chat_template_problem(add_generation_prompt, continue_final_message, chat_template_kwargs)
+        if problem is not None:  # before any conversation is queued
+            raise ValueError(problem[1])
+        prompts = [self.apply_chat_template(c, add_generation_prompt, continue_final_message, chat_template_kwargs)
+                   for c in conversations]
         # a refusal names the conversation given, as the shape checks above do (not prompts[i]; trial 9)
         return self._generate(prompts, sampling_params, None, use_tqdm, False,
                               label="conversation {i}" if batch else None,
                               noun="conversations")
 
-    def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template.
+    def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template (options: :meth:`chat`).
 
         Raises:
-            ValueError: the tokenizer has no chat template.
+            ValueError: the tokenizer has no chat template, options that cannot go together, or a
+                template that refuses the conversation.
         """
-        return self.engine.chat_token_ids(conversation, add_generation_prompt)
+        return self.engine.chat_token_ids(conversation, add_generation_prompt, continue_final_message,
+                                          chat_template_kwargs)
 
     def close(self) -> None:
         """End this LLM: later ``generate`` and ``chat`` calls raise ``ValueError(CLOSED)``; the

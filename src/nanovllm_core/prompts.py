@@ -144,3 +144,40 @@ def unicode_problem(text: str) -> str | None:
     if bad is None:
         return None
     return f"character {bad} is a lone surrogate {json.dumps(text[bad])}, which has no UTF-8 form; send UTF-8 text"
+
+
+# What a chat template's renderer (transformers' ``apply_chat_template``) takes as its own settings or
+# fills itself: ``chat_template_kwargs`` may not set them (they would change what the call returns,
+# not what the template sees); add_generation_prompt and continue_final_message are fields of their own.
+CHAT_TEMPLATE_RESERVED = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
+
+
+def chat_template_problem(add_generation_prompt: Any, continue_final_message: Any,
+                          chat_template_kwargs: Any) -> tuple[str, str] | None:
+    """(field, one-line reason) when these chat template options cannot go together, else None.
+
+    vLLM's rules: ``continue_final_message`` (leave the last message open for the model to go
+    on with, as transformers renders it) and ``add_generation_prompt`` (open a new assistant
+    turn) may not both be true; ``chat_template_kwargs`` is an object of extra template
+    variables (``{"enable_thinking": false}``), none of them a renderer setting
+    (:data:`CHAT_TEMPLATE_RESERVED`).
+    """
+    if continue_final_message and add_generation_prompt:
+        return ("continue_final_message", "continue_final_message and add_generation_prompt cannot both be true "
+                "(add_generation_prompt is true unless sent false): send add_generation_prompt: false to continue "
+                "the last message")
+    if chat_template_kwargs is None:
+        return None
+    if not isinstance(chat_template_kwargs, dict):
+        return ("chat_template_kwargs", f"chat_template_kwargs must be an object of template variables "
+                f'(e.g. {{"enable_thinking": false}}) or null, got {shown(chat_template_kwargs)}')
+    reserved = sorted(k for k in chat_template_kwargs if k in CHAT_TEMPLATE_RESERVED)
+    if reserved:
+        return ("chat_template_kwargs", f"chat_template_kwargs may not set {reserved[0]!r}: it is a setting of the "
+                "template renderer, not a template variable (add_generation_prompt and continue_final_message "
+                "are request fields of their own)")
+    return None
+

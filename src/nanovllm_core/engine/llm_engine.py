@@ -55,7 +55,7 @@ from nanovllm_core.model.quantization import (
 )
 from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.prompts import (Prompt, content_text, conversation_problem, describe, is_conversation,
-                                   template_message)
+                                   template_message, chat_template_problem)
 from nanovllm_core.sampling.sampler import RowGroup, Sampler, SamplerOutput, SamplingRow
 from nanovllm_core.prompts import unicode_problem
 from nanovllm_core.sampling_params import FCFS_FIX, SamplingParams, check_priority, max_tokens_overflow
@@ -492,19 +492,31 @@ class LLMEngine(EventSource):
         """True when the tokenizer has a chat template (an instruction-tuned model's prompt format)."""
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def chat_token_ids(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def chat_token_ids(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
+                       continue_final_message: bool = False,
+                       chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template.
 
+        ``continue_final_message``: the last message is left open (no end-of-turn after it), so
+        the model goes on with it (transformers' option, as vLLM passes it); it needs
+        ``add_generation_prompt=False``. ``chat_template_kwargs``: extra variables the template
+        sees (``{"enable_thinking": False}``; a template ignores those it does not use).
+
         Raises:
-            ValueError: the tokenizer has no chat template, or the template refused the conversation.
+            ValueError: the tokenizer has no chat template, the options cannot go together
+                (``prompts.chat_template_problem``), or the template refused the conversation.
         """
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; send plain prompts instead of chat")
+        problem = chat_template_problem(add_generation_prompt, continue_final_message, chat_template_kwargs)
+        if problem is not None:
+            raise ValueError(problem[1])
         try:
             # developer -> system and text parts joined, as the server sends them (prompts.template_message)
             conversation = [template_message(m) if isinstance(m, dict) else m for m in conversation]
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
+                                                      continue_final_message=continue_final_message,
+                                                      tokenize=False, **(chat_template_kwargs or {}))
         except Exception as e:  # jinja2's errors: a template that refuses these messages
             raise ValueError(f"the chat template could not render these messages: {untrusted.clipped(str(e), 200)}") from None
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -17,7 +17,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, StrictBool, StrictFloat, StrictInt,
                       ValidationError, WrapValidator, model_validator)
 
-from nanovllm_core.prompts import CONTENT_SHAPE, ChatRole, TextPartType, content_text, template_role
+from nanovllm_core.prompts import (CONTENT_SHAPE, ChatRole, TextPartType, chat_template_problem, content_text,
+                                   template_role)
 from nanovllm_core.sampling_params import LOGIT_BIAS_LIMIT, SamplingParams, check_priority
 from nanovllm_core.untrusted import clipped, shown
 
@@ -445,6 +446,26 @@ class ChatCompletionRequest(_SamplingBody):
     logprobs: StrictBool = False
     top_logprobs: Int | None = None
     add_generation_prompt: StrictBool = True
+    # vLLM's chat template options: leave the last message open for the model to continue (needs
+    # add_generation_prompt false), and extra variables for the template (prompts.chat_template_problem)
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_options(self) -> dict[str, Any]:
+        """The chat template options, checked: ``add_generation_prompt``, ``continue_final_message``,
+        ``chat_template_kwargs`` (``LLMEngine.chat_token_ids``' arguments).
+
+        Raises:
+            APIError: both ``continue_final_message`` and ``add_generation_prompt`` true, or a
+                ``chat_template_kwargs`` key that is a renderer setting.
+        """
+        problem = chat_template_problem(self.add_generation_prompt, self.continue_final_message,
+                                        self.chat_template_kwargs)
+        if problem is not None:
+            raise APIError(problem[1], param=problem[0], code="invalid_value")
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message,
+                "chat_template_kwargs": self.chat_template_kwargs}
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them.
