@@ -638,6 +638,9 @@ class NanoVLLMApp(App):
                 self.notify("The chat box takes space (or ctrl+t) to toggle; Esc leaves the prompt bar "
                             "for the app's keys.", severity="warning", markup=False)
                 return True  # a key typed into the bar is never an app key
+        if isinstance(focused, Field) and (isinstance(event, events.Paste) or (
+                isinstance(event, events.Key) and focused.check_consume_key(event.key, event.character))):
+            focused.settle_entry()  # before its Focus message: keys typed right after / or Tab (trial 20e)
         if isinstance(event, events.Paste):
             if isinstance(focused, Field):  # every line kept, as ⏎ (Input keeps the first only: trial 10)
                 focused.paste(event.text)
