@@ -36,7 +36,7 @@ from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.sampling_params import SamplingParams
 
-from benchmarks.common import HostCheck, check_json_path, corpus_token_ids, fmt, machine_summary, percentile, table, write_json
+from benchmarks.common import HostCheck, check_json_path, compared, corpus_token_ids, fmt, machine_summary, percentile, table, write_json
 
 FEATURES = ("priority", "preemption", "chunked_prefill", "prefix_caching")
 
@@ -119,7 +119,8 @@ def print_priority(r: dict[str, Any]) -> None:
     print(f"Priority scheduling ({r['setup']}):")
     print(table(["policy", "high TTFT p50 s", "high TTFT max s", "low TTFT p50 s", "low TTFT max s",
                  "preemptions"], rows))
-    print(f"high-priority TTFT p50: {r['high_priority_ttft_speedup']:.2f}x faster under the priority policy\n")
+    print(f"high-priority TTFT p50: {compared(r['high_priority_ttft_speedup'], 'faster', 'slower')} under the "
+          "priority policy\n")
 
 
 # -------------------------------------------------------------------------------- preemption
@@ -221,7 +222,7 @@ def print_chunked(r: dict[str, Any]) -> None:
     print(table(["prefill", "budget", "decode stall (max ITL) s", "ITL p50 s", "long prompt TTFT s"],
                 [[n, str(r[n]["token_budget"]), fmt(r[n]["decode_stall_max_s"]), fmt(r[n]["itl_p50_s"]),
                   fmt(r[n]["long_prompt_ttft_s"])] for n in ("chunked", "one piece")]))
-    print(f"the longest decode stall is {r['stall_reduction']:.2f}x shorter with chunking\n")
+    print(f"the longest decode stall is {compared(r['stall_reduction'], 'shorter', 'longer')} with chunking\n")
 
 
 # ---------------------------------------------------------------------------- prefix caching
@@ -257,7 +258,7 @@ def print_prefix(r: dict[str, Any]) -> None:
     print(table(["prefix caching", "hit rate", "cached prompt tokens p50", "TTFT p50 s", "TTFT max s"],
                 [[n, f"{100 * r[n]['hit_rate']:.1f}%", fmt(r[n]["cached_prompt_tokens_p50"]), fmt(r[n]["ttft_p50_s"]),
                   fmt(r[n]["ttft_max_s"])] for n in ("on", "off")]))
-    print(f"TTFT p50 of the later requests: {r['ttft_speedup']:.2f}x faster with prefix caching\n")
+    print(f"TTFT p50 of the later requests: {compared(r['ttft_speedup'], 'faster', 'slower')} with prefix caching\n")
 
 
 RUNS = {

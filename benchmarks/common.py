@@ -265,6 +265,16 @@ def fmt(value: float | None, unit: str = "", digits: int = 3) -> str:
     return f"{value:.{digits}g}{unit}" if abs(value) < 1000 else f"{value:,.0f}{unit}"
 
 
+def compared(ratio: float, better: str, worse: str) -> str:
+    """A ratio of baseline to new (``baseline_s / new_s``) in words that read the right way round:
+    ``compared(1.5, "faster", "slower")`` is "1.50x faster", ``compared(0.34, "shorter", "longer")``
+    is "2.94x longer" (a ratio under 1 printed as "0.34x shorter" read as a gain; trial 20e), and
+    a ratio that is not a positive number is "not comparable"."""
+    if not ratio > 0 or ratio == float("inf"):
+        return "not comparable"
+    return f"{ratio:.2f}x {better}" if ratio >= 1 else f"{1 / ratio:.2f}x {worse}"
+
+
 def table(headers: list[str], rows: list[list[str]]) -> str:
     """A plain fixed-width text table (first column left-aligned, the rest right-aligned)."""
     cols = [headers] + rows

@@ -208,3 +208,21 @@ def test_the_benchmarks_and_the_tensor_parallel_measurement_name_the_cpu_one_way
     from nanovllm_core import native, roofline
     from nanovllm_core.educational import tp_measure
     assert benchmarks.common.cpu_name is roofline.cpu_name is tp_measure.cpu_name is native.cpu_name
+
+
+def test_a_summary_ratio_under_one_reads_the_other_way_round(capsys):
+    """Trial 20e: chunking's stall was 12.8 s against 4.39 s in one piece and the summary said
+    "0.34x shorter with chunking" (read as a gain); every summary line words the ratio by its side of 1."""
+    from benchmarks.benchmark_advanced_scheduling import print_chunked, print_prefix, print_priority
+    from benchmarks.common import compared
+
+    assert compared(1.5, "faster", "slower") == "1.50x faster"
+    assert compared(4.39 / 12.8, "shorter", "longer") == "2.92x longer"
+    assert compared(0.0, "faster", "slower") == compared(float("nan"), "faster", "slower") == "not comparable"
+    row = {"token_budget": 128, "decode_stall_max_s": 12.8, "itl_p50_s": 0.27, "long_prompt_ttft_s": 22.7}
+    print_chunked({"setup": "x", "chunked": row, "one piece": {**row, "decode_stall_max_s": 4.39},
+                   "stall_reduction": 4.39 / 12.8})
+    out = capsys.readouterr().out
+    assert "the longest decode stall is 2.92x longer with chunking" in out and "shorter" not in out
+    source = inspect.getsource(print_priority) + inspect.getsource(print_prefix)
+    assert "compared(" in source and "x faster" not in source  # the other two summary lines share the rule

@@ -128,8 +128,8 @@ async def test_a_start_up_max_tokens_beyond_the_models_context_ends_the_app_with
         await wait_until(pilot, lambda: exits, timeout=60, what="the app to refuse the start-up max tokens")
     assert app.return_code == 2 and len(exits) == 1
     assert str(exits[0]["message"]) == ("nanovllm-tui: error: --max-tokens: max tokens must be a whole number from 1 "
-                                         "to 512 (the max_model_len of the engine it goes to: here or the server's), not '9000'; lower --max-tokens or raise "
-                                         "--max-model-len")
+                                         "to 512 (the max_model_len of the engine it goes to: here or the server's), not '9000'; lower --max-tokens "
+                                         "(--max-model-len is already the model's whole context)")  # 512: the tiny's context (trial 20e)
 
 
 async def test_a_start_up_refusal_that_comes_before_the_model_is_known_ends_with_the_max_tokens_line(tiny_llama_dir,
@@ -162,7 +162,8 @@ async def test_a_start_up_refusal_that_comes_before_the_model_is_known_ends_with
         loaded.set()
         await wait_until(pilot, lambda: exits, timeout=60, what="the app to refuse the start-up max tokens")
     assert app.return_code == 2 and len(exits) == 1
-    assert str(exits[0]["message"]).endswith("; lower --max-tokens or raise --max-model-len"), exits
+    assert str(exits[0]["message"]).endswith("; lower --max-tokens (--max-model-len is already the model's whole "
+                                             "context)"), exits
 
 
 async def test_under_connect_the_start_up_max_tokens_refusal_points_at_the_server(tiny_server, tmp_path):

@@ -166,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_model_len is not None and args.max_tokens >= args.max_model_len:  # before loading: no prompt fits
         parser.error(f"--max-tokens {args.max_tokens} leaves no room for a prompt in --max-model-len "
                      f"{args.max_model_len} (prompt plus output must fit, as the server requires); "
-                     "lower --max-tokens or raise --max-model-len")
+                     "lower --max-tokens or raise --max-model-len (up to the model's context)")
     if args.trace_xray and not args.trace:
         parser.error("--trace-xray records into the --trace file; add --trace FILE.jsonl")
     check_output_paths(parser, ("--trace", args.trace), ("--trace-chrome", args.trace_chrome))  # before the load
@@ -270,7 +270,9 @@ def check_max_tokens(llm, args: argparse.Namespace, parser: argparse.ArgumentPar
             continue  # the engine rejects it with its reason
         why = max_tokens_overflow(len(ids), args.max_tokens, limit, option="--max-tokens",
                                   prompt=f"prompt {i + 1} has" if len(inputs) > 1 else "the prompt has",
-                                  fix="lower --max-tokens or raise --max-model-len")
+                                  fix="lower --max-tokens or raise --max-model-len",
+                                  model_context=llm.engine.model_config.max_position_embeddings,
+                                  fix_full="lower --max-tokens (--max-model-len is already the model's whole context)")
         if why is not None:
             parser.error(why)
 

@@ -73,11 +73,14 @@ def check_priority(value: object, name: str = "priority", policy: str | None = N
 
 
 OVERFLOW_FIX = "lower max_tokens or raise max_model_len"  # max_tokens_overflow's default advice
+# ... and where max_model_len is already the model's whole context, raising it is refused (trial 20e)
+OVERFLOW_FIX_FULL = "lower max_tokens (max_model_len is already the model's whole context)"
 
 
 def max_tokens_overflow(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, *,
                         option: str = "max_tokens", prompt: str = "the prompt has",
-                        fix: str = OVERFLOW_FIX) -> str | None:
+                        fix: str = OVERFLOW_FIX, model_context: int | None = None,
+                        fix_full: str = OVERFLOW_FIX_FULL) -> str | None:
     """Why ``max_tokens`` does not fit after a prompt of ``num_prompt_tokens`` tokens in a context of
     ``max_model_len`` tokens (vLLM's server rule: prompt + max_tokens <= max_model_len), as one line;
     None when it fits, when ``max_tokens`` is None (up to the context), or when the prompt alone fills
@@ -85,25 +88,33 @@ def max_tokens_overflow(num_prompt_tokens: int, max_tokens: int | None, max_mode
 
     The one wording of this refusal, shared by ``nanovllm --max-tokens`` (``option="--max-tokens"``)
     and the engine's opt-in check (``LLMEngine.add_request(fit_context=True)``, what ``nanovllm-tui``
-    sends with). ``prompt``: how the prompt is named (``"prompt 2 has"``); ``fix``: what to do.
+    sends with). ``prompt``: how the prompt is named (``"prompt 2 has"``); ``fix``: what to do;
+    ``fix_full`` instead where ``max_model_len`` is already ``model_context`` (the model's
+    ``max_position_embeddings``, None: not known), since raising it further is refused at load.
     """
     if max_tokens is None or not num_prompt_tokens < max_model_len < num_prompt_tokens + max_tokens:
         return None
     tokens = f"{num_prompt_tokens} token{'s' if num_prompt_tokens != 1 else ''}"
     return (f"{option} {max_tokens} does not fit: {prompt} {tokens} and the context (max_model_len) is {max_model_len}, "
-            f"so at most {max_model_len - num_prompt_tokens} can follow; {fix}")
+            f"so at most {max_model_len - num_prompt_tokens} can follow; "
+            f"{fix_full if model_context is not None and max_model_len >= model_context else fix}")
 
 
 def overflow_with_options(reason: str, option: str = "--max-tokens",
-                          fix: str = "lower --max-tokens or raise --max-model-len") -> str:
+                          fix: str = "lower --max-tokens or raise --max-model-len",
+                          fix_full: str = "lower --max-tokens (--max-model-len is already the model's whole context)") -> str:
     """An engine refusal worded by :func:`max_tokens_overflow`'s defaults (``max_tokens ... does not fit:
     ...; lower max_tokens or raise max_model_len``) reworded for a command line: ``option`` in place of
-    ``max_tokens`` and ``fix`` as the advice (what ``nanovllm-tui`` says when a ``--prompt`` given at
-    start is refused, as ``nanovllm`` words it). Any other reason comes back unchanged.
+    ``max_tokens`` and ``fix`` (``fix_full`` for :data:`OVERFLOW_FIX_FULL`) as the advice (what
+    ``nanovllm-tui`` says when a ``--prompt`` given at start is refused, as ``nanovllm`` words it).
+    Any other reason comes back unchanged.
     """
-    if not (reason.startswith("max_tokens ") and " does not fit: " in reason and reason.endswith(OVERFLOW_FIX)):
+    if not (reason.startswith("max_tokens ") and " does not fit: " in reason):
         return reason
-    return f"{option} {reason[len('max_tokens '):-len(OVERFLOW_FIX)]}{fix}"
+    for engine_fix, ours in ((OVERFLOW_FIX, fix), (OVERFLOW_FIX_FULL, fix_full)):
+        if reason.endswith(engine_fix):
+            return f"{option} {reason[len('max_tokens '):-len(engine_fix)]}{ours}"
+    return reason
 
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's documented range for a logit_bias value: [-100, 100]

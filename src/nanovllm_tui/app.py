@@ -505,10 +505,14 @@ class NanoVLLMApp(App):
         wrong = settings_errors(self.settings, limit=limit) if self._initial_prompts else []
         if wrong:
             # under --connect the context length is the server's (--connect refuses --max-model-len; trial 6)
-            raise_it = ("raise `nanovllm serve --max-model-len` on the server"
-                        if not getattr(self.controller, "local_engine", True) else "raise --max-model-len")
-            self.exit(return_code=2, message=Text(f"nanovllm-tui: error: --{wrong[0][0]}: {wrong[0][1]}; lower "
-                                                  f"--max-tokens or {raise_it}"))
+            context = self.state.model_info.get("max_position_embeddings")
+            if not getattr(self.controller, "local_engine", True):
+                fix = "lower --max-tokens or raise `nanovllm serve --max-model-len` on the server"
+            elif context is not None and limit >= context:  # raising it is refused at load (trial 20e)
+                fix = "lower --max-tokens (--max-model-len is already the model's whole context)"
+            else:
+                fix = "lower --max-tokens or raise --max-model-len"
+            self.exit(return_code=2, message=Text(f"nanovllm-tui: error: --{wrong[0][0]}: {wrong[0][1]}; {fix}"))
 
     def _controller_state(self) -> str:
         """The controller's state as of the events drawn so far.
@@ -638,6 +642,9 @@ class NanoVLLMApp(App):
                 self.notify("The chat box takes space (or ctrl+t) to toggle; Esc leaves the prompt bar "
                             "for the app's keys.", severity="warning", markup=False)
                 return True  # a key typed into the bar is never an app key
+        if isinstance(focused, Field) and (isinstance(event, events.Paste) or (
+                isinstance(event, events.Key) and focused.check_consume_key(event.key, event.character))):
+            focused.settle_entry()  # before its Focus message: keys typed right after / or Tab (trial 20e)
         if isinstance(event, events.Paste):
             if isinstance(focused, Field):  # every line kept, as ⏎ (Input keeps the first only: trial 10)
                 focused.paste(event.text)

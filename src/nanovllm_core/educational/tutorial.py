@@ -717,6 +717,8 @@ CHAPTERS: tuple[Chapter, ...] = (
         and its share of the MLP's intermediate features, and computes its part of attention and of
         SiLU(G) * U without talking to anyone. The projections back (o and down) are row-parallel: each
         rank multiplies its slice by the matching rows and gets a full-width [T, hidden] partial sum.
+        (Rows and columns here are of W in Y = X W, W being [in, out]; PyTorch stores a weight as
+        [out, in], so in the code and docs/engine.md the same slices are the other way round.)
         One all-reduce after each (every rank contributes its sum and receives the total) gives all
         ranks the layer's output: two all-reduces per layer. The embedding and the LM head are split
         over the vocabulary: each rank looks up only the ids in its rows and one more all-reduce adds

@@ -252,6 +252,7 @@ class LLMEngine(EventSource):
             "kv_bytes_per_token": c.kv_bytes_per_token(self.kv_dtype), "kv_dtype": str(self.kv_dtype).replace("torch.", ""),
             "block_size": self.block_manager.block_size,
             "num_kv_blocks": self.block_manager.num_blocks, "max_model_len": self.max_model_len,
+            "max_position_embeddings": c.max_position_embeddings,  # the most max_model_len may be
             "max_num_seqs": self.scheduler.max_num_seqs, "token_budget": self.scheduler.token_budget,
             "scheduling_policy": self.scheduler.policy, "prefix_caching": self.block_manager.enable_prefix_caching,
             "chunked_prefill": self.scheduler.enable_chunked_prefill, "chat_template": self.has_chat_template,
@@ -379,11 +380,14 @@ class LLMEngine(EventSource):
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             return "prompt", f"token id {shown(bad[0])} is outside the vocabulary (0..{vocab - 1})"
+        context = self.model_config.max_position_embeddings  # max_model_len cannot be raised past it
         if n_prompt >= self.max_model_len:
             return "prompt", (f"the prompt has {n_prompt} token{'s' if n_prompt != 1 else ''} but max_model_len is {self.max_model_len}, "
-                    "which must also leave room for at least one output token; "
-                    "shorten the prompt or raise max_model_len (--max-model-len)")
-        overflow = max_tokens_overflow(n_prompt, params.max_tokens, self.max_model_len) if fit_context else None
+                    "which must also leave room for at least one output token; " +
+                    ("shorten the prompt or raise max_model_len (--max-model-len)" if self.max_model_len < context
+                     else "shorten the prompt (max_model_len is already the model's whole context)"))
+        overflow = (max_tokens_overflow(n_prompt, params.max_tokens, self.max_model_len, model_context=context)
+                    if fit_context else None)
         if overflow is not None:
             return "max_tokens", overflow
         bad = [t for t in params.stop_token_ids if t >= vocab]

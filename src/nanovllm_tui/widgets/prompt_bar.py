@@ -34,12 +34,14 @@ from typing import Callable, Sequence
 
 from rich.cells import cell_len, get_character_cell_size
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.geometry import Region
 from textual.validation import ValidationResult, Validator
 from textual.widgets import Checkbox, Input, Label
+from textual.widgets.input import Selection
 
 from nanovllm_core import cli_args
 from nanovllm_core.sampling_params import PRIORITY_MAX, check_priority
@@ -248,6 +250,46 @@ class Field(Input):
     def action_typed(self) -> None:
         """Nothing: see :func:`typed_keys`."""
 
+    # Entering a field: a setting selects its value (typing replaces it, as a form's field does on
+    # Tab); the prompt puts the cursor after its text (typing continues it). Input applies its
+    # select-on-focus when its Focus message is handled, but the app types each key into the
+    # focused field at once, in order (``NanoVLLMApp._handle_now``): keys typed right after `/` or
+    # Tab went in before that message, were then selected, and the next key replaced them ("Tell
+    # me" became "me"), and `/` then typing replaced a prompt put back after a refusal (trial 20e).
+    # So the app settles a field's entry before it types into it, and the Focus message, coming
+    # after, does not do it again.
+    _entry_settled = False
+
+    def settle_entry(self) -> None:
+        """Apply what entering this field does (select a setting's value, or put the prompt's cursor
+        at its end), once per entry: the app calls it before it types the first key into the field;
+        Input's own handling of the Focus message does it otherwise."""
+        if self._entry_settled:
+            return
+        self._entry_settled = True
+        if self.select_on_focus:
+            self.selection = Selection(0, len(self.value))
+        else:
+            self.cursor_position = len(self.value)
+
+    def _on_focus(self, event: events.Focus) -> None:
+        settled = self._entry_settled
+        select, self.select_on_focus = self.select_on_focus, False  # Input's own select: settle_entry's
+        try:
+            super()._on_focus(event)
+        finally:
+            self.select_on_focus = select
+        if not settled and not event.from_app_focus:
+            self.settle_entry()
+        self._entry_settled = True  # (a focus given back to the app window keeps the cursor where it was)
+
+    def on_blur(self) -> None:
+        """The next entry settles afresh; a setting shows its value's start once the focus leaves
+        (typing left the view at its end: a cut "prio -1000" read "prio 000")."""
+        self._entry_settled = False
+        if self.has_class("setting"):
+            self.cursor_position = 0
+
     async def action_submit(self) -> None:
         self.query_ancestor(PromptBar).submit(self)
 
@@ -281,11 +323,9 @@ class PromptField(Field):
 
     BINDINGS = typed_keys("slash")
 
-    def on_blur(self) -> None:
-        """Show the value's start once the focus leaves (typing left the view at its end: a cut
-        "prio -1000" read "prio 000"). Settings only: the prompt keeps its place for more typing."""
-        if self.has_class("setting"):
-            self.cursor_position = 0
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("select_on_focus", False)  # entering the prompt continues it (Field.settle_entry)
+        super().__init__(*args, **kwargs)
 
 
 class ChatBox(Checkbox):

@@ -1,0 +1,58 @@
+"""Moving into a prompt-bar field loses no key and overwrites nothing (trial 20e).
+
+Typed straight after ``/`` (the focus moving from a setting to the prompt), the first characters
+were sometimes lost ("Tell me" became "me"; a prompt went out as "ell me a long story ..."), and
+after a refused prompt was put back in the bar, ``/`` then typing replaced the whole prompt: the
+field selected all its text when the focus arrived, so the next key replaced what was there.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tui_helpers import keys_at_once, tiny_app, wait_until
+
+SIZE = (120, 40)
+pytestmark = pytest.mark.anyio
+
+
+async def test_keys_typed_at_once_after_slash_all_reach_the_prompt(tiny_llama_dir, tmp_path):
+    app = tiny_app(tiny_llama_dir, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.focused is not None and app.focused.id == "prompt", 30, "the prompt")
+        prompt = app.query_one("#prompt")
+        seen = []
+        for start in ("", "Write a poem"):
+            for _ in range(3):
+                prompt.value = start
+                app.query_one("#max-tokens").focus()
+                await wait_until(pilot, lambda: app.focused.id == "max-tokens", 10, "the max tokens field")
+                keys_at_once(app, "/", "T", "e", "l", "l")
+                await wait_until(pilot, lambda: len(prompt.value) >= len(start) + 4, 10, "the keys to arrive")
+                await pilot.pause(0.2)  # the Focus message, handled after the keys, changes nothing
+                seen.append(prompt.value)
+        assert seen == ["Tell"] * 3 + ["Write a poemTell"] * 3, seen
+
+
+async def test_entering_a_setting_selects_its_value_and_the_prompt_continues_at_any_speed(tiny_llama_dir, tmp_path):
+    app = tiny_app(tiny_llama_dir, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.focused is not None and app.focused.id == "prompt", 30, "the prompt")
+        prompt, max_tokens = app.query_one("#prompt"), app.query_one("#max-tokens")
+        for at_once in (True, False):
+            max_tokens.value = "300"
+            app.query_one("#priority").focus()
+            await wait_until(pilot, lambda: app.focused.id == "priority", 10, "the priority field")
+            await pilot.pause(0.1)
+            keys = ("tab", "6", "4")  # Tab into max tokens and type: the value is replaced, no key lost
+            keys_at_once(app, *keys) if at_once else await pilot.press(*keys)
+            await wait_until(pilot, lambda: max_tokens.value != "300", 10, "the keys to arrive")
+            await pilot.pause(0.2)
+            assert max_tokens.value == "64", (at_once, max_tokens.value)
+
+            prompt.value = "Write a poem"  # as a refused prompt is put back in the bar
+            keys = ("slash", "X")  # from a setting, / goes back to the prompt: typing continues it
+            keys_at_once(app, *keys) if at_once else await pilot.press(*keys)
+            await wait_until(pilot, lambda: prompt.value != "Write a poem", 10, "the keys to arrive")
+            await pilot.pause(0.2)
+            assert prompt.value == "Write a poemX", (at_once, prompt.value)
