@@ -83,3 +83,60 @@ async def test_every_quiz_and_both_verdicts_are_whole_and_reachable(tmp_path, si
             assert "Press x to clear this answer and try again." in laid_out(app.query_one("#feedback"))
             await pilot.press("right")
             await pilot.pause(0.2)
+
+
+# ---------------------------------------------------------------------------------------------- 2
+
+
+async def check_empty_prompt_is_said_under_the_bar(pilot, app, notes) -> None:
+    """Enter on an empty prompt: the reason under the bar (and a toast), nothing sent; it goes once
+    the prompt has text. With an empty setting too, both reasons."""
+    from nanovllm_tui.widgets.prompt_bar import PromptBar
+
+    bar, error, prompt = app.query_one(PromptBar), app.query_one("#prompt-error"), app.query_one("#prompt")
+    before = len(app.state.requests)
+    prompt.focus()
+    prompt.value = ""
+    await pilot.press("enter")
+    await pilot.pause(0.2)
+    line = str(error.render())
+    assert error.display and bar.has_class("-invalid"), line
+    assert line == "the prompt is empty: type some text, then press Enter", line
+    assert prompt.has_class("-invalid") and app.focused is prompt
+    assert notes.find("Not sent: the prompt is empty", "warning")
+    assert len(app.state.requests) == before
+    await pilot.press("h")
+    await pilot.pause(0.2)
+    assert not bar.has_class("-invalid") and not prompt.has_class("-invalid")
+    # an empty setting as well: both reasons under the bar
+    app.query_one("#max-tokens").value = ""
+    prompt.value = ""
+    prompt.focus()
+    await pilot.press("enter")
+    await pilot.pause(0.2)
+    line = str(error.render())
+    assert line.startswith("the prompt is empty: type some text") and "max tokens must be" in line, line
+    app.query_one("#max-tokens").value = "3"
+    await pilot.pause(0.1)
+    assert str(error.render()) == "the prompt is empty: type some text, then press Enter"
+    await pilot.press("h", "i", "enter")
+    await pilot.pause(0.3)
+    assert not bar.has_class("-invalid")
+
+
+async def test_enter_on_an_empty_prompt_says_why_under_the_bar(tiny_llama_dir, tmp_path):
+    from tests.tui_helpers import Notes, tiny_app, wait_until
+
+    app, notes = tiny_app(tiny_llama_dir, tmp_path), Notes()
+    async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
+        await check_empty_prompt_is_said_under_the_bar(pilot, app, notes)
+        await wait_until(pilot, lambda: len(app.state.requests) == 1, 10, "the prompt sent once it had text")
+
+
+async def test_enter_on_an_empty_prompt_says_why_under_the_bar_when_attached(tiny_server, tmp_path):
+    from tests.tui_helpers import attached_and_paused, wait_until
+
+    async with attached_and_paused(tiny_server, tmp_path) as (app, pilot, notes):
+        await check_empty_prompt_is_said_under_the_bar(pilot, app, notes)
+        await wait_until(pilot, lambda: len(app.state.requests) == 1, 10, "the prompt sent once it had text")
