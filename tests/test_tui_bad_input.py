@@ -31,7 +31,7 @@ async def test_empty_prompt_is_not_sent_and_says_why(tiny_llama_dir, tmp_path):
         await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
         await send_prompt(pilot, "")
         await pilot.pause()
-        assert notes.find("The prompt is empty", "warning") and not app.state.requests
+        assert notes.find("Not sent: the prompt is empty", "warning") and not app.state.requests
         await still_answers_keys(pilot)
 
 

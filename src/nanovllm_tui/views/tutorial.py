@@ -41,7 +41,8 @@ MAX_DEMO_NOTES = 60
 
 
 class QuizChoices(OptionList):
-    """The four answers. A-D answer at once; ↑/↓ and Enter too; PageUp/PageDown scroll the chapter.
+    """The four answers. A-D answer at once; ↑/↓ and Enter too; PageUp/PageDown scroll the chapter;
+    ↓ on D (↑ on A) scrolls the quiz box on (back) when its verdict is longer than the box's view.
 
     An answered quiz keeps its answer: A-D (and Enter) then say it is answered and that ``x`` clears it
     to answer again, and the footer offers ``x Retry quiz`` in place of ``a Answer A-D``. Trial 16: a
@@ -96,7 +97,7 @@ class QuizChoices(OptionList):
         return Region(box.x, box.y + self.gutter.top + y, box.width, height)
 
     def scroll_to_highlight(self, top: bool = False) -> None:
-        """Also bring the highlighted option into the quiz box's view: a short terminal's box scrolls
+        """Also bring the highlighted option into the quiz box's view: the box scrolls
         (app.tcss), and ↓ to D moved the highlight below its fold (trial 12, 60x20)."""
         super().scroll_to_highlight(top)
         if self.highlighted is not None and self.is_mounted:
@@ -106,6 +107,34 @@ class QuizChoices(OptionList):
         region = self.option_region(index)
         if region is not None and self.highlighted == index and isinstance(self.parent, Widget):
             self.parent.scroll_to_region(region, animate=False, immediate=True)
+
+    def action_cursor_down(self) -> None:
+        """↓ on the last option scrolls the quiz box on (a verdict longer than the box's view: trial 20a
+        found no key that reached the rest of it); elsewhere it moves the highlight."""
+        if self._past_end(1):
+            return
+        super().action_cursor_down()
+
+    def action_cursor_up(self) -> None:
+        """↑ on the first option scrolls the quiz box back (to the question above it)."""
+        if self._past_end(-1):
+            return
+        super().action_cursor_up()
+
+    def _past_end(self, direction: int) -> bool:
+        """On the last option going down (first going up), scroll the quiz box a line that way if it can
+        (True: done so, the highlight stays)."""
+        box = self.parent
+        last = self.option_count - 1 if direction > 0 else 0
+        if self.highlighted != last or not isinstance(box, Widget):
+            return False
+        if direction > 0 and box.scroll_y < box.max_scroll_y:
+            box.scroll_relative(y=1, animate=False, immediate=True)
+            return True
+        if direction < 0 and box.scroll_y > 0:
+            box.scroll_relative(y=-1, animate=False, immediate=True)
+            return True
+        return False
 
     def action_scroll_chapter(self, direction: int) -> None:
         scroll = self.screen.query_one("#chapter-scroll", VerticalScroll)
@@ -354,7 +383,7 @@ class TutorialView(EngineView):
         self._save()
         self._show_feedback()
         self._show_list()
-        # A short terminal's quiz box scrolls (app.tcss): the verdict came below its fold, and the
+        # The quiz box scrolls (app.tcss): the verdict came below its fold, and the
         # key changed nothing visible (trial 11, 60x20). Bring it into view once laid out.
         self.call_after_refresh(self._reveal_feedback)
         return right

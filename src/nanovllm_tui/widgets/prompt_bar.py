@@ -48,6 +48,7 @@ from nanovllm_core.sampling_params import PRIORITY_MAX, check_priority
 from nanovllm_tui.widgets.format import quoted
 
 # The prompt field's hint, longest first: the longest that fits is shown (never a cut one).
+EMPTY_PROMPT = "the prompt is empty: type some text, then press Enter"  # under the bar and in the toast
 PLACEHOLDERS = ("Type a prompt, Enter sends it  (Esc: engine keys · / comes back)", "Type a prompt, Enter sends it",
                 "Prompt, Enter sends", "Prompt")
 # What a replay shows instead of the prompt bar's fields, longest first (the longest that fits).
@@ -365,8 +366,9 @@ class PromptBar(Vertical):
         resized: called after the bar's size changed (the terminal's size, or the red line under
             it came or went), so the app can keep toasts clear of it.
 
-    An empty prompt, or a setting that is wrong (it is marked, and the reason shown under the
-    bar), sends nothing and keeps what was typed.
+    An empty prompt, or a setting that is wrong, sends nothing and keeps what was typed: the field
+    is marked and the reason shown under the bar (an empty prompt's once Enter found it empty, until
+    it has text).
     """
 
     BINDINGS = [Binding("escape", "app.focus_view", "Leave prompt")]
@@ -384,6 +386,7 @@ class PromptBar(Vertical):
         self.send = send or (lambda prompt, settings: None)
         self.rules = setting_rules()
         self._refusals: dict[str, str] = {}  # field id -> the "Not sent: ..." toast naming it, while on screen
+        self._empty_refused = False  # Enter found the prompt empty: said under the bar until it has text
 
     def compose(self) -> ComposeResult:
         d = self.defaults
@@ -486,11 +489,19 @@ class PromptBar(Vertical):
     def on_input_changed(self, event: Input.Changed) -> None:
         if event.input.id in self.FIELDS:
             self._show_errors()
+        elif event.input.id == "prompt" and self._empty_refused and prompt_from_bar(event.value):
+            self._empty_refused = False  # the reason under the bar goes once there is something to send
+            self._show_errors()
 
     def _show_errors(self) -> None:
+        """Mark the wrong settings and give each reason under the bar; an empty prompt that Enter
+        refused is said there too, until it has text (trial 20a: it was only a toast)."""
         wrong = self.errors()
         for name in self.FIELDS:
             self.query_one(f"#{name}", Input).set_class(name in dict(wrong), "-invalid")
+        self.query_one("#prompt", Input).set_class(self._empty_refused, "-invalid")
+        if self._empty_refused:
+            wrong.insert(0, ("prompt", EMPTY_PROMPT))
         self.set_class(bool(wrong), "-invalid")
         self.query_one("#prompt-error", Label).update(Text("; ".join(why for _, why in wrong)))  # typed text: no markup
         withdraw = getattr(self.app, "withdraw", None)
@@ -518,7 +529,11 @@ class PromptBar(Vertical):
         prompt = prompt_from_bar(prompt_field.value)
         if not prompt:  # only spaces is sent: it tokenizes to tokens, as vLLM takes it (trial 16); the engine
             # refuses a prompt of no tokens with its own reason
-            self.notify("The prompt is empty: type some text, then press Enter.", severity="warning")
+            self._empty_refused = True
+            self._show_errors()  # the reason under the bar, as a wrong setting's (trial 20a)
+            message = f"Not sent: {EMPTY_PROMPT}."
+            self._refusals["prompt"] = message  # withdrawn once the prompt has text (_show_errors)
+            self.notify(message, severity="warning", markup=False)
             self.screen.set_focus(prompt_field)
             return
         wrong = self.errors()
