@@ -101,3 +101,12 @@ def paged_attention_kernel(use_flash_attn: bool, backend: str, use_cpu_paged: bo
     if use_cpu_paged:
         return "cpu-paged"
     return "sdpa" if backend == "flash" else "math"
+
+
+def contiguous_attention_kernel(backend: str, use_cpu_paged: bool = False) -> str:
+    """The kernel the contiguous baseline (``paged=False``) runs on each request's one KV region:
+    ``"cpu-contiguous"`` (the CPU C kernel, handed the region as a single block), ``"sdpa"`` (fused
+    SDPA over the region) or ``"math"``. Nothing is gathered: the region is already contiguous."""
+    if use_cpu_paged:
+        return "cpu-contiguous"
+    return "sdpa" if backend == "flash" else "math"

@@ -222,9 +222,19 @@ class Narrator(SchedulerNarration):
                 f"{i.get('num_parameters', 0) / 1e6:.0f} M parameters in {i['num_layers']} decoder layers, "
                 f"hidden size {i['hidden_size']}, {sharing} heads of {i['head_dim']} dimensions, a vocabulary of "
                 f"{i['vocab_size']:,} tokens. Each token kept in the KV cache costs "
-                f"{i['kv_bytes_per_token']:,} bytes{self._ranks(i['kv_bytes_per_token'])}; the pool has "
-                f"{plural(i.get('num_kv_blocks', 0), 'block')} of {i.get('block_size', 0)} tokens.")
+                f"{i['kv_bytes_per_token']:,} bytes{self._ranks(i['kv_bytes_per_token'])}; "
+                + (f"the pool has {plural(i.get('num_kv_blocks', 0), 'block')} of {i.get('block_size', 0)} tokens."
+                   if not self._contiguous else
+                   f"this is the contiguous baseline (no paged attention): one request runs at a time, its keys and "
+                   f"values in one contiguous region reserved when it is admitted for its prompt plus max_tokens "
+                   f"(capped at max_model_len, in whole units of {i.get('block_size', 0)} tokens), out of room for "
+                   f"{i.get('num_kv_blocks', 0) * i.get('block_size', 0):,} tokens."))
         return [Commentary("model", "The model", text)]
+
+    @property
+    def _contiguous(self) -> bool:
+        """The engine is the contiguous baseline (``paged=False``): one region per request, no block tables."""
+        return self.info.get("paged") is False
 
     def _ranks(self, nbytes: float, fmt: Any = None) -> str:
         """" across N ranks (X on each)" when the engine is split (KV byte figures are totals over the ranks)."""
@@ -438,7 +448,7 @@ class Narrator(SchedulerNarration):
                    if scores else "")
                 + "; the causal softmax turns each row into weights that sum to 1.")
         kernel = self.info.get("attention_backend")
-        if kernel in ("sdpa", "flash-attn", "cpu-paged"):
+        if kernel in ("sdpa", "flash-attn", "cpu-paged", "cpu-contiguous"):
             text += (f" This engine's fused attention kernel ({kernel}) never stores the whole score matrix; X-Ray "
                      "recomputes it to show it.")
         elif kernel == "math":
@@ -657,6 +667,8 @@ class Narrator(SchedulerNarration):
             one = t.num_blocks_cached == 1
             cached = (f" {plural(t.num_blocks_cached, 'freed block')} {'keeps its' if one else 'keep their'} contents "
                       "for prefix-cache reuse.")
+        if self._contiguous:
+            return self._kv_region(t, blocks, same)
         if t.num_blocks_used == 0:
             text = f"No request holds KV blocks now: all {t.num_blocks_total} blocks are free.{cached}"
             return [Commentary("kv_cache", "KV cache: empty", text, step=t.step)]
@@ -695,6 +707,32 @@ class Narrator(SchedulerNarration):
             if len(blocks.tables) > MAX_TABLES_SHOWN:
                 text += f"; and {len(blocks.tables) - MAX_TABLES_SHOWN} more"
             text += "."
+        return [Commentary("kv_cache", title, text, step=t.step)]
+
+    def _kv_region(self, t: ev.StepTimed, blocks: ev.BlocksChanged | None, same: bool) -> list[Commentary]:
+        """The contiguous baseline's ``kv_cache`` entry: the running request's one region, reserved up front
+        (its slots are the pool's blocks it was given at admission; the unfilled ones are waste)."""
+        bs = blocks.block_size if blocks is not None else self.info.get("block_size", 0)
+        room = t.num_blocks_total * bs
+        if t.num_blocks_used == 0:
+            text = f"No request holds a KV region now: all the room for {room:,} tokens is free."
+            return [Commentary("kv_cache", "KV cache: empty", text, step=t.step)]
+        slots = t.num_blocks_used * bs
+        text = (f"The running request holds one contiguous KV region of {plural(slots, 'slot')} = {t.kv_bytes_used:,} "
+                f"bytes ({human_bytes(t.kv_bytes_used)}), reserved up front when it was admitted for its prompt plus "
+                f"max_tokens, whether filled or not ({slots:,} of the {room:,} slots of room in use).")
+        title = f"KV cache: {human_bytes(t.kv_bytes_used)} reserved up front"
+        if blocks is not None and blocks.tables:
+            fp = kv_footprint(blocks)
+            text += (f" It stores {plural(fp.tokens, 'token')} x {fp.bytes_per_token:,} bytes = {fp.stored_bytes:,} bytes "
+                     f"({human_bytes(fp.stored_bytes)}) of keys and values"
+                     + ("." if not fp.empty_slots else
+                        f"; the other {plural(fp.empty_slots, 'slot')} {'is' if fp.empty_slots == 1 else 'are'} "
+                        "reserved but still empty: the waste that paged attention avoids by taking a block only "
+                        "when one fills."))
+            title += f", {human_bytes(fp.stored_bytes)} stored"
+        if same:
+            text += " The region does not grow: nothing was taken or freed in this step."
         return [Commentary("kv_cache", title, text, step=t.step)]
 
     @staticmethod

@@ -49,11 +49,12 @@ def _sample(t: torch.Tensor) -> tuple[float, ...]:
 
 
 def backend_of(engine: "LLMEngine") -> str:
-    """``"fused"``, ``"math"``, ``"cpu_paged"`` or ``"flash_attn"``: what computes attention in this engine."""
+    """``"fused"``, ``"math"``, ``"cpu_paged"``, ``"cpu_contiguous"`` or ``"flash_attn"``: what computes
+    attention in this engine (``cpu_contiguous``: the contiguous baseline's region read by the C kernel)."""
     if engine.runner.paged and engine.runner.use_flash_attn:
         return "flash_attn"
     if engine.runner.use_cpu_paged:
-        return "cpu_paged"
+        return "cpu_paged" if engine.runner.paged else "cpu_contiguous"
     return "math" if engine.config.attention_backend == "math" else "fused"
 
 

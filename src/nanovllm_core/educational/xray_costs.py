@@ -12,7 +12,10 @@ attention backend that ran:
 - ``cpu_paged`` (the CPU in float32, when its C kernel compiled): fused, reading the KV
   blocks in place through the block table; each query's scores live in a scratch row of
   the kernel, never in a stored matrix;
-- ``flash_attn`` (CUDA with flash-attn): fused, reading the KV blocks in place.
+- ``flash_attn`` (CUDA with flash-attn): fused, reading the KV blocks in place;
+- ``cpu_contiguous`` (the contiguous baseline, ``--no-paged-attention``, with that C kernel):
+  the same fused kernel, reading each request's one contiguous KV region in place (no blocks,
+  no block table: the region is handed to it as a single block).
 
 Where neither in-place kernel runs (``fused`` or ``math``: the cases listed in
 ``attention.cpu_paged.FALLBACK_CONDITIONS`` and ``attention.selector.FLASH_ATTN_FALLBACK_CONDITIONS``) a sequence whose
@@ -40,6 +43,9 @@ BACKEND_NAMES = {
     "cpu_paged": "CPU paged kernel (C: reads the KV blocks in place through the block table, nothing gathered; "
                  "sums in a fixed order, so a token's result ignores its batch)",
     "flash_attn": "flash-attn paged kernel (CUDA: reads the KV blocks in place, nothing gathered)",
+    "cpu_contiguous": "CPU attention kernel over one contiguous KV region per request (the C kernel of "
+                      "attention/paged_attention_cpu.c, given the whole region as one block: no block table, "
+                      "nothing gathered; sums in a fixed order)",
 }
 
 
@@ -110,7 +116,7 @@ def score_pairs(s: SeqAttention, backend: str) -> int:
     keys_read`` rectangle is computed, then masked.
     """
     causal = causal_pairs(s.num_tokens, s.context_len)
-    if backend in ("cpu_paged", "flash_attn"):
+    if backend in ("cpu_paged", "cpu_contiguous", "flash_attn"):
         return causal
     if backend == "fused" and s.num_tokens == s.context_len == s.keys_read:
         return causal
@@ -167,7 +173,7 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
     Args:
         d: the layer's sizes.
         seqs: every scheduled sequence's attention (the batch has ``T = sum(num_tokens)`` rows).
-        backend: ``"fused"``, ``"math"``, ``"cpu_paged"`` or ``"flash_attn"`` (see the module docstring).
+        backend: ``"fused"``, ``"math"``, ``"cpu_paged"``, ``"cpu_contiguous"`` or ``"flash_attn"`` (see the module docstring).
         this: the traced sequence (its shapes are written out for attention, and, with other sequences
             in the batch, its share of the attention FLOPs and bytes, which are the batch's).
 
@@ -194,7 +200,7 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
             f"2 x [{T}, {nkv}, {hd}] -> the cache", 0, 2 * T * nkv * hd * (e + kv)),
     ]
     gathered = sum(s.gathered for s in seqs)
-    if gathered and backend not in ("flash_attn", "cpu_paged"):
+    if gathered and backend not in ("flash_attn", "cpu_paged", "cpu_contiguous"):
         ops.append(_op("kv_gather", "copy each sequence's KV blocks into one contiguous buffer (block table)",
                        f"2 x [{nkv}, {gathered}, {hd}] over the batch's sequences", 0,
                        2 * 2 * gathered * nkv * hd * kv))
@@ -231,7 +237,9 @@ def layer_ops(d: LayerDims, seqs: list[SeqAttention], backend: str = "fused",
         ]
     else:
         how = ("one kernel call for the batch, each query reading its context's blocks in place"
-               if backend == "cpu_paged" else "one fused kernel per sequence")
+               if backend == "cpu_paged" else
+               "one kernel call per sequence, reading its contiguous KV region in place" if backend == "cpu_contiguous"
+               else "one fused kernel per sequence")
         ops.append(_op("attention", f"O = softmax(Q K^T / sqrt({hd}) + causal mask) V, {how}: "
                        "S and P never reach memory", scores_shape + share("fused"), 2 * qk + soft,
                        2 * q_bytes + 2 * kv_bytes))

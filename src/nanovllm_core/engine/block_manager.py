@@ -120,7 +120,13 @@ class BlockManager:
         return hits
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
-        """Count one prefix-cache lookup (for ``prefix_cache_hit_rate``)."""
+        """Count one prefix-cache lookup (for ``prefix_cache_hit_rate``); nothing when prefix caching is off.
+
+        With caching off nothing is looked up, so nothing is counted (as vLLM's
+        ``KVCacheManager.get_computed_blocks`` returns before its stats when caching is disabled).
+        """
+        if not self.enable_prefix_caching:
+            return
         self.prefix_cache_queries += num_tokens
         self.prefix_cache_hits += num_hit_tokens
 

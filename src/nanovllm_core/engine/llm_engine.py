@@ -133,6 +133,7 @@ class LLMEngine(EventSource):
             enable_chunked_prefill=config.enable_chunked_prefill and paged,
             num_speculative_tokens=config.num_speculative_tokens if spec else 0,
             max_model_len=self.max_model_len,
+            reserve_up_front=not paged,
         )
         self.runner = ModelRunner(model, block_size, num_blocks, paged, config.attention_backend, self.max_model_len,
                                   workers=workers)

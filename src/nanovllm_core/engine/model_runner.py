@@ -43,7 +43,7 @@ from nanovllm_core.attention.paged import (
     PagedKVCache,
     PrefillChunk,
 )
-from nanovllm_core.attention.selector import flash_attn_available, paged_attention_kernel
+from nanovllm_core.attention.selector import contiguous_attention_kernel, flash_attn_available, paged_attention_kernel
 from nanovllm_core.engine.scheduler import ScheduledSequence
 from nanovllm_core.model.llama import LlamaForCausalLM
 from nanovllm_core.model.loader import warm_up
@@ -137,7 +137,10 @@ class ModelRunner:
 
     @property
     def attention_kernel(self) -> str:
-        """The kernel attention runs on: ``"flash-attn"``, ``"cpu-paged"``, ``"sdpa"`` or ``"math"`` (see ``attention.selector``)."""
+        """The kernel attention runs on: ``"flash-attn"``, ``"cpu-paged"``, ``"sdpa"`` or ``"math"``; the contiguous
+        baseline's ``"cpu-contiguous"``, ``"sdpa"`` or ``"math"`` (see ``attention.selector``)."""
+        if not self.paged:
+            return contiguous_attention_kernel(self.backend, self.use_cpu_paged)
         return paged_attention_kernel(self.use_flash_attn, self.backend, self.use_cpu_paged)
 
     @staticmethod
@@ -386,9 +389,10 @@ class ModelRunner:
             seq = s.seq
             cache = self.contiguous.get(seq.seq_id)
             if cache is None or s.start == 0:
-                # Reserved up front for the longest this sequence may grow, as pre-paging servers did.
-                limit = seq.params.max_tokens or self.max_model_len
-                reserve = min(self.max_model_len, seq.num_prompt_tokens + limit)
+                # Reserved up front for the longest this sequence may grow, as pre-paging servers did: the
+                # slots the scheduler took for it at admission (Scheduler.reservation, rounded up to whole
+                # blocks of the pool's accounting), so stats() counts exactly the memory held here.
+                reserve = len(seq.block_table) * self.block_size
                 cache = ContiguousKVCache(self.model.config, reserve, self.kv_dtype, self.device, self.backend,
                                           self.use_cpu_paged)
                 self.contiguous[seq.seq_id] = cache

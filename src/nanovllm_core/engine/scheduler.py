@@ -149,13 +149,17 @@ class Scheduler:
         policy: ``"priority"`` or ``"fcfs"``.
         enable_chunked_prefill: when False, a prompt runs whole in one step or waits.
         num_speculative_tokens: draft slots per decode, k (0 = no speculative decoding).
-        max_model_len: longest sequence in tokens (caps draft slots; None = no cap).
+        max_model_len: longest sequence in tokens (caps draft slots and reservations; None = no cap).
+        reserve_up_front: the contiguous baseline (``paged=False``): a sequence takes, when admitted,
+            the KV slots of the longest it may grow (:meth:`reservation`), not a block at a time.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, token_budget: int,
                  policy: str = "priority", enable_chunked_prefill: bool = True,
-                 num_speculative_tokens: int = 0, max_model_len: int | None = None) -> None:
+                 num_speculative_tokens: int = 0, max_model_len: int | None = None,
+                 reserve_up_front: bool = False) -> None:
         self.block_manager = block_manager
+        self.reserve_up_front = reserve_up_front
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
         self.policy = policy
@@ -182,6 +186,21 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+
+    def reservation(self, seq: Sequence) -> int:
+        """Tokens the contiguous baseline reserves for ``seq`` at admission: prompt + ``max_tokens``
+        (absent: ``max_model_len``), capped at ``max_model_len``; what a pre-paging server set aside
+        per request (Kwon et al. 2023, section 3). ``add_request`` refuses a request whose reservation
+        is larger than the pool, so one that waits is admitted once the running one ends."""
+        cap = self.max_model_len
+        limit = seq.params.max_tokens or cap or 0
+        want = seq.num_prompt_tokens + limit
+        return max(seq.num_tokens, min(cap, want) if cap is not None else want)
+
+    def _admission_tokens(self, seq: Sequence, num_tokens: int) -> int:
+        """Tokens whose blocks admitting ``seq`` takes: those it runs now (``num_tokens``), or in the
+        contiguous baseline its whole :meth:`reservation`."""
+        return max(num_tokens, self.reservation(seq)) if self.reserve_up_front else num_tokens
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -276,8 +295,10 @@ class Scheduler:
                 wait_reason = "chunked_prefill_off"
                 break
             num_new = min(num_new, budget)
-            if not bm.can_allocate(seq, num_computed + num_new, cached):
-                if not self._preempt_for(seq, num_computed + num_new, cached, plan, preempted):
+            # What admission takes: the blocks of the tokens run now, or (contiguous baseline) the whole reservation.
+            need = self._admission_tokens(seq, num_computed + num_new)
+            if not bm.can_allocate(seq, need, cached):
+                if not self._preempt_for(seq, need, cached, plan, preempted):
                     wait_reason = "kv_blocks"
                     break
                 budget = self.token_budget - sum(p.num_new_tokens for p in plan.values())
@@ -293,7 +314,7 @@ class Scheduler:
             former = seq.preempted_block_table
             own = (sum(1 for i, b in enumerate(cached) if i < len(former) and former[i] == b
                        and bm.blocks[b].ref_count == 0) if seq.metrics.num_preemptions else None)
-            bm.allocate(seq, num_computed + num_new, cached)
+            bm.allocate(seq, self._admission_tokens(seq, num_computed + num_new), cached)
             self.waiting.pop(0)
             seq.num_computed_tokens = num_computed
             seq.status = SequenceStatus.RUNNING

@@ -1,0 +1,95 @@
+"""The contiguous baseline (``paged=False``, ``--no-paged-attention``) is what the docs call it
+(trial 20c bug 1): each request's whole max length is reserved when it is admitted, the KV
+numbers count the unused part of that reservation as waste, the attention kernel named is the
+one that runs, and nothing is looked up in (or counted for) a prefix cache that is off."""
+
+from __future__ import annotations
+
+from nanovllm_core import SamplingParams
+
+PROMPT = "Once upon a time, in a land far far away, there lived a dragon who loved"
+
+
+def _ids(engine, text):
+    return engine.tokenizer.encode(text)
+
+
+def test_reserves_prompt_plus_max_tokens_at_admission(make_tiny_engine):
+    eng = make_tiny_engine(paged=False, block_size=16)
+    n = len(_ids(eng, PROMPT))
+    eng.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    want_blocks = -(-(n + 30) // 16)
+    seen = []
+    for _ in range(3):
+        eng.step()
+        s = eng.stats()
+        seen.append((s["kv_blocks_used"], s["kv_slots_wasted"]))
+    stored = [n + 1, n + 2, n + 3]  # after the prefill step and two decodes (the newest token not yet in KV counts)
+    assert [u for u, _ in seen] == [want_blocks] * 3
+    assert [w for _, w in seen] == [want_blocks * 16 - t for t in stored]
+    # The runner's contiguous region is exactly what the pool's accounting holds.
+    (cache,) = eng.runner.contiguous.values()
+    assert cache.max_len == want_blocks * 16
+    while eng.scheduler.has_unfinished():
+        eng.step()
+    assert eng.stats()["kv_blocks_used"] == 0 and not eng.runner.contiguous
+
+
+def test_reservation_capped_at_max_model_len(make_tiny_engine):
+    eng = make_tiny_engine(paged=False, block_size=16, max_model_len=40)
+    n = len(_ids(eng, PROMPT))
+    eng.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=40 - n, ignore_eos=True))
+    eng.step()
+    assert eng.stats()["kv_blocks_used"] == 3  # 40 tokens -> 3 blocks of 16, not prompt + max_tokens beyond the cap
+
+
+def test_backend_and_prefix_cache_counters(make_tiny_engine):
+    eng = make_tiny_engine(paged=False)
+    info = eng.model_info()
+    assert info["paged"] is False and info["prefix_caching"] is False
+    assert info["attention_backend"] in ("cpu-contiguous", "sdpa", "math")
+    assert info["attention_backend"] != "cpu-paged"
+    for _ in range(2):
+        eng.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=3))
+    while eng.scheduler.has_unfinished():
+        eng.step()
+    s = eng.stats()
+    assert s["prefix_cache_queries"] == 0 and s["prefix_cache_hits"] == 0
+
+
+def test_prefix_caching_off_counts_no_queries_paged(make_tiny_engine):
+    """The same kind in the paged engine: --no-prefix-caching looks nothing up, so counts nothing."""
+    eng = make_tiny_engine(enable_prefix_caching=False)
+    eng.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=2))
+    while eng.scheduler.has_unfinished():
+        eng.step()
+    assert eng.stats()["prefix_cache_queries"] == 0
+
+
+def test_greedy_output_matches_paged(make_tiny_engine):
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [PROMPT, "The capital of France is", "1 2 3 4 5"]
+    outs = []
+    for paged in (True, False):
+        eng = make_tiny_engine(paged=paged)
+        ids = [eng.add_request(p, sp) for p in prompts]
+        done = {}
+        while eng.scheduler.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = list(o.outputs[0].token_ids)
+        outs.append([done[i] for i in ids])
+    assert outs[0] == outs[1]
+
+
+def test_narrator_and_xray_describe_one_region(make_tiny_engine):
+    from nanovllm_core.educational.narrate_view import NarrateView  # noqa: F401 (import check only)
+    from nanovllm_core.educational.narrator import Narrator
+    from nanovllm_core.educational.xray import backend_of
+    from nanovllm_core.educational.xray_costs import BACKEND_NAMES
+
+    eng = make_tiny_engine(paged=False)
+    intro = Narrator(eng.model_info()).introduction()[0].text
+    assert "contiguous baseline" in intro and "the pool has" not in intro
+    desc = BACKEND_NAMES[backend_of(eng)]
+    assert "block table" not in desc.replace("no block table", "")
