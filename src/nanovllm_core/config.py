@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from nanovllm_core.sampling_params import BYTES_MAX, COUNT_MAX, SEED_MAX, SEED_MIN
+from nanovllm_core.untrusted import shown
 
 # The quantization modes' names (model/quantization.py builds the layers each one names).
 BLOCK_MODES = ("gguf", "q8_0", "q4_0", "q4_1")  # weights in GGUF blocks (model/block_quant.py)
@@ -214,6 +215,9 @@ class EngineConfig:
     tp_rendezvous_timeout: float = 300.0
 
     def __post_init__(self) -> None:
+        for name in FLAG_FIELDS:  # first: the checks below read them by truthiness
+            check_flag(name, getattr(self, name))
+
         def positive(name: str) -> None:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
@@ -378,6 +382,23 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return 512 if self.enable_chunked_prefill else max_model_len
+
+
+# EngineConfig's yes/no settings: True or False only ('no', 'false' and 0.0 would otherwise act by truthiness).
+FLAG_FIELDS = ("enable_prefix_caching", "enable_chunked_prefill", "paged")
+
+
+def check_flag(name: str, value: Any) -> None:
+    """Refuse a yes/no setting that is not a bool, in one line naming it.
+
+    Python reads ``'no'``, ``'false'`` and ``'0'`` as true and ``0.0`` as false, so a string from a
+    config file or an environment variable would silently turn the feature on (trial 20c).
+
+    Raises:
+        ValueError: ``value`` is not ``True`` or ``False`` (``enable_prefix_caching='no' is invalid: ...``).
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={shown(value, as_json=False)} is invalid: it must be True or False")
 
 
 DEVICE_NAME = re.compile(r"(cpu|cuda)(:[0-9]+)?", re.ASCII)
