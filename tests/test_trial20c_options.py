@@ -1,11 +1,12 @@
-"""Trial 20c: yes/no options refuse anything but True/False (bug 2)."""
+"""Trial 20c: yes/no options refuse anything but True/False (bug 2), and a per-step budget below
+``max_model_len`` with chunked prefill off is refused when the engine is built (minor)."""
 
 from __future__ import annotations
 
 import pytest
 
 from nanovllm_core import LLM, SamplingParams
-from nanovllm_core.config import FLAG_FIELDS, EngineConfig
+from nanovllm_core.config import FLAG_FIELDS, EngineConfig, SettingError
 
 NOT_BOOLS = ["no", "false", "False", 0, 1, 0.0, None, [True]]
 
@@ -63,3 +64,36 @@ def test_chat_flags_take_only_true_or_false(tiny_llm, name, value):
         with pytest.raises(ValueError, match=r"=.* is invalid: it must be True or False$"):
             call()
     assert not tiny_llm.engine.requests
+
+
+# ---------------------------------------------------------------- minor: the budget with chunked prefill off
+
+def test_budget_below_the_models_context_is_refused_at_construction(make_tiny_engine):
+    context = make_tiny_engine().model_config.max_position_embeddings
+    with pytest.raises(SettingError) as err:  # a ValueError the app and serve report as "engine setting refused"
+        make_tiny_engine(max_num_batched_tokens=8, enable_chunked_prefill=False)
+    assert str(err.value) == (
+        f"max_num_batched_tokens=8 is below max_model_len ({context}) with enable_chunked_prefill=False, so a "
+        f"prompt over 8 tokens could never run (a whole prompt must fit one step); raise max_num_batched_tokens to "
+        f"{context}, lower max_model_len, or drop enable_chunked_prefill=False")
+
+
+def test_budget_below_a_given_max_model_len_is_refused_by_the_config():
+    with pytest.raises(ValueError, match=r"^max_num_batched_tokens=8 is below max_model_len \(64\) "):
+        LLM(max_num_batched_tokens=8, max_model_len=64, enable_chunked_prefill=False)
+
+
+def test_budget_with_a_lowered_max_model_len_runs_and_refuses_long_prompts_by_max_model_len(make_tiny_engine):
+    # Decided: with max_model_len lowered to the budget the setting is valid; a prompt that would not fit a
+    # step is then already too long for max_model_len, which is the refusal that names the real limit.
+    llm = LLM.from_engine(make_tiny_engine(max_num_batched_tokens=8, max_model_len=8, enable_chunked_prefill=False))
+    (out,) = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0, max_tokens=2))
+    assert len(out.outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match=r"^the prompt has 14 tokens but max_model_len is 8"):
+        llm.generate([1] * 14, SamplingParams(max_tokens=1))
+    assert not llm.engine.requests
+
+
+def test_budget_check_skips_chunked_prefill_on(make_tiny_engine):
+    engine = make_tiny_engine(max_num_batched_tokens=8)
+    assert engine.scheduler.token_budget == 8 and engine.scheduler.enable_chunked_prefill

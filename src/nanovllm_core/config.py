@@ -253,12 +253,8 @@ class EngineConfig:
             check_device(self.device)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is unknown; use float32, float16 or bfloat16")
-        if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
-                and self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len):
-            raise ValueError(
-                f"with chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}) so a whole prompt fits one step"
-            )
+        if self.max_model_len is not None:  # else checked by the engine once the model's context is known
+            self.check_prefill_budget(self.max_model_len)
 
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not SEED_MIN <= self.seed <= SEED_MAX):
@@ -376,6 +372,22 @@ class EngineConfig:
         if self.dtype is not None:
             return DTYPES[self.dtype]
         return default_dtype(self.torch_device)
+
+    def check_prefill_budget(self, max_model_len: int) -> None:
+        """With chunked prefill off a prompt runs whole in one step, so the per-step budget must hold the
+        longest prompt: vLLM refuses ``max_num_batched_tokens < max_model_len`` there when the engine is
+        built. ``max_model_len``: the given one, or the model's context (``LLMEngine`` calls this then).
+
+        Raises:
+            SettingError: one line naming both settings and the three ways out.
+        """
+        budget = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill and budget is not None and budget < max_model_len:
+            raise SettingError(
+                f"max_num_batched_tokens={budget} is below max_model_len ({max_model_len}) with "
+                f"enable_chunked_prefill=False, so a prompt over {budget} tokens could never run (a whole prompt must "
+                f"fit one step); raise max_num_batched_tokens to {max_model_len}, lower max_model_len, "
+                "or drop enable_chunked_prefill=False")
 
     def token_budget(self, max_model_len: int) -> int:
         """The effective per-step token budget."""
