@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from nanovllm_core.sampling_params import BYTES_MAX, COUNT_MAX, SEED_MAX, SEED_MIN
+from nanovllm_core.untrusted import shown
 
 # The quantization modes' names (model/quantization.py builds the layers each one names).
 BLOCK_MODES = ("gguf", "q8_0", "q4_0", "q4_1")  # weights in GGUF blocks (model/block_quant.py)
@@ -214,6 +215,9 @@ class EngineConfig:
     tp_rendezvous_timeout: float = 300.0
 
     def __post_init__(self) -> None:
+        for name in FLAG_FIELDS:  # first: the checks below read them by truthiness
+            check_flag(name, getattr(self, name))
+
         def positive(name: str) -> None:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
@@ -249,12 +253,8 @@ class EngineConfig:
             check_device(self.device)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is unknown; use float32, float16 or bfloat16")
-        if (not self.enable_chunked_prefill and self.max_num_batched_tokens is not None
-                and self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len):
-            raise ValueError(
-                f"with chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}) so a whole prompt fits one step"
-            )
+        if self.max_model_len is not None:  # else checked by the engine once the model's context is known
+            self.check_prefill_budget(self.max_model_len)
 
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not SEED_MIN <= self.seed <= SEED_MAX):
@@ -373,11 +373,44 @@ class EngineConfig:
             return DTYPES[self.dtype]
         return default_dtype(self.torch_device)
 
+    def check_prefill_budget(self, max_model_len: int) -> None:
+        """With chunked prefill off a prompt runs whole in one step, so the per-step budget must hold the
+        longest prompt: vLLM refuses ``max_num_batched_tokens < max_model_len`` there when the engine is
+        built. ``max_model_len``: the given one, or the model's context (``LLMEngine`` calls this then).
+
+        Raises:
+            SettingError: one line naming both settings and the three ways out.
+        """
+        budget = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill and budget is not None and budget < max_model_len:
+            raise SettingError(
+                f"max_num_batched_tokens={budget} is below max_model_len ({max_model_len}) with "
+                f"enable_chunked_prefill=False, so a prompt over {budget} tokens could never run (a whole prompt must "
+                f"fit one step); raise max_num_batched_tokens to {max_model_len}, lower max_model_len, "
+                "or drop enable_chunked_prefill=False")
+
     def token_budget(self, max_model_len: int) -> int:
         """The effective per-step token budget."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return 512 if self.enable_chunked_prefill else max_model_len
+
+
+# EngineConfig's yes/no settings: True or False only ('no', 'false' and 0.0 would otherwise act by truthiness).
+FLAG_FIELDS = ("enable_prefix_caching", "enable_chunked_prefill", "paged")
+
+
+def check_flag(name: str, value: Any) -> None:
+    """Refuse a yes/no setting that is not a bool, in one line naming it.
+
+    Python reads ``'no'``, ``'false'`` and ``'0'`` as true and ``0.0`` as false, so a string from a
+    config file or an environment variable would silently turn the feature on (trial 20c).
+
+    Raises:
+        ValueError: ``value`` is not ``True`` or ``False`` (``enable_prefix_caching='no' is invalid: ...``).
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={shown(value, as_json=False)} is invalid: it must be True or False")
 
 
 DEVICE_NAME = re.compile(r"(cpu|cuda)(:[0-9]+)?", re.ASCII)

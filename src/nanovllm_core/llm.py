@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Sequence as Seq
 
-from nanovllm_core.config import EngineConfig
+from nanovllm_core.config import EngineConfig, check_flag
 from nanovllm_core.engine.llm_engine import EngineDeadError, LLMEngine
 from nanovllm_core.model.loader import ProgressFn
 from nanovllm_core.outputs import RequestOutput
@@ -183,6 +183,8 @@ class LLM:
         (``"prompts[{i}]"`` for ``generate``, ``"conversation {i}"`` for ``chat``; None when the caller
         gave one prompt, not a list of them, so there is no index to name) and ``noun`` all of them
         (``"prompts"``, ``"conversations"``)."""
+        check_flag("use_tqdm", use_tqdm)  # 'no' would be read as true; vLLM's tqdm factory is not taken either
+        check_flag("reject_bad_prompts", reject_bad_prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 many = noun if len(prompts) != 1 else noun[:-1]

@@ -163,8 +163,13 @@ def chat_template_problem(add_generation_prompt: Any, continue_final_message: An
     on with, as transformers renders it) and ``add_generation_prompt`` (open a new assistant
     turn) may not both be true; ``chat_template_kwargs`` is an object of extra template
     variables (``{"enable_thinking": false}``), none of them a renderer setting
-    (:data:`CHAT_TEMPLATE_RESERVED`).
+    (:data:`CHAT_TEMPLATE_RESERVED`). The two options are True or False only: ``'no'`` would be
+    read as true (the server's fields are strict booleans already; this is the Python API's check).
     """
+    for name, value in (("add_generation_prompt", add_generation_prompt),
+                        ("continue_final_message", continue_final_message)):
+        if not isinstance(value, bool):
+            return (name, f"{name}={shown(value, as_json=False)} is invalid: it must be True or False")
     if continue_final_message and add_generation_prompt:
         return ("continue_final_message", "continue_final_message and add_generation_prompt cannot both be true "
                 "(add_generation_prompt is true unless sent false): send add_generation_prompt: false to continue "

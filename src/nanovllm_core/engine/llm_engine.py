@@ -100,6 +100,7 @@ class LLMEngine(EventSource):
             raise ValueError(f"the model's linear layers were built with quantization={built!r} but the engine was "
                              f"asked for {config.quantization!r}; load the model with that quantization")
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        config.check_prefill_budget(self.max_model_len)  # before anything is allocated (vLLM refuses it at start-up too)
         spec = config.speculative_model
         if spec is not None and spec.startswith("self:"):
             parse_self_layers(spec, self.model_config.num_hidden_layers)  # fail before allocating anything
@@ -410,6 +411,8 @@ class LLMEngine(EventSource):
         if need > pool:  # the prompt fits: it is max_tokens (or, absent, max_model_len) that pushes it over
             return "max_tokens", (f"the request may need {need} KV blocks ({limit} token{'s' if limit != 1 else ''}) but the pool has only "
                     f"{self.block_manager.num_blocks}; raise num_kv_blocks (--num-kv-blocks) or lower max_tokens")
+        # Unreachable through EngineConfig (check_prefill_budget: budget >= max_model_len > n_prompt when chunked
+        # prefill is off); kept for a scheduler given a smaller budget, where such a prompt would wait forever.
         if not self.scheduler.enable_chunked_prefill and n_prompt > self.scheduler.token_budget:
             return "prompt", (f"the prompt has {n_prompt} token{'s' if n_prompt != 1 else ''}, more than the per-step budget "
                     f"({self.scheduler.token_budget}) with chunked prefill off; enable chunked prefill")
