@@ -1168,3 +1168,20 @@ def test_the_vllm_fields_the_docs_list_as_refused_are_refused_and_listed():
     for name in VLLM_FIELDS_REFUSED:
         assert f"`{name}`" in docs, name
         assert name not in ChatCompletionRequest.model_fields and name not in CompletionRequest.model_fields, name
+
+
+def test_a_template_refusal_is_said_once(tiny_server, monkeypatch):
+    """A chat template that refuses the messages: the 400 says "could not render" once (the
+    engine's own message already says it; the server added the same prefix again)."""
+    tokenizer = tiny_server.controller.engine.tokenizer
+
+    def refuse(*args, **kwargs):
+        raise ValueError("Conversation roles must alternate user/assistant/user/assistant/...")
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", refuse)
+    status, data = post(tiny_server, "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    message = data["error"]["message"]
+    assert status == 400 and message.count("could not render") == 1, message
+    assert message == ("the chat template could not render these messages: Conversation roles must alternate "
+                       "user/assistant/user/assistant/..."), message

@@ -197,7 +197,9 @@ class OpenAIServing:
             ids = self._llm.apply_chat_template(conversation, **options)
         except APIError:
             raise
-        except Exception as e:  # no template, or one that refuses this conversation
+        except ValueError as e:  # the engine's one line (no template, options that clash, or the template's refusal)
+            raise APIError(clipped(str(e), 300), param="messages", code="invalid_value") from None
+        except Exception as e:  # anything else the template raised
             raise APIError(f"the chat template could not render these messages: {clipped(str(e), 200)}", param="messages", code="invalid_value") from None
         self.check_prompt(ids, params, req.field_names(), prompt_field="messages")
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], params, req.priority, req.stream,
