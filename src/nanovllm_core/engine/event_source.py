@@ -52,8 +52,9 @@ class EventSource:
 
         Nothing a subscriber did not ask for is computed: top-k lists only if some
         subscriber has ``topk > 0``, block snapshots only if some has ``blocks``, layer
-        traces only if some has ``xray``. The callback runs on the engine's thread and must
-        be quick (hand the event to a queue).
+        traces only if some has ``xray``. Each gets its own ``topk``, and also the block
+        snapshots and layer traces made for others (see :meth:`_emit`). The callback runs on
+        the engine's thread and must be quick (hand the event to a queue).
 
         Raises:
             RuntimeError: ``xray`` with no layer observer installed (see ``engine/observer.py``).
@@ -69,13 +70,18 @@ class EventSource:
             self._subscribers.remove(sub)
 
     def _emit(self, event: ev.Event) -> None:
-        """Send ``event`` to each subscriber as it asked for it: a ``TokenSampled``'s top choices cut to
-        its own ``topk`` (the engine computed the most any asked for; trial 20d: every subscriber got
-        that most), ``BlocksChanged`` only with ``blocks``, ``LayerTrace`` only with ``xray``."""
+        """Send ``event`` to each subscriber: a ``TokenSampled``'s top choices cut to its own ``topk``
+        (the engine computed the most any asked for; trial 20d: every subscriber got that most).
+
+        ``blocks`` and ``xray`` say what a subscriber needs *made*; in this process each subscriber
+        also sees the block maps and layer traces another one asked for, at no cost (they exist
+        already): the narrator and the dashboard use the layer traces of the steps the X-Ray view
+        chose (``nanovllm --narrate --xray --dashboard``), without asking for every step to be
+        traced. Listeners outside the process (the server's event stream, the app's remote
+        controller) get only what they asked for (``events.asked_for``): there each costs bytes.
+        """
         cut: dict[int, ev.Event] = {}  # one trimmed copy per topk asked for
         for sub in list(self._subscribers):
-            if not ev.asked_for(event, blocks=sub.blocks, xray=sub.xray):
-                continue
             mine = cut.get(sub.topk)
             if mine is None:
                 mine = cut[sub.topk] = ev.with_topk(event, sub.topk)
