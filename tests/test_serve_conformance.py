@@ -1151,23 +1151,80 @@ def test_chat_template_kwargs_are_template_variables(tiny_server, monkeypatch):
         engine.chat_token_ids(MESSAGES, chat_template_kwargs={"messages": []})
 
 
-# docs/serving.md lists these vLLM request fields as refused here, each with why
+# docs/serving.md lists these vLLM request fields as not supported here, each with why
 VLLM_FIELDS_REFUSED = ("reasoning_effort include_reasoning service_tier functions function_call guided_json "
                        "guided_regex guided_choice guided_grammar structural_tag use_beam_search length_penalty prompt_logprobs "
                        "allowed_token_ids bad_words logits_processors truncate_prompt_tokens add_special_tokens "
                        "spaces_between_special_tokens return_tokens_as_token_ids chat_template documents "
-                       "mm_processor_kwargs prompt_embeds request_id cache_salt kv_transfer_params vllm_xargs").split()
+                       "mm_processor_kwargs prompt_embeds cache_salt kv_transfer_params vllm_xargs").split()
 
 
 def test_the_vllm_fields_the_docs_list_as_refused_are_refused_and_listed():
     from pathlib import Path
 
-    from nanovllm_core.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+    from nanovllm_core.entrypoints.protocol import VLLM_UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 
     docs = (Path(__file__).parent.parent / "docs" / "serving.md").read_text()
+    assert set(VLLM_UNSUPPORTED) == set(VLLM_FIELDS_REFUSED)
     for name in VLLM_FIELDS_REFUSED:
         assert f"`{name}`" in docs, name
         assert name not in ChatCompletionRequest.model_fields and name not in CompletionRequest.model_fields, name
+
+
+ROUTES = [("/v1/completions", {"prompt": "Hi", "max_tokens": 1}), (CHAT, {"messages": MESSAGES, "max_tokens": 1})]
+
+
+@pytest.mark.parametrize("path, base", ROUTES)
+def test_vllm_fields_this_server_lacks_are_not_sent_when_null(tiny_server, path, base):
+    """Trial 21b #1: service_tier, prompt_logprobs, kv_transfer_params, ... null were 400
+    "Unrecognized request argument" (the server's own responses carry three of them as null, and
+    vLLM takes null as the default); null is "not sent" on both routes, as tools null is, and so
+    are vLLM's defaults that ask for nothing."""
+    from nanovllm_core.entrypoints.protocol import VLLM_NO_OP_VALUES
+
+    status, answer = post(tiny_server, path, {**base, **dict.fromkeys(VLLM_FIELDS_REFUSED)})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 1, answer
+    for name, values in VLLM_NO_OP_VALUES.items():
+        for value in values:
+            status, answer = post(tiny_server, path, {**base, name: value})
+            assert status == 200, (name, value, answer)
+
+
+@pytest.mark.parametrize("path, base", ROUTES)
+@pytest.mark.parametrize("name", VLLM_FIELDS_REFUSED)
+def test_a_value_of_a_vllm_field_this_server_lacks_says_so_and_what_to_do(tiny_server, path, base, name):
+    """Trial 21b #1: a real value was refused as "Unrecognized" (false: OpenAI or vLLM defines each)
+    with no way out; the one line says it is not supported here, why, and what to do."""
+    status, answer = post(tiny_server, path, {**base, name: 7})
+    message = answer["error"]["message"]
+    assert status == 400 and answer["error"]["param"] == name and answer["error"]["code"] == "invalid_value", answer
+    assert message.startswith(f"{name} is not supported by this server (") and "; leave it out" in message, message
+    assert "Unrecognized" not in message and "\n" not in message
+
+
+def test_the_alternatives_are_named():
+    from nanovllm_core.entrypoints.protocol import unsupported_message
+
+    assert unsupported_message("prompt_logprobs").endswith("leave it out (logprobs gives the generated tokens' logprobs)")
+    assert unsupported_message("chat_template").endswith("(chat_template_kwargs passes variables to the model's template)")
+    assert unsupported_message("service_tier").endswith('leave it out or send "auto" or "default"')
+
+
+def test_a_body_request_id_names_the_response_as_the_header_does(tiny_server):
+    """Trial 21b #1: vLLM's body request_id was refused as unrecognized; vLLM names the response
+    from it (``_base_request_id``: the X-Request-Id header wins), with the header's id rules."""
+    status, answer = post(tiny_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "request_id": "body1"})
+    assert status == 200 and answer["id"] == "cmpl-body1", answer
+    status, answer = post(tiny_server, CHAT, {"messages": MESSAGES, "max_tokens": 1, "request_id": "body2"})
+    assert status == 200 and answer["id"] == "chatcmpl-body2", answer
+    r = _with_id(tiny_server, CHAT, {"messages": MESSAGES, "max_tokens": 1, "request_id": "body3"}, "head3")
+    assert r.status_code == 200 and r.json()["id"] == "chatcmpl-head3" and r.headers["x-request-id"] == "head3"
+    for value, words in (("", "request_id is empty"), ("x" * 129, "more than 128"), ("a\x01b", "control character")):
+        status, answer = post(tiny_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "request_id": value})
+        assert status == 400 and answer["error"]["param"] == "request_id" and words in answer["error"]["message"], answer
+    status, answer = post(tiny_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "request_id": 5})
+    assert status == 400 and answer["error"]["param"] == "request_id", answer
+    tiny_server.wait_idle(30)
 
 
 def test_a_template_refusal_is_said_once(tiny_server, monkeypatch):

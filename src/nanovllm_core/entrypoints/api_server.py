@@ -236,15 +236,15 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
         body = _parse(CompletionRequest, await _json(request, state.max_body_bytes))
         # Tokenizing a long prompt takes seconds of CPU: off the event loop, so other clients' streams
         # and /health go on meanwhile.
-        client_id = _client_request_id(request)
+        client_id = _client_request_id(request, body.request_id)
         return await _respond(request, state, await run_in_threadpool(state.serving.prepare_completion, body),
-                              client_id)
+                              *client_id)
 
     @v1.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = _parse(ChatCompletionRequest, await _json(request, state.max_body_bytes))
-        client_id = _client_request_id(request)
-        return await _respond(request, state, await run_in_threadpool(state.serving.prepare_chat, body), client_id)
+        client_id = _client_request_id(request, body.request_id)
+        return await _respond(request, state, await run_in_threadpool(state.serving.prepare_chat, body), *client_id)
 
     @v1.get("/v1/engine/events")
     async def engine_events(request: Request, topk: int = 0, blocks: bool = False, xray: bool = False) -> Response:
@@ -371,16 +371,24 @@ def _parse(model: type, body: Any):
 MAX_REQUEST_ID_CHARS = 128  # a client's id (X-Request-Id, a control request_id): at most this long
 
 
-def _client_request_id(request: Request) -> str | None:
-    """The ``X-Request-Id`` header (vLLM builds the response id from it), or None without one.
+def _client_request_id(request: Request, body_id: str | None = None) -> tuple[str | None, str]:
+    """The client's id for the response and where it came from: the ``X-Request-Id`` header, else
+    the body's ``request_id`` (vLLM's ``_base_request_id``: the header wins), else None (the
+    server's own id); the second item names the field (``X-Request-Id`` or ``request_id``) for errors.
 
     Raises:
-        APIError: 400 for an empty one, one over ``MAX_REQUEST_ID_CHARS`` characters, or bytes that
-            are not UTF-8 (the checks a control ``request_id`` gets).
+        APIError: 400 for an empty one, one over ``MAX_REQUEST_ID_CHARS`` characters, a control
+            character, or header bytes that are not UTF-8 (the checks a control ``request_id`` gets).
     """
     raw = request.headers.get("x-request-id")
     if raw is None:
-        return None
+        if body_id is None:
+            return None, "request_id"
+        problem = id_problem("request_id", body_id)
+        if problem is not None:
+            raise APIError(f"{problem} (or leave request_id out for the server's own id)", param="request_id",
+                           code="invalid_value")
+        return body_id, "request_id"
     try:
         value = raw.encode("latin-1").decode("utf-8")  # HTTP headers arrive as bytes (read as latin-1)
     except UnicodeError:
@@ -390,7 +398,7 @@ def _client_request_id(request: Request) -> str | None:
     if problem is not None:
         raise APIError(f"{problem} (or leave the header out for the server's own id)", param="X-Request-Id",
                        code="invalid_value")
-    return value
+    return value, "X-Request-Id"
 
 
 def id_problem(name: str, value: str) -> str | None:
@@ -424,11 +432,13 @@ class _EngineStream(StreamingResponse):
             self._on_end()
 
 
-async def _respond(request: Request, state: ServerState, p: Prepared, client_id: str | None = None) -> Response:
-    """Reserve ``p``'s ids (400 for an ``X-Request-Id`` in use) and answer it, whole or streamed;
-    the ``X-Request-Id`` response header holds what follows ``cmpl-``/``chatcmpl-`` in the id."""
+async def _respond(request: Request, state: ServerState, p: Prepared, client_id: str | None = None,
+                   client_field: str = "X-Request-Id") -> Response:
+    """Reserve ``p``'s ids (400 for a client's id in use; ``client_field`` names where it came from)
+    and answer it, whole or streamed; the ``X-Request-Id`` response header holds what follows
+    ``cmpl-``/``chatcmpl-`` in the id."""
     serving = state.serving
-    serving.reserve(p, client_id)
+    serving.reserve(p, client_id, client_field)
     # as the header came (its UTF-8 bytes, which Starlette writes as latin-1), or the server's own id
     headers = {"X-Request-Id": p.request_id.split("-", 1)[1].encode("utf-8").decode("latin-1")}
     if p.stream:

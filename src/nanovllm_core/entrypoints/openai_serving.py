@@ -205,9 +205,10 @@ class OpenAIServing:
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], params, req.priority, req.stream,
                         *_usage_options(req), req.return_token_ids, prompt_ids=[list(ids)])
 
-    def reserve(self, p: Prepared, client_id: str | None = None) -> None:
+    def reserve(self, p: Prepared, client_id: str | None = None, client_field: str = "X-Request-Id") -> None:
         """Give ``p`` its ids and reserve them until its requests finish: ``cmpl-{client_id}`` /
-        ``chatcmpl-{client_id}`` for an ``X-Request-Id`` header (vLLM's ``_base_request_id``), else
+        ``chatcmpl-{client_id}`` for an ``X-Request-Id`` header or a body's ``request_id``
+        (``client_field`` names which, for the error; vLLM's ``_base_request_id``), else
         the server's own; one engine id per prompt (``{id}-{i}`` for several). Call
         :meth:`release_unsubmitted` when the response ends (ids never submitted are freed then).
 
@@ -223,8 +224,8 @@ class OpenAIServing:
                 p.request_id, p.engine_ids = base, ids
                 return
             if client_id is not None:
-                raise APIError(f"X-Request-Id {json.dumps(client_id)} gives the request id {json.dumps(taken)}, which is already in use "
-                               "by a request that has not finished; choose another", param="X-Request-Id",
+                raise APIError(f"{client_field} {json.dumps(client_id)} gives the request id {json.dumps(taken)}, which is already in use "
+                               "by a request that has not finished; choose another", param=client_field,
                                code="duplicate_request_id")
             p.request_id = f"{prefix}-{uuid.uuid4().hex}"  # the server's own id met a client's: draw again
 

@@ -81,14 +81,12 @@ def validation_error(e: ValidationError, body: Any = None) -> APIError:
                             param=field, code="invalid_value")
     field = ".".join(str(p) for p in loc) or None
     if err["type"] == "extra_forbidden":
-        if field in NO_OP_VALUES and not isinstance(err.get("input"), NO_OP_TYPES[field]):
+        if field in NO_OP_TYPES and not isinstance(err.get("input"), NO_OP_TYPES[field]):
             # the type every other field of that type gets ("store": "false" is not told to "send false")
             return APIError(f"Invalid value for {field}: Input should be {NO_OP_TYPES_SHOWN[field]} "
                             f"(got {shown(err.get('input'))})", param=field, code="invalid_value")
-        if field in NO_OP_VALUES:  # OpenAI's own field, not a typo: say what this server takes
-            values = " or ".join(json.dumps(v) for v in NO_OP_VALUES[field])
-            return APIError(f"{field} is not supported by this server ({UNSUPPORTED_WHY[field]}); leave it out or "
-                            f"send {values}", param=field, code="invalid_value")
+        if field in UNSUPPORTED_WHY:  # OpenAI's or vLLM's own field, not a typo: say what this server takes
+            return APIError(unsupported_message(field), param=field, code="invalid_value")
         return APIError(f"Unrecognized request argument supplied: {clipped(field)}", param=field,
                         code="unknown_parameter")
     if err["type"] == "missing":
@@ -196,6 +194,59 @@ UNSUPPORTED_WHY = {
     "tool_choice": "no tool calling",
     "store": "it keeps no completions to list or distill later",
 }
+# Fields OpenAI or vLLM define that this server does not implement (trial 21b: they were refused as
+# "Unrecognized request argument", even as null, while the server's own responses carry three of
+# them as null). Each: why, and what to do instead (default "leave it out"). Null, or a value in
+# VLLM_NO_OP_VALUES (vLLM's own default, which asks for nothing), is taken as not sent; any other
+# value is a 400 in these words. docs/serving.md lists them.
+VLLM_UNSUPPORTED: dict[str, tuple[str, str]] = {
+    "reasoning_effort": ("no reasoning models or reasoning parser: the text is the answer", ""),
+    "include_reasoning": ("no reasoning models or reasoning parser: the text is the answer", ""),
+    "service_tier": ("one tier: every request runs in this engine's one queue", ""),
+    "functions": ("no tool calling (functions is OpenAI's old tools)", ""),
+    "function_call": ("no tool calling (function_call is OpenAI's old tool_choice)", ""),
+    **{name: ("no structured output: the text is whatever the model writes", "")
+       for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag")},
+    "use_beam_search": ("no beam search", ""),
+    "length_penalty": ("no beam search", ""),
+    "prompt_logprobs": ("no logprobs of the prompt's own tokens",
+                        "leave it out (logprobs gives the generated tokens' logprobs)"),
+    "allowed_token_ids": ("the sampler takes no allow-list of tokens",
+                          "leave it out (logit_bias -100 keeps single tokens out)"),
+    "bad_words": ("the sampler takes no list of banned words",
+                  "leave it out (logit_bias -100 keeps single tokens out)"),
+    "logits_processors": ("no custom logits processors", ""),
+    "truncate_prompt_tokens": ("prompts are never cut; one longer than the context is refused",
+                               "leave it out and shorten the prompt"),
+    "add_special_tokens": ("prompts are tokenized the one way the engine does", ""),
+    "spaces_between_special_tokens": ("the text is decoded the one way the engine does", ""),
+    "return_tokens_as_token_ids": ("logprob tokens are always text",
+                                   "leave it out (return_token_ids gives the token ids)"),
+    "chat_template": ("the model's own chat template only",
+                      "leave it out (chat_template_kwargs passes variables to the model's template)"),
+    "documents": ("the chat template is given no documents", "leave it out and put the documents' text in a message"),
+    "mm_processor_kwargs": ("text only", ""),
+    "prompt_embeds": ("text only: prompts are text or token ids", ""),
+    "cache_salt": ("one prefix cache, shared by every request of this server", ""),
+    "kv_transfer_params": ("one process, no KV transfer", ""),
+    "vllm_xargs": ("no extensions", ""),
+}
+VLLM_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "service_tier": ("auto", "default"), "use_beam_search": (False,), "length_penalty": (1.0, 1),
+    "include_reasoning": (True,), "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
+    "bad_words": ([],)}
+NO_OP_VALUES.update(VLLM_NO_OP_VALUES)
+UNSUPPORTED_WHY.update({name: why for name, (why, _) in VLLM_UNSUPPORTED.items()})
+
+
+def unsupported_message(field: str) -> str:
+    """The one line refusing a value of ``field``, a field of OpenAI's or vLLM's this server does
+    not implement: what is not supported, why, and what to do (leave it out, or the alternative;
+    or send a value that asks for nothing, :data:`NO_OP_VALUES`)."""
+    todo = VLLM_UNSUPPORTED.get(field, ("", ""))[1] or "leave it out"
+    if field in NO_OP_VALUES:
+        todo += " or send " + " or ".join(json.dumps(v) for v in NO_OP_VALUES[field])
+    return f"{field} is not supported by this server ({UNSUPPORTED_WHY[field]}); {todo}"
 ECHO_REFUSED = ("echo=true is not supported by this server (a response holds the generated text only, not the "
                 "prompt); leave it out or send false")
 
@@ -295,6 +346,9 @@ class _SamplingBody(_Body):
     priority: Int = 0
     return_token_ids: StrictBool = False
     echo: StrictBool = False  # vLLM's, on both routes: refused when true (ECHO_REFUSED)
+    # vLLM's: the response's id, as the X-Request-Id header gives it (the header wins when both are
+    # sent, as in vLLM's _base_request_id); the same rules as the header (api_server.client_request_id)
+    request_id: str | None = None
     # OpenAI's, taken and ignored as vLLM does, on both routes (vLLM's request models take any extra
     # field; trial 15b: completions refused them while docs/serving.md said they are taken): with no
     # tools (tools may only be [] here) no call is made, in parallel or not; metadata tags a stored
@@ -303,7 +357,7 @@ class _SamplingBody(_Body):
     metadata: Annotated[dict[str, str], AfterValidator(_openai_metadata)] | None = None
     # tool calling, structured output and stored completions are not supported here: null (= not
     # sent), or the value that asks for nothing (NO_OP_VALUES), only; the same on both routes
-    NULL_ONLY = frozenset({"tools", "tool_choice", "response_format", "store"})
+    NULL_ONLY = frozenset({"tools", "tool_choice", "response_format", "store", *VLLM_UNSUPPORTED})
 
     def _check_common(self) -> None:
         if self.echo:  # one message for both routes (chat said "Unrecognized request argument", trial 14b)
