@@ -1135,6 +1135,25 @@ def test_chat_template_kwargs_reach_the_template(tiny_server):
     assert "'tokenize'" in data["error"]["message"]
 
 
+@pytest.mark.parametrize("key, words", [
+    ("tools", "tool calling is not supported here"), ("documents", "put the documents' text in a message"),
+    ("chat_template", "only the model's own chat template"), ("messages", "send them as messages"),
+    ("add_generation_prompt", "send add_generation_prompt beside chat_template_kwargs"),
+    ("continue_final_message", "send continue_final_message beside chat_template_kwargs"),
+    ("tokenize", "a setting of the template renderer"), ("return_dict", "a setting of the template renderer")])
+def test_each_reserved_chat_template_kwarg_gets_its_own_what_to_do(tiny_server, key, words):
+    """Trial 21b #3: every reserved key was told "(add_generation_prompt and continue_final_message
+    are request fields of their own)", which points tools and documents the wrong way."""
+    from nanovllm_core.prompts import CHAT_TEMPLATE_RESERVED, CHAT_TEMPLATE_RESERVED_WHY
+
+    assert set(CHAT_TEMPLATE_RESERVED_WHY) <= CHAT_TEMPLATE_RESERVED
+    status, data = post(tiny_server, CHAT, {"messages": MESSAGES, "chat_template_kwargs": {key: []}, "max_tokens": 1})
+    message = data["error"]["message"]
+    assert status == 400 and data["error"]["param"] == "chat_template_kwargs", data
+    assert message.startswith(f"chat_template_kwargs may not set '{key}': ") and words in message, message
+    assert ("add_generation_prompt" in message) == (key == "add_generation_prompt"), message
+
+
 def test_chat_template_kwargs_are_template_variables(tiny_server, monkeypatch):
     """A template that reads a variable sees the value sent (LLMEngine.chat_token_ids, which the
     server and LLM.chat share); the library refuses what the server refuses."""

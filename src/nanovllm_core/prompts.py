@@ -153,6 +153,21 @@ CHAT_TEMPLATE_RESERVED = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
+# Why each reserved key may not be set, and what to do instead (trial 21b: every key was pointed to
+# add_generation_prompt, the wrong way for tools and documents); a key not named here is one of the
+# renderer's own tokenizing settings (RENDERER_SETTING).
+CHAT_TEMPLATE_RESERVED_WHY = {
+    "conversation": "the template gets the messages sent; send them as messages",
+    "messages": "the template gets the messages sent; send them as messages",
+    "tools": "tool calling is not supported here, so no tools reach the template; leave it out (a system "
+             "message can describe tools in words)",
+    "documents": "the template is given no documents; leave it out and put the documents' text in a message",
+    "chat_template": "only the model's own chat template is used; leave it out",
+    "add_generation_prompt": "it is an option of its own; send add_generation_prompt beside chat_template_kwargs",
+    "continue_final_message": "it is an option of its own; send continue_final_message beside chat_template_kwargs",
+}
+RENDERER_SETTING = ("it is a setting of the template renderer, not a template variable (the engine renders and "
+                    "tokenizes the prompt itself); leave it out")
 
 
 def chat_template_problem(add_generation_prompt: Any, continue_final_message: Any,
@@ -181,8 +196,7 @@ def chat_template_problem(add_generation_prompt: Any, continue_final_message: An
                 f'(e.g. {{"enable_thinking": false}}) or null, got {shown(chat_template_kwargs)}')
     reserved = sorted(k for k in chat_template_kwargs if k in CHAT_TEMPLATE_RESERVED)
     if reserved:
-        return ("chat_template_kwargs", f"chat_template_kwargs may not set {reserved[0]!r}: it is a setting of the "
-                "template renderer, not a template variable (add_generation_prompt and continue_final_message "
-                "are request fields of their own)")
+        why = CHAT_TEMPLATE_RESERVED_WHY.get(reserved[0], RENDERER_SETTING)
+        return ("chat_template_kwargs", f"chat_template_kwargs may not set {reserved[0]!r}: {why}")
     return None
 
