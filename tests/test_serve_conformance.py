@@ -1128,6 +1128,23 @@ def _rendered(server, path_body: dict) -> str:
     return server.controller.engine.tokenizer.decode(data["prompt_token_ids"])
 
 
+def test_a_developer_message_is_rendered_as_system_as_docs_say(tiny_server):
+    """Trial 21b #2: developer became a system turn (replacing the template's default system
+    prompt) undocumented; vLLM passes the role to the template as it is. This server keeps the
+    mapping (docs/serving.md says so and why): the prompt is the system message's, through
+    SmolLM2's real chat template."""
+    from pathlib import Path
+
+    hi = {"role": "user", "content": "Hi"}
+    as_developer = _rendered(tiny_server, {"messages": [{"role": "developer", "content": "Be terse"}, hi]})
+    as_system = _rendered(tiny_server, {"messages": [{"role": "system", "content": "Be terse"}, hi]})
+    default = _rendered(tiny_server, {"messages": [hi]})
+    assert as_developer == as_system and "developer" not in as_developer
+    assert "<|im_start|>system\nBe terse<|im_end|>" in as_developer and "SmolLM" in default and "SmolLM" not in as_developer
+    docs = (Path(__file__).parent.parent / "docs" / "serving.md").read_text()
+    assert "A `developer` message reaches the chat template as `system`" in docs
+
+
 def test_continue_final_message_leaves_the_last_message_open(tiny_server):
     """Trial 20b #3: vLLM's continue_final_message was a 400 unknown_parameter. With
     add_generation_prompt false the prompt ends in the assistant's own words (no end of turn, no
