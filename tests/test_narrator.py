@@ -1039,3 +1039,15 @@ def test_a_budget_taken_by_draft_slots_the_proposer_left_empty_is_still_used_up(
                    wait_reason=wait_reason)
     (sched,) = [c for c in fresh().feed(plan) if c.kind == "scheduler"]
     assert "Waiting: request 1 (the step's token budget of 5 is used up)" in sched.text
+
+
+def test_a_reservation_waiting_for_adjacent_blocks_says_so():
+    """Trial 21a bug 1: the contiguous baseline's head can wait with enough blocks free in all, none side by side."""
+    n = fresh()
+    n.feed(added("0"))
+    n.feed(added("1"))
+    plan = replace(planned(3, [entry("0", kind="decode", num=1, start=3, total_len=4)], waiting=(queued("1"),),
+                           admitted=(), budget=64, max_num_seqs=4), wait_reason="kv_run", wait_blocks=(4, 3, 2))
+    (sched,) = [c for c in n.feed(plan) if c.kind == "scheduler"]
+    assert "4 KV blocks are free in all but no run of 3 adjacent ones (the longest is 2)" in sched.text
+    assert "external fragmentation" in sched.text

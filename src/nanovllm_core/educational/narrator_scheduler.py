@@ -189,6 +189,12 @@ class SchedulerNarration:
         if why == "chunked_prefill_off":
             return (f"its {plural(head.num_tokens, 'token')} {agree(head.num_tokens, 'does', 'do')} not fit the "
                     f"{left} left of the budget, and chunked prefill is off")
+        if why == "kv_run" and len(plan.wait_blocks) == 3:
+            free, run, longest = plan.wait_blocks
+            return (f"{plural(free, 'KV block')} {agree(free, 'is', 'are')} free in all but no run of {run} adjacent "
+                    f"ones (the longest is {longest}): the contiguous baseline reserves its whole length as one region, "
+                    f"so a free pool cut into pieces still makes it wait. This is external fragmentation, which "
+                    f"paging avoids with block tables (Kwon et al. 2023, section 3)")
         return "not enough free KV blocks for it now"
 
     def _preemption(self, plan: ev.StepPlanned, q: ev.QueueEntry) -> Commentary:
