@@ -132,7 +132,16 @@ class SchedulerNarration:
             n, total = s.num_own_tokens, s.seq_len  # without the drafts a prompt's last token may carry
             end = s.start + n - 1
             if self._preemptions(plan, s.seq_id):
-                what = f"recompute of {plural(n, 'token')} ({s.start}..{end} of {total})"
+                # Of these, the part it had computed before its preemption is recomputed; the rest (its newest
+                # sampled token at least) never had keys and values (trial 21a bug 2: all were called recomputed).
+                again, first = self._split(s.seq_id, s.start, s.start + n)
+                span = f"({s.start}..{end} of {total})"
+                if again is None or not first:
+                    what = f"recompute of {plural(n, 'token')} {span}"
+                elif not again:
+                    what = f"{plural(n, 'new token')} {span}, none computed before its preemption"
+                else:
+                    what = f"{plural(n, 'token')} {span}: {again} recomputed, {first} new"
                 if s.request_id in plan.admitted:
                     what += ", readmitted after preemption"
             elif s.start > s.num_cached_tokens or end + 1 < total:
@@ -233,11 +242,13 @@ class SchedulerNarration:
                    f"preempted {name} (priority {q.priority}): it was {rule}, which can be the very request that "
                    "needed them")
         if self.info.get("prefix_caching") is False:
-            back = "when readmitted, their keys and values are all recomputed (prefix caching is off)"
+            back = ("when readmitted, all of them run through the model again (prefix caching is off): those it "
+                    "had computed are recomputed, the rest (its newest token at least) computed for the first time")
         else:
             back = ("its full blocks keep their contents as cached-free blocks until the pool needs their space (a "
                     "full block whose contents another block already holds is simply freed); when it is readmitted, "
-                    "the blocks still in the prefix cache are reused and only the rest is recomputed")
+                    "the blocks still in the prefix cache are reused and only the rest is computed: recomputed where "
+                    "it had computed them, for the first time where not (its newest token at least)")
         why = why[0].upper() + why[1:]  # "request 3 (priority 10) was waiting..." begins the entry (trial 11)
         text = (f"{why}. It gave back all its blocks and went back to the waiting queue keeping its "
                 f"{plural(q.num_tokens, 'token')} (prompt and generated): {back}. "

@@ -13,7 +13,7 @@ Preemption by recompute (Kwon et al. 2023, section 4.5): when a running sequence
 blocks than are free (one for a decode, several for a chunk), the least important running sequence (lowest priority, latest
 arrival) gives up all its blocks and goes back to the front of the waiting queue, keeping
 the tokens it has generated; when readmitted, its full blocks still in the prefix cache are
-reused and only the rest is recomputed. Under the ``priority`` policy a waiting request may also preempt running ones of
+reused and only the rest is computed (recomputed, apart from tokens it never computed, its newest at least). Under the ``priority`` policy a waiting request may also preempt running ones of
 lower priority when blocks are short (``_preempt_for``). That rule is not vLLM V1's: V1 preempts only for a running
 request, and a waiting request that gets no blocks just waits (its waiting loop stops: ``if new_blocks is None: break``);
 preempting for a waiting request of higher priority was vLLM V0's (``_schedule_priority_preemption``).
