@@ -93,3 +93,53 @@ def test_narrator_and_xray_describe_one_region(make_tiny_engine):
     assert "contiguous baseline" in intro and "the pool has" not in intro
     desc = BACKEND_NAMES[backend_of(eng)]
     assert "block table" not in desc.replace("no block table", "")
+
+
+def test_each_reservation_is_a_run_of_adjacent_blocks(make_tiny_engine):
+    """Trial 21a bug 1: the baseline took whichever free blocks came first ([6, 7, 2] with 0-2 free) while
+    the narrator called the reservation one contiguous region; first fit over adjacent blocks now."""
+    eng = make_tiny_engine(paged=False, block_size=4, num_kv_blocks=12)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for p in ["The capital of France is", "Python is a", "Tell me about cats"]:
+        eng.add_request(p, sp)
+    tables = {}
+    while eng.scheduler.has_unfinished():
+        eng.step()
+        for s in eng.scheduler.running:
+            tables.setdefault(s.request_id, list(s.block_table))
+        eng.block_manager.check_invariants(eng.scheduler.running + eng.scheduler.waiting)
+    assert len(tables) == 3
+    for t in tables.values():
+        assert len(t) > 1 and t == list(range(t[0], t[0] + len(t))), tables
+    assert eng.stats()["kv_blocks_used"] == 0
+
+
+def test_a_fragmented_pool_makes_a_reservation_wait_and_the_narrator_says_why():
+    """Enough blocks free in all but no run long enough: the baseline's external fragmentation."""
+    from nanovllm_core.engine.block_manager import BlockManager
+    from nanovllm_core.engine.scheduler import Scheduler
+    from nanovllm_core.engine.sequence import Sequence
+
+    def seq(i, n, max_tokens):
+        return Sequence(seq_id=i, request_id=f"r{i}", token_ids=[7] * n, num_prompt_tokens=n,
+                        params=SamplingParams(max_tokens=max_tokens))
+
+    bm = BlockManager(6, 4, enable_prefix_caching=False)
+    s = Scheduler(bm, max_num_seqs=4, token_budget=64, reserve_up_front=True, max_model_len=64)
+    a, b, c = seq(0, 4, 4), seq(1, 4, 4), seq(2, 4, 4)  # 2 blocks each: #0-1, #2-3, #4-5
+    for x in (a, b, c):
+        s.add(x)
+    s.schedule()
+    assert [x.block_table for x in (a, b, c)] == [[0, 1], [2, 3], [4, 5]]
+    for x in (a, c):  # blocks 0-1 and 4-5 free: 4 in all, no run of 3
+        s.remove(x)
+    big = seq(3, 8, 4)  # 12 tokens: 3 adjacent blocks
+    s.add(big)
+    plan = s.schedule()
+    assert plan.wait_reason == "kv_run" and plan.wait_blocks == (4, 3, 2) and not big.block_table
+    bm.check_invariants([b])
+    s.remove(b)
+    plan = s.schedule()
+    assert big.block_table == [0, 1, 2] and plan.wait_reason == ""
+    bm.check_invariants([big])
+

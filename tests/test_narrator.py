@@ -518,7 +518,7 @@ def test_preemption_says_blocks_may_come_back_from_the_prefix_cache_and_names_vl
                    preempted=[queued("1", num_tokens=12, preemptions=1)], waiting=[queued("1")], admitted=())
     pre = next(c for c in fresh().feed(plan) if c.kind == "preemption")
     assert "A running request needed more KV blocks for this step than were free" in pre.text  # a plan without shortfalls
-    assert "the blocks still in the prefix cache are reused and only the rest is recomputed" in pre.text
+    assert "the blocks still in the prefix cache are reused and only the rest is computed: recomputed where" in pre.text
     assert "often" not in pre.text
     assert "vLLM's is the opposite: lower values run first, and its default policy is fcfs" in pre.text
 
@@ -1039,3 +1039,33 @@ def test_a_budget_taken_by_draft_slots_the_proposer_left_empty_is_still_used_up(
                    wait_reason=wait_reason)
     (sched,) = [c for c in fresh().feed(plan) if c.kind == "scheduler"]
     assert "Waiting: request 1 (the step's token budget of 5 is used up)" in sched.text
+
+
+def test_a_reservation_waiting_for_adjacent_blocks_says_so():
+    """Trial 21a bug 1: the contiguous baseline's head can wait with enough blocks free in all, none side by side."""
+    n = fresh()
+    n.feed(added("0"))
+    n.feed(added("1"))
+    plan = replace(planned(3, [entry("0", kind="decode", num=1, start=3, total_len=4)], waiting=(queued("1"),),
+                           admitted=(), budget=64, max_num_seqs=4), wait_reason="kv_run", wait_blocks=(4, 3, 2))
+    (sched,) = [c for c in n.feed(plan) if c.kind == "scheduler"]
+    assert "4 KV blocks are free in all but no run of 3 adjacent ones (the longest is 2)" in sched.text
+    assert "external fragmentation" in sched.text
+
+
+def test_the_scheduler_line_of_a_readmission_counts_recomputed_and_new_tokens_as_the_entries_below():
+    """Trial 21a bug 2: the scheduler line said "recompute of 9 tokens (0..8 of 9)" while the entries below
+    said 8 recomputed and 1 computed for the first time (the newest sampled token never had KV)."""
+    n = fresh()
+    n.feed(added("0"))
+    n.feed(added("1", ids=tuple(range(7)), pieces=tuple("y" * 7)))
+    feed_all(n, [planned(7, [entry("1", kind="decode", num=1, start=7, prompt_len=7, total_len=8)], admitted=()),
+                 sampled(7, rid="1", token=8, text=" w", n_out=1), timed(7)])
+    feed_all(n, [planned(8, [entry("0", kind="decode", num=1, start=9, total_len=10)], admitted=(),
+                         preempted=[queued("1", num_tokens=9, preemptions=1)], waiting=[queued("1")]), timed(8)])
+    back = entry("1", num=9, start=0, prompt_len=7, total_len=9)
+    plan = planned(9, [entry("0", kind="decode", num=1, start=10, total_len=11), back],
+                   running=(queued("0"), queued("1", num_tokens=9, preemptions=1)), admitted=("1",))
+    (sched,) = [c for c in n.feed(plan) if c.kind == "scheduler"]
+    assert "request 1: 9 tokens (0..8 of 9): 8 recomputed, 1 new, readmitted after preemption" in sched.text
+    assert "recompute of 9" not in sched.text

@@ -147,7 +147,7 @@ def test_a_preemption_readmitted_from_the_prefix_cache_is_told_with_reused_and_r
         assert f"{s.num_cached_tokens} of its {s.total_len} tokens" in hit.text
         assert f"{recomputed} recomputed, their keys and values lost with its blocks" in hit.text
     (pre,) = readmitted.entries("preemption")
-    assert "the blocks still in the prefix cache are reused and only the rest is recomputed" in pre.text
+    assert "the blocks still in the prefix cache are reused and only the rest is computed: recomputed where" in pre.text
 
 
 def test_a_readmitted_requests_finish_tells_the_cached_tokens_the_dashboard_shows(readmitted):

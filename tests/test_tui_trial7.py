@@ -367,3 +367,24 @@ def test_connect_gives_up_on_a_refusing_address_after_the_bound_with_the_same_li
                              "waiting up to 1 s")
     assert err[-1].endswith(f"--connect: cannot reach http://127.0.0.1:{port} (connection refused); is `nanovllm "
                             "serve` running there?") and len(err) == 2
+
+
+async def test_start_up_prompts_the_kv_pool_can_never_hold_end_the_app_with_status_2(tiny_llama_dir, tmp_path):
+    """Trial 21a bug 3: three --prompts all refused for a pool too small; the app kept running with only the
+    first put back in the bar. Every refused --prompt now ends the app with one line, as a wrong option does."""
+    from nanovllm_core.engine.controller import EngineController
+    from nanovllm_tui.starter import BackgroundController
+
+    controller = BackgroundController(lambda: EngineController(model=str(tiny_llama_dir), num_kv_blocks=2,
+                                                               block_size=8))
+    prompts = [("The capital of France is a city that", 0), ("Python is a programming language", 5),
+               ("Once upon a time there was", 1)]
+    app = NanoVLLMApp(controller, settings=PromptSettings(max_tokens=20, chat=False), prompts=prompts,
+                      tutorial_path=tmp_path / "t.json")
+    exits = _record_exits(app)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: exits, timeout=60, what="the app to refuse the start-up prompts")
+    assert app.return_code == 2 and len(exits) == 1
+    line = str(exits[0]["message"])
+    assert line.startswith("nanovllm-tui: error: --prompt 1 was refused: the request may need ")
+    assert line.endswith("but the pool has only 2; raise --num-kv-blocks or lower --max-tokens") and "\n" not in line

@@ -659,7 +659,7 @@ def test_a_prefill_chunk_says_what_it_is_a_chunk_of_in_the_header_and_the_apps_t
     assert facts.what_ran(whole) == "prefill: 8 new tokens over 8 in context"
     after_cache = _chunk_trace(num_new_tokens=4, context_len=20, prompt_len=20, total_len=20, num_cached_tokens=16)
     assert facts.trace_chunk_of(after_cache) == ""  # the rest of the prompt after a prefix hit is no chunk
-    assert facts.chunk_of(0, 8, 9, 12, 0) == "its 12 tokens (9 prompt + 3 generated, recomputed)"
+    assert facts.chunk_of(0, 8, 9, 12, 0) == "its 12 tokens (9 prompt + 3 generated, all but the newest recomputed)"
     assert facts.trace_chunk_of(_chunk_trace(prompt_len=0, total_len=0)) == ""  # an older trace: nothing claimed
 
 

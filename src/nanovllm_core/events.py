@@ -250,8 +250,10 @@ class StepPlanned(Event):
     preemption happened, one per ``preempted`` entry in the same order (empty in traces
     recorded before this field existed). ``wait_reason``: why the first of ``waiting`` was not
     admitted (``engine.scheduler.WAIT_REASONS``: ``preempted``, ``max_num_seqs``, ``budget``,
-    ``chunked_prefill_off``, ``kv_blocks``); "" when none waits, and in traces recorded before
-    this field existed.
+    ``chunked_prefill_off``, ``kv_blocks``, ``kv_run``); "" when none waits, and in traces recorded
+    before this field existed. ``wait_blocks``: for ``kv_run`` (the contiguous baseline), the KV blocks
+    free in all, the adjacent blocks the head's reservation needs, and the longest run of adjacent
+    free blocks; ``()`` otherwise.
     """
 
     step: int
@@ -265,6 +267,7 @@ class StepPlanned(Event):
     max_num_seqs: int
     shortfalls: tuple[Shortfall, ...] = ()
     wait_reason: str = ""
+    wait_blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

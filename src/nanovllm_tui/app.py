@@ -66,10 +66,14 @@ REPLAY_REFUSALS = {
 COMMANDS = ("submit", "pause", "resume", "step", "abort", "xray", "call", "snapshot")
 
 
-def is_context_overflow(reason: str) -> bool:
-    """Whether a refusal's ``reason`` is a max tokens that does not fit after the prompt: the engine's
-    wording (``sampling_params.max_tokens_overflow``) or a server's (``protocol.check_length``, vLLM's)."""
-    return " does not fit: " in reason or ("maximum context length" in reason and "you requested" in reason)
+def pool_with_options(reason: str) -> str:
+    """An engine refusal for a KV pool too small (``LLMEngine``'s check at add time) reworded for a command
+    line, as :func:`overflow_with_options` does for the context: the options, not the fields. Any other
+    reason comes back unchanged."""
+    return (reason.replace("raise num_kv_blocks (--num-kv-blocks) or lower max_tokens",
+                           "raise --num-kv-blocks or lower --max-tokens")
+            .replace("shorten the prompt or raise num_kv_blocks (--num-kv-blocks)",
+                     "shorten the prompt or raise --num-kv-blocks"))
 
 
 class Tabs(TabbedContent):
@@ -477,11 +481,14 @@ class NanoVLLMApp(App):
         return req is not None and req.chat is not None
 
     def _refuse_startup_prompt(self, event: ev.RequestRejected) -> bool:
-        """A ``--prompt`` given at start refused because ``--max-tokens`` does not fit after it in the
-        context (the engine's ``fit_context`` check, or a server's 400 under ``--connect``): the app ends
-        with one line and status 2, as ``nanovllm --prompt ... --max-tokens`` does. True: it ends."""
+        """A ``--prompt`` given at start that the engine (or a server under ``--connect``) refuses, for
+        any reason: ``--max-tokens`` does not fit after it in the context, or the KV pool could never
+        hold it (``--num-kv-blocks``). The app ends with one line and status 2 naming the first refused
+        ``--prompt`` and why, as a wrong option does: the command line is at fault, and a refusal is never
+        left half-told (trial 21a: of three refused for a small pool, only the first was put back in the
+        bar). A prompt from the bar is put back instead. True: it ends."""
         place = self._startup_ids.get(event.request_id)
-        if place is None or not is_context_overflow(event.reason):
+        if place is None:
             return False
         if not self.state.model_info.get("max_model_len"):
             # A server's refusal can come before its ready event: once the context length is known,
@@ -494,7 +501,7 @@ class NanoVLLMApp(App):
         which = f"--prompt {place}" if len(self._startup_ids) > 1 else "--prompt"
         # the engine's wording names the fields; the command line's names the options, as nanovllm's does
         # (a server's refusal under --connect is vLLM's wording and is shown as it came)
-        reason = overflow_with_options(event.reason)
+        reason = pool_with_options(overflow_with_options(event.reason))
         self.exit(return_code=2, message=Text(f"nanovllm-tui: error: {which} was refused: {reason}"))
         return True
 

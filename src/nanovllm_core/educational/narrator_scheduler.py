@@ -132,7 +132,16 @@ class SchedulerNarration:
             n, total = s.num_own_tokens, s.seq_len  # without the drafts a prompt's last token may carry
             end = s.start + n - 1
             if self._preemptions(plan, s.seq_id):
-                what = f"recompute of {plural(n, 'token')} ({s.start}..{end} of {total})"
+                # Of these, the part it had computed before its preemption is recomputed; the rest (its newest
+                # sampled token at least) never had keys and values (trial 21a bug 2: all were called recomputed).
+                again, first = self._split(s.seq_id, s.start, s.start + n)
+                span = f"({s.start}..{end} of {total})"
+                if again is None or not first:
+                    what = f"recompute of {plural(n, 'token')} {span}"
+                elif not again:
+                    what = f"{plural(n, 'new token')} {span}, none computed before its preemption"
+                else:
+                    what = f"{plural(n, 'token')} {span}: {again} recomputed, {first} new"
                 if s.request_id in plan.admitted:
                     what += ", readmitted after preemption"
             elif s.start > s.num_cached_tokens or end + 1 < total:
@@ -189,6 +198,12 @@ class SchedulerNarration:
         if why == "chunked_prefill_off":
             return (f"its {plural(head.num_tokens, 'token')} {agree(head.num_tokens, 'does', 'do')} not fit the "
                     f"{left} left of the budget, and chunked prefill is off")
+        if why == "kv_run" and len(plan.wait_blocks) == 3:
+            free, run, longest = plan.wait_blocks
+            return (f"{plural(free, 'KV block')} {agree(free, 'is', 'are')} free in all but no run of {run} adjacent "
+                    f"ones (the longest is {longest}): the contiguous baseline reserves its whole length as one region, "
+                    f"so a free pool cut into pieces still makes it wait. This is external fragmentation, which "
+                    f"paging avoids with block tables (Kwon et al. 2023, section 3)")
         return "not enough free KV blocks for it now"
 
     def _preemption(self, plan: ev.StepPlanned, q: ev.QueueEntry) -> Commentary:
@@ -227,11 +242,13 @@ class SchedulerNarration:
                    f"preempted {name} (priority {q.priority}): it was {rule}, which can be the very request that "
                    "needed them")
         if self.info.get("prefix_caching") is False:
-            back = "when readmitted, their keys and values are all recomputed (prefix caching is off)"
+            back = ("when readmitted, all of them run through the model again (prefix caching is off): those it "
+                    "had computed are recomputed, the rest (its newest token at least) computed for the first time")
         else:
             back = ("its full blocks keep their contents as cached-free blocks until the pool needs their space (a "
                     "full block whose contents another block already holds is simply freed); when it is readmitted, "
-                    "the blocks still in the prefix cache are reused and only the rest is recomputed")
+                    "the blocks still in the prefix cache are reused and only the rest is computed: recomputed where "
+                    "it had computed them, for the first time where not (its newest token at least)")
         why = why[0].upper() + why[1:]  # "request 3 (priority 10) was waiting..." begins the entry (trial 11)
         text = (f"{why}. It gave back all its blocks and went back to the waiting queue keeping its "
                 f"{plural(q.num_tokens, 'token')} (prompt and generated): {back}. "

@@ -644,7 +644,8 @@ CHAPTERS: tuple[Chapter, ...] = (
         while a few are still free), the engine preempts: the running request with the lowest priority, and the latest arrival among equals,
         gives back all its blocks and returns to the waiting queue. It keeps the tokens it generated;
         when it is readmitted, the full blocks of its tokens (prompt and generated) that are still in the
-        prefix cache are reused, and only the rest is recomputed. Here a waiting high-priority request may also
+        prefix cache are reused, and only the rest is computed: recomputed, apart from its newest token,
+        sampled just before the preemption, whose keys and values are computed for the first time. Here a waiting high-priority request may also
         preempt lower-priority ones to get in, as vLLM V0 did; vLLM V1 does not: its waiting request waits until blocks
         free up, and only a running request that needs blocks preempts.
 

@@ -101,13 +101,16 @@ def step_kind(trace: ev.LayerTrace, entry: ev.ScheduledEntry | None = None) -> s
 def chunk_of(start: int, new: int, prompt_len: int, total_len: int, num_cached: int) -> str:
     """What a prefill of ``new`` tokens from position ``start`` is a chunk of: ``"a 9-token prompt"``,
     or for a sequence readmitted after a preemption ``"its 12 tokens (9 prompt + 3 generated,
-    recomputed)"``; ``""`` when it is the whole rest of its prefill (from the first token the prefix
+    all but the newest recomputed)"``; ``""`` when it is the whole rest of its prefill (from the first token the prefix
     cache did not hold to its last) or the lengths are not known. As the narrator's
     "prefill chunk 0..7 of 9" (trial 10: the X-Ray said "8 new tokens at positions 0..7" alone)."""
     if not prompt_len or not total_len or (start == num_cached and start + new >= total_len):
         return ""
     if total_len > prompt_len:
-        return f"its {total_len} tokens ({prompt_len} prompt + {total_len - prompt_len} generated, recomputed)"
+        # The newest generated token was sampled but never run through the model before the preemption: its
+        # keys and values are computed for the first time (trial 21a bug 2).
+        return (f"its {total_len} tokens ({prompt_len} prompt + {total_len - prompt_len} generated, "
+                "all but the newest recomputed)")
     return f"a {prompt_len}-token prompt"
 
 

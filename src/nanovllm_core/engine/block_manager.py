@@ -176,6 +176,62 @@ class BlockManager:
             seq.block_table.append(self._take_block())
         return True
 
+    def free_runs(self, also_free: frozenset[int] | set[int] = frozenset()) -> list[tuple[int, int]]:
+        """Runs of adjacent physical blocks that are free (empty or cached-free), as ``(first id, length)``
+        in id order; ``also_free``: block ids to count as free too (those a preemption would release).
+
+        The contiguous baseline (``paged=False``) reserves a request's KV as one such run: a pool with
+        enough free blocks in all but no run long enough cannot admit it (external fragmentation,
+        Kwon et al. 2023, section 3), which block tables avoid.
+        """
+        runs: list[tuple[int, int]] = []
+        start = None
+        for b in range(self.num_blocks + 1):
+            free = b < self.num_blocks and (self.blocks[b].ref_count == 0 or b in also_free)
+            if free and start is None:
+                start = b
+            elif not free and start is not None:
+                runs.append((start, b - start))
+                start = None
+        return runs
+
+    def find_free_run(self, num_blocks: int, also_free: frozenset[int] | set[int] = frozenset()) -> int | None:
+        """The first id of the first run of ``num_blocks`` adjacent free blocks (first fit), or None;
+        0 blocks need no run (0). See :meth:`free_runs`."""
+        if num_blocks <= 0:
+            return 0
+        return next((first for first, length in self.free_runs(also_free) if length >= num_blocks), None)
+
+    def longest_free_run(self) -> int:
+        """Length in blocks of the longest run of adjacent free blocks (0 when none is free)."""
+        return max((length for _, length in self.free_runs()), default=0)
+
+    def allocate_run(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give ``seq`` (an empty block table) the first run of adjacent free blocks that holds
+        ``num_tokens`` tokens: the contiguous baseline's one KV region (first fit). Cached-free blocks
+        in the run lose their cached prefix (the baseline runs with prefix caching off).
+
+        Returns False, changing nothing, when no run is long enough, even if enough blocks are free in all.
+
+        Raises:
+            ValueError: ``seq`` already holds blocks (a region is reserved once, whole).
+        """
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} already holds blocks; a contiguous region is reserved once")
+        n = self.blocks_needed(num_tokens)
+        first = self.find_free_run(n)
+        if first is None:
+            return False
+        for block_id in range(first, first + n):
+            if block_id in self.cached_free:
+                del self.cached_free[block_id]
+                self._uncache(self.blocks[block_id])
+            else:
+                self.free_ids.remove(block_id)
+            self.blocks[block_id].ref_count = 1
+            seq.block_table.append(block_id)
+        return True
+
     def _take_block(self) -> int:
         if self.free_ids:
             block_id = self.free_ids.popleft()

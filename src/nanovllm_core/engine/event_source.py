@@ -204,7 +204,7 @@ class EventSource:
             shortfalls=tuple(ev.Shortfall(request_id=w.needer.request_id, seq_id=w.needer.seq_id, index=w.needer.index,
                                           blocks_needed=w.blocks_needed, blocks_free=w.blocks_free, waiting=w.waiting)
                              for w in plan.shortfalls),
-            wait_reason=plan.wait_reason,
+            wait_reason=plan.wait_reason, wait_blocks=tuple(plan.wait_blocks),
         )
 
     def blocks_event(self, step: int) -> ev.BlocksChanged:

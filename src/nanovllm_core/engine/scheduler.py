@@ -13,7 +13,7 @@ Preemption by recompute (Kwon et al. 2023, section 4.5): when a running sequence
 blocks than are free (one for a decode, several for a chunk), the least important running sequence (lowest priority, latest
 arrival) gives up all its blocks and goes back to the front of the waiting queue, keeping
 the tokens it has generated; when readmitted, its full blocks still in the prefix cache are
-reused and only the rest is recomputed. Under the ``priority`` policy a waiting request may also preempt running ones of
+reused and only the rest is computed (recomputed, apart from tokens it never computed, its newest at least). Under the ``priority`` policy a waiting request may also preempt running ones of
 lower priority when blocks are short (``_preempt_for``). That rule is not vLLM V1's: V1 preempts only for a running
 request, and a waiting request that gets no blocks just waits (its waiting loop stops: ``if new_blocks is None: break``);
 preempting for a waiting request of higher priority was vLLM V0's (``_schedule_priority_preemption``).
@@ -58,6 +58,8 @@ WAIT_REASONS = {
     "chunked_prefill_off": "its prompt does not fit the budget left and chunked prefill is off",
     "kv_blocks": "too few free KV blocks for it (and, under the priority policy, no lower-priority running "
                  "sequences whose blocks would be enough)",
+    "kv_run": "the contiguous baseline: enough KV blocks are free in all, but no run of adjacent ones holds its "
+              "whole reservation (external fragmentation, which block tables avoid)",
 }
 
 
@@ -122,7 +124,9 @@ class SchedulerOutput:
     in tokens; ``admitted``: sequences moved from waiting to running this step;
     ``shortfalls``: why each preemption happened, one :class:`Shortfall` per preempted
     sequence, in the same order. ``wait_reason``: why the first sequence still waiting was not
-    admitted (:data:`WAIT_REASONS`; "" when none waits).
+    admitted (:data:`WAIT_REASONS`; "" when none waits). ``wait_blocks``: for ``"kv_run"``, the blocks
+    free in all, the adjacent blocks its reservation needs, and the longest run of adjacent free blocks
+    (``()`` otherwise).
     """
 
     step: int
@@ -133,6 +137,7 @@ class SchedulerOutput:
     num_batched_tokens: int
     shortfalls: list[Shortfall] = field(default_factory=list)
     wait_reason: str = ""
+    wait_blocks: tuple[int, ...] = ()
 
     @property
     def is_empty(self) -> bool:
@@ -151,7 +156,9 @@ class Scheduler:
         num_speculative_tokens: draft slots per decode, k (0 = no speculative decoding).
         max_model_len: longest sequence in tokens (caps draft slots and reservations; None = no cap).
         reserve_up_front: the contiguous baseline (``paged=False``): a sequence takes, when admitted,
-            the KV slots of the longest it may grow (:meth:`reservation`), not a block at a time.
+            the KV slots of the longest it may grow (:meth:`reservation`), not a block at a time, as one
+            run of adjacent physical blocks (first fit, :meth:`BlockManager.allocate_run`); with no run
+            long enough it waits (``"kv_run"``) even when enough blocks are free in all.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, token_budget: int,
@@ -201,6 +208,15 @@ class Scheduler:
         """Tokens whose blocks admitting ``seq`` takes: those it runs now (``num_tokens``), or in the
         contiguous baseline its whole :meth:`reservation`."""
         return max(num_tokens, self.reservation(seq)) if self.reserve_up_front else num_tokens
+
+    def _fits(self, seq: Sequence, num_tokens: int, cached: list[int] = ()) -> bool:
+        """Can ``seq`` be given blocks for ``num_tokens`` tokens now? In the contiguous baseline a
+        sequence without blocks needs one run of adjacent free blocks (cached hits: none, prefix
+        caching is off there)."""
+        bm = self.block_manager
+        if self.reserve_up_front and not seq.block_table:
+            return bm.find_free_run(bm.blocks_needed(num_tokens)) is not None
+        return bm.can_allocate(seq, num_tokens, cached)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -277,6 +293,7 @@ class Scheduler:
         # 2. Waiting sequences, in policy order, unless this step already had to preempt. Why the head of
         # the queue left waiting was not admitted is kept for the views (``SchedulerOutput.wait_reason``).
         wait_reason = ""
+        wait_blocks: tuple[int, ...] = ()
         while self.waiting:
             if preempted:
                 wait_reason = "preempted"
@@ -297,9 +314,14 @@ class Scheduler:
             num_new = min(num_new, budget)
             # What admission takes: the blocks of the tokens run now, or (contiguous baseline) the whole reservation.
             need = self._admission_tokens(seq, num_computed + num_new)
-            if not bm.can_allocate(seq, need, cached):
+            if not self._fits(seq, need, cached):
                 if not self._preempt_for(seq, need, cached, plan, preempted):
-                    wait_reason = "kv_blocks"
+                    if self.reserve_up_front and bm.can_allocate(seq, need, cached):
+                        # Enough blocks free in all, but not side by side: the baseline's external fragmentation.
+                        wait_reason = "kv_run"
+                        wait_blocks = (bm.num_free_blocks, bm.blocks_needed(need), bm.longest_free_run())
+                    else:
+                        wait_reason = "kv_blocks"
                     break
                 budget = self.token_budget - sum(p.num_new_tokens for p in plan.values())
                 if not self.enable_chunked_prefill and seq.num_tokens - num_computed > budget:
@@ -314,7 +336,10 @@ class Scheduler:
             former = seq.preempted_block_table
             own = (sum(1 for i, b in enumerate(cached) if i < len(former) and former[i] == b
                        and bm.blocks[b].ref_count == 0) if seq.metrics.num_preemptions else None)
-            bm.allocate(seq, self._admission_tokens(seq, num_computed + num_new), cached)
+            if self.reserve_up_front:  # one region of adjacent blocks, the whole reservation (no prefix hits)
+                bm.allocate_run(seq, self._admission_tokens(seq, num_computed + num_new))
+            else:
+                bm.allocate(seq, self._admission_tokens(seq, num_computed + num_new), cached)
             self.waiting.pop(0)
             seq.num_computed_tokens = num_computed
             seq.status = SequenceStatus.RUNNING
@@ -340,6 +365,7 @@ class Scheduler:
             num_batched_tokens=sum(p.num_new_tokens for p in scheduled),
             shortfalls=self._shortfalls if len(self._shortfalls) == len(preempted) else [],
             wait_reason=wait_reason,
+            wait_blocks=wait_blocks,
         )
         self.step_index += 1
         return out
@@ -385,13 +411,17 @@ class Scheduler:
         shortfall = bm.new_blocks_needed(seq, num_tokens, cached) - bm.free_blocks_after_hits(cached)
         if not lower or freeable < shortfall:
             return False
+        if self.reserve_up_front and not seq.block_table:  # the contiguous baseline: a run must come free
+            released = {b for s in lower for b in s.block_table if bm.blocks[b].ref_count == 1}
+            if bm.find_free_run(bm.blocks_needed(num_tokens), released) is None:
+                return False
         for victim in lower:
-            if bm.can_allocate(seq, num_tokens, cached):
+            if self._fits(seq, num_tokens, cached):
                 break
             why = Shortfall(seq, bm.new_blocks_needed(seq, num_tokens, cached), bm.free_blocks_after_hits(cached),
                             waiting=True)
             self._preempt(victim, plan, preempted, why)
-        return bm.can_allocate(seq, num_tokens, cached)
+        return self._fits(seq, num_tokens, cached)
 
     def _num_spec_tokens(self, seq: Sequence, budget_left: int) -> tuple[int, tuple[str, ...]]:
         """Draft slots for ``seq`` this step, and what held them below k (:data:`DRAFT_LIMITS`).
