@@ -21,20 +21,26 @@ def _record_exits(app: NanoVLLMApp) -> list:
 # ---------------------------------------------------------------- 1: max tokens that do not fit after the prompt
 
 
-async def test_a_start_up_prompt_whose_max_tokens_do_not_fit_after_it_ends_the_app_with_status_2(tiny_llama_dir, tmp_path):
-    """`nanovllm-tui --prompt "hello there" --max-tokens 8191` ran (capped at the context) where
-    `nanovllm` refuses it; the tiny model's context is 512, so 512 never fits after a prompt."""
+async def _start_up_refusal(tiny_llama_dir, tmp_path, prompts: list, max_tokens: int, **engine) -> tuple[str, NanoVLLMApp]:
+    """Start the app on the tiny model with ``prompts`` sent at start: the one line it ends with
+    (status 2), and the app."""
     from nanovllm_core.engine.controller import EngineController
     from nanovllm_tui.starter import BackgroundController
 
-    controller = BackgroundController(lambda: EngineController(model=str(tiny_llama_dir), num_kv_blocks=64))
-    app = NanoVLLMApp(controller, settings=PromptSettings(max_tokens=512, chat=False), prompts=[("hello there", 0)],
+    controller = BackgroundController(lambda: EngineController(model=str(tiny_llama_dir), **engine))
+    app = NanoVLLMApp(controller, settings=PromptSettings(max_tokens=max_tokens, chat=False), prompts=prompts,
                       tutorial_path=tmp_path / "t.json")
     exits = _record_exits(app)
     async with app.run_test(size=SIZE) as pilot:
         await wait_until(pilot, lambda: exits, timeout=60, what="the app to refuse the start-up prompt")
     assert app.return_code == 2 and len(exits) == 1
-    line = str(exits[0]["message"])
+    return str(exits[0]["message"]), app
+
+
+async def test_a_start_up_prompt_whose_max_tokens_do_not_fit_after_it_ends_the_app_with_status_2(tiny_llama_dir, tmp_path):
+    """`nanovllm-tui --prompt "hello there" --max-tokens 8191` ran (capped at the context) where
+    `nanovllm` refuses it; the tiny model's context is 512, so 512 never fits after a prompt."""
+    line, app = await _start_up_refusal(tiny_llama_dir, tmp_path, [("hello there", 0)], 512, num_kv_blocks=64)
     # newcomer trial 8: the options, as nanovllm names them ("lower max_tokens or raise max_model_len" before)
     assert line.startswith("nanovllm-tui: error: --prompt was refused: --max-tokens 512 does not fit: the prompt has ")
     assert "the context (max_model_len) is 512" in line and "\n" not in line
@@ -372,19 +378,8 @@ def test_connect_gives_up_on_a_refusing_address_after_the_bound_with_the_same_li
 async def test_start_up_prompts_the_kv_pool_can_never_hold_end_the_app_with_status_2(tiny_llama_dir, tmp_path):
     """Trial 21a bug 3: three --prompts all refused for a pool too small; the app kept running with only the
     first put back in the bar. Every refused --prompt now ends the app with one line, as a wrong option does."""
-    from nanovllm_core.engine.controller import EngineController
-    from nanovllm_tui.starter import BackgroundController
-
-    controller = BackgroundController(lambda: EngineController(model=str(tiny_llama_dir), num_kv_blocks=2,
-                                                               block_size=8))
     prompts = [("The capital of France is a city that", 0), ("Python is a programming language", 5),
                ("Once upon a time there was", 1)]
-    app = NanoVLLMApp(controller, settings=PromptSettings(max_tokens=20, chat=False), prompts=prompts,
-                      tutorial_path=tmp_path / "t.json")
-    exits = _record_exits(app)
-    async with app.run_test(size=SIZE) as pilot:
-        await wait_until(pilot, lambda: exits, timeout=60, what="the app to refuse the start-up prompts")
-    assert app.return_code == 2 and len(exits) == 1
-    line = str(exits[0]["message"])
+    line, _ = await _start_up_refusal(tiny_llama_dir, tmp_path, prompts, 20, num_kv_blocks=2, block_size=8)
     assert line.startswith("nanovllm-tui: error: --prompt 1 was refused: the request may need ")
     assert line.endswith("but the pool has only 2; raise --num-kv-blocks or lower --max-tokens") and "\n" not in line
