@@ -13,7 +13,8 @@ stand in. Below ``ONE_LINE_WIDTH`` columns the settings take a line of their own
 Each setting is checked as it is typed (Textual's ``Input`` validators): a wrong one turns red
 and the line under the bar says why. Enter sends only when every setting is right, and at once
 (not through a message that would reach the app after the keys pressed behind Enter); a prompt
-is cleared only once it has been sent.
+is cleared only once it has been sent. A refused Enter puts the cursor in the first wrong setting
+and the line under the bar says so (``PromptBar.moved_note``).
 
 The prompt field is one line, but a prompt may have many: a paste keeps all its lines, each line
 break shown as ``⏎`` (``NEWLINE_MARK``) and sent as a real newline on Enter, chat or raw (Textual's
@@ -290,6 +291,9 @@ class Field(Input):
         self._entry_settled = False
         if self.has_class("setting"):
             self.cursor_position = 0
+        for bar in self.ancestors:
+            if isinstance(bar, PromptBar):
+                bar.field_left(self.id)
 
     async def action_submit(self) -> None:
         self.query_ancestor(PromptBar).submit(self)
@@ -375,6 +379,7 @@ class PromptBar(Vertical):
     CHAT_TOOLTIP = ("X chat: the prompt is sent as a user's message through the model's chat template "
                     "(instruction-tuned models answer it). raw: sent as raw text to continue. ctrl+t toggles.")
     FIELDS = ("priority", "max-tokens", "temperature")
+    LABELS = {"priority": "prio", "max-tokens": "max", "temperature": "temp"}  # as the bar labels them
 
     def __init__(self, settings: PromptSettings | None = None,
                  send: Callable[[str, PromptSettings], str | None] | None = None,
@@ -387,6 +392,7 @@ class PromptBar(Vertical):
         self.rules = setting_rules()
         self._refusals: dict[str, str] = {}  # field id -> the "Not sent: ..." toast naming it, while on screen
         self._empty_refused = False  # Enter found the prompt empty: said under the bar until it has text
+        self._moved_to: str | None = None  # the wrong setting a refused Enter put the cursor in, while there
 
     def compose(self) -> ComposeResult:
         d = self.defaults
@@ -500,15 +506,31 @@ class PromptBar(Vertical):
         for name in self.FIELDS:
             self.query_one(f"#{name}", Input).set_class(name in dict(wrong), "-invalid")
         self.query_one("#prompt", Input).set_class(self._empty_refused, "-invalid")
+        if self._moved_to not in dict(wrong):
+            self._moved_to = None  # fixed: the cursor stays, but there is nothing more to say about it
         if self._empty_refused:
             wrong.insert(0, ("prompt", EMPTY_PROMPT))
         self.set_class(bool(wrong), "-invalid")
-        self.query_one("#prompt-error", Label).update(Text("; ".join(why for _, why in wrong)))  # typed text: no markup
+        reasons = [why for _, why in wrong] + ([self.moved_note(self._moved_to)] if self._moved_to else [])
+        self.query_one("#prompt-error", Label).update(Text("; ".join(reasons)))  # typed text: no markup
         withdraw = getattr(self.app, "withdraw", None)
         for name in [n for n in self._refusals if n not in dict(wrong)]:
             message = self._refusals.pop(name)
             if withdraw is not None:
                 withdraw(message)
+
+    def moved_note(self, name: str) -> str:
+        """What a refused Enter did with the focus: it put the cursor in setting ``name`` (its value
+        selected, as entering a setting does: Field.settle_entry), where a `/` or a letter typed next,
+        meant for the prompt, would otherwise go without a word (trial 21d)."""
+        return (f"the cursor is in {self.LABELS[name]} now, its value selected (typing replaces it): "
+                "fix it, then / returns to the prompt")
+
+    def field_left(self, name: str | None) -> None:
+        """The focus left field ``name``: the line under the bar no longer says the cursor is there."""
+        if name is not None and name == self._moved_to:
+            self._moved_to = None
+            self._show_errors()
 
     def put_back(self, prompt: str) -> bool:
         """Put a refused ``prompt`` back in the empty prompt field, line breaks as ``⏎``, the cursor
@@ -538,11 +560,15 @@ class PromptBar(Vertical):
             return
         wrong = self.errors()
         if wrong:
+            # The cursor goes to the first wrong setting, as a form focuses the field to fix, and the
+            # line under the bar and the toast say so (trial 21d: the focus moved without a word).
+            name = wrong[0][0]
+            self._moved_to = name
             self._show_errors()
-            message = f"Not sent: {wrong[0][1]}. The prompt is kept."
-            self._refusals[wrong[0][0]] = message  # withdrawn once that field is right (_show_errors)
+            message = f"Not sent: {wrong[0][1]}. The prompt is kept; {self.moved_note(name)}."
+            self._refusals[name] = message  # withdrawn once that field is right (_show_errors)
             self.notify(message, severity="error", markup=False)
-            self.screen.set_focus(self.query_one(f"#{wrong[0][0]}", Input))
+            self.screen.set_focus(self.query_one(f"#{name}", Input))
             return
         if self.send(prompt, self.read_settings()) is not None:
             prompt_field.value = ""
