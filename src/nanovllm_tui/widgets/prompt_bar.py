@@ -34,12 +34,14 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from rich.cells import cell_len, get_character_cell_size
+from rich.segment import Segment
 from rich.text import Text
 from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.geometry import Region
+from textual.strip import Strip
 from textual.validation import ValidationResult, Validator
 from textual.widgets import Checkbox, Input, Label
 from textual.widgets.input import Selection
@@ -251,6 +253,29 @@ class Field(Input):
 
     def action_typed(self) -> None:
         """Nothing: see :func:`typed_keys`."""
+
+    HIDDEN_MARK = "\u2026"  # …: a setting's edge cell when text is hidden past it
+
+    def render_line(self, y: int) -> Strip:
+        """Input's line; in a setting (7 cells), ``HIDDEN_MARK`` in the edge cell past which text is
+        hidden: a focused 7-character value scrolls one cell for the cursor, and ``---5000`` showed
+        as ``--5000`` while the line under the bar said ``'---5000'`` (trial 21d)."""
+        strip = super().render_line(y)
+        if y != 0 or not self.value or not self.has_class("setting"):
+            return strip
+        width = self.scrollable_content_region.width
+        left = self.scroll_offset.x
+        drawn = self._value.cell_len + (1 if self.has_focus and self.cursor_at_end else 0)  # the cursor's cell
+        if strip.cell_length > width:  # Input draws one cell more, into the right padding (if any): text
+            # there is past the view the cursor scrolls in, so it is a blank here and hidden text is marked
+            strip = Strip.join([strip.crop(0, width), Strip([Segment(" " * (strip.cell_length - width),
+                                                                     self.rich_style)])])
+        for cell, hidden in ((0, left > 0), (width - 1, drawn > left + width)):  # cells of the content line
+            if hidden and 0 <= cell < strip.cell_length:
+                style = next((seg.style for seg in strip.crop(cell, cell + 1) if seg.text), None)
+                strip = Strip.join([strip.crop(0, cell), Strip([Segment(self.HIDDEN_MARK, style)]),
+                                    strip.crop(cell + 1, strip.cell_length)])
+        return strip
 
     # Entering a field: a setting selects its value (typing replaces it, as a form's field does on
     # Tab); the prompt puts the cursor after its text (typing continues it). Input applies its
