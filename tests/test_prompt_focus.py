@@ -77,8 +77,7 @@ async def test_a_refused_enter_says_it_put_the_cursor_in_the_wrong_setting(tiny_
         await wait_until(pilot, lambda: app.focused.id == "priority", 10, "the cursor in prio")
         line = str(error.render())
         assert "not '-5000'" in line and "not 'nan'" in line, line
-        assert line.endswith("the cursor is in prio now, its value selected (typing replaces it): fix it, "
-                             "then / returns to the prompt"), line
+        assert line.endswith("the cursor is in prio now, its value selected: fix it, then / returns to the prompt"), line
         assert notes.find("The prompt is kept; the cursor is in prio now", "error")
         assert priority.selection == (0, len("-5000")) and prompt.value == "bad settings prompt"
 

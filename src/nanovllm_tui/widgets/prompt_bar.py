@@ -548,8 +548,7 @@ class PromptBar(Vertical):
         """What a refused Enter did with the focus: it put the cursor in setting ``name`` (its value
         selected, as entering a setting does: Field.settle_entry), where a `/` or a letter typed next,
         meant for the prompt, would otherwise go without a word (trial 21d)."""
-        return (f"the cursor is in {self.LABELS[name]} now, its value selected (typing replaces it): "
-                "fix it, then / returns to the prompt")
+        return f"the cursor is in {self.LABELS[name]} now, its value selected: fix it, then / returns to the prompt"
 
     def field_left(self, name: str | None) -> None:
         """The focus left field ``name``: the line under the bar no longer says the cursor is there."""
@@ -590,7 +589,8 @@ class PromptBar(Vertical):
             name = wrong[0][0]
             self._moved_to = name
             self._show_errors()
-            message = f"Not sent: {wrong[0][1]}. The prompt is kept; {self.moved_note(name)}."
+            # (the toast only names the field: at 60x20 a longer one did not fit above the bar)
+            message = f"Not sent: {wrong[0][1]}. The prompt is kept; the cursor is in {self.LABELS[name]} now."
             self._refusals[name] = message  # withdrawn once that field is right (_show_errors)
             self.notify(message, severity="error", markup=False)
             self.screen.set_focus(self.query_one(f"#{name}", Input))
