@@ -56,3 +56,37 @@ async def test_entering_a_setting_selects_its_value_and_the_prompt_continues_at_
             await wait_until(pilot, lambda: prompt.value != "Write a poem", 10, "the keys to arrive")
             await pilot.pause(0.2)
             assert prompt.value == "Write a poemX", (at_once, prompt.value)
+
+
+async def test_a_refused_enter_says_it_put_the_cursor_in_the_wrong_setting(tiny_llama_dir, tmp_path):
+    """Trial 21d: Enter refused for a wrong setting moved the focus to it and selected its value
+    without a word, so a `/` typed next was taken as "go to the prompt" and a letter replaced the
+    setting. The move stays (a form focuses the field to fix); the line under the bar and the toast
+    say where the cursor is, until the setting is right or the cursor leaves it."""
+    from tests.tui_helpers import Notes
+
+    notes = Notes()
+    app = tiny_app(tiny_llama_dir, tmp_path)
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.focused is not None and app.focused.id == "prompt", 30, "the prompt")
+        error = app.query_one("#prompt-error")
+        priority, prompt = app.query_one("#priority"), app.query_one("#prompt")
+        priority.value, app.query_one("#temperature").value = "-5000", "nan"
+        prompt.value = "bad settings prompt"
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.focused.id == "priority", 10, "the cursor in prio")
+        line = str(error.render())
+        assert "not '-5000'" in line and "not 'nan'" in line, line
+        assert line.endswith("the cursor is in prio now, its value selected: fix it, then / returns to the prompt"), line
+        assert notes.find("The prompt is kept; the cursor is in prio now", "error")
+        assert priority.selection == (0, len("-5000")) and prompt.value == "bad settings prompt"
+
+        await pilot.press("5")  # fixed: the reason goes, and with it the word about the cursor
+        assert priority.value == "5" and "cursor" not in str(error.render()) and "not 'nan'" in str(error.render())
+
+        priority.value = "x"
+        await pilot.press("enter")  # refused again, then the cursor leaves: the line no longer says it is there
+        assert "the cursor is in prio" in str(error.render())
+        await pilot.press("slash")
+        await wait_until(pilot, lambda: app.focused.id == "prompt", 10, "the prompt")
+        assert "cursor" not in str(error.render()) and "not 'x'" in str(error.render())

@@ -585,3 +585,24 @@ async def test_the_prompt_bars_settings_show_every_allowed_value_whole(tmp_path,
             await pilot.pause(0.1)
             shown = "".join(seg.text for seg in field.render_line(field.size.height // 2))
             assert shown.strip() == value, (name, value, shown)
+        # Trial 21d: any value, also while focused: a 7-cell field scrolled one cell for the cursor,
+        # so "---5000" showed as "--5000" beside the line under the bar saying '---5000'. A field
+        # shows its value whole or marks the side where text is hidden with "…".
+        for name, value in (("priority", "---5000"), ("max-tokens", "9999999"), ("priority", "12345678901"),
+                            ("temperature", "0.125")):
+            field = app.query_one(f"#{name}", Input)
+            field.focus()
+            field.value = ""
+            await pilot.press(*value)
+            for moves in ((), ("home",), ("tab",)):  # the cursor at the end, at the start, the focus gone
+                await pilot.press(*moves)
+                await pilot.pause(0.1)
+                shown = "".join(seg.text for seg in field.render_line(field.size.height // 2)).strip()
+                whole = shown == value
+                start_hidden = shown.startswith("…") and value.endswith(shown[1:].rstrip("…"))
+                end_hidden = shown.endswith("…") and value.startswith(shown[:-1].lstrip("…"))
+                assert whole or start_hidden or end_hidden, (name, value, moves, shown)
+                assert whole or len(value) > 6, (name, value, moves, shown)
+                if moves == ("tab",):
+                    app.query_one("#prompt").focus()
+        assert app.query_one("#prompt-settings").region.right <= size[0]  # the settings still fit

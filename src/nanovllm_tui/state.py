@@ -72,6 +72,10 @@ class RequestView:
     error: str | None = None
     num_preemptions: int = 0
     order: int = 0  # arrival number in this session (picks the request's colour)
+    # the first and newest step that ran it (sample 0; StepPlanned.scheduled): what the X-Ray says of a
+    # trace older than its steps (trial 21d)
+    first_step: int | None = None
+    last_step: int | None = None
     # a replay's end: the state it had at the last step played (it is "unfinished" since; see recording_ended)
     ended_as: str | None = None
 
@@ -329,6 +333,8 @@ class EngineState:
             if s.index != 0 or s.request_id not in self.requests:
                 continue
             req = self.requests[s.request_id]
+            req.first_step = e.step if req.first_step is None else req.first_step
+            req.last_step = e.step
             # The most tokens one admission took from the prefix cache, a readmission after preemption
             # included: one with a single token left is planned as a decode, and its 128 cached tokens
             # were left out where a readmission planned as a prefill counted (trial 11, 11c #4).

@@ -82,6 +82,46 @@ def no_trace_words(state: EngineState, selected: str | None, live: bool) -> str:
             f"{instead}; {pick}.")
 
 
+def trace_age(state: EngineState, step: int, live: bool, why: bool = True) -> str:
+    """"" while ``step``'s trace is of the newest ended step; else how old it is (and, with ``why``,
+    why): a step is traced only while the X-Ray tab shows (or with ``--trace-xray``), so the trace
+    last seen comes back when the tab is shown again (trial 21d: step 66 shown at step 116, no word
+    of its age). The app's next step traces afresh; a replay has only what was recorded."""
+    timings = getattr(state, "timings", None)
+    newest = timings[-1].step if timings else None
+    if newest is None or step >= newest:
+        return ""
+    if not live:
+        return f"recorded {plural(newest - step, 'step')} before step {newest}" + (
+            "; the recording holds no newer trace" if why else "")
+    return f"captured {plural(newest - step, 'step')} ago, step {newest} has ended" + (
+        "; steps run while this tab was hidden are not traced, the next step will be" if why else "")
+
+
+def ran_after(req, step: int) -> str:
+    """"" unless ``req`` ran after ``step`` (the trace shown): then which steps it ran in, for a reason
+    that is true of it (trial 21d: "req-6 is finished, so no step of it will capture layer 2" of a
+    step 66 when req-6 ran in steps 67-116, all while the tab was hidden)."""
+    last = getattr(req, "last_step", None)
+    if last is None or last <= step:
+        return ""
+    first = max(req.first_step if req.first_step is not None else req.last_step, step + 1)
+    return f"step {first}" if first == req.last_step else f"steps {first}-{req.last_step}"
+
+
+def hidden_words(selected: str, req, step: int, live: bool) -> str:
+    """Why no step of a finished ``selected`` request that ran after ``step`` was traced, or ""."""
+    ran = ran_after(req, step)
+    if not ran:
+        return ""
+    if live:
+        return (f"{selected} ran in {ran}, after step {step}, while this tab was hidden (a step is traced only "
+                f"while it shows) and is {req.state} now, so no step of it will be traced: select a running one "
+                "with ] or [")
+    return (f"{selected} ran in {ran}, after step {step}, and the recording holds no trace of them (a step is "
+            "traced only while the X-Ray tab shows, or every step with --trace-xray)")
+
+
 def other_request_words(state: EngineState, trace: ev.LayerTrace, selected: str | None, live: bool) -> str:
     """The title's note when the trace shown is not the selected request's: which one it is and why
     (trial 11: "(traced: req-8, not req-9)" said nothing of why or what to do). A step the selected
@@ -89,7 +129,12 @@ def other_request_words(state: EngineState, trace: ev.LayerTrace, selected: str 
     if selected in (None, trace.request_id):
         return ""
     req = state.requests.get(selected)
-    if req is not None and not req.live:
+    if req is not None and not req.live and ran_after(req, trace.step):
+        why = hidden_words(selected, req, trace.step, live)
+    elif req is not None and not req.live and getattr(req, "last_step", None) == trace.step:
+        why = (f"{selected} ran in step {trace.step} but was chosen after it was traced" if live else
+               f"the recording traced only {trace.request_id} in that step") + f"; {selected} is {req.state} now"
+    elif req is not None and not req.live:
         why = f"{selected} is {req.state}, so steps trace a running request"
     elif live and state.step is not None and trace.step < state.step:
         why = (f"step {trace.step} is the newest traced (steps run while this tab was hidden are not traced for it); "
@@ -299,7 +344,13 @@ class XRayView(EngineView, can_focus=True):
                 why = f"Layer {self.layer_index} was not captured in step {newest.step} (it captured layer" \
                       f"{'s' if len(state.xray) > 1 else ''} {captured}). "
                 req = state.requests.get(selected) if selected else None
-                if req is not None and not req.live:  # no next step of it will come (trial 9 said one would)
+                hidden = req is not None and not req.live and ran_after(req, newest.step)  # trial 21d
+                age = trace_age(state, newest.step, getattr(self.app, "live", True), why=not hidden)
+                if age:
+                    why += f"Step {newest.step} was {age}. "  # (trial 21d: no word of its age)
+                if hidden:
+                    why += f"Request {hidden_words(selected, req, newest.step, getattr(self.app, 'live', True))}."
+                elif req is not None and not req.live:  # no next step of it will come (trial 9 said one would)
                     why += (f"Request {selected} is {req.state} (no longer running), so no step of it will capture "
                             f"layer {self.layer_index}; select a running one with ] or [ to see it.")
                 elif getattr(self.app, "live", True):
@@ -317,6 +368,11 @@ class XRayView(EngineView, can_focus=True):
             heatmap.set_data((), (), ())
             return
         other = other_request_words(state, trace, selected, getattr(self.app, "live", True))
+        # how old the trace is (trial 21d); why, unless the note on the request says it already
+        age = trace_age(state, trace.step, getattr(self.app, "live", True),
+                        why="hidden" not in other and "recording holds no" not in other)
+        if age:
+            other += f"  (step {trace.step} {age})"
         title.show_content(Text.assemble(
             ("X-Ray ", "bold"), ("request ", "dim"), (trace.request_id, "bold #4ea1ff"), f" · step {trace.step} · ",
             (facts.what_ran(trace), "bold"), " · ",

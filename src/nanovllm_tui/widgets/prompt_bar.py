@@ -13,7 +13,8 @@ stand in. Below ``ONE_LINE_WIDTH`` columns the settings take a line of their own
 Each setting is checked as it is typed (Textual's ``Input`` validators): a wrong one turns red
 and the line under the bar says why. Enter sends only when every setting is right, and at once
 (not through a message that would reach the app after the keys pressed behind Enter); a prompt
-is cleared only once it has been sent.
+is cleared only once it has been sent. A refused Enter puts the cursor in the first wrong setting
+and the line under the bar says so (``PromptBar.moved_note``).
 
 The prompt field is one line, but a prompt may have many: a paste keeps all its lines, each line
 break shown as ``⏎`` (``NEWLINE_MARK``) and sent as a real newline on Enter, chat or raw (Textual's
@@ -33,12 +34,14 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from rich.cells import cell_len, get_character_cell_size
+from rich.segment import Segment
 from rich.text import Text
 from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.geometry import Region
+from textual.strip import Strip
 from textual.validation import ValidationResult, Validator
 from textual.widgets import Checkbox, Input, Label
 from textual.widgets.input import Selection
@@ -251,6 +254,29 @@ class Field(Input):
     def action_typed(self) -> None:
         """Nothing: see :func:`typed_keys`."""
 
+    HIDDEN_MARK = "\u2026"  # …: a setting's edge cell when text is hidden past it
+
+    def render_line(self, y: int) -> Strip:
+        """Input's line; in a setting (7 cells), ``HIDDEN_MARK`` in the edge cell past which text is
+        hidden: a focused 7-character value scrolls one cell for the cursor, and ``---5000`` showed
+        as ``--5000`` while the line under the bar said ``'---5000'`` (trial 21d)."""
+        strip = super().render_line(y)
+        if y != 0 or not self.value or not self.has_class("setting"):
+            return strip
+        width = self.scrollable_content_region.width
+        left = self.scroll_offset.x
+        drawn = self._value.cell_len + (1 if self.has_focus and self.cursor_at_end else 0)  # the cursor's cell
+        if strip.cell_length > width:  # Input draws one cell more, into the right padding (if any): text
+            # there is past the view the cursor scrolls in, so it is a blank here and hidden text is marked
+            strip = Strip.join([strip.crop(0, width), Strip([Segment(" " * (strip.cell_length - width),
+                                                                     self.rich_style)])])
+        for cell, hidden in ((0, left > 0), (width - 1, drawn > left + width)):  # cells of the content line
+            if hidden and 0 <= cell < strip.cell_length:
+                style = next((seg.style for seg in strip.crop(cell, cell + 1) if seg.text), None)
+                strip = Strip.join([strip.crop(0, cell), Strip([Segment(self.HIDDEN_MARK, style)]),
+                                    strip.crop(cell + 1, strip.cell_length)])
+        return strip
+
     # Entering a field: a setting selects its value (typing replaces it, as a form's field does on
     # Tab); the prompt puts the cursor after its text (typing continues it). Input applies its
     # select-on-focus when its Focus message is handled, but the app types each key into the
@@ -290,6 +316,9 @@ class Field(Input):
         self._entry_settled = False
         if self.has_class("setting"):
             self.cursor_position = 0
+        for bar in self.ancestors:
+            if isinstance(bar, PromptBar):
+                bar.field_left(self.id)
 
     async def action_submit(self) -> None:
         self.query_ancestor(PromptBar).submit(self)
@@ -375,6 +404,7 @@ class PromptBar(Vertical):
     CHAT_TOOLTIP = ("X chat: the prompt is sent as a user's message through the model's chat template "
                     "(instruction-tuned models answer it). raw: sent as raw text to continue. ctrl+t toggles.")
     FIELDS = ("priority", "max-tokens", "temperature")
+    LABELS = {"priority": "prio", "max-tokens": "max", "temperature": "temp"}  # as the bar labels them
 
     def __init__(self, settings: PromptSettings | None = None,
                  send: Callable[[str, PromptSettings], str | None] | None = None,
@@ -387,6 +417,7 @@ class PromptBar(Vertical):
         self.rules = setting_rules()
         self._refusals: dict[str, str] = {}  # field id -> the "Not sent: ..." toast naming it, while on screen
         self._empty_refused = False  # Enter found the prompt empty: said under the bar until it has text
+        self._moved_to: str | None = None  # the wrong setting a refused Enter put the cursor in, while there
 
     def compose(self) -> ComposeResult:
         d = self.defaults
@@ -500,15 +531,30 @@ class PromptBar(Vertical):
         for name in self.FIELDS:
             self.query_one(f"#{name}", Input).set_class(name in dict(wrong), "-invalid")
         self.query_one("#prompt", Input).set_class(self._empty_refused, "-invalid")
+        if self._moved_to not in dict(wrong):
+            self._moved_to = None  # fixed: the cursor stays, but there is nothing more to say about it
         if self._empty_refused:
             wrong.insert(0, ("prompt", EMPTY_PROMPT))
         self.set_class(bool(wrong), "-invalid")
-        self.query_one("#prompt-error", Label).update(Text("; ".join(why for _, why in wrong)))  # typed text: no markup
+        reasons = [why for _, why in wrong] + ([self.moved_note(self._moved_to)] if self._moved_to else [])
+        self.query_one("#prompt-error", Label).update(Text("; ".join(reasons)))  # typed text: no markup
         withdraw = getattr(self.app, "withdraw", None)
         for name in [n for n in self._refusals if n not in dict(wrong)]:
             message = self._refusals.pop(name)
             if withdraw is not None:
                 withdraw(message)
+
+    def moved_note(self, name: str) -> str:
+        """What a refused Enter did with the focus: it put the cursor in setting ``name`` (its value
+        selected, as entering a setting does: Field.settle_entry), where a `/` or a letter typed next,
+        meant for the prompt, would otherwise go without a word (trial 21d)."""
+        return f"the cursor is in {self.LABELS[name]} now, its value selected: fix it, then / returns to the prompt"
+
+    def field_left(self, name: str | None) -> None:
+        """The focus left field ``name``: the line under the bar no longer says the cursor is there."""
+        if name is not None and name == self._moved_to:
+            self._moved_to = None
+            self._show_errors()
 
     def put_back(self, prompt: str) -> bool:
         """Put a refused ``prompt`` back in the empty prompt field, line breaks as ``⏎``, the cursor
@@ -538,11 +584,16 @@ class PromptBar(Vertical):
             return
         wrong = self.errors()
         if wrong:
+            # The cursor goes to the first wrong setting, as a form focuses the field to fix, and the
+            # line under the bar and the toast say so (trial 21d: the focus moved without a word).
+            name = wrong[0][0]
+            self._moved_to = name
             self._show_errors()
-            message = f"Not sent: {wrong[0][1]}. The prompt is kept."
-            self._refusals[wrong[0][0]] = message  # withdrawn once that field is right (_show_errors)
+            # (the toast only names the field: at 60x20 a longer one did not fit above the bar)
+            message = f"Not sent: {wrong[0][1]}. The prompt is kept; the cursor is in {self.LABELS[name]} now."
+            self._refusals[name] = message  # withdrawn once that field is right (_show_errors)
             self.notify(message, severity="error", markup=False)
-            self.screen.set_focus(self.query_one(f"#{wrong[0][0]}", Input))
+            self.screen.set_focus(self.query_one(f"#{name}", Input))
             return
         if self.send(prompt, self.read_settings()) is not None:
             prompt_field.value = ""
