@@ -140,8 +140,8 @@ async def test_a_finished_measurement_under_a_long_chapter_is_scrolled_into_view
         await _tutorial_tab(pilot)
         view, scroll = app.query_one("#tutorial-view"), app.query_one("#chapter-scroll")
         view._measured(view.chapter, Text("\nall-reduce of 576 floats: 40 µs (measured)"))
-        await pilot.pause(0.3)
-        assert scroll.max_scroll_y > 0 and scroll.scroll_y == scroll.max_scroll_y
+        await wait_until(pilot, lambda: scroll.max_scroll_y > 0 and scroll.scroll_y == scroll.max_scroll_y, 10,
+                         "the measurement scrolled into view")  # (a fixed 0.3 s pause failed on a loaded host)
         assert _visible_rows(app, app.query_one("#demo-log")) >= 1
 
 
