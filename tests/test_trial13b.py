@@ -161,3 +161,20 @@ def test_the_cli_dashboard_shows_preemptions_and_the_recompute_beside_the_prompt
     assert "preempted" in board and "1 (4 again)" in board, board
     quiet = render(*steps[:4])
     assert "recomputed" not in quiet and "preemption," not in quiet
+
+
+def test_the_throughput_border_keeps_the_mixed_step_note_beside_the_keys_wait():
+    """Trial 22a: with the keys' wait noted, the border showed only "keys 194 ms" and dropped the
+    mixed-step note docs/app.md promises (the notes did not fit together in their longest wordings,
+    and the first note was kept alone)."""
+    from nanovllm_tui.widgets.throughput import border_captions, mixed_caption, traced_caption, yielded_caption
+
+    for width in range(20, 120):
+        text = border_captions(0.194, 1, 2, width)
+        assert len(text) <= width, (width, text)
+        assert mixed_caption(2, width) in text or "mixed" in text, (width, text)  # never the one dropped
+    assert border_captions(0.194, 0, 2, 36) == "keys 194 ms · mixed not in rates"
+    assert border_captions(0.194, 0, 2, 29) == mixed_caption(2, 29)  # no room for both: the keys' wait goes
+    wide = border_captions(0.194, 1, 2, 200)
+    assert wide == " · ".join([yielded_caption(0.194, 200), traced_caption(1, 200), mixed_caption(2, 200)])
+    assert border_captions(0.0, 0, 0, 80) == ""
