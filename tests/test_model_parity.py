@@ -109,6 +109,7 @@ def test_mixed_step_with_many_decode_groups_matches_transformers(tmp_path, backe
     path = save_tiny_llama(tmp_path, seed=11)
     model, _, _ = _load_without_tokenizer(path)
     engine = LLMEngine(EngineConfig(num_kv_blocks=512, block_size=4, attention_backend=backend), model, _NoTokenizer())
+    engine.runner.decode_group_size = model_runner.DECODE_GROUP_SIZE  # a GPU's padded groups (the CPU's are 1)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 200, (int(n),), generator=gen).tolist()
                for n in torch.randint(1, 60, (40,), generator=gen)]

@@ -19,7 +19,9 @@ batch; every layer reuses it:
    attended in groups of similar context length: each group gathers its blocks into a padded
    ``[num_kv_heads, group_size, max_blocks * block_size, head_dim]`` and runs one batched
    attention, the padding hidden by an additive mask built once per step. Grouping keeps the
-   padding (wasted reads) small when contexts differ a lot in length;
+   padding (wasted reads) small when contexts differ a lot in length. On the CPU each decode is
+   a group of its own (``ModelRunner.decode_group_size``): no padding, so its sums never depend
+   on what shares its batch;
 3. each prefill chunk attends with a causal mask offset by the tokens already cached; a
    chunk that starts at position 0 has no cached context, so it attends over its own new
    K/V directly and gathers nothing.

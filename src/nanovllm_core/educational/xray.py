@@ -387,8 +387,9 @@ class LayerTracer:
     def _seq_attention(self, attn) -> list[SeqAttention]:
         """Each scheduled sequence's attention as this step ran it (batch order): keys read, slots gathered.
 
-        From the paged attention's metadata when there is one: decodes are padded to their
-        group's longest context and gathered with it; a prefill chunk continuing a cached
+        From the paged attention's metadata when there is one: decodes are gathered with their
+        group, padded to its longest context (on the CPU each decode is a group of its own, so it
+        reads exactly its context: ``ModelRunner.decode_group_size``); a prefill chunk continuing a cached
         context gathers its blocks; a chunk from position 0 gathers nothing, and neither do the
         kernels that read the blocks in place (the CPU paged kernel, flash-attn).
         """

@@ -121,6 +121,11 @@ class ModelRunner:
         self.use_cpu_paged = (cpu_paged.available(self.device, self.dtype, attention_backend)
                               and (kv_cache is None or (kv_cache.heads_major and kv_cache.k[0].dtype == self.dtype)))
         self.kv_dtype = self.dtype if kv_cache is None else kv_cache.k[0].dtype
+        # On the CPU each decode attends alone (no padding), so its sums run over its own context in
+        # the same shapes whatever shares its batch: greedy output stays batch-invariant on the PyTorch
+        # paths too (trial 21c: grouped, padded decodes moved float sums by ~1e-6, and block-format
+        # weights' int8 activations turned that into other tokens). A GPU keeps the groups.
+        self.decode_group_size = 1 if self.device.type == "cpu" else DECODE_GROUP_SIZE
         if kv_cache is not None:
             self.use_flash_attn = not kv_cache.heads_major
         else:
@@ -292,8 +297,9 @@ class ModelRunner:
         num_dec = self._num_decodes(order)
         staged = Staging(torch.long)
         groups = []  # (first, size, width in blocks, handle of the padded tables, handle of the context lengths, longest)
-        for first in range(0, num_dec, DECODE_GROUP_SIZE):
-            members = order[first:min(first + DECODE_GROUP_SIZE, num_dec)]
+        size = self.decode_group_size
+        for first in range(0, num_dec, size):
+            members = order[first:min(first + size, num_dec)]
             ctx_lens = [s.start + 1 for s in members]
             width = -(-max(ctx_lens) // bs)  # blocks of the group's longest context
             rows: list[int] = []
