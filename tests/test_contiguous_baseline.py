@@ -188,3 +188,24 @@ def test_n_above_one_is_refused_with_the_modes_rule(make_tiny_engine):
     field, reason = eng.request_problem(_ids(eng, PROMPT), SamplingParams(n=2, max_tokens=3))
     assert field == "n" and reason == ("n=2: this engine runs one sequence at a time (the contiguous baseline): use "
                                        "n=1 or run without --no-paged-attention (paged=False)"), reason
+
+
+def test_narrator_tells_each_admission_and_the_modes_rule_and_budget(make_tiny_engine):
+    """Trial 22b: the step admitting the second request had no SCHEDULER entry; the waiting reason read
+    'max_num_seqs: 1 sequences are already running'; the budget figure did not say it is max_model_len."""
+    from nanovllm_core.educational.narrator import Narrator
+
+    eng = make_tiny_engine(paged=False, max_model_len=96)
+    narrator = Narrator(eng.model_info())
+    entries = []
+    eng.subscribe(lambda e: entries.extend(narrator.feed(e)), topk=0, blocks=False)
+    for text in (PROMPT, "Hi there"):
+        eng.add_request(text, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while eng.scheduler.has_unfinished():
+        eng.step()
+    sched = [c.text for c in entries if c.kind == "scheduler"]
+    assert sum("newly admitted" in t for t in sched) == 2, sched
+    assert any("the contiguous baseline runs one request at a time, and one is running" in t for t in sched), sched
+    assert not any("1 sequences" in t for t in sched)
+    assert all("96-token budget (max_model_len: the contiguous baseline runs a whole prompt in one step)" in t
+               for t in sched if "budget" in t), sched
