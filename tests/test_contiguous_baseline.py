@@ -143,3 +143,69 @@ def test_a_fragmented_pool_makes_a_reservation_wait_and_the_narrator_says_why():
     assert big.block_table == [0, 1, 2] and plan.wait_reason == ""
     bm.check_invariants([big])
 
+
+
+# Trial 22b bug 3: the baseline ignored a given --max-num-seqs / --max-prefill-tokens in silence.
+
+def test_config_refuses_settings_the_baseline_would_ignore():
+    import pytest
+
+    from nanovllm_core.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"^max_num_seqs=4 has no effect with paged=False, which runs one request "
+                                         r"at a time; leave it out$"):
+        EngineConfig(paged=False, max_num_seqs=4)
+    with pytest.raises(ValueError, match=r"^max_num_batched_tokens=4 has no effect with paged=False"):
+        EngineConfig(paged=False, max_num_batched_tokens=4)
+    assert EngineConfig(paged=False).max_num_seqs == 1 and EngineConfig(paged=False, max_num_seqs=1).max_num_seqs == 1
+    assert EngineConfig().max_num_seqs == 64 and EngineConfig(max_num_seqs=64).max_num_seqs == 64
+    assert EngineConfig(paged=False).token_budget(96) == 96
+
+
+def test_command_lines_refuse_them_in_one_line(capsys):
+    import pytest
+
+    from nanovllm_core import cli
+    from nanovllm_core.entrypoints import cli as serve_cli
+    from nanovllm_tui.options import parse_args
+
+    cases = [(["--max-num-seqs", "4"], "--max-num-seqs 4 has no effect with --no-paged-attention, which runs one "
+                                        "request at a time; leave it out"),
+             (["--max-prefill-tokens", "4"], "--max-prefill-tokens 4 has no effect with --no-paged-attention")]
+    for main in (lambda a: cli.main(["--prompt", "Hi", *a]), serve_cli.main, parse_args):
+        for extra, want in cases:
+            with pytest.raises(SystemExit) as e:
+                main(["--no-paged-attention", *extra])
+            err = capsys.readouterr().err.strip().splitlines()
+            assert e.value.code == 2 and want in err[-1], err
+    # The defaults are not given values: the baseline runs with them, and the paged engine takes any value.
+    assert parse_args(["--no-paged-attention"]).max_num_seqs is None
+    assert parse_args(["--max-num-seqs", "4", "--max-prefill-tokens", "8"]).max_num_seqs == 4
+
+
+def test_n_above_one_is_refused_with_the_modes_rule(make_tiny_engine):
+    eng = make_tiny_engine(paged=False)
+    field, reason = eng.request_problem(_ids(eng, PROMPT), SamplingParams(n=2, max_tokens=3))
+    assert field == "n" and reason == ("n=2: this engine runs one sequence at a time (the contiguous baseline): use "
+                                       "n=1 or run without --no-paged-attention (paged=False)"), reason
+
+
+def test_narrator_tells_each_admission_and_the_modes_rule_and_budget(make_tiny_engine):
+    """Trial 22b: the step admitting the second request had no SCHEDULER entry; the waiting reason read
+    'max_num_seqs: 1 sequences are already running'; the budget figure did not say it is max_model_len."""
+    from nanovllm_core.educational.narrator import Narrator
+
+    eng = make_tiny_engine(paged=False, max_model_len=96)
+    narrator = Narrator(eng.model_info())
+    entries = []
+    eng.subscribe(lambda e: entries.extend(narrator.feed(e)), topk=0, blocks=False)
+    for text in (PROMPT, "Hi there"):
+        eng.add_request(text, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while eng.scheduler.has_unfinished():
+        eng.step()
+    sched = [c.text for c in entries if c.kind == "scheduler"]
+    assert sum("newly admitted" in t for t in sched) == 2, sched
+    assert any("the contiguous baseline runs one request at a time, and one is running" in t for t in sched), sched
+    assert not any("1 sequences" in t for t in sched)
+    assert all("96-token budget (max_model_len: the contiguous baseline runs a whole prompt in one step)" in t
+               for t in sched if "budget" in t), sched

@@ -33,6 +33,7 @@ from nanovllm_core.cli_args import (  # noqa: F401  (re-exported: the app, bench
     ascii_int,
     bounded_int,
     check_output_paths,
+    contiguous_problem,
     output_file_error,
     count_int,
     engine_kwargs,
@@ -161,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--prompt must not be empty")
     if args.priority is not None and len(args.priority) != len(prompts):
         parser.error(f"got {len(args.priority)} --priority values for {len(prompts)} --prompt values; give one per prompt")
+    if contiguous_problem(args):  # a setting the contiguous baseline would ignore
+        parser.error(contiguous_problem(args))
     if priorities_problem(args.priority, args.scheduling_policy):  # the engine's rule: fcfs takes priority 0 only
         parser.error(priorities_problem(args.priority, args.scheduling_policy))
     if args.max_model_len is not None and args.max_tokens >= args.max_model_len:  # before loading: no prompt fits

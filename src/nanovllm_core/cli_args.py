@@ -432,9 +432,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     e.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="priority",
                    help="priority (default here: higher priority first, then arrival) or fcfs (arrival order; "
                         "vLLM's default)")
-    e.add_argument("--max-prefill-tokens", type=positive_int, default=512,
+    # default None: told apart from a given value, which --no-paged-attention refuses (contiguous_problem)
+    e.add_argument("--max-prefill-tokens", type=positive_int, default=None,
                    help="per-step token budget; longer prompts are prefilled in chunks (default 512)")
-    e.add_argument("--max-num-seqs", type=positive_int, default=64)
+    e.add_argument("--max-num-seqs", type=positive_int, default=None, help="most sequences running at once (default 64)")
     e.add_argument("--max-model-len", type=positive_int, default=None)
     e.add_argument("--block-size", type=positive_int, default=None,
                    help="tokens per KV block (default 16; 256 on a GPU where flash-attn runs)")
@@ -478,6 +479,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     if getattr(args, "tp_rendezvous_timeout", None) is not None:  # else EngineConfig's default (300 s)
         kwargs["tp_rendezvous_timeout"] = args.tp_rendezvous_timeout
     return kwargs
+
+
+def contiguous_problem(args: argparse.Namespace) -> str | None:
+    """One line when ``--no-paged-attention`` comes with a ``--max-num-seqs`` or ``--max-prefill-tokens`` it
+    would ignore (``config.contiguous_conflict``), else None; shared by nanovllm, nanovllm serve and the app."""
+    from nanovllm_core.sampling_params import contiguous_conflict
+
+    return contiguous_conflict(not args.no_paged_attention, args.max_num_seqs, args.max_prefill_tokens, cli=True)
 
 
 def sampling_params(args: argparse.Namespace):

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from nanovllm_core.sampling_params import BYTES_MAX, COUNT_MAX, SEED_MAX, SEED_MIN
+from nanovllm_core.sampling_params import BYTES_MAX, COUNT_MAX, SEED_MAX, SEED_MIN, contiguous_conflict
 from nanovllm_core.untrusted import shown
 
 # The quantization modes' names (model/quantization.py builds the layers each one names).
@@ -149,9 +149,11 @@ class EngineConfig:
         num_kv_blocks: size of the KV pool in blocks (None: from ``kv_cache_memory``).
         kv_cache_memory: KV pool budget in bytes, up to :data:`BYTES_MAX` (None: a share of free memory, see
             ``default_kv_cache_memory``); a budget below one KV block is refused when the block's size is known.
-        max_num_seqs: most sequences running at once.
+        max_num_seqs: most sequences running at once (None: 64; 1 with ``paged=False``, which refuses any
+            other value: :func:`contiguous_conflict`).
         max_num_batched_tokens: the per-step token budget (None: 512, or ``max_model_len``
-            when chunked prefill is off, since a whole prompt must then fit one step).
+            when chunked prefill is off, since a whole prompt must then fit one step; ``max_model_len``
+            with ``paged=False``, which refuses a given value: :func:`contiguous_conflict`).
         max_model_len: longest sequence, prompt + output, in tokens (None: the model's).
         scheduling_policy: ``"priority"`` (higher ``priority`` first, then arrival; the default here,
             while vLLM defaults to ``"fcfs"`` and runs lower ``priority`` values first) or ``"fcfs"``.
@@ -196,7 +198,7 @@ class EngineConfig:
     block_size: int | None = None
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     scheduling_policy: str = "priority"
@@ -227,6 +229,11 @@ class EngineConfig:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs",
                      "max_num_batched_tokens", "max_model_len", "num_speculative_tokens", "tensor_parallel_size"):
             positive(name)
+        conflict = contiguous_conflict(self.paged, self.max_num_seqs, self.max_num_batched_tokens)
+        if conflict:
+            raise ValueError(conflict)
+        if self.max_num_seqs is None:  # the default: told apart from a given 64, which paged=False refuses
+            self.max_num_seqs = DEFAULT_MAX_NUM_SEQS if self.paged else 1
         # A byte count, not a count of things: its bound is 64 bits (a GPU's free memory is far above 2**31).
         memory = self.kv_cache_memory
         if memory is not None and (not isinstance(memory, int) or isinstance(memory, bool)
@@ -390,10 +397,16 @@ class EngineConfig:
                 "or drop enable_chunked_prefill=False")
 
     def token_budget(self, max_model_len: int) -> int:
-        """The effective per-step token budget."""
+        """The effective per-step token budget (``max_model_len`` in the contiguous baseline, whose one
+        request runs its whole prompt in one step)."""
+        if not self.paged:
+            return max_model_len
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return 512 if self.enable_chunked_prefill else max_model_len
+
+
+DEFAULT_MAX_NUM_SEQS = 64  # max_num_seqs when not given (vLLM's default is 256 on a GPU)
 
 
 # EngineConfig's yes/no settings: True or False only ('no', 'false' and 0.0 would otherwise act by truthiness).

@@ -281,3 +281,28 @@ class SamplingParams:
         values = {f: getattr(self, f) for f in self.__dataclass_fields__}
         values.update(changes)
         return SamplingParams(**values)
+
+
+# An engine setting's rule, here because the command lines check it while parsing, before torch is imported
+# (config.py imports torch); EngineConfig applies the same rule.
+def contiguous_conflict(paged: bool, max_num_seqs: int | None, max_num_batched_tokens: int | None,
+                        cli: bool = False) -> str | None:
+    """Why a given ``max_num_seqs`` or ``max_num_batched_tokens`` cannot act with ``paged=False``, in one
+    line, or None. The contiguous baseline runs one request at a time (``max_num_seqs`` 1) and runs its
+    whole prompt in one step (the budget is ``max_model_len``), so any other value would be silently
+    ignored (trial 22b). ``max_num_seqs=1`` is what the mode does and is taken. ``cli``: name the
+    command line's flags (``--max-num-seqs``, ``--max-prefill-tokens``, ``--no-paged-attention``)
+    instead of the keywords.
+    """
+    if paged:
+        return None
+    mode = "--no-paged-attention" if cli else "paged=False"
+    if max_num_seqs is not None and max_num_seqs != 1:
+        name = f"--max-num-seqs {max_num_seqs}" if cli else f"max_num_seqs={max_num_seqs}"
+        return f"{name} has no effect with {mode}, which runs one request at a time; leave it out"
+    if max_num_batched_tokens is not None:
+        name = (f"--max-prefill-tokens {max_num_batched_tokens}" if cli
+                else f"max_num_batched_tokens={max_num_batched_tokens}")
+        return (f"{name} has no effect with {mode}, which runs one request's whole prompt in one step "
+                "(its budget is max_model_len); leave it out")
+    return None

@@ -8,7 +8,8 @@ from typing import Sequence
 
 from nanovllm_core.cli import build_parser as build_engine_parser
 from nanovllm_core.cli import engine_kwargs, sampling_params, tcp_port
-from nanovllm_core.cli_args import api_key, api_key_default, check_output_paths, priorities_problem, screen_rate
+from nanovllm_core.cli_args import (api_key, api_key_default, check_output_paths, contiguous_problem, priorities_problem,
+                                    screen_rate)
 from nanovllm_tui.bridge import DEFAULT_FPS
 
 DEFAULT_KV_BLOCKS = 512  # 8,192 tokens at block size 16: room to play, and a block map that fits a screen
@@ -82,6 +83,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.priority is not None and len(args.priority) != len(args.prompt or []):
         parser.error(f"got {len(args.priority)} --priority values for {len(args.prompt or [])} --prompt values; "
                      "give one per prompt")
+    if contiguous_problem(args):  # a setting the contiguous baseline would ignore
+        parser.error(contiguous_problem(args))
     if priorities_problem(args.priority, args.scheduling_policy):  # the engine's rule: fcfs takes priority 0 only
         parser.error(priorities_problem(args.priority, args.scheduling_policy))
     if args.trace_xray and not args.trace:

@@ -89,7 +89,11 @@ class SchedulerNarration:
         signature = (tuple((s.request_id, s.index, s.kind) for s in plan.scheduled),
                      tuple(q.request_id for q in plan.waiting), tuple(q.seq_id for q in idle))
         busy = len(plan.scheduled) > 1 or plan.waiting or plan.preempted or idle
-        if busy and (signature != self._last_signature or plan.admitted or plan.preempted):
+        # A step that admits a request the step before left waiting is told, also when it runs alone (trial
+        # 22b: the contiguous baseline's next request, admitted when the one before finished, got no entry);
+        # a lone request on an idle engine is not (the prefill entry tells it).
+        waited = self._last_signature is not None and set(plan.admitted) & set(self._last_signature[1])
+        if waited or (busy and (signature != self._last_signature or plan.admitted or plan.preempted)):
             out.insert(0, self._schedule(plan, idle))
         elif plan.waiting or idle:  # the same queue as the step before: one line, every step (trial 14c #4)
             out.insert(0, self._still_waiting(plan, idle))
@@ -155,7 +159,9 @@ class SchedulerNarration:
             if s.request_id in plan.admitted and s.start == s.num_cached_tokens and not self._preemptions(plan, s.seq_id):
                 what += ", newly admitted"
             parts.append(f"{name}: {what}")
-        text = (f"The scheduler spends {plan.num_batched_tokens} of its {plan.token_budget}-token budget on "
+        budget = (f"its {plan.token_budget}-token budget (max_model_len: the contiguous baseline runs a whole prompt "
+                  "in one step)" if self.info.get("paged") is False else f"its {plan.token_budget}-token budget")
+        text = (f"The scheduler spends {plan.num_batched_tokens} of {budget} on "
                 f"{plural(len(plan.scheduled), 'sequence')} in one forward pass: " + "; ".join(parts) + ".")
         if idle:
             names = join_words([self._name(q.request_id, q.index) for q in idle])
@@ -192,7 +198,10 @@ class SchedulerNarration:
             return ("a step that preempts admits no one after that" if plan.admitted
                     else "this step had to preempt, so no new request is admitted")
         if why == "max_num_seqs":
-            return f"max_num_seqs: {plan.max_num_seqs} sequences are already running (a request with n samples runs n)"
+            if self.info.get("paged") is False:
+                return "the contiguous baseline runs one request at a time, and one is running"
+            return (f"max_num_seqs: {plural(plan.max_num_seqs, 'sequence')} {agree(plan.max_num_seqs, 'is', 'are')} "
+                    "already running (a request with n samples runs n)")
         if why == "budget":
             return f"the step's token budget of {plan.token_budget} is used up"
         if why == "chunked_prefill_off":
@@ -364,7 +373,7 @@ class SchedulerNarration:
             return ""
         if not again:
             return ", none of them computed before its preemption"
-        return (f": {again} recomputed, their keys and values lost with its blocks"
+        return (f": {again} recomputed, {'its' if again == 1 else 'their'} keys and values lost with its blocks"
                 + (f", and {first} computed for the first time" if first else ""))
 
     def _split(self, seq_id: int, start: int, end: int) -> tuple[int | None, int]:

@@ -398,6 +398,9 @@ class LLMEngine(EventSource):
         bad = [t for t in params.logit_bias or {} if t >= vocab]
         if bad:
             return "logit_bias", f"logit_bias has the token id {shown(bad[0])}, outside the vocabulary (0..{vocab - 1})"
+        if params.n > 1 and not self.config.paged:  # the mode's own rule, not a setting that could be raised
+            return "n", (f"n={params.n}: this engine runs one sequence at a time (the contiguous baseline): use n=1 "
+                         "or run without --no-paged-attention (paged=False)")
         if params.n > self.scheduler.max_num_seqs:  # n sequences run side by side: more could never all be admitted
             return "n", (f"n={params.n} asks for more sequences than this engine runs at once "
                          f"(max_num_seqs={self.scheduler.max_num_seqs}); lower n or raise max_num_seqs (--max-num-seqs)")

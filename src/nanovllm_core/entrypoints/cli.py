@@ -24,6 +24,7 @@ from nanovllm_core.cli_args import (
     add_model_arguments,
     api_key,
     api_key_default,
+    contiguous_problem,
     engine_kwargs,
     origin_list,
     positive_bytes,
@@ -161,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a model that cannot load."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if contiguous_problem(args):  # a setting the contiguous baseline would ignore
+        parser.error(contiguous_problem(args))
     from nanovllm_core.entrypoints.api_server import APIServer, LoadingGate, bind_warning, build_app
 
     before = frozenset(threading.enumerate())  # engine threads not this server's (a test process's own)
