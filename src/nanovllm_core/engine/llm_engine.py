@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import time
 import traceback
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -620,11 +621,21 @@ class LLMEngine(EventSource):
             sampled = self._sample(result)
             stamp = StepStamp.now(self.clock)  # every token and finish of this step carries it
         except Exception as e:  # isolate: retry each sequence alone, finish those that still fail
+            if isinstance(e, TimeoutError):
+                # a caller's time limit (signal.alarm's handler, a timeout library) is not a fault of
+                # this step's requests: it reaches the caller, as Ctrl-C does; LLM.generate then aborts
+                # the unfinished requests (trial 21c: the retries swallowed it and generate ran on)
+                raise
             if isinstance(e, TensorParallelError) or is_fatal_device_error(e, self.device):
                 outputs.extend(self._stop_after_device_error(plan.step, e))
                 return outputs
             self._emit(ev.EngineError(step=plan.step, message=f"{type(e).__name__}: {e}",
                                       traceback=traceback.format_exc()))
+            # said where a plain LLM.generate caller sees it (no one may be listening for the event)
+            warnings.warn(f"step {plan.step} raised {type(e).__name__}: {untrusted.clipped(str(e), 200)}; each of its "
+                          f"{len(plan.scheduled)} sequence(s) is retried alone and one that fails again finishes with "
+                          "finish_reason 'error' (raise TimeoutError or KeyboardInterrupt to stop generate instead)",
+                          RuntimeWarning, stacklevel=2)
             if isinstance(e, torch.cuda.OutOfMemoryError):
                 torch.cuda.empty_cache()  # what the failed batch held, before the smaller retries
             if self.speculator is not None:
