@@ -209,3 +209,33 @@ def test_narrator_tells_each_admission_and_the_modes_rule_and_budget(make_tiny_e
     assert not any("1 sequences" in t for t in sched)
     assert all("96-token budget (max_model_len: the contiguous baseline runs a whole prompt in one step)" in t
                for t in sched if "budget" in t), sched
+
+
+def test_the_apps_xray_counts_the_region_reserved_up_front(make_tiny_engine):
+    """Trial 22b: the app's X-Ray said "34 tokens fill 3 blocks of 16 (14 slots unfilled)" in the
+    contiguous baseline, where the request held its whole reserved region (6 blocks = 96 slots, 62
+    unfilled), as the Block Map and the narrator said. Its figure is now the engine's reservation."""
+    from nanovllm_core import SamplingParams
+    from nanovllm_core import events as ev
+    from nanovllm_core.educational.xray_facts import new_and_context
+    from nanovllm_tui.replay import load_trace
+    from nanovllm_tui.state import RequestView
+    from nanovllm_tui.views.xray import contiguous_reservation, gqa_text
+    from tests.tui_helpers import XRAY_TRACE
+
+    engine = make_tiny_engine(num_kv_blocks=64, paged=False)
+    engine.add_request(list(range(5, 37)), SamplingParams(max_tokens=50, temperature=0), request_id="r")
+    engine.step()
+    held = len(engine.requests["r"].seqs[0].block_table)
+    info = engine.model_info()
+    req = RequestView("r", "x", max_tokens=50, prompt_len=32)
+    reserved = contiguous_reservation(info, req)
+    assert reserved == 82 and held == -(-reserved // info["block_size"])  # the engine's own reservation
+
+    trace = next(e for e in load_trace(XRAY_TRACE) if isinstance(e, ev.LayerTrace))
+    _, ctx = new_and_context(trace)
+    text = gqa_text(trace, 0, 16, max(reserved, ctx)).plain
+    blocks = -(-max(reserved, ctx) // 16)
+    assert (f"in a region reserved up front (the contiguous baseline): {blocks} blocks of 16 = {blocks * 16} slots, "
+            f"{blocks * 16 - ctx} slots unfilled") in text, text
+    assert contiguous_reservation({**info, "paged": True}, req) is None  # a paged engine: the blocks its context fills

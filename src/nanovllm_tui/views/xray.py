@@ -203,9 +203,23 @@ def tensors_text(trace: ev.LayerTrace) -> Text:
     return text
 
 
-def gqa_text(trace: ev.LayerTrace, head: int, block_size: int | None) -> Text:
+def contiguous_reservation(info: dict, req) -> int | None:
+    """Tokens the contiguous baseline (``paged`` False) reserved for ``req`` (a ``RequestView``) at
+    admission: prompt + ``max_tokens``, capped at ``max_model_len`` (``Scheduler.reservation``); None
+    for a paged engine or a request whose prompt length is not known."""
+    if info.get("paged", True) or req is None or req.prompt_len is None or not info.get("max_model_len"):
+        return None
+    cap = int(info["max_model_len"])
+    return min(cap, req.prompt_len + (req.max_tokens or cap))
+
+
+def gqa_text(trace: ev.LayerTrace, head: int, block_size: int | None, reserved: int | None = None) -> Text:
     """Grouped-query attention as the engine does it (query head h reads KV head h // group, nothing
-    copied) and the KV-cache arithmetic, with this model's and this request's numbers."""
+    copied) and the KV-cache arithmetic, with this model's and this request's numbers.
+
+    ``reserved``: in the contiguous baseline, the tokens of room the request reserved at admission
+    (:func:`contiguous_reservation`): its region is those whole blocks, filled or not, not the
+    blocks its context fills (trial 22b: "34 tokens fill 3 blocks" beside a 6-block region)."""
     nh, nkv = trace.num_heads, max(1, trace.num_kv_heads)
     group = nh // nkv
     text = Text.assemble(("GQA ", "bold"), f"{nh} query heads share {nkv} KV heads\n")
@@ -222,7 +236,13 @@ def gqa_text(trace: ev.LayerTrace, head: int, block_size: int | None) -> Text:
     lines = facts.gqa_lines(trace)[1:]  # bytes per token, and this request's
     text.append("\n".join(lines))
     _, ctx = facts.new_and_context(trace)
-    if ctx and block_size:
+    if ctx and block_size and reserved is not None:
+        blocks = -(-max(reserved, ctx) // block_size)
+        unfilled = blocks * block_size - ctx
+        text.append(f"\n{plural(ctx, 'token')} in a region reserved up front (the contiguous baseline): "
+                    f"{plural(blocks, 'block')} of {block_size} = {plural(blocks * block_size, 'slot')}, "
+                    f"{plural(unfilled, 'slot')} unfilled")
+    elif ctx and block_size:
         blocks = -(-ctx // block_size)
         unfilled = blocks * block_size - ctx
         text.append(f"\n{plural(ctx, 'token')} fill{'s' if ctx == 1 else ''} {plural(blocks, 'block')} of "
@@ -378,7 +398,8 @@ class XRayView(EngineView, can_focus=True):
             (facts.what_ran(trace), "bold"), " · ",
             (f"layer {self.layer_index}/{trace.num_layers - 1}", "bold reverse"), " (↑↓) · ",
             (f"head {self.head_index}/{trace.num_heads - 1}", "bold reverse"), " (←→)", (other, "yellow")))
-        gqa = gqa_text(trace, self.head_index, info.get("block_size"))
+        gqa = gqa_text(trace, self.head_index, info.get("block_size"),
+                       contiguous_reservation(info, state.requests.get(trace.request_id)))
         tp = tp_facts.xray_lines(trace, info)  # a split engine: each rank's shards, the all-reduce bytes
         if tp:
             gqa.append("\n\n" + "\n".join(tp), style="#c9b8ff")
