@@ -239,3 +239,22 @@ def test_the_apps_xray_counts_the_region_reserved_up_front(make_tiny_engine):
     assert (f"in a region reserved up front (the contiguous baseline): {blocks} blocks of 16 = {blocks * 16} slots, "
             f"{blocks * 16 - ctx} slots unfilled") in text, text
     assert contiguous_reservation({**info, "paged": True}, req) is None  # a paged engine: the blocks its context fills
+
+
+def test_memory_stats_keep_the_peak_waste_of_the_reservations(make_tiny_engine, capsys):
+    """Trial 22b: after a contiguous-baseline run --show-memory-stats said "slots allocated but
+    unfilled: 0", the only waste figure, true once every request had released its region; the
+    run's peak (the reservations' empty slots) now stands beside it, with its step."""
+    from nanovllm_core import LLM, SamplingParams
+    from nanovllm_core.cli import print_memory_stats
+
+    llm = LLM.from_engine(make_tiny_engine(num_kv_blocks=64, paged=False))
+    llm.generate([list(range(5, 37))], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True), use_tqdm=False)
+    stats = llm.stats()
+    # 32 + 50 = 82 tokens reserve 6 blocks = 96 slots; the prefill's step ends with 33 tokens (the
+    # prompt and its first sampled token): 63 empty, the most of the run
+    assert stats["kv_slots_wasted"] == 0 and stats["kv_slots_wasted_peak"] == 96 - 33
+    assert stats["kv_slots_wasted_peak_step"] == 0
+    print_memory_stats(stats)
+    out = capsys.readouterr().out
+    assert "  slots allocated but unfilled: 0 now, at most 63 (at the end of step 0)\n" in out

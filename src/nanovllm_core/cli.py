@@ -474,7 +474,9 @@ def print_memory_stats(stats: dict) -> None:
               f"each, {human_bytes(stats['kv_bytes_total'])} in all)")
     print(f"  in use now: {stats['kv_blocks_used']}, cached-free: {stats['kv_blocks_cached']}, "
           f"free: {stats['kv_blocks_free']}")
-    print(f"  slots allocated but unfilled: {stats['kv_slots_wasted']}")
+    peak = stats.get("kv_slots_wasted_peak", 0)
+    print(f"  slots allocated but unfilled: {stats['kv_slots_wasted']} now" +
+          (f", at most {peak} (at the end of step {stats['kv_slots_wasted_peak_step']})" if peak else ""))
     if stats.get("prefix_caching") is False:  # nothing is looked up (trial 10: "0 of 22 tokens looked up hit")
         print("  prefix cache: off (--no-prefix-caching, or a backend without paged blocks): nothing is looked up")
     else:

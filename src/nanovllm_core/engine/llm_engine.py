@@ -154,6 +154,7 @@ class LLMEngine(EventSource):
         self._seq_counter = itertools.count()
         self._request_counter = itertools.count()
         self.step_index = 0
+        self._waste_peak: tuple[int, int | None] = (0, None)  # (slots, step): see _note_waste
         self.clock = EngineClock()  # request times; a controller stops it while it holds the engine paused
         self.output = OutputProcessor(tokenizer, self.max_model_len, self.clock)
         self.fault_injector: Callable[[SchedulerOutput], None] | None = None  # tests: raise inside a step
@@ -659,6 +660,7 @@ class LLMEngine(EventSource):
             self._update(plan.scheduled, result, sampled, plan.step, touched, stamp)
         if self.speculator is not None:
             self.speculator.step_done()
+        self._note_waste(plan.step)
         if self._subscribers:
             yielded = (gate.c.waited_ns - waited0) / 1e9
             self._emit_step_end(plan, time.perf_counter() - t0 - yielded, yielded)
@@ -804,6 +806,20 @@ class LLMEngine(EventSource):
         bm = self.block_manager
         return bm.prefix_cache_hits / bm.prefix_cache_queries if bm.prefix_cache_queries else 0.0
 
+    def _slots_wasted(self) -> int:
+        """Slots allocated to live sequences and not (yet) filled."""
+        bs = self.block_manager.block_size
+        return sum(len(s.block_table) * bs - min(s.num_tokens, len(s.block_table) * bs)
+                   for s in self.scheduler.running + self.scheduler.waiting)
+
+    def _note_waste(self, step: int) -> None:
+        """Keep the most slots ever allocated but unfilled at a step's end (``stats``' peak): the
+        figure at the end of a run is 0, when every request has released its blocks, so the waste
+        a layout costs (the contiguous baseline's reservations) shows only as this peak (trial 22b)."""
+        wasted = self._slots_wasted()
+        if wasted > self._waste_peak[0]:
+            self._waste_peak = (wasted, step)
+
     def stats(self) -> dict[str, Any]:
         """Counters of the engine's life so far (blocks, prefix cache, preemptions, steps).
 
@@ -811,12 +827,10 @@ class LLMEngine(EventSource):
         (held by live requests), ``kv_blocks_cached`` (free, still holding a cached prefix a later
         prompt can hit) and ``kv_blocks_free`` (free, holding nothing; the CLI's and the app's
         "free"). ``kv_slots_wasted``: slots allocated to live sequences but not (yet) filled;
-        ``kv_cache_usage``: used blocks / total (0..1).
+        ``kv_slots_wasted_peak``: the most there were at any step's end so far, and
+        ``kv_slots_wasted_peak_step`` that step (None before any); ``kv_cache_usage``: used blocks / total (0..1).
         """
         bm = self.block_manager
-        live = self.scheduler.running + self.scheduler.waiting
-        allocated = sum(len(s.block_table) for s in live) * bm.block_size
-        filled = sum(min(s.num_tokens, len(s.block_table) * bm.block_size) for s in live)
         return {
             "steps": self.scheduler.step_index,
             "num_preemptions": self.scheduler.num_preemptions,
@@ -829,7 +843,9 @@ class LLMEngine(EventSource):
             "kv_blocks_cached": bm.num_cached_free_blocks,
             "kv_blocks_used": bm.num_used_blocks,
             "kv_cache_usage": bm.num_used_blocks / bm.num_blocks,
-            "kv_slots_wasted": allocated - filled,
+            "kv_slots_wasted": self._slots_wasted(),
+            "kv_slots_wasted_peak": self._waste_peak[0],
+            "kv_slots_wasted_peak_step": self._waste_peak[1],
             "kv_bytes_per_block": self.bytes_per_block,
             "kv_bytes_total": bm.num_blocks * self.bytes_per_block,
             "block_size": bm.block_size,
