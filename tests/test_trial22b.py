@@ -109,3 +109,27 @@ async def test_a_live_static_title_shows_every_line_as_it_changes_between_1_2_an
                 assert title.region.height == count, (counts, n)
                 tabs.active = "one"
                 await pilot.pause()
+
+
+async def test_under_connect_a_rejected_request_is_never_asked_for_and_the_xray_says_it_was_rejected(tiny_server,
+                                                                                                     tmp_path):
+    """Trial 22b bug 4: selecting a request the server rejected asked the server to X-Ray it: a false
+    "the id is wrong, or it ended long ago (HTTP 404)" toast at each selection."""
+    from nanovllm_core.sampling_params import SamplingParams
+    from tests.tui_helpers import attached_and_paused
+
+    async with attached_and_paused(tiny_server, tmp_path) as (app, pilot, notes):
+        await pilot.press("2")
+        await wait_until(pilot, lambda: visible_tab(app) == "xray", 10, "the X-Ray tab")
+        rid = app.submit_request("Tell me more", SamplingParams(max_tokens=10**6))
+        await wait_until(pilot, lambda: app.state.requests[rid].state == "rejected", 10, "the rejection")
+        app.select(None)
+        app.select(rid)  # as ] / [ select it again
+        await pilot.pause(1.0)
+        assert not notes.find("xray"), [n.message for n in notes.items]
+        title = " ".join(app.query_one("#xray-title")._shown.plain.split())
+        assert f"request {rid} was rejected (" in title and "it never ran, so it has nothing to trace" in title, title
+        await pilot.press("a")  # nothing to abort: said here, nothing sent
+        await pilot.pause(0.5)
+        assert notes.find(f"{rid} is already rejected; nothing to abort"), [n.message for n in notes.items]
+        assert not notes.find("HTTP 404"), [n.message for n in notes.items]
