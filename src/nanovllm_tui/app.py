@@ -450,6 +450,9 @@ class NanoVLLMApp(App):
             elif event.step is None and event.message.partition(":")[0] in COMMANDS:
                 # a command refused (by the engine, a server or a replay): not a failure of the engine
                 message = event.message
+                gone = self.state.requests.get(event.request_id) if event.request_id else None
+                if message.startswith("xray:") and gone is not None and gone.state in ("rejected", "lost"):
+                    return  # asked while it was being sent, before its rejection came: the X-Ray says why (22b)
                 asked = {"pause": "pausing", "resume": "resuming"}.get(event.message.partition(":")[0])
                 if asked is not None and self.state.pending == asked:  # the header goes back to what it was
                     self.state.pending = None
@@ -733,10 +736,11 @@ class NanoVLLMApp(App):
     def _choose_xray(self, request_id: str | None, layer: int, head: int) -> None:
         """Tell the engine what X-Ray traces. A request lost with a restarted server is not asked
         for by its id (the new server knows none such: a 404 toast beside the tab's own 'lost'
-        hint; trial 9): the first request of each step is traced instead."""
+        hint; trial 9), nor is a rejected one (it never existed on the engine: the X-Ray says it was
+        rejected): the first request of each step is traced instead."""
         req = self.state.requests.get(request_id) if request_id is not None else None
-        if req is not None and req.state == "lost":
-            request_id = None
+        if req is not None and req.state in ("lost", "rejected"):  # a rejected one never existed there (trial 22b:
+            request_id = None  # a false "the id is wrong ... (HTTP 404)" toast at each selection of it)
         self._xray_chosen = True
         self.controller.xray(request_id, layer, head)
 

@@ -78,8 +78,17 @@ def no_trace_words(state: EngineState, selected: str | None, live: bool) -> str:
         pick = "no request of this recording is running now"
     instead = ("X-Ray records the next step's first request instead" if live
                else "the recording holds only the traces made while it was recorded")
+    if req.state == "rejected":  # it never ran: nothing to trace, nothing to ask the engine for (trial 22b)
+        return (f"No trace: request {selected} was rejected ({rejected_reason(req)}): it never ran, so it has "
+                f"nothing to trace; {pick}.")
     return (f"No trace: request {selected} is {req.state} (no longer running), so no step of it will come; "
             f"{instead}; {pick}.")
+
+
+def rejected_reason(req) -> str:
+    """The engine's (or server's) reason for refusing ``req``, one line, or "no reason given"."""
+    reason = " ".join(str(getattr(req, "error", None) or "").split())
+    return reason or "no reason given"
 
 
 def trace_age(state: EngineState, step: int, live: bool, why: bool = True) -> str:
@@ -134,6 +143,8 @@ def other_request_words(state: EngineState, trace: ev.LayerTrace, selected: str 
     elif req is not None and not req.live and getattr(req, "last_step", None) == trace.step:
         why = (f"{selected} ran in step {trace.step} but was chosen after it was traced" if live else
                f"the recording traced only {trace.request_id} in that step") + f"; {selected} is {req.state} now"
+    elif req is not None and req.state == "rejected":  # never ran (trial 22b)
+        why = f"{selected} was rejected ({rejected_reason(req)}): it never ran, so it has nothing to trace"
     elif req is not None and not req.live:
         why = f"{selected} is {req.state}, so steps trace a running request"
     elif live and state.step is not None and trace.step < state.step:

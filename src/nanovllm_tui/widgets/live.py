@@ -9,12 +9,19 @@ from textual.widgets import Static
 
 
 class LiveStatic(Static):
-    """``show(content)`` instead of ``update``: nothing happens when the content is unchanged."""
+    """``show(content)`` instead of ``update``: nothing happens when the content is unchanged.
+
+    A widget sized by its content is laid out again when its wrapped line count may have changed:
+    when that count differs from the one shown, when the width changed since (the count shown is
+    a count at the old width), and when it had no width to wrap at (a hidden tab: the count then is
+    unknown, so the next content laid out at a real width must lay out too; trial 22b: a 3-line
+    title counted as 1 line while hidden kept its 3 rows under the 1-line title that followed)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._shown: object = None
         self._lines = -1
+        self._width = -1
 
     def show_content(self, content) -> None:
         if isinstance(content, str):
@@ -29,10 +36,13 @@ class LiveStatic(Static):
             lines = -2
         elif sized_by_content and width > 0:  # lines as wrapped: a longer line may need one more
             lines = len(content.wrap(self.app.console, width))
+        elif sized_by_content:  # not laid out (a hidden tab): the count is unknown until it is
+            lines = -1
         else:
             lines = content.plain.count("\n")
-        self.update(content, layout=sized_by_content and (lines != self._lines or lines == -2))
-        self._shown, self._lines = content, lines
+        layout = sized_by_content and (lines != self._lines or lines < 0 or width != self._width)
+        self.update(content, layout=layout)
+        self._shown, self._lines, self._width = content, lines, width
 
 
 def tail(text: Text, width: int, height: int, console) -> Text:
