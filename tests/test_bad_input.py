@@ -312,6 +312,43 @@ def test_an_unknown_llm_option_names_the_nearest_and_every_valid_one(kwargs, hin
     assert ", progress, " in str(e.value) and str(e.value).endswith("(help(EngineConfig) says what each does)")
 
 
+# Trial 21c bug 3: a bad progress failed 0.4 s into the load with "'int' object is not callable", naming no option.
+@pytest.mark.parametrize("progress, given", [
+    (5, "progress=5 is invalid: "),
+    ("x", "progress='x' is invalid: "),
+    (False, "progress=False is invalid: "),  # was silently replaced by the console bar
+    (lambda: None, "progress=<lambda>() is invalid: it is called with three arguments, so "),
+    (lambda stage, done: None, "progress=<lambda>(stage, done) is invalid: it is called with three arguments, so "),
+])
+def test_a_bad_progress_is_one_line_naming_it_before_anything_loads(progress, given, monkeypatch):
+    from nanovllm_core.config import EngineConfig
+    from nanovllm_core.engine.llm_engine import LLMEngine
+    from nanovllm_core.model import loader
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(loader, "load_model", no_load)
+    monkeypatch.setattr(loader, "resolve_model", no_load)
+    for make in (lambda: LLM(progress=progress), lambda: LLMEngine.from_config(EngineConfig(), progress=progress)):
+        with pytest.raises(ValueError) as e:
+            make()
+        assert str(e.value).startswith(given) and "\n" not in str(e.value), str(e.value)
+        assert str(e.value).endswith("it must be a callable progress(stage, done, total) (stage a str, done and total "
+                                     "ints), e.g. lambda stage, done, total: None for no bar, or None for the console bar")
+
+
+@pytest.mark.parametrize("progress", [None, lambda *a: None, lambda stage, done, total, extra=0: None, print])
+def test_a_progress_that_takes_stage_done_total_is_taken(progress):
+    from nanovllm_core.model.loader import check_progress
+
+    check_progress(progress)
+
+
+def test_dtype_of_the_wrong_type_is_one_line_naming_it():
+    with pytest.raises(ValueError, match=r"^dtype=\[\] is unknown; use float32, float16 or bfloat16$"):
+        LLM(dtype=[])  # was Python's bare "unhashable type: 'list'"
+
+
 def test_an_unknown_controller_option_is_refused_before_its_thread_starts():
     from nanovllm_core.engine.controller import EngineController
 
