@@ -349,6 +349,36 @@ def test_dtype_of_the_wrong_type_is_one_line_naming_it():
         LLM(dtype=[])  # was Python's bare "unhashable type: 'list'"
 
 
+# Trial 21c bug 7: Python's bare "unexpected keyword argument", with no nearest name and nothing on vLLM's fields.
+@pytest.mark.parametrize("kwargs, start", [
+    ({"temprature": 0.5}, "unknown SamplingParams option temprature (did you mean temperature?); SamplingParams "
+                          "takes frequency_penalty, ignore_eos, "),
+    ({"bogus": 1}, "unknown SamplingParams option bogus; SamplingParams takes frequency_penalty, "),
+    ({"best_of": 2}, "SamplingParams' best_of (vLLM's) is not supported here (no best-of ranking"),
+    ({"bad_words": ["x"]}, "SamplingParams' bad_words (vLLM's) is not supported here (the sampler takes no list "
+                           "of banned words); leave it out (logit_bias -100 keeps single tokens out)"),
+    ({"allowed_token_ids": [1]}, "SamplingParams' allowed_token_ids (vLLM's) is not supported here"),
+    ({"truncate_prompt_tokens": 8}, "SamplingParams' truncate_prompt_tokens (vLLM's) is not supported here"),
+    ({"detokenize": False}, "SamplingParams' detokenize (vLLM's) is not supported here"),
+    ({"prompt_logprobs": 1}, "SamplingParams' prompt_logprobs (vLLM's) is not supported here"),
+    ({"guided_decoding": {}}, "SamplingParams' guided_decoding (vLLM's) is not supported here"),
+])
+def test_an_unknown_sampling_keyword_names_the_nearest_field_or_says_vllms_is_not_supported(kwargs, start):
+    with pytest.raises(TypeError) as e:  # vLLM raises a TypeError here: code written for it catches that
+        SamplingParams(**kwargs)
+    assert isinstance(e.value, ValueError)  # and this project's bad settings are ValueErrors
+    assert str(e.value).startswith(start) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_server_refuses_vllms_sampling_fields_for_the_python_apis_reason():
+    from nanovllm_core.entrypoints.protocol import VLLM_UNSUPPORTED
+    from nanovllm_core.sampling_params import VLLM_SAMPLING_UNSUPPORTED
+
+    shared = set(VLLM_UNSUPPORTED) & set(VLLM_SAMPLING_UNSUPPORTED)
+    assert {"prompt_logprobs", "bad_words", "allowed_token_ids", "truncate_prompt_tokens"} <= shared
+    assert all(VLLM_UNSUPPORTED[name] == VLLM_SAMPLING_UNSUPPORTED[name] for name in shared)
+
+
 def test_an_unknown_controller_option_is_refused_before_its_thread_starts():
     from nanovllm_core.engine.controller import EngineController
 
