@@ -312,6 +312,73 @@ def test_an_unknown_llm_option_names_the_nearest_and_every_valid_one(kwargs, hin
     assert ", progress, " in str(e.value) and str(e.value).endswith("(help(EngineConfig) says what each does)")
 
 
+# Trial 21c bug 3: a bad progress failed 0.4 s into the load with "'int' object is not callable", naming no option.
+@pytest.mark.parametrize("progress, given", [
+    (5, "progress=5 is invalid: "),
+    ("x", "progress='x' is invalid: "),
+    (False, "progress=False is invalid: "),  # was silently replaced by the console bar
+    (lambda: None, "progress=<lambda>() is invalid: it is called with three arguments, so "),
+    (lambda stage, done: None, "progress=<lambda>(stage, done) is invalid: it is called with three arguments, so "),
+])
+def test_a_bad_progress_is_one_line_naming_it_before_anything_loads(progress, given, monkeypatch):
+    from nanovllm_core.config import EngineConfig
+    from nanovllm_core.engine.llm_engine import LLMEngine
+    from nanovllm_core.model import loader
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(loader, "load_model", no_load)
+    monkeypatch.setattr(loader, "resolve_model", no_load)
+    for make in (lambda: LLM(progress=progress), lambda: LLMEngine.from_config(EngineConfig(), progress=progress)):
+        with pytest.raises(ValueError) as e:
+            make()
+        assert str(e.value).startswith(given) and "\n" not in str(e.value), str(e.value)
+        assert str(e.value).endswith("it must be a callable progress(stage, done, total) (stage a str, done and total "
+                                     "ints), e.g. lambda stage, done, total: None for no bar, or None for the console bar")
+
+
+@pytest.mark.parametrize("progress", [None, lambda *a: None, lambda stage, done, total, extra=0: None, print])
+def test_a_progress_that_takes_stage_done_total_is_taken(progress):
+    from nanovllm_core.model.loader import check_progress
+
+    check_progress(progress)
+
+
+def test_dtype_of_the_wrong_type_is_one_line_naming_it():
+    with pytest.raises(ValueError, match=r"^dtype=\[\] is unknown; use float32, float16 or bfloat16$"):
+        LLM(dtype=[])  # was Python's bare "unhashable type: 'list'"
+
+
+# Trial 21c bug 7: Python's bare "unexpected keyword argument", with no nearest name and nothing on vLLM's fields.
+@pytest.mark.parametrize("kwargs, start", [
+    ({"temprature": 0.5}, "unknown SamplingParams option temprature (did you mean temperature?); SamplingParams "
+                          "takes frequency_penalty, ignore_eos, "),
+    ({"bogus": 1}, "unknown SamplingParams option bogus; SamplingParams takes frequency_penalty, "),
+    ({"best_of": 2}, "SamplingParams' best_of (vLLM's) is not supported here (no best-of ranking"),
+    ({"bad_words": ["x"]}, "SamplingParams' bad_words (vLLM's) is not supported here (the sampler takes no list "
+                           "of banned words); leave it out (logit_bias -100 keeps single tokens out)"),
+    ({"allowed_token_ids": [1]}, "SamplingParams' allowed_token_ids (vLLM's) is not supported here"),
+    ({"truncate_prompt_tokens": 8}, "SamplingParams' truncate_prompt_tokens (vLLM's) is not supported here"),
+    ({"detokenize": False}, "SamplingParams' detokenize (vLLM's) is not supported here"),
+    ({"prompt_logprobs": 1}, "SamplingParams' prompt_logprobs (vLLM's) is not supported here"),
+    ({"guided_decoding": {}}, "SamplingParams' guided_decoding (vLLM's) is not supported here"),
+])
+def test_an_unknown_sampling_keyword_names_the_nearest_field_or_says_vllms_is_not_supported(kwargs, start):
+    with pytest.raises(TypeError) as e:  # vLLM raises a TypeError here: code written for it catches that
+        SamplingParams(**kwargs)
+    assert isinstance(e.value, ValueError)  # and this project's bad settings are ValueErrors
+    assert str(e.value).startswith(start) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_server_refuses_vllms_sampling_fields_for_the_python_apis_reason():
+    from nanovllm_core.entrypoints.protocol import VLLM_UNSUPPORTED
+    from nanovllm_core.sampling_params import VLLM_SAMPLING_UNSUPPORTED
+
+    shared = set(VLLM_UNSUPPORTED) & set(VLLM_SAMPLING_UNSUPPORTED)
+    assert {"prompt_logprobs", "bad_words", "allowed_token_ids", "truncate_prompt_tokens"} <= shared
+    assert all(VLLM_UNSUPPORTED[name] == VLLM_SAMPLING_UNSUPPORTED[name] for name in shared)
+
+
 def test_an_unknown_controller_option_is_refused_before_its_thread_starts():
     from nanovllm_core.engine.controller import EngineController
 

@@ -312,11 +312,25 @@ def test_a_port_rank_0_cannot_listen_on_is_one_line(tiny_llama_dir):
                                                          "tensor_parallel_size=1 runs one process"),
     (dict(tensor_parallel_size=2, tp_master_port=70000), "tp_master_port=70000 is invalid: a TCP port is 1 to 65535"),
     (dict(tensor_parallel_size=2, tp_rendezvous_timeout=0), "tp_rendezvous_timeout=0 is invalid"),
+    (dict(tensor_parallel_size=2, tp_rendezvous_timeout=float("nan")), "tp_rendezvous_timeout=nan is invalid"),
+    # tensor_parallel_size=1 refuses every launch option, the timeout too (trial 21c bug 4: it was accepted)
+    *[(dict(tensor_parallel_size=1, tp_rendezvous_timeout=t), f"tp_rendezvous_timeout={t!r} places tensor-parallel "
+       "ranks, but tensor_parallel_size=1 runs one process; drop it or raise tensor_parallel_size")
+      for t in (-1, "x", float("nan"), 300)],
+    (dict(tensor_parallel_size=1, tp_master_addr=5), "tp_master_addr=5 places tensor-parallel ranks"),
+    (dict(tensor_parallel_size=1, tp_local_ranks=2), "tp_local_ranks=2 places tensor-parallel ranks"),
 ])
 def test_launch_settings_that_contradict_each_other_are_one_line_errors(kwargs, message):
     with pytest.raises(ValueError) as e:
         EngineConfig(**kwargs)
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_rendezvous_timeout_defaults_to_300_s_where_ranks_are_placed():
+    assert EngineConfig().tp_rendezvous_timeout is None  # told apart from a given value, which size 1 refuses
+    assert EngineConfig(tensor_parallel_size=2).tp_rendezvous_timeout == 300.0
+    from nanovllm_core.cli import build_parser, engine_kwargs
+    EngineConfig(**engine_kwargs(build_parser().parse_args([])))  # the CLI gives none unless typed
 
 
 def test_the_launch_options_reach_the_engine_from_every_command_line():

@@ -475,9 +475,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         tp_master_addr=getattr(args, "tp_master_addr", None), tp_master_port=getattr(args, "tp_master_port", None),
         tp_local_ranks=getattr(args, "tp_local_ranks", None),
+        tp_rendezvous_timeout=getattr(args, "tp_rendezvous_timeout", None),  # None: EngineConfig's default (300 s)
     )
-    if getattr(args, "tp_rendezvous_timeout", None) is not None:  # else EngineConfig's default (300 s)
-        kwargs["tp_rendezvous_timeout"] = args.tp_rendezvous_timeout
     return kwargs
 
 

@@ -189,7 +189,9 @@ class EngineConfig:
             from other hosts, who must be told it).
         tp_local_ranks: K: ranks 0..K-1 run on this host (rank 0 starts K - 1 workers), ranks
             K..N-1 join from other hosts (``nanovllm worker``); None: all N here.
-        tp_rendezvous_timeout: seconds every rank may take to connect (default 300).
+        tp_rendezvous_timeout: seconds every rank may take to connect, above 0 and at most 86400 (None:
+            :data:`RENDEZVOUS_TIMEOUT_S`, 300, set here when ``tensor_parallel_size`` > 1). Like the three
+            above it places ranks, so ``tensor_parallel_size=1`` refuses a given value.
     """
 
     model: str | None = None
@@ -214,7 +216,7 @@ class EngineConfig:
     tp_master_addr: str | None = None
     tp_master_port: int | None = None
     tp_local_ranks: int | None = None
-    tp_rendezvous_timeout: float = 300.0
+    tp_rendezvous_timeout: float | None = None
 
     def __post_init__(self) -> None:
         for name in FLAG_FIELDS:  # first: the checks below read them by truthiness
@@ -258,7 +260,7 @@ class EngineConfig:
             )
         if self.device is not None:
             check_device(self.device)
-        if self.dtype is not None and self.dtype not in DTYPES:
+        if self.dtype is not None and (not isinstance(self.dtype, str) or self.dtype not in DTYPES):
             raise ValueError(f"dtype={self.dtype!r} is unknown; use float32, float16 or bfloat16")
         if self.max_model_len is not None:  # else checked by the engine once the model's context is known
             self.check_prefill_budget(self.max_model_len)
@@ -284,7 +286,7 @@ class EngineConfig:
         if n is None:
             raise ValueError("tensor_parallel_size=None is invalid: it must be a positive integer (1: one process)")
         launch = {"tp_master_addr": self.tp_master_addr, "tp_master_port": self.tp_master_port,
-                  "tp_local_ranks": self.tp_local_ranks}
+                  "tp_local_ranks": self.tp_local_ranks, "tp_rendezvous_timeout": self.tp_rendezvous_timeout}
         if n == 1:
             given = [k for k, v in launch.items() if v is not None]
             if given:
@@ -315,6 +317,8 @@ class EngineConfig:
         if k is not None and k < n and port is None:
             raise ValueError(f"ranks {k} to {n - 1} join from other hosts (tp_local_ranks={k} of tensor_parallel_size="
                              f"{n}), which must be told where: give tp_master_port (--tp-master-port PORT)")
+        if t is None:  # told apart from a given 300, which tensor_parallel_size=1 refuses
+            t = self.tp_rendezvous_timeout = RENDEZVOUS_TIMEOUT_S
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 86400:
             raise ValueError(f"tp_rendezvous_timeout={t!r} is invalid: seconds, above 0 and at most 86400")
         if self.tp_master_addr is not None and (not isinstance(self.tp_master_addr, str)
@@ -406,6 +410,10 @@ class EngineConfig:
         return 512 if self.enable_chunked_prefill else max_model_len
 
 
+# How long rank 0 waits for every tensor-parallel worker to connect, and a worker for rank 0 to listen, when
+# tp_rendezvous_timeout is not given (torchrun's rendezvous waits 900 s; the ranks here are started by hand or
+# by rank 0, so minutes suffice). engine/tp_launch.py uses it.
+RENDEZVOUS_TIMEOUT_S = 300.0
 DEFAULT_MAX_NUM_SEQS = 64  # max_num_seqs when not given (vLLM's default is 256 on a GPU)
 
 

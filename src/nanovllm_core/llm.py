@@ -13,7 +13,7 @@ from typing import Any, Sequence as Seq
 
 from nanovllm_core.config import EngineConfig, check_flag
 from nanovllm_core.engine.llm_engine import EngineDeadError, LLMEngine
-from nanovllm_core.model.loader import ProgressFn
+from nanovllm_core.model.loader import ProgressFn, check_progress
 from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.prompts import chat_template_problem, conversation_problem, describe
 from nanovllm_core.sampling_params import SamplingParams
@@ -68,7 +68,8 @@ class LLM:
             ``scheduling_policy``, ``enable_prefix_caching``, ``paged``, ``speculative_model``,
             ``num_speculative_tokens``, ``tensor_parallel_size``, ...). With ``tensor_parallel_size=N``
             (N > 1) N-1 worker processes hold the other shards; :meth:`close` (or ``with``) stops them.
-        progress: loading progress callback (default: a console bar while converting).
+        progress: loading progress callback ``progress(stage, done, total)`` (:data:`ProgressFn`; None: a
+            console bar while converting); anything else is refused at once (:func:`check_progress`).
 
     After :meth:`close` (or the end of a ``with`` block) it refuses new work: ``generate`` and
     ``chat`` raise ``ValueError(CLOSED)``, as a closed file refuses a read; ``stats``, the tokenizer
@@ -85,6 +86,7 @@ class LLM:
         unknown = EngineConfig.unknown_options(engine_kwargs, "LLM", extra=("progress",))
         if unknown:
             raise ValueError(unknown)
+        check_progress(progress)  # before the load that would call it
         self.config = EngineConfig(model=model, device=device, dtype=dtype, **engine_kwargs)
         progress = progress or console_progress()
         try:

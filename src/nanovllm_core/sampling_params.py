@@ -283,6 +283,78 @@ class SamplingParams:
         return SamplingParams(**values)
 
 
+# vLLM's SamplingParams fields that this engine does not implement: name -> (why, what to do; "" for
+# "leave it out"). The server's table (entrypoints/protocol.py, VLLM_UNSUPPORTED) takes the shared ones from
+# here, so a field is refused for the same reason in Python and over HTTP.
+VLLM_SAMPLING_UNSUPPORTED: dict[str, tuple[str, str]] = {
+    "best_of": ("no best-of ranking: the n samples come back as drawn", "leave it out (n sets how many samples)"),
+    "prompt_logprobs": ("no logprobs of the prompt's own tokens",
+                        "leave it out (logprobs gives the generated tokens' logprobs)"),
+    "allowed_token_ids": ("the sampler takes no allow-list of tokens",
+                          "leave it out (logit_bias -100 keeps single tokens out)"),
+    "bad_words": ("the sampler takes no list of banned words",
+                  "leave it out (logit_bias -100 keeps single tokens out)"),
+    "logits_processors": ("no custom logits processors", ""),
+    "truncate_prompt_tokens": ("prompts are never cut; one longer than the context is refused",
+                               "leave it out and shorten the prompt"),
+    "spaces_between_special_tokens": ("the text is decoded the one way the engine does", ""),
+    "detokenize": ("every output is decoded to text (stop strings and the outputs' text need it)", ""),
+    "output_kind": ("LLM.generate returns each request's final output only", ""),
+    **{name: ("no structured output: the text is whatever the model writes", "")
+       for name in ("guided_decoding", "structured_outputs")},
+    "extra_args": ("no extensions", ""),
+}
+
+
+class SamplingParamsKeywordError(TypeError, ValueError):
+    """An unknown ``SamplingParams`` keyword: a TypeError, as Python and vLLM raise for one (code written for
+    vLLM catches that), and a ValueError, as every other bad setting here (``LLM``'s unknown keywords too)."""
+
+
+def unknown_sampling_keywords(given: object) -> str | None:
+    """One line for the names in ``given`` that are not ``SamplingParams`` fields, or None: a vLLM field
+    absent here says so, why and what to do (:data:`VLLM_SAMPLING_UNSUPPORTED`); another name gets the
+    nearest field by spelling (``difflib``) and the list of every field, as ``LLM(...)`` does."""
+    import difflib
+
+    valid = sorted(SamplingParams.__dataclass_fields__)
+    unknown = sorted(set(given) - set(valid))
+    if not unknown:
+        return None
+    parts = []
+    for name in (n for n in unknown if n in VLLM_SAMPLING_UNSUPPORTED):
+        why, todo = VLLM_SAMPLING_UNSUPPORTED[name]
+        parts.append(f"SamplingParams' {name} (vLLM's) is not supported here ({why}); {todo or 'leave it out'}")
+    others = [n for n in unknown if n not in VLLM_SAMPLING_UNSUPPORTED]
+    if others:
+        hints = []
+        for name in others:
+            near = " or ".join(difflib.get_close_matches(name, valid, n=2, cutoff=0.6))
+            if near:
+                hints.append(f"did you mean {near}?" if len(others) == 1 else f"{name}: did you mean {near}?")
+        hint = f" ({'; '.join(hints)})" if hints else ""
+        parts.append(f"unknown SamplingParams option{'s' if len(others) > 1 else ''} {', '.join(others)}{hint}; "
+                     f"SamplingParams takes {', '.join(valid)} (help(SamplingParams) says what each does)")
+    return "; ".join(parts)
+
+
+def _checked_init(init):
+    """Wrap the dataclass's ``__init__`` so an unknown keyword is :class:`SamplingParamsKeywordError` with
+    :func:`unknown_sampling_keywords`' line, not Python's bare "unexpected keyword argument" (trial 21c)."""
+    import functools
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs) -> None:
+        unknown = unknown_sampling_keywords(kwargs)
+        if unknown:
+            raise SamplingParamsKeywordError(unknown)
+        init(self, *args, **kwargs)
+    return __init__
+
+
+SamplingParams.__init__ = _checked_init(SamplingParams.__init__)
+
+
 # An engine setting's rule, here because the command lines check it while parsing, before torch is imported
 # (config.py imports torch); EngineConfig applies the same rule.
 def contiguous_conflict(paged: bool, max_num_seqs: int | None, max_num_batched_tokens: int | None,

@@ -173,9 +173,11 @@ class LLMEngine(EventSource):
 
         Raises:
             ModelLoadError: the model cannot be found or loaded (one-line message).
+            ValueError: ``progress`` cannot be called as ``progress(stage, done, total)``.
         """
-        from nanovllm_core.model.loader import load_model
+        from nanovllm_core.model.loader import check_progress, load_model
 
+        check_progress(progress)
         if config.tensor_parallel_size > 1:
             return cls._from_config_parallel(config, progress)
         model, tokenizer, resolved = load_model(config.model, config.torch_device, config.torch_dtype,

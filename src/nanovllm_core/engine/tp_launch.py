@@ -38,11 +38,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from nanovllm_core.config import setting
-
-# How long rank 0 waits for every worker to connect, and a worker for rank 0 to listen (torchrun's
-# rendezvous waits 900 s; the ranks here are started by hand or by rank 0, so minutes suffice).
-RENDEZVOUS_TIMEOUT_S = 300.0
+# RENDEZVOUS_TIMEOUT_S: how long rank 0 waits for every worker to connect, and a worker for rank 0 to
+# listen (EngineConfig's default for tp_rendezvous_timeout, so it lives there)
+from nanovllm_core.config import RENDEZVOUS_TIMEOUT_S, setting
 # A connection must pass the key check within this (a port scanner or a silent client is dropped).
 HANDSHAKE_TIMEOUT_S = 10.0
 _MAGIC = b"nanovllm-tensor-parallel/1\n"  # the first bytes each way: a wrong port reads as one

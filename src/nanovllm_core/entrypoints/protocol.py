@@ -19,7 +19,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, St
 
 from nanovllm_core.prompts import (CONTENT_SHAPE, ChatRole, TextPartType, chat_template_problem, content_text,
                                    template_role)
-from nanovllm_core.sampling_params import LOGIT_BIAS_LIMIT, SamplingParams, check_priority
+from nanovllm_core.sampling_params import LOGIT_BIAS_LIMIT, VLLM_SAMPLING_UNSUPPORTED, SamplingParams, check_priority
 from nanovllm_core.untrusted import clipped, shown
 
 
@@ -209,17 +209,11 @@ VLLM_UNSUPPORTED: dict[str, tuple[str, str]] = {
        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag")},
     "use_beam_search": ("no beam search", ""),
     "length_penalty": ("no beam search", ""),
-    "prompt_logprobs": ("no logprobs of the prompt's own tokens",
-                        "leave it out (logprobs gives the generated tokens' logprobs)"),
-    "allowed_token_ids": ("the sampler takes no allow-list of tokens",
-                          "leave it out (logit_bias -100 keeps single tokens out)"),
-    "bad_words": ("the sampler takes no list of banned words",
-                  "leave it out (logit_bias -100 keeps single tokens out)"),
-    "logits_processors": ("no custom logits processors", ""),
-    "truncate_prompt_tokens": ("prompts are never cut; one longer than the context is refused",
-                               "leave it out and shorten the prompt"),
+    # vLLM's SamplingParams fields that its server also takes: one reason in Python and over HTTP
+    **{name: VLLM_SAMPLING_UNSUPPORTED[name] for name in ("prompt_logprobs", "allowed_token_ids", "bad_words",
+                                                          "logits_processors", "truncate_prompt_tokens")},
     "add_special_tokens": ("prompts are tokenized the one way the engine does", ""),
-    "spaces_between_special_tokens": ("the text is decoded the one way the engine does", ""),
+    "spaces_between_special_tokens": VLLM_SAMPLING_UNSUPPORTED["spaces_between_special_tokens"],
     "return_tokens_as_token_ids": ("logprob tokens are always text",
                                    "leave it out (return_token_ids gives the token ids)"),
     "chat_template": ("the model's own chat template only",

@@ -52,6 +52,34 @@ ProgressFn = Callable[[str, int, int], None]
 """progress(stage, done, total): called while converting or loading."""
 
 
+def check_progress(progress: Any) -> None:
+    """Refuse a ``progress`` that cannot be called as ``progress(stage, done, total)`` (stage a str, done and
+    total ints), before anything loads: else it fails mid-load with Python's bare "'int' object is not
+    callable", which names no option (trial 21c). None passes (the caller's default). A callable whose
+    signature Python cannot read (some builtins) passes too: its call is the only test.
+
+    Raises:
+        ValueError: one line naming ``progress``, what it must be and how to silence the bar.
+    """
+    if progress is None:
+        return
+    want = ("it must be a callable progress(stage, done, total) (stage a str, done and total ints), "
+            "e.g. lambda stage, done, total: None for no bar, or None for the console bar")
+    if not callable(progress):
+        raise ValueError(f"progress={untrusted.shown(progress, as_json=False)} is invalid: {want}")
+    import inspect
+
+    try:
+        signature = inspect.signature(progress)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind("stage", 0, 1)
+    except TypeError:
+        name = getattr(progress, "__qualname__", type(progress).__name__)
+        raise ValueError(f"progress={name}{signature} is invalid: it is called with three arguments, so {want}") from None
+
+
 class ModelLoadError(ValueError):
     """A model could not be found, downloaded, converted or loaded. The message is one line."""
 
