@@ -575,12 +575,16 @@ async def test_the_prompt_bars_settings_show_every_allowed_value_whole(tmp_path,
     app = NanoVLLMApp(BackgroundController(lambda: EngineController(model=str(tmp_path / "none"))),
                       tutorial_path=tmp_path / "t.json")
     async with app.run_test(size=size) as pilot:
-        for name, value in (("priority", "-1000"), ("priority", "1000"), ("max-tokens", "131072"),
-                            ("temperature", "0.75")):
+        async def typed(name: str, value: str) -> Input:
             field = app.query_one(f"#{name}", Input)
             field.focus()
             field.value = ""
             await pilot.press(*value)
+            return field
+
+        for name, value in (("priority", "-1000"), ("priority", "1000"), ("max-tokens", "131072"),
+                            ("temperature", "0.75")):
+            field = await typed(name, value)
             await pilot.press("tab")  # the focus leaves
             await pilot.pause(0.1)
             shown = "".join(seg.text for seg in field.render_line(field.size.height // 2))
@@ -590,10 +594,7 @@ async def test_the_prompt_bars_settings_show_every_allowed_value_whole(tmp_path,
         # shows its value whole or marks the side where text is hidden with "…".
         for name, value in (("priority", "---5000"), ("max-tokens", "9999999"), ("priority", "12345678901"),
                             ("temperature", "0.125")):
-            field = app.query_one(f"#{name}", Input)
-            field.focus()
-            field.value = ""
-            await pilot.press(*value)
+            field = await typed(name, value)
             for moves in ((), ("home",), ("tab",)):  # the cursor at the end, at the start, the focus gone
                 await pilot.press(*moves)
                 await pilot.pause(0.1)
