@@ -90,3 +90,22 @@ async def test_a_refused_enter_says_it_put_the_cursor_in_the_wrong_setting(tiny_
         await pilot.press("slash")
         await wait_until(pilot, lambda: app.focused.id == "prompt", 10, "the prompt")
         assert "cursor" not in str(error.render()) and "not 'x'" in str(error.render())
+
+
+async def test_enter_refused_in_the_wrong_setting_itself_selects_its_value(tiny_llama_dir, tmp_path):
+    """Trial 23a: the line under the bar says "the cursor is in temp now, its value selected", but with
+    Enter pressed in that very field (no focus moved) nothing was selected: typing gave "abcQQ"."""
+    app = tiny_app(tiny_llama_dir, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.focused is not None and app.focused.id == "prompt", 30, "the prompt")
+        app.query_one("#prompt").value = "Hello"
+        temp = app.query_one("#temperature")
+        temp.focus()
+        await wait_until(pilot, lambda: app.focused.id == "temperature", 10, "the temperature field")
+        temp.value = ""
+        await pilot.press("a", "b", "c", "enter")
+        await wait_until(pilot, lambda: "its value selected" in str(app.query_one("#prompt-error").render()), 10,
+                         "the refusal under the bar")
+        await pilot.press("Q", "Q")
+        await pilot.pause(0.2)
+        assert temp.value == "QQ" and app.focused.id == "temperature"

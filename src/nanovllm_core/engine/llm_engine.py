@@ -809,9 +809,11 @@ class LLMEngine(EventSource):
         return bm.prefix_cache_hits / bm.prefix_cache_queries if bm.prefix_cache_queries else 0.0
 
     def _slots_wasted(self) -> int:
-        """Slots allocated to live sequences and not (yet) filled."""
+        """Slots allocated to live sequences and not (yet) filled with keys and values: a sequence's
+        newest sampled token has none until the next step computes it (trial 23a: counted as filled,
+        the figure was one a sequence below the narrator's and the Block Map's)."""
         bs = self.block_manager.block_size
-        return sum(len(s.block_table) * bs - min(s.num_tokens, len(s.block_table) * bs)
+        return sum(len(s.block_table) * bs - min(s.num_computed_tokens, len(s.block_table) * bs)
                    for s in self.scheduler.running + self.scheduler.waiting)
 
     def _note_waste(self, step: int) -> None:
@@ -828,7 +830,8 @@ class LLMEngine(EventSource):
         The pool's blocks in three parts that add up to ``kv_blocks_total``: ``kv_blocks_used``
         (held by live requests), ``kv_blocks_cached`` (free, still holding a cached prefix a later
         prompt can hit) and ``kv_blocks_free`` (free, holding nothing; the CLI's and the app's
-        "free"). ``kv_slots_wasted``: slots allocated to live sequences but not (yet) filled;
+        "free"). ``kv_slots_wasted``: slots allocated to live sequences but not (yet) filled with keys
+        and values (the narrator's and the Block Map's count);
         ``kv_slots_wasted_peak``: the most there were at any step's end so far, and
         ``kv_slots_wasted_peak_step`` that step (None before any); ``kv_cache_usage``: used blocks / total (0..1).
         """

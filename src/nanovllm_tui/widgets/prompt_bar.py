@@ -593,7 +593,11 @@ class PromptBar(Vertical):
             message = f"Not sent: {wrong[0][1]}. The prompt is kept; the cursor is in {self.LABELS[name]} now."
             self._refusals[name] = message  # withdrawn once that field is right (_show_errors)
             self.notify(message, severity="error", markup=False)
-            self.screen.set_focus(self.query_one(f"#{name}", Input))
+            target = self.query_one(f"#{name}", Input)
+            self.screen.set_focus(target)
+            # selected as the note says, also when Enter was pressed in that very field (no focus moves,
+            # so entering it selects nothing: typing appended, 'abc' + 'QQ'; trial 23a)
+            target.selection = Selection(0, len(target.value))
             return
         if self.send(prompt, self.read_settings()) is not None:
             prompt_field.value = ""
