@@ -634,11 +634,11 @@ class LLMEngine(EventSource):
                 return outputs
             self._emit(ev.EngineError(step=plan.step, message=f"{type(e).__name__}: {e}",
                                       traceback=traceback.format_exc()))
-            # said where a plain LLM.generate caller sees it (no one may be listening for the event)
-            warnings.warn(f"step {plan.step} raised {type(e).__name__}: {untrusted.clipped(str(e), 200)}; each of its "
-                          f"{len(plan.scheduled)} sequence(s) is retried alone and one that fails again finishes with "
-                          "finish_reason 'error' (raise TimeoutError or KeyboardInterrupt to stop generate instead)",
-                          RuntimeWarning, stacklevel=2)
+            if not self._subscribers:  # said where a plain LLM.generate caller sees it: no one hears the event
+                warnings.warn(f"step {plan.step} raised {type(e).__name__}: {untrusted.clipped(str(e), 200)}; each of "
+                              f"its {len(plan.scheduled)} sequence(s) is retried alone and one that fails again finishes "
+                              "with finish_reason 'error' (raise TimeoutError or KeyboardInterrupt to stop generate "
+                              "instead)", RuntimeWarning, stacklevel=2)
             if isinstance(e, torch.cuda.OutOfMemoryError):
                 torch.cuda.empty_cache()  # what the failed batch held, before the smaller retries
             if self.speculator is not None:
