@@ -284,8 +284,13 @@ class Field(Input):
     # Tab went in before that message, were then selected, and the next key replaced them ("Tell
     # me" became "me"), and `/` then typing replaced a prompt put back after a refusal (trial 20e).
     # So the app settles a field's entry before it types into it, and the Focus message, coming
-    # after, does not do it again.
+    # after, does not do it again. (Input's own select-on-focus is off: settle_entry does it.)
     _entry_settled = False
+    SELECT_ON_ENTRY = True  # a setting: entering selects its value; the prompt (PromptField): cursor to its end
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("select_on_focus", False)
+        super().__init__(*args, **kwargs)
 
     def settle_entry(self) -> None:
         """Apply what entering this field does (select a setting's value, or put the prompt's cursor
@@ -294,18 +299,14 @@ class Field(Input):
         if self._entry_settled:
             return
         self._entry_settled = True
-        if self.select_on_focus:
+        if self.SELECT_ON_ENTRY:
             self.selection = Selection(0, len(self.value))
         else:
             self.cursor_position = len(self.value)
 
     def _on_focus(self, event: events.Focus) -> None:
         settled = self._entry_settled
-        select, self.select_on_focus = self.select_on_focus, False  # Input's own select: settle_entry's
-        try:
-            super()._on_focus(event)
-        finally:
-            self.select_on_focus = select
+        super()._on_focus(event)
         if not settled and not event.from_app_focus:
             self.settle_entry()
         self._entry_settled = True  # (a focus given back to the app window keeps the cursor where it was)
@@ -352,10 +353,7 @@ class PromptField(Field):
     """The prompt's own field: `/` types a slash here, so the footer does not offer "/ Prompt" either."""
 
     BINDINGS = typed_keys("slash")
-
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("select_on_focus", False)  # entering the prompt continues it (Field.settle_entry)
-        super().__init__(*args, **kwargs)
+    SELECT_ON_ENTRY = False  # entering the prompt continues it (Field.settle_entry)
 
 
 class ChatBox(Checkbox):
