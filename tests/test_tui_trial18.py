@@ -20,10 +20,11 @@ def test_an_abort_or_a_failure_between_steps_sends_the_pool_to_a_watcher_of_bloc
     engine = make_tiny_engine(num_kv_blocks=64)
     seen: list[ev.Event] = []
     engine.subscribe(seen.append, topk=0, blocks=True)
-    for rid in ("a", "b"):
-        engine.add_request("one two three four five six seven", SamplingParams(max_tokens=50), request_id=rid)
-    engine.step()
-    engine.step()
+    for rid in ("a", "b"):  # greedy past EOS: both still run after two steps whatever the random weights say
+        engine.add_request("one two three four five six seven",
+                           SamplingParams(max_tokens=50, temperature=0, ignore_eos=True), request_id=rid)
+    finished = [o for _ in range(2) for o in engine.step() if o.finished]
+    assert not finished, [(o.request_id, o.outputs[0].finish_reason) for o in finished]
     assert {t.request_id for t in engine.blocks_event(engine.step_index).tables} == {"a", "b"}
     seen.clear()
     engine.abort_request("a")
