@@ -744,9 +744,6 @@ class NanoVLLMApp(App):
         self._xray_chosen = True
         self.controller.xray(request_id, layer, head)
 
-    def on_request_table_selected(self, message: Any) -> None:
-        self.select(message.request_id)
-
     def select(self, request_id: str | None) -> None:
         if request_id == self.selected:
             return

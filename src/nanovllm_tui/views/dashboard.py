@@ -107,7 +107,7 @@ class DashboardView(EngineView):
             yield KVMemoryBar(id="kv", classes="panel")
             yield ThroughputPanel(id="throughput", classes="panel")
         yield LiveStatic(id="dash-tp", classes="panel")
-        yield RequestTable(id="requests")
+        yield RequestTable(id="requests", chosen=getattr(self.app, "select", None))  # the app's selection, at once
         with Horizontal(id="dash-bottom"):
             yield LiveStatic(id="output", classes="panel")
             yield TopKBars(id="topk", classes="panel")

@@ -80,6 +80,14 @@ class QuizChoices(OptionList):
         self.highlighted = index
         self.action_select()
 
+    def action_select(self) -> None:
+        """Enter (and A-D, and a click): grade the highlighted answer at once. OptionList posts an
+        ``OptionSelected`` message instead, handled after any key behind it in the same terminal read:
+        ``b →`` answered the NEXT chapter's quiz with B (trial 24a)."""
+        view = next((v for v in self.ancestors_with_self if isinstance(v, TutorialView)), None)
+        if self.highlighted is not None and view is not None:
+            view.answer(self.highlighted)
+
     def action_answered(self) -> None:
         self.query_ancestor(TutorialView).say_answered()
 
@@ -366,10 +374,6 @@ class TutorialView(EngineView):
         self.progress.current = (self.progress.current + delta) % len(tut.CHAPTERS)
         self._save()
         self._show_chapter()
-
-    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
-        event.stop()
-        self.answer(event.option_index)
 
     def answer(self, choice: int) -> bool:
         """Grade ``choice`` (0-3) for the current chapter, show the feedback, keep the progress; on an

@@ -15,6 +15,7 @@ selected request.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from rich.style import Style
 from rich.text import Text
@@ -125,8 +126,13 @@ class RequestTable(ScrollView, can_focus=True):
     class Selected(Message):
         request_id: str
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, chosen: Callable[[str], None] | None = None, **kwargs) -> None:
+        """``chosen(request_id)``: called at once when the cursor moves to a row (the app's selection);
+        without it a ``Selected`` message is posted. At once, not by message: a key right behind ↓ in
+        the same terminal read (``↓ a``) acts before a message is handled, and aborted the request
+        selected before ↓ (trial 24a)."""
         super().__init__(**kwargs)
+        self.chosen = chosen or (lambda request_id: self.post_message(self.Selected(request_id)))
         self.ids: list[str] = []
         self.rows: dict[str, tuple[Text, ...]] = {}
         self.cursor = -1  # no request selected
@@ -237,7 +243,7 @@ class RequestTable(ScrollView, can_focus=True):
         self.cursor = row
         self._keep_cursor_visible()
         self.refresh()
-        self.post_message(self.Selected(self.ids[row]))
+        self.chosen(self.ids[row])
 
     def render_line(self, y: int) -> Strip:
         width = self.scrollable_content_region.width
