@@ -1069,3 +1069,20 @@ def test_the_scheduler_line_of_a_readmission_counts_recomputed_and_new_tokens_as
     (sched,) = [c for c in n.feed(plan) if c.kind == "scheduler"]
     assert "request 1: 9 tokens (0..8 of 9): 8 recomputed, 1 new, readmitted after preemption" in sched.text
     assert "recompute of 9" not in sched.text
+
+
+@pytest.mark.parametrize("backend, exact", [("cpu-paged", True), ("math", False), ("sdpa", False), ("flash-attn", False)])
+def test_greedy_verification_claims_bit_equal_text_only_on_the_exact_kernel(backend, exact):
+    """Trial 24c: on the PyTorch attention paths a verification scores its k + 1 positions in other matrix
+    shapes than one-at-a-time decodes (equal up to float rounding), so "exactly what greedy decoding
+    without speculation gives" is said only of the default CPU C kernel."""
+    n = fresh()
+    n.info["attention_backend"] = backend
+    n.feed(added(sampling=(("temperature", 0.0),)))
+    feed_all(n, [planned(0, [entry()]), sampled(0), timed(0)])
+    n.feed(planned(1, [entry(kind="decode", num=4, start=3, total_len=4)], admitted=()))
+    n.feed(spec())
+    out = feed_all(n, [sampled(1, token=5 + i, text=" x", n_out=2 + i, top=()) for i in range(2)] + [timed(1, tokens=4)])
+    (v,) = [c for c in out if c.kind == "speculative"]
+    assert ("exactly what greedy decoding without speculation gives" in v.text) is exact, v.text
+    assert ("up to float rounding" in v.text and f"({backend})" in v.text) is not exact, v.text

@@ -354,7 +354,8 @@ class Narrator(SchedulerNarration):
                     out.append(speculative_entry(e, self._name(e.request_id), greedy, kept.get(e.seq_id),
                                                  state.sampling if state is not None else None,
                                                  state.decode_told + state.decode_untold if state is not None else 1,
-                                                 draft_limits_sentence(entries.get(e.seq_id), e.proposer)))
+                                                 draft_limits_sentence(entries.get(e.seq_id), e.proposer),
+                                                 kernel=self.info.get("attention_backend")))
             elif isinstance(e, ev.RequestFinished):
                 ends.append(self._finished(e))
             elif isinstance(e, ev.EngineError):

@@ -321,13 +321,17 @@ def draft_table_caption(greedy: bool | None, sampling: dict[str, Any] | None, ou
 
 
 def speculative_entry(e: ev.SpecDecodeStep, name: str, greedy: bool | None, appended: int | None,
-                      sampling: dict[str, Any] | None = None, outputs_before: int = 1, fewer: str = "") -> Commentary:
+                      sampling: dict[str, Any] | None = None, outputs_before: int = 1, fewer: str = "",
+                      kernel: str | None = None) -> Commentary:
     """The ``speculative`` entry of one verification: drafts, tokens run, the rule applied, what was kept.
 
     ``appended``: tokens the step actually added to the sequence (a stop condition can end it
     inside the kept run); None when unknown. ``sampling`` (the request's non-default settings)
     and ``outputs_before`` name the processors behind p (:func:`draft_table_caption`). ``fewer``:
-    why it had fewer drafts than k (:func:`draft_limits_sentence`), told after the drafts.
+    why it had fewer drafts than k (:func:`draft_limits_sentence`), told after the drafts. ``kernel``:
+    the engine's attention backend (``model_info``); greedy text equals non-speculative decoding's
+    token for token on the CPU C kernel (``cpu-paged``) only: another path scores the k + 1 positions
+    in other matrix shapes than one-at-a-time decodes, equal up to float rounding (trial 24c).
     """
     k = len(e.draft_tokens)
     n_query = e.num_query_tokens or 1 + k
@@ -350,7 +354,12 @@ def speculative_entry(e: ev.SpecDecodeStep, name: str, greedy: bool | None, appe
                                                                             "place" if bonus else "") + ".")
         elif bonus:
             text += f" {agree(k, 'It', f'All {k}')} matched, and the target's own next token after the last draft, {bonus}, is added."
-        text += " The text is exactly what greedy decoding without speculation gives."
+        if kernel in (None, "", "cpu-paged"):  # (unknown: an old trace; the C kernel was the default then too)
+            text += " The text is exactly what greedy decoding without speculation gives."
+        else:
+            text += (" The text is what greedy decoding without speculation gives, up to float rounding: this "
+                     f"attention backend ({kernel}) scores the {k + 1} positions together in other matrix shapes than "
+                     "one-at-a-time decodes, which can, rarely, flip a near-tie (the default CPU kernel is exact).")
     elif greedy is False:
         point = all(q == 1.0 for q in e.q)
         text += (" Rejection sampling: each draft x is kept with probability min(1, p(x)/q(x)), target p over draft q"

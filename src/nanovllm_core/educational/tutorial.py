@@ -682,7 +682,8 @@ CHAPTERS: tuple[Chapter, ...] = (
         An n-gram guess is a fixed token (q = 1), so it is kept with probability p. Greedy requests use
         the rule's limit: a draft is kept while it equals the target's own highest-scoring token, and
         at the first mismatch the target's token replaces it, so the text is exactly what greedy
-        decoding without speculation writes.
+        decoding without speculation writes (bit for bit on this engine's default CPU attention kernel;
+        other attention paths score the drafts in other matrix shapes, equal up to float rounding).
 
         The speed-up depends on the acceptance rate alpha (the chance that the target keeps a draft),
         the number of drafts gamma, and two costs. Leviathan et al. (2023, Theorem 3.8): a step yields
