@@ -101,6 +101,7 @@ def test_full_prefix_hit_on_block_aligned_prompt(make_llm):
     second = llm.generate([ids], params, use_tqdm=False)[0]
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     assert second.metrics.num_cached_prompt_tokens == 16  # the last block is recomputed for its logits
+    assert second.num_cached_tokens == 16 and first.num_cached_tokens == 0  # vLLM's RequestOutput field
     assert llm.stats()["kv_blocks_used"] == 0
 
 

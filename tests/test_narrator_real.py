@@ -150,21 +150,27 @@ def test_a_preemption_readmitted_from_the_prefix_cache_is_told_with_reused_and_r
     assert "the blocks still in the prefix cache are reused and only the rest is computed: recomputed where" in pre.text
 
 
-def test_a_readmitted_requests_finish_tells_the_cached_tokens_the_dashboard_shows(readmitted):
+def test_a_readmitted_requests_finish_tells_both_hits_and_the_dashboard_shows_vllms(readmitted):
     """Trial 14c #2: the finish told only the first admission's hits (none here) while the Dashboard's
-    cached column and the readmission entry told the readmission's."""
+    cached column and the readmission entry told the readmission's. Trial 24d #3: the column showed
+    the readmission's figure (40 beside a 38-token prompt); it shows vLLM's num_cached_tokens, the
+    first admission's prompt tokens, at every step, and the finish entry tells the readmission's apart."""
     from nanovllm_tui.state import EngineState
 
     state = EngineState()
+    firsts = {s.request_id: s.num_cached_tokens for plan in readmitted.of(ev.StepPlanned) for s in plan.scheduled
+              if s.request_id in plan.admitted and s.num_cached_blocks_own is None}
     for e in readmitted.events:
         state.apply(e)
+        for rid, req in state.requests.items():
+            assert req.num_cached == (firsts[rid] if rid in firsts and req.first_step is not None else 0)
     back = [s for plan in readmitted.of(ev.StepPlanned) for s in plan.scheduled
             if s.request_id in plan.admitted and any(q.seq_id == s.seq_id and q.num_preemptions for q in plan.running)]
     (rid,) = {s.request_id for s in back}
     again = max(s.num_cached_tokens for s in back)
     (done,) = [e for e in readmitted.of(ev.RequestFinished) if e.request_id == rid]
     assert done.num_preemptions >= 1 and done.num_cached_tokens_readmitted == again > 0
-    assert state.requests[rid].num_cached == max(done.num_cached_prompt_tokens, again)
+    assert state.requests[rid].num_cached == done.num_cached_prompt_tokens == firsts[rid] < again
     (told,) = [c for c in readmitted.entries("finished") if c.request_id == rid]
     made = again - min(again, done.num_prompt_tokens)  # a hit is a prefix: the prompt's tokens first (trial 17b #2)
     what = f"{again - made} prompt + {made} generated" if made else "all of them prompt tokens"

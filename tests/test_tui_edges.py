@@ -155,14 +155,16 @@ def test_every_table_cell_shows_its_whole_value():
 # ---------------------------------------------------------------------------------------------- 5, 10
 
 
-async def test_idle_shows_0_tokens_per_second_and_labels_the_last_run(tmp_path):
+async def test_idle_says_idle_not_a_rate_and_labels_the_last_run(tmp_path):
+    """Trial 24d #4: the headline read "0 tok/s", as if measured, beside the last steps' measured rate."""
     app = replay_app(tmp_path, start_paused=False)
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_until(pilot, lambda: app.controller.state == "idle" and app.state.engine_state == "idle",
                          timeout=20, what="the recording's end")
         await pilot.pause(0.2)
         decode = plain(app, "#decode-rate") + plain(app, "#decode-spark")
-        assert "decode  0 tok/s" in decode and re.search(r" last \d+ steps? [1-9]", decode), decode
+        assert "decode  idle" in decode and "0 tok/s" not in decode, decode
+        assert re.search(r" last \d+ steps? [1-9]", decode), decode
         assert "last step 7:" in plain(app, "#phase") and "IDLE" in plain(app, "#phase")
 
 
@@ -172,7 +174,11 @@ async def test_the_decode_sparkline_starts_at_zero(tmp_path):
         app.controller.step(1)
         await wait_until(pilot, lambda: app.state.step == 0 and app.state.timings, timeout=10)
         await pilot.pause(0.2)
-        assert "decode  0 tok/s" in plain(app, "#decode-rate")
+        # paused, one step taken with n: each headline says paused (trial 24d #4: "prefill 0 tok/s" beside
+        # the step's measured rate), the measured rate is named as the last step's
+        assert plain(app, "#decode-rate").strip() == "decode  paused"
+        assert plain(app, "#prefill-rate").strip() == "prefill paused"
+        assert re.search(r" last 1 step [0-9.,k]+ tok/s", plain(app, "#prefill-spark")), plain(app, "#prefill-spark")
         assert not set(plain(app, "#decode-spark").split(" last ")[0]) - {" "}  # no bar for a 0 tok/s step
         assert set(plain(app, "#prefill-spark").split(" last ")[0].strip()) == {"█"}
 

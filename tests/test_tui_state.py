@@ -261,8 +261,9 @@ def test_the_block_map_summary_says_prefix_caching_is_off_rather_than_a_0_percen
 
 
 
-def test_the_cached_column_is_the_larger_of_a_finishs_first_admission_and_readmission_figures():
-    """Trial 14c #2: a replay that missed the readmission's plan still shows what the finish reports."""
+def test_the_cached_column_is_a_finishs_first_admission_figure_not_its_readmissions():
+    """Trial 14c #2: a replay that missed the plans still shows what the finish reports; trial 24d #3:
+    that is the first admission's prompt tokens (vLLM's num_cached_tokens), not a readmission's."""
     from dataclasses import replace
 
     from tests.test_narrator import added, finished
@@ -270,4 +271,4 @@ def test_the_cached_column_is_the_larger_of_a_finishs_first_admission_and_readmi
     state = EngineState()
     state.apply(added())
     state.apply(replace(finished(), num_preemptions=1, num_cached_prompt_tokens=8, num_cached_tokens_readmitted=16))
-    assert state.requests["0"].num_cached == 16
+    assert state.requests["0"].num_cached == 8

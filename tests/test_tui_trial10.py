@@ -377,7 +377,8 @@ def test_a_step_in_flight_is_not_shown_done_and_a_readmissions_cache_hit_is_coun
     """Trial 11: while a step taken with n ran (seconds on a busy host), the Dashboard said "last step 7:
     14/16 tokens" with the chunks' prompts shown prefilled, and the KV panel still the step before; and a
     preempted request readmitted with 128 tokens from the prefix cache (planned as a 1-token decode) showed
-    0 in the cached column."""
+    0 in the cached column (since trial 24d #3 that column is the first admission's, vLLM's
+    num_cached_tokens, so a readmission leaves it as it was)."""
     import dataclasses
 
     from nanovllm_core import events as ev
@@ -404,4 +405,5 @@ def test_a_step_in_flight_is_not_shown_done_and_a_readmissions_cache_hit_is_coun
     assert any(s.request_id == "2" and s.kind == "decode" for s in readmit.scheduled)
     before = state.requests["2"].num_cached
     state.apply(readmit)
-    assert before == 0 and state.requests["2"].num_cached == 7
+    # trial 24d #3: the column is vLLM's num_cached_tokens, the first admission's; a readmission's hit is not it
+    assert before == 0 and state.requests["2"].num_cached == 0

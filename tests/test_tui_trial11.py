@@ -210,9 +210,10 @@ async def test_n_with_an_unscheduled_selection_shows_the_steps_trace_and_says_wh
         assert f"(traced: {first}, not {second}: {second} did not run in step {plan.step})" in title, title
 
 
-def test_the_cached_column_counts_a_readmission_planned_as_a_decode():
-    """Trial 11 (11c #4): a preempted request readmitted with one token left to compute is planned as
-    a decode; its 128 tokens from the prefix cache were not counted (a prefill readmission's were)."""
+def test_the_cached_column_is_not_a_readmission_planned_as_a_decode():
+    """Trial 11 (11c #4) counted the 128 cached tokens of a readmission planned as a decode in the cached
+    column; trial 24d #3: that column is vLLM's num_cached_tokens, the prompt tokens of the first
+    admission, never a readmission's figure (128 here, beside a 36-token prompt)."""
     from nanovllm_tui.state import EngineState
 
     state = EngineState()
@@ -225,9 +226,9 @@ def test_the_cached_column_counts_a_readmission_planned_as_a_decode():
                               admitted=("req-1",), waiting=(), running=(), max_num_seqs=8)
 
     state.apply(plan(94, "decode", 128))
-    assert state.requests["req-1"].num_cached == 128
-    state.apply(plan(95, "decode", 0))  # a later plain decode keeps the figure
-    assert state.requests["req-1"].num_cached == 128
+    assert state.requests["req-1"].num_cached == 0
+    state.apply(plan(95, "decode", 0))
+    assert state.requests["req-1"].num_cached == 0
 
 
 def test_narrator_entries_start_a_sentence():

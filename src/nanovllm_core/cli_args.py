@@ -433,8 +433,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="priority (default here: higher priority first, then arrival) or fcfs (arrival order; "
                         "vLLM's default)")
     # default None: told apart from a given value, which --no-paged-attention refuses (contiguous_problem)
-    e.add_argument("--max-prefill-tokens", type=positive_int, default=None,
-                   help="per-step token budget; longer prompts are prefilled in chunks (default 512)")
+    # vLLM's name for it is an alias (docs/engine.md says the vLLM names are kept; trial 24d)
+    e.add_argument("--max-prefill-tokens", "--max-num-batched-tokens", dest="max_prefill_tokens", type=positive_int,
+                   default=None, help="per-step token budget; longer prompts are prefilled in chunks (default 512)")
     e.add_argument("--max-num-seqs", type=positive_int, default=None, help="most sequences running at once (default 64)")
     e.add_argument("--max-model-len", type=positive_int, default=None)
     e.add_argument("--block-size", type=positive_int, default=None,
@@ -443,7 +444,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     e.add_argument("--no-paged-attention", action="store_true", help="the contiguous baseline: one request at a time, its KV in one region reserved up front "
                    "for prompt + max tokens (no prefix cache, no chunked prefill)")
     e.add_argument("--no-flash-attn", action="store_true", help="explicit score-matrix attention instead of the fused kernel")
-    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="no_prefix_caching", action="store_true",
+                   help="turn the prefix cache off (it is on by default, as in vLLM)")
     e.add_argument("--speculative-model", type=model_name, default=None, metavar="PROPOSER",
                    help="speculative decoding: 'ngram', 'self:N' (first N layers), 'target', or a draft model path/repo")
     e.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",

@@ -109,6 +109,13 @@ class RequestOutput:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     error: str | None = None
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache held at the request's first admission (sample 0), as vLLM's
+        ``RequestOutput.num_cached_tokens``: never above the prompt's length; a readmission's hit after
+        a preemption is ``metrics.num_cached_tokens_readmitted``."""
+        return self.metrics.num_cached_prompt_tokens
+
 
 def error_summary(outputs: list[RequestOutput], noun: str = "prompt") -> str | None:
     """One line for the requests of ``outputs`` that ended with ``finish_reason == "error"`` (a tensor-parallel

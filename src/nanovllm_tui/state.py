@@ -335,10 +335,13 @@ class EngineState:
             req = self.requests[s.request_id]
             req.first_step = e.step if req.first_step is None else req.first_step
             req.last_step = e.step
-            # The most tokens one admission took from the prefix cache, a readmission after preemption
-            # included: one with a single token left is planned as a decode, and its 128 cached tokens
-            # were left out where a readmission planned as a prefill counted (trial 11, 11c #4).
-            req.num_cached = max(req.num_cached, s.num_cached_tokens)
+            # The prompt tokens its first admission found in the prefix cache, vLLM's num_cached_tokens:
+            # a readmission's hit (generated tokens too) showed 40 beside a 38-token prompt (trial 24d #3).
+            # A readmission (preempted before, or holding generated tokens: a trace that lacks the counts,
+            # --connect attached late) changes nothing; the finish gives the engine's own figure.
+            if (s.request_id in e.admitted and req.num_preemptions == 0 and s.num_cached_blocks_own is None
+                    and s.seq_len == s.prompt_len):
+                req.num_cached = s.num_cached_tokens
             if s.kind == "prefill":
                 # counted as prefilled when the step ends (StepTimed), not while it runs: a step taken
                 # with n lasted seconds with its chunks shown done (trial 11)
@@ -373,8 +376,9 @@ class EngineState:
         req.text, req.num_output = e.output_text, e.num_output_tokens
         req.finished_ttft, req.finished_tpot, req.finished_paused = e.ttft_s, e.tpot_s, e.paused_s
         req.num_preemptions = e.num_preemptions
-        # the column's figure, the larger of the first admission's and the best readmission's (trial 14c #2)
-        req.num_cached = max(req.num_cached, e.num_cached_prompt_tokens, e.num_cached_tokens_readmitted or 0)
+        # the column's figure: the first admission's, vLLM's num_cached_tokens (trial 24d #3; the
+        # Narrator's finish entry gives a readmission's apart)
+        req.num_cached = e.num_cached_prompt_tokens
         self._prune()
         last = self.kv
         if e.kv_blocks_used is not None and last is not None and last.num_blocks_total:

@@ -742,7 +742,7 @@ class Narrator(SchedulerNarration):
 
         The first admission's count is of prompt tokens (vLLM's ``num_cached_tokens``); a readmission
         after a preemption can find more (such as its own full blocks, kept cached-free), generated
-        tokens among them. The Dashboard's cached column shows the larger of the two.
+        tokens among them. The Dashboard's cached column shows the first (trial 24d #3).
         """
         first, again = e.num_cached_prompt_tokens, getattr(e, "num_cached_tokens_readmitted", None)
         prompt = plural(e.num_prompt_tokens, "prompt token")

@@ -16,9 +16,10 @@ STYLES = {"prefill": "#f5a524", "decode": "#3ecf8e"}
 
 class ThroughputPanel(Vertical):
     """Tokens per second of engine time over the newest ``RATE_WINDOW`` steps that did prefill
-    (decode) work while the engine runs (``EngineState.rate``: what the Narrator tells for a step),
-    0 while it is idle or paused, with the rate of those steps beside the sparkline ("last 3
-    steps 1,234 tok/s"); sparklines show each step's rate, one cell a step.
+    (decode) work while the engine runs (``EngineState.rate``: what the Narrator tells for a step);
+    while it is idle or paused the headline says so (:func:`not_running`), not a 0 rate, and the rate
+    of those steps is beside the sparkline ("last 3 steps 1,234 tok/s"); sparklines show each step's
+    rate, one cell a step.
 
     The rates leave out the time steps waited while the app drew a key's frame (``StepTimed.yielded_s``,
     ``nanovllm_core/yield_gate.py``); once there was any, the panel's bottom border says how much in all.
@@ -45,17 +46,30 @@ class ThroughputPanel(Vertical):
         tails = last_rates({kind: None if busy or not rates[kind][1] else rates[kind] for kind in STYLES},
                            {kind: sparks[kind].content_region.width - min(KEEP_CELLS, len(per_step[kind]))
                             for kind in STYLES})
+        # Not running: the headline says why in a word, not a "0 tok/s" that reads as measured beside the
+        # last steps' measured rate (trial 24d #4: "prefill 0 tok/s" on every n while paused).
+        still = None if busy else not_running(state)
         for kind, style in STYLES.items():
             rate, steps = rates[kind]
-            now = rate if busy else 0.0
-            figures = (["- (only mixed steps)", "- (mixed only)", "-"] if busy and not steps and mixed
-                       else [f"{fmt_rate(now)} tok/s", fmt_rate(now)])
+            figures = ([still] if still is not None else
+                       ["- (only mixed steps)", "- (mixed only)", "-"] if not steps and mixed
+                       else [f"{fmt_rate(rate)} tok/s", fmt_rate(rate)])
             label = self.query_one(f"#{kind}-rate", LiveStatic)
             label.show_content(first_fitting(label.content_region.width,
                                              *[Text.assemble((f"{kind:<8}", "bold"), f) for f in figures]))
             tail = Text(tails[kind], style="dim")
             width = sparks[kind].content_region.width
             sparks[kind].show_content(sparkline(per_step[kind], max(0, width - tail.cell_len), style) + tail)
+
+
+def not_running(state: EngineState) -> str:
+    """The Throughput headline's word while no step runs: ``paused`` (the app paused; single steps
+    taken with ``n`` included), ``idle`` (nothing to run), or the phase that stops it (``loading``,
+    ``failed``, ``ended``: a replay that ended with requests unfinished)."""
+    phase = state.phase
+    if phase in ("paused", "loading", "failed", "ended", "idle"):
+        return phase
+    return "paused" if state.paused or state.engine_state == "paused" else "idle"
 
 
 KEEP_CELLS = 2  # sparkline cells a rate's wording leaves at least (the newest steps)
