@@ -17,6 +17,9 @@ COMMANDS = {"nanovllm": nanovllm_parser, "nanovllm serve": serve_cli.build_parse
 @pytest.mark.parametrize("argv, key, value", [
     (["--max-num-batched-tokens", "16"], "max_num_batched_tokens", 16),
     (["--no-enable-prefix-caching"], "enable_prefix_caching", False),
+    (["--enable-prefix-caching"], "enable_prefix_caching", True),
+    (["--no-prefix-caching", "--enable-prefix-caching"], "enable_prefix_caching", True),
+    (["--enable-prefix-caching", "--no-enable-prefix-caching"], "enable_prefix_caching", False),
 ])
 def test_vllm_flag_names_are_aliases_in_every_command(command, argv, key, value):
     """Trial 24d bug 5: docs/engine.md says the vLLM names are kept, but `--max-num-batched-tokens`
@@ -27,7 +30,16 @@ def test_vllm_flag_names_are_aliases_in_every_command(command, argv, key, value)
     assert argv[0] in parser.format_help()
 
 
-def test_an_alias_is_refused_under_connect_as_its_flag_is(capsys):
-    code, _, err = run_main(options.build_app, capsys, "--connect", "http://127.0.0.1:9",
+@pytest.mark.parametrize("flag", ["--max-num-batched-tokens=16", "--enable-prefix-caching", "--no-enable-prefix",
+                                  "--max-prefill-tokens=16"])
+def test_an_alias_is_refused_under_connect_as_its_flag_is_and_named_as_typed(capsys, flag):
+    code, _, err = run_main(options.build_app, capsys, "--connect", "http://127.0.0.1:9", flag)
+    typed = {"--no-enable-prefix": "--no-enable-prefix-caching"}.get(flag, flag.partition("=")[0])
+    assert code == 2 and f"{typed} cannot be used with --connect" in err and err.count("\n") == 1, err
+    assert f"`nanovllm serve {typed}`" in err
+
+
+def test_an_alias_given_with_replay_is_named_as_typed(capsys):
+    code, _, err = run_main(options.build_app, capsys, "--replay", "tests/data/tui_trace.jsonl.gz",
                             "--max-num-batched-tokens", "16")
-    assert code == 2 and "cannot be used with --connect" in err and err.count("\n") == 1
+    assert code == 2 and "--max-num-batched-tokens does nothing with --replay" in err, err

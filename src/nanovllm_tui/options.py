@@ -76,7 +76,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.replay:
         given = given_options(argv, NOT_WITH_REPLAY)
         if given:
-            parser.error(f"--{given[0].replace('_', '-')} does nothing with --replay: a replay plays a recorded "
+            parser.error(f"{option_as_typed(argv, given[0])} does nothing with --replay: a replay plays a recorded "
                          "trace (no model, no new prompts); leave it out, or start without --replay")
     if args.prompt and any(p == "" for p in args.prompt):  # only spaces is a prompt (vLLM takes it), "" is none
         parser.error("--prompt must not be empty")
@@ -110,7 +110,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if (args.host is not None or args.port is not None) and not args.web:
         parser.error("--host and --port are where --web listens; add --web (the server you attach to is --connect URL)")
     if args.connect is not None:  # "" too: an empty address is refused, not read as "no --connect"
-        check_connect(parser, args, given_options(argv, SERVER_SIDE))
+        check_connect(parser, args, given_options(argv, SERVER_SIDE), argv)
     if args.replay:
         from nanovllm_tui.replay import load_trace
 
@@ -128,6 +128,27 @@ class _Unset(list):
 
 
 _UNSET = _Unset()
+
+
+def option_as_typed(argv: Sequence[str] | None, name: str) -> str:
+    """The flag the command line used for the option ``name`` (a dest): an alias such as vLLM's
+    ``--max-num-batched-tokens`` or ``--enable-prefix-caching``, or an abbreviation, spelled out in full
+    as --help lists it; ``--`` + ``name`` with dashes when none is found."""
+    import sys
+
+    parser = build_parser()
+    for token in (sys.argv[1:] if argv is None else argv):
+        if not token.startswith("--"):
+            continue
+        key = token.partition("=")[0]
+        action = parser._option_string_actions.get(key)
+        if action is None:  # an abbreviation argparse took (allow_abbrev): the one option it starts
+            found = [a for flag, a in parser._option_string_actions.items() if flag.startswith(key)]
+            action, key = (found[0], next(f for f in found[0].option_strings if f.startswith(key))) \
+                if len({id(a) for a in found}) == 1 else (None, key)
+        if action is not None and action.dest == name:
+            return key
+    return f"--{name.replace('_', '-')}"
 
 
 def given_options(argv: Sequence[str] | None, names: Sequence[str]) -> list[str]:
@@ -153,7 +174,8 @@ LOADING_WAIT_S = 180  # how long --connect waits for a server still loading its 
 REFUSED_WAIT_S = 60
 
 
-def check_connect(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Sequence[str] = ()) -> None:
+def check_connect(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Sequence[str] = (),
+                  argv: Sequence[str] | None = ()) -> None:
     """``--connect``: no engine options of our own (``given``: those the command line gives), and a
     server that answers with the right key (else status 2). A server still loading its model is
     waited for (one line says so), at most ``LOADING_WAIT_S`` seconds; so is an address that refuses
@@ -162,7 +184,7 @@ def check_connect(parser: argparse.ArgumentParser, args: argparse.Namespace, giv
     from nanovllm_tui.remote import RemoteError, check_server
 
     for name in given:
-        option = f"--{name.replace('_', '-')}"
+        option = option_as_typed(argv, name)  # as typed: an alias is named as the person wrote it
         if name == "paused":
             tail = ("a server starts paused with `nanovllm serve --paused`; press space in the app to pause the one "
                     "you watch")
