@@ -19,7 +19,7 @@ V0_RULE = ("vLLM V0 did this too; vLLM V1 preempts only for a running request an
 
 from nanovllm_core import events as ev
 from nanovllm_core.educational.commentary import Commentary, agree, join_words, ordinal, plural
-from nanovllm_core.educational.narrator_sampling import draft_limits_tag
+from nanovllm_core.educational.narrator_sampling import draft_limits_tag, unfilled_reservations
 
 PRIORITY_NOTE = ("here a higher priority value is more important; vLLM's is the opposite: lower values run first, "
                  "and its default policy is fcfs")
@@ -161,7 +161,14 @@ class SchedulerNarration:
             parts.append(f"{name}: {what}")
         budget = (f"its {plan.token_budget}-token budget (max_model_len: the contiguous baseline runs a whole prompt "
                   "in one step)" if self.info.get("paged") is False else f"its {plan.token_budget}-token budget")
-        text = (f"The scheduler spends {plan.num_batched_tokens} of {budget} on "
+        unfilled = unfilled_reservations(plan)
+        reserved = ""
+        if unfilled:  # slots the scheduler took from the budget before the proposer ran, left empty (trial 24d #1)
+            empty = sum(e.num_spec_tokens - e.num_drafts for e in unfilled)
+            whose = join_words([self._name(e.request_id, e.index) for e in unfilled])
+            reserved = (f" (it had planned {plan.num_batched_tokens + empty}: {plural(empty, 'draft slot')} of "
+                        f"{whose}, reserved before the proposer ran, stayed empty and went to no one)")
+        text = (f"The scheduler spends {plan.num_batched_tokens} of {budget}{reserved} on "
                 f"{plural(len(plan.scheduled), 'sequence')} in one forward pass: " + "; ".join(parts) + ".")
         if idle:
             names = join_words([self._name(q.request_id, q.index) for q in idle])
