@@ -385,3 +385,16 @@ def test_a_budget_limit_names_the_draft_slots_reserved_before_the_proposer_ran(m
                 assert "reserved before the proposer ran" in c.text, c.text
     assert named, "the configuration no longer cuts a chunk short behind an unfilled reservation"
 
+
+def test_llm_chat_tells_the_conversation_not_token_ids(make_engine):
+    """Trial 24d #2's kind: LLM.chat renders the template before the engine; the narrator must still say so."""
+    from nanovllm_core.llm import LLM
+
+    engine = make_engine(num_kv_blocks=64)
+    run = Run(engine)
+    LLM.from_engine(engine).chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1), use_tqdm=False)
+    run.view.close()
+    (told,) = run.entries("tokenization")
+    assert told.text.startswith("The user's message 'Hi', put through the model's chat template, becomes"), told.text
+    (added,) = run.of(ev.RequestAdded)
+    assert added.chat == (("user", "Hi"),)
