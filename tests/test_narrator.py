@@ -1069,3 +1069,17 @@ def test_the_scheduler_line_of_a_readmission_counts_recomputed_and_new_tokens_as
     (sched,) = [c for c in n.feed(plan) if c.kind == "scheduler"]
     assert "request 1: 9 tokens (0..8 of 9): 8 recomputed, 1 new, readmitted after preemption" in sched.text
     assert "recompute of 9" not in sched.text
+
+
+def test_a_budget_used_up_by_unfilled_draft_slots_says_so():
+    """Trial 24d #1's kind: request 0 reserved 1 + 4 of a 5-token budget before the proposer ran and drafted 1;
+    'the budget is used up' beside 'spends 2 of its 5' must name the 3 empty slots."""
+    n = fresh()
+    feed_all(n, [added(), added(rid="1")])
+    dec = replace(entry(kind="decode", num=2, start=3, total_len=5), num_spec_tokens=4, max_drafts=4,
+                  draft_limits=("proposer",), budget_left=5, plan_order=0)
+    told = n.feed(planned(1, [dec], waiting=(queued("1"),), admitted=(), budget=5))
+    (line,) = [c for c in told if c.kind == "scheduler"]
+    assert "spends 2 of its 5-token budget (it had planned 5: 3 draft slots of request 0" in line.text, line.text
+    assert ("the step's token budget of 5 is used up, counting 3 draft slots of request 0 reserved before the "
+            "proposer ran and left empty") in line.text, line.text

@@ -100,6 +100,16 @@ class SchedulerNarration:
         self._last_signature = signature
         return out
 
+    def _unfilled_note(self, plan: ev.StepPlanned) -> str:
+        """``", counting 3 draft slots of request 0 reserved before the proposer ran and left empty"``: why a budget
+        "used up" can exceed the tokens the step ran (trial 24d #1); "" when every reserved slot was filled."""
+        unfilled = unfilled_reservations(plan)
+        if not unfilled:
+            return ""
+        empty = sum(e.num_spec_tokens - e.num_drafts for e in unfilled)
+        whose = join_words([self._name(e.request_id, e.index) for e in unfilled])
+        return f", counting {plural(empty, 'draft slot')} of {whose} reserved before the proposer ran and left empty"
+
     def _still_waiting(self, plan: ev.StepPlanned, idle: list[ev.QueueEntry]) -> Commentary:
         """A step whose waiting queue and idle running sequences are those of the step before, in one line:
         ``Request 1 keeps waiting (the step's token budget of 8 is used up).``"""
@@ -119,7 +129,7 @@ class SchedulerNarration:
             names = join_words([self._name(q.request_id, q.index) for q in idle])
             one = len(idle) == 1
             said.append(f"{names[0].upper()}{names[1:]} {'is' if one else 'are'} running but again got no token (the "
-                        f"budget was used up before {'its' if one else 'their'} turn).")
+                        f"budget was used up before {'its' if one else 'their'} turn{self._unfilled_note(plan)}).")
             if not plan.waiting:
                 title = f"Step {plan.step}: {names} again got no token"
         return Commentary("scheduler", title, " ".join(said), step=plan.step)
@@ -173,8 +183,8 @@ class SchedulerNarration:
         if idle:
             names = join_words([self._name(q.request_id, q.index) for q in idle])
             text += (f" {names[0].upper()}{names[1:]} {'is' if len(idle) == 1 else 'are'} running but got no token: the "
-                     f"budget was used up before {'its' if len(idle) == 1 else 'their'} turn (running requests are "
-                     f"served {self._order()}).")
+                     f"budget was used up before {'its' if len(idle) == 1 else 'their'} turn"
+                     f"{self._unfilled_note(plan)} (running requests are served {self._order()}).")
         if plan.waiting:
             head = plan.waiting[0]
             text += f" Waiting: {self._name(head.request_id, head.index)} ({self._waiting_reason(plan)})"
@@ -210,7 +220,7 @@ class SchedulerNarration:
             return (f"max_num_seqs: {plural(plan.max_num_seqs, 'sequence')} {agree(plan.max_num_seqs, 'is', 'are')} "
                     "already running (a request with n samples runs n)")
         if why == "budget":
-            return f"the step's token budget of {plan.token_budget} is used up"
+            return f"the step's token budget of {plan.token_budget} is used up{self._unfilled_note(plan)}"
         if why == "chunked_prefill_off":
             return (f"its {plural(head.num_tokens, 'token')} {agree(head.num_tokens, 'does', 'do')} not fit the "
                     f"{left} left of the budget, and chunked prefill is off")
