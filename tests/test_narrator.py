@@ -1038,7 +1038,8 @@ def test_a_budget_taken_by_draft_slots_the_proposer_left_empty_is_still_used_up(
     plan = replace(planned(1, [s], waiting=(queued("1"),), admitted=(), budget=5, max_num_seqs=4),
                    wait_reason=wait_reason)
     (sched,) = [c for c in fresh().feed(plan) if c.kind == "scheduler"]
-    assert "Waiting: request 1 (the step's token budget of 5 is used up)" in sched.text
+    assert ("Waiting: request 1 (the step's token budget of 5 is used up, counting 4 draft slots of request 0 "
+            "reserved before the proposer ran and left empty)") in sched.text  # spent: 1 of 5 (trial 24d #1)
 
 
 def test_a_reservation_waiting_for_adjacent_blocks_says_so():
