@@ -480,3 +480,13 @@ def test_the_app_refuses_a_priority_under_fcfs_at_start_as_nanovllm_does(capsys)
     assert "--priority is -4, but the engine schedules fcfs" in err and err.endswith("--priority 0")
     assert options.parse_args(["--scheduling-policy", "fcfs", "--prompt", "hi", "--priority", "0"])
     assert options.parse_args(["--prompt", "hi", "--priority", "-4"])
+
+
+@pytest.mark.real_model
+def test_chat_narration_tells_the_users_message_through_the_template_not_token_ids(capsys, cli_on_shared_model):
+    """Trial 24d #2: ``--chat --narrate`` said 'The prompt (given as token ids)' of the text the user typed."""
+    code, out, err = run_cli(capsys, "--chat", "--prompt", "Hi", "--max-tokens", "1", "--narrate",
+                             "--num-kv-blocks", "64")
+    assert code == 0, err
+    assert "The user's message 'Hi', put through the model's chat template, becomes" in " ".join(out.split())
+    assert "given as token ids" not in out

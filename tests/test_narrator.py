@@ -1038,7 +1038,8 @@ def test_a_budget_taken_by_draft_slots_the_proposer_left_empty_is_still_used_up(
     plan = replace(planned(1, [s], waiting=(queued("1"),), admitted=(), budget=5, max_num_seqs=4),
                    wait_reason=wait_reason)
     (sched,) = [c for c in fresh().feed(plan) if c.kind == "scheduler"]
-    assert "Waiting: request 1 (the step's token budget of 5 is used up)" in sched.text
+    assert ("Waiting: request 1 (the step's token budget of 5 is used up, counting 4 draft slots of request 0 "
+            "reserved before the proposer ran and left empty)") in sched.text  # spent: 1 of 5 (trial 24d #1)
 
 
 def test_a_reservation_waiting_for_adjacent_blocks_says_so():
@@ -1086,3 +1087,17 @@ def test_greedy_verification_claims_bit_equal_text_only_on_the_exact_kernel(back
     (v,) = [c for c in out if c.kind == "speculative"]
     assert ("exactly what greedy decoding without speculation gives" in v.text) is exact, v.text
     assert ("up to float rounding" in v.text and f"({backend})" in v.text) is not exact, v.text
+
+
+def test_a_budget_used_up_by_unfilled_draft_slots_says_so():
+    """Trial 24d #1's kind: request 0 reserved 1 + 4 of a 5-token budget before the proposer ran and drafted 1;
+    'the budget is used up' beside 'spends 2 of its 5' must name the 3 empty slots."""
+    n = fresh()
+    feed_all(n, [added(), added(rid="1")])
+    dec = replace(entry(kind="decode", num=2, start=3, total_len=5), num_spec_tokens=4, max_drafts=4,
+                  draft_limits=("proposer",), budget_left=5, plan_order=0)
+    told = n.feed(planned(1, [dec], waiting=(queued("1"),), admitted=(), budget=5))
+    (line,) = [c for c in told if c.kind == "scheduler"]
+    assert "spends 2 of its 5-token budget (it had planned 5: 3 draft slots of request 0" in line.text, line.text
+    assert ("the step's token budget of 5 is used up, counting 3 draft slots of request 0 reserved before the "
+            "proposer ran and left empty") in line.text, line.text

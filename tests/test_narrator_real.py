@@ -356,3 +356,51 @@ def test_a_readmission_names_whose_cached_free_block_it_hit(make_tiny_engine):
             assert "alike" not in told.text
             if again <= done.num_prompt_tokens:
                 assert f"found {again} tokens there (all of them prompt tokens)" in told.text
+
+
+def test_a_budget_limit_names_the_draft_slots_reserved_before_the_proposer_ran(make_engine):
+    """Trial 24d #1: k draft slots are taken from the budget before the proposer runs; a chunk cut short, a
+    decode with no draft slot and the step's spend must name the unfilled reservation, or their own numbers
+    (budget 6, 2 taken by others) leave room they say was not there."""
+    run = Run(make_engine(num_kv_blocks=40, block_size=4, max_num_batched_tokens=6, speculative_model="ngram",
+                          num_speculative_tokens=4))
+    params = dict(max_tokens=20, temperature=0.8, ignore_eos=True)
+    run.engine.add_request("a b c a b c a b c a b", SamplingParams(seed=1, **params))
+    run.engine.add_request("The capital of France is", SamplingParams(seed=2, **params))
+    run.finish()
+    named = 0
+    for plan in run.of(ev.StepPlanned):
+        by_id = {s.request_id: s for s in plan.scheduled}
+        empty = sum(s.num_spec_tokens - s.num_drafts for s in plan.scheduled if s.num_spec_tokens)
+        for c in run.entries("chunked_prefill", plan.step):
+            if "more than this step could give it" not in c.text:
+                continue
+            s = by_id[c.request_id]
+            others = plan.num_batched_tokens - s.num_tokens
+            if plan.token_budget - others > s.num_own_tokens:  # its own figures leave room: the text must say why
+                assert f"only {s.num_own_tokens} of them" in c.text and "reserved before the proposer ran" in c.text
+                reserved = plan.token_budget - s.budget_left
+                assert f"had {reserved}, its newest token and {reserved - 1} draft slots" in c.text, c.text
+                named += 1
+        (line,) = run.entries("scheduler", plan.step) or [None]
+        if line is not None and empty:
+            assert (f"spends {plan.num_batched_tokens} of its {plan.token_budget}-token budget (it had planned "
+                    f"{plan.num_batched_tokens + empty}: {empty} draft slot") in line.text, line.text
+        for c in run.entries("decode", plan.step):
+            if "held down by the step's token budget" in c.text and empty:
+                assert "reserved before the proposer ran" in c.text, c.text
+    assert named, "the configuration no longer cuts a chunk short behind an unfilled reservation"
+
+
+def test_llm_chat_tells_the_conversation_not_token_ids(make_engine):
+    """Trial 24d #2's kind: LLM.chat renders the template before the engine; the narrator must still say so."""
+    from nanovllm_core.llm import LLM
+
+    engine = make_engine(num_kv_blocks=64)
+    run = Run(engine)
+    LLM.from_engine(engine).chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1), use_tqdm=False)
+    run.view.close()
+    (told,) = run.entries("tokenization")
+    assert told.text.startswith("The user's message 'Hi', put through the model's chat template, becomes"), told.text
+    (added,) = run.of(ev.RequestAdded)
+    assert added.chat == (("user", "Hi"),)

@@ -523,3 +523,28 @@ def test_an_attached_app_sends_chat_through_the_servers_template(tiny_server):
         assert _until(lambda: any(isinstance(e, ev.RequestRejected) and e.request_id == bad for e in seen), 30)
     finally:
         remote.shutdown(timeout=2)
+
+
+def test_a_chat_completion_is_told_to_a_watcher_as_the_users_message_not_token_ids(tiny_server):
+    """Trial 24d #2's kind: the server renders /v1/chat/completions with the template before the engine; a
+    watching app's narrator (``--connect``) said 'The prompt (given as token ids)' of the user's message."""
+    import httpx
+
+    from nanovllm_core.educational.narrator import Narrator
+
+    remote = RemoteController(tiny_server.url, tiny_server.api_key)
+    seen = []
+    remote.subscribe(seen.append, topk=0, blocks=False)
+    try:
+        remote.start()
+        assert _until(lambda: remote.connected)
+        r = httpx.post(tiny_server.url + "/v1/chat/completions", headers=tiny_server.headers, timeout=60,
+                       json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert _until(lambda: any(isinstance(e, ev.RequestFinished) for e in seen), 60)
+        (added,) = [e for e in seen if isinstance(e, ev.RequestAdded)]
+        assert added.chat == (("user", "Hi"),)
+        told = Narrator({}).feed(added)[0]
+        assert told.text.startswith("The user's message 'Hi', put through the model's chat template, becomes"), told.text
+    finally:
+        remote.shutdown(timeout=2)

@@ -289,14 +289,16 @@ def _generate(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, pr
         recorders = open_trace_recorders(llm, args)
     except TraceFileError as e:
         parser.error(str(e))
-    inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p for p in prompts]
+    conversations = [[{"role": "user", "content": p}] for p in prompts] if args.chat else None
+    inputs = [llm.apply_chat_template(c) for c in conversations] if conversations else prompts
     check_max_tokens(llm, args, parser, inputs)
     views = attach_teaching_views(llm, args)
     start = time.perf_counter()
     outputs = None
     try:
+        # the conversations too: the narrator tells each prompt as the message put through the template (24d #2)
         outputs = llm.generate(inputs, params, priority=args.priority, use_tqdm=views is None,
-                               reject_bad_prompts=True)  # each bad prompt reported as rejected; the others run
+                               reject_bad_prompts=True, conversations=conversations)  # each bad prompt reported as rejected; the others run
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
     finally:

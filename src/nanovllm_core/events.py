@@ -167,6 +167,12 @@ class ScheduledEntry:
     blocks are the sequence's own blocks from before its preemption (the rest of the cached-free
     hits another request left there with the same tokens); None when not a readmission, and in
     traces recorded before this field existed.
+
+    ``budget_left``: tokens of the step's token budget still unplanned when the scheduler came to this
+    sequence (before its own tokens and draft slots); ``plan_order``: its place in the scheduler's
+    planning order (0 first; ``scheduled`` lists decodes first). A speculating sequence planned
+    earlier took ``1 + num_spec_tokens`` of the budget before the proposer ran, even where it then
+    ran fewer tokens (:attr:`num_tokens`). None in traces recorded before these fields existed.
     """
 
     request_id: str
@@ -185,6 +191,8 @@ class ScheduledEntry:
     draft_limits: tuple[str, ...] = ()
     num_cached_blocks_in_use: int | None = None
     num_cached_blocks_own: int | None = None
+    budget_left: int | None = None
+    plan_order: int | None = None
 
     @property
     def num_drafts(self) -> int:

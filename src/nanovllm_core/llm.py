@@ -119,6 +119,7 @@ class LLM:
         use_tqdm: bool = True,
         *,
         reject_bad_prompts: bool = False,
+        conversations: list[list[dict[str, Any]]] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for ``prompts``; outputs come back in input order.
 
@@ -134,6 +135,10 @@ class LLM:
             reject_bad_prompts: not vLLM's; True returns a prompt the engine cannot take finished with
                 ``finish_reason == "rejected"`` and ``error`` set while the rest run (what ``nanovllm``'s
                 command line uses to report each bad prompt), instead of raising.
+            conversations: not vLLM's; one conversation per prompt, where the caller rendered each prompt
+                from it with :meth:`apply_chat_template` (``nanovllm --chat``): the teaching views then tell
+                the prompt as that conversation put through the chat template (``LLMEngine.add_request``'s
+                ``chat``). It changes nothing generated. ValueError when its length is not the prompts'.
 
         A prompt the engine could never serve (``LLMEngine.encode_prompt`` and ``request_problem``:
         empty, not valid Unicode, token ids outside the vocabulary, too long for ``max_model_len``,
@@ -159,8 +164,14 @@ class LLM:
                 ``prompts[i]`` when prompts is a list, even of one); all checked before any prompt is queued.
         """
         self._check_open()
-        return self._generate(self._prompt_list(prompts), sampling_params, priority, use_tqdm,
-                              reject_bad_prompts, label="prompts[{i}]" if self._is_batch(prompts) else None)
+        prompt_list = self._prompt_list(prompts)
+        if conversations is not None and (not isinstance(conversations, (list, tuple))
+                                          or len(conversations) != len(prompt_list)):
+            raise ValueError(f"conversations must be a list with one conversation per prompt ({len(prompt_list)}), "
+                             f"got {describe(conversations)}")
+        return self._generate(prompt_list, sampling_params, priority, use_tqdm,
+                              reject_bad_prompts, label="prompts[{i}]" if self._is_batch(prompts) else None,
+                              chats=conversations)
 
     def _check_open(self) -> None:
         """Raise ValueError(:data:`CLOSED`) once :meth:`close` has run, and :class:`EngineDeadError` once the
@@ -180,11 +191,13 @@ class LLM:
         reject_bad_prompts: bool,
         label: str | None,
         noun: str = "prompts",
+        chats: list[Any] | None = None,
     ) -> list[RequestOutput]:
         """``generate``'s body over a list of prompts; ``label`` names the i-th prompt in a refusal
         (``"prompts[{i}]"`` for ``generate``, ``"conversation {i}"`` for ``chat``; None when the caller
         gave one prompt, not a list of them, so there is no index to name) and ``noun`` all of them
-        (``"prompts"``, ``"conversations"``)."""
+        (``"prompts"``, ``"conversations"``); ``chats``: the conversation each prompt was rendered from, for
+        the teaching views (``LLMEngine.add_request``'s ``chat``), or None."""
         check_flag("use_tqdm", use_tqdm)  # 'no' would be read as true; vLLM's tqdm factory is not taken either
         check_flag("reject_bad_prompts", reject_bad_prompts)
         if isinstance(sampling_params, (list, tuple)):
@@ -218,7 +231,8 @@ class LLM:
                 problem = self.prompt_problem(p, sp)
                 if problem is not None:
                     raise ValueError(f"{label.format(i=i)}: {problem}" if label is not None else problem)
-        ids = [engine.add_request(p, sp, prio) for p, sp, prio in zip(prompts, params_list, priority)]
+        chats = list(chats) if chats is not None else [None] * len(prompts)
+        ids = [engine.add_request(p, sp, prio, chat=c) for p, sp, prio, c in zip(prompts, params_list, priority, chats)]
         wanted = set(ids)
         results: dict[str, RequestOutput] = {}
         bar = None
@@ -379,7 +393,7 @@ class LLM:
         # a refusal names the conversation given, as the shape checks above do (not prompts[i]; trial 9)
         return self._generate(prompts, sampling_params, None, use_tqdm, False,
                               label="conversation {i}" if batch else None,
-                              noun="conversations")
+                              noun="conversations", chats=conversations)
 
     def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False,

@@ -46,8 +46,9 @@ from nanovllm_core import events as ev
 from nanovllm_core.educational.commentary import (Commentary, agree, human_bytes, ms, ordinal, plural,
                                                     show_piece, who)
 from nanovllm_core.educational.kv_facts import kv_footprint
-from nanovllm_core.educational.narrator_sampling import (draft_limits_sentence, sampling_intro, speculative_entry,
-                                                         token_choice, token_label, verification_rule)
+from nanovllm_core.educational.narrator_sampling import (budget_at_turn, draft_limits_sentence, sampling_intro,
+                                                         speculative_entry, token_choice, token_label,
+                                                         verification_rule)
 from nanovllm_core.educational.narrator_scheduler import PRIORITY_NOTE, SchedulerNarration
 from nanovllm_core.educational.tp_facts import across_ranks, tp_size, waited_on_communication
 
@@ -253,6 +254,9 @@ class Narrator(SchedulerNarration):
         state = self._requests.get(request_id)
         return who(request_id, index, state.n if state else 1)
 
+    def _entry_name(self, s: ev.ScheduledEntry) -> str:
+        return self._name(s.request_id, s.index)
+
     def _added(self, e: ev.RequestAdded) -> list[Commentary]:
         sampling = dict(e.sampling)
         self._requests[e.request_id] = _RequestState(e.prompt, len(e.prompt_token_ids), e.priority, e.max_tokens,
@@ -339,7 +343,7 @@ class Narrator(SchedulerNarration):
                     kept_by = (v, told, rule)
                     run[e.seq_id][2] += 1
                 out.extend(self._token(e, entries.get(e.seq_id), timed, first_kept.pop(e.seq_id, None),
-                                       e.speculative or kept_by is not None, kept_by))
+                                       e.speculative or kept_by is not None, kept_by, plan))
             elif isinstance(e, ev.SpecDecodeStep):
                 first_kept[e.seq_id] = e
                 if e.seq_id in self._computed:
@@ -354,7 +358,8 @@ class Narrator(SchedulerNarration):
                     out.append(speculative_entry(e, self._name(e.request_id), greedy, kept.get(e.seq_id),
                                                  state.sampling if state is not None else None,
                                                  state.decode_told + state.decode_untold if state is not None else 1,
-                                                 draft_limits_sentence(entries.get(e.seq_id), e.proposer),
+                                                 draft_limits_sentence(entries.get(e.seq_id), e.proposer, plan,
+                                                                       self._entry_name),
                                                  kernel=self.info.get("attention_backend")))
             elif isinstance(e, ev.RequestFinished):
                 ends.append(self._finished(e))
@@ -551,7 +556,10 @@ class Narrator(SchedulerNarration):
             return [Commentary("prefill", f"{cap}: prefill of {plural(n, 'token')} at once", text,
                                request_id=rid, step=plan.step)]
         others = rows - s.num_tokens
-        budget = (f"The step's budget is {plan.token_budget} tokens"
+        # a draft reservation planned before it and left unfilled took budget its tokens do not show (trial 24d #1)
+        at_turn = budget_at_turn(plan, s, self._entry_name, name) if remaining and s.budget_left == n else ""
+        budget = (f"The step's budget is {plan.token_budget} tokens, {at_turn}. " if at_turn else
+                  f"The step's budget is {plan.token_budget} tokens"
                   + (f", {others} of them taken by other sequences" if others else "") + ". ")
         span = f"token {s.start}" if n == 1 else f"tokens {s.start}..{end - 1} ({n})"
         if remaining:
@@ -569,7 +577,8 @@ class Narrator(SchedulerNarration):
 
     def _token(self, e: ev.TokenSampled, entry: ev.ScheduledEntry | None, timed: ev.StepTimed | None,
                verification: ev.SpecDecodeStep | None, speculative: bool,
-               kept_by: tuple[ev.SpecDecodeStep, int, bool | None] | None = None) -> list[Commentary]:
+               kept_by: tuple[ev.SpecDecodeStep, int, bool | None] | None = None,
+               plan: ev.StepPlanned | None = None) -> list[Commentary]:
         """A ``decode`` entry: the choice and its distribution, then how this token was computed in its step.
 
         ``entry``: the sequence's part of the step's plan (None when unknown); ``verification``:
@@ -611,7 +620,7 @@ class Narrator(SchedulerNarration):
                         "with other sequences does not share." if per_token else "."))
             text += self._bandwidth_share(timed)
         if verification is None and not speculative:  # a step that could have verified drafts and had none
-            why = draft_limits_sentence(entry, self.info.get("speculative_model"))
+            why = draft_limits_sentence(entry, self.info.get("speculative_model"), plan, self._entry_name)
             text += f" It ran without drafts.{why}" if why else ""
         if state is not None and self.max_decode is not None and state.decode_told == self.max_decode:
             text += " (Later tokens of this request are summed up when it finishes.)"

@@ -422,18 +422,68 @@ _DRAFT_LIMITS = {
 }
 
 
-def draft_limits_sentence(s: ev.ScheduledEntry | None, proposer: str | None = None) -> str:
+def unfilled_reservations(plan: ev.StepPlanned, s: ev.ScheduledEntry | None = None) -> list[ev.ScheduledEntry]:
+    """The speculating entries planned before ``s`` (every one when ``s`` is None) whose draft slots were not all filled.
+
+    The scheduler takes ``1 + num_spec_tokens`` of the budget for such a sequence before the proposer
+    runs; a shorter draft leaves the rest of that reservation unspent (nothing else gets it this step).
+    Empty for traces recorded before ``plan_order`` existed, where ``s`` is given.
+    """
+    if s is not None and s.plan_order is None:
+        return []
+    return [e for e in plan.scheduled if e.num_spec_tokens > e.num_drafts and e is not s
+            and (s is None or (e.plan_order is not None and e.plan_order < s.plan_order))]
+
+
+def budget_at_turn(plan: ev.StepPlanned, s: ev.ScheduledEntry, name, subject: str) -> str:
+    """What was left of the budget when ``s``'s turn came, naming draft reservations left unfilled; "" when none.
+
+    ``name(entry)`` names a sequence; ``subject`` names ``s`` (``"request 1"``). E.g. ``"only 1 of them was
+    left when request 1's turn came: request 0 had 5, its newest token and 4 draft slots, reserved before the
+    proposer ran, and ran only 2 of them (1 draft proposed)"``. Computed from the scheduler's own figures
+    (``ScheduledEntry.budget_left``, ``plan_order``); "" when no earlier reservation went unfilled (then the
+    tokens the others ran are what they took) or for traces recorded before those fields existed.
+    """
+    unfilled = unfilled_reservations(plan, s)
+    if s.budget_left is None or not unfilled:
+        return ""
+    before = [e for e in plan.scheduled if e.plan_order is not None and e.plan_order < s.plan_order]
+    taken = plan.token_budget - s.budget_left
+    left = f"only {s.budget_left} of them {'was' if s.budget_left == 1 else 'were'} left when {subject}'s turn came"
+    if sum(e.num_own_tokens + e.num_spec_tokens for e in before) != taken:  # slots given back after its turn
+        return left
+    parts = []
+    for e in unfilled:
+        newest = "its prompt's last token" if e.kind == "prefill" else "its newest token"
+        parts.append(f"{name(e)} had {1 + e.num_spec_tokens}, {newest} and "
+                     f"{plural(e.num_spec_tokens, 'draft slot')}, reserved before the proposer ran, and ran only "
+                     f"{e.num_tokens} of them ({plural(e.num_drafts, 'draft')} proposed)")
+    rest = taken - sum(1 + e.num_spec_tokens for e in unfilled)
+    if rest:
+        parts.append(f"{plural(rest, 'token')} went to other sequences planned before it")
+    return f"{left}: " + "; ".join(parts)
+
+
+def draft_limits_sentence(s: ev.ScheduledEntry | None, proposer: str | None = None,
+                          plan: ev.StepPlanned | None = None, name=None) -> str:
     """Why ``s`` ran with fewer drafts than k: `` Speculative decoding verifies up to 4 drafts a step; this
     step reserved no draft slot for it, held down by the free KV slots (...).``; "" when none is missing.
 
     Only for a sequence that could speculate in its step (``max_drafts`` > 0) and got fewer drafts,
     and only with the engine's reasons (``ScheduledEntry.draft_limits``: the scheduler's for the
     slots, ``num_spec_tokens``, then the speculator's for the drafts proposed into them); a trace
-    recorded before those fields tells nothing.
+    recorded before those fields tells nothing. With ``plan`` and ``name`` (a function naming an entry),
+    a budget limit names the draft slots reserved before it that the proposer left unfilled
+    (:func:`budget_at_turn`): the step's spent tokens alone would leave room (trial 24d #1).
     """
     if s is None or not s.max_drafts or s.num_drafts >= s.max_drafts or not s.draft_limits:
         return ""
     slots = [_SLOT_LIMITS.get(why, why) for why in s.draft_limits if why in _SLOT_LIMITS]
+    if "budget" in s.draft_limits and plan is not None and name is not None:
+        at_turn = budget_at_turn(plan, s, name, name(s))
+        if at_turn:
+            slots[[w for w in s.draft_limits if w in _SLOT_LIMITS].index("budget")] = (f"the step's token budget of {plan.token_budget}, {at_turn}; "
+                                                     "a token is also kept for each running request served after it")
     fewer = [_proposer_found(s, proposer) if why == "proposer" else _DRAFT_LIMITS.get(why, why)
              for why in s.draft_limits if why not in _SLOT_LIMITS]
     parts = []

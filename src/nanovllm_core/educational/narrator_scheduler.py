@@ -19,7 +19,7 @@ V0_RULE = ("vLLM V0 did this too; vLLM V1 preempts only for a running request an
 
 from nanovllm_core import events as ev
 from nanovllm_core.educational.commentary import Commentary, agree, join_words, ordinal, plural
-from nanovllm_core.educational.narrator_sampling import draft_limits_tag
+from nanovllm_core.educational.narrator_sampling import draft_limits_tag, unfilled_reservations
 
 PRIORITY_NOTE = ("here a higher priority value is more important; vLLM's is the opposite: lower values run first, "
                  "and its default policy is fcfs")
@@ -100,6 +100,16 @@ class SchedulerNarration:
         self._last_signature = signature
         return out
 
+    def _unfilled_note(self, plan: ev.StepPlanned) -> str:
+        """``", counting 3 draft slots of request 0 reserved before the proposer ran and left empty"``: why a budget
+        "used up" can exceed the tokens the step ran (trial 24d #1); "" when every reserved slot was filled."""
+        unfilled = unfilled_reservations(plan)
+        if not unfilled:
+            return ""
+        empty = sum(e.num_spec_tokens - e.num_drafts for e in unfilled)
+        whose = join_words([self._name(e.request_id, e.index) for e in unfilled])
+        return f", counting {plural(empty, 'draft slot')} of {whose} reserved before the proposer ran and left empty"
+
     def _still_waiting(self, plan: ev.StepPlanned, idle: list[ev.QueueEntry]) -> Commentary:
         """A step whose waiting queue and idle running sequences are those of the step before, in one line:
         ``Request 1 keeps waiting (the step's token budget of 8 is used up).``"""
@@ -119,7 +129,7 @@ class SchedulerNarration:
             names = join_words([self._name(q.request_id, q.index) for q in idle])
             one = len(idle) == 1
             said.append(f"{names[0].upper()}{names[1:]} {'is' if one else 'are'} running but again got no token (the "
-                        f"budget was used up before {'its' if one else 'their'} turn).")
+                        f"budget was used up before {'its' if one else 'their'} turn{self._unfilled_note(plan)}).")
             if not plan.waiting:
                 title = f"Step {plan.step}: {names} again got no token"
         return Commentary("scheduler", title, " ".join(said), step=plan.step)
@@ -161,13 +171,20 @@ class SchedulerNarration:
             parts.append(f"{name}: {what}")
         budget = (f"its {plan.token_budget}-token budget (max_model_len: the contiguous baseline runs a whole prompt "
                   "in one step)" if self.info.get("paged") is False else f"its {plan.token_budget}-token budget")
-        text = (f"The scheduler spends {plan.num_batched_tokens} of {budget} on "
+        unfilled = unfilled_reservations(plan)
+        reserved = ""
+        if unfilled:  # slots the scheduler took from the budget before the proposer ran, left empty (trial 24d #1)
+            empty = sum(e.num_spec_tokens - e.num_drafts for e in unfilled)
+            whose = join_words([self._name(e.request_id, e.index) for e in unfilled])
+            reserved = (f" (it had planned {plan.num_batched_tokens + empty}: {plural(empty, 'draft slot')} of "
+                        f"{whose}, reserved before the proposer ran, stayed empty and went to no one)")
+        text = (f"The scheduler spends {plan.num_batched_tokens} of {budget}{reserved} on "
                 f"{plural(len(plan.scheduled), 'sequence')} in one forward pass: " + "; ".join(parts) + ".")
         if idle:
             names = join_words([self._name(q.request_id, q.index) for q in idle])
             text += (f" {names[0].upper()}{names[1:]} {'is' if len(idle) == 1 else 'are'} running but got no token: the "
-                     f"budget was used up before {'its' if len(idle) == 1 else 'their'} turn (running requests are "
-                     f"served {self._order()}).")
+                     f"budget was used up before {'its' if len(idle) == 1 else 'their'} turn"
+                     f"{self._unfilled_note(plan)} (running requests are served {self._order()}).")
         if plan.waiting:
             head = plan.waiting[0]
             text += f" Waiting: {self._name(head.request_id, head.index)} ({self._waiting_reason(plan)})"
@@ -203,7 +220,7 @@ class SchedulerNarration:
             return (f"max_num_seqs: {plural(plan.max_num_seqs, 'sequence')} {agree(plan.max_num_seqs, 'is', 'are')} "
                     "already running (a request with n samples runs n)")
         if why == "budget":
-            return f"the step's token budget of {plan.token_budget} is used up"
+            return f"the step's token budget of {plan.token_budget} is used up{self._unfilled_note(plan)}"
         if why == "chunked_prefill_off":
             return (f"its {plural(head.num_tokens, 'token')} {agree(head.num_tokens, 'does', 'do')} not fit the "
                     f"{left} left of the budget, and chunked prefill is off")

@@ -635,7 +635,11 @@ CHAPTERS: tuple[Chapter, ...] = (
         admitted: a decode takes one token of the budget, an unfinished prompt its next chunk, as much
         of what is left as it can use. A long prompt therefore never takes more than one budget a step
         and the requests served before it keep decoding; a request served after a chunk that used the
-        whole budget gets no token in that step.
+        whole budget gets no token in that step. With speculative decoding (chapter 12) a decode takes
+        1 + k tokens of the budget, its newest token and k draft slots, reserved before the proposer
+        drafts; slots the proposer leaves empty go to no one in that step, so a chunk can be cut
+        shorter than the tokens the step runs would suggest (vLLM V1 drafts at the end of the step
+        before and budgets exactly 1 + the drafts).
 
         With the priority policy, requests are served and admitted in order of priority, then arrival.
         In this engine a higher priority value is more important; vLLM's convention is the opposite

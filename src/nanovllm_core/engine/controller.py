@@ -174,8 +174,12 @@ class EngineController:
 
     def submit(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, priority: int = 0,
                request_id: str | None = None,
-               on_output: Callable[[RequestOutput], None] | None = None, fit_context: bool = False) -> str:
+               on_output: Callable[[RequestOutput], None] | None = None, fit_context: bool = False,
+               chat: list[dict[str, Any]] | None = None) -> str:
         """Queue a request; returns its id at once (it is added between steps, after loading).
+
+        ``chat``: the conversation ``prompt``'s ids were rendered from with the chat template (the server's
+        chat completions), for the teaching views (``LLMEngine.add_request``).
 
         ``fit_context``: reject (``RequestRejected``) a ``max_tokens`` that does not fit after the
         prompt, as counted by the engine (chat template applied), in ``max_model_len``
@@ -198,7 +202,8 @@ class EngineController:
         else:  # its policy is not known yet: the range here, the rest at add_request
             check_priority(priority)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self._commands.put(_Command("submit", (prompt, sampling_params, priority, rid, on_output, fit_context)))
+        self._commands.put(_Command("submit", (prompt, sampling_params, priority, rid, on_output, fit_context,
+                                                 chat)))
         return rid
 
     def pause(self) -> None:
@@ -440,12 +445,12 @@ class EngineController:
         engine = self._engine
         try:
             if cmd.name == "submit":
-                prompt, params, priority, rid, listener, fit_context = cmd.args
+                prompt, params, priority, rid, listener, fit_context, chat = cmd.args
                 if listener is not None:
                     if rid in self._listeners:
                         raise ValueError(f"request id {shown(rid)} is already in use")
                     self._listeners[rid] = listener
-                engine.add_request(prompt, params, priority, request_id=rid, fit_context=fit_context)
+                engine.add_request(prompt, params, priority, request_id=rid, fit_context=fit_context, chat=chat)
                 self._collect(engine.pop_finished_outputs())  # a refusal reaches its listener now
             elif cmd.name == "pause":
                 with self._steps_lock:  # also while paused: the steps asked for and not yet run are dropped

@@ -191,7 +191,8 @@ class EventSource:
                               priority=s.seq.priority, num_spec_tokens=s.num_spec_tokens,
                               max_drafts=s.max_drafts, draft_limits=tuple(s.draft_limits),
                               num_cached_blocks_in_use=s.num_cached_blocks_in_use,
-                              num_cached_blocks_own=s.num_cached_blocks_own)
+                              num_cached_blocks_own=s.num_cached_blocks_own,
+                              budget_left=s.budget_left, plan_order=s.plan_order)
             for s in plan.scheduled
         )
         return ev.StepPlanned(

@@ -433,8 +433,14 @@ class LLMEngine(EventSource):
         return check_priority(priority, name, policy=self.scheduler.policy, fix=fix)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0,
-                    request_id: str | None = None, fit_context: bool = False) -> str:
+                    request_id: str | None = None, fit_context: bool = False,
+                    chat: list[dict[str, Any]] | None = None) -> str:
         """Queue a request; return its id.
+
+        ``chat``: the conversation a caller rendered into ``prompt``'s token ids with the chat template
+        itself (``LLM.chat``, ``nanovllm --chat``, the server's chat completions), so the views tell the
+        prompt as that conversation put through the template, not as ids typed in (trial 24d #2); a
+        conversation given as ``prompt`` is told so without it. It changes nothing the engine computes.
 
         ``fit_context``: also reject a ``max_tokens`` that does not fit after the prompt in
         ``max_model_len`` (see :meth:`request_problem`; ``nanovllm-tui`` sends so, as the server and
@@ -494,11 +500,12 @@ class LLMEngine(EventSource):
         for seq in rest:
             self.scheduler.add(seq)
         if self._subscribers:
+            told = chat if chat is not None else prompt
             self._emit(ev.RequestAdded(
                 request_id=request_id, prompt=text, prompt_token_ids=tuple(token_ids),
                 prompt_pieces=tuple(self.token_pieces(token_ids)), priority=priority, max_tokens=params.max_tokens,
                 n=params.n, sampling=tuple(sorted(_non_default(params).items())),
-                chat=tuple((m["role"], content_text(m["content"])) for m in prompt) if is_conversation(prompt) else (),
+                chat=tuple((m["role"], content_text(m["content"])) for m in told) if is_conversation(told) else (),
             ))
         return request_id
 

@@ -30,6 +30,7 @@ sequence's plan names what held its drafts below k (``draft_limits``), for the v
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 
 from nanovllm_core.engine.block_manager import BlockManager
@@ -83,6 +84,12 @@ class ScheduledSequence:
     sequence could speculate this step (one uncomputed token), else 0; ``draft_limits``: why it got
     fewer than ``max_drafts`` drafts, from :data:`DRAFT_LIMITS` in the order they applied (the
     scheduler's for the slots, then the speculator's for the drafts proposed).
+
+    ``budget_left``: tokens of the step's budget still unplanned when this sequence's turn came
+    (before its own tokens and draft slots; after any preemption its turn caused); ``plan_order``:
+    its place in the order the scheduler planned the step (0 first; ``scheduled`` is sorted decodes
+    first, which loses it). With them the views can say what a budget limit was made of, draft slots
+    reserved before the proposer ran included (trial 24d #1). They record; they decide nothing.
     """
 
     seq: Sequence
@@ -97,6 +104,8 @@ class ScheduledSequence:
     spec_tokens: list[int] = field(default_factory=list)
     max_drafts: int = 0
     draft_limits: tuple[str, ...] = ()
+    budget_left: int | None = None
+    plan_order: int | None = None
 
 
 @dataclass
@@ -257,6 +266,7 @@ class Scheduler:
         preempted: list[Sequence] = []
         admitted: list[Sequence] = []
         self._shortfalls = []
+        order = itertools.count()  # planning order, for the views (ScheduledSequence.plan_order)
 
         # 1. Running sequences, most important first: decodes and unfinished prefill chunks.
         if self.policy == "priority":
@@ -284,6 +294,7 @@ class Scheduler:
             num_spec, limits = self._num_spec_tokens(seq, budget - num_new - later)
             bm.allocate(seq, seq.num_computed_tokens + num_new)
             plan[seq.seq_id] = self._scheduled(seq, num_new, num_spec=num_spec)
+            plan[seq.seq_id].budget_left, plan[seq.seq_id].plan_order = budget, next(order)
             if seq.num_uncomputed_tokens == 1 and self.num_speculative_tokens:
                 plan[seq.seq_id].max_drafts = self.num_speculative_tokens
                 plan[seq.seq_id].draft_limits = limits
@@ -353,6 +364,7 @@ class Scheduler:
             plan[seq.seq_id] = self._scheduled(seq, num_new, num_cached=num_computed)
             plan[seq.seq_id].num_cached_blocks_in_use = in_use
             plan[seq.seq_id].num_cached_blocks_own = own
+            plan[seq.seq_id].budget_left, plan[seq.seq_id].plan_order = budget, next(order)
             budget -= num_new
 
         scheduled = sorted(plan.values(), key=lambda p: p.kind != "decode")

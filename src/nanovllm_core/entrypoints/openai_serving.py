@@ -60,6 +60,7 @@ class Prepared:
     return_token_ids: bool
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_ids: list[list[int]] = field(default_factory=list)  # each prompt's token ids, as checked
+    conversation: list[dict[str, Any]] | None = None  # a chat's messages, rendered into prompts[0]; told by the views
     engine_ids: list[str] = field(default_factory=list)  # reserved by OpenAIServing.reserve; one per prompt
     submitted: bool = False  # open_stream ran: the engine ids are released as their requests finish
 
@@ -203,7 +204,8 @@ class OpenAIServing:
             raise APIError(f"the chat template could not render these messages: {clipped(str(e), 200)}", param="messages", code="invalid_value") from None
         self.check_prompt(ids, params, req.field_names(), prompt_field="messages")
         return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", [ids], params, req.priority, req.stream,
-                        *_usage_options(req), req.return_token_ids, prompt_ids=[list(ids)])
+                        *_usage_options(req), req.return_token_ids, prompt_ids=[list(ids)],
+                        conversation=conversation)
 
     def reserve(self, p: Prepared, client_id: str | None = None, client_field: str = "X-Request-Id") -> None:
         """Give ``p`` its ids and reserve them until its requests finish: ``cmpl-{client_id}`` /
@@ -248,7 +250,7 @@ class OpenAIServing:
             self.reserve(p)
         stream = RequestStream(self.controller, self._router, on_finished=self._finished, registry=self.registry)
         p.submitted = True
-        stream.submit(p.prompts, p.params, p.priority, p.request_id)
+        stream.submit(p.prompts, p.params, p.priority, p.request_id, chat=p.conversation)
         return stream
 
     # ------------------------------------------------------------------ whole responses

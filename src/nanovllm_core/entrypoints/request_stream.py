@@ -138,13 +138,16 @@ class RequestStream:
         self._unfinished: set[str] = set()
         self.ended_early = False
 
-    def submit(self, prompts: list[str | list[int]], params: SamplingParams, priority: int, base_id: str) -> list[str]:
-        """Queue each prompt as an engine request (ids ``base_id``, or ``base_id-i`` for several)."""
+    def submit(self, prompts: list[str | list[int]], params: SamplingParams, priority: int, base_id: str,
+               chat: list[dict[str, Any]] | None = None) -> list[str]:
+        """Queue each prompt as an engine request (ids ``base_id``, or ``base_id-i`` for several).
+
+        ``chat``: the conversation the prompt was rendered from (a chat completion), for the views."""
         for i, prompt in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             self.request_ids.append(rid)
             self._unfinished.add(rid)
-            self._controller.submit(prompt, params, priority, request_id=rid, on_output=self._listener)
+            self._controller.submit(prompt, params, priority, request_id=rid, on_output=self._listener, chat=chat)
         if self._registry is not None:
             self._registry.add(self)
         return self.request_ids
