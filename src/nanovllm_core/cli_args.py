@@ -446,7 +446,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     e.add_argument("--no-flash-attn", action="store_true", help="explicit score-matrix attention instead of the fused kernel")
     e.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="no_prefix_caching", action="store_true",
                    help="turn the prefix cache off (it is on by default, as in vLLM)")
-    e.add_argument("--enable-prefix-caching", dest="no_prefix_caching", action="store_false",
+    e.add_argument("--enable-prefix-caching", dest="no_prefix_caching", action="store_false", default=False,
                    help="vLLM's flag, accepted: the prefix cache is on by default (the last of it and "
                         "--no-prefix-caching given wins)")
     e.add_argument("--speculative-model", type=model_name, default=None, metavar="PROPOSER",
