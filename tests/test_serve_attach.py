@@ -503,17 +503,26 @@ async def test_an_app_attached_to_a_server_that_restarts_marks_its_old_requests_
                 c.shutdown(timeout=5)
 
 
+@contextlib.contextmanager
+def _watching(server):
+    """A RemoteController attached to ``server`` and connected, with the events it has seen; shut down after."""
+    remote = RemoteController(server.url, server.api_key)
+    seen: list[ev.Event] = []
+    remote.subscribe(seen.append, topk=0, blocks=False)
+    try:
+        remote.start()
+        assert _until(lambda: remote.connected)
+        yield remote, seen
+    finally:
+        remote.shutdown(timeout=2)
+
+
 def test_an_attached_app_sends_chat_through_the_servers_template(tiny_server):
     """The prompt bar's chat reaches a server too: its control submit takes a conversation and
     renders it with the model's chat template, as the local engine does."""
     from nanovllm_core.prompts import user_message
 
-    remote = RemoteController(tiny_server.url, tiny_server.api_key)
-    seen = []
-    remote.subscribe(seen.append, topk=0, blocks=False)
-    try:
-        remote.start()
-        assert _until(lambda: remote.connected)
+    with _watching(tiny_server) as (remote, seen):
         rid = remote.submit(user_message("Write a poem about the sea."), SamplingParams(max_tokens=2))
         assert _until(lambda: any(isinstance(e, ev.RequestFinished) and e.request_id == rid for e in seen), 60)
         added = next(e for e in seen if isinstance(e, ev.RequestAdded) and e.request_id == rid)
@@ -521,8 +530,6 @@ def test_an_attached_app_sends_chat_through_the_servers_template(tiny_server):
         assert list(added.prompt_token_ids) == expected and "<|im_start|>" in added.prompt_pieces
         bad = remote.submit([{"role": "user"}], SamplingParams(max_tokens=2))  # no content: refused, with why
         assert _until(lambda: any(isinstance(e, ev.RequestRejected) and e.request_id == bad for e in seen), 30)
-    finally:
-        remote.shutdown(timeout=2)
 
 
 def test_a_chat_completion_is_told_to_a_watcher_as_the_users_message_not_token_ids(tiny_server):
@@ -532,12 +539,7 @@ def test_a_chat_completion_is_told_to_a_watcher_as_the_users_message_not_token_i
 
     from nanovllm_core.educational.narrator import Narrator
 
-    remote = RemoteController(tiny_server.url, tiny_server.api_key)
-    seen = []
-    remote.subscribe(seen.append, topk=0, blocks=False)
-    try:
-        remote.start()
-        assert _until(lambda: remote.connected)
+    with _watching(tiny_server) as (remote, seen):
         r = httpx.post(tiny_server.url + "/v1/chat/completions", headers=tiny_server.headers, timeout=60,
                        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
         assert r.status_code == 200, r.text
@@ -546,5 +548,3 @@ def test_a_chat_completion_is_told_to_a_watcher_as_the_users_message_not_token_i
         assert added.chat == (("user", "Hi"),)
         told = Narrator({}).feed(added)[0]
         assert told.text.startswith("The user's message 'Hi', put through the model's chat template, becomes"), told.text
-    finally:
-        remote.shutdown(timeout=2)
