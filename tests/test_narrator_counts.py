@@ -10,7 +10,7 @@ from nanovllm_core.educational.narrator_sampling import speculative_entry
 from nanovllm_core.educational.xray_facts import gqa_lines, roofline_commentary
 from tests.test_narrator import added, entry, feed_all, finished, fresh, planned, sampled, timed
 
-ONE_PLURAL = re.compile(r"(?<![\d.,])1 (tokens|rows|drafts|draft tokens|prompt tokens|blocks|times|steps|sequences)\b")
+ONE_PLURAL = re.compile(r"(?<![\d.,])1 (tokens|rows|drafts|draft tokens|prompt tokens|blocks|times|steps|sequences|keys)\b")
 
 
 def no_bad_one(text: str) -> None:
@@ -127,3 +127,21 @@ def test_memory_stats_say_the_prefix_cache_is_off_instead_of_counting_lookups(ca
 def test_engine_stats_say_whether_prefix_caching_is_on(make_tiny_engine):
     assert make_tiny_engine(enable_prefix_caching=False).stats()["prefix_caching"] is False
     assert make_tiny_engine().stats()["prefix_caching"] is True
+
+
+def test_xray_attention_shapes_and_samples_of_one_token_read_singular():
+    """Trial 25a: a decode's X-Ray said "3 query heads x 1 tokens a KV head"; a one-key sample would
+    have said "the newest 1 keys"."""
+    from nanovllm_core.educational.xray_costs import LayerDims, SeqAttention, layer_ops
+    from nanovllm_core.educational.xray_facts import sample_text
+
+    dims = LayerDims(576, 1536, 9, 3, 64, 4)
+    one = SeqAttention(num_tokens=1, context_len=1, keys_read=1)
+    for backend in ("fused", "math"):
+        for op in layer_ops(dims, [one], backend, this=one):
+            no_bad_one(op.shapes)
+            no_bad_one(op.math)
+    fused = " ".join(op.shapes for op in layer_ops(dims, [one], "fused", this=one))
+    assert "3 query heads x 1 token a KV head" in fused
+    assert sample_text(ev.TensorInfo("probs", (1, 9, 1, 1), (1.0,))) == "..., +1.0000 (the newest key, its own)"
+    assert "the newest 2 keys, its own last" in sample_text(ev.TensorInfo("probs", (1, 9, 1, 2), (0.5, 0.5)))

@@ -162,7 +162,7 @@ def _attention_shapes(d: LayerDims, this: SeqAttention | None, backend: str) -> 
                 f"P [{nkv}, {gt}, {k}] @ V [{nkv}, {k}, {hd}] -> [{nkv}, {gt}, {hd}], back to O [{t}, {nh}, {hd}]")
     fused = (f"this request: Q [{t}, {nh}, {hd}], K, V [{k}, {nkv}, {hd}]{padding} -> O [{t}, {nh}, {hd}]; "
              f"query head h reads KV head h // {g}, so its scores are grouped [{nkv}, {gt}, {k}] "
-             f"({g} query heads x {t} tokens a KV head)")
+             f"({g} query heads x {t} token{'' if t == 1 else 's'} a KV head)")
     return fused, "", ""
 
 

@@ -61,7 +61,8 @@ def sample_text(x: ev.TensorInfo) -> str:
     if not x.sample:
         return ""
     if x.name in TAIL_SAMPLED:
-        return f"..., {values} (the newest {len(x.sample)} keys, its own last)"
+        newest = "the newest key, its own" if len(x.sample) == 1 else f"the newest {len(x.sample)} keys, its own last"
+        return f"..., {values} ({newest})"
     return f"{values}, ..."
 
 
