@@ -134,7 +134,7 @@ def pool_problem(controller: Any) -> str | None:
     pool, limit = blocks * block_size, engine.max_model_len
     if pool >= limit:
         return None
-    return (f"the KV pool holds {blocks} block{'s' if blocks != 1 else ''} x {block_size} tokens = {pool} tokens, fewer than one sequence of "
+    return (f"the KV pool holds {blocks} block{'s' if blocks != 1 else ''} x {block_size} token{'s' if block_size != 1 else ''} = {pool} token{'s' if pool != 1 else ''}, fewer than one sequence of "
             f"max_model_len {limit} (a request without max_tokens may run that long); add --max-model-len {pool} "
             f"(or less), or raise --num-kv-blocks to {-(-limit // block_size)}")
 
