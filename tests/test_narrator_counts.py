@@ -145,3 +145,14 @@ def test_xray_attention_shapes_and_samples_of_one_token_read_singular():
     assert "3 query heads x 1 token a KV head" in fused
     assert sample_text(ev.TensorInfo("probs", (1, 9, 1, 1), (1.0,))) == "..., +1.0000 (the newest key, its own)"
     assert "the newest 2 keys, its own last" in sample_text(ev.TensorInfo("probs", (1, 9, 1, 2), (0.5, 0.5)))
+
+
+def test_serves_pool_refusal_reads_singular_for_one_token_blocks():
+    from types import SimpleNamespace
+
+    from nanovllm_core.entrypoints.cli import pool_problem
+
+    engine = SimpleNamespace(block_manager=SimpleNamespace(num_blocks=1, block_size=1), max_model_len=8)
+    line = pool_problem(SimpleNamespace(engine=engine))
+    assert "holds 1 block x 1 token = 1 token, fewer than one sequence" in line, line
+    no_bad_one(line)
