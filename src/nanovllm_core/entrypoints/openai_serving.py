@@ -24,7 +24,8 @@ from typing import Any, AsyncIterator, Callable
 
 from nanovllm_core.engine.detokenizer import TokenBytes
 from nanovllm_core.prompts import unicode_problem
-from nanovllm_core.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_length
+from nanovllm_core.entrypoints.protocol import (MESSAGE_NULLS, APIError, ChatCompletionRequest, CompletionRequest,
+                                                check_length)
 from nanovllm_core.entrypoints.request_stream import InFlight, OutputRouter, RequestIds, RequestStream
 from nanovllm_core.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm_core.untrusted import SHOWN_CHARS, clipped, shown
@@ -272,7 +273,7 @@ class OpenAIServing:
             for c in out.outputs:
                 index = i * p.params.n + c.index
                 if p.kind == "chat":
-                    choice = {"index": index, "message": {"role": "assistant", "content": c.text},
+                    choice = {"index": index, "message": {"role": "assistant", "content": c.text, **MESSAGE_NULLS},
                               "logprobs": _chat_logprobs(c.logprobs, c.token_ids, p.params.logprobs, self.token_bytes)
                               if c.logprobs is not None else None,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}

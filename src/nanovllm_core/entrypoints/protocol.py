@@ -87,6 +87,9 @@ def validation_error(e: ValidationError, body: Any = None) -> APIError:
                             f"(got {shown(err.get('input'))})", param=field, code="invalid_value")
         if field in UNSUPPORTED_WHY:  # OpenAI's or vLLM's own field, not a typo: say what this server takes
             return APIError(unsupported_message(field), param=field, code="invalid_value")
+        if len(loc) == 3 and loc[0] == "messages" and loc[2] in MESSAGE_UNSUPPORTED:  # a response's message sent back
+            return APIError(f"{field} is not supported by this server ({MESSAGE_UNSUPPORTED[loc[2]]}); leave it out "
+                            "or send null", param=field, code="invalid_value")
         return APIError(f"Unrecognized request argument supplied: {clipped(field)}", param=field,
                         code="unknown_parameter")
     if err["type"] == "missing":
@@ -231,6 +234,22 @@ VLLM_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "bad_words": ([],)}
 NO_OP_VALUES.update(VLLM_NO_OP_VALUES)
 UNSUPPORTED_WHY.update({name: why for name, (why, _) in VLLM_UNSUPPORTED.items()})
+
+
+# An assistant message's fields that OpenAI and vLLM put in a response message, null where the model
+# made none of them; a client sending a response's message back in ``messages`` sends them too.
+# Null is taken as not sent (and this server's response messages carry them null, as vLLM's do);
+# any other value is a 400 saying why (trial 25a).
+MESSAGE_UNSUPPORTED: dict[str, str] = {
+    "refusal": "a refusal is not told apart from the text: the text is the answer",
+    "audio": "text only",
+    "annotations": "no web search or citations",
+    "function_call": "no tool calling (function_call is OpenAI's old tool_calls)",
+    "reasoning": "no reasoning models or reasoning parser: the text is the answer",
+    "reasoning_content": "no reasoning models or reasoning parser: the text is the answer",
+}
+# The null fields of a response's chat message, as vLLM sends them (tool_calls left out when empty)
+MESSAGE_NULLS: dict[str, None] = dict.fromkeys(("refusal", "annotations", "audio", "function_call", "reasoning"))
 
 
 def unsupported_message(field: str) -> str:
@@ -456,6 +475,8 @@ class ChatMessage(_Body):
     ``tool_call_id`` it answers; both reach the chat template as given (vLLM's behaviour). The
     server does not parse tool calls out of generated text: a model's answer is its text.
     """
+
+    NULL_ONLY: ClassVar[frozenset[str]] = frozenset(MESSAGE_UNSUPPORTED)  # null: not sent (a response's message)
 
     role: ChatRole  # the one list of roles, shared with LLM.chat (nanovllm_core.prompts.CHAT_ROLES)
     content: str | list[TextPart] | None = None
