@@ -1101,3 +1101,54 @@ def test_a_budget_used_up_by_unfilled_draft_slots_says_so():
     assert "spends 2 of its 5-token budget (it had planned 5: 3 draft slots of request 0" in line.text, line.text
     assert ("the step's token budget of 5 is used up, counting 3 draft slots of request 0 reserved before the "
             "proposer ran and left empty") in line.text, line.text
+
+
+def _budget_held_drafts(later: bool):
+    """Request 0 decodes with 1 + k=4 wanted and a 4-token budget; ``later``: request 1 decodes after it."""
+    n = fresh()
+    feed_all(n, [added(), added(rid="1")])
+    drafts = 2 if later else 3
+    dec = replace(entry(kind="decode", num=1 + drafts, start=3, total_len=4 + drafts), num_spec_tokens=drafts,
+                  max_drafts=4, draft_limits=("budget",), budget_left=4, plan_order=0)
+    scheduled = [dec]
+    if later:
+        scheduled.append(replace(entry("1", kind="decode", num=1, start=3, total_len=4), budget_left=1, plan_order=1))
+    n.feed(planned(1, scheduled, waiting=() if later else (queued("1"),), admitted=(), budget=4))
+    v = ev.SpecDecodeStep(step=1, request_id="0", seq_id=0, proposer="ngram", draft_tokens=(5, 6, 7)[:drafts],
+                          draft_texts=(" a", " b", " c")[:drafts], p=(0.9, 0.8, 0.7)[:drafts],
+                          q=(1.0, 1.0, 1.0)[:drafts], accepted=(True,) * drafts, bonus_token=11, bonus_text=" d",
+                          greedy=True, num_query_tokens=1 + drafts)
+    out = feed_all(n, [v] + [sampled(1, token=5 + i, text=" x", n_out=2 + i, top=()) for i in range(drafts + 1)]
+                   + [timed(1, tokens=1 + drafts + later)])
+    (told,) = [c for c in out if c.kind == "speculative"]
+    return told.text
+
+
+def test_a_budget_limit_on_draft_slots_gives_this_steps_figures():
+    """Trial 25c #2: 'a token is kept for each running request served after it' was told where none was
+    served after it; the slots were the budget less the sequence's own token. The reason is the step's own."""
+    alone = _budget_held_drafts(later=False)
+    assert ("held down by the step's token budget of 4: 1 went to its newest token, which left 3.") in alone, alone
+    assert "served after it" not in alone
+    beside = _budget_held_drafts(later=True)
+    assert ("held down by the step's token budget of 4: 1 went to its newest token and 1 was kept for the running "
+            "request served after it (a token each, request 1), which left 2.") in beside, beside
+
+
+def test_the_budget_others_took_counts_their_empty_draft_slots_in_every_entry_of_the_step():
+    """Trial 25c #3: request 0 reserved 1 + 4 of a 12-token budget and ran 2; request 1's last chunk (3) said
+    '6 of them taken by other sequences' (tokens run) while request 2's said 'request 0 had 5' (reserved), leaving
+    3 tokens unexplained. Both count what was reserved, and name the empty slots."""
+    n = fresh()
+    feed_all(n, [added(), added("1", ids=tuple(range(9)), pieces=tuple("y" * 9)),
+                 added("2", ids=tuple(range(10)), pieces=tuple("z" * 10))])
+    dec = replace(entry(kind="decode", num=2, start=3, total_len=5), num_spec_tokens=4, max_drafts=4,
+                  draft_limits=("proposer",), budget_left=12, plan_order=0)
+    last = replace(entry("1", num=3, start=6, prompt_len=9, total_len=9), budget_left=7, plan_order=1)
+    new = replace(entry("2", num=4, start=0, prompt_len=10, total_len=10), budget_left=4, plan_order=2)
+    n.feed(planned(3, [dec, last, new], admitted=("2",), budget=12, max_num_seqs=3))
+    out = n.feed(timed(3, tokens=9))
+    told = {c.request_id: c.text for c in out if c.kind == "chunked_prefill"}
+    assert ("The step's budget is 12 tokens, 9 of them taken by other sequences, counting 3 draft slots of request 0 "
+            "reserved before the proposer ran and left empty.") in told["1"], told["1"]
+    assert "only 4 of them were left when request 2's turn came: request 0 had 5" in told["2"], told["2"]

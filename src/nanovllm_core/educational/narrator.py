@@ -43,12 +43,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanovllm_core import events as ev
-from nanovllm_core.educational.commentary import (Commentary, agree, human_bytes, ms, ordinal, plural,
-                                                    show_piece, who)
+from nanovllm_core.educational.commentary import (Commentary, agree, human_bytes, join_words, ms, ordinal,
+                                                    plural, show_piece, who)
 from nanovllm_core.educational.kv_facts import kv_footprint
 from nanovllm_core.educational.narrator_sampling import (budget_at_turn, draft_limits_sentence, sampling_intro,
                                                          speculative_entry, token_choice, token_label,
-                                                         verification_rule)
+                                                         unfilled_reservations, verification_rule)
 from nanovllm_core.educational.narrator_scheduler import PRIORITY_NOTE, SchedulerNarration
 from nanovllm_core.educational.tp_facts import across_ranks, tp_size, waited_on_communication
 
@@ -558,9 +558,17 @@ class Narrator(SchedulerNarration):
         others = rows - s.num_tokens
         # a draft reservation planned before it and left unfilled took budget its tokens do not show (trial 24d #1)
         at_turn = budget_at_turn(plan, s, self._entry_name, name) if remaining and s.budget_left == n else ""
+        # what the others took of the budget is what they reserved: draft slots left empty count (trial 25c #3),
+        # as in the scheduler entry and in budget_at_turn
+        unfilled = [e for e in unfilled_reservations(plan) if e is not s]
+        empty = sum(e.num_spec_tokens - e.num_drafts for e in unfilled)
+        counting = (f", counting {plural(empty, 'draft slot')} of "
+                    f"{join_words([self._entry_name(e) for e in unfilled])} reserved before the proposer ran and "
+                    "left empty" if empty else "")
         budget = (f"The step's budget is {plan.token_budget} tokens, {at_turn}. " if at_turn else
                   f"The step's budget is {plan.token_budget} tokens"
-                  + (f", {others} of them taken by other sequences" if others else "") + ". ")
+                  + (f", {others + empty} of them taken by other sequences{counting}" if others + empty else "")
+                  + ". ")
         span = f"token {s.start}" if n == 1 else f"tokens {s.start}..{end - 1} ({n})"
         if remaining:
             text = (f"{budget}The prompt of {name} has {s.prompt_len} tokens, more than this step could give it, so it is "

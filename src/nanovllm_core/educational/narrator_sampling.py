@@ -464,6 +464,40 @@ def budget_at_turn(plan: ev.StepPlanned, s: ev.ScheduledEntry, name, subject: st
     return f"{left}: " + "; ".join(parts)
 
 
+def budget_slots_reason(plan: ev.StepPlanned, s: ev.ScheduledEntry, name) -> str:
+    """The budget limit on ``s``'s draft slots told with the step's own figures; "" without them (old traces).
+
+    E.g. ``"the step's token budget of 4: 1 of them went to its prompt's last token, which left 3"``.
+    The scheduler gives a speculating sequence the budget left at its turn (``budget_left``) less its
+    own token and one token for each running sequence planned after it (``engine.scheduler``); each
+    part is named only where this step has it (trial 25c #2: "a token is kept for each running
+    request served after it" was told in a step where none was). ``name(entry)`` names a sequence.
+    """
+    if s.budget_left is None or s.plan_order is None:
+        return ""
+    left, own = s.budget_left, s.num_own_tokens
+    after = [e for e in plan.scheduled if e.plan_order is not None and e.plan_order > s.plan_order
+             and e.request_id not in plan.admitted]
+    # Exact from the figures unless free KV blocks cut the slots again after the budget sized them.
+    kept = min(len(after), left - own) if "kv_blocks" in s.draft_limits else left - own - s.num_spec_tokens
+    kept = max(kept, 0)
+    parts = []
+    if left < plan.token_budget:
+        parts.append(budget_at_turn(plan, s, name, name(s))
+                     or f"only {left} of them {'was' if left == 1 else 'were'} left when its turn came, "
+                        f"{plan.token_budget - left} having gone to sequences planned before it")
+    newest = "its prompt's last token" if s.kind == "prefill" else "its newest token"
+    mine = f"{own} went to {newest}" if own == 1 else f"{own} went to its own tokens"
+    if kept:
+        who = (f", {join_words([name(e) for e in after])}" if len(after) == kept else "")
+        mine += (f" and {kept} {'was' if kept == 1 else 'were'} kept for the running "
+                 f"{'request' if kept == 1 else 'requests'} served after it (a token each{who})")
+    room = left - own - kept
+    mine += f", which left {room if room else 'none'}"
+    return f"the step's token budget of {plan.token_budget}, " + "; ".join(parts + [mine]) if parts else \
+        f"the step's token budget of {plan.token_budget}: {mine}"
+
+
 def draft_limits_sentence(s: ev.ScheduledEntry | None, proposer: str | None = None,
                           plan: ev.StepPlanned | None = None, name=None) -> str:
     """Why ``s`` ran with fewer drafts than k: `` Speculative decoding verifies up to 4 drafts a step; this
@@ -473,17 +507,17 @@ def draft_limits_sentence(s: ev.ScheduledEntry | None, proposer: str | None = No
     and only with the engine's reasons (``ScheduledEntry.draft_limits``: the scheduler's for the
     slots, ``num_spec_tokens``, then the speculator's for the drafts proposed into them); a trace
     recorded before those fields tells nothing. With ``plan`` and ``name`` (a function naming an entry),
-    a budget limit names the draft slots reserved before it that the proposer left unfilled
-    (:func:`budget_at_turn`): the step's spent tokens alone would leave room (trial 24d #1).
+    a budget limit is told with the step's figures (:func:`budget_slots_reason`), naming the draft slots
+    reserved before it that the proposer left unfilled (:func:`budget_at_turn`): the step's spent tokens
+    alone would leave room (trial 24d #1).
     """
     if s is None or not s.max_drafts or s.num_drafts >= s.max_drafts or not s.draft_limits:
         return ""
     slots = [_SLOT_LIMITS.get(why, why) for why in s.draft_limits if why in _SLOT_LIMITS]
     if "budget" in s.draft_limits and plan is not None and name is not None:
-        at_turn = budget_at_turn(plan, s, name, name(s))
-        if at_turn:
-            slots[[w for w in s.draft_limits if w in _SLOT_LIMITS].index("budget")] = (f"the step's token budget of {plan.token_budget}, {at_turn}; "
-                                                     "a token is also kept for each running request served after it")
+        told = budget_slots_reason(plan, s, name)
+        if told:
+            slots[[w for w in s.draft_limits if w in _SLOT_LIMITS].index("budget")] = told
     fewer = [_proposer_found(s, proposer) if why == "proposer" else _DRAFT_LIMITS.get(why, why)
              for why in s.draft_limits if why not in _SLOT_LIMITS]
     parts = []
