@@ -1152,3 +1152,14 @@ def test_the_budget_others_took_counts_their_empty_draft_slots_in_every_entry_of
     assert ("The step's budget is 12 tokens, 9 of them taken by other sequences, counting 3 draft slots of request 0 "
             "reserved before the proposer ran and left empty.") in told["1"], told["1"]
     assert "only 4 of them were left when request 2's turn came: request 0 had 5" in told["2"], told["2"]
+
+
+def test_a_kv_entry_without_a_block_snapshot_says_so():
+    """Trial 25c: the app's Narrator told some steps' KV cache without the bytes the tokens store or the
+    block tables (the snapshot was not asked for, or a later step's had replaced it), saying nothing of why."""
+    n = fresh()
+    n.feed(added())
+    out = feed_all(n, [planned(0, [entry()]), sampled(0), timed(0)])
+    (kv,) = [c for c in out if c.kind == "kv_cache"]
+    assert "No snapshot of the block tables came with this step" in kv.text, kv.text
+    assert "Their tokens store" not in kv.text

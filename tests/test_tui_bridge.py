@@ -51,14 +51,16 @@ def test_one_wake_up_message_per_drain_however_many_events():
     assert target.posted == 2
 
 
-def test_only_the_newest_block_snapshot_is_kept_in_its_place():
+def test_only_each_steps_newest_block_snapshot_is_kept_in_its_place():
+    """Trial 25c: a step whose snapshot a later step's had replaced was narrated without its block tables."""
     bridge = EngineBridge(Target())
     bridge(blocks(1))
     bridge(ev.EnginePaused(step=1))
+    bridge(blocks(1))  # the same step's pool again (an abort while paused): it supersedes the first
     bridge(blocks(2))
     bridge(ev.EngineResumed(step=2))
     kinds = [(type(e).__name__, e.step) for e in bridge.drain()]
-    assert kinds == [("EnginePaused", 1), ("BlocksChanged", 2), ("EngineResumed", 2)]
+    assert kinds == [("EnginePaused", 1), ("BlocksChanged", 1), ("BlocksChanged", 2), ("EngineResumed", 2)]
 
 
 def test_layer_traces_of_an_older_step_are_dropped():
@@ -211,11 +213,32 @@ def test_an_engine_that_cannot_be_built_is_a_failed_load():
     rec = Recorder()
     starter.subscribe(rec)
     starter.start()
-    assert rec.wait_for(lambda: starter.state == "failed")
+    assert rec.wait_for(lambda: starter.state == "failed" and rec.events)  # (the state turns first, then the event)
     assert starter.load_error == "no such device"
     assert [e.message for e in rec.events] == ["model failed to load: no such device"]
     starter.submit("Hello")
     assert isinstance(rec.events[-1], ev.RequestRejected)
+
+
+def test_a_prompt_sent_while_an_engine_that_cannot_be_built_loads_is_rejected_not_dropped():
+    """A prompt queued while the engine was being built waited for good when the build failed: no
+    rejection, no finish (a request silently dropped; the app showed it submitted forever)."""
+    go = threading.Event()
+
+    def broken():
+        go.wait(10)
+        raise RuntimeError("no such device")
+
+    starter = BackgroundController(broken)
+    rec = Recorder()
+    starter.subscribe(rec)
+    starter.start()
+    rid = starter.submit("Hello")  # queued: the engine does not exist yet
+    go.set()
+    assert rec.wait_for(lambda: any(isinstance(e, ev.RequestRejected) for e in rec.events))
+    rejected = [e for e in rec.events if isinstance(e, ev.RequestRejected)]
+    assert [(e.request_id, e.reason) for e in rejected] == [(rid, "no model loaded: no such device")]
+    assert isinstance(rec.events[0], ev.EngineError)  # the failure first, then what it means for the prompt
 
 
 def test_an_event_after_the_apps_loop_has_closed_is_kept_quietly():

@@ -7,11 +7,11 @@ message with ``post_message`` (thread-safe, non-blocking). The app answers that 
 by calling :meth:`drain` no more often than ``fps`` times a second, so a flood of tokens
 becomes one screen update per frame.
 
-High-rate snapshots are coalesced while they wait: only the newest ``BlocksChanged``
-(the whole KV pool) is kept, and only the newest step's ``LayerTrace`` events; what is
-kept stays in arrival order (the narrator reads a step's events in order). A Tutorial
-demonstration's bridge keeps every one (``coalesce=False``): its notes tell each step's
-block tables, and a step whose snapshot a later step's had replaced told none (trial 16a).
+High-rate snapshots are coalesced while they wait: only each step's newest ``BlocksChanged``
+(the whole KV pool) is kept, so the narrator can tell every step's block tables (trial 25c), and
+only the newest step's ``LayerTrace`` events; what is kept stays in arrival order (the narrator
+reads a step's events in order). A Tutorial demonstration's bridge keeps every one
+(``coalesce=False``): its notes tell each snapshot (trial 16a).
 
 A step's results are handed over together: from its first result (a token, a finished request, the
 pool after it) until its ``StepTimed``, a drain leaves them in the buffer. Otherwise a frame drawn
@@ -56,7 +56,7 @@ class EngineBridge:
     Args:
         target: what receives ``EventsReady`` (the app).
         fps: the most drains per second the app should do (frames per second).
-        coalesce: keep only the newest ``BlocksChanged`` and the newest step's ``LayerTrace``
+        coalesce: keep only each step's newest ``BlocksChanged`` and the newest step's ``LayerTrace``
             events of a frame (the app's views draw the newest state); False keeps every event
             (a demonstration narrates every step from its own snapshot: a few short requests).
     """
@@ -90,7 +90,10 @@ class EngineBridge:
             if not self.coalesce:
                 pass
             elif isinstance(event, ev.BlocksChanged):
-                if self._blocks_at is not None:
+                # a snapshot supersedes only one of the same step (an abort's after the step's end): each
+                # step keeps its own, for the narrator's KV entry of that step (trial 25c: steps whose
+                # snapshot a later step's had replaced were told without their stored bytes and tables)
+                if self._blocks_at is not None and events[self._blocks_at].step == event.step:
                     events[self._blocks_at] = None
                 self._blocks_at = len(events)
             elif isinstance(event, ev.LayerTrace):

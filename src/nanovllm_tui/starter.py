@@ -58,6 +58,7 @@ class BackgroundController:
         self._ids = itertools.count()
         self._error: str | None = None
         self._failure: str | None = None
+        self._pending_ids: list[str] = []  # the ids of the submits in _pending (rejected if the build fails)
         self._thread = threading.Thread(target=self._build, name="nanovllm-starter", daemon=True)
 
     def start(self) -> None:
@@ -70,31 +71,41 @@ class BackgroundController:
         try:
             real = self._factory()
         except Exception as e:  # an engine that cannot even be built: report it like a failed load
-            self._error = str(e) or type(e).__name__
             from nanovllm_core.engine.controller import load_failure  # torch is loaded (or failed) by now
 
-            self._failure = load_failure(e)
-            with self._lock:
-                subs = list(self._subs)
+            failure, error = load_failure(e), str(e) or type(e).__name__
+            with self._lock:  # "failed" from here on: a submit now is rejected at once (submit's own check)
+                self._failure, self._error = failure, error
+                subs, waited = list(self._subs), self._pending_ids
+                self._pending, self._pending_ids = [], []
             for sub in subs:
-                sub.callback(ev.EngineError(step=None, message=self._failure))
+                sub.callback(ev.EngineError(step=None, message=failure))
+                for rid in waited:  # prompts sent while it loaded: rejected, never silently dropped
+                    sub.callback(ev.RequestRejected(request_id=rid, reason=f"no model loaded: {error}"))
             return
         with self._lock:  # hand over what waited, in order, before anything new can run
             self._real = real
             for command in self._pending:
                 command(real)
-            self._pending = []
+            self._pending, self._pending_ids = [], []
             stop = self._stop
         if stop:
             real.shutdown(timeout=1.0)
 
-    def _do(self, command: Callable[[Any], Any]) -> None:
+    def _do(self, command: Callable[[Any], Any], request_id: str | None = None) -> bool:
+        """Run ``command`` on the engine controller, or queue it until it is built (``request_id``: the
+        submit's, rejected if the build fails). False: the build has failed and nothing was done."""
         with self._lock:
+            if self._error is not None:
+                return False
             if self._real is None:
                 self._pending.append(command)
-                return
+                if request_id is not None:
+                    self._pending_ids.append(request_id)
+                return True
             real = self._real
         command(real)
+        return True
 
     # ------------------------------------------------------------------ EngineController's interface
 
@@ -143,12 +154,10 @@ class BackgroundController:
         """Queue a request; its id is known at once (``req-N``), before the engine exists.
         ``fit_context``: as ``EngineController.submit``'s."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if self._error is not None:
+        if not self._do(lambda c: c.submit(prompt, sampling_params, priority, request_id=rid, fit_context=fit_context),
+                        request_id=rid):
             for sub in list(self._subs):
                 sub.callback(ev.RequestRejected(request_id=rid, reason=f"no model loaded: {self._error}"))
-            return rid
-        self._do(lambda c: c.submit(prompt, sampling_params, priority, request_id=rid,
-                                  fit_context=fit_context))
         return rid
 
     def yield_for_frame(self) -> None:

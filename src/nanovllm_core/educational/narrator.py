@@ -712,6 +712,9 @@ class Narrator(SchedulerNarration):
                             "reserved but still empty."))
                 title += f", {human_bytes(fp.stored_bytes)} stored"
         text += change + cached
+        if blocks is None:  # the app asks for snapshots only while its Narrator or Block Map tab is open
+            text += (" No snapshot of the block tables came with this step, so the bytes its tokens store "
+                     "are not told here.")
         if blocks is not None and blocks.tables:
             shown = []
             for tb in blocks.tables[:MAX_TABLES_SHOWN]:
