@@ -94,3 +94,39 @@ async def test_esc_1_up_at_once_in_the_prompt_bar_leaves_it_shows_tab_1_and_type
             await pilot.pause()
             app.query_one("#prompt").focus()
         assert app.query_one("#prompt").value == "hi"
+
+
+async def test_enter_with_a_wrong_setting_and_an_empty_prompt_puts_the_cursor_in_the_setting_and_says_so(
+        tmp_path, tiny_llama_dir):
+    """`1 / Tab abc Enter`: the cursor went to the empty prompt, unsaid; `BSpace BSpace BSpace 5 / Hello
+    Enter` then typed "5/Hello" into the prompt instead of fixing prio and sending Hello."""
+    app = tiny_app(tiny_llama_dir, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the tiny model")
+        app.query_one("#prompt").focus()
+        await pilot.press("escape")  # in a view, as the report began
+        await pilot.press("1", "slash", "tab", "a", "b", "c", "enter")
+        await pilot.pause()
+        line = str(app.query_one("#prompt-error").render())
+        assert app.focused.id == "priority"
+        assert line.startswith("the prompt is empty: type some text, then press Enter; priority must be")
+        assert line.endswith("; the cursor is in prio now, its value selected: fix it, then / returns to the prompt")
+        await pilot.press("backspace", "backspace", "backspace", "5", "slash", *"Hello", "enter")
+        await wait_until(pilot, lambda: app.state.requests, timeout=30, what="the prompt to be sent")
+        [req] = app.state.requests.values()
+        assert req.priority == 5 and app.query_one("#prompt").value == ""
+
+
+async def test_enter_in_a_setting_with_an_empty_prompt_says_the_cursor_went_to_the_prompt(tmp_path, tiny_llama_dir):
+    app = tiny_app(tiny_llama_dir, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        app.query_one("#prompt").focus()
+        await pilot.press("tab", "tab", "enter")  # in max, every setting right
+        await pilot.pause()
+        assert app.focused.id == "prompt"
+        assert str(app.query_one("#prompt-error").render()) == (
+            "the prompt is empty: type some text, then press Enter; the cursor is in the prompt now")
+        await pilot.press("x")  # the prompt has text: nothing more to say
+        await pilot.pause()
+        assert str(app.query_one("#prompt-error").render()) == ""
