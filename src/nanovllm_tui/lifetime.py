@@ -174,6 +174,15 @@ def read_esc_key_as_alt() -> None:
       gave the bare key (ESC space typed a space into the prompt instead of leaving the bar and
       pausing; trial 8). Such a key now comes as ``alt+space``, ``alt+left_square_bracket``, ...
 
+    - ESC then a key, then another escape sequence in the same read (an arrow, Home, PageUp, F1,
+      Delete, a paste's start; ``tmux send-keys Escape 1 Up``): the second ESC cut the first
+      sequence short, and Textual re-issued it with the ESC turned into a typed "^" ("^1" went
+      into the prompt and was sent to the model; trial 25b). Textual asks for the key of an ESC
+      alone only there (its ``reissue_sequence_as_keys`` with ``process_alt=False``, also used
+      for an unknown sequence longer than 32 characters), so an ESC alone now yields nothing and
+      marks the parser, and the one character after it comes as ``alt+<key>``, as it does when
+      the ESC's wait runs out: Esc, then the key, then the arrow. No ESC is ever read as "^".
+
     Textual 8's ``ANSI_SEQUENCES_KEYS`` and ``XTermParser._sequence_to_key_events``; another
     Textual keeps its own reading. Calling this twice is harmless."""
     try:
@@ -189,6 +198,11 @@ def read_esc_key_as_alt() -> None:
         return
 
     def sequence_to_key_events(self, sequence: str, alt: bool = False):
+        if sequence == "\x1b" and not alt:  # an ESC cut short, re-issued: the next character is alt+ it
+            self.__dict__["_esc_before_key"] = True
+            return
+        if len(sequence) == 1 and self.__dict__.pop("_esc_before_key", False):
+            alt = True
         for key in read(self, sequence, alt=alt):
             if alt and len(sequence) == 1 and not key.key.startswith("alt+"):
                 key = events.Key(f"alt+{key.key}", key.character)

@@ -14,7 +14,8 @@ Each setting is checked as it is typed (Textual's ``Input`` validators): a wrong
 and the line under the bar says why. Enter sends only when every setting is right, and at once
 (not through a message that would reach the app after the keys pressed behind Enter); a prompt
 is cleared only once it has been sent. A refused Enter puts the cursor in the first wrong setting
-and the line under the bar says so (``PromptBar.moved_note``).
+(an empty prompt too or not; with every setting right, an empty prompt gets it) and the line
+under the bar says so (``PromptBar.moved_note``).
 
 The prompt field is one line, but a prompt may have many: a paste keeps all its lines, each line
 break shown as ``⏎`` (``NEWLINE_MARK``) and sent as a real newline on Enter, chat or raw (Textual's
@@ -415,7 +416,7 @@ class PromptBar(Vertical):
         self.rules = setting_rules()
         self._refusals: dict[str, str] = {}  # field id -> the "Not sent: ..." toast naming it, while on screen
         self._empty_refused = False  # Enter found the prompt empty: said under the bar until it has text
-        self._moved_to: str | None = None  # the wrong setting a refused Enter put the cursor in, while there
+        self._moved_to: str | None = None  # the wrong setting (or "prompt") a refused Enter put the cursor in
 
     def compose(self) -> ComposeResult:
         d = self.defaults
@@ -529,10 +530,10 @@ class PromptBar(Vertical):
         for name in self.FIELDS:
             self.query_one(f"#{name}", Input).set_class(name in dict(wrong), "-invalid")
         self.query_one("#prompt", Input).set_class(self._empty_refused, "-invalid")
-        if self._moved_to not in dict(wrong):
-            self._moved_to = None  # fixed: the cursor stays, but there is nothing more to say about it
         if self._empty_refused:
             wrong.insert(0, ("prompt", EMPTY_PROMPT))
+        if self._moved_to not in dict(wrong):
+            self._moved_to = None  # fixed: the cursor stays, but there is nothing more to say about it
         self.set_class(bool(wrong), "-invalid")
         reasons = [why for _, why in wrong] + ([self.moved_note(self._moved_to)] if self._moved_to else [])
         self.query_one("#prompt-error", Label).update(Text("; ".join(reasons)))  # typed text: no markup
@@ -545,7 +546,10 @@ class PromptBar(Vertical):
     def moved_note(self, name: str) -> str:
         """What a refused Enter did with the focus: it put the cursor in setting ``name`` (its value
         selected, as entering a setting does: Field.settle_entry), where a `/` or a letter typed next,
-        meant for the prompt, would otherwise go without a word (trial 21d)."""
+        meant for the prompt, would otherwise go without a word (trial 21d); or, ``name`` "prompt",
+        in the empty prompt, from the setting Enter was pressed in (trial 25b)."""
+        if name == "prompt":
+            return "the cursor is in the prompt now"
         return f"the cursor is in {self.LABELS[name]} now, its value selected: fix it, then / returns to the prompt"
 
     def field_left(self, name: str | None) -> None:
@@ -571,24 +575,34 @@ class PromptBar(Vertical):
             return
         prompt_field = self.query_one("#prompt", Input)
         prompt = prompt_from_bar(prompt_field.value)
-        if not prompt:  # only spaces is sent: it tokenizes to tokens, as vLLM takes it (trial 16); the engine
-            # refuses a prompt of no tokens with its own reason
+        wrong = self.errors()
+        if not prompt and not wrong:  # only spaces is sent: it tokenizes to tokens, as vLLM takes it (trial 16);
+            # the engine refuses a prompt of no tokens with its own reason
             self._empty_refused = True
+            # Enter pressed in a setting: the cursor moves to the prompt, and the line under the bar says so
+            self._moved_to = None if field is prompt_field else "prompt"
             self._show_errors()  # the reason under the bar, as a wrong setting's (trial 20a)
             message = f"Not sent: {EMPTY_PROMPT}."
             self._refusals["prompt"] = message  # withdrawn once the prompt has text (_show_errors)
             self.notify(message, severity="warning", markup=False)
             self.screen.set_focus(prompt_field)
             return
-        wrong = self.errors()
         if wrong:
             # The cursor goes to the first wrong setting, as a form focuses the field to fix, and the
-            # line under the bar and the toast say so (trial 21d: the focus moved without a word).
-            name = wrong[0][0]
+            # line under the bar and the toast say so (trial 21d: the focus moved without a word), also
+            # when the prompt is empty too (trial 25b: the cursor went to the prompt, and the line under
+            # the bar said nothing of it; the keys typed next, meant for the setting, went there).
+            name, why = wrong[0]
+            self._empty_refused = not prompt
             self._moved_to = name
             self._show_errors()
             # (the toast only names the field: at 60x20 a longer one did not fit above the bar)
-            message = f"Not sent: {wrong[0][1]}. The prompt is kept; the cursor is in {self.LABELS[name]} now."
+            label = self.LABELS[name]
+            if prompt:
+                message = f"Not sent: {why}. The prompt is kept; the cursor is in {label} now."
+            else:  # withdrawn once either is fixed: it would no longer be true
+                message = f"Not sent: {EMPTY_PROMPT}, and {why}. The cursor is in {label} now."
+                self._refusals["prompt"] = message
             self._refusals[name] = message  # withdrawn once that field is right (_show_errors)
             self.notify(message, severity="error", markup=False)
             target = self.query_one(f"#{name}", Input)
