@@ -289,3 +289,43 @@ def test_a_pause_while_paused_drops_the_steps_not_yet_run_and_n_is_bounded(tiny_
     for bad in (0, MAX_STEPS + 1, 10**20, True, 2.0):
         with pytest.raises(ValueError, match=f"whole n from 1 to {MAX_STEPS}"):
             c.step(bad)
+
+
+def _hold_engine_thread(c):
+    """Hold the engine thread between steps (a ``call`` that waits) until the returned event is set:
+    commands asked meanwhile queue behind it and then apply in one go, at one step boundary."""
+    entered, release = threading.Event(), threading.Event()
+    c.call(lambda engine: (entered.set(), release.wait(30)))
+    assert entered.wait(30)
+    return release
+
+
+def test_steps_are_accepted_in_the_order_pause_and_resume_were_asked_never_dropped_silently(tiny_controller):
+    """Trial 25b: a step asked after a resume the engine thread had not applied yet read the state
+    "paused", was accepted (a server answered 200) and was dropped without a word once the resume
+    applied. Now acceptance follows the order asked: every step accepted runs, the others are refused."""
+    from nanovllm_core.engine.controller import NotPaused
+
+    c, rec = tiny_controller
+    c.subscribe(rec)
+    rid = c.submit("The capital of France is", SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    assert rec.wait_for(lambda: rec.of(ev.RequestAdded))
+    release = _hold_engine_thread(c)
+    c.step(1)  # paused: accepted (and dropped by the resume below, as documented)
+    c.resume()
+    assert c.state == "paused" and not c.pause_asked  # not applied yet: the state still says paused
+    with pytest.raises(NotPaused, match="pause first"):
+        c.step(1)
+    c.pause()
+    assert c.pause_asked
+    c.step(2)  # a pause asked and not yet applied counts
+    c.step(1)  # steps asked add up
+    assert c.steps_pending() == 3
+    ran = len(rec.of(ev.StepTimed))
+    release.set()
+    assert rec.wait_for(lambda: c.steps_pending() == 0 and len(rec.of(ev.StepTimed)) >= ran + 3)
+    _hold_engine_thread(c).set()  # one more pass of the engine thread's loop: no step more came
+    assert len(rec.of(ev.StepTimed)) == ran + 3 and c.state == "paused" and rid not in c.results
+    assert [type(e) for e in rec.events if isinstance(e, (ev.EnginePaused, ev.EngineResumed))][-2:] == [
+        ev.EngineResumed, ev.EnginePaused]
+    assert not [e for e in rec.of(ev.EngineError) if e.message.startswith("step")]

@@ -548,3 +548,59 @@ def test_a_chat_completion_is_told_to_a_watcher_as_the_users_message_not_token_i
         assert added.chat == (("user", "Hi"),)
         told = Narrator({}).feed(added)[0]
         assert told.text.startswith("The user's message 'Hi', put through the model's chat template, becomes"), told.text
+
+
+def test_pause_steps_and_resume_arriving_at_one_step_boundary_run_exactly_the_steps_accepted(tiny_server):
+    """Trial 25b: ``space n n n`` under --connect. Every order of pause, step and resume that reaches
+    the engine thread at one step boundary runs exactly the steps answered 200; a step sent after a
+    resume that has not applied yet is refused (409), not answered 200 and dropped."""
+    import requests
+
+    c = tiny_server.controller
+    rec: list[ev.Event] = []
+    sub = c.subscribe(rec.append, topk=0, blocks=False)
+
+    def post(body):
+        return requests.post(tiny_server.url + "/v1/engine/control", json=body, headers=tiny_server.headers, timeout=30)
+
+    def hold():  # the engine thread waits between steps until released; commands queue behind it
+        entered, release = threading.Event(), threading.Event()
+        c.call(lambda engine: (entered.set(), release.wait(30)))
+        assert entered.wait(30)
+        return release
+
+    def timed():
+        return sum(isinstance(e, ev.StepTimed) for e in list(rec))
+
+    rid = post({"command": "submit", "prompt": "Once upon a time",
+                "params": {"max_tokens": 400, "ignore_eos": True}}).json()["request_id"]
+    try:
+        assert poll_until(lambda: timed() >= 2, 30)
+        release = hold()  # running: pause and three steps arrive before the engine's next boundary
+        assert [post(b).status_code for b in ({"command": "pause", "owner": "app"}, {"command": "step"},
+                                               {"command": "step"}, {"command": "step"})] == [200] * 4
+        ran = timed()
+        release.set()
+        assert poll_until(lambda: c.state == "paused" and c.steps_pending() == 0 and timed() >= ran + 3, 30)
+        hold().set()  # one more pass of the engine thread's loop: the pause holds
+        assert timed() == ran + 3
+
+        release = hold()  # paused: a step, a resume, a step after it, a pause and a step
+        assert post({"command": "step", "n": 2}).status_code == 200
+        assert post({"command": "resume"}).json()["resumed"] is True
+        refused = post({"command": "step"})  # the state still reads "paused": was 200, then dropped
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "not_paused"
+        assert "pause first" in refused.json()["error"]["message"]
+        assert post({"command": "pause"}).status_code == 200
+        assert post({"command": "step"}).status_code == 200
+        ran = timed()
+        release.set()
+        assert poll_until(lambda: c.state == "paused" and c.steps_pending() == 0 and timed() >= ran + 1, 30)
+        hold().set()
+        assert timed() == ran + 1  # the resume dropped the 2 asked before it (documented); the last one ran
+        assert not [e for e in rec if isinstance(e, ev.EngineError)]
+    finally:
+        post({"command": "resume"})
+        post({"command": "abort", "request_id": rid})
+        c.unsubscribe(sub)
+        tiny_server.wait_idle()

@@ -65,6 +65,21 @@ class StepsPending(ValueError):
                          f"run); {advice}")
 
 
+class NotPaused(ValueError):
+    """A ``step(n)`` while the engine is running, or will be once the commands sent before it have
+    applied (the last ``pause``/``resume`` asked was a resume, or none was and it did not start
+    paused); nothing was queued. The message says what to do.
+
+    Acceptance follows the order commands were *asked* in, not the state the engine thread has
+    applied so far: a step sent after a resume that had not applied yet read the state "paused",
+    was accepted (a server answered 200) and then dropped without a word once the resume applied
+    (trial 25b)."""
+
+    def __init__(self) -> None:
+        super().__init__("step runs single steps while the engine is paused; pause first (the last pause or resume "
+                         "asked was a resume, or the engine runs)")
+
+
 @dataclass
 class _Command:
     name: str
@@ -110,6 +125,10 @@ class EngineController:
         self._drops = 0  # pause() and resume() calls so far
         self._drops_applied = 0  # of them, applied by the engine thread
         self._steps_queued = 0  # steps of step() calls since the last pause()/resume(), not yet applied
+        # Whether the engine is paused once every command asked so far has applied: set by pause() and
+        # resume() when they are called (not when the engine thread applies them), so step() accepts
+        # exactly the steps that will find the engine paused, whatever step boundary they arrive at.
+        self._will_pause = start_paused
         self._aborts_lock = threading.Lock()
         self._aborts_asked: set[str] = set()  # ids of abort() calls the engine thread has not applied yet
         self._stop = threading.Event()
@@ -214,8 +233,16 @@ class EngineController:
         """Run freely again (steps asked for and not yet run are dropped: they were for a paused engine)."""
         self._drop_steps("resume")
 
+    @property
+    def pause_asked(self) -> bool:
+        """True when the engine is paused once the commands asked so far have applied: the last of
+        ``pause()``/``resume()`` called was ``pause`` (or neither was and it started paused). What
+        :meth:`step` is accepted under, also while the engine thread has not applied that pause yet."""
+        return self._will_pause
+
     def _drop_steps(self, name: str) -> None:
         with self._steps_lock:
+            self._will_pause = name == "pause"
             self._drops += 1
             self._steps_queued = 0
             self._commands.put(_Command(name, (self._drops,)))
@@ -230,13 +257,21 @@ class EngineController:
         pause holds (trial 15b: kept, they ran the next request to its end while the engine said
         "paused"). A ``submit`` sent before the step counts: commands apply in order.
 
+        A step is accepted while the engine is paused or a ``pause`` asked before it has not applied
+        yet (it runs once the engine has paused at its step boundary); one asked after a ``resume``
+        is refused even while the engine thread has not applied that resume yet (:attr:`pause_asked`).
+
         Raises:
             ValueError: ``n`` is not a whole number from 1 to ``MAX_STEPS``.
+            NotPaused: (a ValueError) the engine runs, or will once the commands asked before have
+                applied; none is queued.
             StepsPending: (a ValueError) ``n`` more would leave more than ``MAX_STEPS`` pending; none is queued.
         """
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_STEPS:
             raise ValueError(f"step(n) needs a whole n from 1 to {MAX_STEPS}, got {shown(n)}")
         with self._steps_lock:
+            if not self._will_pause:
+                raise NotPaused()
             pending = self._pending_locked()
             if pending + n > MAX_STEPS:
                 raise StepsPending(n, pending)
@@ -476,6 +511,10 @@ class EngineController:
                         self._steps_queued -= n
                     if self._paused:  # (step() keeps the total within MAX_STEPS)
                         self._steps_allowed += n
+                        n = 0
+                if n:  # step() accepts only under a pause asked before it: never dropped without a word
+                    self._emit(ev.EngineError(step=None, message=f"step: {n} step(s) not run: the engine was "
+                                                                 "running when they arrived; pause first"))
             elif cmd.name == "abort":
                 try:
                     if not engine.abort_request(cmd.args[0]):

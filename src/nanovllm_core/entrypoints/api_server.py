@@ -48,7 +48,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanovllm_core.engine.controller import MAX_STEPS, StepsPending
+from nanovllm_core.engine.controller import MAX_STEPS, NotPaused, StepsPending
 from nanovllm_core.entrypoints.event_hub import EventHub
 from nanovllm_core.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm_core.entrypoints.openai_serving import SERVER_ID_PREFIXES, OpenAIServing, Prepared
@@ -95,10 +95,6 @@ class ServerState:
         # none, or --paused). A resume that names an owner ends only that owner's pause: an app that
         # quits resumes what it paused, never a pause another client made after it (issue 29).
         self.pause_owner: str | None = None
-        # A pause was asked (and no resume since): a step sent before the engine thread has applied
-        # it is queued behind it, as the app's local engine queues it (trial 12b: the attached app's
-        # n while its header said "pausing…" got "pause first", though the user had pressed space).
-        self.pause_asked = False
 
     def begin_shutdown(self) -> None:
         """Abort every request in flight and end the event streams (their clients see them end).
@@ -541,7 +537,6 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
     body = {k: whole_number(v) if k in ("n", "layer", "head", "priority") else v for k, v in body.items()}
     if name == "pause":
         state.pause_owner = _text(body, "owner") if "owner" in body else None
-        state.pause_asked = True
         c.pause()
     elif name == "resume":
         held = c.state == "paused" or state.pause_owner is not None
@@ -552,18 +547,19 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
                     "reason": "the pause held now was not made by this owner; it stays until its owner, or a "
                               "resume without owner, ends it"}
         state.pause_owner = None
-        state.pause_asked = False
         c.resume()
         return {"ok": True, "resumed": True}  # running again (also when it was not paused)
     elif name == "step":
         n = body.get("n", 1)
         if not _is_int(n) or not 1 <= n <= MAX_STEPS:
             raise APIError(f"step needs a whole n from 1 to {MAX_STEPS}, got {untrusted.shown(n)}", param="n", code="invalid_value")
-        # A pause asked and not yet applied counts: the controller applies commands in order, so
-        # the step runs once the engine has paused (at its next step boundary).
-        if c.state != "paused" and not state.pause_asked:
-            raise APIError("step runs single steps while the engine is paused; pause first", status=409,
-                           code="not_paused")
+        # A pause asked and not yet applied counts (trial 12b: the attached app's n while its header said
+        # "pausing…" got "pause first"): the controller applies commands in order, so
+        # the step runs once the engine has paused (at its next step boundary). A resume asked and not
+        # yet applied counts too: the state still read "paused", the step was answered 200 and then
+        # dropped once the resume applied (trial 25b). The controller decides, in the order asked.
+        if not c.pause_asked:
+            raise APIError(str(NotPaused()), status=409, code="not_paused")
         if not len(state.ids) and not state.hub.live_request_ids():  # submitted and not yet added count too
             # steps never wait for work that does not exist: banked, they ran the next request to its end
             # while the server said "paused" (trial 15b)
@@ -573,6 +569,8 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
             c.step(n)
         except StepsPending as e:  # was {"ok": true}, and the steps past the cap never ran (trial 14b)
             raise APIError(str(e), param="n", code="too_many_steps") from None
+        except NotPaused as e:  # a resume from another client between the check and here
+            raise APIError(str(e), status=409, code="not_paused") from None
     elif name == "abort":
         rid = _text(body, "request_id")
         known = rid in state.ids  # a request submitted and not yet added by the engine counts too
