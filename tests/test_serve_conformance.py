@@ -1082,6 +1082,20 @@ def test_whole_responses_carry_the_keys_vllm_sends(tiny_server, path, body, keys
         assert data["choices"][0]["prompt_logprobs"] is None
 
 
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "Hi"}), (CHAT, {"messages": MESSAGES})])
+def test_streamed_choices_carry_stop_reason_where_vllms_do(tiny_server, path, body):
+    """Trial 26a: every chat content chunk carried "stop_reason": null, which vLLM's chat stream names only
+    in a choice's last chunk (its completions stream names it in every chunk)."""
+    status, data = post(tiny_server, path, {**body, "max_tokens": 3, "temperature": 0, "ignore_eos": True},
+                        stream=True)
+    assert status == 200, data
+    choices = [c for d in data if d != "[DONE]" for c in json.loads(d)["choices"]]
+    last = [c for c in choices if c["finish_reason"] is not None]
+    assert len(last) == 1 and "stop_reason" in last[0]
+    middle = [c for c in choices if c["finish_reason"] is None]
+    assert middle and all(("stop_reason" in c) == (path != CHAT) for c in middle), middle
+
+
 def test_model_cards_carry_the_keys_vllm_sends(tiny_server):
     r = httpx.get(tiny_server.url + "/v1/models", headers=tiny_server.headers, timeout=30)
     card = r.json()["data"][0]

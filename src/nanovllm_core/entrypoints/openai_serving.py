@@ -426,7 +426,8 @@ class OpenAIServing:
                 s.offset += sum(len(t) for t in logprobs["tokens"])
             choice = {"index": index, "text": text, "logprobs": logprobs}
         choice["finish_reason"] = c.finish_reason if finished else None
-        choice["stop_reason"] = c.stop_reason if finished else None
+        if finished or p.kind == "completion":  # vLLM: a chat chunk names stop_reason only when its choice ends,
+            choice["stop_reason"] = c.stop_reason if finished else None  # a completion chunk always (trial 26a)
         if p.return_token_ids:
             if p.kind == "completion" and not s.started:
                 choice["prompt_token_ids"] = list(prompt_token_ids)
