@@ -46,3 +46,18 @@ async def test_down_then_abort_in_one_read_aborts_the_request_moved_to(tiny_llam
         await pilot.pause(0.3)
         states = {rid: (r.state, r.finish_reason) for rid, r in app.state.requests.items()}
         assert app.state.requests[second].finish_reason == "abort" and app.state.requests[first].live, states
+
+
+async def test_the_tutorial_score_names_right_answers_apart_from_answered_ones(tmp_path):
+    """Trial 26b: "Score 12/13 answered" beside "0 to go" read as 12 of 13 answered when all 13 were,
+    12 of them right."""
+    app = replay_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("escape", "4")
+        tutorial = app.query_one(TutorialView)
+        wrong = (tutorial.chapter.quiz.answer + 1) % 4
+        await pilot.press("abcd"[wrong])
+        await pilot.pause(0.2)
+        listing = str(app.query_one("#chapter-list").render())
+        assert "Score 0 right of 1 answered" in listing, listing
+        assert f"{13 - 1} to go" in listing

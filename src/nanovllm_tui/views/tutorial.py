@@ -245,7 +245,8 @@ class TutorialView(EngineView):
             current = i == self.progress.current
             text.append(f"{mark} ", style=style)
             text.append(f"{c.number:>2} {c.title.split(':')[0][:25]}\n", style="bold reverse" if current else "")
-        text.append(f"\nScore {self.progress.score}/{self.progress.answered} answered", style="bold")
+        # "12/13 answered" beside "0 to go" read as 12 of 13 answered (trial 26b): say which count is which
+        text.append(f"\nScore {self.progress.score} right of {self.progress.answered} answered", style="bold")
         text.append(f"\n{len(tut.CHAPTERS) - self.progress.answered} to go · ←/→ chapters", style="dim")
         self.query_one("#chapter-list", Static).update(text)
 
