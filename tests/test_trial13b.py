@@ -69,6 +69,8 @@ def test_the_cli_dashboard_tells_no_prefill_or_decode_rate_for_a_mixed_step():
     assert "(a mixed step: 3 prefill + 1 decode or draft tokens" in board, board
     pure = render(timed(0, wall=0.05))
     assert "Prefill 60.0 tok/s (last step)" in pure and "All tokens" not in pure, pure
+    # trial 26a: the kind the step ran none of has no rate ("Decode 0.0 tok/s" read as measured)
+    assert "Decode - (the last step had no decode tokens)" in pure and "Decode 0.0" not in pure, pure
 
 
 def test_the_app_rates_leave_out_mixed_steps_and_the_border_says_so():

@@ -364,9 +364,11 @@ class DashboardView:
                 speed.add_row("", Text(f"(a mixed step: {last.num_prefill_tokens} prefill + {last.num_decode_tokens} "
                                        "decode or draft tokens share its time, so no prefill or decode rate of "
                                        "its own)", style="dim"))
-            else:
-                speed.add_row("Prefill", f"{rate(last.prefill_tokens_per_s)} tok/s {which}")
-                speed.add_row("Decode", f"{rate(last.decode_tokens_per_s)} tok/s {which}")
+            else:  # a kind the last step ran none of has no rate: '0.0 tok/s' read as measured (trial 26a)
+                for kind, tokens, per_s in (("Prefill", last.num_prefill_tokens, last.prefill_tokens_per_s),
+                                            ("Decode", last.num_decode_tokens, last.decode_tokens_per_s)):
+                    speed.add_row(kind, f"{rate(per_s)} tok/s {which}" if tokens else
+                                  f"- (the last step had no {kind.lower()} tokens)")
             elapsed = (self.ended or 0) - (self.started or 0)
             if elapsed > 0:
                 # engine steps only: from the first step's plan to the last step's end. The command's
