@@ -172,6 +172,11 @@ class _Server:
                                 "`nanovllm serve` address?") from None
 
 
+def _lacks(have: tuple[int, bool, bool], wanted: tuple[int, bool, bool]) -> bool:
+    """A stream opened with detail ``have`` (topk, blocks, xray) lacks something of ``wanted``."""
+    return wanted[0] > have[0] or (wanted[1] and not have[1]) or (wanted[2] and not have[2])
+
+
 def _reason(e: BaseException) -> str:
     if isinstance(e, ConnectionRefusedError):
         return "connection refused"
@@ -274,6 +279,12 @@ class RemoteController:
         self._outage_reported: str | None = None  # the kind of outage told to the app ("lost", "key refused")
         self._key_refused = False  # the stream's last try was answered 401
         self._stream_conn: http.client.HTTPConnection | None = None
+        # The detail of the stream now open, once the server has its watcher (None between streams), and a
+        # restream the sender asked for: a command waits until the server has the detail wished before it
+        # (trial 26b: "2 n" ran the step before the stream's xray=1 reached the server, so it was untraced).
+        self._stream_detail: tuple[int, bool, bool] | None = None
+        self._restream = False
+        self._stream_cv = threading.Condition()
         self._ids = itertools.count()
         self._session = secrets.token_hex(2)  # ids of prompts sent from this app: tui-<session>-<n>
         self._paused_here = False  # this controller's last word was pause: shutdown resumes the server
@@ -429,10 +440,33 @@ class RemoteController:
             if item is None or self._stop.is_set():
                 return
             body, on_error = item
+            self._catch_up_detail()
             try:
                 self._server.request("POST", "/v1/engine/control", body)
             except RemoteError as e:
                 on_error(str(e))
+
+    def _catch_up_detail(self) -> None:
+        """Before a command is posted, let the server have the detail this app's subscribers asked for
+        before it: the stream is reopened with it (its first frame comes after the server registered its
+        watcher) when it lacks anything wished, so a step pressed after the X-Ray opened is traced, as keys
+        act in the order pressed. Waits at most ``read_timeout_s``; a stream that is down is not waited for."""
+        wanted = self._detail()
+        with self._stream_cv:
+            have = self._stream_detail
+            if not self._connected or have is None or not _lacks(have, wanted):
+                return
+            self._restream = True
+            conn = self._stream_conn
+        if conn is not None and conn.sock is not None:
+            try:  # wakes the reader out of its read: it reopens the stream with the detail wished now
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        with self._stream_cv:
+            self._stream_cv.wait_for(lambda: self._stop.is_set() or not self._connected or (
+                self._stream_detail is not None and not _lacks(self._stream_detail, wanted)),
+                self._server.timeout)
 
     # ------------------------------------------------------------------ the event stream (reader thread)
 
@@ -446,6 +480,10 @@ class RemoteController:
             except (OSError, http.client.HTTPException, RemoteError, ValueError) as e:
                 if self._stop.is_set():
                     break
+                with self._stream_cv:
+                    restream, self._restream = self._restream, False
+                if restream and isinstance(e, OSError):  # the sender closed it to reopen it with more detail
+                    continue
                 self._lost(e)
             self._stop.wait(delay)
             delay = min(delay * 2, self.reconnect_s[1])
@@ -501,11 +539,17 @@ class RemoteController:
                     continue
                 if data:
                     self._dispatch(kind, "\n".join(data), event_id)
+                    if self._stream_detail != detail:  # the server sends its first frame once it has the watcher
+                        with self._stream_cv:
+                            self._stream_detail = detail
+                            self._stream_cv.notify_all()
                 kind, data, event_id = "message", [], None
                 if self._detail() != detail:
                     return
         finally:
-            self._stream_conn = None
+            with self._stream_cv:
+                self._stream_conn, self._stream_detail = None, None
+                self._stream_cv.notify_all()
             conn.close()
 
     def _dispatch(self, kind: str, data: str, event_id: str | None) -> None:

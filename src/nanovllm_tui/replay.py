@@ -240,6 +240,14 @@ class ReplayController:
         self.ended = False
         self._ids = itertools.count()
         self._state = "paused" if start_paused else "running"
+        # (layer, head) -> the recorded steps whose trace of that layer carries its attention heatmap
+        self._heatmap_steps: dict[tuple[int, int], list[int]] = {}
+        for step_events in self._steps:
+            for e in step_events:
+                if isinstance(e, ev.LayerTrace) and e.attention:
+                    steps = self._heatmap_steps.setdefault((e.layer, e.head), [])
+                    if not steps or steps[-1] != e.step:
+                        steps.append(e.step)
         # Playing starts with the first subscriber, so no listener misses the beginning.
         self._thread = threading.Thread(target=self._run, name="nanovllm-replay", daemon=True)
 
@@ -265,6 +273,12 @@ class ReplayController:
     @property
     def steps_played(self) -> int:
         return self._next
+
+    def next_heatmap_step(self, layer: int, head: int, step: int) -> int | None:
+        """The first recorded step from ``step`` on whose trace holds the attention heatmap of ``layer``
+        and ``head`` (None: the recording holds none from there on). A replay cannot trace anything
+        new, so this, not "the next step", is when a heatmap chosen in the X-Ray can show."""
+        return next((s for s in self._heatmap_steps.get((layer, head), ()) if s >= step), None)
 
     def subscribe(self, callback: Callable[[ev.Event], None], topk: int = 5, xray: bool = False,
                   blocks: bool = True) -> ReplaySubscription:

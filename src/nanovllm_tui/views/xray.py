@@ -454,6 +454,20 @@ class XRayView(EngineView, can_focus=True):
         heatmap.border_title = "Attention (not captured when split over ranks)"
         heatmap.set_data((), (), ())
 
+    def _not_yours(self, step: int) -> str:
+        """The heatmap title's note when the heatmap shown is not of the chosen layer and head: a live
+        engine traces the chosen ones from its next step; a replay only has what was recorded (trial
+        26b: "(yours from the next step)" at every step of a replay that held layer 2's heatmap only
+        from step 16, beside a header saying "layer 2/29")."""
+        if getattr(self.app, "live", True):
+            return " (yours from the next step)"
+        chosen = f"layer {self.layer_index} · head {self.head_index}"
+        find = getattr(self.app.controller, "next_heatmap_step", None)
+        first = find(self.layer_index, self.head_index, step) if find is not None else None
+        if first is None:
+            return f" (the recording holds no heatmap of {chosen} at step {step} or after)"
+        return f" (the recording holds no heatmap of {chosen} at step {step}; its next is at step {first})"
+
     def _show_heatmap(self, state: EngineState, trace: ev.LayerTrace, heatmap: AttentionHeatmap) -> None:
         heat = state.heat
         if heat is None:
@@ -469,7 +483,7 @@ class XRayView(EngineView, can_focus=True):
         group = max(1, heat.num_heads // max(1, heat.num_kv_heads))
         title_text = f"Attention · layer {heat.layer} · head {heat.head} (kv {heat.head // group}) · step {heat.step}"
         if (heat.layer, heat.head) != (self.layer_index, self.head_index):
-            title_text += " (yours from the next step)"
+            title_text += self._not_yours(trace.step)
         heatmap.border_title = title_text
         rows = NARROW_HEATMAP_ROWS if self.folded else HEATMAP_ROWS
         heatmap.styles.height = min(len(heat.attention), rows) + 3  # + the key positions and the border
