@@ -823,11 +823,24 @@ def test_serving_doc_describes_every_control_command():
 
 
 @pytest.mark.parametrize("query, param", [("topk=1000", "topk"), ("topk=-1", "topk"), ("bogus=1", "bogus"),
-                                          ("topk=3&blocks=1&xray=1&top_k=2", "top_k")])
+                                          ("topk=3&blocks=1&xray=1&top_k=2", "top_k"), ("topk=abc", "topk"),
+                                          ("topk=2.5", "topk"), ("blocks=2", "blocks"), ("xray=yes", "xray"),
+                                          ("blocks=", "blocks")])
 def test_the_event_stream_refuses_an_unknown_or_out_of_range_query_parameter(tiny_server, query, param):
-    """Trial 9: topk=1000 was clamped and bogus=1 ignored, both answered 200 with a stream."""
+    """Trial 9: topk=1000 was clamped and bogus=1 ignored, both answered 200 with a stream. Trial 26c:
+    topk=abc and blocks=2 got pydantic's words with no range, and xray=yes was taken."""
     r = httpx.get(f"{tiny_server.url}/v1/engine/events?{query}", timeout=10, headers=tiny_server.headers)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    message = r.json()["error"]["message"]
+    assert message.startswith(f"{param} must be ") or param not in ("topk", "blocks", "xray"), message
+    assert "\n" not in message and "Input should be" not in message, message
+
+
+@pytest.mark.parametrize("query", ["topk=0&blocks=0&xray=0", "topk=20&blocks=1&xray=1", "blocks=true&xray=FALSE"])
+def test_the_event_stream_takes_each_documented_query_value(tiny_server, query):
+    with httpx.stream("GET", f"{tiny_server.url}/v1/engine/events?{query}", timeout=10,
+                      headers=tiny_server.headers) as r:
+        assert r.status_code == 200, r.read()
 
 
 def test_a_priority_under_fcfs_is_a_400_before_any_stream_byte_on_every_route(make_tiny_engine):

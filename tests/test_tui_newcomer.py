@@ -381,3 +381,26 @@ def test_the_tables_durations_switch_to_seconds_at_1_s_as_the_teaching_text_does
     assert fmt_ms(seconds) == shown
     if seconds is not None and seconds != 0.9996:  # (whole ms in a cell: 999.6 ms is a full second there)
         assert fmt_ms(seconds).endswith(" s") == ms(seconds).endswith(" s")
+
+
+async def test_an_abort_this_app_did_not_ask_for_is_told_apart_from_its_own(tiny_llama_dir, tmp_path):
+    """Trial 26c: a server shutting down aborted the app's request and the toast said "aborted after 8
+    tokens" in the words of the `a` key, as if the person had aborted it."""
+    from tests.tui_helpers import Notes, send_prompt, tiny_app
+
+    notes = Notes()
+    app = tiny_app(tiny_llama_dir, tmp_path, start_paused=True, max_tokens=50)
+    async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, what="the model")
+        await send_prompt(pilot, "first")
+        first = app.selected
+        await send_prompt(pilot, "second")
+        second = app.selected
+        await wait_until(pilot, lambda: {first, second} <= set(app.state.requests), what="both requests")
+        app.controller.abort(first)  # as a server's shutdown or another client does: not the `a` key
+        await wait_until(pilot, lambda: app.state.requests[first].state == "finished", what="the abort")
+        await pilot.press("escape", "a")  # the person's own abort of the selected (second) one
+        await wait_until(pilot, lambda: app.state.requests[second].state == "finished", what="my abort")
+        await pilot.pause(0.2)
+        assert notes.find(f"{first} aborted on the server, not by this app")
+        assert notes.find(f"{second} aborted after") and not notes.find(f"{second} aborted on the server")

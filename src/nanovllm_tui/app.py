@@ -154,6 +154,7 @@ class NanoVLLMApp(App):
         # is sent to the engine on any tab, so the traced request follows it (trial 11: it stayed on
         # the request the tab last showed, and --trace-xray recorded no step of the others).
         self._xray_chosen = False
+        self._aborted_here: set[str] = set()  # ids this app asked to abort (a toast tells other aborts apart)
         self._shown_tab = "dashboard"
         self._on_screen: dict[tuple[str, str, str], float] = {}  # notifications showing -> until (monotonic s)
         self._flush_pending = False
@@ -466,8 +467,12 @@ class NanoVLLMApp(App):
         elif isinstance(event, ev.RequestFinished) and event.finish_reason == "abort" and self._sent_here(event):
             # only this app's own prompts: an attached server's other clients disconnect all the time,
             # and a toast for each piled up over the panels (issue 29); the table shows their state
-            self.notify(f"{event.request_id} aborted after {plural(event.num_output_tokens, 'token')}; its KV blocks are "
-                        "released (a block another request shares stays in use)",
+            # an abort this app asked for is the person's own; any other came from the server's side (its
+            # shutdown, another client's control) and was told in the same words as `a` (trial 26c)
+            by = ("" if event.request_id in self._aborted_here else
+                  " on the server, not by this app (the server is shutting down, or another client aborted it)")
+            self.notify(f"{event.request_id} aborted{by} after {plural(event.num_output_tokens, 'token')}; its KV "
+                        "blocks are released (a block another request shares stays in use)",
                         markup=False)
         elif event.kind == "ServerRestarted":  # nanovllm_tui.remote's: an attached server came back anew
             self.notify(f"The server at {event.url} restarted with a new engine; requests that were running "
@@ -837,6 +842,7 @@ class NanoVLLMApp(App):
         elif not req.live:
             self.notify(f"{req.request_id} is already {req.state}; nothing to abort.", severity="warning", markup=False)
         else:
+            self._aborted_here.add(req.request_id)
             self.controller.abort(req.request_id)
 
     def action_select(self, delta: int) -> None:

@@ -62,6 +62,7 @@ from nanovllm_core import untrusted
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 EVENTS_QUERY = ("topk", "blocks", "xray")  # /v1/engine/events' query parameters
+EVENTS_FLAGS = {"1": True, "0": False, "true": True, "false": False}  # what blocks= and xray= take
 MAX_EVENTS_TOPK = 20
 CONTROL_COMMANDS = ("pause", "resume", "step", "abort", "submit", "xray", "snapshot")
 # The fields each control command takes (besides "command"); any other is refused, naming it.
@@ -258,18 +259,26 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
         return await _respond(request, state, await run_in_threadpool(state.serving.prepare_chat, body), *client_id)
 
     @v1.get("/v1/engine/events")
-    async def engine_events(request: Request, topk: int = 0, blocks: bool = False, xray: bool = False) -> Response:
+    async def engine_events(request: Request, topk: str = "0", blocks: str = "0", xray: str = "0") -> Response:
         if state.shutting_down:  # a watcher would only be let go again at once
             raise APIError("the server is shutting down", status=503, type="server_error", code="shutting_down")
         unknown = sorted(set(request.query_params) - set(EVENTS_QUERY))
         if unknown:  # a misspelt parameter is never ignored, as the control API's fields (trial 9)
             raise APIError(f"unknown query parameter {untrusted.shown(unknown[0])} on /v1/engine/events; it takes "
                            f"{', '.join(EVENTS_QUERY)}", param=unknown[0], code="unknown_parameter")
-        if not 0 <= topk <= MAX_EVENTS_TOPK:
+        # each parameter read here, so every wrong value gets the same kind of line: what it takes, what came
+        # (trial 26c: ?topk=abc and ?blocks=2 got pydantic's words, ?xray=yes passed)
+        if not (topk.isascii() and topk.isdigit() and 0 <= int(topk) <= MAX_EVENTS_TOPK):
             raise APIError(f"topk must be a whole number from 0 to {MAX_EVENTS_TOPK} (the top choices sent with "
-                           f"each sampled token), got {topk}", param="topk", code="invalid_value")
+                           f"each sampled token), got {untrusted.shown(topk)}", param="topk", code="invalid_value")
+        flags = {}
+        for name, value, what in (("blocks", blocks, "the block tables"), ("xray", xray, "X-Ray traces")):
+            flags[name] = EVENTS_FLAGS.get(value.lower())
+            if flags[name] is None:
+                raise APIError(f"{name} must be 1 (send {what}) or 0 (true or false also do), got "
+                               f"{untrusted.shown(value)}", param=name, code="invalid_value")
         last_id = state.hub.parse_last_event_id(request.headers.get("last-event-id"))
-        return StreamingResponse(state.hub.stream(topk, blocks, xray, last_id),
+        return StreamingResponse(state.hub.stream(int(topk), flags["blocks"], flags["xray"], last_id),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
     @v1.post("/v1/engine/control")
