@@ -507,3 +507,23 @@ def test_serve_refuses_an_empty_model_name_with_one_line(capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1
     assert "argument --model: a model name must not be empty" in err
+
+
+def test_no_loading_stage_is_printed_after_the_commands_last_line(capsys):
+    """A signal while the model loaded: 'stopped before the model had loaded; nothing was served' was
+    followed by the loader's next stages ('loading weights...'), the command's last line not last (a
+    full run under load, 2-core EPYC)."""
+    import threading
+    from types import SimpleNamespace
+
+    from nanovllm_core import events as ev
+    from nanovllm_core.entrypoints.cli import progress_printer, say_last
+
+    controller = SimpleNamespace(said_lock=threading.Lock(), said_last=False, engine_died=None, engine=None)
+    progress = progress_printer(controller)
+    progress(ev.ModelLoading(stage="reading the weights", done=0, total=2))
+    say_last(controller, "nanovllm serve: stopped before the model had loaded; nothing was served")
+    progress(ev.ModelLoading(stage="loading weights", done=1, total=2))
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith("nothing was served") and "loading weights" not in err, err
+    assert "nanovllm serve: reading the weights..." in err

@@ -101,15 +101,31 @@ def listen(host: str, port: int) -> socket.socket:
 
 def start_loading(args: argparse.Namespace):
     """Start the engine thread loading the model (returns at once); each loading stage is printed on stderr."""
-    from nanovllm_core import events as ev
     from nanovllm_core.engine.controller import EngineController
+
+    kwargs = engine_kwargs(args)
+    controller = EngineController(kwargs.pop("model"), start_paused=args.paused, **kwargs)
+    controller.engine_died = None  # the engine's fatal error once it stopped for good (the exit status is then 1)
+    # The loading stages stop once the command has said its last line: a signal while the model loaded
+    # printed "stopped before the model had loaded" and then the loader's next stages after it.
+    controller.said_lock, controller.said_last = threading.Lock(), False
+    controller.subscribe(progress_printer(controller), topk=0, blocks=False)
+    return controller
+
+
+def progress_printer(controller: Any):
+    """The subscriber printing each loading stage once on stderr (none after :func:`say_last`), and an
+    engine that stopped for good once (``controller.engine_died``)."""
+    from nanovllm_core import events as ev
 
     seen: set[str] = set()
 
     def progress(event: ev.Event) -> None:
         if isinstance(event, ev.ModelLoading) and event.stage not in seen and not event.ready:
             seen.add(event.stage)
-            print(f"nanovllm serve: {event.stage}...", file=sys.stderr, flush=True)
+            with controller.said_lock:  # none after the command's last line (say_last)
+                if not controller.said_last:
+                    print(f"nanovllm serve: {event.stage}...", file=sys.stderr, flush=True)
         elif isinstance(event, ev.EngineError) and controller.engine_died is None:
             engine = controller.engine  # the engine stopped for good (a tensor-parallel rank died): said once
             if engine is not None and engine.fatal_error is not None and event.message == engine.fatal_error:
@@ -117,11 +133,14 @@ def start_loading(args: argparse.Namespace):
                 print(f"nanovllm serve: error: {event.message}; requests in flight ended with it, new ones get 503 "
                       "engine_dead; restart nanovllm serve", file=sys.stderr, flush=True)
 
-    kwargs = engine_kwargs(args)
-    controller = EngineController(kwargs.pop("model"), start_paused=args.paused, **kwargs)
-    controller.engine_died = None  # the engine's fatal error once it stopped for good (the exit status is then 1)
-    controller.subscribe(progress, topk=0, blocks=False)
-    return controller
+    return progress
+
+
+def say_last(controller, line: str) -> None:
+    """Print the command's last line on stderr; no loading stage is printed after it."""
+    with controller.said_lock:
+        controller.said_last = True
+        print(line, file=sys.stderr, flush=True)
 
 
 def pool_problem(controller: Any) -> str | None:
@@ -224,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         controller.shutdown(timeout=2.0)
         sock.close()
     if state == "loading":  # stopped (SIGTERM, Ctrl-C) before the model was ready: say so, not nothing (trial 13)
-        print("nanovllm serve: stopped before the model had loaded; nothing was served", file=sys.stderr, flush=True)
+        say_last(controller, "nanovllm serve: stopped before the model had loaded; nothing was served")
     if state != "failed":
         # SIGTERM or Ctrl-C while the model still loads (or inside a long step): the engine thread is
         # in torch's code, and the interpreter's teardown under it aborted (status 134, trial 12).
