@@ -698,3 +698,19 @@ def test_the_tensor_parallel_chapter_tells_this_engines_rule_and_vllms_kv_head_r
     # trial 13b: no KV head is cut, and engines refuse such an N by their checks, not by impossibility
     assert "At 3 or 6 some KV head's query heads would fall on two ranks" in q.explanation
     assert "vLLM and this engine both refuse such an N" in q.explanation
+
+
+@pytest.mark.parametrize("number", [5, 6, 13])
+def test_without_a_model_a_chapter_that_points_to_its_figures_says_they_are_not_shown(capsys, monkeypatch, tmp_path,
+                                                                                    number):
+    """Trial 27a: `nanovllm --tutorial --no-demos` printed chapter 5's "the figures below" and chapter 6's
+    "the numbers below" and "the demonstration measures how much here", none of which came."""
+    code, out, _ = run_tutorial_cli(capsys, monkeypatch, tmp_path, "q\n", "--tutorial-chapter", str(number))
+    assert code == 0
+    flat = " ".join(out.split())
+    assert "No model is loaded, so the figures and the demonstration this chapter refers to are not shown" in flat
+
+
+def test_a_chapter_that_points_to_nothing_below_has_no_such_note(capsys, monkeypatch, tmp_path):
+    code, out, _ = run_tutorial_cli(capsys, monkeypatch, tmp_path, "q\n", "--tutorial-chapter", "1")
+    assert code == 0 and "No model is loaded" not in out

@@ -19,6 +19,7 @@ demonstration builds a small engine over the loaded weights with the settings it
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,6 +175,10 @@ def run_tutorial(console: Console, stream: TextIO | None = None, progress_path: 
     return result
 
 
+# A chapter's own words for what follows it on the loaded model: its figures and its demonstration
+REFERS_TO_FIGURES = re.compile(r"\b(figures|numbers) below\b|\bthe demonstration\b")
+
+
 def show_chapter(console: Console, ch: Chapter, model_info: dict[str, Any] | None) -> None:
     """The chapter's heading, its paragraphs, and real numbers about the loaded model if known."""
     console.print(Rule(Text(f"Chapter {ch.number} of {len(CHAPTERS)}: {ch.title}", style="bold cyan"), align="left"))
@@ -182,6 +187,12 @@ def show_chapter(console: Console, ch: Chapter, model_info: dict[str, Any] | Non
         console.print()
     for line in model_facts(ch, model_info or {}):
         console.print(Indent(Text("On this model: " + line, style="cyan")))
+        console.print()
+    if model_info is None and REFERS_TO_FIGURES.search(" ".join(ch.paragraphs)):
+        # --no-demos (or a model that did not load): the text's "figures below" never come (trial 27a)
+        console.print(Indent(Text("No model is loaded, so the figures and the demonstration this chapter refers "
+                                  "to are not shown here; run `nanovllm --tutorial` without --no-demos to see them.",
+                                  style="yellow")))
         console.print()
 
 
