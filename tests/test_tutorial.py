@@ -714,3 +714,39 @@ def test_without_a_model_a_chapter_that_points_to_its_figures_says_they_are_not_
 def test_a_chapter_that_points_to_nothing_below_has_no_such_note(capsys, monkeypatch, tmp_path):
     code, out, _ = run_tutorial_cli(capsys, monkeypatch, tmp_path, "q\n", "--tutorial-chapter", "1")
     assert code == 0 and "No model is loaded" not in out
+
+
+def _keys_through_a_terminal(keys: str) -> tuple[str | None, str]:
+    """The one answer KeyInput reads from a real pseudo-terminal that was sent ``keys``, and what it echoed."""
+    import os
+    import pty
+    import threading
+
+    from rich.console import Console
+
+    from nanovllm_core.educational.tutorial_view import KeyInput
+
+    master, slave = pty.openpty()
+    try:
+        stream = os.fdopen(slave, "r", closefd=False)
+        out = io.StringIO()
+        # typed once the prompt waits: entering cbreak mode flushes input typed before it (TCSAFLUSH)
+        typist = threading.Timer(0.3, os.write, (master, keys.encode()))
+        typist.start()
+        answer = KeyInput(stream).read("Your answer (A-D): ", Console(file=out, width=80, highlight=False))
+        typist.join()
+        return answer, out.getvalue()
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+def test_a_wrong_word_typed_at_the_quiz_is_one_wrong_answer_and_a_letter_acts_at_once():
+    """Trial 28a: typing "hello" and Enter at the quiz printed "Please answer with A, B, C or D" six times
+    (each key was an answer). A word is read to Enter and refused once; A-D and q still act at once."""
+    answer, echoed = _keys_through_a_terminal("hello\n")
+    assert answer == "hello" and "hello" in echoed, (answer, echoed)
+    assert _keys_through_a_terminal("b") == ("b", "Your answer (A-D): b\n")
+    assert _keys_through_a_terminal("xy\x7fz\n")[0] == "xz"  # Backspace edits the word
+    assert _keys_through_a_terminal("\n")[0] == ""
+    assert _keys_through_a_terminal("\x04")[0] is None  # Ctrl-D ends the tutorial

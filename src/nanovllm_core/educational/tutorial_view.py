@@ -54,7 +54,13 @@ class LineInput:
 
 
 class KeyInput:
-    """Single key presses on a POSIX terminal (cbreak mode); Ctrl-C and Ctrl-D end the tutorial."""
+    """Key presses on a POSIX terminal (cbreak mode); Ctrl-C and Ctrl-D end the tutorial.
+
+    An answer's key (A-D, or q) acts at once, without Enter. Any other key begins a word read up to
+    Enter (Backspace edits it), so a wrong word is one wrong answer told once: "hello" and Enter were
+    six answers, each refused with its own line (trial 28a)."""
+
+    KEYS_AT_ONCE = frozenset("abcdqABCDQ")
 
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream
@@ -66,18 +72,34 @@ class KeyInput:
         console.print(Text(prompt, style="bold"), end="")
         fd = self.stream.fileno()
         old = termios.tcgetattr(fd)
+        word = ""
         try:
             tty.setcbreak(fd)
-            ch = self.stream.read(1)
+            while True:
+                ch = self.stream.read(1)
+                if ch in ("", "\x03", "\x04"):
+                    word = None
+                    break
+                if ch in "\r\n":
+                    break
+                if not word and ch in self.KEYS_AT_ONCE:
+                    word = ch
+                    console.print(Text(ch), end="")
+                    break
+                if ch in ("\x7f", "\b"):  # Backspace: the word's last character goes
+                    if word:
+                        word = word[:-1]
+                        console.print("\b \b", end="", markup=False, highlight=False)
+                    continue
+                if ch.isprintable():
+                    word += ch
+                    console.print(Text(ch), end="")
         except KeyboardInterrupt:
-            ch = ""
+            word = None
         finally:
             termios.tcsetattr(fd, termios.TCSADRAIN, old)
-        if ch in ("", "\x03", "\x04"):
-            console.print()
-            return None
-        console.print(Text("" if ch in "\r\n" else ch))
-        return "" if ch in "\r\n" else ch
+        console.print()
+        return word
 
 
 def input_for(stream: TextIO) -> LineInput | KeyInput:
