@@ -708,7 +708,7 @@ class Narrator(SchedulerNarration):
                          f"{fp.stored_bytes:,} bytes ({human_bytes(fp.stored_bytes)}"
                          f"{self._ranks(fp.stored_bytes, human_bytes)}) of keys and values"
                          + ("." if not fp.empty_slots else
-                            f"; the other {plural(fp.empty_slots, 'slot')} {'is' if fp.empty_slots == 1 else 'are'} "
+                            f"; the other {plural(fp.empty_slots, 'slot')} {agree(fp.empty_slots, 'is', 'are')} "
                             "reserved but still empty."))
                 title += f", {human_bytes(fp.stored_bytes)} stored"
         text += change + cached
@@ -748,7 +748,7 @@ class Narrator(SchedulerNarration):
             text += (f" It stores {plural(fp.tokens, 'token')} x {fp.bytes_per_token:,} bytes = {fp.stored_bytes:,} bytes "
                      f"({human_bytes(fp.stored_bytes)}) of keys and values"
                      + ("." if not fp.empty_slots else
-                        f"; the other {plural(fp.empty_slots, 'slot')} {'is' if fp.empty_slots == 1 else 'are'} "
+                        f"; the other {plural(fp.empty_slots, 'slot')} {agree(fp.empty_slots, 'is', 'are')} "
                         "reserved but still empty: the waste that paged attention avoids by taking a block only "
                         "when one fills."))
             title += f", {human_bytes(fp.stored_bytes)} stored"

@@ -449,7 +449,7 @@ def budget_at_turn(plan: ev.StepPlanned, s: ev.ScheduledEntry, name, subject: st
         return ""
     before = [e for e in plan.scheduled if e.plan_order is not None and e.plan_order < s.plan_order]
     taken = plan.token_budget - s.budget_left
-    left = f"only {s.budget_left} of them {'was' if s.budget_left == 1 else 'were'} left when {subject}'s turn came"
+    left = f"only {s.budget_left} of them {agree(s.budget_left, 'was', 'were')} left when {subject}'s turn came"
     if sum(e.num_own_tokens + e.num_spec_tokens for e in before) != taken:  # slots given back after its turn
         return left
     parts = []
@@ -484,14 +484,14 @@ def budget_slots_reason(plan: ev.StepPlanned, s: ev.ScheduledEntry, name) -> str
     parts = []
     if left < plan.token_budget:
         parts.append(budget_at_turn(plan, s, name, name(s))
-                     or f"only {left} of them {'was' if left == 1 else 'were'} left when its turn came, "
+                     or f"only {left} of them {agree(left, 'was', 'were')} left when its turn came, "
                         f"{plan.token_budget - left} having gone to sequences planned before it")
     newest = "its prompt's last token" if s.kind == "prefill" else "its newest token"
     mine = f"{own} went to {newest}" if own == 1 else f"{own} went to its own tokens"
     if kept:
         who = (f", {join_words([name(e) for e in after])}" if len(after) == kept else "")
-        mine += (f" and {kept} {'was' if kept == 1 else 'were'} kept for the running "
-                 f"{'request' if kept == 1 else 'requests'} served after it (a token each{who})")
+        mine += (f" and {kept} {agree(kept, 'was', 'were')} kept for the running "
+                 f"{agree(kept, 'request', 'requests')} served after it (a token each{who})")
     room = left - own - kept
     mine += f", which left {room if room else 'none'}"
     return f"the step's token budget of {plan.token_budget}, " + "; ".join(parts + [mine]) if parts else \
