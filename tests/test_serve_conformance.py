@@ -1099,14 +1099,17 @@ def test_whole_responses_carry_the_keys_vllm_sends(tiny_server, path, body, keys
 def test_streamed_choices_carry_stop_reason_where_vllms_do(tiny_server, path, body):
     """Trial 26a: every chat content chunk carried "stop_reason": null, which vLLM's chat stream names only
     in a choice's last chunk (its completions stream names it in every chunk)."""
-    status, data = post(tiny_server, path, {**body, "max_tokens": 3, "temperature": 0, "ignore_eos": True},
+    status, data = post(tiny_server, path, {**body, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
                         stream=True)
     assert status == 200, data
     choices = [c for d in data if d != "[DONE]" for c in json.loads(d)["choices"]]
     last = [c for c in choices if c["finish_reason"] is not None]
     assert len(last) == 1 and "stop_reason" in last[0]
+    # the chunks before the last (a chat stream always opens with its role chunk; tokens that came
+    # out between two sends share one chunk, so a short completion may have none before its last)
     middle = [c for c in choices if c["finish_reason"] is None]
-    assert middle and all(("stop_reason" in c) == (path != CHAT) for c in middle), middle
+    assert all(("stop_reason" in c) == (path != CHAT) for c in middle), middle
+    assert middle or path != CHAT
 
 
 def test_model_cards_carry_the_keys_vllm_sends(tiny_server):
