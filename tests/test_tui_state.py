@@ -272,3 +272,22 @@ def test_the_cached_column_is_a_finishs_first_admission_figure_not_its_readmissi
     state.apply(added())
     state.apply(replace(finished(), num_preemptions=1, num_cached_prompt_tokens=8, num_cached_tokens_readmitted=16))
     assert state.requests["0"].num_cached == 8
+
+
+def test_a_conversation_sent_elsewhere_shows_its_messages_not_its_raw_chat_template():
+    """Trial 27b: a replay (or an attached server's chat client) showed a chat request's prompt as its
+    template's rendering, ``<|im_start|>user...``, where the live app shows the message. The
+    conversation's messages are shown, one ``role: text`` a line, and what answers is the Assistant."""
+    from nanovllm_tui.views.dashboard import exchange
+    state = EngineState()
+    pieces = ("<|im_start|>", "system", "\n", "Be brief", "<|im_end|>", "<|im_start|>", "user", "\n", "Hi", "<|im_end|>")
+    state.apply(ev.RequestAdded(request_id="r", prompt=None, prompt_token_ids=tuple(range(len(pieces))),
+                                prompt_pieces=pieces, priority=0, max_tokens=4,
+                                chat=(("system", "Be brief"), ("user", "Hi \x1b[31m"))))
+    shown = exchange(state.requests["r"]).plain
+    assert shown.startswith("Chat (2 messages)\nsystem: Be brief\nuser: Hi ␛[31m\nAssistant\n"), shown
+    assert "<|im_start|>" not in shown
+    # a text prompt from elsewhere keeps the plain labels, with its control characters made visible too
+    state.apply(ev.RequestAdded(request_id="t", prompt="a\x1bb", prompt_token_ids=(1, 2), prompt_pieces=("a", "b"),
+                                priority=0, max_tokens=4))
+    assert exchange(state.requests["t"]).plain == "Prompt\na␛b\nOutput\n"

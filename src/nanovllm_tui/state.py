@@ -43,6 +43,8 @@ class RequestView:
     max_tokens: int | None = None
     chat: bool | None = None  # sent as a user's chat message (True), as raw text (False), or not known (sent elsewhere)
     n: int = 1  # samples of the prompt (a client's n); the app follows sample 0, the Narrator tells them all
+    # a conversation's (role, text) per message (RequestAdded.chat), as sent; empty for a text or token-id prompt
+    conversation: tuple[tuple[str, str], ...] = ()
     state: str = "submitted"
     prompt_len: int | None = None
     prompt_pieces: tuple[str, ...] = ()
@@ -294,9 +296,12 @@ class EngineState:
     def _on_RequestAdded(self, e: ev.RequestAdded) -> None:
         req = self._request(e.request_id)
         # A prompt sent as token ids (a chat template's rendering) is shown as its pieces.
-        req.prompt = e.prompt if e.prompt is not None else (req.prompt or "".join(e.prompt_pieces))
+        # Made visible as the app's own prompts are (submitted): a replay's or another client's prompt
+        # can hold an ESC too.
+        req.prompt = visible_text(e.prompt if e.prompt is not None else (req.prompt or "".join(e.prompt_pieces)))
         req.priority, req.max_tokens, req.sampling = e.priority, e.max_tokens, dict(e.sampling)
         req.n = e.n
+        req.conversation = tuple((str(role), visible_text(str(text))) for role, text in e.chat)
         req.prompt_len, req.prompt_pieces = len(e.prompt_token_ids), e.prompt_pieces
         req.added_time = e.time
         req.paused_at_added = req.paused_at_first = req.paused_at_last = self.paused_clock(e.time)

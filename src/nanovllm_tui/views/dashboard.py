@@ -177,11 +177,19 @@ ROLES = {True: ("You (chat)", "Assistant"), False: ("Prompt (raw text)", "Contin
 
 def exchange(req) -> Text:
     """The selected request's prompt and output as two labelled turns, each label on a line of its
-    own, so the output never reads as part of the prompt (the text itself is shown as is)."""
+    own, so the output never reads as part of the prompt (the text itself is shown as is). A
+    conversation sent elsewhere (a replay, an attached server's chat clients) is shown as its
+    messages, one ``role: text`` per line, not as its chat template's raw rendering (trial 27b)."""
     asked, answered = ROLES[req.chat]
     text = Text()
-    text.append(f"{asked}\n", style="bold")
-    text.append(req.prompt, style="dim")
+    if req.chat is None and req.conversation:
+        count = len(req.conversation)
+        text.append(f"Chat ({count} message{'s' if count != 1 else ''})\n", style="bold")
+        text.append("\n".join(f"{role}: {said}" for role, said in req.conversation), style="dim")
+        answered = "Assistant"
+    else:
+        text.append(f"{asked}\n", style="bold")
+        text.append(req.prompt, style="dim")
     text.append(f"\n{answered}\n", style="bold")
     text.append(req.text, style=f"bold {request_color(req.order)}")
     return text
