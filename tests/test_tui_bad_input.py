@@ -217,6 +217,25 @@ async def test_abort_with_no_request_selected_says_so(tmp_path):
         assert not notes.find("press space to pause first") and not notes.find("send a prompt")
 
 
+@pytest.mark.parametrize("build", ["load", "factory"])
+async def test_space_with_no_engine_says_so_and_shows_no_pause_pending(tmp_path, build):
+    """Space after the engine failed to start (its model did not load, or the engine could not even be
+    built) did nothing at all, where n and a say there is no engine; the header must not claim a
+    pause is under way either."""
+    def broken():
+        raise RuntimeError("no such device")
+
+    factory = broken if build == "factory" else (lambda: EngineController(model=str(tmp_path / "none")))
+    app, notes = NanoVLLMApp(BackgroundController(factory), tutorial_path=tmp_path / "t.json"), Notes()
+    async with app.run_test(size=SIZE, message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: app.state.phase == "failed", timeout=30, what="the failure")
+        await pilot.press("escape", "space")
+        await wait_until(pilot, lambda: notes.find("No engine: model failed to load (see the header)", "warning"),
+                         what="the no-engine warning")
+        assert app.state.pending is None
+        assert "paus" not in str(app.query_one("#header").render())
+
+
 async def test_abort_with_no_request_at_all_says_to_send_one(tiny_llama_dir, tmp_path):
     """Trial 13: ``a`` before any prompt said "pick one in the Dashboard's table" over an empty table."""
     app, notes = tiny_app(tiny_llama_dir, tmp_path), Notes()

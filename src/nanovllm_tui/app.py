@@ -792,7 +792,11 @@ class NanoVLLMApp(App):
         """Ask the engine (or server, or replay) to pause, or to resume. The header shows the state
         the engine confirmed: ``pausing…`` / ``resuming…`` until its ``EnginePaused`` /
         ``EngineResumed`` arrives (a local engine pauses at its next step boundary), and a refusal
-        (a server out of reach or answering an error) is a toast with its reason, the state as it was."""
+        (a server out of reach or answering an error) is a toast with its reason, the state as it was.
+        With no engine (it failed to start) the key says so, as n and a do, rather than nothing."""
+        if self.state.no_engine:
+            self.notify(self.state.no_engine, severity="warning", markup=False)
+            return
         if self.state.pending == "pausing" or (self.state.paused and self.state.pending is None):
             self.state.pending = "resuming"
             self.controller.resume()
@@ -814,7 +818,7 @@ class NanoVLLMApp(App):
                         "paused).")
             return
         if self.state.no_engine:  # "press space to pause first" / "send a prompt first" would not help
-            self.notify(self.state.no_engine, severity="warning")
+            self.notify(self.state.no_engine, severity="warning", markup=False)
             return
         if hints.recording_over(self.state, self.live):  # "send a prompt first" is no way on in a replay
             self.notify("Nothing to step: the recording has no more steps.", severity="warning")
@@ -834,7 +838,7 @@ class NanoVLLMApp(App):
         if not self.live:  # the key is hidden in a replay; the palette or a binding that still got here
             self.notify("A replay plays a recording: its requests cannot be aborted.", severity="warning")
         elif req is None and self.state.no_engine:  # nothing was or will be sent (trial 13's kind)
-            self.notify(self.state.no_engine, severity="warning")
+            self.notify(self.state.no_engine, severity="warning", markup=False)
         elif req is None and not self.state.requests:  # the table is empty: "pick one" had nothing to pick (trial 13)
             self.notify("No request to abort: send a prompt first.", severity="warning")
         elif req is None:
