@@ -125,6 +125,36 @@ def test_an_attached_app_never_imports_torch(tiny_server):
     assert out.stdout.strip().split()[2:] == ["torch", "False", "transformers", "False"], out.stderr[-2000:]
 
 
+@pytest.mark.parametrize("source", ["--replay", "--connect"])
+def test_the_web_launcher_never_imports_torch(source, request):
+    """Trial 29c: ``nanovllm-tui --web`` itself (it serves pages and starts one app per visitor) held
+    566 MB with torch and CUDA's libraries mapped, for a host-name check (``is_loopback``, then in the
+    API server's module). It reaches the page server with neither torch nor transformers imported."""
+    out = run_python("""
+        import socket, sys
+        from nanovllm_tui import app, web
+
+        class Pages:
+            def serve(self):
+                print("torch", "torch" in sys.modules, "transformers", "transformers" in sys.modules)
+
+        web.page_server = lambda command, **kwargs: Pages()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        app.main(["--web", "--port", str(port), *SOURCE])
+    """.replace("SOURCE", repr(web_source(source, request))))
+    assert out.stdout.strip() == "torch False transformers False", out.stderr[-2000:]
+
+
+def web_source(source: str, request) -> list[str]:
+    """What the app watches: the test trace, or a tiny in-process server (with its API key, if any)."""
+    if source == "--replay":
+        return ["--replay", str(TRACE)]
+    server = request.getfixturevalue("tiny_server")
+    return ["--connect", server.url, *(["--api-key", server.api_key] if server.api_key else [])]
+
+
 def start_web_app(*args: str) -> subprocess.Popen:
     """The app as textual-serve starts it for one page: the web driver on stdin/stdout pipes."""
     proc = subprocess.Popen([sys.executable, "-m", "nanovllm_tui.app", "--replay", str(TRACE), *args],

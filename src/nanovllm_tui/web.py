@@ -105,7 +105,7 @@ def page_server(command: str, **kwargs):
 
 def serve_in_browser(argv: Sequence[str] | None = None) -> int:
     """Check the options, then serve the app on ``--host``/``--port`` until Ctrl-C. Bad options: status 2."""
-    from nanovllm_core.entrypoints.api_server import is_loopback
+    from nanovllm_core.entrypoints.addresses import is_loopback
     from nanovllm_tui.options import build_parser, parse_args
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import ipaddress
 import json
 import secrets
 import signal
@@ -49,6 +48,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm_core.engine.controller import MAX_STEPS, NotPaused, StepsPending
+from nanovllm_core.entrypoints.addresses import is_loopback
 from nanovllm_core.entrypoints.event_hub import EventHub
 from nanovllm_core.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm_core.entrypoints.openai_serving import SERVER_ID_PREFIXES, OpenAIServing, Prepared
@@ -788,14 +788,6 @@ class LoadingGate:
 
 
 # ---------------------------------------------------------------------- running
-
-
-def is_loopback(host: str) -> bool:
-    """True when ``host`` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def bind_warning(host: str, api_key: str | None) -> str | None:
