@@ -6,6 +6,8 @@ import io
 import re
 from dataclasses import replace
 
+import pytest
+
 from rich.console import Console
 
 from nanovllm_core import events as ev
@@ -180,3 +182,46 @@ def test_the_throughput_border_keeps_the_mixed_step_note_beside_the_keys_wait():
     wide = border_captions(0.194, 1, 2, 200)
     assert wide == " · ".join([yielded_caption(0.194, 200), traced_caption(1, 200), mixed_caption(2, 200)])
     assert border_captions(0.0, 0, 0, 80) == ""
+
+
+@pytest.mark.anyio
+async def test_a_kind_no_kept_step_did_reads_as_not_seen_not_as_a_measured_zero():
+    """Trial 29c: an app attached to a server while its request decoded showed "prefill 0 tok/s", a rate
+    never measured (the server had prefilled that request before the app saw any step)."""
+    import dataclasses
+
+    from textual.app import App
+
+    from nanovllm_tui.state import EngineState
+    from nanovllm_tui.widgets.throughput import ThroughputPanel
+    from tests.test_narrator import added, entry, planned
+
+    state = EngineState()
+    state.ready, state.engine_state = True, "running"
+    state.apply(added("0"))
+    decode = ev.StepTimed(step=5, wall_time_s=0.02, num_tokens=1, num_prefill_tokens=0, num_decode_tokens=1,
+                          prefill_tokens_per_s=0.0, decode_tokens_per_s=50.0, kv_bytes_used=0, kv_bytes_total=0,
+                          num_running=1, num_waiting=0)
+    for step in (5, 6):
+        state.apply(planned(step, [entry("0", kind="decode", num=1, start=40 + step, total_len=41 + step)]))
+        state.apply(dataclasses.replace(decode, step=step))
+    assert state.busy and state.rate("prefill") == (0.0, 0)
+
+    class Board(App):
+        def compose(self):
+            yield ThroughputPanel()
+
+    for width in (60, 24, 14):
+        app = Board()
+        async with app.run_test(size=(width, 10)) as pilot:
+            panel = app.query_one(ThroughputPanel)
+            panel.show(state)
+            await pilot.pause()
+            prefill, decoded = (str(panel.query_one(f"#{k}-rate").render()) for k in ("prefill", "decode"))
+            assert "tok/s" not in prefill and "0" not in prefill and "-" in prefill, (width, prefill)
+            assert "50" in decoded, (width, decoded)
+    wide = Board()
+    async with wide.run_test(size=(60, 10)) as pilot:
+        wide.query_one(ThroughputPanel).show(state)
+        await pilot.pause()
+        assert "- (no prefill step seen)" in str(wide.query_one("#prefill-rate").render())
