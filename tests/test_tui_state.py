@@ -291,3 +291,21 @@ def test_a_conversation_sent_elsewhere_shows_its_messages_not_its_raw_chat_templ
     state.apply(ev.RequestAdded(request_id="t", prompt="a\x1bb", prompt_token_ids=(1, 2), prompt_pieces=("a", "b"),
                                 priority=0, max_tokens=4))
     assert exchange(state.requests["t"]).plain == "Prompt\na␛b\nOutput\n"
+
+
+def test_a_server_out_of_reach_is_the_disconnected_phase_not_the_paused_one_it_last_told():
+    """Trial 29c: after the server died, the header said "disconnected" and the Engine panel still
+    "PAUSED": the server may have resumed meanwhile. Every panel says what is known: the lost connection."""
+    from nanovllm_tui.views.dashboard import phase_text
+    from nanovllm_tui.widgets.throughput import not_running
+
+    state = EngineState()
+    state.ready, state.paused = True, True
+    assert state.phase == "paused"
+    for lost in ("disconnected", "key refused", "stopped"):
+        state.engine_state = lost
+        assert state.phase == "disconnected" and not state.busy
+        assert phase_text(state).plain.startswith("DISCONNECTED"), phase_text(state).plain
+        assert not_running(state) == "disconnected"
+    state.engine_state = "paused"  # reconnected: what the server says again
+    assert state.phase == "paused"

@@ -21,6 +21,8 @@ from nanovllm_core.educational.narrator_sampling import table_caption
 from nanovllm_tui.widgets.format import visible_text
 
 HISTORY_STEPS = 120  # StepTimed records kept for sparklines
+# engine_state when what the app shows can no longer be confirmed (remote.RemoteController.state)
+LOST = ("stopped", "disconnected", "key refused")
 RATE_WINDOW = 10  # steps averaged for the throughput figures
 MAX_FINISHED = 200  # finished requests kept in the table
 
@@ -464,7 +466,8 @@ class EngineState:
 
     @property
     def phase(self) -> str:
-        """``loading``, ``failed``, ``paused``, ``idle``, ``ended`` (a replay ended with requests unfinished), or the newest step's batch: ``prefill``,
+        """``loading``, ``failed``, ``disconnected`` (an attached server out of reach, its key refused, or the
+        controller stopped), ``paused``, ``idle``, ``ended`` (a replay ended with requests unfinished), or the newest step's batch: ``prefill``,
         ``decode``, ``verify`` (a speculative verification: a sequence's last token and its
         drafts in one pass), or those present joined by ``+`` (e.g. ``prefill+decode``).
         """
@@ -472,6 +475,8 @@ class EngineState:
             return "failed"
         if not self.ready:
             return "loading"
+        if self.engine_state in LOST:  # a server out of reach may have resumed or stepped meanwhile: not
+            return "disconnected"  # "paused" under a header that says disconnected (trial 29c)
         if self.paused:
             return "paused"
         if self.unfinished:  # a replay that ended while requests ran: no step runs again (all done: idle)
@@ -486,7 +491,8 @@ class EngineState:
     @property
     def busy(self) -> bool:
         """The engine is running steps now (not idle, paused, loading or failed)."""
-        return (self.phase not in ("failed", "loading", "paused", "idle", "ended")) and self.engine_state == "running"
+        return (self.phase not in ("failed", "loading", "disconnected", "paused", "idle", "ended")
+                and self.engine_state == "running")
 
     def throughput(self) -> tuple[float, float]:
         """(prefill, decode) tokens per second: see :meth:`rate`."""

@@ -21,7 +21,8 @@ from nanovllm_tui.widgets.topk_bars import TopKBars, chosen_piece
 
 PHASE_STYLES = {"prefill": "bold #f5a524", "decode": "bold #3ecf8e", "prefill+decode": "bold #4ea1ff",
                 "verify": "bold #c678dd",
-                "idle": "bold cyan", "paused": "bold yellow", "loading": "bold magenta", "failed": "bold red"}
+                "idle": "bold cyan", "paused": "bold yellow", "loading": "bold magenta", "failed": "bold red",
+                "disconnected": "bold red"}
 
 
 def phase_text(state: EngineState, width: int = 0, rows: int = 0) -> Text:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from nanovllm_core.educational.commentary import plural
-from nanovllm_tui.state import EngineState
+from nanovllm_tui.state import LOST, EngineState
 from nanovllm_tui.widgets.format import bar
 from nanovllm_tui.widgets.live import LiveStatic
 
@@ -137,7 +137,7 @@ class StatusHeader(LiveStatic):
             if weights:
                 parts.append((Text(weights), 6))
             # A server out of reach may have resumed meanwhile: say what is known, the lost connection.
-            lost = state.engine_state in ("stopped", "disconnected", "key refused")
+            lost = state.engine_state in LOST
             engine_state = "paused" if state.paused and not lost else state.engine_state
             active = len(state.active_requests)
             unfinished = state.unfinished or []  # a replay at its end: the requests the recording stopped in

@@ -71,9 +71,9 @@ class ThroughputPanel(Vertical):
 def not_running(state: EngineState) -> str:
     """The Throughput headline's word while no step runs: ``paused`` (the app paused; single steps
     taken with ``n`` included), ``idle`` (nothing to run), or the phase that stops it (``loading``,
-    ``failed``, ``ended``: a replay that ended with requests unfinished)."""
+    ``failed``, ``disconnected``, ``ended``: a replay that ended with requests unfinished)."""
     phase = state.phase
-    if phase in ("paused", "loading", "failed", "ended", "idle"):
+    if phase in ("paused", "loading", "failed", "ended", "idle", "disconnected"):
         return phase
     return "paused" if state.paused or state.engine_state == "paused" else "idle"
 
