@@ -717,3 +717,32 @@ def test_errors_quote_a_long_request_id_or_template_error_short(make_tiny_engine
     with pytest.raises(ValueError) as e:
         engine.select_xray("q" * 100_000)
     assert "to X-Ray" in str(e.value) and len(str(e.value)) < 400
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_request_whose_kv_fits_the_pool_exactly_runs(make_tiny_engine, speculative):
+    """Trial 29d: 5 prompt + 12 output tokens was refused a one-block (16-slot) pool, "may need 2 KV blocks
+    (17 tokens)", though the last sampled token's K/V is never stored: 16 slots hold it. A prompt of a whole
+    block runs with max_tokens=1; one token more is refused, naming the prompt. The contiguous baseline
+    reserves prompt + max_tokens up front, so there the same request is refused."""
+    spec = {"speculative_model": "ngram", "num_speculative_tokens": 4} if speculative else {}
+    engine = make_tiny_engine(num_kv_blocks=1, block_size=16, **spec)
+    greedy = dict(temperature=0, ignore_eos=True)
+    for prompt, max_tokens in (([7] * 5, 12), ([7] * 16, 1), ([7] * 1, 16)):
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, **greedy))
+        finished = []
+        for _ in range(100):
+            finished += [o for o in engine.step() if o.finished]
+            if not engine.has_unfinished_requests():
+                break
+        assert [(o.request_id, len(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in finished] == \
+            [(rid, max_tokens, "length")]
+        assert engine.block_manager.num_used_blocks == 0
+    refused = engine.request_problem([7] * 5, SamplingParams(max_tokens=13, **greedy))
+    assert refused is not None and refused[0] == "max_tokens" and "2 KV blocks (K/V of 17 tokens)" in refused[1], refused
+    refused = engine.request_problem([7] * 17, SamplingParams(max_tokens=1, **greedy))
+    assert refused is not None and refused[0] == "prompt" and "the prompt has 17 tokens, whose K/V needs 2" in refused[1]
+    if not speculative:
+        contiguous = make_tiny_engine(num_kv_blocks=1, block_size=16, paged=False)
+        refused = contiguous.request_problem([7] * 5, SamplingParams(max_tokens=12, **greedy))
+        assert refused is not None and "2 KV blocks (17 tokens)" in refused[1], refused

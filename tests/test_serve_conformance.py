@@ -128,9 +128,13 @@ def test_a_request_larger_than_the_kv_pool_is_a_400_before_streaming(make_tiny_e
             status, data = post(server, "/v1/chat/completions",
                                 {"messages": [{"role": "user", "content": "hi " * 100}], "max_tokens": 2}, stream=stream)
             assert status == 400 and data["error"]["param"] == "messages" and "KV blocks" in data["error"]["message"]
-        # the prompt fits with one output token (64 tokens of KV): max_tokens pushes it over
-        status, data = post(server, "/v1/completions", {"prompt": [5] * 60, "max_tokens": 5})
+        # the prompt fits (64 tokens of KV): max_tokens pushes it over, 60 + 6 - 1 = 65 stored
+        status, data = post(server, "/v1/completions", {"prompt": [5] * 60, "max_tokens": 6})
         assert status == 400 and data["error"]["param"] == "max_tokens" and "KV blocks" in data["error"]["message"]
+        # trial 29d: the last sampled token's K/V is never stored, so 60 + 5 tokens fit 64 slots exactly
+        status, data = post(server, "/v1/completions", {"prompt": [5] * 60, "max_tokens": 5, "ignore_eos": True,
+                                                        "temperature": 0})
+        assert status == 200 and data["usage"]["completion_tokens"] == 5, data
     finally:
         server.stop()
         controller.shutdown(timeout=5)

@@ -409,14 +409,21 @@ class LLMEngine(EventSource):
             return "n", (f"n={params.n} asks for more sequences than this engine runs at once "
                          f"(max_num_seqs={self.scheduler.max_num_seqs}); lower n or raise max_num_seqs (--max-num-seqs)")
         pool = self.block_manager.num_blocks
-        least = self.block_manager.blocks_needed(n_prompt + 1)  # the prompt and one output token: max_tokens=1
+        # Paged: a sampled token's K/V is written only by the step that feeds it back in, so a request that
+        # ends at its max_tokens-th token never stores that one: at most the prompt and max_tokens - 1
+        # outputs (trial 29d: 5 + 12 tokens, 16 stored, was refused a 16-token pool). The contiguous
+        # baseline reserves its whole prompt + max_tokens up front (Scheduler.reservation).
+        unstored = 1 if self.config.paged else 0
+        least = self.block_manager.blocks_needed(n_prompt + 1 - unstored)  # max_tokens=1
         if least > pool:  # no max_tokens would fit: the prompt is at fault
-            return "prompt", (f"the prompt has {n_prompt} token{'s' if n_prompt != 1 else ''}, which with one output token "
+            kept = "whose K/V" if unstored else "which with one output token"
+            return "prompt", (f"the prompt has {n_prompt} token{'s' if n_prompt != 1 else ''}, {kept} "
                     f"needs {least} KV blocks but the pool has only {pool}; shorten the prompt or raise num_kv_blocks (--num-kv-blocks)")
-        limit = min(self.max_model_len, n_prompt + (params.max_tokens or self.max_model_len))
+        limit = min(self.max_model_len, n_prompt + (params.max_tokens or self.max_model_len)) - unstored
         need = self.block_manager.blocks_needed(limit)
         if need > pool:  # the prompt fits: it is max_tokens (or, absent, max_model_len) that pushes it over
-            return "max_tokens", (f"the request may need {need} KV blocks ({limit} token{'s' if limit != 1 else ''}) but the pool has only "
+            stored = "K/V of " if unstored else ""
+            return "max_tokens", (f"the request may need {need} KV blocks ({stored}{limit} token{'s' if limit != 1 else ''}) but the pool has only "
                     f"{self.block_manager.num_blocks}; raise num_kv_blocks (--num-kv-blocks) or lower max_tokens")
         # Unreachable through EngineConfig (check_prefill_budget: budget >= max_model_len > n_prompt when chunked
         # prefill is off); kept for a scheduler given a smaller budget, where such a prompt would wait forever.
