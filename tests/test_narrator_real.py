@@ -144,7 +144,7 @@ def test_a_preemption_readmitted_from_the_prefix_cache_is_told_with_reused_and_r
         (hit,) = readmitted.entries("prefix_cache", plan.step)
         assert recomputed > 0 and hit.title.endswith(
             f"readmitted, {s.num_cached_tokens} tokens reused, {recomputed} recomputed")
-        assert f"{s.num_cached_tokens} of its {s.total_len} tokens" in hit.text
+        assert f"of its {s.total_len} tokens" in hit.text and f"), {s.num_cached_tokens} (" in hit.text
         assert f"{recomputed} recomputed, their keys and values lost with its blocks" in hit.text
     (pre,) = readmitted.entries("preemption")
     assert "the blocks still in the prefix cache are reused and only the rest is computed: recomputed where" in pre.text

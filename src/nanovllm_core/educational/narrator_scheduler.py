@@ -326,8 +326,13 @@ class SchedulerNarration:
                 if bs and total % bs == 0 and c == (total - 1) // bs * bs else "")
         if self._preemptions(plan, s.seq_id):
             again, first = self._split(s.seq_id, c, total)
-            text = (f"{name[0].upper()}{name[1:]} is readmitted after its preemption: {c} of its {total} tokens "
-                    f"({s.prompt_len} prompt + {total - s.prompt_len} generated) {agree(c, 'is', 'are')} found in the prefix "
+            # Both splits, each beside its own count: "32 of its 33 tokens (20 prompt + 13 generated) are found"
+            # read as 20 + 13 found (trial 29d). The cache holds a prefix, so the prompt's tokens come first.
+            found_prompt = min(c, s.prompt_len)
+            found = (f"{found_prompt} prompt + {c - found_prompt} generated" if c > found_prompt
+                     else f"{agree(c, 'a prompt token', 'all prompt tokens')}")
+            text = (f"{name[0].upper()}{name[1:]} is readmitted after its preemption: of its {total} tokens "
+                    f"({s.prompt_len} prompt + {total - s.prompt_len} generated), {c} ({found}) {agree(c, 'is', 'are')} found in the prefix "
                     f"cache{blocks}{self._hit_source(s, bs)}. Their keys and "
                     f"values are reused; only the other {total - c} {agree(total - c, 'is', 'are')} computed{now}{self._again(again, first)}"
                     f"{last}.")
