@@ -330,7 +330,7 @@ class SchedulerNarration:
             # read as 20 + 13 found (trial 29d). The cache holds a prefix, so the prompt's tokens come first.
             found_prompt = min(c, s.prompt_len)
             found = (f"{found_prompt} prompt + {c - found_prompt} generated" if c > found_prompt
-                     else f"{agree(c, 'a prompt token', 'all prompt tokens')}")
+                     else agree(c, 'a prompt token', 'all of them prompt tokens'))
             text = (f"{name[0].upper()}{name[1:]} is readmitted after its preemption: of its {total} tokens "
                     f"({s.prompt_len} prompt + {total - s.prompt_len} generated), {c} ({found}) {agree(c, 'is', 'are')} found in the prefix "
                     f"cache{blocks}{self._hit_source(s, bs)}. Their keys and "
