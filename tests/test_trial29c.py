@@ -149,3 +149,20 @@ def test_recording_attached_mid_request_introduces_it_first(tiny_server, tmp_pat
         ctl.resume()
     assert not introduced_before_their_steps(events), introduced_before_their_steps(events)
     assert any(type(e).__name__ == "StepPlanned" for e in events)
+
+
+async def test_attached_app_with_trace_keeps_the_block_snapshots_it_records(tiny_server, tmp_path):
+    """Bug 2's kind for block snapshots: docs/app.md says the app asks for them "all the time while
+    --trace records"; an attached app's views got them only while the Blocks or Narrator tab showed,
+    so steps run on the Dashboard were narrated without the KV bytes and tables the file held."""
+    from nanovllm_core.sampling_params import SamplingParams
+    from nanovllm_core.tracing import JsonlTraceWriter
+
+    writer = JsonlTraceWriter(tmp_path / "blocks.jsonl")
+    async with attached_and_paused(tiny_server, tmp_path, recorders=[writer]) as (app, pilot, _):
+        rid = app.submit_request("one two three four", SamplingParams(max_tokens=20, ignore_eos=True))
+        await wait_until(pilot, lambda: rid in app.state.requests, 10, "the request")
+        await steps(pilot, app, 2)
+        await wait_until(pilot, lambda: app.state.blocks is not None and app.state.blocks.step == app.state.step,
+                         5, lambda: f"the block snapshot of step {app.state.step}, have {app.state.blocks}")
+        app.controller.abort(rid)
