@@ -543,8 +543,9 @@ def test_a_chat_completion_is_told_to_a_watcher_as_the_users_message_not_token_i
         r = httpx.post(tiny_server.url + "/v1/chat/completions", headers=tiny_server.headers, timeout=60,
                        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
         assert r.status_code == 200, r.text
-        assert _until(lambda: any(isinstance(e, ev.RequestFinished) for e in seen), 60)
-        (added,) = [e for e in seen if isinstance(e, ev.RequestAdded)]
+        rid = r.json()["id"]  # (the attach snapshot may introduce an earlier test's requests: trial 29c)
+        assert _until(lambda: any(isinstance(e, ev.RequestFinished) and e.request_id == rid for e in seen), 60)
+        (added,) = [e for e in seen if isinstance(e, ev.RequestAdded) and e.request_id == rid]
         assert added.chat == (("user", "Hi"),)
         told = Narrator({}).feed(added)[0]
         assert told.text.startswith("The user's message 'Hi', put through the model's chat template, becomes"), told.text

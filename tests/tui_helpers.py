@@ -112,12 +112,13 @@ def visible_tab(app) -> str:
 
 
 @contextlib.asynccontextmanager
-async def attached_and_paused(server, tmp_path: Path, size: tuple[int, int] = (120, 36)):
+async def attached_and_paused(server, tmp_path: Path, size: tuple[int, int] = (120, 36), **app_kwargs):
     """The app attached to ``server`` (``--connect``), ready, with the server paused from the app (Esc, space):
-    yields ``(app, pilot, notes)``, the app's toasts collected in ``notes``."""
+    yields ``(app, pilot, notes)``, the app's toasts collected in ``notes``. ``app_kwargs`` go to
+    ``NanoVLLMApp`` (e.g. ``recorders=[writer], record_xray=True`` as ``--trace F --trace-xray``)."""
     from nanovllm_tui.remote import RemoteController
 
-    app = NanoVLLMApp(RemoteController(server.url, server.api_key), tutorial_path=tmp_path / "t.json")
+    app = NanoVLLMApp(RemoteController(server.url, server.api_key), tutorial_path=tmp_path / "t.json", **app_kwargs)
     notes = Notes()
     async with app.run_test(size=size, message_hook=notes) as pilot:
         await wait_until(pilot, lambda: app.state.ready and app.controller.connected, 30, "the attached server")

@@ -205,7 +205,11 @@ class NanoVLLMApp(App):
             from nanovllm_tui.lifetime import quit_on_signals
 
             quit_on_signals(self)
-        self.bridge.connect(self.controller, topk=5, xray=False, blocks=False)
+        # with --trace-xray the recorder gets every step's traces; the views get them too, so the X-Ray
+        # opened later shows the newest (trial 29c: an attached app's stream carries only what a
+        # subscriber asked for, and the tab said "No trace yet" beside a file holding them)
+        # (block snapshots too while --trace records them: the Narrator's KV entries of the steps recorded)
+        self.bridge.connect(self.controller, topk=5, xray=self.record_xray, blocks=bool(self.recorders))
         if self.live and getattr(self.controller, "start_paused", False) is True and not self.state.ready:
             # --paused: the loading header says "will start paused" from its first frame, and space or n
             # act on that intent (trial 11: the header said nothing, n said "press space to pause first",
@@ -727,7 +731,8 @@ class NanoVLLMApp(App):
     def _set_detail(self, tab: str) -> None:
         """Ask the engine for X-Ray traces and block snapshots only while a tab shows them (a tutorial
         demonstration runs on an engine of its own, see ``demo_session.py``)."""
-        self.bridge.want(xray=tab == "xray", blocks=tab in ("blocks", "narrator"))
+        self.bridge.want(xray=tab == "xray" or self.record_xray,
+                         blocks=tab in ("blocks", "narrator") or bool(self.recorders))
         if tab == "xray":
             xray = self.query_one(XRayView)
             self._choose_xray(self.selected, xray.layer_index, xray.head_index)

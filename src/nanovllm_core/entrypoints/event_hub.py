@@ -16,8 +16,10 @@ watcher that reconnects sends it back as ``Last-Event-ID`` and gets every event 
 while the log still holds them; a new watcher (or one that fell too far behind)
 first gets a snapshot of the engine as it is: the model's facts, the pauses (``EnginePaused``
 and ``EngineResumed`` with the times they happened) that overlap a live request, the one held
-now included, so a watcher's TTFT and TPOT leave out paused time as the engine's do; every live request (its ``RequestAdded`` and the tokens it has sampled so far), and
-the newest step's ``StepPlanned``, ``StepTimed`` (its KV pool figures brought up to date by
+now included, so a watcher's TTFT and TPOT leave out paused time as the engine's do; every live request (its ``RequestAdded`` and the tokens it has sampled so far), each request
+the newest step ran that has ended since (its ``RequestAdded``, tokens and ``RequestFinished``: an
+app recording from its attach, ``--trace``, never begins with a step of a request it never
+introduced; trial 29c), and the newest step's ``StepPlanned``, ``StepTimed`` (its KV pool figures brought up to date by
 any request that finished after that step, e.g. one aborted between steps) and (to a watcher
 of blocks) ``BlocksChanged``,
 so an app that attaches mid-run shows the same step, queues and pool as one that watched
@@ -88,6 +90,9 @@ class EventHub:
         self._ready: ev.ModelLoading | None = None
         self._live: dict[str, ev.RequestAdded] = {}
         self._tokens: dict[str, list[ev.TokenSampled]] = {}  # of live requests: their output so far
+        # the requests the newest StepPlanned ran that have ended since: their RequestAdded, tokens and
+        # end, so a new watcher's snapshot introduces every request of the step it is sent (trial 29c)
+        self._step_ended: dict[str, list[ev.Event]] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()  # the newest ENDED_IDS_KEPT ended requests' ids
         self._latest: dict[type, ev.Event] = {}  # the newest StepPlanned, StepTimed, BlocksChanged
         self._step = 0
@@ -145,12 +150,16 @@ class EventHub:
                 if event.request_id in self._live:
                     self._tokens.setdefault(event.request_id, []).append(event)
             elif isinstance(event, (ev.RequestFinished, ev.RequestRejected)):
-                self._live.pop(event.request_id, None)
+                added = self._live.pop(event.request_id, None)
                 self._ended.pop(event.request_id, None)
                 self._ended[event.request_id] = None
                 if len(self._ended) > ENDED_IDS_KEPT:
                     self._ended.popitem(last=False)
-                self._tokens.pop(event.request_id, None)
+                tokens = self._tokens.pop(event.request_id, [])
+                planned = self._latest.get(ev.StepPlanned)
+                if added is not None and planned is not None and any(
+                        s.request_id == event.request_id for s in planned.scheduled):
+                    self._step_ended[event.request_id] = [added, *tokens, event]
                 timed = self._latest.get(ev.StepTimed)
                 if isinstance(event, ev.RequestFinished) and event.kv_blocks_used is not None and timed:
                     # blocks came back after the newest step (an abort between steps): a new watcher's
@@ -170,6 +179,7 @@ class EventHub:
                     self._hold(ev.EnginePaused(step=event.step, time=event.time))
                 if isinstance(event, ev.StepPlanned):
                     self._step = event.step
+                    self._step_ended = {}  # the step a new watcher is sent is this one now
                     if self._sub is not None and not self._sub.blocks:  # no longer sent each step: stale
                         self._latest.pop(ev.BlocksChanged, None)
             elif isinstance(event, ev.ModelLoading) and event.ready:
@@ -235,6 +245,8 @@ class EventHub:
         for rid, added in self._live.items():
             timed.append(added)
             timed.extend(self._tokens.get(rid, ()))
+        for ended in self._step_ended.values():  # the newest step's requests that ended since
+            timed.extend(ended)
         timed.extend(e for kind in (ev.StepPlanned, ev.StepTimed, ev.BlocksChanged)
                      if (e := self._latest.get(kind)) is not None and w.wants(e))
         # in the order they happened, so the watcher's pause accounting is the engine's
