@@ -226,3 +226,51 @@ def test_a_summary_ratio_under_one_reads_the_other_way_round(capsys):
     assert "the longest decode stall is 2.92x longer with chunking" in out and "shorter" not in out
     source = inspect.getsource(print_priority) + inspect.getsource(print_prefix)
     assert "compared(" in source and "x faster" not in source  # the other two summary lines share the rule
+
+
+# -- benchmark_comparison's table, from made-up timings (no model runs)
+
+def comparison_summary(gguf_peaks, with_llamacpp=False):
+    from benchmarks.benchmark_comparison import SystemResult, summarize
+    from benchmarks.common import Workload
+
+    workload = Workload("quick", 0, (10, 10), (5, 5), [[1] * 10, [1] * 10], [5, 5])
+    def run(name, seconds, peaks=None):
+        return SystemResult(name, seconds, [0.1, 0.2], [0.01, 0.02], [[7] * 5, [7] * 5], 2**20,
+                            kernel_peaks=peaks)
+    results = {"hf-padded": run("hf-padded", 2.0), "ours": run("ours", 1.0), "ours-gguf": run("ours-gguf", 0.25, gguf_peaks)}
+    if with_llamacpp:
+        results["llamacpp"] = run("llamacpp", 0.5, {"llama.cpp's kernels": None})
+    # 2 x 1e9 parameters x 30 tokens = 60 GFLOP; float peak 200 GFLOP/s: ours 30%, ours-gguf 240 GFLOP/s
+    summary = summarize(workload, results, 200e9, 10**9)
+    summary["machine"].update(device="cpu", dtype="float32")
+    return summary
+
+
+def test_comparison_judges_each_row_against_the_peak_of_the_kernel_that_ran_it():
+    """trial 29d: ours-gguf ran the Q4_1 block kernel but was divided by the float32 matmul peak (114.5%)."""
+    from benchmarks.benchmark_comparison import report
+
+    s = comparison_summary({"Q4_1 block kernel": 400e9, "Q8_0 block kernel": 300e9}, with_llamacpp=True)
+    rows = s["systems"]
+    assert rows["ours"]["roofline_fraction"] == pytest.approx(0.3)
+    assert rows["ours-gguf"]["roofline_fraction"] == pytest.approx(240e9 / 400e9)  # not 1.2 against 200
+    assert rows["llamacpp"]["roofline_fraction"] is None  # its kernels' peak is not known
+    text = report(s)
+    lines = {}
+    for line in text.splitlines():  # the table's rows (the ratio line under it starts with "ours" too)
+        if line.split() and line.split()[0] in rows:
+            lines.setdefault(line.split()[0], line.split())
+    assert lines["ours-gguf"][-2:] == ["60.0%", "-"]  # our own row: no "ours is" ratio against ours
+    assert lines["ours"][-2:] == ["30.0%", "-"]
+    assert lines["llamacpp"][-2] == "-" and lines["hf-padded"][-1] == "2x"
+    assert "ours-gguf against the fastest kernel it ran, 400.0 GFLOP/s (Q4_1 block kernel 400.0 GFLOP/s" in text
+    assert "llamacpp: no trusted peak" in text and "120.0%" not in text
+
+
+def test_comparison_gives_no_roofline_for_a_block_row_without_a_trusted_peak():
+    from benchmarks.benchmark_comparison import report
+
+    s = comparison_summary({"Q4_1 block kernel": None})
+    assert s["systems"]["ours-gguf"]["roofline_fraction"] is None
+    assert "ours-gguf: no trusted peak (Q4_1 block kernel's not known), so no roofline" in report(s)
