@@ -455,7 +455,8 @@ def noise_warnings(s: dict[str, Any]) -> list[str]:
               for section, label in (("batch1_decode", "batch-1 decode"), ("workload", "workload"))
               for name, values in s[section].get("all_rounds", {}).items()}
     m = s["machine"]
-    out = busy_host_warnings(rounds, m.get("load_average_at_start"), m.get("load_average_at_end"), m.get("cpu_count"))
+    out = busy_host_warnings(rounds, m.get("load_average_at_start"), m.get("load_average_at_end"), m.get("cpu_count"),
+                             own=m.get("torch_threads") or 0)  # the run's own threads are not other work
     gb = [x / 1e9 for x in s.get("memory_bandwidth", {}).get("samples", [])]
     return out + busy_host_warnings({"memory bandwidth": gb} if gb else None, unit="GB/s")
 

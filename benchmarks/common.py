@@ -207,7 +207,7 @@ load_average = host_load.load_average
 
 def busy_host_warnings(rounds: dict[str, list[float]] | None = None, load_at_start: list[float] | None = None,
                        load_at_end: list[float] | None = None, cores: int | None = None,
-                       unit: str = "tok/s") -> list[str]:
+                       unit: str = "tok/s", own: int = 0) -> list[str]:
     """Warnings that speed figures were measured on a busy host (empty when nothing says so).
 
     Args:
@@ -217,13 +217,14 @@ def busy_host_warnings(rounds: dict[str, list[float]] | None = None, load_at_sta
             1-minute figure above the cores gives ``host_load.busy_host_note``'s line.
         cores: the CPU's cores (default ``os.cpu_count()``).
         unit: the unit of the rounds' figures, for the message.
+        own: the compute threads the measured run kept busy (taken out of the load at the end).
     """
     out = []
     for name, values in (rounds or {}).items():
         if len(values) > 1 and min(values) > 0 and max(values) / min(values) > MAX_ROUND_SPREAD:
             out.append(f"warning: {name} rounds range {min(values):.1f}-{max(values):.1f} {unit} "
                        f"({max(values) / min(values):.2f}x): the host was busy; read the medians with care, or run again")
-    note = host_load.busy_host_note(load_at_start, load_at_end, cores)
+    note = host_load.busy_host_note(load_at_start, load_at_end, cores, own)
     return out + ([note] if note else [])
 
 

@@ -230,9 +230,9 @@ def busy_host(host=None) -> str | None:
     """The busy-host note every benchmark prints (``nanovllm_core.host_load``: a 1-minute load average above
     the cores when ``host``, a ``HostCheck`` made at the start, was made, or now), with what it means here:
     the speed-up is a wall-clock ratio; the step and acceptance counts are not. None on a quiet host."""
-    from nanovllm_core.host_load import busy_host_note, load_average
+    from nanovllm_core.host_load import busy_host_note, load_average, own_threads
 
-    note = host.note() if host is not None else busy_host_note(None, load_average())
+    note = host.note() if host is not None else busy_host_note(None, load_average(), own=own_threads())
     if note is None:
         return None
     return f"{note}; the speed-up is a wall-clock ratio and follows the load, the step and acceptance counts do not"
