@@ -58,7 +58,7 @@ medians over rounds, so a burst of load on a shared machine hits one round of on
   (2 x parameters x tokens / time / peak, as ``benchmark_comparison`` computes it).
 
 The report ends with a warning for every system whose rounds (or bandwidth samples) differ
-by more than 15%, and for a load average above 1.5 per core at the start or end
+by more than 15%, and for a load average above the cores at the start or end
 (``noise_warnings``); the JSON keeps them as ``host_warnings``.
 
 ``--gather-ab`` adds, for both speed figures, each mode with the CPU paged attention kernel
@@ -89,6 +89,7 @@ from benchmarks.common import (  # noqa: F401 (MAX_*: the limits, read by the te
     CORPUS,
     MAX_LOAD_PER_CORE,
     MAX_ROUND_SPREAD,
+    HostCheck,
     PeakRSS,
     busy_host_warnings,
     check_json_path,
@@ -328,7 +329,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.benchmark_comparison import CPU, _hf_model, num_parameters
 
     modes = args.modes
-    load_start = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+    host = HostCheck()  # the load at the start; noise_warnings gives its note from both ends
+    load_start = host.load_at_start
     peaks = gemm_peaks()
     samples = measure_bandwidth(3 if args.quick else 7)
     bandwidth = max(samples)
@@ -438,7 +440,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for m in modes}
     summary["gemm_peak_flops"] = peak
     summary["gemm_peaks_flops_by_path"] = peaks
-    summary["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+    host.note()
+    summary["machine"]["load_average_at_end"] = host.load_at_end
     summary["host_warnings"] = noise_warnings(summary)
     return summary
 
@@ -446,13 +449,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def noise_warnings(s: dict[str, Any]) -> list[str]:
     """Warnings that the speed figures of summary ``s`` were measured on a busy host: a system whose
     rounds differ by more than :data:`MAX_ROUND_SPREAD`, bandwidth samples that do, or a 1-minute
-    load average above :data:`MAX_LOAD_PER_CORE` per core at the start or end of the run
-    (``common.busy_host_warnings``)."""
+    load average above the cores at the start or end of the run (``common.busy_host_warnings``: the
+    busy-host note every benchmark prints, ``nanovllm_core.host_load``)."""
     rounds = {f"{name} {label}": values
               for section, label in (("batch1_decode", "batch-1 decode"), ("workload", "workload"))
               for name, values in s[section].get("all_rounds", {}).items()}
     m = s["machine"]
-    out = busy_host_warnings(rounds, m.get("load_average_at_start"), m.get("load_average_at_end"), m.get("cpu_count"))
+    out = busy_host_warnings(rounds, m.get("load_average_at_start"), m.get("load_average_at_end"), m.get("cpu_count"),
+                             own=m.get("torch_threads") or 0)  # the run's own threads are not other work
     gb = [x / 1e9 for x in s.get("memory_bandwidth", {}).get("samples", [])]
     return out + busy_host_warnings({"memory bandwidth": gb} if gb else None, unit="GB/s")
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from nanovllm_core import host_load
 from nanovllm_core.roofline import cpu_name, gemm_peaks  # noqa: F401 (the benchmarks import them from here)
 
 CORPUS = Path(__file__).with_name("corpus.txt")
@@ -195,60 +196,49 @@ def machine_summary() -> dict[str, Any]:
     }
 
 
-# Above these, a speed figure is more the host's than the code's (a shared machine, another job).
+# Above this, a speed figure is more the host's than the code's (a shared machine, another job).
 MAX_ROUND_SPREAD = 1.15  # fastest round / slowest round of one measured thing
-MAX_LOAD_PER_CORE = 1.5  # 1-minute load average per core (a benchmark's own threads count ~1 per core)
-
-
-def load_average() -> list[float] | None:
-    """The 1-, 5- and 15-minute load averages, rounded (None on a platform without them)."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
+# The load limit and the note are nanovllm_core.host_load's, the same in every benchmark and the
+# speculative CLI (trial 29d: this file's own 1.5 per core kept benchmark_comparison quiet at a load the
+# CLI called busy).
+MAX_LOAD_PER_CORE = host_load.BUSY_LOAD_PER_CORE
+load_average = host_load.load_average
 
 
 def busy_host_warnings(rounds: dict[str, list[float]] | None = None, load_at_start: list[float] | None = None,
                        load_at_end: list[float] | None = None, cores: int | None = None,
-                       unit: str = "tok/s") -> list[str]:
+                       unit: str = "tok/s", own: int = 0) -> list[str]:
     """Warnings that speed figures were measured on a busy host (empty when nothing says so).
 
     Args:
         rounds: name -> the same figure measured in several rounds (e.g. tokens/s); a name whose
             rounds differ by more than :data:`MAX_ROUND_SPREAD` (fastest / slowest) is named.
         load_at_start, load_at_end: :func:`load_average` before and after the measurements; a
-            1-minute figure above :data:`MAX_LOAD_PER_CORE` per core is reported.
+            1-minute figure above the cores gives ``host_load.busy_host_note``'s line.
         cores: the CPU's cores (default ``os.cpu_count()``).
         unit: the unit of the rounds' figures, for the message.
+        own: the compute threads the measured run kept busy (taken out of the load at the end).
     """
     out = []
     for name, values in (rounds or {}).items():
         if len(values) > 1 and min(values) > 0 and max(values) / min(values) > MAX_ROUND_SPREAD:
             out.append(f"warning: {name} rounds range {min(values):.1f}-{max(values):.1f} {unit} "
                        f"({max(values) / min(values):.2f}x): the host was busy; read the medians with care, or run again")
-    cores = cores or os.cpu_count() or 1
-    busy = [(when, load[0]) for when, load in (("start", load_at_start), ("end", load_at_end))
-            if load and load[0] > MAX_LOAD_PER_CORE * cores]
-    if busy:
-        where = (f"{busy[0][1]:.1f} on {cores} cores at the {busy[0][0]}" if len(busy) == 1 else
-                 f"{busy[0][1]:.1f} at the start and {busy[1][1]:.1f} at the end on {cores} cores")
-        out.append(f"warning: load average {where}: other work shared the CPU, so the speed figures are not this "
-                   "code's alone; run again on a quiet machine")
-    return out
+    note = host_load.busy_host_note(load_at_start, load_at_end, cores, own)
+    return out + ([note] if note else [])
 
 
-class HostCheck:
+class HostCheck(host_load.HostCheck):
     """Was the host busy while a benchmark ran? Make one before measuring, call :meth:`report` last.
 
-    It reads the load average at both ends and compares repeated rounds (:func:`busy_host_warnings`),
-    so no benchmark prints a ratio measured under load without saying so.
+    It reads the load average at both ends (``nanovllm_core.host_load``, the note every benchmark and
+    the speculative CLI print) and compares repeated rounds (:func:`busy_host_warnings`), so no
+    benchmark prints a ratio measured under load without saying so.
     """
 
-    def __init__(self) -> None:
-        self.load_at_start = load_average()
-
     def warnings(self, rounds: dict[str, list[float]] | None = None, unit: str = "tok/s") -> list[str]:
-        return busy_host_warnings(rounds, self.load_at_start, load_average(), os.cpu_count(), unit)
+        note = self.note()
+        return busy_host_warnings(rounds, unit=unit) + ([note] if note else [])
 
     def report(self, rounds: dict[str, list[float]] | None = None, unit: str = "tok/s") -> list[str]:
         """Print the warnings (stdout, after the figures) and return them, e.g. for the JSON."""

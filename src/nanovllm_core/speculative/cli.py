@@ -133,6 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         SystemExit: status 2 with one line on stderr for bad arguments, a model that cannot
             be loaded, or a draft that does not fit the target.
     """
+    from nanovllm_core.host_load import HostCheck
+
+    host = HostCheck()  # the load before anything is timed; busy_host reads it again at the end
     parser = build_parser()
     args = parser.parse_args(argv)
     prompts = args.prompt or [DEFAULT_PROMPT]
@@ -210,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"speed-up {fast.tokens_per_s / max(base.tokens_per_s, 1e-9):.2f}x")
     if fast.tokens_per_s < base.tokens_per_s:
         print("  " + slower_note(draft, k, fast.steps, base.steps, spec=fast, plain=base))
-    busy = busy_host()
+    busy = busy_host(host)
     if busy:
         print(f"  {busy}")
     from nanovllm_core.outputs import error_summary
@@ -223,19 +226,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def busy_host() -> str | None:
-    """A line when the host's load average (1 minute) exceeds its cores: the speed-up is a wall-clock ratio."""
-    import os
+def busy_host(host=None) -> str | None:
+    """The busy-host note every benchmark prints (``nanovllm_core.host_load``: a 1-minute load average above
+    the cores when ``host``, a ``HostCheck`` made at the start, was made, or now), with what it means here:
+    the speed-up is a wall-clock ratio; the step and acceptance counts are not. None on a quiet host."""
+    from nanovllm_core.host_load import busy_host_note, load_average, own_threads
 
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):  # not on every platform
+    note = host.note() if host is not None else busy_host_note(None, load_average(), own=own_threads())
+    if note is None:
         return None
-    cores = os.cpu_count() or 1
-    if load <= cores:
-        return None
-    return (f"the host was busy (load average {load:.1f} on {plural(cores, 'core')}): the speed-up is a wall-clock "
-            "ratio and follows the load; the step and acceptance counts do not")
+    return f"{note}; the speed-up is a wall-clock ratio and follows the load, the step and acceptance counts do not"
 
 
 def slower_note(draft: str, k: int, steps_spec: int, steps_plain: int, spec: TimedRun | None = None,
