@@ -279,6 +279,23 @@ def test_chat_on_the_command_line_ticks_the_box_for_the_prompts_given_there():
     app.controller.shutdown()
 
 
+def test_raw_on_the_command_line_sends_the_prompts_as_nanovllm_does_and_its_help_says_chat_is_the_default(capsys):
+    """Trial 29e: the app's --help said --chat "wraps each prompt in the model's chat template", as if off
+    unless given, but the app already sends chat for a model with a template, and nothing on the command line
+    sent --prompt raw as `nanovllm` does: the same --prompt and --max-tokens were a different request there."""
+    from nanovllm_tui.options import build_app, build_parser
+
+    app = build_app(["--raw", "--prompt", "Hi"])
+    assert app.settings.chat is False
+    app.controller.shutdown()
+    assert build_app(["--prompt", "Hi"]).settings.chat is None  # the model decides: chat where it has a template
+    usage = " ".join(build_parser().format_help().split())
+    assert "the default already for a model with a chat template" in usage and "--raw" in usage
+    with pytest.raises(SystemExit) as e:
+        build_app(["--chat", "--raw"])
+    assert e.value.code == 2 and "--chat and --raw ask for opposite things" in capsys.readouterr().err
+
+
 async def test_xray_and_tutorial_tabs_teach_the_blocks_a_gguf_engine_runs(make_engine, tmp_path):
     """--quantization gguf: the X-Ray tab draws the engine's own Q4_1 block and the decode chapter counts its bytes."""
     from nanovllm_core.educational import xray_blocks

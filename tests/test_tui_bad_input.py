@@ -303,6 +303,7 @@ async def test_a_replay_offers_only_the_keys_that_can_act_and_titles_no_refusal_
 @pytest.mark.parametrize("argv, message", [
     (["--replay", "/no/such/trace.jsonl"], "cannot replay /no/such/trace.jsonl"),
     (["--replay", str(TRACE), "--chat"], "--chat does nothing with --replay"),
+    (["--replay", str(TRACE), "--raw"], "--raw does nothing with --replay"),
     (["--tutorial"], "--tutorial is a nanovllm option and not available in the app (its tabs show the same"),
     (["--prompt", ""], "--prompt must not be empty"),
     (["--fps", "0"], "--fps: must be between 1 and 60 (screen updates per second), got '0'"),
@@ -437,7 +438,7 @@ def test_every_option_the_app_accepts_does_something_in_it_or_is_refused():
               "tensor_parallel_size", "tp_master_addr", "tp_master_port", "tp_local_ranks",
               "tp_rendezvous_timeout"}  # -> engine_kwargs -> the EngineController
     sampling = {"top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop", "logprobs", "ignore_eos"}
-    prompt_bar = {"prompt", "priority", "max_tokens", "temperature", "chat"}  # sent at start / the bar's defaults
+    prompt_bar = {"prompt", "priority", "max_tokens", "temperature", "chat", "raw"}  # sent at start / the bar's defaults
     app = {"narrate_steps", "progress_file", "trace", "trace_xray", "trace_chrome", "replay", "paused", "fps"}
     remote = {"connect", "api_key", "web", "host", "port"}  # attach to a server / serve the app to browsers
     accepted = {a.dest for a in build_parser()._actions if a.dest != "help"}

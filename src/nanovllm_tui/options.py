@@ -17,7 +17,7 @@ DEFAULT_KV_BLOCKS = 512  # 8,192 tokens at block size 16: room to play, and a bl
 NOT_IN_APP = ("show_memory_stats", "narrate", "xray", "dashboard", "tutorial", "no_demos", "tutorial_chapter")
 # Options that act on a live engine, so not on a replay: it loads no model, runs no new prompt,
 # and is itself a recording.
-NOT_WITH_REPLAY = ("chat", "model", "device", "dtype", "prompt", "priority", "max_tokens", "temperature", "top_k", "top_p",
+NOT_WITH_REPLAY = ("chat", "raw", "model", "device", "dtype", "prompt", "priority", "max_tokens", "temperature", "top_k", "top_p",
                    "min_p", "repetition_penalty", "seed", "stop", "logprobs", "ignore_eos", "scheduling_policy",
                    "max_prefill_tokens", "max_num_seqs", "max_model_len", "block_size", "num_kv_blocks",
                    "no_paged_attention", "no_flash_attn", "no_prefix_caching", "speculative_model",
@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
             action.help = argparse.SUPPRESS  # left out of --help and its usage line (trial 14e)
         elif action.dest == "prompt":
             action.help = "a prompt sent when the app starts (repeat for several; default: none, type one in the app)"
+        elif action.dest == "chat":  # the app's default differs from nanovllm's (trial 29e)
+            action.help = ("send --prompt and the prompt bar's prompts as chat for any model (the default already "
+                           "for a model with a chat template; --raw sends raw text, as nanovllm does without --chat)")
         elif action.dest == "logprobs":  # the engine computes them; the app's own Top-k panel is what it shows
             action.help = ("have the engine compute the top-N log-probabilities of each token, as nanovllm does "
                            "(the app does not show them: its Top-k panel shows the top 5 either way)")
@@ -49,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument_group("app")
     a.add_argument("--replay", metavar="FILE.jsonl", default=None,
                    help="play a trace recorded with `nanovllm --trace FILE.jsonl` (no model is loaded)")
+    a.add_argument("--raw", action="store_true",
+                   help="send --prompt and the prompt bar's prompts as raw text for the model to continue, as nanovllm "
+                        "does without --chat (ctrl+t in the app switches either way)")
     a.add_argument("--paused", action="store_true", help="start with the engine (or the replay) paused")
     a.add_argument("--fps", type=screen_rate, default=DEFAULT_FPS,
                    help=f"most screen updates per second from engine events (default {DEFAULT_FPS:g})")
@@ -78,6 +84,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if given:
             parser.error(f"{option_as_typed(argv, given[0])} does nothing with --replay: a replay plays a recorded "
                          "trace (no model, no new prompts); leave it out, or start without --replay")
+    if args.chat and args.raw:
+        parser.error("--chat and --raw ask for opposite things: give one of them (ctrl+t in the app switches)")
     if args.prompt and any(p == "" for p in args.prompt):  # only spaces is a prompt (vLLM takes it), "" is none
         parser.error("--prompt must not be empty")
     if args.priority is not None and len(args.priority) != len(args.prompt or []):
@@ -223,7 +231,7 @@ def build_app(argv: Sequence[str] | None = None):
 
     args = parse_args(argv)
     settings = PromptSettings(priority=0, max_tokens=args.max_tokens, temperature=args.temperature,
-                              chat=True if args.chat else None)
+                              chat=True if args.chat else False if args.raw else None)
     prompts = list(zip(args.prompt or [], args.priority or [0] * len(args.prompt or [])))
     common = dict(sampling=args.sampling, settings=settings, prompts=prompts, fps=args.fps, freeze_gc=True,
                   record_xray=args.trace_xray,
