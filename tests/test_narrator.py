@@ -1166,3 +1166,28 @@ def test_a_kv_entry_without_a_block_snapshot_says_so():
     (kv,) = [c for c in out if c.kind == "kv_cache"]
     assert "No snapshot of the block tables came with this step" in kv.text, kv.text
     assert "Their tokens store" not in kv.text
+
+
+def test_a_preemption_in_the_middle_of_a_prefill_tells_the_prompt_tokens_it_never_computed():
+    """Trial 29e: chapter 11's demo preempted a request that had prefilled 56 of its 83 prompt tokens, and the
+    entry said it kept "its 83 tokens (prompt and generated)" and would compute "its newest token at least"
+    for the first time: it had generated nothing, and what it never computed was prompt tokens 56..82."""
+    n = fresh()
+    n.feed(added("0", ids=tuple(range(8)), pieces=tuple("x" * 8)))
+    feed_all(n, [planned(0, [entry("0", num=5, start=0, prompt_len=8, total_len=8)]), timed(0, tokens=5)])
+    told = n.feed(planned(1, [], preempted=[queued("0", num_tokens=8, preemptions=1)], waiting=[queued("0")],
+                          running=(), admitted=()))
+    (pre,) = [c for c in told if c.kind == "preemption"]
+    assert "keeping its 8 prompt tokens, 5 of them computed, none generated yet:" in pre.text, pre.text
+    assert "(prompt tokens 5..7, which its prefill had not reached)" in pre.text, pre.text
+    assert "generated)" not in pre.text and "newest token" not in pre.text
+    # preempted while decoding: prompt and generated tokens, the newest sampled but never run
+    decoding = fresh()
+    decoding.feed(added("1", ids=tuple(range(7)), pieces=tuple("y" * 7)))
+    feed_all(decoding, [planned(7, [entry("1", kind="decode", num=1, start=13, prompt_len=7, total_len=14)], admitted=()),
+                        sampled(7, rid="1", token=8, text=" w", n_out=8), timed(7)])
+    told = decoding.feed(planned(8, [entry("0", kind="decode", num=1, start=9, total_len=10)], admitted=(),
+                                 preempted=[queued("1", num_tokens=15, preemptions=1)], waiting=[queued("1")]))
+    (pre,) = [c for c in told if c.kind == "preemption"]
+    assert "keeping its 15 tokens (7 prompt + 8 generated):" in pre.text, pre.text
+    assert "(its newest token at least, sampled but not yet run through the model)" in pre.text

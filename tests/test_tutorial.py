@@ -439,7 +439,10 @@ def test_the_chapters_name_vllms_opposite_priority_and_this_engines_rules():
     assert "share their prompt's full blocks through the prefix cache" in text["paged_attention"]
     assert "It does not share the reads of the KV cache" in text["decode"]
     assert "runs 1 + k tokens" in text["speculative_decoding"] and "highest-scoring" in text["speculative_decoding"]
-    assert "reused, and only the rest is computed: recomputed, apart from its newest token" in text["chunked_prefill"]
+    assert "reused, and only the rest is computed: recomputed where it had computed them" in text["chunked_prefill"]
+    # trial 29e: the demo below preempts a request in the middle of its prefill, which has no newest token
+    assert "one preempted in the middle of its prefill, as in the demo below, never ran the prompt tokens" \
+        in text["chunked_prefill"]
     assert all("9 query heads" not in d.watch for d in DEMOS.values())  # read from the model, not hard-coded
 
 

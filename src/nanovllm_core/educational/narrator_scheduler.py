@@ -267,22 +267,46 @@ class SchedulerNarration:
             why = (f"A running request needed more KV blocks for this step than were free, so the scheduler "
                    f"preempted {name} (priority {q.priority}): it was {rule}, which can be the very request that "
                    "needed them")
+        kept, never = self._kept_tokens(q)
         if self.info.get("prefix_caching") is False:
             back = ("when readmitted, all of them run through the model again (prefix caching is off): those it "
-                    "had computed are recomputed, the rest (its newest token at least) computed for the first time")
+                    f"had computed are recomputed, the rest{never} computed for the first time")
         else:
             back = ("its full blocks keep their contents as cached-free blocks until the pool needs their space (a "
                     "full block whose contents another block already holds is simply freed); when it is readmitted, "
                     "the blocks still in the prefix cache are reused and only the rest is computed: recomputed where "
-                    "it had computed them, for the first time where not (its newest token at least)")
+                    f"it had computed them, for the first time where not{never}")
         why = why[0].upper() + why[1:]  # "request 3 (priority 10) was waiting..." begins the entry (trial 11)
         text = (f"{why}. It gave back all its blocks and went back to the waiting queue keeping its "
-                f"{plural(q.num_tokens, 'token')} (prompt and generated): {back}. "
-                + self._again_and_again(q))
+                f"{kept}: {back}. " + self._again_and_again(q))
         if policy == "priority":
             text += f" ({PRIORITY_NOTE[0].upper()}{PRIORITY_NOTE[1:]}.)"
         return Commentary("preemption", f"Step {plan.step}: {name} preempted", text,
                           request_id=q.request_id, step=plan.step)
+
+    def _kept_tokens(self, q: ev.QueueEntry) -> tuple[str, str]:
+        """What preempted ``q`` keeps, and which of its tokens were never computed (to be computed for the
+        first time), as the preemption entry words them: ``("83 prompt tokens, 56 of them computed",
+        " (prompt tokens 56..82, which its prefill had not reached)")``. A request preempted while decoding
+        keeps prompt and generated tokens, its newest one sampled but never run through the model; one
+        preempted in the middle of its prefill has generated nothing, and what it never computed is the
+        rest of its prompt (trial 29e: "its 83 tokens (prompt and generated) ... its newest token at
+        least" for a request that had prefilled 56 of 83 prompt tokens)."""
+        request = getattr(self, "_requests", {}).get(q.request_id)
+        total = q.num_tokens
+        if request is None:  # the narrator did not see it added (attached mid-run): no split known
+            return f"{plural(total, 'token')} (prompt and any generated)", ""
+        prompt = request.num_prompt_tokens
+        made = total - prompt
+        if made > 0:
+            return (f"{plural(total, 'token')} ({prompt} prompt + {made} generated)",
+                    " (its newest token at least, sampled but not yet run through the model)")
+        computed = self._computed.get(q.seq_id)
+        if computed is None or computed >= total:
+            return f"{plural(total, 'prompt token')}, none generated yet", ""
+        span = f"prompt token {computed}" if total - computed == 1 else f"prompt tokens {computed}..{total - 1}"
+        return (f"{plural(total, 'prompt token')}, {computed} of them computed, none generated yet",
+                f" ({span}, which its prefill had not reached)")
 
     def _again_and_again(self, q: ev.QueueEntry) -> str:
         """How often ``q`` has been preempted, and from the second time what the repeats cost (trial 12)."""

@@ -646,10 +646,12 @@ CHAPTERS: tuple[Chapter, ...] = (
         (lower values run first), and its default policy is fcfs. When a running request needs more KV
         blocks than are free (a decode needs one when its last block is full, a chunk may need several
         while a few are still free), the engine preempts: the running request with the lowest priority, and the latest arrival among equals,
-        gives back all its blocks and returns to the waiting queue. It keeps the tokens it generated;
-        when it is readmitted, the full blocks of its tokens (prompt and generated) that are still in the
-        prefix cache are reused, and only the rest is computed: recomputed, apart from its newest token,
-        sampled just before the preemption, whose keys and values are computed for the first time. Here a waiting high-priority request may also
+        gives back all its blocks and returns to the waiting queue. It keeps its tokens, the prompt and
+        any it generated; when it is readmitted, the full blocks of those tokens that are still in the
+        prefix cache are reused, and only the rest is computed: recomputed where it had computed them, for
+        the first time where not. A request preempted while decoding never ran its newest token, sampled
+        just before the preemption; one preempted in the middle of its prefill, as in the demo below, never
+        ran the prompt tokens its prefill had not reached. Here a waiting high-priority request may also
         preempt lower-priority ones to get in, as vLLM V0 did; vLLM V1 does not: its waiting request waits until blocks
         free up, and only a running request that needs blocks preempts.
 
