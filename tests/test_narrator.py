@@ -556,7 +556,8 @@ def test_a_waiting_high_priority_request_that_preempts_is_named():
 
 
 def test_samples_of_one_prompt_share_only_full_blocks_through_the_prefix_cache():
-    n = fresh()
+    n = Narrator({**INFO, "block_size": 8})  # a 9-token prompt: one full block to share before the last token's
+    n.introduction()
     tok, _ = n.feed(replace(added(ids=tuple(range(9)), pieces=tuple("z" * 9)), n=2))
     assert "the other sample waits until its full prompt blocks are in the prefix cache" in tok.text
     assert "copying it on write" in tok.text
@@ -1191,3 +1192,28 @@ def test_a_preemption_in_the_middle_of_a_prefill_tells_the_prompt_tokens_it_neve
     (pre,) = [c for c in told if c.kind == "preemption"]
     assert "keeping its 15 tokens (7 prompt + 8 generated):" in pre.text, pre.text
     assert "(its newest token at least, sampled but not yet run through the model)" in pre.text
+
+
+def test_samples_of_a_prompt_with_no_shareable_block_prefill_side_by_side(make_tiny_engine):
+    """Trial 29f: a 4-token prompt with n=2 prefilled sample 1 a step after sample 0 "until its full prompt
+    blocks are in the prefix cache", though such a prompt has no block to share (the block holding its last
+    token is never a hit): a step of latency for nothing. Both now run in the first step, and the narrator
+    says why they share nothing; a prompt with a shareable block keeps the wait."""
+    from nanovllm_core.sampling_params import SamplingParams as ev_params
+
+    engine = make_tiny_engine(num_kv_blocks=32, block_size=16)
+    plans = []
+    engine.subscribe(lambda e: plans.append(e) if isinstance(e, ev.StepPlanned) else None, topk=0)
+    for prompt_len, together in ((4, True), (16, True), (17, False)):
+        plans.clear()
+        engine.add_request([7] * prompt_len, ev_params(n=2, max_tokens=2, temperature=0, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        first = plans[0]
+        assert sorted(s.index for s in first.scheduled) == ([0, 1] if together else [0]), (prompt_len, first.scheduled)
+    n = fresh()
+    tok, _ = n.feed(replace(added(ids=tuple(range(4)), pieces=tuple("z" * 4)), n=2))
+    bs = INFO["block_size"]
+    assert (f"Its 4 tokens fill no block before the one holding the prompt's last token (blocks hold {bs})"
+            in tok.text), tok.text
+    assert "waits until" not in tok.text

@@ -284,15 +284,21 @@ class Narrator(SchedulerNarration):
                 + (" Special tokens such as the start marker count like any other." if n and self._looks_special(e)
                    else ""))
         if e.n > 1:
-            text += "\n" + self._samples_plan(e.n)
+            text += "\n" + self._samples_plan(e.n, n)
         out = [Commentary("tokenization", f"Request {e.request_id}: {plural(n, 'token')}", text, request_id=e.request_id)]
         out.append(sampling_intro(self._name(e.request_id), e.request_id, sampling, e.max_tokens))
         return out
 
-    def _samples_plan(self, n: int) -> str:
+    def _samples_plan(self, n: int, prompt_len: int) -> str:
         if self.info.get("prefix_caching") is False:
             return (f"It asks for {n} samples. Prefix caching is off, so the samples share nothing: each one prefills "
                     "the whole prompt itself.")
+        bs = self.info.get("block_size")
+        if bs and (prompt_len - 1) // bs == 0:  # LLMEngine.shareable_prompt_blocks: nothing to wait for
+            return (f"It asks for {n} samples. Its {plural(prompt_len, 'token')} fill no block before the one "
+                    f"holding the prompt's last token (blocks hold {bs}), which each sample computes itself, so "
+                    "the samples have nothing to share through the prefix cache: all of them prefill the prompt "
+                    "from the start, side by side.")
         others = "the other sample waits" if n == 2 else f"the other {n - 1} wait"
         return (f"It asks for {n} samples. Sample 0 prefills the prompt first; {others} until its full "
                 "prompt blocks are in the prefix cache and then share them, except the block that holds the "

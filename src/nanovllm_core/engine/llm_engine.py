@@ -498,9 +498,11 @@ class LLMEngine(EventSource):
             req.seqs.append(seq)
         self.requests[request_id] = req
         # Samples of one prompt share its blocks through the prefix cache: the siblings wait
-        # until the first sample's prompt is cached.
+        # until the first sample's prompt is cached. A prompt with no full block before the one holding
+        # its last token (never a hit) has nothing to share: they run together (trial 29f: a 4-token
+        # prompt's second sample waited a step for nothing).
         first, rest = req.seqs[0], req.seqs[1:]
-        if rest and self.block_manager.enable_prefix_caching:
+        if rest and self.block_manager.enable_prefix_caching and self.shareable_prompt_blocks(n_prompt):
             req.pending_siblings = rest
             rest = []
         self.scheduler.add(first)
@@ -515,6 +517,11 @@ class LLMEngine(EventSource):
                 chat=tuple((m["role"], content_text(m["content"])) for m in told) if is_conversation(told) else (),
             ))
         return request_id
+
+    def shareable_prompt_blocks(self, num_prompt_tokens: int) -> int:
+        """Full blocks of a prompt that another sample can find in the prefix cache: those before the
+        block holding its last token (never a hit: each sample computes that token for its own scores)."""
+        return (num_prompt_tokens - 1) // self.block_manager.block_size
 
     @property
     def has_chat_template(self) -> bool:
