@@ -72,6 +72,20 @@ MIN_BODY_BYTES = 1 << 20  # the smallest default request-body limit (1 MiB)
 BODY_BYTES_PER_TOKEN = 64  # default limit: this many bytes per token of the model's context, at least MIN_BODY_BYTES
 
 
+class EncodableJSONResponse(JSONResponse):
+    """Starlette's ``JSONResponse`` whose body always encodes: a lone surrogate (U+D800..U+DFFF, which
+    JSON's ``\\udc00`` escape carries in from a client and which has no UTF-8 form) in any text or key
+    is written as its escape text ``\\udc00`` (``untrusted.encodable``). Every JSON answer of this
+    server is one (errors, control answers, completions): an error repeating a client's key, model
+    name or value was a bare 500 and a traceback (trial 29b)."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:  # rare: walk the body only then
+            return super().render(untrusted.encodable(content))
+
+
 class ServerState:
     """What the routes share: the controller, the OpenAI serving logic, metrics, the event hub,
     and the streams in flight (aborted together at shutdown)."""
@@ -179,13 +193,14 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
         yield
         state.begin_shutdown()
 
-    app = FastAPI(title="nano-vLLM", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="nano-vLLM", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  default_response_class=EncodableJSONResponse)
     app.state.server = state
     app.add_middleware(CORSMiddleware, **{**DEFAULT_CORS, **(cors or {})})
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return EncodableJSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405: OpenAI's body too
@@ -199,14 +214,14 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
                 f"; use {allowed}" if allowed else "")
         else:
             message = str(e.detail)
-        return JSONResponse(APIError(message, status=e.status_code, code=_HTTP_CODES.get(e.status_code)).body(),
+        return EncodableJSONResponse(APIError(message, status=e.status_code, code=_HTTP_CODES.get(e.status_code)).body(),
                             status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def bad_query(_: Request, e: RequestValidationError) -> JSONResponse:  # e.g. ?topk=many
         err = e.errors()[0]
         field = str(err["loc"][-1])
-        return JSONResponse(APIError(f"Invalid value for {field}: {err['msg']}", param=field,
+        return EncodableJSONResponse(APIError(f"Invalid value for {field}: {err['msg']}", param=field,
                                      code="invalid_value").body(), status_code=400)
 
     @app.get("/health")
@@ -219,7 +234,7 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
             status = "paused" if controller.state == "paused" else "ok"
         else:
             status = "shutting_down" if state.shutting_down else controller.state if controller.is_alive else "stopped"
-        return JSONResponse({"status": status}, status_code=200 if ok else 503)
+        return EncodableJSONResponse({"status": status}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -479,7 +494,7 @@ async def _respond(request: Request, state: ServerState, p: Prepared, client_id:
         stream.close()
     if not answer.done() or answer.cancelled():  # cancel() only asks: the task may not have ended yet
         return Response(status_code=499, headers=headers)
-    return JSONResponse(answer.result(), headers=headers)
+    return EncodableJSONResponse(answer.result(), headers=headers)
 
 
 async def _disconnected(request: Request) -> None:
@@ -605,6 +620,7 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
                 raise APIError(f"xray {key} {untrusted.shown(value)} is out of range: this model has {count} {key}s, "
                                f"numbered 0..{count - 1}", param=key, code="invalid_value")
         if rid is not None:
+            _text(body, "request_id")  # an id no request can have (a lone surrogate, ...): 400, as for abort
             known = rid in state.ids  # a request submitted and not yet added by the engine counts too
             if not (known or rid in state.hub.live_request_ids() or rid in state.hub.ended_request_ids()):
                 raise APIError(f"no running, waiting or recently finished request "
@@ -749,11 +765,11 @@ class LoadingGate:
 
     async def _loading(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["path"] == "/health":
-            response: Response = JSONResponse({"status": "loading"}, status_code=503)
+            response: Response = EncodableJSONResponse({"status": "loading"}, status_code=503)
         else:
             message = ("the server is loading its model; try again in a few seconds (GET /health answers "
                        "{\"status\": \"ok\"} once it serves)")
-            response = JSONResponse(APIError(message, status=503, type="server_error", code="model_loading").body(),
+            response = EncodableJSONResponse(APIError(message, status=503, type="server_error", code="model_loading").body(),
                                     status_code=503, headers={"Retry-After": "2"})
         await response(scope, receive, send)
 

@@ -18,9 +18,9 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, St
                       ValidationError, WrapValidator, model_validator)
 
 from nanovllm_core.prompts import (CONTENT_SHAPE, ChatRole, TextPartType, chat_template_problem, content_text,
-                                   template_role)
+                                   template_role, unicode_problem)
 from nanovllm_core.sampling_params import LOGIT_BIAS_LIMIT, VLLM_SAMPLING_UNSUPPORTED, SamplingParams, check_priority
-from nanovllm_core.untrusted import clipped, shown
+from nanovllm_core.untrusted import clipped, escaped, shown
 
 
 class APIError(Exception):
@@ -37,7 +37,8 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         param = None if self.param is None else clipped(self.param)  # a client's own key may be any length (trial 14b)
-        return {"error": {"message": self.message, "type": self.type, "param": param, "code": self.code}}
+        # a lone surrogate a message repeats from the client is written as its escape text (trial 29b)
+        return {"error": {"message": escaped(self.message), "type": self.type, "param": param, "code": self.code}}
 
     def renamed(self, names: dict[str, str] | None) -> "APIError":
         """This error with its fields named as the client sent them: ``names`` maps an engine field
@@ -72,6 +73,18 @@ def validation_error(e: ValidationError, body: Any = None) -> APIError:
     """
     err = e.errors()[0]
     loc = [p for p in err["loc"] if p != "body"]
+    if err["type"] == "string_unicode":  # a lone surrogate (JSON's \udc00) in a key or a text: say so, naming it
+        # pydantic cannot name a key that is not valid Unicode: it reports the object holding it (or nothing)
+        path = _surrogate_key(_at(body, loc), tuple(loc))
+        if path is not None:
+            field = ".".join(str(p) for p in path)
+            where = f" in {clipped('.'.join(str(p) for p in path[:-1]))}" if len(path) > 1 else ""
+            return APIError(f"the request has the key {shown(path[-1])}{where}, which is not valid Unicode: "
+                            f"{unicode_problem(path[-1])}", param=field, code="invalid_value")
+        if isinstance(err.get("input"), str) and unicode_problem(err["input"]) is not None:
+            field = ".".join(str(p) for p in loc) or None
+            return APIError(f"{clipped(field or 'a text')} is not valid Unicode: {unicode_problem(err['input'])}",
+                            param=field, code="invalid_value")
     for i, part in enumerate(loc):
         if part in UNION_SHAPES and i + 1 < len(loc) and isinstance(loc[i + 1], str):  # the next is a shape's tag
             field = ".".join(str(p) for p in loc[:i + 1])
@@ -100,6 +113,23 @@ def validation_error(e: ValidationError, body: Any = None) -> APIError:
 
 
 _MISSING = object()
+
+
+def _surrogate_key(value: Any, path: tuple = ()) -> list | None:
+    """The path (keys and list indices) to the first object key in ``value`` holding a lone surrogate, or None."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and unicode_problem(key) is not None:
+                return [*path, key]
+            found = _surrogate_key(item, (*path, key))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _surrogate_key(item, (*path, i))
+            if found is not None:
+                return found
+    return None
 
 
 def _at(body: Any, path: list) -> Any:
