@@ -73,3 +73,35 @@ def test_an_answer_holding_a_lone_surrogate_is_encoded_escaped():
     assert json.loads(EncodableJSONResponse(body).body) == {
         "error": {"message": "bad \\udc00", "param": ["\\ud800x"], "code": None}}
     assert sse({"a": "\udc00"}).encode("utf-8") == b'data: {"a":"\\\\udc00"}\n\n'
+
+
+M = '"max_tokens":1'
+# every client text that reaches the chat template (or is kept) is refused as content is (trial 29b: these were 200)
+TEMPLATE_TEXTS = [
+    ('{"messages":[{"role":"user","content":"a","name":"\\udc00"}],' + M + '}', "messages.0.name"),
+    ('{"messages":[' + U + ',{"role":"assistant","content":null,"tool_calls":[{"id":"1","type":"function",'
+     '"function":{"name":"f","arguments":"{}"}}]},{"role":"tool","content":"r","tool_call_id":"\\udc00"}],' + M + '}',
+     "messages.2.tool_call_id"),
+    ('{"messages":[' + U + ',{"role":"assistant","tool_calls":[{"id":"1","type":"function",'
+     '"function":{"name":"f\\udc00","arguments":"{}"}}]}],' + M + '}', "messages.1.tool_calls.0.function.name"),
+    ('{"messages":[' + U + ',{"role":"assistant","tool_calls":[{"id":"1","type":"function",'
+     '"function":{"name":"f","arguments":"{\\udc00}"}}]}],' + M + '}', "messages.1.tool_calls.0.function.arguments"),
+    ('{"messages":[' + U + '],"chat_template_kwargs":{"\\udc00":1},' + M + '}', "chat_template_kwargs.\\udc00"),
+    ('{"messages":[' + U + '],"chat_template_kwargs":{"x":["\\udc00"]},' + M + '}', "chat_template_kwargs.x.0"),
+    ('{"messages":[' + U + '],"metadata":{"\\udc00":"v"},' + M + '}', "metadata"),
+    ('{"messages":[' + U + '],"metadata":{"k":"\\udc00"},' + M + '}', "metadata"),
+]
+
+
+@pytest.mark.parametrize("raw, param", TEMPLATE_TEXTS)
+def test_a_lone_surrogate_in_any_text_the_template_gets_is_refused_as_in_content(tiny_server, raw, param):
+    for body in (raw, raw[:-1] + ',"stream":true}'):
+        r = _post(tiny_server, CHAT, body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and "lone surrogate" in error["message"], error
+
+
+def test_a_lone_surrogate_in_metadata_is_refused_on_completions_too(tiny_server):
+    r = _post(tiny_server, "/v1/completions", '{"prompt":"a","metadata":{"k":"\\udc00"},' + M + '}')
+    assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"], r.text

@@ -52,11 +52,11 @@ from nanovllm_core.entrypoints.addresses import is_loopback
 from nanovllm_core.entrypoints.event_hub import EventHub
 from nanovllm_core.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm_core.entrypoints.openai_serving import SERVER_ID_PREFIXES, OpenAIServing, Prepared
-from nanovllm_core.entrypoints.protocol import (APIError, ChatCompletionRequest, CompletionRequest, validation_error,
-                                                logit_bias_ids, whole_number)
+from nanovllm_core.entrypoints.protocol import (APIError, ChatCompletionRequest, CompletionRequest, conversation_of,
+                                                logit_bias_ids, validation_error, whole_number)
 from nanovllm_core.model.quantization import describe_weights
 from nanovllm_core.entrypoints.request_stream import InFlight
-from nanovllm_core.prompts import is_conversation, unicode_problem
+from nanovllm_core.prompts import unicode_problem
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core import untrusted
 
@@ -675,7 +675,11 @@ def _control_submit(state: ServerState, body: dict) -> str:
     if isinstance(prompt, list):  # token ids written 3.0 (whole_number); chat messages are left as they are
         prompt = [whole_number(t) for t in prompt]
     token_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    if not (isinstance(prompt, str) or token_ids or is_conversation(prompt)):
+    if isinstance(prompt, list) and any(isinstance(m, dict) for m in prompt):
+        # chat messages: each checked exactly as /v1/chat/completions checks it (trial 29b: unknown keys in a
+        # message were ignored, a message without content got the generic line, tool_calls were refused)
+        prompt = conversation_of(prompt, "prompt")
+    elif not (isinstance(prompt, str) or token_ids):
         raise APIError("submit needs prompt: text, a list of token ids, or a list of chat messages "
                        "({\"role\": ..., \"content\": text}, rendered with the model's chat template)", param="prompt", code="invalid_value")
     fields = body.get("params") or {}

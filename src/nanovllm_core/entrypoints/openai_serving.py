@@ -195,10 +195,6 @@ class OpenAIServing:
         params = req.to_sampling_params()
         conversation = req.conversation()
         options = req.template_options()
-        for i, message in enumerate(conversation):
-            problem = unicode_problem(message["content"])
-            if problem is not None:
-                raise APIError(f"message {i}'s content is not valid Unicode: {problem}", param=f"messages.{i}.content", code="invalid_value")
         try:
             ids = self._llm.apply_chat_template(conversation, **options)
         except APIError:
