@@ -53,3 +53,35 @@ def test_submit_takes_an_assistant_message_with_tool_calls_as_the_chat_route_doe
     assert r.status_code == 200 and r.json()["ok"] is True, r.text
     idle = re.compile(r"^vllm:num_requests_running\{[^}]*\} 0(\.0)?$", re.M)  # left idle for the next test
     assert poll_until(lambda: idle.search(httpx.get(tiny_server.url + "/metrics", timeout=10).text), 30)
+
+
+def test_abort_without_request_id_is_a_missing_parameter(tiny_server):
+    r = post(tiny_server, CONTROL, {"command": "abort"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "missing_required_parameter" and error["param"] == "request_id", error
+    assert error["message"].startswith("abort needs request_id"), error
+
+
+def test_xray_without_request_id_traces_each_steps_first_request_as_the_app_asks(tiny_server):
+    """The attached app sends request_id null for "whichever request runs first in each step"
+    (app._choose_xray, remote.RemoteController.xray); docs/serving.md says so."""
+    for body in ({"command": "xray", "request_id": None, "layer": 0, "head": 0}, {"command": "xray"}):
+        assert post(tiny_server, CONTROL, body).json() == {"ok": True}
+
+
+def test_a_repeated_events_query_parameter_is_refused_naming_it(tiny_server):
+    url = tiny_server.url + "/v1/engine/events?topk=3&topk=4"
+    with httpx.stream("GET", url, headers=tiny_server.headers, timeout=30) as r:  # an accepted one never ends
+        assert r.status_code == 400
+        error = json.loads(r.read())["error"]
+    assert error["param"] == "topk" and "given 2 times" in error["message"], error
+
+
+def test_the_404_lists_every_route(tiny_server):
+    r = httpx.get(tiny_server.url + "/v1/nothing", headers=tiny_server.headers, timeout=30)
+    assert r.status_code == 404
+    message = r.json()["error"]["message"]
+    for route in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/engine/events", "/v1/engine/control",
+                  "/health", "/metrics"):
+        assert route in message, message

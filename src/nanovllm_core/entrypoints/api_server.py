@@ -207,7 +207,8 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
         path = untrusted.clipped(request.url.path)  # as sent: a 16 KB path came back whole
         if e.status_code == 404:
             message = (f"Not Found: no route {untrusted.clipped(request.method)} {path}; this server serves "
-                       "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics")
+                       "/v1/completions, /v1/chat/completions, /v1/models, /v1/engine/events, /v1/engine/control, "
+                       "/health and /metrics")
         elif e.status_code == 405:
             allowed = (e.headers or {}).get("allow") or (e.headers or {}).get("Allow")
             message = f"Method Not Allowed: {path} does not take {untrusted.clipped(request.method)}" + (
@@ -281,6 +282,10 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
         if unknown:  # a misspelt parameter is never ignored, as the control API's fields (trial 9)
             raise APIError(f"unknown query parameter {untrusted.shown(unknown[0])} on /v1/engine/events; it takes "
                            f"{', '.join(EVENTS_QUERY)}", param=unknown[0], code="unknown_parameter")
+        repeated = next((name for name in EVENTS_QUERY if len(request.query_params.getlist(name)) > 1), None)
+        if repeated is not None:  # which one counts is a guess a client should not have to make (trial 29b)
+            raise APIError(f"query parameter {repeated} is given {len(request.query_params.getlist(repeated))} "
+                           f"times on /v1/engine/events; give it once", param=repeated, code="invalid_value")
         # each parameter read here, so every wrong value gets the same kind of line: what it takes, what came
         # (trial 26c: ?topk=abc and ?blocks=2 got pydantic's words, ?xray=yes passed)
         if not (topk.isascii() and topk.isdigit() and 0 <= int(topk) <= MAX_EVENTS_TOPK):
@@ -650,7 +655,16 @@ def _is_int(value: Any) -> bool:
 
 
 def _text(body: dict, key: str) -> str:
+    """``body[key]``, a client's id or owner name (:func:`id_problem`'s checks).
+
+    Raises:
+        APIError: 400 ``missing_required_parameter`` when it is absent (as every other missing
+            field), ``invalid_value`` when it is not text (null included) or fails a check.
+    """
     value = body.get(key)
+    if key not in body:
+        raise APIError(f"{body.get('command', 'the command')} needs {key}: a string of 1 to {MAX_REQUEST_ID_CHARS} "
+                       f"characters", param=key, code="missing_required_parameter")
     if not isinstance(value, str):
         raise APIError(f"{key} must be a string of 1 to {MAX_REQUEST_ID_CHARS} characters, got "
                        f"{untrusted.shown(value)}", param=key, code="invalid_value")
