@@ -6,12 +6,16 @@ recursion limit (``[[[[...]]]]`` 2000 deep, 4 KB) raises ``RecursionError`` in `
 which an ``except ValueError`` does not catch (trial 14b: a 500 and a traceback on every POST
 endpoint of ``nanovllm serve``). :func:`shown`, :func:`clipped` and :func:`listed` quote a value
 (in JSON's spelling), a name or a list of names in a one-line error a few dozen characters long at most, with its size
-when cut (trial 14b: a 900 KB ``temperature`` came back as a 900 KB error).
+when cut (trial 14b: a 900 KB ``temperature`` came back as a 900 KB error). A lone surrogate (JSON's
+``\\udc00`` escape carries one; it has no UTF-8 form) is quoted as its escape text, and :func:`encodable`
+does the same to every text of an answer, so no answer the server builds fails to encode (trial 29b:
+an unknown key ``"\\udc00"`` was a bare 500 and a traceback).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import reprlib
 import sys
 from typing import Any
@@ -62,18 +66,45 @@ def _spelled(value: Any, level: int) -> str:
         return json.dumps(value)  # nan, inf: NaN, Infinity (what Python's JSON parser reads)
     if isinstance(value, str):
         cut = len(value) > SHOWN_CHARS
-        return json.dumps(value[:SHOWN_CHARS], ensure_ascii=False) + ("..." if cut else "")
+        return escaped(json.dumps(value[:SHOWN_CHARS], ensure_ascii=False)) + ("..." if cut else "")
     if isinstance(value, (list, tuple, set, frozenset, dict)):
         if level >= _MAX_LEVEL:
             return "{...}" if isinstance(value, dict) else "[...]"
         if isinstance(value, dict):
-            items = [f"{json.dumps(k if isinstance(k, str) else str(k), ensure_ascii=False)}: {_spelled(v, level + 1)}"
+            items = [f"{escaped(json.dumps(k if isinstance(k, str) else str(k), ensure_ascii=False))}: "
+                     f"{_spelled(v, level + 1)}"
                      for k, v in list(value.items())[:_MAX_KEYS]]
             return "{" + ", ".join(items + (["..."] if len(value) > _MAX_KEYS else [])) + "}"
         head = list(value)[:_MAX_ITEMS] if not isinstance(value, (list, tuple)) else value[:_MAX_ITEMS]
         items = [_spelled(v, level + 1) for v in head]
         return "[" + ", ".join(items + (["..."] if len(value) > _MAX_ITEMS else [])) + "]"
     return _REPR.repr(value)
+
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def escaped(text: str) -> str:
+    """``text`` with each lone surrogate (U+D800..U+DFFF, which has no UTF-8 form) written as its
+    escape text ``\\udc00`` (six characters), as ``json.dumps`` spells it; any other text unchanged."""
+    return _SURROGATES.sub(lambda m: f"\\u{ord(m.group()):04x}", text) if _SURROGATES.search(text) else text
+
+
+def has_lone_surrogate(text: str) -> bool:
+    """Whether ``text`` holds a lone surrogate (so has no UTF-8 form)."""
+    return _SURROGATES.search(text) is not None
+
+
+def encodable(value: Any) -> Any:
+    """``value`` (what an answer's JSON is made of: dicts, lists, texts, numbers) with every text and
+    key :func:`escaped`, so it encodes as UTF-8; the value itself when it holds no lone surrogate."""
+    if isinstance(value, str):
+        return escaped(value)
+    if isinstance(value, dict):
+        return {encodable(k): encodable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [encodable(v) for v in value]
+    return value
 
 
 def shown(value: Any, limit: int = SHOWN_CHARS, *, as_json: bool = True) -> str:
@@ -85,7 +116,7 @@ def shown(value: Any, limit: int = SHOWN_CHARS, *, as_json: bool = True) -> str:
     a big or deeply nested one). ``as_json=False``: Python's ``repr`` spelling (for a Python value
     named in Python, e.g. a keyword argument's default)."""
     if isinstance(value, str):
-        quote = (lambda s: json.dumps(s, ensure_ascii=False)) if as_json else repr
+        quote = (lambda s: escaped(json.dumps(s, ensure_ascii=False))) if as_json else repr
         return quote(value) if len(value) <= limit else f"{quote(value[:limit])}… ({len(value)} characters)"
     if isinstance(value, int) and not isinstance(value, bool) and not -10 ** limit < value < 10 ** limit:
         try:
@@ -106,8 +137,8 @@ def shown(value: Any, limit: int = SHOWN_CHARS, *, as_json: bool = True) -> str:
 
 def clipped(name: str, limit: int = NAME_CHARS) -> str:
     """A field name, path or other text an error repeats bare: itself when at most ``limit``
-    characters, else its start, "…" and its length."""
-    return name if len(name) <= limit else f"{name[:limit]}… ({len(name)} characters)"
+    characters, else its start, "…" and its length; a lone surrogate in it :func:`escaped`."""
+    return escaped(name) if len(name) <= limit else f"{escaped(name[:limit])}… ({len(name)} characters)"
 
 
 def listed(names: Any, most: int = 5) -> str:

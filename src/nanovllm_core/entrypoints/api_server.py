@@ -52,11 +52,11 @@ from nanovllm_core.entrypoints.addresses import is_loopback
 from nanovllm_core.entrypoints.event_hub import EventHub
 from nanovllm_core.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm_core.entrypoints.openai_serving import SERVER_ID_PREFIXES, OpenAIServing, Prepared
-from nanovllm_core.entrypoints.protocol import (APIError, ChatCompletionRequest, CompletionRequest, validation_error,
-                                                logit_bias_ids, whole_number)
+from nanovllm_core.entrypoints.protocol import (APIError, ChatCompletionRequest, CompletionRequest, conversation_of,
+                                                logit_bias_ids, validation_error, whole_number)
 from nanovllm_core.model.quantization import describe_weights
 from nanovllm_core.entrypoints.request_stream import InFlight
-from nanovllm_core.prompts import is_conversation, unicode_problem
+from nanovllm_core.prompts import unicode_problem
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core import untrusted
 
@@ -70,6 +70,20 @@ CONTROL_FIELDS = {"pause": ("owner",), "resume": ("owner",), "snapshot": (), "st
                   "xray": ("request_id", "layer", "head"), "submit": ("prompt", "params", "priority", "request_id")}
 MIN_BODY_BYTES = 1 << 20  # the smallest default request-body limit (1 MiB)
 BODY_BYTES_PER_TOKEN = 64  # default limit: this many bytes per token of the model's context, at least MIN_BODY_BYTES
+
+
+class EncodableJSONResponse(JSONResponse):
+    """Starlette's ``JSONResponse`` whose body always encodes: a lone surrogate (U+D800..U+DFFF, which
+    JSON's ``\\udc00`` escape carries in from a client and which has no UTF-8 form) in any text or key
+    is written as its escape text ``\\udc00`` (``untrusted.encodable``). Every JSON answer of this
+    server is one (errors, control answers, completions): an error repeating a client's key, model
+    name or value was a bare 500 and a traceback (trial 29b)."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:  # rare: walk the body only then
+            return super().render(untrusted.encodable(content))
 
 
 class ServerState:
@@ -179,34 +193,36 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
         yield
         state.begin_shutdown()
 
-    app = FastAPI(title="nano-vLLM", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="nano-vLLM", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  default_response_class=EncodableJSONResponse)
     app.state.server = state
     app.add_middleware(CORSMiddleware, **{**DEFAULT_CORS, **(cors or {})})
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return EncodableJSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405: OpenAI's body too
         path = untrusted.clipped(request.url.path)  # as sent: a 16 KB path came back whole
         if e.status_code == 404:
             message = (f"Not Found: no route {untrusted.clipped(request.method)} {path}; this server serves "
-                       "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics")
+                       "/v1/completions, /v1/chat/completions, /v1/models, /v1/engine/events, /v1/engine/control, "
+                       "/health and /metrics")
         elif e.status_code == 405:
             allowed = (e.headers or {}).get("allow") or (e.headers or {}).get("Allow")
             message = f"Method Not Allowed: {path} does not take {untrusted.clipped(request.method)}" + (
                 f"; use {allowed}" if allowed else "")
         else:
             message = str(e.detail)
-        return JSONResponse(APIError(message, status=e.status_code, code=_HTTP_CODES.get(e.status_code)).body(),
+        return EncodableJSONResponse(APIError(message, status=e.status_code, code=_HTTP_CODES.get(e.status_code)).body(),
                             status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def bad_query(_: Request, e: RequestValidationError) -> JSONResponse:  # e.g. ?topk=many
         err = e.errors()[0]
         field = str(err["loc"][-1])
-        return JSONResponse(APIError(f"Invalid value for {field}: {err['msg']}", param=field,
+        return EncodableJSONResponse(APIError(f"Invalid value for {field}: {err['msg']}", param=field,
                                      code="invalid_value").body(), status_code=400)
 
     @app.get("/health")
@@ -219,7 +235,7 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
             status = "paused" if controller.state == "paused" else "ok"
         else:
             status = "shutting_down" if state.shutting_down else controller.state if controller.is_alive else "stopped"
-        return JSONResponse({"status": status}, status_code=200 if ok else 503)
+        return EncodableJSONResponse({"status": status}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -266,6 +282,10 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
         if unknown:  # a misspelt parameter is never ignored, as the control API's fields (trial 9)
             raise APIError(f"unknown query parameter {untrusted.shown(unknown[0])} on /v1/engine/events; it takes "
                            f"{', '.join(EVENTS_QUERY)}", param=unknown[0], code="unknown_parameter")
+        repeated = next((name for name in EVENTS_QUERY if len(request.query_params.getlist(name)) > 1), None)
+        if repeated is not None:  # which one counts is a guess a client should not have to make (trial 29b)
+            raise APIError(f"query parameter {repeated} is given {len(request.query_params.getlist(repeated))} "
+                           f"times on /v1/engine/events; give it once", param=repeated, code="invalid_value")
         # each parameter read here, so every wrong value gets the same kind of line: what it takes, what came
         # (trial 26c: ?topk=abc and ?blocks=2 got pydantic's words, ?xray=yes passed)
         if not (topk.isascii() and topk.isdigit() and 0 <= int(topk) <= MAX_EVENTS_TOPK):
@@ -479,7 +499,7 @@ async def _respond(request: Request, state: ServerState, p: Prepared, client_id:
         stream.close()
     if not answer.done() or answer.cancelled():  # cancel() only asks: the task may not have ended yet
         return Response(status_code=499, headers=headers)
-    return JSONResponse(answer.result(), headers=headers)
+    return EncodableJSONResponse(answer.result(), headers=headers)
 
 
 async def _disconnected(request: Request) -> None:
@@ -605,6 +625,7 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
                 raise APIError(f"xray {key} {untrusted.shown(value)} is out of range: this model has {count} {key}s, "
                                f"numbered 0..{count - 1}", param=key, code="invalid_value")
         if rid is not None:
+            _text(body, "request_id")  # an id no request can have (a lone surrogate, ...): 400, as for abort
             known = rid in state.ids  # a request submitted and not yet added by the engine counts too
             if not (known or rid in state.hub.live_request_ids() or rid in state.hub.ended_request_ids()):
                 raise APIError(f"no running, waiting or recently finished request "
@@ -634,7 +655,16 @@ def _is_int(value: Any) -> bool:
 
 
 def _text(body: dict, key: str) -> str:
+    """``body[key]``, a client's id or owner name (:func:`id_problem`'s checks).
+
+    Raises:
+        APIError: 400 ``missing_required_parameter`` when it is absent (as every other missing
+            field), ``invalid_value`` when it is not text (null included) or fails a check.
+    """
     value = body.get(key)
+    if key not in body:
+        raise APIError(f"{body.get('command', 'the command')} needs {key}: a string of 1 to {MAX_REQUEST_ID_CHARS} "
+                       f"characters", param=key, code="missing_required_parameter")
     if not isinstance(value, str):
         raise APIError(f"{key} must be a string of 1 to {MAX_REQUEST_ID_CHARS} characters, got "
                        f"{untrusted.shown(value)}", param=key, code="invalid_value")
@@ -659,7 +689,11 @@ def _control_submit(state: ServerState, body: dict) -> str:
     if isinstance(prompt, list):  # token ids written 3.0 (whole_number); chat messages are left as they are
         prompt = [whole_number(t) for t in prompt]
     token_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    if not (isinstance(prompt, str) or token_ids or is_conversation(prompt)):
+    if isinstance(prompt, list) and any(isinstance(m, dict) for m in prompt):
+        # chat messages: each checked exactly as /v1/chat/completions checks it (trial 29b: unknown keys in a
+        # message were ignored, a message without content got the generic line, tool_calls were refused)
+        prompt = conversation_of(prompt, "prompt")
+    elif not (isinstance(prompt, str) or token_ids):
         raise APIError("submit needs prompt: text, a list of token ids, or a list of chat messages "
                        "({\"role\": ..., \"content\": text}, rendered with the model's chat template)", param="prompt", code="invalid_value")
     fields = body.get("params") or {}
@@ -749,11 +783,11 @@ class LoadingGate:
 
     async def _loading(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["path"] == "/health":
-            response: Response = JSONResponse({"status": "loading"}, status_code=503)
+            response: Response = EncodableJSONResponse({"status": "loading"}, status_code=503)
         else:
             message = ("the server is loading its model; try again in a few seconds (GET /health answers "
                        "{\"status\": \"ok\"} once it serves)")
-            response = JSONResponse(APIError(message, status=503, type="server_error", code="model_loading").body(),
+            response = EncodableJSONResponse(APIError(message, status=503, type="server_error", code="model_loading").body(),
                                     status_code=503, headers={"Retry-After": "2"})
         await response(scope, receive, send)
 

@@ -28,7 +28,7 @@ from nanovllm_core.entrypoints.protocol import (MESSAGE_NULLS, APIError, ChatCom
                                                 check_length)
 from nanovllm_core.entrypoints.request_stream import InFlight, OutputRouter, RequestIds, RequestStream
 from nanovllm_core.outputs import CompletionOutput, Logprob, RequestOutput
-from nanovllm_core.untrusted import SHOWN_CHARS, clipped, shown
+from nanovllm_core.untrusted import SHOWN_CHARS, clipped, encodable, has_lone_surrogate, shown
 
 
 # what a client does about a priority the server's fcfs policy refuses (LLMEngine.check_priority's fix)
@@ -67,8 +67,12 @@ class Prepared:
 
 
 def sse(data: Any) -> str:
-    """One server-sent event carrying ``data`` as JSON (or the literal ``[DONE]``)."""
+    """One server-sent event carrying ``data`` as JSON (or the literal ``[DONE]``); a lone surrogate in
+    any of its texts is written as its escape text (``untrusted.encodable``), so the event always encodes
+    as UTF-8 (an error event repeating a client's ``"\\udc00"`` key cannot cut the stream; trial 29b)."""
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    if has_lone_surrogate(text):
+        text = json.dumps(encodable(data), ensure_ascii=False, separators=(",", ":"))
     return f"data: {text}\n\n"
 
 
@@ -191,10 +195,6 @@ class OpenAIServing:
         params = req.to_sampling_params()
         conversation = req.conversation()
         options = req.template_options()
-        for i, message in enumerate(conversation):
-            problem = unicode_problem(message["content"])
-            if problem is not None:
-                raise APIError(f"message {i}'s content is not valid Unicode: {problem}", param=f"messages.{i}.content", code="invalid_value")
         try:
             ids = self._llm.apply_chat_template(conversation, **options)
         except APIError:

@@ -18,9 +18,9 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, St
                       ValidationError, WrapValidator, model_validator)
 
 from nanovllm_core.prompts import (CONTENT_SHAPE, ChatRole, TextPartType, chat_template_problem, content_text,
-                                   template_role)
+                                   template_role, unicode_problem)
 from nanovllm_core.sampling_params import LOGIT_BIAS_LIMIT, VLLM_SAMPLING_UNSUPPORTED, SamplingParams, check_priority
-from nanovllm_core.untrusted import clipped, shown
+from nanovllm_core.untrusted import clipped, escaped, shown
 
 
 class APIError(Exception):
@@ -37,7 +37,8 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         param = None if self.param is None else clipped(self.param)  # a client's own key may be any length (trial 14b)
-        return {"error": {"message": self.message, "type": self.type, "param": param, "code": self.code}}
+        # a lone surrogate a message repeats from the client is written as its escape text (trial 29b)
+        return {"error": {"message": escaped(self.message), "type": self.type, "param": param, "code": self.code}}
 
     def renamed(self, names: dict[str, str] | None) -> "APIError":
         """This error with its fields named as the client sent them: ``names`` maps an engine field
@@ -72,6 +73,18 @@ def validation_error(e: ValidationError, body: Any = None) -> APIError:
     """
     err = e.errors()[0]
     loc = [p for p in err["loc"] if p != "body"]
+    if err["type"] == "string_unicode":  # a lone surrogate (JSON's \udc00) in a key or a text: say so, naming it
+        # pydantic cannot name a key that is not valid Unicode: it reports the object holding it (or nothing)
+        path = _surrogate_key(_at(body, loc), tuple(loc))
+        if path is not None:
+            field = ".".join(str(p) for p in path)
+            where = f" in {clipped('.'.join(str(p) for p in path[:-1]))}" if len(path) > 1 else ""
+            return APIError(f"the request has the key {shown(path[-1])}{where}, which is not valid Unicode: "
+                            f"{unicode_problem(path[-1])}", param=field, code="invalid_value")
+        if isinstance(err.get("input"), str) and unicode_problem(err["input"]) is not None:
+            field = ".".join(str(p) for p in loc) or None
+            return APIError(f"{clipped(field or 'a text')} is not valid Unicode: {unicode_problem(err['input'])}",
+                            param=field, code="invalid_value")
     for i, part in enumerate(loc):
         if part in UNION_SHAPES and i + 1 < len(loc) and isinstance(loc[i + 1], str):  # the next is a shape's tag
             field = ".".join(str(p) for p in loc[:i + 1])
@@ -100,6 +113,23 @@ def validation_error(e: ValidationError, body: Any = None) -> APIError:
 
 
 _MISSING = object()
+
+
+def _surrogate_key(value: Any, path: tuple = ()) -> list | None:
+    """The path (keys and list indices) to the first object key in ``value`` holding a lone surrogate, or None."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and unicode_problem(key) is not None:
+                return [*path, key]
+            found = _surrogate_key(item, (*path, key))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _surrogate_key(item, (*path, i))
+            if found is not None:
+                return found
+    return None
 
 
 def _at(body: Any, path: list) -> Any:
@@ -267,11 +297,36 @@ ECHO_REFUSED = ("echo=true is not supported by this server (a response holds the
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
 
 
+def surrogate_text(value: Any, path: tuple = ()) -> tuple[list, str, str] | None:
+    """The first key or text in ``value`` (JSON: dicts, lists, texts) that holds a lone surrogate:
+    ``(path to it, "key" or "value", unicode_problem's line)``; None when there is none."""
+    if isinstance(value, str):
+        problem = unicode_problem(value)
+        return None if problem is None else ([*path], "value", problem)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            problem = unicode_problem(key) if isinstance(key, str) else None
+            if problem is not None:
+                return [*path, key], "key", problem
+            found = surrogate_text(item, (*path, key))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = surrogate_text(item, (*path, i))
+            if found is not None:
+                return found
+    return None
+
+
 def _openai_metadata(value: dict[str, str]) -> dict[str, str]:
     """Chat's ``metadata``, as OpenAI bounds it: at most 16 pairs, keys of at most 64 characters,
     values of at most 512."""
     if len(value) > METADATA_PAIRS:
         raise ValueError(f"metadata holds at most {METADATA_PAIRS} key-value pairs, got {len(value)}")
+    bad = surrogate_text(value)
+    if bad is not None:  # it is never read, but a text with no UTF-8 form is refused wherever it is sent (trial 29b)
+        raise ValueError(f"metadata's {bad[1]} {shown(bad[0][-1])} is not valid Unicode: {bad[2]}")
     for key, text in value.items():
         if len(key) > METADATA_KEY_CHARS or len(text) > METADATA_VALUE_CHARS:
             raise ValueError(f"metadata keys hold at most {METADATA_KEY_CHARS} characters and values at most "
@@ -532,6 +587,11 @@ class ChatCompletionRequest(_SamplingBody):
                                         self.chat_template_kwargs)
         if problem is not None:
             raise APIError(problem[1], param=problem[0], code="invalid_value")
+        bad = surrogate_text(self.chat_template_kwargs, ("chat_template_kwargs",))
+        if bad is not None:  # the template renders these: a text with no UTF-8 form is refused as content is
+            where = ".".join(str(p) for p in bad[0])
+            raise APIError(f"{clipped(where)} ({'a key' if bad[1] == 'key' else 'a text'}) is not valid Unicode: "
+                           f"{bad[2]}", param=where, code="invalid_value")
         return {"add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message,
                 "chat_template_kwargs": self.chat_template_kwargs}
@@ -540,17 +600,9 @@ class ChatCompletionRequest(_SamplingBody):
         """The messages as the chat template takes them.
 
         Raises:
-            APIError: no messages, or a message without content (only an assistant message with
-                ``tool_calls`` may leave it out, as OpenAI and vLLM allow).
+            APIError: as :func:`checked_conversation`.
         """
-        if not self.messages:
-            raise APIError("messages is empty; send at least one message", param="messages", code="invalid_value")
-        for i, m in enumerate(self.messages):
-            if m.content is None and not (m.role == "assistant" and m.tool_calls):
-                raise APIError(f"message {i} ({m.role}) has no content; every message needs content, except an "
-                               "assistant message that carries tool_calls", param=f"messages.{i}.content",
-                               code="missing_required_parameter")
-        return [m.template_message() for m in self.messages]
+        return checked_conversation(self.messages)
 
     def field_names(self) -> dict[str, str]:
         """``logprobs`` counts come from ``top_logprobs``; ``max_tokens`` from ``max_completion_tokens`` when sent."""
@@ -562,6 +614,58 @@ class ChatCompletionRequest(_SamplingBody):
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.sampling_params(limit, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+def checked_conversation(messages: list[ChatMessage], field: str = "messages") -> list[dict[str, Any]]:
+    """``messages`` (validated ``ChatMessage`` objects) as the chat template takes them, once each is one
+    the chat route serves: ``field`` names the list in errors (``prompt`` for a control ``submit``).
+
+    Raises:
+        APIError: no messages; a message without content (only an assistant message with
+            ``tool_calls`` may leave it out, as OpenAI and vLLM allow); a lone surrogate in any text
+            that reaches the template (content, ``name``, ``tool_call_id``, a tool call's id, function
+            name or arguments; trial 29b: only content was checked).
+    """
+    if not messages:
+        raise APIError(f"{field} is empty; send at least one message", param=field, code="invalid_value")
+    for i, m in enumerate(messages):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise APIError(f"message {i} ({m.role}) has no content; every message needs content, except an "
+                           "assistant message that carries tool_calls", param=f"{field}.{i}.content",
+                           code="missing_required_parameter")
+        texts = [("content", m.text()), ("name", m.name), ("tool_call_id", m.tool_call_id)]
+        for j, call in enumerate(m.tool_calls or ()):
+            texts += [(f"tool_calls.{j}.id", call.id), (f"tool_calls.{j}.function.name", call.function.name),
+                      (f"tool_calls.{j}.function.arguments", call.function.arguments)]
+        for name, text in texts:
+            problem = None if text is None else unicode_problem(text)
+            if problem is not None:
+                raise APIError(f"message {i}'s {name} is not valid Unicode: {problem}", param=f"{field}.{i}.{name}",
+                               code="invalid_value")
+    return [m.template_message() for m in messages]
+
+
+class _Conversation(_Body):
+    messages: list[ChatMessage]
+
+
+def conversation_of(messages: list, field: str) -> list[dict[str, Any]]:
+    """Chat messages sent in ``field`` of another body (a control ``submit``'s ``prompt``), checked
+    exactly as ``/v1/chat/completions`` checks its ``messages`` (the same ``ChatMessage`` model and
+    :func:`checked_conversation`); errors name ``field`` (``prompt.0.content``). Returns them as
+    the chat template takes them.
+
+    Raises:
+        APIError: 400, the chat route's error for that message with ``messages`` read ``field``.
+    """
+    try:
+        parsed = _Conversation.model_validate({"messages": messages})
+    except ValidationError as e:
+        error = validation_error(e, {"messages": messages})
+        rename = (lambda text: re.sub(r"(?<![\w.])messages(?=[.\[ ]|$)", field, text))
+        raise APIError(rename(error.message), error.status, error.type,
+                       None if error.param is None else rename(error.param), error.code) from None
+    return checked_conversation(parsed.messages, field)
 
 
 def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
