@@ -1217,3 +1217,31 @@ def test_samples_of_a_prompt_with_no_shareable_block_prefill_side_by_side(make_t
     assert (f"Its 4 tokens fill no block before the one holding the prompt's last token (blocks hold {bs})"
             in tok.text), tok.text
     assert "waits until" not in tok.text
+
+
+def test_the_contiguous_region_entry_gives_its_reservation_and_credits_paging_only_with_what_it_avoids():
+    """Trial 30e: under --no-paged-attention a 5-token prompt with max_tokens 4 held "16 slots ... reserved
+    for its prompt plus max_tokens" (9, rounded up to a block) and its 11 empty slots were "the waste that
+    paged attention avoids", though a paged engine holds the same block with the same slots empty."""
+    n = Narrator({**INFO, "paged": False, "max_model_len": 8192, "num_kv_blocks": 64})
+    n.introduction()
+    n.feed(added(ids=(1, 2, 3, 4, 5), pieces=tuple("abcde"), max_tokens=4))
+    n.feed(planned(0, [entry(num=5, prompt_len=5, total_len=5)]))
+    n.feed(ev.BlocksChanged(step=0, block_size=16, bytes_per_block=737280, states="u" + "f" * 63,
+                            ref_counts=(1,) + (0,) * 63, tables=(ev.SeqBlocks("0", 0, 0, (0,), 5, 5),)))
+    kv = next(c for c in n.feed(timed(0, tokens=5, blocks=1, total=64, per_block=737280)) if c.kind == "kv_cache")
+    assert "for its prompt plus max_tokens (5 + 4 = 9 tokens, rounded up to 1 whole block of 16)" in kv.text, kv.text
+    assert "the waste that paged attention avoids" not in kv.text
+    assert "Paged attention would hold the same 1 block for these tokens now, with the same slots empty" in kv.text
+    # max_tokens 40: 45 tokens in 3 blocks, of which paging would hold 1 now
+    n = Narrator({**INFO, "paged": False, "max_model_len": 8192, "num_kv_blocks": 64})
+    n.introduction()
+    n.feed(added(ids=(1, 2, 3, 4, 5), pieces=tuple("abcde"), max_tokens=40))
+    n.feed(planned(0, [entry(num=5, prompt_len=5, total_len=5)]))
+    n.feed(ev.BlocksChanged(step=0, block_size=16, bytes_per_block=737280, states="uuu" + "f" * 61,
+                            ref_counts=(1, 1, 1) + (0,) * 61, tables=(ev.SeqBlocks("0", 0, 0, (0, 1, 2), 5, 5),)))
+    kv = next(c for c in n.feed(timed(0, tokens=5, blocks=3, total=64, per_block=737280)) if c.kind == "kv_cache")
+    assert "(5 + 40 = 45 tokens, rounded up to 3 whole blocks of 16)" in kv.text, kv.text
+    assert ("Paged attention would hold only 1 block (16 slots) for these tokens now, taking a block only when one "
+            "fills: 32 of the empty slots are the waste it avoids; the other 11, in its last block, it would leave "
+            "empty too.") in kv.text, kv.text

@@ -442,7 +442,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="tokens per KV block (default 16; 256 on a GPU where flash-attn runs)")
     e.add_argument("--num-kv-blocks", type=positive_int, default=None, help="size of the KV pool in blocks")
     e.add_argument("--no-paged-attention", action="store_true", help="the contiguous baseline: one request at a time, its KV in one region reserved up front "
-                   "for prompt + max tokens (no prefix cache, no chunked prefill)")
+                   "for prompt + max tokens, in whole blocks (no prefix cache, no chunked prefill)")
     e.add_argument("--no-flash-attn", action="store_true", help="explicit score-matrix attention instead of the fused kernel")
     e.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="no_prefix_caching", action="store_true",
                    help="turn the prefix cache off (it is on by default, as in vLLM)")

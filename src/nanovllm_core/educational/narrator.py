@@ -747,7 +747,8 @@ class Narrator(SchedulerNarration):
         slots = t.num_blocks_used * bs
         text = (f"The running request holds one contiguous KV region of {plural(slots, 'slot')} = {t.kv_bytes_used:,} "
                 f"bytes ({human_bytes(t.kv_bytes_used)}), reserved up front when it was admitted for its prompt plus "
-                f"max_tokens, whether filled or not ({slots:,} of the {room:,} slots of room in use).")
+                f"max_tokens{self._reservation_sum(blocks, slots, bs)}, whether filled or not ({slots:,} of the "
+                f"{room:,} slots of room in use).")
         title = f"KV cache: {human_bytes(t.kv_bytes_used)} reserved up front"
         if blocks is not None and blocks.tables:
             fp = kv_footprint(blocks)
@@ -755,12 +756,49 @@ class Narrator(SchedulerNarration):
                      f"({human_bytes(fp.stored_bytes)}) of keys and values"
                      + ("." if not fp.empty_slots else
                         f"; the other {plural(fp.empty_slots, 'slot')} {agree(fp.empty_slots, 'is', 'are')} "
-                        "reserved but still empty: the waste that paged attention avoids by taking a block only "
-                        "when one fills."))
+                        f"reserved but still empty. {self._paged_would_hold(fp.tokens, slots, bs)}"))
             title += f", {human_bytes(fp.stored_bytes)} stored"
         if same:
             text += " The region does not grow: nothing was taken or freed in this step."
         return [Commentary("kv_cache", title, text, step=t.step)]
+
+    def _reservation_sum(self, blocks: ev.BlocksChanged | None, slots: int, bs: int) -> str:
+        """``" (5 + 4 = 9 tokens, rounded up to 1 whole block of 16)"``: the running request's reservation
+        (``Scheduler.reservation``: prompt + max_tokens, capped at max_model_len) and how the region's size
+        follows from it (trial 30e: "16 slots ... for its prompt plus max_tokens" of a 5 + 4 request);
+        "" when the narrator does not know the request (attached mid-run)."""
+        if blocks is None or not blocks.tables or not bs:
+            return ""
+        request = self._requests.get(blocks.tables[0].request_id)
+        if request is None or request.max_tokens is None:
+            return ""
+        want = request.num_prompt_tokens + request.max_tokens
+        cap = self.info.get("max_model_len")
+        capped = min(want, cap) if cap else want
+        if -(-capped // bs) * bs != slots:  # not the reservation this rule gives (a recompute's longer sequence)
+            return ""
+        sum_ = f"{request.num_prompt_tokens} + {request.max_tokens} = {want} tokens"
+        if capped != want:
+            sum_ += f", capped at max_model_len {cap}"
+        blocks_n = slots // bs
+        rounded = "" if capped == slots else f", rounded up to {plural(blocks_n, 'whole block')} of {bs}"
+        return f" ({sum_}{rounded})"
+
+    @staticmethod
+    def _paged_would_hold(stored: int, slots: int, bs: int) -> str:
+        """What paged attention would hold for the same tokens now (a block taken only as one fills): the
+        region's empty slots beyond that are the waste paging avoids; the ones in its last block it leaves
+        empty too (trial 30e: 11 empty slots of a one-block region were called "the waste that paged
+        attention avoids", though a paged engine holds the same block)."""
+        held = -(-stored // bs) * bs if bs else slots
+        avoided = slots - held
+        if avoided <= 0:
+            return (f"Paged attention would hold the same {plural(held // bs, 'block')} for these tokens now, with "
+                    "the same slots empty: at this step the region wastes no more than paging would.")
+        tail = held - stored
+        return (f"Paged attention would hold only {plural(held // bs, 'block')} ({held} slots) for these tokens now, "
+                f"taking a block only when one fills: {avoided} of the empty slots are the waste it avoids"
+                + (f"; the other {tail}, in its last block, it would leave empty too." if tail else "."))
 
     @staticmethod
     def _cached_summary(e: ev.RequestFinished) -> str:
