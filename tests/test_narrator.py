@@ -1245,3 +1245,14 @@ def test_the_contiguous_region_entry_gives_its_reservation_and_credits_paging_on
     assert ("Paged attention would hold only 1 block (16 slots) for these tokens now, taking a block only when one "
             "fills: 32 of the empty slots are the waste it avoids; the other 11, in its last block, it would leave "
             "empty too.") in kv.text, kv.text
+
+
+def test_a_samples_preemption_count_is_the_samples_own():
+    """Trial 30e: "Preemptions of this request so far: 1" right after a sibling's "This is its 2nd
+    preemption": the count is each sample's own, and the entry says so."""
+    n = fresh()
+    n.feed(replace(added(ids=tuple(range(3))), n=2))
+    told = n.feed(planned(1, [], preempted=[replace(queued("0", num_tokens=4, preemptions=1), seq_id=1, index=1)],
+                          waiting=[queued("0")], running=(), admitted=()))
+    (pre,) = [c for c in told if c.kind == "preemption"]
+    assert "Preemptions of this sample so far: 1." in pre.text, pre.text

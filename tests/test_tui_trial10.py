@@ -347,6 +347,11 @@ async def test_a_request_with_several_samples_says_the_dashboard_shows_sample_0(
         app.selected = "1"
         app._redraw()
         assert "sample" not in str(app.query_one("#output").border_title)
+        # trial 30e: the row's figures (preempted, cached, decode) are sample 0's, and the row says so itself
+        from nanovllm_tui.widgets.request_table import row_cells
+
+        assert row_cells(app.state.requests["0"])[1].plain.endswith(" · sample 0 of 3")
+        assert "sample" not in row_cells(app.state.requests["1"])[1].plain
 
 
 @pytest.mark.parametrize("reads", [

@@ -311,8 +311,10 @@ class SchedulerNarration:
     def _again_and_again(self, q: ev.QueueEntry) -> str:
         """How often ``q`` has been preempted, and from the second time what the repeats cost (trial 12)."""
         n = q.num_preemptions
-        if n < 2:
-            return f"Preemptions of this request so far: {n}."
+        request = getattr(self, "_requests", {}).get(q.request_id)
+        counted = "sample" if (request is not None and request.n > 1) or q.index > 0 else "request"
+        if n < 2:  # a sample's own count (trial 30e: "of this request" after its sibling's "2nd preemption")
+            return f"Preemptions of this {counted} so far: {n}."
         text = f"This is its {ordinal(n)} preemption"
         if self._preempts_seen.get(q.seq_id) == n - 1:  # the narrator saw every earlier one
             redone = self._recomputed.get(q.seq_id, 0)

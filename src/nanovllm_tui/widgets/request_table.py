@@ -78,6 +78,8 @@ def row_cells(req: RequestView, label: str | None = None) -> tuple[Text, ...]:
         state = f"finished ({req.finish_reason})"
     if state == "unfinished" and req.ended_as:  # a replay's end: as the last step played left it
         state = f"unfinished ({req.ended_as})"
+    if req.n > 1:  # every figure of the row is sample 0's (trial 30e: "preempted 0" beside 3 preemptions of
+        state += f" · sample 0 of {req.n}"  # its other samples, said only in a panel title cut at 120 columns)
     return (
         Text.assemble(("■ ", request_color(req.order)), label or req.request_id),
         Text(state, style=STATE_STYLES.get(req.state, "")),
