@@ -311,3 +311,39 @@ def test_the_engine_panel_joins_lines_to_fit_its_rows():
     four = phase_text(state, 21, rows=4).plain.splitlines()
     assert len(four) == 4 and all(len(line) <= 21 for line in four), four
     assert four[0].startswith("VERIFY · last step 5") and four[-1] == "2 running · 0 waiting"
+
+
+@pytest.mark.parametrize("given", [False, True])
+async def test_a_default_max_tokens_the_engine_refuses_is_lowered_and_a_typed_one_is_kept(given):
+    """Trial 30e: attached to a server with --max-model-len 24, the app opened with its own default of 50
+    in red, refused before anything was typed. A default is lowered to half the engine's limit (room for a
+    prompt); a --max-tokens the user typed is kept and refused with the reason, as before."""
+    from nanovllm_tui.widgets.prompt_bar import PromptSettings
+
+    class Bar(App):
+        def compose(self) -> ComposeResult:
+            yield PromptBar(PromptSettings(max_tokens=50, max_tokens_given=given), id="prompt-bar")
+
+    app = Bar()
+    async with app.run_test(size=(100, 10)) as pilot:
+        bar = app.query_one(PromptBar)
+        lowered = bar.limit_max_tokens(24)
+        await pilot.pause()
+        field = app.query_one("#max-tokens", Input)
+        if given:
+            assert lowered is None and field.value == "50"
+            assert bar.errors() and "from 1 to 24" in bar.errors()[0][1]
+        else:
+            assert lowered == 12 and field.value == "12" and not bar.errors()
+
+
+def test_max_model_len_alone_lowers_the_default_max_tokens_instead_of_refusing_it(capsys):
+    """The same kind on the command line: `nanovllm-tui --max-model-len 24` ended with "--max-tokens: ... not
+    '50'" though no --max-tokens was typed; a typed one that does not fit is still refused."""
+    from nanovllm_tui.options import parse_args
+
+    args = parse_args(["--max-model-len", "24"])
+    assert args.max_tokens == 12 and args.sampling.max_tokens == 12
+    with pytest.raises(SystemExit):
+        parse_args(["--max-model-len", "24", "--max-tokens", "50"])
+    assert "--max-tokens: max tokens must be a whole number from 1 to 24" in capsys.readouterr().err

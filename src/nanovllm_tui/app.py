@@ -343,7 +343,12 @@ class NanoVLLMApp(App):
                 self._sync_paused()
                 self._settle_memory()
                 if self.state.model_info.get("max_model_len"):
-                    self.query_one(PromptBar).limit_max_tokens(self.state.model_info["max_model_len"])
+                    limit = self.state.model_info["max_model_len"]
+                    lowered = self.query_one(PromptBar).limit_max_tokens(limit)
+                    if lowered is not None:
+                        self.notify(f"Max tokens is now {lowered}: the default {self.settings.max_tokens} is more "
+                                    f"than this engine's max_model_len ({limit}) allows; half of it leaves room "
+                                    "for a prompt. Change it in the prompt bar.", markup=False)
                     self._refuse_startup_max_tokens(self.state.model_info["max_model_len"])
                     for early in self._early_refusals:
                         self._refuse_startup_prompt(early)

@@ -107,6 +107,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not args.replay:  # the prompt bar's defaults and the prompts sent at start: the bar's own rules
         from nanovllm_tui.widgets.prompt_bar import PromptSettings, settings_errors
 
+        if (args.max_model_len is not None and args.max_tokens > args.max_model_len
+                and not given_options(argv, ("max_tokens",))):
+            # the default nobody typed: lowered to half the context, room left for a prompt, not refused as
+            # if --max-tokens had been given (trial 30e's kind: `--max-model-len 24` alone was an error)
+            args.max_tokens = max(1, args.max_model_len // 2)
+            args.sampling = sampling_params(args)
+
         wrong = settings_errors(PromptSettings(max_tokens=args.max_tokens, temperature=args.temperature),
                                 args.priority or (), limit=args.max_model_len)
         if wrong:
@@ -231,7 +238,8 @@ def build_app(argv: Sequence[str] | None = None):
 
     args = parse_args(argv)
     settings = PromptSettings(priority=0, max_tokens=args.max_tokens, temperature=args.temperature,
-                              chat=True if args.chat else False if args.raw else None)
+                              chat=True if args.chat else False if args.raw else None,
+                              max_tokens_given=bool(given_options(argv, ("max_tokens",))))
     prompts = list(zip(args.prompt or [], args.priority or [0] * len(args.prompt or [])))
     common = dict(sampling=args.sampling, settings=settings, prompts=prompts, fps=args.fps, freeze_gc=True,
                   record_xray=args.trace_xray,

@@ -100,6 +100,9 @@ class PromptSettings:
     max_tokens: int = 50
     temperature: float = 0.0
     chat: bool | None = None
+    # max_tokens was typed (--max-tokens): kept even when the engine's max_model_len refuses it; the
+    # default is lowered to fit instead (trial 30e)
+    max_tokens_given: bool = True
 
 
 # One rule for the three settings: ASCII digits only (int() and float() also take '٥', '1_0', 'inf'
@@ -491,12 +494,23 @@ class PromptBar(Vertical):
         field.validate(field.value)
         self._show_errors()
 
-    def limit_max_tokens(self, limit: int) -> None:
-        """The model is known: max tokens may not exceed its ``max_model_len`` (``limit`` tokens)."""
+    def limit_max_tokens(self, limit: int) -> int | None:
+        """The model is known: max tokens may not exceed its ``max_model_len`` (``limit`` tokens).
+
+        A default nobody typed (no ``--max-tokens``, the field untouched) that exceeds it is lowered to
+        half of it, room left for a prompt, rather than refused before anything was typed (trial 30e: an
+        app attached to a server with ``--max-model-len 24`` opened with its own 50 in red). Returns the
+        new value when it lowered it, else None."""
         self.rules["max-tokens"] = setting_rules(limit)["max-tokens"]
         field = self.query_one("#max-tokens", Input)
+        lowered = None
+        if (not self.defaults.max_tokens_given and field.value.strip() == str(self.defaults.max_tokens)
+                and self.defaults.max_tokens > limit):
+            lowered = max(1, limit // 2)
+            field.value = str(lowered)
         field.validate(field.value)
         self._show_errors()
+        return lowered
 
     def errors(self) -> list[tuple[str, str]]:
         """(field id, why) for every setting that is wrong now."""
