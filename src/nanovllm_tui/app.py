@@ -469,7 +469,8 @@ class NanoVLLMApp(App):
                     message += f" (the engine is still {'paused' if self.state.paused else 'running'})"
                 self.notify(message, title="Not done", severity="warning", timeout=10, markup=False)
             elif event.step is None and (event.message.startswith("lost the connection")
-                                         or "refused the API key" in event.message):
+                                         or "refused the API key" in event.message
+                                         or "needs an API key" in event.message):
                 self.notify(event.message, title="Connection", severity="warning", timeout=10, markup=False)
             else:
                 self.notify(event.message, title="Engine error", severity="error", timeout=10, markup=False)

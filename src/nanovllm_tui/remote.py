@@ -139,9 +139,11 @@ class _Server:
         if status == 503 and code == "model_loading":
             return ServerLoading(f"the server at {self.url} is still loading its model")
         if status == 401:
-            hint = ("pass --api-key KEY or set $NANOVLLM_API_KEY" if not self.api_key else
-                    "the key given with --api-key or $NANOVLLM_API_KEY is not the server's")
-            return KeyRefused(f"the server at {self.url} refused the API key ({hint})")
+            if not self.api_key:  # none was sent: the server wants one (trial 30c: "refused the API key")
+                return KeyRefused(f"the server at {self.url} needs an API key (pass --api-key KEY or set "
+                                  "$NANOVLLM_API_KEY)")
+            return KeyRefused(f"the server at {self.url} refused the API key (the key given with --api-key or "
+                              "$NANOVLLM_API_KEY is not the server's)")
         return RemoteError(f"{message} (HTTP {status})")
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
@@ -310,7 +312,9 @@ class RemoteController:
             return "stopped"
         if self._connected:
             return self._server_state
-        return "key refused" if self._key_refused else "disconnected"
+        if self._key_refused:  # none sent: the server restarted with a key this app never had
+            return "key refused" if self._server.api_key else "key needed"
+        return "disconnected"
 
     @property
     def connected(self) -> bool:

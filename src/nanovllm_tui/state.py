@@ -22,7 +22,7 @@ from nanovllm_tui.widgets.format import visible_text
 
 HISTORY_STEPS = 120  # StepTimed records kept for sparklines
 # engine_state when what the app shows can no longer be confirmed (remote.RemoteController.state)
-LOST = ("stopped", "disconnected", "key refused")
+LOST = ("stopped", "disconnected", "key refused", "key needed")
 RATE_WINDOW = 10  # steps averaged for the throughput figures
 MAX_FINISHED = 200  # finished requests kept in the table
 

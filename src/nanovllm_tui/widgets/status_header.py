@@ -13,7 +13,7 @@ SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 STATE_STYLES = {
     "running": "bold green", "idle": "bold cyan", "paused": "bold yellow", "loading": "bold magenta",
     "failed": "bold red", "stopped": "bold red", "disconnected": "bold red",
-    "key refused": "bold red",
+    "key refused": "bold red", "key needed": "bold red",
 }
 
 
