@@ -329,3 +329,22 @@ def test_steps_are_accepted_in_the_order_pause_and_resume_were_asked_never_dropp
     assert [type(e) for e in rec.events if isinstance(e, (ev.EnginePaused, ev.EngineResumed))][-2:] == [
         ev.EngineResumed, ev.EnginePaused]
     assert not [e for e in rec.of(ev.EngineError) if e.message.startswith("step")]
+
+
+def test_a_request_that_waits_for_a_busy_engine_thread_counts_that_wait_in_its_ttft(controller):
+    """Trial 30c: a request sent while a long step ran got its arrival when the engine thread took it between
+    steps, so TTFT and e2e left out 7.8 s a client waited (vLLM counts from the front end's arrival). Here the
+    engine thread is held busy 0.6 s by a call queued before the submit: the TTFT includes that wait."""
+    import threading
+
+    c, rec = controller()
+    assert rec.wait_for(lambda: c.state == "idle")
+    busy = threading.Event()
+    c.call(lambda engine: busy.wait(10))  # the engine thread is busy until set, as in a long step
+    rid = c.submit("The capital of France is", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    time.sleep(0.6)
+    busy.set()
+    out = c.wait(rid, timeout=30)
+    [done] = rec.of(ev.RequestFinished)
+    assert out is not None and done.ttft_s >= 0.6 and done.e2e_s >= 0.6, (done.ttft_s, done.e2e_s)
+    assert done.ttft_s == out.metrics.time_to_first_token

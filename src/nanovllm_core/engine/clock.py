@@ -9,6 +9,7 @@ simply does not exist for them. How long each request spent paused is kept apart
 
 from __future__ import annotations
 
+import threading
 import time
 
 
@@ -22,6 +23,7 @@ class EngineClock:
     def __init__(self) -> None:
         self._paused_total = 0.0
         self._stopped_at: float | None = None
+        self._lock = threading.Lock()  # reading() may run on another thread (a server's, at a request's arrival)
 
     @property
     def stopped(self) -> bool:
@@ -29,14 +31,16 @@ class EngineClock:
 
     def stop(self) -> None:
         """The engine is held paused from now (no effect if already stopped)."""
-        if self._stopped_at is None:
-            self._stopped_at = time.perf_counter()
+        with self._lock:
+            if self._stopped_at is None:
+                self._stopped_at = time.perf_counter()
 
     def start(self) -> None:
         """The engine runs again (no effect if running); the paused interval is added to ``paused_s``."""
-        if self._stopped_at is not None:
-            self._paused_total += time.perf_counter() - self._stopped_at
-            self._stopped_at = None
+        with self._lock:
+            if self._stopped_at is not None:
+                self._paused_total += time.perf_counter() - self._stopped_at
+                self._stopped_at = None
 
     def held_s(self) -> float:
         """Seconds the current pause has lasted (0.0 while running)."""
@@ -50,3 +54,9 @@ class EngineClock:
         if self._stopped_at is not None:
             return self._stopped_at - self._paused_total
         return time.perf_counter() - self._paused_total
+
+    def reading(self) -> tuple[float, float]:
+        """``(now(), paused_s())`` read together, safe from any thread: a request's arrival as the
+        front end receives it (``EngineController.submit``), before the engine thread adds it."""
+        with self._lock:
+            return self.now(), self.paused_s()

@@ -221,8 +221,11 @@ class EngineController:
         else:  # its policy is not known yet: the range here, the rest at add_request
             check_priority(priority)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        # its arrival is now, not when the engine thread takes it between steps: TTFT and e2e include the wait
+        # for a long step running now, as a client sees it (trial 30c: 7.8 s behind a prefill left out)
+        arrival = self._engine.clock.reading() if self._engine is not None else None
         self._commands.put(_Command("submit", (prompt, sampling_params, priority, rid, on_output, fit_context,
-                                                 chat)))
+                                                 chat, arrival)))
         return rid
 
     def pause(self) -> None:
@@ -480,12 +483,13 @@ class EngineController:
         engine = self._engine
         try:
             if cmd.name == "submit":
-                prompt, params, priority, rid, listener, fit_context, chat = cmd.args
+                prompt, params, priority, rid, listener, fit_context, chat, arrival = cmd.args
                 if listener is not None:
                     if rid in self._listeners:
                         raise ValueError(f"request id {shown(rid)} is already in use")
                     self._listeners[rid] = listener
-                engine.add_request(prompt, params, priority, request_id=rid, fit_context=fit_context, chat=chat)
+                engine.add_request(prompt, params, priority, request_id=rid, fit_context=fit_context, chat=chat,
+                                   arrival=arrival)
                 self._collect(engine.pop_finished_outputs())  # a refusal reaches its listener now
             elif cmd.name == "pause":
                 with self._steps_lock:  # also while paused: the steps asked for and not yet run are dropped

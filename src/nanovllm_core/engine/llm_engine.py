@@ -441,7 +441,8 @@ class LLMEngine(EventSource):
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0,
                     request_id: str | None = None, fit_context: bool = False,
-                    chat: list[dict[str, Any]] | None = None) -> str:
+                    chat: list[dict[str, Any]] | None = None,
+                    arrival: tuple[float, float] | None = None) -> str:
         """Queue a request; return its id.
 
         ``chat``: the conversation a caller rendered into ``prompt``'s token ids with the chat template
@@ -453,6 +454,10 @@ class LLMEngine(EventSource):
         ``max_model_len`` (see :meth:`request_problem`; ``nanovllm-tui`` sends so, as the server and
         ``nanovllm`` refuse it). Off (the library's default, vLLM's ``LLM``): output is cut at
         ``max_model_len`` with ``finish_reason="length"``.
+
+        ``arrival``: ``(engine time, paused seconds)`` from :meth:`EngineClock.reading` when a front end
+        received the request on its own thread (``EngineController.submit``); TTFT and e2e latency count
+        from it, the wait for the step running then included (vLLM's ``arrival_time``). None: now.
 
         A request the engine can never serve (text that is not valid Unicode, an empty prompt, one longer than
         ``max_model_len`` or needing more KV blocks than the whole pool, prompt or
@@ -484,7 +489,9 @@ class LLMEngine(EventSource):
             return self._reject(request_id, text, token_ids, problem[1], params, priority)
         n_prompt = len(token_ids)
         req = RequestState(request_id, text, token_ids, params)
-        now, paused = self.clock.now(), self.clock.paused_s()
+        # arrival: (engine time, paused seconds) when a front end received it (EngineController.submit), so
+        # TTFT and e2e count the wait for the step that was running then, as vLLM's do (trial 30c: 7.8 s left out)
+        now, paused = arrival if arrival is not None else self.clock.reading()
         for i in range(params.n):
             seq = Sequence(seq_id=next(self._seq_counter), request_id=request_id, token_ids=list(token_ids),
                            num_prompt_tokens=n_prompt, params=params, prompt=text, index=i, priority=priority,
