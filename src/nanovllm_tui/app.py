@@ -94,6 +94,30 @@ class Tabs(TabbedContent):
     def on_mount(self) -> None:
         self.query_one(ContentSwitcher).BLANK = True  # made by TabbedContent; see Pane
 
+    def _watch_active(self, active: str) -> None:  # a key (``action_show_tab``) or code sets ``active``
+        settle_layout_baseline(self.screen)
+        super()._watch_active(active)
+
+    def _on_tabs_tab_activated(self, event) -> None:  # a click on a tab's title
+        settle_layout_baseline(self.screen)
+        super()._on_tabs_tab_activated(event)
+
+
+def settle_layout_baseline(screen: Any) -> None:
+    """Bring the screen compositor's record of laid-out widgets up to date before a tab's pane is shown.
+
+    Textual (8.2) sends a widget its first ``Resize`` and ``Show`` only when a full layout finds it
+    new against that record. A scroll anywhere (PageDown in the X-Ray, the Tutorial's chapter, a
+    log's auto-scroll) lays out by a fast path that leaves the record stale and marked so; the next
+    lookup of it (a focus change does one) rebuilds it from the widgets displayed *then*, so a pane
+    shown in between was in the record before its layout, and its widgets never got those events. A
+    ``RichLog`` keeps every write deferred until its first ``Resize``: the Narrator stayed blank
+    until a resize or another tab switch (newcomer trial 30a). Rebuilt here, while the old pane is
+    still the one displayed, the record holds the old pane, and the new one is found new."""
+    compositor = getattr(screen, "_compositor", None)
+    if compositor is not None:
+        compositor.full_map  # noqa: B018 -- the property rebuilds the record if a scroll marked it stale
+
 
 class Pane(TabPane):
     """A tab's pane, drawn as blank lines of its background (Textual's ``BLANK``).

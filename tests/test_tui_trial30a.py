@@ -1,0 +1,46 @@
+"""Trial 30a: the Narrator stayed blank when first opened after PageDown in the X-Ray.
+
+A scroll anywhere left Textual's record of laid-out widgets stale; a focus change rebuilt it with the
+new tab's pane already displayed, so the pane's widgets never got their first ``Resize``, and the
+Narrator's ``RichLog`` kept every write deferred until a resize or another tab switch (see
+``nanovllm_tui.app.settle_layout_baseline``)."""
+
+from __future__ import annotations
+
+import pytest
+from textual.widgets import RichLog
+
+from tests.tui_helpers import replay_app, visible_tab, wait_until
+
+pytestmark = pytest.mark.anyio
+
+
+def screen_text(app) -> str:
+    """The text of the whole screen as a fresh full render draws it."""
+    return "\n".join(strip.text for strip in app.screen._compositor.render_strips())
+
+
+@pytest.mark.parametrize("scrolled, opened_by", [
+    ("2", "key"),  # the trial: X-Ray's PageDown scrolls its layer pipeline
+    ("4", "key"),  # the Tutorial's PageDown scrolls its chapter
+    ("2", "click"),  # a click on the Narrator's tab title
+])
+async def test_the_narrator_first_opened_after_a_scroll_in_another_tab_shows_its_commentary(
+        tmp_path, scrolled, opened_by):
+    app = replay_app(tmp_path, start_paused=False)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: (app.state.step or 0) >= 5, 30, "a few replayed steps")
+        await pilot.press(scrolled)
+        await pilot.pause(0.5)
+        await pilot.press("pagedown", "pagedown")
+        await pilot.pause(0.3)
+        if opened_by == "key":
+            await pilot.press("3")
+        else:
+            await pilot.click("#--content-tab-narrator")
+        await wait_until(pilot, lambda: visible_tab(app) == "narrator", 10, "the Narrator tab")
+        log = app.query_one("#narration", RichLog)
+        await wait_until(pilot, lambda: len(log.lines) > 0, 10, "the commentary written into the log")
+        await pilot.pause(0.3)
+        text = screen_text(app)
+        assert "Step " in text or "prefill" in text.lower() or "decode" in text.lower(), text
