@@ -27,7 +27,6 @@ request/response shapes live in protocol.py and openai_serving.py.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import json
 import secrets
@@ -239,8 +238,9 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        stats = await engine_stats(controller)
-        stats = {**stats, "paused": controller.state == "paused"}
+        # the engine's figures as of its last step boundary (controller.stats()): a scrape never waits
+        # for a step in progress, however long a prefill runs (as vLLM's /metrics, which reads logged stats)
+        stats = {**controller.stats(), "paused": controller.state == "paused"}
         return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
 
     v1 = APIRouter(dependencies=[Depends(_api_key_check(api_key))])
@@ -508,28 +508,6 @@ async def _disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-async def engine_stats(controller: Any, timeout: float = 10.0) -> dict[str, Any]:
-    """``LLMEngine.stats()`` taken on the engine thread between steps (consistent figures).
-
-    Raises:
-        APIError: 503 when the engine does not answer within ``timeout`` seconds.
-    """
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def read(engine: Any) -> None:
-        try:
-            future.set_result(engine.stats())
-        except Exception as e:
-            future.set_exception(e)
-
-    controller.call(read)
-    try:
-        return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
-    except asyncio.TimeoutError:
-        raise APIError(f"the engine did not answer within {timeout:g} s", status=503, type="server_error",
-                       code="engine_busy") from None
 
 
 def _control(state: ServerState, body: Any) -> dict[str, Any]:
