@@ -66,3 +66,40 @@ def test_a_finished_request_is_counted_by_the_next_scrape(tiny_server):
     text = httpx.get(tiny_server.url + "/metrics", timeout=30).text
     line = next(ln for ln in text.splitlines() if ln.startswith("vllm:generation_tokens_total{"))
     assert float(line.rsplit(" ", 1)[1]) == before + 3
+
+
+# ---------------------------------------------------------------------- 2. chat top_logprobs without logprobs
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def _chat(server, **body) -> httpx.Response:
+    return httpx.post(server.url + "/v1/chat/completions", headers=server.headers, timeout=60,
+                      json={"messages": HI, "max_tokens": 1, **body})
+
+
+def test_top_logprobs_0_without_logprobs_is_served_as_vllm_serves_it(tiny_server):
+    """Trial 30b: ``top_logprobs: 0`` with ``logprobs`` missing, false or null was a 400; vLLM's
+    ``check_logprobs`` refuses only -1 or a count > 0 without ``logprobs`` (some SDKs always send 0)."""
+    for extra in ({}, {"logprobs": False}, {"logprobs": None}):
+        r = _chat(tiny_server, top_logprobs=0, **extra)
+        assert r.status_code == 200, (extra, r.text)
+        assert r.json()["choices"][0]["logprobs"] is None
+    r = _chat(tiny_server, top_logprobs=0, logprobs=True)  # the sampled token only
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == []
+
+
+def test_top_logprobs_refusals_say_what_to_send(tiny_server):
+    cases = [
+        ({"top_logprobs": 3}, 'top_logprobs=3 needs logprobs: true; send "logprobs": true, or leave top_logprobs out'),
+        ({"top_logprobs": 3, "logprobs": False}, "top_logprobs=3 needs logprobs: true"),
+        ({"top_logprobs": -2, "logprobs": True}, "top_logprobs=-2 is negative; send an integer in [0, 20], or leave it out"),
+        ({"top_logprobs": -1, "logprobs": True}, "top_logprobs=-1 (every token of the vocabulary, as vLLM reads it) "
+                                                 "is more than the 20 this server returns per token; send an integer in [0, 20]"),
+        ({"top_logprobs": -1}, "top_logprobs=-1 (every token"),
+    ]
+    for body, message in cases:
+        r = _chat(tiny_server, **body)
+        assert r.status_code == 400, (body, r.text)
+        error = r.json()["error"]
+        assert error["message"].startswith(message) and error["param"] == "top_logprobs", (body, error)
