@@ -103,3 +103,61 @@ def test_top_logprobs_refusals_say_what_to_send(tiny_server):
         assert r.status_code == 400, (body, r.text)
         error = r.json()["error"]
         assert error["message"].startswith(message) and error["param"] == "top_logprobs", (body, error)
+
+
+# ---------------------------------------------------------------------- 3. error edges
+
+
+def _raw(server, path: str, content: bytes) -> httpx.Response:
+    return httpx.post(server.url + path, content=content, timeout=60,
+                      headers={**server.headers, "Content-Type": "application/json"})
+
+
+def test_an_integer_past_pythons_digit_limit_is_named_as_too_large(tiny_server):
+    """Trial 30b: a 5,001-digit max_tokens was "not valid JSON (... use sys.set_int_max_str_digits() ...)":
+    the body is JSON (RFC 8259 sets no digit limit) and that advice is for the server's author."""
+    big = "1" + "0" * 5000
+    r = _raw(tiny_server, "/v1/completions", b'{"prompt": "Hi", "max_tokens": %s}' % big.encode())
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["message"] == ("max_tokens: a number of 5001 digits is too large (at most 4300 digits are read, and "
+                                "no field takes a number anywhere near that long); send a smaller number")
+    assert error["param"] == "max_tokens" and error["code"] == "invalid_value"
+    r = _raw(tiny_server, "/v1/completions", b'{"prompt": [1, -%s]}' % big.encode())  # in a list: no key to name
+    assert r.json()["error"]["message"].startswith("a number of 5001 digits is too large")
+    assert "set_int_max_str_digits" not in r.text
+    r = _raw(tiny_server, "/v1/engine/control", b'{"command": "step", "n": %s}' % big.encode())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+def test_a_body_that_is_not_utf8_says_so(tiny_server):
+    """Trial 30b: raw bytes ff fe got "not valid JSON (Expecting value: line 1 column 1 (char 0))" (json.loads
+    read them as UTF-16), a stray ff inside a text the codec's own words."""
+    for content, offset in ((b"\xff\xfe", 0), (b'{"prompt": "\xff"}', 12)):
+        r = _raw(tiny_server, "/v1/completions", content)
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == (f"the request body is not UTF-8 text (byte 0xff at offset {offset} "
+                                                "is not valid UTF-8); send the JSON body encoded as UTF-8")
+    # a UTF-8 byte order mark is still skipped, as before
+    r = _raw(tiny_server, "/v1/completions", b'\xef\xbb\xbf{"prompt": "Hi", "max_tokens": 1}')
+    assert r.status_code == 200, r.text
+
+
+def test_control_takes_null_for_an_optional_field_as_left_out(tiny_server):
+    """Trial 30b: {"command": "resume", "owner": null} was "owner must be a string ..., got null", while the
+    docs call owner optional and xray took request_id: null as left out."""
+    try:
+        assert control(tiny_server, {"command": "pause", "owner": None}).json() == {"ok": True}
+        assert control(tiny_server, {"command": "resume", "owner": None}).json() == {"ok": True, "resumed": True}
+        assert control(tiny_server, {"command": "pause", "owner": "me"}).json() == {"ok": True}
+        # a resume with owner null is a resume without owner: it ends any pause
+        assert control(tiny_server, {"command": "resume", "owner": None}).json() == {"ok": True, "resumed": True}
+        r = control(tiny_server, {"command": "submit", "prompt": "hi", "params": {"max_tokens": 1},
+                                  "priority": None, "request_id": None})
+        assert r.status_code == 200, r.text
+        # a required field stays required
+        r = control(tiny_server, {"command": "abort", "request_id": None})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
+    finally:
+        control(tiny_server, {"command": "resume"})
+    assert poll_until(lambda: not tiny_server.controller.engine.has_unfinished_requests())
