@@ -161,3 +161,34 @@ def test_control_takes_null_for_an_optional_field_as_left_out(tiny_server):
     finally:
         control(tiny_server, {"command": "resume"})
     assert poll_until(lambda: not tiny_server.controller.engine.has_unfinished_requests())
+
+
+# ---------------------------------------------------------------------- 4. include_usage: null
+
+
+def _stream_usage(server, path: str, body: dict) -> list:
+    """The ``usage`` of every streamed chunk that has one."""
+    import json
+
+    usages = []
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, headers=server.headers,
+                      timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usages.append(chunk["usage"])
+    return usages
+
+
+def test_include_usage_null_turns_usage_off_as_in_vllm(tiny_server):
+    """Trial 30b: "stream_options": {"include_usage": null} sent a usage chunk; vLLM's StreamOptions field is
+    ``bool | None`` and ``bool(include_usage)`` is false for null. Left out, it stays on (vLLM's default)."""
+    for path, body in (("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": HI, "max_tokens": 2})):
+        assert _stream_usage(tiny_server, path, {**body, "stream_options": {"include_usage": None}}) == []
+        assert _stream_usage(tiny_server, path, {**body, "stream_options": {
+            "include_usage": None, "continuous_usage_stats": True}}) == []
+        assert len(_stream_usage(tiny_server, path, {**body, "stream_options": {}})) == 1
+        assert len(_stream_usage(tiny_server, path, {**body, "stream_options": {"continuous_usage_stats": None}})) == 1

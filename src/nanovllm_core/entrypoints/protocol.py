@@ -337,15 +337,18 @@ def _openai_metadata(value: dict[str, str]) -> dict[str, str]:
 class StreamOptions(_Body):
     """How a stream reports usage, read as vLLM's ``StreamOptions`` reads it.
 
-    ``include_usage`` (true unless sent false, vLLM's default: sending ``stream_options`` at all
-    asks for usage): one more chunk before ``[DONE]`` with no choices and the request's token
-    counts. ``continuous_usage_stats`` (false unless sent): also usage on every chunk, only when
-    ``include_usage`` is on (vLLM's ``include_usage and continuous_usage_stats``). No
-    ``stream_options``: no usage in the stream.
+    ``include_usage`` (true when left out, vLLM's default: sending ``stream_options`` at all
+    asks for usage; ``false`` or ``null`` turn it off, as vLLM's ``bool | None`` field and its
+    ``bool(stream_options.include_usage)`` read them, trial 30b): one more chunk before ``[DONE]``
+    with no choices and the request's token counts. ``continuous_usage_stats`` (false unless sent
+    true; ``null`` is false too): also usage on every chunk, only when ``include_usage`` is on
+    (vLLM's ``include_usage and continuous_usage_stats``). No ``stream_options``: no usage in the stream.
     """
 
-    include_usage: StrictBool = True
-    continuous_usage_stats: StrictBool = False
+    # null is a value here (off), not "not sent" (which for include_usage would be on), as in vLLM
+    NULL_KEPT: ClassVar[frozenset[str]] = frozenset({"include_usage", "continuous_usage_stats"})
+    include_usage: StrictBool | None = True
+    continuous_usage_stats: StrictBool | None = False
 
 
 def logit_bias_ids(bias: Any, param: str = "logit_bias") -> dict[Any, Any]:
