@@ -156,7 +156,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
      "tools"),  # ([] asks for nothing and is served: trial 11)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
-     "top_logprobs needs logprobs=true"),
+     "top_logprobs=2 needs logprobs: true; send \"logprobs\": true, or leave top_logprobs out"),
     ("/v1/engine/control", {"command": "explode"}, 400, 'unknown command "explode"'),
     ("/v1/engine/control", {}, 400, "the command is missing"),
     ("/v1/engine/control", [1], 400, "must be a JSON object"),

@@ -28,12 +28,37 @@ class JSONTooDeep(ValueError):
     """JSON text with arrays or objects nested deeper than the parser can follow (Python's recursion limit)."""
 
 
+class JSONNumberTooLong(ValueError):
+    """Valid JSON holding an integer with more digits than Python converts (``sys.get_int_max_str_digits()``,
+    4300 by default; RFC 8259 sets no limit, so the text *is* JSON). ``digits``: how many the number has;
+    ``key``: the object key just before it (``"max_tokens"``), or None (in a list, or not found)."""
+
+    def __init__(self, digits: int, key: str | None) -> None:
+        self.digits, self.key = digits, key
+        at = "" if key is None else f"{clipped(key)}: "
+        super().__init__(f"{at}a number of {digits} digits is too large (at most {sys.get_int_max_str_digits()} "
+                         "digits are read, and no field takes a number anywhere near that long); send a smaller number")
+
+
+_LONG_INT = re.compile(r'(?:"((?:[^"\\]|\\.)*)"\s*:\s*)?-?(\d+)')
+
+
+def _too_long(text: str, limit: int) -> JSONNumberTooLong:
+    """The first integer of ``text`` longer than ``limit`` digits, as a :class:`JSONNumberTooLong`."""
+    for m in _LONG_INT.finditer(text):
+        if len(m.group(2)) > limit:
+            return JSONNumberTooLong(len(m.group(2)), m.group(1))
+    return JSONNumberTooLong(limit + 1, None)  # (not found again: say what is known)
+
+
 def loads(data: str | bytes | bytearray) -> Any:
     """``json.loads(data)``, with every failure a ``ValueError``.
 
     Raises:
         JSONTooDeep: arrays or objects nested past the recursion limit (about
             ``sys.getrecursionlimit()`` levels, fewer the deeper the caller's own stack).
+        JSONNumberTooLong: an integer past Python's digit limit (trial 30b: Python's own message advised
+            ``sys.set_int_max_str_digits()``, which only the server's author can act on).
         ValueError: anything else that is not JSON (``json.JSONDecodeError``, bytes that are not UTF-8).
     """
     try:
@@ -41,6 +66,12 @@ def loads(data: str | bytes | bytearray) -> Any:
     except RecursionError:
         raise JSONTooDeep(f"arrays or objects nested inside one another more than about {sys.getrecursionlimit()} "
                           "levels deep, past what the JSON parser follows") from None
+    except ValueError as e:
+        limit = sys.get_int_max_str_digits()
+        if isinstance(e, json.JSONDecodeError) or "integer string conversion" not in str(e) or not limit:
+            raise
+        text = data if isinstance(data, str) else bytes(data).decode("utf-8", "replace")
+        raise _too_long(text, limit) from None
 
 
 # Bounds on what a quoted value shows: nested containers, long lists and long texts inside a value

@@ -138,6 +138,8 @@ class EngineController:
         self.load_error: str | None = None
         self.load_failure: str | None = None  # load_error with its kind in front (load_failure())
         self.results: dict[str, RequestOutput] = {}
+        # The engine's stats() as of its last step or command, taken on the engine thread (see stats()).
+        self._stats: dict[str, Any] = {}
         self._listeners: dict[str, Callable[[RequestOutput], None]] = {}  # engine thread only
         self._results_cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
@@ -330,6 +332,24 @@ class EngineController:
         ``EngineError`` (``xray: ...``, ``request_id`` the id asked for); the choice stays as it was."""
         self._commands.put(_Command("xray", (request_id, layer, head)))
 
+    def stats(self) -> dict[str, Any]:
+        """``LLMEngine.stats()`` as of the engine's last step boundary: answers at once, never waits for a step.
+
+        The engine thread takes the snapshot after each step and after each batch of commands (and
+        before it hands outputs to their listeners, so a client told its request finished reads
+        figures that include it). One snapshot is one ``stats()`` call, so its figures agree with
+        each other; read mid-step, it is the last step's. ``{}`` until the model has loaded.
+        (vLLM's ``/metrics`` likewise reads figures already logged, never the engine mid-step.)
+        """
+        return self._stats
+
+    def _refresh_stats(self, engine: LLMEngine) -> None:
+        """Take a new snapshot for :meth:`stats` (engine thread only; a reader sees the old dict or the new one)."""
+        try:
+            self._stats = engine.stats()
+        except Exception:  # a snapshot must never stop the engine
+            traceback.print_exc()
+
     def call(self, fn: Callable[[LLMEngine], Any]) -> None:
         """Run ``fn(engine)`` on the engine thread between steps (for rare reads that must be consistent)."""
         self._commands.put(_Command("call", (fn,)))
@@ -383,6 +403,7 @@ class EngineController:
         if self._paused:
             engine.clock.stop()
         self._state = "paused" if self._paused else "idle"
+        self._refresh_stats(engine)
         for event in self._arrival_events(engine):
             self._emit(event)
         return True
@@ -423,9 +444,11 @@ class EngineController:
             self._serve_failed()
             return
         engine = self._engine
+        self._refresh_stats(engine)  # an engine handed in (_engine) has not been read yet
         while not self._stop.is_set():
             busy = engine.has_unfinished_requests() and (not self._paused or self._steps_allowed > 0)
-            self._drain_commands(block=not busy)
+            if self._drain_commands(block=not busy):
+                self._refresh_stats(engine)
             if self._stop.is_set():
                 break
             if engine.has_unfinished_requests() and (not self._paused or self._steps_allowed > 0):
@@ -467,17 +490,18 @@ class EngineController:
                     self._notify(listener, _rejected_output(rid, cmd.args[0], reason))
         self._state = "stopped"
 
-    def _drain_commands(self, block: bool) -> None:
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply the queued commands (waiting up to 50 ms for one if ``block``); True if any applied."""
         try:
             cmd = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             self._apply(cmd)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _apply(self, cmd: _Command) -> None:
         engine = self._engine
@@ -560,7 +584,7 @@ class EngineController:
         finally:
             if self._paused:
                 engine.clock.stop()
-        self._collect(outputs)
+        self._collect(outputs)  # (takes the stats snapshot first)
 
     @staticmethod
     def _notify(listener: Callable[[RequestOutput], None], output: RequestOutput) -> None:
@@ -571,6 +595,8 @@ class EngineController:
 
     def _collect(self, outputs: list[RequestOutput]) -> None:
         """Hand outputs to their listeners; keep the finished ones nobody listened for in ``results``."""
+        if self._engine is not None:  # the snapshot first: a client told "finished" reads figures that count it
+            self._refresh_stats(self._engine)
         done = []
         for o in outputs:
             listener = self._listeners.get(o.request_id)

@@ -27,7 +27,6 @@ request/response shapes live in protocol.py and openai_serving.py.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import json
 import secrets
@@ -64,6 +63,10 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 EVENTS_QUERY = ("topk", "blocks", "xray")  # /v1/engine/events' query parameters
 EVENTS_FLAGS = {"1": True, "0": False, "true": True, "false": False}  # what blocks= and xray= take
 MAX_EVENTS_TOPK = 20
+# Fields a command may leave out (a null counts as left out); the rest are required (abort's request_id,
+# submit's prompt) or take null as a value (xray's request_id: no request).
+OPTIONAL_CONTROL_FIELDS = {"pause": ("owner",), "resume": ("owner",), "step": ("n",),
+                           "submit": ("params", "priority", "request_id"), "xray": ("layer", "head")}
 CONTROL_COMMANDS = ("pause", "resume", "step", "abort", "submit", "xray", "snapshot")
 # The fields each control command takes (besides "command"); any other is refused, naming it.
 CONTROL_FIELDS = {"pause": ("owner",), "resume": ("owner",), "snapshot": (), "step": ("n",), "abort": ("request_id",),
@@ -239,8 +242,9 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        stats = await engine_stats(controller)
-        stats = {**stats, "paused": controller.state == "paused"}
+        # the engine's figures as of its last step boundary (controller.stats()): a scrape never waits
+        # for a step in progress, however long a prefill runs (as vLLM's /metrics, which reads logged stats)
+        stats = {**controller.stats(), "paused": controller.state == "paused"}
         return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
 
     v1 = APIRouter(dependencies=[Depends(_api_key_check(api_key))])
@@ -375,7 +379,8 @@ async def _json(request: Request, limit: int) -> Any:
     Raises:
         APIError: 400 ``unsupported_media_type`` for another Content-Type or none; 413 for a body
             over ``limit`` bytes (its Content-Length, or the bytes read so far, is over it: read no further); 400 ``invalid_json`` for a body that is not JSON,
-            also one nested past the parser's depth (``untrusted.loads``).
+            also one nested past the parser's depth (``untrusted.loads``) or not UTF-8; 400 ``invalid_value``
+            for an integer of more digits than Python reads (``untrusted.JSONNumberTooLong``, naming its key).
     """
     _check_media_type(request.headers.get("content-type"))
     too_big = APIError(f"the request body is larger than this server's limit of {limit} bytes; send a shorter "
@@ -390,8 +395,16 @@ async def _json(request: Request, limit: int) -> Any:
         if size > limit:
             raise too_big
         chunks.append(chunk)
+    data = b"".join(chunks)
+    try:  # JSON is UTF-8 (RFC 8259): json.loads would read a body opening with bytes ff fe as UTF-16 (trial 30b)
+        text = data.decode("utf-8-sig")  # (a UTF-8 byte order mark is skipped, as json.loads skipped it)
+    except UnicodeDecodeError as e:
+        raise APIError(f"the request body is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start} "
+                       "is not valid UTF-8); send the JSON body encoded as UTF-8", code="invalid_json") from None
     try:
-        return untrusted.loads(b"".join(chunks))
+        return untrusted.loads(text)
+    except untrusted.JSONNumberTooLong as e:  # valid JSON (RFC 8259 sets no digit limit): the value is the problem
+        raise APIError(str(e), param=e.key, code="invalid_value") from None
     except untrusted.JSONTooDeep as e:  # json.loads' RecursionError was a 500 and a traceback (trial 14b)
         raise APIError(f"the request body is nested too deeply ({e}); send a JSON object whose fields nest a few "
                        "levels at most, as OpenAI's request fields do", code="invalid_json") from None
@@ -510,28 +523,6 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def engine_stats(controller: Any, timeout: float = 10.0) -> dict[str, Any]:
-    """``LLMEngine.stats()`` taken on the engine thread between steps (consistent figures).
-
-    Raises:
-        APIError: 503 when the engine does not answer within ``timeout`` seconds.
-    """
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def read(engine: Any) -> None:
-        try:
-            future.set_result(engine.stats())
-        except Exception as e:
-            future.set_exception(e)
-
-    controller.call(read)
-    try:
-        return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
-    except asyncio.TimeoutError:
-        raise APIError(f"the engine did not answer within {timeout:g} s", status=503, type="server_error",
-                       code="engine_busy") from None
-
-
 def _control(state: ServerState, body: Any) -> dict[str, Any]:
     """Apply one control command (``{"command": ...}``) to the controller; every watcher sees its effect.
 
@@ -562,6 +553,9 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
                 '({"params": {"max_tokens": 3}})') if name == "submit" else ""
         raise APIError(f"{name} does not take {untrusted.listed(unknown)} (it takes {takes}){hint}", param=unknown[0],
                        code="unknown_parameter")
+    # an optional field sent as null is left out, as the OpenAI routes read every null (trial 30b: a pause or
+    # resume with "owner": null was refused; xray's request_id: null already meant "none")
+    body = {k: v for k, v in body.items() if v is not None or k not in OPTIONAL_CONTROL_FIELDS.get(name, ())}
     # the one rule of every integer field (protocol.whole_number): 3.0 is 3; 3.5, "3" and true are refused
     body = {k: whole_number(v) if k in ("n", "layer", "head", "priority") else v for k, v in body.items()}
     if name == "pause":

@@ -1,7 +1,8 @@
 """``GET /metrics``: the engine's counters in Prometheus text format, with vLLM's metric names.
 
 A dashboard built for vLLM reads these unchanged. Counters and gauges are the engine's own
-figures (``LLMEngine.stats()``, read on the engine thread between steps), so they agree with
+figures (``LLMEngine.stats()``, taken on the engine thread after each step and kept by the
+controller: ``EngineController.stats()``, so a scrape never waits for a step), so they agree with
 ``llm.stats()`` exactly; latency histograms are filled from each finished request's metrics.
 
 ``n`` samples count as vLLM V1 counts them, which fans a request out into ``n`` child requests
@@ -91,7 +92,7 @@ class ServerMetrics:
     """The server's Prometheus registry (one per server, so several can live in one process).
 
     ``observe(output)`` records a finished request (thread-safe; the engine thread calls it);
-    ``render(stats)`` returns the exposition text for a fresh ``LLMEngine.stats()`` snapshot.
+    ``render(stats)`` returns the exposition text for an ``LLMEngine.stats()`` snapshot.
     """
 
     def __init__(self, model_name: str) -> None:

@@ -309,7 +309,7 @@ class OpenAIServing:
         ``index``: prompt number * n + sample number), the last one its ``finish_reason``. With
         ``continuous_usage_stats`` each chunk's ``usage`` counts that choice's prompt and the
         tokens it has generated so far (vLLM's serving_chat.py / serving_completion.py); with
-        ``include_usage`` (on whenever ``stream_options`` is sent, unless sent false) a last
+        ``include_usage`` (on whenever ``stream_options`` is sent, unless sent false or null) a last
         chunk with no choices sums every prompt and choice, also after continuous usage.
 
         The request is submitted when the response starts (a client gone before then costs
@@ -450,8 +450,8 @@ SERVER_ID_PREFIXES = ("cmpl-", "chatcmpl-", "ctl-")  # ids the server makes; a c
 
 def _usage_options(req: Any) -> tuple[bool, bool]:
     """(usage chunk at the end, usage on every chunk) from ``stream_options``, as vLLM's
-    ``should_include_usage`` reads them: ``include_usage`` is true unless sent false
-    (``StreamOptions``), and usage on every chunk needs it on (``{"include_usage": false,
+    ``should_include_usage`` reads them: ``include_usage`` is true when left out, off when sent
+    false or null (``StreamOptions``), and usage on every chunk needs it on (``{"include_usage": false,
     "continuous_usage_stats": true}`` sends no usage at all); no ``stream_options``, no usage."""
     o = req.stream_options
     include = bool(o and o.include_usage)

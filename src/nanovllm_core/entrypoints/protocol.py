@@ -337,15 +337,18 @@ def _openai_metadata(value: dict[str, str]) -> dict[str, str]:
 class StreamOptions(_Body):
     """How a stream reports usage, read as vLLM's ``StreamOptions`` reads it.
 
-    ``include_usage`` (true unless sent false, vLLM's default: sending ``stream_options`` at all
-    asks for usage): one more chunk before ``[DONE]`` with no choices and the request's token
-    counts. ``continuous_usage_stats`` (false unless sent): also usage on every chunk, only when
-    ``include_usage`` is on (vLLM's ``include_usage and continuous_usage_stats``). No
-    ``stream_options``: no usage in the stream.
+    ``include_usage`` (true when left out, vLLM's default: sending ``stream_options`` at all
+    asks for usage; ``false`` or ``null`` turn it off, as vLLM's ``bool | None`` field and its
+    ``bool(stream_options.include_usage)`` read them, trial 30b): one more chunk before ``[DONE]``
+    with no choices and the request's token counts. ``continuous_usage_stats`` (false unless sent
+    true; ``null`` is false too): also usage on every chunk, only when ``include_usage`` is on
+    (vLLM's ``include_usage and continuous_usage_stats``). No ``stream_options``: no usage in the stream.
     """
 
-    include_usage: StrictBool = True
-    continuous_usage_stats: StrictBool = False
+    # null is a value here (off), not "not sent" (which for include_usage would be on), as in vLLM
+    NULL_KEPT: ClassVar[frozenset[str]] = frozenset({"include_usage", "continuous_usage_stats"})
+    include_usage: StrictBool | None = True
+    continuous_usage_stats: StrictBool | None = False
 
 
 def logit_bias_ids(bias: Any, param: str = "logit_bias") -> dict[Any, Any]:
@@ -609,9 +612,34 @@ class ChatCompletionRequest(_SamplingBody):
         return {"logprobs": "top_logprobs",
                 "max_tokens": "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"}
 
+    def _check_top_logprobs(self) -> None:
+        """vLLM's ``ChatCompletionRequest.check_logprobs``: ``top_logprobs`` must be ``>= 0`` or -1, and a
+        count that asks for candidates (``-1`` or ``> 0``) needs ``logprobs: true``; ``0`` without it is
+        accepted (no logprobs, as vLLM runs it), as some SDKs always send ``top_logprobs: 0``.
+
+        ``-1`` is vLLM's "the whole vocabulary": its engine then refuses it too unless started with
+        ``--max-logprobs -1`` (its default allows 20); this server returns at most 20, so ``-1`` is
+        refused whatever ``logprobs`` says, with the most it may ask for.
+
+        Raises:
+            APIError: 400 ``invalid_value``, ``param`` ``top_logprobs``; the message says what to send.
+        """
+        top = self.top_logprobs
+        if top is None:
+            return
+        if top == -1:
+            raise APIError("top_logprobs=-1 (every token of the vocabulary, as vLLM reads it) is more than the 20 "
+                           "this server returns per token; send an integer in [0, 20]", param="top_logprobs",
+                           code="invalid_value")
+        if top < 0:
+            raise APIError(f"top_logprobs={top} is negative; send an integer in [0, 20], or leave it out",
+                           param="top_logprobs", code="invalid_value")
+        if top > 0 and not self.logprobs:
+            raise APIError(f"top_logprobs={top} needs logprobs: true; send \"logprobs\": true, or leave "
+                           "top_logprobs out", param="top_logprobs", code="invalid_value")
+
     def to_sampling_params(self) -> SamplingParams:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
+        self._check_top_logprobs()
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.sampling_params(limit, (self.top_logprobs or 0) if self.logprobs else None)
 
