@@ -192,3 +192,34 @@ def test_include_usage_null_turns_usage_off_as_in_vllm(tiny_server):
             "include_usage": None, "continuous_usage_stats": True}}) == []
         assert len(_stream_usage(tiny_server, path, {**body, "stream_options": {}})) == 1
         assert len(_stream_usage(tiny_server, path, {**body, "stream_options": {"continuous_usage_stats": None}})) == 1
+
+
+# ---------------------------------------------------------------------- trial 30c: TTFT observed at the first token
+
+
+def test_ttft_is_observed_in_the_step_that_gives_the_first_token_not_at_the_finish(tiny_server):
+    """Trial 30c: with two requests running, each holding its first token, vllm:time_to_first_token_seconds
+    counted 0 (observed only when a sample finished) while prompt_tokens_total counted both; vLLM V1
+    records TTFT in the iteration that produced it. Each is counted once, also after it finishes."""
+    def ttft_count() -> float:
+        text = httpx.get(tiny_server.url + "/metrics", timeout=30).text
+        return _gauge(text, "vllm:time_to_first_token_seconds_count")
+
+    before = ttft_count()
+    control(tiny_server, {"command": "pause"}).raise_for_status()
+    ids = []
+    try:
+        for _ in range(2):
+            r = control(tiny_server, {"command": "submit", "prompt": "Once upon a time",
+                                      "params": {"max_tokens": 30, "ignore_eos": True, "temperature": 0}})
+            ids.append(r.json()["request_id"])
+        control(tiny_server, {"command": "step"}).raise_for_status()  # one step: both prefill, one token each
+        assert poll_until(lambda: ttft_count() == before + 2), ttft_count()
+        assert tiny_server.controller.engine.has_unfinished_requests()  # still running: counted at the token
+    finally:
+        for rid in ids:
+            control(tiny_server, {"command": "abort", "request_id": rid})
+        control(tiny_server, {"command": "resume"})
+    assert poll_until(lambda: not tiny_server.controller.engine.has_unfinished_requests())
+    tiny_server.wait_idle()
+    assert ttft_count() == before + 2  # not again at the finish

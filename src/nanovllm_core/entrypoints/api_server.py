@@ -727,6 +727,8 @@ def _control_submit(state: ServerState, body: dict) -> str:
         if output.finished:
             state.ids.release(rid)
             state.metrics.observe(output)
+        else:  # a first token's TTFT is observed in its step, as a client's request's is
+            state.metrics.progress(output)
 
     if state.shutting_down:  # after the shutdown's abort of everything: it would run unwatched
         state.ids.release(rid)

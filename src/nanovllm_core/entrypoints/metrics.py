@@ -22,12 +22,14 @@ reason, and the latency histograms get one observation per sample, its own TTFT,
 | ``vllm:num_preemptions`` | counter | preemptions |
 | ``vllm:prompt_tokens`` / ``vllm:generation_tokens`` | counter | prompt tokens of each sequence (each of ``n`` samples) at its first token / tokens generated |
 | ``vllm:request_success`` | counter | finished samples (each of ``n``) by their own ``finished_reason`` |
-| ``vllm:time_to_first_token_seconds``, ``vllm:time_per_output_token_seconds``, ``vllm:e2e_request_latency_seconds`` | histogram | one observation per finished sample (each of ``n``), its own times |
+| ``vllm:time_to_first_token_seconds`` | histogram | one observation per sample (each of ``n``) in the step that gave its first token |
+| ``vllm:time_per_output_token_seconds``, ``vllm:e2e_request_latency_seconds`` | histogram | one observation per finished sample (each of ``n``), its own times |
 | ``nanovllm:kv_blocks_total`` / ``_used`` / ``_cached``, ``nanovllm:steps`` | gauge / counter | no vLLM equivalent (``steps``: steps run; events number them from 0) |
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -109,6 +111,24 @@ class ServerMetrics:
         self._e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
                               labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
         self.model_name = model_name
+        self._first_seen: set[tuple[str, int]] = set()  # (request id, sample) whose TTFT is observed already
+        self._lock = threading.Lock()  # progress() and observe() run on the engine thread; kept simple and safe
+
+    def progress(self, output: RequestOutput) -> None:
+        """A request's output after a step: each sample's TTFT is observed in the step that gave its
+        first token, as vLLM V1 records ``time_to_first_token_seconds`` in the iteration that produced it
+        (``IterationStats``), not when the sample finishes (trial 30c: the count read 0 while two running
+        requests held their first tokens and ``prompt_tokens_total`` counted both)."""
+        for index, sample in enumerate(output.outputs):
+            m = sample.metrics if sample.metrics is not None else output.metrics
+            if m is None or m.time_to_first_token is None or sample.finish_reason == "rejected":
+                continue
+            key = (output.request_id, getattr(sample, "index", index))
+            with self._lock:
+                if key in self._first_seen:
+                    continue
+                self._first_seen.add(key)
+            self._ttft.observe(m.time_to_first_token)
 
     def observe(self, output: RequestOutput) -> None:
         """Count one finished request, sample by sample: each sample's finish reason and, if it ran,
@@ -122,14 +142,15 @@ class ServerMetrics:
         A request the engine refused never ran: it is not counted (vLLM refuses such requests
         before they reach its engine).
         """
-        for sample in output.outputs:
+        self.progress(output)  # a TTFT no earlier output carried (a request that ended in its first step)
+        for index, sample in enumerate(output.outputs):
+            with self._lock:
+                self._first_seen.discard((output.request_id, getattr(sample, "index", index)))
             reason = sample.finish_reason
             if reason == "rejected":
                 continue
             self._success.labels(self.model_name, reason or "unknown").inc()
             m = sample.metrics if sample.metrics is not None else output.metrics
-            if m.time_to_first_token is not None:
-                self._ttft.observe(m.time_to_first_token)
             if m.time_per_output_token is not None:
                 self._tpot.observe(m.time_per_output_token)
             if m.finished_time is not None and m.arrival_time:

@@ -249,7 +249,8 @@ class OpenAIServing:
             self._router = OutputRouter(asyncio.get_running_loop())
         if not p.engine_ids:  # not reserved by the caller (a test's Prepared): reserve the server's id
             self.reserve(p)
-        stream = RequestStream(self.controller, self._router, on_finished=self._finished, registry=self.registry)
+        stream = RequestStream(self.controller, self._router, on_finished=self._finished, registry=self.registry,
+                               on_progress=self.metrics.progress if self.metrics is not None else None)
         p.submitted = True
         stream.submit(p.prompts, p.params, p.priority, p.request_id, chat=p.conversation)
         return stream

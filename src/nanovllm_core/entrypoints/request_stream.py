@@ -128,10 +128,12 @@ class RequestStream:
 
     def __init__(self, controller: Any, router: OutputRouter | None = None,
                  on_finished: Callable[[RequestOutput], None] | None = None,
-                 registry: InFlight | None = None) -> None:
+                 registry: InFlight | None = None,
+                 on_progress: Callable[[RequestOutput], None] | None = None) -> None:
         self._controller = controller
         self._router = router or OutputRouter(asyncio.get_running_loop())
         self._on_finished = on_finished
+        self._on_progress = on_progress  # every output, on the engine thread (first-token metrics)
         self._registry = registry
         self._queue: asyncio.Queue[RequestOutput | None] = asyncio.Queue()  # None: end now (shutdown)
         self.request_ids: list[str] = []
@@ -153,6 +155,8 @@ class RequestStream:
         return self.request_ids
 
     def _listener(self, output: RequestOutput) -> None:  # engine thread
+        if not output.finished and self._on_progress is not None:
+            self._on_progress(output)
         if output.finished and self._on_finished is not None:
             self._on_finished(output)
         self._router.push(self._queue, output)
