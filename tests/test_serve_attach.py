@@ -6,6 +6,7 @@ The server is the shared in-process ``tiny_server``; the app talks to it only ov
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
@@ -483,8 +484,9 @@ async def test_an_app_attached_to_a_server_that_restarts_marks_its_old_requests_
             second = EngineController.from_engine(make_tiny_engine(num_kv_blocks=32))
             again = APIServer(build_app(second), log_level="warning", access_log=False)
             again.start_in_thread(socket.create_server(("127.0.0.1", port)))
-            await wait_until(pilot, lambda: app.state.requests[rid].state == "lost", 30, "the old request marked lost")
-            assert notes.find("restarted with a new engine", "warning")
+            # (a stop that could not apply its aborts names the request unfinished: lost from then on, trial 30c)
+            await wait_until(pilot, lambda: notes.find("restarted with a new engine", "warning"), 30, "the restart")
+            assert app.state.requests[rid].state == "lost"
             assert not app.state.active_requests and app.state.step is None
             # trial 8: the old engine's finished rows stayed beside the new server's, which knows none of them
             assert done not in app.state.requests and list(app.state.requests) == [rid]
@@ -605,3 +607,36 @@ def test_pause_steps_and_resume_arriving_at_one_step_boundary_run_exactly_the_st
         post({"command": "abort", "request_id": rid})
         c.unsubscribe(sub)
         tiny_server.wait_idle()
+
+
+@pytest.mark.anyio
+async def test_a_server_stopped_during_a_long_step_leaves_no_request_running_in_the_app(make_tiny_engine, tmp_path):
+    """Trial 30c: Ctrl-C on the server while a step ran (a long prefill on a busy host) closed the event
+    stream before the engine reached the shutdown's aborts: no RequestFinished came, and the attached app
+    showed the requests running against a dead server for good. The stream's last frame now names the
+    requests that end unfinished (state "stopped"), and the app marks them lost with a notice."""
+    import threading
+
+    held = threading.Event()
+    first = EngineController.from_engine(make_tiny_engine(num_kv_blocks=32))
+    server = start_server(first, api_key=None)
+    remote = RemoteController(server.url, reconnect_s=(0.05, 0.2))
+    app = NanoVLLMApp(remote, tutorial_path=tmp_path / "t.json", settings=PromptSettings(max_tokens=200, chat=False))
+    notes = Notes()
+    try:
+        async with app.run_test(size=(120, 36), message_hook=notes) as pilot:
+            await wait_until(pilot, lambda: app.state.ready, 30, "the server's model facts")
+            # the step after a request's third token does not end (a long step on a busy host)
+            first.engine.fault_injector = lambda plan: any(s.seq.num_output_tokens >= 3 for s in plan.scheduled) \
+                and held.wait(30)
+            await send_prompt(pilot, "Once upon a time", max_tokens=200)
+            rid = app.selected
+            await wait_until(pilot, lambda: app.state.requests[rid].num_output >= 3, 30, "the request to run")
+            assert await asyncio.to_thread(server.stop)
+            await wait_until(pilot, lambda: app.state.requests[rid].state == "lost", 30, "the request marked lost")
+            assert "stopped during step" in app.state.requests[rid].error
+            assert notes.find("stopped while a step ran", "warning")
+            assert not app.state.active_requests
+    finally:
+        held.set()
+        first.shutdown(timeout=5)

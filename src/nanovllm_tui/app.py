@@ -508,6 +508,9 @@ class NanoVLLMApp(App):
             self.notify(f"{event.request_id} aborted{by} after {plural(event.num_output_tokens, 'token')}; its KV "
                         "blocks are released (a block another request shares stays in use)",
                         markup=False)
+        elif event.kind == "ServerStopped":  # nanovllm_tui.remote's: it stopped before a step's end
+            self.notify(f"The server at {event.url} stopped while a step ran; {plural(len(event.unfinished), 'request')} "
+                        "it never finished are marked lost.", severity="warning", timeout=10, markup=False)
         elif event.kind == "ServerRestarted":  # nanovllm_tui.remote's: an attached server came back anew
             self.notify(f"The server at {event.url} restarted with a new engine; requests that were running "
                         "there are marked lost, and the ones that had ended are cleared.", severity="warning",

@@ -49,6 +49,17 @@ class ServerRestarted(ev.Event):
     url: str
 
 
+@dataclass(frozen=True)
+class ServerStopped(ev.Event):
+    """The server shut down with requests it never finished: its stream's last state frame named them
+    (``unfinished``), the step running when it stopped had not reached the aborts. Made by
+    :class:`RemoteController` from that frame, not by an engine."""
+
+    url: str
+    step: int | None = None
+    unfinished: tuple[str, ...] = ()
+
+
 class RemoteError(Exception):
     """The server refused or could not be reached; the message says what to do."""
 
@@ -565,6 +576,11 @@ class RemoteController:
             if not isinstance(state, dict) or not isinstance(state.get("state"), str):
                 raise ValueError(f"the server sent a state event without a state: {data[:80]!r}")
             self._server_state = state["state"]
+            unfinished = state.get("unfinished")
+            if state["state"] == "stopped" and isinstance(unfinished, list) and unfinished:
+                step = state.get("step") if isinstance(state.get("step"), int) else None
+                self._deliver(ServerStopped(url=self.url, step=step,
+                                            unfinished=tuple(str(rid) for rid in unfinished)))
             return
         try:
             event = decode_event(data)

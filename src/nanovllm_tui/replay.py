@@ -28,7 +28,7 @@ from typing import Any, Callable
 from nanovllm_core import events as ev
 from nanovllm_core import untrusted
 from nanovllm_core.tracing import decode_event
-from nanovllm_tui.remote import ServerRestarted
+from nanovllm_tui.remote import ServerRestarted, ServerStopped
 
 NO_NEW_PROMPTS = "a replay plays a recorded trace and cannot run new prompts; start nanovllm-tui without --replay"
 
@@ -85,7 +85,7 @@ class Trace(list):
 
 # Events an app itself makes and its recorder writes beside the engine's (``--connect --trace``): a
 # server that restarted under an attached app is a line of the trace, and was "not an engine event".
-APP_EVENTS: dict[str, type] = {"ServerRestarted": ServerRestarted}
+APP_EVENTS: dict[str, type] = {"ServerRestarted": ServerRestarted, "ServerStopped": ServerStopped}
 
 
 def decode_line(line: str) -> ev.Event:

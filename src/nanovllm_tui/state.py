@@ -395,6 +395,16 @@ class EngineState:
                                                num_blocks_cached=e.kv_blocks_cached or 0,
                                                kv_bytes_used=e.kv_blocks_used * per_block)
 
+    def _on_ServerStopped(self, e: Any) -> None:
+        """An attached server shut down while a step still ran: the requests it named never got their
+        ``RequestFinished``; they are lost, not running for good (trial 30c)."""
+        during = f" during step {e.step}" if e.step is not None else ""
+        for rid in e.unfinished:
+            req = self.requests.get(rid)
+            if req is not None and req.live:
+                req.state, req.error = "lost", (f"the server at {e.url} stopped{during}; this request ended "
+                                                "unfinished with it")
+
     def _on_ServerRestarted(self, e: Any) -> None:
         """An attached server came back with a new engine: the old one's live requests are lost
         (kept in the table, marked so); the ones that had ended are dropped (the new server knows

@@ -276,6 +276,16 @@ class EventHub:
             entry[2] = self._frame(entry[0], entry[1])
         return entry[2]
 
+    def _stopped_frame(self) -> str:
+        """The stream's last frame at a shutdown: state ``stopped``, the step, and ``unfinished``, the
+        requests added and never finished. Empty when the engine applied the shutdown's aborts before the
+        close (each told by its ``RequestFinished``); a step still running when the close could wait no
+        longer (a long prefill on a busy host) leaves its requests here, so a watcher knows they ended
+        with the server instead of showing them running for good (trial 30c)."""
+        with self._lock:
+            unfinished = list(self._live)
+        return f"event: state\ndata: {json.dumps({'state': 'stopped', 'step': self._step, 'unfinished': unfinished})}\n\n"
+
     def _state_frame(self) -> str:
         return f"event: state\ndata: {json.dumps({'state': self.controller.state, 'step': self._step})}\n\n"
 
@@ -311,6 +321,8 @@ class EventHub:
                 if time.monotonic() - last_state >= self.heartbeat_s:
                     out.append(self._state_frame())
                     last_state = time.monotonic()
+                if closing:  # the last frame: a state "stopped" naming what ends unfinished (see stopped_frame)
+                    out.append(self._stopped_frame())
                 if out:
                     yield "".join(out)
                 if closing:
