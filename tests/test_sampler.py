@@ -254,3 +254,21 @@ def test_min_tokens_ban_writes_the_same_logits_on_the_numpy_path():
     expected[0, [EOS, 5, 7]] = float("-inf")
     expected[2, [EOS, 9]] = float("-inf")
     assert torch.equal(out, expected) and torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("value", [1e-300, 1e-31, 1e31, 1e300])
+def test_a_repetition_penalty_that_float32_logits_cannot_take_is_refused(value):
+    """Trial 31b: repetition_penalty 1e-300 passed "> 0" but is 0 in float32: the seen tokens' logits
+    became inf/NaN and every sampled token read as id 0. The range keeps any logit up to 1e8 finite."""
+    with pytest.raises(ValueError, match=r"repetition_penalty=.* must be from 1e-30 to 1e\+30, so the float32 logits"):
+        SamplingParams(repetition_penalty=value)
+    for ok in (1e-30, 1e30):
+        seq = row(prompt=(0, 1), repetition_penalty=ok)
+        out = apply_penalties(torch.tensor([[2.0, -2.0, 1.0]]), [seq])
+        assert torch.isfinite(out).all(), (ok, out)
+
+
+def test_a_temperature_past_float32s_range_is_refused():
+    with pytest.raises(ValueError, match="temperature=.* must be at most 3.4e"):
+        SamplingParams(temperature=1e308)
+    assert SamplingParams(temperature=1e30).temperature == 1e30

@@ -223,3 +223,14 @@ def test_ttft_is_observed_in_the_step_that_gives_the_first_token_not_at_the_fini
     assert poll_until(lambda: not tiny_server.controller.engine.has_unfinished_requests())
     tiny_server.wait_idle()
     assert ttft_count() == before + 2  # not again at the finish
+
+
+def test_control_submit_params_other_than_an_object_or_null_are_refused(tiny_server):
+    """Trial 31b: "params": [] ran with the default settings (an empty list read as left out), where [1], 5
+    and "x" were refused. Only null is left out."""
+    for params in ([], "", 0, False):
+        r = control(tiny_server, {"command": "submit", "prompt": "hi", "params": params})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "params", (params, r.text)
+    r = httpx.post(tiny_server.url + "/v1/completions", headers=tiny_server.headers, timeout=30,
+                   json={"prompt": "hi", "max_tokens": 2, "repetition_penalty": 1e-300})
+    assert r.status_code == 400 and "repetition_penalty" in r.json()["error"]["message"], r.text

@@ -117,6 +117,8 @@ def overflow_with_options(reason: str, option: str = "--max-tokens",
     return reason
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: the sampler's logits are float32
+PENALTY_MIN, PENALTY_MAX = 1e-30, 1e30  # repetition_penalty's range: logits divided or multiplied by it stay finite
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's documented range for a logit_bias value: [-100, 100]
 
 
@@ -154,7 +156,8 @@ class SamplingParams:
         top_k: keep the k most likely tokens; 0 or -1 turns it off.
         min_p: drop tokens whose probability is below ``min_p`` x the top token's (0 <= min_p <= 1).
         repetition_penalty: >1 discourages tokens seen in prompt or output (positive logits
-            divided, negative multiplied), as in Keskar et al. 2019 (CTRL).
+            divided, negative multiplied), as in Keskar et al. 2019 (CTRL); from 1e-30 to 1e30, so
+            float32 logits divided or multiplied by it stay finite. ``temperature``: at most float32's largest.
         presence_penalty: subtracted once from the logit of every token already generated.
         frequency_penalty: subtracted per occurrence of a token already generated.
         seed: a per-request random generator; the same seed gives the same tokens whatever else runs.
@@ -238,6 +241,8 @@ class SamplingParams:
             raise bad("n", f"must be an integer from 1 to {COUNT_MAX}")
         if not 0 <= self.temperature < float("inf"):
             raise bad("temperature", "must be a finite number >= 0 (0 means greedy)")
+        if self.temperature > FLOAT32_MAX:  # the logits are float32: a larger one is inf there
+            raise bad("temperature", f"must be at most {FLOAT32_MAX:.3g}, float32's largest (the sampler's logits are float32)")
         if not (0 < self.top_p <= 1):
             raise bad("top_p", "must be in (0, 1]")
         if not is_int(self.top_k, -1):
@@ -246,6 +251,11 @@ class SamplingParams:
             raise bad("min_p", "must be in [0, 1]")
         if not self.repetition_penalty > 0:
             raise bad("repetition_penalty", "must be > 0 (1 means off)")
+        if not PENALTY_MIN <= self.repetition_penalty <= PENALTY_MAX:
+            # > 0 in float64 was not enough: 1e-300 is 0 in float32, and logits divided by it are inf/NaN, every
+            # token then read as id 0 (trial 31b); within these bounds any logit up to 1e8 stays finite
+            raise bad("repetition_penalty", f"must be from {PENALTY_MIN:g} to {PENALTY_MAX:g}, so the float32 logits "
+                      "it divides or multiplies stay finite (1 means off)")
         if not (-2 <= self.presence_penalty <= 2):
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not (-2 <= self.frequency_penalty <= 2):

@@ -690,7 +690,8 @@ def _control_submit(state: ServerState, body: dict) -> str:
     elif not (isinstance(prompt, str) or token_ids):
         raise APIError("submit needs prompt: text, a list of token ids, or a list of chat messages "
                        "({\"role\": ..., \"content\": text}, rendered with the model's chat template)", param="prompt", code="invalid_value")
-    fields = body.get("params") or {}
+    fields = body.get("params")
+    fields = {} if fields is None else fields  # only null is left out: [], "" or 0 are refused (trial 31b)
     if not isinstance(fields, dict):
         raise APIError(f"params must be an object of SamplingParams fields, got {untrusted.shown(fields)}",
                        param="params", code="invalid_value")
