@@ -309,3 +309,22 @@ def test_a_server_out_of_reach_is_the_disconnected_phase_not_the_paused_one_it_l
         assert not_running(state) == "disconnected"
     state.engine_state = "paused"  # reconnected: what the server says again
     assert state.phase == "paused"
+
+
+def test_a_prompt_sent_to_an_idle_engine_is_not_shown_under_the_finished_steps_phase():
+    """Trial 31a: for a moment after a prompt was sent to an idle engine the Engine panel read "DECODE · step 93
+    ... 0 prefill · 1 decode · 0 running · 1 waiting": the newest plan's step had ended with its request."""
+    from tests.test_narrator import added, entry, planned, timed
+
+    state = EngineState()
+    state.ready, state.engine_state = True, "running"
+    state.apply(added("0"))
+    state.apply(planned(5, [entry("0", kind="decode", num=1, start=3, total_len=4)]))
+    assert state.phase == "decode"
+    state.apply(timed(5))
+    assert state.phase == "decode"  # between two steps of a request still running: its kind
+    state.requests["0"].state = "finished"
+    state.apply(added("1"))  # a new prompt, waiting for its first step
+    assert state.phase == "idle"
+    state.apply(planned(6, [entry("1", num=3, start=0, total_len=3)]))
+    assert state.phase == "prefill"

@@ -493,6 +493,12 @@ class EngineState:
             return "ended"
         if not self.active_requests or self.plan is None or not self.plan.scheduled:
             return "idle"
+        if not self.step_open and not any(s.request_id in self.requests and self.requests[s.request_id].live
+                                          for s in self.plan.scheduled):
+            # the newest step ended and ran none of the live requests (a prompt sent to an idle engine, its
+            # step not planned yet): no step of that kind is under way (trial 31a: "DECODE" beside "0
+            # running · 1 waiting" of a step whose request had finished)
+            return "idle"
         # A verification runs drafts: after a kept token (decode) or after a prompt's last token (prefill with drafts).
         kinds = {"verify" if s.kind == "decode" and s.num_drafts else s.kind for s in self.plan.scheduled}
         kinds |= {"verify" for s in self.plan.scheduled if s.kind == "prefill" and s.num_drafts}
