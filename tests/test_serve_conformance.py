@@ -1340,3 +1340,44 @@ def test_a_template_refusal_is_said_once(tiny_server, monkeypatch):
     assert status == 400 and message.count("could not render") == 1, message
     assert message == ("the chat template could not render these messages: Conversation roles must alternate "
                        "user/assistant/user/assistant/..."), message
+
+
+def test_a_stream_ended_by_shutdown_keeps_the_token_of_the_step_that_was_running(make_tiny_engine):
+    """Trial 31c: Ctrl-C while a step ran ended each stream at once, before that step's output came: the
+    client had one token fewer than the engine's RequestFinished counted (74 against 75), its usage one short.
+    The stream now ends with the engine's abort output, every token in it."""
+    import threading
+
+    controller = EngineController.from_engine(make_tiny_engine(num_kv_blocks=64))
+    go = threading.Event()
+    finished: list = []
+    controller.subscribe(lambda e: finished.append(e) if isinstance(e, ev.RequestFinished) else None, topk=0)
+    # the step after the third token waits until the shutdown has begun
+    controller.engine.fault_injector = lambda plan: any(s.seq.num_output_tokens >= 3 for s in plan.scheduled) \
+        and go.wait(20)
+    server = start_server(controller, api_key=None)
+    events: list[str] = []
+    try:
+        body = {"prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True, "temperature": 0,
+                "return_token_ids": True, "stream_options": {"include_usage": True}}
+        reader = threading.Thread(target=lambda: events.extend(post(server, "/v1/completions", body, stream=True)[1]))
+        reader.start()
+        assert poll_until(lambda: max((q.num_output_tokens for q in controller.engine.scheduler.running),
+                                      default=0) >= 3, 30)
+        server.http.app.state.server.begin_shutdown()
+        time.sleep(0.3)
+        go.set()  # the step running at the signal ends now, with its token
+        reader.join(30)
+        assert not reader.is_alive()
+    finally:
+        go.set()
+        server.stop()
+        controller.shutdown(timeout=5)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    got = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+    ends = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+    assert ends == ["abort"], ends
+    assert poll_until(lambda: finished, 10)
+    assert len(got) == finished[0].num_output_tokens == chunks[-1]["usage"]["completion_tokens"], (
+        len(got), finished[0].num_output_tokens, chunks[-1]["usage"])

@@ -19,6 +19,10 @@ from typing import Any, AsyncIterator, Callable
 from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.sampling_params import SamplingParams
 
+# At a shutdown, how long a stream waits for the engine's abort outputs (the step running must end first)
+# before it ends with what it has: below uvicorn's graceful timeout (APIServer, 3 s), as the event hub's close.
+END_GRACE_S = 2.0
+
 
 class OutputRouter:
     """Moves outputs from the engine thread to the event loop's queues, one wake-up per batch."""
@@ -190,10 +194,15 @@ class RequestStream:
             self._controller.abort(rid)
 
     def end_now(self) -> None:
-        """The server is stopping (any thread): abort in the engine, and end the iteration at once
-        rather than after the engine's next step (``ended_early`` then says so)."""
+        """The server is stopping (any thread): abort in the engine, and end the iteration once the
+        engine's abort outputs have come (they carry every token the step running made: trial 31c, a
+        stream ended at once lost that step's token, its usage one short of the engine's count), or
+        after ``END_GRACE_S`` when that step does not end (``ended_early`` says so either way)."""
+        self.ended_early = True
         self.abort()
-        self._router.push(self._queue, None)
+        timer = threading.Timer(END_GRACE_S, self._router.push, (self._queue, None))
+        timer.daemon = True
+        timer.start()
 
     def close(self) -> None:
         """The HTTP request is over: abort what is unfinished and leave the registry."""
