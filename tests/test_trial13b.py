@@ -224,4 +224,4 @@ async def test_a_kind_no_kept_step_did_reads_as_not_seen_not_as_a_measured_zero(
     async with wide.run_test(size=(60, 10)) as pilot:
         wide.query_one(ThroughputPanel).show(state)
         await pilot.pause()
-        assert "- (no prefill step seen)" in str(wide.query_one("#prefill-rate").render())
+        assert "- (none in the last 2 steps)" in str(wide.query_one("#prefill-rate").render())

@@ -19,9 +19,9 @@ class ThroughputPanel(Vertical):
     (decode) work while the engine runs (``EngineState.rate``: what the Narrator tells for a step);
     while it is idle or paused the headline says so (:func:`not_running`), not a 0 rate, and the rate
     of those steps is beside the sparkline ("last 3 steps 1,234 tok/s"); sparklines show each step's
-    rate, one cell a step. While none of the kept steps did a kind's work (an app that attached to a
-    server while its requests decoded), that kind's headline reads ``-`` and says no such step was
-    seen: no rate was measured.
+    rate, one cell a step. While none of the kept steps (the newest ``HISTORY_STEPS``) did a kind's work (an
+    app that attached to a server while its requests decoded, a decode longer than the history), that kind's
+    headline reads ``-`` and says how many steps had none: no rate of them was measured.
 
     The rates leave out the time steps waited while the app drew a key's frame (``StepTimed.yielded_s``,
     ``nanovllm_core/yield_gate.py``); once there was any, the panel's bottom border says how much in all.
@@ -58,7 +58,8 @@ class ThroughputPanel(Vertical):
                        # none of the kept steps did this kind's work (an app attached while a request
                        # decoded; a long decode): no rate was measured, and "0 tok/s" would read as one
                        # (trial 29c)
-                       else [f"- (no {kind} step seen)", "- (none seen)", "-"] if not steps
+                       else [f"- (none in the last {plural(len(state.timings), 'step')})", "- (none lately)", "-"]
+                       if not steps
                        else [f"{fmt_rate(rate)} tok/s", fmt_rate(rate)])
             label = self.query_one(f"#{kind}-rate", LiveStatic)
             label.show_content(first_fitting(label.content_region.width,
