@@ -75,7 +75,8 @@ def validation_error(e: ValidationError, body: Any = None) -> APIError:
     loc = [p for p in err["loc"] if p != "body"]
     if err["type"] == "string_unicode":  # a lone surrogate (JSON's \udc00) in a key or a text: say so, naming it
         # pydantic cannot name a key that is not valid Unicode: it reports the object holding it (or nothing)
-        path = _surrogate_key(_at(body, loc), tuple(loc))
+        found = surrogate_text(_at(body, loc), tuple(loc), keys_only=True)
+        path = found[0] if found is not None else None
         if path is not None:
             field = ".".join(str(p) for p in path)
             where = f" in {clipped('.'.join(str(p) for p in path[:-1]))}" if len(path) > 1 else ""
@@ -113,23 +114,6 @@ def validation_error(e: ValidationError, body: Any = None) -> APIError:
 
 
 _MISSING = object()
-
-
-def _surrogate_key(value: Any, path: tuple = ()) -> list | None:
-    """The path (keys and list indices) to the first object key in ``value`` holding a lone surrogate, or None."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if isinstance(key, str) and unicode_problem(key) is not None:
-                return [*path, key]
-            found = _surrogate_key(item, (*path, key))
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            found = _surrogate_key(item, (*path, i))
-            if found is not None:
-                return found
-    return None
 
 
 def _at(body: Any, path: list) -> Any:
@@ -297,10 +281,11 @@ ECHO_REFUSED = ("echo=true is not supported by this server (a response holds the
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
 
 
-def surrogate_text(value: Any, path: tuple = ()) -> tuple[list, str, str] | None:
+def surrogate_text(value: Any, path: tuple = (), keys_only: bool = False) -> tuple[list, str, str] | None:
     """The first key or text in ``value`` (JSON: dicts, lists, texts) that holds a lone surrogate:
-    ``(path to it, "key" or "value", unicode_problem's line)``; None when there is none."""
-    if isinstance(value, str):
+    ``(path to it, "key" or "value", unicode_problem's line)``; None when there is none.
+    ``keys_only``: object keys only (pydantic names a bad text itself, never a bad key)."""
+    if isinstance(value, str) and not keys_only:
         problem = unicode_problem(value)
         return None if problem is None else ([*path], "value", problem)
     if isinstance(value, dict):
@@ -308,12 +293,12 @@ def surrogate_text(value: Any, path: tuple = ()) -> tuple[list, str, str] | None
             problem = unicode_problem(key) if isinstance(key, str) else None
             if problem is not None:
                 return [*path, key], "key", problem
-            found = surrogate_text(item, (*path, key))
+            found = surrogate_text(item, (*path, key), keys_only)
             if found is not None:
                 return found
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            found = surrogate_text(item, (*path, i))
+            found = surrogate_text(item, (*path, i), keys_only)
             if found is not None:
                 return found
     return None
