@@ -105,13 +105,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except ValueError as e:
         parser.error(str(e))
     if not args.replay:  # the prompt bar's defaults and the prompts sent at start: the bar's own rules
-        from nanovllm_tui.widgets.prompt_bar import PromptSettings, settings_errors
+        from nanovllm_tui.widgets.prompt_bar import PromptSettings, fitting_max_tokens, settings_errors
 
         if (args.max_model_len is not None and args.max_tokens > args.max_model_len
                 and not given_options(argv, ("max_tokens",))):
             # the default nobody typed: lowered to half the context, room left for a prompt, not refused as
             # if --max-tokens had been given (trial 30e's kind: `--max-model-len 24` alone was an error)
-            args.max_tokens = max(1, args.max_model_len // 2)
+            args.max_tokens = fitting_max_tokens(args.max_model_len)
             args.sampling = sampling_params(args)
 
         wrong = settings_errors(PromptSettings(max_tokens=args.max_tokens, temperature=args.temperature),

@@ -105,6 +105,12 @@ class PromptSettings:
     max_tokens_given: bool = True
 
 
+def fitting_max_tokens(limit: int) -> int:
+    """The max tokens an untyped default becomes when the engine's ``max_model_len`` (``limit``) refuses it:
+    half the context, room left for a prompt (the bar at attach, the command line at parse)."""
+    return max(1, limit // 2)
+
+
 # One rule for the three settings: ASCII digits only (int() and float() also take '٥', '1_0', 'inf'
 # and 'nan', issue 29), spaces around the value ignored, and an empty field refused like any wrong
 # value (there is no hidden default: the field shows what is sent).
@@ -506,7 +512,7 @@ class PromptBar(Vertical):
         lowered = None
         if (not self.defaults.max_tokens_given and field.value.strip() == str(self.defaults.max_tokens)
                 and self.defaults.max_tokens > limit):
-            lowered = max(1, limit // 2)
+            lowered = fitting_max_tokens(limit)
             field.value = str(lowered)
         field.validate(field.value)
         self._show_errors()
