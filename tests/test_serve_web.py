@@ -117,3 +117,70 @@ def test_the_app_served_to_a_browser_shows_the_dashboard(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(web.pid, signal.SIGKILL)
             web.wait(10)
+
+
+async def keys_reach_the_app(devtools_port: int, url: str, key: str, wanted: str, timeout: float) -> str:
+    """Open ``url`` in a page that has the window's focus, wait for the Dashboard, type ``key`` with no
+    click first (as a person types into a page just opened), and return the app's screen text after it."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http:
+        targets = await (await http.get(f"http://127.0.0.1:{devtools_port}/json/list")).json()
+        page = next(t for t in targets if t["type"] == "page")
+        async with http.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0) as ws:
+            ids = iter(range(1, 100000))
+            screen = ""
+
+            async def call(method: str, **params) -> dict:
+                nonlocal screen
+                n = next(ids)
+                await ws.send_json({"id": n, "method": method, "params": params})
+                while True:
+                    msg = await asyncio.wait_for(ws.receive_json(), timeout)
+                    if msg.get("method") == "Network.webSocketFrameReceived":
+                        frame = msg["params"]["response"]
+                        data = frame["payloadData"]
+                        screen += base64.b64decode(data).decode("utf-8", "replace") if frame["opcode"] == 2 else data
+                    if msg.get("id") == n:
+                        return msg
+
+            await call("Emulation.setFocusEmulationEnabled", enabled=True)  # a page in a window that has the focus
+            await call("Network.enable")
+            await call("Page.navigate", url=url)
+            deadline = time.monotonic() + timeout
+            while "Dashboard" not in screen and time.monotonic() < deadline:
+                await call("Runtime.evaluate", expression="1")
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(1.0)  # the page focuses its terminal 0.3 s after the first frame
+            screen = ""
+            await call("Input.insertText", text=key)
+            while wanted not in screen and time.monotonic() < deadline:
+                await call("Runtime.evaluate", expression="1")
+                await asyncio.sleep(0.2)
+            return screen
+
+
+def test_keys_typed_into_a_page_just_opened_reach_the_app(tmp_path):
+    """textual-serve's page never focused its terminal: keys typed before a click went nowhere, and the
+    first Tab only moved the browser's focus into the page (trial 32b). The page now focuses it."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), *sys.path) if p)}
+    web = subprocess.Popen([sys.executable, "-m", "nanovllm_tui.app", "--web", "--port", str(port),
+                            "--replay", str(TRACE)], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    browser = None
+    try:
+        wait_for_port(port, web, timeout=60)
+        browser, devtools = start_chromium(tmp_path / "profile")
+        screen = asyncio.run(keys_reach_the_app(devtools, f"http://127.0.0.1:{port}/", "5", "Physical KV blocks", 60))
+        assert "Physical KV blocks" in screen  # key 5 reached the app, which drew the Block Map
+    finally:
+        if browser is not None:
+            browser.kill()
+            browser.wait(10)
+        os.killpg(web.pid, signal.SIGINT)
+        try:
+            web.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(web.pid, signal.SIGKILL)
+            web.wait(10)

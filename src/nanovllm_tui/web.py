@@ -67,9 +67,30 @@ def app_environment(api_key: str | None) -> dict[str, str | None]:
     return {"NANOVLLM_API_KEY": api_key or None}
 
 
+# Added to textual-serve's page: its terminal takes the keyboard once the app has drawn, as a terminal
+# window has it when opened. textual-serve's page never focuses its terminal, so keys typed before a
+# click went nowhere, and the first Tab only moved the browser's focus into the page (a newcomer
+# reported that Tab did not reach the prompt bar's fields, trial 32b). The focus reaches the app as
+# textual-serve's "focus" message: Textual gives the prompt back the focus its web driver's start
+# took away (and the app takes any key as the focus coming back, ``NanoVLLMApp.on_event``).
+FOCUS_TERMINAL = b"""<script>
+(function () {
+  const wait = setInterval(function () {
+    const input = document.querySelector("#terminal .xterm-helper-textarea");
+    if (input && document.body.classList.contains("-first-byte")) {
+      clearInterval(wait);
+      setTimeout(function () { if (!document.querySelector(".xterm-helper-textarea:focus")) input.focus(); }, 300);
+    }
+  }, 100);
+})();
+</script>
+"""
+
+
 def page_server(command: str, **kwargs):
     """textual-serve's ``Server`` running ``command`` for each page, ending every page's app at once on
-    Ctrl-C or SIGTERM.
+    Ctrl-C or SIGTERM, with a page whose terminal takes the keyboard when the app has drawn
+    (``FOCUS_TERMINAL``).
 
     textual-serve leaves a page's websocket handler running through aiohttp's shutdown, so each open
     page held the web server's exit for its grace period (6-23 s seen, trials 10 and 12). Here the
@@ -78,7 +99,15 @@ def page_server(command: str, **kwargs):
     """
     import asyncio
 
+    from aiohttp import web
     from textual_serve.server import Server
+
+    @web.middleware
+    async def focus_terminal(request, handler):
+        response = await handler(request)
+        if request.path == "/" and isinstance(response, web.Response) and isinstance(response.body, bytes):
+            response.body = response.body.replace(b"</body>", FOCUS_TERMINAL + b"</body>", 1)
+        return response
 
     class PageServer(Server):
         def __init__(self, *args, **kwargs) -> None:
@@ -92,6 +121,11 @@ def page_server(command: str, **kwargs):
                 return await super().handle_websocket(request)
             finally:
                 self.pages.discard(task)
+
+        async def _make_app(self):
+            app = await super()._make_app()
+            app.middlewares.append(focus_terminal)
+            return app
 
         async def on_shutdown(self, app) -> None:
             pages = set(self.pages)
