@@ -127,15 +127,16 @@ def test_chat_refuses_the_messages_the_server_refuses_before_queueing(make_llm, 
 
 def test_chat_takes_the_text_parts_the_server_takes_and_renders_them_the_same(make_llm):
     """Newcomer trial 8: content as a list of text parts (OpenAI's shape, which the server and vLLM's
-    LLM.chat take) reaches the template as the joined text, through the one helper the server uses."""
+    LLM.chat take) reaches the template as the text parts joined by newlines, vLLM's rule (trial 33b: they
+    were joined with nothing), through the one helper the server uses."""
     from nanovllm_core.entrypoints.protocol import ChatCompletionRequest
 
     llm = make_llm()
     sp = SamplingParams(temperature=0, max_tokens=2)
     parts = [{"role": "system", "content": "Be brief."},
-             {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]}]
+             {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
     as_parts = llm.chat(parts, sp, use_tqdm=False)[0]
-    as_text = llm.chat([parts[0], {"role": "user", "content": "Hi there"}], sp, use_tqdm=False)[0]
+    as_text = llm.chat([parts[0], {"role": "user", "content": "Hi\nthere"}], sp, use_tqdm=False)[0]
     assert as_parts.error is None and as_parts.prompt_token_ids == as_text.prompt_token_ids
     server = ChatCompletionRequest.model_validate({"messages": parts}).conversation()
     assert llm.engine.chat_token_ids(server) == as_parts.prompt_token_ids

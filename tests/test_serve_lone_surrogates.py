@@ -105,3 +105,40 @@ def test_a_lone_surrogate_in_any_text_the_template_gets_is_refused_as_in_content
 def test_a_lone_surrogate_in_metadata_is_refused_on_completions_too(tiny_server):
     r = _post(tiny_server, "/v1/completions", '{"prompt":"a","metadata":{"k":"\\udc00"},' + M + '}')
     assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"], r.text
+
+
+def _text_fields(model) -> list[str]:
+    """The top-level fields of a request body that take a text (found from the model, so a field added
+    later is covered too)."""
+    import typing
+
+    def takes_text(annotation) -> bool:
+        if annotation is str:
+            return True
+        if typing.get_origin(annotation) is dict:  # keys are texts too, but the value is no text
+            return False
+        return any(takes_text(a) for a in typing.get_args(annotation))
+
+    return sorted(name for name, info in model.model_fields.items() if takes_text(info.annotation))
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", CHAT])
+def test_a_lone_surrogate_in_any_text_field_of_a_request_is_refused(tiny_server, path):
+    """Trial 33b: ``user`` took a lone surrogate (200) where every other text was refused."""
+    import json
+
+    from nanovllm_core.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+
+    model = CompletionRequest if path != CHAT else ChatCompletionRequest
+    base = {"prompt": "a"} if path != CHAT else {"messages": [{"role": "user", "content": "a"}]}
+    fields = _text_fields(model)
+    assert {"user", "stop", "request_id", "model"} <= set(fields)
+    for field in fields:
+        raw = json.dumps({**base, "max_tokens": 1, field: "x\udc00"})  # json.dumps writes it as \udc00
+        for body in (raw, raw[:-1] + ',"stream":true}'):
+            r = _post(tiny_server, path, body)
+            assert r.status_code == (404 if field == "model" else 400), (field, r.text)
+            error = r.json()["error"]
+            assert "\n" not in error["message"], (field, error)
+            if field not in ("model", "suffix"):  # a model no one serves; suffix: not supported at all
+                assert "lone surrogate" in error["message"] and error["param"].startswith(field), (field, error)

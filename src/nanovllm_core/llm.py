@@ -354,7 +354,7 @@ class LLM:
         Each message is ``{"role": ..., "content": text}`` with a role the server takes too
         (``prompts.CHAT_ROLES``: system, developer, user, assistant, tool; developer reaches the
         template as system). ``content`` may also be a list of text parts
-        (``[{"type": "text", "text": ...}]``), joined into one text as the server joins them
+        (``[{"type": "text", "text": ...}]``), joined by newlines into one text as the server and vLLM join them
         (``prompts.content_text``); any other part (an image) is refused, as the server refuses it.
 
         Raises:

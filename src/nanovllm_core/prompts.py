@@ -78,14 +78,17 @@ def content_problem(content: Any) -> str | None:
 
 
 def content_text(content: Any) -> str:
-    """The text a chat template is given for ``content``: the text itself, its text parts joined
-    (no separator, as vLLM joins them), or ``""`` for None. ``content`` must have passed
-    ``content_problem``; parts may be dicts or objects with a ``text`` attribute (the server's TextPart)."""
+    """The text a chat template is given for ``content``: the text itself, its text parts joined by
+    newlines, or ``""`` for None. vLLM's rule for a template that takes content as one text
+    (``vllm/entrypoints/chat_utils.py``, ``"\\n".join(texts)``): two parts "A" and "B" are "A\\nB", and
+    the same request gets the same prompt here as there (trial 33b: they were joined with nothing).
+    ``content`` must have passed ``content_problem``; parts may be dicts or objects with a ``text``
+    attribute (the server's TextPart)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(part["text"] if isinstance(part, dict) else part.text for part in content)
+    return "\n".join(part["text"] if isinstance(part, dict) else part.text for part in content)
 
 
 def template_message(message: dict[str, Any]) -> dict[str, Any]:

@@ -319,6 +319,15 @@ def _openai_metadata(value: dict[str, str]) -> dict[str, str]:
     return value
 
 
+def _user_text(value: str) -> str:
+    """``user`` (OpenAI's end-user id): never read, but a text with no UTF-8 form is refused wherever it
+    is sent (trial 33b: only this one was taken)."""
+    problem = unicode_problem(value)
+    if problem is not None:
+        raise ValueError(f"user is not valid Unicode: {problem}")
+    return value
+
+
 class StreamOptions(_Body):
     """How a stream reports usage, read as vLLM's ``StreamOptions`` reads it.
 
@@ -388,7 +397,7 @@ class _SamplingBody(_Body):
     stop: str | list[str] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Annotated[str, AfterValidator(_user_text)] | None = None
     logit_bias: dict[str, Number] | None = None
     # vLLM's extra sampling parameters
     top_k: Int | None = None
