@@ -184,6 +184,18 @@ def test_the_throughput_border_keeps_the_mixed_step_note_beside_the_keys_wait():
     assert border_captions(0.0, 0, 0, 80) == ""
 
 
+def test_the_throughput_border_keeps_the_xray_note_beside_the_mixed_step_note():
+    """Trial 33a: at 120 columns (a border of about 26 cells) a traced step's capture was in the decode
+    rate (2.4 tok/s) and the border said only "mixed not in rates": the X-Ray's note was dropped."""
+    from nanovllm_tui.widgets.throughput import border_captions
+
+    assert border_captions(0.0, 1, 2, 26) == "rates: X-Ray in, mixed out"
+    for width in range(19, 120):
+        for keys in (0.0, 0.194):
+            text = border_captions(keys, 1, 2, width)
+            assert len(text) <= width and "X-Ray" in text and "mixed" in text, (width, keys, text)
+
+
 @pytest.mark.anyio
 async def test_a_kind_no_kept_step_did_reads_as_not_seen_not_as_a_measured_zero():
     """Trial 29c: an app attached to a server while its request decoded showed "prefill 0 tok/s", a rate
@@ -225,3 +237,16 @@ async def test_a_kind_no_kept_step_did_reads_as_not_seen_not_as_a_measured_zero(
         wide.query_one(ThroughputPanel).show(state)
         await pilot.pause()
         assert "- (none in the last 2 steps)" in str(wide.query_one("#prefill-rate").render())
+    # idle (or paused) after them: the headline says so, and beside the sparkline, where a kind's measured
+    # rate would be, that none of the kept steps did it (trial 33a: a blank line under "prefill idle")
+    state.engine_state = "idle"
+    assert not state.busy
+    for width, said in ((60, "none in the last 2 steps"), (24, "none lately")):
+        idle = Board()
+        async with idle.run_test(size=(width, 10)) as pilot:
+            idle.query_one(ThroughputPanel).show(state)
+            await pilot.pause()
+            spark = {k: str(idle.query_one(f"#{k}-spark").render()) for k in ("prefill", "decode")}
+            assert said in spark["prefill"] and "tok/s" not in spark["prefill"], (width, spark)
+            assert "50" in spark["decode"], (width, spark)
+            assert "idle" in str(idle.query_one("#prefill-rate").render())

@@ -45,7 +45,13 @@ class ThroughputPanel(Vertical):
                     "decode": [0.0 if mixed_step(t) else t.decode_tokens_per_s for t in state.timings]}
         busy = state.busy
         sparks = {kind: self.query_one(f"#{kind}-spark", LiveStatic) for kind in STYLES}
-        tails = last_rates({kind: None if busy or not rates[kind][1] else rates[kind] for kind in STYLES},
+        kept = plural(len(state.timings), 'step')
+        unmeasured = ([" only mixed steps", " mixed only", " mixed only", " mixed", " -"] if mixed else
+                      [f" none in the last {kept}", " none lately", " none lately", " none", " -"])
+        # idle or paused: the newest steps' rate, or, where none of the kept steps did a kind's work, that
+        # none did, as the headline says it while running (trial 33a: a blank line under "prefill idle")
+        tails = last_rates({kind: None if busy or not state.timings else rates[kind] if rates[kind][1]
+                            else unmeasured for kind in STYLES},
                            {kind: sparks[kind].content_region.width - min(KEEP_CELLS, len(per_step[kind]))
                             for kind in STYLES})
         # Not running: the headline says why in a word, not a "0 tok/s" that reads as measured beside the
@@ -84,7 +90,8 @@ KEEP_CELLS = 2  # sparkline cells a rate's wording leaves at least (the newest s
 
 def last_rates(last: dict[str, tuple[float, int] | None], room: dict[str, int]) -> dict[str, str]:
     """Each kind's rate of its newest steps, written after its sparkline while the engine is idle or
-    paused (``last[kind]``: (tok/s, steps), None: nothing to write), in one wording for both kinds:
+    paused (``last[kind]``: (tok/s, steps); five wordings of its own, longest first, for a kind no kept
+    step did; None: nothing to write), in one wording for both kinds:
     the longest in which each fits its ``room`` (cells; 0 or less: not laid out yet, the longest).
     Trial 14e: at 100 columns " last 1 step 1.9 tok/s" wrapped its unit onto a row of its own, and
     the panel's 4 rows lost the decode sparkline and rate."""
@@ -93,7 +100,8 @@ def last_rates(last: dict[str, tuple[float, int] | None], room: dict[str, int]) 
         return [f" last {plural(steps, 'step')} {figure}", f" {plural(steps, 'step')} {figure}",
                 f" last {figure}", f" {figure}", f" {fmt_rate(rate)}"]
 
-    options = {kind: wordings(*v) if v is not None else [""] * 5 for kind, v in last.items()}
+    options = {kind: [""] * 5 if v is None else list(v) if isinstance(v, list) else wordings(*v)
+               for kind, v in last.items()}
     level = next((i for i in range(5) if all(room[k] <= 0 or len(options[k][i]) <= room[k] for k in options)), 4)
     return {kind: words[level] for kind, words in options.items()}
 
@@ -124,7 +132,9 @@ def border_captions(yielded_s: float, traced: int, mixed: int, width: int) -> st
     :func:`traced_caption`, :func:`mixed_caption`), in that order, each in the longest wording that
     fits its share of ``width`` cells. Where even their shortest wordings do not fit together, the
     keys' wait goes first, then the X-Ray's: a rate missing its mixed steps reads as wrong without
-    its note (trial 22a: beside "keys 194 ms" the mixed-step note was dropped, the first note kept)."""
+    its note (trial 22a: beside "keys 194 ms" the mixed-step note was dropped, the first note kept).
+    The X-Ray's and the mixed steps' notes, which both change what the rates hold, share one phrase
+    (:func:`traced_and_mixed_caption`) before the X-Ray's is dropped."""
     makers = [(2, lambda w: yielded_caption(yielded_s, w)), (1, lambda w: traced_caption(traced, w)),
               (0, lambda w: mixed_caption(mixed, w))]  # (rank: lower is kept longer, the note at a width)
     live = [(rank, make) for rank, make in makers if make(width)]
@@ -133,8 +143,19 @@ def border_captions(yielded_s: float, traced: int, mixed: int, width: int) -> st
         joined = " · ".join(make(share) for _, make in live)
         if len(joined) <= width:
             return joined
+        if [rank for rank, _ in live] == [1, 0]:  # both notes that change what the rates hold: one phrase
+            both = traced_and_mixed_caption(width)  # before the X-Ray's goes (trial 33a: a rate over a traced
+            if both:  # step read 2.4 tok/s under "mixed not in rates" alone, at 120 columns)
+                return both
         live.remove(max(live, key=lambda m: m[0]))
     return ""
+
+
+def traced_and_mixed_caption(width: int) -> str:
+    """Both notes in one phrase, where they do not fit apart: X-Ray capture in the rates, mixed steps
+    out of them; "" where even its shortest wording does not fit ``width``."""
+    variants = ["rates: X-Ray capture in, mixed steps out", "rates: X-Ray in, mixed out", "X-Ray in, mixed out"]
+    return next((v for v in variants if len(v) <= width), "")
 
 
 def yielded_caption(seconds: float, width: int) -> str:
