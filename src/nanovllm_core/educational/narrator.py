@@ -694,13 +694,13 @@ class Narrator(SchedulerNarration):
         if self._contiguous:
             return self._kv_region(t, blocks, same)
         if t.num_blocks_used == 0:
-            text = f"No request holds KV blocks now: all {t.num_blocks_total} blocks are free.{cached}"
+            text = f"No request holds KV blocks now: all {t.num_blocks_total:,} blocks are free.{cached}"
             return [Commentary("kv_cache", "KV cache: empty", text, step=t.step)]
         change = " No block was taken or freed in this step." if same else ""
         text = (f"Live requests now hold {plural(t.num_blocks_used, 'block')}"
                 + (f" x {per_block:,} bytes" if per_block else "")
                 + f" = {t.kv_bytes_used:,} bytes ({human_bytes(t.kv_bytes_used)}) reserved, of the pool's "
-                f"{human_bytes(t.kv_bytes_total)} ({t.num_blocks_used} of {t.num_blocks_total} blocks in use)"
+                f"{human_bytes(t.kv_bytes_total)} ({t.num_blocks_used:,} of {t.num_blocks_total:,} blocks in use)"
                 + ("." if tp_size(self.info) <= 1 else
                    f". These bytes are totals across {tp_size(self.info)} ranks: each rank holds its own KV heads' "
                    f"slice of every block, {human_bytes(t.kv_bytes_used / tp_size(self.info))} of the reserved bytes "
