@@ -139,3 +139,23 @@ def test_the_xray_hint_says_the_selection_was_not_in_the_step_just_run():
     assert said == ("No trace yet: request 1 was not in step 7 (it is waiting to be admitted); X-Ray records the next "
                     "step that runs it (press n to run a step).")
     assert no_trace_words(state, "0", True).startswith(general)  # it was in the step
+
+
+def test_with_trace_xray_no_sentence_says_a_step_is_traced_only_while_the_tab_shows():
+    """fix29x's note: with ``--trace-xray`` the app traces every step whichever tab shows, but the X-Ray's
+    sentences said steps are traced "while this tab is open" and that steps run while it was hidden are not."""
+    from nanovllm_tui.state import EngineState
+    from nanovllm_tui.views.xray import no_trace_words, trace_age
+    from tests.test_narrator import added
+
+    state = EngineState()
+    state.ready, state.engine_state = True, "running"
+    state.apply(added("0"))
+    assert "while this tab is open" in no_trace_words(state, "0", True)  # without the flag: true, and said
+    flagged = no_trace_words(state, "0", True, every_step=True)
+    assert "tab is open" not in flagged and "every step (--trace-xray)" in flagged, flagged
+    state.timings.append(ev.StepTimed(step=9, wall_time_s=0.02, num_tokens=1, num_prefill_tokens=0,
+                                      num_decode_tokens=1, prefill_tokens_per_s=0.0, decode_tokens_per_s=50.0,
+                                      kv_bytes_used=0, kv_bytes_total=0, num_running=1, num_waiting=0))
+    assert "hidden are not traced" in trace_age(state, 7, True)
+    assert trace_age(state, 7, True, every_step=True) == "captured 2 steps ago, step 9 has ended"

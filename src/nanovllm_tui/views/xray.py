@@ -44,13 +44,14 @@ shape = facts.shape_str
 tensor = facts.tensor
 
 
-def no_trace_words(state: EngineState, selected: str | None, live: bool) -> str:
+def no_trace_words(state: EngineState, selected: str | None, live: bool, every_step: bool = False) -> str:
     """Why the X-Ray has nothing to show, true for the selection: X-Ray traces the selected request's
     next step (a step it is not in: the step's first request's), so a finished selection never gets one (trial 7: it said
     "No trace yet: ... press n while paused" with a finished request selected). Names the keys that
     select another request (``]`` / ``[``, commands.py), and ``n`` only while it runs a step (trial 14a:
     "press n again while paused" while the engine ran; :mod:`nanovllm_tui.hints`). A replay shows
-    only the traces it recorded and takes no prompts."""
+    only the traces it recorded and takes no prompts. ``every_step``: the app traces every step whether the
+    tab shows or not (``--trace-xray``), so no sentence says a step is traced only while it shows."""
     req = state.requests.get(selected) if selected else None
     plan = state.plan
     step = hints.next_step(state, live)
@@ -65,7 +66,7 @@ def no_trace_words(state: EngineState, selected: str | None, live: bool) -> str:
     if req is None or req.live:
         if live:
             return (f"No trace yet: X-Ray records the selected request's next step, or the step's first request "
-                    f"if it did not run, while this tab is open: {step}.")
+                    f"if it did not run, {WHEN_TRACED[every_step]}: {step}.")
         return ("No trace yet: a replay shows the X-Ray traces its recording holds (of steps run while the X-Ray "
                 f"tab was open, or every step with --trace-xray): {step}.")
     running = [rid for rid, r in state.requests.items() if r.live]
@@ -91,7 +92,12 @@ def rejected_reason(req) -> str:
     return reason or "no reason given"
 
 
-def trace_age(state: EngineState, step: int, live: bool, why: bool = True) -> str:
+# When the live app traces a step: while the X-Ray tab shows, or at every step with --trace-xray (the app's
+# ``record_xray``); the sentences below say the one that is true (fix29x's note: with the flag they said the first)
+WHEN_TRACED = {False: "while this tab is open", True: "at every step (--trace-xray), whichever tab shows"}
+
+
+def trace_age(state: EngineState, step: int, live: bool, why: bool = True, every_step: bool = False) -> str:
     """"" while ``step``'s trace is of the newest ended step; else how old it is (and, with ``why``,
     why): a step is traced only while the X-Ray tab shows (or with ``--trace-xray``), so the trace
     last seen comes back when the tab is shown again (trial 21d: step 66 shown at step 116, no word
@@ -104,7 +110,7 @@ def trace_age(state: EngineState, step: int, live: bool, why: bool = True) -> st
         return f"recorded {plural(newest - step, 'step')} before step {newest}" + (
             "; the recording holds no newer trace" if why else "")
     return f"captured {plural(newest - step, 'step')} ago, step {newest} has ended" + (
-        "; steps run while this tab was hidden are not traced, the next step will be" if why else "")
+        "" if not why or every_step else "; steps run while this tab was hidden are not traced, the next step will be")
 
 
 def ran_after(req, step: int) -> str:
@@ -118,11 +124,15 @@ def ran_after(req, step: int) -> str:
     return f"step {first}" if first == req.last_step else f"steps {first}-{req.last_step}"
 
 
-def hidden_words(selected: str, req, step: int, live: bool) -> str:
+def hidden_words(selected: str, req, step: int, live: bool, every_step: bool = False) -> str:
     """Why no step of a finished ``selected`` request that ran after ``step`` was traced, or ""."""
     ran = ran_after(req, step)
     if not ran:
         return ""
+    if live and every_step:  # every step is traced: the steps it ran in traced it, but the app keeps the newest only
+        return (f"{selected} ran in {ran}, after step {step}, and is {req.state} now; the app keeps only the newest "
+                "step's trace (every step is traced with --trace-xray, the recording holds them all), so select a "
+                "running one with ] or [")
     if live:
         return (f"{selected} ran in {ran}, after step {step}, while this tab was hidden (a step is traced only "
                 f"while it shows) and is {req.state} now, so no step of it will be traced: select a running one "
@@ -131,7 +141,8 @@ def hidden_words(selected: str, req, step: int, live: bool) -> str:
             "traced only while the X-Ray tab shows, or every step with --trace-xray)")
 
 
-def other_request_words(state: EngineState, trace: ev.LayerTrace, selected: str | None, live: bool) -> str:
+def other_request_words(state: EngineState, trace: ev.LayerTrace, selected: str | None, live: bool,
+                        every_step: bool = False) -> str:
     """The title's note when the trace shown is not the selected request's: which one it is and why
     (trial 11: "(traced: req-8, not req-9)" said nothing of why or what to do). A step the selected
     request is not in traces the step's first request; only a shown tab (or ``--trace-xray``) traces."""
@@ -139,7 +150,7 @@ def other_request_words(state: EngineState, trace: ev.LayerTrace, selected: str 
         return ""
     req = state.requests.get(selected)
     if req is not None and not req.live and ran_after(req, trace.step):
-        why = hidden_words(selected, req, trace.step, live)
+        why = hidden_words(selected, req, trace.step, live, every_step)
     elif req is not None and not req.live and getattr(req, "last_step", None) == trace.step:
         why = (f"{selected} ran in step {trace.step} but was chosen after it was traced" if live else
                f"the recording traced only {trace.request_id} in that step") + f"; {selected} is {req.state} now"
@@ -148,8 +159,8 @@ def other_request_words(state: EngineState, trace: ev.LayerTrace, selected: str 
     elif req is not None and not req.live:
         why = f"{selected} is {req.state}, so steps trace a running request"
     elif live and state.step is not None and trace.step < state.step:
-        why = (f"step {trace.step} is the newest traced (steps run while this tab was hidden are not traced for it); "
-               f"the next step traces {selected}" + (", press n" if hints.steps_on_n(state) else ""))
+        why = (f"step {trace.step} is the newest traced" + ("" if every_step else
+               " (steps run while this tab was hidden are not traced for it)") + f"; the next step traces {selected}" + (", press n" if hints.steps_on_n(state) else ""))
     else:
         plan = state.plan
         ran = plan is not None and plan.step == trace.step and any(s.request_id == selected for s in plan.scheduled)
@@ -266,9 +277,15 @@ class XRayView(EngineView, can_focus=True):
 
     ↑/↓ (k/j) move between layers, ←/→ (h/l) between heads, PageUp/PageDown scroll the
     pipeline, Home/End show the heatmap's first or newest query rows. The engine traces only
-    while this tab is visible, and only the layer shown (the others run untraced, in C where
-    the model can); a new layer/head choice shows from the next traced step.
+    while this tab is visible (at every step with ``--trace-xray``, :attr:`every_step`), and only
+    the layer shown (the others run untraced, in C where the model can); a new layer/head choice
+    shows from the next traced step.
     """
+
+    @property
+    def every_step(self) -> bool:
+        """The live app traces every step, whichever tab shows (``--trace-xray``, the app's ``record_xray``)."""
+        return bool(getattr(self.app, "record_xray", False)) and getattr(self.app, "live", True)
 
     BINDINGS = [
         Binding("up,k", "layer(-1)", "Layer -"),
@@ -376,11 +393,13 @@ class XRayView(EngineView, can_focus=True):
                       f"{'s' if len(state.xray) > 1 else ''} {captured}). "
                 req = state.requests.get(selected) if selected else None
                 hidden = req is not None and not req.live and ran_after(req, newest.step)  # trial 21d
-                age = trace_age(state, newest.step, getattr(self.app, "live", True), why=not hidden)
+                age = trace_age(state, newest.step, getattr(self.app, "live", True), why=not hidden,
+                                every_step=self.every_step)
                 if age:
                     why += f"Step {newest.step} was {age}. "  # (trial 21d: no word of its age)
                 if hidden:
-                    why += f"Request {hidden_words(selected, req, newest.step, getattr(self.app, 'live', True))}."
+                    said = hidden_words(selected, req, newest.step, getattr(self.app, "live", True), self.every_step)
+                    why += f"Request {said}."
                 elif req is not None and not req.live:  # no next step of it will come (trial 9 said one would)
                     why += (f"Request {selected} is {req.state} (no longer running), so no step of it will capture "
                             f"layer {self.layer_index}; select a running one with ] or [ to see it.")
@@ -390,7 +409,7 @@ class XRayView(EngineView, can_focus=True):
                 else:
                     why += "This recording holds only the layers captured while it was made."
             else:
-                why = no_trace_words(state, selected, getattr(self.app, "live", True))
+                why = no_trace_words(state, selected, getattr(self.app, "live", True), self.every_step)
             title.show_content(Text.assemble(
                 ("X-Ray ", "bold"), f"layer {self.layer_index}/{self.num_layers - 1} (↑↓) · head {self.head_index}/"
                 f"{self.num_heads - 1} (←→)\n", (why, "dim")))
@@ -398,9 +417,9 @@ class XRayView(EngineView, can_focus=True):
             self.query_one("#gqa", LiveStatic).show_content("")
             heatmap.set_data((), (), ())
             return
-        other = other_request_words(state, trace, selected, getattr(self.app, "live", True))
+        other = other_request_words(state, trace, selected, getattr(self.app, "live", True), self.every_step)
         # how old the trace is (trial 21d); why, unless the note on the request says it already
-        age = trace_age(state, trace.step, getattr(self.app, "live", True),
+        age = trace_age(state, trace.step, getattr(self.app, "live", True), every_step=self.every_step,
                         why="hidden" not in other and "recording holds no" not in other)
         if age:
             other += f"  (step {trace.step} {age})"
