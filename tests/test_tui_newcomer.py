@@ -404,3 +404,28 @@ async def test_an_abort_this_app_did_not_ask_for_is_told_apart_from_its_own(tiny
         await pilot.pause(0.2)
         assert notes.find(f"{first} aborted on the server, not by this app")
         assert notes.find(f"{second} aborted after") and not notes.find(f"{second} aborted on the server")
+
+
+async def test_under_connect_a_start_up_prompt_with_the_default_max_tokens_fits_the_servers_context(tiny_server,
+                                                                                                  tmp_path):
+    """Left open in trial 30e's fix: the bar lowered a default max tokens the server's max_model_len refuses,
+    but `nanovllm-tui --connect URL --prompt hi` sent its prompt with the default before the server told its
+    max_model_len, and the app ended with the --max-tokens line. The prompt now waits for it and goes with
+    half of it (tiny_server: 512), as the bar's value does; a typed --max-tokens is still refused (above)."""
+    from nanovllm_tui.remote import RemoteController
+    from nanovllm_tui.widgets.prompt_bar import PromptSettings
+
+    app = NanoVLLMApp(RemoteController(tiny_server.url, tiny_server.api_key),
+                      settings=PromptSettings(max_tokens=9000, chat=False, max_tokens_given=False),
+                      prompts=[("Hi", 0)], tutorial_path=tmp_path / "t.json")
+    exits, exit_app = [], app.exit
+    app.exit = lambda *a, **kw: (exits.append(kw), exit_app(*a, **kw))[1]
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app._startup_ids, timeout=60, what="the start-up prompt sent")
+        [rid] = app._startup_ids
+        assert app.state.requests[rid].max_tokens == 256
+        await wait_until(pilot, lambda: app.state.requests[rid].state not in ("submitted", "waiting"), timeout=60,
+                         what="the server to admit it")
+        assert app.state.requests[rid].state != "rejected" and not exits
+        app.controller.abort(rid)
+    assert not exits

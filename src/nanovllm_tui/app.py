@@ -42,7 +42,8 @@ from nanovllm_tui.views.narrator import NarratorView
 from nanovllm_tui.views.tutorial import TutorialView
 from nanovllm_tui.views.xray import XRayView
 from nanovllm_tui.widgets.footer import SteadyFooter
-from nanovllm_tui.widgets.prompt_bar import ONE_LINE_WIDTH, REPLAY_NOTES, Field, PromptBar, PromptSettings, settings_errors
+from nanovllm_tui.widgets.prompt_bar import (ONE_LINE_WIDTH, REPLAY_NOTES, Field, PromptBar, PromptSettings,
+                                             fitting_max_tokens, settings_errors)
 from nanovllm_tui.widgets.status_header import StatusHeader, weights_label
 
 VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
@@ -192,6 +193,7 @@ class NanoVLLMApp(App):
         # (the bar clears on Enter, and a refusal arrives later), as a bad setting keeps it.
         self._unconfirmed: dict[str, str] = {}
         self._startup_ids: dict[str, int] = {}  # request id -> its --prompt's place (1, 2, ...)
+        self._startup_waits = False  # --prompt under --connect waits for the server's max_model_len (_start)
         self._early_refusals: list[ev.RequestRejected] = []  # theirs, before the model's length was known
         self._narrator_error_shown = False
         self._started = time.monotonic()
@@ -264,17 +266,34 @@ class NanoVLLMApp(App):
             self.notify(f"The recording stopped during step {cut_step}, before it finished: that step is not "
                         "played (the replay ends with the step before it).", timeout=10, markup=False)
         self.set_interval(0.5, self._poll_engine_state)
-        for i, (prompt, priority) in enumerate(self._initial_prompts, 1):
-            rid = self._submit(prompt, dataclasses.replace(self.settings, priority=priority,
-                                                           chat=self.query_one(PromptBar).chat))
-            if rid is not None:
-                self._startup_ids[rid] = i
+        if (self._initial_prompts and not self.settings.max_tokens_given and self.live
+                and not getattr(self.controller, "local_engine", True)
+                and not self.state.model_info.get("max_model_len")):
+            # --connect with the default max tokens nobody typed: the server's max_model_len decides what it
+            # becomes (half of it where it does not fit, as in the bar), so the prompts go once the server
+            # has told it; sent now with the default, they ended the app with the --max-tokens line
+            self._startup_waits = True
+        else:
+            self._send_startup_prompts()
         self._take_events()
         self._settle_memory()
         if hasattr(self.controller, "start"):
             self.controller.start()
         # The UI thread keeps the normal priority (issue 29): at nice +10 it had the engine's gaps
         # on an idle host, but on a busy one every other process came first and a tab took seconds.
+
+    def _send_startup_prompts(self) -> None:
+        """Send the prompts given at start (``--prompt``) with the settings of the command line; a default max
+        tokens nobody typed that the engine's known max_model_len refuses goes as half of it, as the bar's."""
+        self._startup_waits = False
+        limit = self.state.model_info.get("max_model_len")
+        if limit and not self.settings.max_tokens_given and self.settings.max_tokens > limit:
+            self.settings = dataclasses.replace(self.settings, max_tokens=fitting_max_tokens(limit))
+        for i, (prompt, priority) in enumerate(self._initial_prompts, 1):
+            rid = self._submit(prompt, dataclasses.replace(self.settings, priority=priority,
+                                                           chat=self.query_one(PromptBar).chat))
+            if rid is not None:
+                self._startup_ids[rid] = i
 
     def _settle_memory(self) -> None:
         """With ``freeze_gc``: move what exists now (torch, the model, the tokenizer: ~10^5 objects)
@@ -373,6 +392,8 @@ class NanoVLLMApp(App):
                         self.notify(f"Max tokens is now {lowered}: the default {self.settings.max_tokens} is more "
                                     f"than this engine's max_model_len ({limit}) allows; half of it leaves room "
                                     "for a prompt. Change it in the prompt bar.", markup=False)
+                    if self._startup_waits:
+                        self._send_startup_prompts()
                     self._refuse_startup_max_tokens(self.state.model_info["max_model_len"])
                     for early in self._early_refusals:
                         self._refuse_startup_prompt(early)
