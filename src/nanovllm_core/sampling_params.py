@@ -367,6 +367,15 @@ SamplingParams.__init__ = _checked_init(SamplingParams.__init__)
 
 # An engine setting's rule, here because the command lines check it while parsing, before torch is imported
 # (config.py imports torch); EngineConfig applies the same rule.
+def contiguous_reservation(prompt_tokens: int, max_tokens: int | None, max_model_len: int | None) -> int:
+    """Tokens of room the contiguous baseline (``paged=False``) reserves for a request at admission: its
+    prompt plus ``max_tokens`` (absent: ``max_model_len``), capped at ``max_model_len`` (None: no cap).
+    What a pre-paging server set aside per request (Kwon et al. 2023, section 3). The one rule behind
+    ``Scheduler.reservation``, the narrator's reservation sum and the X-Ray's region, which restated it."""
+    want = prompt_tokens + (max_tokens or max_model_len or 0)
+    return min(max_model_len, want) if max_model_len is not None else want
+
+
 def contiguous_conflict(paged: bool, max_num_seqs: int | None, max_num_batched_tokens: int | None,
                         cli: bool = False) -> str | None:
     """Why a given ``max_num_seqs`` or ``max_num_batched_tokens`` cannot act with ``paged=False``, in one

@@ -51,6 +51,7 @@ from nanovllm_core.educational.narrator_sampling import (budget_at_turn, draft_l
                                                          unfilled_reservations, verification_rule)
 from nanovllm_core.educational.narrator_scheduler import PRIORITY_NOTE, SchedulerNarration
 from nanovllm_core.educational.tp_facts import across_ranks, tp_size, waited_on_communication
+from nanovllm_core.sampling_params import contiguous_reservation
 
 __all__ = ["KINDS", "Commentary", "Narrator", "PRIORITY_NOTE", "human_bytes", "ms", "ordinal", "plural", "show_piece"]
 
@@ -773,8 +774,8 @@ class Narrator(SchedulerNarration):
         if request is None or request.max_tokens is None:
             return ""
         want = request.num_prompt_tokens + request.max_tokens
-        cap = self.info.get("max_model_len")
-        capped = min(want, cap) if cap else want
+        cap = self.info.get("max_model_len") or None
+        capped = contiguous_reservation(request.num_prompt_tokens, request.max_tokens, cap)
         if -(-capped // bs) * bs != slots:  # not the reservation this rule gives (a recompute's longer sequence)
             return ""
         sum_ = f"{request.num_prompt_tokens} + {request.max_tokens} = {want} tokens"

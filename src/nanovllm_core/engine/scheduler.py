@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from nanovllm_core.engine.block_manager import BlockManager
 from nanovllm_core.engine.sequence import Sequence, SequenceStatus
+from nanovllm_core.sampling_params import contiguous_reservation
 
 
 # Why a sequence that could speculate got fewer than k drafts in a step (``ScheduledSequence.draft_limits``):
@@ -208,10 +209,8 @@ class Scheduler:
         (absent: ``max_model_len``), capped at ``max_model_len``; what a pre-paging server set aside
         per request (Kwon et al. 2023, section 3). ``add_request`` refuses a request whose reservation
         is larger than the pool, so one that waits is admitted once the running one ends."""
-        cap = self.max_model_len
-        limit = seq.params.max_tokens or cap or 0
-        want = seq.num_prompt_tokens + limit
-        return max(seq.num_tokens, min(cap, want) if cap is not None else want)
+        return max(seq.num_tokens, contiguous_reservation(seq.num_prompt_tokens, seq.params.max_tokens,
+                                                          self.max_model_len))
 
     def _admission_tokens(self, seq: Sequence, num_tokens: int) -> int:
         """Tokens whose blocks admitting ``seq`` takes: those it runs now (``num_tokens``), or in the

@@ -30,6 +30,7 @@ from nanovllm_core import events as ev
 from nanovllm_core.educational import tp_facts, xray_blocks
 from nanovllm_core.educational import xray_facts as facts
 from nanovllm_core.educational.commentary import plural
+from nanovllm_core.sampling_params import contiguous_reservation as reservation_tokens
 from nanovllm_tui import hints
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.views.base import EngineView
@@ -231,8 +232,7 @@ def contiguous_reservation(info: dict, req) -> int | None:
     for a paged engine or a request whose prompt length is not known."""
     if info.get("paged", True) or req is None or req.prompt_len is None or not info.get("max_model_len"):
         return None
-    cap = int(info["max_model_len"])
-    return min(cap, req.prompt_len + (req.max_tokens or cap))
+    return reservation_tokens(req.prompt_len, req.max_tokens, int(info["max_model_len"]))
 
 
 def gqa_text(trace: ev.LayerTrace, head: int, block_size: int | None, reserved: int | None = None) -> Text:
