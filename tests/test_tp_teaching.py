@@ -270,6 +270,27 @@ def test_the_demonstration_words_derive_a_tokens_communication_from_the_measured
     assert "One process" not in communication_words(m, 61, [])
 
 
+
+def test_the_demonstration_names_the_weight_format_and_a_busy_host():
+    """Trial 34e: chapter 13 timed one process over the loaded Q4_1 GGUF while the split ranks ran float32,
+    and put the whole gap on the split; on a busy host its one-process step (570 ms) read slower than the
+    split steps with no word of the load. The words now name the format and the busy host."""
+    from nanovllm_core.educational.tp_facts import communication_words
+    from nanovllm_core.educational.tp_measure import AllReduceLatency
+
+    m = AllReduceLatency(p50_us=100.0, p99_us=350.0, world_size=3, iters=200, hidden=576, nbytes=2304,
+                         backend="gloo", machine="AMD EPYC")
+    steps = [replace(ONE_PROCESS, wall_time_s=0.004)]
+    gguf = communication_words(m, 61, steps, "The capital of France is", weights="q4_1+q8_0 gguf")
+    assert "That process ran the loaded model's q4_1+q8_0 gguf; a split engine runs float weights" in gguf
+    assert "part of a split step's gap to this one is the weight format, not the split" in gguf
+    assert "weight format" not in communication_words(m, 61, steps)  # float weights: the same format both ways
+    busy = communication_words(m, 61, steps, busy="warning: the host was busy (load average 5.0 on 2 cores at the "
+                                                    "end): other work shared the CPU")
+    assert busy.endswith(" Warning: the host was busy (load average 5.0 on 2 cores at the end): other work shared "
+                         "the CPU.")
+
+
 # ------------------------------------------------------------------ the measurement (a real gloo group)
 
 
@@ -525,3 +546,20 @@ def test_the_tensor_parallel_demo_tells_a_split_app_its_engine_is_the_split_run(
     assert "three more processes" not in split and "one process)" not in split
     assert "rank 0's shard" in split and "`nanovllm --tutorial --tutorial-chapter 13`" in split
     assert DEMOS["kv_cache"].app_text(3) == DEMOS["kv_cache"].watch  # no split words: the usual ones
+
+
+def test_the_split_demos_heading_says_its_ranks_load_float_shards_not_the_loaded_model():
+    """Trial 34e: the split run was headed "On its own engine over the loaded model" while its ranks ran float32
+    shards beside a loaded Q4_1 GGUF (its first token's probability was the float model's, 77.25% not 77.37%)."""
+    from nanovllm_core.educational.tutorial_demos import engine_heading
+
+    sizes = {"num_kv_blocks": 64, "block_size": 16, "token_budget": 512, "max_num_seqs": 64,
+             "scheduling_policy": "priority", "dtype": "float32"}
+    split = engine_heading({**sizes, "tensor_parallel_size": 3, "quantization": None})
+    assert split.startswith("On its own engine split over 3 ranks, each loading its shard of the model as float32 "
+                            "weights: 64 KV blocks of 16 tokens") and "loaded model" not in split, split
+    one = engine_heading({**sizes, "quantization": "gguf", "weight_kinds": "q4_1+q8_0"})
+    assert one == ("On its own engine over the loaded model: 64 KV blocks of 16 tokens, budget 512 tokens a step, "
+                   "at most 64 running, priority policy.")
+    text = " ".join(chapter("tensor_parallel").paragraphs)
+    assert "splits float layers only" in text  # the chapter says why a GGUF model's ranks read more bytes

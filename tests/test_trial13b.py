@@ -241,7 +241,7 @@ async def test_a_kind_no_kept_step_did_reads_as_not_seen_not_as_a_measured_zero(
     # rate would be, that none of the kept steps did it (trial 33a: a blank line under "prefill idle")
     state.engine_state = "idle"
     assert not state.busy
-    for width, said in ((60, "none in the last 2 steps"), (24, "none lately")):
+    for width, said in ((60, "none in the last 2 steps"), (24, "none in 2 steps")):
         idle = Board()
         async with idle.run_test(size=(width, 10)) as pilot:
             idle.query_one(ThroughputPanel).show(state)

@@ -202,6 +202,24 @@ def test_an_older_trace_without_the_count_claims_nothing_about_where_the_hit_was
     assert "blocks that kept their contents while they were cached-free" in told(0)
 
 
+
+def test_a_readmitted_samples_hit_held_by_a_sequence_is_not_called_another_request():
+    """Trial 34e: with n = 3 a readmitted sample's hit block, held by a sibling sample, was "the block that another
+    running request holds"; the engine's count does not say whose it is, so for n > 1 the words allow both."""
+    import dataclasses
+
+    from tests.test_narrator import added, entry, planned, queued
+    from nanovllm_core.educational.narrator import Narrator
+
+    back = replace(entry("1", num=3, start=32, prompt_len=17, total_len=35, cached=32), num_cached_blocks_in_use=1)
+    n = Narrator({"block_size": 16})
+    n.feed(dataclasses.replace(added("1"), n=3))
+    out = n.feed(planned(9, [back], running=(queued("1", num_tokens=35, preemptions=1),), admitted=("1",)))
+    text = next(c.text for c in out if c.kind == "prefix_cache")
+    assert "another running request" not in text
+    assert "the block that another running sequence (another sample of this request, or another request) holds" in text
+
+
 # ------------------------------------------------------------------ bug 2: the app's chapter 13 promise
 
 

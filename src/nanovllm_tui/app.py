@@ -27,7 +27,7 @@ from textual.geometry import Size
 from textual.widgets import ContentSwitcher, Input, TabbedContent, TabPane
 
 from nanovllm_core import events as ev
-from nanovllm_core.educational.commentary import plural
+from nanovllm_core.educational.commentary import plural, weights_label
 from nanovllm_core.educational.narrator import Narrator
 from nanovllm_core.prompts import user_message
 from nanovllm_core.sampling_params import SamplingParams, overflow_with_options
@@ -44,7 +44,7 @@ from nanovllm_tui.views.xray import XRayView
 from nanovllm_tui.widgets.footer import SteadyFooter
 from nanovllm_tui.widgets.prompt_bar import (ONE_LINE_WIDTH, REPLAY_NOTES, Field, PromptBar, PromptSettings,
                                              fitting_max_tokens, settings_errors)
-from nanovllm_tui.widgets.status_header import StatusHeader, weights_label
+from nanovllm_tui.widgets.status_header import StatusHeader
 
 VIEWS: dict[str, type[EngineView]] = {"dashboard": DashboardView, "xray": XRayView, "narrator": NarratorView,
                                       "tutorial": TutorialView, "blocks": BlockMapView}

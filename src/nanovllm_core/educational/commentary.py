@@ -80,3 +80,16 @@ def join_words(items: list[str], last: str = "and") -> str:
 def who(request_id: str, index: int = 0, n: int = 1) -> str:
     """How an entry names a sequence: ``"request 3"``, or ``"request 3, sample 1"`` when the request has ``n`` > 1 samples."""
     return f"request {request_id}" if n <= 1 and index == 0 else f"request {request_id}, sample {index}"
+
+
+def weights_label(model_info: dict) -> str:
+    """The weight format beside the dtype, or "" for float weights: "q4_1+q8_0 gguf" (the formats of
+    a gguf file's blocks), else "q8_0 weights" (``model_info``: ``LLMEngine.model_info()``). Shared by the
+    app's header and ready toast and the tensor-parallel chapter's words (trial 12b:
+    the toast said "(float32)" alone while GGUF blocks ran). At 120 columns "gguf weights
+    (q4_1+q8_0)" was dropped once the step number showed (issue 29, trial 7)."""
+    quantization = model_info.get("quantization")
+    kinds = model_info.get("weight_kinds")
+    if not quantization:
+        return ""
+    return f"{kinds} {quantization}" if kinds and kinds != quantization else f"{quantization} weights"

@@ -359,7 +359,7 @@ class SchedulerNarration:
                      else agree(c, 'a prompt token', 'all of them prompt tokens'))
             text = (f"{name[0].upper()}{name[1:]} is readmitted after its preemption: of its {total} tokens "
                     f"({s.prompt_len} prompt + {total - s.prompt_len} generated), {c} ({found}) {agree(c, 'is', 'are')} found in the prefix "
-                    f"cache{blocks}{self._hit_source(s, bs)}. Their keys and "
+                    f"cache{blocks}{self._hit_source(s, bs, self._has_samples(s.request_id))}. Their keys and "
                     f"values are reused; only the other {total - c} {agree(total - c, 'is', 'are')} computed{now}{self._again(again, first)}"
                     f"{last}.")
             title = (f"{name}: readmitted, {plural(c, 'token')} reused, {again} recomputed" if again is not None
@@ -378,12 +378,19 @@ class SchedulerNarration:
         return Commentary("prefix_cache", f"{title[0].upper()}{title[1:]}", text, request_id=s.request_id,
                           step=plan.step)
 
+    def _has_samples(self, request_id: str) -> bool:
+        """The request runs n > 1 samples: a block another sequence holds may be a sibling sample's."""
+        state = self._requests.get(request_id)
+        return state is not None and state.n > 1
+
     @staticmethod
-    def _hit_source(s: ev.ScheduledEntry, bs: int | None) -> str:
+    def _hit_source(s: ev.ScheduledEntry, bs: int | None, samples: bool = False) -> str:
         """Where a readmission's hit blocks were, from the engine's count of those another sequence
         held (``ScheduledEntry.num_cached_blocks_in_use``) and of the cached-free ones that were its own
         before its preemption (``num_cached_blocks_own``; the others another request left cached-free:
-        trial 17b #2); empty when unknown (an older trace)."""
+        trial 17b #2); empty when unknown (an older trace). ``samples``: the request runs n > 1 samples,
+        so a holder may be one of them, not another request (trial 34e: a sibling sample was "another
+        running request"); the engine's count does not say which."""
         shared = s.num_cached_blocks_in_use
         if shared is None or not bs:
             return ""
@@ -391,9 +398,12 @@ class SchedulerNarration:
         free = hit - shared
         if shared <= 0:
             return ", " + SchedulerNarration._free_hits(free, getattr(s, "num_cached_blocks_own", None))
-        held = ("the block that another running request holds for the same tokens, shared with it (its reference "
-                "count goes up)" if shared == 1 else
-                f"{shared} blocks that running requests hold for the same tokens, shared with them (their reference "
+        one, many = (("another running sequence (another sample of this request, or another request)",
+                      "running sequences (other samples of this request, or other requests)") if samples else
+                     ("another running request", "running requests"))
+        held = (f"the block that {one} holds for the same tokens, shared with it (its reference count goes up)"
+                if shared == 1 else
+                f"{shared} blocks that {many} hold for the same tokens, shared with them (their reference "
                 "counts go up)")
         if free <= 0:
             return f": {held}, not {'a block' if shared == 1 else 'blocks'} that had been cached-free"

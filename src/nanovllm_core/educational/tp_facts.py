@@ -421,12 +421,20 @@ def split_engine_available() -> bool:
     return "tensor_parallel_size" in {f.name for f in dataclasses.fields(EngineConfig)}
 
 
-def communication_words(m: Any, allreduces: int, decode_steps: list[ev.StepTimed], prompt: str = "") -> str:
+def communication_words(m: Any, allreduces: int, decode_steps: list[ev.StepTimed], prompt: str = "",
+                        weights: str = "", busy: str | None = None) -> str:
     """The tensor-parallel demonstration's sentences: the measured all-reduce latency (``m``: a
     ``tp_measure.AllReduceLatency``), what ``allreduces`` of them cost a token at the median, and
     beside it the mean wall time of the one-process decode steps in ``decode_steps`` (measured in
     the same run; left out when there are none), named by ``prompt``, the one they decoded (the
-    chapter's ``demo_prompt``: nothing before the sentence shows it, trial 17b #4)."""
+    chapter's ``demo_prompt``: nothing before the sentence shows it, trial 17b #4).
+
+    ``weights``: the one-process engine's weight format (``commentary.weights_label``; "" for float
+    weights): a split engine shards float layers only, so over a GGUF file its ranks read float weights
+    where the one process read the file's blocks, and the words say that part of the gap is the format
+    (trial 34e: the chapter put all of it on the split). ``busy``: ``host_load.HostCheck.note()`` over the
+    measurements, told when the host was busy (trial 34e: a loaded host's 570 ms "one-process" step made
+    the split engine read as the faster)."""
     per_token_ms = m.per_token_us(allreduces) / 1000
     text = (f"Measured now on {m.machine}: one all-reduce of a [1, {m.hidden}] float32 tensor ({m.nbytes:,} bytes) "
             f"between {m.world_size} processes ({m.backend} over 127.0.0.1, one thread each) took {m.p50_us:,.0f} µs "
@@ -441,4 +449,10 @@ def communication_words(m: Any, allreduces: int, decode_steps: list[ev.StepTimed
                  f"{plural(len(decode_steps), 'decode step')}, measured just now): "
                  f"the all-reduces alone are {per_token_ms / one / 1000:.1f}x that, and the split ranks' arithmetic, "
                  "on the same cores, comes on top.")
+        if weights:
+            text += (f" That process ran the loaded model's {weights}; a split engine runs float weights instead "
+                     "(this engine splits float layers only, not the file's blocks), more bytes a step for the same "
+                     "model, so part of a split step's gap to this one is the weight format, not the split.")
+    if busy:
+        text += f" {busy[0].upper()}{busy[1:]}."
     return text

@@ -754,7 +754,9 @@ CHAPTERS: tuple[Chapter, ...] = (
         that waits on reading weights reads a third of them on each of 3 devices at once, and an
         all-reduce over NVLink takes a few microseconds. On one CPU none of that holds: the ranks are
         processes sharing the same cores and the same memory bandwidth, so together they read the
-        same bytes through the same memory as one process would, and each all-reduce is a handshake
+        same bytes through the same memory as one process would (of the same weights: this engine
+        splits float layers only, so over a GGUF file the ranks read its weights as floats, more bytes
+        than one process reading the file's blocks), and each all-reduce is a handshake
         between processes through the operating system (gloo over 127.0.0.1) that costs tens to hundreds
         of microseconds, more on a busy machine. A decode token waits for all 2 x layers + 1 of them in
         turn, so on one CPU the split engine is slower than one process; the demonstration measures by

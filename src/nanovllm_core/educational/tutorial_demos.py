@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.text import Text
 
 from nanovllm_core import events as ev
-from nanovllm_core.educational import speculative_costs
-from nanovllm_core.educational.commentary import Commentary
+from nanovllm_core.educational import speculative_costs, tp_facts
+from nanovllm_core.educational.commentary import Commentary, weights_label
 from nanovllm_core.educational.narrate_view import NarrateView
 from nanovllm_core.educational.rich_parts import Indent
 from nanovllm_core.educational.tp_facts import SPLIT_UNAVAILABLE, communication_words, split_engine_available
@@ -25,8 +25,22 @@ from nanovllm_core.educational.tutorial import DEMOS, Chapter, engine_settings_t
 from nanovllm_core.educational.xray import engine_roofline
 from nanovllm_core.educational.xray_facts import roofline_commentary
 from nanovllm_core.educational.xray_view import render_layer_detail
+from nanovllm_core.host_load import HostCheck
 
 DEMO_KV_BLOCKS = 64  # a demo's pool when its settings do not size one: small and quick to allocate
+
+
+def engine_heading(info: dict[str, Any], speculative: str = "", k: int = 0) -> str:
+    """The line naming the engine a demonstration's numbers come from (``info``: its ``model_info()``): "On its
+    own engine over the loaded model: 64 KV blocks of 16 tokens, ...". A split engine is not over the loaded
+    model: each rank loads its own shard, and as float weights (this engine splits float layers only), so
+    it says so (trial 34e: "over the loaded model" of ranks running float32 beside a Q4_1 GGUF)."""
+    split = tp_facts.tp_size(info)
+    label = weights_label(info)
+    where = (f"On its own engine split over {split} ranks, each loading its shard of the model as "
+             f"{info.get('dtype', 'float')} weights{f' ({label})' if label else ''}: " if split > 1
+             else "On its own engine over the loaded model: ")
+    return where + engine_settings_text(info, speculative, k) + "."
 
 
 class EngineDemos:
@@ -122,9 +136,8 @@ class EngineDemos:
         engine = self.engine(**demo.engine_settings())
         spec = getattr(engine, "speculator", None)
         try:  # the engine the numbers below come from (the app's Tutorial tab says the same)
-            console.print(Indent(Text("On its own engine over the loaded model: " + engine_settings_text(
-                engine.model_info(), spec.name if spec is not None else "", spec.k if spec is not None else 0)
-                + ".", style="dim")))
+            console.print(Indent(Text(engine_heading(engine.model_info(), spec.name if spec is not None else "",
+                                                     spec.k if spec is not None else 0), style="dim")))
         except KeyError:  # an engine that does not report a size: nothing claimed
             pass
         view = NarrateView(console, engine.model_info(), max_decode_steps=None, kinds=demo.kinds,
@@ -164,14 +177,16 @@ class EngineDemos:
         ``demo.allreduce_ranks`` processes, a token's all-reduces at that latency, and a one-process
         decode step timed now for comparison. Returns whether this build's engine takes the demo's
         settings (False: one line says the split engine is not available, and the demo ends here)."""
-        from nanovllm_core.educational import tp_facts, tp_measure
+        from nanovllm_core.educational import tp_measure
 
         info = self.load()
         hidden, layers = int(info["hidden_size"]), int(info["num_layers"])
+        check = HostCheck()  # over both measurements: a busy host's figures are told as such (trial 34e)
         m = tp_measure.measure_allreduce(demo.allreduce_ranks, hidden=hidden, iters=200, warmup=20)
         timed = self.one_process_decode_steps(demo, chapter)
         console.print(Indent(Text(communication_words(m, tp_facts.allreduces_per_step(layers), timed,
-                                                      chapter.demo_prompt))))
+                                                      chapter.demo_prompt, weights=weights_label(info),
+                                                      busy=check.note()))))
         console.print()
         if not split_engine_available():
             console.print(Indent(Text(SPLIT_UNAVAILABLE[0].upper() + SPLIT_UNAVAILABLE[1:] + ".", style="yellow")))

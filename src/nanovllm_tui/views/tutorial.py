@@ -24,12 +24,14 @@ from textual.widgets import OptionList, Static
 
 from nanovllm_core.educational import tp_facts
 from nanovllm_core.educational import tutorial as tut
+from nanovllm_core.educational.commentary import weights_label
 from nanovllm_core.educational.tp_facts import (
     SPLIT_UNAVAILABLE,
     communication_words,
     split_engine_available,
     split_run_words,
 )
+from nanovllm_core.host_load import HostCheck
 from nanovllm_tui.bridge import EngineBridge
 from nanovllm_tui.demo_session import DemoSession
 from nanovllm_tui.state import EngineState
@@ -501,6 +503,7 @@ class TutorialView(EngineView):
             from nanovllm_core.educational.tutorial_demos import EngineDemos
 
             try:
+                check = HostCheck()  # over both measurements: a busy host's figures are told as such (trial 34e)
                 m = tp_measure.measure_allreduce(demo.allreduce_ranks, hidden=hidden, iters=200, warmup=20)
                 timed = []
                 if main_engine is not None:  # the chapter's prompt on one process, over the loaded model
@@ -509,7 +512,8 @@ class TutorialView(EngineView):
                                                     dtype=str(main_engine.dtype).replace("torch.", ""))
                     timed = demos.one_process_decode_steps(demo, chapter)
                 text = Text("\n" + communication_words(m, tp_facts.allreduces_per_step(layers), timed,
-                                                        chapter.demo_prompt),
+                                                        chapter.demo_prompt, weights=weights_label(self._info),
+                                                        busy=check.note()),
                             style="#ffd166")
                 if not timed:
                     text.append(" " + tp_facts.app_no_baseline(local, split) + ".")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from nanovllm_core.educational.commentary import plural
+from nanovllm_core.educational.commentary import plural, weights_label
 from nanovllm_tui.state import LOST, EngineState
 from nanovllm_tui.widgets.format import bar
 from nanovllm_tui.widgets.live import LiveStatic
@@ -73,18 +73,6 @@ def unfinished_text(ids: list[str]) -> str:
     names = ids[:3] + ([f"{len(ids) - 3} more"] if len(ids) > 3 else [])
     listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
     return f"{'request' if len(ids) == 1 else 'requests'} {listed} unfinished"
-
-
-def weights_label(model_info: dict) -> str:
-    """The weight format beside the dtype, or "" for float weights: "q4_1+q8_0 gguf" (the formats of
-    a gguf file's blocks), else "q8_0 weights". Shared by the header and the ready toast (trial 12b:
-    the toast said "(float32)" alone while GGUF blocks ran). At 120 columns "gguf weights
-    (q4_1+q8_0)" was dropped once the step number showed (issue 29, trial 7)."""
-    quantization = model_info.get("quantization")
-    kinds = model_info.get("weight_kinds")
-    if not quantization:
-        return ""
-    return f"{kinds} {quantization}" if kinds and kinds != quantization else f"{quantization} weights"
 
 
 class StatusHeader(LiveStatic):

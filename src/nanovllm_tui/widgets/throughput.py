@@ -47,7 +47,7 @@ class ThroughputPanel(Vertical):
         sparks = {kind: self.query_one(f"#{kind}-spark", LiveStatic) for kind in STYLES}
         kept = plural(len(state.timings), 'step')
         unmeasured = ([" only mixed steps", " mixed only", " mixed only", " mixed", " -"] if mixed else
-                      [f" none in the last {kept}", " none lately", " none lately", " none", " -"])
+                      [f" none in the last {kept}", f" none in {kept}", " none lately", " none", " -"])
         # idle or paused: the newest steps' rate, or, where none of the kept steps did a kind's work, that
         # none did, as the headline says it while running (trial 33a: a blank line under "prefill idle")
         tails = last_rates({kind: None if busy or not state.timings else rates[kind] if rates[kind][1]
@@ -64,7 +64,7 @@ class ThroughputPanel(Vertical):
                        # none of the kept steps did this kind's work (an app attached while a request
                        # decoded; a long decode): no rate was measured, and "0 tok/s" would read as one
                        # (trial 29c)
-                       else [f"- (none in the last {plural(len(state.timings), 'step')})", "- (none lately)", "-"]
+                       else [f"- (none in the last {kept})", f"- (none in {kept})", "- (none lately)", "-"]
                        if not steps
                        else [f"{fmt_rate(rate)} tok/s", fmt_rate(rate)])
             label = self.query_one(f"#{kind}-rate", LiveStatic)
