@@ -154,6 +154,25 @@ def test_completion_logprobs_always_list_the_sampled_token(tiny_server):
     assert lp["top_logprobs"] == [{t: v} for t, v in zip(lp["tokens"], lp["token_logprobs"])]
 
 
+def test_chat_top_logprobs_list_the_sampled_token_first_as_vllm_does(tiny_server):
+    """Trial 34b: chat's top_logprobs left out a sampled token outside the top k ('M' at -9.78 beside ['.', ')']),
+    where vLLM's chat lists the first k of its logprobs dict: the sampled token first, then the most likely
+    others by rank; this server's completions already listed it."""
+    body = {"messages": [{"role": "user", "content": "Once upon a time"}], "max_tokens": 8, "temperature": 1.0,
+            "seed": 3, "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+    status, data = post(tiny_server, "/v1/chat/completions", body)
+    assert status == 200, data
+    content = data["choices"][0]["logprobs"]["content"]
+    outside = 0
+    for tok in content:
+        tops = tok["top_logprobs"]
+        assert len(tops) == 2 and tops[0]["token"] == tok["token"], tok  # always listed, first
+        assert tops[0]["logprob"] == pytest.approx(tok["logprob"]) and tops[0]["bytes"] == tok["bytes"]
+        outside += tops[1]["logprob"] > tok["logprob"]  # a more likely token after it: the sampled one was not top-1
+    # At temperature 1 the tiny random model rarely samples its most likely token: the case was met.
+    assert outside, content
+
+
 def _split_character_outputs(tokenizer, logprobs: int = 1) -> tuple[list[int], list[CompletionOutput]]:
     """'婉' as the three byte tokens SmolLM2's tokenizer splits it into, as the engine reports them
     token by token: each token alone decodes to U+FFFD and the text appears only with the third."""

@@ -478,11 +478,13 @@ def _usage(outs: list[RequestOutput]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _shown(entry: dict[int, Logprob], token_id: int, top: int) -> list[Logprob]:
-    """The candidates shown for one token, as vLLM shows them: the sampled token first, then the
-    ``top`` most likely others by rank (so ``top`` + 1 entries at most, one when ``top`` is 0)."""
-    others = sorted((lp for t, lp in entry.items() if t != token_id and lp.rank <= top), key=lambda lp: lp.rank)
-    return [entry[token_id]] + others
+def _shown(entry: dict[int, Logprob], token_id: int, top: int) -> list[tuple[int, Logprob]]:
+    """The candidates of one token as (token id, Logprob), in the order of vLLM's logprobs dict: the
+    sampled token first, then the ``top`` most likely others by rank (so ``top`` + 1 entries at most,
+    one when ``top`` is 0). Completions show them all; chat the first ``top`` (vLLM's
+    ``_get_top_logprobs``: ``i < top_logprobs``)."""
+    others = sorted(((t, lp) for t, lp in entry.items() if t != token_id and lp.rank <= top), key=lambda p: p[1].rank)
+    return [(token_id, entry[token_id])] + others
 
 
 def _completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top: int, first_char: int) -> dict:
@@ -500,7 +502,7 @@ def _completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int]
         text = chosen.decoded_token or ""
         tokens.append(text)
         token_logprobs.append(chosen.logprob)
-        tops.append({(lp.decoded_token or ""): lp.logprob for lp in _shown(entry, token_id, top)})
+        tops.append({(lp.decoded_token or ""): lp.logprob for _, lp in _shown(entry, token_id, top)})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
@@ -512,7 +514,10 @@ def _chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top:
 
     ``bytes`` are the token's own bytes (``token_bytes``), so the chosen tokens' bytes joined are
     the content's UTF-8 even where one character spans several tokens (each token's text is
-    then U+FFFD, its bytes are not). ``top_logprobs``: the ``top`` most likely, by rank.
+    then U+FFFD, its bytes are not). ``top_logprobs``: ``top`` entries as vLLM's chat gives them, the
+    sampled token first, then the most likely others by rank (:func:`_shown`): a sampled token outside
+    the ``top`` most likely is listed, in place of the ``top``-th (trial 34b: it was left out, where
+    vLLM's chat and this server's completions list it).
     """
     def item(token_id: int, lp: Logprob) -> dict:
         text = lp.decoded_token or ""
@@ -521,7 +526,6 @@ def _chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top:
     content = []
     for entry, token_id in zip(entries, token_ids):
         chosen = item(token_id, entry[token_id])
-        chosen["top_logprobs"] = [item(t, lp) for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)
-                                  if lp.rank <= top]
+        chosen["top_logprobs"] = [item(t, lp) for t, lp in _shown(entry, token_id, top)[:top]]
         content.append(chosen)
     return {"content": content}
