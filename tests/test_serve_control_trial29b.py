@@ -63,6 +63,18 @@ def test_abort_without_request_id_is_a_missing_parameter(tiny_server):
     assert error["message"].startswith("abort needs request_id"), error
 
 
+@pytest.mark.parametrize("body, param", [({"command": "abort"}, "request_id"), ({"command": "submit"}, "prompt"),
+                                         ({}, "command")])
+def test_every_missing_required_control_field_is_a_missing_parameter(tiny_server, body, param):
+    """Trial 34b: submit without prompt answered invalid_value where every other missing field is
+    missing_required_parameter, as docs/serving.md says; a prompt sent as null stays invalid_value."""
+    error = post(tiny_server, CONTROL, body).json()["error"]
+    assert error["code"] == "missing_required_parameter" and error["param"] == param, error
+    if param == "prompt":
+        error = post(tiny_server, CONTROL, {**body, "prompt": None}).json()["error"]
+        assert error["code"] == "invalid_value" and error["param"] == "prompt", error
+
+
 def test_xray_without_request_id_traces_each_steps_first_request_as_the_app_asks(tiny_server):
     """The attached app sends request_id null for "whichever request runs first in each step"
     (app._choose_xray, remote.RemoteController.xray); docs/serving.md says so."""

@@ -688,8 +688,11 @@ def _control_submit(state: ServerState, body: dict) -> str:
         # message were ignored, a message without content got the generic line, tool_calls were refused)
         prompt = conversation_of(prompt, "prompt")
     elif not (isinstance(prompt, str) or token_ids):
+        # absent: missing_required_parameter, as every other missing field (trial 34b); present but not a prompt
+        # (null included, as _text reads an id): invalid_value
         raise APIError("submit needs prompt: text, a list of token ids, or a list of chat messages "
-                       "({\"role\": ..., \"content\": text}, rendered with the model's chat template)", param="prompt", code="invalid_value")
+                       "({\"role\": ..., \"content\": text}, rendered with the model's chat template)", param="prompt",
+                       code="invalid_value" if "prompt" in body else "missing_required_parameter")
     fields = body.get("params")
     fields = {} if fields is None else fields  # only null is left out: [], "" or 0 are refused (trial 31b)
     if not isinstance(fields, dict):
