@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -215,3 +217,13 @@ def shared_default_loads(monkeypatch, real_model, request):
 
     monkeypatch.setattr(loader, "load_model", load)
     return asked
+
+
+def end_process_group(proc: subprocess.Popen) -> None:
+    """SIGINT to ``proc``'s process group (a web server and the apps it started), SIGKILL after 10 s."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)

@@ -18,7 +18,7 @@ from nanovllm_core.entrypoints import cli as serve_cli
 from nanovllm_core.entrypoints.api_server import bind_warning
 from nanovllm_tui import options
 from nanovllm_tui.remote import RemoteController
-from tests.conftest import run_main
+from tests.conftest import end_process_group, run_main
 from tests.tui_helpers import TRACE
 
 
@@ -283,12 +283,7 @@ def test_web_key_is_in_no_banner_and_no_app_command_line(tmp_path):
         assert "--replay" in cmdline and key not in cmdline and "--api-key" not in cmdline
         assert f"NANOVLLM_API_KEY={key}" in environ.split("\0")
     finally:
-        os.killpg(web.pid, signal.SIGINT)
-        try:
-            web.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(web.pid, signal.SIGKILL)
-            web.wait(10)
+        end_process_group(web)
     banner = out.read_text()
     assert "Serving" in banner and key not in banner
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +21,7 @@ import time
 
 import pytest
 
+from tests.conftest import end_process_group
 from tests.tui_helpers import TRACE
 
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome", "chrome")
@@ -94,7 +95,10 @@ async def screen_text_in_browser(devtools_port: int, url: str, wanted: str, time
                     return screen, msg["result"]["result"]["value"]
 
 
-def test_the_app_served_to_a_browser_shows_the_dashboard(tmp_path):
+@contextlib.contextmanager
+def replay_served_to_chromium(tmp_path):
+    """``nanovllm-tui --web --replay TRACE`` on a free port and a headless Chromium; yields (the page's URL,
+    Chromium's DevTools port). Both end afterwards: the web server with the app it started for the page."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), *sys.path) if p)}
     web = subprocess.Popen([sys.executable, "-m", "nanovllm_tui.app", "--web", "--port", str(port),
@@ -104,20 +108,19 @@ def test_the_app_served_to_a_browser_shows_the_dashboard(tmp_path):
     try:
         wait_for_port(port, web, timeout=60)
         browser, devtools = start_chromium(tmp_path / "profile")
-        screen, body = asyncio.run(screen_text_in_browser(devtools, f"http://127.0.0.1:{port}/", "Dashboard", 90))
-        assert "Dashboard" in screen and "Block Map" in screen  # the app's tabs, drawn in the page's terminal
-        assert "-first-byte" in body  # the page shows the terminal (the intro dialog is gone)
+        yield f"http://127.0.0.1:{port}/", devtools
     finally:
         if browser is not None:
             browser.kill()
             browser.wait(10)
-        os.killpg(web.pid, signal.SIGINT)  # the web server and the app it started for the page
-        try:
-            web.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(web.pid, signal.SIGKILL)
-            web.wait(10)
+        end_process_group(web)
 
+
+def test_the_app_served_to_a_browser_shows_the_dashboard(tmp_path):
+    with replay_served_to_chromium(tmp_path) as (url, devtools):
+        screen, body = asyncio.run(screen_text_in_browser(devtools, url, "Dashboard", 90))
+    assert "Dashboard" in screen and "Block Map" in screen  # the app's tabs, drawn in the page's terminal
+    assert "-first-byte" in body  # the page shows the terminal (the intro dialog is gone)
 
 async def keys_reach_the_app(devtools_port: int, url: str, key: str, wanted: str, timeout: float) -> str:
     """Open ``url`` in a page that has the window's focus, wait for the Dashboard, type ``key`` with no
@@ -163,24 +166,6 @@ async def keys_reach_the_app(devtools_port: int, url: str, key: str, wanted: str
 def test_keys_typed_into_a_page_just_opened_reach_the_app(tmp_path):
     """textual-serve's page never focused its terminal: keys typed before a click went nowhere, and the
     first Tab only moved the browser's focus into the page (trial 32b). The page now focuses it."""
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), *sys.path) if p)}
-    web = subprocess.Popen([sys.executable, "-m", "nanovllm_tui.app", "--web", "--port", str(port),
-                            "--replay", str(TRACE)], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)
-    browser = None
-    try:
-        wait_for_port(port, web, timeout=60)
-        browser, devtools = start_chromium(tmp_path / "profile")
-        screen = asyncio.run(keys_reach_the_app(devtools, f"http://127.0.0.1:{port}/", "5", "Physical KV blocks", 60))
-        assert "Physical KV blocks" in screen  # key 5 reached the app, which drew the Block Map
-    finally:
-        if browser is not None:
-            browser.kill()
-            browser.wait(10)
-        os.killpg(web.pid, signal.SIGINT)
-        try:
-            web.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(web.pid, signal.SIGKILL)
-            web.wait(10)
+    with replay_served_to_chromium(tmp_path) as (url, devtools):
+        screen = asyncio.run(keys_reach_the_app(devtools, url, "5", "Physical KV blocks", 60))
+    assert "Physical KV blocks" in screen  # key 5 reached the app, which drew the Block Map
