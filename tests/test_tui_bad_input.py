@@ -692,3 +692,24 @@ async def test_an_engine_setting_that_fails_is_not_blamed_on_the_model(tmp_path,
         assert notes.find("(--block-size). Start again with that option changed")
         assert not notes.find("--model naming a checkpoint")
         await still_answers_keys(pilot)
+
+
+async def test_a_replayed_connection_loss_is_told_as_the_recordings_not_as_now(tmp_path):
+    """Trial 34c: a --connect recording made across a server restart replayed "lost the connection ...;
+    reconnecting" as if this app were losing its connection now; a replay says it is the recording's."""
+    import gzip
+
+    from nanovllm_core import events as ev
+    from tests.tui_helpers import TRACE, Notes, replay_app, wait_until
+
+    lines = gzip.open(TRACE, "rt").read().splitlines()
+    lost = ev.to_json(ev.EngineError(step=None, message="lost the connection to http://127.0.0.1:8000 "
+                                                         "(connection refused); reconnecting"))
+    trace = tmp_path / "lost.jsonl"
+    trace.write_text("\n".join([*lines[:3], lost, *lines[3:]]) + "\n")
+    notes = Notes()
+    app = replay_app(tmp_path, trace=trace)
+    async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: notes.find("lost the connection"), timeout=20, what="the recorded outage")
+    [told] = notes.find("lost the connection")
+    assert told.title == "Connection (recorded)" and told.message.startswith("In the recording: lost the connection")

@@ -516,9 +516,14 @@ class NanoVLLMApp(App):
             elif event.step is None and (event.message.startswith("lost the connection")
                                          or "refused the API key" in event.message
                                          or "needs an API key" in event.message):
-                self.notify(event.message, title="Connection", severity="warning", timeout=10, markup=False)
+                # a replay plays what the recording app saw then: said as such, not as this app's connection now
+                # (trial 34c: a recording made across a server restart read as losing the connection now)
+                self.notify(event.message if self.live else f"In the recording: {event.message}",
+                            title="Connection" if self.live else "Connection (recorded)", severity="warning",
+                            timeout=10, markup=False)
             else:
-                self.notify(event.message, title="Engine error", severity="error", timeout=10, markup=False)
+                self.notify(event.message, title="Engine error" if self.live else "Engine error (recorded)",
+                            severity="error", timeout=10, markup=False)
         elif isinstance(event, ev.RequestFinished) and event.finish_reason == "abort" and self._sent_here(event):
             # only this app's own prompts: an attached server's other clients disconnect all the time,
             # and a toast for each piled up over the panels (issue 29); the table shows their state
