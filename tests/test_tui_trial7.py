@@ -92,6 +92,9 @@ async def test_under_connect_the_servers_refusal_shows_as_the_local_one(tiny_ser
         rid = app.selected
         await wait_until(pilot, lambda: notes.find(f"{rid} was rejected: ", "error"), timeout=30, what="the refusal")
         assert "maximum context length is 512 tokens" in notes.find(f"{rid} was rejected")[0].message
+        # the field as a client of the OpenAI routes names it: the person typed no params (trial 35a)
+        assert "prompt or max_tokens." in notes.find(f"{rid} was rejected")[0].message
+        assert "params." not in app.state.requests[rid].error
         assert app.query_one("#prompt").value == "Tell me a story about a brave knight"
         assert notes.find("the prompt is back in the bar")
 

@@ -24,6 +24,7 @@ import http.client
 import itertools
 import json
 import queue
+import re
 import secrets
 import socket
 import sys
@@ -253,6 +254,13 @@ def check_server(url: str, api_key: str | None = None, timeout: float = 5.0, wai
     return name
 
 
+def sampling_words(reason: str) -> str:
+    """A server's refusal of this app's ``submit`` with its sampling fields named as a client of the
+    OpenAI routes names them (``max_tokens``), not as the control API's body nests them
+    (``params.max_tokens``): the person typed no ``params`` (trial 35a)."""
+    return re.sub(r"\bparams\.(?=[a-z_]+\b)", "", reason)
+
+
 class RemoteController:
     """A running server's engine, with the ``EngineController`` commands the app uses.
 
@@ -360,7 +368,8 @@ class RemoteController:
         body = {"command": "submit", "request_id": rid, "prompt": prompt, "params": params, "priority": priority}
         with self._lock:
             self._sent_here.add(rid)
-        self._commands.put((body, lambda reason: self._deliver(ev.RequestRejected(request_id=rid, reason=reason))))
+        self._commands.put((body, lambda reason: self._deliver(ev.RequestRejected(request_id=rid,
+                                                                                  reason=sampling_words(reason)))))
         return rid
 
     def pause(self) -> None:
