@@ -751,3 +751,29 @@ def test_the_cli_heatmap_shows_pieces_that_look_like_rich_markup():
     lines = console.export_text().splitlines()
     assert all(label in lines[0] for label in ("[one]", "[␣two]", "[bold]", "[/x]")), lines[0]
     assert [line.split()[0] for line in lines[1:5]] == ["[one]", "[␣two]", "[bold]", "[/x]"]
+
+
+def test_the_not_traced_note_lists_a_later_prefill_chunk_and_names_a_chunk_as_one(make_tiny_engine):
+    """Trial 35e: with --max-prefill-tokens 8, step 1 ran request 0's decode (traced) beside request 1's last
+    prefill chunk, and no line said request 1 was not traced (docs/teaching.md: a prompt prefilled in the same
+    step as another is listed); step 0 called request 1's 3-of-7 chunk "(prefill)"."""
+    import io
+
+    from rich.console import Console
+
+    from nanovllm_core import LLM, SamplingParams
+    from nanovllm_core.educational.xray_view import XRayView
+
+    engine = make_tiny_engine(num_kv_blocks=64, max_num_batched_tokens=8, enable_chunked_prefill=True)
+    shown = []
+    xray = XRayView(Console(file=io.StringIO(), width=200), engine, detail_layer=0, on_traced=shown.append)
+    xray.subscribe()
+    LLM.from_engine(engine).generate([[5] * 5, [6] * 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                                     use_tqdm=False)
+    xray.close()
+    console = Console(file=io.StringIO(), width=400)
+    for part in shown:
+        console.print(part)
+    notes = [line.strip() for line in console.file.getvalue().splitlines() if "Not traced in this step" in line]
+    assert any("request 1 (prefill chunk, tokens 0..2 of 7)" in n for n in notes), notes
+    assert any("request 1 (prefill chunk, tokens 3..6 of 7)" in n for n in notes), notes

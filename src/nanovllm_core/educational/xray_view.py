@@ -299,6 +299,17 @@ class _Target:
     skipped: list[str] = field(default_factory=list)
 
 
+def phase_words(s: ev.ScheduledEntry) -> str:
+    """What a step ran of a request, for the not-traced note: ``decode``, ``prefill`` (its whole prefill in
+    this step), or ``prefill chunk, tokens 3..6 of 7`` (trial 35e: a 3-of-7 chunk read as the whole prefill)."""
+    if s.kind == "decode":
+        return "decode"
+    end = s.start + s.num_tokens
+    if s.start == s.num_cached_tokens and end >= s.total_len:
+        return "prefill"
+    return f"prefill chunk, tokens {s.start}..{end - 1} of {s.total_len}"
+
+
 def skipped_note(skipped: list[tuple[str, str]], ended: set[str]) -> str:
     """Which requests of the step were not traced and what becomes of them. One request is traced
     a step, so one still running waits for a later step (its decode; a missed prefill is not
@@ -390,7 +401,11 @@ class XRayView:
         wanted.sort(key=lambda w: (w[0].request_id in seen, w[1] != "prefill"))
         if wanted:
             s, phase = wanted[0]
-            self._target = _Target(s, [(w.request_id, p) for w, p in wanted[1:]])
+            passed = {id(w) for w, _ in wanted[1:]}
+            # every other request the step ran that is not traced: those wanted too, and any prefill chunk
+            # (trial 35e: a prompt's later chunk, in the step beside another's decode, was not listed)
+            self._target = _Target(s, [(w.request_id, phase_words(w)) for w in plan.scheduled
+                                       if w.index == 0 and w is not s and (id(w) in passed or w.kind != "decode")])
             self._done.add((s.request_id, phase))
             if self._tp == 1:
                 self.engine.select_xray(s.request_id, layer=self.detail_layer, head=0, every_layer=True)

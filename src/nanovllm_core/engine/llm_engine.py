@@ -422,8 +422,13 @@ class LLMEngine(EventSource):
         limit = min(self.max_model_len, n_prompt + (params.max_tokens or self.max_model_len)) - unstored
         need = self.block_manager.blocks_needed(limit)
         if need > pool:  # the prompt fits: it is max_tokens (or, absent, max_model_len) that pushes it over
-            stored = "K/V of " if unstored else ""
-            return "max_tokens", (f"the request may need {need} KV blocks ({stored}{limit} token{'s' if limit != 1 else ''}) but the pool has only "
+            if unstored:
+                wants = f"may need {need} KV blocks (K/V of {limit} token{'s' if limit != 1 else ''})"
+            else:  # it reserves, not may need: one of those slots (the last token's) is never written (trial 35e)
+                wants = (f"reserves {need} KV blocks up front ({limit} token slots: its prompt + max_tokens, the whole "
+                         "sequence the contiguous baseline sets aside, the last token's slot included though its K/V "
+                         "is never written)")
+            return "max_tokens", (f"the request {wants} but the pool has only "
                     f"{self.block_manager.num_blocks}; raise num_kv_blocks (--num-kv-blocks) or lower max_tokens")
         # Unreachable through EngineConfig (check_prefill_budget: budget >= max_model_len > n_prompt when chunked
         # prefill is off); kept for a scheduler given a smaller budget, where such a prompt would wait forever.
