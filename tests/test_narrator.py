@@ -1256,3 +1256,13 @@ def test_a_samples_preemption_count_is_the_samples_own():
                           waiting=[queued("0")], running=(), admitted=()))
     (pre,) = [c for c in told if c.kind == "preemption"]
     assert "Preemptions of this sample so far: 1." in pre.text, pre.text
+
+
+def test_an_empty_one_block_pool_is_not_all_1_blocks():
+    """Trial 35e: a one-block pool was told as "all 1 blocks are free"."""
+    n = Narrator({"block_size": 16})
+    one = n.feed(timed(0, blocks=0, total=1))
+    texts = [c.text for c in one if c.kind == "kv_cache"]
+    assert texts and "the pool's one block is free" in texts[0] and "all 1" not in texts[0], texts
+    many = Narrator({"block_size": 16}).feed(timed(0, blocks=0, total=8))
+    assert any("all 8 blocks are free" in c.text for c in many if c.kind == "kv_cache")

@@ -354,6 +354,29 @@ async def test_a_request_with_several_samples_says_the_dashboard_shows_sample_0(
         assert "sample" not in row_cells(app.state.requests["1"])[1].plain
 
 
+def test_the_row_of_several_samples_says_when_sample_0_is_done_and_others_run():
+    """Trial 35e: attached to a server, an n=3 request's row read "running · sample 0 of 3" beside sample 0's
+    30/30, finished, while samples 1 and 2 still decoded: the figures are sample 0's, the state the request's."""
+    import dataclasses
+
+    from nanovllm_core import events as ev
+    from nanovllm_tui.state import EngineState
+    from nanovllm_tui.widgets.request_table import row_cells
+    from tests.test_narrator import added, entry, planned, queued, sampled
+
+    state = EngineState()
+    state.apply(dataclasses.replace(added("0"), n=3))
+    samples = [dataclasses.replace(queued("0"), index=i, seq_id=i, status="running") for i in range(3)]
+    decode = [dataclasses.replace(entry("0", kind="decode", num=1, start=3, total_len=4), index=i, seq_id=i)
+              for i in range(3)]
+    state.apply(planned(1, decode, running=samples))
+    state.apply(sampled(1))
+    assert row_cells(state.requests["0"])[1].plain == "running · sample 0 of 3"
+    state.apply(planned(2, decode[1:], running=samples[1:]))  # sample 0 ended: in no queue of the plan
+    assert state.requests["0"].state == "running"
+    assert row_cells(state.requests["0"])[1].plain == "running · sample 0 of 3 done"
+
+
 @pytest.mark.parametrize("reads", [
     ["\x1b[200~abc\x1b[31mdef\x1b[201~"],
     ["\x1b[20", "0~abc\x1b", "[3", "1mdef\x1b[2", "01~"],  # every marker and sequence split across reads

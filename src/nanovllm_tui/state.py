@@ -82,6 +82,9 @@ class RequestView:
     last_step: int | None = None
     # a replay's end: the state it had at the last step played (it is "unfinished" since; see recording_ended)
     ended_as: str | None = None
+    # n > 1: sample 0 (whose figures the row shows) has ended while other samples run on (trial 35e: the row
+    # read "running · sample 0 of 3" beside sample 0's finished 30/30); no event says so, the plans do
+    sample0_done: bool = False
 
     @property
     def live(self) -> bool:
@@ -358,6 +361,13 @@ class EngineState:
             if q.index == 0 and q.request_id in self.requests:
                 req = self.requests[q.request_id]
                 req.state, req.prefilled, req.num_preemptions = "preempted", 0, q.num_preemptions
+        # a request of n > 1 samples still queued, whose sample 0 is in no queue of this plan: sample 0 ended
+        entries = (*e.waiting, *e.running, *e.preempted, *e.scheduled)
+        with_sample0 = {q.request_id for q in entries if q.index == 0}
+        for rid in {q.request_id for q in entries if q.index != 0} - with_sample0:
+            req = self.requests.get(rid)
+            if req is not None and req.n > 1 and req.live and req.num_output > 0:
+                req.sample0_done = True
 
     def _on_TokenSampled(self, e: ev.TokenSampled) -> None:
         if e.index != 0:

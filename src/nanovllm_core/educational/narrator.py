@@ -695,7 +695,9 @@ class Narrator(SchedulerNarration):
         if self._contiguous:
             return self._kv_region(t, blocks, same)
         if t.num_blocks_used == 0:
-            text = f"No request holds KV blocks now: all {t.num_blocks_total:,} blocks are free.{cached}"
+            every = ("the pool's one block is free" if t.num_blocks_total == 1 else  # not "all 1 blocks" (trial 35e)
+                     f"all {t.num_blocks_total:,} blocks are free")
+            text = f"No request holds KV blocks now: {every}.{cached}"
             return [Commentary("kv_cache", "KV cache: empty", text, step=t.step)]
         change = " No block was taken or freed in this step." if same else ""
         text = (f"Live requests now hold {plural(t.num_blocks_used, 'block')}"

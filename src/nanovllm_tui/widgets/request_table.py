@@ -80,6 +80,8 @@ def row_cells(req: RequestView, label: str | None = None) -> tuple[Text, ...]:
         state = f"unfinished ({req.ended_as})"
     if req.n > 1:  # every figure of the row is sample 0's (trial 30e: "preempted 0" beside 3 preemptions of
         state += f" · sample 0 of {req.n}"  # its other samples, said only in a panel title cut at 120 columns)
+        if req.sample0_done and req.live:  # its figures are final while the others run (trial 35e)
+            state += " done"
     return (
         Text.assemble(("■ ", request_color(req.order)), label or req.request_id),
         Text(state, style=STATE_STYLES.get(req.state, "")),
