@@ -1266,3 +1266,11 @@ def test_an_empty_one_block_pool_is_not_all_1_blocks():
     assert texts and "the pool's one block is free" in texts[0] and "all 1" not in texts[0], texts
     many = Narrator({"block_size": 16}).feed(timed(0, blocks=0, total=8))
     assert any("all 8 blocks are free" in c.text for c in many if c.kind == "kv_cache")
+
+
+def test_an_empty_pool_with_cached_free_blocks_is_split_as_the_dashboard_splits_it():
+    """Trial 35c: "all 512 blocks are free. 2 freed blocks keep their contents ..." beside the Dashboard's
+    "cached-free 2 · free 510" in the same step: a reader adding up the legend got 510."""
+    [kv] = [c for c in Narrator({"block_size": 16}).feed(timed(0, blocks=0, total=512, cached=2)) if c.kind == "kv_cache"]
+    assert kv.text.startswith("No request holds KV blocks now: 510 blocks are free and 2 cached-free"), kv.text
+    assert "all 512" not in kv.text

@@ -180,6 +180,10 @@ def test_metrics_observe_each_samples_own_latency():
             num_output_tokens=tokens))
 
     metrics = ServerMetrics("m")
+    # every finish reason's series exists from the first scrape, at 0, as vLLM creates them (trial 35c)
+    for reason in ("stop", "length", "abort", "error"):
+        assert metrics.registry.get_sample_value("vllm:request_success_total",
+                                                 {"model_name": "m", "finished_reason": reason}) == 0
     outs = [sample(0, "stop", 10.5, 11.0, 11.0, 2), sample(1, "length", 11.0, 19.0, 19.0, 9),
             sample(2, "length", 11.5, 17.5, 17.5, 7)]
     metrics.observe(RequestOutput("r", "p", [1], outs, True, metrics=outs[0].metrics))

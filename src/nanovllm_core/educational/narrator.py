@@ -695,8 +695,16 @@ class Narrator(SchedulerNarration):
         if self._contiguous:
             return self._kv_region(t, blocks, same)
         if t.num_blocks_used == 0:
-            every = ("the pool's one block is free" if t.num_blocks_total == 1 else  # not "all 1 blocks" (trial 35e)
-                     f"all {t.num_blocks_total:,} blocks are free")
+            free = t.num_blocks_total - t.num_blocks_cached
+            if t.num_blocks_cached:  # the Dashboard's split, free and cached-free (trial 35c: "all 512 are free" beside
+                one = t.num_blocks_cached == 1  # its "cached-free 2 · free 510")
+                every = (f"{plural(free, 'block')} {agree(free, 'is', 'are')} free and {t.num_blocks_cached:,} "
+                         f"cached-free: freed, {'it keeps its' if one else 'they keep their'} contents for prefix-cache "
+                         "reuse until a request takes " + ("it" if one else "them"))
+                cached = ""
+            else:
+                every = ("the pool's one block is free" if t.num_blocks_total == 1 else  # not "all 1 blocks" (35e)
+                         f"all {t.num_blocks_total:,} blocks are free")
             text = f"No request holds KV blocks now: {every}.{cached}"
             return [Commentary("kv_cache", "KV cache: empty", text, step=t.step)]
         change = " No block was taken or freed in this step." if same else ""

@@ -90,6 +90,10 @@ class _StatsCollector:
                         float(s["paused"]))
 
 
+# The finish reasons this engine gives a sample that ran, vLLM's FinishReason values (stop, length, abort, error)
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+
 class ServerMetrics:
     """The server's Prometheus registry (one per server, so several can live in one process).
 
@@ -104,6 +108,8 @@ class ServerMetrics:
         labels = ["model_name"]
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                 labels + ["finished_reason"], registry=self.registry)
+        for reason in FINISHED_REASONS:  # each series from the first scrape, at 0, as vLLM creates them for every
+            self._success.labels(model_name, reason)  # FinishReason (trial 35c: a dashboard read "no data", not 0)
         self._ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                                labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
         self._tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
