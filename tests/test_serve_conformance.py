@@ -929,6 +929,38 @@ def test_x_request_id_names_the_response_and_comes_back(tiny_server):
     tiny_server.wait_idle(30)
 
 
+def test_x_request_id_comes_back_on_an_error_answer_too(tiny_server):
+    """Trial 35b: a 400 (a bad field, a duplicate id) or a 404 (a model not served) left the header out, where
+    docs/serving.md says it comes back, as vLLM's middleware sends it on every response."""
+    for path, body, status in (("/v1/completions", {"prompt": "Hi", "max_tokens": -1}, 400),
+                               (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "model": "nope"}, 404),
+                               ("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "stream": True, "n": 0}, 400)):
+        r = _with_id(tiny_server, path, body, "err-id-7")
+        assert r.status_code == status and r.headers.get("x-request-id") == "err-id-7", (path, r.status_code, r.headers)
+    r = _with_id(tiny_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, b"a\x01b")  # refused itself:
+    assert r.status_code == 400 and "x-request-id" not in r.headers  # a control character never goes back
+
+
+def test_a_client_that_leaves_while_sending_its_body_gets_a_400_not_a_traceback():
+    """Trial 35b: a client gone mid-upload raised Starlette's ClientDisconnect out of the body read: a 70-line
+    traceback in the server's log (vLLM answers 400)."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from nanovllm_core.entrypoints.api_server import _json
+    from nanovllm_core.entrypoints.protocol import APIError
+
+    async def gone():
+        return {"type": "http.disconnect"}
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/completions",
+                       "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")]}, gone)
+    with pytest.raises(APIError) as e:
+        asyncio.run(_json(request, 1000))
+    assert e.value.status == 400 and "closed the connection" in str(e.value)
+
+
 # Trial 13: an empty header was told "got 0; send a shorter one", and a control character went back
 # raw in the response's X-Request-Id header (HTTP allows none); the control request_id says the same.
 @pytest.mark.parametrize("value, message", [

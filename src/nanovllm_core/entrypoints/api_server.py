@@ -45,6 +45,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from nanovllm_core.engine.controller import MAX_STEPS, NotPaused, StepsPending
 from nanovllm_core.entrypoints.addresses import is_loopback
@@ -202,8 +203,8 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
     app.add_middleware(CORSMiddleware, **{**DEFAULT_CORS, **(cors or {})})
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return EncodableJSONResponse(e.body(), status_code=e.status)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return EncodableJSONResponse(e.body(), status_code=e.status, headers=_echoed_id(request))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405: OpenAI's body too
@@ -219,14 +220,14 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
         else:
             message = str(e.detail)
         return EncodableJSONResponse(APIError(message, status=e.status_code, code=_HTTP_CODES.get(e.status_code)).body(),
-                            status_code=e.status_code, headers=e.headers)
+                            status_code=e.status_code, headers={**(e.headers or {}), **_echoed_id(request)})
 
     @app.exception_handler(RequestValidationError)
-    async def bad_query(_: Request, e: RequestValidationError) -> JSONResponse:  # e.g. ?topk=many
+    async def bad_query(request: Request, e: RequestValidationError) -> JSONResponse:  # e.g. ?topk=many
         err = e.errors()[0]
         field = str(err["loc"][-1])
         return EncodableJSONResponse(APIError(f"Invalid value for {field}: {err['msg']}", param=field,
-                                     code="invalid_value").body(), status_code=400)
+                                     code="invalid_value").body(), status_code=400, headers=_echoed_id(request))
 
     @app.get("/health")
     async def health() -> Response:
@@ -373,6 +374,18 @@ def _charset(parameters: str) -> str | None:
     return None
 
 
+def _echoed_id(request: Request) -> dict[str, str]:
+    """An error answer's ``X-Request-Id``: the client's header as it came (its bytes, which Starlette reads as
+    latin-1), as vLLM's request-id middleware sends it back on every response; none when none was sent, or
+    when it is itself refused (trial 35b: a 400 or 404 left it out, where docs/serving.md says it comes back)."""
+    raw = request.headers.get("x-request-id")
+    try:  # only an id the server takes: one with a control character cannot go back in a header (trial 13)
+        ok = raw is not None and id_problem("X-Request-Id", raw.encode("latin-1").decode("utf-8")) is None
+    except UnicodeError:
+        ok = False
+    return {"X-Request-Id": raw} if ok else {}
+
+
 async def _json(request: Request, limit: int) -> Any:
     """The request body parsed as JSON, once its Content-Type is ``application/json`` (:func:`_check_media_type`).
 
@@ -390,11 +403,15 @@ async def _json(request: Request, limit: int) -> Any:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone while sending its body: a 400 to nobody, not a traceback (trial 35b; vLLM: 400)
+        raise APIError("the client closed the connection before its request body had arrived whole",
+                       code="invalid_json") from None
     data = b"".join(chunks)
     try:  # JSON is UTF-8 (RFC 8259): json.loads would read a body opening with bytes ff fe as UTF-16 (trial 30b)
         text = data.decode("utf-8-sig")  # (a UTF-8 byte order mark is skipped, as json.loads skipped it)
