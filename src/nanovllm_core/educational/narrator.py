@@ -902,6 +902,10 @@ class Narrator(SchedulerNarration):
         text += (f" Time to first token {ms(e.ttft_s)}, time per output token {ms(e.tpot_s)}, end to end {ms(e.e2e_s)}"
                  + (f" (wall time{held})" if held else "")
                  + (" (sample 0's times)." if len(e.samples) > 1 else "."))
+        if e.tpot_s is not None:  # trial 36a: a 64.2 ms TPOT beside steps of 26.6 and 52.9 ms, with no word why
+            text += (" TPOT and end to end are wall-clock spans between tokens, so they also hold the time between "
+                     "steps (scheduling, detokenizing, and whatever the program does there, such as printing this "
+                     "narration), not only the steps' own times.")
         text += self._cached_summary(e)
         if e.num_preemptions:
             text += f" It was preempted {plural(e.num_preemptions, 'time')}."
