@@ -104,7 +104,7 @@ def test_every_per_prompt_refusal_names_the_index_of_a_list_even_of_one(make_llm
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}],
      r'^messages\[0\] \(user\) content\[0\] is an "image_url" part; only text parts .* are supported$'),
     ([{"role": "user", "content": [{"type": "text", "text": 5}]}], r"content\[0\] text must be text, not int"),
-    ([{"role": "user", "content": ["Hi"]}], r"content\[0\] must be a text part .*, not str"),
+    ([{"role": "user", "content": ["Hi", 5]}], r"content\[1\] must be a text part .* or a string, not int"),
     # newcomer trial 8: messages of the wrong type name what was given, not "messages is empty"
     ("hello", r"^messages must be a list of \{'role', 'content'\} dicts \(or a list of such lists\), got a str$"),
     (None, r"^messages must be a list of .*, got None$"),
@@ -145,14 +145,19 @@ def test_chat_takes_the_text_parts_the_server_takes_and_renders_them_the_same(ma
 
 
 def test_chat_and_the_server_share_one_definition_of_content():
-    """The server's text-part type and its content wording come from nanovllm_core.prompts, so they cannot drift."""
-    from typing import get_args
-
+    """The server checks a message's content with nanovllm_core.prompts' own rule, so the two cannot drift:
+    every part type LLM.chat takes, the server takes, and the server's refusal is LLM.chat's line."""
     from nanovllm_core.entrypoints import protocol
-    from nanovllm_core.prompts import CONTENT_SHAPE, TEXT_PART_TYPES
+    from nanovllm_core.prompts import PART_TEXT_KEY, TEXT_PART_TYPES, content_problem
 
-    assert get_args(protocol.TextPart.model_fields["type"].annotation) == TEXT_PART_TYPES
-    assert protocol.UNION_SHAPES["content"] == CONTENT_SHAPE
+    for kind in TEXT_PART_TYPES:
+        parts = [{"type": kind, PART_TEXT_KEY[kind]: "Hi"}, "there"]
+        message = protocol.ChatMessage.model_validate({"role": "assistant", "content": parts})
+        assert content_problem(parts) is None and message.text() == "Hi\nthere"
+    bad = [{"type": "text", "text": "Hi", "extra": 1}]
+    with pytest.raises(Exception) as e:
+        protocol.ChatMessage.model_validate({"role": "user", "content": bad})
+    assert content_problem(bad) in str(e.value) and '"extra"' in content_problem(bad)
 
 
 # Newcomer trial 8: LLM.generate(None) raised a bare "'NoneType' object is not iterable", and a dict was

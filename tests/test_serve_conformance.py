@@ -739,7 +739,6 @@ MINIMAL_BODIES = {
     "CompletionRequest": {"prompt": "Hi", "max_tokens": 1},
     "ChatCompletionRequest": {"messages": MESSAGES, "max_tokens": 1},
     "StreamOptions": {},
-    "TextPart": {"type": "text", "text": "Hi"},
     "FunctionCall": {"name": "f", "arguments": "{}"},
     "ToolCall": {"id": "call_1", "function": {"name": "f", "arguments": "{}"}},
     "ChatMessage": {"role": "user", "content": "Hi"},
@@ -1432,3 +1431,22 @@ def test_a_stream_ended_by_shutdown_keeps_the_token_of_the_step_that_was_running
     assert poll_until(lambda: finished, 10)
     assert len(got) == finished[0].num_output_tokens == chunks[-1]["usage"]["completion_tokens"], (
         len(got), finished[0].num_output_tokens, chunks[-1]["usage"])
+
+
+def test_chat_takes_the_content_parts_vllm_reads_as_text(tiny_server):
+    """Trial 36c: an assistant's refusal part, an input_text part and a bare string in the content list were
+    400s; vLLM's chat_utils reads each as text. All give the prompt of the same text joined by newlines."""
+    def ids(content):
+        status, data = post(tiny_server, CHAT, {"messages": [{"role": "user", "content": "Hi"},
+                                                             {"role": "assistant", "content": content},
+                                                             {"role": "user", "content": "Go on"}],
+                                                "max_tokens": 1, "return_token_ids": True})
+        assert status == 200, data
+        return data["prompt_token_ids"]
+
+    joined = ids("No\nthanks")
+    assert ids([{"type": "refusal", "refusal": "No"}, "thanks"]) == joined
+    assert ids([{"type": "input_text", "text": "No"}, {"type": "text", "text": "thanks"}]) == joined
+    status, data = post(tiny_server, CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hi", "cache_control": {}}]}], "max_tokens": 1})
+    assert status == 400 and '"cache_control"' in data["error"]["message"], data  # the unknown key, named

@@ -22,8 +22,11 @@ CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
 # text (vLLM's behaviour; images and other parts are not supported). The server's request body
 # (``entrypoints.protocol.TextPart``) and ``LLM.chat`` both take these, from this one definition, and
 # both flatten them with ``content_text``.
-TextPartType = Literal["text"]
+# As vLLM's chat_utils reads them: "text" and the Responses API's "input_text" carry "text", an assistant's
+# "refusal" part carries "refusal", and a bare string in the list is text (trial 36c: these were refused).
+TextPartType = Literal["text", "input_text", "refusal"]
 TEXT_PART_TYPES: tuple[str, ...] = get_args(TextPartType)
+PART_TEXT_KEY = {"text": "text", "input_text": "text", "refusal": "refusal"}  # the key holding each part's text
 CONTENT_SHAPE = 'text or a list of text parts ({"type": "text", "text": ...})'
 
 
@@ -63,17 +66,22 @@ def content_problem(content: Any) -> str | None:
     if not isinstance(content, (list, tuple)):
         return f"content must be {CONTENT_SHAPE}, not {type(content).__name__}"
     for j, part in enumerate(content):
+        if isinstance(part, str):  # a bare string in the list is text, as vLLM reads it
+            continue
         if not isinstance(part, dict):
-            return f"content[{j}] must be a text part ({{'type': 'text', 'text': ...}}), not {type(part).__name__}"
+            return (f"content[{j}] must be a text part ({{'type': 'text', 'text': ...}}) or a string, "
+                    f"not {type(part).__name__}")
         kind = part.get("type")
         if kind not in TEXT_PART_TYPES:
             return (f"content[{j}] is {'an' if str(kind)[:1] in 'aeiou' else 'a'} {shown(kind)} part; only text parts "
-                    f"({{'type': 'text', 'text': ...}}) are supported")
-        extra = set(part) - {"type", "text"}
+                    f"({{'type': 'text', 'text': ...}}, 'input_text' and 'refusal' too) are supported")
+        key = PART_TEXT_KEY[kind]
+        extra = sorted(str(k) for k in set(part) - {"type", key})
         if extra:
-            return f"content[{j}] has unknown field(s) {', '.join(sorted(extra))}; a text part has only type and text"
-        if not isinstance(part.get("text"), str):
-            return f"content[{j}] text must be text, not {type(part.get('text')).__name__}"
+            return (f"content[{j}] has unknown field(s) {', '.join(shown(k) for k in extra)}; a {kind!r} part has "
+                    f"only type and {key}")
+        if not isinstance(part.get(key), str):
+            return f"content[{j}] {key} must be text, not {type(part.get(key)).__name__}"
     return None
 
 
@@ -82,13 +90,13 @@ def content_text(content: Any) -> str:
     newlines, or ``""`` for None. vLLM's rule for a template that takes content as one text
     (``vllm/entrypoints/chat_utils.py``, ``"\\n".join(texts)``): two parts "A" and "B" are "A\\nB", and
     the same request gets the same prompt here as there (trial 33b: they were joined with nothing).
-    ``content`` must have passed ``content_problem``; parts may be dicts or objects with a ``text``
-    attribute (the server's TextPart)."""
+    ``content`` must have passed ``content_problem``: parts are strings or dicts (``PART_TEXT_KEY`` names
+    the key holding a part's text)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "\n".join(part["text"] if isinstance(part, dict) else part.text for part in content)
+    return "\n".join(part if isinstance(part, str) else part[PART_TEXT_KEY[part["type"]]] for part in content)
 
 
 def template_message(message: dict[str, Any]) -> dict[str, Any]:

@@ -16,8 +16,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, StrictBool, StrictFloat, StrictInt,
                       ValidationError, WrapValidator, model_validator)
+from pydantic_core import PydanticCustomError
 
-from nanovllm_core.prompts import (CONTENT_SHAPE, ChatRole, TextPartType, chat_template_problem, content_text,
+from nanovllm_core.prompts import (ChatRole, chat_template_problem, content_problem, content_text,
                                    template_role, unicode_problem)
 from nanovllm_core.sampling_params import LOGIT_BIAS_LIMIT, VLLM_SAMPLING_UNSUPPORTED, SamplingParams, check_priority
 from nanovllm_core.untrusted import clipped, escaped, shown
@@ -59,7 +60,6 @@ class APIError(Exception):
 UNION_SHAPES = {
     "stop": "a string or a list of strings",
     "prompt": "text, a list of texts, a list of token ids, or a list of lists of token ids",
-    "content": CONTENT_SHAPE,  # what LLM.chat takes too (nanovllm_core.prompts)
 }
 
 
@@ -502,9 +502,14 @@ class CompletionRequest(_SamplingBody):
         return self.sampling_params(self.max_tokens, self.logprobs)
 
 
-class TextPart(_Body):
-    type: TextPartType  # the part types LLM.chat takes too (nanovllm_core.prompts.TEXT_PART_TYPES)
-    text: str
+def _content(value: Any) -> Any:
+    """A message's ``content``, checked by the one rule ``LLM.chat`` follows too (``prompts.content_problem``:
+    text, or a list of text parts and strings), whose line names the part and any unknown key in it
+    (trial 36c: a part with an extra key got a line that named neither)."""
+    problem = content_problem(value)
+    if problem is not None:
+        raise PydanticCustomError("content_shape", "{problem}", {"problem": problem})
+    return value
 
 
 class FunctionCall(_Body):
@@ -531,7 +536,7 @@ class ChatMessage(_Body):
     NULL_ONLY: ClassVar[frozenset[str]] = frozenset(MESSAGE_UNSUPPORTED)  # null: not sent (a response's message)
 
     role: ChatRole  # the one list of roles, shared with LLM.chat (nanovllm_core.prompts.CHAT_ROLES)
-    content: str | list[TextPart] | None = None
+    content: Annotated[Any, AfterValidator(_content)] = None  # text or parts (TEXT_PART_TYPES); None: left out
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
