@@ -1283,3 +1283,13 @@ def test_the_finish_entry_says_tpot_holds_the_time_between_steps():
     assert "time per output token 20.0 ms" in done.text and "also hold the time between steps" in done.text
     [one] = [c for c in Narrator({}).feed(replace(finished(n_out=1), tpot_s=None)) if c.kind == "finished"]
     assert "between steps" not in one.text
+
+
+def test_the_seed_of_each_sample_is_told_as_the_engine_sets_it():
+    """Trial 36e: an n=3 request with seed 1 was told "with seed 1", while sample i draws with seed 1 + i
+    (its samples 1 and 2 equal n=1 runs with seeds 2 and 3)."""
+    seeded = (("temperature", 0.8), ("seed", 1))
+    one = [c.text for c in Narrator({}).feed(added("0", sampling=seeded)) if c.kind == "sampling"]
+    assert one and "with seed 1 so the draw is repeatable" in one[0], one
+    three = [c.text for c in Narrator({}).feed(replace(added("0", sampling=seeded), n=3)) if c.kind == "sampling"]
+    assert three and "sample i with seed 1 + i (1 to 3 for its 3 samples)" in three[0], three

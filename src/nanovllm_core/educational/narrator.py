@@ -287,7 +287,7 @@ class Narrator(SchedulerNarration):
         if e.n > 1:
             text += "\n" + self._samples_plan(e.n, n)
         out = [Commentary("tokenization", f"Request {e.request_id}: {plural(n, 'token')}", text, request_id=e.request_id)]
-        out.append(sampling_intro(self._name(e.request_id), e.request_id, sampling, e.max_tokens))
+        out.append(sampling_intro(self._name(e.request_id), e.request_id, sampling, e.max_tokens, e.n))
         return out
 
     def _samples_plan(self, n: int, prompt_len: int) -> str:

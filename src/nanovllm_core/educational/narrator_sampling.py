@@ -62,8 +62,10 @@ def _filters(sampling: dict[str, Any]) -> list[str]:
 # ---------------------------------------------------------------------- the sampling settings
 
 
-def sampling_intro(name: str, rid: str, s: dict[str, Any], max_tokens: int | None) -> Commentary:
-    """The ``sampling`` entry: what this request's settings will do to every next-token choice, in the engine's order."""
+def sampling_intro(name: str, rid: str, s: dict[str, Any], max_tokens: int | None, n: int = 1) -> Commentary:
+    """The ``sampling`` entry: what this request's settings will do to every next-token choice, in the engine's order.
+    ``n``: the request's samples; with a seed, sample i draws with seed + i (``LLMEngine.add_request``, as vLLM's
+    parallel sampling seeds its child requests; trial 36e: "with seed 1" of all three samples)."""
     steps = []
     if int(s.get("min_tokens", 0)):
         steps.append(f"end-of-sequence and stop tokens are banned until {plural(int(s['min_tokens']), 'token')} {agree(int(s['min_tokens']), 'has', 'have')} been generated")
@@ -98,7 +100,10 @@ def sampling_intro(name: str, rid: str, s: dict[str, Any], max_tokens: int | Non
         steps.append(f"top-p {s['top_p']:g} keeps the smallest set of most likely tokens whose probabilities add up "
                      f"to at least {s['top_p']:g}")
     text = ("Random sampling, in this order: " + "; ".join(steps) + "; then one token is drawn from what remains, "
-            "renormalised" + (f", with seed {s['seed']} so the draw is repeatable" if s.get("seed") is not None else "")
+            "renormalised" + (("" if s.get("seed") is None else
+                               f", with seed {s['seed']} so the draw is repeatable" if n <= 1 else
+                               f", sample i with seed {s['seed']} + i ({s['seed']} to {int(s['seed']) + n - 1} for its "
+                               f"{n} samples) so each draw is repeatable"))
             + f". {stop}")
     return Commentary("sampling", f"Request {rid}: sampling at temperature {t:g}", text, request_id=rid)
 
