@@ -1293,3 +1293,17 @@ def test_the_seed_of_each_sample_is_told_as_the_engine_sets_it():
     assert one and "with seed 1 so the draw is repeatable" in one[0], one
     three = [c.text for c in Narrator({}).feed(replace(added("0", sampling=seeded), n=3)) if c.kind == "sampling"]
     assert three and "sample i with seed 1 + i (1 to 3 for its 3 samples)" in three[0], three
+
+
+def test_narrate_steps_counts_the_first_token_as_its_help_says(capsys):
+    """Trial 36e: `--narrate-steps 1` narrated no decode step, against a help of "decode steps narrated": the
+    cap counts every sampled token, the prefill's first included, and the help now says so."""
+    from nanovllm_core import cli
+
+    n = Narrator({}, max_decode_steps_per_request=1)
+    n.feed(added("0"))
+    told = [c for step in (1, 2) for c in n.feed(sampled(step, n_out=step)) if c.kind == "decode"]
+    assert len(told) == 1 and "first token" in told[0].title.lower() + told[0].text.lower(), told
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "the first (from the prefill) included" in " ".join(capsys.readouterr().out.split())
