@@ -490,3 +490,16 @@ def test_chat_narration_tells_the_users_message_through_the_template_not_token_i
     assert code == 0, err
     assert "The user's message 'Hi', put through the model's chat template, becomes" in " ".join(out.split())
     assert "given as token ids" not in out
+
+
+def test_a_pool_that_could_never_hold_a_prompt_is_one_line_and_status_2(capsys, shared_default_loads):
+    """Trial 36e: `nanovllm --num-kv-blocks 1 --max-tokens 13` printed the prompt, its rejection, a summary and
+    a last line, and ended with status 1, where nanovllm-tui ends the same options with one line and status 2
+    (README: bad arguments end with status 2 and one line)."""
+    code, out, err = run_cli(capsys, "--prompt", "The capital of France is", "--num-kv-blocks", "1",
+                             "--max-tokens", "13")
+    assert code == 2 and not out.strip() and len(err.strip().splitlines()) == 1, (out, err)
+    assert "--prompt was refused: the request may need 2 KV blocks" in err and "raise --num-kv-blocks" in err
+    code, out, _ = run_cli(capsys, "--prompt", "The capital of France is", "--num-kv-blocks", "1",
+                           "--max-tokens", "12")
+    assert code == 0 and "Completion:" in out  # 5 + 12 tokens store 16 K/V: the one block holds them

@@ -258,13 +258,16 @@ def worker_main(argv: Sequence[str]) -> int:
     return code
 
 
-def check_max_tokens(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, inputs: list) -> None:
+def check_max_tokens(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, inputs: list,
+                     params=None) -> None:
     """Refuse (argparse's one line, status 2) a ``--max-tokens`` that does not fit after a prompt in the
-    context, as the server's ``check_length`` does (vLLM's rule), rather than stop short of it unasked.
+    context, as the server's ``check_length`` does (vLLM's rule), rather than stop short of it unasked;
+    and a prompt the KV pool could never hold with ``params`` (``--num-kv-blocks``), in the words
+    ``nanovllm-tui`` ends with for its ``--prompt`` (trial 36e: here it was several lines and status 1).
 
     A prompt that alone fills the context is left to the engine, which rejects it and says so.
     """
-    from nanovllm_core.sampling_params import max_tokens_overflow
+    from nanovllm_core.sampling_params import max_tokens_overflow, pool_with_options
 
     limit = llm.engine.max_model_len
     for i, text in enumerate(inputs):
@@ -279,6 +282,10 @@ def check_max_tokens(llm, args: argparse.Namespace, parser: argparse.ArgumentPar
                                   fix_full="lower --max-tokens (--max-model-len is already the model's whole context)")
         if why is not None:
             parser.error(why)
+        problem = llm.engine.request_problem(ids, params) if params is not None else None
+        if problem is not None and "the pool has only" in problem[1]:  # a pool too small for it, whatever runs
+            which = f"--prompt {i + 1}" if len(inputs) > 1 else "--prompt"
+            parser.error(f"{which} was refused: {pool_with_options(problem[1])}")
 
 
 def _generate(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, prompts: list[str], params) -> int:
@@ -292,7 +299,7 @@ def _generate(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, pr
         parser.error(str(e))
     conversations = [[{"role": "user", "content": p}] for p in prompts] if args.chat else None
     inputs = [llm.apply_chat_template(c) for c in conversations] if conversations else prompts
-    check_max_tokens(llm, args, parser, inputs)
+    check_max_tokens(llm, args, parser, inputs, params if not isinstance(params, list) else None)
     views = attach_teaching_views(llm, args)
     start = time.perf_counter()
     outputs = None

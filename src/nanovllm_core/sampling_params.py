@@ -117,6 +117,17 @@ def overflow_with_options(reason: str, option: str = "--max-tokens",
     return reason
 
 
+def pool_with_options(reason: str) -> str:
+    """An engine refusal for a KV pool too small (``LLMEngine``'s check at add time) reworded for a command
+    line, as :func:`overflow_with_options` does for the context: the options, not the fields (``nanovllm`` and
+    ``nanovllm-tui`` alike). Any other
+    reason comes back unchanged."""
+    return (reason.replace("raise num_kv_blocks (--num-kv-blocks) or lower max_tokens",
+                           "raise --num-kv-blocks or lower --max-tokens")
+            .replace("shorten the prompt or raise num_kv_blocks (--num-kv-blocks)",
+                     "shorten the prompt or raise --num-kv-blocks"))
+
+
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: the sampler's logits are float32
 PENALTY_MIN, PENALTY_MAX = 1e-30, 1e30  # repetition_penalty's range: logits divided or multiplied by it stay finite
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's documented range for a logit_bias value: [-100, 100]

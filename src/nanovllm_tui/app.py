@@ -30,7 +30,7 @@ from nanovllm_core import events as ev
 from nanovllm_core.educational.commentary import plural, weights_label
 from nanovllm_core.educational.narrator import Narrator
 from nanovllm_core.prompts import user_message
-from nanovllm_core.sampling_params import SamplingParams, overflow_with_options
+from nanovllm_core.sampling_params import SamplingParams, overflow_with_options, pool_with_options
 from nanovllm_tui import hints
 from nanovllm_tui.bridge import DEFAULT_FPS, EngineBridge
 from nanovllm_tui.commands import TABS, EngineCommands, app_bindings
@@ -65,16 +65,6 @@ REPLAY_REFUSALS = {
 }
 # The controllers' commands: an EngineError "<command>: why" (no step) is that command refused.
 COMMANDS = ("submit", "pause", "resume", "step", "abort", "xray", "call", "snapshot")
-
-
-def pool_with_options(reason: str) -> str:
-    """An engine refusal for a KV pool too small (``LLMEngine``'s check at add time) reworded for a command
-    line, as :func:`overflow_with_options` does for the context: the options, not the fields. Any other
-    reason comes back unchanged."""
-    return (reason.replace("raise num_kv_blocks (--num-kv-blocks) or lower max_tokens",
-                           "raise --num-kv-blocks or lower --max-tokens")
-            .replace("shorten the prompt or raise num_kv_blocks (--num-kv-blocks)",
-                     "shorten the prompt or raise --num-kv-blocks"))
 
 
 class Tabs(TabbedContent):
