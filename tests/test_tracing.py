@@ -62,6 +62,25 @@ def test_a_trace_closed_between_steps_ends_whole_and_says_nothing(make_tiny_engi
     assert writer.ended_early() is None and writer.dropped == 0
 
 
+def test_an_open_trace_holds_every_whole_step_while_the_engine_idles(make_tiny_engine, tmp_path):
+    """Trial 36c: an attached app's --trace kept its last StepTimed in the file's buffer until the next event or
+    quit; a copy taken while the app idled replayed "the recording stopped during step N". Each step's end
+    (and any event between steps) now reaches the file at once."""
+    from nanovllm_core.tracing import decode_event
+
+    engine = make_tiny_engine(num_kv_blocks=32)
+    writer = JsonlTraceWriter(tmp_path / "run.jsonl")
+    engine.subscribe(writer, topk=5, blocks=True)
+    engine.add_request("Hello", SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    on_disk = [decode_event(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]  # not closed
+    timed = [e.step for e in on_disk if isinstance(e, ev.StepTimed)]
+    planned = [e.step for e in on_disk if isinstance(e, ev.StepPlanned)]
+    assert timed and timed == planned and any(isinstance(e, ev.RequestFinished) for e in on_disk), on_disk
+    writer.close()
+
+
 def test_late_events_after_close_are_counted_and_said(tmp_path):
     writer = JsonlTraceWriter(tmp_path / "t.jsonl")
     writer(ev.EnginePaused(step=3))

@@ -109,6 +109,11 @@ class JsonlTraceWriter(_Recording):
     def _record(self, event: ev.Event) -> None:
         try:
             self._f.write(ev.to_json(event) + "\n")
+            if isinstance(event, ev.StepTimed) or self.unfinished_step is None:
+                # at each step's end and between steps (an abort, a finish): the file holds every whole step
+                # while the engine idles, not only at close (trial 36c: a copy taken from an idle app's trace
+                # lacked its last StepTimed, and its replay said that step never finished)
+                self._f.flush()
         except OSError as e:
             self._error, self._stopped = e, True
 

@@ -548,8 +548,8 @@ class RemoteController:
             kind, data, event_id = "message", [], None
             while not self._stop.is_set():
                 raw = resp.readline()
-                if not raw:
-                    raise ConnectionError("the server ended the event stream")
+                if not raw:  # a server killed (kill -9) ends it as a clean stop does: neither is told apart (trial 36c)
+                    raise ConnectionError("the event stream ended: the server stopped or the connection broke")
                 line = raw.decode("utf-8").rstrip("\r\n")
                 if line:
                     name, _, value = line.partition(":")
