@@ -328,3 +328,30 @@ def test_a_prompt_sent_to_an_idle_engine_is_not_shown_under_the_finished_steps_p
     assert state.phase == "idle"
     state.apply(planned(6, [entry("1", num=3, start=0, total_len=3)]))
     assert state.phase == "prefill"
+
+
+def test_the_kv_title_names_an_abort_between_steps_that_changed_the_figures():
+    """Trial 36c: aborted while paused, the KV panel showed the pool after the abort under "after step 195"."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from nanovllm_core import events as ev
+    from nanovllm_tui.state import EngineState
+    from nanovllm_tui.widgets.kv_bar import KVMemoryBar
+    from tests.test_narrator import added, entry, finished, planned, timed
+
+    state = EngineState()
+    state.apply(added("0"))
+    state.apply(planned(195, [entry("0")]))
+    state.apply(timed(195, blocks=3, total=8))
+    wide = SimpleNamespace(size=SimpleNamespace(width=200))
+    assert KVMemoryBar.title_for(wide, state) == "KV cache memory · after step 195"
+    state.apply(dataclasses.replace(finished("0", step=195), finish_reason="abort", kv_blocks_used=0,
+                                    kv_blocks_cached=2))
+    assert state.kv.num_blocks_used == 0
+    assert KVMemoryBar.title_for(wide, state) == "KV cache memory · after step 195 and 0's abort"
+    narrow = SimpleNamespace(size=SimpleNamespace(width=36))
+    assert KVMemoryBar.title_for(narrow, state) == "KV · after step 195 and an abort"
+    state.apply(planned(196, [entry("0")]))
+    state.apply(timed(196, blocks=1, total=8))
+    assert KVMemoryBar.title_for(wide, state) == "KV cache memory · after step 196"

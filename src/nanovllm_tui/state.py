@@ -173,6 +173,8 @@ class EngineState:
         self.xray: dict[int, ev.LayerTrace] = {}
         self.heat: ev.LayerTrace | None = None
         self._kv_now: ev.StepTimed | None = None
+        # aborts between steps that changed the pool since the newest step's figures (the KV title says so)
+        self.kv_aborts: list[str] = []
         self.last_error: ev.EngineError | None = None
         # A replay played to its end: the requests it left unfinished, in arrival order (see recording_ended)
         self.unfinished: list[str] | None = None
@@ -401,6 +403,9 @@ class EngineState:
         if e.kv_blocks_used is not None and last is not None and last.num_blocks_total:
             # Blocks came back outside a step (an abort) or after the step's figures: the pool now.
             per_block = last.kv_bytes_total // last.num_blocks_total
+            if e.finish_reason == "abort" and not self.step_open and (
+                    e.kv_blocks_used != last.num_blocks_used or (e.kv_blocks_cached or 0) != last.num_blocks_cached):
+                self.kv_aborts.append(e.request_id)  # between steps: the figures are after it, not the step alone
             self._kv_now = dataclasses.replace(last, num_blocks_used=e.kv_blocks_used,
                                                num_blocks_cached=e.kv_blocks_cached or 0,
                                                kv_bytes_used=e.kv_blocks_used * per_block)
@@ -426,6 +431,7 @@ class EngineState:
             elif req.state != "lost":
                 del self.requests[rid]
         self.step = self.plan = self.blocks = self._kv_now = None
+        self.kv_aborts = []
         self.step_open, self._planned_prefill, self._before_plan = False, {}, {}
         self._seqs, self._samples_ended = {"running": {}, "waiting": {}}, 0
         self.timings.clear()
@@ -453,7 +459,7 @@ class EngineState:
             self._samples_ended = max(0, self._samples_queued()[0] - e.num_running)
         self.timings.append(e)
         self.yielded_s += e.yielded_s
-        self._kv_now = None
+        self._kv_now, self.kv_aborts = None, []
         if self._held:  # a single step has ended: held paused again
             self._hold(e.time)
 

@@ -26,16 +26,22 @@ class KVMemoryBar(LiveStatic):
         (trial 13: "running · step 46" beside step 45's 5 blocks read as one state)."""
         kv = state.kv
         if kv is not None and kv.num_blocks_total:
-            when = f"after step {kv.step}"
+            whens = [f"after step {kv.step}"]
+            aborts = state.kv_aborts
+            if aborts:  # aborted between steps (while paused): the figures are after those too (trial 36c)
+                many = f" and {len(aborts)} aborts"
+                whens = [whens[0] + (f" and {aborts[0]}'s abort" if len(aborts) == 1 else many),
+                         whens[0] + (" and an abort" if len(aborts) == 1 else many)]
         elif state.model_info and not state.no_engine:
-            when = "before any step"
+            whens = ["before any step"]
         else:
             return "KV cache memory"
         room = self.size.width - 4  # the border's corners and the spaces around the title
-        for title in (f"KV cache memory · {when}", f"KV cache · {when}", f"KV · {when}"):
-            if not room or len(title) <= room:
-                return title
-        return when
+        for when in whens:
+            for title in (f"KV cache memory · {when}", f"KV cache · {when}", f"KV · {when}"):
+                if not room or len(title) <= room:
+                    return title
+        return whens[-1]
 
     def show(self, state: EngineState) -> None:
         kv = state.kv
