@@ -142,3 +142,11 @@ def test_a_lone_surrogate_in_any_text_field_of_a_request_is_refused(tiny_server,
             assert "\n" not in error["message"], (field, error)
             if field not in ("model", "suffix"):  # a model no one serves; suffix: not supported at all
                 assert "lone surrogate" in error["message"] and error["param"].startswith(field), (field, error)
+
+
+def test_a_fields_own_refusal_has_no_pydantic_prefix(tiny_server):
+    """Trial 36b: user's and metadata's refusals read "Value error, ...", pydantic's prefix."""
+    for raw in ('{"prompt":"a","user":"\\udc00","max_tokens":1}', '{"prompt":"a","metadata":{"k":"\\udc00"},"max_tokens":1}',
+                '{"prompt":"a","metadata":{"k":"' + "v" * 600 + '"},"max_tokens":1}'):
+        error = _post(tiny_server, "/v1/completions", raw).json()["error"]
+        assert "Value error" not in error["message"] and error["message"].startswith("Invalid value for "), error

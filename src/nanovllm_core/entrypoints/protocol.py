@@ -304,17 +304,23 @@ def surrogate_text(value: Any, path: tuple = (), keys_only: bool = False) -> tup
     return None
 
 
+def _field_error(message: str) -> PydanticCustomError:
+    """A field's own refusal, its ``message`` whole in the 400 (a ``ValueError`` came out as "Value error, ...":
+    pydantic's prefix, trial 36b)."""
+    return PydanticCustomError("field_value", "{message}", {"message": message})
+
+
 def _openai_metadata(value: dict[str, str]) -> dict[str, str]:
     """Chat's ``metadata``, as OpenAI bounds it: at most 16 pairs, keys of at most 64 characters,
     values of at most 512."""
     if len(value) > METADATA_PAIRS:
-        raise ValueError(f"metadata holds at most {METADATA_PAIRS} key-value pairs, got {len(value)}")
+        raise _field_error(f"metadata holds at most {METADATA_PAIRS} key-value pairs, got {len(value)}")
     bad = surrogate_text(value)
     if bad is not None:  # it is never read, but a text with no UTF-8 form is refused wherever it is sent (trial 29b)
-        raise ValueError(f"metadata's {bad[1]} {shown(bad[0][-1])} is not valid Unicode: {bad[2]}")
+        raise _field_error(f"metadata's {bad[1]} {shown(bad[0][-1])} is not valid Unicode: {bad[2]}")
     for key, text in value.items():
         if len(key) > METADATA_KEY_CHARS or len(text) > METADATA_VALUE_CHARS:
-            raise ValueError(f"metadata keys hold at most {METADATA_KEY_CHARS} characters and values at most "
+            raise _field_error(f"metadata keys hold at most {METADATA_KEY_CHARS} characters and values at most "
                              f"{METADATA_VALUE_CHARS}; {shown(key)} does not fit")
     return value
 
@@ -324,7 +330,7 @@ def _user_text(value: str) -> str:
     is sent (trial 33b: only this one was taken)."""
     problem = unicode_problem(value)
     if problem is not None:
-        raise ValueError(f"user is not valid Unicode: {problem}")
+        raise _field_error(f"user is not valid Unicode: {problem}")
     return value
 
 
