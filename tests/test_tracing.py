@@ -50,13 +50,19 @@ def test_a_trace_closed_inside_a_step_drops_the_rest_and_the_step_finishes(make_
     assert trace.cut_step == 1 and [e.step for e in trace if isinstance(e, ev.StepTimed)] == [0]
 
 
-def test_a_trace_closed_between_steps_ends_whole_and_says_nothing(make_tiny_engine, tmp_path):
+def _traced_run(make_tiny_engine, tmp_path) -> JsonlTraceWriter:
+    """A 2-token request run to its end on a tiny engine, recorded into ``run.jsonl`` (the writer left open)."""
     engine = make_tiny_engine(num_kv_blocks=32)
     writer = JsonlTraceWriter(tmp_path / "run.jsonl")
     engine.subscribe(writer, topk=5, blocks=True)
     engine.add_request("Hello", SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
+    return writer
+
+
+def test_a_trace_closed_between_steps_ends_whole_and_says_nothing(make_tiny_engine, tmp_path):
+    writer = _traced_run(make_tiny_engine, tmp_path)
     writer.close()
     writer.close()  # twice: nothing more
     assert writer.ended_early() is None and writer.dropped == 0
@@ -68,12 +74,7 @@ def test_an_open_trace_holds_every_whole_step_while_the_engine_idles(make_tiny_e
     (and any event between steps) now reaches the file at once."""
     from nanovllm_core.tracing import decode_event
 
-    engine = make_tiny_engine(num_kv_blocks=32)
-    writer = JsonlTraceWriter(tmp_path / "run.jsonl")
-    engine.subscribe(writer, topk=5, blocks=True)
-    engine.add_request("Hello", SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
+    writer = _traced_run(make_tiny_engine, tmp_path)
     on_disk = [decode_event(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]  # not closed
     timed = [e.step for e in on_disk if isinstance(e, ev.StepTimed)]
     planned = [e.step for e in on_disk if isinstance(e, ev.StepPlanned)]
