@@ -355,3 +355,35 @@ def test_the_kv_title_names_an_abort_between_steps_that_changed_the_figures():
     state.apply(planned(196, [entry("0")]))
     state.apply(timed(196, blocks=1, total=8))
     assert KVMemoryBar.title_for(wide, state) == "KV cache memory · after step 196"
+
+
+def test_the_engine_panel_says_its_queues_are_after_an_abort_between_steps():
+    """Trial 36c: paused, an abort left the Engine panel saying "last step 195: 2 decode" beside "1 running"
+    with nothing to say the queue line was after the abort and the batch line before it."""
+    import dataclasses
+
+    from nanovllm_tui.state import EngineState
+    from nanovllm_tui.views.dashboard import phase_text
+    from tests.test_narrator import added, entry, finished, planned, timed
+
+    state = EngineState()
+    state.ready, state.engine_state = True, "running"
+    for rid in ("0", "1"):
+        state.apply(added(rid))
+    state.apply(planned(195, [entry("0", kind="decode", num=1, start=3, total_len=4),
+                              entry("1", kind="decode", num=1, start=3, total_len=4)]))
+    state.apply(timed(195, blocks=3, total=8))
+    for rid in ("0", "1"):
+        state.requests[rid].state = "running"
+    before = phase_text(state).plain
+    assert "2 running" in before and "abort" not in before
+    state.apply(dataclasses.replace(finished("0", step=195), finish_reason="abort", kv_blocks_used=1))
+    text = phase_text(state).plain
+    assert "0 prefill · 2 decode" in text  # the step's batch, as it ran
+    assert "after 0's abort: 1 running · 0 waiting" in text
+    assert "now: 1 run" in phase_text(state, width=24).plain
+    state.apply(dataclasses.replace(finished("1", step=195), finish_reason="abort", kv_blocks_used=0))
+    assert "after 2 aborts: 0 running" in phase_text(state).plain
+    state.apply(planned(196, []))
+    state.apply(timed(196, blocks=0, total=8))
+    assert "abort" not in phase_text(state).plain  # a new step: its batch and the queues agree again

@@ -196,3 +196,30 @@ async def test_at_120x40_the_block_map_panel_shows_the_last_block_of_a_long_tabl
         await wait_until(pilot, lambda: panel.content_region.width < 100
                          and any("21→#98 15/16" in row for row in rows()) and any("unfilled" in row for row in rows()),
                          5, lambda: f"the table refitted: {rows()}")
+
+
+def test_views_of_the_pool_say_they_are_after_an_abort_between_steps(make_tiny_engine):
+    """Trial 36c's kind: aborted between steps (paused), the Block Map read "after step 1" and the Engine
+    panel's queues counted one running beside the step's two decodes, neither saying the abort came after the
+    step. Both name it, and a new step's figures drop it."""
+    from nanovllm_tui.state import EngineState
+    from nanovllm_tui.views.block_map import summary_text
+    from nanovllm_tui.views.dashboard import phase_text
+
+    engine = make_tiny_engine(num_kv_blocks=64)
+    state = EngineState()
+    engine.subscribe(state.apply, topk=0, blocks=True)
+    for rid in ("a", "b"):
+        engine.add_request("one two three four five six seven",
+                           SamplingParams(max_tokens=50, temperature=0, ignore_eos=True), request_id=rid)
+    for _ in range(2):
+        engine.step()
+    assert summary_text(state.blocks, True, state).plain.endswith("after step 1")
+    assert "2 running" in phase_text(state).plain
+    engine.abort_request("a")
+    assert summary_text(state.blocks, True, state).plain.endswith("after step 1 and a's abort")
+    assert "after a's abort: 1 running" in phase_text(state).plain
+    assert "2 decode" in phase_text(state).plain  # the step's batch, as it ran
+    engine.step()
+    assert summary_text(state.blocks, True, state).plain.endswith("after step 2")
+    assert "abort" not in phase_text(state).plain

@@ -175,6 +175,9 @@ class EngineState:
         self._kv_now: ev.StepTimed | None = None
         # aborts between steps that changed the pool since the newest step's figures (the KV title says so)
         self.kv_aborts: list[str] = []
+        # every abort between steps since the newest step (the Engine panel's queues are after them)
+        self.step_aborts: list[str] = []
+        self.blocks_aborts: list[str] = []  # the ones of those the Block Map's snapshot is after
         self.last_error: ev.EngineError | None = None
         # A replay played to its end: the requests it left unfinished, in arrival order (see recording_ended)
         self.unfinished: list[str] | None = None
@@ -398,6 +401,8 @@ class EngineState:
         # the column's figure: the first admission's, vLLM's num_cached_tokens (trial 24d #3; the
         # Narrator's finish entry gives a readmission's apart)
         req.num_cached = e.num_cached_prompt_tokens
+        if e.finish_reason == "abort" and not self.step_open and self.plan is not None:
+            self.step_aborts.append(e.request_id)  # the queues now are after it, the batch line is the step's
         self._prune()
         last = self.kv
         if e.kv_blocks_used is not None and last is not None and last.num_blocks_total:
@@ -431,7 +436,7 @@ class EngineState:
             elif req.state != "lost":
                 del self.requests[rid]
         self.step = self.plan = self.blocks = self._kv_now = None
-        self.kv_aborts = []
+        self.kv_aborts, self.step_aborts, self.blocks_aborts = [], [], []
         self.step_open, self._planned_prefill, self._before_plan = False, {}, {}
         self._seqs, self._samples_ended = {"running": {}, "waiting": {}}, 0
         self.timings.clear()
@@ -459,12 +464,15 @@ class EngineState:
             self._samples_ended = max(0, self._samples_queued()[0] - e.num_running)
         self.timings.append(e)
         self.yielded_s += e.yielded_s
-        self._kv_now, self.kv_aborts = None, []
+        self._kv_now, self.kv_aborts, self.step_aborts = None, [], []
         if self._held:  # a single step has ended: held paused again
             self._hold(e.time)
 
     def _on_BlocksChanged(self, e: ev.BlocksChanged) -> None:
         self.blocks = e
+        # a snapshot taken between steps is after the aborts since the newest step (the Block Map says so);
+        # one at a step's end (the step still open) is that step's alone
+        self.blocks_aborts = [] if self.step_open else list(self.step_aborts)
 
     def _on_LayerTrace(self, e: ev.LayerTrace) -> None:
         current = next(iter(self.xray.values()), None)

@@ -28,6 +28,9 @@ def summary_text(blocks: ev.BlocksChanged, prefix_caching: bool | None = None, s
         (f"{blocks.num_blocks - used - cached} free", "grey62"),
         " · prefix caching off" if prefix_caching is False else f" · prefix-cache hit rate {blocks.prefix_cache_hit_rate:.0%}",
         f" · after step {blocks.step}")
+    aborts = state.blocks_aborts if state is not None and state.blocks is blocks else []
+    if aborts:  # taken after an abort between steps (while paused): not the step's pool alone (trial 36c's kind)
+        text.append(f" and {aborts[0]}'s abort" if len(aborts) == 1 else f" and {len(aborts)} aborts")
     age = snapshot_age(blocks, state, live) if state is not None else ""
     if age:
         text.append(f" · {age}", style="bold yellow")

@@ -76,6 +76,10 @@ def phase_text(state: EngineState, width: int = 0, rows: int = 0) -> Text:
     if preempted:
         queues = [q + Text(f" · {preempted} preempted", style="bold red") for q in queues] + \
                  [queues[1] + Text(f" · {preempted} pre", style="bold red")]
+    aborts = state.step_aborts
+    if aborts:  # aborted between steps (while paused): the queues are after it, the batch line before (trial 36c)
+        after = f"after {aborts[0]}'s abort: " if len(aborts) == 1 else f"after {len(aborts)} aborts: "
+        queues = [Text(after, style="dim") + q for q in queues] + [Text("now: ", style="dim") + q for q in queues]
     parts.append(queues)
     return packed(parts, width, rows)
 
