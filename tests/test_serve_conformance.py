@@ -467,6 +467,12 @@ FIELD_AT_FAULT = [
     ("/v1/engine/control", {"command": "submit", "prompt": "hi", "params": [1]}, "params", "params must be an object"),
     ("/v1/engine/control", {"command": "xray", "layer": "0"}, "layer", 'layer is "0"'),
     ("/v1/engine/control", {"command": "xray", "request_id": 5}, "request_id", "request_id is 5"),
+    # pydantic's own class names ("a valid dictionary or instance of StreamOptions") are not a client's words
+    (CHAT, {"messages": MESSAGES, "stream": True, "stream_options": 5}, "stream_options",
+     "Invalid value for stream_options: Input should be a JSON object (got 5)"),
+    (CHAT, {"messages": [5]}, "messages.0", "Invalid value for messages.0: Input should be a JSON object (got 5)"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options",
+     'stream_options is only allowed with stream=true; send "stream": true or leave stream_options out'),
 ]
 
 

@@ -108,8 +108,10 @@ def validation_error(e: ValidationError, body: Any = None) -> APIError:
                         code="unknown_parameter")
     if err["type"] == "missing":
         return APIError(f"Missing required parameter: {field}", param=field, code="missing_required_parameter")
+    # pydantic names its own class ("a valid dictionary or instance of StreamOptions"): a client sent JSON
+    message = "Input should be a JSON object" if err["type"] in ("model_type", "dataclass_type") else err["msg"]
     # the value as sent, cut short: a 900 KB temperature came back as a 900 KB error (trial 14b)
-    return APIError(f"Invalid value for {clipped(field)}: {err['msg']} (got {shown(err.get('input'))})", param=field,
+    return APIError(f"Invalid value for {clipped(field)}: {message} (got {shown(err.get('input'))})", param=field,
                     code="invalid_value")
 
 
@@ -436,7 +438,8 @@ class _SamplingBody(_Body):
         if self.best_of is not None and self.best_of != self.n:  # (every "not supported" value: invalid_value)
             raise APIError("best_of other than n is not supported; leave it out", param="best_of", code="invalid_value")
         if self.stream_options is not None and not self.stream:
-            raise APIError("stream_options is only allowed with stream=true", param="stream_options", code="invalid_value")
+            raise APIError("stream_options is only allowed with stream=true; send \"stream\": true or leave stream_options "
+                           "out", param="stream_options", code="invalid_value")
         try:  # the bound every entry point shares (vLLM takes any integer; a huge one is refused here)
             check_priority(self.priority)
         except ValueError as e:
