@@ -190,3 +190,31 @@ def test_the_engine_panel_counts_running_samples_as_the_engine_does_and_names_th
     engine2.add_request("four five", SamplingParams(max_tokens=6, ignore_eos=True), request_id="one")
     engine2.step()
     assert "1 running · 0 waiting" in phase_text(solo).plain
+
+
+def test_after_every_step_the_panel_counts_the_samples_the_engine_queues(make_tiny_engine):
+    """Trial 37c: an n=2 request whose prompt's first step cached it has its second sample in the engine's
+    waiting queue (StepTimed.num_waiting 1, /metrics 1) while the Engine panel said "0 waiting". After
+    every step the panel's samples are the engine's own counts, and the words say whose they are."""
+    from nanovllm_core import SamplingParams
+    from nanovllm_tui.state import EngineState
+    from nanovllm_tui.views.dashboard import phase_text
+
+    engine = make_tiny_engine(num_kv_blocks=64, max_num_seqs=3)
+    state = EngineState()
+    engine.subscribe(state.apply, topk=0)
+    long = " ".join(["one two three four five six seven eight"] * 6)  # full blocks to share: siblings wait
+    engine.add_request(long, SamplingParams(max_tokens=4, n=3, ignore_eos=True), request_id="three")
+    engine.add_request("four five", SamplingParams(max_tokens=3, ignore_eos=True), request_id="solo")
+    seen_of_running = False
+    for _ in range(30):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+        timed = state.timings[-1]
+        running, waiting, of_running = state.queue_samples()
+        assert (running, waiting) == (timed.num_running, timed.num_waiting), (timed.step, running, waiting)
+        if of_running and not state.queue_counts()[1]:
+            seen_of_running = True
+            assert f"{waiting} waiting ({'1 sample of a running request' if of_running == 1 else f'{of_running} samples of running requests'})" in phase_text(state).plain
+    assert seen_of_running  # the case the trial met happened here

@@ -85,6 +85,9 @@ class RequestView:
     # n > 1: sample 0 (whose figures the row shows) has ended while other samples run on (trial 35e: the row
     # read "running · sample 0 of 3" beside sample 0's finished 30/30); no event says so, the plans do
     sample0_done: bool = False
+    # the sample indexes any plan's queues have held: n > 1 samples beyond sample 0 wait outside the queues
+    # until its prompt is in the prefix cache, then join the waiting queue at that step's end (trial 37c)
+    samples_queued: set[int] = dataclasses.field(default_factory=set)
 
     @property
     def live(self) -> bool:
@@ -337,6 +340,8 @@ class EngineState:
         if e.scheduled:  # a step while paused is engine time
             self._release(e.time)
         for q in e.waiting + e.running:
+            if q.request_id in self.requests:
+                self.requests[q.request_id].samples_queued.add(q.index)
             if q.index != 0 or q.request_id not in self.requests:
                 continue
             req = self.requests[q.request_id]
@@ -560,25 +565,34 @@ class EngineState:
             return self._kv_now
         return self.timings[-1] if self.timings else None
 
-    def queue_samples(self) -> tuple[int, int]:
+    def queue_samples(self) -> tuple[int, int, int]:
         """Samples (sequences, what the engine's queues, ``StepTimed.num_running`` and /metrics
-        ``num_requests_running`` count) (running, waiting) now, where :meth:`queue_counts` counts
-        requests: a request with n > 1 runs n samples until each ends (trial 20d: "3 running" beside
-        "5 decode" in the same panel). Each request's as the newest plan queued it (its ``n`` when the
-        plan has none of it), less those that ended inside the newest step (the engine's count then)."""
-        running, waiting = self._samples_queued()
-        return max(running - self._samples_ended, self.queue_counts()[0]), waiting
+        ``num_requests_running`` count) (running, waiting, waiting of running requests) now, where
+        :meth:`queue_counts` counts requests: a request with n > 1 runs n samples until each ends (trial 20d:
+        "3 running" beside "5 decode" in the same panel), and a running one may have samples waiting (trial
+        37c: "0 waiting" where the engine and /metrics had 1). Each request's as the newest plan queued it
+        (its ``n`` when the plan has none of it), less those that ended inside the newest step (the engine's
+        count then)."""
+        running, waiting, of_running = self._samples_queued()
+        return max(running - self._samples_ended, self.queue_counts()[0]), waiting, of_running
 
-    def _samples_queued(self) -> tuple[int, int]:
-        """(running, waiting) samples of the requests in those states now, as the newest plan queued them."""
-        running = waiting = 0
+    def _samples_queued(self) -> tuple[int, int, int]:
+        """(running, waiting, waiting of running requests) samples of the requests in those states now, as
+        the newest plan queued them; after a step that cached a running request's prompt, its samples no plan
+        has queued yet are waiting (the engine releases them into its waiting queue at that step's end:
+        ``StepTimed.num_waiting``)."""
+        running = waiting = of_running = 0
         for rid, r in self.requests.items():
             state = r.ended_as if r.state == "unfinished" and r.ended_as else r.state
             if state == "running":
                 running += self._seqs["running"].get(rid) or r.n
+                of_running += self._seqs["waiting"].get(rid, 0)
+                if (r.samples_queued and not self.step_open and r.prompt_len is not None
+                        and r.prefilled >= r.prompt_len):
+                    of_running += max(0, r.n - len(r.samples_queued))
             elif state in ("waiting", "submitted"):
                 waiting += self._seqs["waiting"].get(rid) or r.n
-        return running, waiting
+        return running, waiting + of_running, of_running
 
     def queue_counts(self) -> tuple[int, int, int]:
         """Requests (running, waiting, preempted) now, as the request table shows them; at a

@@ -63,7 +63,7 @@ def phase_text(state: EngineState, width: int = 0, rows: int = 0) -> Text:
     # The engine counts samples (a request with n > 1 runs n), as the batch line above, StepTimed and
     # /metrics do: its number first, the requests beside it where they differ (trial 20d: "3 running"
     # beside "5 decode" while the engine's num_running was 5)
-    samples_running, samples_waiting = state.queue_samples()
+    samples_running, samples_waiting, of_running = state.queue_samples()
     run_words = [f"{running} running", f"{running} run"]
     if samples_running != running:
         run_words = [f"{samples_running} running ({plural(running, 'request')})",
@@ -72,6 +72,12 @@ def phase_text(state: EngineState, width: int = 0, rows: int = 0) -> Text:
     if samples_waiting != waiting:
         wait_words = [f"{samples_waiting} waiting ({plural(waiting, 'request')})",
                       f"{samples_waiting} wait ({waiting} req)"]
+    if of_running:  # samples of a running request that wait for a slot (n > 1): no waiting request holds them
+        whose = "1 sample of a running request" if of_running == 1 else f"{of_running} samples of running requests"
+        wait_words = [f"{samples_waiting} waiting ({plural(waiting, 'request')} + {whose})" if waiting else
+                      f"{samples_waiting} waiting ({whose})",
+                      f"{samples_waiting} wait ({waiting} req + {of_running} of run)" if waiting else
+                      f"{samples_waiting} wait (of running)"]
     queues = [Text(f"{run_words[0]} · {wait_words[0]}"), Text(f"{run_words[1]} · {wait_words[1]}")]
     if preempted:
         queues = [q + Text(f" · {preempted} preempted", style="bold red") for q in queues] + \
