@@ -292,6 +292,24 @@ def test_decode_entries_are_capped_per_request_and_summed_up_at_the_end():
     assert "TTFT" not in end.text and "Time to first token 50.0 ms" in end.text
 
 
+def test_the_cap_promises_later_tokens_only_when_the_request_goes_on():
+    """Trial 37e: the capped request's last narrated token was also its last token (max_tokens = the cap),
+    and the entry still said "Later tokens of this request are summed up when it finishes"."""
+    promise = "Later tokens of this request are summed up"
+    for max_tokens, promised in ((3, False), (4, True)):
+        n = fresh(max_decode_steps_per_request=3)
+        n.feed(added())
+        told = []
+        for step in range(max_tokens):
+            ends = [finished(n_out=max_tokens, step=step)] if step == max_tokens - 1 else []
+            told += feed_all(n, [planned(step, [entry(kind="decode", num=1)], admitted=()),
+                                 sampled(step, n_out=step + 1), *ends, timed(step)])
+        capped = [c for c in told if c.kind == "decode"][-1]
+        assert (promise in capped.text) is promised, (max_tokens, capped.text)
+        end = next(c for c in told if c.kind == "finished")
+        assert ("not narrated one by one" in end.text) is promised, end.text
+
+
 def test_rejection_and_engine_error_are_told_at_once():
     n = Narrator()
     (rej,) = n.feed(ev.RequestRejected(request_id="9", reason="the prompt is empty; give at least one token of text"))

@@ -335,9 +335,12 @@ class Narrator(SchedulerNarration):
                 out.extend(self._embedding(plan, s, first_layer.get(s.request_id)))
                 out.extend(self._prefill(plan, s, timed))
         kept: dict[int, int] = {}  # tokens each sequence gained in this step
+        left: dict[str, int] = {}  # tokens of each request in this step not told yet
         for e in events:
             if isinstance(e, ev.TokenSampled):
                 kept[e.seq_id] = kept.get(e.seq_id, 0) + 1
+                left[e.request_id] = left.get(e.request_id, 0) + 1
+        finishing = {e.request_id for e in events if isinstance(e, ev.RequestFinished)}
         first_kept: dict[int, ev.SpecDecodeStep] = {}  # a verification, until its first kept token is told
         # per sequence: the verification of this step, its rule, and how many of its kept tokens were told
         run: dict[int, list] = {}
@@ -349,8 +352,10 @@ class Narrator(SchedulerNarration):
                     v, rule, told = run[e.seq_id]
                     kept_by = (v, told, rule)
                     run[e.seq_id][2] += 1
+                left[e.request_id] -= 1
                 out.extend(self._token(e, entries.get(e.seq_id), timed, first_kept.pop(e.seq_id, None),
-                                       e.speculative or kept_by is not None, kept_by, plan))
+                                       e.speculative or kept_by is not None, kept_by, plan,
+                                       last=e.request_id in finishing and not left[e.request_id]))
             elif isinstance(e, ev.SpecDecodeStep):
                 first_kept[e.seq_id] = e
                 if e.seq_id in self._computed:
@@ -593,12 +598,13 @@ class Narrator(SchedulerNarration):
     def _token(self, e: ev.TokenSampled, entry: ev.ScheduledEntry | None, timed: ev.StepTimed | None,
                verification: ev.SpecDecodeStep | None, speculative: bool,
                kept_by: tuple[ev.SpecDecodeStep, int, bool | None] | None = None,
-               plan: ev.StepPlanned | None = None) -> list[Commentary]:
+               plan: ev.StepPlanned | None = None, last: bool = False) -> list[Commentary]:
         """A ``decode`` entry: the choice and its distribution, then how this token was computed in its step.
 
         ``entry``: the sequence's part of the step's plan (None when unknown); ``verification``:
         the verification this token is the first kept token of; ``speculative``: kept by one;
-        ``kept_by``: that verification, the token's place in its kept run and its rule.
+        ``kept_by``: that verification, the token's place in its kept run and its rule; ``last``: the
+        request's last token (it finishes in this step, no later token of it follows).
         """
         state = self._requests.get(e.request_id)
         if state is not None and self.max_decode is not None:
@@ -637,7 +643,8 @@ class Narrator(SchedulerNarration):
         if verification is None and not speculative:  # a step that could have verified drafts and had none
             why = draft_limits_sentence(entry, self.info.get("speculative_model"), plan, self._entry_name)
             text += f" It ran without drafts.{why}" if why else ""
-        if state is not None and self.max_decode is not None and state.decode_told == self.max_decode:
+        if state is not None and self.max_decode is not None and state.decode_told == self.max_decode and not last:
+            # its last token (the request finishes in this step) has no later ones to promise (trial 37e)
             text += " (Later tokens of this request are summed up when it finishes.)"
         notes = tuple("chosen" if t.token_id == e.token_id else "" for t in e.top)
         name = self._name(e.request_id, e.index)
