@@ -223,3 +223,23 @@ def test_views_of_the_pool_say_they_are_after_an_abort_between_steps(make_tiny_e
     engine.step()
     assert summary_text(state.blocks, True, state).plain.endswith("after step 2")
     assert "abort" not in phase_text(state).plain
+
+
+def test_the_block_table_of_a_request_with_samples_names_the_sample_it_shows():
+    """Trial 37e: n=2, sample 0 ended while sample 1 decoded; the caption read "Block table of cmpl-…: it holds
+    no KV blocks now" beside a legend giving that request 9 used blocks. It shows the sample that holds blocks,
+    named, and names sample 0 where another sample has a table too."""
+    import dataclasses
+
+    from nanovllm_tui.views.block_map import block_table_text
+
+    pool = trial_pool(3, 40)
+    (zero,) = pool.tables
+    one = dataclasses.replace(zero, seq_id=1, index=1, block_table=(60, 62), num_tokens=20, num_computed_tokens=19)
+    only_one = block_table_text(dataclasses.replace(pool, tables=(one,)), "req-12", {}).plain
+    assert only_one.startswith("Block table req-12 sample 1 (sample 0 holds no blocks now)"), only_one
+    assert "holds no KV blocks" not in only_one and "1→#62 3/16" in only_one
+    both = block_table_text(dataclasses.replace(pool, tables=(one, zero)), "req-12", {}).plain
+    assert both.startswith("Block table req-12 sample 0 (logical") and "2→#60 8/16" in both, both
+    alone = block_table_text(pool, "req-12", {}).plain
+    assert alone.startswith("Block table req-12 (logical"), alone  # one sample: nothing to name

@@ -81,11 +81,18 @@ def block_table_text(blocks: ev.BlocksChanged, selected: str | None, colors: dic
     fits keeps its first and last entries (the last is the part-filled one a reader looks for) and
     says how many between are hidden (trial 18a: at 120x40 the panel cut "21→#98 15/16" off with no
     sign of more). 0 or no ``console``: every entry."""
-    table = next((t for t in blocks.tables if t.request_id == selected and t.index == 0), None)
+    # sample 0's table, as the other views follow sample 0; when it holds none now (ended, preempted) while
+    # another sample of the request runs on, that sample's, named (trial 37e: "holds no KV blocks now" beside a
+    # legend giving the same request 9 blocks)
+    samples = sorted((t for t in blocks.tables if t.request_id == selected), key=lambda t: t.index)
+    table = samples[0] if samples else None
     if table is None:
         who = selected or "no request selected"
         return Text(f"Block table of {who}: it holds no KV blocks now (waiting, finished, or not selected).",
                     style="dim")
+    sample = "" if table.index == 0 and len(samples) == 1 else f" sample {table.index}"
+    if table.index:
+        sample += " (sample 0 holds no blocks now)"
     bs = blocks.block_size
     color = colors.get(table.request_id, "white")
     entries = []
@@ -103,7 +110,8 @@ def block_table_text(blocks: ev.BlocksChanged, selected: str | None, colors: dic
     heads = (" (logical → physical, slots with KV):  ", ":  ")
 
     def assemble(head: int, tail: int, short: int = 0) -> Text:
-        text = Text.assemble(("Block table ", "bold"), (table.request_id, f"bold {color}"), heads[short])
+        text = Text.assemble(("Block table ", "bold"), (table.request_id, f"bold {color}"), (sample, "bold"),
+                             heads[short])
         hidden = len(entries) - head - tail
         for entry in entries[:head]:
             text.append_text(entry)
