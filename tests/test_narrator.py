@@ -666,7 +666,7 @@ def test_a_lone_decode_step_says_what_share_of_the_measured_bandwidth_its_weight
     dec = next(c for c in n.feed(timed(1, wall=wall, tokens=1)) if c.kind == "decode")
     assert f"at {weights / wall / 1e9:,.2f} GB/s, {weights / wall / bw:.0%} of this machine's measured 8.0 GB/s" \
         in dec.text  # 3.20 GB/s, 40%
-    assert "reading them takes 12.0 ms at that bandwidth, so the other 18.0 ms of the step" in dec.text
+    assert "reading them at 8.0 GB/s takes 12.0 ms, so the other 18.0 ms of the step" in dec.text
     assert "busy" not in dec.text
     # A bandwidth measured while the host was busy says so where the share rests on it.
     busy = Narrator({**INFO, "linear_weight_bytes": weights, "memory_bandwidth": bw, "machine": "a CPU (2 threads), "

@@ -677,9 +677,9 @@ class Narrator(SchedulerNarration):
                 if "host was busy" in str(self.info.get("machine") or "") else "")
         return (f" Alone in its step, it read the {human_bytes(weights)} of linear-layer and LM-head weights "
                 f"at {weights / timed.wall_time_s / 1e9:,.2f} GB/s, {weights / timed.wall_time_s / bw:.0%} of this "
-                f"machine's measured {bw / 1e9:,.1f} GB/s{busy}: reading them takes {ms(floor)} at that bandwidth, "
-                f"so the other {ms(max(0.0, timed.wall_time_s - floor))} of the step were not spent reading weights "
-                "at that rate: norms, RoPE, attention, the KV write, sampling, the calls between operations, or "
+                f"machine's measured {bw / 1e9:,.1f} GB/s{busy}: reading them at {bw / 1e9:,.1f} GB/s takes "
+                f"{ms(floor)}, so the other {ms(max(0.0, timed.wall_time_s - floor))} of the step were not spent "
+                "reading weights at that rate: norms, RoPE, attention, the KV write, sampling, the calls between operations, or "
                 "reading them slower.")
 
     def _kv_cache(self, t: ev.StepTimed, blocks: ev.BlocksChanged | None) -> list[Commentary]:
