@@ -310,6 +310,21 @@ def test_the_cap_promises_later_tokens_only_when_the_request_goes_on():
         assert ("not narrated one by one" in end.text) is promised, end.text
 
 
+def test_a_ttft_shorter_than_its_first_step_says_why():
+    """Trial 37a: "The step took 876.5 ms" for the step that made the first token, then "Time to first token
+    867.8 ms" with no word why the token came before its step ended."""
+    import dataclasses
+
+    for ttft, explained in ((0.045, True), (0.060, False)):
+        n = fresh()
+        n.feed(added())
+        told = feed_all(n, [planned(0, [entry()]), sampled(0), timed(0, wall=0.05),
+                            dataclasses.replace(finished(n_out=1, step=1), ttft_s=ttft)])
+        end = next(c for c in told if c.kind == "finished")
+        assert ("TTFT is shorter than the 50.0 ms of the step that made the first token" in end.text) is explained, \
+            end.text
+
+
 def test_rejection_and_engine_error_are_told_at_once():
     n = Narrator()
     (rej,) = n.feed(ev.RequestRejected(request_id="9", reason="the prompt is empty; give at least one token of text"))

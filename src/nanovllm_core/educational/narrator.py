@@ -93,6 +93,7 @@ class _RequestState:
     decode_told: int = 0
     decode_untold: int = 0
     verify_untold: int = 0  # speculative verifications past the cap, summed up at the finish
+    first_step_s: float | None = None  # the wall time of the step that made sample 0's first token
     embedding_told: bool = False
 
 
@@ -607,6 +608,8 @@ class Narrator(SchedulerNarration):
         request's last token (it finishes in this step, no later token of it follows).
         """
         state = self._requests.get(e.request_id)
+        if state is not None and e.index == 0 and e.num_output_tokens == 1 and timed is not None:
+            state.first_step_s = timed.wall_time_s
         if state is not None and self.max_decode is not None:
             if state.decode_told >= self.max_decode:
                 state.decode_untold += 1
@@ -913,6 +916,11 @@ class Narrator(SchedulerNarration):
             text += (" TPOT and end to end are wall-clock spans between tokens, so they also hold the time between "
                      "steps (scheduling, detokenizing, and whatever the program does there, such as printing this "
                      "narration), not only the steps' own times.")
+        if state is not None and state.first_step_s is not None and e.ttft_s is not None and e.ttft_s < state.first_step_s:
+            # trial 37a: "Time to first token 867.8 ms" after "The step took 876.5 ms" for the step that made it
+            text += (f" TTFT is shorter than the {ms(state.first_step_s)} of the step that made the first token: a "
+                     "token's time is taken when its step's sampling ends, and the step's time also holds the "
+                     "output processing after it (detokenizing, stop checks, events), as vLLM stamps its tokens.")
         text += self._cached_summary(e)
         if e.num_preemptions:
             text += f" It was preempted {plural(e.num_preemptions, 'time')}."
