@@ -436,6 +436,11 @@ async def test_tab_goes_through_the_settings_in_order_and_keys_on_the_chat_box_a
         for expected in ("priority", "max-tokens", "temperature", "chat"):
             await pilot.press("tab")
             assert app.focused is app.query_one(f"#{expected}"), (expected, app.focused)
+        # trial 37a: a Tab past the chat box left the bar, and an Enter typed next sent nothing, saying nothing
+        await pilot.press("tab")
+        assert app.focused is app.query_one("#prompt"), app.focused
+        await pilot.press("shift+tab")
+        assert app.focused is app.query_one("#chat"), app.focused
         await pilot.press(*"5000", "q", "n")
         assert visible_tab(app) == "dashboard" and app.is_running and app.focused is app.query_one("#chat")
         assert notes.find("Esc leaves the prompt bar", "warning")

@@ -7,8 +7,9 @@ model with a chat template (``--chat`` ticks it for any) and is toggled with a c
 space when it has the focus, or with ctrl+t anywhere.
 
 Tab goes from the prompt to priority, max tokens, temperature, then the chat box, the order they
-stand in. Below ``ONE_LINE_WIDTH`` columns the settings take a line of their own under the prompt
-(at 60 columns, beside them, the prompt was 5 characters wide).
+stand in, and from the chat box round to the prompt (shift+Tab the other way); Esc leaves the bar.
+Below ``ONE_LINE_WIDTH`` columns the settings take a line of their own under the prompt (at 60
+columns, beside them, the prompt was 5 characters wide).
 
 Each setting is checked as it is typed (Textual's ``Input`` validators): a wrong one turns red
 and the line under the bar says why. Enter sends only when every setting is right, and at once
@@ -408,7 +409,12 @@ class PromptBar(Vertical):
     it has text).
     """
 
-    BINDINGS = [Binding("escape", "app.focus_view", "Leave prompt")]
+    # Tab and shift+Tab go round the bar's own fields (trial 37a: a Tab past the chat box left the bar, and an
+    # Enter typed next sent nothing and said nothing); Esc is the way out, as the footer says
+    BINDINGS = [Binding("escape", "app.focus_view", "Leave prompt"),
+                Binding("tab", "cycle(1)", "Next field", show=False),
+                Binding("shift+tab", "cycle(-1)", "Previous field", show=False)]
+    ORDER = ("prompt", "priority", "max-tokens", "temperature", "chat")  # the order they stand in
     CHAT_TOOLTIP = ("X chat: the prompt is sent as a user's message through the model's chat template "
                     "(instruction-tuned models answer it). raw: sent as raw text to continue. ctrl+t toggles.")
     FIELDS = ("priority", "max-tokens", "temperature")
@@ -465,6 +471,14 @@ class PromptBar(Vertical):
         self.add_class("-replay")
         self.query_one("#prompt-fields").disabled = True
         self.on_resize()
+
+    def action_cycle(self, step: int) -> None:
+        """Move the focus ``step`` fields on (1: Tab, -1: shift+Tab) in :attr:`ORDER`, round from the chat box
+        to the prompt and back."""
+        focused = self.app.focused
+        here = next((i for i, name in enumerate(self.ORDER) if focused is not None and focused.id == name), -1)
+        # at once, as Textual's own focus_next: keys queued behind the Tab go to the field it moved to (trial 20e)
+        self.screen.set_focus(self.query_one(f"#{self.ORDER[(here + step) % len(self.ORDER)]}"))
 
     def focus_prompt(self) -> bool:
         """Move the focus to the prompt field; False (focus unchanged) in a replay, which has none."""
