@@ -422,6 +422,25 @@ def test_control_refuses_fields_a_command_does_not_take(tiny_server, body, messa
     assert tiny_server.controller.state != "paused"
 
 
+def test_control_submit_reads_a_null_param_as_left_out_where_null_is_no_value(tiny_server, monkeypatch):
+    """Trial 37b: "params": {"temperature": null} was a 400 ("must be a number") where /v1/completions takes a
+    null temperature as its default, while a null seed or stop was taken: null is left out for every field
+    that takes no null, and kept where it is a value."""
+    import dataclasses
+
+    from nanovllm_core import SamplingParams
+
+    seen = []
+    submit = tiny_server.controller.submit
+    monkeypatch.setattr(tiny_server.controller, "submit",
+                        lambda prompt, params, *args, **kwargs: (seen.append(params), submit(prompt, params, *args, **kwargs))[1])
+    nulls = {f.name: None for f in dataclasses.fields(SamplingParams) if f.name != "max_tokens"}
+    r = control(tiny_server, {"command": "submit", "prompt": "hi", "params": {**nulls, "max_tokens": 1}})
+    assert r.status_code == 200, r.text
+    assert seen == [SamplingParams(max_tokens=1)]
+    tiny_server.wait_idle(30)
+
+
 def test_control_submit_params_are_checked_as_completions_checks_them(tiny_server):
     status, whole = post(tiny_server, "/v1/completions", {"prompt": "hi", "max_tokens": 99999})
     r = control(tiny_server, {"command": "submit", "prompt": "hi", "params": {"max_tokens": 99999}})

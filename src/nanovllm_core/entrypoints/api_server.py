@@ -654,6 +654,7 @@ def _control(state: ServerState, body: Any) -> dict[str, Any]:
 # SamplingParams fields that hold integers (or a list of them): a whole-number float sent for one is
 # that integer, as in /v1/completions (protocol.whole_number)
 _INT_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if "int" in str(f.type))
+_NULL_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if "None" in str(f.type))  # null is a value
 
 
 def _whole_numbers(value: Any) -> Any:
@@ -721,6 +722,9 @@ def _control_submit(state: ServerState, body: dict) -> str:
     if unknown:
         raise APIError(f"params has unknown field(s) {untrusted.listed(unknown)}; use SamplingParams field names",
                        param=f"params.{unknown[0]}", code="unknown_parameter")
+    # null is "left out" for a field that takes no None (temperature: its default, as /v1/completions reads a
+    # null temperature; trial 37b), and the value itself for one that does (max_tokens: up to max_model_len)
+    fields = {k: v for k, v in fields.items() if v is not None or k in _NULL_PARAMS}
     fields = {k: _whole_numbers(v) if k in _INT_PARAMS else v for k, v in fields.items()}
     if fields.get("logit_bias") is not None:  # JSON keys are text: {"1234": -100}, as on /v1/completions
         fields["logit_bias"] = logit_bias_ids(fields["logit_bias"], "params.logit_bias")
