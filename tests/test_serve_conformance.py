@@ -455,6 +455,9 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 # a number or a boolean is refused, not coerced ("temperature": "0.5" and "stream": "yes" passed).
 FIELD_AT_FAULT = [
     (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs=21"),
+    # the range first: "send logprobs: true" alone led to a second 400 for it (trial 37b)
+    (CHAT, {"messages": MESSAGES, "top_logprobs": 21}, "top_logprobs",
+     "top_logprobs=21 is invalid: must be an integer in [0, 20]"),
     (CHAT, {"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens=0"),
     (CHAT, {"messages": MESSAGES, "max_completion_tokens": 600}, "max_completion_tokens", "or max_completion_tokens"),
     (CHAT, {"messages": MESSAGES, "max_tokens": 600}, "max_tokens", "or max_tokens."),

@@ -642,6 +642,9 @@ class ChatCompletionRequest(_SamplingBody):
         if top < 0:
             raise APIError(f"top_logprobs={top} is negative; send an integer in [0, 20], or leave it out",
                            param="top_logprobs", code="invalid_value")
+        if top > 20:  # said first: "send logprobs: true" alone led to a second 400 for the range (trial 37b)
+            raise APIError(f"top_logprobs={top} is invalid: must be an integer in [0, 20]", param="top_logprobs",
+                           code="invalid_value")
         if top > 0 and not self.logprobs:
             raise APIError(f"top_logprobs={top} needs logprobs: true; send \"logprobs\": true, or leave "
                            "top_logprobs out", param="top_logprobs", code="invalid_value")
