@@ -216,5 +216,6 @@ def test_after_every_step_the_panel_counts_the_samples_the_engine_queues(make_ti
         assert (running, waiting) == (timed.num_running, timed.num_waiting), (timed.step, running, waiting)
         if of_running and not state.queue_counts()[1]:
             seen_of_running = True
-            assert f"{waiting} waiting ({'1 sample of a running request' if of_running == 1 else f'{of_running} samples of running requests'})" in phase_text(state).plain
+            whose = "1 sample of a running request" if of_running == 1 else f"{of_running} samples of running requests"
+            assert f"{waiting} waiting ({whose})" in phase_text(state).plain
     assert seen_of_running  # the case the trial met happened here
