@@ -252,6 +252,26 @@ def test_preemption_names_the_victim_and_why_it_was_chosen():
     assert pre.request_id == "1" and "lowest-priority running request" in pre.text and "its 12 tokens" in pre.text
 
 
+@pytest.mark.parametrize("running, policy, rule", [
+    ((("0", 5), ("2", 1)), "priority", "it was the lowest-priority running request. "),
+    ((("0", 0), ("2", 5)), "priority", "it was the lowest-priority running request, and of the 2 requests at "
+                                       "priority 0 the latest to arrive. "),
+    ((), "priority", "it was the only running request. "),
+    ((("0", 0),), "fcfs", "it was the running request that arrived last. "),
+])
+def test_a_preemption_names_only_the_part_of_the_rule_that_decided_this_step(running, policy, rule):
+    """Trial 38e: priorities 0, 5 and 1; request 0 (priority 0, the first to arrive, alone at its priority) was
+    preempted and the entry said "the lowest-priority running request, the latest to arrive among equals"."""
+    why = ev.Shortfall(request_id="1", seq_id=1, index=0, blocks_needed=1, blocks_free=0)
+    plan = replace(planned(9, [entry("0", kind="decode", num=1, start=9, total_len=10)],
+                           running=[queued(rid, priority=p) for rid, p in running],
+                           preempted=[queued("1", priority=0, num_tokens=12, preemptions=1)], waiting=[queued("1")],
+                           admitted=()), shortfalls=(why,))
+    pre = next(c for c in Narrator({**INFO, "scheduling_policy": policy}).feed(plan) if c.kind == "preemption")
+    assert rule in pre.text, pre.text
+    assert "among equals" not in pre.text
+
+
 def test_prefix_cache_hit_counts_the_reused_tokens():
     plan = planned(3, [entry("1", num=8, start=32, prompt_len=40, total_len=40, cached=32)])
     (hit,) = fresh().feed(plan)

@@ -235,8 +235,7 @@ class SchedulerNarration:
     def _preemption(self, plan: ev.StepPlanned, q: ev.QueueEntry) -> Commentary:
         policy = self.info.get("scheduling_policy", "priority")
         name = self._name(q.request_id, q.index)
-        rule = ("the lowest-priority running request, the latest to arrive among equals" if policy == "priority"
-                else "the running request that arrived last")
+        rule = self._victim_rule(plan, q, policy)
         short = self._shortfall(plan, q)
         if short is not None:
             needer = self._name(short.request_id, short.index)
@@ -283,6 +282,23 @@ class SchedulerNarration:
             text += f" ({PRIORITY_NOTE[0].upper()}{PRIORITY_NOTE[1:]}.)"
         return Commentary("preemption", f"Step {plan.step}: {name} preempted", text,
                           request_id=q.request_id, step=plan.step)
+
+    @staticmethod
+    def _victim_rule(plan: ev.StepPlanned, q: ev.QueueEntry, policy: str) -> str:
+        """What made ``q`` the victim in this step, said of this step's running requests (those still running
+        after the plan): the policy's rule names only the part that decided (trial 38e: "the latest to arrive
+        among equals" for a victim that had no equal and had arrived first)."""
+        others = [e for e in plan.running if e.seq_id != q.seq_id]
+        if not others:
+            return "the only running request"
+        if policy != "priority":
+            return "the running request that arrived last"
+        equals = {e.request_id for e in others if e.priority == q.priority} - {q.request_id}
+        if not equals:  # alone at its priority, or beside its own samples only (n > 1: the last one queued)
+            own = any(e.request_id == q.request_id for e in others)
+            return "the lowest-priority running request" + (", and the last of its samples queued" if own else "")
+        return (f"the lowest-priority running request, and of the {len(equals) + 1} requests at priority "
+                f"{q.priority} the latest to arrive")
 
     def _kept_tokens(self, q: ev.QueueEntry) -> tuple[str, str]:
         """What preempted ``q`` keeps, and which of its tokens were never computed (to be computed for the
