@@ -916,7 +916,8 @@ class Narrator(SchedulerNarration):
             text += (" TPOT and end to end are wall-clock spans between tokens, so they also hold the time between "
                      "steps (scheduling, detokenizing, and whatever the program does there, such as printing this "
                      "narration), not only the steps' own times.")
-        if state is not None and state.first_step_s is not None and e.ttft_s is not None and e.ttft_s < state.first_step_s:
+        if (state is not None and state.first_step_s is not None and e.ttft_s is not None
+                and e.ttft_s < state.first_step_s and ms(e.ttft_s) != ms(state.first_step_s)):  # shown apart (38a)
             # trial 37a: "Time to first token 867.8 ms" after "The step took 876.5 ms" for the step that made it
             text += (f" TTFT is shorter than the {ms(state.first_step_s)} of the step that made the first token: a "
                      "token's time is taken when its step's sampling ends, and the step's time also holds the "
