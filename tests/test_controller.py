@@ -161,6 +161,7 @@ def test_commands_sent_while_loading_run_after(tmp_path):
     c = EngineController(num_kv_blocks=32)
     rec = Recorder()
     c.subscribe(rec, topk=0, blocks=False)
+    sent = time.time()
     rid = c.submit("Hi", SamplingParams(temperature=0, max_tokens=2))
     try:
         out = c.wait(rid, timeout=120)
@@ -168,6 +169,11 @@ def test_commands_sent_while_loading_run_after(tmp_path):
         loading = rec.of(ev.ModelLoading)
         assert loading[-1].ready and loading[-1].model_name == "SmolLM2-135M-Instruct"
         assert rec.events.index(loading[-1]) < rec.events.index(rec.of(ev.RequestAdded)[0])
+        # trial 38a: its TTFT and e2e counted from when the engine took it after the load ("end to end 82 ms" for
+        # a prompt typed 5 s before the model was ready); they count from its arrival, as vLLM's do
+        waited = loading[-1].time - sent
+        [done] = rec.of(ev.RequestFinished)
+        assert waited > 0.5 and done.ttft_s >= waited and done.e2e_s >= waited, (waited, done.ttft_s, done.e2e_s)
     finally:
         assert c.shutdown(timeout=5)
 

@@ -224,8 +224,11 @@ class EngineController:
             check_priority(priority)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         # its arrival is now, not when the engine thread takes it between steps: TTFT and e2e include the wait
-        # for a long step running now, as a client sees it (trial 30c: 7.8 s behind a prefill left out)
-        arrival = self._engine.clock.reading() if self._engine is not None else None
+        # for a long step running now, as a client sees it (trial 30c: 7.8 s behind a prefill left out), and
+        # the rest of the load for a prompt sent while the model loads (trial 38a: "end to end 82 ms" for a
+        # prompt typed 5 s before the model was ready). Before the engine exists its clock would read
+        # perf_counter with nothing held paused yet: that reading, taken now.
+        arrival = self._engine.clock.reading() if self._engine is not None else (time.perf_counter(), 0.0)
         self._commands.put(_Command("submit", (prompt, sampling_params, priority, rid, on_output, fit_context,
                                                  chat, arrival)))
         return rid
