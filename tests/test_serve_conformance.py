@@ -7,6 +7,7 @@ The server is the shared in-process ``tiny_server`` (tiny random LLaMA, SmolLM2'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -198,6 +199,23 @@ def test_text_offset_is_the_same_streamed_and_whole(tiny_server):
             streamed += choice["logprobs"]["text_offset"]
     whole = _completion_logprobs(outputs[-1].logprobs, ids, 0, 0)["text_offset"]
     assert streamed == whole == [sum(len(serving.tokenizer.decode([t])) for t in ids[:i]) for i in range(len(ids))]
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_token_that_adds_no_text_yet_still_gets_its_chunk(tiny_server, kind):
+    """Trial 38b: without logprobs, a byte token inside a character got no chunk (a 6-token emoji came as 3
+    chunks, continuous usage jumping 1, 4, 6); vLLM sends one per output with new tokens, its text ""."""
+    serving = tiny_server.http.app.state.server.serving
+    ids, outputs = _split_character_outputs(serving.tokenizer)
+    plain = [dataclasses.replace(out, logprobs=None) for out in outputs]
+    p = Prepared(kind, "cmpl-test", ["x"], SamplingParams(), 0, True, False, False, False)
+    sent, texts = _Choice(), []
+    for out in plain:
+        choice = serving._delta(p, sent, 0, out, [1])
+        assert choice is not None, (out.token_ids, out.text)
+        texts.append(choice["delta"]["content"] if kind == "chat" else choice["text"])
+    assert "".join(texts) == "a 婉" and texts[-2] == "", texts  # a byte token mid-character: ""
+    assert serving._delta(p, sent, 0, plain[-1], [1]) is None  # the same output again: nothing new
 
 
 def test_chat_logprob_bytes_join_to_the_content(tiny_server):

@@ -407,14 +407,16 @@ class OpenAIServing:
 
     def _delta(self, p: Prepared, s: _Choice, index: int, c: CompletionOutput,
                prompt_token_ids: list[int]) -> dict[str, Any] | None:
-        """The chunk choice for what ``c`` adds to what was sent (None when nothing new); a
-        completion choice's first chunk carries ``prompt_token_ids`` with ``return_token_ids`` (vLLM)."""
+        """The chunk choice for what ``c`` adds to what was sent (None when nothing new: no token, no text,
+        no finish); a completion choice's first chunk carries ``prompt_token_ids`` with ``return_token_ids``
+        (vLLM). A new token that adds no text yet (a byte token inside a character, text held back while a stop
+        string may match) still gets its chunk, ``""``, as vLLM sends one per output with new tokens (trial
+        38b: a 6-token emoji came as 3 chunks, ``continuous_usage_stats`` jumping 1, 4, 6)."""
         if s.done:
             return None
         text, new_tokens = c.text[s.chars:], c.token_ids[s.tokens:]
         finished = c.finish_reason is not None
-        tokens_shown = bool(new_tokens) and (p.return_token_ids or c.logprobs is not None)
-        if not (text or finished or tokens_shown):
+        if not (text or finished or new_tokens):
             return None
         lp = c.logprobs[s.tokens:len(c.token_ids)] if c.logprobs is not None else None
         if p.kind == "chat":
