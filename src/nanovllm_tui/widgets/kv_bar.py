@@ -75,6 +75,9 @@ class KVMemoryBar(LiveStatic):
             (f"{USED[0]} used {used}", USED[1]),
             f" ({fmt_bytes(used * per_block)}{f' over {tp_size(info or {})} ranks' if tp_size(info or {}) > 1 else ''})  ",
             (f"{CACHED[0]} cached-free {cached}", CACHED[1]), "  ", (f"{FREE[0]} free {free}", "grey62")),
+            # the bytes go before "cached-free" is cut to "cached" (at 100 columns it read "cached 7": trial 39e)
+            Text.assemble((f"{USED[0]} used {used}", USED[1]), "  ", (f"{CACHED[0]} cached-free {cached}", CACHED[1]),
+                          "  ", (f"{FREE[0]} free {free}", "grey62")),
             Text.assemble((f"{USED[0]} used {used}", USED[1]), "  ", (f"{CACHED[0]} cached {cached}", CACHED[1]),
                           "  ", (f"{FREE[0]} free {free}", "grey62"))))
         text.append("\n")
