@@ -29,7 +29,6 @@ parameters) is dropped, and a toast says how many were.
 
 from __future__ import annotations
 
-import math
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -49,7 +48,7 @@ from textual.widgets import Checkbox, Input, Label
 from textual.widgets.input import Selection
 
 from nanovllm_core import cli_args
-from nanovllm_core.sampling_params import PRIORITY_MAX, check_priority
+from nanovllm_core.sampling_params import FLOAT32_MAX, PRIORITY_MAX, check_priority
 from nanovllm_tui.widgets.format import quoted
 
 # The prompt field's hint, longest first: the longest that fits is shown (never a cut one).
@@ -134,11 +133,12 @@ def parse_priority(text: str) -> int:
 
 def parse_temperature(text: str) -> float:
     """``"0.7"`` -> 0.7 (0: greedy). Raises ValueError: empty, not a decimal number in ASCII digits
-    (``inf``, ``nan`` included), or below 0."""
+    (``inf``, ``nan`` included), below 0, or above float32's largest, the engine's own bound
+    (``SamplingParams``; trial 39a: ``1e308`` passed here and the engine refused it after Enter)."""
     if not _DECIMAL.fullmatch(text.strip()):
         raise ValueError(text)
     value = float(text.strip())
-    if not 0 <= value < math.inf:  # 1e999 overflows to inf
+    if not 0 <= value <= FLOAT32_MAX:  # 1e999 overflows to inf
         raise ValueError(text)
     return value
 
@@ -194,7 +194,7 @@ def setting_rules(limit: int | None = None, policy: str | None = None) -> dict[s
     return {
         "priority": Setting("priority", priority_parser(policy), priority_rule),
         "max-tokens": Setting("max tokens", max_tokens_parser(limit), max_rule),
-        "temperature": Setting("temperature", parse_temperature, "a finite number >= 0 (0 = greedy)"),
+        "temperature": Setting("temperature", parse_temperature, f"a number from 0 (greedy) to {FLOAT32_MAX:.3g}, float32's largest"),
     }
 
 
