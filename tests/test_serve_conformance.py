@@ -305,6 +305,28 @@ def test_tool_calls_and_tool_results_go_through_the_chat_template(tiny_server):
     assert status == 400 and "tool_call_id" in data["error"]["message"]
 
 
+def test_tool_call_arguments_reach_the_template_as_the_object_their_json_holds(tiny_server):
+    """Trial 39b: arguments reached the template as the JSON text (a LLaMA 3.1 template's ``arguments | tojson``
+    then encodes it twice) and "not json" was served; vLLM parses them (``{}`` for "") and refuses bad JSON."""
+    from nanovllm_core.entrypoints.protocol import ChatMessage, checked_conversation
+    from nanovllm_core.prompts import conversation_problem, template_message
+
+    def message(arguments):
+        return {"role": "assistant", "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]}
+
+    for sent, given in (('{"a": 1}', {"a": 1}), ("", {}), ("[1, 2]", [1, 2])):
+        [served] = checked_conversation([ChatMessage.model_validate(message(sent))])
+        assert served["tool_calls"][0]["function"] == {"name": "f", "arguments": given}, served
+        assert template_message(message(sent))["tool_calls"][0]["function"]["arguments"] == given  # LLM.chat's
+    status, data = post(tiny_server, "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "hi"}, message("not json")], "max_tokens": 1})
+    assert status == 400 and data["error"]["param"] == "messages.1.tool_calls.0.function.arguments", data
+    assert "is not valid JSON" in data["error"]["message"] and "send the arguments as a JSON object" in \
+        data["error"]["message"]
+    assert "tool_calls[0].function.arguments is not valid JSON" in conversation_problem([message("not json")])
+
+
 def control(server, body: dict) -> httpx.Response:
     return httpx.post(server.url + "/v1/engine/control", timeout=30, **_json(server, body))
 

@@ -100,13 +100,43 @@ def content_text(content: Any) -> str:
 
 
 def template_message(message: dict[str, Any]) -> dict[str, Any]:
-    """``message`` as a chat template takes it: role through ``template_role``, content as ``content_text``."""
+    """``message`` as a chat template takes it: role through ``template_role``, content as ``content_text``,
+    and each tool call's ``function.arguments`` as the object its JSON text holds (:func:`tool_arguments`).
+
+    Raises:
+        ValueError: a tool call's arguments are text that is not JSON (:func:`tool_arguments`).
+    """
     out = dict(message)
     if "role" in out:
         out["role"] = template_role(out["role"])
     if "content" in out and out["content"] is not None:
         out["content"] = content_text(out["content"])
+    if isinstance(out.get("tool_calls"), (list, tuple)):
+        out["tool_calls"] = [{**call, "function": {**call["function"],
+                                                    "arguments": tool_arguments(call["function"].get("arguments"))}}
+                             if isinstance(call, dict) and isinstance(call.get("function"), dict) else call
+                             for call in out["tool_calls"]]
     return out
+
+
+def tool_arguments(arguments: Any) -> Any:
+    """A tool call's ``function.arguments`` as a chat template is given them: JSON text (OpenAI's form) parsed to
+    its object, ``{}`` for none or ``""``, an object already parsed as it is. vLLM's rule
+    (``chat_utils._postprocess_messages``, after transformers' documentation: templates take the arguments as
+    a mapping; the LLaMA 3.1 template writes ``arguments | tojson``, which on the text would encode it twice).
+
+    Raises:
+        ValueError: text that is not JSON (vLLM answers it with a 400 too), saying where it failed.
+    """
+    if not arguments:
+        return {}
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"is not valid JSON ({e}); send the arguments as a JSON object written as text, such as "
+                         '"{\"city\": \"Paris\"}"') from None
 
 
 def template_role(role: str) -> str:
@@ -140,6 +170,12 @@ def conversation_problem(conversation: Any) -> str | None:
         problem = content_problem(content)
         if problem is not None:
             return f"messages[{i}] ({role}) {problem}"
+        for j, call in enumerate(m.get("tool_calls") or ()):
+            if isinstance(call, dict) and isinstance(call.get("function"), dict):
+                try:
+                    tool_arguments(call["function"].get("arguments"))
+                except ValueError as e:
+                    return f"messages[{i}] ({role}) tool_calls[{j}].function.arguments {e}"
     return None
 
 

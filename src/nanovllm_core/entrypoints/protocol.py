@@ -19,7 +19,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, St
 from pydantic_core import PydanticCustomError
 
 from nanovllm_core.prompts import (ChatRole, chat_template_problem, content_problem, content_text,
-                                   template_role, unicode_problem)
+                                   template_role, tool_arguments, unicode_problem)
 from nanovllm_core.sampling_params import LOGIT_BIAS_LIMIT, VLLM_SAMPLING_UNSUPPORTED, SamplingParams, check_priority
 from nanovllm_core.untrusted import clipped, escaped, shown
 
@@ -538,7 +538,8 @@ class ChatMessage(_Body):
     """One message; ``content`` is text or a list of text parts (images are not supported).
 
     An assistant message may carry the ``tool_calls`` it made, and a ``tool`` message the
-    ``tool_call_id`` it answers; both reach the chat template as given (vLLM's behaviour). The
+    ``tool_call_id`` it answers; both reach the chat template as vLLM gives them (a call's arguments parsed
+    from their JSON text: ``prompts.tool_arguments``). The
     server does not parse tool calls out of generated text: a model's answer is its text.
     """
 
@@ -555,8 +556,10 @@ class ChatMessage(_Body):
         message: dict[str, Any] = {"role": template_role(self.role), "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
-        if self.tool_calls is not None:
-            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_calls is not None:  # arguments as the object their JSON holds, as vLLM gives a template
+            message["tool_calls"] = [{**call.model_dump(), "function": {
+                "name": call.function.name, "arguments": tool_arguments(call.function.arguments)}}
+                for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
@@ -681,6 +684,12 @@ def checked_conversation(messages: list[ChatMessage], field: str = "messages") -
             if problem is not None:
                 raise APIError(f"message {i}'s {name} is not valid Unicode: {problem}", param=f"{field}.{i}.{name}",
                                code="invalid_value")
+        for j, call in enumerate(m.tool_calls or ()):
+            try:  # the template is given the object (vLLM's rule): text that is not JSON is refused, as vLLM does
+                tool_arguments(call.function.arguments)
+            except ValueError as e:
+                raise APIError(f"message {i}'s tool_calls.{j}.function.arguments {e}",
+                               param=f"{field}.{i}.tool_calls.{j}.function.arguments", code="invalid_value") from None
     return [m.template_message() for m in messages]
 
 
