@@ -713,3 +713,44 @@ async def test_a_replayed_connection_loss_is_told_as_the_recordings_not_as_now(t
         await wait_until(pilot, lambda: notes.find("lost the connection"), timeout=20, what="the recorded outage")
     [told] = notes.find("lost the connection")
     assert told.title == "Connection (recorded)" and told.message.startswith("In the recording: lost the connection")
+
+
+async def test_a_replayed_refusal_and_a_lost_request_are_told_as_the_recordings(tmp_path):
+    """Trial 38c: the recording app's quit-time abort, refused by the server that replaced the stopped one,
+    replayed as a live "Not done" toast; and "1 request it never finished are marked lost"."""
+    import gzip
+
+    from nanovllm_core import events as ev
+    from nanovllm_tui.remote import ServerStopped
+    from tests.tui_helpers import TRACE, Notes, replay_app, wait_until
+
+    lines = gzip.open(TRACE, "rt").read().splitlines()
+    refused = ev.to_json(ev.EngineError(step=None, request_id="tui-a1b6-0", message="abort: no running or waiting "
+                                        "request \"tui-a1b6-0\" to abort"))
+    stopped = ev.to_json(ServerStopped(url="http://127.0.0.1:8000", step=2, unfinished=("tui-a1b6-0",)))
+    trace = tmp_path / "quit.jsonl"
+    trace.write_text("\n".join([*lines[:3], stopped, refused, *lines[3:]]) + "\n")
+    notes = Notes()
+    app = replay_app(tmp_path, trace=trace)
+    async with app.run_test(size=(120, 40), message_hook=notes) as pilot:
+        await wait_until(pilot, lambda: notes.find("tui-a1b6-0") and notes.find("marked lost"), timeout=20,
+                         what="the recorded refusal and loss")
+    [told] = notes.find("tui-a1b6-0")
+    assert told.title == "Not done (recorded)" and told.message.startswith("In the recording: abort:"), told
+    [lost] = notes.find("marked lost")
+    assert "1 request it never finished is marked lost" in lost.message, lost.message
+
+
+def test_a_server_that_stopped_leaves_no_prompt_of_this_app_to_abort_on_quit():
+    """Trial 38c: a prompt the stopped server never finished was marked lost, yet the app's quit sent its abort to
+    the server that replaced it (refused there: 401, or 404 for an id it never knew)."""
+    from nanovllm_tui.remote import RemoteController, ServerStopped
+
+    remote = RemoteController("http://127.0.0.1:9", None)
+    seen = []
+    remote.subscribe(seen.append, topk=0, blocks=False)
+    remote._sent_here.add("tui-a1b6-0")
+    remote._dispatch("state", '{"state": "stopped", "step": 8, "unfinished": ["tui-a1b6-0"]}', None)
+    assert [type(e) for e in seen] == [ServerStopped] and not remote._sent_here
+    remote.shutdown(timeout=1)
+    assert not [c for c in list(remote._commands.queue) if c and c.get("command") == "abort"]

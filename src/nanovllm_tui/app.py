@@ -27,13 +27,14 @@ from textual.geometry import Size
 from textual.widgets import ContentSwitcher, Input, TabbedContent, TabPane
 
 from nanovllm_core import events as ev
-from nanovllm_core.educational.commentary import plural, weights_label
+from nanovllm_core.educational.commentary import agree, plural, weights_label
 from nanovllm_core.educational.narrator import Narrator
 from nanovllm_core.prompts import user_message
 from nanovllm_core.sampling_params import SamplingParams, overflow_with_options, pool_with_options
 from nanovllm_tui import hints
 from nanovllm_tui.bridge import DEFAULT_FPS, EngineBridge
 from nanovllm_tui.commands import TABS, EngineCommands, app_bindings
+from nanovllm_tui.replay import REPLAY_ABORT_REFUSAL
 from nanovllm_tui.state import EngineState
 from nanovllm_tui.views.base import EngineView
 from nanovllm_tui.views.block_map import BlockMapView
@@ -502,6 +503,11 @@ class NanoVLLMApp(App):
                 if asked is not None and self.state.pending == asked:  # the header goes back to what it was
                     self.state.pending = None
                     message += f" (the engine is still {'paused' if self.state.paused else 'running'})"
+                if not self.live and not message.endswith(REPLAY_ABORT_REFUSAL):
+                    # a refusal the recording app met (trial 38c: its quit's abort, shown as if one failed now)
+                    self.notify(f"In the recording: {message}", title="Not done (recorded)", severity="warning",
+                                timeout=10, markup=False)
+                    return
                 self.notify(message, title="Not done", severity="warning", timeout=10, markup=False)
             elif event.step is None and (event.message.startswith("lost the connection")
                                          or "refused the API key" in event.message
@@ -525,8 +531,9 @@ class NanoVLLMApp(App):
                         "blocks are released (a block another request shares stays in use)",
                         markup=False)
         elif event.kind == "ServerStopped":  # nanovllm_tui.remote's: it stopped before a step's end
-            self.notify(f"The server at {event.url} stopped while a step ran; {plural(len(event.unfinished), 'request')} "
-                        "it never finished are marked lost.", severity="warning", timeout=10, markup=False)
+            lost = len(event.unfinished)
+            self.notify(f"The server at {event.url} stopped while a step ran; {plural(lost, 'request')} it never "
+                        f"finished {agree(lost, 'is', 'are')} marked lost.", severity="warning", timeout=10, markup=False)
         elif event.kind == "ServerRestarted":  # nanovllm_tui.remote's: an attached server came back anew
             self.notify(f"The server at {event.url} restarted with a new engine; requests that were running "
                         "there are marked lost, and the ones that had ended are cleared.", severity="warning",

@@ -585,6 +585,9 @@ class RemoteController:
             if not isinstance(state, dict) or not isinstance(state.get("state"), str):
                 raise ValueError(f"the server sent a state event without a state: {data[:80]!r}")
             self._server_state = state["state"]
+            if state["state"] == "stopped":  # its requests ended with it: none of this app's is left to abort on quit
+                with self._lock:  # (trial 38c: the quit's abort of a lost one went to the server that replaced it)
+                    self._sent_here.clear()
             unfinished = state.get("unfinished")
             if state["state"] == "stopped" and isinstance(unfinished, list) and unfinished:
                 step = state.get("step") if isinstance(state.get("step"), int) else None

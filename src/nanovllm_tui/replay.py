@@ -30,6 +30,7 @@ from nanovllm_core import untrusted
 from nanovllm_core.tracing import decode_event
 from nanovllm_tui.remote import ServerRestarted, ServerStopped
 
+REPLAY_ABORT_REFUSAL = "a replay cannot change it"  # ends the replay's own refusal of an abort (not a recorded one)
 NO_NEW_PROMPTS = "a replay plays a recorded trace and cannot run new prompts; start nanovllm-tui without --replay"
 
 
@@ -311,7 +312,7 @@ class ReplayController:
 
     def abort(self, request_id: str) -> None:
         self._emit([ev.EngineError(step=None, request_id=request_id,
-                                   message=f"abort: {request_id!r} is part of a recording; a replay cannot change it")])
+                                   message=f"abort: {request_id!r} is part of a recording; {REPLAY_ABORT_REFUSAL}")])
 
     def xray(self, request_id: str | None, layer: int = 0, head: int = 0) -> None:
         """No effect: the trace holds whatever X-Ray events were recorded."""
