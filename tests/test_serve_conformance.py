@@ -1515,6 +1515,10 @@ def test_chat_takes_the_content_parts_vllm_reads_as_text(tiny_server):
     joined = ids("No\nthanks")
     assert ids([{"type": "refusal", "refusal": "No"}, "thanks"]) == joined
     assert ids([{"type": "input_text", "text": "No"}, {"type": "text", "text": "thanks"}]) == joined
+    assert ids([{"type": "output_text", "text": "No"}, "thanks"]) == joined  # trial 38c: vLLM reads it as text
+    status, data = post(tiny_server, CHAT, {"messages": [{"role": "user", "content": [{"text": "hi"}]}],
+                                            "max_tokens": 1})
+    assert status == 400 and "content[0] has no 'type' field" in data["error"]["message"], data  # not "a null part"
     status, data = post(tiny_server, CHAT, {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "Hi", "cache_control": {}}]}], "max_tokens": 1})
     assert status == 400 and '"cache_control"' in data["error"]["message"], data  # the unknown key, named

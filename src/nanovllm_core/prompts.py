@@ -23,10 +23,11 @@ CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
 # (``entrypoints.protocol.TextPart``) and ``LLM.chat`` both take these, from this one definition, and
 # both flatten them with ``content_text``.
 # As vLLM's chat_utils reads them: "text" and the Responses API's "input_text" carry "text", an assistant's
-# "refusal" part carries "refusal", and a bare string in the list is text (trial 36c: these were refused).
-TextPartType = Literal["text", "input_text", "refusal"]
+# "refusal" part carries "refusal", and a bare string in the list is text (trial 36c: these were refused); an
+# assistant's "output_text" part (the Responses API's) carries "text" too (trial 38c).
+TextPartType = Literal["text", "input_text", "output_text", "refusal"]
 TEXT_PART_TYPES: tuple[str, ...] = get_args(TextPartType)
-PART_TEXT_KEY = {"text": "text", "input_text": "text", "refusal": "refusal"}  # the key holding each part's text
+PART_TEXT_KEY = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}  # its text's key
 CONTENT_SHAPE = 'text or a list of text parts ({"type": "text", "text": ...})'
 
 
@@ -72,9 +73,12 @@ def content_problem(content: Any) -> str | None:
             return (f"content[{j}] must be a text part ({{'type': 'text', 'text': ...}}) or a string, "
                     f"not {type(part).__name__}")
         kind = part.get("type")
+        if "type" not in part:  # trial 38c: read "is a null part" (vLLM: "Missing 'type' field")
+            return (f"content[{j}] has no 'type' field; a text part is {{'type': 'text', 'text': ...}} "
+                    "('input_text', 'output_text' and 'refusal' parts too)")
         if kind not in TEXT_PART_TYPES:
             return (f"content[{j}] is {'an' if str(kind)[:1] in 'aeiou' else 'a'} {shown(kind)} part; only text parts "
-                    f"({{'type': 'text', 'text': ...}}, 'input_text' and 'refusal' too) are supported")
+                    f"({{'type': 'text', 'text': ...}}, 'input_text', 'output_text' and 'refusal' too) are supported")
         key = PART_TEXT_KEY[kind]
         extra = sorted(str(k) for k in set(part) - {"type", key})
         if extra:
