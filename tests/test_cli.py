@@ -384,6 +384,12 @@ def test_speculative_flags_reach_the_engine(capsys, shared_default_loads):
                              "--show-memory-stats")
     assert code == 0 and shared_default_loads == [None], err
     assert "speculative (ngram, k=3):" in out and "draft tokens accepted" in out
+    # trial 39a: without --show-memory-stats a run with drafts said nothing of them
+    code, out, err = run_cli(capsys, "--prompt", "one two three one two three one two", "--max-tokens", "6",
+                             "--num-kv-blocks", "64", "--speculative-model", "ngram", "--num-speculative-tokens", "3")
+    assert code == 0 and "KV cache memory" not in out, err
+    assert any(line.startswith("speculative (ngram, k=3): ") and "draft tokens accepted" in line
+               for line in out.splitlines()), out
 
 
 def test_bad_speculative_setting_is_one_line(capsys, shared_default_loads):

@@ -355,8 +355,11 @@ def _generate(llm, args: argparse.Namespace, parser: argparse.ArgumentParser, pr
                       ("native_ops_unavailable", "RMSNorm and RoPE run as PyTorch ops, not in C")):
         if llm.engine.device.type == "cpu" and info.get(key):
             print(f"note: {what}: {info[key]}")
+    stats = llm.stats()
     if args.show_memory_stats:
-        print_memory_stats(llm.stats())
+        print_memory_stats(stats)
+    elif stats.get("spec_proposer"):  # how the drafts fared, also without the memory stats (trial 39a: a
+        print(speculative_summary(stats))  # run with drafts said nothing of them)
     failed = error_summary(outputs)
     if failed is not None:  # the completions above were cut short: say why once, and fail the command
         print(f"nanovllm: error: {failed}", file=sys.stderr, flush=True)
@@ -495,9 +498,15 @@ def print_memory_stats(stats: dict) -> None:
               f"({stats['prefix_cache_hit_rate']:.1%})")
     print(f"  preemptions: {stats['num_preemptions']}, steps: {stats['steps']}")
     if stats.get("spec_proposer"):
-        print(f"  speculative ({stats['spec_proposer']}, k={stats['spec_num_speculative_tokens']}): "
-              f"{stats['spec_accepted_tokens']} of {stats['spec_draft_tokens']} draft tokens accepted "
-              f"({stats['spec_acceptance_rate']:.1%}), {stats['spec_mean_accepted_length']:.2f} tokens per verification")
+        print(f"  {speculative_summary(stats)}")
+
+
+def speculative_summary(stats: dict) -> str:
+    """One line on the run's drafts from ``LLM.stats()``: accepted of drafted, the acceptance rate and the mean
+    tokens a verification kept (Leviathan et al. 2023's figures)."""
+    return (f"speculative ({stats['spec_proposer']}, k={stats['spec_num_speculative_tokens']}): "
+            f"{stats['spec_accepted_tokens']} of {stats['spec_draft_tokens']} draft tokens accepted "
+            f"({stats['spec_acceptance_rate']:.1%}), {stats['spec_mean_accepted_length']:.2f} tokens per verification")
 
 
 if __name__ == "__main__":
