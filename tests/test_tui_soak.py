@@ -20,11 +20,10 @@ import string
 import time
 
 import pytest
-from textual.widgets import Input
 
 from nanovllm_tui.app import NanoVLLMApp
 from nanovllm_tui.commands import ACTIONS, TABS
-from nanovllm_tui.widgets.prompt_bar import PromptSettings
+from nanovllm_tui.widgets.prompt_bar import PromptBar, PromptSettings
 from tests.tui_helpers import replay_app, visible_tab
 
 pytestmark = pytest.mark.anyio
@@ -48,6 +47,11 @@ def draw_key(rng: random.Random, typing: bool) -> str:
     else:
         key = rng.choice(OTHER_KEYS)
     return "x" if key == "q" and not typing else key
+
+
+def in_bar(app) -> bool:
+    """The focus is in the prompt bar (a field or its chat box): a key typed there is never an app key."""
+    return app.focused is not None and any(isinstance(node, PromptBar) for node in app.focused.ancestors)
 
 
 def header_state(app) -> str:
@@ -75,13 +79,13 @@ async def soak(pilot, seed: int, num_keys: int) -> set[str]:
             size = (rng.randint(60, 250), rng.randint(20, 60))
             await pilot.resize_terminal(*size)
             where += f" after a resize to {size[0]}x{size[1]}"
-        typing = isinstance(app.focused, Input)
+        typing = in_bar(app)
         if rng.random() < 0.03:  # send a prompt: / (typed, if already in the bar), some words, Enter
             keys = ["slash", *" ".join(rng.choices(WORDS, k=rng.randint(1, 6))), "enter"]
         else:
             keys = [draw_key(rng, typing)]
         for key in keys:
-            typing = isinstance(app.focused, Input)
+            typing = in_bar(app)
             await pilot.press(key)
             if key in TAB_KEYS and not typing:
                 tab = TAB_KEYS[key]
