@@ -1361,3 +1361,21 @@ def test_narrate_steps_counts_the_first_token_as_its_help_says(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     assert "the first (from the prefill) included" in " ".join(capsys.readouterr().out.split())
+
+
+def test_an_abort_without_block_tables_tells_the_pools_counts_before_and_after():
+    """Trial 40e: aborted mid-prefill while no tab asked for block tables, the finish entry said "Its KV blocks, if
+    it held any, were released" though the KV entry before it had said 2 blocks were in use."""
+    n = fresh()
+    n.feed(added())
+    feed_all(n, [planned(0, [entry(num=3)]), timed(0, blocks=2, total=8)])
+    aborted = replace(finished(n_out=0, step=0), finish_reason="abort", kv_blocks_used=0, kv_blocks_cached=1)
+    (end,) = [c for c in n.feed(aborted) if c.kind == "finished"]
+    assert "if it held any" not in end.text
+    assert ("The pool's blocks in use went from 2 to 0: 2 KV blocks released at once, 1 of them kept as "
+            "cached-free for prefix-cache reuse") in end.text, end.text
+    n2 = fresh()
+    n2.feed(added())
+    feed_all(n2, [planned(0, [entry(num=3)]), timed(0, blocks=2, total=8)])
+    (end,) = [c for c in n2.feed(replace(aborted, kv_blocks_used=2, kv_blocks_cached=0)) if c.kind == "finished"]
+    assert "No block in use went back to the pool" in end.text, end.text

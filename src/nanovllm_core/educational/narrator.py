@@ -153,6 +153,7 @@ class Narrator(SchedulerNarration):
         self._last_signature: tuple | None = None
         self._last_blocks_used: int | None = None
         self._last_pool: ev.BlocksChanged | None = None  # the newest block tables, for an abort between steps
+        self._pool_counts: tuple[int, int] | None = None  # (used, cached-free) blocks now, for an abort without tables
         # Per sequence: tokens with K/V computed so far (from the plans), and, after a
         # preemption, how many it had computed when it lost its blocks (to tell a recompute
         # from tokens computed for the first time).
@@ -180,6 +181,8 @@ class Narrator(SchedulerNarration):
             out.extend(self.introduction())
         if isinstance(event, ev.BlocksChanged):
             self._last_pool = event
+        if isinstance(event, ev.StepTimed) and event.num_blocks_total:
+            self._pool_counts = (event.num_blocks_used, event.num_blocks_cached)
         if isinstance(event, ev.StepPlanned):
             out.extend(self.flush())
             self._lost = {q: n for q, n in self._lost.items() if self._computed.get(q, 0) < n}
@@ -861,16 +864,34 @@ class Narrator(SchedulerNarration):
         return {"length": "it reached its token limit", "abort": "it was aborted",
                 "error": "an engine error ended it"}.get(reason, reason)
 
-    def _aborted_blocks(self, request_id: str) -> str:
+    def _aborted_blocks(self, e: ev.RequestFinished) -> str:
         """What an abort did to the KV pool, from the newest block tables (trial 12: the narrator said nothing).
 
         An abort happens between steps, so the tables after the last step are the ones it changed.
-        A block another request also holds (a prefix-cache hit) stays in use by that request.
+        A block another request also holds (a prefix-cache hit) stays in use by that request. With no tables
+        (none was asked for while it ran), from the pool's counts before and after it (``StepTimed``, then the
+        event's ``kv_blocks_used`` / ``kv_blocks_cached``; trial 40e: "its KV blocks, if it held any" where the
+        entry before had said 2 blocks were in use).
         """
+        request_id = e.request_id
+        before, self_counts = self._pool_counts, None
+        if e.kv_blocks_used is not None:
+            self_counts = (e.kv_blocks_used, e.kv_blocks_cached or 0)
+            self._pool_counts = self_counts  # a second abort before the next step starts from this one's pool
         pool = self._last_pool
         if pool is None:
-            return (" Its KV blocks, if it held any, were released at once: a block another request shares (a "
-                    "prefix-cache hit) stays in use by that request.")
+            if before is None or self_counts is None:
+                return (" Its KV blocks, if it held any, were released at once: a block another request shares (a "
+                        "prefix-cache hit) stays in use by that request.")
+            released, kept = before[0] - self_counts[0], self_counts[1] - before[1]
+            if released <= 0:
+                return (" No block in use went back to the pool: it held none of its own (it was waiting, or "
+                        "another request shares every block it held).")
+            return (f" The pool's blocks in use went from {before[0]} to {self_counts[0]}: {plural(released, 'KV block')} "
+                    f"released at once" + (f", {kept} of them kept as cached-free for prefix-cache reuse"
+                                           if 0 < kept < released else ", kept as cached-free for prefix-cache reuse"
+                                           if kept >= released else "")
+                    + " (a block another request shares stays in use by it).")
         tables = [t for t in pool.tables if t.request_id == request_id]
         ids = sorted({b for t in tables for b in t.block_table})
         if not ids:
@@ -931,7 +952,7 @@ class Narrator(SchedulerNarration):
                      + (f", nor {plural(state.verify_untold, 'later speculative verification')}"
                         if state.verify_untold else "") + ".")
         if e.finish_reason == "abort":
-            text += self._aborted_blocks(e.request_id)
+            text += self._aborted_blocks(e)
         if e.error:
             text += f" Error: {e.error}"
         return Commentary("finished", f"Request {e.request_id} finished: {e.finish_reason}", text,
