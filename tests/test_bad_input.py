@@ -103,7 +103,7 @@ def test_every_per_prompt_refusal_names_the_index_of_a_list_even_of_one(make_llm
     # newcomer trial 8: a non-text content part is refused naming it, as the server refuses it
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}],
      r'^messages\[0\] \(user\) content\[0\] is an "image_url" part; only text parts .* are supported$'),
-    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], r"content\[0\] text must be text, not int"),
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], r"content\[0\] text must be a string, not (an )?int"),
     ([{"role": "user", "content": ["Hi", 5]}], r"content\[1\] must be a text part .* or a string, not int"),
     # newcomer trial 8: messages of the wrong type name what was given, not "messages is empty"
     ("hello", r"^messages must be a list of \{'role', 'content'\} dicts \(or a list of such lists\), got a str$"),

@@ -1519,6 +1519,9 @@ def test_chat_takes_the_content_parts_vllm_reads_as_text(tiny_server):
     status, data = post(tiny_server, CHAT, {"messages": [{"role": "user", "content": [{"text": "hi"}]}],
                                             "max_tokens": 1})
     assert status == 400 and "content[0] has no 'type' field" in data["error"]["message"], data  # not "a null part"
+    status, data = post(tiny_server, CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}],
+                                            "max_tokens": 1})  # trial 40c: "text must be text, not NoneType"
+    assert status == 400 and "content[0] has no 'text' field" in data["error"]["message"], data
     status, data = post(tiny_server, CHAT, {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "Hi", "cache_control": {}}]}], "max_tokens": 1})
     assert status == 400 and '"cache_control"' in data["error"]["message"], data  # the unknown key, named

@@ -382,6 +382,14 @@ def test_the_engine_panel_says_its_queues_are_after_an_abort_between_steps():
     assert "0 prefill · 2 decode" in text  # the step's batch, as it ran
     assert "after 0's abort: 1 running · 0 waiting" in text
     assert "now: 1 run" in phase_text(state, width=24).plain
+    state.requests["1"].state = "preempted"  # trial 40c: "now: 1 run · 0 wait · 1" lost its "pre" at 120x40
+    state.apply(added("2"))
+    state.requests["2"].state = "running"
+    for width in (22, 24, 26, 30, 60):
+        line = phase_text(state, width=width).plain.splitlines()[-1]
+        assert line.endswith(("1 pre", "1 preempted")) and len(line) <= width, (width, line)
+    state.requests["1"].state = "running"
+    del state.requests["2"]
     state.apply(dataclasses.replace(finished("1", step=195), finish_reason="abort", kv_blocks_used=0))
     assert "after 2 aborts: 0 running" in phase_text(state).plain
     state.apply(planned(196, []))

@@ -84,8 +84,10 @@ def content_problem(content: Any) -> str | None:
         if extra:
             return (f"content[{j}] has unknown field(s) {', '.join(shown(k) for k in extra)}; a {kind!r} part has "
                     f"only type and {key}")
-        if not isinstance(part.get(key), str):
-            return f"content[{j}] {key} must be text, not {type(part.get(key)).__name__}"
+        if key not in part:  # trial 40c: read "text must be text, not NoneType"
+            return f"content[{j}] has no {key!r} field; a {kind!r} part is {{'type': {kind!r}, {key!r}: ...}}"
+        if not isinstance(part[key], str):
+            return f"content[{j}] {key} must be a string, not {describe(part[key])}"
     return None
 
 

@@ -85,7 +85,10 @@ def phase_text(state: EngineState, width: int = 0, rows: int = 0) -> Text:
     aborts = state.step_aborts
     if aborts:  # aborted between steps (while paused): the queues are after it, the batch line before (trial 36c)
         after = f"after {aborts[0]}'s abort: " if len(aborts) == 1 else f"after {len(aborts)} aborts: "
-        queues = [Text(after, style="dim") + q for q in queues] + [Text("now: ", style="dim") + q for q in queues]
+        # the plain counts last: where even "now:" does not fit, every count keeps its word (trial 40c: "now: 1 run
+        # · 0 wait · 1" lost its "pre" at 120x40); the KV panel's title still names the abort
+        queues = ([Text(after, style="dim") + q for q in queues] + [Text("now: ", style="dim") + q for q in queues]
+                  + queues[-1:])
     parts.append(queues)
     return packed(parts, width, rows)
 
