@@ -538,6 +538,8 @@ class NanoVLLMApp(App):
             self.notify(f"The server at {event.url} restarted with a new engine; requests that were running "
                         "there are marked lost, and the ones that had ended are cleared.", severity="warning",
                         timeout=10, markup=False)
+            if self.live and self._shown_tab is not None:  # the new engine's detail for the tab shown: a Block Map
+                self._set_detail(self._shown_tab)  # open across the restart stayed empty until a step (trial 40c)
         elif isinstance(event, ev.ModelLoading) and event.ready and self.live:
             weights = weights_label(event.info())  # as the header names it: the dtype alone hid GGUF blocks
             self.notify(f"{event.model_name} is ready on {event.device} ({event.dtype}"
