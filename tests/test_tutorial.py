@@ -753,3 +753,20 @@ def test_a_wrong_word_typed_at_the_quiz_is_one_wrong_answer_and_a_letter_acts_at
     assert _keys_through_a_terminal("xy\x7fz\n")[0] == "xz"  # Backspace edits the word
     assert _keys_through_a_terminal("\n")[0] == ""
     assert _keys_through_a_terminal("\x04")[0] is None  # Ctrl-D ends the tutorial
+
+
+def test_the_verification_cost_says_when_the_host_was_busy(monkeypatch):
+    """Trial 41e: on a busy host chapter 12 printed "v = 152.14 decode steps ... 0.02x" with no word that other work
+    shared the CPU, where chapter 13's measurements say so."""
+    from nanovllm_core.educational import speculative_costs, tutorial_demos
+
+    busy = "warning: the host was busy (load average 5.0 on 2 cores at the end): other work shared the CPU"
+    measured = speculative_costs.Measured(decode_s=0.0145, verify_s=2.2, draft_s=0.0001, gamma=4, mean_drafts=4.0,
+                                          alpha=0.5, tokens_per_verify=1.9, plain_s_per_token=0.0565,
+                                          spec_s_per_token=2.0)
+    monkeypatch.setattr(speculative_costs, "measure", lambda *args, **kwargs: measured)
+    for note, told in ((busy, True), (None, False)):
+        monkeypatch.setattr(tutorial_demos, "HostCheck", lambda note=note: type("Check", (), {"note": lambda self: note})())
+        demos = tutorial_demos.EngineDemos.__new__(tutorial_demos.EngineDemos)
+        entry = demos._speculative_cost(DEMOS["speculative_decoding"], chapter("speculative_decoding").demo_prompt)
+        assert ("Warning: the host was busy (load average 5.0 on 2 cores at the end)" in entry.text) is told, entry.text
