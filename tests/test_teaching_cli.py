@@ -363,3 +363,21 @@ def test_cli_narrate_says_in_every_step_that_a_request_keeps_waiting(capsys, sha
     for step in (1, 2, 3):
         assert f"▌ SCHEDULER · Step {step}: request 1 keeps waiting" in out
     assert flat.count("Request 1 keeps waiting (the step's token budget of 8 is used up).") == 3
+
+
+def test_the_dashboards_text_panel_says_it_shows_the_prompt_first():
+    """Trial 41e: the panel titled "Generated text (request 0)" held the prompt too ("Python is a language that
+    allows"), where the request table's text column holds the output only."""
+    from rich.console import Console
+
+    from nanovllm_core.educational.dashboard_view import DashboardView
+    from tests.test_narrator import added, planned, sampled, entry
+
+    console = Console(width=140, record=True, color_system=None)
+    view = DashboardView(console, {"num_layers": 30})
+    for e in (added("0"), planned(0, [entry("0")]), sampled(0)):
+        view(e)
+    view.focus = "0"
+    console.print(view.render())
+    text = console.export_text()
+    assert "Request 0: prompt (dim), then generated text" in text and "Generated text (request" not in text, text

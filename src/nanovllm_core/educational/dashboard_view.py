@@ -393,4 +393,5 @@ class DashboardView:
             return Panel(Text("waiting for a request", style="dim"), title="Generated text", title_align="left")
         cursor = "█" if r.state != "finished" else ""
         body = Text.assemble((r.prompt, "dim"), (r.text, "bold"), cursor)
-        return Panel(body, title=f"Generated text (request {self.focus})", title_align="left")
+        # the prompt (dim) comes first: the title says so (trial 41e: "Generated text" held the prompt too)
+        return Panel(body, title=f"Request {self.focus}: prompt (dim), then generated text", title_align="left")
