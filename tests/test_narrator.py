@@ -272,6 +272,20 @@ def test_a_preemption_names_only_the_part_of_the_rule_that_decided_this_step(run
     assert "among equals" not in pre.text
 
 
+def test_a_readmission_that_runs_as_a_decode_is_called_one():
+    """Trial 41e: readmitted with all but its newest token in the prefix cache, the request ran as "decode, 1 token"
+    in the scheduler line while the same step's prefix-cache entry told its 16 tokens reused."""
+    back = replace(entry("1", kind="decode", num=1, start=16, total_len=17, cached=16))
+    other = entry("0", kind="decode", num=1, start=9, total_len=10)
+    running = [queued("0", num_tokens=10), queued("1", num_tokens=17, preemptions=2)]
+    plan = planned(12, [other, back], running=running, admitted=("1",))
+    sched = next(c for c in fresh().feed(plan) if c.kind == "scheduler")
+    assert "request 1: decode, 1 token, readmitted after preemption (16 tokens from the prefix cache)" in sched.text, \
+        sched.text
+    plain = planned(13, [other, back], running=running, admitted=())
+    assert all("readmitted" not in c.text for c in fresh().feed(plain) if c.kind == "scheduler")
+
+
 def test_prefix_cache_hit_counts_the_reused_tokens():
     plan = planned(3, [entry("1", num=8, start=32, prompt_len=40, total_len=40, cached=32)])
     (hit,) = fresh().feed(plan)

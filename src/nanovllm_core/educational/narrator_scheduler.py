@@ -139,9 +139,13 @@ class SchedulerNarration:
         for s in plan.scheduled:
             name = self._name(s.request_id, s.index)
             if s.kind == "decode":
+                # a readmission whose every token but the newest was found in the prefix cache runs as a decode:
+                # it is still a readmission (trial 41e: "decode, 1 token" beside the entry telling the 16 reused)
+                back = (f", readmitted after preemption ({plural(s.num_cached_tokens, 'token')} from the prefix cache)"
+                        if s.request_id in plan.admitted and self._preemptions(plan, s.seq_id) else "")
                 parts.append((f"{name}: decode, 1 token" if s.num_tokens == 1 else
                               f"{name}: decode with {plural(s.num_tokens - 1, 'draft token')}, {s.num_tokens} tokens")
-                             + draft_limits_tag(s))
+                             + back + draft_limits_tag(s))
                 continue
             n, total = s.num_own_tokens, s.seq_len  # without the drafts a prompt's last token may carry
             end = s.start + n - 1
