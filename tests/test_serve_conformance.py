@@ -447,6 +447,18 @@ def test_unknown_paths_and_methods_get_the_openai_error_body(tiny_server, method
         assert "allow" in r.headers and r.headers["allow"] in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("method, path, status", [
+    ("GET", "/v1/completions", 401), ("GET", "/v1/nothing", 401), ("DELETE", "/v1/models", 401), ("GET", "/v1", 401),
+    ("GET", "/nothing", 404), ("POST", "/health", 405)])
+def test_without_the_key_every_v1_path_is_a_401_before_routing(tiny_server, method, path, status):
+    """Trial 41b: with --api-key, an unknown /v1 path or a wrong method answered 404/405 with every route and method
+    to a client without the key; vLLM's middleware checks the key on any /v1 path first."""
+    r = httpx.request(method, tiny_server.url + path, timeout=30)  # no key
+    assert r.status_code == status, r.text
+    if status == 401:
+        assert r.json()["error"]["code"] == "invalid_api_key" and "/v1/chat/completions" not in r.text, r.text
+
+
 @pytest.mark.parametrize("body, message", [
     ({"command": "submit", "request_id": "mine", "prompt": "hi", "max_tokens": 3}, "submit does not take max_tokens"),
     ({"command": "submit", "prompt": "hi", "max_tokens": 99999}, "sampling settings such as max_tokens go in params"),

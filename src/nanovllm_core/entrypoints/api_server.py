@@ -201,6 +201,7 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
                   default_response_class=EncodableJSONResponse)
     app.state.server = state
     app.add_middleware(CORSMiddleware, **{**DEFAULT_CORS, **(cors or {})})
+    key_check = _api_key_check(api_key)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -208,6 +209,11 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405: OpenAI's body too
+        if request.url.path == "/v1" or request.url.path.startswith("/v1/"):
+            try:  # the key first on every /v1 path, as vLLM's middleware checks it before routing: a client without
+                await key_check(request)  # it learnt every route and method from the 404/405 (trial 41b)
+            except APIError as refused:
+                return EncodableJSONResponse(refused.body(), status_code=refused.status, headers=_echoed_id(request))
         path = untrusted.clipped(request.url.path)  # as sent: a 16 KB path came back whole
         if e.status_code == 404:
             message = (f"Not Found: no route {untrusted.clipped(request.method)} {path}; this server serves "
@@ -248,7 +254,7 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
         stats = {**controller.stats(), "paused": controller.state == "paused"}
         return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
 
-    v1 = APIRouter(dependencies=[Depends(_api_key_check(api_key))])
+    v1 = APIRouter(dependencies=[Depends(key_check)])
 
     @v1.get("/v1/models")
     async def models() -> dict:

@@ -111,7 +111,8 @@ def validation_error(e: ValidationError, body: Any = None) -> APIError:
     # pydantic names its own class ("a valid dictionary or instance of StreamOptions"): a client sent JSON
     message = "Input should be a JSON object" if err["type"] in ("model_type", "dataclass_type") else err["msg"]
     # the value as sent, cut short: a 900 KB temperature came back as a 900 KB error (trial 14b)
-    return APIError(f"Invalid value for {clipped(field)}: {message} (got {shown(err.get('input'))})", param=field,
+    got = "" if err["type"] == "field_value" and "got " in message else f" (got {shown(err.get('input'))})"
+    return APIError(f"Invalid value for {clipped(field)}: {message}{got}", param=field,  # one "got" (trial 41b)
                     code="invalid_value")
 
 
