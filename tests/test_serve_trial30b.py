@@ -123,8 +123,12 @@ def test_an_integer_past_pythons_digit_limit_is_named_as_too_large(tiny_server):
     assert error["message"] == ("max_tokens: a number of 5001 digits is too large (at most 4300 digits are read, and "
                                 "no field takes a number anywhere near that long); send a smaller number")
     assert error["param"] == "max_tokens" and error["code"] == "invalid_value"
-    r = _raw(tiny_server, "/v1/completions", b'{"prompt": [1, -%s]}' % big.encode())  # in a list: no key to name
-    assert r.json()["error"]["message"].startswith("a number of 5001 digits is too large")
+    # in a list or nested: its place, as a request's fields are named (trial 41b: "param": null, and "5" for logit_bias.5)
+    r = _raw(tiny_server, "/v1/completions", b'{"prompt": [1, -%s]}' % big.encode())
+    assert r.json()["error"]["message"].startswith("prompt.1: a number of 5001 digits is too large")
+    assert r.json()["error"]["param"] == "prompt.1"
+    r = _raw(tiny_server, "/v1/completions", b'{"prompt": "a", "logit_bias": {"5": %s}}' % big.encode())
+    assert r.json()["error"]["param"] == "logit_bias.5", r.text
     assert "set_int_max_str_digits" not in r.text
     r = _raw(tiny_server, "/v1/engine/control", b'{"command": "step", "n": %s}' % big.encode())
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"

@@ -31,7 +31,9 @@ class JSONTooDeep(ValueError):
 class JSONNumberTooLong(ValueError):
     """Valid JSON holding an integer with more digits than Python converts (``sys.get_int_max_str_digits()``,
     4300 by default; RFC 8259 sets no limit, so the text *is* JSON). ``digits``: how many the number has;
-    ``key``: the object key just before it (``"max_tokens"``), or None (in a list, or not found)."""
+    ``key``: its place in the document as a request's fields are named, ``"max_tokens"``, ``"logit_bias.5"``,
+    ``"prompt.2"`` (trial 41b: a nested one was named by its last key alone, one in a list by nothing), or None
+    (the document itself, or not found)."""
 
     def __init__(self, digits: int, key: str | None) -> None:
         self.digits, self.key = digits, key
@@ -43,9 +45,40 @@ class JSONNumberTooLong(ValueError):
 _LONG_INT = re.compile(r'(?:"((?:[^"\\]|\\.)*)"\s*:\s*)?-?(\d+)')
 
 
+class _Long:
+    """An integer too long to convert, in place of its value while :func:`_too_long` finds where it stands."""
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+
+def _first_long(value: Any, path: tuple[str, ...] = ()) -> tuple[tuple[str, ...], _Long] | None:
+    """The first :class:`_Long` in ``value`` in document order (a parsed object keeps its keys' order), and its path."""
+    if isinstance(value, _Long):
+        return path, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _first_long(item, (*path, str(key)))
+        if found is not None:
+            return found
+    return None
+
+
 def _too_long(text: str, limit: int) -> JSONNumberTooLong:
-    """The first integer of ``text`` longer than ``limit`` digits, as a :class:`JSONNumberTooLong`."""
-    for m in _LONG_INT.finditer(text):
+    """The first integer of ``text`` longer than ``limit`` digits, as a :class:`JSONNumberTooLong` naming its place
+    (parsed again with such integers held as :class:`_Long`, so nothing is converted)."""
+    def parse_int(digits: str) -> Any:
+        n = len(digits.lstrip("-"))
+        return _Long(n) if n > limit else int(digits)
+
+    try:
+        found = _first_long(json.loads(text, parse_int=parse_int))
+    except (ValueError, RecursionError):
+        found = None
+    if found is not None:
+        path, long = found
+        return JSONNumberTooLong(long.digits, ".".join(path) or None)
+    for m in _LONG_INT.finditer(text):  # (not found so: the key before it, as far as the text shows)
         if len(m.group(2)) > limit:
             return JSONNumberTooLong(len(m.group(2)), m.group(1))
     return JSONNumberTooLong(limit + 1, None)  # (not found again: say what is known)
