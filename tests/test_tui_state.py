@@ -395,3 +395,26 @@ def test_the_engine_panel_says_its_queues_are_after_an_abort_between_steps():
     state.apply(planned(196, []))
     state.apply(timed(196, blocks=0, total=8))
     assert "abort" not in phase_text(state).plain  # a new step: its batch and the queues agree again
+
+
+def test_a_request_aborted_while_preempted_shows_its_prompt_prefilled():
+    """Trial 42c: aborted while preempted (its KV dropped), the finished row read prefill "0/35" beside its TTFT and
+    14 decoded tokens; the prompt had run whole once."""
+    import dataclasses
+
+    from nanovllm_tui.state import EngineState
+    from tests.test_narrator import added, entry, finished, planned, queued, timed
+
+    state = EngineState()
+    state.apply(added("0"))
+    state.apply(planned(0, [entry("0")]))
+    state.apply(timed(0))
+    assert state.requests["0"].prefilled == 3
+    preempted = dataclasses.replace(queued("0", num_tokens=5, preemptions=1), status="preempted")
+    state.apply(planned(1, [], waiting=[preempted], running=[], preempted=[preempted], admitted=()))
+    assert state.requests["0"].state == "preempted" and state.requests["0"].prefilled == 0  # its KV is gone now
+    state.apply(dataclasses.replace(finished("0", n_out=2, step=1), finish_reason="abort"))
+    assert state.requests["0"].state == "finished" and state.requests["0"].prefilled == 3
+    state.apply(added("1"))  # aborted before its first token: the prefill it reached stays as it was
+    state.apply(dataclasses.replace(finished("1", n_out=0, step=1), finish_reason="abort"))
+    assert state.requests["1"].prefilled == 0

@@ -401,6 +401,8 @@ class EngineState:
         req.state = "finished"
         req.finish_reason, req.error = e.finish_reason, e.error
         req.text, req.num_output = e.output_text, e.num_output_tokens
+        if e.num_output_tokens and req.prompt_len is not None:  # its prompt ran whole once: a finished row says so,
+            req.prefilled = req.prompt_len  # not "0/35" for KV a preemption dropped before an abort (trial 42c)
         req.finished_ttft, req.finished_tpot, req.finished_paused = e.ttft_s, e.tpot_s, e.paused_s
         req.num_preemptions = e.num_preemptions
         # the column's figure: the first admission's, vLLM's num_cached_tokens (trial 24d #3; the
