@@ -604,6 +604,14 @@ class EngineState:
                 states.count("preempted"))
 
 
+def after_aborts(aborts: list[str]) -> str:
+    """`` and req-1's abort`` / `` and 2 aborts``: what a pool's figures are after besides a step, for aborts
+    between steps (``EngineState.kv_aborts`` / ``blocks_aborts``); "" for none."""
+    if not aborts:
+        return ""
+    return f" and {aborts[0]}'s abort" if len(aborts) == 1 else f" and {len(aborts)} aborts"
+
+
 def mixed_step(t: ev.StepTimed) -> bool:
     """A step that prefilled and also decoded or verified drafts: its time is shared by both kinds of
     rows, so neither kind's tokens over it is a rate of that kind (trial 13b)."""

@@ -874,20 +874,20 @@ class Narrator(SchedulerNarration):
         entry before had said 2 blocks were in use).
         """
         request_id = e.request_id
-        before, self_counts = self._pool_counts, None
+        before, after = self._pool_counts, None
         if e.kv_blocks_used is not None:
-            self_counts = (e.kv_blocks_used, e.kv_blocks_cached or 0)
-            self._pool_counts = self_counts  # a second abort before the next step starts from this one's pool
+            after = (e.kv_blocks_used, e.kv_blocks_cached or 0)
+            self._pool_counts = after  # a second abort before the next step starts from this one's pool
         pool = self._last_pool
         if pool is None:
-            if before is None or self_counts is None:
+            if before is None or after is None:
                 return (" Its KV blocks, if it held any, were released at once: a block another request shares (a "
                         "prefix-cache hit) stays in use by that request.")
-            released, kept = before[0] - self_counts[0], self_counts[1] - before[1]
+            released, kept = before[0] - after[0], after[1] - before[1]
             if released <= 0:
                 return (" No block in use went back to the pool: it held none of its own (it was waiting, or "
                         "another request shares every block it held).")
-            return (f" The pool's blocks in use went from {before[0]} to {self_counts[0]}: {plural(released, 'KV block')} "
+            return (f" The pool's blocks in use went from {before[0]} to {after[0]}: {plural(released, 'KV block')} "
                     f"released at once" + (f", {kept} of them kept as cached-free for prefix-cache reuse"
                                            if 0 < kept < released else ", kept as cached-free for prefix-cache reuse"
                                            if kept >= released else "")

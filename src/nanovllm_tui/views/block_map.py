@@ -9,7 +9,7 @@ from nanovllm_tui.widgets.live import LiveStatic
 from nanovllm_core import events as ev
 from nanovllm_core.educational.commentary import plural
 from nanovllm_tui import hints
-from nanovllm_tui.state import EngineState
+from nanovllm_tui.state import EngineState, after_aborts
 from nanovllm_tui.views.base import EngineView
 from nanovllm_tui.widgets.block_grid import CACHED_COLOR, FREE_COLOR, BlockGrid
 from nanovllm_tui.widgets.format import request_colors
@@ -28,9 +28,8 @@ def summary_text(blocks: ev.BlocksChanged, prefix_caching: bool | None = None, s
         (f"{blocks.num_blocks - used - cached} free", "grey62"),
         " · prefix caching off" if prefix_caching is False else f" · prefix-cache hit rate {blocks.prefix_cache_hit_rate:.0%}",
         f" · after step {blocks.step}")
-    aborts = state.blocks_aborts if state is not None and state.blocks is blocks else []
-    if aborts:  # taken after an abort between steps (while paused): not the step's pool alone (trial 36c's kind)
-        text.append(f" and {aborts[0]}'s abort" if len(aborts) == 1 else f" and {len(aborts)} aborts")
+    # taken after an abort between steps (while paused): not the step's pool alone (trial 36c's kind)
+    text.append(after_aborts(state.blocks_aborts if state is not None and state.blocks is blocks else []))
     age = snapshot_age(blocks, state, live) if state is not None else ""
     if age:
         text.append(f" · {age}", style="bold yellow")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from nanovllm_tui.state import EngineState
+from nanovllm_tui.state import EngineState, after_aborts
 from nanovllm_core.educational.commentary import plural
 from nanovllm_core.educational.tp_facts import across_ranks, tp_size
 from nanovllm_tui.widgets.format import first_fitting, fmt_bytes
@@ -29,9 +29,8 @@ class KVMemoryBar(LiveStatic):
             whens = [f"after step {kv.step}"]
             aborts = state.kv_aborts
             if aborts:  # aborted between steps (while paused): the figures are after those too (trial 36c)
-                many = f" and {len(aborts)} aborts"
-                whens = [whens[0] + (f" and {aborts[0]}'s abort" if len(aborts) == 1 else many),
-                         whens[0] + (" and an abort" if len(aborts) == 1 else many)]
+                whens = [whens[0] + after_aborts(aborts),
+                         whens[0] + (" and an abort" if len(aborts) == 1 else after_aborts(aborts))]
         elif state.model_info and not state.no_engine:
             whens = ["before any step"]
         else:
