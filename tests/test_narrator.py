@@ -529,6 +529,7 @@ def test_a_readmission_tells_reused_and_recomputed_tokens():
     assert pre.title == "Request 1: recompute of 2 tokens and 1 new"
     dec = next(c for c in told if c.kind == "decode")
     assert "token #9, after the recompute" in dec.title and "one new token" not in dec.text
+    assert dec.heading == "token after recompute"  # a prefill entry made it, not a decode step (trial 42a)
 
 
 def test_a_repeated_preemption_counts_itself_and_the_tokens_recomputed_so_far():

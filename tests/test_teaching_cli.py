@@ -97,7 +97,12 @@ def test_narrate_top5_probabilities_agree_with_a_recomputation(narrated, make_en
     llm, outs, text = narrated
     prompt_ids = llm.tokenizer.encode(PROMPT)
     generated = outs[0].outputs[0].token_ids
-    decodes = sections(text, "DECODE")
+    first = sections(text, "ACT 3 · FIRST TOKEN")
+    decodes = sections(text, "ACT 4 · DECODE")
+    # the prefill's last position chose the first token: it is headed by act 3, not by a decode step (trial 42a)
+    assert len(first) == 1 and "first token, from the prefill" in first[0]
+    assert not any("first token" in d.splitlines()[0] for d in decodes)
+    decodes = first + decodes
     assert len(decodes) == len(generated) == 4
     checker = make_engine(num_kv_blocks=16)
     for k, block in enumerate(decodes):
@@ -142,6 +147,12 @@ def test_a_narrate_heading_names_its_step_once():
     assert head(Commentary("preemption", "Step 2: request 0 preempted", "x", step=2)) == \
         "▌ PREEMPTION · Step 2: request 0 preempted"  # the title names it already
     assert head(Commentary("tokenization", "Request 0: 5 tokens", "x")) == "▌ ACT 1 · TOKENIZATION · Request 0: 5 tokens"
+    # a decode entry headed by what made its token: the prefill's last position (trial 42a)
+    assert head(Commentary("decode", "Request 0, first token, from the prefill: 'Paris'", "x", step=1,
+                           heading="first token")) == \
+        "▌ ACT 3 · FIRST TOKEN · step 1 · Request 0, first token, from the prefill: 'Paris'"
+    assert head(Commentary("decode", "Request 0, token #2: ' is'", "x", step=2)) == \
+        "▌ ACT 4 · DECODE · step 2 · Request 0, token #2: ' is'"
 
 
 # ------------------------------------------------------------------------------- x-ray
@@ -381,3 +392,15 @@ def test_the_dashboards_text_panel_says_it_shows_the_prompt_first():
     console.print(view.render())
     text = console.export_text()
     assert "Request 0: prompt (dim), then generated text" in text and "Generated text (request" not in text, text
+
+
+def test_the_apps_narrator_heads_a_prefills_token_by_what_made_it():
+    """Trial 42a: the app filed the token the prefill's last position chose under "decode"."""
+    from nanovllm_core.educational.commentary import Commentary
+    from nanovllm_tui.widgets.commentary import commentary_text
+
+    first = commentary_text(Commentary("decode", "Request 0, first token, from the prefill: 'Paris'", "x", step=1,
+                                       request_id="0", heading="first token")).plain
+    assert first.startswith("▍ first token · step 1 · request 0 — Request 0, first token"), first
+    later = commentary_text(Commentary("decode", "Request 0, token #2: ' is'", "x", step=2, request_id="0")).plain
+    assert later.startswith("▍ decode · step 2 · request 0 — "), later

@@ -13,7 +13,9 @@ class Commentary:
     the explanation with this event's real numbers; ``table``: (label, probability 0..1)
     rows, e.g. a decode step's top-k candidates; ``table_title``: which distribution the
     table shows (e.g. "after repetition penalty 1.3"); ``table_notes``: one note per row
-    ("chosen", "accepted", ...; empty strings for none).
+    ("chosen", "accepted", ...; empty strings for none); ``heading``: the words shown for the entry
+    where they differ from its kind's (a ``decode`` entry for the token the prefill's last position
+    chose is headed "first token": no decode step made it; empty for the kind's own heading).
     """
 
     kind: str
@@ -24,6 +26,7 @@ class Commentary:
     table: tuple[tuple[str, float], ...] = ()
     table_title: str = ""
     table_notes: tuple[str, ...] = ()
+    heading: str = ""
 
 
 def human_bytes(n: float) -> str:

@@ -39,11 +39,16 @@ ACTS: dict[str, tuple[str, str]] = {  # kind -> (label, style)
 def render_commentary(c: Commentary) -> RenderableType:
     """One entry: ``▌ ACT · step N · title`` then the text indented, then its table if any.
 
+    The act is the kind's (``ACTS``), or act 3's with the entry's own ``heading`` where it has one
+    (the token a prefill's last position chose: "ACT 3 · FIRST TOKEN").
+
     ``step N`` whenever the entry belongs to a step and its title does not already begin with
     "Step N" (trial 12: a KV CACHE entry with step 12's numbers printed under step 3's decode,
     with nothing to tell them apart; the app's narrator names the step the same way).
     """
     label, style = ACTS.get(c.kind, (c.kind.upper(), "bold"))
+    if c.heading:  # a token chosen by a prefill's last position: act 3's, not a decode step's (trial 42a)
+        label = f"{ACTS['prefill'][0].split(' · ')[0]} · {c.heading.upper()}"
     step = f" · step {c.step}" if c.step is not None and not c.title.startswith(f"Step {c.step}") else ""
     head = Text.assemble(("▌ " + label, style), f"{step} · {c.title}")
     parts: list[RenderableType] = [head, Indent(Text(c.text))]

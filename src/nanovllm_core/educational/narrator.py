@@ -654,9 +654,12 @@ class Narrator(SchedulerNarration):
             text += " (Later tokens of this request are summed up when it finishes.)"
         notes = tuple("chosen" if t.token_id == e.token_id else "" for t in e.top)
         name = self._name(e.request_id, e.index)
+        # a token the prefill's last position chose is filed under the decode kind (filters, tutorial demos) but
+        # headed by what made it: no decode step did (trial 42a)
+        heading = ("first token" if e.num_output_tokens == 1 else "token after recompute" if recompute else "")
         return [Commentary("decode", f"{name[0].upper()}{name[1:]}, {which}: {piece}", text, request_id=e.request_id,
                            step=e.step, table=tuple((t.text, t.prob) for t in e.top), table_title=caption,
-                           table_notes=notes if any(notes) else ())]
+                           table_notes=notes if any(notes) else (), heading=heading)]
 
     def _bandwidth_share(self, timed: ev.StepTimed | None) -> str:
         """For a step of one token: its weight bytes over its wall time against the measured bandwidth.

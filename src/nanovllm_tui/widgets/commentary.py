@@ -21,7 +21,7 @@ def commentary_text(note: Commentary, bar_width: int = 20) -> Text:
     """``▍ decode · step 4 · request 0 — title``, the explanation, then its table as bars."""
     style = KIND_STYLES.get(note.kind, "bold")
     text = Text("▍ ", style=style)
-    text.append(note.kind.replace("_", " "), style=style)
+    text.append(note.heading or note.kind.replace("_", " "), style=style)
     where = []
     if note.step is not None:
         where.append(f"step {note.step}")
