@@ -330,7 +330,7 @@ def test_a_prompt_sent_to_an_idle_engine_is_not_shown_under_the_finished_steps_p
     assert state.phase == "prefill"
 
 
-def test_the_kv_title_names_an_abort_between_steps_that_changed_the_figures():
+def test_the_kv_title_names_every_abort_between_steps():
     """Trial 36c: aborted while paused, the KV panel showed the pool after the abort under "after step 195"."""
     import dataclasses
     from types import SimpleNamespace
@@ -352,6 +352,12 @@ def test_the_kv_title_names_an_abort_between_steps_that_changed_the_figures():
     assert KVMemoryBar.title_for(wide, state) == "KV cache memory · after step 195 and 0's abort"
     narrow = SimpleNamespace(size=SimpleNamespace(width=36))
     assert KVMemoryBar.title_for(narrow, state) == "KV · after step 195 and an abort"
+    # trial 43c: an abort that changed no figure (a preempted request holding no block) is counted too: the
+    # title read "2 aborts" beside 3 rows "finished (abort)"
+    state.apply(added("1"))
+    state.apply(dataclasses.replace(finished("1", step=195), finish_reason="abort", kv_blocks_used=0,
+                                    kv_blocks_cached=2))
+    assert KVMemoryBar.title_for(wide, state) == "KV cache memory · after step 195 and 2 aborts"
     state.apply(planned(196, [entry("0")]))
     state.apply(timed(196, blocks=1, total=8))
     assert KVMemoryBar.title_for(wide, state) == "KV cache memory · after step 196"

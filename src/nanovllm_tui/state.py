@@ -176,9 +176,8 @@ class EngineState:
         self.xray: dict[int, ev.LayerTrace] = {}
         self.heat: ev.LayerTrace | None = None
         self._kv_now: ev.StepTimed | None = None
-        # aborts between steps that changed the pool since the newest step's figures (the KV title says so)
-        self.kv_aborts: list[str] = []
-        # every abort between steps since the newest step (the Engine panel's queues are after them)
+        # every abort between steps since the newest step: the Engine panel's queues and the KV title's figures
+        # are after them (one that held no block counts too: trial 43c read "2 aborts" beside 3 aborted rows)
         self.step_aborts: list[str] = []
         self.blocks_aborts: list[str] = []  # the ones of those the Block Map's snapshot is after
         self.last_error: ev.EngineError | None = None
@@ -415,9 +414,6 @@ class EngineState:
         if e.kv_blocks_used is not None and last is not None and last.num_blocks_total:
             # Blocks came back outside a step (an abort) or after the step's figures: the pool now.
             per_block = last.kv_bytes_total // last.num_blocks_total
-            if e.finish_reason == "abort" and not self.step_open and (
-                    e.kv_blocks_used != last.num_blocks_used or (e.kv_blocks_cached or 0) != last.num_blocks_cached):
-                self.kv_aborts.append(e.request_id)  # between steps: the figures are after it, not the step alone
             self._kv_now = dataclasses.replace(last, num_blocks_used=e.kv_blocks_used,
                                                num_blocks_cached=e.kv_blocks_cached or 0,
                                                kv_bytes_used=e.kv_blocks_used * per_block)
@@ -443,7 +439,7 @@ class EngineState:
             elif req.state != "lost":
                 del self.requests[rid]
         self.step = self.plan = self.blocks = self._kv_now = None
-        self.kv_aborts, self.step_aborts, self.blocks_aborts = [], [], []
+        self.step_aborts, self.blocks_aborts = [], []
         self.step_open, self._planned_prefill, self._before_plan = False, {}, {}
         self._seqs, self._samples_ended = {"running": {}, "waiting": {}}, 0
         self.timings.clear()
@@ -471,7 +467,7 @@ class EngineState:
             self._samples_ended = max(0, self._samples_queued()[0] - e.num_running)
         self.timings.append(e)
         self.yielded_s += e.yielded_s
-        self._kv_now, self.kv_aborts, self.step_aborts = None, [], []
+        self._kv_now, self.step_aborts = None, []
         if self._held:  # a single step has ended: held paused again
             self._hold(e.time)
 
@@ -606,7 +602,7 @@ class EngineState:
 
 def after_aborts(aborts: list[str]) -> str:
     """`` and req-1's abort`` / `` and 2 aborts``: what a pool's figures are after besides a step, for aborts
-    between steps (``EngineState.kv_aborts`` / ``blocks_aborts``); "" for none."""
+    between steps (``EngineState.step_aborts`` / ``blocks_aborts``); "" for none."""
     if not aborts:
         return ""
     return f" and {aborts[0]}'s abort" if len(aborts) == 1 else f" and {len(aborts)} aborts"

@@ -27,7 +27,7 @@ class KVMemoryBar(LiveStatic):
         kv = state.kv
         if kv is not None and kv.num_blocks_total:
             whens = [f"after step {kv.step}"]
-            aborts = state.kv_aborts
+            aborts = state.step_aborts
             if aborts:  # aborted between steps (while paused): the figures are after those too (trial 36c)
                 whens = [whens[0] + after_aborts(aborts),
                          whens[0] + (" and an abort" if len(aborts) == 1 else after_aborts(aborts))]
