@@ -93,6 +93,9 @@ def test_chat_flag_uses_chat_template(capsys, shared_default_loads):
     (["--progress-file", "p.json"], "--progress-file applies only with --tutorial; add --tutorial or leave it out"),
     (["--tutorial-chapter", "3", "--no-demos"],
      "--tutorial-chapter and --no-demos apply only with --tutorial; add --tutorial or leave it out"),
+    # trial 43d: it did nothing without --narrate, and said nothing (--dashboard does not narrate either)
+    (["--narrate-steps", "3"], "--narrate-steps applies only with --narrate; add --narrate or leave it out"),
+    (["--dashboard", "--narrate-steps", "0"], "--narrate-steps applies only with --narrate"),
     # trial 12: accepted and ignored under fcfs; vLLM refuses it (the engine's rule, before loading)
     (["--scheduling-policy", "fcfs", "--prompt", "a", "--prompt", "b", "--priority", "0", "--priority", "1"],
      "--priority is 1, but the engine schedules fcfs (arrival order, priorities unused; vLLM refuses a priority "
@@ -509,3 +512,19 @@ def test_a_pool_that_could_never_hold_a_prompt_is_one_line_and_status_2(capsys, 
     code, out, _ = run_cli(capsys, "--prompt", "The capital of France is", "--num-kv-blocks", "1",
                            "--max-tokens", "12")
     assert code == 0 and "Completion:" in out  # 5 + 12 tokens store 16 K/V: the one block holds them
+
+
+def test_the_narrators_cap_is_ten_unless_narrate_steps_says_otherwise():
+    """Trial 43d: ``--narrate-steps`` now has no default of its own (given alone it is refused); the cap it
+    sets is 10 when it is left out, in ``nanovllm --narrate`` and the app alike, and 0 means every token."""
+    from nanovllm_core.cli import narrate_steps
+    from nanovllm_tui.options import parse_args
+
+    assert (narrate_steps(None), narrate_steps(0), narrate_steps(3)) == (10, None, 3)
+    assert parse_args([]).narrate_steps is None and parse_args(["--narrate-steps", "4"]).narrate_steps == 4
+    from nanovllm_tui.options import build_app
+    from tests.tui_helpers import TRACE
+
+    assert build_app(["--replay", str(TRACE)]).narrator.max_decode == 10  # the app's narrator, as before
+    assert build_app(["--replay", str(TRACE), "--narrate-steps", "0"]).narrator.max_decode is None
+

@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     teach = p.add_argument_group("teaching modes")
     teach.add_argument("--narrate", action="store_true",
                        help="explain each act of inference (tokens, prefill, decode, KV cache, scheduler) with real values")
-    teach.add_argument("--narrate-steps", type=_non_negative_int, default=10, metavar="N",
+    teach.add_argument("--narrate-steps", type=_non_negative_int, default=None, metavar="N",
                        help="sampled tokens narrated one by one per prompt, the first (from the prefill) included; "
                             "the rest are summed up (0 = all; default 10)")
     teach.add_argument("--xray", action="store_true",
@@ -173,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "lower --max-tokens or raise --max-model-len (up to the model's context)")
     if args.trace_xray and not args.trace:
         parser.error("--trace-xray records into the --trace file; add --trace FILE.jsonl")
+    if args.narrate_steps is not None and not args.narrate:  # it did nothing, silently (trial 43d)
+        parser.error("--narrate-steps applies only with --narrate; add --narrate or leave it out")
     check_output_paths(parser, ("--trace", args.trace), ("--trace-chrome", args.trace_chrome))  # before the load
     try:
         params = sampling_params(args)
@@ -377,6 +379,14 @@ def teaching_console():
     return Console(highlight=False)
 
 
+NARRATE_STEPS = 10  # --narrate-steps when not given
+
+
+def narrate_steps(given: int | None) -> int | None:
+    """The narrator's cap from ``--narrate-steps``: ``NARRATE_STEPS`` when not given, None (every token) for 0."""
+    return NARRATE_STEPS if given is None else given or None
+
+
 def attach_teaching_views(llm, args: argparse.Namespace):
     """Subscribe the ``--narrate`` / ``--xray`` / ``--dashboard`` views; None when none was asked for."""
     if not (args.narrate or args.xray or args.dashboard):
@@ -384,7 +394,8 @@ def attach_teaching_views(llm, args: argparse.Namespace):
     from nanovllm_core.educational.teaching import TeachingViews
 
     return TeachingViews.attach(llm.engine, teaching_console(), narrate=args.narrate, xray=args.xray,
-                                dashboard=args.dashboard, narrate_steps=args.narrate_steps or None)
+                                dashboard=args.dashboard,
+                                narrate_steps=narrate_steps(args.narrate_steps))
 
 
 def run_tutorial(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -7,7 +7,7 @@ import sys
 from typing import Sequence
 
 from nanovllm_core.cli import build_parser as build_engine_parser
-from nanovllm_core.cli import engine_kwargs, sampling_params, tcp_port
+from nanovllm_core.cli import engine_kwargs, narrate_steps, sampling_params, tcp_port
 from nanovllm_core.cli_args import (api_key, api_key_default, check_output_paths, contiguous_problem, priorities_problem,
                                     screen_rate)
 from nanovllm_tui.bridge import DEFAULT_FPS
@@ -244,7 +244,7 @@ def build_app(argv: Sequence[str] | None = None):
     common = dict(sampling=args.sampling, settings=settings, prompts=prompts, fps=args.fps, freeze_gc=True,
                   record_xray=args.trace_xray,
                   tutorial_path=getattr(args, "progress_file", None),
-                  narrate_steps=getattr(args, "narrate_steps", 10) or None)
+                  narrate_steps=narrate_steps(getattr(args, "narrate_steps", None)))
     if args.replay:
         from nanovllm_tui.replay import ReplayController
 
