@@ -1394,3 +1394,27 @@ def test_an_abort_without_block_tables_tells_the_pools_counts_before_and_after()
     feed_all(n2, [planned(0, [entry(num=3)]), timed(0, blocks=2, total=8)])
     (end,) = [c for c in n2.feed(replace(aborted, kv_blocks_used=2, kv_blocks_cached=0)) if c.kind == "finished"]
     assert "No block in use went back to the pool" in end.text, end.text
+
+
+def test_an_abort_in_the_middle_of_a_prefill_tells_how_far_its_prompt_got():
+    """Trial 43e: aborted after two 8-token chunks of a 72-token prompt (16 found in the prefix cache), the finish
+    entry said "aborted after 0 tokens: ''" and nothing of the 32 prompt tokens its chunks had computed, which the
+    Dashboard row showed as 48/72."""
+    n = fresh()
+    ids = tuple(range(100, 172))
+    n.feed(added(ids=ids, pieces=tuple(f"t{i}" for i in ids)))
+    feed_all(n, [planned(0, [entry(num=8, start=16, prompt_len=72, total_len=72, cached=16)]), timed(0, blocks=2),
+                 planned(1, [entry(num=8, start=24, prompt_len=72, total_len=72)]), timed(1, blocks=2),
+                 planned(2, [entry(num=24, start=32, prompt_len=72, total_len=72)]), timed(2, blocks=3)])
+    aborted = replace(finished(n_out=0, step=2), finish_reason="abort", output_text="", output_token_ids=(),
+                      num_prompt_tokens=72, num_cached_prompt_tokens=16, kv_blocks_used=0, kv_blocks_cached=3)
+    (end,) = [c for c in n.feed(aborted) if c.kind == "finished"]
+    assert ("It was aborted in the middle of its prefill: 56 of its 72 prompt tokens had their keys and values in the "
+            "KV cache (16 found in the prefix cache, 40 computed by its prefill); prompt tokens 56..71 were never run, "
+            "and no token was sampled.") in end.text, end.text
+    # one that had made a token, or whose prefill ran whole, says none of it
+    n2 = fresh()
+    n2.feed(added())
+    feed_all(n2, [planned(0, [entry(num=3)]), timed(0, blocks=1)])
+    (end,) = [c for c in n2.feed(replace(finished(n_out=1, step=0), finish_reason="abort")) if c.kind == "finished"]
+    assert "middle of its prefill" not in end.text

@@ -95,6 +95,20 @@ class Tabs(TabbedContent):
         super()._on_tabs_tab_activated(event)
 
 
+def abort_progress(event: ev.RequestFinished, row: Any) -> str:
+    """What an aborted request had done and what its abort did to the pool, for the toast: "after 2 tokens; its
+    KV blocks are released ...", and for one with no token yet, how far its prefill got from its row
+    (``RequestView.prefilled``, as the table shows it; trial 43e: "after 0 tokens" for a prompt 48 of 72 in)."""
+    released = "its KV blocks are released (a block another request shares stays in use)"
+    total = getattr(row, "prompt_len", None)
+    if event.num_output_tokens or total is None:
+        return f"after {plural(event.num_output_tokens, 'token')}; {released}"
+    done = row.prefilled
+    if not done:  # waiting (or preempted, its blocks given back): it held no K/V of its own
+        return "before any of its prompt was in the KV cache; it held no KV blocks"
+    return f"in the middle of its prefill, {done} of its {total} prompt tokens in the KV cache; {released}"
+
+
 def settle_layout_baseline(screen: Any) -> None:
     """Bring the screen compositor's record of laid-out widgets up to date before a tab's pane is shown.
 
@@ -527,8 +541,7 @@ class NanoVLLMApp(App):
             # shutdown, another client's control) and was told in the same words as `a` (trial 26c)
             by = ("" if event.request_id in self._aborted_here else
                   " on the server, not by this app (the server is shutting down, or another client aborted it)")
-            self.notify(f"{event.request_id} aborted{by} after {plural(event.num_output_tokens, 'token')}; its KV "
-                        "blocks are released (a block another request shares stays in use)",
+            self.notify(f"{event.request_id} aborted{by} {abort_progress(event, self.state.requests.get(event.request_id))}",
                         markup=False)
         elif event.kind == "ServerStopped":  # nanovllm_tui.remote's: it stopped before a step's end
             lost = len(event.unfinished)

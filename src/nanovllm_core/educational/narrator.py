@@ -922,11 +922,30 @@ class Narrator(SchedulerNarration):
                      "already holds the same tokens: then it is simply freed)")
         return text + "."
 
+    def _prefill_reached(self, e: ev.RequestFinished) -> str:
+        """For a request aborted in the middle of its prefill: how far its prompt's K/V had got (trial 43e: "after
+        0 tokens" and nothing else, where the Dashboard row showed 48/72 prefilled); "" otherwise, and when the
+        narrator did not see its steps or a preemption had dropped them (then it held no K/V)."""
+        if e.finish_reason != "abort" or e.num_output_tokens or len(e.samples) > 1:
+            return ""
+        done = max((self._computed[q] for q, r in self._request_of.items() if r == e.request_id and q in self._computed),
+                   default=0)
+        total, cached = e.num_prompt_tokens, e.num_cached_prompt_tokens or 0
+        if not done or done >= total:
+            return ""
+        how = (f" ({cached} found in the prefix cache, {done - cached} computed by its prefill)"
+               if 0 < cached < done else " (found in the prefix cache)" if cached >= done else "")
+        return (f" It was aborted in the middle of its prefill: {done} of its {total} prompt tokens had their keys "
+                f"and values in the KV cache{how}; prompt tokens {done}..{total - 1} were never run, and no token was "
+                "sampled.")
+
     def _finished(self, e: ev.RequestFinished) -> Commentary:
         state = self._requests.pop(e.request_id, None)
+        reached = self._prefill_reached(e)
         self._forget(e.request_id)
         text = (f"Request {e.request_id} finished ({e.finish_reason}): {self._why(e.finish_reason, e.stop_reason)} after "
                 f"{plural(e.num_output_tokens, 'token')}: {e.output_text!r}.")
+        text += reached
         if len(e.samples) > 1:
             text = (f"Request {e.request_id} finished: all {len(e.samples)} samples are done. "
                     + " ".join(f"Sample {x.index} ({x.finish_reason}, {plural(len(x.token_ids), 'token')}): {x.text!r}."
