@@ -641,3 +641,43 @@ async def test_a_server_stopped_during_a_long_step_leaves_no_request_running_in_
     finally:
         held.set()
         first.shutdown(timeout=5)
+
+
+@pytest.mark.anyio
+async def test_a_watcher_is_told_the_state_when_it_changes_not_only_at_the_heartbeat():
+    """Trials 42c, 43c: an attached app's header said "running · 0 active requests" beside an IDLE Engine panel
+    for seconds: the hub told a watcher the controller's state only at its heartbeat. Running with no request
+    left, the controller goes idle a moment after the last step's events, and the watcher is told then."""
+    import json
+    from types import SimpleNamespace
+
+    from nanovllm_core.entrypoints.event_hub import EventHub
+
+    controller = SimpleNamespace(state="running")
+    hub = EventHub(controller, heartbeat_s=60.0)  # no heartbeat within the test
+    hub._loop = asyncio.get_running_loop()
+    stream = hub.stream()
+
+    def states(frame: str) -> list[str]:
+        return [json.loads(line[6:])["state"] for line in frame.splitlines()
+                if line.startswith("data: {\"state\"")]
+
+    async def next_frame() -> str:
+        return await asyncio.wait_for(stream.__anext__(), 20.0)
+
+    assert states(await next_frame()) == ["running"]
+    hub.publish(ev.RequestAdded(request_id="r", prompt="a", prompt_token_ids=(1,), prompt_pieces=("a",),
+                                priority=0, max_tokens=1, sampling=()))
+    hub.publish(ev.RequestFinished(request_id="r", step=1, index=0, finish_reason="length", stop_reason=None,
+                                   output_text="b", output_token_ids=(2,), num_prompt_tokens=1, num_output_tokens=1,
+                                   ttft_s=0.1, tpot_s=None, e2e_s=0.1, num_preemptions=0, num_cached_prompt_tokens=0))
+    seen: list[str] = []
+    for _ in range(20):  # the finish's frame, then the state once the controller has gone idle
+        frame = await next_frame()
+        seen += states(frame)
+        if '"RequestFinished"' in frame:
+            controller.state = "idle"  # as the engine thread sets it after the last step's events
+        if "idle" in seen:
+            break
+    assert seen[-1:] == ["idle"], seen
+    await stream.aclose()

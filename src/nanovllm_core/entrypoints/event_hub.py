@@ -8,7 +8,8 @@ as server-sent events::
     data: {"type":"TokenSampled","step":40,...}      <- one line of the trace format (events.to_json)
 
     event: state
-    data: {"state":"running","step":40}             <- at least every half second: the controller's state
+    data: {"state":"running","step":40}             <- at least every half second, and when it changes: the
+                                                       controller's state
 
 The ``data`` lines are exactly what ``--trace`` writes, so the app decodes them with the
 replay's decoder. An event's ``id`` is this server's instance and the event's number; a
@@ -51,6 +52,10 @@ ENDED_IDS_KEPT = 1024  # ids of ended requests remembered, as the engine's llm_e
 # A watcher is sent what accumulated at most this often: an app draws 5-10 frames a second, and
 # fewer, larger writes leave the event loop (and Python's lock) to the engine and the API.
 BATCH_INTERVAL_S = 0.05
+# Running with no request left, the controller goes idle (or paused) a moment after the last step's events:
+# a watcher is told within this many seconds, not at the next heartbeat (trials 42c, 43c: an attached app's
+# header said "running" beside an IDLE Engine panel for seconds on a busy host)
+STATE_SETTLE_S = 0.05
 
 
 @dataclass(eq=False)
@@ -286,8 +291,10 @@ class EventHub:
             unfinished = list(self._live)
         return f"event: state\ndata: {json.dumps({'state': 'stopped', 'step': self._step, 'unfinished': unfinished})}\n\n"
 
-    def _state_frame(self) -> str:
-        return f"event: state\ndata: {json.dumps({'state': self.controller.state, 'step': self._step})}\n\n"
+    def _state_frame(self, state: str | None = None) -> str:
+        """The ``state`` frame: ``state`` (default: the controller's now) and the newest step."""
+        state = self.controller.state if state is None else state
+        return f"event: state\ndata: {json.dumps({'state': state, 'step': self._step})}\n\n"
 
     async def stream(self, topk: int = 0, blocks: bool = False, xray: bool = False,
                      last_event_id: int | None = None) -> AsyncIterator[str]:
@@ -300,7 +307,8 @@ class EventHub:
                 resume = last_event_id is not None and self._first_seq - 1 <= last_event_id <= self._seq
                 cursor = last_event_id if resume else self._seq
                 snapshot = [] if resume else self._snapshot(w)
-            yield self._state_frame() + "".join(self._frame(cursor, ev.with_topk(e, w.topk)) for e in snapshot)
+            sent_state = self.controller.state
+            yield self._state_frame(sent_state) + "".join(self._frame(cursor, ev.with_topk(e, w.topk)) for e in snapshot)
             last_state = time.monotonic()
             while True:
                 # Re-arm the wake-up before reading: an event published from here on wakes this loop,
@@ -318,9 +326,10 @@ class EventHub:
                     if w.wants(entry[1]):
                         out.append(self._encoded(entry, w))
                     cursor = entry[0]
-                if time.monotonic() - last_state >= self.heartbeat_s:
-                    out.append(self._state_frame())
-                    last_state = time.monotonic()
+                now_state = self.controller.state  # after the log: the events that led to it go first
+                if now_state != sent_state or time.monotonic() - last_state >= self.heartbeat_s:
+                    out.append(self._state_frame(now_state))
+                    sent_state, last_state = now_state, time.monotonic()
                 if closing:  # the last frame: a state "stopped" naming what ends unfinished (see stopped_frame)
                     out.append(self._stopped_frame())
                 if out:
@@ -330,8 +339,10 @@ class EventHub:
                 if batch:
                     await asyncio.sleep(self.batch_interval_s)
                 else:
+                    with self._lock:
+                        settling = sent_state == "running" and not self._live  # idle (or paused) in a moment
                     try:
-                        await asyncio.wait_for(w.wake.wait(), self.heartbeat_s)
+                        await asyncio.wait_for(w.wake.wait(), STATE_SETTLE_S if settling else self.heartbeat_s)
                     except asyncio.TimeoutError:
                         pass
         finally:
