@@ -1418,3 +1418,17 @@ def test_an_abort_in_the_middle_of_a_prefill_tells_how_far_its_prompt_got():
     feed_all(n2, [planned(0, [entry(num=3)]), timed(0, blocks=1)])
     (end,) = [c for c in n2.feed(replace(finished(n_out=1, step=0), finish_reason="abort")) if c.kind == "finished"]
     assert "middle of its prefill" not in end.text
+
+
+def test_an_abort_in_the_middle_of_a_readmitted_prefill_makes_no_claim_of_prefix_hits():
+    """The prefix-cache hits a finish counts are the first admission's: after a preemption the split of what its
+    new prefill found and computed is not known, so the entry gives the count alone."""
+    n = fresh()
+    ids = tuple(range(100, 172))
+    n.feed(added(ids=ids, pieces=tuple(f"t{i}" for i in ids)))
+    feed_all(n, [planned(0, [entry(num=24, start=16, prompt_len=72, total_len=72, cached=16)]), timed(0, blocks=3)])
+    aborted = replace(finished(n_out=0, step=0), finish_reason="abort", output_text="", output_token_ids=(),
+                      num_prompt_tokens=72, num_cached_prompt_tokens=16, num_preemptions=1)
+    (end,) = [c for c in n.feed(aborted) if c.kind == "finished"]
+    assert "40 of its 72 prompt tokens had their keys and values in the KV cache; prompt tokens 40..71" in end.text
+    assert "computed by its prefill" not in end.text

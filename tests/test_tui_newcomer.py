@@ -265,7 +265,7 @@ async def test_aborts_are_announced_only_for_the_apps_own_requests(tiny_llama_di
         await pilot.pause(0.2)
         assert app.state.requests[other].finish_reason == "abort"
         # paused, it never ran: the toast says it held no K/V (trial 43e), not "after 0 tokens"
-        assert notes.find(f"{mine} aborted before any of its prompt was in the KV cache; it held no KV blocks")
+        assert notes.find(f"{mine} aborted before its prefill began; it held no KV blocks")
         assert not notes.find(f"{other} aborted")
 
 
@@ -405,7 +405,7 @@ async def test_an_abort_this_app_did_not_ask_for_is_told_apart_from_its_own(tiny
         await wait_until(pilot, lambda: app.state.requests[second].state == "finished", what="my abort")
         await pilot.pause(0.2)
         assert notes.find(f"{first} aborted on the server, not by this app")
-        assert notes.find(f"{second} aborted before any") and not notes.find(f"{second} aborted on the server")
+        assert notes.find(f"{second} aborted before its prefill began") and not notes.find(f"{second} aborted on the server")
 
 
 async def test_under_connect_a_start_up_prompt_with_the_default_max_tokens_fits_the_servers_context(tiny_server,
@@ -445,8 +445,10 @@ def test_an_abort_toast_tells_how_far_a_prompt_without_tokens_had_got():
     assert abort_progress(aborted, SimpleNamespace(prompt_len=72, prefilled=48)) == (
         "in the middle of its prefill, 48 of its 72 prompt tokens in the KV cache; its KV blocks are released (a "
         "block another request shares stays in use)")
-    assert abort_progress(aborted, SimpleNamespace(prompt_len=72, prefilled=0)) == (
-        "before any of its prompt was in the KV cache; it held no KV blocks")
+    assert abort_progress(aborted, SimpleNamespace(prompt_len=72, prefilled=0, num_preemptions=0)) == (
+        "before its prefill began; it held no KV blocks")
+    assert abort_progress(aborted, SimpleNamespace(prompt_len=72, prefilled=0, num_preemptions=1)) == (
+        "while preempted; it held no KV blocks (its preemption had released them)")
     assert abort_progress(replace(aborted, num_output_tokens=2), SimpleNamespace(prompt_len=72, prefilled=72)) \
         .startswith("after 2 tokens; its KV blocks are released")
     assert abort_progress(aborted, None).startswith("after 0 tokens")  # a row the app never saw: no claim

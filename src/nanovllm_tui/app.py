@@ -104,8 +104,10 @@ def abort_progress(event: ev.RequestFinished, row: Any) -> str:
     if event.num_output_tokens or total is None:
         return f"after {plural(event.num_output_tokens, 'token')}; {released}"
     done = row.prefilled
-    if not done:  # waiting (or preempted, its blocks given back): it held no K/V of its own
-        return "before any of its prompt was in the KV cache; it held no KV blocks"
+    if not done and getattr(row, "num_preemptions", 0):  # preempted in its prefill, not readmitted since
+        return "while preempted; it held no KV blocks (its preemption had released them)"
+    if not done:  # waiting: it held no K/V of its own
+        return "before its prefill began; it held no KV blocks"
     return f"in the middle of its prefill, {done} of its {total} prompt tokens in the KV cache; {released}"
 
 

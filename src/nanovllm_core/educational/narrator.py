@@ -933,8 +933,10 @@ class Narrator(SchedulerNarration):
         total, cached = e.num_prompt_tokens, e.num_cached_prompt_tokens or 0
         if not done or done >= total:
             return ""
-        how = (f" ({cached} found in the prefix cache, {done - cached} computed by its prefill)"
-               if 0 < cached < done else " (found in the prefix cache)" if cached >= done else "")
+        # the hits counted are the first admission's: after a preemption the split is not known
+        how = ("" if e.num_preemptions else
+               f" ({cached} found in the prefix cache, {done - cached} computed by its prefill)" if 0 < cached < done
+               else " (found in the prefix cache)" if cached >= done else "")
         return (f" It was aborted in the middle of its prefill: {done} of its {total} prompt tokens had their keys "
                 f"and values in the KV cache{how}; prompt tokens {done}..{total - 1} were never run, and no token was "
                 "sampled.")
