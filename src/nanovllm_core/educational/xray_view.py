@@ -87,7 +87,8 @@ def op_cost(t: ev.LayerTrace, o: ev.OpInfo) -> str:
 def render_layer_detail(t: ev.LayerTrace, info: dict[str, Any] | None = None) -> RenderableType:
     """Everything layer ``t.layer`` did: operations, tensors, GQA arithmetic, roofline, attention weights;
     with ``info`` (``model_info()``) of a split engine, each rank's shards and the layer's all-reduce bytes."""
-    ops = Table(title=f"Layer {t.layer} of {t.num_layers}: operations (math and cost; then the shapes)",
+    ops = Table(title=f"Layer {t.layer} of {t.num_layers}: operations (math and cost: FLOPs, the bytes the operation "
+                      "reads plus those it writes, FLOP per byte; then the shapes)",
                 title_justify="left", box=None, header_style="bold", padding=(0, 1), show_header=False)
     ops.add_column("op", style="bold", no_wrap=True)
     ops.add_column("what")
@@ -211,7 +212,7 @@ def step_total(traces: list[ev.LayerTrace], edges: tuple[ev.OpInfo, ...] = ()) -
     n = first.num_batch_tokens
     batch = (f"the step's batch of {plural(n, 'token')}" if facts.is_flat(first)
              else "this request's tokens")
-    layers = (f"All {len(traces)} decoder layers: {si(flops, 'FLOP')} and about {human_bytes(moved)} moved "
+    layers = (f"All {len(traces)} decoder layers: {si(flops, 'FLOP')} and about {human_bytes(moved)} read and written "
               f"for {batch} (K/V writes and attention reads included)")
     if not edges:
         return layers + "; the embedding lookup, final norm and LM head are not counted"

@@ -188,7 +188,7 @@ def pipeline_text(trace: ev.LayerTrace) -> Text:
         text.append(op.math, style="italic")
         text.append(f"\n    {op.shapes}", style="#f5a524")
         cost = f"{fmt_count(op.flops)} FLOPs · " if op.flops else ""
-        text.append(f"\n    {cost}{fmt_bytes(op.bytes)} moved", style="dim")
+        text.append(f"\n    {cost}{fmt_bytes(op.bytes)} read + written", style="dim")  # (trial 44c: "moved" read as written)
         if op.flops and op.bytes:
             bound = facts.bound(trace, op)
             text.append(f" · {facts.op_intensity(op):.1f} FLOP/B", style="dim")
@@ -196,7 +196,7 @@ def pipeline_text(trace: ev.LayerTrace) -> Text:
                 text.append(f" {bound}", style="#3ecf8e" if bound == "compute-bound" else "#ff8a5b")
         text.append("\n")
     flops, moved = sum(o.flops for o in trace.ops), sum(o.bytes for o in trace.ops)
-    text.append(f"  layer total: {fmt_count(flops)} FLOPs · {fmt_bytes(moved)} moved\n", style="bold")
+    text.append(f"  layer total: {fmt_count(flops)} FLOPs · {fmt_bytes(moved)} read + written\n", style="bold")
     verdicts = facts.verdict_line(trace)
     if verdicts:
         text.append(f"  {verdicts}\n", style="dim")
