@@ -99,8 +99,10 @@ def print_table(rows: list[Row]) -> None:
         print(f"{r.proposer:<9} {r.k:>2} {r.workload:<10} {r.plain_tokens_per_s:>11.1f} {r.spec_tokens_per_s:>10.1f} "
               f"{r.speedup:>7.2f}x {r.acceptance_rate:>8.1%} {r.alpha:>6.2f} {r.mean_accepted_length:>5.2f} "
               f"{r.expected_length:>8.2f} {r.steps_spec:>4}/{r.steps_plain:<4} {'yes' if r.identical else 'NO':>5}")
-    print("len: measured tokens per verification; E(alpha): (1 - alpha^(k+1)) / (1 - alpha); "
-          "steps: engine steps with/without speculation; same: greedy tokens identical")
+    print("acc rate: drafts accepted / drafts proposed; alpha: drafts accepted / drafts judged (a draft after the "
+          "first rejection is never judged), the per-token rate E(alpha) assumes; len: measured tokens per "
+          "verification; E(alpha): (1 - alpha^(k+1)) / (1 - alpha); steps: engine steps with/without speculation; "
+          "same: greedy tokens identical")
 
 
 def main(argv: list[str] | None = None) -> list[Row]:

@@ -298,3 +298,14 @@ def test_the_quantization_benchmarks_default_held_out_text_ships_with_the_reposi
     root = Path(__file__).resolve().parents[1]
     held_out = benchmark_quantization.parse_args(["--quick"]).held_out.resolve()
     assert held_out.is_file() and root in held_out.parents, held_out
+
+
+def test_the_speculative_tables_legend_names_every_rate_column(capsys):
+    """Trial 44a: the legend explained len, E(alpha), steps and same, but not how "acc rate" and "alpha" differ."""
+    from benchmarks.benchmark_speculative import print_table
+
+    print_table([])
+    out = capsys.readouterr().out
+    header, legend = out.splitlines()[0], " ".join(out.splitlines()[1:])
+    for column in ("acc rate", "alpha", "len", "E(alpha)", "steps", "same"):
+        assert column in header and f"{column}:" in legend, column
