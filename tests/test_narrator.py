@@ -1432,3 +1432,29 @@ def test_an_abort_in_the_middle_of_a_readmitted_prefill_makes_no_claim_of_prefix
     (end,) = [c for c in n.feed(aborted) if c.kind == "finished"]
     assert "40 of its 72 prompt tokens had their keys and values in the KV cache; prompt tokens 40..71" in end.text
     assert "computed by its prefill" not in end.text
+
+
+def test_narrate_steps_counts_the_tokens_of_all_a_prompts_samples_together():
+    """Trial 44e: docs/teaching.md said N tokens "per prompt" without saying how n > 1 counts; the cap is the
+    prompt's, its samples' tokens together (the docs and --help now say so)."""
+    n = Narrator({}, max_decode_steps_per_request=3)
+    n.feed(replace(added("0"), n=2))
+    told = []
+    for step in (1, 2, 3):
+        for index in (0, 1):
+            told += [c for c in n.feed(replace(sampled(step, n_out=step), index=index)) if c.kind == "decode"]
+    assert len(told) == 3, [c.title for c in told]
+
+
+def test_a_kv_entry_without_block_tables_says_why_speculation_may_hold_an_empty_block():
+    """Trial 44e: with ngram drafting and no block-table snapshot, the KV entry said 4 blocks were reserved for a
+    48-token request that "ran without drafts", and nothing said a block is taken ahead for the draft slots."""
+    def kv_text(info):
+        n = Narrator(info)
+        n.feed(added())
+        out = feed_all(n, [planned(0, [entry(num=3)]), timed(0, blocks=2)])
+        (kv,) = [c for c in out if c.kind == "kv_cache"]
+        return kv.text
+
+    assert "up to k drafts" in kv_text({**INFO, "speculative_model": "ngram", "num_speculative_tokens": 3})
+    assert "drafts" not in kv_text(INFO)  # no speculation: no such block, nothing said

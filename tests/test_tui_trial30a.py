@@ -44,3 +44,20 @@ async def test_the_narrator_first_opened_after_a_scroll_in_another_tab_shows_its
         await pilot.pause(0.3)
         text = screen_text(app)
         assert "Step " in text or "prefill" in text.lower() or "decode" in text.lower(), text
+
+
+async def test_end_and_home_in_the_tutorial_go_to_a_chapters_end_and_start(tmp_path):
+    """Trial 44e: End did not move a chapter longer than the screen (only PageDown did, and no help said so)."""
+    from textual.containers import VerticalScroll
+
+    app = replay_app(tmp_path, start_paused=True)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, 30, "the recording's model")
+        await pilot.press("escape", "4")
+        await wait_until(pilot, lambda: visible_tab(app) == "tutorial", 10, "the Tutorial tab")
+        scroll = app.screen.query_one("#chapter-scroll", VerticalScroll)
+        await wait_until(pilot, lambda: scroll.max_scroll_y > 0, 10, "a chapter longer than the screen")
+        await pilot.press("end")
+        await wait_until(pilot, lambda: scroll.scroll_y == scroll.max_scroll_y, 10, "the chapter's end")
+        await pilot.press("home")
+        await wait_until(pilot, lambda: scroll.scroll_y == 0, 10, "the chapter's start")

@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     teach.add_argument("--narrate", action="store_true",
                        help="explain each act of inference (tokens, prefill, decode, KV cache, scheduler) with real values")
     teach.add_argument("--narrate-steps", type=_non_negative_int, default=None, metavar="N",
-                       help="sampled tokens narrated one by one per prompt, the first (from the prefill) included; "
-                            "the rest are summed up (0 = all; default 10)")
+                       help="sampled tokens narrated one by one per prompt (its n samples together), the first "
+                            "(from the prefill) included; the rest are summed up (0 = all; default 10)")
     teach.add_argument("--xray", action="store_true",
                        help="show tensor shapes and the math of every layer for each prompt's prefill and first decode")
     teach.add_argument("--dashboard", action="store_true",

@@ -748,6 +748,11 @@ class Narrator(SchedulerNarration):
         if blocks is None:  # the app asks for snapshots only while its Narrator or Block Map tab is open
             text += (" No snapshot of the block tables came with this step, so the bytes its tokens store "
                      "are not told here.")
+            if self.info.get("speculative_model"):  # trial 44e: 4 blocks for 48 tokens beside "ran without drafts"
+                text += (" With speculative decoding a sequence may hold a block none of its tokens fill yet: before "
+                         "each step the scheduler reserves slots for its newest token and up to k drafts, taking a "
+                         "block when they need one, and only rejected drafts give blocks back, so a step whose "
+                         "proposer drafted none keeps it for the tokens to come.")
         if blocks is not None and blocks.tables:
             shown = []
             for tb in blocks.tables[:MAX_TABLES_SHOWN]:
