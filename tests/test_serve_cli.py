@@ -432,6 +432,8 @@ def test_serve_refuses_a_kv_pool_smaller_than_one_max_model_len_sequence(capsys,
                          "max_model_len 512 (a request without max_tokens may run that long); add --max-model-len "
                          "128 (or less), or raise --num-kv-blocks to 32"), err
     parser = serve_cli.build_parser()
+    assert serve_cli.early_pool_problem(parser.parse_args(["--model", str(tiny_llama_dir), "--num-kv-blocks", "8",
+                                                           "--max-model-len", "128"])) is None
     fits = serve_cli.load(parser.parse_args(["--model", str(tiny_llama_dir), "--num-kv-blocks", "8",
                                              "--max-model-len", "128"]), parser)
     try:  # what the line proposes is served
@@ -524,3 +526,22 @@ def test_no_loading_stage_is_printed_after_the_commands_last_line(capsys):
     err = capsys.readouterr().err
     assert err.rstrip().endswith("nothing was served") and "loading weights" not in err, err
     assert "nanovllm serve: reading the weights..." in err
+
+
+def test_serve_refuses_a_pool_the_options_make_too_small_before_loading_any_weight(capsys, tiny_llama_dir,
+                                                                                   monkeypatch):
+    """Trials 42c, 43c: `nanovllm serve --num-kv-blocks 24 --block-size 4` loaded the weights (12 s, /health
+    answering "loading") before its refusal, though the options and the model's config decide it."""
+    def no_load(args):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(serve_cli, "start_loading", no_load)
+    code, _, err = run_main(serve_cli.main, capsys, "--model", str(tiny_llama_dir), "--port", str(free_port()),
+                            "--num-kv-blocks", "24", "--block-size", "4", "--no-access-log")
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].endswith(
+        "the KV pool holds 24 blocks x 4 tokens = 96 tokens, fewer than one sequence of max_model_len 512 (a request "
+        "without max_tokens may run that long); add --max-model-len 96 (or less), or raise --num-kv-blocks to 128"), err
+    bad = serve_cli.build_parser().parse_args(["--model", "/nonexistent/model", "--num-kv-blocks", "2"])
+    assert serve_cli.early_pool_problem(bad) is None  # the load says what is wrong with the model, in its words
+

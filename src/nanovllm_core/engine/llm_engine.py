@@ -75,6 +75,17 @@ class EngineDeadError(RuntimeError):
     The message is ``LLMEngine.fatal_error``: one line naming the cause and saying to restart."""
 
 
+
+def planned_block_size(config: EngineConfig, model_config: ModelConfig, device: torch.device,
+                       dtype: torch.dtype) -> int:
+    """Tokens per KV block the engine will use: ``config.block_size``, else the attention backend's
+    default for ``device``, ``dtype`` and the model's head size (16 on a CPU; 256 where flash-attn
+    runs), 16 for the contiguous baseline. Known before any weight loads (``nanovllm serve`` checks
+    its pool against ``max_model_len`` with it)."""
+    return config.block_size or (
+        default_block_size(device, dtype, model_config.head_dim, config.attention_backend)
+        if config.paged else DEFAULT_BLOCK_SIZE)
+
 class LLMEngine(EventSource):
     """A paged-attention inference engine over one model.
 
@@ -106,9 +117,7 @@ class LLMEngine(EventSource):
         if spec is not None and spec.startswith("self:"):
             parse_self_layers(spec, self.model_config.num_hidden_layers)  # fail before allocating anything
         draft = load_draft_model(spec, model, self.device, self.dtype, self.max_model_len) if needs_draft_model(spec) else None
-        block_size = config.block_size or (
-            default_block_size(self.device, self.dtype, self.model_config.head_dim, config.attention_backend)
-            if config.paged else DEFAULT_BLOCK_SIZE)
+        block_size = planned_block_size(config, self.model_config, self.device, self.dtype)
         if config.block_size is not None:  # asked for: no longer than a sequence can be (the default is chosen to fit)
             check_block_size(config.block_size, self.max_model_len)
         self.kv_dtype = self.dtype  # K/V in the model's dtype; the runner makes the same choice

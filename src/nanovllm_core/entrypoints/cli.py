@@ -149,8 +149,35 @@ def pool_problem(controller: Any) -> str | None:
     does by default). vLLM refuses to start so too ("the model's max seq len is larger than the
     maximum number of tokens that can be stored in KV cache")."""
     engine = controller.engine
-    blocks, block_size = engine.block_manager.num_blocks, engine.block_manager.block_size
-    pool, limit = blocks * block_size, engine.max_model_len
+    return pool_text(engine.block_manager.num_blocks, engine.block_manager.block_size, engine.max_model_len)
+
+
+def early_pool_problem(args: argparse.Namespace) -> str | None:
+    """:func:`pool_problem` decided from the options and the model's config, before any weight loads: with
+    ``--num-kv-blocks`` the pool's size is known, and so are the block size and ``max_model_len`` once the
+    config is read (trials 42c, 43c: the refusal came after a 12 s load while /health said "loading").
+    None when the options leave it to the loaded engine (the pool sized from free memory) or the config
+    cannot be read here (the load then says why)."""
+    if args.num_kv_blocks is None:
+        return None
+    try:
+        from nanovllm_core.config import EngineConfig
+        from nanovllm_core.engine.llm_engine import planned_block_size
+        from nanovllm_core.model.loader import read_model_config, resolve_model
+
+        kwargs = engine_kwargs(args)
+        config = EngineConfig(**kwargs)
+        model_config = read_model_config(resolve_model(config.model, None))
+    except Exception:  # a bad model or setting: the load reports it in its own words
+        return None
+    limit = config.max_model_len or model_config.max_position_embeddings
+    block_size = planned_block_size(config, model_config, config.torch_device, config.torch_dtype)
+    return pool_text(config.num_kv_blocks, block_size, limit)
+
+
+def pool_text(blocks: int, block_size: int, limit: int) -> str | None:
+    """The one-line refusal of a pool of ``blocks`` x ``block_size`` tokens below ``limit`` (``max_model_len``), or None."""
+    pool = blocks * block_size
     if pool >= limit:
         return None
     return (f"the KV pool holds {blocks} block{'s' if blocks != 1 else ''} x {block_size} token{'s' if block_size != 1 else ''} = {pool} token{'s' if pool != 1 else ''}, fewer than one sequence of "
@@ -186,6 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from nanovllm_core.entrypoints.api_server import APIServer, LoadingGate, bind_warning, build_app
 
     before = frozenset(threading.enumerate())  # engine threads not this server's (a test process's own)
+    early = early_pool_problem(args)  # a pool too small, known from the options and the config: refused unloaded
+    if early is not None:
+        parser.error(early)
 
     try:
         sock = listen(args.host, args.port)
