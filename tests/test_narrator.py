@@ -1458,3 +1458,36 @@ def test_a_kv_entry_without_block_tables_says_why_speculation_may_hold_an_empty_
 
     assert "up to k drafts" in kv_text({**INFO, "speculative_model": "ngram", "num_speculative_tokens": 3})
     assert "drafts" not in kv_text(INFO)  # no speculation: no such block, nothing said
+
+
+def test_an_abort_after_steps_with_no_snapshot_does_not_name_an_older_steps_blocks():
+    """Trial 45e: the app asks for block tables only while a tab shows them; a snapshot from step 0 was still the
+    narrator's newest when the request was aborted after step 2, and the entry said "Its 2 KV blocks [0, 1]
+    were released" where the KV entry above had said 3 blocks were in use."""
+    n = fresh()
+    n.feed(added())
+    n.feed(planned(0, [entry(num=2, prompt_len=52, total_len=52)]))
+    n.feed(ev.BlocksChanged(step=0, block_size=16, bytes_per_block=737280, states="uuf", ref_counts=(1, 1, 0),
+                            tables=(ev.SeqBlocks("0", 0, 0, (0, 1), 32, 32),)))
+    feed_all(n, [timed(0, blocks=2, total=8), planned(1, [entry(num=8, start=32, prompt_len=52, total_len=52)]),
+                 timed(1, blocks=3, total=8)])  # no snapshot came with step 1
+    aborted = replace(finished(n_out=0, step=1), finish_reason="abort", output_text="", output_token_ids=(),
+                      num_prompt_tokens=52, kv_blocks_used=0, kv_blocks_cached=2)
+    (end,) = [c for c in n.feed(aborted) if c.kind == "finished"]
+    assert "[0, 1]" not in end.text, end.text
+    assert "The pool's blocks in use went from 3 to 0: 3 KV blocks released at once, 2 of them kept" in end.text
+
+
+def test_an_abort_before_any_step_ran_names_no_step():
+    """Trial 45e: aborted while the model loaded, the entry was headed "finished · step 0" (its event carries the
+    first step's number) though no step had run."""
+    n = fresh()
+    n.feed(added())
+    aborted = replace(finished(n_out=0, step=0), finish_reason="abort", output_text="", output_token_ids=())
+    (end,) = [c for c in n.feed(aborted) if c.kind == "finished"]
+    assert end.step is None
+    n2 = fresh()
+    n2.feed(added())
+    feed_all(n2, [planned(0, [entry(num=3)]), timed(0, blocks=1)])
+    (end,) = [c for c in n2.feed(replace(finished(n_out=1, step=0), finish_reason="abort")) if c.kind == "finished"]
+    assert end.step == 0  # after step 0 ran

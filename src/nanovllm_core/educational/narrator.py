@@ -154,6 +154,7 @@ class Narrator(SchedulerNarration):
         self._last_blocks_used: int | None = None
         self._last_pool: ev.BlocksChanged | None = None  # the newest block tables, for an abort between steps
         self._pool_counts: tuple[int, int] | None = None  # (used, cached-free) blocks now, for an abort without tables
+        self._step_ended = False  # a StepTimed came: "step N" names a step that ran (the first step is step 0 too)
         # Per sequence: tokens with K/V computed so far (from the plans), and, after a
         # preemption, how many it had computed when it lost its blocks (to tell a recompute
         # from tokens computed for the first time).
@@ -183,6 +184,12 @@ class Narrator(SchedulerNarration):
             self._last_pool = event
         if isinstance(event, ev.StepTimed) and event.num_blocks_total:
             self._pool_counts = (event.num_blocks_used, event.num_blocks_cached)
+        if isinstance(event, ev.StepTimed):
+            self._step_ended = True
+        if isinstance(event, ev.StepTimed) and self._last_pool is not None and self._last_pool.step != event.step:
+            # a step ended with no snapshot of its own (the app asks for them only while a tab shows them): the
+            # older tables are not the pool now (trial 45e: an abort named step 2's 2 blocks where it held 3)
+            self._last_pool = None
         if isinstance(event, ev.StepPlanned):
             out.extend(self.flush())
             self._lost = {q: n for q, n in self._lost.items() if self._computed.get(q, 0) < n}
@@ -984,5 +991,7 @@ class Narrator(SchedulerNarration):
             text += self._aborted_blocks(e)
         if e.error:
             text += f" Error: {e.error}"
+        # an abort before any step ran (while the model loads, or paused before the first) names no step: its event
+        # carries step 0, the first step's number, and no step 0 had run (trial 45e)
         return Commentary("finished", f"Request {e.request_id} finished: {e.finish_reason}", text,
-                          request_id=e.request_id, step=e.step)
+                          request_id=e.request_id, step=e.step if self._step_ended else None)
