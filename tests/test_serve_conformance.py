@@ -1113,6 +1113,10 @@ def test_serve_takes_vllms_cors_options():
     assert args.allowed_methods == ["GET", "POST"] and args.allow_credentials
     args = parser.parse_args(["--allowed-origins", "https://a.example:8443, http://[::1]:3000"])
     assert args.allowed_origins == ["https://a.example:8443", "http://[::1]:3000"]
+    # trial 45b: kept as a browser sends an Origin (CORS compares the texts): 'HTTP://A.B:80' never matched
+    args = parser.parse_args(["--allowed-origins", "HTTP://A.B:80,https://X.example:443,http://c.d:8080"])
+    assert args.allowed_origins == ["http://a.b", "https://x.example", "http://c.d:8080"]
+    assert parser.parse_args(["--allowed-origins", "[]"]).allowed_origins == []  # no other origin, as vLLM reads it
 
 
 # Trial 13: 'notjson[' and '{"a": 1}' were taken as literal origins and the server started; vLLM reads
@@ -1121,7 +1125,9 @@ def test_serve_takes_vllms_cors_options():
     ("notjson[", "'notjson[' is not an origin"),
     ('{"a": 1}', "expected a JSON list of strings"),
     ("http://ok/path", "'http://ok/path' is not an origin"),
-    ("[]", "expected one or more comma-separated values (or a JSON list)"),
+    ("", "expected one or more comma-separated values (or a JSON list)"),
+    ("http://a.b:99999", "'http://a.b:99999' is not an origin"),  # no such port
+    ("http://user@a.b", "'http://user@a.b' is not an origin"),  # a browser never sends user info
 ])
 def test_serve_refuses_allowed_origins_that_name_no_origin(capsys, value, message):
     from nanovllm_core.entrypoints import cli as serve_cli
@@ -1141,6 +1147,8 @@ def test_a_server_limited_to_one_origin_refuses_another(make_tiny_engine):
         headers = {"Access-Control-Request-Method": "POST"}
         assert client.options("/v1/completions", headers={**headers, "Origin": "http://ok"}).status_code == 200
         assert client.options("/v1/completions", headers={**headers, "Origin": "http://evil"}).status_code == 400
+        missing = client.get("/docs").json()["error"]["message"]  # trial 45b: /openapi.json is served: it is listed
+        assert missing.endswith("/health, /metrics and /openapi.json") and client.get("/openapi.json").status_code == 200
     app.state.server.controller.shutdown(timeout=5)
 
 

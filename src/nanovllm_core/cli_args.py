@@ -185,8 +185,11 @@ def text_list(text: str) -> list[str]:
     ``--allowed-origins '["http://localhost:3000"]'`` takes it, or the same comma-separated
     (``http://localhost:3000,http://x``).
 
+    A JSON ``[]`` is an empty list, as vLLM reads it (``--allowed-origins '[]'``: no page on another
+    origin may call the server); an empty comma-separated text is refused (a value left out by mistake).
+
     Raises:
-        argparse.ArgumentTypeError: JSON that is not a list of non-empty strings, or an empty list.
+        argparse.ArgumentTypeError: JSON that is not a list of non-empty strings, or an empty text.
     """
     if text.lstrip().startswith(("[", "{")):
         try:
@@ -195,6 +198,8 @@ def text_list(text: str) -> list[str]:
             value = None
         if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
             raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"*\"]', got {text!r}")
+        if not value:  # trial 45b: vLLM takes '[]'
+            return []
     else:
         value = text.split(",")
     value = [v.strip() for v in value]
@@ -206,19 +211,48 @@ def text_list(text: str) -> list[str]:
 ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s?#]+")  # scheme://host[:port], as a browser sends Origin
 
 
+DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+
+
 def origin_list(text: str) -> list[str]:
     """argparse ``type`` of ``--allowed-origins``: :func:`text_list` whose items are ``*`` or origins
     (``scheme://host[:port]``, no path), as a browser's ``Origin`` header names a page's origin.
 
+    Each origin is written as a browser sends it (RFC 6454 section 6.1: scheme and host in lower
+    case, no port where it is the scheme's default), since CORS compares the texts: ``HTTP://A.B:80``
+    is kept as ``http://a.b``, where it would never have matched (trial 45b).
+
     Raises:
-        argparse.ArgumentTypeError: what :func:`text_list` refuses, or an item that is no origin.
+        argparse.ArgumentTypeError: what :func:`text_list` refuses, or an item that is no origin
+            (a path, user info, a port that is not 1 to 65535).
     """
     origins = text_list(text)
-    bad = next((o for o in origins if o != "*" and not ORIGIN.fullmatch(o)), None)
-    if bad is not None:
-        raise argparse.ArgumentTypeError(f"{bad!r} is not an origin: give '*' or scheme://host[:port] such as "
-                                         "http://localhost:3000, in a JSON list or comma-separated")
-    return origins
+    out = []
+    for o in origins:
+        origin = o if o == "*" else _browser_origin(o) if ORIGIN.fullmatch(o) else None
+        if origin is None:
+            raise argparse.ArgumentTypeError(f"{o!r} is not an origin: give '*' or scheme://host[:port] such as "
+                                             "http://localhost:3000, in a JSON list or comma-separated")
+        out.append(origin)
+    return out
+
+
+def _browser_origin(text: str) -> str | None:
+    """``scheme://host[:port]`` as a browser serializes it (lower case, no default port), or None when it
+    is no origin (user info, an empty host, a port that is not a number from 1 to 65535)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text)
+    try:
+        port = parts.port
+    except ValueError:
+        return None
+    host = parts.hostname
+    if not host or "@" in parts.netloc or port == 0:
+        return None
+    scheme = parts.scheme.lower()
+    shown = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{shown}" + (f":{port}" if port is not None and port != DEFAULT_PORTS.get(scheme) else "")
 
 
 def api_key(text: str) -> str | None:

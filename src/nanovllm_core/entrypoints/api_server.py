@@ -218,7 +218,7 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
         if e.status_code == 404:
             message = (f"Not Found: no route {untrusted.clipped(request.method)} {path}; this server serves "
                        "/v1/completions, /v1/chat/completions, /v1/models, /v1/engine/events, /v1/engine/control, "
-                       "/health and /metrics")
+                       "/health, /metrics and /openapi.json")
         elif e.status_code == 405:
             allowed = (e.headers or {}).get("allow") or (e.headers or {}).get("Allow")
             message = f"Method Not Allowed: {path} does not take {untrusted.clipped(request.method)}" + (
