@@ -453,3 +453,15 @@ def test_an_abort_toast_tells_how_far_a_prompt_without_tokens_had_got():
         .startswith("after 2 tokens; its KV blocks are released")
     assert abort_progress(aborted, None).startswith("after 0 tokens")  # a row the app never saw: no claim
 
+
+
+def test_the_block_maps_legend_names_every_glyph_a_block_can_be_drawn_with():
+    """Trial 45c: a quarter-full block was drawn "▂▂" and the legend listed only "▄▄" for part-filled blocks."""
+    from nanovllm_core import events as ev
+    from nanovllm_tui.views.block_map import legend_text
+    from nanovllm_tui.widgets.block_grid import LEVELS
+
+    blocks = ev.BlocksChanged(step=0, block_size=16, bytes_per_block=1, states="uf", ref_counts=(1, 0),
+                              tables=(ev.SeqBlocks("0", 0, 0, (0,), 4, 4),))
+    legend = legend_text(blocks, {}).plain
+    assert all(glyph in legend for glyph in LEVELS), legend

@@ -60,7 +60,8 @@ def legend_text(blocks: ev.BlocksChanged, colors: dict[str, str]) -> Text:
         text.append(f" {rid}  ")
     if owners:
         text.append("\n")
-    text.append("██ full  ▄▄ part-filled  ╌╌ allocated, empty  ")
+    # every part-filled height (trial 45c: "▂▂" was drawn and only "▄▄" listed); the glyph's height is how full
+    text.append("██ full  ▁▂▃▄▅▆▇ part-filled (taller: fuller)  ╌╌ allocated, empty  ")
     text.append("◆◆", style="bold")
     text.append(" shared (ref > 1)  ")
     text.append("░░", style=CACHED_COLOR)
