@@ -109,3 +109,15 @@ async def test_enter_refused_in_the_wrong_setting_itself_selects_its_value(tiny_
         await pilot.press("Q", "Q")
         await pilot.pause(0.2)
         assert temp.value == "QQ" and app.focused.id == "temperature"
+
+
+async def test_an_enter_typed_while_the_app_starts_sends_the_prompt(tiny_llama_dir, tmp_path):
+    """Trials 42e, 46e: a prompt typed with its Enter a moment after launch, before the app had the terminal,
+    arrived without its Enter: the terminal's cooked mode turns Enter into a line feed, which reaches the app
+    as ctrl+j. In the prompt bar it sends, as Enter does."""
+    app = tiny_app(tiny_llama_dir, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.focused is not None and app.focused.id == "prompt", 30, "the prompt")
+        keys_at_once(app, "N", "a", "m", "e", "ctrl+j")
+        await wait_until(pilot, lambda: len(app.state.requests) == 1, 30, "the prompt to be sent")
+        assert app.query_one("#prompt").value == ""

@@ -236,7 +236,9 @@ class Field(Input):
     40-tab prompt's last 200 cells could be neither seen nor edited (trial 14a). One cell each way
     makes the three measures the same; the value (what is sent) keeps the real tab."""
 
-    BINDINGS = typed_keys(*TYPED_APP_KEYS)
+    # Enter typed before the app took the terminal (while it starts) reaches it as a line feed, ctrl+j: the
+    # terminal's cooked mode turned the Enter into one (trials 42e, 46e: the prompt arrived, its Enter did not)
+    BINDINGS = [*typed_keys(*TYPED_APP_KEYS), Binding("ctrl+j", "submit", "Submit", show=False)]
 
     @property
     def _value(self) -> Text:
