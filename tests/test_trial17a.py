@@ -61,6 +61,11 @@ def test_web_refuses_a_trace_every_visitor_would_write(capsys, monkeypatch, tmp_
     monkeypatch.setattr(web, "page_server", lambda *a, **k: pytest.fail("served"))
     line = _refused(capsys, lambda: web.serve_in_browser(["--web", "--port", "18417", option, str(tmp_path / "t")]))
     assert line.startswith(f"nanovllm-tui: error: {option} cannot be used with --web: every visitor's app"), line
+    # trial 46c: with --connect to a server needing a key, the key was asked for first; the options' own
+    # conflict comes before any server is reached
+    line = _refused(capsys, lambda: web.serve_in_browser(["--web", "--port", "18417", "--connect", "http://127.0.0.1:9",
+                                                          option, str(tmp_path / "t")]))
+    assert line.startswith(f"nanovllm-tui: error: {option} cannot be used with --web: every visitor's app"), line
 
 
 def test_a_trace_file_that_fails_late_is_named_by_its_option(capsys, monkeypatch, tmp_path):

@@ -124,6 +124,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                        ("--progress-file", args.progress_file), make_folders=("--progress-file",))
     if (args.host is not None or args.port is not None) and not args.web:
         parser.error("--host and --port are where --web listens; add --web (the server you attach to is --connect URL)")
+    recorded = [o for o, v in (("--trace", args.trace), ("--trace-chrome", args.trace_chrome)) if v]
+    if args.web and recorded:  # before --connect's wait for a server (trial 46c: the key was asked for first)
+        # one app process per visitor: each would start the same file afresh over the others'
+        parser.error(f"{recorded[0]} cannot be used with --web: every visitor's app would write the same "
+                     "file over the others'; record one session with nanovllm-tui (no --web) or "
+                     "nanovllm --trace")
     if args.connect is not None:  # "" too: an empty address is refused, not read as "no --connect"
         check_connect(parser, args, given_options(argv, SERVER_SIDE), argv)
     if args.replay:

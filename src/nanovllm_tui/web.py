@@ -143,12 +143,7 @@ def serve_in_browser(argv: Sequence[str] | None = None) -> int:
     from nanovllm_tui.options import build_parser, parse_args
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    recorded = [o for o, v in (("--trace", args.trace), ("--trace-chrome", args.trace_chrome)) if v]
-    if recorded:  # one app process per visitor: each would start the same file afresh over the others'
-        build_parser().error(f"{recorded[0]} cannot be used with --web: every visitor's app would write the same "
-                             "file over the others'; record one session with nanovllm-tui (no --web) or "
-                             "nanovllm --trace")
+    args = parse_args(argv)  # refuses --trace with --web too (one file for every visitor's app)
     host, port = args.host or "127.0.0.1", args.port or DEFAULT_PORT
     try:  # one line now rather than a traceback from the web server later
         socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
