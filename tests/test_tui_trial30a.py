@@ -59,5 +59,7 @@ async def test_end_and_home_in_the_tutorial_go_to_a_chapters_end_and_start(tmp_p
         await wait_until(pilot, lambda: scroll.max_scroll_y > 0, 10, "a chapter longer than the screen")
         await pilot.press("end")
         await wait_until(pilot, lambda: scroll.scroll_y == scroll.max_scroll_y, 10, "the chapter's end")
+        assert app.query_one("#choices").highlighted == 3  # and the last answer, as OptionList's End
         await pilot.press("home")
         await wait_until(pilot, lambda: scroll.scroll_y == 0, 10, "the chapter's start")
+        assert app.query_one("#choices").highlighted == 0

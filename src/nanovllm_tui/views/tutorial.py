@@ -44,7 +44,7 @@ MAX_DEMO_NOTES = 60
 
 class QuizChoices(OptionList):
     """The four answers. A-D answer at once; ↑/↓ and Enter too; PageUp/PageDown scroll the chapter, Home/End
-    to its start or end;
+    to its start or end (and the highlight to the first or last answer);
     ↓ on D (↑ on A) scrolls the quiz box on (back) when its verdict is longer than the box's view.
 
     An answered quiz keeps its answer: A-D (and Enter) then say it is answered and that ``x`` clears it
@@ -64,8 +64,8 @@ class QuizChoices(OptionList):
         Binding("right", "chapter(1)", "Next chapter"),
         Binding("pageup", "scroll_chapter(-1)", "Scroll up", show=False),
         Binding("pagedown", "scroll_chapter(1)", "Scroll down", show=False),
-        # the chapter's start and end (OptionList's first and last option are a key away with ↑/↓ among four;
-        # trial 44e pressed End to read the rest of a chapter and nothing moved)
+        # the chapter's start and end, and the first or last answer as OptionList's own Home/End (trial 44e pressed
+        # End to read the rest of a chapter and nothing moved but the highlight)
         Binding("home", "scroll_chapter(-2)", "Chapter top", show=False),
         Binding("end", "scroll_chapter(2)", "Chapter end", show=False),
     ]
@@ -152,9 +152,11 @@ class QuizChoices(OptionList):
         return False
 
     def action_scroll_chapter(self, direction: int) -> None:
-        """The chapter's text a page down (1) or up (-1), or to its end (2) or start (-2)."""
+        """The chapter's text a page down (1) or up (-1), or to its end (2) or start (-2), where the highlight
+        goes to the last or first answer too (OptionList's End and Home)."""
         scroll = self.screen.query_one("#chapter-scroll", VerticalScroll)
         if abs(direction) == 2:
+            (self.action_last if direction > 0 else self.action_first)()
             (scroll.scroll_end if direction > 0 else scroll.scroll_home)(animate=False)
             return
         (scroll.scroll_page_down if direction > 0 else scroll.scroll_page_up)(animate=False)
