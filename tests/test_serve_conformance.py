@@ -449,7 +449,9 @@ def test_unknown_paths_and_methods_get_the_openai_error_body(tiny_server, method
 
 @pytest.mark.parametrize("method, path, status", [
     ("GET", "/v1/completions", 401), ("GET", "/v1/nothing", 401), ("DELETE", "/v1/models", 401), ("GET", "/v1", 401),
-    ("GET", "/nothing", 404), ("POST", "/health", 405)])
+    ("GET", "/nothing", 404), ("POST", "/health", 405),
+    # trial 46b: OPTIONS is never asked for the key (vLLM lets it through): a bare one is the 405 a key gets too
+    ("OPTIONS", "/v1/completions", 405), ("OPTIONS", "/v1/models", 405)])
 def test_without_the_key_every_v1_path_is_a_401_before_routing(tiny_server, method, path, status):
     """Trial 41b: with --api-key, an unknown /v1 path or a wrong method answered 404/405 with every route and method
     to a client without the key; vLLM's middleware checks the key on any /v1 path first."""

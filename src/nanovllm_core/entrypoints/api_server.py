@@ -328,7 +328,9 @@ def build_app(controller: Any, model_name: str | None = None, api_key: str | Non
 
 def _api_key_check(api_key: str | None):
     async def check(request: Request) -> None:
-        if api_key is None:
+        # OPTIONS is never asked for the key, as vLLM's middleware lets it through: a preflight carries none,
+        # and a bare OPTIONS then gets the 405 any key would (trial 46b: 401 without the key, 405 with it)
+        if api_key is None or request.method == "OPTIONS":
             return
         given = request.headers.get("authorization", "")
         token = given[7:] if given[:7].lower() == "bearer " else ""
