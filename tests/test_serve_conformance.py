@@ -325,6 +325,15 @@ def test_tool_call_arguments_reach_the_template_as_the_object_their_json_holds(t
     assert "is not valid JSON" in data["error"]["message"] and "send the arguments as a JSON object" in \
         data["error"]["message"]
     assert "tool_calls[0].function.arguments is not valid JSON" in conversation_problem([message("not json")])
+    # trial 47b's kind: arguments are JSON from outside, read as every such text is (untrusted.loads): nested too
+    # deeply (Python's RecursionError, a 500), a number too long to read, or a \udc00 escape read into a text
+    # with no UTF-8 form, each a 400 naming the field
+    for arguments, said in (("[" * 5000 + "]" * 5000, "nested inside one another"), ("1" * 5000, "5000 digits"),
+                            ('{"x": "\\udc00"}', "lone surrogate")):
+        status, data = post(tiny_server, "/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "hi"}, message(arguments)], "max_tokens": 1})
+        assert status == 400 and data["error"]["param"] == "messages.1.tool_calls.0.function.arguments", data
+        assert said in data["error"]["message"], data
 
 
 def control(server, body: dict) -> httpx.Response:

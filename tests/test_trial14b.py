@@ -117,6 +117,16 @@ def test_json_from_outside_nested_too_deeply_is_a_one_line_refusal_wherever_it_i
     with pytest.raises(ModelLoadError, match="is not a valid shard index"):
         safetensors_files(tmp_path)
 
+    # a safetensors file's header (a file on disk that claims to be one; trial 47b's kind)
+    import struct
+
+    from nanovllm_core.model.checkpoint_files import safetensors_problem
+
+    header = ("{" + '"a":' * 1 + deep + "}").encode()
+    broken = tmp_path / "deep.safetensors"
+    broken.write_bytes(struct.pack("<Q", len(header)) + header)
+    assert safetensors_problem(broken) == "deep.safetensors is not a safetensors file: its header is not JSON"
+
     # a command-line list (nanovllm serve --allowed-origins)
     with pytest.raises(argparse.ArgumentTypeError, match="expected a JSON list of strings"):
         text_list(deep)

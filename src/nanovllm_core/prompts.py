@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, get_args
 
+from nanovllm_core import untrusted
 from nanovllm_core.untrusted import shown
 
 Prompt = str | list[int] | list[dict[str, str]]
@@ -132,17 +133,41 @@ def tool_arguments(arguments: Any) -> Any:
     a mapping; the LLaMA 3.1 template writes ``arguments | tojson``, which on the text would encode it twice).
 
     Raises:
-        ValueError: text that is not JSON (vLLM answers it with a 400 too), saying where it failed.
+        ValueError: text that is not JSON (vLLM answers it with a 400 too), saying where it failed, also JSON
+            nested too deeply or a number too long to read (``untrusted.loads``; trial 47b's kind: Python's
+            RecursionError was a 500); JSON whose text holds a lone surrogate (a ``\udc00`` escape), refused
+            as any text with no UTF-8 form is.
     """
     if not arguments:
         return {}
     if not isinstance(arguments, str):
         return arguments
     try:
-        return json.loads(arguments)
-    except json.JSONDecodeError as e:
+        value = untrusted.loads(arguments)
+    except ValueError as e:
         raise ValueError(f"is not valid JSON ({e}); send the arguments as a JSON object written as text, such as "
                          '"{\"city\": \"Paris\"}"') from None
+    bad = _lone_surrogate(value)
+    if bad is not None:
+        raise ValueError(f"holds a text that is not valid Unicode once read as JSON: {bad}")
+    return value
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """Why a key or text somewhere in ``value`` (parsed JSON) has no UTF-8 form (``unicode_problem``), or None."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            problem = unicode_problem(item)
+            if problem is not None:
+                return problem
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
 
 
 def template_role(role: str) -> str:

@@ -24,11 +24,12 @@ largest ``end``.
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from nanovllm_core import untrusted
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -203,7 +204,7 @@ def safetensors_problem(path: Path) -> str:
             if 8 + length > size:
                 return f"{path.name} is cut short: its {size:,} bytes end inside its header"
             f.seek(8)
-            header = json.loads(f.read(length))
+            header = untrusted.loads(f.read(length))  # nested too deeply: a ValueError too, not a RecursionError
     except OSError as e:
         return f"{path.name} could not be read ({type(e).__name__}: {e.strerror or e})"
     except ValueError:

@@ -462,7 +462,7 @@ def checkpoint_remedy(folder: Path) -> str:
     a GGUF file is deleted and converted again (a broken cache is never trusted); any other is re-downloaded."""
     if is_converted(folder):
         try:
-            source = Path(json.loads((folder / "nanovllm_converted.json").read_text())["source"]).name
+            source = Path(untrusted.loads((folder / "nanovllm_converted.json").read_text())["source"]).name
         except (OSError, ValueError, KeyError, TypeError):
             source = "a GGUF file"
         return f"delete the folder {folder} (this engine's converted copy of {source}) and run again to convert it anew"
