@@ -212,8 +212,10 @@ def test_web_passes_the_api_key_in_the_environment_not_on_the_command_line(key_a
 
     argv = ["--we", "--po", "8123", *key_args, "--connect", "http://h:1", "--ho=::1"]
     assert app_arguments(argv) == ["--connect", "http://h:1"]
-    assert app_environment("s3cret-key") == {"NANOVLLM_API_KEY": "s3cret-key"}
-    assert app_environment(None) == {"NANOVLLM_API_KEY": None}  # --api-key "" overrides a key in the environment
+    # each visitor's app is marked so (its tutorial progress lasts the visit: trial 48a)
+    assert app_environment("s3cret-key") == {"NANOVLLM_API_KEY": "s3cret-key", "NANOVLLM_WEB_VISITOR": "1"}
+    assert app_environment(None) == {"NANOVLLM_API_KEY": None,  # --api-key "" overrides a key in the environment
+                                     "NANOVLLM_WEB_VISITOR": "1"}
 
 
 def _children(pid: int) -> list[int]:

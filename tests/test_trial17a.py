@@ -53,7 +53,7 @@ def test_tui_output_paths_are_refused_before_anything_starts(capsys, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
-@pytest.mark.parametrize("option", ["--trace", "--trace-chrome"])
+@pytest.mark.parametrize("option", ["--trace", "--trace-chrome", "--progress-file"])
 def test_web_refuses_a_trace_every_visitor_would_write(capsys, monkeypatch, tmp_path, option):
     """One app process per visitor: each would open the same trace file afresh."""
     import nanovllm_tui.web as web

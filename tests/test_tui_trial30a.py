@@ -63,3 +63,31 @@ async def test_end_and_home_in_the_tutorial_go_to_a_chapters_end_and_start(tmp_p
         await pilot.press("home")
         await wait_until(pilot, lambda: scroll.scroll_y == 0, 10, "the chapter's start")
         assert app.query_one("#choices").highlighted == 0
+
+
+async def test_a_web_visitors_tutorial_progress_lasts_the_visit_and_leaves_the_shared_file_alone(tmp_path,
+                                                                                               monkeypatch):
+    """Trial 48a: a new --web visitor's Tutorial showed "Score 11 right of 13" and chapter 5 answered: every
+    visitor's app read and wrote the one default progress file."""
+    import nanovllm_core.educational.tutorial as tut
+    from nanovllm_tui.options import VISIT_ONLY, WEB_VISITOR, build_app
+    from tests.tui_helpers import TRACE
+
+    shared = tmp_path / "tutorial_progress.json"
+    earlier = tut.TutorialProgress()
+    earlier.record(tut.CHAPTERS[0], 0)
+    earlier.save(shared)
+    before = shared.read_text()
+    monkeypatch.setattr(tut, "_default_path", lambda: shared)
+    monkeypatch.setenv(WEB_VISITOR, "1")
+    app = build_app(["--replay", str(TRACE), "--paused"])
+    assert app.tutorial_path is VISIT_ONLY
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.state.ready, 30, "the recording's model")
+        await pilot.press("escape", "4")
+        await wait_until(pilot, lambda: visible_tab(app) == "tutorial", 10, "the Tutorial tab")
+        view = app.screen.query_one("TutorialView")
+        assert view.progress.answered == 0  # not the earlier learner's answer
+        await pilot.press("a")
+        await wait_until(pilot, lambda: view.progress.answered == 1, 10, "the answer")
+    assert shared.read_text() == before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -11,6 +12,12 @@ from nanovllm_core.cli import engine_kwargs, narrate_steps, sampling_params, tcp
 from nanovllm_core.cli_args import (api_key, api_key_default, check_output_paths, contiguous_problem, priorities_problem,
                                     screen_rate)
 from nanovllm_tui.bridge import DEFAULT_FPS
+
+# Set by `nanovllm-tui --web` for the app process it starts for each visitor (web.app_environment)
+WEB_VISITOR = "NANOVLLM_WEB_VISITOR"
+# ``NanoVLLMApp.tutorial_path`` of a --web visitor's app: progress kept in memory for the visit, never read or
+# written to a file (trial 48a: every visitor read and wrote the one default file, a classroom's answers mixed)
+VISIT_ONLY = "visit only"
 
 DEFAULT_KV_BLOCKS = 512  # 8,192 tokens at block size 16: room to play, and a block map that fits a screen
 # nanovllm options with no meaning here: the app's tabs do what the teaching modes print.
@@ -124,12 +131,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                        ("--progress-file", args.progress_file), make_folders=("--progress-file",))
     if (args.host is not None or args.port is not None) and not args.web:
         parser.error("--host and --port are where --web listens; add --web (the server you attach to is --connect URL)")
-    recorded = [o for o, v in (("--trace", args.trace), ("--trace-chrome", args.trace_chrome)) if v]
+    recorded = [o for o, v in (("--trace", args.trace), ("--trace-chrome", args.trace_chrome),
+                               ("--progress-file", args.progress_file)) if v]
     if args.web and recorded:  # before --connect's wait for a server (trial 46c: the key was asked for first)
         # one app process per visitor: each would start the same file afresh over the others'
         parser.error(f"{recorded[0]} cannot be used with --web: every visitor's app would write the same "
-                     "file over the others'; record one session with nanovllm-tui (no --web) or "
-                     "nanovllm --trace")
+                     "file over the others'; " + (
+                         "each visitor's tutorial progress lasts the visit; leave it out" if recorded[0] ==
+                         "--progress-file" else "record one session with nanovllm-tui (no --web) or nanovllm --trace"))
     if args.connect is not None:  # "" too: an empty address is refused, not read as "no --connect"
         check_connect(parser, args, given_options(argv, SERVER_SIDE), argv)
     if args.replay:
@@ -249,7 +258,7 @@ def build_app(argv: Sequence[str] | None = None):
     prompts = list(zip(args.prompt or [], args.priority or [0] * len(args.prompt or [])))
     common = dict(sampling=args.sampling, settings=settings, prompts=prompts, fps=args.fps, freeze_gc=True,
                   record_xray=args.trace_xray,
-                  tutorial_path=getattr(args, "progress_file", None),
+                  tutorial_path=VISIT_ONLY if os.environ.get(WEB_VISITOR) else getattr(args, "progress_file", None),
                   narrate_steps=narrate_steps(getattr(args, "narrate_steps", None)))
     if args.replay:
         from nanovllm_tui.replay import ReplayController

@@ -63,8 +63,12 @@ def app_arguments(argv: Sequence[str], parser: argparse.ArgumentParser | None = 
 
 def app_environment(api_key: str | None) -> dict[str, str | None]:
     """What to set in the environment the app processes inherit: ``NANOVLLM_API_KEY`` is the key,
-    or removed (None) when there is none, so ``--api-key ""`` also overrides a key in the environment."""
-    return {"NANOVLLM_API_KEY": api_key or None}
+    or removed (None) when there is none, so ``--api-key ""`` also overrides a key in the environment;
+    ``NANOVLLM_WEB_VISITOR`` marks each as a visitor's app (its tutorial progress lasts the visit)."""
+    from nanovllm_tui.options import WEB_VISITOR
+
+    # each visitor's app keeps its tutorial progress for the visit only (options.VISIT_ONLY)
+    return {"NANOVLLM_API_KEY": api_key or None, WEB_VISITOR: "1"}
 
 
 # Added to textual-serve's page: its terminal takes the keyboard once the app has drawn, as a terminal

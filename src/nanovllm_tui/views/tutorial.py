@@ -38,6 +38,7 @@ from nanovllm_tui.state import EngineState
 from nanovllm_tui.views.base import EngineView
 from nanovllm_tui.widgets.commentary import commentary_text
 from nanovllm_tui.widgets.live import LiveStatic
+from nanovllm_tui.options import VISIT_ONLY
 
 MAX_DEMO_NOTES = 60
 
@@ -188,7 +189,9 @@ class TutorialView(EngineView):
         """Saved progress, read when the tab is first shown (finding the default file imports the
         model loader, and with it torch: not something to wait for before the window appears)."""
         if self._progress is None:
-            self._progress = tut.TutorialProgress.load(self.progress_path)
+            # a --web visitor's app keeps its progress for the visit only (one file would be every visitor's)
+            self._progress = (tut.TutorialProgress() if self.app.tutorial_path is VISIT_ONLY else
+                              tut.TutorialProgress.load(self.progress_path))
             if self._progress.notice:
                 self.app.notify(self._progress.notice, severity="warning", timeout=15, markup=False)
         return self._progress
@@ -410,6 +413,8 @@ class TutorialView(EngineView):
         self.query_one("#quiz").scroll_to_widget(self.query_one("#feedback"), animate=False, top=True)
 
     def _save(self) -> None:
+        if self.app.tutorial_path is VISIT_ONLY:
+            return
         try:
             self.progress.save(self.progress_path)
         except OSError as e:
