@@ -147,26 +147,30 @@ def tool_arguments(arguments: Any) -> Any:
     except ValueError as e:
         raise ValueError(f"is not valid JSON ({e}); send the arguments as a JSON object written as text, such as "
                          '"{\"city\": \"Paris\"}"') from None
-    bad = _lone_surrogate(value)
+    bad = surrogate_text(value)
     if bad is not None:
-        raise ValueError(f"holds a text that is not valid Unicode once read as JSON: {bad}")
+        raise ValueError(f"holds a text that is not valid Unicode once read as JSON: {bad[2]}")
     return value
 
 
-def _lone_surrogate(value: Any) -> str | None:
-    """Why a key or text somewhere in ``value`` (parsed JSON) has no UTF-8 form (``unicode_problem``), or None."""
-    stack = [value]
+def surrogate_text(value: Any, path: tuple = (), keys_only: bool = False) -> tuple[list, str, str] | None:
+    """The first key or text in ``value`` (JSON: dicts, lists, texts), in document order, that holds a lone
+    surrogate: ``(path to it, "key" or "value", unicode_problem's line)``; None when there is none.
+    ``keys_only``: object keys only (pydantic names a bad text itself, never a bad key). Walked with a stack,
+    not recursion: JSON as deep as ``untrusted.loads`` reads is walked whole."""
+    stack: list[tuple[bool, Any, tuple]] = [(False, value, tuple(path))]  # (is a key, item, its path)
     while stack:
-        item = stack.pop()
-        if isinstance(item, str):
+        is_key, item, at = stack.pop()
+        if isinstance(item, str) and (is_key or not keys_only):
             problem = unicode_problem(item)
             if problem is not None:
-                return problem
+                return [*at], "key" if is_key else "value", problem
         elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
+            for key, child in reversed(list(item.items())):  # popped in order: each key, then what it holds
+                stack.append((False, child, (*at, key)))
+                stack.append((True, key, (*at, key)))
         elif isinstance(item, list):
-            stack.extend(item)
+            stack.extend((False, child, (*at, i)) for i, child in reversed(list(enumerate(item))))
     return None
 
 

@@ -18,7 +18,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, St
                       ValidationError, WrapValidator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from nanovllm_core.prompts import (ChatRole, chat_template_problem, content_problem, content_text,
+from nanovllm_core.prompts import (ChatRole, chat_template_problem, content_problem, content_text, surrogate_text,
                                    template_role, tool_arguments, unicode_problem)
 from nanovllm_core.sampling_params import LOGIT_BIAS_LIMIT, VLLM_SAMPLING_UNSUPPORTED, SamplingParams, check_priority
 from nanovllm_core.untrusted import clipped, escaped, shown
@@ -282,29 +282,6 @@ ECHO_REFUSED = ("echo=true is not supported by this server (a response holds the
 
 
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
-
-
-def surrogate_text(value: Any, path: tuple = (), keys_only: bool = False) -> tuple[list, str, str] | None:
-    """The first key or text in ``value`` (JSON: dicts, lists, texts) that holds a lone surrogate:
-    ``(path to it, "key" or "value", unicode_problem's line)``; None when there is none.
-    ``keys_only``: object keys only (pydantic names a bad text itself, never a bad key)."""
-    if isinstance(value, str) and not keys_only:
-        problem = unicode_problem(value)
-        return None if problem is None else ([*path], "value", problem)
-    if isinstance(value, dict):
-        for key, item in value.items():
-            problem = unicode_problem(key) if isinstance(key, str) else None
-            if problem is not None:
-                return [*path, key], "key", problem
-            found = surrogate_text(item, (*path, key), keys_only)
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            found = surrogate_text(item, (*path, i), keys_only)
-            if found is not None:
-                return found
-    return None
 
 
 def _field_error(message: str) -> PydanticCustomError:
